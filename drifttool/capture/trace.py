@@ -1,0 +1,84 @@
+"""Operator trace (``qwenimage_operator_trace``): one entry per call site.
+
+A call site is (op, block, stream, call occurrence) — the same site across steps and branches is
+one entry with a call count. Each entry keeps the requested and actual backend, kernel identity,
+arithmetic contract id, and fallback state with its reason.
+
+    site                               requested  actual      kernel                fallback
+    block=3 stream=img op=qkv_bias_gemm strict     strict      cpu.tiled_bmm16.k128  False
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from drifttool.errors import UnsupportedConfigError
+
+
+@dataclass(kw_only=True)
+class TraceEntry:
+    op: str
+    block: int
+    stream: str
+    call: int
+    contract: str
+    requested: str
+    actual: str
+    kernel: str
+    fallback: bool
+    reason: str
+    declared: bool
+    calls: int = 1
+
+
+class OperatorTrace:
+    """Accumulates trace entries keyed by call site."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, TraceEntry] = {}
+
+    def record(
+        self,
+        *,
+        site: dict[str, Any],
+        contract: str,
+        requested: str,
+        actual: str,
+        kernel: str,
+        fallback: bool,
+        reason: str,
+        declared: bool,
+    ) -> None:
+        key = (site.get("op"), site.get("block", -1), site.get("stream", "none"), site.get("call", 0))
+        entry = self._entries.get(key)
+        if entry is None:
+            self._entries[key] = TraceEntry(
+                op=key[0], block=key[1], stream=key[2], call=key[3], contract=contract,
+                requested=requested, actual=actual, kernel=kernel, fallback=fallback,
+                reason=reason, declared=declared,
+            )
+            return
+        entry.calls += 1
+        if (entry.actual, entry.kernel, entry.fallback) != (actual, kernel, fallback):
+            # A site that changes backend between calls is itself a finding: keep the worst.
+            entry.actual, entry.kernel = actual, kernel
+            entry.fallback = entry.fallback or fallback
+            entry.reason = entry.reason or reason
+
+    def entries(self) -> list[TraceEntry]:
+        return list(self._entries.values())
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [asdict(e) for e in self._entries.values()]
+
+    def check_strict(self) -> None:
+        """Raise if the trace holds an undeclared fallback (RFC: "Strict traces contain no
+        undeclared fallback")."""
+        bad = [e for e in self._entries.values() if e.fallback and not e.declared]
+        if bad:
+            e = bad[0]
+            raise UnsupportedConfigError(
+                f"strict trace holds {len(bad)} undeclared fallback(s); first: op={e.op} "
+                f"block={e.block} stream={e.stream}: {e.reason}"
+            )

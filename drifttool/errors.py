@@ -1,0 +1,29 @@
+"""Exception classes.
+
+``DriftToolError`` is a *user* error (bad input, unsupported configuration, unreadable artifact):
+the CLI prints its message and exits 2 without a traceback. Anything else is a bug and keeps its
+traceback (the split Polygraphy draws between its user-error class and internal errors).
+"""
+
+
+class DriftToolError(Exception):
+    """A user-facing error: bad input, unreadable artifact, unsupported configuration."""
+
+
+class UnsupportedConfigError(DriftToolError):
+    """A strict configuration that drifttool cannot honour (TF32 on, wrong dtype, shape, backend).
+
+    Raised instead of falling back silently (RFC "Unsupported strict configurations fail closed").
+    """
+
+
+class CheckpointError(DriftToolError):
+    """A checkpoint whose keys or shapes do not match the model (lists every offending key)."""
+
+
+class ArtifactError(DriftToolError):
+    """A trajectory artifact that is missing, truncated, corrupt or of an unknown schema version."""
+
+
+class FixtureError(DriftToolError):
+    """A sealed fixture that is missing, tampered with, or whose replay does not reproduce."""

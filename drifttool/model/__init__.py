@@ -1,0 +1,1 @@
+"""drifttool.model"""

@@ -1,0 +1,143 @@
+"""Runtime modes and the per-run context every named operator call receives.
+
+The RFC's ``qwenimage_runtime_modes``:
+
+========  =====================  =========================================  =========
+mode      operator backend       fallback                                   capture
+========  =====================  =========================================  =========
+strict    strict                 any fallback raises UnsupportedConfigError yes
+audit     strict                 fallback to production, recorded in trace  yes
+auto      production             (production is what was asked)             yes
+off       production             -                                          no
+========  =====================  =========================================  =========
+
+A ``Runtime`` is passed explicitly (never read from module globals or the environment); the CLI
+resolves ``--mode`` / ``DRIFTTOOL_MODE`` once and records the result in the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from drifttool.errors import UnsupportedConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.capture.recorder import Recorder
+    from drifttool.capture.trace import OperatorTrace
+
+
+class Mode(str, enum.Enum):
+    STRICT = "strict"
+    AUDIT = "audit"
+    AUTO = "auto"
+    OFF = "off"
+
+    @property
+    def backend(self) -> str:
+        """The operator backend this mode requests: ``strict`` or ``production``."""
+        return "strict" if self in (Mode.STRICT, Mode.AUDIT) else "production"
+
+    @property
+    def captures(self) -> bool:
+        return self is not Mode.OFF
+
+
+def check_strict_environment() -> None:
+    """Fail closed on process-wide settings that break strict arithmetic.
+
+    Raises:
+        UnsupportedConfigError: TF32 is enabled for matmul or cuDNN, or the float32 matmul
+            precision is not ``"highest"`` (RFC numerical requirements: "No TF32").
+    """
+    bad = []
+    if torch.backends.cuda.matmul.allow_tf32:
+        bad.append("torch.backends.cuda.matmul.allow_tf32=True")
+    if torch.backends.cudnn.allow_tf32 and torch.cuda.is_available():
+        bad.append("torch.backends.cudnn.allow_tf32=True")
+    if torch.get_float32_matmul_precision() != "highest":
+        bad.append(f"torch.get_float32_matmul_precision()={torch.get_float32_matmul_precision()!r}")
+    if bad:
+        raise UnsupportedConfigError("strict mode does not support TF32: " + ", ".join(bad))
+
+
+@dataclass(kw_only=True)
+class Runtime:
+    """Everything an operator call needs besides its tensors.
+
+    Attributes:
+        mode: the runtime mode (decides backend, fallback policy and capture).
+        recorder: capture sink (``None`` = no capture), see ``drifttool.capture.recorder``.
+            The identity scope (phase, step, sigma, branch, block, samples) lives here, in
+            ``scope``/``site``; the recorder only digests and writes.
+        trace: the operator trace (``qwenimage_operator_trace``); one entry per call site.
+        unavailable: backends planted as unavailable, ``{(op_name, backend)}``; used by tests and
+            probes to exercise the fail-closed and audit-fallback paths.
+    """
+
+    mode: Mode = Mode.STRICT
+    recorder: "Recorder | None" = None
+    trace: "OperatorTrace | None" = None
+    unavailable: set[tuple[str, str]] = field(default_factory=set)
+    _scope: dict[str, Any] = field(default_factory=dict, repr=False)
+    _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)
+        if self.trace is None:
+            from drifttool.capture.trace import OperatorTrace
+
+            self.trace = OperatorTrace()
+        if self.mode.backend == "strict":
+            check_strict_environment()
+        self._scope = {**DEFAULT_SCOPE, **self._scope}
+
+    @contextlib.contextmanager
+    def scope(self, **fields: Any) -> Iterator[None]:
+        """Set identity fields for the calls inside the block, restoring them afterwards.
+
+        Fields (design.md, "Identity of a captured tensor"): ``phase`` (rollout | train),
+        ``step`` (int), ``sigma`` (float), ``branch`` (cond | uncond | cfg | none), ``block``
+        (-1 before the blocks, 0..depth-1, depth after), ``samples`` (logical sample id of each
+        batch row), ``txt_lens`` (valid prompt length of each batch row, or None), ``img_grid``
+        ((h, w) patch grid), ``rank`` (int).
+        """
+        unknown = set(fields) - set(DEFAULT_SCOPE)
+        if unknown:
+            raise ValueError(f"unknown scope fields {sorted(unknown)}")
+        saved = self._scope
+        self._scope = {**saved, **fields}
+        try:
+            yield
+        finally:
+            self._scope = saved
+
+    def site(self, op: str, stream: str) -> dict[str, Any]:
+        """Identity of the next call of ``op`` on ``stream`` in the current scope.
+
+        Returns the scope fields plus ``op``, ``stream`` and ``call`` (0-based occurrence of
+        this (op, stream) within the same phase, step, branch and block).
+        """
+        s = self._scope
+        key = (s["phase"], s["step"], s["branch"], s["block"], op, stream)
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        return {**s, "op": op, "stream": stream, "call": n}
+
+
+DEFAULT_SCOPE: dict[str, Any] = {
+    "phase": "rollout",
+    "step": -1,
+    "sigma": math.nan,
+    "branch": "none",
+    "block": -1,
+    "samples": None,
+    "txt_lens": None,
+    "img_grid": None,
+    "rank": 0,
+}

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+# CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on it).
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw-byte view for invariance checks: ±0 and NaN payloads compare unequal."""
+    t = t.contiguous()
+    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    ba, bb = bits(a), bits(b)
+    if not torch.equal(ba, bb):
+        idx = (ba != bb).nonzero()[0].tolist()
+        pytest.fail(f"{what}: bytes differ first at {idx} ({(ba != bb).sum().item()} elements)")
