@@ -1,0 +1,39 @@
+"""``drifttool fixture verify|seal``: sealed fixtures anyone can re-verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from drifttool.diff.render import render
+from drifttool.diff.report import exit_code
+
+console = Console()
+app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
+
+
+@app.command("verify")
+def verify(
+    fixture: Optional[str] = typer.Argument(None, help="Fixture name, directory or .tar(.gz) (default tiny-t2i)."),
+    workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
+) -> None:
+    """Check the seal, re-run the fixture and diff against its expected digests."""
+    from drifttool.cli.app import user_errors
+    from drifttool.verify import verify_fixture
+
+    result = user_errors(verify_fixture)(fixture, workdir)
+    console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); replay in {result.run_dir}")
+    render(result.report, console)
+    raise typer.Exit(exit_code(result.report.verdict))
+
+
+@app.command("seal")
+def seal_cmd(path: Path = typer.Argument(..., help="Fixture directory to (re)seal.")) -> None:
+    """Write seal.json (xxh3_128 of every file) for a fixture directory."""
+    from drifttool.cli.app import user_errors
+    from drifttool.fixture import seal
+
+    console.print(f"sealed {path}: {user_errors(seal)(path)}")

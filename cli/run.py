@@ -1,0 +1,62 @@
+"""``drifttool run``: one trajectory to an artifact directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from drifttool.runner import RunSpec, execute, resolve
+
+console = Console()
+
+
+def _samples(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def run(
+    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
+    checkpoint: Optional[Path] = typer.Option(None, help="diffusers-format transformer folder."),
+    fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),
+    steps: Optional[int] = typer.Option(None, min=2, help="Denoising steps N."),
+    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
+    eta: Optional[float] = typer.Option(None, min=0.0, help="SDE noise level inside the window."),
+    batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
+    samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (e.g. 2 or 0,1,2)."),
+    mode: str = typer.Option("strict", envvar="DRIFTTOOL_MODE", help="strict | audit | auto | off."),
+    capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the fixture's)."),
+    seed: Optional[int] = typer.Option(None, help="Noise seed."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: the fixture's)."),
+    cfg_layout: Optional[str] = typer.Option(None, help="batched | sequential CFG execution."),
+    overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
+) -> None:
+    """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
+
+    With no model arguments it runs the embedded default fixture (tiny-t2i).
+    """
+    spec = RunSpec(
+        fixture=fixture, checkpoint=checkpoint, steps=steps, cfg_scale=cfg_scale, eta=eta,
+        batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
+        dtype=dtype, cfg_layout=cfg_layout,
+    )
+    _, settings = resolve(spec)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(f"{settings['mode']} rollout", total=settings["steps"])
+        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: progress.advance(task))
+    table = Table(title=f"drifttool run → {out}", show_header=False)
+    for key in ("mode", "capture", "steps", "samples", "complete"):
+        table.add_row(key, str(summary[key]))
+    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
+        table.add_row(key, str(settings.get(key)))
+    console.print(table)

@@ -1,0 +1,170 @@
+"""Canonical layout: one contiguous tensor per logical sample, padding and batch position removed.
+
+    >>> site = {"stream": "joint", "samples": [4, 7], "txt_lens": [3, 5], "img_grid": (2, 3)}
+    >>> out = torch.randn(2, 5 + 6, 8)              # [B, L_pad + h*w, C], L_pad = 5
+    >>> parts = canonicalize(site, out, "BS.")
+    >>> [(p.sample, tuple(p.tensor.shape)) for p in parts]
+    [(4, (9, 8)), (7, (11, 8))]                     # 3 + 6 and 5 + 6 valid rows
+    >>> parts[0].rows.row_id(4)
+    ('img', 0, 1)
+
+Layout tags (docs/architecture.md, "Layout tags"), one character per tensor axis:
+
+=====  =============================================================================================
+``B``  batch row b -> logical sample ``site["samples"][b]`` (``None``: sample b); one part per row
+``S``  sequence rows of the call's stream. img: all ``h*w`` rows; txt: rows ``[0, txt_lens[b])``;
+       joint: ``[0, txt_lens[b])`` and ``[L_pad, L_pad + h*w)`` with ``L_pad = size - h*w``;
+       stream ``none``: all rows
+``K``  key axis over the joint sequence: the joint ``S`` selection, whatever the stream
+``.``  any other axis, kept whole
+=====  =============================================================================================
+
+A layout without ``B`` gives one part with ``sample = -1`` and no text selection (``txt_lens`` is
+per batch row). ``txt_lens=None`` means every text row is valid. Row digests (capture level L2) are
+taken along the first ``S`` axis; ``RowMap`` maps a row back to ("txt", position) or
+("img", i, j) with ``(i, j) = divmod(n, w)`` (design.md, "Digests": row-resolvable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+TAGS = frozenset("BSK.")
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """How the rows of a canonical tensor's row axis map back to tokens.
+
+    Attributes:
+        txt_len: the first ``txt_len`` rows are text positions 0..txt_len-1.
+        img_grid: ``(h, w)`` patch grid of the rows after the text rows, or ``None`` when they
+            are plain rows without a grid (stream ``none``, or an image stream without a grid).
+    """
+
+    txt_len: int
+    img_grid: tuple[int, int] | None
+
+    def row_id(self, r: int) -> tuple:
+        """Row ``r`` as ``("txt", pos)``, ``("img", i, j)`` or ``("row", r)``."""
+        return row_id(r, self.txt_len, None if self.img_grid is None else self.img_grid[1])
+
+
+def row_id(r: int, txt_len: int, img_w: int | None) -> tuple:
+    """Map canonical row ``r`` to ``("txt", pos)``, ``("img", i, j)`` or ``("row", r)``.
+
+    The same rule the diff applies to the ``txt_len``/``img_w`` columns of an op record.
+    """
+    if r < txt_len:
+        return ("txt", r)
+    if img_w is None:
+        return ("row", r)
+    i, j = divmod(r - txt_len, img_w)
+    return ("img", i, j)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One logical sample's canonical view of an operator output.
+
+    Attributes:
+        sample: logical sample id (``-1`` when the layout has no ``B`` axis).
+        tensor: contiguous, same dtype and device as the output, batch axis removed, padding rows
+            dropped. Shares storage with the output when no copy was needed.
+        row_axis: axis of ``tensor`` that row digests run along (the first ``S``), or ``None``.
+        rows: how that axis maps back to tokens (``None`` when ``row_axis`` is ``None``).
+    """
+
+    sample: int
+    tensor: torch.Tensor
+    row_axis: int | None
+    rows: RowMap | None
+
+
+def _segments(
+    tag: str, stream: str, size: int, txt_len: int | None, grid: tuple[int, int] | None
+) -> tuple[list[tuple[int, int]], RowMap]:
+    """Row ranges ``[(start, stop)]`` kept along one S/K axis of ``size`` rows, and their map."""
+    if tag == "K" or stream == "joint":
+        if grid is None:
+            raise ValueError(f"layout tag {tag!r} on stream {stream!r} needs site['img_grid']")
+        hw = grid[0] * grid[1]
+        pad = size - hw
+        n = pad if txt_len is None else txt_len
+        if pad < 0 or not 0 <= n <= pad:
+            raise ValueError(
+                f"joint axis of {size} rows cannot hold {n} text rows and {hw} image rows "
+                f"(img_grid={grid})"
+            )
+        return [(0, n), (pad, size)], RowMap(n, grid)
+    if stream == "img":
+        if grid is not None and grid[0] * grid[1] != size:
+            raise ValueError(f"img axis has {size} rows, img_grid {grid} needs {grid[0] * grid[1]}")
+        return [(0, size)], RowMap(0, grid)
+    if stream == "txt":
+        n = size if txt_len is None else txt_len
+        if not 0 <= n <= size:
+            raise ValueError(f"txt axis has {size} rows, txt_len is {n}")
+        return [(0, n)], RowMap(n, None)
+    return [(0, size)], RowMap(0, None)
+
+
+def _take(t: torch.Tensor, axis: int, segs: list[tuple[int, int]]) -> torch.Tensor:
+    segs = [(a, b) for a, b in segs if b > a] or [(0, 0)]
+    if len(segs) == 1:
+        a, b = segs[0]
+        return t if (a, b) == (0, t.shape[axis]) else t.narrow(axis, a, b - a)
+    return torch.cat([t.narrow(axis, a, b - a) for a, b in segs], dim=axis)
+
+
+def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> list[Part]:
+    """Split an operator output into per-sample canonical parts.
+
+    Args:
+        site: identity of the call (``Runtime.site``); reads ``stream``, ``samples``,
+            ``txt_lens`` and ``img_grid``.
+        tensor: the output, any dtype and device, ``len(layout)`` axes.
+        layout: one tag per axis, from ``BSK.``, at most one ``B``.
+
+    Returns:
+        One ``Part`` per batch row (in batch order), or one part with ``sample=-1`` without ``B``.
+
+    Raises:
+        ValueError: the layout does not match the tensor, or the site's samples, text lengths or
+            grid do not fit the tensor's axes (a caller bug, not a user error).
+    """
+    if len(layout) != tensor.dim() or not set(layout) <= TAGS or layout.count("B") > 1:
+        raise ValueError(f"layout {layout!r} does not fit a {tensor.dim()}-axis tensor (tags BSK.)")
+    stream = site.get("stream", "none")
+    grid = site.get("img_grid")
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    samples: Sequence[int] | None = site.get("samples")
+    txt_lens: Sequence[int] | None = site.get("txt_lens")
+    tags = layout
+    if "B" in layout:
+        bax = layout.index("B")
+        nb = tensor.shape[bax]
+        for name, seq in (("samples", samples), ("txt_lens", txt_lens)):
+            if seq is not None and len(seq) != nb:
+                raise ValueError(f"site[{name!r}] has {len(seq)} entries for batch size {nb}")
+        rows = [(tensor.select(bax, b), b) for b in range(nb)]
+        tags = layout[:bax] + layout[bax + 1 :]
+    else:
+        rows = [(tensor, None)]
+    row_axis = tags.find("S")
+    parts = []
+    for t, b in rows:
+        txt_len = None if b is None or txt_lens is None else int(txt_lens[b])
+        rowmap = None
+        for axis, tag in enumerate(tags):
+            if tag in "SK":
+                segs, m = _segments(tag, stream, t.shape[axis], txt_len, grid)
+                t = _take(t, axis, segs)
+                if axis == row_axis:
+                    rowmap = m
+        sample = -1 if b is None else (int(samples[b]) if samples is not None else b)
+        parts.append(Part(sample, t.contiguous(), row_axis if row_axis >= 0 else None, rowmap))
+    return parts

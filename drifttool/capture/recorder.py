@@ -1,0 +1,211 @@
+"""Capture recorder: digests of operator outputs and step quantities, buffered per step.
+
+    rec = Recorder(level="L2", writer=ArtifactWriter("runs/a", manifest=...), rank=0)
+    rt = Runtime(mode="strict", recorder=rec)
+    ... model and sampler run; ops.registry.call -> rec.capture(site, out, "BS.", index=0)
+    ... sampler: rec.record_step(phase="rollout", step=i, ..., quantities={"x_t": x[b], ...})
+    rec.close(complete=True)
+
+    seq rank phase   step block stream op            call sample digest (abbrev.)  rows
+    0   0    rollout 0    -1    img    img_in_gemm   0    0      0x3f1c…            4096
+    1   0    rollout 0    -1    img    img_in_gemm   0    1      0x8a02…            4096
+
+Levels (design.md, "Digests"): ``L0`` keeps step records only (operator outputs are ignored),
+``L1`` adds one digest record per operator output and logical sample, ``L2`` adds row digests.
+Step records are kept at every level, with their raw bytes (they are small: ``[N, C]`` or 0-dim).
+Operator outputs are never kept, only their digests and summaries.
+
+Records are buffered and written as one record batch per step: on ``flush()`` and whenever a
+record of a different (phase, step) arrives. ``seq`` numbers every record (op and step) in
+execution order on this rank; the diff orders first drifts by it. Without a writer, flushed
+batches stay in memory (``ops_table()``, ``steps_table()``), for tests and in-process checks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from drifttool.artifact import schema as S
+from drifttool.artifact.writer import ArtifactWriter
+from drifttool.capture.digest import digest_tensor, raw_bytes
+from drifttool.capture.layout import canonicalize
+from drifttool.errors import UnsupportedConfigError
+
+_OPS_SCALARS = ("seq", "rank", "phase", "step", "sigma", "branch", "block", "stream", "op", "call",
+                "index", "role", "sample", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs",
+                "txt_len", "img_h", "img_w")
+_STEPS_COLS = ("seq", "rank", "phase", "step", "sigma", "sigma_next", "sample", "branch",
+               "quantity", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs", "data")
+
+
+def _float(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _row_branch(branches: Any, row: int | None) -> str:
+    """The CFG branch of batch row ``row``: scopes of batched CFG hold one entry per row; a
+    record without a batch axis gets the shared branch, or ``"+"``-joined distinct ones."""
+    if isinstance(branches, str):
+        return branches
+    if row is not None:
+        return str(branches[row])
+    return "+".join(dict.fromkeys(str(b) for b in branches))
+
+
+class Recorder:
+    """Capture sink handed to ``Runtime(recorder=...)``.
+
+    Args:
+        level: ``"L0"``, ``"L1"`` or ``"L2"`` (see module docstring).
+        writer: where flushed batches go; ``None`` keeps them in memory. The level is written to
+            the manifest as ``capture_level``.
+        rank: this process's rank; names ``ops.rank<rank>.arrow`` and fills the ``rank`` column
+            of op records (``site["rank"]`` is not consulted).
+
+    Raises:
+        UnsupportedConfigError: unknown level.
+    """
+
+    def __init__(self, level: str = "L1", writer: ArtifactWriter | None = None, rank: int = 0):
+        if level not in S.LEVELS:
+            raise UnsupportedConfigError(f"unknown capture level {level!r} (one of {S.LEVELS})")
+        self.level = level
+        self.writer = writer
+        self.rank = int(rank)
+        self.closed = False
+        self._seq = 0
+        self._current: tuple[str, int] | None = None
+        self._ops: list[tuple] = []
+        self._rows: list[np.ndarray | None] = []
+        self._steps: list[tuple] = []
+        self._kept_ops: list[pa.RecordBatch] = []
+        self._kept_steps: list[pa.RecordBatch] = []
+        if writer is not None:
+            writer.update_manifest(capture_level=level)
+
+    # -- capture -------------------------------------------------------------------------------
+    def _enter_step(self, phase: str, step: int) -> None:
+        if self.closed:
+            raise RuntimeError("recorder is closed")
+        if self._current != (phase, step):
+            self.flush()
+            self._current = (phase, step)
+
+    def capture(self, site: dict[str, Any], tensor: torch.Tensor, layout: str,
+                index: int = 0) -> None:
+        """Digest one operator output: one record per logical sample (L1), plus row digests (L2).
+
+        Args:
+            site: ``Runtime.site(op, stream)``: phase, step, sigma, branch, block, samples,
+                txt_lens, img_grid, op, stream, call.
+            tensor: the output, any dtype/device (GPU tensors are copied to the host).
+            layout: axis tags, see ``drifttool.capture.layout``.
+            index: output index of a tuple-returning operator.
+
+        Raises:
+            ValueError: layout and tensor (or site) disagree.
+        """
+        if self.level == "L0":
+            return
+        self._enter_step(site["phase"], int(site["step"]))
+        rows = self.level == "L2"
+        branches = site["branch"]
+        for b, part in enumerate(canonicalize(site, tensor, layout)):
+            # batched CFG: the scope holds one branch per batch row (docs/architecture.md)
+            branch = _row_branch(branches, b if part.sample >= 0 else None)
+            d = digest_tensor(part.tensor, row_axis=part.row_axis if rows else None)
+            rm = part.rows if rows and part.row_axis is not None else None
+            grid = rm.img_grid if rm is not None else None
+            self._ops.append((
+                self._seq, self.rank, site["phase"], int(site["step"]), _float(site["sigma"]),
+                branch, int(site["block"]), site["stream"], site["op"], int(site["call"]),
+                int(index), "output", part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
+                d.maxabs, None if rm is None else rm.txt_len,
+                None if grid is None else grid[0], None if grid is None else grid[1],
+            ))
+            self._rows.append(d.rows if rm is not None else None)
+            self._seq += 1
+
+    def record_step(self, *, phase: str, step: int, sigma: float, sigma_next: float, sample: int,
+                    branch: str, rank: int = 0, quantities: dict[str, torch.Tensor]) -> None:
+        """Keep one sample's step quantities (every level): digest, summary and raw bytes.
+
+        Args:
+            quantities: canonical tensors (``[N, C]`` or 0-dim), e.g. ``x_t``, ``v_t``,
+                ``x_next``, ``mu``, ``std_t``, ``logp_t`` (docs/architecture.md, "Step records").
+
+        Raises:
+            TypeError: a quantity is not a tensor.
+        """
+        self._enter_step(phase, int(step))
+        for name, t in quantities.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"step quantity {name!r} is {type(t).__name__}, not a Tensor")
+            t = t.detach().cpu().contiguous()
+            d = digest_tensor(t)
+            self._steps.append((
+                self._seq, int(rank), phase, int(step), _float(sigma), _float(sigma_next),
+                int(sample), branch, name, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
+                d.maxabs, raw_bytes(t).tobytes(),
+            ))
+            self._seq += 1
+
+    # -- output --------------------------------------------------------------------------------
+    def _ops_batch(self) -> pa.RecordBatch:
+        cols = dict(zip(_OPS_SCALARS, map(list, zip(*self._ops))))
+        lens = np.array([0 if r is None else len(r) for r in self._rows], dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
+        values = [r for r in self._rows if r is not None]
+        flat = np.concatenate(values) if values else np.empty(0, np.uint64)
+        mask = pa.array([r is None for r in self._rows])
+        cols["row_digests"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),
+                                                       mask=mask)
+        return pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
+                                          schema=S.OPS_SCHEMA)
+
+    def flush(self) -> None:
+        """Write the buffered records as one batch per file (nothing if the buffer is empty)."""
+        if self._ops:
+            batch = self._ops_batch()
+            if self.writer is not None:
+                self.writer.write_ops(batch, rank=self.rank)
+            else:
+                self._kept_ops.append(batch)
+            self._ops.clear()
+            self._rows.clear()
+        if self._steps:
+            batch = pa.RecordBatch.from_pydict(dict(zip(_STEPS_COLS, map(list, zip(*self._steps)))),
+                                               schema=S.STEPS_SCHEMA)
+            if self.writer is not None:
+                self.writer.write_steps(batch)
+            else:
+                self._kept_steps.append(batch)
+            self._steps.clear()
+
+    def close(self, complete: bool) -> None:
+        """Flush, then close the writer with ``complete`` (a second call does nothing)."""
+        if self.closed:
+            return
+        self.flush()
+        self.closed = True
+        if self.writer is not None:
+            self.writer.close(complete=complete)
+
+    def ops_table(self) -> pa.Table:
+        """Flushed op records kept in memory (writer ``None``)."""
+        return pa.Table.from_batches(self._kept_ops, schema=S.OPS_SCHEMA)
+
+    def steps_table(self) -> pa.Table:
+        """Flushed step records kept in memory (writer ``None``)."""
+        return pa.Table.from_batches(self._kept_steps, schema=S.STEPS_SCHEMA)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(complete=exc_type is None)

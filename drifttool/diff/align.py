@@ -1,0 +1,109 @@
+"""Align two record tables by identity, vectorised: matched index pairs and the unmatched rest.
+
+    >>> al = align(ops_a, ops_b, OPS_KEY)
+    >>> al.ia, al.ib          # int64 row indices of matched records (same identity)
+    >>> al.only_a, al.only_b  # records present in one run only
+
+Fast path: when both tables hold the same identity columns row for row (the usual case, two
+runs of one program), rows pair by position without encoding anything. Otherwise every identity
+column is integer-encoded over both tables (strings through one shared dictionary), the codes
+are folded into one int64 key (re-densified with ``np.unique`` before it could overflow), and
+the sorted keys are matched with ``searchsorted``. An identity that occurs k times in a run (it
+should not) pairs its i-th occurrence with the other run's i-th, in table order; the count is
+reported. Source: design.md, "Diff" (align by identity, never by position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Row indices (int64) into table A and B."""
+
+    ia: np.ndarray
+    ib: np.ndarray
+    only_a: np.ndarray
+    only_b: np.ndarray
+    duplicates: int = 0  # records whose identity already occurred earlier in the same run
+
+
+def _codes(ca: pa.ChunkedArray, cb: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Dense int64 codes of one column over both tables, and the code count."""
+    if pa.types.is_string(ca.type) or pa.types.is_large_string(ca.type):
+        both = pa.chunked_array([*ca.chunks, *cb.chunks], type=ca.type).combine_chunks()
+        enc = both.dictionary_encode()
+        codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        n = len(enc.dictionary)
+    else:
+        codes = np.concatenate([ca.to_numpy(), cb.to_numpy()]).astype(np.int64)
+        lo = codes.min() if codes.size else 0
+        codes -= lo
+        n = int(codes.max()) + 1 if codes.size else 1
+    return codes[: len(ca)], codes[len(ca):], max(n, 1)
+
+
+def _densify(ka: np.ndarray, kb: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    uniq, inv = np.unique(np.concatenate([ka, kb]), return_inverse=True)
+    return inv[: len(ka)].astype(np.int64), inv[len(ka):].astype(np.int64), len(uniq)
+
+
+def encode_keys(a: pa.Table, b: pa.Table, key: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One int64 per row such that equal identity <=> equal int, over both tables."""
+    ka = np.zeros(a.num_rows, np.int64)
+    kb = np.zeros(b.num_rows, np.int64)
+    card = 1
+    for name in key:
+        ca, cb, n = _codes(a.column(name), b.column(name))
+        if card * n >= _LIMIT:
+            ka, kb, card = _densify(ka, kb)
+        ka = ka * n + ca
+        kb = kb * n + cb
+        card *= n
+    return ka, kb
+
+
+def _occurrence(sorted_keys: np.ndarray) -> np.ndarray:
+    """For sorted keys: 0 for a key's first occurrence, 1 for its second, ..."""
+    n = sorted_keys.size
+    if n == 0:
+        return np.zeros(0, np.int64)
+    start = np.ones(n, bool)
+    start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    idx = np.arange(n)
+    return idx - np.maximum.accumulate(np.where(start, idx, 0))
+
+
+def align(a: pa.Table, b: pa.Table, key: Sequence[str]) -> Alignment:
+    """Pair the rows of ``a`` and ``b`` that share the identity columns ``key``.
+
+    Returns:
+        ``Alignment``; ``ia``/``ib`` are in no particular order (callers order by ``seq``).
+    """
+    if a.num_rows == b.num_rows and all(a.column(k).equals(b.column(k)) for k in key):
+        idx = np.arange(a.num_rows, dtype=np.int64)
+        return Alignment(idx, idx, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    ka, kb = encode_keys(a, b, key)
+    oa = np.argsort(ka, kind="stable")
+    ob = np.argsort(kb, kind="stable")
+    sa, sb = ka[oa], kb[ob]
+    occ_a, occ_b = _occurrence(sa), _occurrence(sb)
+    dups = int(np.count_nonzero(occ_a) + np.count_nonzero(occ_b))
+    if dups:
+        m = int(max(occ_a.max(initial=0), occ_b.max(initial=0))) + 1
+        if (max(sa.max(initial=0), sb.max(initial=0)) + 1) * m >= _LIMIT:
+            sa, sb, _ = _densify(sa, sb)
+        sa, sb = sa * m + occ_a, sb * m + occ_b  # still sorted: occurrence breaks ties in order
+    pos = np.searchsorted(sb, sa)
+    hit = pos < sb.size
+    hit[hit] = sb[pos[hit]] == sa[hit]
+    matched_b = np.zeros(sb.size, bool)
+    matched_b[pos[hit]] = True
+    return Alignment(oa[hit], ob[pos[hit]], np.sort(oa[~hit]), np.sort(ob[~matched_b]), dups)

@@ -1,0 +1,150 @@
+"""Rich rendering of a ``DiffReport`` for people (``report.to_json()`` is for machines).
+
+    DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (rank 0); origin
+    (every earlier record matches); 21 differing records
+    records: ops 72 matched, 10 differ, 0 only A, 0 only B; steps 48 matched, 11 differ, ...
+    first drift (A | B)
+    │ step       │ 1                                   │
+    │ block      │ 1                                   │
+    │ op         │ joint_attn                          │
+    │ digest     │ 9dc0ba1a2ff32497 | 207d5bad1a69f481 │
+    │ rows       │ 1 of 11 differ: img (1, 1)          │  ...
+    per step (worst sample and branch; '=' bitwise identical; x_t is the input)
+                         x_t        v_t        v_t     x_next   logp_t              ops
+     step   sigma     max|Δ|     max|Δ|     rel L2     max|Δ|   max|Δ|         KL     ≠
+        0       1          =          =          =          =        =          0     0
+        1   0.667          =      0.001    0.00103   0.000333        =   3.54e-09     2
+        2   0.333   0.000333   3.57e-05   4.74e-05    0.00033        =   6.96e-09     8
+    first differing op per step
+     phase     step   x_t   branch   block   stream   op             sample
+     rollout      1     =   cond         1   joint    joint_attn#0        1
+     rollout      2     ≠   cond         0   img      img_mlp#0           1
+
+Per-step cells show the worst sample and branch of the step (largest max|Δ|); a non-'=' x_t
+means the drift was carried into the step; "ops ≠ 3+2?" means 3 differing op records and 2
+present in one run only.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from drifttool.diff.report import DiffReport, StepDrift, Verdict
+
+_STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
+          Verdict.INCOMPARABLE: "bold magenta", Verdict.INCONCLUSIVE: "bold yellow"}
+STEP_QUANTITIES = ("v_t", "x_t", "x_next", "logp_t")
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def _pair(a, b) -> str:
+    return str(a) if a == b else f"{a} | {b}"
+
+
+def _first_drift_table(report: DiffReport) -> Table:
+    fd = report.first_drift
+    t = Table(title="first drift (A | B)", show_header=False, title_justify="left")
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [("kind", fd.kind), ("rank", fd.rank), ("phase", fd.phase), ("step", fd.step),
+            ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
+    if fd.kind == "op":
+        rows += [("block", fd.block), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
+                 ("output", f"{fd.index} ({fd.role})")]
+    else:
+        rows += [("quantity", fd.op)]
+    rows += [("sample", fd.sample), ("dtype", _pair(*fd.dtype)),
+             ("shape", _pair(*map(tuple, fd.shape))), ("digest", _pair(*fd.digest)),
+             ("non-finite", _pair(*fd.nonfinite)),
+             ("max |x|", _pair(*(_num(x) for x in fd.maxabs))),
+             ("origin", "yes (every earlier record matches)" if fd.origin else
+              "unknown (records missing before it)")]
+    if fd.rows is not None:
+        first = ", ".join(map(str, fd.rows.first))
+        more = "" if fd.rows.n_differ <= len(fd.rows.first) else ", ..."
+        rows.append(("rows", f"{fd.rows.n_differ} of {fd.rows.n_rows} differ: {first}{more}"))
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t
+
+
+def _cell(s: StepDrift, quantity: str, attr: str) -> str:
+    q = s.worst(quantity)
+    if q is None:
+        return ""
+    if q.identical is None:
+        return "missing"
+    if q.identical:
+        return "="
+    return _num(getattr(q, attr)) + (f" ({q.note})" if q.note else "")
+
+
+def _steps_table(report: DiffReport) -> Table:
+    phases = len({s.phase for s in report.steps}) > 1
+    t = Table(title="per step (worst sample and branch; '=' bitwise identical; x_t is the input)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("step", "sigma", "x_t\nmax|Δ|", "v_t\nmax|Δ|", "v_t\nrel L2", "x_next\nmax|Δ|",
+                "logp_t\nmax|Δ|", "KL", "ops\n≠"):
+        t.add_column(col, justify="right")
+    for s in report.steps:
+        kls = [k.kl for k in s.kl if k.kl is not None]
+        t.add_row(
+            f"{s.phase} {s.step}" if phases else str(s.step), _num(s.sigma),
+            _cell(s, "x_t", "max_abs"), _cell(s, "v_t", "max_abs"), _cell(s, "v_t", "rel_l2"), _cell(s, "x_next", "max_abs"),
+            _cell(s, "logp_t", "max_abs"), _num(max(kls)) if kls else "-",
+            str(s.ops_differ) + (f"+{s.missing}?" if s.missing else ""),
+            style=None if s.identical else "red",
+        )
+    return t
+
+
+def _first_ops_table(report: DiffReport) -> Table | None:
+    rows = [s for s in report.steps if s.first_op is not None]
+    if not rows:
+        return None
+    t = Table(title="first differing op per step", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for col in ("phase", "step", "x_t", "branch", "block", "stream", "op", "sample"):
+        t.add_column(col, justify="left" if col in ("phase", "branch", "stream", "op") else "right")
+    for s in rows:
+        o = s.first_op
+        t.add_row(s.phase, str(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
+                  o.branch, str(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
+    return t
+
+
+def render(report: DiffReport, console: Console | None = None) -> None:
+    """Print ``report`` as rich tables: verdict line, context, first drift, per-step drift."""
+    console = console or Console()
+    console.print(f"[{_STYLE[report.verdict]}]{report.verdict.value.upper()}[/]  {report.reason}",
+                  highlight=False)
+    console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False)
+    for title, lines in (("cannot align", report.incomparable), ("differences in context",
+                                                                   report.context),
+                         ("notes", report.notes)):
+        if lines:
+            console.print(f"[bold]{title}[/]", highlight=False)
+            for line in lines:
+                console.print(f"  - {line}", highlight=False, markup=False)
+    if report.counts:
+        console.print("records: " + "; ".join(
+            f"{k} {c.matched} matched, {c.differ} differ, {c.only_a} only A, {c.only_b} only B"
+            for k, c in report.counts.items()), highlight=False)
+    if report.first_drift is not None:
+        console.print(_first_drift_table(report))
+    if report.steps:
+        console.print(_steps_table(report))
+    ops = _first_ops_table(report)
+    if ops is not None:
+        console.print(ops)

@@ -1,0 +1,258 @@
+"""The diff result as data: verdict, first drift, per-step drift. ``to_json`` for machines.
+
+    {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
+     "first_drift": {"kind": "op", "step": 3, "block": 5, "op": "qk_rmsnorm", "sample": 1,
+                     "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
+     "steps": [{"step": 0, "identical": true, ...}, ...]}
+
+Exit codes (design.md, "Diff"): identical 0, drift 1, incomparable 2, inconclusive 2 (records are
+missing, so "no drift seen" is not "identical": a script must not read it as a pass), error 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Verdict(str, enum.Enum):
+    IDENTICAL = "identical"
+    DRIFT = "drift"
+    INCOMPARABLE = "incomparable"
+    INCONCLUSIVE = "inconclusive"
+
+
+EXIT_CODES = {Verdict.IDENTICAL: 0, Verdict.DRIFT: 1, Verdict.INCOMPARABLE: 2,
+              Verdict.INCONCLUSIVE: 2}
+EXIT_ERROR = 2
+
+
+def exit_code(verdict: Verdict) -> int:
+    """0 identical, 1 drift, 2 incomparable or inconclusive (and 2 for errors: ``EXIT_ERROR``)."""
+    return EXIT_CODES[Verdict(verdict)]
+
+
+@dataclass(kw_only=True)
+class RowRef:
+    """One canonical row: ``kind`` is ``"txt"`` (``pos``), ``"img"`` (``i``, ``j``) or ``"row"``."""
+
+    row: int
+    kind: str
+    pos: int | None = None
+    i: int | None = None
+    j: int | None = None
+
+    @classmethod
+    def of(cls, row: int, rid: tuple) -> "RowRef":
+        if rid[0] == "img":
+            return cls(row=row, kind="img", i=rid[1], j=rid[2])
+        return cls(row=row, kind=rid[0], pos=rid[1])
+
+    def __str__(self) -> str:
+        return f"img ({self.i}, {self.j})" if self.kind == "img" else f"{self.kind} {self.pos}"
+
+
+@dataclass(kw_only=True)
+class RowDrift:
+    """Row-level localisation (both runs hold L2 row digests of equal count)."""
+
+    n_rows: int
+    n_differ: int
+    first: list[RowRef]  # the first few differing rows, in row order
+
+
+@dataclass(kw_only=True)
+class FirstDrift:
+    """The first differing record in run A's execution order (``seq``).
+
+    ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
+    quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). ``origin`` is
+    true when every earlier record of both runs is present in both and equal (born here, not
+    carried in from a missing record).
+    """
+
+    kind: str
+    seq_a: int
+    seq_b: int
+    rank: int
+    phase: str
+    step: int
+    sigma: float
+    branch: str
+    block: int | None
+    stream: str | None
+    op: str
+    call: int | None
+    index: int | None
+    role: str | None
+    sample: int
+    dtype: tuple[str, str]
+    shape: tuple[list[int], list[int]]
+    digest: tuple[str, str]
+    nonfinite: tuple[int, int]
+    maxabs: tuple[float, float]
+    origin: bool
+    rows: RowDrift | None = None
+
+    def where(self) -> str:
+        """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1``."""
+        if self.kind == "step":
+            return (f"{self.phase} step {self.step} {self.branch} {self.op} sample {self.sample}"
+                    f" (rank {self.rank})")
+        out = "" if self.index == 0 else f" out{self.index}"
+        role = "" if self.role == "output" else f" {self.role}"
+        return (f"{self.phase} step {self.step} {self.branch} block {self.block} {self.stream} "
+                f"{self.op}#{self.call}{out}{role} sample {self.sample} (rank {self.rank})")
+
+
+@dataclass(kw_only=True)
+class OpRef:
+    """The first differing op record of one step."""
+
+    seq: int
+    branch: str
+    block: int
+    stream: str
+    op: str
+    call: int
+    sample: int
+
+    def __str__(self) -> str:
+        return f"{self.branch} b{self.block} {self.stream} {self.op}#{self.call} s{self.sample}"
+
+
+@dataclass(kw_only=True)
+class QuantityDrift:
+    """One step quantity of one sample and branch, compared from the stored bytes in fp64.
+
+    ``identical`` is ``None`` when the record is missing on one side (``note`` says which).
+    ``max_abs`` and ``rel_l2`` (``‖a−b‖₂/‖a‖₂``) run over elements finite in both runs;
+    ``nonfinite_mismatch`` counts elements finite in one run and not in the other.
+    """
+
+    quantity: str
+    branch: str
+    sample: int
+    identical: bool | None
+    max_abs: float | None = None
+    rel_l2: float | None = None
+    nonfinite_mismatch: int = 0
+    note: str = ""
+
+
+@dataclass(kw_only=True)
+class TransitionKL:
+    """KL of the SDE transition for one sample: ``mean((mu_a − mu_b)²) / (2 s²)``,
+    ``s = std_t·sqrt(sigma − sigma_next)`` from run A; ``None`` when ``s = 0`` or mu is missing."""
+
+    sample: int
+    branch: str
+    kl: float | None
+    noise_scale: float | None
+
+
+@dataclass(kw_only=True)
+class StepDrift:
+    """Drift of one (phase, step).
+
+    Attributes:
+        identical: every step and op record of the step is present in both runs and equal.
+        carried_in: the step's input ``x_t`` already differed (any sample); ``None``: no x_t.
+        first_op: the step's first differing op record (run A order), if any.
+        ops_differ: number of differing op records in the step.
+        missing: records of the step present in one run only.
+    """
+
+    phase: str
+    step: int
+    sigma: float
+    sigma_next: float
+    identical: bool
+    carried_in: bool | None
+    first_op: OpRef | None
+    ops_differ: int
+    missing: int
+    quantities: list[QuantityDrift] = field(default_factory=list)
+    kl: list[TransitionKL] = field(default_factory=list)
+
+    def worst(self, quantity: str) -> QuantityDrift | None:
+        """The entry of ``quantity`` with the largest ``max_abs`` (differing ones first)."""
+        qs = [q for q in self.quantities if q.quantity == quantity]
+        if not qs:
+            return None
+        return max(qs, key=lambda q: (q.identical is False, _key(q.max_abs), _key(q.rel_l2)))
+
+
+def _key(x: float | None) -> float:
+    return -1.0 if x is None else (math.inf if math.isnan(x) else x)
+
+
+@dataclass(kw_only=True)
+class Counts:
+    """Records compared in one table (``ops`` or ``steps``)."""
+
+    a: int
+    b: int
+    matched: int
+    differ: int
+    only_a: int
+    only_b: int
+
+
+@dataclass(kw_only=True)
+class DiffReport:
+    """Result of ``diff_runs``.
+
+    Attributes:
+        verdict: see ``Verdict``; ``reason`` says why in one line.
+        incomparable: the fields that prevent alignment (empty unless incomparable).
+        context: other differences between the runs, listed first (fingerprint outside
+            ``arch``, inputs, capture level, operator trace); the runs are still diffed.
+        notes: what the reader or aligner noticed (cut files, duplicate identities, levels).
+        counts: per table (``"ops"``, ``"steps"``), see ``Counts``; ops absent when not compared.
+        identical_through: the last ``[phase, step]`` up to which every record matched.
+        first_drift: see ``FirstDrift``. steps: per-step drift, in run A's order.
+    """
+
+    verdict: Verdict
+    reason: str
+    run_a: str
+    run_b: str
+    level: str | None = None
+    incomparable: list[str] = field(default_factory=list)
+    context: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts: dict[str, Counts] = field(default_factory=dict)
+    identical_through: tuple[str, int] | None = None
+    first_drift: FirstDrift | None = None
+    steps: list[StepDrift] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.verdict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data; non-finite floats become the strings ``"nan"``, ``"inf"``,
+        ``"-inf"`` (strict JSON has no NaN)."""
+        return _plain(dataclasses.asdict(self))
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as strict JSON (``kwargs`` go to ``json.dumps``; default indent 2)."""
+        kwargs.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x

@@ -1,0 +1,47 @@
+"""Environment record for the manifest: what produced the bytes (versions, CPU, threads).
+
+Strict CPU bytes are reproducible within a pinned hardware/runtime profile (RFC: "CUDA and ROCm
+qualify separately within pinned hardware/runtime profiles"); this record names the profile.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+import drifttool
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """JSON-serialisable description of the interpreter, libraries and hardware."""
+    env: dict[str, Any] = {
+        "drifttool": drifttool.__version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return env

@@ -1,0 +1,75 @@
+"""``qwenimage_arch_fingerprint``: what must match for two runs to be comparable, and what else
+differs between them.
+
+    {"arch":     {...MMDiTConfig.arch_fields(), "img_grid": [h, w]},   # differs → incomparable
+     "weights":  "xxh3_64:…",                                          # differs → diffed, listed
+     "dtype_policy": {...}, "scheduler": {...}, "cfg": {...}, "sde": {...}, "runtime": {...}}
+
+Only ``arch`` decides incomparability (record shapes and identities depend on it); every other
+field is a setting whose differences ``drifttool diff`` lists first and then diffs through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FINGERPRINT_VERSION = 1
+
+
+def arch_fingerprint(
+    *,
+    arch: dict[str, Any],
+    img_grid: tuple[int, int],
+    weights: str,
+    dtype: torch.dtype,
+    mode: str,
+    sampler: dict[str, Any],
+) -> dict[str, Any]:
+    """Build the fingerprint pinned in every manifest (RFC ``qwenimage_arch_fingerprint``).
+
+    Args:
+        arch: ``MMDiTConfig.arch_fields()``.
+        img_grid: (h, w) patch grid (shapes every image-stream record).
+        weights: ``weight_digest(model)``.
+        dtype: model (activation) dtype.
+        mode: runtime mode value.
+        sampler: ``dataclasses.asdict(SamplerConfig)`` plus the sigma table digest.
+    """
+    dt = str(dtype).removeprefix("torch.")
+    return {
+        "version": FINGERPRINT_VERSION,
+        "arch": {**arch, "img_grid": [int(img_grid[0]), int(img_grid[1])]},
+        "weights": weights,
+        "dtype_policy": {
+            "weights": dt,
+            "activations": dt,
+            "accumulation": "float32" if mode in ("strict", "audit") else "backend default",
+            "latents_between_steps": "float32",
+            "sde_step_and_logp": "float32",
+            "tf32": False,
+        },
+        "scheduler": {k: sampler[k] for k in sampler if k in _SCHEDULER_KEYS},
+        "cfg": {k: sampler[k] for k in sampler if k in _CFG_KEYS},
+        "sde": {k: sampler[k] for k in sampler if k in _SDE_KEYS},
+        "runtime": {"mode": mode, "backend": "strict" if mode in ("strict", "audit") else "production"},
+    }
+
+
+_SCHEDULER_KEYS = {"num_steps", "timestep_policy", "image_seq_len", "sigma_table", "sigma_table_digest"}
+_CFG_KEYS = {"cfg_scale", "cfg_layout"}
+_SDE_KEYS = {"eta", "sde_window", "logp_reduction"}
+
+
+def differing_fields(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves that differ between two fingerprints (sorted)."""
+    out: list[str] = []
+    for key in sorted(set(a) | set(b)):
+        path = f"{prefix}{key}"
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += differing_fields(va, vb, path + ".")
+        elif va != vb:
+            out.append(path)
+    return out

@@ -1,0 +1,383 @@
+"""The Qwen-Image MMDiT written as a sequence of named RFC operator calls.
+
+    >>> from drifttool.model.config import tiny
+    >>> from drifttool.model.mmdit import MMDiT, random_init_
+    >>> from drifttool.runtime import Runtime
+    >>> model = random_init_(MMDiT(tiny()), seed=0)
+    >>> v = model(x, txt, txt_mask, tau, (4, 6), Runtime(mode="auto"))   # [B, 24, 64]
+
+The modules below hold parameters only, under the checkpoint's own names (``img_in``,
+``txt_norm``, ``transformer_blocks.{i}.attn.to_q``, ``img_mlp.net.0.proj``, ``norm_out.linear``
+...), so a diffusers ``QwenImageTransformer2DModel`` state dict loads by name (numerics §1).
+All arithmetic happens in the operators, called through ``drifttool.ops.registry.call`` in data-
+flow order; the runtime decides the backend (strict/audit → ``strict``, auto/off →
+``production``) and captures every output with its identity (block, stream, op, layout).
+
+Call sites (block −1 = inputs, 0..num_layers−1 = blocks, num_layers = final):
+
+==========  ======================  ======  ========================
+block       operator                stream  layout
+==========  ======================  ======  ========================
+−1          timestep_embed_mlp      none    ``B.``
+−1          txt_in_rmsnorm_linear   txt     ``BS.``
+−1          latent_proj_gemm        img     ``BS.``      (img_in)
+i           adaln_mod_projection    img/txt ``B.``
+i           adaln_modulation        img/txt ``BS.``      (norm1, then norm2)
+i           qkv_bias_gemm           img/txt (``BS..``,)×3
+i           qk_rmsnorm              img/txt ``BS..``     (q then k)
+i           multi_axis_rope         img/txt ``BS..``     (q then k)
+i           joint_attn_qk_gemm      joint   ``B.SK``     (strict backend only)
+i           joint_attn_softmax      joint   ``B.SK``     (strict backend only)
+i           joint_attn_av_gemm      joint   ``BS..``     (strict backend only)
+i           joint_attention_fused   joint   ``BS..``     (production backend only)
+i           attn_out_bias_gemm      img/txt ``BS.``
+i           adaln_gate_residual     img/txt ``BS.``      (attention, then MLP)
+i           mlp_up_gemm_gelu        img/txt ``BS.``
+i           mlp_down_gemm           img/txt ``BS.``
+num_layers  final_adaln_out         img     ``BS.``
+num_layers  latent_proj_gemm        img     ``BS.``      (proj_out)
+==========  ======================  ======  ========================
+
+Within a block the image-stream call precedes the text-stream call of the same operator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import drifttool.ops  # noqa: F401  (operator declarations and strict backends)
+import drifttool.ops.production  # noqa: F401  (production backends)
+from drifttool.errors import UnsupportedConfigError
+from drifttool.model.config import MMDiTConfig
+from drifttool.model.rope import rope_tables
+from drifttool.ops.registry import call
+from drifttool.runtime import Runtime
+
+_MODEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter containers (no forward: the operators do the arithmetic)
+
+
+class Linear(nn.Module):
+    """``weight [out, in]`` and ``bias [out]``, as ``nn.Linear`` stores them."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+
+
+class Gain(nn.Module):
+    """A learned RMSNorm gain ``weight [dim]`` (diffusers ``RMSNorm``, no bias)."""
+
+    def __init__(self, dim: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+
+class TimestepEmbedder(nn.Module):
+    """``time_text_embed.timestep_embedder.linear_1 [d, 256]`` / ``linear_2 [d, d]``."""
+
+    def __init__(self, d: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.linear_1 = Linear(256, d, dtype=dtype)
+        self.linear_2 = Linear(d, d, dtype=dtype)
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, d: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(d, dtype=dtype)
+
+
+class GeluProj(nn.Module):
+    """``net.0`` of diffusers' ``FeedForward``: the GELU module holding ``proj``."""
+
+    def __init__(self, d: int, hidden: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.proj = Linear(d, hidden, dtype=dtype)
+
+
+class FeedForward(nn.Module):
+    """``net.0.proj [4d, d]`` and ``net.2 [d, 4d]`` (``net.1`` is a parameter-free dropout)."""
+
+    def __init__(self, d: int, hidden: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.net = nn.ModuleDict({"0": GeluProj(d, hidden, dtype=dtype), "2": Linear(hidden, d, dtype=dtype)})
+
+
+class JointAttention(nn.Module):
+    """Both streams' projections and Q/K gains of diffusers' ``Attention`` (double-stream)."""
+
+    def __init__(self, d: int, head_dim: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        # image stream
+        self.to_q = Linear(d, d, dtype=dtype)
+        self.to_k = Linear(d, d, dtype=dtype)
+        self.to_v = Linear(d, d, dtype=dtype)
+        self.norm_q = Gain(head_dim, dtype=dtype)
+        self.norm_k = Gain(head_dim, dtype=dtype)
+        self.to_out = nn.ModuleDict({"0": Linear(d, d, dtype=dtype)})
+        # text stream
+        self.add_q_proj = Linear(d, d, dtype=dtype)
+        self.add_k_proj = Linear(d, d, dtype=dtype)
+        self.add_v_proj = Linear(d, d, dtype=dtype)
+        self.norm_added_q = Gain(head_dim, dtype=dtype)
+        self.norm_added_k = Gain(head_dim, dtype=dtype)
+        self.to_add_out = Linear(d, d, dtype=dtype)
+
+
+class Block(nn.Module):
+    """``transformer_blocks.{i}``: per-stream modulation (``img_mod.1``/``txt_mod.1``, d→6d),
+    joint attention, per-stream MLP (32 tensors)."""
+
+    def __init__(self, cfg: MMDiTConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        d = cfg.inner_dim
+        self.img_mod = nn.ModuleDict({"1": Linear(d, 6 * d, dtype=dtype)})  # "0" is SiLU
+        self.attn = JointAttention(d, cfg.attention_head_dim, dtype=dtype)
+        self.img_mlp = FeedForward(d, cfg.mlp_dim, dtype=dtype)
+        self.txt_mod = nn.ModuleDict({"1": Linear(d, 6 * d, dtype=dtype)})
+        self.txt_mlp = FeedForward(d, cfg.mlp_dim, dtype=dtype)
+
+
+class NormOut(nn.Module):
+    """``norm_out.linear [2d, d]`` (diffusers ``AdaLayerNormContinuous``, (scale, shift) order)."""
+
+    def __init__(self, d: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.linear = Linear(d, 2 * d, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class MMDiT(nn.Module):
+    """Qwen-Image double-stream transformer built from the RFC's named operators.
+
+    Construct on any device with the usual context (``with torch.device("meta"):`` allocates
+    nothing). Parameters are created uninitialised: load a checkpoint
+    (``drifttool.model.checkpoint.load_checkpoint``) or call ``random_init_``.
+
+    Args:
+        config: the shape (``drifttool.model.config``).
+        dtype: parameter dtype = model dtype W (fp32 or bf16).
+    """
+
+    def __init__(self, config: MMDiTConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if dtype not in _MODEL_DTYPES:
+            raise UnsupportedConfigError(f"model dtype must be float32 or bfloat16, got {dtype}")
+        self.config = config
+        d = config.inner_dim
+        self.time_text_embed = TimeTextEmbed(d, dtype=dtype)
+        self.txt_norm = Gain(config.joint_attention_dim, dtype=dtype)
+        self.img_in = Linear(config.in_channels, d, dtype=dtype)
+        self.txt_in = Linear(config.joint_attention_dim, d, dtype=dtype)
+        self.transformer_blocks = nn.ModuleList([Block(config, dtype=dtype) for _ in range(config.num_layers)])
+        self.norm_out = NormOut(d, dtype=dtype)
+        self.proj_out = Linear(d, config.out_dim, dtype=dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Model dtype W (the parameters' dtype)."""
+        return self.img_in.weight.dtype
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        txt: torch.Tensor,
+        txt_mask: torch.Tensor | None,
+        tau: torch.Tensor,
+        img_grid: tuple[int, int],
+        rt: Runtime,
+    ) -> torch.Tensor:
+        """Velocity prediction v for packed latents x (numerics §2).
+
+        Args:
+            x: packed latents ``[B, N, in_channels]`` in W, N = h·w, token n = i·w + j.
+            txt: prompt embeddings ``[B, L, joint_attention_dim]`` in W, right-padded.
+            txt_mask: ``[B, L]`` bool (True = valid token) or None (no masking; the pipeline
+                passes None when every row is all ones, §5.11). Only used as an attention key
+                mask: padded text queries still produce (unused) outputs, RoPE uses the padded L.
+            tau: ``[B]`` timestep ≈ σ (fp32); rounded to W inside ``timestep_embed_mlp`` as
+                diffusers does.
+            img_grid: (h, w) patch grid, shared by the whole batch.
+            rt: runtime (backend, capture, identity scope). Attention runs as the three unfused
+                operators when ``rt.mode.backend == "strict"``, else as ``joint_attention_fused``.
+
+        Returns:
+            v ``[B, N, out_dim]`` in W.
+
+        Raises:
+            UnsupportedConfigError: shapes or dtypes that do not match the model, or a backend
+                the runtime mode cannot honour.
+        """
+        cfg = self.config
+        h, w = (int(v) for v in img_grid)
+        self._check_inputs(x, txt, txt_mask, tau, h, w)
+        B, N = x.shape[:2]
+        L = txt.shape[1]
+        if txt_mask is not None and txt_mask.dtype != torch.bool:
+            txt_mask = txt_mask.to(torch.bool)
+        key_mask = None
+        if txt_mask is not None:
+            key_mask = torch.cat([txt_mask, torch.ones(B, N, dtype=torch.bool, device=x.device)], dim=1)  # [B, L+N]
+        img_freqs, txt_freqs = rope_tables(
+            (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta, device=x.device
+        )  # [N, Dh/2], [L, Dh/2] complex64
+
+        with rt.scope(block=-1):
+            te = self.time_text_embed.timestep_embedder
+            temb = call(rt, "timestep_embed_mlp", tau, te.linear_1.weight, te.linear_1.bias,
+                        te.linear_2.weight, te.linear_2.bias, stream="none", layout="B.")  # [B, d]
+            t = call(rt, "txt_in_rmsnorm_linear", txt, self.txt_norm.weight, self.txt_in.weight,
+                     self.txt_in.bias, eps=cfg.eps, stream="txt", layout="BS.")  # [B, L, d]
+            i = call(rt, "latent_proj_gemm", x, self.img_in.weight, self.img_in.bias,
+                     stream="img", layout="BS.")  # [B, N, d]
+
+        for index, block in enumerate(self.transformer_blocks):
+            with rt.scope(block=index):
+                i, t = self._block(block, i, t, temb, key_mask, img_freqs, txt_freqs, rt)
+
+        with rt.scope(block=cfg.num_layers):
+            y = call(rt, "final_adaln_out", i, temb, self.norm_out.linear.weight, self.norm_out.linear.bias,
+                     eps=cfg.eps, stream="img", layout="BS.")  # [B, N, d]
+            v = call(rt, "latent_proj_gemm", y, self.proj_out.weight, self.proj_out.bias,
+                     stream="img", layout="BS.")  # [B, N, out_dim]
+        return v
+
+    def _block(
+        self,
+        block: Block,
+        i: torch.Tensor,
+        t: torch.Tensor,
+        temb: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        img_freqs: torch.Tensor,
+        txt_freqs: torch.Tensor,
+        rt: Runtime,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One double-stream block (numerics §2.3, §2.4). i ``[B,N,d]``, t ``[B,L,d]`` → same."""
+        cfg = self.config
+        eps = cfg.eps
+        heads = cfg.num_attention_heads
+        attn = block.attn
+        L = t.shape[1]
+
+        # modulation parameters, chunk order (shift1, scale1, gate1, shift2, scale2, gate2)
+        img_mod = call(rt, "adaln_mod_projection", temb, block.img_mod["1"].weight, block.img_mod["1"].bias,
+                       stream="img", layout="B.")  # [B, 6d]
+        txt_mod = call(rt, "adaln_mod_projection", temb, block.txt_mod["1"].weight, block.txt_mod["1"].bias,
+                       stream="txt", layout="B.")  # [B, 6d]
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)  # 6 × [B, d]
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)  # 6 × [B, d]
+
+        # norm1 + modulation
+        ih = call(rt, "adaln_modulation", i, i_shift1, i_scale1, eps=eps, stream="img", layout="BS.")  # [B, N, d]
+        th = call(rt, "adaln_modulation", t, t_shift1, t_scale1, eps=eps, stream="txt", layout="BS.")  # [B, L, d]
+
+        # per-stream Q/K/V, Q/K RMSNorm, RoPE
+        qi, ki, vi = call(rt, "qkv_bias_gemm", ih, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
+                          attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, heads,
+                          stream="img", layout=("BS..", "BS..", "BS.."))  # 3 × [B, N, H, Dh]
+        qt, kt, vt = call(rt, "qkv_bias_gemm", th, attn.add_q_proj.weight, attn.add_q_proj.bias,
+                          attn.add_k_proj.weight, attn.add_k_proj.bias, attn.add_v_proj.weight,
+                          attn.add_v_proj.bias, heads,
+                          stream="txt", layout=("BS..", "BS..", "BS.."))  # 3 × [B, L, H, Dh]
+        qi = call(rt, "qk_rmsnorm", qi, attn.norm_q.weight, eps=eps, stream="img", layout="BS..")
+        ki = call(rt, "qk_rmsnorm", ki, attn.norm_k.weight, eps=eps, stream="img", layout="BS..")
+        qt = call(rt, "qk_rmsnorm", qt, attn.norm_added_q.weight, eps=eps, stream="txt", layout="BS..")
+        kt = call(rt, "qk_rmsnorm", kt, attn.norm_added_k.weight, eps=eps, stream="txt", layout="BS..")
+        qi = call(rt, "multi_axis_rope", qi, img_freqs, stream="img", layout="BS..")
+        ki = call(rt, "multi_axis_rope", ki, img_freqs, stream="img", layout="BS..")
+        qt = call(rt, "multi_axis_rope", qt, txt_freqs, stream="txt", layout="BS..")
+        kt = call(rt, "multi_axis_rope", kt, txt_freqs, stream="txt", layout="BS..")
+
+        # joint attention over [text, image]
+        q = torch.cat([qt, qi], dim=1)  # [B, L+N, H, Dh]
+        k = torch.cat([kt, ki], dim=1)  # [B, L+N, H, Dh]
+        v = torch.cat([vt, vi], dim=1)  # [B, L+N, H, Dh]
+        if rt.mode.backend == "strict":
+            scores = call(rt, "joint_attn_qk_gemm", q, k, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
+            probs = call(rt, "joint_attn_softmax", scores, key_mask, stream="joint", layout="B.SK")  # [B, H, S, S]
+            o = call(rt, "joint_attn_av_gemm", probs, v, key_mask, stream="joint", layout="BS..")  # [B, S, H, Dh]
+        else:
+            o = call(rt, "joint_attention_fused", q, k, v, key_mask, stream="joint", layout="BS..")  # [B, S, H, Dh]
+        o = o.flatten(2, 3)  # [B, L+N, d]
+        ot = o[:, :L].contiguous()  # [B, L, d]
+        oi = o[:, L:].contiguous()  # [B, N, d]
+        ai = call(rt, "attn_out_bias_gemm", oi, attn.to_out["0"].weight, attn.to_out["0"].bias,
+                  stream="img", layout="BS.")  # [B, N, d]
+        at = call(rt, "attn_out_bias_gemm", ot, attn.to_add_out.weight, attn.to_add_out.bias,
+                  stream="txt", layout="BS.")  # [B, L, d]
+        i = call(rt, "adaln_gate_residual", i, i_gate1, ai, stream="img", layout="BS.")
+        t = call(rt, "adaln_gate_residual", t, t_gate1, at, stream="txt", layout="BS.")
+
+        # norm2 + modulation + MLP, image then text
+        ih = call(rt, "adaln_modulation", i, i_shift2, i_scale2, eps=eps, stream="img", layout="BS.")
+        ih = call(rt, "mlp_up_gemm_gelu", ih, block.img_mlp.net["0"].proj.weight, block.img_mlp.net["0"].proj.bias,
+                  stream="img", layout="BS.")  # [B, N, 4d]
+        ih = call(rt, "mlp_down_gemm", ih, block.img_mlp.net["2"].weight, block.img_mlp.net["2"].bias,
+                  stream="img", layout="BS.")  # [B, N, d]
+        i = call(rt, "adaln_gate_residual", i, i_gate2, ih, stream="img", layout="BS.")
+        th = call(rt, "adaln_modulation", t, t_shift2, t_scale2, eps=eps, stream="txt", layout="BS.")
+        th = call(rt, "mlp_up_gemm_gelu", th, block.txt_mlp.net["0"].proj.weight, block.txt_mlp.net["0"].proj.bias,
+                  stream="txt", layout="BS.")  # [B, L, 4d]
+        th = call(rt, "mlp_down_gemm", th, block.txt_mlp.net["2"].weight, block.txt_mlp.net["2"].bias,
+                  stream="txt", layout="BS.")  # [B, L, d]
+        t = call(rt, "adaln_gate_residual", t, t_gate2, th, stream="txt", layout="BS.")
+        return i, t
+
+    def _check_inputs(
+        self,
+        x: torch.Tensor,
+        txt: torch.Tensor,
+        txt_mask: torch.Tensor | None,
+        tau: torch.Tensor,
+        h: int,
+        w: int,
+    ) -> None:
+        cfg = self.config
+        W = self.dtype
+        bad = []
+        if x.dim() != 3 or x.shape[-1] != cfg.in_channels:
+            bad.append(f"x must be [B, N, {cfg.in_channels}], got {tuple(x.shape)}")
+        elif x.shape[1] != h * w:
+            bad.append(f"x has N={x.shape[1]} tokens but img_grid={(h, w)} gives {h * w}")
+        if txt.dim() != 3 or txt.shape[-1] != cfg.joint_attention_dim or txt.shape[0] != x.shape[0]:
+            bad.append(f"txt must be [{x.shape[0]}, L, {cfg.joint_attention_dim}], got {tuple(txt.shape)}")
+        if x.dtype != W or txt.dtype != W:
+            bad.append(f"x ({x.dtype}) and txt ({txt.dtype}) must be in the model dtype {W}")
+        if txt_mask is not None and tuple(txt_mask.shape) != tuple(txt.shape[:2]):
+            bad.append(f"txt_mask must be {tuple(txt.shape[:2])}, got {tuple(txt_mask.shape)}")
+        if tau.dim() != 1 or tau.shape[0] != x.shape[0] or not tau.is_floating_point():
+            bad.append(f"tau must be a float [{x.shape[0]}] tensor, got {tau.dtype} {tuple(tau.shape)}")
+        if bad:
+            raise UnsupportedConfigError("MMDiT.forward: " + "; ".join(bad))
+
+
+@torch.no_grad()
+def random_init_(model: MMDiT, *, seed: int = 0) -> MMDiT:
+    """Fill every parameter deterministically (CPU fp32 generator, sorted key order, then cast).
+
+    Weights ``~ N(0, 1/fan_in)``, biases ``~ N(0, 0.02²)``, gains ``1 + N(0, 0.1²)``. The same seed
+    gives the same bytes on every device and for every model dtype (values drawn in fp32, then
+    rounded). Returns the model.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        p = params[name]
+        if name.endswith(".bias"):
+            val = torch.randn(p.shape, generator=gen) * 0.02
+        elif p.dim() == 1:  # RMSNorm gains
+            val = 1 + torch.randn(p.shape, generator=gen) * 0.1
+        else:
+            val = torch.randn(p.shape, generator=gen) / (p.shape[1] ** 0.5)
+        p.copy_(val.to(p.dtype))
+    return model

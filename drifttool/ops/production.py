@@ -1,0 +1,302 @@
+"""``production`` backend of every WS1 model operator: diffusers 0.42.1's own arithmetic.
+
+    >>> from drifttool.ops.registry import call
+    >>> y = call(Runtime(mode="auto"), "mlp_down_gemm", h, w, b, stream="img", layout="BS.")
+
+Each function reproduces the torch calls and cast points of diffusers' Qwen-Image transformer
+(numerics spec §2, §2.5, §2.6) so that an MMDiT built from these operators equals diffusers'
+output byte for byte in bf16 on the CPU (and to ~1e-6 in fp32):
+
+- every Linear is ``F.linear`` in the model dtype W with the bias fused;
+- SiLU, LayerNorm (no affine), tanh-GELU, modulation and gated residuals run in W;
+- the timestep is rounded to W inside the model, the sinusoid is fp32, then cast to W (§2.1);
+- RMSNorm: fp32 variance, ``x · rsqrt`` promotes to fp32, cast to the gain's dtype when the gain
+  is bf16/fp16, then ``· gain`` (§2.5);
+- RoPE: fp32 complex multiply by the complex64 table, cast back to W (§2.2);
+- attention: ``F.scaled_dot_product_attention`` on ``[B, H, S, Dh]`` permuted views, with a bool
+  key mask ``[B, 1, 1, S]`` only when one is given (§2.4, §5.11).
+
+The three unfused attention operators get plain-torch versions here (fp32 scores and
+probabilities); they are *not* byte-equal to ``joint_attention_fused`` (SDPA) — only the strict
+backend promises that.
+The scheduler operators (``cfg_combine_renorm``, ``flow_sigma_table``, ``flow_sde_step_logp``)
+live in ``drifttool/ops/scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.registry import implements
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise UnsupportedConfigError(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# latent layout (pipeline side, numerics §3.2, §3.5)
+
+
+@implements("latent_pack_unpack", "production", kernel="torch.view_permute_reshape")
+def latent_pack_unpack(z: torch.Tensor, direction: str = "pack", grid: tuple[int, int] | None = None) -> torch.Tensor:
+    """2×2 patchify / unpatchify (diffusers ``_pack_latents`` / ``_unpack_latents``).
+
+    ``pack``: z ``[B, C, H', W']`` or ``[B, C, 1, H', W']`` → ``[B, N, 4C]``, N = (H'/2)(W'/2),
+    token n = i·(W'/2) + j, channel c·4 + dy·2 + dx.
+    ``unpack``: x ``[B, N, 4C]`` with ``grid=(h, w)`` → ``[B, C, 1, 2h, 2w]``.
+
+    Raises:
+        UnsupportedConfigError: unknown direction, odd H'/W', or N != h·w.
+    """
+    if direction == "pack":
+        if z.dim() == 5:
+            _check(z.shape[2] == 1, f"latent_pack_unpack: frame axis must be 1, got {tuple(z.shape)}")
+            z = z[:, :, 0]  # [B, C, H', W']
+        _check(z.dim() == 4, f"latent_pack_unpack: expected [B,C,H',W'], got {tuple(z.shape)}")
+        b, c, hh, ww = z.shape
+        _check(hh % 2 == 0 and ww % 2 == 0, f"latent_pack_unpack: H', W' must be even, got {hh}x{ww}")
+        x = z.view(b, c, hh // 2, 2, ww // 2, 2)  # [B, C, h, 2, w, 2]
+        x = x.permute(0, 2, 4, 1, 3, 5)  # [B, h, w, C, 2, 2]
+        return x.reshape(b, (hh // 2) * (ww // 2), c * 4)  # [B, N, 4C]
+    if direction == "unpack":
+        _check(grid is not None, "latent_pack_unpack: unpack needs grid=(h, w)")
+        h, w = grid
+        b, n, c4 = z.shape
+        _check(n == h * w and c4 % 4 == 0, f"latent_pack_unpack: {tuple(z.shape)} does not fit grid {grid}")
+        x = z.view(b, h, w, c4 // 4, 2, 2)  # [B, h, w, C, 2, 2]
+        x = x.permute(0, 3, 1, 4, 2, 5)  # [B, C, h, 2, w, 2]
+        return x.reshape(b, c4 // 4, 1, 2 * h, 2 * w)  # [B, C, 1, H', W']
+    raise UnsupportedConfigError(f"latent_pack_unpack: unknown direction {direction!r}")
+
+
+@implements("latent_normalize", "production", kernel="torch.elementwise")
+def latent_normalize(z: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Per-channel latent normalisation, as the diffusers Qwen-Image pipelines write it.
+
+    ``mean``/``std`` ``[C]`` are cast to z's dtype first; ``std_inv = 1 / std`` is then taken in
+    z's dtype. Forward: ``(z − mean) · std_inv``; inverse: ``z / std_inv + mean`` (numerics §3.5).
+    z is ``[B, C, ...]``; the result has z's shape and dtype.
+    """
+    c = z.shape[1]
+    _check(mean.shape == (c,) and std.shape == (c,), f"latent_normalize: mean/std must be [{c}]")
+    view = (1, c) + (1,) * (z.dim() - 2)
+    mean = mean.view(view).to(z.device, z.dtype)
+    std_inv = 1.0 / std.view(view).to(z.device, z.dtype)
+    if inverse:
+        return z / std_inv + mean
+    return (z - mean) * std_inv
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs: image / text projections and timestep embedding
+
+
+@implements("latent_proj_gemm", "production", kernel="torch.nn.functional.linear")
+def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``img_in`` (64→d) / ``proj_out`` (d→64): ``F.linear`` in W with fused bias. ``[B,S,K]→[B,S,N]``."""
+    return F.linear(x, w, b)
+
+
+def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers ``RMSNorm`` (numerics §2.5): fp32 mean of squares; ``x · rsqrt`` (promotes to
+    fp32); cast to the gain's dtype when that is bf16/fp16; then ``· gain``."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)  # fp32
+    if gain.dtype in _HALF:
+        y = y.to(gain.dtype)
+    return y * gain
+
+
+@implements("txt_in_rmsnorm_linear", "production", kernel="torch.rmsnorm+torch.nn.functional.linear")
+def txt_in_rmsnorm_linear(
+    e: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """``txt_in(txt_norm(e))``: RMSNorm over Dj (§2.5) then ``F.linear``. ``[B,L,Dj] → [B,L,d]``."""
+    return F.linear(_rms_norm(e, gain, eps), w, b)
+
+
+def _timestep_sinusoid(tau: torch.Tensor, channels: int = 256) -> torch.Tensor:
+    """Cos-first sinusoid of diffusers ``Timesteps(256, flip_sin_to_cos=True,
+    downscale_freq_shift=0, scale=1000)`` (§2.1): ``a_k = 1000 · (fp32(τ) · f_k)``. fp32 ``[B, 256]``."""
+    half = channels // 2
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=tau.device)
+    freqs = torch.exp(exponent / half)  # [128]
+    angles = tau[:, None].float() * freqs[None, :]  # [B, 128]
+    angles = 1000 * angles
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)  # [B, 256]
+
+
+@implements("timestep_embed_mlp", "production", kernel="torch.sinusoid_fp32+torch.nn.functional.linear")
+def timestep_embed_mlp(
+    tau: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+) -> torch.Tensor:
+    """``temb = linear_2(SiLU(linear_1(W(φ(W(τ))))))`` (numerics §2 step 2 and 5, §2.1).
+
+    τ ``[B]`` (≈ σ) is first rounded to the model dtype W = ``w1.dtype`` (diffusers'
+    ``timestep.to(hidden_states.dtype)``), the sinusoid is fp32, cast to W, then the MLP runs in
+    W. Returns ``[B, d]`` in W.
+    """
+    _check(tau.dim() == 1, f"timestep_embed_mlp: tau must be [B], got {tuple(tau.shape)}")
+    dtype = w1.dtype
+    phi = _timestep_sinusoid(tau.to(dtype), w1.shape[1]).to(dtype)  # [B, 256]
+    return F.linear(F.silu(F.linear(phi, w1, b1)), w2, b2)  # [B, d]
+
+
+# ---------------------------------------------------------------------------------------------
+# block: modulation, attention, MLP
+
+
+@implements("adaln_mod_projection", "production", kernel="torch.silu+torch.nn.functional.linear")
+def adaln_mod_projection(temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``img_mod`` / ``txt_mod``: ``F.linear(SiLU(temb))`` in W. ``[B,d] → [B,6d]``, chunks
+    (shift1, scale1, gate1, shift2, scale2, gate2) (§2.3)."""
+    return F.linear(F.silu(temb), w, b)
+
+
+@implements("adaln_modulation", "production", kernel="torch.layer_norm+elementwise")
+def adaln_modulation(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """``LN(x) · (1 + scale) + shift`` in W; LN without affine, biased variance (§2.3).
+    x ``[B,S,d]``, shift/scale ``[B,d]`` (broadcast over tokens) → ``[B,S,d]``."""
+    normed = F.layer_norm(x, (x.shape[-1],), None, None, eps)
+    return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+@implements("adaln_gate_residual", "production", kernel="torch.elementwise")
+def adaln_gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate · y`` in W (separate rounded multiply and add). x, y ``[B,S,d]``, gate ``[B,d]``."""
+    return x + gate.unsqueeze(1) * y
+
+
+@implements("qkv_bias_gemm", "production", kernel="torch.nn.functional.linear")
+def qkv_bias_gemm(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    bq: torch.Tensor,
+    wk: torch.Tensor,
+    bk: torch.Tensor,
+    wv: torch.Tensor,
+    bv: torch.Tensor,
+    heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three ``F.linear`` projections, each unflattened to heads: ``[B,S,d] → 3 × [B,S,H,Dh]``."""
+    _check(wq.shape[0] % heads == 0, f"qkv_bias_gemm: {wq.shape[0]} outputs do not split into {heads} heads")
+    dh = wq.shape[0] // heads
+    q = F.linear(x, wq, bq).unflatten(-1, (heads, dh))  # [B, S, H, Dh]
+    k = F.linear(x, wk, bk).unflatten(-1, (heads, dh))
+    v = F.linear(x, wv, bv).unflatten(-1, (heads, dh))
+    return q, k, v
+
+
+@implements("qk_rmsnorm", "production", kernel="torch.rmsnorm")
+def qk_rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMSNorm over Dh with learned gain, diffusers' cast order (§2.5). ``[B,S,H,Dh]``."""
+    return _rms_norm(x, gain, eps)
+
+
+@implements("multi_axis_rope", "production", kernel="torch.complex64_mul")
+def multi_axis_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE (§2.2): view ``fp32(x)`` as Dh/2 complex pairs (x[2j] real,
+    x[2j+1] imaginary), multiply by ``freqs [S, Dh/2]`` complex64, flatten, cast back to x's dtype.
+    ``[B,S,H,Dh] → [B,S,H,Dh]``."""
+    _check(freqs.dtype == torch.complex64, f"multi_axis_rope: freqs must be complex64, got {freqs.dtype}")
+    _check(
+        freqs.shape == (x.shape[1], x.shape[-1] // 2),
+        f"multi_axis_rope: freqs {tuple(freqs.shape)} do not fit x {tuple(x.shape)}",
+    )
+    xc = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))  # [B, S, H, Dh/2]
+    out = torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3)  # [B, S, H, Dh] fp32
+    return out.type_as(x)
+
+
+def _check_key_mask(key_mask: torch.Tensor | None, b: int, s: int) -> None:
+    if key_mask is not None:
+        _check(key_mask.dtype == torch.bool, f"key_mask must be bool, got {key_mask.dtype}")
+        _check(key_mask.shape == (b, s), f"key_mask must be [{b}, {s}], got {tuple(key_mask.shape)}")
+
+
+@implements("joint_attn_qk_gemm", "production", kernel="torch.matmul_fp32")
+def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Scores ``(q·kᵀ) / √Dh`` in fp32: q, k ``[B,S,H,Dh]`` → ``[B,H,S,S]`` fp32 (plain torch)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qh = q.float().permute(0, 2, 1, 3)  # [B, H, S, Dh]
+    kh = k.float().permute(0, 2, 3, 1)  # [B, H, Dh, S]
+    return torch.matmul(qh, kh) * scale  # [B, H, S, S]
+
+
+@implements("joint_attn_softmax", "production", kernel="torch.softmax_fp32")
+def joint_attn_softmax(scores: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over keys in fp32; keys with ``key_mask == False`` get probability 0.
+    ``[B,H,S,S] → [B,H,S,S]`` fp32."""
+    _check_key_mask(key_mask, scores.shape[0], scores.shape[-1])
+    s = scores.float()
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+@implements("joint_attn_av_gemm", "production", kernel="torch.matmul_fp32")
+def joint_attn_av_gemm(
+    probs: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``probs · v`` in fp32, cast to v's dtype: ``[B,H,S,S], [B,S,H,Dh] → [B,S,H,Dh]``.
+
+    ``key_mask`` is only validated here: masked keys already carry probability exactly 0.
+    """
+    _check_key_mask(key_mask, v.shape[0], v.shape[1])
+    out = torch.matmul(probs.float(), v.float().permute(0, 2, 1, 3))  # [B, H, S, Dh]
+    return out.permute(0, 2, 1, 3).contiguous().to(v.dtype)  # [B, S, H, Dh]
+
+
+@implements("joint_attention_fused", "production", kernel="torch.nn.functional.scaled_dot_product_attention")
+def joint_attention_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """diffusers' native attention backend (§2.4): SDPA on ``[B,H,S,Dh]`` permuted views, scale
+    1/√Dh, no dropout, non-causal, bool key mask ``[B,1,1,S]`` only when given.
+    q, k, v ``[B,S,H,Dh]`` (joint sequence [text, image]) → ``[B,S,H,Dh]`` in W."""
+    _check_key_mask(key_mask, q.shape[0], k.shape[1])
+    mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]
+    qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, Dh]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    return out.permute(0, 2, 1, 3).contiguous()  # [B, S, H, Dh]
+
+
+@implements("attn_out_bias_gemm", "production", kernel="torch.nn.functional.linear")
+def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``to_out.0`` / ``to_add_out``: ``F.linear`` in W. ``[B,S,d] → [B,S,d]``."""
+    return F.linear(x, w, b)
+
+
+@implements("mlp_up_gemm_gelu", "production", kernel="torch.nn.functional.linear+gelu_tanh")
+def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``net.0.proj`` then tanh-approximate GELU, both in W. ``[B,S,d] → [B,S,4d]``."""
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+@implements("mlp_down_gemm", "production", kernel="torch.nn.functional.linear")
+def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``net.2``: ``F.linear`` in W. ``[B,S,4d] → [B,S,d]``."""
+    return F.linear(x, w, b)
+
+
+@implements("final_adaln_out", "production", kernel="torch.silu+linear+layer_norm")
+def final_adaln_out(
+    x: torch.Tensor, temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """diffusers ``AdaLayerNormContinuous`` (§2 step 8): ``(scale, shift) = split(F.linear(SiLU(temb)))``
+    — order (scale, shift) — then ``LN(x) · (1 + scale) + shift`` in W.
+    x ``[B,N,d]``, temb ``[B,d]`` → ``[B,N,d]``."""
+    emb = F.linear(F.silu(temb).to(x.dtype), w, b)  # [B, 2d]
+    scale, shift = torch.chunk(emb, 2, dim=1)  # [B, d] each
+    normed = F.layer_norm(x, (x.shape[-1],), None, None, eps)
+    return normed * (1 + scale)[:, None, :] + shift[:, None, :]

@@ -1,0 +1,550 @@
+"""Sampler operators: the FP32 sigma table, CFG combine + renorm, and the Flow-GRPO SDE step.
+
+    >>> sig = call(rt, "flow_sigma_table", 10, 1024)          # 512², numerics §3.3
+    >>> sig
+    tensor([1.0000, 0.9290, 0.8515, 0.7666, 0.6733, 0.5701, 0.4555, 0.3274, 0.1833, 0.0200, 0.0000])
+    >>> v = call(rt, "cfg_combine_renorm", v_cond, v_uncond, 4.0, stream="img", layout="BS.")
+    >>> x1, logp, mu, std_t = call(rt, "flow_sde_step_logp", v, x, sig[0], sig[1],
+    ...                            eta=1.2, sigma_max=sig[1], noise=eps)
+
+Three RFC-386 rows, each declared here with contract id ``qwenimage.<name>.v1`` and implemented
+for the ``strict`` and ``production`` backends:
+
+====================  ===========================================  ==================================
+operator              strict                                       production
+====================  ===========================================  ==================================
+flow_sigma_table      numpy fp32, diffusers' written order         same function (the arithmetic is
+                      (exact IEEE ops, bit-equal to diffusers)     exact; no reduction)
+cfg_combine_renorm    fp32 math; per-token norms by a halving       diffusers' expression in the input
+                      tree over channels; fp32 output              dtype (``torch.norm``)
+flow_sde_step_logp    fp32, Flow-GRPO's written order; ln s_t in   Flow-GRPO's expression verbatim in
+                      binary64 rounded once; halving-tree mean     fp32; ``torch.mean``
+====================  ===========================================  ==================================
+
+Strict vs production, byte for byte (tested in ``tests/ops/test_scheduler.py``):
+
+* ``flow_sigma_table``: identical.
+* ``cfg_combine_renorm``: with fp32 inputs the combined velocity is identical and the per-token
+  norms may differ in the last bits (``torch.norm``'s reduction order is its own). With bf16 inputs
+  production rounds every op to bf16 (diffusers) and returns bf16, strict upcasts and returns fp32.
+* ``flow_sde_step_logp``: ``x_next``, ``mu`` and ``std_t`` identical; ``logp`` may differ in the
+  last bits (``torch.log`` vs binary64 log for ``ln s_t``, ``torch.mean`` vs the halving tree).
+
+The halving tree (strict reductions). To sum ``t`` over its last axis of length n: pad with +0 to
+p = 2^⌈log2 n⌉, then while p > 1: ``t = t[..., :p/2] + t[..., p/2:]`` (element j pairs with
+j + p/2), p = p/2. Every step is an elementwise IEEE add, whose result per element does not depend
+on tensor size, batch position, memory layout, SIMD width or thread count, so a sample's bytes do
+not change with its companions. ``torch.sum``/``torch.norm``/``torch.mean`` are never used in
+strict: their order may depend on the tensor size and the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.registry import OpSpec, declare, implements
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+FLOW_SIGMA_TABLE = declare(
+    OpSpec(
+        name="flow_sigma_table",
+        contract="qwenimage.flow_sigma_table.v1",
+        differentiable=False,
+        dtypes=(torch.float32,),
+        summary="linspace(1,1/N,N), exponential dynamic shift, terminal stretch to 0.02, append 0",
+    )
+)
+CFG_COMBINE_RENORM = declare(
+    OpSpec(
+        name="cfg_combine_renorm",
+        contract="qwenimage.cfg_combine_renorm.v1",
+        differentiable=True,
+        dtypes=_FLOATS,
+        summary="u + s(c - u), rescaled per token to the norm of c over the channel axis",
+    )
+)
+FLOW_SDE_STEP_LOGP = declare(
+    OpSpec(
+        name="flow_sde_step_logp",
+        contract="qwenimage.flow_sde_step_logp.v1",
+        differentiable=True,
+        dtypes=_FLOATS,
+        summary="Flow-GRPO 'sde' transition and Gaussian log-prob (mean over non-batch dims), FP32",
+    )
+)
+
+MAX_LOGP_ELEMENTS = 1 << 24
+"""Largest per-sample element count of the strict logp mean (the count is exact in fp32)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sigma schedule (numerics §3.3) and timestep encoding (§3.4, §5 trap 2)
+
+
+def flow_shift_mu(
+    image_seq_len: int,
+    *,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
+    base_seq_len: int = 256,
+    max_seq_len: int = 8192,
+) -> float:
+    """Dynamic-shift exponent μ for ``image_seq_len`` image tokens (numerics §3.3).
+
+    Linear in the token count and not clamped, evaluated in binary64 in diffusers' written order
+    (``m = Δshift/Δlen; b = base_shift − m·base_len; μ = len·m + b``), so it is the same float as
+    the pipeline's ``calculate_shift`` (4096 tokens → 0.6935483870967742).
+    """
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
+
+
+def _sigma_table_np(
+    num_steps: int,
+    image_seq_len: int,
+    *,
+    base_shift: float,
+    max_shift: float,
+    base_seq_len: int,
+    max_seq_len: int,
+    shift_terminal: float | None,
+) -> np.ndarray:
+    if not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+    if not isinstance(image_seq_len, (int, np.integer)) or image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be a positive int, got {image_seq_len!r}")
+    if shift_terminal and num_steps < 2:
+        # 1 - sigma1[-1] = 0 makes the stretch 0/0 (diffusers returns NaN).
+        raise UnsupportedConfigError("flow_sigma_table: the terminal stretch needs num_steps >= 2")
+    mu = flow_shift_mu(
+        int(image_seq_len), base_shift=base_shift, max_shift=max_shift,
+        base_seq_len=base_seq_len, max_seq_len=max_seq_len,
+    )
+    one = np.float32(1.0)
+    # σ⁰ = linspace in binary64, then one cast to fp32 (diffusers' set_timesteps(sigmas=...)).
+    s0 = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)  # [N]
+    # Exponential shift with exponent 1: e^μ / (e^μ + (1/σ⁰ − 1)). e^μ is a binary64 libm value
+    # rounded once to fp32 (NumPy 2 keeps fp32 for python-float operands); every op below is a
+    # single correctly rounded fp32 op.
+    e_mu = np.float32(math.exp(mu))
+    s1 = e_mu / (e_mu + (one / s0 - one))
+    if shift_terminal:
+        one_minus = one - s1
+        scale = one_minus[-1] / np.float32(1.0 - shift_terminal)
+        s1 = one - one_minus / scale
+    out = np.concatenate([s1.astype(np.float32), np.zeros(1, np.float32)])  # [N+1], trailing +0
+    assert out.dtype == np.float32
+    return out
+
+
+def _flow_sigma_table(
+    num_steps: int,
+    image_seq_len: int,
+    *,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
+    base_seq_len: int = 256,
+    max_seq_len: int = 8192,
+    shift_terminal: float | None = 0.02,
+) -> torch.Tensor:
+    """FP32 sigma table of the Qwen-Image scheduler (numerics §3.3; forward only).
+
+    Args:
+        num_steps: N, the number of denoising steps (≥ 1; ≥ 2 with a terminal stretch).
+        image_seq_len: image token count h·w (packed 2×2 patches), e.g. 4096 at 1024².
+        base_shift, max_shift, base_seq_len, max_seq_len: the dynamic-shift line (Qwen-Image's
+            published scheduler config: 0.5 at 256 tokens, 0.9 at 8192; not the class defaults).
+        shift_terminal: stretch so the last non-zero sigma is this value (0.02); ``None``/0 skips.
+
+    Returns:
+        ``sigmas`` fp32 CPU tensor [N+1], unitless, decreasing: σ_0 = 1 exactly, σ_{N−1} =
+        0.019999980926513672 (fp32 of the stretch), σ_N = +0. The model timesteps of diffusers are
+        ``sigmas[:N] * 1000`` (fp32); see ``timestep_input`` for what the model receives.
+
+    Arithmetic: numpy fp32 in diffusers' written order (σ⁰ = fp32(linspace₆₄(1, 1/N, N));
+    σ¹ = e^μ/(e^μ + (1/σ⁰ − 1)); r = (1 − σ¹_{N−1})/fp32(1 − 0.02); σ = 1 − (1 − σ¹)/r).
+    Bit-equal to ``FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace, mu=μ)``
+    configured as numerics §1.
+
+    Raises:
+        ValueError: non-positive ``num_steps`` or ``image_seq_len``.
+        UnsupportedConfigError: ``num_steps == 1`` with a terminal stretch (0/0).
+    """
+    table = _sigma_table_np(
+        num_steps, image_seq_len, base_shift=base_shift, max_shift=max_shift,
+        base_seq_len=base_seq_len, max_seq_len=max_seq_len, shift_terminal=shift_terminal,
+    )
+    return torch.from_numpy(table)
+
+
+implements("flow_sigma_table", "strict", kernel="cpu.numpy_fp32.diffusers_order")(_flow_sigma_table)
+implements("flow_sigma_table", "production", kernel="cpu.numpy_fp32.diffusers_order")(
+    _flow_sigma_table
+)
+flow_sigma_table = _flow_sigma_table
+"""Direct (un-traced) access; inside a run use ``call(rt, "flow_sigma_table", ...)``."""
+
+
+TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
+"""Timestep encodings τ of a step with sigma σ (numerics §3.4, §5 trap 2):
+
+* ``"sigma_fp32"``: τ = fp32 σ (the table value itself).
+* ``"pipeline_bf16"``: diffusers' QwenImagePipeline: t = fp32(σ)·1000 (fp32), τ =
+  bf16(bf16(t) / 1000) — t is cast to bf16 *before* the division (989.70 → 988 → 0.98828125);
+  up to 2.9e-3 away from σ over 50 steps at 1024².
+* ``"t_div_1000_fp32"``: Flow-GRPO training's ``compute_log_prob``: τ = fp32(t) / 1000 in fp32.
+
+The trainer must use the rollout's policy; a mismatch changes every step's model input.
+"""
+
+
+def timestep_input(sigma: float | torch.Tensor, policy: str) -> torch.Tensor:
+    """Encode sigma as the model's timestep input τ under ``policy`` (see ``TIMESTEP_POLICIES``).
+
+    Args:
+        sigma: a sigma (python float, 0-dim or [B] tensor); converted to fp32 first.
+        policy: ``"sigma_fp32"`` | ``"pipeline_bf16"`` | ``"t_div_1000_fp32"``.
+
+    Returns:
+        τ as an fp32 tensor of ``sigma``'s shape (for ``"pipeline_bf16"`` the values are bf16
+        values held exactly in fp32), unitless (≈ σ ∈ [0, 1]).
+
+    Raises:
+        ValueError: unknown policy.
+    """
+    s = torch.as_tensor(sigma, dtype=torch.float32)
+    if policy == "sigma_fp32":
+        return s.clone()
+    t = s * 1000  # fp32, as diffusers' timesteps = sigmas * num_train_timesteps
+    if policy == "pipeline_bf16":
+        return (t.to(torch.bfloat16) / 1000).to(torch.float32)
+    if policy == "t_div_1000_fp32":
+        return t / 1000
+    raise ValueError(f"unknown timestep policy {policy!r}; expected one of {TIMESTEP_POLICIES}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed-order reductions (strict)
+
+
+def tree_sum_lastdim(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis by the halving tree (module docstring); [..., n] → [...].
+
+    Zero-padded to a power of two; each level adds the two halves elementwise. Differentiable
+    (plain slicing and adds). The result for a row depends only on that row's n values.
+    """
+    n = t.shape[-1]
+    if n < 1:
+        raise ValueError("tree_sum_lastdim needs at least one element")
+    p = 1 << (n - 1).bit_length()
+    if p != n:
+        t = torch.cat([t, t.new_zeros(*t.shape[:-1], p - n)], dim=-1)  # [..., p]
+    while p > 1:
+        p //= 2
+        t = t[..., :p] + t[..., p:]  # [..., p]
+    return t[..., 0]
+
+
+def _check_dtype(name: str, what: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if t.dtype not in allowed:
+        raise UnsupportedConfigError(
+            f"{name}: {what} has dtype {t.dtype}, strict supports {tuple(allowed)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# CFG combine + per-token renorm (numerics §3.4, §5 trap 12)
+
+
+def _check_cfg_inputs(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> None:
+    if v_cond.shape != v_uncond.shape:
+        raise ValueError(
+            f"cfg_combine_renorm: v_cond {tuple(v_cond.shape)} and v_uncond "
+            f"{tuple(v_uncond.shape)} differ"
+        )
+    if v_cond.dim() < 1 or v_cond.shape[-1] < 1:
+        raise ValueError("cfg_combine_renorm: inputs need a non-empty channel axis")
+    if isinstance(scale, torch.Tensor) or not math.isfinite(float(scale)):
+        raise ValueError(f"cfg_combine_renorm: scale must be a finite python float, got {scale!r}")
+
+
+@implements("cfg_combine_renorm", "strict", kernel="torch.fp32.halving_tree_norm")
+def cfg_combine_renorm_strict(
+    v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """CFG combine and per-token renorm, strict (numerics §3.4).
+
+    Args:
+        v_cond: [B, N, C] conditional velocity (fp32 or bf16; bf16 is upcast exactly).
+        v_uncond: [B, N, C] unconditional (negative-prompt) velocity, same shape.
+        scale: guidance scale s (python float; rounded once to fp32).
+
+    Returns:
+        v [B, N, C] fp32: comb = u + s·(c − u); v = comb · (‖c‖ / ‖comb‖), 2-norms per token over
+        the last (channel) axis, no epsilon (‖comb‖ = 0 gives inf/NaN, propagated, not hidden).
+
+    Arithmetic (fp32, one rounding per op, no FMA): d = c − u; comb = u + (s·d);
+    ‖a‖ = sqrt(tree_sum(a·a)) with the halving tree over the C channels; ratio = ‖c‖ / ‖comb‖;
+    v = comb · ratio. Byte-invariant to batch size, batch position and token count.
+
+    Raises:
+        UnsupportedConfigError: a dtype other than fp32/bf16.
+        ValueError: shape mismatch, empty channel axis, non-finite or tensor scale.
+    """
+    _check_cfg_inputs(v_cond, v_uncond, scale)
+    for what, t in (("v_cond", v_cond), ("v_uncond", v_uncond)):
+        _check_dtype("cfg_combine_renorm", what, t, CFG_COMBINE_RENORM.dtypes)
+    c = v_cond.to(torch.float32)
+    u = v_uncond.to(torch.float32)
+    s = torch.tensor(float(scale), dtype=torch.float32, device=c.device)
+    comb = u + s * (c - u)  # [B, N, C]
+    c_norm = torch.sqrt(tree_sum_lastdim(c * c))  # [B, N]
+    comb_norm = torch.sqrt(tree_sum_lastdim(comb * comb))  # [B, N]
+    ratio = c_norm / comb_norm  # [B, N]
+    return comb * ratio.unsqueeze(-1)  # [B, N, C]
+
+
+@implements("cfg_combine_renorm", "production", kernel="torch.native.norm")
+def cfg_combine_renorm_production(
+    v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """CFG combine and per-token renorm as diffusers' QwenImagePipeline writes it (numerics §3.4).
+
+    Same meaning as ``cfg_combine_renorm_strict`` but computed in the input dtype with
+    ``torch.norm(dim=-1, keepdim=True)``; returns the input dtype (bf16 in a bf16 pipeline).
+    """
+    _check_cfg_inputs(v_cond, v_uncond, scale)
+    comb = v_uncond + float(scale) * (v_cond - v_uncond)
+    cond_norm = torch.norm(v_cond, dim=-1, keepdim=True)
+    comb_norm = torch.norm(comb, dim=-1, keepdim=True)
+    return comb * (cond_norm / comb_norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-GRPO SDE step with log-probability (numerics §4, §4.1, §5 trap 9)
+
+
+def _per_sample(
+    value: float | torch.Tensor, batch: int, device: torch.device, what: str
+) -> torch.Tensor:
+    """A schedule scalar or [B] vector as an fp32 [B] tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(torch.float32)
+    else:
+        t = torch.tensor(float(value), dtype=torch.float32)
+    if t.dim() == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(
+            f"flow_sde_step_logp: {what} must be a scalar or [B={batch}], got {tuple(t.shape)}"
+        )
+    return t.to(device).contiguous()
+
+
+def _prepare_sde(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    eta: float,
+    sigma_max: float | torch.Tensor,
+    noise: torch.Tensor | None,
+    prev_sample: torch.Tensor | None,
+    strict: bool,
+):
+    name = "flow_sde_step_logp"
+    if v.shape != x.shape or v.dim() < 2:
+        raise ValueError(f"{name}: v {tuple(v.shape)} and x {tuple(x.shape)} must match, [B, ...]")
+    if noise is not None and prev_sample is not None:
+        raise ValueError(f"{name}: give noise (sampling) or prev_sample (replay), not both")
+    for what, t in (("noise", noise), ("prev_sample", prev_sample)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"{name}: {what} {tuple(t.shape)} must match x {tuple(x.shape)}")
+    eta = float(eta)
+    if not math.isfinite(eta) or eta < 0:
+        raise ValueError(f"{name}: eta must be finite and >= 0, got {eta}")
+    if eta > 0 and noise is None and prev_sample is None:
+        raise ValueError(f"{name}: eta > 0 needs pinned noise or prev_sample (the op draws no RNG)")
+    if strict:
+        for what, t in (("v", v), ("x", x), ("prev_sample", prev_sample)):
+            if t is not None:
+                _check_dtype(name, what, t, FLOW_SDE_STEP_LOGP.dtypes)
+        if noise is not None:
+            _check_dtype(name, "noise", noise, (torch.float32,))
+    B = x.shape[0]
+    s = _per_sample(sigma, B, x.device, "sigma")
+    sn = _per_sample(sigma_next, B, x.device, "sigma_next")
+    sm = _per_sample(sigma_max, B, x.device, "sigma_max")
+    if not bool(((sn >= 0) & (sn < s) & (s <= 1)).all()):
+        raise UnsupportedConfigError(
+            f"{name}: needs 0 <= sigma_next < sigma <= 1 per sample, got sigma={s.tolist()}, "
+            f"sigma_next={sn.tolist()}"
+        )
+    if eta > 0 and not bool(((sm > 0) & (sm < 1)).all()):
+        raise UnsupportedConfigError(
+            f"{name}: sigma_max (= sigmas[1]) must be in (0, 1), got {sm.tolist()}"
+        )
+    return v.to(torch.float32), x.to(torch.float32), s, sn, sm, eta
+
+
+def _bcast(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """[B] → [B, 1, ..., 1] with ``ndim`` dims."""
+    return t.view(-1, *([1] * (ndim - 1)))
+
+
+def _euler(v32, x32, s, sn, prev_sample):
+    """eta == 0: x + Δσ·v in fp32; logp undefined (NaN); std_t = 0."""
+    dt = _bcast(sn - s, x32.dim())
+    mu = x32 + dt * v32
+    x_next = prev_sample.to(torch.float32) if prev_sample is not None else mu
+    B = x32.shape[0]
+    logp = torch.full((B,), math.nan, dtype=torch.float32, device=x32.device)
+    std_t = torch.zeros(B, dtype=torch.float32, device=x32.device)
+    return x_next.detach(), logp, mu, std_t
+
+
+@implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.halving_tree_mean")
+def flow_sde_step_logp_strict(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    eta: float,
+    sigma_max: float | torch.Tensor,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flow-GRPO 'sde' transition x_t → x_{t+1} and its log-probability, strict FP32 (numerics §4).
+
+    Args:
+        v: [B, N, C] velocity (fp32, or bf16 upcast exactly) — the CFG-combined one in a rollout.
+        x: [B, N, C] current latent x_t (fp32 or bf16).
+        sigma: σ of this step, python float, 0-dim or [B] (per-sample schedules allowed).
+        sigma_next: σ of the next step (σ' < σ; 0 at the last step).
+        eta: noise level η ≥ 0 (``noise_level`` in Flow-GRPO). ``eta == 0`` (a step outside the
+            SDE window) is the deterministic Euler step, see Returns.
+        sigma_max: the scheduler's **second** sigma ``sigmas[1]`` (§5 trap 9), substituted for σ
+            in 1 − σ when σ == 1.
+        noise: [B, N, C] fp32 pinned standard-normal noise (sampling); the op draws no RNG.
+        prev_sample: [B, N, C] the stored next latent (replay / training recompute); fp32 or bf16.
+
+    Returns:
+        ``(x_next, logp, mu, std_t)``, all fp32:
+        x_next [B, N, C] (detached; ``prev_sample`` itself in replay), logp [B], mu [B, N, C]
+        (differentiable in v and x), std_t [B] (the SDE std η·sqrt(σ/(1−σ̃)), not the step's
+        noise scale s = std_t·sqrt(−Δ)). With ``eta == 0``: mu = x + Δ·v, x_next = mu (or
+        ``prev_sample``), std_t = 0 and **logp = NaN**: the log-density of a deterministic step is
+        not defined; callers must record it as absent, never as a value.
+
+    Arithmetic (fp32, one rounding per op, no FMA, Flow-GRPO's written order), per sample:
+    Δ = σ' − σ; std = sqrt(σ / (1 − σ̃)) · η with σ̃ = σ_max if σ == 1 else σ; var = std·std;
+    a = 1 + (var / (2σ))·Δ; c = 1 + (var·(1 − σ)) / (2σ); mu = x·a + (v·c)·Δ;
+    s = std·sqrt(−Δ); x_next = mu + s·noise (sampling) or prev_sample;
+    ℓ = (−(d·d) / (2·(s·s)) − ln s) − ln√(2π) with d = x_next − mu (x_next detached);
+    logp = tree_sum(ℓ over the N·C flattened elements) / fp32(N·C) (halving tree, module doc).
+    ln s and ln√(2π) are binary64 logs rounded once to fp32 (the only transcendental; declared
+    tolerance vs the FP64 reference 1e-5 abs on logp), computed per sample on the host, so
+    nothing depends on the batch layout. Byte-invariant to batch size, batch position and token
+    count; sampling and replay (prev_sample = the sampled x_next) give the same logp bytes.
+
+    Raises:
+        ValueError: shape mismatch; both or (with eta > 0) neither of noise/prev_sample; eta < 0.
+        UnsupportedConfigError: unsupported dtype (noise must be fp32); sigma_next ≥ sigma,
+            σ > 1 or σ' < 0; sigma_max ∉ (0, 1) with eta > 0; more than 2^24 elements per sample.
+    """
+    v32, x32, s, sn, sm, eta = _prepare_sde(
+        v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample, strict=True
+    )
+    per_sample = x32[0].numel()
+    if per_sample > MAX_LOGP_ELEMENTS:
+        raise UnsupportedConfigError(
+            f"flow_sde_step_logp: {per_sample} elements per sample exceed 2^24 (strict count)"
+        )
+    if eta == 0.0:
+        return _euler(v32, x32, s, sn, prev_sample)
+    nd = x32.dim()
+    eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
+    dt = sn - s  # [B]
+    std = torch.sqrt(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
+    var = std * std
+    two_s = 2 * s
+    a = 1 + (var / two_s) * dt  # [B]
+    c = 1 + (var * (1 - s)) / two_s  # [B]
+    scale = std * torch.sqrt(-dt)  # [B] noise scale s_t
+    mu = x32 * _bcast(a, nd) + (v32 * _bcast(c, nd)) * _bcast(dt, nd)  # [B, N, C]
+    if prev_sample is None:
+        x_next = mu + _bcast(scale, nd) * noise
+    else:
+        x_next = prev_sample.to(torch.float32)
+    x_next = x_next.detach()
+    # Per-sample constants on the host: binary64 log, rounded once to fp32.
+    log_scale = torch.tensor(
+        [math.log(q) if q > 0 else (-math.inf if q == 0 else math.nan) for q in scale.tolist()],
+        dtype=torch.float32, device=x32.device,
+    )  # [B]
+    log_sqrt_2pi = torch.tensor(
+        0.5 * math.log(2.0 * math.pi), dtype=torch.float32, device=x32.device
+    )
+    two_var = 2 * (scale * scale)  # [B]
+    d = x_next - mu
+    elem = (-(d * d) / _bcast(two_var, nd) - _bcast(log_scale, nd)) - log_sqrt_2pi  # [B, N, C]
+    total = tree_sum_lastdim(elem.reshape(elem.shape[0], -1))  # [B]
+    logp = total / torch.tensor(float(per_sample), dtype=torch.float32, device=x32.device)
+    return x_next, logp, mu, std
+
+
+@implements("flow_sde_step_logp", "production", kernel="torch.native.flowgrpo_sde.mean")
+def flow_sde_step_logp_production(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    eta: float,
+    sigma_max: float | torch.Tensor,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flow-GRPO's ``sde_step_with_logprob`` ('sde' branch) as written upstream (numerics §4).
+
+    Same signature, meaning and outputs as ``flow_sde_step_logp_strict``; the expression is
+    Flow-GRPO's on [B, 1, ..., 1]-shaped schedule tensors, ``torch.log`` for ln s and
+    ln(sqrt(2·fp32(π))), and ``torch.mean`` over the non-batch dims for logp. ``x_next``, ``mu``
+    and ``std_t`` are byte-equal to strict; ``logp`` agrees to the declared tolerance.
+    The pinned ``noise`` replaces Flow-GRPO's global-RNG draw.
+    """
+    v32, x32, s, sn, sm, eta = _prepare_sde(
+        v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample, strict=False
+    )
+    if eta == 0.0:
+        return _euler(v32, x32, s, sn, prev_sample)
+    nd = x32.dim()
+    sigma_b = _bcast(s, nd)
+    sigma_prev = _bcast(sn, nd)
+    sigma_max_b = _bcast(sm, nd)
+    dt = sigma_prev - sigma_b
+    eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
+    std_dev_t = torch.sqrt(sigma_b / (1 - torch.where(sigma_b == 1, sigma_max_b, sigma_b))) * eta32
+    mu = x32 * (1 + std_dev_t**2 / (2 * sigma_b) * dt) + v32 * (
+        1 + std_dev_t**2 * (1 - sigma_b) / (2 * sigma_b)
+    ) * dt
+    if prev_sample is None:
+        x_next = mu + std_dev_t * torch.sqrt(-1 * dt) * noise
+    else:
+        x_next = prev_sample.to(torch.float32)
+    x_next = x_next.detach()
+    elem = (
+        -((x_next - mu) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
+        - torch.log(std_dev_t * torch.sqrt(-1 * dt))
+        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi, dtype=torch.float32)))
+    )
+    logp = elem.mean(dim=tuple(range(1, nd)))
+    return x_next, logp, mu, std_dev_t.reshape(-1)

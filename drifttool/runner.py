@@ -1,0 +1,251 @@
+"""The main job: run a strict (or production) trajectory and write its artifact.
+
+    >>> summary = execute(RunSpec(mode="strict", capture="L1"), "runs/a")
+    >>> summary["complete"], summary["steps"], summary["samples"]
+    (True, 4, [0, 1])
+
+``RunSpec`` holds what the CLI exposes; unset fields come from the fixture's settings
+(``fixtures/<name>/fixture.json``). Every byte-changing choice ends up in the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import drifttool.ops  # noqa: F401  (registers every operator backend)
+from drifttool.artifact.writer import ArtifactWriter
+from drifttool.capture.digest import digest_tensor
+from drifttool.capture.recorder import Recorder
+from drifttool.environment import environment
+from drifttool.errors import DriftToolError
+from drifttool.fingerprint import arch_fingerprint
+from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
+from drifttool.model.checkpoint import load_checkpoint, weight_digest
+from drifttool.ops.registry import implementation
+from drifttool.runtime import Mode, Runtime
+from drifttool.sampling.noise import draw_noise
+from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, StepOutput, rollout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    """What to run. ``None`` fields take the fixture's setting.
+
+    Attributes:
+        fixture: fixture name (under ``fixtures/``) or path; default ``tiny-t2i``.
+        checkpoint: diffusers-format transformer folder replacing the fixture's model (prompt
+            embeddings are then drawn from ``seed`` at the fixture's prompt lengths).
+        steps, cfg_scale, eta, seed: sampler settings (numerics §3.3, §3.4, §4).
+        samples: logical sample ids to run as one batch; ``batch`` B means ids 0..B-1.
+        mode: runtime mode (strict | audit | auto | off).
+        capture: L0 | L1 | L2.
+        dtype: model dtype (float32 | bfloat16).
+        cfg_layout: batched | sequential.  timestep_policy: see ``ops.scheduler``.
+        unavailable: (op, backend) pairs planted as unavailable (tests, probes).
+    """
+
+    fixture: str | Path | None = None
+    checkpoint: str | Path | None = None
+    steps: int | None = None
+    cfg_scale: float | None = None
+    eta: float | None = None
+    seed: int | None = None
+    batch: int | None = None
+    samples: list[int] | None = None
+    mode: str = "strict"
+    capture: str | None = None
+    dtype: str | None = None
+    cfg_layout: str | None = None
+    timestep_policy: str | None = None
+    unavailable: tuple[tuple[str, str], ...] = ()
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
+    """Merge the spec over the fixture's settings; validate. Returns (fixture, settings).
+
+    Raises:
+        DriftToolError: unknown mode, capture level or dtype; empty or negative sample ids.
+    """
+    fx = load_fixture(spec.fixture or DEFAULT_FIXTURE)
+    s = dict(fx.settings)
+    for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
+                "timestep_policy"):
+        s[key] = _pick(getattr(spec, key), s.get(key))
+    if spec.samples is not None:
+        s["samples"] = [int(i) for i in spec.samples]
+    elif spec.batch is not None:
+        s["samples"] = list(range(int(spec.batch)))
+    if not s["samples"] or min(s["samples"]) < 0 or len(set(s["samples"])) != len(s["samples"]):
+        raise DriftToolError(f"sample ids must be distinct and >= 0, got {s['samples']}")
+    try:
+        s["mode"] = Mode(spec.mode).value
+    except ValueError:
+        raise DriftToolError(f"unknown mode {spec.mode!r} (strict, audit, auto, off)") from None
+    if s["dtype"] not in DTYPES:
+        raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
+    if s["capture"] not in ("L0", "L1", "L2"):
+        raise DriftToolError(f"unknown capture level {s['capture']!r} (L0, L1, L2)")
+    s["checkpoint"] = str(spec.checkpoint) if spec.checkpoint else None
+    s["fixture"] = fx.name
+    return fx, s
+
+
+def build_inputs(fx: Fixture, s: dict[str, Any], joint_dim: int) -> tuple[RolloutInputs, dict]:
+    """Replay inputs for the sample batch: pinned noise (``sampling.noise``) and prompt
+    embeddings (the fixture's, or seeded random ones at the fixture's lengths for an external
+    checkpoint), right-padded to the batch's longest prompt with a key mask (None if all valid,
+    as the pipeline does, numerics §5.11)."""
+    ids = s["samples"]
+    grid = tuple(s["img_grid"])
+    noise = draw_noise(s["seed"], ids, img_grid=grid, num_steps=s["steps"])
+    txt, lens, neg, neg_len = fx.prompts(joint_dim, seed=s["seed"])
+    rows = [i % txt.shape[0] for i in ids]
+    width = max(int(lens[r]) for r in rows)
+    tb = torch.stack([txt[r, :width] for r in rows])  # [B, L, D]
+    mask = torch.stack([torch.arange(width) < lens[r] for r in rows])  # [B, L] bool
+    nb = neg[:, : int(neg_len)].expand(len(ids), -1, -1).contiguous()  # [B, Ln, D]
+    inputs = RolloutInputs(
+        sample_ids=ids, x0=noise.x0, txt=tb, img_grid=grid,
+        txt_mask=None if bool(mask.all()) else mask, noise=noise.noise,
+        neg_txt=nb, neg_mask=None,
+    )
+    return inputs, noise.record
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return f"xxh3_64:{digest_tensor(t).digest:016x}"
+
+
+def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse non-finite replay inputs or weights: a NaN must be reported, never hashed as if it
+    were an ordinary value.
+
+    Raises:
+        DriftToolError: naming every tensor with NaN/Inf, its count and first index.
+    """
+    bad = []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            nf = ~torch.isfinite(t)
+            if bool(nf.any()):
+                first = tuple(nf.nonzero()[0].tolist())
+                bad.append(f"{name}: {int(nf.sum())} non-finite value(s), first at index {first}")
+    if bad:
+        raise DriftToolError(f"non-finite {what}: " + "; ".join(bad))
+
+
+def sampler_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The model as the sampler calls it: latents stay FP32 between steps; they and the prompt
+    embeddings are cast to the model dtype W at the model input (the cast point of the
+    pipeline), and the velocity comes back in W (the SDE step upcasts it, numerics §4)."""
+    w = model.dtype
+
+    def forward(x, txt, txt_mask, tau, img_grid, rt):
+        return model(x.to(w), txt.to(w), txt_mask, tau, img_grid, rt)
+
+    return forward
+
+
+def replay_tensors(inputs: RolloutInputs) -> dict[str, torch.Tensor]:
+    """The tensors stored in ``inputs.safetensors``."""
+    t = {"sample_ids": torch.tensor(inputs.sample_ids, dtype=torch.int64), "x0": inputs.x0,
+         "txt": inputs.txt, "img_grid": torch.tensor(inputs.img_grid, dtype=torch.int64)}
+    if inputs.txt_mask is not None:
+        t["txt_mask"] = inputs.txt_mask.to(torch.uint8)
+    if inputs.noise is not None:
+        t["noise"] = inputs.noise
+    if inputs.neg_txt is not None:
+        t["neg_txt"] = inputs.neg_txt
+    return t
+
+
+def _close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: ArtifactWriter) -> None:
+    """Flush what finished, keep the trace so far, and mark the artifact incomplete — never
+    masking the run's own exception."""
+    try:
+        if recorder is not None:
+            recorder.close(complete=False)
+        if rt is not None and not writer.closed:
+            writer.write_trace(rt.trace.rows())
+    except Exception:  # noqa: BLE001 - the run's own exception is the one to report
+        pass
+    writer.close(complete=False)
+
+
+def execute(
+    spec: RunSpec,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    on_step: Callable[[StepOutput], Any] | None = None,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
+    """Run one trajectory and write its artifact to ``out``.
+
+    A failure after the artifact was opened closes it with ``complete=false`` (finished steps
+    stay readable) and re-raises.
+
+    Returns:
+        A summary: out, complete, steps, samples, mode, capture, records.
+    Raises:
+        DriftToolError (or subclasses): bad settings, checkpoint, fixture, strict configuration
+            or artifact location.
+    """
+    fx, s = resolve(spec)
+    dtype = DTYPES[s["dtype"]]
+    model = load_checkpoint(s["checkpoint"] or fx.model_dir, dtype=dtype)
+    sampler = SamplerConfig(
+        num_steps=int(s["steps"]), cfg_scale=float(s["cfg_scale"]), eta=float(s["eta"]),
+        cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
+    )
+    check_finite(dict(model.state_dict()), "checkpoint weights")
+    inputs, noise_rec = build_inputs(fx, s, model.config.joint_attention_dim)
+    check_finite(replay_tensors(inputs), "replay inputs")
+    sigmas = implementation("flow_sigma_table", "strict")(sampler.num_steps, inputs.img_grid[0] * inputs.img_grid[1])
+    fingerprint = arch_fingerprint(
+        arch=model.config.arch_fields(), img_grid=inputs.img_grid, weights=weight_digest(model),
+        dtype=dtype, mode=s["mode"],
+        sampler={**dataclasses.asdict(sampler), "sigma_table": sigmas.tolist(),
+                 "sigma_table_digest": tensor_digest(sigmas)},
+    )
+    manifest = {
+        "kind": "rollout",
+        "fingerprint": fingerprint,
+        "settings": s,
+        "environment": environment(),
+        "replay": {"noise": noise_rec, "inputs": "inputs.safetensors",
+                   "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
+                   else [inputs.txt.shape[1]] * inputs.batch},
+        "layout": {"world_size": 1, "tp": 1, "sp": 1, "cfg_parallel": 1, "cfg_layout": s["cfg_layout"]},
+    }
+    writer = ArtifactWriter(out, manifest, overwrite=overwrite)
+    mode = Mode(s["mode"])
+    recorder = Recorder(level=s["capture"], writer=writer) if mode.captures else None
+    rt = None
+    try:
+        rt = Runtime(mode=mode, recorder=recorder, unavailable=set(spec.unavailable))
+        writer.write_inputs(replay_tensors(inputs))
+        traj = rollout(sampler_model(model), inputs, sampler, rt, callback=on_step, max_steps=max_steps)
+        writer.write_trace(rt.trace.rows())
+        if mode is Mode.STRICT:
+            rt.trace.check_strict()
+    except BaseException:
+        _close_incomplete(rt, recorder, writer)
+        raise
+    done = traj.complete
+    if recorder is not None:
+        recorder.close(complete=done)
+    writer.close(complete=done)
+    return {"out": str(out), "complete": done, "steps": len(traj.steps), "samples": inputs.sample_ids,
+            "mode": mode.value, "capture": s["capture"]}

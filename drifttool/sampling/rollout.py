@@ -1,0 +1,452 @@
+"""Rollout (sampling) and training recompute of a Qwen-Image CFG/SDE trajectory.
+
+    >>> traj = rollout(model, inputs, SamplerConfig(num_steps=10, cfg_scale=4.0, eta=1.2), rt)
+    >>> traj.latents.shape, traj.logp.shape        # x_0..x_10, logp per step (NaN outside window)
+    (torch.Size([11, 2, 1024, 64]), torch.Size([10, 2]))
+    >>> re = recompute(model, inputs, traj.latents, cfg, rt)   # phase="train"
+    >>> torch.equal(re.logp[:9].view(torch.int32), traj.logp[:9].view(torch.int32))   # strict
+    True
+
+Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=σ_i, ...)``:
+
+1. τ = ``timestep_input(σ_i, cfg.timestep_policy)`` for every row.
+2. The model per CFG branch: ``cfg_layout="batched"`` runs one forward on [cond; uncond] (rows
+   ``sample_ids + sample_ids``, prompts right-padded to a common length with a key mask, scope
+   ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``);
+   ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
+   batch-invariant, padding-invariant (strict) model both give the same bytes.
+3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
+   ``cfg_scale > 1`` and negative prompt embeddings are given; else v = v_cond).
+4. ``call(rt, "flow_sde_step_logp", v, x, σ_i, σ_{i+1}, eta=η_i, sigma_max=σ_1, noise=ε_i)``
+   with η_i = ``cfg.eta`` inside the SDE window and 0 outside (deterministic Euler, logp absent).
+5. ``rt.recorder.record_step(...)`` per logical sample (docs/architecture.md "Step records"):
+   the step record under branch ``"cfg"`` (``"cond"`` when CFG is off) holds x_t, v_t, x_next,
+   mu, std_t and — only inside the SDE window — logp_t; with CFG on, ``"cond"`` and
+   ``"uncond"`` records hold the branch velocities. Then ``rt.recorder.flush()`` if present,
+   so an interrupted run keeps every finished step.
+
+Latents stay fp32 between steps. ``recompute`` re-runs steps from stored latents with
+``prev_sample`` = the stored next latent (Flow-GRPO's ``compute_log_prob``), gradients enabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
+from drifttool.ops.registry import call
+from drifttool.ops.scheduler import TIMESTEP_POLICIES, timestep_input
+from drifttool.runtime import Runtime
+
+CFG_LAYOUTS = ("batched", "sequential")
+
+
+@dataclass(kw_only=True)
+class SamplerConfig:
+    """Sampler settings (one config per concept; every byte-changing choice is here).
+
+    Attributes:
+        num_steps: N denoising steps (the sigma table has N + 1 entries).
+        cfg_scale: true-CFG scale s; CFG runs when s > 1 **and** negative prompt embeddings are
+            given (diffusers' rule). Default 4.0 (pipeline default and Flow-GRPO's config).
+        eta: SDE noise level η inside the window (Flow-GRPO ``noise_level``; 1.2 in
+            ``pickscore_qwenimage``). 0 everywhere gives the deterministic Euler sampler.
+        sde_window: half-open step range [start, end) where η applies; ``None`` = (0, N − 1):
+            every step but the last (Flow-GRPO with window size 0, numerics §4.1).
+        timestep_policy: model timestep encoding, see ``ops.scheduler.TIMESTEP_POLICIES``;
+            training recompute must use the rollout's policy.
+        cfg_layout: ``"batched"`` (one forward on [cond; uncond], as Flow-GRPO) or
+            ``"sequential"`` (two forwards, as diffusers).
+        image_seq_len: token count used for the dynamic shift; ``None`` = h·w of the grid.
+    """
+
+    num_steps: int
+    cfg_scale: float = 4.0
+    eta: float = 1.2
+    sde_window: tuple[int, int] | None = None
+    timestep_policy: str = "sigma_fp32"
+    cfg_layout: str = "batched"
+    image_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or self.num_steps < 2:
+            raise ValueError(f"num_steps must be an int >= 2, got {self.num_steps!r}")
+        if self.eta < 0:
+            raise ValueError(f"eta must be >= 0, got {self.eta}")
+        if self.timestep_policy not in TIMESTEP_POLICIES:
+            raise ValueError(f"timestep_policy {self.timestep_policy!r} not in {TIMESTEP_POLICIES}")
+        if self.cfg_layout not in CFG_LAYOUTS:
+            raise ValueError(f"cfg_layout {self.cfg_layout!r} not in {CFG_LAYOUTS}")
+        start, end = self.window()
+        if not 0 <= start <= end <= self.num_steps:
+            raise ValueError(f"sde_window {self.sde_window} outside [0, {self.num_steps}]")
+
+    def window(self) -> tuple[int, int]:
+        """The resolved SDE window [start, end)."""
+        if self.sde_window is None:
+            return (0, self.num_steps - 1)
+        return (int(self.sde_window[0]), int(self.sde_window[1]))
+
+    def in_window(self, step: int) -> bool:
+        """Whether step ``step`` is stochastic (η > 0 applies and logp_t is defined)."""
+        start, end = self.window()
+        return start <= step < end and self.eta > 0
+
+    def eta_at(self, step: int) -> float:
+        return float(self.eta) if self.in_window(step) else 0.0
+
+
+@dataclass(kw_only=True)
+class RolloutInputs:
+    """Replay inputs of one batch of logical samples (all on one device).
+
+    Attributes:
+        sample_ids: logical sample id of each batch row (B entries).
+        x0: [B, N, Cp] fp32 initial packed latents (N = h·w, Cp = 4·latent channels).
+        txt: [B, L, D] prompt embeddings (right-padded).
+        img_grid: (h, w) patch grid.
+        txt_mask: [B, L] bool valid-token mask, or None (all valid).
+        noise: SDE noise, [num_steps, B, N, Cp] fp32, or a list of B per-sample tensors
+            [num_steps, N, Cp] (``sampling.noise``); may be None when no step is stochastic.
+        neg_txt: [B, L', D] negative prompt embeddings (CFG), or None.
+        neg_mask: [B, L'] bool, or None.
+    """
+
+    sample_ids: list[int]
+    x0: torch.Tensor
+    txt: torch.Tensor
+    img_grid: tuple[int, int]
+    txt_mask: torch.Tensor | None = None
+    noise: torch.Tensor | Sequence[torch.Tensor] | None = None
+    neg_txt: torch.Tensor | None = None
+    neg_mask: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.sample_ids)
+
+    def validate(self) -> None:
+        """Raise ValueError on inconsistent shapes/dtypes."""
+        B = self.batch
+        h, w = self.img_grid
+        if self.x0.dim() != 3 or self.x0.shape[0] != B or self.x0.shape[1] != h * w:
+            raise ValueError(f"x0 {tuple(self.x0.shape)} must be [B={B}, N={h * w}, Cp]")
+        if self.x0.dtype != torch.float32:
+            raise ValueError(f"x0 must be fp32, got {self.x0.dtype}")
+        pairs = (("txt", self.txt, self.txt_mask), ("neg_txt", self.neg_txt, self.neg_mask))
+        for name, t, m in pairs:
+            if t is None:
+                if m is not None:
+                    raise ValueError(f"{name} mask given without {name}")
+                continue
+            if t.dim() != 3 or t.shape[0] != B:
+                raise ValueError(f"{name} {tuple(t.shape)} must be [B={B}, L, D]")
+            if m is not None and (m.shape != t.shape[:2] or m.dtype != torch.bool):
+                raise ValueError(f"{name} mask must be bool [B, L], got {m.dtype} {tuple(m.shape)}")
+
+    def noise_at(self, step: int) -> torch.Tensor:
+        """[B, N, Cp] noise of step ``step``."""
+        if self.noise is None:
+            raise ValueError(f"step {step} is stochastic but RolloutInputs.noise is None")
+        if isinstance(self.noise, torch.Tensor):
+            out = self.noise[step]
+        else:
+            out = torch.stack([n[step] for n in self.noise])
+        if out.shape != self.x0.shape:
+            raise ValueError(
+                f"noise of step {step} is {tuple(out.shape)}, expected {tuple(self.x0.shape)}"
+            )
+        return out
+
+
+@dataclass(kw_only=True)
+class StepOutput:
+    """What one sampler step produced (all batched, fp32); passed to the step callback."""
+
+    step: int
+    sigma: float
+    sigma_next: float
+    in_window: bool
+    x: torch.Tensor  # [B, N, Cp] x_t
+    v: torch.Tensor  # [B, N, Cp] velocity used by the step (CFG-combined when CFG is on)
+    v_cond: torch.Tensor  # [B, N, Cp]
+    v_uncond: torch.Tensor | None  # [B, N, Cp] or None
+    x_next: torch.Tensor  # [B, N, Cp]
+    mu: torch.Tensor  # [B, N, Cp]
+    std_t: torch.Tensor  # [B]
+    logp: torch.Tensor  # [B], NaN outside the window
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """Per-step results of a rollout or recompute (step axis first, batch rows = sample_ids).
+
+    Attributes:
+        phase: ``"rollout"`` or the recompute phase (``"train"``).
+        sample_ids: logical sample id per batch row.
+        cfg: whether CFG ran.
+        sigmas: [num_steps + 1] fp32 sigma table; ``tau``: [num_steps] fp32 model timesteps.
+        steps: indices of the steps held, in order (all of them unless stopped early or a
+            subset was recomputed); the per-step tensors below follow this list.
+        in_window, eta: per held step.
+        latents: rollout: [len(steps) + 1, B, N, Cp] x_0 … x_k; recompute: the stored latents.
+        velocities, v_cond, mu: [len(steps), B, N, Cp]; v_uncond likewise or None.
+        std_t, logp: [len(steps), B]; logp is NaN outside the SDE window (absent, not a value).
+        complete: every step 0 … num_steps − 1 is held.
+    """
+
+    phase: str
+    sample_ids: list[int]
+    cfg: bool
+    sigmas: torch.Tensor
+    tau: torch.Tensor
+    steps: list[int]
+    in_window: list[bool]
+    eta: list[float]
+    latents: torch.Tensor
+    velocities: torch.Tensor
+    v_cond: torch.Tensor
+    v_uncond: torch.Tensor | None
+    mu: torch.Tensor
+    std_t: torch.Tensor
+    logp: torch.Tensor
+    complete: bool
+
+
+StepCallback = Callable[[StepOutput], Any]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _cfg_on(inputs: RolloutInputs, cfg: SamplerConfig) -> bool:
+    return cfg.cfg_scale > 1 and inputs.neg_txt is not None
+
+
+def _txt_lens(txt: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
+    if mask is None:
+        return [int(txt.shape[1])] * txt.shape[0]
+    return [int(n) for n in mask.sum(dim=1).tolist()]
+
+
+def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
+    """Right-pad [B, L, D] prompts (zeros) and masks (False) to ``length``."""
+    B, L, D = txt.shape
+    if mask is None:
+        mask = torch.ones(B, L, dtype=torch.bool, device=txt.device)
+    if L == length:
+        return txt, mask
+    txt = torch.cat([txt, txt.new_zeros(B, length - L, D)], dim=1)  # [B, length, D]
+    mask = torch.cat([mask, mask.new_zeros(B, length - L)], dim=1)  # [B, length]
+    return txt, mask
+
+
+def _rank(rt: Runtime) -> int:
+    return int(getattr(rt, "_scope", {}).get("rank", 0))
+
+
+def _sigma_table(
+    rt: Runtime, cfg: SamplerConfig, inputs: RolloutInputs, phase: str
+) -> torch.Tensor:
+    h, w = inputs.img_grid
+    seq = cfg.image_seq_len if cfg.image_seq_len is not None else h * w
+    with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", samples=None,
+                  txt_lens=None, img_grid=tuple(inputs.img_grid)):
+        return call(rt, "flow_sigma_table", cfg.num_steps, seq, stream="none", layout=".")
+
+
+def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
+    """Model forward(s) and CFG combine; returns (v, v_cond, v_uncond)."""
+    B = inputs.batch
+    ids = list(inputs.sample_ids)
+    grid = tuple(inputs.img_grid)
+    lens_c = _txt_lens(inputs.txt, inputs.txt_mask)
+    if not cfg_on:
+        with rt.scope(**scope, branch="cond", samples=ids, txt_lens=lens_c):
+            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
+        return v_c, v_c, None
+    lens_u = _txt_lens(inputs.neg_txt, inputs.neg_mask)
+    if cfg.cfg_layout == "batched":
+        L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
+        if inputs.txt_mask is None and inputs.neg_mask is None and inputs.txt.shape[1] == L \
+                and inputs.neg_txt.shape[1] == L:
+            txt2, mask2 = torch.cat([inputs.txt, inputs.neg_txt]), None  # [2B, L, D]
+        else:
+            tc, mc = _pad_txt(inputs.txt, inputs.txt_mask, L)
+            tu, mu_ = _pad_txt(inputs.neg_txt, inputs.neg_mask, L)
+            txt2, mask2 = torch.cat([tc, tu]), torch.cat([mc, mu_])  # [2B, L, D], [2B, L]
+        branches = ("cond",) * B + ("uncond",) * B
+        with rt.scope(**scope, branch=branches, samples=ids + ids, txt_lens=lens_c + lens_u):
+            v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt)
+            # v2: [2B, N, Cp]
+        v_c, v_u = v2[:B], v2[B:]
+    else:
+        with rt.scope(**scope, branch="cond", samples=ids, txt_lens=lens_c):
+            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
+        with rt.scope(**scope, branch="uncond", samples=ids, txt_lens=lens_u):
+            v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt)
+    with rt.scope(**scope, branch="cfg", samples=ids, txt_lens=None):
+        v = call(rt, "cfg_combine_renorm", v_c, v_u, float(cfg.cfg_scale),
+                 stream="img", layout="BS.")
+    return v, v_c, v_u
+
+
+def _record(rt: Runtime, phase: str, out: StepOutput, ids: list[int], cfg_on: bool) -> None:
+    rec = rt.recorder
+    if rec is None or not rt.mode.captures:
+        return
+    step_branch = "cfg" if cfg_on else "cond"
+    common = dict(phase=phase, step=out.step, sigma=out.sigma, sigma_next=out.sigma_next,
+                  rank=_rank(rt))
+    for b, sid in enumerate(ids):
+        q = {"x_t": out.x[b].detach(), "v_t": out.v[b].detach(), "x_next": out.x_next[b].detach(),
+             "mu": out.mu[b].detach(), "std_t": out.std_t[b].detach()}
+        if out.in_window:
+            q["logp_t"] = out.logp[b].detach()
+        rec.record_step(**common, sample=sid, branch=step_branch, quantities=q)
+        if cfg_on:
+            rec.record_step(**common, sample=sid, branch="cond",
+                            quantities={"v_t": out.v_cond[b].detach()})
+            rec.record_step(**common, sample=sid, branch="uncond",
+                            quantities={"v_t": out.v_uncond[b].detach()})
+
+
+def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev_sample):
+    """One step: forward(s), CFG, SDE op, step records, flush. Returns a StepOutput."""
+    ids = list(inputs.sample_ids)
+    s_i, s_n = sigmas[i], sigmas[i + 1]
+    in_win = cfg.in_window(i)
+    scope = dict(phase=phase, step=i, sigma=float(s_i), img_grid=tuple(inputs.img_grid))
+    tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
+    v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
+    noise = inputs.noise_at(i) if (in_win and prev_sample is None) else None
+    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", samples=ids, txt_lens=None):
+        x_next, logp, mu, std_t = call(
+            rt, "flow_sde_step_logp", v, x, s_i, s_n, eta=cfg.eta_at(i), sigma_max=sigmas[1],
+            noise=noise, prev_sample=prev_sample, stream="img", layout=("BS.", "B", "BS.", "B"),
+        )
+    out = StepOutput(step=i, sigma=float(s_i), sigma_next=float(s_n), in_window=in_win, x=x, v=v,
+                     v_cond=v_c, v_uncond=v_u, x_next=x_next, mu=mu, std_t=std_t, logp=logp)
+    _record(rt, phase, out, ids, cfg_on)
+    flush = getattr(rt.recorder, "flush", None) if rt.recorder is not None else None
+    if flush is not None:
+        flush()
+    return out
+
+
+def _trajectory(phase, inputs, cfg, cfg_on, sigmas, tau_all, outs, latents) -> Trajectory:
+    def stack(name):
+        vals = [getattr(o, name) for o in outs]
+        return torch.stack(vals) if vals else torch.empty(0)
+
+    return Trajectory(
+        phase=phase, sample_ids=list(inputs.sample_ids), cfg=cfg_on, sigmas=sigmas, tau=tau_all,
+        steps=[o.step for o in outs], in_window=[o.in_window for o in outs],
+        eta=[cfg.eta_at(o.step) for o in outs], latents=latents, velocities=stack("v"),
+        v_cond=stack("v_cond"), v_uncond=stack("v_uncond") if cfg_on else None, mu=stack("mu"),
+        std_t=stack("std_t"), logp=stack("logp"),
+        complete=[o.step for o in outs] == list(range(cfg.num_steps)),
+    )
+
+
+def rollout(
+    model: Callable[..., torch.Tensor],
+    inputs: RolloutInputs,
+    cfg: SamplerConfig,
+    rt: Runtime,
+    *,
+    callback: StepCallback | None = None,
+    max_steps: int | None = None,
+) -> Trajectory:
+    """Sample a CFG/SDE trajectory from pinned inputs (see the module docstring for each step).
+
+    Args:
+        model: ``model(x [B,N,Cp], txt [B,L,D], txt_mask [B,L] bool | None, tau [B] fp32,
+            img_grid (h, w), rt) -> v [B,N,Cp]`` (docs/architecture.md).
+        inputs: ``RolloutInputs`` (x0, prompts, masks, pinned noise).
+        cfg: ``SamplerConfig``.
+        rt: the runtime (mode picks strict/production operators; recorder gets step records).
+        callback: called with each step's ``StepOutput`` after its records were flushed; an
+            exception it raises propagates (the recorder keeps the finished steps).
+        max_steps: stop after this many steps (partial trajectory, ``complete=False``).
+
+    Returns:
+        ``Trajectory`` (phase ``"rollout"``), computed under ``torch.no_grad()``.
+
+    Raises:
+        ValueError: inconsistent inputs, or a stochastic step without noise.
+        UnsupportedConfigError: from the operators (strict dtype/domain checks, missing backend).
+    """
+    inputs.validate()
+    phase = "rollout"
+    cfg_on = _cfg_on(inputs, cfg)
+    n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
+    with torch.no_grad():
+        sigmas = _sigma_table(rt, cfg, inputs, phase).to(inputs.x0.device)  # [S+1] fp32
+        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)  # [S] fp32
+        x = inputs.x0
+        latents, outs = [x], []
+        for i in range(n_run):
+            out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, None)
+            outs.append(out)
+            x = out.x_next
+            latents.append(x)
+            if callback is not None:
+                callback(out)
+    return _trajectory(phase, inputs, cfg, cfg_on, sigmas, tau_all, outs, torch.stack(latents))
+
+
+def recompute(
+    model: Callable[..., torch.Tensor],
+    inputs: RolloutInputs,
+    stored_latents: torch.Tensor,
+    cfg: SamplerConfig,
+    rt: Runtime,
+    phase: str = "train",
+    *,
+    steps: Sequence[int] | None = None,
+    callback: StepCallback | None = None,
+) -> Trajectory:
+    """Training-side recompute: re-score stored transitions (numerics §4.1 ``compute_log_prob``).
+
+    Each step i runs from the stored x_i with ``prev_sample`` = stored x_{i+1}: same forwards,
+    CFG and SDE arithmetic as ``rollout`` (same ``cfg`` — in particular the same timestep
+    policy), so in strict mode v_t and logp_t are byte-equal to the rollout's. Gradients are
+    enabled as the caller set them (logp is differentiable through mu and v). Step records are
+    written with ``phase`` and flushed per step.
+
+    Args:
+        stored_latents: [num_steps + 1, B, N, Cp] x_0 … x_N (fp32, or bf16 upcast exactly).
+        steps: step indices to recompute (default all, in order).
+        Other arguments as ``rollout``. ``inputs.noise`` is not used.
+
+    Returns:
+        ``Trajectory`` with ``latents = stored_latents`` and per-step tensors for ``steps``.
+    """
+    inputs.validate()
+    S = cfg.num_steps
+    if stored_latents.dim() != 4 or stored_latents.shape[0] != S + 1 \
+            or stored_latents.shape[1:] != inputs.x0.shape:
+        raise ValueError(
+            f"stored_latents {tuple(stored_latents.shape)} must be [num_steps+1={S + 1}, "
+            f"{', '.join(map(str, inputs.x0.shape))}]"
+        )
+    idx = list(range(S)) if steps is None else [int(i) for i in steps]
+    if any(not 0 <= i < S for i in idx):
+        raise ValueError(f"steps {idx} outside [0, {S})")
+    cfg_on = _cfg_on(inputs, cfg)
+    with torch.no_grad():
+        sigmas = _sigma_table(rt, cfg, inputs, phase).to(inputs.x0.device)
+        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)
+    outs = []
+    for i in idx:
+        x = stored_latents[i].to(torch.float32)
+        prev = stored_latents[i + 1].to(torch.float32)
+        out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev)
+        outs.append(out)
+        if callback is not None:
+            callback(out)
+    return _trajectory(phase, inputs, cfg, cfg_on, sigmas, tau_all, outs, stored_latents)

@@ -1,0 +1,171 @@
+"""Artifact writer/reader: round trip, plain-pyarrow readability, crash tolerance, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+import torch
+
+from drifttool.artifact import SCHEMA_VERSION, ArtifactWriter, open_run
+from drifttool.artifact import schema as S
+from drifttool.capture.recorder import Recorder
+from drifttool.errors import ArtifactError
+
+TRACE = [{"op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
+          "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
+          "reason": "", "declared": False, "calls": 4}]
+
+
+def write_run(path, *, steps=3, close=True):
+    """A small L2 run through Recorder + ArtifactWriter; ``close=False`` simulates a crash."""
+    w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 1}}, "settings": {"n": 1}})
+    w.write_inputs({"x_T": torch.arange(6.0).reshape(2, 3), "mask": torch.tensor([True, False])})
+    rec = Recorder("L2", w)
+    for i in range(steps):
+        s = {"phase": "rollout", "step": i, "sigma": 1.0 - i / steps, "branch": "cond", "block": 0,
+             "samples": [0, 1], "txt_lens": None, "img_grid": (2, 2), "rank": 0,
+             "op": "img_mlp", "stream": "img", "call": 0}
+        rec.capture(s, torch.full((2, 4, 8), float(i)), "BS.")
+        rec.record_step(phase="rollout", step=i, sigma=s["sigma"], sigma_next=0.0, sample=0,
+                        branch="cfg", quantities={"x_t": torch.full((4, 8), float(i))})
+        rec.flush()
+    if close:
+        w.write_trace(TRACE)
+        rec.close(complete=True)
+    return path
+
+
+def test_round_trip(tmp_path):
+    run = open_run(write_run(tmp_path / "a"))
+    assert run.complete and run.schema_version == SCHEMA_VERSION and run.problems == []
+    m = run.manifest
+    assert m["fingerprint"] == {"arch": {"depth": 1}} and m["settings"] == {"n": 1}
+    assert m["files"] == {"inputs": "inputs.safetensors", "steps": "steps.arrow",
+                          "ops": ["ops.rank0.arrow"], "trace": "trace.arrow"}
+    assert run.ops_table().num_rows == 6 and run.steps_table().num_rows == 3
+    assert run.trace_rows() == TRACE
+    inputs = run.inputs()
+    assert torch.equal(inputs["x_T"], torch.arange(6.0).reshape(2, 3))
+    assert inputs["mask"].dtype == torch.bool
+    assert run.check() == []
+
+
+@pytest.mark.parametrize("name,table", [("ops.rank0.arrow", "ops"), ("steps.arrow", "steps"),
+                                        ("trace.arrow", "trace")])
+def test_plain_pyarrow_reads_every_file(tmp_path, name, table):
+    write_run(tmp_path / "a")
+    with pa.ipc.open_stream(tmp_path / "a" / name) as r:
+        t = r.read_all()
+    assert t.schema.metadata[b"drifttool.schema_version"] == str(SCHEMA_VERSION).encode()
+    assert t.schema.metadata[b"drifttool.table"] == table.encode()
+    assert t.num_rows > 0
+
+
+def test_manifest_says_incomplete_until_closed(tmp_path):
+    w = ArtifactWriter(tmp_path / "a", manifest={"fingerprint": {}})
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["complete"] is False
+    w.update_manifest(note="x")
+    assert open_run(tmp_path / "a").manifest["note"] == "x"
+    w.close(complete=True, wall_s=1.5)
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["complete"] is True and m["wall_s"] == 1.5 and m["schema_version"] == SCHEMA_VERSION
+    assert not list((tmp_path / "a").glob("*.tmp"))
+    with pytest.raises(ArtifactError, match="closed"):
+        w.write_trace([])
+
+
+def test_crash_leaves_finished_steps_readable(tmp_path):
+    path = write_run(tmp_path / "a", close=False)
+    ops = path / "ops.rank0.arrow"
+    ops.write_bytes(ops.read_bytes()[:-40])  # cut inside the third batch
+    run = open_run(path)
+    assert not run.complete
+    t = run.ops_table()
+    assert t.num_rows == 4 and sorted(set(t.column("step").to_pylist())) == [0, 1]
+    assert run.steps_table().num_rows == 3  # whole batches, just no end-of-stream marker
+    problems = run.check()
+    assert any("ops.rank0.arrow: truncated after 2 complete batches" in p for p in problems)
+    assert any("steps.arrow: stream not closed after 3 batches" in p for p in problems)
+    assert run.trace_rows() == []  # never written
+
+
+def test_crash_before_any_batch(tmp_path):
+    w = ArtifactWriter(tmp_path / "a")
+    (tmp_path / "a" / "ops.rank0.arrow").write_bytes(b"")
+    run = open_run(w.path)
+    assert run.ops_table().num_rows == 0 and run.steps_table().num_rows == 0
+    assert run.problems == ["ops.rank0.arrow: empty (no batch written)"]
+
+
+def test_cut_file_in_complete_run_is_an_error(tmp_path):
+    path = write_run(tmp_path / "a")
+    ops = path / "ops.rank0.arrow"
+    ops.write_bytes(ops.read_bytes()[:-8])  # only the end-of-stream marker missing
+    with pytest.raises(ArtifactError, match="corrupt file in a complete run.*not closed"):
+        open_run(path).ops_table()
+    ops.write_bytes(b"garbage" * 10)
+    with pytest.raises(ArtifactError, match="not a readable Arrow IPC stream"):
+        open_run(path).ops_table()
+    (path / "steps.arrow").unlink()
+    with pytest.raises(ArtifactError, match="complete run lacks steps.arrow"):
+        open_run(path).steps_table()
+
+
+def test_missing_and_corrupt_directory(tmp_path):
+    with pytest.raises(ArtifactError, match="no such artifact directory"):
+        open_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArtifactError, match="missing manifest.json"):
+        open_run(tmp_path / "empty")
+    path = write_run(tmp_path / "a")
+    (path / "manifest.json").write_text('{"schema_version": 1, "compl')
+    with pytest.raises(ArtifactError, match="corrupt manifest"):
+        open_run(path)
+    (path / "manifest.json").write_text('[1, 2]')
+    with pytest.raises(ArtifactError, match="not a JSON object"):
+        open_run(path)
+
+
+def test_corrupt_inputs(tmp_path):
+    path = write_run(tmp_path / "a")
+    (path / "inputs.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ArtifactError, match="corrupt safetensors"):
+        open_run(path).inputs()
+
+
+def test_unknown_schema_version_refused(tmp_path):
+    path = write_run(tmp_path / "a")
+    m = json.loads((path / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="schema_version 99 is not supported"):
+        open_run(path)
+    # an Arrow file of another version inside a supported manifest
+    m["schema_version"] = SCHEMA_VERSION
+    (path / "manifest.json").write_text(json.dumps(m))
+    old = S.OPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"0"})
+    with open(path / "ops.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
+        wr.write_table(old.empty_table())
+    with pytest.raises(ArtifactError, match="schema_version 0 is not supported"):
+        open_run(path).ops_table()
+
+
+def test_writer_refusals(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match="not empty"):
+        ArtifactWriter(tmp_path / "x")
+    with pytest.raises(ArtifactError, match="not empty"):
+        ArtifactWriter(tmp_path / "x", overwrite=True)  # not an artifact: never removed
+    write_run(tmp_path / "a")
+    ArtifactWriter(tmp_path / "a", overwrite=True).close(complete=True)
+    assert open_run(tmp_path / "a").ops_table().num_rows == 0
+    w = ArtifactWriter(tmp_path / "b")
+    with pytest.raises(ValueError, match="missing"):
+        w.write_ops({"seq": [1]}, rank=0)
+    with pytest.raises(ValueError, match="unknown keys"):
+        w.write_trace([{**TRACE[0], "extra": 1}])
+    with pytest.raises(ValueError, match="JSON"):
+        w.update_manifest(bad=object())

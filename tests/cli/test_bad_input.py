@@ -1,0 +1,153 @@
+"""Bad input: a clear one-line error and exit 2, never a traceback (issue 2 "Bad input")."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drifttool.fixture import locate
+from drifttool.runner import RunSpec, execute
+
+
+def _assert_clean_error(code, out, *needles):
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    for n in needles:
+        assert n in out, out
+
+
+def test_missing_run_dir(cli, tmp_path, strict_run):
+    _assert_clean_error(*cli("diff", tmp_path / "nope", strict_run), "nope")
+
+
+def test_corrupt_manifest(cli, tmp_path, strict_run):
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    (bad / "manifest.json").write_text("{not json")
+    _assert_clean_error(*cli("diff", strict_run, bad), "manifest")
+
+
+def test_unknown_schema_version(cli, tmp_path, strict_run):
+    bad = tmp_path / "future"
+    shutil.copytree(strict_run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["schema_version"] = 999
+    (bad / "manifest.json").write_text(json.dumps(m))
+    _assert_clean_error(*cli("diff", strict_run, bad), "999")
+
+
+def test_truncated_arrow_in_complete_run(cli, tmp_path, strict_run):
+    bad = tmp_path / "cut"
+    shutil.copytree(strict_run, bad)
+    data = (bad / "ops.rank0.arrow").read_bytes()
+    (bad / "ops.rank0.arrow").write_bytes(data[: len(data) // 2])
+    _assert_clean_error(*cli("diff", strict_run, bad), "ops.rank0.arrow")
+
+
+def test_incomparable_architecture_names_the_field(cli, tmp_path, strict_run):
+    from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
+    from drifttool.model.config import MMDiTConfig
+    from drifttool.model.mmdit import MMDiT, random_init_
+
+    base = load_checkpoint(locate("tiny-t2i") / "transformer")
+    cfg = MMDiTConfig(**{**base.config.__dict__, "num_layers": 3})
+    with torch.no_grad():
+        save_checkpoint(random_init_(MMDiT(cfg, dtype=torch.bfloat16), seed=1), tmp_path / "deep")
+    assert cli("run", "--checkpoint", tmp_path / "deep", "-o", tmp_path / "r")[0] == 0
+    code, out = cli("diff", strict_run, tmp_path / "r")
+    assert code == 2 and "INCOMPARABLE" in out.upper() and "num_layers" in out, out
+
+
+def test_checkpoint_with_wrong_keys_and_shapes(cli, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(locate("tiny-t2i") / "transformer", ck)
+    f = ck / "diffusion_pytorch_model.safetensors"
+    t = load_file(str(f))
+    t["img_in.weight"] = t["img_in.weight"][:, :10].contiguous()  # wrong shape
+    t["bogus.weight"] = torch.zeros(1)  # unexpected
+    del t["proj_out.bias"]  # missing
+    save_file(t, str(f))
+    _assert_clean_error(*cli("run", "--checkpoint", ck, "-o", tmp_path / "r"),
+                        "img_in.weight", "bogus.weight", "proj_out.bias")
+
+
+def test_nan_in_inputs_is_reported(cli, tmp_path):
+    fx = tmp_path / "fx"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    t = load_file(str(fx / "prompts.safetensors"))
+    t["txt"][0, 2, 5] = float("nan")
+    save_file(t, str(fx / "prompts.safetensors"))
+    _assert_clean_error(*cli("run", "--fixture", fx, "-o", tmp_path / "r"), "non-finite", "txt")
+
+
+def test_nan_in_weights_is_reported(cli, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(locate("tiny-t2i") / "transformer", ck)
+    f = ck / "diffusion_pytorch_model.safetensors"
+    t = load_file(str(f))
+    t["transformer_blocks.1.attn.to_q.weight"][3, 4] = float("nan")
+    save_file(t, str(f))
+    _assert_clean_error(*cli("run", "--checkpoint", ck, "-o", tmp_path / "r"), "to_q.weight")
+
+
+def test_bad_settings(cli, tmp_path):
+    _assert_clean_error(*cli("run", "--mode", "fast", "-o", tmp_path / "r"), "mode")
+    _assert_clean_error(*cli("run", "--dtype", "float16", "-o", tmp_path / "r2"), "float16")
+    _assert_clean_error(*cli("run", "--fixture", "no-such-fixture", "-o", tmp_path / "r3"), "no-such-fixture")
+    code, out = cli("run", "--samples", "1,x", "-o", tmp_path / "r4")
+    assert code == 2 and "Traceback" not in out
+
+
+def test_output_dir_not_empty(cli, tmp_path, strict_run):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    _assert_clean_error(*cli("run", "-o", tmp_path / "full"), "not empty")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_interrupted_run_keeps_finished_steps_and_diff_is_inconclusive(cli, tmp_path, strict_run):
+    class Crash(RuntimeError):
+        pass
+
+    def crash_after_two(step_out):
+        if step_out.step == 1:
+            raise Crash("simulated crash")
+
+    with pytest.raises(Crash):
+        execute(RunSpec(), tmp_path / "cut", on_step=crash_after_two)
+    m = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert m["complete"] is False
+    from drifttool.artifact.reader import open_run
+
+    steps = open_run(tmp_path / "cut").steps_table()
+    assert sorted(set(steps.column("step").to_pylist())) == [0, 1]
+    code, out = cli("diff", strict_run, tmp_path / "cut", "--json")
+    assert code == 2, out
+    rep = json.loads(out)
+    assert rep["verdict"] == "inconclusive"
+
+
+def test_tampered_fixture_fails_verification(cli, tmp_path):
+    fx = tmp_path / "fx"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta["settings"]["eta"] = 1.0
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    _assert_clean_error(*cli("fixture", "verify", fx), "modified fixture.json")
+
+
+def test_fixture_archive_cannot_escape_target(cli, tmp_path):
+    import io
+    import tarfile
+
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tar:
+        data = b"pwned"
+        info = tarfile.TarInfo("../../escaped.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    code, out = cli("fixture", "verify", evil)
+    assert code == 2 and "Traceback" not in out, out
+    assert not (tmp_path.parent / "escaped.txt").exists()
