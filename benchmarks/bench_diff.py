@@ -224,7 +224,7 @@ def main() -> None:
     env = Table(title="environment", show_header=False, title_justify="left")
     for k, v in (("date", datetime.datetime.now().isoformat(timespec="seconds")),
                  ("cpu", _cpu()), ("cores", os.cpu_count()),
-                 ("memory", f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"),
+                 ("memory", f"{_memory_gib():.0f} GiB"),
                  ("python", platform.python_version()), ("pyarrow", pa.__version__),
                  ("numpy", np.__version__), ("torch", torch.__version__),
                  ("platform", platform.platform())):
@@ -232,6 +232,10 @@ def main() -> None:
     console.print(env)
     for case, r in results.items():
         console.print(f"{case}: {r['reason']}", highlight=False)
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def _cpu() -> str:

@@ -174,10 +174,10 @@ def _close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: Art
     """Flush what finished, keep the trace so far, and mark the artifact incomplete — never
     masking the run's own exception."""
     try:
-        if recorder is not None:
-            recorder.close(complete=False)
-        if rt is not None and not writer.closed:
+        if rt is not None:
             writer.write_trace(rt.trace.rows())
+        if recorder is not None:
+            recorder.close(complete=False)  # flushes the finished steps, closes the writer
     except Exception:  # noqa: BLE001 - the run's own exception is the one to report
         pass
     writer.close(complete=False)

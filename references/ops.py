@@ -344,10 +344,10 @@ def joint_attn_av_gemm(
 ) -> torch.Tensor:
     """out[b,i,h,:] = Σ_{j valid} probs[b,h,i,j]·v[b,j,h,:]: probs [B,H,S,S], v [B,S,H,Dh] →
     [B,S,H,Dh]. Masked keys contribute nothing whatever their probability."""
-    p = _f64(probs)
-    if key_mask is not None:
-        p = p * key_mask.to(F64)[:, None, None, :]
-    return torch.einsum("bhij,bjhd->bihd", p, _f64(v))
+    v = _f64(v)
+    if key_mask is not None:  # Σ_j p_ij·(m_j·v_j): zeroing the [B,S,H,Dh] values is the cheap side
+        v = v * key_mask.to(F64)[:, :, None, None]
+    return torch.einsum("bhij,bjhd->bihd", _f64(probs), v)
 
 
 def joint_attention_fused(

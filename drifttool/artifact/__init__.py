@@ -1,4 +1,7 @@
-"""Trajectory artifact: Arrow schemas (``schema``), writer and reader. See ``schema`` for the layout."""
+"""Trajectory artifact: Arrow schemas (``schema``), ``writer`` and ``reader``.
+
+See ``drifttool.artifact.schema`` for the directory layout (design.md, "Artifact").
+"""
 
 from drifttool.artifact.reader import Run, open_run
 from drifttool.artifact.schema import SCHEMA_VERSION

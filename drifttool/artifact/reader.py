@@ -133,6 +133,7 @@ class Run:
 
     @property
     def capture_level(self) -> str | None:
+        """``"L0"``/``"L1"``/``"L2"`` as the recorder wrote it, ``None`` if absent."""
         return self.manifest.get("capture_level")
 
     def _listed(self, kind: str) -> list[str]:

@@ -3,6 +3,7 @@
     >>> al = align(ops_a, ops_b, OPS_KEY)
     >>> al.ia, al.ib          # int64 row indices of matched records (same identity)
     >>> al.only_a, al.only_b  # records present in one run only
+    >>> t = compare_table(ops_a, ops_b, OPS_KEY); t.da, t.db   # matched pairs whose digests differ
 
 Fast path: when both tables hold the same identity columns row for row (the usual case, two
 runs of one program), rows pair by position without encoding anything. Otherwise every identity
@@ -20,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
+
+from drifttool.diff.report import Counts
 
 _LIMIT = 1 << 62
 
@@ -107,3 +110,37 @@ def align(a: pa.Table, b: pa.Table, key: Sequence[str]) -> Alignment:
     matched_b = np.zeros(sb.size, bool)
     matched_b[pos[hit]] = True
     return Alignment(oa[hit], ob[pos[hit]], np.sort(oa[~hit]), np.sort(ob[~matched_b]), dups)
+
+
+@dataclass
+class TableDiff:
+    """One record table of both runs, aligned by identity and compared by digest.
+
+    Attributes:
+        a, b: the tables (at least the identity columns, ``seq`` and ``digest``).
+        al: the alignment. seq_a, seq_b: ``int64`` execution order of every row.
+        da, db: ``int64`` row indices of the matched records whose digests differ (pairs).
+    """
+
+    a: pa.Table
+    b: pa.Table
+    al: Alignment
+    seq_a: np.ndarray
+    seq_b: np.ndarray
+    da: np.ndarray
+    db: np.ndarray
+
+    def counts(self) -> Counts:
+        """Record counts for the report."""
+        return Counts(a=self.a.num_rows, b=self.b.num_rows, matched=self.al.ia.size,
+                      differ=self.da.size, only_a=self.al.only_a.size, only_b=self.al.only_b.size)
+
+
+def compare_table(a: pa.Table, b: pa.Table, key: tuple[str, ...]) -> TableDiff:
+    """Align ``a`` and ``b`` on ``key`` and find the matched rows whose ``digest`` differs."""
+    al = align(a, b, key)
+    dig_a = a.column("digest").to_numpy()
+    dig_b = b.column("digest").to_numpy()
+    ne = dig_a[al.ia] != dig_b[al.ib]
+    return TableDiff(a, b, al, a.column("seq").to_numpy(), b.column("seq").to_numpy(),
+                     al.ia[ne], al.ib[ne])

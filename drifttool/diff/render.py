@@ -20,7 +20,8 @@
      rollout      1     =   cond         1   joint    joint_attn#0        1
      rollout      2     ≠   cond         0   img      img_mlp#0           1
 
-Per-step cells show the worst sample and branch of the step (largest max|Δ|); a non-'=' x_t
+Per-step cells show the worst sample and branch of the step (largest max|Δ|; "*": see the notes
+under the table, e.g. the dtypes differ); a non-'=' x_t
 means the drift was carried into the step; "ops ≠ 3+2?" means 3 differing op records and 2
 present in one run only.
 """
@@ -87,7 +88,7 @@ def _cell(s: StepDrift, quantity: str, attr: str) -> str:
         return "missing"
     if q.identical:
         return "="
-    return _num(getattr(q, attr)) + (f" ({q.note})" if q.note else "")
+    return _num(getattr(q, attr)) + ("*" if q.note else "")
 
 
 def _steps_table(report: DiffReport) -> Table:
@@ -101,8 +102,9 @@ def _steps_table(report: DiffReport) -> Table:
         kls = [k.kl for k in s.kl if k.kl is not None]
         t.add_row(
             f"{s.phase} {s.step}" if phases else str(s.step), _num(s.sigma),
-            _cell(s, "x_t", "max_abs"), _cell(s, "v_t", "max_abs"), _cell(s, "v_t", "rel_l2"), _cell(s, "x_next", "max_abs"),
-            _cell(s, "logp_t", "max_abs"), _num(max(kls)) if kls else "-",
+            _cell(s, "x_t", "max_abs"), _cell(s, "v_t", "max_abs"), _cell(s, "v_t", "rel_l2"),
+            _cell(s, "x_next", "max_abs"), _cell(s, "logp_t", "max_abs"),
+            _num(max(kls)) if kls else "-",
             str(s.ops_differ) + (f"+{s.missing}?" if s.missing else ""),
             style=None if s.identical else "red",
         )
@@ -145,6 +147,10 @@ def render(report: DiffReport, console: Console | None = None) -> None:
         console.print(_first_drift_table(report))
     if report.steps:
         console.print(_steps_table(report))
+        notes = sorted({f"{q.quantity}: {q.note}" for s in report.steps for q in s.quantities
+                        if q.note and q.identical is False})
+        for note in notes:
+            console.print(f"  * {note}", highlight=False, markup=False)
     ops = _first_ops_table(report)
     if ops is not None:
         console.print(ops)

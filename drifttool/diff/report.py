@@ -20,6 +20,11 @@ from typing import Any
 
 
 class Verdict(str, enum.Enum):
+    """identical: every record present in both runs and bitwise equal; drift: a common record
+    differs; incomparable: the runs cannot be aligned (schema, ``fingerprint.arch``, capture
+    level); inconclusive: no drift in the common records, but records are missing or a run is
+    incomplete."""
+
     IDENTICAL = "identical"
     DRIFT = "drift"
     INCOMPARABLE = "incomparable"
@@ -48,6 +53,7 @@ class RowRef:
 
     @classmethod
     def of(cls, row: int, rid: tuple) -> "RowRef":
+        """From ``drifttool.capture.layout.row_id``'s tuple."""
         if rid[0] == "img":
             return cls(row=row, kind="img", i=rid[1], j=rid[2])
         return cls(row=row, kind=rid[0], pos=rid[1])
@@ -233,6 +239,7 @@ class DiffReport:
 
     @property
     def exit_code(self) -> int:
+        """``exit_code(self.verdict)``."""
         return exit_code(self.verdict)
 
     def to_dict(self) -> dict[str, Any]:

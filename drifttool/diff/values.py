@@ -59,8 +59,8 @@ def compare_values(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     num = float(np.sqrt(np.square(d).sum()))  # not np.dot: BLAS threads stall on busy cores
     den = float(np.sqrt(np.square(np.abs(a[both])).sum()))
     rel = (0.0 if num == 0 else math.inf) if den == 0 else num / den
-    return {"max_abs": max_abs, "rel_l2": rel, "nonfinite_mismatch": int(np.count_nonzero(fa != fb)),
-            "note": ""}
+    mismatch = int(np.count_nonzero(fa != fb))
+    return {"max_abs": max_abs, "rel_l2": rel, "nonfinite_mismatch": mismatch, "note": ""}
 
 
 def transition_kl(mu_a: np.ndarray, mu_b: np.ndarray, *, std_t: np.ndarray, sigma: float,

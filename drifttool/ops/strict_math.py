@@ -86,13 +86,43 @@ def _pad_rows(x2: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     return x2, m
 
 
-def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """Row-invariant ``x @ wᵀ + b`` in FP32.
+EXACT_MAX_WEIGHT = 1 << 16  # GEMMs whose weight has at most this many elements use exact products
+LINEAR_KERNEL = "strict_linear[exact if N*K<=65536 else bmm16.k128.tree]"  # trace kernel id
+_EXACT_BLOCK = 1 << 22  # elements per materialised product block
 
-    Rows are zero-padded to multiples of ``ROW_TILE`` and K to multiples of ``K_CHUNK``; for each
-    K chunk one batched matmul of fixed member shape [16, 128] @ [128, N] computes the partial
-    products; the partials are summed with ``tree_sum_stack`` (chunk 0 + chunk 1, …); the bias is
-    added once at the end.
+
+def exact_matmul(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """``a @ btᵀ`` from correctly rounded FP32 products summed by ``tree_sum`` over K.
+
+    Every output element is tree_sum(fp32(a_ik · b_jk) for k) — only IEEE multiplications and
+    additions, each a separate operation — so the bytes are the same on every IEEE-754 machine
+    (any CPU vector width, and a GPU), for every M and row position. Used where the operands are
+    small enough to materialise the products block by block.
+
+    Args:
+        a: [M, K] FP32.  bt: [N, K] FP32.
+    Returns:
+        [M, N] FP32.
+    """
+    m, k = a.shape
+    n = bt.shape[0]
+    rows = max(1, _EXACT_BLOCK // max(1, n * k))
+    out = torch.empty(m, n, dtype=torch.float32)
+    for i in range(0, m, rows):
+        out[i : i + rows] = tree_sum(a[i : i + rows, None, :] * bt[None, :, :])  # [r, N]
+    return out
+
+
+def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-invariant ``x @ wᵀ + b`` in FP32, the bias added once at the end.
+
+    The kernel is chosen from the weight's shape alone (never from the number of rows):
+
+    * ``N·K ≤ EXACT_MAX_WEIGHT``: ``exact_matmul`` — portable bytes (the embedded tiny model).
+    * otherwise: rows zero-padded to tiles of ``ROW_TILE``, K zero-padded to chunks of
+      ``K_CHUNK``; per chunk one batched matmul with fixed member shape [16, 128] @ [128, N];
+      chunk partials summed by ``tree_sum_stack``. Bytes inside a member come from the BLAS
+      kernel: invariant on one machine and library build, pinned per hardware profile.
 
     Args:
         x: [..., K] FP32.  w: [N, K] FP32.  b: [N] FP32 or None.
@@ -102,18 +132,21 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     lead = x.shape[:-1]
     k = x.shape[-1]
     n = w.shape[0]
-    x2, m = _pad_rows(x.reshape(-1, k), ROW_TILE)
-    kp = -(-k // K_CHUNK) * K_CHUNK
-    if kp != k:
-        x2 = torch.nn.functional.pad(x2, (0, kp - k))
-        w = torch.nn.functional.pad(w, (0, kp - k))
-    xt = x2.view(-1, ROW_TILE, kp)  # [T, 16, Kp]
-    wt = w.t()  # [Kp, N]
-    parts = [
-        torch.matmul(xt[:, :, c : c + K_CHUNK], wt[c : c + K_CHUNK])  # [T, 16, N]
-        for c in range(0, kp, K_CHUNK)
-    ]
-    y = tree_sum_stack(parts).reshape(-1, n)[:m]
+    if n * k <= EXACT_MAX_WEIGHT:
+        y = exact_matmul(x.reshape(-1, k), w)
+    else:
+        x2, m = _pad_rows(x.reshape(-1, k), ROW_TILE)
+        kp = -(-k // K_CHUNK) * K_CHUNK
+        if kp != k:
+            x2 = torch.nn.functional.pad(x2, (0, kp - k))
+            w = torch.nn.functional.pad(w, (0, kp - k))
+        xt = x2.view(-1, ROW_TILE, kp)  # [T, 16, Kp]
+        wt = w.t()  # [Kp, N]
+        parts = [
+            torch.matmul(xt[:, :, c : c + K_CHUNK], wt[c : c + K_CHUNK])  # [T, 16, N]
+            for c in range(0, kp, K_CHUNK)
+        ]
+        y = tree_sum_stack(parts).reshape(-1, n)[:m]
     if b is not None:
         y = y + b
     return y.reshape(*lead, n)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 import xxhash
 from hypothesis import given, settings, strategies as st

@@ -123,6 +123,7 @@ def test_interrupted_run_keeps_finished_steps_and_diff_is_inconclusive(cli, tmp_
 
     steps = open_run(tmp_path / "cut").steps_table()
     assert sorted(set(steps.column("step").to_pylist())) == [0, 1]
+    assert open_run(tmp_path / "cut").trace_rows(), "the trace so far is kept"
     code, out = cli("diff", strict_run, tmp_path / "cut", "--json")
     assert code == 2, out
     rep = json.loads(out)

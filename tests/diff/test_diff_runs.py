@@ -16,7 +16,7 @@ from drifttool.artifact.writer import ArtifactWriter
 from drifttool.diff import DiffReport, Verdict, diff_runs, exit_code
 from drifttool.diff.report import RowRef
 
-from conftest import ARCH, GRID
+from diff_synthetic_runs import ARCH
 
 
 def diff(a, b) -> DiffReport:
@@ -228,6 +228,15 @@ def test_missing_record_is_inconclusive_and_not_positional(make_run, tmp_path):
     assert r.verdict is Verdict.INCONCLUSIVE
     assert (r.counts["ops"].only_a, r.counts["ops"].only_b, r.counts["ops"].differ) == (1, 0, 0)
     assert r.steps[0].missing == 1 and r.identical_through is None
+
+
+def test_missing_record_before_drift_is_not_called_origin(make_run, tmp_path):
+    plant = {"step": 1, "block": 0, "op": "img_mlp", "sample": 0, "row": 1}
+    b = make_run("b", plant=plant)
+    a = _rewrite(make_run("a"), tmp_path / "a2", lambda t: t.slice(1))  # A lost its first record
+    r = diff(a, b)
+    assert r.verdict is Verdict.DRIFT and r.first_drift.step == 1
+    assert not r.first_drift.origin and "1 unmatched records precede it" in r.reason
 
 
 def test_json_is_strict_and_complete(make_run):

@@ -28,7 +28,8 @@ def test_render_drift(make_run):
     assert step_rows[1][:3] == ["1", "0.667", "="] and step_rows[2][2] == "0.000333"  # carried
     assert ["rollout", "1", "=", "cond", "1", "joint", "joint_attn#0", "1"] in [
         ln.split() for ln in lines]
-    assert ["rollout", "2", "≠", "cond", "0", "img", "img_mlp#0", "1"] in [ln.split() for ln in lines]
+    assert ["rollout", "2", "≠", "cond", "0", "img", "img_mlp#0", "1"] in [
+        ln.split() for ln in lines]
 
 
 def test_render_identical_and_incomparable(make_run):

@@ -11,7 +11,7 @@ import torch
 
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
-from drifttool.ops.strict_math import rsqrt64, silu32, tiled_linear, tree_mean
+from drifttool.ops.strict_math import LINEAR_KERNEL, rsqrt64, silu32, tiled_linear, tree_mean
 
 LN_KERNEL = "cpu.tree_layernorm"
 
@@ -30,7 +30,7 @@ def _silu_linear(temb, w, b) -> torch.Tensor:
     return tiled_linear(s, f32(w), f32(b))
 
 
-@implements("adaln_mod_projection", "strict", kernel="cpu.silu_f64+tiled_bmm16.k128.tree")
+@implements("adaln_mod_projection", "strict", kernel="cpu.silu_f64+" + LINEAR_KERNEL)
 def adaln_mod_projection(temb, w, b):
     """img_mod / txt_mod: SiLU(temb)·wᵀ + b, temb [B,d] → [B,6d], chunks
     [shift1, scale1, gate1, shift2, scale2, gate2]."""
@@ -54,7 +54,7 @@ def adaln_gate_residual(x, gate, y):
     return out(f32(x) + f32(gate).unsqueeze(1) * f32(y), dt)
 
 
-@implements("final_adaln_out", "strict", kernel=LN_KERNEL + "+tiled_bmm16.k128.tree")
+@implements("final_adaln_out", "strict", kernel=LN_KERNEL + "+" + LINEAR_KERNEL)
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b) — scale first (numerics trap 5);
     LN(x)·(1 + scale) + shift; x [B,N,d], temb [B,d] → [B,N,d]."""

@@ -5,9 +5,12 @@ Key order. Keys are reduced in the *compacted* order: valid keys first (in seque
 valid text, then image), masked keys after. Masked keys contribute exact zeros at the end of
 every pairwise tree, so a sample's bytes do not depend on how far its prompt was padded.
 
-Tiles. QKᵀ is computed in fixed 16-query × 64-key tiles with the whole head dim in one matmul;
-AV in 16-query tiles over 64-key chunks whose partials are summed in the pairwise tree. Every
-matmul member has one fixed shape, which keeps each row's bytes independent of S and B.
+Kernels, chosen from the head dim alone (never from S or B). Head dim ≤ 32 (the embedded tiny
+model): exact products summed by the pairwise tree (``strict_math.exact_matmul``) — the same
+bytes on every IEEE-754 machine. Larger head dims: QKᵀ in fixed 16-query × 64-key tiles with the
+whole head dim in one matmul; AV in 16-query tiles over 64-key chunks whose partials are summed
+in the pairwise tree. Every matmul member has one fixed shape, which keeps each row's bytes
+independent of S and B on a given machine.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
 from drifttool.ops.strict.embed import rms_normalize
-from drifttool.ops.strict_math import KEY_TILE, ROW_TILE, exp32, tree_sum
+from drifttool.ops.strict_math import KEY_TILE, ROW_TILE, exact_matmul, exp32, tree_sum
+
+EXACT_MAX_HEAD_DIM = 32  # head dims up to this use exact products (portable bytes)
 
 _ELEMS_PER_CHUNK = 1 << 25  # bound on the expanded matmul operands per (batch·head) group
 
@@ -67,7 +72,7 @@ def multi_axis_rope(x, freqs):
     return out(y, dt)
 
 
-@implements("joint_attn_qk_gemm", "strict", kernel="cpu.tile16x64.qk")
+@implements("joint_attn_qk_gemm", "strict", kernel="strict.qk[exact if Dh<=32 else tile16x64]")
 def joint_attn_qk_gemm(q, k):
     """scores[b,h,i,j] = (q_i · k_j) · (1/√Dh) in FP32; q, k [B,S,H,Dh] → [B,H,S,S] FP32."""
     check("joint_attn_qk_gemm", q, k)
@@ -75,6 +80,9 @@ def joint_attn_qk_gemm(q, k):
     scale = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
     qh = _pad_axis(f32(q).permute(0, 2, 1, 3).reshape(b * h, s, d), 1, ROW_TILE)
     kh = _pad_axis(f32(k).permute(0, 2, 1, 3).reshape(b * h, s, d), 1, KEY_TILE)
+    if d <= EXACT_MAX_HEAD_DIM:
+        res = torch.stack([exact_matmul(qh[i, :s], kh[i, :s]) for i in range(b * h)])  # [BH,S,S]
+        return (res * scale).view(b, h, s, s)
     tq, tk = qh.shape[1] // ROW_TILE, kh.shape[1] // KEY_TILE
     res = torch.empty(b * h, tq * ROW_TILE, tk * KEY_TILE)
     for g in _groups(b * h, tq * tk * ROW_TILE * d):
@@ -86,7 +94,7 @@ def joint_attn_qk_gemm(q, k):
 
 
 @implements("joint_attn_softmax", "strict", kernel="cpu.compacted_tree_softmax")
-def joint_attn_softmax(scores, key_mask):
+def joint_attn_softmax(scores, key_mask=None):
     """Key-masked softmax over the last axis in the compacted key order: max (exact), exp from
     exact ops, pairwise-tree sum, one division. scores [B,H,S,S] FP32 → probs FP32; masked keys
     get exactly 0."""
@@ -107,12 +115,13 @@ def joint_attn_softmax(scores, key_mask):
     return p
 
 
-@implements("joint_attn_av_gemm", "strict", kernel="cpu.tile16.k64.tree.av")
-def joint_attn_av_gemm(probs, v, key_mask):
+@implements("joint_attn_av_gemm", "strict", kernel="strict.av[exact if Dh<=32 else tile16.k64.tree]")
+def joint_attn_av_gemm(probs, v, key_mask=None):
     """out_i = Σ_j p_ij v_j over keys in the compacted order: 16-query tiles × 64-key chunks,
     chunk partials summed in the pairwise tree, FP32; probs [B,H,S,S], v [B,S,H,Dh] →
     [B,S,H,Dh] in v's dtype. Masked keys' values are zeroed (their probabilities are 0)."""
-    dt = check("joint_attn_av_gemm", probs, v)
+    check("joint_attn_av_gemm", probs, v)
+    dt = v.dtype
     b, h, sq, sk = probs.shape
     d = v.shape[-1]
     p = f32(probs)
@@ -123,6 +132,11 @@ def joint_attn_av_gemm(probs, v, key_mask):
         valid = torch.gather(key_mask.bool(), 1, order)  # [B,S]
         vf = torch.gather(vf, 2, order[:, None, :, None].expand(b, h, sk, d))
         vf = torch.where(valid[:, None, :, None], vf, torch.zeros(()))
+    if d <= EXACT_MAX_HEAD_DIM:
+        vt = vf.reshape(b * h, sk, d).transpose(1, 2)  # [BH,D,S]
+        pr = p.reshape(b * h, sq, sk)
+        y = torch.stack([exact_matmul(pr[i], vt[i]) for i in range(b * h)])  # [BH,Sq,D]
+        return out(y.view(b, h, sq, d).permute(0, 2, 1, 3), dt)
     p = _pad_axis(_pad_axis(p.reshape(b * h, sq, sk), 1, ROW_TILE), 2, KEY_TILE)
     vf = _pad_axis(vf.reshape(b * h, sk, d), 1, KEY_TILE)
     tq, tk = p.shape[1] // ROW_TILE, p.shape[2] // KEY_TILE
@@ -137,7 +151,7 @@ def joint_attn_av_gemm(probs, v, key_mask):
 
 
 @implements("joint_attention_fused", "strict", kernel="cpu.composed_unfused")
-def joint_attention_fused(q, k, v, key_mask):
+def joint_attention_fused(q, k, v, key_mask=None):
     """The three unfused strict operators in one call — byte-equal to them by construction."""
     p = joint_attn_softmax(joint_attn_qk_gemm(q, k), key_mask)
     return joint_attn_av_gemm(p, v, key_mask)

@@ -10,7 +10,9 @@ import torch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
-from drifttool.ops.strict_math import exp32, rsqrt64, silu32, sincos64, tiled_linear, tree_mean
+from drifttool.ops.strict_math import (
+    LINEAR_KERNEL, exp32, rsqrt64, silu32, sincos64, tiled_linear, tree_mean,
+)
 
 
 def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,7 +25,7 @@ def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * rstd.unsqueeze(-1)
 
 
-@implements("txt_in_rmsnorm_linear", "strict", kernel="cpu.tree_rmsnorm+tiled_bmm16.k128.tree")
+@implements("txt_in_rmsnorm_linear", "strict", kernel="cpu.tree_rmsnorm+" + LINEAR_KERNEL)
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_3584(e)): e [B,L,Dj] → [B,L,d]. FP32 seam between norm and linear, one cast.
 
@@ -49,7 +51,7 @@ def sinusoid(tau: torch.Tensor, dim: int = 256) -> torch.Tensor:
     return torch.cat([cos, sin], dim=-1).to(torch.float32)  # [B, dim]
 
 
-@implements("timestep_embed_mlp", "strict", kernel="cpu.sincos_f64+tiled_bmm16.k128.tree")
+@implements("timestep_embed_mlp", "strict", kernel="cpu.sincos_f64+" + LINEAR_KERNEL)
 def timestep_embed_mlp(tau, w1, b1, w2, b2):
     """temb = linear_2(SiLU(linear_1(φ(τ)))): tau [B] fp32 → [B,d] in the weights' dtype.
 

@@ -1,0 +1,113 @@
+"""What stands around the records: fields that forbid alignment, and differences worth listing.
+
+    >>> incomparable(run_a.manifest, run_b.manifest)
+    ['fingerprint.arch.num_layers: 2 != 60']
+    >>> context(run_a, run_b)
+    ["fingerprint.runtime.mode: 'strict' != 'auto'",
+     'inputs.noise: differs (dtype, shape or bytes)',
+     'trace b0 img qk_rmsnorm#0: requested strict->production, actual strict->production', ...]
+
+Incomparable (design.md, "Diff"): schema versions differ, ``fingerprint["arch"]`` (the
+architecture's shape fields) differs, or a capture level is missing/unknown. Everything else —
+the rest of the fingerprint, capture levels, replay inputs, the operator trace — is context: listed
+first in the report, and the runs are still diffed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drifttool.artifact import schema as S
+from drifttool.artifact.reader import Run
+from drifttool.capture.digest import digest
+
+MAX_LISTED = 20  # context lines per kind (fingerprint, inputs)
+MAX_TRACE = 6  # trace sites listed (a mode change makes every site differ)
+
+
+def _flatten(d: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}"))
+    return out
+
+
+def _short(v: Any) -> str:
+    s = "<missing>" if v is _MISSING else repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+_MISSING = object()
+
+
+def dict_differences(a: Any, b: Any, prefix: str) -> list[str]:
+    """``"key: a != b"`` for every differing leaf of two nested dicts (dotted keys)."""
+    fa, fb = _flatten(a, prefix), _flatten(b, prefix)
+    out = []
+    for k in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(k, _MISSING), fb.get(k, _MISSING)
+        if va is _MISSING or vb is _MISSING or va != vb:
+            out.append(f"{k}: {_short(va)} != {_short(vb)}")
+    return out
+
+
+def incomparable(ma: dict, mb: dict) -> list[str]:
+    """Why manifests ``ma`` and ``mb`` cannot be aligned (empty list: they can)."""
+    out = []
+    if ma["schema_version"] != mb["schema_version"]:
+        out.append(f"schema_version: {ma['schema_version']} != {mb['schema_version']}")
+    fa, fb = ma.get("fingerprint") or {}, mb.get("fingerprint") or {}
+    out += dict_differences(fa.get("arch", {}), fb.get("arch", {}), "fingerprint.arch")
+    for side, m in (("A", ma), ("B", mb)):
+        if m.get("capture_level") not in S.LEVELS:
+            out.append(f"capture_level of run {side}: {m.get('capture_level')!r} is not one of "
+                       f"{S.LEVELS}")
+    return out
+
+
+def context(run_a: Run, run_b: Run) -> list[str]:
+    """Differences outside the records: fingerprint (not ``arch``), capture level, inputs, trace.
+
+    Raises:
+        ArtifactError: unreadable inputs or trace.
+    """
+    ma, mb = run_a.manifest, run_b.manifest
+    fa, fb = ma.get("fingerprint") or {}, mb.get("fingerprint") or {}
+    out = dict_differences({k: v for k, v in fa.items() if k != "arch"},
+                           {k: v for k, v in fb.items() if k != "arch"}, "fingerprint")
+    if ma["capture_level"] != mb["capture_level"]:
+        out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
+    ia, ib = run_a.inputs(), run_b.inputs()
+    inputs = [f"inputs.{k}: only in run {'A' if k in ia else 'B'}"
+              for k in sorted(set(ia) ^ set(ib))]
+    inputs += [f"inputs.{k}: differs (dtype, shape or bytes)" for k in sorted(set(ia) & set(ib))
+               if digest(ia[k]) != digest(ib[k])]
+    trace = _trace_differences(run_a, run_b)
+    return _capped(out, MAX_LISTED) + _capped(inputs, MAX_LISTED) + _capped(trace, MAX_TRACE)
+
+
+def _capped(lines: list[str], n: int) -> list[str]:
+    """At most ``n`` lines, the last one saying how many were left out."""
+    return lines if len(lines) <= n else lines[: n - 1] + [f"... and {len(lines) - n + 1} more"]
+
+
+def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
+    """One line per operator call site whose trace entry differs (backend, kernel, contract)."""
+    keep = ("requested", "actual", "kernel", "contract", "fallback")
+
+    def sites(run: Run) -> dict[str, dict]:
+        return {f"b{r['block']} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
+                for r in run.trace_rows()}
+
+    ta, tb = sites(run_a), sites(run_b)
+    out = []
+    for site in sorted(set(ta) | set(tb), key=lambda k: (k not in ta, k)):
+        if site not in ta or site not in tb:
+            out.append(f"trace {site}: only in run {'A' if site in ta else 'B'}")
+        elif ta[site] != tb[site]:
+            diffs = [f"{k} {ta[site][k]}->{tb[site][k]}" for k in keep
+                     if ta[site][k] != tb[site][k]]
+            out.append(f"trace {site}: " + ", ".join(diffs))
+    return out

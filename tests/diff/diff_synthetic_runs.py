@@ -1,0 +1,91 @@
+"""Synthetic runs for the diff tests: a tiny two-block "MMDiT" and SDE sampler that capture through
+the real ``Recorder`` and ``ArtifactWriter`` (the model in ``drifttool.model`` is not used).
+
+A uniquely named module (not ``conftest``): other test folders have their own ``conftest.py``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from drifttool.artifact.writer import ArtifactWriter
+from drifttool.capture.recorder import Recorder
+
+GRID = (2, 3)  # image patch grid: 6 image rows
+TXT_LENS = [3, 5]  # valid prompt lengths of samples 0 and 1 (padded to 5)
+ARCH = {"depth": 2, "dim": 8, "patch": 2}
+
+
+def _bump(t: torch.Tensor, b: int, row: int, add: float | None) -> torch.Tensor:
+    """Copy of ``t`` with element [b, row, 0] moved by one ULP, or by ``add`` (planted drift)."""
+    t = t.clone()
+    t[b, row, 0] = torch.nextafter(t[b, row, 0], torch.tensor(math.inf)) if add is None else (
+        t[b, row, 0] + add)
+    return t
+
+
+def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | None = None,
+              crash_after: int | None = None, fingerprint: dict | None = None,
+              noise_seed: int = 1, pad: int = 5) -> Path:
+    """Write a synthetic run. ``plant={"step", "block", "op", "sample", "row"[, "add"]}`` moves one
+    element of that op's output by one ULP (or by ``add``) and lets it propagate (``row``
+    indexes the padded sequence axis).
+    ``crash_after=k`` stops after k steps without closing (complete=false, streams unclosed)."""
+    fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "settings": {"steps": steps}}
+    writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"host": "test"}})
+    rec = Recorder(level, writer, rank=0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g) / 3
+    x = torch.randn(2, 6, 8, generator=g)  # [B, h*w, C]
+    txt = torch.randn(2, pad, 8, generator=g)  # [B, L_pad, C], rows >= txt_len are padding
+    noise = torch.randn(steps, 2, 6, 8, generator=torch.Generator().manual_seed(noise_seed))
+    writer.write_inputs({"x_T": x, "txt": txt, "noise": noise})
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+
+    def op(site: dict, name: str, stream: str, out: torch.Tensor) -> torch.Tensor:
+        p = plant or {}
+        if (p.get("step"), p.get("block"), p.get("op")) == (site["step"], site["block"], name):
+            out = _bump(out, p["sample"], p["row"], p.get("add"))
+        rec.capture({**site, "op": name, "stream": stream, "call": 0}, out, "BS.")
+        return out
+
+    for i in range(steps):
+        if crash_after is not None and i == crash_after:
+            rec.flush()
+            return path  # no close: complete stays false, streams have no end marker
+        s, s_next = sigmas[i], sigmas[i + 1]
+        vs = {}
+        for branch in ("cond", "uncond"):
+            img, t = x, txt * (1.0 if branch == "cond" else 0.5)
+            for block in range(2):
+                site = dict(phase="rollout", step=i, sigma=s, branch=branch, block=block,
+                            samples=[0, 1], txt_lens=TXT_LENS, img_grid=GRID, rank=0)
+                img = op(site, "img_mlp", "img", torch.tanh(img @ w))
+                t = op(site, "txt_mlp", "txt", torch.tanh(t @ w))
+                joint = op(site, "joint_attn", "joint", torch.cat([t, img], 1) * 0.5)
+                img = joint[:, pad:]
+            vs[branch] = img
+        v = vs["uncond"] + 4.0 * (vs["cond"] - vs["uncond"])
+        std_t = torch.tensor(0.7 * math.sqrt(s / (1 - sigmas[1])) if s < 1 else 0.7)
+        mu = x + (s_next - s) * v
+        scale = std_t * math.sqrt(s - s_next)
+        x_next = mu + scale * noise[i]
+        logp = (-(x_next - mu) ** 2 / (2 * scale**2)).mean(dim=(1, 2))
+        for b in range(2):
+            rec.record_step(phase="rollout", step=i, sigma=s, sigma_next=s_next, sample=b,
+                            branch="cfg", quantities={"x_t": x[b], "v_t": v[b], "x_next": x_next[b],
+                                                      "mu": mu[b], "std_t": std_t,
+                                                      "logp_t": logp[b]})
+            for branch in ("cond", "uncond"):
+                rec.record_step(phase="rollout", step=i, sigma=s, sigma_next=s_next, sample=b,
+                                branch=branch, quantities={"v_t": vs[branch][b]})
+        rec.flush()
+        x = x_next
+    writer.write_trace([{"op": "img_mlp", "block": 0, "stream": "img", "call": 0,
+                         "contract": "c.v1", "requested": "strict", "actual": "strict",
+                         "kernel": "cpu", "fallback": False, "reason": "", "declared": False,
+                         "calls": 1}])
+    rec.close(complete=True)
+    return path
