@@ -49,6 +49,7 @@ class RunSpec:
         dtype: model dtype (float32 | bfloat16).
         cfg_layout: batched | sequential.  timestep_policy: see ``ops.scheduler``.
         unavailable: (op, backend) pairs planted as unavailable (tests, probes).
+        variants: ``{op: (variant_name, fn)}`` operator replacements (probes), see ``Runtime``.
     """
 
     fixture: str | Path | None = None
@@ -65,6 +66,7 @@ class RunSpec:
     cfg_layout: str | None = None
     timestep_policy: str | None = None
     unavailable: tuple[tuple[str, str], ...] = ()
+    variants: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -227,6 +229,7 @@ def execute(
         "replay": {"noise": noise_rec, "inputs": "inputs.safetensors",
                    "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
                    else [inputs.txt.shape[1]] * inputs.batch},
+        "variants": sorted(f"{op}={name}" for op, (name, _) in spec.variants.items()),
         "layout": {"world_size": 1, "tp": 1, "sp": 1, "cfg_parallel": 1, "cfg_layout": s["cfg_layout"]},
     }
     writer = ArtifactWriter(out, manifest, overwrite=overwrite)
@@ -234,7 +237,8 @@ def execute(
     recorder = Recorder(level=s["capture"], writer=writer) if mode.captures else None
     rt = None
     try:
-        rt = Runtime(mode=mode, recorder=recorder, unavailable=set(spec.unavailable))
+        rt = Runtime(mode=mode, recorder=recorder, unavailable=set(spec.unavailable),
+                     variants=dict(spec.variants))
         writer.write_inputs(replay_tensors(inputs))
         traj = rollout(sampler_model(model), inputs, sampler, rt, callback=on_step, max_steps=max_steps)
         writer.write_trace(rt.trace.rows())

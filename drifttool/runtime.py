@@ -78,12 +78,16 @@ class Runtime:
         trace: the operator trace (``qwenimage_operator_trace``); one entry per call site.
         unavailable: backends planted as unavailable, ``{(op_name, backend)}``; used by tests and
             probes to exercise the fail-closed and audit-fallback paths.
+        variants: ``{op_name: (variant_name, fn)}`` — a probe's one change: ``fn`` replaces the
+            operator's implementation for this run (same signature); the trace records
+            ``actual="variant:<variant_name>"``. Not a fallback: it is what the run asked for.
     """
 
     mode: Mode = Mode.STRICT
     recorder: "Recorder | None" = None
     trace: "OperatorTrace | None" = None
     unavailable: set[tuple[str, str]] = field(default_factory=set)
+    variants: dict[str, tuple[str, Any]] = field(default_factory=dict)
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
 

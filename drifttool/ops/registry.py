@@ -140,7 +140,11 @@ def call(
             mode allows no fallback (``strict``, ``auto``, ``off``).
     """
     op = spec(name)
-    requested, actual, impl, reason = _resolve(rt, name)
+    if name in rt.variants:
+        variant, fn = rt.variants[name]
+        requested, actual, impl, reason = rt.mode.backend, f"variant:{variant}", _Impl(fn, f"variant:{variant}"), ""
+    else:
+        requested, actual, impl, reason = _resolve(rt, name)
     out = impl.fn(*args, **kwargs)
     rec = rt.recorder
     site = rt.site(name, stream)
