@@ -52,14 +52,14 @@ def check_strict_environment() -> None:
     """Fail closed on process-wide settings that break strict arithmetic.
 
     Raises:
-        UnsupportedConfigError: TF32 is enabled for matmul or cuDNN, or the float32 matmul
+        UnsupportedConfigError: TF32 is enabled for matmul, or the float32 matmul
             precision is not ``"highest"`` (RFC numerical requirements: "No TF32").
     """
     bad = []
     if torch.backends.cuda.matmul.allow_tf32:
         bad.append("torch.backends.cuda.matmul.allow_tf32=True")
-    if torch.backends.cudnn.allow_tf32 and torch.cuda.is_available():
-        bad.append("torch.backends.cudnn.allow_tf32=True")
+    # torch.backends.cudnn.allow_tf32 (True by default) affects convolutions only; the MMDiT
+    # has none, so it is not checked.
     if torch.get_float32_matmul_precision() != "highest":
         bad.append(f"torch.get_float32_matmul_precision()={torch.get_float32_matmul_precision()!r}")
     if bad:
@@ -81,6 +81,8 @@ class Runtime:
         variants: ``{op_name: (variant_name, fn)}`` — a probe's one change: ``fn`` replaces the
             operator's implementation for this run (same signature); the trace records
             ``actual="variant:<variant_name>"``. Not a fallback: it is what the run asked for.
+            A variant that needs the identity scope (step, block, branch, samples) defines
+            ``bind_runtime(rt)``; it is called once here and may then read ``rt.current_scope()``.
     """
 
     mode: Mode = Mode.STRICT
@@ -100,6 +102,14 @@ class Runtime:
         if self.mode.backend == "strict":
             check_strict_environment()
         self._scope = {**DEFAULT_SCOPE, **self._scope}
+        for _, fn in self.variants.values():
+            bind = getattr(fn, "bind_runtime", None)
+            if callable(bind):
+                bind(self)
+
+    def current_scope(self) -> dict[str, Any]:
+        """A copy of the identity fields now in force (see ``scope``); read-only for callers."""
+        return dict(self._scope)
 
     @contextlib.contextmanager
     def scope(self, **fields: Any) -> Iterator[None]:

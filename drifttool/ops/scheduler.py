@@ -15,10 +15,10 @@ operator              strict                                       production
 ====================  ===========================================  ==================================
 flow_sigma_table      numpy fp32, diffusers' written order         same function (the arithmetic is
                       (exact IEEE ops, bit-equal to diffusers)     exact; no reduction)
-cfg_combine_renorm    fp32 math; per-token norms by a halving       diffusers' expression in the input
+cfg_combine_renorm    fp32 math; per-token norms by the pairwise     diffusers' expression in the input
                       tree over channels; fp32 output              dtype (``torch.norm``)
 flow_sde_step_logp    fp32, Flow-GRPO's written order; ln s_t in   Flow-GRPO's expression verbatim in
-                      binary64 rounded once; halving-tree mean     fp32; ``torch.mean``
+                      binary64 rounded once; pairwise-tree mean   fp32; ``torch.mean``
 ====================  ===========================================  ==================================
 
 Strict vs production, byte for byte (tested in ``tests/ops/test_scheduler.py``):
@@ -27,15 +27,15 @@ Strict vs production, byte for byte (tested in ``tests/ops/test_scheduler.py``):
 * ``cfg_combine_renorm``: with fp32 inputs the combined velocity is identical and the per-token
   norms may differ in the last bits (``torch.norm``'s reduction order is its own). With bf16 inputs
   production rounds every op to bf16 (diffusers) and returns bf16, strict upcasts and returns fp32.
-* ``flow_sde_step_logp``: ``x_next``, ``mu`` and ``std_t`` identical; ``logp`` may differ in the
-  last bits (``torch.log`` vs binary64 log for ``ln s_t``, ``torch.mean`` vs the halving tree).
+* ``flow_sde_step_logp``: ``x_next``, ``mu`` and ``std_t`` equal up to an ULP of ``std_t`` (strict
+  takes square roots in FP64 rounded once; FP32 ``torch.sqrt`` is not always correctly rounded);
+  ``logp`` may differ in the last bits (``torch.log`` vs binary64 log for ``ln s_t``,
+  ``torch.mean`` vs the pairwise tree).
 
-The halving tree (strict reductions). To sum ``t`` over its last axis of length n: pad with +0 to
-p = 2^⌈log2 n⌉, then while p > 1: ``t = t[..., :p/2] + t[..., p/2:]`` (element j pairs with
-j + p/2), p = p/2. Every step is an elementwise IEEE add, whose result per element does not depend
-on tensor size, batch position, memory layout, SIMD width or thread count, so a sample's bytes do
-not change with its companions. ``torch.sum``/``torch.norm``/``torch.mean`` are never used in
-strict: their order may depend on the tensor size and the thread count.
+Strict reductions use the canonical pairwise tree ``strict_math.tree_sum`` (adjacent pairs,
+zero-padded to a power of two: the same tree as every other strict operator), and square roots
+use ``strict_math.sqrt32`` (FP64, rounded once). ``torch.sum``/``torch.norm``/``torch.mean`` are
+never used in strict: their order may depend on the tensor size and the thread count.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import OpSpec, declare, implements
+from drifttool.ops.strict_math import sqrt32, tree_sum
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -230,28 +231,6 @@ def timestep_input(sigma: float | torch.Tensor, policy: str) -> torch.Tensor:
     raise ValueError(f"unknown timestep policy {policy!r}; expected one of {TIMESTEP_POLICIES}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Fixed-order reductions (strict)
-
-
-def tree_sum_lastdim(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis by the halving tree (module docstring); [..., n] → [...].
-
-    Zero-padded to a power of two; each level adds the two halves elementwise. Differentiable
-    (plain slicing and adds). The result for a row depends only on that row's n values.
-    """
-    n = t.shape[-1]
-    if n < 1:
-        raise ValueError("tree_sum_lastdim needs at least one element")
-    p = 1 << (n - 1).bit_length()
-    if p != n:
-        t = torch.cat([t, t.new_zeros(*t.shape[:-1], p - n)], dim=-1)  # [..., p]
-    while p > 1:
-        p //= 2
-        t = t[..., :p] + t[..., p:]  # [..., p]
-    return t[..., 0]
-
-
 def _check_dtype(name: str, what: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if t.dtype not in allowed:
         raise UnsupportedConfigError(
@@ -275,7 +254,7 @@ def _check_cfg_inputs(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
         raise ValueError(f"cfg_combine_renorm: scale must be a finite python float, got {scale!r}")
 
 
-@implements("cfg_combine_renorm", "strict", kernel="torch.fp32.halving_tree_norm")
+@implements("cfg_combine_renorm", "strict", kernel="torch.fp32.pairwise_tree_norm")
 def cfg_combine_renorm_strict(
     v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -291,7 +270,7 @@ def cfg_combine_renorm_strict(
         the last (channel) axis, no epsilon (‖comb‖ = 0 gives inf/NaN, propagated, not hidden).
 
     Arithmetic (fp32, one rounding per op, no FMA): d = c − u; comb = u + (s·d);
-    ‖a‖ = sqrt(tree_sum(a·a)) with the halving tree over the C channels; ratio = ‖c‖ / ‖comb‖;
+    ‖a‖ = sqrt32(tree_sum(a·a)) (FP64 sqrt rounded once) with the pairwise tree over the C channels; ratio = ‖c‖ / ‖comb‖;
     v = comb · ratio. Byte-invariant to batch size, batch position and token count.
 
     Raises:
@@ -305,8 +284,8 @@ def cfg_combine_renorm_strict(
     u = v_uncond.to(torch.float32)
     s = torch.tensor(float(scale), dtype=torch.float32, device=c.device)
     comb = u + s * (c - u)  # [B, N, C]
-    c_norm = torch.sqrt(tree_sum_lastdim(c * c))  # [B, N]
-    comb_norm = torch.sqrt(tree_sum_lastdim(comb * comb))  # [B, N]
+    c_norm = sqrt32(tree_sum(c * c))  # [B, N]
+    comb_norm = sqrt32(tree_sum(comb * comb))  # [B, N]
     ratio = c_norm / comb_norm  # [B, N]
     return comb * ratio.unsqueeze(-1)  # [B, N, C]
 
@@ -410,7 +389,7 @@ def _euler(v32, x32, s, sn, prev_sample):
     return x_next.detach(), logp, mu, std_t
 
 
-@implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.halving_tree_mean")
+@implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.pairwise_tree_mean")
 def flow_sde_step_logp_strict(
     v: torch.Tensor,
     x: torch.Tensor,
@@ -449,7 +428,7 @@ def flow_sde_step_logp_strict(
     a = 1 + (var / (2σ))·Δ; c = 1 + (var·(1 − σ)) / (2σ); mu = x·a + (v·c)·Δ;
     s = std·sqrt(−Δ); x_next = mu + s·noise (sampling) or prev_sample;
     ℓ = (−(d·d) / (2·(s·s)) − ln s) − ln√(2π) with d = x_next − mu (x_next detached);
-    logp = tree_sum(ℓ over the N·C flattened elements) / fp32(N·C) (halving tree, module doc).
+    logp = tree_sum(ℓ over the N·C flattened elements) / fp32(N·C) (pairwise tree, module doc).
     ln s and ln√(2π) are binary64 logs rounded once to fp32 (the only transcendental; declared
     tolerance vs the FP64 reference 1e-5 abs on logp), computed per sample on the host, so
     nothing depends on the batch layout. Byte-invariant to batch size, batch position and token
@@ -473,12 +452,12 @@ def flow_sde_step_logp_strict(
     nd = x32.dim()
     eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
     dt = sn - s  # [B]
-    std = torch.sqrt(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
+    std = sqrt32(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
     var = std * std
     two_s = 2 * s
     a = 1 + (var / two_s) * dt  # [B]
     c = 1 + (var * (1 - s)) / two_s  # [B]
-    scale = std * torch.sqrt(-dt)  # [B] noise scale s_t
+    scale = std * sqrt32(-dt)  # [B] noise scale s_t
     mu = x32 * _bcast(a, nd) + (v32 * _bcast(c, nd)) * _bcast(dt, nd)  # [B, N, C]
     if prev_sample is None:
         x_next = mu + _bcast(scale, nd) * noise
@@ -496,7 +475,7 @@ def flow_sde_step_logp_strict(
     two_var = 2 * (scale * scale)  # [B]
     d = x_next - mu
     elem = (-(d * d) / _bcast(two_var, nd) - _bcast(log_scale, nd)) - log_sqrt_2pi  # [B, N, C]
-    total = tree_sum_lastdim(elem.reshape(elem.shape[0], -1))  # [B]
+    total = tree_sum(elem.reshape(elem.shape[0], -1))  # [B]
     logp = total / torch.tensor(float(per_sample), dtype=torch.float32, device=x32.device)
     return x_next, logp, mu, std
 

@@ -107,7 +107,7 @@ def exact_matmul(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
     m, k = a.shape
     n = bt.shape[0]
     rows = max(1, _EXACT_BLOCK // max(1, n * k))
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32, device=a.device)
     for i in range(0, m, rows):
         out[i : i + rows] = tree_sum(a[i : i + rows, None, :] * bt[None, :, :])  # [r, N]
     return out
@@ -243,6 +243,17 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sin, cos
 
 
+def sqrt32(v: torch.Tensor) -> torch.Tensor:
+    """sqrt in FP64, rounded once to FP32.
+
+    Measured: FP32 ``torch.sqrt`` gave different bytes on an Intel Xeon (torch 2.11) and an AMD
+    EPYC (torch 2.13) for the same inputs. Some SIMD builds are not correctly rounded. A FP64
+    square root that is off by one FP64 ULP changes the FP32 result only when it straddles an
+    FP32 rounding boundary (p ≈ 2^-29 per element).
+    """
+    return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+
+
 def rsqrt64(v: torch.Tensor) -> torch.Tensor:
     """1/sqrt(v) in FP64 (sqrt and division are correctly rounded)."""
     return 1.0 / torch.sqrt(v.to(torch.float64))
@@ -255,7 +266,7 @@ def pointwise32(fn64, x: torch.Tensor) -> torch.Tensor:
     """Apply an FP64 exact-op function elementwise in cache-sized blocks, rounding each result
     once to FP32. Blocking changes no bytes: every operation is elementwise."""
     flat = x.reshape(-1)
-    res = torch.empty(flat.shape, dtype=torch.float32)
+    res = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
     for i in range(0, flat.numel(), _BLOCK):
         res[i : i + _BLOCK] = fn64(flat[i : i + _BLOCK])
     return res.view(x.shape)
