@@ -6,18 +6,20 @@
     drifttool fixture verify                  # re-run the sealed default and check its digests
     drifttool trace runs/a                    # the operator trace
 
-User errors (``DriftToolError``) print one line and exit 2, without a traceback.
+User errors (``DriftToolError``) print one line and exit 2, without a traceback. An internal
+error (a bug) prints its traceback and also exits 2, so that exit 1 always means "drift".
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import traceback
 from typing import Any, Callable
 
 import typer
-from rich.console import Console
-
+from drifttool.cli._console import err, silence_stdout  # noqa: E402
+import drifttool
 from drifttool.errors import DriftToolError
 
 app = typer.Typer(
@@ -27,11 +29,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-err = Console(stderr=True)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ``DriftToolError`` (and Ctrl-C) into a one-line message and exit code 2."""
+    """Exit codes for a command: ``DriftToolError`` and Ctrl-C → one line, exit 2; any other
+    exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means drift);
+    a closed stdout (``| head``) keeps the command's own exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -43,8 +46,32 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")
             raise typer.Exit(2) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except BrokenPipeError:
+            silence_stdout()
+            raise typer.Exit(2) from None
+        except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
+            if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
+                raise
+            traceback.print_exc()
+            err.print("[bold red]internal error[/] (a drifttool bug, please report it with the "
+                      "traceback above)")
+            raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"drifttool {drifttool.__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT."""
 
 
 def _register() -> None:
@@ -54,6 +81,8 @@ def _register() -> None:
     app.command("diff")(user_errors(diff.diff))
     app.command("trace")(user_errors(trace.trace))
     app.add_typer(fixture.app, name="fixture")
+    from drifttool.cli.probe import register; register(app, user_errors)  # noqa: E702 probe, overlay
+    from drifttool.cli.train import register as register_train; register_train(app, user_errors)  # noqa: E702 replay, recompute, experiment
 
 
 _register()

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from drifttool.cli._console import console, tolerate_closed_stdout
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import exit_code
 from drifttool.diff.render import render
 
-console = Console()
 
 
 def diff(
@@ -25,8 +24,9 @@ def diff(
     Exit 0 identical, 1 drift, 2 incomparable, inconclusive or error.
     """
     report = diff_runs(open_run(run_a), open_run(run_b))
-    if as_json:
-        typer.echo(report.to_json())
-    else:
-        render(report, console)
+    with tolerate_closed_stdout():
+        if as_json:
+            typer.echo(report.to_json())
+        else:
+            render(report, console)
     raise typer.Exit(exit_code(report.verdict))

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
+from drifttool.cli._console import console
 from drifttool.diff.render import render
 from drifttool.diff.report import exit_code
 
-console = Console()
 app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
 
 
@@ -25,9 +25,14 @@ def verify(
     from drifttool.verify import verify_fixture
 
     result = user_errors(verify_fixture)(fixture, workdir)
-    console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); replay in {result.run_dir}")
+    code = exit_code(result.report.verdict)
+    keep = workdir is not None or code != 0  # a failed replay stays for inspection
+    where = f"replay in {result.run_dir}" if keep else "replay removed"
+    console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
     render(result.report, console)
-    raise typer.Exit(exit_code(result.report.verdict))
+    if not keep:
+        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
+    raise typer.Exit(code)
 
 
 @app.command("seal")

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from drifttool.cli._console import console, err
+from drifttool.errors import DriftToolError
 from drifttool.runner import RunSpec, execute, resolve
 
-console = Console()
 
 
 def _samples(text: Optional[str]) -> Optional[list[int]]:
@@ -21,7 +21,7 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+        raise DriftToolError(f"--samples: expected comma-separated integers, got {text!r}") from None
 
 
 def run(
@@ -38,6 +38,7 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, help="batched | sequential CFG execution."),
+    lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
@@ -47,7 +48,7 @@ def run(
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
-        dtype=dtype, cfg_layout=cfg_layout,
+        dtype=dtype, cfg_layout=cfg_layout, lora=lora,
     )
     _, settings = resolve(spec)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -60,3 +61,9 @@ def run(
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
         table.add_row(key, str(settings.get(key)))
     console.print(table)
+    if summary["nonfinite"]:
+        err.print(f"[bold yellow]warning:[/] {summary['nonfinite']} non-finite values in the "
+                  "trajectory's latents and velocities (recorded in the artifact's non-finite counts)")
+    if settings["mode"] == "off":
+        err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
+                  "no records to diff")

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from drifttool.cli._console import console
 from drifttool.artifact.reader import open_run
 
-console = Console()
 
 
 def trace(

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,10 +27,12 @@ from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import load_checkpoint, weight_digest
+from drifttool.model.lora import has_lora, load_lora, lora_record
 from drifttool.ops.registry import implementation
+from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode, Runtime
 from drifttool.sampling.noise import draw_noise
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, StepOutput, rollout
+from drifttool.sampling.rollout import CFG_LAYOUTS, RolloutInputs, SamplerConfig, StepOutput, rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,6 +53,14 @@ class RunSpec:
         cfg_layout: batched | sequential.  timestep_policy: see ``ops.scheduler``.
         unavailable: (op, backend) pairs planted as unavailable (tests, probes).
         variants: ``{op: (variant_name, fn)}`` operator replacements (probes), see ``Runtime``.
+        pad_prompts_to: right-pad every prompt (and the negative prompt) with zeros to this many
+            tokens, masked (an invariant control: strict bytes must not change); ``None`` = pad
+            to the batch's longest prompt only.
+        sample_labels: logical ids written for each batch row instead of ``samples`` (the data
+            stays that of ``samples``); a probe of mislabelled distributed metadata.
+        lora: a LoRA adapter (peft folder or .safetensors, ``drifttool.model.lora``) loaded onto
+            the model; recorded in the settings and the manifest (``lora``), and pinned by the
+            fingerprint's weight digest.
     """
 
     fixture: str | Path | None = None
@@ -67,6 +78,9 @@ class RunSpec:
     timestep_policy: str | None = None
     unavailable: tuple[tuple[str, str], ...] = ()
     variants: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
+    pad_prompts_to: int | None = None
+    sample_labels: list[int] | None = None
+    lora: str | Path | None = None
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -84,6 +98,16 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
     for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
                 "timestep_policy"):
         s[key] = _pick(getattr(spec, key), s.get(key))
+    if spec.samples is not None and spec.batch is not None:
+        raise DriftToolError("give either a batch size or sample ids, not both")
+    for key in ("cfg_scale", "eta"):
+        if not math.isfinite(float(s[key])):
+            raise DriftToolError(f"{key} must be finite, got {s[key]}")
+    if s["cfg_layout"] not in CFG_LAYOUTS:
+        raise DriftToolError(f"unknown cfg_layout {s['cfg_layout']!r} (one of {', '.join(CFG_LAYOUTS)})")
+    if s["timestep_policy"] not in TIMESTEP_POLICIES:
+        raise DriftToolError(f"unknown timestep_policy {s['timestep_policy']!r} "
+                             f"(one of {', '.join(TIMESTEP_POLICIES)})")
     if spec.samples is not None:
         s["samples"] = [int(i) for i in spec.samples]
     elif spec.batch is not None:
@@ -99,6 +123,15 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
     if s["capture"] not in ("L0", "L1", "L2"):
         raise DriftToolError(f"unknown capture level {s['capture']!r} (L0, L1, L2)")
     s["checkpoint"] = str(spec.checkpoint) if spec.checkpoint else None
+    if spec.pad_prompts_to is not None:  # recorded only when set: the default manifest is unchanged
+        s["pad_prompts_to"] = int(spec.pad_prompts_to)
+    if spec.sample_labels is not None:
+        s["sample_labels"] = [int(i) for i in spec.sample_labels]
+        if len(s["sample_labels"]) != len(s["samples"]):
+            raise DriftToolError(f"sample_labels {s['sample_labels']} must name one id per sample "
+                                 f"of {s['samples']}")
+    if spec.lora is not None:  # recorded only when set
+        s["lora"] = str(spec.lora)
     s["fixture"] = fx.name
     return fx, s
 
@@ -114,13 +147,25 @@ def build_inputs(fx: Fixture, s: dict[str, Any], joint_dim: int) -> tuple[Rollou
     txt, lens, neg, neg_len = fx.prompts(joint_dim, seed=s["seed"])
     rows = [i % txt.shape[0] for i in ids]
     width = max(int(lens[r]) for r in rows)
+    pad_to = s.get("pad_prompts_to")
+    if pad_to is not None:
+        if int(pad_to) < max(width, int(neg_len)):
+            raise DriftToolError(f"pad_prompts_to={pad_to} is shorter than the longest prompt "
+                                 f"({max(width, int(neg_len))} tokens)")
+        txt = torch.cat([txt, txt.new_zeros(txt.shape[0], max(0, int(pad_to) - txt.shape[1]),
+                                            txt.shape[2])], dim=1)
+        width = int(pad_to)
     tb = torch.stack([txt[r, :width] for r in rows])  # [B, L, D]
     mask = torch.stack([torch.arange(width) < lens[r] for r in rows])  # [B, L] bool
     nb = neg[:, : int(neg_len)].expand(len(ids), -1, -1).contiguous()  # [B, Ln, D]
+    neg_mask = None
+    if pad_to is not None:
+        nb = torch.cat([nb, nb.new_zeros(len(ids), width - nb.shape[1], nb.shape[2])], dim=1)
+        neg_mask = (torch.arange(width) < int(neg_len)).expand(len(ids), -1).contiguous()
     inputs = RolloutInputs(
-        sample_ids=ids, x0=noise.x0, txt=tb, img_grid=grid,
+        sample_ids=list(s.get("sample_labels") or ids), x0=noise.x0, txt=tb, img_grid=grid,
         txt_mask=None if bool(mask.all()) else mask, noise=noise.noise,
-        neg_txt=nb, neg_mask=None,
+        neg_txt=nb, neg_mask=None if neg_mask is None or bool(neg_mask.all()) else neg_mask,
     )
     return inputs, noise.record
 
@@ -169,6 +214,8 @@ def replay_tensors(inputs: RolloutInputs) -> dict[str, torch.Tensor]:
         t["noise"] = inputs.noise
     if inputs.neg_txt is not None:
         t["neg_txt"] = inputs.neg_txt
+    if inputs.neg_mask is not None:
+        t["neg_mask"] = inputs.neg_mask.to(torch.uint8)
     return t
 
 
@@ -192,8 +239,20 @@ def execute(
     overwrite: bool = False,
     on_step: Callable[[StepOutput], Any] | None = None,
     max_steps: int | None = None,
+    model: torch.nn.Module | None = None,
+    replay_inputs: tuple[RolloutInputs, dict[str, Any]] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
+
+    ``replay_inputs`` = (inputs, noise record) replaces the inputs drawn from the fixture (a
+    replay of a stored artifact, ``drifttool.sampling.train.replay_run``); ``manifest_extra`` is
+    merged into the manifest. A model without an adapter gets ``spec.lora`` loaded.
+
+    ``model`` replaces the checkpoint's ``MMDiT`` with another implementation of the same call
+    (``config``, ``dtype``, named parameters under the checkpoint's names, and
+    ``model(x, txt, txt_mask, tau, img_grid, rt)``), e.g. the diffusers capture adapter
+    (``drifttool.adapters.diffusers_qwenimage``); its ``source`` attribute goes to the manifest.
 
     A failure after the artifact was opened closes it with ``complete=false`` (finished steps
     stay readable) and re-raises.
@@ -206,13 +265,22 @@ def execute(
     """
     fx, s = resolve(spec)
     dtype = DTYPES[s["dtype"]]
-    model = load_checkpoint(s["checkpoint"] or fx.model_dir, dtype=dtype)
+    source = getattr(model, "source", None) if model is not None else None
+    if model is None:
+        model = load_checkpoint(s["checkpoint"] or fx.model_dir, dtype=dtype)
+    elif model.dtype != dtype:
+        raise DriftToolError(f"the given model is {model.dtype}, the run asks for {s['dtype']}")
     sampler = SamplerConfig(
         num_steps=int(s["steps"]), cfg_scale=float(s["cfg_scale"]), eta=float(s["eta"]),
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
     )
+    if s.get("lora") and not has_lora(model):
+        load_lora(model, s["lora"])
     check_finite(dict(model.state_dict()), "checkpoint weights")
-    inputs, noise_rec = build_inputs(fx, s, model.config.joint_attention_dim)
+    if replay_inputs is not None:
+        inputs, noise_rec = replay_inputs
+    else:
+        inputs, noise_rec = build_inputs(fx, s, model.config.joint_attention_dim)
     check_finite(replay_tensors(inputs), "replay inputs")
     sigmas = implementation("flow_sigma_table", "strict")(sampler.num_steps, inputs.img_grid[0] * inputs.img_grid[1])
     fingerprint = arch_fingerprint(
@@ -228,10 +296,16 @@ def execute(
         "environment": environment(),
         "replay": {"noise": noise_rec, "inputs": "inputs.safetensors",
                    "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
-                   else [inputs.txt.shape[1]] * inputs.batch},
+                   else [inputs.txt.shape[1]] * inputs.batch,
+                   "input_digests": {k: tensor_digest(v) for k, v in replay_tensors(inputs).items()}},
         "variants": sorted(f"{op}={name}" for op, (name, _) in spec.variants.items()),
         "layout": {"world_size": 1, "tp": 1, "sp": 1, "cfg_parallel": 1, "cfg_layout": s["cfg_layout"]},
     }
+    if source is not None:
+        manifest["model_source"] = source
+    if has_lora(model):
+        manifest["lora"] = lora_record(model)
+    manifest.update(manifest_extra or {})
     writer = ArtifactWriter(out, manifest, overwrite=overwrite)
     mode = Mode(s["mode"])
     recorder = Recorder(level=s["capture"], writer=writer) if mode.captures else None
@@ -251,5 +325,7 @@ def execute(
     if recorder is not None:
         recorder.close(complete=done)
     writer.close(complete=done)
+    nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))
     return {"out": str(out), "complete": done, "steps": len(traj.steps), "samples": inputs.sample_ids,
-            "mode": mode.value, "capture": s["capture"]}
+            "mode": mode.value, "capture": s["capture"] if mode.captures else "none (mode off)",
+            "nonfinite": nonfinite}

@@ -1,1 +1,6 @@
-"""drifttool.probes"""
+"""drifttool.probes: the probe matrix (RFC ``qwenimage_ablation_overlay``).
+
+``spec`` (a probe as data) → ``catalog`` (the declared list) → ``variants`` / ``weights`` /
+``controls`` (the one change of each probe) → ``runner`` (baseline + probes, diff, judge) →
+``matrix`` (table, Arrow, JSON) and ``plots`` (heatmaps, overlays). See ``docs/probes.md``.
+"""

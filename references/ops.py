@@ -389,6 +389,69 @@ def final_adaln_out(
 
 
 # ---------------------------------------------------------------------------------------------
+# sampler operators, differentiable (§3.4, §4): the torch/FP64 twins of references/sampler.py
+# (numpy), for backward; same algebraically simplified forms, independent of drifttool.ops.
+
+
+def cfg_combine_renorm(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """comb = u + s(c − u); v = comb·‖c‖/‖comb‖ with 2-norms per token over the last axis (§3.4).
+    v_cond, v_uncond [B,N,C] → [B,N,C]."""
+    c, u = _f64(v_cond), _f64(v_uncond)
+    comb = u + float(scale) * (c - u)
+    norm_c = torch.sqrt((c * c).sum(dim=-1, keepdim=True))
+    norm_comb = torch.sqrt((comb * comb).sum(dim=-1, keepdim=True))
+    return comb * (norm_c / norm_comb)
+
+
+def flow_sde_step_logp(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    eta: float,
+    sigma_max: float | torch.Tensor,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flow-GRPO 'sde' step (§4): (x_next, logp [B], mu, std_t [B]), FP64.
+
+    std = η·sqrt(σ/(1 − σ̃)), σ̃ = σ_max if σ == 1 else σ; μ = x + Δv + Δ·(std²/(2σ))·(x + (1−σ)v),
+    Δ = σ' − σ; s = std·sqrt(−Δ); x_next = μ + s·noise (or prev_sample), detached;
+    logp = mean over the non-batch dims of −(x_next − μ)²/(2s²) − ln s − ln√(2π).
+    η = 0: μ = x + Δv, x_next = μ (or prev_sample), std = 0, logp = NaN. Schedule values are
+    scalars or [B] (per sample).
+    """
+    v, x = _f64(v), _f64(x)
+    b = x.shape[0]
+
+    def per_sample(t):
+        t = torch.as_tensor(t, dtype=F64).detach().reshape(-1)
+        return (t.expand(b) if t.numel() == 1 else t).reshape(b, *([1] * (x.dim() - 1)))
+
+    s, sn, sm = per_sample(sigma), per_sample(sigma_next), per_sample(sigma_max)
+    dt = sn - s
+    if float(eta) == 0.0:
+        mu = x + dt * v
+        x_next = (mu if prev_sample is None else _f64(prev_sample)).detach()
+        return x_next, torch.full((b,), math.nan, dtype=F64), mu, torch.zeros(b, dtype=F64)
+    std = float(eta) * torch.sqrt(s / (1.0 - torch.where(s == 1.0, sm, s)))
+    mu = x + dt * v + dt * (std * std / (2.0 * s)) * (x + (1.0 - s) * v)
+    scale = std * torch.sqrt(-dt)
+    x_next = (mu + scale * _f64(noise) if prev_sample is None else _f64(prev_sample)).detach()
+    dens = -((x_next - mu) ** 2) / (2.0 * scale * scale) - torch.log(scale) - 0.5 * math.log(2.0 * math.pi)
+    return x_next, dens.reshape(b, -1).mean(dim=1), mu, std.reshape(b)
+
+
+SAMPLER_OPS: dict[str, Callable[..., Any]] = {
+    "cfg_combine_renorm": cfg_combine_renorm,
+    "flow_sde_step_logp": flow_sde_step_logp,
+}
+"""The differentiable sampler rows → reference function (``flow_sigma_table`` is forward only;
+see references/sampler.py)."""
+
+
+# ---------------------------------------------------------------------------------------------
 # index and backward
 
 

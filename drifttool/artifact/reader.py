@@ -39,6 +39,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             object, or of a schema version this reader does not support.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArtifactError(f"{path}: is a file, not an artifact directory")
     if not path.is_dir():
         raise ArtifactError(f"{path}: no such artifact directory")
     mpath = path / S.MANIFEST
@@ -57,7 +59,34 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                             f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
     if not isinstance(manifest.get("complete"), bool):
         raise ArtifactError(f"{mpath}: corrupt manifest ('complete' is not true/false)")
+    _check_manifest_shape(mpath, manifest)
     return manifest
+
+
+def _plain_name(x: Any) -> bool:
+    return isinstance(x, str) and x == Path(x).name and x not in ("", ".", "..")
+
+
+def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
+    """Refuse manifests whose structure was damaged by hand: wrong types, or file entries that
+    are not plain names inside the run directory (no ``..``, no paths to other runs)."""
+    for key in ("fingerprint", "settings", "environment", "layout", "replay"):
+        if key in m and not isinstance(m[key], dict):
+            raise ArtifactError(f"{mpath}: corrupt manifest ({key!r} is not an object)")
+    fp = m.get("fingerprint")
+    if isinstance(fp, dict) and "arch" in fp and not isinstance(fp["arch"], dict):
+        raise ArtifactError(f"{mpath}: corrupt manifest ('fingerprint.arch' is not an object)")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{mpath}: corrupt manifest ('files' is not an object)")
+    for key in ("inputs", "steps", "trace"):
+        if files.get(key) is not None and not _plain_name(files[key]):
+            raise ArtifactError(f"{mpath}: corrupt manifest (files.{key}={files[key]!r} is not a "
+                                "file name inside the run directory)")
+    ops = files.get("ops", [])
+    if not isinstance(ops, list) or not all(_plain_name(o) for o in ops):
+        raise ArtifactError(f"{mpath}: corrupt manifest (files.ops={ops!r} must list file names "
+                            "inside the run directory)")
 
 
 def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Table, str | None]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -84,6 +83,31 @@ class _Stream:
         self._file.close()
 
 
+def _remove_artifact(path: Path) -> None:
+    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
+
+    Raises:
+        ArtifactError: no drifttool manifest there, or files that no artifact writes (user
+            files are never deleted).
+    """
+    try:
+        manifest = json.loads((path / S.MANIFEST).read_text())
+        ours = isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to overwrite")
+    own = {S.MANIFEST, S.INPUTS, S.STEPS, S.TRACE}
+    foreign = sorted(p.name for p in path.iterdir()
+                     if not (p.is_file() and (p.name in own or p.name.startswith("ops.rank")
+                                              or p.name.endswith(".tmp"))))
+    if foreign:
+        raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
+                            " (not written by drifttool)")
+    for p in path.iterdir():
+        p.unlink()
+
+
 class ArtifactWriter:
     """Writer of one artifact directory.
 
@@ -107,10 +131,10 @@ class ArtifactWriter:
             if not self.path.is_dir():
                 raise ArtifactError(f"{self.path} exists and is not a directory")
             if any(self.path.iterdir()):
-                if not (overwrite and (self.path / S.MANIFEST).exists()):
-                    raise ArtifactError(f"{self.path} is not empty (pass overwrite=True to "
-                                        "replace an earlier artifact)")
-                shutil.rmtree(self.path)
+                if not overwrite:
+                    raise ArtifactError(f"{self.path} is not empty (use --overwrite to replace an "
+                                        "earlier drifttool run there)")
+                _remove_artifact(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._manifest: dict[str, Any] = dict(manifest or {})
         self._ops: dict[int, _Stream] = {}

@@ -97,7 +97,7 @@ class Recorder:
             self._current = (phase, step)
 
     def capture(self, site: dict[str, Any], tensor: torch.Tensor, layout: str,
-                index: int = 0) -> None:
+                index: int = 0, role: str = "output") -> None:
         """Digest one operator output: one record per logical sample (L1), plus row digests (L2).
 
         Args:
@@ -106,6 +106,7 @@ class Recorder:
             tensor: the output, any dtype/device (GPU tensors are copied to the host).
             layout: axis tags, see ``drifttool.capture.layout``.
             index: output index of a tuple-returning operator.
+            role: ``output`` (an operator output), ``grad_input`` or ``grad_weight``.
 
         Raises:
             ValueError: layout and tensor (or site) disagree.
@@ -124,12 +125,22 @@ class Recorder:
             self._ops.append((
                 self._seq, self.rank, site["phase"], int(site["step"]), _float(site["sigma"]),
                 branch, int(site["block"]), site["stream"], site["op"], int(site["call"]),
-                int(index), "output", part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
+                int(index), role, part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
                 d.maxabs, None if rm is None else rm.txt_len,
                 None if grid is None else grid[0], None if grid is None else grid[1],
             ))
             self._rows.append(d.rows if rm is not None else None)
             self._seq += 1
+
+    def capture_grad(self, *, phase: str, step: int, block: int, stream: str, op: str,
+                     tensor: torch.Tensor, sigma: float = math.nan, rank: int = 0) -> None:
+        """Digest one parameter gradient as an op record with role ``grad_weight`` (branch
+        ``none``, sample −1, call 0; ``op`` names the parameter, e.g. ``attn.to_q.lora_A``), so
+        two training runs diff at the gradient level. Ignored at L0 like every op record."""
+        site = {"phase": phase, "step": int(step), "sigma": sigma, "branch": "none",
+                "block": int(block), "samples": None, "txt_lens": None, "img_grid": None,
+                "rank": int(rank), "op": op, "stream": stream, "call": 0}
+        self.capture(site, tensor.detach(), "." * tensor.dim(), role="grad_weight")
 
     def record_step(self, *, phase: str, step: int, sigma: float, sigma_next: float, sample: int,
                     branch: str, rank: int = 0, quantities: dict[str, torch.Tensor]) -> None:

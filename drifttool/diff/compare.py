@@ -24,6 +24,8 @@ is incomplete ("identical through step k"); else identical.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
@@ -85,14 +87,40 @@ def _is_origin(tables: list[TableDiff], seq_a: int, seq_b: int) -> tuple[bool, i
 
 
 # -- the diff --------------------------------------------------------------------------------------
-def _compare_tables(run_a: Run, run_b: Run, level: str) -> tuple[TableDiff, TableDiff | None]:
+def recompute_alignment(ma: dict, mb: dict) -> dict[str, str] | None:
+    """``{"train": "rollout"}`` when one run is a training recompute (manifest ``kind:
+    "recompute"``, ``drifttool.sampling.train``) and the other a rollout: the recompute's phase
+    ``train`` records are then aligned with the rollout's phase ``rollout`` records, and its
+    gradient records (role ``grad_weight``, which a rollout cannot have) are left out. ``None``
+    otherwise (two rollouts, or two training runs, align as they are)."""
+    kinds = {ma.get("kind", "rollout"), mb.get("kind", "rollout")}
+    return {"train": "rollout"} if kinds == {"rollout", "recompute"} else None
+
+
+def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: bool) -> pa.Table:
+    """``table`` with a ``_row`` column (index into the run's full table), gradient records
+    dropped and phases renamed as asked."""
+    t = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    if drop_grads and "role" in t.column_names:
+        t = t.filter(pc.equal(t["role"], "output"))
+    for old, new in (phase_map or {}).items():
+        col = pc.if_else(pc.equal(t["phase"], old), pa.scalar(new), t["phase"])
+        t = t.set_column(t.column_names.index("phase"), "phase", col)
+    return t
+
+
+def _compare_tables(run_a: Run, run_b: Run, level: str,
+                    phase_map: dict[str, str] | None = None) -> tuple[TableDiff, TableDiff | None]:
     """Align and compare the step tables, and the op tables when both runs hold them."""
-    st = compare_table(run_a.steps_table().select([*_STEP_COLS, "data"]),
-                        run_b.steps_table().select([*_STEP_COLS, "data"]), S.STEPS_KEY)
+    st = compare_table(_prepared(run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False),
+                       _prepared(run_b.steps_table().select([*_STEP_COLS, "data"]), phase_map, False),
+                       S.STEPS_KEY)
     if level == "L0":
         return st, None
-    return st, compare_table(run_a.ops_table().select(_OPS_COLS),
-                              run_b.ops_table().select(_OPS_COLS), S.OPS_KEY)
+    grads = phase_map is not None
+    return st, compare_table(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads),
+                             _prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads),
+                             S.OPS_KEY)
 
 
 def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:
@@ -117,6 +145,8 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     if not firsts:
         return False
     (_, _, i, j), kind = min(firsts, key=lambda x: x[0][:2])
+    t = tables[0] if kind == "step" else tables[1]
+    i, j = int(t.a.column("_row")[i].as_py()), int(t.b.column("_row")[j].as_py())
     if kind == "op":
         full_a, full_b = run_a.ops_table(), run_b.ops_table()
     else:
@@ -134,17 +164,42 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     return True
 
 
+def _samples_only_in_one_run(tables: list[TableDiff]) -> tuple[list, list, list] | None:
+    """When the runs hold different logical samples (a batch of 3 against sample 2 alone) and
+    every unmatched record belongs to a sample that the other run does not hold, return
+    (common, only in A, only in B) sample ids; otherwise None (records are really missing)."""
+    st = tables[0]
+    sa = set(st.a.column("sample").to_pylist())
+    sb = set(st.b.column("sample").to_pylist())
+    common = sa & sb
+    if sa == sb or not common:
+        return None
+    for t in tables:
+        lone_a = set(t.a.column("sample").take(t.al.only_a).to_pylist())
+        lone_b = set(t.b.column("sample").take(t.al.only_b).to_pylist())
+        if (lone_a | lone_b) & common:
+            return None
+    return sorted(common), sorted(sa - sb), sorted(sb - sa)
+
+
 def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDiff]) -> None:
     """Identical, or inconclusive when records are missing or a run is incomplete."""
     matched = sum(t.al.ia.size for t in tables)
     only_a = sum(t.al.only_a.size for t in tables)
     only_b = sum(t.al.only_b.size for t in tables)
     why = [f"run {s} is incomplete" for s, r in (("A", run_a), ("B", run_b)) if not r.complete]
-    if only_a or only_b:
+    extra = _samples_only_in_one_run(tables)
+    if (only_a or only_b) and extra is None:
         why.append(f"{only_a} records only in run A, {only_b} only in run B")
     if not why:
         report.verdict = Verdict.IDENTICAL
         report.reason = f"all {matched} records are bitwise identical"
+        if extra is not None:
+            common, in_a, in_b = extra
+            report.reason = (f"all {matched} records of the common samples {common} are bitwise "
+                             f"identical")
+            report.notes.insert(0, f"samples only in run A: {in_a or 'none'}; only in run B: "
+                                   f"{in_b or 'none'} (not compared)")
         return
     through = ("identical through {} step {}".format(*report.identical_through)
                if report.identical_through else "no step fully matched")
@@ -152,8 +207,11 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
     report.reason = f"no drift in {matched} common records, but {', '.join(why)}; {through}"
 
 
-def diff_runs(run_a: Run, run_b: Run) -> DiffReport:
+def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffReport:
     """Compare two opened artifacts (``drifttool.artifact.open_run``); see the module docstring.
+
+    With ``align_recompute`` a rollout and its training recompute are aligned phase ``rollout``
+    ↔ ``train`` (``recompute_alignment``); a note says so.
 
     Returns:
         ``DiffReport`` with verdict identical / drift / incomparable / inconclusive.
@@ -169,15 +227,21 @@ def diff_runs(run_a: Run, run_b: Run) -> DiffReport:
         return report
     report.context = context(run_a, run_b)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
-    st, ot = _compare_tables(run_a, run_b, level)
+    phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
+    st, ot = _compare_tables(run_a, run_b, level, phase_map)
     tables = [st] if ot is None else [st, ot]
     report.counts = {"steps": st.counts(), **({"ops": ot.counts()} if ot else {})}
     report.notes = _notes(run_a, run_b, level, tables)
+    if phase_map is not None:
+        side = "B" if run_b.manifest.get("kind") == "recompute" else "A"
+        report.notes.insert(0, f"run {side} is a training recompute: its phase 'train' records are "
+                               "aligned with phase 'rollout'; its gradient records are not compared")
     report.steps = step_drifts(st, ot)
     for s in report.steps:
         if not s.identical:
             break
-        report.identical_through = (s.phase, s.step)
+        if s.step >= 0:  # step -1 holds records made before the first step (sigma table)
+            report.identical_through = (s.phase, s.step)
     if not _set_drift(report, run_a, run_b, tables):
         _set_no_drift(report, run_a, run_b, tables)
     return report

@@ -61,7 +61,9 @@ def incomparable(ma: dict, mb: dict) -> list[str]:
     fa, fb = ma.get("fingerprint") or {}, mb.get("fingerprint") or {}
     out += dict_differences(fa.get("arch", {}), fb.get("arch", {}), "fingerprint.arch")
     for side, m in (("A", ma), ("B", mb)):
-        if m.get("capture_level") not in S.LEVELS:
+        if (m.get("settings") or {}).get("mode") == "off":
+            out.append(f"run {side} was made with --mode off, which captures nothing to compare")
+        elif m.get("capture_level") not in S.LEVELS:
             out.append(f"capture_level of run {side}: {m.get('capture_level')!r} is not one of "
                        f"{S.LEVELS}")
     return out
@@ -79,13 +81,46 @@ def context(run_a: Run, run_b: Run) -> list[str]:
                            {k: v for k, v in fb.items() if k != "arch"}, "fingerprint")
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
-    ia, ib = run_a.inputs(), run_b.inputs()
-    inputs = [f"inputs.{k}: only in run {'A' if k in ia else 'B'}"
-              for k in sorted(set(ia) ^ set(ib))]
-    inputs += [f"inputs.{k}: differs (dtype, shape or bytes)" for k in sorted(set(ia) & set(ib))
-               if digest(ia[k]) != digest(ib[k])]
+    inputs = _input_differences(run_a.inputs(), run_b.inputs())
     trace = _trace_differences(run_a, run_b)
     return _capped(out, MAX_LISTED) + _capped(inputs, MAX_LISTED) + _capped(trace, MAX_TRACE)
+
+
+_SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg_mask": 0}
+
+
+def _per_sample(t: dict, key: str, sid: int, mask_key: str | None):
+    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed."""
+    ids = t["sample_ids"].tolist()
+    x = t[key].select(_SAMPLE_AXIS[key], ids.index(sid))
+    if mask_key and mask_key in t:
+        x = x[: int(t[mask_key][ids.index(sid)].sum())]
+    return x
+
+
+def _input_differences(ia: dict, ib: dict) -> list[str]:
+    """Replay inputs that differ. When the runs hold different batches of logical samples, the
+    batched inputs are compared per common sample (prompt padding removed)."""
+    out = [f"inputs.{k}: only in run {'A' if k in ia else 'B'}" for k in sorted(set(ia) ^ set(ib))]
+    keys = sorted(set(ia) & set(ib))
+    ids_a = ia["sample_ids"].tolist() if "sample_ids" in ia else None
+    ids_b = ib["sample_ids"].tolist() if "sample_ids" in ib else None
+    if ids_a is None or ids_b is None or ids_a == ids_b:
+        return out + [f"inputs.{k}: differs (dtype, shape or bytes)" for k in keys
+                      if digest(ia[k]) != digest(ib[k])]
+    common = sorted(set(ids_a) & set(ids_b))
+    for k in keys:
+        if k not in _SAMPLE_AXIS:
+            if k != "sample_ids" and digest(ia[k]) != digest(ib[k]):
+                out.append(f"inputs.{k}: differs (dtype, shape or bytes)")
+            continue
+        mask = {"txt": "txt_mask", "neg_txt": "neg_mask"}.get(k)
+        bad = [sid for sid in common
+               if digest(_per_sample(ia, k, sid, mask).contiguous())
+               != digest(_per_sample(ib, k, sid, mask).contiguous())]
+        if bad:
+            out.append(f"inputs.{k}: differs for common samples {bad}")
+    return out
 
 
 def _capped(lines: list[str], n: int) -> list[str]:

@@ -38,7 +38,9 @@ num_layers  final_adaln_out         img     ``BS.``
 num_layers  latent_proj_gemm        img     ``BS.``      (proj_out)
 ==========  ======================  ======  ========================
 
-Within a block the image-stream call precedes the text-stream call of the same operator.
+Within a block the image-stream call precedes the text-stream call of the same operator. With a
+LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` (stream img/txt, traced, not
+captured) computes each adapted weight right before the operator that consumes it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import drifttool.ops  # noqa: F401  (operator declarations and strict backends)
 import drifttool.ops.production  # noqa: F401  (production backends)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
+from drifttool.model.lora import adapted_weight
 from drifttool.model.rope import rope_tables
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
@@ -182,6 +185,13 @@ class MMDiT(nn.Module):
         self.norm_out = NormOut(d, dtype=dtype)
         self.proj_out = Linear(d, config.out_dim, dtype=dtype)
 
+    gradient_checkpointing: bool = False
+    """When true and autograd is recording, each block runs under ``torch.utils.checkpoint``
+    (non-reentrant): its activations are recomputed in the backward instead of kept. The
+    recomputation goes through the same operators with a silent copy of the runtime (no capture,
+    a throwaway trace), so records and trace are those of the plain forward; v, logp and the
+    gradients are byte-equal with and without it (tests/sampling/test_train_grad.py)."""
+
     @property
     def dtype(self) -> torch.dtype:
         """Model dtype W (the parameters' dtype)."""
@@ -240,9 +250,13 @@ class MMDiT(nn.Module):
             i = call(rt, "latent_proj_gemm", x, self.img_in.weight, self.img_in.bias,
                      stream="img", layout="BS.")  # [B, N, d]
 
+        checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
         for index, block in enumerate(self.transformer_blocks):
             with rt.scope(block=index):
-                i, t = self._block(block, i, t, temb, key_mask, img_freqs, txt_freqs, rt)
+                if checkpointing:
+                    i, t = _checkpointed(self._block, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt)
+                else:
+                    i, t = self._block(block, i, t, temb, key_mask, img_freqs, txt_freqs, rt)
 
         with rt.scope(block=cfg.num_layers):
             y = call(rt, "final_adaln_out", i, temb, self.norm_out.linear.weight, self.norm_out.linear.bias,
@@ -269,6 +283,9 @@ class MMDiT(nn.Module):
         attn = block.attn
         L = t.shape[1]
 
+        def lw(module: nn.Module, stream: str) -> torch.Tensor:  # weight, LoRA-merged if adapted
+            return adapted_weight(module, rt, stream)
+
         # modulation parameters, chunk order (shift1, scale1, gate1, shift2, scale2, gate2)
         img_mod = call(rt, "adaln_mod_projection", temb, block.img_mod["1"].weight, block.img_mod["1"].bias,
                        stream="img", layout="B.")  # [B, 6d]
@@ -282,11 +299,11 @@ class MMDiT(nn.Module):
         th = call(rt, "adaln_modulation", t, t_shift1, t_scale1, eps=eps, stream="txt", layout="BS.")  # [B, L, d]
 
         # per-stream Q/K/V, Q/K RMSNorm, RoPE
-        qi, ki, vi = call(rt, "qkv_bias_gemm", ih, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
-                          attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, heads,
+        qi, ki, vi = call(rt, "qkv_bias_gemm", ih, lw(attn.to_q, "img"), attn.to_q.bias, lw(attn.to_k, "img"),
+                          attn.to_k.bias, lw(attn.to_v, "img"), attn.to_v.bias, heads,
                           stream="img", layout=("BS..", "BS..", "BS.."))  # 3 × [B, N, H, Dh]
-        qt, kt, vt = call(rt, "qkv_bias_gemm", th, attn.add_q_proj.weight, attn.add_q_proj.bias,
-                          attn.add_k_proj.weight, attn.add_k_proj.bias, attn.add_v_proj.weight,
+        qt, kt, vt = call(rt, "qkv_bias_gemm", th, lw(attn.add_q_proj, "txt"), attn.add_q_proj.bias,
+                          lw(attn.add_k_proj, "txt"), attn.add_k_proj.bias, lw(attn.add_v_proj, "txt"),
                           attn.add_v_proj.bias, heads,
                           stream="txt", layout=("BS..", "BS..", "BS.."))  # 3 × [B, L, H, Dh]
         qi = call(rt, "qk_rmsnorm", qi, attn.norm_q.weight, eps=eps, stream="img", layout="BS..")
@@ -303,7 +320,7 @@ class MMDiT(nn.Module):
         k = torch.cat([kt, ki], dim=1)  # [B, L+N, H, Dh]
         v = torch.cat([vt, vi], dim=1)  # [B, L+N, H, Dh]
         if rt.mode.backend == "strict":
-            scores = call(rt, "joint_attn_qk_gemm", q, k, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
+            scores = call(rt, "joint_attn_qk_gemm", q, k, key_mask, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
             probs = call(rt, "joint_attn_softmax", scores, key_mask, stream="joint", layout="B.SK")  # [B, H, S, S]
             o = call(rt, "joint_attn_av_gemm", probs, v, key_mask, stream="joint", layout="BS..")  # [B, S, H, Dh]
         else:
@@ -311,24 +328,24 @@ class MMDiT(nn.Module):
         o = o.flatten(2, 3)  # [B, L+N, d]
         ot = o[:, :L].contiguous()  # [B, L, d]
         oi = o[:, L:].contiguous()  # [B, N, d]
-        ai = call(rt, "attn_out_bias_gemm", oi, attn.to_out["0"].weight, attn.to_out["0"].bias,
+        ai = call(rt, "attn_out_bias_gemm", oi, lw(attn.to_out["0"], "img"), attn.to_out["0"].bias,
                   stream="img", layout="BS.")  # [B, N, d]
-        at = call(rt, "attn_out_bias_gemm", ot, attn.to_add_out.weight, attn.to_add_out.bias,
+        at = call(rt, "attn_out_bias_gemm", ot, lw(attn.to_add_out, "txt"), attn.to_add_out.bias,
                   stream="txt", layout="BS.")  # [B, L, d]
         i = call(rt, "adaln_gate_residual", i, i_gate1, ai, stream="img", layout="BS.")
         t = call(rt, "adaln_gate_residual", t, t_gate1, at, stream="txt", layout="BS.")
 
         # norm2 + modulation + MLP, image then text
         ih = call(rt, "adaln_modulation", i, i_shift2, i_scale2, eps=eps, stream="img", layout="BS.")
-        ih = call(rt, "mlp_up_gemm_gelu", ih, block.img_mlp.net["0"].proj.weight, block.img_mlp.net["0"].proj.bias,
+        ih = call(rt, "mlp_up_gemm_gelu", ih, lw(block.img_mlp.net["0"].proj, "img"), block.img_mlp.net["0"].proj.bias,
                   stream="img", layout="BS.")  # [B, N, 4d]
-        ih = call(rt, "mlp_down_gemm", ih, block.img_mlp.net["2"].weight, block.img_mlp.net["2"].bias,
+        ih = call(rt, "mlp_down_gemm", ih, lw(block.img_mlp.net["2"], "img"), block.img_mlp.net["2"].bias,
                   stream="img", layout="BS.")  # [B, N, d]
         i = call(rt, "adaln_gate_residual", i, i_gate2, ih, stream="img", layout="BS.")
         th = call(rt, "adaln_modulation", t, t_shift2, t_scale2, eps=eps, stream="txt", layout="BS.")
-        th = call(rt, "mlp_up_gemm_gelu", th, block.txt_mlp.net["0"].proj.weight, block.txt_mlp.net["0"].proj.bias,
+        th = call(rt, "mlp_up_gemm_gelu", th, lw(block.txt_mlp.net["0"].proj, "txt"), block.txt_mlp.net["0"].proj.bias,
                   stream="txt", layout="BS.")  # [B, L, 4d]
-        th = call(rt, "mlp_down_gemm", th, block.txt_mlp.net["2"].weight, block.txt_mlp.net["2"].bias,
+        th = call(rt, "mlp_down_gemm", th, lw(block.txt_mlp.net["2"], "txt"), block.txt_mlp.net["2"].bias,
                   stream="txt", layout="BS.")  # [B, L, d]
         t = call(rt, "adaln_gate_residual", t, t_gate2, th, stream="txt", layout="BS.")
         return i, t
@@ -359,6 +376,31 @@ class MMDiT(nn.Module):
             bad.append(f"tau must be a float [{x.shape[0]}] tensor, got {tau.dtype} {tuple(tau.shape)}")
         if bad:
             raise UnsupportedConfigError("MMDiT.forward: " + "; ".join(bad))
+
+
+def _checkpointed(fn, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt: Runtime):
+    """``fn(block, i, t, temb, ...)`` under non-reentrant activation checkpointing.
+
+    The first call (the forward) uses ``rt``; a later call is the backward's recomputation and
+    uses a copy of ``rt`` with the forward's identity scope, no recorder and its own trace, so
+    it adds no records, trace calls or call-counter increments.
+    """
+    import dataclasses
+
+    from torch.utils.checkpoint import checkpoint
+
+    from drifttool.capture.trace import OperatorTrace
+
+    scope = dict(rt._scope)
+    calls = []
+
+    def run(i_, t_, temb_):
+        calls.append(None)
+        r = rt if len(calls) == 1 else dataclasses.replace(
+            rt, recorder=None, trace=OperatorTrace(), _scope=dict(scope), _calls={})
+        return fn(block, i_, t_, temb_, key_mask, img_freqs, txt_freqs, r)
+
+    return checkpoint(run, i, t, temb, use_reentrant=False)
 
 
 @torch.no_grad()

@@ -225,8 +225,11 @@ def _check_key_mask(key_mask: torch.Tensor | None, b: int, s: int) -> None:
 
 
 @implements("joint_attn_qk_gemm", "production", kernel="torch.matmul_fp32")
-def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Scores ``(q·kᵀ) / √Dh`` in fp32: q, k ``[B,S,H,Dh]`` → ``[B,H,S,S]`` fp32 (plain torch)."""
+def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores ``(q·kᵀ) / √Dh`` in fp32: q, k ``[B,S,H,Dh]`` → ``[B,H,S,S]`` fp32 (plain torch).
+
+    ``key_mask`` is only validated (it orders the strict backward; the scores do not use it)."""
+    _check_key_mask(key_mask, k.shape[0], k.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh = q.float().permute(0, 2, 1, 3)  # [B, H, S, Dh]
     kh = k.float().permute(0, 2, 3, 1)  # [B, H, Dh, S]

@@ -97,6 +97,12 @@ def implementation(name: str, backend: str) -> Callable[..., Any]:
         raise UnsupportedConfigError(f"operator {name!r} has no {backend!r} backend") from None
 
 
+def kernel_id(name: str, backend: str) -> str | None:
+    """The kernel identity ``backend`` registers for operator ``name`` (None if unregistered)."""
+    impl = _IMPLS.get((name, backend))
+    return impl.kernel if impl else None
+
+
 def _resolve(rt: Runtime, name: str) -> tuple[str, str, _Impl, str]:
     """Return (requested backend, actual backend, impl, fallback reason or "")."""
     requested = rt.mode.backend

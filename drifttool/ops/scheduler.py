@@ -36,6 +36,10 @@ Strict reductions use the canonical pairwise tree ``strict_math.tree_sum`` (adja
 zero-padded to a power of two: the same tree as every other strict operator), and square roots
 use ``strict_math.sqrt32`` (FP64, rounded once). ``torch.sum``/``torch.norm``/``torch.mean`` are
 never used in strict: their order may depend on the tensor size and the thread count.
+
+Backward (strict): ``cfg_combine_renorm`` and ``flow_sde_step_logp`` are ``torch.autograd.Function``s
+whose forward is the arithmetic above and whose backward has a fixed per-token / per-element order
+(``_CFGRenorm``, ``_SDEStep``; docs/strict-arithmetic.md, "Backward").
 """
 
 from __future__ import annotations
@@ -254,6 +258,43 @@ def _check_cfg_inputs(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
         raise ValueError(f"cfg_combine_renorm: scale must be a finite python float, got {scale!r}")
 
 
+class _CFGRenorm(torch.autograd.Function):
+    """Strict CFG combine + renorm with a fixed-order backward (all FP32, per token; the two
+    channel sums are the pairwise tree over C):
+
+    t = Σ_C g·comb; k_comb = ((t·ratio)/‖comb‖)/‖comb‖; k_c = (t/‖comb‖)/‖c‖;
+    dcomb = g·ratio − comb·k_comb; dd = s·dcomb; dc = dd + c·k_c; du = dcomb − dd.
+    """
+
+    @staticmethod
+    def forward(ctx, v_cond, v_uncond, scale):
+        c = v_cond.to(torch.float32)
+        u = v_uncond.to(torch.float32)
+        s = torch.tensor(scale, dtype=torch.float32, device=c.device)
+        comb = u + s * (c - u)  # [B, N, C]
+        c_norm = sqrt32(tree_sum(c * c))  # [B, N]
+        comb_norm = sqrt32(tree_sum(comb * comb))  # [B, N]
+        ratio = c_norm / comb_norm  # [B, N]
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(c, comb, c_norm, comb_norm, ratio, s)
+            ctx.dtypes = (v_cond.dtype, v_uncond.dtype)
+        return comb * ratio.unsqueeze(-1)  # [B, N, C]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gv):
+        c, comb, c_norm, comb_norm, ratio, s = ctx.saved_tensors
+        g = gv.contiguous().to(torch.float32)
+        t = tree_sum(g * comb)  # [B, N]
+        k_comb = ((t * ratio) / comb_norm) / comb_norm
+        k_c = (t / comb_norm) / c_norm
+        dcomb = g * ratio.unsqueeze(-1) - comb * k_comb.unsqueeze(-1)
+        dd = s * dcomb
+        dc = dd + c * k_c.unsqueeze(-1)
+        du = dcomb - dd
+        return dc.to(ctx.dtypes[0]), du.to(ctx.dtypes[1]), None
+
+
 @implements("cfg_combine_renorm", "strict", kernel="torch.fp32.pairwise_tree_norm")
 def cfg_combine_renorm_strict(
     v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
@@ -271,7 +312,8 @@ def cfg_combine_renorm_strict(
 
     Arithmetic (fp32, one rounding per op, no FMA): d = c − u; comb = u + (s·d);
     ‖a‖ = sqrt32(tree_sum(a·a)) (FP64 sqrt rounded once) with the pairwise tree over the C channels; ratio = ‖c‖ / ‖comb‖;
-    v = comb · ratio. Byte-invariant to batch size, batch position and token count.
+    v = comb · ratio. Byte-invariant to batch size, batch position and token count. Backward: a
+    fixed per-token order (``_CFGRenorm``), gradients cast once to the input dtypes.
 
     Raises:
         UnsupportedConfigError: a dtype other than fp32/bf16.
@@ -280,14 +322,7 @@ def cfg_combine_renorm_strict(
     _check_cfg_inputs(v_cond, v_uncond, scale)
     for what, t in (("v_cond", v_cond), ("v_uncond", v_uncond)):
         _check_dtype("cfg_combine_renorm", what, t, CFG_COMBINE_RENORM.dtypes)
-    c = v_cond.to(torch.float32)
-    u = v_uncond.to(torch.float32)
-    s = torch.tensor(float(scale), dtype=torch.float32, device=c.device)
-    comb = u + s * (c - u)  # [B, N, C]
-    c_norm = sqrt32(tree_sum(c * c))  # [B, N]
-    comb_norm = sqrt32(tree_sum(comb * comb))  # [B, N]
-    ratio = c_norm / comb_norm  # [B, N]
-    return comb * ratio.unsqueeze(-1)  # [B, N, C]
+    return _CFGRenorm.apply(v_cond, v_uncond, float(scale))
 
 
 @implements("cfg_combine_renorm", "production", kernel="torch.native.norm")
@@ -389,6 +424,74 @@ def _euler(v32, x32, s, sn, prev_sample):
     return x_next.detach(), logp, mu, std_t
 
 
+class _SDEStep(torch.autograd.Function):
+    """The strict SDE step (arithmetic in ``flow_sde_step_logp_strict``'s docstring) with a fixed
+    backward, all FP32 and elementwise per sample (x_next is detached, so only mu carries the
+    gradient of logp):
+
+    coef = g_logp / (fp32(N·C)·(s·s)); dmu = g_mu + d·coef; dx = dmu·a; dv = (dmu·c)·Δ.
+    Euler steps (η = 0): dx = g_mu, dv = Δ·g_mu; logp (NaN) has no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, v32, x32, s, sn, sm, eta, noise, prev_sample):
+        per_sample = x32[0].numel()
+        if eta == 0.0:
+            x_next, logp, mu, std_t = _euler(v32, x32, s, sn, prev_sample)
+            ctx.mark_non_differentiable(x_next, logp, std_t)
+            ctx.save_for_backward(sn - s)
+            ctx.euler = True
+            return x_next, logp, mu, std_t
+        nd = x32.dim()
+        eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
+        dt = sn - s  # [B]
+        std = sqrt32(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
+        var = std * std
+        two_s = 2 * s
+        a = 1 + (var / two_s) * dt  # [B]
+        c = 1 + (var * (1 - s)) / two_s  # [B]
+        scale = std * sqrt32(-dt)  # [B] noise scale s_t
+        mu = x32 * _bcast(a, nd) + (v32 * _bcast(c, nd)) * _bcast(dt, nd)  # [B, N, C]
+        if prev_sample is None:
+            x_next = mu + _bcast(scale, nd) * noise
+        else:
+            x_next = prev_sample.to(torch.float32)
+        x_next = x_next.detach()
+        # Per-sample constants on the host: binary64 log, rounded once to fp32.
+        log_scale = torch.tensor(
+            [math.log(q) if q > 0 else (-math.inf if q == 0 else math.nan) for q in scale.tolist()],
+            dtype=torch.float32, device=x32.device,
+        )  # [B]
+        log_sqrt_2pi = torch.tensor(
+            0.5 * math.log(2.0 * math.pi), dtype=torch.float32, device=x32.device
+        )
+        two_var = 2 * (scale * scale)  # [B]
+        d = x_next - mu
+        elem = (-(d * d) / _bcast(two_var, nd) - _bcast(log_scale, nd)) - log_sqrt_2pi  # [B, N, C]
+        total = tree_sum(elem.reshape(elem.shape[0], -1))  # [B]
+        logp = total / torch.tensor(float(per_sample), dtype=torch.float32, device=x32.device)
+        ctx.mark_non_differentiable(x_next, std)
+        ctx.save_for_backward(dt, a, c, scale, d)
+        ctx.euler, ctx.count = False, per_sample
+        return x_next, logp, mu, std
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_next, g_logp, g_mu, g_std):
+        nd = g_mu.dim()
+        g_mu = g_mu.contiguous().to(torch.float32)
+        if ctx.euler:
+            (dt,) = ctx.saved_tensors
+            return _bcast(dt, nd) * g_mu, g_mu, None, None, None, None, None, None
+        dt, a, c, scale, d = ctx.saved_tensors
+        count = torch.tensor(float(ctx.count), dtype=torch.float32, device=g_mu.device)
+        coef = g_logp.to(torch.float32) / (count * (scale * scale))  # [B]
+        dmu = g_mu + d * _bcast(coef, nd)
+        dx = dmu * _bcast(a, nd)
+        dv = (dmu * _bcast(c, nd)) * _bcast(dt, nd)
+        return dv, dx, None, None, None, None, None, None
+
+
 @implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.pairwise_tree_mean")
 def flow_sde_step_logp_strict(
     v: torch.Tensor,
@@ -434,6 +537,10 @@ def flow_sde_step_logp_strict(
     nothing depends on the batch layout. Byte-invariant to batch size, batch position and token
     count; sampling and replay (prev_sample = the sampled x_next) give the same logp bytes.
 
+    Backward (``_SDEStep``): only mu carries gradients (x_next, std_t and the Euler logp are not
+    differentiable): dmu = g_mu + d·(g_logp / (fp32(N·C)·(s·s))); dx = dmu·a; dv = (dmu·c)·Δ,
+    elementwise FP32 per sample.
+
     Raises:
         ValueError: shape mismatch; both or (with eta > 0) neither of noise/prev_sample; eta < 0.
         UnsupportedConfigError: unsupported dtype (noise must be fp32); sigma_next ≥ sigma,
@@ -447,37 +554,7 @@ def flow_sde_step_logp_strict(
         raise UnsupportedConfigError(
             f"flow_sde_step_logp: {per_sample} elements per sample exceed 2^24 (strict count)"
         )
-    if eta == 0.0:
-        return _euler(v32, x32, s, sn, prev_sample)
-    nd = x32.dim()
-    eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
-    dt = sn - s  # [B]
-    std = sqrt32(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
-    var = std * std
-    two_s = 2 * s
-    a = 1 + (var / two_s) * dt  # [B]
-    c = 1 + (var * (1 - s)) / two_s  # [B]
-    scale = std * sqrt32(-dt)  # [B] noise scale s_t
-    mu = x32 * _bcast(a, nd) + (v32 * _bcast(c, nd)) * _bcast(dt, nd)  # [B, N, C]
-    if prev_sample is None:
-        x_next = mu + _bcast(scale, nd) * noise
-    else:
-        x_next = prev_sample.to(torch.float32)
-    x_next = x_next.detach()
-    # Per-sample constants on the host: binary64 log, rounded once to fp32.
-    log_scale = torch.tensor(
-        [math.log(q) if q > 0 else (-math.inf if q == 0 else math.nan) for q in scale.tolist()],
-        dtype=torch.float32, device=x32.device,
-    )  # [B]
-    log_sqrt_2pi = torch.tensor(
-        0.5 * math.log(2.0 * math.pi), dtype=torch.float32, device=x32.device
-    )
-    two_var = 2 * (scale * scale)  # [B]
-    d = x_next - mu
-    elem = (-(d * d) / _bcast(two_var, nd) - _bcast(log_scale, nd)) - log_sqrt_2pi  # [B, N, C]
-    total = tree_sum(elem.reshape(elem.shape[0], -1))  # [B]
-    logp = total / torch.tensor(float(per_sample), dtype=torch.float32, device=x32.device)
-    return x_next, logp, mu, std
+    return _SDEStep.apply(v32, x32, s, sn, sm, eta, noise, prev_sample)
 
 
 @implements("flow_sde_step_logp", "production", kernel="torch.native.flowgrpo_sde.mean")

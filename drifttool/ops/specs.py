@@ -18,7 +18,8 @@ adaln_gate_residual      (x [B,S,d], gate [B,d], y [B,S,d]) → x + gate·y
 qkv_bias_gemm            (x [B,S,d], wq, bq, wk, bk, wv, bv, heads) → (q, k, v) [B,S,H,Dh]
 qk_rmsnorm               (x [B,S,H,Dh], gain [Dh], eps=1e-6) → [B,S,H,Dh]
 multi_axis_rope          (x [B,S,H,Dh], freqs [S,Dh/2] complex64) → [B,S,H,Dh] (interleaved pairs)
-joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh]) → scores [B,H,S,S] fp32, scaled 1/√Dh
+joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh], key_mask=None) → scores [B,H,S,S] fp32,
+                         scaled 1/√Dh (key_mask orders the strict backward only)
 joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None) → probs [B,H,S,S] fp32
 joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask) → [B,S,H,Dh] (dtype of v)
 joint_attention_fused    (q, k, v, key_mask) → [B,S,H,Dh]; byte-equal to the three above
@@ -43,6 +44,16 @@ import torch
 from drifttool.ops.registry import OpSpec, declare
 
 _FLOATS = (torch.float32, torch.bfloat16)
+
+WS1_OPERATORS = (
+    "latent_pack_unpack", "latent_normalize", "latent_proj_gemm", "txt_in_rmsnorm_linear",
+    "timestep_embed_mlp", "adaln_mod_projection", "adaln_modulation", "adaln_gate_residual",
+    "qkv_bias_gemm", "qk_rmsnorm", "multi_axis_rope", "joint_attn_qk_gemm", "joint_attn_softmax",
+    "joint_attn_av_gemm", "joint_attention_fused", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
+    "mlp_down_gemm", "final_adaln_out", "cfg_combine_renorm", "flow_sigma_table", "flow_sde_step_logp",
+)
+"""The RFC's 22 WS1 rows in its table order (the last three are declared in ``scheduler.py``).
+Other declared operators (e.g. ``lora_merge``) are not RFC rows."""
 
 
 def _d(name: str, summary: str, *, differentiable: bool = True, dtypes=_FLOATS) -> OpSpec:

@@ -152,3 +152,76 @@ def test_fixture_archive_cannot_escape_target(cli, tmp_path):
     code, out = cli("fixture", "verify", evil)
     assert code == 2 and "Traceback" not in out, out
     assert not (tmp_path.parent / "escaped.txt").exists()
+
+
+def test_overwrite_never_deletes_foreign_files(cli, tmp_path, strict_run):
+    app_dir = tmp_path / "webapp"
+    (app_dir / "src").mkdir(parents=True)
+    (app_dir / "manifest.json").write_text('{"name": "app"}')
+    (app_dir / "src" / "main.js").write_text("keep me")
+    _assert_clean_error(*cli("run", "--overwrite", "-o", app_dir), "no drifttool run")
+    assert (app_dir / "src" / "main.js").read_text() == "keep me"
+    run = tmp_path / "run"
+    shutil.copytree(strict_run, run)
+    (run / "mynotes.txt").write_text("mine")
+    _assert_clean_error(*cli("run", "--overwrite", "-o", run), "mynotes.txt")
+    assert (run / "mynotes.txt").exists()
+    (run / "mynotes.txt").unlink()
+    code, out = cli("run", "--overwrite", "--steps", "2", "-o", run)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--cfg-scale", "nan"), "cfg_scale"),
+    (("--eta", "inf"), "eta"),
+    (("--cfg-layout", "foo"), "cfg_layout"),
+    (("--batch", "3", "--samples", "0"), "either"),
+])
+def test_bad_run_values(cli, tmp_path, args, needle):
+    _assert_clean_error(*cli("run", *args, "-o", tmp_path / "r"), needle)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m.update(fingerprint="garbage"), "fingerprint"),
+    (lambda m: m["files"].update(ops=[None]), "files.ops"),
+    (lambda m: m["files"].update(ops=["../other/ops.rank0.arrow"]), "files.ops"),
+    (lambda m: m["files"].update(steps=5), "files.steps"),
+    (lambda m: m.update(files=None), "files"),
+])
+def test_hand_damaged_manifest_is_refused(cli, tmp_path, strict_run, edit, needle):
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    edit(m)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    _assert_clean_error(*cli("diff", strict_run, bad), needle)
+
+
+def test_diff_on_a_file_says_so(cli, tmp_path, strict_run):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    _assert_clean_error(*cli("diff", f, strict_run), "is a file")
+
+
+def test_mode_off_run_is_named_in_the_diff(cli, tmp_path, strict_run):
+    code, out = cli("run", "--mode", "off", "-o", tmp_path / "off")
+    assert code == 0 and "captures nothing" in out
+    code, out = cli("diff", strict_run, tmp_path / "off")
+    assert code == 2 and "--mode off" in out, out
+
+
+def test_piped_diff_keeps_its_exit_code(tmp_path, strict_run):
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m drifttool.cli.app diff {strict_run} {strict_run} | head -1; exit ${{PIPESTATUS[0]}}"
+    res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "IDENTICAL" in res.stdout
+
+
+def test_version(cli):
+    import drifttool
+
+    code, out = cli("--version")
+    assert code == 0 and drifttool.__version__ in out

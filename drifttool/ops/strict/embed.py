@@ -1,4 +1,11 @@
 """Strict input embeddings: txt_in_rmsnorm_linear, timestep_embed_mlp (numerics §2 steps 3, 5).
+
+Backward (``torch.autograd.Function``; FP32, each gradient cast once to its input's dtype):
+txt_in: the linear backward (``drifttool.ops.strict.linear``), then the RMSNorm backward
+de = rstd·(gy − xhat·(Σ(gy·xhat)/D)) with gy = dyn·gain and dgain = Σ over logical rows of
+dyn·xhat (two-level pairwise tree). timestep MLP: linear backward of linear_2, dh1 = dh·SiLU'(h1),
+linear backward of linear_1 for its weight and bias; τ gets no gradient (the contract pins the
+phases in FP32 from τ's value, as the reference does).
 """
 
 from __future__ import annotations
@@ -10,9 +17,19 @@ import torch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict.grad import (
+    cast_like, g32, linear_grads, rms_norm_grad, row_sum, sample_sum, silu_grad32,
+)
 from drifttool.ops.strict_math import (
     LINEAR_KERNEL, exp32, rsqrt64, silu32, sincos64, tiled_linear, tree_mean,
 )
+
+
+def rms_parts(xf: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xhat, rstd) of ``rms_normalize`` (xhat = x·rstd; rstd FP32 [...])."""
+    var = tree_mean(xf * xf)  # [...]
+    rstd = rsqrt64(var.double() + eps).to(torch.float32)
+    return xf * rstd.unsqueeze(-1), rstd
 
 
 def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,9 +37,37 @@ def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
     mean(x²): pairwise ``tree_mean``; ``+ eps``, sqrt and reciprocal in FP64, rounded once to FP32.
     """
-    var = tree_mean(xf * xf)  # [...]
-    rstd = rsqrt64(var.double() + eps).to(torch.float32)
-    return xf * rstd.unsqueeze(-1)
+    return rms_parts(xf, eps)[0]
+
+
+def rms_gain_grads(gy: torch.Tensor, x, gain, xhat, rstd, needs) -> tuple:
+    """(dx, dgain) of xhat·gain, given gy = dL/d(xhat·gain) FP32 [B, ..., D]. dgain: per sample
+    over its rows (all middle axes, row-major), then over samples, by the pairwise tree."""
+    dx = rms_norm_grad(gy * f32(gain), xhat, rstd) if needs[0] else None
+    dgain = sample_sum(row_sum(gy * xhat)) if needs[1] else None
+    return cast_like(dx, x), cast_like(dgain, gain)
+
+
+class _TxtIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, gain, w, b, eps, dt):
+        xhat, rstd = rms_parts(f32(e), eps)
+        y = xhat * f32(gain)  # [B,L,Dj] fp32
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(e, gain, w, b, xhat, rstd, y)
+        return out(tiled_linear(y, f32(w), f32(b)), dt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go):
+        e, gain, w, b, xhat, rstd, y = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        norm_needed = need[0] or need[1]
+        dy, dw, db = linear_grads(g32(go), y, f32(w), (norm_needed, need[2], need[3]))
+        de = dgain = None
+        if norm_needed:
+            de, dgain = rms_gain_grads(dy, e, gain, xhat, rstd, need[:2])
+        return de, dgain, cast_like(dw, w), cast_like(db, b), None, None
 
 
 @implements("txt_in_rmsnorm_linear", "strict", kernel="cpu.tree_rmsnorm+" + LINEAR_KERNEL)
@@ -32,8 +77,7 @@ def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     Raises UnsupportedConfigError for an unsupported device or dtype.
     """
     dt = check("txt_in_rmsnorm_linear", e, gain, w, b)
-    y = rms_normalize(f32(e), eps) * f32(gain)  # [B,L,Dj] fp32
-    return out(tiled_linear(y, f32(w), f32(b)), dt)
+    return _TxtIn.apply(e, gain, w, b, eps, dt)
 
 
 def sinusoid(tau: torch.Tensor, dim: int = 256) -> torch.Tensor:
@@ -51,6 +95,30 @@ def sinusoid(tau: torch.Tensor, dim: int = 256) -> torch.Tensor:
     return torch.cat([cos, sin], dim=-1).to(torch.float32)  # [B, dim]
 
 
+class _TimestepMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tau, w1, b1, w2, b2, dt):
+        phi = sinusoid(tau, w1.shape[1])  # [B,256]
+        h1 = tiled_linear(phi, f32(w1), f32(b1))  # [B,d] fp32 pre-activation
+        h = silu32(h1)  # [B,d]
+        if any(ctx.needs_input_grad[1:5]):
+            ctx.save_for_backward(w1, b1, w2, b2, phi, h1, h)
+        return out(tiled_linear(h, f32(w2), f32(b2)), dt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go):
+        w1, b1, w2, b2, phi, h1, h = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        first = need[1] or need[2]
+        dh, dw2, db2 = linear_grads(g32(go), h, f32(w2), (first, need[3], need[4]))
+        dw1 = db1 = None
+        if first:
+            _, dw1, db1 = linear_grads(dh * silu_grad32(h1), phi, None, (False, need[1], need[2]))
+        return (None, cast_like(dw1, w1), cast_like(db1, b1), cast_like(dw2, w2),
+                cast_like(db2, b2), None)
+
+
 @implements("timestep_embed_mlp", "strict", kernel="cpu.sincos_f64+" + LINEAR_KERNEL)
 def timestep_embed_mlp(tau, w1, b1, w2, b2):
     """temb = linear_2(SiLU(linear_1(φ(τ)))): tau [B] fp32 → [B,d] in the weights' dtype.
@@ -61,6 +129,4 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     dt = check("timestep_embed_mlp", w1, b1, w2, b2)
     if tau.dtype != torch.float32:
         raise UnsupportedConfigError(f"timestep_embed_mlp: tau must be float32, got {tau.dtype}")
-    phi = sinusoid(tau, w1.shape[1])  # [B,256]
-    h = silu32(tiled_linear(phi, f32(w1), f32(b1)))  # [B,d]
-    return out(tiled_linear(h, f32(w2), f32(b2)), dt)
+    return _TimestepMLP.apply(tau, w1, b1, w2, b2, dt)

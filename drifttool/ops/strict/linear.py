@@ -5,6 +5,11 @@ Reduction order (all five): ``strict_math.tiled_linear`` — exact products summ
 tree over K for small weights (N·K ≤ 65536, portable bytes), otherwise rows in tiles of 16, K in
 chunks of 128, one fixed-shape batched matmul per chunk, chunk partials summed in the pairwise
 tree; bias added once, FP32 throughout; output cast once to the activation dtype.
+
+Backward (``torch.autograd.Function``; orders in ``drifttool.ops.strict.grad``): dX =
+``tiled_linear`` of dY with the transposed weight (per row, reduction over N); dW and db by the
+two-level pairwise tree (per sample over its rows in ascending order, then over the samples in
+batch order); each gradient cast once to its input's dtype.
 """
 
 from __future__ import annotations
@@ -13,13 +18,31 @@ import torch
 
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads
 from drifttool.ops.strict_math import LINEAR_KERNEL, gelu_tanh32, tiled_linear
 
+
+class _Linear(torch.autograd.Function):
+    """y = x·wᵀ + b (FP32 tiled_linear, one cast); backward by ``grad.linear_grads``."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dt):
+        xf, wf = f32(x), f32(w)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(x, w, b)
+        return out(tiled_linear(xf, wf, f32(b)), dt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w, b = ctx.saved_tensors
+        dx, dw, db = linear_grads(g32(gy), f32(x), f32(w), ctx.needs_input_grad[:3])
+        return cast_like(dx, x), cast_like(dw, w), cast_like(db, b), None
 
 
 def _gemm(op: str, x, w, b):
     dt = check(op, x, w, b)
-    return out(tiled_linear(f32(x), f32(w), f32(b)), dt)
+    return _Linear.apply(x, w, b, dt)
 
 
 @implements("latent_proj_gemm", "strict", kernel=LINEAR_KERNEL)
@@ -28,16 +51,44 @@ def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -
     return _gemm("latent_proj_gemm", x, w, b)
 
 
+class _QKV(torch.autograd.Function):
+    """Three projections of one input; backward: dX = [dq | dk | dv] · [wq; wk; wv] as one
+    ``tiled_linear`` reducing over 3d (the packed-QKV order), dW/db per projection."""
+
+    @staticmethod
+    def forward(ctx, x, wq, bq, wk, bk, wv, bv, heads, dt):
+        if any(ctx.needs_input_grad[:7]):
+            ctx.save_for_backward(x, wq, bq, wk, bk, wv, bv)
+        xf = f32(x)
+        outs = []
+        for w, b in ((wq, bq), (wk, bk), (wv, bv)):
+            y = out(tiled_linear(xf, f32(w), f32(b)), dt)  # [B,S,d]
+            outs.append(y.unflatten(-1, (heads, -1)))  # [B,S,H,Dh]
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gq, gk, gv):
+        x, wq, bq, wk, bk, wv, bv = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        xf = f32(x)
+        gs = [g32(g).flatten(-2) for g in (gq, gk, gv)]  # 3 × [B,S,d]
+        dx = None
+        if need[0]:
+            w_all = torch.cat([f32(wq), f32(wk), f32(wv)], dim=0)  # [3d, d]
+            dx = cast_like(linear_grads(torch.cat(gs, dim=-1), xf, w_all, (True, False, False))[0], x)
+        grads = []
+        for i, (w, b) in enumerate(((wq, bq), (wk, bk), (wv, bv))):
+            _, dw, db = linear_grads(gs[i], xf, None, (False, need[1 + 2 * i], need[2 + 2 * i]))
+            grads += [cast_like(dw, w), cast_like(db, b)]
+        return (dx, *grads, None, None)
+
+
 @implements("qkv_bias_gemm", "strict", kernel=LINEAR_KERNEL)
 def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
     """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] (numerics §2.4)."""
     dt = check("qkv_bias_gemm", x, wq, bq, wk, bk, wv, bv)
-    xf = f32(x)
-    outs = []
-    for w, b in ((wq, bq), (wk, bk), (wv, bv)):
-        y = out(tiled_linear(xf, f32(w), f32(b)), dt)  # [B,S,d]
-        outs.append(y.unflatten(-1, (heads, -1)))  # [B,S,H,Dh]
-    return tuple(outs)
+    return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, dt)
 
 
 @implements("attn_out_bias_gemm", "strict", kernel=LINEAR_KERNEL)
@@ -46,12 +97,32 @@ def attn_out_bias_gemm(x, w, b):
     return _gemm("attn_out_bias_gemm", x, w, b)
 
 
+class _LinearGelu(torch.autograd.Function):
+    """GELU_tanh(x·wᵀ + b); the FP32 pre-activation is kept for the backward:
+    dpre = dy·gelu'(pre) (gelu' in FP64 from exact ops, rounded once; one FP32 product), then
+    the linear backward of dpre."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dt):
+        pre = tiled_linear(f32(x), f32(w), f32(b))  # [B,S,4d] fp32
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(x, w, b, pre)
+        return out(gelu_tanh32(pre), dt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w, b, pre = ctx.saved_tensors
+        dpre = g32(gy) * gelu_tanh_grad32(pre)
+        dx, dw, db = linear_grads(dpre, f32(x), f32(w), ctx.needs_input_grad[:3])
+        return cast_like(dx, x), cast_like(dw, w), cast_like(db, b), None
+
+
 @implements("mlp_up_gemm_gelu", "strict", kernel=LINEAR_KERNEL + "+gelu_tanh.f64")
 def mlp_up_gemm_gelu(x, w, b):
     """GELU_tanh(x·wᵀ + b): GEMM in FP32, GELU in FP64 from exact ops, one cast (numerics §2.3)."""
     dt = check("mlp_up_gemm_gelu", x, w, b)
-    pre = tiled_linear(f32(x), f32(w), f32(b))  # [B,S,4d] fp32
-    return out(gelu_tanh32(pre), dt)
+    return _LinearGelu.apply(x, w, b, dt)
 
 
 @implements("mlp_down_gemm", "strict", kernel=LINEAR_KERNEL)

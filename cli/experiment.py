@@ -1,0 +1,148 @@
+"""``drifttool experiment train-rollout|grpo``: rollout/trainer backend combinations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich import box
+from rich.table import Table
+
+from drifttool.cli._console import console
+
+app = typer.Typer(help="Train-rollout experiments on the embedded default.", no_args_is_help=True)
+
+
+def _num(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and x != x:
+        return "-"
+    return "=" if x == 0 else f"{x:.{digits}g}"
+
+
+_SHORT = {"production": "prod", "strict": "strict"}
+
+
+def _label(r) -> str:
+    rollout, train = r["combo"].split("/")
+    return f"{_SHORT[rollout]}/{_SHORT[train]}"
+
+
+def _combos(text: Optional[str]):
+    from drifttool.sampling.experiment import COMBOS
+
+    if not text:
+        return COMBOS
+    out = []
+    for part in text.split(","):
+        pair = tuple({"prod": "production"}.get(p.strip(), p.strip()) for p in part.split("/"))
+        if len(pair) != 2 or any(p not in ("strict", "production") for p in pair):
+            raise typer.BadParameter(f"combination {part!r}: expected rollout/train, each strict or production (prod)")
+        out.append(pair)
+    return tuple(out)
+
+
+def _samples(text: Optional[str]):
+    if text is None:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@app.command("train-rollout")
+def train_rollout_cmd(
+    out: Path = typer.Option(..., "-o", "--out", help="Directory for the artifacts and the result table."),
+    fixture: Optional[str] = typer.Option(None, help="Fixture (default tiny-t2i)."),
+    samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
+    capture: str = typer.Option("L1", help="Capture level of every artifact."),
+    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them (0: the rollout's batch)."),
+    lora_rank: int = typer.Option(4, min=1), lora_alpha: float = typer.Option(8.0),
+    gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
+    grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
+    combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
+    overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
+) -> None:
+    """Rollout/train combinations on matched replay inputs: v, latent (μ) and logp drift, SDE KL,
+    first drift and time; writes train_rollout.arrow and train_rollout.json to OUT."""
+    from drifttool.cli.app import user_errors
+    from drifttool.sampling.experiment import train_rollout
+
+    with console.status("starting") as status:
+        rows = user_errors(train_rollout)(
+            out, fixture=fixture, samples=_samples(samples), capture=capture,
+            micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
+            overwrite=overwrite, progress=lambda msg: status.update(msg))
+    t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
+    for col in ("v_t\nmax|Δ|", "v_t\nrel L2", "μ\nmax|Δ|", "logp_t\nmax|Δ|", "KL\nmax", "grad\nrel L2"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(_label(r), _num(r["v_max_abs"], 2), _num(r["v_rel_l2"], 2), _num(r["x_max_abs"], 2),
+                  _num(r["logp_max_abs"], 2), _num(r["kl_max"], 2), _num(r["grad_rel_l2"], 2),
+                  style=None if r["identical"] else "red")
+    console.print(t)
+    console.print("worst over steps, samples and branches; μ: the transition mean the trainer "
+                  "predicts; grad: rel L2 of the LoRA gradients vs the strict/strict trainer's",
+                  highlight=False)
+    f = Table(title="first drift", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    f.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
+    for col in ("verdict", "step", "block", "op", "sample"):
+        f.add_column(col, justify="left" if col in ("verdict", "op") else "right", no_wrap=True)
+    for r in rows:
+        if r["first_drift"]:
+            f.add_row(_label(r), r["verdict"], str(r["first_drift_step"]), str(r["first_drift_block"]),
+                      r["first_drift_op"], str(r["first_drift_sample"]))
+        else:
+            f.add_row(_label(r), r["verdict"], "-", "-", "-", "-")
+    console.print(f)
+    console.print("time (s), rollout + training recompute: " + ", ".join(
+        f"{_label(r)} {r['rollout_seconds']:.1f}+{r['train_seconds']:.1f}" for r in rows), highlight=False)
+    console.print(f"wrote {out}/train_rollout.arrow, {out}/train_rollout.json; per combination: "
+                  f"drifttool diff {out}/rollout-<r> {out}/train-<t>-on-<r>", highlight=False)
+
+
+@app.command("grpo")
+def grpo_cmd(
+    out: Path = typer.Option(..., "-o", "--out", help="Directory for grpo.arrow / grpo.json."),
+    steps: int = typer.Option(2, min=1, help="Policy-gradient steps per combination."),
+    groups: int = typer.Option(2, min=1, help="Prompts (groups) per step."),
+    group_size: int = typer.Option(2, min=2, help="Samples per prompt."),
+    inner_epochs: int = typer.Option(2, min=1, help="Training passes over each rollout."),
+    lr: float = typer.Option(3e-2, help="AdamW learning rate (LoRA parameters only)."),
+    clip_range: float = typer.Option(0.2, help="PPO clip range ε."),
+    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward (0: the rollout's batch)."),
+    combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/production (default all four)."),
+    overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
+) -> None:
+    """A small Flow-GRPO loop (toy reward, per-group advantages, PPO clipped ratio, LoRA only)
+    per rollout/train combination: ratio, KL, clip fraction and reward per step and inner epoch."""
+    from drifttool.cli.app import user_errors
+    from drifttool.sampling.experiment import grpo_experiment
+
+    with console.status("starting") as status:
+        rows = user_errors(grpo_experiment)(
+            out, combos=_combos(combos), overwrite=overwrite, progress=lambda msg: status.update(msg),
+            steps=steps, groups=groups, group_size=group_size, inner_epochs=inner_epochs, lr=lr,
+            clip_range=clip_range, train_micro_batch=micro_batch or None)
+    for combo in dict.fromkeys(r["combo"] for r in rows):
+        t = Table(title=f"Flow-GRPO {_label({'combo': combo})} (rollout/train; epoch 0: the parameters "
+                        "that sampled)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("step", "epoch", "reward", "ratio\nmean", "ratio\nmin", "ratio\nmax", "ratio\n≡ 1",
+                    "clip\nfrac", "KL"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            if r["combo"] == combo:
+                t.add_row(str(r["step"]), str(r["epoch"]), f"{r['reward_mean']:.3f}",
+                          f"{r['ratio_mean']:.5f}", f"{r['ratio_min']:.4f}", f"{r['ratio_max']:.4f}",
+                          "yes" if r["ratio_exactly_one"] else "no", f"{r['clip_fraction']:.2f}",
+                          _num(r["kl"], 2))
+        console.print(t)
+    console.print("KL: of the SDE transition, rollout vs trainer (mean over steps and samples); "
+                  "approx_kl, loss and timings are in grpo.json", highlight=False)
+    console.print(f"wrote {out}/grpo.arrow, {out}/grpo.json", highlight=False)

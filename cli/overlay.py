@@ -1,0 +1,34 @@
+"""``drifttool overlay``: per-step drift of several runs against a baseline, on one figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+
+from drifttool.cli._console import console
+from drifttool.errors import DriftToolError
+
+
+
+def overlay(
+    runs: List[Path] = typer.Argument(..., help="Baseline artifact, then the runs to compare."),
+    out: Path = typer.Option(..., "-o", "--out", help="Figure to write (PNG)."),
+    title: str = typer.Option("", help="Figure title."),
+) -> None:
+    """Draw per-step drift curves (v_t, x_next, logp_t max|Δ| and the SDE KL) of RUN_B… against
+    the baseline RUN_A on one figure (RFC qwenimage_ablation_overlay).
+
+    Exit 0 when the figure is written, 2 on an unreadable artifact.
+    """
+    from drifttool.probes.plots import overlay as draw
+
+    if len(runs) < 2:
+        raise DriftToolError("give a baseline and at least one run to compare")
+    path, reports = draw(runs[0], runs[1:], out, title=title)
+    for run, rep in zip(runs[1:], reports):
+        console.print(f"{run}: {rep.verdict.value}"
+                      + (f" — first drift at {rep.first_drift.where()}" if rep.first_drift else ""),
+                      highlight=False, soft_wrap=True)
+    console.print(f"wrote {path}", highlight=False)

@@ -1,0 +1,90 @@
+"""``drifttool probe``: the probe matrix (mismatch probes, invariant and sensitivity controls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from drifttool.cli._console import console
+from drifttool.errors import DriftToolError
+
+
+PRESETS = {"tiny": "tiny-t2i"}
+
+
+def register(app: typer.Typer, user_errors) -> None:
+    """Add ``probe`` and ``overlay`` to the ``drifttool`` app (called from ``cli/app.py``)."""
+    from drifttool.cli.overlay import overlay
+
+    app.command("probe")(user_errors(probe))
+    app.command("overlay")(user_errors(overlay))
+
+
+def probe(
+    out: Path = typer.Option(..., "-o", "--out", help="Output directory (runs, diffs, matrix, heatmaps)."),
+    only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),
+    preset: Optional[str] = typer.Option(None, help="Baseline preset: tiny (the embedded default)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="diffusers-format transformer folder "
+                                              "(replaces the preset's model)."),
+    list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
+    heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
+) -> None:
+    """Run the baseline and every probe, diff each against the baseline, judge the expectation.
+
+    Prints the matrix, writes OUT/matrix.arrow and OUT/matrix.json, and OUT/heatmaps/<probe>.png
+    for each drifting probe. Exit 0 when every expectation holds (pending probes are listed),
+    1 when any probe is a finding (a failed expectation or an error), 2 on a usage error.
+    """
+    from drifttool.probes.catalog import catalog
+    from drifttool.probes.matrix import render_matrix, write_matrix
+    from drifttool.probes.runner import baseline_settings, run_matrix
+    from drifttool.runner import RunSpec
+
+    if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
+        console.width = max(console.width, 200)
+    if preset is not None and preset not in PRESETS:
+        raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
+    if preset is not None and checkpoint is not None:
+        raise DriftToolError("give --preset or --checkpoint, not both")
+    base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict")
+    settings, depth, _ = baseline_settings(base)
+    probes = catalog(settings, depth)
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = sorted(set(names) - {p.name for p in probes})
+        if unknown:
+            raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")
+        probes = [p for p in probes if p.name in names]
+    if list_only:
+        for p in probes:
+            pend = f"  [pending: {p.pending}]" if p.pending else ""
+            console.print(f"{p.name:28} {p.kind:11} {p.factor:28} {p.expect.describe()}{pend}",
+                          highlight=False, markup=False)
+        return
+    with console.status("probe matrix") as status:
+        def progress(r):
+            status.update(f"probe matrix: {r.name} {r.status}")
+
+        matrix = run_matrix(probes, out, base=base, on_result=progress)
+    render_matrix(matrix, console)
+    jpath, apath = write_matrix(matrix, out)
+    drawn = _heatmaps(matrix, out) if heatmaps else []
+    console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
+                                               if drawn else ""), highlight=False)
+    raise typer.Exit(matrix.exit_code)
+
+
+def _heatmaps(matrix, out: Path) -> list[Path]:
+    from drifttool.probes.plots import drift_grid, heatmap
+    from drifttool.probes.runner import open_pair
+
+    paths = []
+    for r in matrix.results:
+        if r.verdict != "drift" or r.run_dir is None:
+            continue
+        title = f"{r.name} ({r.kind}, {r.status}): first drift {r.first_op or '-'}"
+        grid = drift_grid(*open_pair(matrix.baseline, r.run_dir, r.compare))
+        paths.append(heatmap(grid, out / "heatmaps" / f"{r.name}.png", title=title))
+    return paths

@@ -1,0 +1,6 @@
+"""Runtime adapters: capture other implementations of the Qwen-Image MMDiT into drifttool artifacts.
+
+``diffusers_qwenimage``: an unmodified diffusers ``QwenImageTransformer2DModel`` instrumented with
+forward hooks (RFC ``diffusers_runtime_adapter_qwenimage``, capture half). diffusers is imported
+lazily: drifttool runs without it.
+"""

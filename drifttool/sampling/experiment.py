@@ -1,0 +1,216 @@
+"""Experiments: rollout/trainer backend combinations, and the Flow-GRPO loop per combination.
+
+    >>> rows = train_rollout("exp/")        # exp/train_rollout.{arrow,json} + every artifact
+    >>> [(r["combo"], r["identical"]) for r in rows]
+    [('production/production', False), ('strict/production', False),
+     ('production/strict', False), ('strict/strict', True)]
+
+``train_rollout`` on the embedded default (matched replay inputs: every combination re-scores
+the trajectory of its rollout from the same pinned noise and prompts):
+
+1. one LoRA adapter (rank 4, α 8, B ~ N(0, 0.02²) so every factor has a gradient) saved to
+   ``DIR/lora`` and used by every rollout and trainer;
+2. a strict and a production rollout (``DIR/rollout-<mode>``);
+3. per combination rollout/train (production/production, strict/production, production/strict,
+   strict/strict) a training recompute of that rollout (``DIR/train-<train>-on-<rollout>``) in
+   the trainer's layout: autograd on, backward per SDE step with LoRA gradients digested, and —
+   as Flow-GRPO's trainer — one sample (with its CFG pair) per forward, prompts trimmed to it;
+4. ``drifttool diff`` of rollout vs recompute per combination: max |Δ| and rel L2 of v_t (every
+   branch), max |Δ| of the transition mean μ (the latent the trainer's step predicts; the stored
+   latents x_t are the same bytes in both by construction), max |Δ| of logp_t, the largest KL of
+   the SDE transition, the first drift; plus the rel L2 of the LoRA gradients against the
+   strict/strict trainer's, and the time of rollout and recompute.
+
+Results: ``train_rollout.arrow`` (Arrow IPC stream, one row per combination) and
+``train_rollout.json``; ``grpo_experiment`` likewise writes ``grpo.arrow`` / ``grpo.json`` with one
+row per (combination, step, inner epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from drifttool.artifact.reader import open_run
+from drifttool.diff.compare import diff_runs
+from drifttool.errors import ArtifactError
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.lora import add_lora, lora_parameters, save_lora
+from drifttool.sampling.grpo import MODES, GRPOConfig, grpo_loop
+
+COMBOS = (("production", "production"), ("strict", "production"), ("production", "strict"),
+          ("strict", "strict"))
+"""(rollout, train) backend pairs, in report order."""
+
+TRAIN_ROLLOUT_SCHEMA = pa.schema([
+    ("combo", pa.utf8()), ("rollout", pa.utf8()), ("train", pa.utf8()), ("verdict", pa.utf8()),
+    ("identical", pa.bool_()), ("v_max_abs", pa.float64()), ("v_rel_l2", pa.float64()),
+    ("x_max_abs", pa.float64()), ("logp_max_abs", pa.float64()), ("kl_max", pa.float64()),
+    ("grad_rel_l2", pa.float64()), ("first_drift", pa.utf8()), ("first_drift_step", pa.int32()),
+    ("first_drift_block", pa.int32()), ("first_drift_op", pa.utf8()),
+    ("first_drift_sample", pa.int32()), ("differing_records", pa.int64()),
+    ("rollout_seconds", pa.float64()), ("train_seconds", pa.float64()),
+    ("rollout_dir", pa.utf8()), ("train_dir", pa.utf8()),
+], metadata={b"drifttool.table": b"train_rollout", b"drifttool.schema_version": b"1"})
+
+
+def _worst(report, quantity: str, attr: str = "max_abs") -> float:
+    vals = [getattr(q, attr) for s in report.steps for q in s.quantities
+            if q.quantity == quantity and q.identical is False and getattr(q, attr) is not None]
+    return max(vals) if vals else 0.0
+
+
+def _kl_max(report) -> float:
+    vals = [k.kl for s in report.steps for k in s.kl if k.kl is not None]
+    return max(vals) if vals else 0.0
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return math.nan
+    va = torch.cat([a[k].reshape(-1).to(torch.float64) for k in keys])
+    vb = torch.cat([b[k].reshape(-1).to(torch.float64) for k in keys])
+    den = float(vb.norm())
+    return float((va - vb).norm()) / den if den else (0.0 if float((va - vb).norm()) == 0 else math.inf)
+
+
+def write_table(rows: list[dict[str, Any]], schema: pa.Schema | None, out: Path, stem: str) -> None:
+    """``rows`` as ``<stem>.arrow`` (IPC stream) and ``<stem>.json`` under ``out``."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    with open(out / f"{stem}.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (out / f"{stem}.json").write_text(json.dumps(_plain(rows), indent=2, allow_nan=False) + "\n")
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _out_dir(out: str | Path, overwrite: bool) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ArtifactError(f"{out} is not empty (pass overwrite to replace it)")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def train_rollout(
+    out: str | Path,
+    *,
+    fixture: str | Path | None = None,
+    samples: list[int] | None = None,
+    capture: str = "L1",
+    micro_batch: int | None = 1,
+    lora_rank: int = 4,
+    lora_alpha: float = 8.0,
+    gradient_checkpointing: bool = False,
+    grad: bool = True,
+    combos: tuple[tuple[str, str], ...] = COMBOS,
+    overwrite: bool = False,
+    progress=None,
+) -> list[dict[str, Any]]:
+    """Run the four rollout/train combinations (module docstring); returns one row each.
+
+    Args:
+        micro_batch: samples per trainer forward (``micro_batched``); None = the rollout's batch.
+        grad: trainer backward per SDE step (``grad_rel_l2`` is NaN without it).
+        progress: optional ``callable(str)`` told what runs next.
+
+    Raises:
+        DriftToolError: bad settings; ``out`` not empty without ``overwrite``.
+    """
+    from drifttool.runner import DTYPES, RunSpec, execute
+    from drifttool.sampling.train import load_rollout, recompute_run, trainer_model
+
+    out = _out_dir(out, overwrite)
+    fx = load_fixture(fixture or DEFAULT_FIXTURE)
+    say = progress or (lambda _: None)
+    model = load_checkpoint(fx.model_dir, dtype=DTYPES[fx.settings["dtype"]])
+    add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
+    save_lora(model, out / "lora")
+    rollouts: dict[str, tuple[Path, float]] = {}
+    for mode in dict.fromkeys(r for r, _ in combos):
+        say(f"rollout {mode}")
+        path = out / f"rollout-{mode}"
+        t0 = time.perf_counter()
+        execute(RunSpec(fixture=fixture, samples=samples, mode=MODES[mode], capture=capture,
+                        lora=out / "lora"), path, overwrite=True)
+        rollouts[mode] = (path, time.perf_counter() - t0)
+    rows, grads = [], {}
+    for r_mode, t_mode in combos:
+        say(f"train {t_mode} on rollout {r_mode}")
+        src, t_roll = rollouts[r_mode]
+        stored = load_rollout(src)
+        trainer = trainer_model(stored)
+        dst = out / f"train-{t_mode}-on-{r_mode}"
+        summary = recompute_run(stored, dst, mode=MODES[t_mode], capture=capture, grad=grad,
+                                gradient_checkpointing=gradient_checkpointing,
+                                micro_batch=micro_batch, model=trainer, overwrite=True)
+        grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
+                                   if p.grad is not None}
+        report = diff_runs(open_run(src), open_run(dst))
+        fd = report.first_drift
+        rows.append({
+            "combo": f"{r_mode}/{t_mode}", "rollout": r_mode, "train": t_mode,
+            "verdict": report.verdict.value, "identical": report.verdict.value == "identical",
+            "v_max_abs": _worst(report, "v_t"), "v_rel_l2": _worst(report, "v_t", "rel_l2"),
+            "x_max_abs": _worst(report, "mu"), "logp_max_abs": _worst(report, "logp_t"),
+            "kl_max": _kl_max(report), "grad_rel_l2": math.nan,
+            "first_drift": fd.where() if fd else "",
+            "first_drift_step": fd.step if fd else None,
+            "first_drift_block": fd.block if fd else None,
+            "first_drift_op": fd.op if fd else None,
+            "first_drift_sample": fd.sample if fd else None,
+            "differing_records": sum(c.differ for c in report.counts.values()),
+            "rollout_seconds": t_roll, "train_seconds": summary["seconds"],
+            "rollout_dir": str(src), "train_dir": str(dst),
+        })
+    ref = grads.get(("strict", "strict"))
+    if ref is not None:
+        for row in rows:
+            row["grad_rel_l2"] = _rel(grads[(row["rollout"], row["train"])], ref)
+    write_table(rows, TRAIN_ROLLOUT_SCHEMA, out, "train_rollout")
+    (out / "train_rollout.settings.json").write_text(json.dumps({
+        "fixture": fx.name, "samples": samples, "capture": capture, "micro_batch": micro_batch,
+        "lora": {"rank": lora_rank, "alpha": lora_alpha, "init_b_std": 0.02, "seed": 1},
+        "gradient_checkpointing": gradient_checkpointing, "grad": grad, "combos": [list(c) for c in combos],
+    }, indent=2) + "\n")
+    return rows
+
+
+def grpo_experiment(
+    out: str | Path,
+    *,
+    combos: tuple[tuple[str, str], ...] = COMBOS,
+    overwrite: bool = False,
+    progress=None,
+    **config: Any,
+) -> list[dict[str, Any]]:
+    """``grpo_loop`` once per combination (same seed, prompts and fresh adapter each time);
+    rows written to ``grpo.arrow`` / ``grpo.json`` (plus ``grpo.settings.json``)."""
+    out = _out_dir(out, overwrite)
+    say = progress or (lambda _: None)
+    rows = []
+    for r_mode, t_mode in combos:
+        say(f"grpo {r_mode}/{t_mode}")
+        rows += grpo_loop(GRPOConfig(rollout_mode=r_mode, train_mode=t_mode, **config))
+    write_table(rows, None, out, "grpo")
+    from dataclasses import asdict
+
+    (out / "grpo.settings.json").write_text(json.dumps(
+        {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos]}, indent=2) + "\n")
+    return rows

@@ -1,0 +1,157 @@
+"""The probe matrix as data: a rich table for people, Arrow and JSON for machines.
+
+    probe                      factor             kind      verdict  first drift                      expected op        v_t      x_t    logp_t   KL     time  result
+    latent_pack_channels_last  latent layout/...  mismatch  drift    s0 b-1 img latent_proj_gemm#0   latent_proj_gemm   0.41     0.93   0.012    3e-3   0.6s  PASS
+    repeat                     repeated exec.     invariant identical                                 -                  =        =      =        =      0.5s  PASS
+
+``write_matrix`` writes ``matrix.json`` (settings, timings, every ``ProbeResult``) and
+``matrix.arrow`` (one row per probe, Arrow IPC stream, readable with
+``pa.ipc.open_stream(open(path, "rb")).read_all()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from drifttool.probes.runner import ERROR, FINDING, PASS, PENDING, Matrix, ProbeResult
+
+MATRIX_VERSION = 1
+
+MATRIX_SCHEMA = pa.schema([
+    pa.field("name", pa.utf8(), nullable=False),
+    pa.field("factor", pa.utf8(), nullable=False),
+    pa.field("kind", pa.utf8(), nullable=False),
+    pa.field("change", pa.utf8(), nullable=False),
+    pa.field("expected", pa.utf8(), nullable=False),
+    pa.field("expected_op", pa.utf8()),
+    pa.field("status", pa.utf8(), nullable=False),  # PASS | FINDING | ERROR | PENDING
+    pa.field("verdict", pa.utf8()),
+    pa.field("first_drift", pa.utf8()),
+    pa.field("first_op", pa.utf8()),
+    pa.field("first_step", pa.int32()),
+    pa.field("first_block", pa.int32()),
+    pa.field("first_stream", pa.utf8()),
+    pa.field("first_branch", pa.utf8()),
+    pa.field("first_sample", pa.int32()),
+    pa.field("first_rows", pa.utf8()),
+    pa.field("origin", pa.bool_()),
+    pa.field("differing_records", pa.int64()),
+    pa.field("v_t", pa.float64()),  # worst max|Δ| over steps, samples, branches
+    pa.field("x_t", pa.float64()),  # x_t and x_next
+    pa.field("logp_t", pa.float64()),
+    pa.field("kl", pa.float64()),  # worst SDE-transition KL
+    pa.field("seconds", pa.float64(), nullable=False),
+    pa.field("reasons", pa.list_(pa.utf8()), nullable=False),
+    pa.field("run_dir", pa.utf8()),
+    pa.field("compare", pa.utf8(), nullable=False),  # all | common_samples
+], metadata={b"drifttool.table": b"probe_matrix", b"matrix_version": str(MATRIX_VERSION).encode()})
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def to_dict(m: Matrix) -> dict[str, Any]:
+    """JSON-ready: settings, timings, counts per status and every result."""
+    counts = {s: sum(r.status == s for r in m.results) for s in (PASS, FINDING, ERROR, PENDING)}
+    return _plain({
+        "matrix_version": MATRIX_VERSION, "out": m.out, "baseline": m.baseline,
+        "settings": m.settings, "seconds": m.seconds, "baseline_seconds": m.baseline_seconds,
+        "counts": counts, "exit_code": m.exit_code,
+        "results": [dataclasses.asdict(r) for r in m.results],
+    })
+
+
+def to_arrow(results: list[ProbeResult]) -> pa.Table:
+    rows = [dataclasses.asdict(r) for r in results]
+    cols = {f.name: [row[f.name] for row in rows] for f in MATRIX_SCHEMA}
+    return pa.Table.from_pydict(cols, schema=MATRIX_SCHEMA)
+
+
+def write_matrix(m: Matrix, out: str | Path) -> tuple[Path, Path]:
+    """Write ``matrix.json`` and ``matrix.arrow`` under ``out``; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, apath = out / "matrix.json", out / "matrix.arrow"
+    jpath.write_text(json.dumps(to_dict(m), indent=2, allow_nan=False))
+    table = to_arrow(m.results)
+    with pa.OSFile(str(apath), "wb") as f, pa.ipc.new_stream(f, MATRIX_SCHEMA) as w:
+        w.write_table(table)
+    return jpath, apath
+
+
+def read_matrix(path: str | Path) -> pa.Table:
+    """The ``matrix.arrow`` table."""
+    with pa.memory_map(str(path)) as src:
+        return pa.ipc.open_stream(src).read_all()
+
+
+# -- rendering -----------------------------------------------------------------------------------
+_STATUS_STYLE = {PASS: "bold green", FINDING: "bold red", ERROR: "bold red", PENDING: "yellow"}
+
+
+def _num(x: float | None, verdict: str | None) -> str:
+    if x is None:
+        return "-" if verdict in (None, "") else "="
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:.2g}"
+
+
+def _short_where(r: ProbeResult) -> str:
+    if r.first_op is None:
+        return ""
+    blk = "" if r.first_block is None else f" b{r.first_block}"
+    stream = "" if r.first_stream in (None, "none") else f" {r.first_stream}"
+    return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}"
+
+
+def matrix_table(m: Matrix) -> Table:
+    """The matrix as a rich table (one row per probe)."""
+    t = Table(title=f"probe matrix ({len(m.results)} probes, {m.seconds:.1f} s)", box=box.SIMPLE_HEAD,
+              title_justify="left")
+    right = {"justify": "right", "no_wrap": True}
+    for col, kw in (("probe", {"no_wrap": True}), ("factor", {}), ("kind", {"no_wrap": True}),
+                    ("verdict", {"no_wrap": True}), ("first drift", {}), ("expected op", {}),
+                    ("v_t", right), ("x_t", right), ("logp_t", right), ("KL", right),
+                    ("time", right), ("result", {"no_wrap": True})):
+        t.add_column(col, **kw)
+    for r in m.results:
+        t.add_row(
+            r.name, r.factor, r.kind, r.verdict or "-", _short_where(r), r.expected_op or "-",
+            _num(r.v_t, r.verdict), _num(r.x_t, r.verdict), _num(r.logp_t, r.verdict),
+            _num(r.kl, r.verdict), f"{r.seconds:.1f}s",
+            f"[{_STATUS_STYLE[r.status]}]{r.status}[/]",
+        )
+    return t
+
+
+def render_matrix(m: Matrix, console: Console) -> None:
+    """The table, then each finding with its reasons, then one summary line."""
+    console.print(matrix_table(m))
+    for r in m.results:
+        if r.status in (FINDING, ERROR):
+            console.print(f"[bold red]{r.status}[/] {r.name} ({r.factor}): expected {r.expected}",
+                          highlight=False)
+            for why in r.reasons:
+                console.print(f"  - {why}", highlight=False, soft_wrap=True)
+    counts = {s: sum(r.status == s for r in m.results) for s in (PASS, FINDING, ERROR, PENDING)}
+    pending = [r.name for r in m.results if r.status == PENDING]
+    line = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
+    console.print(f"{line}; baseline {m.baseline_seconds:.1f} s, total {m.seconds:.1f} s"
+                  + (f"; pending: {', '.join(pending)}" if pending else ""), highlight=False)

@@ -1,0 +1,296 @@
+"""Run the probe matrix: the baseline once, then every probe, each diffed against the baseline.
+
+    >>> m = run_matrix(catalog(), "runs/probes", base=RunSpec())
+    >>> [(r.name, r.status, r.first_op) for r in m.results][:2]
+    [('latent_pack_channels_last', 'PASS', 'latent_proj_gemm'), ...]
+
+Each probe run is an ordinary ``drifttool.runner.execute`` of the baseline ``RunSpec`` with the
+probe's one change (field overrides, operator variants, or a transformed copy of the
+checkpoint), written to ``<out>/runs/<probe>``; the diff is ``drifttool.diff.diff_runs`` (written
+to ``<out>/diffs/<probe>.json``), and ``judge`` compares it with the probe's expectation.
+Results are data (``ProbeResult``); a failed expectation is a ``FINDING`` with its reasons, a
+probe that raised is an ``ERROR`` (also a finding), a pending one is ``PENDING`` (never run,
+never a pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from drifttool.artifact.reader import Run, open_run
+from drifttool.diff.compare import diff_runs
+from drifttool.diff.report import DiffReport, Verdict
+from drifttool.errors import CheckpointError
+from drifttool.model.checkpoint import CONFIG_NAME
+from drifttool.model.config import from_diffusers_config
+from drifttool.probes.spec import Probe, ProbeContext
+from drifttool.probes.weights import transformed_checkpoint
+from drifttool.runner import DTYPES, RunSpec, execute, resolve
+
+PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
+
+
+# -- baseline description ----------------------------------------------------------------------
+def baseline_settings(base: RunSpec) -> tuple[dict[str, Any], int, Path]:
+    """The resolved settings of the baseline (plus ``prompt_len``: the longest prompt of its
+    batch, negative prompt included), the model depth, and its checkpoint folder."""
+    fx, s = resolve(base)
+    folder = Path(s["checkpoint"] or fx.model_dir)
+    try:
+        cfg = from_diffusers_config(json.loads((folder / CONFIG_NAME).read_text()))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: no readable {CONFIG_NAME} ({e})") from None
+    _, lens, _, neg_len = fx.prompts(cfg.joint_attention_dim, seed=s["seed"])
+    rows = [i % len(lens) for i in s["samples"]]
+    s = dict(s, prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]))
+    return s, cfg.num_layers, folder
+
+
+# -- comparing only the samples both runs hold ------------------------------------------------
+class SampleView(Run):
+    """An artifact seen through a set of logical samples: op and step records of other samples
+    are left out (records without a sample, ``sample = -1``, are kept). Lets a batch-size
+    control compare the samples two runs share: the diff still aligns by identity."""
+
+    def __init__(self, path: str | Path, samples: set[int]) -> None:
+        super().__init__(path)
+        self.keep = pa.array(sorted({int(s) for s in samples} | {-1}), type=pa.int32())
+
+    def _only(self, t: pa.Table) -> pa.Table:
+        return t.filter(pc.is_in(t.column("sample"), value_set=self.keep))
+
+    def ops_table(self, rank: int | None = None) -> pa.Table:
+        return self._only(super().ops_table(rank))
+
+    def steps_table(self) -> pa.Table:
+        return self._only(super().steps_table())
+
+
+def _samples_of(path: Path) -> set[int]:
+    return {int(i) for i in open_run(path).steps_table().column("sample").to_pylist()}
+
+
+def open_pair(baseline: str | Path, run: str | Path, compare: str = "all") -> tuple[Run, Run]:
+    """Both artifacts, opened as a probe compares them: whole (``"all"``) or restricted to the
+    logical samples both hold (``"common_samples"``)."""
+    if compare == "common_samples":
+        common = _samples_of(Path(baseline)) & _samples_of(Path(run))
+        return SampleView(baseline, common), SampleView(run, common)
+    return open_run(baseline), open_run(run)
+
+
+def diff_probe(p: Probe, baseline: Path, run: Path) -> DiffReport:
+    """The probe run diffed against the baseline, as the probe asks (all or common samples)."""
+    return diff_runs(*open_pair(baseline, run, p.compare))
+
+
+# -- judging ------------------------------------------------------------------------------------
+def judge(p: Probe, report: DiffReport) -> list[str]:
+    """Why the diff does not meet the probe's expectation (empty: it does)."""
+    e = p.expect
+    got = report.verdict.value
+    if e.verdict == "identical":
+        return [] if report.verdict is Verdict.IDENTICAL else [
+            f"expected identical, got {got}: {report.reason}"]
+    if report.verdict is not Verdict.DRIFT:
+        return [f"expected drift at {e.op}, got {got}: {report.reason}"]
+    fd = report.first_drift
+    reasons = []
+    if fd.kind != "op":
+        reasons.append(f"first drift is step quantity {fd.op!r}, expected operator {e.op}")
+    elif fd.op != e.op:
+        reasons.append(f"first drift at {fd.op}, expected {e.op}")
+    for k in ("step", "block", "stream", "branch", "sample"):
+        want = getattr(e, k)
+        if want is not None and getattr(fd, k) != want:
+            reasons.append(f"first drift {k} {getattr(fd, k)!r}, expected {want!r}")
+    if e.origin and not fd.origin:
+        reasons.append("first drift is not an origin (records missing before it)")
+    if e.rows is not None:
+        rows = None if fd.rows is None else tuple(str(r) for r in fd.rows.first)
+        if fd.rows is None:
+            reasons.append("no row digests to locate the rows (capture level below L2?)")
+        elif rows != tuple(e.rows) or fd.rows.n_differ != len(e.rows):
+            reasons.append(f"differing rows {list(rows)} ({fd.rows.n_differ} of "
+                           f"{fd.rows.n_rows}), expected exactly {list(e.rows)}")
+    return reasons
+
+
+# -- results ------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ProbeResult:
+    """One row of the matrix. Drift columns are the worst over steps, samples and branches of
+    the per-step drift the diff reports (max |Δ|; ``None`` when the quantity never differs or
+    was not compared; KL of the SDE transition)."""
+
+    name: str
+    factor: str
+    kind: str
+    change: str
+    expected: str
+    expected_op: str | None
+    status: str
+    verdict: str | None = None
+    first_drift: str | None = None
+    first_op: str | None = None
+    first_step: int | None = None
+    first_block: int | None = None
+    first_stream: str | None = None
+    first_branch: str | None = None
+    first_sample: int | None = None
+    first_rows: str | None = None
+    origin: bool | None = None
+    differing_records: int | None = None
+    v_t: float | None = None
+    x_t: float | None = None
+    logp_t: float | None = None
+    kl: float | None = None
+    seconds: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    compare: str = "all"
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (PASS, PENDING)
+
+
+def _worst(report: DiffReport, quantities: tuple[str, ...]) -> float | None:
+    vals = [q.max_abs for s in report.steps for q in s.quantities
+            if q.quantity in quantities and q.identical is False and q.max_abs is not None]
+    return max(vals) if vals else None
+
+
+def _worst_kl(report: DiffReport) -> float | None:
+    vals = [k.kl for s in report.steps for k in s.kl if k.kl is not None and not math.isnan(k.kl)]
+    return max(vals) if vals and max(vals) > 0 else None
+
+
+def _result(p: Probe, status: str, **kw: Any) -> ProbeResult:
+    return ProbeResult(name=p.name, factor=p.factor, kind=p.kind, change=p.change,
+                       expected=p.expect.describe(), expected_op=p.expect.op, status=status,
+                       compare=p.compare, **kw)
+
+
+def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: float,
+                 run_dir: Path) -> ProbeResult:
+    fd = report.first_drift
+    kw: dict[str, Any] = dict(
+        verdict=report.verdict.value, seconds=seconds, reasons=reasons, run_dir=str(run_dir),
+        differing_records=sum(c.differ for c in report.counts.values()),
+        v_t=_worst(report, ("v_t",)), x_t=_worst(report, ("x_t", "x_next")),
+        logp_t=_worst(report, ("logp_t",)), kl=_worst_kl(report),
+    )
+    if fd is not None:
+        kw.update(first_drift=fd.where(), first_op=fd.op, first_step=fd.step,
+                  first_block=fd.block, first_stream=fd.stream, first_branch=fd.branch,
+                  first_sample=fd.sample, origin=fd.origin,
+                  first_rows=None if fd.rows is None else
+                  f"{fd.rows.n_differ}/{fd.rows.n_rows}: " + ", ".join(map(str, fd.rows.first)))
+    return _result(p, FINDING if reasons else PASS, **kw)
+
+
+def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path) -> RunSpec:
+    """The baseline spec with the probe's one change (writes a transformed checkpoint if any)."""
+    spec = dataclasses.replace(base, **dict(p.spec))
+    if p.variants:
+        spec = dataclasses.replace(spec, variants={**base.variants, **p.build_variants()})
+    if p.weights is not None:
+        _, s = resolve(base)
+        folder = transformed_checkpoint(checkpoint, p.weights, workdir / "transformer",
+                                        dtype=DTYPES[s["dtype"]])
+        spec = dataclasses.replace(spec, checkpoint=folder)
+    return spec
+
+
+def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Path) -> ProbeResult:
+    """Run one probe under ``out/runs/<name>`` and judge its diff against ``baseline``."""
+    if p.pending:
+        return _result(p, PENDING, reasons=[p.pending])
+    t0 = time.perf_counter()
+    work = out / "work" / p.name
+    run_dir = out / "runs" / p.name
+    try:
+        if p.execute is not None:
+            work.mkdir(parents=True, exist_ok=True)
+            ctx = ProbeContext(base=base, baseline=baseline, work=work, run_dir=run_dir,
+                               checkpoint=checkpoint)
+            reference, run_dir = p.execute(ctx)
+        else:
+            execute(probe_spec(p, base, work, checkpoint), run_dir, overwrite=True)
+            reference = baseline
+        report = diff_probe(p, reference, run_dir)
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run is itself a finding
+        return _result(p, ERROR, seconds=time.perf_counter() - t0,
+                       reasons=[f"{type(e).__name__}: {e}",
+                                traceback.format_exc(limit=3).strip().splitlines()[-1]])
+    (out / "diffs").mkdir(parents=True, exist_ok=True)
+    (out / "diffs" / f"{p.name}.json").write_text(report.to_json())
+    return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir)
+
+
+@dataclass(kw_only=True)
+class Matrix:
+    """The matrix: the baseline it ran against, its settings and every probe's result."""
+
+    out: str
+    baseline: str
+    settings: dict[str, Any]
+    results: list[ProbeResult]
+    seconds: float
+    baseline_seconds: float
+
+    @property
+    def findings(self) -> list[ProbeResult]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every expectation held (pending probes do not count), else 1."""
+        return 1 if self.findings else 0
+
+
+def run_matrix(
+    probes: list[Probe],
+    out: str | Path,
+    *,
+    base: RunSpec | None = None,
+    on_result: Callable[[ProbeResult], Any] | None = None,
+) -> Matrix:
+    """Run the baseline and every probe; see the module docstring.
+
+    Args:
+        probes: the probes to run (``catalog(...)``, possibly filtered).
+        out: output directory (created; earlier probe runs in it are replaced).
+        base: the baseline ``RunSpec`` (default: the embedded tiny fixture, strict).
+        on_result: called with each ``ProbeResult`` as it is judged (progress display).
+
+    Raises:
+        DriftToolError: the baseline itself cannot run (bad fixture, checkpoint, settings).
+    """
+    base = base or RunSpec()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings, _, checkpoint = baseline_settings(base)
+    t0 = time.perf_counter()
+    baseline = out / "runs" / "baseline"
+    execute(base, baseline, overwrite=True)
+    t_base = time.perf_counter() - t0
+    results = []
+    for p in probes:
+        r = run_probe(p, base, baseline, out, checkpoint)
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
+    return Matrix(out=str(out), baseline=str(baseline), settings=settings, results=results,
+                  seconds=time.perf_counter() - t0, baseline_seconds=t_base)

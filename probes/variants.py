@@ -1,0 +1,463 @@
+"""Operator variants: real-world mistakes, each with the signature of the operator it replaces.
+
+    >>> from drifttool.runner import RunSpec, execute
+    >>> v = RopeRotateHalf()
+    >>> execute(RunSpec(variants={v.op: (v.name, v)}), "runs/rope_rotate_half")
+    # trace: multi_axis_rope actual="variant:rope_rotate_half"
+
+A variant is handed to ``RunSpec.variants`` (``Runtime.variants``) and replaces the operator's
+implementation for one run. Each class here wraps the implementation the runtime's mode would
+have used (``self.base``, bound in ``bind_runtime``) and makes exactly one change, so the probe
+isolates one factor. Variants that depend on where they are called (step, block, CFG branch,
+batch rows) read ``rt.current_scope()``.
+
+=========================  =====================  ====================================================
+variant                    operator               the mistake (source)
+=========================  =====================  ====================================================
+latent_pack_channels_last  latent_proj_gemm       2×2 patches packed (dy, dx, c) instead of (c, dy, dx)
+                                                  (numerics §3.2: channel = c·4 + dy·2 + dx)
+timestep_scale_first       timestep_embed_mlp     sinusoid angle (1000·τ)·f instead of (τ·f)·1000 (§5.7)
+rope_rotate_half           multi_axis_rope        rotate-half pairs (x_j, x_{j+D/2}) instead of
+                                                  interleaved (x_2j, x_2j+1) (§2.2, §5.8)
+rope_text_offset_zero      multi_axis_rope        text positions start at 0, not max(⌊h/2⌋, ⌊w/2⌋) (§2.2)
+qk_norm_no_gain            qk_rmsnorm             parameter-free Q/K RMSNorm (learned gain dropped)
+final_shift_scale_swapped  final_adaln_out        final AdaLN chunks read (shift, scale); the model
+                                                  stores (scale, shift) (§5.5)
+gelu_exact                 mlp_up_gemm_gelu       erf GELU instead of the tanh approximation (§2.3)
+sigma_seq_len_pixels       flow_sigma_table       dynamic shift from H'·W' latent pixels (4N) instead
+                                                  of N packed tokens (§3.3)
+cfg_renorm_off             cfg_combine_renorm     no rescale to ‖v_cond‖ (§3.4)
+cfg_renorm_global          cfg_combine_renorm     one norm over the whole image, not per token (§5.12)
+euler_bf16_product         flow_sde_step_logp     deterministic step as diffusers' scheduler: Δσ·v in
+                                                  bf16, latents back to bf16 (§3.4, §5.4)
+latents_bf16               flow_sde_step_logp     next latent stored in bf16 between steps (§5.3)
+noise_global_rng           flow_sde_step_logp     SDE noise from one generator consumed in batch and
+                                                  step order (Flow-GRPO's global RNG, §4.1), not the
+                                                  pinned per-sample streams
+attn_mask_dropped          joint_attn_softmax     padded prompt tokens attended (0.35/0.36 ignored
+                           joint_attention_fused  the mask, §5.1)
+sequence_image_first       joint_attn_softmax,    joint sequence [image, text] instead of [text, image]
+                           joint_attn_av_gemm,    (§2.4); mathematically the same attention, other
+                           joint_attention_fused  reduction order
+plant_ulp                  any                    sensitivity control: lowest mantissa bit of one
+                                                  element flipped at one call site
+=========================  =====================  ====================================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from drifttool.model.rope import rope_table, text_positions
+from drifttool.ops.registry import implementation
+from drifttool.runtime import Runtime
+
+
+class Variant:
+    """Base class: an operator replacement that knows its runtime.
+
+    Attributes:
+        op: the operator replaced. name: the variant name (trace ``variant:<name>``).
+        rt: the runtime (after ``bind_runtime``). base: the implementation the runtime's mode
+            would have called for ``op``.
+    """
+
+    op = ""
+    name = ""
+
+    def __init__(self) -> None:
+        self.rt: Runtime | None = None
+        self.base: Any = None
+
+    def bind_runtime(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.base = implementation(self.op, rt.mode.backend)
+
+    def impl(self, op: str) -> Any:
+        """The implementation of another operator under the same backend."""
+        return implementation(op, self.rt.mode.backend)
+
+    def scope(self) -> dict[str, Any]:
+        return self.rt.current_scope()
+
+    def entry(self) -> tuple[str, "Variant"]:
+        """``(name, self)``, the value ``RunSpec.variants[op]`` expects."""
+        return self.name, self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------
+# latent layout
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """[..., 4C] in (c, dy, dx) order → (dy, dx, c) order."""
+    return x.unflatten(-1, (-1, 4)).transpose(-1, -2).flatten(-2)
+
+
+def _channels_first(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_channels_last``: [..., 4C] (dy, dx, c) → (c, dy, dx)."""
+    return x.unflatten(-1, (4, -1)).transpose(-1, -2).flatten(-2)
+
+
+class LatentPackChannelsLast(Variant):
+    """The pipeline packs 2×2 latent patches as (dy, dx, c) and unpacks model outputs the same
+    way: ``img_in`` sees the channels permuted, ``proj_out``'s output is read back permuted
+    (block −1 vs the final block tells them apart)."""
+
+    op = "latent_proj_gemm"
+    name = "latent_pack_channels_last"
+
+    def __call__(self, x, w, b):
+        if self.scope()["block"] < 0:  # img_in: x [B, N, 4C]
+            return self.base(_channels_last(x).contiguous(), w, b)
+        return _channels_first(self.base(x, w, b)).contiguous()  # proj_out: [B, N, 4C]
+
+
+# ---------------------------------------------------------------------------------------------
+# timestep encoding
+
+
+class TimestepScaleFirst(Variant):
+    """Sinusoid angles a_k = (1000·τ)·f_k instead of diffusers' (τ·f_k)·1000 (numerics §5.7);
+    everything else as strict (same sin/cos, same MLP: the two GEMMs of the strict backend)."""
+
+    op = "timestep_embed_mlp"
+    name = "timestep_scale_first"
+
+    def __call__(self, tau, w1, b1, w2, b2):
+        from drifttool.ops.strict_math import exp32, sincos64
+
+        half = w1.shape[1] // 2
+        expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32)) / half
+        freqs = exp32(expo)  # [half]
+        a = (tau.to(torch.float32)[:, None] * 1000.0) * freqs[None, :]  # [B, half] the mistake
+        sin, cos = sincos64(a)
+        phi = torch.cat([cos, sin], dim=-1).to(torch.float32)  # [B, 256]
+        h = self.impl("mlp_down_gemm")(phi[:, None, :], w1, b1)[:, 0]  # [B, d] fp32 (x·w1ᵀ + b1)
+        temb = self.impl("adaln_mod_projection")(h, w2, b2)  # SiLU(h)·w2ᵀ + b2, fp32
+        return temb.to(w1.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _half_to_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] (x_0..x_{D/2−1} | x_{D/2}..) → interleaved pairs (x_j, x_{j+D/2})."""
+    return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
+def _interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class RopeRotateHalf(Variant):
+    """Rotate-half (GPT-NeoX) pairing: x_j rotates with x_{j+D/2}; Qwen-Image pairs adjacent
+    values x_2j, x_2j+1 (numerics §2.2). Same rotation arithmetic on re-paired values."""
+
+    op = "multi_axis_rope"
+    name = "rope_rotate_half"
+
+    def __call__(self, x, freqs):
+        y = self.base(_half_to_interleaved(x).contiguous(), freqs)
+        return _interleaved_to_half(y).contiguous()
+
+
+class RopeTextOffsetZero(Variant):
+    """Text tokens at positions 0..L−1 instead of max(⌊h/2⌋, ⌊w/2⌋) + k (numerics §2.2): the
+    text table is recomputed without the offset; image calls are unchanged.
+
+    A call is a text call when its table equals the text table of this grid and length. The axis
+    split is read off the table itself: in a text row every axis starts with frequency 1, so the
+    columns equal to column 0 of the last row (position p > 0) are the axis starts.
+    """
+
+    op = "multi_axis_rope"
+    name = "rope_text_offset_zero"
+
+    def __init__(self, theta: float = 10000) -> None:
+        super().__init__()
+        self.theta = theta
+
+    def __call__(self, x, freqs):
+        h, w = self.scope()["img_grid"]
+        L, half = freqs.shape
+        last = freqs[-1]
+        starts = [j for j in range(half) if bool(last[j] == last[0])] + [half]
+        axes = tuple(2 * (b - a) for a, b in zip(starts, starts[1:]))
+        if len(axes) == 3:
+            right = rope_table(text_positions(h, w, L), axes, self.theta).to(freqs.device)
+            if torch.equal(freqs, right):
+                pos = torch.arange(L, dtype=torch.int64)[:, None].expand(L, 3).clone()  # [L, 3]
+                freqs = rope_table(pos, axes, self.theta).to(freqs.device)
+        return self.base(x, freqs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/K preprocessing, modulation, GELU
+
+
+class QKNormNoGain(Variant):
+    """Parameter-free Q/K RMSNorm: the learned gains ``norm_q``/``norm_k``/``norm_added_*`` are
+    dropped (multiplied by ones, which is exact)."""
+
+    op = "qk_rmsnorm"
+    name = "qk_norm_no_gain"
+
+    def __call__(self, x, gain, eps: float = 1e-6):
+        return self.base(x, torch.ones_like(gain), eps=eps)
+
+
+class FinalShiftScaleSwapped(Variant):
+    """The final AdaLN reads its projection as (shift, scale) — the blocks' order — while
+    ``norm_out`` stores (scale, shift) (numerics §5.5): the weight halves are swapped."""
+
+    op = "final_adaln_out"
+    name = "final_shift_scale_swapped"
+
+    def __call__(self, x, temb, w, b, eps: float = 1e-6):
+        d = w.shape[0] // 2
+        ws = torch.cat([w[d:], w[:d]])  # [2d, d]
+        bs = torch.cat([b[d:], b[:d]])  # [2d]
+        return self.base(x, temb, ws, bs, eps=eps)
+
+
+class GeluExact(Variant):
+    """erf GELU instead of the tanh approximation (``gelu-approximate`` in diffusers'
+    FeedForward, numerics §2.3); the GEMM is the strict one, the activation FP64 rounded once."""
+
+    op = "mlp_up_gemm_gelu"
+    name = "gelu_exact"
+
+    def __call__(self, x, w, b):
+        pre = self.impl("mlp_down_gemm")(x.to(torch.float32), w, b).double()  # [B, S, 4d]
+        y = 0.5 * pre * (1.0 + torch.special.erf(pre / math.sqrt(2.0)))
+        return y.to(torch.float32).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampler: sigma schedule, CFG, step precision, noise
+
+
+class SigmaSeqLenPixels(Variant):
+    """Dynamic shift μ computed from the latent pixel count H'·W' = 4N instead of the N packed
+    tokens (numerics §3.3: image_seq_len = (H/16)(W/16))."""
+
+    op = "flow_sigma_table"
+    name = "sigma_seq_len_pixels"
+
+    def __call__(self, num_steps, image_seq_len, *args, **kwargs):
+        return self.base(num_steps, 4 * int(image_seq_len), *args, **kwargs)
+
+
+def _cfg_combine(v_cond, v_uncond, scale):
+    c = v_cond.to(torch.float32)
+    u = v_uncond.to(torch.float32)
+    s = torch.tensor(float(scale), dtype=torch.float32, device=c.device)
+    return c, u + s * (c - u)  # [B, N, C] fp32
+
+
+class CfgRenormOff(Variant):
+    """Plain CFG u + s(c − u) without the rescale to ‖v_cond‖ per token (numerics §3.4)."""
+
+    op = "cfg_combine_renorm"
+    name = "cfg_renorm_off"
+
+    def __call__(self, v_cond, v_uncond, scale):
+        return _cfg_combine(v_cond, v_uncond, scale)[1]
+
+
+class CfgRenormGlobal(Variant):
+    """Rescale by norms over the whole image (all N·C values of a sample) instead of per token
+    over the 64 channels (numerics §5.12); pairwise-tree sums and sqrt as strict."""
+
+    op = "cfg_combine_renorm"
+    name = "cfg_renorm_global"
+
+    def __call__(self, v_cond, v_uncond, scale):
+        from drifttool.ops.strict_math import sqrt32, tree_sum
+
+        c, comb = _cfg_combine(v_cond, v_uncond, scale)
+        c_norm = sqrt32(tree_sum((c * c).flatten(1)))  # [B]
+        comb_norm = sqrt32(tree_sum((comb * comb).flatten(1)))  # [B]
+        return comb * (c_norm / comb_norm)[:, None, None]
+
+
+class EulerBf16Product(Variant):
+    """Deterministic (η = 0) steps as diffusers' FlowMatchEulerDiscreteScheduler computes them
+    in a bf16 pipeline: x' = bf16(fp32(x) + bf16(Δσ · bf16(v))) — the product Δσ·v in bf16 by
+    type promotion, the latents back in bf16 (numerics §3.4, §5.4). SDE steps unchanged."""
+
+    op = "flow_sde_step_logp"
+    name = "euler_bf16_product"
+
+    def __call__(self, v, x, sigma, sigma_next, *, eta, sigma_max, noise=None, prev_sample=None):
+        if float(eta) != 0.0 or prev_sample is not None:
+            return self.base(v, x, sigma, sigma_next, eta=eta, sigma_max=sigma_max, noise=noise,
+                             prev_sample=prev_sample)
+        dt = torch.as_tensor(sigma_next, dtype=torch.float32) - torch.as_tensor(sigma, dtype=torch.float32)
+        step = dt * v.to(torch.bfloat16)  # 0-dim fp32 × bf16 tensor → bf16 (type promotion)
+        x_next = (x.to(torch.float32) + step).to(torch.bfloat16).to(torch.float32)  # [B, N, C]
+        B = x.shape[0]
+        logp = torch.full((B,), math.nan, dtype=torch.float32)
+        return x_next, logp, x_next.clone(), torch.zeros(B, dtype=torch.float32)
+
+
+class LatentsBf16(Variant):
+    """The sampled next latent is stored in bf16 between steps (a bf16 pipeline's latents,
+    numerics §5.3); log p_t is still evaluated on the fp32 sample, as Flow-GRPO does."""
+
+    op = "flow_sde_step_logp"
+    name = "latents_bf16"
+
+    def __call__(self, *args, **kwargs):
+        x_next, logp, mu, std = self.base(*args, **kwargs)
+        return x_next.to(torch.bfloat16).to(torch.float32), logp, mu, std
+
+
+class NoiseGlobalRng(Variant):
+    """SDE step noise from one generator for the whole batch, consumed step by step in batch
+    order (Flow-GRPO draws from the global RNG without a generator, numerics §4.1), instead of
+    drifttool's pinned per-sample streams. Seeded with ``seed`` once per run."""
+
+    op = "flow_sde_step_logp"
+    name = "noise_global_rng"
+
+    def __init__(self, seed: int = 386) -> None:
+        super().__init__()
+        self.gen = torch.Generator(device="cpu").manual_seed(int(seed))
+
+    def __call__(self, v, x, sigma, sigma_next, *, eta, sigma_max, noise=None, prev_sample=None):
+        if noise is not None:
+            noise = torch.randn(x.shape, generator=self.gen, dtype=torch.float32).to(x.device)
+        return self.base(v, x, sigma, sigma_next, eta=eta, sigma_max=sigma_max, noise=noise,
+                         prev_sample=prev_sample)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt mask and sequence order (joint attention)
+
+
+class AttnMaskDropped(Variant):
+    """Padded prompt tokens are attended: the key mask is dropped (diffusers 0.35/0.36 ignored
+    ``encoder_hidden_states_mask``, numerics §5.1). Register for ``joint_attn_softmax`` (strict)
+    and ``joint_attention_fused`` (production)."""
+
+    name = "attn_mask_dropped"
+
+    def __init__(self, op: str = "joint_attn_softmax") -> None:
+        super().__init__()
+        self.op = op
+
+    def __call__(self, *args, **kwargs):
+        if self.op == "joint_attention_fused":  # (q, k, v, key_mask)
+            return self.base(*args[:3], None)
+        return self.base(args[0], None)  # (scores, key_mask)
+
+
+class SequenceImageFirst(Variant):
+    """Joint attention over [image, text] instead of [text, image] (numerics §2.4), every input
+    and the key mask permuted consistently and the output put back in the model's order: the
+    same attention mathematically, another reduction order over the keys. Register the same
+    class for ``joint_attn_softmax`` and ``joint_attn_av_gemm`` (strict) and
+    ``joint_attention_fused`` (production)."""
+
+    name = "sequence_image_first"
+
+    def __init__(self, op: str = "joint_attn_softmax") -> None:
+        super().__init__()
+        self.op = op
+
+    def _perm(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = self.scope()["img_grid"]
+        lp = s - h * w  # padded text rows come first in the model's order
+        perm = torch.cat([torch.arange(lp, s), torch.arange(lp)]).to(device)  # image first
+        return perm, torch.argsort(perm)
+
+    def __call__(self, *args, **kwargs):
+        if self.op == "joint_attn_softmax":
+            scores, mask = args[0], (args[1] if len(args) > 1 else kwargs.get("key_mask"))
+            p, inv = self._perm(scores.shape[-1], scores.device)
+            out = self.base(scores[:, :, p][:, :, :, p], None if mask is None else mask[:, p])
+            return out[:, :, inv][:, :, :, inv].contiguous()
+        if self.op == "joint_attn_av_gemm":
+            probs, v = args[0], args[1]
+            mask = args[2] if len(args) > 2 else kwargs.get("key_mask")
+            p, inv = self._perm(v.shape[1], v.device)
+            out = self.base(probs[:, :, p][:, :, :, p].contiguous(), v[:, p].contiguous(),
+                            None if mask is None else mask[:, p])
+            return out[:, inv].contiguous()
+        q, k, v = args[:3]  # joint_attention_fused
+        mask = args[3] if len(args) > 3 else kwargs.get("key_mask")
+        p, inv = self._perm(q.shape[1], q.device)
+        out = self.base(q[:, p], k[:, p], v[:, p], None if mask is None else mask[:, p])
+        return out[:, inv].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# sensitivity control
+
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flip_lowest_bit(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
+    """A copy of floating tensor ``t`` with the lowest mantissa bit of ``t[index]`` flipped:
+    a change of exactly one ULP (or the smallest subnormal step)."""
+    out = t.detach().clone().contiguous()
+    bits = out.view(_INT_VIEW[out.element_size()])
+    bits[index] = bits[index] ^ 1
+    return out
+
+
+class PlantUlp(Variant):
+    """Sensitivity control: call the real operator, then flip the lowest mantissa bit of one
+    element of one output at one call site.
+
+    Args:
+        op: operator to plant in.
+        step, block: where (scope fields).
+        call: 0-based occurrence of ``op`` within that step and block, counting every stream
+            (the image-stream call of a per-stream operator comes before the text-stream call).
+        sample, branch: the logical sample and CFG branch whose batch row is changed.
+        row: sequence row of that batch row (must be a kept row: an image token, or a text
+            position below the prompt length); ``rest``: index into the remaining axes.
+        output: index of the output for tuple-returning operators.
+    """
+
+    name = "plant_ulp"
+
+    def __init__(self, op: str, *, step: int, block: int, call: int, sample: int, branch: str,
+                 row: int, rest: tuple[int, ...], output: int = 0) -> None:
+        super().__init__()
+        self.op = op
+        self.where = dict(step=step, block=block, call=call, sample=sample, branch=branch)
+        self.row, self.rest, self.output = row, tuple(rest), output
+        self._calls: dict[tuple, int] = {}
+        self.planted = 0
+
+    def __call__(self, *args, **kwargs):
+        out = self.base(*args, **kwargs)
+        sc = self.scope()
+        branches = sc["branch"]
+        key = (sc["phase"], sc["step"], str(branches), sc["block"])
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        w = self.where
+        if (sc["step"], sc["block"], n) != (w["step"], w["block"], w["call"]):
+            return out
+        samples = sc["samples"] or []
+        for b, sid in enumerate(samples):
+            branch = branches if isinstance(branches, str) else branches[b]
+            if sid == w["sample"] and branch == w["branch"]:
+                outs = list(out) if isinstance(out, tuple) else [out]
+                outs[self.output] = flip_lowest_bit(outs[self.output], (b, self.row, *self.rest))
+                self.planted += 1
+                return tuple(outs) if isinstance(out, tuple) else outs[0]
+        return out

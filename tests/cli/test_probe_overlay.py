@@ -1,0 +1,63 @@
+"""``drifttool probe`` (selection, listing, bad input) and ``drifttool overlay``.
+
+The whole tiny matrix through the CLI is ``tests/probes`` (one session run).
+"""
+
+from __future__ import annotations
+
+import json
+
+from drifttool.probes.spec import Expectation
+from drifttool.probes.variants import GeluExact
+from drifttool.runner import RunSpec, execute
+
+
+def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
+    code, out = cli("probe", "--list", "-o", tmp_path / "x")
+    assert code == 0 and "rope_rotate_half" in out and "gradient_checkpointing" in out
+    # plant a wrong expectation: the matrix must report it as a finding and exit 1
+    import drifttool.probes.catalog as C
+
+    real = C.catalog
+
+    def wrong(settings=None, num_layers=2):
+        return [p.with_(expect=Expectation(verdict="drift", op="final_adaln_out"))
+                if p.name == "gelu_exact" else p for p in real(settings, num_layers)]
+
+    monkeypatch.setattr(C, "catalog", wrong)
+    code, out = cli("probe", "--only", "repeat,gelu_exact,ulp_txt_qk_rmsnorm", "-o", tmp_path / "m")
+    assert code == 1, out
+    assert "FINDING gelu_exact" in out and "expected final_adaln_out" in out
+    assert "first drift at mlp_up_gemm_gelu, expected final_adaln_out" in out
+    data = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    assert [(r["name"], r["status"]) for r in data["results"]] == [
+        ("gelu_exact", "FINDING"), ("repeat", "PASS"), ("ulp_txt_qk_rmsnorm", "PASS")]
+    assert data["exit_code"] == 1
+    assert (tmp_path / "m" / "matrix.arrow").is_file()
+    assert (tmp_path / "m" / "heatmaps" / "ulp_txt_qk_rmsnorm.png").is_file()
+
+
+def test_probe_bad_input_exits_2(cli, tmp_path):
+    code, out = cli("probe", "--only", "no_such_probe", "-o", tmp_path / "m")
+    assert code == 2 and "unknown probe" in out
+    code, out = cli("probe", "--preset", "huge", "-o", tmp_path / "m")
+    assert code == 2 and "unknown preset" in out
+    code, out = cli("probe", "--checkpoint", tmp_path / "missing", "-o", tmp_path / "m")
+    assert code == 2
+
+
+def test_overlay_draws_one_figure(cli, tmp_path, strict_run):
+    v = GeluExact()
+    execute(RunSpec(variants={v.op: v.entry()}), tmp_path / "gelu")
+    execute(RunSpec(mode="auto"), tmp_path / "auto")
+    code, out = cli("overlay", strict_run, tmp_path / "gelu", tmp_path / "auto", strict_run,
+                    "-o", tmp_path / "fig" / "overlay.png")
+    assert code == 0, out
+    assert (tmp_path / "fig" / "overlay.png").read_bytes()[:4] == b"\x89PNG"
+    assert "gelu: drift" in out and "first drift at rollout step 0 cond block 0 img mlp_up_gemm_gelu" in out
+    assert "strict: identical" in out
+
+
+def test_overlay_needs_two_runs_and_readable_artifacts(cli, tmp_path, strict_run):
+    assert cli("overlay", strict_run, "-o", tmp_path / "f.png")[0] == 2
+    assert cli("overlay", strict_run, tmp_path / "nope", "-o", tmp_path / "f.png")[0] == 2

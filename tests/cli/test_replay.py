@@ -1,0 +1,114 @@
+"""``drifttool replay``, ``drifttool recompute`` and ``drifttool experiment``: end to end, and bad
+input (incomplete or tampered artifact, foreign model, LoRA file with wrong keys) → exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import torch
+from safetensors.torch import save_file
+
+from drifttool.runner import RunSpec, execute
+
+
+def _clean_error(code, out, *needles):
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    flat = " ".join(out.split())
+    for n in needles:
+        assert n in flat, out
+
+
+def test_replay_is_identical(cli, tmp_path, strict_run):
+    code, out = cli("replay", strict_run, "-o", tmp_path / "replay")
+    assert code == 0, out
+    manifest = json.loads((tmp_path / "replay" / "manifest.json").read_text())
+    assert manifest["replay_of"]["path"] == str(strict_run) and manifest["kind"] == "rollout"
+    code, out = cli("diff", strict_run, tmp_path / "replay")
+    assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_recompute_and_diff(cli, tmp_path, strict_run):
+    code, out = cli("recompute", strict_run, "-o", tmp_path / "train")
+    assert code == 0 and "sigma_fp32" in out and "float32" in out, out
+    code, out = cli("diff", strict_run, tmp_path / "train")
+    assert code == 0 and "IDENTICAL" in out and "training recompute" in out, out
+    code, out = cli("recompute", strict_run, "-o", tmp_path / "prod", "--mode", "auto")
+    assert code == 0, out
+    code, out = cli("diff", strict_run, tmp_path / "prod")
+    assert code == 1 and "DRIFT" in out, out
+    assert "first drift at rollout step 0 cond block -1 none timestep_embed_mlp#0 sample 0" in " ".join(out.split())
+
+
+def test_recompute_bad_input(cli, tmp_path, strict_run):
+    execute(RunSpec(), tmp_path / "cut", max_steps=1)
+    _clean_error(*cli("recompute", tmp_path / "cut", "-o", tmp_path / "t1"), "incomplete")
+
+    bad = tmp_path / "tampered"
+    shutil.copytree(strict_run, bad)
+    table = pa.ipc.open_stream(open(bad / "steps.arrow", "rb")).read_all()
+    rows = table.to_pylist()
+    r = next(r for r in rows if r["quantity"] == "x_t" and r["step"] == 3)
+    r["data"] = bytes(len(r["data"]))
+    with open(bad / "steps.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(pa.Table.from_pylist(rows, schema=table.schema))
+    _clean_error(*cli("recompute", bad, "-o", tmp_path / "t2"), "tampered")
+
+    from drifttool.model.checkpoint import save_checkpoint
+    from drifttool.model.config import tiny
+    from drifttool.model.mmdit import MMDiT, random_init_
+
+    save_checkpoint(random_init_(MMDiT(tiny(), dtype=torch.bfloat16), seed=5), tmp_path / "other")
+    _clean_error(*cli("recompute", strict_run, "-o", tmp_path / "t3", "--checkpoint", tmp_path / "other"),
+                 "fingerprint differs", "weights")
+    _clean_error(*cli("replay", strict_run, "-o", tmp_path / "t4", "--checkpoint", tmp_path / "other"),
+                 "fingerprint differs")
+
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32),
+               "transformer_blocks.0.attn.to_k.lora_B.weight": torch.zeros(32, 4),
+               "transformer_blocks.0.attn.nope.lora_A.weight": torch.zeros(4, 32)},
+              str(tmp_path / "wrong.safetensors"))
+    _clean_error(*cli("recompute", strict_run, "-o", tmp_path / "t5", "--lora", tmp_path / "wrong.safetensors"),
+                 "does not match the model", "missing keys", "unexpected keys")
+    _clean_error(*cli("run", "-o", tmp_path / "t6", "--lora", tmp_path / "wrong.safetensors"),
+                 "does not match the model")
+    _clean_error(*cli("replay", tmp_path / "nowhere", "-o", tmp_path / "t7"), "nowhere")
+    _clean_error(*cli("recompute", strict_run, "-o", tmp_path / "t8", "--grad"), "LoRA")
+
+
+def test_experiment_train_rollout(cli, tmp_path):
+    code, out = cli("experiment", "train-rollout", "-o", tmp_path / "exp", "--no-grad")
+    assert code == 0, out
+    rows = json.loads((tmp_path / "exp" / "train_rollout.json").read_text())
+    table = pa.ipc.open_stream(open(tmp_path / "exp" / "train_rollout.arrow", "rb")).read_all()
+    assert table.column("combo").to_pylist() == [r["combo"] for r in rows] == [
+        "production/production", "strict/production", "production/strict", "strict/strict"]
+    by = {r["combo"]: r for r in rows}
+    ss = by.pop("strict/strict")
+    assert ss["identical"] and ss["v_max_abs"] == ss["logp_max_abs"] == ss["kl_max"] == 0.0
+    assert ss["first_drift"] == "" and ss["grad_rel_l2"] == "nan"  # --no-grad (JSON spells NaN "nan")
+    for combo, r in by.items():  # the other three show their drift
+        assert r["verdict"] == "drift" and r["v_max_abs"] > 0 and r["logp_max_abs"] > 0, combo
+        assert r["kl_max"] > 0 and r["first_drift"].startswith("rollout step 0"), combo
+        assert r["train_seconds"] > 0 and r["rollout_seconds"] > 0
+    assert by["strict/production"]["first_drift_op"] == "timestep_embed_mlp"
+    assert by["production/production"]["first_drift_op"] == "joint_attention_fused"
+    flat = " ".join(out.split())
+    assert "strict/strict" in flat and "identical" in flat and "train_rollout.arrow" in "".join(out.split())
+    assert "timestep_embed_mlp" in flat and "joint_attention_fused" in flat
+    code, out = cli("diff", tmp_path / "exp" / "rollout-strict", tmp_path / "exp" / "train-strict-on-strict")
+    assert code == 0, out
+
+
+def test_experiment_grpo(cli, tmp_path):
+    code, out = cli("experiment", "grpo", "-o", tmp_path / "g", "--combos", "production/production",
+                    "--steps", "1", "--inner-epochs", "1", "--groups", "1")
+    assert code == 0, out
+    rows = json.loads((tmp_path / "g" / "grpo.json").read_text())
+    assert len(rows) == 1 and rows[0]["combo"] == "production/production"
+    assert {"ratio_mean", "clip_fraction", "approx_kl", "kl", "reward_mean"} <= set(rows[0])
+    assert (tmp_path / "g" / "grpo.arrow").is_file()
+    code, out = cli("experiment", "grpo", "-o", tmp_path / "g2", "--combos", "strict/fast")
+    assert code == 2 and "strict/fast" in out

@@ -1,0 +1,202 @@
+"""LoRA adapters (drifttool.model.lora): peft key naming, save/load, bad files, the merge operator,
+frozen base weights and adapter gradients."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drifttool.errors import CheckpointError
+from drifttool.model.checkpoint import LORA_TARGET_MODULES, weight_digest
+from drifttool.model.config import tiny
+from drifttool.model.lora import (
+    add_lora,
+    base_parameters,
+    load_lora,
+    lora_parameters,
+    lora_record,
+    read_lora,
+    save_lora,
+)
+from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runtime import Runtime
+from tests.conftest import assert_same_bytes
+
+# Adapter factors that cannot reach the image output: in the last block the text stream's
+# output (to_add_out, txt_mlp) is never used, and its text queries (add_q_proj) only feed text
+# rows. Their gradients are None (not in the graph) or exactly zero (add_q_proj).
+DEAD_IN_LAST_BLOCK = ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2", "attn.add_q_proj")
+
+
+def _model(dtype=torch.bfloat16, seed=3):
+    return random_init_(MMDiT(tiny(), dtype=dtype), seed=seed)
+
+
+def _inputs(dtype, B=2, grid=(2, 3), L=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, grid[0] * grid[1], 64, generator=g).to(dtype)
+    txt = torch.randn(B, L, 32, generator=g).to(dtype)
+    mask = torch.arange(L)[None, :] < torch.tensor([L, L - 2][:B] + [L] * max(0, B - 2))[:, None]
+    tau = torch.tensor([0.9, 0.4, 0.7][:B])
+    return x, txt, mask, tau, grid
+
+
+def test_peft_key_naming():
+    m = _model()
+    params = add_lora(m, rank=4, alpha=8)
+    assert len(params) == 2 * len(LORA_TARGET_MODULES) * tiny().num_layers
+    assert "transformer_blocks.0.attn.to_q.lora_A.weight" in params
+    assert "transformer_blocks.1.attn.to_out.0.lora_B.weight" in params
+    assert "transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in params
+    assert "transformer_blocks.1.txt_mlp.net.2.lora_B.weight" in params
+    assert params["transformer_blocks.0.attn.to_q.lora_A.weight"].shape == (4, 32)
+    assert params["transformer_blocks.0.img_mlp.net.0.proj.lora_B.weight"].shape == (128, 4)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in params.values())
+    assert not any(p.requires_grad for p in base_parameters(m).values())
+
+
+def test_keys_match_peft_on_diffusers():
+    """The same names peft gives a diffusers QwenImageTransformer2DModel (``add_adapter``)."""
+    pytest.importorskip("peft")
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    cfg = {k: v for k, v in tiny().to_diffusers_config().items() if not k.startswith("_")}
+    ref = QwenImageTransformer2DModel(**cfg)
+    ref.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGET_MODULES)))
+    want = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(ref).items()}
+    m = _model()
+    add_lora(m, rank=4, alpha=8)
+    assert {k: tuple(v.shape) for k, v in lora_parameters(m).items()} == want
+
+
+def test_peft_adapter_loads_and_matches_diffusers_forward(tmp_path):
+    """An adapter written by peft (diffusers model) loads by name; our production forward with
+    it matches diffusers + peft (fp32; merged vs unmerged arithmetic, so to rounding)."""
+    pytest.importorskip("peft")
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from drifttool.model.checkpoint import load_state_dict_into
+
+    cfg = {k: v for k, v in tiny().to_diffusers_config().items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    ref = QwenImageTransformer2DModel(**cfg).eval()
+    ref.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                               target_modules=list(LORA_TARGET_MODULES)))
+    adapter = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file({f"transformer.{k}": v.contiguous() for k, v in get_peft_model_state_dict(ref).items()},
+              str(adapter))
+    base = {k: v for k, v in ref.state_dict().items() if "lora_" not in k}
+    base = {k.replace(".base_layer.", "."): v for k, v in base.items()}
+    ours = MMDiT(tiny(), dtype=torch.float32)
+    load_state_dict_into(ours, base)
+    tensors, conf = read_lora(adapter)
+    assert conf["r"] == 4 and conf["lora_alpha"] == 4  # no config: alpha defaults to r
+    load_lora(ours, adapter)
+    with torch.no_grad():
+        for m in ours.modules():  # peft's scale is 8/4; the bare file carries no alpha
+            if hasattr(m, "lora_scale"):
+                m.lora_scale = 2.0
+    x, txt, mask, tau, grid = _inputs(torch.float32)
+    with torch.no_grad():
+        want = ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
+                   timestep=tau, img_shapes=[(1, *grid)] * 2, return_dict=False)[0]
+        got = ours(x, txt, mask, tau, grid, Runtime(mode="auto"))
+    rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert rel < 1e-5
+
+
+def test_save_load_roundtrip(tmp_path):
+    m = _model()
+    add_lora(m, rank=2, alpha=3, seed=5, init_b_std=0.1)
+    save_lora(m, tmp_path / "ad")
+    conf = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "LORA" and conf["r"] == 2 and conf["lora_alpha"] == 3
+    assert sorted(conf["target_modules"]) == sorted(LORA_TARGET_MODULES)
+    other = _model()
+    load_lora(other, tmp_path / "ad")
+    assert weight_digest(other) == weight_digest(m)
+    assert lora_record(other) == lora_record(m)
+
+
+def test_bad_lora_files_are_refused(tmp_path):
+    m = _model()
+    add_lora(m, rank=2, alpha=2, init_b_std=0.1)
+    save_lora(m, tmp_path / "ok")
+    sd = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
+    cases = {
+        "missing": {k: v for k, v in sd.items() if "blocks.1.attn.to_q" not in k},
+        "unexpected": {**sd, "transformer_blocks.0.attn.norm_q.lora_A.weight": torch.zeros(2, 16)},
+        "mis-shaped": {**sd, "transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 31)},
+        "non-finite": {**sd, "transformer_blocks.0.attn.to_q.lora_B.weight": torch.full((32, 2), float("nan"))},
+    }
+    for word, tensors in cases.items():
+        folder = tmp_path / word.replace(" ", "")
+        folder.mkdir()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text((tmp_path / "ok" / "adapter_config.json").read_text())
+        fresh = _model()
+        with pytest.raises(CheckpointError, match=word):
+            load_lora(fresh, folder)
+        assert not lora_parameters(fresh)  # nothing half-attached
+    save_file({"foo.weight": torch.zeros(2, 2)}, str(tmp_path / "alien.safetensors"))
+    with pytest.raises(CheckpointError, match="no key names a LoRA"):
+        load_lora(_model(), tmp_path / "alien.safetensors")
+    with pytest.raises(CheckpointError, match="no such LoRA weights file"):
+        load_lora(_model(), tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_zero_b_adapter_is_byte_identical_to_base(mode):
+    """peft's init (B = 0): W' = W, so every output byte equals the base model's."""
+    base, adapted = _model(), _model()
+    add_lora(adapted, rank=4, alpha=8)
+    x, txt, mask, tau, grid = _inputs(torch.bfloat16)
+    with torch.no_grad():
+        assert_same_bytes(adapted(x, txt, mask, tau, grid, Runtime(mode=mode)),
+                          base(x, txt, mask, tau, grid, Runtime(mode=mode)), f"{mode} v")
+
+
+def test_adapter_goes_through_the_merge_operator():
+    m = _model()
+    add_lora(m, rank=2, alpha=2, init_b_std=0.05)
+    rt = Runtime(mode="strict")
+    x, txt, mask, tau, grid = _inputs(torch.bfloat16)
+    with torch.no_grad():
+        m(x, txt, mask, tau, grid, rt)
+    merges = [r for r in rt.trace.rows() if r["op"] == "lora_merge"]
+    assert {(r["block"], r["stream"]) for r in merges} == {(b, s) for b in (0, 1) for s in ("img", "txt")}
+    assert sum(r["calls"] for r in merges) == len(LORA_TARGET_MODULES) * 2
+    assert all(r["contract"] == "drifttool.lora_merge.v1" and r["actual"] == "strict" for r in merges)
+
+
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_frozen_base_and_finite_nonzero_adapter_grads(mode):
+    m = _model()
+    add_lora(m, rank=4, alpha=8, init_b_std=0.05)
+    x, txt, mask, tau, grid = _inputs(torch.bfloat16)
+    v = m(x, txt, mask, tau, grid, Runtime(mode=mode))
+    (v.float() ** 2).mean().backward()
+    assert all(p.grad is None for p in base_parameters(m).values())
+    dead = [f"transformer_blocks.1.{t}." for t in DEAD_IN_LAST_BLOCK]
+    for name, p in lora_parameters(m).items():
+        if any(name.startswith(d) for d in dead):
+            assert p.grad is None or not bool(p.grad.any()), name
+            continue
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert bool(torch.isfinite(p.grad).all()) and bool(p.grad.any()), name
+
+
+def test_bad_config():
+    with pytest.raises(CheckpointError, match="unknown targets"):
+        add_lora(_model(), rank=2, alpha=2, targets=["attn.norm_q"])
+    with pytest.raises(CheckpointError, match="rank=0"):
+        add_lora(_model(), rank=0, alpha=2)
+    m = _model()
+    add_lora(m, rank=2, alpha=2)
+    with pytest.raises(CheckpointError, match="already"):
+        add_lora(m, rank=2, alpha=2)

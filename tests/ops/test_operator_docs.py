@@ -1,0 +1,24 @@
+"""The operator docs (docs/operators/) cover every RFC WS1 operator and their generated parts
+(index, facts blocks with contracts, kernels and tolerances) are up to date with the registry and
+references/tolerances.json. Regenerate with ``python -m drifttool.ops.docs``."""
+
+from drifttool.ops import docs
+from drifttool.ops.specs import WS1_OPERATORS
+
+SECTIONS = ("## Formula", "## Reduction order, forward (strict)", "## Reduction order, backward (strict)",
+            "## Precision and cast points", "## Supported geometry", "## What fails closed", "## Facts")
+
+
+def test_generated_operator_docs_are_up_to_date():
+    stale = [str(p.relative_to(docs.ROOT)) for p, text in docs.render().items()
+             if not p.exists() or p.read_text() != text]
+    assert not stale, f"stale generated docs (run `python -m drifttool.ops.docs`): {stale}"
+
+
+def test_every_operator_page_has_the_required_sections():
+    assert len(WS1_OPERATORS) == 22
+    for name in WS1_OPERATORS:
+        text = (docs.DOCS / f"{name}.md").read_text()
+        missing = [s for s in SECTIONS if s not in text]
+        assert not missing, f"docs/operators/{name}.md lacks {missing}"
+        assert f"qwenimage.{name}.v1" in text and "python -m pytest" in text, name

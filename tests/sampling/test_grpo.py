@@ -1,0 +1,42 @@
+"""The small Flow-GRPO loop (drifttool.sampling.grpo) on the tiny preset: strict/strict gives a
+ratio of exactly 1 and no clipping on the first inner epoch; a mismatched trainer does not."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from drifttool.sampling.grpo import GRPOConfig, group_advantages, grpo_loop, toy_reward
+
+
+def test_advantages_and_reward():
+    r = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 4.0])
+    adv = group_advantages(r, 2, clip=5.0)
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-3)
+    assert group_advantages(r * 100, 2, clip=0.5).abs().max() == 0.5
+    x = torch.zeros(2, 6, 64)
+    x[1, :, 0:4] = 1.0
+    assert toy_reward(x).tolist() == [0.0, 1.0]
+
+
+def test_strict_strict_first_epoch_ratio_is_exactly_one():
+    rows = grpo_loop(GRPOConfig(rollout_mode="strict", train_mode="strict", steps=2, inner_epochs=2,
+                                groups=1, train_micro_batch=None))
+    assert [(r["step"], r["epoch"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("reward_mean", "ratio_mean", "approx_kl", "kl", "loss"))
+        if r["epoch"] == 0:  # the parameters that sampled
+            assert r["ratio_exactly_one"] and r["ratio_min"] == r["ratio_max"] == 1.0
+            assert r["clip_fraction"] == 0.0 and r["approx_kl"] == 0.0 and r["kl"] == 0.0
+        else:  # after an AdamW step on the LoRA parameters the policy moved
+            assert not r["ratio_exactly_one"] and r["approx_kl"] > 0
+    assert rows[2]["reward_mean"] != rows[0]["reward_mean"]  # fresh samples, updated policy
+
+
+def test_mismatched_trainer_shows_ratio_drift_before_any_update():
+    rows = grpo_loop(GRPOConfig(rollout_mode="production", train_mode="strict", steps=1, inner_epochs=1,
+                                groups=1))
+    (r,) = rows
+    assert not r["ratio_exactly_one"] and r["kl"] > 0 and r["approx_kl"] > 0
+    assert 0.0 <= r["clip_fraction"] <= 1.0

@@ -1,0 +1,181 @@
+"""Training recompute (drifttool.sampling.train): strict/strict byte equality with the rollout for
+v_t and logp_t at every step and sample, the pinned policy, artifacts and the rollout↔train diff,
+and refusal of incomplete, tampered or foreign artifacts."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drifttool.artifact.reader import open_run
+from drifttool.diff.compare import diff_runs
+from drifttool.errors import ArtifactError, DriftToolError
+from drifttool.fixture import load_fixture
+from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
+from drifttool.model.config import tiny
+from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runner import DTYPES, RunSpec, build_inputs, execute, resolve, sampler_model
+from drifttool.runtime import Runtime
+from drifttool.sampling.rollout import SamplerConfig, recompute, rollout
+from drifttool.sampling.train import load_rollout, micro_batched, recompute_run
+from tests.conftest import assert_same_bytes
+
+
+@pytest.fixture(scope="module")
+def fixture_model():
+    fx, s = resolve(RunSpec())
+    return fx, load_checkpoint(fx.model_dir, dtype=DTYPES[s["dtype"]])
+
+
+# seeds × batch sizes 1 and 3 × prompt lengths (sample s uses prompt s % 4: lengths 7, 13, 5, 11)
+CASES = [
+    (386, [0], None),        # B=1, L=7
+    (11, [1], 1),            # B=1, L=13, trainer micro-batch 1
+    (386, [0, 1, 2], None),  # B=3, lengths 7, 13, 5
+    (5, [3, 2, 5], 1),       # B=3, lengths 11, 5, 13; trainer one sample per forward, trimmed
+]
+
+
+@pytest.mark.parametrize("seed,samples,micro", CASES, ids=[f"seed{c[0]}-s{'_'.join(map(str, c[1]))}-mb{c[2]}" for c in CASES])
+def test_strict_recompute_is_byte_equal_to_rollout(fixture_model, seed, samples, micro):
+    fx, model = fixture_model
+    _, s = resolve(RunSpec(seed=seed, samples=samples))
+    inputs, _ = build_inputs(fx, s, model.config.joint_attention_dim)
+    cfg = SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
+    traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
+    with torch.enable_grad():
+        re = recompute(micro_batched(sampler_model(model), micro), inputs, traj.latents, cfg,
+                       Runtime(mode="strict"), phase="train")
+    for i in range(cfg.num_steps):
+        for b in range(inputs.batch):
+            what = f"step {i} sample {samples[b]}"
+            assert_same_bytes(re.velocities[i, b], traj.velocities[i, b], f"v_t {what}")
+            assert_same_bytes(re.v_cond[i, b], traj.v_cond[i, b], f"v_cond {what}")
+            assert_same_bytes(re.v_uncond[i, b], traj.v_uncond[i, b], f"v_uncond {what}")
+            assert_same_bytes(re.mu[i, b], traj.mu[i, b], f"mu {what}")
+            if cfg.in_window(i):
+                assert_same_bytes(re.logp[i, b], traj.logp[i, b], f"logp_t {what}")
+            else:
+                assert torch.isnan(re.logp[i, b]) and torch.isnan(traj.logp[i, b])
+
+
+def test_timestep_policy_is_pinned(fixture_model):
+    """A trainer with another timestep encoding (numerics §5.2) drifts; the pinned one does not."""
+    fx, model = fixture_model
+    _, s = resolve(RunSpec())
+    inputs, _ = build_inputs(fx, s, 32)
+    cfg = SamplerConfig(num_steps=4, timestep_policy="pipeline_bf16")
+    traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
+    same = recompute(sampler_model(model), inputs, traj.latents, cfg, Runtime(mode="strict"))
+    other = recompute(sampler_model(model), inputs, traj.latents,
+                      SamplerConfig(num_steps=4, timestep_policy="t_div_1000_fp32"), Runtime(mode="strict"))
+    assert torch.equal(same.logp[:3].view(torch.int32), traj.logp[:3].view(torch.int32))
+    assert not torch.equal(other.velocities, traj.velocities)
+
+
+@pytest.fixture(scope="module")
+def strict_rollout(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "rollout"
+    execute(RunSpec(timestep_policy="pipeline_bf16", samples=[0, 2]), out)
+    return out
+
+
+def test_recompute_artifact_diffs_identical_and_pins_policy(strict_rollout, tmp_path):
+    summary = recompute_run(strict_rollout, tmp_path / "train")
+    assert summary["complete"] and summary["mode"] == "strict"
+    m = open_run(tmp_path / "train").manifest
+    assert m["kind"] == "recompute" and m["source"]["path"] == str(strict_rollout)
+    assert m["policy"]["timestep_policy"] == "pipeline_bf16"
+    assert m["policy"]["stored_latent_dtype"] == "float32"
+    assert m["policy"]["cfg_layout"] == "batched"
+    assert m["settings"]["timestep_policy"] == "pipeline_bf16"
+    steps = open_run(tmp_path / "train").steps_table()
+    assert set(steps.column("phase").to_pylist()) == {"train"}
+    report = diff_runs(open_run(strict_rollout), open_run(tmp_path / "train"))
+    assert report.verdict.value == "identical", report.reason
+    assert any("training recompute" in n for n in report.notes)
+    assert report.counts["steps"].matched == steps.num_rows
+
+
+def test_diff_names_first_drift_of_a_production_trainer(tmp_path):
+    """Production rollout, production trainer in its own layout (one sample per forward, prompts
+    trimmed): the diff names operator, block, step, sample and the first differing rows."""
+    execute(RunSpec(mode="auto", capture="L2"), tmp_path / "roll")
+    recompute_run(tmp_path / "roll", tmp_path / "train", micro_batch=1)
+    report = diff_runs(open_run(tmp_path / "roll"), open_run(tmp_path / "train"))
+    fd = report.first_drift
+    assert report.verdict.value == "drift" and fd is not None and fd.origin
+    assert (fd.phase, fd.step, fd.block, fd.op, fd.sample) == ("rollout", 0, 0, "joint_attention_fused", 0)
+    assert fd.rows is not None and fd.rows.n_differ > 0 and fd.rows.first
+    assert "joint_attention_fused" in report.reason
+
+
+def _rewrite_steps(run_dir, mutate):
+    path = run_dir / "steps.arrow"
+    table = pa.ipc.open_stream(open(path, "rb")).read_all()
+    rows = table.to_pylist()
+    mutate(rows)
+    new = pa.Table.from_pylist(rows, schema=table.schema)
+    with open(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(new)
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refuses_incomplete_and_tampered(strict_rollout, tmp_path):
+    execute(RunSpec(), tmp_path / "cut", max_steps=2)
+    with pytest.raises(ArtifactError, match="incomplete"):
+        load_rollout(tmp_path / "cut")
+
+    def flip(rows):  # one bit of one stored latent, digest left alone
+        r = next(r for r in rows if r["quantity"] == "x_t" and r["step"] == 2)
+        data = bytearray(r["data"])
+        data[5] ^= 1
+        r["data"] = bytes(data)
+
+    bad = _copy(strict_rollout, tmp_path / "flipped")
+    _rewrite_steps(bad, flip)
+    with pytest.raises(ArtifactError, match="tampered"):
+        recompute_run(bad, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+    def drop(rows):
+        rows[:] = [r for r in rows if not (r["quantity"] == "x_t" and r["step"] == 1 and r["branch"] == "cfg")]
+
+    gone = _copy(strict_rollout, tmp_path / "dropped")
+    _rewrite_steps(gone, drop)
+    with pytest.raises(ArtifactError, match="missing"):
+        load_rollout(gone)
+
+    swapped = _copy(strict_rollout, tmp_path / "inputs")
+    t = load_file(str(swapped / "inputs.safetensors"))
+    t["noise"] = t["noise"] * 1.0001
+    save_file(t, str(swapped / "inputs.safetensors"))
+    with pytest.raises(ArtifactError, match="noise"):
+        load_rollout(swapped, need_latents=False)
+
+    manifest = json.loads((strict_rollout / "manifest.json").read_text())
+    manifest["kind"] = "recompute"
+    foreign = _copy(strict_rollout, tmp_path / "kind")
+    (foreign / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not a rollout"):
+        load_rollout(foreign)
+
+
+def test_refuses_a_foreign_trainer_model(strict_rollout, tmp_path):
+    other = random_init_(MMDiT(tiny(), dtype=torch.bfloat16), seed=99)
+    save_checkpoint(other, tmp_path / "other")
+    with pytest.raises(DriftToolError, match="fingerprint differs.*weights"):
+        recompute_run(strict_rollout, tmp_path / "t", checkpoint=tmp_path / "other")
+    fp32 = load_checkpoint(load_fixture("tiny-t2i").model_dir, dtype=torch.float32)
+    with pytest.raises(DriftToolError, match="dtype"):
+        recompute_run(strict_rollout, tmp_path / "t2", model=fp32)
