@@ -70,6 +70,40 @@ def tree_sum_stack(parts: list[torch.Tensor]) -> torch.Tensor:
     return level[0]
 
 
+class TreeAccumulator:
+    """Streaming ``tree_sum_stack``: add equal-shape partials one at a time, in order; ``result``
+    returns the bytes ``tree_sum_stack(all partials)`` would (the same additions in the same
+    pairing: leaf i with leaf i xor 1, and so on up, zero leaves up to a power of two), while
+    holding at most log2(n) + 1 partials instead of n.
+
+        >>> acc = TreeAccumulator()
+        >>> for part in parts: acc.add(part)
+        >>> total = acc.result()      # == tree_sum_stack(parts), byte for byte
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, torch.Tensor]] = []
+        self._count = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        level = 0
+        while self._stack and self._stack[-1][0] == level:
+            _, left = self._stack.pop()
+            t = left + t
+            level += 1
+        self._stack.append((level, t))
+        self._count += 1
+
+    def result(self) -> torch.Tensor:
+        if not self._count:
+            raise ValueError("TreeAccumulator: nothing was added")
+        zero = torch.zeros_like(self._stack[0][1])
+        for _ in range(_next_pow2(self._count) - self._count):  # the zero padding of the tree
+            self.add(zero)
+        (_, total), = self._stack
+        return total
+
+
 def tree_mean(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``tree_sum(x, dim) / n`` (true division by the axis length)."""
     return tree_sum(x, dim) / x.shape[dim]
@@ -121,7 +155,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     * ``N·K ≤ EXACT_MAX_WEIGHT``: ``exact_matmul`` — portable bytes (the embedded tiny model).
     * otherwise: rows zero-padded to tiles of ``ROW_TILE``, K zero-padded to chunks of
       ``K_CHUNK``; per chunk one batched matmul with fixed member shape [16, 128] @ [128, N];
-      chunk partials summed by ``tree_sum_stack``. Bytes inside a member come from the BLAS
+      chunk partials summed by the ``tree_sum_stack`` tree (streamed with ``TreeAccumulator``,
+      so at most log2(chunks) + 1 partials are alive). Bytes inside a member come from the BLAS
       kernel: invariant on one machine and library build, pinned per hardware profile.
 
     Args:
@@ -142,11 +177,10 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
             w = torch.nn.functional.pad(w, (0, kp - k))
         xt = x2.view(-1, ROW_TILE, kp)  # [T, 16, Kp]
         wt = w.t()  # [Kp, N]
-        parts = [
-            torch.matmul(xt[:, :, c : c + K_CHUNK], wt[c : c + K_CHUNK])  # [T, 16, N]
-            for c in range(0, kp, K_CHUNK)
-        ]
-        y = tree_sum_stack(parts).reshape(-1, n)[:m]
+        acc = TreeAccumulator()  # = tree_sum_stack of the chunk partials, log2 of the memory
+        for c in range(0, kp, K_CHUNK):
+            acc.add(torch.matmul(xt[:, :, c : c + K_CHUNK], wt[c : c + K_CHUNK]))  # [T, 16, N]
+        y = acc.result().reshape(-1, n)[:m]
     if b is not None:
         y = y + b
     return y.reshape(*lead, n)

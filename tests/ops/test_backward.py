@@ -36,8 +36,7 @@ import torch
 import drifttool.ops  # noqa: F401
 import drifttool.ops.production  # noqa: F401
 from drifttool.ops.registry import implementation
-from drifttool.ops.strict.grad import TreeAccumulator
-from drifttool.ops.strict_math import tree_sum_stack
+from drifttool.ops.strict_math import TreeAccumulator, tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
 from tests.ops.test_reference_accuracy import (
@@ -608,7 +607,8 @@ def test_strict_backward_is_deterministic_and_leaves_forward_unchanged():
 # model level
 
 
-def test_strict_mmdit_backward_is_batch_and_padding_invariant():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_strict_mmdit_backward_is_batch_and_padding_invariant(dtype):
     """The tiny strict MMDiT (registry calls, runtime mode strict): backward runs, every
     parameter gradient is finite and some are non-zero, and each sample's input gradients
     (packed latents x, prompt embeddings on its valid rows) are byte-equal alone (unpadded, no
@@ -617,18 +617,18 @@ def test_strict_mmdit_backward_is_batch_and_padding_invariant():
     from drifttool.model.mmdit import MMDiT, random_init_
     from drifttool.runtime import Runtime
 
-    model = random_init_(MMDiT(tiny()), seed=1)
+    model = random_init_(MMDiT(tiny(), dtype=dtype), seed=1)
     cfg = model.config
     g = torch.Generator().manual_seed(31)
     h, w = 3, 4
     lens = [5, 9, 2]
     L = max(lens)
     B = len(lens)
-    x = _rn(g, B, h * w, cfg.in_channels)
-    txt = _rn(g, B, L, cfg.joint_attention_dim)
+    x = _rn(g, B, h * w, cfg.in_channels).to(dtype)
+    txt = _rn(g, B, L, cfg.joint_attention_dim).to(dtype)
     mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
     tau = torch.tensor([1.0, 0.5, 0.25])
-    gv = _rn(g, B, h * w, cfg.out_dim)
+    gv = _rn(g, B, h * w, cfg.out_dim).to(dtype)
 
     def grads(xb, tb, mb, taub, gvb):
         xb, tb = xb.clone().requires_grad_(True), tb.clone().requires_grad_(True)

@@ -2,7 +2,7 @@
 forward primitives (``tree_sum``, ``exact_matmul`` / ``tiled_linear``, exact-op transcendentals).
 
     >>> dx = linear_input_grad(dy, w)            # [..., N] @ [N, K] → [..., K], row-invariant
-    >>> dw = weight_grad(dy, x)                  # Σ over samples, then rows: [N, K]
+    >>> dw = weight_grad(dy, x)                  # per sample over its rows, then over samples: [N, K]
     >>> db = sample_sum(row_sum(dy))             # [N]
 
 Two kinds of gradient, two orders (docs/strict-arithmetic.md, "Backward"):
@@ -18,9 +18,11 @@ Two kinds of gradient, two orders (docs/strict-arithmetic.md, "Backward"):
   same for the same samples in the same order however the batch is split into aligned
   power-of-two microbatches that are then combined with ``tree_sum_stack`` (in particular, the
   per-sample partial of a sample does not depend on its companions), and trailing zero-gradient
-  rows (prompt padding) change nothing. They are *not* invariant to reordering the samples or the
-  rows within a sample: floating-point addition is not associative, and the order is the order
-  the rows are presented in (the model presents samples in ascending logical id).
+  rows (prompt padding) change nothing; swapping the aligned halves of any power-of-two block of
+  samples (a tree automorphism) changes nothing either. Other reorderings of the samples, or of
+  the rows within a sample, change the bytes: floating-point addition is not associative, and the
+  order is the order the rows are presented in (the model presents samples in ascending logical
+  id).
 
 All functions take and return FP32; callers cast each gradient once to its input's dtype.
 """
@@ -31,10 +33,10 @@ import math
 
 import torch
 
-from drifttool.ops.strict_math import (
+from drifttool.ops.strict_math import (  # noqa: F401  (TreeAccumulator re-exported)
     EXACT_MAX_WEIGHT,
     _EXACT_BLOCK,
-    _next_pow2,
+    TreeAccumulator,
     _pad_rows,
     exp64,
     pointwise32,
@@ -46,43 +48,7 @@ from drifttool.ops.strict_math import (
 GRAD_ROW_CHUNK = 128
 """Rows per fixed-shape matmul member of a tiled weight gradient ([N, 128] @ [128, K])."""
 
-WEIGHT_GRAD_KERNEL = "strict_wgrad[per-sample tree; exact if N*K<=65536 else mm.r128.tree]"
-
-
-# ----------------------------------------------------------------------------- pairwise trees
-
-
-class TreeAccumulator:
-    """Streaming ``tree_sum_stack``: add equal-shape partials one at a time, in order; ``result``
-    returns the bytes ``tree_sum_stack(all partials)`` would, while holding at most
-    log2(n) + 1 partials (a binary counter: leaf i is paired with leaf i xor 1, and so on up).
-
-        >>> acc = TreeAccumulator()
-        >>> for part in parts: acc.add(part)
-        >>> total = acc.result()      # == tree_sum_stack(parts), byte for byte
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, torch.Tensor]] = []
-        self._count = 0
-
-    def add(self, t: torch.Tensor) -> None:
-        level = 0
-        while self._stack and self._stack[-1][0] == level:
-            _, left = self._stack.pop()
-            t = left + t
-            level += 1
-        self._stack.append((level, t))
-        self._count += 1
-
-    def result(self) -> torch.Tensor:
-        if not self._count:
-            raise ValueError("TreeAccumulator: nothing was added")
-        zero = torch.zeros_like(self._stack[0][1])
-        for _ in range(_next_pow2(self._count) - self._count):  # the zero padding of the tree
-            self.add(zero)
-        (_, total), = self._stack
-        return total
+# ----------------------------------------------------------------------------- row and sample sums
 
 
 def sample_rows(t: torch.Tensor) -> torch.Tensor:
