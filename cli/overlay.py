@@ -26,6 +26,8 @@ def overlay(
 
     if len(runs) < 2:
         raise DriftToolError("give a baseline and at least one run to compare")
+    if out.is_dir() or out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise DriftToolError(f"-o {out}: give a figure file name ending in .png, .pdf or .svg")
     path, reports = draw(runs[0], runs[1:], out, title=title)
     for run, rep in zip(runs[1:], reports):
         console.print(f"{run}: {rep.verdict.value}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,7 @@ def probe(
                                               "(replaces the preset's model)."),
     list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
     heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
+    overwrite: bool = typer.Option(False, help="Replace an earlier probe matrix in OUT."),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
@@ -63,6 +65,7 @@ def probe(
             console.print(f"{p.name:28} {p.kind:11} {p.factor:28} {p.expect.describe()}{pend}",
                           highlight=False, markup=False)
         return
+    _prepare_out(out, overwrite)
     with console.status("probe matrix") as status:
         def progress(r):
             status.update(f"probe matrix: {r.name} {r.status}")
@@ -74,6 +77,27 @@ def probe(
     console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
                                                if drawn else ""), highlight=False)
     raise typer.Exit(matrix.exit_code)
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given;
+    then remove only what a probe matrix writes (runs/, heatmaps/, matrix.*)."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not out.is_dir():
+        raise DriftToolError(f"{out} exists and is not a directory")
+    if not (out / "matrix.json").exists():
+        raise DriftToolError(f"{out} is not empty and holds no probe matrix; choose another -o")
+    if not overwrite:
+        raise DriftToolError(f"{out} holds an earlier probe matrix (use --overwrite to replace it)")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in ("runs", "heatmaps", "matrix.json", "matrix.arrow"))
+    if foreign:
+        raise DriftToolError(f"{out}: refusing to overwrite: it also holds {', '.join(foreign[:5])}")
+    for name in ("runs", "heatmaps"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("matrix.json", "matrix.arrow"):
+        (out / name).unlink(missing_ok=True)
 
 
 def _heatmaps(matrix, out: Path) -> list[Path]:

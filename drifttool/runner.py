@@ -122,7 +122,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
     if s["capture"] not in ("L0", "L1", "L2"):
         raise DriftToolError(f"unknown capture level {s['capture']!r} (L0, L1, L2)")
-    s["checkpoint"] = str(spec.checkpoint) if spec.checkpoint else None
+    s["checkpoint"] = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None
     if spec.pad_prompts_to is not None:  # recorded only when set: the default manifest is unchanged
         s["pad_prompts_to"] = int(spec.pad_prompts_to)
     if spec.sample_labels is not None:
@@ -131,7 +131,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
             raise DriftToolError(f"sample_labels {s['sample_labels']} must name one id per sample "
                                  f"of {s['samples']}")
     if spec.lora is not None:  # recorded only when set
-        s["lora"] = str(spec.lora)
+        s["lora"] = str(Path(spec.lora).resolve())
     s["fixture"] = fx.name
     return fx, s
 

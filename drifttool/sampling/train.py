@@ -376,6 +376,13 @@ def _prepare(stored: StoredRollout, model, fixture, checkpoint, lora):
     return model
 
 
+def _refuse_same_dir(source: Any, out: str | Path) -> None:
+    """The output must never be the source artifact (``--overwrite`` would destroy it)."""
+    src = source.path if isinstance(source, StoredRollout) else source
+    if Path(src).resolve() == Path(out).resolve():
+        raise DriftToolError(f"{out}: the output directory is the source run itself; choose another -o")
+
+
 def recompute_run(
     source: str | Path | StoredRollout,
     out: str | Path,
@@ -413,6 +420,7 @@ def recompute_run(
         ArtifactError: the source is incomplete, tampered or unreadable; the output location.
         DriftToolError: fingerprint mismatch, bad mode or level, ``grad`` without an adapter.
     """
+    _refuse_same_dir(source, out)
     stored = source if isinstance(source, StoredRollout) else load_rollout(source)
     model = _prepare(stored, model, fixture, checkpoint, lora)
     try:
@@ -522,6 +530,7 @@ def replay_run(
     """
     from drifttool.runner import RunSpec, execute
 
+    _refuse_same_dir(source, out)
     stored = load_rollout(source, need_latents=False)
     if stored.manifest.get("variants"):
         raise DriftToolError(f"{stored.path}: the run replaced operators ({', '.join(stored.manifest['variants'])}); "

@@ -225,3 +225,24 @@ def test_version(cli):
 
     code, out = cli("--version")
     assert code == 0 and drifttool.__version__ in out
+
+
+def test_replay_and_recompute_refuse_to_overwrite_their_source(cli, tmp_path, strict_run):
+    src = tmp_path / "src"
+    shutil.copytree(strict_run, src)
+    before = (src / "manifest.json").read_text()
+    for cmd in ("replay", "recompute"):
+        _assert_clean_error(*cli(cmd, src, "-o", tmp_path / "x" / ".." / "src", "--overwrite"), "source run")
+    assert (src / "manifest.json").read_text() == before
+
+
+def test_probe_output_dir_is_not_clobbered(cli, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    _assert_clean_error(*cli("probe", "--only", "repeat", "-o", mine), "no probe matrix")
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
+def test_overlay_needs_a_figure_name(cli, tmp_path, strict_run):
+    _assert_clean_error(*cli("overlay", strict_run, strict_run, "-o", tmp_path / "fig.txt"), ".png")
