@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import xxhash
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
@@ -34,6 +35,7 @@ from drifttool.diff.align import TableDiff, compare_table
 from drifttool.diff.context import context, incomparable
 from drifttool.diff.report import DiffReport, FirstDrift, RowDrift, RowRef, Verdict
 from drifttool.diff.steps import step_drifts
+from drifttool.errors import ArtifactError
 
 FIRST_ROWS = 8  # differing rows named in the report
 
@@ -107,6 +109,24 @@ def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: boo
         col = pc.if_else(pc.equal(t["phase"], old), pa.scalar(new), t["phase"])
         t = t.set_column(t.column_names.index("phase"), "phase", col)
     return t
+
+
+def check_step_bytes(run: Run) -> None:
+    """Re-hash every step record's stored bytes against its digest (the diff compares digests;
+    this makes sure they still describe the bytes).
+
+    Raises:
+        ArtifactError: a record whose bytes do not match its digest (tampered or corrupt).
+    """
+    t = run.steps_table().select(["step", "sample", "branch", "quantity", "dtype", "shape",
+                                  "digest", "data"])
+    for r in t.to_pylist():
+        h = xxhash.xxh3_64(f"{r['dtype']}|{','.join(map(str, r['shape']))}|".encode())
+        h.update(r["data"])
+        if h.intdigest() != r["digest"]:
+            raise ArtifactError(
+                f"{run.path}/steps.arrow: the bytes of step {r['step']} sample {r['sample']} "
+                f"{r['branch']} {r['quantity']} do not match their digest (tampered or corrupt)")
 
 
 def _compare_tables(run_a: Run, run_b: Run, level: str,
@@ -225,6 +245,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     if report.incomparable:
         report.reason = "cannot align: " + "; ".join(report.incomparable[:3])
         return report
+    check_step_bytes(run_a)
+    check_step_bytes(run_b)
     report.context = context(run_a, run_b)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None

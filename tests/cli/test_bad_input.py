@@ -246,3 +246,23 @@ def test_probe_output_dir_is_not_clobbered(cli, tmp_path):
 
 def test_overlay_needs_a_figure_name(cli, tmp_path, strict_run):
     _assert_clean_error(*cli("overlay", strict_run, strict_run, "-o", tmp_path / "fig.txt"), ".png")
+
+
+def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, strict_run):
+    import pyarrow as pa
+
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    with pa.OSFile(str(bad / "steps.arrow")) as f:
+        reader = pa.ipc.open_stream(f)
+        schema, table = reader.schema, reader.read_all()
+    data = table.column("data").to_pylist()
+    b = bytearray(data[3])
+    b[0] ^= 1  # one bit of one latent, digest left as it was
+    data[3] = bytes(b)
+    cols = {n: table.column(n) for n in schema.names}
+    cols["data"] = pa.array(data, type=schema.field("data").type)
+    table = pa.Table.from_arrays([cols[n] for n in schema.names], schema=schema)
+    with pa.OSFile(str(bad / "steps.arrow"), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+        w.write_table(table)
+    _assert_clean_error(*cli("diff", strict_run, bad), "do not match their digest")
