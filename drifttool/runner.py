@@ -219,7 +219,7 @@ def replay_tensors(inputs: RolloutInputs) -> dict[str, torch.Tensor]:
     return t
 
 
-def _close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: ArtifactWriter) -> None:
+def close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: ArtifactWriter) -> None:
     """Flush what finished, keep the trace so far, and mark the artifact incomplete — never
     masking the run's own exception."""
     try:
@@ -319,7 +319,7 @@ def execute(
         if mode is Mode.STRICT:
             rt.trace.check_strict()
     except BaseException:
-        _close_incomplete(rt, recorder, writer)
+        close_incomplete(rt, recorder, writer)
         raise
     done = traj.complete
     if recorder is not None:

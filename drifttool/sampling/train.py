@@ -48,6 +48,9 @@ from drifttool.fingerprint import arch_fingerprint
 from drifttool.model.checkpoint import load_checkpoint, weight_digest
 from drifttool.model.lora import capture_lora_grads, has_lora, load_lora, lora_parameters, lora_record
 from drifttool.ops.registry import implementation
+from drifttool.runner import (
+    DTYPES, RunSpec, close_incomplete, execute, replay_tensors, sampler_model, tensor_digest,
+)
 from drifttool.runtime import Mode, Runtime
 from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, StepOutput, recompute
 
@@ -248,7 +251,6 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
         DriftToolError: the fixture or checkpoint cannot be loaded.
     """
     from drifttool.fixture import load_fixture
-    from drifttool.runner import DTYPES
 
     s = stored.settings
     ckpt = checkpoint or s.get("checkpoint")
@@ -437,7 +439,6 @@ def recompute_run(
     h, w = stored.inputs.img_grid
     sig = implementation("flow_sigma_table", "strict")(sampler.num_steps, sampler.image_seq_len or h * w)
     from drifttool.ops.scheduler import timestep_input
-    from drifttool.runner import replay_tensors, sampler_model, tensor_digest
 
     tau = timestep_input(sig[:-1], sampler.timestep_policy)
     fingerprint = arch_fingerprint(
@@ -490,9 +491,7 @@ def recompute_run(
         if m is Mode.STRICT:
             rt.trace.check_strict()
     except BaseException:
-        from drifttool.runner import _close_incomplete
-
-        _close_incomplete(rt, recorder, writer)
+        close_incomplete(rt, recorder, writer)
         raise
     finally:
         model.gradient_checkpointing = False
@@ -528,7 +527,6 @@ def replay_run(
         ArtifactError: no or tampered replay inputs, unreadable manifest.
         DriftToolError: fingerprint mismatch, bad settings.
     """
-    from drifttool.runner import RunSpec, execute
 
     _refuse_same_dir(source, out)
     stored = load_rollout(source, need_latents=False)
