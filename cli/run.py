@@ -11,7 +11,6 @@ from rich.table import Table
 
 from drifttool.cli._console import console, err
 from drifttool.errors import DriftToolError
-from drifttool.runner import RunSpec, execute, resolve
 
 
 
@@ -45,6 +44,8 @@ def run(
 
     With no model arguments it runs the embedded default fixture (tiny-t2i).
     """
+    from drifttool.runner import RunSpec, execute, resolve  # torch: here, so --help stays light
+
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,

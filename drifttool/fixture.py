@@ -22,14 +22,15 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from drifttool.errors import FixtureError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_FIXTURE = "tiny-t2i"
 SEAL = "seal.json"
@@ -93,6 +94,9 @@ class Fixture:
         When ``joint_dim`` differs from the stored embeddings (an external checkpoint), seeded
         N(0, 1) embeddings of the same lengths are drawn instead (recorded by the caller).
         """
+        import torch  # here, not at the top: the seal check runs without torch
+        from safetensors.torch import load_file
+
         try:
             t = load_file(str(self.path / "prompts.safetensors"))
         except (SafetensorError, OSError) as e:

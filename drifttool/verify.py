@@ -16,7 +16,6 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
 from drifttool.fixture import DEFAULT_FIXTURE, check_seal, load_fixture
-from drifttool.runner import RunSpec, execute
 
 
 @dataclass
@@ -36,6 +35,8 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     """
     fx = load_fixture(name_or_path or DEFAULT_FIXTURE)
     digest = check_seal(fx.path)
+    from drifttool.runner import RunSpec, execute  # torch: only once the seal holds
+
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
     run_dir = work / "replay"
     execute(RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict")), run_dir, overwrite=True)

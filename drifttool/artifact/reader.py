@@ -18,15 +18,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from drifttool.artifact import schema as S
+from drifttool.artifact.raw import RawTensor, read_raw
 from drifttool.errors import ArtifactError
+
+if TYPE_CHECKING:
+    import torch
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # IPC end-of-stream marker written by close()
 
@@ -220,6 +222,8 @@ class Run:
         Raises:
             ArtifactError: ``inputs.safetensors`` is corrupt.
         """
+        from safetensors.torch import load_file  # torch only here: diff and trace run without it
+
         names = self._listed("inputs")
         if not names:
             return {}
@@ -227,6 +231,16 @@ class Run:
             return load_file(str(self.path / names[0]))
         except (SafetensorError, OSError, ValueError) as e:
             raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors ({e})") from None
+
+    def raw_inputs(self) -> dict[str, RawTensor]:
+        """The replay inputs as dtype + bytes, read without torch (``drifttool.artifact.raw``);
+        ``{}`` if none were written.
+
+        Raises:
+            ArtifactError: ``inputs.safetensors`` is corrupt.
+        """
+        names = self._listed("inputs")
+        return read_raw(self.path / names[0]) if names else {}
 
     def check(self) -> list[str]:
         """Read every Arrow file once; return ``problems`` (raises as the readers do)."""

@@ -28,9 +28,10 @@ taken along the first ``S`` axis; ``RowMap`` maps a row back to ("txt", position
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TAGS = frozenset("BSK.")
 
@@ -117,6 +118,8 @@ def _take(t: torch.Tensor, axis: int, segs: list[tuple[int, int]]) -> torch.Tens
     if len(segs) == 1:
         a, b = segs[0]
         return t if (a, b) == (0, t.shape[axis]) else t.narrow(axis, a, b - a)
+    import torch  # here, not at the top: row_id serves the torch-free diff
+
     return torch.cat([t.narrow(axis, a, b - a) for a, b in segs], dim=axis)
 
 

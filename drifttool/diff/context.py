@@ -15,11 +15,14 @@ first in the report, and the runs are still diffed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from drifttool.artifact import schema as S
+from drifttool.artifact.raw import RawTensor
 from drifttool.artifact.reader import Run
-from drifttool.capture.digest import digest
 
 MAX_LISTED = 20  # context lines per kind (fingerprint, inputs)
 MAX_TRACE = 6  # trace sites listed (a mode change makes every site differ)
@@ -81,7 +84,7 @@ def context(run_a: Run, run_b: Run) -> list[str]:
                            {k: v for k, v in fb.items() if k != "arch"}, "fingerprint")
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
-    inputs = _input_differences(run_a.inputs(), run_b.inputs())
+    inputs = _input_differences(run_a.raw_inputs(), run_b.raw_inputs())
     trace = _trace_differences(run_a, run_b)
     return _capped(out, MAX_LISTED) + _capped(inputs, MAX_LISTED) + _capped(trace, MAX_TRACE)
 
@@ -89,35 +92,34 @@ def context(run_a: Run, run_b: Run) -> list[str]:
 _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg_mask": 0}
 
 
-def _per_sample(t: dict, key: str, sid: int, mask_key: str | None):
+def _per_sample(t: dict[str, RawTensor], key: str, sid: int, mask_key: str | None) -> RawTensor:
     """Sample ``sid``'s slice of replay input ``key``, prompt padding removed."""
-    ids = t["sample_ids"].tolist()
-    x = t[key].select(_SAMPLE_AXIS[key], ids.index(sid))
+    ids = t["sample_ids"].array.tolist()
+    x = np.take(t[key].array, ids.index(sid), axis=_SAMPLE_AXIS[key])
     if mask_key and mask_key in t:
-        x = x[: int(t[mask_key][ids.index(sid)].sum())]
-    return x
+        x = x[: int(t[mask_key].array[ids.index(sid)].sum())]
+    return replace(t[key], array=x)
 
 
-def _input_differences(ia: dict, ib: dict) -> list[str]:
+def _input_differences(ia: dict[str, RawTensor], ib: dict[str, RawTensor]) -> list[str]:
     """Replay inputs that differ. When the runs hold different batches of logical samples, the
     batched inputs are compared per common sample (prompt padding removed)."""
     out = [f"inputs.{k}: only in run {'A' if k in ia else 'B'}" for k in sorted(set(ia) ^ set(ib))]
     keys = sorted(set(ia) & set(ib))
-    ids_a = ia["sample_ids"].tolist() if "sample_ids" in ia else None
-    ids_b = ib["sample_ids"].tolist() if "sample_ids" in ib else None
+    ids_a = ia["sample_ids"].array.tolist() if "sample_ids" in ia else None
+    ids_b = ib["sample_ids"].array.tolist() if "sample_ids" in ib else None
     if ids_a is None or ids_b is None or ids_a == ids_b:
         return out + [f"inputs.{k}: differs (dtype, shape or bytes)" for k in keys
-                      if digest(ia[k]) != digest(ib[k])]
+                      if ia[k].digest() != ib[k].digest()]
     common = sorted(set(ids_a) & set(ids_b))
     for k in keys:
         if k not in _SAMPLE_AXIS:
-            if k != "sample_ids" and digest(ia[k]) != digest(ib[k]):
+            if k != "sample_ids" and ia[k].digest() != ib[k].digest():
                 out.append(f"inputs.{k}: differs (dtype, shape or bytes)")
             continue
         mask = {"txt": "txt_mask", "neg_txt": "neg_mask"}.get(k)
         bad = [sid for sid in common
-               if digest(_per_sample(ia, k, sid, mask).contiguous())
-               != digest(_per_sample(ib, k, sid, mask).contiguous())]
+               if _per_sample(ia, k, sid, mask).digest() != _per_sample(ib, k, sid, mask).digest()]
         if bad:
             out.append(f"inputs.{k}: differs for common samples {bad}")
     return out

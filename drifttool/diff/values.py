@@ -21,9 +21,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
-
-from drifttool.capture.digest import dtype_from_name
 
 _NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
@@ -39,7 +36,11 @@ def values(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
         x = bits.view(np.float32)
     elif dtype in _NUMPY:
         x = np.frombuffer(data, _NUMPY[dtype])
-    else:  # fp8 and other torch-only dtypes
+    else:  # fp8 and other torch-only dtypes (torch imported only for them: diff runs without it)
+        import torch
+
+        from drifttool.capture.digest import dtype_from_name
+
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype_from_name(dtype))
         x = t.to(torch.float64).numpy()
     wide = np.complex128 if np.iscomplexobj(x) else np.float64

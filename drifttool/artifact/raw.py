@@ -1,0 +1,72 @@
+"""The tensors of a safetensors file as dtype name + numpy array of their bytes, read without torch.
+
+    >>> t = read_raw("runs/a/inputs.safetensors")["noise"]
+    >>> t.dtype, t.array.shape, t.array.dtype, hex(t.digest())
+    ('float32', (4, 2, 24, 64), dtype('float32'), '0x…')
+
+What the diff needs of the replay inputs (``drifttool.diff.context``) is their identity, not their
+values, so it reads them with ``safetensors.deserialize`` (raw little-endian row-major bytes,
+the safetensors format) instead of importing torch (seconds of the diff's wall time).
+``RawTensor.digest`` is the identity of ``drifttool.capture.digest.digest`` —
+``xxh3_64(b"<dtype>|<d0,d1,…>|" + bytes)`` with torch's dtype spelling — so the same tensor
+digests the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+from safetensors import SafetensorError, deserialize
+
+from drifttool.errors import ArtifactError
+
+# safetensors dtype code -> (torch's spelling as stored in artifacts, numpy dtype of the elements
+# or, where numpy has none, an unsigned integer of the same width that holds their bits)
+_DTYPES = {
+    "BOOL": ("bool", np.bool_), "U8": ("uint8", np.uint8), "I8": ("int8", np.int8),
+    "I16": ("int16", np.int16), "U16": ("uint16", np.uint16), "I32": ("int32", np.int32),
+    "U32": ("uint32", np.uint32), "I64": ("int64", np.int64), "U64": ("uint64", np.uint64),
+    "F16": ("float16", np.float16), "F32": ("float32", np.float32), "F64": ("float64", np.float64),
+    "C64": ("complex64", np.complex64), "BF16": ("bfloat16", np.uint16),
+    "F8_E4M3": ("float8_e4m3fn", np.uint8), "F8_E5M2": ("float8_e5m2", np.uint8),
+}
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor: ``dtype`` in torch's spelling (``"bfloat16"``), ``array`` its elements with
+    that shape (bf16 and fp8 as ``uint16``/``uint8`` holding their bits)."""
+
+    dtype: str
+    array: np.ndarray
+
+    def digest(self) -> int:
+        """xxh3_64 of dtype, shape and bytes (``drifttool.capture.digest.digest``'s identity)."""
+        h = xxhash.xxh3_64(f"{self.dtype}|{','.join(map(str, self.array.shape))}|".encode())
+        h.update(np.ascontiguousarray(self.array).tobytes())
+        return h.intdigest()
+
+
+def read_raw(path: str | os.PathLike) -> dict[str, RawTensor]:
+    """Every tensor of the safetensors file at ``path``, by name.
+
+    Raises:
+        ArtifactError: unreadable or corrupt file, or a dtype this reader does not know.
+    """
+    try:
+        with open(path, "rb") as f:
+            entries = deserialize(f.read())
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{path}: corrupt safetensors ({e})") from None
+    out = {}
+    for name, e in entries:
+        if e["dtype"] not in _DTYPES:
+            raise ArtifactError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which this "
+                                f"reader does not support (supports {sorted(_DTYPES)})")
+        dtype, np_dtype = _DTYPES[e["dtype"]]
+        out[name] = RawTensor(dtype, np.frombuffer(e["data"], np.dtype(np_dtype).newbyteorder("<"))
+                              .reshape(e["shape"]))
+    return out

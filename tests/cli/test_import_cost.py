@@ -1,0 +1,76 @@
+"""The commands people run most never import torch (seconds of import for a 0.1 s job):
+``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``.
+
+Each command runs in a fresh interpreter through the console script's entry point
+(``drifttool.cli.app:main``), which then reports whether ``torch`` is in ``sys.modules``.
+The wall time against ``import pyarrow, numpy`` is measured by ``benchmarks/bench_cli.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from drifttool.fixture import locate
+
+_CLI = """
+import sys
+from drifttool.cli.app import main
+sys.argv = ["drifttool", *sys.argv[1:]]
+try:
+    main()
+    code = 0
+except SystemExit as e:
+    code = e.code
+print(f"torch imported: {'torch' in sys.modules}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def drifttool(*args, cwd) -> tuple[int, str, str]:
+    """Run ``drifttool ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
+    r = subprocess.run([sys.executable, "-c", _CLI, *map(str, args)], cwd=cwd,
+                       capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """A production-mode (auto) run of the embedded default: drifts from the strict one."""
+    from drifttool.runner import RunSpec, execute
+
+    out = tmp_path_factory.mktemp("runs") / "auto"
+    execute(RunSpec(mode="auto"), out)
+    return out
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0),
+    (["diff", "--help"], 0),
+    (["diff", "{a}", "{b}"], 1),
+    (["diff", "{a}", "{a}", "--json"], 0),
+    (["trace", "{a}"], 0),
+    (["overlay", "{a}", "{b}", "-o", "{tmp}/overlay.png"], 0),
+], ids=["help", "diff-help", "diff-drift", "diff-identical-json", "trace", "overlay"])
+def test_command_does_not_import_torch(args, code, strict_run, auto_run, tmp_path):
+    argv = [a.format(a=strict_run, b=auto_run, tmp=tmp_path) for a in args]
+    rc, out, err = drifttool(*argv, cwd=tmp_path)
+    assert rc == code, out + err
+    assert "torch imported: False" in err, err[-2000:]
+
+
+def test_fixture_seal_check_does_not_import_torch(tmp_path):
+    """A tampered fixture is refused by its seal, one line, exit 2, before torch is loaded."""
+    fx = tmp_path / "fx"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta["settings"]["eta"] = 1.0
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    rc, out, err = drifttool("fixture", "verify", fx, cwd=tmp_path)
+    assert rc == 2 and "seal check failed: modified fixture.json" in err, out + err
+    assert "Traceback" not in err
+    assert "torch imported: False" in err, err[-2000:]
