@@ -7,11 +7,6 @@ from pathlib import Path
 import typer
 
 from drifttool.cli._console import console, tolerate_closed_stdout
-from drifttool.artifact.reader import open_run
-from drifttool.diff.compare import diff_runs
-from drifttool.diff.report import exit_code
-from drifttool.diff.render import render
-
 
 
 def diff(
@@ -23,6 +18,11 @@ def diff(
 
     Exit 0 identical, 1 drift, 2 incomparable, inconclusive or error.
     """
+    from drifttool.artifact.reader import open_run  # here: `drifttool --help` needs no pyarrow
+    from drifttool.diff.compare import diff_runs
+    from drifttool.diff.render import render
+    from drifttool.diff.report import exit_code
+
     report = diff_runs(open_run(run_a), open_run(run_b))
     with tolerate_closed_stdout():
         if as_json:

@@ -9,8 +9,6 @@ from typing import Optional
 import typer
 
 from drifttool.cli._console import console
-from drifttool.diff.render import render
-from drifttool.diff.report import exit_code
 
 app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
 
@@ -22,7 +20,9 @@ def verify(
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests."""
     from drifttool.cli.app import user_errors
-    from drifttool.verify import verify_fixture
+    from drifttool.diff.render import render
+    from drifttool.diff.report import exit_code
+    from drifttool.verify import verify_fixture  # torch only once the seal holds
 
     result = user_errors(verify_fixture)(fixture, workdir)
     code = exit_code(result.report.verdict)

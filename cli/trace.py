@@ -8,8 +8,6 @@ import typer
 from rich.table import Table
 
 from drifttool.cli._console import console
-from drifttool.artifact.reader import open_run
-
 
 
 def trace(
@@ -17,6 +15,8 @@ def trace(
     fallbacks_only: bool = typer.Option(False, "--fallbacks", help="Show only call sites that fell back."),
 ) -> None:
     """Show every call site: requested and actual backend, kernel, contract, fallback."""
+    from drifttool.artifact.reader import open_run  # here: `drifttool --help` needs no pyarrow
+
     run = open_run(run_dir)
     rows = sorted(run.trace_rows(), key=lambda r: (r["block"], r["stream"], r["op"], r["call"]))
     if fallbacks_only:

@@ -1,5 +1,6 @@
 """The commands people run most never import torch (seconds of import for a 0.1 s job):
-``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``.
+``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``; ``--help``
+does not import pyarrow either.
 
 Each command runs in a fresh interpreter through the console script's entry point
 (``drifttool.cli.app:main``), which then reports whether ``torch`` is in ``sys.modules``.
@@ -27,6 +28,7 @@ try:
 except SystemExit as e:
     code = e.code
 print(f"torch imported: {'torch' in sys.modules}", file=sys.stderr)
+print(f"pyarrow imported: {'pyarrow' in sys.modules}", file=sys.stderr)
 sys.exit(code)
 """
 
@@ -61,6 +63,8 @@ def test_command_does_not_import_torch(args, code, strict_run, auto_run, tmp_pat
     rc, out, err = drifttool(*argv, cwd=tmp_path)
     assert rc == code, out + err
     assert "torch imported: False" in err, err[-2000:]
+    if "--help" in args:  # help text needs no artifact reader either
+        assert "pyarrow imported: False" in err, err[-2000:]
 
 
 def test_fixture_seal_check_does_not_import_torch(tmp_path):
