@@ -1,0 +1,110 @@
+"""CLI start-up benchmark: the commands people run most, against ``python -c "import pyarrow, numpy"``.
+
+    $ python benchmarks/bench_cli.py [--repeat 11] [--runs A B]
+    command                              median s  min s   ratio vs import pyarrow, numpy  bar ≤ 3×
+    python -c "import pyarrow, numpy"     0.30     0.27    1.00                            -
+    drifttool diff A B   (drift, exit 1)  0.80     0.71    2.6                             pass
+    ...
+
+Every command runs as a fresh process (what a user's shell does), the cases interleaved round by
+round so that a busy machine slows them alike; medians, minima and each median's ratio to the
+baseline's median are printed. ``drifttool`` is the console script next to this Python (the
+installed entry point). A and B are two tiny runs of the embedded default, strict and auto
+(built first with ``drifttool run`` unless ``--runs`` names existing ones). Bar (issue #8,
+item 6): ``drifttool diff`` of two tiny runs within 3× the baseline, which requires that it never
+imports torch (``tests/cli/test_import_cost.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+BAR = 3.0
+BASELINE = "python -c \"import pyarrow, numpy\""
+
+
+def _drifttool() -> list[str]:
+    script = Path(sys.executable).parent / "drifttool"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "drifttool.cli.app"]
+
+
+def cases(a: Path, b: Path) -> list[tuple[str, list[str], int, bool]]:
+    """``(label, argv, expected exit code, held to the bar)`` for each timed command."""
+    dt = _drifttool()
+    return [
+        (BASELINE, [sys.executable, "-c", "import pyarrow, numpy"], 0, False),
+        ("drifttool diff A B   (drift)", [*dt, "diff", str(a), str(b)], 1, True),
+        ("drifttool diff A A   (identical)", [*dt, "diff", str(a), str(a)], 0, True),
+        ("drifttool trace A", [*dt, "trace", str(a)], 0, False),
+        ("drifttool --help", [*dt, "--help"], 0, False),
+    ]
+
+
+def timed(argv: list[str], code: int) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    dt = time.perf_counter() - t0
+    if r.returncode != code:
+        raise SystemExit(f"{' '.join(argv)}: exit {r.returncode}, expected {code}\n"
+                         f"{r.stderr.decode()[-2000:]}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=11, help="rounds (each case once per round)")
+    ap.add_argument("--runs", nargs=2, type=Path, metavar=("A", "B"),
+                    help="existing runs: A strict, B drifting from A (default: build both)")
+    args = ap.parse_args()
+
+    if args.runs:
+        a, b = args.runs
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="drifttool-bench-cli-"))
+        a, b = tmp / "a", tmp / "b"
+        for out, mode in ((a, "strict"), (b, "auto")):
+            subprocess.run([*_drifttool(), "run", "--mode", mode, "-o", str(out)], check=True,
+                           stdout=subprocess.DEVNULL)
+    todo = cases(a, b)
+    times: dict[str, list[float]] = {label: [] for label, *_ in todo}
+    for _ in range(args.repeat):
+        for label, argv, code, _bar in todo:
+            times[label].append(timed(argv, code))
+
+    from rich.console import Console
+    from rich.table import Table
+
+    base = statistics.median(times[BASELINE])
+    table = Table(title=f"CLI wall time, fresh process each, {args.repeat} interleaved rounds")
+    for col in ("command", "median s", "min s", f"ratio vs {BASELINE}", f"bar ≤ {BAR:g}×"):
+        table.add_column(col)
+    failed = False
+    for label, _argv, _code, bar in todo:
+        med = statistics.median(times[label])
+        ok = med <= BAR * base
+        failed |= bar and not ok
+        table.add_row(label, f"{med:.3f}", f"{min(times[label]):.3f}", f"{med / base:.2f}",
+                      ("pass" if ok else "FAIL") if bar else "-")
+    console = Console(width=140)
+    console.print(table)
+    try:
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "n/a"
+    console.print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+                  + ", ".join(f"{p} {metadata.version(p)}" for p in ("pyarrow", "numpy", "typer", "rich"))
+                  + f"; load average {load}; {datetime.date.today()}", highlight=False)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
