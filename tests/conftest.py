@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on it).
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
+# it). Under pytest-xdist every worker already has a core of its own: one thread each.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

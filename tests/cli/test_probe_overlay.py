@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from drifttool.probes.spec import Expectation
 from drifttool.probes.variants import GeluExact
 from drifttool.runner import RunSpec, execute
 
 
+@pytest.mark.slow  # a baseline and three probes through the CLI (30 s): .ci/run's slow step
 def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
     code, out = cli("probe", "--list", "-o", tmp_path / "x")
     assert code == 0 and "rope_rotate_half" in out and "gradient_checkpointing" in out

@@ -76,6 +76,7 @@ def test_attention_invariant_to_padding_and_batch(seed, lens, pad, n_img, dtype)
         assert_same_bytes(fused[i : i + 1, keep], alone, f"sample {i} len {n} pad to {lmax}")
 
 
+@pytest.mark.slow  # 15–150 s on 2 cores: run by .ci/run's slow step
 @pytest.mark.parametrize("n_img", [6889])
 def test_attention_rows_6889_tokens(n_img):
     """The 1328² token count (not a multiple of any tile): first rows equal with and without

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from drifttool.diff.report import DiffReport
 from drifttool.fixture import load_fixture
 from drifttool.probes.catalog import probe
 from drifttool.probes.runner import ERROR, FINDING, Matrix, judge, run_probe
 from drifttool.probes.spec import Expectation
 from drifttool.runner import RunSpec
+
+# The whole tiny probe matrix (one session fixture, 1–3 min on 2 cores): .ci/run's slow step.
+pytestmark = pytest.mark.slow
 
 FIXTURE_MODEL = load_fixture("tiny-t2i").model_dir
 

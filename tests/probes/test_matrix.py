@@ -10,6 +10,9 @@ import pytest
 from drifttool.probes.catalog import catalog
 from drifttool.probes.matrix import MATRIX_SCHEMA, read_matrix
 
+# The whole tiny probe matrix (one session fixture, 1–3 min on 2 cores): .ci/run's slow step.
+pytestmark = pytest.mark.slow
+
 CATALOG = catalog()
 MISMATCH = [p for p in CATALOG if p.kind == "mismatch" and not p.pending]
 INVARIANT = [p for p in CATALOG if p.kind == "invariant" and not p.pending]
