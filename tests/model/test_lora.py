@@ -10,17 +10,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drifttool.errors import CheckpointError
-from drifttool.model.checkpoint import LORA_TARGET_MODULES, weight_digest
+from drifttool.model.checkpoint import weight_digest
 from drifttool.model.config import tiny
 from drifttool.model.lora import (
+    LORA_TARGET_MODULES,
     add_lora,
     base_parameters,
     load_lora,
     lora_parameters,
     lora_record,
-    read_lora,
     save_lora,
 )
+from drifttool.model.lora_formats import read_adapter
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes
@@ -94,8 +95,8 @@ def test_peft_adapter_loads_and_matches_diffusers_forward(tmp_path):
     base = {k.replace(".base_layer.", "."): v for k, v in base.items()}
     ours = MMDiT(tiny(), dtype=torch.float32)
     load_state_dict_into(ours, base)
-    tensors, conf = read_lora(adapter)
-    assert conf["r"] == 4 and conf["lora_alpha"] == 4  # no config: alpha defaults to r
+    _, conf = read_adapter(adapter)
+    assert conf.r == 4 and conf.lora_alpha == 4  # no config: alpha defaults to r
     load_lora(ours, adapter)
     with torch.no_grad():
         for m in ours.modules():  # peft's scale is 8/4; the bare file carries no alpha
