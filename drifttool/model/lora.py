@@ -332,7 +332,8 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True) -> dict[str,
                 (f"mis-shaped keys ({len(misshaped)}): ", misshaped),
                 (f"non-float or non-finite tensors ({len(bad)}): ", bad),
                 (f"scale (alpha/r) differs from the model's ({len(rescaled)}): ", rescaled)]
-    lines = [head + "; ".join(keys[:8]) + (" ..." if len(keys) > 8 else "") for head, keys in problems if keys]
+    lines = [head + "; ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
+             for head, keys in problems if keys]
     if lines:
         if fresh:
             remove_lora(model)

@@ -1,24 +1,23 @@
 """LoRA adapter files exactly as peft and diffusers write them: one reader, one writer.
 
-    >>> tensors, cfg = read_adapter("adapter/")   # {"transformer_blocks.0.attn.to_q.lora_A.weight": [r, in], ...}
+    >>> tensors, cfg = read_adapter("adapter/")   # {"<module>.lora_A.weight": [r, in], ...}
     >>> cfg.scale("transformer_blocks.0.attn.to_q")          # lora_alpha / r (or / sqrt(r), rsLoRA)
     >>> write_adapter("adapter/", tensors, cfg)               # peft folder + diffusers file
 
-The three layouts (read from peft 0.21.2 and diffusers 0.42.1; keys name ``<module>`` as in
+The three layouts (read from peft 0.21.2 and diffusers 0.42.1; ``<module>`` is a module name of
 diffusers' ``QwenImageTransformer2DModel``, e.g. ``transformer_blocks.0.attn.to_q``):
 
-=====================================================  ===========================================  ==========================================
-writer                                                 tensors                                      LoRA config (``LoraConfig.to_dict()``)
-=====================================================  ===========================================  ==========================================
-peft ``PeftModel.save_pretrained``                     ``adapter_model.safetensors``,               ``adapter_config.json``
-                                                       ``base_model.model.<module>.lora_A.weight``
-diffusers ``ModelMixin.save_lora_adapter``             ``pytorch_lora_weights.safetensors``,        safetensors metadata ``lora_adapter_metadata``
-                                                       ``<module>.lora_A.weight``                   (JSON)
-diffusers ``QwenImagePipeline.save_lora_weights``      same file, ``transformer.<module>.lora_A…``  same key; every config key prefixed ``transformer.``
-=====================================================  ===========================================  ==========================================
+* peft ``PeftModel.save_pretrained``: ``adapter_model.safetensors`` with keys
+  ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``; the config
+  (``LoraConfig.to_dict()``) in ``adapter_config.json``.
+* diffusers ``ModelMixin.save_lora_adapter``: ``pytorch_lora_weights.safetensors`` with keys
+  ``<module>.lora_A.weight``; the same config as JSON in the safetensors metadata key
+  ``lora_adapter_metadata``.
+* diffusers ``QwenImagePipeline.save_lora_weights``: the same file name and metadata key, with
+  every tensor key and every config key prefixed ``transformer.``.
 
-``write_adapter`` writes a folder that is both a peft adapter (first row) and a diffusers LoRA
-(third row, the layout ``QwenImagePipeline.load_lora_weights`` and
+``write_adapter`` writes a folder that is both a peft adapter (first layout) and a diffusers LoRA
+(third layout, the one ``QwenImagePipeline.load_lora_weights`` and
 ``load_lora_adapter(..., prefix="transformer")`` read), with the same FP32 tensors and config.
 Reading a folder takes every layout present; when both are there they must agree bit for bit.
 
@@ -66,8 +65,9 @@ _KNOWN = {  # config fields with no effect on the adapted weight, or honoured be
     "ensure_weight_tying", "eva_config", "loftq_config", "corda_config", "lora_ga_config",
 }
 _REFUSED = {  # field: (why, value that is fine)
-    "use_dora": ("DoRA", False), "lora_bias": ("a bias on lora_B", False), "bias": ("trained base biases", "none"),
-    "fan_in_fan_out": ("transposed (Conv1D) weights", False), "modules_to_save": ("fully trained modules", None),
+    "use_dora": ("DoRA", False), "lora_bias": ("a bias on lora_B", False),
+    "bias": ("trained base biases", "none"), "fan_in_fan_out": ("transposed (Conv1D) weights", False),
+    "modules_to_save": ("fully trained modules", None),
     "layers_to_transform": ("a layer subset", None), "layers_pattern": ("a layer subset", None),
     "exclude_modules": ("excluded modules", None),
 }
@@ -188,7 +188,8 @@ def _load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """Keys without ``prefix`` (keys lacking it stay as they are, to be reported as unexpected)
     and without peft's in-memory adapter name (``lora_A.default.weight`` → ``lora_A.weight``)."""
-    return {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k.removeprefix(prefix)): t for k, t in tensors.items()}
+    return {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k.removeprefix(prefix)): t
+            for k, t in tensors.items()}
 
 
 def _read_peft(folder: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
@@ -211,7 +212,8 @@ def _read_diffusers(path: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig 
         except ValueError as e:
             raise CheckpointError(f"{path}: unreadable {DIFFUSERS_METADATA_KEY} metadata ({e})") from None
         if prefixed and isinstance(raw, dict):  # pipeline layout: keep the transformer's keys
-            raw = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in raw.items() if k.startswith(DIFFUSERS_PREFIX)}
+            raw = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in raw.items()
+                   if k.startswith(DIFFUSERS_PREFIX)}
         cfg = parse_config(raw, f"{path} metadata {DIFFUSERS_METADATA_KEY}")
     return _strip(tensors, DIFFUSERS_PREFIX if prefixed else PEFT_PREFIX), cfg
 
@@ -246,7 +248,7 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
         p = p.parent
     if p.is_file():
         tensors, cfg = _read_diffusers(p)
-        return tensors, cfg if cfg is not None else _config_from_shapes(tensors, p)
+        return tensors, cfg or _config_from_shapes(tensors, p)
     has_peft = (p / PEFT_CONFIG).is_file() and (p / PEFT_WEIGHTS).is_file()
     has_diff = (p / DIFFUSERS_WEIGHTS).is_file()
     if not (has_peft or has_diff):
@@ -255,7 +257,7 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     read = [_read_peft(p)] if has_peft else []
     if has_diff:
         tensors, cfg = _read_diffusers(p / DIFFUSERS_WEIGHTS)
-        read.append((tensors, cfg if cfg is not None else _config_from_shapes(tensors, p / DIFFUSERS_WEIGHTS)))
+        read.append((tensors, cfg or _config_from_shapes(tensors, p / DIFFUSERS_WEIGHTS)))
     (tensors, cfg), *others = read
     for t2, c2 in others:
         same_cfg = c2 == cfg
