@@ -219,10 +219,14 @@ def _read_diffusers(path: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig 
 
 
 def _config_from_shapes(tensors: dict[str, torch.Tensor], where: Path) -> AdapterConfig:
-    """diffusers' ``get_peft_kwargs`` for a file without config: r from ``lora_B`` shapes (the
-    most common one, others in ``rank_pattern``), α = r everywhere, targets = the keyed modules."""
-    ranks = {k.split(".lora_B.")[0]: int(t.shape[1]) for k, t in tensors.items()
-             if ".lora_B." in k and t.dim() == 2}
+    """diffusers' ``get_peft_kwargs`` for a file without config: r per module from the
+    ``lora_B`` shape (``lora_A``'s when B is absent), the most common one as ``r`` and the others
+    in ``rank_pattern``; α = r everywhere; targets = the modules the keys name."""
+    ranks: dict[str, int] = {}
+    for k, t in sorted(tensors.items(), key=lambda kv: ".lora_B." not in kv[0]):  # B first
+        for factor, dim in ((".lora_B.", 1), (".lora_A.", 0)):
+            if factor in k and t.dim() == 2:
+                ranks.setdefault(k.split(factor)[0], int(t.shape[dim]))
     if not ranks:
         raise CheckpointError(f"{where}: no key names a LoRA factor (expected names such as "
                               f"transformer_blocks.0.attn.to_q.lora_A.weight); got {sorted(tensors)[:4]}")

@@ -105,8 +105,9 @@ def _peft_folder(base_folder, tmp_path, **extra):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(5)
-    model = get_peft_model(_diffusers(base_folder, torch.float32), LoraConfig(
-        r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules=list(LORA_TARGET_MODULES), **extra))
+    config = {"r": RANK, "lora_alpha": ALPHA, "init_lora_weights": False,
+              "target_modules": list(LORA_TARGET_MODULES), **extra}
+    model = get_peft_model(_diffusers(base_folder, torch.float32), LoraConfig(**config))
     model.save_pretrained(tmp_path / "peft_adapter")
     return tmp_path / "peft_adapter"
 
@@ -201,21 +202,26 @@ def test_drifttool_adapter_loads_in_diffusers_with_its_scale(base_folder, tmp_pa
 PATTERNS = {"use_rslora": True, "rank_pattern": {"attn.to_q": 2}, "alpha_pattern": {"img_mlp.net.2": 3.0}}
 
 
-@pytest.mark.parametrize("extra", [{}, PATTERNS], ids=["plain", "rslora_patterns"])
+@pytest.mark.parametrize("extra", [{}, PATTERNS, {"target_modules": r".*\.attn\.(to_q|add_k_proj)"}],
+                         ids=["plain", "rslora_patterns", "regex_targets"])
 def test_peft_adapter_loads_in_drifttool(base_folder, tmp_path, extra):
     from peft import PeftModel
 
     folder = _peft_folder(base_folder, tmp_path, **extra)
     ours = _loaded(base_folder, folder, torch.float32)
     theirs = PeftModel.from_pretrained(_diffusers(base_folder, torch.float32), folder).eval()
-    names = [f"transformer_blocks.{i}.{t}" for i in range(tiny().num_layers) for t in LORA_TARGET_MODULES]
-    want = {n: theirs.base_model.model.get_submodule(n).scaling["default"] for n in names}
-    assert lora_scales(ours) == want
-    if extra:
+    want = {n: m.scaling["default"] for n, m in theirs.base_model.model.named_modules()
+            if hasattr(m, "scaling")}
+    assert lora_scales(ours) == want and len(want) == (4 if "target_modules" in extra else 24)
+    if "use_rslora" in extra:
         assert want["transformer_blocks.0.attn.to_q"] == ALPHA / 2 ** 0.5
         assert want["transformer_blocks.1.img_mlp.net.2"] == 3.0 / RANK ** 0.5
     bf16 = PeftModel.from_pretrained(_diffusers(base_folder, torch.bfloat16), folder).merge_and_unload()
     _compare(bf16, theirs, _loaded(base_folder, folder, torch.bfloat16), ours, "peft -> drifttool")
+    x, txt, mask, tau, grid = _inputs(torch.float32)
+    with torch.no_grad():  # the strict backend too, within test_model_parity's strict fp32 bound
+        strict = ours(x, txt, mask, tau, grid, Runtime(mode="strict"))
+    assert _rel(strict, _theirs(theirs, torch.float32)) <= 1e-5
 
 
 def _diffusers_saved(base_folder, tmp_path, layout):
@@ -333,3 +339,14 @@ def test_unsupported_targets_and_layouts_are_refused(tmp_path):
                "transformer_blocks.0.attn.to_q.alpha": torch.tensor(4.0)}, str(kohya))
     with pytest.raises(CheckpointError, match=r"unexpected keys \(1\): transformer_blocks.0.attn.to_q.alpha"):
         load_lora(random_init_(MMDiT(tiny(), dtype=torch.float32), seed=3), kohya)
+
+
+def test_cli_refuses_an_unsupported_adapter_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from drifttool.cli.app import app
+
+    folder = _peft_dir(tmp_path, "dora", use_dora=True)
+    res = CliRunner().invoke(app, ["run", "-o", str(tmp_path / "out"), "--lora", str(folder)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "unsupported LoRA config: use_dora=True (DoRA)" in " ".join(res.output.split())
