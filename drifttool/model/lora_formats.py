@@ -157,13 +157,19 @@ def parse_config(raw: Any, where: str) -> AdapterConfig:
     if bad:
         raise CheckpointError(f"{where}: unsupported LoRA config: " + "; ".join(bad))
     try:
-        r, alpha = int(raw["r"]), float(raw.get("lora_alpha", 8))  # peft's default lora_alpha is 8
+        r, alpha = int(raw.get("r", 8)), float(raw.get("lora_alpha", 8))  # peft's defaults
         ranks = {str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()}
         alphas = {str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()}
         dropout = float(raw.get("lora_dropout") or 0.0)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{where}: bad r / lora_alpha / rank_pattern / alpha_pattern ({e!r})") from None
     targets = raw.get("target_modules")
+    try:  # peft matches these as regular expressions
+        for rx in (*ranks, *alphas, *([targets] if isinstance(targets, str) else [])):
+            re.compile(rx)
+    except re.error as e:
+        raise CheckpointError(f"{where}: bad regular expression in target_modules / rank_pattern / "
+                              f"alpha_pattern ({e})") from None
     if not (isinstance(targets, str) or (isinstance(targets, list) and targets
                                          and all(isinstance(t, str) for t in targets))):
         raise CheckpointError(f"{where}: target_modules must be a regex or a list of names, got {targets!r}")

@@ -312,6 +312,8 @@ def _peft_dir(tmp_path, name, **config):
     ({"use_qalora": True}, "unknown to drifttool"),
     ({"target_modules": "all-linear"}, "all-linear"),
     ({"peft_type": "LOHA"}, "not a LoRA"),
+    ({"rank_pattern": {"attn.to_q(": 2}}, "bad regular expression"),
+    ({"lora_alpha": "big"}, "bad r / lora_alpha"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, config, word):
     with pytest.raises(CheckpointError, match=word):
