@@ -352,3 +352,22 @@ def test_cli_refuses_an_unsupported_adapter_in_one_line(tmp_path):
     res = CliRunner().invoke(app, ["run", "-o", str(tmp_path / "out"), "--lora", str(folder)])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "unsupported LoRA config: use_dora=True (DoRA)" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_production_lora_merge_is_peft_merge(dtype):
+    """Operator level: ``lora_merge`` (production) equals peft's ``LoraLayer.merge`` bit for bit
+    (FP32 factors on a ``dtype`` base, as ``PeftModel.from_pretrained`` makes them)."""
+    from peft import LoraConfig, get_peft_model
+
+    from drifttool.model.lora import lora_merge_production
+
+    torch.manual_seed(0)
+    net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(48, 40)).to(dtype),
+                         LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules=["0"]))
+    layer = net.base_model.model[0]
+    w = layer.base_layer.weight.detach().clone()
+    a, b = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach()
+    assert a.dtype == torch.float32
+    layer.merge()
+    assert_same_bytes(lora_merge_production(w, a, b, ALPHA / RANK), layer.base_layer.weight.detach(), str(dtype))
