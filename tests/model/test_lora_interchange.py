@@ -370,4 +370,5 @@ def test_production_lora_merge_is_peft_merge(dtype):
     a, b = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach()
     assert a.dtype == torch.float32
     layer.merge()
-    assert_same_bytes(lora_merge_production(w, a, b, ALPHA / RANK), layer.base_layer.weight.detach(), str(dtype))
+    merged = lora_merge_production(w, a, b, ALPHA / RANK)
+    assert_same_bytes(merged, layer.base_layer.weight.detach(), str(dtype))
