@@ -95,24 +95,6 @@ _PER_BLOCK = (
     "txt_mlp.net.2.bias",
 )
 
-# Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
-# streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
-LORA_TARGET_MODULES = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-)
-
-
 def weight_map(config: MMDiTConfig) -> dict[str, str]:
     """Checkpoint tensor name → ``MMDiT`` parameter name (identity): inputs, blocks (image stream
     then text stream), outputs.

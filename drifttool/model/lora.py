@@ -1,20 +1,22 @@
-"""LoRA adapters on the MMDiT, applied through a named operator, saved in the peft key naming.
+"""LoRA adapters on the MMDiT, applied through a named operator, interchangeable with peft/diffusers.
 
     >>> add_lora(model, rank=4, alpha=8)                 # Flow-GRPO's targets, base frozen
     >>> v = model(x, txt, mask, tau, grid, rt)            # every adapted weight goes through
     ...                                                   # call(rt, "lora_merge", ...)
-    >>> save_lora(model, "adapter/")                      # adapter_model.safetensors + config
-    >>> load_lora(other_model, "adapter/")                # keys checked, all problems listed
+    >>> save_lora(model, "adapter/")                      # a peft folder + a diffusers file
+    >>> load_lora(other_model, "adapter/")                # peft or diffusers; keys checked
 
-Targets (``checkpoint.LORA_TARGET_MODULES``, numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
+Targets (``LORA_TARGET_MODULES``, numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
 ``attn.to_q/to_k/to_v/to_out.0``, ``attn.add_q_proj/add_k_proj/add_v_proj/to_add_out`` and both
 streams' MLP projections ``img_mlp.net.0.proj``, ``img_mlp.net.2``, ``txt_mlp.net.0.proj``,
 ``txt_mlp.net.2``, in every block. Each adapted ``Linear`` gets two sub-modules, ``lora_A``
 (weight ``[r, in]``) and ``lora_B`` (weight ``[out, r]``), so ``model.named_parameters()`` yields
 exactly peft's names: ``transformer_blocks.0.attn.to_q.lora_A.weight`` … (what
 ``peft.get_peft_model_state_dict`` returns for a diffusers ``QwenImageTransformer2DModel`` with
-``add_adapter``). The scale is ``alpha / rank`` (peft's ``lora_alpha / r``, no rsLoRA). Adapter
-weights are FP32 whatever the model dtype (peft's ``autocast_adapter_dtype`` default).
+``add_adapter``). Each module's scale is peft's: ``lora_alpha / r``, or ``lora_alpha / √r`` with
+``use_rslora``, per module through ``rank_pattern`` / ``alpha_pattern`` (``lora_formats``, which
+also lists the file layouts and the refused configs). Adapter weights are FP32 whatever the
+model dtype (peft's ``autocast_adapter_dtype`` default in ``PeftModel.from_pretrained``).
 
 How the adapter enters the forward (why merged): the fused RFC operators (``qkv_bias_gemm``
 returns heads, ``mlp_up_gemm_gelu`` applies GELU after the GEMM) leave no place to add a
@@ -36,13 +38,14 @@ Backends:
   bf16 activations and round once at their output boundary), so a small update is never lost to
   a bf16 rounding of the weight. With ``B = 0`` (peft's init), W' = fp32(W) and every output is
   byte-equal to the model without the adapter.
-* production: peft's merge arithmetic (``merge_and_unload``): ``W + ((B @ A) · α/r).to(W.dtype)``
-  in the model dtype W (two roundings in bf16), what a rollout engine serving merged weights runs.
+* production: peft's merge arithmetic (``LoraLayer.merge``, what ``merge_and_unload`` and
+  diffusers' ``fuse_lora`` run) for FP32 factors: ``delta = (B @ A) · scale`` in FP32, then
+  ``W += delta`` in place, i.e. ``(fp32(W) + delta).to(W.dtype)``, one rounding in bf16; what a
+  rollout engine serving merged weights runs.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Iterable
@@ -51,14 +54,26 @@ import torch
 from torch import nn
 
 from drifttool.errors import CheckpointError
+from drifttool.model.lora_formats import AdapterConfig, read_adapter, write_adapter
 from drifttool.ops.registry import OpSpec, call, declare, implements
 from drifttool.ops.strict_math import tiled_linear
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-KEY_PREFIXES = ("base_model.model.", "transformer.")
-"""Prefixes stripped on load: peft ``PeftModel.save_pretrained`` (``base_model.model.``) and
-diffusers ``save_lora_weights`` (``transformer.``)."""
+# Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
+# streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
+LORA_TARGET_MODULES = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
 
 LORA_MERGE = declare(
     OpSpec(
@@ -69,12 +84,6 @@ LORA_MERGE = declare(
         summary="adapted weight W + (alpha/r)·(B·A) of a LoRA target (not an RFC row)",
     )
 )
-
-
-def _targets() -> tuple[str, ...]:
-    from drifttool.model.checkpoint import LORA_TARGET_MODULES
-
-    return LORA_TARGET_MODULES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +106,9 @@ def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
 
 @implements("lora_merge", "production", kernel="peft.merge(torch.matmul)")
 def lora_merge_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's merge: ``W + ((B @ A) * scale).to(W.dtype)`` in the model dtype."""
-    return w + ((b @ a) * float(scale)).to(w.dtype)
+    """peft's merge for FP32 factors: ``W += (B @ A) * scale`` (computed in FP32, rounded once
+    to W's dtype). Returns W' in W's dtype."""
+    return (w.to(torch.float32) + (b @ a) * float(scale)).to(w.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +149,7 @@ def lora_modules(model) -> dict[str, nn.Module]:
     """``{"transformer_blocks.{i}.{target}": Linear}`` of every adapted module, in block order."""
     out = {}
     for i, block in _blocks(model):
-        for t in _targets():
+        for t in LORA_TARGET_MODULES:
             m = _module(block, t)
             if getattr(m, "lora_A", None) is not None:
                 out[f"transformer_blocks.{i}.{t}"] = m
@@ -147,7 +157,64 @@ def lora_modules(model) -> dict[str, nn.Module]:
 
 
 def has_lora(model) -> bool:
-    return bool(getattr(model, "lora_config", None))
+    return getattr(model, "lora_config", None) is not None
+
+
+def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float = 0.0,
+                freeze_base: bool = True) -> dict[str, nn.Parameter]:
+    """Attach a fresh adapter to every module ``cfg`` targets (peft's matching, per-module rank
+    and scale from ``rank_pattern`` / ``alpha_pattern`` / ``use_rslora``, ``lora_formats``).
+
+    Init (deterministic, CPU fp32 generator, blocks then ``LORA_TARGET_MODULES`` order):
+    ``lora_A`` ~ U(−1/√in, 1/√in) (peft's kaiming-uniform with a = √5 gives this bound),
+    ``lora_B`` = 0 (peft's default) or N(0, init_b_std²) when ``init_b_std > 0``.
+
+    Args:
+        freeze_base: set ``requires_grad=False`` on every non-adapter parameter.
+
+    Returns:
+        The adapter parameters by peft key name.
+
+    Raises:
+        CheckpointError: an adapter already attached; ``cfg`` selects a Linear that is not one
+            of ``LORA_TARGET_MODULES`` (named), or no module at all.
+    """
+    if has_lora(model):
+        raise CheckpointError("the model already carries a LoRA adapter")
+    adaptable = {f"transformer_blocks.{i}.{t}" for i, _ in _blocks(model) for t in LORA_TARGET_MODULES}
+    linears = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+               and m.weight.dim() == 2 and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
+    unsupported = [n for n in linears if n not in adaptable and cfg.targets(n)]
+    chosen = [n for n in sorted(adaptable, key=_order) if cfg.targets(n)]
+    if unsupported or not chosen:
+        raise CheckpointError(f"unsupported LoRA target_modules {cfg.target_modules!r}: "
+                              + (f"selects {', '.join(unsupported[:6])} (drifttool adapts only "
+                                 f"{', '.join(LORA_TARGET_MODULES)})" if unsupported else
+                                 "selects no module of the MMDiT"))
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    for name in chosen:
+        m = model.get_submodule(name)
+        rank, _ = cfg.rank_alpha(name)
+        out_f, in_f = m.weight.shape
+        dev = m.weight.device if m.weight.device.type != "meta" else "cpu"
+        m.lora_A = LoRAFactor(rank, in_f, device=dev)
+        m.lora_B = LoRAFactor(out_f, rank, device=dev)
+        bound = 1.0 / math.sqrt(in_f)
+        with torch.no_grad():
+            m.lora_A.weight.copy_((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound)
+            if init_b_std > 0:
+                m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
+        m.lora_scale = cfg.scale(name)
+    model.lora_config = cfg
+    if freeze_base:
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    return lora_parameters(model)
+
+
+def _order(name: str) -> tuple[int, int]:
+    block, target = name.removeprefix("transformer_blocks.").split(".", 1)
+    return int(block), LORA_TARGET_MODULES.index(target)
 
 
 def add_lora(
@@ -156,54 +223,26 @@ def add_lora(
     rank: int,
     alpha: float,
     targets: Iterable[str] | None = None,
+    use_rslora: bool = False,
     seed: int = 0,
     init_b_std: float = 0.0,
     freeze_base: bool = True,
 ) -> dict[str, nn.Parameter]:
-    """Attach a fresh adapter to ``targets`` (default all of ``LORA_TARGET_MODULES``) of every block.
-
-    Init (deterministic, CPU fp32 generator, module order): ``lora_A`` ~ U(−1/√in, 1/√in)
-    (peft's kaiming-uniform with a = √5 gives this bound), ``lora_B`` = 0 (peft's default) or
-    N(0, init_b_std²) when ``init_b_std > 0`` (so dA is non-zero at once, for checks).
-
-    Args:
-        freeze_base: set ``requires_grad=False`` on every non-adapter parameter (their ``.grad``
-            then stays ``None``).
-
-    Returns:
-        The adapter parameters by peft key name.
+    """Attach a fresh adapter (rank ``rank``, scale α/r, or α/√r with ``use_rslora``) to
+    ``targets`` (default all of ``LORA_TARGET_MODULES``) of every block; init as ``attach_lora``.
 
     Raises:
         CheckpointError: rank < 1, non-finite alpha, an unknown target, or an adapter already
             attached.
     """
-    targets = tuple(_targets() if targets is None else targets)
-    bad = sorted(set(targets) - set(_targets()))
-    if int(rank) < 1 or not math.isfinite(float(alpha)) or bad:
+    targets = tuple(LORA_TARGET_MODULES if targets is None else targets)
+    bad = sorted(set(targets) - set(LORA_TARGET_MODULES))
+    if int(rank) < 1 or not math.isfinite(float(alpha)) or bad or not targets:
         raise CheckpointError(f"bad LoRA config: rank={rank}, alpha={alpha}, unknown targets {bad} "
-                              f"(known: {', '.join(_targets())})")
-    if has_lora(model):
-        raise CheckpointError("the model already carries a LoRA adapter")
-    rank = int(rank)
-    g = torch.Generator(device="cpu").manual_seed(int(seed))
-    for _, block in _blocks(model):
-        for t in targets:
-            m = _module(block, t)
-            out_f, in_f = m.weight.shape
-            dev = m.weight.device if m.weight.device.type != "meta" else "cpu"
-            m.lora_A = LoRAFactor(rank, in_f, device=dev)
-            m.lora_B = LoRAFactor(out_f, rank, device=dev)
-            bound = 1.0 / math.sqrt(in_f)
-            with torch.no_grad():
-                m.lora_A.weight.copy_((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound)
-                if init_b_std > 0:
-                    m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
-            m.lora_scale = float(alpha) / rank
-    model.lora_config = {"r": rank, "lora_alpha": float(alpha), "target_modules": list(targets)}
-    if freeze_base:
-        for name, p in model.named_parameters():
-            p.requires_grad_(".lora_A." in name or ".lora_B." in name)
-    return lora_parameters(model)
+                              f"(known: {', '.join(LORA_TARGET_MODULES)})")
+    cfg = AdapterConfig(r=int(rank), lora_alpha=float(alpha), target_modules=tuple(sorted(targets)),
+                        use_rslora=bool(use_rslora))
+    return attach_lora(model, cfg, seed=seed, init_b_std=init_b_std, freeze_base=freeze_base)
 
 
 def lora_parameters(model) -> dict[str, nn.Parameter]:
@@ -221,18 +260,29 @@ def lora_state_dict(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu").contiguous().clone() for n, p in lora_parameters(model).items()}
 
 
+def lora_scales(model) -> dict[str, float]:
+    """``{module: scale}`` of every adapted module (the ``scale`` ``lora_merge`` receives)."""
+    return {n: float(m.lora_scale) for n, m in lora_modules(model).items()}
+
+
 def lora_digest(model) -> str | None:
-    """``weight_digest`` of the adapter weights alone, or None without an adapter."""
+    """``weight_digest`` of the adapter weights and of every module's scale (as an FP64 scalar
+    ``<module>.lora_scale``), so a changed alpha or rank rule changes it; None without one."""
     from drifttool.model.checkpoint import weight_digest
 
-    return weight_digest(lora_state_dict(model)) if has_lora(model) else None
+    if not has_lora(model):
+        return None
+    scales = {f"{n}.lora_scale": torch.tensor(s, dtype=torch.float64) for n, s in lora_scales(model).items()}
+    return weight_digest({**lora_state_dict(model), **scales})
 
 
 def lora_record(model) -> dict[str, Any] | None:
-    """The manifest record of the adapter: rank, alpha, targets, digest (None without one)."""
+    """The manifest record of the adapter: its config (``AdapterConfig.record``), the scale
+    (one number, or None when the patterns give modules different scales), the digest."""
     if not has_lora(model):
         return None
-    return {**model.lora_config, "scale": model.lora_config["lora_alpha"] / model.lora_config["r"],
+    scales = set(lora_scales(model).values())
+    return {**model.lora_config.record(), "scale": scales.pop() if len(scales) == 1 else None,
             "digest": lora_digest(model), "key_naming": "peft/diffusers",
             "apply": "merged by op lora_merge (drifttool.lora_merge.v1)"}
 
@@ -242,106 +292,32 @@ def lora_record(model) -> dict[str, Any] | None:
 
 
 def save_lora(model, path: str | Path) -> Path:
-    """Write the adapter as peft does: ``adapter_model.safetensors`` (keys as ``lora_state_dict``)
-    and ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``target_modules``).
+    """Write the adapter as a folder that peft (``PeftModel.from_pretrained``) and diffusers
+    (``QwenImagePipeline.load_lora_weights``, ``load_lora_adapter``) both load
+    (``lora_formats.write_adapter``): FP32 tensors, the model's ``AdapterConfig``.
 
     Raises:
         CheckpointError: the model has no adapter.
     """
-    from safetensors.torch import save_file
-
     if not has_lora(model):
         raise CheckpointError("the model carries no LoRA adapter to save")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(lora_state_dict(model), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    cfg = {"peft_type": "LORA", "r": model.lora_config["r"],
-           "lora_alpha": model.lora_config["lora_alpha"],
-           "target_modules": sorted(model.lora_config["target_modules"]), "lora_dropout": 0.0,
-           "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-           "init_lora_weights": True}
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return folder
-
-
-def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Adapter tensors (prefixes ``KEY_PREFIXES`` stripped) and its config from a peft folder
-    (``adapter_config.json`` + ``adapter_model.safetensors``) or a bare ``.safetensors`` file
-    (diffusers ``pytorch_lora_weights.safetensors``); without a config, r is read from the shapes
-    and alpha defaults to r (scale 1), as diffusers does for keys without ``.alpha``.
-
-    Raises:
-        CheckpointError: missing or unreadable file, bad config, keys of no LoRA shape.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    cfg: dict[str, Any] = {}
-    if p.is_dir():
-        wfile = p / ADAPTER_WEIGHTS
-        cpath = p / ADAPTER_CONFIG
-        if cpath.is_file():
-            try:
-                cfg = json.loads(cpath.read_text())
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"{cpath}: unreadable adapter config ({e})") from None
-            if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-                raise CheckpointError(f"{cpath}: not a LoRA adapter config")
-            if cfg.get("use_dora") or cfg.get("use_rslora"):
-                raise CheckpointError(f"{cpath}: DoRA / rsLoRA adapters are not supported")
-    else:
-        wfile = p
-    if not wfile.is_file():
-        raise CheckpointError(f"{wfile}: no such LoRA weights file")
-    try:
-        raw = load_file(str(wfile))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{wfile}: unreadable safetensors file ({e})") from None
-    tensors = {}
-    for k, t in raw.items():
-        for pre in KEY_PREFIXES:
-            if k.startswith(pre):
-                k = k[len(pre):]
-                break
-        tensors[k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")] = t
-    ranks = sorted({int(t.shape[0]) for k, t in tensors.items()
-                    if k.endswith(".lora_A.weight") and t.dim() == 2})
-    if not ranks:
-        raise CheckpointError(f"{wfile}: no key names a LoRA factor (expected peft names such as "
-                              f"transformer_blocks.0.attn.to_q.lora_A.weight); got {sorted(tensors)[:4]}")
-    if "r" not in cfg:
-        if len(ranks) != 1:
-            raise CheckpointError(f"{wfile}: cannot infer one LoRA rank from the lora_A shapes {ranks}")
-        cfg["r"] = ranks[0]
-    cfg.setdefault("lora_alpha", cfg["r"])
-    try:
-        cfg["r"], cfg["lora_alpha"] = int(cfg["r"]), float(cfg["lora_alpha"])
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path}: bad r / lora_alpha in the adapter config") from None
-    return tensors, cfg
+    return write_adapter(path, lora_state_dict(model), model.lora_config)
 
 
 def load_lora(model, path: str | Path, *, freeze_base: bool = True) -> dict[str, nn.Parameter]:
-    """Load an adapter (``read_lora``) into ``model``, attaching one first if it has none
-    (rank and alpha from the adapter config; targets: the modules the keys name).
+    """Load a peft or diffusers adapter (``lora_formats.read_adapter``: folder or file) into
+    ``model``, attaching one first if it has none (``attach_lora`` with the file's config, so
+    ranks and scales follow peft's rules); the factors are stored FP32.
 
     Raises:
-        CheckpointError: one error listing every missing, unexpected and mis-shaped key, or
-            non-float / non-finite tensors (nothing is loaded then).
+        CheckpointError: a refused config; one error listing every missing, unexpected and
+            mis-shaped key, non-float / non-finite tensors, and, for a model that already has an
+            adapter, modules whose scale differs (nothing is loaded or left attached then).
     """
-    tensors, cfg = read_lora(path)
-    targets = sorted({k.split(".", 2)[2].rsplit(".lora_", 1)[0] for k in tensors
-                      if k.startswith("transformer_blocks.") and ".lora_" in k and k.count(".") >= 3},
-                     key=lambda t: _targets().index(t) if t in _targets() else len(_targets()))
-    known = [t for t in targets if t in _targets()]
+    tensors, cfg = read_adapter(path)
     fresh = not has_lora(model)
     if fresh:
-        if not known:
-            raise CheckpointError(f"{path}: no key names a LoRA target of the MMDiT "
-                                  f"(e.g. transformer_blocks.0.attn.to_q.lora_A.weight); "
-                                  f"got {sorted(tensors)[:4]}")
-        add_lora(model, rank=cfg["r"], alpha=cfg["lora_alpha"], targets=known, freeze_base=freeze_base)
+        attach_lora(model, cfg, freeze_base=freeze_base)
     params = lora_parameters(model)
     missing = [k for k in params if k not in tensors]
     unexpected = sorted(k for k in tensors if k not in params)
@@ -349,28 +325,19 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True) -> dict[str,
                  for k in params if k in tensors and tensors[k].shape != params[k].shape]
     bad = [k for k, t in tensors.items() if k in params and (not t.is_floating_point()
                                                               or not bool(torch.isfinite(t).all()))]
-    scale_note = ""
-    if not fresh and abs(model.lora_config["lora_alpha"] / model.lora_config["r"]
-                         - cfg["lora_alpha"] / cfg["r"]) > 0:
-        scale_note = (f"scale alpha/r {cfg['lora_alpha']}/{cfg['r']} differs from the model's "
-                      f"{model.lora_config['lora_alpha']}/{model.lora_config['r']}")
-    if missing or unexpected or misshaped or bad or scale_note:
-        lines = []
-        if missing:
-            lines.append(f"missing keys ({len(missing)}): " + ", ".join(missing[:8])
-                         + (" ..." if len(missing) > 8 else ""))
-        if unexpected:
-            lines.append(f"unexpected keys ({len(unexpected)}): " + ", ".join(unexpected[:8])
-                         + (" ..." if len(unexpected) > 8 else ""))
-        if misshaped:
-            lines.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:8]))
-        if bad:
-            lines.append(f"non-float or non-finite tensors ({len(bad)}): " + ", ".join(bad[:8]))
-        if scale_note:
-            lines.append(scale_note)
+    rescaled = [f"{n}: file {cfg.scale(n)} vs model {s}" for n, s in lora_scales(model).items()
+                if not fresh and cfg.scale(n) != s]
+    problems = [(f"missing keys ({len(missing)}): ", missing),
+                (f"unexpected keys ({len(unexpected)}): ", unexpected),
+                (f"mis-shaped keys ({len(misshaped)}): ", misshaped),
+                (f"non-float or non-finite tensors ({len(bad)}): ", bad),
+                (f"scale (alpha/r) differs from the model's ({len(rescaled)}): ", rescaled)]
+    lines = [head + "; ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
+             for head, keys in problems if keys]
+    if lines:
         if fresh:
             remove_lora(model)
-        raise CheckpointError(f"LoRA file {path} does not match the model:\n  " + "\n  ".join(lines))
+        raise CheckpointError(f"LoRA adapter {path} does not match the model:\n  " + "\n  ".join(lines))
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(tensors[k].to(p.dtype))

@@ -8,7 +8,6 @@ from safetensors.torch import load_file, save_file
 
 from drifttool.errors import CheckpointError, UnsupportedConfigError
 from drifttool.model.checkpoint import (
-    LORA_TARGET_MODULES,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     load_checkpoint,
@@ -17,6 +16,7 @@ from drifttool.model.checkpoint import (
     weight_map,
 )
 from drifttool.model.config import full, tiny
+from drifttool.model.lora import LORA_TARGET_MODULES
 from drifttool.model.mmdit import MMDiT, random_init_
 
 SMALL = dict(
