@@ -273,6 +273,11 @@ def _read_tensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _listing(what: str, items: list[str], sep: str, shown: int = 8) -> str:
+    more = f"{sep}… (+{len(items) - shown} more)" if len(items) > shown else ""
+    return f"{what} ({len(items)}): " + sep.join(items[:shown]) + more
+
+
 def check_shapes(config: MMDiTConfig, stored: dict[str, tuple[int, ...]]) -> None:
     """Check stored tensor shapes (checkpoint names) against ``config``.
 
@@ -281,8 +286,8 @@ def check_shapes(config: MMDiTConfig, stored: dict[str, tuple[int, ...]]) -> Non
     allocated before the config and the weights agree.
 
     Raises:
-        CheckpointError: ``num_layers`` differs from the stored block count; or one error
-            listing every missing, unexpected and mis-shaped key.
+        CheckpointError: ``num_layers`` differs from the stored block count; or one line
+            counting the missing, unexpected and mis-shaped keys and naming the first of each.
     """
     blocks = {int(m.group(1)) for k in stored if (m := _BLOCK_KEY.match(k))}
     if config.num_layers != len(blocks):
@@ -293,15 +298,10 @@ def check_shapes(config: MMDiTConfig, stored: dict[str, tuple[int, ...]]) -> Non
     unexpected = sorted(k for k in stored if k not in want)
     misshaped = [f"{k}: checkpoint {stored[k]} vs model {want[k]}"
                  for k in want if k in stored and stored[k] != want[k]]
-    if missing or unexpected or misshaped:
-        lines = []
-        if missing:
-            lines.append(f"missing keys ({len(missing)}): " + ", ".join(missing))
-        if unexpected:
-            lines.append(f"unexpected keys ({len(unexpected)}): " + ", ".join(unexpected))
-        if misshaped:
-            lines.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped))
-        raise CheckpointError("checkpoint does not match the MMDiT:\n  " + "\n  ".join(lines))
+    parts = [_listing(f"{what} keys", keys, sep) for what, keys, sep in (
+        ("missing", missing, ", "), ("unexpected", unexpected, ", "), ("mis-shaped", misshaped, "; ")) if keys]
+    if parts:
+        raise CheckpointError("checkpoint does not match its config: " + " | ".join(parts))
 
 
 def load_state_dict_into(model: MMDiT, tensors: dict[str, torch.Tensor]) -> None:

@@ -111,15 +111,14 @@ class MMDiTConfig:
         if bad:
             raise UnsupportedConfigError("unsupported MMDiT config: " + "; ".join(bad))
 
-    @property
-    def latent_channels(self) -> int:
-        """Latent channels C of a rollout: ``in_channels / 4`` (the pipelines'
-        ``num_channels_latents = in_channels // 4``, packed 2×2 into ``in_channels`` per token).
+    def check_rollout(self) -> None:
+        """Refuse a shape the sampler cannot run, naming why (the transformer itself loads and
+        runs, as in diffusers; its pipelines fail on it too).
 
         Raises:
-            UnsupportedConfigError: the sampler cannot run this shape: ``in_channels`` is not a
-                multiple of 4, or the velocity width ``patch_size² · out_channels`` differs from
-                the latent width ``in_channels`` (``x_t + dt · v_t`` needs them equal).
+            UnsupportedConfigError: ``in_channels`` is not a multiple of 4 (2×2-packed latents),
+                or the v_t width ``patch_size² · out_channels`` differs from the x_t width
+                ``in_channels`` (``x_t + dt · v_t`` needs them equal).
         """
         bad = []
         if self.in_channels % LATENT_PACK:
@@ -133,6 +132,16 @@ class MMDiTConfig:
             raise UnsupportedConfigError(
                 "this transformer loads but cannot drive a rollout (x_{t-1} = x_t + dt·v_t): " + "; ".join(bad)
             )
+
+    @property
+    def latent_channels(self) -> int:
+        """Latent channels C of a rollout: ``in_channels / 4`` (the pipelines'
+        ``num_channels_latents = in_channels // 4``, packed 2×2 into ``in_channels`` per token).
+
+        Raises:
+            UnsupportedConfigError: as ``check_rollout``.
+        """
+        self.check_rollout()
         return self.in_channels // LATENT_PACK
 
     @property

@@ -263,7 +263,7 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
     dtype = DTYPES.get(s.get("dtype", "float32"))
     if dtype is None:
         raise ArtifactError(f"{stored.path}: unsupported model dtype {s.get('dtype')!r}")
-    model = load_checkpoint(ckpt, dtype=dtype)
+    model = load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"))
     adapter = lora or s.get("lora")
     if adapter is not None:
         load_lora(model, adapter)
