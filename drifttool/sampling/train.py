@@ -539,7 +539,8 @@ def replay_run(
     model = _prepare(stored, model, fixture, checkpoint, lora)
     s = stored.settings
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    kw = {k: v for k, v in s.items() if k in fields and k not in ("mode", "capture", "fixture", "checkpoint")}
+    own = ("mode", "capture", "fixture", "checkpoint") + (("variant",) if checkpoint else ())  # variant: of the stored checkpoint
+    kw = {k: v for k, v in s.items() if k in fields and k not in own}
     spec = RunSpec(**kw, fixture=fixture or s.get("fixture"), checkpoint=checkpoint or s.get("checkpoint"),
                    mode=mode or s.get("mode", "strict"),
                    capture=capture or stored.manifest.get("capture_level"))

@@ -178,3 +178,19 @@ def test_hostile_config_fails_at_once_in_one_line(cli, tmp_path, unit_test_folde
     _clean_error(code, out, "config")
     assert len(out.strip().splitlines()) == 1, out
     assert not (tmp_path / "r").exists()
+
+
+def test_replay_of_a_variant_run(cli, tmp_path):
+    model = _diffusers_model()
+    model.save_pretrained(tmp_path / "v", variant="fp16")
+    model.save_pretrained(tmp_path / "plain")
+    _run_ok(cli, "--checkpoint", tmp_path / "v", "--variant", "fp16", "-o", tmp_path / "a")
+    code, out = cli("replay", tmp_path / "a", "-o", tmp_path / "b")
+    assert code == 0, out
+    assert read_manifest(tmp_path / "b")["settings"]["variant"] == "fp16"
+    assert cli("diff", tmp_path / "a", tmp_path / "b")[0] == 0
+    # another checkpoint replaces the stored one, variant and all
+    code, out = cli("replay", tmp_path / "a", "-o", tmp_path / "c", "--checkpoint", tmp_path / "plain")
+    assert code == 0, out
+    assert "variant" not in read_manifest(tmp_path / "c")["settings"]
+    assert cli("diff", tmp_path / "a", tmp_path / "c")[0] == 0
