@@ -7,7 +7,11 @@
 
 A folder holds ``config.json`` (diffusers ``QwenImageTransformer2DModel`` config) and either
 ``diffusion_pytorch_model.safetensors`` or ``diffusion_pytorch_model.safetensors.index.json`` plus
-the shards it names. Only safetensors is read — never pickle (``.bin`` / ``.pt``).
+the shards it names (with a weight variant: ``diffusion_pytorch_model.fp16.safetensors``, as
+``save_pretrained(variant=)`` writes). A pipeline folder (``model_index.json`` + ``transformer/``)
+loads from its root. Only safetensors is read — never pickle (``.bin`` / ``.pt``). The config is
+checked against the safetensors headers before any tensor is read, so a config claiming absurd
+sizes fails at once.
 
 Weight map: drifttool's ``MMDiT`` uses the checkpoint's own parameter names, so the map is the
 identity; it is still written out literally (``weight_map``) so the fingerprint pins it and a

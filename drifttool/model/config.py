@@ -68,7 +68,7 @@ class MMDiTConfig:
 
     Every shape diffusers' ``QwenImageTransformer2DModel`` builds and runs is accepted, including
     ``p² · c_out != in_channels`` (its unit-test model has 16 in, 4 out; ``out_channels=None``
-    gives ``c_out = in_channels``). Whether a *rollout* can use the shape is ``latent_channels``.
+    gives ``c_out = in_channels``). Whether a *rollout* can use the shape is ``check_rollout``.
 
     Raises:
         UnsupportedConfigError: a non-integer or non-positive size, or RoPE axes diffusers cannot
