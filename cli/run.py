@@ -25,7 +25,10 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
 
 def run(
     out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
-    checkpoint: Optional[Path] = typer.Option(None, help="diffusers-format transformer folder."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, help="diffusers-format transformer folder, or a pipeline folder (model_index.json + transformer/)."),
+    variant: Optional[str] = typer.Option(
+        None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),
     steps: Optional[int] = typer.Option(None, min=2, help="Denoising steps N."),
     cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
@@ -47,7 +50,7 @@ def run(
     from drifttool.runner import RunSpec, execute, resolve  # torch: here, so --help stays light
 
     spec = RunSpec(
-        fixture=fixture, checkpoint=checkpoint, steps=steps, cfg_scale=cfg_scale, eta=eta,
+        fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
         dtype=dtype, cfg_layout=cfg_layout, lora=lora,
     )

@@ -27,6 +27,7 @@ from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import load_checkpoint, weight_digest
+from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import has_lora, load_lora, lora_record
 from drifttool.ops.registry import implementation
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
@@ -43,8 +44,11 @@ class RunSpec:
 
     Attributes:
         fixture: fixture name (under ``fixtures/``) or path; default ``tiny-t2i``.
-        checkpoint: diffusers-format transformer folder replacing the fixture's model (prompt
-            embeddings are then drawn from ``seed`` at the fixture's prompt lengths).
+        checkpoint: diffusers-format transformer folder, or pipeline folder (``model_index.json``
+            + ``transformer/``), replacing the fixture's model (prompt embeddings are then drawn
+            from ``seed`` at the fixture's prompt lengths, latents with its latent channels).
+        variant: diffusers weight variant of ``checkpoint`` (``fp16`` reads
+            ``diffusion_pytorch_model.fp16.safetensors``).
         steps, cfg_scale, eta, seed: sampler settings (numerics §3.3, §3.4, §4).
         samples: logical sample ids to run as one batch; ``batch`` B means ids 0..B-1.
         mode: runtime mode (strict | audit | auto | off).
@@ -65,6 +69,7 @@ class RunSpec:
 
     fixture: str | Path | None = None
     checkpoint: str | Path | None = None
+    variant: str | None = None
     steps: int | None = None
     cfg_scale: float | None = None
     eta: float | None = None
@@ -123,6 +128,10 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
     if s["capture"] not in ("L0", "L1", "L2"):
         raise DriftToolError(f"unknown capture level {s['capture']!r} (L0, L1, L2)")
     s["checkpoint"] = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None
+    if spec.variant is not None:  # recorded only when set: the default manifest is unchanged
+        if not spec.checkpoint:
+            raise DriftToolError("a weight variant needs a checkpoint (--variant goes with --checkpoint)")
+        s["variant"] = spec.variant
     if spec.pad_prompts_to is not None:  # recorded only when set: the default manifest is unchanged
         s["pad_prompts_to"] = int(spec.pad_prompts_to)
     if spec.sample_labels is not None:
@@ -136,15 +145,21 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
     return fx, s
 
 
-def build_inputs(fx: Fixture, s: dict[str, Any], joint_dim: int) -> tuple[RolloutInputs, dict]:
-    """Replay inputs for the sample batch: pinned noise (``sampling.noise``) and prompt
-    embeddings (the fixture's, or seeded random ones at the fixture's lengths for an external
-    checkpoint), right-padded to the batch's longest prompt with a key mask (None if all valid,
-    as the pipeline does, numerics §5.11)."""
+def build_inputs(fx: Fixture, s: dict[str, Any], config: MMDiTConfig) -> tuple[RolloutInputs, dict]:
+    """Replay inputs for the sample batch: pinned noise (``sampling.noise``) with
+    ``config.latent_channels`` latent channels (x0 ``[B, N, in_channels]``) and prompt
+    embeddings ``[B, L, joint_attention_dim]`` (the fixture's, or seeded random ones at the
+    fixture's lengths for an external checkpoint), right-padded to the batch's longest prompt with
+    a key mask (None if all valid, as the pipeline does, numerics §5.11).
+
+    Raises:
+        UnsupportedConfigError: the config cannot drive a rollout (``MMDiTConfig.latent_channels``).
+        DriftToolError: ``pad_prompts_to`` shorter than the longest prompt.
+    """
     ids = s["samples"]
     grid = tuple(s["img_grid"])
-    noise = draw_noise(s["seed"], ids, img_grid=grid, num_steps=s["steps"])
-    txt, lens, neg, neg_len = fx.prompts(joint_dim, seed=s["seed"])
+    noise = draw_noise(s["seed"], ids, img_grid=grid, num_steps=s["steps"], channels=config.latent_channels)
+    txt, lens, neg, neg_len = fx.prompts(config.joint_attention_dim, seed=s["seed"])
     rows = [i % txt.shape[0] for i in ids]
     width = max(int(lens[r]) for r in rows)
     pad_to = s.get("pad_prompts_to")
@@ -267,9 +282,10 @@ def execute(
     dtype = DTYPES[s["dtype"]]
     source = getattr(model, "source", None) if model is not None else None
     if model is None:
-        model = load_checkpoint(s["checkpoint"] or fx.model_dir, dtype=dtype)
+        model = load_checkpoint(s["checkpoint"] or fx.model_dir, dtype=dtype, variant=s.get("variant"))
     elif model.dtype != dtype:
         raise DriftToolError(f"the given model is {model.dtype}, the run asks for {s['dtype']}")
+    model.config.check_rollout()  # before the artifact opens
     sampler = SamplerConfig(
         num_steps=int(s["steps"]), cfg_scale=float(s["cfg_scale"]), eta=float(s["eta"]),
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
@@ -280,7 +296,7 @@ def execute(
     if replay_inputs is not None:
         inputs, noise_rec = replay_inputs
     else:
-        inputs, noise_rec = build_inputs(fx, s, model.config.joint_attention_dim)
+        inputs, noise_rec = build_inputs(fx, s, model.config)
     check_finite(replay_tensors(inputs), "replay inputs")
     sigmas = implementation("flow_sigma_table", "strict")(sampler.num_steps, inputs.img_grid[0] * inputs.img_grid[1])
     fingerprint = arch_fingerprint(

@@ -16,7 +16,6 @@ never a pass).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 import traceback
@@ -30,9 +29,7 @@ import pyarrow.compute as pc
 from drifttool.artifact.reader import Run, open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
-from drifttool.errors import CheckpointError
-from drifttool.model.checkpoint import CONFIG_NAME
-from drifttool.model.config import from_diffusers_config
+from drifttool.model.checkpoint import read_config
 from drifttool.probes.spec import Probe, ProbeContext
 from drifttool.probes.weights import transformed_checkpoint
 from drifttool.runner import DTYPES, RunSpec, execute, resolve
@@ -46,10 +43,7 @@ def baseline_settings(base: RunSpec) -> tuple[dict[str, Any], int, Path]:
     batch, negative prompt included), the model depth, and its checkpoint folder."""
     fx, s = resolve(base)
     folder = Path(s["checkpoint"] or fx.model_dir)
-    try:
-        cfg = from_diffusers_config(json.loads((folder / CONFIG_NAME).read_text()))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder}: no readable {CONFIG_NAME} ({e})") from None
+    cfg = read_config(folder)
     _, lens, _, neg_len = fx.prompts(cfg.joint_attention_dim, seed=s["seed"])
     rows = [i % len(lens) for i in s["samples"]]
     s = dict(s, prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]))

@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from drifttool.errors import DriftToolError
+from drifttool.model.checkpoint import transformer_folder
 from drifttool.model.config import from_diffusers_config
 from drifttool.ops.registry import spec as op_spec
 from drifttool.runtime import Runtime
@@ -327,15 +328,18 @@ def _diffusers_version() -> str:
         return "unknown"
 
 
-def load_transformer(folder: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=dtype)``, in eval mode.
+def load_transformer(folder: str | Path, dtype: torch.dtype, variant: str | None = None) -> torch.nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=dtype, variant=variant)``,
+    in eval mode; ``folder`` may be a pipeline folder (its ``transformer/`` is loaded, as
+    ``drifttool.model.checkpoint.transformer_folder`` finds it).
 
     Raises:
         DriftToolError: diffusers missing, or the folder cannot be loaded.
     """
     mod = _diffusers_module()
+    folder = transformer_folder(folder)
     try:
-        return mod.QwenImageTransformer2DModel.from_pretrained(str(folder), torch_dtype=dtype).eval()
+        return mod.QwenImageTransformer2DModel.from_pretrained(str(folder), torch_dtype=dtype, variant=variant).eval()
     except (OSError, ValueError, EnvironmentError) as e:
         raise DriftToolError(f"{folder}: diffusers cannot load the transformer ({e})") from None
 
@@ -353,5 +357,5 @@ def run_diffusers(spec, out: str | Path, *, transformer: torch.nn.Module | None 
     spec = dataclasses.replace(spec, mode="auto")
     fx, s = resolve(spec)
     if transformer is None:
-        transformer = load_transformer(s["checkpoint"] or fx.model_dir, DTYPES[s["dtype"]])
+        transformer = load_transformer(s["checkpoint"] or fx.model_dir, DTYPES[s["dtype"]], s.get("variant"))
     return execute(spec, out, overwrite=overwrite, model=DiffusersQwenImage(transformer))

@@ -7,7 +7,11 @@
 
 A folder holds ``config.json`` (diffusers ``QwenImageTransformer2DModel`` config) and either
 ``diffusion_pytorch_model.safetensors`` or ``diffusion_pytorch_model.safetensors.index.json`` plus
-the shards it names. Only safetensors is read — never pickle (``.bin`` / ``.pt``).
+the shards it names (with a weight variant: ``diffusion_pytorch_model.fp16.safetensors``, as
+``save_pretrained(variant=)`` writes). A pipeline folder (``model_index.json`` + ``transformer/``)
+loads from its root. Only safetensors is read — never pickle (``.bin`` / ``.pt``). The config is
+checked against the safetensors headers before any tensor is read, so a config claiming absurd
+sizes fails at once.
 
 Weight map: drifttool's ``MMDiT`` uses the checkpoint's own parameter names, so the map is the
 identity; it is still written out literally (``weight_map``) so the fingerprint pins it and a
@@ -24,76 +28,81 @@ RoPE tables are not weights (diffusers keeps them as plain attributes) and are n
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import xxhash
 
-from drifttool.errors import CheckpointError
+from drifttool.errors import CheckpointError, UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig, from_diffusers_config
 from drifttool.model.mmdit import MMDiT
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+PIPELINE_INDEX_NAME = "model_index.json"
+TRANSFORMER_SUBFOLDER = "transformer"
 
-# Top-level tensors (numerics §1); every Linear has weight + bias, gains have weight only.
-_INPUTS = (
-    "time_text_embed.timestep_embedder.linear_1.weight",
-    "time_text_embed.timestep_embedder.linear_1.bias",
-    "time_text_embed.timestep_embedder.linear_2.weight",
-    "time_text_embed.timestep_embedder.linear_2.bias",
-    "txt_norm.weight",
-    "img_in.weight",
-    "img_in.bias",
-    "txt_in.weight",
-    "txt_in.bias",
-)
-_OUTPUTS = (
-    "norm_out.linear.weight",
-    "norm_out.linear.bias",
-    "proj_out.weight",
-    "proj_out.bias",
-)
+def _top_shapes(c: MMDiTConfig) -> dict[str, tuple[int, ...]]:
+    """Top-level tensors (numerics §1): inputs, then outputs. Linears are ``[out, in]`` + bias."""
+    d, dj = c.inner_dim, c.joint_attention_dim
+    return {
+        "time_text_embed.timestep_embedder.linear_1.weight": (d, 256),  # 256-channel sinusoid
+        "time_text_embed.timestep_embedder.linear_1.bias": (d,),
+        "time_text_embed.timestep_embedder.linear_2.weight": (d, d),
+        "time_text_embed.timestep_embedder.linear_2.bias": (d,),
+        "txt_norm.weight": (dj,),
+        "img_in.weight": (d, c.in_channels),
+        "img_in.bias": (d,),
+        "txt_in.weight": (d, dj),
+        "txt_in.bias": (d,),
+    }
 
-# Per-block tensors under ``transformer_blocks.{i}.`` (32 per block).
-_PER_BLOCK = (
-    # image stream
-    "img_mod.1.weight",
-    "img_mod.1.bias",
-    "attn.to_q.weight",
-    "attn.to_q.bias",
-    "attn.to_k.weight",
-    "attn.to_k.bias",
-    "attn.to_v.weight",
-    "attn.to_v.bias",
-    "attn.norm_q.weight",
-    "attn.norm_k.weight",
-    "attn.to_out.0.weight",
-    "attn.to_out.0.bias",
-    "img_mlp.net.0.proj.weight",
-    "img_mlp.net.0.proj.bias",
-    "img_mlp.net.2.weight",
-    "img_mlp.net.2.bias",
-    # text stream
-    "txt_mod.1.weight",
-    "txt_mod.1.bias",
-    "attn.add_q_proj.weight",
-    "attn.add_q_proj.bias",
-    "attn.add_k_proj.weight",
-    "attn.add_k_proj.bias",
-    "attn.add_v_proj.weight",
-    "attn.add_v_proj.bias",
-    "attn.norm_added_q.weight",
-    "attn.norm_added_k.weight",
-    "attn.to_add_out.weight",
-    "attn.to_add_out.bias",
-    "txt_mlp.net.0.proj.weight",
-    "txt_mlp.net.0.proj.bias",
-    "txt_mlp.net.2.weight",
-    "txt_mlp.net.2.bias",
-)
+
+def _output_shapes(c: MMDiTConfig) -> dict[str, tuple[int, ...]]:
+    d = c.inner_dim
+    return {
+        "norm_out.linear.weight": (2 * d, d),
+        "norm_out.linear.bias": (2 * d,),
+        "proj_out.weight": (c.out_dim, d),
+        "proj_out.bias": (c.out_dim,),
+    }
+
+
+def _block_shapes(c: MMDiTConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors under ``transformer_blocks.{i}.`` (32 per block): image stream, then text stream."""
+    d, dh, m = c.inner_dim, c.attention_head_dim, c.mlp_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for mod, q, k, v, out, nq, nk, mlp in (
+        ("img_mod.1", "to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k", "img_mlp"),
+        ("txt_mod.1", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q",
+         "norm_added_k", "txt_mlp"),
+    ):
+        shapes |= {f"{mod}.weight": (6 * d, d), f"{mod}.bias": (6 * d,)}  # shift/scale/gate × 2
+        for lin in (q, k, v):
+            shapes |= {f"attn.{lin}.weight": (d, d), f"attn.{lin}.bias": (d,)}
+        shapes |= {f"attn.{nq}.weight": (dh,), f"attn.{nk}.weight": (dh,)}
+        shapes |= {f"attn.{out}.weight": (d, d), f"attn.{out}.bias": (d,)}
+        shapes |= {f"{mlp}.net.0.proj.weight": (m, d), f"{mlp}.net.0.proj.bias": (m,),
+                   f"{mlp}.net.2.weight": (d, m), f"{mlp}.net.2.bias": (d,)}
+    return shapes
+
+
+def tensor_shapes(config: MMDiTConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name → shape for ``config``, in ``weight_map`` order (the shapes
+    diffusers' ``QwenImageTransformer2DModel`` gives its parameters, numerics §1).
+
+    Builds ``13 + 32 · num_layers`` entries: call it only once ``num_layers`` is known to match
+    the stored weights (``check_shapes`` does).
+    """
+    shapes = dict(_top_shapes(config))
+    block = _block_shapes(config)
+    for i in range(config.num_layers):
+        shapes |= {f"transformer_blocks.{i}.{n}": s for n, s in block.items()}
+    return shapes | _output_shapes(config)
+
 
 def weight_map(config: MMDiTConfig) -> dict[str, str]:
     """Checkpoint tensor name → ``MMDiT`` parameter name (identity): inputs, blocks (image stream
@@ -101,94 +110,198 @@ def weight_map(config: MMDiTConfig) -> dict[str, str]:
 
     ``len(weight_map(full())) == 1933`` (13 top-level + 60 × 32 per block).
     """
-    names = list(_INPUTS)
-    for i in range(config.num_layers):
-        names += [f"transformer_blocks.{i}.{n}" for n in _PER_BLOCK]
-    names += _OUTPUTS
-    return {n: n for n in names}
+    return {n: n for n in tensor_shapes(config)}
 
 
 # ---------------------------------------------------------------------------------------------
 # load
 
 
-def _read_json(path: Path) -> dict:
+# A transformer's config.json is < 1 KiB and the full model's index ~ 150 KiB: anything past this
+# is not a checkpoint file, and is refused before it is parsed.
+_MAX_JSON_BYTES = 16 * 2**20
+
+_BLOCK_KEY = re.compile(r"transformer_blocks\.(\d+)\.")
+_VARIANT = r"[A-Za-z0-9_\-]+"
+# diffusers' variant weight files: single, shard and index (``_add_variant``).
+_VARIANT_FILE = re.compile(
+    rf"diffusion_pytorch_model(?:\.safetensors\.index)?\.({_VARIANT}?)(?:-\d+-of-\d+)?\.(?:safetensors|json)"
+)
+
+
+def _read_json(path: Path) -> Any:
+    """Parse a small JSON file. Raises ``CheckpointError`` (one line) when it is missing, too
+    large, not UTF-8, not JSON, nested too deep, or holds an integer too long to convert."""
     try:
-        return json.loads(path.read_text())
+        size = path.stat().st_size
+        if size > _MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, larger than any checkpoint JSON ({_MAX_JSON_BYTES})")
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UTF-8, digits
+        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a folder (single file, or the shards an index names)."""
-    single = folder / WEIGHTS_NAME
-    index = folder / WEIGHTS_INDEX_NAME
+def _json_object(path: Path) -> dict[str, Any]:
+    obj = _read_json(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _variant_name(name: str, variant: str | None) -> str:
+    """diffusers' ``_add_variant``: ``a.b.safetensors`` → ``a.b.<variant>.safetensors``."""
+    if variant is None:
+        return name
+    head, _, ext = name.rpartition(".")
+    return f"{head}.{variant}.{ext}"
+
+
+def transformer_folder(path: str | Path) -> Path:
+    """The folder holding the transformer's ``config.json``: ``path`` itself, or, for a pipeline
+    folder (``model_index.json`` naming a ``QwenImageTransformer2DModel`` transformer, as
+    ``DiffusionPipeline.save_pretrained`` writes), its ``transformer/`` subfolder.
+
+    Raises:
+        CheckpointError: not a directory; neither kind of folder; a pipeline whose
+            ``transformer`` component is missing or of another class.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory")
+    if (folder / CONFIG_NAME).is_file():
+        return folder
+    index = folder / PIPELINE_INDEX_NAME
+    if not index.is_file():
+        raise CheckpointError(f"{folder}: no {CONFIG_NAME} (a transformer folder) and no "
+                              f"{PIPELINE_INDEX_NAME} (a pipeline folder)")
+    component = _json_object(index).get(TRANSFORMER_SUBFOLDER)
+    if not (isinstance(component, list) and component[-1:] == ["QwenImageTransformer2DModel"]):
+        raise CheckpointError(f"{index}: component {TRANSFORMER_SUBFOLDER!r} is {component!r}, "
+                              "not a QwenImageTransformer2DModel")
+    sub = folder / TRANSFORMER_SUBFOLDER
+    if not (sub / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{sub}: missing {CONFIG_NAME} of the pipeline's transformer")
+    return sub
+
+
+def _weight_files(folder: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors files of a folder (single file, or the shards an index names), with
+    diffusers' ``variant`` file names when given (``diffusion_pytorch_model.fp16.safetensors``,
+    ``diffusion_pytorch_model.safetensors.index.fp16.json``)."""
+    single = folder / _variant_name(WEIGHTS_NAME, variant)
+    index = folder / _variant_name(WEIGHTS_INDEX_NAME, variant)
     if single.is_file():
         return [single]
     if index.is_file():
-        wm = _read_json(index).get("weight_map")
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index}: no 'weight_map'")
+        wm = _json_object(index).get("weight_map")
+        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index}: no 'weight_map' of tensor name → shard file name")
         shards = sorted(set(wm.values()))
+        outside = [s for s in shards if Path(s).name != s or s in (".", "..")]
+        if outside:
+            raise CheckpointError(f"{index}: shard names must be file names in {folder}, got {outside[:5]}")
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard file(s) missing: {missing}")
         return [folder / s for s in shards]
-    pickles = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-    hint = f" (found {pickles}; pickle checkpoints are not loaded, convert to safetensors)" if pickles else ""
-    raise CheckpointError(f"{folder}: neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}{hint}")
+    names = sorted(p.name for p in folder.iterdir())
+    pickles = [n for n in names if Path(n).suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    variants = sorted({m.group(1) for n in names if (m := _VARIANT_FILE.fullmatch(n))})
+    hint = ""
+    if variants:
+        hint = f" (found weight variant(s) {variants}: pass variant=/--variant)"
+    elif pickles:
+        hint = f" (found {pickles}; pickle checkpoints are not loaded, convert to safetensors)"
+    raise CheckpointError(f"{folder}: neither {single.name} nor {index.name}{hint}")
+
+
+def _safetensors_error(f: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{f}: unreadable safetensors file ({type(e).__name__}: {str(e)[:200]})")
+
+
+def read_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape from the safetensors headers alone (no tensor data is read).
+
+    Raises:
+        CheckpointError: an unreadable or corrupt file; a tensor stored in more than one file.
+    """
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    dupes = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for k in sf.keys():
+                    if k in shapes:
+                        dupes.append(f"{k} ({f.name})")
+                    shapes[k] = tuple(sf.get_slice(k).get_shape())
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise _safetensors_error(f, e) from None
+    if dupes:
+        raise CheckpointError(f"tensor(s) stored in more than one shard: {dupes}")
+    return shapes
 
 
 def _read_tensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
-    dupes = []
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for k in sf.keys():
-                    if k in tensors:
-                        dupes.append(f"{k} ({f.name})")
                     tensors[k] = sf.get_tensor(k)
-        except CheckpointError:
-            raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-    if dupes:
-        raise CheckpointError(f"tensor(s) stored in more than one shard: {dupes}")
+            raise _safetensors_error(f, e) from None
     return tensors
+
+
+def _listing(what: str, items: list[str], sep: str, shown: int = 8) -> str:
+    more = f"{sep}… (+{len(items) - shown} more)" if len(items) > shown else ""
+    return f"{what} ({len(items)}): " + sep.join(items[:shown]) + more
+
+
+def check_shapes(config: MMDiTConfig, stored: dict[str, tuple[int, ...]]) -> None:
+    """Check stored tensor shapes (checkpoint names) against ``config``.
+
+    The block count is compared first, so a config claiming absurd depth fails at once instead
+    of enumerating its keys; every other size is pinned by some stored shape, so nothing is
+    allocated before the config and the weights agree.
+
+    Raises:
+        CheckpointError: ``num_layers`` differs from the stored block count; or one line
+            counting the missing, unexpected and mis-shaped keys and naming the first of each.
+    """
+    blocks = {int(m.group(1)) for k in stored if (m := _BLOCK_KEY.match(k))}
+    if config.num_layers != len(blocks):
+        raise CheckpointError(f"config num_layers={config.num_layers} but the weights hold {len(blocks)} "
+                              "block(s) under transformer_blocks.*")
+    want = tensor_shapes(config)
+    missing = [k for k in want if k not in stored]
+    unexpected = sorted(k for k in stored if k not in want)
+    misshaped = [f"{k}: checkpoint {stored[k]} vs model {want[k]}"
+                 for k in want if k in stored and stored[k] != want[k]]
+    parts = [_listing(f"{what} keys", keys, sep) for what, keys, sep in (
+        ("missing", missing, ", "), ("unexpected", unexpected, ", "), ("mis-shaped", misshaped, "; ")) if keys]
+    if parts:
+        raise CheckpointError("checkpoint does not match its config: " + " | ".join(parts))
 
 
 def load_state_dict_into(model: MMDiT, tensors: dict[str, torch.Tensor]) -> None:
     """Check ``tensors`` (checkpoint names) against ``model`` and load them, cast to its dtype.
 
     Raises:
-        CheckpointError: one error listing every missing key, unexpected key and mis-shaped key.
+        CheckpointError: as ``check_shapes``; or non-float tensors (listed).
     """
+    check_shapes(model.config, {k: tuple(t.shape) for k, t in tensors.items()})
     wmap = weight_map(model.config)
+    bad_dtype = [f"{k}: {t.dtype}" for k, t in tensors.items() if not t.is_floating_point()]
+    if bad_dtype:
+        raise CheckpointError(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype))
     params = dict(model.named_parameters())
-    missing = [k for k in wmap if k not in tensors]
-    unexpected = sorted(k for k in tensors if k not in wmap)
-    misshaped = [
-        f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(params[wmap[k]].shape)}"
-        for k in wmap
-        if k in tensors and tuple(tensors[k].shape) != tuple(params[wmap[k]].shape)
-    ]
-    bad_dtype = [f"{k}: {t.dtype}" for k, t in tensors.items() if k in wmap and not t.is_floating_point()]
-    if missing or unexpected or misshaped or bad_dtype:
-        lines = []
-        if missing:
-            lines.append(f"missing keys ({len(missing)}): " + ", ".join(missing))
-        if unexpected:
-            lines.append(f"unexpected keys ({len(unexpected)}): " + ", ".join(unexpected))
-        if misshaped:
-            lines.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped))
-        if bad_dtype:
-            lines.append(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype))
-        raise CheckpointError("checkpoint does not match the MMDiT:\n  " + "\n  ".join(lines))
     state = {}
     for ckpt_name, model_name in wmap.items():
         p = params[model_name]
@@ -197,28 +310,52 @@ def load_state_dict_into(model: MMDiT, tensors: dict[str, torch.Tensor]) -> None
     model.load_state_dict(state, strict=True, assign=True)
 
 
+def read_config(path: str | Path) -> MMDiTConfig:
+    """The ``MMDiTConfig`` of a transformer or pipeline folder (``transformer_folder``).
+
+    Raises:
+        CheckpointError: as ``transformer_folder``; an unreadable ``config.json``.
+        UnsupportedConfigError: as ``drifttool.model.config.from_diffusers_config``.
+    """
+    return from_diffusers_config(_json_object(transformer_folder(path) / CONFIG_NAME))
+
+
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    variant: str | None = None,
 ) -> MMDiT:
-    """Load a diffusers-format transformer folder into an ``MMDiT``.
+    """Load a diffusers-format transformer folder (or a pipeline folder, ``transformer_folder``)
+    into an ``MMDiT``.
+
+    The config is checked against the safetensors headers before any tensor is read or the
+    model is built, so a hostile config (a billion layers, huge widths) fails at once.
 
     Args:
-        path: folder with ``config.json`` and safetensors weights (single file or sharded index).
+        path: folder with ``config.json`` and safetensors weights (single file or sharded index),
+            or a pipeline folder with ``model_index.json`` and ``transformer/``.
         dtype: model dtype W (fp32 or bf16); ``None`` keeps the checkpoint's own dtype, which must
             then be one dtype for all tensors.
         device: where the parameters live.
+        variant: diffusers weight variant (``"fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors``),
+            as ``from_pretrained(..., variant=)``.
 
     Raises:
-        CheckpointError: missing/unreadable files; missing, unexpected or mis-shaped keys (all
-            listed in one error); mixed checkpoint dtypes with ``dtype=None``.
+        CheckpointError: missing/unreadable files; a config that is not a JSON object; missing,
+            unexpected or mis-shaped keys (all listed in one error); a block count that differs
+            from ``num_layers``; mixed checkpoint dtypes with ``dtype=None``.
         UnsupportedConfigError: a config that drifttool does not implement
-            (``guidance_embeds``, ``zero_cond_t``, ``use_additional_t_cond``, ``use_layer3d_rope``).
+            (``from_diffusers_config``), or a variant that is not a plain name.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory")
-    config = from_diffusers_config(_read_json(folder / CONFIG_NAME))
-    tensors = _read_tensors(_weight_files(folder))
+    if variant is not None and (not isinstance(variant, str) or not re.fullmatch(_VARIANT, variant)):
+        raise UnsupportedConfigError(f"weight variant {variant!r} must be a plain name such as 'fp16'")
+    folder = transformer_folder(path)
+    config = read_config(folder)
+    files = _weight_files(folder, variant)
+    check_shapes(config, read_shapes(files))
+    tensors = _read_tensors(files)
     if dtype is None:
         dtypes = sorted({str(t.dtype) for t in tensors.values()})
         if len(dtypes) != 1:

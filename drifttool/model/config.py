@@ -2,8 +2,8 @@
 
     >>> from drifttool.model.config import FLAVORS
     >>> cfg = FLAVORS["tiny"]()
-    >>> cfg.inner_dim, cfg.num_layers, cfg.in_channels
-    (32, 2, 64)
+    >>> cfg.inner_dim, cfg.num_layers, cfg.in_channels, cfg.latent_channels
+    (32, 2, 64, 16)
 
 Fields carry diffusers' ``QwenImageTransformer2DModel`` argument names so a checkpoint's
 ``config.json`` maps one to one (numerics spec §1). Flavors are functions (torchtitan's
@@ -25,14 +25,38 @@ from drifttool.errors import UnsupportedConfigError
 _UNSUPPORTED_TRUE_FLAGS = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
 
 
+# Top-level keys diffusers' config loader reads but does not pass to ``__init__`` although they
+# change the arithmetic: ``quantization_config`` makes ``from_pretrained`` quantise the weights.
+_UNHONOURED_KEYS = ("quantization_config",)
+
+# Integer fields of the config and the least value each may take; none may exceed a tensor
+# dimension (int64), which keeps every derived size printable and every check instant.
+_MAX_SIZE = 2**63 - 1
+_INT_FIELDS = {
+    "patch_size": 1,
+    "in_channels": 1,
+    "out_channels": 1,
+    "num_layers": 1,
+    "attention_head_dim": 1,
+    "num_attention_heads": 1,
+    "joint_attention_dim": 1,
+    "rope_theta": 1,
+    "mlp_ratio": 1,
+}
+
+# The pipelines pack latents 2×2 into tokens (``_pack_latents``), whatever ``patch_size`` says.
+LATENT_PACK = 4
+
+
 @dataclass(frozen=True, kw_only=True)
 class MMDiTConfig:
     """Shape of the Qwen-Image MMDiT (double-stream transformer), numerics spec §1.
 
     Attributes:
-        patch_size: latent patch edge (2; 2×2 packing of 16-channel latents into 64 values).
-        in_channels: packed input width per token (``patch_size² · out_channels`` = 64).
-        out_channels: latent channels (16); the output width is ``patch_size² · out_channels``.
+        patch_size: p; only sizes ``proj_out`` (``p² · out_channels`` outputs per token), as in
+            diffusers (2 for Qwen-Image).
+        in_channels: input width per token of ``img_in`` (64 = 2×2-packed 16-channel latents).
+        out_channels: c_out; ``proj_out`` gives ``p² · c_out`` per token (16).
         num_layers: number of double-stream blocks (60).
         attention_head_dim: head dimension Dh (128).
         num_attention_heads: heads H (24); the hidden size is ``d = H · Dh``.
@@ -42,8 +66,13 @@ class MMDiTConfig:
         eps: epsilon of every LayerNorm / RMSNorm in the model (1e-6).
         mlp_ratio: MLP hidden width over d (4; diffusers ``FeedForward`` default).
 
+    Every shape diffusers' ``QwenImageTransformer2DModel`` builds and runs is accepted, including
+    ``p² · c_out != in_channels`` (its unit-test model has 16 in, 4 out; ``out_channels=None``
+    gives ``c_out = in_channels``). Whether a *rollout* can use the shape is ``check_rollout``.
+
     Raises:
-        UnsupportedConfigError: shapes that are not Qwen-Image-shaped (see ``__post_init__``).
+        UnsupportedConfigError: a non-integer or non-positive size, or RoPE axes diffusers cannot
+            run (not three, odd, or not summing to Dh); every problem named in one message.
     """
 
     patch_size: int = 2
@@ -59,26 +88,61 @@ class MMDiTConfig:
     mlp_ratio: int = 4
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
         bad = []
-        if self.patch_size != 2:
-            bad.append(f"patch_size={self.patch_size} (only 2×2 packing is supported)")
-        if self.in_channels != self.patch_size**2 * self.out_channels:
-            bad.append(
-                f"in_channels={self.in_channels} != patch_size²·out_channels="
-                f"{self.patch_size**2 * self.out_channels} (input and output must share the packed layout)"
-            )
-        if len(self.axes_dims_rope) != 3:
-            bad.append(f"axes_dims_rope={self.axes_dims_rope} must have 3 axes (frame, row, column)")
-        elif sum(self.axes_dims_rope) != self.attention_head_dim:
-            bad.append(f"sum(axes_dims_rope)={sum(self.axes_dims_rope)} != attention_head_dim={self.attention_head_dim}")
-        if any(a <= 0 or a % 2 for a in self.axes_dims_rope):
-            bad.append(f"axes_dims_rope={self.axes_dims_rope} must be positive and even")
-        for name in ("num_layers", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "out_channels"):
-            if getattr(self, name) <= 0:
-                bad.append(f"{name}={getattr(self, name)} must be positive")
+        for name, least in _INT_FIELDS.items():
+            v = getattr(self, name)
+            if type(v) is not int:  # bool is an int subclass; 2.0 is not a size
+                bad.append(f"{name}={v!r} must be an integer")
+            elif not least <= v <= _MAX_SIZE:
+                bad.append(f"{name}={v if v.bit_length() < 128 else '<huge>'} must be in [{least}, 2**63-1]")
+        axes = self.axes_dims_rope
+        if not isinstance(axes, (list, tuple)) or any(type(a) is not int or abs(a) > _MAX_SIZE for a in axes):
+            bad.append(f"axes_dims_rope={str(axes)[:80]} must be a list of integers in [1, 2**63-1]")
+        else:
+            object.__setattr__(self, "axes_dims_rope", tuple(axes))
+            if len(axes) != 3:
+                bad.append(f"axes_dims_rope={list(axes)} must have 3 axes (frame, row, column)")
+            elif type(self.attention_head_dim) is int and sum(axes) != self.attention_head_dim:
+                bad.append(f"sum(axes_dims_rope)={sum(axes)} != attention_head_dim={self.attention_head_dim}")
+            if any(a <= 0 or a % 2 for a in axes):
+                bad.append(f"axes_dims_rope={list(axes)} must be positive and even")
+        if type(self.eps) is not float or not self.eps > 0:
+            bad.append(f"eps={self.eps!r} must be a positive float")
         if bad:
             raise UnsupportedConfigError("unsupported MMDiT config: " + "; ".join(bad))
+
+    def check_rollout(self) -> None:
+        """Refuse a shape the sampler cannot run, naming why (the transformer itself loads and
+        runs, as in diffusers; its pipelines fail on it too).
+
+        Raises:
+            UnsupportedConfigError: ``in_channels`` is not a multiple of 4 (2×2-packed latents),
+                or the v_t width ``patch_size² · out_channels`` differs from the x_t width
+                ``in_channels`` (``x_t + dt · v_t`` needs them equal).
+        """
+        bad = []
+        if self.in_channels % LATENT_PACK:
+            bad.append(f"in_channels={self.in_channels} is not 2×2-packed latents (not a multiple of 4)")
+        if self.out_dim != self.in_channels:
+            bad.append(
+                f"v_t width patch_size²·out_channels={self.patch_size}²·{self.out_channels}={self.out_dim} "
+                f"!= x_t width in_channels={self.in_channels}"
+            )
+        if bad:
+            raise UnsupportedConfigError(
+                "this transformer loads but cannot drive a rollout (x_{t-1} = x_t + dt·v_t): " + "; ".join(bad)
+            )
+
+    @property
+    def latent_channels(self) -> int:
+        """Latent channels C of a rollout: ``in_channels / 4`` (the pipelines'
+        ``num_channels_latents = in_channels // 4``, packed 2×2 into ``in_channels`` per token).
+
+        Raises:
+            UnsupportedConfigError: as ``check_rollout``.
+        """
+        self.check_rollout()
+        return self.in_channels // LATENT_PACK
 
     @property
     def inner_dim(self) -> int:
@@ -144,36 +208,47 @@ _DIFFUSERS_SHAPE_KEYS = (
 )
 
 
-def from_diffusers_config(cfg: dict[str, Any]) -> MMDiTConfig:
-    """Build an ``MMDiTConfig`` from a diffusers transformer ``config.json`` dict.
-
-    Keys starting with ``_`` (``_class_name``, ``_diffusers_version``, ...) are ignored; missing
-    keys take diffusers' constructor defaults (= ``full()``); ``out_channels: null`` means
-    ``in_channels`` (diffusers' rule).
+def from_diffusers_config(cfg: Any) -> MMDiTConfig:
+    """Build an ``MMDiTConfig`` from a diffusers transformer ``config.json`` dict, reading it the
+    way diffusers 0.42.1 ``ConfigMixin.extract_init_dict`` + ``QwenImageTransformer2DModel``
+    do: keys named in ``_use_default_values`` take the constructor default; other ``_``-keys
+    (``_class_name``, ``_diffusers_version``, ``_name_or_path``) and keys the constructor does
+    not take (``pooled_projection_dim``, ...) are ignored; missing keys take the constructor
+    defaults (= ``full()``); ``out_channels`` null (or 0) means ``in_channels``
+    (``out_channels or in_channels``).
 
     Raises:
-        UnsupportedConfigError: ``_class_name`` is not ``QwenImageTransformer2DModel``; any of
-            ``guidance_embeds``, ``zero_cond_t``, ``use_additional_t_cond``, ``use_layer3d_rope``
-            is true; an unknown key is present; or the shape is unsupported.
+        UnsupportedConfigError: ``cfg`` is not a JSON object; ``_class_name`` names another
+            model class; ``guidance_embeds``, ``zero_cond_t``, ``use_additional_t_cond`` or
+            ``use_layer3d_rope`` is true (graphs drifttool does not implement) or not a boolean;
+            ``quantization_config`` is present (diffusers would quantise the weights); or the
+            shape is invalid (see ``MMDiTConfig``). Every problem is named in one message.
     """
+    if not isinstance(cfg, dict):
+        raise UnsupportedConfigError(f"diffusers config must be a JSON object, got {type(cfg).__name__}")
+    defaults = cfg.get("_use_default_values", [])
+    if not isinstance(defaults, list) or not all(isinstance(k, str) for k in defaults):
+        raise UnsupportedConfigError(f"_use_default_values={defaults!r} must be a list of key names")
+    cfg = {k: v for k, v in cfg.items() if k not in defaults}
     cls = cfg.get("_class_name", "QwenImageTransformer2DModel")
     problems = []
     if cls != "QwenImageTransformer2DModel":
         problems.append(f"_class_name={cls!r} (expected 'QwenImageTransformer2DModel')")
     for flag in _UNSUPPORTED_TRUE_FLAGS:
-        if cfg.get(flag):
-            problems.append(f"{flag}={cfg[flag]!r}")
-    known = set(_DIFFUSERS_SHAPE_KEYS) | set(_UNSUPPORTED_TRUE_FLAGS)
-    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in known)
-    if unknown:
-        problems.append(f"unknown keys {unknown}")
+        v = cfg.get(flag)
+        if v is not None and not isinstance(v, bool):
+            problems.append(f"{flag}={v!r} must be true or false")
+        elif v:
+            problems.append(f"{flag}=true (a graph drifttool does not implement)")
+    for key in _UNHONOURED_KEYS:
+        if key in cfg:
+            problems.append(f"{key} present (diffusers would quantise the weights; drifttool runs them as stored)")
     if problems:
         raise UnsupportedConfigError("unsupported diffusers config: " + "; ".join(problems))
     kw = {k: cfg[k] for k in _DIFFUSERS_SHAPE_KEYS if k in cfg}
-    if "out_channels" in kw and kw["out_channels"] is None:
+    out = kw.get("out_channels", MMDiTConfig.out_channels)
+    if out is None or (type(out) is int and out == 0):  # diffusers: ``out_channels or in_channels``
         kw["out_channels"] = kw.get("in_channels", MMDiTConfig.in_channels)
-    if "axes_dims_rope" in kw:
-        kw["axes_dims_rope"] = tuple(kw["axes_dims_rope"])
     return MMDiTConfig(**kw)
 
 

@@ -40,6 +40,7 @@ import torch
 
 from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.runtime import Runtime
 from drifttool.sampling.noise import draw_noise
@@ -89,11 +90,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, clip: float) -> tor
 
 
 def group_inputs(fx, seed: int, ids: list[int], prompt_rows: list[int], grid, num_steps: int,
-                 joint_dim: int) -> RolloutInputs:
+                 config: MMDiTConfig) -> RolloutInputs:
     """Replay inputs for samples ``ids`` with prompt ``prompt_rows[b]`` of the fixture (pinned
-    noise per sample id, prompts right-padded with a key mask, the fixture's negative prompt)."""
-    noise = draw_noise(seed, ids, img_grid=tuple(grid), num_steps=num_steps)
-    txt, lens, neg, neg_len = fx.prompts(joint_dim, seed=seed)
+    noise per sample id with ``config.latent_channels`` channels, prompts right-padded with a
+    key mask, the fixture's negative prompt)."""
+    noise = draw_noise(seed, ids, img_grid=tuple(grid), num_steps=num_steps, channels=config.latent_channels)
+    txt, lens, neg, neg_len = fx.prompts(config.joint_attention_dim, seed=seed)
     width = max(int(lens[r]) for r in prompt_rows)
     tb = torch.stack([txt[r, :width] for r in prompt_rows])  # [B, L, D]
     mask = torch.stack([torch.arange(width) < lens[r] for r in prompt_rows])  # [B, L]
@@ -143,8 +145,7 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
     for k in range(cfg.steps):
         ids = [k * n_batch + j for j in range(n_batch)]
         prompt_rows = [((k * cfg.groups) + j // cfg.group_size) % n_prompts for j in range(n_batch)]
-        inputs = group_inputs(fx, seed, ids, prompt_rows, s["img_grid"], sampler.num_steps,
-                              model.config.joint_attention_dim)
+        inputs = group_inputs(fx, seed, ids, prompt_rows, s["img_grid"], sampler.num_steps, model.config)
         t0 = time.perf_counter()
         traj = rollout(fwd, inputs, sampler, Runtime(mode=MODES[cfg.rollout_mode]))
         t_roll = time.perf_counter() - t0

@@ -263,7 +263,7 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
     dtype = DTYPES.get(s.get("dtype", "float32"))
     if dtype is None:
         raise ArtifactError(f"{stored.path}: unsupported model dtype {s.get('dtype')!r}")
-    model = load_checkpoint(ckpt, dtype=dtype)
+    model = load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"))
     adapter = lora or s.get("lora")
     if adapter is not None:
         load_lora(model, adapter)
@@ -539,7 +539,8 @@ def replay_run(
     model = _prepare(stored, model, fixture, checkpoint, lora)
     s = stored.settings
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    kw = {k: v for k, v in s.items() if k in fields and k not in ("mode", "capture", "fixture", "checkpoint")}
+    own = ("mode", "capture", "fixture", "checkpoint") + (("variant",) if checkpoint else ())  # variant: of the stored checkpoint
+    kw = {k: v for k, v in s.items() if k in fields and k not in own}
     spec = RunSpec(**kw, fixture=fixture or s.get("fixture"), checkpoint=checkpoint or s.get("checkpoint"),
                    mode=mode or s.get("mode", "strict"),
                    capture=capture or stored.manifest.get("capture_level"))

@@ -151,3 +151,14 @@ def test_adapter_imports_diffusers_lazily():
     code = ("import sys; import drifttool.adapters.diffusers_qwenimage, drifttool.runner; "
             "assert 'diffusers' not in sys.modules, 'diffusers imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_load_transformer_takes_pipeline_folders_and_variants(random_transformer, tmp_path):
+    from drifttool.adapters.diffusers_qwenimage import load_transformer
+
+    tr = random_transformer(seed=4)
+    tr.save_pretrained(tmp_path / "pipe" / "transformer", variant="fp16")
+    (tmp_path / "pipe" / "model_index.json").write_text('{"transformer": ["diffusers", "QwenImageTransformer2DModel"]}')
+    loaded = load_transformer(tmp_path / "pipe", torch.float32, variant="fp16")
+    got, want = loaded.state_dict(), tr.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -149,3 +149,60 @@ def test_weight_digest_sensitivity():
     c = random_init_(MMDiT(tiny(), dtype=torch.bfloat16), seed=1)
     assert weight_digest(c) == weight_digest({k: v.bfloat16() for k, v in a.named_parameters()})
     assert weight_digest(c).startswith("xxh3_128:")
+
+
+def _refuse_tensor_reads(monkeypatch):
+    import drifttool.model.checkpoint as ck
+
+    def no_reads(files):
+        raise AssertionError("tensors were read before the config was checked against the headers")
+
+    monkeypatch.setattr(ck, "_read_tensors", no_reads)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"num_layers": 10**9}, "num_layers=1000000000 but the weights hold 2 block(s)"),
+    ({"num_layers": 1}, "num_layers=1 but the weights hold 2 block(s)"),
+    ({"num_attention_heads": 2**40, "attention_head_dim": 2**20, "axes_dims_rope": [2**18, 2**18, 2**19]},
+     "mis-shaped keys (75)"),
+    ({"joint_attention_dim": 3 * 10**12}, "txt_norm.weight: checkpoint (32,) vs model (3000000000000,)"),
+])
+def test_config_checked_against_headers_before_any_read(diffusers_folder, monkeypatch, edit, needle):
+    _, folder = diffusers_folder(**SMALL)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
+    _refuse_tensor_reads(monkeypatch)
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(folder)
+    assert needle in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_index_shards_stay_in_the_folder(diffusers_folder):
+    _, folder = diffusers_folder(max_shard_size="40KB", **SMALL)
+    index = json.loads((folder / WEIGHTS_INDEX_NAME).read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "../elsewhere.safetensors"
+    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="shard names must be file names"):
+        load_checkpoint(folder)
+
+
+def test_oversized_config_refused_unparsed(diffusers_folder):
+    _, folder = diffusers_folder(**SMALL)
+    (folder / "config.json").write_text(" " * (17 * 2**20) + "{}")
+    with pytest.raises(CheckpointError, match="larger than any checkpoint JSON"):
+        load_checkpoint(folder)
+
+
+def test_variant_and_pipeline_folder(diffusers_folder, tmp_path):
+    ref, folder = diffusers_folder(**SMALL)
+    pipe = tmp_path / "pipe"
+    ref.save_pretrained(pipe / "transformer", variant="fp16")
+    (pipe / "model_index.json").write_text(json.dumps({"transformer": ["diffusers", "QwenImageTransformer2DModel"]}))
+    want = weight_digest(load_checkpoint(folder))
+    assert weight_digest(load_checkpoint(pipe, variant="fp16")) == want
+    assert weight_digest(load_checkpoint(pipe / "transformer", variant="fp16")) == want
+    with pytest.raises(CheckpointError, match=r"found weight variant\(s\) \['fp16'\]"):
+        load_checkpoint(pipe)
+    with pytest.raises(UnsupportedConfigError, match="plain name"):
+        load_checkpoint(pipe, variant="fp16/../x")

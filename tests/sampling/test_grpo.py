@@ -40,3 +40,17 @@ def test_mismatched_trainer_shows_ratio_drift_before_any_update():
     (r,) = rows
     assert not r["ratio_exactly_one"] and r["kl"] > 0 and r["approx_kl"] > 0
     assert 0.0 <= r["clip_fraction"] <= 1.0
+
+
+def test_group_inputs_widths_come_from_the_config():
+    """Latent channels and text width follow the model config (diffusers' unit-test shape:
+    16 packed channels = 4 latent channels, text width 16), not Qwen-Image's 16/3584."""
+    from drifttool.fixture import load_fixture
+    from drifttool.model.config import MMDiTConfig
+    from drifttool.sampling.grpo import group_inputs
+
+    cfg = MMDiTConfig(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                      num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+    inputs = group_inputs(load_fixture("tiny-t2i"), 3, [0, 1], [0, 1], (4, 6), 4, cfg)
+    assert inputs.x0.shape == (2, 24, 16) and inputs.noise.shape[-1] == 16
+    assert inputs.txt.shape[-1] == inputs.neg_txt.shape[-1] == 16
