@@ -69,8 +69,8 @@ def _first_drift_table(report: DiffReport) -> Table:
              ("shape", _pair(*map(tuple, fd.shape))), ("digest", _pair(*fd.digest)),
              ("non-finite", _pair(*fd.nonfinite)),
              ("max |x|", _pair(*(_num(x) for x in fd.maxabs))),
-             ("origin", "yes (every earlier record matches)" if fd.origin else
-              "unknown (records missing before it)")]
+             ("origin", "yes (every earlier record matches)" if fd.origin_kind == "record"
+              else fd.origin_words())]
     if fd.rows is not None:
         first = ", ".join(map(str, fd.rows.first))
         more = "" if fd.rows.n_differ <= len(fd.rows.first) else ", ..."

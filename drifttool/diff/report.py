@@ -71,14 +71,34 @@ class RowDrift:
     first: list[RowRef]  # the first few differing rows, in row order
 
 
+ORIGIN_KINDS = ("record", "between_steps", "inputs", "unknown")
+"""Values of ``FirstDrift.origin_kind``."""
+
+LEVEL_COVERS = {"L0": "step boundaries only",
+                "L1": "step records and operator outputs, without row digests",
+                "L2": "step records, operator outputs and their row digests"}
+"""What a verdict at each common capture level covers (``DiffReport.covers``)."""
+
+
 @dataclass(kw_only=True)
 class FirstDrift:
     """The first differing record in run A's execution order (``seq``).
 
     ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
-    quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). ``origin`` is
-    true when every earlier record of both runs is present in both and equal (born here, not
-    carried in from a missing record).
+    quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). A record is an
+    origin only if the inputs it consumed match; ``origin_kind`` (``ORIGIN_KINDS``) says which:
+
+    - ``"record"``: every earlier record of both runs is present in both and equal, and the
+      step's input ``x_t`` matches: the drift is born in this record.
+    - ``"between_steps"``: the step's ``x_t`` differs while every record of the previous step
+      matched (its ``x_next`` included): the latent changed between the steps, outside every
+      recorded operator. The first drift is then that ``x_t`` record, not an operator of the step.
+    - ``"inputs"``: ``x_t`` of the phase's first step differs: the replay inputs differ.
+    - ``"unknown"``: records missing in one run precede it; the origin may be earlier.
+
+    ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a
+    ``"between_steps"`` origin (``None`` otherwise); ``unmatched_before`` counts the records of
+    one run only that precede it.
     """
 
     kind: str
@@ -102,7 +122,23 @@ class FirstDrift:
     nonfinite: tuple[int, int]
     maxabs: tuple[float, float]
     origin: bool
+    origin_kind: str
+    prev_step: int | None = None
+    unmatched_before: int = 0
     rows: RowDrift | None = None
+
+    def origin_words(self) -> str:
+        """The origin in words, e.g. ``x_t of step 2 differs; step 1's outputs match — changed
+        between steps``."""
+        return {
+            "record": "origin (every earlier record matches)",
+            "between_steps": f"x_t of step {self.step} differs; step {self.prev_step}'s outputs "
+                             "match — changed between steps",
+            "inputs": f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
+                      "the replay inputs differ",
+            "unknown": f"{self.unmatched_before} unmatched records precede it: origin may be "
+                       "earlier",
+        }[self.origin_kind]
 
     def where(self) -> str:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1``."""
@@ -218,6 +254,8 @@ class DiffReport:
         incomparable: the fields that prevent alignment (empty unless incomparable).
         context: other differences between the runs, listed first (fingerprint outside
             ``arch``, inputs, capture level, operator trace); the runs are still diffed.
+        level: the common capture level (the lower of the two runs'); ``covers``: what a verdict
+            at that level covers (``LEVEL_COVERS``), e.g. ``"step boundaries only"`` at L0.
         notes: what the reader or aligner noticed (cut files, duplicate identities, levels).
         counts: per table (``"ops"``, ``"steps"``), see ``Counts``; ops absent when not compared.
         identical_through: the last ``[phase, step]`` up to which every record matched.
@@ -229,6 +267,7 @@ class DiffReport:
     run_a: str
     run_b: str
     level: str | None = None
+    covers: str | None = None
     incomparable: list[str] = field(default_factory=list)
     context: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
