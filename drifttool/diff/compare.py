@@ -14,8 +14,8 @@ Order of work (design.md, "Diff"):
    identity and compared by digest (``drifttool.diff.align``).
 4. First drift = the differing record with the smallest ``seq`` in run A (ops and steps share one
    counter per rank), unless its step's input ``x_t`` already differs: then the first drift is
-   that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step matched,
-   ``inputs`` for the phase's first step). A record is an origin only if the inputs it consumed
+   that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step matched;
+   for the phase's first step the record stays, origin ``inputs``). A record is an origin only if the inputs it consumed
    match, and no record before it is missing in either run (``FirstDrift.origin_kind``). With
    row digests on both sides (L2) its differing rows are named (text position or patch (i, j)).
 5. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
@@ -196,19 +196,25 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     """Fill the first drift and the drift verdict; ``False`` when no common record differs.
 
     The first differing record in run A's order is the first drift unless its step's input
-    ``x_t`` already differs: then the first drift is that ``x_t`` record (a step boundary), with
-    origin kind ``between_steps`` or ``inputs`` (``FirstDrift``)."""
+    ``x_t`` already differs after a matching step: then the first drift is that ``x_t`` record
+    (a step boundary, origin kind ``between_steps``). When ``x_t`` of the phase's first step
+    differs, the record stays (it shows which replay input differs) with origin kind
+    ``inputs`` (``FirstDrift``)."""
     firsts = [(f, kind) for kind, t in zip(("step", "op"), tables) for f in [_first(t)] if f]
     if not firsts:
         return False
+    origin_kind = ""
     (_, _, i, j), kind = min(firsts, key=lambda x: x[0][:2])
     t = tables[0] if kind == "step" else tables[1]
     phase, step = t.a.column("phase")[i].as_py(), int(t.a.column("step")[i].as_py())
     boundary = _step_input(tables[0], phase, step)
     prev = None
     if boundary is not None:
-        (i, j), kind, t = boundary, "step", tables[0]
         origin_kind, prev = _boundary_origin(report.steps, phase, step)
+        if origin_kind == "inputs":  # keep the record where the differing inputs first show
+            boundary = None
+        else:
+            (i, j), kind, t = boundary, "step", tables[0]
     i, j = int(t.a.column("_row")[i].as_py()), int(t.b.column("_row")[j].as_py())
     if kind == "op":
         full_a, full_b = run_a.ops_table(), run_b.ops_table()
@@ -217,7 +223,7 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         full_b = run_b.steps_table().drop_columns(["data"])
     ra, rb = full_a.slice(i, 1).to_pylist()[0], full_b.slice(j, 1).to_pylist()[0]
     n_before = _unmatched_before(tables, ra["seq"], rb["seq"])
-    if boundary is None:
+    if boundary is None and origin_kind != "inputs":
         origin_kind = "unknown" if n_before else "record"
     report.first_drift, note = _first_drift(kind, ra, rb, origin_kind)
     fd = report.first_drift

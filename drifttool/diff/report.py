@@ -93,7 +93,8 @@ class FirstDrift:
     - ``"between_steps"``: the step's ``x_t`` differs while every record of the previous step
       matched (its ``x_next`` included): the latent changed between the steps, outside every
       recorded operator. The first drift is then that ``x_t`` record, not an operator of the step.
-    - ``"inputs"``: ``x_t`` of the phase's first step differs: the replay inputs differ.
+    - ``"inputs"``: ``x_t`` of the phase's first step differs: the replay inputs differ. The
+      record is the first where they show (e.g. ``txt_in_rmsnorm_linear`` for a prompt).
     - ``"unknown"``: records missing in one run precede it; the origin may be earlier.
 
     ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a

@@ -60,10 +60,16 @@ def test_between_steps_at_l0(make_run):
 
 def test_differing_initial_latent_is_an_input_difference(make_run):
     r = diff_runs(open_run(make_run("a")), open_run(make_run("b", x_seed=1)))
-    fd = r.first_drift
-    assert (fd.kind, fd.step, fd.op, fd.origin_kind) == ("step", 0, "x_t", "inputs")
+    fd = r.first_drift  # the first record the differing latent reaches, not an origin of its own
+    assert (fd.kind, fd.step, fd.op, fd.origin_kind) == ("op", 0, "img_mlp", "inputs")
     assert "x_t of step 0, the first step of phase rollout, differs — the replay inputs differ" \
         in r.reason
+
+
+def test_differing_initial_latent_at_l0(make_run):
+    r = diff_runs(open_run(make_run("a", level="L0")), open_run(make_run("b", x_seed=1)))
+    fd = r.first_drift
+    assert (fd.kind, fd.step, fd.op, fd.origin_kind) == ("step", 0, "x_t", "inputs")
 
 
 def test_operator_drift_stays_a_record_origin(make_run):
