@@ -117,8 +117,8 @@ class Runtime:
 
         Fields (design.md, "Identity of a captured tensor"): ``phase`` (rollout | train),
         ``step`` (int), ``sigma`` (float), ``branch`` (cond | uncond | cfg | none), ``block``
-        (-1 before the blocks, 0..depth-1, depth after), ``samples`` (logical sample id of each
-        batch row), ``txt_lens`` (valid prompt length of each batch row, or None), ``img_grid``
+        (-1 before the blocks, 0..depth-1, depth after, ``schema.SAMPLER_BLOCK`` the sampler),
+        ``samples`` (logical sample id of each batch row), ``txt_lens`` (valid prompt length of each batch row, or None), ``img_grid``
         ((h, w) patch grid), ``rank`` (int).
         """
         unknown = set(fields) - set(DEFAULT_SCOPE)

@@ -14,10 +14,11 @@ Order of work (design.md, "Diff"):
    identity and compared by digest (``drifttool.diff.align``).
 4. First drift = the differing record with the smallest ``seq`` in run A (ops and steps share one
    counter per rank), unless its step's input ``x_t`` already differs: then the first drift is
-   that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step matched;
-   for the phase's first step the record stays, origin ``inputs``). A record is an origin only if the inputs it consumed
-   match, and no record before it is missing in either run (``FirstDrift.origin_kind``). With
-   row digests on both sides (L2) its differing rows are named (text position or patch (i, j)).
+   that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step
+   matched; for the phase's first step the record stays, origin ``inputs``). A record is an
+   origin only if the inputs it consumed match and no record before it is missing in either
+   run (``FirstDrift.origin_kind``). With row digests on both sides (L2) its differing rows are
+   named (text position or patch (i, j)).
 5. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
    the step quantities and the SDE-transition KL (``drifttool.diff.steps``).
 Verdict: drift if any common record differs; else inconclusive if records are missing or a run

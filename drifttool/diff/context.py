@@ -128,12 +128,18 @@ def _capped(lines: list[str], n: int) -> list[str]:
     return lines if len(lines) <= n else lines[: n - 1] + [f"... and {len(lines) - n + 1} more"]
 
 
+def _block(block: int) -> str:
+    """A trace site's block: ``b<n>``, or ``sampler`` (``schema.SAMPLER_BLOCK``)."""
+    name = S.block_name(block)
+    return name if block == S.SAMPLER_BLOCK else f"b{name}"
+
+
 def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
     """One line per operator call site whose trace entry differs (backend, kernel, contract)."""
     keep = ("requested", "actual", "kernel", "contract", "fallback")
 
     def sites(run: Run) -> dict[str, dict]:
-        return {f"b{r['block']} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
+        return {f"{_block(r['block'])} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
                 for r in run.trace_rows()}
 
     ta, tb = sites(run_a), sites(run_b)

@@ -34,6 +34,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from drifttool.artifact.schema import block_name
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 _STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
@@ -61,7 +62,7 @@ def _first_drift_table(report: DiffReport) -> Table:
     rows = [("kind", fd.kind), ("rank", fd.rank), ("phase", fd.phase), ("step", fd.step),
             ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
     if fd.kind == "op":
-        rows += [("block", fd.block), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
+        rows += [("block", block_name(fd.block)), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
                  ("output", f"{fd.index} ({fd.role})")]
     else:
         rows += [("quantity", fd.op)]
@@ -122,7 +123,7 @@ def _first_ops_table(report: DiffReport) -> Table | None:
     for s in rows:
         o = s.first_op
         t.add_row(s.phase, str(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
-                  o.branch, str(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
+                  o.branch, block_name(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
     return t
 
 

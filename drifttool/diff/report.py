@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from drifttool.artifact.schema import SAMPLER_BLOCK
+
 
 class Verdict(str, enum.Enum):
     """identical: every record present in both runs and bitwise equal; drift: a common record
@@ -148,7 +150,8 @@ class FirstDrift:
                     f" (rank {self.rank})")
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
-        return (f"{self.phase} step {self.step} {self.branch} block {self.block} {self.stream} "
+        block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
+        return (f"{self.phase} step {self.step} {self.branch} {block} {self.stream} "
                 f"{self.op}#{self.call}{out}{role} sample {self.sample} (rank {self.rank})")
 
 
@@ -165,7 +168,8 @@ class OpRef:
     sample: int
 
     def __str__(self) -> str:
-        return f"{self.branch} b{self.block} {self.stream} {self.op}#{self.call} s{self.sample}"
+        block = "sampler" if self.block == SAMPLER_BLOCK else f"b{self.block}"
+        return f"{self.branch} {block} {self.stream} {self.op}#{self.call} s{self.sample}"
 
 
 @dataclass(kw_only=True)

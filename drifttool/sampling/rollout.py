@@ -15,7 +15,8 @@ Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=
    ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``);
    ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
    batch-invariant, padding-invariant (strict) model both give the same bytes.
-3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
+3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` and block
+   ``SAMPLER_BLOCK`` (as the sigma table and the SDE step: the sampler sits outside the model) (CFG on iff
    ``cfg_scale > 1`` and negative prompt embeddings are given; else v = v_cond).
 4. ``call(rt, "flow_sde_step_logp", v, x, σ_i, σ_{i+1}, eta=η_i, sigma_max=σ_1, noise=ε_i)``
    with η_i = ``cfg.eta`` inside the SDE window and 0 outside (deterministic Euler, logp absent).
@@ -37,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
+from drifttool.artifact.schema import SAMPLER_BLOCK
 from drifttool.ops.registry import call
 from drifttool.ops.scheduler import TIMESTEP_POLICIES, timestep_input
 from drifttool.runtime import Runtime
@@ -253,8 +255,8 @@ def _sigma_table(
 ) -> torch.Tensor:
     h, w = inputs.img_grid
     seq = cfg.image_seq_len if cfg.image_seq_len is not None else h * w
-    with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", samples=None,
-                  txt_lens=None, img_grid=tuple(inputs.img_grid)):
+    with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", block=SAMPLER_BLOCK,
+                  samples=None, txt_lens=None, img_grid=tuple(inputs.img_grid)):
         return call(rt, "flow_sigma_table", cfg.num_steps, seq, stream="none", layout=".")
 
 
@@ -288,7 +290,7 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
             v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
         with rt.scope(**scope, branch="uncond", samples=ids, txt_lens=lens_u):
             v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt)
-    with rt.scope(**scope, branch="cfg", samples=ids, txt_lens=None):
+    with rt.scope(**scope, branch="cfg", block=SAMPLER_BLOCK, samples=ids, txt_lens=None):
         v = call(rt, "cfg_combine_renorm", v_c, v_u, float(cfg.cfg_scale),
                  stream="img", layout="BS.")
     return v, v_c, v_u
@@ -323,7 +325,8 @@ def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev
     tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
     v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
     noise = inputs.noise_at(i) if (in_win and prev_sample is None) else None
-    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", samples=ids, txt_lens=None):
+    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", block=SAMPLER_BLOCK, samples=ids,
+                  txt_lens=None):
         x_next, logp, mu, std_t = call(
             rt, "flow_sde_step_logp", v, x, s_i, s_n, eta=cfg.eta_at(i), sigma_max=sigmas[1],
             noise=noise, prev_sample=prev_sample, stream="img", layout=("BS.", "B", "BS.", "B"),
