@@ -90,11 +90,12 @@ _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg
 
 
 def _per_sample(t: dict, key: str, sid: int, mask_key: str | None):
-    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed."""
+    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed (the rows its mask
+    marks valid, wherever the padding is)."""
     ids = t["sample_ids"].tolist()
     x = t[key].select(_SAMPLE_AXIS[key], ids.index(sid))
     if mask_key and mask_key in t:
-        x = x[: int(t[mask_key][ids.index(sid)].sum())]
+        x = x[t[mask_key][ids.index(sid)].bool()]
     return x
 
 

@@ -1,0 +1,77 @@
+"""Prompts padded on the left (masked): capture keeps the valid text rows (from the mask), so the
+diff compares real tokens, never padding.
+
+Runs A and B hold the same 3-token prompt, left-padded to 5 and to 6 rows. Every operator that
+acts on each token alone gives the same bytes; the first that differs is the text RoPE of
+block 0, whose angle is the token's row in the padded sequence (rope_tables: positions 0..L-1,
+the mask ignored, as diffusers 0.42.1): every real token moved by one row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drifttool.artifact import open_run
+from drifttool.artifact.writer import ArtifactWriter
+from drifttool.capture.recorder import Recorder
+from drifttool.diff import Verdict, diff_runs
+from drifttool.diff.context import _input_differences
+from drifttool.diff.report import RowRef
+from drifttool.errors import UnsupportedConfigError
+from drifttool.model.config import tiny
+from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runtime import Runtime
+from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
+
+GRID = (2, 2)
+
+
+def _inputs(pad: int, mask: list[bool] | None = None) -> RolloutInputs:
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1, 4, 64, generator=g)  # [B, h*w, Cp]
+    tokens = torch.randn(1, 3, 32, generator=g)  # [B, 3, D] the real prompt
+    txt = torch.cat([torch.zeros(1, pad, 32), tokens], 1)  # [B, pad + 3, D], padded on the left
+    m = torch.tensor([[False] * pad + [True] * 3] if mask is None else [mask])
+    return RolloutInputs(sample_ids=[0], x0=x0, txt=txt, txt_mask=m, img_grid=GRID,
+                         noise=torch.randn(2, 1, 4, 64, generator=g))
+
+
+def _run(path, inputs):
+    model = random_init_(MMDiT(tiny()), seed=0)
+    writer = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"num_layers": 2}}})
+    rec = Recorder("L2", writer)
+    rt = Runtime(recorder=rec)
+    rollout(model, inputs, SamplerConfig(num_steps=2), rt, max_steps=1)
+    writer.write_trace(rt.trace.rows())
+    rec.close(complete=True)
+    return path
+
+
+def test_left_padded_prompts_first_drift_is_text_rope(tmp_path):
+    r = diff_runs(open_run(_run(tmp_path / "a", _inputs(2))),
+                  open_run(_run(tmp_path / "b", _inputs(3))))
+    assert r.verdict is Verdict.DRIFT
+    fd = r.first_drift
+    assert (fd.kind, fd.step, fd.block, fd.stream, fd.op, fd.sample, fd.origin_kind) == (
+        "op", 0, 0, "txt", "multi_axis_rope", 0, "record")
+    assert fd.shape == ([3, 2, 16], [3, 2, 16])  # the 3 real tokens [L, heads, head_dim]
+    assert fd.rows.n_rows == 3 and fd.rows.first == [RowRef(row=k, kind="txt", pos=k)
+                                                       for k in range(3)]
+
+
+def test_mask_with_gaps_is_refused(tmp_path):
+    with pytest.raises(UnsupportedConfigError, match="batch row 0 has gaps"):
+        _run(tmp_path / "a", _inputs(2, mask=[False, True, False, True, True]))
+
+
+def test_inputs_of_common_samples_compare_valid_prompt_rows():
+    # run A holds samples [0, 1], run B sample 1 alone, padded on the left to another width
+    tok = torch.randn(2, 3, 4)
+    ia = {"sample_ids": torch.tensor([0, 1]), "txt": torch.cat([torch.zeros(2, 2, 4), tok], 1),
+          "txt_mask": torch.tensor([[0, 0, 1, 1, 1]] * 2, dtype=torch.uint8)}
+    ib = {"sample_ids": torch.tensor([1]), "txt": torch.cat([torch.full((1, 1, 4), 9.0),
+                                                             tok[1:]], 1),
+          "txt_mask": torch.tensor([[0, 1, 1, 1]], dtype=torch.uint8)}
+    assert _input_differences(ia, ib) == ["inputs.txt_mask: differs for common samples [1]"]
+    ib["txt"][0, 3, 0] += 1.0
+    assert "inputs.txt: differs for common samples [1]" in _input_differences(ia, ib)
