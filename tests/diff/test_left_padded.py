@@ -36,12 +36,12 @@ def _inputs(pad: int, mask: list[bool] | None = None) -> RolloutInputs:
                          noise=torch.randn(2, 1, 4, 64, generator=g))
 
 
-def _run(path, inputs):
+def _run(path, inputs, **cfg):
     model = random_init_(MMDiT(tiny()), seed=0)
     writer = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"num_layers": 2}}})
     rec = Recorder("L2", writer)
     rt = Runtime(recorder=rec)
-    rollout(model, inputs, SamplerConfig(num_steps=2), rt, max_steps=1)
+    rollout(model, inputs, SamplerConfig(num_steps=2, **cfg), rt, max_steps=1)
     writer.write_trace(rt.trace.rows())
     rec.close(complete=True)
     return path
@@ -57,6 +57,19 @@ def test_left_padded_prompts_first_drift_is_text_rope(tmp_path):
     assert fd.shape == ([3, 2, 16], [3, 2, 16])  # the 3 real tokens [L, heads, head_dim]
     assert fd.rows.n_rows == 3 and fd.rows.first == [RowRef(row=k, kind="txt", pos=k)
                                                        for k in range(3)]
+
+
+def test_left_padded_batched_cfg_equals_sequential(tmp_path):
+    # batched CFG right-pads [cond; uncond] to one width: the cond rows keep their left offset
+    def inputs():
+        i = _inputs(2)
+        i.neg_txt, i.neg_mask = torch.ones(1, 2, 32), None
+        return i
+
+    r = diff_runs(open_run(_run(tmp_path / "a", inputs(), cfg_layout="batched")),
+                  open_run(_run(tmp_path / "b", inputs(), cfg_layout="sequential")))
+    assert r.verdict is Verdict.IDENTICAL, r.reason
+    assert r.counts["ops"].matched == r.counts["ops"].a > 0
 
 
 def test_mask_with_gaps_is_refused(tmp_path):
