@@ -1,7 +1,8 @@
 """Rich rendering of a ``DiffReport`` for people (``report.to_json()`` is for machines).
 
     DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (rank 0); origin
-    (every earlier record matches); 21 differing records
+    (every earlier record matches); 21 differing records; compared at L2: step records, operator
+    outputs and their row digests
     records: ops 72 matched, 10 differ, 0 only A, 0 only B; steps 48 matched, 11 differ, ...
     first drift (A | B)
     │ step       │ 1                                   │
@@ -20,10 +21,10 @@
      rollout      1     =   cond         1   joint    joint_attn#0        1
      rollout      2     ≠   cond         0   img      img_mlp#0           1
 
-Per-step cells show the worst sample and branch of the step (largest max|Δ|; "*": see the notes
-under the table, e.g. the dtypes differ); a non-'=' x_t
-means the drift was carried into the step; "ops ≠ 3+2?" means 3 differing op records and 2
-present in one run only.
+Sampler operators show block ``sampler`` (``schema.SAMPLER_BLOCK``). Per-step cells show the
+worst sample and branch of the step (largest max|Δ|; "*": see the notes under the table, e.g.
+the dtypes differ); a non-'=' x_t means the drift was carried into the step; "ops ≠ 3+2?" means
+3 differing op records and 2 present in one run only.
 """
 
 from __future__ import annotations

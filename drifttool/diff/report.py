@@ -1,7 +1,9 @@
 """The diff result as data: verdict, first drift, per-step drift. ``to_json`` for machines.
 
     {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
+     "level": "L2", "covers": "step records, operator outputs and their row digests",
      "first_drift": {"kind": "op", "step": 3, "block": 5, "op": "qk_rmsnorm", "sample": 1,
+                     "origin": true, "origin_kind": "record",
                      "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
      "steps": [{"step": 0, "identical": true, ...}, ...]}
 
