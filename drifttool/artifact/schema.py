@@ -84,7 +84,7 @@ OPS_SCHEMA = _schema("ops", [
     pa.field("sample", pa.int32(), nullable=False),  # logical sample id, -1 = unbatched
     *_SUMMARY,
     pa.field("row_digests", pa.list_(pa.uint64())),  # L2 only: xxh3_64 per row of the S axis
-    pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are text positions
+    pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are the valid text tokens, in order
     pa.field("img_h", pa.int32()),  # L2: rows after them are image patches divmod(n, img_w)
     pa.field("img_w", pa.int32()),
 ])

@@ -204,12 +204,11 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     firsts = [(f, kind) for kind, t in zip(("step", "op"), tables) for f in [_first(t)] if f]
     if not firsts:
         return False
-    origin_kind = ""
     (_, _, i, j), kind = min(firsts, key=lambda x: x[0][:2])
     t = tables[0] if kind == "step" else tables[1]
     phase, step = t.a.column("phase")[i].as_py(), int(t.a.column("step")[i].as_py())
+    origin_kind, prev = None, None
     boundary = _step_input(tables[0], phase, step)
-    prev = None
     if boundary is not None:
         origin_kind, prev = _boundary_origin(report.steps, phase, step)
         if origin_kind == "inputs":  # keep the record where the differing inputs first show
@@ -224,7 +223,7 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         full_b = run_b.steps_table().drop_columns(["data"])
     ra, rb = full_a.slice(i, 1).to_pylist()[0], full_b.slice(j, 1).to_pylist()[0]
     n_before = _unmatched_before(tables, ra["seq"], rb["seq"])
-    if boundary is None and origin_kind != "inputs":
+    if origin_kind is None:
         origin_kind = "unknown" if n_before else "record"
     report.first_drift, note = _first_drift(kind, ra, rb, origin_kind)
     fd = report.first_drift
