@@ -15,11 +15,11 @@ from drifttool.artifact import open_run
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
 from drifttool.diff import Verdict, diff_runs
-from drifttool.diff.context import _input_differences
 from drifttool.diff.report import RowRef
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runner import replay_tensors
 from drifttool.runtime import Runtime
 from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
 
@@ -41,6 +41,7 @@ def _run(path, inputs, **cfg):
     writer = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"num_layers": 2}}})
     rec = Recorder("L2", writer)
     rt = Runtime(recorder=rec)
+    writer.write_inputs(replay_tensors(inputs))
     rollout(model, inputs, SamplerConfig(num_steps=2, **cfg), rt, max_steps=1)
     writer.write_trace(rt.trace.rows())
     rec.close(complete=True)
@@ -77,14 +78,15 @@ def test_mask_with_gaps_is_refused(tmp_path):
         _run(tmp_path / "a", _inputs(2, mask=[False, True, False, True, True]))
 
 
-def test_inputs_of_common_samples_compare_valid_prompt_rows():
-    # run A holds samples [0, 1], run B sample 1 alone, padded on the left to another width
-    tok = torch.randn(2, 3, 4)
-    ia = {"sample_ids": torch.tensor([0, 1]), "txt": torch.cat([torch.zeros(2, 2, 4), tok], 1),
-          "txt_mask": torch.tensor([[0, 0, 1, 1, 1]] * 2, dtype=torch.uint8)}
-    ib = {"sample_ids": torch.tensor([1]), "txt": torch.cat([torch.full((1, 1, 4), 9.0),
-                                                             tok[1:]], 1),
-          "txt_mask": torch.tensor([[0, 1, 1, 1]], dtype=torch.uint8)}
-    assert _input_differences(ia, ib) == ["inputs.txt_mask: differs for common samples [1]"]
-    ib["txt"][0, 3, 0] += 1.0
-    assert "inputs.txt: differs for common samples [1]" in _input_differences(ia, ib)
+def test_inputs_of_common_samples_compare_valid_prompt_rows(tmp_path):
+    # run A holds samples [0, 1] padded on the left to 5 rows, run B sample 1 alone padded to 4:
+    # sample 1's prompt is the same 3 tokens, only its padding differs
+    a = _inputs(2)
+    a = RolloutInputs(sample_ids=[0, 1], x0=torch.cat([a.x0, a.x0 + 1]),
+                      txt=torch.cat([a.txt, a.txt]), txt_mask=torch.cat([a.txt_mask] * 2),
+                      img_grid=GRID, noise=torch.cat([a.noise] * 2, 1))
+    b = _inputs(1)
+    b.sample_ids, b.x0 = [1], a.x0[1:]
+    r = diff_runs(open_run(_run(tmp_path / "a", a)), open_run(_run(tmp_path / "b", b)))
+    inputs = [c for c in r.context if c.startswith("inputs.")]
+    assert inputs == ["inputs.txt_mask: differs for common samples [1]"]  # its width differs
