@@ -117,9 +117,10 @@ class Runtime:
 
         Fields (design.md, "Identity of a captured tensor"): ``phase`` (rollout | train),
         ``step`` (int), ``sigma`` (float), ``branch`` (cond | uncond | cfg | none), ``block``
-        (-1 before the blocks, 0..depth-1, depth after), ``samples`` (logical sample id of each
-        batch row), ``txt_lens`` (valid prompt length of each batch row, or None), ``img_grid``
-        ((h, w) patch grid), ``rank`` (int).
+        (-1 before the blocks, 0..depth-1, depth after, ``schema.SAMPLER_BLOCK`` the sampler),
+        ``samples`` (logical sample id of each batch row), ``txt_lens`` (valid prompt length of
+        each batch row, or None), ``txt_starts`` (first valid text row of each batch row, or None
+        = 0: prompts padded on the left), ``img_grid`` ((h, w) patch grid), ``rank`` (int).
         """
         unknown = set(fields) - set(DEFAULT_SCOPE)
         if unknown:
@@ -152,6 +153,7 @@ DEFAULT_SCOPE: dict[str, Any] = {
     "block": -1,
     "samples": None,
     "txt_lens": None,
+    "txt_starts": None,
     "img_grid": None,
     "rank": 0,
 }

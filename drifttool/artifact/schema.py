@@ -1,7 +1,7 @@
 """Every Arrow schema of the trajectory artifact, and its version, in one place.
 
     run_dir/
-      manifest.json        {"schema_version": 1, "complete": true, "capture_level": "L1",
+      manifest.json        {"schema_version": 2, "complete": true, "capture_level": "L1",
                             "fingerprint": {...}, "files": {...}, ...}
       inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
       steps.arrow          STEPS_SCHEMA: one row per (rank, phase, step, sample, branch, quantity)
@@ -22,9 +22,16 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
-"""Versions this reader can open; anything else raises ``ArtifactError``."""
+"""Versions this reader can open; anything else raises ``ArtifactError``. Version 2 moved the
+sampler operators from block −1 to ``SAMPLER_BLOCK``; version 1 artifacts are refused (their
+block −1 mixes the model's input projections with the sampler)."""
+
+SAMPLER_BLOCK = -2
+"""``block`` of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
+``flow_sde_step_logp``): outside the model, neither before the blocks (−1) nor after them
+(``num_layers``). Reports name it ``sampler`` (``block_name``)."""
 
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
@@ -68,7 +75,7 @@ OPS_SCHEMA = _schema("ops", [
     pa.field("step", pa.int32(), nullable=False),
     pa.field("sigma", pa.float64(), nullable=False),
     pa.field("branch", pa.utf8(), nullable=False),  # cond | uncond | cfg | none
-    pa.field("block", pa.int32(), nullable=False),  # -1 before the blocks, depth after
+    pa.field("block", pa.int32(), nullable=False),  # -1 before the blocks, depth after; sampler -2
     pa.field("stream", pa.utf8(), nullable=False),  # img | txt | joint | none
     pa.field("op", pa.utf8(), nullable=False),  # RFC operator name
     pa.field("call", pa.int32(), nullable=False),  # occurrence of (op, stream) in the scope
@@ -77,7 +84,7 @@ OPS_SCHEMA = _schema("ops", [
     pa.field("sample", pa.int32(), nullable=False),  # logical sample id, -1 = unbatched
     *_SUMMARY,
     pa.field("row_digests", pa.list_(pa.uint64())),  # L2 only: xxh3_64 per row of the S axis
-    pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are text positions
+    pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are the valid text tokens, in order
     pa.field("img_h", pa.int32()),  # L2: rows after them are image patches divmod(n, img_w)
     pa.field("img_w", pa.int32()),
 ])
@@ -116,6 +123,11 @@ TRACE_SCHEMA = _schema("trace", [
 """Mirrors ``drifttool.capture.trace.TraceEntry``."""
 
 SCHEMAS = {"ops": OPS_SCHEMA, "steps": STEPS_SCHEMA, "trace": TRACE_SCHEMA}
+
+
+def block_name(block: int) -> str:
+    """``block`` as people read it: ``"sampler"`` for ``SAMPLER_BLOCK``, else the number."""
+    return "sampler" if block == SAMPLER_BLOCK else str(block)
 
 
 def schema_version_of(schema: pa.Schema) -> int | None:

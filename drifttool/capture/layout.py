@@ -12,16 +12,21 @@ Layout tags (docs/architecture.md, "Layout tags"), one character per tensor axis
 
 =====  =============================================================================================
 ``B``  batch row b -> logical sample ``site["samples"][b]`` (``None``: sample b); one part per row
-``S``  sequence rows of the call's stream. img: all ``h*w`` rows; txt: rows ``[0, txt_lens[b])``;
-       joint: ``[0, txt_lens[b])`` and ``[L_pad, L_pad + h*w)`` with ``L_pad = size - h*w``;
+``S``  sequence rows of the call's stream. img: all ``h*w`` rows; txt: the valid text rows
+       ``[t0, t0 + txt_lens[b])`` with ``t0 = txt_starts[b]`` (0 when ``txt_starts`` is None:
+       right padding); joint: those and ``[L_pad, L_pad + h*w)`` with ``L_pad = size - h*w``;
        stream ``none``: all rows
 ``K``  key axis over the joint sequence: the joint ``S`` selection, whatever the stream
 ``.``  any other axis, kept whole
 =====  =============================================================================================
 
 A layout without ``B`` gives one part with ``sample = -1`` and no text selection (``txt_lens`` is
-per batch row). ``txt_lens=None`` means every text row is valid. Row digests (capture level L2) are
-taken along the first ``S`` axis; ``RowMap`` maps a row back to ("txt", position) or
+per batch row). ``txt_lens=None`` means every text row is valid. ``txt_starts`` (per batch row,
+or None) is where the valid prompt begins in the padded text axis: prompts padded on the left
+(masked) start after their padding; the sampler derives both from the prompt mask
+(``drifttool.sampling.rollout``). Canonical text row k is the prompt's k-th valid token.
+Row digests (capture level L2) are taken along the first ``S`` axis; ``RowMap`` maps a row back
+to ("txt", position) or
 ("img", i, j) with ``(i, j) = divmod(n, w)`` (design.md, "Digests": row-resolvable).
 """
 
@@ -86,30 +91,32 @@ class Part:
 
 
 def _segments(
-    tag: str, stream: str, size: int, txt_len: int | None, grid: tuple[int, int] | None
+    tag: str, stream: str, size: int, txt_len: int | None, grid: tuple[int, int] | None,
+    txt_start: int = 0,
 ) -> tuple[list[tuple[int, int]], RowMap]:
     """Row ranges ``[(start, stop)]`` kept along one S/K axis of ``size`` rows, and their map."""
+    t0 = txt_start
     if tag == "K" or stream == "joint":
         if grid is None:
             raise ValueError(f"layout tag {tag!r} on stream {stream!r} needs site['img_grid']")
         hw = grid[0] * grid[1]
         pad = size - hw
-        n = pad if txt_len is None else txt_len
-        if pad < 0 or not 0 <= n <= pad:
+        n = pad - t0 if txt_len is None else txt_len
+        if pad < 0 or t0 < 0 or n < 0 or t0 + n > pad:
             raise ValueError(
-                f"joint axis of {size} rows cannot hold {n} text rows and {hw} image rows "
-                f"(img_grid={grid})"
+                f"joint axis of {size} rows cannot hold {n} text rows from row {t0} and {hw} "
+                f"image rows (img_grid={grid})"
             )
-        return [(0, n), (pad, size)], RowMap(n, grid)
+        return [(t0, t0 + n), (pad, size)], RowMap(n, grid)
     if stream == "img":
         if grid is not None and grid[0] * grid[1] != size:
             raise ValueError(f"img axis has {size} rows, img_grid {grid} needs {grid[0] * grid[1]}")
         return [(0, size)], RowMap(0, grid)
     if stream == "txt":
-        n = size if txt_len is None else txt_len
-        if not 0 <= n <= size:
-            raise ValueError(f"txt axis has {size} rows, txt_len is {n}")
-        return [(0, n)], RowMap(n, None)
+        n = size - t0 if txt_len is None else txt_len
+        if t0 < 0 or n < 0 or t0 + n > size:
+            raise ValueError(f"txt axis has {size} rows, text rows are [{t0}, {t0 + n})")
+        return [(t0, t0 + n)], RowMap(n, None)
     return [(0, size)], RowMap(0, None)
 
 
@@ -128,7 +135,7 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
 
     Args:
         site: identity of the call (``Runtime.site``); reads ``stream``, ``samples``,
-            ``txt_lens`` and ``img_grid``.
+            ``txt_lens``, ``txt_starts`` (optional) and ``img_grid``.
         tensor: the output, any dtype and device, ``len(layout)`` axes.
         layout: one tag per axis, from ``BSK.``, at most one ``B``.
 
@@ -146,11 +153,12 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
     grid = None if grid is None else (int(grid[0]), int(grid[1]))
     samples: Sequence[int] | None = site.get("samples")
     txt_lens: Sequence[int] | None = site.get("txt_lens")
+    txt_starts: Sequence[int] | None = site.get("txt_starts")
     tags = layout
     if "B" in layout:
         bax = layout.index("B")
         nb = tensor.shape[bax]
-        for name, seq in (("samples", samples), ("txt_lens", txt_lens)):
+        for name, seq in (("samples", samples), ("txt_lens", txt_lens), ("txt_starts", txt_starts)):
             if seq is not None and len(seq) != nb:
                 raise ValueError(f"site[{name!r}] has {len(seq)} entries for batch size {nb}")
         rows = [(tensor.select(bax, b), b) for b in range(nb)]
@@ -161,10 +169,11 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
     parts = []
     for t, b in rows:
         txt_len = None if b is None or txt_lens is None else int(txt_lens[b])
+        txt_start = 0 if b is None or txt_starts is None else int(txt_starts[b])
         rowmap = None
         for axis, tag in enumerate(tags):
             if tag in "SK":
-                segs, m = _segments(tag, stream, t.shape[axis], txt_len, grid)
+                segs, m = _segments(tag, stream, t.shape[axis], txt_len, grid, txt_start)
                 t = _take(t, axis, segs)
                 if axis == row_axis:
                     rowmap = m

@@ -13,12 +13,17 @@ Order of work (design.md, "Diff"):
 3. Step records (every level) and op records (when both runs are L1 or finer) are aligned by
    identity and compared by digest (``drifttool.diff.align``).
 4. First drift = the differing record with the smallest ``seq`` in run A (ops and steps share one
-   counter per rank); it is the origin when no record before it is missing in either run. With
-   row digests on both sides (L2) its differing rows are named (text position or patch (i, j)).
+   counter per rank), unless its step's input ``x_t`` already differs: then the first drift is
+   that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step
+   matched; for the phase's first step the record stays, origin ``inputs``). A record is an
+   origin only if the inputs it consumed match and no record before it is missing in either
+   run (``FirstDrift.origin_kind``). With row digests on both sides (L2) its differing rows are
+   named (text position or patch (i, j)).
 5. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
    the step quantities and the SDE-transition KL (``drifttool.diff.steps``).
 Verdict: drift if any common record differs; else inconclusive if records are missing or a run
-is incomplete ("identical through step k"); else identical.
+is incomplete ("identical through step k"); else identical. The reason names the common capture
+level and what it covers ("identical at L0: step boundaries only; ...").
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff, compare_table
 from drifttool.diff.context import context, incomparable
-from drifttool.diff.report import DiffReport, FirstDrift, RowDrift, RowRef, Verdict
+from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
+                                   StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
 from drifttool.errors import ArtifactError
 
@@ -64,7 +70,7 @@ def _row_drift(ra: dict, rb: dict) -> tuple[RowDrift | None, str]:
     return RowDrift(n_rows=len(da), n_differ=int(diff.size), first=first), ""
 
 
-def _first_drift(kind: str, ra: dict, rb: dict, origin: bool) -> tuple[FirstDrift, str]:
+def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str) -> tuple[FirstDrift, str]:
     op = kind == "op"
     rows, note = _row_drift(ra, rb) if op else (None, "")
     fd = FirstDrift(
@@ -76,16 +82,44 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin: bool) -> tuple[FirstDrif
         dtype=(ra["dtype"], rb["dtype"]), shape=(ra["shape"], rb["shape"]),
         digest=(f"{ra['digest']:016x}", f"{rb['digest']:016x}"),
         nonfinite=(ra["nonfinite"], rb["nonfinite"]), maxabs=(ra["maxabs"], rb["maxabs"]),
-        origin=origin, rows=rows,
+        origin=origin_kind != "unknown", origin_kind=origin_kind, rows=rows,
     )
     return fd, note
 
 
-def _is_origin(tables: list[TableDiff], seq_a: int, seq_b: int) -> tuple[bool, int]:
-    """Whether no unmatched record precedes the first drift in either run; how many do."""
-    n = sum(int(np.count_nonzero(t.seq_a[t.al.only_a] < seq_a))
-            + int(np.count_nonzero(t.seq_b[t.al.only_b] < seq_b)) for t in tables)
-    return n == 0, n
+def _unmatched_before(tables: list[TableDiff], seq_a: int, seq_b: int) -> int:
+    """How many records present in one run only precede ``seq_a`` in A or ``seq_b`` in B."""
+    return sum(int(np.count_nonzero(t.seq_a[t.al.only_a] < seq_a))
+               + int(np.count_nonzero(t.seq_b[t.al.only_b] < seq_b)) for t in tables)
+
+
+def _step_input(st: TableDiff, phase: str, step: int) -> tuple[int, int] | None:
+    """``(ia, ib)`` of the first differing ``x_t`` record of (phase, step) in run A's order (the
+    step's input already differs), or ``None``."""
+    rows = st.da
+    sel = ((st.a.column("quantity").to_numpy(zero_copy_only=False)[rows] == "x_t")
+           & (st.a.column("phase").to_numpy(zero_copy_only=False)[rows] == phase)
+           & (st.a.column("step").to_numpy()[rows] == step))
+    if not sel.any():
+        return None
+    k = np.flatnonzero(sel)[np.lexsort((st.a.column("rank").to_numpy()[rows[sel]],
+                                        st.seq_a[rows[sel]]))[0]]
+    return int(st.da[k]), int(st.db[k])
+
+
+def _boundary_origin(steps: list[StepDrift], phase: str, step: int) -> tuple[str, StepDrift | None]:
+    """Origin kind of a drift that is already in step ``step``'s input ``x_t``: ``"unknown"``
+    when an earlier step misses records, ``"between_steps"`` (with that previous step) when the
+    phase ran an earlier step, else ``"inputs"``."""
+    before = []
+    for s in steps:
+        if (s.phase, s.step) == (phase, step):
+            break
+        before.append(s)
+    if any(s.missing or not s.identical for s in before):
+        return "unknown", None
+    prev = [s for s in before if s.phase == phase and s.step >= 0]
+    return ("between_steps", prev[-1]) if prev else ("inputs", None)
 
 
 # -- the diff --------------------------------------------------------------------------------------
@@ -160,12 +194,27 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
 
 
 def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDiff]) -> bool:
-    """Fill the first drift and the drift verdict; ``False`` when no common record differs."""
+    """Fill the first drift and the drift verdict; ``False`` when no common record differs.
+
+    The first differing record in run A's order is the first drift unless its step's input
+    ``x_t`` already differs after a matching step: then the first drift is that ``x_t`` record
+    (a step boundary, origin kind ``between_steps``). When ``x_t`` of the phase's first step
+    differs, the record stays (it shows which replay input differs) with origin kind
+    ``inputs`` (``FirstDrift``)."""
     firsts = [(f, kind) for kind, t in zip(("step", "op"), tables) for f in [_first(t)] if f]
     if not firsts:
         return False
     (_, _, i, j), kind = min(firsts, key=lambda x: x[0][:2])
     t = tables[0] if kind == "step" else tables[1]
+    phase, step = t.a.column("phase")[i].as_py(), int(t.a.column("step")[i].as_py())
+    origin_kind, prev = None, None
+    boundary = _step_input(tables[0], phase, step)
+    if boundary is not None:
+        origin_kind, prev = _boundary_origin(report.steps, phase, step)
+        if origin_kind == "inputs":  # keep the record where the differing inputs first show
+            boundary = None
+        else:
+            (i, j), kind, t = boundary, "step", tables[0]
     i, j = int(t.a.column("_row")[i].as_py()), int(t.b.column("_row")[j].as_py())
     if kind == "op":
         full_a, full_b = run_a.ops_table(), run_b.ops_table()
@@ -173,14 +222,17 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         full_a = run_a.steps_table().drop_columns(["data"])
         full_b = run_b.steps_table().drop_columns(["data"])
     ra, rb = full_a.slice(i, 1).to_pylist()[0], full_b.slice(j, 1).to_pylist()[0]
-    origin, n_before = _is_origin(tables, ra["seq"], rb["seq"])
-    report.first_drift, note = _first_drift(kind, ra, rb, origin)
+    n_before = _unmatched_before(tables, ra["seq"], rb["seq"])
+    if origin_kind is None:
+        origin_kind = "unknown" if n_before else "record"
+    report.first_drift, note = _first_drift(kind, ra, rb, origin_kind)
+    fd = report.first_drift
+    fd.prev_step, fd.unmatched_before = (None if prev is None else prev.step), n_before
     report.notes += [note] if note else []
     report.verdict = Verdict.DRIFT
-    report.reason = (f"first drift at {report.first_drift.where()}; "
-                     + ("origin (every earlier record matches)" if origin else
-                        f"{n_before} unmatched records precede it: origin may be earlier")
-                     + f"; {sum(t.da.size for t in tables)} differing records")
+    report.reason = (f"first drift at {fd.where()}{'; ' if boundary is None else ': '}"
+                     f"{fd.origin_words()}; {sum(t.da.size for t in tables)} differing records; "
+                     f"compared at {report.level}: {report.covers}")
     return True
 
 
@@ -211,20 +263,22 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
     extra = _samples_only_in_one_run(tables)
     if (only_a or only_b) and extra is None:
         why.append(f"{only_a} records only in run A, {only_b} only in run B")
+    level = f"{report.level}: {report.covers}"
     if not why:
         report.verdict = Verdict.IDENTICAL
-        report.reason = f"all {matched} records are bitwise identical"
+        report.reason = f"identical at {level}; all {matched} records are bitwise identical"
         if extra is not None:
             common, in_a, in_b = extra
-            report.reason = (f"all {matched} records of the common samples {common} are bitwise "
-                             f"identical")
+            report.reason = (f"identical at {level}; all {matched} records of the common samples "
+                             f"{common} are bitwise identical")
             report.notes.insert(0, f"samples only in run A: {in_a or 'none'}; only in run B: "
                                    f"{in_b or 'none'} (not compared)")
         return
     through = ("identical through {} step {}".format(*report.identical_through)
                if report.identical_through else "no step fully matched")
     report.verdict = Verdict.INCONCLUSIVE
-    report.reason = f"no drift in {matched} common records, but {', '.join(why)}; {through}"
+    report.reason = (f"no drift at {level} in {matched} common records, but {', '.join(why)}; "
+                     f"{through}")
 
 
 def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffReport:
@@ -249,6 +303,7 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     check_step_bytes(run_b)
     report.context = context(run_a, run_b)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
+    report.covers = LEVEL_COVERS[level]
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
     st, ot = _compare_tables(run_a, run_b, level, phase_map)
     tables = [st] if ot is None else [st, ot]

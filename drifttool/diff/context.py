@@ -93,11 +93,12 @@ _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg
 
 
 def _per_sample(t: dict[str, RawTensor], key: str, sid: int, mask_key: str | None) -> RawTensor:
-    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed."""
+    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed (the rows its mask
+    marks valid, wherever the padding is)."""
     ids = t["sample_ids"].array.tolist()
     x = np.take(t[key].array, ids.index(sid), axis=_SAMPLE_AXIS[key])
     if mask_key and mask_key in t:
-        x = x[: int(t[mask_key].array[ids.index(sid)].sum())]
+        x = x[t[mask_key].array[ids.index(sid)].astype(bool)]
     return replace(t[key], array=x)
 
 
@@ -130,12 +131,18 @@ def _capped(lines: list[str], n: int) -> list[str]:
     return lines if len(lines) <= n else lines[: n - 1] + [f"... and {len(lines) - n + 1} more"]
 
 
+def _block(block: int) -> str:
+    """A trace site's block: ``b<n>``, or ``sampler`` (``schema.SAMPLER_BLOCK``)."""
+    name = S.block_name(block)
+    return name if block == S.SAMPLER_BLOCK else f"b{name}"
+
+
 def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
     """One line per operator call site whose trace entry differs (backend, kernel, contract)."""
     keep = ("requested", "actual", "kernel", "contract", "fallback")
 
     def sites(run: Run) -> dict[str, dict]:
-        return {f"b{r['block']} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
+        return {f"{_block(r['block'])} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
                 for r in run.trace_rows()}
 
     ta, tb = sites(run_a), sites(run_b)

@@ -1,7 +1,8 @@
 """Rich rendering of a ``DiffReport`` for people (``report.to_json()`` is for machines).
 
     DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (rank 0); origin
-    (every earlier record matches); 21 differing records
+    (every earlier record matches); 21 differing records; compared at L2: step records, operator
+    outputs and their row digests
     records: ops 72 matched, 10 differ, 0 only A, 0 only B; steps 48 matched, 11 differ, ...
     first drift (A | B)
     │ step       │ 1                                   │
@@ -20,10 +21,10 @@
      rollout      1     =   cond         1   joint    joint_attn#0        1
      rollout      2     ≠   cond         0   img      img_mlp#0           1
 
-Per-step cells show the worst sample and branch of the step (largest max|Δ|; "*": see the notes
-under the table, e.g. the dtypes differ); a non-'=' x_t
-means the drift was carried into the step; "ops ≠ 3+2?" means 3 differing op records and 2
-present in one run only.
+Sampler operators show block ``sampler`` (``schema.SAMPLER_BLOCK``). Per-step cells show the
+worst sample and branch of the step (largest max|Δ|; "*": see the notes under the table, e.g.
+the dtypes differ); a non-'=' x_t means the drift was carried into the step; "ops ≠ 3+2?" means
+3 differing op records and 2 present in one run only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from drifttool.artifact.schema import block_name
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 _STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
@@ -61,7 +63,7 @@ def _first_drift_table(report: DiffReport) -> Table:
     rows = [("kind", fd.kind), ("rank", fd.rank), ("phase", fd.phase), ("step", fd.step),
             ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
     if fd.kind == "op":
-        rows += [("block", fd.block), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
+        rows += [("block", block_name(fd.block)), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
                  ("output", f"{fd.index} ({fd.role})")]
     else:
         rows += [("quantity", fd.op)]
@@ -69,8 +71,8 @@ def _first_drift_table(report: DiffReport) -> Table:
              ("shape", _pair(*map(tuple, fd.shape))), ("digest", _pair(*fd.digest)),
              ("non-finite", _pair(*fd.nonfinite)),
              ("max |x|", _pair(*(_num(x) for x in fd.maxabs))),
-             ("origin", "yes (every earlier record matches)" if fd.origin else
-              "unknown (records missing before it)")]
+             ("origin", "yes (every earlier record matches)" if fd.origin_kind == "record"
+              else fd.origin_words())]
     if fd.rows is not None:
         first = ", ".join(map(str, fd.rows.first))
         more = "" if fd.rows.n_differ <= len(fd.rows.first) else ", ..."
@@ -122,7 +124,7 @@ def _first_ops_table(report: DiffReport) -> Table | None:
     for s in rows:
         o = s.first_op
         t.add_row(s.phase, str(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
-                  o.branch, str(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
+                  o.branch, block_name(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
     return t
 
 

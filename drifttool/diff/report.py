@@ -1,7 +1,9 @@
 """The diff result as data: verdict, first drift, per-step drift. ``to_json`` for machines.
 
     {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
+     "level": "L2", "covers": "step records, operator outputs and their row digests",
      "first_drift": {"kind": "op", "step": 3, "block": 5, "op": "qk_rmsnorm", "sample": 1,
+                     "origin": true, "origin_kind": "record",
                      "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
      "steps": [{"step": 0, "identical": true, ...}, ...]}
 
@@ -17,6 +19,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from drifttool.artifact.schema import SAMPLER_BLOCK
 
 
 class Verdict(str, enum.Enum):
@@ -71,14 +75,35 @@ class RowDrift:
     first: list[RowRef]  # the first few differing rows, in row order
 
 
+ORIGIN_KINDS = ("record", "between_steps", "inputs", "unknown")
+"""Values of ``FirstDrift.origin_kind``."""
+
+LEVEL_COVERS = {"L0": "step boundaries only",
+                "L1": "step records and operator outputs, without row digests",
+                "L2": "step records, operator outputs and their row digests"}
+"""What a verdict at each common capture level covers (``DiffReport.covers``)."""
+
+
 @dataclass(kw_only=True)
 class FirstDrift:
     """The first differing record in run A's execution order (``seq``).
 
     ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
-    quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). ``origin`` is
-    true when every earlier record of both runs is present in both and equal (born here, not
-    carried in from a missing record).
+    quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). A record is an
+    origin only if the inputs it consumed match; ``origin_kind`` (``ORIGIN_KINDS``) says which:
+
+    - ``"record"``: every earlier record of both runs is present in both and equal, and the
+      step's input ``x_t`` matches: the drift is born in this record.
+    - ``"between_steps"``: the step's ``x_t`` differs while every record of the previous step
+      matched (its ``x_next`` included): the latent changed between the steps, outside every
+      recorded operator. The first drift is then that ``x_t`` record, not an operator of the step.
+    - ``"inputs"``: ``x_t`` of the phase's first step differs: the replay inputs differ. The
+      record is the first where they show (e.g. ``txt_in_rmsnorm_linear`` for a prompt).
+    - ``"unknown"``: records missing in one run precede it; the origin may be earlier.
+
+    ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a
+    ``"between_steps"`` origin (``None`` otherwise); ``unmatched_before`` counts the records of
+    one run only that precede it.
     """
 
     kind: str
@@ -102,7 +127,23 @@ class FirstDrift:
     nonfinite: tuple[int, int]
     maxabs: tuple[float, float]
     origin: bool
+    origin_kind: str
+    prev_step: int | None = None
+    unmatched_before: int = 0
     rows: RowDrift | None = None
+
+    def origin_words(self) -> str:
+        """The origin in words, e.g. ``x_t of step 2 differs; step 1's outputs match — changed
+        between steps``."""
+        return {
+            "record": "origin (every earlier record matches)",
+            "between_steps": f"x_t of step {self.step} differs; step {self.prev_step}'s outputs "
+                             "match — changed between steps",
+            "inputs": f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
+                      "the replay inputs differ",
+            "unknown": f"{self.unmatched_before} unmatched records precede it: origin may be "
+                       "earlier",
+        }[self.origin_kind]
 
     def where(self) -> str:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1``."""
@@ -111,7 +152,8 @@ class FirstDrift:
                     f" (rank {self.rank})")
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
-        return (f"{self.phase} step {self.step} {self.branch} block {self.block} {self.stream} "
+        block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
+        return (f"{self.phase} step {self.step} {self.branch} {block} {self.stream} "
                 f"{self.op}#{self.call}{out}{role} sample {self.sample} (rank {self.rank})")
 
 
@@ -128,7 +170,8 @@ class OpRef:
     sample: int
 
     def __str__(self) -> str:
-        return f"{self.branch} b{self.block} {self.stream} {self.op}#{self.call} s{self.sample}"
+        block = "sampler" if self.block == SAMPLER_BLOCK else f"b{self.block}"
+        return f"{self.branch} {block} {self.stream} {self.op}#{self.call} s{self.sample}"
 
 
 @dataclass(kw_only=True)
@@ -218,6 +261,8 @@ class DiffReport:
         incomparable: the fields that prevent alignment (empty unless incomparable).
         context: other differences between the runs, listed first (fingerprint outside
             ``arch``, inputs, capture level, operator trace); the runs are still diffed.
+        level: the common capture level (the lower of the two runs'); ``covers``: what a verdict
+            at that level covers (``LEVEL_COVERS``), e.g. ``"step boundaries only"`` at L0.
         notes: what the reader or aligner noticed (cut files, duplicate identities, levels).
         counts: per table (``"ops"``, ``"steps"``), see ``Counts``; ops absent when not compared.
         identical_through: the last ``[phase, step]`` up to which every record matched.
@@ -229,6 +274,7 @@ class DiffReport:
     run_a: str
     run_b: str
     level: str | None = None
+    covers: str | None = None
     incomparable: list[str] = field(default_factory=list)
     context: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

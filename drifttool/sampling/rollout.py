@@ -12,11 +12,13 @@ Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=
 1. τ = ``timestep_input(σ_i, cfg.timestep_policy)`` for every row.
 2. The model per CFG branch: ``cfg_layout="batched"`` runs one forward on [cond; uncond] (rows
    ``sample_ids + sample_ids``, prompts right-padded to a common length with a key mask, scope
-   ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``);
+   ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``; scope
+   ``txt_lens``/``txt_starts`` = each row's valid prompt rows, from its mask);
    ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
    batch-invariant, padding-invariant (strict) model both give the same bytes.
 3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
-   ``cfg_scale > 1`` and negative prompt embeddings are given; else v = v_cond).
+   ``cfg_scale > 1`` and negative prompt embeddings are given; else v = v_cond). It, the sigma
+   table and the SDE step run under block ``SAMPLER_BLOCK``: the sampler sits outside the model.
 4. ``call(rt, "flow_sde_step_logp", v, x, σ_i, σ_{i+1}, eta=η_i, sigma_max=σ_1, noise=ε_i)``
    with η_i = ``cfg.eta`` inside the SDE window and 0 outside (deterministic Euler, logp absent).
 5. ``rt.recorder.record_step(...)`` per logical sample (docs/architecture.md "Step records"):
@@ -37,6 +39,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
+from drifttool.artifact.schema import SAMPLER_BLOCK
+from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
 from drifttool.ops.scheduler import TIMESTEP_POLICIES, timestep_input
 from drifttool.runtime import Runtime
@@ -226,10 +230,34 @@ def _cfg_on(inputs: RolloutInputs, cfg: SamplerConfig) -> bool:
     return cfg.cfg_scale > 1 and inputs.neg_txt is not None
 
 
-def _txt_lens(txt: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
+def _txt_rows(txt: torch.Tensor, mask: torch.Tensor | None) -> dict[str, list[int] | None]:
+    """Scope fields ``txt_lens`` and ``txt_starts`` (None when every prompt starts at row 0) of
+    [B, L, D] prompts from their [B, L] bool mask: the valid tokens of a row are one run of
+    ``txt_lens[b]`` rows from ``txt_starts[b]`` (right- or left-padded prompts).
+
+    Raises:
+        UnsupportedConfigError: a mask whose valid tokens are not one contiguous run.
+    """
+    B, L = txt.shape[:2]
     if mask is None:
-        return [int(txt.shape[1])] * txt.shape[0]
-    return [int(n) for n in mask.sum(dim=1).tolist()]
+        return {"txt_lens": [int(L)] * B, "txt_starts": None}
+    lens = [int(n) for n in mask.sum(dim=1).tolist()]
+    starts = [int(torch.argmax(row.to(torch.uint8))) if n else 0 for row, n in zip(mask, lens)]
+    for b, (t0, n) in enumerate(zip(starts, lens)):
+        if not bool(mask[b, t0:t0 + n].all()):
+            raise UnsupportedConfigError(
+                f"prompt mask of batch row {b} has gaps: its valid tokens must be one contiguous "
+                "run (right- or left-padded prompts)")
+    return {"txt_lens": lens, "txt_starts": starts if any(starts) else None}
+
+
+def _cat_rows(a: dict[str, list[int] | None], b: dict[str, list[int] | None], len_a: int,
+              len_b: int) -> dict[str, list[int] | None]:
+    """``_txt_rows`` of two batches stacked (batched CFG: [cond; uncond])."""
+    starts = None
+    if a["txt_starts"] is not None or b["txt_starts"] is not None:
+        starts = (a["txt_starts"] or [0] * len_a) + (b["txt_starts"] or [0] * len_b)
+    return {"txt_lens": a["txt_lens"] + b["txt_lens"], "txt_starts": starts}
 
 
 def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
@@ -253,8 +281,8 @@ def _sigma_table(
 ) -> torch.Tensor:
     h, w = inputs.img_grid
     seq = cfg.image_seq_len if cfg.image_seq_len is not None else h * w
-    with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", samples=None,
-                  txt_lens=None, img_grid=tuple(inputs.img_grid)):
+    with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", block=SAMPLER_BLOCK,
+                  samples=None, txt_lens=None, img_grid=tuple(inputs.img_grid)):
         return call(rt, "flow_sigma_table", cfg.num_steps, seq, stream="none", layout=".")
 
 
@@ -263,12 +291,12 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
     B = inputs.batch
     ids = list(inputs.sample_ids)
     grid = tuple(inputs.img_grid)
-    lens_c = _txt_lens(inputs.txt, inputs.txt_mask)
+    rows_c = _txt_rows(inputs.txt, inputs.txt_mask)
     if not cfg_on:
-        with rt.scope(**scope, branch="cond", samples=ids, txt_lens=lens_c):
+        with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
             v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
         return v_c, v_c, None
-    lens_u = _txt_lens(inputs.neg_txt, inputs.neg_mask)
+    rows_u = _txt_rows(inputs.neg_txt, inputs.neg_mask)
     if cfg.cfg_layout == "batched":
         L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
         if inputs.txt_mask is None and inputs.neg_mask is None and inputs.txt.shape[1] == L \
@@ -279,16 +307,17 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
             tu, mu_ = _pad_txt(inputs.neg_txt, inputs.neg_mask, L)
             txt2, mask2 = torch.cat([tc, tu]), torch.cat([mc, mu_])  # [2B, L, D], [2B, L]
         branches = ("cond",) * B + ("uncond",) * B
-        with rt.scope(**scope, branch=branches, samples=ids + ids, txt_lens=lens_c + lens_u):
+        rows = _cat_rows(rows_c, rows_u, B, B)
+        with rt.scope(**scope, branch=branches, samples=ids + ids, **rows):
             v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt)
             # v2: [2B, N, Cp]
         v_c, v_u = v2[:B], v2[B:]
     else:
-        with rt.scope(**scope, branch="cond", samples=ids, txt_lens=lens_c):
+        with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
             v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
-        with rt.scope(**scope, branch="uncond", samples=ids, txt_lens=lens_u):
+        with rt.scope(**scope, branch="uncond", samples=ids, **rows_u):
             v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt)
-    with rt.scope(**scope, branch="cfg", samples=ids, txt_lens=None):
+    with rt.scope(**scope, branch="cfg", block=SAMPLER_BLOCK, samples=ids, txt_lens=None):
         v = call(rt, "cfg_combine_renorm", v_c, v_u, float(cfg.cfg_scale),
                  stream="img", layout="BS.")
     return v, v_c, v_u
@@ -323,7 +352,8 @@ def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev
     tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
     v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
     noise = inputs.noise_at(i) if (in_win and prev_sample is None) else None
-    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", samples=ids, txt_lens=None):
+    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", block=SAMPLER_BLOCK, samples=ids,
+                  txt_lens=None):
         x_next, logp, mu, std_t = call(
             rt, "flow_sde_step_logp", v, x, s_i, s_n, eta=cfg.eta_at(i), sigma_max=sigmas[1],
             noise=noise, prev_sample=prev_sample, stream="img", layout=("BS.", "B", "BS.", "B"),

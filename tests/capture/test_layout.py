@@ -33,6 +33,25 @@ def test_txt_padding_invariance():
     assert pa_[0].rows == RowMap(3, None)
 
 
+def test_left_padded_txt_keeps_the_valid_rows():
+    # prompts padded on the left (masked): the valid rows are the last ones, not [0, txt_len)
+    g = torch.Generator().manual_seed(2)
+    valid = [torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)]
+    right = padded_txt(valid, 5, 0.0)
+    left = torch.stack([torch.cat([torch.full((5 - len(v), 4), 7.0), v]) for v in valid])
+    s = site("txt", txt_lens=[3, 5])
+    want = [digest(p.tensor) for p in canonicalize(s, right, "BS.")]
+    got = canonicalize({**s, "txt_starts": [2, 0]}, left, "BS.")
+    assert [digest(p.tensor) for p in got] == want
+    assert torch.equal(got[0].tensor, valid[0]) and got[0].rows == RowMap(3, None)
+    # joint stream [B, L + h*w, C]: text rows [2, 5) then the image rows
+    img = torch.randn(2, 6, 4, generator=g)
+    joint = canonicalize({**s, "stream": "joint", "img_grid": (2, 3), "txt_starts": [2, 0]},
+                         torch.cat([left, img], 1), "BS.")
+    assert torch.equal(joint[0].tensor, torch.cat([valid[0], img[0]]))
+    assert joint[0].rows.row_id(2) == ("txt", 2) and joint[0].rows.row_id(3) == ("img", 0, 0)
+
+
 def test_joint_selection_and_padding_invariance():
     g = torch.Generator().manual_seed(1)
     h, w = 2, 3
@@ -82,7 +101,9 @@ def test_row_id_rule():
     (site("img", samples=[0]), (2, 3), "BS", "batch size 2"),
     (site("joint"), (1, 5, 2), "BS.", "needs site"),
     (site("joint", img_grid=(2, 2), txt_lens=[3]), (1, 6, 2), "BS.", "cannot hold"),
-    (site("txt", txt_lens=[9]), (1, 6, 2), "BS.", "txt_len is 9"),
+    (site("txt", txt_lens=[9]), (1, 6, 2), "BS.", r"text rows are \[0, 9\)"),
+    (site("txt", txt_lens=[3], txt_starts=[4]), (1, 6, 2), "BS.", r"text rows are \[4, 7\)"),
+    (site("txt", txt_lens=[3], txt_starts=[0, 1]), (1, 6, 2), "BS.", "txt_starts"),
     (site("img", img_grid=(2, 2)), (1, 6, 2), "BS.", "needs 4"),
 ])
 def test_layout_errors(s, shape, layout, msg):

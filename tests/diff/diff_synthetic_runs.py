@@ -28,10 +28,14 @@ def _bump(t: torch.Tensor, b: int, row: int, add: float | None) -> torch.Tensor:
 
 def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | None = None,
               crash_after: int | None = None, fingerprint: dict | None = None,
-              noise_seed: int = 1, pad: int = 5) -> Path:
+              noise_seed: int = 1, pad: int = 5, between: dict | None = None,
+              x_seed: int | None = None) -> Path:
     """Write a synthetic run. ``plant={"step", "block", "op", "sample", "row"[, "add"]}`` moves one
     element of that op's output by one ULP (or by ``add``) and lets it propagate (``row``
-    indexes the padded sequence axis).
+    indexes the padded sequence axis). ``between={"step", "sample", "row"}`` moves one element
+    of the latent by one ULP after that step's records were written and before the next step
+    reads it (a change between steps, outside every recorded operator). ``x_seed`` draws the
+    initial latent from its own seed (a replay-input difference).
     ``crash_after=k`` stops after k steps without closing (complete=false, streams unclosed)."""
     fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "settings": {"steps": steps}}
     writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"host": "test"}})
@@ -40,6 +44,8 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     w = torch.randn(8, 8, generator=g) / 3
     x = torch.randn(2, 6, 8, generator=g)  # [B, h*w, C]
     txt = torch.randn(2, pad, 8, generator=g)  # [B, L_pad, C], rows >= txt_len are padding
+    if x_seed is not None:
+        x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(x_seed))
     noise = torch.randn(steps, 2, 6, 8, generator=torch.Generator().manual_seed(noise_seed))
     writer.write_inputs({"x_T": x, "txt": txt, "noise": noise})
     sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
@@ -83,6 +89,8 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
                                 branch=branch, quantities={"v_t": vs[branch][b]})
         rec.flush()
         x = x_next
+        if between is not None and between["step"] == i:
+            x = _bump(x, between["sample"], between["row"], None)
     writer.write_trace([{"op": "img_mlp", "block": 0, "stream": "img", "call": 0,
                          "contract": "c.v1", "requested": "strict", "actual": "strict",
                          "kernel": "cpu", "fallback": False, "reason": "", "declared": False,

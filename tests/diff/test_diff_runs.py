@@ -151,11 +151,12 @@ def test_other_fingerprint_fields_listed_but_diffed(make_run):
 def test_incomparable_schema_version(make_run, monkeypatch):
     a, b = make_run("a"), make_run("b")
     m = json.loads((b / "manifest.json").read_text())
-    m["schema_version"] = 2
+    v = S.SCHEMA_VERSION
+    m["schema_version"] = v + 1
     (b / "manifest.json").write_text(json.dumps(m))
-    monkeypatch.setattr(S, "SUPPORTED_SCHEMA_VERSIONS", frozenset({1, 2}))
+    monkeypatch.setattr(S, "SUPPORTED_SCHEMA_VERSIONS", frozenset({v, v + 1}))
     r = diff(a, b)
-    assert r.verdict is Verdict.INCOMPARABLE and r.incomparable == ["schema_version: 1 != 2"]
+    assert r.verdict is Verdict.INCOMPARABLE and r.incomparable == [f"schema_version: {v} != {v + 1}"]
 
 
 def test_incomparable_unknown_level(make_run):

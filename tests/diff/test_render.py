@@ -34,8 +34,26 @@ def test_render_drift(make_run):
 
 def test_render_identical_and_incomparable(make_run):
     out = text(diff_runs(open_run(make_run("a")), open_run(make_run("b"))))
-    assert out.startswith("IDENTICAL  all 120 records are bitwise identical")
+    assert out.startswith("IDENTICAL  identical at L2: step records, operator outputs and their "
+                          "row digests; all 120 records are bitwise identical")
     fp = {"arch": {"depth": 3}, "weights": "w0"}
     out = text(diff_runs(open_run(make_run("c")), open_run(make_run("d", fingerprint=fp))))
     assert out.startswith("INCOMPARABLE  cannot align: fingerprint.arch.depth: 2 != 3")
     assert "  - fingerprint.arch.dim: 8 != <missing>" in out
+
+
+def test_headline_names_the_level_the_verdict_covers(make_run):
+    # a change absorbed before any step boundary is invisible at L0: say what was compared
+    plant = {"step": 0, "block": 0, "op": "txt_mlp", "sample": 0, "row": 2}
+    a, b = make_run("a", level="L0"), make_run("b", level="L0", plant=plant)
+    out = text(diff_runs(open_run(a), open_run(b)))
+    assert out.splitlines()[0] == ("IDENTICAL  identical at L0: step boundaries only; all 48 "
+                                   "records are bitwise identical")
+    out = text(diff_runs(open_run(make_run("c", level="L1")), open_run(make_run("d"))))
+    assert out.splitlines()[0] == (
+        "IDENTICAL  identical at L1: step records and operator outputs, without row digests; "
+        "all 120 records are bitwise identical")
+    r = diff_runs(open_run(make_run("e", level="L0")), open_run(make_run("f", crash_after=2)))
+    assert r.to_dict()["covers"] == "step boundaries only" and r.to_dict()["level"] == "L0"
+    assert r.reason.startswith("no drift at L0: step boundaries only in 32 common records, but "
+                               "run B is incomplete")
