@@ -302,8 +302,8 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
     """A trainer's execution layout around ``forward(x, txt, txt_mask, tau, img_grid, rt)``: the
     rows of each logical sample (with batched CFG: its cond and its uncond row, so the pinned CFG
     layout is kept) are run ``size`` samples per forward, and with ``trim_padding`` each
-    micro-batch's prompts are cut to its longest valid prompt (mask dropped when all valid, as
-    the pipeline does), as Flow-GRPO's ``compute_log_prob`` trims embeddings. Identity scopes
+    micro-batch's prompts are cut after its last valid text row (mask dropped when all valid, as
+    the pipeline does; left padding is kept, since text RoPE positions count from row 0), as Flow-GRPO's ``compute_log_prob`` trims embeddings. Identity scopes
     (samples, text lengths, per-row branches) are sliced per micro-batch and the call counters
     restart for each, so the records align with the whole-batch rollout's. ``size=None``:
     ``forward`` unchanged. Strict bytes do not change (batch- and padding-invariant operators);
@@ -318,7 +318,7 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
     def run(x, txt, txt_mask, tau, img_grid, rt):
         scope = rt._scope
         samples = list(scope["samples"]) if scope.get("samples") is not None else list(range(x.shape[0]))
-        lens = scope.get("txt_lens")
+        lens, starts = scope.get("txt_lens"), scope.get("txt_starts")
         branch = scope.get("branch")
         order = list(dict.fromkeys(samples))
         before = dict(rt._calls)
@@ -330,12 +330,17 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
             sel = torch.tensor(idx, dtype=torch.long, device=x.device)
             t, m = txt[sel], None if txt_mask is None else txt_mask[sel]
             if trim_padding and m is not None:
-                width = int(m.sum(dim=1).max())
+                # cut the padding after the last valid row of the micro-batch only: text RoPE
+                # positions count from row 0, so leading (left) padding stays where it is
+                ends = torch.where(m.any(dim=1), m.shape[1] - m.flip(1).to(torch.uint8).argmax(dim=1), 0)
+                width = int(ends.max())  # [B] one past each row's last valid text row
                 t, m = t[:, :width], m[:, :width]
                 m = None if bool(m.all()) else m
             sub = {"samples": [samples[r] for r in idx]}
             if lens is not None:
                 sub["txt_lens"] = [lens[r] for r in idx]
+            if starts is not None:
+                sub["txt_starts"] = [starts[r] for r in idx]
             if branch is not None and not isinstance(branch, str):
                 sub["branch"] = tuple(branch[r] for r in idx)
             rt._calls = dict(before)

@@ -24,7 +24,7 @@ def _policy(samples=(3,)):
     fx, s = resolve(RunSpec(samples=list(samples)))
     model = load_checkpoint(fx.model_dir, dtype=DTYPES[s["dtype"]])
     add_lora(model, rank=4, alpha=8, seed=2, init_b_std=0.05)
-    inputs, _ = build_inputs(fx, s, 32)
+    inputs, _ = build_inputs(fx, s, model.config)
     return model, inputs, SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
 
 

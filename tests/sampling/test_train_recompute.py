@@ -44,7 +44,7 @@ CASES = [
 def test_strict_recompute_is_byte_equal_to_rollout(fixture_model, seed, samples, micro):
     fx, model = fixture_model
     _, s = resolve(RunSpec(seed=seed, samples=samples))
-    inputs, _ = build_inputs(fx, s, model.config.joint_attention_dim)
+    inputs, _ = build_inputs(fx, s, model.config)
     cfg = SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
     traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
     with torch.enable_grad():
@@ -67,7 +67,7 @@ def test_timestep_policy_is_pinned(fixture_model):
     """A trainer with another timestep encoding (numerics §5.2) drifts; the pinned one does not."""
     fx, model = fixture_model
     _, s = resolve(RunSpec())
-    inputs, _ = build_inputs(fx, s, 32)
+    inputs, _ = build_inputs(fx, s, model.config)
     cfg = SamplerConfig(num_steps=4, timestep_policy="pipeline_bf16")
     traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
     same = recompute(sampler_model(model), inputs, traj.latents, cfg, Runtime(mode="strict"))
@@ -179,3 +179,39 @@ def test_refuses_a_foreign_trainer_model(strict_rollout, tmp_path):
     fp32 = load_checkpoint(load_fixture("tiny-t2i").model_dir, dtype=torch.float32)
     with pytest.raises(DriftToolError, match="dtype"):
         recompute_run(strict_rollout, tmp_path / "t2", model=fp32)
+
+
+def _left_padded(inputs):
+    """The same prompts padded on the left: each row's valid tokens moved to the end."""
+    if inputs.txt_mask is None:
+        return inputs
+    txt, mask = inputs.txt.clone(), inputs.txt_mask.clone()
+    for b in range(txt.shape[0]):
+        n = int(mask[b].sum())
+        txt[b] = torch.roll(txt[b], txt.shape[1] - n, dims=0)
+        mask[b] = torch.roll(mask[b], txt.shape[1] - n, dims=0)
+    inputs.txt, inputs.txt_mask = txt, mask
+    return inputs
+
+
+def test_left_padded_prompts_recompute_per_micro_batch(fixture_model, tmp_path):
+    """A trainer that runs left-padded prompts one sample per forward (padding after the last
+    valid row trimmed, leading padding kept) reproduces the rollout's bytes, and its L2 capture
+    takes each row's valid text rows from the sliced ``txt_starts``."""
+    from drifttool.artifact.writer import ArtifactWriter
+    from drifttool.capture.recorder import Recorder
+
+    fx, model = fixture_model
+    _, s = resolve(RunSpec(seed=5, samples=[3, 2, 5]))  # prompt lengths 11, 5, 13
+    inputs = _left_padded(build_inputs(fx, s, model.config)[0])
+    assert inputs.txt_mask is not None and not bool(inputs.txt_mask[:, 0].all())
+    cfg = SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
+
+    def runtime(name):
+        return Runtime(mode="strict", recorder=Recorder("L2", ArtifactWriter(tmp_path / name, manifest={})))
+
+    traj = rollout(sampler_model(model), inputs, cfg, runtime("roll"))
+    re = recompute(micro_batched(sampler_model(model), 1), inputs, traj.latents, cfg, runtime("train"),
+                   phase="train")
+    for i in range(cfg.num_steps):
+        assert_same_bytes(re.velocities[i], traj.velocities[i], f"v_t step {i}")
