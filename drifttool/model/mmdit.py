@@ -53,7 +53,7 @@ import drifttool.ops.production  # noqa: F401  (production backends)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import adapted_weight
-from drifttool.model.rope import rope_tables
+from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
 
@@ -238,8 +238,9 @@ class MMDiT(nn.Module):
         if txt_mask is not None:
             key_mask = torch.cat([txt_mask, torch.ones(B, N, dtype=torch.bool, device=x.device)], dim=1)  # [B, L+N]
         img_freqs, txt_freqs = rope_tables(
-            (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta, device=x.device
-        )  # [N, Dh/2], [L, Dh/2] complex64
+            (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
+            algorithm=BACKEND_TABLES[rt.mode.backend], device=x.device,
+        )  # [N, Dh/2], [L, Dh/2] complex64: portable (strict) or diffusers' polar (production)
 
         with rt.scope(block=-1):
             te = self.time_text_embed.timestep_embedder
