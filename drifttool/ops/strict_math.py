@@ -295,7 +295,8 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sin x, cos x) in FP64 from exact operations: three-part Cody–Waite reduction by π/2
     (exact products for |x| < 2^20), Taylor polynomials on |r| ≤ π/4, quadrant selection.
 
-    Valid for |x| < 2^20 (timestep phases are at most 1000); larger |x| raises ValueError.
+    Valid for |x| < 2^20 (timestep phases are at most 1000, RoPE angles at most 4096); larger
+    |x| raises ValueError.
     """
     x = x.to(torch.float64)
     if x.numel() and torch.nan_to_num(torch.abs(x)).max().item() >= 2.0**20:
