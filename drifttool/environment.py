@@ -1,7 +1,10 @@
 """Environment record for the manifest: what produced the bytes (versions, CPU, threads).
 
 Strict CPU bytes are reproducible within a pinned hardware/runtime profile (RFC: "CUDA and ROCm
-qualify separately within pinned hardware/runtime profiles"); this record names the profile.
+qualify separately within pinned hardware/runtime profiles"); this record names the profile,
+including the CPU dispatch level torch's kernels use (``cpu_capability``, settable with the
+``ATEN_CPU_CAPABILITY`` environment variable). The strict inputs (RoPE tables, pinned noise) do
+not depend on it; what they depend on is in the fingerprint's ``inputs``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the SIMD dispatch level in use
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),  # its override, if any
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

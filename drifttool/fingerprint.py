@@ -3,7 +3,15 @@ differs between them.
 
     {"arch":     {...MMDiTConfig.arch_fields(), "img_grid": [h, w]},   # differs → incomparable
      "weights":  "xxh3_64:…",                                          # differs → diffed, listed
-     "dtype_policy": {...}, "scheduler": {...}, "cfg": {...}, "sde": {...}, "runtime": {...}}
+     "dtype_policy": {...}, "scheduler": {...}, "cfg": {...}, "sde": {...}, "runtime": {...},
+     "inputs":   {"rope_tables": "exact-v1: …", "noise": "philox4x64-10+box-muller64-v1",
+                  "cpu_capability": None}}                            # version 2
+
+``inputs`` names what the strict inputs' bytes depend on: the RoPE table algorithm (``exact``
+for the strict backend, diffusers' ``polar`` for production; ``model.rope.BACKEND_TABLES``) and
+the noise generator (``sampling.noise``). Where either is CPU-dispatch-dependent (``polar``, the
+``torch`` generator), ``cpu_capability`` records ``torch.backends.cpu.get_cpu_capability()``;
+it is None when every input is portable.
 
 Only ``arch`` decides incomparability (record shapes and identities depend on it); every other
 field is a setting whose differences ``drifttool diff`` lists first and then diffs through.
@@ -15,7 +23,9 @@ from typing import Any
 
 import torch
 
-FINGERPRINT_VERSION = 1
+from drifttool.model.rope import BACKEND_TABLES, ROPE_ALGORITHMS
+
+FINGERPRINT_VERSION = 2  # 2: "inputs" (RoPE table algorithm, noise generator, cpu_capability)
 
 
 def arch_fingerprint(
@@ -26,6 +36,7 @@ def arch_fingerprint(
     dtype: torch.dtype,
     mode: str,
     sampler: dict[str, Any],
+    noise_record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the fingerprint pinned in every manifest (RFC ``qwenimage_arch_fingerprint``).
 
@@ -36,8 +47,16 @@ def arch_fingerprint(
         dtype: model (activation) dtype.
         mode: runtime mode value.
         sampler: ``dataclasses.asdict(SamplerConfig)`` plus the sigma table digest.
+        noise_record: the replay record of the pinned noise (``sampling.noise.noise_record``);
+            None when unknown (recorded as such).
     """
     dt = str(dtype).removeprefix("torch.")
+    backend = "strict" if mode in ("strict", "audit") else "production"
+    tables = BACKEND_TABLES[backend]
+    noise = (noise_record or {}).get("generator")
+    # records without the flag predate the portable generator: torch.randn, dispatch-dependent
+    noise_portable = noise is not None and (noise_record or {}).get("dispatch_dependent") is False
+    portable = tables == "exact" and noise_portable
     return {
         "version": FINGERPRINT_VERSION,
         "arch": {**arch, "img_grid": [int(img_grid[0]), int(img_grid[1])]},
@@ -53,7 +72,12 @@ def arch_fingerprint(
         "scheduler": {k: sampler[k] for k in sampler if k in _SCHEDULER_KEYS},
         "cfg": {k: sampler[k] for k in sampler if k in _CFG_KEYS},
         "sde": {k: sampler[k] for k in sampler if k in _SDE_KEYS},
-        "runtime": {"mode": mode, "backend": "strict" if mode in ("strict", "audit") else "production"},
+        "runtime": {"mode": mode, "backend": backend},
+        "inputs": {
+            "rope_tables": ROPE_ALGORITHMS[tables],
+            "noise": noise,
+            "cpu_capability": None if portable else torch.backends.cpu.get_cpu_capability(),
+        },
     }
 
 

@@ -303,7 +303,7 @@ def execute(
         arch=model.config.arch_fields(), img_grid=inputs.img_grid, weights=weight_digest(model),
         dtype=dtype, mode=s["mode"],
         sampler={**dataclasses.asdict(sampler), "sigma_table": sigmas.tolist(),
-                 "sigma_table_digest": tensor_digest(sigmas)},
+                 "sigma_table_digest": tensor_digest(sigmas)}, noise_record=noise_rec,
     )
     manifest = {
         "kind": "rollout",

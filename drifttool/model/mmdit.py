@@ -45,6 +45,8 @@ captured) computes each adapted weight right before the operator that consumes i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -53,7 +55,7 @@ import drifttool.ops.production  # noqa: F401  (production backends)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import adapted_weight
-from drifttool.model.rope import rope_tables
+from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
 
@@ -238,8 +240,9 @@ class MMDiT(nn.Module):
         if txt_mask is not None:
             key_mask = torch.cat([txt_mask, torch.ones(B, N, dtype=torch.bool, device=x.device)], dim=1)  # [B, L+N]
         img_freqs, txt_freqs = rope_tables(
-            (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta, device=x.device
-        )  # [N, Dh/2], [L, Dh/2] complex64
+            (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
+            algorithm=BACKEND_TABLES[rt.mode.backend], device=x.device,
+        )  # [N, Dh/2], [L, Dh/2] complex64: portable (strict) or diffusers' polar (production)
 
         with rt.scope(block=-1):
             te = self.time_text_embed.timestep_embedder
@@ -404,22 +407,31 @@ def _checkpointed(fn, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt: Run
 
 
 @torch.no_grad()
-def random_init_(model: MMDiT, *, seed: int = 0) -> MMDiT:
+def random_init_(
+    model: MMDiT, *, seed: int = 0, randn: Callable[[torch.Size], torch.Tensor] | None = None
+) -> MMDiT:
     """Fill every parameter deterministically (CPU fp32 generator, sorted key order, then cast).
 
     Weights ``~ N(0, 1/fan_in)``, biases ``~ N(0, 0.02²)``, gains ``1 + N(0, 0.1²)``. The same seed
     gives the same bytes on every device and for every model dtype (values drawn in fp32, then
-    rounded). Returns the model.
+    rounded) on one CPU dispatch level. ``randn(shape)`` (fp32 standard normals, called once per
+    parameter in sorted name order) replaces the seeded ``torch.randn``, e.g. with portable
+    normals (``fixtures/build_tiny.py``). Returns the model.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if randn is None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def randn(shape: torch.Size) -> torch.Tensor:
+            return torch.randn(shape, generator=gen)
+
     params = dict(model.named_parameters())
     for name in sorted(params):
         p = params[name]
         if name.endswith(".bias"):
-            val = torch.randn(p.shape, generator=gen) * 0.02
+            val = randn(p.shape) * 0.02
         elif p.dim() == 1:  # RMSNorm gains
-            val = 1 + torch.randn(p.shape, generator=gen) * 0.1
+            val = 1 + randn(p.shape) * 0.1
         else:
-            val = torch.randn(p.shape, generator=gen) / (p.shape[1] ** 0.5)
+            val = randn(p.shape) / (p.shape[1] ** 0.5)
         p.copy_(val.to(p.dtype))
     return model

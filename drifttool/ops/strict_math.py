@@ -220,6 +220,45 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, y)
 
 
+_LOG_COEF = [1.0 / (2 * i + 1) for i in range(12)]  # atanh series: 2s·Σ s^2i/(2i+1), |s| ≤ 0.1716
+_SQRT2 = 1.41421356237309514547e00
+_TWO54 = 18014398509481984.0  # 2^54: lifts subnormals into the normal range (exact scaling)
+
+
+def log64(x: torch.Tensor) -> torch.Tensor:
+    """ln(x) in FP64 from exact operations: exponent/mantissa split from the bits, then
+    ln m = 2·atanh(s), s = (m − 1)/(m + 1), on m ∈ [√2/2, √2) (12-term odd series, truncation
+    < 1e-18), recombined as (k·ln2_hi + (k·ln2_lo + ln m)) with k·ln2_hi exact.
+
+    Relative error below 1e-15 (a few FP64 ULPs): the bytes depend on the input value alone,
+    never on the SIMD dispatch (no torch/numpy transcendental is used). ``0`` → ``-inf``,
+    negative → NaN, ``+inf`` → ``inf``, NaN → NaN.
+
+    Args:
+        x: tensor of any floating dtype (upcast to FP64). Returns FP64 of the same shape.
+    """
+    x = x.to(torch.float64)
+    ok = torch.isfinite(x) & (x > 0)
+    xs = torch.where(ok, x, torch.ones_like(x))
+    tiny = xs < 2.2250738585072014e-308  # subnormal: scale by 2^54 first
+    xs = torch.where(tiny, xs * _TWO54, xs)
+    bits = xs.view(torch.int64)
+    k = (bits >> 52) - 1023 - torch.where(tiny, 54, 0)  # unbiased exponent
+    m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # mantissa in [1, 2)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)  # exact
+    k = (k + big.to(torch.int64)).to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)  # m − 1 is exact (Sterbenz)
+    s2 = s * s
+    p = torch.full_like(s, _LOG_COEF[-1])
+    for c in reversed(_LOG_COEF[:-1]):
+        p = p * s2 + c
+    y = k * _LN2_HI + (k * _LN2_LO + 2.0 * s * p)
+    y = torch.where(x == 0, torch.full_like(y, -math.inf), y)
+    y = torch.where(x == math.inf, x, y)
+    return torch.where((x < 0) | torch.isnan(x), torch.full_like(y, math.nan), y)
+
+
 def silu64(x: torch.Tensor) -> torch.Tensor:
     """SiLU(x) = x / (1 + exp(−x)) in FP64 (exact-op ``exp64``)."""
     x = x.to(torch.float64)
@@ -256,7 +295,8 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sin x, cos x) in FP64 from exact operations: three-part Cody–Waite reduction by π/2
     (exact products for |x| < 2^20), Taylor polynomials on |r| ≤ π/4, quadrant selection.
 
-    Valid for |x| < 2^20 (timestep phases are at most 1000); larger |x| raises ValueError.
+    Valid for |x| < 2^20 (timestep phases are at most 1000, RoPE angles at most 4096); larger
+    |x| raises ValueError.
     """
     x = x.to(torch.float64)
     if x.numel() and torch.nan_to_num(torch.abs(x)).max().item() >= 2.0**20:
@@ -272,6 +312,36 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for c in reversed(_COS_COEF[:-1]):
         c_ = c_ * r2 + c
     q = torch.remainder(n, 4.0)
+    sin = torch.where(q == 0, s, torch.where(q == 1, c_, torch.where(q == 2, -s, -c_)))
+    cos = torch.where(q == 0, c_, torch.where(q == 1, -s, torch.where(q == 2, -c_, s)))
+    return sin, cos
+
+
+_HALF_PI = 1.57079632679489655800e00  # fl64(π/2)
+_SIN_COEF_Q = [(-1) ** i / math.factorial(2 * i + 1) for i in range(13)]  # |r| < π/2: < 1e-19
+_COS_COEF_Q = [(-1) ** i / math.factorial(2 * i) for i in range(13)]
+
+
+def sincos_quadrant64(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin θ, cos θ) in FP64 for θ = (π/2)·(q + f), given exactly as an integer quadrant and a
+    fraction: no argument reduction, no rounding (``torch.round`` wakes the thread pool on
+    every call). r = fl64(fl64(π/2)·f); sin r, cos r by 13-term Taylor polynomials on
+    [0, π/2) (truncation < 1e-19); the quadrant rotates them exactly.
+
+    Args:
+        q: int64, values in {0, 1, 2, 3}.  f: FP64 in [0, 1), same shape.
+    Returns:
+        (sin, cos), FP64 of that shape; absolute error a few FP64 ULPs.
+    """
+    r = _HALF_PI * f.to(torch.float64)
+    r2 = r * r
+    s = torch.full_like(r, _SIN_COEF_Q[-1])
+    for c in reversed(_SIN_COEF_Q[:-1]):
+        s = s * r2 + c
+    s = s * r
+    c_ = torch.full_like(r, _COS_COEF_Q[-1])
+    for c in reversed(_COS_COEF_Q[:-1]):
+        c_ = c_ * r2 + c
     sin = torch.where(q == 0, s, torch.where(q == 1, c_, torch.where(q == 2, -s, -c_)))
     cos = torch.where(q == 0, c_, torch.where(q == 1, -s, torch.where(q == 2, -c_, s)))
     return sin, cos

@@ -450,7 +450,7 @@ def recompute_run(
         arch=model.config.arch_fields(), img_grid=stored.inputs.img_grid, weights=weight_digest(model),
         dtype=model.dtype, mode=m.value,
         sampler={**dataclasses.asdict(sampler), "sigma_table": sig.tolist(),
-                 "sigma_table_digest": tensor_digest(sig)},
+                 "sigma_table_digest": tensor_digest(sig)}, noise_record=stored.noise_record,
     )
     settings = {**stored.settings, "mode": m.value, "capture": level}
     manifest = {
