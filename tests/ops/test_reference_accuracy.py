@@ -449,11 +449,8 @@ def test_masked_keys_get_exactly_zero_probability(case: Case, backend: str):
         f"(max {masked.abs().max().item():.3g})")
 
 
-DTYPE_SLOW_CASES = {"joint_attention_fused[real_n6889_l16_valid7_h1]"}  # 20–40 s each: run by .ci/run's slow step
-
-PARAMS = [
-    pytest.param(case, dt, be, id=f"{case.id}-{dt}-{be}",
-                 marks=[pytest.mark.slow] if case.id in SLOW_CASES else [])
+DTYPE_PARAMS = [
+    pytest.param(case, dt, be, id=f"{case.id}-{dt}-{be}")
     for case in CASES
     if "real" not in case.label
     for dt in case.dtypes
