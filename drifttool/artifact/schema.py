@@ -20,6 +20,8 @@ Identity columns follow design.md, "Identity of a captured tensor". Strings are 
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
@@ -38,6 +40,10 @@ L2 plus row digests. (L3, full tensors, is not implemented.)"""
 def ops_file(rank: int) -> str:
     """File name of rank ``rank``'s operator records."""
     return f"ops.rank{rank}.arrow"
+
+
+OPS_NAME = re.compile(r"ops\.rank(0|[1-9][0-9]{0,5})\.arrow")
+"""``ops_file(rank)`` names and nothing else (group 1: the rank)."""
 
 
 def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:
