@@ -339,11 +339,16 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
     them (``runner.check_finite``), so one is damage. Torch-free (``safetensors.deserialize``).
 
     Raises:
-        ArtifactError: unreadable file, unknown dtype, a non-finite value, or a tensor missing,
-            extra or different from ``input_digests`` (when the manifest has them).
+        ArtifactError: unreadable file, unknown dtype, a non-finite value, a tensor missing,
+            extra or different from ``input_digests`` (when the manifest has them), or no inputs
+            file in a complete run whose manifest pins them.
     """
     name = manifest["files"].get("inputs")
+    pinned = manifest.get("replay", {}).get("input_digests")
     if not name or not (path / name).is_file():
+        if pinned and manifest["complete"]:
+            raise ArtifactError(f"{path}: the manifest pins replay inputs (input_digests) but the "
+                                f"run has no {S.INPUTS}")
         return  # an incomplete run that never wrote its inputs
     where = path / name
     try:
@@ -363,7 +368,6 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
         got[key] = f"xxh3_64:{h.intdigest():016x}"
     if bad:
         raise ArtifactError(f"{where}: non-finite replay inputs: {', '.join(bad)}")
-    pinned = manifest.get("replay", {}).get("input_digests")
     if pinned is not None:
         wrong = sorted(k for k in set(pinned) | set(got) if pinned.get(k) != got.get(k))
         if wrong:

@@ -66,6 +66,13 @@ def _rewrite_stream(path: Path, edit: Callable[[pa.Table], pa.Table], *,
         w.write_table(table)
 
 
+def _to_file_format(path: Path) -> None:
+    """Rewrite an IPC stream as an IPC *file* (footer format) with the same table."""
+    table = pa.ipc.open_stream(path.read_bytes()).read_all()
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+
+
 def _set_value(column: str, row: int, value) -> Callable[[pa.Table], pa.Table]:
     def edit(t: pa.Table) -> pa.Table:
         vals = t.column(column).to_pylist()
@@ -213,6 +220,11 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "retyped ops sample": retype("ops.rank0.arrow", "sample", pa.int64()),
     "retyped steps sigma": retype("steps.arrow", "sigma", pa.float32()),
     "dropped ops column": drop_column("ops.rank0.arrow", "call"),
+    "extra ops column": lambda d: _rewrite_stream(
+        d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
+    "dictionary-encoded steps column": lambda d: _rewrite_stream(
+        d / "steps.arrow", lambda t: t.set_column(t.schema.get_field_index("phase"), "phase",
+                                                  t.column("phase").dictionary_encode())),
     "renamed steps column": rename_column("steps.arrow", "sample", "samples"),
     "second stream after the end": append_second_stream("ops.rank0.arrow"),
     "truncated ops": truncate("ops.rank0.arrow"),
@@ -237,6 +249,11 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "missing steps": remove("steps.arrow"),
     "missing trace": remove("trace.arrow"),
     "missing inputs": remove("inputs.safetensors"),
+    "inputs removed with their manifest entry": lambda d: (
+        remove("inputs.safetensors")(d), edit_manifest(lambda m: m["files"].update(inputs=None))(d)),
+    "inputs unlisted in the manifest": edit_manifest(lambda m: m["files"].update(inputs=None)),
+    "empty run directory": lambda d: [os.remove(p) for p in list(d.iterdir())],
+    "steps in Arrow file format": lambda d: _to_file_format(d / "steps.arrow"),
     "missing ops": remove("ops.rank0.arrow"),
     "renamed steps": rename("steps.arrow", "steps.arrow.bak"),
     "swapped steps and trace": swap("steps.arrow", "trace.arrow"),
