@@ -26,7 +26,6 @@ Source: design.md, "Artifact".
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -46,7 +45,13 @@ if TYPE_CHECKING:
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # IPC end-of-stream marker written by close()
 MAX_MANIFEST_DEPTH = 32
-"""Deepest nesting of objects/arrays accepted in ``manifest.json`` (the writer's is 5)."""
+"""Deepest nesting of objects/arrays accepted in ``manifest.json`` (drifttool's own manifests
+nest a few levels; the diff walks them recursively)."""
+
+
+def _brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (error messages are one line)."""
+    return " ".join(str(e).split())[:200]
 
 
 def _reject_constant(name: str) -> Any:
@@ -87,18 +92,19 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_dir():
         raise ArtifactError(f"{path}: no such artifact directory")
     mpath = path / S.MANIFEST
-    if not mpath.is_file() and not mpath.is_symlink():
+    try:
+        mode = mpath.lstat().st_mode
+    except FileNotFoundError:
         raise ArtifactError(f"{path}: missing {S.MANIFEST} (not an artifact, or the run never "
-                            "started)")
-    if not stat.S_ISREG(mpath.lstat().st_mode):
+                            "started)") from None
+    if not stat.S_ISREG(mode):
         raise ArtifactError(f"{mpath}: not a regular file (links and special files are refused)")
     try:
         manifest = json.loads(mpath.read_bytes(), parse_constant=_reject_constant,
                               object_pairs_hook=_unique_keys)
     except (OSError, ValueError, RecursionError) as e:
         # ValueError covers JSONDecodeError, bad UTF-8 and the int digit limit
-        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: "
-                            f"{str(e)[:200]})") from None
+        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: {_brief(e)})") from None
     if _depth(manifest) > MAX_MANIFEST_DEPTH:
         raise ArtifactError(f"{mpath}: corrupt manifest (nested deeper than "
                             f"{MAX_MANIFEST_DEPTH} levels)")
@@ -194,11 +200,14 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
         raise ArtifactError(f"{path}: complete run lacks {', '.join(missing)}")
 
 
-def check_batch(path: Path, index: int, batch: pa.RecordBatch) -> None:
+def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> None:
     """Refuse a record batch that pyarrow's full validation rejects (corrupt lengths, offsets or
     buffers: using it could crash the process), that holds a null in a non-nullable column, or a
     non-finite ``sigma``/``sigma_next``. Op records before the first step (``step`` −1) carry
     ``sigma`` NaN ("no sigma", ``drifttool.capture.recorder``); every other value must be finite.
+
+    Args:
+        ops: ``batch`` holds op records (``OPS_SCHEMA``), else step records.
 
     Raises:
         ArtifactError: naming the file, the batch and the column.
@@ -207,7 +216,7 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch) -> None:
     try:
         batch.validate(full=True)
     except pa.ArrowException as e:
-        raise ArtifactError(f"{where} is corrupt ({str(e)[:200]})") from None
+        raise ArtifactError(f"{where} is corrupt ({_brief(e)})") from None
     for field, col in zip(batch.schema, batch.columns):
         if not field.nullable and col.null_count:
             raise ArtifactError(f"{where}: {col.null_count} null(s) in column {field.name!r}, "
@@ -217,7 +226,7 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch) -> None:
             continue
         col = batch.column(name)
         bad = pc.invert(pc.is_finite(col))
-        if name == "sigma" and "block" in batch.schema.names:  # op records: step -1 has no sigma
+        if ops:  # op records before the first step have no sigma
             bad = pc.and_(bad, pc.invert(pc.and_(pc.equal(batch.column("step"), -1),
                                                  pc.is_nan(col))))
         n = pc.sum(pc.cast(bad, pa.int64())).as_py() or 0
@@ -278,8 +287,8 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
         reader = pa.ipc.open_stream(source)
     except (pa.ArrowException, OSError) as e:
         if complete:
-            raise ArtifactError(f"{path}: not a readable Arrow IPC stream ({e})") from None
-        return empty, f"{name}: unreadable header, no batch recovered ({e})"
+            raise ArtifactError(f"{path}: not a readable Arrow IPC stream ({_brief(e)})") from None
+        return empty, f"{name}: unreadable header, no batch recovered ({_brief(e)})"
     version = S.schema_version_of(reader.schema)
     if version not in S.SUPPORTED_SCHEMA_VERSIONS:
         raise ArtifactError(f"{path}: schema_version {version!r} is not supported "
@@ -294,9 +303,9 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
         except StopIteration:
             break
         except (pa.ArrowException, OSError) as e:
-            problem = f"{name}: truncated after {len(batches)} complete batches ({e})"
+            problem = f"{name}: truncated after {len(batches)} complete batches ({_brief(e)})"
             break
-        check_batch(path, len(batches), batch)
+        check_batch(path, len(batches), batch, ops=schema.metadata[b"drifttool.table"] == b"ops")
         batches.append(batch)
     if problem is None:
         size = path.stat().st_size
@@ -354,7 +363,7 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
     try:
         tensors = deserialize(where.read_bytes())
     except (SafetensorError, OSError, ValueError, OverflowError) as e:
-        raise ArtifactError(f"{where}: corrupt safetensors ({str(e)[:200]})") from None
+        raise ArtifactError(f"{where}: corrupt safetensors ({_brief(e)})") from None
     got, bad = {}, []
     for key, t in tensors:
         if t["dtype"] not in _ST_DTYPES:
@@ -472,7 +481,7 @@ class Run:
         try:
             return load_file(str(self.path / names[0]))
         except (SafetensorError, OSError, ValueError) as e:
-            raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors ({e})") from None
+            raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors ({_brief(e)})") from None
 
     def check(self) -> list[str]:
         """Read every Arrow file once; return ``problems`` (raises as the readers do)."""
