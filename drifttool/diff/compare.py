@@ -245,6 +245,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     if report.incomparable:
         report.reason = "cannot align: " + "; ".join(report.incomparable[:3])
         return report
+    run_a.check()  # every file is read and checked, also those the common level leaves out
+    run_b.check()
     check_step_bytes(run_a)
     check_step_bytes(run_b)
     report.context = context(run_a, run_b)

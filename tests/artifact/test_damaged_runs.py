@@ -94,3 +94,15 @@ def test_good_runs_are_identical(cli, good, tmp_path):
     shutil.copytree(good, copy)
     code, out = cli("diff", good, copy)
     assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_damage_in_records_the_common_level_leaves_out_is_not_ignored(cli, good, tmp_path):
+    """An L0 run against a damaged L2 run: the op records are not compared (the common level is
+    L0), but the damaged file is still read and refused — never "identical"."""
+    from drifttool.runner import RunSpec, execute
+
+    l0 = tmp_path / "l0"
+    execute(RunSpec(steps=2, capture="L0"), l0)
+    bad = damaged(good, tmp_path, "null in ops op")
+    for args in ((l0, bad), (bad, l0, "--json")):
+        assert_one_clean_line(*cli("diff", *args))
