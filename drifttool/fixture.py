@@ -160,8 +160,9 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     try:
         meta = json.loads((path / "fixture.json").read_text())
         settings = dict(meta["settings"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FixtureError(f"{path}: missing or malformed fixture.json: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise FixtureError(f"{path}: missing or malformed fixture.json: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}") from None
     return Fixture(path=path, name=str(meta.get("name", path.name)), settings=settings, meta=meta)
 
 
@@ -231,14 +232,18 @@ def check_seal(path: str | Path) -> str:
             special file inside the fixture (``_files``).
     """
     path = Path(path)
+    present = _files(path)  # first: refuses a FIFO before anything is opened
     try:
         body = json.loads((path / SEAL).read_text())
         sealed: dict[str, str] = body["files"]
         if body.get("algorithm") != SEAL_ALGORITHM:
             raise FixtureError(f"{path}: unknown seal algorithm {body.get('algorithm')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FixtureError(f"{path}: missing or malformed {SEAL}: {e}") from None
-    present = _files(path)
+        if not (isinstance(sealed, dict) and all(isinstance(v, str) for v in sealed.values())
+                and isinstance(body.get("content_digest"), str)):
+            raise ValueError("'files' must map paths to digests, 'content_digest' a string")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise FixtureError(f"{path}: missing or malformed {SEAL}: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}") from None
     problems = [f"missing {r}" for r in sorted(set(sealed) - set(present))]
     problems += [f"unsealed extra file {r}" for r in sorted(set(present) - set(sealed))]
     problems += [f"modified {r}" for r in sorted(set(sealed) & set(present)) if _digest_file(path / r) != sealed[r]]

@@ -41,8 +41,8 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
         ArtifactError: the expected artifact cannot be read.
     """
     with extracted(name_or_path or DEFAULT_FIXTURE) as path:
+        digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)
-        digest = check_seal(fx.path)
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
         try:
             run_dir = work / "replay"

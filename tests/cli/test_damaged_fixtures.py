@@ -109,3 +109,22 @@ def test_verified_archive_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_):
     code, out = cli("fixture", "verify", _tar(fx, tmp_path / "fx.tar.gz"))
     assert code == 0 and "seal ok" in out and "IDENTICAL" in out, out
     assert list(tmpdir_.iterdir()) == []
+
+
+@pytest.mark.parametrize("seal", [
+    "[" * 100_000 + "]" * 100_000,
+    '{"algorithm": "xxh3_128", "content_digest": "x", "files": ["fixture.json"]}',
+    '{"algorithm": "xxh3_128", "content_digest": "x", "files": {"fixture.json": 5}}',
+    '{"algorithm": "xxh3_128", "content_digest": 7, "files": {}}',
+    '["xxh3_128"]',
+    '{"algorithm": "xxh3_128", "files": {"fixture.json": "' + "9" * 5000 + '"}, "content_digest": ' + "9" * 5000 + "}",
+])
+def test_hostile_seal_json_is_one_clean_line(cli, fx, seal):
+    (fx / "seal.json").write_text(seal)
+    _one_clean_line(*cli("fixture", "verify", fx), "seal.json")
+
+
+def test_fifo_for_fixture_json_is_refused_before_it_is_opened(cli, fx):
+    os.remove(fx / "fixture.json")
+    os.mkfifo(fx / "fixture.json")
+    _one_clean_line(*cli("fixture", "verify", fx), "fixture.json")
