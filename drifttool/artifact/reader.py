@@ -58,6 +58,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (non-finite number)")
 
 
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} overflows to a non-finite number")
+    return x
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
@@ -101,7 +108,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise ArtifactError(f"{mpath}: not a regular file (links and special files are refused)")
     try:
         manifest = json.loads(mpath.read_bytes(), parse_constant=_reject_constant,
-                              object_pairs_hook=_unique_keys)
+                              parse_float=_finite_float, object_pairs_hook=_unique_keys)
     except (OSError, ValueError, RecursionError) as e:
         # ValueError covers JSONDecodeError, bad UTF-8 and the int digit limit
         raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: {_brief(e)})") from None

@@ -272,6 +272,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
         '"fingerprint": {', '"fingerprint": {"deep": ' + '{"a": ' * 900 + "1" + "}" * 900 + ", ", 1)),
     "5000-digit integer": manifest_text(lambda t: t[:-1] + ', "x": ' + "7" * 5000 + "}"),
     "NaN in manifest": manifest_text(lambda t: t[:-1] + ', "x": NaN}'),
+    "1e999 in manifest": manifest_text(lambda t: t[:-1] + ', "x": -1e999}'),
     "duplicate manifest key": manifest_text(lambda t: t[:-1] + ', "complete": true}'),
     "not UTF-8 manifest": lambda d: (d / "manifest.json").write_bytes(
         b"\xff\xfe" + (d / "manifest.json").read_bytes()),
