@@ -214,9 +214,12 @@ def seal(path: str | Path) -> str:
     """Write ``seal.json`` for the fixture at ``path``; return its content digest.
 
     Raises:
-        FixtureError: ``path`` holds a symlink or a special file (``_files``).
+        FixtureError: ``path`` is not a directory, or holds a symlink or a special file
+            (``_files``).
     """
     path = Path(path)
+    if not path.is_dir():
+        raise FixtureError(f"{path}: not a fixture directory")
     files = {rel: _digest_file(path / rel) for rel in _files(path)}
     digest = content_digest(files)
     body = {"algorithm": SEAL_ALGORITHM, "content_digest": digest, "files": files}

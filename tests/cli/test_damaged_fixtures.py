@@ -128,3 +128,10 @@ def test_fifo_for_fixture_json_is_refused_before_it_is_opened(cli, fx):
     os.remove(fx / "fixture.json")
     os.mkfifo(fx / "fixture.json")
     _one_clean_line(*cli("fixture", "verify", fx), "fixture.json")
+
+
+def test_seal_of_a_missing_directory_or_a_file_is_one_clean_line(cli, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for target in (tmp_path / "nope", tmp_path / "afile"):
+        _one_clean_line(*cli("fixture", "seal", target), "not a fixture directory")
+    assert not (tmp_path / "nope").exists()
