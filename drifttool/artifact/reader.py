@@ -134,9 +134,11 @@ def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
     for key in ("fingerprint", "settings", "environment", "layout", "replay"):
         if key in m and not isinstance(m[key], dict):
             raise ArtifactError(f"{mpath}: corrupt manifest ({key!r} is not an object)")
-    for key in ("kind", "capture_level"):
-        if key in m and not isinstance(m[key], str):
-            raise ArtifactError(f"{mpath}: corrupt manifest ({key!r} is not a string)")
+    if "kind" in m and not isinstance(m["kind"], str):
+        raise ArtifactError(f"{mpath}: corrupt manifest ('kind' is not a string)")
+    if "capture_level" in m and m["capture_level"] not in S.LEVELS:
+        raise ArtifactError(f"{mpath}: corrupt manifest (capture_level {m['capture_level']!r} is "
+                            f"not one of {', '.join(S.LEVELS)})")
     fp = m.get("fingerprint")
     if isinstance(fp, dict) and "arch" in fp and not isinstance(fp["arch"], dict):
         raise ArtifactError(f"{mpath}: corrupt manifest ('fingerprint.arch' is not an object)")

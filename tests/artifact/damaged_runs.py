@@ -284,6 +284,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "complete as string": edit_manifest(lambda m: m.update(complete="true")),
     "kind as list": edit_manifest(lambda m: m.update(kind=["rollout"])),
     "capture_level as list": edit_manifest(lambda m: m.update(capture_level=["L2"])),
+    "capture_level unknown": edit_manifest(lambda m: m.update(capture_level="L9")),
     "files.steps points at trace": edit_manifest(lambda m: m["files"].update(steps="trace.arrow")),
     "files.ops duplicated": edit_manifest(lambda m: m["files"].update(
         ops=["ops.rank0.arrow", "ops.rank0.arrow"])),
