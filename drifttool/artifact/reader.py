@@ -26,6 +26,7 @@ Source: design.md, "Artifact".
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -214,6 +215,8 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> 
     buffers: using it could crash the process), that holds a null in a non-nullable column, or a
     non-finite ``sigma``/``sigma_next``. Op records before the first step (``step`` −1) carry
     ``sigma`` NaN ("no sigma", ``drifttool.capture.recorder``); every other value must be finite.
+    Every ``dtype`` must be one of ``DTYPE_SIZES``, and a step record's ``data`` must hold exactly
+    the bytes of its dtype and shape.
 
     Args:
         ops: ``batch`` holds op records (``OPS_SCHEMA``), else step records.
@@ -230,6 +233,16 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> 
         if not field.nullable and col.null_count:
             raise ArtifactError(f"{where}: {col.null_count} null(s) in column {field.name!r}, "
                                 "which may not be null")
+    dtypes = set(batch.column("dtype").unique().to_pylist()) if "dtype" in batch.schema.names else set()
+    if dtypes - set(S.DTYPE_SIZES):
+        raise ArtifactError(f"{where}: unknown dtype(s) {sorted(dtypes - set(S.DTYPE_SIZES))}")
+    if "data" in batch.schema.names:  # step records: the bytes must be the shape's
+        sizes = pc.binary_length(batch.column("data")).to_pylist()
+        for i, (dt, shape) in enumerate(zip(batch.column("dtype").to_pylist(),
+                                            batch.column("shape").to_pylist())):
+            if min(shape, default=0) < 0 or math.prod(shape) * S.DTYPE_SIZES[dt] != sizes[i]:
+                raise ArtifactError(f"{where}: row {i} holds {sizes[i]} bytes, not the "
+                                    f"{dt} {shape} its dtype and shape declare")
     for name in ("sigma", "sigma_next"):
         if name not in batch.schema.names:
             continue

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 
 def _patch(path: Path, offset: int, data: bytes) -> None:
@@ -81,6 +82,20 @@ def _set_value(column: str, row: int, value) -> Callable[[pa.Table], pa.Table]:
         return t.set_column(t.schema.get_field_index(column), field,
                             pa.array(vals, type=field.type))
     return edit
+
+
+def restep(row: int, **fields) -> Callable[[Path], None]:
+    """Change ``fields`` (dtype, shape) of step record ``row`` and re-digest it, so that the
+    damage passes the digest check and must be caught by what the fields declare."""
+    def edit(t: pa.Table) -> pa.Table:
+        rows = t.to_pylist()
+        r = rows[row]
+        r.update(fields)
+        h = xxhash.xxh3_64(f"{r['dtype']}|{','.join(map(str, r['shape']))}|".encode())
+        h.update(r["data"])
+        r["digest"] = h.intdigest()
+        return pa.Table.from_pylist(rows, schema=t.schema)
+    return lambda d: _rewrite_stream(d / "steps.arrow", edit)
 
 
 def null_in(file: str, column: str, row: int = 0) -> Callable[[Path], None]:
@@ -219,6 +234,10 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "inf sigma in ops step -1": value_in("ops.rank0.arrow", "sigma", float("inf"), 0),
     "retyped ops sample": retype("ops.rank0.arrow", "sample", pa.int64()),
     "retyped steps sigma": retype("steps.arrow", "sigma", pa.float32()),
+    "unknown dtype in a step record": restep(3, dtype="float99"),
+    "shape of a step record not its bytes": restep(3, shape=[7, 1000]),
+    "negative shape in a step record": restep(3, shape=[-1, -1536]),
+    "unknown dtype in an op record": value_in("ops.rank0.arrow", "dtype", "float99", 4),
     "dropped ops column": drop_column("ops.rank0.arrow", "call"),
     "extra ops column": lambda d: _rewrite_stream(
         d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
