@@ -32,6 +32,7 @@ from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff, compare_table
+from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable
 from drifttool.diff.report import DiffReport, FirstDrift, RowDrift, RowRef, Verdict
 from drifttool.diff.steps import step_drifts
@@ -254,6 +255,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
     st, ot = _compare_tables(run_a, run_b, level, phase_map)
     tables = [st] if ot is None else [st, ot]
+    for kind, t in zip(("step", "op"), tables):
+        check_matched(run_a, run_b, kind, t)
     report.counts = {"steps": st.counts(), **({"ops": ot.counts()} if ot else {})}
     report.notes = _notes(run_a, run_b, level, tables)
     if phase_map is not None:

@@ -238,6 +238,13 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "shape of a step record not its bytes": restep(3, shape=[7, 1000]),
     "negative shape in a step record": restep(3, shape=[-1, -1536]),
     "unknown dtype in an op record": value_in("ops.rank0.arrow", "dtype", "float99", 4),
+    "op record shape under its digest": value_in("ops.rank0.arrow", "shape", [1, 2, 3], 7),
+    "op record maxabs under its digest": value_in("ops.rank0.arrow", "maxabs", 123.0, 7),
+    "op record nonfinite under its digest": value_in("ops.rank0.arrow", "nonfinite", 3, 7),
+    "op record row digests under their digest": lambda d: _rewrite_stream(
+        d / "ops.rank0.arrow", lambda t: _set_value("row_digests", 9, [
+            v ^ 1 for v in t.column("row_digests")[9].as_py()])(t)),
+    "step record maxabs under its digest": value_in("steps.arrow", "maxabs", 0.5, 2),
     "dropped ops column": drop_column("ops.rank0.arrow", "call"),
     "extra ops column": lambda d: _rewrite_stream(
         d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
