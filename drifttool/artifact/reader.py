@@ -17,7 +17,8 @@ plain JSON of the expected shape (``read_manifest``); every record batch passes 
 validation (corrupt lengths or offsets would otherwise crash the process), has no null in a
 non-nullable column and a finite ``sigma``/``sigma_next`` (``check_batch``); each
 ``ops.rank<r>.arrow`` holds rank ``r`` only; and every replay input is re-hashed against the
-manifest's ``replay.input_digests`` and must be finite (``check_inputs``).
+manifest's ``replay.input_digests`` and must be finite (``check_inputs``); ``Run.check`` (which
+``diff`` calls) reads every file and checks that each step carries one sigma (``check_sigmas``).
 
 This module does not import torch (``Run.inputs`` does, when called).
 Source: design.md, "Artifact".
@@ -271,6 +272,47 @@ def check_unique_seq(path: Path, table: pa.Table) -> None:
                             f"seq {seq} repeats)")
 
 
+def step_sigmas(table: pa.Table, what: str) -> dict[tuple[int, str, int], float]:
+    """``{(rank, phase, step): sigma}`` of the records at ``step >= 0``.
+
+    Raises:
+        ArtifactError: two records of one step carry different sigmas (``what`` names the file).
+    """
+    t = table.filter(pc.greater_equal(table["step"], 0)).group_by(["rank", "phase", "step"])
+    g = t.aggregate([("sigma", "min"), ("sigma", "max")]).to_pylist()
+    bad = [r for r in g if r["sigma_min"] != r["sigma_max"]]
+    if bad:
+        r = bad[0]
+        raise ArtifactError(f"{what}: records of {r['phase']} step {r['step']} (rank {r['rank']}) "
+                            f"carry different sigmas ({r['sigma_min']!r}, {r['sigma_max']!r})")
+    return {(r["rank"], r["phase"], r["step"]): r["sigma_min"] for r in g}
+
+
+def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
+    """One sigma per step: every record of a (rank, phase, step) carries the same ``sigma``, op
+    and step records agree on it, and a step's ``sigma_next`` is the next step's ``sigma``
+    (``drifttool.sampling.rollout``: both come from one sigma table).
+
+    Raises:
+        ArtifactError: naming the step and the disagreeing values.
+    """
+    of_steps = step_sigmas(steps, f"{path}/{S.STEPS}")
+    of_ops = step_sigmas(ops, f"{path}/ops.rank*.arrow")
+    for key in sorted(set(of_steps) & set(of_ops)):
+        if of_steps[key] != of_ops[key]:
+            raise ArtifactError(f"{path}: {key[1]} step {key[2]} (rank {key[0]}) has sigma "
+                                f"{of_steps[key]!r} in {S.STEPS} but {of_ops[key]!r} in its op "
+                                "records")
+    nxt = steps.filter(pc.greater_equal(steps["step"], 0)).group_by(["rank", "phase", "step"])
+    for r in nxt.aggregate([("sigma_next", "min"), ("sigma_next", "max")]).to_pylist():
+        following = of_steps.get((r["rank"], r["phase"], r["step"] + 1))
+        if r["sigma_next_min"] != r["sigma_next_max"] or (
+                following is not None and following != r["sigma_next_min"]):
+            raise ArtifactError(f"{path}/{S.STEPS}: sigma_next of {r['phase']} step {r['step']} "
+                                f"(rank {r['rank']}) is not one value equal to the next step's "
+                                f"sigma {following!r}")
+
+
 def schema_differences(got: pa.Schema, want: pa.Schema) -> str:
     """One line naming the missing, unexpected, retyped and reordered columns of ``got``."""
     have, need = dict(zip(got.names, got)), dict(zip(want.names, want))
@@ -506,9 +548,9 @@ class Run:
             raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors ({_brief(e)})") from None
 
     def check(self) -> list[str]:
-        """Read every Arrow file once; return ``problems`` (raises as the readers do)."""
-        self.ops_table()
-        self.steps_table()
+        """Read every Arrow file once, check that its steps carry one sigma each
+        (``check_sigmas``); return ``problems`` (raises as the readers do)."""
+        check_sigmas(self.path, self.steps_table(), self.ops_table())
         self.trace_rows()
         return list(self.problems)
 

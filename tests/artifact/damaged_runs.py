@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 
 
@@ -231,6 +232,13 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "inf sigma in steps": value_in("steps.arrow", "sigma", float("inf")),
     "-inf sigma_next in steps": value_in("steps.arrow", "sigma_next", float("-inf"), 3),
     "NaN sigma in ops": value_in("ops.rank0.arrow", "sigma", float("nan"), 5),
+    "finite sigma changed in steps": value_in("steps.arrow", "sigma", 0.5, 3),
+    "finite sigma_next changed in steps": value_in("steps.arrow", "sigma_next", 0.5, 3),
+    "finite sigma changed in ops": value_in("ops.rank0.arrow", "sigma", 0.5, 9),
+    "sigma of a whole step changed in steps": lambda d: _rewrite_stream(
+        d / "steps.arrow", lambda t: t.set_column(
+            t.schema.get_field_index("sigma"), t.schema.field("sigma"),
+            pc.if_else(pc.equal(t["step"], 1), 0.5, t["sigma"]))),
     "inf sigma in ops step -1": value_in("ops.rank0.arrow", "sigma", float("inf"), 0),
     "retyped ops sample": retype("ops.rank0.arrow", "sample", pa.int64()),
     "retyped steps sigma": retype("steps.arrow", "sigma", pa.float32()),
