@@ -113,7 +113,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                               parse_float=_finite_float, object_pairs_hook=_unique_keys)
     except (OSError, ValueError, RecursionError) as e:
         # ValueError covers JSONDecodeError, bad UTF-8 and the int digit limit
-        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: {_brief(e)})") from None
+        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: "
+                            f"{_brief(e)})") from None
     if _depth(manifest) > MAX_MANIFEST_DEPTH:
         raise ArtifactError(f"{mpath}: corrupt manifest (nested deeper than "
                             f"{MAX_MANIFEST_DEPTH} levels)")
@@ -199,7 +200,8 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
     odd = sorted(f"{n} is {kinds.get(m, 'not a regular file')}" for n, m in entries.items()
                  if m != stat.S_IFREG)
     if odd:
-        raise ArtifactError(f"{path}: a run directory holds regular files only: {'; '.join(odd[:3])}")
+        raise ArtifactError(f"{path}: a run directory holds regular files only: "
+                            f"{'; '.join(odd[:3])}")
     listed = set(listed_files(manifest))
     extra = sorted(n for n in set(entries) - listed
                    if manifest["complete"] or not _own_name(n))
@@ -234,10 +236,11 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> 
         if not field.nullable and col.null_count:
             raise ArtifactError(f"{where}: {col.null_count} null(s) in column {field.name!r}, "
                                 "which may not be null")
-    dtypes = set(batch.column("dtype").unique().to_pylist()) if "dtype" in batch.schema.names else set()
+    names = batch.schema.names
+    dtypes = set(batch.column("dtype").unique().to_pylist()) if "dtype" in names else set()
     if dtypes - set(S.DTYPE_SIZES):
         raise ArtifactError(f"{where}: unknown dtype(s) {sorted(dtypes - set(S.DTYPE_SIZES))}")
-    if "data" in batch.schema.names:  # step records: the bytes must be the shape's
+    if "data" in names:  # step records: the bytes must be the shape's
         sizes = pc.binary_length(batch.column("data")).to_pylist()
         for i, (dt, shape) in enumerate(zip(batch.column("dtype").to_pylist(),
                                             batch.column("shape").to_pylist())):
@@ -245,7 +248,7 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> 
                 raise ArtifactError(f"{where}: row {i} holds {sizes[i]} bytes, not the "
                                     f"{dt} {shape} its dtype and shape declare")
     for name in ("sigma", "sigma_next"):
-        if name not in batch.schema.names:
+        if name not in names:
             continue
         col = batch.column(name)
         bad = pc.invert(pc.is_finite(col))
@@ -402,7 +405,8 @@ def _nonfinite(st_dtype: str, data: bytes) -> int:
     np_type = _ST_DTYPES[st_dtype][1]
     if np_type is None:
         return 0
-    return int(np.count_nonzero(~np.isfinite(np.frombuffer(data, dtype=np.dtype(np_type).newbyteorder("<")))))
+    x = np.frombuffer(data, dtype=np.dtype(np_type).newbyteorder("<"))
+    return int(np.count_nonzero(~np.isfinite(x)))
 
 
 def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
@@ -545,7 +549,8 @@ class Run:
         try:
             return load_file(str(self.path / names[0]))
         except (SafetensorError, OSError, ValueError) as e:
-            raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors ({_brief(e)})") from None
+            raise ArtifactError(f"{self.path / names[0]}: corrupt safetensors "
+                                f"({_brief(e)})") from None
 
     def check(self) -> list[str]:
         """Read every Arrow file once, check that its steps carry one sigma each

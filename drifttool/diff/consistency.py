@@ -14,7 +14,6 @@ them legitimately) and are not checked here.
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 
 from drifttool.artifact.reader import Run
