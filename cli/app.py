@@ -18,6 +18,7 @@ import traceback
 from typing import Any, Callable
 
 import typer
+from rich.markup import escape
 from drifttool.cli._console import err, silence_stdout  # noqa: E402
 import drifttool
 from drifttool.errors import DriftToolError
@@ -41,7 +42,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DriftToolError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")

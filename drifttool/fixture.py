@@ -10,22 +10,30 @@ content digest over every file so that anyone can re-verify them.
 
 ``verify`` checks the seal (a tampered file fails before anything runs), re-runs the fixture in
 strict mode and diffs the new artifact against ``expected/`` (identical, or the first drift).
-Archives (``.tar``, ``.tar.gz``) are extracted with tarfile's ``data`` filter: no member may
-land outside the target directory, no links out, no devices.
+The seal covers regular files only: a symlink (even to identical bytes), a FIFO, a device or
+a socket anywhere inside a fixture fails the seal check and is refused by ``seal``.
+Archives (``.tar``, ``.tar.gz``) are opened with ``extracted`` into a temporary directory that is
+removed afterwards, on success and on failure: only regular files and directories are accepted
+(no links, no devices), and tarfile's ``data`` filter keeps every member inside the target.
+
+This module imports torch only inside ``Fixture.prompts``: the seal check runs without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
 import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import xxhash
-from safetensors import SafetensorError
 
 from drifttool.errors import FixtureError
 
@@ -42,28 +50,59 @@ def packaged_fixtures() -> Path:
     return Path(str(resources.files("drifttool.fixtures")))
 
 
-def _extract(archive: Path) -> Path:
-    target = Path(tempfile.mkdtemp(prefix="drifttool-fixture-"))
+def _extract(archive: Path, target: Path) -> Path:
+    """Extract ``archive`` into the empty directory ``target``; return the fixture directory in it
+    (``target`` itself, or its single top-level folder).
+
+    Raises:
+        FixtureError: unreadable or truncated archive; a member that is not a regular file or
+            directory (symlink, hard link, device, FIFO) or would land outside ``target``.
+    """
     try:
         with tarfile.open(archive) as tar:
-            tar.extractall(target, filter="data")
-    except (tarfile.TarError, OSError) as e:
-        raise FixtureError(f"{archive}: cannot extract fixture archive safely: {e}") from None
+            members = tar.getmembers()
+            odd = [m.name for m in members if not (m.isfile() or m.isdir())]
+            if odd:
+                raise FixtureError(f"{archive}: fixture archive holds links or special files, "
+                                   f"which are refused: {', '.join(odd[:5])}")
+            tar.extractall(target, members=members, filter="data")
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise FixtureError(f"{archive}: not a readable fixture archive (truncated or corrupt?): "
+                           f"{e}") from None
     dirs = [p for p in target.iterdir() if p.is_dir()]
     return dirs[0] if len(dirs) == 1 and not (target / "fixture.json").exists() else target
 
 
-def locate(name_or_path: str | Path) -> Path:
-    """A fixture directory from a packaged name, a directory, or a .tar/.tar.gz archive.
+@contextlib.contextmanager
+def extracted(name_or_path: str | Path) -> Iterator[Path]:
+    """The fixture directory of a packaged name, a directory or a ``.tar``/``.tar.gz`` archive.
+
+    An archive is extracted into a fresh directory under ``$TMPDIR`` that is removed when the
+    block exits, normally or by an exception.
 
     Raises:
-        FixtureError: nothing of that name or path.
+        FixtureError: as ``locate``, or an archive that cannot be extracted safely (``_extract``).
+    """
+    p = Path(name_or_path)
+    if not p.is_file():
+        yield locate(p)
+        return
+    with tempfile.TemporaryDirectory(prefix="drifttool-fixture-") as tmp:
+        yield _extract(p, Path(tmp))
+
+
+def locate(name_or_path: str | Path) -> Path:
+    """A fixture directory from a packaged name or a directory (archives: ``extracted``).
+
+    Raises:
+        FixtureError: nothing of that name or path, or a file (an archive needs ``extracted``).
     """
     p = Path(name_or_path)
     if p.is_dir():
         return p
-    if p.is_file() and tarfile.is_tarfile(p):
-        return _extract(p)
+    if p.exists():
+        raise FixtureError(f"{p}: not a fixture directory (an archive is verified with "
+                           "`drifttool fixture verify ARCHIVE`)")
     q = packaged_fixtures() / str(name_or_path)
     if q.is_dir() and str(name_or_path) not in (".", ".."):
         return q
@@ -95,6 +134,7 @@ class Fixture:
         N(0, 1) embeddings of the same lengths are drawn instead (recorded by the caller).
         """
         import torch  # here, not at the top: the seal check runs without torch
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
@@ -120,8 +160,9 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     try:
         meta = json.loads((path / "fixture.json").read_text())
         settings = dict(meta["settings"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FixtureError(f"{path}: missing or malformed fixture.json: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise FixtureError(f"{path}: missing or malformed fixture.json: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}") from None
     return Fixture(path=path, name=str(meta.get("name", path.name)), settings=settings, meta=meta)
 
 
@@ -129,11 +170,28 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
 
 
 def _files(path: Path) -> list[str]:
-    return sorted(
-        p.relative_to(path).as_posix()
-        for p in path.rglob("*")
-        if p.is_file() and p.name != SEAL and "__pycache__" not in p.parts and p.suffix != ".py"
-    )
+    """Sealed files under ``path`` (relative POSIX paths, sorted): every regular file except
+    ``seal.json``, ``*.py`` and ``__pycache__/`` (a packaged fixture folder holds its build script).
+
+    Raises:
+        FixtureError: a symlink or a special file (FIFO, device, socket) anywhere under ``path``;
+            the seal covers regular files only.
+    """
+    files, odd = [], []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in [*dirs, *names]:
+            p = Path(root, name)
+            mode = p.lstat().st_mode
+            rel = p.relative_to(path).as_posix()
+            if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                odd.append(rel)
+            elif stat.S_ISREG(mode) and name != SEAL and p.suffix != ".py":
+                files.append(rel)
+    if odd:
+        raise FixtureError(f"{path}: the seal covers regular files only; refusing symlinks or "
+                           f"special files: {', '.join(sorted(odd)[:5])}")
+    return sorted(files)
 
 
 def _digest_file(p: Path) -> str:
@@ -153,8 +211,15 @@ def content_digest(files: dict[str, str]) -> str:
 
 
 def seal(path: str | Path) -> str:
-    """Write ``seal.json`` for the fixture at ``path``; return its content digest."""
+    """Write ``seal.json`` for the fixture at ``path``; return its content digest.
+
+    Raises:
+        FixtureError: ``path`` is not a directory, or holds a symlink or a special file
+            (``_files``).
+    """
     path = Path(path)
+    if not path.is_dir():
+        raise FixtureError(f"{path}: not a fixture directory")
     files = {rel: _digest_file(path / rel) for rel in _files(path)}
     digest = content_digest(files)
     body = {"algorithm": SEAL_ALGORITHM, "content_digest": digest, "files": files}
@@ -166,17 +231,22 @@ def check_seal(path: str | Path) -> str:
     """Verify every file against ``seal.json``; return the content digest.
 
     Raises:
-        FixtureError: no seal, or files changed, missing or added (all listed).
+        FixtureError: no seal, or files changed, missing or added (all listed), or a symlink or
+            special file inside the fixture (``_files``).
     """
     path = Path(path)
+    present = _files(path)  # first: refuses a FIFO before anything is opened
     try:
         body = json.loads((path / SEAL).read_text())
         sealed: dict[str, str] = body["files"]
         if body.get("algorithm") != SEAL_ALGORITHM:
             raise FixtureError(f"{path}: unknown seal algorithm {body.get('algorithm')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FixtureError(f"{path}: missing or malformed {SEAL}: {e}") from None
-    present = _files(path)
+        if not (isinstance(sealed, dict) and all(isinstance(v, str) for v in sealed.values())
+                and isinstance(body.get("content_digest"), str)):
+            raise ValueError("'files' must map paths to digests, 'content_digest' a string")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise FixtureError(f"{path}: missing or malformed {SEAL}: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}") from None
     problems = [f"missing {r}" for r in sorted(set(sealed) - set(present))]
     problems += [f"unsealed extra file {r}" for r in sorted(set(present) - set(sealed))]
     problems += [f"modified {r}" for r in sorted(set(sealed) & set(present)) if _digest_file(path / r) != sealed[r]]

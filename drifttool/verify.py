@@ -8,6 +8,7 @@ expected artifact.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
-from drifttool.fixture import DEFAULT_FIXTURE, check_seal, load_fixture
+from drifttool.fixture import DEFAULT_FIXTURE, check_seal, extracted, load_fixture
 
 
 @dataclass
@@ -29,16 +30,28 @@ class VerifyResult:
 def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path | None = None) -> VerifyResult:
     """Seal check, strict re-run with the fixture's settings, diff against ``expected/``.
 
+    An archive is extracted into a temporary directory that is removed before this returns or
+    raises (``drifttool.fixture.extracted``); so is the temporary ``workdir`` when anything
+    raises (the caller owns it after a return).
+
     Raises:
-        FixtureError: the seal does not match (tampered, missing or extra files) — nothing runs.
+        FixtureError: the seal does not match (tampered, missing or extra files, a symlink or a
+            special file), or an archive cannot be extracted safely — nothing runs.
         ArtifactError: the expected artifact cannot be read.
     """
-    fx = load_fixture(name_or_path or DEFAULT_FIXTURE)
-    digest = check_seal(fx.path)
-    from drifttool.runner import RunSpec, execute  # torch: only once the seal holds
+    with extracted(name_or_path or DEFAULT_FIXTURE) as path:
+        digest = check_seal(path)  # before anything in the fixture is read
+        fx = load_fixture(path)
+        from drifttool.runner import RunSpec, execute  # torch: only once the seal holds
 
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
-    run_dir = work / "replay"
-    execute(RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict")), run_dir, overwrite=True)
-    report = diff_runs(open_run(fx.expected_dir), open_run(run_dir))
+        work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
+        try:
+            run_dir = work / "replay"
+            execute(RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict")), run_dir,
+                    overwrite=True)
+            report = diff_runs(open_run(fx.expected_dir), open_run(run_dir))
+        except BaseException:
+            if not workdir:
+                shutil.rmtree(work, ignore_errors=True)
+            raise
     return VerifyResult(fixture=fx.name, content_digest=digest, run_dir=run_dir, report=report)

@@ -20,6 +20,8 @@ Identity columns follow design.md, "Identity of a captured tensor". Strings are 
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 2
@@ -45,6 +47,16 @@ L2 plus row digests. (L3, full tensors, is not implemented.)"""
 def ops_file(rank: int) -> str:
     """File name of rank ``rank``'s operator records."""
     return f"ops.rank{rank}.arrow"
+
+
+DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "int64": 8,
+               "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+               "complex128": 16}
+"""Bytes per element of every dtype a record may carry (the ``dtype`` column, torch's names)."""
+
+OPS_NAME = re.compile(r"ops\.rank(0|[1-9][0-9]{0,5})\.arrow")
+"""``ops_file(rank)`` names and nothing else (group 1: the rank)."""
 
 
 def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:

@@ -37,6 +37,7 @@ from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff, compare_table
+from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
@@ -299,6 +300,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     if report.incomparable:
         report.reason = "cannot align: " + "; ".join(report.incomparable[:3])
         return report
+    run_a.check()  # every file is read and checked, also those the common level leaves out
+    run_b.check()
     check_step_bytes(run_a)
     check_step_bytes(run_b)
     report.context = context(run_a, run_b)
@@ -307,6 +310,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
     st, ot = _compare_tables(run_a, run_b, level, phase_map)
     tables = [st] if ot is None else [st, ot]
+    for kind, t in zip(("step", "op"), tables):
+        check_matched(run_a, run_b, kind, t)
     report.counts = {"steps": st.counts(), **({"ops": ot.counts()} if ot else {})}
     report.notes = _notes(run_a, run_b, level, tables)
     if phase_map is not None:

@@ -28,7 +28,8 @@ def write_run(path, *, steps=3, close=True):
              "samples": [0, 1], "txt_lens": None, "img_grid": (2, 2), "rank": 0,
              "op": "img_mlp", "stream": "img", "call": 0}
         rec.capture(s, torch.full((2, 4, 8), float(i)), "BS.")
-        rec.record_step(phase="rollout", step=i, sigma=s["sigma"], sigma_next=0.0, sample=0,
+        rec.record_step(phase="rollout", step=i, sigma=s["sigma"],
+                        sigma_next=1.0 - (i + 1) / steps, sample=0,
                         branch="cfg", quantities={"x_t": torch.full((4, 8), float(i))})
         rec.flush()
     if close:

@@ -266,3 +266,11 @@ def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, stric
     with pa.OSFile(str(bad / "steps.arrow"), "wb") as f, pa.ipc.new_stream(f, schema) as w:
         w.write_table(table)
     _assert_clean_error(*cli("diff", strict_run, bad), "do not match their digest")
+
+
+def test_error_naming_a_path_with_markup_is_one_plain_line(cli, tmp_path, strict_run):
+    weird = tmp_path / "runs[/]x[bold]"
+    weird.mkdir(parents=True)
+    code, out = cli("diff", weird, strict_run)
+    _assert_clean_error(code, out, "runs[/]x[bold]", "missing manifest.json")
+    assert len(out.strip().splitlines()) == 1, out

@@ -1,0 +1,137 @@
+"""Damaged fixtures and archives (issue #8 item 3): ``fixture verify`` and ``fixture seal`` exit 2
+with one clear line, never a traceback; the seal covers regular files only; an archive's
+extraction directory is removed from ``$TMPDIR`` on success and on failure."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tarfile
+import tempfile
+
+import pytest
+
+from drifttool.fixture import locate
+
+
+def _one_clean_line(code, out, *needles):
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert code == 2, out
+    assert "Traceback" not in out and "internal error" not in out, out
+    assert len(lines) == 1 and lines[0].startswith("error:"), out
+    for n in needles:
+        assert n in out, out
+
+
+@pytest.fixture
+def fx(tmp_path):
+    """A writable copy of the sealed default fixture."""
+    out = tmp_path / "fx"
+    shutil.copytree(locate("tiny-t2i"), out, ignore=shutil.ignore_patterns("__pycache__"))
+    return out
+
+
+@pytest.fixture
+def tmpdir_(tmp_path, monkeypatch):
+    """A fresh, empty ``$TMPDIR`` (and ``tempfile``'s cached copy of it)."""
+    d = tmp_path / "TMPDIR"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _tar(src, dest, mode="w:gz"):
+    with tarfile.open(dest, mode) as tar:
+        tar.add(src, arcname="tiny-t2i")
+    return dest
+
+
+@pytest.mark.parametrize("victim", ["prompts.safetensors", "expected/steps.arrow",
+                                    "transformer/config.json"])
+def test_symlink_to_identical_bytes_fails_the_seal(cli, fx, tmp_path, victim):
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(fx / victim, outside)
+    os.remove(fx / victim)
+    os.symlink(outside, fx / victim)
+    _one_clean_line(*cli("fixture", "verify", fx), "regular files only", victim)
+    _one_clean_line(*cli("fixture", "seal", fx), "regular files only", victim)
+
+
+def test_fifo_or_linked_folder_in_a_fixture_fails_the_seal(cli, fx, tmp_path):
+    os.mkfifo(fx / "pipe")
+    _one_clean_line(*cli("fixture", "verify", fx), "pipe")
+    os.remove(fx / "pipe")
+    shutil.move(fx / "transformer", tmp_path / "transformer")
+    os.symlink(tmp_path / "transformer", fx / "transformer")
+    _one_clean_line(*cli("fixture", "verify", fx), "transformer")
+
+
+def _last_member_middle(arc) -> int:
+    """Offset of the middle of the last regular member's data in an uncompressed tar."""
+    with tarfile.open(arc) as tar:
+        last = [m for m in tar.getmembers() if m.isfile()][-1]
+    return last.offset_data + last.size // 2
+
+
+@pytest.mark.parametrize("mode,cut", [("w:gz", 0.5), ("w:gz", 0.01), ("w", 0.5), ("w", "last")])
+def test_truncated_archive_is_one_clean_line_and_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_,
+                                                                  mode, cut):
+    arc = _tar(fx, tmp_path / "fx.tar", mode)
+    data = arc.read_bytes()
+    arc.write_bytes(data[: _last_member_middle(arc) if cut == "last" else int(len(data) * cut)])
+    _one_clean_line(*cli("fixture", "verify", arc), str(arc))
+    assert list(tmpdir_.iterdir()) == []
+
+
+def test_archive_with_a_link_member_is_refused_and_leaves_no_temp_dir(cli, tmp_path, tmpdir_):
+    arc = tmp_path / "links.tar"
+    with tarfile.open(arc, "w") as tar:
+        data = b"{}"
+        info = tarfile.TarInfo("fx/fixture.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("fx/prompts.safetensors")
+        link.type, link.linkname = tarfile.SYMTYPE, "fixture.json"
+        tar.addfile(link)
+    _one_clean_line(*cli("fixture", "verify", arc), "links or special files", "prompts.safetensors")
+    assert list(tmpdir_.iterdir()) == []
+
+
+def test_tampered_archive_fails_and_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_):
+    (fx / "fixture.json").write_text((fx / "fixture.json").read_text().replace("386", "387"))
+    _one_clean_line(*cli("fixture", "verify", _tar(fx, tmp_path / "fx.tgz")), "modified fixture.json")
+    assert list(tmpdir_.iterdir()) == []
+
+
+def test_verified_archive_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_):
+    code, out = cli("fixture", "verify", _tar(fx, tmp_path / "fx.tar.gz"))
+    assert code == 0 and "seal ok" in out and "IDENTICAL" in out, out
+    assert list(tmpdir_.iterdir()) == []
+
+
+@pytest.mark.parametrize("seal", [
+    "[" * 100_000 + "]" * 100_000,
+    '{"algorithm": "xxh3_128", "content_digest": "x", "files": ["fixture.json"]}',
+    '{"algorithm": "xxh3_128", "content_digest": "x", "files": {"fixture.json": 5}}',
+    '{"algorithm": "xxh3_128", "content_digest": 7, "files": {}}',
+    '["xxh3_128"]',
+    '{"algorithm": "xxh3_128", "files": {"fixture.json": "' + "9" * 5000 + '"}, "content_digest": ' + "9" * 5000 + "}",
+])
+def test_hostile_seal_json_is_one_clean_line(cli, fx, seal):
+    (fx / "seal.json").write_text(seal)
+    _one_clean_line(*cli("fixture", "verify", fx), "seal.json")
+
+
+def test_fifo_for_fixture_json_is_refused_before_it_is_opened(cli, fx):
+    os.remove(fx / "fixture.json")
+    os.mkfifo(fx / "fixture.json")
+    _one_clean_line(*cli("fixture", "verify", fx), "fixture.json")
+
+
+def test_seal_of_a_missing_directory_or_a_file_is_one_clean_line(cli, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for target in (tmp_path / "nope", tmp_path / "afile"):
+        _one_clean_line(*cli("fixture", "seal", target), "not a fixture directory")
+    assert not (tmp_path / "nope").exists()
