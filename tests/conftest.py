@@ -20,3 +20,19 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     if not torch.equal(ba, bb):
         idx = (ba != bb).nonzero()[0].tolist()
         pytest.fail(f"{what}: bytes differ first at {idx} ({(ba != bb).sum().item()} elements)")
+
+
+@pytest.fixture
+def cli():
+    """Invoke the drifttool CLI in-process; returns (exit_code, stdout + stderr)."""
+    from typer.testing import CliRunner
+
+    from drifttool.cli.app import app
+
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        res = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+        return res.exit_code, res.output
+
+    return invoke

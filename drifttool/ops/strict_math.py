@@ -291,6 +291,26 @@ _SIN_COEF = [(-1) ** i / math.factorial(2 * i + 1) for i in range(10)]
 _COS_COEF = [(-1) ** i / math.factorial(2 * i) for i in range(10)]
 
 
+def _taylor_sincos(r: torch.Tensor, sin_coef: list[float], cos_coef: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin r, cos r) in FP64 by Horner's rule on r² (coefficients lowest order first)."""
+    r2 = r * r
+    s = torch.full_like(r, sin_coef[-1])
+    for c in reversed(sin_coef[:-1]):
+        s = s * r2 + c
+    s = s * r
+    c_ = torch.full_like(r, cos_coef[-1])
+    for c in reversed(cos_coef[:-1]):
+        c_ = c_ * r2 + c
+    return s, c_
+
+
+def _rotate_quadrant(q: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin, cos) of r + q·π/2 from (sin r, cos r), q in {0, 1, 2, 3}: exact sign/swap."""
+    sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    return sin, cos
+
+
 def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sin x, cos x) in FP64 from exact operations: three-part Cody–Waite reduction by π/2
     (exact products for |x| < 2^20), Taylor polynomials on |r| ≤ π/4, quadrant selection.
@@ -303,18 +323,7 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("sincos64 supports |x| < 2^20")
     n = torch.round(x * _INV_PIO2)
     r = ((x - n * _PIO2_1) - n * _PIO2_2) - n * _PIO2_3
-    r2 = r * r
-    s = torch.full_like(r, _SIN_COEF[-1])
-    for c in reversed(_SIN_COEF[:-1]):
-        s = s * r2 + c
-    s = s * r
-    c_ = torch.full_like(r, _COS_COEF[-1])
-    for c in reversed(_COS_COEF[:-1]):
-        c_ = c_ * r2 + c
-    q = torch.remainder(n, 4.0)
-    sin = torch.where(q == 0, s, torch.where(q == 1, c_, torch.where(q == 2, -s, -c_)))
-    cos = torch.where(q == 0, c_, torch.where(q == 1, -s, torch.where(q == 2, -c_, s)))
-    return sin, cos
+    return _rotate_quadrant(torch.remainder(n, 4.0), *_taylor_sincos(r, _SIN_COEF, _COS_COEF))
 
 
 _HALF_PI = 1.57079632679489655800e00  # fl64(π/2)
@@ -334,17 +343,7 @@ def sincos_quadrant64(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, t
         (sin, cos), FP64 of that shape; absolute error a few FP64 ULPs.
     """
     r = _HALF_PI * f.to(torch.float64)
-    r2 = r * r
-    s = torch.full_like(r, _SIN_COEF_Q[-1])
-    for c in reversed(_SIN_COEF_Q[:-1]):
-        s = s * r2 + c
-    s = s * r
-    c_ = torch.full_like(r, _COS_COEF_Q[-1])
-    for c in reversed(_COS_COEF_Q[:-1]):
-        c_ = c_ * r2 + c
-    sin = torch.where(q == 0, s, torch.where(q == 1, c_, torch.where(q == 2, -s, -c_)))
-    cos = torch.where(q == 0, c_, torch.where(q == 1, -s, torch.where(q == 2, -c_, s)))
-    return sin, cos
+    return _rotate_quadrant(q, *_taylor_sincos(r, _SIN_COEF_Q, _COS_COEF_Q))
 
 
 def sqrt32(v: torch.Tensor) -> torch.Tensor:
