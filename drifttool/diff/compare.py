@@ -38,7 +38,7 @@ from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff, compare_table
 from drifttool.diff.consistency import check_matched
-from drifttool.diff.context import context, incomparable
+from drifttool.diff.context import context, incomparable, input_differences
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
@@ -224,10 +224,14 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         full_b = run_b.steps_table().drop_columns(["data"])
     ra, rb = full_a.slice(i, 1).to_pylist()[0], full_b.slice(j, 1).to_pylist()[0]
     n_before = _unmatched_before(tables, ra["seq"], rb["seq"])
+    input_note = None
     if origin_kind is None:
         origin_kind = "unknown" if n_before else "record"
+        if origin_kind == "record" and report.input_differences:  # it consumed differing inputs
+            origin_kind, input_note = "inputs", report.input_differences[0]
     report.first_drift, note = _first_drift(kind, ra, rb, origin_kind)
     fd = report.first_drift
+    fd.input_note = input_note
     fd.prev_step, fd.unmatched_before = (None if prev is None else prev.step), n_before
     report.notes += [note] if note else []
     report.verdict = Verdict.DRIFT
@@ -264,6 +268,9 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
     extra = _samples_only_in_one_run(tables)
     if (only_a or only_b) and extra is None:
         why.append(f"{only_a} records only in run A, {only_b} only in run B")
+    if report.input_differences:
+        why.append(f"replay inputs differ ({report.input_differences[0]}"
+                   f"{f' and {len(report.input_differences) - 1} more' if len(report.input_differences) > 1 else ''})")
     level = f"{report.level}: {report.covers}"
     if not why:
         report.verdict = Verdict.IDENTICAL
@@ -304,7 +311,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
     run_b.check()
     check_step_bytes(run_a)
     check_step_bytes(run_b)
-    report.context = context(run_a, run_b)
+    report.input_differences = input_differences(run_a, run_b)
+    report.context = context(run_a, run_b, report.input_differences)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     report.covers = LEVEL_COVERS[level]
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None

@@ -72,8 +72,9 @@ def incomparable(ma: dict, mb: dict) -> list[str]:
     return out
 
 
-def context(run_a: Run, run_b: Run) -> list[str]:
-    """Differences outside the records: fingerprint (not ``arch``), capture level, inputs, trace.
+def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
+    """Differences outside the records: fingerprint (not ``arch``), capture level, the replay
+    ``inputs`` that differ (``input_differences``), trace.
 
     Raises:
         ArtifactError: unreadable inputs or trace.
@@ -84,7 +85,7 @@ def context(run_a: Run, run_b: Run) -> list[str]:
                            {k: v for k, v in fb.items() if k != "arch"}, "fingerprint")
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
-    inputs = _input_differences(run_a.raw_inputs(), run_b.raw_inputs())
+    inputs = inputs + prompt_layouts(run_a, run_b)
     trace = _trace_differences(run_a, run_b)
     return _capped(out, MAX_LISTED) + _capped(inputs, MAX_LISTED) + _capped(trace, MAX_TRACE)
 
@@ -92,37 +93,76 @@ def context(run_a: Run, run_b: Run) -> list[str]:
 _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg_mask": 0}
 
 
-def _per_sample(t: dict[str, RawTensor], key: str, sid: int, mask_key: str | None) -> RawTensor:
-    """Sample ``sid``'s slice of replay input ``key``, prompt padding removed (the rows its mask
-    marks valid, wherever the padding is)."""
-    ids = t["sample_ids"].array.tolist()
-    x = np.take(t[key].array, ids.index(sid), axis=_SAMPLE_AXIS[key])
-    if mask_key and mask_key in t:
-        x = x[t[mask_key].array[ids.index(sid)].astype(bool)]
+_MASKS = {"txt": "txt_mask", "neg_txt": "neg_mask"}  # prompt -> its [B, L] key mask (None: all valid)
+
+
+def _per_sample(t: dict[str, RawTensor], key: str, sid: int) -> RawTensor:
+    """Sample ``sid``'s slice of replay input ``key``; a prompt keeps only the rows its mask
+    marks valid, wherever the padding is (left, right, or none)."""
+    row = t["sample_ids"].array.tolist().index(sid)
+    x = np.take(t[key].array, row, axis=_SAMPLE_AXIS[key])
+    mask = _MASKS.get(key)
+    if mask in t:
+        x = x[t[mask].array[row].astype(bool)]
     return replace(t[key], array=x)
 
 
-def _input_differences(ia: dict[str, RawTensor], ib: dict[str, RawTensor]) -> list[str]:
-    """Replay inputs that differ. When the runs hold different batches of logical samples, the
-    batched inputs are compared per common sample (prompt padding removed)."""
-    out = [f"inputs.{k}: only in run {'A' if k in ia else 'B'}" for k in sorted(set(ia) ^ set(ib))]
-    keys = sorted(set(ia) & set(ib))
-    ids_a = ia["sample_ids"].array.tolist() if "sample_ids" in ia else None
-    ids_b = ib["sample_ids"].array.tolist() if "sample_ids" in ib else None
-    if ids_a is None or ids_b is None or ids_a == ids_b:
-        return out + [f"inputs.{k}: differs (dtype, shape or bytes)" for k in keys
-                      if ia[k].digest() != ib[k].digest()]
-    common = sorted(set(ids_a) & set(ids_b))
-    for k in keys:
-        if k not in _SAMPLE_AXIS:
-            if k != "sample_ids" and ia[k].digest() != ib[k].digest():
+def _valid_rows(t: dict[str, RawTensor], key: str, sid: int) -> tuple[int, int, int]:
+    """(first valid row, one past the last, padded length) of sample ``sid``'s prompt ``key``."""
+    row = t["sample_ids"].array.tolist().index(sid)
+    width = t[key].array.shape[1]
+    if _MASKS[key] not in t:
+        return 0, width, width
+    valid = np.flatnonzero(t[_MASKS[key]].array[row])
+    return (int(valid[0]), int(valid[-1]) + 1, width) if valid.size else (0, 0, width)
+
+
+def input_differences(run_a: Run, run_b: Run) -> list[str]:
+    """The replay inputs that differ, or that one run lacks, as logical per-sample inputs: for
+    every common sample its x0, its SDE noise and its prompts' valid rows (padding and masks
+    removed: the prompt layout is an execution layout, named by ``prompt_layouts``); other
+    inputs (``img_grid``) whole. Samples held by one run only are not inputs to compare."""
+    ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
+    if bool(ia) != bool(ib):
+        return [f"inputs.safetensors: only in run {'A' if ia else 'B'}"]
+    if not ia:
+        return []
+    if "sample_ids" not in ia or "sample_ids" not in ib:  # no logical samples: compare whole
+        return ([f"inputs.{k}: only in run {'A' if k in ia else 'B'}" for k in sorted(set(ia) ^ set(ib))]
+                + [f"inputs.{k}: differs (dtype, shape or bytes)" for k in sorted(set(ia) & set(ib))
+                   if ia[k].digest() != ib[k].digest()])
+    common = sorted(set(ia["sample_ids"].array.tolist()) & set(ib["sample_ids"].array.tolist()))
+    out = []
+    for k in sorted((set(ia) | set(ib)) - {"sample_ids", *_MASKS.values()}):
+        if (k in ia) != (k in ib):
+            out.append(f"inputs.{k}: only in run {'A' if k in ia else 'B'}")
+        elif k not in _SAMPLE_AXIS:
+            if ia[k].digest() != ib[k].digest():
                 out.append(f"inputs.{k}: differs (dtype, shape or bytes)")
-            continue
-        mask = {"txt": "txt_mask", "neg_txt": "neg_mask"}.get(k)
-        bad = [sid for sid in common
-               if _per_sample(ia, k, sid, mask).digest() != _per_sample(ib, k, sid, mask).digest()]
-        if bad:
-            out.append(f"inputs.{k}: differs for common samples {bad}")
+        else:
+            bad = [sid for sid in common if _per_sample(ia, k, sid).digest() != _per_sample(ib, k, sid).digest()]
+            if bad:
+                out.append(f"inputs.{k}: differs for common samples {bad}")
+    return out
+
+
+def prompt_layouts(run_a: Run, run_b: Run) -> list[str]:
+    """Common samples whose prompt sits at other rows of the padded batch (left padding, or
+    another padded length): context only, not an input difference (strict text RoPE counts
+    positions from row 0, so left padding moves it: diffusers 0.42.1)."""
+    ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
+    if "sample_ids" not in ia or "sample_ids" not in ib:
+        return []
+    common = sorted(set(ia["sample_ids"].array.tolist()) & set(ib["sample_ids"].array.tolist()))
+    out = []
+    for k in ("txt", "neg_txt"):
+        if k in ia and k in ib:
+            spans = {sid: (_valid_rows(ia, k, sid), _valid_rows(ib, k, sid)) for sid in common}
+            moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2]}
+            if moved:
+                sid, ((a0, a1, la), (b0, b1, lb)) = next(iter(moved.items()))
+                out.append(f"inputs.{k}: prompt rows moved for common samples {sorted(moved)} "
+                           f"(sample {sid}: rows [{a0}, {a1}) of {la} vs [{b0}, {b1}) of {lb})")
     return out
 
 

@@ -97,8 +97,10 @@ class FirstDrift:
     - ``"between_steps"``: the step's ``x_t`` differs while every record of the previous step
       matched (its ``x_next`` included): the latent changed between the steps, outside every
       recorded operator. The first drift is then that ``x_t`` record, not an operator of the step.
-    - ``"inputs"``: ``x_t`` of the phase's first step differs: the replay inputs differ. The
-      record is the first where they show (e.g. ``txt_in_rmsnorm_linear`` for a prompt).
+    - ``"inputs"``: the replay inputs differ (``x_t`` of the phase's first step, or a prompt,
+      mask or SDE noise that ``DiffReport.input_differences`` names, ``input_note`` its first
+      line): the record consumed them and is the first where they show (e.g.
+      ``txt_in_rmsnorm_linear`` for a prompt).
     - ``"unknown"``: records missing in one run precede it; the origin may be earlier.
 
     ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a
@@ -130,6 +132,7 @@ class FirstDrift:
     origin_kind: str
     prev_step: int | None = None
     unmatched_before: int = 0
+    input_note: str | None = None
     rows: RowDrift | None = None
 
     def origin_words(self) -> str:
@@ -139,8 +142,10 @@ class FirstDrift:
             "record": "origin (every earlier record matches)",
             "between_steps": f"x_t of step {self.step} differs; step {self.prev_step}'s outputs "
                              "match — changed between steps",
-            "inputs": f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
-                      "the replay inputs differ",
+            "inputs": (f"the replay inputs differ ({self.input_note}); x_t of step {self.step} "
+                       "matches" if self.input_note else
+                       f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
+                       "the replay inputs differ"),
             "unknown": f"{self.unmatched_before} unmatched records precede it: origin may be "
                        "earlier",
         }[self.origin_kind]
@@ -261,6 +266,8 @@ class DiffReport:
         incomparable: the fields that prevent alignment (empty unless incomparable).
         context: other differences between the runs, listed first (fingerprint outside
             ``arch``, inputs, capture level, operator trace); the runs are still diffed.
+        input_differences: the replay inputs that differ or that one run lacks (compared per
+            common sample, prompt padding removed); a run with any is never ``identical``.
         level: the common capture level (the lower of the two runs'); ``covers``: what a verdict
             at that level covers (``LEVEL_COVERS``), e.g. ``"step boundaries only"`` at L0.
         notes: what the reader or aligner noticed (cut files, duplicate identities, levels).
@@ -277,6 +284,7 @@ class DiffReport:
     covers: str | None = None
     incomparable: list[str] = field(default_factory=list)
     context: list[str] = field(default_factory=list)
+    input_differences: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     counts: dict[str, Counts] = field(default_factory=dict)
     identical_through: tuple[str, int] | None = None

@@ -39,6 +39,9 @@ def test_batch_1_equals_position_2_of_batch_3(cli, tmp_path):
     code, out = cli("diff", tmp_path / "b1", tmp_path / "b3", "--json")
     rep = json.loads(out)
     assert rep["counts"]["ops"]["differ"] == 0 and rep["counts"]["steps"]["differ"] == 0, out
+    # sample 2's replay inputs (x0, noise, its prompt's valid rows) are equal: identical, exit 0
+    assert code == 0 and rep["verdict"] == "identical" and rep["input_differences"] == [], out
+    assert not [c for c in rep["context"] if c.startswith("inputs.")], rep["context"]
 
 
 def test_strict_vs_auto_drifts_and_names_the_first_operator(cli, tmp_path, strict_run):

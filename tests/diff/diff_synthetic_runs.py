@@ -29,13 +29,15 @@ def _bump(t: torch.Tensor, b: int, row: int, add: float | None) -> torch.Tensor:
 def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | None = None,
               crash_after: int | None = None, fingerprint: dict | None = None,
               noise_seed: int = 1, pad: int = 5, between: dict | None = None,
-              x_seed: int | None = None) -> Path:
+              x_seed: int | None = None, txt_bump: dict | None = None) -> Path:
     """Write a synthetic run. ``plant={"step", "block", "op", "sample", "row"[, "add"]}`` moves one
     element of that op's output by one ULP (or by ``add``) and lets it propagate (``row``
     indexes the padded sequence axis). ``between={"step", "sample", "row"}`` moves one element
     of the latent by one ULP after that step's records were written and before the next step
     reads it (a change between steps, outside every recorded operator). ``x_seed`` draws the
-    initial latent from its own seed (a replay-input difference).
+    initial latent from its own seed (a replay-input difference); ``txt_bump={"sample", "row"[, "add"]}``
+    moves one element of the prompt embeddings by one ULP or by ``add`` (a prompt difference,
+    x_t unchanged).
     ``crash_after=k`` stops after k steps without closing (complete=false, streams unclosed)."""
     fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "settings": {"steps": steps}}
     writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"host": "test"}})
@@ -46,6 +48,8 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     txt = torch.randn(2, pad, 8, generator=g)  # [B, L_pad, C], rows >= txt_len are padding
     if x_seed is not None:
         x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(x_seed))
+    if txt_bump is not None:
+        txt = _bump(txt, txt_bump["sample"], txt_bump["row"], txt_bump.get("add"))
     noise = torch.randn(steps, 2, 6, 8, generator=torch.Generator().manual_seed(noise_seed))
     writer.write_inputs({"x_T": x, "txt": txt, "noise": noise})
     sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()

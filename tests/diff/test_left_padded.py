@@ -89,4 +89,6 @@ def test_inputs_of_common_samples_compare_valid_prompt_rows(tmp_path):
     b.sample_ids, b.x0 = [1], a.x0[1:]
     r = diff_runs(open_run(_run(tmp_path / "a", a)), open_run(_run(tmp_path / "b", b)))
     inputs = [c for c in r.context if c.startswith("inputs.")]
-    assert inputs == ["inputs.txt_mask: differs for common samples [1]"]  # its width differs
+    assert r.input_differences == []  # the same 3 tokens: no replay input differs
+    assert inputs == ["inputs.txt: prompt rows moved for common samples [1] "
+                      "(sample 1: rows [2, 5) of 5 vs [1, 4) of 4)"]  # the layout is context

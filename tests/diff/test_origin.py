@@ -78,3 +78,44 @@ def test_operator_drift_stays_a_record_origin(make_run):
     fd = r.first_drift
     assert (fd.kind, fd.op, fd.origin, fd.origin_kind) == ("op", "img_mlp", True, "record")
     assert "origin (every earlier record matches)" in r.reason
+
+
+def test_differing_prompt_with_matching_x_t_is_an_input_origin(make_run):
+    """Run B's prompt differs in one element while x0 and the noise match: x_t of step 0 is
+    equal, and the first differing operator consumed the differing prompt. Its origin kind is
+    ``inputs`` naming the prompt, never 'every earlier record matches'."""
+    a, b = make_run("a"), make_run("b", txt_bump={"sample": 1, "row": 0, "add": 0.5})
+    r = diff_runs(open_run(a), open_run(b))
+    fd = r.first_drift
+    assert r.verdict is Verdict.DRIFT
+    assert (fd.kind, fd.step, fd.op, fd.sample, fd.origin_kind) == ("op", 0, "txt_mlp", 1, "inputs")
+    assert r.input_differences == ["inputs.txt: differs (dtype, shape or bytes)"]
+    assert "the replay inputs differ (inputs.txt: differs (dtype, shape or bytes)); x_t of step 0 " \
+           "matches" in r.reason
+    assert "every earlier record matches" not in r.reason
+
+
+def test_replay_inputs_in_one_run_only_are_never_identical(make_run, tmp_path):
+    """Every record equal, but run B lost its replay inputs (and its manifest does not pin
+    them): the inputs were not compared, so the verdict is inconclusive, not identical."""
+    import json
+    import os
+
+    a, b = make_run("a"), make_run("b")
+    m = json.loads((b / "manifest.json").read_text())
+    os.remove(b / m["files"].pop("inputs"))
+    m.pop("input_digests", None)
+    (b / "manifest.json").write_text(json.dumps(m))
+    r = diff_runs(open_run(a), open_run(b))
+    assert r.verdict is Verdict.INCONCLUSIVE, r.reason
+    assert "replay inputs differ (inputs.safetensors: only in run A)" in r.reason
+
+
+def test_prompt_difference_absorbed_by_every_record_is_inconclusive(make_run):
+    """A one-ULP prompt change that no record shows (absorbed by rounding): every record is
+    equal but a replay input is not, so the verdict is inconclusive, never identical."""
+    a, b = make_run("a"), make_run("b", txt_bump={"sample": 1, "row": 0})
+    r = diff_runs(open_run(a), open_run(b))
+    assert r.counts["steps"].differ == 0 and r.counts["ops"].differ == 0
+    assert r.verdict is Verdict.INCONCLUSIVE and r.exit_code == 2
+    assert "replay inputs differ (inputs.txt: differs (dtype, shape or bytes))" in r.reason
