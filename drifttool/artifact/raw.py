@@ -43,6 +43,16 @@ class RawTensor:
     dtype: str
     array: np.ndarray
 
+    def nonfinite(self) -> int:
+        """Count of NaN/±inf elements (0 for integers and bool); bf16 and fp8 by their bits."""
+        bits = {"bfloat16": (0x7F80, 0x7F80), "float8_e5m2": (0x7C, 0x7C),
+                "float8_e4m3fn": (0x7F, 0x7F)}.get(self.dtype)  # (mask, all-ones pattern)
+        if bits is not None:  # e4m3fn has no inf: only S.1111.111 is NaN
+            return int(np.count_nonzero((self.array & bits[0]) == bits[1]))
+        if np.issubdtype(self.array.dtype, np.inexact):
+            return int(np.count_nonzero(~np.isfinite(self.array)))
+        return 0
+
     def digest(self) -> int:
         """xxh3_64 of dtype, shape and bytes (``drifttool.capture.digest.digest``'s identity)."""
         h = xxhash.xxh3_64(f"{self.dtype}|{','.join(map(str, self.array.shape))}|".encode())
@@ -59,14 +69,15 @@ def read_raw(path: str | os.PathLike) -> dict[str, RawTensor]:
     try:
         with open(path, "rb") as f:
             entries = deserialize(f.read())
-    except (SafetensorError, OSError) as e:
-        raise ArtifactError(f"{path}: corrupt safetensors ({e})") from None
-    out = {}
-    for name, e in entries:
-        if e["dtype"] not in _DTYPES:
-            raise ArtifactError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which this "
-                                f"reader does not support (supports {sorted(_DTYPES)})")
-        dtype, np_dtype = _DTYPES[e["dtype"]]
-        out[name] = RawTensor(dtype, np.frombuffer(e["data"], np.dtype(np_dtype).newbyteorder("<"))
-                              .reshape(e["shape"]))
+        out = {}
+        for name, e in entries:
+            if e["dtype"] not in _DTYPES:
+                raise ArtifactError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which this "
+                                    f"reader does not support (supports {sorted(_DTYPES)})")
+            dtype, np_dtype = _DTYPES[e["dtype"]]
+            out[name] = RawTensor(dtype, np.frombuffer(e["data"], np.dtype(np_dtype).newbyteorder("<"))
+                                  .reshape(e["shape"]))
+    except (SafetensorError, OSError, ValueError, OverflowError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"{path}: corrupt safetensors ({first[:200]})") from None
     return out

@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import xxhash
-from safetensors import SafetensorError, deserialize
+from safetensors import SafetensorError
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.raw import RawTensor, read_raw
@@ -390,31 +389,12 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
     return pa.Table.from_batches(batches, schema=reader.schema), problem
 
 
-_ST_DTYPES = {"F64": ("float64", np.float64), "F32": ("float32", np.float32),
-              "F16": ("float16", np.float16), "BF16": ("bfloat16", None),
-              "I64": ("int64", None), "I32": ("int32", None), "I16": ("int16", None),
-              "I8": ("int8", None), "U8": ("uint8", None), "BOOL": ("bool", None)}
-"""safetensors dtype -> (torch dtype name used in digests, numpy float type for the finiteness
-check; ``None``: an integer type, or bf16, which is checked on its bit pattern)."""
-
-
-def _nonfinite(st_dtype: str, data: bytes) -> int:
-    """Count of NaN/±inf values in a float tensor's raw little-endian bytes (0 for integers)."""
-    if st_dtype == "BF16":  # exponent bits all ones
-        bits = np.frombuffer(data, dtype="<u2")
-        return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
-    np_type = _ST_DTYPES[st_dtype][1]
-    if np_type is None:
-        return 0
-    x = np.frombuffer(data, dtype=np.dtype(np_type).newbyteorder("<"))
-    return int(np.count_nonzero(~np.isfinite(x)))
-
-
-def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
+def check_inputs(path: Path, manifest: dict[str, Any]) -> dict[str, RawTensor]:
     """Re-hash every replay input of ``inputs.safetensors`` against the manifest's
     ``replay.input_digests`` (``xxh3_64`` of ``"<dtype>|<shape>|"`` + bytes, as
     ``drifttool.capture.digest``) and refuse non-finite values: ``drifttool run`` never writes
-    them (``runner.check_finite``), so one is damage. Torch-free (``safetensors.deserialize``).
+    them (``runner.check_finite``), so one is damage. Torch-free (``drifttool.artifact.raw``).
+    Returns the inputs as read (``{}`` when the run has none).
 
     Raises:
         ArtifactError: unreadable file, unknown dtype, a non-finite value, a tensor missing,
@@ -427,23 +407,11 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
         if pinned and manifest["complete"]:
             raise ArtifactError(f"{path}: the manifest pins replay inputs (input_digests) but the "
                                 f"run has no {S.INPUTS}")
-        return  # an incomplete run that never wrote its inputs
+        return {}  # an incomplete run that never wrote its inputs
     where = path / name
-    try:
-        tensors = deserialize(where.read_bytes())
-    except (SafetensorError, OSError, ValueError, OverflowError) as e:
-        raise ArtifactError(f"{where}: corrupt safetensors ({_brief(e)})") from None
-    got, bad = {}, []
-    for key, t in tensors:
-        if t["dtype"] not in _ST_DTYPES:
-            raise ArtifactError(f"{where}: replay input {key!r} has unsupported dtype {t['dtype']}")
-        dtype, data = _ST_DTYPES[t["dtype"]][0], bytes(t["data"])
-        n = _nonfinite(t["dtype"], data)
-        if n:
-            bad.append(f"{key} ({n})")
-        h = xxhash.xxh3_64(f"{dtype}|{','.join(map(str, t['shape']))}|".encode())
-        h.update(data)
-        got[key] = f"xxh3_64:{h.intdigest():016x}"
+    tensors = read_raw(where)
+    got = {key: f"xxh3_64:{t.digest():016x}" for key, t in tensors.items()}
+    bad = [f"{key} ({n})" for key, t in tensors.items() for n in [t.nonfinite()] if n]
     if bad:
         raise ArtifactError(f"{where}: non-finite replay inputs: {', '.join(bad)}")
     if pinned is not None:
@@ -451,6 +419,7 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> None:
         if wrong:
             raise ArtifactError(f"{where}: replay inputs {wrong} do not match the manifest's "
                                 "input_digests (missing, extra, tampered or replaced)")
+    return tensors
 
 
 class Run:
@@ -472,7 +441,7 @@ class Run:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         check_directory(self.path, self.manifest)
-        check_inputs(self.path, self.manifest)
+        self._raw_inputs = check_inputs(self.path, self.manifest)
         self.complete: bool = self.manifest["complete"]
         self.schema_version: int = self.manifest["schema_version"]
         self.problems: list[str] = []
@@ -554,14 +523,9 @@ class Run:
                                 f"({_brief(e)})") from None
 
     def raw_inputs(self) -> dict[str, RawTensor]:
-        """The replay inputs as dtype + bytes, read without torch (``drifttool.artifact.raw``);
-        ``{}`` if none were written.
-
-        Raises:
-            ArtifactError: ``inputs.safetensors`` is corrupt.
-        """
-        names = self._listed("inputs")
-        return read_raw(self.path / names[0]) if names else {}
+        """The replay inputs as dtype + bytes, read without torch (``drifttool.artifact.raw``) and
+        checked when the run was opened (``check_inputs``); ``{}`` if none were written."""
+        return self._raw_inputs  # read and checked at open
 
     def check(self) -> list[str]:
         """Read every Arrow file once, check that its steps carry one sigma each

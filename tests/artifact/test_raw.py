@@ -54,3 +54,21 @@ def test_corrupt_file_is_an_artifact_error(tmp_path):
     p.write_bytes(p.read_bytes()[:-3])
     with pytest.raises(ArtifactError, match="corrupt safetensors"):
         read_raw(p)
+
+
+def test_raw_nonfinite_counts_match_torch(tmp_path):
+    """NaN/±inf counted on the bits for bf16 and fp8 (no numpy type), as torch counts them."""
+    tensors = {}
+    for d in DTYPES:
+        t = _tensor(d)
+        if t.is_floating_point():
+            t = t.float()
+            t[0, 1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+            t = t.to(d)
+        tensors[dtype_name(d)] = t
+    save_file(tensors, tmp_path / "t.safetensors")
+    raw = read_raw(tmp_path / "t.safetensors")
+    for name, t in tensors.items():
+        want = int((~torch.isfinite(t.float())).sum()) if t.is_floating_point() else 0
+        assert raw[name].nonfinite() == want, name
+        assert want in (0, 3) or name == "float8_e4m3fn"  # e4m3fn has no inf: ±inf become NaN
