@@ -112,14 +112,7 @@ def _inputs_from(tensors: dict[str, torch.Tensor], manifest: dict[str, Any], whe
     need = [k for k in ("sample_ids", "x0", "txt", "img_grid") if k not in tensors]
     if need:
         raise ArtifactError(f"{where}: inputs.safetensors lacks {need} (no replay inputs)")
-    digests = (manifest.get("replay") or {}).get("input_digests")
-    if digests:
-        bad = sorted(k for k in set(digests) | set(tensors)
-                     if k not in tensors or k not in digests
-                     or f"xxh3_64:{digest_tensor(tensors[k]).digest:016x}" != digests[k])
-        if bad:
-            raise ArtifactError(f"{where}: replay inputs {bad} do not match the manifest's "
-                                "input_digests (tampered or replaced inputs.safetensors)")
+    # re-hashed against the manifest's input_digests when the run was opened (check_inputs)
     mask = tensors.get("txt_mask")
     neg_mask = tensors.get("neg_mask")
     inputs = RolloutInputs(
