@@ -108,7 +108,7 @@ def _tensor(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype_from_name(dtype)).reshape(shape)
 
 
-def _inputs_from(tensors: dict[str, torch.Tensor], manifest: dict[str, Any], where: Path) -> RolloutInputs:
+def _inputs_from(tensors: dict[str, torch.Tensor], where: Path) -> RolloutInputs:
     need = [k for k in ("sample_ids", "x0", "txt", "img_grid") if k not in tensors]
     if need:
         raise ArtifactError(f"{where}: inputs.safetensors lacks {need} (no replay inputs)")
@@ -215,7 +215,7 @@ def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollou
     tensors = run.inputs()
     if not tensors:
         raise ArtifactError(f"{run.path}: no replay inputs (inputs.safetensors missing)")
-    inputs = _inputs_from(tensors, m, run.path)
+    inputs = _inputs_from(tensors, run.path)
     fp = m["fingerprint"]
     h, w = inputs.img_grid
     sig = implementation("flow_sigma_table", "strict")(sampler.num_steps, sampler.image_seq_len or h * w)
