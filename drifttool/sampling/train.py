@@ -203,6 +203,7 @@ def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollou
             or inputs, an unreadable file.
     """
     run = open_run(path)
+    run.check()  # every file read and checked before anything is re-executed or written
     m = run.manifest
     kind = m.get("kind", "rollout")
     if kind != "rollout":
