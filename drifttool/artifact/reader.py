@@ -13,12 +13,15 @@ else raises ``ArtifactError``.
 
 Damage is refused, never ignored (issue #8, "damaged artifacts"): every entry of the run directory
 must be a regular file that the manifest accounts for (``check_directory``); the manifest must be
-plain JSON of the expected shape (``read_manifest``); every record batch passes pyarrow's full
+plain JSON that ``schema.MANIFEST_SCHEMA`` accounts for, every key known, every required key
+present, every value of its type and enumeration (``read_manifest``); every record batch passes pyarrow's full
 validation (corrupt lengths or offsets would otherwise crash the process), has no null in a
 non-nullable column and a finite ``sigma``/``sigma_next`` (``check_batch``); each
 ``ops.rank<r>.arrow`` holds rank ``r`` only; and every replay input is re-hashed against the
 manifest's ``replay.input_digests`` and must be finite (``check_inputs``); ``Run.check`` (which
-``diff`` calls) reads every file and checks that each step carries one sigma (``check_sigmas``).
+``diff``, ``replay`` and ``recompute`` call) reads every file and checks that each step carries one
+sigma (``check_sigmas``) and that the records are what the manifest's ``capture_level`` and
+``kind`` say (``check_records_match_manifest``).
 
 This module does not import torch (``Run.inputs`` does, when called).
 Source: design.md, "Artifact".
@@ -92,8 +95,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ArtifactError: ``path`` is not a directory, the manifest is missing, not a regular file,
             not strict JSON (NaN/Infinity, duplicate keys, integers beyond Python's digit limit,
-            nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of the wrong shape, or of
-            a schema version (an ``int``) this reader does not support.
+            nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of a schema version (an
+            ``int``) this reader does not support, or not what ``schema.MANIFEST_SCHEMA``
+            describes (``_check_manifest_shape``; the message names the key path).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -124,8 +128,6 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if type(version) is not int or version not in S.SUPPORTED_SCHEMA_VERSIONS:
         raise ArtifactError(f"{mpath}: schema_version {version!r} is not supported by this "
                             f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
-    if not isinstance(manifest.get("complete"), bool):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('complete' is not true/false)")
     _check_manifest_shape(mpath, manifest)
     return manifest
 
