@@ -182,12 +182,14 @@ def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
     without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), or file entries other than the
     names the writer gives (``ops.rank<r>.arrow``; no paths, no duplicates)."""
     problem = check_manifest_value("", m, S.MANIFEST_SCHEMA)
-    kind = m.get("kind")
-    if problem is None and kind in S.KIND_REQUIRES and S.KIND_REQUIRES[kind] - set(m):
-        problem = (f"kind {kind!r} without {sorted(S.KIND_REQUIRES[kind] - set(m))[0]!r} "
-                   "(a recompute names its source and policy)")
-    if problem is None and kind in S.KIND_FORBIDS and S.KIND_FORBIDS[kind] & set(m):
-        problem = f"kind {kind!r} with {sorted(S.KIND_FORBIDS[kind] & set(m))[0]!r}"
+    if problem is None:  # kind is now one of schema.KINDS or absent
+        kind = m.get("kind")
+        lacks = S.KIND_REQUIRES.get(kind, frozenset()) - set(m)
+        extra = S.KIND_FORBIDS.get(kind, frozenset()) & set(m)
+        if lacks:
+            problem = f"kind {kind!r} without {min(lacks)!r} (a {kind} names its source and policy)"
+        elif extra:
+            problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
     if problem is not None:
         raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
     ops = m["files"]["ops"]

@@ -370,6 +370,9 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "files.ops not a list": set_key("files.ops", "ops.rank0.arrow"),
     "kind unknown": set_key("kind", "training"),
     "kind recompute on a rollout": set_key("kind", "recompute"),
+    "policy record on a rollout": set_key("policy", {"timestep_policy": "sigma_fp32",
+                                                     "cfg_layout": "batched", "cfg_scale": 4.0,
+                                                     "eta": 1.2}),
     "fingerprint deleted": edit_manifest(lambda m: m.pop("fingerprint")),
     "fingerprint null": set_key("fingerprint", None),
     # manifest and files disagree
