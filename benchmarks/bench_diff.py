@@ -126,7 +126,7 @@ def build(path: Path, *, drift_from: int | None = None, reorder: bool = False,
     its op record count."""
     rng = np.random.default_rng(0)
     drift_rng = np.random.default_rng(1)
-    w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 60}}, "bench": True},
+    w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 60}}},
                        overwrite=True)
     w.update_manifest(capture_level="L2" if rows else "L1")
     total, seq = 0, 0

@@ -13,12 +13,15 @@ else raises ``ArtifactError``.
 
 Damage is refused, never ignored (issue #8, "damaged artifacts"): every entry of the run directory
 must be a regular file that the manifest accounts for (``check_directory``); the manifest must be
-plain JSON of the expected shape (``read_manifest``); every record batch passes pyarrow's full
+plain JSON that ``schema.MANIFEST_SCHEMA`` accounts for, every key known, every required key
+present, every value of its type and enumeration (``read_manifest``); every record batch passes pyarrow's full
 validation (corrupt lengths or offsets would otherwise crash the process), has no null in a
 non-nullable column and a finite ``sigma``/``sigma_next`` (``check_batch``); each
 ``ops.rank<r>.arrow`` holds rank ``r`` only; and every replay input is re-hashed against the
 manifest's ``replay.input_digests`` and must be finite (``check_inputs``); ``Run.check`` (which
-``diff`` calls) reads every file and checks that each step carries one sigma (``check_sigmas``).
+``diff``, ``replay`` and ``recompute`` call) reads every file and checks that each step carries one
+sigma (``check_sigmas``) and that the records are what the manifest's ``capture_level`` and
+``kind`` say (``check_records_match_manifest``).
 
 This module does not import torch (``Run.inputs`` does, when called).
 Source: design.md, "Artifact".
@@ -92,8 +95,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ArtifactError: ``path`` is not a directory, the manifest is missing, not a regular file,
             not strict JSON (NaN/Infinity, duplicate keys, integers beyond Python's digit limit,
-            nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of the wrong shape, or of
-            a schema version (an ``int``) this reader does not support.
+            nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of a schema version (an
+            ``int``) this reader does not support, or not what ``schema.MANIFEST_SCHEMA``
+            describes (``_check_manifest_shape``; the message names the key path).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -124,45 +128,72 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if type(version) is not int or version not in S.SUPPORTED_SCHEMA_VERSIONS:
         raise ArtifactError(f"{mpath}: schema_version {version!r} is not supported by this "
                             f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
-    if not isinstance(manifest.get("complete"), bool):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('complete' is not true/false)")
     _check_manifest_shape(mpath, manifest)
     return manifest
 
 
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "an array", dict: "an object", type(None): "null"}
+
+
+def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
+    """The first way ``value`` (at dotted key path ``where``) departs from ``spec`` (a
+    ``drifttool.artifact.schema`` manifest spec), or ``None``. Iterative over objects and
+    arrays (no recursion on hostile input)."""
+    todo = [(where, value, spec)]
+    while todo:
+        at, v, sp = todo.pop()
+        if sp is S.ANY:
+            continue
+        if isinstance(sp, S.Nullable):
+            if v is not None:
+                todo.append((at, v, sp.spec))
+        elif isinstance(sp, S.Enum):
+            if type(v) is not str or v not in sp.values:
+                return f"{at} {v!r} is not one of {', '.join(map(str, sp.values))}"
+        elif type(sp) is tuple:  # JSON types (a plain tuple, not one of the NamedTuple specs)
+            if type(v) not in sp and not (type(v) is int and float in sp):
+                return (f"{at} is {_JSON_TYPES[type(v)]}, not "
+                        f"{' or '.join(_JSON_TYPES[t] for t in sp)}")
+        elif isinstance(sp, S.ListOf):
+            if type(v) is not list:
+                return f"{at} is {_JSON_TYPES[type(v)]}, not an array"
+            todo += [(f"{at}[{i}]", x, sp.item) for i, x in enumerate(v)]
+        else:  # Obj or MapOf
+            if type(v) is not dict:
+                return f"{at} is {_JSON_TYPES[type(v)]}, not an object"
+            if isinstance(sp, S.MapOf):
+                todo += [(f"{at}.{k}", x, sp.value) for k, x in v.items()]
+                continue
+            prefix = f"{at}." if at else ""
+            unknown = sorted(set(v) - set(sp.fields))
+            if unknown:
+                return f"unknown key {prefix}{unknown[0]}"
+            missing = sorted(sp.required - set(v))
+            if missing:
+                return f"missing key {prefix}{missing[0]}"
+            todo += [(prefix + k, x, sp.fields[k]) for k, x in v.items()]
+    return None
+
+
 def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
-    """Refuse manifests whose structure was damaged by hand: wrong types, or file entries other
-    than the names the writer gives (``inputs.safetensors``, ``steps.arrow``, ``trace.arrow``,
-    ``ops.rank<r>.arrow``; no paths, no duplicates)."""
-    for key in ("fingerprint", "settings", "environment", "layout", "replay"):
-        if key in m and not isinstance(m[key], dict):
-            raise ArtifactError(f"{mpath}: corrupt manifest ({key!r} is not an object)")
-    if "kind" in m and not isinstance(m["kind"], str):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('kind' is not a string)")
-    if "capture_level" in m and m["capture_level"] not in S.LEVELS:
-        raise ArtifactError(f"{mpath}: corrupt manifest (capture_level {m['capture_level']!r} is "
-                            f"not one of {', '.join(S.LEVELS)})")
-    fp = m.get("fingerprint")
-    if isinstance(fp, dict) and "arch" in fp and not isinstance(fp["arch"], dict):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('fingerprint.arch' is not an object)")
-    digests = (m.get("replay") or {}).get("input_digests")
-    if digests is not None and not (isinstance(digests, dict)
-                                    and all(isinstance(v, str) for v in digests.values())):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('replay.input_digests' is not an object "
-                            "of strings)")
-    files = m.get("files")
-    if not isinstance(files, dict):
-        raise ArtifactError(f"{mpath}: corrupt manifest ('files' is not an object)")
-    unknown = sorted(set(files) - {"inputs", "steps", "trace", "ops"})
-    if unknown:
-        raise ArtifactError(f"{mpath}: corrupt manifest (unknown files entries {unknown})")
-    for key, name in (("inputs", S.INPUTS), ("steps", S.STEPS), ("trace", S.TRACE)):
-        if files.get(key) not in (None, name):
-            raise ArtifactError(f"{mpath}: corrupt manifest (files.{key}={files[key]!r}; the "
-                                f"run directory's file is {name!r})")
-    ops = files.get("ops", [])
-    if (not isinstance(ops, list) or len(set(map(repr, ops))) != len(ops)
-            or not all(isinstance(o, str) and S.OPS_NAME.fullmatch(o) for o in ops)):
+    """Refuse a manifest that ``schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
+    missing required key, a value of the wrong type or outside its enumeration), a ``kind``
+    without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), or file entries other than the
+    names the writer gives (``ops.rank<r>.arrow``; no paths, no duplicates)."""
+    problem = check_manifest_value("", m, S.MANIFEST_SCHEMA)
+    if problem is None:  # kind is now one of schema.KINDS or absent
+        kind = m.get("kind")
+        lacks = S.KIND_REQUIRES.get(kind, frozenset()) - set(m)
+        extra = S.KIND_FORBIDS.get(kind, frozenset()) & set(m)
+        if lacks:
+            problem = f"kind {kind!r} without {min(lacks)!r} (a {kind} names its source and policy)"
+        elif extra:
+            problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
+    if problem is not None:
+        raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
+    ops = m["files"]["ops"]
+    if len(set(ops)) != len(ops) or not all(S.OPS_NAME.fullmatch(o) for o in ops):
         raise ArtifactError(f"{mpath}: corrupt manifest (files.ops={ops!r} must list distinct "
                             "ops.rank<r>.arrow names inside the run directory)")
 
@@ -314,6 +345,32 @@ def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
             raise ArtifactError(f"{path}/{S.STEPS}: sigma_next of {r['phase']} step {r['step']} "
                                 f"(rank {r['rank']}) is not one value equal to the next step's "
                                 f"sigma {following!r}")
+
+
+def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa.Table,
+                                  ops: pa.Table) -> None:
+    """The records are what the manifest declares: an ``L0`` run holds no op records, an ``L1``
+    run no row digests (``schema.LEVELS``), and every record of a run of ``kind`` K has phase
+    ``schema.KIND_PHASE[K]`` (a recompute's are ``train``, a rollout's ``rollout``). Checks what
+    the manifest states; a key it lacks is not checked.
+
+    Raises:
+        ArtifactError: naming the manifest value and what the files hold instead.
+    """
+    level = manifest.get("capture_level")
+    if level == "L0" and ops.num_rows:
+        raise ArtifactError(f"{path}: capture_level L0 but {ops.num_rows} op records in "
+                            "ops.rank*.arrow (a hand-edited manifest?)")
+    if level in ("L0", "L1") and ops.num_rows and ops["row_digests"].null_count != ops.num_rows:
+        raise ArtifactError(f"{path}: capture_level {level} but op records carry row digests "
+                            "(L2 data; a hand-edited manifest?)")
+    phase = S.KIND_PHASE.get(manifest.get("kind"))
+    for name, table in ((S.STEPS, steps), ("ops.rank*.arrow", ops)):
+        other = sorted(set(table["phase"].unique().to_pylist()) - {phase}) if phase else []
+        if other:
+            raise ArtifactError(f"{path}: kind {manifest['kind']!r} but {name} holds phase "
+                                f"{other[0]!r} records (a {manifest['kind']} holds phase "
+                                f"{phase!r} only)")
 
 
 def schema_differences(got: pa.Schema, want: pa.Schema) -> str:
@@ -529,8 +586,11 @@ class Run:
 
     def check(self) -> list[str]:
         """Read every Arrow file once, check that its steps carry one sigma each
-        (``check_sigmas``); return ``problems`` (raises as the readers do)."""
-        check_sigmas(self.path, self.steps_table(), self.ops_table())
+        (``check_sigmas``) and that the records are what the manifest says
+        (``check_records_match_manifest``); return ``problems`` (raises as the readers do)."""
+        steps, ops = self.steps_table(), self.ops_table()
+        check_sigmas(self.path, steps, ops)
+        check_records_match_manifest(self.path, self.manifest, steps, ops)
         self.trace_rows()
         return list(self.problems)
 

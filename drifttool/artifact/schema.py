@@ -21,6 +21,7 @@ Identity columns follow design.md, "Identity of a captured tensor". Strings are 
 from __future__ import annotations
 
 import re
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -149,3 +150,166 @@ def schema_version_of(schema: pa.Schema) -> int | None:
         return None if raw is None else int(raw)
     except ValueError:
         return None
+
+
+# -- manifest.json ---------------------------------------------------------------------------------
+# One declarative description of every key drifttool writes into a manifest (issue #8: a key the
+# manifest schema does not account for is never ignored). A spec is one of: a tuple of JSON types
+# (``int`` excludes ``bool``), ``Enum``, ``ListOf``, ``MapOf`` (free keys), ``Obj`` (known keys),
+# ``Nullable``, or ``ANY`` (a free JSON value, e.g. the model's ``arch`` fields, which the diff
+# compares key by key). ``drifttool.artifact.reader.check_manifest_value`` applies it.
+
+
+class Enum(NamedTuple):
+    """One of ``values``."""
+    values: tuple[Any, ...]
+
+
+class ListOf(NamedTuple):
+    """A JSON array whose items are ``item``."""
+    item: Any
+
+
+class MapOf(NamedTuple):
+    """A JSON object with any keys, whose values are ``value``."""
+    value: Any
+
+
+class Obj(NamedTuple):
+    """A JSON object with keys from ``fields`` only (each value its spec); ``required`` keys must
+    be present."""
+    fields: dict[str, Any]
+    required: frozenset[str] = frozenset()
+
+
+class Nullable(NamedTuple):
+    """``null`` or ``spec``."""
+    spec: Any
+
+
+ANY = "any JSON value"
+_INT, _NUM, _STR, _BOOL = (int,), (int, float), (str,), (bool,)
+_INTS = ListOf(_INT)
+
+KINDS = ("rollout", "recompute")
+"""``kind``: a sampled trajectory (``drifttool run``/``replay``) or its training recompute."""
+MODES = ("strict", "audit", "auto", "off")
+"""``drifttool.runtime.Mode`` values (tests/artifact/test_manifest_schema.py checks they agree)."""
+MODEL_DTYPES = ("float32", "bfloat16")
+"""``drifttool.runner.DTYPES``: the model dtypes a run may use."""
+CFG_LAYOUTS = ("batched", "sequential")
+"""``drifttool.sampling.rollout.CFG_LAYOUTS``."""
+TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
+"""``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
+
+_SETTINGS = Obj({
+    "fixture": Nullable(_STR), "checkpoint": Nullable(_STR), "variant": _STR, "lora": _STR,
+    "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
+    "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
+    "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": _INT, "samples": _INTS,
+    "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS,
+}, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
+              "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
+"""``drifttool.runner.resolve``: the fixture's settings merged with the run's."""
+
+_ENVIRONMENT = Obj({
+    "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
+    "machine": _STR, "cpu": Nullable(_STR), "cpu_count": Nullable(_INT), "torch_threads": _INT,
+    "cpu_capability": Nullable(_STR), "aten_cpu_capability_env": Nullable(_STR),
+    "cuda": Nullable(_STR), "gpu": Nullable(_STR),
+})
+"""``drifttool.environment.environment``."""
+
+_FINGERPRINT = Obj({
+    "version": _INT,
+    "arch": MapOf(ANY),  # MMDiTConfig.arch_fields() + img_grid; the diff compares every key
+    "weights": _STR,
+    "dtype_policy": Obj({"weights": _STR, "activations": _STR, "accumulation": _STR,
+                         "latents_between_steps": _STR, "sde_step_and_logp": _STR,
+                         "tf32": _BOOL}),
+    "scheduler": Obj({"num_steps": _INT, "timestep_policy": Enum(TIMESTEP_POLICIES),
+                      "image_seq_len": Nullable(_INT), "sigma_table": ListOf(_NUM),
+                      "sigma_table_digest": _STR}),
+    "cfg": Obj({"cfg_scale": _NUM, "cfg_layout": Enum(CFG_LAYOUTS)}),
+    "sde": Obj({"eta": _NUM, "sde_window": Nullable(_INTS), "logp_reduction": _STR}),
+    "runtime": Obj({"mode": Enum(MODES), "backend": Enum(("strict", "production"))}),
+    "inputs": Obj({"rope_tables": _STR, "noise": Nullable(_STR),
+                   "cpu_capability": Nullable(_STR)}),
+})
+"""``drifttool.fingerprint.arch_fingerprint``."""
+
+_NOISE = Obj({
+    "generator": _STR, "dispatch_dependent": _BOOL, "numpy_version": _STR, "torch_version": _STR,
+    "generator_device": _STR, "dtype": _STR, "seed": _INT, "channels": _INT, "img_grid": _INTS,
+    "latent_shape": _INTS, "num_steps": _INT, "seed_derivation": _STR, "seed_formula": _STR,
+    "bits": _STR, "transform": _STR, "consumption_order": ListOf(_STR),
+}, frozenset({"generator", "dispatch_dependent", "generator_device", "dtype", "seed",
+              "channels", "img_grid", "latent_shape", "num_steps", "seed_derivation",
+              "seed_formula", "consumption_order"}))
+"""``drifttool.sampling.noise.noise_record`` (Philox and torch generators)."""
+
+_REPLAY = Obj({
+    "noise": Nullable(_NOISE), "inputs": Enum((INPUTS,)), "prompt_lengths": _INTS,
+    "input_digests": MapOf(_STR),
+}, frozenset({"noise", "inputs", "prompt_lengths", "input_digests"}))
+"""``drifttool.runner.execute``'s replay record."""
+
+_LAYOUT = Obj({"world_size": _INT, "tp": _INT, "sp": _INT, "cfg_parallel": _INT,
+               "cfg_layout": Enum(CFG_LAYOUTS)},
+              frozenset({"world_size", "tp", "sp", "cfg_parallel", "cfg_layout"}))
+
+_MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR)},
+                    frozenset({"implementation", "adapter"}))
+"""``drifttool.adapters.diffusers_qwenimage``'s ``source``."""
+
+_SOURCE = Obj({
+    "path": _STR, "kind": Enum(KINDS), "mode": Enum(MODES), "weights": Nullable(_STR),
+    "complete": _BOOL, "variants": ListOf(_STR), "model_source": Nullable(_MODEL_SOURCE),
+}, frozenset({"path", "kind", "mode", "weights", "complete", "variants"}))
+"""``drifttool.sampling.train``'s record of the run a recompute or replay was made from."""
+
+_POLICY = Obj({
+    "timestep_policy": Enum(TIMESTEP_POLICIES), "cfg_layout": Enum(CFG_LAYOUTS),
+    "cfg_scale": _NUM, "eta": _NUM, "sde_window": Nullable(_INTS),
+    "stored_latent_dtype": Nullable(_STR), "logp_evaluated_on": _STR,
+    "sigma_table_digest": Nullable(_STR), "timesteps": ListOf(_NUM),
+}, frozenset({"timestep_policy", "cfg_layout", "cfg_scale", "eta"}))
+"""``drifttool.sampling.train.policy_record``."""
+
+_TRAIN = Obj({"phase": Enum(("train",)), "autograd": _BOOL, "grad": _BOOL,
+              "loss": Nullable(_STR), "gradient_checkpointing": _BOOL,
+              "micro_batch": Nullable(_INT), "trim_padding": _BOOL},
+             frozenset({"phase", "autograd", "grad"}))
+
+_LORA = Obj({
+    "r": _INT, "lora_alpha": _NUM, "target_modules": (str, list), "use_rslora": _BOOL,
+    "rank_pattern": MapOf(_INT), "alpha_pattern": MapOf(_NUM), "lora_dropout": _NUM,
+    "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
+    "apply": _STR,
+}, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
+"""``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
+
+_FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": Nullable(Enum((STEPS,))),
+              "trace": Nullable(Enum((TRACE,))), "ops": ListOf(_STR)},
+             frozenset({"inputs", "steps", "trace", "ops"}))
+"""``drifttool.artifact.writer.ArtifactWriter``'s file list (ops names: ``OPS_NAME``)."""
+
+MANIFEST_SCHEMA = Obj({
+    "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,
+    "kind": Enum(KINDS), "capture_level": Enum(LEVELS), "settings": _SETTINGS,
+    "environment": _ENVIRONMENT, "replay": _REPLAY, "layout": _LAYOUT,
+    "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
+    "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
+    "seconds": _NUM,
+}, frozenset({"schema_version", "complete", "files", "fingerprint"}))
+"""Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
+recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and
+``drifttool.sampling.train.recompute_run``'s recompute manifest (``source``, ``policy``,
+``train``, ``seconds``; a replay adds ``replay_of``)."""
+
+KIND_REQUIRES = {"recompute": frozenset({"source", "policy", "train"})}
+"""Keys a manifest of that ``kind`` must hold (a recompute names its source and pinned policy)."""
+KIND_FORBIDS = {"rollout": frozenset({"source", "policy", "train"})}
+"""Keys a manifest of that ``kind`` never holds."""
+KIND_PHASE = {"rollout": "rollout", "recompute": "train"}
+"""The one record ``phase`` of a run of that ``kind``."""

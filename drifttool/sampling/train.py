@@ -5,7 +5,8 @@
     <Verdict.IDENTICAL: 'identical'>
     >>> replay_run("runs/a", "runs/a-replay")               # re-sample from the replay inputs
 
-``load_rollout`` reads a rollout artifact and refuses anything it cannot trust: an incomplete run,
+``load_rollout`` reads and checks every file of a rollout artifact (``Run.check``) before anything
+is re-executed or written, and refuses anything it cannot trust: a damaged file, an incomplete run,
 missing step records, stored latents whose bytes do not match their recorded digests, a broken
 latent chain (x_next of step i must be the x_t of step i + 1, x_t of step 0 the stored x0),
 replay inputs whose digests differ from the manifest's, a sigma table other than the one the
@@ -195,14 +196,15 @@ def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollou
 
     Args:
         need_latents: read and verify the stored trajectory (training recompute). Without it
-            (replay) only the manifest and the replay inputs are needed, and an incomplete run
-            is accepted.
+            (replay) the trajectory is not needed and an incomplete run is accepted; its files
+            are still read and checked (``Run.check``), so a damaged one is refused.
 
     Raises:
         ArtifactError: not a rollout, incomplete (``need_latents``), missing or tampered records
-            or inputs, an unreadable file.
+            or inputs, a damaged or unreadable file, a manifest its records contradict.
     """
     run = open_run(path)
+    run.check()  # every file read and checked before anything is re-executed or written
     m = run.manifest
     kind = m.get("kind", "rollout")
     if kind != "rollout":

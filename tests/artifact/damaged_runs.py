@@ -150,6 +150,28 @@ def edit_manifest(edit: Callable[[dict], object]) -> Callable[[Path], None]:
     return damage
 
 
+def rename_key(path: str, new: str) -> Callable[[Path], None]:
+    """Rename the manifest key at dotted ``path`` to ``new`` (a typo in a hand edit)."""
+    *parents, key = path.split(".")
+
+    def edit(m: dict) -> None:
+        for p in parents:
+            m = m[p]
+        m[new] = m.pop(key)
+    return edit_manifest(edit)
+
+
+def set_key(path: str, value) -> Callable[[Path], None]:
+    """Set the manifest value at dotted ``path``."""
+    *parents, key = path.split(".")
+
+    def edit(m: dict) -> None:
+        for p in parents:
+            m = m[p]
+        m[key] = value
+    return edit_manifest(edit)
+
+
 def manifest_text(make: Callable[[str], str]) -> Callable[[Path], None]:
     """Replace manifest.json by ``make(original_text)``."""
     def damage(d: Path) -> None:
@@ -327,6 +349,35 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "files unknown key": edit_manifest(lambda m: m["files"].update(extra="notes.txt")),
     "input_digests dropped one": edit_manifest(lambda m: m["replay"]["input_digests"].pop("x0")),
     "input_digests as list": edit_manifest(lambda m: m["replay"].update(input_digests=["x"])),
+    # manifest values and keys the schema does not account for (MANIFEST_SCHEMA)
+    "settings.cfg_layout invalid": set_key("settings.cfg_layout", "b`tched"),
+    "settings.mode invalid": set_key("settings.mode", "fast"),
+    "settings.dtype invalid": set_key("settings.dtype", "float16"),
+    "settings.capture invalid": set_key("settings.capture", "L3"),
+    "settings.steps as string": set_key("settings.steps", "2"),
+    "settings.steps as bool": set_key("settings.steps", True),
+    "settings.mode missing": edit_manifest(lambda m: m["settings"].pop("mode")),
+    "fingerprint.cfg.cfg_layout invalid": set_key("fingerprint.cfg.cfg_layout", "b`tched"),
+    "fingerprint.runtime.mode invalid": set_key("fingerprint.runtime.mode", "fast"),
+    "environment.cpu_capability renamed": rename_key("environment.cpu_capability",
+                                                     "cpt_capability"),
+    "replay.noise.generator_device renamed": rename_key("replay.noise.generator_device",
+                                                        "generator^device"),
+    "replay.prompt_lengths renamed": rename_key("replay.prompt_lengths", "promqt_lengths"),
+    "layout.cfg_layout renamed": rename_key("layout.cfg_layout", "cfg_layuot"),
+    "layout unknown key": set_key("layout.prompt_lengths", [7, 13]),
+    "unknown top-level key": set_key("notes", "hand edit"),
+    "files.ops not a list": set_key("files.ops", "ops.rank0.arrow"),
+    "kind unknown": set_key("kind", "training"),
+    "kind recompute on a rollout": set_key("kind", "recompute"),
+    "policy record on a rollout": set_key("policy", {"timestep_policy": "sigma_fp32",
+                                                     "cfg_layout": "batched", "cfg_scale": 4.0,
+                                                     "eta": 1.2}),
+    "fingerprint deleted": edit_manifest(lambda m: m.pop("fingerprint")),
+    "fingerprint null": set_key("fingerprint", None),
+    # manifest and files disagree
+    "capture_level lowered to L0": set_key("capture_level", "L0"),
+    "capture_level lowered to L1": set_key("capture_level", "L1"),
     "manifest is an array": manifest_text(lambda t: "[" + t + "]"),
     "empty manifest": manifest_text(lambda t: ""),
 }

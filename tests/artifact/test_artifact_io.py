@@ -20,7 +20,7 @@ TRACE = [{"op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract"
 
 def write_run(path, *, steps=3, close=True):
     """A small L2 run through Recorder + ArtifactWriter; ``close=False`` simulates a crash."""
-    w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 1}}, "settings": {"n": 1}})
+    w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 1}}, "variants": ["x=y"]})
     w.write_inputs({"x_T": torch.arange(6.0).reshape(2, 3), "mask": torch.tensor([True, False])})
     rec = Recorder("L2", w)
     for i in range(steps):
@@ -42,7 +42,7 @@ def test_round_trip(tmp_path):
     run = open_run(write_run(tmp_path / "a"))
     assert run.complete and run.schema_version == SCHEMA_VERSION and run.problems == []
     m = run.manifest
-    assert m["fingerprint"] == {"arch": {"depth": 1}} and m["settings"] == {"n": 1}
+    assert m["fingerprint"] == {"arch": {"depth": 1}} and m["variants"] == ["x=y"]
     assert m["files"] == {"inputs": "inputs.safetensors", "steps": "steps.arrow",
                           "ops": ["ops.rank0.arrow"], "trace": "trace.arrow"}
     assert run.ops_table().num_rows == 6 and run.steps_table().num_rows == 3
@@ -67,8 +67,8 @@ def test_plain_pyarrow_reads_every_file(tmp_path, name, table):
 def test_manifest_says_incomplete_until_closed(tmp_path):
     w = ArtifactWriter(tmp_path / "a", manifest={"fingerprint": {}})
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["complete"] is False
-    w.update_manifest(note="x")
-    assert open_run(tmp_path / "a").manifest["note"] == "x"
+    w.update_manifest(seconds=1.5)
+    assert open_run(tmp_path / "a").manifest["seconds"] == 1.5
     w.close(complete=True, wall_s=1.5)
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert m["complete"] is True and m["wall_s"] == 1.5 and m["schema_version"] == SCHEMA_VERSION
@@ -93,7 +93,7 @@ def test_crash_leaves_finished_steps_readable(tmp_path):
 
 
 def test_crash_before_any_batch(tmp_path):
-    w = ArtifactWriter(tmp_path / "a")
+    w = ArtifactWriter(tmp_path / "a", manifest={"fingerprint": {}})
     (tmp_path / "a" / "ops.rank0.arrow").write_bytes(b"")
     run = open_run(w.path)
     assert run.ops_table().num_rows == 0 and run.steps_table().num_rows == 0
@@ -161,7 +161,7 @@ def test_writer_refusals(tmp_path):
     with pytest.raises(ArtifactError, match="not empty"):
         ArtifactWriter(tmp_path / "x", overwrite=True)  # not an artifact: never removed
     write_run(tmp_path / "a")
-    ArtifactWriter(tmp_path / "a", overwrite=True).close(complete=True)
+    ArtifactWriter(tmp_path / "a", {"fingerprint": {}}, overwrite=True).close(complete=True)
     assert open_run(tmp_path / "a").ops_table().num_rows == 0
     w = ArtifactWriter(tmp_path / "b")
     with pytest.raises(ValueError, match="missing"):

@@ -106,3 +106,32 @@ def test_damage_in_records_the_common_level_leaves_out_is_not_ignored(cli, good,
     bad = damaged(good, tmp_path, "null in ops op")
     for args in ((l0, bad), (bad, l0, "--json")):
         assert_one_clean_line(*cli("diff", *args))
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "L2"])
+def test_runs_drifttool_writes_pass_every_manifest_check(tmp_path, level):
+    """The control for the manifest schema and its consistency checks: a rollout at every
+    capture level and its training recompute are read and checked without complaint."""
+    from drifttool.artifact.reader import open_run
+    from drifttool.runner import RunSpec, execute
+    from drifttool.sampling.train import recompute_run
+
+    execute(RunSpec(steps=2, capture=level), tmp_path / "roll")
+    recompute_run(tmp_path / "roll", tmp_path / "train")
+    for name in ("roll", "train"):
+        run = open_run(tmp_path / name)
+        assert run.check() == [] and run.capture_level == level
+
+
+def test_manifest_enumerations_are_the_runtime_ones():
+    """``schema`` keeps torch-free copies of the values the runtime accepts; they must agree."""
+    from drifttool.artifact import schema as S
+    from drifttool.ops.scheduler import TIMESTEP_POLICIES
+    from drifttool.runner import DTYPES
+    from drifttool.runtime import Mode
+    from drifttool.sampling.rollout import CFG_LAYOUTS
+
+    assert S.MODES == tuple(m.value for m in Mode)
+    assert S.MODEL_DTYPES == tuple(DTYPES)
+    assert S.CFG_LAYOUTS == CFG_LAYOUTS
+    assert S.TIMESTEP_POLICIES == TIMESTEP_POLICIES

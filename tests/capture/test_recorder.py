@@ -118,7 +118,7 @@ def test_errors():
 
 def test_context_manager_marks_incomplete_on_error(tmp_path):
     with pytest.raises(KeyError):
-        with Recorder("L1", ArtifactWriter(tmp_path / "r")) as rec:
+        with Recorder("L1", ArtifactWriter(tmp_path / "r", manifest={"fingerprint": {}})) as rec:
             rec.capture(site(), joint_out(), "BS.")
             raise KeyError("boom")
     run = open_run(tmp_path / "r")

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pyarrow as pa
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -112,3 +113,54 @@ def test_experiment_grpo(cli, tmp_path):
     assert (tmp_path / "g" / "grpo.arrow").is_file()
     code, out = cli("experiment", "grpo", "-o", tmp_path / "g2", "--combos", "strict/fast")
     assert code == 2 and "strict/fast" in out
+
+
+def _edit_manifest(run, edit):
+    m = json.loads((run / "manifest.json").read_text())
+    edit(m)
+    (run / "manifest.json").write_text(json.dumps(m))
+
+
+def _truncate(name, keep):
+    def damage(run):
+        data = (run / name).read_bytes()
+        (run / name).write_bytes(data[: int(len(data) * keep)])
+    return damage
+
+
+SOURCE_DAMAGES = {
+    "truncated steps": _truncate("steps.arrow", 0.9),
+    "truncated ops": _truncate("ops.rank0.arrow", 0.5),
+    "missing ops": lambda run: (run / "ops.rank0.arrow").unlink(),
+    "settings.cfg_layout invalid": lambda run: _edit_manifest(
+        run, lambda m: m["settings"].update(cfg_layout="b`tched")),
+    "kind recompute on a rollout": lambda run: _edit_manifest(run, lambda m: m.update(kind="recompute")),
+    "capture_level lowered to L0": lambda run: _edit_manifest(run, lambda m: m.update(capture_level="L0")),
+    "fingerprint deleted": lambda run: _edit_manifest(run, lambda m: m.pop("fingerprint")),
+    "replay.noise key renamed": lambda run: _edit_manifest(
+        run, lambda m: m["replay"]["noise"].update({"generator^device": m["replay"]["noise"].pop(
+            "generator_device")})),
+}
+
+
+def _snapshot(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCE_DAMAGES))
+@pytest.mark.parametrize("command", ["replay", "recompute"])
+def test_damaged_source_is_refused_before_anything_is_written(cli, tmp_path, strict_run, command,
+                                                              name):
+    """``replay`` and ``recompute`` read and check every file of the source (``Run.check``)
+    before re-executing it: a damaged source is one line, exit 2, no output directory, the
+    source unchanged (a truncated steps or ops file used to replay with exit 0)."""
+    src = tmp_path / "src"
+    shutil.copytree(strict_run, src)
+    SOURCE_DAMAGES[name](src)
+    before = _snapshot(src)
+    code, out = cli(command, src, "-o", tmp_path / "out")
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), out
+    assert "Traceback" not in out and str(src) in " ".join(out.split()), out
+    assert not (tmp_path / "out").exists(), "wrote an output for a damaged source"
+    assert _snapshot(src) == before

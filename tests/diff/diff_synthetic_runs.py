@@ -39,8 +39,8 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     moves one element of the prompt embeddings by one ULP or by ``add`` (a prompt difference,
     x_t unchanged).
     ``crash_after=k`` stops after k steps without closing (complete=false, streams unclosed)."""
-    fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "settings": {"steps": steps}}
-    writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"host": "test"}})
+    fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "scheduler": {"num_steps": steps}}
+    writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"machine": "test"}})
     rec = Recorder(level, writer, rank=0)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 8, generator=g) / 3

@@ -134,7 +134,7 @@ def test_kl_formula(make_run):
 
 
 def test_incomparable_arch_names_field(make_run):
-    other = {"arch": {**ARCH, "depth": 60}, "weights": "w0", "settings": {"steps": 3}}
+    other = {"arch": {**ARCH, "depth": 60}, "weights": "w0", "scheduler": {"num_steps": 3}}
     r = diff(make_run("a"), make_run("b", fingerprint=other))
     assert r.verdict is Verdict.INCOMPARABLE and r.exit_code == 2
     assert r.incomparable == ["fingerprint.arch.depth: 2 != 60"]
@@ -142,7 +142,7 @@ def test_incomparable_arch_names_field(make_run):
 
 
 def test_other_fingerprint_fields_listed_but_diffed(make_run):
-    other = {"arch": dict(ARCH), "weights": "w1", "settings": {"steps": 3}}
+    other = {"arch": dict(ARCH), "weights": "w1", "scheduler": {"num_steps": 3}}
     r = diff(make_run("a"), make_run("b", fingerprint=other))
     assert r.verdict is Verdict.IDENTICAL
     assert r.context == ["fingerprint.weights: 'w0' != 'w1'"]
