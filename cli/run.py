@@ -6,12 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from drifttool.cli._console import console, err
+from drifttool.cli._console import console, err, progress
 from drifttool.errors import DriftToolError
-
 
 
 def _samples(text: Optional[str]) -> Optional[list[int]]:
@@ -55,10 +53,9 @@ def run(
         dtype=dtype, cfg_layout=cfg_layout, lora=lora,
     )
     _, settings = resolve(spec)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task(f"{settings['mode']} rollout", total=settings["steps"])
-        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: progress.advance(task))
+    with progress() as bar:
+        task = bar.add_task(f"{settings['mode']} rollout", total=settings["steps"])
+        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: bar.advance(task))
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))
