@@ -28,9 +28,9 @@ def run(
     variant: Optional[str] = typer.Option(
         None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),
-    steps: Optional[int] = typer.Option(None, min=2, help="Denoising steps N."),
+    steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000)."),
     cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
-    eta: Optional[float] = typer.Option(None, min=0.0, help="SDE noise level inside the window."),
+    eta: Optional[float] = typer.Option(None, help="SDE noise level inside the window (>= 0)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (e.g. 2 or 0,1,2)."),
     mode: str = typer.Option("strict", envvar="DRIFTTOOL_MODE", help="strict | audit | auto | off."),

@@ -130,3 +130,28 @@ def test_multi_line_messages_are_joined_readably():
 
     assert one_line("adapter x does not match:\n  missing keys (1): a\n  unexpected keys (2): b; c") \
         == "adapter x does not match: missing keys (1): a; unexpected keys (2): b; c"
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("--steps", "100000"), ("steps", "from 2 to 1000", "num_train_timesteps", "100000")),
+    (("--steps", "1"), ("from 2 to 1000",)),
+    (("--eta", "nan"), ("eta must be a finite number >= 0", "nan")),
+    (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
+    (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
+    (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+])
+def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
+    _one_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
+    assert not (tmp_path / "r").exists()
+
+
+def test_step_limit_holds_for_every_run_path():
+    """``resolve`` (run, replay, experiment and probe all go through it) takes 1000 steps and
+    refuses 1001."""
+    from drifttool.errors import DriftToolError
+    from drifttool.runner import MAX_STEPS, RunSpec, resolve
+
+    assert MAX_STEPS == 1000
+    assert resolve(RunSpec(steps=1000))[1]["steps"] == 1000
+    with pytest.raises(DriftToolError, match="from 2 to 1000"):
+        resolve(RunSpec(steps=1001))
