@@ -155,3 +155,18 @@ def test_step_limit_holds_for_every_run_path():
     assert resolve(RunSpec(steps=1000))[1]["steps"] == 1000
     with pytest.raises(DriftToolError, match="from 2 to 1000"):
         resolve(RunSpec(steps=1001))
+
+
+def test_run_error_in_a_real_process_leaves_stdout_empty(tmp_path):
+    """The console-script path (``main()``, a pipe rather than CliRunner): nothing on stdout, one
+    line on stderr, exit 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    for args in (["run", "-o", str(tmp_path / "full")], ["run", "--steps", "x", "-o", "r"]):
+        res = subprocess.run([sys.executable, "-m", "drifttool.cli.app", *args], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+        assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+        assert len(res.stderr.splitlines()) == 1 and res.stderr.startswith("error: "), res.stderr
