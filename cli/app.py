@@ -102,7 +102,8 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
             if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
                 raise
-            if isinstance(e, OSError) and e.filename is not None:  # the file system, not a bug
+            if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
+                # the file system (a path the user named), not a bug
                 error_line(_os_error(e))
                 raise typer.Exit(2) from None
             traceback.print_exc()

@@ -117,8 +117,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
         value = s[key]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or (floor is not None and value < floor):
-            raise DriftToolError(f"{key} must be a finite number" + ("" if floor is None else f" >= {floor:g}")
-                                 + f", got {value!r}")
+            bound = "" if floor is None else f" >= {floor:g}"
+            raise DriftToolError(f"{key} must be a finite number{bound}, got {value!r}")
     if s["cfg_layout"] not in CFG_LAYOUTS:
         raise DriftToolError(f"unknown cfg_layout {s['cfg_layout']!r} (one of {', '.join(CFG_LAYOUTS)})")
     if s["timestep_policy"] not in TIMESTEP_POLICIES:
