@@ -12,6 +12,8 @@ import sys
 from typing import Iterator
 
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 PIPE_WIDTH = 160
 
@@ -52,3 +54,27 @@ def tolerate_closed_stdout() -> Iterator[None]:
 
 console = _make()
 err = _make(stderr=True)
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: its lines joined by "; " (by a space after a ':'), each line's
+    runs of whitespace folded to one space."""
+    text = ""
+    for line in (" ".join(part.split()) for part in str(message).splitlines()):
+        if line:
+            text += line if not text else (" " if text.endswith(":") else "; ") + line
+    return text
+
+
+def error_line(message: str) -> None:
+    """Print ``error: MESSAGE`` to stderr as one plain line (``one_line``; rich markup in paths
+    is shown as typed)."""
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
+
+
+def progress() -> Progress:
+    """The step progress bar of ``run``, ``replay`` and ``recompute``: drawn on a terminal only
+    (rich's non-interactive Progress would print an empty line on stdout when it stops)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True,
+                    disable=not console.is_interactive)

@@ -12,16 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from drifttool.cli._console import console
-
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True)
+from drifttool.cli._console import console, progress as _progress
 
 
 def _summary(title: str, rows: list[tuple[str, object]]) -> None:

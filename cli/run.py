@@ -6,12 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from drifttool.cli._console import console, err
+from drifttool.cli._console import console, err, progress
 from drifttool.errors import DriftToolError
-
 
 
 def _samples(text: Optional[str]) -> Optional[list[int]]:
@@ -30,9 +28,9 @@ def run(
     variant: Optional[str] = typer.Option(
         None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),
-    steps: Optional[int] = typer.Option(None, min=2, help="Denoising steps N."),
+    steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000)."),
     cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
-    eta: Optional[float] = typer.Option(None, min=0.0, help="SDE noise level inside the window."),
+    eta: Optional[float] = typer.Option(None, help="SDE noise level inside the window (>= 0)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (e.g. 2 or 0,1,2)."),
     mode: str = typer.Option("strict", envvar="DRIFTTOOL_MODE", help="strict | audit | auto | off."),
@@ -55,10 +53,9 @@ def run(
         dtype=dtype, cfg_layout=cfg_layout, lora=lora,
     )
     _, settings = resolve(spec)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task(f"{settings['mode']} rollout", total=settings["steps"])
-        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: progress.advance(task))
+    with progress() as bar:
+        task = bar.add_task(f"{settings['mode']} rollout", total=settings["steps"])
+        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: bar.advance(task))
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))

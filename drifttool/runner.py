@@ -36,6 +36,9 @@ from drifttool.sampling.noise import draw_noise
 from drifttool.sampling.rollout import CFG_LAYOUTS, RolloutInputs, SamplerConfig, StepOutput, rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_STEPS = 1000
+"""Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
+(FlowMatchEulerDiscreteScheduler of Qwen-Image, numerics §1); more would only re-visit timesteps."""
 
 
 @dataclass(kw_only=True)
@@ -96,7 +99,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
     """Merge the spec over the fixture's settings; validate. Returns (fixture, settings).
 
     Raises:
-        DriftToolError: unknown mode, capture level or dtype; empty or negative sample ids.
+        DriftToolError: steps outside 2..``MAX_STEPS``; cfg_scale or eta not a finite number
+            (eta < 0); unknown mode, capture level or dtype; empty or negative sample ids.
     """
     fx = load_fixture(spec.fixture or DEFAULT_FIXTURE)
     s = dict(fx.settings)
@@ -105,9 +109,16 @@ def resolve(spec: RunSpec) -> tuple[Fixture, dict[str, Any]]:
         s[key] = _pick(getattr(spec, key), s.get(key))
     if spec.samples is not None and spec.batch is not None:
         raise DriftToolError("give either a batch size or sample ids, not both")
-    for key in ("cfg_scale", "eta"):
-        if not math.isfinite(float(s[key])):
-            raise DriftToolError(f"{key} must be finite, got {s[key]}")
+    steps = s["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= MAX_STEPS:
+        raise DriftToolError(f"steps must be an integer from 2 to {MAX_STEPS} (the flow-matching "
+                             f"scheduler's num_train_timesteps), got {steps!r}")
+    for key, floor in (("cfg_scale", None), ("eta", 0.0)):
+        value = s[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (floor is not None and value < floor):
+            bound = "" if floor is None else f" >= {floor:g}"
+            raise DriftToolError(f"{key} must be a finite number{bound}, got {value!r}")
     if s["cfg_layout"] not in CFG_LAYOUTS:
         raise DriftToolError(f"unknown cfg_layout {s['cfg_layout']!r} (one of {', '.join(CFG_LAYOUTS)})")
     if s["timestep_policy"] not in TIMESTEP_POLICIES:

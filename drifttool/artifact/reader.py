@@ -125,7 +125,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{mpath}: corrupt manifest (not a JSON object)")
     version = manifest.get("schema_version")
-    if type(version) is not int or version not in S.SUPPORTED_SCHEMA_VERSIONS:
+    if type(version) is not int:
+        raise ArtifactError(f"{mpath}: schema_version must be an integer, got {version!r}")
+    if version not in S.SUPPORTED_SCHEMA_VERSIONS:
         raise ArtifactError(f"{mpath}: schema_version {version!r} is not supported by this "
                             f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
     _check_manifest_shape(mpath, manifest)

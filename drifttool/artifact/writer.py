@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError
@@ -120,28 +120,37 @@ class ArtifactWriter:
 
     Raises:
         ArtifactError: ``path`` is a file, a non-empty non-artifact directory, or exists without
-            ``overwrite``.
+            ``overwrite``; or it cannot be created or written (a parent is a file, permission
+            denied, name too long).
     """
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  overwrite: bool = False) -> None:
         self.path = Path(path)
         _json(dict(manifest or {}))
-        if self.path.exists():
-            if not self.path.is_dir():
-                raise ArtifactError(f"{self.path} exists and is not a directory")
-            if any(self.path.iterdir()):
-                if not overwrite:
-                    raise ArtifactError(f"{self.path} is not empty (use --overwrite to replace an "
-                                        "earlier drifttool run there)")
-                _remove_artifact(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self._manifest: dict[str, Any] = dict(manifest or {})
         self._ops: dict[int, _Stream] = {}
         self._steps: _Stream | None = None
         self._files: dict[str, Any] = {"inputs": None, "steps": None, "ops": [], "trace": None}
         self.closed = False
-        self._write_manifest(complete=False)
+        try:
+            self._create(overwrite)
+            self._write_manifest(complete=False)
+        except OSError as e:
+            raise ArtifactError(f"cannot create the artifact directory {self.path}: "
+                                f"{e.strerror or e}") from None
+
+    def _create(self, overwrite: bool) -> None:
+        existing = next((p for p in (self.path, *self.path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():  # the path itself or a parent
+            raise ArtifactError(f"{existing} exists and is not a directory"
+                                + ("" if existing == self.path else f" (creating {self.path})"))
+        if existing == self.path and any(self.path.iterdir()):
+            if not overwrite:
+                raise ArtifactError(f"{self.path} is not empty (use --overwrite to replace an "
+                                    "earlier drifttool run there)")
+            _remove_artifact(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
 
     # -- manifest ------------------------------------------------------------------------------
     @property
@@ -167,9 +176,9 @@ class ArtifactWriter:
         ``inputs.safetensors`` (atomically; a second call replaces the first)."""
         self._check_open()
         host = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-        tmp = self.path / (S.INPUTS + ".tmp")
-        save_file(host, str(tmp), metadata={"schema_version": str(S.SCHEMA_VERSION)})
-        os.replace(tmp, self.path / S.INPUTS)
+        # bytes, then the same temp file + rename as the manifest: mode follows the umask like
+        # every other artifact file (safetensors' save_file creates its file 0600)
+        _atomic_write(self.path / S.INPUTS, save(host, metadata={"schema_version": str(S.SCHEMA_VERSION)}))
         self._files["inputs"] = S.INPUTS
         self._write_manifest(complete=False)
 

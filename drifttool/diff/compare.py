@@ -261,6 +261,12 @@ def _samples_only_in_one_run(tables: list[TableDiff]) -> tuple[list, list, list]
 
 def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDiff]) -> None:
     """Identical, or inconclusive when records are missing or a run is incomplete."""
+    sa, sb = (sorted(set(t.column("sample").to_pylist())) for t in (tables[0].a, tables[0].b))
+    if sa and sb and not set(sa) & set(sb):
+        report.verdict = Verdict.INCONCLUSIVE
+        report.reason = (f"the sample sets are disjoint (samples {sa} vs {sb}): the runs share no "
+                         "logical sample to compare")
+        return
     matched = sum(t.al.ia.size for t in tables)
     only_a = sum(t.al.only_a.size for t in tables)
     only_b = sum(t.al.only_b.size for t in tables)

@@ -374,6 +374,10 @@ def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dic
 def _prepare(stored: StoredRollout, model, fixture, checkpoint, lora):
     if model is None:
         model = trainer_model(stored, fixture=fixture, checkpoint=checkpoint, lora=lora)
+    if lora is not None and not stored.manifest.get("lora"):
+        raise DriftToolError(f"{stored.path}: the rollout ran without a LoRA adapter, and a replay or "
+                             "recompute re-runs the rollout's own model: drop --lora (to check an "
+                             "adapter, roll out with it first: drifttool run --lora ADAPTER)")
     check_fingerprint(stored, model)
     return model
 
@@ -433,8 +437,9 @@ def recompute_run(
     if level not in ("L0", "L1", "L2"):
         raise DriftToolError(f"unknown capture level {level!r} (L0, L1, L2)")
     if grad and not lora_parameters(model):
-        raise DriftToolError("gradients need trainable LoRA parameters: the rollout ran without an "
-                             "adapter (run it with a LoRA adapter, e.g. RunSpec(lora=...))")
+        raise DriftToolError("gradients (recompute --grad) need trainable LoRA parameters, and the "
+                             "rollout ran without an adapter: roll out with one (drifttool run --lora "
+                             "ADAPTER) and recompute that run")
     sampler = stored.sampler
     h, w = stored.inputs.img_grid
     sig = implementation("flow_sigma_table", "strict")(sampler.num_steps, sampler.image_seq_len or h * w)

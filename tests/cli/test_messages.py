@@ -1,0 +1,53 @@
+"""Error and verdict texts say what is wrong in the user's terms (issue #8, confusing texts)."""
+
+import json
+import shutil
+
+import pytest
+
+
+def test_string_schema_version_says_it_must_be_an_integer(cli, tmp_path, strict_run):
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["schema_version"] = str(m["schema_version"])
+    (bad / "manifest.json").write_text(json.dumps(m))
+    code, out = cli("diff", strict_run, bad)
+    assert code == 2 and "schema_version must be an integer, got '" in out, out
+    assert "is not supported" not in out, out
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from drifttool.fixture import locate
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora, save_lora
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=2)
+    path = tmp_path_factory.mktemp("lora") / "ad"
+    save_lora(m, path)
+    return path
+
+
+def test_grad_without_lora_names_the_cli(cli, tmp_path, strict_run):
+    code, out = cli("recompute", strict_run, "-o", tmp_path / "t", "--grad")
+    assert code == 2 and "drifttool run --lora ADAPTER" in out, out
+    assert "RunSpec" not in out, out
+
+
+@pytest.mark.parametrize("cmd", ["replay", "recompute"])
+def test_lora_on_a_run_without_one_says_what_it_means(cli, tmp_path, strict_run, adapter, cmd):
+    code, out = cli(cmd, strict_run, "-o", tmp_path / "t", "--lora", adapter)
+    assert code == 2 and "the rollout ran without a LoRA adapter" in out and "drop --lora" in out, out
+    assert "trainer's model" not in out, out
+
+
+def test_diff_of_disjoint_sample_sets_says_so(cli, tmp_path):
+    for i in (0, 1):
+        assert cli("run", "--samples", str(i), "--steps", "2", "-o", tmp_path / f"s{i}")[0] == 0
+    code, out = cli("diff", tmp_path / "s0", tmp_path / "s1", "--json")
+    rep = json.loads(out)
+    assert code == 2 and rep["verdict"] == "inconclusive", out
+    assert "sample sets are disjoint (samples [0] vs [1])" in rep["reason"], rep["reason"]
+    assert "common records" not in rep["reason"], rep["reason"]

@@ -1,0 +1,172 @@
+"""Bad input is ONE ``error:`` line and exit 2 (issue #8): output locations that cannot be
+created, typer/click usage errors, and no empty line before a ``run`` error."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+
+def _one_line(code, out, *needles):
+    """Exactly one line of output (stdout and stderr together), ``error: …``, exit 2."""
+    assert code == 2, out
+    lines = out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    for n in needles:
+        assert n in lines[0], out
+
+
+@pytest.fixture
+def afile(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    return f
+
+
+@pytest.mark.parametrize("cmd", [
+    ("run",), ("replay", "{run}"), ("recompute", "{run}"), ("probe", "--only", "repeat"),
+    ("experiment", "train-rollout"), ("experiment", "grpo"),
+])
+def test_output_under_a_regular_file_is_one_line(cli, afile, strict_run, cmd):
+    args = [a.format(run=strict_run) for a in cmd]
+    _one_line(*cli(*args, "-o", afile / "sub"), str(afile), "not a directory")
+
+
+def test_overlay_figure_under_a_regular_file_is_one_line(cli, afile, strict_run):
+    _one_line(*cli("overlay", strict_run, strict_run, "-o", afile / "sub" / "fig.png"),
+              str(afile), "not a directory")
+
+
+def test_output_name_too_long_is_one_line(cli, tmp_path):
+    _one_line(*cli("run", "-o", tmp_path / ("a" * 300)), "too long")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_output_in_a_read_only_directory_is_one_line(cli, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        _one_line(*cli("run", "-o", ro / "r"), "ermission denied")
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("run", "--batch", "0", "-o", "r"), ("--batch", "drifttool run --help")),
+    (("run", "--steps", "x", "-o", "r"), ("--steps",)),
+    (("run",), ("--out",)),
+    (("run", "--bogus", "-o", "r"), ("--bogus",)),
+    (("recompute", "--micro-batch", "0", "r", "-o", "x"), ("--micro-batch",)),
+    (("replay", "-o", "x"), ("run_dir",)),
+    (("overlay", "a", "b"), ("--out",)),
+    (("nosuch",), ("nosuch", "drifttool --help")),
+    (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train",)),
+])
+def test_usage_errors_are_one_line(cli, tmp_path, monkeypatch, args, needles):
+    monkeypatch.chdir(tmp_path)
+    _one_line(*cli(*args), *needles)
+
+
+def test_help_and_version_still_work(cli):
+    code, out = cli("--help")
+    assert code == 0 and "Usage" in out and "run" in out, out
+    code, out = cli("run", "--help")
+    assert code == 0 and "--steps" in out, out
+    code, out = cli()  # a bare group prints its help; exit 2 as before
+    assert code == 2 and "Commands" in out, out
+    code, out = cli("--version")
+    assert code == 0 and out.startswith("drifttool "), out
+
+
+def test_run_error_has_no_empty_line_before_it(cli, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    _one_line(*cli("run", "-o", tmp_path / "full"), "not empty")
+
+
+def test_inputs_file_follows_the_umask_like_every_artifact_file(tmp_path):
+    from drifttool.artifact.writer import ArtifactWriter
+
+    old = os.umask(0o022)
+    try:
+        with ArtifactWriter(tmp_path / "a", {}) as w:
+            w.write_inputs({"x0": torch.zeros(2, 3)})
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "a").iterdir()}
+    assert modes["inputs.safetensors"] == 0o644, modes
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_fixture_verify_of_a_plain_file_is_one_line(cli, afile):
+    _one_line(*cli("fixture", "verify", afile), str(afile))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda sd, k: sd.update({k: torch.zeros(2, 31)}), "mis-shaped"),
+    (lambda sd, k: sd.update({k: torch.full_like(sd[k], float("nan"))}), "non-finite"),
+])
+def test_bad_lora_is_one_line(cli, tmp_path, damage, needle):
+    from safetensors.torch import load_file, save_file
+
+    from drifttool.fixture import locate
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora, save_lora
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=2)
+    save_lora(m, tmp_path / "ad")
+    sd = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    damage(sd, next(k for k in sorted(sd) if k.endswith("to_q.lora_A.weight")))
+    save_file(sd, str(tmp_path / "ad" / "adapter_model.safetensors"))
+    (tmp_path / "ad" / "pytorch_lora_weights.safetensors").unlink(missing_ok=True)  # the peft copy only
+    _one_line(*cli("run", "--lora", tmp_path / "ad", "-o", tmp_path / "r"), needle)
+
+
+def test_multi_line_messages_are_joined_readably():
+    from drifttool.cli._console import one_line
+
+    assert one_line("adapter x does not match:\n  missing keys (1): a\n  unexpected keys (2): b; c") \
+        == "adapter x does not match: missing keys (1): a; unexpected keys (2): b; c"
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("--steps", "100000"), ("steps", "from 2 to 1000", "num_train_timesteps", "100000")),
+    (("--steps", "1"), ("from 2 to 1000",)),
+    (("--eta", "nan"), ("eta must be a finite number >= 0", "nan")),
+    (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
+    (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
+    (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+])
+def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
+    _one_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
+    assert not (tmp_path / "r").exists()
+
+
+def test_step_limit_holds_for_every_run_path():
+    """``resolve`` (run, replay, experiment and probe all go through it) takes 1000 steps and
+    refuses 1001."""
+    from drifttool.errors import DriftToolError
+    from drifttool.runner import MAX_STEPS, RunSpec, resolve
+
+    assert MAX_STEPS == 1000
+    assert resolve(RunSpec(steps=1000))[1]["steps"] == 1000
+    with pytest.raises(DriftToolError, match="from 2 to 1000"):
+        resolve(RunSpec(steps=1001))
+
+
+def test_run_error_in_a_real_process_leaves_stdout_empty(tmp_path):
+    """The console-script path (``main()``, a pipe rather than CliRunner): nothing on stdout, one
+    line on stderr, exit 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    for args in (["run", "-o", str(tmp_path / "full")], ["run", "--steps", "x", "-o", "r"]):
+        res = subprocess.run([sys.executable, "-m", "drifttool.cli.app", *args], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+        assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+        assert len(res.stderr.splitlines()) == 1 and res.stderr.startswith("error: "), res.stderr
