@@ -66,6 +66,10 @@ def _extract(archive: Path, target: Path) -> Path:
                 raise FixtureError(f"{archive}: fixture archive holds links or special files, "
                                    f"which are refused: {', '.join(odd[:5])}")
             tar.extractall(target, members=members, filter="data")
+    except tarfile.ReadError as e:  # every compression tried: name the last (plain tar) reason
+        reason = str(e).rsplit("ReadError(", 1)[-1].strip("')") if "method tar" in str(e) else str(e)
+        raise FixtureError(f"{archive}: not a fixture directory or a readable .tar/.tar.gz "
+                           f"archive ({reason})") from None
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise FixtureError(f"{archive}: not a readable fixture archive (truncated or corrupt?): "
                            f"{e}") from None
