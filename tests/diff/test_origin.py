@@ -113,9 +113,10 @@ def test_replay_inputs_in_one_run_only_are_never_identical(make_run, tmp_path):
 
 
 def test_prompt_difference_absorbed_by_every_record_is_inconclusive(make_run):
-    """A one-ULP prompt change that no record shows (absorbed by rounding): every record is
-    equal but a replay input is not, so the verdict is inconclusive, never identical."""
-    a, b = make_run("a"), make_run("b", txt_bump={"sample": 1, "row": 0})
+    """A prompt change that no record shows (on a padding row of sample 0, which the records
+    never hold): every record is equal but a replay input is not, so the verdict is
+    inconclusive, never identical."""
+    a, b = make_run("a"), make_run("b", txt_bump={"sample": 0, "row": 4, "add": 0.5})
     r = diff_runs(open_run(a), open_run(b))
     assert r.counts["steps"].differ == 0 and r.counts["ops"].differ == 0
     assert r.verdict is Verdict.INCONCLUSIVE and r.exit_code == 2
