@@ -30,7 +30,7 @@ def overlay(
         raise DriftToolError(f"-o {out}: give a figure file name ending in .png, .pdf or .svg")
     path, reports = draw(runs[0], runs[1:], out, title=title)
     for run, rep in zip(runs[1:], reports):
-        console.print(f"{run}: {rep.verdict.value}"
-                      + (f" — first drift at {rep.first_drift.where()}" if rep.first_drift else ""),
-                      highlight=False, soft_wrap=True)
+        # the diff's own one-line reason: the level it covers, common samples, first drift
+        console.print(f"{run}: {rep.verdict.value.upper()} — {rep.reason}", highlight=False,
+                      soft_wrap=True, markup=False)
     console.print(f"wrote {path}", highlight=False)

@@ -218,12 +218,15 @@ def seal(path: str | Path) -> str:
     """Write ``seal.json`` for the fixture at ``path``; return its content digest.
 
     Raises:
-        FixtureError: ``path`` is not a directory, or holds a symlink or a special file
+        FixtureError: ``path`` is not a fixture directory (no regular ``fixture.json``: a run
+            directory, say, which a seal would break), or holds a symlink or a special file
             (``_files``).
     """
     path = Path(path)
     if not path.is_dir():
         raise FixtureError(f"{path}: not a fixture directory")
+    if not (path / "fixture.json").is_file() or (path / "fixture.json").is_symlink():
+        raise FixtureError(f"{path}: not a fixture directory (no fixture.json); nothing written")
     files = {rel: _digest_file(path / rel) for rel in _files(path)}
     digest = content_digest(files)
     body = {"algorithm": SEAL_ALGORITHM, "content_digest": digest, "files": files}

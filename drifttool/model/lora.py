@@ -237,9 +237,12 @@ def add_lora(
     """
     targets = tuple(LORA_TARGET_MODULES if targets is None else targets)
     bad = sorted(set(targets) - set(LORA_TARGET_MODULES))
-    if int(rank) < 1 or not math.isfinite(float(alpha)) or bad or not targets:
-        raise CheckpointError(f"bad LoRA config: rank={rank}, alpha={alpha}, unknown targets {bad} "
-                              f"(known: {', '.join(LORA_TARGET_MODULES)})")
+    why = ([f"rank must be >= 1, got {rank}"] * (int(rank) < 1)
+           + [f"alpha must be a finite number, got {alpha}"] * (not math.isfinite(float(alpha)))
+           + [f"unknown targets {bad} (known: {', '.join(LORA_TARGET_MODULES)})"] * bool(bad)
+           + ["no target modules"] * (not targets))
+    if why:
+        raise CheckpointError("bad LoRA config: " + "; ".join(why))
     cfg = AdapterConfig(r=int(rank), lora_alpha=float(alpha), target_modules=tuple(sorted(targets)),
                         use_rslora=bool(use_rslora))
     return attach_lora(model, cfg, seed=seed, init_b_std=init_b_std, freeze_base=freeze_base)

@@ -39,7 +39,7 @@ import torch
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
@@ -103,7 +103,7 @@ def _plain(x: Any) -> Any:
 def _out_dir(out: str | Path, overwrite: bool) -> Path:
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ArtifactError(f"{out} is not empty (pass overwrite to replace it)")
+        raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -133,14 +133,18 @@ def train_rollout(
     Raises:
         DriftToolError: bad settings; ``out`` not empty without ``overwrite``.
     """
-    from drifttool.runner import DTYPES, RunSpec, execute
+    from drifttool.runner import DTYPES, RunSpec, execute, resolve
     from drifttool.sampling.train import load_rollout, recompute_run, trainer_model
 
-    out = _out_dir(out, overwrite)
+    # every setting is checked before anything is written
+    resolve(RunSpec(fixture=fixture, samples=samples, capture=capture))
+    if micro_batch is not None and int(micro_batch) < 1:
+        raise DriftToolError(f"micro-batch size must be >= 1, got {micro_batch}")
     fx = load_fixture(fixture or DEFAULT_FIXTURE)
     say = progress or (lambda _: None)
     model = load_checkpoint(fx.model_dir, dtype=DTYPES[fx.settings["dtype"]])
     add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
+    out = _out_dir(out, overwrite)
     save_lora(model, out / "lora")
     rollouts: dict[str, tuple[Path, float]] = {}
     for mode in dict.fromkeys(r for r, _ in combos):

@@ -135,3 +135,17 @@ def test_seal_of_a_missing_directory_or_a_file_is_one_clean_line(cli, tmp_path):
     for target in (tmp_path / "nope", tmp_path / "afile"):
         _one_clean_line(*cli("fixture", "seal", target), "not a fixture directory")
     assert not (tmp_path / "nope").exists()
+
+
+def test_seal_refuses_a_run_directory_and_writes_nothing(cli, tmp_path):
+    """``fixture seal`` on a run directory (no fixture.json) would add a file the run's manifest
+    does not list and break every later diff: refused, one line, nothing written."""
+    from drifttool.runner import RunSpec, execute
+
+    run = tmp_path / "run"
+    execute(RunSpec(steps=2, samples=[0], capture="L0"), run)
+    before = sorted(p.name for p in run.iterdir())
+    code, out = cli("fixture", "seal", run)
+    assert code == 2 and "not a fixture directory (no fixture.json)" in out and len(out.strip().splitlines()) == 1
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert cli("diff", run, run)[0] == 0

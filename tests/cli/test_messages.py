@@ -51,3 +51,16 @@ def test_diff_of_disjoint_sample_sets_says_so(cli, tmp_path):
     assert code == 2 and rep["verdict"] == "inconclusive", out
     assert "sample sets are disjoint (samples [0] vs [1])" in rep["reason"], rep["reason"]
     assert "common records" not in rep["reason"], rep["reason"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--samples", "0,0"], "sample ids must be distinct"),
+    (["--lora-alpha", "nan"], "alpha must be a finite number, got nan"),
+    (["--lora-rank", "0"], "--lora-rank"),
+])
+def test_experiment_checks_every_setting_before_writing(cli, tmp_path, args, needle):
+    """A bad experiment setting is refused before OUT (or its LoRA adapter) is created."""
+    out = tmp_path / "exp"
+    code, text = cli("experiment", "train-rollout", "-o", out, "--no-grad", "--combos", "strict/strict", *args)
+    assert code == 2 and needle in text and len(text.strip().splitlines()) == 1, text
+    assert not out.exists()

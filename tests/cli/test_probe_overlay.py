@@ -57,8 +57,14 @@ def test_overlay_draws_one_figure(cli, tmp_path, strict_run):
                     "-o", tmp_path / "fig" / "overlay.png")
     assert code == 0, out
     assert (tmp_path / "fig" / "overlay.png").read_bytes()[:4] == b"\x89PNG"
-    assert "gelu: drift" in out and "first drift at rollout step 0 cond block 0 img mlp_up_gemm_gelu" in out
-    assert "strict: identical" in out
+    assert "gelu: DRIFT — first drift at rollout step 0 cond block 0 img mlp_up_gemm_gelu" in out
+    assert "strict: IDENTICAL — identical at L2: step records, operator outputs" in out
+    # a run of one common sample says which samples the verdict covers, and at which level
+    execute(RunSpec(samples=[1], capture="L0"), tmp_path / "s1")
+    code, out = cli("overlay", strict_run, tmp_path / "s1", "-o", tmp_path / "fig" / "s1.png")
+    assert code == 0, out
+    assert "s1: IDENTICAL — identical at L0: step boundaries only; all" in out
+    assert "records of the common samples [1] are bitwise identical" in out
 
 
 def test_overlay_needs_two_runs_and_readable_artifacts(cli, tmp_path, strict_run):
