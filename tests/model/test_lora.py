@@ -158,8 +158,10 @@ def test_frozen_base_and_finite_nonzero_adapter_grads(mode):
 def test_bad_config():
     with pytest.raises(CheckpointError, match="unknown targets"):
         add_lora(_model(), rank=2, alpha=2, targets=["attn.norm_q"])
-    with pytest.raises(CheckpointError, match="rank=0"):
+    with pytest.raises(CheckpointError, match="rank must be >= 1, got 0"):
         add_lora(_model(), rank=0, alpha=2)
+    with pytest.raises(CheckpointError, match="alpha must be a finite number, got nan"):
+        add_lora(_model(), rank=2, alpha=float("nan"))
     m = _model()
     add_lora(m, rank=2, alpha=2)
     with pytest.raises(CheckpointError, match="already"):
