@@ -33,8 +33,10 @@ def _label(r) -> str:
 def _combos(text: Optional[str]):
     from drifttool.sampling.experiment import COMBOS
 
-    if not text:
+    if text is None:
         return COMBOS
+    if not text.strip():
+        raise typer.BadParameter("--combos is empty: give rollout/train pairs, e.g. strict/strict,prod/strict")
     out = []
     for part in text.split(","):
         pair = tuple({"prod": "production"}.get(p.strip(), p.strip()) for p in part.split("/"))

@@ -161,6 +161,8 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
         FixtureError: missing or malformed fixture.json.
     """
     path = locate(name_or_path)
+    if not (path / "fixture.json").is_file():
+        raise FixtureError(f"{path}: not a fixture (no fixture.json)")
     try:
         meta = json.loads((path / "fixture.json").read_text())
         settings = dict(meta["settings"])
@@ -243,6 +245,10 @@ def check_seal(path: str | Path) -> str:
     """
     path = Path(path)
     present = _files(path)  # first: refuses a FIFO before anything is opened
+    if "fixture.json" not in present:
+        raise FixtureError(f"{path}: not a fixture (no fixture.json)")
+    if not (path / SEAL).is_file():
+        raise FixtureError(f"{path}: not a sealed fixture (no {SEAL}; `drifttool fixture seal` writes one)")
     try:
         body = json.loads((path / SEAL).read_text())
         sealed: dict[str, str] = body["files"]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.fixture import DEFAULT_FIXTURE
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import add_lora, lora_parameters
@@ -118,16 +118,16 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
             rank ``lora_rank``, alpha ``lora_alpha``, B = 0).
 
     Raises:
-        DriftToolError: unknown mode or fixture.
+        DriftToolError: unknown mode or fixture, or fixture settings ``drifttool run`` refuses
+            (``runner.resolve``: steps outside 2..1000, say).
     """
     from drifttool.errors import DriftToolError
-    from drifttool.runner import DTYPES, sampler_model
+    from drifttool.runner import DTYPES, RunSpec, resolve, sampler_model
 
     for m in (cfg.rollout_mode, cfg.train_mode):
         if m not in MODES:
             raise DriftToolError(f"unknown combination mode {m!r} (one of {sorted(MODES)})")
-    fx = load_fixture(cfg.fixture)
-    s = fx.settings
+    fx, s = resolve(RunSpec(fixture=cfg.fixture))  # the fixture's settings, checked as run checks them
     dtype = DTYPES[s["dtype"]]
     model = model if model is not None else _policy(cfg, fx, dtype)
     params = list(lora_parameters(model).values())

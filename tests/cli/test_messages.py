@@ -64,3 +64,14 @@ def test_experiment_checks_every_setting_before_writing(cli, tmp_path, args, nee
     code, text = cli("experiment", "train-rollout", "-o", out, "--no-grad", "--combos", "strict/strict", *args)
     assert code == 2 and needle in text and len(text.strip().splitlines()) == 1, text
     assert not out.exists()
+
+
+def test_empty_combos_is_a_usage_error(cli, tmp_path):
+    code, text = cli("experiment", "train-rollout", "-o", tmp_path / "exp", "--combos", "")
+    assert code == 2 and "--combos is empty" in text and len(text.strip().splitlines()) == 1, text
+    assert not (tmp_path / "exp").exists()
+
+
+def test_fixture_verify_of_a_run_directory_says_it_is_not_a_fixture(cli, strict_run):
+    code, text = cli("fixture", "verify", strict_run)
+    assert code == 2 and "not a fixture (no fixture.json)" in text and "Errno" not in text, text
