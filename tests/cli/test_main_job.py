@@ -98,3 +98,15 @@ def test_trace_shows_every_call_site_without_fallback(cli, strict_run):
     ops = {r["op"] for r in rows}
     assert {"qkv_bias_gemm", "joint_attn_softmax", "flow_sde_step_logp", "cfg_combine_renorm"} <= ops
     assert all(r["actual"] == "strict" and not r["fallback"] for r in rows)
+
+
+def test_python_m_drifttool_is_the_cli(tmp_path):
+    """``python -m drifttool`` runs the same app as the console script (exit codes included)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "drifttool", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "diff" in r.stdout and "fixture" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "drifttool", "diff", str(tmp_path / "nope"), str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
