@@ -96,24 +96,34 @@ _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg
 _MASKS = {"txt": "txt_mask", "neg_txt": "neg_mask"}  # prompt -> its [B, L] key mask (None: all valid)
 
 
+def _row(t: dict[str, RawTensor], sid: int) -> int:
+    """Batch row of logical sample ``sid`` in replay inputs ``t``."""
+    return t["sample_ids"].array.tolist().index(sid)
+
+
+def _common_samples(ia: dict[str, RawTensor], ib: dict[str, RawTensor]) -> list[int] | None:
+    """Logical samples both runs hold; None when either run's inputs name no samples."""
+    if "sample_ids" not in ia or "sample_ids" not in ib:
+        return None
+    return sorted(set(ia["sample_ids"].array.tolist()) & set(ib["sample_ids"].array.tolist()))
+
+
 def _per_sample(t: dict[str, RawTensor], key: str, sid: int) -> RawTensor:
     """Sample ``sid``'s slice of replay input ``key``; a prompt keeps only the rows its mask
     marks valid, wherever the padding is (left, right, or none)."""
-    row = t["sample_ids"].array.tolist().index(sid)
-    x = np.take(t[key].array, row, axis=_SAMPLE_AXIS[key])
+    x = np.take(t[key].array, _row(t, sid), axis=_SAMPLE_AXIS[key])
     mask = _MASKS.get(key)
     if mask in t:
-        x = x[t[mask].array[row].astype(bool)]
+        x = x[t[mask].array[_row(t, sid)].astype(bool)]
     return replace(t[key], array=x)
 
 
 def _valid_rows(t: dict[str, RawTensor], key: str, sid: int) -> tuple[int, int, int]:
     """(first valid row, one past the last, padded length) of sample ``sid``'s prompt ``key``."""
-    row = t["sample_ids"].array.tolist().index(sid)
     width = t[key].array.shape[1]
     if _MASKS[key] not in t:
         return 0, width, width
-    valid = np.flatnonzero(t[_MASKS[key]].array[row])
+    valid = np.flatnonzero(t[_MASKS[key]].array[_row(t, sid)])
     return (int(valid[0]), int(valid[-1]) + 1, width) if valid.size else (0, 0, width)
 
 
@@ -121,22 +131,18 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
     """The replay inputs that differ, or that one run lacks, as logical per-sample inputs: for
     every common sample its x0, its SDE noise and its prompts' valid rows (padding and masks
     removed: the prompt layout is an execution layout, named by ``prompt_layouts``); other
-    inputs (``img_grid``) whole. Samples held by one run only are not inputs to compare."""
+    inputs (``img_grid``) whole. Samples held by one run only are not inputs to compare. Inputs
+    that name no samples are compared whole, masks included."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
     if bool(ia) != bool(ib):
         return [f"inputs.safetensors: only in run {'A' if ia else 'B'}"]
-    if not ia:
-        return []
-    if "sample_ids" not in ia or "sample_ids" not in ib:  # no logical samples: compare whole
-        return ([f"inputs.{k}: only in run {'A' if k in ia else 'B'}" for k in sorted(set(ia) ^ set(ib))]
-                + [f"inputs.{k}: differs (dtype, shape or bytes)" for k in sorted(set(ia) & set(ib))
-                   if ia[k].digest() != ib[k].digest()])
-    common = sorted(set(ia["sample_ids"].array.tolist()) & set(ib["sample_ids"].array.tolist()))
+    common = _common_samples(ia, ib)
+    logical = set() if common is None else {"sample_ids", *_MASKS.values()}
     out = []
-    for k in sorted((set(ia) | set(ib)) - {"sample_ids", *_MASKS.values()}):
+    for k in sorted((set(ia) | set(ib)) - logical):
         if (k in ia) != (k in ib):
             out.append(f"inputs.{k}: only in run {'A' if k in ia else 'B'}")
-        elif k not in _SAMPLE_AXIS:
+        elif common is None or k not in _SAMPLE_AXIS:
             if ia[k].digest() != ib[k].digest():
                 out.append(f"inputs.{k}: differs (dtype, shape or bytes)")
         else:
@@ -151,11 +157,9 @@ def prompt_layouts(run_a: Run, run_b: Run) -> list[str]:
     another padded length): context only, not an input difference (strict text RoPE counts
     positions from row 0, so left padding moves it: diffusers 0.42.1)."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
-    if "sample_ids" not in ia or "sample_ids" not in ib:
-        return []
-    common = sorted(set(ia["sample_ids"].array.tolist()) & set(ib["sample_ids"].array.tolist()))
+    common = _common_samples(ia, ib)
     out = []
-    for k in ("txt", "neg_txt"):
+    for k in ("txt", "neg_txt") if common is not None else ():
         if k in ia and k in ib:
             spans = {sid: (_valid_rows(ia, k, sid), _valid_rows(ib, k, sid)) for sid in common}
             moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2]}
