@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drifttool.artifact.reader import open_run, read_manifest
+from drifttool.artifact.manifest import read_manifest
+from drifttool.artifact.reader import open_run
 
 # diffusers 0.42.1 tests/models/transformers/test_models_transformer_qwenimage.py, get_init_dict()
 UNIT_TEST_CONFIG = {

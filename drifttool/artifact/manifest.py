@@ -1,0 +1,180 @@
+"""Read ``manifest.json`` and check it against ``schema.MANIFEST_SCHEMA``.
+
+    >>> m = read_manifest("runs/a")
+    >>> m["schema_version"], m["complete"], m["capture_level"]
+    (2, True, 'L2')
+
+The manifest must be plain JSON (no NaN/Infinity constants, no duplicate keys, no float that
+overflows, at most ``MAX_MANIFEST_DEPTH`` levels) that the schema accounts for: every key known,
+every required key present, every value of its type and enumeration. Anything else is a corrupt
+manifest (``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact"; issue #8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from drifttool.artifact import schema as S
+from drifttool.errors import ArtifactError
+
+
+MAX_MANIFEST_DEPTH = 32
+"""Deepest nesting of objects/arrays accepted in ``manifest.json`` (drifttool's own manifests
+nest a few levels; the diff walks them recursively)."""
+
+
+def brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (error messages are one line)."""
+    return " ".join(str(e).split())[:200]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (non-finite number)")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} overflows to a non-finite number")
+    return x
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _depth(x: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion on hostile input)."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_MANIFEST_DEPTH:
+                todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the artifact at ``path``, checked for a supported schema version.
+
+    Raises:
+        ArtifactError: ``path`` is not a directory, the manifest is missing, not a regular file,
+            not strict JSON (NaN/Infinity, duplicate keys, integers beyond Python's digit limit,
+            nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of a schema version (an
+            ``int``) this reader does not support, or not what ``schema.MANIFEST_SCHEMA``
+            describes (``_check_manifest_shape``; the message names the key path).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArtifactError(f"{path}: is a file, not an artifact directory")
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such artifact directory")
+    mpath = path / S.MANIFEST
+    try:
+        mode = mpath.lstat().st_mode
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing {S.MANIFEST} (not an artifact, or the run never "
+                            "started)") from None
+    if not stat.S_ISREG(mode):
+        raise ArtifactError(f"{mpath}: not a regular file (links and special files are refused)")
+    try:
+        manifest = json.loads(mpath.read_bytes(), parse_constant=_reject_constant,
+                              parse_float=_finite_float, object_pairs_hook=_unique_keys)
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError, bad UTF-8 and the int digit limit
+        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: "
+                            f"{brief(e)})") from None
+    if _depth(manifest) > MAX_MANIFEST_DEPTH:
+        raise ArtifactError(f"{mpath}: corrupt manifest (nested deeper than "
+                            f"{MAX_MANIFEST_DEPTH} levels)")
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{mpath}: corrupt manifest (not a JSON object)")
+    version = manifest.get("schema_version")
+    if type(version) is not int:
+        raise ArtifactError(f"{mpath}: schema_version must be an integer, got {version!r}")
+    if version not in S.SUPPORTED_SCHEMA_VERSIONS:
+        raise ArtifactError(f"{mpath}: schema_version {version!r} is not supported by this "
+                            f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
+    _check_manifest_shape(mpath, manifest)
+    return manifest
+
+
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "an array", dict: "an object", type(None): "null"}
+
+
+def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
+    """The first way ``value`` (at dotted key path ``where``) departs from ``spec`` (a
+    ``drifttool.artifact.schema`` manifest spec), or ``None``. Iterative over objects and
+    arrays (no recursion on hostile input)."""
+    todo = [(where, value, spec)]
+    while todo:
+        at, v, sp = todo.pop()
+        if sp is S.ANY:
+            continue
+        if isinstance(sp, S.Nullable):
+            if v is not None:
+                todo.append((at, v, sp.spec))
+        elif isinstance(sp, S.Enum):
+            if type(v) is not str or v not in sp.values:
+                return f"{at} {v!r} is not one of {', '.join(map(str, sp.values))}"
+        elif type(sp) is tuple:  # JSON types (a plain tuple, not one of the NamedTuple specs)
+            if type(v) not in sp and not (type(v) is int and float in sp):
+                return (f"{at} is {_JSON_TYPES[type(v)]}, not "
+                        f"{' or '.join(_JSON_TYPES[t] for t in sp)}")
+        elif isinstance(sp, S.ListOf):
+            if type(v) is not list:
+                return f"{at} is {_JSON_TYPES[type(v)]}, not an array"
+            todo += [(f"{at}[{i}]", x, sp.item) for i, x in enumerate(v)]
+        else:  # Obj or MapOf
+            if type(v) is not dict:
+                return f"{at} is {_JSON_TYPES[type(v)]}, not an object"
+            if isinstance(sp, S.MapOf):
+                todo += [(f"{at}.{k}", x, sp.value) for k, x in v.items()]
+                continue
+            prefix = f"{at}." if at else ""
+            unknown = sorted(set(v) - set(sp.fields))
+            if unknown:
+                return f"unknown key {prefix}{unknown[0]}"
+            missing = sorted(sp.required - set(v))
+            if missing:
+                return f"missing key {prefix}{missing[0]}"
+            todo += [(prefix + k, x, sp.fields[k]) for k, x in v.items()]
+    return None
+
+
+def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
+    """Refuse a manifest that ``schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
+    missing required key, a value of the wrong type or outside its enumeration), a ``kind``
+    without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), or file entries other than the
+    names the writer gives (``ops.rank<r>.arrow``; no paths, no duplicates)."""
+    problem = check_manifest_value("", m, S.MANIFEST_SCHEMA)
+    if problem is None:  # kind is now one of schema.KINDS or absent
+        kind = m.get("kind")
+        lacks = S.KIND_REQUIRES.get(kind, frozenset()) - set(m)
+        extra = S.KIND_FORBIDS.get(kind, frozenset()) & set(m)
+        if lacks:
+            problem = f"kind {kind!r} without {min(lacks)!r} (a {kind} names its source and policy)"
+        elif extra:
+            problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
+    if problem is not None:
+        raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
+    ops = m["files"]["ops"]
+    if len(set(ops)) != len(ops) or not all(S.OPS_NAME.fullmatch(o) for o in ops):
+        raise ArtifactError(f"{mpath}: corrupt manifest (files.ops={ops!r} must list distinct "
+                            "ops.rank<r>.arrow names inside the run directory)")
+
+
+def listed_files(manifest: dict[str, Any]) -> list[str]:
+    """Every file name the manifest's ``files`` lists, plus ``manifest.json``."""
+    files = manifest["files"]
+    return [S.MANIFEST, *(files[k] for k in ("inputs", "steps", "trace") if files.get(k)),
+            *files.get("ops", [])]
