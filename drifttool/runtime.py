@@ -92,6 +92,9 @@ class Runtime:
     variants: dict[str, tuple[str, Any]] = field(default_factory=dict)
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
+    """Call counters of ``site``: ``(phase, step, branch, block, op, stream)`` -> the next
+    ``call``, and ``(phase, step, branch, block)`` -> the next ``op_pos`` (one dict, so code that
+    saves and restores the counters, e.g. ``sampling.train.micro_batched``, keeps both)."""
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
@@ -120,7 +123,9 @@ class Runtime:
         (-1 before the blocks, 0..depth-1, depth after, ``schema.SAMPLER_BLOCK`` the sampler),
         ``samples`` (logical sample id of each batch row), ``txt_lens`` (valid prompt length of
         each batch row, or None), ``txt_starts`` (first valid text row of each batch row, or None
-        = 0: prompts padded on the left), ``img_grid`` ((h, w) patch grid), ``rank`` (int).
+        = 0: prompts padded on the left), ``img_grid`` ((h, w) patch grid), ``rank`` (int: the
+        owning rank of the records, not part of their identity), ``component`` (the model the
+        calls belong to, ``schema.COMPONENTS``; ``"mmdit"``).
         """
         unknown = set(fields) - set(DEFAULT_SCOPE)
         if unknown:
@@ -135,14 +140,22 @@ class Runtime:
     def site(self, op: str, stream: str) -> dict[str, Any]:
         """Identity of the next call of ``op`` on ``stream`` in the current scope.
 
-        Returns the scope fields plus ``op``, ``stream`` and ``call`` (0-based occurrence of
-        this (op, stream) within the same phase, step, branch and block).
+        Returns the scope fields plus ``op``, ``stream``, ``call`` (0-based occurrence of this
+        (op, stream) within the same phase, step, branch and block) and ``op_pos`` (0-based
+        ordinal of this call among every operator call of that phase, step, branch and block:
+        the rank-independent program position that orders records, ``schema.OP_ORDER``). Under
+        batched CFG the scope's branch is one tuple for both branches, so ``op_pos`` counts the
+        same calls as each branch's scope under sequential CFG.
         """
         s = self._scope
-        key = (s["phase"], s["step"], s["branch"], s["block"], op, stream)
+        branch = s["branch"] if isinstance(s["branch"], str) else tuple(s["branch"])
+        scope = (s["phase"], s["step"], branch, s["block"])
+        key = (*scope, op, stream)
         n = self._calls.get(key, 0)
         self._calls[key] = n + 1
-        return {**s, "op": op, "stream": stream, "call": n}
+        pos = self._calls.get(scope, 0)
+        self._calls[scope] = pos + 1
+        return {**s, "op": op, "stream": stream, "call": n, "op_pos": pos}
 
 
 DEFAULT_SCOPE: dict[str, Any] = {
@@ -156,4 +169,5 @@ DEFAULT_SCOPE: dict[str, Any] = {
     "txt_starts": None,
     "img_grid": None,
     "rank": 0,
+    "component": "mmdit",
 }

@@ -60,7 +60,7 @@ def _column(op: str, block: int, depth: int) -> str:
 
 def drift_grid(run_a: Run, run_b: Run, report: DiffReport | None = None) -> DriftGrid:
     """Count differing op records per (step, column) between two runs (aligned by identity)."""
-    cols = [*S.OPS_KEY, "seq", "digest"]
+    cols = list(dict.fromkeys([*S.OPS_KEY, *S.OP_ORDER, "digest"]))
     t = compare_table(run_a.ops_table().select(cols), run_b.ops_table().select(cols), S.OPS_KEY)
     depth = int((run_a.manifest.get("fingerprint") or {}).get("arch", {}).get("num_layers", 0))
     step = t.a.column("step").to_numpy()
@@ -82,7 +82,7 @@ def drift_grid(run_a: Run, run_b: Run, report: DiffReport | None = None) -> Drif
     if fd is not None and fd.kind == "op":
         first = (fd.step, _column(fd.op, fd.block, depth))
     elif t.da.size:
-        k = int(t.da[np.argmin(t.seq_a[t.da])])
+        k = int(t.da[np.argmin(t.pos_a[t.da])])
         first = (int(step[k]), col[k])
     return DriftGrid(steps=steps, columns=columns, differ=differ, total=total, first=first)
 

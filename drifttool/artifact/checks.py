@@ -73,7 +73,8 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
 def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> None:
     """Refuse a record batch that pyarrow's full validation rejects (corrupt lengths, offsets or
     buffers: using it could crash the process), that holds a null in a non-nullable column, or a
-    non-finite ``sigma``/``sigma_next``. Op records before the first step (``step`` −1) carry
+    non-finite ``sigma``/``sigma_next``, an unknown ``component`` (``schema.COMPONENTS``) or a
+negative ``op_pos``. Op records before the first step (``step`` −1) carry
     ``sigma`` NaN ("no sigma", ``drifttool.capture.recorder``); every other value must be finite.
     Every ``dtype`` must be one of ``DTYPE_SIZES``, and a step record's ``data`` must hold exactly
     the bytes of its dtype and shape.
@@ -104,6 +105,13 @@ def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> 
             if min(shape, default=0) < 0 or math.prod(shape) * S.DTYPE_SIZES[dt] != sizes[i]:
                 raise ArtifactError(f"{where}: row {i} holds {sizes[i]} bytes, not the "
                                     f"{dt} {shape} its dtype and shape declare")
+    components = (set(batch.column("component").unique().to_pylist()) - {None}
+                  if "component" in names else set())
+    if components - set(S.COMPONENTS):
+        raise ArtifactError(f"{where}: unknown component(s) "
+                            f"{sorted(components - set(S.COMPONENTS))} (one of {S.COMPONENTS})")
+    if "op_pos" in names and (pc.min(batch.column("op_pos")).as_py() or 0) < 0:
+        raise ArtifactError(f"{where}: negative op_pos (a program position counts from 0)")
     for name in ("sigma", "sigma_next"):
         if name not in names:
             continue

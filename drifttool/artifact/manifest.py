@@ -100,9 +100,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     version = manifest.get("schema_version")
     if type(version) is not int:
         raise ArtifactError(f"{mpath}: schema_version must be an integer, got {version!r}")
-    if version not in S.SUPPORTED_SCHEMA_VERSIONS:
-        raise ArtifactError(f"{mpath}: schema_version {version!r} is not supported by this "
-                            f"drifttool (supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
+    problem = S.version_problem(version)
+    if problem:
+        raise ArtifactError(f"{mpath}: {problem}")
     _check_manifest_shape(mpath, manifest)
     return manifest
 

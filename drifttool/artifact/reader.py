@@ -69,9 +69,9 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
             raise ArtifactError(f"{path}: not a readable Arrow IPC stream ({brief(e)})") from None
         return empty, f"{name}: unreadable header, no batch recovered ({brief(e)})"
     version = S.schema_version_of(reader.schema)
-    if version not in S.SUPPORTED_SCHEMA_VERSIONS:
-        raise ArtifactError(f"{path}: schema_version {version!r} is not supported "
-                            f"(supports {sorted(S.SUPPORTED_SCHEMA_VERSIONS)})")
+    problem = S.version_problem(version)
+    if problem:
+        raise ArtifactError(f"{path}: {problem}")
     if not reader.schema.equals(schema, check_metadata=False):
         raise ArtifactError(f"{path}: columns differ from schema version {version}: "
                             f"{schema_differences(reader.schema, schema)}")

@@ -1,10 +1,10 @@
 """Every Arrow schema of the trajectory artifact, and its version, in one place.
 
     run_dir/
-      manifest.json        {"schema_version": 2, "complete": true, "capture_level": "L1",
+      manifest.json        {"schema_version": 3, "complete": true, "capture_level": "L1",
                             "fingerprint": {...}, "files": {...}, ...}
       inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
-      steps.arrow          STEPS_SCHEMA: one row per (rank, phase, step, sample, branch, quantity)
+      steps.arrow          STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
       ops.rank<r>.arrow    OPS_SCHEMA: one row per captured operator output per logical sample
       trace.arrow          TRACE_SCHEMA: one row per operator call site
 
@@ -14,7 +14,11 @@ keeps its finished steps readable; ``pyarrow.ipc.open_stream`` reads them withou
 ``drifttool.table`` in its metadata; ``manifest.json`` repeats the version. Bump
 ``SCHEMA_VERSION`` on any change to a schema or to the meaning of a column.
 
-Identity columns follow design.md, "Identity of a captured tensor". Strings are plain ``utf8``
+Identity columns follow design.md, "Identity of a captured tensor". The identity of a record
+(``OPS_KEY``, ``STEPS_KEY``) holds no rank: ``rank`` is the owning rank (which rank computed and
+holds the record), so a run over several ranks aligns with a single-device run. "First" is
+decided by the rank-independent program position (``OP_ORDER``, ``STEP_ORDER``, ``op_pos``),
+never by the per-rank execution counter ``seq``. Strings are plain ``utf8``
 (not dictionary-encoded) so DuckDB and Polars read them without dictionary replacement.
 """
 
@@ -25,16 +29,51 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
-"""Versions this reader can open; anything else raises ``ArtifactError``. Version 2 moved the
-sampler operators from block −1 to ``SAMPLER_BLOCK``; version 1 artifacts are refused (their
-block −1 mixes the model's input projections with the sampler)."""
+"""Versions this reader can open; anything else raises ``ArtifactError`` (``version_problem``).
+Version 3 (issue #9): ``rank`` left the identity keys (it is the owning rank), ``component``
+joined them, op records carry the program position ``op_pos`` and the trace ``component``,
+``rank`` and ``device``. Version 2 moved the sampler operators from block −1 to
+``SAMPLER_BLOCK``. Older versions are refused: their records order "first" by a per-rank counter
+and key on the rank."""
+
+
+def version_problem(version: Any) -> str | None:
+    """``None`` when this drifttool reads artifacts of schema ``version``; otherwise one line
+    saying why not (older: re-run or reseal; newer: upgrade drifttool)."""
+    if version in SUPPORTED_SCHEMA_VERSIONS:
+        return None
+    if type(version) is int and 0 < version < SCHEMA_VERSION:
+        return (f"schema_version {version} was written by an older drifttool (this one reads "
+                f"version {SCHEMA_VERSION}); re-run it (a fixture: reseal it)")
+    if type(version) is int and version > SCHEMA_VERSION:
+        return (f"schema_version {version} was written by a newer drifttool (this one reads "
+                f"version {SCHEMA_VERSION}); upgrade drifttool")
+    return f"schema_version {version!r} is not a drifttool schema version (this one reads {SCHEMA_VERSION})"
+
 
 SAMPLER_BLOCK = -2
 """``block`` of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
 ``flow_sde_step_logp``): outside the model, neither before the blocks (−1) nor after them
 (``num_layers``). Reports name it ``sampler`` (``block_name``)."""
+
+COMPONENTS = ("text_encoder", "mmdit", "vae")
+"""``component`` values in program order: the model a record belongs to. Everything today is the
+``mmdit`` (the sampler's operators included); the RFC's Phase B adds the Qwen2.5-VL text encoder
+and the VAE."""
+DEFAULT_COMPONENT = "mmdit"
+
+PHASES = ("rollout", "train")
+"""``phase`` values in program order (a training recompute follows the rollout it recomputes)."""
+BRANCHES = ("cond", "uncond", "cfg", "none")
+"""CFG ``branch`` values in program order; other strings (``"cond+uncond"`` of an unbatched
+record under batched CFG) follow, by name."""
+ROLES = ("output", "grad_input", "grad_weight")
+"""``role`` values in program order: operator outputs, then the backward's gradients."""
+QUANTITIES = ("x_t", "v_t", "mu", "std_t", "x_next", "logp_t")
+"""Step quantities in program order (``drifttool.sampling.rollout``: the input ``x_t``, the
+velocity, the SDE transition, the next latent, its log-probability); others follow by name."""
 
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
@@ -77,18 +116,32 @@ _SUMMARY = [
     pa.field("maxabs", pa.float64(), nullable=False),
 ]
 
-OPS_KEY = ("rank", "phase", "step", "branch", "block", "stream", "op", "call", "index", "role",
-           "sample")
-"""Identity of an op record (the diff aligns on it; never on position)."""
+OPS_KEY = ("component", "phase", "step", "branch", "block", "stream", "op", "call", "index",
+           "role", "sample")
+"""Identity of an op record (the diff aligns on it; never on position, never on the rank)."""
+
+OP_ORDER = ("phase", "step", "component", "role", "block", "op_pos", "index", "branch", "sample",
+            "stream", "op", "call")
+"""Program order of op records ("first drift"), rank-independent and the same for batched and
+sequential CFG: phase (``PHASES``), step, component (``COMPONENTS``), role (outputs before
+gradients, ``ROLES``; step records sit between them, ``drifttool.diff.order``), block in
+execution order (−1 the input projections, 0..depth−1, depth the output part, then
+``SAMPLER_BLOCK``), ``op_pos``, output index, branch (``BRANCHES``), logical sample; stream, op
+and call only break ties between records that share a position (gradient records)."""
+
+STEP_ORDER = ("phase", "step", "component", "quantity", "sample", "branch")
+"""Program order of step records (``QUANTITIES``, then sample, then branch)."""
 
 OPS_SCHEMA = _schema("ops", [
-    pa.field("seq", pa.int64(), nullable=False),  # execution order on this rank (shared with steps)
-    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("seq", pa.int64(), nullable=False),  # informational: execution order on this rank
+    pa.field("rank", pa.int32(), nullable=False),  # owning rank: computed and holds the record
+    pa.field("component", pa.utf8(), nullable=False),  # COMPONENTS: mmdit today
     pa.field("phase", pa.utf8(), nullable=False),  # rollout | train
     pa.field("step", pa.int32(), nullable=False),
     pa.field("sigma", pa.float64(), nullable=False),
     pa.field("branch", pa.utf8(), nullable=False),  # cond | uncond | cfg | none
     pa.field("block", pa.int32(), nullable=False),  # -1 before the blocks, depth after; sampler -2
+    pa.field("op_pos", pa.int32(), nullable=False),  # ordinal of the call in (phase, step, branch, block)
     pa.field("stream", pa.utf8(), nullable=False),  # img | txt | joint | none
     pa.field("op", pa.utf8(), nullable=False),  # RFC operator name
     pa.field("call", pa.int32(), nullable=False),  # occurrence of (op, stream) in the scope
@@ -102,12 +155,13 @@ OPS_SCHEMA = _schema("ops", [
     pa.field("img_w", pa.int32()),
 ])
 
-STEPS_KEY = ("rank", "phase", "step", "sample", "branch", "quantity")
-"""Identity of a step record."""
+STEPS_KEY = ("component", "phase", "step", "sample", "branch", "quantity")
+"""Identity of a step record (no rank: ``rank`` is the owning rank)."""
 
 STEPS_SCHEMA = _schema("steps", [
-    pa.field("seq", pa.int64(), nullable=False),
-    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("seq", pa.int64(), nullable=False),  # informational: execution order on this rank
+    pa.field("rank", pa.int32(), nullable=False),  # owning rank
+    pa.field("component", pa.utf8(), nullable=False),
     pa.field("phase", pa.utf8(), nullable=False),
     pa.field("step", pa.int32(), nullable=False),
     pa.field("sigma", pa.float64(), nullable=False),
@@ -120,6 +174,9 @@ STEPS_SCHEMA = _schema("steps", [
 ])
 
 TRACE_SCHEMA = _schema("trace", [
+    pa.field("rank", pa.int32()),  # the rank that made the calls
+    pa.field("device", pa.utf8()),  # where the operator ran: "cpu", "cuda:0", ...
+    pa.field("component", pa.utf8()),
     pa.field("op", pa.utf8()),
     pa.field("block", pa.int32()),
     pa.field("stream", pa.utf8()),

@@ -6,9 +6,9 @@
     ... sampler: rec.record_step(phase="rollout", step=i, ..., quantities={"x_t": x[b], ...})
     rec.close(complete=True)
 
-    seq rank phase   step block stream op            call sample digest (abbrev.)  rows
-    0   0    rollout 0    -1    img    img_in_gemm   0    0      0x3f1c…            4096
-    1   0    rollout 0    -1    img    img_in_gemm   0    1      0x8a02…            4096
+    seq rank component phase   step block op_pos stream op          call sample digest   rows
+    0   0    mmdit     rollout 0    -1    0      img    img_in_gemm 0    0      0x3f1c…  4096
+    1   0    mmdit     rollout 0    -1    0      img    img_in_gemm 0    1      0x8a02…  4096
 
 Levels (design.md, "Digests"): ``L0`` keeps step records only (operator outputs are ignored),
 ``L1`` adds one digest record per operator output and logical sample, ``L2`` adds row digests.
@@ -16,8 +16,10 @@ Step records are kept at every level, with their raw bytes (they are small: ``[N
 Operator outputs are never kept, only their digests and summaries.
 
 Records are buffered and written as one record batch per step: on ``flush()`` and whenever a
-record of a different (phase, step) arrives. ``seq`` numbers every record (op and step) in
-execution order on this rank; the diff orders first drifts by it. Without a writer, flushed
+record of a different (phase, step) arrives. ``rank`` is the owning rank (this process), not
+part of a record's identity. ``seq`` numbers every record (op and step) in execution order on
+this rank, for information only: the diff orders records by the rank-independent program
+position (``op_pos`` from ``Runtime.site``, ``schema.OP_ORDER``). Without a writer, flushed
 batches stay in memory (``ops_table()``, ``steps_table()``), for tests and in-process checks.
 """
 
@@ -36,11 +38,13 @@ from drifttool.capture.digest import digest_tensor, raw_bytes
 from drifttool.capture.layout import canonicalize
 from drifttool.errors import UnsupportedConfigError
 
-_OPS_SCALARS = ("seq", "rank", "phase", "step", "sigma", "branch", "block", "stream", "op", "call",
-                "index", "role", "sample", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs",
-                "txt_len", "img_h", "img_w")
-_STEPS_COLS = ("seq", "rank", "phase", "step", "sigma", "sigma_next", "sample", "branch",
-               "quantity", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs", "data")
+_OPS_SCALARS = ("seq", "rank", "component", "phase", "step", "sigma", "branch", "block", "op_pos",
+                "stream", "op", "call", "index", "role", "sample", "dtype", "shape", "digest",
+                "nonfinite", "l2", "maxabs", "txt_len", "img_h", "img_w")
+_STEPS_COLS = ("seq", "rank", "component", "phase", "step", "sigma", "sigma_next", "sample",
+               "branch", "quantity", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs",
+               "data")
+_SITE_FIELDS = ("phase", "step", "sigma", "branch", "block", "op", "stream", "call", "op_pos")
 
 
 def _float(x: Any) -> float:
@@ -65,7 +69,7 @@ class Recorder:
         writer: where flushed batches go; ``None`` keeps them in memory. The level is written to
             the manifest as ``capture_level``.
         rank: this process's rank; names ``ops.rank<rank>.arrow`` and fills the ``rank`` column
-            of op records (``site["rank"]`` is not consulted).
+            (the owning rank) of op records (``site["rank"]`` is not consulted).
 
     Raises:
         UnsupportedConfigError: unknown level.
@@ -79,6 +83,7 @@ class Recorder:
         self.rank = int(rank)
         self.closed = False
         self._seq = 0
+        self._grad_pos: dict[tuple, int] = {}
         self._current: tuple[str, int] | None = None
         self._ops: list[tuple] = []
         self._rows: list[np.ndarray | None] = []
@@ -102,17 +107,26 @@ class Recorder:
 
         Args:
             site: ``Runtime.site(op, stream)``: phase, step, sigma, branch, block, samples,
-                txt_lens, img_grid, op, stream, call.
+                txt_lens, img_grid, op, stream, call, op_pos (program position), component
+                (``"mmdit"`` when absent).
             tensor: the output, any dtype/device (GPU tensors are copied to the host).
             layout: axis tags, see ``drifttool.capture.layout``.
             index: output index of a tuple-returning operator.
             role: ``output`` (an operator output), ``grad_input`` or ``grad_weight``.
 
         Raises:
-            ValueError: layout and tensor (or site) disagree.
+            ValueError: layout and tensor (or site) disagree, or the site lacks an identity field
+                (e.g. ``op_pos``: sites come from ``Runtime.site``).
         """
         if self.level == "L0":
             return
+        missing = [k for k in _SITE_FIELDS if k not in site]
+        if missing:
+            raise ValueError(f"capture site lacks identity field(s) {missing} (sites come from "
+                             "Runtime.site)")
+        component = site.get("component", S.DEFAULT_COMPONENT)
+        if component not in S.COMPONENTS:
+            raise ValueError(f"unknown component {component!r} (one of {S.COMPONENTS})")
         self._enter_step(site["phase"], int(site["step"]))
         rows = self.level == "L2"
         branches = site["branch"]
@@ -123,9 +137,9 @@ class Recorder:
             rm = part.rows if rows and part.row_axis is not None else None
             grid = rm.img_grid if rm is not None else None
             self._ops.append((
-                self._seq, self.rank, site["phase"], int(site["step"]), _float(site["sigma"]),
-                branch, int(site["block"]), site["stream"], site["op"], int(site["call"]),
-                int(index), role, part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
+                self._seq, self.rank, component, site["phase"], int(site["step"]),
+                _float(site["sigma"]), branch, int(site["block"]), int(site["op_pos"]),
+                site["stream"], site["op"], int(site["call"]), int(index), role, part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
                 d.maxabs, None if rm is None else rm.txt_len,
                 None if grid is None else grid[0], None if grid is None else grid[1],
             ))
@@ -133,20 +147,30 @@ class Recorder:
             self._seq += 1
 
     def capture_grad(self, *, phase: str, step: int, block: int, stream: str, op: str,
-                     tensor: torch.Tensor, sigma: float = math.nan, rank: int = 0) -> None:
+                     tensor: torch.Tensor, sigma: float = math.nan, rank: int = 0,
+                     component: str = S.DEFAULT_COMPONENT) -> None:
         """Digest one parameter gradient as an op record with role ``grad_weight`` (branch
         ``none``, sample −1, call 0; ``op`` names the parameter, e.g. ``attn.to_q.lora_A``), so
-        two training runs diff at the gradient level. Ignored at L0 like every op record."""
+        two training runs diff at the gradient level. ``op_pos`` is the ordinal of the gradient
+        among those captured for (phase, step, block). Ignored at L0 like every op record."""
+        if self.level == "L0":
+            return
+        scope = (component, phase, int(step), int(block))
+        pos = self._grad_pos.get(scope, 0)
+        self._grad_pos[scope] = pos + 1
         site = {"phase": phase, "step": int(step), "sigma": sigma, "branch": "none",
                 "block": int(block), "samples": None, "txt_lens": None, "img_grid": None,
-                "rank": int(rank), "op": op, "stream": stream, "call": 0}
+                "rank": int(rank), "component": component, "op": op, "stream": stream,
+                "call": 0, "op_pos": pos}
         self.capture(site, tensor.detach(), "." * tensor.dim(), role="grad_weight")
 
     def record_step(self, *, phase: str, step: int, sigma: float, sigma_next: float, sample: int,
-                    branch: str, rank: int = 0, quantities: dict[str, torch.Tensor]) -> None:
+                    branch: str, rank: int = 0, quantities: dict[str, torch.Tensor],
+                    component: str = S.DEFAULT_COMPONENT) -> None:
         """Keep one sample's step quantities (every level): digest, summary and raw bytes.
 
         Args:
+            rank: the owning rank (the rank that computed the sample; not part of the identity).
             quantities: canonical tensors (``[N, C]`` or 0-dim), e.g. ``x_t``, ``v_t``,
                 ``x_next``, ``mu``, ``std_t``, ``logp_t`` (docs/architecture.md, "Step records").
 
@@ -160,7 +184,8 @@ class Recorder:
             t = t.detach().cpu().contiguous()
             d = digest_tensor(t)
             self._steps.append((
-                self._seq, int(rank), phase, int(step), _float(sigma), _float(sigma_next),
+                self._seq, int(rank), component, phase, int(step), _float(sigma),
+                _float(sigma_next),
                 int(sample), branch, name, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
                 d.maxabs, raw_bytes(t).tobytes(),
             ))

@@ -1,11 +1,12 @@
 """Operator trace (``qwenimage_operator_trace``): one entry per call site.
 
-A call site is (op, block, stream, call occurrence) — the same site across steps and branches is
-one entry with a call count. Each entry keeps the requested and actual backend, kernel identity,
+A call site is (rank, component, op, block, stream, call occurrence) — the same site across
+steps and branches is one entry with a call count; each rank keeps its own entries. Each entry
+keeps the device the operator ran on, the requested and actual backend, kernel identity,
 arithmetic contract id, and fallback state with its reason.
 
-    site                               requested  actual      kernel                fallback
-    block=3 stream=img op=qkv_bias_gemm strict     strict      cpu.tiled_bmm16.k128  False
+    rank device site                                requested actual kernel               fallback
+    0    cpu    block=3 stream=img op=qkv_bias_gemm strict    strict cpu.tiled_bmm16.k128 False
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from drifttool.errors import UnsupportedConfigError
 
 @dataclass(kw_only=True)
 class TraceEntry:
+    rank: int
+    device: str
+    component: str
     op: str
     block: int
     stream: str
@@ -49,20 +53,34 @@ class OperatorTrace:
         fallback: bool,
         reason: str,
         declared: bool,
+        device: str = "cpu",
+        rank: int | None = None,
     ) -> None:
-        key = (site.get("op"), site.get("block", -1), site.get("stream", "none"), site.get("call", 0))
+        """Count one call of ``site`` (``Runtime.site``).
+
+        Args:
+            device: where the operator ran (``str(tensor.device)``: ``"cpu"``, ``"cuda:0"``).
+            rank: the calling rank; ``None`` takes ``site["rank"]`` (0 when absent).
+        """
+        rank = int(site.get("rank", 0) if rank is None else rank)
+        component = site.get("component", "mmdit")
+        key = (rank, component, site.get("op"), site.get("block", -1), site.get("stream", "none"),
+               site.get("call", 0))
         entry = self._entries.get(key)
         if entry is None:
             self._entries[key] = TraceEntry(
-                op=key[0], block=key[1], stream=key[2], call=key[3], contract=contract,
-                requested=requested, actual=actual, kernel=kernel, fallback=fallback,
-                reason=reason, declared=declared,
+                rank=rank, device=device, component=component, op=key[2], block=key[3],
+                stream=key[4], call=key[5], contract=contract, requested=requested,
+                actual=actual, kernel=kernel, fallback=fallback, reason=reason,
+                declared=declared,
             )
             return
         entry.calls += 1
-        if (entry.actual, entry.kernel, entry.fallback) != (actual, kernel, fallback):
-            # A site that changes backend between calls is itself a finding: keep the worst.
-            entry.actual, entry.kernel = actual, kernel
+        if (entry.actual, entry.kernel, entry.fallback, entry.device) != (actual, kernel, fallback,
+                                                                          device):
+            # A site that changes backend or device between calls is itself a finding: keep the
+            # latest backend and device, and the worst fallback state.
+            entry.actual, entry.kernel, entry.device = actual, kernel, device
             entry.fallback = entry.fallback or fallback
             entry.reason = entry.reason or reason
 
@@ -80,5 +98,5 @@ class OperatorTrace:
             e = bad[0]
             raise UnsupportedConfigError(
                 f"strict trace holds {len(bad)} undeclared fallback(s); first: op={e.op} "
-                f"block={e.block} stream={e.stream}: {e.reason}"
+                f"block={e.block} stream={e.stream} (rank {e.rank}, {e.device}): {e.reason}"
             )

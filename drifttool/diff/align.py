@@ -5,8 +5,10 @@
     >>> al.only_a, al.only_b  # records present in one run only
     >>> t = compare_table(ops_a, ops_b, OPS_KEY); t.da, t.db   # matched pairs whose digests differ
 
-Fast path: when both tables hold the same identity columns row for row (the usual case, two
-runs of one program), rows pair by position without encoding anything. Otherwise every identity
+Identity keys hold no rank (``schema.OPS_KEY``): a record owned by rank 1 in one run pairs with
+the same record owned by rank 0 in the other. Fast path: when both tables hold the same identity
+columns row for row (the usual case, two runs of one program on one layout), rows pair by
+position without encoding anything; the pairing is the same as the slow path's. Otherwise every identity
 column is integer-encoded over both tables (strings through one shared dictionary), the codes
 are folded into one int64 key (re-densified with ``np.unique`` before it could overflow), and
 the sorted keys are matched with ``searchsorted``. An identity that occurs k times in a run (it
@@ -22,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from drifttool.diff.order import program_order
 from drifttool.diff.report import Counts
 
 _LIMIT = 1 << 62
@@ -88,7 +91,8 @@ def align(a: pa.Table, b: pa.Table, key: Sequence[str]) -> Alignment:
     """Pair the rows of ``a`` and ``b`` that share the identity columns ``key``.
 
     Returns:
-        ``Alignment``; ``ia``/``ib`` are in no particular order (callers order by ``seq``).
+        ``Alignment``; ``ia``/``ib`` are in no particular order (callers order by program
+        position, ``drifttool.diff.order``).
     """
     if a.num_rows == b.num_rows and all(a.column(k).equals(b.column(k)) for k in key):
         idx = np.arange(a.num_rows, dtype=np.int64)
@@ -117,16 +121,17 @@ class TableDiff:
     """One record table of both runs, aligned by identity and compared by digest.
 
     Attributes:
-        a, b: the tables (at least the identity columns, ``seq`` and ``digest``).
-        al: the alignment. seq_a, seq_b: ``int64`` execution order of every row.
+        a, b: the tables (at least the identity and program-order columns and ``digest``).
+        al: the alignment. pos_a, pos_b: ``int64`` program position of every row
+            (``drifttool.diff.order.program_order``; rank-independent, comparable across runs).
         da, db: ``int64`` row indices of the matched records whose digests differ (pairs).
     """
 
     a: pa.Table
     b: pa.Table
     al: Alignment
-    seq_a: np.ndarray
-    seq_b: np.ndarray
+    pos_a: np.ndarray
+    pos_b: np.ndarray
     da: np.ndarray
     db: np.ndarray
 
@@ -136,11 +141,17 @@ class TableDiff:
                       differ=self.da.size, only_a=self.al.only_a.size, only_b=self.al.only_b.size)
 
 
-def compare_table(a: pa.Table, b: pa.Table, key: tuple[str, ...]) -> TableDiff:
-    """Align ``a`` and ``b`` on ``key`` and find the matched rows whose ``digest`` differs."""
+def compare_table(a: pa.Table, b: pa.Table, key: tuple[str, ...],
+                  pos: tuple[np.ndarray, np.ndarray] | None = None) -> TableDiff:
+    """Align ``a`` and ``b`` on ``key`` and find the matched rows whose ``digest`` differs.
+
+    Args:
+        pos: program positions of the rows of ``a`` and ``b`` (e.g. computed together with other
+            tables, so they compare across tables); ``None``: ``program_order([a, b])``.
+    """
     al = align(a, b, key)
     dig_a = a.column("digest").to_numpy()
     dig_b = b.column("digest").to_numpy()
     ne = dig_a[al.ia] != dig_b[al.ib]
-    return TableDiff(a, b, al, a.column("seq").to_numpy(), b.column("seq").to_numpy(),
-                     al.ia[ne], al.ib[ne])
+    pos_a, pos_b = program_order([a, b]) if pos is None else pos
+    return TableDiff(a, b, al, pos_a, pos_b, al.ia[ne], al.ib[ne])

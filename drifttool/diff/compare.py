@@ -2,7 +2,8 @@
 
     >>> report = diff_runs(open_run("runs/a"), open_run("runs/b"))
     >>> report.verdict, report.first_drift.where()
-    (<Verdict.DRIFT: 'drift'>, 'rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1 (rank 0)')
+    (<Verdict.DRIFT: 'drift'>,
+     'rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1 (owning rank 1 in run A, 0 in run B)')
 
 Order of work (design.md, "Diff"):
 1. Incomparable? Schema versions, ``fingerprint["arch"]`` (the architecture's shape fields) and
@@ -11,9 +12,10 @@ Order of work (design.md, "Diff"):
 2. Context: the rest of the fingerprint, the replay inputs, the capture level and the operator
    trace are compared and listed first; they do not stop the diff (``drifttool.diff.context``).
 3. Step records (every level) and op records (when both runs are L1 or finer) are aligned by
-   identity and compared by digest (``drifttool.diff.align``).
-4. First drift = the differing record with the smallest ``seq`` in run A (ops and steps share one
-   counter per rank), unless its step's input ``x_t`` already differs: then the first drift is
+   identity (which holds no rank) and compared by digest (``drifttool.diff.align``).
+4. First drift = the differing record first in run A's program order (``drifttool.diff.order``:
+   rank-independent, ops and steps in one order), reported with its owning rank in each run,
+   unless its step's input ``x_t`` already differs: then the first drift is
    that ``x_t`` record, a step boundary (origin ``between_steps`` when the previous step
    matched; for the phase's first step the record stays, origin ``inputs``). A record is an
    origin only if the inputs it consumed match and no record before it is missing in either
@@ -39,6 +41,7 @@ from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff, compare_table
 from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable, input_differences
+from drifttool.diff.order import program_order
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
@@ -46,17 +49,17 @@ from drifttool.errors import ArtifactError
 
 FIRST_ROWS = 8  # differing rows named in the report
 
-_OPS_COLS = [*S.OPS_KEY, "seq", "sigma", "digest"]
-_STEP_COLS = [*S.STEPS_KEY, "seq", "sigma", "sigma_next", "dtype", "shape", "digest"]
+_OPS_COLS = list(dict.fromkeys([*S.OPS_KEY, *S.OP_ORDER, "rank", "seq", "sigma", "digest"]))
+_STEP_COLS = list(dict.fromkeys([*S.STEPS_KEY, *S.STEP_ORDER, "rank", "seq", "sigma",
+                                 "sigma_next", "dtype", "shape", "digest"]))
 
 
-def _first(t: TableDiff) -> tuple[int, int, int, int] | None:
-    """``(seq_a, rank, ia, ib)`` of the differing record first in run A's order."""
+def _first(t: TableDiff) -> tuple[int, int, int] | None:
+    """``(pos_a, ia, ib)`` of the differing record first in run A's program order."""
     if t.da.size == 0:
         return None
-    rank = t.a.column("rank").to_numpy()[t.da]
-    k = np.lexsort((rank, t.seq_a[t.da]))[0]
-    return int(t.seq_a[t.da[k]]), int(rank[k]), int(t.da[k]), int(t.db[k])
+    k = np.lexsort((t.da, t.pos_a[t.da]))[0]
+    return int(t.pos_a[t.da[k]]), int(t.da[k]), int(t.db[k])
 
 
 def _row_drift(ra: dict, rb: dict) -> tuple[RowDrift | None, str]:
@@ -75,9 +78,9 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str) -> tuple[First
     op = kind == "op"
     rows, note = _row_drift(ra, rb) if op else (None, "")
     fd = FirstDrift(
-        kind=kind, seq_a=ra["seq"], seq_b=rb["seq"], rank=ra["rank"], phase=ra["phase"],
-        step=ra["step"], sigma=ra["sigma"], branch=ra["branch"],
-        block=ra["block"] if op else None, stream=ra["stream"] if op else None,
+        kind=kind, rank_a=ra["rank"], rank_b=rb["rank"], component=ra["component"],
+        phase=ra["phase"], step=ra["step"], sigma=ra["sigma"], branch=ra["branch"],
+        block=ra["block"] if op else None, op_pos=ra["op_pos"] if op else None, stream=ra["stream"] if op else None,
         op=ra["op"] if op else ra["quantity"], call=ra["call"] if op else None,
         index=ra["index"] if op else None, role=ra["role"] if op else None, sample=ra["sample"],
         dtype=(ra["dtype"], rb["dtype"]), shape=(ra["shape"], rb["shape"]),
@@ -88,23 +91,23 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str) -> tuple[First
     return fd, note
 
 
-def _unmatched_before(tables: list[TableDiff], seq_a: int, seq_b: int) -> int:
-    """How many records present in one run only precede ``seq_a`` in A or ``seq_b`` in B."""
-    return sum(int(np.count_nonzero(t.seq_a[t.al.only_a] < seq_a))
-               + int(np.count_nonzero(t.seq_b[t.al.only_b] < seq_b)) for t in tables)
+def _unmatched_before(tables: list[TableDiff], pos_a: int, pos_b: int) -> int:
+    """How many records present in one run only precede program position ``pos_a`` in A or
+    ``pos_b`` in B."""
+    return sum(int(np.count_nonzero(t.pos_a[t.al.only_a] < pos_a))
+               + int(np.count_nonzero(t.pos_b[t.al.only_b] < pos_b)) for t in tables)
 
 
 def _step_input(st: TableDiff, phase: str, step: int) -> tuple[int, int] | None:
-    """``(ia, ib)`` of the first differing ``x_t`` record of (phase, step) in run A's order (the
-    step's input already differs), or ``None``."""
+    """``(ia, ib)`` of the first differing ``x_t`` record of (phase, step) in run A's program
+    order (the step's input already differs), or ``None``."""
     rows = st.da
     sel = ((st.a.column("quantity").to_numpy(zero_copy_only=False)[rows] == "x_t")
            & (st.a.column("phase").to_numpy(zero_copy_only=False)[rows] == phase)
            & (st.a.column("step").to_numpy()[rows] == step))
     if not sel.any():
         return None
-    k = np.flatnonzero(sel)[np.lexsort((st.a.column("rank").to_numpy()[rows[sel]],
-                                        st.seq_a[rows[sel]]))[0]]
+    k = np.flatnonzero(sel)[np.lexsort((rows[sel], st.pos_a[rows[sel]]))[0]]
     return int(st.da[k]), int(st.db[k])
 
 
@@ -166,16 +169,18 @@ def check_step_bytes(run: Run) -> None:
 
 def _compare_tables(run_a: Run, run_b: Run, level: str,
                     phase_map: dict[str, str] | None = None) -> tuple[TableDiff, TableDiff | None]:
-    """Align and compare the step tables, and the op tables when both runs hold them."""
-    st = compare_table(_prepared(run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False),
-                       _prepared(run_b.steps_table().select([*_STEP_COLS, "data"]), phase_map, False),
-                       S.STEPS_KEY)
+    """Align and compare the step tables, and the op tables when both runs hold them. Program
+    positions are computed over all four tables at once, so they compare across them."""
+    sa = _prepared(run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False)
+    sb = _prepared(run_b.steps_table().select([*_STEP_COLS, "data"]), phase_map, False)
     if level == "L0":
-        return st, None
+        return compare_table(sa, sb, S.STEPS_KEY), None
     grads = phase_map is not None
-    return st, compare_table(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads),
-                             _prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads),
-                             S.OPS_KEY)
+    oa = _prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads)
+    ob = _prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads)
+    psa, psb, poa, pob = program_order([sa, sb, oa, ob])
+    return (compare_table(sa, sb, S.STEPS_KEY, (psa, psb)),
+            compare_table(oa, ob, S.OPS_KEY, (poa, pob)))
 
 
 def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:
@@ -201,11 +206,12 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     ``x_t`` already differs after a matching step: then the first drift is that ``x_t`` record
     (a step boundary, origin kind ``between_steps``). When ``x_t`` of the phase's first step
     differs, the record stays (it shows which replay input differs) with origin kind
-    ``inputs`` (``FirstDrift``)."""
+    ``inputs`` (``FirstDrift``). "First" is run A's program order (``drifttool.diff.order``),
+    which no rank, layout or CFG batching changes."""
     firsts = [(f, kind) for kind, t in zip(("step", "op"), tables) for f in [_first(t)] if f]
     if not firsts:
         return False
-    (_, _, i, j), kind = min(firsts, key=lambda x: x[0][:2])
+    (_, i, j), kind = min(firsts, key=lambda x: x[0][0])
     t = tables[0] if kind == "step" else tables[1]
     phase, step = t.a.column("phase")[i].as_py(), int(t.a.column("step")[i].as_py())
     origin_kind, prev = None, None
@@ -216,6 +222,7 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
             boundary = None
         else:
             (i, j), kind, t = boundary, "step", tables[0]
+    n_before = _unmatched_before(tables, int(t.pos_a[i]), int(t.pos_b[j]))
     i, j = int(t.a.column("_row")[i].as_py()), int(t.b.column("_row")[j].as_py())
     if kind == "op":
         full_a, full_b = run_a.ops_table(), run_b.ops_table()
@@ -223,7 +230,6 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         full_a = run_a.steps_table().drop_columns(["data"])
         full_b = run_b.steps_table().drop_columns(["data"])
     ra, rb = full_a.slice(i, 1).to_pylist()[0], full_b.slice(j, 1).to_pylist()[0]
-    n_before = _unmatched_before(tables, ra["seq"], rb["seq"])
     input_note = None
     if origin_kind is None:
         origin_kind = "unknown" if n_before else "record"

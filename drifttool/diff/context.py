@@ -182,12 +182,23 @@ def _block(block: int) -> str:
 
 
 def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
-    """One line per operator call site whose trace entry differs (backend, kernel, contract)."""
-    keep = ("requested", "actual", "kernel", "contract", "fallback")
+    """One line per operator call site whose trace entry differs (backend, kernel, contract,
+    device type). A site's entries of all ranks are merged (ranks are no part of a site's
+    identity, as of a record's): each field lists its distinct values; a device is compared by
+    type (``cuda:1`` on rank 1 is ``cuda`` as ``cuda:0`` on rank 0)."""
+    keep = ("requested", "actual", "kernel", "contract", "fallback", "device")
 
     def sites(run: Run) -> dict[str, dict]:
-        return {f"{_block(r['block'])} {r['stream']} {r['op']}#{r['call']}": {k: r[k] for k in keep}
-                for r in run.trace_rows()}
+        out: dict[str, dict[str, set]] = {}
+        for r in run.trace_rows():
+            comp = r.get("component") or S.DEFAULT_COMPONENT
+            name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
+            site = out.setdefault(f"{name}{_block(r['block'])} {r['stream']} {r['op']}#{r['call']}",
+                                  {k: set() for k in keep})
+            for k in keep:
+                v = r[k]
+                site[k].add(str(v).split(":", 1)[0] if k == "device" and v is not None else v)
+        return {s: {k: "/".join(sorted(map(str, v))) for k, v in f.items()} for s, f in out.items()}
 
     ta, tb = sites(run_a), sites(run_b)
     out = []

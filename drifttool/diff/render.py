@@ -1,10 +1,11 @@
 """Rich rendering of a ``DiffReport`` for people (``report.to_json()`` is for machines).
 
-    DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (rank 0); origin
+    DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (owning rank 0); origin
     (every earlier record matches); 21 differing records; compared at L2: step records, operator
     outputs and their row digests
     records: ops 72 matched, 10 differ, 0 only A, 0 only B; steps 48 matched, 11 differ, ...
     first drift (A | B)
+    │ owning rank│ 0 (run A), 0 (run B)                │
     │ step       │ 1                                   │
     │ block      │ 1                                   │
     │ op         │ joint_attn                          │
@@ -60,10 +61,12 @@ def _first_drift_table(report: DiffReport) -> Table:
     t = Table(title="first drift (A | B)", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    rows = [("kind", fd.kind), ("rank", fd.rank), ("phase", fd.phase), ("step", fd.step),
+    rows = [("kind", fd.kind), ("owning rank", f"{fd.rank_a} (run A), {fd.rank_b} (run B)"),
+            ("component", fd.component), ("phase", fd.phase), ("step", fd.step),
             ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
     if fd.kind == "op":
-        rows += [("block", block_name(fd.block)), ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
+        rows += [("block", block_name(fd.block)), ("op position", fd.op_pos),
+                 ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
                  ("output", f"{fd.index} ({fd.role})")]
     else:
         rows += [("quantity", fd.op)]

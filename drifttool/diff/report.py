@@ -2,8 +2,8 @@
 
     {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
      "level": "L2", "covers": "step records, operator outputs and their row digests",
-     "first_drift": {"kind": "op", "step": 3, "block": 5, "op": "qk_rmsnorm", "sample": 1,
-                     "origin": true, "origin_kind": "record",
+     "first_drift": {"kind": "op", "rank_a": 1, "rank_b": 0, "step": 3, "block": 5,
+                     "op": "qk_rmsnorm", "sample": 1, "origin": true, "origin_kind": "record",
                      "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
      "steps": [{"step": 0, "identical": true, ...}, ...]}
 
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from drifttool.artifact.schema import SAMPLER_BLOCK
+from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK
 
 
 class Verdict(str, enum.Enum):
@@ -86,7 +86,12 @@ LEVEL_COVERS = {"L0": "step boundaries only",
 
 @dataclass(kw_only=True)
 class FirstDrift:
-    """The first differing record in run A's execution order (``seq``).
+    """The first differing record in run A's program order (``drifttool.diff.order``: phase,
+    step, block, ``op_pos``, index, branch, sample — the same on every rank and layout).
+
+    ``rank_a``/``rank_b`` are the owning ranks of the record in each run (the rank that
+    computed and holds it; a 2-rank run may own it on rank 1 where a single process owns it on
+    rank 0). ``op_pos`` is the op record's program position in its (phase, step, branch, block).
 
     ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
     quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). A record is an
@@ -109,14 +114,15 @@ class FirstDrift:
     """
 
     kind: str
-    seq_a: int
-    seq_b: int
-    rank: int
+    rank_a: int
+    rank_b: int
+    component: str
     phase: str
     step: int
     sigma: float
     branch: str
     block: int | None
+    op_pos: int | None
     stream: str | None
     op: str
     call: int | None
@@ -150,23 +156,34 @@ class FirstDrift:
                        "earlier",
         }[self.origin_kind]
 
+    def owning_rank(self) -> str:
+        """The owning ranks in words: ``owning rank 0`` when both runs agree, else ``owning
+        rank 1 in run A, 0 in run B``."""
+        if self.rank_a == self.rank_b:
+            return f"owning rank {self.rank_a}"
+        return f"owning rank {self.rank_a} in run A, {self.rank_b} in run B"
+
     def where(self) -> str:
-        """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1``."""
+        """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1
+        (owning rank 0)``; a component other than the MMDiT is named first."""
+        comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
         if self.kind == "step":
-            return (f"{self.phase} step {self.step} {self.branch} {self.op} sample {self.sample}"
-                    f" (rank {self.rank})")
+            return (f"{comp}{self.phase} step {self.step} {self.branch} {self.op} sample "
+                    f"{self.sample} ({self.owning_rank()})")
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
         block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
-        return (f"{self.phase} step {self.step} {self.branch} {block} {self.stream} "
-                f"{self.op}#{self.call}{out}{role} sample {self.sample} (rank {self.rank})")
+        return (f"{comp}{self.phase} step {self.step} {self.branch} {block} {self.stream} "
+                f"{self.op}#{self.call}{out}{role} sample {self.sample} ({self.owning_rank()})")
 
 
 @dataclass(kw_only=True)
 class OpRef:
-    """The first differing op record of one step."""
+    """The first differing op record of one step (run A's program order; ``rank``: its owning
+    rank in run A)."""
 
-    seq: int
+    rank: int
+    op_pos: int
     branch: str
     block: int
     stream: str
@@ -216,7 +233,7 @@ class StepDrift:
     Attributes:
         identical: every step and op record of the step is present in both runs and equal.
         carried_in: the step's input ``x_t`` already differed (any sample); ``None``: no x_t.
-        first_op: the step's first differing op record (run A order), if any.
+        first_op: the step's first differing op record (run A's program order), if any.
         ops_differ: number of differing op records in the step.
         missing: records of the step present in one run only.
     """
@@ -273,7 +290,7 @@ class DiffReport:
         notes: what the reader or aligner noticed (cut files, duplicate identities, levels).
         counts: per table (``"ops"``, ``"steps"``), see ``Counts``; ops absent when not compared.
         identical_through: the last ``[phase, step]`` up to which every record matched.
-        first_drift: see ``FirstDrift``. steps: per-step drift, in run A's order.
+        first_drift: see ``FirstDrift``. steps: per-step drift, in program order.
     """
 
     verdict: Verdict

@@ -5,7 +5,7 @@
     [(0, False, 'None', 0.0), (1, False, 'cond b1 joint joint_attn#0 s1', 0.001), (2, True, ...)]
 
 A step's ``x_t`` differing means the drift was carried in from an earlier step; the step's first
-differing op (run A's order) is where the step itself first shows it. Quantities are compared from
+differing op (run A's program order, ``drifttool.diff.order``) is where the step itself first shows it. Quantities are compared from
 the bytes stored in ``steps.arrow`` (``drifttool.diff.values``). Source: design.md, "Diff".
 """
 
@@ -22,8 +22,9 @@ from drifttool.diff.values import compare_values, transition_kl, values
 
 
 def by_step(table: pa.Table, rows: np.ndarray | None,
-            seq: np.ndarray) -> dict[tuple[str, int], tuple[int, int]]:
-    """``{(phase, step): (count, row of smallest seq)}`` over ``rows`` of ``table`` (None: all)."""
+            pos: np.ndarray) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(phase, step): (count, row first in program order)}`` over ``rows`` of ``table``
+    (None: all); ``pos`` is the program position of every row of ``table``."""
     sub = table.select(["phase", "step"])
     if rows is None:
         rows = np.arange(table.num_rows)
@@ -32,7 +33,7 @@ def by_step(table: pa.Table, rows: np.ndarray | None,
     if rows.size == 0:
         return {}
     g, _ = encode_keys(sub, sub.slice(0, 0), ("phase", "step"))
-    order = np.lexsort((seq[rows], g))
+    order = np.lexsort((rows, pos[rows], g))
     _, first, counts = np.unique(g[order], return_index=True, return_counts=True)
     firsts = rows[order][first]
     ph = table.column("phase").take(pa.array(firsts)).to_pylist()
@@ -65,7 +66,7 @@ def _step_pairs(st: TableDiff) -> dict[tuple[str, int], list[_StepPair]]:
     meta_a = st.a.drop_columns(["data"]).to_pylist()
     meta_b = st.b.drop_columns(["data"]).to_pylist()
     out: dict[tuple[str, int], list[_StepPair]] = {}
-    for i, j in sorted(zip(st.al.ia.tolist(), st.al.ib.tolist()), key=lambda p: st.seq_a[p[0]]):
+    for i, j in sorted(zip(st.al.ia.tolist(), st.al.ib.tolist()), key=lambda p: (st.pos_a[p[0]], p[0])):
         ra, rb = meta_a[i], meta_b[j]
         q = QuantityDrift(quantity=ra["quantity"], branch=ra["branch"], sample=ra["sample"],
                           identical=ra["digest"] == rb["digest"], max_abs=0.0, rel_l2=0.0)
@@ -90,12 +91,13 @@ def _step_pairs(st: TableDiff) -> dict[tuple[str, int], list[_StepPair]]:
 def _kl(pairs: list[_StepPair]) -> list[TransitionKL]:
     """Transition KL per (sample, branch) that has ``mu`` in both runs."""
     both = [p for p in pairs if p.ra is not None and p.rb is not None]
-    std = {(p.ra["rank"], p.q.sample, p.q.branch): p for p in both if p.q.quantity == "std_t"}
+    std = {(p.ra["component"], p.q.sample, p.q.branch): p for p in both
+           if p.q.quantity == "std_t"}
     out = []
     for p in both:
         if p.q.quantity != "mu":
             continue
-        s = std.get((p.ra["rank"], p.q.sample, p.q.branch))
+        s = std.get((p.ra["component"], p.q.sample, p.q.branch))
         kl = scale = None
         if s is not None:
             mu_a, mu_b = p.values()
@@ -106,7 +108,8 @@ def _kl(pairs: list[_StepPair]) -> list[TransitionKL]:
 
 
 def step_drifts(st: TableDiff, ot: TableDiff | None) -> list[StepDrift]:
-    """One ``StepDrift`` per (phase, step) of either run, in run A's execution order.
+    """One ``StepDrift`` per (phase, step) of either run, in program order (the first record of
+    the step in either run: positions compare across runs, ``drifttool.diff.order``).
 
     Args:
         st: the compared step tables (with ``data``, ``dtype``, ``shape``, ``sigma_next``).
@@ -114,19 +117,19 @@ def step_drifts(st: TableDiff, ot: TableDiff | None) -> list[StepDrift]:
     """
     pairs = _step_pairs(st)
     tables = [st, *([ot] if ot else [])]
-    first_op = by_step(ot.a, ot.da, ot.seq_a) if ot else {}
+    first_op = by_step(ot.a, ot.da, ot.pos_a) if ot else {}
     missing: dict[tuple[str, int], int] = {}
     for t in tables:
-        for table, rows, seq in ((t.a, t.al.only_a, t.seq_a), (t.b, t.al.only_b, t.seq_b)):
-            for k, (n, _) in by_step(table, rows, seq).items():
+        for table, rows, pos in ((t.a, t.al.only_a, t.pos_a), (t.b, t.al.only_b, t.pos_b)):
+            for k, (n, _) in by_step(table, rows, pos).items():
                 missing[k] = missing.get(k, 0) + n
-    # order: run A's execution order (first seq of the step), then steps only run B has
-    order: dict[tuple[str, int], tuple[int, int]] = {}
+    # order: the program position of the step's first record in either run (comparable)
+    order: dict[tuple[str, int], int] = {}
     sigma_of: dict[tuple[str, int], float] = {}
     for t in tables:
-        for side, table, seq in ((0, t.a, t.seq_a), (1, t.b, t.seq_b)):
-            for k, (_, r) in by_step(table, None, seq).items():
-                order[k] = min(order.get(k, (2, 0)), (side, int(seq[r])))
+        for table, pos in ((t.a, t.pos_a), (t.b, t.pos_b)):
+            for k, (_, r) in by_step(table, None, pos).items():
+                order[k] = min(order.get(k, int(pos[r])), int(pos[r]))
                 sigma_of.setdefault(k, table.column("sigma")[r].as_py())
     out = []
     for k in sorted(order, key=order.get):
@@ -139,8 +142,9 @@ def step_drifts(st: TableDiff, ot: TableDiff | None) -> list[StepDrift]:
         ref = None
         if first_row is not None:
             r = ot.a.slice(first_row, 1).to_pylist()[0]
-            ref = OpRef(seq=r["seq"], branch=r["branch"], block=r["block"], stream=r["stream"],
-                        op=r["op"], call=r["call"], sample=r["sample"])
+            ref = OpRef(rank=r["rank"], op_pos=r["op_pos"], branch=r["branch"],
+                        block=r["block"], stream=r["stream"], op=r["op"], call=r["call"],
+                        sample=r["sample"])
         qs = [p.q for p in ps]
         identical = not n_ops and not missing.get(k) and all(q.identical for q in qs)
         out.append(StepDrift(

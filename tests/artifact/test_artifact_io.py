@@ -13,7 +13,7 @@ from drifttool.artifact import schema as S
 from drifttool.capture.recorder import Recorder
 from drifttool.errors import ArtifactError
 
-TRACE = [{"op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
+TRACE = [{"rank": 0, "device": "cpu", "component": "mmdit", "op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
           "reason": "", "declared": False, "calls": 4}]
 
@@ -26,7 +26,7 @@ def write_run(path, *, steps=3, close=True):
     for i in range(steps):
         s = {"phase": "rollout", "step": i, "sigma": 1.0 - i / steps, "branch": "cond", "block": 0,
              "samples": [0, 1], "txt_lens": None, "img_grid": (2, 2), "rank": 0,
-             "op": "img_mlp", "stream": "img", "call": 0}
+             "op": "img_mlp", "stream": "img", "call": 0, "op_pos": 0}
         rec.capture(s, torch.full((2, 4, 8), float(i)), "BS.")
         rec.record_step(phase="rollout", step=i, sigma=s["sigma"],
                         sigma_next=1.0 - (i + 1) / steps, sample=0,
@@ -141,7 +141,7 @@ def test_unknown_schema_version_refused(tmp_path):
     m = json.loads((path / "manifest.json").read_text())
     m["schema_version"] = 99
     (path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="schema_version 99 is not supported"):
+    with pytest.raises(ArtifactError, match="schema_version 99 was written by a newer drifttool"):
         open_run(path)
     # an Arrow file of another version inside a supported manifest
     m["schema_version"] = SCHEMA_VERSION
@@ -149,7 +149,7 @@ def test_unknown_schema_version_refused(tmp_path):
     old = S.OPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"0"})
     with open(path / "ops.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
         wr.write_table(old.empty_table())
-    with pytest.raises(ArtifactError, match="schema_version 0 is not supported"):
+    with pytest.raises(ArtifactError, match="schema_version 0 is not a drifttool schema version"):
         open_run(path).ops_table()
 
 

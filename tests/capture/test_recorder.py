@@ -19,7 +19,7 @@ from drifttool.errors import UnsupportedConfigError
 def site(step=0, op="qk_rmsnorm", stream="joint", block=3, **kw):
     return {"phase": "rollout", "step": step, "sigma": 0.9, "branch": "cond", "block": block,
             "samples": [5, 6], "txt_lens": [1, 2], "img_grid": (1, 2), "rank": 0, "op": op,
-            "stream": stream, "call": 0, **kw}
+            "stream": stream, "call": 0, "op_pos": 0, **kw}
 
 
 def joint_out():

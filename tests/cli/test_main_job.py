@@ -51,7 +51,7 @@ def test_strict_vs_auto_drifts_and_names_the_first_operator(cli, tmp_path, stric
     rep = json.loads(out)
     assert rep["verdict"] == "drift"
     first = rep["first_drift"]
-    for field in ("op", "block", "step", "sample", "branch", "stream", "rank"):
+    for field in ("op", "block", "step", "sample", "branch", "stream", "rank_a", "rank_b", "component", "op_pos"):
         assert first[field] is not None, field
     assert first["op"] == "timestep_embed_mlp" and first["step"] == 0 and first["block"] == -1
     assert "fingerprint.runtime.mode" in json.dumps(rep)

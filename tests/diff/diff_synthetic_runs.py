@@ -1,5 +1,8 @@
 """Synthetic runs for the diff tests: a tiny two-block "MMDiT" and SDE sampler that capture through
 the real ``Recorder`` and ``ArtifactWriter`` (the model in ``drifttool.model`` is not used).
+``owners`` splits the samples across ranks as sample-parallel rollout does: each rank's
+``Recorder`` captures the rows of its samples (one ``ops.rank<r>.arrow`` per rank), with the same
+program positions (``op_pos``) on every rank.
 
 A uniquely named module (not ``conftest``): other test folders have their own ``conftest.py``."""
 
@@ -29,10 +32,12 @@ def _bump(t: torch.Tensor, b: int, row: int, add: float | None) -> torch.Tensor:
 def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | None = None,
               crash_after: int | None = None, fingerprint: dict | None = None,
               noise_seed: int = 1, pad: int = 5, between: dict | None = None,
-              x_seed: int | None = None, txt_bump: dict | None = None) -> Path:
+              x_seed: int | None = None, txt_bump: dict | None = None,
+              owners: dict[int, int] | None = None) -> Path:
     """Write a synthetic run. ``plant={"step", "block", "op", "sample", "row"[, "add"]}`` moves one
     element of that op's output by one ULP (or by ``add``) and lets it propagate (``row``
-    indexes the padded sequence axis). ``between={"step", "sample", "row"}`` moves one element
+    indexes the padded sequence axis); a list of such dicts plants several.
+    ``owners={sample: rank}`` owns each sample's records on that rank (default: all on rank 0). ``between={"step", "sample", "row"}`` moves one element
     of the latent by one ULP after that step's records were written and before the next step
     reads it (a change between steps, outside every recorded operator). ``x_seed`` draws the
     initial latent from its own seed (a replay-input difference); ``txt_bump={"sample", "row"[, "add"]}``
@@ -41,7 +46,8 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     ``crash_after=k`` stops after k steps without closing (complete=false, streams unclosed)."""
     fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "scheduler": {"num_steps": steps}}
     writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"machine": "test"}})
-    rec = Recorder(level, writer, rank=0)
+    owner = {0: 0, 1: 0, **(owners or {})}
+    recs = {r: Recorder(level, writer, rank=r) for r in sorted(set(owner.values()))}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 8, generator=g) / 3
     x = torch.randn(2, 6, 8, generator=g)  # [B, h*w, C]
@@ -54,16 +60,31 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     writer.write_inputs({"x_T": x, "txt": txt, "noise": noise})
     sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
 
+    plants = plant if isinstance(plant, list) else [plant or {}]
+    positions: dict[tuple, int] = {}
+
     def op(site: dict, name: str, stream: str, out: torch.Tensor) -> torch.Tensor:
-        p = plant or {}
-        if (p.get("step"), p.get("block"), p.get("op")) == (site["step"], site["block"], name):
-            out = _bump(out, p["sample"], p["row"], p.get("add"))
-        rec.capture({**site, "op": name, "stream": stream, "call": 0}, out, "BS.")
+        for p in plants:
+            if (p.get("step"), p.get("block"), p.get("op")) == (site["step"], site["block"], name):
+                out = _bump(out, p["sample"], p["row"], p.get("add"))
+        scope = (site["phase"], site["step"], site["branch"], site["block"])
+        pos = positions.get(scope, 0)
+        positions[scope] = pos + 1
+        for r, rec in recs.items():  # each rank captures its samples' rows
+            rows = [b for b in range(2) if owner[b] == r]
+            part = {**site, "samples": [site["samples"][b] for b in rows],
+                    "txt_lens": [site["txt_lens"][b] for b in rows], "rank": r}
+            rec.capture({**part, "op": name, "stream": stream, "call": 0, "op_pos": pos},
+                        out[rows], "BS.")
         return out
+
+    def flush() -> None:
+        for rec in recs.values():
+            rec.flush()
 
     for i in range(steps):
         if crash_after is not None and i == crash_after:
-            rec.flush()
+            flush()
             return path  # no close: complete stays false, streams have no end marker
         s, s_next = sigmas[i], sigmas[i + 1]
         vs = {}
@@ -84,20 +105,23 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
         x_next = mu + scale * noise[i]
         logp = (-(x_next - mu) ** 2 / (2 * scale**2)).mean(dim=(1, 2))
         for b in range(2):
+            rec = recs[owner[b]]
             rec.record_step(phase="rollout", step=i, sigma=s, sigma_next=s_next, sample=b,
-                            branch="cfg", quantities={"x_t": x[b], "v_t": v[b], "x_next": x_next[b],
-                                                      "mu": mu[b], "std_t": std_t,
-                                                      "logp_t": logp[b]})
+                            branch="cfg", rank=owner[b],
+                            quantities={"x_t": x[b], "v_t": v[b], "x_next": x_next[b],
+                                        "mu": mu[b], "std_t": std_t, "logp_t": logp[b]})
             for branch in ("cond", "uncond"):
                 rec.record_step(phase="rollout", step=i, sigma=s, sigma_next=s_next, sample=b,
-                                branch=branch, quantities={"v_t": vs[branch][b]})
-        rec.flush()
+                                branch=branch, rank=owner[b], quantities={"v_t": vs[branch][b]})
+        flush()
         x = x_next
         if between is not None and between["step"] == i:
             x = _bump(x, between["sample"], between["row"], None)
-    writer.write_trace([{"op": "img_mlp", "block": 0, "stream": "img", "call": 0,
-                         "contract": "c.v1", "requested": "strict", "actual": "strict",
-                         "kernel": "cpu", "fallback": False, "reason": "", "declared": False,
-                         "calls": 1}])
-    rec.close(complete=True)
+    writer.write_trace([{"rank": r, "device": "cpu", "component": "mmdit", "op": "img_mlp",
+                         "block": 0, "stream": "img", "call": 0, "contract": "c.v1",
+                         "requested": "strict", "actual": "strict", "kernel": "cpu",
+                         "fallback": False, "reason": "", "declared": False, "calls": 1}
+                        for r in recs])
+    flush()
+    recs[0 if 0 in recs else min(recs)].close(complete=True)  # closes the shared writer
     return path

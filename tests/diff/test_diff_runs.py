@@ -40,7 +40,7 @@ def test_planted_image_row_located_exactly(make_run):
     assert r.verdict is Verdict.DRIFT and r.exit_code == 1
     fd = r.first_drift
     assert (fd.kind, fd.phase, fd.step, fd.branch, fd.block, fd.stream, fd.op, fd.call, fd.sample,
-            fd.rank) == ("op", "rollout", 1, "cond", 1, "joint", "joint_attn", 0, 1, 0)
+            fd.rank_a, fd.rank_b) == ("op", "rollout", 1, "cond", 1, "joint", "joint_attn", 0, 1, 0, 0)
     assert fd.origin
     assert fd.rows.n_differ == 1 and fd.rows.n_rows == 5 + 6
     assert fd.rows.first == [RowRef(row=9, kind="img", i=1, j=1)]

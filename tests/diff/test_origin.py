@@ -32,12 +32,12 @@ def test_latent_changed_between_steps_is_the_step_boundary(make_run):
         "step", "rollout", 1, "x_t", "cfg", 1)
     assert fd.origin and fd.origin_kind == "between_steps"
     assert r.reason.startswith(
-        "first drift at rollout step 1 cfg x_t sample 1 (rank 0): x_t of step 1 differs; step 0's "
+        "first drift at rollout step 1 cfg x_t sample 1 (owning rank 0): x_t of step 1 differs; step 0's "
         "outputs match — changed between steps; ")
     assert "every earlier record matches" not in r.reason
     lines = _text(r).splitlines()
     assert lines[0] == "DRIFT  " + r.reason
-    assert ("│ origin     │ x_t of step 1 differs; step 0's outputs match — changed between steps"
+    assert ("│ origin      │ x_t of step 1 differs; step 0's outputs match — changed between steps"
             in "\n".join(lines))
 
 

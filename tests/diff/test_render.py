@@ -19,10 +19,10 @@ def test_render_drift(make_run):
     out = text(diff_runs(open_run(make_run("a")), open_run(make_run("b", plant=plant))))
     lines = out.splitlines()
     assert lines[0].startswith("DRIFT  first drift at rollout step 1 cond block 1 joint "
-                               "joint_attn#0 sample 1 (rank 0); origin (every earlier record "
+                               "joint_attn#0 sample 1 (owning rank 0); origin (every earlier record "
                                "matches)")
-    assert "│ rows       │ 1 of 11 differ: img (1, 1)" in out
-    assert "│ origin     │ yes (every earlier record matches)" in out
+    assert "│ rows        │ 1 of 11 differ: img (1, 1)" in out
+    assert "│ origin      │ yes (every earlier record matches)" in out
     step_rows = [ln.split() for ln in lines if ln.strip().split()[:1] in (["0"], ["1"], ["2"])]
     assert step_rows[0][:9] == ["0", "1", "=", "=", "=", "=", "=", "0", "0"]
     assert step_rows[1][:3] == ["1", "0.667", "="] and step_rows[2][2] == "0.000333"  # carried

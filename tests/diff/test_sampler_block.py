@@ -66,12 +66,12 @@ def test_sampler_drift_is_named_sampler(tmp_path):
     assert r.verdict is Verdict.DRIFT
     fd = r.first_drift
     assert (fd.op, fd.step, fd.block, fd.sample) == ("flow_sde_step_logp", 0, S.SAMPLER_BLOCK, 1)
-    assert fd.where() == "rollout step 0 cfg sampler img flow_sde_step_logp#0 sample 1 (rank 0)"
+    assert fd.where() == "rollout step 0 cfg sampler img flow_sde_step_logp#0 sample 1 (owning rank 0)"
     assert str(r.steps[1].first_op).startswith("cfg sampler img ")
     console = Console(record=True, width=300, color_system=None)
     render(r, console)
     out = console.export_text()
-    assert "│ block      │ sampler" in out
+    assert "│ block       │ sampler" in out
     assert ["rollout", "0", "=", "cfg", "sampler", "img", "flow_sde_step_logp#0", "1"] in [
         ln.split() for ln in out.splitlines()]
     assert "trace sampler img flow_sde_step_logp#0: actual strict->variant:ulp" in "\n".join(
