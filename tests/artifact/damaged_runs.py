@@ -248,6 +248,10 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "steps batch length": lambda d: corrupt_batch_length(d / "steps.arrow"),
     "null in ops op": null_in("ops.rank0.arrow", "op"),
     "null in ops sample": null_in("ops.rank0.arrow", "sample", 5),
+    "negative op_pos": value_in("ops.rank0.arrow", "op_pos", -1, 3),
+    "unknown component in ops": value_in("ops.rank0.arrow", "component", "unet", 2),
+    "unknown component in steps": value_in("steps.arrow", "component", "unet", 1),
+    "null component in steps": null_in("steps.arrow", "component", 1),
     "null in steps quantity": null_in("steps.arrow", "quantity"),
     "null in steps digest": null_in("steps.arrow", "digest", 2),
     "NaN sigma in steps": value_in("steps.arrow", "sigma", float("nan")),
@@ -332,6 +336,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "duplicate manifest key": manifest_text(lambda t: t[:-1] + ', "complete": true}'),
     "not UTF-8 manifest": lambda d: (d / "manifest.json").write_bytes(
         b"\xff\xfe" + (d / "manifest.json").read_bytes()),
+    "schema_version 2 (older)": edit_manifest(lambda m: m.update(schema_version=2)),
     "schema_version string": edit_manifest(lambda m: m.update(schema_version="1")),
     "schema_version float": edit_manifest(lambda m: m.update(schema_version=1.0)),
     "schema_version bool": edit_manifest(lambda m: m.update(schema_version=True)),

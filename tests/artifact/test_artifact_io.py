@@ -153,6 +153,28 @@ def test_unknown_schema_version_refused(tmp_path):
         open_run(path).ops_table()
 
 
+def test_older_schema_version_says_re_run(tmp_path):
+    """Version 2 keyed records on the rank and ordered them by a per-rank counter: refused with
+    one line saying to re-run (or reseal), from the manifest and from an Arrow file alike."""
+    path = write_run(tmp_path / "a")
+    m = json.loads((path / "manifest.json").read_text())
+    m["schema_version"] = 2
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError) as e:
+        open_run(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "schema_version 2 was written by an older drifttool" in msg
+    assert f"reads version {SCHEMA_VERSION}" in msg and "re-run it (a fixture: reseal it)" in msg
+    m["schema_version"] = SCHEMA_VERSION
+    (path / "manifest.json").write_text(json.dumps(m))
+    old = S.STEPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"2"})
+    with open(path / "steps.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
+        wr.write_table(old.empty_table())
+    with pytest.raises(ArtifactError, match="steps.arrow: schema_version 2 was written by an "
+                                            "older drifttool"):
+        open_run(path).steps_table()
+
+
 def test_writer_refusals(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")
