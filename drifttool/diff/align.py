@@ -116,6 +116,51 @@ def align(a: pa.Table, b: pa.Table, key: Sequence[str]) -> Alignment:
     return Alignment(oa[hit], ob[pos[hit]], np.sort(oa[~hit]), np.sort(ob[~matched_b]), dups)
 
 
+def drop_replicas(t: pa.Table, key: Sequence[str]) -> tuple[pa.Table, int, int]:
+    """Keep one of the records that several ranks hold with the same identity (a replicated
+    computation, e.g. the sigma table every rank of a sample-parallel rollout computes).
+
+    Identity keys hold no rank, so replicas would otherwise pair by occurrence against a
+    single-process run's one record. When all replicas of an identity carry one digest, the
+    lowest rank's is kept; when they disagree (the ranks computed different bytes) all are kept
+    and counted, so the diff reports them. Records repeated on one rank are left as they are.
+
+    Args:
+        t: records with the ``key`` columns, ``rank`` and ``digest``.
+
+    Returns:
+        ``(table, dropped, conflicts)``: the table without the dropped replicas (row order kept),
+        the number dropped and the number of identities whose replicas disagree.
+    """
+    if t.num_rows < 2 or "rank" not in t.column_names:
+        return t, 0, 0
+    k, _ = encode_keys(t, t.slice(0, 0), key)
+    rank = t.column("rank").to_numpy().astype(np.int64)
+    dig = t.column("digest").to_numpy()
+    order = np.lexsort((np.arange(k.size), rank, k))
+    ks, rs, ds = k[order], rank[order], dig[order]
+    start = np.ones(ks.size, bool)
+    start[1:] = ks[1:] != ks[:-1]
+    group = np.cumsum(start) - 1
+    n = int(group[-1]) + 1
+    many_ranks = np.zeros(n, bool)
+    np.logical_or.at(many_ranks, group[1:][~start[1:]], rs[1:][~start[1:]] != rs[:-1][~start[1:]])
+    if not many_ranks.any():
+        return t, 0, 0
+    first_dig = ds[start][group]
+    agree = np.ones(n, bool)
+    np.logical_and.at(agree, group, ds == first_dig)
+    first_rank = rs[start][group]
+    drop = many_ranks[group] & agree[group] & (rs != first_rank)
+    # a replica on the lowest rank repeated on that rank stays (a duplicate, not a replica)
+    keep = np.ones(t.num_rows, bool)
+    keep[order[drop]] = False
+    conflicts = int(np.count_nonzero(many_ranks & ~agree))
+    if keep.all():
+        return t, 0, conflicts
+    return t.filter(pa.array(keep)), int(np.count_nonzero(~keep)), conflicts
+
+
 @dataclass
 class TableDiff:
     """One record table of both runs, aligned by identity and compared by digest.
@@ -134,6 +179,8 @@ class TableDiff:
     pos_b: np.ndarray
     da: np.ndarray
     db: np.ndarray
+    replicas: tuple[int, int] = (0, 0)  # replicated records dropped in A, B (drop_replicas)
+    conflicts: tuple[int, int] = (0, 0)  # identities whose replicas disagree in A, B
 
     def counts(self) -> Counts:
         """Record counts for the report."""

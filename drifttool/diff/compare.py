@@ -38,7 +38,7 @@ import xxhash
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
-from drifttool.diff.align import TableDiff, compare_table
+from drifttool.diff.align import TableDiff, compare_table, drop_replicas
 from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable, input_differences
 from drifttool.diff.order import program_order
@@ -171,16 +171,25 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
                     phase_map: dict[str, str] | None = None) -> tuple[TableDiff, TableDiff | None]:
     """Align and compare the step tables, and the op tables when both runs hold them. Program
     positions are computed over all four tables at once, so they compare across them."""
-    sa = _prepared(run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False)
-    sb = _prepared(run_b.steps_table().select([*_STEP_COLS, "data"]), phase_map, False)
+    sa, *ra = drop_replicas(_prepared(run_a.steps_table().select([*_STEP_COLS, "data"]),
+                                      phase_map, False), S.STEPS_KEY)
+    sb, *rb = drop_replicas(_prepared(run_b.steps_table().select([*_STEP_COLS, "data"]),
+                                      phase_map, False), S.STEPS_KEY)
     if level == "L0":
-        return compare_table(sa, sb, S.STEPS_KEY), None
+        return _with_replicas(compare_table(sa, sb, S.STEPS_KEY), ra, rb), None
     grads = phase_map is not None
-    oa = _prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads)
-    ob = _prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads)
+    oa, *qa = drop_replicas(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads),
+                            S.OPS_KEY)
+    ob, *qb = drop_replicas(_prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads),
+                            S.OPS_KEY)
     psa, psb, poa, pob = program_order([sa, sb, oa, ob])
-    return (compare_table(sa, sb, S.STEPS_KEY, (psa, psb)),
-            compare_table(oa, ob, S.OPS_KEY, (poa, pob)))
+    return (_with_replicas(compare_table(sa, sb, S.STEPS_KEY, (psa, psb)), ra, rb),
+            _with_replicas(compare_table(oa, ob, S.OPS_KEY, (poa, pob)), qa, qb))
+
+
+def _with_replicas(t: TableDiff, ra: list[int], rb: list[int]) -> TableDiff:
+    t.replicas, t.conflicts = (ra[0], rb[0]), (ra[1], rb[1])
+    return t
 
 
 def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:
@@ -193,6 +202,15 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
         notes += [f"run {side}: {p}" for p in run.problems]
         if not run.complete:
             notes.append(f"run {side} is incomplete (manifest complete=false)")
+    for side, k in (("A", 0), ("B", 1)):
+        dropped = sum(t.replicas[k] for t in tables)
+        if dropped:
+            notes.append(f"run {side}: {dropped} records replicated on several ranks with equal "
+                         "digests, compared once (the lowest rank's)")
+        bad = sum(t.conflicts[k] for t in tables)
+        if bad:
+            notes.append(f"run {side}: {bad} records computed on several ranks disagree between "
+                         "the ranks (all kept: they pair by occurrence)")
     dups = sum(t.al.duplicates for t in tables)
     if dups:
         notes.append(f"{dups} records repeat an identity; paired by occurrence order")

@@ -33,11 +33,15 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
               crash_after: int | None = None, fingerprint: dict | None = None,
               noise_seed: int = 1, pad: int = 5, between: dict | None = None,
               x_seed: int | None = None, txt_bump: dict | None = None,
-              owners: dict[int, int] | None = None) -> Path:
+              owners: dict[int, int] | None = None, sigma_table: bool = False,
+              sigma_bump_rank: int | None = None) -> Path:
     """Write a synthetic run. ``plant={"step", "block", "op", "sample", "row"[, "add"]}`` moves one
     element of that op's output by one ULP (or by ``add``) and lets it propagate (``row``
     indexes the padded sequence axis); a list of such dicts plants several.
-    ``owners={sample: rank}`` owns each sample's records on that rank (default: all on rank 0). ``between={"step", "sample", "row"}`` moves one element
+    ``owners={sample: rank}`` owns each sample's records on that rank (default: all on rank 0).
+    ``sigma_table`` records the sigma table (an unbatched sampler op at step −1) on every rank,
+    as each rank of a sample-parallel rollout computes it; ``sigma_bump_rank`` moves one of
+    its elements by one ULP on that rank only (replicas that disagree). ``between={"step", "sample", "row"}`` moves one element
     of the latent by one ULP after that step's records were written and before the next step
     reads it (a change between steps, outside every recorded operator). ``x_seed`` draws the
     initial latent from its own seed (a replay-input difference); ``txt_bump={"sample", "row"[, "add"]}``
@@ -82,6 +86,15 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
         for rec in recs.values():
             rec.flush()
 
+    if sigma_table:
+        for r, rec in recs.items():
+            t = torch.tensor(sigmas, dtype=torch.float32)
+            if r == sigma_bump_rank:
+                t[1] = torch.nextafter(t[1], torch.tensor(math.inf))
+            rec.capture({"phase": "rollout", "step": -1, "sigma": math.nan, "branch": "none",
+                         "block": -2, "samples": None, "txt_lens": None, "img_grid": GRID,
+                         "rank": r, "op": "flow_sigma_table", "stream": "none", "call": 0,
+                         "op_pos": 0}, t, ".")
     for i in range(steps):
         if crash_after is not None and i == crash_after:
             flush()

@@ -81,3 +81,26 @@ def test_first_drift_does_not_depend_on_which_rank_owns_which_sample(make_run):
         seen.add((fd.step, fd.branch, fd.block, fd.stream, fd.op, fd.sample, fd.origin_kind))
         assert fd.rank_a == (owners or {0: 0, 1: 0})[1] and fd.rank_b == 0
     assert seen == {(1, "cond", 0, "txt", "txt_mlp", 1, "record")}
+
+
+def test_records_replicated_on_every_rank_are_compared_once(make_run):
+    a = open_run(make_run("a", owners={0: 0, 1: 1}, sigma_table=True))
+    b = open_run(make_run("b", sigma_table=True))
+    assert sorted(a.ops_table().filter(pc.equal(a.ops_table()["sample"], -1))["rank"]
+                  .to_pylist()) == [0, 1]
+    for x, y, side in ((a, b, "A"), (b, a, "B")):
+        r = diff_runs(x, y)
+        assert r.verdict is Verdict.IDENTICAL, r.reason
+        assert f"run {side}: 1 records replicated on several ranks with equal digests, compared " \
+               "once (the lowest rank's)" in r.notes
+    # the same run without replicas has no such note
+    assert not any("replicated" in n for n in diff_runs(b, b).notes)
+
+
+def test_replicas_that_disagree_are_reported(make_run):
+    a = open_run(make_run("a", owners={0: 0, 1: 1}, sigma_table=True, sigma_bump_rank=1))
+    b = open_run(make_run("b", sigma_table=True))
+    r = diff_runs(a, b)
+    assert r.verdict is not Verdict.IDENTICAL
+    assert "run A: 1 records computed on several ranks disagree between the ranks (all kept: " \
+           "they pair by occurrence)" in r.notes
