@@ -104,3 +104,15 @@ def test_replicas_that_disagree_are_reported(make_run):
     assert r.verdict is not Verdict.IDENTICAL
     assert "run A: 1 records computed on several ranks disagree between the ranks (all kept: " \
            "they pair by occurrence)" in r.notes
+
+
+def test_equal_positions_on_two_ranks_order_by_sample_not_rank(make_run):
+    # one op drifts in both samples; sample 0 lives on rank 1 and sample 1 on rank 0, and both
+    # ranks number their records alike (equal seq): the program order names sample 0
+    plants = [{"step": 1, "block": 0, "op": "img_mlp", "sample": s, "row": 2, "add": 1e-3}
+              for s in (1, 0)]
+    b = open_run(make_run("b"))
+    for name, owners in (("swap", {0: 1, 1: 0}), ("split", {0: 0, 1: 1})):
+        fd = diff_runs(open_run(make_run(name, owners=owners, plant=plants)), b).first_drift
+        assert (fd.step, fd.block, fd.op, fd.sample, fd.branch) == (1, 0, "img_mlp", 0, "cond")
+        assert (fd.rank_a, fd.rank_b) == (owners[0], 0)
