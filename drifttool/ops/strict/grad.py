@@ -114,9 +114,9 @@ def linear_input_grad(dy: torch.Tensor, w: torch.Tensor, weight_shape=None) -> t
     return tiled_linear(dy, w.t(), weight_shape=weight_shape or tuple(w.shape))
 
 
-def _pad_axis0(t: torch.Tensor, tile: int) -> torch.Tensor:
-    pad = -t.shape[0] % tile
-    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+def _pad_cols(t: torch.Tensor, tile: int) -> torch.Tensor:
+    pad = -t.shape[1] % tile
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
 
 
 def _outer_chunks(dy: torch.Tensor, x: torch.Tensor, exact: bool):
@@ -136,14 +136,13 @@ def _outer_chunks(dy: torch.Tensor, x: torch.Tensor, exact: bool):
                 out[i : i + step] = tree_sum(dy[a:b, i : i + step, None] * x[a:b, None, :], dim=0)
             return out
         return block
-    r = dy.shape[0]
-    dyt = _pad_axis0(dy.t(), N_TILE).reshape(-1, 1, N_TILE, r)  # [Nt, 1, 128, R]
-    xt = _pad_axis0(x.t(), N_TILE).reshape(1, -1, N_TILE, r).transpose(2, 3)  # [1, Kt, R, 128]
+    dyp, xp = _pad_cols(dy, N_TILE), _pad_cols(x, N_TILE)  # [R, Np], [R, Kp]
 
     def block(a: int, b: int) -> torch.Tensor:
-        if b - a == 1:
-            return dyt[..., a:b] * xt[:, :, a:b, :]
-        return torch.matmul(dyt[..., a:b], xt[:, :, a:b, :])  # [Nt, Kt, 128, 128]
+        c = b - a
+        dyt = dyp[a:b].t().reshape(-1, 1, N_TILE, c)  # [Nt, 1, 128, c]
+        xt = xp[a:b].reshape(c, -1, N_TILE).transpose(0, 1).unsqueeze(0)  # [1, Kt, c, 128]
+        return dyt * xt if c == 1 else torch.matmul(dyt, xt)  # [Nt, Kt, 128, 128]
 
     return block
 
@@ -160,6 +159,8 @@ def outer_partial(dy2: torch.Tensor, x2: torch.Tensor, spans, *, exact: bool) ->
         [N, K] FP32, or None when every segment is empty.
     """
     n, k = dy2.shape[1], x2.shape[1]
+    if all(lo == hi for lo, hi in spans):
+        return None  # a rank whose segments are all empty (a short sample)
     y = segmented_sum(spans, _outer_chunks(dy2, x2, exact))
     if y is None or exact:
         return y
