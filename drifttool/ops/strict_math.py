@@ -110,7 +110,7 @@ def _exact_chunks(a: torch.Tensor, bt: torch.Tensor):
 def _tiled_chunks(a: torch.Tensor, bt: torch.Tensor):
     """chunk_partial(lo, hi) of the tiled kernel: rows zero-padded to tiles of ``ROW_TILE``, the
     output columns zero-padded to tiles of ``N_TILE``; one batched matmul whose members all have
-    the shape [16·T, c] @ [c, 128] (c = hi − lo ≤ 64), in tile layout [N/128, M16, 128]."""
+    the shape [M16, c] @ [c, 128] (c = hi − lo ≤ 64), in tile layout [N/128, M16, 128]."""
     a, _ = _pad_rows(a, ROW_TILE)
     bt, _ = _pad_rows(bt, N_TILE)
     wt = bt.reshape(-1, N_TILE, bt.shape[1])  # [Nt, 128, K]
@@ -138,18 +138,21 @@ def linear_partial(x2: torch.Tensor, w: torch.Tensor, spans, *, exact: bool) -> 
         [M, N] FP32, or None when every segment is empty (K = 0).
     """
     m, n = x2.shape[0], w.shape[0]
+    if all(lo == hi for lo, hi in spans):
+        return None
     if exact:
         return segmented_sum(spans, _exact_chunks(x2, w))
     y = segmented_sum(spans, _tiled_chunks(x2, w))
-    return None if y is None else y.transpose(0, 1).reshape(-1, y.shape[0] * N_TILE)[:m, :n]
+    return y.transpose(0, 1).reshape(y.shape[1], y.shape[0] * N_TILE)[:m, :n]
 
 
-def finish_linear(partials, b: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+def finish_linear(partials, b: torch.Tensor | None, shape: tuple[int, int], device=None) -> torch.Tensor:
     """The owner's step of a row-parallel GEMM: ``tree_finish`` over the T rank partials (in
-    rank order, T ∈ {1, 2, 4, 8}), then the bias once. ``shape`` = (M, N) for an empty K."""
+    rank order, T ∈ {1, 2, 4, 8}; None = a rank with only empty segments), then the bias once.
+    ``shape`` = (M, N) and ``device`` give the +0 result of an empty K."""
     y = tree_finish(list(partials))
     if y is None:
-        y = torch.zeros(shape, dtype=torch.float32, device=b.device if b is not None else None)
+        y = torch.zeros(shape, dtype=torch.float32, device=device)
     return y if b is None else y + b
 
 
@@ -172,8 +175,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     """
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     exact = linear_is_exact(*(weight_shape or (n, k)))
-    x2 = x.reshape(-1, k)
-    y = finish_linear([linear_partial(x2, w, segment_spans(k), exact=exact)], b, (x2.shape[0], n))
+    x2 = x.reshape(lead.numel(), k)
+    y = finish_linear([linear_partial(x2, w, segment_spans(k), exact=exact)], b, (x2.shape[0], n), x.device)
     return y.reshape(*lead, n)
 
 

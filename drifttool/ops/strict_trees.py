@@ -181,6 +181,11 @@ def chain_sum(parts: Iterable[torch.Tensor]) -> torch.Tensor | None:
     return acc
 
 
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a + b with None absent."""
+    return a if b is None else b if a is None else a + b
+
+
 def tree_finish(partials: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """The fixed pairwise tree over a power-of-two list of partials (8 segment partials →
     ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))). ``None`` is an absent (empty) partial: a node with one
@@ -194,7 +199,7 @@ def tree_finish(partials: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     if not level or _next_pow2(len(level)) != len(level):
         raise ValueError(f"tree_finish: needs a power-of-two number of partials, got {len(level)}")
     while len(level) > 1:
-        level = [a if b is None else b if a is None else a + b for a, b in zip(level[::2], level[1::2])]
+        level = [_add(a, b) for a, b in zip(level[::2], level[1::2])]
     return level[0]
 
 
@@ -202,7 +207,17 @@ def segmented_sum(spans: Sequence[Span], chunk_partial: Callable[[int, int], tor
                   chunk: int = CHUNK) -> torch.Tensor | None:
     """Contract-v2 reduction over ``spans`` (a power-of-two list of contiguous segments): each
     segment's chunks [lo, lo+chunk), … (the last shorter) give ``chunk_partial(a, b)``, added by
-    ``chain_sum``; the segment partials are combined by ``tree_finish``. None if every segment is
-    empty."""
-    return tree_finish([chain_sum(chunk_partial(a, min(a + chunk, hi)) for a in range(lo, hi, chunk))
-                        for lo, hi in spans])
+    ``chain_sum``; the segment partials are combined by the ``tree_finish`` tree, streamed (a
+    pair is added as soon as both exist: at most log2(len(spans)) + 1 partials alive, the same
+    additions). None if every segment is empty."""
+    if not spans or _next_pow2(len(spans)) != len(spans):
+        raise ValueError(f"segmented_sum: needs a power-of-two number of segments, got {len(spans)}")
+    stack: list[tuple[int, torch.Tensor | None]] = []
+    for lo, hi in spans:
+        node = chain_sum(chunk_partial(a, min(a + chunk, hi)) for a in range(lo, hi, chunk))
+        level = 0
+        while stack and stack[-1][0] == level:
+            node = _add(stack.pop()[1], node)
+            level += 1
+        stack.append((level, node))
+    return stack[0][1]

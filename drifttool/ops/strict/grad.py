@@ -164,7 +164,7 @@ def outer_partial(dy2: torch.Tensor, x2: torch.Tensor, spans, *, exact: bool) ->
     y = segmented_sum(spans, _outer_chunks(dy2, x2, exact))
     if y is None or exact:
         return y
-    return y.permute(0, 2, 1, 3).reshape(y.shape[0] * N_TILE, -1)[:n, :k]
+    return y.permute(0, 2, 1, 3).reshape(y.shape[0] * N_TILE, y.shape[1] * N_TILE)[:n, :k]
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.Tensor:
