@@ -35,6 +35,10 @@ flow_sde_step_logp       see drifttool/ops/scheduler.py
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
 [txt_mask, ones(N)].
+
+Contract versions: ``.v2`` marks the operators whose bytes follow strict contract v2 (segmented
+GEMM K reductions and per-sample row reductions of gradients, docs/strict-arithmetic.md); their
+``.v1`` bytes (pairwise tree over 128-chunks) are no longer produced.
 """
 
 from __future__ import annotations
@@ -56,11 +60,11 @@ WS1_OPERATORS = (
 Other declared operators (e.g. ``lora_merge``) are not RFC rows."""
 
 
-def _d(name: str, summary: str, *, differentiable: bool = True, dtypes=_FLOATS) -> OpSpec:
+def _d(name: str, summary: str, *, version: int = 1, differentiable: bool = True, dtypes=_FLOATS) -> OpSpec:
     return declare(
         OpSpec(
             name=name,
-            contract=f"qwenimage.{name}.v1",
+            contract=f"qwenimage.{name}.v{version}",
             differentiable=differentiable,
             dtypes=dtypes,
             summary=summary,
@@ -70,20 +74,20 @@ def _d(name: str, summary: str, *, differentiable: bool = True, dtypes=_FLOATS) 
 
 LATENT_PACK_UNPACK = _d("latent_pack_unpack", "2x2 patchify / unpatchify of 16-channel latents")
 LATENT_NORMALIZE = _d("latent_normalize", "per-channel (z - mean) * std_inv and its inverse")
-LATENT_PROJ_GEMM = _d("latent_proj_gemm", "image input 64->d and output d->64 projections")
-TXT_IN_RMSNORM_LINEAR = _d("txt_in_rmsnorm_linear", "text RMSNorm(3584) + Linear 3584->d")
-TIMESTEP_EMBED_MLP = _d("timestep_embed_mlp", "256-ch cos-first sinusoid + MLP 256->d->d")
-ADALN_MOD_PROJECTION = _d("adaln_mod_projection", "per-stream SiLU + Linear d->6d")
-ADALN_MODULATION = _d("adaln_modulation", "parameter-free LayerNorm, then (1+scale), +shift")
-ADALN_GATE_RESIDUAL = _d("adaln_gate_residual", "x + gate * sublayer(h)")
-QKV_BIAS_GEMM = _d("qkv_bias_gemm", "per-stream Q/K/V projections with bias")
-QK_RMSNORM = _d("qk_rmsnorm", "learned-gain per-head RMSNorm of q and k")
+LATENT_PROJ_GEMM = _d("latent_proj_gemm", "image input 64->d and output d->64 projections", version=2)
+TXT_IN_RMSNORM_LINEAR = _d("txt_in_rmsnorm_linear", "text RMSNorm(3584) + Linear 3584->d", version=2)
+TIMESTEP_EMBED_MLP = _d("timestep_embed_mlp", "256-ch cos-first sinusoid + MLP 256->d->d", version=2)
+ADALN_MOD_PROJECTION = _d("adaln_mod_projection", "per-stream SiLU + Linear d->6d", version=2)
+ADALN_MODULATION = _d("adaln_modulation", "parameter-free LayerNorm, then (1+scale), +shift", version=2)
+ADALN_GATE_RESIDUAL = _d("adaln_gate_residual", "x + gate * sublayer(h)", version=2)
+QKV_BIAS_GEMM = _d("qkv_bias_gemm", "per-stream Q/K/V projections with bias", version=2)
+QK_RMSNORM = _d("qk_rmsnorm", "learned-gain per-head RMSNorm of q and k", version=2)
 MULTI_AXIS_ROPE = _d("multi_axis_rope", "three-axis [16,56,56] interleaved-pair RoPE")
 JOINT_ATTN_QK_GEMM = _d("joint_attn_qk_gemm", "joint QK^T / sqrt(d) over [text, image]")
 JOINT_ATTN_SOFTMAX = _d("joint_attn_softmax", "key-masked softmax, fixed reduction order")
 JOINT_ATTN_AV_GEMM = _d("joint_attn_av_gemm", "attention-weighted value accumulation")
 JOINT_ATTENTION_FUSED = _d("joint_attention_fused", "fused attention, byte-equal to the unfused")
-ATTN_OUT_BIAS_GEMM = _d("attn_out_bias_gemm", "per-stream attention output projection")
-MLP_UP_GEMM_GELU = _d("mlp_up_gemm_gelu", "MLP up projection d->4d + tanh GELU")
-MLP_DOWN_GEMM = _d("mlp_down_gemm", "MLP down projection 4d->d")
-FINAL_ADALN_OUT = _d("final_adaln_out", "final image-stream (scale, shift) modulation")
+ATTN_OUT_BIAS_GEMM = _d("attn_out_bias_gemm", "per-stream attention output projection", version=2)
+MLP_UP_GEMM_GELU = _d("mlp_up_gemm_gelu", "MLP up projection d->4d + tanh GELU", version=2)
+MLP_DOWN_GEMM = _d("mlp_down_gemm", "MLP down projection 4d->d", version=2)
+FINAL_ADALN_OUT = _d("final_adaln_out", "final image-stream (scale, shift) modulation", version=2)

@@ -6,7 +6,8 @@ rstd = 1/sqrt(var + eps) in FP64 rounded to FP32; y = xc·rstd; then y·(1 + sca
 
 Backward (``torch.autograd.Function``; FP32, every gradient cast once to its input's dtype):
 g = dy·(1 + scale); dx = rstd·((g − Σg/d) − xhat·(Σ(g·xhat)/d)) with pairwise-tree sums over d;
-dshift, dscale, dgate per sample by the pairwise tree over that sample's tokens (ascending);
+dshift, dscale, dgate per sample over that sample's live tokens (ascending) in the contract-v2
+row-block order (``grad.row_sum``: 64-row blocks, 8 segments by halving, depth-3 tree);
 SiLU + Linear as in ``drifttool.ops.strict.linear`` with dtemb = ds·SiLU'(temb).
 """
 
@@ -136,7 +137,7 @@ def adaln_gate_residual(x, gate, y):
 
 
 class _FinalAdaLN(torch.autograd.Function):
-    """Backward: demb = [dscale | dshift] per sample (token trees), then the SiLU + Linear
+    """Backward: demb = [dscale | dshift] per sample (``grad.row_sum``), then the SiLU + Linear
     backward of the projection; dx as adaln_modulation."""
 
     @staticmethod

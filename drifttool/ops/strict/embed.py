@@ -3,7 +3,7 @@
 Backward (``torch.autograd.Function``; FP32, each gradient cast once to its input's dtype):
 txt_in: the linear backward (``drifttool.ops.strict.linear``), then the RMSNorm backward
 de = rstd·(gy − xhat·(Σ(gy·xhat)/D)) with gy = dyn·gain and dgain = Σ over logical rows of
-dyn·xhat (two-level pairwise tree). timestep MLP: linear backward of linear_2, dh1 = dh·SiLU'(h1),
+dyn·xhat (per sample by the contract-v2 row-block order, then the pairwise tree over samples). timestep MLP: linear backward of linear_2, dh1 = dh·SiLU'(h1),
 linear backward of linear_1 for its weight and bias; τ gets no gradient (the contract pins the
 phases in FP32 from τ's value, as the reference does).
 """
@@ -42,7 +42,8 @@ def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_gain_grads(gy: torch.Tensor, x, gain, xhat, rstd, needs) -> tuple:
     """(dx, dgain) of xhat·gain, given gy = dL/d(xhat·gain) FP32 [B, ..., D]. dgain: per sample
-    over its rows (all middle axes, row-major), then over samples, by the pairwise tree."""
+    over its live rows (all middle axes, row-major) by the contract-v2 row-block order
+    (``grad.row_sum``), then over samples by the pairwise tree."""
     dx = rms_norm_grad(gy * f32(gain), xhat, rstd) if needs[0] else None
     dgain = sample_sum(row_sum(gy * xhat)) if needs[1] else None
     return cast_like(dx, x), cast_like(dgain, gain)

@@ -2,27 +2,29 @@
 forward primitives (``tree_sum``, ``exact_matmul`` / ``tiled_linear``, exact-op transcendentals).
 
     >>> dx = linear_input_grad(dy, w)            # [..., N] @ [N, K] → [..., K], row-invariant
-    >>> dw = weight_grad(dy, x)                  # per sample over its rows, then over samples: [N, K]
+    >>> dw = weight_grad(dy, x)                  # per sample (contract v2), then over samples: [N, K]
     >>> db = sample_sum(row_sum(dy))             # [N]
 
 Two kinds of gradient, two orders (docs/strict-arithmetic.md, "Backward"):
 
-* **Per-row gradients** (dX, and the gradient of every per-sample input such as shift, scale,
-  gate, temb) reduce only over the row's own axis (N of a GEMM output, D of a norm, keys of
-  attention), with the forward's kernels: a row's bytes do not depend on its batch companions,
-  its position, or the row count.
-* **Parameter gradients** (dW, db, norm gains) reduce over the logical rows of the whole batch
-  in a two-level pairwise tree: first per sample over that sample's rows in ascending row order
-  (``row_sum`` / ``_sample_outer_sum``), then over the samples in batch order (``sample_sum`` /
-  ``TreeAccumulator``). Consequences, tested in tests/ops/test_backward.py: the bytes are the
-  same for the same samples in the same order however the batch is split into aligned
-  power-of-two microbatches that are then combined with ``tree_sum_stack`` (in particular, the
-  per-sample partial of a sample does not depend on its companions), and trailing zero-gradient
-  rows (prompt padding) change nothing; swapping the aligned halves of any power-of-two block of
-  samples (a tree automorphism) changes nothing either. Other reorderings of the samples, or of
-  the rows within a sample, change the bytes: floating-point addition is not associative, and the
-  order is the order the rows are presented in (the model presents samples in ascending logical
-  id).
+* **Per-row gradients** (dX) reduce only over the row's own axis (N of a GEMM output, D of a
+  norm, keys of attention), with the forward's kernels (for a GEMM: contract v2 over N): a row's
+  bytes do not depend on its batch companions, its position, or the row count.
+* **Per-sample row reductions** (dW, db, norm gains, and the gradients of per-sample inputs:
+  shift, scale, gate) reduce over a sample's rows by contract v2: the sample's live rows
+  (``live_rows``: trailing rows whose gradient is all ±0 — prompt padding — are dropped) are cut
+  into 64-row blocks; the block list is split into 8 segments by recursive halving; the blocks
+  of a segment are added sequentially, the segments by the depth-3 tree
+  (``rows_partial`` / ``outer_partial``). A sequence-parallel rank holding whole segments of a
+  sample computes their subtree; the owner finishes the tree (``strict_trees.tree_finish``).
+  Parameter gradients then sum the per-sample partials over the samples in batch order with the
+  pairwise tree (``sample_sum`` / ``TreeAccumulator``). Consequences, tested in
+  tests/ops/test_backward.py and tests/ops/test_shard_gemm.py: the per-sample partial does not
+  depend on its companions, so aligned power-of-two microbatches combined with
+  ``tree_sum_stack`` give the batch's bytes; swapping aligned halves of the samples changes
+  nothing; trailing zero-gradient rows change nothing; SP row shards on segment boundaries
+  reproduce the bytes. Other reorderings of samples or rows change the bytes (floating-point
+  addition is not associative; the model presents samples in ascending logical id).
 
 All functions take and return FP32; callers cast each gradient once to its input's dtype.
 """
@@ -34,19 +36,20 @@ import math
 import torch
 
 from drifttool.ops.strict_math import (  # noqa: F401  (TreeAccumulator re-exported)
-    EXACT_MAX_WEIGHT,
+    N_TILE,
     _EXACT_BLOCK,
     TreeAccumulator,
-    _pad_rows,
     exp64,
+    linear_is_exact,
     pointwise32,
     tanh64,
     tiled_linear,
     tree_sum,
 )
+from drifttool.ops.strict_trees import CHUNK, row_segment_spans, segmented_sum
 
-GRAD_ROW_CHUNK = 128
-"""Rows per fixed-shape matmul member of a tiled weight gradient ([N, 128] @ [128, K])."""
+GRAD_ROW_BLOCK = CHUNK
+"""Rows per block of a per-sample gradient reduction (contract v2): 64, the last block shorter."""
 
 # ----------------------------------------------------------------------------- row and sample sums
 
@@ -59,10 +62,35 @@ def sample_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
+def live_rows(t2: torch.Tensor) -> int:
+    """The rows of one sample that take part in its gradient reductions: ``t2 [R, C]`` up to and
+    including the last row with an element that is not ±0 (NaN counts as nonzero). Trailing
+    zero-gradient rows — padded prompt rows — are dropped, so a padded sample reduces exactly the
+    rows of the unpadded one (same blocks, segments and ±0 signs)."""
+    nz = (t2 != 0).any(dim=1).nonzero()
+    return int(nz[-1, 0]) + 1 if nz.numel() else 0
+
+
+def rows_partial(t2: torch.Tensor, spans) -> torch.Tensor | None:
+    """Contract-v2 partial of a sum over rows: ``t2 [R, C]``, ``spans`` row segments (coordinates
+    of t2, power-of-two list); each 64-row block summed by the pairwise ``tree_sum``, the blocks of
+    a segment added sequentially, the segments by ``tree_finish``. What an SP rank computes from
+    its rows (``spans = local_spans(shard_spans(row_segment_spans(R), T, rank))``). [C] or None."""
+    return segmented_sum(spans, lambda a, b: tree_sum(t2[a:b], dim=0))
+
+
 def row_sum(t: torch.Tensor) -> torch.Tensor:
-    """Per-sample sum over rows: ``[B, ..., C] → [B, C]``, pairwise tree over the sample's rows
-    in ascending order. The gradient of a per-sample input (shift, scale, gate)."""
-    return tree_sum(sample_rows(t), dim=1)
+    """Per-sample sum over rows: ``[B, ..., C] → [B, C]`` FP32, contract v2 over the sample's
+    live rows (``live_rows``: trailing zero rows dropped; none live → +0). The gradient of a
+    per-sample input (shift, scale, gate) and, summed over samples, of a bias or gain."""
+    t3 = sample_rows(t)
+    out = torch.zeros(t3.shape[0], t3.shape[2], dtype=t3.dtype, device=t3.device)
+    for i in range(t3.shape[0]):
+        r = live_rows(t3[i])
+        part = rows_partial(t3[i, :r], row_segment_spans(r))
+        if part is not None:
+            out[i] = part
+    return out
 
 
 def sample_sum(t: torch.Tensor) -> torch.Tensor:
@@ -74,61 +102,93 @@ def sample_sum(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- GEMM gradients
 
 
-def linear_input_grad(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_input_grad(dy: torch.Tensor, w: torch.Tensor, weight_shape=None) -> torch.Tensor:
     """dX = dY · W for ``y = x·Wᵀ``: dy ``[..., N]``, w ``[N, K]`` → ``[..., K]`` FP32.
 
-    ``tiled_linear`` with the transposed weight: the kernel is chosen from the weight's shape
-    alone (N·K ≤ 65536 → exact products summed by the pairwise tree over N, portable bytes;
-    otherwise 16-row tiles over 128-wide chunks of N summed by the tree), so each row's bytes are
-    independent of the other rows.
+    ``tiled_linear`` with the transposed weight: contract v2 over N (8 segments by halving, 64-
+    chunks sequential, depth-3 tree), the kernel chosen from the weight's shape alone
+    (``weight_shape``, default w.shape; a TP rank passes the unsharded one), so each row's bytes
+    are independent of the other rows. A column-parallel TP rank holding W[N-shard] computes its
+    subtree with ``strict_math.linear_partial(dy_shard, w_shard.t(), spans, exact=…)``.
     """
-    return tiled_linear(dy, w.t())
+    return tiled_linear(dy, w.t(), weight_shape=weight_shape or tuple(w.shape))
 
 
-def _sample_outer_sum(dy: torch.Tensor, x: torch.Tensor, exact: bool) -> torch.Tensor:
-    """Σ_r dy[r] ⊗ x[r] for one sample: dy ``[R, N]``, x ``[R, K]`` → ``[N, K]`` FP32.
+def _pad_cols(t: torch.Tensor, tile: int) -> torch.Tensor:
+    pad = -t.shape[1] % tile
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
 
-    R = 1: the correctly rounded products themselves. Exact: every element the pairwise tree over
-    the R rows of correctly rounded products. Tiled: rows zero-padded to chunks of 128, one
-    fixed-shape matmul [N, 128] @ [128, K] per chunk, chunk partials summed by the pairwise tree.
-    All three agree for R = 1 (zero rows add nothing), so a prompt padded from 1 to more rows
-    keeps its bytes.
+
+def _outer_chunks(dy: torch.Tensor, x: torch.Tensor, exact: bool):
+    """block_partial(a, b) = Σ_{r∈[a,b)} dy[r] ⊗ x[r] for dy ``[R, N]``, x ``[R, K]``.
+
+    Exact: every element the pairwise tree over the block's rows of correctly rounded products
+    → [N, K]. Tiled: N and K zero-padded to tiles of 128, one batched matmul with members
+    [128, c] @ [c, 128] (c = b − a ≤ 64 rows; c = 1 the correctly rounded outer product) in tile
+    layout [N/128, K/128, 128, 128], so N and K shards of the weight (TP) give the same bytes.
     """
-    r, n = dy.shape
-    k = x.shape[1]
-    if r == 1:
-        return dy[0, :, None] * x[0, None, :]
+    n, k = dy.shape[1], x.shape[1]
     if exact:
-        out = torch.empty(n, k, dtype=torch.float32, device=dy.device)
-        step = max(1, _EXACT_BLOCK // max(1, r * k))
-        for i in range(0, n, step):
-            out[i : i + step] = tree_sum(dy[:, i : i + step, None] * x[:, None, :], dim=0)
-        return out
-    dy, _ = _pad_rows(dy, GRAD_ROW_CHUNK)
-    x, _ = _pad_rows(x, GRAD_ROW_CHUNK)
-    acc = TreeAccumulator()
-    for c in range(0, dy.shape[0], GRAD_ROW_CHUNK):
-        acc.add(torch.mm(dy[c : c + GRAD_ROW_CHUNK].t(), x[c : c + GRAD_ROW_CHUNK]))  # [N, K]
-    return acc.result()
+        def block(a: int, b: int) -> torch.Tensor:
+            out = torch.empty(n, k, dtype=torch.float32, device=dy.device)
+            step = max(1, _EXACT_BLOCK // max(1, (b - a) * k))
+            for i in range(0, n, step):
+                out[i : i + step] = tree_sum(dy[a:b, i : i + step, None] * x[a:b, None, :], dim=0)
+            return out
+        return block
+    dyp, xp = _pad_cols(dy, N_TILE), _pad_cols(x, N_TILE)  # [R, Np], [R, Kp]
+
+    def block(a: int, b: int) -> torch.Tensor:
+        c = b - a
+        dyt = dyp[a:b].t().reshape(-1, 1, N_TILE, c)  # [Nt, 1, 128, c]
+        xt = xp[a:b].reshape(c, -1, N_TILE).transpose(0, 1).unsqueeze(0)  # [1, Kt, c, 128]
+        return dyt * xt if c == 1 else torch.matmul(dyt, xt)  # [Nt, Kt, 128, 128]
+
+    return block
 
 
-def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def outer_partial(dy2: torch.Tensor, x2: torch.Tensor, spans, *, exact: bool) -> torch.Tensor | None:
+    """Contract-v2 partial of Σ_r dy2[r] ⊗ x2[r] over the row segments ``spans`` (coordinates of
+    the given rows; a power-of-two list): 64-row blocks (``_outer_chunks``), blocks of a segment
+    added sequentially, segments by ``tree_finish``. What an SP rank computes from its rows of
+    one sample; ``exact`` from ``linear_is_exact`` of the unsharded weight.
+
+    Args:
+        dy2: [R, N] FP32.  x2: [R, K] FP32.
+    Returns:
+        [N, K] FP32, or None when every segment is empty.
+    """
+    n, k = dy2.shape[1], x2.shape[1]
+    if all(lo == hi for lo, hi in spans):
+        return None  # a rank whose segments are all empty (a short sample)
+    y = segmented_sum(spans, _outer_chunks(dy2, x2, exact))
+    if y is None or exact:
+        return y
+    return y.permute(0, 2, 1, 3).reshape(y.shape[0] * N_TILE, y.shape[1] * N_TILE)[:n, :k]
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.Tensor:
     """dW = Σ over logical rows of dy ⊗ x for ``y = x·Wᵀ``: dy ``[B, ..., N]``, x ``[B, ..., K]``
     → ``[N, K]`` FP32.
 
-    Two-level pairwise tree: per sample over its rows in ascending order (``_sample_outer_sum``;
-    exact products when N·K ≤ 65536, the weight-shape rule of the forward, else 128-row matmul
-    chunks), then over the samples in batch order (``TreeAccumulator``).
+    Per sample: its live rows (``live_rows`` of dy: trailing zero-gradient rows dropped) by
+    contract v2 (``outer_partial`` over ``row_segment_spans``; no live row → +0); then over the
+    samples in batch order by the pairwise tree (``TreeAccumulator``). The kernel follows the
+    weight-shape rule of the forward (``weight_shape``, default [N, K]).
     """
     dy3, x3 = sample_rows(dy), sample_rows(x)
-    exact = dy3.shape[-1] * x3.shape[-1] <= EXACT_MAX_WEIGHT
+    n, k = dy3.shape[-1], x3.shape[-1]
+    exact = linear_is_exact(*(weight_shape or (n, k)))
     acc = TreeAccumulator()
-    for b in range(dy3.shape[0]):
-        acc.add(_sample_outer_sum(dy3[b], x3[b], exact))
+    for i in range(dy3.shape[0]):
+        r = live_rows(dy3[i])
+        part = outer_partial(dy3[i, :r], x3[i, :r], row_segment_spans(r), exact=exact)
+        acc.add(torch.zeros(n, k, dtype=torch.float32, device=dy.device) if part is None else part)
     return acc.result()
 
 
-def linear_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, needs: tuple[bool, bool, bool]):
+def linear_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
+                 needs: tuple[bool, bool, bool]):
     """(dx, dw, db) of ``y = x·Wᵀ + b`` in FP32, each only where ``needs`` asks (else None)."""
     dx = linear_input_grad(dy, w) if needs[0] else None
     dw = weight_grad(dy, x) if needs[1] else None

@@ -1,15 +1,18 @@
 """Strict GEMM operators: latent_proj_gemm, qkv_bias_gemm, attn_out_bias_gemm, mlp_up_gemm_gelu,
 mlp_down_gemm.
 
-Reduction order (all five): ``strict_math.tiled_linear`` — exact products summed by the pairwise
-tree over K for small weights (N·K ≤ 65536, portable bytes), otherwise rows in tiles of 16, K in
-chunks of 128, one fixed-shape batched matmul per chunk, chunk partials summed in the pairwise
-tree; bias added once, FP32 throughout; output cast once to the activation dtype.
+Reduction order (all five): ``strict_math.tiled_linear``, strict contract v2 — K split into 8
+segments by recursive halving, each segment cut into 64-element chunks added sequentially, the
+segments combined by the depth-3 tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); in-chunk exact products
+(pairwise tree) for small weights (N·K ≤ 65536, portable bytes), otherwise fixed-shape matmul
+members [16, c] @ [c, 128]; bias added once, FP32 throughout; output cast once to the activation
+dtype. TP shards of K (row-parallel) or of N in multiples of 128 (column-parallel) reproduce the
+bytes (docs/strict-arithmetic.md, "Contract v2").
 
 Backward (``torch.autograd.Function``; orders in ``drifttool.ops.strict.grad``): dX =
-``tiled_linear`` of dY with the transposed weight (per row, reduction over N); dW and db by the
-two-level pairwise tree (per sample over its rows in ascending order, then over the samples in
-batch order); each gradient cast once to its input's dtype.
+``tiled_linear`` of dY with the transposed weight (per row, contract v2 over N); dW and db per
+sample over its live rows by contract v2 (64-row blocks, 8 segments), then over the samples in
+batch order by the pairwise tree; each gradient cast once to its input's dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
-from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads
+from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads, linear_input_grad
 from drifttool.ops.strict_math import LINEAR_KERNEL, gelu_tanh32, tiled_linear
 
 
@@ -52,8 +55,9 @@ def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -
 
 
 class _QKV(torch.autograd.Function):
-    """Three projections of one input; backward: dX = [dq | dk | dv] · [wq; wk; wv] as one
-    ``tiled_linear`` reducing over 3d (the packed-QKV order), dW/db per projection."""
+    """Three projections of one input; backward: dX = (dq·wq + dk·wk) + dv·wv, each product a
+    contract-v2 reduction over d (so TP head shards, which hold a slice of each of q, k and v,
+    own subtrees of all three), dW/db per projection."""
 
     @staticmethod
     def forward(ctx, x, wq, bq, wk, bk, wv, bv, heads, dt):
@@ -74,9 +78,9 @@ class _QKV(torch.autograd.Function):
         xf = f32(x)
         gs = [g32(g).flatten(-2) for g in (gq, gk, gv)]  # 3 × [B,S,d]
         dx = None
-        if need[0]:
-            w_all = torch.cat([f32(wq), f32(wk), f32(wv)], dim=0)  # [3d, d]
-            dx = cast_like(linear_grads(torch.cat(gs, dim=-1), xf, w_all, (True, False, False))[0], x)
+        if need[0]:  # (dq·Wq + dk·Wk) + dv·Wv, each reduced over d by contract v2
+            dq, dk, dv = (linear_input_grad(g, f32(w)) for g, w in zip(gs, (wq, wk, wv)))
+            dx = cast_like((dq + dk) + dv, x)
         grads = []
         for i, (w, b) in enumerate(((wq, bq), (wk, bk), (wv, bv))):
             _, dw, db = linear_grads(gs[i], xf, None, (False, need[1 + 2 * i], need[2 + 2 * i]))
