@@ -366,6 +366,17 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "replay.prompt_lengths renamed": rename_key("replay.prompt_lengths", "promqt_lengths"),
     "layout.cfg_layout renamed": rename_key("layout.cfg_layout", "cfg_layuot"),
     "layout unknown key": set_key("layout.prompt_lengths", [7, 13]),
+    # the layout and the per-rank files (issue #9 item 4)
+    "layout.world_size 2 without rank 1's files": set_key("layout.world_size", 2),
+    "layout.world_size 0": set_key("layout.world_size", 0),
+    "layout.world_size missing": edit_manifest(lambda m: m["layout"].pop("world_size")),
+    "layout.samples of another rank": set_key("layout.samples", {"1": [0, 1]}),
+    "layout.samples without the run's samples": set_key("layout.samples", {"0": [5]}),
+    "layout.mesh of another size": set_key("layout.mesh", {"dims": ["sample"], "shape": [2]}),
+    "files.steps a bare name": set_key("files.steps", "steps.rank0.arrow"),
+    "files.trace of rank 1": edit_manifest(lambda m: m["files"].update(
+        trace=["trace.rank1.arrow"])),
+    "steps of rank 1 copied in": copy("steps.rank0.arrow", "steps.rank1.arrow"),
     "unknown top-level key": set_key("notes", "hand edit"),
     "files.ops not a list": set_key("files.ops", "ops.rank0.arrow"),
     "kind unknown": set_key("kind", "training"),
