@@ -142,7 +142,7 @@ def _remove_artifact(path: Path) -> None:
         p.unlink()
 
 
-def _check_rank_column(batch: pa.RecordBatch, rank: int, table: str) -> None:
+def _check_rank_column(batch: pa.RecordBatch | pa.Table, rank: int, table: str) -> None:
     """Refuse records of another rank than the writer's (``rank`` column, where there is one)."""
     if "rank" in batch.schema.names and batch.num_rows and not pc.all(
             pc.equal(batch.column("rank"), rank)).as_py():
@@ -321,15 +321,25 @@ class ArtifactWriter:
         """Store this rank's operator trace (``OperatorTrace.rows()``) as ``trace.rank<r>.arrow``
         (one batch; a second call replaces the first).
 
+        A row may carry its owning ``rank`` (as ``Run.trace_rows`` returns it): it must be this
+        writer's.
+
         Raises:
-            ValueError: a row has keys outside ``TRACE_SCHEMA``.
+            ValueError: a row has keys outside ``TRACE_SCHEMA`` (and ``rank``), or is of another
+                rank.
         """
         self._check_open()
         names = set(S.TRACE_SCHEMA.names)
+        if "rank" not in names:  # rows read back (Run.trace_rows) name their owning rank
+            if any(row.get("rank", self.rank) != self.rank for row in rows):
+                raise ValueError(f"trace rows of another rank given to the writer of rank "
+                                 f"{self.rank}")
+            rows = [{k: v for k, v in row.items() if k != "rank"} for row in rows]
         for row in rows:
             if set(row) - names:
                 raise ValueError(f"trace row has unknown keys {sorted(set(row) - names)}")
         table = pa.Table.from_pylist(rows, schema=S.TRACE_SCHEMA)
+        _check_rank_column(table, self.rank, "trace")
         name = S.trace_file(self.rank)
         tmp = self.path / (name + ".tmp")
         with open(tmp, "wb") as f, pa.ipc.new_stream(f, S.TRACE_SCHEMA) as w:

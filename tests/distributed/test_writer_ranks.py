@@ -43,3 +43,15 @@ def test_records_of_another_rank_are_refused(tmp_path):
     w.write_steps(_steps(0))
     w.close(complete=True)
     assert open_run(tmp_path / "a").steps_table()["rank"].to_pylist() == [0]
+
+
+def test_trace_rows_read_back_can_be_written_by_their_rank(tmp_path):
+    row = {"op": "img_mlp", "block": 0, "stream": "img", "call": 0, "contract": "m.v1",
+           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
+           "reason": "", "declared": False, "calls": 2}
+    w = ArtifactWriter(tmp_path / "a", {"fingerprint": {}})
+    with pytest.raises(ValueError, match="trace rows of another rank"):
+        w.write_trace([{**row, "rank": 1}])
+    w.write_trace([{**row, "rank": 0}])
+    w.close(complete=True)
+    assert open_run(tmp_path / "a").trace_rows() == [{**row, "rank": 0}]
