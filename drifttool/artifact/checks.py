@@ -176,14 +176,16 @@ def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
     for key in sorted(set(of_steps) & set(of_ops)):
         if of_steps[key] != of_ops[key]:
             raise ArtifactError(f"{path}: {key[1]} step {key[2]} (rank {key[0]}) has sigma "
-                                f"{of_steps[key]!r} in its step records but {of_ops[key]!r} in its op "
+                                f"{of_steps[key]!r} in its step records but {of_ops[key]!r} in "
+                                "its op "
                                 "records")
     nxt = steps.filter(pc.greater_equal(steps["step"], 0)).group_by(["rank", "phase", "step"])
     for r in nxt.aggregate([("sigma_next", "min"), ("sigma_next", "max")]).to_pylist():
         following = of_steps.get((r["rank"], r["phase"], r["step"] + 1))
         if r["sigma_next_min"] != r["sigma_next_max"] or (
                 following is not None and following != r["sigma_next_min"]):
-            raise ArtifactError(f"{path}/steps.rank*.arrow: sigma_next of {r['phase']} step {r['step']} "
+            raise ArtifactError(f"{path}/steps.rank*.arrow: sigma_next of {r['phase']} step "
+                                f"{r['step']} "
                                 f"(rank {r['rank']}) is not one value equal to the next step's "
                                 f"sigma {following!r}")
 

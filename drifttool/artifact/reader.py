@@ -10,7 +10,8 @@
 Each rank ``r`` of ``layout.world_size`` wrote its own ``ops``/``steps``/``trace.rank<r>.arrow``
 (``drifttool.artifact.writer``); the tables concatenate them rank by rank, the owning rank a
 column (the trace, which has no rank column, gains one from its file name). A single-process run
-is rank 0 of world 1. Arrow files are read batch by batch from a memory map. A run whose manifest says
+is rank 0 of world 1. Arrow files are read batch by batch from a memory map. A run whose manifest
+says
 ``complete: false`` may end in a cut batch or lack a file: the finished batches are returned and
 the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be whole; anything
 else raises ``ArtifactError``. Opening a run checks its manifest (``drifttool.artifact.manifest``),

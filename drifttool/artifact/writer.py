@@ -117,6 +117,13 @@ class _Stream:
         self._file.close()
 
 
+def _writes(p: Path) -> bool:
+    """``p`` is a regular file of a name some artifact writer gives (a ``.tmp`` of one too)."""
+    name = p.name.removesuffix(".tmp")
+    return p.is_file() and (name in {S.MANIFEST, S.INPUTS, *LEGACY_NAMES}
+                            or S.RANK_FILE.fullmatch(name) is not None)
+
+
 def _remove_artifact(path: Path) -> None:
     """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
 
@@ -130,11 +137,9 @@ def _remove_artifact(path: Path) -> None:
     except (OSError, ValueError):
         ours = False
     if not ours:
-        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to overwrite")
-    own = {S.MANIFEST, S.INPUTS, *LEGACY_NAMES}
-    foreign = sorted(p.name for p in path.iterdir()
-                     if not (p.is_file() and (p.name.removesuffix(".tmp") in own
-                                              or S.RANK_FILE.fullmatch(p.name.removesuffix(".tmp")))))
+        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
+                            "overwrite")
+    foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
                             " (not written by drifttool)")

@@ -54,8 +54,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except KeyError:
-        raise UnsupportedConfigError(f"distributed launch: {name} is not set (torchrun sets RANK, "
-                                     "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)") from None
+        raise UnsupportedConfigError(
+            f"distributed launch: {name} is not set (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT)") from None
     except ValueError:
         raise UnsupportedConfigError(f"distributed launch: {name}={env[name]!r} is not an "
                                      "integer") from None

@@ -20,7 +20,8 @@ from drifttool.errors import ArtifactError
 def _records(table: pa.Table, key: tuple[str, ...]) -> list[dict]:
     """Rows without the rank attribute and the per-rank ``seq``, in identity order."""
     cols = [c for c in table.column_names if c not in ("rank", "seq")]
-    return sorted(table.select(cols).to_pylist(), key=lambda r: tuple(r[k] for k in key if k != "rank"))
+    key = tuple(k for k in key if k != "rank")
+    return sorted(table.select(cols).to_pylist(), key=lambda r: tuple(r[k] for k in key))
 
 
 @pytest.mark.parametrize("world,batch", [(2, [0, 1, 2, 3]), (3, [4, 7, 1, 2, 9])])
@@ -112,7 +113,8 @@ def test_complete_run_lacking_a_rank_is_refused(tmp_path):
         open_run(run_dir)
     m["layout"]["world_size"] = 1
     (run_dir / S.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match=r"mesh dims \['sample'\] of shape \[2\] does not cover"):
+    with pytest.raises(ArtifactError,
+                       match=r"mesh dims \['sample'\] of shape \[2\] does not cover"):
         open_run(run_dir)
     m["layout"]["mesh"]["shape"] = [1]
     (run_dir / S.MANIFEST).write_text(json.dumps(m))
