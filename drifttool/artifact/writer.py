@@ -193,8 +193,7 @@ class ArtifactWriter:
         self.world_size = C.world_size(group)
         _json(dict(manifest or {}))
         self._manifest: dict[str, Any] = dict(manifest or {})
-        self._manifest["layout"] = self._layout({**self._manifest.get("layout", {}),
-                                                 **(layout or {})})
+        self._manifest["layout"] = self._layout(self._manifest.get("layout", {}), layout or {})
         _json(self._manifest)
         self._streams: dict[str, _Stream] = {}
         self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": []}
@@ -213,10 +212,12 @@ class ArtifactWriter:
         if error is not None:
             raise ArtifactError(error if self.rank == 0 else f"{error} (reported by rank 0)")
 
-    def _layout(self, layout: Any) -> dict[str, Any]:
-        """``layout`` with the real world size. Raises ValueError (see the class)."""
-        if not isinstance(layout, dict):
-            raise ValueError(f"layout must be a JSON object, got {layout!r}")
+    def _layout(self, *parts: Any) -> dict[str, Any]:
+        """The ``parts`` merged, with the real world size. Raises ValueError (see the class)."""
+        for part in parts:
+            if not isinstance(part, dict):
+                raise ValueError(f"layout must be a JSON object, got {part!r}")
+        layout = {k: v for part in parts for k, v in part.items()}
         stated = layout.get("world_size", self.world_size)
         if stated != self.world_size:
             raise ValueError(f"layout.world_size is {stated!r} but {self.world_size} rank(s) "

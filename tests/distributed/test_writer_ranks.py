@@ -55,3 +55,11 @@ def test_trace_rows_read_back_can_be_written_by_their_rank(tmp_path):
     w.write_trace([{**row, "rank": 0}])
     w.close(complete=True)
     assert open_run(tmp_path / "a").trace_rows() == [{**row, "rank": 0}]
+
+
+def test_layout_must_be_an_object(tmp_path):
+    with pytest.raises(ValueError, match="layout must be a JSON object"):
+        ArtifactWriter(tmp_path / "a", {"fingerprint": {}, "layout": None})
+    with pytest.raises(ValueError, match="layout must be a JSON object"):
+        ArtifactWriter(tmp_path / "a", {"fingerprint": {}}, layout=[1])
+    assert not (tmp_path / "a").exists()
