@@ -6,7 +6,10 @@
 Every entry of the run directory must be a regular file that the manifest accounts for
 (``check_directory``); every record batch passes pyarrow's full validation (corrupt lengths or
 offsets would otherwise crash the process), has no null in a non-nullable column and a finite
-``sigma``/``sigma_next`` (``check_batch``); each ``ops.rank<r>.arrow`` holds rank ``r`` only;
+``sigma``/``sigma_next`` (``check_batch``); each ``<table>.rank<r>.arrow`` holds rank ``r``
+only, of a rank below the manifest's world size, and a complete run has every rank's steps file
+(``check_directory``); each rank's records are of the samples the layout gives it
+(``check_owning_ranks``);
 every replay input is re-hashed against the manifest's ``replay.input_digests`` and must be
 finite (``check_inputs``); each step carries one sigma (``check_sigmas``) and the records are
 what the manifest's ``capture_level`` and ``kind`` say (``check_records_match_manifest``).
@@ -26,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from drifttool.artifact import schema as S
-from drifttool.artifact.manifest import brief, listed_files
+from drifttool.artifact.manifest import brief, listed_files, world_size
 from drifttool.artifact.raw import RawTensor, read_raw
 from drifttool.errors import ArtifactError
 
@@ -35,15 +38,17 @@ def _own_name(name: str) -> bool:
     """A name the writer creates (an incomplete run may hold one that its manifest does not list
     yet, or a ``.tmp`` left by a crash during an atomic write)."""
     name = name.removesuffix(".tmp")
-    return name in (S.MANIFEST, S.INPUTS, S.STEPS, S.TRACE) or bool(S.OPS_NAME.fullmatch(name))
+    return name in (S.MANIFEST, S.INPUTS) or bool(S.RANK_FILE.fullmatch(name))
 
 
 def check_directory(path: Path, manifest: dict[str, Any]) -> None:
     """Account for every entry of the run directory.
 
     Every entry must be a regular file (no symlinks, directories, FIFOs, devices, sockets). In a
-    complete run the entries are exactly ``listed_files``; an incomplete run may also hold files
-    with the writer's own names (``_own_name``), which the reader then reads from disk.
+    complete run the entries are exactly ``listed_files`` and every rank of ``layout.world_size``
+    has its steps file; an incomplete run may also hold files with the writer's own names
+    (``_own_name``), which the reader then reads from disk. No per-rank file may belong to a rank
+    at or beyond the world size.
 
     Raises:
         ArtifactError: naming the first offending entries.
@@ -68,6 +73,16 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
     missing = sorted(listed - set(entries))
     if missing and manifest["complete"]:
         raise ArtifactError(f"{path}: complete run lacks {', '.join(missing)}")
+    world = world_size(manifest)
+    beyond = sorted(n for n in entries for p in [S.parse_rank_file(n.removesuffix(".tmp"))]
+                    if p is not None and p[1] >= world)
+    if beyond:
+        raise ArtifactError(f"{path}: {beyond[0]} belongs to a rank beyond layout.world_size "
+                            f"{world} (ranks 0 … {world - 1})")
+    lacking = [S.steps_file(r) for r in range(world) if S.steps_file(r) not in entries]
+    if lacking and manifest["complete"]:
+        raise ArtifactError(f"{path}: complete run of world size {world} lacks "
+                            f"{', '.join(lacking[:5])} (every rank writes its steps file)")
 
 
 def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> None:
@@ -164,19 +179,21 @@ def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
     Raises:
         ArtifactError: naming the step and the disagreeing values.
     """
-    of_steps = step_sigmas(steps, f"{path}/{S.STEPS}")
+    of_steps = step_sigmas(steps, f"{path}/steps.rank*.arrow")
     of_ops = step_sigmas(ops, f"{path}/ops.rank*.arrow")
     for key in sorted(set(of_steps) & set(of_ops)):
         if of_steps[key] != of_ops[key]:
             raise ArtifactError(f"{path}: {key[1]} step {key[2]} (rank {key[0]}) has sigma "
-                                f"{of_steps[key]!r} in {S.STEPS} but {of_ops[key]!r} in its op "
+                                f"{of_steps[key]!r} in its step records but {of_ops[key]!r} in "
+                                "its op "
                                 "records")
     nxt = steps.filter(pc.greater_equal(steps["step"], 0)).group_by(["rank", "phase", "step"])
     for r in nxt.aggregate([("sigma_next", "min"), ("sigma_next", "max")]).to_pylist():
         following = of_steps.get((r["rank"], r["phase"], r["step"] + 1))
         if r["sigma_next_min"] != r["sigma_next_max"] or (
                 following is not None and following != r["sigma_next_min"]):
-            raise ArtifactError(f"{path}/{S.STEPS}: sigma_next of {r['phase']} step {r['step']} "
+            raise ArtifactError(f"{path}/steps.rank*.arrow: sigma_next of {r['phase']} step "
+                                f"{r['step']} "
                                 f"(rank {r['rank']}) is not one value equal to the next step's "
                                 f"sigma {following!r}")
 
@@ -199,12 +216,35 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
         raise ArtifactError(f"{path}: capture_level {level} but op records carry row digests "
                             "(L2 data; a hand-edited manifest?)")
     phase = S.KIND_PHASE.get(manifest.get("kind"))
-    for name, table in ((S.STEPS, steps), ("ops.rank*.arrow", ops)):
+    for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
         other = sorted(set(table["phase"].unique().to_pylist()) - {phase}) if phase else []
         if other:
             raise ArtifactError(f"{path}: kind {manifest['kind']!r} but {name} holds phase "
                                 f"{other[0]!r} records (a {manifest['kind']} holds phase "
                                 f"{phase!r} only)")
+
+
+def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
+                       ops: pa.Table) -> None:
+    """Each record's owning rank ran its sample: where ``layout.samples`` gives each rank its
+    logical sample ids (``drifttool.distributed.samples``), a record of rank ``r`` with
+    ``sample >= 0`` (−1: unbatched) has a sample id of ``samples[str(r)]``.
+
+    Raises:
+        ArtifactError: naming the file kind, the rank and the first foreign sample id.
+    """
+    layout = manifest.get("layout", {})
+    if "samples" not in layout:
+        return
+    for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
+        if not table.num_rows:
+            continue
+        pairs = table.select(["rank", "sample"]).group_by(["rank", "sample"]).aggregate([])
+        for r in pairs.to_pylist():
+            if r["sample"] >= 0 and r["sample"] not in layout["samples"].get(str(r["rank"]), ()):
+                raise ArtifactError(f"{path}: {name} holds sample {r['sample']} on rank "
+                                    f"{r['rank']}, but layout.samples gives rank {r['rank']} "
+                                    f"{layout['samples'].get(str(r['rank']))}")
 
 
 def schema_differences(got: pa.Schema, want: pa.Schema) -> str:

@@ -13,6 +13,7 @@ manifest (``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -154,8 +155,9 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
 def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
     """Refuse a manifest that ``schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
     missing required key, a value of the wrong type or outside its enumeration), a ``kind``
-    without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), or file entries other than the
-    names the writer gives (``ops.rank<r>.arrow``; no paths, no duplicates)."""
+    without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), file entries other than the
+    names the writer gives (``files_problem``) or a layout that contradicts itself
+    (``layout_problem``)."""
     problem = check_manifest_value("", m, S.MANIFEST_SCHEMA)
     if problem is None:  # kind is now one of schema.KINDS or absent
         kind = m.get("kind")
@@ -167,14 +169,59 @@ def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
             problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
     if problem is not None:
         raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
-    ops = m["files"]["ops"]
-    if len(set(ops)) != len(ops) or not all(S.OPS_NAME.fullmatch(o) for o in ops):
-        raise ArtifactError(f"{mpath}: corrupt manifest (files.ops={ops!r} must list distinct "
-                            "ops.rank<r>.arrow names inside the run directory)")
+    problem = layout_problem(m.get("layout", {"world_size": 1})) or files_problem(m)
+    if problem is not None:
+        raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
+
+
+def world_size(manifest: dict[str, Any]) -> int:
+    """The number of ranks that wrote the run (``layout.world_size``; 1 without a layout)."""
+    return manifest.get("layout", {}).get("world_size", 1)
+
+
+def files_problem(m: dict[str, Any]) -> str | None:
+    """How ``files.ops``/``steps``/``trace`` depart from the names the writer gives: each a list
+    of distinct ``rank_file`` names of its own table (no paths), of ranks below the world size."""
+    world = world_size(m)
+    for table in S.RANK_TABLES:
+        names = m["files"][table]
+        parsed = [S.parse_rank_file(n) for n in names]
+        if len(set(names)) != len(names) or any(p is None or p[0] != table for p in parsed):
+            return (f"files.{table}={names!r} must list distinct {table}.rank<r>.arrow names "
+                    "inside the run directory")
+        beyond = sorted(n for n, p in zip(names, parsed) if p[1] >= world)
+        if beyond:
+            return f"files.{table} lists {beyond[0]}, but layout.world_size is {world}"
+    return None
+
+
+def layout_problem(layout: dict[str, Any]) -> str | None:
+    """How a ``layout`` (already of ``schema._LAYOUT``'s shape) contradicts itself: a world size
+    outside ``[1, MAX_WORLD_SIZE]``, a ``mesh`` whose sizes do not multiply to it, or ``samples``
+    whose keys are not exactly the ranks ``"0"`` … ``"world_size-1"`` or whose ids repeat."""
+    world = layout.get("world_size")
+    if type(world) is not int or not 1 <= world <= S.MAX_WORLD_SIZE:
+        return f"layout.world_size {world!r} is not an integer in [1, {S.MAX_WORLD_SIZE}]"
+    mesh = layout.get("mesh")
+    if mesh is not None and (len(mesh["dims"]) != len(mesh["shape"])
+                             or len(set(mesh["dims"])) != len(mesh["dims"])
+                             or any(n < 1 for n in mesh["shape"])
+                             or math.prod(mesh["shape"]) != world):
+        return (f"layout.mesh dims {mesh['dims']} of shape {mesh['shape']} does not cover "
+                f"world_size {world}")
+    samples = layout.get("samples")
+    if samples is not None:
+        if set(samples) != {str(r) for r in range(world)}:
+            return (f"layout.samples has ranks {sorted(samples)}, not one key per rank of "
+                    f"world_size {world}")
+        ids = [i for r in samples.values() for i in r]
+        if len(set(ids)) != len(ids):
+            return "layout.samples gives a sample id to two ranks (or twice to one)"
+    return None
 
 
 def listed_files(manifest: dict[str, Any]) -> list[str]:
     """Every file name the manifest's ``files`` lists, plus ``manifest.json``."""
     files = manifest["files"]
-    return [S.MANIFEST, *(files[k] for k in ("inputs", "steps", "trace") if files.get(k)),
-            *files.get("ops", [])]
+    return [S.MANIFEST, *([files["inputs"]] if files.get("inputs") else []),
+            *(n for t in S.RANK_TABLES for n in files.get(t, []))]

@@ -1,12 +1,17 @@
 """Read a trajectory artifact directory (layout: ``drifttool.artifact.schema``).
 
     >>> run = open_run("runs/a")
-    >>> run.complete, run.manifest["capture_level"], run.ops_table().num_rows
-    (True, 'L1', 123456)
+    >>> run.complete, run.world_size, run.manifest["capture_level"], run.ops_table().num_rows
+    (True, 2, 'L1', 123456)
+    >>> run.steps_table()["rank"]          # every rank's records, the owning rank a column
     >>> run.problems                      # for an incomplete run: what was cut short
     ['ops.rank0.arrow: truncated after 7 complete batches (...)']
 
-Arrow files are read batch by batch from a memory map. A run whose manifest says
+Each rank ``r`` of ``layout.world_size`` wrote its own ``ops``/``steps``/``trace.rank<r>.arrow``
+(``drifttool.artifact.writer``); the tables concatenate them rank by rank, the owning rank a
+column (the trace, which has no rank column, gains one from its file name). A single-process run
+is rank 0 of world 1. Arrow files are read batch by batch from a memory map. A run whose manifest
+says
 ``complete: false`` may end in a cut batch or lack a file: the finished batches are returned and
 the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be whole; anything
 else raises ``ArtifactError``. Opening a run checks its manifest (``drifttool.artifact.manifest``),
@@ -29,9 +34,9 @@ from safetensors import SafetensorError
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.checks import (check_batch, check_directory, check_inputs,
-                                       check_records_match_manifest, check_sigmas, check_unique_seq,
-                                       schema_differences)
-from drifttool.artifact.manifest import brief, read_manifest
+                                       check_owning_ranks, check_records_match_manifest,
+                                       check_sigmas, check_unique_seq, schema_differences)
+from drifttool.artifact.manifest import brief, read_manifest, world_size
 from drifttool.artifact.raw import RawTensor
 from drifttool.errors import ArtifactError
 
@@ -131,26 +136,36 @@ class Run:
         """``"L0"``/``"L1"``/``"L2"`` as the recorder wrote it, ``None`` if absent."""
         return self.manifest.get("capture_level")
 
+    @property
+    def world_size(self) -> int:
+        """The number of ranks that wrote the run (``layout.world_size``, 1 without a layout)."""
+        return world_size(self.manifest)
+
     def _listed(self, kind: str) -> list[str]:
-        """Files of ``kind`` the manifest lists, or (incomplete run) the ones on disk."""
-        listed = self.manifest["files"].get(kind)
-        listed = [] if listed is None else [listed] if isinstance(listed, str) else list(listed)
-        if self.complete:
-            return listed  # check_directory: every listed file is there
-        if kind == "ops":
-            return sorted(p.name for p in self.path.iterdir() if S.OPS_NAME.fullmatch(p.name))
-        default = {"steps": S.STEPS, "trace": S.TRACE, "inputs": S.INPUTS}[kind]
-        return [default] if (self.path / default).is_file() else []
+        """Files of ``kind`` the manifest lists, or (incomplete run) the ones on disk; per-rank
+        tables in rank order."""
+        if kind == "inputs":
+            name = self.manifest["files"].get("inputs")
+            if self.complete:
+                return [name] if name else []
+            return [S.INPUTS] if (self.path / S.INPUTS).is_file() else []
+        names = (self.manifest["files"][kind] if self.complete  # check_directory: all there
+                 else [p.name for p in self.path.iterdir() if S.RANK_FILE.fullmatch(p.name)])
+        ranked = [(p[1], n) for n in names for p in [S.parse_rank_file(n)] if p[0] == kind]
+        return [n for _, n in sorted(ranked)]
 
     def _table(self, kind: str, name: str, schema: pa.Schema) -> pa.Table:
         key = f"{kind}:{name}"
         if key not in self._cache:
             table, problem = read_stream(self.path / name, schema, complete=self.complete)
-            if kind == "ops":
-                rank = int(S.OPS_NAME.fullmatch(name).group(1))
+            rank = S.parse_rank_file(name)[1]
+            if "rank" in table.column_names:
                 if table.num_rows and not pc.all(pc.equal(table["rank"], rank)).as_py():
                     raise ArtifactError(f"{self.path / name}: holds records of another rank than "
                                         f"{rank} (a renamed or copied file)")
+            else:  # the owning rank is the file's
+                table = table.append_column(pa.field("rank", pa.int32(), nullable=False),
+                                            pa.array([rank] * table.num_rows, pa.int32()))
             if "seq" in table.column_names:
                 check_unique_seq(self.path / name, table)
             if problem:
@@ -158,30 +173,41 @@ class Run:
             self._cache[key] = table
         return self._cache[key]
 
+    def _tables(self, kind: str, rank: int | None) -> pa.Table:
+        """Every rank's (or ``rank``'s) records of ``kind`` as one table, ranks in order."""
+        names = self._listed(kind)
+        if rank is not None:
+            names = [n for n in names if n == S.rank_file(kind, rank)]
+        tables = [self._table(kind, n, S.SCHEMAS[kind]) for n in names]
+        if tables:
+            return pa.concat_tables(tables)
+        empty = S.SCHEMAS[kind].empty_table()
+        if "rank" not in empty.column_names:
+            empty = empty.append_column(pa.field("rank", pa.int32(), nullable=False),
+                                        pa.array([], pa.int32()))
+        return empty
+
     def ops_table(self, rank: int | None = None) -> pa.Table:
-        """Op records (``OPS_SCHEMA``) of every rank (or of ``rank``), in file order.
+        """Op records (``OPS_SCHEMA``) of every rank (or of ``rank``), rank by rank in file order.
 
         Raises:
             ArtifactError: a file is unreadable, or cut short in a complete run.
         """
-        names = self._listed("ops")
-        if rank is not None:
-            names = [n for n in names if n == S.ops_file(rank)]
-        tables = [self._table("ops", n, S.OPS_SCHEMA) for n in names]
-        return pa.concat_tables(tables) if tables else S.OPS_SCHEMA.empty_table()
+        return self._tables("ops", rank)
 
-    def steps_table(self) -> pa.Table:
-        """Step records (``STEPS_SCHEMA``); empty if none were written (incomplete run)."""
-        names = self._listed("steps")
-        return self._table("steps", names[0], S.STEPS_SCHEMA) if names else (
-            S.STEPS_SCHEMA.empty_table())
+    def steps_table(self, rank: int | None = None) -> pa.Table:
+        """Step records (``STEPS_SCHEMA``) of every rank (or of ``rank``), rank by rank; empty if
+        none were written (incomplete run).
 
-    def trace_rows(self) -> list[dict[str, Any]]:
-        """The operator trace rows (``TRACE_SCHEMA``), ``[]`` if none was written."""
-        names = self._listed("trace")
-        if not names:
-            return []
-        return self._table("trace", names[0], S.TRACE_SCHEMA).to_pylist()
+        Raises:
+            ArtifactError: a file is unreadable, or cut short in a complete run.
+        """
+        return self._tables("steps", rank)
+
+    def trace_rows(self, rank: int | None = None) -> list[dict[str, Any]]:
+        """The operator trace rows (``TRACE_SCHEMA``) of every rank (or of ``rank``), each with
+        its owning ``rank``; ``[]`` if none was written."""
+        return self._tables("trace", rank).to_pylist()
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """The replay inputs as torch tensors (checked at open, ``check_inputs``), ``{}`` if none
@@ -213,6 +239,7 @@ class Run:
         steps, ops = self.steps_table(), self.ops_table()
         check_sigmas(self.path, steps, ops)
         check_records_match_manifest(self.path, self.manifest, steps, ops)
+        check_owning_ranks(self.path, self.manifest, steps, ops)
         self.trace_rows()
         return list(self.problems)
 

@@ -4,9 +4,14 @@
       manifest.json        {"schema_version": 3, "complete": true, "capture_level": "L1",
                             "fingerprint": {...}, "files": {...}, ...}
       inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
-      steps.arrow          STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
+      steps.rank<r>.arrow  STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
       ops.rank<r>.arrow    OPS_SCHEMA: one row per captured operator output per logical sample
-      trace.arrow          TRACE_SCHEMA: one row per operator call site
+      trace.rank<r>.arrow  TRACE_SCHEMA: one row per operator call site of rank r
+
+Every rank ``r`` of ``layout.world_size`` writes its own ``*.rank<r>.arrow`` files; rank 0 also
+writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1
+(``drifttool.artifact.writer``); the reader presents every rank's records as one run, the
+owning rank a column (``drifttool.artifact.reader``).
 
 Arrow files use the IPC *stream* format (one record batch per step, flushed), so a run cut short
 keeps its finished steps readable; ``pyarrow.ipc.open_stream`` reads them without drifttool
@@ -77,16 +82,44 @@ velocity, the SDE transition, the next latent, its log-probability); others foll
 
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
-STEPS = "steps.arrow"
-TRACE = "trace.arrow"
 LEVELS = ("L0", "L1", "L2")
 """Capture levels: L0 step records only, L1 plus one digest per operator output and sample,
 L2 plus row digests. (L3, full tensors, is not implemented.)"""
 
 
+RANK_TABLES = ("ops", "steps", "trace")
+"""Tables every rank writes to its own ``<table>.rank<r>.arrow`` (``rank_file``)."""
+
+MAX_WORLD_SIZE = 1_000_000
+"""Ranks are 0 … 999999 (``RANK_FILE`` spells at most six digits)."""
+
+
+def rank_file(table: str, rank: int) -> str:
+    """File name of rank ``rank``'s records of ``table`` (one of ``RANK_TABLES``).
+
+    Raises:
+        ValueError: an unknown table, or a rank outside ``[0, MAX_WORLD_SIZE)``.
+    """
+    if table not in RANK_TABLES:
+        raise ValueError(f"no per-rank table {table!r} (tables: {', '.join(RANK_TABLES)})")
+    if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
+        raise ValueError(f"rank must be an int in [0, {MAX_WORLD_SIZE}), got {rank!r}")
+    return f"{table}.rank{rank}.arrow"
+
+
 def ops_file(rank: int) -> str:
     """File name of rank ``rank``'s operator records."""
-    return f"ops.rank{rank}.arrow"
+    return rank_file("ops", rank)
+
+
+def steps_file(rank: int) -> str:
+    """File name of rank ``rank``'s step records."""
+    return rank_file("steps", rank)
+
+
+def trace_file(rank: int) -> str:
+    """File name of rank ``rank``'s operator trace."""
+    return rank_file("trace", rank)
 
 
 DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -95,8 +128,16 @@ DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
                "complex128": 16}
 """Bytes per element of every dtype a record may carry (the ``dtype`` column, torch's names)."""
 
+RANK_FILE = re.compile(r"(ops|steps|trace)\.rank(0|[1-9][0-9]{0,5})\.arrow")
+"""``rank_file(table, rank)`` names and nothing else (group 1: the table, group 2: the rank)."""
 OPS_NAME = re.compile(r"ops\.rank(0|[1-9][0-9]{0,5})\.arrow")
 """``ops_file(rank)`` names and nothing else (group 1: the rank)."""
+
+
+def parse_rank_file(name: str) -> tuple[str, int] | None:
+    """``(table, rank)`` of a ``rank_file`` name, ``None`` for any other name."""
+    m = RANK_FILE.fullmatch(name)
+    return None if m is None else (m.group(1), int(m.group(2)))
 
 
 def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:
@@ -311,9 +352,19 @@ _REPLAY = Obj({
 }, frozenset({"noise", "inputs", "prompt_lengths", "input_digests"}))
 """``drifttool.runner.execute``'s replay record."""
 
-_LAYOUT = Obj({"world_size": _INT, "tp": _INT, "sp": _INT, "cfg_parallel": _INT,
-               "cfg_layout": Enum(CFG_LAYOUTS)},
-              frozenset({"world_size", "tp", "sp", "cfg_parallel", "cfg_layout"}))
+LAYOUT_KINDS = ("single", "sample_parallel")
+"""``layout.kind``: one process, or the batch's logical samples split across ranks
+(``drifttool.distributed.samples``). TP/SP/CFG-parallel kinds come with their plans."""
+
+_LAYOUT = Obj({"world_size": _INT, "kind": Enum(LAYOUT_KINDS), "tp": _INT, "sp": _INT,
+               "cfg_parallel": _INT, "cfg_layout": Enum(CFG_LAYOUTS),
+               "mesh": Obj({"dims": ListOf(_STR), "shape": _INTS}, frozenset({"dims", "shape"})),
+               "samples": MapOf(_INTS)},
+              frozenset({"world_size"}))
+"""How the run was laid out over ranks. ``world_size`` (written by the writer: the ranks that
+wrote the artifact) is the only required key; ``samples`` maps each rank (``"0"``, ``"1"``, …)
+to the logical sample ids it ran (``sample_parallel``); ``mesh`` names the ``DeviceMesh``
+dimensions and sizes (``drifttool.distributed.context``)."""
 
 _MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR)},
                     frozenset({"implementation", "adapter"}))
@@ -346,10 +397,11 @@ _LORA = Obj({
 }, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
 """``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
 
-_FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": Nullable(Enum((STEPS,))),
-              "trace": Nullable(Enum((TRACE,))), "ops": ListOf(_STR)},
+_FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
+              "trace": ListOf(_STR), "ops": ListOf(_STR)},
              frozenset({"inputs", "steps", "trace", "ops"}))
-"""``drifttool.artifact.writer.ArtifactWriter``'s file list (ops names: ``OPS_NAME``)."""
+"""``drifttool.artifact.writer.ArtifactWriter``'s file list: ``steps``, ``trace`` and ``ops`` list
+``rank_file`` names of their table (``RANK_FILE``), one per rank that wrote one."""
 
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,

@@ -1,18 +1,38 @@
-"""Write a trajectory artifact directory step by step (layout: ``drifttool.artifact.schema``).
+"""Write a trajectory artifact directory step by step, from one process or from every rank of a
+distributed run (layout: ``drifttool.artifact.schema``).
 
     with ArtifactWriter("runs/a", manifest={"fingerprint": fp, "settings": s}) as w:
         w.write_inputs({"x_T": x0, "noise": eps})
         for step in ...:
-            w.write_ops(ops_batch, rank=0)      # one record batch per step, flushed
+            w.write_ops(ops_batch)              # one record batch per step, flushed
             w.write_steps(steps_batch)
         w.write_trace(rt.trace.rows())
     # leaving the block normally closes with complete=true; an exception leaves complete=false
 
+Every rank creates its own writer on the same directory (``torchrun``: each process runs the
+block above). Rank ``r`` writes ``ops.rank<r>.arrow``, ``steps.rank<r>.arrow`` and
+``trace.rank<r>.arrow``; rank 0 alone removes an earlier artifact, creates the directory and
+writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1 and
+writes the same names. Coordination goes through ``drifttool.distributed.collectives`` over
+torch.distributed when a process group is initialised and is a no-op otherwise:
+
+- opening: rank 0 creates the directory while the other ranks wait for its outcome (a
+  broadcast), so no rank writes into a directory being removed and every rank raises if rank 0
+  could not create it;
+- closing (two-phase ``complete``): every rank closes its streams and reports whether it
+  finished, its files, its copy of the manifest keys that describe the whole run
+  (``SHARED_KEYS``) and a digest of its replay inputs (an all-gather); rank 0 writes the manifest
+  with ``complete: true`` only if every rank finished and they all agree, then a barrier, so
+  when ``close`` returns on any rank the manifest is final. A rank that raises closes with
+  ``complete=false``: the manifest stays incomplete and every rank's finished batches readable.
+
 ``manifest.json`` is replaced atomically (temp file + rename): written with ``complete: false``
-when the writer opens and rewritten with ``complete: true`` only after every stream is closed,
-so a reader that sees ``complete: true`` may demand whole files. Arrow files are IPC streams,
-flushed after every batch (flushed to the OS, not fsync'ed: a killed process keeps its finished
-steps, a power cut may not). Source: design.md, "Artifact".
+when the writer opens and rewritten with ``complete: true`` only after every stream of every rank
+is closed, so a reader that sees ``complete: true`` may demand whole files. Arrow files are IPC
+streams, flushed after every batch (flushed to the OS, not fsync'ed: a killed process keeps its
+finished steps, a power cut may not). A rank killed outright never reaches the closing
+all-gather; the other ranks then wait for the process group's timeout and raise, and the
+manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
 """
 
 from __future__ import annotations
@@ -23,11 +43,25 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
+import xxhash
 from safetensors.torch import save
+from torch.distributed import ProcessGroup
 
 from drifttool.artifact import schema as S
+from drifttool.artifact.manifest import layout_problem
+from drifttool.distributed import collectives as C
 from drifttool.errors import ArtifactError
+
+SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")
+"""Manifest keys that describe the whole run: every rank's writer must hold the same value (or
+none) when it closes, else the artifact is left incomplete (rank 0's manifest is the one
+written; the other ranks' copies are only compared)."""
+
+LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
+"""Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
+like the current names."""
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -83,6 +117,13 @@ class _Stream:
         self._file.close()
 
 
+def _writes(p: Path) -> bool:
+    """``p`` is a regular file of a name some artifact writer gives (a ``.tmp`` of one too)."""
+    name = p.name.removesuffix(".tmp")
+    return p.is_file() and (name in {S.MANIFEST, S.INPUTS, *LEGACY_NAMES}
+                            or S.RANK_FILE.fullmatch(name) is not None)
+
+
 def _remove_artifact(path: Path) -> None:
     """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
 
@@ -96,11 +137,9 @@ def _remove_artifact(path: Path) -> None:
     except (OSError, ValueError):
         ours = False
     if not ours:
-        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to overwrite")
-    own = {S.MANIFEST, S.INPUTS, S.STEPS, S.TRACE}
-    foreign = sorted(p.name for p in path.iterdir()
-                     if not (p.is_file() and (p.name in own or p.name.startswith("ops.rank")
-                                              or p.name.endswith(".tmp"))))
+        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
+                            "overwrite")
+    foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
                             " (not written by drifttool)")
@@ -108,37 +147,86 @@ def _remove_artifact(path: Path) -> None:
         p.unlink()
 
 
+def _check_rank_column(batch: pa.RecordBatch | pa.Table, rank: int, table: str) -> None:
+    """Refuse records of another rank than the writer's (``rank`` column, where there is one)."""
+    if "rank" in batch.schema.names and batch.num_rows and not pc.all(
+            pc.equal(batch.column("rank"), rank)).as_py():
+        raise ValueError(f"{table} records of rank(s) "
+                         f"{sorted(set(batch.column('rank').to_pylist()) - {rank})} given to the "
+                         f"writer of rank {rank} (each rank writes its own records)")
+
+
 class ArtifactWriter:
-    """Writer of one artifact directory.
+    """Writer of one artifact directory, for this process's rank.
 
     Args:
-        path: directory to create. It must not exist or be empty, unless ``overwrite`` and it
-            holds a ``manifest.json`` (an earlier artifact), which is then removed.
-        manifest: run description (fingerprint, environment, settings, ...), stored as given;
-            must be JSON-serialisable. ``schema_version``, ``complete`` and ``files`` are set by
-            the writer.
+        path: directory to create (the same on every rank). It must not exist or be empty,
+            unless ``overwrite`` and it holds a ``manifest.json`` (an earlier artifact), which
+            rank 0 then removes.
+        manifest: run description (fingerprint, environment, settings, layout, ...), stored as
+            given; must be JSON-serialisable. ``schema_version``, ``complete`` and ``files`` are
+            set by the writer, and ``layout.world_size`` is the real number of ranks.
+        overwrite: replace an earlier artifact at ``path``.
+        layout: merged into the manifest's ``layout`` (e.g.
+            ``drifttool.distributed.sample_parallel_layout(...)``); checked by
+            ``manifest.layout_problem``.
+        group: the process group of the ranks writing this artifact (``None``: the default
+            group; without a process group this is rank 0 of world 1).
+
+    Attributes:
+        rank, world_size: this writer's rank in ``group`` and the number of ranks.
 
     Raises:
         ArtifactError: ``path`` is a file, a non-empty non-artifact directory, or exists without
             ``overwrite``; or it cannot be created or written (a parent is a file, permission
-            denied, name too long).
+            denied, name too long). Raised on every rank (the others name rank 0).
+        ValueError: the manifest is not JSON-serialisable, or the layout states another world
+            size or is malformed (before any collective: raise it on every rank or none).
     """
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, layout: dict[str, Any] | None = None,
+                 group: ProcessGroup | None = None) -> None:
         self.path = Path(path)
+        self.group = group
+        self.rank = C.rank(group)
+        self.world_size = C.world_size(group)
         _json(dict(manifest or {}))
         self._manifest: dict[str, Any] = dict(manifest or {})
-        self._ops: dict[int, _Stream] = {}
-        self._steps: _Stream | None = None
-        self._files: dict[str, Any] = {"inputs": None, "steps": None, "ops": [], "trace": None}
+        self._manifest["layout"] = self._layout(self._manifest.get("layout", {}), layout or {})
+        _json(self._manifest)
+        self._streams: dict[str, _Stream] = {}
+        self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": []}
+        self._inputs_digest: str | None = None
         self.closed = False
-        try:
-            self._create(overwrite)
-            self._write_manifest(complete=False)
-        except OSError as e:
-            raise ArtifactError(f"cannot create the artifact directory {self.path}: "
-                                f"{e.strerror or e}") from None
+        error = None
+        if self.rank == 0:
+            try:
+                self._create(overwrite)
+                self._write_manifest(complete=False)
+            except ArtifactError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"cannot create the artifact directory {self.path}: {e.strerror or e}"
+        error = C.broadcast_object(error, 0, group)  # the other ranks wait for rank 0 here
+        if error is not None:
+            raise ArtifactError(error if self.rank == 0 else f"{error} (reported by rank 0)")
+
+    def _layout(self, *parts: Any) -> dict[str, Any]:
+        """The ``parts`` merged, with the real world size. Raises ValueError (see the class)."""
+        for part in parts:
+            if not isinstance(part, dict):
+                raise ValueError(f"layout must be a JSON object, got {part!r}")
+        layout = {k: v for part in parts for k, v in part.items()}
+        stated = layout.get("world_size", self.world_size)
+        if stated != self.world_size:
+            raise ValueError(f"layout.world_size is {stated!r} but {self.world_size} rank(s) "
+                             "write this artifact")
+        layout = {**layout, "world_size": self.world_size}
+        problem = layout_problem(layout)
+        if problem is not None:
+            raise ValueError(f"layout: {problem}")
+        return layout
 
     def _create(self, overwrite: bool) -> None:
         existing = next((p for p in (self.path, *self.path.parents) if p.exists()), None)
@@ -155,104 +243,155 @@ class ArtifactWriter:
     # -- manifest ------------------------------------------------------------------------------
     @property
     def manifest(self) -> dict[str, Any]:
-        """A copy of the manifest as last written."""
+        """A copy of the manifest as last written (rank 0) or held (other ranks)."""
         return json.loads(json.dumps(self._manifest))
 
     def update_manifest(self, **fields: Any) -> None:
-        """Merge ``fields`` into the manifest and rewrite it (still ``complete: false``)."""
+        """Merge ``fields`` into the manifest and, on rank 0, rewrite it (still
+        ``complete: false``). Other ranks keep their copy, compared at ``close`` (``SHARED_KEYS``).
+
+        Raises:
+            ValueError: ``fields`` are not JSON-serialisable, or a ``layout`` as the class says.
+        """
         self._check_open()
         _json(fields)
+        if "layout" in fields:
+            fields = {**fields, "layout": self._layout(fields["layout"])}
         self._manifest.update(fields)
         self._write_manifest(complete=False)
 
     def _write_manifest(self, *, complete: bool) -> None:
         self._manifest.update(schema_version=S.SCHEMA_VERSION, complete=complete,
                               files=self._files)
-        _atomic_write(self.path / S.MANIFEST, _json(self._manifest).encode())
+        if self.rank == 0:
+            _atomic_write(self.path / S.MANIFEST, _json(self._manifest).encode())
 
     # -- data ----------------------------------------------------------------------------------
     def write_inputs(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Store the replay inputs (initial latents, SDE noise, prompt embeddings, masks) as
-        ``inputs.safetensors`` (atomically; a second call replaces the first)."""
-        self._check_open()
-        host = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-        # bytes, then the same temp file + rename as the manifest: mode follows the umask like
-        # every other artifact file (safetensors' save_file creates its file 0600)
-        _atomic_write(self.path / S.INPUTS, save(host, metadata={"schema_version": str(S.SCHEMA_VERSION)}))
-        self._files["inputs"] = S.INPUTS
-        self._write_manifest(complete=False)
+        """Store the replay inputs (initial latents, SDE noise, prompt embeddings, masks of the
+        whole batch) as ``inputs.safetensors`` (atomically; a second call replaces the first).
 
-    def write_ops(self, batch: pa.RecordBatch | dict[str, Any], *, rank: int) -> None:
-        """Append one batch of op records (``OPS_SCHEMA``) to ``ops.rank<rank>.arrow``.
-
-        Raises:
-            ValueError: the columns do not match ``OPS_SCHEMA``.
+        Every rank passes the same tensors: rank 0 writes them, the others' are compared at
+        ``close`` (a digest of the serialised bytes).
         """
         self._check_open()
-        batch = as_batch(batch, S.OPS_SCHEMA)
-        if rank not in self._ops:
-            name = S.ops_file(rank)
-            self._ops[rank] = _Stream(self.path / name, S.OPS_SCHEMA)
-            self._files["ops"] = sorted([*self._files["ops"], name])
-            self._write_manifest(complete=False)
-        self._ops[rank].write(batch)
+        host = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+        data = save(host, metadata={"schema_version": str(S.SCHEMA_VERSION)})
+        self._inputs_digest = xxhash.xxh3_64_hexdigest(data)
+        self._files["inputs"] = S.INPUTS
+        if self.rank == 0:
+            # bytes, then the same temp file + rename as the manifest: mode follows the umask
+            # like every other artifact file (safetensors' save_file creates its file 0600)
+            _atomic_write(self.path / S.INPUTS, data)
+        self._write_manifest(complete=False)
 
-    def write_steps(self, batch: pa.RecordBatch | dict[str, Any]) -> None:
-        """Append one batch of step records (``STEPS_SCHEMA``) to ``steps.arrow``.
+    def write_ops(self, batch: pa.RecordBatch | dict[str, Any], *, rank: int | None = None) -> None:
+        """Append one batch of this rank's op records (``OPS_SCHEMA``) to ``ops.rank<r>.arrow``.
+
+        Args:
+            rank: if given, must be this writer's rank (the recorder names its rank).
 
         Raises:
-            ValueError: the columns do not match ``STEPS_SCHEMA``.
+            ValueError: the columns do not match ``OPS_SCHEMA``, or records (or ``rank``) of
+                another rank.
+        """
+        self._check_open()
+        if rank is not None and rank != self.rank:
+            raise ValueError(f"op records of rank {rank} given to the writer of rank {self.rank}")
+        batch = as_batch(batch, S.OPS_SCHEMA)
+        _check_rank_column(batch, self.rank, "op")
+        self._stream("ops").write(batch)
+
+    def write_steps(self, batch: pa.RecordBatch | dict[str, Any]) -> None:
+        """Append one batch of this rank's step records (``STEPS_SCHEMA``) to
+        ``steps.rank<r>.arrow``.
+
+        Raises:
+            ValueError: the columns do not match ``STEPS_SCHEMA``, or records of another rank.
         """
         self._check_open()
         batch = as_batch(batch, S.STEPS_SCHEMA)
-        self._open_steps()
-        self._steps.write(batch)
+        _check_rank_column(batch, self.rank, "step")
+        self._stream("steps").write(batch)
 
-    def _open_steps(self) -> None:
-        if self._steps is None:
-            self._steps = _Stream(self.path / S.STEPS, S.STEPS_SCHEMA)
-            self._files["steps"] = S.STEPS
+    def _stream(self, table: str) -> _Stream:
+        """This rank's stream of ``table``, opened (and listed) on first use."""
+        if table not in self._streams:
+            name = S.rank_file(table, self.rank)
+            self._streams[table] = _Stream(self.path / name, S.SCHEMAS[table])
+            self._files[table] = [name]
             self._write_manifest(complete=False)
+        return self._streams[table]
 
     def write_trace(self, rows: list[dict[str, Any]]) -> None:
-        """Store the operator trace (``OperatorTrace.rows()``) as ``trace.arrow`` (one batch).
+        """Store this rank's operator trace (``OperatorTrace.rows()``) as ``trace.rank<r>.arrow``
+        (one batch; a second call replaces the first).
+
+        A row may carry its owning ``rank`` (as ``Run.trace_rows`` returns it): it must be this
+        writer's.
 
         Raises:
-            ValueError: a row has keys outside ``TRACE_SCHEMA``.
+            ValueError: a row has keys outside ``TRACE_SCHEMA`` (and ``rank``), or is of another
+                rank.
         """
         self._check_open()
         names = set(S.TRACE_SCHEMA.names)
+        if "rank" not in names:  # rows read back (Run.trace_rows) name their owning rank
+            if any(row.get("rank", self.rank) != self.rank for row in rows):
+                raise ValueError(f"trace rows of another rank given to the writer of rank "
+                                 f"{self.rank}")
+            rows = [{k: v for k, v in row.items() if k != "rank"} for row in rows]
         for row in rows:
             if set(row) - names:
                 raise ValueError(f"trace row has unknown keys {sorted(set(row) - names)}")
         table = pa.Table.from_pylist(rows, schema=S.TRACE_SCHEMA)
-        tmp = self.path / (S.TRACE + ".tmp")
+        _check_rank_column(table, self.rank, "trace")
+        name = S.trace_file(self.rank)
+        tmp = self.path / (name + ".tmp")
         with open(tmp, "wb") as f, pa.ipc.new_stream(f, S.TRACE_SCHEMA) as w:
             w.write_table(table)
-        os.replace(tmp, self.path / S.TRACE)
-        self._files["trace"] = S.TRACE
+        os.replace(tmp, self.path / name)
+        self._files["trace"] = [name]
         self._write_manifest(complete=False)
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, complete: bool, **fields: Any) -> None:
-        """Close every stream, then write the manifest with ``complete`` and ``fields`` merged.
+        """Close this rank's streams, then (every rank together) write the manifest with
+        ``complete`` and ``fields`` merged.
 
-        ``complete=True`` also creates an empty ``steps.arrow`` if no step was written. A second
-        call does nothing.
+        ``complete=True`` also creates an empty steps file if this rank wrote no step. The
+        manifest says ``complete: true`` only if every rank closed with ``complete=True`` and
+        they agree on ``SHARED_KEYS`` and the replay inputs. Every rank must call ``close``
+        (the ``with`` block does, also on an exception). A second call does nothing.
 
         Raises:
             ValueError: ``fields`` are not JSON-serialisable (nothing is closed then).
+            ArtifactError: ``complete=True`` here but the artifact was left incomplete (another
+                rank failed, or the ranks disagree; the message says which).
         """
         if self.closed:
             return
         _json(fields)
         if complete:
-            self._open_steps()
-        for s in [*self._ops.values(), *([self._steps] if self._steps else [])]:
+            self._stream("steps")
+        for s in self._streams.values():
             s.close()
         self.closed = True
         self._manifest.update(fields)
-        self._write_manifest(complete=complete)
+        mine = {"complete": complete, "files": self._files, "inputs": self._inputs_digest,
+                "shared": {k: self._manifest.get(k) for k in SHARED_KEYS}}
+        reports = C.all_gather_object(mine, self.group)
+        failed = [r for r, rep in enumerate(reports) if not rep["complete"]]
+        problem = (f"rank(s) {failed} did not finish" if failed
+                   else _disagreement(reports))
+        if self.rank == 0:
+            self._files = {"inputs": self._files["inputs"],
+                           **{t: sorted(n for rep in reports for n in rep["files"][t])
+                              for t in S.RANK_TABLES}}
+            self._write_manifest(complete=complete and problem is None)
+        C.barrier(self.group)  # the manifest is final once close returns on any rank
+        if complete and problem is not None:
+            raise ArtifactError(f"{self.path}: left incomplete: {problem}")
 
     def _check_open(self) -> None:
         if self.closed:
@@ -263,3 +402,16 @@ class ArtifactWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(complete=exc_type is None)
+
+
+def _disagreement(reports: list[dict[str, Any]]) -> str | None:
+    """The first way the ranks' closing reports disagree with rank 0's (a ``SHARED_KEYS`` value
+    or the replay inputs' digest), or ``None``."""
+    first = reports[0]
+    for r, rep in enumerate(reports[1:], start=1):
+        for key in SHARED_KEYS:
+            if rep["shared"][key] != first["shared"][key]:
+                return f"rank {r}'s manifest {key!r} differs from rank 0's"
+        if rep["inputs"] != first["inputs"]:
+            return f"rank {r}'s replay inputs differ from rank 0's"
+    return None

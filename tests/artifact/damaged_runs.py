@@ -96,7 +96,7 @@ def restep(row: int, **fields) -> Callable[[Path], None]:
         h.update(r["data"])
         r["digest"] = h.intdigest()
         return pa.Table.from_pylist(rows, schema=t.schema)
-    return lambda d: _rewrite_stream(d / "steps.arrow", edit)
+    return lambda d: _rewrite_stream(d / "steps.rank0.arrow", edit)
 
 
 def null_in(file: str, column: str, row: int = 0) -> Callable[[Path], None]:
@@ -243,31 +243,31 @@ DEEP = 100_000
 DAMAGES: dict[str, Callable[[Path], None]] = {
     # Arrow record batches
     "ops string offsets": lambda d: corrupt_string_offsets(d / "ops.rank0.arrow"),
-    "steps string offsets": lambda d: corrupt_string_offsets(d / "steps.arrow", "quantity"),
+    "steps string offsets": lambda d: corrupt_string_offsets(d / "steps.rank0.arrow", "quantity"),
     "ops batch length": lambda d: corrupt_batch_length(d / "ops.rank0.arrow"),
-    "steps batch length": lambda d: corrupt_batch_length(d / "steps.arrow"),
+    "steps batch length": lambda d: corrupt_batch_length(d / "steps.rank0.arrow"),
     "null in ops op": null_in("ops.rank0.arrow", "op"),
     "null in ops sample": null_in("ops.rank0.arrow", "sample", 5),
     "negative op_pos": value_in("ops.rank0.arrow", "op_pos", -1, 3),
     "unknown component in ops": value_in("ops.rank0.arrow", "component", "unet", 2),
-    "unknown component in steps": value_in("steps.arrow", "component", "unet", 1),
-    "null component in steps": null_in("steps.arrow", "component", 1),
-    "null in steps quantity": null_in("steps.arrow", "quantity"),
-    "null in steps digest": null_in("steps.arrow", "digest", 2),
-    "NaN sigma in steps": value_in("steps.arrow", "sigma", float("nan")),
-    "inf sigma in steps": value_in("steps.arrow", "sigma", float("inf")),
-    "-inf sigma_next in steps": value_in("steps.arrow", "sigma_next", float("-inf"), 3),
+    "unknown component in steps": value_in("steps.rank0.arrow", "component", "unet", 1),
+    "null component in steps": null_in("steps.rank0.arrow", "component", 1),
+    "null in steps quantity": null_in("steps.rank0.arrow", "quantity"),
+    "null in steps digest": null_in("steps.rank0.arrow", "digest", 2),
+    "NaN sigma in steps": value_in("steps.rank0.arrow", "sigma", float("nan")),
+    "inf sigma in steps": value_in("steps.rank0.arrow", "sigma", float("inf")),
+    "-inf sigma_next in steps": value_in("steps.rank0.arrow", "sigma_next", float("-inf"), 3),
     "NaN sigma in ops": value_in("ops.rank0.arrow", "sigma", float("nan"), 5),
-    "finite sigma changed in steps": value_in("steps.arrow", "sigma", 0.5, 3),
-    "finite sigma_next changed in steps": value_in("steps.arrow", "sigma_next", 0.5, 3),
+    "finite sigma changed in steps": value_in("steps.rank0.arrow", "sigma", 0.5, 3),
+    "finite sigma_next changed in steps": value_in("steps.rank0.arrow", "sigma_next", 0.5, 3),
     "finite sigma changed in ops": value_in("ops.rank0.arrow", "sigma", 0.5, 9),
     "sigma of a whole step changed in steps": lambda d: _rewrite_stream(
-        d / "steps.arrow", lambda t: t.set_column(
+        d / "steps.rank0.arrow", lambda t: t.set_column(
             t.schema.get_field_index("sigma"), t.schema.field("sigma"),
             pc.if_else(pc.equal(t["step"], 1), 0.5, t["sigma"]))),
     "inf sigma in ops step -1": value_in("ops.rank0.arrow", "sigma", float("inf"), 0),
     "retyped ops sample": retype("ops.rank0.arrow", "sample", pa.int64()),
-    "retyped steps sigma": retype("steps.arrow", "sigma", pa.float32()),
+    "retyped steps sigma": retype("steps.rank0.arrow", "sigma", pa.float32()),
     "unknown dtype in a step record": restep(3, dtype="float99"),
     "shape of a step record not its bytes": restep(3, shape=[7, 1000]),
     "negative shape in a step record": restep(3, shape=[-1, -1536]),
@@ -278,20 +278,20 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "op record row digests under their digest": lambda d: _rewrite_stream(
         d / "ops.rank0.arrow", lambda t: _set_value("row_digests", 9, [
             v ^ 1 for v in t.column("row_digests")[9].as_py()])(t)),
-    "step record maxabs under its digest": value_in("steps.arrow", "maxabs", 0.5, 2),
+    "step record maxabs under its digest": value_in("steps.rank0.arrow", "maxabs", 0.5, 2),
     "dropped ops column": drop_column("ops.rank0.arrow", "call"),
     "extra ops column": lambda d: _rewrite_stream(
         d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
     "dictionary-encoded steps column": lambda d: _rewrite_stream(
-        d / "steps.arrow", lambda t: t.set_column(t.schema.get_field_index("phase"), "phase",
+        d / "steps.rank0.arrow", lambda t: t.set_column(t.schema.get_field_index("phase"), "phase",
                                                   t.column("phase").dictionary_encode())),
-    "renamed steps column": rename_column("steps.arrow", "sample", "samples"),
+    "renamed steps column": rename_column("steps.rank0.arrow", "sample", "samples"),
     "second stream after the end": append_second_stream("ops.rank0.arrow"),
     "truncated ops": truncate("ops.rank0.arrow"),
-    "truncated steps": truncate("steps.arrow", 0.9),
-    "truncated trace": truncate("trace.arrow", 0.7),
+    "truncated steps": truncate("steps.rank0.arrow", 0.9),
+    "truncated trace": truncate("trace.rank0.arrow", 0.7),
     "truncated inputs": truncate("inputs.safetensors", 0.8),
-    "empty steps": truncate("steps.arrow", 0.0),
+    "empty steps": truncate("steps.rank0.arrow", 0.0),
     # replay inputs
     "NaN in x0": plant_in_input("x0", float("nan")),
     "inf in noise": plant_in_input("noise", float("inf")),
@@ -306,25 +306,25 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
                                                     ops=["ops.rank1.arrow"]))(d)),
     "extra notes file": lambda d: (d / "notes.txt").write_text("hello"),
     "extra dot file": lambda d: (d / ".hidden").write_text("x"),
-    "missing steps": remove("steps.arrow"),
-    "missing trace": remove("trace.arrow"),
+    "missing steps": remove("steps.rank0.arrow"),
+    "missing trace": remove("trace.rank0.arrow"),
     "missing inputs": remove("inputs.safetensors"),
     "inputs removed with their manifest entry": lambda d: (
         remove("inputs.safetensors")(d), edit_manifest(lambda m: m["files"].update(inputs=None))(d)),
     "inputs unlisted in the manifest": edit_manifest(lambda m: m["files"].update(inputs=None)),
     "empty run directory": lambda d: [os.remove(p) for p in list(d.iterdir())],
-    "steps in Arrow file format": lambda d: _to_file_format(d / "steps.arrow"),
+    "steps in Arrow file format": lambda d: _to_file_format(d / "steps.rank0.arrow"),
     "missing ops": remove("ops.rank0.arrow"),
-    "renamed steps": rename("steps.arrow", "steps.arrow.bak"),
-    "swapped steps and trace": swap("steps.arrow", "trace.arrow"),
-    "swapped steps and ops": swap("steps.arrow", "ops.rank0.arrow"),
-    "duplicated steps rows": duplicate_rows("steps.arrow"),
-    "symlinked steps": symlink_to_copy("steps.arrow"),
+    "renamed steps": rename("steps.rank0.arrow", "steps.rank0.arrow.bak"),
+    "swapped steps and trace": swap("steps.rank0.arrow", "trace.rank0.arrow"),
+    "swapped steps and ops": swap("steps.rank0.arrow", "ops.rank0.arrow"),
+    "duplicated steps rows": duplicate_rows("steps.rank0.arrow"),
+    "symlinked steps": symlink_to_copy("steps.rank0.arrow"),
     "symlinked manifest": symlink_to_copy("manifest.json"),
     "symlinked inputs": symlink_to_copy("inputs.safetensors"),
     "FIFO for ops": fifo_for("ops.rank0.arrow"),
     "FIFO for manifest": fifo_for("manifest.json"),
-    "directory for trace": directory_for("trace.arrow"),
+    "directory for trace": directory_for("trace.rank0.arrow"),
     "subdirectory": lambda d: (d / "sub").mkdir(),
     # manifest
     "deeply nested manifest": manifest_text(lambda t: t[:-1] + ', "x": ' + "[" * DEEP + "]" * DEEP + "}"),
@@ -346,7 +346,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "kind as list": edit_manifest(lambda m: m.update(kind=["rollout"])),
     "capture_level as list": edit_manifest(lambda m: m.update(capture_level=["L2"])),
     "capture_level unknown": edit_manifest(lambda m: m.update(capture_level="L9")),
-    "files.steps points at trace": edit_manifest(lambda m: m["files"].update(steps="trace.arrow")),
+    "files.steps points at trace": edit_manifest(lambda m: m["files"].update(steps=["trace.rank0.arrow"])),
     "files.ops duplicated": edit_manifest(lambda m: m["files"].update(
         ops=["ops.rank0.arrow", "ops.rank0.arrow"])),
     "files.ops absolute": edit_manifest(lambda m: m["files"].update(
@@ -371,6 +371,17 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "replay.prompt_lengths renamed": rename_key("replay.prompt_lengths", "promqt_lengths"),
     "layout.cfg_layout renamed": rename_key("layout.cfg_layout", "cfg_layuot"),
     "layout unknown key": set_key("layout.prompt_lengths", [7, 13]),
+    # the layout and the per-rank files (issue #9 item 4)
+    "layout.world_size 2 without rank 1's files": set_key("layout.world_size", 2),
+    "layout.world_size 0": set_key("layout.world_size", 0),
+    "layout.world_size missing": edit_manifest(lambda m: m["layout"].pop("world_size")),
+    "layout.samples of another rank": set_key("layout.samples", {"1": [0, 1]}),
+    "layout.samples without the run's samples": set_key("layout.samples", {"0": [5]}),
+    "layout.mesh of another size": set_key("layout.mesh", {"dims": ["sample"], "shape": [2]}),
+    "files.steps a bare name": set_key("files.steps", "steps.rank0.arrow"),
+    "files.trace of rank 1": edit_manifest(lambda m: m["files"].update(
+        trace=["trace.rank1.arrow"])),
+    "steps of rank 1 copied in": copy("steps.rank0.arrow", "steps.rank1.arrow"),
     "unknown top-level key": set_key("notes", "hand edit"),
     "files.ops not a list": set_key("files.ops", "ops.rank0.arrow"),
     "kind unknown": set_key("kind", "training"),

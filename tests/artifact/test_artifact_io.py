@@ -43,18 +43,19 @@ def test_round_trip(tmp_path):
     assert run.complete and run.schema_version == SCHEMA_VERSION and run.problems == []
     m = run.manifest
     assert m["fingerprint"] == {"arch": {"depth": 1}} and m["variants"] == ["x=y"]
-    assert m["files"] == {"inputs": "inputs.safetensors", "steps": "steps.arrow",
-                          "ops": ["ops.rank0.arrow"], "trace": "trace.arrow"}
+    assert m["files"] == {"inputs": "inputs.safetensors", "steps": ["steps.rank0.arrow"],
+                          "ops": ["ops.rank0.arrow"], "trace": ["trace.rank0.arrow"]}
+    assert m["layout"] == {"world_size": 1} and run.world_size == 1
     assert run.ops_table().num_rows == 6 and run.steps_table().num_rows == 3
-    assert run.trace_rows() == TRACE
+    assert run.trace_rows() == [{**TRACE[0], "rank": 0}]
     inputs = run.inputs()
     assert torch.equal(inputs["x_T"], torch.arange(6.0).reshape(2, 3))
     assert inputs["mask"].dtype == torch.bool
     assert run.check() == []
 
 
-@pytest.mark.parametrize("name,table", [("ops.rank0.arrow", "ops"), ("steps.arrow", "steps"),
-                                        ("trace.arrow", "trace")])
+@pytest.mark.parametrize("name,table", [("ops.rank0.arrow", "ops"), ("steps.rank0.arrow", "steps"),
+                                        ("trace.rank0.arrow", "trace")])
 def test_plain_pyarrow_reads_every_file(tmp_path, name, table):
     write_run(tmp_path / "a")
     with pa.ipc.open_stream(tmp_path / "a" / name) as r:
@@ -88,7 +89,7 @@ def test_crash_leaves_finished_steps_readable(tmp_path):
     assert run.steps_table().num_rows == 3  # whole batches, just no end-of-stream marker
     problems = run.check()
     assert any("ops.rank0.arrow: truncated after 2 complete batches" in p for p in problems)
-    assert any("steps.arrow: stream not closed after 3 batches" in p for p in problems)
+    assert any("steps.rank0.arrow: stream not closed after 3 batches" in p for p in problems)
     assert run.trace_rows() == []  # never written
 
 
@@ -109,8 +110,8 @@ def test_cut_file_in_complete_run_is_an_error(tmp_path):
     ops.write_bytes(b"garbage" * 10)
     with pytest.raises(ArtifactError, match="not a readable Arrow IPC stream"):
         open_run(path).ops_table()
-    (path / "steps.arrow").unlink()
-    with pytest.raises(ArtifactError, match="complete run lacks steps.arrow"):
+    (path / "steps.rank0.arrow").unlink()
+    with pytest.raises(ArtifactError, match="complete run lacks steps.rank0.arrow"):
         open_run(path).steps_table()
 
 
@@ -168,9 +169,9 @@ def test_older_schema_version_says_re_run(tmp_path):
     m["schema_version"] = SCHEMA_VERSION
     (path / "manifest.json").write_text(json.dumps(m))
     old = S.STEPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"2"})
-    with open(path / "steps.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
+    with open(path / "steps.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
         wr.write_table(old.empty_table())
-    with pytest.raises(ArtifactError, match="steps.arrow: schema_version 2 was written by an "
+    with pytest.raises(ArtifactError, match="steps.rank0.arrow: schema_version 2 was written by an "
                                             "older drifttool"):
         open_run(path).steps_table()
 

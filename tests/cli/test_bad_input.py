@@ -253,7 +253,7 @@ def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, stric
 
     bad = tmp_path / "bad"
     shutil.copytree(strict_run, bad)
-    with pa.OSFile(str(bad / "steps.arrow")) as f:
+    with pa.OSFile(str(bad / "steps.rank0.arrow")) as f:
         reader = pa.ipc.open_stream(f)
         schema, table = reader.schema, reader.read_all()
     data = table.column("data").to_pylist()
@@ -263,7 +263,7 @@ def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, stric
     cols = {n: table.column(n) for n in schema.names}
     cols["data"] = pa.array(data, type=schema.field("data").type)
     table = pa.Table.from_arrays([cols[n] for n in schema.names], schema=schema)
-    with pa.OSFile(str(bad / "steps.arrow"), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+    with pa.OSFile(str(bad / "steps.rank0.arrow"), "wb") as f, pa.ipc.new_stream(f, schema) as w:
         w.write_table(table)
     _assert_clean_error(*cli("diff", strict_run, bad), "do not match their digest")
 

@@ -79,7 +79,7 @@ def test_fixture_verify(cli, tmp_path):
 
 
 def test_artifact_readable_with_plain_pyarrow(strict_run):
-    with pa.OSFile(str(strict_run / "steps.arrow")) as f:
+    with pa.OSFile(str(strict_run / "steps.rank0.arrow")) as f:
         table = pa.ipc.open_stream(f).read_all()
     assert table.num_rows > 0 and "digest" in table.column_names
     manifest = json.loads((strict_run / "manifest.json").read_text())

@@ -49,11 +49,11 @@ def test_recompute_bad_input(cli, tmp_path, strict_run):
 
     bad = tmp_path / "tampered"
     shutil.copytree(strict_run, bad)
-    table = pa.ipc.open_stream(open(bad / "steps.arrow", "rb")).read_all()
+    table = pa.ipc.open_stream(open(bad / "steps.rank0.arrow", "rb")).read_all()
     rows = table.to_pylist()
     r = next(r for r in rows if r["quantity"] == "x_t" and r["step"] == 3)
     r["data"] = bytes(len(r["data"]))
-    with open(bad / "steps.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+    with open(bad / "steps.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
         w.write_table(pa.Table.from_pylist(rows, schema=table.schema))
     _clean_error(*cli("recompute", bad, "-o", tmp_path / "t2"), "tampered")
 
@@ -129,7 +129,7 @@ def _truncate(name, keep):
 
 
 SOURCE_DAMAGES = {
-    "truncated steps": _truncate("steps.arrow", 0.9),
+    "truncated steps": _truncate("steps.rank0.arrow", 0.9),
     "truncated ops": _truncate("ops.rank0.arrow", 0.5),
     "missing ops": lambda run: (run / "ops.rank0.arrow").unlink(),
     "settings.cfg_layout invalid": lambda run: _edit_manifest(

@@ -124,7 +124,7 @@ def test_diff_names_first_drift_of_a_production_trainer(tmp_path):
 
 
 def _rewrite_steps(run_dir, mutate):
-    path = run_dir / "steps.arrow"
+    path = run_dir / "steps.rank0.arrow"
     table = pa.ipc.open_stream(open(path, "rb")).read_all()
     rows = table.to_pylist()
     mutate(rows)
