@@ -254,9 +254,15 @@ _REPLAY = Obj({
 }, frozenset({"noise", "inputs", "prompt_lengths", "input_digests"}))
 """``drifttool.runner.execute``'s replay record."""
 
-_LAYOUT = Obj({"world_size": _INT, "tp": _INT, "sp": _INT, "cfg_parallel": _INT,
-               "cfg_layout": Enum(CFG_LAYOUTS)},
+LAYOUT_KINDS = ("single", "sample_parallel")
+"""``layout.kind``: one process, or the batch's logical samples split across ranks
+(``drifttool.distributed.samples``). TP/SP/CFG-parallel kinds come with their plans."""
+
+_LAYOUT = Obj({"world_size": _INT, "kind": Enum(LAYOUT_KINDS), "tp": _INT, "sp": _INT,
+               "cfg_parallel": _INT, "cfg_layout": Enum(CFG_LAYOUTS)},
               frozenset({"world_size", "tp", "sp", "cfg_parallel", "cfg_layout"}))
+"""``drifttool.lifecycle.ArtifactSession.manifest_layout``: the ranks that wrote the run and
+how (``kind``; absent in artifacts written before it)."""
 
 _MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR)},
                     frozenset({"implementation", "adapter"}))

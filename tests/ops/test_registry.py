@@ -8,7 +8,8 @@ import torch
 import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call, specs
-from drifttool.runner import RunSpec, execute
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
 from drifttool.runtime import Runtime
 
 RFC_WS1 = {
