@@ -31,8 +31,8 @@ import torch
 
 from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
-from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.model.config import MMDiTConfig
+from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig

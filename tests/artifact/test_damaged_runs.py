@@ -130,9 +130,9 @@ def test_manifest_enumerations_are_the_runtime_ones():
     """``schema`` keeps torch-free copies of the values the runtime accepts; they must agree."""
     from drifttool.artifact import schema as S
     from drifttool.ops.scheduler import TIMESTEP_POLICIES
-    from drifttool.settings import DTYPES
     from drifttool.runtime import Mode
     from drifttool.sampling.rollout import CFG_LAYOUTS
+    from drifttool.settings import DTYPES
 
     assert S.MODES == tuple(m.value for m in Mode)
     assert S.MODEL_DTYPES == tuple(DTYPES)

@@ -14,9 +14,9 @@ from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
 from drifttool.runner import execute
-from drifttool.settings import RunSpec, resolve
 from drifttool.runtime import Runtime
 from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.settings import RunSpec, resolve
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from tests.conftest import assert_same_bytes

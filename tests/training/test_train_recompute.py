@@ -19,9 +19,9 @@ from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runner import execute
-from drifttool.settings import RunSpec, resolve
 from drifttool.runtime import Runtime
 from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.settings import RunSpec, resolve
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from drifttool.training.stored import load_rollout
