@@ -13,7 +13,7 @@ byte-changing choice ends up in the manifest.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -42,7 +42,7 @@ def execute(
     manifest_extra: dict[str, Any] | None = None,
     rank: int = 0,
     world_size: int = 1,
-    layout: dict[str, Any] = SINGLE_LAYOUT,
+    layout: Mapping[str, Any] = SINGLE_LAYOUT,
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
 

@@ -11,7 +11,8 @@ Re-executing and re-scoring stored rollouts, and the loops that train on them:
 - ``replay``: re-execution of a rollout from its replay inputs (``replay_run``);
 - ``grpo``: a small Flow-GRPO loop; ``experiment``: rollout/trainer backend combinations.
 
-Imports go one way: ``training`` → ``runner``/``lifecycle``/``settings`` → ``artifact``,
-``capture``, ``diff`` → ``sampling`` → ``model`` → ``ops`` (docs/architecture.md);
-``sampling`` imports nothing of this package.
+Imports go one way (docs/architecture.md, tests/test_layering.py): ``training`` imports the
+runner, ``lifecycle``, ``settings``, ``artifact`` (reader), ``diff`` and ``sampling``; nothing
+below it (``sampling``, ``model``, ``ops``, ``capture``, ``artifact``, ``diff``) imports
+``training``.
 """
