@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.environment import environment  # noqa: E402
-from drifttool.runner import RunSpec, execute  # noqa: E402
+from drifttool.runner import execute  # noqa: E402
+from drifttool.settings import RunSpec  # noqa: E402
 
 CONFIGS = [(mode, level) for mode in ("strict", "auto") for level in ("L0", "L1", "L2")]
 

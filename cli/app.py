@@ -13,20 +13,15 @@ error (a bug) prints its traceback and also exits 2, so that exit 1 always means
 
 from __future__ import annotations
 
-import errno
-import functools
-import os
 import sys
-import traceback
-from pathlib import Path
-from typing import Any, Callable
 
 import typer
 from typer.core import TyperGroup
 
 import drifttool
-from drifttool.cli._console import err, error_line, silence_stdout
-from drifttool.errors import DriftToolError
+from drifttool.cli import diff, experiment, fixture, overlay, probe, replay, run, trace
+from drifttool.cli._console import err, error_line
+from drifttool.cli._errors import user_errors
 
 # click's exceptions as typer raises them (typer >= 0.2x vendors click as ``typer._click``)
 _click_errors = sys.modules[typer.BadParameter.__module__]
@@ -66,54 +61,6 @@ app = typer.Typer(
 )
 
 
-def _os_error(e: OSError) -> str:
-    """One line for a file-system error on a path the user named; a regular file where a
-    directory is needed (``-o afile/sub``) is named as such."""
-    path = Path(os.fsdecode(e.filename))
-    if e.errno in (errno.ENOTDIR, errno.EEXIST):
-        for p in (path, *path.parents):
-            if p.exists() and not p.is_dir():
-                return f"{p} exists and is not a directory" + (f" (writing {path})" if p != path else "")
-    where = path if e.filename2 is None else f"{path} -> {os.fsdecode(e.filename2)}"
-    return f"{where}: {e.strerror or e}"
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
-    directory, permission denied, name too long, disk full) and Ctrl-C → one line, exit 2; any
-    other exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means
-    drift); a closed stdout (``| head``) keeps the command's own exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except DriftToolError as e:
-            error_line(str(e))
-            raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err.print("[bold red]interrupted[/]")
-            raise typer.Exit(2) from None
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except BrokenPipeError:
-            silence_stdout()
-            raise typer.Exit(2) from None
-        except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
-            if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
-                raise
-            if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
-                # the file system (a path the user named), not a bug
-                error_line(_os_error(e))
-                raise typer.Exit(2) from None
-            traceback.print_exc()
-            err.print("[bold red]internal error[/] (a drifttool bug, please report it with the "
-                      "traceback above)")
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"drifttool {drifttool.__version__}")
@@ -126,18 +73,18 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT."""
 
 
-def _register() -> None:
-    from drifttool.cli import diff, fixture, run, trace
+COMMANDS = (
+    ("run", run.run), ("diff", diff.diff), ("trace", trace.trace), ("probe", probe.probe),
+    ("overlay", overlay.overlay), ("replay", replay.replay), ("recompute", replay.recompute),
+)
+"""Every ``drifttool`` command, in one list (each wrapped by ``user_errors``)."""
+GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
+"""Every ``drifttool`` command group."""
 
-    app.command("run")(user_errors(run.run))
-    app.command("diff")(user_errors(diff.diff))
-    app.command("trace")(user_errors(trace.trace))
-    app.add_typer(fixture.app, name="fixture")
-    from drifttool.cli.probe import register; register(app, user_errors)  # noqa: E702 probe, overlay
-    from drifttool.cli.train import register as register_train; register_train(app, user_errors)  # noqa: E702 replay, recompute, experiment
-
-
-_register()
+for _name, _fn in COMMANDS:
+    app.command(_name)(user_errors(_fn))
+for _name, _group in GROUPS:
+    app.add_typer(_group, name=_name)
 
 
 def main() -> None:

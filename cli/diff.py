@@ -18,10 +18,10 @@ def diff(
 
     Exit 0 identical, 1 drift, 2 incomparable, inconclusive or error.
     """
-    from drifttool.artifact.reader import open_run  # here: `drifttool --help` needs no pyarrow
-    from drifttool.diff.compare import diff_runs
-    from drifttool.diff.render import render
-    from drifttool.diff.report import exit_code
+    from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
+    from drifttool.diff.compare import diff_runs  # lazy: likewise
+    from drifttool.diff.render import render  # lazy: likewise
+    from drifttool.diff.report import exit_code  # lazy: likewise
 
     report = diff_runs(open_run(run_a), open_run(run_b))
     with tolerate_closed_stdout():

@@ -10,6 +10,7 @@ from rich import box
 from rich.table import Table
 
 from drifttool.cli._console import console
+from drifttool.cli._errors import user_errors
 
 app = typer.Typer(help="Train-rollout experiments on the embedded default.", no_args_is_help=True)
 
@@ -31,7 +32,7 @@ def _label(r) -> str:
 
 
 def _combos(text: Optional[str]):
-    from drifttool.sampling.experiment import COMBOS
+    from drifttool.training.experiment import COMBOS  # lazy: keeps torch out of `drifttool --help`
 
     if text is None:
         return COMBOS
@@ -70,8 +71,7 @@ def train_rollout_cmd(
 ) -> None:
     """Rollout/train combinations on matched replay inputs: v, latent (μ) and logp drift, SDE KL,
     first drift and time; writes train_rollout.arrow and train_rollout.json to OUT."""
-    from drifttool.cli.app import user_errors
-    from drifttool.sampling.experiment import train_rollout
+    from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
 
     with console.status("starting") as status:
         rows = user_errors(train_rollout)(
@@ -124,8 +124,7 @@ def grpo_cmd(
 ) -> None:
     """A small Flow-GRPO loop (toy reward, per-group advantages, PPO clipped ratio, LoRA only)
     per rollout/train combination: ratio, KL, clip fraction and reward per step and inner epoch."""
-    from drifttool.cli.app import user_errors
-    from drifttool.sampling.experiment import grpo_experiment
+    from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
 
     with console.status("starting") as status:
         rows = user_errors(grpo_experiment)(

@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from drifttool.cli._console import console
+from drifttool.cli._errors import user_errors
+from drifttool.fixture import seal
 
 app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
 
@@ -19,10 +21,9 @@ def verify(
     workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests."""
-    from drifttool.cli.app import user_errors
-    from drifttool.diff.render import render
-    from drifttool.diff.report import exit_code
-    from drifttool.verify import verify_fixture  # torch only once the seal holds
+    from drifttool.diff.render import render  # lazy: `drifttool --help` needs no pyarrow
+    from drifttool.diff.report import exit_code  # lazy: likewise
+    from drifttool.verify import verify_fixture  # lazy: likewise
 
     result = user_errors(verify_fixture)(fixture, workdir)
     code = exit_code(result.report.verdict)
@@ -38,7 +39,4 @@ def verify(
 @app.command("seal")
 def seal_cmd(path: Path = typer.Argument(..., help="Fixture directory to (re)seal.")) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory."""
-    from drifttool.cli.app import user_errors
-    from drifttool.fixture import seal
-
     console.print(f"sealed {path}: {user_errors(seal)(path)}")

@@ -22,7 +22,7 @@ def overlay(
 
     Exit 0 when the figure is written, 2 on an unreadable artifact.
     """
-    from drifttool.probes.plots import overlay as draw
+    from drifttool.probes.plots import overlay as draw  # lazy: `drifttool --help` needs no pyarrow
 
     if len(runs) < 2:
         raise DriftToolError("give a baseline and at least one run to compare")

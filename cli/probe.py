@@ -15,14 +15,6 @@ from drifttool.errors import DriftToolError
 PRESETS = {"tiny": "tiny-t2i"}
 
 
-def register(app: typer.Typer, user_errors) -> None:
-    """Add ``probe`` and ``overlay`` to the ``drifttool`` app (called from ``cli/app.py``)."""
-    from drifttool.cli.overlay import overlay
-
-    app.command("probe")(user_errors(probe))
-    app.command("overlay")(user_errors(overlay))
-
-
 def probe(
     out: Path = typer.Option(..., "-o", "--out", help="Output directory (runs, diffs, matrix, heatmaps)."),
     only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),
@@ -39,10 +31,10 @@ def probe(
     for each drifting probe. Exit 0 when every expectation holds (pending probes are listed),
     1 when any probe is a finding (a failed expectation or an error), 2 on a usage error.
     """
-    from drifttool.probes.catalog import catalog
-    from drifttool.probes.matrix import render_matrix, write_matrix
-    from drifttool.probes.runner import baseline_settings, run_matrix
-    from drifttool.runner import RunSpec
+    from drifttool.probes.catalog import catalog  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: likewise
+    from drifttool.probes.runner import baseline_settings, run_matrix  # lazy: likewise
+    from drifttool.settings import RunSpec  # lazy: likewise
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
         console.width = max(console.width, 200)
@@ -101,8 +93,8 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def _heatmaps(matrix, out: Path) -> list[Path]:
-    from drifttool.probes.plots import drift_grid, heatmap
-    from drifttool.probes.runner import open_pair
+    from drifttool.probes.plots import drift_grid, heatmap  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes.runner import open_pair  # lazy: likewise
 
     paths = []
     for r in matrix.results:

@@ -39,13 +39,16 @@ def replay(
     Uses the stored x0, SDE noise, prompts and masks with the manifest's settings and model
     (fingerprint-checked). `drifttool diff RUN_DIR OUT` is identical in strict mode.
     """
-    from drifttool.sampling.train import load_rollout, replay_run
+    from drifttool.training.options import RerunOptions  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.training.replay import replay_run  # lazy: likewise
+    from drifttool.training.stored import load_rollout  # lazy: likewise
 
     steps = load_rollout(run_dir, need_latents=False).sampler.num_steps
+    options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
+                           lora=lora, overwrite=overwrite)
     with _progress() as progress:
         task = progress.add_task("replay", total=steps)
-        s = replay_run(run_dir, out, mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                       lora=lora, overwrite=overwrite, on_step=lambda _: progress.advance(task))
+        s = replay_run(run_dir, out, options, on_step=lambda _: progress.advance(task))
     _summary(f"drifttool replay {run_dir} → {out}",
              [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")])
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
@@ -71,15 +74,18 @@ def recompute(
     rollout's pinned policy (timestep encoding, stored-latent dtype, CFG layout). `drifttool diff
     RUN_DIR OUT` aligns train with rollout and names the first drifting operator, block, step, row.
     """
-    from drifttool.sampling.train import load_rollout, recompute_run
+    from drifttool.training.options import RerunOptions, TrainOptions  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.training.recompute import recompute_run  # lazy: likewise
+    from drifttool.training.stored import load_rollout  # lazy: likewise
 
     stored = load_rollout(run_dir)
+    options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
+                           lora=lora, overwrite=overwrite)
+    train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
+                         micro_batch=micro_batch, trim_padding=trim_padding)
     with _progress() as progress:
         task = progress.add_task("train recompute", total=stored.sampler.num_steps)
-        s = recompute_run(stored, out, mode=mode, capture=capture, grad=grad,
-                          gradient_checkpointing=gradient_checkpointing, micro_batch=micro_batch,
-                          trim_padding=trim_padding, fixture=fixture, checkpoint=checkpoint, lora=lora,
-                          overwrite=overwrite, on_step=lambda _: progress.advance(task))
+        s = recompute_run(stored, out, options, train, on_step=lambda _: progress.advance(task))
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")]

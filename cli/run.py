@@ -45,7 +45,8 @@ def run(
 
     With no model arguments it runs the embedded default fixture (tiny-t2i).
     """
-    from drifttool.runner import RunSpec, execute, resolve  # torch: here, so --help stays light
+    from drifttool.runner import execute  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
@@ -54,17 +55,18 @@ def run(
     )
     _, settings = resolve(spec)
     with progress() as bar:
-        task = bar.add_task(f"{settings['mode']} rollout", total=settings["steps"])
+        task = bar.add_task(f"{settings.mode.value} rollout", total=settings.steps)
         summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: bar.advance(task))
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))
+    record = settings.record()
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
-        table.add_row(key, str(settings.get(key)))
+        table.add_row(key, str(record.get(key)))
     console.print(table)
     if summary["nonfinite"]:
         err.print(f"[bold yellow]warning:[/] {summary['nonfinite']} non-finite values in the "
                   "trajectory's latents and velocities (recorded in the artifact's non-finite counts)")
-    if settings["mode"] == "off":
+    if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

@@ -15,7 +15,7 @@ def trace(
     fallbacks_only: bool = typer.Option(False, "--fallbacks", help="Show only call sites that fell back."),
 ) -> None:
     """Show every call site: requested and actual backend, kernel, contract, fallback."""
-    from drifttool.artifact.reader import open_run  # here: `drifttool --help` needs no pyarrow
+    from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
 
     run = open_run(run_dir)
     rows = sorted(run.trace_rows(), key=lambda r: (r["block"], r["stream"], r["op"], r["call"]))

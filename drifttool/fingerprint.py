@@ -15,17 +15,55 @@ it is None when every input is portable.
 
 Only ``arch`` decides incomparability (record shapes and identities depend on it); every other
 field is a setting whose differences ``drifttool diff`` lists first and then diffs through.
+
+The manifest pins tensors by ``tensor_digest`` (``"xxh3_64:<16 hex>"``, the capture digest of
+dtype, shape and bytes): the sigma table (``sampler_record``) and the replay inputs
+(``replay.input_digests``). ``check_finite`` refuses a NaN or Inf before it would be hashed as if
+it were an ordinary value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from drifttool.capture.digest import digest_tensor
+from drifttool.errors import DriftToolError
 from drifttool.model.rope import BACKEND_TABLES, ROPE_ALGORITHMS
 
 FINGERPRINT_VERSION = 2  # 2: "inputs" (RoPE table algorithm, noise generator, cpu_capability)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """``"xxh3_64:<16 hex digits>"`` of ``t``'s dtype, shape and bytes (``capture.digest``)."""
+    return f"xxh3_64:{digest_tensor(t).digest:016x}"
+
+
+def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse non-finite replay inputs or weights: a NaN must be reported, never hashed as if it
+    were an ordinary value.
+
+    Raises:
+        DriftToolError: naming every tensor with NaN/Inf, its count and first index.
+    """
+    bad = []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            nf = ~torch.isfinite(t)
+            if bool(nf.any()):
+                first = tuple(nf.nonzero()[0].tolist())
+                bad.append(f"{name}: {int(nf.sum())} non-finite value(s), first at index {first}")
+    if bad:
+        raise DriftToolError(f"non-finite {what}: " + "; ".join(bad))
+
+
+def sampler_record(sampler: Any, sigmas: torch.Tensor) -> dict[str, Any]:
+    """``arch_fingerprint``'s ``sampler`` argument: the fields of a ``SamplerConfig`` dataclass,
+    the [num_steps + 1] fp32 sigma table the run uses and its ``tensor_digest``."""
+    return {**dataclasses.asdict(sampler), "sigma_table": sigmas.tolist(),
+            "sigma_table_digest": tensor_digest(sigmas)}
 
 
 def arch_fingerprint(

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.capture.recorder import Recorder
-    from drifttool.capture.trace import OperatorTrace
 
 
 class Mode(str, enum.Enum):
@@ -99,8 +99,6 @@ class Runtime:
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
         if self.trace is None:
-            from drifttool.capture.trace import OperatorTrace
-
             self.trace = OperatorTrace()
         if self.mode.backend == "strict":
             check_strict_environment()

@@ -42,7 +42,8 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     with extracted(name_or_path or DEFAULT_FIXTURE) as path:
         digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)
-        from drifttool.runner import RunSpec, execute  # torch: only once the seal holds
+        from drifttool.runner import execute  # lazy: torch only once the seal holds
+        from drifttool.settings import RunSpec  # lazy: torch only once the seal holds
 
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
         try:

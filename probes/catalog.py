@@ -16,7 +16,7 @@ RFC factors covered (mismatch): latent layout/normalisation, timestep encoding, 
 sequence order, RoPE, Q/K preprocessing, modulation, GELU, sigma schedule, CFG, step precision,
 noise, distributed metadata; plus the prompt mask. Controls (invariant): repeat, batch position,
 batch size, prompt padding, CFG layout, replay, training recompute and gradient checkpointing
-(``drifttool.probes.controls``; listed as pending when the training machinery is missing). TP/SP
+(``drifttool.probes.controls``, run on ``drifttool.training``). TP/SP
 and CFG-parallel layouts come with distributed execution (none exists yet).
 """
 
@@ -185,7 +185,6 @@ def invariant_probes(settings: dict[str, Any]) -> list[Probe]:
     samples = list(settings["samples"])
     extra = max(samples) + 1
     longest = int(settings["prompt_len"])
-    training = C.missing()
     return [
         Probe(name="repeat", factor="repeated execution", kind="invariant",
               change="the baseline run again", expect=IDENTICAL),
@@ -209,14 +208,14 @@ def invariant_probes(settings: dict[str, Any]) -> list[Probe]:
               expect=IDENTICAL),
         Probe(name="replay", factor="trajectory replay", kind="invariant",
               change="the trajectory re-executed from the baseline artifact's replay inputs",
-              execute=C.replay_control, expect=IDENTICAL, pending=training),
+              execute=C.replay_control, expect=IDENTICAL),
         Probe(name="train_recompute", factor="training recomputation", kind="invariant",
               change="v_t and logp_t recomputed from the stored latents (phase train, autograd)",
-              execute=C.recompute_control, expect=IDENTICAL, pending=training),
+              execute=C.recompute_control, expect=IDENTICAL),
         Probe(name="gradient_checkpointing", factor="gradient checkpointing", kind="invariant",
               change="LoRA training recompute with gradients, gradient checkpointing on vs off "
                      "(v_t, logp_t and LoRA gradient records)",
-              execute=C.checkpointing_control, expect=IDENTICAL, pending=training),
+              execute=C.checkpointing_control, expect=IDENTICAL),
     ]
 
 

@@ -1,5 +1,5 @@
 """Invariant controls that need more than one ``execute``: replay, training recompute, gradient
-checkpointing, run through the training machinery of ``drifttool.sampling.train``.
+checkpointing, run through the training side (``drifttool.training``).
 
     >>> ref, run = replay_control(ctx)          # (baseline, replay of the baseline's artifact)
     >>> diff_runs(open_run(ref), open_run(run)).verdict
@@ -22,72 +22,52 @@ gradient_checkpointing   ``recompute_run(lora, grad=True)``              the sam
                                                                          gradient record (role
                                                                          ``grad_weight``) compared
 =======================  ==============================================  ====================================
-
-``missing()`` says what is not there yet (the catalog then lists the controls as pending).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 
+from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.lora import add_lora, save_lora
 from drifttool.probes.spec import ProbeContext
+from drifttool.runner import execute
+from drifttool.settings import resolve
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.recompute import recompute_run
+from drifttool.training.replay import replay_run
 
 LORA_RANK, LORA_ALPHA, LORA_SEED = 4, 8.0, 5
 
 
-def missing() -> str:
-    """Empty when the training machinery is importable; else what is missing."""
-    try:
-        train = importlib.import_module("drifttool.sampling.train")
-        lora = importlib.import_module("drifttool.model.lora")
-    except ImportError as e:
-        return f"needs drifttool.sampling.train / drifttool.model.lora ({e})"
-    need = [f"train.{n}" for n in ("replay_run", "recompute_run") if not hasattr(train, n)]
-    need += [f"lora.{n}" for n in ("add_lora", "save_lora") if not hasattr(lora, n)]
-    return f"needs {', '.join(need)}" if need else ""
-
-
 def replay_control(ctx: ProbeContext) -> tuple[Path, Path]:
-    from drifttool.sampling.train import replay_run
-
-    replay_run(ctx.baseline, ctx.run_dir, overwrite=True)
+    replay_run(ctx.baseline, ctx.run_dir, RerunOptions(overwrite=True))
     return ctx.baseline, ctx.run_dir
 
 
 def recompute_control(ctx: ProbeContext) -> tuple[Path, Path]:
-    from drifttool.sampling.train import recompute_run
-
-    recompute_run(ctx.baseline, ctx.run_dir, overwrite=True)
+    recompute_run(ctx.baseline, ctx.run_dir, RerunOptions(overwrite=True))
     return ctx.baseline, ctx.run_dir
 
 
 def lora_adapter(ctx: ProbeContext) -> Path:
     """A small deterministic adapter (rank 4, non-zero B so every factor gets a gradient) for the
     baseline's checkpoint, saved under the control's work directory."""
-    from drifttool.model.checkpoint import load_checkpoint
-    from drifttool.model.lora import add_lora, save_lora
-    from drifttool.runner import DTYPES, resolve
-
     _, s = resolve(ctx.base)
-    model = load_checkpoint(ctx.checkpoint, dtype=DTYPES[s["dtype"]])
+    model = load_checkpoint(ctx.checkpoint, dtype=s.torch_dtype)
     add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, seed=LORA_SEED, init_b_std=0.05)
     return save_lora(model, ctx.work / "lora")
 
 
 def checkpointing_control(ctx: ProbeContext) -> tuple[Path, Path]:
-    from drifttool.runner import execute
-    from drifttool.sampling.train import recompute_run
-
-    from drifttool.runner import resolve
-
     # one sample suffices (checkpointing is per forward) and halves the costly checkpointed backward
-    first = resolve(ctx.base)[1]["samples"][:1]
+    first = list(resolve(ctx.base)[1].samples[:1])
     rollout = ctx.work / "lora_rollout"
     execute(dataclasses.replace(ctx.base, lora=lora_adapter(ctx), samples=first, batch=None),
             rollout, overwrite=True)
     reference = ctx.work / "recompute_grad"
-    recompute_run(rollout, reference, grad=True, overwrite=True)
-    recompute_run(rollout, ctx.run_dir, grad=True, gradient_checkpointing=True, overwrite=True)
+    again = RerunOptions(overwrite=True)
+    recompute_run(rollout, reference, again, TrainOptions(grad=True))
+    recompute_run(rollout, ctx.run_dir, again, TrainOptions(grad=True, gradient_checkpointing=True))
     return reference, ctx.run_dir

@@ -32,7 +32,8 @@ from drifttool.diff.report import DiffReport, Verdict
 from drifttool.model.checkpoint import read_config
 from drifttool.probes.spec import Probe, ProbeContext
 from drifttool.probes.weights import transformed_checkpoint
-from drifttool.runner import DTYPES, RunSpec, execute, resolve
+from drifttool.runner import execute
+from drifttool.settings import RunSpec, resolve
 
 PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
 
@@ -42,12 +43,12 @@ def baseline_settings(base: RunSpec) -> tuple[dict[str, Any], int, Path]:
     """The resolved settings of the baseline (plus ``prompt_len``: the longest prompt of its
     batch, negative prompt included), the model depth, and its checkpoint folder."""
     fx, s = resolve(base)
-    folder = Path(s["checkpoint"] or fx.model_dir)
+    folder = Path(s.checkpoint or fx.model_dir)
     cfg = read_config(folder)
-    _, lens, _, neg_len = fx.prompts(cfg.joint_attention_dim, seed=s["seed"])
-    rows = [i % len(lens) for i in s["samples"]]
-    s = dict(s, prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]))
-    return s, cfg.num_layers, folder
+    _, lens, _, neg_len = fx.prompts(cfg.joint_attention_dim, seed=s.seed)
+    rows = [i % len(lens) for i in s.samples]
+    record = dict(s.record(), prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]))
+    return record, cfg.num_layers, folder
 
 
 # -- comparing only the samples both runs hold ------------------------------------------------
@@ -202,7 +203,7 @@ def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path) -> RunS
     if p.weights is not None:
         _, s = resolve(base)
         folder = transformed_checkpoint(checkpoint, p.weights, workdir / "transformer",
-                                        dtype=DTYPES[s["dtype"]])
+                                        dtype=s.torch_dtype)
         spec = dataclasses.replace(spec, checkpoint=folder)
     return spec
 

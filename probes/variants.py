@@ -53,6 +53,7 @@ import torch
 
 from drifttool.model.rope import rope_table, text_positions
 from drifttool.ops.registry import implementation
+from drifttool.ops.strict_math import exp32, sincos64, sqrt32, tree_sum
 from drifttool.runtime import Runtime
 
 
@@ -131,8 +132,6 @@ class TimestepScaleFirst(Variant):
     name = "timestep_scale_first"
 
     def __call__(self, tau, w1, b1, w2, b2):
-        from drifttool.ops.strict_math import exp32, sincos64
-
         half = w1.shape[1] // 2
         expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32)) / half
         freqs = exp32(expo)  # [half]
@@ -281,8 +280,6 @@ class CfgRenormGlobal(Variant):
     name = "cfg_renorm_global"
 
     def __call__(self, v_cond, v_uncond, scale):
-        from drifttool.ops.strict_math import sqrt32, tree_sum
-
         c, comb = _cfg_combine(v_cond, v_uncond, scale)
         c_norm = sqrt32(tree_sum((c * c).flatten(1)))  # [B]
         comb_norm = sqrt32(tree_sum((comb * comb).flatten(1)))  # [B]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from drifttool.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from drifttool.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_checkpoint
 
 _QKV_SWAP = {"to_q": "add_q_proj", "to_k": "add_k_proj", "to_v": "add_v_proj"}
 _QKV_SWAP.update({v: k for k, v in _QKV_SWAP.items()})
@@ -40,8 +40,6 @@ def swap_stream_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def load_state(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a diffusers-format transformer folder, under the checkpoint's names
     (loaded through the checkpoint mapper, so a bad folder fails as it would for a run)."""
-    from drifttool.model.checkpoint import load_checkpoint
-
     return {k: v.detach() for k, v in load_checkpoint(folder, dtype=dtype).state_dict().items()}
 
 

@@ -51,6 +51,8 @@ pipeline itself needs a text encoder and a VAE, which the capture does not invol
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -60,15 +62,15 @@ from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import transformer_folder
 from drifttool.model.config import from_diffusers_config
 from drifttool.ops.registry import spec as op_spec
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
+from drifttool.settings import resolve
 
 _DIFFUSERS_MODULE = "diffusers.models.transformers.transformer_qwenimage"
 
 
 def _diffusers_module():
     try:
-        import importlib
-
         return importlib.import_module(_DIFFUSERS_MODULE)
     except ImportError as e:
         raise DriftToolError(f"the diffusers capture adapter needs diffusers installed ({e})") from None
@@ -350,12 +352,8 @@ def run_diffusers(spec, out: str | Path, *, transformer: torch.nn.Module | None 
     drifttool artifact; ``spec`` is a ``RunSpec`` (its mode is forced to ``auto``: production
     sampler operators, traced). Without ``transformer``, the spec's checkpoint (or fixture
     model) is loaded with diffusers' ``from_pretrained``. Returns ``execute``'s summary."""
-    import dataclasses
-
-    from drifttool.runner import DTYPES, execute, resolve
-
     spec = dataclasses.replace(spec, mode="auto")
     fx, s = resolve(spec)
     if transformer is None:
-        transformer = load_transformer(s["checkpoint"] or fx.model_dir, DTYPES[s["dtype"]], s.get("variant"))
+        transformer = load_transformer(s.checkpoint or fx.model_dir, s.torch_dtype, s.variant)
     return execute(spec, out, overwrite=overwrite, model=DiffusersQwenImage(transformer))

@@ -13,7 +13,7 @@ def __getattr__(name: str):
     """``ArtifactWriter`` is imported on first use: it needs torch, and reading (``diff``,
     ``trace``) must not pay for importing it."""
     if name == "ArtifactWriter":
-        from drifttool.artifact.writer import ArtifactWriter
+        from drifttool.artifact.writer import ArtifactWriter  # lazy: reading needs no torch
 
         return ArtifactWriter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

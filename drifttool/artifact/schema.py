@@ -294,7 +294,7 @@ KINDS = ("rollout", "recompute")
 MODES = ("strict", "audit", "auto", "off")
 """``drifttool.runtime.Mode`` values (tests/artifact/test_manifest_schema.py checks they agree)."""
 MODEL_DTYPES = ("float32", "bfloat16")
-"""``drifttool.runner.DTYPES``: the model dtypes a run may use."""
+"""``drifttool.settings.DTYPES``: the model dtypes a run may use."""
 CFG_LAYOUTS = ("batched", "sequential")
 """``drifttool.sampling.rollout.CFG_LAYOUTS``."""
 TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
@@ -308,7 +308,7 @@ _SETTINGS = Obj({
     "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS,
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
               "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
-"""``drifttool.runner.resolve``: the fixture's settings merged with the run's."""
+"""``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's."""
 
 _ENVIRONMENT = Obj({
     "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
@@ -374,7 +374,7 @@ _SOURCE = Obj({
     "path": _STR, "kind": Enum(KINDS), "mode": Enum(MODES), "weights": Nullable(_STR),
     "complete": _BOOL, "variants": ListOf(_STR), "model_source": Nullable(_MODEL_SOURCE),
 }, frozenset({"path", "kind", "mode", "weights", "complete", "variants"}))
-"""``drifttool.sampling.train``'s record of the run a recompute or replay was made from."""
+"""``drifttool.training.stored.source_record``: the run a recompute or replay was made from."""
 
 _POLICY = Obj({
     "timestep_policy": Enum(TIMESTEP_POLICIES), "cfg_layout": Enum(CFG_LAYOUTS),
@@ -382,7 +382,7 @@ _POLICY = Obj({
     "stored_latent_dtype": Nullable(_STR), "logp_evaluated_on": _STR,
     "sigma_table_digest": Nullable(_STR), "timesteps": ListOf(_NUM),
 }, frozenset({"timestep_policy", "cfg_layout", "cfg_scale", "eta"}))
-"""``drifttool.sampling.train.policy_record``."""
+"""``drifttool.training.recompute.policy_record``."""
 
 _TRAIN = Obj({"phase": Enum(("train",)), "autograd": _BOOL, "grad": _BOOL,
               "loss": Nullable(_STR), "gradient_checkpointing": _BOOL,
@@ -413,7 +413,7 @@ MANIFEST_SCHEMA = Obj({
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and
-``drifttool.sampling.train.recompute_run``'s recompute manifest (``source``, ``policy``,
+``drifttool.training.recompute.recompute_run``'s recompute manifest (``source``, ``policy``,
 ``train``, ``seconds``; a replay adds ``replay_of``)."""
 
 KIND_REQUIRES = {"recompute": frozenset({"source", "policy", "train"})}

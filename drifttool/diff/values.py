@@ -39,7 +39,7 @@ def values(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
     else:  # fp8 and other torch-only dtypes (torch imported only for them: diff runs without it)
         import torch
 
-        from drifttool.capture.digest import dtype_from_name
+        from drifttool.capture.digest import dtype_from_name  # lazy: diff runs without torch
 
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype_from_name(dtype))
         x = t.to(torch.float64).numpy()

@@ -2,7 +2,7 @@
 
     >>> model = load_checkpoint("Qwen-Image/transformer", dtype=torch.bfloat16)
     >>> save_checkpoint(model, "fixtures/tiny/transformer")
-    >>> weight_digest(model)
+    >>> weight_digest(model)                      # drifttool.model.weights
     'xxh3_128:5f0c…'
 
 A folder holds ``config.json`` (diffusers ``QwenImageTransformer2DModel`` config) and either
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import xxhash
 
 from drifttool.errors import CheckpointError, UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig, from_diffusers_config
@@ -412,18 +411,3 @@ def save_checkpoint(model: MMDiT, path: str | Path, *, max_shard_bytes: int | No
         index["weight_map"].update({k: name for k in shard})
     (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return folder
-
-
-def weight_digest(model: MMDiT | dict[str, torch.Tensor]) -> str:
-    """``xxh3_128`` over every tensor in sorted key order: name, dtype, shape, then raw bytes.
-
-    Equal digests ⇔ same names, dtypes, shapes and bytes (to the hash's collision bound); the same
-    on every device. Accepts a model or a state dict. Returns ``"xxh3_128:<32 hex>"``.
-    """
-    state = dict(model.named_parameters()) if isinstance(model, torch.nn.Module) else model
-    h = xxhash.xxh3_128()
-    for name in sorted(state):
-        t = state[name].detach()
-        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
-        h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return "xxh3_128:" + h.hexdigest()

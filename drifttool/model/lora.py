@@ -55,6 +55,7 @@ from torch import nn
 
 from drifttool.errors import CheckpointError
 from drifttool.model.lora_formats import AdapterConfig, read_adapter, write_adapter
+from drifttool.model.weights import weight_digest
 from drifttool.ops.registry import OpSpec, call, declare, implements
 from drifttool.ops.strict_math import tiled_linear
 
@@ -271,8 +272,6 @@ def lora_scales(model) -> dict[str, float]:
 def lora_digest(model) -> str | None:
     """``weight_digest`` of the adapter weights and of every module's scale (as an FP64 scalar
     ``<module>.lora_scale``), so a changed alpha or rank rule changes it; None without one."""
-    from drifttool.model.checkpoint import weight_digest
-
     if not has_lora(model):
         return None
     scales = {f"{n}.lora_scale": torch.tensor(s, dtype=torch.float64) for n, s in lora_scales(model).items()}

@@ -45,13 +45,16 @@ captured) computes each adapted weight right before the operator that consumes i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import drifttool.ops  # noqa: F401  (operator declarations and strict backends)
 import drifttool.ops.production  # noqa: F401  (production backends)
+from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import adapted_weight
@@ -388,12 +391,6 @@ def _checkpointed(fn, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt: Run
     uses a copy of ``rt`` with the forward's identity scope, no recorder and its own trace, so
     it adds no records, trace calls or call-counter increments.
     """
-    import dataclasses
-
-    from torch.utils.checkpoint import checkpoint
-
-    from drifttool.capture.trace import OperatorTrace
-
     scope = dict(rt._scope)
     calls = []
 

@@ -39,13 +39,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
-from drifttool.artifact.schema import SAMPLER_BLOCK
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
 from drifttool.ops.scheduler import TIMESTEP_POLICIES, timestep_input
 from drifttool.runtime import Runtime
+from drifttool.sampling.inputs import RolloutInputs
 
 CFG_LAYOUTS = ("batched", "sequential")
+"""CFG execution layouts (``schema.CFG_LAYOUTS`` repeats them; a test checks they agree)."""
+SAMPLER_BLOCK = -2
+"""``block`` scope of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
+``flow_sde_step_logp``): outside the model. ``schema.SAMPLER_BLOCK`` repeats it for the torch-free
+reader and diff (tests/sampling/test_layering.py checks they agree)."""
 
 
 @dataclass(kw_only=True)
@@ -101,69 +106,6 @@ class SamplerConfig:
 
     def eta_at(self, step: int) -> float:
         return float(self.eta) if self.in_window(step) else 0.0
-
-
-@dataclass(kw_only=True)
-class RolloutInputs:
-    """Replay inputs of one batch of logical samples (all on one device).
-
-    Attributes:
-        sample_ids: logical sample id of each batch row (B entries).
-        x0: [B, N, Cp] fp32 initial packed latents (N = h·w, Cp = 4·latent channels).
-        txt: [B, L, D] prompt embeddings (right-padded).
-        img_grid: (h, w) patch grid.
-        txt_mask: [B, L] bool valid-token mask, or None (all valid).
-        noise: SDE noise, [num_steps, B, N, Cp] fp32, or a list of B per-sample tensors
-            [num_steps, N, Cp] (``sampling.noise``); may be None when no step is stochastic.
-        neg_txt: [B, L', D] negative prompt embeddings (CFG), or None.
-        neg_mask: [B, L'] bool, or None.
-    """
-
-    sample_ids: list[int]
-    x0: torch.Tensor
-    txt: torch.Tensor
-    img_grid: tuple[int, int]
-    txt_mask: torch.Tensor | None = None
-    noise: torch.Tensor | Sequence[torch.Tensor] | None = None
-    neg_txt: torch.Tensor | None = None
-    neg_mask: torch.Tensor | None = None
-
-    @property
-    def batch(self) -> int:
-        return len(self.sample_ids)
-
-    def validate(self) -> None:
-        """Raise ValueError on inconsistent shapes/dtypes."""
-        B = self.batch
-        h, w = self.img_grid
-        if self.x0.dim() != 3 or self.x0.shape[0] != B or self.x0.shape[1] != h * w:
-            raise ValueError(f"x0 {tuple(self.x0.shape)} must be [B={B}, N={h * w}, Cp]")
-        if self.x0.dtype != torch.float32:
-            raise ValueError(f"x0 must be fp32, got {self.x0.dtype}")
-        pairs = (("txt", self.txt, self.txt_mask), ("neg_txt", self.neg_txt, self.neg_mask))
-        for name, t, m in pairs:
-            if t is None:
-                if m is not None:
-                    raise ValueError(f"{name} mask given without {name}")
-                continue
-            if t.dim() != 3 or t.shape[0] != B:
-                raise ValueError(f"{name} {tuple(t.shape)} must be [B={B}, L, D]")
-            if m is not None and (m.shape != t.shape[:2] or m.dtype != torch.bool):
-                raise ValueError(f"{name} mask must be bool [B, L], got {m.dtype} {tuple(m.shape)}")
-
-    def noise_at(self, step: int) -> torch.Tensor:
-        """[B, N, Cp] noise of step ``step``."""
-        if self.noise is None:
-            raise ValueError(f"step {step} is stochastic but RolloutInputs.noise is None")
-        if isinstance(self.noise, torch.Tensor):
-            out = self.noise[step]
-        else:
-            out = torch.stack([n[step] for n in self.noise])
-        if out.shape != self.x0.shape:
-            raise ValueError(
-                f"noise of step {step} is {tuple(out.shape)}, expected {tuple(self.x0.shape)}"
-            )
-        return out
 
 
 @dataclass(kw_only=True)
@@ -276,14 +218,34 @@ def _rank(rt: Runtime) -> int:
     return int(getattr(rt, "_scope", {}).get("rank", 0))
 
 
-def _sigma_table(
-    rt: Runtime, cfg: SamplerConfig, inputs: RolloutInputs, phase: str
-) -> torch.Tensor:
-    h, w = inputs.img_grid
+def sigma_table(rt: Runtime, cfg: SamplerConfig, img_grid: tuple[int, int],
+                phase: str = "rollout") -> torch.Tensor:
+    """The [num_steps + 1] fp32 sigma table of ``cfg`` at ``img_grid``: one ``flow_sigma_table``
+    call under ``rt`` (phase ``phase``, step −1, block ``SAMPLER_BLOCK``), so the table follows
+    ``rt``'s mode, fallbacks and variants. ``rollout`` and ``recompute`` take their table from
+    here, and so does the manifest (``drifttool.lifecycle.manifest_sigma_table``, on a silent
+    runtime of the run's settings).
+
+    Raises:
+        UnsupportedConfigError: no backend of ``rt``'s mode (the operator's own checks).
+    """
+    h, w = img_grid
     seq = cfg.image_seq_len if cfg.image_seq_len is not None else h * w
     with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", block=SAMPLER_BLOCK,
-                  samples=None, txt_lens=None, img_grid=tuple(inputs.img_grid)):
+                  samples=None, txt_lens=None, img_grid=tuple(img_grid)):
         return call(rt, "flow_sigma_table", cfg.num_steps, seq, stream="none", layout=".")
+
+
+def sampler_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The model as the sampler calls it: latents stay FP32 between steps; they and the prompt
+    embeddings are cast to the model dtype W at the model input (the cast point of the
+    pipeline), and the velocity comes back in W (the SDE step upcasts it, numerics §4)."""
+    w = model.dtype
+
+    def forward(x, txt, txt_mask, tau, img_grid, rt):
+        return model(x.to(w), txt.to(w), txt_mask, tau, img_grid, rt)
+
+    return forward
 
 
 def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
@@ -415,7 +377,7 @@ def rollout(
     cfg_on = _cfg_on(inputs, cfg)
     n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
     with torch.no_grad():
-        sigmas = _sigma_table(rt, cfg, inputs, phase).to(inputs.x0.device)  # [S+1] fp32
+        sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)  # [S+1] fp32
         tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)  # [S] fp32
         x = inputs.x0
         latents, outs = [x], []
@@ -469,7 +431,7 @@ def recompute(
         raise ValueError(f"steps {idx} outside [0, {S})")
     cfg_on = _cfg_on(inputs, cfg)
     with torch.no_grad():
-        sigmas = _sigma_table(rt, cfg, inputs, phase).to(inputs.x0.device)
+        sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)
     outs = []
     for i in idx:

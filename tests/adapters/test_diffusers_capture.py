@@ -16,8 +16,9 @@ from drifttool.capture.recorder import Recorder
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import Verdict
 from drifttool.errors import DriftToolError
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.runner import RunSpec, execute
+from drifttool.settings import RunSpec
 
 GRID = (4, 6)
 

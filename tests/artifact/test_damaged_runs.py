@@ -26,7 +26,8 @@ IN_SUBPROCESS = {"ops string offsets", "steps string offsets", "ops batch length
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     """A small strict run of the embedded default (2 steps, L2), shared read-only."""
-    from drifttool.runner import RunSpec, execute
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
 
     out = tmp_path_factory.mktemp("good") / "good"
     execute(RunSpec(steps=2), out)
@@ -99,7 +100,8 @@ def test_good_runs_are_identical(cli, good, tmp_path):
 def test_damage_in_records_the_common_level_leaves_out_is_not_ignored(cli, good, tmp_path):
     """An L0 run against a damaged L2 run: the op records are not compared (the common level is
     L0), but the damaged file is still read and refused — never "identical"."""
-    from drifttool.runner import RunSpec, execute
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
 
     l0 = tmp_path / "l0"
     execute(RunSpec(steps=2, capture="L0"), l0)
@@ -113,8 +115,9 @@ def test_runs_drifttool_writes_pass_every_manifest_check(tmp_path, level):
     """The control for the manifest schema and its consistency checks: a rollout at every
     capture level and its training recompute are read and checked without complaint."""
     from drifttool.artifact.reader import open_run
-    from drifttool.runner import RunSpec, execute
-    from drifttool.sampling.train import recompute_run
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+    from drifttool.training.recompute import recompute_run
 
     execute(RunSpec(steps=2, capture=level), tmp_path / "roll")
     recompute_run(tmp_path / "roll", tmp_path / "train")
@@ -127,9 +130,9 @@ def test_manifest_enumerations_are_the_runtime_ones():
     """``schema`` keeps torch-free copies of the values the runtime accepts; they must agree."""
     from drifttool.artifact import schema as S
     from drifttool.ops.scheduler import TIMESTEP_POLICIES
-    from drifttool.runner import DTYPES
     from drifttool.runtime import Mode
     from drifttool.sampling.rollout import CFG_LAYOUTS
+    from drifttool.settings import DTYPES
 
     assert S.MODES == tuple(m.value for m in Mode)
     assert S.MODEL_DTYPES == tuple(DTYPES)

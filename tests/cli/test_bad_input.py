@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drifttool.fixture import locate
-from drifttool.runner import RunSpec, execute
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
 
 
 def _assert_clean_error(code, out, *needles):

@@ -140,7 +140,8 @@ def test_seal_of_a_missing_directory_or_a_file_is_one_clean_line(cli, tmp_path):
 def test_seal_refuses_a_run_directory_and_writes_nothing(cli, tmp_path):
     """``fixture seal`` on a run directory (no fixture.json) would add a file the run's manifest
     does not list and break every later diff: refused, one line, nothing written."""
-    from drifttool.runner import RunSpec, execute
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
 
     run = tmp_path / "run"
     execute(RunSpec(steps=2, samples=[0], capture="L0"), run)

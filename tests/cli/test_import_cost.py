@@ -43,7 +43,8 @@ def drifttool(*args, cwd) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory):
     """A production-mode (auto) run of the embedded default: drifts from the strict one."""
-    from drifttool.runner import RunSpec, execute
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
 
     out = tmp_path_factory.mktemp("runs") / "auto"
     execute(RunSpec(mode="auto"), out)

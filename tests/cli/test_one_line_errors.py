@@ -152,10 +152,10 @@ def test_step_limit_holds_for_every_run_path():
     """``resolve`` (run, replay, experiment and probe all go through it) takes 1000 steps and
     refuses 1001."""
     from drifttool.errors import DriftToolError
-    from drifttool.runner import MAX_STEPS, RunSpec, resolve
+    from drifttool.settings import MAX_STEPS, RunSpec, resolve
 
     assert MAX_STEPS == 1000
-    assert resolve(RunSpec(steps=1000))[1]["steps"] == 1000
+    assert resolve(RunSpec(steps=1000))[1].steps == 1000
     with pytest.raises(DriftToolError, match="from 2 to 1000"):
         resolve(RunSpec(steps=1001))
 

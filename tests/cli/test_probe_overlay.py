@@ -11,7 +11,8 @@ import pytest
 
 from drifttool.probes.spec import Expectation
 from drifttool.probes.variants import GeluExact
-from drifttool.runner import RunSpec, execute
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
 
 
 @pytest.mark.slow  # a baseline and three probes through the CLI (30 s): .ci/run's slow step

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from drifttool.runner import RunSpec, execute
+from drifttool.runner import execute
+
+from drifttool.settings import RunSpec
 
 
 def _clean_error(code, out, *needles):

@@ -19,8 +19,8 @@ from drifttool.diff.report import RowRef
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
-from drifttool.runner import replay_tensors
 from drifttool.runtime import Runtime
+from drifttool.sampling.inputs import replay_tensors
 from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
 
 GRID = (2, 2)

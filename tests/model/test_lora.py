@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drifttool.errors import CheckpointError
-from drifttool.model.checkpoint import weight_digest
 from drifttool.model.config import tiny
+from drifttool.model.weights import weight_digest
 from drifttool.model.lora import (
     LORA_TARGET_MODULES,
     add_lora,

@@ -12,12 +12,12 @@ from drifttool.model.checkpoint import (
     WEIGHTS_NAME,
     load_checkpoint,
     save_checkpoint,
-    weight_digest,
     weight_map,
 )
 from drifttool.model.config import full, tiny
 from drifttool.model.lora import LORA_TARGET_MODULES
 from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.model.weights import weight_digest
 
 SMALL = dict(
     patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,

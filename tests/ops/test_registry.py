@@ -8,8 +8,9 @@ import torch
 import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call, specs
-from drifttool.runner import RunSpec, execute
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
+from drifttool.settings import RunSpec
 
 RFC_WS1 = {
     "latent_pack_unpack", "latent_normalize", "latent_proj_gemm", "txt_in_rmsnorm_linear",

@@ -9,7 +9,7 @@ from drifttool.fixture import load_fixture
 from drifttool.probes.catalog import probe
 from drifttool.probes.runner import ERROR, FINDING, Matrix, judge, run_probe
 from drifttool.probes.spec import Expectation
-from drifttool.runner import RunSpec
+from drifttool.settings import RunSpec
 
 # The whole tiny probe matrix (one session fixture, 1–3 min on 2 cores): .ci/run's slow step.
 pytestmark = pytest.mark.slow

@@ -13,19 +13,21 @@ from drifttool.diff.compare import diff_runs
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
-from drifttool.runner import DTYPES, RunSpec, build_inputs, execute, resolve, sampler_model
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout
-from drifttool.sampling.train import recompute_run
+from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.settings import RunSpec, resolve
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.recompute import recompute_run
 from tests.conftest import assert_same_bytes
 
 
 def _policy(samples=(3,)):
     fx, s = resolve(RunSpec(samples=list(samples)))
-    model = load_checkpoint(fx.model_dir, dtype=DTYPES[s["dtype"]])
+    model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype)
     add_lora(model, rank=4, alpha=8, seed=2, init_b_std=0.05)
-    inputs, _ = build_inputs(fx, s, model.config)
-    return model, inputs, SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
+    inputs, _ = s.inputs(fx, model.config)
+    return model, inputs, SamplerConfig(num_steps=s.steps, cfg_scale=s.cfg_scale, eta=s.eta)
 
 
 def _train(model, inputs, cfg, traj, mode, checkpointing):
@@ -70,8 +72,9 @@ def lora_rollout(tmp_path_factory):
 
 def test_grad_records_and_checkpointing_in_artifacts(lora_rollout):
     root = lora_rollout
-    a = recompute_run(root / "rollout", root / "t-plain", grad=True)
-    b = recompute_run(root / "rollout", root / "t-ckpt", grad=True, gradient_checkpointing=True)
+    a = recompute_run(root / "rollout", root / "t-plain", train=TrainOptions(grad=True))
+    b = recompute_run(root / "rollout", root / "t-ckpt",
+                      train=TrainOptions(grad=True, gradient_checkpointing=True))
     assert a["grad_records"] == b["grad_records"] > 0
     ops = open_run(root / "t-plain").ops_table()
     grads = ops.filter(pc.equal(ops["role"], "grad_weight"))
@@ -92,9 +95,10 @@ def test_grad_records_and_checkpointing_in_artifacts(lora_rollout):
 def test_gradient_drift_is_named(lora_rollout):
     """Strict vs production trainer on the same rollout: the gradient records differ too."""
     root = lora_rollout
-    recompute_run(root / "rollout", root / "t-prod", grad=True, mode="auto", overwrite=True)
+    recompute_run(root / "rollout", root / "t-prod", RerunOptions(mode="auto", overwrite=True),
+                  TrainOptions(grad=True))
     if not (root / "t-plain").exists():
-        recompute_run(root / "rollout", root / "t-plain", grad=True)
+        recompute_run(root / "rollout", root / "t-plain", train=TrainOptions(grad=True))
     report = diff_runs(open_run(root / "t-plain"), open_run(root / "t-prod"))
     assert report.verdict.value == "drift"
     run_a = open_run(root / "t-plain").ops_table()
@@ -105,4 +109,4 @@ def test_gradient_drift_is_named(lora_rollout):
 def test_grad_needs_an_adapter(tmp_path):
     execute(RunSpec(capture="L0", samples=[0]), tmp_path / "plain")
     with pytest.raises(DriftToolError, match="LoRA"):
-        recompute_run(tmp_path / "plain", tmp_path / "t", grad=True)
+        recompute_run(tmp_path / "plain", tmp_path / "t", train=TrainOptions(grad=True))

@@ -1,4 +1,4 @@
-"""The small Flow-GRPO loop (drifttool.sampling.grpo) on the tiny preset: strict/strict gives a
+"""The small Flow-GRPO loop (drifttool.training.grpo) on the tiny preset: strict/strict gives a
 ratio of exactly 1 and no clipping on the first inner epoch; a mismatched trainer does not."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from drifttool.sampling.grpo import GRPOConfig, group_advantages, grpo_loop, toy_reward
+from drifttool.training.grpo import GRPOConfig, group_advantages, grpo_loop, toy_reward
 
 
 def test_advantages_and_reward():
@@ -47,7 +47,7 @@ def test_group_inputs_widths_come_from_the_config():
     16 packed channels = 4 latent channels, text width 16), not Qwen-Image's 16/3584."""
     from drifttool.fixture import load_fixture
     from drifttool.model.config import MMDiTConfig
-    from drifttool.sampling.grpo import group_inputs
+    from drifttool.training.grpo import group_inputs
 
     cfg = MMDiTConfig(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                       num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))

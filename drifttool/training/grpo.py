@@ -33,19 +33,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.runtime import Runtime
-from drifttool.sampling.noise import draw_noise
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, recompute, rollout
-from drifttool.sampling.train import micro_batched
+from drifttool.sampling.inputs import RolloutInputs, build_inputs
+from drifttool.sampling.rollout import recompute, rollout, sampler_model
+from drifttool.settings import RunSpec, resolve
+from drifttool.training.trainer import micro_batched
 
 MODES = {"strict": "strict", "production": "auto"}
 """Combination labels → runtime modes (production = the production operators, traced)."""
@@ -72,7 +74,7 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     train_micro_batch: int | None = 1
     """Samples per training forward (with their CFG pair; prompts trimmed per micro-batch, as
-    Flow-GRPO's trainer does), ``drifttool.sampling.train.micro_batched``; None = whole batch."""
+    Flow-GRPO's trainer does), ``drifttool.training.trainer.micro_batched``; None = whole batch."""
 
 
 def toy_reward(final_latents: torch.Tensor) -> torch.Tensor:
@@ -93,15 +95,9 @@ def group_inputs(fx, seed: int, ids: list[int], prompt_rows: list[int], grid, nu
                  config: MMDiTConfig) -> RolloutInputs:
     """Replay inputs for samples ``ids`` with prompt ``prompt_rows[b]`` of the fixture (pinned
     noise per sample id with ``config.latent_channels`` channels, prompts right-padded with a
-    key mask, the fixture's negative prompt)."""
-    noise = draw_noise(seed, ids, img_grid=tuple(grid), num_steps=num_steps, channels=config.latent_channels)
-    txt, lens, neg, neg_len = fx.prompts(config.joint_attention_dim, seed=seed)
-    width = max(int(lens[r]) for r in prompt_rows)
-    tb = torch.stack([txt[r, :width] for r in prompt_rows])  # [B, L, D]
-    mask = torch.stack([torch.arange(width) < lens[r] for r in prompt_rows])  # [B, L]
-    nb = neg[:, : int(neg_len)].expand(len(ids), -1, -1).contiguous()  # [B, Ln, D]
-    return RolloutInputs(sample_ids=list(ids), x0=noise.x0, txt=tb, img_grid=tuple(grid),
-                         txt_mask=None if bool(mask.all()) else mask, noise=noise.noise, neg_txt=nb)
+    key mask, the fixture's negative prompt): ``sampling.inputs.build_inputs``."""
+    return build_inputs(fx, seed=seed, samples=ids, img_grid=tuple(grid), num_steps=num_steps,
+                        config=config, prompt_rows=prompt_rows)[0]
 
 
 def _policy(cfg: GRPOConfig, fx, dtype):
@@ -119,23 +115,17 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
 
     Raises:
         DriftToolError: unknown mode or fixture, or fixture settings ``drifttool run`` refuses
-            (``runner.resolve``: steps outside 2..1000, say).
+            (``settings.resolve``: steps outside 2..1000, say).
     """
-    from drifttool.errors import DriftToolError
-    from drifttool.runner import DTYPES, RunSpec, resolve, sampler_model
-
     for m in (cfg.rollout_mode, cfg.train_mode):
         if m not in MODES:
             raise DriftToolError(f"unknown combination mode {m!r} (one of {sorted(MODES)})")
     fx, s = resolve(RunSpec(fixture=cfg.fixture))  # the fixture's settings, checked as run checks them
-    dtype = DTYPES[s["dtype"]]
-    model = model if model is not None else _policy(cfg, fx, dtype)
+    model = model if model is not None else _policy(cfg, fx, s.torch_dtype)
     params = list(lora_parameters(model).values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    sampler = SamplerConfig(num_steps=int(s["steps"]), cfg_scale=float(s["cfg_scale"]),
-                            eta=float(s["eta"]), cfg_layout=s["cfg_layout"],
-                            timestep_policy=s["timestep_policy"])
-    seed = int(s["seed"] if cfg.seed is None else cfg.seed)
+    sampler = s.sampler()
+    seed = int(s.seed if cfg.seed is None else cfg.seed)
     n_batch = cfg.groups * cfg.group_size
     n_prompts = int(fx.prompts(model.config.joint_attention_dim, seed=seed)[0].shape[0])
     window = [j for j in range(sampler.num_steps) if sampler.in_window(j)]
@@ -145,7 +135,7 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
     for k in range(cfg.steps):
         ids = [k * n_batch + j for j in range(n_batch)]
         prompt_rows = [((k * cfg.groups) + j // cfg.group_size) % n_prompts for j in range(n_batch)]
-        inputs = group_inputs(fx, seed, ids, prompt_rows, s["img_grid"], sampler.num_steps, model.config)
+        inputs = group_inputs(fx, seed, ids, prompt_rows, s.img_grid, sampler.num_steps, model.config)
         t0 = time.perf_counter()
         traj = rollout(fwd, inputs, sampler, Runtime(mode=MODES[cfg.rollout_mode]))
         t_roll = time.perf_counter() - t0
@@ -187,7 +177,3 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
                 "rollout_seconds": t_roll, "train_seconds": time.perf_counter() - t0,
             })
     return rows
-
-
-def config_record(cfg: GRPOConfig) -> dict[str, Any]:
-    return asdict(cfg)

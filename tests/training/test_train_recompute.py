@@ -1,4 +1,4 @@
-"""Training recompute (drifttool.sampling.train): strict/strict byte equality with the rollout for
+"""Training recompute (drifttool.training): strict/strict byte equality with the rollout for
 v_t and logp_t at every step and sample, the pinned policy, artifacts and the rollout↔train diff,
 and refusal of incomplete, tampered or foreign artifacts."""
 
@@ -18,17 +18,21 @@ from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
-from drifttool.runner import DTYPES, RunSpec, build_inputs, execute, resolve, sampler_model
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout
-from drifttool.sampling.train import load_rollout, micro_batched, recompute_run
+from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.settings import RunSpec, resolve
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.recompute import recompute_run
+from drifttool.training.stored import load_rollout
+from drifttool.training.trainer import micro_batched
 from tests.conftest import assert_same_bytes
 
 
 @pytest.fixture(scope="module")
 def fixture_model():
     fx, s = resolve(RunSpec())
-    return fx, load_checkpoint(fx.model_dir, dtype=DTYPES[s["dtype"]])
+    return fx, load_checkpoint(fx.model_dir, dtype=s.torch_dtype)
 
 
 # seeds × batch sizes 1 and 3 × prompt lengths (sample s uses prompt s % 4: lengths 7, 13, 5, 11)
@@ -44,8 +48,8 @@ CASES = [
 def test_strict_recompute_is_byte_equal_to_rollout(fixture_model, seed, samples, micro):
     fx, model = fixture_model
     _, s = resolve(RunSpec(seed=seed, samples=samples))
-    inputs, _ = build_inputs(fx, s, model.config)
-    cfg = SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
+    inputs, _ = s.inputs(fx, model.config)
+    cfg = SamplerConfig(num_steps=s.steps, cfg_scale=s.cfg_scale, eta=s.eta)
     traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
     with torch.enable_grad():
         re = recompute(micro_batched(sampler_model(model), micro), inputs, traj.latents, cfg,
@@ -67,7 +71,7 @@ def test_timestep_policy_is_pinned(fixture_model):
     """A trainer with another timestep encoding (numerics §5.2) drifts; the pinned one does not."""
     fx, model = fixture_model
     _, s = resolve(RunSpec())
-    inputs, _ = build_inputs(fx, s, model.config)
+    inputs, _ = s.inputs(fx, model.config)
     cfg = SamplerConfig(num_steps=4, timestep_policy="pipeline_bf16")
     traj = rollout(sampler_model(model), inputs, cfg, Runtime(mode="strict"))
     same = recompute(sampler_model(model), inputs, traj.latents, cfg, Runtime(mode="strict"))
@@ -109,7 +113,7 @@ def test_diff_names_first_drift_of_a_production_trainer(tmp_path):
     with ATEN_CPU_CAPABILITY=default, whose scalar kernels are layout-invariant here), so neither
     the operator nor the block is pinned."""
     execute(RunSpec(mode="auto", capture="L2"), tmp_path / "roll")
-    recompute_run(tmp_path / "roll", tmp_path / "train", micro_batch=1)
+    recompute_run(tmp_path / "roll", tmp_path / "train", train=TrainOptions(micro_batch=1))
     report = diff_runs(open_run(tmp_path / "roll"), open_run(tmp_path / "train"))
     if report.verdict.value == "identical":
         pytest.skip("this CPU's production kernels give the same bytes in both layouts: no drift to name")
@@ -184,7 +188,7 @@ def test_refuses_a_foreign_trainer_model(strict_rollout, tmp_path):
     other = random_init_(MMDiT(tiny(), dtype=torch.bfloat16), seed=99)
     save_checkpoint(other, tmp_path / "other")
     with pytest.raises(DriftToolError, match="fingerprint differs.*weights"):
-        recompute_run(strict_rollout, tmp_path / "t", checkpoint=tmp_path / "other")
+        recompute_run(strict_rollout, tmp_path / "t", RerunOptions(checkpoint=tmp_path / "other"))
     fp32 = load_checkpoint(load_fixture("tiny-t2i").model_dir, dtype=torch.float32)
     with pytest.raises(DriftToolError, match="dtype"):
         recompute_run(strict_rollout, tmp_path / "t2", model=fp32)
@@ -212,9 +216,9 @@ def test_left_padded_prompts_recompute_per_micro_batch(fixture_model, tmp_path):
 
     fx, model = fixture_model
     _, s = resolve(RunSpec(seed=5, samples=[3, 2, 5]))  # prompt lengths 11, 5, 13
-    inputs = _left_padded(build_inputs(fx, s, model.config)[0])
+    inputs = _left_padded(s.inputs(fx, model.config)[0])
     assert inputs.txt_mask is not None and not bool(inputs.txt_mask[:, 0].all())
-    cfg = SamplerConfig(num_steps=s["steps"], cfg_scale=s["cfg_scale"], eta=s["eta"])
+    cfg = SamplerConfig(num_steps=s.steps, cfg_scale=s.cfg_scale, eta=s.eta)
 
     def runtime(name):
         return Runtime(mode="strict", recorder=Recorder("L2", ArtifactWriter(tmp_path / name, manifest={})))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,16 @@ import torch
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.errors import ArtifactError, DriftToolError
-from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
-from drifttool.sampling.grpo import MODES, GRPOConfig, grpo_loop
+from drifttool.runner import execute
+from drifttool.settings import RunSpec, resolve
+from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.recompute import recompute_run
+from drifttool.training.stored import load_rollout
+from drifttool.training.trainer import trainer_model
 
 COMBOS = (("production", "production"), ("strict", "production"), ("production", "strict"),
           ("strict", "strict"))
@@ -133,16 +139,12 @@ def train_rollout(
     Raises:
         DriftToolError: bad settings; ``out`` not empty without ``overwrite``.
     """
-    from drifttool.runner import DTYPES, RunSpec, execute, resolve
-    from drifttool.sampling.train import load_rollout, recompute_run, trainer_model
-
     # every setting is checked before anything is written
-    resolve(RunSpec(fixture=fixture, samples=samples, capture=capture))
-    if micro_batch is not None and int(micro_batch) < 1:
-        raise DriftToolError(f"micro-batch size must be >= 1, got {micro_batch}")
-    fx = load_fixture(fixture or DEFAULT_FIXTURE)
+    fx, s = resolve(RunSpec(fixture=fixture, samples=samples, capture=capture))
+    train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
+                         micro_batch=micro_batch)
     say = progress or (lambda _: None)
-    model = load_checkpoint(fx.model_dir, dtype=DTYPES[fx.settings["dtype"]])
+    model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype)
     add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
     out = _out_dir(out, overwrite)
     save_lora(model, out / "lora")
@@ -161,9 +163,9 @@ def train_rollout(
         stored = load_rollout(src)
         trainer = trainer_model(stored)
         dst = out / f"train-{t_mode}-on-{r_mode}"
-        summary = recompute_run(stored, dst, mode=MODES[t_mode], capture=capture, grad=grad,
-                                gradient_checkpointing=gradient_checkpointing,
-                                micro_batch=micro_batch, model=trainer, overwrite=True)
+        summary = recompute_run(stored, dst, RerunOptions(mode=MODES[t_mode], capture=capture,
+                                                          overwrite=True),
+                                train, model=trainer)
         grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
                                    if p.grad is not None}
         report = diff_runs(open_run(src), open_run(dst))
@@ -213,8 +215,6 @@ def grpo_experiment(
         say(f"grpo {r_mode}/{t_mode}")
         rows += grpo_loop(GRPOConfig(rollout_mode=r_mode, train_mode=t_mode, **config))
     write_table(rows, None, out, "grpo")
-    from dataclasses import asdict
-
     (out / "grpo.settings.json").write_text(json.dumps(
         {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos]}, indent=2) + "\n")
     return rows

@@ -1,0 +1,64 @@
+"""Exit codes for a command: a user error is one ``error:`` line and exit 2, a bug its traceback
+and exit 2, so that exit 1 always means "drift" (``cli/app.py``)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import typer
+
+from drifttool.cli._console import err, error_line, silence_stdout
+from drifttool.errors import DriftToolError
+
+
+def _os_error(e: OSError) -> str:
+    """One line for a file-system error on a path the user named; a regular file where a
+    directory is needed (``-o afile/sub``) is named as such."""
+    path = Path(os.fsdecode(e.filename))
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        for p in (path, *path.parents):
+            if p.exists() and not p.is_dir():
+                return f"{p} exists and is not a directory" + (f" (writing {path})" if p != path else "")
+    where = path if e.filename2 is None else f"{path} -> {os.fsdecode(e.filename2)}"
+    return f"{where}: {e.strerror or e}"
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
+    directory, permission denied, name too long, disk full) and Ctrl-C → one line, exit 2; any
+    other exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means
+    drift); a closed stdout (``| head``) keeps the command's own exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DriftToolError as e:
+            error_line(str(e))
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("[bold red]interrupted[/]")
+            raise typer.Exit(2) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except BrokenPipeError:
+            silence_stdout()
+            raise typer.Exit(2) from None
+        except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
+            if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
+                raise
+            if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
+                # the file system (a path the user named), not a bug
+                error_line(_os_error(e))
+                raise typer.Exit(2) from None
+            traceback.print_exc()
+            err.print("[bold red]internal error[/] (a drifttool bug, please report it with the "
+                      "traceback above)")
+            raise typer.Exit(2) from None
+
+    return wrapper

@@ -1,0 +1,74 @@
+"""What a replay or a training recompute of a stored rollout may change, in one place.
+
+    >>> recompute_run("runs/a", "runs/a-train", RerunOptions(mode="auto"),
+    ...               TrainOptions(grad=True, micro_batch=1))
+    >>> replay_run("runs/a", "runs/a-replay", RerunOptions(capture="L2", overwrite=True))
+
+``RerunOptions`` (replay and recompute): the runtime mode and capture level (default: the
+rollout's), the model overrides (fixture, checkpoint, LoRA adapter; every one fingerprint-checked
+against the rollout) and ``overwrite``. ``TrainOptions`` (recompute only): the backward and the
+trainer's execution layout. Both validate on construction with the lines ``drifttool run`` uses
+(``drifttool.settings.check_mode``/``check_level``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from drifttool.errors import DriftToolError
+from drifttool.settings import check_level, check_mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class RerunOptions:
+    """Overrides of a replay or recompute (``None``: the rollout's own).
+
+    Attributes:
+        mode: runtime mode (strict | audit | auto | off).
+        capture: capture level (L0 | L1 | L2).
+        fixture: fixture holding the model, if the manifest's name does not resolve.
+        checkpoint: model folder replacing the manifest's (must match its fingerprint).
+        lora: LoRA adapter replacing the manifest's (must match its fingerprint).
+        overwrite: replace an existing artifact directory.
+
+    Raises:
+        DriftToolError: unknown mode or capture level.
+    """
+
+    mode: str | None = None
+    capture: str | None = None
+    fixture: str | Path | None = None
+    checkpoint: str | Path | None = None
+    lora: str | Path | None = None
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            check_mode(self.mode)
+        if self.capture is not None:
+            check_level(self.capture)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """The trainer's side of a recompute.
+
+    Attributes:
+        grad: backward of −mean_b logp_t per SDE step, LoRA gradients digested (needs an adapter).
+        gradient_checkpointing: recompute block activations in the backward.
+        micro_batch: samples per trainer forward (``trainer.micro_batched``); None = the whole batch.
+        trim_padding: with ``micro_batch``, trim the prompts to each micro-batch.
+
+    Raises:
+        DriftToolError: ``micro_batch`` below 1.
+    """
+
+    grad: bool = False
+    gradient_checkpointing: bool = False
+    micro_batch: int | None = None
+    trim_padding: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batch is not None and int(self.micro_batch) < 1:
+            raise DriftToolError(f"micro-batch size must be >= 1, got {self.micro_batch}")

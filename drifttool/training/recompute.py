@@ -1,0 +1,151 @@
+"""Training recompute of a stored rollout: phase ``train``, autograd on, from the stored latents.
+
+    >>> recompute_run("runs/a", "runs/a-train")            # phase "train", autograd on
+    >>> diff_runs(open_run("runs/a"), open_run("runs/a-train")).verdict   # strict/strict
+    <Verdict.IDENTICAL: 'identical'>
+
+**Pinned policy.** The recompute takes from the rollout manifest, and records in its own under
+``policy``: the timestep encoding (``timestep_policy``, numerics §3.4/§5.2), the CFG execution
+layout and scale, the SDE settings and sigma table, and the stored-latent dtype: logp_t is
+evaluated on the stored bytes of x_t and x_{t+1} (numerics §5.3; ``prev_sample`` = the stored next
+latent), never on a re-rounded copy.
+
+**Recompute artifact.** ``kind: "recompute"``; its step and op records use phase ``train`` with
+the rollout's identities otherwise, so ``drifttool diff ROLLOUT RECOMPUTE`` aligns phase
+``train`` of the recompute with phase ``rollout`` (``drifttool.diff.compare``) and names the first
+drifting operator, block, step and row. With ``grad=True`` (needs a LoRA adapter in the rollout)
+each SDE step runs ``(−mean_b logp_t).backward()`` right after its forward (Flow-GRPO's per-step
+backward, gradients accumulated over steps) and the accumulated LoRA gradients are digested
+(role ``grad_weight``) after each step, so two training runs diff at the gradient level. The
+artifact goes through the life cycle every run shares (``drifttool.lifecycle.ArtifactSession``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from drifttool.environment import environment
+from drifttool.errors import DriftToolError
+from drifttool.fingerprint import arch_fingerprint, sampler_record
+from drifttool.lifecycle import ArtifactSession
+from drifttool.model.lora import capture_lora_grads, has_lora, lora_parameters, lora_record
+from drifttool.model.weights import weight_digest
+from drifttool.ops.scheduler import timestep_input
+from drifttool.sampling.inputs import replay_tensors
+from drifttool.sampling.rollout import StepOutput, recompute, sampler_model
+from drifttool.settings import check_level, check_mode
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.stored import (StoredRollout, load_rollout, refuse_same_dir,
+                                       source_record)
+from drifttool.training.trainer import micro_batched, prepare_trainer
+
+
+def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dict[str, Any]:
+    """The arithmetic policy shared by rollout and recompute (module docstring)."""
+    s = stored.sampler
+    out = {"timestep_policy": s.timestep_policy, "cfg_layout": s.cfg_layout, "cfg_scale": s.cfg_scale,
+           "eta": s.eta, "sde_window": None if s.sde_window is None else list(s.sde_window),
+           "stored_latent_dtype": stored.latent_dtype,
+           "logp_evaluated_on": "stored x_t and stored x_{t+1} bytes (prev_sample), upcast exactly to fp32",
+           "sigma_table_digest": stored.manifest["fingerprint"]["scheduler"].get("sigma_table_digest")}
+    if tau is not None:
+        out["timesteps"] = [float(v) for v in tau.tolist()]
+    return out
+
+
+def _train_record(train: TrainOptions) -> dict[str, Any]:
+    return {"phase": "train", "autograd": True, "grad": bool(train.grad),
+            "loss": "per SDE step: -mean over samples of logp_t, backward per step, "
+                    "gradients accumulated" if train.grad else None,
+            "gradient_checkpointing": bool(train.gradient_checkpointing),
+            "micro_batch": train.micro_batch,
+            "trim_padding": bool(train.trim_padding and train.micro_batch)}
+
+
+def recompute_run(
+    source: str | Path | StoredRollout,
+    out: str | Path,
+    options: RerunOptions = RerunOptions(),
+    train: TrainOptions = TrainOptions(),
+    *,
+    model=None,
+    on_step: Callable[[StepOutput], Any] | None = None,
+) -> dict[str, Any]:
+    """Recompute a stored rollout in phase ``train`` and write a ``kind: "recompute"`` artifact.
+
+    Args:
+        source: rollout artifact directory (or an already loaded ``StoredRollout``).
+        options: mode, capture level (default: the rollout's), model overrides, overwrite.
+        train: backward per SDE step (``grad``), gradient checkpointing, micro-batching.
+        model: a ready trainer model (still fingerprint-checked).
+        on_step: called with each step's ``StepOutput`` after its backward.
+
+    Returns:
+        Summary: out, complete, steps, samples, mode, capture, grad_records, seconds, trajectory.
+
+    Raises:
+        ArtifactError: the source is incomplete, tampered or unreadable; the output location.
+        DriftToolError: fingerprint mismatch, bad mode or level, ``grad`` without an adapter.
+    """
+    refuse_same_dir(source, out)
+    stored = source if isinstance(source, StoredRollout) else load_rollout(source)
+    model = prepare_trainer(stored, options, model)
+    m = check_mode(options.mode or stored.settings.get("mode", "strict"))
+    level = check_level(options.capture or stored.manifest.get("capture_level") or "L1")
+    if train.grad and not lora_parameters(model):
+        raise DriftToolError("gradients (recompute --grad) need trainable LoRA parameters, and the "
+                             "rollout ran without an adapter: roll out with one (drifttool run --lora "
+                             "ADAPTER) and recompute that run")
+    sampler = stored.sampler
+    session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout)
+    sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
+    tau = timestep_input(sig[:-1], sampler.timestep_policy)
+    fingerprint = arch_fingerprint(
+        arch=model.config.arch_fields(), img_grid=stored.inputs.img_grid, weights=weight_digest(model),
+        dtype=model.dtype, mode=m.value, sampler=sampler_record(sampler, sig),
+        noise_record=stored.noise_record,
+    )
+    manifest = {
+        "kind": "recompute",
+        "fingerprint": fingerprint,
+        "settings": {**stored.settings, "mode": m.value, "capture": level},
+        "environment": environment(),
+        "source": source_record(stored),
+        "policy": policy_record(stored, tau),
+        "train": _train_record(train),
+        "replay": dict(stored.manifest.get("replay") or {}),
+    }
+    if has_lora(model):
+        manifest["lora"] = lora_record(model)
+    n_grad = 0
+    t0 = time.perf_counter()
+
+    def step_done(o: StepOutput) -> None:
+        nonlocal n_grad
+        if train.grad and o.in_window:
+            (-o.logp.mean()).backward()
+            n_grad += capture_lora_grads(model, session.recorder, phase="train", step=o.step,
+                                         sigma=o.sigma)
+        if on_step is not None:
+            on_step(o)
+
+    with session.open(out, manifest, overwrite=options.overwrite):
+        try:
+            model.gradient_checkpointing = bool(train.gradient_checkpointing)
+            session.write_inputs(replay_tensors(stored.inputs))
+            with torch.enable_grad():
+                fwd = micro_batched(sampler_model(model), train.micro_batch,
+                                    trim_padding=train.trim_padding)
+                traj = recompute(fwd, stored.inputs, stored.latents, sampler, session.rt,
+                                 phase="train", callback=step_done)
+        finally:
+            model.gradient_checkpointing = False
+        seconds = time.perf_counter() - t0
+        session.finish(complete=traj.complete, seconds=round(seconds, 3))
+    return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
+            "samples": stored.inputs.sample_ids, "mode": m.value, "capture": level,
+            "grad_records": n_grad, "seconds": seconds, "trajectory": traj}
