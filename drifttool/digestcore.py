@@ -292,3 +292,29 @@ def digest_array(array: np.ndarray, dtype: str, row_axis: int | None = None) -> 
     """
     rows, v = partial_np(array, dtype, row_axis=row_axis)
     return (v + header_value(dtype, tuple(array.shape))) % P, rows[0].astype(np.uint64)
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}
+
+
+def digest_bytes(data: bytes, dtype: str, shape: tuple[int, ...] | list[int],
+                 row_axis: int | None = None) -> int:
+    """``V`` of the tensor whose row-major little-endian bytes are ``data`` (a step record's
+    ``data`` column, a safetensors buffer).
+
+    Raises:
+        ValueError: ``data`` does not hold ``shape`` elements of ``dtype``.
+        UnsupportedConfigError: a dtype without a digest code.
+    """
+    words_per_element(dtype)
+    size = ITEMSIZE[dtype]
+    a = np.frombuffer(data, np.dtype(_UINT[size]).newbyteorder("<"))
+    if size == 16:  # complex128: two uint64 per element
+        a = a.reshape(-1, 2)
+        a = a.view([("re", "<u8"), ("im", "<u8")]).reshape(-1)
+    return digest_array(a.reshape(tuple(shape)), dtype, row_axis)[0]
+
+
+def label(v: int) -> str:
+    """How a digest v2 value is written into the manifest (``input_digests``, sigma table)."""
+    return f"digest_v2:{v:016x}"

@@ -20,8 +20,9 @@ import torch
 
 import drifttool.ops  # noqa: F401  (registers every operator backend)
 from drifttool.artifact.writer import ArtifactWriter
-from drifttool.capture.digest import digest_tensor
+from drifttool.capture.digest import digest
 from drifttool.capture.recorder import Recorder
+from drifttool.digestcore import label
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint
@@ -197,7 +198,8 @@ def build_inputs(fx: Fixture, s: dict[str, Any], config: MMDiTConfig) -> tuple[R
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    return f"xxh3_64:{digest_tensor(t).digest:016x}"
+    """Digest v2 of ``t`` (one row) as written into the manifest (``digestcore.label``)."""
+    return label(digest(t))
 
 
 def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:

@@ -69,6 +69,7 @@ from drifttool.errors import UnsupportedConfigError
 _STAT_CHUNK = 1 << 22  # elements per fp64 chunk for the norm (32 MiB of scratch)
 _BLOCK = {"cpu": 1 << 16}  # halves per FP64 block: in cache on CPU, one launch on a GPU
 _GPU_BLOCK = 1 << 26
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -271,6 +272,8 @@ def _stats_vec(t: torch.Tensor) -> torch.Tensor:
         x = x.view(torch.uint8)
     elif x.is_complex():
         x = x.abs()
+    elif x.is_floating_point() and x.dtype not in _REDUCIBLE:
+        x = x.float()  # fp8: exact in fp32, and max/min have kernels for it
     x = x.reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     if x.numel() == 0:

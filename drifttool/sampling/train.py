@@ -43,6 +43,7 @@ from drifttool.artifact.reader import open_run
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.digest import digest_tensor, dtype_from_name
 from drifttool.capture.recorder import Recorder
+from drifttool.digestcore import label
 from drifttool.environment import environment
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fingerprint import arch_fingerprint
@@ -222,7 +223,7 @@ def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollou
     h, w = inputs.img_grid
     sig = implementation("flow_sigma_table", "strict")(sampler.num_steps, sampler.image_seq_len or h * w)
     pinned = fp["scheduler"].get("sigma_table_digest")
-    if pinned is not None and f"xxh3_64:{digest_tensor(sig).digest:016x}" != pinned:
+    if pinned is not None and label(digest_tensor(sig).digest) != pinned:
         raise ArtifactError(f"{run.path}: the manifest's sigma table digest {pinned} is not the "
                             "table of its scheduler settings")
     latents = latent_dtype = logp = None
