@@ -126,8 +126,10 @@ def _halves(t: torch.Tensor, row_axis: int | None) -> torch.Tensor:
         r, n = t.shape[0], int(np.prod(t.shape[1:], dtype=np.int64))
     else:
         r, n = 1, t.numel()
-    t = t.contiguous().reshape(-1)
     size = t.element_size()
+    if t.numel() == 0:
+        return torch.empty(r, n * wpe, 1 if size <= 2 else 2, dtype=torch.uint8, device=t.device)
+    t = t.contiguous().reshape(-1)
     raw = t.view(torch.uint8) if size == 1 else t.view(torch.uint16)
     return raw.reshape(r, n * wpe, 1 if size <= 2 else 2)
 
