@@ -57,6 +57,7 @@ host: ``digest_pending`` returns a small device tensor, ``materialize`` reads ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from math import sqrt
 
 import numpy as np
@@ -66,10 +67,15 @@ from drifttool import digestcore as core
 from drifttool.digestcore import COL_CHUNK, P, ROW_CHUNK
 from drifttool.errors import UnsupportedConfigError
 
-_STAT_CHUNK = 1 << 22  # elements per fp64 chunk for the norm (32 MiB of scratch)
+_STAT_CHUNK = 1 << 22  # elements per fp64 chunk for the norm on a device (32 MiB of scratch)
+_NP_STAT_CHUNK = 1 << 16  # elements per chunk on the CPU (stays in cache)
 _BLOCK = {"cpu": 1 << 16}  # halves per FP64 block: in cache on CPU, one launch on a GPU
 _GPU_BLOCK = 1 << 26
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CPU_NUMPY = True
+"""CPU tensors run the same arithmetic through numpy (``digestcore``), zero-copy: measured 2-5×
+faster than the torch ops on the shared 2-core machine, where torch's intra-op threads stall
+(docs/benchmarks.md). The values are identical either way (tests run both)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -136,6 +142,8 @@ def _halves(t: torch.Tensor, row_axis: int | None) -> torch.Tensor:
 
 def _row_sums(halves: torch.Tensor, col_offset: int) -> torch.Tensor:
     """``int64 [2, R]``: ``T``, ``T'`` over the columns ``col_offset + [0, C)``, on the device."""
+    if halves.device.type == "cpu" and _CPU_NUMPY:
+        return torch.from_numpy(core.row_sums_np(halves.numpy(), col_offset))
     r, n, h = halves.shape
     dev = halves.device
     acc = torch.zeros(6, h, r, dtype=torch.int64, device=dev)
@@ -162,6 +170,8 @@ def _level2(rows: torch.Tensor, row_offset: int) -> torch.Tensor:
     dev, n = rows.device, rows.shape[1]
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=dev)
+    if dev.type == "cpu" and _CPU_NUMPY:
+        return torch.tensor(core.level2_np(rows.numpy(), row_offset), dtype=torch.int64)
     a = _table("row", row_offset + n, dev)
     c = _consts(dev)
     parts = [core.level2(rows[:, r0:r0 + ROW_CHUNK], a[:, :, row_offset + r0:row_offset + min(n, r0 + ROW_CHUNK)], c)
@@ -276,6 +286,8 @@ def _stats_vec(t: torch.Tensor) -> torch.Tensor:
         x = x.abs()
     elif x.is_floating_point() and x.dtype not in _REDUCIBLE:
         x = x.float()  # fp8: exact in fp32, and max/min have kernels for it
+    if x.device.type == "cpu" and _CPU_NUMPY:
+        return torch.from_numpy(_stats_np(x))
     x = x.reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     if x.numel() == 0:
@@ -287,6 +299,28 @@ def _stats_vec(t: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():
             bad = bad + (~torch.isfinite(c)).sum()
     return torch.stack([sq, x.max().to(torch.float64), x.min().to(torch.float64), bad])
+
+
+def _stats_np(x: torch.Tensor) -> np.ndarray:
+    """``_stats_vec`` of a CPU tensor in single-threaded numpy: no BLAS and no torch intra-op
+    threads, which stall on a busy machine (docs/benchmarks.md). bf16 widens to fp32 by its bits.
+    Chunks of ``_NP_STAT_CHUNK`` elements keep the scratch small (no fresh pages per call)."""
+    bf16 = x.dtype == torch.bfloat16
+    v = x.contiguous().reshape(-1)
+    v = v.view(torch.uint16).numpy() if bf16 else v.numpy()
+    if v.size == 0:
+        return np.zeros(4)
+    sq, mx, mn, bad = 0.0, -math.inf, math.inf, 0
+    for i in range(0, v.size, _NP_STAT_CHUNK):
+        c = v[i:i + _NP_STAT_CHUNK]
+        if bf16:
+            c = (c.astype(np.uint32) << 16).view(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            sq += float(np.einsum("i,i->", c, c, dtype=np.float64))  # fp64 products and sum
+        mx, mn = max(mx, float(c.max())), min(mn, float(c.min()))
+        if c.dtype.kind == "f" and not math.isfinite(sq):  # only then can an element be NaN/±inf
+            bad += int(c.size - np.count_nonzero(np.isfinite(c)))
+    return np.array([sq, mx, mn, bad], np.float64)
 
 
 def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,

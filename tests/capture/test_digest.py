@@ -61,6 +61,27 @@ def test_fast_path_equals_the_definition(dtype, shape, seed, data):
         assert d.rows.dtype == np.uint64 and d.rows.tolist() == rows
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(DTYPES + [torch.complex64, torch.int32]),
+       st.lists(st.integers(0, 30), min_size=0, max_size=3).map(tuple), st.integers(0, 2**32),
+       st.data())
+def test_torch_ops_path_equals_numpy_path_on_cpu(dtype, shape, seed, data):
+    # the torch ops (the path CUDA runs) on CPU tensors equal the numpy path CPU tensors take
+    t = random_tensor(seed, dtype, shape)
+    axis = data.draw(st.sampled_from([None, *range(len(shape))]))
+    fast = digest_tensor(t, row_axis=axis, keep_rows=True)
+    try:
+        D._CPU_NUMPY = False
+        ops = digest_tensor(t, row_axis=axis, keep_rows=True)
+        stats_ops = stats(t)
+    finally:
+        D._CPU_NUMPY = True
+    assert (ops.digest, ops.rows.tolist(), ops.nonfinite) == (fast.digest, fast.rows.tolist(), fast.nonfinite)
+    assert stats_ops[0] == stats(t)[0]
+    if t.numel() and fast.nonfinite == 0:
+        assert ops.maxabs == fast.maxabs and ops.l2 == pytest.approx(fast.l2, rel=1e-12)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(DTYPES + [torch.complex64, torch.int32, torch.int8]),
        st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple), st.integers(0, 2**32),
@@ -97,6 +118,10 @@ def test_small_chunks_and_folding_give_the_same_value(monkeypatch):
     monkeypatch.setattr(core, "COL_CHUNK", 4)
     monkeypatch.setattr(core, "_FOLD_EVERY", 1)
     monkeypatch.setattr(D, "ROW_CHUNK", 2)
+    monkeypatch.setattr(core, "ROW_CHUNK", 2)
+    got = digest_tensor(t, row_axis=0)
+    assert got.digest == want.digest and got.rows.tolist() == want.rows.tolist()
+    monkeypatch.setattr(D, "_CPU_NUMPY", False)  # the torch ops, chunked alike
     got = digest_tensor(t, row_axis=0)
     assert got.digest == want.digest and got.rows.tolist() == want.rows.tolist()
     assert raw(t).digest(0) == want.digest
