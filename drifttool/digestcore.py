@@ -30,6 +30,7 @@ take numpy arrays or torch tensors alike: they use only ``& | << >> + - *``, com
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -143,6 +144,7 @@ def header_words(dtype: str, shape: tuple[int, ...]) -> list[int]:
     return [DTYPE_CODES[dtype], len(shape), *map(int, shape)]
 
 
+@lru_cache(maxsize=4096)
 def header_value(dtype: str, shape: tuple[int, ...]) -> int:
     """``Σ_c H[c] · header_words[c] mod p`` (Python ints): the header term, added once."""
     hw = header_words(dtype, shape)

@@ -58,19 +58,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from math import sqrt
 
 import numpy as np
 import torch
 
 from drifttool import digestcore as core
 from drifttool.digestcore import COL_CHUNK, P, ROW_CHUNK
-from drifttool.errors import UnsupportedConfigError
 
 _STAT_CHUNK = 1 << 22  # elements per fp64 chunk for the norm on a device (32 MiB of scratch)
 _NP_STAT_CHUNK = 1 << 16  # elements per chunk on the CPU (stays in cache)
 _BLOCK = {"cpu": 1 << 16}  # halves per FP64 block: in cache on CPU, one launch on a GPU
-_GPU_BLOCK = 1 << 26
+_GPU_BLOCK = 1 << 24  # 128 MiB of FP64 scratch per block
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CPU_NUMPY = True
 """CPU tensors run the same arithmetic through numpy (``digestcore``), zero-copy: measured 2-5×
@@ -174,7 +172,8 @@ def _level2(rows: torch.Tensor, row_offset: int) -> torch.Tensor:
         return torch.tensor(core.level2_np(rows.numpy(), row_offset), dtype=torch.int64)
     a = _table("row", row_offset + n, dev)
     c = _consts(dev)
-    parts = [core.level2(rows[:, r0:r0 + ROW_CHUNK], a[:, :, row_offset + r0:row_offset + min(n, r0 + ROW_CHUNK)], c)
+    parts = [core.level2(rows[:, r0:r0 + ROW_CHUNK],
+                         a[:, :, row_offset + r0:row_offset + min(n, r0 + ROW_CHUNK)], c)
              for r0 in range(0, n, ROW_CHUNK)]
     return parts[0] if len(parts) == 1 else core.modsum(torch.stack(parts), 0)
 
@@ -371,7 +370,9 @@ def _summary(numel: int, s: np.ndarray) -> tuple[int, float, float]:
     sq, mx, mn, bad = s.tolist()
     if numel == 0:
         return 0, 0.0, 0.0
-    return int(bad), sqrt(sq) if sq >= 0 else float("nan"), float("nan") if np.isnan(sq) else max(mx, -mn)
+    if math.isnan(sq):  # NaN propagates into l2 and maxabs
+        return int(bad), math.nan, math.nan
+    return int(bad), math.sqrt(sq), max(mx, -mn)
 
 
 def digest_tensor(t: torch.Tensor, *, row_axis: int | None = None,
@@ -405,6 +406,6 @@ def stats(t: torch.Tensor) -> tuple[int, float, float]:
     return _summary(t.numel(), _stats_vec(t).cpu().numpy())
 
 
-__all__ = ["P", "Partial", "PendingDigest", "TensorDigest", "UnsupportedConfigError", "combine",
+__all__ = ["P", "Partial", "PendingDigest", "TensorDigest", "combine",
            "digest", "digest_pending", "digest_tensor", "dtype_from_name", "dtype_name",
            "materialize", "partial", "raw_bytes", "row_digests", "stats"]
