@@ -160,7 +160,8 @@ class Recorder:
                 raise TypeError(f"step quantity {name!r} is {type(t).__name__}, not a Tensor")
             t = t.detach()
             # bytes now on the host; a device tensor is copied on its device, read at flush
-            data = raw_bytes(t).tobytes() if t.device.type == "cpu" else t.clone()
+            data = raw_bytes(t).tobytes() if t.device.type == "cpu" else \
+                t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).clone()
             d = digest_pending(t)
             self._steps.append(((
                 self._seq, int(rank), phase, int(step), _float(sigma), _float(sigma_next),
@@ -187,9 +188,19 @@ class Recorder:
                                           schema=S.OPS_SCHEMA)
 
     def _steps_batch(self, done: list) -> pa.RecordBatch:
-        recs = [(*head, *self._digest_cols(d),
-                 data if isinstance(data, bytes) else raw_bytes(data).tobytes())
-                for (head, _, data), d in zip(self._steps, done)]
+        data = [x for _, _, x in self._steps]
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, x in enumerate(data):
+            if not isinstance(x, bytes):
+                by_dev.setdefault(x.device, []).append(i)
+        for idx in by_dev.values():  # device bytes: one read-back per device
+            flat = torch.cat([data[i] for i in idx]).cpu().numpy()
+            at = 0
+            for i in idx:
+                n = data[i].numel()
+                data[i], at = flat[at:at + n].tobytes(), at + n
+        recs = [(*head, *self._digest_cols(d), x)
+                for (head, _, _), d, x in zip(self._steps, done, data)]
         return pa.RecordBatch.from_pydict(dict(zip(_STEPS_COLS, map(list, zip(*recs)))),
                                           schema=S.STEPS_SCHEMA)
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from drifttool.capture.digest import combine, digest_pending, digest_tensor, materialize, partial
+from drifttool.capture.recorder import Recorder
 from tests.capture.test_digest import DTYPES, random_tensor
+from tests.capture.test_recorder import joint_out, site
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,3 +42,19 @@ def test_shards_on_the_device_combine_to_the_cpu_digest():
     v, rows = combine(parts, "bfloat16", (6889, 6, 8), row_axis=0)
     whole = digest_tensor(t, row_axis=0)
     assert v == whole.digest and rows.tolist() == whole.rows.tolist()
+
+
+def test_recorder_on_cuda_writes_the_cpu_records():
+    # capture and step records of CUDA tensors: computed on the device, read back at flush
+    def run(device):
+        rec = Recorder("L2")
+        # finite values (NaN != NaN would fail the comparison of maxabs, not the digest)
+        out = torch.randn(2, 4, 3072, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+        rec.capture(site(), out, "BS.")
+        rec.record_step(phase="rollout", step=0, sigma=1.0, sigma_next=0.5, sample=0, branch="cfg",
+                        quantities={"x_t": joint_out()[0].to(device), "v_t": out[0].to(device)})
+        rec.flush()
+        drop = lambda rows: [{k: v for k, v in r.items() if k != "l2"} for r in rows]
+        return drop(rec.ops_table().to_pylist()), drop(rec.steps_table().to_pylist())
+
+    assert run("cuda") == run("cpu")
