@@ -2,7 +2,7 @@
 differs between them.
 
     {"arch":     {...MMDiTConfig.arch_fields(), "img_grid": [h, w]},   # differs → incomparable
-     "weights":  "xxh3_64:…",                                          # differs → diffed, listed
+     "weights":  "xxh3_128:…",                                         # differs → diffed, listed
      "dtype_policy": {...}, "scheduler": {...}, "cfg": {...}, "sde": {...}, "runtime": {...},
      "inputs":   {"rope_tables": "exact-v1: …", "noise": "philox4x64-10+box-muller64-v1",
                   "cpu_capability": None}}                            # version 2
@@ -16,7 +16,7 @@ it is None when every input is portable.
 Only ``arch`` decides incomparability (record shapes and identities depend on it); every other
 field is a setting whose differences ``drifttool diff`` lists first and then diffs through.
 
-The manifest pins tensors by ``tensor_digest`` (``"xxh3_64:<16 hex>"``, the capture digest of
+The manifest pins tensors by ``tensor_digest`` (``"digest_v2:<16 hex>"``, the capture digest of
 dtype, shape and bytes): the sigma table (``sampler_record``) and the replay inputs
 (``replay.input_digests``). ``check_finite`` refuses a NaN or Inf before it would be hashed as if
 it were an ordinary value.
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from drifttool.capture.digest import digest_tensor
+from drifttool.capture.digest import digest
+from drifttool.digestcore import label
 from drifttool.errors import DriftToolError
 from drifttool.model.rope import BACKEND_TABLES, ROPE_ALGORITHMS
 
@@ -37,8 +38,9 @@ FINGERPRINT_VERSION = 2  # 2: "inputs" (RoPE table algorithm, noise generator, c
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """``"xxh3_64:<16 hex digits>"`` of ``t``'s dtype, shape and bytes (``capture.digest``)."""
-    return f"xxh3_64:{digest_tensor(t).digest:016x}"
+    """Digest v2 of ``t`` (one row) as written into the manifest: ``"digest_v2:<16 hex>"``
+    (``drifttool.digestcore.label``; docs/digest.md)."""
+    return label(digest(t))
 
 
 def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from drifttool.artifact import schema as S
 from drifttool.artifact.manifest import brief, listed_files, world_size
 from drifttool.artifact.raw import RawTensor, read_raw
+from drifttool.digestcore import label
 from drifttool.errors import ArtifactError
 
 
@@ -262,8 +263,7 @@ def schema_differences(got: pa.Schema, want: pa.Schema) -> str:
 
 def check_inputs(path: Path, manifest: dict[str, Any]) -> dict[str, RawTensor]:
     """Re-hash every replay input of ``inputs.safetensors`` against the manifest's
-    ``replay.input_digests`` (``xxh3_64`` of ``"<dtype>|<shape>|"`` + bytes, as
-    ``drifttool.capture.digest``) and refuse non-finite values: ``drifttool run`` never writes
+    ``replay.input_digests`` (digest v2 ``V``, one row, ``drifttool.digestcore.label``) and refuse non-finite values: ``drifttool run`` never writes
     them (``runner.check_finite``), so one is damage. Torch-free (``drifttool.artifact.raw``).
     Returns the inputs as read (``{}`` when the run has none).
 
@@ -281,7 +281,7 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> dict[str, RawTensor]:
         return {}  # an incomplete run that never wrote its inputs
     where = path / name
     tensors = read_raw(where)
-    got = {key: f"xxh3_64:{t.digest():016x}" for key, t in tensors.items()}
+    got = {key: label(t.digest()) for key, t in tensors.items()}
     bad = [f"{key} ({n})" for key, t in tensors.items() for n in [t.nonfinite()] if n]
     if bad:
         raise ArtifactError(f"{where}: non-finite replay inputs: {', '.join(bad)}")

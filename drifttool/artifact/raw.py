@@ -7,9 +7,9 @@
 What the diff needs of the replay inputs (``drifttool.diff.context``) is their identity, not their
 values, so it reads them with ``safetensors.deserialize`` (raw little-endian row-major bytes,
 the safetensors format) instead of importing torch (seconds of the diff's wall time).
-``RawTensor.digest`` is the identity of ``drifttool.capture.digest.digest`` —
-``xxh3_64(b"<dtype>|<d0,d1,…>|" + bytes)`` with torch's dtype spelling — so the same tensor
-digests the same either way.
+``RawTensor.digest`` is digest v2 (``drifttool.capture.digest``, docs/digest.md) computed with
+numpy by ``drifttool.digestcore`` — exact integer arithmetic, so it equals the torch value on any
+device: the same tensor digests the same either way.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 from safetensors import SafetensorError, deserialize
 
+from drifttool.digestcore import digest_array
 from drifttool.errors import ArtifactError
 
 # safetensors dtype code -> (torch's spelling as stored in artifacts, numpy dtype of the elements
@@ -53,11 +53,14 @@ class RawTensor:
             return int(np.count_nonzero(~np.isfinite(self.array)))
         return 0
 
-    def digest(self) -> int:
-        """xxh3_64 of dtype, shape and bytes (``drifttool.capture.digest.digest``'s identity)."""
-        h = xxhash.xxh3_64(f"{self.dtype}|{','.join(map(str, self.array.shape))}|".encode())
-        h.update(np.ascontiguousarray(self.array).tobytes())
-        return h.intdigest()
+    def digest(self, row_axis: int | None = None) -> int:
+        """Digest v2 ``V`` (rows along ``row_axis``, or one row): equal to
+        ``drifttool.capture.digest.digest`` of the same tensor.
+
+        Raises:
+            UnsupportedConfigError: a dtype without a digest code.
+        """
+        return digest_array(self.array, self.dtype, row_axis)[0]
 
 
 def read_raw(path: str | os.PathLike) -> dict[str, RawTensor]:

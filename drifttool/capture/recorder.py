@@ -15,6 +15,10 @@ Levels (design.md, "Digests"): ``L0`` keeps step records only (operator outputs 
 Step records are kept at every level, with their raw bytes (they are small: ``[N, C]`` or 0-dim).
 Operator outputs are never kept, only their digests and summaries.
 
+Digests and summaries are computed on the tensor's device (``digest_pending``) and kept pending;
+a step's pending results are read back in one transfer per device when the step is flushed
+(``materialize``), so capture never syncs with the host per operator.
+
 Records are buffered and written as one record batch per step: on ``flush()`` and whenever a
 record of a different (phase, step) arrives. ``rank`` is the owning rank (this process), not
 part of a record's identity. ``seq`` numbers every record (op and step) in execution order on
@@ -34,7 +38,7 @@ import torch
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.writer import ArtifactWriter
-from drifttool.capture.digest import digest_tensor, raw_bytes
+from drifttool.capture.digest import PendingDigest, digest_pending, materialize, raw_bytes
 from drifttool.capture.layout import canonicalize
 from drifttool.errors import UnsupportedConfigError
 
@@ -86,7 +90,6 @@ class Recorder:
         self._grad_pos: dict[tuple, int] = {}
         self._current: tuple[str, int] | None = None
         self._ops: list[tuple] = []
-        self._rows: list[np.ndarray | None] = []
         self._steps: list[tuple] = []
         self._kept_ops: list[pa.RecordBatch] = []
         self._kept_steps: list[pa.RecordBatch] = []
@@ -109,7 +112,7 @@ class Recorder:
             site: ``Runtime.site(op, stream)``: phase, step, sigma, branch, block, samples,
                 txt_lens, img_grid, op, stream, call, op_pos (program position), component
                 (``"mmdit"`` when absent).
-            tensor: the output, any dtype/device (GPU tensors are copied to the host).
+            tensor: the output, any dtype/device (digested on its device, read back at flush).
             layout: axis tags, see ``drifttool.capture.layout``.
             index: output index of a tuple-returning operator.
             role: ``output`` (an operator output), ``grad_input`` or ``grad_weight``.
@@ -133,17 +136,16 @@ class Recorder:
         for b, part in enumerate(canonicalize(site, tensor, layout)):
             # batched CFG: the scope holds one branch per batch row (docs/architecture.md)
             branch = _row_branch(branches, b if part.sample >= 0 else None)
-            d = digest_tensor(part.tensor, row_axis=part.row_axis if rows else None)
             rm = part.rows if rows and part.row_axis is not None else None
+            d = digest_pending(part.tensor, row_axis=part.row_axis, keep_rows=rm is not None)
             grid = rm.img_grid if rm is not None else None
-            self._ops.append((
+            self._ops.append(((
                 self._seq, self.rank, component, site["phase"], int(site["step"]),
                 _float(site["sigma"]), branch, int(site["block"]), int(site["op_pos"]),
-                site["stream"], site["op"], int(site["call"]), int(index), role, part.sample, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
-                d.maxabs, None if rm is None else rm.txt_len,
+                site["stream"], site["op"], int(site["call"]), int(index), role, part.sample),
+                d, (None if rm is None else rm.txt_len,
                 None if grid is None else grid[0], None if grid is None else grid[1],
-            ))
-            self._rows.append(d.rows if rm is not None else None)
+            )))
             self._seq += 1
 
     def capture_grad(self, *, phase: str, step: int, block: int, stream: str, op: str,
@@ -181,42 +183,65 @@ class Recorder:
         for name, t in quantities.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"step quantity {name!r} is {type(t).__name__}, not a Tensor")
-            t = t.detach().cpu().contiguous()
-            d = digest_tensor(t)
-            self._steps.append((
+            t = t.detach()
+            # bytes now on the host; a device tensor is copied on its device, read at flush
+            data = raw_bytes(t).tobytes() if t.device.type == "cpu" else \
+                t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).clone()
+            d = digest_pending(t)
+            self._steps.append(((
                 self._seq, int(rank), component, phase, int(step), _float(sigma),
-                _float(sigma_next),
-                int(sample), branch, name, d.dtype, d.shape, d.digest, d.nonfinite, d.l2,
-                d.maxabs, raw_bytes(t).tobytes(),
-            ))
+                _float(sigma_next), int(sample), branch, name), d, data))
             self._seq += 1
 
     # -- output --------------------------------------------------------------------------------
-    def _ops_batch(self) -> pa.RecordBatch:
-        cols = dict(zip(_OPS_SCALARS, map(list, zip(*self._ops))))
-        lens = np.array([0 if r is None else len(r) for r in self._rows], dtype=np.int32)
+    @staticmethod
+    def _digest_cols(d) -> tuple:
+        return d.dtype, d.shape, d.digest, d.nonfinite, d.l2, d.maxabs
+
+    def _ops_batch(self, done: list) -> pa.RecordBatch:
+        recs = [(*head, *self._digest_cols(d), *tail) for (head, _, tail), d in zip(self._ops, done)]
+        cols = dict(zip(_OPS_SCALARS, map(list, zip(*recs))))
+        rows = [d.rows for d in done]
+        lens = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
         offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
-        values = [r for r in self._rows if r is not None]
+        values = [r for r in rows if r is not None]
         flat = np.concatenate(values) if values else np.empty(0, np.uint64)
-        mask = pa.array([r is None for r in self._rows])
+        mask = pa.array([r is None for r in rows])
         cols["row_digests"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),
                                                        mask=mask)
         return pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
                                           schema=S.OPS_SCHEMA)
 
+    def _steps_batch(self, done: list) -> pa.RecordBatch:
+        data = [x for _, _, x in self._steps]
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, x in enumerate(data):
+            if not isinstance(x, bytes):
+                by_dev.setdefault(x.device, []).append(i)
+        for idx in by_dev.values():  # device bytes: one read-back per device
+            flat = torch.cat([data[i] for i in idx]).cpu().numpy()
+            at = 0
+            for i in idx:
+                n = data[i].numel()
+                data[i], at = flat[at:at + n].tobytes(), at + n
+        recs = [(*head, *self._digest_cols(d), x)
+                for (head, _, _), d, x in zip(self._steps, done, data)]
+        return pa.RecordBatch.from_pydict(dict(zip(_STEPS_COLS, map(list, zip(*recs)))),
+                                          schema=S.STEPS_SCHEMA)
+
     def flush(self) -> None:
         """Write the buffered records as one batch per file (nothing if the buffer is empty)."""
+        pending: list[PendingDigest] = [p for _, p, _ in self._ops] + [p for _, p, _ in self._steps]
+        done = materialize(pending)  # the step's one read-back per device
         if self._ops:
-            batch = self._ops_batch()
+            batch = self._ops_batch(done[:len(self._ops)])
             if self.writer is not None:
                 self.writer.write_ops(batch, rank=self.rank)
             else:
                 self._kept_ops.append(batch)
             self._ops.clear()
-            self._rows.clear()
         if self._steps:
-            batch = pa.RecordBatch.from_pydict(dict(zip(_STEPS_COLS, map(list, zip(*self._steps)))),
-                                               schema=S.STEPS_SCHEMA)
+            batch = self._steps_batch(done[len(pending) - len(self._steps):])
             if self.writer is not None:
                 self.writer.write_steps(batch)
             else:

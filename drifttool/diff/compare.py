@@ -33,7 +33,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import xxhash
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
@@ -45,7 +44,8 @@ from drifttool.diff.order import program_order
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
-from drifttool.errors import ArtifactError
+from drifttool.digestcore import digest_bytes
+from drifttool.errors import ArtifactError, DriftToolError
 
 FIRST_ROWS = 8  # differing rows named in the report
 
@@ -150,7 +150,7 @@ def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: boo
 
 
 def check_step_bytes(run: Run) -> None:
-    """Re-hash every step record's stored bytes against its digest (the diff compares digests;
+    """Re-digest (digest v2, ``drifttool.digestcore``) every step record's stored bytes against its digest (the diff compares digests;
     this makes sure they still describe the bytes).
 
     Raises:
@@ -159,9 +159,11 @@ def check_step_bytes(run: Run) -> None:
     t = run.steps_table().select(["step", "sample", "branch", "quantity", "dtype", "shape",
                                   "digest", "data"])
     for r in t.to_pylist():
-        h = xxhash.xxh3_64(f"{r['dtype']}|{','.join(map(str, r['shape']))}|".encode())
-        h.update(r["data"])
-        if h.intdigest() != r["digest"]:
+        try:
+            ok = digest_bytes(r["data"], r["dtype"], r["shape"]) == r["digest"]
+        except (ValueError, DriftToolError):
+            ok = False  # bytes that do not hold the declared dtype and shape
+        if not ok:
             raise ArtifactError(
                 f"{run.path}/steps.arrow: the bytes of step {r['step']} sample {r['sample']} "
                 f"{r['branch']} {r['quantity']} do not match their digest (tampered or corrupt)")

@@ -2,7 +2,7 @@
 
     >>> check_matched(run_a, run_b, "op", table_diff)   # raises ArtifactError on a mismatch
 
-A record's ``digest`` is xxh3_64 over its dtype, shape and bytes (``drifttool.capture.digest``),
+A record's ``digest`` is digest v2 of its dtype, shape and bytes (``drifttool.capture.digest``),
 so two records with equal digests hold the same tensor; then ``dtype``, ``shape``,
 ``nonfinite``, ``maxabs`` (an exact max, unlike the fp64-accumulated ``l2``) and the L2 row
 digests, which are functions of those bytes, must be equal too. A pair that differs there while

@@ -19,7 +19,9 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import xxhash
+
+from drifttool.digestcore import digest_bytes
+from drifttool.errors import DriftToolError
 
 
 def _patch(path: Path, offset: int, data: bytes) -> None:
@@ -92,9 +94,10 @@ def restep(row: int, **fields) -> Callable[[Path], None]:
         rows = t.to_pylist()
         r = rows[row]
         r.update(fields)
-        h = xxhash.xxh3_64(f"{r['dtype']}|{','.join(map(str, r['shape']))}|".encode())
-        h.update(r["data"])
-        r["digest"] = h.intdigest()
+        try:  # digest v2 of the bytes under the new fields, where they can hold them
+            r["digest"] = digest_bytes(r["data"], r["dtype"], r["shape"])
+        except (ValueError, DriftToolError):
+            pass  # bytes that cannot hold the declared dtype and shape: a later check says so
         return pa.Table.from_pylist(rows, schema=t.schema)
     return lambda d: _rewrite_stream(d / "steps.rank0.arrow", edit)
 

@@ -48,8 +48,9 @@ def test_l1_one_record_per_sample_no_rows():
     rec.flush()
     t = rec.ops_table().to_pylist()
     assert [r["sample"] for r in t] == [5, 6]
-    assert t[0]["digest"] == digest(torch.cat([out[0, :1], out[0, 2:]]))  # txt_len 1 of pad 2
-    assert t[1]["digest"] == digest(out[1])
+    # the canonical row axis (S) is part of the digest at every level, rows kept or not
+    assert t[0]["digest"] == digest(torch.cat([out[0, :1], out[0, 2:]]), row_axis=0)  # txt_len 1 of pad 2
+    assert t[1]["digest"] == digest(out[1], row_axis=0)
     assert t[0]["shape"] == [3, 3] and t[0]["dtype"] == "float32" and t[0]["index"] == 1
     assert t[0]["role"] == "output" and t[0]["row_digests"] is None and t[0]["txt_len"] is None
     assert (t[0]["block"], t[0]["stream"], t[0]["op"], t[0]["sigma"]) == (3, "joint",
@@ -66,6 +67,11 @@ def test_l2_row_digests_and_row_map():
     r0, r1 = rec.ops_table().to_pylist()
     canon0 = torch.cat([out[0, :1], out[0, 2:]])
     assert r0["row_digests"] == row_digests(canon0).tolist()
+    assert r0["digest"] == digest(canon0, row_axis=0)
+    l1 = Recorder("L1")
+    l1.capture(site(), out, "BS.")
+    l1.flush()
+    assert l1.ops_table().column("digest").to_pylist() == [r0["digest"], r1["digest"]]  # L1 == L2
     assert (r0["txt_len"], r0["img_h"], r0["img_w"], r1["txt_len"]) == (1, 1, 2, 2)
     rec.capture(site(op="norm", stream="none"), torch.ones(3), ".")  # no S axis: no rows
     rec.flush()

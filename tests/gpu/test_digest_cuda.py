@@ -1,0 +1,60 @@
+"""Digest v2 gives the same values on a CUDA device as on the CPU (exact integer arithmetic in
+FP64 cuBLAS products and int64), is computed there without a copy to the host, and its shard
+partials combine across devices. Skipped without a GPU; run with ``python -m pytest tests/gpu``.
+"""
+
+import pytest
+import torch
+
+from drifttool.capture.digest import combine, digest_pending, digest_tensor, materialize, partial
+from drifttool.capture.recorder import Recorder
+from tests.capture.test_digest import DTYPES, random_tensor
+from tests.capture.test_recorder import joint_out, site
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.complex64, torch.int32])
+@pytest.mark.parametrize("shape,axis", [((6889, 24), 0), ((3, 70_001), 0), ((2, 17, 5), 1),
+                                        ((70_003,), None), ((0, 4), 0), ((), None)])
+def test_cpu_and_cuda_digests_are_equal(dtype, shape, axis):
+    t = random_tensor(sum(shape) + 1, dtype, shape)
+    cpu = digest_tensor(t, row_axis=axis, keep_rows=axis is not None)
+    dev = digest_tensor(t.cuda(), row_axis=axis, keep_rows=axis is not None)
+    assert dev.digest == cpu.digest and dev.nonfinite == cpu.nonfinite
+    assert (dev.rows is None and cpu.rows is None) or dev.rows.tolist() == cpu.rows.tolist()
+    if dtype.is_floating_point and cpu.nonfinite == 0 and t.numel():
+        assert dev.maxabs == cpu.maxabs and dev.l2 == pytest.approx(cpu.l2, rel=1e-12)
+
+
+def test_pending_stays_on_the_device_and_reads_back_once():
+    ts = [random_tensor(i, torch.bfloat16, (257, 3072)).cuda() for i in range(5)]
+    pending = [digest_pending(t, row_axis=0, keep_rows=True) for t in ts]
+    assert all(p.vec.device.type == "cuda" for p in pending)
+    got = materialize(pending)
+    assert [d.digest for d in got] == [digest_tensor(t.cpu(), row_axis=0).digest for t in ts]
+
+
+def test_shards_on_the_device_combine_to_the_cpu_digest():
+    t = random_tensor(9, torch.bfloat16, (6889, 6, 8))
+    parts = [partial(t[r0:r1, h0:h0 + 3].cuda(), row_axis=0, row_offset=r0, col_offset=h0 * 8)
+             for r0, r1 in ((0, 3000), (3000, 6889)) for h0 in (0, 3)]
+    v, rows = combine(parts, "bfloat16", (6889, 6, 8), row_axis=0)
+    whole = digest_tensor(t, row_axis=0)
+    assert v == whole.digest and rows.tolist() == whole.rows.tolist()
+
+
+def test_recorder_on_cuda_writes_the_cpu_records():
+    # capture and step records of CUDA tensors: computed on the device, read back at flush
+    def run(device):
+        rec = Recorder("L2")
+        # finite values (NaN != NaN would fail the comparison of maxabs, not the digest)
+        out = torch.randn(2, 4, 3072, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+        rec.capture(site(), out, "BS.")
+        rec.record_step(phase="rollout", step=0, sigma=1.0, sigma_next=0.5, sample=0, branch="cfg",
+                        quantities={"x_t": joint_out()[0].to(device), "v_t": out[0].to(device)})
+        rec.flush()
+        drop = lambda rows: [{k: v for k, v in r.items() if k != "l2"} for r in rows]
+        return drop(rec.ops_table().to_pylist()), drop(rec.steps_table().to_pylist())
+
+    assert run("cuda") == run("cpu")
