@@ -327,8 +327,7 @@ class ArtifactWriter:
         """Store this rank's operator trace (``OperatorTrace.rows()``) as ``trace.rank<r>.arrow``
         (one batch; a second call replaces the first).
 
-        A row may carry its owning ``rank`` (as ``Run.trace_rows`` returns it): it must be this
-        writer's.
+        Each row's ``rank`` (the trace schema's owning rank) must be this writer's.
 
         Raises:
             ValueError: a row has keys outside ``TRACE_SCHEMA`` (and ``rank``), or is of another
@@ -336,11 +335,6 @@ class ArtifactWriter:
         """
         self._check_open()
         names = set(S.TRACE_SCHEMA.names)
-        if "rank" not in names:  # rows read back (Run.trace_rows) name their owning rank
-            if any(row.get("rank", self.rank) != self.rank for row in rows):
-                raise ValueError(f"trace rows of another rank given to the writer of rank "
-                                 f"{self.rank}")
-            rows = [{k: v for k, v in row.items() if k != "rank"} for row in rows]
         for row in rows:
             if set(row) - names:
                 raise ValueError(f"trace row has unknown keys {sorted(set(row) - names)}")

@@ -8,11 +8,14 @@ A uniquely named module (not ``conftest``): other test folders have their own ``
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
+from drifttool.artifact import schema as S
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
 
@@ -51,7 +54,10 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
     fp = fingerprint or {"arch": dict(ARCH), "weights": "w0", "scheduler": {"num_steps": steps}}
     writer = ArtifactWriter(path, manifest={"fingerprint": fp, "environment": {"machine": "test"}})
     owner = {0: 0, 1: 0, **(owners or {})}
-    recs = {r: Recorder(level, writer, rank=r) for r in sorted(set(owner.values()))}
+    # rank 0 writes through the writer; other ranks' records are kept and written as their own
+    # per-rank files at the end (one process stands in for the ranks of a sample-parallel run)
+    recs = {r: Recorder(level, writer if r == 0 else None, rank=r)
+            for r in sorted(set(owner.values()) | {0})}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 8, generator=g) / 3
     x = torch.randn(2, 6, 8, generator=g)  # [B, h*w, C]
@@ -130,11 +136,22 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
         x = x_next
         if between is not None and between["step"] == i:
             x = _bump(x, between["sample"], between["row"], None)
-    writer.write_trace([{"rank": r, "device": "cpu", "component": "mmdit", "op": "img_mlp",
+    writer.write_trace([{"rank": 0, "device": "cpu", "component": "mmdit", "op": "img_mlp",
                          "block": 0, "stream": "img", "call": 0, "contract": "c.v1",
                          "requested": "strict", "actual": "strict", "kernel": "cpu",
-                         "fallback": False, "reason": "", "declared": False, "calls": 1}
-                        for r in recs])
+                         "fallback": False, "reason": "", "declared": False, "calls": 1}])
     flush()
-    recs[0 if 0 in recs else min(recs)].close(complete=True)  # closes the shared writer
+    recs[0].close(complete=True)  # closes rank 0's writer
+    ranks = sorted(r for r in recs if r)
+    if ranks:
+        m = json.loads((path / S.MANIFEST).read_text())
+        for r in ranks:
+            for table, kept in (("ops", recs[r].ops_table()), ("steps", recs[r].steps_table())):
+                name = f"{table}.rank{r}.arrow"
+                with pa.OSFile(str(path / name), "wb") as f, \
+                        pa.ipc.new_stream(f, kept.schema) as out:
+                    out.write_table(kept)
+                m["files"][table].append(name)
+        m["layout"]["world_size"] = 1 + len(ranks)
+        (path / S.MANIFEST).write_text(json.dumps(m))
     return path

@@ -27,7 +27,7 @@ from drifttool.distributed import (DistContext, close_distributed, init_distribu
 STEPS = 3
 IMG_GRID = (3, 3)  # 9 image rows: odd
 WIDTH = 7
-TRACE = [{"op": "img_mlp", "block": 0, "stream": "img", "call": 0, "contract": "m.v1",
+TRACE = [{"device": "cpu", "component": "mmdit", "op": "img_mlp", "block": 0, "stream": "img", "call": 0, "contract": "m.v1",
           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
           "reason": "", "declared": False, "calls": STEPS}]
 
@@ -62,7 +62,7 @@ def synthetic_run(path: Path, batch: list[int], samples: list[int], rank: int, *
             sigma, sigma_next = 1.0 - i / STEPS, 1.0 - (i + 1) / STEPS
             site = {"phase": "rollout", "step": i, "sigma": sigma, "branch": "cond", "block": 0,
                     "samples": samples, "txt_lens": None, "img_grid": IMG_GRID, "rank": rank,
-                    "op": "img_mlp", "stream": "img", "call": 0}
+                    "op": "img_mlp", "stream": "img", "call": 0, "op_pos": 0}
             out = torch.stack([sample_tensor(s, i, "out") for s in samples])  # [b, 9, 7]
             rec.capture(site, out, "BS.")
             for s in samples:
@@ -70,7 +70,7 @@ def synthetic_run(path: Path, batch: list[int], samples: list[int], rank: int, *
                                 sample=s, branch="cond", rank=rank,
                                 quantities={"x_t": sample_tensor(s, i, "x_t")})
             rec.flush()
-        writer.write_trace(TRACE)
+        writer.write_trace([{**row, "rank": rank} for row in TRACE])
     except BaseException:
         rec.close(complete=False)
         raise

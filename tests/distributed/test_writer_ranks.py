@@ -10,7 +10,7 @@ from drifttool.artifact import schema as S
 
 
 def _steps(rank: int) -> dict:
-    return {"seq": [0], "rank": [rank], "phase": ["rollout"], "step": [0], "sigma": [1.0],
+    return {"seq": [0], "rank": [rank], "component": ["mmdit"], "phase": ["rollout"], "step": [0], "sigma": [1.0],
             "sigma_next": [0.5], "sample": [0], "branch": ["cond"], "quantity": ["x_t"],
             "dtype": ["float32"], "shape": [[1]], "digest": [1], "nonfinite": [0], "l2": [0.0],
             "maxabs": [0.0], "data": [b"\0\0\0\0"]}
@@ -46,11 +46,11 @@ def test_records_of_another_rank_are_refused(tmp_path):
 
 
 def test_trace_rows_read_back_can_be_written_by_their_rank(tmp_path):
-    row = {"op": "img_mlp", "block": 0, "stream": "img", "call": 0, "contract": "m.v1",
+    row = {"device": "cpu", "component": "mmdit", "op": "img_mlp", "block": 0, "stream": "img", "call": 0, "contract": "m.v1",
            "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
            "reason": "", "declared": False, "calls": 2}
     w = ArtifactWriter(tmp_path / "a", {"fingerprint": {}})
-    with pytest.raises(ValueError, match="trace rows of another rank"):
+    with pytest.raises(ValueError, match=r"trace records of rank\(s\) \[1\]"):
         w.write_trace([{**row, "rank": 1}])
     w.write_trace([{**row, "rank": 0}])
     w.close(complete=True)
