@@ -43,8 +43,11 @@ def run(
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
 
-    With no model arguments it runs the embedded default fixture (tiny-t2i).
+    With no model arguments it runs the embedded default fixture (tiny-t2i). Under torchrun
+    (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's
+    samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints.
     """
+    from drifttool.distributed import close_distributed, init_distributed  # lazy: likewise
     from drifttool.runner import execute  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
@@ -54,12 +57,24 @@ def run(
         dtype=dtype, cfg_layout=cfg_layout, lora=lora,
     )
     _, settings = resolve(spec)
-    with progress() as bar:
-        task = bar.add_task(f"{settings.mode.value} rollout", total=settings.steps)
-        summary = execute(spec, out, overwrite=overwrite, on_step=lambda _: bar.advance(task))
+    dist = init_distributed(device="cpu", mesh_dims=("sample",))  # one process without torchrun
+    try:
+        if dist.rank == 0:
+            with progress() as bar:
+                task = bar.add_task(f"{settings.mode.value} rollout", total=settings.steps)
+                summary = execute(spec, out, overwrite=overwrite, dist=dist,
+                                  on_step=lambda _: bar.advance(task))
+        else:
+            summary = execute(spec, out, overwrite=overwrite, dist=dist)
+    finally:
+        close_distributed(dist)
+    if dist.rank != 0:
+        return
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))
+    if dist.world_size > 1:
+        table.add_row("ranks", f"{dist.world_size} (sample-parallel)")
     record = settings.record()
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
         table.add_row(key, str(record.get(key)))

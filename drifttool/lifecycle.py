@@ -156,7 +156,7 @@ class ArtifactSession:
         if self.mode.captures:
             self.recorder = Recorder(level=self.level, writer=self.writer, rank=self.rank)
         try:
-            self.rt = Runtime(mode=self.mode, recorder=self.recorder,
+            self.rt = Runtime(mode=self.mode, recorder=self.recorder, rank=self.rank,
                               unavailable=set(self.unavailable), variants=dict(self.variants))
         except BaseException as e:
             close_incomplete(None, self.recorder, self.writer, e)

@@ -13,11 +13,12 @@ byte-changing choice ends up in the manifest.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 import drifttool.ops  # noqa: F401  (registers every operator backend)
+from drifttool.distributed import DistContext, rank_samples, sample_parallel_layout
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
@@ -40,17 +41,20 @@ def execute(
     model: torch.nn.Module | None = None,
     replay_inputs: tuple[RolloutInputs, dict[str, Any]] | None = None,
     manifest_extra: dict[str, Any] | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    layout: Mapping[str, Any] = SINGLE_LAYOUT,
+    dist: DistContext | None = None,
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
 
     ``replay_inputs`` = (inputs, noise record) replaces the inputs drawn from the fixture (a
     replay of a stored artifact, ``drifttool.training.replay.replay_run``); ``manifest_extra`` is
-    merged into the manifest. A model without an adapter gets ``spec.lora`` loaded. ``rank``,
-    ``world_size`` and ``layout`` place this process in a multi-rank run
-    (``drifttool.lifecycle.ArtifactSession``; default: one process).
+    merged into the manifest. A model without an adapter gets ``spec.lora`` loaded.
+
+    ``dist`` places this process in a multi-rank run (``drifttool.distributed.init_distributed``
+    under ``torchrun``; default one process). Several ranks run **sample-parallel**: the batch's
+    logical samples are split contiguously over the ranks (``distributed.rank_samples``), every
+    rank builds the same manifest and replay inputs for the whole batch, runs its own samples and
+    writes its own records into the one artifact (``layout.kind = "sample_parallel"``); strict
+    arithmetic is batch-invariant, so the artifact diffs identical to one process.
 
     ``model`` replaces the checkpoint's ``MMDiT`` with another implementation of the same call
     (``config``, ``dtype``, named parameters under the checkpoint's names, and
@@ -84,9 +88,14 @@ def execute(
         inputs, noise_rec = s.inputs(fx, model.config)
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
+    dist = dist or DistContext()
+    mine, layout = inputs, SINGLE_LAYOUT
+    if dist.distributed:  # before the artifact opens: a refusal here reaches every rank
+        layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
+        mine = inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size))
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),
-                              rank=rank, world_size=world_size, layout=layout)
+                              rank=dist.rank, world_size=dist.world_size, layout=layout)
     sigmas = session.sigma_table(sampler, inputs.img_grid)
     fingerprint = arch_fingerprint(
         arch=model.config.arch_fields(), img_grid=inputs.img_grid, weights=weight_digest(model),
@@ -111,7 +120,7 @@ def execute(
     manifest.update(manifest_extra or {})
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(tensors)
-        traj = rollout(sampler_model(model), inputs, sampler, session.rt, callback=on_step,
+        traj = rollout(sampler_model(model), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)
         session.finish(complete=traj.complete)
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))

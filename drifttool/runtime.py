@@ -83,6 +83,8 @@ class Runtime:
             ``actual="variant:<variant_name>"``. Not a fallback: it is what the run asked for.
             A variant that needs the identity scope (step, block, branch, samples) defines
             ``bind_runtime(rt)``; it is called once here and may then read ``rt.current_scope()``.
+        rank: this process's rank (torch.distributed; 0 for one process): the owning rank of
+            every record and trace row it produces (an attribute, never part of an identity).
     """
 
     mode: Mode = Mode.STRICT
@@ -90,6 +92,7 @@ class Runtime:
     trace: "OperatorTrace | None" = None
     unavailable: set[tuple[str, str]] = field(default_factory=set)
     variants: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    rank: int = 0
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
     """Call counters of ``site``: ``(phase, step, branch, block, op, stream)`` -> the next
@@ -102,7 +105,7 @@ class Runtime:
             self.trace = OperatorTrace()
         if self.mode.backend == "strict":
             check_strict_environment()
-        self._scope = {**DEFAULT_SCOPE, **self._scope}
+        self._scope = {**DEFAULT_SCOPE, "rank": int(self.rank), **self._scope}
         for _, fn in self.variants.values():
             bind = getattr(fn, "bind_runtime", None)
             if callable(bind):

@@ -75,6 +75,32 @@ class RolloutInputs:
             if m is not None and (m.shape != t.shape[:2] or m.dtype != torch.bool):
                 raise ValueError(f"{name} mask must be bool [B, L], got {m.dtype} {tuple(m.shape)}")
 
+    def select(self, sample_ids: Sequence[int]) -> "RolloutInputs":
+        """The inputs of the logical samples ``sample_ids`` (in that order): the rows a rank runs
+        in a sample-parallel rollout. Each sample keeps its own latents, noise and prompts, so a
+        strict sample's bytes do not depend on which rank runs it.
+
+        Raises:
+            ValueError: an id that is not in this batch.
+        """
+        missing = [s for s in sample_ids if s not in self.sample_ids]
+        if missing:
+            raise ValueError(f"samples {missing} are not in the batch {self.sample_ids}")
+        rows = [self.sample_ids.index(s) for s in sample_ids]
+        idx = torch.tensor(rows, dtype=torch.long)
+
+        def pick(t: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
+            return None if t is None else t.index_select(dim, idx)
+
+        noise = self.noise
+        if isinstance(noise, torch.Tensor):
+            noise = pick(noise, 1)  # [num_steps, B, N, Cp]
+        elif noise is not None:
+            noise = [noise[r] for r in rows]
+        return RolloutInputs(sample_ids=list(sample_ids), x0=pick(self.x0), txt=pick(self.txt),
+                             img_grid=self.img_grid, txt_mask=pick(self.txt_mask), noise=noise,
+                             neg_txt=pick(self.neg_txt), neg_mask=pick(self.neg_mask))
+
     def noise_at(self, step: int) -> torch.Tensor:
         """[B, N, Cp] noise of step ``step``."""
         if self.noise is None:

@@ -215,7 +215,7 @@ def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
 
 
 def _rank(rt: Runtime) -> int:
-    return int(getattr(rt, "_scope", {}).get("rank", 0))
+    return int(rt.rank)
 
 
 def sigma_table(rt: Runtime, cfg: SamplerConfig, img_grid: tuple[int, int],
