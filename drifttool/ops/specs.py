@@ -18,11 +18,14 @@ adaln_gate_residual      (x [B,S,d], gate [B,d], y [B,S,d]) → x + gate·y
 qkv_bias_gemm            (x [B,S,d], wq, bq, wk, bk, wv, bv, heads) → (q, k, v) [B,S,H,Dh]
 qk_rmsnorm               (x [B,S,H,Dh], gain [Dh], eps=1e-6) → [B,S,H,Dh]
 multi_axis_rope          (x [B,S,H,Dh], freqs [S,Dh/2] complex64) → [B,S,H,Dh] (interleaved pairs)
-joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh], key_mask=None) → scores [B,H,S,S] fp32,
-                         scaled 1/√Dh (key_mask orders the strict backward only)
-joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None) → probs [B,H,S,S] fp32
-joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask) → [B,S,H,Dh] (dtype of v)
-joint_attention_fused    (q, k, v, key_mask) → [B,S,H,Dh]; byte-equal to the three above
+joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh], key_mask=None, *, text_len=None) → scores
+                         [B,H,S,S] fp32, scaled 1/√Dh (key_mask, text_len: strict backward only)
+joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None, *, text_len=None)
+                         → probs [B,H,S,S] fp32
+joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask, *, text_len=None) → [B,S,H,Dh]
+                         (dtype of v; probs cast to v's dtype before the value product)
+joint_attention_fused    (q, k, v, key_mask, *, text_len=None) → [B,S,H,Dh]; byte-equal to the
+                         three above
 attn_out_bias_gemm       (x [B,S,d], w [d,d], b [d]) → [B,S,d]
 mlp_up_gemm_gelu         (x [B,S,d], w [4d,d], b [4d]) → GELU_tanh(x·wᵀ + b) [B,S,4d]
 mlp_down_gemm            (x [B,S,4d], w [d,4d], b [d]) → [B,S,d]
@@ -34,7 +37,8 @@ flow_sde_step_logp       see drifttool/ops/scheduler.py
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
-[txt_mask, ones(N)].
+[txt_mask, ones(N)]. ``text_len`` is the padded text length L (where image keys start): the
+strict contract v2 blocks text and image keys separately (None = 0); production checks it only.
 """
 
 from __future__ import annotations
@@ -56,11 +60,17 @@ WS1_OPERATORS = (
 Other declared operators (e.g. ``lora_merge``) are not RFC rows."""
 
 
+_CONTRACT_VERSION = {  # operators whose strict contract changed (docs/strict-arithmetic.md)
+    "joint_attn_qk_gemm": "v2", "joint_attn_softmax": "v2", "joint_attn_av_gemm": "v2",
+    "joint_attention_fused": "v2",  # v2: fixed 64-key blocks in global key order, fixed merge
+}
+
+
 def _d(name: str, summary: str, *, differentiable: bool = True, dtypes=_FLOATS) -> OpSpec:
     return declare(
         OpSpec(
             name=name,
-            contract=f"qwenimage.{name}.v1",
+            contract=f"qwenimage.{name}.{_CONTRACT_VERSION.get(name, 'v1')}",
             differentiable=differentiable,
             dtypes=dtypes,
             summary=summary,

@@ -6,6 +6,7 @@ of the source tree, not installed)."""
 import importlib.util
 from pathlib import Path
 
+from drifttool.ops.registry import spec
 from drifttool.ops.specs import WS1_OPERATORS
 
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "operator_docs.py"
@@ -29,4 +30,4 @@ def test_every_operator_page_has_the_required_sections():
         text = (docs.DOCS / f"{name}.md").read_text()
         missing = [s for s in SECTIONS if s not in text]
         assert not missing, f"docs/operators/{name}.md lacks {missing}"
-        assert f"qwenimage.{name}.v1" in text and "python -m pytest" in text, name
+        assert spec(name).contract in text and "python -m pytest" in text, name

@@ -29,9 +29,13 @@ def test_all_22_ws1_operators_declared_with_both_backends():
     assert RFC_WS1 <= set(specs())  # other operators (e.g. lora_merge) may be declared too
     for name in RFC_WS1:
         s = specs()[name]
-        assert s.contract == f"qwenimage.{name}.v1"
+        version = "v2" if name in ATTENTION_V2 else "v1"  # attention: contract v2 (key blocks)
+        assert s.contract == f"qwenimage.{name}.{version}"
         implementation(name, "strict")
         implementation(name, "production")
+
+
+ATTENTION_V2 = {"joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm", "joint_attention_fused"}
 
 
 def test_strict_mode_fails_closed_on_unavailable_backend():
