@@ -30,21 +30,28 @@ masked is skipped (its output gradient is ignored; the model gives padded rows z
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implements
 from drifttool.ops.strict._checks import check, f32, out
-from drifttool.ops.strict.attention_blocks import (
-    BLOCK, EXACT_MAX_HEAD_DIM, JointLayout, row_sums, rowdot, softmax_probs, softmax_state, weighted_sum,
+from drifttool.ops.strict.attention_core import (
+    av_blocked,
+    check_joint,
+    from_blocked2,
+    geometry,
+    heads_f32,
+    masked_keys,
+    over_queries,
+    qk_scale,
+    scores_blocked,
+    scores_dot,
+    softmax_backward_blocked,
+    softmax_blocked,
+    to_blocked2,
 )
 from drifttool.ops.strict.embed import rms_gain_grads, rms_parts
 from drifttool.ops.strict.grad import cast_like, g32
-
-__all__ = ["EXACT_MAX_HEAD_DIM", "AttnGeometry", "geometry", "scores_blocked", "softmax_blocked",
-           "av_blocked", "softmax_backward_blocked", "qk_scale"]
 
 
 class _QKNorm(torch.autograd.Function):
@@ -110,148 +117,32 @@ def multi_axis_rope(x, freqs):
     return _Rope.apply(x, freqs, dt)
 
 
-def _heads(t: torch.Tensor) -> torch.Tensor:
-    """[B,S,H,D] → FP32 [B,H,S,D]."""
-    return f32(t).permute(0, 2, 1, 3)
-
-
-def qk_scale(d: int) -> torch.Tensor:
-    """fp32(1/√Dh) as an FP32 scalar tensor."""
-    return torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
-
-
-class AttnGeometry:
-    """The blocked layouts of one joint attention call and the key/query validity in them.
-
-    Attributes:
-        lq, lk: ``JointLayout`` of the query and key axes (both with ``text_len``).
-        valid_k: bool [B, Pk] (Pk = 64·nb_k); valid_q: bool [B, Pq] (the key mask on the query
-            axis when Sq = Sk, else every real position); present_k [B, nb_k], present_q [B, nb_q].
-    """
-
-    def __init__(self, op: str, b: int, sq: int, sk: int, key_mask, text_len, device=None) -> None:
-        if key_mask is not None and tuple(key_mask.shape) != (b, sk):
-            raise UnsupportedConfigError(f"{op}: key_mask must be [B, S] = [{b}, {sk}], got {tuple(key_mask.shape)}")
-        tl = 0 if text_len is None else text_len
-        if isinstance(tl, bool) or not isinstance(tl, int) or not 0 <= tl <= min(sq, sk):
-            raise UnsupportedConfigError(
-                f"{op}: text_len must be an int in [0, {min(sq, sk)}] (the padded text length), got {text_len!r}")
-        self.lq, self.lk = JointLayout(sq, tl), JointLayout(sk, tl)
-        self.valid_k = self.lk.valid(key_mask, b, device)
-        self.present_k = self.lk.present(self.valid_k)
-        if not bool(self.present_k.any(-1).all()):
-            raise UnsupportedConfigError(f"{op}: a sample has no valid key (its key_mask is all False)")
-        qmask = key_mask if (key_mask is not None and sq == sk) else None
-        self.valid_q = self.lq.valid(qmask, b, device)
-        self.present_q = self.lq.present(self.valid_q)
-
-    def key_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, M, Pk] → [B, H, M, nb_k, 64] (a view)."""
-        return x.view(*x.shape[:-1], self.lk.n_blocks, BLOCK)
-
-    def vk(self) -> torch.Tensor:
-        """Key validity broadcastable against ``key_blocks``: [B, 1, 1, nb_k, 64]."""
-        return self.valid_k.view(self.valid_k.shape[0], 1, 1, self.lk.n_blocks, BLOCK)
-
-
-def geometry(op: str, b: int, sq: int, sk: int, key_mask, text_len, device=None) -> AttnGeometry:
-    """Check the mask and ``text_len`` and build the layouts (raises ``UnsupportedConfigError``)."""
-    return AttnGeometry(op, b, sq, sk, key_mask, text_len, device)
-
-
-def scores_dot(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    """``rowdot`` of blocked [B,H,Mq,D] and blocked [B,H,Pk,D] → [B,H,Mq,Pk] FP32 (Σ over D)."""
-    b, h, mq, d = qb.shape
-    return rowdot(qb.reshape(b * h, mq, d), kb.reshape(b * h, -1, d)).view(b, h, mq, -1)
-
-
-def scores_blocked(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    """Scaled scores of blocked q [B,H,Mq,D] and blocked k [B,H,Pk,D] → [B,H,Mq,Pk] FP32:
-    ``rowdot`` × fp32(1/√Dh)."""
-    return scores_dot(qb, kb) * qk_scale(qb.shape[-1])
-
-
-def softmax_blocked(geo: AttnGeometry, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Probabilities of blocked FP32 scores x [B,H,M,Pk] → (P [B,H,M,Pk], m [B,H,M], l [B,H,M])."""
-    xb, vk = geo.key_blocks(x), geo.vk()
-    m, l = softmax_state(geo.lk, xb, vk, geo.present_k)
-    return softmax_probs(xb, vk, m, l).view(x.shape), m, l
-
-
-def masked_keys(geo: AttnGeometry, t: torch.Tensor) -> torch.Tensor:
-    """Blocked [B,H,Pk,D] with the masked and absent keys' rows replaced by +0."""
-    return torch.where(geo.valid_k[:, None, :, None], t, torch.zeros(()))
-
-
-def av_blocked(geo: AttnGeometry, p: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
-    """Σ_k P[k]·v[k] by the key block structure: p [B,H,M,Pk] (cast probabilities, FP32),
-    vb [B,H,Pk,D] blocked values (masked keys +0) → [B,H,M,D] FP32."""
-    b, h, m, pk = p.shape
-    d = vb.shape[-1]
-    w = torch.where(geo.valid_k[:, None, None, :], p, torch.zeros(())).view(b * h, m, geo.lk.n_blocks, BLOCK)
-    return weighted_sum(geo.lk, w, vb.reshape(b * h, geo.lk.n_blocks, BLOCK, d), geo.present_k, h)
-
-
-def over_queries(geo: AttnGeometry, w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """Σ over queries by the query block structure: w [B,H,Pq,Pk] (weight of query q for key
-    k), xb [B,H,Pq,D] blocked → [B,H,Pk,D] FP32 (dK = Gᵀ·Q, dV = P̃ᵀ·dO)."""
-    b, h, pq, pk = w.shape
-    d = xb.shape[-1]
-    wt = w.transpose(-1, -2).reshape(b * h, pk, geo.lq.n_blocks, BLOCK)
-    return weighted_sum(geo.lq, wt, xb.reshape(b * h, geo.lq.n_blocks, BLOCK, d), geo.present_q, h)
-
-
-def softmax_backward_blocked(geo: AttnGeometry, p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
-    """dS = P·(dP − Σ_k P·dP) on blocked [B,H,M,Pk] FP32, Σ by the key block structure; masked
-    keys +0."""
-    pb, dpb, vk = geo.key_blocks(p), geo.key_blocks(dp), geo.vk()
-    r = row_sums(geo.lk, pb * dpb, vk, geo.present_k)  # [B,H,M]
-    ds = torch.where(vk, pb * (dpb - r[..., None, None]), torch.zeros(()))
-    return ds.view(p.shape)
-
-
-def _blk2(geo: AttnGeometry, t: torch.Tensor) -> torch.Tensor:
-    """[B,H,Sq,Sk] → blocked [B,H,Pq,Pk]."""
-    return geo.lk.to_blocked(geo.lq.to_blocked(t, 2), 3)
-
-
-def _unblk2(geo: AttnGeometry, t: torch.Tensor) -> torch.Tensor:
-    return geo.lk.from_blocked(geo.lq.from_blocked(t, 2), 3)
-
-
-def _check_joint(op: str, key_mask, sq: int, sk: int) -> None:
-    if key_mask is not None and sq != sk:
-        raise UnsupportedConfigError(
-            f"{op} backward: a key mask needs the joint self-attention layout "
-            f"(as many queries as keys), got {sq} queries and {sk} keys")
-
-
 class _QK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, key_mask, text_len):
         b, s, h, d = q.shape
         geo = geometry("joint_attn_qk_gemm", b, s, k.shape[1], key_mask, text_len, q.device)
-        qb, kb = geo.lq.to_blocked(_heads(q), 2), geo.lk.to_blocked(_heads(k), 2)
+        qb, kb = geo.lq.to_blocked(heads_f32(q), 2), geo.lk.to_blocked(heads_f32(k), 2)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(q, k, key_mask)
             ctx.text_len = text_len
-        return _unblk2(geo, scores_blocked(qb, kb))
+        return from_blocked2(geo, scores_blocked(qb, kb))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gs):
         q, k, key_mask = ctx.saved_tensors
         b, sq, h, d = q.shape
-        _check_joint("joint_attn_qk_gemm", key_mask, sq, k.shape[1])
+        check_joint("joint_attn_qk_gemm", key_mask, sq, k.shape[1])
         geo = geometry("joint_attn_qk_gemm", b, sq, k.shape[1], key_mask, ctx.text_len, q.device)
-        g = _blk2(geo, g32(gs) * qk_scale(d))  # G = dS·fp32(1/√Dh), blocked [B,H,Pq,Pk]
+        g = to_blocked2(geo, g32(gs) * qk_scale(d))  # G = dS·fp32(1/√Dh), blocked [B,H,Pq,Pk]
         dq = dk = None
         if ctx.needs_input_grad[0]:  # Σ over keys
-            kb = masked_keys(geo, geo.lk.to_blocked(_heads(k), 2))
+            kb = masked_keys(geo, geo.lk.to_blocked(heads_f32(k), 2))
             dq = geo.lq.from_blocked(av_blocked(geo, g, kb), 2)
             dq = cast_like(dq.permute(0, 2, 1, 3).contiguous(), q)
         if ctx.needs_input_grad[1]:  # Σ over queries
-            dkb = masked_keys(geo, over_queries(geo, g, geo.lq.to_blocked(_heads(q), 2)))
+            dkb = masked_keys(geo, over_queries(geo, g, geo.lq.to_blocked(heads_f32(q), 2)))
             dk = cast_like(geo.lk.from_blocked(dkb, 2).permute(0, 2, 1, 3).contiguous(), k)
         return dq, dk, None, None
 
@@ -277,8 +168,8 @@ class _Softmax(torch.autograd.Function):
     def forward(ctx, scores, key_mask, text_len):
         b, h, sq, sk = scores.shape
         geo = geometry("joint_attn_softmax", b, sq, sk, key_mask, text_len, scores.device)
-        p, _, _ = softmax_blocked(geo, _blk2(geo, f32(scores)))
-        p = _unblk2(geo, p)
+        p, _, _ = softmax_blocked(geo, to_blocked2(geo, f32(scores)))
+        p = from_blocked2(geo, p)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(p, key_mask)
             ctx.text_len, ctx.s_dtype = text_len, scores.dtype
@@ -290,8 +181,8 @@ class _Softmax(torch.autograd.Function):
         p, key_mask = ctx.saved_tensors
         b, h, sq, sk = p.shape
         geo = geometry("joint_attn_softmax", b, sq, sk, key_mask, ctx.text_len, p.device)
-        ds = softmax_backward_blocked(geo, _blk2(geo, p), _blk2(geo, g32(gp)))
-        return _unblk2(geo, ds).to(ctx.s_dtype), None, None
+        ds = softmax_backward_blocked(geo, to_blocked2(geo, p), to_blocked2(geo, g32(gp)))
+        return from_blocked2(geo, ds).to(ctx.s_dtype), None, None
 
 
 @implements("joint_attn_softmax", "strict", kernel="strict.block64_merge_softmax.v2")
@@ -314,8 +205,8 @@ class _AV(torch.autograd.Function):
         dt = v.dtype
         b, h, sq, sk = probs.shape
         geo = geometry("joint_attn_av_gemm", b, sq, sk, key_mask, text_len, v.device)
-        pc = _blk2(geo, probs.to(dt).to(torch.float32))  # the declared cast: P → activation dtype
-        vb = masked_keys(geo, geo.lk.to_blocked(_heads(v), 2))
+        pc = to_blocked2(geo, probs.to(dt).to(torch.float32))  # the declared cast: P → activation dtype
+        vb = masked_keys(geo, geo.lk.to_blocked(heads_f32(v), 2))
         y = geo.lq.from_blocked(av_blocked(geo, pc, vb), 2)  # [B,H,Sq,D]
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(pc, vb, key_mask)  # blocked frame
@@ -328,13 +219,13 @@ class _AV(torch.autograd.Function):
     def backward(ctx, go):
         pc, vb, key_mask = ctx.saved_tensors  # cast probs [B,H,Pq,Pk], values [B,H,Pk,D] (masked +0)
         b, sq, sk, text_len = ctx.geo_args
-        _check_joint("joint_attn_av_gemm", key_mask, sq, sk)
+        check_joint("joint_attn_av_gemm", key_mask, sq, sk)
         geo = geometry("joint_attn_av_gemm", b, sq, sk, key_mask, text_len, vb.device)
-        gob = geo.lq.to_blocked(_heads(go.contiguous()), 2)  # [B,H,Pq,D]
+        gob = geo.lq.to_blocked(heads_f32(go.contiguous()), 2)  # [B,H,Pq,D]
         dp = dv = None
         if ctx.needs_input_grad[0]:  # dP = dO·Vᵀ, Σ over Dh; masked keys +0
             dpb = torch.where(geo.valid_k[:, None, None, :], scores_dot(gob, vb), torch.zeros(()))
-            dp = _unblk2(geo, dpb).to(ctx.dtypes[0])
+            dp = from_blocked2(geo, dpb).to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:  # dV = P̃ᵀ·dO, Σ over queries; masked keys +0
             dvb = masked_keys(geo, over_queries(geo, pc, gob))
             dv = geo.lk.from_blocked(dvb, 2).permute(0, 2, 1, 3).contiguous().to(ctx.dtypes[1])

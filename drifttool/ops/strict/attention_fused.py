@@ -20,13 +20,28 @@ from __future__ import annotations
 import torch
 
 from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
-from drifttool.ops.strict.attention import (
-    AttnGeometry, _check_joint, _heads, av_blocked, geometry, masked_keys, qk_scale, scores_blocked, scores_dot,
-    softmax_backward_blocked, softmax_blocked,
+from drifttool.ops.strict._checks import check, out
+from drifttool.ops.strict.attention_blocks import (
+    BLOCK,
+    add_combine,
+    block_partials,
+    merge_blocks,
+    softmax_probs,
 )
-from drifttool.ops.strict.attention_blocks import BLOCK, add_combine, block_partials, block_weighted, merge_blocks
-from drifttool.ops.strict.attention_blocks import softmax_probs
+from drifttool.ops.strict.attention_core import (
+    AttnGeometry,
+    av_blocked,
+    check_joint,
+    geometry,
+    heads_f32,
+    masked_keys,
+    qk_scale,
+    query_block_parts,
+    scores_blocked,
+    scores_dot,
+    softmax_backward_blocked,
+    softmax_blocked,
+)
 from drifttool.ops.strict.grad import cast_like, g32
 
 QUERY_CHUNK_ELEMS = 1 << 22  # bound on one chunk's [B, H, rows, Pk] tensors (bytes do not depend on it)
@@ -46,8 +61,8 @@ class _Fused(torch.autograd.Function):
         dt = v.dtype
         b, sq, h, d = q.shape
         geo = geometry("joint_attention_fused", b, sq, k.shape[1], key_mask, text_len, q.device)
-        qb, kb = geo.lq.to_blocked(_heads(q), 2), geo.lk.to_blocked(_heads(k), 2)
-        vb = masked_keys(geo, geo.lk.to_blocked(_heads(v), 2))
+        qb, kb = geo.lq.to_blocked(heads_f32(q), 2), geo.lk.to_blocked(heads_f32(k), 2)
+        vb = masked_keys(geo, geo.lk.to_blocked(heads_f32(v), 2))
         y = torch.empty(b, h, geo.lq.padded, v.shape[-1])
         m_all = torch.empty(b, h, geo.lq.padded)
         l_all = torch.empty(b, h, geo.lq.padded)
@@ -67,12 +82,12 @@ class _Fused(torch.autograd.Function):
         q, k, v, key_mask, m_all, l_all = ctx.saved_tensors
         b, sq, h, d = q.shape
         sk = k.shape[1]
-        _check_joint("joint_attention_fused", key_mask, sq, sk)
+        check_joint("joint_attention_fused", key_mask, sq, sk)
         geo = geometry("joint_attention_fused", b, sq, sk, key_mask, ctx.text_len, q.device)
-        qb, kb = geo.lq.to_blocked(_heads(q), 2), geo.lk.to_blocked(_heads(k), 2)
-        vb = masked_keys(geo, geo.lk.to_blocked(_heads(v), 2))
+        qb, kb = geo.lq.to_blocked(heads_f32(q), 2), geo.lk.to_blocked(heads_f32(k), 2)
+        vb = masked_keys(geo, geo.lk.to_blocked(heads_f32(v), 2))
         kbm = masked_keys(geo, kb)
-        gob = geo.lq.to_blocked(_heads(g32(go)), 2)  # [B,H,Pq,D]
+        gob = geo.lq.to_blocked(heads_f32(g32(go)), 2)  # [B,H,Pq,D]
         vk = geo.vk()
         dq = torch.empty(b, h, geo.lq.padded, d)
         dk_parts, dv_parts = [], []  # one partial per query block, [B,H,Pk,D]
@@ -83,8 +98,8 @@ class _Fused(torch.autograd.Function):
             dp = torch.where(geo.valid_k[:, None, None, :], scores_dot(gob[:, :, lo:hi], vb), torch.zeros(()))
             g = softmax_backward_blocked(geo, p, dp) * qk_scale(d)  # G = dS·fp32(1/√Dh)
             dq[:, :, lo:hi] = av_blocked(geo, g, kbm)
-            dk_parts += _query_block_parts(g, qb[:, :, lo:hi])
-            dv_parts += _query_block_parts(pc, gob[:, :, lo:hi])
+            dk_parts += query_block_parts(g, qb[:, :, lo:hi])
+            dv_parts += query_block_parts(pc, gob[:, :, lo:hi])
         res = []
         for parts, like in ((dk_parts, k), (dv_parts, v)):
             blocks = block_partials((torch.stack(parts),), geo.present_q, dim=0)
@@ -93,17 +108,6 @@ class _Fused(torch.autograd.Function):
             res.append(cast_like(geo.lk.from_blocked(t, 2).permute(0, 2, 1, 3).contiguous(), like))
         dqo = cast_like(geo.lq.from_blocked(dq, 2).permute(0, 2, 1, 3).contiguous(), q)
         return dqo, res[0], res[1], None, None, None
-
-
-def _query_block_parts(w: torch.Tensor, xb: torch.Tensor) -> list[torch.Tensor]:
-    """Per-query-block partials of Σ_q w[q,k]·x[q] for a chunk of whole query blocks:
-    w [B,H,rows,Pk], xb [B,H,rows,D] → list of [B,H,Pk,D], one per 64-row block."""
-    b, h, rows, pk = w.shape
-    d = xb.shape[-1]
-    nb = rows // BLOCK
-    wt = w.transpose(-1, -2).reshape(b * h, pk, nb, BLOCK)
-    parts = block_weighted(wt, xb.reshape(b * h, nb, BLOCK, d))  # [nb, BH, Pk, D]
-    return list(parts.view(nb, b, h, pk, d).unbind(0))
 
 
 @implements("joint_attention_fused", "strict", kernel="strict.fused_blocked_two_pass.v2")
