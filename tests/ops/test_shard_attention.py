@@ -4,8 +4,8 @@ contract is built for reproduces them — simulated on the CPU from the public p
 ``drifttool.ops.strict.attention_blocks`` / ``attention_core``:
 
 * Ring attention: image *keys* split into 2/4/8 ranks on segment boundaries (text keys
-  replicated); each rank computes the block states, probabilities, AV partials and dQ partials of
-  its own keys; the fixed merge finishes them;
+  replicated); each rank computes the block states, probabilities, AV partials, Σ P·dP and dQ
+  partials of its own keys (the fixed merge finishes them), and the dK, dV rows of its keys;
 * SP: image *queries* split on segment boundaries (text queries replicated); each rank computes
   its rows and its dK/dV partials over its query blocks; the fixed merge finishes them.
 
@@ -42,6 +42,7 @@ from drifttool.ops.strict.attention_core import (
     geometry,
     heads_f32,
     masked_keys,
+    over_queries,
     qk_scale,
     query_block_parts,
     scores_blocked,
@@ -194,7 +195,8 @@ def _rank_segments(layout: JointLayout, ranks: int) -> list[list[tuple[int, int]
 def _ring(q, k, v, km, lpad, go):
     """Per rank (image key segments of 2/4/8 ranks; text keys on every rank): block states,
     probabilities, AV, Σ_k P·dP and dQ partials of its own keys, finished by the fixed order.
-    Returns {ranks: (probs [B,H,S,S], out, dq (FP32, before the cast))}."""
+    Returns {ranks: (probs [B,H,S,S], out, dQ, dK, dV)}; dK, dV of a rank's keys sum over all
+    queries (the query structure), which the rank sees as the ring passes them."""
     b, s, h, d = q.shape
     geo = geometry("ring", b, s, s, km, lpad)
     lay = geo.lk
@@ -265,9 +267,18 @@ def _ring(q, k, v, km, lpad, go):
         gq = torch.where(valid, pb * (dpb - r[..., None, None]), torch.zeros(())).view(p.shape) * qk_scale(d)
         dq = finish(merge_sequential(weighted(gq, kbm, text_blocks), add_combine) if text_blocks else None,
                     [local(o, lambda bl: weighted(gq, kbm, bl), add_combine) for o in owned], add_combine).values[0]
+        # dK, dV of the rank's own keys: Σ over all queries (the query structure), per key row
+        dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+        for blocks in [text_blocks] + [list(range(lo, hi)) for o in owned for lo, hi in o]:
+            if blocks:
+                idx = torch.cat([torch.arange(j * BLOCK, (j + 1) * BLOCK) for j in blocks])
+                dk[:, :, idx] = over_queries(geo, gq[:, :, :, idx], qb)
+                dv[:, :, idx] = over_queries(geo, pc[:, :, :, idx], gob)
         unb = lambda t: geo.lk.from_blocked(geo.lq.from_blocked(t, 2), 3)  # noqa: E731
+        rows = lambda t, like: geo.lk.from_blocked(t, 2).permute(0, 2, 1, 3).to(like.dtype)  # noqa: E731
         res[ranks] = (unb(p), geo.lq.from_blocked(av, 2).permute(0, 2, 1, 3).to(v.dtype),
-                      geo.lq.from_blocked(dq, 2).permute(0, 2, 1, 3).to(q.dtype))
+                      geo.lq.from_blocked(dq, 2).permute(0, 2, 1, 3).to(q.dtype),
+                      rows(masked_keys(geo, dk), k), rows(masked_keys(geo, dv), v))
     return res
 
 
@@ -280,11 +291,13 @@ def test_ring_key_shards_reproduce_softmax_av_and_dq(lens, lpad, n_img, dh, dtyp
     q, k, v, km, go = _inputs(21 + n_img, lens, lpad, n_img, 1, dh, dtype)
     s = strict("joint_attn_qk_gemm")(q, k, km, text_len=lpad)
     p_want = strict("joint_attn_softmax")(s, km, text_len=lpad)
-    o_want, dq_want, _, _ = _grads(_unfused(km, lpad), q, k, v, go)
-    for ranks, (p, o, dq) in _ring(q, k, v, km, lpad, go).items():
+    o_want, dq_want, dk_want, dv_want = _grads(_unfused(km, lpad), q, k, v, go)
+    for ranks, (p, o, dq, dk, dv) in _ring(q, k, v, km, lpad, go).items():
         assert_same_bytes(p, p_want, f"Ring {ranks} ranks: probabilities")
         assert_same_bytes(o, o_want, f"Ring {ranks} ranks: output")
         assert_same_bytes(dq, dq_want, f"Ring {ranks} ranks: dQ")
+        assert_same_bytes(dk, dk_want, f"Ring {ranks} ranks: dK of each rank's keys")
+        assert_same_bytes(dv, dv_want, f"Ring {ranks} ranks: dV of each rank's keys")
 
 
 # ---------------------------------------------------------------------------------------------
