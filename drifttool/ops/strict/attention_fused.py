@@ -63,9 +63,9 @@ class _Fused(torch.autograd.Function):
         geo = geometry("joint_attention_fused", b, sq, k.shape[1], key_mask, text_len, q.device)
         qb, kb = geo.lq.to_blocked(heads_f32(q), 2), geo.lk.to_blocked(heads_f32(k), 2)
         vb = masked_keys(geo, geo.lk.to_blocked(heads_f32(v), 2))
-        y = torch.empty(b, h, geo.lq.padded, v.shape[-1])
-        m_all = torch.empty(b, h, geo.lq.padded)
-        l_all = torch.empty(b, h, geo.lq.padded)
+        y = torch.empty(b, h, geo.lq.padded, v.shape[-1], device=q.device)
+        m_all = torch.empty(b, h, geo.lq.padded, device=q.device)
+        l_all = torch.empty(b, h, geo.lq.padded, device=q.device)
         for lo, hi in _chunks(geo, b * h, elems):
             p, m, l = softmax_blocked(geo, scores_blocked(qb[:, :, lo:hi], kb))  # pass 1 (+ P)
             pc = p.to(dt).to(torch.float32)  # the declared cast: P → activation dtype
@@ -89,7 +89,7 @@ class _Fused(torch.autograd.Function):
         kbm = masked_keys(geo, kb)
         gob = geo.lq.to_blocked(heads_f32(g32(go)), 2)  # [B,H,Pq,D]
         vk = geo.vk()
-        dq = torch.empty(b, h, geo.lq.padded, d)
+        dq = torch.empty(b, h, geo.lq.padded, d, device=q.device)
         dk_parts, dv_parts = [], []  # one partial per query block, [B,H,Pk,D]
         for lo, hi in _chunks(geo, b * h, ctx.elems):
             s = geo.key_blocks(scores_blocked(qb[:, :, lo:hi], kb))
