@@ -30,10 +30,13 @@ from drifttool.ops.strict.attention_blocks import (
     add_combine,
     block_partials,
     block_weighted,
+    finish_ranks,
     image_segments,
     merge,
     merge_sequential,
     merge_tree,
+    rank_segments,
+    rank_subtree,
     softmax_block_states,
     softmax_combine,
     softmax_probs,
@@ -186,12 +189,6 @@ def test_text_len_is_checked():
 # Ring attention: image keys sharded on segment boundaries
 
 
-def _rank_segments(layout: JointLayout, ranks: int) -> list[list[tuple[int, int]]]:
-    segs = layout.segments()
-    per = SEGMENTS // ranks
-    return [list(segs[r * per : (r + 1) * per]) for r in range(ranks)]
-
-
 def _ring(q, k, v, km, lpad, go):
     """Per rank (image key segments of 2/4/8 ranks; text keys on every rank): block states,
     probabilities, AV, Σ_k P·dP and dQ partials of its own keys, finished by the fixed order.
@@ -213,14 +210,6 @@ def _ring(q, k, v, km, lpad, go):
         sc = scores_blocked(qb, kb[:, :, idx]).view(b, h, -1, len(blocks), BLOCK)
         return sc, valid[:, :, :, blocks], geo.present_k[:, blocks], idx
 
-    def finish(text, rank_subtrees, combine):
-        return merge(text, merge_tree(rank_subtrees, combine), combine)
-
-    def local(blocks_by_segment, fn, combine):
-        """A rank's subtree: per segment its blocks' partials in order, then the segment tree."""
-        return merge_tree([merge_sequential(fn(list(range(lo, hi))), combine) if hi > lo else None
-                           for lo, hi in blocks_by_segment], combine)
-
     def states(blocks):
         sc, vv, pr, _ = own(blocks)
         m_b, l_b = softmax_block_states(sc, vv)
@@ -228,9 +217,10 @@ def _ring(q, k, v, km, lpad, go):
 
     text_blocks = list(range(lay.text_blocks))
     for ranks in (2, 4, 8):
-        owned = _rank_segments(lay, ranks)
+        owned = rank_segments(lay, ranks)
         text_state = merge_sequential(states(text_blocks), softmax_combine) if text_blocks else None
-        m, l = finish(text_state, [local(o, states, softmax_combine) for o in owned], softmax_combine).values
+        subtrees = [rank_subtree(o, states, softmax_combine) for o in owned]
+        m, l = finish_ranks(text_state, subtrees, softmax_combine).values
         p = torch.zeros(b, h, geo.lq.padded, lay.padded)
         pc = torch.zeros_like(p)
 
@@ -250,8 +240,9 @@ def _ring(q, k, v, km, lpad, go):
         for blocks in [text_blocks] + [list(range(lo, hi)) for o in owned for lo, hi in o]:
             if blocks:
                 probs(blocks)
-        av = finish(merge_sequential(weighted(pc, vb, text_blocks), add_combine) if text_blocks else None,
-                    [local(o, lambda bl: weighted(pc, vb, bl), add_combine) for o in owned], add_combine).values[0]
+        av = finish_ranks(merge_sequential(weighted(pc, vb, text_blocks), add_combine) if text_blocks else None,
+                          [rank_subtree(o, lambda bl: weighted(pc, vb, bl), add_combine) for o in owned],
+                          add_combine).values[0]
         # backward: dP per element, Σ_k P·dP by the key structure, then dS, G and dQ = Σ_k G·K
         dp = torch.where(geo.valid_k[:, None, None, :], scores_dot(gob, vb), torch.zeros(()))
 
@@ -261,12 +252,13 @@ def _ring(q, k, v, km, lpad, go):
             t = torch.where(valid[:, :, :, blocks], t, torch.zeros(()))
             return block_partials((tree_sum(t, -1),), geo.present_k[:, blocks], dim=-1)
 
-        r = finish(merge_sequential(pdp(text_blocks), add_combine) if text_blocks else None,
-                   [local(o, pdp, add_combine) for o in owned], add_combine).values[0]
+        r = finish_ranks(merge_sequential(pdp(text_blocks), add_combine) if text_blocks else None,
+                         [rank_subtree(o, pdp, add_combine) for o in owned], add_combine).values[0]
         pb, dpb = p.view(b, h, -1, lay.n_blocks, BLOCK), dp.view(b, h, -1, lay.n_blocks, BLOCK)
         gq = torch.where(valid, pb * (dpb - r[..., None, None]), torch.zeros(())).view(p.shape) * qk_scale(d)
-        dq = finish(merge_sequential(weighted(gq, kbm, text_blocks), add_combine) if text_blocks else None,
-                    [local(o, lambda bl: weighted(gq, kbm, bl), add_combine) for o in owned], add_combine).values[0]
+        dq = finish_ranks(merge_sequential(weighted(gq, kbm, text_blocks), add_combine) if text_blocks else None,
+                          [rank_subtree(o, lambda bl: weighted(gq, kbm, bl), add_combine) for o in owned],
+                          add_combine).values[0]
         # dK, dV of the rank's own keys: Σ over all queries (the query structure), per key row
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
         for blocks in [text_blocks] + [list(range(lo, hi)) for o in owned for lo, hi in o]:
@@ -336,14 +328,10 @@ def _sp(q, k, v, km, lpad, go, ranks):
     text_blocks = list(range(lq.text_blocks))
     tk, tv = parts(text_blocks) if text_blocks else ([], [])
     subs_k, subs_v = [], []
-    for owned in _rank_segments(lq, ranks):
-        seg_k, seg_v = [], []
-        for lo, hi in owned:
-            pk, pv = parts(list(range(lo, hi))) if hi > lo else ([], [])
-            seg_k.append(merge_sequential(pk, add_combine))
-            seg_v.append(merge_sequential(pv, add_combine))
-        subs_k.append(merge_tree(seg_k, add_combine))
-        subs_v.append(merge_tree(seg_v, add_combine))
+    for owned in rank_segments(lq, ranks):
+        mine_parts = {lo: parts(list(range(lo, hi))) for lo, hi in owned if hi > lo}  # the rank's own rows only
+        subs_k.append(rank_subtree(owned, lambda bl: mine_parts[bl[0]][0], add_combine))
+        subs_v.append(rank_subtree(owned, lambda bl: mine_parts[bl[0]][1], add_combine))
         # forward: the rank's own rows [text, its image rows] through the fused operator
         img = torch.cat([torch.arange(lpad + (lo - lq.text_blocks) * BLOCK, min(s, lpad + (hi - lq.text_blocks) * BLOCK))
                          for lo, hi in owned if hi > lo] or [torch.arange(0)])
@@ -351,7 +339,7 @@ def _sp(q, k, v, km, lpad, go, ranks):
         out[:, mine] = fused(q[:, mine], k, v, km, text_len=lpad)
     res = [out]
     for text, subs, like in ((tk, subs_k, k), (tv, subs_v, v)):
-        t = merge(merge_sequential(text, add_combine), merge_tree(subs, add_combine), add_combine).values[0]
+        t = finish_ranks(merge_sequential(text, add_combine), subs, add_combine).values[0]
         res.append(geo.lk.from_blocked(masked_keys(geo, t), 2).permute(0, 2, 1, 3).to(like.dtype))
     return res
 

@@ -228,6 +228,35 @@ def merge_blocks(layout: JointLayout, blocks: Sequence[Partial | None], combine:
     return merge(text, image, combine)
 
 
+def rank_segments(layout: JointLayout, ranks: int) -> list[tuple[tuple[int, int], ...]]:
+    """The image segments (global block ranges) each of ``ranks`` ∈ {1, 2, 4, 8} SP/Ring ranks
+    holds: rank r holds segments [r·8/ranks, (r+1)·8/ranks) — an aligned subtree of the
+    segment tree. Text blocks are replicated on every rank.
+
+    Raises:
+        ValueError: ``ranks`` does not divide 8 into a power-of-two group.
+    """
+    if ranks not in (1, 2, 4, 8):
+        raise ValueError(f"rank_segments: ranks must be 1, 2, 4 or 8, got {ranks}")
+    segs, per = layout.segments(), SEGMENTS // ranks
+    return [segs[r * per : (r + 1) * per] for r in range(ranks)]
+
+
+def rank_subtree(segments: Sequence[tuple[int, int]], blocks: Callable[[list[int]], Sequence[Partial | None]],
+                 combine: Combine) -> Partial | None:
+    """What one rank contributes: for each of its segments the partials of its blocks
+    (``blocks(list of global block indices)``, in order) merged sequentially, then the tree over
+    its segments."""
+    return merge_tree([merge_sequential(blocks(list(range(lo, hi))), combine) if hi > lo else None
+                       for lo, hi in segments], combine)
+
+
+def finish_ranks(text: Partial | None, subtrees: Sequence[Partial | None], combine: Combine) -> Partial | None:
+    """The fixed finishing order from the text state and the ranks' subtrees (rank order):
+    text ⊕ merge_tree(subtrees) — the same bytes as ``merge_blocks`` on the whole axis."""
+    return merge(text, merge_tree(subtrees, combine), combine)
+
+
 def block_partials(values: Sequence[torch.Tensor], present: torch.Tensor, dim: int = 0) -> list[Partial]:
     """Split per-block tensors into ``Partial`` s: ``values`` carry the block axis at ``dim``,
     ``present`` [B, nb] is reshaped to broadcast against one block's values (leading batch axis)."""
