@@ -326,11 +326,11 @@ class MMDiT(nn.Module):
         k = torch.cat([kt, ki], dim=1)  # [B, L+N, H, Dh]
         v = torch.cat([vt, vi], dim=1)  # [B, L+N, H, Dh]
         if rt.mode.backend == "strict":
-            scores = call(rt, "joint_attn_qk_gemm", q, k, key_mask, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
-            probs = call(rt, "joint_attn_softmax", scores, key_mask, stream="joint", layout="B.SK")  # [B, H, S, S]
-            o = call(rt, "joint_attn_av_gemm", probs, v, key_mask, stream="joint", layout="BS..")  # [B, S, H, Dh]
+            scores = call(rt, "joint_attn_qk_gemm", q, k, key_mask, text_len=L, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
+            probs = call(rt, "joint_attn_softmax", scores, key_mask, text_len=L, stream="joint", layout="B.SK")  # [B, H, S, S]
+            o = call(rt, "joint_attn_av_gemm", probs, v, key_mask, text_len=L, stream="joint", layout="BS..")  # [B, S, H, Dh]
         else:
-            o = call(rt, "joint_attention_fused", q, k, v, key_mask, stream="joint", layout="BS..")  # [B, S, H, Dh]
+            o = call(rt, "joint_attention_fused", q, k, v, key_mask, text_len=L, stream="joint", layout="BS..")  # [B, S, H, Dh]
         o = o.flatten(2, 3)  # [B, L+N, d]
         ot = o[:, :L].contiguous()  # [B, L, d]
         oi = o[:, L:].contiguous()  # [B, N, d]

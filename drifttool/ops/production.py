@@ -218,18 +218,23 @@ def multi_axis_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return out.type_as(x)
 
 
-def _check_key_mask(key_mask: torch.Tensor | None, b: int, s: int) -> None:
+def _check_key_mask(key_mask: torch.Tensor | None, b: int, s: int, text_len: int | None = None) -> None:
     if key_mask is not None:
         _check(key_mask.dtype == torch.bool, f"key_mask must be bool, got {key_mask.dtype}")
         _check(key_mask.shape == (b, s), f"key_mask must be [{b}, {s}], got {tuple(key_mask.shape)}")
+    # text_len (the padded text length) sets the strict block structure (contract v2); the
+    # production kernels do not use it, only check it.
+    _check(text_len is None or (isinstance(text_len, int) and not isinstance(text_len, bool) and 0 <= text_len <= s),
+           f"text_len must be an int in [0, {s}], got {text_len!r}")
 
 
 @implements("joint_attn_qk_gemm", "production", kernel="torch.matmul_fp32")
-def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None, *,
+                       text_len: int | None = None) -> torch.Tensor:
     """Scores ``(q·kᵀ) / √Dh`` in fp32: q, k ``[B,S,H,Dh]`` → ``[B,H,S,S]`` fp32 (plain torch).
 
     ``key_mask`` is only validated (it orders the strict backward; the scores do not use it)."""
-    _check_key_mask(key_mask, k.shape[0], k.shape[1])
+    _check_key_mask(key_mask, k.shape[0], k.shape[1], text_len)
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh = q.float().permute(0, 2, 1, 3)  # [B, H, S, Dh]
     kh = k.float().permute(0, 2, 3, 1)  # [B, H, Dh, S]
@@ -237,10 +242,11 @@ def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor 
 
 
 @implements("joint_attn_softmax", "production", kernel="torch.softmax_fp32")
-def joint_attn_softmax(scores: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def joint_attn_softmax(scores: torch.Tensor, key_mask: torch.Tensor | None = None, *,
+                       text_len: int | None = None) -> torch.Tensor:
     """Softmax over keys in fp32; keys with ``key_mask == False`` get probability 0.
     ``[B,H,S,S] → [B,H,S,S]`` fp32."""
-    _check_key_mask(key_mask, scores.shape[0], scores.shape[-1])
+    _check_key_mask(key_mask, scores.shape[0], scores.shape[-1], text_len)
     s = scores.float()
     if key_mask is not None:
         s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
@@ -249,25 +255,26 @@ def joint_attn_softmax(scores: torch.Tensor, key_mask: torch.Tensor | None = Non
 
 @implements("joint_attn_av_gemm", "production", kernel="torch.matmul_fp32")
 def joint_attn_av_gemm(
-    probs: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+    probs: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None
 ) -> torch.Tensor:
     """``probs · v`` in fp32, cast to v's dtype: ``[B,H,S,S], [B,S,H,Dh] → [B,S,H,Dh]``.
 
     ``key_mask`` is only validated here: masked keys already carry probability exactly 0.
     """
-    _check_key_mask(key_mask, v.shape[0], v.shape[1])
+    _check_key_mask(key_mask, v.shape[0], v.shape[1], text_len)
     out = torch.matmul(probs.float(), v.float().permute(0, 2, 1, 3))  # [B, H, S, Dh]
     return out.permute(0, 2, 1, 3).contiguous().to(v.dtype)  # [B, S, H, Dh]
 
 
 @implements("joint_attention_fused", "production", kernel="torch.nn.functional.scaled_dot_product_attention")
 def joint_attention_fused(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
+    text_len: int | None = None,
 ) -> torch.Tensor:
     """diffusers' native attention backend (§2.4): SDPA on ``[B,H,S,Dh]`` permuted views, scale
     1/√Dh, no dropout, non-causal, bool key mask ``[B,1,1,S]`` only when given.
     q, k, v ``[B,S,H,Dh]`` (joint sequence [text, image]) → ``[B,S,H,Dh]`` in W."""
-    _check_key_mask(key_mask, q.shape[0], k.shape[1])
+    _check_key_mask(key_mask, q.shape[0], k.shape[1], text_len)
     mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]
     qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, Dh]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=False)

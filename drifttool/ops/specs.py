@@ -18,11 +18,14 @@ adaln_gate_residual      (x [B,S,d], gate [B,d], y [B,S,d]) → x + gate·y
 qkv_bias_gemm            (x [B,S,d], wq, bq, wk, bk, wv, bv, heads) → (q, k, v) [B,S,H,Dh]
 qk_rmsnorm               (x [B,S,H,Dh], gain [Dh], eps=1e-6) → [B,S,H,Dh]
 multi_axis_rope          (x [B,S,H,Dh], freqs [S,Dh/2] complex64) → [B,S,H,Dh] (interleaved pairs)
-joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh], key_mask=None) → scores [B,H,S,S] fp32,
-                         scaled 1/√Dh (key_mask orders the strict backward only)
-joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None) → probs [B,H,S,S] fp32
-joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask) → [B,S,H,Dh] (dtype of v)
-joint_attention_fused    (q, k, v, key_mask) → [B,S,H,Dh]; byte-equal to the three above
+joint_attn_qk_gemm       (q [B,S,H,Dh], k [B,S,H,Dh], key_mask=None, *, text_len=None) → scores
+                         [B,H,S,S] fp32, scaled 1/√Dh (key_mask, text_len: strict backward only)
+joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None, *, text_len=None)
+                         → probs [B,H,S,S] fp32
+joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask, *, text_len=None) → [B,S,H,Dh]
+                         (dtype of v; probs cast to v's dtype before the value product)
+joint_attention_fused    (q, k, v, key_mask, *, text_len=None) → [B,S,H,Dh]; byte-equal to the
+                         three above
 attn_out_bias_gemm       (x [B,S,d], w [d,d], b [d]) → [B,S,d]
 mlp_up_gemm_gelu         (x [B,S,d], w [4d,d], b [4d]) → GELU_tanh(x·wᵀ + b) [B,S,4d]
 mlp_down_gemm            (x [B,S,4d], w [d,4d], b [d]) → [B,S,d]
@@ -34,11 +37,13 @@ flow_sde_step_logp       see drifttool/ops/scheduler.py
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
-[txt_mask, ones(N)].
+[txt_mask, ones(N)]. ``text_len`` is the padded text length L (where image keys start): the
+strict contract v2 blocks text and image keys separately (None = 0); production checks it only.
 
 Contract versions: ``.v2`` marks the operators whose bytes follow strict contract v2 (segmented
-GEMM K reductions and per-sample row reductions of gradients, docs/strict-arithmetic.md); their
-``.v1`` bytes (pairwise tree over 128-chunks) are no longer produced.
+GEMM K reductions and per-sample row reductions of gradients; attention over fixed 64-key blocks
+in global key order with a fixed merge of partial states; docs/strict-arithmetic.md); their
+``.v1`` bytes are no longer produced.
 """
 
 from __future__ import annotations
@@ -83,10 +88,10 @@ ADALN_GATE_RESIDUAL = _d("adaln_gate_residual", "x + gate * sublayer(h)", versio
 QKV_BIAS_GEMM = _d("qkv_bias_gemm", "per-stream Q/K/V projections with bias", version=2)
 QK_RMSNORM = _d("qk_rmsnorm", "learned-gain per-head RMSNorm of q and k", version=2)
 MULTI_AXIS_ROPE = _d("multi_axis_rope", "three-axis [16,56,56] interleaved-pair RoPE")
-JOINT_ATTN_QK_GEMM = _d("joint_attn_qk_gemm", "joint QK^T / sqrt(d) over [text, image]")
-JOINT_ATTN_SOFTMAX = _d("joint_attn_softmax", "key-masked softmax, fixed reduction order")
-JOINT_ATTN_AV_GEMM = _d("joint_attn_av_gemm", "attention-weighted value accumulation")
-JOINT_ATTENTION_FUSED = _d("joint_attention_fused", "fused attention, byte-equal to the unfused")
+JOINT_ATTN_QK_GEMM = _d("joint_attn_qk_gemm", "joint QK^T / sqrt(d) over [text, image]", version=2)
+JOINT_ATTN_SOFTMAX = _d("joint_attn_softmax", "key-masked softmax, fixed reduction order", version=2)
+JOINT_ATTN_AV_GEMM = _d("joint_attn_av_gemm", "attention-weighted value accumulation", version=2)
+JOINT_ATTENTION_FUSED = _d("joint_attention_fused", "fused attention, byte-equal to the unfused", version=2)
 ATTN_OUT_BIAS_GEMM = _d("attn_out_bias_gemm", "per-stream attention output projection", version=2)
 MLP_UP_GEMM_GELU = _d("mlp_up_gemm_gelu", "MLP up projection d->4d + tanh GELU", version=2)
 MLP_DOWN_GEMM = _d("mlp_down_gemm", "MLP down projection 4d->d", version=2)

@@ -424,19 +424,19 @@ def test_attention_gradients_invariant_to_padding_and_batch(dh, dtype):
     go = torch.randn(q.shape, generator=g).to(dtype)
     go = go * km[:, :, None, None].to(dtype)  # padded query rows: zero gradient
     fused = implementation("joint_attention_fused", "strict")
-    grads, _ = backend_grads(fused, (q, k, v, km), {}, (0, 1, 2), None, [go])
+    grads, _ = backend_grads(fused, (q, k, v, km), {"text_len": lmax}, (0, 1, 2), None, [go])
 
-    def unfused(q_, k_, v_, m_):
-        s = implementation("joint_attn_qk_gemm", "strict")(q_, k_, m_)
-        p = implementation("joint_attn_softmax", "strict")(s, m_)
-        return implementation("joint_attn_av_gemm", "strict")(p, v_, m_)
+    def unfused(q_, k_, v_, m_, text_len):
+        s = implementation("joint_attn_qk_gemm", "strict")(q_, k_, m_, text_len=text_len)
+        p = implementation("joint_attn_softmax", "strict")(s, m_, text_len=text_len)
+        return implementation("joint_attn_av_gemm", "strict")(p, v_, m_, text_len=text_len)
 
-    grads_u, _ = backend_grads(unfused, (q, k, v, km), {}, (0, 1, 2), None, [go])
+    grads_u, _ = backend_grads(unfused, (q, k, v, km), {"text_len": lmax}, (0, 1, 2), None, [go])
     for a, b, n in zip(grads, grads_u, "qkv"):
         assert_same_bytes(a, b, f"d{n}: fused vs unfused")
     for i, n in enumerate(lens):
         keep = torch.cat([torch.arange(n), torch.arange(lmax, lmax + n_img)])
-        alone, _ = backend_grads(fused, tuple(t[i : i + 1, keep] for t in (q, k, v)) + (None,), {},
+        alone, _ = backend_grads(fused, tuple(t[i : i + 1, keep] for t in (q, k, v)) + (None,), {"text_len": n},
                                  (0, 1, 2), None, [go[i : i + 1, keep]])
         for a, b, name in zip(grads, alone, "qkv"):
             assert_same_bytes(a[i : i + 1, keep], b, f"d{name} of sample {i} (prompt {n} padded to {lmax})")

@@ -3,7 +3,7 @@
     $ python -m pytest tests/ops/test_reference_accuracy.py -q
     $ python -m tests.ops.test_reference_accuracy --measure     # re-measure, print the table
 
-Criterion (references/tolerances.json, profile drifttool-ws1-cpu-v1): elementwise
+Criterion (references/tolerances.json, profile drifttool-ws1-cpu-v2): elementwise
 |c − r| ≤ atol + rtol·|r|, r = ``drifttool.references.ops`` on the same inputs (bf16 cases:
 the same bf16-quantised tensors, upcast), c = the backend's output upcast to float64 after
 rounding to the operator's declared output dtype. Operators marked ``byte_equal`` must equal the
@@ -482,7 +482,7 @@ def test_every_operator_has_reference_cases_and_tolerances():
     in both dtypes, and a tolerance entry (with a rationale) per backend and dtype."""
     assert _TRANSFORMER_ROWS <= set(specs()), _TRANSFORMER_ROWS - set(specs())
     assert set(ref.OPS) == _TRANSFORMER_ROWS
-    assert TOLERANCES["profile"] == "drifttool-ws1-cpu-v1"
+    assert TOLERANCES["profile"] == "drifttool-ws1-cpu-v2"
     for op in _TRANSFORMER_ROWS:
         labels = [c.label for c in CASES if c.op == op]
         assert any("real" in lab for lab in labels) and any("real" not in lab for lab in labels), op

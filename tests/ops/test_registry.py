@@ -23,6 +23,8 @@ CONTRACT_V2 = {  # strict contract v2: segmented GEMM K reductions and per-sampl
     "latent_proj_gemm", "txt_in_rmsnorm_linear", "timestep_embed_mlp", "adaln_mod_projection",
     "adaln_modulation", "adaln_gate_residual", "qkv_bias_gemm", "qk_rmsnorm", "attn_out_bias_gemm",
     "mlp_up_gemm_gelu", "mlp_down_gemm", "final_adaln_out",
+    # attention: fixed 64-key blocks in global key order, fixed merge of partial states
+    "joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm", "joint_attention_fused",
 }
 
 
@@ -38,6 +40,8 @@ def test_all_22_ws1_operators_declared_with_both_backends():
         assert s.contract == f"qwenimage.{name}.v{2 if name in CONTRACT_V2 else 1}"
         implementation(name, "strict")
         implementation(name, "production")
+
+
 
 
 def test_strict_mode_fails_closed_on_unavailable_backend():

@@ -65,14 +65,15 @@ def test_attention_invariant_to_padding_and_batch(seed, lens, pad, n_img, dtype)
     for i, n in enumerate(lens):
         tm[i, :n] = True
     km = torch.cat([tm, torch.ones(batch, n_img, dtype=torch.bool)], 1)
-    fused = strict("joint_attention_fused")(q, k, v, km)
+    fused = strict("joint_attention_fused")(q, k, v, km, text_len=lmax)
     unfused = strict("joint_attn_av_gemm")(
-        strict("joint_attn_softmax")(strict("joint_attn_qk_gemm")(q, k), km), v, km)
+        strict("joint_attn_softmax")(strict("joint_attn_qk_gemm")(q, k, text_len=lmax), km, text_len=lmax),
+        v, km, text_len=lmax)
     assert_same_bytes(fused, unfused, "fused vs unfused")
     for i, n in enumerate(lens):
         keep = torch.cat([torch.arange(n), torch.arange(lmax, lmax + n_img)])
         qi, ki, vi = (t[i : i + 1, keep] for t in (q, k, v))
-        alone = strict("joint_attention_fused")(qi, ki, vi, None)  # unpadded, no mask
+        alone = strict("joint_attention_fused")(qi, ki, vi, None, text_len=n)  # unpadded, no mask
         assert_same_bytes(fused[i : i + 1, keep], alone, f"sample {i} len {n} pad to {lmax}")
 
 

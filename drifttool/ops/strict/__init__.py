@@ -5,4 +5,4 @@ upcasts its inputs to FP32, computes in FP32 (FP64 inside transcendentals), and 
 once to the activation dtype. See docs/strict-arithmetic.md for each reduction order.
 """
 
-from drifttool.ops.strict import adaln, attention, embed, latent, linear  # noqa: F401
+from drifttool.ops.strict import adaln, attention, attention_fused, embed, latent, linear  # noqa: F401
