@@ -30,6 +30,7 @@ class TraceEntry:
     reason: str
     declared: bool
     calls: int = 1
+    device: str = "cpu"  # device type of the call; not yet a column of the trace schema
 
 
 class OperatorTrace:
@@ -49,6 +50,7 @@ class OperatorTrace:
         fallback: bool,
         reason: str,
         declared: bool,
+        device: str = "cpu",
     ) -> None:
         key = (site.get("op"), site.get("block", -1), site.get("stream", "none"), site.get("call", 0))
         entry = self._entries.get(key)
@@ -56,13 +58,13 @@ class OperatorTrace:
             self._entries[key] = TraceEntry(
                 op=key[0], block=key[1], stream=key[2], call=key[3], contract=contract,
                 requested=requested, actual=actual, kernel=kernel, fallback=fallback,
-                reason=reason, declared=declared,
+                reason=reason, declared=declared, device=device,
             )
             return
         entry.calls += 1
-        if (entry.actual, entry.kernel, entry.fallback) != (actual, kernel, fallback):
+        if (entry.actual, entry.kernel, entry.fallback, entry.device) != (actual, kernel, fallback, device):
             # A site that changes backend between calls is itself a finding: keep the worst.
-            entry.actual, entry.kernel = actual, kernel
+            entry.actual, entry.kernel, entry.device = actual, kernel, device
             entry.fallback = entry.fallback or fallback
             entry.reason = entry.reason or reason
 
@@ -70,7 +72,9 @@ class OperatorTrace:
         return list(self._entries.values())
 
     def rows(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self._entries.values()]
+        """Entries as ``TRACE_SCHEMA`` rows (``device`` is kept on the entries until the schema
+        has its column)."""
+        return [{k: v for k, v in asdict(e).items() if k != "device"} for e in self._entries.values()]
 
     def check_strict(self) -> None:
         """Raise if the trace holds an undeclared fallback (RFC: "Strict traces contain no

@@ -40,8 +40,7 @@ import math
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.embed import rms_gain_grads, rms_parts
 from drifttool.ops.strict.grad import cast_like, g32
 from drifttool.ops.strict_math import KEY_TILE, ROW_TILE, exact_matmul, exp32, tree_sum
@@ -170,10 +169,10 @@ class _QKNorm(torch.autograd.Function):
         return dx, dgain, None, None
 
 
-@implements("qk_rmsnorm", "strict", kernel="cpu.tree_rmsnorm")
+@strict_cpu("qk_rmsnorm", "x", "gain", kernel="tree_rmsnorm")
 def qk_rmsnorm(x, gain, eps: float = 1e-6):
     """Learned-gain RMSNorm over the head dim: x [B,S,H,Dh], gain [Dh] → [B,S,H,Dh]."""
-    dt = check("qk_rmsnorm", x, gain)
+    dt = act_dtype(x, gain)
     return _QKNorm.apply(x, gain, eps, dt)
 
 
@@ -205,11 +204,11 @@ class _Rope(torch.autograd.Function):
         return dx.to(ctx.x_dtype), None, None
 
 
-@implements("multi_axis_rope", "strict", kernel="cpu.rope_interleaved_f32")
+@strict_cpu("multi_axis_rope", "x", kernel="rope_interleaved_f32")
 def multi_axis_rope(x, freqs):
     """Rotate adjacent pairs (x[2j], x[2j+1]) by the angle table: y0 = x0·c − x1·s,
     y1 = x0·s + x1·c in FP32 (separate roundings); x [B,S,H,Dh], freqs [S,Dh/2] complex64."""
-    dt = check("multi_axis_rope", x)
+    dt = act_dtype(x)
     if not freqs.is_complex() or tuple(freqs.shape) != (x.shape[1], x.shape[-1] // 2) or x.shape[-1] % 2:
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
@@ -254,13 +253,12 @@ class _QK(torch.autograd.Function):
         return dq, dk, None
 
 
-@implements("joint_attn_qk_gemm", "strict", kernel="strict.qk[exact if Dh<=32 else tile16x64]")
+@strict_cpu("joint_attn_qk_gemm", "q", "k", kernel="strict.qk[exact if Dh<=32 else tile16x64]")
 def joint_attn_qk_gemm(q, k, key_mask=None):
     """scores[b,h,i,j] = (q_i · k_j) · (1/√Dh) in FP32; q, k [B,S,H,Dh] → [B,H,S,S] FP32.
 
     ``key_mask`` [B,S] bool (joint [text, image]) does not change the scores; it sets the
     compacted reduction order of the backward (padding-invariant dQ and dK)."""
-    check("joint_attn_qk_gemm", q, k)
     _check_mask("joint_attn_qk_gemm", key_mask, k.shape[0], k.shape[1])
     return _QK.apply(q, k, key_mask)
 
@@ -298,12 +296,11 @@ class _Softmax(torch.autograd.Function):
         return _put(ds, 3, order).to(ctx.s_dtype), None
 
 
-@implements("joint_attn_softmax", "strict", kernel="cpu.compacted_tree_softmax")
+@strict_cpu("joint_attn_softmax", "scores", kernel="compacted_tree_softmax")
 def joint_attn_softmax(scores, key_mask=None):
     """Key-masked softmax over the last axis in the compacted key order: max (exact), exp from
     exact ops, pairwise-tree sum, one division. scores [B,H,S,S] FP32 → probs FP32; masked keys
     get exactly 0."""
-    check("joint_attn_softmax", scores)
     _check_mask("joint_attn_softmax", key_mask, scores.shape[0], scores.shape[-1])
     return _Softmax.apply(scores, key_mask)
 
@@ -353,19 +350,19 @@ class _AV(torch.autograd.Function):
         return dp, dv, None
 
 
-@implements("joint_attn_av_gemm", "strict", kernel="strict.av[exact if Dh<=32 else tile16.k64.tree]")
+@strict_cpu("joint_attn_av_gemm", "probs", "v", kernel="strict.av[exact if Dh<=32 else tile16.k64.tree]")
 def joint_attn_av_gemm(probs, v, key_mask=None):
     """out_i = Σ_j p_ij v_j over keys in the compacted order: 16-query tiles × 64-key chunks,
     chunk partials summed in the pairwise tree, FP32; probs [B,H,S,S], v [B,S,H,Dh] →
     [B,S,H,Dh] in v's dtype. Masked keys' values are zeroed (their probabilities are 0)."""
-    check("joint_attn_av_gemm", probs, v)
     _check_mask("joint_attn_av_gemm", key_mask, v.shape[0], v.shape[1])
     return _AV.apply(probs, v, key_mask)
 
 
-@implements("joint_attention_fused", "strict", kernel="cpu.composed_unfused")
+@strict_cpu("joint_attention_fused", "q", "k", "v", kernel="composed_unfused", decomposable=True)
 def joint_attention_fused(q, k, v, key_mask=None):
     """The three unfused strict operators in one call — byte-equal to them by construction,
-    forward and backward (autograd chains the three backwards)."""
+    forward and backward (autograd chains the three backwards); declared ``decomposable``, so
+    dispatch runs the three named operators instead when their S×S outputs are captured."""
     p = joint_attn_softmax(joint_attn_qk_gemm(q, k, key_mask), key_mask)
     return joint_attn_av_gemm(p, v, key_mask)
