@@ -83,6 +83,9 @@ class Runtime:
 
     Attributes:
         mode: the runtime mode (decides the family requested, fallback policy and capture).
+        family: the backend family requested; ``None`` (the default) = the mode's
+            (``Mode.family``). Names another registered family (e.g. a new strict backend under
+            test) without a new mode; the mode's fallback policy and capture still apply.
         recorder: capture sink (``None`` = no capture), see ``drifttool.capture.recorder``.
             The identity scope (phase, step, sigma, branch, block, samples) lives here, in
             ``scope``/``site``; the recorder only digests and writes.
@@ -97,6 +100,7 @@ class Runtime:
     """
 
     mode: Mode = Mode.STRICT
+    family: str | None = None
     recorder: "Recorder | None" = None
     trace: "OperatorTrace | None" = None
     unavailable: set[tuple[str, str]] = field(default_factory=set)
@@ -106,6 +110,8 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
+        if self.family is None:
+            self.family = self.mode.family
         if self.trace is None:
             from drifttool.capture.trace import OperatorTrace
 

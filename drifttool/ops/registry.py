@@ -18,7 +18,7 @@ Resolution of one call (``resolve``):
 
 1. the device type comes from the call's tensors (``constraints.devices``): all tensor arguments
    share one device, else ``UnsupportedConfigError``; a call without tensors runs on ``"cpu"``;
-2. the runtime mode requests a family (``Mode.family``); the first registered implementation of
+2. the runtime requests a family (``Runtime.family``, by default the mode's ``Mode.family``); the first registered implementation of
    that family for that device whose constraints all pass is used;
 3. none passes: the mode's fallback family (``Mode.fallback``: ``audit`` → ``production``) is
    tried the same way and the fallback is recorded in the trace with its reason; without a
@@ -327,7 +327,7 @@ def resolve(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Reso
             passes and the mode has no fallback (or the fallback has none either).
     """
     device = call_device(name, args, kwargs)
-    requested = rt.mode.family
+    requested = rt.family
     impl, reason = _select(rt, name, requested, device, args, kwargs)
     if impl is not None:
         return Resolution(requested, requested, impl, device)
@@ -346,7 +346,7 @@ def _variant(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Res
     variant, fn = rt.variants[name]
     actual = f"variant:{variant}"
     impl = Impl(name, actual, call_device(name, args, kwargs), fn, actual, ())
-    return Resolution(rt.mode.family, actual, impl, impl.device)
+    return Resolution(rt.family, actual, impl, impl.device)
 
 
 def _expands(rt: Runtime, op: OpSpec, res: Resolution) -> bool:
