@@ -35,7 +35,9 @@ operators one by one (each resolved, traced and captured under its own name) whe
 sink wants internal tensors (``capture.sink.wants_internals``: level ≥ L2) or a variant replaces
 one of them. Otherwise (L0/L1, or a family whose fused kernel is not byte-equal, e.g. production
 SDPA) the fused implementation runs; at L2 its trace entry notes that the internals were not
-captured.
+captured. A variant of the fused operator applies only when the fused operator runs (a probe
+registers one variant per operator it may meet, e.g. ``joint_attn_softmax`` for strict at L2 and
+``joint_attention_fused`` for production).
 
 Trace and capture are separate steps after dispatch: ``_trace`` records the call site (family
 requested and run, kernel, device, fallback), ``capture.sink.capture_outputs`` hands the outputs
@@ -349,12 +351,25 @@ def _variant(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Res
     return Resolution(rt.family, actual, impl, impl.device)
 
 
+def _wants_decomposition(rt: Runtime, op: OpSpec) -> bool:
+    """The capture sink wants ``op``'s internals, or a variant replaces one of its finer ops."""
+    dec = op.decomposition
+    return dec is not None and (wants_internals(rt) or any(o in rt.variants for o in dec.ops))
+
+
 def _expands(rt: Runtime, op: OpSpec, res: Resolution) -> bool:
     """Run ``op``'s decomposition instead of ``res``: the implementation declares itself
-    byte-equal to it and the capture sink wants internals or a variant replaces a finer op."""
-    if not res.impl.decomposable or op.decomposition is None:
+    byte-equal to it and the decomposition is wanted."""
+    return res.impl.decomposable and _wants_decomposition(rt, op)
+
+
+def _family_expands(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The requested family would expand ``op`` here: then the fused operator itself does not
+    run, and a variant of it does not apply (as a variant of an operator never called)."""
+    if not _wants_decomposition(rt, op):
         return False
-    return wants_internals(rt) or any(o in rt.variants for o in op.decomposition.ops)
+    impl, _ = _select(rt, op.name, rt.family, call_device(op.name, args, kwargs), args, kwargs)
+    return impl is not None and impl.decomposable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +424,10 @@ def call(
             allows no fallback (``strict``, ``auto``, ``off``).
     """
     op = spec(name)
-    res = _variant(rt, name, args, kwargs) if name in rt.variants else resolve(rt, name, args, kwargs)
+    if name in rt.variants and not _family_expands(rt, op, args, kwargs):
+        res = _variant(rt, name, args, kwargs)
+    else:
+        res = resolve(rt, name, args, kwargs)
     if _expands(rt, op, res):
         return _decomposed(rt, op, stream, layout, args, kwargs)
     out = res.impl.fn(*args, **kwargs)

@@ -282,3 +282,27 @@ def test_strict_run_with_planted_unavailable_backend_exits_clean(tmp_path):
 
     rows = [r for r in open_run(tmp_path / "a").trace_rows() if r["op"] == "qk_rmsnorm"]
     assert rows and all(r["fallback"] and r["actual"] == "production" for r in rows)
+
+
+def test_a_fused_variant_does_not_apply_where_the_family_expands():
+    """A probe registers variants for the fused and the finer operators; under strict at L2 the
+    fused operator is expanded (it does not run), so only the finer variant applies."""
+    q, k, v, mask = _attention_inputs()
+    calls = []
+
+    def fused_variant(*a, **kw):
+        calls.append("fused")
+        return implementation("joint_attention_fused", "production")(*a, **kw)
+
+    def softmax_variant(scores, key_mask=None):
+        calls.append("softmax")
+        return implementation("joint_attn_softmax", "strict")(scores, key_mask)
+
+    variants = {"joint_attention_fused": ("f", fused_variant), "joint_attn_softmax": ("s", softmax_variant)}
+    call(Runtime(mode="strict", recorder=Sink("L2"), variants=variants), "joint_attention_fused",
+         q, k, v, mask, stream="joint", layout="BS..")
+    assert calls == ["softmax"]
+    calls.clear()
+    call(Runtime(mode="auto", recorder=Sink("L2"), variants=variants), "joint_attention_fused",
+         q, k, v, mask, stream="joint", layout="BS..")
+    assert calls == ["fused"]
