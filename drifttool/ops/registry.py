@@ -340,7 +340,7 @@ def resolve(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Reso
             return Resolution(requested, fallback, alt, device, reason)
         reason = f"{reason}; fallback: {alt_reason}"
     raise UnsupportedConfigError(
-        f"{reason} (mode {rt.mode.value!r} allows {'no fallback' if fallback is None else 'no other'})"
+        f"{reason} (mode {rt.mode.value!r} allows {'no fallback' if fallback is None else 'no further fallback'})"
     )
 
 
@@ -376,7 +376,20 @@ def _family_expands(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]
 # the call: dispatch, trace, capture hand-off
 
 
-def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution, note: str = "") -> None:
+def _dispatch(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> Resolution:
+    """The probe's variant of ``op`` if it has one and ``op`` itself runs, else ``resolve``."""
+    if op.name in rt.variants and not _family_expands(rt, op, args, kwargs):
+        return _variant(rt, op.name, args, kwargs)
+    return resolve(rt, op.name, args, kwargs)
+
+
+def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution) -> None:
+    """Record the call site: contract, family requested and run, kernel, device, fallback; for a
+    fused operator whose internals the sink wanted but that ran fused, a note saying so."""
+    note = ""
+    if op.decomposition is not None and wants_internals(rt):
+        note = (f"internals {'/'.join(op.decomposition.ops)} not captured: {res.actual} declares no "
+                "byte-equal decomposition")
     rt.trace.record(
         site=site,
         contract=op.contract,
@@ -424,17 +437,11 @@ def call(
             allows no fallback (``strict``, ``auto``, ``off``).
     """
     op = spec(name)
-    if name in rt.variants and not _family_expands(rt, op, args, kwargs):
-        res = _variant(rt, name, args, kwargs)
-    else:
-        res = resolve(rt, name, args, kwargs)
+    res = _dispatch(rt, op, args, kwargs)
     if _expands(rt, op, res):
         return _decomposed(rt, op, stream, layout, args, kwargs)
     out = res.impl.fn(*args, **kwargs)
-    note = ""
-    if op.decomposition is not None and wants_internals(rt):
-        note = f"internals {'/'.join(op.decomposition.ops)} not captured: {res.actual} declares no byte-equal decomposition"
     site = rt.site(name, stream)
-    _trace(rt, site, op, res, note)
+    _trace(rt, site, op, res)
     capture_outputs(rt, site, out, layout)
     return out
