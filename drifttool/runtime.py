@@ -2,14 +2,19 @@
 
 The RFC's ``qwenimage_runtime_modes``:
 
-========  =====================  =========================================  =========
-mode      operator backend       fallback                                   capture
-========  =====================  =========================================  =========
-strict    strict                 any fallback raises UnsupportedConfigError yes
-audit     strict                 fallback to production, recorded in trace  yes
-auto      production             (production is what was asked)             yes
-off       production             -                                          no
-========  =====================  =========================================  =========
+========  ================  =========================================  =========
+mode      family requested  fallback                                   capture
+========  ================  =========================================  =========
+strict    strict            none: an unsupported call raises           yes
+                            UnsupportedConfigError
+audit     strict            production, recorded in the trace          yes
+auto      production        none (production is what was asked)        yes
+off       production        none                                       no
+========  ================  =========================================  =========
+
+The mode requests a backend *family*; the device comes from each call's tensors, and the
+registry picks the family's implementation for that device whose declared constraints pass
+(``drifttool.ops.registry``).
 
 A ``Runtime`` is passed explicitly (never read from module globals or the environment); the CLI
 resolves ``--mode`` / ``DRIFTTOOL_MODE`` once and records the result in the manifest.
@@ -39,9 +44,15 @@ class Mode(str, enum.Enum):
     OFF = "off"
 
     @property
-    def backend(self) -> str:
-        """The operator backend this mode requests: ``strict`` or ``production``."""
+    def family(self) -> str:
+        """The backend family this mode requests: ``strict`` or ``production``."""
         return "strict" if self in (Mode.STRICT, Mode.AUDIT) else "production"
+
+    @property
+    def fallback(self) -> str | None:
+        """The family dispatch falls back to when the requested one cannot run a call
+        (recorded in the trace as a declared fallback), or ``None``: fail closed."""
+        return "production" if self is Mode.AUDIT else None
 
     @property
     def captures(self) -> bool:
@@ -71,12 +82,15 @@ class Runtime:
     """Everything an operator call needs besides its tensors.
 
     Attributes:
-        mode: the runtime mode (decides backend, fallback policy and capture).
+        mode: the runtime mode (decides the family requested, fallback policy and capture).
+        family: the backend family requested; ``None`` (the default) = the mode's
+            (``Mode.family``). Names another registered family (e.g. a new strict backend under
+            test) without a new mode; the mode's fallback policy and capture still apply.
         recorder: capture sink (``None`` = no capture), see ``drifttool.capture.recorder``.
             The identity scope (phase, step, sigma, branch, block, samples) lives here, in
             ``scope``/``site``; the recorder only digests and writes.
         trace: the operator trace (``qwenimage_operator_trace``); one entry per call site.
-        unavailable: backends planted as unavailable, ``{(op_name, backend)}``; used by tests and
+        unavailable: families planted as unavailable, ``{(op_name, family)}``; used by tests and
             probes to exercise the fail-closed and audit-fallback paths.
         variants: ``{op_name: (variant_name, fn)}`` — a probe's one change: ``fn`` replaces the
             operator's implementation for this run (same signature); the trace records
@@ -88,6 +102,7 @@ class Runtime:
     """
 
     mode: Mode = Mode.STRICT
+    family: str | None = None
     recorder: "Recorder | None" = None
     trace: "OperatorTrace | None" = None
     unavailable: set[tuple[str, str]] = field(default_factory=set)
@@ -101,9 +116,11 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
+        if self.family is None:
+            self.family = self.mode.family
         if self.trace is None:
             self.trace = OperatorTrace()
-        if self.mode.backend == "strict":
+        if self.mode.family == "strict":
             check_strict_environment()
         self._scope = {**DEFAULT_SCOPE, "rank": int(self.rank), **self._scope}
         for _, fn in self.variants.values():

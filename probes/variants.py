@@ -75,11 +75,11 @@ class Variant:
 
     def bind_runtime(self, rt: Runtime) -> None:
         self.rt = rt
-        self.base = implementation(self.op, rt.mode.backend)
+        self.base = implementation(self.op, rt.family)
 
     def impl(self, op: str) -> Any:
         """The implementation of another operator under the same backend."""
-        return implementation(op, self.rt.mode.backend)
+        return implementation(op, self.rt.family)
 
     def scope(self) -> dict[str, Any]:
         return self.rt.current_scope()

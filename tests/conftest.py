@@ -36,3 +36,12 @@ def cli():
         return res.exit_code, res.output
 
     return invoke
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request) -> str:
+    """Device type a test runs on; the ``cuda`` case skips cleanly without a GPU (the start of
+    issue #9's tests parametrised by device, backend and layout)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import drifttool.ops  # noqa: F401  (declarations, strict backends)
 import drifttool.ops.production  # noqa: F401  (production backends)
-from drifttool.ops.registry import BACKENDS, kernel_id, specs
+from drifttool.ops.registry import BUILTIN_FAMILIES as BACKENDS, kernel_id, specs
 from drifttool.ops.specs import WS1_OPERATORS
 
 ROOT = Path(__file__).resolve().parents[1]

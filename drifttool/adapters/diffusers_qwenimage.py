@@ -130,7 +130,7 @@ class _Capture:
         rt = self.rt
         with rt.scope(block=block):
             site = rt.site(op, stream)
-        rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.mode.backend,
+        rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.family,
                         actual="diffusers", kernel=kernel, fallback=False, reason="",
                         declared=False)
         if rt.recorder is not None and rt.mode.captures:

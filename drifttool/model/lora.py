@@ -31,17 +31,8 @@ fingerprint's weight digest and the manifest's ``lora.digest``, a differing adap
 first drift at the base operator that consumes it, and the adapter gradients are captured
 (role ``grad_weight``, ``capture_lora_grads``). Gradients reach ``lora_A``/``lora_B``
 through the base operator's weight gradient: ``dA = (α/r)·Bᵀ·dW'``, ``dB = (α/r)·dW'·Aᵀ``.
-Backends:
-
-* strict: ``B·A`` by ``strict_math.tiled_linear`` (exact products, pairwise tree over r), then
-  ``fp32(W) + fp32(α/r)·(B·A)``; W' stays **FP32** (the strict GEMMs accept an FP32 weight with
-  bf16 activations and round once at their output boundary), so a small update is never lost to
-  a bf16 rounding of the weight. With ``B = 0`` (peft's init), W' = fp32(W) and every output is
-  byte-equal to the model without the adapter.
-* production: peft's merge arithmetic (``LoraLayer.merge``, what ``merge_and_unload`` and
-  diffusers' ``fuse_lora`` run) for FP32 factors: ``delta = (B @ A) · scale`` in FP32, then
-  ``W += delta`` in place, i.e. ``(fp32(W) + delta).to(W.dtype)``, one rounding in bf16; what a
-  rollout engine serving merged weights runs.
+The operator and its strict and production implementations are declared in
+``drifttool.ops.lora`` (registered by importing ``drifttool.ops``).
 """
 
 from __future__ import annotations
@@ -56,8 +47,7 @@ from torch import nn
 from drifttool.errors import CheckpointError
 from drifttool.model.lora_formats import AdapterConfig, read_adapter, write_adapter
 from drifttool.model.weights import weight_digest
-from drifttool.ops.registry import OpSpec, call, declare, implements
-from drifttool.ops.strict_math import tiled_linear
+from drifttool.ops.registry import call
 
 # Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
 # streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
@@ -75,41 +65,6 @@ LORA_TARGET_MODULES = (
     "txt_mlp.net.0.proj",
     "txt_mlp.net.2",
 )
-
-LORA_MERGE = declare(
-    OpSpec(
-        name="lora_merge",
-        contract="drifttool.lora_merge.v1",
-        differentiable=True,
-        dtypes=(torch.float32, torch.bfloat16),
-        summary="adapted weight W + (alpha/r)·(B·A) of a LoRA target (not an RFC row)",
-    )
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# the operator
-
-
-@implements("lora_merge", "strict", kernel="strict_linear(B,Aᵀ)+fp32_add")
-def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring).
-
-    Args:
-        w: [out, in] base weight (fp32 or bf16).  a: [r, in] fp32.  b: [out, r] fp32.
-        scale: α / r (python float, rounded once to fp32).
-    """
-    bt = a.to(torch.float32).t().contiguous()  # [in, r]
-    delta = tiled_linear(b.to(torch.float32), bt)  # [out, in], tree over r
-    s = torch.tensor(float(scale), dtype=torch.float32, device=w.device)
-    return w.to(torch.float32) + s * delta
-
-
-@implements("lora_merge", "production", kernel="peft.merge(torch.matmul)")
-def lora_merge_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's merge for FP32 factors: ``W += (B @ A) * scale`` (computed in FP32, rounded once
-    to W's dtype). Returns W' in W's dtype."""
-    return (w.to(torch.float32) + (b @ a) * float(scale)).to(w.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ The modules below hold parameters only, under the checkpoint's own names (``img_
 ``txt_norm``, ``transformer_blocks.{i}.attn.to_q``, ``img_mlp.net.0.proj``, ``norm_out.linear``
 ...), so a diffusers ``QwenImageTransformer2DModel`` state dict loads by name (numerics §1).
 All arithmetic happens in the operators, called through ``drifttool.ops.registry.call`` in data-
-flow order; the runtime decides the backend (strict/audit → ``strict``, auto/off →
-``production``) and captures every output with its identity (block, stream, op, layout).
+flow order; the model never branches on the backend. The runtime mode requests a backend family
+(strict/audit → ``strict``, auto/off → ``production``), the registry picks that family's
+implementation for the tensors' device, and every output is captured with its identity (block,
+stream, op, layout).
 
 Call sites (block −1 = inputs, 0..num_layers−1 = blocks, num_layers = final):
 
@@ -26,10 +28,10 @@ i           adaln_modulation        img/txt ``BS.``      (norm1, then norm2)
 i           qkv_bias_gemm           img/txt (``BS..``,)×3
 i           qk_rmsnorm              img/txt ``BS..``     (q then k)
 i           multi_axis_rope         img/txt ``BS..``     (q then k)
-i           joint_attn_qk_gemm      joint   ``B.SK``     (strict backend only)
-i           joint_attn_softmax      joint   ``B.SK``     (strict backend only)
-i           joint_attn_av_gemm      joint   ``BS..``     (strict backend only)
-i           joint_attention_fused   joint   ``BS..``     (production backend only)
+i           joint_attention_fused   joint   ``BS..``     (see below)
+i           ↳ joint_attn_qk_gemm    joint   ``B.SK``     (decomposed: strict at capture L2)
+i           ↳ joint_attn_softmax    joint   ``B.SK``     (decomposed: strict at capture L2)
+i           ↳ joint_attn_av_gemm    joint   ``BS..``     (decomposed: strict at capture L2)
 i           attn_out_bias_gemm      img/txt ``BS.``
 i           adaln_gate_residual     img/txt ``BS.``      (attention, then MLP)
 i           mlp_up_gemm_gelu        img/txt ``BS.``
@@ -37,6 +39,14 @@ i           mlp_down_gemm           img/txt ``BS.``
 num_layers  final_adaln_out         img     ``BS.``
 num_layers  latent_proj_gemm        img     ``BS.``      (proj_out)
 ==========  ======================  ======  ========================
+
+Attention is always one call of ``joint_attention_fused``. The strict family declares its fused
+implementation byte-equal to the three unfused operators (``OpSpec.decomposition``), so when the
+capture level asks for the ``[B, H, S, S]`` scores and probabilities (L2) dispatch runs — and
+traces and captures — ``joint_attn_qk_gemm``, ``joint_attn_softmax``, ``joint_attn_av_gemm``
+instead of the fused call (the trace then holds the three, not ``joint_attention_fused``); at L0/L1
+the S×S tensors are not materialised for capture (design.md, "Digests"). Production runs SDPA at
+every level (its trace entry notes at L2 that the internals were not captured).
 
 Within a block the image-stream call precedes the text-stream call of the same operator. With a
 LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` (stream img/txt, traced, not
@@ -52,8 +62,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import drifttool.ops  # noqa: F401  (operator declarations and strict backends)
-import drifttool.ops.production  # noqa: F401  (production backends)
+import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
@@ -222,8 +231,8 @@ class MMDiT(nn.Module):
             tau: ``[B]`` timestep ≈ σ (fp32); rounded to W inside ``timestep_embed_mlp`` as
                 diffusers does.
             img_grid: (h, w) patch grid, shared by the whole batch.
-            rt: runtime (backend, capture, identity scope). Attention runs as the three unfused
-                operators when ``rt.mode.backend == "strict"``, else as ``joint_attention_fused``.
+            rt: runtime (mode → backend family, capture, identity scope). Attention is one
+                ``joint_attention_fused`` call; dispatch may expand it (module docstring).
 
         Returns:
             v ``[B, N, out_dim]`` in W.
@@ -244,7 +253,7 @@ class MMDiT(nn.Module):
             key_mask = torch.cat([txt_mask, torch.ones(B, N, dtype=torch.bool, device=x.device)], dim=1)  # [B, L+N]
         img_freqs, txt_freqs = rope_tables(
             (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
-            algorithm=BACKEND_TABLES[rt.mode.backend], device=x.device,
+            algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
         )  # [N, Dh/2], [L, Dh/2] complex64: portable (strict) or diffusers' polar (production)
 
         with rt.scope(block=-1):
@@ -325,12 +334,7 @@ class MMDiT(nn.Module):
         q = torch.cat([qt, qi], dim=1)  # [B, L+N, H, Dh]
         k = torch.cat([kt, ki], dim=1)  # [B, L+N, H, Dh]
         v = torch.cat([vt, vi], dim=1)  # [B, L+N, H, Dh]
-        if rt.mode.backend == "strict":
-            scores = call(rt, "joint_attn_qk_gemm", q, k, key_mask, text_len=L, stream="joint", layout="B.SK")  # [B, H, S, S] fp32
-            probs = call(rt, "joint_attn_softmax", scores, key_mask, text_len=L, stream="joint", layout="B.SK")  # [B, H, S, S]
-            o = call(rt, "joint_attn_av_gemm", probs, v, key_mask, text_len=L, stream="joint", layout="BS..")  # [B, S, H, Dh]
-        else:
-            o = call(rt, "joint_attention_fused", q, k, v, key_mask, text_len=L, stream="joint", layout="BS..")  # [B, S, H, Dh]
+        o = call(rt, "joint_attention_fused", q, k, v, key_mask, text_len=L, stream="joint", layout="BS..")  # [B, S, H, Dh]
         o = o.flatten(2, 3)  # [B, L+N, d]
         ot = o[:, :L].contiguous()  # [B, L, d]
         oi = o[:, L:].contiguous()  # [B, N, d]

@@ -43,7 +43,7 @@ ROPE_ALGORITHMS = {
              "cos/sin by exact-op FP64 sincos64 rounded once to fp32 (portable)",
     "polar": "polar-v1: fp32 torch.pow and torch.polar as diffusers 0.42.1 (CPU-dispatch-dependent)",
 }
-BACKEND_TABLES = {"strict": "exact", "production": "polar"}  # operator backend -> table algorithm
+BACKEND_TABLES = {"strict": "exact", "production": "polar"}  # backend family -> table algorithm
 
 
 def rope_inv_freqs(axis_dim: int, theta: float = 10000, *, algorithm: str = "exact") -> torch.Tensor:

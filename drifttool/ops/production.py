@@ -16,6 +16,10 @@ output byte for byte in bf16 on the CPU (and to ~1e-6 in fp32):
 - attention: ``F.scaled_dot_product_attention`` on ``[B, H, S, Dh]`` permuted views, with a bool
   key mask ``[B, 1, 1, S]`` only when one is given (§2.4, §5.11).
 
+Every implementation here is device-generic torch and is registered for device types ``cpu``
+and ``cuda`` (``DEVICES``); the trace records the device of each call next to the kernel.
+Geometry checks of the key mask are declared constraints (``constraints.key_mask_fits``).
+
 The three unfused attention operators get plain-torch versions here (fp32 scores and
 probabilities); they are *not* byte-equal to ``joint_attention_fused`` (SDPA) — only the strict
 backend promises that.
@@ -30,10 +34,19 @@ import math
 import torch
 import torch.nn.functional as F
 
+import drifttool.ops.specs  # noqa: F401  (the operators implemented here are declared there)
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.constraints import Constraint, key_mask_fits, text_len_fits
 from drifttool.ops.registry import implements
 
 _HALF = (torch.float16, torch.bfloat16)
+
+DEVICES = ("cpu", "cuda")
+"""Every production implementation is device-generic torch: registered for both device types."""
+
+
+def _production(op: str, *, kernel: str, constraints: tuple[Constraint, ...] = ()):
+    return implements(op, "production", device=DEVICES, kernel=kernel, constraints=constraints)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -45,7 +58,7 @@ def _check(cond: bool, msg: str) -> None:
 # latent layout (pipeline side, numerics §3.2, §3.5)
 
 
-@implements("latent_pack_unpack", "production", kernel="torch.view_permute_reshape")
+@_production("latent_pack_unpack", kernel="torch.view_permute_reshape")
 def latent_pack_unpack(z: torch.Tensor, direction: str = "pack", grid: tuple[int, int] | None = None) -> torch.Tensor:
     """2×2 patchify / unpatchify (diffusers ``_pack_latents`` / ``_unpack_latents``).
 
@@ -77,7 +90,7 @@ def latent_pack_unpack(z: torch.Tensor, direction: str = "pack", grid: tuple[int
     raise UnsupportedConfigError(f"latent_pack_unpack: unknown direction {direction!r}")
 
 
-@implements("latent_normalize", "production", kernel="torch.elementwise")
+@_production("latent_normalize", kernel="torch.elementwise")
 def latent_normalize(z: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Per-channel latent normalisation, as the diffusers Qwen-Image pipelines write it.
 
@@ -99,7 +112,7 @@ def latent_normalize(z: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, inv
 # inputs: image / text projections and timestep embedding
 
 
-@implements("latent_proj_gemm", "production", kernel="torch.nn.functional.linear")
+@_production("latent_proj_gemm", kernel="torch.nn.functional.linear")
 def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``img_in`` (64→d) / ``proj_out`` (d→64): ``F.linear`` in W with fused bias. ``[B,S,K]→[B,S,N]``."""
     return F.linear(x, w, b)
@@ -115,7 +128,7 @@ def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     return y * gain
 
 
-@implements("txt_in_rmsnorm_linear", "production", kernel="torch.rmsnorm+torch.nn.functional.linear")
+@_production("txt_in_rmsnorm_linear", kernel="torch.rmsnorm+torch.nn.functional.linear")
 def txt_in_rmsnorm_linear(
     e: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -134,7 +147,7 @@ def _timestep_sinusoid(tau: torch.Tensor, channels: int = 256) -> torch.Tensor:
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)  # [B, 256]
 
 
-@implements("timestep_embed_mlp", "production", kernel="torch.sinusoid_fp32+torch.nn.functional.linear")
+@_production("timestep_embed_mlp", kernel="torch.sinusoid_fp32+torch.nn.functional.linear")
 def timestep_embed_mlp(
     tau: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
 ) -> torch.Tensor:
@@ -154,14 +167,14 @@ def timestep_embed_mlp(
 # block: modulation, attention, MLP
 
 
-@implements("adaln_mod_projection", "production", kernel="torch.silu+torch.nn.functional.linear")
+@_production("adaln_mod_projection", kernel="torch.silu+torch.nn.functional.linear")
 def adaln_mod_projection(temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``img_mod`` / ``txt_mod``: ``F.linear(SiLU(temb))`` in W. ``[B,d] → [B,6d]``, chunks
     (shift1, scale1, gate1, shift2, scale2, gate2) (§2.3)."""
     return F.linear(F.silu(temb), w, b)
 
 
-@implements("adaln_modulation", "production", kernel="torch.layer_norm+elementwise")
+@_production("adaln_modulation", kernel="torch.layer_norm+elementwise")
 def adaln_modulation(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -171,13 +184,13 @@ def adaln_modulation(
     return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-@implements("adaln_gate_residual", "production", kernel="torch.elementwise")
+@_production("adaln_gate_residual", kernel="torch.elementwise")
 def adaln_gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + gate · y`` in W (separate rounded multiply and add). x, y ``[B,S,d]``, gate ``[B,d]``."""
     return x + gate.unsqueeze(1) * y
 
 
-@implements("qkv_bias_gemm", "production", kernel="torch.nn.functional.linear")
+@_production("qkv_bias_gemm", kernel="torch.nn.functional.linear")
 def qkv_bias_gemm(
     x: torch.Tensor,
     wq: torch.Tensor,
@@ -197,13 +210,13 @@ def qkv_bias_gemm(
     return q, k, v
 
 
-@implements("qk_rmsnorm", "production", kernel="torch.rmsnorm")
+@_production("qk_rmsnorm", kernel="torch.rmsnorm")
 def qk_rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Per-head RMSNorm over Dh with learned gain, diffusers' cast order (§2.5). ``[B,S,H,Dh]``."""
     return _rms_norm(x, gain, eps)
 
 
-@implements("multi_axis_rope", "production", kernel="torch.complex64_mul")
+@_production("multi_axis_rope", kernel="torch.complex64_mul")
 def multi_axis_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Interleaved-pair RoPE (§2.2): view ``fp32(x)`` as Dh/2 complex pairs (x[2j] real,
     x[2j+1] imaginary), multiply by ``freqs [S, Dh/2]`` complex64, flatten, cast back to x's dtype.
@@ -218,55 +231,48 @@ def multi_axis_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return out.type_as(x)
 
 
-def _check_key_mask(key_mask: torch.Tensor | None, b: int, s: int, text_len: int | None = None) -> None:
-    if key_mask is not None:
-        _check(key_mask.dtype == torch.bool, f"key_mask must be bool, got {key_mask.dtype}")
-        _check(key_mask.shape == (b, s), f"key_mask must be [{b}, {s}], got {tuple(key_mask.shape)}")
-    # text_len (the padded text length) sets the strict block structure (contract v2); the
-    # production kernels do not use it, only check it.
-    _check(text_len is None or (isinstance(text_len, int) and not isinstance(text_len, bool) and 0 <= text_len <= s),
-           f"text_len must be an int in [0, {s}], got {text_len!r}")
-
-
-@implements("joint_attn_qk_gemm", "production", kernel="torch.matmul_fp32")
+@_production("joint_attn_qk_gemm", kernel="torch.matmul_fp32",
+             constraints=(key_mask_fits("k"), text_len_fits("k")))
 def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None, *,
                        text_len: int | None = None) -> torch.Tensor:
     """Scores ``(q·kᵀ) / √Dh`` in fp32: q, k ``[B,S,H,Dh]`` → ``[B,H,S,S]`` fp32 (plain torch).
 
-    ``key_mask`` is only validated (it orders the strict backward; the scores do not use it)."""
-    _check_key_mask(key_mask, k.shape[0], k.shape[1], text_len)
+    ``key_mask`` and ``text_len`` are only validated, by the declared constraints (they order
+    the strict arithmetic; the scores do not use them)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh = q.float().permute(0, 2, 1, 3)  # [B, H, S, Dh]
     kh = k.float().permute(0, 2, 3, 1)  # [B, H, Dh, S]
     return torch.matmul(qh, kh) * scale  # [B, H, S, S]
 
 
-@implements("joint_attn_softmax", "production", kernel="torch.softmax_fp32")
+@_production("joint_attn_softmax", kernel="torch.softmax_fp32",
+             constraints=(key_mask_fits("scores", seq_axis=-1), text_len_fits("scores", seq_axis=-1)))
 def joint_attn_softmax(scores: torch.Tensor, key_mask: torch.Tensor | None = None, *,
                        text_len: int | None = None) -> torch.Tensor:
     """Softmax over keys in fp32; keys with ``key_mask == False`` get probability 0.
     ``[B,H,S,S] → [B,H,S,S]`` fp32."""
-    _check_key_mask(key_mask, scores.shape[0], scores.shape[-1], text_len)
     s = scores.float()
     if key_mask is not None:
         s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return torch.softmax(s, dim=-1)
 
 
-@implements("joint_attn_av_gemm", "production", kernel="torch.matmul_fp32")
+@_production("joint_attn_av_gemm", kernel="torch.matmul_fp32",
+             constraints=(key_mask_fits("v"), text_len_fits("v")))
 def joint_attn_av_gemm(
     probs: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None
 ) -> torch.Tensor:
     """``probs · v`` in fp32, cast to v's dtype: ``[B,H,S,S], [B,S,H,Dh] → [B,S,H,Dh]``.
 
-    ``key_mask`` is only validated here: masked keys already carry probability exactly 0.
+    ``key_mask`` is only validated (declared constraint): masked keys already carry probability
+    exactly 0.
     """
-    _check_key_mask(key_mask, v.shape[0], v.shape[1], text_len)
     out = torch.matmul(probs.float(), v.float().permute(0, 2, 1, 3))  # [B, H, S, Dh]
     return out.permute(0, 2, 1, 3).contiguous().to(v.dtype)  # [B, S, H, Dh]
 
 
-@implements("joint_attention_fused", "production", kernel="torch.nn.functional.scaled_dot_product_attention")
+@_production("joint_attention_fused", kernel="torch.nn.functional.scaled_dot_product_attention",
+             constraints=(key_mask_fits("k"), text_len_fits("k")))
 def joint_attention_fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
     text_len: int | None = None,
@@ -274,32 +280,31 @@ def joint_attention_fused(
     """diffusers' native attention backend (§2.4): SDPA on ``[B,H,S,Dh]`` permuted views, scale
     1/√Dh, no dropout, non-causal, bool key mask ``[B,1,1,S]`` only when given.
     q, k, v ``[B,S,H,Dh]`` (joint sequence [text, image]) → ``[B,S,H,Dh]`` in W."""
-    _check_key_mask(key_mask, q.shape[0], k.shape[1], text_len)
     mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]
     qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, Dh]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=False)
     return out.permute(0, 2, 1, 3).contiguous()  # [B, S, H, Dh]
 
 
-@implements("attn_out_bias_gemm", "production", kernel="torch.nn.functional.linear")
+@_production("attn_out_bias_gemm", kernel="torch.nn.functional.linear")
 def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``to_out.0`` / ``to_add_out``: ``F.linear`` in W. ``[B,S,d] → [B,S,d]``."""
     return F.linear(x, w, b)
 
 
-@implements("mlp_up_gemm_gelu", "production", kernel="torch.nn.functional.linear+gelu_tanh")
+@_production("mlp_up_gemm_gelu", kernel="torch.nn.functional.linear+gelu_tanh")
 def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``net.0.proj`` then tanh-approximate GELU, both in W. ``[B,S,d] → [B,S,4d]``."""
     return F.gelu(F.linear(x, w, b), approximate="tanh")
 
 
-@implements("mlp_down_gemm", "production", kernel="torch.nn.functional.linear")
+@_production("mlp_down_gemm", kernel="torch.nn.functional.linear")
 def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``net.2``: ``F.linear`` in W. ``[B,S,4d] → [B,S,d]``."""
     return F.linear(x, w, b)
 
 
-@implements("final_adaln_out", "production", kernel="torch.silu+linear+layer_norm")
+@_production("final_adaln_out", kernel="torch.silu+linear+layer_norm")
 def final_adaln_out(
     x: torch.Tensor, temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:

@@ -2,38 +2,97 @@
 
     >>> out = call(rt, "mlp_down_gemm", h, w, b, stream="img", layout="BS.")
 
-``call`` picks the backend from the runtime mode, fails closed (``strict``) or records a fallback
-(``audit``) when that backend is unavailable, records the call site in the operator trace, and
-hands each output to the capture recorder with its identity (op name, stream, layout).
+Registration. Implementations register per (operator, backend family, device type) with a
+decorator, the way diffusers' ``attention_dispatch.py`` registers attention backends, each with
+its **declared constraints** (``drifttool.ops.constraints``: device, dtypes, geometry):
 
-Backends register per (operator, backend) with a decorator, the way diffusers'
-``attention_dispatch.py`` registers attention backends; constraint checks run on every call and
-raise rather than drop an argument.
+    >>> @implements("qk_rmsnorm", "strict", device="cpu", kernel="tree_rmsnorm",
+    ...             constraints=(dtypes(FLOATS, "x", "gain"),))
+
+Families are open: ``"strict"`` and ``"production"`` are registered by ``drifttool.ops``; another
+module may register e.g. a strict CUDA family (``implements(op, "strict", device="cuda", ...)``)
+without touching the model or this file. Several implementations of one (operator, family,
+device) are tried in registration order.
+
+Resolution of one call (``resolve``):
+
+1. the device type comes from the call's tensors (``constraints.devices``): all tensor arguments
+   share one device, else ``UnsupportedConfigError``; a call without tensors runs on ``"cpu"``;
+2. the runtime requests a family (``Runtime.family``, by default the mode's ``Mode.family``); the first registered implementation of
+   that family for that device whose constraints all pass is used;
+3. none passes: the mode's fallback family (``Mode.fallback``: ``audit`` → ``production``) is
+   tried the same way and the fallback is recorded in the trace with its reason; without a
+   fallback (``strict``, ``auto``, ``off``) dispatch fails closed with an error naming the
+   operator, family, device and the failed constraint.
+
+A probe's variant (``Runtime.variants``) replaces the implementation outright.
+
+Decomposition. An operator may declare a decomposition into finer operators (``OpSpec.
+decomposition``: ``joint_attention_fused`` = ``joint_attn_qk_gemm`` → ``joint_attn_softmax`` →
+``joint_attn_av_gemm``). An implementation that declares itself byte-equal to it
+(``implements(..., decomposable=True)``) is *expanded*: dispatch runs the decomposition's
+operators one by one (each resolved, traced and captured under its own name) when the capture
+sink wants internal tensors (``capture.sink.wants_internals``: level ≥ L2) or a variant replaces
+one of them. Otherwise (L0/L1, or a family whose fused kernel is not byte-equal, e.g. production
+SDPA) the fused implementation runs; at L2 its trace entry notes that the internals were not
+captured. A variant of the fused operator applies only when the fused operator runs (a probe
+registers one variant per operator it may meet, e.g. ``joint_attn_softmax`` for strict at L2 and
+``joint_attention_fused`` for production).
+
+Trace and capture are separate steps after dispatch: ``_trace`` records the call site (family
+requested and run, kernel, device, fallback), ``capture.sink.capture_outputs`` hands the outputs
+to the recorder.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from drifttool.capture.sink import capture_outputs, wants_internals
 from drifttool.errors import UnsupportedConfigError
-from drifttool.runtime import Mode, Runtime
+from drifttool.ops.constraints import Constraint, devices, on_device
+from drifttool.runtime import Runtime
 
-BACKENDS = ("strict", "production")
+BUILTIN_FAMILIES = ("strict", "production")
+"""The families ``drifttool.ops`` registers; others may be added by any module."""
+
+DEVICES = ("cpu", "cuda")
+"""Device types implementations may register for."""
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """An operator written as a sequence of finer declared operators.
+
+    Attributes:
+        ops: the finer operators, in call order.
+        layouts: capture layout of each finer operator's output; an operator not listed gets the
+            fused call's layout (the last one, whose output is the fused output).
+        run: ``run(step, *args, **kwargs)`` with the fused operator's arguments; ``step(name,
+            *args, **kwargs)`` dispatches one finer operator and returns its output.
+    """
+
+    ops: tuple[str, ...]
+    layouts: dict[str, str]
+    run: Callable[..., Any]
 
 
 @dataclass(frozen=True, kw_only=True)
 class OpSpec:
-    """Declaration of one RFC operator.
+    """Declaration of one operator.
 
     Attributes:
         name: the RFC row name, e.g. ``"qk_rmsnorm"``.
         contract: arithmetic contract id, ``"qwenimage.<name>.v<k>"``; bump k when bytes change.
         differentiable: whether the operator has a backward (``flow_sigma_table`` does not).
-        dtypes: input dtypes the strict backend accepts.
+        dtypes: input dtypes the strict family accepts (its implementations declare them as a
+            constraint).
         summary: one line for the docs index.
+        decomposition: the finer operators this one is equal to, if any (see module docstring).
     """
 
     name: str
@@ -41,37 +100,136 @@ class OpSpec:
     differentiable: bool
     dtypes: tuple[torch.dtype, ...]
     summary: str
+    decomposition: Decomposition | None = None
 
 
 @dataclass(frozen=True)
-class _Impl:
+class Impl:
+    """One registered implementation.
+
+    Attributes:
+        op, family, device: its registry key (device type ``"cpu"`` / ``"cuda"``).
+        fn: the function (the operator's call signature).
+        kernel: kernel identity written to the trace; the device is recorded separately.
+        constraints: declared constraints, the device constraint first.
+        decomposable: byte-equal to the operator's declared decomposition, so dispatch may run
+            the decomposition instead (to capture the internals).
+    """
+
+    op: str
+    family: str
+    device: str
     fn: Callable[..., Any]
     kernel: str
+    constraints: tuple[Constraint, ...]
+    decomposable: bool = False
+    signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
+
+    def failed(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Constraint, str] | None:
+        """The first constraint this call fails, with its reason; ``None`` if all pass.
+
+        Raises:
+            TypeError: the arguments do not fit the implementation's signature.
+        """
+        bound = (self.signature or inspect.signature(self.fn)).bind(*args, **kwargs)
+        bound.apply_defaults()
+        for c in self.constraints:
+            why = c(bound.arguments)
+            if why is not None:
+                return c, why
+        return None
+
+    def checked(self) -> Callable[..., Any]:
+        """``fn`` behind its declared constraints (raises ``UnsupportedConfigError``)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bad = self.failed(args, kwargs)
+            if bad is not None:
+                raise UnsupportedConfigError(_constraint_message(self, *bad))
+            return self.fn(*args, **kwargs)
+
+        run.__name__ = getattr(self.fn, "__name__", self.op)
+        run.__doc__ = self.fn.__doc__
+        run.__wrapped__ = self.fn  # type: ignore[attr-defined]
+        return run
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What dispatch chose for one call: family requested and run, the implementation, the
+    device type, and the fallback reason ("" when none)."""
+
+    requested: str
+    actual: str
+    impl: Impl
+    device: str
+    reason: str = ""
 
 
 _SPECS: dict[str, OpSpec] = {}
-_IMPLS: dict[tuple[str, str], _Impl] = {}
+_IMPLS: dict[tuple[str, str, str], list[Impl]] = {}
 
 
 def declare(spec: OpSpec) -> OpSpec:
+    """Declare an operator (once).
+
+    Raises:
+        ValueError: declared twice, or its decomposition names an undeclared operator.
+    """
     if spec.name in _SPECS:
         raise ValueError(f"operator {spec.name!r} declared twice")
+    if spec.decomposition is not None:
+        missing = [op for op in spec.decomposition.ops if op not in _SPECS]
+        if missing:
+            raise ValueError(f"operator {spec.name!r}: decomposition names undeclared {missing}")
     _SPECS[spec.name] = spec
     return spec
 
 
-def implements(name: str, backend: str, *, kernel: str) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as the ``backend`` implementation of operator ``name``.
+def implements(
+    name: str,
+    family: str,
+    *,
+    kernel: str,
+    device: str | tuple[str, ...] = "cpu",
+    constraints: tuple[Constraint, ...] = (),
+    decomposable: bool = False,
+) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the ``family`` implementation of operator ``name`` on ``device``.
 
-    ``kernel`` is the kernel identity written to the trace (e.g. ``"cpu.tiled_bmm16.k128"``).
+    Args:
+        name: a declared operator.
+        family: backend family, e.g. ``"strict"`` or ``"production"`` (open set).
+        kernel: kernel identity written to the trace (no device prefix: the trace records the
+            device separately), e.g. ``"tree_rmsnorm"``.
+        device: device type(s) ``fn`` runs on; one implementation is registered per device, each
+            with the ``constraints.on_device`` constraint first.
+        constraints: further declared constraints (dtypes, geometry), checked on every call.
+        decomposable: ``fn`` is byte-equal to the operator's declared decomposition.
+
+    Raises:
+        ValueError: undeclared operator, unknown device, a constraint reading a parameter ``fn``
+            lacks, or ``decomposable`` for an operator without a decomposition.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}")
+    devs = (device,) if isinstance(device, str) else tuple(device)
+    unknown = [d for d in devs if d not in DEVICES]
+    if unknown or not devs:
+        raise ValueError(f"unknown device type(s) {unknown or devs!r}; expected some of {DEVICES}")
 
     def deco(fn: Callable) -> Callable:
         if name not in _SPECS:
             raise ValueError(f"operator {name!r} is not declared")
-        _IMPLS[(name, backend)] = _Impl(fn, kernel)
+        if decomposable and _SPECS[name].decomposition is None:
+            raise ValueError(f"operator {name!r} declares no decomposition to be byte-equal to")
+        sig = inspect.signature(fn)
+        for c in constraints:
+            missing = [p for p in c.params if p not in sig.parameters]
+            if missing:
+                raise ValueError(f"{name} ({family}): constraint {c.name!r} reads {missing}, "
+                                 f"not parameters of {fn.__name__}")
+        for d in devs:
+            impl = Impl(name, family, d, fn, kernel, (on_device(d), *constraints), decomposable, sig)
+            _IMPLS.setdefault((name, family, d), []).append(impl)
         return fn
 
     return deco
@@ -89,39 +247,171 @@ def specs() -> dict[str, OpSpec]:
     return dict(_SPECS)
 
 
-def implementation(name: str, backend: str) -> Callable[..., Any]:
-    """The raw implementation function, bypassing trace and capture (for tests and references)."""
-    try:
-        return _IMPLS[(name, backend)].fn
-    except KeyError:
-        raise UnsupportedConfigError(f"operator {name!r} has no {backend!r} backend") from None
+def impls(name: str, family: str, device: str = "cpu") -> list[Impl]:
+    """The implementations registered for (operator, family, device), in registration order."""
+    return list(_IMPLS.get((name, family, device), ()))
 
 
-def kernel_id(name: str, backend: str) -> str | None:
-    """The kernel identity ``backend`` registers for operator ``name`` (None if unregistered)."""
-    impl = _IMPLS.get((name, backend))
-    return impl.kernel if impl else None
+def families(name: str | None = None) -> list[str]:
+    """Families with at least one implementation (of operator ``name``), in registration order."""
+    return list(dict.fromkeys(f for (op, f, _) in _IMPLS if name is None or op == name))
 
 
-def _resolve(rt: Runtime, name: str) -> tuple[str, str, _Impl, str]:
-    """Return (requested backend, actual backend, impl, fallback reason or "")."""
-    requested = rt.mode.backend
-    impl = _IMPLS.get((name, requested))
-    reason = ""
-    if impl is None:
-        reason = f"no {requested} backend registered"
-    elif (name, requested) in rt.unavailable:
-        reason = f"{requested} backend marked unavailable"
-    if not reason:
-        return requested, requested, impl, ""
-    if rt.mode is Mode.AUDIT:
-        other = "production"
-        fallback = _IMPLS.get((name, other))
-        if fallback is not None and (name, other) not in rt.unavailable:
-            return requested, other, fallback, reason
+def _first(name: str, family: str, device: str) -> Impl:
+    found = _IMPLS.get((name, family, device))
+    if not found:
+        raise UnsupportedConfigError(f"operator {name!r} has no {family!r} implementation for device {device!r}")
+    return found[0]
+
+
+def implementation(name: str, backend: str, device: str = "cpu") -> Callable[..., Any]:
+    """The first registered (``backend`` family, ``device``) implementation, bypassing trace and
+    capture but not its declared constraints (for tests and references).
+
+    Raises:
+        UnsupportedConfigError: nothing registered; (when called) a declared constraint fails.
+    """
+    return _first(name, backend, device).checked()
+
+
+def kernel_id(name: str, backend: str, device: str = "cpu") -> str | None:
+    """The kernel identity of the first (``backend`` family, ``device``) implementation of
+    ``name`` (None if unregistered)."""
+    found = _IMPLS.get((name, backend, device))
+    return found[0].kernel if found else None
+
+
+# ---------------------------------------------------------------------------------------------
+# resolution
+
+
+def _constraint_message(impl: Impl, c: Constraint, why: str) -> str:
+    return (f"operator {impl.op!r}, family {impl.family!r}, device {impl.device!r}: "
+            f"constraint {c.name!r} failed: {why}")
+
+
+def call_device(name: str, args: tuple, kwargs: dict[str, Any]) -> str:
+    """The device type of a call: that of its tensor arguments (``"cpu"`` without tensors).
+
+    Raises:
+        UnsupportedConfigError: tensor arguments on more than one device type.
+    """
+    found = devices((*args, *kwargs.values()))
+    if len(found) > 1:
+        raise UnsupportedConfigError(
+            f"operator {name!r}: tensor arguments on more than one device ({', '.join(sorted(found))}); "
+            "move them to one device first")
+    return found.pop() if found else "cpu"
+
+
+def _select(rt: Runtime, name: str, family: str, device: str, args: tuple,
+            kwargs: dict[str, Any]) -> tuple[Impl | None, str]:
+    """The first ``family`` implementation on ``device`` whose constraints pass, or why none."""
+    if (name, family) in rt.unavailable:
+        return None, f"operator {name!r}, family {family!r}, device {device!r}: marked unavailable"
+    found = _IMPLS.get((name, family, device))
+    if not found:
+        return None, f"operator {name!r}: no {family!r} implementation for device {device!r}"
+    reasons = []
+    for impl in found:
+        bad = impl.failed(args, kwargs)
+        if bad is None:
+            return impl, ""
+        reasons.append(_constraint_message(impl, *bad))
+    return None, "; ".join(reasons)
+
+
+def resolve(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Resolution:
+    """Pick the implementation of one call (module docstring, "Resolution").
+
+    Raises:
+        UnsupportedConfigError: mixed devices; or no implementation of the requested family
+            passes and the mode has no fallback (or the fallback has none either).
+    """
+    device = call_device(name, args, kwargs)
+    requested = rt.family
+    impl, reason = _select(rt, name, requested, device, args, kwargs)
+    if impl is not None:
+        return Resolution(requested, requested, impl, device)
+    fallback = rt.mode.fallback
+    if fallback is not None:
+        alt, alt_reason = _select(rt, name, fallback, device, args, kwargs)
+        if alt is not None:
+            return Resolution(requested, fallback, alt, device, reason)
+        reason = f"{reason}; fallback: {alt_reason}"
     raise UnsupportedConfigError(
-        f"operator {name!r}: {reason} and mode {rt.mode.value!r} allows no fallback"
+        f"{reason} (mode {rt.mode.value!r} allows {'no fallback' if fallback is None else 'no further fallback'})"
     )
+
+
+def _variant(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Resolution:
+    variant, fn = rt.variants[name]
+    actual = f"variant:{variant}"
+    impl = Impl(name, actual, call_device(name, args, kwargs), fn, actual, ())
+    return Resolution(rt.family, actual, impl, impl.device)
+
+
+def _wants_decomposition(rt: Runtime, op: OpSpec) -> bool:
+    """The capture sink wants ``op``'s internals, or a variant replaces one of its finer ops."""
+    dec = op.decomposition
+    return dec is not None and (wants_internals(rt) or any(o in rt.variants for o in dec.ops))
+
+
+def _expands(rt: Runtime, op: OpSpec, res: Resolution) -> bool:
+    """Run ``op``'s decomposition instead of ``res``: the implementation declares itself
+    byte-equal to it and the decomposition is wanted."""
+    return res.impl.decomposable and _wants_decomposition(rt, op)
+
+
+def _family_expands(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The requested family would expand ``op`` here: then the fused operator itself does not
+    run, and a variant of it does not apply (as a variant of an operator never called)."""
+    if not _wants_decomposition(rt, op):
+        return False
+    impl, _ = _select(rt, op.name, rt.family, call_device(op.name, args, kwargs), args, kwargs)
+    return impl is not None and impl.decomposable
+
+
+# ---------------------------------------------------------------------------------------------
+# the call: dispatch, trace, capture hand-off
+
+
+def _dispatch(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> Resolution:
+    """The probe's variant of ``op`` if it has one and ``op`` itself runs, else ``resolve``."""
+    if op.name in rt.variants and not _family_expands(rt, op, args, kwargs):
+        return _variant(rt, op.name, args, kwargs)
+    return resolve(rt, op.name, args, kwargs)
+
+
+def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution) -> None:
+    """Record the call site: contract, family requested and run, kernel, device, fallback; for a
+    fused operator whose internals the sink wanted but that ran fused, a note saying so."""
+    note = ""
+    if op.decomposition is not None and wants_internals(rt):
+        note = (f"internals {'/'.join(op.decomposition.ops)} not captured: {res.actual} declares no "
+                "byte-equal decomposition")
+    rt.trace.record(
+        site=site,
+        contract=op.contract,
+        requested=res.requested,
+        actual=res.actual,
+        kernel=res.impl.kernel,
+        fallback=bool(res.reason),
+        reason=res.reason or note,
+        declared=rt.mode.fallback is not None,
+        device=res.device,
+    )
+
+
+def _decomposed(rt: Runtime, op: OpSpec, stream: str, layout: Any, args: tuple,
+                kwargs: dict[str, Any]) -> Any:
+    dec = op.decomposition
+    assert dec is not None
+
+    def step(name: str, *a: Any, **kw: Any) -> Any:
+        return call(rt, name, *a, stream=stream, layout=dec.layouts.get(name, layout), **kw)
+
+    return dec.run(step, *args, **kwargs)
 
 
 def call(
@@ -136,38 +426,22 @@ def call(
 
     Args:
         rt: the runtime (mode, recorder, trace).
-        name: RFC operator name.
+        name: operator name.
         stream: ``"img"``, ``"txt"``, ``"joint"`` or ``"none"`` (identity field).
         layout: axis tags of the output (one string per output for tuple outputs); see
             ``drifttool.capture.layout``. ``None`` captures nothing for that call.
 
     Raises:
-        UnsupportedConfigError: the requested backend is missing or marked unavailable and the
-            mode allows no fallback (``strict``, ``auto``, ``off``).
+        UnsupportedConfigError: tensors on several devices, or no implementation of the requested
+            family passes its declared constraints (or is marked unavailable) and the mode
+            allows no fallback (``strict``, ``auto``, ``off``).
     """
     op = spec(name)
-    if name in rt.variants:
-        variant, fn = rt.variants[name]
-        requested, actual, impl, reason = rt.mode.backend, f"variant:{variant}", _Impl(fn, f"variant:{variant}"), ""
-    else:
-        requested, actual, impl, reason = _resolve(rt, name)
-    out = impl.fn(*args, **kwargs)
-    rec = rt.recorder
+    res = _dispatch(rt, op, args, kwargs)
+    if _expands(rt, op, res):
+        return _decomposed(rt, op, stream, layout, args, kwargs)
+    out = res.impl.fn(*args, **kwargs)
     site = rt.site(name, stream)
-    rt.trace.record(
-        site=site,
-        contract=op.contract,
-        requested=requested,
-        actual=actual,
-        kernel=impl.kernel,
-        fallback=bool(reason),
-        reason=reason,
-        declared=rt.mode is Mode.AUDIT,
-    )
-    if rec is not None and layout is not None and rt.mode.captures:
-        outs = out if isinstance(out, tuple) else (out,)
-        layouts = (layout,) if isinstance(layout, str) else tuple(layout)
-        for i, (t, lay) in enumerate(zip(outs, layouts)):
-            if lay is not None:
-                rec.capture(site, t, lay, index=i)
+    _trace(rt, site, op, res)
+    capture_outputs(rt, site, out, layout)
     return out

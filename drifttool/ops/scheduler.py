@@ -189,8 +189,10 @@ def _flow_sigma_table(
     return torch.from_numpy(table)
 
 
-implements("flow_sigma_table", "strict", kernel="cpu.numpy_fp32.diffusers_order")(_flow_sigma_table)
-implements("flow_sigma_table", "production", kernel="cpu.numpy_fp32.diffusers_order")(
+# host arithmetic (numpy) and no tensor arguments: registered for the CPU, where dispatch sends a
+# call without tensors, in both families
+implements("flow_sigma_table", "strict", kernel="numpy_fp32.diffusers_order")(_flow_sigma_table)
+implements("flow_sigma_table", "production", kernel="numpy_fp32.diffusers_order")(
     _flow_sigma_table
 )
 flow_sigma_table = _flow_sigma_table
@@ -325,7 +327,7 @@ def cfg_combine_renorm_strict(
     return _CFGRenorm.apply(v_cond, v_uncond, float(scale))
 
 
-@implements("cfg_combine_renorm", "production", kernel="torch.native.norm")
+@implements("cfg_combine_renorm", "production", device=("cpu", "cuda"), kernel="torch.native.norm")
 def cfg_combine_renorm_production(
     v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -557,7 +559,8 @@ def flow_sde_step_logp_strict(
     return _SDEStep.apply(v32, x32, s, sn, sm, eta, noise, prev_sample)
 
 
-@implements("flow_sde_step_logp", "production", kernel="torch.native.flowgrpo_sde.mean")
+@implements("flow_sde_step_logp", "production", device=("cpu", "cuda"),
+            kernel="torch.native.flowgrpo_sde.mean")
 def flow_sde_step_logp_production(
     v: torch.Tensor,
     x: torch.Tensor,

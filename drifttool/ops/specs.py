@@ -24,8 +24,9 @@ joint_attn_softmax       (scores [B,H,S,S], key_mask [B,S] bool or None, *, text
                          → probs [B,H,S,S] fp32
 joint_attn_av_gemm       (probs [B,H,S,S], v [B,S,H,Dh], key_mask, *, text_len=None) → [B,S,H,Dh]
                          (dtype of v; probs cast to v's dtype before the value product)
-joint_attention_fused    (q, k, v, key_mask, *, text_len=None) → [B,S,H,Dh]; byte-equal to the
-                         three above
+joint_attention_fused    (q, k, v, key_mask, *, text_len=None) → [B,S,H,Dh]; declares the three
+                         above as its decomposition (strict: byte-equal to it; dispatch expands
+                         it at L2)
 attn_out_bias_gemm       (x [B,S,d], w [d,d], b [d]) → [B,S,d]
 mlp_up_gemm_gelu         (x [B,S,d], w [4d,d], b [4d]) → GELU_tanh(x·wᵀ + b) [B,S,4d]
 mlp_down_gemm            (x [B,S,4d], w [d,4d], b [d]) → [B,S,d]
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.ops.registry import OpSpec, declare
+from drifttool.ops.registry import Decomposition, OpSpec, declare
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -65,7 +66,8 @@ WS1_OPERATORS = (
 Other declared operators (e.g. ``lora_merge``) are not RFC rows."""
 
 
-def _d(name: str, summary: str, *, version: int = 1, differentiable: bool = True, dtypes=_FLOATS) -> OpSpec:
+def _d(name: str, summary: str, *, version: int = 1, differentiable: bool = True,
+       dtypes=_FLOATS, decomposition: Decomposition | None = None) -> OpSpec:
     return declare(
         OpSpec(
             name=name,
@@ -73,8 +75,17 @@ def _d(name: str, summary: str, *, version: int = 1, differentiable: bool = True
             differentiable=differentiable,
             dtypes=dtypes,
             summary=summary,
+            decomposition=decomposition,
         )
     )
+
+
+def _joint_attention_unfused(step, q, k, v, key_mask=None, *, text_len=None):
+    """``joint_attention_fused`` as its three RFC rows: scores and probabilities ``[B,H,S,S]``
+    fp32 (captured as ``B.SK``), then the output ``[B,S,H,Dh]`` (the fused call's layout)."""
+    scores = step("joint_attn_qk_gemm", q, k, key_mask, text_len=text_len)
+    probs = step("joint_attn_softmax", scores, key_mask, text_len=text_len)
+    return step("joint_attn_av_gemm", probs, v, key_mask, text_len=text_len)
 
 
 LATENT_PACK_UNPACK = _d("latent_pack_unpack", "2x2 patchify / unpatchify of 16-channel latents")
@@ -91,7 +102,14 @@ MULTI_AXIS_ROPE = _d("multi_axis_rope", "three-axis [16,56,56] interleaved-pair 
 JOINT_ATTN_QK_GEMM = _d("joint_attn_qk_gemm", "joint QK^T / sqrt(d) over [text, image]", version=2)
 JOINT_ATTN_SOFTMAX = _d("joint_attn_softmax", "key-masked softmax, fixed reduction order", version=2)
 JOINT_ATTN_AV_GEMM = _d("joint_attn_av_gemm", "attention-weighted value accumulation", version=2)
-JOINT_ATTENTION_FUSED = _d("joint_attention_fused", "fused attention, byte-equal to the unfused", version=2)
+JOINT_ATTENTION_FUSED = _d(
+    "joint_attention_fused", "fused attention, byte-equal to the unfused", version=2,
+    decomposition=Decomposition(
+        ops=("joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm"),
+        layouts={"joint_attn_qk_gemm": "B.SK", "joint_attn_softmax": "B.SK"},
+        run=_joint_attention_unfused,
+    ),
+)
 ATTN_OUT_BIAS_GEMM = _d("attn_out_bias_gemm", "per-stream attention output projection", version=2)
 MLP_UP_GEMM_GELU = _d("mlp_up_gemm_gelu", "MLP up projection d->4d + tanh GELU", version=2)
 MLP_DOWN_GEMM = _d("mlp_down_gemm", "MLP down projection 4d->d", version=2)

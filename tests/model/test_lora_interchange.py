@@ -360,7 +360,7 @@ def test_production_lora_merge_is_peft_merge(dtype):
     (FP32 factors on a ``dtype`` base, as ``PeftModel.from_pretrained`` makes them)."""
     from peft import LoraConfig, get_peft_model
 
-    from drifttool.model.lora import lora_merge_production
+    from drifttool.ops.lora import lora_merge_production
 
     torch.manual_seed(0)
     net = get_peft_model(torch.nn.Sequential(torch.nn.Linear(48, 40)).to(dtype),

@@ -6,38 +6,42 @@ import pytest
 import torch
 
 import drifttool.ops  # noqa: F401
-import drifttool.ops.production  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.ops.registry import implementation, specs
 from drifttool.runtime import Runtime
+from tests.conftest import bits
 
 SCHEDULER_OPS = {"cfg_combine_renorm", "flow_sigma_table", "flow_sde_step_logp"}
 
 
 class ListRecorder:
-    """Minimal capture sink: keeps (block, stream, op, call, index, layout, shape, dtype)."""
+    """Minimal capture sink at capture ``level``: keeps (block, stream, op, call, index, layout,
+    shape, dtype) and, in ``tensors``, each captured tensor."""
 
-    def __init__(self):
+    def __init__(self, level="L2"):
+        self.level = level
         self.rows = []
+        self.tensors = []
 
     def capture(self, site, tensor, layout, index=0):
         self.rows.append((site["block"], site["stream"], site["op"], site["call"], index, layout,
                           tuple(tensor.shape), tensor.dtype))
+        self.tensors.append(tensor.detach().cpu())
 
 
-def _run(mode, dtype=torch.float32, mask=True):
-    model = random_init_(MMDiT(tiny(), dtype=dtype), seed=0)
+def _run(mode, dtype=torch.float32, mask=True, level="L2", device="cpu", recorder=None):
+    model = random_init_(MMDiT(tiny(), dtype=dtype), seed=0).to(device)
     g = torch.Generator().manual_seed(0)
     B, h, w, L = 2, 4, 6, 5
-    x = torch.randn(B, h * w, 64, generator=g).to(dtype)
-    txt = torch.randn(B, L, 32, generator=g).to(dtype)
-    m = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool) if mask else None
-    rec = ListRecorder()
+    x = torch.randn(B, h * w, 64, generator=g).to(dtype).to(device)
+    txt = torch.randn(B, L, 32, generator=g).to(dtype).to(device)
+    m = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool, device=device) if mask else None
+    rec = recorder or ListRecorder(level)
     rt = Runtime(mode=mode, recorder=rec)
     with rt.scope(phase="rollout", step=0, branch="cond", samples=[0, 1], txt_lens=[5, 3], img_grid=(h, w)):
-        v = model(x, txt, m, torch.tensor([0.9, 0.3]), (h, w), rt)
+        v = model(x, txt, m, torch.tensor([0.9, 0.3], device=device), (h, w), rt)
     return v, rec.rows, rt
 
 
@@ -47,8 +51,9 @@ def test_every_model_operator_has_a_production_backend():
             assert callable(implementation(name, "production")), name
 
 
-def test_call_sites_production():
-    v, rows, rt = _run("auto")
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_call_sites_production(device, level):
+    v, rows, rt = _run("auto", level=level, device=device)
     assert v.shape == (2, 24, 64)
     # every capture's layout has one tag per tensor axis
     for block, stream, op, call, index, layout, shape, dtype in rows:
@@ -74,19 +79,51 @@ def test_call_sites_production():
     # trace: one production entry per call site, no fallbacks
     entries = rt.trace.entries()
     assert all(e.actual == "production" and not e.fallback for e in entries)
+    assert {e.device for e in entries} == {device}
     n_outputs = sum(3 if e.op == "qkv_bias_gemm" else 1 for e in entries)
     assert n_outputs == len(rows)
+    # SDPA at every level; at L2 the trace says the S×S internals were not captured
+    (fused,) = {e.reason for e in entries if e.op == "joint_attention_fused"}
+    assert ("not captured" in fused) == (level == "L2")
 
 
-def test_call_sites_strict_use_unfused_attention():
-    pytest.importorskip("drifttool.ops.strict")
-    v, rows, rt = _run("strict")
+def test_call_sites_strict_l2_decompose_attention():
+    """At L2 the strict fused attention runs as its three declared operators, each captured."""
+    v, rows, rt = _run("strict", level="L2")
     joint = [(op, lay, sh) for b, s, op, c, i, lay, sh, _ in rows if b == 1 and s == "joint"]
     S = 5 + 24
     assert joint == [("joint_attn_qk_gemm", "B.SK", (2, 2, S, S)), ("joint_attn_softmax", "B.SK", (2, 2, S, S)),
                      ("joint_attn_av_gemm", "BS..", (2, S, 2, 16))]
-    assert all(e.actual == "strict" for e in rt.trace.entries())
+    assert all(e.actual == "strict" and e.device == "cpu" for e in rt.trace.entries())
+    assert "joint_attention_fused" not in {e.op for e in rt.trace.entries()}
     rt.trace.check_strict()
+
+
+def test_call_sites_strict_l1_fused_attention_is_byte_equal_to_l2():
+    """At L1 the S×S tensors are not materialised for capture: one fused call, whose output and
+    the model's v are byte-equal to the decomposed L2 run (bf16, padded prompt)."""
+    rec1, rec2 = ListRecorder("L1"), ListRecorder("L2")
+    v1, rows1, rt1 = _run("strict", dtype=torch.bfloat16, recorder=rec1)
+    v2, rows2, _ = _run("strict", dtype=torch.bfloat16, recorder=rec2)
+    joint1 = [r[2] for r in rows1 if r[1] == "joint"]
+    assert joint1 == ["joint_attention_fused"] * 2  # one per block
+    assert all(r[5] != "B.SK" for r in rows1)
+    assert torch.equal(bits(v1), bits(v2))
+    fused = [t for r, t in zip(rows1, rec1.tensors) if r[2] == "joint_attention_fused"]
+    av = [t for r, t in zip(rows2, rec2.tensors) if r[2] == "joint_attn_av_gemm"]
+    assert len(fused) == len(av) == 2
+    for a, b in zip(fused, av):
+        assert torch.equal(bits(a), bits(b))
+    assert {e.kernel for e in rt1.trace.entries() if e.op == "joint_attention_fused"} == {"composed_unfused"}
+
+
+def test_strict_model_on_cuda_fails_closed_naming_the_device(device):
+    """No strict CUDA family is registered yet: the first call fails closed, naming the operator,
+    family, device and the failed constraint."""
+    if device == "cpu":
+        pytest.skip("the strict CPU family exists")
+    with pytest.raises(UnsupportedConfigError, match="'timestep_embed_mlp'.*'strict'.*'cuda'"):
+        _run("strict", device=device)
 
 
 def test_mode_off_captures_nothing_and_matches_auto():

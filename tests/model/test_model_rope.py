@@ -101,7 +101,7 @@ def test_model_takes_the_tables_of_its_backend(mode, monkeypatch):
     with torch.no_grad():
         model(x, txt, None, torch.tensor([0.5]), (2, 3), Runtime(mode=mode))
     rt = Runtime(mode=mode)
-    assert seen == [BACKEND_TABLES[rt.mode.backend]]
+    assert seen == [BACKEND_TABLES[rt.mode.family]]
     assert seen == (["exact"] if mode in ("strict", "audit") else ["polar"])
 
 

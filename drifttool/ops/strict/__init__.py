@@ -1,4 +1,7 @@
-"""Strict backends: FP32 accumulation, fixed reduction trees, batch/padding invariant, CPU.
+"""Strict family on device ``cpu``: FP32 accumulation, fixed reduction trees, batch/padding
+invariant. Each operator registers through ``_checks.strict_cpu`` with its declared constraints
+(CPU tensors, the operator's dtypes); a strict family for another device registers the same
+operators from its own module.
 
 Cast policy (RFC "Cast FP32→BF16 only at the declared kernel output boundary"): every operator
 upcasts its inputs to FP32, computes in FP32 (FP64 inside transcendentals), and casts its output

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import (
     cast_like, g32, layer_norm_grad, linear_grads, row_sum, silu_grad32,
 )
 from drifttool.ops.strict_math import LINEAR_KERNEL, rsqrt64, silu32, tiled_linear, tree_mean
 
-LN_KERNEL = "cpu.tree_layernorm"
+LN_KERNEL = "tree_layernorm"
 
 
 def layer_norm_parts(xf: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +66,11 @@ class _ModProjection(torch.autograd.Function):
         return cast_like(dtemb, temb), cast_like(dw, w), cast_like(db, b), None
 
 
-@implements("adaln_mod_projection", "strict", kernel="cpu.silu_f64+" + LINEAR_KERNEL)
+@strict_cpu("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + LINEAR_KERNEL)
 def adaln_mod_projection(temb, w, b):
     """img_mod / txt_mod: SiLU(temb)·wᵀ + b, temb [B,d] → [B,6d], chunks
     [shift1, scale1, gate1, shift2, scale2, gate2]."""
-    dt = check("adaln_mod_projection", temb, w, b)
+    dt = act_dtype(temb, w, b)
     return _ModProjection.apply(temb, w, b, dt)
 
 
@@ -101,10 +100,10 @@ class _Modulation(torch.autograd.Function):
         return cast_like(dx, x), cast_like(dshift, shift), cast_like(dscale, scale), None, None
 
 
-@implements("adaln_modulation", "strict", kernel=LN_KERNEL)
+@strict_cpu("adaln_modulation", "x", "shift", "scale", kernel=LN_KERNEL)
 def adaln_modulation(x, shift, scale, eps: float = 1e-6):
     """LN(x)·(1 + scale) + shift; x [B,S,d], shift/scale [B,d] → [B,S,d]."""
-    dt = check("adaln_modulation", x, shift, scale)
+    dt = act_dtype(x, shift, scale)
     return _Modulation.apply(x, shift, scale, eps, dt)
 
 
@@ -129,10 +128,10 @@ class _GateResidual(torch.autograd.Function):
         return dx, dgate, dy, None
 
 
-@implements("adaln_gate_residual", "strict", kernel="cpu.elementwise")
+@strict_cpu("adaln_gate_residual", "x", "gate", "y", kernel="elementwise")
 def adaln_gate_residual(x, gate, y):
     """x + gate·y in FP32, one cast; x, y [B,S,d], gate [B,d]."""
-    dt = check("adaln_gate_residual", x, gate, y)
+    dt = act_dtype(x, gate, y)
     return _GateResidual.apply(x, gate, y, dt)
 
 
@@ -165,9 +164,9 @@ class _FinalAdaLN(torch.autograd.Function):
         return cast_like(dx, x), cast_like(dtemb, temb), cast_like(dw, w), cast_like(db, b), None, None
 
 
-@implements("final_adaln_out", "strict", kernel=LN_KERNEL + "+" + LINEAR_KERNEL)
+@strict_cpu("final_adaln_out", "x", "temb", "w", "b", kernel=LN_KERNEL + "+" + LINEAR_KERNEL)
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b) — scale first (numerics trap 5);
     LN(x)·(1 + scale) + shift; x [B,N,d], temb [B,d] → [B,N,d]."""
-    dt = check("final_adaln_out", x, temb, w, b)
+    dt = act_dtype(x, temb, w, b)
     return _FinalAdaLN.apply(x, temb, w, b, eps, dt)

@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.attention_core import (
     av_blocked,
     check_joint,
@@ -71,10 +70,10 @@ class _QKNorm(torch.autograd.Function):
         return dx, dgain, None, None
 
 
-@implements("qk_rmsnorm", "strict", kernel="cpu.tree_rmsnorm")
+@strict_cpu("qk_rmsnorm", "x", "gain", kernel="tree_rmsnorm")
 def qk_rmsnorm(x, gain, eps: float = 1e-6):
     """Learned-gain RMSNorm over the head dim: x [B,S,H,Dh], gain [Dh] → [B,S,H,Dh]."""
-    dt = check("qk_rmsnorm", x, gain)
+    dt = act_dtype(x, gain)
     return _QKNorm.apply(x, gain, eps, dt)
 
 
@@ -106,11 +105,11 @@ class _Rope(torch.autograd.Function):
         return dx.to(ctx.x_dtype), None, None
 
 
-@implements("multi_axis_rope", "strict", kernel="cpu.rope_interleaved_f32")
+@strict_cpu("multi_axis_rope", "x", kernel="rope_interleaved_f32")
 def multi_axis_rope(x, freqs):
     """Rotate adjacent pairs (x[2j], x[2j+1]) by the angle table: y0 = x0·c − x1·s,
     y1 = x0·s + x1·c in FP32 (separate roundings); x [B,S,H,Dh], freqs [S,Dh/2] complex64."""
-    dt = check("multi_axis_rope", x)
+    dt = act_dtype(x)
     if not freqs.is_complex() or tuple(freqs.shape) != (x.shape[1], x.shape[-1] // 2) or x.shape[-1] % 2:
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
@@ -148,7 +147,7 @@ class _QK(torch.autograd.Function):
         return dq, dk, None, None
 
 
-@implements("joint_attn_qk_gemm", "strict", kernel="strict.qk.v2[exact if Dh<=32 else tile16x64]")
+@strict_cpu("joint_attn_qk_gemm", "q", "k", kernel="strict.qk.v2[exact if Dh<=32 else tile16x64]")
 def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
     """scores[b,h,i,j] = (q_i · k_j) · fp32(1/√Dh) in FP32; q, k [B,S,H,Dh] → [B,H,S,S] FP32.
 
@@ -160,7 +159,6 @@ def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
     Raises:
         UnsupportedConfigError: bad dtype/device, mask shape, ``text_len``, or a sample without
             a valid key."""
-    check("joint_attn_qk_gemm", q, k)
     return _QK.apply(q, k, key_mask, text_len)
 
 
@@ -186,7 +184,7 @@ class _Softmax(torch.autograd.Function):
         return from_blocked2(geo, ds).to(ctx.s_dtype), None, None
 
 
-@implements("joint_attn_softmax", "strict", kernel="strict.block64_merge_softmax.v2")
+@strict_cpu("joint_attn_softmax", "scores", kernel="strict.block64_merge_softmax.v2")
 def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
     """Key-masked softmax over the last axis by 64-key blocks in global key order (contract v2):
     block states (exact max, ``tree_sum`` of fp32(exp64(s − m_b)) over the block's 64 slots),
@@ -196,7 +194,6 @@ def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
     Raises:
         UnsupportedConfigError: bad dtype/device, mask shape, ``text_len``, or a sample without
             a valid key."""
-    check("joint_attn_softmax", scores)
     return _Softmax.apply(scores, key_mask, text_len)
 
 
@@ -233,7 +230,7 @@ class _AV(torch.autograd.Function):
         return dp, dv, None, None
 
 
-@implements("joint_attn_av_gemm", "strict", kernel="strict.av.v2[exact if Dh<=32 else tile16.block64]")
+@strict_cpu("joint_attn_av_gemm", "probs", "v", kernel="strict.av.v2[exact if Dh<=32 else tile16.block64]")
 def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
     """out_i = Σ_j P̃_ij v_j by the key block structure (contract v2), P̃ = probs cast to v's
     dtype (the declared cast; no-op for FP32), FP32 accumulation: per 64-key block exact products
@@ -245,5 +242,4 @@ def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
     Raises:
         UnsupportedConfigError: bad dtype/device, mask shape, ``text_len``, or a sample without
             a valid key."""
-    check("joint_attn_av_gemm", probs, v)
     return _AV.apply(probs, v, key_mask, text_len)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, out
+from drifttool.ops.strict._checks import out, strict_cpu
 from drifttool.ops.strict.attention_blocks import (
     BLOCK,
     add_combine,
@@ -110,7 +109,8 @@ class _Fused(torch.autograd.Function):
         return dqo, res[0], res[1], None, None, None
 
 
-@implements("joint_attention_fused", "strict", kernel="strict.fused_blocked_two_pass.v2")
+@strict_cpu("joint_attention_fused", "q", "k", "v", kernel="strict.fused_blocked_two_pass.v2",
+            decomposable=True)
 def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None):
     """Joint attention in one call, byte-equal to ``joint_attn_qk_gemm`` → ``joint_attn_softmax``
     → ``joint_attn_av_gemm`` (contract v2), forward and backward, without the [B,H,S,S] tensors.
@@ -125,5 +125,4 @@ def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None
         UnsupportedConfigError: bad dtype/device, mask shape, ``text_len``, or a sample without
             a valid key.
     """
-    check("joint_attention_fused", q, k, v)
     return _Fused.apply(q, k, v, key_mask, text_len, QUERY_CHUNK_ELEMS)

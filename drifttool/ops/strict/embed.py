@@ -14,9 +14,8 @@ import math
 
 import torch
 
-from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.constraints import dtypes
+from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import (
     cast_like, g32, linear_grads, rms_norm_grad, row_sum, sample_sum, silu_grad32,
 )
@@ -71,13 +70,13 @@ class _TxtIn(torch.autograd.Function):
         return de, dgain, cast_like(dw, w), cast_like(db, b), None, None
 
 
-@implements("txt_in_rmsnorm_linear", "strict", kernel="cpu.tree_rmsnorm+" + LINEAR_KERNEL)
+@strict_cpu("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="tree_rmsnorm+" + LINEAR_KERNEL)
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_3584(e)): e [B,L,Dj] → [B,L,d]. FP32 seam between norm and linear, one cast.
 
-    Raises UnsupportedConfigError for an unsupported device or dtype.
+    Device and dtypes are declared constraints (checked by dispatch).
     """
-    dt = check("txt_in_rmsnorm_linear", e, gain, w, b)
+    dt = act_dtype(e, gain, w, b)
     return _TxtIn.apply(e, gain, w, b, eps, dt)
 
 
@@ -89,7 +88,7 @@ def sinusoid(tau: torch.Tensor, dim: int = 256) -> torch.Tensor:
     rounded to FP32.
     """
     half = dim // 2
-    expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32)) / half
+    expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=tau.device)) / half
     freqs = exp32(expo)  # [half]
     a = (tau.to(torch.float32)[:, None] * freqs[None, :]) * 1000.0  # [B, half]
     sin, cos = sincos64(a)
@@ -120,14 +119,12 @@ class _TimestepMLP(torch.autograd.Function):
                 cast_like(db2, b2), None)
 
 
-@implements("timestep_embed_mlp", "strict", kernel="cpu.sincos_f64+" + LINEAR_KERNEL)
+@strict_cpu("timestep_embed_mlp", "w1", "b1", "w2", "b2", kernel="sincos_f64+" + LINEAR_KERNEL,
+            constraints=(dtypes((torch.float32,), "tau"),))
 def timestep_embed_mlp(tau, w1, b1, w2, b2):
     """temb = linear_2(SiLU(linear_1(φ(τ)))): tau [B] fp32 → [B,d] in the weights' dtype.
 
     Unlike diffusers (which rounds φ and τ to the model dtype), strict keeps FP32 throughout and
     casts once at the output (RFC cast policy).
     """
-    dt = check("timestep_embed_mlp", w1, b1, w2, b2)
-    if tau.dtype != torch.float32:
-        raise UnsupportedConfigError(f"timestep_embed_mlp: tau must be float32, got {tau.dtype}")
-    return _TimestepMLP.apply(tau, w1, b1, w2, b2, dt)
+    return _TimestepMLP.apply(tau, w1, b1, w2, b2, act_dtype(w1, b1, w2, b2))

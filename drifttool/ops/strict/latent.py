@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check
+from drifttool.ops.strict._checks import act_dtype, strict_cpu
 
 
 def pack(z: torch.Tensor) -> torch.Tensor:
@@ -63,10 +62,9 @@ class _Unpack(torch.autograd.Function):
         return pack(g).contiguous(), None
 
 
-@implements("latent_pack_unpack", "strict", kernel="cpu.permute")
+@strict_cpu("latent_pack_unpack", "t", kernel="permute")
 def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None = None):
     """Pack (``direction="pack"``) or unpack (``"unpack"``, needs ``grid``); bytes unchanged."""
-    check("latent_pack_unpack", t)
     if direction == "pack":
         return _Pack.apply(t)
     if direction == "unpack" and grid is not None:
@@ -95,9 +93,9 @@ class _Normalize(torch.autograd.Function):
         return dz.to(ctx.z_dtype), None, None, None, None
 
 
-@implements("latent_normalize", "strict", kernel="cpu.elementwise")
+@strict_cpu("latent_normalize", "z", kernel="elementwise")
 def latent_normalize(z, mean, std, inverse: bool = False):
     """Forward (z − mean)·(1/std); inverse z / (1/std) + mean, per channel on axis 1, FP32
     (numerics §3.5: the pipeline divides by the reciprocal). z [B,C,...], mean/std [C]."""
-    dt = check("latent_normalize", z)
+    dt = act_dtype(z)
     return _Normalize.apply(z, mean, std, inverse, dt)

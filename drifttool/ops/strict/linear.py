@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.ops.registry import implements
-from drifttool.ops.strict._checks import check, f32, out
+from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads, linear_input_grad
 from drifttool.ops.strict_math import LINEAR_KERNEL, gelu_tanh32, tiled_linear
 
@@ -43,15 +42,14 @@ class _Linear(torch.autograd.Function):
         return cast_like(dx, x), cast_like(dw, w), cast_like(db, b), None
 
 
-def _gemm(op: str, x, w, b):
-    dt = check(op, x, w, b)
-    return _Linear.apply(x, w, b, dt)
+def _gemm(x, w, b):
+    return _Linear.apply(x, w, b, act_dtype(x, w, b))
 
 
-@implements("latent_proj_gemm", "strict", kernel=LINEAR_KERNEL)
+@strict_cpu("latent_proj_gemm", "x", "w", "b", kernel=LINEAR_KERNEL)
 def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """img_in ([B,N,64]→[B,N,d]) or proj_out ([B,N,d]→[B,N,64]); RFC row latent_proj_gemm."""
-    return _gemm("latent_proj_gemm", x, w, b)
+    return _gemm(x, w, b)
 
 
 class _QKV(torch.autograd.Function):
@@ -88,17 +86,16 @@ class _QKV(torch.autograd.Function):
         return (dx, *grads, None, None)
 
 
-@implements("qkv_bias_gemm", "strict", kernel=LINEAR_KERNEL)
+@strict_cpu("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=LINEAR_KERNEL)
 def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
     """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] (numerics §2.4)."""
-    dt = check("qkv_bias_gemm", x, wq, bq, wk, bk, wv, bv)
-    return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, dt)
+    return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, act_dtype(x, wq, bq, wk, bk, wv, bv))
 
 
-@implements("attn_out_bias_gemm", "strict", kernel=LINEAR_KERNEL)
+@strict_cpu("attn_out_bias_gemm", "x", "w", "b", kernel=LINEAR_KERNEL)
 def attn_out_bias_gemm(x, w, b):
     """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
-    return _gemm("attn_out_bias_gemm", x, w, b)
+    return _gemm(x, w, b)
 
 
 class _LinearGelu(torch.autograd.Function):
@@ -122,14 +119,13 @@ class _LinearGelu(torch.autograd.Function):
         return cast_like(dx, x), cast_like(dw, w), cast_like(db, b), None
 
 
-@implements("mlp_up_gemm_gelu", "strict", kernel=LINEAR_KERNEL + "+gelu_tanh.f64")
+@strict_cpu("mlp_up_gemm_gelu", "x", "w", "b", kernel=LINEAR_KERNEL + "+gelu_tanh.f64")
 def mlp_up_gemm_gelu(x, w, b):
     """GELU_tanh(x·wᵀ + b): GEMM in FP32, GELU in FP64 from exact ops, one cast (numerics §2.3)."""
-    dt = check("mlp_up_gemm_gelu", x, w, b)
-    return _LinearGelu.apply(x, w, b, dt)
+    return _LinearGelu.apply(x, w, b, act_dtype(x, w, b))
 
 
-@implements("mlp_down_gemm", "strict", kernel=LINEAR_KERNEL)
+@strict_cpu("mlp_down_gemm", "x", "w", "b", kernel=LINEAR_KERNEL)
 def mlp_down_gemm(x, w, b):
     """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]."""
-    return _gemm("mlp_down_gemm", x, w, b)
+    return _gemm(x, w, b)

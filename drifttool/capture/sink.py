@@ -1,0 +1,59 @@
+"""Capture policy between dispatch and the recorder: which outputs of a call are captured, and
+whether a fused operator's internal tensors are wanted.
+
+    >>> from drifttool.capture.sink import capture_outputs, wants_internals
+    >>> capture_outputs(rt, site, out, "BS.")        # called by ops.registry.call after dispatch
+
+Dispatch (``drifttool.ops.registry``) decides nothing about capture; it hands each call's site and
+outputs here. Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal
+tensors (the attention's ``[B, H, S, S]`` scores and probabilities) are not materialised for
+capture; from ``L2`` on they are wanted, and a family that declares its fused implementation
+byte-equal to the operator's decomposition runs the decomposition so each internal operator is
+captured under its own name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drifttool.artifact.schema import LEVELS
+from drifttool.runtime import Runtime
+
+INTERNALS_FROM = "L2"
+"""The lowest capture level at which a fused operator's internal tensors are captured."""
+
+
+def captures(rt: Runtime) -> bool:
+    """Whether this runtime captures operator outputs at all (mode, recorder, level)."""
+    return rt.recorder is not None and rt.mode.captures and _level(rt) != "L0"
+
+
+def _level(rt: Runtime) -> str:
+    level = getattr(rt.recorder, "level", None)
+    return level if level in LEVELS else "L1"
+
+
+def wants_internals(rt: Runtime) -> bool:
+    """Whether fused operators should expose their internal tensors (level ≥ ``L2``)."""
+    return captures(rt) and LEVELS.index(_level(rt)) >= LEVELS.index(INTERNALS_FROM)
+
+
+def capture_outputs(
+    rt: Runtime, site: dict[str, Any], out: Any, layout: str | tuple[str | None, ...] | None
+) -> None:
+    """Hand the outputs of one call to the recorder, each with its layout.
+
+    Args:
+        rt: the runtime (mode, recorder).
+        site: ``Runtime.site(op, stream)`` of the call.
+        out: a tensor, or a tuple of tensors for a tuple-returning operator.
+        layout: axis tags of the output, one string per output for tuple outputs (``None``
+            entries are skipped); ``None`` captures nothing for this call.
+    """
+    if layout is None or not rt.mode.captures or rt.recorder is None:
+        return
+    outs = out if isinstance(out, tuple) else (out,)
+    layouts = (layout,) if isinstance(layout, str) else tuple(layout)
+    for i, (t, lay) in enumerate(zip(outs, layouts)):
+        if lay is not None:
+            rt.recorder.capture(site, t, lay, index=i)
