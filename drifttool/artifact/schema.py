@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
+from drifttool.capture import levels
+
 SCHEMA_VERSION = 3
 SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 """Versions this reader can open; anything else raises ``ArtifactError`` (``version_problem``).
@@ -82,9 +84,8 @@ velocity, the SDE transition, the next latent, its log-probability); others foll
 
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
-LEVELS = ("L0", "L1", "L2")
-"""Capture levels: L0 step records only, L1 plus one digest per operator output and sample,
-L2 plus row digests. (L3, full tensors, is not implemented.)"""
+LEVELS = levels.LEVELS
+"""Capture levels (``drifttool.capture.levels``)."""
 
 
 RANK_TABLES = ("ops", "steps", "trace")

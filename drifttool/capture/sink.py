@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drifttool.artifact.schema import LEVELS
+from drifttool.capture.levels import LEVELS
 from drifttool.runtime import Runtime
 
 INTERNALS_FROM = "L2"

@@ -34,7 +34,6 @@ class TraceEntry:
     reason: str
     declared: bool
     calls: int = 1
-    device: str = "cpu"  # device type of the call; not yet a column of the trace schema
 
 
 class OperatorTrace:
@@ -89,9 +88,8 @@ class OperatorTrace:
         return list(self._entries.values())
 
     def rows(self) -> list[dict[str, Any]]:
-        """Entries as ``TRACE_SCHEMA`` rows (``device`` is kept on the entries until the schema
-        has its column)."""
-        return [{k: v for k, v in asdict(e).items() if k != "device"} for e in self._entries.values()]
+        """Entries as ``TRACE_SCHEMA`` rows (rank, device, component, site, backend, kernel, …)."""
+        return [asdict(e) for e in self._entries.values()]
 
     def check_strict(self) -> None:
         """Raise if the trace holds an undeclared fallback (RFC: "Strict traces contain no

@@ -271,9 +271,9 @@ def test_a_variant_of_a_decomposed_operator_forces_the_expansion():
     q, k, v, mask = _attention_inputs()
     seen = []
 
-    def softmax_variant(scores, key_mask=None):
+    def softmax_variant(scores, key_mask=None, *, text_len=None):
         seen.append(scores.shape)
-        return implementation("joint_attn_softmax", "strict")(scores, key_mask)
+        return implementation("joint_attn_softmax", "strict")(scores, key_mask, text_len=text_len)
 
     rt = Runtime(mode="strict", variants={"joint_attn_softmax": ("spy", softmax_variant)})
     call(rt, "joint_attention_fused", q, k, v, mask, stream="joint", layout="BS..")
@@ -302,9 +302,9 @@ def test_a_fused_variant_does_not_apply_where_the_family_expands():
         calls.append("fused")
         return implementation("joint_attention_fused", "production")(*a, **kw)
 
-    def softmax_variant(scores, key_mask=None):
+    def softmax_variant(scores, key_mask=None, *, text_len=None):
         calls.append("softmax")
-        return implementation("joint_attn_softmax", "strict")(scores, key_mask)
+        return implementation("joint_attn_softmax", "strict")(scores, key_mask, text_len=text_len)
 
     variants = {"joint_attention_fused": ("f", fused_variant), "joint_attn_softmax": ("s", softmax_variant)}
     call(Runtime(mode="strict", recorder=Sink("L2"), variants=variants), "joint_attention_fused",

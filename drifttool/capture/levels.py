@@ -1,0 +1,9 @@
+"""Capture levels (design.md, "Digests"), a leaf module both capture and the artifact schema use.
+
+``L0`` step records only; ``L1`` plus one digest per operator output and sample (a fused
+operator's internal ``[B, H, S, S]`` tensors are not materialised for capture); ``L2`` plus row
+digests and the fused operators' internals. (L3, full tensors, is not implemented.)
+"""
+
+LEVELS = ("L0", "L1", "L2")
+"""The capture levels, coarsest first."""
