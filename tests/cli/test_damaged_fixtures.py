@@ -48,7 +48,7 @@ def _tar(src, dest, mode="w:gz"):
     return dest
 
 
-@pytest.mark.parametrize("victim", ["prompts.safetensors", "expected/steps.arrow",
+@pytest.mark.parametrize("victim", ["prompts.safetensors", "expected/steps.rank0.arrow",
                                     "transformer/config.json"])
 def test_symlink_to_identical_bytes_fails_the_seal(cli, fx, tmp_path, victim):
     outside = tmp_path / "outside.bin"
