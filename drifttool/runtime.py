@@ -99,6 +99,10 @@ class Runtime:
             ``bind_runtime(rt)``; it is called once here and may then read ``rt.current_scope()``.
         rank: this process's rank (torch.distributed; 0 for one process): the owning rank of
             every record and trace row it produces (an attribute, never part of an identity).
+        internals: ``None`` (default): fused operators expose their internal tensors when the
+            capture level asks for them (``capture.sink.wants_internals``). ``True``/``False``
+            pins that decision — a silent re-run of a forward (the backward's recomputation
+            under activation checkpointing) must dispatch exactly as the forward did.
     """
 
     mode: Mode = Mode.STRICT
@@ -108,6 +112,7 @@ class Runtime:
     unavailable: set[tuple[str, str]] = field(default_factory=set)
     variants: dict[str, tuple[str, Any]] = field(default_factory=dict)
     rank: int = 0
+    internals: bool | None = None
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
     """Call counters of ``site``: ``(phase, step, branch, block, op, stream)`` -> the next

@@ -34,7 +34,10 @@ def _level(rt: Runtime) -> str:
 
 
 def wants_internals(rt: Runtime) -> bool:
-    """Whether fused operators should expose their internal tensors (level ≥ ``L2``)."""
+    """Whether fused operators should expose their internal tensors (level ≥ ``L2``, unless the
+    runtime pins the decision: ``Runtime.internals``)."""
+    if rt.internals is not None:
+        return rt.internals
     return captures(rt) and LEVELS.index(_level(rt)) >= LEVELS.index(INTERNALS_FROM)
 
 

@@ -63,6 +63,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
+from drifttool.capture.sink import wants_internals
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
@@ -393,15 +394,19 @@ def _checkpointed(fn, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt: Run
 
     The first call (the forward) uses ``rt``; a later call is the backward's recomputation and
     uses a copy of ``rt`` with the forward's identity scope, no recorder and its own trace, so
-    it adds no records, trace calls or call-counter increments.
+    it adds no records, trace calls or call-counter increments; it dispatches as the forward did
+    (``Runtime.internals`` pinned: a fused operator expanded for capture is expanded again, so
+    the recomputation saves the same tensors).
     """
     scope = dict(rt._scope)
+    internals = wants_internals(rt)
     calls = []
 
     def run(i_, t_, temb_):
         calls.append(None)
         r = rt if len(calls) == 1 else dataclasses.replace(
-            rt, recorder=None, trace=OperatorTrace(), _scope=dict(scope), _calls={})
+            rt, recorder=None, trace=OperatorTrace(), internals=internals, _scope=dict(scope),
+            _calls={})
         return fn(block, i_, t_, temb_, key_mask, img_freqs, txt_freqs, r)
 
     return checkpoint(run, i, t, temb, use_reentrant=False)
