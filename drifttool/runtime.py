@@ -23,13 +23,15 @@ resolves ``--mode`` / ``DRIFTTOOL_MODE`` once and records the result in the mani
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from drifttool.capture.levels import INTERNALS_FROM, LEVELS
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 
@@ -159,6 +161,55 @@ class Runtime:
             yield
         finally:
             self._scope = saved
+
+    @contextlib.contextmanager
+    def parts(self) -> Iterator[Callable[..., contextlib.AbstractContextManager[None]]]:
+        """Run one logical call as several parts (micro-batches of a trainer; later SP or
+        CFG-parallel shards run in one process): yields ``part(**fields)``, a context manager
+        that narrows the identity fields (``scope``) to the part and restarts the call counters
+        from where the whole call started, so each part's records get the identities (``call``,
+        ``op_pos``) the unsplit call gives them. After the block the counters stand where the
+        unsplit call would leave them.
+
+            with rt.parts() as part:
+                for rows in chunks:
+                    with part(samples=[...], txt_lens=[...]):
+                        forward(x[rows], ..., rt)
+        """
+        before = dict(self._calls)
+        after: dict[tuple, int] = {}
+
+        @contextlib.contextmanager
+        def part(**fields: Any) -> Iterator[None]:
+            self._calls = dict(before)
+            with self.scope(**fields):
+                yield
+            after.update(self._calls)
+
+        try:
+            yield part
+        finally:
+            self._calls = {**before, **after}
+
+    def wants_internals(self) -> bool:
+        """Whether fused operators expose their internal tensors for capture: ``internals`` when
+        pinned, else whether the recorder captures at ``INTERNALS_FROM`` (L2) or finer
+        (design.md, "Digests": S×S tensors are not materialised for capture at L1)."""
+        if self.internals is not None:
+            return self.internals
+        level = getattr(self.recorder, "level", None)
+        return (self.recorder is not None and self.mode.captures and level in LEVELS
+                and LEVELS.index(level) >= LEVELS.index(INTERNALS_FROM))
+
+    def recomputation(self) -> "Runtime":
+        """A runtime for re-running a forward that already ran under this one (the backward's
+        recomputation under activation checkpointing): the current identity scope, no recorder,
+        its own trace and fresh call counters — so it adds no records, trace calls or counter
+        increments — and the same dispatch decisions (``internals`` pinned to what this runtime
+        decides now, so a fused operator expanded for capture is expanded again)."""
+        return dataclasses.replace(self, recorder=None, trace=OperatorTrace(),
+                                   internals=self.wants_internals(), _scope=dict(self._scope),
+                                   _calls={})
 
     def site(self, op: str, stream: str) -> dict[str, Any]:
         """Identity of the next call of ``op`` on ``stream`` in the current scope.

@@ -7,3 +7,6 @@ digests and the fused operators' internals. (L3, full tensors, is not implemente
 
 LEVELS = ("L0", "L1", "L2")
 """The capture levels, coarsest first."""
+
+INTERNALS_FROM = "L2"
+"""The lowest capture level at which a fused operator's internal tensors are captured."""

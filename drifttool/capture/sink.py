@@ -19,9 +19,6 @@ from typing import Any
 from drifttool.capture.levels import LEVELS
 from drifttool.runtime import Runtime
 
-INTERNALS_FROM = "L2"
-"""The lowest capture level at which a fused operator's internal tensors are captured."""
-
 
 def captures(rt: Runtime) -> bool:
     """Whether this runtime captures operator outputs at all (mode, recorder, level)."""
@@ -34,11 +31,9 @@ def _level(rt: Runtime) -> str:
 
 
 def wants_internals(rt: Runtime) -> bool:
-    """Whether fused operators should expose their internal tensors (level ≥ ``L2``, unless the
-    runtime pins the decision: ``Runtime.internals``)."""
-    if rt.internals is not None:
-        return rt.internals
-    return captures(rt) and LEVELS.index(_level(rt)) >= LEVELS.index(INTERNALS_FROM)
+    """Whether fused operators should expose their internal tensors (``Runtime.wants_internals``:
+    level ≥ ``L2``, unless the runtime pins the decision)."""
+    return rt.wants_internals()
 
 
 def capture_outputs(

@@ -55,7 +55,6 @@ captured) computes each adapted weight right before the operator that consumes i
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -63,8 +62,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
-from drifttool.capture.sink import wants_internals
-from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import adapted_weight
@@ -398,15 +395,12 @@ def _checkpointed(fn, block, i, t, temb, key_mask, img_freqs, txt_freqs, rt: Run
     (``Runtime.internals`` pinned: a fused operator expanded for capture is expanded again, so
     the recomputation saves the same tensors).
     """
-    scope = dict(rt._scope)
-    internals = wants_internals(rt)
+    again = rt.recomputation()  # the forward's scope and dispatch decisions, kept for later
     calls = []
 
     def run(i_, t_, temb_):
         calls.append(None)
-        r = rt if len(calls) == 1 else dataclasses.replace(
-            rt, recorder=None, trace=OperatorTrace(), internals=internals, _scope=dict(scope),
-            _calls={})
+        r = rt if len(calls) == 1 else again.recomputation()  # fresh counters per re-run
         return fn(block, i_, t_, temb_, key_mask, img_freqs, txt_freqs, r)
 
     return checkpoint(run, i, t, temb, use_reentrant=False)

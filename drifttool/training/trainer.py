@@ -99,41 +99,37 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
         raise DriftToolError(f"micro-batch size must be >= 1, got {size}")
 
     def run(x, txt, txt_mask, tau, img_grid, rt):
-        scope = rt._scope
+        scope = rt.current_scope()
         samples = list(scope["samples"]) if scope.get("samples") is not None else list(range(x.shape[0]))
         lens, starts = scope.get("txt_lens"), scope.get("txt_starts")
         branch = scope.get("branch")
         order = list(dict.fromkeys(samples))
-        before = dict(rt._calls)
         out = None
-        after: dict = {}
-        for c in range(0, len(order), size):
-            chunk = set(order[c:c + size])
-            idx = [r for r, sid in enumerate(samples) if sid in chunk]
-            sel = torch.tensor(idx, dtype=torch.long, device=x.device)
-            t, m = txt[sel], None if txt_mask is None else txt_mask[sel]
-            if trim_padding and m is not None:
-                # cut the padding after the last valid row of the micro-batch only: text RoPE
-                # positions count from row 0, so leading (left) padding stays where it is
-                ends = torch.where(m.any(dim=1), m.shape[1] - m.flip(1).to(torch.uint8).argmax(dim=1), 0)
-                width = int(ends.max())  # [B] one past each row's last valid text row
-                t, m = t[:, :width], m[:, :width]
-                m = None if bool(m.all()) else m
-            sub = {"samples": [samples[r] for r in idx]}
-            if lens is not None:
-                sub["txt_lens"] = [lens[r] for r in idx]
-            if starts is not None:
-                sub["txt_starts"] = [starts[r] for r in idx]
-            if branch is not None and not isinstance(branch, str):
-                sub["branch"] = tuple(branch[r] for r in idx)
-            rt._calls = dict(before)
-            with rt.scope(**sub):
-                v = forward(x[sel], t, m, tau[sel], img_grid, rt)
-            after.update(rt._calls)
-            if out is None:
-                out = v.new_empty((x.shape[0], *v.shape[1:]))
-            out = out.index_copy(0, sel, v)
-        rt._calls = {**before, **after}
+        with rt.parts() as part:  # each micro-batch restarts the call counters (Runtime.parts)
+            for c in range(0, len(order), size):
+                chunk = set(order[c:c + size])
+                idx = [r for r, sid in enumerate(samples) if sid in chunk]
+                sel = torch.tensor(idx, dtype=torch.long, device=x.device)
+                t, m = txt[sel], None if txt_mask is None else txt_mask[sel]
+                if trim_padding and m is not None:
+                    # cut the padding after the last valid row of the micro-batch only: text RoPE
+                    # positions count from row 0, so leading (left) padding stays where it is
+                    ends = torch.where(m.any(dim=1), m.shape[1] - m.flip(1).to(torch.uint8).argmax(dim=1), 0)
+                    width = int(ends.max())  # [B] one past each row's last valid text row
+                    t, m = t[:, :width], m[:, :width]
+                    m = None if bool(m.all()) else m
+                sub = {"samples": [samples[r] for r in idx]}
+                if lens is not None:
+                    sub["txt_lens"] = [lens[r] for r in idx]
+                if starts is not None:
+                    sub["txt_starts"] = [starts[r] for r in idx]
+                if branch is not None and not isinstance(branch, str):
+                    sub["branch"] = tuple(branch[r] for r in idx)
+                with part(**sub):
+                    v = forward(x[sel], t, m, tau[sel], img_grid, rt)
+                if out is None:
+                    out = v.new_empty((x.shape[0], *v.shape[1:]))
+                out = out.index_copy(0, sel, v)
         return out
 
     return run
