@@ -231,10 +231,17 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
     logical sample ids (``drifttool.distributed.samples``), a record of rank ``r`` with
     ``sample >= 0`` (−1: unbatched) has a sample id of ``samples[str(r)]``.
 
+    A run marked complete also holds step records of every sample it names — each rank's
+    ``layout.samples``, or without them the ``settings.samples`` of the batch — so a run that lost
+    a rank's records is refused instead of being compared on the samples left.
+
     Raises:
-        ArtifactError: naming the file kind, the rank and the first foreign sample id.
+        ArtifactError: naming the file kind, the rank and the first foreign sample id, or the
+            samples of a complete run that have no step records.
     """
     layout = manifest.get("layout", {})
+    if manifest.get("complete"):
+        _check_every_sample_recorded(path, manifest, steps)
     if "samples" not in layout:
         return
     for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
@@ -246,6 +253,25 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
                 raise ArtifactError(f"{path}: {name} holds sample {r['sample']} on rank "
                                     f"{r['rank']}, but layout.samples gives rank {r['rank']} "
                                     f"{layout['samples'].get(str(r['rank']))}")
+
+
+def _check_every_sample_recorded(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:
+    layout = manifest.get("layout", {})
+    if "samples" in layout:
+        want = {(int(r), s) for r, ids in layout["samples"].items() for s in ids}
+        have = set(zip(steps["rank"].to_pylist(), steps["sample"].to_pylist()))
+        lost = sorted(want - have)
+        if lost:
+            raise ArtifactError(f"{path}: marked complete, but no step records of sample(s) "
+                                f"{[s for _, s in lost]} on rank(s) {sorted({r for r, _ in lost})} "
+                                "(layout.samples names them): the run lost records")
+        return
+    named = (manifest.get("settings") or {}).get("samples")
+    if isinstance(named, list) and steps.num_rows:
+        lost = sorted(set(named) - set(steps["sample"].to_pylist()))
+        if lost:
+            raise ArtifactError(f"{path}: marked complete, but no step records of sample(s) {lost} "
+                                "(settings.samples names them): the run lost records")
 
 
 def schema_differences(got: pa.Schema, want: pa.Schema) -> str:

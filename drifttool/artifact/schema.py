@@ -76,8 +76,10 @@ PHASES = ("rollout", "train")
 BRANCHES = ("cond", "uncond", "cfg", "none")
 """CFG ``branch`` values in program order; other strings (``"cond+uncond"`` of an unbatched
 record under batched CFG) follow, by name."""
-ROLES = ("output", "grad_input", "grad_weight")
-"""``role`` values in program order: operator outputs, then the backward's gradients."""
+ROLES = ("output", "internal", "grad_input", "grad_weight")
+"""``role`` values in program order: operator outputs (``internal``: a fused operator's internal
+tensors, captured at L2 when dispatch expands it into its decomposition; ordered with the outputs
+by ``op_pos``), then the backward's gradients."""
 QUANTITIES = ("x_t", "v_t", "mu", "std_t", "x_next", "logp_t")
 """Step quantities in program order (``drifttool.sampling.rollout``: the input ``x_t``, the
 velocity, the SDE transition, the next latent, its log-probability); others follow by name."""

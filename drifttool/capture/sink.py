@@ -37,7 +37,8 @@ def wants_internals(rt: Runtime) -> bool:
 
 
 def capture_outputs(
-    rt: Runtime, site: dict[str, Any], out: Any, layout: str | tuple[str | None, ...] | None
+    rt: Runtime, site: dict[str, Any], out: Any, layout: str | tuple[str | None, ...] | None,
+    role: str = "output",
 ) -> None:
     """Hand the outputs of one call to the recorder, each with its layout.
 
@@ -47,6 +48,8 @@ def capture_outputs(
         out: a tensor, or a tuple of tensors for a tuple-returning operator.
         layout: axis tags of the output, one string per output for tuple outputs (``None``
             entries are skipped); ``None`` captures nothing for this call.
+        role: ``output``, or ``internal`` for a fused operator's internal tensors (the calls of
+            its decomposition, captured at L2).
     """
     if layout is None or not rt.mode.captures or rt.recorder is None:
         return
@@ -54,4 +57,4 @@ def capture_outputs(
     layouts = (layout,) if isinstance(layout, str) else tuple(layout)
     for i, (t, lay) in enumerate(zip(outs, layouts)):
         if lay is not None:
-            rt.recorder.capture(site, t, lay, index=i)
+            rt.recorder.capture(site, t, lay, index=i, role=role)

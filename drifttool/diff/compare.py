@@ -137,12 +137,17 @@ def recompute_alignment(ma: dict, mb: dict) -> dict[str, str] | None:
     return {"train": "rollout"} if kinds == {"rollout", "recompute"} else None
 
 
-def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: bool) -> pa.Table:
+def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: bool,
+              level: str = "L2") -> pa.Table:
     """``table`` with a ``_row`` column (index into the run's full table), gradient records
-    dropped and phases renamed as asked."""
+    dropped and phases renamed as asked. Below a common level of L2 the fused operators'
+    internal records (role ``internal``, captured at L2 only) are left out: an L1 run has the
+    fused operator's own record instead, and both runs hold that."""
     t = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
     if drop_grads and "role" in t.column_names:
-        t = t.filter(pc.equal(t["role"], "output"))
+        t = t.filter(pc.is_in(t["role"], pa.array(["output", "internal"])))
+    if level != "L2" and "role" in t.column_names:
+        t = t.filter(pc.not_equal(t["role"], "internal"))
     for old, new in (phase_map or {}).items():
         col = pc.if_else(pc.equal(t["phase"], old), pa.scalar(new), t["phase"])
         t = t.set_column(t.column_names.index("phase"), "phase", col)
@@ -180,10 +185,10 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
     if level == "L0":
         return _with_replicas(compare_table(sa, sb, S.STEPS_KEY), ra, rb), None
     grads = phase_map is not None
-    oa, *qa = drop_replicas(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads),
-                            S.OPS_KEY)
-    ob, *qb = drop_replicas(_prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads),
-                            S.OPS_KEY)
+    oa, *qa = drop_replicas(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads,
+                                      level), S.OPS_KEY)
+    ob, *qb = drop_replicas(_prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads,
+                                      level), S.OPS_KEY)
     psa, psb, poa, pob = program_order([sa, sb, oa, ob])
     return (_with_replicas(compare_table(sa, sb, S.STEPS_KEY, (psa, psb)), ra, rb),
             _with_replicas(compare_table(oa, ob, S.OPS_KEY, (poa, pob)), qa, qb))

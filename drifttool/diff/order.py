@@ -29,6 +29,9 @@ from drifttool.artifact import schema as S
 
 _SAMPLER_LAST = np.int64(1) << 40  # SAMPLER_BLOCK after every model block
 _WIDTH = 12  # key columns per record (op and step records share the layout)
+_ROLE_GROUP = {"output": 0, "internal": 0, "grad_input": 2, "grad_weight": 3}
+"""Position of a role among the records of one (phase, step, component): operator outputs and a
+fused operator's internals together (by ``op_pos``), step records 1, then the gradients."""
 _KNOWN = {"phase": S.PHASES, "component": S.COMPONENTS, "branch": S.BRANCHES, "role": S.ROLES,
           "quantity": S.QUANTITIES, "stream": (), "op": ()}
 
@@ -65,8 +68,10 @@ def _keys(t: pa.Table, ords: dict[str, dict[str, int]]) -> np.ndarray:
     k[:, 1] = _ints(t, "step")
     k[:, 2] = _strings(t, "component", ords)
     if "op_pos" in t.column_names:
-        role = _strings(t, "role", ords)
-        k[:, 3] = np.where(role == 0, 0, role + 1)  # outputs 0, steps 1, gradients 2..
+        role = t.column("role").combine_chunks().dictionary_encode()
+        group = np.array([_ROLE_GROUP.get(v, len(S.ROLES)) for v in role.dictionary.to_pylist()],
+                         dtype=np.int64)
+        k[:, 3] = group[role.indices.to_numpy(zero_copy_only=False)]
         block = _ints(t, "block")
         k[:, 4] = np.where(block == S.SAMPLER_BLOCK, _SAMPLER_LAST, block)
         k[:, 5] = _ints(t, "op_pos")

@@ -383,11 +383,15 @@ def _dispatch(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> R
     return resolve(rt, op.name, args, kwargs)
 
 
-def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution) -> None:
+def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution,
+           expanded: bool = False) -> None:
     """Record the call site: contract, family requested and run, kernel, device, fallback; for a
-    fused operator whose internals the sink wanted but that ran fused, a note saying so."""
+    fused operator whose internals the sink wanted, a note saying whether it ran as its
+    decomposition (``expanded``) or fused."""
     note = ""
-    if op.decomposition is not None and wants_internals(rt):
+    if expanded:
+        note = f"run as its decomposition {'/'.join(op.decomposition.ops)} to capture the internals"
+    elif op.decomposition is not None and wants_internals(rt):
         note = (f"internals {'/'.join(op.decomposition.ops)} not captured: {res.actual} declares no "
                 "byte-equal decomposition")
     rt.trace.record(
@@ -405,13 +409,33 @@ def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution) -> No
 
 def _decomposed(rt: Runtime, op: OpSpec, stream: str, layout: Any, args: tuple,
                 kwargs: dict[str, Any]) -> Any:
+    """Run ``op``'s decomposition; each of its calls is traced and captured as an ``internal``
+    record under its own name."""
     dec = op.decomposition
     assert dec is not None
 
     def step(name: str, *a: Any, **kw: Any) -> Any:
-        return call(rt, name, *a, stream=stream, layout=dec.layouts.get(name, layout), **kw)
+        return _call(rt, spec(name), a, kw, stream, dec.layouts.get(name, layout), "internal")
 
     return dec.run(step, *args, **kwargs)
+
+
+def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: str,
+          layout: Any, role: str) -> Any:
+    res = _dispatch(rt, op, args, kwargs)
+    if _expands(rt, op, res):
+        # the internals first (their records precede the fused one in program order, so a
+        # drift born in the scores is named there), then the fused operator's own record: the
+        # records of an L1 run are a subset of the L2 run's
+        out = _decomposed(rt, op, stream, layout, args, kwargs)
+        site = rt.site(op.name, stream)
+        _trace(rt, site, op, res, expanded=True)
+    else:
+        out = res.impl.fn(*args, **kwargs)
+        site = rt.site(op.name, stream)
+        _trace(rt, site, op, res)
+    capture_outputs(rt, site, out, layout, role)
+    return out
 
 
 def call(
@@ -436,12 +460,4 @@ def call(
             family passes its declared constraints (or is marked unavailable) and the mode
             allows no fallback (``strict``, ``auto``, ``off``).
     """
-    op = spec(name)
-    res = _dispatch(rt, op, args, kwargs)
-    if _expands(rt, op, res):
-        return _decomposed(rt, op, stream, layout, args, kwargs)
-    out = res.impl.fn(*args, **kwargs)
-    site = rt.site(name, stream)
-    _trace(rt, site, op, res)
-    capture_outputs(rt, site, out, layout)
-    return out
+    return _call(rt, spec(name), args, kwargs, stream, layout, "output")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -12,6 +13,8 @@ from drifttool.artifact import SCHEMA_VERSION, ArtifactWriter, open_run
 from drifttool.artifact import schema as S
 from drifttool.capture.recorder import Recorder
 from drifttool.errors import ArtifactError
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
 
 TRACE = [{"rank": 0, "device": "cpu", "component": "mmdit", "op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
@@ -193,3 +196,22 @@ def test_writer_refusals(tmp_path):
         w.write_trace([{**TRACE[0], "extra": 1}])
     with pytest.raises(ValueError, match="JSON"):
         w.update_manifest(bad=object())
+
+
+def test_complete_run_missing_a_named_sample_is_refused(tmp_path):
+    """A complete one-process run whose files lost every record of a sample of its batch
+    (``settings.samples``) is damaged: the diff must not compare the samples left as if the run
+    had only those."""
+    execute(RunSpec(capture="L1"), tmp_path / "r")
+    assert open_run(tmp_path / "r").check() == []
+    for table in ("ops", "steps"):
+        path = tmp_path / "r" / S.rank_file(table, 0)
+        with pa.OSFile(str(path)) as f:
+            reader = pa.ipc.open_stream(f)
+            batches, schema = list(reader), reader.schema
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+            for b in batches:
+                w.write_batch(b.filter(pc.not_equal(b["sample"], 1)))
+    with pytest.raises(ArtifactError, match=r"no step records of sample\(s\) \[1\] "
+                                            r"\(settings.samples names them\)"):
+        open_run(tmp_path / "r").check()

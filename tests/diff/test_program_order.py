@@ -11,12 +11,16 @@ import pyarrow as pa
 import torch
 
 from drifttool.artifact import schema as S
+from drifttool.artifact.reader import open_run
 from drifttool.capture.recorder import Recorder
+from drifttool.diff.compare import diff_runs
 from drifttool.diff.order import program_order
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runner import execute
 from drifttool.runtime import Runtime
 from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
+from drifttool.settings import RunSpec
 
 _OP_COLS = {"rank": pa.int32(), "seq": pa.int64(), "component": pa.utf8(), "phase": pa.utf8(),
             "step": pa.int32(), "branch": pa.utf8(), "block": pa.int32(), "op_pos": pa.int32(),
@@ -133,3 +137,22 @@ def test_model_op_pos_is_the_same_for_batched_and_sequential_cfg():
     assert [ka[i] for i in np.argsort(pos_a, kind="stable")] == \
         [kb[i] for i in np.argsort(pos_b, kind="stable")]
     assert ka != kb  # executed in different orders: batched runs cond and uncond rows together
+
+
+def test_strict_l1_run_is_identical_to_the_l2_run_at_l1(tmp_path):
+    """At L2 the strict fused attention runs as its decomposition (internal records) and keeps its
+    own record, so an L1 run's records are a subset: the two diff identical at L1, and the L2 run
+    holds the internals."""
+    execute(RunSpec(capture="L1"), tmp_path / "l1")
+    execute(RunSpec(capture="L2"), tmp_path / "l2")
+    a, b = open_run(tmp_path / "l1"), open_run(tmp_path / "l2")
+    report = diff_runs(a, b)
+    assert report.verdict.value == "identical" and report.level == "L1", report.reason
+    assert report.counts["ops"].only_b == 0 and report.counts["ops"].only_a == 0
+    ops_b = b.ops_table()
+    internal = [op for op, r in zip(ops_b["op"].to_pylist(), ops_b["role"].to_pylist())
+                if r == "internal"]
+    fused = ops_b["op"].to_pylist().count("joint_attention_fused")
+    assert fused > 0 and len(internal) == 3 * fused
+    assert set(internal) == {"joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm"}
+    assert "internal" not in a.ops_table()["role"].to_pylist()

@@ -132,3 +132,25 @@ def test_complete_run_lacking_a_rank_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="steps.rank1.arrow belongs to a rank beyond "
                                             "layout.world_size 1"):
         open_run(run_dir)
+
+
+def _drop_samples(path, samples):
+    """Rewrite a stream file without the records of ``samples`` (a valid, closed stream)."""
+    with pa.OSFile(str(path)) as f:
+        reader = pa.ipc.open_stream(f)
+        batches, schema = list(reader), reader.schema
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+        for b in batches:
+            w.write_batch(b.filter(pc.invert(pc.is_in(b["sample"], pa.array(samples)))))
+
+
+def test_complete_run_that_lost_a_ranks_samples_is_refused(tmp_path):
+    results = spawn(2, tmp_path, "complete", [0, 1, 2, 3])
+    assert all("error" not in r for r in results), results
+    run_dir = tmp_path / "run"
+    assert open_run(run_dir).check() == []
+    for table in ("ops", "steps"):  # rank 1's files keep their batches, minus its samples
+        _drop_samples(run_dir / S.rank_file(table, 1), [2, 3])
+    with pytest.raises(ArtifactError, match=r"marked complete, but no step records of sample\(s\) "
+                                            r"\[2, 3\] on rank\(s\) \[1\]"):
+        open_run(run_dir).check()

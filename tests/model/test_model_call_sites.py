@@ -25,7 +25,7 @@ class ListRecorder:
         self.rows = []
         self.tensors = []
 
-    def capture(self, site, tensor, layout, index=0):
+    def capture(self, site, tensor, layout, index=0, role="output"):
         self.rows.append((site["block"], site["stream"], site["op"], site["call"], index, layout,
                           tuple(tensor.shape), tensor.dtype))
         self.tensors.append(tensor.detach().cpu())
@@ -93,9 +93,11 @@ def test_call_sites_strict_l2_decompose_attention():
     joint = [(op, lay, sh) for b, s, op, c, i, lay, sh, _ in rows if b == 1 and s == "joint"]
     S = 5 + 24
     assert joint == [("joint_attn_qk_gemm", "B.SK", (2, 2, S, S)), ("joint_attn_softmax", "B.SK", (2, 2, S, S)),
-                     ("joint_attn_av_gemm", "BS..", (2, S, 2, 16))]
+                     ("joint_attn_av_gemm", "BS..", (2, S, 2, 16)),
+                     ("joint_attention_fused", "BS..", (2, S, 2, 16))]  # internals, then itself
     assert all(e.actual == "strict" and e.device == "cpu" for e in rt.trace.entries())
-    assert "joint_attention_fused" not in {e.op for e in rt.trace.entries()}
+    fused = [e for e in rt.trace.entries() if e.op == "joint_attention_fused"]
+    assert fused and all("run as its decomposition" in e.reason and not e.fallback for e in fused)
     rt.trace.check_strict()
 
 

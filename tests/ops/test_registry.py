@@ -37,10 +37,11 @@ class Sink:
     """Capture sink at ``level``: keeps (op, layout, tensor) of every capture."""
 
     def __init__(self, level):
-        self.level, self.rows = level, []
+        self.level, self.rows, self.roles = level, [], []
 
-    def capture(self, site, tensor, layout, index=0):
+    def capture(self, site, tensor, layout, index=0, role="output"):
         self.rows.append((site["op"], layout, tensor))
+        self.roles.append(role)
 
 
 @pytest.fixture
@@ -249,8 +250,14 @@ def test_strict_fused_attention_expands_only_when_internals_are_captured(level):
     ops = [(op, lay) for op, lay, _ in sink.rows]
     traced = [e.op for e in rt.trace.entries()]
     if level == "L2":
-        assert ops == [("joint_attn_qk_gemm", "B.SK"), ("joint_attn_softmax", "B.SK"), ("joint_attn_av_gemm", "BS..")]
-        assert traced == ["joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm"]
+        # the internals (role internal), then the fused operator's own record: an L1 run's
+        # records are a subset of an L2 run's
+        assert ops == [("joint_attn_qk_gemm", "B.SK"), ("joint_attn_softmax", "B.SK"),
+                       ("joint_attn_av_gemm", "BS.."), ("joint_attention_fused", "BS..")]
+        assert sink.roles == ["internal"] * 3 + ["output"]
+        assert traced == ["joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm",
+                          "joint_attention_fused"]
+        assert torch.equal(bits(sink.rows[2][2]), bits(sink.rows[3][2]))
     else:
         assert ops == [("joint_attention_fused", "BS..")] and traced == ["joint_attention_fused"]
     ref = implementation("joint_attention_fused", "strict")(q, k, v, mask)
