@@ -28,18 +28,37 @@ def _os_error(e: OSError) -> str:
     return f"{where}: {e.strerror or e}"
 
 
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _launched_ranks() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) set by torchrun, (0, 1) otherwise or when unreadable (the command's
+    own launch checks name a bad value)."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = False
+                ) -> Callable[..., Any]:
     """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
     directory, permission denied, name too long, disk full) and Ctrl-C → one line, exit 2; any
     other exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means
-    drift); a closed stdout (``| head``) keeps the command's own exit code."""
+    drift); a closed stdout (``| head``) keeps the command's own exit code.
+
+    Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
+    (``ranks=False``: all but ``run``) is refused in one line instead of having every rank race
+    for the same output; a rank other than 0 prefixes its error line with its rank."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rank, world = _launched_ranks()
         try:
+            if world > 1 and not ranks:
+                raise DriftToolError(
+                    f"drifttool {command or 'this command'} runs in one process; launch it "
+                    "without torchrun (only `drifttool run` runs sample-parallel)")
             return fn(*args, **kwargs)
         except DriftToolError as e:
-            error_line(str(e))
+            error_line(f"[rank {rank}] {e}" if rank > 0 else str(e))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")

@@ -82,7 +82,7 @@ GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
 """Every ``drifttool`` command group."""
 
 for _name, _fn in COMMANDS:
-    app.command(_name)(user_errors(_fn))
+    app.command(_name)(user_errors(_fn, command=_name, ranks=_name == "run"))
 for _name, _group in GROUPS:
     app.add_typer(_group, name=_name)
 

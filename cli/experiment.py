@@ -74,7 +74,7 @@ def train_rollout_cmd(
     from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
 
     with console.status("starting") as status:
-        rows = user_errors(train_rollout)(
+        rows = user_errors(train_rollout, command="experiment train-rollout")(
             out, fixture=fixture, samples=_samples(samples), capture=capture,
             micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
             gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
@@ -127,7 +127,7 @@ def grpo_cmd(
     from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
 
     with console.status("starting") as status:
-        rows = user_errors(grpo_experiment)(
+        rows = user_errors(grpo_experiment, command="experiment grpo")(
             out, combos=_combos(combos), overwrite=overwrite, progress=lambda msg: status.update(msg),
             steps=steps, groups=groups, group_size=group_size, inner_epochs=inner_epochs, lr=lr,
             clip_range=clip_range, train_micro_batch=micro_batch or None)

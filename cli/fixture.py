@@ -25,7 +25,7 @@ def verify(
     from drifttool.diff.report import exit_code  # lazy: likewise
     from drifttool.verify import verify_fixture  # lazy: likewise
 
-    result = user_errors(verify_fixture)(fixture, workdir)
+    result = user_errors(verify_fixture, command="fixture verify")(fixture, workdir)
     code = exit_code(result.report.verdict)
     keep = workdir is not None or code != 0  # a failed replay stays for inspection
     where = f"replay in {result.run_dir}" if keep else "replay removed"
@@ -39,4 +39,4 @@ def verify(
 @app.command("seal")
 def seal_cmd(path: Path = typer.Argument(..., help="Fixture directory to (re)seal.")) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory."""
-    console.print(f"sealed {path}: {user_errors(seal)(path)}")
+    console.print(f"sealed {path}: {user_errors(seal, command='fixture seal')(path)}")

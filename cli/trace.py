@@ -14,19 +14,33 @@ def trace(
     run_dir: Path = typer.Argument(..., help="Artifact directory."),
     fallbacks_only: bool = typer.Option(False, "--fallbacks", help="Show only call sites that fell back."),
 ) -> None:
-    """Show every call site: requested and actual backend, kernel, contract, fallback."""
-    from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
+    """Show every call site of every rank: rank, device, component, block, stream, op,
+    requested and actual backend, kernel, contract, fallback (sites in program order: blocks
+    before, in and after the model, then the sampler)."""
+    from drifttool.artifact import schema as S  # lazy: `drifttool --help` needs no pyarrow
+    from drifttool.artifact.reader import open_run  # lazy: likewise
 
     run = open_run(run_dir)
-    rows = sorted(run.trace_rows(), key=lambda r: (r["block"], r["stream"], r["op"], r["call"]))
+    run.check()  # every file read and checked, as diff does: a damaged rank file is refused
+    every = run.trace_rows()
+    last = 1 << 30
+
+    def order(r: dict) -> tuple:
+        block = last if r["block"] == S.SAMPLER_BLOCK else r["block"]
+        return (r["rank"], r["component"], block, r["stream"], r["op"], r["call"])
+
+    rows = sorted(every, key=order)
     if fallbacks_only:
         rows = [r for r in rows if r["fallback"]]
     table = Table(title=f"operator trace — {run_dir} (mode {run.manifest.get('settings', {}).get('mode')})")
-    for col in ("block", "stream", "op", "call", "requested", "actual", "kernel", "contract", "fallback", "reason", "calls"):
+    cols = ("rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
+            "kernel", "contract", "fallback", "reason", "calls")
+    for col in cols:
         table.add_column(col)
     for r in rows:
-        table.add_row(*(str(r[c]) for c in ("block", "stream", "op", "call", "requested", "actual",
-                                              "kernel", "contract", "fallback", "reason", "calls")))
+        table.add_row(*(S.block_name(r[c]) if c == "block" else str(r[c]) for c in cols))
     console.print(table)
-    n_fb = sum(1 for r in run.trace_rows() if r["fallback"])
-    console.print(f"{len(run.trace_rows())} call sites, {n_fb} with fallback")
+    n_fb = sum(1 for r in every if r["fallback"])
+    ranks = sorted({r["rank"] for r in every})
+    per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
+    console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")

@@ -13,9 +13,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
+from drifttool.errors import ArtifactError
 from drifttool.fixture import DEFAULT_FIXTURE, check_seal, extracted, load_fixture
 
 
@@ -37,8 +39,13 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     Raises:
         FixtureError: the seal does not match (tampered, missing or extra files, a symlink or a
             special file), or an archive cannot be extracted safely — nothing runs.
-        ArtifactError: the expected artifact cannot be read.
+        ArtifactError: the expected artifact cannot be read, or ``workdir`` is itself an
+            artifact (a run directory holds its own files only; the re-run goes to
+            ``workdir/replay``).
     """
+    if workdir is not None and (Path(workdir) / MANIFEST).is_file():
+        raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
+                            "own (the re-run is written to WORKDIR/replay)")
     with extracted(name_or_path or DEFAULT_FIXTURE) as path:
         digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)

@@ -212,8 +212,8 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
     for side, k in (("A", 0), ("B", 1)):
         dropped = sum(t.replicas[k] for t in tables)
         if dropped:
-            notes.append(f"run {side}: {dropped} records replicated on several ranks with equal "
-                         "digests, compared once (the lowest rank's)")
+            notes.append(f"run {side}: {dropped} record{'s' if dropped > 1 else ''} replicated on "
+                         "several ranks with equal digests, compared once (the lowest rank's)")
         bad = sum(t.conflicts[k] for t in tables)
         if bad:
             notes.append(f"run {side}: {bad} records computed on several ranks disagree between "

@@ -6,7 +6,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
+from drifttool.cli.app import app
 from drifttool.fixture import locate
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
@@ -275,3 +277,25 @@ def test_error_naming_a_path_with_markup_is_one_plain_line(cli, tmp_path, strict
     code, out = cli("diff", weird, strict_run)
     _assert_clean_error(code, out, "runs[/]x[bold]", "missing manifest.json")
     assert len(out.strip().splitlines()) == 1, out
+
+
+def test_commands_other_than_run_refuse_torchrun_ranks(tmp_path, monkeypatch):
+    """Under torchrun only `run` is sample-parallel: every other command refuses in one line
+    (rank > 0 names its rank) instead of racing the other ranks for the same output."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, args, name in (("0", ["replay", str(tmp_path / "a"), "-o", str(tmp_path / "b")], "replay"),
+                             ("1", ["fixture", "verify"], "fixture verify"),
+                             ("1", ["diff", str(tmp_path / "a"), str(tmp_path / "b")], "diff")):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2, r.output
+        prefix = "[rank 1] " if rank == "1" else ""
+        assert f"error: {prefix}drifttool {name} runs in one process" in r.output.replace("\n", " ")
+    assert not (tmp_path / "b").exists()
+
+
+def test_fixture_verify_refuses_an_artifact_as_workdir(tmp_path):
+    execute(RunSpec(capture="L0"), tmp_path / "a")
+    r = CliRunner().invoke(app, ["fixture", "verify", "--workdir", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "is a drifttool artifact" in r.output
+    assert not (tmp_path / "a" / "replay").exists()

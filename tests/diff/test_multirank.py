@@ -91,7 +91,7 @@ def test_records_replicated_on_every_rank_are_compared_once(make_run):
     for x, y, side in ((a, b, "A"), (b, a, "B")):
         r = diff_runs(x, y)
         assert r.verdict is Verdict.IDENTICAL, r.reason
-        assert f"run {side}: 1 records replicated on several ranks with equal digests, compared " \
+        assert f"run {side}: 1 record replicated on several ranks with equal digests, compared " \
                "once (the lowest rank's)" in r.notes
     # the same run without replicas has no such note
     assert not any("replicated" in n for n in diff_runs(b, b).notes)
