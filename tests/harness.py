@@ -7,6 +7,7 @@ mixins", §6 item 7).
         gemm = target.impl("mlp_down_gemm")          # skips only off the CPU, see below
         y = gemm(*target.put(x, w, b))               # inputs made on the CPU, moved to the device
         assert_same_bytes(y.cpu(), ...)
+        y = target.fn("mlp_down_gemm")(x, w, b)      # the same, CPU tensors in and out
 
 Targets. A ``Target`` is a (family, device type) pair, e.g. ``strict-cpu``, ``production-cuda``.
 ``targets(*families)`` lists them for ``pytest.mark.parametrize`` (ids ``<family>-<device>``),
@@ -99,6 +100,20 @@ class Target:
         """
         self.require(op)
         return implementation(op, self.family, self.device)
+
+    def fn(self, op: str) -> Callable[..., Any]:
+        """``impl(op)`` behind a CPU interface: tensor arguments are moved to the device, outputs
+        moved back to the CPU. Both moves are differentiable, so ``torch.autograd.grad`` on CPU
+        leaves returns the device's gradients, copied (bytes unchanged). On the CPU the moves
+        are no-ops: the implementation itself runs."""
+        impl = self.impl(op)
+        device = self.device
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return to_cpu(impl(*to_device(args, device), **to_device(kwargs, device)))
+
+        run.__name__ = f"{op}@{self.id}"
+        return run
 
     def put(self, *xs: Any) -> Any:
         """``xs`` with every tensor (also inside tuples, lists and dict values) moved to this

@@ -14,7 +14,7 @@ import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes
-from tests.harness import Target, targets, to_cpu, to_device
+from tests.harness import targets
 
 DTYPES = [torch.float32, torch.bfloat16]
 STRICT = targets("strict")
@@ -24,21 +24,13 @@ ROWWISE_OPS = ("mlp_up_gemm_gelu", "mlp_down_gemm", "attn_out_bias_gemm", "adaln
 ATTENTION_OPS = ("joint_attention_fused", "joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm")
 
 
-def _on(target: Target):
-    """``strict(name)`` for ``target``: the implementation, taking and returning CPU tensors."""
-    def strict(name):
-        fn = target.impl(name)
-        return lambda *a, **kw: to_cpu(fn(*to_device(a, target.device), **to_device(kw, target.device)))
-    return strict
-
-
 @pytest.mark.parametrize("target", STRICT)
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), batch=st.sampled_from([1, 2, 3]), pos=st.integers(0, 2),
        rows=st.sampled_from([1, 7, 33, 77, 130]), dtype=st.sampled_from(DTYPES))
 def test_rowwise_ops_invariant_to_batch_and_rows(target, seed, batch, pos, rows, dtype):
     target.require(*ROWWISE_OPS)
-    strict = _on(target)
+    strict = target.fn
     g = torch.Generator().manual_seed(seed)
     pos = min(pos, batch - 1)
     d = 48
@@ -76,7 +68,7 @@ def test_rowwise_ops_invariant_to_batch_and_rows(target, seed, batch, pos, rows,
        pad=st.integers(0, 70), n_img=st.sampled_from([6, 15, 64, 70]), dtype=st.sampled_from(DTYPES))
 def test_attention_invariant_to_padding_and_batch(target, seed, lens, pad, n_img, dtype):
     target.require(*ATTENTION_OPS)
-    strict = _on(target)
+    strict = target.fn
     g = torch.Generator().manual_seed(seed)
     heads, dh = 2, 16
     lmax = max(lens) + pad
@@ -104,7 +96,7 @@ def test_attention_invariant_to_padding_and_batch(target, seed, lens, pad, n_img
 def test_attention_rows_6889_tokens(target, n_img):
     """The 1328² token count (not a multiple of any tile): first rows equal with and without
     companions and with the sequence cut short."""
-    strict = _on(target)
+    strict = target.fn
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 13 + n_img, 1, 16, generator=g) for _ in range(3))
     full = strict("joint_attention_fused")(q, k, v, None)
@@ -114,7 +106,7 @@ def test_attention_rows_6889_tokens(target, n_img):
 
 @pytest.mark.parametrize("target", STRICT)
 def test_strict_rejects_unsupported_dtype_and_tf32(target):
-    strict = _on(target)
+    strict = target.fn
     x = torch.randn(1, 3, 8, dtype=torch.float16)
     with pytest.raises(UnsupportedConfigError, match="float16"):
         strict("mlp_down_gemm")(x, torch.randn(8, 8, dtype=torch.float16), None)
