@@ -51,17 +51,7 @@ def device(request) -> str:
 @pytest.fixture(params=harness.targets())
 def target(request) -> harness.Target:
     """A (backend family, device) pair (``tests/harness.py``): ``target.impl(op)`` fails on the
-    CPU when ``op`` is unregistered and skips elsewhere, ``target.put`` moves CPU-made inputs."""
-    return request.param
-
-
-@pytest.fixture(params=harness.targets("strict"))
-def strict_target(request) -> harness.Target:
-    """The strict family on each device (``target`` restricted to ``strict``)."""
-    return request.param
-
-
-@pytest.fixture(params=harness.layouts())
-def layout(request) -> str:
-    """Process layout of an end-to-end run: ``single`` or ``sample_parallel`` (2 ranks, slow)."""
+    CPU when ``op`` is unregistered and skips elsewhere, ``target.put`` moves CPU-made inputs.
+    Hypothesis tests and module-scoped cases use ``pytest.mark.parametrize("target",
+    harness.targets(...))`` instead (no function-scoped fixture under ``@given``)."""
     return request.param

@@ -23,6 +23,10 @@ implementation is asked of the registry (``drifttool.ops.registry.impls``), whic
 Inputs are generated on the CPU from a seeded ``torch.Generator`` and moved (``Target.put``), so
 every device sees the same values; results are compared on the CPU.
 
+Fixtures (``tests/conftest.py``): ``target`` (every built-in family × device) and ``device``.
+Hypothesis tests take ``@pytest.mark.parametrize("target", targets(...))`` instead: a skip mark
+set at collection, no function-scoped fixture under ``@given``.
+
 Layouts. ``LAYOUTS`` are the process layouts of an end-to-end ``drifttool run``: ``single`` (one
 process, in-process CLI) and ``sample_parallel`` (2 ranks, ``python -m torch.distributed.run
 --standalone --nproc-per-node 2 -m drifttool run ...``, gloo on CPU; marked ``slow``).

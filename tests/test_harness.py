@@ -43,7 +43,7 @@ def test_put_moves_nested_tensors_and_keeps_bytes(target):
     g = torch.Generator().manual_seed(5)
     x = torch.tensor([0.0, -0.0, float("nan")]) * torch.randn(3, generator=g).abs()
     a, (b, c), d = target.put(x, (x, [x]), {"k": x, "n": 3})
-    assert a.device.type == target.device and c[0].device.type == target.device
+    assert {t.device.type for t in (a, b, c[0], d["k"])} == {target.device}
     assert d["n"] == 3
     assert_same_bytes(harness.to_cpu(d["k"]), x, "moved and back")
 
