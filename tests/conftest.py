@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests import harness
+
 # CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
 # it). Under pytest-xdist every worker already has a core of its own: one thread each.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
@@ -40,8 +42,16 @@ def cli():
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request) -> str:
-    """Device type a test runs on; the ``cuda`` case skips cleanly without a GPU (the start of
-    issue #9's tests parametrised by device, backend and layout)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    """Device type a test runs on; the ``cuda`` case skips cleanly without a GPU."""
+    if (why := harness.device_missing(request.param)) is not None:
+        pytest.skip(why)
+    return request.param
+
+
+@pytest.fixture(params=harness.targets())
+def target(request) -> harness.Target:
+    """A (backend family, device) pair (``tests/harness.py``): ``target.impl(op)`` fails on the
+    CPU when ``op`` is unregistered and skips elsewhere, ``target.put`` moves CPU-made inputs.
+    Hypothesis tests and module-scoped cases use ``pytest.mark.parametrize("target",
+    harness.targets(...))`` instead (no function-scoped fixture under ``@given``)."""
     return request.param

@@ -99,14 +99,21 @@ def _stored_latents(run, inputs: RolloutInputs, sampler: SamplerConfig, cfg_on: 
     """[S+1, B, N, Cp] latents and [S, B] logp from the step records, every byte verified."""
     where = run.path
     t = run.steps_table()
-    t = t.filter(pc.and_(pc.equal(t["phase"], "rollout"), pc.equal(t["rank"], 0)))
+    # every rank's records: rank is the owning rank, not identity (a sample-parallel run holds
+    # each sample's records on the rank that ran it); lowest rank first for replicated records
+    t = t.filter(pc.equal(t["phase"], "rollout")).sort_by("rank")
     branch = "cfg" if cfg_on else "cond"
     rows: dict[tuple[int, int, str], dict] = {}
     for r in t.filter(pc.equal(t["branch"], branch)).to_pylist():
         if r["quantity"] in (*LATENT_QUANTITIES, "logp_t"):
             key = (r["step"], r["sample"], r["quantity"])
-            if key in rows:
-                raise ArtifactError(f"{where}: step record {key} occurs twice")
+            first = rows.get(key)
+            if first is not None:
+                # the same record written by several ranks is one record if its bytes agree
+                if first["rank"] != r["rank"] and first["digest"] == r["digest"]:
+                    continue
+                raise ArtifactError(f"{where}: step record {key} occurs twice (ranks {first['rank']} "
+                                    f"and {r['rank']}{'' if first['digest'] == r['digest'] else ', different digests'})")
             rows[key] = r
     S, ids = sampler.num_steps, inputs.sample_ids
     lat = torch.empty(S + 1, inputs.batch, *inputs.x0.shape[1:])

@@ -5,7 +5,6 @@ planted on rank 1 is reported with its owning rank (issue #9, "Done when")."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +15,14 @@ from drifttool.artifact import open_run
 from drifttool.diff import diff_runs
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
+from tests.harness import torchrun_env
 
 HERE = Path(__file__).parent
 
 
 def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]),
-           "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], cwd=cwd, env=env,
+                           "--nproc-per-node", "2", *args], cwd=cwd, env=torchrun_env(HERE),
                           capture_output=True, text=True, timeout=300)
 
 

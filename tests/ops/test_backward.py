@@ -36,11 +36,12 @@ import torch
 import drifttool.ops  # noqa: F401
 import drifttool.ops.production  # noqa: F401
 from drifttool.ops.registry import implementation
+from tests.harness import Target, targets, to_cpu, to_device
 from drifttool.ops.strict_math import TreeAccumulator, tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
 from tests.ops.test_reference_accuracy import (
-    BACKENDS, CASES, DTYPES, TOLERANCES, _joint_mask, _rn, _seed, assert_bytes_equal_reference,
+    BACKENDS, CASES, DTYPES, TARGETS, TOLERANCES, _joint_mask, _rn, _seed, assert_bytes_equal_reference,
     assert_within, error_stats,
 )
 
@@ -193,17 +194,21 @@ def _case_data(case_id: str, dtype_name: str):
     return args, kwargs, gos, r
 
 
-def run_backward(case: BwdCase, backend: str, dtype_name: str):
-    """[(input index, backend gradient, reference gradient)] of one (case, backend, dtype)."""
+def run_backward(case: BwdCase, target: Target, dtype_name: str):
+    """[(input index, target gradient on the CPU, reference gradient)] of one (case, target,
+    dtype): the inputs and output gradients are made on the CPU and moved to the target's device."""
+    fn = target.impl(case.op)
     args, kwargs, gos, r = _case_data(case.id, dtype_name)
     diff = DIFF_ARGS[case.op]
-    grads, _ = backend_grads(implementation(case.op, backend), args, kwargs, diff, case.outs, gos)
+    dev = target.device
+    grads, _ = backend_grads(fn, to_device(args, dev), to_device(kwargs, dev), diff, case.outs, to_device(gos, dev))
+    grads = to_cpu(grads)
     res = []
     for i, gr in zip(diff, grads):
         want = r[i]
         if gr is None:
             gr = torch.zeros_like(args[i])
-        if case.op == "joint_attn_av_gemm" and backend == "production" and i == 0 and args[2] is not None:
+        if case.op == "joint_attn_av_gemm" and target.family == "production" and i == 0 and args[2] is not None:
             # production's AV treats the mask as validation only: its probability gradient at a
             # masked key is dO·v_j (unused: the softmax backward multiplies it by P = 0). The
             # contract (and strict, and the reference) zero the masked values, hence +0 there.
@@ -217,17 +222,20 @@ def backward_tolerance(op: str, backend: str, dtype_name: str) -> dict:
 
 
 PARAMS = [
-    pytest.param(case, dt, be, id=f"{case.id}-{dt}-{be}")
+    pytest.param(case, dt, tp.values[0], id=f"{case.id}-{dt}-{tp.values[0].id}", marks=tp.marks)
     for case in BWD_CASES
     for dt in case.dtypes
-    for be in BACKENDS
+    for tp in TARGETS
 ]
+STRICT = targets("strict")
+STRICT_CPU = Target("strict", "cpu")
 
 
-@pytest.mark.parametrize("case,dtype_name,backend", PARAMS)
-def test_backward_matches_reference(case: BwdCase, dtype_name: str, backend: str):
-    for i, c, r in run_backward(case, backend, dtype_name):
-        what = f"{case.id} {backend} {dtype_name} d(input {i})"
+@pytest.mark.parametrize("case,dtype_name,target", PARAMS)
+def test_backward_matches_reference(case: BwdCase, dtype_name: str, target: Target):
+    backend = target.family
+    for i, c, r in run_backward(case, target, dtype_name):
+        what = f"{case.id} {target} {dtype_name} d(input {i})"
         if TOLERANCES["backward"]["ops"][case.op].get("byte_equal"):
             assert_bytes_equal_reference(c, r, what)
         else:
@@ -235,11 +243,12 @@ def test_backward_matches_reference(case: BwdCase, dtype_name: str, backend: str
             assert_within(c, r, tol["atol"], tol["rtol"], what)
 
 
+@pytest.mark.parametrize("target", STRICT)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in BWD_CASES if "real" not in c.label])
-def test_strict_gradient_dtype_is_input_dtype(case: BwdCase):
+def test_strict_gradient_dtype_is_input_dtype(case: BwdCase, target: Target):
     """Each gradient is cast once, to its input's dtype (bf16 inputs get bf16 gradients)."""
     args, _, _, _ = _case_data(case.id, "bfloat16")
-    for i, c, _ in run_backward(case, "strict", "bfloat16"):
+    for i, c, _ in run_backward(case, target, "bfloat16"):
         assert c.dtype == args[i].dtype, f"{case.id}: d(input {i}) is {c.dtype}, input {args[i].dtype}"
 
 
@@ -277,11 +286,11 @@ def _lin(g, n, k, dt):
     return (_rn(g, n, k, scale=1 / math.sqrt(k)).to(dt), _rn(g, n, scale=0.1).to(dt))
 
 
-def _rowwise_ops(d: int, k_big: int, g: torch.Generator, dt: torch.dtype):
+def _rowwise_ops(d: int, k_big: int, g: torch.Generator, dt: torch.dtype, target: Target = STRICT_CPU):
     """{name: (fn(x, t) → output, per-sample args, parameters)} for ops with a per-sample x
     [B, S, d] and a per-sample t [B, d]; parameters are shared across the batch. ``k_big`` sizes a
     GEMM whose weight exceeds 65536 elements (``k_big``·d > 65536: tiled kernels) next to the exact
-    small ones."""
+    small ones. The operators are ``target``'s (``Target.fn``: CPU tensors in and out)."""
     w_up, b_up = _lin(g, 4 * d, d, dt)  # exact (4d·d ≤ 65536)
     w_big, b_big = _lin(g, k_big, d, dt)  # tiled
     w_dn, b_dn = _lin(g, d, k_big, dt)
@@ -290,7 +299,10 @@ def _rowwise_ops(d: int, k_big: int, g: torch.Generator, dt: torch.dtype):
     gain = (1 + 0.1 * _rn(g, d)).to(dt)
     gain_h = (1 + 0.1 * _rn(g, 16)).to(dt)
     wq, bq, wk, bk, wv, bv = (t for _ in range(3) for t in _lin(g, d, d, dt))
-    S = implementation
+    def S(name: str, family: str):
+        assert family == target.family
+        return target.fn(name)
+
     return {
         "latent_proj_gemm": (lambda x, t, w, b: S("latent_proj_gemm", "strict")(x, w, b), [w_up, b_up]),
         "mlp_up_gemm_gelu[tiled]": (lambda x, t, w, b: S("mlp_up_gemm_gelu", "strict")(x, w, b), [w_big, b_big]),
@@ -327,15 +339,16 @@ def _grads(f, x, t, params, gy):
     return [torch.zeros_like(a) if gr is None else gr for a, gr in zip([x, t, *ps], gs)]
 
 
+@pytest.mark.parametrize("target", STRICT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_per_sample_gradients_invariant_to_batch_and_position(dtype):
+def test_per_sample_gradients_invariant_to_batch_and_position(dtype, target):
     """A sample's dX and d(per-sample input) bytes alone (batch 1) equal its bytes at every
     position of batches of 2, 3 and 8 with random companions; its first row's dX is the same
     with 1 and 37 rows. The weight gradient of the batch equals tree_sum_stack of the per-sample
     (batch-1) weight gradients in batch order."""
     g = torch.Generator().manual_seed(11)
     d, rows = 32, 37
-    ops = _rowwise_ops(d, 2304, g, dtype)
+    ops = _rowwise_ops(d, 2304, g, dtype, target)
     x1, t1 = _rn(g, 1, rows, d, scale=2.0, shift=0.3).to(dtype), _rn(g, 1, d).to(dtype)
     for name, (f, params) in ops.items():
         y1 = f(x1, t1, *params)
@@ -359,13 +372,14 @@ def test_per_sample_gradients_invariant_to_batch_and_position(dtype):
                         assert_same_bytes(full[2 + j], want, f"{what}: param {j} vs tree of per-sample")
 
 
-def test_parameter_gradients_under_tree_automorphisms():
+@pytest.mark.parametrize("target", STRICT)
+def test_parameter_gradients_under_tree_automorphisms(target):
     """dW of samples [a, b, c, d] equals dW of [b, a, d, c] and [c, d, a, b] (swaps of aligned
     halves are automorphisms of the pairwise tree), for exact and tiled weight shapes, and for the
     per-sample-input operators' parameter gradients (gains, modulation projection)."""
     g = torch.Generator().manual_seed(5)
     d = 32
-    ops = _rowwise_ops(d, 2304, g, torch.float32)
+    ops = _rowwise_ops(d, 2304, g, torch.float32, target)
     x, t = _rn(g, 4, 19, d), _rn(g, 4, d)
     for name, (f, params) in ops.items():
         if not params:
@@ -379,8 +393,9 @@ def test_parameter_gradients_under_tree_automorphisms():
                 assert_same_bytes(b, a, f"{name}: param {j} under sample order {perm}")
 
 
+@pytest.mark.parametrize("target", STRICT)
 @pytest.mark.parametrize("L,pad", [(13, 4), (13, 150), (200, 150)])
-def test_gradients_invariant_to_prompt_padding(L, pad):
+def test_gradients_invariant_to_prompt_padding(L, pad, target):
     """Text-stream operators: right-padding a prompt of L rows with ``pad`` rows that carry a
     zero output gradient (as padded text rows do in the model) leaves the valid rows' dX and every
     parameter and per-sample gradient unchanged, byte for byte. pad = 150 adds 64-row blocks;
@@ -388,7 +403,7 @@ def test_gradients_invariant_to_prompt_padding(L, pad):
     only dropping the trailing zero-gradient rows keeps the bytes (contract v2)."""
     g = torch.Generator().manual_seed(21)
     d = 32
-    ops = _rowwise_ops(d, 2304, g, torch.float32)
+    ops = _rowwise_ops(d, 2304, g, torch.float32, target)
     x, t = _rn(g, 2, L, d, scale=2.0), _rn(g, 2, d)
     xp = torch.cat([x, _rn(g, 2, pad, d, scale=3.0)], 1)  # garbage in the padded rows
     for name, (f, params) in ops.items():
@@ -413,7 +428,8 @@ def _attn_inputs(g, lens, pad, n_img, heads, dh, dtype):
 
 @pytest.mark.parametrize("dh,dtype", [(16, torch.float32), (16, torch.bfloat16), (64, torch.float32)],
                          ids=["exact-float32", "exact-bfloat16", "tiled-float32"])
-def test_attention_gradients_invariant_to_padding_and_batch(dh, dtype):
+@pytest.mark.parametrize("target", STRICT)
+def test_attention_gradients_invariant_to_padding_and_batch(dh, dtype, target):
     """Joint attention (fused, and the unfused chain with the same bytes): each sample's dQ, dK,
     dV on its valid rows, padded to the batch's longest prompt (+ extra padding) among
     companions, equal those of the sample alone, unpadded and unmasked. Padded query rows carry a
@@ -423,13 +439,13 @@ def test_attention_gradients_invariant_to_padding_and_batch(dh, dtype):
     q, k, v, km, lmax = _attn_inputs(g, lens, pad, n_img, heads, dh, dtype)
     go = torch.randn(q.shape, generator=g).to(dtype)
     go = go * km[:, :, None, None].to(dtype)  # padded query rows: zero gradient
-    fused = implementation("joint_attention_fused", "strict")
+    fused = target.fn("joint_attention_fused")
     grads, _ = backend_grads(fused, (q, k, v, km), {"text_len": lmax}, (0, 1, 2), None, [go])
 
     def unfused(q_, k_, v_, m_, text_len):
-        s = implementation("joint_attn_qk_gemm", "strict")(q_, k_, m_, text_len=text_len)
-        p = implementation("joint_attn_softmax", "strict")(s, m_, text_len=text_len)
-        return implementation("joint_attn_av_gemm", "strict")(p, v_, m_, text_len=text_len)
+        s = target.fn("joint_attn_qk_gemm")(q_, k_, m_, text_len=text_len)
+        p = target.fn("joint_attn_softmax")(s, m_, text_len=text_len)
+        return target.fn("joint_attn_av_gemm")(p, v_, m_, text_len=text_len)
 
     grads_u, _ = backend_grads(unfused, (q, k, v, km), {"text_len": lmax}, (0, 1, 2), None, [go])
     for a, b, n in zip(grads, grads_u, "qkv"):
@@ -670,7 +686,7 @@ def measure() -> dict:
                 t0 = time.perf_counter()
                 e = stats.setdefault(case.op, {}).setdefault(be, {}).setdefault(dt, {})
                 worst = 0.0
-                for _, c, r in run_backward(case, be, dt):
+                for _, c, r in run_backward(case, Target(be, "cpu"), dt):
                     s = error_stats(c, r)
                     for key, val in s.items():
                         e[key] = max(e.get(key, 0.0), val)

@@ -13,6 +13,11 @@ Cases: a short synthetic case per operator with awkward shapes (prompt lengths 7
 image grid, batch 1 and 3, masks with different valid lengths), and the real geometry at reduced
 batch (hidden 3072, 24 heads × 128, 64 tokens for per-token GEMMs, the 1328² grid of 6889 image
 tokens for row-wise operators and for single-head attention).
+
+Targets (``tests/harness.py``): every case runs per (family, device). The reference runs on the
+CPU in FP64 on the CPU-made inputs; the implementation runs on the target's device on the same
+values moved there; its outputs are compared on the CPU. A CPU family lacking an operator fails;
+a CUDA target skips without a GPU or without a registered implementation.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,20 +37,17 @@ import pytest
 import torch
 
 import drifttool.ops  # noqa: F401  (registers specs and strict backends)
-from drifttool.ops.registry import implementation, specs
+from drifttool.model import rope as model_rope
+from drifttool.ops.registry import specs
 from drifttool.references import ops as ref
+from tests.harness import Target, targets, to_cpu, to_device
 
-try:  # the production backend is optional (being written in parallel)
-    import drifttool.ops.production  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the tree
-    _PRODUCTION_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    _PRODUCTION_IMPORT_ERROR = ""
 
 REF_SOURCE = Path(ref.__file__)
 TOLERANCES = json.loads(REF_SOURCE.with_name("tolerances.json").read_text())
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("strict", "production")
+TARGETS = targets(*BACKENDS)  # (family, device); tolerances are per family (profile measured on CPU)
 
 # VAE latent statistics (numerics §1)
 LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -297,27 +300,20 @@ def _inputs_and_reference(case_id: str, dtype_name: str):
     return args, kwargs, (r if isinstance(r, tuple) else (r,))
 
 
-def _backend(op: str, backend: str):
-    """The raw backend function, or a skip reason."""
-    if backend == "production" and _PRODUCTION_IMPORT_ERROR:
-        return None, f"drifttool.ops.production does not import ({_PRODUCTION_IMPORT_ERROR})"
-    try:
-        return implementation(op, backend), ""
-    except Exception as exc:  # UnsupportedConfigError when not registered
-        return None, f"no {backend} backend for {op} yet: {exc}"
-
-
 def _out_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if kind == "fp32" else dtype
 
 
-def run_case(case: Case, backend: str, dtype_name: str):
-    """(backend outputs, reference outputs, declared output dtypes), or a skip reason (str)."""
-    fn, why = _backend(case.op, backend)
-    if fn is None:
-        return why
+def run_case(case: Case, target: Target, dtype_name: str):
+    """(target outputs on the CPU, FP64 reference outputs, declared output dtypes).
+
+    Raises:
+        UnsupportedConfigError: the CPU target has no implementation of ``case.op``.
+        pytest.skip.Exception: a non-CPU target without its device or implementation.
+    """
+    fn = target.impl(case.op)
     args, kwargs, r = _inputs_and_reference(case.id, dtype_name)
-    c = fn(*args, **kwargs)
+    c = to_cpu(fn(*to_device(args, target.device), **to_device(kwargs, target.device)))
     c = c if isinstance(c, tuple) else (c,)
     return c, r, tuple(_out_dtype(k, DTYPES[dtype_name]) for k in case.out)
 
@@ -400,23 +396,28 @@ def error_stats(c: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
 
 SLOW_CASES = {"joint_attention_fused[real_n6889_l16_valid7_h1]"}  # 20–40 s each: run by .ci/run's slow step
 
-PARAMS = [
-    pytest.param(case, dt, be, id=f"{case.id}-{dt}-{be}",
-                 marks=[pytest.mark.slow] if case.id in SLOW_CASES else [])
-    for case in CASES
-    for dt in case.dtypes
-    for be in BACKENDS
-]
+def _params(cases: list[Case]) -> list:
+    """(case, dtype, target) parameters: the target's device skip marks, ``slow`` for SLOW_CASES."""
+    out = []
+    for case in cases:
+        for dt in case.dtypes:
+            for tp in TARGETS:
+                target = tp.values[0]
+                slow = [pytest.mark.slow] if case.id in SLOW_CASES else []
+                out.append(pytest.param(case, dt, target, id=f"{case.id}-{dt}-{target.id}",
+                                        marks=[*tp.marks, *slow]))
+    return out
 
 
-@pytest.mark.parametrize("case,dtype_name,backend", PARAMS)
-def test_forward_matches_reference(case: Case, dtype_name: str, backend: str):
-    res = run_case(case, backend, dtype_name)
-    if isinstance(res, str):
-        pytest.skip(res)
-    c, r, out_dtypes = res
+PARAMS = _params(CASES)
+
+
+@pytest.mark.parametrize("case,dtype_name,target", PARAMS)
+def test_forward_matches_reference(case: Case, dtype_name: str, target: Target):
+    c, r, out_dtypes = run_case(case, target, dtype_name)
+    backend = target.family
     assert len(c) == len(r), f"{case.id}: {len(c)} outputs, reference has {len(r)}"
-    what = f"{case.id} {backend} {dtype_name}"
+    what = f"{case.id} {target} {dtype_name}"
     for i, (ci, ri, od) in enumerate(zip(c, r, out_dtypes)):
         wi = what if len(c) == 1 else f"{what} output {i}"
         # judged at the declared output boundary (a wider output is rounded to it first;
@@ -432,40 +433,28 @@ def test_forward_matches_reference(case: Case, dtype_name: str, backend: str):
 MASKED_SOFTMAX_CASES = [c for c in CASES if c.op == "joint_attn_softmax" and ("masked" in c.label or "pad" in c.label)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in MASKED_SOFTMAX_CASES])
-def test_masked_keys_get_exactly_zero_probability(case: Case, backend: str):
+def test_masked_keys_get_exactly_zero_probability(case: Case, target: Target):
     """numerics §2.4: padded text keys are excluded — probability exactly +0, not merely small
     (an atol would let a leaked 1e-8 through)."""
-    res = run_case(case, backend, "float32")
-    if isinstance(res, str):
-        pytest.skip(res)
-    (p,), _, _ = res
+    (p,), _, _ = run_case(case, target, "float32")
     mask = _inputs_and_reference(case.id, "float32")[0][1]  # [B, S] bool
     masked = p.masked_select(~mask[:, None, None, :])
     assert masked.numel() > 0
     assert torch.equal(masked.view(torch.int32), torch.zeros_like(masked).view(torch.int32)), (
-        f"{case.id} {backend}: {(masked != 0).sum().item()} masked-key probabilities are not +0 "
+        f"{case.id} {target}: {(masked != 0).sum().item()} masked-key probabilities are not +0 "
         f"(max {masked.abs().max().item():.3g})")
 
 
-DTYPE_PARAMS = [
-    pytest.param(case, dt, be, id=f"{case.id}-{dt}-{be}")
-    for case in CASES
-    if "real" not in case.label
-    for dt in case.dtypes
-    for be in BACKENDS
-]
+DTYPE_PARAMS = _params([case for case in CASES if "real" not in case.label])
 
 
-@pytest.mark.parametrize("case,dtype_name,backend", DTYPE_PARAMS)
-def test_output_dtype_follows_contract(case: Case, dtype_name: str, backend: str):
-    res = run_case(case, backend, dtype_name)
-    if isinstance(res, str):
-        pytest.skip(res)
-    c, _, out_dtypes = res
+@pytest.mark.parametrize("case,dtype_name,target", DTYPE_PARAMS)
+def test_output_dtype_follows_contract(case: Case, dtype_name: str, target: Target):
+    c, _, out_dtypes = run_case(case, target, dtype_name)
     got = tuple(t.dtype for t in c)
-    assert got == out_dtypes, f"{case.id} {backend} {dtype_name}: output dtypes {got}, contract {out_dtypes}"
+    assert got == out_dtypes, f"{case.id} {target} {dtype_name}: output dtypes {got}, contract {out_dtypes}"
 
 
 _TRANSFORMER_ROWS = {
@@ -531,10 +520,6 @@ def test_reference_rope_table_matches_model_tables():
     angle contract, FP64 cos/sin), on the 1328² geometry with 512 text slots: each part within
     half an fp32 ULP of the FP64 value plus 1e-15 for FP64 error at a rounding tie (a bound from
     rounding, so it holds on every CPU dispatch level; torch's fp32 ``polar`` breaks it)."""
-    try:
-        from drifttool.model import rope as model_rope
-    except ImportError as exc:
-        pytest.skip(f"drifttool.model.rope does not import: {exc}")
     img, txt = model_rope.rope_tables((83, 83), 512, axes_dims=(16, 56, 56), theta=10000, algorithm="exact")
     rimg, rtxt = ref.rope_tables(83, 83, 512)
     tol = TOLERANCES["tables"]["rope_tables_complex64"]
@@ -589,18 +574,12 @@ def test_reference_vjp_matches_finite_differences():
 
 def measure() -> dict:
     """Per (op, backend, dtype): the error statistics (``error_stats``), max over all cases."""
-    import time
-
     stats: dict = {}
     for case in CASES:
         for dt in case.dtypes:
             for be in BACKENDS:
                 t0 = time.perf_counter()
-                res = run_case(case, be, dt)
-                if isinstance(res, str):
-                    print(f"skip {case.id} {be} {dt}: {res}")
-                    continue
-                c, r, ods = res
+                c, r, ods = run_case(case, Target(be, "cpu"), dt)
                 e = stats.setdefault(case.op, {}).setdefault(be, {}).setdefault(dt, {})
                 for ci, ri, od in zip(c, r, ods):
                     for key, val in error_stats(ci.to(od), ri).items():
@@ -610,10 +589,6 @@ def measure() -> dict:
                 print(f"{case.id:48s} {dt:9s} {be:10s} abs|r|<1 {last['abs_small']:9.3g}  "
                       f"rel|r|>=1 {last['rel_large']:9.3g}  excess {last['excess_abs_small']:9.3g} "
                       f"{last['excess_rel_large']:9.3g}  {time.perf_counter() - t0:6.2f}s", flush=True)
-    try:
-        from drifttool.model import rope as model_rope
-    except ImportError:
-        return stats
     img, txt = model_rope.rope_tables((83, 83), 512, axes_dims=(16, 56, 56), theta=10000, algorithm="exact")
     rimg, rtxt = ref.rope_tables(83, 83, 512)
     got = torch.view_as_real(torch.cat([img, txt]))  # float32 [S, 64, 2]

@@ -20,7 +20,6 @@ import torch
 
 import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implementation
 from drifttool.ops.strict import attention_fused
 from drifttool.ops.strict.attention_blocks import (
     BLOCK,
@@ -55,10 +54,17 @@ from drifttool.ops.strict.attention_core import (
 )
 from drifttool.ops.strict_math import tree_sum
 from tests.conftest import assert_same_bytes
+from tests.harness import Target, targets
 
 
-def strict(name):
-    return implementation(name, "strict")
+STRICT = targets("strict")
+"""The unsharded strict operators the simulations must equal, per strict target (``strict-cpu``;
+``strict-cuda`` once registered): the simulations define what a strict CUDA family reproduces."""
+
+
+def strict(name, target: Target):
+    """The strict ``target``'s operator ``name``, CPU tensors in and out (``Target.fn``)."""
+    return target.fn(name)
 
 
 def _inputs(seed, lens, lpad, n_img, heads, dh, dtype=torch.float32):
@@ -79,11 +85,11 @@ def _grads(fn, q, k, v, go):
     return (o, *torch.autograd.grad(o, leaves, go))
 
 
-def _unfused(km, lpad):
+def _unfused(km, lpad, target: Target):
     def f(q, k, v):
-        s = strict("joint_attn_qk_gemm")(q, k, km, text_len=lpad)
-        p = strict("joint_attn_softmax")(s, km, text_len=lpad)
-        return strict("joint_attn_av_gemm")(p, v, km, text_len=lpad)
+        s = strict("joint_attn_qk_gemm", target)(q, k, km, text_len=lpad)
+        p = strict("joint_attn_softmax", target)(s, km, text_len=lpad)
+        return strict("joint_attn_av_gemm", target)(p, v, km, text_len=lpad)
     return f
 
 
@@ -144,45 +150,49 @@ def test_softmax_merge_matches_one_block_softmax():
     (128, [11], 11, 70, torch.float32),
     (128, [3, 9, 6], 17, 33, torch.bfloat16),
 ], ids=["dh16-b1", "dh16-b3-bf16", "dh16-b3-two-text-blocks", "dh128-b1", "dh128-b3-bf16"])
-def test_fused_equals_unfused_forward_and_backward(dh, lens, lpad, n_img, dtype, monkeypatch):
+@pytest.mark.parametrize("target", STRICT)
+def test_fused_equals_unfused_forward_and_backward(dh, lens, lpad, n_img, dtype, target, monkeypatch):
     q, k, v, km, go = _inputs(11 + dh + lpad, lens, lpad, n_img, 2, dh, dtype)
-    want = _grads(_unfused(km, lpad), q, k, v, go)
-    got = _grads(lambda *t: strict("joint_attention_fused")(*t, km, text_len=lpad), q, k, v, go)
+    want = _grads(_unfused(km, lpad, target), q, k, v, go)
+    got = _grads(lambda *t: strict("joint_attention_fused", target)(*t, km, text_len=lpad), q, k, v, go)
     for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
         assert_same_bytes(a, b, f"fused vs unfused {name}")
     assert got[0].dtype == dtype
     monkeypatch.setattr(attention_fused, "QUERY_CHUNK_ELEMS", 1)  # one 64-row query block per chunk
-    chunked = _grads(lambda *t: strict("joint_attention_fused")(*t, km, text_len=lpad), q, k, v, go)
+    chunked = _grads(lambda *t: strict("joint_attention_fused", target)(*t, km, text_len=lpad), q, k, v, go)
     for a, b, name in zip(chunked, want, ("out", "dq", "dk", "dv")):
         assert_same_bytes(a, b, f"fused (64-row chunks) vs unfused {name}")
 
 
-def test_image_rows_invariant_to_text_length_and_padding():
+@pytest.mark.parametrize("target", STRICT)
+def test_image_rows_invariant_to_text_length_and_padding(target):
     """Image queries' outputs and the image keys' dK, dV of a sample do not depend on how long its
     prompt is padded, nor on the padded length moving past a 64-key block boundary."""
     n, n_img, dh = 9, 140, 16
     q, k, v, _, go = _inputs(5, [n], n, n_img, 2, dh)
-    base = _grads(lambda *t: strict("joint_attention_fused")(*t, None, text_len=n), q, k, v, go)
+    base = _grads(lambda *t: strict("joint_attention_fused", target)(*t, None, text_len=n), q, k, v, go)
     for pad in (1, 55, 60, 120):
         z = torch.zeros(1, pad, 2, dh)
         qp, kp, vp, gp = (torch.cat([t[:, :n], z, t[:, n:]], 1) for t in (q, k, v, go))
         km = torch.ones(1, n + pad + n_img, dtype=torch.bool)
         km[:, n : n + pad] = False
-        got = _grads(lambda *t: strict("joint_attention_fused")(*t, km, text_len=n + pad), qp, kp, vp, gp)
+        got = _grads(lambda *t: strict("joint_attention_fused", target)(*t, km, text_len=n + pad), qp, kp, vp, gp)
         keep = torch.cat([torch.arange(n), torch.arange(n + pad, n + pad + n_img)])
         for a, b, name in zip(got, base, ("out", "dq", "dk", "dv")):
             assert_same_bytes(a[:, keep], b, f"{name} with {pad} padded text positions")
 
 
-def test_text_len_is_checked():
+@pytest.mark.parametrize("target", STRICT)
+def test_text_len_is_checked(target):
     q, k, v, km, _ = _inputs(3, [4], 6, 10, 1, 16)
     for bad in (-1, 17, 2.0, True):
         with pytest.raises(UnsupportedConfigError, match="text_len"):
-            strict("joint_attention_fused")(q, k, v, km, text_len=bad)
+            strict("joint_attention_fused", target)(q, k, v, km, text_len=bad)
     km[:, :] = False
     with pytest.raises(UnsupportedConfigError, match="no valid key"):
-        strict("joint_attn_softmax")(torch.zeros(1, 1, 16, 16), km, text_len=6)
-    implementation("joint_attention_fused", "production")(q, k, v, None, text_len=6)  # accepted, ignored
+        strict("joint_attn_softmax", target)(torch.zeros(1, 1, 16, 16), km, text_len=6)
+    production = Target("production", target.device).fn("joint_attention_fused")
+    production(q, k, v, None, text_len=6)  # accepted, ignored
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,11 +289,12 @@ def _ring(q, k, v, km, lpad, go):
     ([7], 70, 333, 16, torch.bfloat16),  # 6 image blocks: empty segments; 2 text blocks
     ([4, 9], 9, 200, 64, torch.float32),  # tiled kernels
 ], ids=["b3-n600", "b1-n333-bf16", "dh64-b2-n200"])
-def test_ring_key_shards_reproduce_softmax_av_and_dq(lens, lpad, n_img, dh, dtype):
+@pytest.mark.parametrize("target", STRICT)
+def test_ring_key_shards_reproduce_softmax_av_and_dq(lens, lpad, n_img, dh, dtype, target):
     q, k, v, km, go = _inputs(21 + n_img, lens, lpad, n_img, 1, dh, dtype)
-    s = strict("joint_attn_qk_gemm")(q, k, km, text_len=lpad)
-    p_want = strict("joint_attn_softmax")(s, km, text_len=lpad)
-    o_want, dq_want, dk_want, dv_want = _grads(_unfused(km, lpad), q, k, v, go)
+    s = strict("joint_attn_qk_gemm", target)(q, k, km, text_len=lpad)
+    p_want = strict("joint_attn_softmax", target)(s, km, text_len=lpad)
+    o_want, dq_want, dk_want, dv_want = _grads(_unfused(km, lpad, target), q, k, v, go)
     for ranks, (p, o, dq, dk, dv) in _ring(q, k, v, km, lpad, go).items():
         assert_same_bytes(p, p_want, f"Ring {ranks} ranks: probabilities")
         assert_same_bytes(o, o_want, f"Ring {ranks} ranks: output")
@@ -296,17 +307,18 @@ def test_ring_key_shards_reproduce_softmax_av_and_dq(lens, lpad, n_img, dh, dtyp
 # SP: image queries sharded on segment boundaries
 
 
-def _sp(q, k, v, km, lpad, go, ranks):
+def _sp(q, k, v, km, lpad, go, ranks, target: Target):
     """Each rank holds the text queries (replicated) and the image query segments of its rank:
     its output rows (the fused operator on its queries) and its dK, dV partials over its query
-    blocks, finished by the fixed order of the query axis. Returns (out, dk, dv)."""
+    blocks, finished by the fixed order of the query axis; each rank's forward rows come from
+    ``target``'s fused operator. Returns (out, dk, dv)."""
     b, s, h, d = q.shape
     geo = geometry("sp", b, s, s, km, lpad)
     lq = geo.lq
     qb, kb = lq.to_blocked(heads_f32(q), 2), geo.lk.to_blocked(heads_f32(k), 2)
     vb = masked_keys(geo, geo.lk.to_blocked(heads_f32(v), 2))
     gob = lq.to_blocked(heads_f32(go), 2)
-    fused = strict("joint_attention_fused")
+    fused = strict("joint_attention_fused", target)
     out = torch.empty_like(q)
     t_idx = torch.arange(lpad)
 
@@ -344,12 +356,12 @@ def _sp(q, k, v, km, lpad, go, ranks):
     return res
 
 
-def _check_sp(lens, lpad, n_img, dh, dtype, ranks_list):
+def _check_sp(lens, lpad, n_img, dh, dtype, ranks_list, target: Target):
     q, k, v, km, go = _inputs(31 + n_img, lens, lpad, n_img, 1, dh, dtype)
     go = go * km[:, :, None, None].to(dtype)  # padded text rows: zero output gradient, as in the model
-    o_want, _, dk_want, dv_want = _grads(_unfused(km, lpad), q, k, v, go)
+    o_want, _, dk_want, dv_want = _grads(_unfused(km, lpad, target), q, k, v, go)
     for ranks in ranks_list:
-        o, dk, dv = _sp(q, k, v, km, lpad, go, ranks)
+        o, dk, dv = _sp(q, k, v, km, lpad, go, ranks, target)
         assert_same_bytes(o, o_want, f"SP {ranks} ranks: output rows")
         assert_same_bytes(dk, dk_want, f"SP {ranks} ranks: dK")
         assert_same_bytes(dv, dv_want, f"SP {ranks} ranks: dV")
@@ -360,11 +372,13 @@ def _check_sp(lens, lpad, n_img, dh, dtype, ranks_list):
     ([7], 70, 333, 16, torch.bfloat16),
     ([4, 9], 9, 200, 64, torch.float32),
 ], ids=["b3-n600", "b1-n333-bf16", "dh64-b2-n200"])
-def test_sp_query_shards_reproduce_rows_dk_dv(lens, lpad, n_img, dh, dtype):
-    _check_sp(lens, lpad, n_img, dh, dtype, (2, 4, 8))
+@pytest.mark.parametrize("target", STRICT)
+def test_sp_query_shards_reproduce_rows_dk_dv(lens, lpad, n_img, dh, dtype, target):
+    _check_sp(lens, lpad, n_img, dh, dtype, (2, 4, 8), target)
 
 
 @pytest.mark.slow  # 6905 × 6905 scores several times over
-def test_sp_query_shards_at_6889_image_tokens():
+@pytest.mark.parametrize("target", STRICT)
+def test_sp_query_shards_at_6889_image_tokens(target):
     """1328² image tokens (108 blocks, unequal segments) with a prompt of 7 tokens padded to 16."""
-    _check_sp([7], 16, 6889, 16, torch.float32, (2, 8))
+    _check_sp([7], 16, 6889, 16, torch.float32, (2, 8), target)

@@ -24,7 +24,6 @@ import torch
 
 import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.registry import implementation
 from drifttool.ops.strict import grad
 from drifttool.ops.strict_math import (
     column_shard_spans, finish_linear, gelu_tanh32, linear_is_exact, linear_partial, tiled_linear,
@@ -33,9 +32,13 @@ from drifttool.ops.strict_trees import (
     halving_spans, local_spans, row_segment_spans, segment_spans, shard_spans, tree_finish,
 )
 from tests.conftest import assert_same_bytes
+from tests.harness import Target, targets
 
 WIDTHS = (3072, 12288, 3584, 64)  # every Qwen-Image GEMM reduction width
 SHARDS = (2, 4, 8)
+STRICT = targets("strict")
+"""The unsharded strict operators the simulations must equal, per strict target (``strict-cpu``;
+``strict-cuda`` once registered): the simulations define what a strict CUDA family reproduces."""
 
 
 def _rn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -55,10 +58,11 @@ def _rank_spans(length: int, shards: int, rank: int, rows: bool = False):
     return spans[0][0], spans[-1][1], local_spans(spans)
 
 
-def _op_grads(op: str, x, w, b, gy):
-    """(y, dx, dw, db) of the strict operator ``op`` (x [1, M, K] FP32) under ``gy``."""
+def _op_grads(op: str, x, w, b, gy, target: Target):
+    """(y, dx, dw, db) of ``target``'s strict operator ``op`` (x [1, M, K] FP32) under ``gy``,
+    on the CPU (``Target.fn``)."""
     x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-    y = implementation(op, "strict")(x, w, b)
+    y = target.fn(op)(x, w, b)
     return (y.detach(), *torch.autograd.grad(y, [x, w, b], gy))
 
 
@@ -120,13 +124,14 @@ def test_exact_kernel_follows_the_documented_order():
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "tiled"])
 @pytest.mark.parametrize("k", WIDTHS)
-def test_tp_row_parallel_forward(k, exact):
+@pytest.mark.parametrize("target", STRICT)
+def test_tp_row_parallel_forward(k, exact, target):
     """K split into T shards: each rank's ``linear_partial`` of its K shard, finished by the tree
     over ranks plus the bias, is byte-equal to the strict ``mlp_down_gemm`` (M = 5)."""
     g = torch.Generator().manual_seed(k + exact)
     n = _n_for(k, exact)
     x, w, b = _rn(g, 1, 5, k), _rn(g, n, k, scale=k ** -0.5), _rn(g, n)
-    want = implementation("mlp_down_gemm", "strict")(x, w, b)[0]
+    want = target.fn("mlp_down_gemm")(x, w, b)[0]
     for t in SHARDS:
         parts = []
         for r in range(t):
@@ -140,7 +145,8 @@ def test_tp_row_parallel_forward(k, exact):
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "tiled"])
 @pytest.mark.parametrize("n", WIDTHS)
-def test_tp_backward_dx_reduction_over_n(n, exact):
+@pytest.mark.parametrize("target", STRICT)
+def test_tp_backward_dx_reduction_over_n(n, exact, target):
     """dX = dY·W reduces over N: a column-parallel rank holding W[N-shard] and dY[:, N-shard]
     computes its subtree; the finished tree equals the strict operator's dX bytes. The same
     ranks' dX of a row-parallel layer (W[:, K-shard]) are the unsharded dX columns."""
@@ -148,7 +154,7 @@ def test_tp_backward_dx_reduction_over_n(n, exact):
     k = _n_for(n, exact)
     x, w, b = _rn(g, 1, 5, k), _rn(g, n, k, scale=k ** -0.5), _rn(g, n)
     gy = _rn(g, 1, 5, n)
-    _, dx, dw, _ = _op_grads("latent_proj_gemm", x, w, b, gy)
+    _, dx, dw, _ = _op_grads("latent_proj_gemm", x, w, b, gy, target)
     for t in SHARDS:
         parts = []
         for r in range(t):
@@ -158,7 +164,8 @@ def test_tp_backward_dx_reduction_over_n(n, exact):
 
 
 @pytest.mark.parametrize("t", SHARDS)
-def test_tp_row_parallel_backward_shards(t):
+@pytest.mark.parametrize("target", STRICT)
+def test_tp_row_parallel_backward_shards(t, target):
     """Row-parallel layer (W[:, K-shard] on each rank, tiled kernel): each rank's dX columns
     (``linear_input_grad`` with the unsharded weight shape) and dW columns equal the unsharded
     strict operator's, byte for byte."""
@@ -166,7 +173,7 @@ def test_tp_row_parallel_backward_shards(t):
     n, k = 40, 3072
     x, w, b = _rn(g, 1, 5, k), _rn(g, n, k, scale=k ** -0.5), _rn(g, n)
     gy = _rn(g, 1, 5, n)
-    _, dx, dw, _ = _op_grads("attn_out_bias_gemm", x, w, b, gy)
+    _, dx, dw, _ = _op_grads("attn_out_bias_gemm", x, w, b, gy, target)
     for r in range(t):
         lo, hi, _ = _rank_spans(k, t, r)
         dx_r = grad.linear_input_grad(gy, w[:, lo:hi], weight_shape=(n, k))
@@ -179,7 +186,8 @@ def test_tp_row_parallel_backward_shards(t):
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "tiled"])
-def test_tp_column_parallel_forward_and_backward(exact):
+@pytest.mark.parametrize("target", STRICT)
+def test_tp_column_parallel_forward_and_backward(exact, target):
     """N split into T shards (tiled: widths multiples of 128): each rank's output columns, dW rows
     and db, computed with the unsharded weight shape's kernel, concatenate to the unsharded strict
     ``mlp_up_gemm_gelu`` output and gradients."""
@@ -188,7 +196,7 @@ def test_tp_column_parallel_forward_and_backward(exact):
     assert linear_is_exact(n, k) == exact
     x, w, b = _rn(g, 1, 5, k), _rn(g, n, k, scale=k ** -0.5), _rn(g, n)
     gy = _rn(g, 1, 5, n)
-    y, dx, dw, db = _op_grads("mlp_up_gemm_gelu", x, w, b, gy)
+    y, dx, dw, db = _op_grads("mlp_up_gemm_gelu", x, w, b, gy, target)
     for t in SHARDS:
         ys, dws, dbs, dx_parts = [], [], [], []
         for r, (lo, hi) in enumerate(column_shard_spans(n, k, t)):
@@ -223,7 +231,8 @@ def test_column_shards_of_the_tiled_kernel_must_be_tile_aligned():
     (True, 6889), (True, 130), (True, 5), (False, 130), (False, 5),
     pytest.param(False, 6889, marks=pytest.mark.slow),  # ~10 s on the 2-core CI CPU
 ], ids=["exact-6889", "exact-130", "exact-5", "tiled-130", "tiled-5", "tiled-6889"])
-def test_sp_row_shards_reproduce_parameter_gradients(exact, rows):
+@pytest.mark.parametrize("target", STRICT)
+def test_sp_row_shards_reproduce_parameter_gradients(exact, rows, target):
     """A batch of 2 samples of ``rows`` rows; each sample's rows split on segment boundaries into
     T ∈ {2, 4, 8} SP shards (6889 rows = 108 blocks: segments of 14/13 blocks; 5 rows: one block,
     ranks with nothing). Per-rank dW and db partials, finished by the tree over ranks, then the
@@ -233,7 +242,7 @@ def test_sp_row_shards_reproduce_parameter_gradients(exact, rows):
     assert linear_is_exact(n, k) == exact
     x, w, b = _rn(g, 2, rows, k), _rn(g, n, k, scale=k ** -0.5), _rn(g, n)
     gy = _rn(g, 2, rows, n)
-    _, _, dw, db = _op_grads("latent_proj_gemm", x, w, b, gy)
+    _, _, dw, db = _op_grads("latent_proj_gemm", x, w, b, gy, target)
     for t in SHARDS:
         dws, dbs = [], []
         for s in range(2):

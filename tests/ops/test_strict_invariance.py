@@ -1,5 +1,9 @@
 """Raw-byte invariance of the strict backends: a sample's (row's) bytes must not change with batch
-size, batch position, row count, or prompt padding (RFC numerical requirements)."""
+size, batch position, row count, or prompt padding (RFC numerical requirements).
+
+Each test runs on every strict target (``tests/harness.py``): ``strict-cpu`` always, ``strict-cuda``
+once a GPU is present and the registry has a strict CUDA implementation (skipped, with the reason,
+before). Inputs are drawn on the CPU and moved; bytes are compared on the CPU."""
 
 import pytest
 import torch
@@ -7,20 +11,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import drifttool.ops  # noqa: F401
-from drifttool.ops.registry import implementation
+from drifttool.errors import UnsupportedConfigError
+from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes
+from tests.harness import targets
 
 DTYPES = [torch.float32, torch.bfloat16]
+STRICT = targets("strict")
+ROWWISE_OPS = ("mlp_up_gemm_gelu", "mlp_down_gemm", "attn_out_bias_gemm", "adaln_mod_projection",
+               "adaln_modulation", "adaln_gate_residual", "final_adaln_out", "qk_rmsnorm",
+               "txt_in_rmsnorm_linear")
+ATTENTION_OPS = ("joint_attention_fused", "joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm")
 
 
-def strict(name):
-    return implementation(name, "strict")
-
-
+@pytest.mark.parametrize("target", STRICT)
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), batch=st.sampled_from([1, 2, 3]), pos=st.integers(0, 2),
        rows=st.sampled_from([1, 7, 33, 77, 130]), dtype=st.sampled_from(DTYPES))
-def test_rowwise_ops_invariant_to_batch_and_rows(seed, batch, pos, rows, dtype):
+def test_rowwise_ops_invariant_to_batch_and_rows(target, seed, batch, pos, rows, dtype):
+    target.require(*ROWWISE_OPS)
+    strict = target.fn
     g = torch.Generator().manual_seed(seed)
     pos = min(pos, batch - 1)
     d = 48
@@ -52,10 +62,13 @@ def test_rowwise_ops_invariant_to_batch_and_rows(seed, batch, pos, rows, dtype):
             assert_same_bytes(full[one, :1], f(x[one, :1], temb[one]), f"{name}: row 0 of {rows}")
 
 
+@pytest.mark.parametrize("target", STRICT)
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(1, 20), min_size=1, max_size=3),
        pad=st.integers(0, 70), n_img=st.sampled_from([6, 15, 64, 70]), dtype=st.sampled_from(DTYPES))
-def test_attention_invariant_to_padding_and_batch(seed, lens, pad, n_img, dtype):
+def test_attention_invariant_to_padding_and_batch(target, seed, lens, pad, n_img, dtype):
+    target.require(*ATTENTION_OPS)
+    strict = target.fn
     g = torch.Generator().manual_seed(seed)
     heads, dh = 2, 16
     lmax = max(lens) + pad
@@ -78,10 +91,12 @@ def test_attention_invariant_to_padding_and_batch(seed, lens, pad, n_img, dtype)
 
 
 @pytest.mark.slow  # 15–150 s on 2 cores: run by .ci/run's slow step
+@pytest.mark.parametrize("target", STRICT)
 @pytest.mark.parametrize("n_img", [6889])
-def test_attention_rows_6889_tokens(n_img):
+def test_attention_rows_6889_tokens(target, n_img):
     """The 1328² token count (not a multiple of any tile): first rows equal with and without
     companions and with the sequence cut short."""
+    strict = target.fn
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 13 + n_img, 1, 16, generator=g) for _ in range(3))
     full = strict("joint_attention_fused")(q, k, v, None)
@@ -89,10 +104,9 @@ def test_attention_rows_6889_tokens(n_img):
     assert_same_bytes(full, two[:1], "batch companion at 6889 tokens")
 
 
-def test_strict_rejects_unsupported_dtype_and_tf32():
-    from drifttool.errors import UnsupportedConfigError
-    from drifttool.runtime import Runtime
-
+@pytest.mark.parametrize("target", STRICT)
+def test_strict_rejects_unsupported_dtype_and_tf32(target):
+    strict = target.fn
     x = torch.randn(1, 3, 8, dtype=torch.float16)
     with pytest.raises(UnsupportedConfigError, match="float16"):
         strict("mlp_down_gemm")(x, torch.randn(8, 8, dtype=torch.float16), None)
