@@ -67,7 +67,7 @@ class FakeRecorder:
         self._pending: list[dict] = []
         self.flushes = 0
 
-    def capture(self, site, tensor, layout, index=0):
+    def capture(self, site, tensor, layout, index=0, role="output"):
         self.captured.append((dict(site), layout, index, tuple(tensor.shape)))
 
     def record_step(self, *, phase, step, sigma, sigma_next, sample, branch, rank, quantities):
