@@ -67,8 +67,12 @@ class SampleView(Run):
     def ops_table(self, rank: int | None = None) -> pa.Table:
         return self._only(super().ops_table(rank))
 
-    def steps_table(self) -> pa.Table:
-        return self._only(super().steps_table())
+    def steps_table(self, rank: int | None = None) -> pa.Table:
+        return self._only(super().steps_table(rank))
+
+    def check(self) -> list[str]:
+        """Check the whole artifact (every record, every sample), not the view."""
+        return open_run(self.path).check()
 
 
 def _samples_of(path: Path) -> set[int]:

@@ -26,6 +26,7 @@ import ast
 import functools
 import json
 import math
+import platform
 import subprocess
 import sys
 import time
@@ -38,13 +39,19 @@ import torch
 
 import drifttool.ops  # noqa: F401  (registers specs and strict backends)
 from drifttool.model import rope as model_rope
-from drifttool.ops.registry import specs
+from drifttool.ops.registry import impls, specs
 from drifttool.references import ops as ref
 from tests.harness import Target, targets, to_cpu, to_device
 
 
 REF_SOURCE = Path(ref.__file__)
 TOLERANCES = json.loads(REF_SOURCE.with_name("tolerances.json").read_text())
+CUDA_PROFILE = REF_SOURCE.with_name("tolerances_cuda.json")
+"""CUDA qualifies separately (RFC: "CUDA and ROCm qualify separately ... any deviation requires an
+explicit tolerance profile"): forward tolerances of the families registered on CUDA, measured on
+an H200 with ``python -m tests.ops.test_reference_accuracy --measure --device cuda --derive
+--json references/tolerances_cuda.json``."""
+CUDA_TOLERANCES = json.loads(CUDA_PROFILE.read_text()) if CUDA_PROFILE.exists() else None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("strict", "production")
 TARGETS = targets(*BACKENDS)  # (family, device); tolerances are per family (profile measured on CPU)
@@ -322,8 +329,19 @@ def run_case(case: Case, target: Target, dtype_name: str):
 # comparison
 
 
-def tolerance(op: str, backend: str, dtype_name: str) -> dict:
-    return TOLERANCES["ops"][op][backend][dtype_name]
+def tolerance(op: str, backend: str, dtype_name: str, device: str = "cpu") -> dict:
+    """The tolerance of (op, family, dtype) in the device's profile: the CPU profile
+    (``tolerances.json``) on the CPU, the CUDA profile (``tolerances_cuda.json``) on CUDA — a
+    family on CUDA without an entry there fails (it has not qualified), never borrows the CPU's."""
+    if device == "cpu":
+        return TOLERANCES["ops"][op][backend][dtype_name]
+    entry = ((CUDA_TOLERANCES or {}).get("ops", {}).get(op, {}).get(backend, {}).get(dtype_name)
+             if device == "cuda" else None)
+    if entry is None:
+        pytest.fail(f"no {device} tolerance for {op} {backend} {dtype_name}: measure the profile "
+                    "(python -m tests.ops.test_reference_accuracy --measure --device cuda --derive "
+                    "--json references/tolerances_cuda.json)")
+    return entry
 
 
 def assert_within(c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, what: str) -> None:
@@ -426,7 +444,7 @@ def test_forward_matches_reference(case: Case, dtype_name: str, target: Target):
         if case.op in BYTE_EQUAL_OPS:
             assert_bytes_equal_reference(ci, ri, wi)
         else:
-            tol = tolerance(case.op, backend, dtype_name)
+            tol = tolerance(case.op, backend, dtype_name, target.device)
             assert_within(ci, ri, tol["atol"], tol["rtol"], wi)
 
 
@@ -572,14 +590,54 @@ def test_reference_vjp_matches_finite_differences():
 # measurement (python -m tests.ops.test_reference_accuracy --measure)
 
 
-def measure() -> dict:
-    """Per (op, backend, dtype): the error statistics (``error_stats``), max over all cases."""
+def _up2(x: float) -> float:
+    """``x`` rounded up to 2 significant digits."""
+    if x <= 0:
+        return 0.0
+    e = math.floor(math.log10(x)) - 1
+    return math.ceil(x / 10**e) * 10**e
+
+
+def derive_profile(stats: dict, device: str) -> dict:
+    """A tolerance profile from measured statistics, by the derivation of ``tolerances.json``
+    (its ``derivation``: 4x the excess over one output rounding; bf16 floored at the fp32
+    entry's excess of the same family); byte-equal operators stay at 0 / 0."""
+    ops: dict = {}
+    for op, fams in stats.items():
+        if op not in TOLERANCES["ops"]:
+            continue
+        for fam, dts in fams.items():
+            for dt, e in dts.items():
+                u = UNIT_ROUNDOFF[DTYPES[e["out_dtype"]]] if e["out_dtype"] in DTYPES else 0.0
+                exa, exr = e["excess_abs_small"], e["excess_rel_large"]
+                if dt == "bfloat16" and "float32" in dts:
+                    exa = max(exa, dts["float32"]["excess_abs_small"])
+                    exr = max(exr, dts["float32"]["excess_rel_large"])
+                tol = ({"atol": 0.0, "rtol": 0.0} if TOLERANCES["ops"][op].get("byte_equal") else
+                       {"atol": _up2(4 * exa), "rtol": _up2(u + 4 * exr)})
+                ops.setdefault(op, {}).setdefault(fam, {})[dt] = {
+                    **tol, "out_dtype": e["out_dtype"], "measured": {k: e[k] for k in (
+                        "abs_small", "rel_large", "excess_abs_small", "excess_rel_large")}}
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+    return {"profile": f"drifttool-ws1-{device}-v1", "device": device,
+            "measured_on": {"date": time.strftime("%Y-%m-%d"), "device": name,
+                            "torch": torch.__version__, "command": " ".join(["python", "-m",
+                            "tests.ops.test_reference_accuracy", *sys.argv[1:]])},
+            "derivation": TOLERANCES["derivation"], "criterion": TOLERANCES["criterion"],
+            "ops": ops}
+
+
+def measure(device: str = "cpu") -> dict:
+    """Per (op, backend, dtype): the error statistics (``error_stats``), max over all cases, for
+    the families registered on ``device``."""
     stats: dict = {}
     for case in CASES:
         for dt in case.dtypes:
             for be in BACKENDS:
+                if device != "cpu" and not impls(case.op, be, device):
+                    continue
                 t0 = time.perf_counter()
-                c, r, ods = run_case(case, Target(be, "cpu"), dt)
+                c, r, ods = run_case(case, Target(be, device), dt)
                 e = stats.setdefault(case.op, {}).setdefault(be, {}).setdefault(dt, {})
                 for ci, ri, od in zip(c, r, ods):
                     for key, val in error_stats(ci.to(od), ri).items():
@@ -589,6 +647,8 @@ def measure() -> dict:
                 print(f"{case.id:48s} {dt:9s} {be:10s} abs|r|<1 {last['abs_small']:9.3g}  "
                       f"rel|r|>=1 {last['rel_large']:9.3g}  excess {last['excess_abs_small']:9.3g} "
                       f"{last['excess_rel_large']:9.3g}  {time.perf_counter() - t0:6.2f}s", flush=True)
+    if device != "cpu":
+        return stats
     img, txt = model_rope.rope_tables((83, 83), 512, axes_dims=(16, 56, 56), theta=10000, algorithm="exact")
     rimg, rtxt = ref.rope_tables(83, 83, 512)
     got = torch.view_as_real(torch.cat([img, txt]))  # float32 [S, 64, 2]
@@ -601,6 +661,9 @@ def measure() -> dict:
 if __name__ == "__main__":  # pragma: no cover
     torch.set_num_threads(2)
     if "--measure" in sys.argv:
-        result = measure()
+        dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+        result = measure(dev)
+        if "--derive" in sys.argv:
+            result = derive_profile(result, dev)
         if "--json" in sys.argv:
             Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(result, indent=1))
