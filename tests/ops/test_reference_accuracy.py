@@ -504,6 +504,22 @@ def test_every_operator_has_reference_cases_and_tolerances():
                     assert tol["atol"] == 0 and tol["rtol"] == 0, (op, be, dt)
 
 
+def test_cuda_profile_covers_every_family_registered_on_cuda():
+    """The CUDA profile is a separate qualification (RFC): every (op, family) registered on CUDA
+    has a measured entry per dtype, derived as the CPU profile's (byte-equal ops at 0 / 0)."""
+    assert CUDA_TOLERANCES is not None and CUDA_TOLERANCES["profile"] == "drifttool-ws1-cuda-v1"
+    assert CUDA_TOLERANCES["measured_on"]["device"].startswith("NVIDIA")
+    for op in _TRANSFORMER_ROWS:
+        for be in BACKENDS:
+            if not impls(op, be, "cuda"):
+                continue
+            for dt in DTYPES:
+                tol = CUDA_TOLERANCES["ops"][op][be][dt]
+                assert tol["atol"] >= 0 and tol["rtol"] >= 0, (op, be, dt)
+                if TOLERANCES["ops"][op].get("byte_equal"):
+                    assert tol["atol"] == 0 and tol["rtol"] == 0, (op, be, dt)
+
+
 def test_reference_module_imports_nothing_from_drifttool():
     """The reference must never import the code under test: statically (its import statements)
     and at run time (a fresh interpreter importing it loads no other drifttool module)."""
