@@ -242,6 +242,7 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
     layout = manifest.get("layout", {})
     if manifest.get("complete"):
         _check_every_sample_recorded(path, manifest, steps)
+        _check_every_step_has_ops(path, manifest, steps, ops)
     if "samples" not in layout:
         return
     for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
@@ -253,6 +254,23 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
                 raise ArtifactError(f"{path}: {name} holds sample {r['sample']} on rank "
                                     f"{r['rank']}, but layout.samples gives rank {r['rank']} "
                                     f"{layout['samples'].get(str(r['rank']))}")
+
+
+def _check_every_step_has_ops(path: Path, manifest: dict[str, Any], steps: pa.Table,
+                              ops: pa.Table) -> None:
+    """At L1 and finer, each rank's operator records cover every (phase, step) its step records
+    do (the model ran for each step record), so a rank's op file cut at a batch boundary — a
+    valid, closed stream — is refused in a complete run."""
+    if manifest.get("capture_level") not in ("L1", "L2") or not steps.num_rows:
+        return
+    have = set(zip(ops["rank"].to_pylist(), ops["phase"].to_pylist(), ops["step"].to_pylist()))
+    want = set(zip(steps["rank"].to_pylist(), steps["phase"].to_pylist(),
+                   steps["step"].to_pylist()))
+    lost = sorted(want - have)
+    if lost:
+        r, phase, step = lost[0]
+        raise ArtifactError(f"{path}: marked complete, but ops.rank{r}.arrow has no records of "
+                            f"{phase} step {step} (its step records do): the run lost records")
 
 
 def _check_every_sample_recorded(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:

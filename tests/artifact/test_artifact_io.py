@@ -215,3 +215,18 @@ def test_complete_run_missing_a_named_sample_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match=r"no step records of sample\(s\) \[1\] "
                                             r"\(settings.samples names them\)"):
         open_run(tmp_path / "r").check()
+
+
+def test_complete_run_whose_op_file_lost_its_last_step_is_refused(tmp_path):
+    """An op file cut at a batch boundary is a valid, closed stream: the check compares the steps
+    it covers with the step records' (L1 and finer) and refuses the run."""
+    execute(RunSpec(capture="L1"), tmp_path / "r")
+    path = tmp_path / "r" / S.rank_file("ops", 0)
+    with pa.OSFile(str(path)) as f:
+        reader = pa.ipc.open_stream(f)
+        batches, schema = list(reader), reader.schema
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+        for b in batches[:-1]:
+            w.write_batch(b)
+    with pytest.raises(ArtifactError, match=r"ops.rank0.arrow has no records of rollout step 3"):
+        open_run(tmp_path / "r").check()
