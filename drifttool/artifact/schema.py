@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
+from drifttool import components
 from drifttool.capture import levels
 
 SCHEMA_VERSION = 3
@@ -65,11 +66,9 @@ SAMPLER_BLOCK = -2
 ``flow_sde_step_logp``): outside the model, neither before the blocks (−1) nor after them
 (``num_layers``). Reports name it ``sampler`` (``block_name``)."""
 
-COMPONENTS = ("text_encoder", "mmdit", "vae")
-"""``component`` values in program order: the model a record belongs to. Everything today is the
-``mmdit`` (the sampler's operators included); the RFC's Phase B adds the Qwen2.5-VL text encoder
-and the VAE."""
-DEFAULT_COMPONENT = "mmdit"
+COMPONENTS = components.COMPONENTS
+"""``component`` values in program order (``drifttool.components``)."""
+DEFAULT_COMPONENT = components.DEFAULT_COMPONENT
 
 PHASES = ("rollout", "train")
 """``phase`` values in program order (a training recompute follows the rollout it recomputes)."""

@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from drifttool.capture.sink import capture_outputs, wants_internals
+from drifttool.components import COMPONENTS, DEFAULT_COMPONENT
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, devices, on_device
 from drifttool.runtime import Runtime
@@ -93,6 +94,10 @@ class OpSpec:
             constraint).
         summary: one line for the docs index.
         decomposition: the finer operators this one is equal to, if any (see module docstring).
+        component: the model the operator belongs to (``artifact.schema.COMPONENTS``: the
+            ``mmdit`` today, its sampler included; the RFC's Phase B declares the Qwen2.5-VL
+            ``text_encoder`` and the ``vae`` operators beside it). Records carry the component
+            of the scope they were captured in; ``specs(component=...)`` lists one model's.
     """
 
     name: str
@@ -101,6 +106,7 @@ class OpSpec:
     dtypes: tuple[torch.dtype, ...]
     summary: str
     decomposition: Decomposition | None = None
+    component: str = DEFAULT_COMPONENT
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,9 @@ def declare(spec: OpSpec) -> OpSpec:
     Raises:
         ValueError: declared twice, or its decomposition names an undeclared operator.
     """
+    if spec.component not in COMPONENTS:
+        raise ValueError(f"operator {spec.name!r}: unknown component {spec.component!r} "
+                         f"(one of {', '.join(COMPONENTS)})")
     if spec.name in _SPECS:
         raise ValueError(f"operator {spec.name!r} declared twice")
     if spec.decomposition is not None:
@@ -242,9 +251,10 @@ def spec(name: str) -> OpSpec:
         raise UnsupportedConfigError(f"unknown operator {name!r}") from None
 
 
-def specs() -> dict[str, OpSpec]:
-    """All declared operators, by RFC name (import ``drifttool.ops`` first to populate)."""
-    return dict(_SPECS)
+def specs(component: str | None = None) -> dict[str, OpSpec]:
+    """The declared operators (of ``component``, or all), by RFC name (import ``drifttool.ops``
+    first to populate)."""
+    return {n: s for n, s in _SPECS.items() if component is None or s.component == component}
 
 
 def impls(name: str, family: str, device: str = "cpu") -> list[Impl]:

@@ -321,3 +321,13 @@ def test_a_fused_variant_does_not_apply_where_the_family_expands():
     call(Runtime(mode="auto", recorder=Sink("L2"), variants=variants), "joint_attention_fused",
          q, k, v, mask, stream="joint", layout="BS..")
     assert calls == ["fused"]
+
+
+def test_operator_specs_name_their_component():
+    """Every declared operator belongs to a component (the MMDiT today, its sampler included);
+    an unknown component is refused at declaration, so Phase B's models declare beside it."""
+    assert set(specs(component="mmdit")) == set(specs()) and specs(component="vae") == {}
+    with pytest.raises(ValueError, match="unknown component 'unet'"):
+        registry.declare(registry.OpSpec(name="unet_conv", contract="x.unet_conv.v1",
+                                         differentiable=False, dtypes=(torch.float32,),
+                                         summary="-", component="unet"))
