@@ -199,12 +199,24 @@ def _with_replicas(t: TableDiff, ra: list[int], rb: list[int]) -> TableDiff:
     return t
 
 
+def _layout_text(run: Run) -> str:
+    """``"sample_parallel over 2 ranks"``, ``"single process"``: the manifest's layout, briefly."""
+    lay = run.manifest.get("layout") or {}
+    world = int(lay.get("world_size", 1))
+    kind = lay.get("kind", "single")
+    return "single process" if world == 1 and kind == "single" else f"{kind} over {world} rank" + \
+        ("s" if world > 1 else "")
+
+
 def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:
     notes = []
     if level == "L0":
         notes.append("op records not compared: a run holds only step records (L0)")
     if level != "L2":
         notes.append(f"row digests not compared (common capture level {level})")
+    la, lb = _layout_text(run_a), _layout_text(run_b)
+    if la != lb:  # information: rank is not identity, so layouts align
+        notes.append(f"execution layouts differ (records align by identity): A {la}, B {lb}")
     for side, run in (("A", run_a), ("B", run_b)):
         notes += [f"run {side}: {p}" for p in run.problems]
         if not run.complete:

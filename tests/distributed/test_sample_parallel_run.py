@@ -51,6 +51,8 @@ def test_two_ranks_write_one_artifact_identical_to_one_process(one_process, tmp_
     assert {row["rank"] for row in run.trace_rows()} == {0, 1}
     report = diff_runs(open_run(one_process), open_run(tmp_path / "sp"))
     assert report.verdict.value == "identical", report.reason
+    assert ("execution layouts differ (records align by identity): A single process, "
+            "B sample_parallel over 2 ranks") in report.notes
     # and the comparison is not vacuous: every record of the one-process run was matched
     assert report.counts["ops"].only_a == 0 and report.counts["steps"].only_a == 0
 
