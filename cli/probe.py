@@ -16,7 +16,8 @@ PRESETS = {"tiny": "tiny-t2i"}
 
 
 def probe(
-    out: Path = typer.Option(..., "-o", "--out", help="Output directory (runs, diffs, matrix, heatmaps)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory (runs, diffs, "
+                                       "matrix, heatmaps); required unless --list."),
     only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),
     preset: Optional[str] = typer.Option(None, help="Baseline preset: tiny (the embedded default)."),
     checkpoint: Optional[Path] = typer.Option(None, help="diffusers-format transformer folder "
@@ -57,6 +58,9 @@ def probe(
             console.print(f"{p.name:28} {p.kind:11} {p.factor:28} {p.expect.describe()}{pend}",
                           highlight=False, markup=False)
         return
+    if out is None:
+        raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
+                             "(only --list runs without one)")
     _prepare_out(out, overwrite)
     with console.status("probe matrix") as status:
         def progress(r):

@@ -17,8 +17,10 @@ from drifttool.settings import RunSpec
 
 @pytest.mark.slow  # a baseline and three probes through the CLI (30 s): .ci/run's slow step
 def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
-    code, out = cli("probe", "--list", "-o", tmp_path / "x")
+    code, out = cli("probe", "--list")  # listing needs no output directory
     assert code == 0 and "rope_rotate_half" in out and "gradient_checkpointing" in out
+    code, out = cli("probe", "--only", "repeat")
+    assert code == 2 and "give -o/--out" in out
     # plant a wrong expectation: the matrix must report it as a finding and exit 1
     import drifttool.probes.catalog as C
 
