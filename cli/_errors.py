@@ -46,7 +46,7 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
 
     Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
     (``ranks=False``: all but ``run``) is refused in one line instead of having every rank race
-    for the same output; a rank other than 0 prefixes its error line with its rank."""
+    for the same output; under torchrun every rank prefixes its error line with its rank."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -58,7 +58,7 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
                     "without torchrun (only `drifttool run` runs sample-parallel)")
             return fn(*args, **kwargs)
         except DriftToolError as e:
-            error_line(f"[rank {rank}] {e}" if rank > 0 else str(e))
+            error_line(f"[rank {rank}] {e}" if world > 1 else str(e))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")

@@ -243,6 +243,7 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
     if manifest.get("complete"):
         _check_every_sample_recorded(path, manifest, steps)
         _check_every_step_has_ops(path, manifest, steps, ops)
+        _check_every_step_recorded(path, manifest, steps)
     if "samples" not in layout:
         return
     for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
@@ -258,19 +259,35 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
 
 def _check_every_step_has_ops(path: Path, manifest: dict[str, Any], steps: pa.Table,
                               ops: pa.Table) -> None:
-    """At L1 and finer, each rank's operator records cover every (phase, step) its step records
-    do (the model ran for each step record), so a rank's op file cut at a batch boundary — a
-    valid, closed stream — is refused in a complete run."""
+    """At L1 and finer, each rank's operator records cover every (phase, step, sample) its step
+    records do (the model ran for each step record), so a rank's op file cut at a batch boundary
+    or missing a sample — a valid, closed stream — is refused in a complete run."""
     if manifest.get("capture_level") not in ("L1", "L2") or not steps.num_rows:
         return
-    have = set(zip(ops["rank"].to_pylist(), ops["phase"].to_pylist(), ops["step"].to_pylist()))
-    want = set(zip(steps["rank"].to_pylist(), steps["phase"].to_pylist(),
-                   steps["step"].to_pylist()))
-    lost = sorted(want - have)
+    cols = ["rank", "phase", "step", "sample"]
+    have = set(zip(*(ops[c].to_pylist() for c in cols)))
+    want = set(zip(*(steps[c].to_pylist() for c in cols)))
+    lost = sorted(w for w in want - have if w[3] >= 0)
     if lost:
-        r, phase, step = lost[0]
+        r, phase, step, sample = lost[0]
         raise ArtifactError(f"{path}: marked complete, but ops.rank{r}.arrow has no records of "
-                            f"{phase} step {step} (its step records do): the run lost records")
+                            f"{phase} step {step} sample {sample} (its step records do): the run "
+                            "lost records")
+
+
+def _check_every_step_recorded(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:
+    """A complete rollout holds step records of every step (``settings.steps``) of every sample
+    it names, so a run cut at a step boundary — every file a valid, closed stream — is refused."""
+    n = (manifest.get("settings") or {}).get("steps")
+    if manifest.get("kind", "rollout") != "rollout" or not isinstance(n, int) or not steps.num_rows:
+        return
+    have = set(zip(steps["sample"].to_pylist(), steps["step"].to_pylist()))
+    samples = sorted({s for s, _ in have if s >= 0})
+    lost = [(s, k) for s in samples for k in range(n) if (s, k) not in have]
+    if lost:
+        s, k = lost[0]
+        raise ArtifactError(f"{path}: marked complete, but no step records of step {k} "
+                            f"(settings.steps {n}) for sample {s}: the run lost records")
 
 
 def _check_every_sample_recorded(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:

@@ -240,7 +240,12 @@ class Run:
         check_sigmas(self.path, steps, ops)
         check_records_match_manifest(self.path, self.manifest, steps, ops)
         check_owning_ranks(self.path, self.manifest, steps, ops)
-        self.trace_rows()
+        traced = {r["rank"] for r in self.trace_rows()}
+        if self.complete and self.manifest.get("settings", {}).get("mode") != "off":
+            silent = sorted(set(steps["rank"].to_pylist()) - traced)
+            if silent:  # a rank that ran the model has call sites
+                raise ArtifactError(f"{self.path}: marked complete, but trace.rank{silent[0]}.arrow "
+                                    "holds no call sites although that rank wrote step records")
         return list(self.problems)
 
     def __repr__(self) -> str:

@@ -199,6 +199,10 @@ def _with_replicas(t: TableDiff, ra: list[int], rb: list[int]) -> TableDiff:
     return t
 
 
+def _differing(n: int) -> str:
+    return f"{n} differing record" + ("" if n == 1 else "s")
+
+
 def _layout_text(run: Run) -> str:
     """``"sample_parallel over 2 ranks"``, ``"single process"``: the manifest's layout, briefly."""
     lay = run.manifest.get("layout") or {}
@@ -279,7 +283,7 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
     report.notes += [note] if note else []
     report.verdict = Verdict.DRIFT
     report.reason = (f"first drift at {fd.where()}{'; ' if boundary is None else ': '}"
-                     f"{fd.origin_words()}; {sum(t.da.size for t in tables)} differing records; "
+                     f"{fd.origin_words()}; {_differing(sum(t.da.size for t in tables))}; "
                      f"compared at {report.level}: {report.covers}")
     return True
 

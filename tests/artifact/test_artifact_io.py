@@ -228,5 +228,28 @@ def test_complete_run_whose_op_file_lost_its_last_step_is_refused(tmp_path):
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
         for b in batches[:-1]:
             w.write_batch(b)
-    with pytest.raises(ArtifactError, match=r"ops.rank0.arrow has no records of rollout step 3"):
+    with pytest.raises(ArtifactError, match=r"ops.rank0.arrow has no records of rollout step 3 sample 0"):
         open_run(tmp_path / "r").check()
+
+
+def _rewrite(path, keep):
+    with pa.OSFile(str(path)) as f:
+        reader = pa.ipc.open_stream(f)
+        batches, schema = list(reader), reader.schema
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
+        for b in keep(batches):
+            w.write_batch(b)
+
+
+def test_complete_run_cut_at_a_step_boundary_or_without_its_trace_is_refused(tmp_path):
+    """Every file a valid, closed stream, yet the run lost its last step (ops and steps alike),
+    or a rank that ran the model has an empty trace: a complete run says otherwise — refused."""
+    execute(RunSpec(capture="L1"), tmp_path / "r")
+    for table in ("ops", "steps"):
+        _rewrite(tmp_path / "r" / S.rank_file(table, 0), lambda bs: bs[:-1])
+    with pytest.raises(ArtifactError, match=r"no step records of step 3 \(settings.steps 4\)"):
+        open_run(tmp_path / "r").check()
+    execute(RunSpec(capture="L0"), tmp_path / "t")
+    _rewrite(tmp_path / "t" / S.rank_file("trace", 0), lambda bs: [b.slice(0, 0) for b in bs])
+    with pytest.raises(ArtifactError, match=r"trace.rank0.arrow holds no call sites"):
+        open_run(tmp_path / "t").check()

@@ -289,7 +289,7 @@ def test_commands_other_than_run_refuse_torchrun_ranks(tmp_path, monkeypatch):
         monkeypatch.setenv("RANK", rank)
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2, r.output
-        prefix = "[rank 1] " if rank == "1" else ""
+        prefix = f"[rank {rank}] "
         assert f"error: {prefix}drifttool {name} runs in one process" in r.output.replace("\n", " ")
     assert not (tmp_path / "b").exists()
 

@@ -136,17 +136,22 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
         x = x_next
         if between is not None and between["step"] == i:
             x = _bump(x, between["sample"], between["row"], None)
-    writer.write_trace([{"rank": 0, "device": "cpu", "component": "mmdit", "op": "img_mlp",
-                         "block": 0, "stream": "img", "call": 0, "contract": "c.v1",
-                         "requested": "strict", "actual": "strict", "kernel": "cpu",
-                         "fallback": False, "reason": "", "declared": False, "calls": 1}])
+    def trace_row(r: int) -> dict:
+        return {"rank": r, "device": "cpu", "component": "mmdit", "op": "img_mlp", "block": 0,
+                "stream": "img", "call": 0, "contract": "c.v1", "requested": "strict",
+                "actual": "strict", "kernel": "cpu", "fallback": False, "reason": "",
+                "declared": False, "calls": 1}
+
+    writer.write_trace([trace_row(0)])
     flush()
     recs[0].close(complete=True)  # closes rank 0's writer
     ranks = sorted(r for r in recs if r)
     if ranks:
         m = json.loads((path / S.MANIFEST).read_text())
         for r in ranks:
-            for table, kept in (("ops", recs[r].ops_table()), ("steps", recs[r].steps_table())):
+            trace = pa.Table.from_pylist([trace_row(r)], schema=S.TRACE_SCHEMA)
+            for table, kept in (("ops", recs[r].ops_table()), ("steps", recs[r].steps_table()),
+                                ("trace", trace)):
                 name = f"{table}.rank{r}.arrow"
                 with pa.OSFile(str(path / name), "wb") as f, \
                         pa.ipc.new_stream(f, kept.schema) as out:
