@@ -102,7 +102,7 @@ class Runtime:
         rank: this process's rank (torch.distributed; 0 for one process): the owning rank of
             every record and trace row it produces (an attribute, never part of an identity).
         internals: ``None`` (default): fused operators expose their internal tensors when the
-            capture level asks for them (``capture.sink.wants_internals``). ``True``/``False``
+            capture level asks for them (``wants_internals``). ``True``/``False``
             pins that decision — a silent re-run of a forward (the backward's recomputation
             under activation checkpointing) must dispatch exactly as the forward did.
     """

@@ -352,3 +352,19 @@ def check_inputs(path: Path, manifest: dict[str, Any]) -> dict[str, RawTensor]:
             raise ArtifactError(f"{where}: replay inputs {wrong} do not match the manifest's "
                                 "input_digests (missing, extra, tampered or replaced)")
     return tensors
+
+
+def check_traced_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
+                       trace_rows: list[dict[str, Any]]) -> None:
+    """In a complete run (of a mode that traces), every rank that wrote step records ran the
+    model and so has call sites in its trace.
+
+    Raises:
+        ArtifactError: naming the first rank whose trace is empty.
+    """
+    if not manifest.get("complete") or (manifest.get("settings") or {}).get("mode") == "off":
+        return
+    silent = sorted(set(steps["rank"].to_pylist()) - {r["rank"] for r in trace_rows})
+    if silent:
+        raise ArtifactError(f"{path}: marked complete, but trace.rank{silent[0]}.arrow holds no "
+                            "call sites although that rank wrote step records")

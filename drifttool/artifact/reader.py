@@ -35,7 +35,8 @@ from safetensors import SafetensorError
 from drifttool.artifact import schema as S
 from drifttool.artifact.checks import (check_batch, check_directory, check_inputs,
                                        check_owning_ranks, check_records_match_manifest,
-                                       check_sigmas, check_unique_seq, schema_differences)
+                                       check_sigmas, check_traced_ranks, check_unique_seq,
+                                       schema_differences)
 from drifttool.artifact.manifest import brief, read_manifest, world_size
 from drifttool.artifact.raw import RawTensor
 from drifttool.errors import ArtifactError
@@ -240,12 +241,7 @@ class Run:
         check_sigmas(self.path, steps, ops)
         check_records_match_manifest(self.path, self.manifest, steps, ops)
         check_owning_ranks(self.path, self.manifest, steps, ops)
-        traced = {r["rank"] for r in self.trace_rows()}
-        if self.complete and self.manifest.get("settings", {}).get("mode") != "off":
-            silent = sorted(set(steps["rank"].to_pylist()) - traced)
-            if silent:  # a rank that ran the model has call sites
-                raise ArtifactError(f"{self.path}: marked complete, but trace.rank{silent[0]}.arrow "
-                                    "holds no call sites although that rank wrote step records")
+        check_traced_ranks(self.path, self.manifest, steps, self.trace_rows())
         return list(self.problems)
 
     def __repr__(self) -> str:

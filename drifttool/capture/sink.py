@@ -1,39 +1,22 @@
-"""Capture policy between dispatch and the recorder: which outputs of a call are captured, and
-whether a fused operator's internal tensors are wanted.
+"""Capture hand-off between dispatch and the recorder: which outputs of a call are captured, and
+under which role.
 
-    >>> from drifttool.capture.sink import capture_outputs, wants_internals
+    >>> from drifttool.capture.sink import capture_outputs
     >>> capture_outputs(rt, site, out, "BS.")        # called by ops.registry.call after dispatch
 
 Dispatch (``drifttool.ops.registry``) decides nothing about capture; it hands each call's site and
 outputs here. Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal
 tensors (the attention's ``[B, H, S, S]`` scores and probabilities) are not materialised for
-capture; from ``L2`` on they are wanted, and a family that declares its fused implementation
-byte-equal to the operator's decomposition runs the decomposition so each internal operator is
-captured under its own name.
+capture; from ``L2`` on they are wanted (``Runtime.wants_internals``), and a family that
+declares its fused implementation byte-equal to the operator's decomposition runs the
+decomposition so each internal operator is captured under its own name (role ``internal``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from drifttool.capture.levels import LEVELS
 from drifttool.runtime import Runtime
-
-
-def captures(rt: Runtime) -> bool:
-    """Whether this runtime captures operator outputs at all (mode, recorder, level)."""
-    return rt.recorder is not None and rt.mode.captures and _level(rt) != "L0"
-
-
-def _level(rt: Runtime) -> str:
-    level = getattr(rt.recorder, "level", None)
-    return level if level in LEVELS else "L1"
-
-
-def wants_internals(rt: Runtime) -> bool:
-    """Whether fused operators should expose their internal tensors (``Runtime.wants_internals``:
-    level ≥ ``L2``, unless the runtime pins the decision)."""
-    return rt.wants_internals()
 
 
 def capture_outputs(

@@ -32,7 +32,7 @@ decomposition``: ``joint_attention_fused`` = ``joint_attn_qk_gemm`` → ``joint_
 ``joint_attn_av_gemm``). An implementation that declares itself byte-equal to it
 (``implements(..., decomposable=True)``) is *expanded*: dispatch runs the decomposition's
 operators one by one (each resolved, traced and captured under its own name) when the capture
-sink wants internal tensors (``capture.sink.wants_internals``: level ≥ L2) or a variant replaces
+sink wants internal tensors (``Runtime.wants_internals``: level ≥ L2) or a variant replaces
 one of them. Otherwise (L0/L1, or a family whose fused kernel is not byte-equal, e.g. production
 SDPA) the fused implementation runs; at L2 its trace entry notes that the internals were not
 captured. A variant of the fused operator applies only when the fused operator runs (a probe
@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from drifttool.capture.sink import capture_outputs, wants_internals
+from drifttool.capture.sink import capture_outputs
 from drifttool.components import COMPONENTS, DEFAULT_COMPONENT
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, devices, on_device
@@ -364,7 +364,7 @@ def _variant(rt: Runtime, name: str, args: tuple, kwargs: dict[str, Any]) -> Res
 def _wants_decomposition(rt: Runtime, op: OpSpec) -> bool:
     """The capture sink wants ``op``'s internals, or a variant replaces one of its finer ops."""
     dec = op.decomposition
-    return dec is not None and (wants_internals(rt) or any(o in rt.variants for o in dec.ops))
+    return dec is not None and (rt.wants_internals() or any(o in rt.variants for o in dec.ops))
 
 
 def _expands(rt: Runtime, op: OpSpec, res: Resolution) -> bool:
@@ -401,7 +401,7 @@ def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution,
     note = ""
     if expanded:
         note = f"run as its decomposition {'/'.join(op.decomposition.ops)} to capture the internals"
-    elif op.decomposition is not None and wants_internals(rt):
+    elif op.decomposition is not None and rt.wants_internals():
         note = (f"internals {'/'.join(op.decomposition.ops)} not captured: {res.actual} declares no "
                 "byte-equal decomposition")
     rt.trace.record(
