@@ -1,0 +1,47 @@
+"""A real, unmodified diffusers ``QwenImagePipeline`` from tiny components, for tests.
+
+    pipe = tiny_pipeline(transformer)             # any QwenImageTransformer2DModel
+    out = pipe(prompt_embeds=pe, prompt_embeds_mask=m, height=64, width=96,
+               num_inference_steps=4, output_type="latent", generator=g)
+
+The scheduler is Qwen-Image's own ``FlowMatchEulerDiscreteScheduler`` configuration
+(``scheduler/scheduler_config.json`` of the Qwen-Image checkpoint; numerics §3.3: dynamic
+exponential shift with mu from 0.5 at 256 tokens to 0.9 at 8192, terminal sigma 0.02). The text
+encoder, tokenizer and VAE are ``None``: prompt embeddings are passed directly and
+``output_type="latent"`` skips decoding, so the pipeline never calls them
+(``vae_scale_factor`` is then diffusers' default 8, as Qwen-Image's VAE has).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+QWEN_IMAGE_SCHEDULER = dict(
+    base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, max_image_seq_len=8192,
+    max_shift=0.9, num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+    stochastic_sampling=False, time_shift_type="exponential", use_beta_sigmas=False,
+    use_dynamic_shifting=True, use_exponential_sigmas=False, use_karras_sigmas=False,
+)
+
+
+def qwen_image_scheduler():
+    """Qwen-Image's ``FlowMatchEulerDiscreteScheduler`` (configuration above)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+
+
+def tiny_pipeline(transformer: torch.nn.Module):
+    """An unmodified ``QwenImagePipeline`` around ``transformer`` (no text encoder, tokenizer or
+    VAE: pass ``prompt_embeds``/``prompt_embeds_mask`` and ``output_type="latent"``)."""
+    from diffusers import QwenImagePipeline
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    pipe = QwenImagePipeline(scheduler=qwen_image_scheduler(), vae=None, text_encoder=None,
+                             tokenizer=None, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
