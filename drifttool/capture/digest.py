@@ -56,6 +56,7 @@ host: ``digest_pending`` returns a small device tensor, ``materialize`` reads ma
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import math
 
@@ -63,6 +64,7 @@ import numpy as np
 import torch
 
 from drifttool import digestcore as core
+from drifttool.capture import gpu_rows
 from drifttool.digestcore import COL_CHUNK, P, ROW_CHUNK
 
 _STAT_CHUNK = 1 << 22  # elements per fp64 chunk for the norm on a device (32 MiB of scratch)
@@ -276,6 +278,124 @@ class PendingDigest:
     vec: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PendingRows:
+    """A digest whose level 1 ran on a CUDA device per row of a flat view (one Triton pass,
+    ``gpu_rows.row_table``); level 2 and the summary are finished at ``materialize``, for all
+    pending records of a step at once.
+
+    Attributes:
+        dtype, shape, header, numel, keep_rows: as ``PendingDigest`` (of the canonical part).
+        table: ``(rows int64 [R, 2], stats float64 [R, 4])`` of the whole flat view, shared by
+            every part cut from it.
+        ranges: the part's rows of the flat view, in canonical order (``layout.FlatPart``).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    header: int
+    numel: int
+    keep_rows: bool
+    table: tuple[torch.Tensor, torch.Tensor]
+    ranges: tuple[tuple[int, int], ...]
+
+
+def pending_rows(table: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+                 shape: tuple[int, ...], ranges: tuple[tuple[int, int], ...],
+                 keep_rows: bool) -> PendingRows:
+    """A ``PendingRows`` for the canonical part ``shape`` made of ``ranges`` rows of ``table``.
+
+    Raises:
+        ValueError: more than ``ROW_CHUNK`` rows (level 2 sums them in one int64 block).
+    """
+    shape, ranges = tuple(shape), tuple(ranges)
+    n = sum(z - a for a, z in ranges)
+    if n > ROW_CHUNK:
+        raise ValueError(f"a part of {n} rows exceeds the {ROW_CHUNK} rows of one level-2 block")
+    name = dtype_name(dtype)
+    return PendingRows(name, shape, core.header_value(name, shape), math.prod(shape), keep_rows,
+                       table, ranges)
+
+
+def _device_rows(t: torch.Tensor, row_axis: int | None) -> PendingRows | None:
+    """``digest_pending`` through the Triton row kernel, when ``t`` allows it (``None``: not)."""
+    if not gpu_rows.available(t) or t.numel() == 0:
+        return None
+    x = t.detach()
+    if row_axis is not None and x.dim():
+        x = x.movedim(row_axis, 0)
+        r = x.shape[0]
+    else:
+        r = 1
+    if r > ROW_CHUNK:
+        return None
+    flat = x.contiguous().reshape(r, -1)
+    return pending_rows(gpu_rows.row_table(flat), t.dtype, tuple(t.shape), ((0, r),),
+                        keep_rows=False)
+
+
+def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | None, np.ndarray]]:
+    """Level 2 and the summaries of ``pending`` (one device), vectorised over every record:
+    ``(V without header, kept rows or None, float64 [4] stats)`` per record, one read-back."""
+    dev = pending[0].table[0].device
+    tables: dict[int, int] = {}
+    rows_l, stats_l, base = [], [], 0
+    for p in pending:
+        if id(p.table[0]) not in tables:
+            tables[id(p.table[0])] = base
+            rows_l.append(p.table[0])
+            stats_l.append(p.table[1])
+            base += p.table[0].shape[0]
+    starts, lens, rec_len = [], [], []
+    for p in pending:
+        off = tables[id(p.table[0])]
+        n = 0
+        for a, z in p.ranges:
+            starts.append(off + a)
+            lens.append(z - a)
+            n += z - a
+        rec_len.append(n)
+    lens_np = np.asarray(lens, np.int64)
+    rec_np = np.asarray(rec_len, np.int64)
+    cum = np.concatenate([[0], np.cumsum(lens_np)[:-1]]).astype(np.int64)
+    rcum = np.concatenate([[0], np.cumsum(rec_np)[:-1]]).astype(np.int64)
+    meta = torch.from_numpy(np.concatenate([lens_np, np.asarray(starts, np.int64) - cum, rec_np, rcum]))
+    meta = meta.to(dev, non_blocking=False)
+    nr, nrec = len(lens_np), len(rec_np)
+    d_lens, d_delta, d_rec, d_rcum = meta[:nr], meta[nr:2 * nr], meta[2 * nr:2 * nr + nrec], meta[2 * nr + nrec:]
+    total = int(lens_np.sum())
+    pos = torch.arange(total, device=dev, dtype=torch.int64)
+    idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
+    rec_id = torch.repeat_interleave(torch.arange(nrec, device=dev), d_rec, output_size=total)
+    local = pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
+    rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
+    stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
+    t = rows_all[idx].t()  # [2, total]: T, T'
+    a = _table("row", int(rec_np.max(initial=0)) or 1, dev)[:, :, local]  # [2, 3, total] limbs of A, A'
+    c = _consts(dev)
+    tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
+    prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
+    u = torch.zeros(nrec, 9, dtype=torch.int64, device=dev)
+    u.index_add_(0, rec_id, prod.reshape(9, -1).t())  # integer sums: exact in any order
+    u = u.t().reshape(3, 3, nrec)
+    v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
+    s = stats_all[idx]
+    lengths = d_rec
+    red = [torch.segment_reduce(s[:, k], how, lengths=lengths, unsafe=True, initial=init)
+           for k, (how, init) in enumerate((("sum", 0.0), ("max", -math.inf), ("min", math.inf),
+                                            ("sum", 0.0)))]
+    keep = any(p.keep_rows for p in pending)
+    host = torch.cat([v.view(torch.int64).reshape(-1), torch.stack(red, 1).view(torch.int64).reshape(-1)]
+                     + ([t[0]] if keep else [])).cpu().numpy()
+    out = []
+    st = host[nrec:5 * nrec].view(np.float64).reshape(nrec, 4)
+    kept = host[5 * nrec:] if keep else None
+    for i, p in enumerate(pending):
+        rows = kept[rcum[i]:rcum[i] + rec_np[i]].astype(np.uint64) if p.keep_rows else None
+        out.append((int(host[i]), rows, st[i]))
+    return out
+
+
 def _stats_vec(t: torch.Tensor) -> torch.Tensor:
     """``float64 [4]`` on ``t``'s device: Σx² (fp64, chunked), max, min, count of NaN/±inf."""
     x = t.detach()
@@ -323,7 +443,7 @@ def _stats_np(x: torch.Tensor) -> np.ndarray:
 
 
 def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
-                   keep_rows: bool = False) -> PendingDigest:
+                   keep_rows: bool = False) -> PendingDigest | PendingRows:
     """Start digest v2 and the summary of ``t`` on its device (no host sync).
 
     Args:
@@ -335,6 +455,9 @@ def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
     Raises:
         UnsupportedConfigError: a dtype without a digest code.
     """
+    fast = _device_rows(t, row_axis)
+    if fast is not None:
+        return dataclasses.replace(fast, keep_rows=keep_rows and row_axis is not None)
     name = dtype_name(t.dtype)
     header = core.header_value(name, tuple(t.shape))
     rows = _row_sums(_halves(t, row_axis), 0)
@@ -345,12 +468,22 @@ def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
     return PendingDigest(name, tuple(t.shape), header, t.numel(), keep_rows, torch.cat(parts))
 
 
-def materialize(pending: list[PendingDigest]) -> list[TensorDigest]:
-    """Read ``pending`` back: one device-to-host transfer per device, in order."""
+def materialize(pending: list[PendingDigest | PendingRows]) -> list[TensorDigest]:
+    """Read ``pending`` back: one device-to-host transfer per device (and kind), in order."""
     host: list[np.ndarray | None] = [None] * len(pending)
+    done: dict[int, TensorDigest] = {}
     by_dev: dict[torch.device, list[int]] = {}
+    rows_by_dev: dict[torch.device, list[int]] = {}
     for i, p in enumerate(pending):
-        by_dev.setdefault(p.vec.device, []).append(i)
+        if isinstance(p, PendingRows):
+            rows_by_dev.setdefault(p.table[0].device, []).append(i)
+        else:
+            by_dev.setdefault(p.vec.device, []).append(i)
+    for idx in rows_by_dev.values():
+        for i, (v, rows, st) in zip(idx, _finish_rows([pending[i] for i in idx])):
+            p = pending[i]
+            done[i] = TensorDigest(p.dtype, p.shape, (v + p.header) % P, rows,
+                                   *_summary(p.numel, st))
     for idx in by_dev.values():
         flat = torch.cat([pending[i].vec for i in idx]).cpu().numpy()
         at = 0
@@ -358,7 +491,10 @@ def materialize(pending: list[PendingDigest]) -> list[TensorDigest]:
             n = pending[i].vec.shape[0]
             host[i], at = flat[at:at + n], at + n
     out = []
-    for p, h in zip(pending, host):
+    for i, (p, h) in enumerate(zip(pending, host)):
+        if i in done:
+            out.append(done[i])
+            continue
         out.append(TensorDigest(p.dtype, p.shape, (int(h[0]) + p.header) % P,
                                 h[5:].astype(np.uint64) if p.keep_rows else None,
                                 *_summary(p.numel, h[1:5].view(np.float64))))
@@ -406,6 +542,6 @@ def stats(t: torch.Tensor) -> tuple[int, float, float]:
     return _summary(t.numel(), _stats_vec(t).cpu().numpy())
 
 
-__all__ = ["P", "Partial", "PendingDigest", "TensorDigest", "combine",
+__all__ = ["P", "Partial", "PendingDigest", "PendingRows", "pending_rows", "TensorDigest", "combine",
            "digest", "digest_pending", "digest_tensor", "dtype_from_name", "dtype_name",
            "materialize", "partial", "raw_bytes", "row_digests", "stats"]

@@ -180,3 +180,61 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
         sample = -1 if b is None else (int(samples[b]) if samples is not None else b)
         parts.append(Part(sample, t.contiguous(), row_axis if row_axis >= 0 else None, rowmap))
     return parts
+
+
+@dataclass(frozen=True)
+class FlatPart:
+    """One logical sample's canonical part as row ranges of the output viewed as ``[rows, C]``
+    (``flat_parts``): the part is the concatenation of those rows, in order.
+
+    Attributes:
+        sample, row_axis, rows: as ``Part``.
+        ranges: ``[(start, stop)]`` rows of the flat view.
+        shape: the canonical part's shape (what ``Part.tensor.shape`` would be).
+    """
+
+    sample: int
+    ranges: tuple[tuple[int, int], ...]
+    row_axis: int | None
+    rows: RowMap | None
+    shape: tuple[int, ...]
+
+
+def flat_parts(site: dict[str, Any], tensor: "torch.Tensor", layout: str
+               ) -> tuple["torch.Tensor", list[FlatPart]] | None:
+    """``canonicalize`` without copies, when the output allows it: a contiguous tensor whose
+    layout is an optional leading ``B``, an optional ``S`` right after it and ``.`` tags after
+    that. Returns the flat view ``[rows, C]`` (rows = batch × sequence rows, or batch rows) and
+    one ``FlatPart`` per batch row; ``None`` when the layout or memory order does not allow it
+    (the caller then uses ``canonicalize``). Raises as ``canonicalize``."""
+    tags = layout[1:] if layout[:1] == "B" else layout
+    if (len(layout) != tensor.dim() or not set(layout) <= TAGS or "K" in layout
+            or "B" in tags or "S" in tags[1:] or not tensor.is_contiguous() or tensor.numel() == 0):
+        return None
+    has_b, has_s = layout[:1] == "B", tags[:1] == "S"
+    nb = tensor.shape[0] if has_b else 1
+    seq = tensor.shape[1 if has_b else 0] if has_s else 1
+    rest = tuple(tensor.shape[(1 if has_b else 0) + (1 if has_s else 0):])
+    flat = tensor.reshape(nb * seq, -1)
+    samples = site.get("samples")
+    txt_lens, txt_starts = site.get("txt_lens"), site.get("txt_starts")
+    if has_b:
+        for name, v in (("samples", samples), ("txt_lens", txt_lens), ("txt_starts", txt_starts)):
+            if v is not None and len(v) != nb:
+                raise ValueError(f"site[{name!r}] has {len(v)} entries for batch size {nb}")
+    grid = site.get("img_grid")
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    stream = site.get("stream", "none")
+    parts = []
+    for b in range(nb):
+        sample = -1 if not has_b else (int(samples[b]) if samples is not None else b)
+        if has_s:
+            txt_len = None if not has_b or txt_lens is None else int(txt_lens[b])
+            t0 = 0 if not has_b or txt_starts is None else int(txt_starts[b])
+            segs, rowmap = _segments("S", stream, seq, txt_len, grid, t0)
+            ranges = tuple((b * seq + a, b * seq + z) for a, z in segs if z > a)
+            n = sum(z - a for a, z in ranges)
+            parts.append(FlatPart(sample, ranges, 0, rowmap, (n, *rest)))
+        else:
+            parts.append(FlatPart(sample, ((b, b + 1),), None, None, rest))
+    return flat, parts

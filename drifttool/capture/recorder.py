@@ -38,8 +38,10 @@ import torch
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.writer import ArtifactWriter
-from drifttool.capture.digest import PendingDigest, digest_pending, materialize, raw_bytes
-from drifttool.capture.layout import canonicalize
+from drifttool.capture import gpu_rows
+from drifttool.capture.digest import PendingDigest, digest_pending, materialize, pending_rows, raw_bytes
+from drifttool.capture.layout import canonicalize, flat_parts
+from drifttool.digestcore import ROW_CHUNK
 from drifttool.errors import UnsupportedConfigError
 
 _OPS_SCALARS = ("seq", "rank", "component", "phase", "step", "sigma", "branch", "block", "op_pos",
@@ -63,6 +65,21 @@ def _row_branch(branches: Any, row: int | None) -> str:
     if row is not None:
         return str(branches[row])
     return "+".join(dict.fromkeys(str(b) for b in branches))
+
+
+def _parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, rows: bool):
+    """``(part, pending digest)`` per logical sample of an operator output. On a CUDA device
+    with a layout that needs no copy (``layout.flat_parts``) the whole output is digested per
+    row in one Triton pass (``gpu_rows.row_table``) and every part is cut from that table;
+    otherwise each canonical part (``layout.canonicalize``) is digested on its own."""
+    flat = flat_parts(site, tensor, layout) if gpu_rows.available(tensor) else None
+    if flat is not None and all(sum(z - a for a, z in p.ranges) <= ROW_CHUNK for p in flat[1]):
+        table = gpu_rows.row_table(flat[0])
+        return [(p, pending_rows(table, tensor.dtype, p.shape, p.ranges,
+                                 keep_rows=rows and p.row_axis is not None)) for p in flat[1]]
+    return [(p, digest_pending(p.tensor, row_axis=p.row_axis,
+                               keep_rows=rows and p.row_axis is not None))
+            for p in canonicalize(site, tensor, layout)]
 
 
 class Recorder:
@@ -133,11 +150,10 @@ class Recorder:
         self._enter_step(site["phase"], int(site["step"]))
         rows = self.level == "L2"
         branches = site["branch"]
-        for b, part in enumerate(canonicalize(site, tensor, layout)):
+        for b, (part, d) in enumerate(_parts(site, tensor.detach(), layout, rows)):
             # batched CFG: the scope holds one branch per batch row (docs/architecture.md)
             branch = _row_branch(branches, b if part.sample >= 0 else None)
             rm = part.rows if rows and part.row_axis is not None else None
-            d = digest_pending(part.tensor, row_axis=part.row_axis, keep_rows=rm is not None)
             grid = rm.img_grid if rm is not None else None
             self._ops.append(((
                 self._seq, self.rank, component, site["phase"], int(site["step"]),

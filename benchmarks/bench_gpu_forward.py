@@ -1,0 +1,229 @@
+"""Full-size forward on one GPU: diffusers, drifttool production, and both with capture at L1 / L2,
+side by side in one process (issue #10 item 7).
+
+    $ python benchmarks/bench_gpu_forward.py [--layers 60] [--repeat 3]
+    shape  batch  config          median ms  ratio vs diffusers  records/forward
+
+One random full-width Qwen-Image transformer (``--layers`` blocks of d = 3072, 24 heads,
+bf16 weights built directly on the device, std 0.02) is shared by diffusers'
+``QwenImageTransformer2DModel`` and drifttool's ``MMDiT`` (same storage). Each configuration runs
+one transformer forward (a denoising step's model call; batch 2 = CFG-batched cond + uncond with
+prompts of 128 and 77 valid tokens of 128 slots) at each RFC reference shape; capture
+configurations flush their recorder after the forward, as the sampler does once per step (so the
+time includes the digests' read-back). Configurations are interleaved across repeats; the
+median is reported. A second table gives the digest kernel's throughput against a device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drifttool.adapters.diffusers_qwenimage import instrument  # noqa: E402
+from drifttool.capture import gpu_rows  # noqa: E402
+from drifttool.capture.recorder import Recorder  # noqa: E402
+from drifttool.model.config import from_diffusers_config  # noqa: E402
+from drifttool.model.mmdit import MMDiT  # noqa: E402
+from drifttool.runtime import Runtime  # noqa: E402
+
+SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
+CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
+           "production+L2")
+FULL_WIDTH = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+
+
+def build(layers: int, device: str):
+    """diffusers' transformer and drifttool's MMDiT on the same random bf16 weights."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            tr = QwenImageTransformer2DModel(num_layers=layers, **FULL_WIDTH)
+    finally:
+        torch.set_default_dtype(old)
+    tr = tr.to_empty(device=device).eval()
+    with torch.no_grad():
+        for name, p in tr.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1) if "norm" in name else p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    # the RoPE tables are plain attributes (not buffers), built on the CPU at init: rebuild them
+    rope = type(tr.pos_embed)
+    tr.pos_embed = rope(theta=10000, axes_dim=list(FULL_WIDTH["axes_dims_rope"]), scale_rope=True)
+    with torch.device("meta"):
+        ours = MMDiT(from_diffusers_config(dict(tr.config)), dtype=torch.bfloat16)
+    ours.load_state_dict(dict(tr.state_dict()), strict=True, assign=True)
+    return tr, ours
+
+
+def inputs(batch: int, grid: tuple[int, int], device: str):
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, grid[0] * grid[1], 64, generator=g).bfloat16().to(device)
+    txt = torch.randn(batch, 128, 3584, generator=g).bfloat16().to(device)
+    lens = [128, 77][:batch]
+    mask = None if batch == 1 else (torch.arange(128)[None, :] < torch.tensor(lens)[:, None]).to(device)
+    tau = torch.full((batch,), 0.75).to(device)
+    scope = dict(phase="rollout", step=0, sigma=0.75, branch=("cond", "uncond")[:batch] if batch > 1 else "cond",
+                 samples=[0] * batch if batch > 1 else [0], txt_lens=lens, img_grid=grid)
+    return x, txt, mask, tau, scope
+
+
+def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
+    """One forward of ``config``; returns the number of op records captured."""
+    impl, _, level = config.partition("+")
+    rec = Recorder(level) if level else None
+    rt = Runtime(mode="auto" if rec else "off", recorder=rec)
+    with torch.no_grad(), rt.scope(**scope):
+        if impl == "diffusers":
+            ctx = instrument(tr, rt) if rec else _null()
+            with ctx:
+                tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
+                   timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
+        else:
+            ours(x, txt, mask, tau, grid, rt)
+    if rec is None:
+        return 0
+    rec.flush()
+    return rec.ops_table().num_rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return None
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def digest_throughput(device: str) -> list[tuple[str, float, float]]:
+    rows = []
+    for shape in ((4096, 3072), (4096, 12288), (6889 * 2, 12288)):
+        x = torch.randn(shape, device=device).bfloat16()
+        gpu_rows.row_table(x)
+        n = 20
+        t_d = timed(lambda: [gpu_rows.row_table(x) for _ in range(n)]) / n
+        t_c = timed(lambda: [x.clone() for _ in range(n)]) / n
+        gb = x.numel() * x.element_size() / 1e9
+        rows.append((f"{shape[0]}x{shape[1]} bf16", gb / t_d, 2 * gb / t_c))
+    return rows
+
+
+def sweep(device: str) -> None:
+    """Time the row kernel over tile choices on a [4096, 12288] bf16 tensor (prints GB/s)."""
+    x = torch.randn(4096, 12288, device=device).bfloat16()
+    gb = x.numel() * 2 / 1e9
+    saved = dict(gpu_rows.TILE)
+    for bm in (16, 32, 64):
+        for bc in (64, 128, 256):
+            for warps in (4, 8):
+                gpu_rows.TILE.update(bm=bm, bc=bc, warps=warps, stages=3)
+                tag = f"sweep bm={bm} bc={bc} warps={warps}"
+                try:
+                    gpu_rows.row_table(x)
+                    t = timed(lambda: [gpu_rows.row_table(x) for _ in range(10)]) / 10
+                    print(f"{tag}: {gb / t:.0f} GB/s", flush=True)
+                except Exception as e:  # noqa: BLE001 - a tile the compiler refuses
+                    print(f"{tag}: {type(e).__name__} {str(e)[:100]}", flush=True)
+    gpu_rows.TILE.update(saved)
+
+
+def profile(tr, ours, device: str) -> None:
+    """cProfile of one L1 forward of each implementation at 1024², batch 1 (host time)."""
+    import cProfile
+    import pstats
+
+    x, txt, mask, tau, scope = inputs(1, SHAPES["1024x1024"], device)
+    for c in ("diffusers+L1", "production+L1"):
+        forward(c, tr, ours, x, txt, mask, tau, SHAPES["1024x1024"], scope)
+        pr = cProfile.Profile()
+        pr.enable()
+        forward(c, tr, ours, x, txt, mask, tau, SHAPES["1024x1024"], scope)
+        torch.cuda.synchronize()
+        pr.disable()
+        print(f"--- profile {c}")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--sweep", action="store_true", help="time the row kernel's tile choices first")
+    ap.add_argument("--tile", default="", help="row kernel settings, e.g. bm=32,bc=256,warps=8")
+    ap.add_argument("--profile", action="store_true", help="profile one L1 forward per implementation")
+    args = ap.parse_args()
+    device = "cuda"
+    if args.sweep:
+        sweep(device)
+    for item in filter(None, args.tile.split(",")):
+        key, _, value = item.partition("=")
+        gpu_rows.TILE[key] = int(value)
+    print("row kernel:", gpu_rows.TILE)
+    tr, ours = build(args.layers, device)
+    if args.profile:
+        profile(tr, ours, device)
+    configs = args.configs.split(",")
+    results = []
+    for shape in args.shapes.split(","):
+        grid = SHAPES[shape]
+        for batch in map(int, args.batches.split(",")):
+            x, txt, mask, tau, scope = inputs(batch, grid, device)
+            times = {c: [] for c in configs}
+            records = {}
+            for c in configs:  # warm-up (Triton and cuBLAS autotuning, allocator)
+                records[c] = forward(c, tr, ours, x, txt, mask, tau, grid, scope)
+            for _ in range(args.repeat):
+                for c in configs:
+                    times[c].append(timed(lambda: forward(c, tr, ours, x, txt, mask, tau, grid, scope)))
+            base = statistics.median(times[configs[0]])
+            for c in configs:
+                med = statistics.median(times[c])
+                results.append((shape, batch, c, med * 1e3, med / base, records[c]))
+            torch.cuda.empty_cache()
+    props = torch.cuda.get_device_properties(0)
+    title = (f"one transformer forward, {args.layers} blocks, bf16 — {datetime.date.today()} — "
+             f"{props.name}, torch {torch.__version__}")
+    table = Table(title=title)
+    for col in ("shape", "batch", "config", "median ms", f"ratio vs {configs[0]}", "records/forward"):
+        table.add_column(col, justify="right")
+    for shape, batch, c, ms, ratio, n in results:
+        table.add_row(shape, str(batch), c, f"{ms:.1f}", f"{ratio:.3f}", f"{n:,}")
+    console = Console(width=140)
+    console.print(table)
+    dt = Table(title="digest v2 row kernel (Triton) vs device copy")
+    for col in ("tensor", "digest GB/s (read)", "copy GB/s (read+write)"):
+        dt.add_column(col, justify="right")
+    for name, d, c in digest_throughput(device):
+        dt.add_row(name, f"{d:.0f}", f"{c:.0f}")
+    console.print(dt)
+
+
+if __name__ == "__main__":
+    main()

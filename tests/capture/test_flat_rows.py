@@ -1,0 +1,100 @@
+"""The copy-free capture path (``layout.flat_parts`` + ``digest.PendingRows``) gives the records of
+the canonical path (``layout.canonicalize`` + ``digest_pending``).
+
+On a GPU the per-row table comes from the Triton kernel (``gpu_rows.row_table``, tested against
+the CPU in ``tests/gpu``); here it is built from the CPU's level 1 (``digest._row_sums``), so the
+layout cuts and the vectorised level 2 / summaries of ``materialize`` are tested on every machine.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from drifttool.capture.digest import _halves, _row_sums, digest_tensor, materialize, pending_rows
+from drifttool.capture.layout import canonicalize, flat_parts
+
+
+def cpu_table(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows int64 [R, 2], stats float64 [R, 4])`` as ``gpu_rows.row_table`` defines them."""
+    rows = _row_sums(_halves(flat, 0), 0).t().contiguous()
+    x = flat.double()
+    bad = (~torch.isfinite(x)).sum(1).double()
+    stats = torch.stack([(x * x).sum(1), x.max(1).values, x.min(1).values, bad], 1)
+    return rows, stats
+
+
+CASES = [
+    ("BS.", "joint", (3, 5 + 6, 7), [2, 5, 0], (2, 3)),
+    ("BS..", "txt", (1, 9, 2, 3), [4], None),
+    ("BS.", "img", (2, 6, 5), None, (2, 3)),
+    ("B.", "none", (3, 11), None, None),
+    ("S.", "img", (6, 4), None, (3, 2)),
+    ("..", "none", (3, 4), None, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("layout,stream,shape,txt_lens,grid", CASES)
+def test_flat_parts_cut_the_canonical_parts(layout, stream, shape, txt_lens, grid, dtype):
+    g = torch.Generator().manual_seed(hash((layout, stream)) % 2**31)
+    t = torch.randn(shape, generator=g).to(dtype)
+    nb = shape[0] if layout[0] == "B" else 1
+    site = {"stream": stream, "samples": list(range(10, 10 + nb)), "txt_lens": txt_lens,
+            "img_grid": grid}
+    flat, fparts = flat_parts(site, t, layout)
+    cparts = canonicalize(site, t, layout)
+    assert len(fparts) == len(cparts)
+    for f, c in zip(fparts, cparts):
+        got = torch.cat([flat[a:z] for a, z in f.ranges]).reshape(f.shape)
+        assert got.view(torch.uint8).tolist() == c.tensor.view(torch.uint8).tolist()
+        assert (f.sample, f.row_axis, f.rows) == (c.sample, c.row_axis, c.rows)
+
+
+def test_flat_parts_refuses_layouts_that_need_a_copy():
+    t = torch.zeros(2, 3, 4)
+    assert flat_parts({"stream": "img", "img_grid": (1, 3)}, t.transpose(1, 2), "B.S") is None
+    assert flat_parts({"stream": "img", "img_grid": (1, 3)}, t.transpose(0, 1), "SB.") is None
+    assert flat_parts({"stream": "joint", "img_grid": (1, 3)}, t, "BK.") is None
+    assert flat_parts({"stream": "img", "img_grid": (1, 4)}, t[:, :, :3], "BS.") is None  # strided
+
+
+@pytest.mark.parametrize("layout,stream,shape,txt_lens,grid", CASES)
+def test_vectorised_level2_equals_the_digest_of_each_part(layout, stream, shape, txt_lens, grid):
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(shape, generator=g).bfloat16()
+    t.view(-1)[3] = float("nan") if layout == "BS.." else t.view(-1)[3]
+    nb = shape[0] if layout[0] == "B" else 1
+    site = {"stream": stream, "samples": list(range(nb)), "txt_lens": txt_lens, "img_grid": grid}
+    flat, fparts = flat_parts(site, t, layout)
+    table = cpu_table(flat)
+    pend = [pending_rows(table, t.dtype, f.shape, f.ranges, keep_rows=f.row_axis is not None)
+            for f in fparts]
+    # a second tensor's table in the same batch: records from several outputs finish together
+    other = torch.randn(4, 3, generator=g)
+    pend.append(pending_rows(cpu_table(other), other.dtype, (4, 3), ((0, 4),), keep_rows=True))
+    got = materialize(pend)
+    want = [digest_tensor(c.tensor, row_axis=c.row_axis) for c in canonicalize(site, t, layout)]
+    want.append(digest_tensor(other, row_axis=0))
+    for g_, w in zip(got, want):
+        assert (g_.dtype, g_.shape, g_.digest, g_.nonfinite) == (w.dtype, w.shape, w.digest, w.nonfinite)
+        assert (g_.rows is None) == (w.rows is None)
+        if w.rows is not None:
+            assert g_.rows.tolist() == w.rows.tolist()
+        if math.isnan(w.l2):
+            assert math.isnan(g_.l2) and math.isnan(g_.maxabs)
+        else:
+            assert g_.maxabs == w.maxabs and g_.l2 == pytest.approx(w.l2, rel=1e-12)
+
+
+def test_an_empty_text_part_has_the_digest_of_an_empty_tensor():
+    t = torch.randn(2, 5, 3).bfloat16()
+    site = {"stream": "txt", "samples": [0, 1], "txt_lens": [0, 4], "img_grid": None}
+    flat, fparts = flat_parts(site, t, "BS.")
+    got = materialize([pending_rows(cpu_table(flat), t.dtype, f.shape, f.ranges, keep_rows=True)
+                       for f in fparts])
+    for d, c in zip(got, canonicalize(site, t, "BS.")):
+        w = digest_tensor(c.tensor, row_axis=0)
+        assert (d.shape, d.digest, d.l2, d.maxabs) == (w.shape, w.digest, w.l2, w.maxabs)
+        assert np.array_equal(d.rows, w.rows)
