@@ -211,8 +211,10 @@ class Runtime:
                                    internals=self.wants_internals(), _scope=dict(self._scope),
                                    _calls={})
 
-    def site(self, op: str, stream: str) -> dict[str, Any]:
-        """Identity of the next call of ``op`` on ``stream`` in the current scope.
+    def site(self, op: str, stream: str, **fields: Any) -> dict[str, Any]:
+        """Identity of the next call of ``op`` on ``stream`` in the current scope (with
+        ``fields`` overriding scope fields for this call alone, as a ``scope`` block around it
+        would: hook-based adapters use it, at no context-manager cost per call).
 
         Returns the scope fields plus ``op``, ``stream``, ``call`` (0-based occurrence of this
         (op, stream) within the same phase, step, branch and block) and ``op_pos`` (0-based
@@ -221,7 +223,7 @@ class Runtime:
         batched CFG the scope's branch is one tuple for both branches, so ``op_pos`` counts the
         same calls as each branch's scope under sequential CFG.
         """
-        s = self._scope
+        s = {**self._scope, **fields} if fields else self._scope
         branch = s["branch"] if isinstance(s["branch"], str) else tuple(s["branch"])
         scope = (s["phase"], s["step"], branch, s["block"])
         key = (*scope, op, stream)

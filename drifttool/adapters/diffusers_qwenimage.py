@@ -128,11 +128,10 @@ class _Capture:
     def record(self, op: str, stream: str, outputs: list[tuple[torch.Tensor, str]], *,
                block: int, kernel: str) -> None:
         rt = self.rt
-        with rt.scope(block=block):
-            site = rt.site(op, stream)
+        site = rt.site(op, stream, block=block)
         rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.family,
                         actual="diffusers", kernel=kernel, fallback=False, reason="",
-                        declared=False)
+                        declared=False, device=str(outputs[0][0].device))
         if rt.recorder is not None and rt.mode.captures:
             for i, (t, layout) in enumerate(outputs):
                 rt.recorder.capture(site, t.detach(), layout, index=i)

@@ -145,10 +145,11 @@ if triton is not None:
         acc_t = tl.zeros([BM], tl.int64)
         acc_t2 = tl.zeros([BM], tl.int64)
         acc32 = tl.zeros([BM, NCOL], tl.int32)
-        sq = tl.zeros([BM], tl.float64)
-        mx = tl.full([BM], float("-inf"), tl.float32)
-        mn = tl.full([BM], float("inf"), tl.float32)
-        bad = tl.zeros([BM], tl.int32)
+        # elementwise accumulators of the summary, reduced over the columns once at the end
+        sq = tl.zeros([BM, BC], tl.float64)
+        mx = tl.full([BM, BC], float("-inf"), tl.float32)
+        mn = tl.full([BM, BC], float("inf"), tl.float32)
+        bad = tl.zeros([BM, BC], tl.int32)
         nb = C * WBYTES
         for it in range(0, tl.cdiv(C, BC)):
             bcols = it * (BC * WBYTES) + tl.arange(0, BC * WBYTES)
@@ -162,11 +163,10 @@ if triton is not None:
             m = rmask[:, None] & (cols < C)[None, :]
             x = tl.load(X + r64[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
             xd = x.to(tl.float64)
-            sq += tl.sum(tl.where(m, xd * xd, 0.0), axis=1)
-            mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
-            mn = tl.minimum(mn, tl.min(tl.where(m, x, float("inf")), axis=1))
-            fin = (x == x) & (tl.abs(x) != float("inf"))
-            bad += tl.sum((m & ~fin).to(tl.int32), axis=1)
+            sq += xd * xd  # masked elements load as 0.0: no term, and finite
+            mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
+            mn = tl.minimum(mn, tl.where(m, x, float("inf")))
+            bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
             if (it + 1) % FOLD_EVERY == 0:
                 acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL)
                 acc32 = tl.zeros([BM, NCOL], tl.int32)
@@ -175,10 +175,10 @@ if triton is not None:
         acc_t2 = _modp(acc_t2 + shift_t2)
         tl.store(ROWS + rows * 2, acc_t, mask=rmask)
         tl.store(ROWS + rows * 2 + 1, acc_t2, mask=rmask)
-        tl.store(STATS + rows * 4, sq, mask=rmask)
-        tl.store(STATS + rows * 4 + 1, mx.to(tl.float64), mask=rmask)
-        tl.store(STATS + rows * 4 + 2, mn.to(tl.float64), mask=rmask)
-        tl.store(STATS + rows * 4 + 3, bad.to(tl.float64), mask=rmask)
+        tl.store(STATS + rows * 4, tl.sum(sq, axis=1), mask=rmask)
+        tl.store(STATS + rows * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
+        tl.store(STATS + rows * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
+        tl.store(STATS + rows * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
 
 
 TILE = {"bm": 16, "bc": 128, "warps": 4, "stages": 3}

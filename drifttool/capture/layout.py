@@ -200,31 +200,57 @@ class FlatPart:
     shape: tuple[int, ...]
 
 
+def _tuple(v: Any) -> tuple | None:
+    return None if v is None else tuple(v)
+
+
+_FLAT_CACHE: dict[tuple, list[FlatPart] | None] = {}
+_FLAT_CACHE_MAX = 4096
+
+
 def flat_parts(site: dict[str, Any], tensor: "torch.Tensor", layout: str
                ) -> tuple["torch.Tensor", list[FlatPart]] | None:
     """``canonicalize`` without copies, when the output allows it: a contiguous tensor whose
     layout is an optional leading ``B``, an optional ``S`` right after it and ``.`` tags after
     that. Returns the flat view ``[rows, C]`` (rows = batch × sequence rows, or batch rows) and
     one ``FlatPart`` per batch row; ``None`` when the layout or memory order does not allow it
-    (the caller then uses ``canonicalize``). Raises as ``canonicalize``."""
+    (the caller then uses ``canonicalize``). Raises as ``canonicalize``.
+
+    The parts depend only on the layout, the shape and the site's stream, samples, text rows
+    and grid: they are cached on those (a forward repeats a few dozen of them per block)."""
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    shape = tuple(tensor.shape)
+    key = (layout, shape, site.get("stream", "none"), _tuple(site.get("samples")),
+           _tuple(site.get("txt_lens")), _tuple(site.get("txt_starts")), _tuple(site.get("img_grid")))
+    parts = _FLAT_CACHE.get(key, False)
+    if parts is False:
+        parts = _flat_parts(key)
+        if len(_FLAT_CACHE) >= _FLAT_CACHE_MAX:
+            _FLAT_CACHE.clear()
+        _FLAT_CACHE[key] = parts
+    if parts is None:
+        return None
+    rows = shape[0] * (shape[1] if layout[:2] == "BS" else 1) if layout[:1] == "B" else (
+        shape[0] if layout[:1] == "S" else 1)
+    return tensor.view(rows, -1), parts
+
+
+def _flat_parts(key: tuple) -> list[FlatPart] | None:
+    layout, shape, stream, samples, txt_lens, txt_starts, grid = key
     tags = layout[1:] if layout[:1] == "B" else layout
-    if (len(layout) != tensor.dim() or not set(layout) <= TAGS or "K" in layout
-            or "B" in tags or "S" in tags[1:] or not tensor.is_contiguous() or tensor.numel() == 0):
+    if (len(layout) != len(shape) or not set(layout) <= TAGS or "K" in layout
+            or "B" in tags or "S" in tags[1:]):
         return None
     has_b, has_s = layout[:1] == "B", tags[:1] == "S"
-    nb = tensor.shape[0] if has_b else 1
-    seq = tensor.shape[1 if has_b else 0] if has_s else 1
-    rest = tuple(tensor.shape[(1 if has_b else 0) + (1 if has_s else 0):])
-    flat = tensor.reshape(nb * seq, -1)
-    samples = site.get("samples")
-    txt_lens, txt_starts = site.get("txt_lens"), site.get("txt_starts")
+    nb = shape[0] if has_b else 1
+    seq = shape[1 if has_b else 0] if has_s else 1
+    rest = tuple(shape[(1 if has_b else 0) + (1 if has_s else 0):])
     if has_b:
         for name, v in (("samples", samples), ("txt_lens", txt_lens), ("txt_starts", txt_starts)):
             if v is not None and len(v) != nb:
                 raise ValueError(f"site[{name!r}] has {len(v)} entries for batch size {nb}")
-    grid = site.get("img_grid")
     grid = None if grid is None else (int(grid[0]), int(grid[1]))
-    stream = site.get("stream", "none")
     parts = []
     for b in range(nb):
         sample = -1 if not has_b else (int(samples[b]) if samples is not None else b)
@@ -237,4 +263,4 @@ def flat_parts(site: dict[str, Any], tensor: "torch.Tensor", layout: str
             parts.append(FlatPart(sample, ranges, 0, rowmap, (n, *rest)))
         else:
             parts.append(FlatPart(sample, ((b, b + 1),), None, None, rest))
-    return flat, parts
+    return parts

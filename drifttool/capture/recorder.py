@@ -73,7 +73,7 @@ def _parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, rows: bool):
     row in one Triton pass (``gpu_rows.row_table``) and every part is cut from that table;
     otherwise each canonical part (``layout.canonicalize``) is digested on its own."""
     flat = flat_parts(site, tensor, layout) if gpu_rows.available(tensor) else None
-    if flat is not None and all(sum(z - a for a, z in p.ranges) <= ROW_CHUNK for p in flat[1]):
+    if flat is not None and flat[0].shape[0] <= ROW_CHUNK:
         table = gpu_rows.row_table(flat[0])
         return [(p, pending_rows(table, tensor.dtype, p.shape, p.ranges,
                                  keep_rows=rows and p.row_axis is not None)) for p in flat[1]]

@@ -24,5 +24,5 @@ def weight_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
-        h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())  # no extra copy
     return "xxh3_128:" + h.hexdigest()
