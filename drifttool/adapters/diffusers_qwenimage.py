@@ -44,8 +44,10 @@ and, for the native backend, the SDPA kernel torch selects for these exact argum
 
 The sampler side (sigma table, CFG combine + renorm, Flow-GRPO SDE step) is drifttool's
 ``production`` scheduler operators — diffusers' CFG expression and Flow-GRPO's step verbatim —
-driven by ``drifttool.sampling.rollout`` (``run_diffusers`` runs in mode ``auto``): the diffusers
-pipeline itself needs a text encoder and a VAE, which the capture does not involve.
+driven by ``drifttool.sampling.rollout`` (``run_diffusers`` runs in mode ``auto``). To capture
+diffusers' own pipeline loop instead (an unmodified ``QwenImagePipeline`` call), see
+``drifttool.adapters.diffusers_pipeline``: it sets the runtime scope that drifttool's sampler
+sets here, and uses ``instrument`` for the transformer.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class _Capture:
             site = rt.site(op, stream)
         rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.family,
                         actual="diffusers", kernel=kernel, fallback=False, reason="",
-                        declared=False)
+                        declared=False, device=str(outputs[0][0].device))
         if rt.recorder is not None and rt.mode.captures:
             for i, (t, layout) in enumerate(outputs):
                 rt.recorder.capture(site, t.detach(), layout, index=i)
