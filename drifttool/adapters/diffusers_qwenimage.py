@@ -44,8 +44,10 @@ and, for the native backend, the SDPA kernel torch selects for these exact argum
 
 The sampler side (sigma table, CFG combine + renorm, Flow-GRPO SDE step) is drifttool's
 ``production`` scheduler operators — diffusers' CFG expression and Flow-GRPO's step verbatim —
-driven by ``drifttool.sampling.rollout`` (``run_diffusers`` runs in mode ``auto``): the diffusers
-pipeline itself needs a text encoder and a VAE, which the capture does not involve.
+driven by ``drifttool.sampling.rollout`` (``run_diffusers`` runs in mode ``auto``). To capture
+diffusers' own pipeline loop instead (an unmodified ``QwenImagePipeline`` call), see
+``drifttool.adapters.diffusers_pipeline``: it sets the runtime scope that drifttool's sampler
+sets here, and uses ``instrument`` for the transformer.
 """
 
 from __future__ import annotations

@@ -306,11 +306,12 @@ _SETTINGS = Obj({
     "fixture": Nullable(_STR), "checkpoint": Nullable(_STR), "variant": _STR, "lora": _STR,
     "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
-    "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": _INT, "samples": _INTS,
+    "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
     "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS,
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
               "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
-"""``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's."""
+"""``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's
+(``seed`` null: a captured diffusers pipeline call, whose generator is not drifttool's)."""
 
 _ENVIRONMENT = Obj({
     "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
@@ -368,9 +369,18 @@ wrote the artifact) is the only required key; ``samples`` maps each rank (``"0"`
 to the logical sample ids it ran (``sample_parallel``); ``mesh`` names the ``DeviceMesh``
 dimensions and sizes (``drifttool.distributed.context``)."""
 
-_MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR)},
+_MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR),
+                     "scheduler": _STR, "scheduler_config": MapOf(ANY)},
                     frozenset({"implementation", "adapter"}))
-"""``drifttool.adapters.diffusers_qwenimage``'s ``source``."""
+"""``drifttool.adapters.diffusers_qwenimage``'s ``source``; a captured pipeline call
+(``drifttool.adapters.diffusers_pipeline``) adds its scheduler's class and configuration."""
+
+_UNCAPTURED = Obj({"steps": ListOf(_STR), "ops": ListOf(Obj({"op": _STR, "index": _INT},
+                                                              frozenset({"op", "index"}))),
+                   "reason": _STR}, frozenset({"steps", "ops", "reason"}))
+"""Records a drifttool rollout writes that this run cannot (``drifttool.adapters.
+diffusers_pipeline.UNCAPTURED``): step quantities by name, op outputs by (op, index). The diff
+leaves them out of both runs (``drifttool.diff.uncaptured``)."""
 
 _SOURCE = Obj({
     "path": _STR, "kind": Enum(KINDS), "mode": Enum(MODES), "weights": Nullable(_STR),
@@ -411,7 +421,7 @@ MANIFEST_SCHEMA = Obj({
     "environment": _ENVIRONMENT, "replay": _REPLAY, "layout": _LAYOUT,
     "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
     "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
-    "seconds": _NUM,
+    "seconds": _NUM, "uncaptured": _UNCAPTURED,
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and

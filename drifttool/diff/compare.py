@@ -44,6 +44,8 @@ from drifttool.diff.order import program_order
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
+from drifttool.diff.uncaptured import declared, drop_uncaptured
+from drifttool.diff.uncaptured import note as uncaptured_note
 from drifttool.digestcore import digest_bytes
 from drifttool.errors import ArtifactError, DriftToolError
 
@@ -178,17 +180,22 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
                     phase_map: dict[str, str] | None = None) -> tuple[TableDiff, TableDiff | None]:
     """Align and compare the step tables, and the op tables when both runs hold them. Program
     positions are computed over all four tables at once, so they compare across them."""
-    sa, *ra = drop_replicas(_prepared(run_a.steps_table().select([*_STEP_COLS, "data"]),
-                                      phase_map, False), S.STEPS_KEY)
-    sb, *rb = drop_replicas(_prepared(run_b.steps_table().select([*_STEP_COLS, "data"]),
-                                      phase_map, False), S.STEPS_KEY)
+    da, db = declared(run_a.manifest), declared(run_b.manifest)  # records a run cannot capture
+    sa, *ra = drop_replicas(drop_uncaptured(_prepared(
+        run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False), da, db, ops=False),
+        S.STEPS_KEY)
+    sb, *rb = drop_replicas(drop_uncaptured(_prepared(
+        run_b.steps_table().select([*_STEP_COLS, "data"]), phase_map, False), da, db, ops=False),
+        S.STEPS_KEY)
     if level == "L0":
         return _with_replicas(compare_table(sa, sb, S.STEPS_KEY), ra, rb), None
     grads = phase_map is not None
-    oa, *qa = drop_replicas(_prepared(run_a.ops_table().select(_OPS_COLS), phase_map, grads,
-                                      level), S.OPS_KEY)
-    ob, *qb = drop_replicas(_prepared(run_b.ops_table().select(_OPS_COLS), phase_map, grads,
-                                      level), S.OPS_KEY)
+    oa, *qa = drop_replicas(drop_uncaptured(_prepared(
+        run_a.ops_table().select(_OPS_COLS), phase_map, grads, level), da, db, ops=True),
+        S.OPS_KEY)
+    ob, *qb = drop_replicas(drop_uncaptured(_prepared(
+        run_b.ops_table().select(_OPS_COLS), phase_map, grads, level), da, db, ops=True),
+        S.OPS_KEY)
     psa, psb, poa, pob = program_order([sa, sb, oa, ob])
     return (_with_replicas(compare_table(sa, sb, S.STEPS_KEY, (psa, psb)), ra, rb),
             _with_replicas(compare_table(oa, ob, S.OPS_KEY, (poa, pob)), qa, qb))
@@ -218,6 +225,7 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
         notes.append("op records not compared: a run holds only step records (L0)")
     if level != "L2":
         notes.append(f"row digests not compared (common capture level {level})")
+    notes += uncaptured_note(run_a.manifest, run_b.manifest)
     la, lb = _layout_text(run_a), _layout_text(run_b)
     if la != lb:  # information: rank is not identity, so layouts align
         notes.append(f"execution layouts differ (records align by identity): A {la}, B {lb}")
