@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-from drifttool.errors import DriftToolError
+from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.sampling.inputs import RolloutInputs
 from drifttool.sampling.noise import draw_noise, noise_record, pack_latents
+from drifttool.runtime import Mode
 from drifttool.sampling.rollout import LATENT_DTYPES, SamplerConfig
 
 
@@ -138,6 +139,35 @@ def apply_preset(cfg: SamplerConfig, name: str, model_dtype: torch.dtype) -> Sam
         cfg, latents_dtype=_dtype_name(model_dtype), timestep_policy=rollout_timestep_policy(model_dtype),
         cfg_layout=p.cfg_layout, step_rule=p.step_rule, eta=float(cfg.eta) if p.sde else 0.0,
         train_timestep_policy=p.train_timestep_policy, preset=p.name)
+
+
+def preset_settings(name: str, *, mode: Mode, model_dtype: torch.dtype,
+                    asked: dict[str, Any]) -> dict[str, Any]:
+    """The run settings a preset fixes (``drifttool.settings.resolve``): ``cfg_layout``,
+    ``timestep_policy`` (the rollout's) and ``eta`` (0 without SDE), checked against what the run
+    asked for explicitly (``asked``: those keys, ``None`` when not given).
+
+    Raises:
+        DriftToolError: unknown preset or model dtype; an explicit setting the preset contradicts.
+        UnsupportedConfigError: a mode that does not run the production family (one line).
+    """
+    p = get_preset(name)
+    if Mode(mode).family != "production":
+        raise UnsupportedConfigError(
+            f"preset {name!r} reproduces a production pipeline's arithmetic (bf16 latents, its "
+            f"scheduler step): mode {Mode(mode).value!r} runs the strict family; use --mode auto or off")
+    fixed = {"cfg_layout": p.cfg_layout, "timestep_policy": rollout_timestep_policy(model_dtype)}
+    _dtype_name(model_dtype)
+    for key, value in fixed.items():
+        if asked.get(key) is not None and asked[key] != value:
+            raise DriftToolError(f"preset {name!r} runs {key} {value!r}; the run asks for {asked[key]!r}")
+    eta = asked.get("eta")
+    if not p.sde:
+        if eta is not None and eta != 0:
+            raise DriftToolError(f"preset {name!r} has no SDE (its scheduler step is deterministic): "
+                                 f"eta must be 0, the run asks for {eta!r}")
+        fixed["eta"] = 0.0
+    return fixed
 
 
 def flowgrpo_noise(seed: int, batch: int, *, img_grid: tuple[int, int], num_steps: int,
