@@ -27,7 +27,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift  # 
 from drifttool.artifact import schema  # noqa: E402
 from drifttool.errors import DriftToolError, UnsupportedConfigError  # noqa: E402
 from drifttool.ops import registry  # noqa: E402
-from drifttool.ops import scheduler as S  # noqa: E402
 from drifttool.references import flowgrpo_qwenimage as fg  # noqa: E402
 from drifttool.runner import execute  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
@@ -222,9 +221,9 @@ def test_step_rules_dispatch_and_fail_closed():
                           sigma_max=0.95, rule="diffusers_euler")
         b = registry.call(rt, "flow_sde_step_logp", v, x, 0.9, 0.8, eta=0.0, sigma_max=0.95,
                           noise=eps, rule="flow_grpo")
-    kernels = [r["kernel"] for r in rt.trace.rows()] if hasattr(rt.trace, "rows") else None
-    if kernels is not None:
-        assert kernels[-2:] == ["torch.native.diffusers_scheduler_step", "torch.native.flowgrpo_sde.mean"]
+    kernels = [(r["op"], r["actual"], r["kernel"]) for r in rt.trace.rows()]
+    assert kernels == [("flow_sde_step_logp", "production", "torch.native.diffusers_scheduler_step"),
+                       ("flow_sde_step_logp", "production", "torch.native.flowgrpo_sde.mean")]
     assert a[0].dtype == torch.bfloat16
     # flow_grpo at η = 0: Flow-GRPO's expression, std 0 — x + Δσ·v plus 0·noise, logp NaN
     assert_same_bytes(b[0], (x + (torch.tensor(0.8) - torch.tensor(0.9)) * v) + 0 * eps)
