@@ -21,6 +21,13 @@ flow_sde_step_logp    fp32, Flow-GRPO's written order; ln s_t in   Flow-GRPO's e
                       binary64 rounded once; pairwise-tree mean   fp32; ``torch.mean``
 ====================  ===========================================  ==================================
 
+``flow_sde_step_logp`` takes a ``rule`` keyword (``STEP_RULES``): ``"sde"`` (default, both
+families) is the table's row; the production presets of ``drifttool.sampling.presets`` ask for
+``"flow_grpo"`` (Flow-GRPO's step at every step, η = 0 outside its window, same kernel) and
+``"diffusers_euler"`` (diffusers' ``scheduler.step``, kernel
+``torch.native.diffusers_scheduler_step``). Strict declares ``"sde"`` only and refuses the others
+by a declared constraint (tested in ``tests/sampling/test_presets.py``).
+
 Strict vs production, byte for byte (tested in ``tests/ops/test_scheduler.py``):
 
 * ``flow_sigma_table``: identical.
