@@ -192,7 +192,7 @@ class RunSettings:
         if self.preset is None:
             return built
         return preset_inputs(self.preset, *built, seed=self.seed, num_steps=self.steps,
-                             model_dtype=self.torch_dtype)
+                             model_dtype=self.torch_dtype, samples=self.samples)
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``settings`` (``schema._SETTINGS``): every field as JSON, the optional

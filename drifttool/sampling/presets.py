@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -215,11 +215,14 @@ def _flowgrpo_record(seed: int, batch: int, img_grid: tuple[int, int], num_steps
 
 
 def preset_inputs(name: str, inputs: RolloutInputs, record: dict[str, Any], *, seed: int,
-                  num_steps: int, model_dtype: torch.dtype) -> tuple[RolloutInputs, dict[str, Any]]:
+                  num_steps: int, model_dtype: torch.dtype,
+                  samples: Sequence[int] | None = None) -> tuple[RolloutInputs, dict[str, Any]]:
     """Replay inputs with the preset's noise (module table): ``inputs`` (from
     ``sampling.inputs.build_inputs``, whose prompts are kept) with x0 and the step noise redrawn
     as the preset's pipeline draws them and x0 rounded to the latents dtype; returns the inputs
-    and their noise record (``sampling.noise.noise_record`` fields).
+    and their noise record (``sampling.noise.noise_record`` fields). ``samples``: the logical
+    sample ids whose noise is drawn (default ``inputs.sample_ids``; differs when the rows carry
+    other labels).
 
     Raises:
         DriftToolError: unknown preset or model dtype.
@@ -229,7 +232,8 @@ def preset_inputs(name: str, inputs: RolloutInputs, record: dict[str, Any], *, s
     h, w = inputs.img_grid
     channels = inputs.x0.shape[-1] // 4
     if p.noise == "per_sample_offset":
-        pinned = draw_noise(seed, inputs.sample_ids, img_grid=(h, w), num_steps=0,
+        ids = list(inputs.sample_ids if samples is None else samples)
+        pinned = draw_noise(seed, ids, img_grid=(h, w), num_steps=0,
                             channels=channels, generator="torch", derivation="offset")
         x0, noise, rec = pinned.x0, None, dict(pinned.record)
         rec["num_steps"] = int(num_steps)

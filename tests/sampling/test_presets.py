@@ -301,3 +301,16 @@ def test_flow_grpo_recompute_of_a_run_uses_the_trainers_timestep(tmp_path):
     assert stored.latent_dtype == "bfloat16"
     assert stored.sampler.preset == "flow-grpo" and stored.sampler.policy("train") == "t_div_1000_fp32"
     assert not math.isnan(float(stored.logp[0, 0]))
+
+
+def test_preset_noise_is_drawn_for_the_samples_not_their_labels():
+    """``sample_labels`` relabel rows; the diffusers preset's x0 stays that of the samples'
+    generators (seed + sample id), rounded to bf16."""
+    fx, s = resolve(RunSpec(preset="diffusers", mode="auto", samples=[2, 5], sample_labels=[7, 8]))
+    inputs, rec = s.inputs(fx, models()["drifttool-mmdit"].config)
+    assert inputs.sample_ids == [7, 8] and inputs.noise is None and rec["seed_derivation"] == "offset-v1"
+    h, w = s.img_grid
+    for row, sid in enumerate((2, 5)):
+        z = torch.randn(1, 16, 2 * h, 2 * w, generator=torch.Generator().manual_seed(s.seed + sid))
+        packed = z.view(16, h, 2, w, 2).permute(1, 3, 0, 2, 4).reshape(h * w, 64)
+        assert_same_bytes(inputs.x0[row], packed.to(torch.bfloat16).float(), f"sample {sid}")
