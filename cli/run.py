@@ -39,6 +39,9 @@ def run(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, help="batched | sequential CFG execution."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
+    preset: Optional[str] = typer.Option(
+        None, help="Production preset: diffusers (QwenImagePipeline's loop) | flow-grpo (Flow-GRPO's "
+                   "Qwen-Image rollout); needs --mode auto or off."),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
@@ -54,7 +57,7 @@ def run(
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
-        dtype=dtype, cfg_layout=cfg_layout, lora=lora,
+        dtype=dtype, cfg_layout=cfg_layout, lora=lora, preset=preset,
     )
     _, settings = resolve(spec)
     dist = init_distributed(device="cpu", mesh_dims=("sample",))  # one process without torchrun

@@ -105,8 +105,9 @@ def arch_fingerprint(
             "weights": dt,
             "activations": dt,
             "accumulation": "float32" if mode in ("strict", "audit") else "backend default",
-            "latents_between_steps": "float32",
-            "sde_step_and_logp": "float32",
+            "latents_between_steps": sampler.get("latents_dtype", "float32"),
+            "sde_step_and_logp": "float32" if sampler.get("step_rule") != "diffusers_euler"
+            else "diffusers scheduler.step: fp32 sum, the product in the velocity dtype; no logp",
             "tf32": False,
         },
         "scheduler": {k: sampler[k] for k in sampler if k in _SCHEDULER_KEYS},

@@ -35,6 +35,7 @@ from drifttool.model.config import MMDiTConfig
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
+from drifttool.sampling.presets import apply_preset, preset_inputs, preset_settings
 from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,6 +97,9 @@ class RunSpec:
         lora: a LoRA adapter (peft folder or .safetensors, ``drifttool.model.lora``) loaded onto
             the model; recorded in the settings and the manifest (``lora``), and pinned by the
             fingerprint's weight digest.
+        preset: a production preset (``drifttool.sampling.presets``: ``diffusers`` |
+            ``flow-grpo``): fixes CFG layout, timestep policy, (η), latents dtype, step rule and
+            noise; needs mode auto or off.
     """
 
     fixture: str | Path | None = None
@@ -117,6 +121,7 @@ class RunSpec:
     pad_prompts_to: int | None = None
     sample_labels: list[int] | None = None
     lora: str | Path | None = None
+    preset: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +139,7 @@ class RunSettings:
         samples: logical sample ids of the batch. img_grid: (h, w) patch grid.
         pad_prompts_to: prompt padding (None: the batch's longest prompt).
         sample_labels: ids written instead of ``samples`` (a probe), or None.
+        preset: the production preset (``drifttool.sampling.presets``), or None.
     """
 
     fixture: str
@@ -153,6 +159,7 @@ class RunSettings:
     timestep_policy: str
     pad_prompts_to: int | None = None
     sample_labels: tuple[int, ...] | None = None
+    preset: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -165,10 +172,11 @@ class RunSettings:
         return list(self.sample_labels if self.sample_labels is not None else self.samples)
 
     def sampler(self) -> SamplerConfig:
-        """The ``SamplerConfig`` these settings run (default SDE window)."""
-        return SamplerConfig(num_steps=int(self.steps), cfg_scale=float(self.cfg_scale),
-                             eta=float(self.eta), cfg_layout=self.cfg_layout,
-                             timestep_policy=self.timestep_policy)
+        """The ``SamplerConfig`` these settings run (default SDE window; the preset's choices)."""
+        cfg = SamplerConfig(num_steps=int(self.steps), cfg_scale=float(self.cfg_scale),
+                            eta=float(self.eta), cfg_layout=self.cfg_layout,
+                            timestep_policy=self.timestep_policy)
+        return cfg if self.preset is None else apply_preset(cfg, self.preset, self.torch_dtype)
 
     def inputs(self, fx: Fixture, config: MMDiTConfig) -> tuple[RolloutInputs, dict[str, Any]]:
         """The replay inputs of these settings and their noise record
@@ -178,9 +186,13 @@ class RunSettings:
             UnsupportedConfigError: the config cannot drive a rollout.
             DriftToolError: ``pad_prompts_to`` shorter than the longest prompt.
         """
-        return build_inputs(fx, seed=self.seed, samples=self.samples, img_grid=self.img_grid,
-                            num_steps=self.steps, config=config, pad_prompts_to=self.pad_prompts_to,
-                            sample_labels=self.sample_labels)
+        built = build_inputs(fx, seed=self.seed, samples=self.samples, img_grid=self.img_grid,
+                             num_steps=self.steps, config=config, pad_prompts_to=self.pad_prompts_to,
+                             sample_labels=self.sample_labels)
+        if self.preset is None:
+            return built
+        return preset_inputs(self.preset, *built, seed=self.seed, num_steps=self.steps,
+                             model_dtype=self.torch_dtype, samples=self.samples)
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``settings`` (``schema._SETTINGS``): every field as JSON, the optional
@@ -193,7 +205,8 @@ class RunSettings:
             "cfg_layout": self.cfg_layout, "timestep_policy": self.timestep_policy,
         }
         optional = {"variant": self.variant, "lora": self.lora, "pad_prompts_to": self.pad_prompts_to,
-                    "sample_labels": None if self.sample_labels is None else list(self.sample_labels)}
+                    "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
+                    "preset": self.preset}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
 
@@ -236,7 +249,9 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         DriftToolError: steps outside 2..``MAX_STEPS``; cfg_scale or eta not a finite number
             (eta < 0); unknown mode, capture level, dtype, CFG layout or timestep policy; empty,
             repeated or negative sample ids; a batch size and sample ids together; a weight
-            variant without a checkpoint; sample labels not one per sample.
+            variant without a checkpoint; sample labels not one per sample; an unknown preset,
+            or an explicit setting it contradicts (``sampling.presets.preset_settings``;
+            ``UnsupportedConfigError`` for a preset under mode strict or audit).
         FixtureError: the fixture cannot be found or read.
     """
     fx = load_fixture(spec.fixture or DEFAULT_FIXTURE)
@@ -246,6 +261,11 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     s = {key: _pick(getattr(spec, key), base.get(key))
          for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
                      "timestep_policy")}
+    if spec.preset is not None:
+        if s["dtype"] not in DTYPES:
+            raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
+        s.update(preset_settings(spec.preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
+                                 asked={k: getattr(spec, k) for k in ("cfg_layout", "timestep_policy", "eta")}))
     steps = _check_steps(s["steps"])
     cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
     eta = _check_number("eta", s["eta"], 0.0)
@@ -278,5 +298,5 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         seed=s["seed"], samples=samples, img_grid=tuple(int(v) for v in base["img_grid"]),
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
         pad_prompts_to=None if spec.pad_prompts_to is None else int(spec.pad_prompts_to),
-        sample_labels=labels,
+        sample_labels=labels, preset=spec.preset,
     )

@@ -301,13 +301,15 @@ CFG_LAYOUTS = ("batched", "sequential")
 """``drifttool.sampling.rollout.CFG_LAYOUTS``."""
 TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
 """``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
+PRESETS = ("diffusers", "flow-grpo")
+"""``drifttool.sampling.presets.PRESET_NAMES`` (tests/sampling/test_presets.py checks they agree)."""
 
 _SETTINGS = Obj({
     "fixture": Nullable(_STR), "checkpoint": Nullable(_STR), "variant": _STR, "lora": _STR,
     "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
     "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
-    "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS,
+    "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
               "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
 """``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's

@@ -21,6 +21,13 @@ flow_sde_step_logp    fp32, Flow-GRPO's written order; ln s_t in   Flow-GRPO's e
                       binary64 rounded once; pairwise-tree mean   fp32; ``torch.mean``
 ====================  ===========================================  ==================================
 
+``flow_sde_step_logp`` takes a ``rule`` keyword (``STEP_RULES``): ``"sde"`` (default, both
+families) is the table's row; the production presets of ``drifttool.sampling.presets`` ask for
+``"flow_grpo"`` (Flow-GRPO's step at every step, η = 0 outside its window, same kernel) and
+``"diffusers_euler"`` (diffusers' ``scheduler.step``, kernel
+``torch.native.diffusers_scheduler_step``). Strict declares ``"sde"`` only and refuses the others
+by a declared constraint (tested in ``tests/sampling/test_presets.py``).
+
 Strict vs production, byte for byte (tested in ``tests/ops/test_scheduler.py``):
 
 * ``flow_sigma_table``: identical.
@@ -51,6 +58,7 @@ import numpy as np
 import torch
 
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.constraints import Constraint
 from drifttool.ops.registry import OpSpec, declare, implements
 from drifttool.ops.strict_math import sqrt32, tree_sum
 
@@ -86,6 +94,35 @@ FLOW_SDE_STEP_LOGP = declare(
 
 MAX_LOGP_ELEMENTS = 1 << 24
 """Largest per-sample element count of the strict logp mean (the count is exact in fp32)."""
+
+STEP_RULES = ("sde", "flow_grpo", "diffusers_euler")
+"""How a ``flow_sde_step_logp`` call steps (its keyword ``rule``, default ``"sde"``):
+
+* ``"sde"``: Flow-GRPO's SDE step with η > 0 (inside the SDE window); with η = 0 the FP32 Euler
+  step x + Δσ·v, any noise ignored (drifttool's default sampler; strict and production).
+* ``"flow_grpo"`` (production): Flow-GRPO's ``sde_step_with_logprob`` at **every** step, as its
+  Qwen-Image rollout calls it: outside the window η = 0 goes through the same expression
+  (std_t = 0) and the step's noise is still added, times 0 (numerics §4.1). Needs ``noise`` or
+  ``prev_sample`` at every step.
+* ``"diffusers_euler"`` (production): diffusers' ``FlowMatchEulerDiscreteScheduler.step``:
+  x_next = (fp32(x) + Δσ·v).to(v.dtype), the product Δσ·v in v's dtype (numerics §3.4);
+  η must be 0; no log-probability.
+"""
+
+
+def _rule_is(*allowed: str) -> Constraint:
+    """Constraint: the call's ``rule`` keyword is one of ``allowed`` (``STEP_RULES``)."""
+
+    def test(args) -> str | None:
+        rule = args["rule"]
+        if rule in allowed:
+            return None
+        if rule not in STEP_RULES:
+            return f"unknown step rule {rule!r} (one of {', '.join(STEP_RULES)})"
+        return f"step rule {rule!r} is not implemented here (this kernel runs {', '.join(allowed)})"
+
+    return Constraint(f"step rule {'|'.join(allowed)}", test, ("rule",))
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +531,8 @@ class _SDEStep(torch.autograd.Function):
         return dv, dx, None, None, None, None, None, None
 
 
-@implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.pairwise_tree_mean")
+@implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.pairwise_tree_mean",
+            constraints=(_rule_is("sde"),))
 def flow_sde_step_logp_strict(
     v: torch.Tensor,
     x: torch.Tensor,
@@ -505,6 +543,7 @@ def flow_sde_step_logp_strict(
     sigma_max: float | torch.Tensor,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    rule: str = "sde",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flow-GRPO 'sde' transition x_t → x_{t+1} and its log-probability, strict FP32 (numerics §4).
 
@@ -519,6 +558,8 @@ def flow_sde_step_logp_strict(
             in 1 − σ when σ == 1.
         noise: [B, N, C] fp32 pinned standard-normal noise (sampling); the op draws no RNG.
         prev_sample: [B, N, C] the stored next latent (replay / training recompute); fp32 or bf16.
+        rule: ``"sde"`` only (``STEP_RULES``; the other rules are production kernels, and a
+            declared constraint refuses them here).
 
     Returns:
         ``(x_next, logp, mu, std_t)``, all fp32:
@@ -560,7 +601,7 @@ def flow_sde_step_logp_strict(
 
 
 @implements("flow_sde_step_logp", "production", device=("cpu", "cuda"),
-            kernel="torch.native.flowgrpo_sde.mean")
+            kernel="torch.native.flowgrpo_sde.mean", constraints=(_rule_is("sde", "flow_grpo"),))
 def flow_sde_step_logp_production(
     v: torch.Tensor,
     x: torch.Tensor,
@@ -571,6 +612,7 @@ def flow_sde_step_logp_production(
     sigma_max: float | torch.Tensor,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    rule: str = "sde",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flow-GRPO's ``sde_step_with_logprob`` ('sde' branch) as written upstream (numerics §4).
 
@@ -579,12 +621,25 @@ def flow_sde_step_logp_production(
     ln(sqrt(2·fp32(π))), and ``torch.mean`` over the non-batch dims for logp. ``x_next``, ``mu``
     and ``std_t`` are byte-equal to strict; ``logp`` agrees to the declared tolerance.
     The pinned ``noise`` replaces Flow-GRPO's global-RNG draw.
+
+    ``rule="sde"`` (default): η = 0 is the FP32 Euler step (noise ignored), as strict.
+    ``rule="flow_grpo"``: η = 0 runs the same expression as η > 0 (std_t = 0, so mu = x + Δσ·v
+    and x_next = mu + 0·noise) and needs ``noise`` or ``prev_sample`` — Flow-GRPO's Qwen-Image
+    rollout calls the step that way outside its SDE window (numerics §4.1); logp is then NaN
+    (0/0), absent, as in Flow-GRPO where it is discarded.
+
+    Raises:
+        ValueError: as strict; ``rule="flow_grpo"`` without noise or prev_sample.
+        UnsupportedConfigError: as strict (σ ordering, sigma_max).
     """
     v32, x32, s, sn, sm, eta = _prepare_sde(
         v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample, strict=False
     )
-    if eta == 0.0:
+    if eta == 0.0 and rule == "sde":
         return _euler(v32, x32, s, sn, prev_sample)
+    if noise is None and prev_sample is None:
+        raise ValueError("flow_sde_step_logp: rule 'flow_grpo' draws its step noise at every step: "
+                         "give noise (sampling) or prev_sample (replay)")
     nd = x32.dim()
     sigma_b = _bcast(s, nd)
     sigma_prev = _bcast(sn, nd)
@@ -607,3 +662,81 @@ def flow_sde_step_logp_production(
     )
     logp = elem.mean(dim=tuple(range(1, nd)))
     return x_next, logp, mu, std_dev_t.reshape(-1)
+
+
+def _sigma_scalar(value: float | torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """A sigma as a 0-dim fp32 tensor on ``device`` (the scheduler's own sigmas live on the
+    execution device); a [B] tensor must hold one value."""
+    t = value.detach().to(torch.float32) if isinstance(value, torch.Tensor) \
+        else torch.tensor(float(value), dtype=torch.float32)
+    if t.dim() > 0:
+        flat = t.reshape(-1)
+        if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+            raise UnsupportedConfigError(
+                f"flow_sde_step_logp (diffusers_euler): {what} must be one value for the batch "
+                f"(diffusers' scheduler steps every row with one sigma), got {t.tolist()}")
+        t = flat[0]
+    return t.reshape(()).to(device)
+
+
+@implements("flow_sde_step_logp", "production", device=("cpu", "cuda"),
+            kernel="torch.native.diffusers_scheduler_step", constraints=(_rule_is("diffusers_euler"),))
+def flow_euler_step_diffusers(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    eta: float,
+    sigma_max: float | torch.Tensor,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    rule: str = "diffusers_euler",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``FlowMatchEulerDiscreteScheduler.step`` (deterministic, numerics §3.4) as the
+    ``diffusers_euler`` rule of ``flow_sde_step_logp`` (production family).
+
+    Args:
+        v: [B, N, C] velocity in the model dtype (bf16 in a bf16 pipeline; the CFG-combined one).
+        x: [B, N, C] latents x_t (the pipeline keeps them in the model dtype).
+        sigma, sigma_next: σ_i and σ_{i+1}: python floats, 0-dim tensors or [B] tensors holding
+            one value; used as 0-dim fp32 tensors on the latents' device, as the scheduler's.
+        eta: must be 0 (the pipeline's step is deterministic). sigma_max: unused.
+        noise: must be None. prev_sample: the stored next latent (replay), returned as x_next.
+
+    Returns:
+        ``(x_next, logp, mu, std_t)``: mu [B, N, C] fp32 = fp32(x) + Δσ·v (the scheduler's
+        ``prev_sample`` before its cast), x_next = mu.to(v.dtype) [B, N, C] (or
+        ``prev_sample``), logp [B] NaN (absent: a deterministic step has no density), std_t [B]
+        fp32 zeros.
+
+    Arithmetic (diffusers' expression, verbatim): Δσ = σ_{i+1} − σ_i (0-dim fp32); the product
+    Δσ·v has v's dtype by type promotion (a 0-dim tensor does not promote a dimensioned one), so
+    in a bf16 pipeline it is rounded to bf16 before the FP32 addition; the sum is cast to v's
+    dtype.
+
+    Raises:
+        ValueError: v and x shapes differ; noise given.
+        UnsupportedConfigError: eta ≠ 0; per-row sigmas that differ; not 0 ≤ σ' < σ ≤ 1.
+    """
+    if v.shape != x.shape or v.dim() < 2:
+        raise ValueError(f"flow_sde_step_logp: v {tuple(v.shape)} and x {tuple(x.shape)} must match, [B, ...]")
+    if float(eta) != 0.0:
+        raise UnsupportedConfigError(
+            f"flow_sde_step_logp (diffusers_euler): diffusers' scheduler.step is deterministic, "
+            f"eta must be 0, got {eta}")
+    if noise is not None:
+        raise ValueError("flow_sde_step_logp (diffusers_euler): the deterministic step takes no noise")
+    s = _sigma_scalar(sigma, x.device, "sigma")
+    sn = _sigma_scalar(sigma_next, x.device, "sigma_next")
+    if not bool((sn >= 0) & (sn < s) & (s <= 1)):
+        raise UnsupportedConfigError(
+            f"flow_sde_step_logp: needs 0 <= sigma_next < sigma <= 1, got sigma={float(s)}, "
+            f"sigma_next={float(sn)}")
+    dt = sn - s  # 0-dim fp32
+    mu = x.to(torch.float32) + dt * v  # dt * v in v's dtype, the addition in fp32
+    x_next = mu.to(v.dtype) if prev_sample is None else prev_sample
+    B = x.shape[0]
+    logp = torch.full((B,), math.nan, dtype=torch.float32, device=x.device)
+    std_t = torch.zeros(B, dtype=torch.float32, device=x.device)
+    return x_next.detach(), logp, mu, std_t

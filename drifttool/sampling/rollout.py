@@ -27,8 +27,13 @@ Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=
    ``"uncond"`` records hold the branch velocities. Then ``rt.recorder.flush()`` if present,
    so an interrupted run keeps every finished step.
 
-Latents stay fp32 between steps. ``recompute`` re-runs steps from stored latents with
-``prev_sample`` = the stored next latent (Flow-GRPO's ``compute_log_prob``), gradients enabled.
+Latents stay fp32 between steps (``SamplerConfig.latents_dtype``; a production preset,
+``drifttool.sampling.presets``, keeps them in the model dtype as the pipelines do: the step's
+x_next is cast to it before it is stored and fed to the next step, while logp_t is computed on
+the step's own FP32 x_next). ``SamplerConfig.step_rule`` picks the step's arithmetic
+(``ops.scheduler.STEP_RULES``). ``recompute`` re-runs steps from stored latents with
+``prev_sample`` = the stored next latent (Flow-GRPO's ``compute_log_prob``), gradients enabled,
+under ``SamplerConfig.train_timestep_policy`` when one is set.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ import torch
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
-from drifttool.ops.scheduler import TIMESTEP_POLICIES, timestep_input
+from drifttool.ops.scheduler import STEP_RULES, TIMESTEP_POLICIES, timestep_input
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs
 
 CFG_LAYOUTS = ("batched", "sequential")
+LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Dtypes the latents may be kept in between steps (``SamplerConfig.latents_dtype``)."""
 """CFG execution layouts (``schema.CFG_LAYOUTS`` repeats them; a test checks they agree)."""
 SAMPLER_BLOCK = -2
 """``block`` scope of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
@@ -70,6 +77,14 @@ class SamplerConfig:
         cfg_layout: ``"batched"`` (one forward on [cond; uncond], as Flow-GRPO) or
             ``"sequential"`` (two forwards, as diffusers).
         image_seq_len: token count used for the dynamic shift; ``None`` = h·w of the grid.
+        latents_dtype: dtype of the latents between steps (``LATENT_DTYPES``): x0 is cast to
+            it, and every step's x_next is cast to it before it is stored and fed on.
+        step_rule: the step's arithmetic, ``ops.scheduler.STEP_RULES`` (``"sde"``: drifttool's
+            default; ``"flow_grpo"``/``"diffusers_euler"``: production kernels of the presets).
+        train_timestep_policy: the timestep policy of ``recompute`` when it differs from the
+            rollout's (Flow-GRPO's trainer: ``"t_div_1000_fp32"``); ``None`` = the same.
+        preset: the ``drifttool.sampling.presets`` name these fields were set from (recorded;
+            the rollout reads the fields, not the name); ``None`` = no preset.
     """
 
     num_steps: int
@@ -79,6 +94,10 @@ class SamplerConfig:
     timestep_policy: str = "sigma_fp32"
     cfg_layout: str = "batched"
     image_seq_len: int | None = None
+    latents_dtype: str = "float32"
+    step_rule: str = "sde"
+    train_timestep_policy: str | None = None
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 2:
@@ -89,6 +108,15 @@ class SamplerConfig:
             raise ValueError(f"timestep_policy {self.timestep_policy!r} not in {TIMESTEP_POLICIES}")
         if self.cfg_layout not in CFG_LAYOUTS:
             raise ValueError(f"cfg_layout {self.cfg_layout!r} not in {CFG_LAYOUTS}")
+        if self.latents_dtype not in LATENT_DTYPES:
+            raise ValueError(f"latents_dtype {self.latents_dtype!r} not in {tuple(LATENT_DTYPES)}")
+        if self.step_rule not in STEP_RULES:
+            raise ValueError(f"step_rule {self.step_rule!r} not in {STEP_RULES}")
+        if self.step_rule == "diffusers_euler" and self.eta != 0:
+            raise ValueError(f"step_rule 'diffusers_euler' is deterministic: eta must be 0, got {self.eta}")
+        if self.train_timestep_policy is not None and self.train_timestep_policy not in TIMESTEP_POLICIES:
+            raise ValueError(f"train_timestep_policy {self.train_timestep_policy!r} not in "
+                             f"{TIMESTEP_POLICIES}")
         start, end = self.window()
         if not 0 <= start <= end <= self.num_steps:
             raise ValueError(f"sde_window {self.sde_window} outside [0, {self.num_steps}]")
@@ -107,10 +135,31 @@ class SamplerConfig:
     def eta_at(self, step: int) -> float:
         return float(self.eta) if self.in_window(step) else 0.0
 
+    @property
+    def latents_torch_dtype(self) -> torch.dtype:
+        """``latents_dtype`` as a torch dtype."""
+        return LATENT_DTYPES[self.latents_dtype]
+
+    def policy(self, phase: str) -> str:
+        """The timestep policy of ``phase``: ``train_timestep_policy`` (if set) for a recompute,
+        else ``timestep_policy``."""
+        if phase != "rollout" and self.train_timestep_policy is not None:
+            return self.train_timestep_policy
+        return self.timestep_policy
+
+    def noise_at_step(self, step: int) -> bool:
+        """Whether a sampling step takes its pinned noise: inside the SDE window, or at every
+        step under ``step_rule="flow_grpo"`` (Flow-GRPO draws one at every step)."""
+        if self.step_rule == "diffusers_euler":
+            return False
+        return self.step_rule == "flow_grpo" or self.in_window(step)
+
 
 @dataclass(kw_only=True)
 class StepOutput:
-    """What one sampler step produced (all batched, fp32); passed to the step callback."""
+    """What one sampler step produced (batched); passed to the step callback. x and x_next are
+    in ``SamplerConfig.latents_dtype`` (fp32 by default), the velocities in the model dtype or
+    fp32, mu, std_t and logp fp32."""
 
     step: int
     sigma: float
@@ -120,7 +169,7 @@ class StepOutput:
     v: torch.Tensor  # [B, N, Cp] velocity used by the step (CFG-combined when CFG is on)
     v_cond: torch.Tensor  # [B, N, Cp]
     v_uncond: torch.Tensor | None  # [B, N, Cp] or None
-    x_next: torch.Tensor  # [B, N, Cp]
+    x_next: torch.Tensor  # [B, N, Cp] the stored next latent (in the latents dtype)
     mu: torch.Tensor  # [B, N, Cp]
     std_t: torch.Tensor  # [B]
     logp: torch.Tensor  # [B], NaN outside the window
@@ -212,6 +261,22 @@ def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
     txt = torch.cat([txt, txt.new_zeros(B, length - L, D)], dim=1)  # [B, length, D]
     mask = torch.cat([mask, mask.new_zeros(B, length - L)], dim=1)  # [B, length]
     return txt, mask
+
+
+def check_family(rt: Runtime, cfg: SamplerConfig) -> None:
+    """A preset's sampler (or any non-default ``step_rule``/``latents_dtype``) reproduces a
+    production pipeline's arithmetic: it runs under the production family only.
+
+    Raises:
+        UnsupportedConfigError: ``rt`` requests another family (strict, audit), one line.
+    """
+    custom = cfg.preset is not None or cfg.step_rule != "sde" or cfg.latents_dtype != "float32"
+    if custom and rt.family != "production":
+        what = f"preset {cfg.preset!r}" if cfg.preset else (
+            f"step_rule {cfg.step_rule!r} with {cfg.latents_dtype} latents")
+        raise UnsupportedConfigError(
+            f"{what} reproduces a production pipeline's arithmetic (bf16 latents, its scheduler "
+            f"step): mode {rt.mode.value!r} runs the {rt.family!r} family; use mode auto or off")
 
 
 def _rank(rt: Runtime) -> int:
@@ -313,13 +378,18 @@ def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev
     scope = dict(phase=phase, step=i, sigma=float(s_i), img_grid=tuple(inputs.img_grid))
     tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
     v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
-    noise = inputs.noise_at(i) if (in_win and prev_sample is None) else None
+    noise = inputs.noise_at(i) if (cfg.noise_at_step(i) and prev_sample is None) else None
+    rule = {} if cfg.step_rule == "sde" else {"rule": cfg.step_rule}
     with rt.scope(**scope, branch="cfg" if cfg_on else "cond", block=SAMPLER_BLOCK, samples=ids,
                   txt_lens=None):
         x_next, logp, mu, std_t = call(
             rt, "flow_sde_step_logp", v, x, s_i, s_n, eta=cfg.eta_at(i), sigma_max=sigmas[1],
             noise=noise, prev_sample=prev_sample, stream="img", layout=("BS.", "B", "BS.", "B"),
+            **rule,
         )
+    # the stored latent: Flow-GRPO casts its FP32 x' back to the latents dtype (logp was taken
+    # on the FP32 x'); diffusers' step already returns it (a no-op cast by default)
+    x_next = x_next.to(cfg.latents_torch_dtype)
     out = StepOutput(step=i, sigma=float(s_i), sigma_next=float(s_n), in_window=in_win, x=x, v=v,
                      v_cond=v_c, v_uncond=v_u, x_next=x_next, mu=mu, std_t=std_t, logp=logp)
     _record(rt, phase, out, ids, cfg_on)
@@ -370,16 +440,18 @@ def rollout(
 
     Raises:
         ValueError: inconsistent inputs, or a stochastic step without noise.
-        UnsupportedConfigError: from the operators (strict dtype/domain checks, missing backend).
+        UnsupportedConfigError: a preset under a family other than production
+            (``check_family``); from the operators (strict dtype/domain checks, missing backend).
     """
     inputs.validate()
+    check_family(rt, cfg)
     phase = "rollout"
     cfg_on = _cfg_on(inputs, cfg)
     n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)  # [S+1] fp32
-        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)  # [S] fp32
-        x = inputs.x0
+        tau_all = timestep_input(sigmas[:-1], cfg.policy(phase))  # [S] fp32
+        x = inputs.x0.to(cfg.latents_torch_dtype)  # the pipeline's latents cast (no-op in fp32)
         latents, outs = [x], []
         for i in range(n_run):
             out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, None)
@@ -406,12 +478,15 @@ def recompute(
 
     Each step i runs from the stored x_i with ``prev_sample`` = stored x_{i+1}: same forwards,
     CFG and SDE arithmetic as ``rollout`` (same ``cfg`` — in particular the same timestep
-    policy), so in strict mode v_t and logp_t are byte-equal to the rollout's. Gradients are
+    policy, unless ``cfg.train_timestep_policy`` names the trainer's own, as Flow-GRPO's
+    ``compute_log_prob`` does), so in strict mode v_t and logp_t are byte-equal to the
+    rollout's. Stored latents are read in ``cfg.latents_dtype`` (bf16 ones as stored). Gradients are
     enabled as the caller set them (logp is differentiable through mu and v). Step records are
     written with ``phase`` and flushed per step.
 
     Args:
-        stored_latents: [num_steps + 1, B, N, Cp] x_0 … x_N (fp32, or bf16 upcast exactly).
+        stored_latents: [num_steps + 1, B, N, Cp] x_0 … x_N (fp32, or bf16 upcast exactly;
+            with ``latents_dtype="bfloat16"`` bf16 values).
         steps: step indices to recompute (default all, in order).
         Other arguments as ``rollout``. ``inputs.noise`` is not used.
 
@@ -419,6 +494,7 @@ def recompute(
         ``Trajectory`` with ``latents = stored_latents`` and per-step tensors for ``steps``.
     """
     inputs.validate()
+    check_family(rt, cfg)
     S = cfg.num_steps
     if stored_latents.dim() != 4 or stored_latents.shape[0] != S + 1 \
             or stored_latents.shape[1:] != inputs.x0.shape:
@@ -432,11 +508,12 @@ def recompute(
     cfg_on = _cfg_on(inputs, cfg)
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)
-        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)
+        tau_all = timestep_input(sigmas[:-1], cfg.policy(phase))
     outs = []
+    ldt = cfg.latents_torch_dtype
     for i in idx:
-        x = stored_latents[i].to(torch.float32)
-        prev = stored_latents[i + 1].to(torch.float32)
+        x = stored_latents[i].to(ldt)
+        prev = stored_latents[i + 1].to(ldt)
         out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev)
         outs.append(out)
         if callback is not None:

@@ -23,7 +23,7 @@ from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_d
 from drifttool.training.trainer import prepare_trainer
 
 _SPEC_KEYS = ("steps", "cfg_scale", "eta", "seed", "samples", "dtype", "cfg_layout",
-              "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "variant")
+              "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "variant", "preset")
 """Stored settings carried into the replay's ``RunSpec`` (mode, capture, fixture and checkpoint
 come from the options first)."""
 

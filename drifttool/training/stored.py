@@ -28,6 +28,7 @@ from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fingerprint import tensor_digest
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, inputs_from_tensors
+from drifttool.sampling.presets import apply_preset
 from drifttool.sampling.rollout import SamplerConfig, sigma_table
 
 LATENT_QUANTITIES = ("x_t", "x_next")
@@ -61,22 +62,27 @@ class StoredRollout:
 
 
 def sampler_from_manifest(manifest: dict[str, Any]) -> SamplerConfig:
-    """The ``SamplerConfig`` pinned in a manifest's fingerprint.
+    """The ``SamplerConfig`` pinned in a manifest's fingerprint, with the settings' production
+    preset (``sampling.presets``) applied when the run had one.
 
     Raises:
         ArtifactError: fields missing or invalid.
     """
     fp = manifest.get("fingerprint") or {}
+    settings = manifest.get("settings") or {}
     try:
         sch, cfg, sde = fp["scheduler"], fp["cfg"], fp["sde"]
         window = sde.get("sde_window")
-        return SamplerConfig(
+        sampler = SamplerConfig(
             num_steps=int(sch["num_steps"]), cfg_scale=float(cfg["cfg_scale"]),
             eta=float(sde["eta"]), sde_window=None if window is None else tuple(int(w) for w in window),
             timestep_policy=sch["timestep_policy"], cfg_layout=cfg["cfg_layout"],
             image_seq_len=sch.get("image_seq_len"),
         )
-    except (KeyError, TypeError, ValueError) as e:
+        if settings.get("preset") is None:
+            return sampler
+        return apply_preset(sampler, settings["preset"], dtype_from_name(settings["dtype"]))
+    except (KeyError, TypeError, ValueError, DriftToolError) as e:
         raise ArtifactError(f"manifest fingerprint lacks a usable sampler config ({e!r})") from None
 
 
