@@ -24,7 +24,8 @@ replay inputs. ``localize``:
    the same pair captured at L2 from the start names, since strict re-execution reproduces the
    step's bytes (``LocalizeResult.reproduced`` checks it against the stored step records).
 
-Time. ``seconds`` is the wall time of all of it (diffs, model loads, the two steps);
+Time. ``seconds`` is the wall time of the localization (the first diff when ``localize`` made it,
+reading the runs, model loads, the two steps, the diff of the re-executed pair);
 ``estimate_l2_pair_seconds`` is an estimate, not a measurement, of what capturing both runs at L2
 from the start would have cost: per run, the model load plus the re-executed step's time (at L2)
 times the run's number of steps.
@@ -90,7 +91,8 @@ class LocalizeResult:
         reproduced: per run (``"A"``, ``"B"``), whether the re-executed step's records equal
             the stored ones; ``mismatches``: the ones that do not.
         shared_model: both runs re-executed with one loaded model (equal model settings).
-        seconds: wall time of ``localize`` (both diffs, model loads, steps).
+        seconds: wall time of ``localize`` (the first diff unless given, model loads, steps, the
+            diff of the re-executed pair).
         load_seconds, step_seconds: per run; a shared model's load counts for both runs.
         num_steps: per run, its number of steps.
         estimate_l2_pair_seconds: estimate (not measured) of an L2 capture of both whole runs:
