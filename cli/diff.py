@@ -44,7 +44,7 @@ def diff(
     report = diff_runs(open_run(run_a), open_run(run_b))
     result = None
     if localize or localize_dir is not None:
-        from drifttool.diff.localize import localize as run_localize  # lazy: torch, only here
+        from drifttool.training.localize import localize as run_localize  # lazy: torch, only here
         from drifttool.training.options import RerunOptions  # lazy: likewise
 
         _, result = run_localize(run_a, run_b, out_dir=localize_dir, report=report,

@@ -24,7 +24,7 @@ from rich.text import Text
 from drifttool.artifact.schema import block_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from drifttool.diff.localize import LocalizeResult
+    from drifttool.training.localize import LocalizeResult
 
 _STYLE = {"localized": "bold red", "unconfirmed": "bold yellow",
           "no_drift_in_reexecution": "bold yellow", "nothing_to_localize": "bold green"}

@@ -92,7 +92,7 @@ def check_variants(stored: StoredRollout, variants: Variants | None) -> Variants
         raise DriftToolError(
             f"{stored.path}: the run replaced operators ({', '.join(want)}); the manifest names them "
             "but cannot re-create them, so its step cannot be re-executed from the command line "
-            "(pass the same variants to drifttool.diff.localize.localize)")
+            "(pass the same variants to drifttool.training.localize.localize)")
     if want != got:
         raise DriftToolError(f"{stored.path}: the variants given ({', '.join(got) or 'none'}) are "
                              f"not the run's ({', '.join(want) or 'none'})")

@@ -16,7 +16,7 @@ import pytest
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.diff.localize import localize
+from drifttool.training.localize import localize
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.probes import variants as V
 from drifttool.runner import execute
@@ -205,3 +205,16 @@ def test_localize_dir_must_not_hold_the_artifacts_already(runs, cli, tmp_path):
     code, out = cli("diff", a0, b0, "--localize-dir", tmp_path / "k")
     lines = out.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), out
+
+
+def test_cli_model_dtype_loads_each_runs_model(runs, cli):
+    """Another difference the manifest describes (the model dtype): each run is re-executed with
+    its own model, and the answer is the L2 pair's."""
+    a0, b0 = runs("base", "L0"), runs("fp32", "L0", dtype="float32")
+    l2 = diff_runs(open_run(runs("base", "L2")), open_run(runs("fp32", "L2", dtype="float32")))
+    code, out = cli("diff", a0, b0, "--localize", "--json")
+    loc = json.loads(out)["localize"]
+    assert code == 1 and loc["status"] == "localized", out
+    assert loc["shared_model"] is False and loc["reproduced"] == {"A": True, "B": True}
+    want = json.loads(json.dumps(dataclasses.asdict(l2.first_drift)))
+    assert {k: loc["first_drift"][k] for k in want} == want
