@@ -44,7 +44,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict, _plain
 from drifttool.training.options import RerunOptions
-from drifttool.training.step_replay import StepReplay, Variants, replay_step, step_model
+from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
+                                            step_model)
 from drifttool.training.stored import StoredRollout, load_rollout
 
 LEVEL = "L2"
@@ -219,8 +220,11 @@ def localize(
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,
                                               why_step=choice.why, boundary=choice.boundary), t0)
     k = choice.step
-    stored = {"A": load_rollout(run_a, need_latents=False), "B": load_rollout(run_b, need_latents=False)}
     given = {"A": (model_a, variants_a), "B": (model_b, variants_b)}
+    stored = {}
+    for side, path in (("A", run_a), ("B", run_b)):  # variants first: they change the sigma table
+        variants = check_variants(path, open_run(path).manifest, given[side][1])
+        stored[side] = load_rollout(path, need_latents=False, variants=variants)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         tmp, base = None, Path(out_dir)

@@ -1,6 +1,6 @@
 """Re-execute one step of a stored rollout at a finer capture level (``drifttool diff --localize``).
 
-    >>> stored = load_rollout("runs/a", need_latents=False)
+    >>> stored = load_rollout("runs/a", need_latents=False)    # (variants=... if it used any)
     >>> model = step_model(stored)                          # the manifest's model, checked
     >>> r = replay_step(stored, 2, "loc/a", model=model)    # step 2 at L2, attention unfused
     >>> r.reproduced, r.seconds                              # stored step bytes reproduced?
@@ -77,24 +77,24 @@ class StepReplay:
     mismatches: list[str] = field(default_factory=list)
 
 
-def check_variants(stored: StoredRollout, variants: Variants | None) -> Variants:
-    """The variants for a re-execution of ``stored``: ``variants`` when their ``op=name`` list is
-    the manifest's ``variants``, ``{}`` for a run without any.
+def check_variants(path: str | Path, manifest: dict[str, Any], variants: Variants | None) -> Variants:
+    """The variants for a re-execution of the run at ``path``: ``variants`` when their
+    ``op=name`` list is the manifest's ``variants``, ``{}`` for a run without any.
 
     Raises:
         DriftToolError: the run replaced operators and none (or others) are given, or variants
             are given for a run that used none.
     """
-    want = sorted(stored.manifest.get("variants") or [])
+    want = sorted(manifest.get("variants") or [])
     given = dict(variants or {})
     got = sorted(f"{op}={name}" for op, (name, _) in given.items())
     if want and not given:
         raise DriftToolError(
-            f"{stored.path}: the run replaced operators ({', '.join(want)}); the manifest names them "
+            f"{path}: the run replaced operators ({', '.join(want)}); the manifest names them "
             "but cannot re-create them, so its step cannot be re-executed from the command line "
             "(pass the same variants to drifttool.training.localize.localize)")
     if want != got:
-        raise DriftToolError(f"{stored.path}: the variants given ({', '.join(got) or 'none'}) are "
+        raise DriftToolError(f"{path}: the variants given ({', '.join(got) or 'none'}) are "
                              f"not the run's ({', '.join(want) or 'none'})")
     return given
 
@@ -207,7 +207,7 @@ def replay_step(
     sampler = stored.sampler
     if not 0 <= int(step) < sampler.num_steps:
         raise DriftToolError(f"{stored.path}: step {step} outside the run's {sampler.num_steps} steps")
-    variants = check_variants(stored, variants)
+    variants = check_variants(stored.path, stored.manifest, variants)
     source = open_run(stored.path)
     x = step_input(source, stored, int(step))
     session = ArtifactSession(mode=mode, level=level, cfg_layout=sampler.cfg_layout,

@@ -16,7 +16,8 @@ import pytest
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.training.localize import localize
+from drifttool.diff.report import DiffReport, StepDrift, Verdict
+from drifttool.training.localize import localize, pick_step
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.probes import variants as V
 from drifttool.runner import execute
@@ -38,7 +39,24 @@ def _mask_dropped():
     return {"joint_attn_softmax": V.AttnMaskDropped("joint_attn_softmax").entry()}
 
 
-PLANTS = {"plant_ulp_step2": _plant, "attn_mask_dropped": _mask_dropped}
+def _latents_bf16():
+    """The next latent rounded to bf16 between steps: the drift starts in the SDE step."""
+    return {"flow_sde_step_logp": V.LatentsBf16().entry()}
+
+
+def _sigma_pixels():
+    """The sigma table's dynamic shift from 4N: the drift starts before step 0 (step -1)."""
+    return {"flow_sigma_table": V.SigmaSeqLenPixels().entry()}
+
+
+PLANTS = {"plant_ulp_step2": _plant, "attn_mask_dropped": _mask_dropped,
+          "latents_bf16": _latents_bf16, "sigma_seq_len_pixels": _sigma_pixels}
+EXPECT = {"plant_ulp_step2": ("latent_proj_gemm", 2, 2),
+          "attn_mask_dropped": ("joint_attn_softmax", 0, 0),
+          "latents_bf16": ("flow_sde_step_logp", 0, -2),
+          "sigma_seq_len_pixels": ("flow_sigma_table", -1, -2)}
+"""(operator, step, block) of each plant's first drift (independent of the code under test:
+where the variant acts)."""
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +76,8 @@ def runs(tmp_path_factory):
 
 
 def _same_first_drift(loc_fd, l2_fd):
-    a, b = dataclasses.asdict(loc_fd), dataclasses.asdict(l2_fd)
+    # as JSON text: sigma is NaN for records made before step 0 (NaN != NaN as floats)
+    a, b = (json.dumps(dataclasses.asdict(fd), sort_keys=True) for fd in (loc_fd, l2_fd))
     assert a == b, f"localized {loc_fd.where()} vs L2 pair {l2_fd.where()}"
 
 
@@ -72,13 +91,15 @@ def test_planted_variant_localizes_as_an_l2_pair(runs, plant, tmp_path):
     report, loc = localize(a0, b0, variants_b=make(), out_dir=tmp_path / "loc")
     assert report.level == "L0" and report.first_drift.kind == "step"
     assert loc.status == "localized", loc.reason
-    assert loc.step == l2.first_drift.step == report.first_drift.step
+    assert loc.step == report.first_drift.step == max(0, l2.first_drift.step)
     assert loc.reproduced == {"A": True, "B": True}, loc.mismatches
     _same_first_drift(loc.first_drift, l2.first_drift)
+    fd = loc.first_drift
+    assert (fd.op, fd.step, fd.block) == EXPECT[plant], fd.where()
     if plant == "attn_mask_dropped":  # attention unfused: the softmax internal is named
         assert (loc.first_drift.op, loc.first_drift.role, loc.first_drift.block) == \
             ("joint_attn_softmax", "internal", 0), loc.first_drift.where()
-    else:  # drift from step 2 on: localized at step 2, with its row
+    if plant == "plant_ulp_step2":  # drift from step 2 on: localized at step 2, with its row
         assert loc.step == 2 and loc.first_drift.op == "latent_proj_gemm"
         assert (loc.first_drift.block, loc.first_drift.branch, loc.first_drift.sample) == (2, "uncond", 1)
         assert loc.first_drift.rows is not None and loc.first_drift.rows.n_differ == 1
@@ -218,3 +239,36 @@ def test_cli_model_dtype_loads_each_runs_model(runs, cli):
     assert loc["shared_model"] is False and loc["reproduced"] == {"A": True, "B": True}
     want = json.loads(json.dumps(dataclasses.asdict(l2.first_drift)))
     assert {k: loc["first_drift"][k] for k in want} == want
+
+
+def _step(step, identical=False, carried_in=False):
+    return StepDrift(phase="rollout", step=step, sigma=1.0, sigma_next=0.5, identical=identical,
+                     carried_in=carried_in, first_op=None, ops_differ=0, missing=0)
+
+
+def _report(*steps):
+    return DiffReport(verdict=Verdict.DRIFT, reason="", run_a="a", run_b="b", steps=list(steps))
+
+
+def test_pick_step_between_steps():
+    """x_t of step 2 differs after a matching step 1: said, and a later step whose x_t matches
+    again is taken; without one, nothing is localized."""
+    c = pick_step(_report(_step(0, True), _step(1, True), _step(2, carried_in=True),
+                          _step(3, carried_in=True)))
+    assert c.step is None and "x_t of step 2 differs" in c.boundary and "between steps" in c.boundary
+    c = pick_step(_report(_step(0, True), _step(1, carried_in=True), _step(2, True), _step(3)))
+    assert c.step == 3 and "x_t of step 1 differs" in c.boundary
+    c = pick_step(_report(_step(0, True), _step(1), _step(2, carried_in=True)))
+    assert c.step == 1 and c.boundary is None
+    c = pick_step(_report(_step(0, carried_in=None)))
+    assert c.step is None and "no x_t record" in c.why
+
+
+def test_a_recompute_is_refused_in_one_line(runs, cli, tmp_path):
+    from drifttool.training.recompute import recompute_run
+
+    a0, b0 = runs("base", "L0"), runs("bf16-timestep", "L0", timestep_policy="pipeline_bf16")
+    recompute_run(b0, tmp_path / "train")
+    code, out = cli("diff", a0, tmp_path / "train", "--localize")
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "is not a rollout artifact" in lines[0], out
