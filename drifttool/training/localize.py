@@ -43,6 +43,7 @@ from typing import Any
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict, _plain
+from drifttool.errors import DriftToolError
 from drifttool.training.options import RerunOptions
 from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
                                             step_model)
@@ -226,8 +227,12 @@ def localize(
         variants = check_variants(path, open_run(path).manifest, given[side][1])
         stored[side] = load_rollout(path, need_latents=False, variants=variants)
     if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
         tmp, base = None, Path(out_dir)
+        taken = [str(base / n) for n in ("a", "b") if (base / n).exists()]
+        if taken:
+            raise DriftToolError(f"{taken[0]} exists: the re-executed artifacts go to DIR/a and "
+                                 "DIR/b of a --localize-dir that does not hold them yet")
+        base.mkdir(parents=True, exist_ok=True)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="drifttool-localize-")
         base = Path(tmp.name)

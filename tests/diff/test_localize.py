@@ -226,6 +226,7 @@ def test_localize_dir_must_not_hold_the_artifacts_already(runs, cli, tmp_path):
     code, out = cli("diff", a0, b0, "--localize-dir", tmp_path / "k")
     lines = out.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), out
+    assert f"{tmp_path / 'k' / 'a'} exists" in lines[0], out
 
 
 def test_cli_model_dtype_loads_each_runs_model(runs, cli):
