@@ -463,6 +463,39 @@ def rollout(
     return _trajectory(phase, inputs, cfg, cfg_on, sigmas, tau_all, outs, torch.stack(latents))
 
 
+def rollout_step(
+    model: Callable[..., torch.Tensor],
+    inputs: RolloutInputs,
+    cfg: SamplerConfig,
+    rt: Runtime,
+    step: int,
+    x: torch.Tensor,
+) -> StepOutput:
+    """Re-execute one rollout step ``step`` from its input latent ``x`` [B, N, Cp] (the x_t a
+    rollout recorded for that step, in its stored dtype): the sigma table (one
+    ``flow_sigma_table`` call, step −1), then exactly the step ``rollout`` runs — forwards, CFG,
+    the SDE step with the pinned noise of ``inputs`` (``prev_sample`` None) — with its records
+    written under phase ``rollout``. Used by ``drifttool diff --localize`` to re-run the first
+    drifting step of a run at a finer capture level.
+
+    Raises:
+        ValueError: ``step`` outside [0, num_steps), ``x`` not shaped as ``inputs.x0``, or
+            inconsistent inputs.
+        UnsupportedConfigError: from the operators.
+    """
+    inputs.validate()
+    if not 0 <= int(step) < cfg.num_steps:
+        raise ValueError(f"step {step} outside [0, {cfg.num_steps})")
+    if tuple(x.shape) != tuple(inputs.x0.shape):
+        raise ValueError(f"x {tuple(x.shape)} must be shaped as x0 {tuple(inputs.x0.shape)}")
+    cfg_on = _cfg_on(inputs, cfg)
+    with torch.no_grad():
+        sigmas = sigma_table(rt, cfg, inputs.img_grid, "rollout").to(inputs.x0.device)
+        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)
+        return _run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), sigmas, tau_all,
+                         x, None)
+
+
 def recompute(
     model: Callable[..., torch.Tensor],
     inputs: RolloutInputs,

@@ -167,13 +167,16 @@ def _stored_latents(run, inputs: RolloutInputs, sampler: SamplerConfig, cfg_on: 
     return lat.to(dtype_from_name(dt)), dt, logp
 
 
-def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollout:
+def load_rollout(path: str | Path, *, need_latents: bool = True,
+                 variants: dict[str, tuple[str, Any]] | None = None) -> StoredRollout:
     """Open and verify a rollout artifact (module docstring).
 
     Args:
         need_latents: read and verify the stored trajectory (training recompute). Without it
             (replay) the trajectory is not needed and an incomplete run is accepted; its files
             are still read and checked (``Run.check``), so a damaged one is refused.
+        variants: the operator variants the run used (``RunSpec.variants``), applied when the
+            sigma table is recomputed (a ``flow_sigma_table`` variant changes it).
 
     Raises:
         ArtifactError: not a rollout, incomplete (``need_latents``), missing or tampered records
@@ -195,7 +198,8 @@ def load_rollout(path: str | Path, *, need_latents: bool = True) -> StoredRollou
         raise ArtifactError(f"{run.path}: no replay inputs (inputs.safetensors missing)")
     inputs = _inputs_from(tensors, run.path)
     fp = m["fingerprint"]
-    sig = sigma_table(Runtime(mode=settings.get("mode", "strict")), sampler, inputs.img_grid)
+    sig = sigma_table(Runtime(mode=settings.get("mode", "strict"), variants=dict(variants or {})),
+                      sampler, inputs.img_grid)
     pinned = fp["scheduler"].get("sigma_table_digest")
     if pinned is not None and tensor_digest(sig) != pinned:
         raise ArtifactError(f"{run.path}: the manifest's sigma table digest {pinned} is not the "
