@@ -491,7 +491,7 @@ def rollout_step(
     cfg_on = _cfg_on(inputs, cfg)
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, "rollout").to(inputs.x0.device)
-        tau_all = timestep_input(sigmas[:-1], cfg.timestep_policy)
+        tau_all = timestep_input(sigmas[:-1], cfg.policy("rollout"))
         return _run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), sigmas, tau_all,
                          x, None)
 
