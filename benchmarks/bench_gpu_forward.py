@@ -33,43 +33,14 @@ sys.path.insert(0, str(ROOT))
 from drifttool.adapters.diffusers_qwenimage import instrument  # noqa: E402
 from drifttool.capture import gpu_rows  # noqa: E402
 from drifttool.capture.recorder import Recorder  # noqa: E402
-from drifttool.model.config import from_diffusers_config  # noqa: E402
-from drifttool.model.mmdit import MMDiT  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from random_model import build  # noqa: E402
 
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2")
-FULL_WIDTH = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=128,
-                  num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
-
-
-def build(layers: int, device: str):
-    """diffusers' transformer and drifttool's MMDiT on the same random bf16 weights."""
-    from diffusers import QwenImageTransformer2DModel
-
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            tr = QwenImageTransformer2DModel(num_layers=layers, **FULL_WIDTH)
-    finally:
-        torch.set_default_dtype(old)
-    tr = tr.to_empty(device=device).eval()
-    with torch.no_grad():
-        for name, p in tr.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0, 0.1) if "norm" in name else p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    # the RoPE tables are plain attributes (not buffers), built on the CPU at init: rebuild them
-    rope = type(tr.pos_embed)
-    tr.pos_embed = rope(theta=10000, axes_dim=list(FULL_WIDTH["axes_dims_rope"]), scale_rope=True)
-    with torch.device("meta"):
-        ours = MMDiT(from_diffusers_config(dict(tr.config)), dtype=torch.bfloat16)
-    ours.load_state_dict(dict(tr.state_dict()), strict=True, assign=True)
-    return tr, ours
 
 
 def inputs(batch: int, grid: tuple[int, int], device: str):

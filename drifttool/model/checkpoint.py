@@ -389,25 +389,30 @@ def save_checkpoint(model: MMDiT, path: str | Path, *, max_shard_bytes: int | No
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_NAME).write_text(json.dumps(model.config.to_diffusers_config(), indent=2) + "\n")
     params = dict(model.named_parameters())
-    state = {ck: params[mn].detach().to("cpu").contiguous() for ck, mn in weight_map(model.config).items()}
+    names = {ck: params[mn] for ck, mn in weight_map(model.config).items()}
     meta = {"format": "pt"}
+
+    def host(keys):  # one shard's tensors on the host at a time (a GPU model of 41 GB streams out)
+        return {k: names[k].detach().to("cpu").contiguous() for k in keys}
+
     if max_shard_bytes is None:
-        save_file(state, str(folder / WEIGHTS_NAME), metadata=meta)
+        save_file(host(names), str(folder / WEIGHTS_NAME), metadata=meta)
         return folder
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
-    for k, t in state.items():
+    for k, t in names.items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][k] = t
+        shards[-1].append(k)
         size += nbytes
     n = len(shards)
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": {}}
-    for i, shard in enumerate(shards, start=1):
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in names.values())},
+             "weight_map": {}}
+    for i, keys in enumerate(shards, start=1):
         name = f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(folder / name), metadata=meta)
-        index["weight_map"].update({k: name for k in shard})
+        save_file(host(keys), str(folder / name), metadata=meta)
+        index["weight_map"].update({k: name for k in keys})
     (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return folder
