@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
 from drifttool.errors import DriftToolError
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.probes.runner import ERROR, OBSERVED, PENDING, Matrix, ProbeResult, _from_report, judge
 from drifttool.probes.spec import Expectation
 from drifttool.runner import execute
@@ -318,6 +321,31 @@ def peer_baseline(*, checkpoint: str | Path | None = None, capture: str | None =
     return RunSpec(fixture=fixture, checkpoint=checkpoint, mode="auto", steps=steps,
                    capture=capture or ("L1" if checkpoint else "L2"), pad_prompts_to=slots,
                    timestep_policy="pipeline_bf16", cfg_layout="batched")
+
+
+def grid_fixture(out: str | Path, img_grid: tuple[int, int],
+                 base: str | Path | None = None) -> Path:
+    """Write a fixture directory at ``out`` holding ``base``'s settings (default: the tiny
+    fixture) and prompt embeddings with the patch grid ``img_grid`` = (h, w) (pixels / 16); it
+    has no ``transformer/`` (the peer's transformer is passed in memory) and no seal. Returns
+    ``out``.
+
+    Raises:
+        DriftToolError: a grid that is not two positive integers.
+        FixtureError: ``base`` cannot be read.
+    """
+    h, w = (int(v) for v in img_grid)
+    if h < 1 or w < 1:
+        raise DriftToolError(f"image grid {img_grid} must be positive (pixels / 16)")
+    fx = load_fixture(base or DEFAULT_FIXTURE)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**fx.meta, "name": f"{fx.name}-{h}x{w}",
+            "description": f"{fx.name}'s settings and prompts on a {h}x{w} patch grid",
+            "settings": {**fx.settings, "img_grid": [h, w]}}
+    (out / "fixture.json").write_text(json.dumps(meta, indent=2))
+    shutil.copyfile(fx.path / "prompts.safetensors", out / "prompts.safetensors")
+    return out
 
 
 def load_peer(checkpoint: str | Path | None, *, device: str | torch.device = "cpu",
