@@ -354,11 +354,10 @@ def load_peer(checkpoint: str | Path | None, *, device: str | torch.device = "cp
     or pipeline folder; default: the fixture's ``transformer/``), in ``dtype``, on ``device``.
 
     Raises:
-        DriftToolError: diffusers missing, an unloadable folder, or an unavailable device.
+        DriftToolError: diffusers missing, an unloadable folder, or an unavailable device
+            (``check_device``).
     """
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DriftToolError("--device cuda: no CUDA device is available")
+    device = check_device(str(device))
     folder = checkpoint
     if folder is None:
         fx, _ = resolve(RunSpec(fixture=fixture))
@@ -505,3 +504,64 @@ def run_peer_matrix(
     settings["attention_kernels"] = kernels
     return Matrix(out=str(out), baseline=str(baseline), settings=settings, results=results,
                   seconds=time.perf_counter() - t0, baseline_seconds=t_base)
+
+
+# -- command-line helpers -----------------------------------------------------------------------
+PEERS = ("diffusers",)
+"""Implementations ``drifttool probe --peer`` runs against."""
+
+
+def select(probes: list[PeerProbe], only: str | None) -> list[PeerProbe]:
+    """The probes named in the comma-separated ``only`` (all when ``None``).
+
+    Raises:
+        DriftToolError: an unknown name (the message lists the known ones).
+    """
+    if not only:
+        return probes
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - {p.name for p in probes})
+    if unknown:
+        raise DriftToolError(f"unknown peer probe(s) {unknown}; known: {[p.name for p in probes]}")
+    return [p for p in probes if p.name in names]
+
+
+def describe(p: PeerProbe) -> str:
+    """One listing line: name, kind, factor and the expectation per device type."""
+    exp = "; ".join(f"{d}: {p.expect[d].describe() if d in p.expect else 'pending (' + p.pending.get(d, 'none declared') + ')'}"
+                    for d in ("cuda", "cpu"))
+    return f"{p.name:22} {p.kind:11} {p.factor:34} {exp}"
+
+
+def check_device(device: str | None) -> torch.device:
+    """``device`` (default ``cpu``) as a ``torch.device`` of type cpu or cuda.
+
+    Raises:
+        DriftToolError: another device type, an unparsable name, or cuda without a CUDA device.
+    """
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError:
+        raise DriftToolError(f"unknown device {device!r} (cpu or cuda)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise DriftToolError(f"unsupported device {device!r} (cpu or cuda)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DriftToolError(f"--device {device}: no CUDA device is available")
+    return dev
+
+
+def pixel_grid(height: int | None, width: int | None) -> tuple[int, int] | None:
+    """The (h, w) patch grid of an image of ``height`` x ``width`` pixels (16 pixels a patch:
+    8x VAE, 2x2 packing), or ``None`` when neither is given.
+
+    Raises:
+        DriftToolError: only one given, or not a positive multiple of 16.
+    """
+    if height is None and width is None:
+        return None
+    if height is None or width is None:
+        raise DriftToolError("give --height and --width together")
+    bad = [f"{n} {v}" for n, v in (("height", height), ("width", width)) if v < 16 or v % 16]
+    if bad:
+        raise DriftToolError(f"{', '.join(bad)}: image sizes are positive multiples of 16 pixels")
+    return height // 16, width // 16
