@@ -132,7 +132,7 @@ class _Capture:
             site = rt.site(op, stream)
         rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.family,
                         actual="diffusers", kernel=kernel, fallback=False, reason="",
-                        declared=False)
+                        declared=False, device=str(outputs[0][0].device))
         if rt.recorder is not None and rt.mode.captures:
             for i, (t, layout) in enumerate(outputs):
                 rt.recorder.capture(site, t.detach(), layout, index=i)

@@ -75,6 +75,11 @@ def test_sdpa_backend_drift_starts_at_attention_and_the_kernel_is_read_back(matr
         assert m.settings["attention_kernels"][name] == [
             f"diffusers.attention:native/torch.sdpa:{kernel}"]
     assert m.settings["attention_kernels"]["baseline"] != m.settings["attention_kernels"]["sdpa_math"]
+    from drifttool.artifact.reader import open_run
+
+    rows = [r for r in open_run(res["sdpa_math"].run_dir).trace_rows()
+            if r["op"] == "joint_attention_fused"]
+    assert len(rows) == 2 and {r["device"].split(":")[0] for r in rows} == {"cuda"}
 
 
 def test_planted_ulp_found_at_qk_rmsnorm(matrix):
