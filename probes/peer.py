@@ -16,26 +16,30 @@ timesteps and both CFG branches; the sampler is drifttool's ``production`` famil
 probe names its first drifting operator, block, stream and (at L2) rows; an invariant one must
 be IDENTICAL with every record of both runs compared (no record left unmatched).
 
-Baseline (``PEER_BASELINE``): prompts right-padded to 128 text slots with a key mask (diffusers
+Baseline (``peer_baseline()``): prompts right-padded to 128 text slots with a key mask (diffusers
 0.42.1 masks padded keys: ``[txt_mask, ones(img)]``), torch's default SDPA kernel, ``no_grad``
 (as ``QwenImagePipeline.__call__``), an fp32 timestep tensor holding bf16 values (timestep policy
 ``pipeline_bf16``), zeros in the padded prompt rows, samples [0, 1].
 
 The factors (one per probe; the study on an H200 found the CUDA verdicts):
 
-=====================  ============================================  =========  ==============
-probe                  change                                        CUDA       CPU
-=====================  ============================================  =========  ==============
-repeat                 the baseline again                            identical  identical
-batch_order_reversed   samples [1, 0]                                identical  identical
-grad_enabled           forward under ``torch.enable_grad()``         identical  identical
-timestep_bf16          bf16 timestep tensor, same bf16 values        identical  identical
-pad_garbage            N(0, 100²) garbage in the masked prompt rows  identical  identical
-pad_100 / pad_160      100 / 160 text slots instead of 128           drift      observed
-sdpa_math              ``sdpa_kernel([MATH])``                       drift      observed
-sdpa_efficient         ``sdpa_kernel([EFFICIENT_ATTENTION])``        drift      (no CPU kernel)
-ulp_norm_q_gain        one bf16 ULP added to ``blocks.0.attn.norm_q``  drift at qk_rmsnorm img b0
-=====================  ============================================  =========  ==============
+=====================  =============================================  =========  ==============
+probe                  change                                         CUDA       CPU
+=====================  =============================================  =========  ==============
+repeat                 the baseline again                             identical  identical
+batch_order_reversed   samples [1, 0]                                 identical  identical
+grad_enabled           forward under ``torch.enable_grad()``          identical  identical
+timestep_bf16          bf16 timestep tensor, same bf16 values         identical  identical
+pad_garbage            N(0, 100²) garbage in the masked prompt rows   identical  identical
+pad_100 / pad_160      100 / 160 text slots instead of 128            drift      observed
+sdpa_math              ``sdpa_kernel([MATH])``                        drift (1)  observed
+sdpa_efficient         ``sdpa_kernel([EFFICIENT_ATTENTION])``         drift (1)  pending (2)
+ulp_norm_q_gain        ``blocks.0.attn.norm_q`` gain[0] + 1 bf16 ULP  drift (3)  drift (3)
+=====================  =============================================  =========  ==============
+
+(1) first at ``joint_attention_fused``, block 0, step 0: nothing before the first attention calls
+SDPA. (2) torch has no EFFICIENT_ATTENTION kernel on the CPU. (3) first at ``qk_rmsnorm``, img,
+block 0, step 0 (``PLANT``).
 
 CPU expectations that production arithmetic makes machine-dependent (the reduction order of
 torch's CPU SDPA kernels and GEMMs follows the SIMD width ATen dispatches to, and the blocking
