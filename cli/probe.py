@@ -132,7 +132,7 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given;
-    then remove only what a probe matrix writes (runs/, heatmaps/, matrix.*)."""
+    then remove only what a probe matrix writes (runs/, diffs/, work/, heatmaps/, matrix.*)."""
     if not out.exists() or not any(out.iterdir()):
         return
     if not out.is_dir():
@@ -142,10 +142,11 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise DriftToolError(f"{out} holds an earlier probe matrix (use --overwrite to replace it)")
     foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in ("runs", "diffs", "heatmaps", "matrix.json", "matrix.arrow"))
+                     if p.name not in ("runs", "diffs", "work", "heatmaps", "matrix.json",
+                                       "matrix.arrow"))
     if foreign:
         raise DriftToolError(f"{out}: refusing to overwrite: it also holds {', '.join(foreign[:5])}")
-    for name in ("runs", "diffs", "heatmaps"):
+    for name in ("runs", "diffs", "work", "heatmaps"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("matrix.json", "matrix.arrow"):
         (out / name).unlink(missing_ok=True)
