@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -25,12 +26,22 @@ def probe(
     list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
     heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
     overwrite: bool = typer.Option(False, help="Replace an earlier probe matrix in OUT."),
+    peer: Optional[str] = typer.Option(None, help="Run the peer matrix against another "
+                                       "implementation instead: diffusers (its "
+                                       "QwenImageTransformer2DModel, docs/probes.md)."),
+    device: Optional[str] = typer.Option(None, help="--peer: where the forwards run, cpu "
+                                         "(default) or cuda."),
+    height: Optional[int] = typer.Option(None, help="--peer: image height in pixels (multiple "
+                                         "of 16; default the fixture's grid)."),
+    width: Optional[int] = typer.Option(None, help="--peer: image width in pixels."),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
     Prints the matrix, writes OUT/matrix.arrow and OUT/matrix.json, and OUT/heatmaps/<probe>.png
     for each drifting probe. Exit 0 when every expectation holds (pending probes are listed),
     1 when any probe is a finding (a failed expectation or an error), 2 on a usage error.
+    With --peer diffusers the matrix is the peer matrix (``drifttool.probes.peer``): the same
+    outputs and exit codes; OBSERVED probes are reported, never judged.
     """
     from drifttool.probes.catalog import catalog  # lazy: keeps torch out of `drifttool --help`
     from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: likewise
@@ -39,6 +50,12 @@ def probe(
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
         console.width = max(console.width, 200)
+    if peer is not None:
+        return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
+                     grid=(height, width), list_only=list_only, heatmaps=heatmaps,
+                     overwrite=overwrite)
+    if (device, height, width) != (None, None, None):
+        raise DriftToolError("--device, --height and --width go with --peer")
     if preset is not None and preset not in PRESETS:
         raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
     if preset is not None and checkpoint is not None:
@@ -75,9 +92,47 @@ def probe(
     raise typer.Exit(matrix.exit_code)
 
 
+def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
+          checkpoint: Path | None, device: str | None, grid: tuple, list_only: bool,
+          heatmaps: bool, overwrite: bool) -> None:
+    """``drifttool probe --peer NAME``: the peer matrix (``drifttool.probes.peer``)."""
+    from drifttool.probes import peer as P  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: likewise
+
+    if name not in P.PEERS:
+        raise DriftToolError(f"unknown peer {name!r} (one of {list(P.PEERS)})")
+    if preset not in (None, "tiny") or (preset is not None and checkpoint is not None):
+        raise DriftToolError("--peer runs the tiny fixture's transformer or --checkpoint DIR")
+    probes = P.select(P.peer_catalog(), only)
+    if list_only:
+        for p in probes:
+            console.print(P.describe(p), highlight=False, markup=False)
+        return
+    if out is None:
+        raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
+                             "(only --list runs without one)")
+    img_grid = P.pixel_grid(*grid)
+    dev = P.check_device(device)
+    _prepare_out(out, overwrite)
+    transformer = P.load_peer(checkpoint, device=dev)
+    with tempfile.TemporaryDirectory(prefix="drifttool-peer-") as tmp, \
+            console.status("peer matrix") as status:
+        fixture = None if img_grid is None else P.grid_fixture(Path(tmp) / "fixture", img_grid)
+        matrix = P.run_peer_matrix(
+            probes, out, transformer=transformer, device=dev,
+            base=P.peer_baseline(checkpoint=checkpoint, fixture=fixture),
+            on_result=lambda r: status.update(f"peer matrix: {r.name} {r.status}"))
+    render_matrix(matrix, console)
+    jpath, apath = write_matrix(matrix, out)
+    drawn = _heatmaps(matrix, out) if heatmaps else []
+    console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
+                                               if drawn else ""), highlight=False)
+    raise typer.Exit(matrix.exit_code)
+
+
 def _prepare_out(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given;
-    then remove only what a probe matrix writes (runs/, heatmaps/, matrix.*)."""
+    then remove only what a probe matrix writes (runs/, diffs/, work/, heatmaps/, matrix.*)."""
     if not out.exists() or not any(out.iterdir()):
         return
     if not out.is_dir():
@@ -87,10 +142,11 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise DriftToolError(f"{out} holds an earlier probe matrix (use --overwrite to replace it)")
     foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in ("runs", "heatmaps", "matrix.json", "matrix.arrow"))
+                     if p.name not in ("runs", "diffs", "work", "heatmaps", "matrix.json",
+                                       "matrix.arrow"))
     if foreign:
         raise DriftToolError(f"{out}: refusing to overwrite: it also holds {', '.join(foreign[:5])}")
-    for name in ("runs", "heatmaps"):
+    for name in ("runs", "diffs", "work", "heatmaps"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("matrix.json", "matrix.arrow"):
         (out / name).unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from drifttool.probes.runner import ERROR, FINDING, PASS, PENDING, Matrix, ProbeResult
+from drifttool.probes.runner import ERROR, FINDING, OBSERVED, PASS, PENDING, Matrix, ProbeResult
 
 MATRIX_VERSION = 1
 
@@ -33,7 +33,7 @@ MATRIX_SCHEMA = pa.schema([
     pa.field("change", pa.utf8(), nullable=False),
     pa.field("expected", pa.utf8(), nullable=False),
     pa.field("expected_op", pa.utf8()),
-    pa.field("status", pa.utf8(), nullable=False),  # PASS | FINDING | ERROR | PENDING
+    pa.field("status", pa.utf8(), nullable=False),  # PASS | FINDING | ERROR | PENDING | OBSERVED
     pa.field("verdict", pa.utf8()),
     pa.field("first_drift", pa.utf8()),
     pa.field("first_op", pa.utf8()),
@@ -68,7 +68,8 @@ def _plain(x: Any) -> Any:
 
 def to_dict(m: Matrix) -> dict[str, Any]:
     """JSON-ready: settings, timings, counts per status and every result."""
-    counts = {s: sum(r.status == s for r in m.results) for s in (PASS, FINDING, ERROR, PENDING)}
+    counts = {s: sum(r.status == s for r in m.results)
+              for s in (PASS, FINDING, ERROR, PENDING, OBSERVED)}
     return _plain({
         "matrix_version": MATRIX_VERSION, "out": m.out, "baseline": m.baseline,
         "settings": m.settings, "seconds": m.seconds, "baseline_seconds": m.baseline_seconds,
@@ -102,7 +103,8 @@ def read_matrix(path: str | Path) -> pa.Table:
 
 
 # -- rendering -----------------------------------------------------------------------------------
-_STATUS_STYLE = {PASS: "bold green", FINDING: "bold red", ERROR: "bold red", PENDING: "yellow"}
+_STATUS_STYLE = {PASS: "bold green", FINDING: "bold red", ERROR: "bold red", PENDING: "yellow",
+                 OBSERVED: "cyan"}
 
 
 def _num(x: float | None, verdict: str | None) -> str:
@@ -150,7 +152,8 @@ def render_matrix(m: Matrix, console: Console) -> None:
                           highlight=False)
             for why in r.reasons:
                 console.print(f"  - {why}", highlight=False, soft_wrap=True)
-    counts = {s: sum(r.status == s for r in m.results) for s in (PASS, FINDING, ERROR, PENDING)}
+    counts = {s: sum(r.status == s for r in m.results)
+              for s in (PASS, FINDING, ERROR, PENDING, OBSERVED)}
     pending = [r.name for r in m.results if r.status == PENDING]
     line = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
     console.print(f"{line}; baseline {m.baseline_seconds:.1f} s, total {m.seconds:.1f} s"

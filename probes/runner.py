@@ -36,6 +36,9 @@ from drifttool.runner import execute
 from drifttool.settings import RunSpec, resolve
 
 PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
+OBSERVED = "OBSERVED"
+"""A probe run and reported but not judged (its expectation is ``observed``: the peer matrix's
+machine-dependent production arithmetic, ``drifttool.probes.peer``); never a finding."""
 
 
 # -- baseline description ----------------------------------------------------------------------
@@ -161,7 +164,7 @@ class ProbeResult:
 
     @property
     def ok(self) -> bool:
-        return self.status in (PASS, PENDING)
+        return self.status in (PASS, PENDING, OBSERVED)
 
 
 def _worst(report: DiffReport, quantities: tuple[str, ...]) -> float | None:
