@@ -286,8 +286,8 @@ class PendingRows:
 
     Attributes:
         dtype, shape, header, numel, keep_rows: as ``PendingDigest`` (of the canonical part).
-        table: ``(rows int64 [R, 2], stats float64 [R, 4])`` of the whole flat view, shared by
-            every part cut from it.
+        table: ``(rows int64 [S, R, 2], stats float64 [S, R, 4])`` of the whole flat view (its
+            ``S`` column splits, ``gpu_rows.row_table``), shared by every part cut from it.
         ranges: the part's rows of the flat view, in canonical order (``layout.FlatPart``).
     """
 
@@ -338,14 +338,24 @@ def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | Non
     """Level 2 and the summaries of ``pending`` (one device), vectorised over every record:
     ``(V without header, kept rows or None, float64 [4] stats)`` per record, one read-back."""
     dev = pending[0].table[0].device
+    # unique row tables ([S, R, ·] split partials), grouped by split count: each group is
+    # concatenated and its splits combined once (normally one group: one split count per run)
+    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for p in pending:
+        if id(p.table[0]) not in seen:
+            seen.add(id(p.table[0]))
+            groups.setdefault(p.table[0].shape[0], []).append(p.table)
     tables: dict[int, int] = {}
     rows_l, stats_l, base = [], [], 0
-    for p in pending:
-        if id(p.table[0]) not in tables:
-            tables[id(p.table[0])] = base
-            rows_l.append(p.table[0])
-            stats_l.append(p.table[1])
-            base += p.table[0].shape[0]
+    for group in groups.values():
+        for r_t, _ in group:
+            tables[id(r_t)] = base
+            base += r_t.shape[1]
+        cat = (lambda ts: torch.cat(ts, 1) if len(ts) > 1 else ts[0])  # noqa: E731
+        r_g, s_g = gpu_rows.combine_splits(cat([g[0] for g in group]), cat([g[1] for g in group]))
+        rows_l.append(r_g)
+        stats_l.append(s_g)
     starts, lens, rec_len = [], [], []
     for p in pending:
         off = tables[id(p.table[0])]

@@ -132,12 +132,16 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t, shift_t2,
-                      WBYTES: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                      FOLD_EVERY: tl.constexpr, LIMBS: tl.constexpr, NCOL: tl.constexpr):
-        """Rows ``[pid·BM, (pid+1)·BM)``: the bytes through a ``uint8`` view ``XB`` (one int8
-        product per tile over ``BC · WBYTES`` byte columns, keys in memory order), the values
-        through the typed view ``X`` (the summary); folds every ``FOLD_EVERY`` tiles."""
+                     TILES_PER_SPLIT, WBYTES: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                     FOLD_EVERY: tl.constexpr, LIMBS: tl.constexpr, NCOL: tl.constexpr):
+        """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` (column tiles
+        ``[split · TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``): the bytes through a
+        ``uint8`` view ``XB`` (one int8 product per tile over ``BC · WBYTES`` byte columns, keys
+        in memory order), the values through the typed view ``X`` (the summary); folds every
+        ``FOLD_EVERY`` tiles. Split ``k`` writes its partial sums at ``ROWS[k]``/``STATS[k]``;
+        the ``u − 128`` correction is added by split 0 only."""
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         rows = pid * BM + tl.arange(0, BM)
         rmask = rows < R
         r64 = rows.to(tl.int64)
@@ -151,7 +155,8 @@ if triton is not None:
         mn = tl.full([BM, BC], float("inf"), tl.float32)
         bad = tl.zeros([BM, BC], tl.int32)
         nb = C * WBYTES
-        for it in range(0, tl.cdiv(C, BC)):
+        first = split * TILES_PER_SPLIT
+        for it in range(first, tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(C, BC))):
             bcols = it * (BC * WBYTES) + tl.arange(0, BC * WBYTES)
             bmask = bcols < nb
             u = tl.load(XB + r64[:, None] * stride_rb + bcols[None, :],
@@ -171,21 +176,23 @@ if triton is not None:
                 acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL)
                 acc32 = tl.zeros([BM, NCOL], tl.int32)
         acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL)
-        acc_t = _modp(acc_t + shift_t)
-        acc_t2 = _modp(acc_t2 + shift_t2)
-        tl.store(ROWS + rows * 2, acc_t, mask=rmask)
-        tl.store(ROWS + rows * 2 + 1, acc_t2, mask=rmask)
-        tl.store(STATS + rows * 4, tl.sum(sq, axis=1), mask=rmask)
-        tl.store(STATS + rows * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
-        tl.store(STATS + rows * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
-        tl.store(STATS + rows * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
+        if split == 0:
+            acc_t = _modp(acc_t + shift_t)
+            acc_t2 = _modp(acc_t2 + shift_t2)
+        out = split.to(tl.int64) * R + r64
+        tl.store(ROWS + out * 2, acc_t, mask=rmask)
+        tl.store(ROWS + out * 2 + 1, acc_t2, mask=rmask)
+        tl.store(STATS + out * 4, tl.sum(sq, axis=1), mask=rmask)
+        tl.store(STATS + out * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
+        tl.store(STATS + out * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
+        tl.store(STATS + out * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
 
 
-TILE = {"bm": 16, "bc": 128, "warps": 4, "stages": 3}
-"""Rows and element columns per program step, warps and pipeline stages. Measured on an H200
-(benchmarks/bench_gpu_forward.py ``--sweep``, docs/benchmarks.md): about 550–700 GB/s for every
-choice from 16 to 64 rows and 64 to 256 columns, so the kernel is bound by its arithmetic (byte
-split, int8 products, fp64 squares), not by the tile."""
+TILE = {"bm": 16, "bc": 128, "warps": 4, "stages": 3, "split": 1}
+"""Rows and element columns per program step, warps, pipeline stages, and column splits (each
+split a program of its own, partial sums combined at ``materialize``; more programs in flight for
+outputs of few rows). Measured on an H200 (benchmarks/bench_gpu_forward.py ``--sweep``,
+docs/benchmarks.md)."""
 
 
 def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,8 +203,10 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             strided).
 
     Returns:
-        ``(rows, stats)``: ``int64 [R, 2]`` (``T``, ``T'`` in ``[0, p)``) and ``float64 [R, 4]``
-        (Σx², max, min, count of NaN/±inf), on ``x``'s device; nothing is read back.
+        ``(rows, stats)``: ``int64 [S, R, 2]`` (``T``, ``T'`` in ``[0, p)``) and ``float64
+        [S, R, 4]`` (Σx², max, min, count of NaN/±inf) of the ``S = TILE["split"]`` column
+        splits, on ``x``'s device, nothing read back: a row's values are the sums (mod p for
+        ``T``, ``T'``), the max and the min over the splits (``combine_splits``).
 
     Raises:
         ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis.
@@ -207,21 +216,36 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
     r, c = x.shape
     wbytes = _WORD_BYTES[x.dtype]
-    buf = torch.empty(6 * r, dtype=torch.int64, device=x.device)  # one allocation for both
-    rows, stats = buf[:2 * r].view(r, 2), buf[2 * r:].view(torch.float64).view(r, 4)
+    splits = max(1, int(TILE["split"]))
+    buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
+    rows = buf[:2 * r * splits].view(splits, r, 2)
+    stats = buf[2 * r * splits:].view(torch.float64).view(splits, r, 4)
     if r == 0:
         return rows, stats
     s1, s2 = _shift_constants(c, wbytes)
     bm, bc = TILE["bm"], TILE["bc"]
     stride = x.stride(0) if r > 1 else c
+    tiles = triton.cdiv(c, bc)
     args = (x, x.view(torch.uint8), _byte_table(x.device, c, wbytes), rows, stats, r, c, stride,
-            stride * wbytes, s1, s2)
+            stride * wbytes, s1, s2, triton.cdiv(tiles, splits))
     opts = dict(WBYTES=wbytes, BM=bm, BC=bc, FOLD_EVERY=max(1, _FOLD_BYTES // (bc * wbytes)),
                 LIMBS=_LIMBS, NCOL=_NCOL, num_warps=TILE["warps"], num_stages=TILE["stages"])
-    grid = (triton.cdiv(r, bm),)
+    grid = (triton.cdiv(r, bm), splits)
     if x.device.index == torch.cuda.current_device():
         _rows_kernel[grid](*args, **opts)
     else:
         with torch.cuda.device(x.device):
             _rows_kernel[grid](*args, **opts)
     return rows, stats
+
+
+def combine_splits(rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, R, 2]``, ``[S, R, 4]`` split partials → ``[R, 2]``, ``[R, 4]``: ``T``, ``T'`` summed
+    mod p, Σx² and the counts summed (in split order: deterministic), max and min over splits.
+    Works on any device (the CPU tests build tables of their own)."""
+    if rows.shape[0] == 1:
+        return rows[0], stats[0]
+    t = core.modsum(rows, 0)
+    st = torch.stack([stats[..., 0].sum(0), stats[..., 1].amax(0), stats[..., 2].amin(0),
+                      stats[..., 3].sum(0)], -1)
+    return t, st

@@ -16,13 +16,25 @@ from drifttool.capture.digest import _halves, _row_sums, digest_tensor, material
 from drifttool.capture.layout import canonicalize, flat_parts
 
 
-def cpu_table(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows int64 [R, 2], stats float64 [R, 4])`` as ``gpu_rows.row_table`` defines them."""
-    rows = _row_sums(_halves(flat, 0), 0).t().contiguous()
-    x = flat.double()
-    bad = (~torch.isfinite(x)).sum(1).double()
-    stats = torch.stack([(x * x).sum(1), x.max(1).values, x.min(1).values, bad], 1)
-    return rows, stats
+def cpu_table(flat: torch.Tensor, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows int64 [S, R, 2], stats float64 [S, R, 4])`` as ``gpu_rows.row_table`` defines
+    them: the partial sums of ``splits`` column ranges (the last ones may be empty)."""
+    c = flat.shape[1]
+    step = -(-c // splits)
+    rows, stats = [], []
+    for k in range(splits):
+        part = flat[:, k * step:(k + 1) * step]
+        if part.shape[1] == 0:
+            rows.append(torch.zeros(flat.shape[0], 2, dtype=torch.int64))
+            inf = torch.full((flat.shape[0],), float("inf"), dtype=torch.float64)
+            zero = torch.zeros_like(inf)
+            stats.append(torch.stack([zero, -inf, inf, zero], 1))  # a split without columns
+            continue
+        rows.append(_row_sums(_halves(part.contiguous(), 0), k * step).t().contiguous())
+        x = part.double()
+        bad = (~torch.isfinite(x)).sum(1).double()
+        stats.append(torch.stack([(x * x).sum(1), x.max(1).values, x.min(1).values, bad], 1))
+    return torch.stack(rows), torch.stack(stats)
 
 
 CASES = [
@@ -60,23 +72,27 @@ def test_flat_parts_refuses_layouts_that_need_a_copy():
     assert flat_parts({"stream": "img", "img_grid": (1, 4)}, t[:, :, :3], "BS.") is None  # strided
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("layout,stream,shape,txt_lens,grid", CASES)
-def test_vectorised_level2_equals_the_digest_of_each_part(layout, stream, shape, txt_lens, grid):
+def test_vectorised_level2_equals_the_digest_of_each_part(layout, stream, shape, txt_lens, grid,
+                                                          splits):
     g = torch.Generator().manual_seed(7)
     t = torch.randn(shape, generator=g).bfloat16()
     t.view(-1)[3] = float("nan") if layout == "BS.." else t.view(-1)[3]
     nb = shape[0] if layout[0] == "B" else 1
     site = {"stream": stream, "samples": list(range(nb)), "txt_lens": txt_lens, "img_grid": grid}
     flat, fparts = flat_parts(site, t, layout)
-    table = cpu_table(flat)
+    table = cpu_table(flat, splits)
     pend = [pending_rows(table, t.dtype, f.shape, f.ranges, keep_rows=f.row_axis is not None)
             for f in fparts]
-    # a second tensor's table in the same batch: records from several outputs finish together
+    # two more tables in the same batch: records from several outputs (and split counts) finish
+    # together
     other = torch.randn(4, 3, generator=g)
     pend.append(pending_rows(cpu_table(other), other.dtype, (4, 3), ((0, 4),), keep_rows=True))
+    pend.append(pending_rows(cpu_table(other, 2), other.dtype, (4, 3), ((0, 4),), keep_rows=True))
     got = materialize(pend)
     want = [digest_tensor(c.tensor, row_axis=c.row_axis) for c in canonicalize(site, t, layout)]
-    want.append(digest_tensor(other, row_axis=0))
+    want += [digest_tensor(other, row_axis=0)] * 2
     for g_, w in zip(got, want):
         assert (g_.dtype, g_.shape, g_.digest, g_.nonfinite) == (w.dtype, w.shape, w.digest, w.nonfinite)
         assert (g_.rows is None) == (w.rows is None)

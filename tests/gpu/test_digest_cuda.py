@@ -76,25 +76,34 @@ def _special(dtype, shape, seed):
     return t
 
 
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(6889, 3072), (37, 12288), (3, 70_001), (1, 262_144), (17, 5)])
-def test_triton_row_kernel_equals_the_cpu(dtype, shape):
+def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, monkeypatch):
     from drifttool.capture import gpu_rows
 
+    monkeypatch.setitem(gpu_rows.TILE, "split", split)
     t = _special(dtype, shape, seed=shape[0])
-    rows, stats = gpu_rows.row_table(t.cuda())
+    rows, stats = gpu_rows.combine_splits(*gpu_rows.row_table(t.cuda()))
     cpu = digest_tensor(t, row_axis=0)
     assert rows[:, 0].cpu().numpy().astype("uint64").tolist() == cpu.rows.tolist()
     dev = digest_tensor(t.cuda(), row_axis=0)
     assert (dev.digest, dev.nonfinite) == (cpu.digest, cpu.nonfinite)
     assert dev.rows.tolist() == cpu.rows.tolist()
     assert int(stats[:, 3].sum()) == cpu.nonfinite
+    if dtype.is_floating_point and cpu.nonfinite == 0:
+        assert float(stats[:, 1].max()) == cpu.maxabs or float(-stats[:, 2].min()) == cpu.maxabs
 
 
 @pytest.mark.parametrize("layout,shape,stream,lens", [
     ("BS.", (3, 7 + 24, 40), "joint", [7, 3, 0]), ("BS..", (1, 24, 4, 8), "img", None),
     ("B.", (3, 6 * 40), "img", None), ("BS.", (3, 7, 40), "txt", [7, 1, 4])])
-def test_recorder_fast_path_writes_the_cpu_records(layout, shape, stream, lens):
+@pytest.mark.parametrize("split", [1, 3])
+def test_recorder_fast_path_writes_the_cpu_records(layout, shape, stream, lens, split, monkeypatch):
+    from drifttool.capture import gpu_rows
+
+    monkeypatch.setitem(gpu_rows.TILE, "split", split)
+
     def run(device):
         rec = Recorder("L2")
         t = random_tensor(5, torch.bfloat16, shape).to(device)
