@@ -17,7 +17,7 @@ from typing import Any, Callable
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.rollout import StepOutput
-from drifttool.settings import RunSpec, check_mode, check_mode_device
+from drifttool.settings import PATCH_PIXELS, RunSpec, check_mode, check_mode_device
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
 from drifttool.training.trainer import prepare_trainer, rerun_device
@@ -36,7 +36,8 @@ def replay_spec(stored: StoredRollout, options: RerunOptions) -> RunSpec:
     s = stored.settings
     keys = [k for k in _SPEC_KEYS if not (k == "variant" and options.checkpoint)]
     kw = {k: s[k] for k in keys if s.get(k) is not None}
-    return RunSpec(**kw, fixture=options.fixture or s.get("fixture"),
+    h, w = (int(g) * PATCH_PIXELS for g in stored.inputs.img_grid)
+    return RunSpec(**kw, fixture=options.fixture or s.get("fixture"), height=h, width=w,
                    checkpoint=options.checkpoint or s.get("checkpoint"),
                    device=rerun_device(stored, options),
                    mode=options.mode or s.get("mode", "strict"),

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.runner import execute
+from drifttool.training.replay import replay_run
 from drifttool.settings import RunSpec, check_mode_device, device_operators, resolve
 from drifttool.runtime import Mode
 from drifttool.errors import UnsupportedConfigError
@@ -235,6 +236,10 @@ def test_non_square_grids(tmp_path, h, w, batch):
     assert m["fingerprint"]["arch"]["img_grid"] == [h // 16, w // 16]
     x0 = load_file(str(out / "inputs.safetensors"))["x0"]
     assert tuple(x0.shape) == (batch, (h // 16) * (w // 16), CP)
+    replay_run(out, tmp_path / "replay")  # shapes from the artifact, not the fixture's grid
+    r = json.loads((tmp_path / "replay" / "manifest.json").read_text())
+    assert r["settings"]["img_grid"] == [h // 16, w // 16]
+    assert diff_runs(open_run(out), open_run(tmp_path / "replay")).verdict.value == "identical"
 
 
 def test_latents_file_on_a_non_square_grid(tmp_path, cli):
