@@ -149,7 +149,7 @@ def execute(
         "kind": "rollout",
         "fingerprint": fingerprint,
         "settings": s.record(),
-        "environment": environment(),
+        "environment": environment(device),
         "replay": {"noise": noise_rec, "inputs": "inputs.safetensors",
                    "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
                    else [inputs.txt.shape[1]] * inputs.batch,

@@ -119,12 +119,12 @@ def check_mode_device(mode: Mode, device: str) -> None:
     family = mode.family
     missing = [op for op in device_operators(dev) if not impls(op, family, dev)]
     if missing:
-        shown = ", ".join(missing[:4]) + (f", … (+{len(missing) - 4} more)" if len(missing) > 4 else "")
-        hint = (" (a strict CUDA backend is issue #11): use --mode auto (production) there, or "
-                "--device cpu for strict bytes") if family == "strict" else ": use --device cpu"
+        ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        what = (f"the {family} family has no {dev.upper()} backend yet (issue #11)" if family == "strict"
+                else f"the {family} family has no {dev} implementation")
         raise UnsupportedConfigError(
-            f"mode {mode.value!r} on {device}: the {family!r} family has no {dev!r} implementation of "
-            f"{len(missing)} operator(s) ({shown}){hint}")
+            f"--mode {mode.value} on {device}: {what}: {len(missing)} operator(s) lack one ({ops}); "
+            f"use --mode auto (production operators) on {dev}, or --device cpu for strict bytes")
 
 
 def check_level(level: Any) -> str:

@@ -131,7 +131,7 @@ def recompute_run(
         "kind": "recompute",
         "fingerprint": fingerprint,
         "settings": _settings(stored, m.value, level, device),
-        "environment": environment(),
+        "environment": environment(device),
         "source": source_record(stored),
         "policy": policy_record(stored, tau),
         "train": _train_record(train),

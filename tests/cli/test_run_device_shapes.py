@@ -62,8 +62,8 @@ def test_bad_device_and_size_one_line(cli, tmp_path, no_cuda, args, needles):
 
 def test_strict_on_cuda_refused_from_the_registry(cli, tmp_path, fake_cuda):
     code, out = cli("run", "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "mode 'strict' on cuda", "'strict' family has no 'cuda'",
-                    "issue #11", "--mode auto")
+    _one_error_line(code, out, "--mode strict on cuda", "strict family has no CUDA backend yet",
+                    "issue #11", "--mode auto", "operator(s) lack one")
     assert not (tmp_path / "r").exists()
     code, out = cli("run", "-o", tmp_path / "r", "--device", "cuda:0", "--mode", "strict")
     _one_error_line(code, out, "on cuda:0")
@@ -81,6 +81,24 @@ def test_mode_device_check_reads_the_registry():
         check_mode_device(mode, "cpu")
 
 
+def test_a_registered_strict_cuda_family_passes_the_check(monkeypatch):
+    """The refusal is read from the registry: once every operator has a strict CUDA
+    implementation (a stand-in here), strict on CUDA is accepted without another edit."""
+    import dataclasses
+
+    from drifttool.ops import registry
+
+    impls = dict(registry._IMPLS)
+    for op in device_operators("cuda"):
+        impls[(op, "strict", "cuda")] = [dataclasses.replace(i, family="strict")
+                                         for i in impls[(op, "production", "cuda")]]
+    monkeypatch.setattr(registry, "_IMPLS", impls)
+    check_mode_device(Mode.STRICT, "cuda")
+    del impls[("mlp_down_gemm", "strict", "cuda")]
+    with pytest.raises(UnsupportedConfigError, match=r"1 operator\(s\) lack one \(mlp_down_gemm\)"):
+        check_mode_device(Mode.STRICT, "cuda")
+
+
 def test_replay_and_experiment_device_options(cli, tmp_path, strict_run, no_cuda):
     code, out = cli("replay", strict_run, "-o", tmp_path / "r", "--device", "tpu")
     _one_error_line(code, out, "unknown device 'tpu'")
@@ -96,11 +114,11 @@ def test_replay_and_experiment_device_options(cli, tmp_path, strict_run, no_cuda
 
 def test_replay_of_strict_run_on_cuda_refused(cli, tmp_path, strict_run, fake_cuda):
     code, out = cli("replay", strict_run, "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "'strict' family has no 'cuda'", "--mode auto")
+    _one_error_line(code, out, "strict family has no CUDA backend", "--mode auto")
     code, out = cli("recompute", strict_run, "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "'strict' family has no 'cuda'")
+    _one_error_line(code, out, "strict family has no CUDA backend")
     code, out = cli("probe", "-o", tmp_path / "p", "--device", "cuda")
-    _one_error_line(code, out, "'strict' family has no 'cuda'")
+    _one_error_line(code, out, "strict family has no CUDA backend")
 
 
 def test_default_grid_in_pixels_is_the_default_run(cli, tmp_path, strict_run):
