@@ -86,19 +86,21 @@ WIDE = MMDiTConfig(num_layers=8, attention_head_dim=64, num_attention_heads=12,
 """≈ 180 M parameters, ≈ 360 MB in bf16 over 4 shards."""
 
 _CHILD = textwrap.dedent("""
-    import json, resource, sys, torch
+    import json, sys, torch
     import drifttool.model.checkpoint as ck
 
-    def rss_kib():
+    def status_kib(key):
         with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+            return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))
 
     torch.ones(1).add_(1)  # allocator and kernels warmed up before the baseline
-    base = rss_kib()
+    base = status_kib("VmRSS")
     model = ck.load_checkpoint(sys.argv[1], dtype=getattr(torch, sys.argv[2]))
     for p in model.parameters():  # read every byte: weights still backed by the file count too
         torch.count_nonzero(p.detach())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # the peak RSS of this process image: VmHWM, which getrusage's ru_maxrss equals here except
+    # that Linux carries ru_maxrss over from the parent across fork + exec (a big pytest worker)
+    peak = status_kib("VmHWM")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"increase": (peak - base) * 1024, "weights": nbytes}))
 """)
