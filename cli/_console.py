@@ -13,7 +13,8 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
 
 PIPE_WIDTH = 160
 
@@ -72,9 +73,25 @@ def error_line(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
 
 
-def progress() -> Progress:
-    """The step progress bar of ``run``, ``replay`` and ``recompute``: drawn on a terminal only
-    (rich's non-interactive Progress would print an empty line on stdout when it stops)."""
+def progress(on: Console | None = None) -> Progress:
+    """The step progress bar of ``run``, ``replay`` and ``recompute``: description, bar,
+    ``steps done/total``, what one step runs (samples × CFG branches), elapsed and remaining
+    time. Drawn on a terminal only (rich's non-interactive Progress would print an empty line on
+    stdout when it stops); ``on`` replaces the console (tests)."""
+    target = on or console
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True,
-                    disable=not console.is_interactive)
+                    TextColumn("steps · {task.fields[per_step]}"), TimeElapsedColumn(),
+                    TextColumn("left"), TimeRemainingColumn(), console=target, transient=True,
+                    disable=not target.is_interactive)
+
+
+def per_step(samples: int, branches: int) -> str:
+    """What one denoising step runs: ``"3 samples × 2 CFG branches"``."""
+    return (f"{samples} sample{'s' if samples != 1 else ''} × {branches} CFG "
+            f"branch{'es' if branches != 1 else ''}")
+
+
+def step_task(bar: Progress, description: str, steps: int, samples: int, branches: int) -> TaskID:
+    """Add the task of one trajectory (``steps`` denoising steps of ``samples`` samples with
+    ``branches`` CFG branches each) to a ``progress()`` bar."""
+    return bar.add_task(description, total=steps, per_step=per_step(samples, branches))

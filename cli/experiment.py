@@ -67,6 +67,9 @@ def train_rollout_cmd(
     gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
     grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N (strict combinations run on the CPU only)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
 ) -> None:
     """Rollout/train combinations on matched replay inputs: v, latent (μ) and logp drift, SDE KL,
@@ -78,7 +81,8 @@ def train_rollout_cmd(
             out, fixture=fixture, samples=_samples(samples), capture=capture,
             micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
             gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
-            overwrite=overwrite, progress=lambda msg: status.update(msg))
+            overwrite=overwrite, progress=lambda msg: status.update(msg), device=device,
+            height=height, width=width)
     t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
@@ -120,6 +124,9 @@ def grpo_cmd(
     clip_range: float = typer.Option(0.2, help="PPO clip range ε."),
     micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward (0: the rollout's batch)."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/production (default all four)."),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N (strict combinations run on the CPU only)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
 ) -> None:
     """A small Flow-GRPO loop (toy reward, per-group advantages, PPO clipped ratio, LoRA only)
@@ -130,7 +137,8 @@ def grpo_cmd(
         rows = user_errors(grpo_experiment, command="experiment grpo")(
             out, combos=_combos(combos), overwrite=overwrite, progress=lambda msg: status.update(msg),
             steps=steps, groups=groups, group_size=group_size, inner_epochs=inner_epochs, lr=lr,
-            clip_range=clip_range, train_micro_batch=micro_batch or None)
+            clip_range=clip_range, train_micro_batch=micro_batch or None, device=device,
+            height=height, width=width)
     for combo in dict.fromkeys(r["combo"] for r in rows):
         t = Table(title=f"Flow-GRPO {_label({'combo': combo})} (rollout/train; epoch 0: the parameters "
                         "that sampled)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

@@ -25,6 +25,9 @@ def probe(
                                               "(replaces the preset's model)."),
     list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
     heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N for every run of the matrix (strict: CPU only)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the preset's)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the preset's)."),
     overwrite: bool = typer.Option(False, help="Replace an earlier probe matrix in OUT."),
     peer: Optional[str] = typer.Option(None, help="Run the peer matrix against another "
                                        "implementation instead: diffusers (its "
@@ -60,7 +63,8 @@ def probe(
         raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
     if preset is not None and checkpoint is not None:
         raise DriftToolError("give --preset or --checkpoint, not both")
-    base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict")
+    base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
+                   device=device, height=height, width=width)
     settings, depth, _ = baseline_settings(base)
     probes = catalog(settings, depth)
     if only:

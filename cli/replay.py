@@ -14,7 +14,14 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli._console import console, progress as _progress
+from drifttool.cli._console import console, progress as _progress, step_task
+
+_DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
+
+
+def _branches(stored) -> int:
+    """CFG branches per step of a stored rollout (2 with CFG on, else 1: ``sampling.rollout``)."""
+    return 2 if stored.sampler.cfg_scale > 1 and stored.inputs.neg_txt is not None else 1
 
 
 def _summary(title: str, rows: list[tuple[str, object]]) -> None:
@@ -32,6 +39,7 @@ def replay(
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = typer.Option(None, help="Model folder overriding the manifest's (fingerprint-checked)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
+    device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Re-execute a trajectory from its artifact's replay inputs.
@@ -43,11 +51,12 @@ def replay(
     from drifttool.training.replay import replay_run  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
 
-    steps = load_rollout(run_dir, need_latents=False).sampler.num_steps
+    stored = load_rollout(run_dir, need_latents=False)
     options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                           lora=lora, overwrite=overwrite)
+                           lora=lora, device=device, overwrite=overwrite)
     with _progress() as progress:
-        task = progress.add_task("replay", total=steps)
+        task = step_task(progress, "replay", stored.sampler.num_steps, stored.inputs.batch,
+                         _branches(stored))
         s = replay_run(run_dir, out, options, on_step=lambda _: progress.advance(task))
     _summary(f"drifttool replay {run_dir} → {out}",
              [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")])
@@ -66,6 +75,7 @@ def recompute(
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = typer.Option(None, help="Trainer model folder (must match the rollout's fingerprint)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
+    device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Training recompute of a stored rollout (phase train, autograd on).
@@ -80,11 +90,12 @@ def recompute(
 
     stored = load_rollout(run_dir)
     options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                           lora=lora, overwrite=overwrite)
+                           lora=lora, device=device, overwrite=overwrite)
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
                          micro_batch=micro_batch, trim_padding=trim_padding)
     with _progress() as progress:
-        task = progress.add_task("train recompute", total=stored.sampler.num_steps)
+        task = step_task(progress, "train recompute", stored.sampler.num_steps, stored.inputs.batch,
+                         _branches(stored))
         s = recompute_run(stored, out, options, train, on_step=lambda _: progress.advance(task))
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),

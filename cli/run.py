@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli._console import console, err, progress
+from drifttool.cli._console import console, err, progress, step_task
 from drifttool.errors import DriftToolError
 
 
@@ -42,11 +42,24 @@ def run(
     preset: Optional[str] = typer.Option(
         None, help="Production preset: diffusers (QwenImagePipeline's loop) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
+    device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
+                               help="cpu | cuda | cuda:N: where the model and inputs live (strict runs on the CPU only)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
+    prompt_embeds: Optional[Path] = typer.Option(
+        None, help="safetensors with prompt_embeds [B, L, D] (+ prompt_embeds_mask [B, L]) from QwenImagePipeline.encode_prompt."),
+    negative_prompt_embeds: Optional[Path] = typer.Option(
+        None, help="Likewise for the negative prompt (without it, file prompts run without CFG)."),
+    latents: Optional[Path] = typer.Option(
+        None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
 
-    With no model arguments it runs the embedded default fixture (tiny-t2i). Under torchrun
+    With no model arguments it runs the embedded default fixture (tiny-t2i). `--device cuda`
+    loads the model straight onto the GPU (strict has no CUDA backend yet: use --mode auto);
+    `--height/--width` set the image size; `--prompt-embeds`, `--negative-prompt-embeds` and
+    `--latents` take a real pipeline's inputs from safetensors files. Under torchrun
     (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's
     samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints.
     """
@@ -57,14 +70,18 @@ def run(
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
-        dtype=dtype, cfg_layout=cfg_layout, lora=lora, preset=preset,
+        dtype=dtype, cfg_layout=cfg_layout, lora=lora, preset=preset, device=device, height=height,
+        width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+        latents=latents,
     )
     _, settings = resolve(spec)
-    dist = init_distributed(device="cpu", mesh_dims=("sample",))  # one process without torchrun
+    # one process without torchrun; under it, rank r runs on cuda:LOCAL_RANK for --device cuda
+    dist = init_distributed(device=settings.device.split(":")[0], mesh_dims=("sample",))
     try:
         if dist.rank == 0:
             with progress() as bar:
-                task = bar.add_task(f"{settings.mode.value} rollout", total=settings.steps)
+                task = step_task(bar, f"{settings.mode.value} rollout", settings.steps,
+                                 len(settings.samples), settings.cfg_branches)
                 summary = execute(spec, out, overwrite=overwrite, dist=dist,
                                   on_step=lambda _: bar.advance(task))
         else:
@@ -81,6 +98,10 @@ def run(
     record = settings.record()
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
         table.add_row(key, str(record.get(key)))
+    table.add_row("image", "{}x{} px".format(*settings.image_size))
+    table.add_row("device", settings.device)
+    for role, rec in (record.get("input_files") or {}).items():
+        table.add_row(role, f"{rec['path']} (sha256 {rec['sha256'][:12]}…)")
     console.print(table)
     if summary["nonfinite"]:
         err.print(f"[bold yellow]warning:[/] {summary['nonfinite']} non-finite values in the "

@@ -31,8 +31,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment() -> dict[str, Any]:
-    """JSON-serialisable description of the interpreter, libraries and hardware."""
+def _gpu(device: str | torch.device | None) -> str | None:
+    """The name of the GPU a run uses: ``device``'s (``cuda:N``; ``cuda`` = the current one),
+    else the first visible GPU's; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return torch.cuda.get_device_name(0)
+    return torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def environment(device: str | torch.device | None = None) -> dict[str, Any]:
+    """JSON-serialisable description of the interpreter, libraries and hardware; ``gpu`` names
+    the run's GPU when ``device`` is a CUDA device (else the first visible one, or None)."""
     env: dict[str, Any] = {
         "drifttool": drifttool.__version__,
         "python": sys.version.split()[0],
@@ -46,6 +58,6 @@ def environment() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the SIMD dispatch level in use
         "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),  # its override, if any
         "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": _gpu(device),
     }
     return env

@@ -31,6 +31,37 @@ from drifttool.sampling.rollout import StepOutput, rollout, sampler_model
 from drifttool.settings import RunSpec, resolve
 
 
+def run_device(device: str, dist: DistContext) -> torch.device:
+    """The device this process runs on: ``device`` (``RunSettings.device``), or under torchrun
+    the rank's own ``dist.device`` (``cuda:LOCAL_RANK``), which must be of the same type.
+
+    Raises:
+        DriftToolError: the process group's device type differs from the settings'.
+    """
+    want = torch.device(device)
+    if not dist.distributed:
+        return want
+    if dist.device.type != want.type:
+        raise DriftToolError(f"the run asks for device {device!r}, but the process group runs on "
+                             f"{dist.device.type!r}")
+    return dist.device
+
+
+def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse a given model whose parameters are not all on ``device``.
+
+    Raises:
+        DriftToolError: naming the devices found.
+    """
+    found = sorted({str(p.device) for p in model.parameters()})
+    want = torch.device(device)
+    ok = all(torch.device(d).type == want.type and (want.index is None or torch.device(d).index in (None, want.index))
+             for d in found)
+    if not ok:
+        raise DriftToolError(f"the given model's parameters are on {', '.join(found)}, the run asks for "
+                             f"{device}; move the model there (model.to({str(device)!r}))")
+
+
 def execute(
     spec: RunSpec,
     out: str | Path,
@@ -61,6 +92,13 @@ def execute(
     ``model(x, txt, txt_mask, tau, img_grid, rt)``), e.g. the diffusers capture adapter
     (``drifttool.adapters.diffusers_qwenimage``); its ``source`` attribute goes to the manifest.
 
+    Device (``RunSettings.device``): the checkpoint loads straight onto it
+    (``load_checkpoint(device=)``); the replay inputs are built (or taken from ``replay_inputs``)
+    on the CPU, checked, digested and stored from there, then moved to it. Under torchrun the
+    rank's ``dist.device`` (``cuda:LOCAL_RANK``) is used, and must be of the settings' type. A
+    given ``model`` must already be on the run's device. A mode whose family cannot run on the
+    device (strict on CUDA) was refused by ``resolve`` before anything was loaded.
+
     A failure after the artifact was opened closes it with ``complete=false`` (finished steps
     stay readable) and re-raises.
 
@@ -72,11 +110,16 @@ def execute(
     """
     fx, s = resolve(spec)
     dtype = s.torch_dtype
+    dist = dist or DistContext()
+    device = run_device(s.device, dist)
     source = getattr(model, "source", None) if model is not None else None
     if model is None:
-        model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant)
+        model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant,
+                                device=device)
     elif model.dtype != dtype:
         raise DriftToolError(f"the given model is {model.dtype}, the run asks for {s.dtype}")
+    else:
+        check_model_device(model, device)
     model.config.check_rollout()  # before the artifact opens
     sampler = s.sampler()
     if s.lora and not has_lora(model):
@@ -88,11 +131,11 @@ def execute(
         inputs, noise_rec = s.inputs(fx, model.config)
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
-    dist = dist or DistContext()
     mine, layout = inputs, SINGLE_LAYOUT
     if dist.distributed:  # before the artifact opens: a refusal here reaches every rank
         layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
         mine = inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size))
+    mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),
                               rank=dist.rank, world_size=dist.world_size, layout=layout)
@@ -106,7 +149,7 @@ def execute(
         "kind": "rollout",
         "fingerprint": fingerprint,
         "settings": s.record(),
-        "environment": environment(),
+        "environment": environment(device),
         "replay": {"noise": noise_rec, "inputs": "inputs.safetensors",
                    "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
                    else [inputs.txt.shape[1]] * inputs.batch,

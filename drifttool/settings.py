@@ -11,8 +11,16 @@
 place (``DriftToolError`` with a one-line message); the result is a frozen ``RunSettings`` that
 the runner, the training side and the probes read instead of an untyped dict. Every
 byte-changing choice ends up in the manifest through ``RunSettings.record`` (keys of
-``schema._SETTINGS``; ``variant``, ``lora``, ``pad_prompts_to`` and ``sample_labels`` only when
-set, so the default manifest is unchanged).
+``schema._SETTINGS``; ``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device``
+(when not ``cpu``) and ``input_files`` only when set, so the default manifest is unchanged).
+
+Device and shape: ``device`` is ``cpu`` (default), ``cuda`` or ``cuda:N``; the model and every
+replay input live there (inputs are drawn on the CPU, then moved). ``height``/``width`` are image
+sizes in pixels, multiples of 16 (``PATCH_PIXELS``: 8× VAE downsampling, 2×2 patches, numerics
+§3.2), giving ``img_grid = (height/16, width/16)``. ``prompt_embeds``, ``negative_prompt_embeds``
+and ``latents`` name safetensors files (``sampling.input_files``) replacing the fixture's prompts
+and the drawn initial latents; they are read and checked here, once, and their SHA-256 digests
+go to the manifest (``input_files``).
 
 ``check_mode`` and ``check_level`` are the validators the training side's options use too, so
 ``drifttool run``, ``replay`` and ``recompute`` refuse a bad ``--mode`` or ``--capture`` with the
@@ -23,17 +31,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from drifttool.errors import DriftToolError
+from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
+from drifttool.model.checkpoint import read_config
 from drifttool.model.config import MMDiTConfig
+from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
+from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import apply_preset, preset_inputs, preset_settings
 from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
@@ -42,6 +54,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Model dtypes a run may use (``schema.MODEL_DTYPES`` repeats the names)."""
 LEVELS = ("L0", "L1", "L2")
 """Capture levels a run may ask for (``schema.LEVELS`` repeats them; a test checks they agree)."""
+PATCH_PIXELS = 16
+"""Image pixels per patch side: 8× VAE downsampling × 2×2 latent patches (numerics §3.2), so
+``img_grid = (height / 16, width / 16)``."""
+MAX_PIXELS = 16384
+"""Largest height or width a run may ask for (1024 patches a side; the RFC's reference shapes
+stop at 1664)."""
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 MAX_STEPS = 1000
 """Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
 (FlowMatchEulerDiscreteScheduler of Qwen-Image, numerics §1); more would only re-visit timesteps."""
@@ -57,6 +76,56 @@ def check_mode(mode: Any) -> Mode:
         return Mode(mode)
     except ValueError:
         raise DriftToolError(f"unknown mode {mode!r} (strict, audit, auto, off)") from None
+
+
+def check_device(device: Any) -> str:
+    """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        DriftToolError: another string; CUDA asked for but ``torch.cuda.is_available()`` is
+            false; ``cuda:N`` beyond the visible devices.
+    """
+    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if m is None:
+        raise DriftToolError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
+    if device == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise DriftToolError(f"device {device!r} asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use --device cpu")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise DriftToolError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                             f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
+def device_operators(device_type: str) -> list[str]:
+    """The declared operators a run dispatches on ``device_type``: those some family registers
+    an implementation for there (``ops.registry``). The others run on the CPU wherever the
+    model is (``flow_sigma_table`` takes no tensors)."""
+    return [op for op in specs() if any(impls(op, f, device_type) for f in families(op))]
+
+
+def check_mode_device(mode: Mode, device: str) -> None:
+    """Fail closed when ``mode``'s family has no implementation on ``device`` of some operator the
+    run dispatches there and the mode has no fallback (strict on CUDA, until a strict CUDA family
+    is registered: issue #11). Read from the registry, so a new family passes without an edit.
+
+    Raises:
+        UnsupportedConfigError: one line naming the mode, family, device and missing operators.
+    """
+    dev = torch.device(device).type
+    if mode.fallback is not None:
+        return
+    family = mode.family
+    missing = [op for op in device_operators(dev) if not impls(op, family, dev)]
+    if missing:
+        ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        what = (f"the {family} family has no {dev.upper()} backend yet (issue #11)" if family == "strict"
+                else f"the {family} family has no {dev} implementation")
+        raise UnsupportedConfigError(
+            f"--mode {mode.value} on {device}: {what}: {len(missing)} operator(s) lack one ({ops}); "
+            f"use --mode auto (production operators) on {dev}, or --device cpu for strict bytes")
 
 
 def check_level(level: Any) -> str:
@@ -100,6 +169,16 @@ class RunSpec:
         preset: a production preset (``drifttool.sampling.presets``: ``diffusers`` |
             ``flow-grpo``): fixes CFG layout, timestep policy, (η), latents dtype, step rule and
             noise; needs mode auto or off.
+        device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the model and the replay inputs
+            live (inputs are drawn on the CPU, then moved).
+        height, width: image size in pixels, multiples of 16; ``None`` takes the fixture's
+            ``img_grid`` (× 16). ``img_grid = (height / 16, width / 16)``.
+        prompt_embeds, negative_prompt_embeds: safetensors files with ``prompt_embeds``
+            [B, L, joint_attention_dim] and optional ``prompt_embeds_mask`` [B, L]
+            (``sampling.input_files``) replacing the fixture's prompts; without a negative file
+            there is no negative prompt, so CFG is off (diffusers' rule).
+        latents: safetensors file with packed ``latents`` [B, N, in_channels] replacing the drawn
+            initial latents x0 (the SDE noise is still drawn from ``seed``).
     """
 
     fixture: str | Path | None = None
@@ -122,6 +201,12 @@ class RunSpec:
     sample_labels: list[int] | None = None
     lora: str | Path | None = None
     preset: str | None = None
+    device: str = "cpu"
+    height: int | None = None
+    width: int | None = None
+    prompt_embeds: str | Path | None = None
+    negative_prompt_embeds: str | Path | None = None
+    latents: str | Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +225,10 @@ class RunSettings:
         pad_prompts_to: prompt padding (None: the batch's longest prompt).
         sample_labels: ids written instead of ``samples`` (a probe), or None.
         preset: the production preset (``drifttool.sampling.presets``), or None.
+        device: where the model and the replay inputs live (``check_device``).
+        external: the inputs read from ``--prompt-embeds``/``--negative-prompt-embeds``/
+            ``--latents`` files (CPU tensors; ``ExternalInputs.files`` is recorded as
+            ``input_files``), or None.
     """
 
     fixture: str
@@ -160,6 +249,8 @@ class RunSettings:
     pad_prompts_to: int | None = None
     sample_labels: tuple[int, ...] | None = None
     preset: str | None = None
+    device: str = "cpu"
+    external: ExternalInputs | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -171,6 +262,20 @@ class RunSettings:
         """The logical id written for each batch row (``sample_labels``, else ``samples``)."""
         return list(self.sample_labels if self.sample_labels is not None else self.samples)
 
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(height, width) in pixels: ``img_grid`` × ``PATCH_PIXELS``."""
+        return self.img_grid[0] * PATCH_PIXELS, self.img_grid[1] * PATCH_PIXELS
+
+    @property
+    def cfg_branches(self) -> int:
+        """CFG branches per step: 2 (cond, uncond) when ``cfg_scale`` > 1 and there is a negative
+        prompt (the fixture's, or a ``--negative-prompt-embeds`` file), else 1 (diffusers' rule,
+        ``sampling.rollout``)."""
+        ext = self.external
+        has_negative = ext is None or ext.txt is None or ext.neg_txt is not None
+        return 2 if self.cfg_scale > 1 and has_negative else 1
+
     def sampler(self) -> SamplerConfig:
         """The ``SamplerConfig`` these settings run (default SDE window; the preset's choices)."""
         cfg = SamplerConfig(num_steps=int(self.steps), cfg_scale=float(self.cfg_scale),
@@ -179,8 +284,8 @@ class RunSettings:
         return cfg if self.preset is None else apply_preset(cfg, self.preset, self.torch_dtype)
 
     def inputs(self, fx: Fixture, config: MMDiTConfig) -> tuple[RolloutInputs, dict[str, Any]]:
-        """The replay inputs of these settings and their noise record
-        (``sampling.inputs.build_inputs`` with the fixture's prompts).
+        """The replay inputs of these settings (CPU tensors) and their noise record
+        (``sampling.inputs.build_inputs`` with the fixture's prompts, or the files' inputs).
 
         Raises:
             UnsupportedConfigError: the config cannot drive a rollout.
@@ -188,15 +293,22 @@ class RunSettings:
         """
         built = build_inputs(fx, seed=self.seed, samples=self.samples, img_grid=self.img_grid,
                              num_steps=self.steps, config=config, pad_prompts_to=self.pad_prompts_to,
-                             sample_labels=self.sample_labels)
+                             sample_labels=self.sample_labels, external=self.external)
         if self.preset is None:
             return built
-        return preset_inputs(self.preset, *built, seed=self.seed, num_steps=self.steps,
-                             model_dtype=self.torch_dtype, samples=self.samples)
+        inputs, record = preset_inputs(self.preset, *built, seed=self.seed, num_steps=self.steps,
+                                       model_dtype=self.torch_dtype, samples=self.samples)
+        if self.external is not None and self.external.x0 is not None:
+            # latents from --latents: the pipeline casts given latents to its dtype, draws none
+            x0 = built[0].x0.to(self.torch_dtype).to(torch.float32)
+            inputs = dataclasses.replace(inputs, x0=x0)
+            record = {**record, "x0": "from --latents (rounded to the model dtype)"}
+        return inputs, record
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``settings`` (``schema._SETTINGS``): every field as JSON, the optional
-        ones (``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``) only when set."""
+        ones (``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device`` when not
+        ``cpu``, ``input_files`` when a file was given) only when set."""
         out: dict[str, Any] = {
             "fixture": self.fixture, "checkpoint": self.checkpoint, "mode": self.mode.value,
             "capture": self.capture, "dtype": self.dtype, "steps": self.steps,
@@ -206,7 +318,9 @@ class RunSettings:
         }
         optional = {"variant": self.variant, "lora": self.lora, "pad_prompts_to": self.pad_prompts_to,
                     "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
-                    "preset": self.preset}
+                    "preset": self.preset,
+                    "device": None if self.device == "cpu" else self.device,
+                    "input_files": dict(self.external.files) if self.external is not None else None}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
 
@@ -242,6 +356,24 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _check_pixels(key: str, value: Any) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or not 0 < value <= MAX_PIXELS or value % PATCH_PIXELS:
+        raise DriftToolError(f"{key} must be a multiple of {PATCH_PIXELS} pixels from {PATCH_PIXELS} "
+                             f"to {MAX_PIXELS} (8x VAE downsampling, 2x2 patches), got {value!r}")
+    return value
+
+
+def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
+    """The patch grid: ``height``/``width`` in pixels over the fixture's ``img_grid``."""
+    grid = base.get("img_grid")
+    h = None if spec.height is None else _check_pixels("height", spec.height) // PATCH_PIXELS
+    w = None if spec.width is None else _check_pixels("width", spec.width) // PATCH_PIXELS
+    if grid is None and (h is None or w is None):
+        return None
+    return (int(grid[0]) if h is None else h, int(grid[1]) if w is None else w)
+
+
 def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     """Merge the spec over the fixture's settings; validate. Returns (fixture, settings).
 
@@ -251,7 +383,11 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             repeated or negative sample ids; a batch size and sample ids together; a weight
             variant without a checkpoint; sample labels not one per sample; an unknown preset,
             or an explicit setting it contradicts (``sampling.presets.preset_settings``;
-            ``UnsupportedConfigError`` for a preset under mode strict or audit).
+            ``UnsupportedConfigError`` for a preset under mode strict or audit); an unknown or
+            unavailable device; height or width not a multiple of 16 in 16..``MAX_PIXELS``;
+            a bad input file (``sampling.input_files``).
+        UnsupportedConfigError: a mode whose family cannot run on the device (strict on CUDA,
+            ``check_mode_device``).
         FixtureError: the fixture cannot be found or read.
     """
     fx = load_fixture(spec.fixture or DEFAULT_FIXTURE)
@@ -274,29 +410,42 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     if s["timestep_policy"] not in TIMESTEP_POLICIES:
         raise DriftToolError(f"unknown timestep_policy {s['timestep_policy']!r} "
                              f"(one of {', '.join(TIMESTEP_POLICIES)})")
-    samples = _samples(spec, base.get("samples"))
     mode = check_mode(spec.mode)
+    device = check_device(spec.device or "cpu")
+    check_mode_device(mode, device)
     if s["dtype"] not in DTYPES:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
     capture = check_level(s["capture"])
     if spec.variant is not None and not spec.checkpoint:
         raise DriftToolError("a weight variant needs a checkpoint (--variant goes with --checkpoint)")
+    grid = _img_grid(spec, base)
+    missing = [k for k, v in (("seed", s["seed"]), ("img_grid", grid)) if v is None]
+    if missing:
+        raise DriftToolError(f"{fx.path}: fixture settings lack {', '.join(missing)}")
+    explicit = spec.samples is not None or spec.batch is not None
+    external = None
+    if spec.prompt_embeds is not None or spec.negative_prompt_embeds is not None or spec.latents is not None:
+        external = read_external_inputs(
+            prompt_embeds=spec.prompt_embeds, negative_prompt_embeds=spec.negative_prompt_embeds,
+            latents=spec.latents, config=read_config(spec.checkpoint or fx.model_dir), img_grid=grid,
+            batch=len(_samples(spec, None)) if explicit else None)
+    default_ids = base.get("samples")
+    if external is not None and not explicit:
+        default_ids = list(range(external.batch or len(default_ids or ())))
+    samples = _samples(spec, default_ids)
     labels = None
     if spec.sample_labels is not None:
         labels = tuple(int(i) for i in spec.sample_labels)
         if len(labels) != len(samples):
             raise DriftToolError(f"sample_labels {list(labels)} must name one id per sample "
                                  f"of {list(samples)}")
-    missing = [k for k in ("seed", "img_grid") if base.get(k) is None and getattr(spec, k, None) is None]
-    if missing:
-        raise DriftToolError(f"{fx.path}: fixture settings lack {', '.join(missing)}")
     return fx, RunSettings(
         fixture=fx.name,
         checkpoint=str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None,
         variant=spec.variant, lora=None if spec.lora is None else str(Path(spec.lora).resolve()),
         mode=mode, capture=capture, dtype=s["dtype"], steps=steps, cfg_scale=cfg_scale, eta=eta,
-        seed=s["seed"], samples=samples, img_grid=tuple(int(v) for v in base["img_grid"]),
+        seed=s["seed"], samples=samples, img_grid=grid,
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
         pad_prompts_to=None if spec.pad_prompts_to is None else int(spec.pad_prompts_to),
-        sample_labels=labels, preset=spec.preset,
+        sample_labels=labels, preset=spec.preset, device=device, external=external,
     )

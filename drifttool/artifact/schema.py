@@ -310,6 +310,8 @@ _SETTINGS = Obj({
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
     "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
     "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
+    "device": _STR,
+    "input_files": MapOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
               "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
 """``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's

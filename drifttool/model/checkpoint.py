@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -244,18 +244,59 @@ def read_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_tensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+"""safetensors header dtype names → torch dtypes (the ones a checkpoint may plausibly hold)."""
+
+
+def read_dtypes(files: Iterable[Path]) -> dict[str, str]:
+    """Tensor name → safetensors dtype name (``"BF16"``, ``"F32"``, …) from the headers alone.
+
+    Raises:
+        CheckpointError: an unreadable or corrupt file.
+    """
     from safetensors import safe_open
 
-    tensors: dict[str, torch.Tensor] = {}
+    out: dict[str, str] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for k in sf.keys():
-                    tensors[k] = sf.get_tensor(k)
+                out.update({k: str(sf.get_slice(k).get_dtype()) for k in sf.keys()})
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise _safetensors_error(f, e) from None
-    return tensors
+    return out
+
+
+def _read_tensors(files: Iterable[Path], *, device: torch.device | str = "cpu",
+                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, each copied from the memory-mapped shard
+    straight to ``device`` in ``dtype`` (None: the stored dtype).
+
+    Each tensor is read through its own mapping of the shard, unmapped once its copy exists, so
+    the pages of the file never pile up in the process's resident memory: host memory peaks at
+    the tensors already yielded (when ``device`` is the CPU) plus one tensor's mapped pages and
+    copy — not at a whole shard or a dict of every stored tensor.
+
+    Raises:
+        CheckpointError: an unreadable or corrupt file.
+    """
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                names = list(sf.keys())
+            for k in names:
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                    mapped = sf.get_tensor(k)  # a view of the mapping: no pages read yet
+                    t = mapped.to(device=device, dtype=dtype or mapped.dtype, copy=True)
+                    del mapped
+                yield k, t
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise _safetensors_error(f, e) from None
 
 
 def _listing(what: str, items: list[str], sep: str, shown: int = 8) -> str:
@@ -296,16 +337,27 @@ def load_state_dict_into(model: MMDiT, tensors: dict[str, torch.Tensor]) -> None
         CheckpointError: as ``check_shapes``; or non-float tensors (listed).
     """
     check_shapes(model.config, {k: tuple(t.shape) for k, t in tensors.items()})
-    wmap = weight_map(model.config)
     bad_dtype = [f"{k}: {t.dtype}" for k, t in tensors.items() if not t.is_floating_point()]
     if bad_dtype:
         raise CheckpointError(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype))
+    _assign(model, ((k, t) for k, t in tensors.items()))
+
+
+def _assign(model: MMDiT, tensors: Iterable[tuple[str, torch.Tensor]],
+            device: torch.device | None = None) -> None:
+    """Load (checkpoint name, tensor) pairs into ``model`` (weight map applied), each cast to its
+    parameter's dtype on ``device`` (default: the parameter's own, the CPU for a meta model) as
+    it arrives — a no-op for tensors already there — so no second copy of the weights is held;
+    ``load_state_dict(assign=True)`` then adopts them."""
+    wmap = weight_map(model.config)
     params = dict(model.named_parameters())
     state = {}
-    for ckpt_name, model_name in wmap.items():
-        p = params[model_name]
-        device = p.device if p.device.type != "meta" else torch.device("cpu")
-        state[model_name] = tensors[ckpt_name].to(device=device, dtype=p.dtype).contiguous()
+    for ckpt_name, t in tensors:
+        name = wmap[ckpt_name]
+        p = params[name]
+        dev = device or (p.device if p.device.type != "meta" else torch.device("cpu"))
+        state[name] = t.to(device=dev, dtype=p.dtype).contiguous()
+        del t
     model.load_state_dict(state, strict=True, assign=True)
 
 
@@ -329,22 +381,26 @@ def load_checkpoint(
     """Load a diffusers-format transformer folder (or a pipeline folder, ``transformer_folder``)
     into an ``MMDiT``.
 
-    The config is checked against the safetensors headers before any tensor is read or the
-    model is built, so a hostile config (a billion layers, huge widths) fails at once.
+    The config is checked against the safetensors headers (shapes and dtypes) before any tensor
+    is read or the model is built, so a hostile config (a billion layers, huge widths) fails at
+    once. The model is built on the meta device and each parameter assigned as its tensor
+    arrives, tensor by tensor (no dict of every stored tensor, no second cast copy).
 
     Args:
         path: folder with ``config.json`` and safetensors weights (single file or sharded index),
             or a pipeline folder with ``model_index.json`` and ``transformer/``.
         dtype: model dtype W (fp32 or bf16); ``None`` keeps the checkpoint's own dtype, which must
             then be one dtype for all tensors.
-        device: where the parameters live.
+        device: where the parameters live: each tensor is copied from the memory-mapped shard
+            straight there, cast to ``dtype`` on the way (``_read_tensors``), so host memory
+            peaks near the weights' size on the CPU and near one tensor for a GPU.
         variant: diffusers weight variant (``"fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors``),
             as ``from_pretrained(..., variant=)``.
 
     Raises:
         CheckpointError: missing/unreadable files; a config that is not a JSON object; missing,
             unexpected or mis-shaped keys (all listed in one error); a block count that differs
-            from ``num_layers``; mixed checkpoint dtypes with ``dtype=None``.
+            from ``num_layers``; non-float tensors; mixed checkpoint dtypes with ``dtype=None``.
         UnsupportedConfigError: a config that drifttool does not implement
             (``from_diffusers_config``), or a variant that is not a plain name.
     """
@@ -354,16 +410,21 @@ def load_checkpoint(
     config = read_config(folder)
     files = _weight_files(folder, variant)
     check_shapes(config, read_shapes(files))
-    tensors = _read_tensors(files)
+    stored = read_dtypes(files)
+    bad_dtype = [f"{k}: {d}" for k, d in stored.items()
+                 if d not in _SAFETENSORS_DTYPES or not _SAFETENSORS_DTYPES[d].is_floating_point]
+    if bad_dtype:
+        raise CheckpointError(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype[:8]))
     if dtype is None:
-        dtypes = sorted({str(t.dtype) for t in tensors.values()})
+        dtypes = sorted({str(_SAFETENSORS_DTYPES[d]) for d in stored.values()})
         if len(dtypes) != 1:
             raise CheckpointError(f"{folder}: tensors have mixed dtypes {dtypes}; pass dtype= explicitly")
-        dtype = next(iter(tensors.values())).dtype
+        dtype = _SAFETENSORS_DTYPES[next(iter(stored.values()))]
+    device = torch.device(device)
     with torch.device("meta"):
         model = MMDiT(config, dtype=dtype)
-    load_state_dict_into(model, tensors)
-    return model.to(device)
+    _assign(model, _read_tensors(files, device=device, dtype=dtype), device)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ and how they are stored (``inputs.safetensors``).
     [0, 1]
 
 ``build_inputs`` draws the pinned noise per logical sample (``sampling.noise``) and batches the
-fixture's prompt embeddings, right-padded with a key mask; the runner and the GRPO loop both use
-it. ``replay_tensors`` and ``inputs_from_tensors`` are each other's inverse (bool masks stored as
-uint8).
+fixture's prompt embeddings, right-padded with a key mask — or takes prompts and initial latents
+read from files (``sampling.input_files``); the runner and the GRPO loop both use it. Inputs are
+built on the CPU (the portable noise is CPU arithmetic) and moved to the run's device with
+``RolloutInputs.to``. ``replay_tensors`` and ``inputs_from_tensors`` are each other's inverse
+(bool masks stored as uint8).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from drifttool.errors import DriftToolError
 from drifttool.fixture import Fixture
 from drifttool.model.config import MMDiTConfig
+from drifttool.sampling.input_files import ExternalInputs
 from drifttool.sampling.noise import draw_noise
 
 
@@ -101,6 +104,22 @@ class RolloutInputs:
                              img_grid=self.img_grid, txt_mask=pick(self.txt_mask), noise=noise,
                              neg_txt=pick(self.neg_txt), neg_mask=pick(self.neg_mask))
 
+    def to(self, device: torch.device | str) -> "RolloutInputs":
+        """The same inputs on ``device`` (values unchanged: a copy, or ``self``'s tensors when
+        they are there already)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        noise = self.noise
+        if isinstance(noise, torch.Tensor):
+            noise = noise.to(device)
+        elif noise is not None:
+            noise = [n.to(device) for n in noise]
+        return RolloutInputs(sample_ids=list(self.sample_ids), x0=move(self.x0), txt=move(self.txt),
+                             img_grid=self.img_grid, txt_mask=move(self.txt_mask), noise=noise,
+                             neg_txt=move(self.neg_txt), neg_mask=move(self.neg_mask))
+
     def noise_at(self, step: int) -> torch.Tensor:
         """[B, N, Cp] noise of step ``step``."""
         if self.noise is None:
@@ -169,6 +188,7 @@ def build_inputs(
     prompt_rows: Sequence[int] | None = None,
     pad_prompts_to: int | None = None,
     sample_labels: Sequence[int] | None = None,
+    external: ExternalInputs | None = None,
 ) -> tuple[RolloutInputs, dict[str, Any]]:
     """Replay inputs for the sample batch, and the noise record: pinned noise
     (``sampling.noise``) with ``config.latent_channels`` latent channels (x0 ``[B, N,
@@ -183,6 +203,10 @@ def build_inputs(
         pad_prompts_to: right-pad every prompt and the negative prompt to this many tokens
             (masked; the negative prompt then gets a mask too).
         sample_labels: logical ids written for the rows instead of ``samples``.
+        external: prompts (``txt``/``neg_txt`` with masks, one row per sample, kept at their
+            length L) and initial latents ``x0`` read from files; each replaces the fixture's
+            prompts or the drawn x0 when set (the SDE noise is drawn from ``seed`` regardless).
+            File prompts without a negative file have no negative prompt (CFG off).
 
     Raises:
         UnsupportedConfigError: the config cannot drive a rollout (``MMDiTConfig.latent_channels``).
@@ -191,6 +215,22 @@ def build_inputs(
     ids = list(samples)
     grid = tuple(img_grid)
     noise = draw_noise(seed, ids, img_grid=grid, num_steps=num_steps, channels=config.latent_channels)
+    if external is not None and external.txt is not None:
+        tb, mask, nb, neg_mask = _file_prompts(external, pad_prompts_to)
+    else:
+        tb, mask, nb, neg_mask = _fixture_prompts(fx, config, seed, ids, prompt_rows, pad_prompts_to)
+    x0 = external.x0 if external is not None and external.x0 is not None else noise.x0
+    inputs = RolloutInputs(
+        sample_ids=list(sample_labels) if sample_labels is not None else ids, x0=x0, txt=tb,
+        img_grid=grid, txt_mask=None if mask is None or bool(mask.all()) else mask, noise=noise.noise,
+        neg_txt=nb, neg_mask=None if neg_mask is None or bool(neg_mask.all()) else neg_mask,
+    )
+    return inputs, noise.record
+
+
+def _fixture_prompts(fx: Fixture, config: MMDiTConfig, seed: int, ids: list[int],
+                     prompt_rows: Sequence[int] | None, pad_prompts_to: int | None):
+    """(txt [B, L, D], mask [B, L] bool, neg [B, Ln, D], neg mask or None) from the fixture."""
     txt, lens, neg, neg_len = fx.prompts(config.joint_attention_dim, seed=seed)
     rows = list(prompt_rows) if prompt_rows is not None else [i % txt.shape[0] for i in ids]
     width = max(int(lens[r]) for r in rows)
@@ -208,9 +248,27 @@ def build_inputs(
     if pad_prompts_to is not None:
         nb = torch.cat([nb, nb.new_zeros(len(ids), width - nb.shape[1], nb.shape[2])], dim=1)
         neg_mask = (torch.arange(width) < int(neg_len)).expand(len(ids), -1).contiguous()
-    inputs = RolloutInputs(
-        sample_ids=list(sample_labels) if sample_labels is not None else ids, x0=noise.x0, txt=tb,
-        img_grid=grid, txt_mask=None if bool(mask.all()) else mask, noise=noise.noise,
-        neg_txt=nb, neg_mask=None if neg_mask is None or bool(neg_mask.all()) else neg_mask,
-    )
-    return inputs, noise.record
+    return tb, mask, nb, neg_mask
+
+
+def _pad_to(txt: torch.Tensor, mask: torch.Tensor | None, width: int):
+    """Right-pad [B, L, D] prompts with zeros to ``width`` tokens; the [B, width] bool mask."""
+    B, L, D = txt.shape
+    mask = torch.ones(B, L, dtype=torch.bool) if mask is None else mask
+    return (torch.cat([txt, txt.new_zeros(B, width - L, D)], dim=1),
+            torch.cat([mask, mask.new_zeros(B, width - L)], dim=1))
+
+
+def _file_prompts(external: ExternalInputs, pad_prompts_to: int | None):
+    """(txt, mask, neg, neg mask) from prompt-embedding files, right-padded to
+    ``pad_prompts_to`` tokens when given."""
+    tb, mask, nb, neg_mask = external.txt, external.txt_mask, external.neg_txt, external.neg_mask
+    if pad_prompts_to is not None:
+        longest = max(tb.shape[1], 0 if nb is None else nb.shape[1])
+        if int(pad_prompts_to) < longest:
+            raise DriftToolError(f"pad_prompts_to={pad_prompts_to} is shorter than the prompt "
+                                 f"embeddings ({longest} tokens)")
+        tb, mask = _pad_to(tb, mask, int(pad_prompts_to))
+        if nb is not None:
+            nb, neg_mask = _pad_to(nb, neg_mask, int(pad_prompts_to))
+    return tb, mask, nb, neg_mask

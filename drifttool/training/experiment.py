@@ -44,7 +44,7 @@ from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
 from drifttool.runner import execute
-from drifttool.settings import RunSpec, resolve
+from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
 from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
@@ -128,10 +128,16 @@ def train_rollout(
     combos: tuple[tuple[str, str], ...] = COMBOS,
     overwrite: bool = False,
     progress=None,
+    device: str = "cpu",
+    height: int | None = None,
+    width: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run the four rollout/train combinations (module docstring); returns one row each.
 
     Args:
+        device: where every rollout and trainer runs (``RunSpec.device``); a combination with a
+            strict side is refused on a device without a strict family (CUDA today).
+        height, width: image size in pixels (multiples of 16; default: the fixture's grid).
         micro_batch: samples per trainer forward (``micro_batched``); None = the rollout's batch.
         grad: trainer backward per SDE step (``grad_rel_l2`` is NaN without it).
         progress: optional ``callable(str)`` told what runs next.
@@ -139,12 +145,15 @@ def train_rollout(
     Raises:
         DriftToolError: bad settings; ``out`` not empty without ``overwrite``.
     """
-    # every setting is checked before anything is written
-    fx, s = resolve(RunSpec(fixture=fixture, samples=samples, capture=capture))
+    # every setting is checked before anything is written (each mode used, on the device)
+    shape = {"device": device, "height": height, "width": width}
+    fx, s = resolve(RunSpec(fixture=fixture, samples=samples, capture=capture, **shape))
+    for mode in dict.fromkeys(m for pair in combos for m in pair):
+        check_mode_device(check_mode(MODES[mode]), s.device)
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
                          micro_batch=micro_batch)
     say = progress or (lambda _: None)
-    model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype)
+    model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype, device=s.device)
     add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
     out = _out_dir(out, overwrite)
     save_lora(model, out / "lora")
@@ -154,17 +163,17 @@ def train_rollout(
         path = out / f"rollout-{mode}"
         t0 = time.perf_counter()
         execute(RunSpec(fixture=fixture, samples=samples, mode=MODES[mode], capture=capture,
-                        lora=out / "lora"), path, overwrite=True)
+                        lora=out / "lora", **shape), path, overwrite=True)
         rollouts[mode] = (path, time.perf_counter() - t0)
     rows, grads = [], {}
     for r_mode, t_mode in combos:
         say(f"train {t_mode} on rollout {r_mode}")
         src, t_roll = rollouts[r_mode]
         stored = load_rollout(src)
-        trainer = trainer_model(stored)
+        trainer = trainer_model(stored, device=s.device)
         dst = out / f"train-{t_mode}-on-{r_mode}"
         summary = recompute_run(stored, dst, RerunOptions(mode=MODES[t_mode], capture=capture,
-                                                          overwrite=True),
+                                                          device=s.device, overwrite=True),
                                 train, model=trainer)
         grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
                                    if p.grad is not None}
@@ -192,6 +201,7 @@ def train_rollout(
     write_table(rows, TRAIN_ROLLOUT_SCHEMA, out, "train_rollout")
     (out / "train_rollout.settings.json").write_text(json.dumps({
         "fixture": fx.name, "samples": samples, "capture": capture, "micro_batch": micro_batch,
+        "device": s.device, "img_grid": list(s.img_grid),
         "lora": {"rank": lora_rank, "alpha": lora_alpha, "init_b_std": 0.02, "seed": 1},
         "gradient_checkpointing": gradient_checkpointing, "grad": grad, "combos": [list(c) for c in combos],
     }, indent=2) + "\n")

@@ -46,7 +46,7 @@ from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.rollout import recompute, rollout, sampler_model
-from drifttool.settings import RunSpec, resolve
+from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
 from drifttool.training.trainer import micro_batched
 
 MODES = {"strict": "strict", "production": "auto"}
@@ -72,6 +72,11 @@ class GRPOConfig:
     fixture: str = DEFAULT_FIXTURE
     seed: int | None = None
     gradient_checkpointing: bool = False
+    device: str = "cpu"
+    """Where the policy and every input live (``RunSpec.device``)."""
+    height: int | None = None
+    width: int | None = None
+    """Image size in pixels (multiples of 16); None: the fixture's grid."""
     train_micro_batch: int | None = 1
     """Samples per training forward (with their CFG pair; prompts trimmed per micro-batch, as
     Flow-GRPO's trainer does), ``drifttool.training.trainer.micro_batched``; None = whole batch."""
@@ -100,8 +105,8 @@ def group_inputs(fx, seed: int, ids: list[int], prompt_rows: list[int], grid, nu
                         config=config, prompt_rows=prompt_rows)[0]
 
 
-def _policy(cfg: GRPOConfig, fx, dtype):
-    model = load_checkpoint(fx.model_dir, dtype=dtype)
+def _policy(cfg: GRPOConfig, fx, dtype, device):
+    model = load_checkpoint(fx.model_dir, dtype=dtype, device=device)
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.lora_seed)  # B = 0 (peft)
     return model
 
@@ -120,8 +125,11 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
     for m in (cfg.rollout_mode, cfg.train_mode):
         if m not in MODES:
             raise DriftToolError(f"unknown combination mode {m!r} (one of {sorted(MODES)})")
-    fx, s = resolve(RunSpec(fixture=cfg.fixture))  # the fixture's settings, checked as run checks them
-    model = model if model is not None else _policy(cfg, fx, s.torch_dtype)
+    # the fixture's settings with the device and shape, checked as run checks them
+    fx, s = resolve(RunSpec(fixture=cfg.fixture, device=cfg.device, height=cfg.height, width=cfg.width))
+    for m in (cfg.rollout_mode, cfg.train_mode):
+        check_mode_device(check_mode(MODES[m]), s.device)
+    model = model if model is not None else _policy(cfg, fx, s.torch_dtype, s.device)
     params = list(lora_parameters(model).values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sampler = s.sampler()
@@ -135,7 +143,8 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
     for k in range(cfg.steps):
         ids = [k * n_batch + j for j in range(n_batch)]
         prompt_rows = [((k * cfg.groups) + j // cfg.group_size) % n_prompts for j in range(n_batch)]
-        inputs = group_inputs(fx, seed, ids, prompt_rows, s.img_grid, sampler.num_steps, model.config)
+        inputs = group_inputs(fx, seed, ids, prompt_rows, s.img_grid, sampler.num_steps,
+                              model.config).to(s.device)
         t0 = time.perf_counter()
         traj = rollout(fwd, inputs, sampler, Runtime(mode=MODES[cfg.rollout_mode]))
         t_roll = time.perf_counter() - t0

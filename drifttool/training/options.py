@@ -5,8 +5,9 @@
     >>> replay_run("runs/a", "runs/a-replay", RerunOptions(capture="L2", overwrite=True))
 
 ``RerunOptions`` (replay and recompute): the runtime mode and capture level (default: the
-rollout's), the model overrides (fixture, checkpoint, LoRA adapter; every one fingerprint-checked
-against the rollout) and ``overwrite``. ``TrainOptions`` (recompute only): the backward and the
+rollout's), the device (default: the rollout's; shapes always come from the artifact), the model
+overrides (fixture, checkpoint, LoRA adapter; every one fingerprint-checked against the rollout)
+and ``overwrite``. ``TrainOptions`` (recompute only): the backward and the
 trainer's execution layout. Both validate on construction with the lines ``drifttool run`` uses
 (``drifttool.settings.check_mode``/``check_level``).
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drifttool.errors import DriftToolError
-from drifttool.settings import check_level, check_mode
+from drifttool.settings import check_device, check_level, check_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +31,12 @@ class RerunOptions:
         fixture: fixture holding the model, if the manifest's name does not resolve.
         checkpoint: model folder replacing the manifest's (must match its fingerprint).
         lora: LoRA adapter replacing the manifest's (must match its fingerprint).
+        device: cpu | cuda | cuda:N (``settings.check_device``); None: the rollout's
+            (``settings.device``, ``cpu`` when not recorded).
         overwrite: replace an existing artifact directory.
 
     Raises:
-        DriftToolError: unknown mode or capture level.
+        DriftToolError: unknown mode, capture level or device; CUDA unavailable.
     """
 
     mode: str | None = None
@@ -41,11 +44,14 @@ class RerunOptions:
     fixture: str | Path | None = None
     checkpoint: str | Path | None = None
     lora: str | Path | None = None
+    device: str | None = None
     overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.mode is not None:
             check_mode(self.mode)
+        if self.device is not None:
+            check_device(self.device)
         if self.capture is not None:
             check_level(self.capture)
 

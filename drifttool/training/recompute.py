@@ -37,11 +37,12 @@ from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
 from drifttool.sampling.rollout import StepOutput, recompute, sampler_model
-from drifttool.settings import check_level, check_mode
+from drifttool.runner import check_model_device
+from drifttool.settings import check_level, check_mode, check_mode_device
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.stored import (StoredRollout, load_rollout, refuse_same_dir,
                                        source_record)
-from drifttool.training.trainer import micro_batched, prepare_trainer
+from drifttool.training.trainer import micro_batched, prepare_trainer, rerun_device
 
 
 def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dict[str, Any]:
@@ -54,6 +55,16 @@ def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dic
            "sigma_table_digest": stored.manifest["fingerprint"]["scheduler"].get("sigma_table_digest")}
     if tau is not None:
         out["timesteps"] = [float(v) for v in tau.tolist()]
+    return out
+
+
+def _settings(stored: StoredRollout, mode: str, level: str, device: str) -> dict[str, Any]:
+    """The recompute's ``settings``: the rollout's, with the trainer's mode, capture level and
+    device (``device`` only when not ``cpu``, as ``RunSettings.record``)."""
+    out = {**stored.settings, "mode": mode, "capture": level}
+    out.pop("device", None)
+    if device != "cpu":
+        out["device"] = device
     return out
 
 
@@ -79,7 +90,9 @@ def recompute_run(
 
     Args:
         source: rollout artifact directory (or an already loaded ``StoredRollout``).
-        options: mode, capture level (default: the rollout's), model overrides, overwrite.
+        options: mode, capture level, device (default: the rollout's), model overrides,
+            overwrite. The stored inputs and latents are moved to the device; shapes are the
+            artifact's.
         train: backward per SDE step (``grad``), gradient checkpointing, micro-batching.
         model: a ready trainer model (still fingerprint-checked).
         on_step: called with each step's ``StepOutput`` after its backward.
@@ -89,12 +102,17 @@ def recompute_run(
 
     Raises:
         ArtifactError: the source is incomplete, tampered or unreadable; the output location.
-        DriftToolError: fingerprint mismatch, bad mode or level, ``grad`` without an adapter.
+        DriftToolError: fingerprint mismatch, bad mode, level or device, ``grad`` without an
+            adapter, a given model on another device.
+        UnsupportedConfigError: a mode whose family cannot run on the device (strict on CUDA).
     """
     refuse_same_dir(source, out)
     stored = source if isinstance(source, StoredRollout) else load_rollout(source)
-    model = prepare_trainer(stored, options, model)
     m = check_mode(options.mode or stored.settings.get("mode", "strict"))
+    device = rerun_device(stored, options)
+    check_mode_device(m, device)  # before the model loads or the artifact opens
+    model = prepare_trainer(stored, options, model)
+    check_model_device(model, torch.device(device))
     level = check_level(options.capture or stored.manifest.get("capture_level") or "L1")
     if train.grad and not lora_parameters(model):
         raise DriftToolError("gradients (recompute --grad) need trainable LoRA parameters, and the "
@@ -112,8 +130,8 @@ def recompute_run(
     manifest = {
         "kind": "recompute",
         "fingerprint": fingerprint,
-        "settings": {**stored.settings, "mode": m.value, "capture": level},
-        "environment": environment(),
+        "settings": _settings(stored, m.value, level, device),
+        "environment": environment(device),
         "source": source_record(stored),
         "policy": policy_record(stored, tau),
         "train": _train_record(train),
@@ -140,8 +158,8 @@ def recompute_run(
             with torch.enable_grad():
                 fwd = micro_batched(sampler_model(model), train.micro_batch,
                                     trim_padding=train.trim_padding)
-                traj = recompute(fwd, stored.inputs, stored.latents, sampler, session.rt,
-                                 phase="train", callback=step_done)
+                traj = recompute(fwd, stored.inputs.to(device), stored.latents.to(device), sampler,
+                                 session.rt, phase="train", callback=step_done)
         finally:
             model.gradient_checkpointing = False
         seconds = time.perf_counter() - t0

@@ -17,10 +17,10 @@ from typing import Any, Callable
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.rollout import StepOutput
-from drifttool.settings import RunSpec
+from drifttool.settings import PATCH_PIXELS, RunSpec, check_mode, check_mode_device
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
-from drifttool.training.trainer import prepare_trainer
+from drifttool.training.trainer import prepare_trainer, rerun_device
 
 _SPEC_KEYS = ("steps", "cfg_scale", "eta", "seed", "samples", "dtype", "cfg_layout",
               "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "variant", "preset")
@@ -30,12 +30,16 @@ come from the options first)."""
 
 def replay_spec(stored: StoredRollout, options: RerunOptions) -> RunSpec:
     """The ``RunSpec`` of a replay of ``stored``: its settings, the options over them (the
-    stored weight variant belongs to the stored checkpoint: an overriding checkpoint drops it)."""
+    stored weight variant belongs to the stored checkpoint: an overriding checkpoint drops it;
+    the device is the options', else the rollout's). The image grid and the prompts are those
+    of the stored inputs (``replay_inputs``), never drawn anew."""
     s = stored.settings
     keys = [k for k in _SPEC_KEYS if not (k == "variant" and options.checkpoint)]
     kw = {k: s[k] for k in keys if s.get(k) is not None}
-    return RunSpec(**kw, fixture=options.fixture or s.get("fixture"),
+    h, w = (int(g) * PATCH_PIXELS for g in stored.inputs.img_grid)
+    return RunSpec(**kw, fixture=options.fixture or s.get("fixture"), height=h, width=w,
                    checkpoint=options.checkpoint or s.get("checkpoint"),
+                   device=rerun_device(stored, options),
                    mode=options.mode or s.get("mode", "strict"),
                    capture=options.capture or stored.manifest.get("capture_level"))
 
@@ -49,7 +53,8 @@ def replay_run(
     on_step: Callable[[StepOutput], Any] | None = None,
 ) -> dict[str, Any]:
     """Re-execute a rollout from its stored replay inputs (x0, SDE noise, prompts, masks) with the
-    manifest's settings and model; writes a rollout artifact with ``replay_of``. In strict mode
+    manifest's settings and model, on the options' device (default: the rollout's); writes a
+    rollout artifact with ``replay_of``. In strict mode
     ``drifttool diff SOURCE OUT`` is identical. An incomplete source is accepted (its inputs are
     written first).
 
@@ -66,7 +71,9 @@ def replay_run(
     if stored.manifest.get("model_source") and model is None:
         raise DriftToolError(f"{stored.path}: the run used another model implementation "
                              f"({stored.manifest['model_source']!r}); pass that model to replay_run")
+    spec = replay_spec(stored, options)
+    check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
     model = prepare_trainer(stored, options, model)
-    return execute(replay_spec(stored, options), out, overwrite=options.overwrite, on_step=on_step,
+    return execute(spec, out, overwrite=options.overwrite, on_step=on_step,
                    model=model, replay_inputs=(stored.inputs, stored.noise_record),
                    manifest_extra={"replay_of": source_record(stored)})

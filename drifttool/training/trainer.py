@@ -23,16 +23,28 @@ from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import load_lora, lora_record
 from drifttool.model.weights import weight_digest
-from drifttool.settings import DTYPES
+from drifttool.settings import DTYPES, check_device
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout
 
 
+def rerun_device(stored: StoredRollout, options: RerunOptions) -> str:
+    """The device of a replay or recompute: the options', else the rollout's recorded device
+    (``cpu`` when the manifest records none), checked (``settings.check_device``).
+
+    Raises:
+        DriftToolError: unknown device; CUDA unavailable (a GPU rollout replayed on a machine
+            without one: pass ``--device cpu``).
+    """
+    return check_device(options.device or stored.settings.get("device") or "cpu")
+
+
 def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
-                  checkpoint: str | Path | None = None, lora: str | Path | None = None):
+                  checkpoint: str | Path | None = None, lora: str | Path | None = None,
+                  device: str | torch.device = "cpu"):
     """The model the rollout manifest names (``checkpoint`` setting, else the fixture's model),
-    in its dtype, with its LoRA adapter; each can be overridden (checked by
-    ``check_fingerprint`` afterwards).
+    in its dtype, with its LoRA adapter, loaded onto ``device``; each can be overridden (checked
+    by ``check_fingerprint`` afterwards).
 
     Raises:
         DriftToolError: the fixture or checkpoint cannot be loaded.
@@ -48,7 +60,8 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
     dtype = DTYPES.get(s.get("dtype", "float32"))
     if dtype is None:
         raise ArtifactError(f"{stored.path}: unsupported model dtype {s.get('dtype')!r}")
-    model = load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"))
+    model = load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"),
+                            device=device)
     adapter = lora or s.get("lora")
     if adapter is not None:
         load_lora(model, adapter)
@@ -137,14 +150,15 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
 
 def prepare_trainer(stored: StoredRollout, options: RerunOptions, model=None):
     """The trainer's model for a replay or recompute of ``stored``: ``model`` if given, else
-    ``trainer_model`` with the options' overrides; fingerprint-checked either way.
+    ``trainer_model`` with the options' overrides on ``rerun_device``; fingerprint-checked
+    either way.
 
     Raises:
         DriftToolError: a LoRA override of a rollout that ran without one; fingerprint mismatch.
     """
     if model is None:
         model = trainer_model(stored, fixture=options.fixture, checkpoint=options.checkpoint,
-                              lora=options.lora)
+                              lora=options.lora, device=rerun_device(stored, options))
     if options.lora is not None and not stored.manifest.get("lora"):
         raise DriftToolError(f"{stored.path}: the rollout ran without a LoRA adapter, and a replay or "
                              "recompute re-runs the rollout's own model: drop --lora (to check an "
