@@ -25,18 +25,15 @@ def probe(
                                               "(replaces the preset's model)."),
     list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
     heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N for every run of the matrix (strict: CPU only)."),
-    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the preset's)."),
-    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the preset's)."),
     overwrite: bool = typer.Option(False, help="Replace an earlier probe matrix in OUT."),
     peer: Optional[str] = typer.Option(None, help="Run the peer matrix against another "
                                        "implementation instead: diffusers (its "
                                        "QwenImageTransformer2DModel, docs/probes.md)."),
-    device: Optional[str] = typer.Option(None, help="--peer: where the forwards run, cpu "
-                                         "(default) or cuda."),
-    height: Optional[int] = typer.Option(None, help="--peer: image height in pixels (multiple "
-                                         "of 16; default the fixture's grid)."),
-    width: Optional[int] = typer.Option(None, help="--peer: image width in pixels."),
+    device: Optional[str] = typer.Option(None, help="cpu (default) | cuda | cuda:N: where every "
+                                         "run of the matrix runs (the strict matrix: CPU only)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 "
+                                         "(default: the preset's grid)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16."),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
@@ -57,14 +54,12 @@ def probe(
         return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
                      grid=(height, width), list_only=list_only, heatmaps=heatmaps,
                      overwrite=overwrite)
-    if (device, height, width) != (None, None, None):
-        raise DriftToolError("--device, --height and --width go with --peer")
     if preset is not None and preset not in PRESETS:
         raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
     if preset is not None and checkpoint is not None:
         raise DriftToolError("give --preset or --checkpoint, not both")
     base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
-                   device=device, height=height, width=width)
+                   device=device or "cpu", height=height, width=width)
     settings, depth, _ = baseline_settings(base)
     probes = catalog(settings, depth)
     if only:
