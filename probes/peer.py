@@ -419,6 +419,8 @@ def run_peer(p: PeerProbe | None, base: RunSpec, transformer: torch.nn.Module,
              device: torch.device, run_dir: Path) -> dict[str, Any]:
     """One rollout of the peer (the baseline when ``p`` is None) written to ``run_dir``."""
     spec = base if p is None else dataclasses.replace(base, **dict(p.spec))
+    # the run's device is the transformer's: the runner refuses a model on another device
+    spec = dataclasses.replace(spec, device=str(device))
     model = PeerModel(transformer, PeerCall() if p is None else p.call, device)
     with planted_ulp(transformer, None if p is None else p.plant):
         return execute(spec, run_dir, overwrite=True, model=model)

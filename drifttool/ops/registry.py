@@ -393,11 +393,20 @@ def _dispatch(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any]) -> R
     return resolve(rt, op.name, args, kwargs)
 
 
-def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution,
+def _placed(res: Resolution, args: tuple, kwargs: dict[str, Any]) -> str:
+    """The device the call ran on, with its index (``"cuda:0"``): that of its first tensor
+    argument of the resolved device type; the type alone when it has none (``"cpu"``)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.device.type == res.device:
+            return str(v.device)
+    return res.device
+
+
+def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution, device: str,
            expanded: bool = False) -> None:
-    """Record the call site: contract, family requested and run, kernel, device, fallback; for a
-    fused operator whose internals the sink wanted, a note saying whether it ran as its
-    decomposition (``expanded``) or fused."""
+    """Record the call site: contract, family requested and run, kernel, device (``_placed``),
+    fallback; for a fused operator whose internals the sink wanted, a note saying whether it ran
+    as its decomposition (``expanded``) or fused."""
     note = ""
     if expanded:
         note = f"run as its decomposition {'/'.join(op.decomposition.ops)} to capture the internals"
@@ -413,7 +422,7 @@ def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution,
         fallback=bool(res.reason),
         reason=res.reason or note,
         declared=rt.mode.fallback is not None,
-        device=res.device,
+        device=device,
     )
 
 
@@ -439,11 +448,11 @@ def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: 
         # records of an L1 run are a subset of the L2 run's
         out = _decomposed(rt, op, stream, layout, args, kwargs)
         site = rt.site(op.name, stream)
-        _trace(rt, site, op, res, expanded=True)
+        _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=True)
     else:
         out = res.impl.fn(*args, **kwargs)
         site = rt.site(op.name, stream)
-        _trace(rt, site, op, res)
+        _trace(rt, site, op, res, _placed(res, args, kwargs))
     capture_outputs(rt, site, out, layout, role)
     return out
 
