@@ -334,6 +334,21 @@ def _device_rows(t: torch.Tensor, row_axis: int | None) -> PendingRows | None:
                         keep_rows=False)
 
 
+def _segment_sums(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Exact sums of ``x`` (int64 ``[K, total]``, values in ``[0, 2**43)``) over the column
+    segments ``[start, start + length)``: ``[K, n_segments]``. Prefix sums of the low 22 and the
+    high 21 bits apart stay below 2**63 for up to 2**41 columns; a segment of at most
+    ``ROW_CHUNK`` columns sums below 2**59. No atomics: the same work on any device, in any
+    segment layout (``index_add_`` serialises on the few records a step has)."""
+    pad = torch.nn.functional.pad
+    out = None
+    for shift, mask in ((0, (1 << 22) - 1), (22, (1 << 21) - 1)):
+        cs = pad(torch.cumsum((x >> shift) & mask, dim=1), (1, 0))
+        part = (cs[:, starts + lengths] - cs[:, starts]) << shift
+        out = part if out is None else out + part
+    return out
+
+
 def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | None, np.ndarray]]:
     """Level 2 and the summaries of ``pending`` (one device), vectorised over every record:
     ``(V without header, kept rows or None, float64 [4] stats)`` per record, one read-back."""
@@ -376,7 +391,6 @@ def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | Non
     total = int(lens_np.sum())
     pos = torch.arange(total, device=dev, dtype=torch.int64)
     idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
-    rec_id = torch.repeat_interleave(torch.arange(nrec, device=dev), d_rec, output_size=total)
     local = pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
     rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
     stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
@@ -385,9 +399,7 @@ def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | Non
     c = _consts(dev)
     tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
     prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
-    u = torch.zeros(nrec, 9, dtype=torch.int64, device=dev)
-    u.index_add_(0, rec_id, prod.reshape(9, -1).t())  # integer sums: exact in any order
-    u = u.t().reshape(3, 3, nrec)
+    u = _segment_sums(prod.reshape(9, -1), d_rcum, d_rec).reshape(3, 3, nrec)
     v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
     s = stats_all[idx]
     lengths = d_rec
