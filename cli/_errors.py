@@ -28,6 +28,26 @@ def _os_error(e: OSError) -> str:
     return f"{where}: {e.strerror or e}"
 
 
+def torch_oom() -> type[BaseException]:
+    """``torch.OutOfMemoryError`` when torch is loaded (the CLI imports it lazily), else a class
+    nothing raises."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", _NeverRaised) if torch is not None else _NeverRaised
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+def _out_of_memory(where: str, e: BaseException) -> str:
+    """One line for a run that does not fit in memory (``where``: host or device)."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return (f"out of {where} memory: {first} (a smaller --height/--width, batch or capture "
+            "level fits)")
+
+
 def _launched_ranks() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) set by torchrun, (0, 1) otherwise or when unreadable (the command's
     own launch checks name a bad value)."""
@@ -40,7 +60,8 @@ def _launched_ranks() -> tuple[int, int]:
 def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = False
                 ) -> Callable[..., Any]:
     """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
-    directory, permission denied, name too long, disk full) and Ctrl-C → one line, exit 2; any
+    directory, permission denied, name too long, disk full), running out of host or device
+    memory and Ctrl-C → one line, exit 2; any
     other exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means
     drift); a closed stdout (``| head``) keeps the command's own exit code.
 
@@ -67,6 +88,12 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
             raise
         except BrokenPipeError:
             silence_stdout()
+            raise typer.Exit(2) from None
+        except MemoryError as e:  # numpy's _ArrayMemoryError too: the run does not fit, no bug
+            error_line(_out_of_memory("host", e))
+            raise typer.Exit(2) from None
+        except torch_oom() as e:
+            error_line(_out_of_memory("device", e))
             raise typer.Exit(2) from None
         except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
             if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors

@@ -356,7 +356,13 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _check_pixels(key: str, value: Any) -> int:
+def check_pixels(key: str, value: Any) -> int:
+    """``value`` if it is an image size a run can use: a multiple of 16 pixels from 16 to
+    ``MAX_PIXELS``.
+
+    Raises:
+        DriftToolError: naming ``key`` (``height``, ``width``).
+    """
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or not 0 < value <= MAX_PIXELS or value % PATCH_PIXELS:
         raise DriftToolError(f"{key} must be a multiple of {PATCH_PIXELS} pixels from {PATCH_PIXELS} "
@@ -367,8 +373,8 @@ def _check_pixels(key: str, value: Any) -> int:
 def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
     """The patch grid: ``height``/``width`` in pixels over the fixture's ``img_grid``."""
     grid = base.get("img_grid")
-    h = None if spec.height is None else _check_pixels("height", spec.height) // PATCH_PIXELS
-    w = None if spec.width is None else _check_pixels("width", spec.width) // PATCH_PIXELS
+    h = None if spec.height is None else check_pixels("height", spec.height) // PATCH_PIXELS
+    w = None if spec.width is None else check_pixels("width", spec.width) // PATCH_PIXELS
     if grid is None and (h is None or w is None):
         return None
     return (int(grid[0]) if h is None else h, int(grid[1]) if w is None else w)

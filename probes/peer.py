@@ -74,7 +74,8 @@ from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.probes.runner import ERROR, OBSERVED, PENDING, Matrix, ProbeResult, _from_report, judge
 from drifttool.probes.spec import Expectation
 from drifttool.runner import execute
-from drifttool.settings import RunSpec, resolve
+from drifttool.settings import RunSpec, check_pixels, resolve
+from drifttool.settings import check_device as settings_check_device
 
 PEER_STEPS = 2
 PEER_SLOTS = 128
@@ -540,20 +541,13 @@ def describe(p: PeerProbe) -> str:
 
 
 def check_device(device: str | None) -> torch.device:
-    """``device`` (default ``cpu``) as a ``torch.device`` of type cpu or cuda.
+    """``device`` (default ``cpu``) as a ``torch.device``: ``settings.check_device``'s rules
+    (cpu, cuda or cuda:N, available here).
 
     Raises:
-        DriftToolError: another device type, an unparsable name, or cuda without a CUDA device.
+        DriftToolError: as ``drifttool.settings.check_device``.
     """
-    try:
-        dev = torch.device(device or "cpu")
-    except RuntimeError:
-        raise DriftToolError(f"unknown device {device!r} (cpu or cuda)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise DriftToolError(f"unsupported device {device!r} (cpu or cuda)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DriftToolError(f"--device {device}: no CUDA device is available")
-    return dev
+    return torch.device(settings_check_device(device or "cpu"))
 
 
 def pixel_grid(height: int | None, width: int | None) -> tuple[int, int] | None:
@@ -561,13 +555,11 @@ def pixel_grid(height: int | None, width: int | None) -> tuple[int, int] | None:
     8x VAE, 2x2 packing), or ``None`` when neither is given.
 
     Raises:
-        DriftToolError: only one given, or not a positive multiple of 16.
+        DriftToolError: only one given, or not a multiple of 16 from 16 to
+            ``settings.MAX_PIXELS`` (``settings.check_pixels``).
     """
     if height is None and width is None:
         return None
     if height is None or width is None:
         raise DriftToolError("give --height and --width together")
-    bad = [f"{n} {v}" for n, v in (("height", height), ("width", width)) if v < 16 or v % 16]
-    if bad:
-        raise DriftToolError(f"{', '.join(bad)}: image sizes are positive multiples of 16 pixels")
-    return height // 16, width // 16
+    return check_pixels("height", height) // 16, check_pixels("width", width) // 16

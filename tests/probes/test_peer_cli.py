@@ -26,7 +26,7 @@ def test_list_needs_no_output(cli):
     (("--peer", "diffusers", "--only", "repeat,nope", "-o", "{tmp}"), "unknown peer probe"),
     (("--peer", "diffusers", "--only", "repeat"), "give -o/--out"),
     (("--peer", "diffusers", "--device", "tpu", "-o", "{tmp}"), "device"),
-    (("--peer", "diffusers", "--height", "1000", "--width", "1024", "-o", "{tmp}"), "multiples of 16"),
+    (("--peer", "diffusers", "--height", "1000", "--width", "1024", "-o", "{tmp}"), "multiple of 16"),
     (("--peer", "diffusers", "--height", "1024", "-o", "{tmp}"), "--height and --width together"),
     (("--peer", "diffusers", "--preset", "tiny", "--checkpoint", "{tmp}", "-o", "{tmp}"), "--peer runs"),
     (("--device", "tpu", "-o", "{tmp}"), "device"),  # the strict matrix checks it too
@@ -40,7 +40,7 @@ def test_usage_errors_exit_2(cli, tmp_path, args, words):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_cuda_without_a_gpu_exits_2(cli, tmp_path):
     code, out = cli("probe", "--peer", "diffusers", "--device", "cuda", "-o", tmp_path / "m")
-    assert code == 2 and "no CUDA device" in out
+    assert code == 2 and "CUDA is not available" in out
 
 
 def test_runs_renders_writes_and_overwrites(cli, tmp_path):
