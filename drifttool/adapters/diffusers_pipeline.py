@@ -233,15 +233,17 @@ class _PipelineCall:
                 "uncaptured": UNCAPTURED}
 
     def finish(self) -> bool:
-        """Write the replay inputs (the first step's transformer inputs; x0 upcast exactly to
-        fp32, as ``RolloutInputs`` holds it) and close the artifact. Returns ``complete``."""
+        """Write the replay inputs (the first step's transformer inputs; x0 and the prompt
+        embeddings upcast exactly to fp32, as ``RolloutInputs`` holds them and ``drifttool run``
+        stores them, so a run fed the same values has the same input bytes) and close the
+        artifact. Returns ``complete``."""
         got = self.inputs
         neg = got.get("neg_txt")
         inputs = RolloutInputs(
             sample_ids=list(self.samples), x0=got["x0"].detach().float().cpu(),
-            txt=got["txt"].detach().cpu(), img_grid=self.grid,
+            txt=got["txt"].detach().float().cpu(), img_grid=self.grid,
             txt_mask=None if got.get("mask") is None else got["mask"].detach().cpu().bool(),
-            neg_txt=None if neg is None else neg.detach().cpu(),
+            neg_txt=None if neg is None else neg.detach().float().cpu(),
             neg_mask=None if got.get("neg_mask") is None else got["neg_mask"].detach().cpu().bool())
         tensors = replay_tensors(inputs)
         self.session.write_inputs(tensors)

@@ -4,8 +4,9 @@ transformer (``run_diffusers``) on the same inputs, record for record.
 drifttool's sampler reproduces the pipeline's loop exactly when latents stay fp32 (fp32 model,
 timestep policy ``t_div_1000_fp32``, sequential CFG, η = 0: the SDE step is then the Euler step):
 every common record of every step is identical. In bf16 the pipeline keeps bf16 latents between
-steps and drifttool fp32, so only step 0 (same x_t, same timestep under ``pipeline_bf16``) is
-comparable until a production preset reproduces the pipeline's loop.
+steps and drifttool's default sampler fp32, so there only step 0 (same x_t, same timestep under
+``pipeline_bf16``) is comparable; under ``--preset diffusers`` the whole bf16 trajectory diffs
+IDENTICAL.
 """
 
 from __future__ import annotations
@@ -82,3 +83,39 @@ def test_fp32_pipeline_capture_equals_the_sampler_driven_run_at_every_step(tmp_p
     # one thing that keeps the verdict from "identical"
     assert rep.input_differences == ["inputs.noise: only in run A"]
     assert rep.verdict is Verdict.INCONCLUSIVE
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_pipeline_capture_diffs_identical_against_the_diffusers_preset(level, tmp_path):
+    """The whole bf16 trajectory: drifttool's sampler under ``--preset diffusers`` (bf16 latents
+    between steps, the scheduler's step) driving the same transformer on bf16 prompt embeddings
+    from files (``--prompt-embeds``), against the captured pipeline call on the same inputs:
+    IDENTICAL, every record of every step compared (the pipeline's declared-uncaptured
+    mu/std/logp aside), replay inputs included."""
+    from safetensors.torch import save_file
+
+    tr = load_transformer(FIXTURE_MODEL, torch.bfloat16)
+    w = torch.bfloat16
+    run_diffusers(RunSpec(mode="auto", preset="diffusers", capture="L0", batch=3),
+                  tmp_path / "draw", transformer=tr)
+    drawn = inputs_from_tensors(load_file(tmp_path / "draw" / "inputs.safetensors"))
+    files = {}
+    for role, txt, mask in (("pe", drawn.txt, drawn.txt_mask), ("ne", drawn.neg_txt, drawn.neg_mask)):
+        files[role] = tmp_path / f"{role}.safetensors"
+        t = {"prompt_embeds": txt.to(w).contiguous()}
+        if mask is not None:  # None: every token valid (diffusers drops an all-ones mask)
+            t["prompt_embeds_mask"] = mask.to(torch.int64).contiguous()
+        save_file(t, str(files[role]))
+    run_diffusers(RunSpec(mode="auto", preset="diffusers", capture=level, batch=3,
+                          prompt_embeds=files["pe"], negative_prompt_embeds=files["ne"]),
+                  tmp_path / "preset", transformer=tr)
+    inp = inputs_from_tensors(load_file(tmp_path / "preset" / "inputs.safetensors"))
+    capture_pipeline(tiny_pipeline(tr), tmp_path / "pipeline", level=level,
+                     prompt_embeds=inp.txt.to(w), prompt_embeds_mask=inp.txt_mask,
+                     negative_prompt_embeds=inp.neg_txt.to(w),
+                     negative_prompt_embeds_mask=inp.neg_mask, latents=inp.x0.to(w),
+                     height=16 * inp.img_grid[0], width=16 * inp.img_grid[1],
+                     num_inference_steps=spec_steps(tmp_path / "preset"), true_cfg_scale=4.0)
+    rep = diff_runs(open_run(tmp_path / "preset"), open_run(tmp_path / "pipeline"))
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert rep.counts["ops"].differ == 0 and rep.counts["ops"].matched > 500
