@@ -89,6 +89,16 @@ def _read(path: str | Path, option: str) -> tuple[dict[str, torch.Tensor], dict[
     return tensors, {"path": str(p.resolve()), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _only(tensors: dict[str, torch.Tensor], keys: tuple[str, ...], where: str) -> None:
+    """Refuse a tensor under a key outside ``keys``: it would be ignored silently (e.g. a
+    ``negative_prompt_embeds`` in the prompt file would silently turn CFG off)."""
+    unexpected = sorted(set(tensors) - set(keys))
+    if unexpected:
+        raise DriftToolError(f"{where}: unexpected key(s) {unexpected[:5]} (this file holds "
+                             f"{' and '.join(repr(k) for k in keys)} only; a negative prompt goes "
+                             "in its own --negative-prompt-embeds file)")
+
+
 def _tensor(tensors: dict[str, torch.Tensor], key: str, where: str, rank: int,
             dims: str) -> torch.Tensor:
     if key not in tensors:
@@ -146,12 +156,14 @@ def read_embeds(path: str | Path, option: str, joint_dim: int
     """(txt [B, L, D] fp32, mask [B, L] bool or None, file record) of a prompt-embeddings file.
 
     Raises:
-        DriftToolError: unreadable file; missing key; wrong rank, width ≠ ``joint_dim``, dtype or
-            non-finite values; a mask of another shape, not 0/1, or not right-padded.
+        DriftToolError: unreadable file; missing or unexpected key; wrong rank, width ≠
+            ``joint_dim``, dtype or non-finite values; a mask of another shape, not 0/1, or not
+            right-padded.
     """
     tensors, record = _read(path, option)
     where = f"{option} {path}"
     t = _tensor(tensors, EMBEDS_KEY, where, 3, f"[B, L, joint_attention_dim={joint_dim}]")
+    _only(tensors, (EMBEDS_KEY, MASK_KEY), where)
     if t.shape[2] != joint_dim:
         raise DriftToolError(f"{where}: {EMBEDS_KEY!r} has width {t.shape[2]}, the model's "
                              f"joint_attention_dim is {joint_dim}")
@@ -164,13 +176,14 @@ def read_latents(path: str | Path, option: str, img_grid: tuple[int, int], chann
     """(x0 [B, N, Cp] fp32, file record) of a packed-latents file (N = h·w, Cp = ``channels``).
 
     Raises:
-        DriftToolError: unreadable file; missing key; wrong rank, token count, channels, dtype
-            or non-finite values.
+        DriftToolError: unreadable file; missing or unexpected key; wrong rank, token count,
+            channels, dtype or non-finite values.
     """
     tensors, record = _read(path, option)
     where = f"{option} {path}"
     h, w = img_grid
     t = _tensor(tensors, LATENTS_KEY, where, 3, f"packed [B, N={h * w}, in_channels={channels}]")
+    _only(tensors, (LATENTS_KEY,), where)
     if t.shape[1] != h * w:
         raise DriftToolError(f"{where}: {LATENTS_KEY!r} holds {t.shape[1]} image tokens, the "
                              f"{h}x{w} patch grid ({16 * h}x{16 * w} px) has {h * w}; give the "

@@ -287,6 +287,12 @@ def _bad_files(tmp_path):
     good = f("good", {"prompt_embeds": txt, "prompt_embeds_mask": mask})
     cases.append(("missing key", {"--prompt-embeds": f("nokey", {"embeds": txt})}, [],
                   ["nokey.safetensors", "no tensor 'prompt_embeds'", "embeds"]))
+    cases.append(("extra key", {"--prompt-embeds": f("extra", {"prompt_embeds": txt, "prompt_embeds_mask": mask,
+                                                              "negative_prompt_embeds": txt.clone()})}, [],
+                  ["extra.safetensors", "unexpected key(s) ['negative_prompt_embeds']", "--negative-prompt-embeds"]))
+    cases.append(("latents extra", {"--latents": f("lextra", {"latents": torch.zeros(2, 24, CP),
+                                                            "x0": torch.zeros(1)})}, [],
+                  ["lextra.safetensors", "unexpected key(s) ['x0']"]))
     cases.append(("rank", {"--prompt-embeds": f("rank", {"prompt_embeds": txt[0]})}, [],
                   ["rank.safetensors", "'prompt_embeds' has shape [7, 32]", "[B, L, joint_attention_dim=32]"]))
     cases.append(("width", {"--prompt-embeds": f("width", {"prompt_embeds": torch.zeros(2, 7, 48)})}, [],
