@@ -96,8 +96,10 @@ def run(
     if dist.world_size > 1:
         table.add_row("ranks", f"{dist.world_size} (sample-parallel)")
     record = settings.record()
-    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout"):
-        table.add_row(key, str(record.get(key)))
+    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset"):
+        if key in record:
+            table.add_row(key, str(record[key]))
+    table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
     table.add_row("image", "{}x{} px".format(*settings.image_size))
     table.add_row("device", settings.device)
     for role, rec in (record.get("input_files") or {}).items():
@@ -106,6 +108,9 @@ def run(
     if summary["nonfinite"]:
         err.print(f"[bold yellow]warning:[/] {summary['nonfinite']} non-finite values in the "
                   "trajectory's latents and velocities (recorded in the artifact's non-finite counts)")
+    if settings.cfg_branches == 1 and settings.cfg_scale > 1:
+        err.print(f"[bold yellow]note:[/] CFG is off although cfg_scale is {settings.cfg_scale:g}: "
+                  "no negative prompt was given (diffusers' rule; add --negative-prompt-embeds)")
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

@@ -417,7 +417,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         raise DriftToolError(f"unknown timestep_policy {s['timestep_policy']!r} "
                              f"(one of {', '.join(TIMESTEP_POLICIES)})")
     mode = check_mode(spec.mode)
-    device = check_device(spec.device or "cpu")
+    device = check_device("cpu" if spec.device is None else spec.device)
     check_mode_device(mode, device)
     if s["dtype"] not in DTYPES:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")

@@ -547,7 +547,7 @@ def check_device(device: str | None) -> torch.device:
     Raises:
         DriftToolError: as ``drifttool.settings.check_device``.
     """
-    return torch.device(settings_check_device(device or "cpu"))
+    return torch.device(settings_check_device("cpu" if device is None else device))
 
 
 def pixel_grid(height: int | None, width: int | None) -> tuple[int, int] | None:

@@ -285,6 +285,9 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         ArtifactError: ``out`` cannot be created.
     """
     check_level(level)
+    if not all(hasattr(pipe, a) for a in ("transformer", "scheduler")) or not callable(pipe):
+        raise DriftToolError(f"expected a diffusers QwenImagePipeline (a callable with .transformer "
+                             f"and .scheduler), got {type(pipe).__name__}")
     if pipe_kwargs.get("prompt_embeds") is None:
         raise UnsupportedConfigError("capture_pipeline needs prompt_embeds (and their mask): the "
                                      "capture runs the pipeline without its text encoder")

@@ -75,7 +75,8 @@ def _diffusers_module():
     try:
         return importlib.import_module(_DIFFUSERS_MODULE)
     except ImportError as e:
-        raise DriftToolError(f"the diffusers capture adapter needs diffusers installed ({e})") from None
+        raise DriftToolError(f"the diffusers capture adapter needs diffusers installed ({e}; "
+                             "pip install 'diffusers>=0.42,<0.43', or the package's [test] extra)") from None
 
 
 # -- attention backend read-back -----------------------------------------------------------------

@@ -69,8 +69,11 @@ def replay_run(
         raise DriftToolError(f"{stored.path}: the run replaced operators ({', '.join(stored.manifest['variants'])}); "
                              "a replay cannot re-create them (use the probe that made it)")
     if stored.manifest.get("model_source") and model is None:
-        raise DriftToolError(f"{stored.path}: the run used another model implementation "
-                             f"({stored.manifest['model_source']!r}); pass that model to replay_run")
+        src = stored.manifest["model_source"]
+        name = src.get("implementation", "another implementation") if isinstance(src, dict) else src
+        raise DriftToolError(f"{stored.path}: captured from {name}, not drifttool's model: the CLI "
+                             "cannot re-create it (in Python, pass that model to "
+                             "drifttool.training.replay.replay_run(model=...))")
     spec = replay_spec(stored, options)
     check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
     model = prepare_trainer(stored, options, model)

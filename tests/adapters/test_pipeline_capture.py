@@ -245,6 +245,8 @@ def test_capture_refuses_what_it_cannot_capture(transformers, tmp_path):
         capture_pipeline(pipe, tmp_path / "x", **{**kw, "prompt_embeds": None})
     with pytest.raises(DriftToolError, match="capture level"):
         capture_pipeline(pipe, tmp_path / "x", level="L3", **kw)
+    with pytest.raises(DriftToolError, match="expected a diffusers QwenImagePipeline"):
+        capture_pipeline(object(), tmp_path / "x", **kw)
     pipe.scheduler = FlowMatchHeunDiscreteScheduler()
     with pytest.raises(UnsupportedConfigError, match="order 2"):
         capture_pipeline(pipe, tmp_path / "x", **kw)
