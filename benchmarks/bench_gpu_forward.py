@@ -17,6 +17,7 @@ median is reported. A second table gives the digest kernel's throughput against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
@@ -62,7 +63,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rt = Runtime(mode="auto" if rec else "off", recorder=rec)
     with torch.no_grad(), rt.scope(**scope):
         if impl == "diffusers":
-            ctx = instrument(tr, rt) if rec else _null()
+            ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                    timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
@@ -72,14 +73,6 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
         return 0
     rec.flush()
     return rec.ops_table().num_rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return None
 
 
 def timed(fn) -> float:

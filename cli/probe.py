@@ -44,7 +44,6 @@ def probe(
     outputs and exit codes; OBSERVED probes are reported, never judged.
     """
     from drifttool.probes.catalog import catalog  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: likewise
     from drifttool.probes.runner import baseline_settings, run_matrix  # lazy: likewise
     from drifttool.settings import RunSpec  # lazy: likewise
 
@@ -83,12 +82,7 @@ def probe(
             status.update(f"probe matrix: {r.name} {r.status}")
 
         matrix = run_matrix(probes, out, base=base, on_result=progress)
-    render_matrix(matrix, console)
-    jpath, apath = write_matrix(matrix, out)
-    drawn = _heatmaps(matrix, out) if heatmaps else []
-    console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
-                                               if drawn else ""), highlight=False)
-    raise typer.Exit(matrix.exit_code)
+    _report(matrix, out, heatmaps)
 
 
 def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
@@ -96,7 +90,6 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
           heatmaps: bool, overwrite: bool) -> None:
     """``drifttool probe --peer NAME``: the peer matrix (``drifttool.probes.peer``)."""
     from drifttool.probes import peer as P  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: likewise
 
     if name not in P.PEERS:
         raise DriftToolError(f"unknown peer {name!r} (one of {list(P.PEERS)})")
@@ -121,6 +114,13 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
             probes, out, transformer=transformer, device=dev,
             base=P.peer_baseline(checkpoint=checkpoint, fixture=fixture),
             on_result=lambda r: status.update(f"peer matrix: {r.name} {r.status}"))
+    _report(matrix, out, heatmaps)
+
+
+def _report(matrix, out: Path, heatmaps: bool) -> None:
+    """Print the matrix, write OUT/matrix.arrow and .json (and the heatmaps), exit with its code."""
+    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: keeps torch out of --help
+
     render_matrix(matrix, console)
     jpath, apath = write_matrix(matrix, out)
     drawn = _heatmaps(matrix, out) if heatmaps else []

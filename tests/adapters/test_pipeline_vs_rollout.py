@@ -35,14 +35,20 @@ def _pair(tmp, dtype: str, policy: str, level: str):
                    dtype=dtype, capture=level, batch=3)
     run_diffusers(spec, tmp / "sampler", transformer=tr)
     inp = inputs_from_tensors(load_file(tmp / "sampler" / "inputs.safetensors"))
-    w = tr.dtype  # the sampler casts latents and prompts to the model dtype at the model input
-    capture_pipeline(tiny_pipeline(tr), tmp / "pipeline", level=level,
+    _capture(tr, inp, tmp / "pipeline", level, spec_steps(tmp / "sampler"))
+    return open_run(tmp / "sampler"), open_run(tmp / "pipeline")
+
+
+def _capture(tr, inp, out, level: str, steps: int) -> None:
+    """``capture_pipeline`` of the real pipeline on the replay inputs ``inp``, cast to the model
+    dtype (the sampler casts latents and prompts to it at the model input)."""
+    w = tr.dtype
+    capture_pipeline(tiny_pipeline(tr), out, level=level,
                      prompt_embeds=inp.txt.to(w), prompt_embeds_mask=inp.txt_mask,
                      negative_prompt_embeds=inp.neg_txt.to(w),
                      negative_prompt_embeds_mask=inp.neg_mask, latents=inp.x0.to(w),
                      height=16 * inp.img_grid[0], width=16 * inp.img_grid[1],
-                     num_inference_steps=spec_steps(tmp / "sampler"), true_cfg_scale=4.0)
-    return open_run(tmp / "sampler"), open_run(tmp / "pipeline")
+                     num_inference_steps=steps, true_cfg_scale=4.0)
 
 
 def spec_steps(path) -> int:
@@ -110,12 +116,7 @@ def test_pipeline_capture_diffs_identical_against_the_diffusers_preset(level, tm
                           prompt_embeds=files["pe"], negative_prompt_embeds=files["ne"]),
                   tmp_path / "preset", transformer=tr)
     inp = inputs_from_tensors(load_file(tmp_path / "preset" / "inputs.safetensors"))
-    capture_pipeline(tiny_pipeline(tr), tmp_path / "pipeline", level=level,
-                     prompt_embeds=inp.txt.to(w), prompt_embeds_mask=inp.txt_mask,
-                     negative_prompt_embeds=inp.neg_txt.to(w),
-                     negative_prompt_embeds_mask=inp.neg_mask, latents=inp.x0.to(w),
-                     height=16 * inp.img_grid[0], width=16 * inp.img_grid[1],
-                     num_inference_steps=spec_steps(tmp_path / "preset"), true_cfg_scale=4.0)
+    _capture(tr, inp, tmp_path / "pipeline", level, spec_steps(tmp_path / "preset"))
     rep = diff_runs(open_run(tmp_path / "preset"), open_run(tmp_path / "pipeline"))
     assert rep.verdict is Verdict.IDENTICAL, rep.reason
     assert rep.counts["ops"].differ == 0 and rep.counts["ops"].matched > 500
