@@ -25,12 +25,17 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 
 
 @pytest.fixture
-def cli():
-    """Invoke the drifttool CLI in-process; returns (exit_code, stdout + stderr)."""
+def cli(monkeypatch):
+    """Invoke the drifttool CLI in-process; returns (exit_code, stdout + stderr). The consoles
+    print as they do into a pipe (``PIPE_WIDTH`` columns), whatever ``COLUMNS`` the test process
+    inherited (pytest-xdist workers get 80), so tables wrap the same on every machine."""
     from typer.testing import CliRunner
 
+    from drifttool.cli import _console
     from drifttool.cli.app import app
 
+    for con in (_console.console, _console.err):
+        monkeypatch.setattr(con, "width", _console.PIPE_WIDTH)
     runner = CliRunner()
 
     def invoke(*args: str):
