@@ -52,6 +52,10 @@ def run(
         None, help="Likewise for the negative prompt (without it, file prompts run without CFG)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1, 2, 4, 8): attention heads and MLP channels over ranks; strict only."),
+    sp: int = typer.Option(1, "--sp", help="Sequence-parallel degree (1, 2, 4, 8): image rows and their RoPE positions over ranks; strict only."),
+    sp_attention: str = typer.Option("agrs", "--sp-attention", help="agrs | ulysses | ring: how SP attention sees every key."),
+    cfg_parallel: int = typer.Option(1, "--cfg-parallel", help="1 or 2: one CFG branch per rank (needs CFG on)."),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
@@ -61,9 +65,12 @@ def run(
     `--height/--width` set the image size; `--prompt-embeds`, `--negative-prompt-embeds` and
     `--latents` take a real pipeline's inputs from safetensors files. Under torchrun
     (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's
-    samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints.
+    samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints. With
+    `--tp/--sp/--cfg-parallel` (their product = the number of ranks) the ranks run every sample
+    under that parallel layout instead, and the artifact diffs identical to one process.
     """
-    from drifttool.distributed import close_distributed, init_distributed  # lazy: likewise
+    from drifttool.distributed import close_distributed, init_distributed, launch_env  # lazy: likewise
+    from drifttool.distributed.plan import MESH_DIMS, ParallelDims  # lazy: likewise
     from drifttool.runner import execute  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
@@ -75,17 +82,25 @@ def run(
         latents=latents,
     )
     _, settings = resolve(spec)
+    dims = ParallelDims(tp=tp, sp=sp, cfg=cfg_parallel, sp_attention=sp_attention)
+    launch = launch_env()
+    if dims.parallel and (launch is None or launch.world_size != dims.world_size):
+        raise DriftToolError(
+            f"--tp {tp} --sp {sp} --cfg-parallel {cfg_parallel} needs {dims.world_size} ranks: launch "
+            f"with torchrun --nproc-per-node {dims.world_size} -m drifttool run ..."
+            + (f" (this launch has {launch.world_size})" if launch is not None else ""))
     # one process without torchrun; under it, rank r runs on cuda:LOCAL_RANK for --device cuda
-    dist = init_distributed(device=settings.device.split(":")[0], mesh_dims=("sample",))
+    mesh = dict(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape()) if dims.parallel else dict(mesh_dims=("sample",))
+    dist = init_distributed(device=settings.device.split(":")[0], **mesh)
     try:
         if dist.rank == 0:
             with progress() as bar:
                 task = step_task(bar, f"{settings.mode.value} rollout", settings.steps,
                                  len(settings.samples), settings.cfg_branches)
-                summary = execute(spec, out, overwrite=overwrite, dist=dist,
+                summary = execute(spec, out, overwrite=overwrite, dist=dist, parallel=dims,
                                   on_step=lambda _: bar.advance(task))
         else:
-            summary = execute(spec, out, overwrite=overwrite, dist=dist)
+            summary = execute(spec, out, overwrite=overwrite, dist=dist, parallel=dims)
     finally:
         close_distributed(dist)
     if dist.rank != 0:
@@ -93,7 +108,10 @@ def run(
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))
-    if dist.world_size > 1:
+    if dims.parallel:
+        table.add_row("ranks", f"{dist.world_size} (tp {tp} × sp {sp}"
+                               + (f" {sp_attention}" if sp > 1 else "") + f" × cfg {cfg_parallel})")
+    elif dist.world_size > 1:
         table.add_row("ranks", f"{dist.world_size} (sample-parallel)")
     record = settings.record()
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset"):

@@ -89,6 +89,8 @@ class ArtifactSession:
         layout: description of how the run is laid out over the ranks (``{"kind": "single"}``
             for one process; a multi-rank layout also names e.g. each rank's samples); merged
             into the manifest's ``layout``.
+        plan: the parallel plan (``drifttool.distributed.plan.ParallelPlan``) the runtime applies
+            to every operator call; ``None`` for one device and for sample-parallel runs.
 
     Attributes:
         rt, recorder, writer: set by ``open`` (``recorder`` None when the mode captures nothing).
@@ -101,7 +103,7 @@ class ArtifactSession:
                  unavailable: set[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
                  variants: Mapping[str, tuple[str, Callable[..., Any]]] | None = None,
                  rank: int = 0, world_size: int = 1,
-                 layout: Mapping[str, Any] = SINGLE_LAYOUT) -> None:
+                 layout: Mapping[str, Any] = SINGLE_LAYOUT, plan: Any = None) -> None:
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
         if int(layout.get("world_size", world_size)) != int(world_size):
@@ -113,6 +115,7 @@ class ArtifactSession:
         self.variants = dict(variants or {})
         self.rank, self.world_size = int(rank), int(world_size)
         self.layout = dict(layout)
+        self.plan = plan
         self.rt: Runtime | None = None
         self.recorder: Recorder | None = None
         self.writer: ArtifactWriter | None = None
@@ -157,7 +160,8 @@ class ArtifactSession:
             self.recorder = Recorder(level=self.level, writer=self.writer, rank=self.rank)
         try:
             self.rt = Runtime(mode=self.mode, recorder=self.recorder, rank=self.rank,
-                              unavailable=set(self.unavailable), variants=dict(self.variants))
+                              unavailable=set(self.unavailable), variants=dict(self.variants),
+                              plan=self.plan)
         except BaseException as e:
             close_incomplete(None, self.recorder, self.writer, e)
             raise

@@ -19,6 +19,7 @@ import torch
 
 import drifttool.ops  # noqa: F401  (registers every operator backend)
 from drifttool.distributed import DistContext, rank_samples, sample_parallel_layout
+from drifttool.distributed.plan import ParallelDims, ParallelPlan
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
@@ -73,6 +74,7 @@ def execute(
     replay_inputs: tuple[RolloutInputs, dict[str, Any]] | None = None,
     manifest_extra: dict[str, Any] | None = None,
     dist: DistContext | None = None,
+    parallel: ParallelDims | None = None,
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
 
@@ -86,6 +88,11 @@ def execute(
     rank builds the same manifest and replay inputs for the whole batch, runs its own samples and
     writes its own records into the one artifact (``layout.kind = "sample_parallel"``); strict
     arithmetic is batch-invariant, so the artifact diffs identical to one process.
+
+    ``parallel`` (with ``dist`` launched on the mesh ``plan.MESH_DIMS`` of its shape) runs every
+    sample on every rank under a parallel plan instead: TP shards heads and MLP channels, SP image
+    rows, CFG-parallel one branch per rank (``drifttool.distributed.plan``); each record is
+    written by its owning rank (``layout.kind = "parallel"``).
 
     ``model`` replaces the checkpoint's ``MMDiT`` with another implementation of the same call
     (``config``, ``dtype``, named parameters under the checkpoint's names, and
@@ -131,14 +138,21 @@ def execute(
         inputs, noise_rec = s.inputs(fx, model.config)
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
-    mine, layout = inputs, SINGLE_LAYOUT
-    if dist.distributed:  # before the artifact opens: a refusal here reaches every rank
+    mine, layout, plan = inputs, SINGLE_LAYOUT, None
+    if parallel is not None and parallel.parallel:  # before the artifact opens, on every rank
+        plan = ParallelPlan.build(dist, parallel, num_layers=model.config.num_layers,
+                                  family=s.mode.family)
+        if parallel.cfg > 1 and s.cfg_branches != 2:
+            raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
+                                 "(cfg_scale <= 1 or no negative prompt)")
+        layout = {**parallel.layout(), **dist.layout()}
+    elif dist.distributed:  # before the artifact opens: a refusal here reaches every rank
         layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
         mine = inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size))
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),
-                              rank=dist.rank, world_size=dist.world_size, layout=layout)
+                              rank=dist.rank, world_size=dist.world_size, layout=layout, plan=plan)
     sigmas = session.sigma_table(sampler, inputs.img_grid)
     fingerprint = arch_fingerprint(
         arch=model.config.arch_fields(), img_grid=inputs.img_grid, weights=weight_digest(model),

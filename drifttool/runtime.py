@@ -101,6 +101,8 @@ class Runtime:
             ``bind_runtime(rt)``; it is called once here and may then read ``rt.current_scope()``.
         rank: this process's rank (torch.distributed; 0 for one process): the owning rank of
             every record and trace row it produces (an attribute, never part of an identity).
+        plan: the parallel plan (``drifttool.distributed.plan.ParallelPlan``): TP/SP/CFG-parallel
+            applied to every operator call from outside the model; ``None`` = one device.
         internals: ``None`` (default): fused operators expose their internal tensors when the
             capture level asks for them (``wants_internals``). ``True``/``False``
             pins that decision — a silent re-run of a forward (the backward's recomputation
@@ -114,6 +116,7 @@ class Runtime:
     unavailable: set[tuple[str, str]] = field(default_factory=set)
     variants: dict[str, tuple[str, Any]] = field(default_factory=dict)
     rank: int = 0
+    plan: Any = None
     internals: bool | None = None
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
@@ -138,6 +141,10 @@ class Runtime:
     def current_scope(self) -> dict[str, Any]:
         """A copy of the identity fields now in force (see ``scope``); read-only for callers."""
         return dict(self._scope)
+
+    def scope_value(self, name: str) -> Any:
+        """One identity field now in force (``scope``), without copying the scope."""
+        return self._scope[name]
 
     @contextlib.contextmanager
     def scope(self, **fields: Any) -> Iterator[None]:

@@ -359,12 +359,14 @@ _REPLAY = Obj({
 }, frozenset({"noise", "inputs", "prompt_lengths", "input_digests"}))
 """``drifttool.runner.execute``'s replay record."""
 
-LAYOUT_KINDS = ("single", "sample_parallel")
-"""``layout.kind``: one process, or the batch's logical samples split across ranks
-(``drifttool.distributed.samples``). TP/SP/CFG-parallel kinds come with their plans."""
+LAYOUT_KINDS = ("single", "sample_parallel", "parallel")
+"""``layout.kind``: one process, the batch's logical samples split across ranks
+(``drifttool.distributed.samples``), or a TP/SP/CFG-parallel plan (``drifttool.distributed.plan``:
+degrees in ``tp``, ``sp``, ``cfg_parallel``, ``sp_attention``)."""
 
 _LAYOUT = Obj({"world_size": _INT, "kind": Enum(LAYOUT_KINDS), "tp": _INT, "sp": _INT,
                "cfg_parallel": _INT, "cfg_layout": Enum(CFG_LAYOUTS),
+               "sp_attention": Enum(("agrs", "ulysses", "ring")),
                "mesh": Obj({"dims": ListOf(_STR), "shape": _INTS}, frozenset({"dims", "shape"})),
                "samples": MapOf(_INTS)},
               frozenset({"world_size"}))

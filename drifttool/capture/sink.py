@@ -34,8 +34,13 @@ def capture_outputs(
         role: ``output``, or ``internal`` for a fused operator's internal tensors (the calls of
             its decomposition, captured at L2).
     """
-    if layout is None or not rt.mode.captures or rt.recorder is None:
+    if layout is None or not rt.mode.captures or rt.recorder is None \
+            or getattr(rt.recorder, "level", None) == "L0":
         return
+    if rt.plan is not None:  # the logical tensors, on the owning rank only (distributed.plan)
+        out = rt.plan.for_capture(rt, site["op"], site["stream"], out)
+        if out is None:
+            return
     outs = out if isinstance(out, tuple) else (out,)
     layouts = (layout,) if isinstance(layout, str) else tuple(layout)
     for i, (t, lay) in enumerate(zip(outs, layouts)):

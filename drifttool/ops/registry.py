@@ -442,17 +442,19 @@ def _decomposed(rt: Runtime, op: OpSpec, stream: str, layout: Any, args: tuple,
 def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: str,
           layout: Any, role: str) -> Any:
     res = _dispatch(rt, op, args, kwargs)
-    if _expands(rt, op, res):
+    expanded = _expands(rt, op, res)
+    if expanded:
         # the internals first (their records precede the fused one in program order, so a
         # drift born in the scores is named there), then the fused operator's own record: the
         # records of an L1 run are a subset of the L2 run's
-        out = _decomposed(rt, op, stream, layout, args, kwargs)
-        site = rt.site(op.name, stream)
-        _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=True)
+        def run(*a: Any, **kw: Any) -> Any:
+            return _decomposed(rt, op, stream, layout, a, kw)
     else:
-        out = res.impl.fn(*args, **kwargs)
-        site = rt.site(op.name, stream)
-        _trace(rt, site, op, res, _placed(res, args, kwargs))
+        run = res.impl.fn
+    plan = rt.plan if role == "output" else None  # a decomposition runs inside its fused call's rules
+    out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
+    site = rt.site(op.name, stream)
+    _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=expanded)
     capture_outputs(rt, site, out, layout, role)
     return out
 

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
+from drifttool.distributed.canonical import gather_list
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
 from drifttool.ops.scheduler import STEP_RULES, TIMESTEP_POLICIES, timestep_input
@@ -324,7 +325,17 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
             v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
         return v_c, v_c, None
     rows_u = _txt_rows(inputs.neg_txt, inputs.neg_mask)
-    if cfg.cfg_layout == "batched":
+    plan = rt.plan
+    if plan is not None and plan.dims.cfg > 1:
+        # CFG-parallel: this rank runs its branch's forward (the identities of sequential CFG),
+        # then the branch velocities are gathered in branch order on every CFG rank
+        mine = ("cond", "uncond")[plan.coords["cfg"]]
+        txt, mask, rows = ((inputs.txt, inputs.txt_mask, rows_c) if mine == "cond"
+                           else (inputs.neg_txt, inputs.neg_mask, rows_u))
+        with rt.scope(**scope, branch=mine, samples=ids, **rows):
+            v_mine = model(x, txt, mask, tau, grid, rt)
+        v_c, v_u = gather_list(v_mine, plan.groups["cfg"])
+    elif cfg.cfg_layout == "batched":
         L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
         if inputs.txt_mask is None and inputs.neg_mask is None and inputs.txt.shape[1] == L \
                 and inputs.neg_txt.shape[1] == L:
@@ -352,8 +363,8 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
 
 def _record(rt: Runtime, phase: str, out: StepOutput, ids: list[int], cfg_on: bool) -> None:
     rec = rt.recorder
-    if rec is None or not rt.mode.captures:
-        return
+    if rec is None or not rt.mode.captures or (rt.plan is not None and not rt.plan.is_root):
+        return  # under a parallel plan every rank holds the step's tensors; the root records them
     step_branch = "cfg" if cfg_on else "cond"
     common = dict(phase=phase, step=out.step, sigma=out.sigma, sigma_next=out.sigma_next,
                   rank=_rank(rt))

@@ -1,0 +1,236 @@
+"""The parallel plan: TP, SP and CFG-parallel applied to the single-device model from outside.
+
+    $ torchrun --nproc-per-node 4 -m drifttool run --tp 2 --cfg-parallel 2 -o runs/tp2cfg2
+    >>> ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=(dims.cfg, dims.sp, dims.tp))
+    >>> plan = ParallelPlan.build(ctx, dims, num_layers=model.config.num_layers)
+    >>> rt = Runtime(mode="strict", plan=plan, ...)        # the model code is unchanged
+
+The model calls its named operators through ``drifttool.ops.registry.call``; a plan is data: a
+table of **rules** per operator name (``tp.RULES``, ``sp.RULES``), each of which wraps the call
+(slices a weight to the rank's heads, computes a row-parallel partial and finishes the canonical
+tree over the gathered rank partials, gathers the image rows of K/V, …) — as torchtitan's
+``parallelize`` and diffusers' ``_cp_plan`` describe a layout beside the model instead of forking
+it. Dispatch (``registry._call``) passes every call through ``ParallelPlan.call``.
+
+Capture sees the logical tensors: an output that a rank holds a shard of is gathered over the
+dimension that shards it (``ParallelPlan.for_capture``, the ``gathers`` of each rule table), in
+rank order, and recorded by one **owning rank**: coordinate 0 of the TP and SP dimensions, and for
+the model's calls the CFG rank that ran the branch (coordinate 0 for the sampler's calls, which
+every CFG rank repeats). Rank is an attribute of a record, never part of its identity, so the
+artifact diffs against a single device record for record.
+
+Collectives are canonical (``drifttool.distributed.canonical``): ``gather_cat`` concatenates every rank's part in rank order (no
+arithmetic); a reduction is finished by the fixed tree over the gathered partials, never by a
+plain all-reduce (design.md, "Scale: devices, ranks, runtimes"; RFC WS2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drifttool.distributed import sp, tp
+from drifttool.errors import UnsupportedConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.distributed.context import DistContext
+    from drifttool.runtime import Runtime
+
+MESH_DIMS = ("cfg", "sp", "tp")
+"""The mesh's dimension names, outermost first: CFG branches, sequence shards, tensor shards
+(TP innermost: its collectives are the most frequent and stay on the closest ranks)."""
+
+SHARD_COUNTS = (1, 2, 4, 8)  # TP/SP degrees whose shards are subtrees of contract v2's trees
+SP_ATTENTIONS = ("agrs", "ulysses", "ring")
+SAMPLER_BLOCK = -2  # artifact.schema.SAMPLER_BLOCK (not imported: distributed/ imports no artifact code)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The layout's degrees: ``tp`` (attention heads and MLP channels), ``sp`` (image rows and
+    their RoPE positions; ``sp_attention`` says how attention sees every key), ``cfg`` (one CFG
+    branch per rank). ``tp·sp·cfg`` is the world size.
+
+    Raises:
+        UnsupportedConfigError: a degree outside ``SHARD_COUNTS`` (TP, SP) or ``(1, 2)`` (CFG),
+            or an unknown SP attention.
+    """
+
+    tp: int = 1
+    sp: int = 1
+    cfg: int = 1
+    sp_attention: str = "agrs"
+
+    def __post_init__(self) -> None:
+        bad = []
+        for name in ("tp", "sp"):
+            if getattr(self, name) not in SHARD_COUNTS:
+                bad.append(f"--{name} {getattr(self, name)} (one of {', '.join(map(str, SHARD_COUNTS))}: "
+                           "shards must be subtrees of contract v2's 8-segment trees)")
+        if self.cfg not in (1, 2):
+            bad.append(f"--cfg-parallel {self.cfg} (1 or 2: one CFG branch per rank)")
+        if self.sp_attention not in SP_ATTENTIONS:
+            bad.append(f"--sp-attention {self.sp_attention!r} (one of {', '.join(SP_ATTENTIONS)})")
+        if bad:
+            raise UnsupportedConfigError("parallel layout: unsupported " + "; ".join(bad))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.sp * self.cfg
+
+    @property
+    def parallel(self) -> bool:
+        """Whether any dimension is larger than 1."""
+        return self.world_size > 1
+
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """The mesh's shape in ``MESH_DIMS`` order."""
+        return (self.cfg, self.sp, self.tp)
+
+    def layout(self) -> dict[str, Any]:
+        """The manifest ``layout`` keys of this plan (``schema._LAYOUT``)."""
+        out: dict[str, Any] = {"kind": "parallel", "tp": self.tp, "sp": self.sp, "cfg_parallel": self.cfg}
+        if self.sp > 1:
+            out["sp_attention"] = self.sp_attention
+        return out
+
+
+Rule = Callable[..., Any]
+"""``rule(plan, rt, stream, run, args, kwargs) -> out``: runs one call under the plan, calling
+``run(*args, **kwargs)`` (the resolved implementation, or the next rule) on what this rank holds."""
+
+Gather = Callable[..., "torch.Tensor | None"]
+"""``gather(plan, rt, op, stream, index, tensor) -> tensor | None``: the logical tensor of an
+output this rank holds a shard of (a collective: every rank of the dimension calls it), or
+``None`` when the output is not sharded by this table."""
+
+
+@dataclass
+class ParallelPlan:
+    """Where this process stands in the layout and what the layout does to each operator.
+
+    Attributes:
+        dims: the degrees.
+        coords: this rank's coordinate in each mesh dimension (``{"cfg": c, "sp": s, "tp": t}``).
+        groups: the process group of each dimension of size > 1 (ranks that differ only there).
+        num_layers: the model's blocks (the last block index + 1 is the final layer).
+        rules: operator name -> rules, applied outermost first.
+        gathers: per rule table, the output gatherers for capture (SP before TP).
+    """
+
+    dims: ParallelDims
+    coords: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MESH_DIMS, 0))
+    groups: dict[str, Any] = field(default_factory=dict)
+    num_layers: int = 0
+    rules: dict[str, list[Rule]] = field(default_factory=dict)
+    gathers: list[Gather] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, ctx: "DistContext", dims: ParallelDims, *, num_layers: int,
+              family: str = "strict") -> "ParallelPlan":
+        """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
+        ``mesh_shape=dims.mesh_shape()``).
+
+        Raises:
+            UnsupportedConfigError: the mesh does not match ``dims``, or a TP/SP layout for a
+                family other than strict (production TP/SP is not byte-defined here).
+        """
+        if dims.world_size != ctx.world_size:
+            raise UnsupportedConfigError(
+                f"parallel layout tp={dims.tp} × sp={dims.sp} × cfg={dims.cfg} = {dims.world_size} "
+                f"ranks, but the launch has {ctx.world_size} (torchrun --nproc-per-node)")
+        if (dims.tp > 1 or dims.sp > 1) and family != "strict":
+            raise UnsupportedConfigError(
+                f"TP/SP layouts run the strict family only (mode {family!r} asked for "
+                "production: its sharded arithmetic is not defined by contract v2)")
+        plan = cls(dims=dims, num_layers=int(num_layers))
+        mesh = ctx.mesh
+        if mesh is not None:
+            names = tuple(mesh.mesh_dim_names or ())
+            if names != MESH_DIMS or tuple(mesh.shape) != dims.mesh_shape():
+                raise UnsupportedConfigError(
+                    f"mesh {names} of shape {tuple(mesh.shape)} does not match the layout "
+                    f"{MESH_DIMS} of shape {dims.mesh_shape()}")
+            for name in MESH_DIMS:
+                plan.coords[name] = mesh.get_local_rank(name)
+                if mesh.size(mesh_dim=MESH_DIMS.index(name)) > 1:
+                    plan.groups[name] = mesh.get_group(name)
+        if dims.sp > 1:
+            plan.add(sp.RULES, sp.gather_output)
+        if dims.tp > 1:
+            plan.add(tp.RULES, tp.gather_output)
+        return plan
+
+    def add(self, rules: dict[str, Rule], gather: Gather | None = None) -> None:
+        """Append a rule table (its rules wrap inside those of earlier tables) and its gatherer."""
+        for name, rule in rules.items():
+            self.rules.setdefault(name, []).append(rule)
+        if gather is not None:
+            self.gathers.append(gather)
+
+    # -- where this rank stands
+
+    def size(self, dim: str) -> int:
+        return {"tp": self.dims.tp, "sp": self.dims.sp, "cfg": self.dims.cfg}[dim]
+
+    @property
+    def is_root(self) -> bool:
+        """Coordinate 0 in every dimension: owns the records every rank repeats (step records,
+        the sampler's calls)."""
+        return not any(self.coords.values())
+
+    def owns(self, block: int) -> bool:
+        """Whether this rank records a call of ``block``: TP and SP coordinate 0; for the
+        sampler's calls (``SAMPLER_BLOCK``, repeated on every CFG rank) CFG coordinate 0 too."""
+        if self.coords["tp"] or self.coords["sp"]:
+            return False
+        return block != SAMPLER_BLOCK or self.coords["cfg"] == 0
+
+    # -- dispatch and capture
+
+    def call(self, rt: "Runtime", op: str, stream: str, run: Callable[..., Any], args: tuple,
+             kwargs: dict[str, Any]) -> Any:
+        """``run(*args, **kwargs)`` under the rules for ``op`` (none: unchanged)."""
+        rules = self.rules.get(op)
+        if not rules:
+            return run(*args, **kwargs)
+        for rule in reversed(rules):
+            run = _bind(rule, self, rt, stream, run)
+        return run(*args, **kwargs)
+
+    def for_capture(self, rt: "Runtime", op: str, stream: str, out: Any) -> Any:
+        """What this rank captures of a call's outputs: each output gathered to its logical tensor
+        where a rule table shards it (collectives: every rank calls this for every captured
+        call), then the outputs on the owning rank (``owns``) and ``None`` elsewhere."""
+        if self.gathers:
+            outs = out if isinstance(out, tuple) else (out,)
+            full = []
+            for i, t in enumerate(outs):
+                for gather in self.gathers:
+                    if isinstance(t, torch.Tensor):
+                        g = gather(self, rt, op, stream, i, t)
+                        t = t if g is None else g
+                full.append(t)
+            out = tuple(full) if isinstance(out, tuple) else full[0]
+        return out if self.owns(int(rt.scope_value("block"))) else None
+
+    def check_training(self) -> None:
+        """Refuse autograd through a TP/SP plan (its collectives have no canonical backward yet).
+
+        Raises:
+            UnsupportedConfigError: TP or SP > 1.
+        """
+        if self.dims.tp > 1 or self.dims.sp > 1:
+            raise UnsupportedConfigError(
+                "training under TP/SP is not supported yet (the sharded backward and the canonical "
+                "gradient reduction over ranks are issue #12's next part); CFG-parallel is")
+
+
+def _bind(rule: Rule, plan: ParallelPlan, rt: "Runtime", stream: str, run: Callable[..., Any]):
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return rule(plan, rt, stream, run, args, kwargs)
+
+    return bound

@@ -1,0 +1,12 @@
+"""Sequence parallelism (SP): image rows and their RoPE positions sharded over the ``sp`` dimension.
+
+Placeholder table (filled by the SP rules): no operator is sharded yet.
+"""
+
+from __future__ import annotations
+
+RULES: dict = {}
+
+
+def gather_output(plan, rt, op, stream, index, tensor):
+    return None
