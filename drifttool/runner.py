@@ -140,8 +140,7 @@ def execute(
     check_finite(tensors, "replay inputs")
     mine, layout, plan = inputs, SINGLE_LAYOUT, None
     if parallel is not None and parallel.parallel:  # before the artifact opens, on every rank
-        plan = ParallelPlan.build(dist, parallel, num_layers=model.config.num_layers,
-                                  family=s.mode.family)
+        plan = ParallelPlan.build(dist, parallel, model.config, family=s.mode.family)
         if parallel.cfg > 1 and s.cfg_branches != 2:
             raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
                                  "(cfg_scale <= 1 or no negative prompt)")

@@ -2,7 +2,7 @@
 
     $ torchrun --nproc-per-node 4 -m drifttool run --tp 2 --cfg-parallel 2 -o runs/tp2cfg2
     >>> ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=(dims.cfg, dims.sp, dims.tp))
-    >>> plan = ParallelPlan.build(ctx, dims, num_layers=model.config.num_layers)
+    >>> plan = ParallelPlan.build(ctx, dims, model.config)
     >>> rt = Runtime(mode="strict", plan=plan, ...)        # the model code is unchanged
 
 The model calls its named operators through ``drifttool.ops.registry.call``; a plan is data: a
@@ -129,14 +129,15 @@ class ParallelPlan:
     gathers: list[Gather] = field(default_factory=list)
 
     @classmethod
-    def build(cls, ctx: "DistContext", dims: ParallelDims, *, num_layers: int,
+    def build(cls, ctx: "DistContext", dims: ParallelDims, config: Any, *,
               family: str = "strict") -> "ParallelPlan":
         """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
-        ``mesh_shape=dims.mesh_shape()``).
+        ``mesh_shape=dims.mesh_shape()``) and the model ``config`` (``MMDiTConfig``).
 
         Raises:
-            UnsupportedConfigError: the mesh does not match ``dims``, or a TP/SP layout for a
-                family other than strict (production TP/SP is not byte-defined here).
+            UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
+                family other than strict (production TP/SP is not byte-defined here), or a model
+                the degrees do not divide (``tp.check``, ``sp.check``).
         """
         if dims.world_size != ctx.world_size:
             raise UnsupportedConfigError(
@@ -146,7 +147,11 @@ class ParallelPlan:
             raise UnsupportedConfigError(
                 f"TP/SP layouts run the strict family only (mode {family!r} asked for "
                 "production: its sharded arithmetic is not defined by contract v2)")
-        plan = cls(dims=dims, num_layers=int(num_layers))
+        if dims.tp > 1:
+            tp.check(config, dims)
+        if dims.sp > 1:
+            sp.check(config, dims)
+        plan = cls(dims=dims, num_layers=int(config.num_layers))
         mesh = ctx.mesh
         if mesh is not None:
             names = tuple(mesh.mesh_dim_names or ())

@@ -8,5 +8,9 @@ from __future__ import annotations
 RULES: dict = {}
 
 
+def check(config, dims) -> None:
+    """Refuse a model this degree does not divide (UnsupportedConfigError)."""
+
+
 def gather_output(plan, rt, op, stream, index, tensor):
     return None

@@ -1,0 +1,55 @@
+"""CFG-parallel (RFC ``cfg_parallel_invariance``): one CFG branch per rank gives the artifact of
+batched and of sequential CFG on one process, record for record, with the uncond branch's model
+records owned by CFG rank 1 and every step and sampler record by rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from drifttool.artifact import open_run
+from drifttool.diff import diff_runs
+from drifttool.distributed.plan import ParallelDims
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
+from tests.distributed.plan_ranks import RankCrash, on_ranks
+
+
+def run_rank(ctx, dims, arg):
+    """Rank body: ``execute`` the run ``arg = (out, spec fields)`` under ``dims``."""
+    out, fields = arg
+    execute(RunSpec(**fields), out, dist=ctx, parallel=dims)
+    return ctx.rank
+
+
+def _identical(a: Path, b: Path) -> None:
+    report = diff_runs(open_run(a), open_run(b))
+    assert report.verdict.value == "identical", report.reason
+    for table in ("ops", "steps"):
+        c = report.counts[table]
+        assert c.only_a == c.only_b == c.differ == 0 and c.matched > 0, (table, c)
+
+
+@pytest.mark.parametrize("fields", [dict(batch=3, capture="L2"),
+                                    dict(samples=[2], capture="L1", cfg_layout="sequential")])
+def test_cfg_parallel_equals_one_process(tmp_path, fields):
+    one = tmp_path / "one"
+    execute(RunSpec(**fields), one)
+    par = tmp_path / "cfg2"
+    assert on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
+                    (par, fields)) == [0, 1]
+    _identical(one, par)
+    run = open_run(par)
+    assert run.complete and run.manifest["layout"]["kind"] == "parallel"
+    assert run.manifest["layout"]["cfg_parallel"] == 2 and run.world_size == 2
+    ops = run.ops_table().to_pydict()
+    owners = {(b, r) for b, r, blk in zip(ops["branch"], ops["rank"], ops["block"]) if blk >= -1}
+    assert owners == {("cond", 0), ("uncond", 1)}, owners  # the model's records: the branch's rank
+    assert set(run.steps_table()["rank"].to_pylist()) == {0}
+
+
+def test_cfg_parallel_without_cfg_is_refused(tmp_path):
+    with pytest.raises(RankCrash, match="CFG is off"):
+        on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
+                 (tmp_path / "x", dict(cfg_scale=1.0)))
