@@ -1,0 +1,75 @@
+"""The parallel plan's contract outside any collective: degrees it accepts and refuses, the mesh
+it needs, who owns which record, the manifest layout, and the CLI's one-line refusals; and the
+CLI under torchrun (``slow``): ``drifttool run --cfg-parallel 2`` diffs identical to one process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from drifttool.distributed import DistContext
+from drifttool.distributed.plan import MESH_DIMS, SAMPLER_BLOCK, ParallelDims, ParallelPlan
+from drifttool.errors import UnsupportedConfigError
+from drifttool.model.config import tiny
+from tests.harness import torchrun_env
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tp=3), "--tp 3"), (dict(sp=16), "--sp 16"), (dict(tp=0), "--tp 0"),
+    (dict(cfg=4), "--cfg-parallel 4"), (dict(sp_attention="star"), "'star'"),
+])
+def test_unsupported_degrees_are_refused_by_name(kw, needle):
+    with pytest.raises(UnsupportedConfigError, match="parallel layout: unsupported") as e:
+        ParallelDims(**kw)
+    assert needle in str(e.value)
+
+
+def test_degrees_layout_and_mesh_shape():
+    d = ParallelDims(tp=2, sp=4, cfg=2, sp_attention="ulysses")
+    assert d.world_size == 16 and d.parallel and d.mesh_shape() == (2, 4, 2)
+    assert d.layout() == {"kind": "parallel", "tp": 2, "sp": 4, "cfg_parallel": 2, "sp_attention": "ulysses"}
+    assert "sp_attention" not in ParallelDims(tp=2).layout()
+    assert not ParallelDims().parallel and MESH_DIMS == ("cfg", "sp", "tp")
+
+
+def test_build_refuses_a_launch_of_another_size_and_production_tp():
+    with pytest.raises(UnsupportedConfigError, match="needs|ranks"):
+        ParallelPlan.build(DistContext(), ParallelDims(tp=2), tiny())
+    ctx2 = DistContext(rank=0, world_size=2)
+    with pytest.raises(UnsupportedConfigError, match="strict family only"):
+        ParallelPlan.build(ctx2, ParallelDims(tp=2), tiny(), family="production")
+
+
+def test_owning_rank_per_coordinate():
+    plan = ParallelPlan(dims=ParallelDims(tp=2, cfg=2))
+    assert plan.is_root and plan.owns(0) and plan.owns(SAMPLER_BLOCK)
+    plan.coords.update(cfg=1)  # the uncond rank: its model calls, not the repeated sampler's
+    assert not plan.is_root and plan.owns(3) and plan.owns(-1) and not plan.owns(SAMPLER_BLOCK)
+    plan.coords.update(cfg=0, tp=1)  # a TP shard's records are the gathered ones of TP rank 0
+    assert not plan.owns(0) and not plan.owns(SAMPLER_BLOCK)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "2"], "needs 2 ranks: launch with torchrun --nproc-per-node 2"),
+    (["--cfg-parallel", "3"], "--cfg-parallel 3 (1 or 2"),
+    (["--sp", "2", "--sp-attention", "nope"], "--sp-attention 'nope'"),
+])
+def test_cli_refuses_in_one_line(cli, tmp_path, args, needle):
+    code, out = cli("run", "-o", tmp_path / "r", *args)
+    assert code != 0 and needle in out and "Traceback" not in out, out
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_cli_cfg_parallel_under_torchrun_is_identical(cli, tmp_path):
+    code, out = cli("run", "-o", tmp_path / "one")
+    assert code == 0, out
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        "2", "-m", "drifttool", "run", "--cfg-parallel", "2", "-o", tmp_path / "cfg2"],
+                       cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 (tp 1 × sp 1 × cfg 2)" in p.stdout, p.stdout
+    code, out = cli("diff", tmp_path / "one", tmp_path / "cfg2")
+    assert code == 0 and "IDENTICAL" in out and "B parallel over 2 ranks" in out, out
