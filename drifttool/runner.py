@@ -75,6 +75,7 @@ def execute(
     manifest_extra: dict[str, Any] | None = None,
     dist: DistContext | None = None,
     parallel: ParallelDims | None = None,
+    faults: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
 
@@ -92,7 +93,8 @@ def execute(
     ``parallel`` (with ``dist`` launched on the mesh ``plan.MESH_DIMS`` of its shape) runs every
     sample on every rank under a parallel plan instead: TP shards heads and MLP channels, SP image
     rows, CFG-parallel one branch per rank (``drifttool.distributed.plan``); each record is
-    written by its owning rank (``layout.kind = "parallel"``).
+    written by its owning rank (``layout.kind = "parallel"``). ``faults`` plants distributed
+    probe faults in that plan (``plan.FAULTS``; recorded in the manifest's ``variants``).
 
     ``model`` replaces the checkpoint's ``MMDiT`` with another implementation of the same call
     (``config``, ``dtype``, named parameters under the checkpoint's names, and
@@ -140,11 +142,13 @@ def execute(
     check_finite(tensors, "replay inputs")
     mine, layout, plan = inputs, SINGLE_LAYOUT, None
     if parallel is not None and parallel.parallel:  # before the artifact opens, on every rank
-        plan = ParallelPlan.build(dist, parallel, model.config, family=s.mode.family)
+        plan = ParallelPlan.build(dist, parallel, model.config, family=s.mode.family, faults=faults)
         if parallel.cfg > 1 and s.cfg_branches != 2:
             raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
                                  "(cfg_scale <= 1 or no negative prompt)")
         layout = {**parallel.layout(), **dist.layout()}
+    elif faults:
+        raise DriftToolError(f"parallel faults {', '.join(faults)} need a TP/SP/CFG-parallel layout")
     elif dist.distributed:  # before the artifact opens: a refusal here reaches every rank
         layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
         mine = inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size))
@@ -167,7 +171,8 @@ def execute(
                    "prompt_lengths": inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None
                    else [inputs.txt.shape[1]] * inputs.batch,
                    "input_digests": {k: tensor_digest(v) for k, v in tensors.items()}},
-        "variants": sorted(f"{op}={name}" for op, (name, _) in spec.variants.items()),
+        "variants": sorted([f"{op}={name}" for op, (name, _) in spec.variants.items()]
+                           + [f"parallel={fault}" for fault in faults]),
     }
     if source is not None:
         manifest["model_source"] = source

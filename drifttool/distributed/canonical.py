@@ -2,6 +2,7 @@
 
     >>> full = gather_cat(rows, dim=1, group=sp_group, sizes=[832, 832, 768, 41])
     >>> partials = gather_list(partial, group=tp_group)     # then the fixed tree finishes them
+    >>> parts = all_to_all(sends, shapes, group=sp_group)   # sends[j] to rank j, parts[j] from j
 
 A strict reduction over ranks is never a plain all-reduce (whose order the library chooses): every
 rank gathers the partials in rank order and finishes the contract-v2 tree itself, so all ranks
@@ -16,8 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
 
 
 def gather_cat(t: torch.Tensor, dim: int, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -58,3 +57,32 @@ def gather_list(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return parts
+
+
+def all_to_all(sends: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Any) -> list[torch.Tensor]:
+    """The exact all-to-all: ``sends[j]`` goes to rank ``j`` of ``group`` and the result's entry
+    ``j`` is what rank ``j`` sent here (shape ``shapes[j]``, the dtype and device of ``sends``);
+    the rank's own part is kept as it is. Point-to-point sends and receives in one batch
+    (``torch.distributed.batch_isend_irecv``: gloo and NCCL), no arithmetic.
+
+    Raises:
+        ValueError: ``sends`` or ``shapes`` do not have one entry per rank.
+    """
+    if group is None:
+        return [sends[0]]
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if len(sends) != world or len(shapes) != world:
+        raise ValueError(f"all_to_all: {len(sends)} sends and {len(shapes)} shapes for {world} ranks")
+    like = sends[me]
+    got = [like if j == me else torch.empty(tuple(shapes[j]), dtype=like.dtype, device=like.device)
+           for j in range(world)]
+    ops = []
+    for j in range(world):
+        if j != me:
+            peer = dist.get_global_rank(group, j)
+            ops.append(dist.P2POp(dist.isend, sends[j].contiguous(), peer, group))
+            ops.append(dist.P2POp(dist.irecv, got[j], peer, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return got

@@ -47,6 +47,21 @@ SHARD_COUNTS = (1, 2, 4, 8)  # TP/SP degrees whose shards are subtrees of contra
 SP_ATTENTIONS = ("agrs", "ulysses", "ring")
 SAMPLER_BLOCK = -2  # artifact.schema.SAMPLER_BLOCK (not imported: distributed/ imports no artifact code)
 
+FAULTS = {
+    "tp_allreduce": "row-parallel partials reduced by a plain all-reduce (the library's order) "
+                    "instead of contract v2's tree over the gathered partials",
+    "tp_bias_every_rank": "row-parallel GEMM bias added by every TP rank instead of once",
+    "sp_rope_no_offset": "SP shards rotate their image rows with RoPE positions from 0 instead of "
+                         "their global offset",
+    "sp_padding_unmasked": "SP K/V shards zero-padded to equal length for the gather and the pads "
+                           "left unmasked (agrs)",
+    "noise_per_rank": "the SDE noise drawn per rank (seed + rank) instead of per logical sample",
+    "cfg_branch_swap": "CFG-parallel ranks run each other's branch under their own branch label",
+}
+"""The distributed probes' one change each (``ParallelPlan.faults``): mismatches a parallel
+layout can introduce, each declared to drift first at a named operator and owning rank
+(``probes``)."""
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -119,6 +134,9 @@ class ParallelPlan:
         num_layers: the model's blocks (the last block index + 1 is the final layer).
         rules: operator name -> rules, applied outermost first.
         gathers: per rule table, the output gatherers for capture (SP before TP).
+        faults: probe faults planted in this layout (``FAULTS``; empty for a real run).
+        state: what the rules learn during one forward (``n_img`` at ``img_in``, ``text_len``
+            at attention), read by later rules and the capture gatherers.
     """
 
     dims: ParallelDims
@@ -127,10 +145,12 @@ class ParallelPlan:
     num_layers: int = 0
     rules: dict[str, list[Rule]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    faults: frozenset[str] = frozenset()
+    state: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(cls, ctx: "DistContext", dims: ParallelDims, config: Any, *,
-              family: str = "strict") -> "ParallelPlan":
+              family: str = "strict", faults: Sequence[str] = ()) -> "ParallelPlan":
         """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
         ``mesh_shape=dims.mesh_shape()``) and the model ``config`` (``MMDiTConfig``).
 
@@ -151,7 +171,7 @@ class ParallelPlan:
             tp.check(config, dims)
         if dims.sp > 1:
             sp.check(config, dims)
-        plan = cls(dims=dims, num_layers=int(config.num_layers))
+        plan = cls(dims=dims, num_layers=int(config.num_layers), faults=frozenset(faults))
         mesh = ctx.mesh
         if mesh is not None:
             names = tuple(mesh.mesh_dim_names or ())

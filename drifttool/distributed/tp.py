@@ -1,16 +1,174 @@
 """Tensor parallelism (TP): attention heads and MLP channels sharded over the ``tp`` dimension.
 
-Placeholder table (filled by the TP rules): no operator is sharded yet.
+    $ torchrun --nproc-per-node 2 -m drifttool run --tp 2 -o runs/tp2
+
+RFC WS2: "TP shards attention heads and MLP channels." TP rank ``t`` of ``T`` holds heads
+[t·H/T, (t+1)·H/T) and MLP channels [t·4d/T, (t+1)·4d/T). The weights stay whole on every rank
+(they are parameters of the single-device model); a rule slices them per call, so a LoRA-merged
+weight is sliced the same way. The rules (``RULES``):
+
+===================  ====================================================================  =======================
+operator             what the rank computes                                                RFC row
+===================  ====================================================================  =======================
+qkv_bias_gemm        column-parallel: its heads' rows of W_q, W_k, W_v and their biases     ``tp_qkv_bias_gemm``
+                     (both streams), ``heads / T`` heads
+mlp_up_gemm_gelu     column-parallel: its channels' rows of W and b                         ``tp_mlp_gemm_gelu``
+attn_out_bias_gemm,  row-parallel: the contract-v2 partial over its K shard (8/T whole      ``tp_attn_out_bias_gemm``
+mlp_down_gemm        segments, ``strict_math.linear_partial``); the T partials gathered      ``tp_mlp_gemm_gelu``
+                     in rank order and finished by the fixed tree on every rank, the bias
+                     added once (``finish_linear``) — never a plain all-reduce
+===================  ====================================================================  =======================
+
+Per-head operators (``qk_rmsnorm``, ``multi_axis_rope``, ``joint_attention_fused``) run on the
+rank's heads unchanged; every other operator (input and output projections, timestep,
+modulation, norms: ``tp_replicated_modules``) runs replicated on the full hidden state the
+row-parallel GEMMs return. The column shard [t·d/T, (t+1)·d/T) of Q/K/V is exactly the K shard
+of the attention output projection (``check``), so the heads a rank attends feed its partial.
+
+Bytes equal one device: a column shard computes its columns with the unsharded kernel choice
+(``check`` refuses a split whose shard would change the kernel), and a row-parallel shard owns
+a subtree of contract v2's K tree (docs/strict-arithmetic.md, "Contract v2").
+
+Capture gathers a head- or channel-sharded output over the TP group in rank order before the
+owning rank (TP coordinate 0) digests it (``gather_output``).
 """
 
 from __future__ import annotations
 
-RULES: dict = {}
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drifttool.distributed.canonical import gather_cat, gather_list
+from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.strict._checks import act_dtype, f32, out
+from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, linear_partial,
+                                       local_spans, segment_spans, shard_spans)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.distributed.plan import ParallelPlan
+    from drifttool.runtime import Runtime
 
 
-def check(config, dims) -> None:
-    """Refuse a model this degree does not divide (UnsupportedConfigError)."""
-
-
-def gather_output(plan, rt, op, stream, index, tensor):
+def _column_ok(n: int, k: int, tp: int) -> str | None:
+    """Why a column-parallel split of the weight [n, k] over ``tp`` ranks would not give the
+    unsharded columns' bytes, or None."""
+    if n % tp:
+        return f"{n} output columns do not split over {tp} ranks"
+    if linear_is_exact(n // tp, k) != linear_is_exact(n, k):
+        return (f"a [{n // tp}, {k}] shard of the [{n}, {k}] weight would switch the strict GEMM "
+                "kernel (exact products vs tiled)")
+    if not linear_is_exact(n, k) and (n // tp) % N_TILE:
+        return f"a {n // tp}-column shard of the tiled [{n}, {k}] GEMM is not a multiple of {N_TILE} columns"
     return None
+
+
+def _row_ok(k: int, tp: int) -> str | None:
+    """Why the K shards of contract v2's tree over ``tp`` ranks are not the equal column shards
+    [t·k/tp, (t+1)·k/tp) of the preceding column-parallel GEMM, or None."""
+    spans = segment_spans(k)
+    for t in range(tp):
+        mine = shard_spans(spans, tp, t)
+        if (mine[0][0], mine[-1][1]) != (k * t // tp, k * (t + 1) // tp):
+            return f"K = {k} does not split into {tp} equal whole-segment shards (K must be a multiple of 8)"
+    return None
+
+
+def check(config: Any, dims: Any) -> None:
+    """Refuse a TP degree the model does not divide, or whose shards would not reproduce the
+    unsharded strict bytes.
+
+    Raises:
+        UnsupportedConfigError: naming the width and degree.
+    """
+    tp, d, hidden = dims.tp, int(config.inner_dim), int(config.mlp_dim)
+    bad = []
+    if int(config.num_attention_heads) % tp:
+        bad.append(f"{config.num_attention_heads} attention heads do not split over {tp} ranks")
+    for what, why in (("Q/K/V", _column_ok(d, d, tp)), ("MLP up", _column_ok(hidden, d, tp)),
+                      ("attention output", _row_ok(d, tp)), ("MLP down", _row_ok(hidden, tp))):
+        if why:
+            bad.append(f"{what}: {why}")
+    if bad:
+        raise UnsupportedConfigError(f"--tp {tp}: " + "; ".join(bad))
+
+
+def _cols(plan: "ParallelPlan", n: int) -> tuple[int, int]:
+    t, tp = plan.coords["tp"], plan.dims.tp
+    return n * t // tp, n * (t + 1) // tp
+
+
+def _part(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
+
+
+def _qkv(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+    x, wq, bq, wk, bk, wv, bv, heads = args
+    lo, hi = _cols(plan, wq.shape[0])
+    return run(x, wq[lo:hi], _part(bq, lo, hi), wk[lo:hi], _part(bk, lo, hi), wv[lo:hi],
+               _part(bv, lo, hi), heads // plan.dims.tp, **kwargs)
+
+
+def _column(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+    x, w, b = args
+    lo, hi = _cols(plan, w.shape[0])
+    return run(x, w[lo:hi], _part(b, lo, hi), **kwargs)
+
+
+def _row(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+    """Row-parallel GEMM: x [..., K/T] (this rank's heads or channels), w [N, K], b [N] →
+    [..., N] replicated, in the activation dtype."""
+    x, w, b = args
+    n, k = w.shape
+    spans = shard_spans(segment_spans(k), plan.dims.tp, plan.coords["tp"])
+    lo, hi = spans[0][0], spans[-1][1]
+    if x.shape[-1] != hi - lo:
+        raise UnsupportedConfigError(f"TP row-parallel GEMM: input has {x.shape[-1]} features, "
+                                     f"the rank's K shard {hi - lo}")
+    lead = x.shape[:-1]
+    x2 = f32(x).reshape(lead.numel(), hi - lo)
+    part = linear_partial(x2, f32(w)[:, lo:hi], local_spans(spans), exact=linear_is_exact(n, k))
+    if part is None:
+        part = torch.zeros(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    y = _reduce(plan, part, f32(b), (x2.shape[0], n), x.device)
+    return out(y, act_dtype(x, w, b)).reshape(*lead, n)
+
+
+def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, shape: tuple[int, int],
+            device) -> torch.Tensor:
+    """The canonical finish of the row-parallel partials: gathered in rank order, contract v2's
+    tree, then the bias once (``strict_math.finish_linear``). The probe faults ``tp_allreduce``
+    (a plain all-reduce of the partials, the library's order) and ``tp_bias_every_rank`` (each
+    rank adds the bias to its partial) replace it (``plan.FAULTS``)."""
+    group = plan.groups.get("tp")
+    if "tp_bias_every_rank" in plan.faults and b is not None:
+        part, b = part + b, None
+    if "tp_allreduce" in plan.faults:
+        y = part.clone()
+        torch.distributed.all_reduce(y, group=group)
+        return y if b is None else y + b
+    return finish_linear(gather_list(part, group), b, shape, device)
+
+
+RULES: dict = {
+    "qkv_bias_gemm": _qkv,
+    "mlp_up_gemm_gelu": _column,
+    "attn_out_bias_gemm": _row,
+    "mlp_down_gemm": _row,
+}
+
+# the axis each sharded output's heads or channels lie on
+_SHARDED = {"qkv_bias_gemm": 2, "qk_rmsnorm": 2, "multi_axis_rope": 2, "joint_attention_fused": 2,
+            "joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1, "joint_attn_softmax": 1,
+            "mlp_up_gemm_gelu": 2}
+
+
+def gather_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
+                  tensor: torch.Tensor) -> torch.Tensor | None:
+    """Every TP rank's heads or channels of a sharded output, in rank order (a collective of the
+    TP group); ``None`` for replicated outputs."""
+    dim = _SHARDED.get(op)
+    block = int(rt.scope_value("block"))
+    if dim is None or not 0 <= block < plan.num_layers:
+        return None
+    return gather_cat(tensor, dim, plan.groups.get("tp"))
