@@ -113,6 +113,12 @@ class ParallelDims:
         return out
 
 
+def mesh_rank(dims: ParallelDims, coords: dict[str, int]) -> int:
+    """The global rank at ``coords`` (``{"cfg": c, "sp": s, "tp": t}``) of the mesh of ``dims``:
+    ``(c·sp + s)·tp + t``."""
+    return (coords.get("cfg", 0) * dims.sp + coords.get("sp", 0)) * dims.tp + coords.get("tp", 0)
+
+
 Rule = Callable[..., Any]
 """``rule(plan, rt, stream, run, args, kwargs) -> out``: runs one call under the plan, calling
 ``run(*args, **kwargs)`` (the resolved implementation, or the next rule) on what this rank holds."""
@@ -206,6 +212,12 @@ class ParallelPlan:
         """Coordinate 0 in every dimension: owns the records every rank repeats (step records,
         the sampler's calls)."""
         return not any(self.coords.values())
+
+    @property
+    def mesh_rank(self) -> int:
+        """This process's global rank: its coordinates row-major over ``MESH_DIMS`` (the
+        ``DeviceMesh`` of ``init_distributed`` lays ranks 0..N-1 out so)."""
+        return mesh_rank(self.dims, self.coords)
 
     def owns(self, block: int) -> bool:
         """Whether this rank records a call of ``block``: TP and SP coordinate 0; for the

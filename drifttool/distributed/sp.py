@@ -4,7 +4,7 @@
 
 RFC WS2: "SP shards image rows and their RoPE positions, with text and prompt metadata
 replicated." The rank of SP coordinate ``s`` holds the image rows of the image segments
-[s·8/S, (s+1)·8/S) of contract v2's key structure (``image_row_spans``: 64-row blocks, 8 segments
+[s·8/S, (s+1)·8/S) of contract v2's key structure (``sp_row_spans``: 64-row blocks, 8 segments
 by recursive halving), so every shard is an aligned subtree of the attention merge tree and a
 rank's rows keep their query blocks (docs/strict-arithmetic.md, "Attention (contract v2)").
 Shards may be unequal (6889 image tokens: 896/832-row segments) or empty (fewer than 8 blocks).
@@ -45,31 +45,11 @@ import torch
 
 from drifttool.distributed.canonical import all_to_all, gather_cat
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.strict.attention_blocks import BLOCK, SEGMENTS, image_segments
+from drifttool.distributed.ring import ring_attention, sp_row_spans
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
-
-
-def image_row_spans(n_img: int, sp: int) -> list[tuple[int, int]]:
-    """Each SP rank's image rows ``[lo, hi)`` of ``n_img`` image tokens over ``sp`` ∈ {1, 2, 4, 8}
-    ranks: rank s holds the 64-row blocks of image segments [s·8/sp, (s+1)·8/sp).
-
-        >>> image_row_spans(6889, 2)
-        [(0, 3456), (3456, 6889)]
-        >>> image_row_spans(24, 2)     # one block: rank 1 holds no rows
-        [(0, 24), (24, 24)]
-
-    Raises:
-        UnsupportedConfigError: ``sp`` not in {1, 2, 4, 8}.
-    """
-    if sp not in (1, 2, 4, 8):
-        raise UnsupportedConfigError(f"SP over {sp} ranks is unsupported (1, 2, 4 or 8)")
-    segs = image_segments(-(-n_img // BLOCK))
-    per = SEGMENTS // sp
-    return [(min(segs[r * per][0] * BLOCK, n_img), min(segs[(r + 1) * per - 1][1] * BLOCK, n_img))
-            for r in range(sp)]
 
 
 def check(config: Any, dims: Any) -> None:
@@ -95,7 +75,7 @@ def _spans(plan: "ParallelPlan") -> list[tuple[int, int]]:
     if n is None:
         raise UnsupportedConfigError("SP: an image-stream operator ran before img_in "
                                      "(latent_proj_gemm at block -1) set the image length")
-    return image_row_spans(n, plan.dims.sp)
+    return sp_row_spans(n, plan.dims.sp)
 
 
 def _sizes(plan: "ParallelPlan") -> list[int]:
@@ -165,8 +145,6 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if "joint_attention_fused" in rt.variants:
         raise UnsupportedConfigError("--sp-attention ring runs its own blocked kernel: a variant of "
                                      "joint_attention_fused cannot apply")
-    from drifttool.distributed.ring import ring_attention  # lazy: start-up import
-
     return ring_attention(q, k, v, key_mask, text_len=text_len, n_img=plan.state["n_img"],
                           group=_group(plan))
 

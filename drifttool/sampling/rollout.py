@@ -330,7 +330,8 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
         # CFG-parallel: this rank runs its branch's forward (the identities of sequential CFG),
         # then the branch velocities are gathered in branch order on every CFG rank
         mine = ("cond", "uncond")[plan.coords["cfg"]]
-        txt, mask, rows = ((inputs.txt, inputs.txt_mask, rows_c) if mine == "cond"
+        runs = ("uncond", "cond")[plan.coords["cfg"]] if "cfg_branch_swap" in plan.faults else mine
+        txt, mask, rows = ((inputs.txt, inputs.txt_mask, rows_c) if runs == "cond"
                            else (inputs.neg_txt, inputs.neg_mask, rows_u))
         with rt.scope(**scope, branch=mine, samples=ids, **rows):
             v_mine = model(x, txt, mask, tau, grid, rt)
@@ -381,6 +382,15 @@ def _record(rt: Runtime, phase: str, out: StepOutput, ids: list[int], cfg_on: bo
                             quantities={"v_t": out.v_uncond[b].detach()})
 
 
+def _rank_noise(plan: Any, noise: torch.Tensor, step: int) -> torch.Tensor:
+    """Probe fault ``noise_per_rank``: a rank other than the root draws its own noise (seeded
+    by its global rank and the step) instead of the logical samples' pinned noise."""
+    if plan.is_root:
+        return noise
+    g = torch.Generator().manual_seed(7919 * plan.mesh_rank + step)
+    return torch.randn(noise.shape, generator=g).to(dtype=noise.dtype, device=noise.device)
+
+
 def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev_sample):
     """One step: forward(s), CFG, SDE op, step records, flush. Returns a StepOutput."""
     ids = list(inputs.sample_ids)
@@ -390,6 +400,8 @@ def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev
     tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
     v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
     noise = inputs.noise_at(i) if (cfg.noise_at_step(i) and prev_sample is None) else None
+    if noise is not None and rt.plan is not None and "noise_per_rank" in rt.plan.faults:
+        noise = _rank_noise(rt.plan, noise, i)
     rule = {} if cfg.step_rule == "sde" else {"rule": cfg.step_rule}
     with rt.scope(**scope, branch="cfg" if cfg_on else "cond", block=SAMPLER_BLOCK, samples=ids,
                   txt_lens=None):
