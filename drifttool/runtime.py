@@ -107,6 +107,9 @@ class Runtime:
             capture level asks for them (``wants_internals``). ``True``/``False``
             pins that decision — a silent re-run of a forward (the backward's recomputation
             under activation checkpointing) must dispatch exactly as the forward did.
+        grad_ledger: ``drifttool.training.ledger.GradLedger`` collecting the adapted weights'
+            per-sample gradient partials for the canonical LoRA gradient (strict training);
+            ``None`` = autograd accumulates as usual.
     """
 
     mode: Mode = Mode.STRICT
@@ -118,6 +121,7 @@ class Runtime:
     rank: int = 0
     plan: Any = None
     internals: bool | None = None
+    grad_ledger: Any = None
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
     """Call counters of ``site``: ``(phase, step, branch, block, op, stream)`` -> the next

@@ -404,7 +404,8 @@ _POLICY = Obj({
 
 _TRAIN = Obj({"phase": Enum(("train",)), "autograd": _BOOL, "grad": _BOOL,
               "loss": Nullable(_STR), "gradient_checkpointing": _BOOL,
-              "micro_batch": Nullable(_INT), "trim_padding": _BOOL},
+              "micro_batch": Nullable(_INT), "trim_padding": _BOOL,
+              "gradient_reduction": Nullable(_STR)},
              frozenset({"phase", "autograd", "grad"}))
 
 _LORA = Obj({

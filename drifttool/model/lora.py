@@ -86,8 +86,11 @@ def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
     a = getattr(module, "lora_A", None)
     if a is None:
         return module.weight
-    return call(rt, "lora_merge", module.weight, a.weight, module.lora_B.weight,
-                float(module.lora_scale), stream=stream, layout=None)
+    merged = call(rt, "lora_merge", module.weight, a.weight, module.lora_B.weight,
+                  float(module.lora_scale), stream=stream, layout=None)
+    if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction
+        rt.grad_ledger.watch(module, merged, rt.current_scope())
+    return merged
 
 
 def _blocks(model) -> list[tuple[int, nn.Module]]:

@@ -31,6 +31,7 @@ train–rollout mismatch as ratio ≠ 1 before any update.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.rollout import recompute, rollout, sampler_model
 from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
+from drifttool.training.ledger import GradLedger
 from drifttool.training.trainer import micro_batched
 
 MODES = {"strict": "strict", "production": "auto"}
@@ -155,8 +157,10 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
             model.gradient_checkpointing = cfg.gradient_checkpointing
             opt.zero_grad(set_to_none=True)
             ratios, kls, approx, losses = [], [], [], 0.0
-            rt = Runtime(mode=MODES[cfg.train_mode])
-            with torch.enable_grad():
+            strict_train = check_mode(MODES[cfg.train_mode]).family == "strict"
+            ledger = GradLedger(model) if strict_train else None  # canonical gradients (strict)
+            rt = Runtime(mode=MODES[cfg.train_mode], grad_ledger=ledger)
+            with torch.enable_grad(), (ledger or contextlib.nullcontext()):
                 for j in window:
                     re = recompute(fwd_train, inputs, traj.latents, sampler, rt, phase="train", steps=[j])
                     logp, old = re.logp[0], traj.logp[j]
@@ -165,6 +169,8 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
                     clipped = -adv * torch.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range)
                     loss = torch.maximum(unclipped, clipped).mean() / len(window)
                     loss.backward()
+                    if ledger is not None:
+                        ledger.finish_step(j)
                     losses += float(loss.detach())
                     ratios.append(ratio.detach())
                     approx.append(0.5 * ((logp.detach() - old) ** 2).mean())

@@ -15,7 +15,9 @@ the rollout's identities otherwise, so ``drifttool diff ROLLOUT RECOMPUTE`` alig
 ``train`` of the recompute with phase ``rollout`` (``drifttool.diff.compare``) and names the first
 drifting operator, block, step and row. With ``grad=True`` (needs a LoRA adapter in the rollout)
 each SDE step runs ``(−mean_b logp_t).backward()`` right after its forward (Flow-GRPO's per-step
-backward, gradients accumulated over steps) and the accumulated LoRA gradients are digested
+backward, gradients accumulated over steps; in strict mode by the canonical reduction of
+``training.ledger``, so micro-batching, CFG layout and checkpointing change no byte) and the
+accumulated LoRA gradients are digested
 (role ``grad_weight``) after each step, so two training runs diff at the gradient level. The
 artifact goes through the life cycle every run shares (``drifttool.lifecycle.ArtifactSession``).
 """
@@ -39,6 +41,7 @@ from drifttool.sampling.inputs import replay_tensors
 from drifttool.sampling.rollout import StepOutput, recompute, sampler_model
 from drifttool.runner import check_model_device
 from drifttool.settings import check_level, check_mode, check_mode_device
+from drifttool.training.ledger import GradLedger
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.stored import (StoredRollout, load_rollout, refuse_same_dir,
                                        source_record)
@@ -68,10 +71,13 @@ def _settings(stored: StoredRollout, mode: str, level: str, device: str) -> dict
     return out
 
 
-def _train_record(train: TrainOptions) -> dict[str, Any]:
+def _train_record(train: TrainOptions, mode_family: str) -> dict[str, Any]:
     return {"phase": "train", "autograd": True, "grad": bool(train.grad),
             "loss": "per SDE step: -mean over samples of logp_t, backward per step, "
                     "gradients accumulated" if train.grad else None,
+            "gradient_reduction": ("canonical: per step the tree over (sample, branch) atoms, steps "
+                                   "in order (training.ledger)") if train.grad and mode_family == "strict"
+                                  else ("autograd accumulation" if train.grad else None),
             "gradient_checkpointing": bool(train.gradient_checkpointing),
             "micro_batch": train.micro_batch,
             "trim_padding": bool(train.trim_padding and train.micro_batch)}
@@ -134,18 +140,21 @@ def recompute_run(
         "environment": environment(device),
         "source": source_record(stored),
         "policy": policy_record(stored, tau),
-        "train": _train_record(train),
+        "train": _train_record(train, m.family),
         "replay": dict(stored.manifest.get("replay") or {}),
     }
     if has_lora(model):
         manifest["lora"] = lora_record(model)
     n_grad = 0
     t0 = time.perf_counter()
+    ledger = GradLedger(model) if train.grad and m.family == "strict" else None  # canonical grads
 
     def step_done(o: StepOutput) -> None:
         nonlocal n_grad
         if train.grad and o.in_window:
             (-o.logp.mean()).backward()
+            if ledger is not None:
+                ledger.finish_step(o.step)
             n_grad += capture_lora_grads(model, session.recorder, phase="train", step=o.step,
                                          sigma=o.sigma)
         if on_step is not None:
@@ -153,6 +162,7 @@ def recompute_run(
 
     with session.open(out, manifest, overwrite=options.overwrite):
         try:
+            session.rt.grad_ledger = ledger
             model.gradient_checkpointing = bool(train.gradient_checkpointing)
             session.write_inputs(replay_tensors(stored.inputs))
             with torch.enable_grad():
@@ -162,6 +172,8 @@ def recompute_run(
                                  session.rt, phase="train", callback=step_done)
         finally:
             model.gradient_checkpointing = False
+            if ledger is not None:
+                ledger.close()
         seconds = time.perf_counter() - t0
         session.finish(complete=traj.complete, seconds=round(seconds, 3))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),

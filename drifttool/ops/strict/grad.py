@@ -32,6 +32,7 @@ All functions take and return FP32; callers cast each gradient once to its input
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -167,6 +168,20 @@ def outer_partial(dy2: torch.Tensor, x2: torch.Tensor, spans, *, exact: bool) ->
     return y.permute(0, 2, 1, 3).reshape(y.shape[0] * N_TILE, y.shape[1] * N_TILE)[:n, :k]
 
 
+def sample_weight_grads(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> list[torch.Tensor]:
+    """The per-sample partials of ``weight_grad``, one ``[N, K]`` FP32 tensor per batch row, in
+    batch order: each over the sample's live rows by contract v2 (no live row → +0)."""
+    dy3, x3 = sample_rows(dy), sample_rows(x)
+    n, k = dy3.shape[-1], x3.shape[-1]
+    exact = linear_is_exact(*(weight_shape or (n, k)))
+    out = []
+    for i in range(dy3.shape[0]):
+        r = live_rows(dy3[i])
+        part = outer_partial(dy3[i, :r], x3[i, :r], row_segment_spans(r), exact=exact)
+        out.append(torch.zeros(n, k, dtype=torch.float32, device=dy.device) if part is None else part)
+    return out
+
+
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.Tensor:
     """dW = Σ over logical rows of dy ⊗ x for ``y = x·Wᵀ``: dy ``[B, ..., N]``, x ``[B, ..., K]``
     → ``[N, K]`` FP32.
@@ -176,22 +191,60 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.T
     samples in batch order by the pairwise tree (``TreeAccumulator``). The kernel follows the
     weight-shape rule of the forward (``weight_shape``, default [N, K]).
     """
-    dy3, x3 = sample_rows(dy), sample_rows(x)
-    n, k = dy3.shape[-1], x3.shape[-1]
-    exact = linear_is_exact(*(weight_shape or (n, k)))
     acc = TreeAccumulator()
-    for i in range(dy3.shape[0]):
-        r = live_rows(dy3[i])
-        part = outer_partial(dy3[i, :r], x3[i, :r], row_segment_spans(r), exact=exact)
-        acc.add(torch.zeros(n, k, dtype=torch.float32, device=dy.device) if part is None else part)
+    for part in sample_weight_grads(dy, x, weight_shape):
+        acc.add(part)
     return acc.result()
+
+
+_SINKS: dict[tuple, Callable[[list[torch.Tensor]], None]] = {}
+
+
+def _sink_key(w: torch.Tensor) -> tuple:
+    """A weight's storage, offset, shape and strides: the same for the tensor and its
+    ``detach()``-ed aliases (activation checkpointing unpacks recomputed tensors detached)."""
+    return (w.device, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()))
+
+
+def attach_grad_sink(w: torch.Tensor, sink: Callable[[list[torch.Tensor]], None]) -> tuple:
+    """Collect ``w``'s weight gradient per logical sample: the strict GEMM backward hands its
+    per-sample partials (batch order) to ``sink`` instead of reducing them (``training.ledger``).
+    Returns the key for ``detach_grad_sinks``. The weight must stay alive while its backward
+    runs (a saved tensor does); a later weight on the same storage replaces the entry."""
+    key = _sink_key(w)
+    _SINKS[key] = sink
+    return key
+
+
+def detach_grad_sinks(keys) -> None:
+    """Forget the sinks attached under ``keys`` (``attach_grad_sink``'s returns)."""
+    for key in keys:
+        _SINKS.pop(key, None)
+
+
+def grad_sink(w: torch.Tensor | None):
+    """The per-sample gradient sink attached to the weight ``w`` (``attach_grad_sink``), or None."""
+    if w is None or not _SINKS:
+        return None
+    return _SINKS.get(_sink_key(w))
+
+
+def weight_grad_or_sink(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
+    """``weight_grad(dy, x)``, or — when the weight ``w`` carries a sink (``grad_sink``) — its
+    per-sample partials handed to the sink and None returned (the canonical gradient reduction
+    over logical samples, branches and steps happens there, not in autograd)."""
+    sink = grad_sink(w)
+    if sink is None:
+        return weight_grad(dy, x)
+    sink(sample_weight_grads(dy, x))
+    return None
 
 
 def linear_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
                  needs: tuple[bool, bool, bool]):
     """(dx, dw, db) of ``y = x·Wᵀ + b`` in FP32, each only where ``needs`` asks (else None)."""
     dx = linear_input_grad(dy, w) if needs[0] else None
-    dw = weight_grad(dy, x) if needs[1] else None
+    dw = weight_grad_or_sink(dy, x, w) if needs[1] else None
     db = sample_sum(row_sum(dy)) if needs[2] else None
     return dx, dw, db
 

@@ -81,7 +81,7 @@ class _QKV(torch.autograd.Function):
             dx = cast_like((dq + dk) + dv, x)
         grads = []
         for i, (w, b) in enumerate(((wq, bq), (wk, bk), (wv, bv))):
-            _, dw, db = linear_grads(gs[i], xf, None, (False, need[1 + 2 * i], need[2 + 2 * i]))
+            _, dw, db = linear_grads(gs[i], xf, w, (False, need[1 + 2 * i], need[2 + 2 * i]))
             grads += [cast_like(dw, w), cast_like(db, b)]
         return (dx, *grads, None, None)
 
