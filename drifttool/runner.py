@@ -63,6 +63,33 @@ def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
                              f"{device}; move the model there (model.to({str(device)!r}))")
 
 
+def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: RolloutInputs, config: Any,
+                family: str, *, cfg_on: bool, faults: tuple[str, ...] = ()
+                ) -> tuple[RolloutInputs, dict[str, Any], ParallelPlan | None]:
+    """Where this rank stands in a run's layout, decided before the artifact opens (a refusal
+    here reaches every rank): ``(the inputs it runs, the manifest layout, the parallel plan)``.
+    A TP/SP/CFG-parallel ``parallel`` runs every sample on every rank under a plan; several
+    ranks without one run sample-parallel (the batch's logical samples split contiguously);
+    one process runs everything.
+
+    Raises:
+        DriftToolError: CFG-parallel without CFG, or ``faults`` without a parallel layout.
+        UnsupportedConfigError: the plan refuses the layout (``ParallelPlan.build``).
+    """
+    if parallel is not None and parallel.parallel:
+        plan = ParallelPlan.build(dist, parallel, config, family=family, faults=faults)
+        if parallel.cfg > 1 and not cfg_on:
+            raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
+                                 "(cfg_scale <= 1 or no negative prompt)")
+        return inputs, {**parallel.layout(), **dist.layout()}, plan
+    if faults:
+        raise DriftToolError(f"parallel faults {', '.join(faults)} need a TP/SP/CFG-parallel layout")
+    if dist.distributed:
+        layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
+        return inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size)), layout, None
+    return inputs, SINGLE_LAYOUT, None
+
+
 def execute(
     spec: RunSpec,
     out: str | Path,
@@ -140,18 +167,8 @@ def execute(
         inputs, noise_rec = s.inputs(fx, model.config)
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
-    mine, layout, plan = inputs, SINGLE_LAYOUT, None
-    if parallel is not None and parallel.parallel:  # before the artifact opens, on every rank
-        plan = ParallelPlan.build(dist, parallel, model.config, family=s.mode.family, faults=faults)
-        if parallel.cfg > 1 and s.cfg_branches != 2:
-            raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
-                                 "(cfg_scale <= 1 or no negative prompt)")
-        layout = {**parallel.layout(), **dist.layout()}
-    elif faults:
-        raise DriftToolError(f"parallel faults {', '.join(faults)} need a TP/SP/CFG-parallel layout")
-    elif dist.distributed:  # before the artifact opens: a refusal here reaches every rank
-        layout = {**sample_parallel_layout(inputs.sample_ids, dist.world_size), **dist.layout()}
-        mine = inputs.select(rank_samples(inputs.sample_ids, dist.rank, dist.world_size))
+    mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,
+                                     cfg_on=s.cfg_branches == 2, faults=faults)
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),

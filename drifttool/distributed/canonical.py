@@ -86,3 +86,41 @@ def all_to_all(sends: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], g
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return got
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """``gather_list`` / ``gather_cat`` whose consumer runs replicated on every rank of the group
+    (the sampler after CFG-parallel branches, ``proj_out``'s rows under SP): the gradient of this
+    rank's part is its own slice of the (equal) output gradient — no arithmetic, no collective."""
+
+    @staticmethod
+    def forward(ctx, t, group, dim, sizes):
+        me = dist.get_rank(group)
+        ctx.at = (dim, sum(sizes[:me]), sizes[me]) if sizes is not None else None
+        ctx.me = me
+        if sizes is None:
+            return tuple(gather_list(t, group))
+        return gather_cat(t, dim, group, sizes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.at is None:
+            return grads[ctx.me], None, None, None
+        dim, start, n = ctx.at
+        return grads[0].narrow(dim, start, n), None, None, None
+
+
+def gather_list_replicated(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """``gather_list`` for a consumer every rank of ``group`` runs the same way: differentiable,
+    the backward hands this rank the gradient of its own part."""
+    if group is None:
+        return [t]
+    return list(_GatherReplicated.apply(t, group, 0, None))
+
+
+def gather_cat_replicated(t: torch.Tensor, dim: int, group: Any, sizes: Sequence[int]) -> torch.Tensor:
+    """``gather_cat`` (rank order, ``sizes`` per rank) for a consumer every rank of ``group`` runs
+    the same way: differentiable, the backward narrows the gradient to this rank's part."""
+    if group is None:
+        return t
+    return _GatherReplicated.apply(t, group, dim % t.dim(), list(sizes))

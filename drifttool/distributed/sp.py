@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.distributed.canonical import all_to_all, gather_cat
+from drifttool.distributed.canonical import all_to_all, gather_cat, gather_cat_replicated
 from drifttool.errors import UnsupportedConfigError
 from drifttool.distributed.ring import ring_attention, sp_row_spans
 
@@ -110,7 +110,7 @@ def _latent_proj(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tu
         lo, hi = _mine(plan)
         return run(x[:, lo:hi], *args[1:], **kwargs)
     y = run(*args, **kwargs)  # proj_out: this rank's rows, then every rank's in rank order
-    return gather_rows(plan, y, 1)
+    return gather_cat_replicated(y, 1, _group(plan), _sizes(plan))  # the sampler runs replicated
 
 
 def _rope(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
-from drifttool.distributed.canonical import gather_list
+from drifttool.distributed.canonical import gather_list_replicated
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
 from drifttool.ops.scheduler import STEP_RULES, TIMESTEP_POLICIES, timestep_input
@@ -218,7 +218,8 @@ StepCallback = Callable[[StepOutput], Any]
 # ---------------------------------------------------------------------------------------------
 
 
-def _cfg_on(inputs: RolloutInputs, cfg: SamplerConfig) -> bool:
+def cfg_enabled(inputs: RolloutInputs, cfg: SamplerConfig) -> bool:
+    """Whether the sampler runs CFG (two branches per step): scale > 1 and a negative prompt."""
     return cfg.cfg_scale > 1 and inputs.neg_txt is not None
 
 
@@ -335,7 +336,7 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
                            else (inputs.neg_txt, inputs.neg_mask, rows_u))
         with rt.scope(**scope, branch=mine, samples=ids, **rows):
             v_mine = model(x, txt, mask, tau, grid, rt)
-        v_c, v_u = gather_list(v_mine, plan.groups["cfg"])
+        v_c, v_u = gather_list_replicated(v_mine, plan.groups["cfg"])  # differentiable
     elif cfg.cfg_layout == "batched":
         L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
         if inputs.txt_mask is None and inputs.neg_mask is None and inputs.txt.shape[1] == L \
@@ -469,7 +470,7 @@ def rollout(
     inputs.validate()
     check_family(rt, cfg)
     phase = "rollout"
-    cfg_on = _cfg_on(inputs, cfg)
+    cfg_on = cfg_enabled(inputs, cfg)
     n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)  # [S+1] fp32
@@ -511,7 +512,7 @@ def rollout_step(
         raise ValueError(f"step {step} outside [0, {cfg.num_steps})")
     if tuple(x.shape) != tuple(inputs.x0.shape):
         raise ValueError(f"x {tuple(x.shape)} must be shaped as x0 {tuple(inputs.x0.shape)}")
-    cfg_on = _cfg_on(inputs, cfg)
+    cfg_on = cfg_enabled(inputs, cfg)
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, "rollout").to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.policy("rollout"))
@@ -561,7 +562,7 @@ def recompute(
     idx = list(range(S)) if steps is None else [int(i) for i in steps]
     if any(not 0 <= i < S for i in idx):
         raise ValueError(f"steps {idx} outside [0, {S})")
-    cfg_on = _cfg_on(inputs, cfg)
+    cfg_on = cfg_enabled(inputs, cfg)
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.policy(phase))

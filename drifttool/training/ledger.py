@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from drifttool.distributed.canonical import gather_cat
+from drifttool.distributed.collectives import all_gather_object
 from drifttool.errors import DriftToolError
 from drifttool.model.lora import lora_modules
 from drifttool.ops.lora import lora_merge_strict
@@ -61,15 +63,19 @@ class GradLedger:
         steps: the steps finished, in order.
         history: with ``keep_atoms``, each finished step's atoms (module name → {(sample,
             branch order): partial}); empty otherwise.
+        group: the process group whose ranks hold the other atoms (CFG-parallel branches,
+            sample-parallel samples); ``finish_step`` gathers every rank's atoms first (exact
+            moves), so every rank reduces the same list. ``None``: one process.
     """
 
-    def __init__(self, model: torch.nn.Module, *, keep_atoms: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, keep_atoms: bool = False, group: Any = None) -> None:
         self.modules = lora_modules(model)
         self._names = {id(m): n for n, m in self.modules.items()}
         self._atoms: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         self.totals: dict[str, torch.Tensor] = {}
         self.steps: list[int] = []
         self._keys: set[tuple] = set()
+        self.group = group
         self.keep_atoms = keep_atoms
         self.history: list[dict[str, dict[tuple[int, int], torch.Tensor]]] = []
 
@@ -98,6 +104,26 @@ class GradLedger:
 
         self._keys.add(attach_grad_sink(merged, sink))
 
+    def _gather_atoms(self) -> None:
+        """Every rank's atoms of the step on every rank of ``group``: their keys by an object
+        gather, the partials by one ordered tensor gather per weight."""
+        keys = {n: sorted(a) for n, a in self._atoms.items()}
+        every = all_gather_object(keys, self.group)
+        merged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        for name in sorted({n for k in every for n in k}):
+            w = self.modules[name].weight
+            mine = [self._atoms.get(name, {})[k] for k in keys.get(name, [])]
+            local = torch.stack(mine) if mine else torch.zeros(0, *w.shape, dtype=torch.float32, device=w.device)
+            counts = [len(k.get(name, [])) for k in every]
+            parts = gather_cat(local, 0, self.group, counts)
+            atoms: dict[tuple[int, int], torch.Tensor] = {}
+            for key, part in zip((tuple(k) for ks in every for k in ks.get(name, [])), parts):
+                if key in atoms:
+                    raise DriftToolError(f"gradient ledger: ranks hold the same atom {key} of {name}")
+                atoms[key] = part
+            merged[name] = atoms
+        self._atoms = merged
+
     def close(self) -> None:
         """Detach every sink this ledger attached (``finish_step`` does it for the step's weights;
         a forward without a backward — a deterministic step — leaves its sinks until this call or
@@ -115,6 +141,8 @@ class GradLedger:
         """Reduce the step's atoms (``tree_sum_stack`` in (sample, branch) order), add them to the
         totals (steps in order) and set every adapter factor's ``.grad`` from its total (one strict
         ``lora_merge`` backward). Factors of a weight that never got a gradient keep ``.grad``."""
+        if self.group is not None:
+            self._gather_atoms()
         for name in sorted(self._atoms):
             atoms = self._atoms[name]
             g = tree_sum_stack([atoms[k] for k in sorted(atoms)])

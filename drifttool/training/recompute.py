@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from drifttool.distributed import DistContext
+from drifttool.distributed.plan import ParallelDims
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
@@ -38,8 +40,8 @@ from drifttool.model.lora import capture_lora_grads, has_lora, lora_parameters, 
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
-from drifttool.sampling.rollout import StepOutput, recompute, sampler_model
-from drifttool.runner import check_model_device
+from drifttool.sampling.rollout import StepOutput, cfg_enabled, recompute, sampler_model
+from drifttool.runner import check_model_device, rank_layout
 from drifttool.settings import check_level, check_mode, check_mode_device
 from drifttool.training.ledger import GradLedger
 from drifttool.training.options import RerunOptions, TrainOptions
@@ -91,8 +93,17 @@ def recompute_run(
     *,
     model=None,
     on_step: Callable[[StepOutput], Any] | None = None,
+    dist: DistContext | None = None,
+    parallel: ParallelDims | None = None,
 ) -> dict[str, Any]:
     """Recompute a stored rollout in phase ``train`` and write a ``kind: "recompute"`` artifact.
+
+    Layouts (``dist``, ``parallel``) as ``runner.execute``: several ranks without a plan recompute
+    sample-parallel (each its samples; the loss of a step is −Σ logp_t / B over the whole batch),
+    ``--cfg-parallel 2`` one CFG branch per rank; TP/SP training is refused
+    (``ParallelPlan.check_training``). Strict gradients are the canonical ones of
+    ``training.ledger``, each rank's atoms gathered before the reduction, so every layout
+    writes the one-process gradient bytes (the root rank records them).
 
     Args:
         source: rollout artifact directory (or an already loaded ``StoredRollout``).
@@ -102,6 +113,8 @@ def recompute_run(
         train: backward per SDE step (``grad``), gradient checkpointing, micro-batching.
         model: a ready trainer model (still fingerprint-checked).
         on_step: called with each step's ``StepOutput`` after its backward.
+        dist: this process's place among ranks (``distributed.init_distributed``; default one).
+        parallel: a CFG-parallel layout on ``dist``'s mesh (``plan.MESH_DIMS``).
 
     Returns:
         Summary: out, complete, steps, samples, mode, capture, grad_records, seconds, trajectory.
@@ -125,7 +138,13 @@ def recompute_run(
                              "rollout ran without an adapter: roll out with one (drifttool run --lora "
                              "ADAPTER) and recompute that run")
     sampler = stored.sampler
-    session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout)
+    dist = dist or DistContext()
+    mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
+                                     cfg_on=cfg_enabled(stored.inputs, sampler))
+    if plan is not None:
+        plan.check_training()
+    session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,
+                              world_size=dist.world_size, layout=layout, plan=plan)
     sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
     tau = timestep_input(sig[:-1], sampler.timestep_policy)
     fingerprint = arch_fingerprint(
@@ -147,16 +166,21 @@ def recompute_run(
         manifest["lora"] = lora_record(model)
     n_grad = 0
     t0 = time.perf_counter()
-    ledger = GradLedger(model) if train.grad and m.family == "strict" else None  # canonical grads
+    group = plan.groups.get("cfg") if plan is not None else (torch.distributed.group.WORLD if dist.distributed else None)
+    ledger = GradLedger(model, group=group) if train.grad and m.family == "strict" else None
+    batch = stored.inputs.batch  # the whole batch's mean, on every layout
+    records_grads = plan.is_root if plan is not None else dist.rank == 0  # equal on every rank
+    rows = [stored.inputs.sample_ids.index(sid) for sid in mine.sample_ids]
 
     def step_done(o: StepOutput) -> None:
         nonlocal n_grad
         if train.grad and o.in_window:
-            (-o.logp.mean()).backward()
+            (-o.logp.sum() / batch).backward()
             if ledger is not None:
                 ledger.finish_step(o.step)
-            n_grad += capture_lora_grads(model, session.recorder, phase="train", step=o.step,
-                                         sigma=o.sigma)
+            if records_grads:
+                n_grad += capture_lora_grads(model, session.recorder, phase="train", step=o.step,
+                                             sigma=o.sigma, rank=dist.rank)
         if on_step is not None:
             on_step(o)
 
@@ -168,7 +192,7 @@ def recompute_run(
             with torch.enable_grad():
                 fwd = micro_batched(sampler_model(model), train.micro_batch,
                                     trim_padding=train.trim_padding)
-                traj = recompute(fwd, stored.inputs.to(device), stored.latents.to(device), sampler,
+                traj = recompute(fwd, mine.to(device), stored.latents[:, rows].to(device), sampler,
                                  session.rt, phase="train", callback=step_done)
         finally:
             model.gradient_checkpointing = False
@@ -177,5 +201,5 @@ def recompute_run(
         seconds = time.perf_counter() - t0
         session.finish(complete=traj.complete, seconds=round(seconds, 3))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
-            "samples": stored.inputs.sample_ids, "mode": m.value, "capture": level,
+            "samples": mine.sample_ids, "mode": m.value, "capture": level,
             "grad_records": n_grad, "seconds": seconds, "trajectory": traj}
