@@ -254,16 +254,26 @@ class ParallelPlan:
             out = tuple(full) if isinstance(out, tuple) else full[0]
         return out if self.owns(int(rt.scope_value("block"))) else None
 
-    def check_training(self) -> None:
-        """Refuse autograd through a TP/SP plan (its collectives have no canonical backward yet).
+    def check_training(self, model: Any = None) -> None:
+        """Refuse what training under this plan cannot give one device's gradient bytes for:
+        Ring attention (its backward is not built) and, under TP/SP, trainable parameters other
+        than LoRA adapters (TP/SP weight gradients go through the strict gradient ledger,
+        ``training.ledger``, which collects adapted weights).
 
         Raises:
-            UnsupportedConfigError: TP or SP > 1.
+            UnsupportedConfigError: naming what is unsupported.
         """
-        if self.dims.tp > 1 or self.dims.sp > 1:
+        if self.dims.sp > 1 and self.dims.sp_attention == "ring":
             raise UnsupportedConfigError(
-                "training under TP/SP is not supported yet (the sharded backward and the canonical "
-                "gradient reduction over ranks are issue #12's next part); CFG-parallel is")
+                "training under --sp-attention ring is not supported (Ring attention has no "
+                "backward yet); use agrs or ulysses")
+        if model is not None and (self.dims.tp > 1 or self.dims.sp > 1):
+            base = sorted(n for n, p in model.named_parameters()
+                          if p.requires_grad and ".lora_A." not in n and ".lora_B." not in n)
+            if base:
+                raise UnsupportedConfigError(
+                    f"training under TP/SP trains LoRA adapters only; {len(base)} base parameters "
+                    f"require gradients (first: {base[0]})")
 
 
 def _bind(rule: Rule, plan: ParallelPlan, rt: "Runtime", stream: str, run: Callable[..., Any]):

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.distributed.canonical import all_to_all, gather_cat, gather_cat_replicated
+from drifttool.distributed.canonical import gather_cat, gather_cat_replicated
 from drifttool.errors import UnsupportedConfigError
 from drifttool.distributed.ring import ring_attention, sp_row_spans
+from drifttool.distributed.sp_grad import Shard, agrs_attention, all_to_all_grad, head_slice
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelPlan
@@ -134,8 +135,10 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if how == "agrs":
         if "sp_padding_unmasked" in plan.faults:
             return _padded_unmasked(plan, run, q, k, v, key_mask, text_len, kwargs)
-        kf, vf = (gather_rows(plan, t, 1, text_len) for t in (k, v))
-        return run(q, kf, vf, key_mask, **kwargs)
+        lo, hi = _mine(plan)
+        shard = Shard(lo, hi, plan.coords["sp"], plan.dims.sp, _group(plan))
+        return agrs_attention(shard, lambda t: gather_rows(plan, t, 1, text_len), run, q, k, v,
+                              key_mask, text_len, kwargs)
     if how == "ulysses":
         return _ulysses(plan, run, q, k, v, key_mask, text_len, kwargs)
     if rt.wants_internals():
@@ -161,17 +164,17 @@ def _ulysses(plan: "ParallelPlan", run, q, k, v, key_mask, text_len: int, kwargs
 
     def to_heads(t: torch.Tensor) -> torch.Tensor:  # [B, L + n_r, H, Dh] -> [B, L + N, H/S, Dh]
         img = t[:, text_len:]
-        got = all_to_all([img[:, :, j * per:(j + 1) * per] for j in range(sp)],
-                         [(t.shape[0], n, per, t.shape[3]) for n in sizes], group)
-        return torch.cat([t[:, :text_len, me * per:(me + 1) * per], *got], dim=1)
+        got = all_to_all_grad([img[:, :, j * per:(j + 1) * per].contiguous() for j in range(sp)],
+                              [(t.shape[0], n, per, t.shape[3]) for n in sizes], group)
+        return torch.cat([head_slice(t[:, :text_len], me * per, (me + 1) * per, group), *got], dim=1)
 
     o = run(to_heads(q), to_heads(k), to_heads(v), key_mask, **kwargs)  # [B, L + N, H/S, Dh]
     starts = [sum(sizes[:j]) for j in range(sp)]
     img = o[:, text_len:]
     mine = sizes[me]
-    got = all_to_all([img[:, s0:s0 + n] for s0, n in zip(starts, sizes)],
-                     [(o.shape[0], mine, per, o.shape[3])] * sp, group)
-    text = gather_cat(o[:, :text_len], 2, group)
+    got = all_to_all_grad([img[:, s0:s0 + n].contiguous() for s0, n in zip(starts, sizes)],
+                          [(o.shape[0], mine, per, o.shape[3])] * sp, group)
+    text = gather_cat_replicated(o[:, :text_len].contiguous(), 2, group, [per] * sp)
     return torch.cat([text, torch.cat(got, dim=2)], dim=1)
 
 

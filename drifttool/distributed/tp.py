@@ -42,8 +42,9 @@ import torch
 from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict._checks import act_dtype, f32, out
+from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32
 from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, linear_partial,
-                                       local_spans, segment_spans, shard_spans)
+                                       local_spans, segment_spans, shard_spans, tiled_linear)
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelPlan
@@ -102,22 +103,86 @@ def _part(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return None if t is None else t[lo:hi]
 
 
+def _slices(plan: "ParallelPlan", rt: "Runtime", ws: tuple, dim: int, lo: int, hi: int) -> list:
+    """The rank's slices of the weights ``ws`` (rows ``dim=0`` or columns ``dim=1`` [lo, hi));
+    under strict training each slice's gradient is routed to its adapted weight's atoms
+    (``training.ledger``)."""
+    out = [w[lo:hi] if dim == 0 else w[:, lo:hi] for w in ws]
+    if rt.grad_ledger is not None:
+        for w, part in zip(ws, out):
+            rt.grad_ledger.attach_slice(w, part, dim, lo, hi)
+    return out
+
+
+def _training(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def _qkv(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     x, wq, bq, wk, bk, wv, bv, heads = args
     lo, hi = _cols(plan, wq.shape[0])
-    return run(x, wq[lo:hi], _part(bq, lo, hi), wk[lo:hi], _part(bk, lo, hi), wv[lo:hi],
+    sq, sk, sv = _slices(plan, rt, (wq, wk, wv), 0, lo, hi)
+    train = _training(x)
+    outs = run(x.detach() if train else x, sq, _part(bq, lo, hi), sk, _part(bk, lo, hi), sv,
                _part(bv, lo, hi), heads // plan.dims.tp, **kwargs)
+    if not train:
+        return outs
+    return _ColumnInputGrad.apply(plan, (sq, sk, sv), tuple(wq.shape), None, False, x, *outs)
 
 
 def _column(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
-    x, w, b = args
+    x, w, b = args  # mlp_up_gemm_gelu
     lo, hi = _cols(plan, w.shape[0])
-    return run(x, w[lo:hi], _part(b, lo, hi), **kwargs)
+    (ws,) = _slices(plan, rt, (w,), 0, lo, hi)
+    train = _training(x)
+    y = run(x.detach() if train else x, ws, _part(b, lo, hi), **kwargs)
+    if not train:
+        return y
+    return _ColumnInputGrad.apply(plan, (ws,), tuple(w.shape), _part(b, lo, hi), True, x, y)[0]
+
+
+class _ColumnInputGrad(torch.autograd.Function):
+    """Identity on a column-parallel GEMM's outputs (run on a detached input, so their own
+    backward gives the weights' gradients only); its backward adds the input's gradient by
+    contract v2 over the sharded N: each rank's partial over its 8/T segments of N
+    (``linear_partial``), gathered in rank order and finished by the tree (``finish_linear``);
+    for Q/K/V the three products added (dq·Wq + dk·Wk) + dv·Wv as one device does. For
+    ``mlp_up_gemm_gelu`` (``gelu``) the pre-activation is recomputed for GELU' first."""
+
+    @staticmethod
+    def forward(ctx, plan, ws, full_shape, bias, gelu, x, *outs):
+        ctx.plan, ctx.ws, ctx.full_shape = plan, [w.detach() for w in ws], full_shape
+        ctx.bias, ctx.gelu = (None if bias is None else bias.detach()), gelu
+        ctx.save_for_backward(x)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        (x,) = ctx.saved_tensors
+        plan = ctx.plan
+        n, k = ctx.full_shape
+        spans = local_spans(shard_spans(segment_spans(n), plan.dims.tp, plan.coords["tp"]))
+        exact = linear_is_exact(n, k)
+        lead = x.shape[:-1]
+        m = lead.numel()
+        dx = None
+        for g, w in zip(grads, ctx.ws):
+            g2 = g32(g).reshape(m, -1)  # [M, N/T]
+            if ctx.gelu:
+                pre = tiled_linear(f32(x).reshape(m, k), f32(w), f32(ctx.bias), weight_shape=(n, k))
+                g2 = g2 * gelu_tanh_grad32(pre)
+            part = linear_partial(g2, f32(w).t().contiguous(), spans, exact=exact)
+            if part is None:
+                part = torch.zeros(m, k, dtype=torch.float32, device=g2.device)
+            one = finish_linear(gather_list(part, plan.groups.get("tp")), None, (m, k), g2.device)
+            dx = one if dx is None else dx + one
+        return (None, None, None, None, None, cast_like(dx.reshape(*lead, k), x), *grads)
 
 
 def _row(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     """Row-parallel GEMM: x [..., K/T] (this rank's heads or channels), w [N, K], b [N] →
-    [..., N] replicated, in the activation dtype."""
+    [..., N] replicated, in the activation dtype (``_RowParallel``)."""
     x, w, b = args
     n, k = w.shape
     spans = shard_spans(segment_spans(k), plan.dims.tp, plan.coords["tp"])
@@ -125,6 +190,15 @@ def _row(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwa
     if x.shape[-1] != hi - lo:
         raise UnsupportedConfigError(f"TP row-parallel GEMM: input has {x.shape[-1]} features, "
                                      f"the rank's K shard {hi - lo}")
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return _row_forward(plan, x, w, b, spans)
+    sink = rt.grad_ledger.slice_sink(w, 1, lo, hi) if rt.grad_ledger is not None else None
+    return _RowParallel.apply(x, w, b, plan, spans, sink)
+
+
+def _row_forward(plan: "ParallelPlan", x, w, b, spans) -> torch.Tensor:
+    n, k = w.shape
+    lo, hi = spans[0][0], spans[-1][1]
     lead = x.shape[:-1]
     x2 = f32(x).reshape(lead.numel(), hi - lo)
     part = linear_partial(x2, f32(w)[:, lo:hi], local_spans(spans), exact=linear_is_exact(n, k))
@@ -132,6 +206,39 @@ def _row(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwa
         part = torch.zeros(x2.shape[0], n, dtype=torch.float32, device=x.device)
     y = _reduce(plan, part, f32(b), (x2.shape[0], n), x.device)
     return out(y, act_dtype(x, w, b)).reshape(*lead, n)
+
+
+class _RowParallel(torch.autograd.Function):
+    """The row-parallel GEMM with its backward: the output gradient is replicated, so the rank's
+    columns of dX = dY·W[:, lo:hi] are a column shard of one device's dX (``tiled_linear`` with
+    the unsharded transposed shape [K, N]); the rank's columns of dW' go to the gradient ledger
+    (``sink``). A trainable weight without a ledger, or a trainable bias, is refused."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, plan, spans, sink):
+        ctx.plan, ctx.spans, ctx.sink = plan, spans, sink
+        ctx.bias_grad = b is not None and b.requires_grad
+        ctx.save_for_backward(x, w)
+        return _row_forward(plan, x, w, b, spans)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        n, k = w.shape
+        lo, hi = ctx.spans[0][0], ctx.spans[-1][1]
+        if ctx.bias_grad or (ctx.needs_input_grad[1] and ctx.sink is None):
+            raise UnsupportedConfigError("TP training trains LoRA adapters through the strict gradient "
+                                         "ledger only (a trainable base weight or bias is unsupported)")
+        lead = x.shape[:-1]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            g2 = g32(gy).reshape(lead.numel(), n)
+            dx = tiled_linear(g2, f32(w)[:, lo:hi].t().contiguous(), weight_shape=(k, n))
+            dx = cast_like(dx.reshape(*lead, hi - lo), x)
+        if ctx.needs_input_grad[1]:
+            ctx.sink(g32(gy), f32(x))
+        return dx, None, None, None, None, None
 
 
 def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, shape: tuple[int, int],

@@ -89,7 +89,7 @@ def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
     merged = call(rt, "lora_merge", module.weight, a.weight, module.lora_B.weight,
                   float(module.lora_scale), stream=stream, layout=None)
     if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction
-        rt.grad_ledger.watch(module, merged, rt.current_scope())
+        rt.grad_ledger.watch(module, merged, rt.current_scope(), stream)
     return merged
 
 

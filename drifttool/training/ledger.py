@@ -39,20 +39,45 @@ same sample and branch: not a layout the ledger can order).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from drifttool.distributed.canonical import gather_cat
+from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.distributed.collectives import all_gather_object
-from drifttool.errors import DriftToolError
+from drifttool.distributed.ring import sp_row_spans
+from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.lora import lora_modules
 from drifttool.ops.lora import lora_merge_strict
-from drifttool.ops.strict.grad import attach_grad_sink, detach_grad_sinks
-from drifttool.ops.strict_trees import tree_sum_stack
+from drifttool.ops.strict.attention_blocks import BLOCK
+from drifttool.ops.strict.grad import (attach_grad_sink, detach_grad_sinks, live_rows, outer_partial,
+                                       sample_rows, sample_weight_grads, sink_key)
+from drifttool.ops.strict_math import linear_is_exact
+from drifttool.ops.strict_trees import (local_spans, row_segment_spans, shard_spans, tree_finish,
+                                        tree_sum_stack)
 
 BRANCH_ORDER = {"cond": 0, "uncond": 1}
 """Order of a sample's CFG branches among its atoms."""
+
+
+@dataclass
+class _Piece:
+    """What this rank holds of one (sample, branch) atom: the per-sample partial (``part``), or
+    under SP the image rows of the GEMM backward (``rows`` = (dy, x)) still to be reduced with
+    the other SP ranks; ``cut`` = (dim, lo, hi) when it covers a TP slice of W'."""
+
+    part: torch.Tensor | None = None
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    cut: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Watched:
+    name: str
+    samples: tuple[int, ...]
+    branches: tuple[str, ...]
+    stream: str
 
 
 class GradLedger:
@@ -66,43 +91,128 @@ class GradLedger:
         group: the process group whose ranks hold the other atoms (CFG-parallel branches,
             sample-parallel samples); ``finish_step`` gathers every rank's atoms first (exact
             moves), so every rank reduces the same list. ``None``: one process.
+        plan: the TP/SP plan the forward ran under (``distributed.plan.ParallelPlan``) or None.
+            Under SP an image-stream atom is finished from the SP ranks' row partials (contract
+            v2's row segments: each rank's rows are whole segments, their subtrees gathered in
+            rank order and finished by the fixed tree); under TP a rank's slice of W' (rows of a
+            column-parallel, columns of a row-parallel GEMM) is gathered in rank order.
     """
 
-    def __init__(self, model: torch.nn.Module, *, keep_atoms: bool = False, group: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, keep_atoms: bool = False, group: Any = None,
+                 plan: Any = None) -> None:
         self.modules = lora_modules(model)
         self._names = {id(m): n for n, m in self.modules.items()}
-        self._atoms: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        self._atoms: dict[str, dict[tuple[int, int], Any]] = {}
         self.totals: dict[str, torch.Tensor] = {}
         self.steps: list[int] = []
         self._keys: set[tuple] = set()
+        self._watched: dict[tuple, _Watched] = {}
         self.group = group
+        self.plan = plan
         self.keep_atoms = keep_atoms
         self.history: list[dict[str, dict[tuple[int, int], torch.Tensor]]] = []
 
-    def watch(self, module: torch.nn.Module, merged: torch.Tensor, scope: dict[str, Any]) -> None:
-        """Collect the per-row gradient partials of ``merged`` (the adapted weight of ``module``,
-        built in the identity ``scope``: ``samples`` one id per batch row, ``branch`` one name or
-        one per row). Nothing is attached when autograd is off or the module is not adapted."""
+    def watch(self, module: torch.nn.Module, merged: torch.Tensor, scope: dict[str, Any],
+              stream: str = "img") -> None:
+        """Collect the per-row gradient of ``merged`` (the adapted weight of ``module``, built in
+        the identity ``scope``: ``samples`` one id per batch row, ``branch`` one name or one per
+        row; ``stream`` the operator's). Nothing is attached when autograd is off or the module
+        is not adapted."""
         name = self._names.get(id(module))
         if name is None or not (torch.is_grad_enabled() and merged.requires_grad):
             return
-        samples = list(scope.get("samples") or [])
+        samples = tuple(int(x) for x in (scope.get("samples") or []))
         branch = scope.get("branch")
-        branches = [branch] * len(samples) if isinstance(branch, str) else list(branch or [])
+        branches = (branch,) * len(samples) if isinstance(branch, str) else tuple(branch or ())
+        spec = _Watched(name, samples, branches, stream)
+        key = attach_grad_sink(merged, self._sink(spec, None))
+        self._keys.add(key)
+        self._watched[key] = spec
 
-        def sink(parts: list[torch.Tensor]) -> None:
-            if len(parts) != len(samples) or len(branches) != len(samples):
-                raise DriftToolError(f"gradient ledger: {len(parts)} batch rows for {name}, but the "
-                                     f"scope names {len(samples)} samples and {len(branches)} branches")
-            atoms = self._atoms.setdefault(name, {})
-            for part, sid, br in zip(parts, samples, branches):
-                key = (int(sid), BRANCH_ORDER.get(str(br), 2))
+    def slice_sink(self, merged: torch.Tensor, dim: int, lo: int, hi: int):
+        """The sink for the slice ``[lo, hi)`` along ``dim`` of a watched ``merged`` weight (a TP
+        rule's shard), or None when ``merged`` is not watched."""
+        spec = self._watched.get(sink_key(merged))
+        return None if spec is None else self._sink(spec, (dim, lo, hi))
+
+    def attach_slice(self, merged: torch.Tensor, part: torch.Tensor, dim: int, lo: int, hi: int) -> None:
+        """Route the weight gradient of ``part`` (= ``merged`` sliced ``[lo, hi)`` along ``dim``,
+        what a TP rank's GEMM receives) to ``merged``'s atoms."""
+        sink = self.slice_sink(merged, dim, lo, hi)
+        if sink is not None:
+            self._keys.add(attach_grad_sink(part, sink))
+
+    def _sink(self, spec: _Watched, cut: tuple[int, int, int] | None):
+        shape = tuple(self.modules[spec.name].weight.shape)  # the unsharded [N, K]: kernel rule
+        sp_rows = self.plan is not None and self.plan.dims.sp > 1 and spec.stream == "img"
+
+        def sink(dy: torch.Tensor, x: torch.Tensor) -> None:
+            dy3, x3 = sample_rows(dy), sample_rows(x)
+            if dy3.shape[0] != len(spec.samples) or len(spec.branches) != len(spec.samples):
+                raise DriftToolError(f"gradient ledger: {dy3.shape[0]} batch rows for {spec.name}, but "
+                                     f"the scope names {len(spec.samples)} samples and "
+                                     f"{len(spec.branches)} branches")
+            parts = None if sp_rows else sample_weight_grads(dy, x, shape)
+            atoms = self._atoms.setdefault(spec.name, {})
+            for i, (sid, br) in enumerate(zip(spec.samples, spec.branches)):
+                key = (sid, BRANCH_ORDER.get(str(br), 2))
                 if key in atoms:
-                    raise DriftToolError(f"gradient ledger: {name} got two gradients for sample "
+                    raise DriftToolError(f"gradient ledger: {spec.name} got two gradients for sample "
                                          f"{sid} branch {br} in one step")
-                atoms[key] = part
+                atoms[key] = _Piece(part=None if parts is None else parts[i],
+                                    rows=(dy3[i], x3[i]) if sp_rows else None, cut=cut)
 
-        self._keys.add(attach_grad_sink(merged, sink))
+        return sink
+
+    def _finish_sp(self) -> None:
+        """Image-stream atoms from the SP ranks' row partials (class docstring)."""
+        plan = self.plan
+        sp, me, group = plan.dims.sp, plan.coords["sp"], plan.groups.get("sp")
+        n_img = int(plan.state["n_img"])
+        lo, hi = sp_row_spans(n_img, sp)[me]
+        names = sorted(n for n, a in self._atoms.items() if any(p.rows is not None for p in a.values()))
+        live = {n: [live_rows(self._atoms[n][k].rows[0]) for k in sorted(self._atoms[n])] for n in names}
+        ends = {n: [lo + r if r else 0 for r in rs] for n, rs in live.items()}  # one past the last live row
+        every = all_gather_object(ends, group)
+        for name in names:
+            atoms = self._atoms[name]
+            w = self.modules[name].weight
+            exact = linear_is_exact(*w.shape)
+            parts, owners = [], []
+            for i, key in enumerate(sorted(atoms)):
+                r = max(e[name][i] for e in every)  # the sample's live rows over every rank
+                if -(-r // BLOCK) not in (0, -(-n_img // BLOCK)):
+                    raise UnsupportedConfigError(
+                        f"SP training: {name} sample {key[0]} has zero gradients in its last image "
+                        f"blocks ({r} of {n_img} rows live): the row segments would not be the SP shards")
+                spans = [shard_spans(row_segment_spans(r), sp, s) for s in range(sp)]
+                owners.append([any(a < b for a, b in sp_) for sp_ in spans])
+                dy, x = atoms[key].rows
+                n = max(0, min(hi, r) - lo)
+                part = outer_partial(dy[:n], x[:n], local_spans(spans[me]), exact=exact) if owners[-1][me] else None
+                parts.append(torch.zeros(dy.shape[-1], x.shape[-1], dtype=torch.float32, device=dy.device)
+                             if part is None else part)
+            every_parts = gather_list(torch.stack(parts), group)
+            for i, key in enumerate(sorted(atoms)):
+                done = tree_finish([every_parts[s][i] if owners[i][s] else None for s in range(sp)])
+                atoms[key] = _Piece(part=every_parts[0][i].new_zeros(every_parts[0][i].shape)
+                                    if done is None else done, cut=atoms[key].cut)
+
+    def _finish_tp(self) -> None:
+        """Whole atoms from the TP ranks' slices, gathered in rank order (class docstring)."""
+        group = self.plan.groups.get("tp")
+        for name in sorted(self._atoms):
+            atoms = self._atoms[name]
+            cuts = {p.cut for p in atoms.values()}
+            if cuts == {None}:
+                continue
+            if len(cuts) != 1:
+                raise DriftToolError(f"gradient ledger: {name} got slices of different TP cuts")
+            dim = next(iter(cuts))[0]
+            keys = sorted(atoms)
+            full = gather_cat(torch.stack([atoms[k].part for k in keys]), 1 + dim, group)
+            for key, part in zip(keys, full):
+                atoms[key] = _Piece(part=part)
 
     def _gather_atoms(self) -> None:
         """Every rank's atoms of the step on every rank of ``group``: their keys by an object
@@ -141,6 +251,11 @@ class GradLedger:
         """Reduce the step's atoms (``tree_sum_stack`` in (sample, branch) order), add them to the
         totals (steps in order) and set every adapter factor's ``.grad`` from its total (one strict
         ``lora_merge`` backward). Factors of a weight that never got a gradient keep ``.grad``."""
+        if self.plan is not None and self.plan.dims.sp > 1:
+            self._finish_sp()
+        if self.plan is not None and self.plan.dims.tp > 1:
+            self._finish_tp()
+        self._atoms = {n: {k: p.part for k, p in a.items()} for n, a in self._atoms.items()}
         if self.group is not None:
             self._gather_atoms()
         for name in sorted(self._atoms):

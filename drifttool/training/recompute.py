@@ -100,8 +100,8 @@ def recompute_run(
 
     Layouts (``dist``, ``parallel``) as ``runner.execute``: several ranks without a plan recompute
     sample-parallel (each its samples; the loss of a step is −Σ logp_t / B over the whole batch),
-    ``--cfg-parallel 2`` one CFG branch per rank; TP/SP training is refused
-    (``ParallelPlan.check_training``). Strict gradients are the canonical ones of
+    ``--cfg-parallel 2`` one CFG branch per rank, TP/SP (AG/RS or Ulysses attention) shard the
+    forward and backward of the LoRA-adapted model (``ParallelPlan.check_training``). Strict gradients are the canonical ones of
     ``training.ledger``, each rank's atoms gathered before the reduction, so every layout
     writes the one-process gradient bytes (the root rank records them).
 
@@ -142,7 +142,7 @@ def recompute_run(
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler))
     if plan is not None:
-        plan.check_training()
+        plan.check_training(model)
     session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,
                               world_size=dist.world_size, layout=layout, plan=plan)
     sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
@@ -167,7 +167,7 @@ def recompute_run(
     n_grad = 0
     t0 = time.perf_counter()
     group = plan.groups.get("cfg") if plan is not None else (torch.distributed.group.WORLD if dist.distributed else None)
-    ledger = GradLedger(model, group=group) if train.grad and m.family == "strict" else None
+    ledger = GradLedger(model, group=group, plan=plan) if train.grad and m.family == "strict" else None
     batch = stored.inputs.batch  # the whole batch's mean, on every layout
     records_grads = plan.is_root if plan is not None else dist.rank == 0  # equal on every rank
     rows = [stored.inputs.sample_ids.index(sid) for sid in mine.sample_ids]

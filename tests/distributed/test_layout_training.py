@@ -1,7 +1,9 @@
 """RFC ``ws2_lora_grad_invariance`` on the CPU (gloo): a strict training recompute with LoRA
 gradients gives the one-process artifact — v_t, logp_t and every gradient record — when its
-CFG branches run on two ranks (CFG-parallel) and when its samples run on two ranks
-(sample-parallel data parallelism); TP/SP training is refused in one line."""
+CFG branches run on two ranks (CFG-parallel), its samples on two ranks (sample-parallel data
+parallelism), its heads and MLP channels on two ranks (TP) or its image rows on two ranks (SP with
+AG/RS or Ulysses attention, equal-free shards: one rank without rows, then 192/158 rows), and
+their combinations (slow); Ring training is refused in one line."""
 
 from __future__ import annotations
 
@@ -20,36 +22,52 @@ from tests.distributed.layout_runs import assert_identical
 from tests.distributed.plan_ranks import RankCrash, on_ranks
 
 
+LAYOUTS = {"cfg": ParallelDims(cfg=2), "samples": None, "tp": ParallelDims(tp=2),
+           "sp-agrs": ParallelDims(sp=2), "sp-ulysses": ParallelDims(sp=2, sp_attention="ulysses"),
+           "sp-ring": ParallelDims(sp=2, sp_attention="ring"),
+           "tp-sp": ParallelDims(tp=2, sp=2), "sp-cfg": ParallelDims(sp=2, cfg=2, sp_attention="ulysses")}
+
+
 def train_rank(ctx, dims, arg):
     """Rank body: recompute ``arg = (rollout, out, layout)`` with gradients, ``layout`` one of
-    ``cfg`` (a CFG-parallel plan), ``samples`` (sample-parallel: no plan), ``tp``/``sp``."""
+    ``LAYOUTS`` (``samples``: sample-parallel, no plan)."""
     rollout, out, layout = arg
-    parallel = {"cfg": ParallelDims(cfg=2), "samples": None, "tp": ParallelDims(tp=2),
-                "sp": ParallelDims(sp=2)}[layout]
+    parallel = LAYOUTS[layout]
     if parallel is not None and parallel.world_size != ctx.world_size:
         raise AssertionError("launch the layout's world size")
     recompute_run(rollout, out, train=TrainOptions(grad=True), dist=ctx, parallel=parallel)
     return ctx.rank
 
 
-@pytest.fixture(scope="module")
-def lora_rollout(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layout-train")
+def _rollout(root, **size):
     fx, s = resolve(RunSpec())
     model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype)
     add_lora(model, rank=4, alpha=8, seed=3, init_b_std=0.05)
     save_lora(model, root / "adapter")
-    execute(RunSpec(lora=root / "adapter", capture="L1", batch=3), root / "rollout")
+    execute(RunSpec(lora=root / "adapter", capture="L1", batch=3, **size), root / "rollout")
     recompute_run(root / "rollout", root / "one", train=TrainOptions(grad=True))
     return root
 
 
-@pytest.mark.parametrize("layout", ["cfg", "samples"])
-def test_layout_training_equals_one_process(lora_rollout, layout):
-    root = lora_rollout
+@pytest.fixture(scope="module")
+def lora_rollout(tmp_path_factory):
+    """The fixture's 4×6 patches: with SP 2 the second rank holds no image rows."""
+    return _rollout(tmp_path_factory.mktemp("layout-train"))
+
+
+@pytest.fixture(scope="module")
+def wide_rollout(tmp_path_factory):
+    """160×560 px: 350 image tokens, SP shards of 192 and 158 rows."""
+    return _rollout(tmp_path_factory.mktemp("layout-train-350"), height=160, width=560)
+
+
+def _check(root, layout):
     out = root / f"train-{layout}"
-    assert on_ranks(ParallelDims(cfg=2), "tests.distributed.test_layout_training:train_rank",
-                    (root / "rollout", out, layout)) == [0, 1]
+    world = 2 if LAYOUTS[layout] is None else LAYOUTS[layout].world_size
+    dims = ParallelDims(cfg=2) if LAYOUTS[layout] is None else LAYOUTS[layout]
+    assert world == dims.world_size
+    assert on_ranks(dims, "tests.distributed.test_layout_training:train_rank",
+                    (root / "rollout", out, layout)) == list(range(world))
     assert_identical(root / "one", out)
     ops = open_run(out).ops_table()
     grads = ops.filter(pc.equal(ops["role"], "grad_weight"))
@@ -58,9 +76,23 @@ def test_layout_training_equals_one_process(lora_rollout, layout):
     assert set(grads["rank"].to_pylist()) == {0}  # every rank holds them; the root records them
 
 
-@pytest.mark.parametrize("layout, needle", [("tp", "training under TP/SP"), ("sp", "training under TP/SP")])
-def test_tp_sp_training_is_refused(lora_rollout, layout, needle):
-    dims = ParallelDims(tp=2) if layout == "tp" else ParallelDims(sp=2)
-    with pytest.raises(RankCrash, match=needle):
-        on_ranks(dims, "tests.distributed.test_layout_training:train_rank",
-                 (lora_rollout / "rollout", lora_rollout / f"x-{layout}", layout))
+@pytest.mark.parametrize("layout", ["cfg", "samples", "tp", "sp-agrs"])
+def test_layout_training_equals_one_process(lora_rollout, layout):
+    _check(lora_rollout, layout)
+
+
+@pytest.mark.parametrize("layout", ["sp-agrs", "sp-ulysses"])
+def test_sp_training_on_unequal_shards(wide_rollout, layout):
+    _check(wide_rollout, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp-sp", "sp-cfg"])
+def test_combined_layout_training(wide_rollout, layout):
+    _check(wide_rollout, layout)
+
+
+def test_ring_training_is_refused(lora_rollout):
+    with pytest.raises(RankCrash, match="ring is not supported"):
+        on_ranks(LAYOUTS["sp-ring"], "tests.distributed.test_layout_training:train_rank",
+                 (lora_rollout / "rollout", lora_rollout / "x-ring", "sp-ring"))

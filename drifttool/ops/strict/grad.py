@@ -197,21 +197,26 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.T
     return acc.result()
 
 
-_SINKS: dict[tuple, Callable[[list[torch.Tensor]], None]] = {}
+Sink = Callable[[torch.Tensor, torch.Tensor], None]
+"""``sink(dy, x)``: the output gradient ``[B, ..., N]`` and input ``[B, ..., K]`` of one GEMM
+backward of the weight (FP32; one batch row per logical sample and branch)."""
+
+_SINKS: dict[tuple, Sink] = {}
 
 
-def _sink_key(w: torch.Tensor) -> tuple:
+def sink_key(w: torch.Tensor) -> tuple:
     """A weight's storage, offset, shape and strides: the same for the tensor and its
     ``detach()``-ed aliases (activation checkpointing unpacks recomputed tensors detached)."""
     return (w.device, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()))
 
 
-def attach_grad_sink(w: torch.Tensor, sink: Callable[[list[torch.Tensor]], None]) -> tuple:
+def attach_grad_sink(w: torch.Tensor, sink: Sink) -> tuple:
     """Collect ``w``'s weight gradient per logical sample: the strict GEMM backward hands its
-    per-sample partials (batch order) to ``sink`` instead of reducing them (``training.ledger``).
+    ``(dy, x)`` to ``sink`` instead of reducing them (``training.ledger`` builds the per-sample
+    partials, ``sample_weight_grads``, with what it knows of the layout).
     Returns the key for ``detach_grad_sinks``. The weight must stay alive while its backward
     runs (a saved tensor does); a later weight on the same storage replaces the entry."""
-    key = _sink_key(w)
+    key = sink_key(w)
     _SINKS[key] = sink
     return key
 
@@ -226,17 +231,17 @@ def grad_sink(w: torch.Tensor | None):
     """The per-sample gradient sink attached to the weight ``w`` (``attach_grad_sink``), or None."""
     if w is None or not _SINKS:
         return None
-    return _SINKS.get(_sink_key(w))
+    return _SINKS.get(sink_key(w))
 
 
 def weight_grad_or_sink(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
-    """``weight_grad(dy, x)``, or — when the weight ``w`` carries a sink (``grad_sink``) — its
-    per-sample partials handed to the sink and None returned (the canonical gradient reduction
-    over logical samples, branches and steps happens there, not in autograd)."""
+    """``weight_grad(dy, x)``, or — when the weight ``w`` carries a sink (``grad_sink``) —
+    ``(dy, x)`` handed to the sink and None returned (the canonical gradient reduction over
+    logical samples, branches and steps happens there, not in autograd)."""
     sink = grad_sink(w)
     if sink is None:
         return weight_grad(dy, x)
-    sink(sample_weight_grads(dy, x))
+    sink(dy, x)
     return None
 
 
