@@ -1,4 +1,5 @@
-"""``drifttool probe``: the probe matrix (mismatch probes, invariant and sensitivity controls)."""
+"""``drifttool probe``: the probe matrix (mismatch probes, invariant and sensitivity controls),
+the distributed group (``--distributed``) and the peer matrix (``--peer``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def probe(
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 "
                                          "(default: the preset's grid)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16."),
+    distributed: bool = typer.Option(False, "--distributed", help="Run the distributed probes "
+                                     "instead: planted TP/SP/CFG-parallel faults and layout "
+                                     "controls, each layout on spawned gloo CPU ranks against "
+                                     "one process (docs/probes.md)."),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
@@ -41,14 +46,21 @@ def probe(
     for each drifting probe. Exit 0 when every expectation holds (pending probes are listed),
     1 when any probe is a finding (a failed expectation or an error), 2 on a usage error.
     With --peer diffusers the matrix is the peer matrix (``drifttool.probes.peer``): the same
-    outputs and exit codes; OBSERVED probes are reported, never judged.
+    outputs and exit codes; OBSERVED probes are reported, never judged. With --distributed the
+    matrix is the distributed group (``drifttool.probes.distributed``): the same outputs, plus
+    each probe's layout and the first drift's owning rank.
     """
-    from drifttool.probes.catalog import catalog  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes.catalog import catalog, distributed_catalog  # lazy: keeps torch out of `drifttool --help`
     from drifttool.probes.runner import baseline_settings, run_matrix  # lazy: likewise
     from drifttool.settings import RunSpec  # lazy: likewise
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
         console.width = max(console.width, 200)
+    if distributed and peer is not None:
+        raise DriftToolError("give --peer or --distributed, not both")
+    if distributed and device not in (None, "cpu"):
+        raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
+                             "is not supported there")
     if peer is not None:
         return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
                      grid=(height, width), list_only=list_only, heatmaps=heatmaps,
@@ -60,7 +72,7 @@ def probe(
     base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
                    device=device or "cpu", height=height, width=width)
     settings, depth, _ = baseline_settings(base)
-    probes = catalog(settings, depth)
+    probes = (distributed_catalog if distributed else catalog)(settings, depth)
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         unknown = sorted(set(names) - {p.name for p in probes})
@@ -70,8 +82,9 @@ def probe(
     if list_only:
         for p in probes:
             pend = f"  [pending: {p.pending}]" if p.pending else ""
-            console.print(f"{p.name:28} {p.kind:11} {p.factor:28} {p.expect.describe()}{pend}",
-                          highlight=False, markup=False)
+            layout = f"{p.layout:16} " if distributed else ""
+            console.print(f"{p.name:28} {p.kind:11} {layout}{p.factor:28} {p.expect.describe()}"
+                          f"{pend}", highlight=False, markup=False)
         return
     if out is None:
         raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
@@ -160,6 +173,6 @@ def _heatmaps(matrix, out: Path) -> list[Path]:
         if r.verdict != "drift" or r.run_dir is None:
             continue
         title = f"{r.name} ({r.kind}, {r.status}): first drift {r.first_op or '-'}"
-        grid = drift_grid(*open_pair(matrix.baseline, r.run_dir, r.compare))
+        grid = drift_grid(*open_pair(r.reference or matrix.baseline, r.run_dir, r.compare))
         paths.append(heatmap(grid, out / "heatmaps" / f"{r.name}.png", title=title))
     return paths

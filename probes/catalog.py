@@ -16,8 +16,10 @@ RFC factors covered (mismatch): latent layout/normalisation, timestep encoding, 
 sequence order, RoPE, Q/K preprocessing, modulation, GELU, sigma schedule, CFG, step precision,
 noise, distributed metadata; plus the prompt mask. Controls (invariant): repeat, batch position,
 batch size, prompt padding, CFG layout, replay, training recompute and gradient checkpointing
-(``drifttool.probes.controls``, run on ``drifttool.training``). TP/SP
-and CFG-parallel layouts come with distributed execution (none exists yet).
+(``drifttool.probes.controls``, run on ``drifttool.training``). TP/SP and CFG-parallel layouts
+are the distributed group (``distributed_catalog``, ``drifttool probe --distributed``): planted
+parallel faults and layout controls, each a layout on spawned gloo ranks against one process
+(``drifttool.probes.distributed``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from drifttool.probes import controls as C
 from drifttool.probes import variants as V
+from drifttool.probes.distributed import distributed_probes
 from drifttool.probes.spec import Expectation, Probe
 from drifttool.probes.weights import swap_stream_qkv
 
@@ -274,3 +277,10 @@ def probe(name: str, settings: dict[str, Any] | None = None, num_layers: int = 2
         if p.name == name:
             return p
     raise KeyError(f"no probe {name!r}; known: {[p.name for p in catalog(settings, num_layers)]}")
+
+
+def distributed_catalog(settings: dict[str, Any] | None = None, num_layers: int = 2) -> list[Probe]:
+    """The distributed probes for a baseline with ``settings`` and ``num_layers`` blocks
+    (``drifttool.probes.distributed.distributed_probes``): not part of ``catalog()``, run with
+    ``drifttool probe --distributed`` (every probe spawns gloo ranks)."""
+    return distributed_probes(dict(TINY_SETTINGS, **(settings or {})), num_layers)

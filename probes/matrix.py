@@ -43,6 +43,7 @@ MATRIX_SCHEMA = pa.schema([
     pa.field("first_branch", pa.utf8()),
     pa.field("first_sample", pa.int32()),
     pa.field("first_rows", pa.utf8()),
+    pa.field("first_rank", pa.int32()),  # owning rank in the probe run (SP: the row's rank)
     pa.field("origin", pa.bool_()),
     pa.field("differing_records", pa.int64()),
     pa.field("v_t", pa.float64()),  # worst max|Δ| over steps, samples, branches
@@ -53,6 +54,8 @@ MATRIX_SCHEMA = pa.schema([
     pa.field("reasons", pa.list_(pa.utf8()), nullable=False),
     pa.field("run_dir", pa.utf8()),
     pa.field("compare", pa.utf8(), nullable=False),  # all | common_samples
+    pa.field("layout", pa.utf8()),  # distributed probes: "TP2", "SP2 agrs", ...
+    pa.field("reference", pa.utf8()),  # the run diffed against (the baseline, or the probe's own)
 ], metadata={b"drifttool.table": b"probe_matrix", b"matrix_version": str(MATRIX_VERSION).encode()})
 
 
@@ -120,22 +123,29 @@ def _short_where(r: ProbeResult) -> str:
         return ""
     blk = "" if r.first_block is None else f" b{r.first_block}"
     stream = "" if r.first_stream in (None, "none") else f" {r.first_stream}"
-    return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}"
+    rank = "" if r.layout is None or r.first_rank is None else f" rank {r.first_rank}"
+    return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}{rank}"
 
 
 def matrix_table(m: Matrix) -> Table:
-    """The matrix as a rich table (one row per probe)."""
+    """The matrix as a rich table (one row per probe); a ``layout`` column after ``kind`` when
+    any probe ran a parallel layout (the distributed matrix, whose first drift also names the
+    owning rank)."""
     t = Table(title=f"probe matrix ({len(m.results)} probes, {m.seconds:.1f} s)", box=box.SIMPLE_HEAD,
               title_justify="left")
     right = {"justify": "right", "no_wrap": True}
+    layouts = any(r.layout for r in m.results)
     for col, kw in (("probe", {"no_wrap": True}), ("factor", {}), ("kind", {"no_wrap": True}),
+                    *((("layout", {"no_wrap": True}),) if layouts else ()),
                     ("verdict", {"no_wrap": True}), ("first drift", {}), ("expected op", {}),
                     ("v_t", right), ("x_t", right), ("logp_t", right), ("KL", right),
                     ("time", right), ("result", {"no_wrap": True})):
         t.add_column(col, **kw)
     for r in m.results:
+        layout = [r.layout or "-"] if layouts else []
         t.add_row(
-            r.name, r.factor, r.kind, r.verdict or "-", _short_where(r), r.expected_op or "-",
+            r.name, r.factor, r.kind, *layout, r.verdict or "-", _short_where(r),
+            r.expected_op or "-",
             _num(r.v_t, r.verdict), _num(r.x_t, r.verdict), _num(r.logp_t, r.verdict),
             _num(r.kl, r.verdict), f"{r.seconds:.1f}s",
             f"[{_STATUS_STYLE[r.status]}]{r.status}[/]",

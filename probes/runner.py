@@ -8,6 +8,9 @@ Each probe run is an ordinary ``drifttool.runner.execute`` of the baseline ``Run
 probe's one change (field overrides, operator variants, or a transformed copy of the
 checkpoint), written to ``<out>/runs/<probe>``; the diff is ``drifttool.diff.diff_runs`` (written
 to ``<out>/diffs/<probe>.json``), and ``judge`` compares it with the probe's expectation.
+Distributed probes (``drifttool.probes.distributed``) bring their own execution: a TP/SP/CFG-
+parallel layout on spawned gloo ranks against the one-process run of the same settings; one
+that declares an owning rank is judged on it too (``Expectation.rank``).
 Results are data (``ProbeResult``); a failed expectation is a ``FINDING`` with its reasons, a
 probe that raised is an ``ERROR`` (also a finding), a pending one is ``PENDING`` (never run,
 never a pass).
@@ -118,6 +121,11 @@ def judge(p: Probe, report: DiffReport) -> list[str]:
             reasons.append(f"first drift {k} {getattr(fd, k)!r}, expected {want!r}")
     if e.origin and not fd.origin:
         reasons.append("first drift is not an origin (records missing before it)")
+    if e.rank is not None and fd.owner_b != e.rank:
+        how = ("the SP rank of its first differing row" if fd.row_rank_b is not None
+               else "the rank that wrote it")
+        reasons.append(f"first drift owned by rank {fd.owner_b} in the probe run ({how}), "
+                       f"expected rank {e.rank}")
     if e.rows is not None:
         rows = None if fd.rows is None else tuple(str(r) for r in fd.rows.first)
         if fd.rows is None:
@@ -133,7 +141,8 @@ def judge(p: Probe, report: DiffReport) -> list[str]:
 class ProbeResult:
     """One row of the matrix. Drift columns are the worst over steps, samples and branches of
     the per-step drift the diff reports (max |Δ|; ``None`` when the quantity never differs or
-    was not compared; KL of the SDE transition)."""
+    was not compared; KL of the SDE transition). ``first_rank``: the first drift's owning rank
+    in the probe run (``FirstDrift.owner_b``); ``layout``: a distributed probe's layout."""
 
     name: str
     factor: str
@@ -151,6 +160,7 @@ class ProbeResult:
     first_branch: str | None = None
     first_sample: int | None = None
     first_rows: str | None = None
+    first_rank: int | None = None
     origin: bool | None = None
     differing_records: int | None = None
     v_t: float | None = None
@@ -161,6 +171,8 @@ class ProbeResult:
     reasons: list[str] = field(default_factory=list)
     run_dir: str | None = None
     compare: str = "all"
+    layout: str | None = None
+    reference: str | None = None  # the run the probe run was diffed against (None: not run)
 
     @property
     def ok(self) -> bool:
@@ -181,14 +193,15 @@ def _worst_kl(report: DiffReport) -> float | None:
 def _result(p: Probe, status: str, **kw: Any) -> ProbeResult:
     return ProbeResult(name=p.name, factor=p.factor, kind=p.kind, change=p.change,
                        expected=p.expect.describe(), expected_op=p.expect.op, status=status,
-                       compare=p.compare, **kw)
+                       compare=p.compare, layout=getattr(p, "layout", "") or None, **kw)
 
 
 def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: float,
-                 run_dir: Path) -> ProbeResult:
+                 run_dir: Path, reference: Path | None = None) -> ProbeResult:
     fd = report.first_drift
     kw: dict[str, Any] = dict(
         verdict=report.verdict.value, seconds=seconds, reasons=reasons, run_dir=str(run_dir),
+        reference=None if reference is None else str(reference),
         differing_records=sum(c.differ for c in report.counts.values()),
         v_t=_worst(report, ("v_t",)), x_t=_worst(report, ("x_t", "x_next")),
         logp_t=_worst(report, ("logp_t",)), kl=_worst_kl(report),
@@ -196,7 +209,7 @@ def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: floa
     if fd is not None:
         kw.update(first_drift=fd.where(), first_op=fd.op, first_step=fd.step,
                   first_block=fd.block, first_stream=fd.stream, first_branch=fd.branch,
-                  first_sample=fd.sample, origin=fd.origin,
+                  first_sample=fd.sample, origin=fd.origin, first_rank=fd.owner_b,
                   first_rows=None if fd.rows is None else
                   f"{fd.rows.n_differ}/{fd.rows.n_rows}: " + ", ".join(map(str, fd.rows.first)))
     return _result(p, FINDING if reasons else PASS, **kw)
@@ -238,7 +251,8 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
                                 traceback.format_exc(limit=3).strip().splitlines()[-1]])
     (out / "diffs").mkdir(parents=True, exist_ok=True)
     (out / "diffs" / f"{p.name}.json").write_text(report.to_json())
-    return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir)
+    return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir,
+                        reference)
 
 
 @dataclass(kw_only=True)

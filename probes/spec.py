@@ -5,7 +5,9 @@
     >>> p.factor, p.kind, p.expect.op, p.expect.stream
     ('RoPE', 'mismatch', 'multi_axis_rope', 'img')
 
-Three kinds (design.md, "Probes"; RFC "Experiments"):
+Three kinds (design.md, "Probes"; RFC "Experiments"); distributed probes
+(``drifttool.probes.distributed``) are mismatches and invariants whose probe run is a parallel
+layout, and may declare the owning rank of the first drift (``Expectation.rank``):
 
 ===========  ==============================================================================
 mismatch     one factor changed the way a real pipeline got it wrong; the run must drift and its
@@ -64,6 +66,9 @@ class Expectation:
         rows: the differing rows of the first-drift record, exactly (e.g. ``("img (2, 1)",)``,
             ``("txt 3",)``); needs capture level L2. Checked when set.
         origin: the first drift must be an origin (every earlier record present and equal).
+        rank: the owning rank of the first drift in the probe run (run B of the diff): the rank
+            that computed its first differing row under SP (``FirstDrift.row_rank_b``), else the
+            rank that wrote the record (distributed probes). Checked when set.
     """
 
     verdict: str
@@ -75,6 +80,7 @@ class Expectation:
     sample: int | None = None
     rows: tuple[str, ...] | None = None
     origin: bool = True
+    rank: int | None = None
 
     def describe(self) -> str:
         """One line, e.g. ``drift at multi_axis_rope (img, block 0, step 0)``."""
@@ -86,6 +92,8 @@ class Expectation:
             where.insert(0, self.stream)
         if self.rows is not None:
             where.append("rows " + ", ".join(self.rows))
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
         return f"drift at {self.op}" + (f" ({', '.join(where)})" if where else "")
 
 
@@ -111,6 +119,8 @@ class Probe:
             recompute, ...): called with a ``ProbeContext``, writes its runs and returns the
             (reference, probe) artifact pair to diff; default: (baseline, the changed spec's run).
         pending: non-empty when the probe cannot run yet; says what it waits for.
+        layout: the parallel layout a distributed probe runs (``"TP2"``, ``"SP2 agrs"``;
+            ``drifttool.probes.distributed``); empty for the one-process probes.
     """
 
     name: str
@@ -125,6 +135,7 @@ class Probe:
     compare: str = "all"
     execute: Callable[[ProbeContext], tuple[Path, Path]] | None = None
     pending: str = ""
+    layout: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -20,7 +20,9 @@ Order of work (design.md, "Diff"):
    matched; for the phase's first step the record stays, origin ``inputs``). A record is an
    origin only if the inputs it consumed match and no record before it is missing in either
    run (``FirstDrift.origin_kind``). With row digests on both sides (L2) its differing rows are
-   named (text position or patch (i, j)).
+   named (text position or patch (i, j)), and in a run laid out with SP > 1 the rank that
+   computed the first of them (``row_rank_a``/``row_rank_b``, ``drifttool.diff.owners``): the
+   writer (TP/SP coordinate 0) holds the gathered tensor, the row's SP shard computed it.
 5. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
    the step quantities and the SDE-transition KL (``drifttool.diff.steps``).
 Verdict: drift if any common record differs; else inconclusive if records are missing or a run
@@ -41,6 +43,7 @@ from drifttool.diff.align import TableDiff, compare_table, drop_replicas
 from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable, input_differences
 from drifttool.diff.order import program_order
+from drifttool.diff.owners import row_owner
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
@@ -76,9 +79,21 @@ def _row_drift(ra: dict, rb: dict) -> tuple[RowDrift | None, str]:
     return RowDrift(n_rows=len(da), n_differ=int(diff.size), first=first), ""
 
 
-def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str) -> tuple[FirstDrift, str]:
+def _row_ranks(rows: RowDrift | None, ra: dict, rb: dict, layout_a: dict | None,
+               layout_b: dict | None) -> tuple[int | None, int | None]:
+    """The rank that computed the first differing row in each run (SP layouts), else None
+    (``drifttool.diff.owners.row_owner``)."""
+    if rows is None or not rows.first:
+        return None, None
+    r = rows.first[0].row
+    return row_owner(layout_a, ra, r), row_owner(layout_b, rb, r)
+
+
+def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str, layout_a: dict | None = None,
+                 layout_b: dict | None = None) -> tuple[FirstDrift, str]:
     op = kind == "op"
     rows, note = _row_drift(ra, rb) if op else (None, "")
+    row_a, row_b = _row_ranks(rows, ra, rb, layout_a, layout_b)
     fd = FirstDrift(
         kind=kind, rank_a=ra["rank"], rank_b=rb["rank"], component=ra["component"],
         phase=ra["phase"], step=ra["step"], sigma=ra["sigma"], branch=ra["branch"],
@@ -89,6 +104,7 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str) -> tuple[First
         digest=(f"{ra['digest']:016x}", f"{rb['digest']:016x}"),
         nonfinite=(ra["nonfinite"], rb["nonfinite"]), maxabs=(ra["maxabs"], rb["maxabs"]),
         origin=origin_kind != "unknown", origin_kind=origin_kind, rows=rows,
+        row_rank_a=row_a, row_rank_b=row_b,
     )
     return fd, note
 
@@ -284,7 +300,9 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
         origin_kind = "unknown" if n_before else "record"
         if origin_kind == "record" and report.input_differences:  # it consumed differing inputs
             origin_kind, input_note = "inputs", report.input_differences[0]
-    report.first_drift, note = _first_drift(kind, ra, rb, origin_kind)
+    report.first_drift, note = _first_drift(kind, ra, rb, origin_kind,
+                                            run_a.manifest.get("layout"),
+                                            run_b.manifest.get("layout"))
     fd = report.first_drift
     fd.input_note = input_note
     fd.prev_step, fd.unmatched_before = (None if prev is None else prev.step), n_before

@@ -22,7 +22,10 @@
      rollout      1     =   cond         1   joint    joint_attn#0        1
      rollout      2     ≠   cond         0   img      img_mlp#0           1
 
-Sampler operators show block ``sampler`` (``schema.SAMPLER_BLOCK``). Per-step cells show the
+When a run is laid out with SP and names the rank that computed the first differing row
+(``FirstDrift.row_rank_a/row_rank_b``), ``owning rank`` shows that rank per run and a ``written
+by`` row the record's writer (TP/SP coordinate 0). Sampler operators show block ``sampler``
+(``schema.SAMPLER_BLOCK``). Per-step cells show the
 worst sample and branch of the step (largest max|Δ|; "*": see the notes under the table, e.g.
 the dtypes differ); a non-'=' x_t means the drift was carried into the step; "ops ≠ 3+2?" means
 3 differing op records and 2 present in one run only.
@@ -61,7 +64,15 @@ def _first_drift_table(report: DiffReport) -> Table:
     t = Table(title="first drift (A | B)", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    rows = [("kind", fd.kind), ("owning rank", f"{fd.rank_a} (run A), {fd.rank_b} (run B)"),
+    if fd.row_rank_a is None and fd.row_rank_b is None:
+        ranks = [("owning rank", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
+    else:  # an SP run: the row's shard computed it, TP/SP coordinate 0 wrote the gathered tensor
+        ranks = [("owning rank", ", ".join(
+                     f"{o} (run {s}{'' if r is None else ': SP rank of the first differing row'})"
+                     for s, o, r in (("A", fd.owner_a, fd.row_rank_a),
+                                     ("B", fd.owner_b, fd.row_rank_b)))),
+                 ("written by", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
+    rows = [("kind", fd.kind), *ranks,
             ("component", fd.component), ("phase", fd.phase), ("step", fd.step),
             ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
     if fd.kind == "op":

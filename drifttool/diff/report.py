@@ -2,7 +2,8 @@
 
     {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
      "level": "L2", "covers": "step records, operator outputs and their row digests",
-     "first_drift": {"kind": "op", "rank_a": 1, "rank_b": 0, "step": 3, "block": 5,
+     "first_drift": {"kind": "op", "rank_a": 1, "rank_b": 0, "row_rank_a": null,
+                     "row_rank_b": null, "step": 3, "block": 5,
                      "op": "qk_rmsnorm", "sample": 1, "origin": true, "origin_kind": "record",
                      "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
      "steps": [{"step": 0, "identical": true, ...}, ...]}
@@ -91,7 +92,13 @@ class FirstDrift:
 
     ``rank_a``/``rank_b`` are the owning ranks of the record in each run (the rank that
     computed and holds it; a 2-rank run may own it on rank 1 where a single process owns it on
-    rank 0). ``op_pos`` is the op record's program position in its (phase, step, branch, block).
+    rank 0): in a TP/SP/CFG-parallel run, the rank that *wrote* it (TP and SP coordinate 0).
+    ``row_rank_a``/``row_rank_b``: in a run of layout ``parallel`` with SP > 1, the rank that
+    *computed* the first differing row (its SP shard, ``drifttool.diff.owners.row_owner``;
+    ``None`` when not applicable: another layout, no row digests, a replicated text-stream or
+    sampler record, Ulysses attention). ``owner_a``/``owner_b`` are the row's rank where known,
+    else the writer. ``op_pos`` is the op record's program position in its (phase, step, branch,
+    block).
 
     ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
     quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). A record is an
@@ -140,6 +147,18 @@ class FirstDrift:
     unmatched_before: int = 0
     input_note: str | None = None
     rows: RowDrift | None = None
+    row_rank_a: int | None = None
+    row_rank_b: int | None = None
+
+    @property
+    def owner_a(self) -> int:
+        """Run A's rank that computed the first differing row, else the record's writer."""
+        return self.rank_a if self.row_rank_a is None else self.row_rank_a
+
+    @property
+    def owner_b(self) -> int:
+        """Run B's rank that computed the first differing row, else the record's writer."""
+        return self.rank_b if self.row_rank_b is None else self.row_rank_b
 
     def origin_words(self) -> str:
         """The origin in words, e.g. ``x_t of step 2 differs; step 1's outputs match — changed
@@ -158,10 +177,32 @@ class FirstDrift:
 
     def owning_rank(self) -> str:
         """The owning ranks in words: ``owning rank 0`` when both runs agree, else ``owning
-        rank 1 in run A, 0 in run B``."""
-        if self.rank_a == self.rank_b:
-            return f"owning rank {self.rank_a}"
-        return f"owning rank {self.rank_a} in run A, {self.rank_b} in run B"
+        rank 1 in run A, 0 in run B``. Where a run names the rank that computed the first
+        differing row (``row_rank_a``/``row_rank_b``), that rank is the owner and the writer is
+        added: ``owning rank 1 (the SP rank of its first differing row; written by rank 0)``,
+        ``owning rank 0 in run A, 1 in run B (run B: the SP rank of its first differing row;
+        written by rank 0)``."""
+        words, detail = self._owner_words()
+        return words if detail is None else f"{words} ({detail})"
+
+    def _owner_words(self) -> tuple[str, str | None]:
+        """(``owning rank ...``, what the row owner and the writer are, or ``None``)."""
+        oa, ob = self.owner_a, self.owner_b
+        words = f"owning rank {oa}" if oa == ob else f"owning rank {oa} in run A, {ob} in run B"
+        sides = [(s, w) for s, r, w in (("A", self.row_rank_a, self.rank_a),
+                                        ("B", self.row_rank_b, self.rank_b)) if r is not None]
+        if not sides:
+            return words, None
+        writers = {w for _, w in sides}
+        which = "" if len(sides) == 2 else f"run {sides[0][0]}: "
+        written = (f"written by rank {writers.pop()}" if len(writers) == 1 else
+                   f"written by rank {self.rank_a} in run A, {self.rank_b} in run B")
+        return words, f"{which}the SP rank of its first differing row; {written}"
+
+    def _rank_note(self) -> str:
+        """The owning rank as ``where()`` puts it in parentheses (no nested parentheses)."""
+        words, detail = self._owner_words()
+        return words if detail is None else f"{words}; {detail}"
 
     def where(self) -> str:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1
@@ -169,12 +210,12 @@ class FirstDrift:
         comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
         if self.kind == "step":
             return (f"{comp}{self.phase} step {self.step} {self.branch} {self.op} sample "
-                    f"{self.sample} ({self.owning_rank()})")
+                    f"{self.sample} ({self._rank_note()})")
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
         block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
         return (f"{comp}{self.phase} step {self.step} {self.branch} {block} {self.stream} "
-                f"{self.op}#{self.call}{out}{role} sample {self.sample} ({self.owning_rank()})")
+                f"{self.op}#{self.call}{out}{role} sample {self.sample} ({self._rank_note()})")
 
 
 @dataclass(kw_only=True)
