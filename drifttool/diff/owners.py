@@ -27,49 +27,15 @@ The global rank is ``mesh_rank`` at ``{"cfg": c, "sp": s, "tp": 0}``, ``c`` the 
 coordinate (``writer // (sp·tp)``): the CFG rank that ran the branch. TP ranks share a row
 (each its heads or channels); TP coordinate 0 is named.
 
-The row split is ``drifttool.distributed.ring.sp_row_spans`` restated without torch (the diff
-imports no torch: tests/cli/test_import_cost.py); tests/diff/test_row_owner.py checks that both
-agree.
+The row split and the mesh order come from ``drifttool.shards`` (torch-free, shared with the SP
+rules).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-BLOCK = 64  # image rows per query/key block (strict attention's KEY_TILE)
-SEGMENTS = 8  # contract v2's image segments (3 levels of halving)
-SAMPLER_BLOCK = -2  # artifact.schema.SAMPLER_BLOCK
-
-
-def image_segments(n_blocks: int) -> list[tuple[int, int]]:
-    """The 8 image segments [lo, hi) of block indices by recursive halving (mid = lo + ⌈n/2⌉)."""
-    def split(lo: int, hi: int, depth: int) -> list[tuple[int, int]]:
-        if depth == 0:
-            return [(lo, hi)]
-        mid = lo + -(-(hi - lo) // 2)
-        return split(lo, mid, depth - 1) + split(mid, hi, depth - 1)
-
-    return split(0, n_blocks, 3)
-
-
-def sp_row_spans(n_img: int, sp: int) -> list[tuple[int, int]]:
-    """Each SP rank's image rows [lo, hi) (``drifttool.distributed.ring.sp_row_spans``).
-
-    Raises:
-        ValueError: ``sp`` not in {1, 2, 4, 8} or ``n_img`` < 0.
-    """
-    if sp not in (1, 2, 4, 8) or n_img < 0:
-        raise ValueError(f"sp_row_spans: sp {sp!r} (1, 2, 4 or 8), n_img {n_img!r} (>= 0)")
-    segs, per = image_segments(-(-n_img // BLOCK)), SEGMENTS // sp
-    return [(min(segs[r * per][0] * BLOCK, n_img), min(segs[(r + 1) * per - 1][1] * BLOCK, n_img))
-            for r in range(sp)]
-
-
-def mesh_rank(tp: int, sp: int, coords: Mapping[str, int]) -> int:
-    """The global rank at ``coords`` of the mesh (cfg, sp, tp): ``(c·sp + s)·tp + t``
-    (``drifttool.distributed.plan.mesh_rank``)."""
-    return (coords.get("cfg", 0) * sp + coords.get("sp", 0)) * tp + coords.get("tp", 0)
-
+from drifttool.shards import mesh_rank, sp_row_spans
 
 def sp_layout(layout: Mapping[str, Any] | None) -> tuple[int, int, str] | None:
     """``(tp, sp, sp_attention)`` of a manifest layout of kind ``parallel`` with ``sp > 1``, else

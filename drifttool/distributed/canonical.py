@@ -12,11 +12,42 @@ hold the same bytes as one device (design.md, "Scale: devices, ranks, runtimes")
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommClock:
+    """Wall time spent inside the strict collectives of this process (every rank its own):
+    ``seconds`` and ``calls``; bytes received in ``nbytes``. Read by benchmarks to separate
+    communication from compute (``benchmarks/bench_layouts.py``); reset with ``reset``."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    nbytes: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.nbytes = 0.0, 0, 0
+
+    @contextmanager
+    def timing(self, nbytes: int = 0) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            self.nbytes += int(nbytes)
+
+
+COMM = CommClock()
+"""This process's clock of the collectives in this module and the Ring's P2P passes."""
 
 
 def gather_cat(t: torch.Tensor, dim: int, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -35,7 +66,8 @@ def gather_cat(t: torch.Tensor, dim: int, group: Any, sizes: Sequence[int] | Non
     t = t.contiguous()
     if sizes is None:
         parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t, group=group)
+        with COMM.timing(t.numel() * t.element_size() * world):
+            dist.all_gather(parts, t, group=group)
         return torch.cat(parts, dim=dim)
     if len(sizes) != world or sizes[me] != t.shape[dim]:
         raise ValueError(f"gather_cat: sizes {list(sizes)} do not give rank {me}'s length {t.shape[dim]}")
@@ -46,7 +78,8 @@ def gather_cat(t: torch.Tensor, dim: int, group: Any, sizes: Sequence[int] | Non
     pad[dim] = longest - t.shape[dim]
     padded = torch.cat([t, t.new_zeros(pad)], dim=dim) if pad[dim] else t
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
+    with COMM.timing(padded.numel() * padded.element_size() * world):
+        dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 
@@ -55,7 +88,8 @@ def gather_list(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     if group is None:
         return [t]
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    with COMM.timing(t.numel() * t.element_size() * len(parts)):
+        dist.all_gather(parts, t.contiguous(), group=group)
     return parts
 
 
@@ -83,8 +117,9 @@ def all_to_all(sends: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], g
             ops.append(dist.P2POp(dist.isend, sends[j].contiguous(), peer, group))
             ops.append(dist.P2POp(dist.irecv, got[j], peer, group))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with COMM.timing(sum(g.numel() * g.element_size() for j, g in enumerate(got) if j != me)):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
     return got
 
 

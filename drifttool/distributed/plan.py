@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drifttool.distributed import sp, tp
+from drifttool import shards
 from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +44,7 @@ MESH_DIMS = ("cfg", "sp", "tp")
 """The mesh's dimension names, outermost first: CFG branches, sequence shards, tensor shards
 (TP innermost: its collectives are the most frequent and stay on the closest ranks)."""
 
-SHARD_COUNTS = (1, 2, 4, 8)  # TP/SP degrees whose shards are subtrees of contract v2's trees
+SHARD_COUNTS = shards.SHARD_COUNTS  # TP/SP degrees whose shards are subtrees of contract v2's trees
 SP_ATTENTIONS = ("agrs", "ulysses", "ring")
 SAMPLER_BLOCK = -2  # artifact.schema.SAMPLER_BLOCK (not imported: distributed/ imports no artifact code)
 
@@ -115,8 +116,8 @@ class ParallelDims:
 
 def mesh_rank(dims: ParallelDims, coords: dict[str, int]) -> int:
     """The global rank at ``coords`` (``{"cfg": c, "sp": s, "tp": t}``) of the mesh of ``dims``:
-    ``(c·sp + s)·tp + t``."""
-    return (coords.get("cfg", 0) * dims.sp + coords.get("sp", 0)) * dims.tp + coords.get("tp", 0)
+    ``(c·sp + s)·tp + t`` (``drifttool.shards.mesh_rank``)."""
+    return shards.mesh_rank(dims.tp, dims.sp, coords)
 
 
 Rule = Callable[..., Any]

@@ -5,7 +5,7 @@ finishes the same bytes as the unsharded strict ``joint_attention_fused`` for it
     out = ring_attention(q, k, v, key_mask, text_len=L, n_img=N, group=mesh.get_group("sp"))
 
 Sharding (``sp_row_spans``): rank r of S ∈ {1, 2, 4, 8} holds the image blocks of segments
-[r·8/S, (r+1)·8/S) of ``image_segments(⌈N/64⌉)``, i.e. image rows [lo·64, min(hi·64, N)) of its
+[r·8/S, (r+1)·8/S) of the ⌈N/64⌉ image blocks (``shards.sp_row_spans``), i.e. image rows [lo·64, min(hi·64, N)) of its
 block range [lo, hi) (possibly empty when N is small): an aligned subtree of the contract's
 segment tree.
 
@@ -53,10 +53,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from drifttool.distributed.canonical import COMM
 from drifttool.errors import UnsupportedConfigError
+from drifttool.shards import sp_row_spans
 from drifttool.ops.strict.attention_blocks import (
     BLOCK,
-    SEGMENTS,
     Combine,
     JointLayout,
     Partial,
@@ -64,7 +65,6 @@ from drifttool.ops.strict.attention_blocks import (
     block_partials,
     block_weighted,
     finish_ranks,
-    image_segments,
     merge_sequential,
     rank_segments,
     rank_subtree,
@@ -74,42 +74,15 @@ from drifttool.ops.strict.attention_blocks import (
 )
 from drifttool.ops.strict.attention_core import AttnGeometry, geometry, heads_f32, scores_blocked
 
-__all__ = ["LocalRing", "P2PRing", "QUERY_CHUNK_ELEMS", "RingTransport", "ring_attention", "sp_row_spans"]
+__all__ = ["LocalRing", "P2PRing", "QUERY_CHUNK_ELEMS", "RingTransport", "ring_attention", "sp_row_spans"]  # sp_row_spans: from drifttool.shards
 
 OP = "ring_attention"
-RING_SIZES = (1, 2, 4, 8)  # SP degrees whose shards are aligned subtrees of the 8-segment tree
 QUERY_CHUNK_ELEMS = 1 << 22  # bound on one query chunk's [B, H, rows, keys] scores (bytes do not depend on it)
 
 Shard = tuple[int, torch.Tensor, torch.Tensor]  # (source rank, its image k rows, its image v rows)
 
 
 # ----------------------------------------------------------------------------- sharding
-
-
-def _block_spans(n_blocks: int, sp: int) -> list[tuple[int, int]]:
-    """Each rank's image block range [lo, hi) (image block indices from 0)."""
-    if sp not in RING_SIZES:
-        raise UnsupportedConfigError(f"{OP}: SP degree must be one of {RING_SIZES} (shards must be "
-                                     f"subtrees of contract v2's 8-segment tree), got {sp!r}")
-    segs, per = image_segments(n_blocks), SEGMENTS // sp
-    return [(segs[r * per][0], segs[(r + 1) * per - 1][1]) for r in range(sp)]
-
-
-def sp_row_spans(n_img: int, sp: int) -> list[tuple[int, int]]:
-    """Each SP rank's image rows [lo, hi) for ``n_img`` image positions over ``sp`` ranks: rank r
-    holds the image blocks of segments [r·8/sp, (r+1)·8/sp) of ``image_segments(⌈n_img/64⌉)``,
-    i.e. rows [lo·64, min(hi·64, n_img)) of its block range [lo, hi). The spans are contiguous,
-    in rank order and cover [0, n_img); a rank may get an empty span (lo == hi) when n_img is small.
-
-        >>> sp_row_spans(333, 4)    # 6 blocks; the ranks hold 2, 1, 2 and 1 of them
-        [(0, 128), (128, 192), (192, 320), (320, 333)]
-
-    Raises:
-        UnsupportedConfigError: ``sp`` not in {1, 2, 4, 8}, or ``n_img`` not an int ≥ 0.
-    """
-    if isinstance(n_img, bool) or not isinstance(n_img, int) or n_img < 0:
-        raise UnsupportedConfigError(f"{OP}: n_img must be an int >= 0, got {n_img!r}")
-    return [(min(lo * BLOCK, n_img), min(hi * BLOCK, n_img)) for lo, hi in _block_spans(-(-n_img // BLOCK), sp)]
 
 
 # ----------------------------------------------------------------------------- transports
@@ -166,8 +139,9 @@ class P2PRing:
                     ops += [dist.P2POp(dist.irecv, x, prv, self.group) for x in nxt_bufs]
                 works = dist.batch_isend_irecv(ops) if ops else []
             yield src, *cur
-            for w in works:
-                w.wait()
+            with COMM.timing(sum(x.numel() * x.element_size() for x in nxt_bufs or ())):
+                for w in works:  # the exposed part of the transfer (it overlapped the work on cur)
+                    w.wait()
             if nxt_bufs is not None:
                 cur = nxt_bufs
 

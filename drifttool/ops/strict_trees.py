@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from drifttool.errors import UnsupportedConfigError
+from drifttool.shards import halving_spans  # noqa: F401  (contract v2's segments; re-exported)
 
 SEGMENTS = 8  # segments of a contract-v2 reduction axis (three levels of halving)
 SEGMENT_LEVELS = 3
@@ -114,21 +115,6 @@ def tree_mean(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- contract v2: segments
-
-
-def halving_spans(n: int, levels: int = SEGMENT_LEVELS) -> list[Span]:
-    """The 2^levels spans of [0, n) by recursive halving: [lo, hi) splits at
-    mid = lo + ceil((hi − lo)/2). Spans may be empty (n < 2^levels); they are contiguous and
-    ascending. ``halving_spans(3072)`` → eight spans of 384; ``halving_spans(108)`` → spans of
-    14, 13, 14, 13, 14, 13, 14, 13."""
-    if n < 0:
-        raise ValueError(f"halving_spans: negative length {n}")
-    spans = [(0, n)]
-    for _ in range(levels):
-        spans = [half for lo, hi in spans
-                 for mid in (lo + (hi - lo + 1) // 2,)
-                 for half in ((lo, mid), (mid, hi))]
-    return spans
 
 
 def segment_spans(k: int) -> list[Span]:
