@@ -3,12 +3,14 @@ and exit 2, so that exit 1 always means "drift" (``cli/app.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
+import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import typer
 
@@ -57,6 +59,80 @@ def _launched_ranks() -> tuple[int, int]:
         return 0, 1
 
 
+ALIKE = "alike_on_every_rank"
+"""Attribute set on a ``DriftToolError`` that every rank raises alike (``alike_on_every_rank``)."""
+
+TORCHRUN_COMMANDS = "`drifttool run`, `replay` and `recompute`"
+"""The commands that run under torchrun (sample-parallel, or a --tp/--sp/--cfg-parallel layout)."""
+
+_ONE_PROCESS = {
+    "probe": "the probe matrix has no multi-rank layout yet (it starts every run itself; its "
+             "distributed probes run each layout on ranks of their own)",
+    "experiment train-rollout": "the experiments have no multi-rank layout yet (each runs its "
+                                "rollouts and recomputes in one process)",
+    "experiment grpo": "the experiments have no multi-rank layout yet (each runs its rollouts and "
+                       "recomputes in one process)",
+    "diff": "it reads artifacts (a multi-rank artifact diffs in one process)",
+    "trace": "it reads an artifact (every rank's trace)",
+    "overlay": "it reads artifacts",
+    "fixture verify": "it re-runs the fixture in one process",
+    "fixture seal": "it writes one seal",
+}
+"""Why a command runs in one process only: named in its refusal under torchrun."""
+
+
+def one_process_refusal(command: str) -> str:
+    """The line a command that does not run under torchrun refuses it with, naming why."""
+    why = _ONE_PROCESS.get(command, "it has no multi-rank layout")
+    return (f"drifttool {command or 'this command'} runs in one process: {why}; launch it without "
+            f"torchrun (only {TORCHRUN_COMMANDS} run under torchrun: sample-parallel, or "
+            "--tp/--sp/--cfg-parallel)")
+
+
+@contextlib.contextmanager
+def alike_on_every_rank() -> Iterator[None]:
+    """A ``DriftToolError`` raised in the block is one that every rank raises alike: the block
+    reads only the command line, the files it names and ``WORLD_SIZE`` (the checks before a
+    process group starts). ``user_errors`` prints it once, on local rank 0, instead of once per
+    rank (one line for the launch, not one per rank)."""
+    try:
+        yield
+    except DriftToolError as e:
+        setattr(e, ALIKE, True)
+        raise
+
+
+def _local_ranks() -> tuple[int, bool]:
+    """(LOCAL_RANK, whether the launch spans several hosts: LOCAL_WORLD_SIZE < WORLD_SIZE)."""
+    try:
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        hosts = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) \
+            < int(os.environ.get("WORLD_SIZE", "1"))
+        return local, hosts
+    except ValueError:
+        return 0, False
+
+
+QUIET_RANK_WAIT_S = 3.0
+"""How long a rank that leaves an alike error to local rank 0 waits before it exits: torchrun
+stops every other rank as soon as one exits non-zero, and local rank 0 must print first."""
+
+
+def _print_error(e: DriftToolError, rank: int, world: int) -> None:
+    """One line per rank under torchrun (prefixed with the rank), or, for an error every rank
+    raises alike, one line from local rank 0 (prefixed with the rank only when the launch spans
+    several hosts: one line per host); the other ranks wait ``QUIET_RANK_WAIT_S`` before they
+    exit, so that torchrun does not stop local rank 0 before it printed."""
+    if world > 1 and getattr(e, ALIKE, False):
+        local, hosts = _local_ranks()
+        if local == 0:
+            error_line(f"[rank {rank}] {e}" if hosts else str(e))
+        else:
+            time.sleep(QUIET_RANK_WAIT_S)
+        return
+    error_line(f"[rank {rank}] {e}" if world > 1 else str(e))
+
+
 def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = False
                 ) -> Callable[..., Any]:
     """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
@@ -66,20 +142,19 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     drift); a closed stdout (``| head``) keeps the command's own exit code.
 
     Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
-    (``ranks=False``: all but ``run``) is refused in one line instead of having every rank race
-    for the same output; under torchrun every rank prefixes its error line with its rank."""
+    (``ranks=False``: all but ``run``, ``replay`` and ``recompute``) is refused in one line naming why (``one_process_refusal``) instead of having
+    every rank race for the same output; under torchrun every rank prefixes its error line with
+    its rank, except for an error every rank raises alike (``alike_on_every_rank``), printed once."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         rank, world = _launched_ranks()
         try:
             if world > 1 and not ranks:
-                raise DriftToolError(
-                    f"drifttool {command or 'this command'} runs in one process; launch it "
-                    "without torchrun (only `drifttool run` runs sample-parallel)")
+                raise DriftToolError(one_process_refusal(command))
             return fn(*args, **kwargs)
         except DriftToolError as e:
-            error_line(f"[rank {rank}] {e}" if world > 1 else str(e))
+            _print_error(e, rank, world)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")

@@ -80,9 +80,12 @@ COMMANDS = (
 """Every ``drifttool`` command, in one list (each wrapped by ``user_errors``)."""
 GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
 """Every ``drifttool`` command group."""
+_RANKS = ("run", "replay", "recompute")
+"""Commands that run on torchrun's ranks (``cli._layout``); every other command refuses torchrun
+in one line naming why (``cli._errors.one_process_refusal``)."""
 
 for _name, _fn in COMMANDS:
-    app.command(_name)(user_errors(_fn, command=_name, ranks=_name == "run"))
+    app.command(_name)(user_errors(_fn, command=_name, ranks=_name in _RANKS))
 for _name, _group in GROUPS:
     app.add_typer(_group, name=_name)
 

@@ -4,6 +4,15 @@
     drifttool diff runs/a runs/a-replay                    # strict: identical
     drifttool recompute runs/a -o runs/a-train             # phase "train", autograd on
     drifttool diff runs/a runs/a-train                     # aligns train <-> rollout
+
+    torchrun --standalone --nproc-per-node 2 -m drifttool replay runs/a --tp 2 -o runs/a-tp2
+    drifttool diff runs/a runs/a-tp2                       # strict: identical in any layout
+
+``replay`` and ``recompute`` run under torchrun as ``run`` does (sample-parallel, or
+``--tp/--sp/--sp-attention/--cfg-parallel``, checked before any rank starts: ``cli._layout``), in
+the layout they are given, whatever the stored run's was. What training cannot do under a layout
+is the plan's to refuse (``ParallelPlan.check_training``): asked before the ranks start, so the
+refusal is one line.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from drifttool.cli import _layout
 from drifttool.cli._console import console, progress as _progress, step_task
+from drifttool.cli._errors import alike_on_every_rank
+from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
 
@@ -40,26 +52,55 @@ def replay(
     checkpoint: Optional[Path] = typer.Option(None, help="Model folder overriding the manifest's (fingerprint-checked)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Re-execute a trajectory from its artifact's replay inputs.
 
     Uses the stored x0, SDE noise, prompts and masks with the manifest's settings and model
-    (fingerprint-checked). `drifttool diff RUN_DIR OUT` is identical in strict mode.
+    (fingerprint-checked). `drifttool diff RUN_DIR OUT` is identical in strict mode. Under
+    torchrun the ranks replay sample-parallel, or under `--tp/--sp/--cfg-parallel` (their product
+    = the number of ranks), whatever layout the stored run had; the replay still diffs identical.
     """
-    from drifttool.training.options import RerunOptions  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.training.replay import replay_run  # lazy: likewise
+    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.settings import resolve  # lazy: likewise
+    from drifttool.training.options import RerunOptions  # lazy: likewise
+    from drifttool.training.replay import replay_run, replay_spec  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
 
-    stored = load_rollout(run_dir, need_latents=False)
-    options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                           lora=lora, device=device, overwrite=overwrite)
-    with _progress() as progress:
-        task = step_task(progress, "replay", stored.sampler.num_steps, stored.inputs.batch,
-                         _branches(stored))
-        s = replay_run(run_dir, out, options, on_step=lambda _: progress.advance(task))
-    _summary(f"drifttool replay {run_dir} → {out}",
-             [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")])
+    with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
+        options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
+                               lora=lora, device=device, overwrite=overwrite)
+        dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
+        stored = load_rollout(run_dir, need_latents=False)
+        fx, settings = resolve(replay_spec(stored, options))
+        _layout.check_layout(dims, **{**_layout.settings_layout(fx, settings),
+                                      "cfg_branches": _branches(stored)},
+                             capture_from="the stored run's level" if capture is None else "")
+    launch = launch_env()
+    with alike_on_every_rank():
+        _layout.check_launch(dims, launch, "replay")
+    dist = _layout.start(dims, settings.device)
+    try:
+        if dist.rank == 0:
+            with _progress() as progress:
+                task = step_task(progress, "replay", stored.sampler.num_steps, stored.inputs.batch,
+                                 _branches(stored))
+                s = replay_run(run_dir, out, options, on_step=lambda _: progress.advance(task),
+                               dist=dist, parallel=dims)
+        else:
+            s = replay_run(run_dir, out, options, dist=dist, parallel=dims)
+    finally:
+        close_distributed(dist)
+    if dist.rank != 0:
+        return
+    rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
+    if (ranks := _layout.ranks_row(dims, dist)) is not None:
+        rows.append(("ranks", ranks))
+    _summary(f"drifttool replay {run_dir} → {out}", rows)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 
@@ -76,6 +117,10 @@ def recompute(
     checkpoint: Optional[Path] = typer.Option(None, help="Trainer model folder (must match the rollout's fingerprint)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Training recompute of a stored rollout (phase train, autograd on).
@@ -83,22 +128,87 @@ def recompute(
     Every step is re-run from the stored latents (prev_sample = the stored next latent) under the
     rollout's pinned policy (timestep encoding, stored-latent dtype, CFG layout). `drifttool diff
     RUN_DIR OUT` aligns train with rollout and names the first drifting operator, block, step, row.
+    Under torchrun the ranks recompute sample-parallel, or under `--tp/--sp/--cfg-parallel`
+    (whatever layout the rollout had); what training does not support under a layout yet is
+    refused in one line before any rank starts (``ParallelPlan.check_training``).
     """
-    from drifttool.training.options import RerunOptions, TrainOptions  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.training.options import RerunOptions, TrainOptions  # lazy: likewise
     from drifttool.training.recompute import recompute_run  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
+    from drifttool.training.trainer import rerun_device  # lazy: likewise
 
-    stored = load_rollout(run_dir)
-    options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                           lora=lora, device=device, overwrite=overwrite)
-    train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
-                         micro_batch=micro_batch, trim_padding=trim_padding)
-    with _progress() as progress:
-        task = step_task(progress, "train recompute", stored.sampler.num_steps, stored.inputs.batch,
-                         _branches(stored))
-        s = recompute_run(stored, out, options, train, on_step=lambda _: progress.advance(task))
+    with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
+        options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
+                               lora=lora, device=device, overwrite=overwrite)
+        train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
+                             micro_batch=micro_batch, trim_padding=trim_padding)
+        dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
+        stored = load_rollout(run_dir)
+        device = rerun_device(stored, options)
+        if dims.parallel:
+            _layout.check_layout(dims, **_trainer_layout(stored, options), cfg_branches=_branches(stored),
+                                 capture_from="the stored run's level" if capture is None else "")
+            _check_training(dims)
+    launch = launch_env()
+    with alike_on_every_rank():
+        _layout.check_launch(dims, launch, "recompute")
+    dist = _layout.start(dims, device)
+    try:
+        if dist.rank == 0:
+            with _progress() as progress:
+                task = step_task(progress, "train recompute", stored.sampler.num_steps,
+                                 stored.inputs.batch, _branches(stored))
+                s = recompute_run(stored, out, options, train, dist=dist, parallel=dims,
+                                  on_step=lambda _: progress.advance(task))
+        else:
+            s = recompute_run(stored, out, options, train, dist=dist, parallel=dims)
+    finally:
+        close_distributed(dist)
+    if dist.rank != 0:
+        return
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
+    if (ranks := _layout.ranks_row(dims, dist)) is not None:
+        rows.append(("ranks", ranks))
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")]
     _summary(f"drifttool recompute {run_dir} → {out}", rows)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
+
+
+def _trainer_layout(stored, options) -> dict:
+    """``check_layout``'s model, mode and level for a recompute of ``stored``: the trainer's
+    (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved rollout's."""
+    from drifttool.fixture import load_fixture  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.settings import check_level, check_mode  # lazy: likewise
+
+    s = stored.settings
+    model_dir = options.checkpoint or s.get("checkpoint")
+    if model_dir is None:
+        name = options.fixture or s.get("fixture")
+        if name is None:
+            raise DriftToolError(f"{stored.path}: the manifest names no fixture or checkpoint; pass one")
+        model_dir = load_fixture(name).model_dir
+    return dict(model_dir=model_dir, mode=check_mode(options.mode or s.get("mode", "strict")),
+                level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"))
+
+
+def _check_training(dims) -> None:
+    """The plan's refusal of training under ``dims`` (``ParallelPlan.check_training``: what its
+    sharded backward does not cover yet), asked before any rank starts, named for the command.
+    The model-dependent part (which parameters train) is asked again by ``recompute_run``.
+
+    Raises:
+        DriftToolError: one line, ``drifttool recompute --tp 2: …``.
+    """
+    if not dims.parallel:
+        return
+    from drifttool.distributed.plan import ParallelPlan  # lazy: keeps torch out of `drifttool --help`
+
+    try:
+        ParallelPlan(dims=dims).check_training()
+    except DriftToolError as e:
+        flags = " ".join(f"--{k} {n}" for k, n in (("tp", dims.tp), ("sp", dims.sp), ("cfg-parallel", dims.cfg))
+                         if n > 1)
+        extra = f" --sp-attention {dims.sp_attention}" if dims.sp > 1 else ""
+        raise DriftToolError(f"drifttool recompute {flags}{extra}: {e}") from None

@@ -8,7 +8,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from drifttool.cli import _layout
 from drifttool.cli._console import console, err, progress, step_task
+from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
 
 
@@ -52,10 +54,10 @@ def run(
         None, help="Likewise for the negative prompt (without it, file prompts run without CFG)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1, 2, 4, 8): attention heads and MLP channels over ranks; strict only."),
-    sp: int = typer.Option(1, "--sp", help="Sequence-parallel degree (1, 2, 4, 8): image rows and their RoPE positions over ranks; strict only."),
-    sp_attention: str = typer.Option("agrs", "--sp-attention", help="agrs | ulysses | ring: how SP attention sees every key."),
-    cfg_parallel: int = typer.Option(1, "--cfg-parallel", help="1 or 2: one CFG branch per rank (needs CFG on)."),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
@@ -67,11 +69,12 @@ def run(
     (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's
     samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints. With
     `--tp/--sp/--cfg-parallel` (their product = the number of ranks) the ranks run every sample
-    under that parallel layout instead, and the artifact diffs identical to one process.
+    under that parallel layout instead, and the artifact diffs identical to one process
+    (`--sp-attention ring` captures L0/L1 only). A layout the model or the run cannot take is
+    refused in one line before any rank starts.
     """
-    from drifttool.distributed import close_distributed, init_distributed, launch_env  # lazy: likewise
-    from drifttool.distributed.plan import MESH_DIMS, ParallelDims  # lazy: likewise
-    from drifttool.runner import execute  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.runner import execute  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
     spec = RunSpec(
@@ -81,17 +84,16 @@ def run(
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents,
     )
-    _, settings = resolve(spec)
-    dims = ParallelDims(tp=tp, sp=sp, cfg=cfg_parallel, sp_attention=sp_attention)
+    with alike_on_every_rank():  # the command line and its files only: one line for the launch
+        fx, settings = resolve(spec)
+        dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
+        _layout.check_layout(dims, **_layout.settings_layout(fx, settings),
+                             capture_from="the fixture's default" if capture is None else "")
     launch = launch_env()
-    if dims.parallel and (launch is None or launch.world_size != dims.world_size):
-        raise DriftToolError(
-            f"--tp {tp} --sp {sp} --cfg-parallel {cfg_parallel} needs {dims.world_size} ranks: launch "
-            f"with torchrun --nproc-per-node {dims.world_size} -m drifttool run ..."
-            + (f" (this launch has {launch.world_size})" if launch is not None else ""))
+    with alike_on_every_rank():
+        _layout.check_launch(dims, launch, "run")
     # one process without torchrun; under it, rank r runs on cuda:LOCAL_RANK for --device cuda
-    mesh = dict(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape()) if dims.parallel else dict(mesh_dims=("sample",))
-    dist = init_distributed(device=settings.device.split(":")[0], **mesh)
+    dist = _layout.start(dims, settings.device)
     try:
         if dist.rank == 0:
             with progress() as bar:
@@ -108,11 +110,8 @@ def run(
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
         table.add_row(key, str(summary[key]))
-    if dims.parallel:
-        table.add_row("ranks", f"{dist.world_size} (tp {tp} × sp {sp}"
-                               + (f" {sp_attention}" if sp > 1 else "") + f" × cfg {cfg_parallel})")
-    elif dist.world_size > 1:
-        table.add_row("ranks", f"{dist.world_size} (sample-parallel)")
+    if (ranks := _layout.ranks_row(dims, dist)) is not None:
+        table.add_row("ranks", ranks)
     record = settings.record()
     for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset"):
         if key in record:

@@ -172,8 +172,8 @@ class ParallelPlan:
                 f"ranks, but the launch has {ctx.world_size} (torchrun --nproc-per-node)")
         if (dims.tp > 1 or dims.sp > 1) and family != "strict":
             raise UnsupportedConfigError(
-                f"TP/SP layouts run the strict family only (mode {family!r} asked for "
-                "production: its sharded arithmetic is not defined by contract v2)")
+                f"TP/SP layouts run the strict family only (the mode asks for the {family!r} "
+                "family, whose sharded arithmetic contract v2 does not define: use --mode strict)")
         if dims.tp > 1:
             tp.check(config, dims)
         if dims.sp > 1:

@@ -24,6 +24,7 @@ artifact goes through the life cycle every run shares (``drifttool.lifecycle.Art
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -128,6 +129,9 @@ def recompute_run(
     refuse_same_dir(source, out)
     stored = source if isinstance(source, StoredRollout) else load_rollout(source)
     m = check_mode(options.mode or stored.settings.get("mode", "strict"))
+    dist = dist or DistContext()
+    if dist.distributed and dist.device.type == rerun_device(stored, options).split(":")[0]:
+        options = dataclasses.replace(options, device=str(dist.device))  # this rank's own device
     device = rerun_device(stored, options)
     check_mode_device(m, device)  # before the model loads or the artifact opens
     model = prepare_trainer(stored, options, model)
@@ -138,7 +142,6 @@ def recompute_run(
                              "rollout ran without an adapter: roll out with one (drifttool run --lora "
                              "ADAPTER) and recompute that run")
     sampler = stored.sampler
-    dist = dist or DistContext()
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler))
     if plan is not None:

@@ -7,12 +7,20 @@
 The replay is an ordinary ``drifttool.runner.execute`` whose inputs are the stored ones (x0, SDE
 noise, prompts, masks) and whose ``RunSpec`` is the stored settings with the ``RerunOptions``
 over them; its manifest adds ``replay_of`` (the source run).
+
+**Layouts.** A replay runs in the layout it is given, not the stored run's: ``dist`` and
+``parallel`` are ``execute``'s (under torchrun: sample-parallel, or a TP/SP/CFG-parallel plan),
+so a one-process run replayed under ``--tp 2`` and a ``--tp 2`` run replayed in one process both
+diff identical to their source (strict arithmetic does not depend on the layout).
+
+    $ torchrun --standalone --nproc-per-node 2 -m drifttool replay runs/a --tp 2 -o runs/a-tp2
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
@@ -21,6 +29,10 @@ from drifttool.settings import PATCH_PIXELS, RunSpec, check_mode, check_mode_dev
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
 from drifttool.training.trainer import prepare_trainer, rerun_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.distributed import DistContext
+    from drifttool.distributed.plan import ParallelDims
 
 _SPEC_KEYS = ("steps", "cfg_scale", "eta", "seed", "samples", "dtype", "cfg_layout",
               "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "variant", "preset")
@@ -51,12 +63,18 @@ def replay_run(
     *,
     model=None,
     on_step: Callable[[StepOutput], Any] | None = None,
+    dist: "DistContext | None" = None,
+    parallel: "ParallelDims | None" = None,
 ) -> dict[str, Any]:
     """Re-execute a rollout from its stored replay inputs (x0, SDE noise, prompts, masks) with the
     manifest's settings and model, on the options' device (default: the rollout's); writes a
     rollout artifact with ``replay_of``. In strict mode
     ``drifttool diff SOURCE OUT`` is identical. An incomplete source is accepted (its inputs are
     written first).
+
+    ``dist`` and ``parallel`` place the replay on ranks as ``runner.execute`` does (default one
+    process): the stored run's own layout is not re-created, and need not be. Under torchrun the
+    model loads onto the rank's ``dist.device`` (``cuda:LOCAL_RANK`` on a GPU).
 
     Raises:
         ArtifactError: no or tampered replay inputs, unreadable manifest.
@@ -76,7 +94,11 @@ def replay_run(
                              "drifttool.training.replay.replay_run(model=...))")
     spec = replay_spec(stored, options)
     check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
-    model = prepare_trainer(stored, options, model)
+    load = options
+    if dist is not None and dist.distributed and dist.device.type == spec.device.split(":")[0]:
+        load = dataclasses.replace(options, device=str(dist.device))  # this rank's own device
+    model = prepare_trainer(stored, load, model)
     return execute(spec, out, overwrite=options.overwrite, on_step=on_step,
                    model=model, replay_inputs=(stored.inputs, stored.noise_record),
-                   manifest_extra={"replay_of": source_record(stored)})
+                   manifest_extra={"replay_of": source_record(stored)}, dist=dist,
+                   parallel=parallel)

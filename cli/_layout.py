@@ -1,0 +1,148 @@
+"""The parallel layout of a command under torchrun: ``--tp``, ``--sp``, ``--sp-attention`` and
+``--cfg-parallel`` of ``run``, ``replay`` and ``recompute``.
+
+    $ torchrun --standalone --nproc-per-node 2 -m drifttool run --tp 2 -o runs/tp2
+    $ torchrun --standalone --nproc-per-node 2 -m drifttool replay runs/one --sp 2 -o runs/one-sp2
+    $ torchrun --standalone --nproc-per-node 2 -m drifttool recompute runs/one --cfg-parallel 2 -o runs/one-train
+
+Before any process group starts, every rank checks the layout against the model and the run
+(``check_layout``): the degrees (``ParallelDims``), the model's widths and heads, the family
+(TP/SP run strict only), CFG on for ``--cfg-parallel``, no L2 capture with Ring attention, and
+then the launch's world size (``check_launch``). These checks read only the command line, the
+model's ``config.json`` and ``WORLD_SIZE``, so every rank refuses alike: they run under
+``alike_on_every_rank`` and the refusal is printed once (``cli._errors.user_errors``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from drifttool.errors import DriftToolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.distributed import DistContext, LaunchEnv
+    from drifttool.distributed.plan import ParallelDims
+
+TP_HELP = "Tensor-parallel degree (1, 2, 4, 8): attention heads and MLP channels over ranks; strict only."
+SP_HELP = "Sequence-parallel degree (1, 2, 4, 8): image rows and their RoPE positions over ranks; strict only."
+SP_ATTENTION_HELP = "agrs (default) | ulysses | ring: how SP attention sees every key (needs --sp)."
+CFG_PARALLEL_HELP = "1 or 2: one CFG branch per rank (needs CFG on)."
+
+
+def tp_option() -> Any:
+    return typer.Option(1, "--tp", help=TP_HELP)
+
+
+def sp_option() -> Any:
+    return typer.Option(1, "--sp", help=SP_HELP)
+
+
+def sp_attention_option() -> Any:
+    return typer.Option(None, "--sp-attention", help=SP_ATTENTION_HELP, show_default=False)
+
+
+def cfg_parallel_option() -> Any:
+    return typer.Option(1, "--cfg-parallel", help=CFG_PARALLEL_HELP)
+
+
+def layout_dims(tp: int, sp: int, sp_attention: Optional[str], cfg_parallel: int) -> "ParallelDims":
+    """The ``ParallelDims`` of the options. ``--sp-attention`` without ``--sp`` is refused: there
+    is no sequence shard for it to act on, and a run silently laid out otherwise than asked would
+    be worse than one line.
+
+    Raises:
+        UnsupportedConfigError: a degree or SP attention ``ParallelDims`` refuses.
+        DriftToolError: ``--sp-attention`` without ``--sp`` > 1.
+    """
+    from drifttool.distributed.plan import ParallelDims  # lazy: keeps torch out of `drifttool --help`
+
+    dims = ParallelDims(tp=tp, sp=sp, cfg=cfg_parallel, sp_attention=sp_attention or "agrs")
+    if sp_attention is not None and dims.sp == 1:
+        raise DriftToolError(f"--sp-attention {sp_attention} needs --sp 2, 4 or 8 (it says how "
+                             "sequence-parallel ranks attend; without --sp every rank holds every row)")
+    return dims
+
+
+def describe(dims: "ParallelDims") -> str:
+    """``tp 2 × sp 2 ring × cfg 1``: the layout as the summary tables print it."""
+    return (f"tp {dims.tp} × sp {dims.sp}" + (f" {dims.sp_attention}" if dims.sp > 1 else "")
+            + f" × cfg {dims.cfg}")
+
+
+def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str, cfg_branches: int,
+                 capture_from: str = "") -> None:
+    """Refuse, before any rank starts a process group or opens the artifact, a layout that the
+    model or the run cannot take: the plan's own checks (``ParallelPlan.build`` against the
+    config of the model in ``model_dir``, on a stand-in context of the layout's world size:
+    TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank),
+    ``--cfg-parallel 2`` with CFG off (``cfg_branches`` per step), and Ring attention at a
+    capture ``level`` that records attention internals (L2) when ``mode`` (``runtime.Mode``)
+    captures. Nothing for a one-process layout. ``capture_from`` names where a default capture
+    level came from.
+
+    Raises:
+        DriftToolError (UnsupportedConfigError): naming the option and the reason.
+    """
+    if not dims.parallel:
+        return
+    from drifttool.capture.levels import INTERNALS_FROM, LEVELS  # lazy: likewise
+    from drifttool.distributed import DistContext  # lazy: likewise
+    from drifttool.distributed.plan import ParallelPlan  # lazy: likewise
+    from drifttool.model.checkpoint import read_config  # lazy: likewise
+
+    ParallelPlan.build(DistContext(rank=0, world_size=dims.world_size), dims, read_config(model_dir),
+                       family=mode.family)
+    if dims.cfg > 1 and cfg_branches != 2:
+        raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
+                             "(cfg_scale <= 1 or no negative prompt)")
+    if (dims.sp > 1 and dims.sp_attention == "ring" and mode.captures and level in LEVELS
+            and LEVELS.index(level) >= LEVELS.index(INTERNALS_FROM)):
+        raise DriftToolError(
+            f"--sp-attention ring cannot capture {level}" + (f" ({capture_from})" if capture_from else "")
+            + ": a ring rank never holds a whole row of attention scores, so the attention "
+              "internals L2 records do not exist; use --capture L1 (or L0), or --sp-attention "
+              f"agrs|ulysses at {level}")
+
+
+def settings_layout(fx: Any, settings: Any) -> dict[str, Any]:
+    """``check_layout``'s keywords for a resolved run (``settings.resolve``: fixture, settings)."""
+    return dict(model_dir=settings.checkpoint or fx.model_dir, mode=settings.mode,
+                level=settings.capture, cfg_branches=settings.cfg_branches)
+
+
+def check_launch(dims: "ParallelDims", launch: "LaunchEnv | None", command: str) -> None:
+    """Refuse a TP/SP/CFG-parallel layout launched on another number of ranks than
+    ``tp · sp · cfg`` (one process included).
+
+    Raises:
+        DriftToolError: naming the torchrun command that fits.
+    """
+    if dims.parallel and (launch is None or launch.world_size != dims.world_size):
+        raise DriftToolError(
+            f"--tp {dims.tp} --sp {dims.sp} --cfg-parallel {dims.cfg} needs {dims.world_size} ranks: "
+            f"launch with torchrun --nproc-per-node {dims.world_size} -m drifttool {command} ..."
+            + (f" (this launch has {launch.world_size})" if launch is not None else ""))
+
+
+def start(dims: "ParallelDims", device: str) -> "DistContext":
+    """This process's ``DistContext``: one process without torchrun; under it the process group
+    with the mesh ``plan.MESH_DIMS`` of the layout's shape, or ``("sample",)`` when the layout is
+    one process (sample-parallel). Rank r runs on ``cuda:LOCAL_RANK`` for a CUDA device."""
+    from drifttool.distributed import init_distributed  # lazy: likewise
+    from drifttool.distributed.plan import MESH_DIMS  # lazy: likewise
+
+    mesh = (dict(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape()) if dims.parallel
+            else dict(mesh_dims=("sample",)))
+    return init_distributed(device=device.split(":")[0], **mesh)
+
+
+def ranks_row(dims: "ParallelDims", dist: "DistContext") -> Optional[str]:
+    """The summary table's ``ranks`` value: ``2 (tp 2 × sp 1 × cfg 1)``, ``2 (sample-parallel)``,
+    or None for one process."""
+    if dims.parallel:
+        return f"{dist.world_size} ({describe(dims)})"
+    if dist.world_size > 1:
+        return f"{dist.world_size} (sample-parallel)"
+    return None
