@@ -8,7 +8,7 @@ Every layout runs in fresh processes (``distributed.spawn.run_parallel``'s launc
 per rank, gloo on loopback, one thread each); the one-process run uses one thread too, so the
 ratio compares the same per-rank CPU budget. Per layout the table gives the slowest rank's wall
 time of ``execute`` (model, sampler, capture and artifact writing), that rank's time inside the
-collectives and the ratio to one process, and whether ``drifttool diff`` finds the artifact
+collectives (and the part of it spent gathering sharded outputs for capture) and the ratio to one process, and whether ``drifttool diff`` finds the artifact
 identical to the one-process run. On two H200s the same launch runs NCCL (``--device cuda``,
 once a strict CUDA family exists: strict refuses CUDA today). Results go to
 docs/benchmarks.md ("WS2 layouts").
@@ -65,10 +65,11 @@ def _rank(rank: int, world: int, port: int, dims: ParallelDims, fields: dict, ou
         wall = time.perf_counter() - t0
     finally:
         close_distributed(ctx)
-    Path(res, f"rank{rank}.pkl").write_bytes(pickle.dumps((wall, COMM.seconds, COMM.calls, COMM.nbytes)))
+    Path(res, f"rank{rank}.pkl").write_bytes(pickle.dumps((wall, COMM.seconds, COMM.capture_seconds,
+                                                            COMM.calls, COMM.nbytes)))
 
 
-def run_layout(dims: ParallelDims, fields: dict, out: Path) -> tuple[float, float, int, int]:
+def run_layout(dims: ParallelDims, fields: dict, out: Path) -> tuple[float, float, float, int, int]:
     with tempfile.TemporaryDirectory() as res:
         mp.spawn(_rank, args=(dims.world_size, _port(), dims, fields, str(out), res),
                  nprocs=dims.world_size, join=True)
@@ -107,15 +108,15 @@ def main() -> None:
     one = run_one(fields, tmp / "one")
     table = Table(title=f"WS2 layouts, strict, {args.height}×{args.width} px, {args.steps} steps, "
                         f"batch {args.batch}, capture {args.capture} (gloo, 1 thread per rank)")
-    for col in ("layout", "ranks", "wall s (slowest rank)", "in collectives s", "calls", "MiB moved",
-                "vs one process", "diff"):
+    for col in ("layout", "ranks", "wall s (slowest rank)", "in collectives s", "of which capture s",
+                "calls", "MiB moved", "vs one process", "diff"):
         table.add_column(col, justify="right" if col not in ("layout", "diff") else "left")
-    table.add_row("one process", "1", f"{one:.2f}", "–", "–", "–", "1.00", "–")
+    table.add_row("one process", "1", f"{one:.2f}", "–", "–", "–", "–", "1.00", "–")
     for name in args.layouts.split(","):
         dims = LAYOUTS[name]
-        wall, comm, calls, nbytes = run_layout(dims, fields, tmp / name)
+        wall, comm, cap, calls, nbytes = run_layout(dims, fields, tmp / name)
         verdict = diff_runs(open_run(tmp / "one"), open_run(tmp / name)).verdict.value
-        table.add_row(name, str(dims.world_size), f"{wall:.2f}", f"{comm:.2f}", str(calls),
+        table.add_row(name, str(dims.world_size), f"{wall:.2f}", f"{comm:.2f}", f"{cap:.2f}", str(calls),
                       f"{nbytes / 2**20:.1f}", f"{wall / one:.2f}", verdict)
     Console(width=160).print(table)
     print(f"{datetime.date.today()} · {platform.processor() or platform.machine()} · "

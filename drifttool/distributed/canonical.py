@@ -25,15 +25,18 @@ import torch.distributed as dist
 @dataclass
 class CommClock:
     """Wall time spent inside the strict collectives of this process (every rank its own):
-    ``seconds`` and ``calls``; bytes received in ``nbytes``. Read by benchmarks to separate
+    ``seconds`` and ``calls``; bytes received in ``nbytes``; ``capture_seconds`` the part spent
+    gathering sharded outputs for capture (``capturing``). Read by benchmarks to separate
     communication from compute (``benchmarks/bench_layouts.py``); reset with ``reset``."""
 
     seconds: float = 0.0
     calls: int = 0
     nbytes: int = 0
+    capture_seconds: float = 0.0
+    _capture: bool = False
 
     def reset(self) -> None:
-        self.seconds, self.calls, self.nbytes = 0.0, 0, 0
+        self.seconds, self.calls, self.nbytes, self.capture_seconds = 0.0, 0, 0, 0.0
 
     @contextmanager
     def timing(self, nbytes: int = 0) -> Iterator[None]:
@@ -41,9 +44,20 @@ class CommClock:
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            self.capture_seconds += dt if self._capture else 0.0
             self.calls += 1
             self.nbytes += int(nbytes)
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Count the collectives in the block as capture's too (``capture_seconds``)."""
+        self._capture = True
+        try:
+            yield
+        finally:
+            self._capture = False
 
 
 COMM = CommClock()

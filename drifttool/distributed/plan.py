@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drifttool.distributed import sp, tp
+from drifttool.distributed.canonical import COMM
 from drifttool import shards
 from drifttool.errors import UnsupportedConfigError
 
@@ -246,12 +247,13 @@ class ParallelPlan:
         if self.gathers:
             outs = out if isinstance(out, tuple) else (out,)
             full = []
-            for i, t in enumerate(outs):
-                for gather in self.gathers:
-                    if isinstance(t, torch.Tensor):
-                        g = gather(self, rt, op, stream, i, t)
-                        t = t if g is None else g
-                full.append(t)
+            with COMM.capturing():
+                for i, t in enumerate(outs):
+                    for gather in self.gathers:
+                        if isinstance(t, torch.Tensor):
+                            g = gather(self, rt, op, stream, i, t)
+                            t = t if g is None else g
+                    full.append(t)
             out = tuple(full) if isinstance(out, tuple) else full[0]
         return out if self.owns(int(rt.scope_value("block"))) else None
 
