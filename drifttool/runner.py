@@ -64,7 +64,8 @@ def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: RolloutInputs, config: Any,
-                family: str, *, cfg_on: bool, faults: tuple[str, ...] = ()
+                family: str, *, cfg_on: bool, faults: tuple[str, ...] = (),
+                capture_level: str | None = None
                 ) -> tuple[RolloutInputs, dict[str, Any], ParallelPlan | None]:
     """Where this rank stands in a run's layout, decided before the artifact opens (a refusal
     here reaches every rank): ``(the inputs it runs, the manifest layout, the parallel plan)``.
@@ -77,7 +78,8 @@ def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: Rollou
         UnsupportedConfigError: the plan refuses the layout (``ParallelPlan.build``).
     """
     if parallel is not None and parallel.parallel:
-        plan = ParallelPlan.build(dist, parallel, config, family=family, faults=faults)
+        plan = ParallelPlan.build(dist, parallel, config, family=family, faults=faults,
+                                  capture_level=capture_level)
         if parallel.cfg > 1 and not cfg_on:
             raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
                                  "(cfg_scale <= 1 or no negative prompt)")
@@ -168,7 +170,8 @@ def execute(
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
     mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,
-                                     cfg_on=s.cfg_branches == 2, faults=faults)
+                                     cfg_on=s.cfg_branches == 2, faults=faults,
+                                     capture_level=s.capture if s.mode.captures else None)
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),

@@ -115,6 +115,18 @@ class ParallelDims:
         return out
 
 
+def check_faults(faults: Sequence[str]) -> None:
+    """Refuse probe faults that ``FAULTS`` does not declare.
+
+    Raises:
+        UnsupportedConfigError: naming the unknown ones and the known ones.
+    """
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise UnsupportedConfigError(f"unknown parallel fault(s) {', '.join(unknown)} "
+                                     f"(known: {', '.join(FAULTS)})")
+
+
 def mesh_rank(dims: ParallelDims, coords: dict[str, int]) -> int:
     """The global rank at ``coords`` (``{"cfg": c, "sp": s, "tp": t}``) of the mesh of ``dims``:
     ``(c·sp + s)·tp + t`` (``drifttool.shards.mesh_rank``)."""
@@ -158,14 +170,16 @@ class ParallelPlan:
 
     @classmethod
     def build(cls, ctx: "DistContext", dims: ParallelDims, config: Any, *,
-              family: str = "strict", faults: Sequence[str] = ()) -> "ParallelPlan":
+              family: str = "strict", faults: Sequence[str] = (),
+              capture_level: str | None = None) -> "ParallelPlan":
         """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
         ``mesh_shape=dims.mesh_shape()``) and the model ``config`` (``MMDiTConfig``).
 
         Raises:
             UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
-                family other than strict (production TP/SP is not byte-defined here), or a model
-                the degrees do not divide (``tp.check``, ``sp.check``).
+                family other than strict (production TP/SP is not byte-defined here), a model
+                the degrees do not divide (``tp.check``, ``sp.check``), Ring attention at
+                ``capture_level`` L2, or an unknown fault (``check_faults``).
         """
         if dims.world_size != ctx.world_size:
             raise UnsupportedConfigError(
@@ -175,6 +189,9 @@ class ParallelPlan:
             raise UnsupportedConfigError(
                 f"TP/SP layouts run the strict family only (the mode asks for the {family!r} "
                 "family, whose sharded arithmetic contract v2 does not define: use --mode strict)")
+        if dims.sp > 1 and dims.sp_attention == "ring" and capture_level == "L2":
+            raise UnsupportedConfigError(sp.RING_NO_L2)
+        check_faults(faults)
         if dims.tp > 1:
             tp.check(config, dims)
         if dims.sp > 1:

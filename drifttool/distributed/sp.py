@@ -44,13 +44,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drifttool.distributed.canonical import gather_cat, gather_cat_replicated
-from drifttool.errors import UnsupportedConfigError
 from drifttool.distributed.ring import ring_attention, sp_row_spans
 from drifttool.distributed.sp_grad import Shard, agrs_attention, all_to_all_grad, head_slice
+from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
+
+
+RING_NO_L2 = ("--sp-attention ring does not expose the attention internals that capture L2 records "
+              "(a rank never holds a whole row of scores); use L0/L1, or agrs/ulysses at L2")
 
 
 def check(config: Any, dims: Any) -> None:
@@ -142,9 +146,7 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if how == "ulysses":
         return _ulysses(plan, run, q, k, v, key_mask, text_len, kwargs)
     if rt.wants_internals():
-        raise UnsupportedConfigError(
-            "--sp-attention ring does not expose the attention internals that capture L2 records "
-            "(a rank never holds a whole row of scores); use L0/L1, or agrs/ulysses at L2")
+        raise UnsupportedConfigError(RING_NO_L2)
     if "joint_attention_fused" in rt.variants:
         raise UnsupportedConfigError("--sp-attention ring runs its own blocked kernel: a variant of "
                                      "joint_attention_fused cannot apply")

@@ -37,7 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from drifttool.distributed.context import DEFAULT_TIMEOUT, close_distributed, init_distributed
-from drifttool.distributed.plan import FAULTS, MESH_DIMS, ParallelDims
+from drifttool.distributed.plan import MESH_DIMS, ParallelDims, check_faults
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
@@ -120,9 +120,7 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
     if not dims.parallel:
         raise UnsupportedConfigError("run_parallel: the layout is one rank (tp = sp = cfg = 1); "
                                      "call drifttool.runner.execute")
-    unknown = sorted(set(faults) - set(FAULTS))
-    if unknown:
-        raise UnsupportedConfigError(f"unknown parallel fault(s) {unknown} (one of {sorted(FAULTS)})")
+    check_faults(faults)
     world = dims.world_size
     with tempfile.TemporaryDirectory(prefix="drifttool-spawn-") as errors:
         try:

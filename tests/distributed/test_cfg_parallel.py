@@ -4,15 +4,13 @@ records owned by CFG rank 1 and every step and sampler record by rank 0."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from drifttool.artifact import open_run
-from drifttool.diff import diff_runs
 from drifttool.distributed.plan import ParallelDims
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
+from tests.distributed.layout_runs import assert_identical
 from tests.distributed.plan_ranks import RankCrash, on_ranks
 
 
@@ -23,14 +21,6 @@ def run_rank(ctx, dims, arg):
     return ctx.rank
 
 
-def _identical(a: Path, b: Path) -> None:
-    report = diff_runs(open_run(a), open_run(b))
-    assert report.verdict.value == "identical", report.reason
-    for table in ("ops", "steps"):
-        c = report.counts[table]
-        assert c.only_a == c.only_b == c.differ == 0 and c.matched > 0, (table, c)
-
-
 @pytest.mark.parametrize("fields", [dict(batch=3, capture="L2"),
                                     dict(samples=[2], capture="L1", cfg_layout="sequential")])
 def test_cfg_parallel_equals_one_process(tmp_path, fields):
@@ -39,7 +29,7 @@ def test_cfg_parallel_equals_one_process(tmp_path, fields):
     par = tmp_path / "cfg2"
     assert on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
                     (par, fields)) == [0, 1]
-    _identical(one, par)
+    assert_identical(one, par)
     run = open_run(par)
     assert run.complete and run.manifest["layout"]["kind"] == "parallel"
     assert run.manifest["layout"]["cfg_parallel"] == 2 and run.world_size == 2

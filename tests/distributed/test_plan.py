@@ -73,3 +73,22 @@ def test_cli_cfg_parallel_under_torchrun_is_identical(cli, tmp_path):
     assert "2 (tp 1 × sp 1 × cfg 2)" in p.stdout, p.stdout
     code, out = cli("diff", tmp_path / "one", tmp_path / "cfg2")
     assert code == 0 and "IDENTICAL" in out and "B parallel over 2 ranks" in out, out
+
+
+def test_unknown_faults_and_ring_at_l2_are_refused_before_anything_runs():
+    ctx2 = DistContext(rank=0, world_size=2)
+    with pytest.raises(UnsupportedConfigError, match="unknown parallel fault.*nope.*known: tp_allreduce"):
+        ParallelPlan.build(ctx2, ParallelDims(tp=2), tiny(), faults=("nope",))
+    with pytest.raises(UnsupportedConfigError, match="ring does not expose the attention internals"):
+        ParallelPlan.build(ctx2, ParallelDims(sp=2, sp_attention="ring"), tiny(), capture_level="L2")
+    ParallelPlan.build(ctx2, ParallelDims(sp=2, sp_attention="ring"), tiny(), capture_level="L1")
+
+
+def test_ring_at_l2_leaves_no_artifact(tmp_path):
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+
+    with pytest.raises(UnsupportedConfigError, match="ring does not expose"):
+        execute(RunSpec(capture="L2"), tmp_path / "r", dist=DistContext(rank=0, world_size=2),
+                parallel=ParallelDims(sp=2, sp_attention="ring"))
+    assert not (tmp_path / "r").exists()
