@@ -72,44 +72,38 @@ def describe(dims: "ParallelDims") -> str:
 
 
 def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str, cfg_branches: int,
-                 capture_from: str = "") -> None:
+                 cfg_layout: str, capture_from: str = "") -> None:
     """Refuse, before any rank starts a process group or opens the artifact, a layout that the
     model or the run cannot take: the plan's own checks (``ParallelPlan.build`` against the
     config of the model in ``model_dir``, on a stand-in context of the layout's world size:
-    TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank),
-    ``--cfg-parallel 2`` with CFG off (``cfg_branches`` per step), and Ring attention at a
-    capture ``level`` that records attention internals (L2) when ``mode`` (``runtime.Mode``)
-    captures. Nothing for a one-process layout. ``capture_from`` names where a default capture
-    level came from.
+    TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank, Ring
+    attention at a capture ``level`` that records attention internals when ``mode``
+    (``runtime.Mode``) captures) and ``plan.check_cfg_parallel`` (CFG on, production with
+    sequential CFG only). Nothing for a one-process layout. ``capture_from`` names where a
+    default capture level came from.
 
     Raises:
         DriftToolError (UnsupportedConfigError): naming the option and the reason.
     """
     if not dims.parallel:
         return
-    from drifttool.capture.levels import INTERNALS_FROM, LEVELS  # lazy: likewise
     from drifttool.distributed import DistContext  # lazy: likewise
-    from drifttool.distributed.plan import ParallelPlan  # lazy: likewise
+    from drifttool.distributed.plan import ParallelPlan, check_cfg_parallel  # lazy: likewise
+    from drifttool.distributed.sp import ring_no_l2  # lazy: likewise
     from drifttool.model.checkpoint import read_config  # lazy: likewise
 
+    if dims.sp > 1 and dims.sp_attention == "ring" and mode.captures and level == "L2":
+        raise DriftToolError(ring_no_l2(level, capture_from))  # the plan refuses it too; here with its source
     ParallelPlan.build(DistContext(rank=0, world_size=dims.world_size), dims, read_config(model_dir),
-                       family=mode.family)
-    if dims.cfg > 1 and cfg_branches != 2:
-        raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
-                             "(cfg_scale <= 1 or no negative prompt)")
-    if (dims.sp > 1 and dims.sp_attention == "ring" and mode.captures and level in LEVELS
-            and LEVELS.index(level) >= LEVELS.index(INTERNALS_FROM)):
-        raise DriftToolError(
-            f"--sp-attention ring cannot capture {level}" + (f" ({capture_from})" if capture_from else "")
-            + ": a ring rank never holds a whole row of attention scores, so the attention "
-              "internals L2 records do not exist; use --capture L1 (or L0), or --sp-attention "
-              f"agrs|ulysses at {level}")
+                       family=mode.family, capture_level=level if mode.captures else None)
+    check_cfg_parallel(dims, family=mode.family, cfg_on=cfg_branches == 2, cfg_layout=cfg_layout)
 
 
 def settings_layout(fx: Any, settings: Any) -> dict[str, Any]:
     """``check_layout``'s keywords for a resolved run (``settings.resolve``: fixture, settings)."""
     return dict(model_dir=settings.checkpoint or fx.model_dir, mode=settings.mode,
-                level=settings.capture, cfg_branches=settings.cfg_branches)
+                level=settings.capture, cfg_branches=settings.cfg_branches,
+                cfg_layout=settings.cfg_layout)
 
 
 def check_launch(dims: "ParallelDims", launch: "LaunchEnv | None", command: str) -> None:

@@ -148,6 +148,7 @@ def recompute(
         device = rerun_device(stored, options)
         if dims.parallel:
             _layout.check_layout(dims, **_trainer_layout(stored, options), cfg_branches=_branches(stored),
+                                 cfg_layout=stored.sampler.cfg_layout,
                                  capture_from="the stored run's level" if capture is None else "")
             _check_training(dims)
     launch = launch_env()

@@ -19,7 +19,7 @@ import torch
 
 import drifttool.ops  # noqa: F401  (registers every operator backend)
 from drifttool.distributed import DistContext, rank_samples, sample_parallel_layout
-from drifttool.distributed.plan import ParallelDims, ParallelPlan
+from drifttool.distributed.plan import ParallelDims, ParallelPlan, check_cfg_parallel
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
@@ -64,8 +64,8 @@ def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: RolloutInputs, config: Any,
-                family: str, *, cfg_on: bool, faults: tuple[str, ...] = (),
-                capture_level: str | None = None
+                family: str, *, cfg_on: bool, cfg_layout: str = "batched",
+                faults: tuple[str, ...] = (), capture_level: str | None = None
                 ) -> tuple[RolloutInputs, dict[str, Any], ParallelPlan | None]:
     """Where this rank stands in a run's layout, decided before the artifact opens (a refusal
     here reaches every rank): ``(the inputs it runs, the manifest layout, the parallel plan)``.
@@ -74,15 +74,14 @@ def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: Rollou
     one process runs everything.
 
     Raises:
-        DriftToolError: CFG-parallel without CFG, or ``faults`` without a parallel layout.
-        UnsupportedConfigError: the plan refuses the layout (``ParallelPlan.build``).
+        DriftToolError: ``faults`` without a parallel layout.
+        UnsupportedConfigError: the plan refuses the layout (``ParallelPlan.build``,
+            ``plan.check_cfg_parallel``: CFG off, production with batched CFG).
     """
     if parallel is not None and parallel.parallel:
         plan = ParallelPlan.build(dist, parallel, config, family=family, faults=faults,
                                   capture_level=capture_level)
-        if parallel.cfg > 1 and not cfg_on:
-            raise DriftToolError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
-                                 "(cfg_scale <= 1 or no negative prompt)")
+        check_cfg_parallel(parallel, family=family, cfg_on=cfg_on, cfg_layout=cfg_layout)
         return inputs, {**parallel.layout(), **dist.layout()}, plan
     if faults:
         raise DriftToolError(f"parallel faults {', '.join(faults)} need a TP/SP/CFG-parallel layout")
@@ -170,7 +169,7 @@ def execute(
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
     mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,
-                                     cfg_on=s.cfg_branches == 2, faults=faults,
+                                     cfg_on=s.cfg_branches == 2, cfg_layout=s.cfg_layout, faults=faults,
                                      capture_level=s.capture if s.mode.captures else None)
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,

@@ -227,12 +227,19 @@ def _differing(n: int) -> str:
 
 
 def _layout_text(run: Run) -> str:
-    """``"sample_parallel over 2 ranks"``, ``"single process"``: the manifest's layout, briefly."""
+    """``"sample_parallel over 2 ranks"``, ``"parallel over 4 ranks (tp 2 × sp 2 agrs × cfg 1)"``,
+    ``"single process"``: the manifest's layout, briefly."""
     lay = run.manifest.get("layout") or {}
     world = int(lay.get("world_size", 1))
     kind = lay.get("kind", "single")
-    return "single process" if world == 1 and kind == "single" else f"{kind} over {world} rank" + \
-        ("s" if world > 1 else "")
+    if world == 1 and kind == "single":
+        return "single process"
+    text = f"{kind} over {world} rank" + ("s" if world > 1 else "")
+    if kind == "parallel":
+        sp = int(lay.get("sp", 1))
+        how = f" {lay.get('sp_attention', 'agrs')}" if sp > 1 else ""
+        text += f" (tp {lay.get('tp', 1)} × sp {sp}{how} × cfg {lay.get('cfg_parallel', 1)})"
+    return text
 
 
 def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:

@@ -115,6 +115,28 @@ class ParallelDims:
         return out
 
 
+def check_cfg_parallel(dims: ParallelDims, *, family: str, cfg_on: bool, cfg_layout: str) -> None:
+    """Refuse CFG-parallel where it cannot give the run's bytes: CFG off (there is no second
+    branch), or a production family with batched CFG — each CFG rank runs its branch in a forward
+    of its own, as ``--cfg-layout sequential`` does, and production bytes differ between the two
+    layouts (strict bytes do not depend on the CFG layout).
+
+    Raises:
+        UnsupportedConfigError: naming the option to change.
+    """
+    if dims.cfg <= 1:
+        return
+    if not cfg_on:
+        raise UnsupportedConfigError("--cfg-parallel 2 runs one CFG branch per rank, but CFG is off "
+                                     "(cfg_scale <= 1 or no negative prompt)")
+    if family != "strict" and cfg_layout != "sequential":
+        raise UnsupportedConfigError(
+            f"--cfg-parallel 2 runs each CFG branch in its own forward, as --cfg-layout sequential "
+            f"does; the {family} family's bytes differ between batched and sequential CFG, so the "
+            f"run would not be the {cfg_layout} one it records: pass --cfg-layout sequential (or run "
+            "strict, whose bytes do not depend on the CFG layout)")
+
+
 def check_faults(faults: Sequence[str]) -> None:
     """Refuse probe faults that ``FAULTS`` does not declare.
 
@@ -190,7 +212,7 @@ class ParallelPlan:
                 f"TP/SP layouts run the strict family only (the mode asks for the {family!r} "
                 "family, whose sharded arithmetic contract v2 does not define: use --mode strict)")
         if dims.sp > 1 and dims.sp_attention == "ring" and capture_level == "L2":
-            raise UnsupportedConfigError(sp.RING_NO_L2)
+            raise UnsupportedConfigError(sp.ring_no_l2(capture_level))
         check_faults(faults)
         if dims.tp > 1:
             tp.check(config, dims)

@@ -53,8 +53,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from drifttool.runtime import Runtime
 
 
-RING_NO_L2 = ("--sp-attention ring does not expose the attention internals that capture L2 records "
-              "(a rank never holds a whole row of scores); use L0/L1, or agrs/ulysses at L2")
+def ring_no_l2(level: str = "L2", source: str = "") -> str:
+    """Why Ring attention refuses capture ``level`` (L2: the attention internals); ``source``
+    names where the level came from (a default)."""
+    return (f"--sp-attention ring cannot capture {level}" + (f" ({source})" if source else "")
+            + ": a ring rank never holds a whole row of attention scores, so the attention internals "
+              f"{level} records do not exist; use --capture L1 (or L0), or --sp-attention "
+              f"agrs|ulysses at {level}")
 
 
 def check(config: Any, dims: Any) -> None:
@@ -146,7 +151,7 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if how == "ulysses":
         return _ulysses(plan, run, q, k, v, key_mask, text_len, kwargs)
     if rt.wants_internals():
-        raise UnsupportedConfigError(RING_NO_L2)
+        raise UnsupportedConfigError(ring_no_l2())
     if "joint_attention_fused" in rt.variants:
         raise UnsupportedConfigError("--sp-attention ring runs its own blocked kernel: a variant of "
                                      "joint_attention_fused cannot apply")

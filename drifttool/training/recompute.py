@@ -143,7 +143,8 @@ def recompute_run(
                              "ADAPTER) and recompute that run")
     sampler = stored.sampler
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
-                                     cfg_on=cfg_enabled(stored.inputs, sampler), capture_level=level)
+                                     cfg_on=cfg_enabled(stored.inputs, sampler),
+                                     cfg_layout=sampler.cfg_layout, capture_level=level)
     if plan is not None:
         plan.check_training(model)
     session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,

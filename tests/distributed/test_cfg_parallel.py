@@ -43,3 +43,19 @@ def test_cfg_parallel_without_cfg_is_refused(tmp_path):
     with pytest.raises(RankCrash, match="CFG is off"):
         on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
                  (tmp_path / "x", dict(cfg_scale=1.0)))
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_production_cfg_parallel_needs_sequential_cfg(tmp_path, mode):
+    """Each CFG rank runs its branch alone, as sequential CFG does: production bytes differ from
+    batched CFG, so a batched production run under CFG-parallel is refused (it would record a
+    layout it did not run); with --cfg-layout sequential it diffs identical to one process."""
+    with pytest.raises(RankCrash, match="pass --cfg-layout sequential"):
+        on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
+                 (tmp_path / "x", dict(mode=mode)))
+    if mode == "auto":
+        fields = dict(mode=mode, cfg_layout="sequential", capture="L1")
+        execute(RunSpec(**fields), tmp_path / "one")
+        on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
+                 (tmp_path / "cfg2", fields))
+        assert_identical(tmp_path / "one", tmp_path / "cfg2")

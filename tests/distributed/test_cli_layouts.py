@@ -82,6 +82,8 @@ def stored(tmp_path_factory) -> Path:
     (["--sp", "2", "--sp-attention", "ring", "--capture", "L2"], ["ring cannot capture L2:"]),
     (["--tp", "2", "--mode", "auto"], ["strict family only"]),
     (["--cfg-parallel", "2", "--cfg-scale", "1"], ["CFG is off"]),
+    (["--cfg-parallel", "2", "--mode", "auto"], ["production family's bytes differ",
+                                                 "pass --cfg-layout sequential"]),
 ])
 def test_run_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, args, needles):
     _one_line(*cli("run", "-o", tmp_path / "r", *args), *needles)

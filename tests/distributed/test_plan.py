@@ -79,7 +79,7 @@ def test_unknown_faults_and_ring_at_l2_are_refused_before_anything_runs():
     ctx2 = DistContext(rank=0, world_size=2)
     with pytest.raises(UnsupportedConfigError, match="unknown parallel fault.*nope.*known: tp_allreduce"):
         ParallelPlan.build(ctx2, ParallelDims(tp=2), tiny(), faults=("nope",))
-    with pytest.raises(UnsupportedConfigError, match="ring does not expose the attention internals"):
+    with pytest.raises(UnsupportedConfigError, match="ring cannot capture L2: a ring rank never holds"):
         ParallelPlan.build(ctx2, ParallelDims(sp=2, sp_attention="ring"), tiny(), capture_level="L2")
     ParallelPlan.build(ctx2, ParallelDims(sp=2, sp_attention="ring"), tiny(), capture_level="L1")
 
@@ -88,7 +88,7 @@ def test_ring_at_l2_leaves_no_artifact(tmp_path):
     from drifttool.runner import execute
     from drifttool.settings import RunSpec
 
-    with pytest.raises(UnsupportedConfigError, match="ring does not expose"):
+    with pytest.raises(UnsupportedConfigError, match="ring cannot capture L2"):
         execute(RunSpec(capture="L2"), tmp_path / "r", dist=DistContext(rank=0, world_size=2),
                 parallel=ParallelDims(sp=2, sp_attention="ring"))
     assert not (tmp_path / "r").exists()
