@@ -240,6 +240,7 @@ class GradLedger:
         the end of a ``with`` block)."""
         detach_grad_sinks(self._keys)
         self._keys.clear()
+        self._watched.clear()  # a later weight on the same storage is not this step's
 
     def __enter__(self) -> "GradLedger":
         return self
