@@ -134,7 +134,7 @@ def recompute(
     """
     from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.training.options import RerunOptions, TrainOptions  # lazy: likewise
-    from drifttool.training.recompute import recompute_run  # lazy: likewise
+    from drifttool.training.recompute import NO_ADAPTER, recompute_run  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
     from drifttool.training.trainer import rerun_device  # lazy: likewise
 
@@ -151,6 +151,8 @@ def recompute(
                                  cfg_layout=stored.sampler.cfg_layout,
                                  capture_from="the stored run's level" if capture is None else "")
             _check_training(dims)
+            if grad and not (stored.manifest.get("lora") or lora):  # recompute_run's refusal, once
+                raise DriftToolError(NO_ADAPTER)
     launch = launch_env()
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "recompute")

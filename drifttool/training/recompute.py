@@ -51,6 +51,10 @@ from drifttool.training.stored import (StoredRollout, load_rollout, refuse_same_
 from drifttool.training.trainer import micro_batched, prepare_trainer, rerun_device
 
 
+NO_ADAPTER = ("gradients (recompute --grad) need trainable LoRA parameters, and the rollout ran "
+              "without an adapter: roll out with one (drifttool run --lora ADAPTER) and recompute that run")
+
+
 def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dict[str, Any]:
     """The arithmetic policy shared by rollout and recompute (module docstring)."""
     s = stored.sampler
@@ -138,9 +142,7 @@ def recompute_run(
     check_model_device(model, torch.device(device))
     level = check_level(options.capture or stored.manifest.get("capture_level") or "L1")
     if train.grad and not lora_parameters(model):
-        raise DriftToolError("gradients (recompute --grad) need trainable LoRA parameters, and the "
-                             "rollout ran without an adapter: roll out with one (drifttool run --lora "
-                             "ADAPTER) and recompute that run")
+        raise DriftToolError(NO_ADAPTER)
     sampler = stored.sampler
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler),

@@ -132,6 +132,7 @@ def test_replay_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, stored, a
     (["--cfg-parallel", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool recompute"]),
     (["--sp", "5"], ["--sp 5 (one of"]),
     (["--sp-attention", "agrs"], ["--sp-attention agrs needs --sp"]),
+    (["--tp", "2", "--grad"], ["--grad) need trainable LoRA parameters"]),  # the stored run has none
 ])
 def test_recompute_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, stored, args, needles):
     _one_line(*cli("recompute", stored, "-o", tmp_path / "r", *args), *needles)
