@@ -15,7 +15,7 @@ model's ``config.json`` and ``WORLD_SIZE``, so every rank refuses alike: they ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
 
@@ -130,6 +130,25 @@ def start(dims: "ParallelDims", device: str) -> "DistContext":
     mesh = (dict(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape()) if dims.parallel
             else dict(mesh_dims=("sample",)))
     return init_distributed(device=device.split(":")[0], **mesh)
+
+
+def on_ranks(dims: "ParallelDims", device: str, label: str, steps: int, batch: int, branches: int,
+             call: Callable[..., Any]) -> tuple["DistContext", Any]:
+    """Start this process's place in the layout (``start``), run ``call(dist=, parallel=,
+    on_step=)`` — with a progress bar of ``steps`` × ``batch`` × ``branches`` on rank 0, none on
+    the other ranks — and close the process group whatever happens. Returns (dist, result)."""
+    from drifttool.cli._console import progress, step_task  # lazy: likewise
+    from drifttool.distributed import close_distributed  # lazy: likewise
+
+    dist = start(dims, device)
+    try:
+        if dist.rank != 0:
+            return dist, call(dist=dist, parallel=dims)
+        with progress() as bar:
+            task = step_task(bar, label, steps, batch, branches)
+            return dist, call(dist=dist, parallel=dims, on_step=lambda _: bar.advance(task))
+    finally:
+        close_distributed(dist)
 
 
 def ranks_row(dims: "ParallelDims", dist: "DistContext") -> Optional[str]:

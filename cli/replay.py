@@ -24,7 +24,7 @@ import typer
 from rich.table import Table
 
 from drifttool.cli import _layout
-from drifttool.cli._console import console, progress as _progress, step_task
+from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
 
@@ -65,7 +65,7 @@ def replay(
     torchrun the ranks replay sample-parallel, or under `--tp/--sp/--cfg-parallel` (their product
     = the number of ranks), whatever layout the stored run had; the replay still diffs identical.
     """
-    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import resolve  # lazy: likewise
     from drifttool.training.options import RerunOptions  # lazy: likewise
     from drifttool.training.replay import replay_run, replay_spec  # lazy: likewise
@@ -83,18 +83,9 @@ def replay(
     launch = launch_env()
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "replay")
-    dist = _layout.start(dims, settings.device)
-    try:
-        if dist.rank == 0:
-            with _progress() as progress:
-                task = step_task(progress, "replay", stored.sampler.num_steps, stored.inputs.batch,
-                                 _branches(stored))
-                s = replay_run(run_dir, out, options, on_step=lambda _: progress.advance(task),
-                               dist=dist, parallel=dims)
-        else:
-            s = replay_run(run_dir, out, options, dist=dist, parallel=dims)
-    finally:
-        close_distributed(dist)
+    dist, s = _layout.on_ranks(dims, settings.device, "replay", stored.sampler.num_steps,
+                               stored.inputs.batch, _branches(stored),
+                               lambda **kw: replay_run(run_dir, out, options, **kw))
     if dist.rank != 0:
         return
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
@@ -132,7 +123,7 @@ def recompute(
     (whatever layout the rollout had); what training does not support under a layout yet is
     refused in one line before any rank starts (``ParallelPlan.check_training``).
     """
-    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.training.options import RerunOptions, TrainOptions  # lazy: likewise
     from drifttool.training.recompute import NO_ADAPTER, recompute_run  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
@@ -156,18 +147,9 @@ def recompute(
     launch = launch_env()
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "recompute")
-    dist = _layout.start(dims, device)
-    try:
-        if dist.rank == 0:
-            with _progress() as progress:
-                task = step_task(progress, "train recompute", stored.sampler.num_steps,
-                                 stored.inputs.batch, _branches(stored))
-                s = recompute_run(stored, out, options, train, dist=dist, parallel=dims,
-                                  on_step=lambda _: progress.advance(task))
-        else:
-            s = recompute_run(stored, out, options, train, dist=dist, parallel=dims)
-    finally:
-        close_distributed(dist)
+    dist, s = _layout.on_ranks(dims, device, "train recompute", stored.sampler.num_steps,
+                               stored.inputs.batch, _branches(stored),
+                               lambda **kw: recompute_run(stored, out, options, train, **kw))
     if dist.rank != 0:
         return
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from drifttool.cli import _layout
-from drifttool.cli._console import console, err, progress, step_task
+from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
 
@@ -73,7 +73,7 @@ def run(
     (`--sp-attention ring` captures L0/L1 only). A layout the model or the run cannot take is
     refused in one line before any rank starts.
     """
-    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
@@ -93,18 +93,9 @@ def run(
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "run")
     # one process without torchrun; under it, rank r runs on cuda:LOCAL_RANK for --device cuda
-    dist = _layout.start(dims, settings.device)
-    try:
-        if dist.rank == 0:
-            with progress() as bar:
-                task = step_task(bar, f"{settings.mode.value} rollout", settings.steps,
-                                 len(settings.samples), settings.cfg_branches)
-                summary = execute(spec, out, overwrite=overwrite, dist=dist, parallel=dims,
-                                  on_step=lambda _: bar.advance(task))
-        else:
-            summary = execute(spec, out, overwrite=overwrite, dist=dist, parallel=dims)
-    finally:
-        close_distributed(dist)
+    dist, summary = _layout.on_ranks(
+        dims, settings.device, f"{settings.mode.value} rollout", settings.steps, len(settings.samples),
+        settings.cfg_branches, lambda **kw: execute(spec, out, overwrite=overwrite, **kw))
     if dist.rank != 0:
         return
     table = Table(title=f"drifttool run → {out}", show_header=False)
