@@ -89,13 +89,11 @@ def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str,
         return
     from drifttool.distributed import DistContext  # lazy: likewise
     from drifttool.distributed.plan import ParallelPlan, check_cfg_parallel  # lazy: likewise
-    from drifttool.distributed.sp import ring_no_l2  # lazy: likewise
     from drifttool.model.checkpoint import read_config  # lazy: likewise
 
-    if dims.sp > 1 and dims.sp_attention == "ring" and mode.captures and level == "L2":
-        raise DriftToolError(ring_no_l2(level, capture_from))  # the plan refuses it too; here with its source
     ParallelPlan.build(DistContext(rank=0, world_size=dims.world_size), dims, read_config(model_dir),
-                       family=mode.family, capture_level=level if mode.captures else None)
+                       family=mode.family, capture_level=level if mode.captures else None,
+                       capture_from=capture_from)
     check_cfg_parallel(dims, family=mode.family, cfg_on=cfg_branches == 2, cfg_layout=cfg_layout)
 
 

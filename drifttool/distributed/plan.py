@@ -193,9 +193,10 @@ class ParallelPlan:
     @classmethod
     def build(cls, ctx: "DistContext", dims: ParallelDims, config: Any, *,
               family: str = "strict", faults: Sequence[str] = (),
-              capture_level: str | None = None) -> "ParallelPlan":
+              capture_level: str | None = None, capture_from: str = "") -> "ParallelPlan":
         """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
         ``mesh_shape=dims.mesh_shape()``) and the model ``config`` (``MMDiTConfig``).
+        ``capture_from`` names where ``capture_level`` came from (a default), for the refusal.
 
         Raises:
             UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
@@ -212,7 +213,7 @@ class ParallelPlan:
                 f"TP/SP layouts run the strict family only (the mode asks for the {family!r} "
                 "family, whose sharded arithmetic contract v2 does not define: use --mode strict)")
         if dims.sp > 1 and dims.sp_attention == "ring" and capture_level == "L2":
-            raise UnsupportedConfigError(sp.ring_no_l2(capture_level))
+            raise UnsupportedConfigError(sp.ring_no_l2(capture_level, capture_from))
         check_faults(faults)
         if dims.tp > 1:
             tp.check(config, dims)

@@ -82,7 +82,7 @@ def agrs_attention(shard: Shard, gather: Callable[[torch.Tensor], torch.Tensor],
 
 
 def _agrs_backward(shard: Shard, q, kf, vf, go, key_mask, text_len: int):
-    b, sq, h, d = q.shape
+    b, _, h, d = q.shape
     sk = kf.shape[1]
     lo, hi = shard.lo, shard.hi
     mine_q = torch.cat([torch.arange(text_len), torch.arange(text_len + lo, text_len + hi)])
