@@ -8,8 +8,9 @@ Every layout runs in fresh processes (``distributed.spawn.run_parallel``'s launc
 per rank, gloo on loopback, one thread each); the one-process run uses one thread too, so the
 ratio compares the same per-rank CPU budget. Per layout the table gives the slowest rank's wall
 time of ``execute`` (model, sampler, capture and artifact writing), that rank's time inside the
-collectives (and the part of it spent gathering sharded outputs for capture) and the ratio to one process, and whether ``drifttool diff`` finds the artifact
-identical to the one-process run. On two H200s the same launch runs NCCL (``--device cuda``,
+collectives (and the part of it spent combining the digest partials of sharded outputs for
+capture, with the bytes that moved for it), the ratio to one process, and whether ``drifttool
+diff`` finds the artifact identical to the one-process run. On two H200s the same launch runs NCCL (``--device cuda``,
 once a strict CUDA family exists: strict refuses CUDA today). Results go to
 docs/benchmarks.md ("WS2 layouts").
 """
@@ -66,10 +67,11 @@ def _rank(rank: int, world: int, port: int, dims: ParallelDims, fields: dict, ou
     finally:
         close_distributed(ctx)
     Path(res, f"rank{rank}.pkl").write_bytes(pickle.dumps((wall, COMM.seconds, COMM.capture_seconds,
-                                                            COMM.calls, COMM.nbytes)))
+                                                            COMM.calls, COMM.nbytes,
+                                                            COMM.capture_nbytes)))
 
 
-def run_layout(dims: ParallelDims, fields: dict, out: Path) -> tuple[float, float, float, int, int]:
+def run_layout(dims: ParallelDims, fields: dict, out: Path) -> tuple[float, float, float, int, int, int]:
     with tempfile.TemporaryDirectory() as res:
         mp.spawn(_rank, args=(dims.world_size, _port(), dims, fields, str(out), res),
                  nprocs=dims.world_size, join=True)
@@ -109,15 +111,15 @@ def main() -> None:
     table = Table(title=f"WS2 layouts, strict, {args.height}×{args.width} px, {args.steps} steps, "
                         f"batch {args.batch}, capture {args.capture} (gloo, 1 thread per rank)")
     for col in ("layout", "ranks", "wall s (slowest rank)", "in collectives s", "of which capture s",
-                "calls", "MiB moved", "vs one process", "diff"):
+                "calls", "MiB moved", "of which capture KiB", "vs one process", "diff"):
         table.add_column(col, justify="right" if col not in ("layout", "diff") else "left")
-    table.add_row("one process", "1", f"{one:.2f}", "–", "–", "–", "–", "1.00", "–")
+    table.add_row("one process", "1", f"{one:.2f}", "–", "–", "–", "–", "–", "1.00", "–")
     for name in args.layouts.split(","):
         dims = LAYOUTS[name]
-        wall, comm, cap, calls, nbytes = run_layout(dims, fields, tmp / name)
+        wall, comm, cap, calls, nbytes, cap_bytes = run_layout(dims, fields, tmp / name)
         verdict = diff_runs(open_run(tmp / "one"), open_run(tmp / name)).verdict.value
         table.add_row(name, str(dims.world_size), f"{wall:.2f}", f"{comm:.2f}", f"{cap:.2f}", str(calls),
-                      f"{nbytes / 2**20:.1f}", f"{wall / one:.2f}", verdict)
+                      f"{nbytes / 2**20:.1f}", f"{cap_bytes / 2**10:.1f}", f"{wall / one:.2f}", verdict)
     Console(width=160).print(table)
     print(f"{datetime.date.today()} · {platform.processor() or platform.machine()} · "
           f"{os.cpu_count()} cores · torch {torch.__version__} · python {platform.python_version()}")

@@ -62,12 +62,10 @@ def _launched_ranks() -> tuple[int, int]:
 ALIKE = "alike_on_every_rank"
 """Attribute set on a ``DriftToolError`` that every rank raises alike (``alike_on_every_rank``)."""
 
-TORCHRUN_COMMANDS = "`drifttool run`, `replay` and `recompute`"
+TORCHRUN_COMMANDS = "`drifttool run`, `replay`, `recompute` and `probe`"
 """The commands that run under torchrun (sample-parallel, or a --tp/--sp/--cfg-parallel layout)."""
 
 _ONE_PROCESS = {
-    "probe": "the probe matrix has no multi-rank layout yet (it starts every run itself; its "
-             "distributed probes run each layout on ranks of their own)",
     "experiment train-rollout": "the experiments have no multi-rank layout yet (each runs its "
                                 "rollouts and recomputes in one process)",
     "experiment grpo": "the experiments have no multi-rank layout yet (each runs its rollouts and "
@@ -142,7 +140,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     drift); a closed stdout (``| head``) keeps the command's own exit code.
 
     Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
-    (``ranks=False``: all but ``run``, ``replay`` and ``recompute``) is refused in one line naming why (``one_process_refusal``) instead of having
+    (``ranks=False``: all but ``run``, ``replay``, ``recompute`` and ``probe``) is refused in one
+    line naming why (``one_process_refusal``) instead of having
     every rank race for the same output; under torchrun every rank prefixes its error line with
     its rank, except for an error every rank raises alike (``alike_on_every_rank``), printed once."""
 

@@ -80,7 +80,7 @@ COMMANDS = (
 """Every ``drifttool`` command, in one list (each wrapped by ``user_errors``)."""
 GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
 """Every ``drifttool`` command group."""
-_RANKS = ("run", "replay", "recompute")
+_RANKS = ("run", "replay", "recompute", "probe")
 """Commands that run on torchrun's ranks (``cli._layout``); every other command refuses torchrun
 in one line naming why (``cli._errors.one_process_refusal``)."""
 

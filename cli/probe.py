@@ -1,5 +1,14 @@
 """``drifttool probe``: the probe matrix (mismatch probes, invariant and sensitivity controls),
-the distributed group (``--distributed``) and the peer matrix (``--peer``)."""
+the distributed group (``--distributed``) and the peer matrix (``--peer``).
+
+    drifttool probe -o probes/
+    torchrun --standalone --nproc-per-node 2 -m drifttool probe --tp 2 -o probes-tp2/
+
+Under torchrun the probe matrix runs in the launch's layout (``--tp/--sp/--sp-attention/
+--cfg-parallel``, checked against the baseline before any rank starts, ``cli._layout``; without
+them sample-parallel): every run of the matrix on every rank, rank 0 judging and reporting
+(``probes.runner.run_matrix``). The distributed group and the peer matrix run in one process.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,9 @@ from typing import Optional
 
 import typer
 
+from drifttool.cli import _layout
 from drifttool.cli._console import console
+from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
 
 
@@ -39,6 +50,10 @@ def probe(
                                      "instead: planted TP/SP/CFG-parallel faults and layout "
                                      "controls, each layout on spawned gloo CPU ranks against "
                                      "one process (docs/probes.md)."),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
@@ -48,54 +63,98 @@ def probe(
     With --peer diffusers the matrix is the peer matrix (``drifttool.probes.peer``): the same
     outputs and exit codes; OBSERVED probes are reported, never judged. With --distributed the
     matrix is the distributed group (``drifttool.probes.distributed``): the same outputs, plus
-    each probe's layout and the first drift's owning rank.
+    each probe's layout and the first drift's owning rank. Under torchrun every run of the
+    matrix runs in the launch's layout (--tp/--sp/--cfg-parallel, or sample-parallel); a probe
+    the layout refuses is PENDING with the refusal.
     """
-    from drifttool.probes.catalog import catalog, distributed_catalog  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.probes.runner import baseline_settings, run_matrix  # lazy: likewise
-    from drifttool.settings import RunSpec  # lazy: likewise
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes.catalog import catalog, distributed_catalog  # lazy: likewise
+    from drifttool.probes.runner import baseline_settings  # lazy: likewise
+    from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
         console.width = max(console.width, 200)
-    if distributed and peer is not None:
-        raise DriftToolError("give --peer or --distributed, not both")
-    if distributed and device not in (None, "cpu"):
-        raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
-                             "is not supported there")
-    if peer is not None:
-        return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
-                     grid=(height, width), list_only=list_only, heatmaps=heatmaps,
-                     overwrite=overwrite)
-    if preset is not None and preset not in PRESETS:
-        raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
-    if preset is not None and checkpoint is not None:
-        raise DriftToolError("give --preset or --checkpoint, not both")
-    base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
-                   device=device or "cpu", height=height, width=width)
-    settings, depth, _ = baseline_settings(base)
-    probes = (distributed_catalog if distributed else catalog)(settings, depth)
-    if only:
-        names = [n.strip() for n in only.split(",") if n.strip()]
-        unknown = sorted(set(names) - {p.name for p in probes})
-        if unknown:
-            raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")
-        probes = [p for p in probes if p.name in names]
-    if list_only:
-        for p in probes:
-            pend = f"  [pending: {p.pending}]" if p.pending else ""
-            layout = f"{p.layout:16} " if distributed else ""
-            console.print(f"{p.name:28} {p.kind:11} {layout}{p.factor:28} {p.expect.describe()}"
-                          f"{pend}", highlight=False, markup=False)
-        return
-    if out is None:
-        raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
-                             "(only --list runs without one)")
-    _prepare_out(out, overwrite)
+    launch = launch_env()
+    with alike_on_every_rank():  # the command line and the files it names: one line for the launch
+        dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
+        if (launch is not None or dims.parallel) and (distributed or peer is not None):
+            raise DriftToolError(f"--{'distributed' if distributed else 'peer'} runs in one process "
+                                 "(its layouts spawn ranks of their own, or it runs another "
+                                 "implementation): launch it without torchrun and --tp/--sp/--cfg-parallel")
+        if distributed and peer is not None:
+            raise DriftToolError("give --peer or --distributed, not both")
+        if distributed and device not in (None, "cpu"):
+            raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
+                                 "is not supported there")
+        if peer is not None:
+            return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
+                         grid=(height, width), list_only=list_only, heatmaps=heatmaps,
+                         overwrite=overwrite)
+        if preset is not None and preset not in PRESETS:
+            raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
+        if preset is not None and checkpoint is not None:
+            raise DriftToolError("give --preset or --checkpoint, not both")
+        base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
+                       device=device or "cpu", height=height, width=width)
+        settings, depth, _ = baseline_settings(base)
+        probes = (distributed_catalog if distributed else catalog)(settings, depth)
+        if only:
+            names = [n.strip() for n in only.split(",") if n.strip()]
+            unknown = sorted(set(names) - {p.name for p in probes})
+            if unknown:
+                raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")
+            probes = [p for p in probes if p.name in names]
+        if list_only:
+            if launch is None or launch.rank == 0:
+                for p in probes:
+                    pend = f"  [pending: {p.pending}]" if p.pending else ""
+                    layout = f"{p.layout:16} " if distributed else ""
+                    console.print(f"{p.name:28} {p.kind:11} {layout}{p.factor:28} {p.expect.describe()}"
+                                  f"{pend}", highlight=False, markup=False)
+            return
+        if out is None:
+            raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
+                                 "(only --list runs without one)")
+        _check_out(out, overwrite)
+        _layout.check_layout(dims, **_layout.settings_layout(*resolve(base)))
+        _layout.check_launch(dims, launch, "probe")
+    if launch is None:
+        _clear_out(out)
+        _report(_matrix(probes, out, base), out, heatmaps)
+    else:
+        _launched(dims, probes, out, base, heatmaps)
+
+
+def _matrix(probes, out: Path, base, **where):
+    """The probe matrix with a spinner naming each probe as it is judged."""
+    from drifttool.probes.runner import run_matrix  # lazy: keeps torch out of `drifttool --help`
+
     with console.status("probe matrix") as status:
         def progress(r):
             status.update(f"probe matrix: {r.name} {r.status}")
 
-        matrix = run_matrix(probes, out, base=base, on_result=progress)
-    _report(matrix, out, heatmaps)
+        return run_matrix(probes, out, base=base, on_result=progress, **where)
+
+
+def _launched(dims, probes, out: Path, base, heatmaps: bool) -> None:
+    """The matrix on torchrun's ranks, in ``dims`` (sample-parallel when it is one process):
+    rank 0 clears OUT while the others wait, every rank runs the matrix, rank 0 reports."""
+    from drifttool.distributed import close_distributed  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed.collectives import barrier  # lazy: likewise
+    from drifttool.probes.runner import run_matrix  # lazy: likewise
+
+    dist = _layout.start(dims, base.device)
+    try:
+        if dist.rank == 0:
+            _clear_out(out)
+        barrier()
+        where = dict(dist=dist, parallel=dims if dims.parallel else None)
+        matrix = _matrix(probes, out, base, **where) if dist.rank == 0 else \
+            run_matrix(probes, out, base=base, **where)
+    finally:
+        close_distributed(dist)
+    if dist.rank == 0:
+        _report(matrix, out, heatmaps)
 
 
 def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
@@ -118,7 +177,8 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
                              "(only --list runs without one)")
     img_grid = P.pixel_grid(*grid)
     dev = P.check_device(device)
-    _prepare_out(out, overwrite)
+    _check_out(out, overwrite)
+    _clear_out(out)
     transformer = P.load_peer(checkpoint, device=dev)
     with tempfile.TemporaryDirectory(prefix="drifttool-peer-") as tmp, \
             console.status("peer matrix") as status:
@@ -142,9 +202,9 @@ def _report(matrix, out: Path, heatmaps: bool) -> None:
     raise typer.Exit(matrix.exit_code)
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given;
-    then remove only what a probe matrix writes (runs/, diffs/, work/, heatmaps/, matrix.*)."""
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given
+    (read only: every rank of a launch checks alike)."""
     if not out.exists() or not any(out.iterdir()):
         return
     if not out.is_dir():
@@ -153,11 +213,19 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         raise DriftToolError(f"{out} is not empty and holds no probe matrix; choose another -o")
     if not overwrite:
         raise DriftToolError(f"{out} holds an earlier probe matrix (use --overwrite to replace it)")
-    foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in ("runs", "diffs", "work", "heatmaps", "matrix.json",
-                                       "matrix.arrow"))
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _MATRIX_FILES)
     if foreign:
         raise DriftToolError(f"{out}: refusing to overwrite: it also holds {', '.join(foreign[:5])}")
+
+
+_MATRIX_FILES = ("runs", "diffs", "work", "heatmaps", "matrix.json", "matrix.arrow")
+"""What a probe matrix writes in OUT (and ``--overwrite`` removes)."""
+
+
+def _clear_out(out: Path) -> None:
+    """Remove what an earlier probe matrix wrote in OUT (``_check_out`` allowed it)."""
+    if not out.is_dir():
+        return
     for name in ("runs", "diffs", "work", "heatmaps"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("matrix.json", "matrix.arrow"):

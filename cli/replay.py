@@ -10,9 +10,7 @@
 
 ``replay`` and ``recompute`` run under torchrun as ``run`` does (sample-parallel, or
 ``--tp/--sp/--sp-attention/--cfg-parallel``, checked before any rank starts: ``cli._layout``), in
-the layout they are given, whatever the stored run's was. What training cannot do under a layout
-is the plan's to refuse (``ParallelPlan.check_training``): asked before the ranks start, so the
-refusal is one line.
+the layout they are given, whatever the stored run's was.
 """
 
 from __future__ import annotations
@@ -120,8 +118,7 @@ def recompute(
     rollout's pinned policy (timestep encoding, stored-latent dtype, CFG layout). `drifttool diff
     RUN_DIR OUT` aligns train with rollout and names the first drifting operator, block, step, row.
     Under torchrun the ranks recompute sample-parallel, or under `--tp/--sp/--cfg-parallel`
-    (whatever layout the rollout had); what training does not support under a layout yet is
-    refused in one line before any rank starts (``ParallelPlan.check_training``).
+    (whatever layout the rollout had).
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.training.options import RerunOptions, TrainOptions  # lazy: likewise
@@ -141,7 +138,6 @@ def recompute(
             _layout.check_layout(dims, **_trainer_layout(stored, options), cfg_branches=_branches(stored),
                                  cfg_layout=stored.sampler.cfg_layout,
                                  capture_from="the stored run's level" if capture is None else "")
-            _check_training(dims)
             if grad and not (stored.manifest.get("lora") or lora):  # recompute_run's refusal, once
                 raise DriftToolError(NO_ADAPTER)
     launch = launch_env()
@@ -176,24 +172,3 @@ def _trainer_layout(stored, options) -> dict:
         model_dir = load_fixture(name).model_dir
     return dict(model_dir=model_dir, mode=check_mode(options.mode or s.get("mode", "strict")),
                 level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"))
-
-
-def _check_training(dims) -> None:
-    """The plan's refusal of training under ``dims`` (``ParallelPlan.check_training``: what its
-    sharded backward does not cover yet), asked before any rank starts, named for the command.
-    The model-dependent part (which parameters train) is asked again by ``recompute_run``.
-
-    Raises:
-        DriftToolError: one line, ``drifttool recompute --tp 2: …``.
-    """
-    if not dims.parallel:
-        return
-    from drifttool.distributed.plan import ParallelPlan  # lazy: keeps torch out of `drifttool --help`
-
-    try:
-        ParallelPlan(dims=dims).check_training()
-    except DriftToolError as e:
-        flags = " ".join(f"--{k} {n}" for k, n in (("tp", dims.tp), ("sp", dims.sp), ("cfg-parallel", dims.cfg))
-                         if n > 1)
-        extra = f" --sp-attention {dims.sp_attention}" if dims.sp > 1 else ""
-        raise DriftToolError(f"drifttool recompute {flags}{extra}: {e}") from None

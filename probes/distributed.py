@@ -41,6 +41,7 @@ from typing import Any, Callable
 from drifttool.artifact.reader import open_run
 from drifttool.distributed.plan import FAULTS, ParallelDims
 from drifttool.distributed.spawn import run_parallel
+from drifttool.errors import UnsupportedConfigError
 from drifttool.probes.spec import Expectation, Probe, ProbeContext
 from drifttool.runner import execute
 
@@ -93,6 +94,9 @@ class LayoutRun:
         return dataclasses.replace(ctx.base, **over)
 
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        if ctx.dist is not None and ctx.dist.world_size > 1:
+            raise UnsupportedConfigError("a distributed probe spawns its own ranks: run "
+                                         "`drifttool probe --distributed` without torchrun")
         spec = self.spec(ctx)
         if not self.settings and self.model is None:
             reference = ctx.baseline

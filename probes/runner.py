@@ -11,6 +11,14 @@ to ``<out>/diffs/<probe>.json``), and ``judge`` compares it with the probe's exp
 Distributed probes (``drifttool.probes.distributed``) bring their own execution: a TP/SP/CFG-
 parallel layout on spawned gloo ranks against the one-process run of the same settings; one
 that declares an owning rank is judged on it too (``Expectation.rank``).
+
+Under torchrun (``run_matrix(dist=, parallel=)``) the whole matrix runs in the launch's layout:
+every rank runs the baseline and every probe run (TP/SP/CFG-parallel, or sample-parallel
+without ``parallel``), each an artifact of every rank; rank 0 writes what is not a run (the
+transformed checkpoints), diffs and judges, and returns the matrix (the other ranks ``None``).
+A probe the layout refuses (``UnsupportedConfigError``, raised alike on every rank before a run
+starts: e.g. CFG off under CFG-parallel, a production variant under TP) is ``PENDING``, with
+the refusal as its reason; any other error ends the launch (a rank cannot go on alone).
 Results are data (``ProbeResult``); a failed expectation is a ``FINDING`` with its reasons, a
 probe that raised is an ``ERROR`` (also a finding), a pending one is ``PENDING`` (never run,
 never a pass).
@@ -32,6 +40,8 @@ import pyarrow.compute as pc
 from drifttool.artifact.reader import Run, open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
+from drifttool.distributed.collectives import barrier
+from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import read_config
 from drifttool.probes.spec import Probe, ProbeContext
 from drifttool.probes.weights import transformed_checkpoint
@@ -215,44 +225,69 @@ def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: floa
     return _result(p, FINDING if reasons else PASS, **kw)
 
 
-def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path) -> RunSpec:
-    """The baseline spec with the probe's one change (writes a transformed checkpoint if any)."""
+def _launched(dist: Any) -> bool:
+    return dist is not None and dist.world_size > 1
+
+
+def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path, dist: Any = None) -> RunSpec:
+    """The baseline spec with the probe's one change (writes a transformed checkpoint if any: on
+    rank 0 of a launch, which every rank then waits for)."""
     spec = dataclasses.replace(base, **dict(p.spec))
     if p.variants:
         spec = dataclasses.replace(spec, variants={**base.variants, **p.build_variants()})
     if p.weights is not None:
         _, s = resolve(base)
-        folder = transformed_checkpoint(checkpoint, p.weights, workdir / "transformer",
-                                        dtype=s.torch_dtype)
+        folder = workdir / "transformer"
+        if not _launched(dist) or dist.rank == 0:
+            folder = transformed_checkpoint(checkpoint, p.weights, folder, dtype=s.torch_dtype)
+        if _launched(dist):
+            barrier()
         spec = dataclasses.replace(spec, checkpoint=folder)
     return spec
 
 
-def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Path) -> ProbeResult:
-    """Run one probe under ``out/runs/<name>`` and judge its diff against ``baseline``."""
+def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Path, *,
+              dist: Any = None, parallel: Any = None) -> ProbeResult | None:
+    """Run one probe under ``out/runs/<name>`` and judge its diff against ``baseline``; under a
+    launch (``dist``, ``parallel``: module docstring) on every rank, judged on rank 0 (the other
+    ranks return ``None``)."""
     if p.pending:
         return _result(p, PENDING, reasons=[p.pending])
     t0 = time.perf_counter()
     work = out / "work" / p.name
     run_dir = out / "runs" / p.name
+    root = not _launched(dist) or dist.rank == 0
     try:
         if p.execute is not None:
             work.mkdir(parents=True, exist_ok=True)
             ctx = ProbeContext(base=base, baseline=baseline, work=work, run_dir=run_dir,
-                               checkpoint=checkpoint)
+                               checkpoint=checkpoint, dist=dist, parallel=parallel)
             reference, run_dir = p.execute(ctx)
         else:
-            execute(probe_spec(p, base, work, checkpoint), run_dir, overwrite=True)
+            execute(probe_spec(p, base, work, checkpoint, dist), run_dir, overwrite=True,
+                    dist=dist, parallel=parallel)
             reference = baseline
+        if not root:
+            return None
         report = diff_probe(p, reference, run_dir)
+    except UnsupportedConfigError as e:
+        if not _launched(dist):
+            return _error(p, e, t0)
+        return _result(p, PENDING, reasons=[f"not under this launch's layout: {e}"]) if root else None
     except Exception as e:  # noqa: BLE001 - a probe that cannot run is itself a finding
-        return _result(p, ERROR, seconds=time.perf_counter() - t0,
-                       reasons=[f"{type(e).__name__}: {e}",
-                                traceback.format_exc(limit=3).strip().splitlines()[-1]])
+        if _launched(dist):
+            raise  # the other ranks may wait in a collective: end the launch
+        return _error(p, e, t0)
     (out / "diffs").mkdir(parents=True, exist_ok=True)
     (out / "diffs" / f"{p.name}.json").write_text(report.to_json())
     return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir,
                         reference)
+
+
+def _error(p: Probe, e: Exception, t0: float) -> ProbeResult:
+    return _result(p, ERROR, seconds=time.perf_counter() - t0,
+                   reasons=[f"{type(e).__name__}: {e}",
+                            traceback.format_exc(limit=3).strip().splitlines()[-1]])
 
 
 @dataclass(kw_only=True)
@@ -282,17 +317,26 @@ def run_matrix(
     *,
     base: RunSpec | None = None,
     on_result: Callable[[ProbeResult], Any] | None = None,
-) -> Matrix:
+    dist: Any = None,
+    parallel: Any = None,
+) -> Matrix | None:
     """Run the baseline and every probe; see the module docstring.
 
     Args:
         probes: the probes to run (``catalog(...)``, possibly filtered).
         out: output directory (created; earlier probe runs in it are replaced).
         base: the baseline ``RunSpec`` (default: the embedded tiny fixture, strict).
-        on_result: called with each ``ProbeResult`` as it is judged (progress display).
+        on_result: called with each ``ProbeResult`` as it is judged (progress display; rank 0).
+        dist, parallel: this process's place in a torchrun launch and the launch's layout
+            (``DistContext``, ``ParallelDims`` or None for sample-parallel), as
+            ``runner.execute`` takes them; default one process.
+
+    Returns:
+        The matrix; ``None`` on ranks other than 0 of a launch.
 
     Raises:
-        DriftToolError: the baseline itself cannot run (bad fixture, checkpoint, settings).
+        DriftToolError: the baseline itself cannot run (bad fixture, checkpoint, settings, or a
+            layout the baseline does not allow).
     """
     base = base or RunSpec()
     out = Path(out)
@@ -300,13 +344,17 @@ def run_matrix(
     settings, _, checkpoint = baseline_settings(base)
     t0 = time.perf_counter()
     baseline = out / "runs" / "baseline"
-    execute(base, baseline, overwrite=True)
+    execute(base, baseline, overwrite=True, dist=dist, parallel=parallel)
     t_base = time.perf_counter() - t0
     results = []
     for p in probes:
-        r = run_probe(p, base, baseline, out, checkpoint)
+        r = run_probe(p, base, baseline, out, checkpoint, dist=dist, parallel=parallel)
+        if r is None:
+            continue
         results.append(r)
         if on_result is not None:
             on_result(r)
+    if _launched(dist) and dist.rank != 0:
+        return None
     return Matrix(out=str(out), baseline=str(baseline), settings=settings, results=results,
                   seconds=time.perf_counter() - t0, baseline_seconds=t_base)

@@ -39,13 +39,19 @@ KINDS = ("mismatch", "invariant", "sensitivity")
 class ProbeContext:
     """What a probe with its own execution (``Probe.execute``) gets: the baseline ``RunSpec``
     (``base``), the baseline artifact, a scratch directory (``work``), the directory its probe run
-    must be written to (``run_dir``) and the baseline's checkpoint folder."""
+    must be written to (``run_dir``), the baseline's checkpoint folder, and where its runs
+    execute: ``dist`` (``DistContext``: this process's rank in a torchrun launch, None for one
+    process) and ``parallel`` (the launch's ``ParallelDims``, None for sample-parallel or one
+    process), as ``runner.execute`` takes them. Under a launch every rank calls the probe; files
+    that are not a run's own are written by rank 0 (``dist.rank``)."""
 
     base: Any
     baseline: Path
     work: Path
     run_dir: Path
     checkpoint: Path
+    dist: Any = None
+    parallel: Any = None
 
 
 VariantFactory = Callable[[], Callable[..., Any]]

@@ -140,6 +140,21 @@ class Recorder:
         """
         if self.level == "L0":
             return
+        self._check_site(site)
+        self._append(site, _parts(site, tensor.detach(), layout, self.level == "L2"), index, role)
+
+    def capture_digested(self, site: dict[str, Any], parts: list[tuple[Any, PendingDigest]],
+                         index: int = 0, role: str = "output") -> None:
+        """Record an operator output digested elsewhere: ``(part, pending digest)`` per logical
+        sample, a part with ``sample``, ``row_axis`` and ``rows`` as ``layout.Part`` (a sharded
+        output's digest combined from its ranks' partials, ``capture.shards``). Arguments and
+        errors as ``capture``."""
+        if self.level != "L0":
+            self._check_site(site)
+            self._append(site, parts, index, role)
+
+    @staticmethod
+    def _check_site(site: dict[str, Any]) -> None:
         missing = [k for k in _SITE_FIELDS if k not in site]
         if missing:
             raise ValueError(f"capture site lacks identity field(s) {missing} (sites come from "
@@ -147,10 +162,13 @@ class Recorder:
         component = site.get("component", S.DEFAULT_COMPONENT)
         if component not in S.COMPONENTS:
             raise ValueError(f"unknown component {component!r} (one of {S.COMPONENTS})")
+
+    def _append(self, site: dict[str, Any], parts: list, index: int, role: str) -> None:
+        component = site.get("component", S.DEFAULT_COMPONENT)
         self._enter_step(site["phase"], int(site["step"]))
         rows = self.level == "L2"
         branches = site["branch"]
-        for b, (part, d) in enumerate(_parts(site, tensor.detach(), layout, rows)):
+        for b, (part, d) in enumerate(parts):
             # batched CFG: the scope holds one branch per batch row (docs/architecture.md)
             branch = _row_branch(branches, b if part.sample >= 0 else None)
             rm = part.rows if rows and part.row_axis is not None else None

@@ -37,12 +37,16 @@ def capture_outputs(
     if layout is None or not rt.mode.captures or rt.recorder is None \
             or getattr(rt.recorder, "level", None) == "L0":
         return
-    if rt.plan is not None:  # the logical tensors, on the owning rank only (distributed.plan)
-        out = rt.plan.for_capture(rt, site["op"], site["stream"], out)
-        if out is None:
-            return
     outs = out if isinstance(out, tuple) else (out,)
     layouts = (layout,) if isinstance(layout, str) else tuple(layout)
+    if rt.plan is not None:  # the logical tensors' digests, on the owning rank only
+        got = rt.plan.for_capture(rt, site, out, layouts, keep_rows=rt.recorder.level == "L2")
+        for i, (item, lay) in enumerate(zip(got or (), layouts)):
+            if isinstance(item, list):  # a sharded output: its ranks' partials combined
+                rt.recorder.capture_digested(site, item, index=i, role=role)
+            elif item is not None:
+                rt.recorder.capture(site, item, lay, index=i, role=role)
+        return
     for i, (t, lay) in enumerate(zip(outs, layouts)):
         if lay is not None:
             rt.recorder.capture(site, t, lay, index=i, role=role)

@@ -8,8 +8,8 @@
     1
 
 A parallel run's record is *written* by one rank (TP and SP coordinate 0: ``rank`` column) from
-the logical tensor that capture gathered; under SP its rows were *computed* by different ranks
-(``drifttool.distributed.sp``). ``row_owner`` names the rank that computed a canonical row:
+the digest partials of every rank that holds a block of it; under SP its rows were *computed* by
+different ranks (``drifttool.distributed.sp``). ``row_owner`` names the rank that computed a canonical row:
 
 * image-stream records of the model (blocks −1..depth; the sampler's records at
   ``SAMPLER_BLOCK`` run replicated on the full latent): image row ``n`` lies in

@@ -25,18 +25,22 @@ import torch.distributed as dist
 @dataclass
 class CommClock:
     """Wall time spent inside the strict collectives of this process (every rank its own):
-    ``seconds`` and ``calls``; bytes received in ``nbytes``; ``capture_seconds`` the part spent
-    gathering sharded outputs for capture (``capturing``). Read by benchmarks to separate
-    communication from compute (``benchmarks/bench_layouts.py``); reset with ``reset``."""
+    ``seconds`` and ``calls``; bytes received in ``nbytes``; ``capture_seconds`` and
+    ``capture_nbytes`` the part spent combining the digest partials of sharded outputs for capture
+    (``capturing``). Read by benchmarks to separate communication from compute
+    (``benchmarks/bench_layouts.py``) and by tests to see that capture moves no tensor; reset with
+    ``reset``."""
 
     seconds: float = 0.0
     calls: int = 0
     nbytes: int = 0
     capture_seconds: float = 0.0
+    capture_nbytes: int = 0
     _capture: bool = False
 
     def reset(self) -> None:
-        self.seconds, self.calls, self.nbytes, self.capture_seconds = 0.0, 0, 0, 0.0
+        self.seconds, self.calls, self.nbytes = 0.0, 0, 0
+        self.capture_seconds, self.capture_nbytes = 0.0, 0
 
     @contextmanager
     def timing(self, nbytes: int = 0) -> Iterator[None]:
@@ -46,9 +50,11 @@ class CommClock:
         finally:
             dt = time.perf_counter() - t0
             self.seconds += dt
-            self.capture_seconds += dt if self._capture else 0.0
             self.calls += 1
             self.nbytes += int(nbytes)
+            if self._capture:
+                self.capture_seconds += dt
+                self.capture_nbytes += int(nbytes)
 
     @contextmanager
     def capturing(self) -> Iterator[None]:

@@ -12,12 +12,14 @@ tree over the gathered rank partials, gathers the image rows of K/V, …) — as
 ``parallelize`` and diffusers' ``_cp_plan`` describe a layout beside the model instead of forking
 it. Dispatch (``registry._call``) passes every call through ``ParallelPlan.call``.
 
-Capture sees the logical tensors: an output that a rank holds a shard of is gathered over the
-dimension that shards it (``ParallelPlan.for_capture``, the ``gathers`` of each rule table), in
-rank order, and recorded by one **owning rank**: coordinate 0 of the TP and SP dimensions, and for
-the model's calls the CFG rank that ran the branch (coordinate 0 for the sampler's calls, which
-every CFG rank repeats). Rank is an attribute of a record, never part of its identity, so the
-artifact diffs against a single device record for record.
+Capture records the logical tensors without moving them: where a rule table shards an output
+(``ParallelPlan.for_capture``, the ``places`` of each table say where this rank's block sits),
+every rank digests its own block and only the digest partials are gathered and combined, SP then
+TP (``capture.shards``: a few words per record at L1, the row digests at L2). One **owning rank**
+records: coordinate 0 of the TP and SP dimensions, and for the model's calls the CFG rank that
+ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). Rank is an
+attribute of a record, never part of its identity, so the artifact diffs against a single
+device record for record.
 
 Collectives are canonical (``drifttool.distributed.canonical``): ``gather_cat`` concatenates every rank's part in rank order (no
 arithmetic); a reduction is finished by the fixed tree over the gathered partials, never by a
@@ -32,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.distributed import sp, tp
-from drifttool.distributed.canonical import COMM
 from drifttool import shards
+from drifttool.capture import shards as capture_shards
+from drifttool.distributed import sp, tp
+from drifttool.distributed.canonical import COMM, gather_list
 from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -159,10 +162,10 @@ Rule = Callable[..., Any]
 """``rule(plan, rt, stream, run, args, kwargs) -> out``: runs one call under the plan, calling
 ``run(*args, **kwargs)`` (the resolved implementation, or the next rule) on what this rank holds."""
 
-Gather = Callable[..., "torch.Tensor | None"]
-"""``gather(plan, rt, op, stream, index, tensor) -> tensor | None``: the logical tensor of an
-output this rank holds a shard of (a collective: every rank of the dimension calls it), or
-``None`` when the output is not sharded by this table."""
+Place = Callable[..., dict]
+"""``place(plan, rt, op, stream, index, tensor, placement) -> placement``: ``placement`` with the
+axes this rule table shards in the output (``capture.shards.Placement``: where this rank's
+block sits in the logical output); unchanged when the table does not shard it."""
 
 
 @dataclass
@@ -175,10 +178,10 @@ class ParallelPlan:
         groups: the process group of each dimension of size > 1 (ranks that differ only there).
         num_layers: the model's blocks (the last block index + 1 is the final layer).
         rules: operator name -> rules, applied outermost first.
-        gathers: per rule table, the output gatherers for capture (SP before TP).
+        places: per rule table, its mesh dimension and output placer for capture (SP before TP).
         faults: probe faults planted in this layout (``FAULTS``; empty for a real run).
         state: what the rules learn during one forward (``n_img`` at ``img_in``, ``text_len``
-            at attention), read by later rules and the capture gatherers.
+            at attention), read by later rules and the capture placers.
     """
 
     dims: ParallelDims
@@ -186,7 +189,7 @@ class ParallelPlan:
     groups: dict[str, Any] = field(default_factory=dict)
     num_layers: int = 0
     rules: dict[str, list[Rule]] = field(default_factory=dict)
-    gathers: list[Gather] = field(default_factory=list)
+    places: list[tuple[str, Place]] = field(default_factory=list)
     faults: frozenset[str] = frozenset()
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -232,17 +235,18 @@ class ParallelPlan:
                 if mesh.size(mesh_dim=MESH_DIMS.index(name)) > 1:
                     plan.groups[name] = mesh.get_group(name)
         if dims.sp > 1:
-            plan.add(sp.RULES, sp.gather_output)
+            plan.add(sp.RULES, ("sp", sp.place_output))
         if dims.tp > 1:
-            plan.add(tp.RULES, tp.gather_output)
+            plan.add(tp.RULES, ("tp", tp.place_output))
         return plan
 
-    def add(self, rules: dict[str, Rule], gather: Gather | None = None) -> None:
-        """Append a rule table (its rules wrap inside those of earlier tables) and its gatherer."""
+    def add(self, rules: dict[str, Rule], place: tuple[str, Place] | None = None) -> None:
+        """Append a rule table (its rules wrap inside those of earlier tables) and its placer
+        (``(mesh dimension, place)``)."""
         for name, rule in rules.items():
             self.rules.setdefault(name, []).append(rule)
-        if gather is not None:
-            self.gathers.append(gather)
+        if place is not None:
+            self.places.append(place)
 
     # -- where this rank stands
 
@@ -280,36 +284,52 @@ class ParallelPlan:
             run = _bind(rule, self, rt, stream, run)
         return run(*args, **kwargs)
 
-    def for_capture(self, rt: "Runtime", op: str, stream: str, out: Any) -> Any:
-        """What this rank captures of a call's outputs: each output gathered to its logical tensor
-        where a rule table shards it (collectives: every rank calls this for every captured
-        call), then the outputs on the owning rank (``owns``) and ``None`` elsewhere."""
-        if self.gathers:
-            outs = out if isinstance(out, tuple) else (out,)
-            full = []
+    def for_capture(self, rt: "Runtime", site: dict[str, Any], out: Any,
+                    layouts: tuple[str | None, ...], keep_rows: bool) -> list[Any] | None:
+        """What this rank records of a call's outputs (a collective: every rank calls it for
+        every captured call, in the same order).
+
+        An output no rule table shards is the owning rank's to digest (``owns``): the tensor.
+        A sharded output is digested where it lies: every rank digests its block
+        (``capture.shards.shard_payload``), the payloads are gathered and combined over each
+        dimension that shards it (SP, then TP), and the owning rank gets ``[(part, pending
+        digest)]`` for ``Recorder.capture_digested``. Elsewhere (and for ``None`` layouts)
+        ``None``; the whole result is ``None`` on a rank that records nothing of the call.
+        """
+        outs = out if isinstance(out, tuple) else (out,)
+        owner = self.owns(int(rt.scope_value("block")))
+        got: list[Any] = []
+        for i, (t, lay) in enumerate(zip(outs, layouts)):
+            placement: dict = {}
+            dims = []
+            if lay is not None and isinstance(t, torch.Tensor):
+                for dim, place in self.places:
+                    before = placement
+                    placement = place(self, rt, site["op"], site["stream"], i, t, placement)
+                    if placement is not before:
+                        dims.append(dim)
+            if not dims:
+                got.append(t if owner and lay is not None else None)
+                continue
+            parts, payload = capture_shards.shard_payload(site, t.detach(), lay, placement, keep_rows)
+            widths = capture_shards.payload_widths(parts, keep_rows)
             with COMM.capturing():
-                for i, t in enumerate(outs):
-                    for gather in self.gathers:
-                        if isinstance(t, torch.Tensor):
-                            g = gather(self, rt, op, stream, i, t)
-                            t = t if g is None else g
-                    full.append(t)
-            out = tuple(full) if isinstance(out, tuple) else full[0]
-        return out if self.owns(int(rt.scope_value("block"))) else None
+                for dim in dims:  # every rank's partials, in rank order; exact in any order
+                    payload = capture_shards.reduce_payloads(
+                        torch.stack(gather_list(payload, self.groups.get(dim))), widths)
+            pending = capture_shards.combine_payloads(parts, payload, t.dtype, keep_rows)
+            got.append(list(zip(parts, pending)) if owner else None)
+        return got if owner else None
 
     def check_training(self, model: Any = None) -> None:
         """Refuse what training under this plan cannot give one device's gradient bytes for:
-        Ring attention (its backward is not built) and, under TP/SP, trainable parameters other
-        than LoRA adapters (TP/SP weight gradients go through the strict gradient ledger,
-        ``training.ledger``, which collects adapted weights).
+        under TP/SP, trainable parameters other than LoRA adapters (TP/SP weight gradients go
+        through the strict gradient ledger, ``training.ledger``, which collects adapted
+        weights).
 
         Raises:
             UnsupportedConfigError: naming what is unsupported.
         """
-        if self.dims.sp > 1 and self.dims.sp_attention == "ring":
-            raise UnsupportedConfigError(
-                "training under --sp-attention ring is not supported (Ring attention has no "
-                "backward yet); use agrs or ulysses")
         if model is not None and (self.dims.tp > 1 or self.dims.sp > 1):
             base = sorted(n for n, p in model.named_parameters()
                           if p.requires_grad and ".lora_A." not in n and ".lora_B." not in n)

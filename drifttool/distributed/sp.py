@@ -33,8 +33,8 @@ added: a shard is the rows it holds, so there is nothing to mask. The bytes equa
 because each row's arithmetic is the same and every collective moves bytes without arithmetic
 (``canonical``).
 
-Capture gathers an image-stream output's rows in rank order before the owning rank (SP
-coordinate 0) digests it (``gather_output``).
+Capture moves no tensor: each rank digests its own rows of an image-stream or joint output
+and only the digest partials are combined (``place_output``, ``capture.shards``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from drifttool.capture.shards import AxisShard
 from drifttool.distributed.canonical import gather_cat, gather_cat_replicated
 from drifttool.distributed.ring import ring_attention, sp_row_spans
-from drifttool.distributed.sp_grad import Shard, agrs_attention, all_to_all_grad, head_slice
+from drifttool.distributed.sp_grad import (Shard, agrs_attention, all_to_all_grad, head_slice,
+                                           ring_attention_grad)
 from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.capture.shards import Placement
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
 
@@ -155,8 +158,13 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if "joint_attention_fused" in rt.variants:
         raise UnsupportedConfigError("--sp-attention ring runs its own blocked kernel: a variant of "
                                      "joint_attention_fused cannot apply")
-    return ring_attention(q, k, v, key_mask, text_len=text_len, n_img=plan.state["n_img"],
-                          group=_group(plan))
+    lo, hi = _mine(plan)
+    shard = Shard(lo, hi, plan.coords["sp"], plan.dims.sp, _group(plan))
+    return ring_attention_grad(
+        shard, lambda t: gather_rows(plan, t, 1, text_len),
+        lambda q_, k_, v_: ring_attention(q_, k_, v_, key_mask, text_len=text_len,
+                                          n_img=plan.state["n_img"], group=_group(plan)),
+        q, k, v, key_mask, text_len)
 
 
 def _ulysses(plan: "ParallelPlan", run, q, k, v, key_mask, text_len: int, kwargs: dict) -> torch.Tensor:
@@ -214,27 +222,37 @@ RULES: dict = {
 
 
 # ---------------------------------------------------------------------------------------------
-# capture: the logical tensor of a row-sharded output
+# capture: where a row-sharded output's block sits in the logical output
 
 _JOINT_ROWS = {"joint_attention_fused": 1, "joint_attn_av_gemm": 1, "joint_attn_qk_gemm": 2,
                "joint_attn_softmax": 2}  # the query axis of each joint output
 _JOINT_HEADS = {"joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1, "joint_attn_softmax": 1}
 
 
-def gather_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
-                  tensor: torch.Tensor) -> torch.Tensor | None:
-    """The rows of every SP rank of an image-stream or joint output, in rank order (a
-    collective of the SP group); ``None`` for outputs SP does not shard (text stream, the
-    per-sample modulation, ``proj_out`` already gathered, the sampler's calls)."""
+def place_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
+                 tensor: torch.Tensor, placement: "Placement") -> "Placement":
+    """``placement`` with the axis SP shards in an image-stream or joint output: this rank's
+    image rows at their global offset (joint outputs: the text rows every rank repeats are
+    SP rank 0's; Ulysses' attention internals: this rank's heads). Unchanged for outputs SP
+    does not shard (text stream, the per-sample modulation, ``proj_out`` already gathered, the
+    sampler's calls)."""
     block = int(rt.scope_value("block"))
     if not -1 <= block <= plan.num_layers:
-        return None
+        return placement
+    s = plan.coords["sp"]
+    lo, hi = _mine(plan) if stream in ("img", "joint") else (0, 0)
+    n_img = plan.state.get("n_img", 0)
     if stream == "img":
         if op == "adaln_mod_projection" or (op == "latent_proj_gemm" and block == plan.num_layers):
-            return None
-        return gather_rows(plan, tensor, 1)
+            return placement
+        return {**placement, 1: AxisShard(n_img, ((0, hi - lo, lo),))}
     if stream == "joint" and op in _JOINT_ROWS:
         if plan.dims.sp_attention == "ulysses" and op in _JOINT_HEADS:  # internals: rows for heads
-            return gather_cat(tensor, _JOINT_HEADS[op], _group(plan))
-        return gather_rows(plan, tensor, _JOINT_ROWS[op], plan.state.get("text_len", 0))
-    return None
+            axis = _JOINT_HEADS[op]
+            per = tensor.shape[axis]
+            return {**placement, axis: AxisShard(per * plan.dims.sp, ((0, per, s * per),))}
+        text = int(plan.state.get("text_len", 0))
+        pieces = ((0, text, 0),) if s == 0 and text else ()
+        pieces += ((text, hi - lo, text + lo),)
+        return {**placement, _JOINT_ROWS[op]: AxisShard(text + n_img, pieces)}
+    return placement

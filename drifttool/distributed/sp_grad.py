@@ -1,6 +1,7 @@
 """The backward of SP attention: gradients of a rank's image rows that equal one device's bytes.
 
     o = agrs_attention(shard, gather, run, q, k, v, key_mask, L, kwargs)   # differentiable
+    o = ring_attention_grad(shard, gather, ring, q, k, v, key_mask, L)     # Ring fwd, AG/RS bwd
     t = all_to_all_grad(sends, shapes, group)                               # Ulysses, differentiable
     t = head_slice(x, lo, hi, group)                                        # replicated → my heads
 
@@ -17,6 +18,9 @@ The backward computes, for the rank's queries only:
   v2)", Backward) — the reduce-scatter of AG/RS, done as an ordered gather and the fixed tree,
   never a plain sum. Every rank then holds the full dK, dV; a rank's K/V input gets the text
   rows and its own image rows.
+
+Ring attention (``distributed.ring``) gives AG/RS's forward bytes without holding every K/V
+row; its backward is AG/RS's (``ring_attention_grad``), which gathers K/V for the backward.
 
 The arithmetic is the one ``tests/ops/test_shard_attention.py`` simulates against the unsharded
 strict operators (``_sp``); here it runs on real ranks. Ulysses needs no arithmetic of its own:
@@ -79,6 +83,36 @@ def agrs_attention(shard: Shard, gather: Callable[[torch.Tensor], torch.Tensor],
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
         return run(q, gather(k), gather(v), key_mask, **kwargs)
     return _AGAttention.apply(q, k, v, shard, gather, run, key_mask, text_len, kwargs)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, shard, gather, ring, key_mask, text_len):
+        ctx.shard, ctx.gather, ctx.key_mask, ctx.text_len = shard, gather, key_mask, text_len
+        ctx.save_for_backward(q, k, v)
+        return ring(q, k, v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go):
+        q, k, v = ctx.saved_tensors
+        kf, vf = ctx.gather(k), ctx.gather(v)
+        dq, dk, dv = _agrs_backward(ctx.shard, q, kf, vf, go, ctx.key_mask, ctx.text_len)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention_grad(shard: Shard, gather: Callable[[torch.Tensor], torch.Tensor],
+                        ring: Callable[..., torch.Tensor], q, k, v, key_mask,
+                        text_len: int) -> torch.Tensor:
+    """Ring attention ``ring(q, k, v)`` (``distributed.ring``: K/V blocks passed around the SP
+    ranks, never all held) made differentiable with AG/RS's canonical backward: the backward
+    gathers the image K/V rows (rank order) and computes dQ of the rank's rows and its dK/dV
+    subtree, finished over the ranks by the fixed tree (module docstring). The Ring forward's
+    output is AG/RS's bytes, so the gradient is one device's; the backward holds every K/V row
+    (AG/RS's memory, not the Ring's)."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
+        return ring(q, k, v)
+    return _RingAttention.apply(q, k, v, shard, gather, ring, key_mask, text_len)
 
 
 def _agrs_backward(shard: Shard, q, kf, vf, go, key_mask, text_len: int):

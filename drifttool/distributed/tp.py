@@ -29,8 +29,8 @@ Bytes equal one device: a column shard computes its columns with the unsharded k
 (``check`` refuses a split whose shard would change the kernel), and a row-parallel shard owns
 a subtree of contract v2's K tree (docs/strict-arithmetic.md, "Contract v2").
 
-Capture gathers a head- or channel-sharded output over the TP group in rank order before the
-owning rank (TP coordinate 0) digests it (``gather_output``).
+Capture moves no tensor: each rank digests its own heads or channels of a sharded output and
+only the digest partials are combined (``place_output``, ``capture.shards``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.distributed.canonical import gather_cat, gather_list
+from drifttool.capture.shards import AxisShard
+from drifttool.distributed.canonical import gather_list
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict._checks import act_dtype, f32, out
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32
@@ -47,6 +48,7 @@ from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, l
                                        local_spans, segment_spans, shard_spans, tiled_linear)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.capture.shards import Placement
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
 
@@ -270,12 +272,18 @@ _SHARDED = {"qkv_bias_gemm": 2, "qk_rmsnorm": 2, "multi_axis_rope": 2, "joint_at
             "mlp_up_gemm_gelu": 2}
 
 
-def gather_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
-                  tensor: torch.Tensor) -> torch.Tensor | None:
-    """Every TP rank's heads or channels of a sharded output, in rank order (a collective of the
-    TP group); ``None`` for replicated outputs."""
+def place_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
+                 tensor: torch.Tensor, placement: "Placement") -> "Placement":
+    """``placement`` with this TP rank's heads or channels of a sharded output at their global
+    offset (inside what SP placed on the same axis: Ulysses' heads); unchanged for replicated
+    outputs."""
     dim = _SHARDED.get(op)
     block = int(rt.scope_value("block"))
     if dim is None or not 0 <= block < plan.num_layers:
-        return None
-    return gather_cat(tensor, dim, plan.groups.get("tp"))
+        return placement
+    t, tp = plan.coords["tp"], plan.dims.tp
+    inner = placement.get(dim)
+    if inner is None:
+        n = tensor.shape[dim]
+        return {**placement, dim: AxisShard(n * tp, ((0, n, t * n),))}
+    return {**placement, dim: inner.shifted(t * inner.size, inner.size * tp)}

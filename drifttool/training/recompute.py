@@ -105,7 +105,7 @@ def recompute_run(
 
     Layouts (``dist``, ``parallel``) as ``runner.execute``: several ranks without a plan recompute
     sample-parallel (each its samples; the loss of a step is −Σ logp_t / B over the whole batch),
-    ``--cfg-parallel 2`` one CFG branch per rank, TP/SP (AG/RS or Ulysses attention) shard the
+    ``--cfg-parallel 2`` one CFG branch per rank, TP/SP (AG/RS, Ulysses or Ring attention) shard the
     forward and backward of the LoRA-adapted model (``ParallelPlan.check_training``). Strict gradients are the canonical ones of
     ``training.ledger``, each rank's atoms gathered before the reduction, so every layout
     writes the one-process gradient bytes (the root rank records them).
@@ -147,7 +147,7 @@ def recompute_run(
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler),
                                      cfg_layout=sampler.cfg_layout, capture_level=level)
-    if plan is not None:
+    if plan is not None and train.grad:  # only a backward needs the ledger's parameters
         plan.check_training(model)
     session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,
                               world_size=dist.world_size, layout=layout, plan=plan)

@@ -280,11 +280,12 @@ def test_error_naming_a_path_with_markup_is_one_plain_line(cli, tmp_path, strict
 
 
 def test_commands_other_than_run_refuse_torchrun_ranks(tmp_path, monkeypatch):
-    """Under torchrun only `run`, `replay` and `recompute` lay a run out on ranks: every other
-    command refuses in one line (rank > 0 names its rank) instead of racing the other ranks for
-    the same output."""
+    """Under torchrun only `run`, `replay`, `recompute` and `probe` lay runs out on ranks: every
+    other command refuses in one line (rank > 0 names its rank) instead of racing the other
+    ranks for the same output."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for rank, args, name in (("0", ["probe", "-o", str(tmp_path / "b")], "probe"),
+    for rank, args, name in (("0", ["overlay", str(tmp_path / "a"), str(tmp_path / "b"), "-o",
+                                    str(tmp_path / "b.png")], "overlay"),
                              ("1", ["fixture", "verify"], "fixture verify"),
                              ("1", ["diff", str(tmp_path / "a"), str(tmp_path / "b")], "diff")):
         monkeypatch.setenv("RANK", rank)

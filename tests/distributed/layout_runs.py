@@ -21,6 +21,7 @@ import torch
 
 from drifttool.artifact import open_run
 from drifttool.diff import diff_runs
+from drifttool.distributed.canonical import COMM
 from drifttool.distributed.plan import ParallelDims
 from drifttool.model.config import MMDiTConfig, tiny
 from drifttool.model.mmdit import MMDiT, random_init_
@@ -37,12 +38,14 @@ def model_of(config: MMDiTConfig | None) -> MMDiT | None:
     return None if config is None else random_init_(MMDiT(config, dtype=torch.bfloat16), seed=7)
 
 
-def run_rank(ctx, dims: ParallelDims, arg: Any) -> int:
-    """Rank body: ``execute`` ``arg = (out, config or None, spec fields, faults)`` under ``dims``."""
+def run_rank(ctx, dims: ParallelDims, arg: Any) -> tuple[int, int]:
+    """Rank body: ``execute`` ``arg = (out, config or None, spec fields, faults)`` under ``dims``;
+    returns the rank and the bytes its capture received (``COMM.capture_nbytes``)."""
     out, config, fields, faults = arg
+    COMM.reset()
     execute(RunSpec(**fields), out, dist=ctx, parallel=dims, model=model_of(config),
             faults=tuple(faults))
-    return ctx.rank
+    return ctx.rank, COMM.capture_nbytes
 
 
 def run_one(out: Path, config: MMDiTConfig | None, fields: dict[str, Any]) -> Path:
@@ -51,9 +54,13 @@ def run_one(out: Path, config: MMDiTConfig | None, fields: dict[str, Any]) -> Pa
 
 
 def run_layout(dims: ParallelDims, out: Path, config: MMDiTConfig | None, fields: dict[str, Any],
-               faults: tuple[str, ...] = ()) -> Path:
-    ranks = on_ranks(dims, "tests.distributed.layout_runs:run_rank", (out, config, fields, faults))
-    assert ranks == list(range(dims.world_size))
+               faults: tuple[str, ...] = (), capture_bytes: list[int] | None = None) -> Path:
+    """Run the layout into ``out``; ``capture_bytes`` (a list) receives each rank's capture
+    bytes, by rank."""
+    got = on_ranks(dims, "tests.distributed.layout_runs:run_rank", (out, config, fields, faults))
+    assert [r for r, _ in got] == list(range(dims.world_size))
+    if capture_bytes is not None:
+        capture_bytes.extend(n for _, n in got)
     return out
 
 

@@ -124,10 +124,6 @@ def test_replay_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, stored, a
 
 
 @pytest.mark.parametrize("args, needles", [
-    # the plan refuses training under Ring attention (and, before it had a sharded backward,
-    # under any TP/SP): either way one line naming the command's layout
-    (["--sp", "2", "--sp-attention", "ring", "--capture", "L1"],
-     ["drifttool recompute --sp 2 --sp-attention ring: training under", "not supported"]),
     (["--sp", "2", "--sp-attention", "ring"], ["ring cannot capture L2 (the stored run's level)"]),
     (["--cfg-parallel", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool recompute"]),
     (["--sp", "5"], ["--sp 5 (one of"]),
@@ -139,9 +135,21 @@ def test_recompute_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, stored
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("args, needles, world", [
+    (["--tp", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool probe"], 1),
+    (["--tp", "4"], ["--tp 4: 2 attention heads do not split over 4 ranks"], 4),
+    (["--sp", "2", "--sp-attention", "ring"], ["ring cannot capture L2"], 2),
+    (["--distributed"], ["--distributed runs in one process", "without torchrun"], 2),
+    (["--peer", "diffusers", "--tp", "2"], ["--peer runs in one process"], 2),
+])
+def test_probe_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
+    if world > 1:
+        _torchrun_env(monkeypatch, 0, world)
+    _one_line(*cli("probe", "-o", tmp_path / "p", *args), *needles)
+    assert not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("args, needles", [
-    (["probe", "-o", "{out}"], ["[rank 0] drifttool probe runs in one process: the probe matrix "
-                                "has no multi-rank layout yet"]),
     (["experiment", "train-rollout", "-o", "{out}"],
      ["[rank 0] drifttool experiment train-rollout runs in one process: the experiments have no "
       "multi-rank layout yet"]),
@@ -152,7 +160,8 @@ def test_commands_without_a_layout_refuse_torchrun_by_name(cli, tmp_path, no_lau
                                                           stored, args, needles):
     _torchrun_env(monkeypatch, 0, 2)
     argv = [a.format(run=stored, out=tmp_path / "r") for a in args]
-    _one_line(*cli(*argv), *needles, "only `drifttool run`, `replay` and `recompute` run under torchrun")
+    _one_line(*cli(*argv), *needles, "only `drifttool run`, `replay`, `recompute` and `probe` run under "
+              "torchrun")
     assert not (tmp_path / "r").exists()
 
 
@@ -281,21 +290,30 @@ def test_recompute_under_a_layout_is_identical(cli, tmp_path, ones, name, args, 
 
 
 @pytest.mark.slow
-def test_recompute_refusal_of_the_plan_under_torchrun_is_one_line(tmp_path, ones):
-    p = _torchrun(2, "recompute", ones["img350-L1"], "-o", tmp_path / "out", "--sp", "2",
+def test_recompute_under_ring_attention_is_identical(cli, tmp_path, ones):
+    """Ring attention in phase train (autograd on: the Ring forward, AG/RS's backward)."""
+    p = _torchrun(2, "recompute", ones["img350-L1"], "-o", tmp_path / "ring", "--sp", "2",
                   "--sp-attention", "ring", cwd=tmp_path)
-    out = p.stdout + p.stderr
-    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
-    assert p.returncode != 0 and len(errors) == 1, out
-    assert errors[0].startswith("error: drifttool recompute --sp 2 --sp-attention ring: training under"), out
-    _no_drifttool_traceback(out)
-    assert not (tmp_path / "out").exists()
+    assert p.returncode == 0, p.stdout + p.stderr
+    code, out = cli("diff", ones["img350-L1"], tmp_path / "ring")
+    assert code == 0 and "IDENTICAL" in out, out
+
+
+@pytest.mark.slow
+def test_probe_matrix_under_torchrun(tmp_path):
+    """``torchrun ... probe --tp 2``: every run on both ranks, one matrix written and printed once."""
+    p = _torchrun(2, "probe", "--tp", "2", "--only", "gelu_exact,replay", "--no-heatmaps",
+                  "-o", tmp_path / "m", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    matrix = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    assert {r["name"]: r["status"] for r in matrix["results"]} == {"gelu_exact": "PASS", "replay": "PASS"}
+    assert p.stdout.count("gelu_exact") == 1, p.stdout
+    layout = json.loads((tmp_path / "m" / "runs" / "baseline" / "manifest.json").read_text())["layout"]
+    assert (layout["kind"], layout["tp"]) == ("parallel", 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
-    (["probe", "-o", "{out}"], "drifttool probe runs in one process: the probe matrix has no "
-                               "multi-rank layout yet"),
     (["experiment", "train-rollout", "-o", "{out}"],
      "drifttool experiment train-rollout runs in one process: the experiments have no multi-rank "
      "layout yet"),

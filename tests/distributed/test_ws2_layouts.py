@@ -58,8 +58,10 @@ def _one(tmp_path_factory, config, fields):
 
 def _check(tmp_path_factory, tmp_path, dims, config, fields):
     one = _one(tmp_path_factory, config, fields)
-    par = run_layout(dims, tmp_path / "par", config, fields)
+    moved: list[int] = []
+    par = run_layout(dims, tmp_path / "par", config, fields, capture_bytes=moved)
     assert_identical(one, par)
+    _check_capture_moves_digests(open_run(par), dims, moved)
     run = open_run(par)
     layout = run.manifest["layout"]
     assert run.complete and run.world_size == dims.world_size and layout["kind"] == "parallel"
@@ -67,6 +69,20 @@ def _check(tmp_path_factory, tmp_path, dims, config, fields):
     writers = set(run.ops_table()["rank"].to_pylist())
     tp_sp_zero = {r for r in range(dims.world_size) if r % (dims.tp * dims.sp) == 0}
     assert writers <= tp_sp_zero, writers  # records are written by TP/SP coordinate 0 only
+
+
+def _check_capture_moves_digests(run, dims, moved: list[int]) -> None:
+    """Capture moved digest partials only: per record at most the payload (V, 4 summary words
+    and, at L2, one row digest per canonical row) from each rank of the SP and TP groups —
+    an eighth or less of what gathering the tensors (bf16, d >= 32 channels a row) would move.
+    """
+    ops = run.ops_table()
+    h, w = run.manifest["settings"]["img_grid"]
+    rows = h * w + max((n or 0 for n in ops["txt_len"].to_pylist()), default=0)
+    width = 5 + (rows if run.manifest["capture_level"] == "L2" else 0)
+    bound = ops.num_rows * 8 * width * (dims.sp + dims.tp)
+    assert max(moved) <= bound, (moved, bound)
+    assert max(moved) > 0  # the sharded outputs' partials did move
 
 
 @pytest.mark.parametrize("name, dims, config, fields", FAST, ids=[c[0] for c in FAST])

@@ -1,0 +1,278 @@
+"""Digest v2 of a sharded operator output from its ranks' partials: no tensor moves for capture.
+
+    >>> place = {1: AxisShard(size=4096, pieces=((0, 1024, 2048),))}   # SP rank 2 of 4: rows
+    >>> parts, payload = shard_payload(site, out_shard, "BS.", place, keep_rows=False)
+    >>> total = reduce_payloads(torch.stack(gather_list(payload, group)),   # tiny, rank order
+    ...                         payload_widths(parts, keep_rows=False))
+    >>> pending = combine_payloads(parts, total, torch.bfloat16, keep_rows=False)
+    >>> rec.capture_digested(site, list(zip(parts, pending)))   # on the owning rank
+
+A rank under a TP/SP layout holds a block of an operator output: some rows of the sequence axis
+(SP) and some heads or channels (TP). ``Placement`` says where its block sits in the logical
+(unsharded) output, axis by axis, as pieces ``(local start, length, logical start)``; a piece
+list may leave logical positions to other ranks (the text rows every SP rank repeats are owned
+by SP rank 0 only), but across the ranks of a layout every logical element is held by exactly
+one piece.
+
+Digest v2 (``capture.digest``) is a sum of per-element terms keyed by global indices, so each
+rank digests its own block into a *payload*, one per logical sample's canonical part, and the
+payloads of every rank add up to the digest of the logical part (``combine_payloads``):
+
+=========  ===============================================================================
+word 0     ``V`` without header, over this rank's elements (mod p): ``Σ_r A[r]T_rank[r] + …``
+words 1-4  fp64 bits of Σx², max, min, count of NaN/±inf over this rank's elements
+words 5-   (``keep_rows``, L2) the row digests ``T`` of every logical row, 0 where this rank
+           holds none of the row (so payloads of equal length on every rank add mod p)
+=========  ===============================================================================
+
+``V``, ``T``, the count, max and min combine exactly; Σx² adds in rank order, so the record's
+``l2`` (an fp64 summary, never compared for identity: ``diff.consistency``) may differ from one
+device's in the last bits. The payload layout is ``PendingDigest.vec``'s, so the combined
+payload is read back with the rest of the step (``digest.materialize``). On a CUDA device the
+blocks are digested by the generic device path, not the Triton row kernel (which keys columns
+from 0).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from drifttool import digestcore as core
+from drifttool.capture.digest import (PendingDigest, _halves, _level2, _row_sums, _stats_vec,
+                                      dtype_name)
+from drifttool.capture.layout import RowMap, TAGS, _segments, _take, canonicalize
+
+_STATS = 4
+
+
+@dataclass(frozen=True)
+class AxisShard:
+    """How one axis of a rank's block sits in the logical output.
+
+    Attributes:
+        size: the logical output's length along the axis.
+        pieces: ``(local start, length, logical start)``: local positions
+            ``[local start, local start + length)`` are logical ``[logical start, …)``. Local
+            positions in no piece are not this rank's to digest (another rank owns them).
+    """
+
+    size: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+    def shifted(self, offset: int, size: int) -> "AxisShard":
+        """This placement inside a larger axis of ``size`` where this axis starts at ``offset``
+        (an SP shard of heads inside a TP rank's heads)."""
+        return AxisShard(size, tuple((a, n, g + offset) for a, n, g in self.pieces))
+
+
+Placement = dict[int, AxisShard]
+"""Output axis -> its ``AxisShard``; axes not named are held whole."""
+
+
+@dataclass(frozen=True)
+class LogicalPart:
+    """One logical sample's canonical part of the unsharded output (what ``layout.Part`` would
+    describe on one device): ``sample``, canonical ``shape``, ``row_axis`` and ``rows``."""
+
+    sample: int
+    shape: tuple[int, ...]
+    row_axis: int | None
+    rows: RowMap | None
+
+
+def logical_shape(shape: tuple[int, ...], placement: Placement) -> tuple[int, ...]:
+    """The unsharded output's shape: ``shape`` with each placed axis at its logical size."""
+    return tuple(placement[a].size if a in placement else n for a, n in enumerate(shape))
+
+
+def logical_parts(site: dict[str, Any], shape: tuple[int, ...], layout: str) -> list[LogicalPart]:
+    """The canonical parts (``layout.canonicalize``) of an output of logical ``shape``, computed
+    on a meta tensor: shapes and row maps only."""
+    meta = torch.empty(shape, device="meta")
+    return [LogicalPart(p.sample, tuple(p.tensor.shape), p.row_axis, p.rows)
+            for p in canonicalize(site, meta, layout)]
+
+
+def _axis_runs(tag: str, stream: str, local: int, shard: AxisShard | None, txt_len, grid,
+               txt_start: int) -> list[tuple[int, int, int]]:
+    """``(local start, length, canonical start)`` of this rank's positions along one axis of a
+    batch row: S/K axes keep their canonical segments (text rows, image rows), others all."""
+    pieces = shard.pieces if shard is not None else ((0, local, 0),)
+    size = shard.size if shard is not None else local
+    if tag in "SK":
+        segs, _ = _segments(tag, stream, size, txt_len, grid, txt_start)
+    else:
+        segs = [(0, size)]
+    runs, base = [], 0
+    for s0, s1 in segs:
+        for a, n, g in pieces:
+            lo, hi = max(s0, g), min(s1, g + n)
+            if hi > lo:
+                runs.append((a + lo - g, hi - lo, base + lo - s0))
+        base += s1 - s0
+    return runs
+
+
+def _block_payload(block: torch.Tensor, row_axis: int | None, row_offset: int, col_offset: int,
+                   n_rows: int, keep_rows: bool) -> torch.Tensor:
+    """The payload (module docstring) of one contiguous block of a canonical part."""
+    wpe = core.words_per_element(dtype_name(block.dtype))
+    rows = _row_sums(_halves(block, row_axis), col_offset * wpe)
+    v = _level2(rows, row_offset).reshape(1)
+    out = [v, _stats_vec(block).view(torch.int64)]
+    if keep_rows:
+        full = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
+        full[row_offset:row_offset + rows.shape[1]] = rows[0].to(full.device)
+        out.append(full)
+    return torch.cat([t.to(rows.device) for t in out])
+
+
+def _identity(n: int, device: torch.device) -> torch.Tensor:
+    """The payload of no elements: V 0, Σx² 0, max −inf, min +inf, count 0, rows 0."""
+    stats = torch.tensor([0.0, -math.inf, math.inf, 0.0], dtype=torch.float64, device=device)
+    return torch.cat([torch.zeros(1, dtype=torch.int64, device=device), stats.view(torch.int64),
+                      torch.zeros(n, dtype=torch.int64, device=device)])
+
+
+def payload_widths(parts: list[LogicalPart], keep_rows: bool) -> list[int]:
+    """Each part's payload length in ``shard_payload``'s concatenation."""
+    return [1 + _STATS + (p.shape[p.row_axis] if keep_rows and p.row_axis is not None else 0)
+            for p in parts]
+
+
+def reduce_payloads(payloads: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Combine concatenated payloads ``int64 [ranks, Σ widths]`` (one row per rank, or per
+    block of one rank) into one ``[Σ widths]``: ``V`` and the row digests add mod p, Σx² and
+    the count add (in row order), max and min of the maxima and minima. ``widths``: each
+    part's payload length (``payload_widths``)."""
+    if payloads.shape[0] == 1 or not widths:
+        return payloads[0] if payloads.shape[0] == 1 else payloads.new_zeros(0)
+    total = core.modsum(payloads, 0)
+    dev = payloads.device
+    starts = torch.tensor([0, *itertools.accumulate(widths)][:-1], dtype=torch.int64, device=dev)
+    idx = (starts[:, None] + 1 + torch.arange(_STATS, device=dev)).reshape(-1)
+    st = payloads[:, idx].reshape(payloads.shape[0], -1, _STATS).contiguous().view(torch.float64)
+    stats = torch.stack([st[..., 0].sum(0), st[..., 1].amax(0), st[..., 2].amin(0),
+                         st[..., 3].sum(0)], -1)
+    total[idx] = stats.view(torch.int64).reshape(-1)
+    return total
+
+
+def shard_payload(site: dict[str, Any], tensor: torch.Tensor, layout: str, placement: Placement,
+                  keep_rows: bool) -> tuple[list[LogicalPart], torch.Tensor]:
+    """This rank's payload for each canonical part of the logical output.
+
+    Args:
+        site: the call's ``Runtime.site`` (stream, samples, text rows and grid of the logical
+            output).
+        tensor: this rank's block of the output (``len(layout)`` axes).
+        layout: the output's axis tags (``capture.layout``); the batch axis is never placed.
+        placement: where ``tensor`` sits in the logical output.
+        keep_rows: carry the L2 row digests.
+
+    Returns:
+        The logical parts and ``int64 [Σ L_part]`` (their payloads concatenated, on the
+        tensor's device): the same length on every rank of the layout.
+
+    Raises:
+        ValueError: the layout does not fit, the batch axis is placed, or a block's elements are
+            not one contiguous column range of a canonical row (two placed axes besides rows).
+    """
+    if len(layout) != tensor.dim() or not set(layout) <= TAGS or layout.count("B") > 1:
+        raise ValueError(f"layout {layout!r} does not fit a {tensor.dim()}-axis tensor (tags BSK.)")
+    bax = layout.find("B")
+    if bax in placement:
+        raise ValueError("the batch axis of a capture cannot be sharded")
+    full = logical_shape(tuple(tensor.shape), placement)
+    parts = logical_parts(site, full, layout)
+    stream = site.get("stream", "none")
+    grid = site.get("img_grid")
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    txt_lens, txt_starts = site.get("txt_lens"), site.get("txt_starts")
+    axes = [a for a in range(tensor.dim()) if a != bax]  # the part's axes, in order
+    tags = [layout[a] for a in axes]
+    row_pos = tags.index("S") if "S" in tags else None
+    placed = [i for i, a in enumerate(axes) if a in placement]
+    cols = [i for i in placed if i != row_pos]
+    if len(cols) > 1:
+        raise ValueError(f"placed axes {[axes[i] for i in cols]} besides the rows: a block is not "
+                         "one column range of a canonical row")
+    payloads = []
+    for b, part in enumerate(parts):
+        t = tensor.select(bax, b) if bax >= 0 else tensor
+        txt_len = None if bax < 0 or txt_lens is None else int(txt_lens[b])
+        t0 = 0 if bax < 0 or txt_starts is None else int(txt_starts[b])
+        for i, tag in enumerate(tags):  # axes held whole: canonical selection as on one device
+            if i not in placed and tag in "SK":
+                segs, _ = _segments(tag, stream, t.shape[i], txt_len, grid, t0)
+                t = _take(t, i, segs)
+        runs = {i: _axis_runs(tags[i], stream, t.shape[i], placement[axes[i]], txt_len, grid, t0)
+                for i in placed}
+        n_rows = part.shape[row_pos] if row_pos is not None else 1
+        blocks = []
+        for combo in itertools.product(*(runs[i] for i in placed)):
+            block = t
+            at = dict(zip(placed, combo))
+            for i, (a, n, _) in at.items():
+                block = block.narrow(i, a, n)
+            row_off = at[row_pos][2] if row_pos in at else 0
+            blocks.extend(_column_blocks(block, part.shape, row_pos, cols, at, row_off, n_rows,
+                                         keep_rows))
+        if not blocks:
+            payloads.append(_identity(payload_widths([part], keep_rows)[0] - 1 - _STATS, tensor.device))
+        else:
+            payloads.append(reduce_payloads(torch.stack(blocks), [blocks[0].shape[0]]))
+    out = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.int64, device=tensor.device)
+    return parts, out
+
+
+def _column_blocks(block: torch.Tensor, shape: tuple[int, ...], row_pos: int | None,
+                   cols: list[int], at: dict, row_off: int, n_rows: int,
+                   keep_rows: bool) -> list[torch.Tensor]:
+    """Payloads of ``block`` (narrowed on its placed axes) cut into runs that are contiguous in a
+    canonical row's elements: the row axis first, then the others in order."""
+    keep = keep_rows and row_pos is not None
+    if not cols:
+        return [_block_payload(block, row_pos, row_off, 0, n_rows, keep)]
+    c = cols[0]
+    others = [i for i in range(len(shape)) if i != row_pos]
+    k = others.index(c)
+    inner = math.prod(shape[i] for i in others[k + 1:])
+    start = at[c][2]
+    out = []
+    for idx in itertools.product(*(range(shape[i]) for i in others[:k])):
+        sub = block
+        for i, j in zip(others[:k], idx):
+            sub = sub.narrow(i, j, 1)
+        lead = 0
+        for i, j in zip(others[:k], idx):
+            lead = lead * shape[i] + j
+        col = (lead * shape[c] + start) * inner
+        out.append(_block_payload(sub, row_pos, row_off, col, n_rows, keep))
+    return out
+
+
+def combine_payloads(parts: list[LogicalPart], total: torch.Tensor, dtype: torch.dtype,
+                     keep_rows: bool) -> list[PendingDigest]:
+    """The pending digests of the logical parts from the payload every rank's payloads reduced
+    to (``reduce_payloads`` over the ranks).
+
+    Args:
+        parts: ``shard_payload``'s parts (the same on every rank).
+        total: ``int64 [Σ L_part]``.
+        dtype: the output's dtype.
+        keep_rows: as given to ``shard_payload``.
+    """
+    name = dtype_name(dtype)
+    out, at = [], 0
+    for p, n in zip(parts, payload_widths(parts, keep_rows)):
+        keep = keep_rows and p.row_axis is not None
+        out.append(PendingDigest(name, p.shape, core.header_value(name, p.shape), math.prod(p.shape),
+                                 keep, total[at:at + n]))
+        at += n
+    return out

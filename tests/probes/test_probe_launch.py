@@ -1,0 +1,56 @@
+"""The probe matrix under a launch (``run_matrix(dist=, parallel=)``: what ``torchrun -m drifttool
+probe --tp 2`` runs): every run of the matrix on every rank in the layout, rank 0 judging. It
+judges as one process does — the same statuses and first-drift operators — for an operator
+variant, a transformed checkpoint (written by rank 0), a spec change and the replay control; a
+probe the layout refuses is PENDING with the refusal, never run and never a pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from drifttool.distributed.plan import ParallelDims
+from drifttool.settings import RunSpec
+from drifttool.probes.catalog import IDENTICAL, catalog
+from drifttool.probes.runner import PENDING, baseline_settings, run_matrix
+from drifttool.probes.spec import Probe
+from tests.distributed.plan_ranks import on_ranks
+
+NAMES = ("gelu_exact", "stream_weights_swapped", "cfg_sequential", "replay")
+REFUSED = Probe(name="production_mode", factor="mode", kind="invariant",
+                change="the production family (TP/SP run strict only)", spec={"mode": "auto"},
+                expect=IDENTICAL)
+
+
+def _probes() -> list[Probe]:
+    settings, depth, _ = baseline_settings(RunSpec())
+    return [p for p in catalog(settings, depth) if p.name in NAMES]
+
+
+def _rows(matrix) -> dict:
+    return {r.name: (r.status, r.first_op, r.verdict) for r in matrix.results}
+
+
+def matrix_rank(ctx, dims, arg):
+    """Rank body: the matrix of ``NAMES`` (plus the refused probe) under ``dims``."""
+    m = run_matrix(_probes() + [REFUSED], arg, dist=ctx, parallel=dims)
+    if ctx.rank != 0:
+        assert m is None
+        return None
+    return _rows(m), [r.reasons for r in m.results if r.name == REFUSED.name][0]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _rows(run_matrix(_probes(), tmp_path_factory.mktemp("probes") / "one"))
+
+
+def test_matrix_under_tp2_judges_as_one_process(one_process, tmp_path):
+    got = on_ranks(ParallelDims(tp=2), "tests.probes.test_probe_launch:matrix_rank", tmp_path / "tp2")
+    rows, refusal = got[0]
+    assert got[1] is None
+    pending = rows.pop(REFUSED.name)
+    assert rows == one_process and len(rows) == len(NAMES)
+    assert all(status == "PASS" for status, _, _ in rows.values()), rows
+    assert pending[0] == PENDING and "TP/SP layouts run the strict family only" in refusal[0], refusal
+    assert (tmp_path / "tp2" / "work" / "stream_weights_swapped" / "transformer").is_dir()
