@@ -45,7 +45,7 @@ import torch
 from drifttool import digestcore as core
 from drifttool.capture.digest import (PendingDigest, _halves, _level2, _row_sums, _stats_vec,
                                       dtype_name)
-from drifttool.capture.layout import RowMap, TAGS, _segments, _take, canonicalize
+from drifttool.capture.layout import RowMap, TAGS, _segments, _take
 
 _STATS = 4
 
@@ -91,11 +91,42 @@ def logical_shape(shape: tuple[int, ...], placement: Placement) -> tuple[int, ..
 
 
 def logical_parts(site: dict[str, Any], shape: tuple[int, ...], layout: str) -> list[LogicalPart]:
-    """The canonical parts (``layout.canonicalize``) of an output of logical ``shape``, computed
-    on a meta tensor: shapes and row maps only."""
-    meta = torch.empty(shape, device="meta")
-    return [LogicalPart(p.sample, tuple(p.tensor.shape), p.row_axis, p.rows)
-            for p in canonicalize(site, meta, layout)]
+    """The canonical parts ``layout.canonicalize`` cuts from an output of logical ``shape``:
+    their samples, shapes and row maps, from the shape alone (no tensor, not even a meta one:
+    meta kernels would import torch's symbolic-shape stack on the first call).
+
+    Raises:
+        ValueError: as ``canonicalize``.
+    """
+    if len(layout) != len(shape) or not set(layout) <= TAGS or layout.count("B") > 1:
+        raise ValueError(f"layout {layout!r} does not fit a {len(shape)}-axis tensor (tags BSK.)")
+    stream = site.get("stream", "none")
+    grid = site.get("img_grid")
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    samples, txt_lens, txt_starts = site.get("samples"), site.get("txt_lens"), site.get("txt_starts")
+    bax = layout.find("B")
+    nb = shape[bax] if bax >= 0 else 1
+    if bax >= 0:
+        for name, seq in (("samples", samples), ("txt_lens", txt_lens), ("txt_starts", txt_starts)):
+            if seq is not None and len(seq) != nb:
+                raise ValueError(f"site[{name!r}] has {len(seq)} entries for batch size {nb}")
+    tags = [t for i, t in enumerate(layout) if i != bax]
+    sizes = [n for i, n in enumerate(shape) if i != bax]
+    row_axis = tags.index("S") if "S" in tags else None
+    parts = []
+    for b in range(nb):
+        txt_len = None if bax < 0 or txt_lens is None else int(txt_lens[b])
+        t0 = 0 if bax < 0 or txt_starts is None else int(txt_starts[b])
+        dims, rowmap = [], None
+        for axis, (tag, n) in enumerate(zip(tags, sizes)):
+            if tag in "SK":
+                segs, m = _segments(tag, stream, n, txt_len, grid, t0)
+                n = sum(max(0, z - a) for a, z in segs)
+                rowmap = m if axis == row_axis else rowmap
+            dims.append(n)
+        sample = -1 if bax < 0 else (int(samples[b]) if samples is not None else b)
+        parts.append(LogicalPart(sample, tuple(dims), row_axis, rowmap))
+    return parts
 
 
 def _axis_runs(tag: str, stream: str, local: int, shard: AxisShard | None, txt_len, grid,
