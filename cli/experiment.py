@@ -1,4 +1,13 @@
-"""``drifttool experiment train-rollout|grpo``: rollout/trainer backend combinations."""
+"""``drifttool experiment train-rollout|grpo``: rollout/trainer backend combinations.
+
+    drifttool experiment train-rollout -o exp/
+    torchrun --standalone --nproc-per-node 2 -m drifttool experiment train-rollout --tp 2 \
+        --combos strict/strict -o exp-tp2/
+
+``train-rollout`` runs under torchrun in the launch's layout (``--tp/--sp/--sp-attention/
+--cfg-parallel``, each combination's modes checked against it before any rank starts,
+``cli._layout``; without them sample-parallel). ``grpo`` runs in one process.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,10 @@ import typer
 from rich import box
 from rich.table import Table
 
+from drifttool.cli import _layout
 from drifttool.cli._console import console
-from drifttool.cli._errors import user_errors
+from drifttool.cli._errors import alike_on_every_rank, user_errors
+from drifttool.errors import DriftToolError
 
 app = typer.Typer(help="Train-rollout experiments on the embedded default.", no_args_is_help=True)
 
@@ -71,18 +82,68 @@ def train_rollout_cmd(
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
 ) -> None:
     """Rollout/train combinations on matched replay inputs: v, latent (μ) and logp drift, SDE KL,
-    first drift and time; writes train_rollout.arrow and train_rollout.json to OUT."""
-    from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
+    first drift and time; writes train_rollout.arrow and train_rollout.json to OUT. Under
+    torchrun every rollout and trainer runs in the launch's layout (a production side has no
+    TP/SP layout: --combos strict/strict there)."""
+    kwargs = dict(fixture=fixture, samples=_samples(samples), capture=capture,
+                  micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                  gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
+                  overwrite=overwrite, device=device, height=height, width=width)
+    rows = user_errors(_train_rollout, command="experiment train-rollout", ranks=True)(
+        out, (tp, sp, sp_attention, cfg_parallel), kwargs)
+    if rows is None:
+        return  # a rank other than 0 of a launch
+    _print_train_rollout(rows, out)
 
-    with console.status("starting") as status:
-        rows = user_errors(train_rollout, command="experiment train-rollout")(
-            out, fixture=fixture, samples=_samples(samples), capture=capture,
-            micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
-            overwrite=overwrite, progress=lambda msg: status.update(msg), device=device,
-            height=height, width=width)
+
+def _train_rollout(out: Path, layout: tuple, kwargs: dict):
+    """The experiment in one process, or on torchrun's ranks in the layout of the options
+    (checked for every mode of the combinations before any rank starts); rank 0's rows, None
+    on the other ranks."""
+    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.settings import RunSpec, check_mode, resolve  # lazy: likewise
+    from drifttool.training.experiment import check_out_dir, train_rollout  # lazy: likewise
+    from drifttool.training.grpo import MODES  # lazy: likewise
+
+    launch = launch_env()
+    with alike_on_every_rank():  # the command line and the fixture only: one line for the launch
+        dims = _layout.layout_dims(*layout)
+        if launch is not None or dims.parallel:
+            fx, s = resolve(RunSpec(fixture=kwargs["fixture"], samples=kwargs["samples"],
+                                    capture=kwargs["capture"], device=kwargs["device"],
+                                    height=kwargs["height"], width=kwargs["width"]))
+            for mode in dict.fromkeys(m for pair in kwargs["combos"] for m in pair):
+                try:
+                    _layout.check_layout(dims, model_dir=s.checkpoint or fx.model_dir,
+                                         mode=check_mode(MODES[mode]), level=kwargs["capture"],
+                                         cfg_branches=s.cfg_branches, cfg_layout=s.cfg_layout)
+                except DriftToolError as e:
+                    hint = "" if mode == "strict" else "; give --combos strict/strict"
+                    raise DriftToolError(f"the {mode} runs under {_layout.describe(dims)}: {e}{hint}") from None
+            _layout.check_launch(dims, launch, "experiment train-rollout")
+            check_out_dir(out, kwargs["overwrite"])
+    if launch is None:
+        with console.status("starting") as status:
+            return train_rollout(out, progress=lambda msg: status.update(msg), **kwargs)
+    dist = _layout.start(dims, kwargs["device"])
+    try:
+        where = dict(dist=dist, parallel=dims if dims.parallel else None)
+        if dist.rank != 0:
+            train_rollout(out, **kwargs, **where)
+            return None
+        with console.status("starting") as status:
+            return train_rollout(out, progress=lambda msg: status.update(msg), **kwargs, **where)
+    finally:
+        close_distributed(dist)
+
+
+def _print_train_rollout(rows: list, out: Path) -> None:
     t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)

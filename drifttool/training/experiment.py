@@ -21,6 +21,12 @@ the trajectory of its rollout from the same pinned noise and prompts):
    the SDE transition, the first drift; plus the rel L2 of the LoRA gradients against the
    strict/strict trainer's, and the time of rollout and recompute.
 
+Under torchrun (``train_rollout(dist=, parallel=)``) every rollout and trainer runs on the
+launch's ranks in its layout (TP/SP/CFG-parallel, or sample-parallel without ``parallel``):
+each artifact is written by its owning ranks, the adapter and the tables by rank 0, which diffs
+and returns the rows (the other ranks an empty list). A production side under TP/SP is refused
+by the plan, as for ``drifttool run``: ask for ``--combos strict/strict`` there.
+
 Results: ``train_rollout.arrow`` (Arrow IPC stream, one row per combination) and
 ``train_rollout.json``; ``grpo_experiment`` likewise writes ``grpo.arrow`` / ``grpo.json`` with one
 row per (combination, step, inner epoch).
@@ -40,10 +46,11 @@ import torch
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
+from drifttool.distributed.collectives import barrier
 from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
-from drifttool.runner import execute
+from drifttool.runner import execute, run_device
 from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
 from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop
 from drifttool.training.options import RerunOptions, TrainOptions
@@ -106,10 +113,16 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _out_dir(out: str | Path, overwrite: bool) -> Path:
+def check_out_dir(out: str | Path, overwrite: bool) -> Path:
+    """Refuse a non-empty ``out`` without ``overwrite`` (read only: every rank checks alike)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
+    return out
+
+
+def _out_dir(out: str | Path, overwrite: bool) -> Path:
+    out = check_out_dir(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -131,6 +144,8 @@ def train_rollout(
     device: str = "cpu",
     height: int | None = None,
     width: int | None = None,
+    dist: Any = None,
+    parallel: Any = None,
 ) -> list[dict[str, Any]]:
     """Run the four rollout/train combinations (module docstring); returns one row each.
 
@@ -141,9 +156,14 @@ def train_rollout(
         micro_batch: samples per trainer forward (``micro_batched``); None = the rollout's batch.
         grad: trainer backward per SDE step (``grad_rel_l2`` is NaN without it).
         progress: optional ``callable(str)`` told what runs next.
+        dist, parallel: this process's place in a torchrun launch and its layout
+            (``DistContext``, ``ParallelDims`` or None for sample-parallel), as
+            ``runner.execute`` takes them; default one process. Rank 0 returns the rows, the
+            other ranks ``[]``.
 
     Raises:
-        DriftToolError: bad settings; ``out`` not empty without ``overwrite``.
+        DriftToolError: bad settings (a layout the runs do not allow included); ``out`` not
+            empty without ``overwrite``.
     """
     # every setting is checked before anything is written (each mode used, on the device)
     shape = {"device": device, "height": height, "width": width}
@@ -153,28 +173,36 @@ def train_rollout(
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
                          micro_batch=micro_batch)
     say = progress or (lambda _: None)
-    model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype, device=s.device)
-    add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
-    out = _out_dir(out, overwrite)
-    save_lora(model, out / "lora")
+    root = dist is None or dist.rank == 0
+    where = dict(dist=dist, parallel=parallel)
+    out = check_out_dir(out, overwrite)
+    if root:
+        model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype, device=s.device)
+        add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
+        out = _out_dir(out, overwrite)
+        save_lora(model, out / "lora")
+    if dist is not None:
+        barrier()  # the adapter is written before any rank loads it
     rollouts: dict[str, tuple[Path, float]] = {}
     for mode in dict.fromkeys(r for r, _ in combos):
         say(f"rollout {mode}")
         path = out / f"rollout-{mode}"
         t0 = time.perf_counter()
         execute(RunSpec(fixture=fixture, samples=samples, mode=MODES[mode], capture=capture,
-                        lora=out / "lora", **shape), path, overwrite=True)
+                        lora=out / "lora", **shape), path, overwrite=True, **where)
         rollouts[mode] = (path, time.perf_counter() - t0)
     rows, grads = [], {}
     for r_mode, t_mode in combos:
         say(f"train {t_mode} on rollout {r_mode}")
         src, t_roll = rollouts[r_mode]
         stored = load_rollout(src)
-        trainer = trainer_model(stored, device=s.device)
+        trainer = trainer_model(stored, device=s.device if dist is None else run_device(s.device, dist))
         dst = out / f"train-{t_mode}-on-{r_mode}"
         summary = recompute_run(stored, dst, RerunOptions(mode=MODES[t_mode], capture=capture,
                                                           device=s.device, overwrite=True),
-                                train, model=trainer)
+                                train, model=trainer, **where)
+        if not root:
+            continue
         grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
                                    if p.grad is not None}
         report = diff_runs(open_run(src), open_run(dst))
@@ -194,6 +222,8 @@ def train_rollout(
             "rollout_seconds": t_roll, "train_seconds": summary["seconds"],
             "rollout_dir": str(src), "train_dir": str(dst),
         })
+    if not root:
+        return []
     ref = grads.get(("strict", "strict"))
     if ref is not None:
         for row in rows:

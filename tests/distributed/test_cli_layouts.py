@@ -149,19 +149,31 @@ def test_probe_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatc
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("args, needles, world", [
+    (["--tp", "2"], ["the production runs under tp 2 × sp 1 × cfg 1", "strict family only",
+                     "give --combos strict/strict"], 2),  # the default combinations have production sides
+    (["--tp", "2", "--combos", "strict/strict"], ["needs 2 ranks",
+                                                  "torchrun --nproc-per-node 2 -m drifttool experiment train-rollout"], 1),
+    (["--cfg-parallel", "2", "--combos", "strict/strict", "--tp", "2"], ["needs 4 ranks"], 2),
+])
+def test_train_rollout_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
+    if world > 1:
+        _torchrun_env(monkeypatch, 0, world)
+    _one_line(*cli("experiment", "train-rollout", "-o", tmp_path / "e", *args), *needles)
+    assert not (tmp_path / "e").exists()
+
+
 @pytest.mark.parametrize("args, needles", [
-    (["experiment", "train-rollout", "-o", "{out}"],
-     ["[rank 0] drifttool experiment train-rollout runs in one process: the experiments have no "
-      "multi-rank layout yet"]),
-    (["experiment", "grpo", "-o", "{out}"], ["drifttool experiment grpo runs in one process"]),
+    (["experiment", "grpo", "-o", "{out}"], ["[rank 0] drifttool experiment grpo runs in one process: "
+                                             "the GRPO loop has no multi-rank layout yet"]),
     (["diff", "{run}", "{run}"], ["drifttool diff runs in one process"]),
 ])
 def test_commands_without_a_layout_refuse_torchrun_by_name(cli, tmp_path, no_launch, monkeypatch,
                                                           stored, args, needles):
     _torchrun_env(monkeypatch, 0, 2)
     argv = [a.format(run=stored, out=tmp_path / "r") for a in args]
-    _one_line(*cli(*argv), *needles, "only `drifttool run`, `replay`, `recompute` and `probe` run under "
-              "torchrun")
+    _one_line(*cli(*argv), *needles, "only `drifttool run`, `replay`, `recompute`, `probe` and "
+              "`experiment train-rollout` run under torchrun")
     assert not (tmp_path / "r").exists()
 
 
@@ -300,6 +312,16 @@ def test_recompute_under_ring_attention_is_identical(cli, tmp_path, ones):
 
 
 @pytest.mark.slow
+def test_train_rollout_under_torchrun(tmp_path):
+    p = _torchrun(2, "experiment", "train-rollout", "--tp", "2", "--combos", "strict/strict",
+                  "-o", tmp_path / "e", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "e" / "train_rollout.json").read_text())
+    assert [(r["combo"], r["identical"]) for r in rows] == [("strict/strict", True)]
+    assert p.stdout.count("first drift") == 1, p.stdout  # the tables are printed once
+
+
+@pytest.mark.slow
 def test_probe_matrix_under_torchrun(tmp_path):
     """``torchrun ... probe --tp 2``: every run on both ranks, one matrix written and printed once."""
     p = _torchrun(2, "probe", "--tp", "2", "--only", "gelu_exact,replay", "--no-heatmaps",
@@ -314,9 +336,8 @@ def test_probe_matrix_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
-    (["experiment", "train-rollout", "-o", "{out}"],
-     "drifttool experiment train-rollout runs in one process: the experiments have no multi-rank "
-     "layout yet"),
+    (["experiment", "grpo", "-o", "{out}"],
+     "drifttool experiment grpo runs in one process: the GRPO loop has no multi-rank layout yet"),
 ])
 def test_commands_without_a_layout_refuse_torchrun(tmp_path, args, needle):
     p = _torchrun(2, *[a.format(out=tmp_path / "out") for a in args], cwd=tmp_path)
