@@ -62,12 +62,10 @@ def _launched_ranks() -> tuple[int, int]:
 ALIKE = "alike_on_every_rank"
 """Attribute set on a ``DriftToolError`` that every rank raises alike (``alike_on_every_rank``)."""
 
-TORCHRUN_COMMANDS = "`drifttool run`, `replay`, `recompute`, `probe` and `experiment train-rollout`"
+TORCHRUN_COMMANDS = "`drifttool run`, `replay`, `recompute`, `probe` and `experiment`"
 """The commands that run under torchrun (sample-parallel, or a --tp/--sp/--cfg-parallel layout)."""
 
 _ONE_PROCESS = {
-    "experiment grpo": "the GRPO loop has no multi-rank layout yet (its rollouts, recomputes "
-                       "and optimizer steps run in one process)",
     "diff": "it reads artifacts (a multi-rank artifact diffs in one process)",
     "trace": "it reads an artifact (every rank's trace)",
     "overlay": "it reads artifacts",
@@ -138,8 +136,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     drift); a closed stdout (``| head``) keeps the command's own exit code.
 
     Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
-    (``ranks=False``: all but ``run``, ``replay``, ``recompute``, ``probe`` and ``experiment
-    train-rollout``) is refused in one line naming why (``one_process_refusal``) instead of having
+    (``ranks=False``: all but ``run``, ``replay``, ``recompute``, ``probe`` and ``experiment``)
+    is refused in one line naming why (``one_process_refusal``) instead of having
     every rank race for the same output; under torchrun every rank prefixes its error line with
     its rank, except for an error every rank raises alike (``alike_on_every_rank``), printed once."""
 

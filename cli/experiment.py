@@ -6,7 +6,7 @@
 
 ``train-rollout`` runs under torchrun in the launch's layout (``--tp/--sp/--sp-attention/
 --cfg-parallel``, each combination's modes checked against it before any rank starts,
-``cli._layout``; without them sample-parallel). ``grpo`` runs in one process.
+``cli._layout``; without them sample-parallel); ``grpo`` in a TP/SP/CFG-parallel layout.
 """
 
 from __future__ import annotations
@@ -104,43 +104,20 @@ def train_rollout_cmd(
 
 def _train_rollout(out: Path, layout: tuple, kwargs: dict):
     """The experiment in one process, or on torchrun's ranks in the layout of the options
-    (checked for every mode of the combinations before any rank starts); rank 0's rows, None
-    on the other ranks."""
-    from drifttool.distributed import close_distributed, launch_env  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.settings import RunSpec, check_mode, resolve  # lazy: likewise
+    (``_check_combos``); rank 0's rows, None on the other ranks."""
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.training.experiment import check_out_dir, train_rollout  # lazy: likewise
-    from drifttool.training.grpo import MODES  # lazy: likewise
 
     launch = launch_env()
     with alike_on_every_rank():  # the command line and the fixture only: one line for the launch
         dims = _layout.layout_dims(*layout)
-        if launch is not None or dims.parallel:
-            fx, s = resolve(RunSpec(fixture=kwargs["fixture"], samples=kwargs["samples"],
-                                    capture=kwargs["capture"], device=kwargs["device"],
-                                    height=kwargs["height"], width=kwargs["width"]))
-            for mode in dict.fromkeys(m for pair in kwargs["combos"] for m in pair):
-                try:
-                    _layout.check_layout(dims, model_dir=s.checkpoint or fx.model_dir,
-                                         mode=check_mode(MODES[mode]), level=kwargs["capture"],
-                                         cfg_branches=s.cfg_branches, cfg_layout=s.cfg_layout)
-                except DriftToolError as e:
-                    hint = "" if mode == "strict" else "; give --combos strict/strict"
-                    raise DriftToolError(f"the {mode} runs under {_layout.describe(dims)}: {e}{hint}") from None
-            _layout.check_launch(dims, launch, "experiment train-rollout")
-            check_out_dir(out, kwargs["overwrite"])
+        _check_combos(dims, kwargs, "experiment train-rollout", launch)
+        check_out_dir(out, kwargs["overwrite"])
+    call = lambda progress, **where: train_rollout(out, progress=progress, **kwargs, **where)  # noqa: E731
     if launch is None:
         with console.status("starting") as status:
-            return train_rollout(out, progress=lambda msg: status.update(msg), **kwargs)
-    dist = _layout.start(dims, kwargs["device"])
-    try:
-        where = dict(dist=dist, parallel=dims if dims.parallel else None)
-        if dist.rank != 0:
-            train_rollout(out, **kwargs, **where)
-            return None
-        with console.status("starting") as status:
-            return train_rollout(out, progress=lambda msg: status.update(msg), **kwargs, **where)
-    finally:
-        close_distributed(dist)
+            return call(lambda msg: status.update(msg))
+    return _on_launch(dims, kwargs["device"], call)
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
@@ -189,17 +166,87 @@ def grpo_cmd(
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
+    tp: int = _layout.tp_option(),
+    sp: int = _layout.sp_option(),
+    sp_attention: Optional[str] = _layout.sp_attention_option(),
+    cfg_parallel: int = _layout.cfg_parallel_option(),
 ) -> None:
     """A small Flow-GRPO loop (toy reward, per-group advantages, PPO clipped ratio, LoRA only)
-    per rollout/train combination: ratio, KL, clip fraction and reward per step and inner epoch."""
-    from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
+    per rollout/train combination: ratio, KL, clip fraction and reward per step and inner epoch.
+    Under torchrun with --tp/--sp/--cfg-parallel every rollout, recompute and optimizer step
+    runs in that layout (a production side has no TP/SP layout: --combos strict/strict there)."""
+    kwargs = dict(combos=_combos(combos), overwrite=overwrite, steps=steps, groups=groups,
+                  group_size=group_size, inner_epochs=inner_epochs, lr=lr, clip_range=clip_range,
+                  train_micro_batch=micro_batch or None, device=device, height=height, width=width)
+    rows = user_errors(_grpo, command="experiment grpo", ranks=True)(
+        out, (tp, sp, sp_attention, cfg_parallel), kwargs)
+    if rows is None:
+        return  # a rank other than 0 of a launch
+    _print_grpo(rows, out)
 
-    with console.status("starting") as status:
-        rows = user_errors(grpo_experiment, command="experiment grpo")(
-            out, combos=_combos(combos), overwrite=overwrite, progress=lambda msg: status.update(msg),
-            steps=steps, groups=groups, group_size=group_size, inner_epochs=inner_epochs, lr=lr,
-            clip_range=clip_range, train_micro_batch=micro_batch or None, device=device,
-            height=height, width=width)
+
+def _check_combos(dims, kwargs: dict, command: str, launch) -> None:
+    """Refuse, alike on every rank, a layout the combinations' modes cannot run in (and a launch
+    of another size); nothing for one process."""
+    from drifttool.settings import RunSpec, check_mode, resolve  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.training.grpo import MODES  # lazy: likewise
+
+    if launch is None and not dims.parallel:
+        return
+    spec = {k: kwargs[k] for k in ("fixture", "samples", "capture", "device", "height", "width")
+            if k in kwargs}
+    fx, s = resolve(RunSpec(**spec))
+    for mode in dict.fromkeys(m for pair in kwargs["combos"] for m in pair):
+        try:
+            _layout.check_layout(dims, model_dir=s.checkpoint or fx.model_dir,
+                                 mode=check_mode(MODES[mode]), level=kwargs.get("capture") or "L1",
+                                 cfg_branches=s.cfg_branches, cfg_layout=s.cfg_layout)
+        except DriftToolError as e:
+            hint = "" if mode == "strict" else "; give --combos strict/strict"
+            raise DriftToolError(f"the {mode} runs under {_layout.describe(dims)}: {e}{hint}") from None
+    _layout.check_launch(dims, launch, command)
+
+
+def _on_launch(dims, device: str, call):
+    """``call(progress, dist=, parallel=)`` on torchrun's ranks in ``dims`` (sample-parallel
+    when it is one process), a spinner on rank 0; rank 0's result, None on the other ranks."""
+    from drifttool.distributed import close_distributed  # lazy: keeps torch out of `drifttool --help`
+
+    dist = _layout.start(dims, device)
+    try:
+        where = dict(dist=dist, parallel=dims if dims.parallel else None)
+        if dist.rank != 0:
+            call(None, **where)
+            return None
+        with console.status("starting") as status:
+            return call(lambda msg: status.update(msg), **where)
+    finally:
+        close_distributed(dist)
+
+
+def _grpo(out: Path, layout: tuple, kwargs: dict):
+    """The GRPO experiment in one process, or on torchrun's ranks in the layout of the options
+    (``_check_combos``); rank 0's rows, None on the other ranks."""
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.training.experiment import check_out_dir, grpo_experiment  # lazy: likewise
+
+    launch = launch_env()
+    with alike_on_every_rank():  # the command line and the fixture only: one line for the launch
+        dims = _layout.layout_dims(*layout)
+        if launch is not None and launch.world_size > 1 and not dims.parallel:
+            raise DriftToolError("experiment grpo under torchrun runs a TP/SP/CFG-parallel layout "
+                                 "(--tp, --sp or --cfg-parallel); its loop has no sample-parallel "
+                                 "layout")
+        _check_combos(dims, kwargs, "experiment grpo", launch)
+        check_out_dir(out, kwargs["overwrite"])
+    call = lambda progress, **where: grpo_experiment(out, progress=progress, **kwargs, **where)  # noqa: E731
+    if launch is None:
+        with console.status("starting") as status:
+            return call(lambda msg: status.update(msg))
+    return _on_launch(dims, kwargs["device"], call)
+
+
+def _print_grpo(rows: list, out: Path) -> None:
     for combo in dict.fromkeys(r["combo"] for r in rows):
         t = Table(title=f"Flow-GRPO {_label({'combo': combo})} (rollout/train; epoch 0: the parameters "
                         "that sampled)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

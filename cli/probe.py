@@ -78,9 +78,10 @@ def probe(
     with alike_on_every_rank():  # the command line and the files it names: one line for the launch
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
         if (launch is not None or dims.parallel) and (distributed or peer is not None):
+            why = ("its layouts spawn ranks of their own" if distributed
+                   else "it runs another implementation, diffusers'")
             raise DriftToolError(f"--{'distributed' if distributed else 'peer'} runs in one process "
-                                 "(its layouts spawn ranks of their own, or it runs another "
-                                 "implementation): launch it without torchrun and --tp/--sp/--cfg-parallel")
+                                 f"({why}): launch it without torchrun and --tp/--sp/--cfg-parallel")
         if distributed and peer is not None:
             raise DriftToolError("give --peer or --distributed, not both")
         if distributed and device not in (None, "cpu"):
@@ -116,6 +117,11 @@ def probe(
             raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
                                  "(only --list runs without one)")
         _check_out(out, overwrite)
+        if dims.sp > 1 and dims.sp_attention == "ring":
+            raise DriftToolError(
+                "--sp-attention ring cannot run the probe matrix: its baseline captures L2 (the "
+                "attention internals and row digests the expectations are judged on), which a ring "
+                "rank never holds; use --sp-attention agrs or ulysses")
         _layout.check_layout(dims, **_layout.settings_layout(*resolve(base)))
         _layout.check_launch(dims, launch, "probe")
     if launch is None:
@@ -205,10 +211,13 @@ def _report(matrix, out: Path, heatmaps: bool) -> None:
 def _check_out(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given
     (read only: every rank of a launch checks alike)."""
+    if out.exists() and not out.is_dir():
+        raise DriftToolError(f"{out} exists and is not a directory")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DriftToolError(f"-o {out}: {above} is not a directory")
     if not out.exists() or not any(out.iterdir()):
         return
-    if not out.is_dir():
-        raise DriftToolError(f"{out} exists and is not a directory")
     if not (out / "matrix.json").exists():
         raise DriftToolError(f"{out} is not empty and holds no probe matrix; choose another -o")
     if not overwrite:

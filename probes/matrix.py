@@ -131,8 +131,10 @@ def matrix_table(m: Matrix) -> Table:
     """The matrix as a rich table (one row per probe); a ``layout`` column after ``kind`` when
     any probe ran a parallel layout (the distributed matrix, whose first drift also names the
     owning rank)."""
-    t = Table(title=f"probe matrix ({len(m.results)} probes, {m.seconds:.1f} s)", box=box.SIMPLE_HEAD,
-              title_justify="left")
+    launch = m.settings.get("launch")
+    where = f", every run {launch}" if launch else ""
+    t = Table(title=f"probe matrix ({len(m.results)} probes{where}, {m.seconds:.1f} s)",
+              box=box.SIMPLE_HEAD, title_justify="left")
     right = {"justify": "right", "no_wrap": True}
     layouts = any(r.layout for r in m.results)
     for col, kw in (("probe", {"no_wrap": True}), ("factor", {}), ("kind", {"no_wrap": True}),

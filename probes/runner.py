@@ -15,7 +15,8 @@ that declares an owning rank is judged on it too (``Expectation.rank``).
 Under torchrun (``run_matrix(dist=, parallel=)``) the whole matrix runs in the launch's layout:
 every rank runs the baseline and every probe run (TP/SP/CFG-parallel, or sample-parallel
 without ``parallel``), each an artifact of every rank; rank 0 writes what is not a run (the
-transformed checkpoints), diffs and judges, and returns the matrix (the other ranks ``None``).
+transformed checkpoints), diffs and judges, and returns the matrix (the other ranks ``None``),
+whose settings name the launch (``launch``, ``layout``).
 A probe the layout refuses (``UnsupportedConfigError``, raised alike on every rank before a run
 starts: e.g. CFG off under CFG-parallel, a production variant under TP) is ``PENDING``, with
 the refusal as its reason; any other error ends the launch (a rank cannot go on alone).
@@ -229,6 +230,15 @@ def _launched(dist: Any) -> bool:
     return dist is not None and dist.world_size > 1
 
 
+def _launch_name(dist: Any, parallel: Any) -> str:
+    """``on 2 ranks, tp 2 × sp 1 × cfg 1`` / ``on 2 ranks, sample-parallel``: where every run of a
+    launched matrix ran (its title and ``settings["launch"]``)."""
+    if parallel is None or not parallel.parallel:
+        return f"on {dist.world_size} ranks, sample-parallel"
+    sp = f"sp {parallel.sp}" + (f" {parallel.sp_attention}" if parallel.sp > 1 else "")
+    return f"on {dist.world_size} ranks, tp {parallel.tp} × {sp} × cfg {parallel.cfg}"
+
+
 def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path, dist: Any = None) -> RunSpec:
     """The baseline spec with the probe's one change (writes a transformed checkpoint if any: on
     rank 0 of a launch, which every rank then waits for)."""
@@ -356,5 +366,9 @@ def run_matrix(
             on_result(r)
     if _launched(dist) and dist.rank != 0:
         return None
+    if _launched(dist):
+        settings = {**settings, "launch": _launch_name(dist, parallel),
+                    "layout": {**(parallel.layout() if parallel is not None and parallel.parallel
+                                  else {"kind": "sample_parallel"}), "world_size": dist.world_size}}
     return Matrix(out=str(out), baseline=str(baseline), settings=settings, results=results,
                   seconds=time.perf_counter() - t0, baseline_seconds=t_base)

@@ -75,8 +75,9 @@ def check(config: Any, dims: Any) -> None:
     heads = int(config.num_attention_heads) // dims.tp
     if dims.sp_attention == "ulysses" and heads % dims.sp:
         raise UnsupportedConfigError(
-            f"--sp-attention ulysses: {heads} attention heads per TP rank do not split over "
-            f"--sp {dims.sp} (each SP rank attends a whole number of heads)")
+            f"--sp-attention ulysses: " + (f"{heads} attention heads per TP rank do not" if heads != 1
+                                           else "1 attention head per TP rank does not")
+            + f" split over --sp {dims.sp} (each SP rank attends a whole number of heads)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +156,10 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
         return _ulysses(plan, run, q, k, v, key_mask, text_len, kwargs)
     if rt.wants_internals():
         raise UnsupportedConfigError(ring_no_l2())
-    if "joint_attention_fused" in rt.variants:
-        raise UnsupportedConfigError("--sp-attention ring runs its own blocked kernel: a variant of "
-                                     "joint_attention_fused cannot apply")
+    planted = sorted(op for op in _JOINT_ROWS if op in rt.variants)
+    if planted:
+        raise UnsupportedConfigError(f"--sp-attention ring runs its own blocked kernel: a variant "
+                                     f"of {', '.join(planted)} cannot apply")
     lo, hi = _mine(plan)
     shard = Shard(lo, hi, plan.coords["sp"], plan.dims.sp, _group(plan))
     return ring_attention_grad(

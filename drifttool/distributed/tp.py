@@ -182,9 +182,27 @@ class _ColumnInputGrad(torch.autograd.Function):
         return (None, None, None, None, None, cast_like(dx.reshape(*lead, k), x), *grads)
 
 
-def _row(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def _row_rule(op: str):
+    """The row-parallel rule of ``op`` (``_row``)."""
+    def rule(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+        return _row(op, plan, rt, args)
+
+    return rule
+
+
+def _row(op: str, plan: "ParallelPlan", rt: "Runtime", args: tuple) -> Any:
     """Row-parallel GEMM: x [..., K/T] (this rank's heads or channels), w [N, K], b [N] →
-    [..., N] replicated, in the activation dtype (``_RowParallel``)."""
+    [..., N] replicated, in the activation dtype (``_RowParallel``). It finishes contract v2's
+    tree over the ranks' partials itself, so an operator variant of ``op`` (a probe's change)
+    cannot apply: refused, never silently dropped.
+
+    Raises:
+        UnsupportedConfigError: a variant of ``op``, or an input that is not the rank's K shard.
+    """
+    if op in rt.variants:
+        raise UnsupportedConfigError(
+            f"--tp: the row-parallel {op} finishes the ranks' partials by contract v2's tree "
+            f"itself; the variant {rt.variants[op][0]!r} of it cannot apply under TP")
     x, w, b = args
     n, k = w.shape
     spans = shard_spans(segment_spans(k), plan.dims.tp, plan.coords["tp"])
@@ -262,8 +280,8 @@ def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, sh
 RULES: dict = {
     "qkv_bias_gemm": _qkv,
     "mlp_up_gemm_gelu": _column,
-    "attn_out_bias_gemm": _row,
-    "mlp_down_gemm": _row,
+    "attn_out_bias_gemm": _row_rule("attn_out_bias_gemm"),
+    "mlp_down_gemm": _row_rule("mlp_down_gemm"),
 }
 
 # the axis each sharded output's heads or channels lie on

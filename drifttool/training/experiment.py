@@ -176,6 +176,8 @@ def train_rollout(
     root = dist is None or dist.rank == 0
     where = dict(dist=dist, parallel=parallel)
     out = check_out_dir(out, overwrite)
+    if dist is not None:
+        barrier()  # every rank has checked ``out`` before rank 0 writes into it
     if root:
         model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype, device=s.device)
         add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
@@ -244,16 +246,27 @@ def grpo_experiment(
     combos: tuple[tuple[str, str], ...] = COMBOS,
     overwrite: bool = False,
     progress=None,
+    dist: Any = None,
+    parallel: Any = None,
     **config: Any,
 ) -> list[dict[str, Any]]:
     """``grpo_loop`` once per combination (same seed, prompts and fresh adapter each time);
-    rows written to ``grpo.arrow`` / ``grpo.json`` (plus ``grpo.settings.json``)."""
-    out = _out_dir(out, overwrite)
+    rows written to ``grpo.arrow`` / ``grpo.json`` (plus ``grpo.settings.json``). Under a
+    launch (``dist``, ``parallel``: ``grpo_loop``) every rank runs every loop and rank 0 writes
+    the tables; every rank returns the (equal) rows."""
+    out = check_out_dir(out, overwrite)
+    if dist is not None:
+        barrier()  # every rank has checked ``out`` before rank 0 writes into it
+    root = dist is None or dist.rank == 0
     say = progress or (lambda _: None)
     rows = []
     for r_mode, t_mode in combos:
         say(f"grpo {r_mode}/{t_mode}")
-        rows += grpo_loop(GRPOConfig(rollout_mode=r_mode, train_mode=t_mode, **config))
+        rows += grpo_loop(GRPOConfig(rollout_mode=r_mode, train_mode=t_mode, **config),
+                          dist=dist, parallel=parallel)
+    if not root:
+        return rows
+    out = _out_dir(out, overwrite)
     write_table(rows, None, out, "grpo")
     (out / "grpo.settings.json").write_text(json.dumps(
         {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos]}, indent=2) + "\n")

@@ -44,9 +44,10 @@ from drifttool.fixture import DEFAULT_FIXTURE
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.runner import rank_layout, run_device
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.rollout import recompute, rollout, sampler_model
+from drifttool.sampling.rollout import cfg_enabled, recompute, rollout, sampler_model
 from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
 from drifttool.training.ledger import GradLedger
 from drifttool.training.trainer import micro_batched
@@ -113,16 +114,36 @@ def _policy(cfg: GRPOConfig, fx, dtype, device):
     return model
 
 
-def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
+def _plan(dist: Any, parallel: Any, inputs: RolloutInputs, model, mode: str, sampler):
+    """The parallel plan a ``mode`` rollout or trainer of ``inputs`` runs under (None: one
+    process); trainers are checked for what the plan's backward covers."""
+    if parallel is None or not parallel.parallel:
+        return None
+    family = check_mode(MODES[mode]).family
+    _, _, plan = rank_layout(dist, parallel, inputs, model.config, family,
+                             cfg_on=cfg_enabled(inputs, sampler), cfg_layout=sampler.cfg_layout)
+    plan.check_training(model)
+    return plan
+
+
+def grpo_loop(cfg: GRPOConfig, *, model=None, dist: Any = None, parallel: Any = None
+              ) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` policy-gradient steps; one row per (step, inner epoch) (module docstring).
 
     Args:
         model: a policy with a LoRA adapter (default: the fixture's model with a fresh adapter,
             rank ``lora_rank``, alpha ``lora_alpha``, B = 0).
+        dist, parallel: this process's place in a torchrun launch and its TP/SP/CFG-parallel
+            layout (``DistContext``, ``ParallelDims``; ``runner.rank_layout``): every rollout
+            and recompute runs under the plan, every rank holds the logical trajectory and the
+            canonical LoRA gradient (``training.ledger``), so every rank takes the same
+            optimizer step and returns the same rows. Default one process.
 
     Raises:
         DriftToolError: unknown mode or fixture, or fixture settings ``drifttool run`` refuses
-            (``settings.resolve``: steps outside 2..1000, say).
+            (``settings.resolve``: steps outside 2..1000, say); ``parallel`` without ``dist``.
+        UnsupportedConfigError: a layout the plan refuses for a mode (a production side under
+            TP/SP, CFG off under CFG-parallel), or training it cannot give one device's bytes.
     """
     for m in (cfg.rollout_mode, cfg.train_mode):
         if m not in MODES:
@@ -131,7 +152,10 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
     fx, s = resolve(RunSpec(fixture=cfg.fixture, device=cfg.device, height=cfg.height, width=cfg.width))
     for m in (cfg.rollout_mode, cfg.train_mode):
         check_mode_device(check_mode(MODES[m]), s.device)
-    model = model if model is not None else _policy(cfg, fx, s.torch_dtype, s.device)
+    if parallel is not None and parallel.parallel and dist is None:
+        raise DriftToolError("grpo_loop: a parallel layout needs the launch's DistContext")
+    device = s.device if dist is None else run_device(s.device, dist)
+    model = model if model is not None else _policy(cfg, fx, s.torch_dtype, device)
     params = list(lora_parameters(model).values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sampler = s.sampler()
@@ -146,9 +170,10 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
         ids = [k * n_batch + j for j in range(n_batch)]
         prompt_rows = [((k * cfg.groups) + j // cfg.group_size) % n_prompts for j in range(n_batch)]
         inputs = group_inputs(fx, seed, ids, prompt_rows, s.img_grid, sampler.num_steps,
-                              model.config).to(s.device)
+                              model.config).to(device)
+        plans = {m: _plan(dist, parallel, inputs, model, m, sampler) for m in (cfg.rollout_mode, cfg.train_mode)}
         t0 = time.perf_counter()
-        traj = rollout(fwd, inputs, sampler, Runtime(mode=MODES[cfg.rollout_mode]))
+        traj = rollout(fwd, inputs, sampler, Runtime(mode=MODES[cfg.rollout_mode], plan=plans[cfg.rollout_mode]))
         t_roll = time.perf_counter() - t0
         rewards = toy_reward(traj.latents[-1])
         adv = group_advantages(rewards, cfg.group_size, cfg.adv_clip_max)
@@ -158,8 +183,10 @@ def grpo_loop(cfg: GRPOConfig, *, model=None) -> list[dict[str, Any]]:
             opt.zero_grad(set_to_none=True)
             ratios, kls, approx, losses = [], [], [], 0.0
             strict_train = check_mode(MODES[cfg.train_mode]).family == "strict"
-            ledger = GradLedger(model) if strict_train else None  # canonical gradients (strict)
-            rt = Runtime(mode=MODES[cfg.train_mode], grad_ledger=ledger)
+            plan = plans[cfg.train_mode]
+            ledger = GradLedger(model, group=None if plan is None else plan.groups.get("cfg"),
+                                plan=plan) if strict_train else None  # canonical gradients (strict)
+            rt = Runtime(mode=MODES[cfg.train_mode], grad_ledger=ledger, plan=plan)
             with torch.enable_grad(), (ledger or contextlib.nullcontext()):
                 for j in window:
                     re = recompute(fwd_train, inputs, traj.latents, sampler, rt, phase="train", steps=[j])

@@ -56,7 +56,7 @@ def on_ranks(dims: ParallelDims, target: str, arg: Any = None) -> list[Any]:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_main, args=(world, free_port(), out, target, dims, arg), nprocs=world, join=True)
         results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    for r in results:
-        if isinstance(r, RankCrash):
-            raise r
+    crashed = [r for r in results if isinstance(r, RankCrash)]
+    if crashed:  # every crashed rank's traceback: the first is often a peer's lost connection
+        raise RankCrash("\n".join(str(r) for r in crashed))
     return results

@@ -76,7 +76,7 @@ def stored(tmp_path_factory) -> Path:
     (["--tp", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool run"]),
     (["--tp", "4"], ["--tp 4: 2 attention heads do not split over 4 ranks"]),
     (["--tp", "2", "--sp", "2", "--sp-attention", "ulysses"],
-     ["--sp-attention ulysses: 1 attention heads per TP rank do not split over --sp 2"]),
+     ["--sp-attention ulysses: 1 attention head per TP rank does not split over --sp 2"]),
     (["--sp-attention", "ring"], ["--sp-attention ring needs --sp 2, 4 or 8"]),
     (["--sp", "2", "--sp-attention", "ring"], ["ring cannot capture L2 (the fixture's default)", "--capture L1"]),
     (["--sp", "2", "--sp-attention", "ring", "--capture", "L2"], ["ring cannot capture L2:"]),
@@ -138,15 +138,23 @@ def test_recompute_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, stored
 @pytest.mark.parametrize("args, needles, world", [
     (["--tp", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool probe"], 1),
     (["--tp", "4"], ["--tp 4: 2 attention heads do not split over 4 ranks"], 4),
-    (["--sp", "2", "--sp-attention", "ring"], ["ring cannot capture L2"], 2),
+    (["--sp", "2", "--sp-attention", "ring"], ["ring cannot run the probe matrix", "agrs or ulysses"], 2),
     (["--distributed"], ["--distributed runs in one process", "without torchrun"], 2),
+    (["--tp", "2", "-o", "{file}"], ["exists and is not a directory"], 2),
+    (["--tp", "2", "-o", "{file}/sub"], ["is not a directory"], 2),
     (["--peer", "diffusers", "--tp", "2"], ["--peer runs in one process"], 2),
 ])
 def test_probe_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
     if world > 1:
         _torchrun_env(monkeypatch, 0, world)
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(file=tmp_path / "afile") for a in args]
     _one_line(*cli("probe", "-o", tmp_path / "p", *args), *needles)
-    assert not (tmp_path / "p").exists()
+    assert not (tmp_path / "p").exists() and (tmp_path / "afile").read_text() == "x"
+    if world > 1:  # the other ranks are silent: one line for the launch
+        _torchrun_env(monkeypatch, 1, world)
+        code, out = cli("probe", "-o", tmp_path / "p", *args)
+        assert code == 2 and out.strip() == "", out
 
 
 @pytest.mark.parametrize("args, needles, world", [
@@ -163,9 +171,21 @@ def test_train_rollout_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, mo
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("args, needles, world", [
+    (["--tp", "2"], ["the production runs under tp 2", "give --combos strict/strict"], 2),
+    ([], ["grpo under torchrun runs a TP/SP/CFG-parallel layout"], 2),  # no sample-parallel loop
+    (["--tp", "2", "--combos", "strict/strict"], ["needs 2 ranks"], 1),
+])
+def test_grpo_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
+    if world > 1:
+        _torchrun_env(monkeypatch, 0, world)
+    _one_line(*cli("experiment", "grpo", "-o", tmp_path / "g", *args), *needles)
+    assert not (tmp_path / "g").exists()
+
+
 @pytest.mark.parametrize("args, needles", [
-    (["experiment", "grpo", "-o", "{out}"], ["[rank 0] drifttool experiment grpo runs in one process: "
-                                             "the GRPO loop has no multi-rank layout yet"]),
+    (["fixture", "verify"], ["[rank 0] drifttool fixture verify runs in one process: it re-runs "
+                             "the fixture in one process"]),
     (["diff", "{run}", "{run}"], ["drifttool diff runs in one process"]),
 ])
 def test_commands_without_a_layout_refuse_torchrun_by_name(cli, tmp_path, no_launch, monkeypatch,
@@ -173,7 +193,7 @@ def test_commands_without_a_layout_refuse_torchrun_by_name(cli, tmp_path, no_lau
     _torchrun_env(monkeypatch, 0, 2)
     argv = [a.format(run=stored, out=tmp_path / "r") for a in args]
     _one_line(*cli(*argv), *needles, "only `drifttool run`, `replay`, `recompute`, `probe` and "
-              "`experiment train-rollout` run under torchrun")
+              "`experiment` run under torchrun")
     assert not (tmp_path / "r").exists()
 
 
@@ -322,6 +342,15 @@ def test_train_rollout_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+def test_grpo_under_torchrun(tmp_path):
+    p = _torchrun(2, "experiment", "grpo", "--tp", "2", "--combos", "strict/strict", "--steps", "1",
+                  "-o", tmp_path / "g", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "g" / "grpo.json").read_text())
+    assert rows[0]["ratio_exactly_one"] and p.stdout.count("Flow-GRPO strict/strict") == 1, p.stdout
+
+
+@pytest.mark.slow
 def test_probe_matrix_under_torchrun(tmp_path):
     """``torchrun ... probe --tp 2``: every run on both ranks, one matrix written and printed once."""
     p = _torchrun(2, "probe", "--tp", "2", "--only", "gelu_exact,replay", "--no-heatmaps",
@@ -336,8 +365,7 @@ def test_probe_matrix_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
-    (["experiment", "grpo", "-o", "{out}"],
-     "drifttool experiment grpo runs in one process: the GRPO loop has no multi-rank layout yet"),
+    (["overlay", "{out}", "{out}", "-o", "{out}.png"], "drifttool overlay runs in one process"),
 ])
 def test_commands_without_a_layout_refuse_torchrun(tmp_path, args, needle):
     p = _torchrun(2, *[a.format(out=tmp_path / "out") for a in args], cwd=tmp_path)

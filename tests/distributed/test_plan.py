@@ -92,3 +92,21 @@ def test_ring_at_l2_leaves_no_artifact(tmp_path):
         execute(RunSpec(capture="L2"), tmp_path / "r", dist=DistContext(rank=0, world_size=2),
                 parallel=ParallelDims(sp=2, sp_attention="ring"))
     assert not (tmp_path / "r").exists()
+
+
+def test_ring_refuses_variants_of_the_attention_internals():
+    """Ring runs its own kernel: a probe's variant of the fused attention or of an internal
+    operator would be dropped silently, so it is refused (before any collective)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from drifttool.distributed import sp
+
+    plan = ParallelPlan(dims=ParallelDims(sp=2, sp_attention="ring"))
+    plan.state["n_img"] = 4
+    q = torch.zeros(1, 6, 2, 4)
+    for op in ("joint_attention_fused", "joint_attn_softmax"):
+        rt = SimpleNamespace(wants_internals=lambda: False, variants={op: ("planted", None)})
+        with pytest.raises(UnsupportedConfigError, match=f"a variant of {op} cannot apply"):
+            sp._attention(plan, rt, "joint", None, (q, q, q, None), {"text_len": 2})
