@@ -95,29 +95,14 @@ def train_rollout_cmd(
                   micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
                   gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
                   overwrite=overwrite, device=device, height=height, width=width)
-    rows = user_errors(_train_rollout, command="experiment train-rollout", ranks=True)(
-        out, (tp, sp, sp_attention, cfg_parallel), kwargs)
+    from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
+
+    rows = user_errors(_experiment, command="experiment train-rollout", ranks=True)(
+        "experiment train-rollout", train_rollout, out, (tp, sp, sp_attention, cfg_parallel), kwargs,
+        sample_parallel=True)
     if rows is None:
         return  # a rank other than 0 of a launch
     _print_train_rollout(rows, out)
-
-
-def _train_rollout(out: Path, layout: tuple, kwargs: dict):
-    """The experiment in one process, or on torchrun's ranks in the layout of the options
-    (``_check_combos``); rank 0's rows, None on the other ranks."""
-    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.training.experiment import check_out_dir, train_rollout  # lazy: likewise
-
-    launch = launch_env()
-    with alike_on_every_rank():  # the command line and the fixture only: one line for the launch
-        dims = _layout.layout_dims(*layout)
-        _check_combos(dims, kwargs, "experiment train-rollout", launch)
-        check_out_dir(out, kwargs["overwrite"])
-    call = lambda progress, **where: train_rollout(out, progress=progress, **kwargs, **where)  # noqa: E731
-    if launch is None:
-        with console.status("starting") as status:
-            return call(lambda msg: status.update(msg))
-    return _on_launch(dims, kwargs["device"], call)
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
@@ -178,8 +163,11 @@ def grpo_cmd(
     kwargs = dict(combos=_combos(combos), overwrite=overwrite, steps=steps, groups=groups,
                   group_size=group_size, inner_epochs=inner_epochs, lr=lr, clip_range=clip_range,
                   train_micro_batch=micro_batch or None, device=device, height=height, width=width)
-    rows = user_errors(_grpo, command="experiment grpo", ranks=True)(
-        out, (tp, sp, sp_attention, cfg_parallel), kwargs)
+    from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
+
+    rows = user_errors(_experiment, command="experiment grpo", ranks=True)(
+        "experiment grpo", grpo_experiment, out, (tp, sp, sp_attention, cfg_parallel), kwargs,
+        sample_parallel=False)
     if rows is None:
         return  # a rank other than 0 of a launch
     _print_grpo(rows, out)
@@ -201,9 +189,10 @@ def _check_combos(dims, kwargs: dict, command: str, launch) -> None:
             _layout.check_layout(dims, model_dir=s.checkpoint or fx.model_dir,
                                  mode=check_mode(MODES[mode]), level=kwargs.get("capture") or "L1",
                                  cfg_branches=s.cfg_branches, cfg_layout=s.cfg_layout)
-        except DriftToolError as e:
+        except DriftToolError as e:  # the plan's words for run; an experiment picks its modes by --combos
+            why = str(e).replace(": use --mode strict)", ")")
             hint = "" if mode == "strict" else "; give --combos strict/strict"
-            raise DriftToolError(f"the {mode} runs under {_layout.describe(dims)}: {e}{hint}") from None
+            raise DriftToolError(f"the {mode} runs under {_layout.describe(dims)}: {why}{hint}") from None
     _layout.check_launch(dims, launch, command)
 
 
@@ -224,22 +213,24 @@ def _on_launch(dims, device: str, call):
         close_distributed(dist)
 
 
-def _grpo(out: Path, layout: tuple, kwargs: dict):
-    """The GRPO experiment in one process, or on torchrun's ranks in the layout of the options
-    (``_check_combos``); rank 0's rows, None on the other ranks."""
+def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
+                sample_parallel: bool):
+    """``fn(out, progress=, **kwargs)`` (``train_rollout``, ``grpo_experiment``) in one process,
+    or on torchrun's ranks in the layout of the options (``_check_combos``; without layout
+    options sample-parallel, where ``sample_parallel`` allows it); rank 0's rows, None on the
+    other ranks."""
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.training.experiment import check_out_dir, grpo_experiment  # lazy: likewise
+    from drifttool.training.experiment import check_out_dir  # lazy: likewise
 
     launch = launch_env()
     with alike_on_every_rank():  # the command line and the fixture only: one line for the launch
         dims = _layout.layout_dims(*layout)
-        if launch is not None and launch.world_size > 1 and not dims.parallel:
-            raise DriftToolError("experiment grpo under torchrun runs a TP/SP/CFG-parallel layout "
-                                 "(--tp, --sp or --cfg-parallel); its loop has no sample-parallel "
-                                 "layout")
-        _check_combos(dims, kwargs, "experiment grpo", launch)
+        if not sample_parallel and launch is not None and launch.world_size > 1 and not dims.parallel:
+            raise DriftToolError(f"{command} under torchrun runs a TP/SP/CFG-parallel layout (--tp, "
+                                 "--sp or --cfg-parallel); its loop has no sample-parallel layout")
+        _check_combos(dims, kwargs, command, launch)
         check_out_dir(out, kwargs["overwrite"])
-    call = lambda progress, **where: grpo_experiment(out, progress=progress, **kwargs, **where)  # noqa: E731
+    call = lambda progress, **where: fn(out, progress=progress, **kwargs, **where)  # noqa: E731
     if launch is None:
         with console.status("starting") as status:
             return call(lambda msg: status.update(msg))

@@ -164,6 +164,9 @@ def render_matrix(m: Matrix, console: Console) -> None:
                           highlight=False)
             for why in r.reasons:
                 console.print(f"  - {why}", highlight=False, soft_wrap=True)
+        elif r.status == PENDING and m.settings.get("launch"):  # refused by the launch's layout
+            console.print(f"{PENDING} {r.name}: " + "; ".join(r.reasons), highlight=False,
+                          soft_wrap=True, markup=False)
     counts = {s: sum(r.status == s for r in m.results)
               for s in (PASS, FINDING, ERROR, PENDING, OBSERVED)}
     pending = [r.name for r in m.results if r.status == PENDING]

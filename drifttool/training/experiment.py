@@ -113,9 +113,28 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def launch_record(dist: Any, parallel: Any) -> dict[str, Any]:
+    """Where an experiment's runs ran, for its settings file: the layout (``ParallelDims.layout``
+    under a plan, ``sample_parallel`` or ``single``) and the world size."""
+    world = 1 if dist is None else int(dist.world_size)
+    if parallel is not None and parallel.parallel:
+        return {**parallel.layout(), "world_size": world}
+    return {"kind": "sample_parallel" if world > 1 else "single", "world_size": world}
+
+
 def check_out_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse a non-empty ``out`` without ``overwrite`` (read only: every rank checks alike)."""
+    """Refuse an ``out`` that is (or lies under) a file, or is not empty without ``overwrite``
+    (read only: every rank checks alike).
+
+    Raises:
+        ArtifactError: naming the path.
+    """
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out} exists and is not a directory")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ArtifactError(f"-o {out}: {above} is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
     return out
@@ -236,6 +255,7 @@ def train_rollout(
         "device": s.device, "img_grid": list(s.img_grid),
         "lora": {"rank": lora_rank, "alpha": lora_alpha, "init_b_std": 0.02, "seed": 1},
         "gradient_checkpointing": gradient_checkpointing, "grad": grad, "combos": [list(c) for c in combos],
+        "launch": launch_record(dist, parallel),
     }, indent=2) + "\n")
     return rows
 
@@ -269,5 +289,6 @@ def grpo_experiment(
     out = _out_dir(out, overwrite)
     write_table(rows, None, out, "grpo")
     (out / "grpo.settings.json").write_text(json.dumps(
-        {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos]}, indent=2) + "\n")
+        {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos],
+         "launch": launch_record(dist, parallel)}, indent=2) + "\n")
     return rows

@@ -157,30 +157,33 @@ def test_probe_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatc
         assert code == 2 and out.strip() == "", out
 
 
-@pytest.mark.parametrize("args, needles, world", [
-    (["--tp", "2"], ["the production runs under tp 2 × sp 1 × cfg 1", "strict family only",
-                     "give --combos strict/strict"], 2),  # the default combinations have production sides
-    (["--tp", "2", "--combos", "strict/strict"], ["needs 2 ranks",
-                                                  "torchrun --nproc-per-node 2 -m drifttool experiment train-rollout"], 1),
-    (["--cfg-parallel", "2", "--combos", "strict/strict", "--tp", "2"], ["needs 4 ranks"], 2),
+@pytest.mark.parametrize("command, args, needles, world", [
+    # the default combinations have production sides
+    ("train-rollout", ["--tp", "2"], ["the production runs under tp 2 × sp 1 × cfg 1", "strict family only",
+                                      "give --combos strict/strict"], 2),
+    ("train-rollout", ["--tp", "2", "--combos", "strict/strict"],
+     ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool experiment train-rollout"], 1),
+    ("train-rollout", ["--cfg-parallel", "2", "--combos", "strict/strict", "--tp", "2"], ["needs 4 ranks"], 2),
+    ("grpo", ["--tp", "2"], ["the production runs under tp 2", "give --combos strict/strict"], 2),
+    ("grpo", [], ["grpo under torchrun runs a TP/SP/CFG-parallel layout"], 2),  # no sample-parallel loop
+    ("grpo", ["--tp", "2", "--combos", "strict/strict"], ["needs 2 ranks"], 1),
+    ("grpo", ["--tp", "2", "--combos", "strict/strict", "-o", "{file}"], ["exists and is not a directory"], 2),
+    ("train-rollout", ["--tp", "2", "--combos", "strict/strict", "-o", "{file}/x"], ["is not a directory"], 2),
 ])
-def test_train_rollout_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
+def test_experiment_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, command, args,
+                                                 needles, world):
     if world > 1:
         _torchrun_env(monkeypatch, 0, world)
-    _one_line(*cli("experiment", "train-rollout", "-o", tmp_path / "e", *args), *needles)
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(file=tmp_path / "afile") for a in args]
+    code, out = cli("experiment", command, "-o", tmp_path / "e", *args)
+    _one_line(code, out, *needles)
+    assert "--mode" not in out  # an experiment has no --mode: its modes come from --combos
     assert not (tmp_path / "e").exists()
-
-
-@pytest.mark.parametrize("args, needles, world", [
-    (["--tp", "2"], ["the production runs under tp 2", "give --combos strict/strict"], 2),
-    ([], ["grpo under torchrun runs a TP/SP/CFG-parallel layout"], 2),  # no sample-parallel loop
-    (["--tp", "2", "--combos", "strict/strict"], ["needs 2 ranks"], 1),
-])
-def test_grpo_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monkeypatch, args, needles, world):
-    if world > 1:
-        _torchrun_env(monkeypatch, 0, world)
-    _one_line(*cli("experiment", "grpo", "-o", tmp_path / "g", *args), *needles)
-    assert not (tmp_path / "g").exists()
+    if world > 1:  # the other ranks are silent: one line for the launch
+        _torchrun_env(monkeypatch, 1, world)
+        code, out = cli("experiment", command, "-o", tmp_path / "e", *args)
+        assert code == 2 and out.strip() == "", out
 
 
 @pytest.mark.parametrize("args, needles", [

@@ -5,6 +5,8 @@ the recompute's v_t, logp_t and LoRA gradient records — and rank 0 alone retur
 
 from __future__ import annotations
 
+import json
+
 from drifttool.distributed.plan import ParallelDims
 from drifttool.training.experiment import train_rollout
 from tests.distributed.layout_runs import assert_identical
@@ -27,3 +29,7 @@ def test_train_rollout_under_tp2_writes_the_one_process_artifacts(tmp_path):
     for name in ("rollout-strict", "train-strict-on-strict"):
         assert_identical(tmp_path / "one" / name, tmp_path / "tp2" / name)
     assert (tmp_path / "tp2" / "train_rollout.json").exists() and (tmp_path / "tp2" / "lora").is_dir()
+    launch = json.loads((tmp_path / "tp2" / "train_rollout.settings.json").read_text())["launch"]
+    assert (launch["kind"], launch["tp"], launch["world_size"]) == ("parallel", 2, 2)
+    one_launch = json.loads((tmp_path / "one" / "train_rollout.settings.json").read_text())["launch"]
+    assert one_launch == {"kind": "single", "world_size": 1}
