@@ -129,12 +129,11 @@ def logical_parts(site: dict[str, Any], shape: tuple[int, ...], layout: str) -> 
     return parts
 
 
-def _axis_runs(tag: str, stream: str, local: int, shard: AxisShard | None, txt_len, grid,
+def _axis_runs(tag: str, stream: str, shard: AxisShard, txt_len, grid,
                txt_start: int) -> list[tuple[int, int, int]]:
-    """``(local start, length, canonical start)`` of this rank's positions along one axis of a
-    batch row: S/K axes keep their canonical segments (text rows, image rows), others all."""
-    pieces = shard.pieces if shard is not None else ((0, local, 0),)
-    size = shard.size if shard is not None else local
+    """``(local start, length, canonical start)`` of this rank's positions along one placed axis
+    of a batch row: S/K axes keep their canonical segments (text rows, image rows), others all."""
+    pieces, size = shard.pieces, shard.size
     if tag in "SK":
         segs, _ = _segments(tag, stream, size, txt_len, grid, txt_start)
     else:
@@ -242,8 +241,7 @@ def shard_payload(site: dict[str, Any], tensor: torch.Tensor, layout: str, place
             if i not in placed and tag in "SK":
                 segs, _ = _segments(tag, stream, t.shape[i], txt_len, grid, t0)
                 t = _take(t, i, segs)
-        runs = {i: _axis_runs(tags[i], stream, t.shape[i], placement[axes[i]], txt_len, grid, t0)
-                for i in placed}
+        runs = {i: _axis_runs(tags[i], stream, placement[axes[i]], txt_len, grid, t0) for i in placed}
         n_rows = part.shape[row_pos] if row_pos is not None else 1
         blocks = []
         for combo in itertools.product(*(runs[i] for i in placed)):
