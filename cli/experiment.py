@@ -97,12 +97,8 @@ def train_rollout_cmd(
                   overwrite=overwrite, device=device, height=height, width=width)
     from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
 
-    rows = user_errors(_experiment, command="experiment train-rollout", ranks=True)(
-        "experiment train-rollout", train_rollout, out, (tp, sp, sp_attention, cfg_parallel), kwargs,
-        sample_parallel=True)
-    if rows is None:
-        return  # a rank other than 0 of a launch
-    _print_train_rollout(rows, out)
+    _command("experiment train-rollout", train_rollout, _print_train_rollout, out,
+             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=True)
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
@@ -165,12 +161,18 @@ def grpo_cmd(
                   train_micro_batch=micro_batch or None, device=device, height=height, width=width)
     from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
 
-    rows = user_errors(_experiment, command="experiment grpo", ranks=True)(
-        "experiment grpo", grpo_experiment, out, (tp, sp, sp_attention, cfg_parallel), kwargs,
-        sample_parallel=False)
-    if rows is None:
-        return  # a rank other than 0 of a launch
-    _print_grpo(rows, out)
+    _command("experiment grpo", grpo_experiment, _print_grpo, out,
+             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=False)
+
+
+def _command(command: str, fn, show, out: Path, layout: tuple, kwargs: dict, *,
+             sample_parallel: bool) -> None:
+    """An experiment command: ``_experiment`` under ``user_errors`` (one line per error, ranks
+    allowed), then ``show(rows, out)`` on rank 0."""
+    rows = user_errors(_experiment, command=command, ranks=True)(
+        command, fn, out, layout, kwargs, sample_parallel=sample_parallel)
+    if rows is not None:  # None: a rank other than 0 of a launch
+        show(rows, out)
 
 
 def _check_combos(dims, kwargs: dict, command: str, launch) -> None:

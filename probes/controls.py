@@ -63,13 +63,12 @@ def lora_adapter(ctx: ProbeContext) -> Path:
     baseline's checkpoint, saved under the control's work directory (by rank 0 of a launch,
     which the other ranks wait for)."""
     folder = ctx.work / "lora"
-    launched = ctx.dist is not None and ctx.dist.world_size > 1
-    if not launched or ctx.dist.rank == 0:
+    if not ctx.launched or ctx.dist.rank == 0:
         _, s = resolve(ctx.base)
         model = load_checkpoint(ctx.checkpoint, dtype=s.torch_dtype)
         add_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, seed=LORA_SEED, init_b_std=0.05)
         folder = save_lora(model, folder)
-    if launched:
+    if ctx.launched:
         barrier()
     return folder
 

@@ -94,7 +94,7 @@ class LayoutRun:
         return dataclasses.replace(ctx.base, **over)
 
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
-        if ctx.dist is not None and ctx.dist.world_size > 1:
+        if ctx.launched:
             raise UnsupportedConfigError("a distributed probe spawns its own ranks: run "
                                          "`drifttool probe --distributed` without torchrun")
         spec = self.spec(ctx)

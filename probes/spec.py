@@ -53,6 +53,11 @@ class ProbeContext:
     dist: Any = None
     parallel: Any = None
 
+    @property
+    def launched(self) -> bool:
+        """Whether the probe runs on several ranks of a torchrun launch."""
+        return self.dist is not None and self.dist.world_size > 1
+
 
 VariantFactory = Callable[[], Callable[..., Any]]
 """Builds a fresh operator variant (one per run: variants may keep per-run state)."""
