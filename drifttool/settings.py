@@ -108,8 +108,8 @@ def device_operators(device_type: str) -> list[str]:
 
 def check_mode_device(mode: Mode, device: str) -> None:
     """Fail closed when ``mode``'s family has no implementation on ``device`` of some operator the
-    run dispatches there and the mode has no fallback (strict on CUDA, until a strict CUDA family
-    is registered: issue #11). Read from the registry, so a new family passes without an edit.
+    run dispatches there and the mode has no fallback. Read from the registry, so a family
+    passes once it registers every such operator.
 
     Raises:
         UnsupportedConfigError: one line naming the mode, family, device and missing operators.
@@ -121,7 +121,7 @@ def check_mode_device(mode: Mode, device: str) -> None:
     missing = [op for op in device_operators(dev) if not impls(op, family, dev)]
     if missing:
         ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
-        what = (f"the {family} family has no {dev.upper()} backend yet (issue #11)" if family == "strict"
+        what = (f"the {family} family has no {dev.upper()} implementation yet" if family == "strict"
                 else f"the {family} family has no {dev} implementation")
         raise UnsupportedConfigError(
             f"--mode {mode.value} on {device}: {what}: {len(missing)} operator(s) lack one ({ops}); "

@@ -5,17 +5,18 @@ explicit order (nothing else registers as a side effect of an import elsewhere):
 
 1. ``specs`` — the RFC WS1 model operators; ``scheduler`` — the three sampler operators and their
    strict/production implementations; ``lora`` — ``lora_merge`` and its implementations;
-2. ``strict`` — the strict family on device ``cpu``;
+2. ``strict`` — the strict family on device ``cpu``; ``strict_cuda`` — the strict family on device
+   ``cuda`` (Triton, imported only when a call runs);
 3. ``production`` — the production family on devices ``cpu`` and ``cuda``.
 
-Another family (e.g. a strict CUDA backend) registers from its own module with
-``registry.implements(op, family, device=..., constraints=...)``; neither the model nor the
-registry changes.
+Another family registers from its own module with ``registry.implements(op, family, device=...,
+constraints=...)``; neither the model nor the registry changes.
 """
 
 from drifttool.ops import specs  # noqa: F401  (declarations first)
 from drifttool.ops import lora, scheduler  # noqa: F401  (declare and implement their operators)
 from drifttool.ops import strict  # noqa: F401  (strict family, cpu)
+from drifttool.ops import strict_cuda  # noqa: F401  (strict family, cuda)
 from drifttool.ops import production  # noqa: F401  (production family, cpu and cuda)
 from drifttool.ops.registry import call, implementation, spec  # noqa: F401
 from drifttool.ops.registry import specs as all_specs  # noqa: F401

@@ -120,6 +120,9 @@ class Impl:
         constraints: declared constraints, the device constraint first.
         decomposable: byte-equal to the operator's declared decomposition, so dispatch may run
             the decomposition instead (to capture the internals).
+        contract: the arithmetic contract id this implementation keeps, when it differs from the
+            operator's (``OpSpec.contract``): e.g. the strict CUDA family's
+            ``"qwenimage.<name>.cuda1"``. ``None``: the operator's. Written to the trace.
     """
 
     op: str
@@ -130,6 +133,7 @@ class Impl:
     constraints: tuple[Constraint, ...]
     decomposable: bool = False
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
+    contract: str | None = None
 
     def failed(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Constraint, str] | None:
         """The first constraint this call fails, with its reason; ``None`` if all pass.
@@ -203,6 +207,7 @@ def implements(
     device: str | tuple[str, ...] = "cpu",
     constraints: tuple[Constraint, ...] = (),
     decomposable: bool = False,
+    contract: str | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the ``family`` implementation of operator ``name`` on ``device``.
 
@@ -215,6 +220,7 @@ def implements(
             with the ``constraints.on_device`` constraint first.
         constraints: further declared constraints (dtypes, geometry), checked on every call.
         decomposable: ``fn`` is byte-equal to the operator's declared decomposition.
+        contract: the contract id ``fn`` keeps when it is not the operator's (``Impl.contract``).
 
     Raises:
         ValueError: undeclared operator, unknown device, a constraint reading a parameter ``fn``
@@ -237,7 +243,8 @@ def implements(
                 raise ValueError(f"{name} ({family}): constraint {c.name!r} reads {missing}, "
                                  f"not parameters of {fn.__name__}")
         for d in devs:
-            impl = Impl(name, family, d, fn, kernel, (on_device(d), *constraints), decomposable, sig)
+            impl = Impl(name, family, d, fn, kernel, (on_device(d), *constraints), decomposable, sig,
+                        contract)
             _IMPLS.setdefault((name, family, d), []).append(impl)
         return fn
 
@@ -415,7 +422,7 @@ def _trace(rt: Runtime, site: dict[str, Any], op: OpSpec, res: Resolution, devic
                 "byte-equal decomposition")
     rt.trace.record(
         site=site,
-        contract=op.contract,
+        contract=res.impl.contract or op.contract,
         requested=res.requested,
         actual=res.actual,
         kernel=res.impl.kernel,
