@@ -25,6 +25,11 @@ def diff(
              "temporary directory, removed)."),
     fixture: Optional[str] = typer.Option(
         None, help="With --localize: fixture holding the model, if a manifest's name does not resolve."),
+    tolerance: Optional[str] = typer.Option(
+        None, "--tolerance", metavar="PROFILE",
+        help="Also judge every differing record against a tolerance profile (a shipped name, e.g. "
+             "strict-cuda1-vs-cpu, or a profile JSON file): within/beyond per record, the first "
+             "record beyond named. Exit 0 when every differing record is within it."),
 ) -> None:
     """Align two runs by identity and report the first drift.
 
@@ -32,16 +37,25 @@ def diff(
     whose records differ is re-executed for both runs at L2, and the first drifting operator there
     is reported, with the time it took beside an estimate of an L2 pair of whole runs.
 
-    Exit 0 identical, 1 drift, 2 incomparable, inconclusive or error.
+    With --tolerance PROFILE the differing records are judged against the profile's bounds
+    (step quantities on their values, operator outputs on their summaries) and the first record
+    beyond it is named; the bitwise verdict is still printed.
+
+    Exit 0 identical (or, with --tolerance, a drift within the profile), 1 drift, 2 incomparable,
+    inconclusive or error.
     """
     from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
     from drifttool.diff.compare import diff_runs  # lazy: likewise
     from drifttool.diff.render import render  # lazy: likewise
-    from drifttool.diff.report import exit_code  # lazy: likewise
 
     if fixture is not None and not (localize or localize_dir):
         raise typer.BadParameter("--fixture goes with --localize", param_hint="--fixture")
-    report = diff_runs(open_run(run_a), open_run(run_b))
+    profile = None
+    if tolerance is not None:
+        from drifttool.diff.tolerance import load_profile  # lazy: likewise
+
+        profile = load_profile(tolerance)
+    report = diff_runs(open_run(run_a), open_run(run_b), tolerance=profile)
     result = None
     if localize or localize_dir is not None:
         from drifttool.training.localize import localize as run_localize  # lazy: torch, only here
@@ -61,4 +75,4 @@ def diff(
                 from drifttool.diff.render_localize import render_localize  # lazy: likewise
 
                 render_localize(result, console)
-    raise typer.Exit(exit_code(report.verdict))
+    raise typer.Exit(report.exit_code)

@@ -47,6 +47,7 @@ from drifttool.diff.owners import row_owner
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
+from drifttool.diff.tolerance import Profile, judge
 from drifttool.diff.uncaptured import declared, drop_uncaptured
 from drifttool.diff.uncaptured import note as uncaptured_note
 from drifttool.digestcore import digest_bytes
@@ -375,11 +376,14 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
                      f"{through}")
 
 
-def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffReport:
+def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
+              tolerance: Profile | None = None) -> DiffReport:
     """Compare two opened artifacts (``drifttool.artifact.open_run``); see the module docstring.
 
     With ``align_recompute`` a rollout and its training recompute are aligned phase ``rollout``
-    ↔ ``train`` (``recompute_alignment``); a note says so.
+    ↔ ``train`` (``recompute_alignment``); a note says so. With a ``tolerance`` profile
+    (``drifttool.diff.tolerance``) every differing common record is also judged within or beyond
+    it (``DiffReport.tolerance``); the bitwise verdict is unchanged.
 
     Returns:
         ``DiffReport`` with verdict identical / drift / incomparable / inconclusive.
@@ -420,4 +424,19 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True) -> DiffRe
             report.identical_through = (s.phase, s.step)
     if not _set_drift(report, run_a, run_b, tables):
         _set_no_drift(report, run_a, run_b, tables)
+    if tolerance is not None:
+        report.tolerance = judge(tolerance, run_a, run_b, st, ot, _where)
     return report
+
+
+def _where(kind: str, ra: dict, rb: dict) -> str:
+    """A record's place in words (``FirstDrift.where``), for the tolerance verdict."""
+    return _first_drift(kind, ra, rb, "unknown")[0].where()
+
+
+def aligned_tables(run_a: Run, run_b: Run) -> tuple[TableDiff, TableDiff | None]:
+    """The step and op tables of two runs aligned as ``diff_runs`` aligns them (common capture
+    level, recompute phases mapped), for tools that judge the differing pairs
+    (``drifttool.diff.tolerance.measure``)."""
+    level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
+    return _compare_tables(run_a, run_b, level, recompute_alignment(run_a.manifest, run_b.manifest))

@@ -148,6 +148,10 @@ def render(report: DiffReport, console: Console | None = None) -> None:
     console.print(f"[{_STYLE[report.verdict]}]{report.verdict.value.upper()}[/]  {report.reason}",
                   highlight=False)
     console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False)
+    if report.tolerance is not None:
+        style = "bold green" if report.tolerance.ok else "bold red"
+        console.print(f"[{style}]{'WITHIN' if report.tolerance.ok else 'BEYOND'}[/]  "
+                      f"{report.tolerance.words()}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
                                                                    report.context),
                          ("notes", report.notes)):

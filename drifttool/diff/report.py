@@ -332,6 +332,8 @@ class DiffReport:
         counts: per table (``"ops"``, ``"steps"``), see ``Counts``; ops absent when not compared.
         identical_through: the last ``[phase, step]`` up to which every record matched.
         first_drift: see ``FirstDrift``. steps: per-step drift, in program order.
+        tolerance: with a tolerance profile (``diff --tolerance``), the differing records judged
+            against it (``drifttool.diff.tolerance.ToleranceResult``); ``None`` without one.
     """
 
     verdict: Verdict
@@ -348,10 +350,14 @@ class DiffReport:
     identical_through: tuple[str, int] | None = None
     first_drift: FirstDrift | None = None
     steps: list[StepDrift] = field(default_factory=list)
+    tolerance: Any = None
 
     @property
     def exit_code(self) -> int:
-        """``exit_code(self.verdict)``."""
+        """``exit_code(self.verdict)``; with a tolerance profile, a drift whose differing records
+        are all within it exits 0."""
+        if self.verdict == Verdict.DRIFT and self.tolerance is not None and self.tolerance.ok:
+            return 0
         return exit_code(self.verdict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""``diff --tolerance``: differing records judged within or beyond a declared profile, the first
+record beyond named; profiles derived from a pair of runs; bad profiles refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drifttool.artifact import open_run
+from drifttool.diff import Verdict, diff_runs
+from drifttool.diff.compare import aligned_tables
+from drifttool.diff.tolerance import (PROFILE_SCHEMA, PROFILE_VERSION, available, load_profile,
+                                      measure)
+from drifttool.errors import DriftToolError
+
+PLANT = {"step": 1, "block": 1, "op": "joint_attn", "sample": 1, "row": 9, "add": 1e-3}
+
+
+def _profile(tmp_path, ops, steps, name="p"):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": name,
+                                "ops": ops, "steps": steps}))
+    return path
+
+
+@pytest.fixture
+def pair(make_run):
+    return make_run("a"), make_run("b", plant=PLANT)
+
+
+def test_measured_bounds_hold_their_own_pair(pair, tmp_path):
+    ra, rb = (open_run(p) for p in pair)
+    derived = measure(ra, rb, *aligned_tables(ra, rb), factor=4.0)
+    assert derived["ops"]["joint_attn"]["rel_l2"] > 0  # the planted record moved its summary
+    assert derived["steps"]["v_t"]["max_abs"] > 0
+    assert set(derived["ops"]["txt_mlp"].values()) == {0.0}  # never differs: bound 0 (byte-equal)
+    path = _profile(tmp_path, derived["ops"], derived["steps"])
+    r = diff_runs(ra, rb, tolerance=load_profile(path))
+    assert r.verdict is Verdict.DRIFT and r.tolerance.ok and r.exit_code == 0
+    assert r.tolerance.beyond == {"steps": 0, "ops": 0}
+    assert r.tolerance.within["ops"] == r.counts["ops"].differ
+    assert r.tolerance.within["steps"] == r.counts["steps"].differ
+
+
+def test_a_tight_profile_names_the_first_record_beyond(pair, tmp_path):
+    path = _profile(tmp_path, {"*": {"rel_l2": 0, "rel_maxabs": 0}}, {"*": {"rel_l2": 0, "max_abs": 0}})
+    r = diff_runs(*(open_run(p) for p in pair), tolerance=load_profile(path))
+    assert not r.tolerance.ok and r.exit_code == 1 and r.tolerance.verdict == "beyond"
+    fb = r.tolerance.first_beyond
+    assert fb.where == r.first_drift.where()  # the first drift is the first record beyond
+    assert "rel_l2" in fb.why
+    assert r.to_dict()["tolerance"]["first_beyond"]["where"] == fb.where
+
+
+def test_a_record_without_a_bound_is_beyond(pair, tmp_path):
+    path = _profile(tmp_path, {"img_mlp": {"rel_l2": 1.0}}, {"*": {"rel_l2": 1.0, "max_abs": 1.0}})
+    r = diff_runs(*(open_run(p) for p in pair), tolerance=load_profile(path))
+    assert not r.tolerance.ok and r.tolerance.first_beyond.why == "no bound declared"
+    assert r.tolerance.beyond["steps"] == 0 and r.tolerance.beyond["ops"] > 0
+
+
+def test_identical_runs_stay_identical_with_a_profile(make_run, tmp_path):
+    path = _profile(tmp_path, {}, {})
+    r = diff_runs(open_run(make_run("a")), open_run(make_run("b")), tolerance=load_profile(path))
+    assert r.verdict is Verdict.IDENTICAL and r.exit_code == 0 and r.tolerance.ok
+
+
+@pytest.mark.parametrize("data,words", [
+    ({"schema": "other", "version": 1, "name": "p"}, "not a tolerance profile"),
+    ({"schema": PROFILE_SCHEMA, "version": 2, "name": "p"}, "version 2 is not supported"),
+    ({"schema": PROFILE_SCHEMA, "version": 1, "name": "p", "ops": {"*": {"rel_l2": -1}}}, ">= 0"),
+    ({"schema": PROFILE_SCHEMA, "version": 1, "name": "p", "ops": {"*": {"max_abs": 1}}}, "unknown bound"),
+    ({"schema": PROFILE_SCHEMA, "version": 1, "name": "p", "steps": {"v_t": {"rel_l2": "x"}}}, "not a finite"),
+    ({"schema": PROFILE_SCHEMA, "version": 1}, "needs a name"),
+])
+def test_bad_profiles_are_refused(tmp_path, data, words):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DriftToolError, match=words):
+        load_profile(path)
+
+
+def test_unknown_names_and_unreadable_files_are_refused(tmp_path):
+    with pytest.raises(DriftToolError, match="unknown tolerance profile"):
+        load_profile("no-such-profile")
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(DriftToolError, match="not JSON"):
+        load_profile(tmp_path / "x.json")
+    for name in available():  # every shipped profile loads
+        assert load_profile(name).name
+
+
+def test_cli_tolerance(pair, tmp_path, cli):
+    loose = _profile(tmp_path, {"*": {"rel_l2": 1.0, "rel_maxabs": 1.0}}, {"*": {"rel_l2": 1.0, "max_abs": 1.0}}, "loose")
+    code, out = cli("diff", *pair, "--tolerance", loose)
+    assert code == 0 and "WITHIN" in out and "DRIFT" in out
+    code, out = cli("diff", *pair, "--tolerance", loose, "--json")
+    assert code == 0 and json.loads(out)["tolerance"]["verdict"] == "within"
+    tight = _profile(tmp_path, {"*": {"rel_l2": 0}}, {"*": {"max_abs": 0}}, "tight")
+    code, out = cli("diff", *pair, "--tolerance", tight)
+    assert code == 1 and "BEYOND" in out and "first beyond" in out
+    code, out = cli("diff", *pair, "--tolerance", tmp_path / "missing.json")
+    assert code == 2 and out.count("error") == 1 and "Traceback" not in out

@@ -1,0 +1,62 @@
+"""Derive a tolerance profile (``drifttool diff --tolerance``) from a pair of runs.
+
+    python tools/tolerance_profile.py RUN_A RUN_B --name strict-cuda1-vs-cpu \\
+        --description "strict CUDA (cuda1) against strict CPU (v2), tiny fixture" \\
+        -o drifttool/diff/profiles/strict-cuda1-vs-cpu.json
+
+Run A is the baseline (e.g. strict on the CPU), run B the other arithmetic (strict on CUDA).
+Every bound is ``--factor`` × the largest measure seen over the pair's differing records of that
+operator or step quantity (``drifttool.diff.tolerance.measure``); what never differed gets 0. The
+raw maxima, both runs' settings and the host are kept in the profile under ``measured_on``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+from drifttool.artifact import open_run
+from drifttool.diff.compare import aligned_tables
+from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, load_profile, measure
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_a", type=Path)
+    ap.add_argument("run_b", type=Path)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--description", default="")
+    ap.add_argument("--factor", type=float, default=4.0)
+    ap.add_argument("-o", "--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    ra, rb = open_run(args.run_a), open_run(args.run_b)
+    derived = measure(ra, rb, *aligned_tables(ra, rb), factor=args.factor)
+
+    def side(run):
+        s = run.manifest.get("settings", {})
+        return {k: s.get(k) for k in ("mode", "device", "dtype", "capture", "steps", "fixture") if k in s}
+
+    profile = {
+        "schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": args.name,
+        "description": args.description,
+        "applies_to": {"a": side(ra), "b": side(rb)},
+        "derivation": f"each bound = {args.factor:g} x the largest measure over the pair's differing "
+                      "records of that operator / step quantity, rounded up to 2 significant digits; "
+                      "0 = byte-equal in the measured pair",
+        "measured_on": {"date": datetime.date.today().isoformat(), "host": platform.node(),
+                        "python": platform.python_version(), "runs": [str(args.run_a), str(args.run_b)],
+                        "maxima": derived["measured"]},
+        "ops": derived["ops"], "steps": derived["steps"],
+    }
+    args.out.write_text(json.dumps(profile, indent=1) + "\n")
+    load_profile(args.out)  # what we wrote must load
+    print(f"wrote {args.out}: {len(profile['ops'])} operators, {len(profile['steps'])} step quantities")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
