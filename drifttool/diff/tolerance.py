@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from drifttool.diff.values import compare_values, values
 from drifttool.errors import DriftToolError
 
 PROFILE_SCHEMA = "drifttool.tolerance_profile"
@@ -147,8 +148,6 @@ def op_measures(ra: dict, rb: dict) -> dict[str, float] | None:
 def step_measures(a: np.ndarray, b: np.ndarray) -> dict[str, float] | None:
     """``rel_l2``, ``max_abs`` of two step quantities' values (fp64); ``None`` when the shapes
     or the places of non-finite elements differ."""
-    from drifttool.diff.values import compare_values
-
     v = compare_values(a, b)
     if v["max_abs"] is None or v["nonfinite_mismatch"]:
         return None
@@ -220,8 +219,6 @@ def judge(profile: Profile, run_a: Any, run_b: Any, step_table: Any, op_table: A
             indexes the runs' full tables.
         where: ``where(kind, ra, rb) -> str``, the record's place in words (``FirstDrift.where``).
     """
-    from drifttool.diff.values import values
-
     res = ToleranceResult(profile=profile.name, source=profile.source)
     first: tuple[int, Beyond] | None = None
     for kind, key, t in (("step", "steps", step_table), ("op", "ops", op_table)):
@@ -264,8 +261,6 @@ def measure(run_a: Any, run_b: Any, step_table: Any, op_table: Any | None, *,
     largest measure over its differing records (2 significant digits, rounded up), plus the
     measured maxima themselves under ``"measured"``. Operators and quantities that never differ
     get bound 0 (byte-equal)."""
-    from drifttool.diff.values import values
-
     out: dict[str, dict[str, dict[str, float]]] = {"ops": {}, "steps": {}}
     for kind, key, t in (("step", "steps", step_table), ("op", "ops", op_table)):
         if t is None:
