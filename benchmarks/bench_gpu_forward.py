@@ -1,5 +1,5 @@
-"""Full-size forward on one GPU: diffusers, drifttool production, and both with capture at L1 / L2,
-side by side in one process (issue #10 item 7).
+"""Full-size forward on one GPU: diffusers, drifttool production and strict (the Triton family), and
+each with capture at L1 / L2, side by side in one process.
 
     $ python benchmarks/bench_gpu_forward.py [--layers 60] [--repeat 3]
     shape  batch  config          median ms  ratio vs diffusers  records/forward
@@ -41,7 +41,7 @@ from random_model import build  # noqa: E402
 
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
-           "production+L2")
+           "production+L2", "strict", "strict+L1")
 
 
 def inputs(batch: int, grid: tuple[int, int], device: str):
@@ -60,7 +60,8 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     """One forward of ``config``; returns the number of op records captured."""
     impl, _, level = config.partition("+")
     rec = Recorder(level) if level else None
-    rt = Runtime(mode="auto" if rec else "off", recorder=rec)
+    mode = "strict" if impl == "strict" else ("auto" if rec else "off")
+    rt = Runtime(mode=mode, recorder=rec)
     with torch.no_grad(), rt.scope(**scope):
         if impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()

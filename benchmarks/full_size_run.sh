@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full size on one GPU (issue #10 item 5): a random 60-block, full-width Qwen-Image pipeline
+# Full size on one GPU: a random 60-block, full-width Qwen-Image pipeline
 # folder, a 1024² CFG/SDE trajectory with L1 capture through the production backend and a LoRA
 # adapter, its replay, and its training recompute (backward of the LoRA, gradient checkpointing)
 # diffed against it.
