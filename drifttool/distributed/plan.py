@@ -50,6 +50,13 @@ MESH_DIMS = ("cfg", "sp", "tp")
 
 SHARD_COUNTS = shards.SHARD_COUNTS  # TP/SP degrees whose shards are subtrees of contract v2's trees
 SP_ATTENTIONS = ("agrs", "ulysses", "ring")
+TP_ROWS = ("auto", "partials", "gather")
+"""How a TP row-parallel GEMM (attention out, MLP down) splits its work (``ParallelDims.tp_row``):
+``partials`` — each rank reduces its K shard and the partials are finished by contract v2's tree
+(the CPU strict family); ``gather`` — the K shards of the input are gathered and each rank
+computes its output features over the whole K (no reduction axis split across ranks: the strict
+CUDA family, whose contract walks K once, in order); ``auto`` — ``gather`` on CUDA, ``partials``
+on the CPU."""
 SAMPLER_BLOCK = -2  # artifact.schema.SAMPLER_BLOCK (not imported: distributed/ imports no artifact code)
 
 FAULTS = {
@@ -83,6 +90,7 @@ class ParallelDims:
     sp: int = 1
     cfg: int = 1
     sp_attention: str = "agrs"
+    tp_row: str = "auto"
 
     def __post_init__(self) -> None:
         bad = []
@@ -94,6 +102,8 @@ class ParallelDims:
             bad.append(f"--cfg-parallel {self.cfg} (1 or 2: one CFG branch per rank)")
         if self.sp_attention not in SP_ATTENTIONS:
             bad.append(f"--sp-attention {self.sp_attention!r} (one of {', '.join(SP_ATTENTIONS)})")
+        if self.tp_row not in TP_ROWS:
+            bad.append(f"TP row-parallel mode {self.tp_row!r} (one of {', '.join(TP_ROWS)})")
         if bad:
             raise UnsupportedConfigError("parallel layout: unsupported " + "; ".join(bad))
 
@@ -180,6 +190,8 @@ class ParallelPlan:
         rules: operator name -> rules, applied outermost first.
         places: per rule table, its mesh dimension and output placer for capture (SP before TP).
         faults: probe faults planted in this layout (``FAULTS``; empty for a real run).
+        tp_row: how TP row-parallel GEMMs split their work, resolved (``TP_ROWS``: ``partials``
+            or ``gather``).
         state: what the rules learn during one forward (``n_img`` at ``img_in``, ``text_len``
             at attention), read by later rules and the capture placers.
     """
@@ -191,6 +203,7 @@ class ParallelPlan:
     rules: dict[str, list[Rule]] = field(default_factory=dict)
     places: list[tuple[str, Place]] = field(default_factory=list)
     faults: frozenset[str] = frozenset()
+    tp_row: str = "partials"
     state: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -205,7 +218,9 @@ class ParallelPlan:
             UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
                 family other than strict (production TP/SP is not byte-defined here), a model
                 the degrees do not divide (``tp.check``, ``sp.check``), Ring attention at
-                ``capture_level`` L2, or an unknown fault (``check_faults``).
+                ``capture_level`` L2, an unknown fault (``check_faults``), or on CUDA a layout
+                that would split a reduction axis across ranks (Ring attention, TP row-parallel
+                ``partials``: the strict CUDA family reduces each axis in one sequential order).
         """
         if dims.world_size != ctx.world_size:
             raise UnsupportedConfigError(
@@ -218,11 +233,23 @@ class ParallelPlan:
         if dims.sp > 1 and dims.sp_attention == "ring" and capture_level == "L2":
             raise UnsupportedConfigError(sp.ring_no_l2(capture_level, capture_from))
         check_faults(faults)
+        on_cuda = ctx.device.type == "cuda"
+        tp_row = dims.tp_row if dims.tp_row != "auto" else ("gather" if on_cuda else "partials")
+        if on_cuda and family == "strict":
+            split = []
+            if dims.sp > 1 and dims.sp_attention == "ring":
+                split.append("--sp-attention ring (each rank reduces its own keys)")
+            if dims.tp > 1 and tp_row == "partials":
+                split.append("TP row-parallel partials (each rank reduces its K shard)")
+            if split:
+                raise UnsupportedConfigError(
+                    "strict on CUDA never splits a reduction axis across ranks, but "
+                    + " and ".join(split) + " would: use --sp-attention agrs or ulysses")
         if dims.tp > 1:
             tp.check(config, dims)
         if dims.sp > 1:
             sp.check(config, dims)
-        plan = cls(dims=dims, num_layers=int(config.num_layers), faults=frozenset(faults))
+        plan = cls(dims=dims, num_layers=int(config.num_layers), faults=frozenset(faults), tp_row=tp_row)
         mesh = ctx.mesh
         if mesh is not None:
             names = tuple(mesh.mesh_dim_names or ())

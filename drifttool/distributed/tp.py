@@ -16,7 +16,10 @@ mlp_up_gemm_gelu     column-parallel: its channels' rows of W and b             
 attn_out_bias_gemm,  row-parallel: the contract-v2 partial over its K shard (8/T whole      ``tp_attn_out_bias_gemm``
 mlp_down_gemm        segments, ``strict_math.linear_partial``); the T partials gathered      ``tp_mlp_gemm_gelu``
                      in rank order and finished by the fixed tree on every rank, the bias
-                     added once (``finish_linear``) — never a plain all-reduce
+                     added once (``finish_linear``) — never a plain all-reduce.
+                     With ``plan.tp_row == "gather"`` (strict on CUDA): the K shards of the
+                     input gathered in rank order, the rank's output features computed over
+                     the whole K, the features gathered in rank order (``_row_by_gather``)
 ===================  ====================================================================  =======================
 
 Per-head operators (``qk_rmsnorm``, ``multi_axis_rope``, ``joint_attention_fused``) run on the
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drifttool.capture.shards import AxisShard
-from drifttool.distributed.canonical import gather_list
+from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict._checks import act_dtype, f32, out
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32
@@ -88,8 +91,10 @@ def check(config: Any, dims: Any) -> None:
     bad = []
     if int(config.num_attention_heads) % tp:
         bad.append(f"{config.num_attention_heads} attention heads do not split over {tp} ranks")
-    for what, why in (("Q/K/V", _column_ok(d, d, tp)), ("MLP up", _column_ok(hidden, d, tp)),
-                      ("attention output", _row_ok(d, tp)), ("MLP down", _row_ok(hidden, tp))):
+    rows = ((("attention output", _column_ok(d, d, tp)), ("MLP down", _column_ok(d, hidden, tp)))
+            if dims.tp_row == "gather" else
+            (("attention output", _row_ok(d, tp)), ("MLP down", _row_ok(hidden, tp))))
+    for what, why in (("Q/K/V", _column_ok(d, d, tp)), ("MLP up", _column_ok(hidden, d, tp)), *rows):
         if why:
             bad.append(f"{what}: {why}")
     if bad:
@@ -183,11 +188,46 @@ class _ColumnInputGrad(torch.autograd.Function):
 
 
 def _row_rule(op: str):
-    """The row-parallel rule of ``op`` (``_row``)."""
+    """The row-parallel rule of ``op``: ``_row`` (contract v2 partials) or, with
+    ``plan.tp_row == "gather"``, ``_row_by_gather``."""
     def rule(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+        if plan.tp_row == "gather":
+            return _row_by_gather(op, plan, rt, run, args, kwargs)
         return _row(op, plan, rt, args)
 
     return rule
+
+
+def _row_by_gather(op: str, plan: "ParallelPlan", rt: "Runtime", run, args: tuple, kwargs: dict) -> Any:
+    """Row-parallel GEMM that splits no reduction axis: x [..., K/T] (this rank's heads or
+    channels) is gathered in rank order into x [..., K] (exact: a concatenation), the rank computes
+    its output features [t·N/T, (t+1)·N/T) over the whole K through the operator's own
+    implementation (``run``: variants apply), and the features are gathered in rank order into
+    [..., N]. Every output element is the one-device kernel's: the strict CUDA family walks K in
+    one fixed order per output tile, whatever the tile's column offset. Forward only (the strict
+    CUDA family has no backward).
+
+    Raises:
+        UnsupportedConfigError: a planted row-parallel fault (it acts on partials, which this rule
+            has none of), an input that is not the rank's K shard, or N not divisible by T.
+    """
+    planted = sorted(plan.faults & {"tp_allreduce", "tp_bias_every_rank"})
+    if planted:
+        raise UnsupportedConfigError(f"--tp: the row-parallel {op} gathers its input (no partials to "
+                                     f"reduce), so the fault(s) {', '.join(planted)} cannot apply")
+    x, w, b = args
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
+        raise UnsupportedConfigError(f"--tp: the gathered row-parallel {op} is forward only (strict "
+                                     "training under TP runs the contract v2 partials, on the CPU)")
+    n, k = w.shape
+    tp, group = plan.dims.tp, plan.groups.get("tp")
+    if x.shape[-1] * tp != k or n % tp:
+        raise UnsupportedConfigError(f"TP row-parallel GEMM ({op}): input has {x.shape[-1]} features "
+                                     f"of K = {k} over {tp} ranks; N = {n} must split over them")
+    x_full = gather_cat(x, -1, group)  # [..., K]
+    lo, hi = _cols(plan, n)
+    y = run(x_full, w[lo:hi], _part(b, lo, hi), **kwargs)  # [..., N/T]
+    return gather_cat(y, -1, group)  # [..., N]
 
 
 def _row(op: str, plan: "ParallelPlan", rt: "Runtime", args: tuple) -> Any:

@@ -19,6 +19,7 @@ from tests.harness import torchrun_env
 @pytest.mark.parametrize("kw, needle", [
     (dict(tp=3), "--tp 3"), (dict(sp=16), "--sp 16"), (dict(tp=0), "--tp 0"),
     (dict(cfg=4), "--cfg-parallel 4"), (dict(sp_attention="star"), "'star'"),
+    (dict(tp_row="split"), "'split'"),
 ])
 def test_unsupported_degrees_are_refused_by_name(kw, needle):
     with pytest.raises(UnsupportedConfigError, match="parallel layout: unsupported") as e:
@@ -40,6 +41,26 @@ def test_build_refuses_a_launch_of_another_size_and_production_tp():
     ctx2 = DistContext(rank=0, world_size=2)
     with pytest.raises(UnsupportedConfigError, match="strict family only"):
         ParallelPlan.build(ctx2, ParallelDims(tp=2), tiny(), family="production")
+
+
+def test_strict_on_cuda_refuses_layouts_that_split_a_reduction_axis():
+    import torch
+
+    ctx = DistContext(rank=0, world_size=2, device=torch.device("cuda", 0))  # no GPU touched
+    with pytest.raises(UnsupportedConfigError, match="never splits a reduction axis.*ring"):
+        ParallelPlan.build(ctx, ParallelDims(sp=2, sp_attention="ring"), tiny())
+    with pytest.raises(UnsupportedConfigError, match="row-parallel partials"):
+        ParallelPlan.build(ctx, ParallelDims(tp=2, tp_row="partials"), tiny())
+
+
+def test_tp_row_resolves_by_device():
+    import torch
+
+    ctx = DistContext(rank=0, world_size=2)
+    assert ParallelPlan.build(ctx, ParallelDims(tp=2), tiny()).tp_row == "partials"
+    assert ParallelPlan.build(ctx, ParallelDims(tp=2, tp_row="gather"), tiny()).tp_row == "gather"
+    cuda = DistContext(rank=0, world_size=2, device=torch.device("cuda", 0))
+    assert ParallelPlan.build(cuda, ParallelDims(tp=2), tiny()).tp_row == "gather"
 
 
 def test_owning_rank_per_coordinate():

@@ -27,6 +27,7 @@ BASE = dict(batch=3, capture="L2", **IMG)  # the fixture's prompts (odd lengths,
 
 FAST = [
     ("tp2", P(tp=2), None, dict(batch=3, capture="L2")),
+    ("tp2-gather", P(tp=2, tp_row="gather"), None, dict(batch=3, capture="L2")),  # the strict CUDA rule
     ("sp2-agrs", P(sp=2), None, BASE),
     ("sp2-ulysses", P(sp=2, sp_attention="ulysses"), None, BASE),
     ("sp2-ring", P(sp=2, sp_attention="ring"), None, dict(BASE, capture="L1")),
