@@ -44,6 +44,10 @@ from drifttool.ops.registry import OpSpec, declare, implements
 from drifttool.ops.strict_math import tiled_linear
 
 DEVICES = ("cpu", "cuda")
+PRODUCTION_ONLY = ("lora_fuse", "lora_delta")
+"""Operators with no strict implementation: dispatched only in LoRA modes that
+``model.lora.check_lora_mode`` admits for the production family, so a strict run never meets
+them (``settings.check_mode_device`` does not require them)."""
 
 LORA_MERGE = declare(
     OpSpec(

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from drifttool.adapters.peft_lora import canonical_parameters, lora_of
+from drifttool.artifact.reader import open_run
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import tiny
@@ -145,3 +146,73 @@ def test_non_merged_modes_refuse_strict_and_unknown(setup):
     with pytest.raises(UnsupportedConfigError, match="unknown LoRA mode"):
         load_lora(load_checkpoint(base, dtype=torch.float32), adapter, mode="half")
     assert all(p.dtype == torch.float32 for p in lora_parameters(model).values())
+
+
+# -- settings, CLI, manifest --------------------------------------------------------------------
+def test_mode_names_agree_with_the_schema():
+    from drifttool.artifact import schema
+
+    assert schema.LORA_MODES == LORA_MODES
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "merged"), ("diffusers", "unfused"),
+                                             ("flow-grpo", "unfused-fp32")])
+def test_the_preset_chooses_what_its_pipeline_runs(setup, preset, expected):
+    from drifttool.settings import RunSpec, resolve
+
+    _, adapter = setup
+    mode = "strict" if preset is None else "auto"
+    s = resolve(RunSpec(lora=adapter, preset=preset, mode=mode))[1]
+    assert s.lora_mode == expected and s.record()["lora_mode"] == expected
+    assert resolve(RunSpec(lora=adapter, preset=preset, mode="auto", lora_mode="fused"))[1].lora_mode == "fused"
+    assert "lora_mode" not in resolve(RunSpec())[1].record()
+
+
+def test_cli_lora_mode_is_recorded_and_replays_identical(cli, setup, tmp_path):
+    import json
+
+    _, adapter = setup
+    code, out = cli("run", "-o", tmp_path / "a", "--preset", "diffusers", "--mode", "auto", "--capture", "L1",
+                    "--lora", adapter, "--lora-mode", "fused")
+    assert code == 0, out
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["settings"]["lora_mode"] == "fused" and m["lora"]["mode"] == "fused"
+    assert m["lora"]["factor_dtype"] == "bfloat16" and "lora_mode" in out and "fused" in out
+    ops = {r["op"] for r in open_run(tmp_path / "a").trace_rows()}
+    assert "lora_fuse" in ops and "lora_merge" not in ops
+    code, out = cli("replay", tmp_path / "a", "-o", tmp_path / "b")
+    assert code == 0, out
+    code, out = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert code == 0 and "IDENTICAL" in out, out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--lora-mode", "fused"), "--lora-mode goes with --lora"),
+    (("--lora", "ADAPTER", "--lora-mode", "unfused"), "LoRA mode 'unfused' reproduces"),
+    (("--lora", "ADAPTER", "--lora-mode", "half", "--mode", "auto"), "unknown LoRA mode 'half'"),
+])
+def test_cli_refuses_bad_lora_modes_in_one_line(cli, setup, tmp_path, args, needle):
+    _, adapter = setup
+    code, out = cli("run", "-o", tmp_path / "x", *[str(adapter) if a == "ADAPTER" else a for a in args])
+    assert code == 2 and needle in out and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1, out
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_adapter_without_alpha_is_noted_and_recorded(cli, setup, tmp_path):
+    """A diffusers file without metadata gets scale 1 (α = r): the run says so in one line and
+    the manifest records ``lora.alpha_given: false``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, adapter = setup
+    bare = tmp_path / "bare.safetensors"
+    save_file(load_file(adapter / "pytorch_lora_weights.safetensors"), str(bare))  # no metadata
+    code, out = cli("run", "-o", tmp_path / "a", "--lora", bare, "--capture", "L0")
+    assert code == 0, out
+    assert "has no alpha" in out and "scale 1" in out
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["lora"]["alpha_given"] is False and m["lora"]["scale"] == 1.0
+    code, out = cli("run", "-o", tmp_path / "b", "--lora", adapter, "--capture", "L0")
+    assert code == 0 and "has no alpha" not in out, out
