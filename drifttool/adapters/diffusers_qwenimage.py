@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from drifttool.adapters.peft_lora import canonical_parameters
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import transformer_folder
 from drifttool.model.config import from_diffusers_config
@@ -313,8 +314,6 @@ class DiffusersQwenImage(torch.nn.Module):
     def named_parameters(self, *args: Any, **kwargs: Any):
         """The transformer's parameters; peft LoRA layers' under drifttool's names
         (``peft_lora.canonical_parameters``)."""
-        from drifttool.adapters.peft_lora import canonical_parameters
-
         return iter(canonical_parameters(self.transformer).items())
 
     def state_dict(self, *args: Any, **kwargs: Any):

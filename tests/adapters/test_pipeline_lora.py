@@ -56,13 +56,17 @@ def lora_pipeline(adapter, mode: str, dtype=torch.bfloat16):
     return pipe
 
 
-def capture(pipe, run_dir, out, level: str):
-    """``capture_pipeline`` on the run's own replay inputs."""
+def capture(pipe, run_dir, out, level: str, device: str = "cpu"):
+    """``capture_pipeline`` on the run's own replay inputs (moved to ``device``)."""
     inp = inputs_from_tensors(load_file(run_dir / "inputs.safetensors"))
     w = pipe.transformer.dtype
-    return capture_pipeline(pipe, out, level=level, prompt_embeds=inp.txt.to(w),
-                            prompt_embeds_mask=inp.txt_mask, negative_prompt_embeds=inp.neg_txt.to(w),
-                            negative_prompt_embeds_mask=inp.neg_mask, latents=inp.x0.to(w),
+
+    def on(t):
+        return None if t is None else t.to(device)
+
+    return capture_pipeline(pipe, out, level=level, prompt_embeds=on(inp.txt.to(w)),
+                            prompt_embeds_mask=on(inp.txt_mask), negative_prompt_embeds=on(inp.neg_txt.to(w)),
+                            negative_prompt_embeds_mask=on(inp.neg_mask), latents=on(inp.x0.to(w)),
                             height=16 * inp.img_grid[0], width=16 * inp.img_grid[1],
                             num_inference_steps=open_run(run_dir).manifest["settings"]["steps"],
                             true_cfg_scale=open_run(run_dir).manifest["settings"]["cfg_scale"])
