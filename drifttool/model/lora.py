@@ -144,14 +144,16 @@ def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Ten
     ``[B, S, in]``, or None (no adapter, or a merged/fused one).
 
     Raises:
-        UnsupportedConfigError: under a TP/SP/CFG-parallel plan (the branch is not sharded).
+        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded; TP/SP run strict,
+            which refuses unfused modes first). CFG-parallel ranks run whole branches: allowed.
     """
     a = getattr(module, "lora_A", None)
     if a is None or module.lora_mode not in UNFUSED_MODES:
         return None
-    if getattr(rt, "plan", None) is not None:
-        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under a parallel layout: the "
-                                     "unfused adapter branch is not sharded; use --lora-mode merged or fused")
+    dims = getattr(getattr(rt, "plan", None), "dims", None)
+    if dims is not None and (dims.tp > 1 or dims.sp > 1):
+        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
+                                     "branch is not sharded; use --lora-mode merged or fused")
     return call(rt, "lora_delta", x, a.weight, module.lora_B.weight, float(module.lora_scale),
                 stream=stream, layout=None)
 
