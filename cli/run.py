@@ -41,6 +41,10 @@ def run(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, help="batched | sequential CFG execution."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
+    lora_mode: Optional[str] = typer.Option(
+        None, help="How the adapter runs: merged (peft merge_and_unload) | fused (diffusers fuse_lora) | "
+                   "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
+                   "default: the preset's, else merged."),
     preset: Optional[str] = typer.Option(
         None, help="Production preset: diffusers (QwenImagePipeline's loop) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
@@ -80,7 +84,7 @@ def run(
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
-        dtype=dtype, cfg_layout=cfg_layout, lora=lora, preset=preset, device=device, height=height,
+        dtype=dtype, cfg_layout=cfg_layout, lora=lora, lora_mode=lora_mode, preset=preset, device=device, height=height,
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents,
     )
@@ -104,7 +108,8 @@ def run(
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         table.add_row("ranks", ranks)
     record = settings.record()
-    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset"):
+    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
+                "lora_mode"):
         if key in record:
             table.add_row(key, str(record[key]))
     table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
@@ -119,6 +124,9 @@ def run(
     if settings.cfg_branches == 1 and settings.cfg_scale > 1:
         err.print(f"[bold yellow]note:[/] CFG is off although cfg_scale is {settings.cfg_scale:g}: "
                   "no negative prompt was given (diffusers' rule; add --negative-prompt-embeds)")
+    if (summary.get("lora") or {}).get("alpha_given") is False:
+        err.print("[bold yellow]note:[/] the LoRA adapter has no alpha (no adapter_config.json, no "
+                  "metadata): scale 1 (alpha = r, diffusers' convention), recorded as lora.alpha_given false")
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

@@ -25,7 +25,7 @@ from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import has_lora, load_lora, lora_record
+from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import StepOutput, rollout, sampler_model
@@ -160,7 +160,7 @@ def execute(
     model.config.check_rollout()  # before the artifact opens
     sampler = s.sampler()
     if s.lora and not has_lora(model):
-        load_lora(model, s.lora)
+        load_lora(model, s.lora, mode=s.lora_mode)
     check_finite(dict(model.state_dict()), "checkpoint weights")
     if replay_inputs is not None:
         inputs, noise_rec = replay_inputs
@@ -177,7 +177,8 @@ def execute(
                               rank=dist.rank, world_size=dist.world_size, layout=layout, plan=plan)
     sigmas = session.sigma_table(sampler, inputs.img_grid)
     fingerprint = arch_fingerprint(
-        arch=model.config.arch_fields(), img_grid=inputs.img_grid, weights=weight_digest(model),
+        arch=model.config.arch_fields(), img_grid=inputs.img_grid,
+        weights=weight_digest(effective_weights(model) if has_lora(model) else model),
         dtype=dtype, mode=s.mode.value, sampler=sampler_record(sampler, sigmas),
         noise_record=noise_rec,
     )
@@ -206,4 +207,5 @@ def execute(
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
-            "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite}
+            "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
+            "lora": manifest.get("lora")}

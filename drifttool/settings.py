@@ -42,12 +42,14 @@ from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import read_config
 from drifttool.model.config import MMDiTConfig
+from drifttool.model.lora import check_lora_mode
+from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.presets import apply_preset, preset_inputs, preset_settings
+from drifttool.sampling.presets import apply_preset, get_preset, preset_inputs, preset_settings
 from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -118,7 +120,7 @@ def check_mode_device(mode: Mode, device: str) -> None:
     if mode.fallback is not None:
         return
     family = mode.family
-    missing = [op for op in device_operators(dev) if not impls(op, family, dev)]
+    missing = [op for op in device_operators(dev) if not impls(op, family, dev) and op not in PRODUCTION_ONLY]
     if missing:
         ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
         what = (f"the {family} family has no {dev.upper()} implementation yet" if family == "strict"
@@ -166,6 +168,9 @@ class RunSpec:
         lora: a LoRA adapter (peft folder or .safetensors, ``drifttool.model.lora``) loaded onto
             the model; recorded in the settings and the manifest (``lora``), and pinned by the
             fingerprint's weight digest.
+        lora_mode: how the adapter runs (``model.lora.LORA_MODES``: merged | fused | unfused |
+            unfused-fp32); ``None`` takes the preset's (``Preset.lora_mode``: what its pipeline
+            runs), else ``merged``. Needs ``lora``; modes other than merged need mode auto/off.
         preset: a production preset (``drifttool.sampling.presets``: ``diffusers`` |
             ``flow-grpo``): fixes CFG layout, timestep policy, (η), latents dtype, step rule and
             noise; needs mode auto or off.
@@ -200,6 +205,7 @@ class RunSpec:
     pad_prompts_to: int | None = None
     sample_labels: list[int] | None = None
     lora: str | Path | None = None
+    lora_mode: str | None = None
     preset: str | None = None
     device: str = "cpu"
     height: int | None = None
@@ -218,6 +224,7 @@ class RunSettings:
         fixture: the fixture's name. checkpoint: resolved path of an external model, or None.
         variant: weight variant of ``checkpoint`` (None: the default weights).
         lora: resolved path of the LoRA adapter, or None.
+        lora_mode: how it runs (``model.lora.LORA_MODES``), None without an adapter.
         mode: runtime mode. capture: capture level. dtype: model dtype name (``DTYPES``).
         steps, cfg_scale, eta, seed, cfg_layout, timestep_policy: sampler settings (values as
             the fixture or the caller gave them: ``cfg_scale`` 4.0 stays a float in the manifest).
@@ -235,6 +242,7 @@ class RunSettings:
     checkpoint: str | None = None
     variant: str | None = None
     lora: str | None = None
+    lora_mode: str | None = None
     mode: Mode
     capture: str
     dtype: str
@@ -316,13 +324,30 @@ class RunSettings:
             "samples": list(self.samples), "img_grid": list(self.img_grid),
             "cfg_layout": self.cfg_layout, "timestep_policy": self.timestep_policy,
         }
-        optional = {"variant": self.variant, "lora": self.lora, "pad_prompts_to": self.pad_prompts_to,
+        optional = {"variant": self.variant, "lora": self.lora, "lora_mode": self.lora_mode,
+                    "pad_prompts_to": self.pad_prompts_to,
                     "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
                     "preset": self.preset,
                     "device": None if self.device == "cpu" else self.device,
                     "input_files": dict(self.external.files) if self.external is not None else None}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
+
+
+def _lora_mode(spec: RunSpec, mode: Mode) -> str | None:
+    """The adapter's mode: ``spec.lora_mode``, else the preset's, else ``merged``; None without
+    an adapter.
+
+    Raises:
+        DriftToolError: a mode without an adapter.
+        UnsupportedConfigError: unknown mode; a non-merged mode under the strict family.
+    """
+    if spec.lora is None:
+        if spec.lora_mode is not None:
+            raise DriftToolError("a LoRA mode needs an adapter (--lora-mode goes with --lora)")
+        return None
+    chosen = spec.lora_mode or (get_preset(spec.preset).lora_mode if spec.preset else "merged")
+    return check_lora_mode(chosen, Mode(mode).family)
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -419,6 +444,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     mode = check_mode(spec.mode)
     device = check_device("cpu" if spec.device is None else spec.device)
     check_mode_device(mode, device)
+    lora_mode = _lora_mode(spec, mode)
     if s["dtype"] not in DTYPES:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
     capture = check_level(s["capture"])
@@ -449,7 +475,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         fixture=fx.name,
         checkpoint=str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None,
         variant=spec.variant, lora=None if spec.lora is None else str(Path(spec.lora).resolve()),
-        mode=mode, capture=capture, dtype=s["dtype"], steps=steps, cfg_scale=cfg_scale, eta=eta,
+        lora_mode=lora_mode, mode=mode, capture=capture, dtype=s["dtype"], steps=steps, cfg_scale=cfg_scale, eta=eta,
         seed=s["seed"], samples=samples, img_grid=grid,
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
         pad_prompts_to=None if spec.pad_prompts_to is None else int(spec.pad_prompts_to),

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrument
+from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, img_grid_of, timestep_policy_of
 from drifttool.environment import environment
@@ -223,14 +224,20 @@ class _PipelineCall:
                     "cfg_scale": sampler.cfg_scale, "eta": 0.0, "seed": None,
                     "samples": list(self.samples), "img_grid": list(self.grid),
                     "cfg_layout": "sequential", "timestep_policy": sampler.timestep_policy}
+        lora = lora_of(self.pipe.transformer)
+        if lora is not None:
+            settings["lora_mode"] = lora["mode"]
         source = {**model.source, "implementation": f"diffusers.{type(self.pipe).__name__}",
                   "adapter": "drifttool.adapters.diffusers_pipeline",
                   "scheduler": type(sched).__name__,
                   "scheduler_config": {k: v for k, v in dict(sched.config).items()
                                        if not k.startswith("_")}}
-        return {"kind": "rollout", "fingerprint": fp, "settings": settings,
-                "environment": environment(), "model_source": source, "variants": [],
-                "uncaptured": UNCAPTURED}
+        manifest = {"kind": "rollout", "fingerprint": fp, "settings": settings,
+                    "environment": environment(), "model_source": source, "variants": [],
+                    "uncaptured": UNCAPTURED}
+        if lora is not None:
+            manifest["lora"] = lora
+        return manifest
 
     def finish(self) -> bool:
         """Write the replay inputs (the first step's transformer inputs; x0 and the prompt
@@ -275,8 +282,12 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
     ``true_cfg_scale``, ``img_grid`` = (height, width) / 16, ``dtype`` (the transformer's),
     ``samples`` 0..B−1, ``cfg_layout`` sequential, ``eta`` 0, ``timestep_policy`` from the
     latent dtype (bf16: ``pipeline_bf16``), ``seed`` null (the pipeline's generator is not
-    drifttool's). Every hook and wrapper is removed on exit, also on error; an error after the
-    artifact opened leaves it ``complete: false`` with the finished steps.
+    drifttool's). A LoRA adapter the transformer carries (``load_lora_weights``, fused or not,
+    or a peft wrapper) is recorded as ``drifttool run --lora`` records it (``lora``: config,
+    scale, digest, mode, factor dtype; ``settings.lora_mode``; ``peft_lora.lora_of``), so the
+    capture diffs IDENTICAL against ``drifttool run --lora ADAPTER --lora-mode <its mode>``.
+    Every hook and wrapper is removed on exit, also on error; an error after the artifact
+    opened leaves it ``complete: false`` with the finished steps.
 
     Raises:
         DriftToolError: diffusers missing, not a QwenImage pipeline, or the transformer never ran.

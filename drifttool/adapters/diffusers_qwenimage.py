@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from drifttool.adapters.peft_lora import canonical_parameters
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import transformer_folder
 from drifttool.model.config import from_diffusers_config
@@ -292,8 +293,9 @@ class DiffusersQwenImage(torch.nn.Module):
     """A diffusers transformer behind drifttool's model call
     ``model(x, txt, txt_mask, tau, img_grid, rt) -> v`` (``drifttool.runner.execute(model=...)``).
 
-    Parameters are reported under the checkpoint's own names (the diffusers module's), so the
-    weight digest of the fingerprint equals that of drifttool's MMDiT on the same weights.
+    Parameters are reported under the checkpoint's own names (the diffusers module's; a peft
+    LoRA layer's under drifttool's, ``peft_lora``), so the weight digest of the fingerprint
+    equals that of drifttool's MMDiT on the same weights (and adapter, in the same mode).
     Each forward is instrumented (``instrument``) with the runtime it is given.
     """
 
@@ -310,7 +312,9 @@ class DiffusersQwenImage(torch.nn.Module):
         return self.transformer.dtype
 
     def named_parameters(self, *args: Any, **kwargs: Any):
-        return self.transformer.named_parameters(*args, **kwargs)
+        """The transformer's parameters; peft LoRA layers' under drifttool's names
+        (``peft_lora.canonical_parameters``)."""
+        return iter(canonical_parameters(self.transformer).items())
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return self.transformer.state_dict(*args, **kwargs)

@@ -303,9 +303,12 @@ TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
 """``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
 PRESETS = ("diffusers", "flow-grpo")
 """``drifttool.sampling.presets.PRESET_NAMES`` (tests/sampling/test_presets.py checks they agree)."""
+LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
+"""``drifttool.model.lora.LORA_MODES`` (tests/model/test_lora_modes.py checks they agree)."""
 
 _SETTINGS = Obj({
     "fixture": Nullable(_STR), "checkpoint": Nullable(_STR), "variant": _STR, "lora": _STR,
+    "lora_mode": Enum(LORA_MODES),
     "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
     "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
@@ -412,7 +415,7 @@ _LORA = Obj({
     "r": _INT, "lora_alpha": _NUM, "target_modules": (str, list), "use_rslora": _BOOL,
     "rank_pattern": MapOf(_INT), "alpha_pattern": MapOf(_NUM), "lora_dropout": _NUM,
     "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
-    "apply": _STR,
+    "apply": _STR, "mode": Enum(LORA_MODES), "factor_dtype": _STR,
 }, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
 """``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
 

@@ -18,9 +18,9 @@ exactly peft's names: ``transformer_blocks.0.attn.to_q.lora_A.weight`` … (what
 also lists the file layouts and the refused configs). Adapter weights are FP32 whatever the
 model dtype (peft's ``autocast_adapter_dtype`` default in ``PeftModel.from_pretrained``).
 
-How the adapter enters the forward (why merged): the fused RFC operators (``qkv_bias_gemm``
-returns heads, ``mlp_up_gemm_gelu`` applies GELU after the GEMM) leave no place to add a
-per-token delta ``(α/r)·B·A·x`` before their epilogue. So the adapted weight
+How the adapter enters the forward (why merged by default): the fused RFC operators
+(``qkv_bias_gemm`` returns heads, ``mlp_up_gemm_gelu`` applies GELU after the GEMM) leave no place
+to add a per-token delta ``(α/r)·B·A·x`` before their epilogue. So the adapted weight
 ``W' = W + (α/r)·(B·A)`` is computed by the named operator ``lora_merge`` (contract
 ``drifttool.lora_merge.v1``, dispatched by ``registry.call`` like every operator and listed in the
 operator trace as op ``lora_merge``, stream img/txt, once per target and forward) and handed to the
@@ -31,7 +31,29 @@ fingerprint's weight digest and the manifest's ``lora.digest``, a differing adap
 first drift at the base operator that consumes it, and the adapter gradients are captured
 (role ``grad_weight``, ``capture_lora_grads``). Gradients reach ``lora_A``/``lora_B``
 through the base operator's weight gradient: ``dA = (α/r)·Bᵀ·dW'``, ``dB = (α/r)·dW'·Aᵀ``.
-The operator and its strict and production implementations are declared in
+
+Modes (``LORA_MODES``, ``load_lora(mode=)``, ``drifttool run --lora-mode``): how the libraries
+run a loaded adapter differs in bytes, so each is reproduced (production family only, except
+``merged``; arithmetic in ``drifttool.ops.lora``):
+
+================  ==========================================  ================  ==================
+mode              reproduces                                  factors held in   operator (trace)
+================  ==========================================  ================  ==================
+``merged``        peft ``PeftModel.from_pretrained`` +        FP32              ``lora_merge``
+                  ``merge_and_unload``
+``fused``         diffusers ``pipe.load_lora_weights`` +      model dtype       ``lora_fuse``
+                  ``pipe.fuse_lora()``
+``unfused``       diffusers ``pipe.load_lora_weights`` (peft  model dtype       ``lora_delta``
+                  LoRA layers active, the default)
+``unfused-fp32``  a peft-wrapped transformer (``get_peft_     FP32              ``lora_delta``
+                  model`` / ``PeftModel``: the factors are
+                  autocast to FP32), e.g. Flow-GRPO
+================  ==========================================  ================  ==================
+
+Unfused, the base operator keeps W and receives the adapter branch ``lora_delta`` (``scale ·
+B(A(x))`` in the factors' dtype) as its ``delta``/``deltas`` argument, added to its GEMM output
+before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it.
+The operator and its implementations are declared in
 ``drifttool.ops.lora`` (registered by importing ``drifttool.ops``).
 """
 
@@ -44,9 +66,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from drifttool.errors import CheckpointError
+from drifttool.errors import CheckpointError, UnsupportedConfigError
 from drifttool.model.lora_formats import AdapterConfig, read_adapter, write_adapter
 from drifttool.model.weights import weight_digest
+from drifttool.ops.lora import peft_merge
 from drifttool.ops.registry import call
 
 # Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
@@ -66,6 +89,27 @@ LORA_TARGET_MODULES = (
     "txt_mlp.net.2",
 )
 
+LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
+"""How a loaded adapter runs (module docstring table)."""
+UNFUSED_MODES = ("unfused", "unfused-fp32")
+FP32_FACTOR_MODES = ("merged", "unfused-fp32")
+
+
+def check_lora_mode(mode: str, family: str | None = None) -> str:
+    """``mode`` if it is one of ``LORA_MODES`` (and runs under ``family``: every mode but
+    ``merged`` is production arithmetic).
+
+    Raises:
+        UnsupportedConfigError: unknown mode, or a non-merged mode under the strict family.
+    """
+    if mode not in LORA_MODES:
+        raise UnsupportedConfigError(f"unknown LoRA mode {mode!r} (one of {', '.join(LORA_MODES)})")
+    if family is not None and family != "production" and mode != "merged":
+        raise UnsupportedConfigError(
+            f"LoRA mode {mode!r} reproduces peft/diffusers' production arithmetic: the {family} family "
+            "merges the adapter its own way (LoRA mode 'merged'); use --mode auto or off")
+    return mode
+
 
 # ---------------------------------------------------------------------------------------------
 # modules
@@ -81,16 +125,47 @@ class LoRAFactor(nn.Module):
 
 
 def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
-    """The weight the base operator receives: ``module.weight``, or ``lora_merge`` of it when the
-    module carries an adapter (called by ``MMDiT`` inside the block scope)."""
+    """The weight the base operator receives: ``module.weight`` (no adapter, or an unfused one),
+    or ``lora_merge`` / ``lora_fuse`` of it by the adapter's mode (called by ``MMDiT`` inside
+    the block scope)."""
     a = getattr(module, "lora_A", None)
-    if a is None:
+    if a is None or module.lora_mode in UNFUSED_MODES:
         return module.weight
-    merged = call(rt, "lora_merge", module.weight, a.weight, module.lora_B.weight,
+    op = "lora_fuse" if module.lora_mode == "fused" else "lora_merge"
+    merged = call(rt, op, module.weight, a.weight, module.lora_B.weight,
                   float(module.lora_scale), stream=stream, layout=None)
     if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction
         rt.grad_ledger.watch(module, merged, rt.current_scope(), stream)
     return merged
+
+
+def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Tensor | None:
+    """The unfused adapter branch ``lora_delta(x)`` ``[B, S, out]`` of ``module`` for its input x
+    ``[B, S, in]``, or None (no adapter, or a merged/fused one).
+
+    Raises:
+        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded; TP/SP run strict,
+            which refuses unfused modes first). CFG-parallel ranks run whole branches: allowed.
+    """
+    a = getattr(module, "lora_A", None)
+    if a is None or module.lora_mode not in UNFUSED_MODES:
+        return None
+    dims = getattr(getattr(rt, "plan", None), "dims", None)
+    if dims is not None and (dims.tp > 1 or dims.sp > 1):
+        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
+                                     "branch is not sharded; use --lora-mode merged or fused")
+    return call(rt, "lora_delta", x, a.weight, module.lora_B.weight, float(module.lora_scale),
+                stream=stream, layout=None)
+
+
+def lora_deltas(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[str, Any]:
+    """The base operator's keyword arguments for the unfused branches of ``modules`` (all fed x):
+    ``{}`` when none is unfused, ``{"delta": d}`` for one module, ``{"deltas": (dq, dk, dv)}``
+    for three (``qkv_bias_gemm``)."""
+    ds = tuple(lora_delta(m, x, rt, stream) for m in modules)
+    if all(d is None for d in ds):
+        return {}
+    return {"deltas": ds} if len(ds) > 1 else {"delta": ds[0]}
 
 
 def _blocks(model) -> list[tuple[int, nn.Module]]:
@@ -120,7 +195,7 @@ def has_lora(model) -> bool:
 
 
 def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float = 0.0,
-                freeze_base: bool = True) -> dict[str, nn.Parameter]:
+                freeze_base: bool = True, mode: str = "merged") -> dict[str, nn.Parameter]:
     """Attach a fresh adapter to every module ``cfg`` targets (peft's matching, per-module rank
     and scale from ``rank_pattern`` / ``alpha_pattern`` / ``use_rslora``, ``lora_formats``).
 
@@ -130,6 +205,8 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
 
     Args:
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter.
+        mode: one of ``LORA_MODES``; the factors are FP32 for ``merged`` / ``unfused-fp32``,
+            else the adapted weight's dtype (as diffusers' loader leaves them).
 
     Returns:
         The adapter parameters by peft key name.
@@ -140,6 +217,7 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
     """
     if has_lora(model):
         raise CheckpointError("the model already carries a LoRA adapter")
+    check_lora_mode(mode)
     adaptable = {f"transformer_blocks.{i}.{t}" for i, _ in _blocks(model) for t in LORA_TARGET_MODULES}
     linears = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
@@ -156,14 +234,16 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
         rank, _ = cfg.rank_alpha(name)
         out_f, in_f = m.weight.shape
         dev = m.weight.device if m.weight.device.type != "meta" else "cpu"
-        m.lora_A = LoRAFactor(rank, in_f, device=dev)
-        m.lora_B = LoRAFactor(out_f, rank, device=dev)
+        fdt = torch.float32 if mode in FP32_FACTOR_MODES else m.weight.dtype
+        m.lora_A = LoRAFactor(rank, in_f, dtype=fdt, device=dev)
+        m.lora_B = LoRAFactor(out_f, rank, dtype=fdt, device=dev)
         bound = 1.0 / math.sqrt(in_f)
         with torch.no_grad():
             m.lora_A.weight.copy_((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound)
             if init_b_std > 0:
                 m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
         m.lora_scale = cfg.scale(name)
+        m.lora_mode = mode
     model.lora_config = cfg
     if freeze_base:
         for name, p in model.named_parameters():
@@ -236,15 +316,49 @@ def lora_digest(model) -> str | None:
     return weight_digest({**lora_state_dict(model), **scales})
 
 
+APPLY = {
+    "merged": "merged by op lora_merge (drifttool.lora_merge.v1): peft merge_and_unload",
+    "fused": "fused by op lora_fuse (drifttool.lora_fuse.v1): diffusers load_lora_weights + fuse_lora",
+    "unfused": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: diffusers "
+               "load_lora_weights (factors in the model dtype)",
+    "unfused-fp32": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: a "
+                    "peft-wrapped transformer (factors FP32)",
+}
+"""The manifest's ``lora.apply`` text per mode."""
+
+
+def lora_mode(model) -> str | None:
+    """The adapter's mode (``LORA_MODES``), or None without one."""
+    mods = lora_modules(model)
+    return next(iter(mods.values())).lora_mode if mods else None
+
+
 def lora_record(model) -> dict[str, Any] | None:
     """The manifest record of the adapter: its config (``AdapterConfig.record``), the scale
-    (one number, or None when the patterns give modules different scales), the digest."""
+    (one number, or None when the patterns give modules different scales), the digest, the mode
+    and the factors' dtype."""
     if not has_lora(model):
         return None
     scales = set(lora_scales(model).values())
+    mode = lora_mode(model)
+    factor = next(iter(lora_parameters(model).values())).dtype
     return {**model.lora_config.record(), "scale": scales.pop() if len(scales) == 1 else None,
-            "digest": lora_digest(model), "key_naming": "peft/diffusers",
-            "apply": "merged by op lora_merge (drifttool.lora_merge.v1)"}
+            "digest": lora_digest(model), "key_naming": "peft/diffusers", "mode": mode,
+            "factor_dtype": str(factor).removeprefix("torch."), "apply": APPLY[mode]}
+
+
+def effective_weights(model) -> dict[str, torch.Tensor]:
+    """The parameters the forward runs on, for the fingerprint's weight digest: the model's
+    ``named_parameters``, except that in mode ``fused`` each adapted weight is the fused one
+    (``ops.lora.peft_merge``, the bytes diffusers' ``fuse_lora`` leaves in the base layer), so a
+    fused pipeline's capture and a fused run pin the same weights."""
+    state = dict(model.named_parameters())
+    if lora_mode(model) == "fused":
+        with torch.no_grad():
+            for name, m in lora_modules(model).items():
+                state[f"{name}.weight"] = peft_merge(m.weight, m.lora_A.weight, m.lora_B.weight,
+                                                     float(m.lora_scale))
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,20 +378,27 @@ def save_lora(model, path: str | Path) -> Path:
     return write_adapter(path, lora_state_dict(model), model.lora_config)
 
 
-def load_lora(model, path: str | Path, *, freeze_base: bool = True) -> dict[str, nn.Parameter]:
+def load_lora(model, path: str | Path, *, freeze_base: bool = True,
+              mode: str = "merged") -> dict[str, nn.Parameter]:
     """Load a peft or diffusers adapter (``lora_formats.read_adapter``: folder or file) into
-    ``model``, attaching one first if it has none (``attach_lora`` with the file's config, so
-    ranks and scales follow peft's rules); the factors are stored FP32.
+    ``model``, attaching one first if it has none (``attach_lora`` with the file's config and
+    ``mode``, so ranks and scales follow peft's rules); the factors are stored FP32 (modes
+    ``merged``, ``unfused-fp32``) or rounded to the model dtype (``fused``, ``unfused``: as
+    diffusers' ``load_lora_weights`` rounds them).
 
     Raises:
         CheckpointError: a refused config; one error listing every missing, unexpected and
             mis-shaped key, non-float / non-finite tensors, and, for a model that already has an
             adapter, modules whose scale differs (nothing is loaded or left attached then).
+        UnsupportedConfigError: unknown mode, or a model whose adapter runs in another mode.
     """
+    check_lora_mode(mode)
     tensors, cfg = read_adapter(path)
     fresh = not has_lora(model)
     if fresh:
-        attach_lora(model, cfg, freeze_base=freeze_base)
+        attach_lora(model, cfg, freeze_base=freeze_base, mode=mode)
+    elif lora_mode(model) != mode:
+        raise UnsupportedConfigError(f"the model's adapter runs in LoRA mode {lora_mode(model)!r}, not {mode!r}")
     params = lora_parameters(model)
     missing = [k for k in params if k not in tensors]
     unexpected = sorted(k for k in tensors if k not in params)
@@ -307,7 +428,7 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True) -> dict[str,
 def remove_lora(model) -> None:
     """Detach every adapter (the base parameters keep their ``requires_grad``)."""
     for m in lora_modules(model).values():
-        del m.lora_A, m.lora_B, m.lora_scale
+        del m.lora_A, m.lora_B, m.lora_scale, m.lora_mode
     model.lora_config = None
 
 

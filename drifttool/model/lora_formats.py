@@ -35,7 +35,7 @@ Refused (fail closed, one error naming the fields): anything but ``peft_type`` L
 (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA), and any other config field set to a non-default value
 that drifttool does not know (peft variants such as aLoRA, QALoRA, Arrow). ``lora_dropout`` is
 accepted and has no effect: it acts only in peft's training forward, and drifttool's forward is
-the merged (eval) one.
+the eval one (merged, fused or unfused).
 """
 
 from __future__ import annotations

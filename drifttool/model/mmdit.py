@@ -49,8 +49,10 @@ the S×S tensors are not materialised for capture (design.md, "Digests"). Produc
 every level (its trace entry notes at L2 that the internals were not captured).
 
 Within a block the image-stream call precedes the text-stream call of the same operator. With a
-LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` (stream img/txt, traced, not
-captured) computes each adapted weight right before the operator that consumes it.
+LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` / ``lora_fuse`` (stream img/txt,
+traced, not captured) computes each adapted weight right before the operator that consumes it;
+in an unfused mode ``lora_delta`` computes the adapter branch from the operator's input instead,
+and the operator adds it to its GEMM output (``delta``/``deltas``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from torch.utils.checkpoint import checkpoint
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import adapted_weight
+from drifttool.model.lora import adapted_weight, lora_deltas
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
@@ -299,6 +301,9 @@ class MMDiT(nn.Module):
         def lw(module: nn.Module, stream: str) -> torch.Tensor:  # weight, LoRA-merged if adapted
             return adapted_weight(module, rt, stream)
 
+        def ld(x: torch.Tensor, stream: str, *modules: nn.Module) -> dict:  # unfused LoRA branches
+            return lora_deltas(x, rt, stream, *modules)
+
         # modulation parameters, chunk order (shift1, scale1, gate1, shift2, scale2, gate2)
         img_mod = call(rt, "adaln_mod_projection", temb, block.img_mod["1"].weight, block.img_mod["1"].bias,
                        stream="img", layout="B.")  # [B, 6d]
@@ -314,11 +319,13 @@ class MMDiT(nn.Module):
         # per-stream Q/K/V, Q/K RMSNorm, RoPE
         qi, ki, vi = call(rt, "qkv_bias_gemm", ih, lw(attn.to_q, "img"), attn.to_q.bias, lw(attn.to_k, "img"),
                           attn.to_k.bias, lw(attn.to_v, "img"), attn.to_v.bias, heads,
-                          stream="img", layout=("BS..", "BS..", "BS.."))  # 3 × [B, N, H, Dh]
+                          stream="img", layout=("BS..", "BS..", "BS.."),
+                          **ld(ih, "img", attn.to_q, attn.to_k, attn.to_v))  # 3 × [B, N, H, Dh]
         qt, kt, vt = call(rt, "qkv_bias_gemm", th, lw(attn.add_q_proj, "txt"), attn.add_q_proj.bias,
                           lw(attn.add_k_proj, "txt"), attn.add_k_proj.bias, lw(attn.add_v_proj, "txt"),
                           attn.add_v_proj.bias, heads,
-                          stream="txt", layout=("BS..", "BS..", "BS.."))  # 3 × [B, L, H, Dh]
+                          stream="txt", layout=("BS..", "BS..", "BS.."),
+                          **ld(th, "txt", attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))  # 3 × [B, L, H, Dh]
         qi = call(rt, "qk_rmsnorm", qi, attn.norm_q.weight, eps=eps, stream="img", layout="BS..")
         ki = call(rt, "qk_rmsnorm", ki, attn.norm_k.weight, eps=eps, stream="img", layout="BS..")
         qt = call(rt, "qk_rmsnorm", qt, attn.norm_added_q.weight, eps=eps, stream="txt", layout="BS..")
@@ -337,24 +344,24 @@ class MMDiT(nn.Module):
         ot = o[:, :L].contiguous()  # [B, L, d]
         oi = o[:, L:].contiguous()  # [B, N, d]
         ai = call(rt, "attn_out_bias_gemm", oi, lw(attn.to_out["0"], "img"), attn.to_out["0"].bias,
-                  stream="img", layout="BS.")  # [B, N, d]
+                  stream="img", layout="BS.", **ld(oi, "img", attn.to_out["0"]))  # [B, N, d]
         at = call(rt, "attn_out_bias_gemm", ot, lw(attn.to_add_out, "txt"), attn.to_add_out.bias,
-                  stream="txt", layout="BS.")  # [B, L, d]
+                  stream="txt", layout="BS.", **ld(ot, "txt", attn.to_add_out))  # [B, L, d]
         i = call(rt, "adaln_gate_residual", i, i_gate1, ai, stream="img", layout="BS.")
         t = call(rt, "adaln_gate_residual", t, t_gate1, at, stream="txt", layout="BS.")
 
         # norm2 + modulation + MLP, image then text
         ih = call(rt, "adaln_modulation", i, i_shift2, i_scale2, eps=eps, stream="img", layout="BS.")
         ih = call(rt, "mlp_up_gemm_gelu", ih, lw(block.img_mlp.net["0"].proj, "img"), block.img_mlp.net["0"].proj.bias,
-                  stream="img", layout="BS.")  # [B, N, 4d]
+                  stream="img", layout="BS.", **ld(ih, "img", block.img_mlp.net["0"].proj))  # [B, N, 4d]
         ih = call(rt, "mlp_down_gemm", ih, lw(block.img_mlp.net["2"], "img"), block.img_mlp.net["2"].bias,
-                  stream="img", layout="BS.")  # [B, N, d]
+                  stream="img", layout="BS.", **ld(ih, "img", block.img_mlp.net["2"]))  # [B, N, d]
         i = call(rt, "adaln_gate_residual", i, i_gate2, ih, stream="img", layout="BS.")
         th = call(rt, "adaln_modulation", t, t_shift2, t_scale2, eps=eps, stream="txt", layout="BS.")
         th = call(rt, "mlp_up_gemm_gelu", th, lw(block.txt_mlp.net["0"].proj, "txt"), block.txt_mlp.net["0"].proj.bias,
-                  stream="txt", layout="BS.")  # [B, L, 4d]
+                  stream="txt", layout="BS.", **ld(th, "txt", block.txt_mlp.net["0"].proj))  # [B, L, 4d]
         th = call(rt, "mlp_down_gemm", th, lw(block.txt_mlp.net["2"], "txt"), block.txt_mlp.net["2"].bias,
-                  stream="txt", layout="BS.")  # [B, L, d]
+                  stream="txt", layout="BS.", **ld(th, "txt", block.txt_mlp.net["2"]))  # [B, L, d]
         t = call(rt, "adaln_gate_residual", t, t_gate2, th, stream="txt", layout="BS.")
         return i, t
 

@@ -1,29 +1,53 @@
-"""``lora_merge``: the adapted weight ``W' = W + (α/r)·(B·A)`` of a LoRA target (not an RFC row).
+"""LoRA operators (not RFC rows): the adapted weight (merged, fused) or the adapter's per-token delta (unfused).
 
-    >>> w2 = call(rt, "lora_merge", w, lora_A, lora_B, alpha / r, stream="img", layout=None)
+    >>> w2 = call(rt, "lora_merge", w, lora_A, lora_B, alpha / r, stream="img", layout=None)  # merged
+    >>> w2 = call(rt, "lora_fuse", w, lora_A, lora_B, alpha / r, stream="img", layout=None)   # fused
+    >>> d = call(rt, "lora_delta", x, lora_A, lora_B, alpha / r, stream="img", layout=None)   # unfused
 
-Declared here with its two families; ``drifttool.model.lora`` attaches adapters to the MMDiT and
-calls this operator for every adapted weight (why merged, and why traced but not captured, is
-written there). Contract ``drifttool.lora_merge.v1``.
+Declared here with their families; ``drifttool.model.lora`` attaches adapters to the MMDiT and
+calls one of them per adapted weight, by the adapter's mode (``model.lora.LORA_MODES``; why merged
+by default, and why traced but not captured, is written there). The three reproduce what the
+libraries run (peft 0.21.2 ``tuners/lora/layer.py`` ``Linear.merge`` / ``get_delta_weight`` /
+``forward``, diffusers 0.42.1 ``loaders/peft.py`` ``fuse_lora``):
 
-* strict (device ``cpu``): ``B·A`` by ``strict_math.tiled_linear`` (exact products, pairwise
-  tree over r), then ``fp32(W) + fp32(α/r)·(B·A)``; W' stays **FP32** (the strict GEMMs accept an
-  FP32 weight with bf16 activations and round once at their output boundary), so a small update
-  is never lost to a bf16 rounding of the weight. With ``B = 0`` (peft's init), W' = fp32(W) and
-  every output is byte-equal to the model without the adapter.
-* production (devices ``cpu``, ``cuda``): peft's merge arithmetic (``LoraLayer.merge``, what
-  ``merge_and_unload`` and diffusers' ``fuse_lora`` run) for FP32 factors: ``delta = (B @ A) ·
-  scale`` in FP32, then ``W += delta`` in place, i.e. ``(fp32(W) + delta).to(W.dtype)``, one
-  rounding in bf16; what a rollout engine serving merged weights runs.
+* ``lora_merge`` (contract ``drifttool.lora_merge.v1``): peft's ``merge_and_unload`` of a
+  ``PeftModel`` (factors FP32, peft's ``autocast_adapter_dtype``).
+
+  - strict (device ``cpu``): ``B·A`` by ``strict_math.tiled_linear`` (exact products, pairwise
+    tree over r), then ``fp32(W) + fp32(α/r)·(B·A)``; W' stays **FP32** (the strict GEMMs accept
+    an FP32 weight with bf16 activations and round once at their output boundary), so a small
+    update is never lost to a bf16 rounding of the weight. With ``B = 0`` (peft's init),
+    W' = fp32(W) and every output is byte-equal to the model without the adapter.
+  - production (devices ``cpu``, ``cuda``): ``peft_merge`` below.
+* ``lora_fuse`` (contract ``drifttool.lora_fuse.v1``, production only): diffusers'
+  ``pipe.fuse_lora()`` after ``pipe.load_lora_weights`` — peft's ``merge`` on the factors the
+  loader left in the **model dtype** (``_move_adapter_to_device_of_base_layer``): ``peft_merge``.
+* ``lora_delta`` (contract ``drifttool.lora_delta.v1``, production only): peft's unmerged
+  ``Linear.forward`` adapter branch ``lora_B(lora_A(dropout(x))) · scaling`` with x cast to the
+  factors' dtype (``_cast_input_dtype``; dropout is the identity in eval). The base operator adds
+  it to its GEMM output before its epilogue as peft does: ``(result + delta).to(result.dtype)``.
+
+``peft_merge`` (peft's ``get_delta_weight`` + unsafe ``merge``): factors of dtype D on device d;
+on the CPU with D bf16/fp16, ``delta = ((fp32(B) @ fp32(A)) · s).to(D)``, else
+``delta = (B @ A) · s`` in D; then ``W += delta`` in place, i.e. ``(W + delta)`` in the promoted
+dtype rounded to W's dtype. FP32 factors: delta FP32, one rounding into bf16 W. bf16 factors:
+delta rounded to bf16 (on CUDA the bf16 matmul's own rounding), then a bf16 add.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from drifttool.ops.constraints import dtypes
 from drifttool.ops.registry import OpSpec, declare, implements
 from drifttool.ops.strict_math import tiled_linear
+
+DEVICES = ("cpu", "cuda")
+PRODUCTION_ONLY = ("lora_fuse", "lora_delta")
+"""Operators with no strict implementation: dispatched only in LoRA modes that
+``model.lora.check_lora_mode`` admits for the production family, so a strict run never meets
+them (``settings.check_mode_device`` does not require them)."""
 
 LORA_MERGE = declare(
     OpSpec(
@@ -31,7 +55,25 @@ LORA_MERGE = declare(
         contract="drifttool.lora_merge.v1",
         differentiable=True,
         dtypes=(torch.float32, torch.bfloat16),
-        summary="adapted weight W + (alpha/r)·(B·A) of a LoRA target (not an RFC row)",
+        summary="adapted weight W + (alpha/r)·(B·A) of a LoRA target, peft merge_and_unload (not an RFC row)",
+    )
+)
+LORA_FUSE = declare(
+    OpSpec(
+        name="lora_fuse",
+        contract="drifttool.lora_fuse.v1",
+        differentiable=True,
+        dtypes=(torch.float32, torch.bfloat16),
+        summary="adapted weight of a LoRA target as diffusers' fuse_lora computes it (not an RFC row)",
+    )
+)
+LORA_DELTA = declare(
+    OpSpec(
+        name="lora_delta",
+        contract="drifttool.lora_delta.v1",
+        differentiable=True,
+        dtypes=(torch.float32, torch.bfloat16),
+        summary="unmerged LoRA branch scale·B(A(x)) of peft's Linear.forward (not an RFC row)",
     )
 )
 
@@ -51,8 +93,44 @@ def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
     return w.to(torch.float32) + s * delta
 
 
-@implements("lora_merge", "production", device=("cpu", "cuda"), kernel="peft.merge(torch.matmul)")
+def peft_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """peft's ``get_delta_weight`` then ``base_layer.weight.data += delta`` (module docstring),
+    out of place. w [out, in] (W's dtype), a [r, in], b [out, r] (one dtype D) → W' [out, in] in
+    W's dtype."""
+    half = b.dtype in (torch.float16, torch.bfloat16)
+    cast = b.device.type == "cpu" and half  # peft: "some CPUs have slow bf16/fp16 matmuls"
+    wa, wb = (a.float(), b.float()) if cast else (a, b)
+    delta = (wb @ wa) * float(scale)  # [out, in]
+    if cast:
+        delta = delta.to(b.dtype)
+    return (w + delta).to(w.dtype)  # in-place ``+=``: promoted add, rounded to W's dtype
+
+
+@implements("lora_merge", "production", device=DEVICES, kernel="peft.merge(torch.matmul)")
 def lora_merge_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's merge for FP32 factors: ``W += (B @ A) * scale`` (computed in FP32, rounded once
-    to W's dtype). w [out, in], a [r, in], b [out, r] → W' [out, in] in W's dtype."""
-    return (w.to(torch.float32) + (b @ a) * float(scale)).to(w.dtype)
+    """peft's merge (``peft_merge``) of FP32 factors: ``W += (B @ A) * scale`` computed in FP32,
+    rounded once to W's dtype. w [out, in], a [r, in], b [out, r] → W' [out, in] in W's dtype."""
+    return peft_merge(w, a, b, scale)
+
+
+@implements("lora_fuse", "production", device=DEVICES, kernel="diffusers.fuse_lora(peft.merge)")
+def lora_fuse_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """diffusers' ``fuse_lora``: peft's merge (``peft_merge``) of factors held in the model
+    dtype. w [out, in], a [r, in], b [out, r] → W' [out, in] in W's dtype."""
+    return peft_merge(w, a, b, scale)
+
+
+@implements("lora_delta", "production", device=DEVICES, kernel="peft.Linear.forward(lora_B(lora_A(x)))")
+def lora_delta_production(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """peft's adapter branch: ``F.linear(F.linear(x.to(D), A), B) * scale`` in the factors'
+    dtype D. x [..., in] → [..., out] in D (the base operator adds it, module docstring)."""
+    xd = x if x.dtype == a.dtype else x.to(a.dtype)  # peft _cast_input_dtype
+    return F.linear(F.linear(xd, a), b) * scale  # [..., r] → [..., out]; scaling a python float
+
+
+def add_delta(result: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """peft's ``result = result + delta`` then ``result.to(torch_result_dtype)``; ``None`` keeps
+    ``result``. Used by the production GEMM operators before their epilogue."""
+    if delta is None:
+        return result
+    return (result + delta).to(result.dtype)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import drifttool.ops.specs  # noqa: F401  (the operators implemented here are declared there)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, key_mask_fits, text_len_fits
+from drifttool.ops.lora import add_delta
 from drifttool.ops.registry import implements
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -200,13 +201,17 @@ def qkv_bias_gemm(
     wv: torch.Tensor,
     bv: torch.Tensor,
     heads: int,
+    deltas: tuple[torch.Tensor | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three ``F.linear`` projections, each unflattened to heads: ``[B,S,d] → 3 × [B,S,H,Dh]``."""
+    """Three ``F.linear`` projections, each unflattened to heads: ``[B,S,d] → 3 × [B,S,H,Dh]``.
+    ``deltas``: unfused LoRA branches (``lora_delta``, ``[B,S,d]`` or None each) added as peft
+    adds them (``ops.lora.add_delta``) before the unflatten."""
     _check(wq.shape[0] % heads == 0, f"qkv_bias_gemm: {wq.shape[0]} outputs do not split into {heads} heads")
     dh = wq.shape[0] // heads
-    q = F.linear(x, wq, bq).unflatten(-1, (heads, dh))  # [B, S, H, Dh]
-    k = F.linear(x, wk, bk).unflatten(-1, (heads, dh))
-    v = F.linear(x, wv, bv).unflatten(-1, (heads, dh))
+    dq, dk, dv = deltas or (None, None, None)
+    q = add_delta(F.linear(x, wq, bq), dq).unflatten(-1, (heads, dh))  # [B, S, H, Dh]
+    k = add_delta(F.linear(x, wk, bk), dk).unflatten(-1, (heads, dh))
+    v = add_delta(F.linear(x, wv, bv), dv).unflatten(-1, (heads, dh))
     return q, k, v
 
 
@@ -287,21 +292,26 @@ def joint_attention_fused(
 
 
 @_production("attn_out_bias_gemm", kernel="torch.nn.functional.linear")
-def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``to_out.0`` / ``to_add_out``: ``F.linear`` in W. ``[B,S,d] → [B,S,d]``."""
-    return F.linear(x, w, b)
+def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                       delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``to_out.0`` / ``to_add_out``: ``F.linear`` in W (+ an unfused LoRA ``delta``,
+    ``add_delta``). ``[B,S,d] → [B,S,d]``."""
+    return add_delta(F.linear(x, w, b), delta)
 
 
 @_production("mlp_up_gemm_gelu", kernel="torch.nn.functional.linear+gelu_tanh")
-def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``net.0.proj`` then tanh-approximate GELU, both in W. ``[B,S,d] → [B,S,4d]``."""
-    return F.gelu(F.linear(x, w, b), approximate="tanh")
+def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                     delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``net.0.proj`` (+ an unfused LoRA ``delta``, ``add_delta``, as peft's Linear returns it)
+    then tanh-approximate GELU, both in W. ``[B,S,d] → [B,S,4d]``."""
+    return F.gelu(add_delta(F.linear(x, w, b), delta), approximate="tanh")
 
 
 @_production("mlp_down_gemm", kernel="torch.nn.functional.linear")
-def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``net.2``: ``F.linear`` in W. ``[B,S,4d] → [B,S,d]``."""
-    return F.linear(x, w, b)
+def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                  delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``net.2``: ``F.linear`` in W (+ an unfused LoRA ``delta``, ``add_delta``). ``[B,S,4d] → [B,S,d]``."""
+    return add_delta(F.linear(x, w, b), delta)
 
 
 @_production("final_adaln_out", kernel="torch.silu+linear+layer_norm")

@@ -33,6 +33,10 @@ noise          x0: one CPU ``torch.Generator`` x0 and every step's SDE noise fro
                (randn (1,16,H',W'), packed),   Flow-GRPO's order: randn (B,1,16,H',W')
                rounded to W                    packed, rounded to W; then randn (B,N,64)
                                                fp32 per step (every step)
+LoRA           ``load_lora_weights``: peft     a peft-wrapped transformer: layers
+               layers unfused, factors in W    unfused, factors FP32 (``unfused-fp32``)
+               (``unfused``; ``--lora-mode
+               fused`` after ``fuse_lora``)
 =============  ==============================  ====================================
 
 Noise: the pipelines draw the initial latents directly in W (on the CPU the bits equal an fp32
@@ -69,6 +73,8 @@ class Preset:
         sde: whether the SDE (η, window) applies; ``False`` forces η = 0.
         train_timestep_policy: the recompute's timestep policy, or ``None`` (= the rollout's).
         noise: ``"per_sample_offset"`` (diffusers' generator list) or ``"flowgrpo_global"``.
+        lora_mode: how the pipeline runs a LoRA adapter (``model.lora.LORA_MODES``), the
+            default of ``--lora-mode`` under the preset.
     """
 
     name: str
@@ -78,6 +84,7 @@ class Preset:
     sde: bool
     train_timestep_policy: str | None
     noise: str
+    lora_mode: str
 
 
 PRESETS: dict[str, Preset] = {
@@ -86,13 +93,13 @@ PRESETS: dict[str, Preset] = {
         reproduces="diffusers QwenImagePipeline denoising loop (bf16 latents, bf16 timestep, "
                    "sequential CFG, FlowMatchEulerDiscreteScheduler.step)",
         cfg_layout="sequential", step_rule="diffusers_euler", sde=False,
-        train_timestep_policy=None, noise="per_sample_offset"),
+        train_timestep_policy=None, noise="per_sample_offset", lora_mode="unfused"),
     "flow-grpo": Preset(
         name="flow-grpo",
         reproduces="Flow-GRPO Qwen-Image rollout (batched CFG, SDE step on fp32, bf16 stored "
                    "latents) and its compute_log_prob (timestep fp32 t/1000)",
         cfg_layout="batched", step_rule="flow_grpo", sde=True,
-        train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global"),
+        train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global", lora_mode="unfused-fp32"),
 }
 """The presets by name (``schema.PRESETS`` repeats the names for the torch-free reader)."""
 

@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelDims
 
 _SPEC_KEYS = ("steps", "cfg_scale", "eta", "seed", "samples", "dtype", "cfg_layout",
-              "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "variant", "preset")
+              "timestep_policy", "pad_prompts_to", "sample_labels", "lora", "lora_mode", "variant",
+              "preset")
 """Stored settings carried into the replay's ``RunSpec`` (mode, capture, fixture and checkpoint
 come from the options first)."""
 

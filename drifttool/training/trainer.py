@@ -21,7 +21,7 @@ from drifttool.diff.context import dict_differences
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import load_lora, lora_record
+from drifttool.model.lora import effective_weights, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.settings import DTYPES, check_device
 from drifttool.training.options import RerunOptions
@@ -64,7 +64,7 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
                             device=device)
     adapter = lora or s.get("lora")
     if adapter is not None:
-        load_lora(model, adapter)
+        load_lora(model, adapter, mode=s.get("lora_mode") or "merged")  # as the rollout ran it
     return model
 
 
@@ -81,7 +81,7 @@ def check_fingerprint(stored: StoredRollout, model) -> None:
     dt = dtype_name(model.dtype)
     if (fp.get("dtype_policy") or {}).get("weights") != dt:
         diffs.append(f"dtype: rollout {(fp.get('dtype_policy') or {}).get('weights')!r}, trainer {dt!r}")
-    wd = weight_digest(model)
+    wd = weight_digest(effective_weights(model) if lora_record(model) else model)
     if fp.get("weights") != wd:
         diffs.append(f"weights: rollout {fp.get('weights')}, trainer {wd}")
     ra = (stored.manifest.get("lora") or {}).get("digest")
