@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.strict_math import exp32
 
 CHUNK = 64
 """K chunk width of every strict CUDA GEMM (part of the contract, not of the configuration)."""
@@ -359,8 +360,6 @@ def _sinusoid_kernel(T, F, Y, HALF: tl.constexpr, BLOCK: tl.constexpr):
 def _frequencies(half: int, device: str) -> torch.Tensor:
     """f_k = exp32(fp32(−ln 1e4)·k / half) [half] FP32, computed on the CPU by the CPU's own
     arithmetic (``strict.embed.sinusoid``) and kept on ``device`` (a constant of the model)."""
-    from drifttool.ops.strict_math import exp32
-
     expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32)) / half
     return exp32(expo).to(device)
 
