@@ -255,7 +255,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     cfg = config or (FP32_CONFIG if ieee else BF16_CONFIG)
-    x2 = _rows(x.reshape(-1, k))  # [M, K]
+    x2 = _rows(x.reshape(lead.numel(), k))  # [M, K]
     w2 = _rows(w)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
