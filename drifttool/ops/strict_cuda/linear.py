@@ -21,7 +21,7 @@ from drifttool.ops.constraints import dtypes
 from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda._register import FORWARD_ONLY, QUALIFIED_GPU, TRITON_READY, strict_cuda
 
-KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm32bn64w4s2"
+KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
 
