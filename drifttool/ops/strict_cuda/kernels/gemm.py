@@ -23,6 +23,11 @@ on M, and the tile configuration is fixed per operand precision (``BF16_CONFIG``
 never chosen from the shape. The TMA path (tensor descriptors, used when the operands' strides
 allow it) and the pointer path load the same values and run the same MMAs in the same order.
 
+The kernels call only Triton builtins, never ``triton.language.standard``'s ``@jit`` helpers
+(``tl.cdiv``, ``tl.zeros``, ...): those are decorated when Triton is first imported, so in a test
+process that imported Triton before setting ``TRITON_INTERPRET=1`` they are compiled-mode functions
+that an interpreted kernel cannot call.
+
 Also here: ``silu32`` (elementwise SiLU, the CPU's ``strict_math.silu32``) and ``sinusoid``
 (the CPU's ``strict.embed.sinusoid``), the other arithmetic of the GEMM-bearing operators.
 """
@@ -177,8 +182,8 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M  # (tl.cdiv and tl.zeros are avoided: see module doc)
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     in_group = GROUP_M * num_pid_n  # raster grouping for L2 reuse; touches no arithmetic
     first_m = (pid // in_group) * GROUP_M
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -188,7 +193,7 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
     off_n = pid_n * BLOCK_N
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     if TMA:  # descriptors zero-fill rows past M, columns past N and the K tail
         for k0 in range(0, K, BLOCK_K):
             a = X.load([off_m, k0])
