@@ -272,3 +272,14 @@ def test_measure_strict_cuda_vs_strict_cpu(geometry, dtype):
             # bf16: two ulps of the largest output; FP32: two K orders over up to 12288 terms
             rel = 2 * 2.0**-8 if g.dtype == torch.bfloat16 else 1e-4
             assert c["max_abs"] <= rel * max(c["scale"], 1e-30), f"{op}: {c}"
+
+
+def test_registry_fails_closed_on_gradients_and_dtypes():
+    from drifttool.errors import UnsupportedConfigError
+
+    x = rn(1, 7, 64, seed=80).requires_grad_(True)
+    w, b = lin(D, 64, seed=81)
+    with pytest.raises(UnsupportedConfigError, match="forward only"):
+        cuda("latent_proj_gemm")(x, w, b)
+    with pytest.raises(UnsupportedConfigError, match="float16"):
+        cuda("mlp_down_gemm")(x.detach().half(), w.half(), None)
