@@ -1,9 +1,17 @@
+import importlib.util
 import os
 
-import pytest
 import torch
 
-from tests import harness
+# Without CUDA, Triton runs the strict CUDA kernels in its interpreter (tests/ops/strict_cuda). It
+# reads TRITON_INTERPRET when its modules and each kernel are first imported, so it is set here,
+# before any test module imports Triton (drifttool.capture.gpu_rows does).
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests import harness  # noqa: E402
 
 # CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
 # it). Under pytest-xdist every worker already has a core of its own: one thread each.
