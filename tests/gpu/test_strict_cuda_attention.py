@@ -70,8 +70,8 @@ def sample(t: torch.Tensor, i: int, keep: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dh", [16, 64, 128])
 def test_fused_equals_unfused_decomposition(dtype, dh):
-    """Odd text length 77 (valid 77, 40: a text block without... and with masked keys), 1000
-    image keys (a partial last block), batch 2."""
+    """Odd text length 77 (valid 77 and 40: sample 1's second text block has no valid key and
+    is skipped), 1000 image keys (a partial last block), batch 2, NaN in every masked K/V slot."""
     q, k, v, km = joint([77, 40], 77, 1000, 4, dh, dtype, seed=dh, nan_pads=True)
     o = cuda("joint_attention_fused")(q, k, v, km, text_len=77)
     assert o.dtype == dtype and o.shape == q.shape and torch.isfinite(o).all()
