@@ -238,3 +238,19 @@ def test_fused_time_vs_masked_sdpa_measured(n_img, batch):
     print(f"\nattention S={s} B={batch}: strict {t_strict:.3f} ms ({tflops:.0f} TFLOP/s at 4·B·H·S²·Dh), "
           f"masked SDPA {t_sdpa:.3f} ms, strict/SDPA {t_strict / t_sdpa:.2f}")
     assert t_strict > 0
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_sp_rank_rows_reproduce_one_device(full_width, sp):
+    """AG/RS on one device: each SP rank's queries (text rows + its image rows, ``sp_row_spans``)
+    against every key reproduce the single-device rows' bytes; at L2 the decomposition too."""
+    from drifttool.shards import sp_row_spans
+
+    q, k, v, km, lmax, _ = full_width
+    full = cuda("joint_attention_fused")(q, k, v, km, text_len=lmax)
+    for lo, hi in sp_row_spans(q.shape[1] - lmax, sp):
+        rows = torch.cat([torch.arange(lmax), torch.arange(lmax + lo, lmax + hi)]).cuda()
+        mine = cuda("joint_attention_fused")(q[:, rows], k, v, km, text_len=lmax)
+        assert_same_bytes(mine.cpu(), full[:, rows].cpu(), f"sp {sp}: image rows [{lo}, {hi})")
+        if sp == 8:
+            assert_same_bytes(unfused(q[:, rows], k, v, km, lmax).cpu(), mine.cpu(), f"sp 8 rank [{lo}, {hi}) unfused")

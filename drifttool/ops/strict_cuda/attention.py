@@ -40,36 +40,47 @@ def _head_dim(ref: str) -> Constraint:
     return Constraint(f"head dim in {list(HEAD_DIMS)}", test, (ref,))
 
 
-def _bshd(*names: str) -> Constraint:
-    """The named tensors are [B,S,H,Dh] of one shape and one dtype."""
+def _qkv(*names: str) -> Constraint:
+    """q [B,Sq,H,Dh] and k (, v) [B,S,H,Dh] of one dtype, B, H and Dh alike, text_len ≤ Sq:
+    the query rows are the joint sequence's (Sq = S) or its text rows and some image rows (an
+    SP rank's)."""
 
     def test(args: Args) -> str | None:
         ts = [args[n] for n in names]
         if any(t.dim() != 4 for t in ts):
             return f"{', '.join(names)} must be [B, S, H, Dh], got {[list(t.shape) for t in ts]}"
-        if len({tuple(t.shape) for t in ts}) > 1 or len({t.dtype for t in ts}) > 1:
-            return (f"{', '.join(names)} must share one shape and dtype (self-attention), got "
+        q, keys = ts[0], ts[1:]
+        if (len({tuple(t.shape) for t in keys}) > 1 or len({t.dtype for t in ts}) > 1
+                or (q.shape[0], q.shape[2], q.shape[3]) != (keys[0].shape[0], keys[0].shape[2], keys[0].shape[3])):
+            return (f"{', '.join(names)} must share B, H, Dh and dtype ({', '.join(names[1:])} one shape), got "
                     f"{[(list(t.shape), str(t.dtype).removeprefix('torch.')) for t in ts]}")
-        return None
+        return _rows_hold_text(args, q.shape[1])
 
     return Constraint(f"{', '.join(names)} [B,S,H,Dh] alike", test, names)
 
 
-def _square(ref: str, v: str | None = None) -> Constraint:
-    """``args[ref]`` is [B,H,S,S] (and matches v [B,S,H,Dh] when given)."""
+def _rows_hold_text(args: Args, sq: int) -> str | None:
+    n = args.get("text_len")
+    if isinstance(n, int) and not isinstance(n, bool) and n > sq:
+        return f"text_len {n} exceeds the {sq} query rows (they start with the text rows)"
+    return None
+
+
+def _probs_shape(ref: str, v: str | None = None) -> Constraint:
+    """``args[ref]`` is [B,H,Sq,S] (and matches v [B,S,H,Dh] when given)."""
 
     def test(args: Args) -> str | None:
         x = args[ref]
-        if x.dim() != 4 or x.shape[-1] != x.shape[-2]:
-            return f"{ref} must be [B, H, S, S], got {list(x.shape)}"
+        if x.dim() != 4:
+            return f"{ref} must be [B, H, Sq, S], got {list(x.shape)}"
         if v is not None:
             w = args[v]
-            want = [x.shape[0], x.shape[2], x.shape[1]]
+            want = [x.shape[0], x.shape[3], x.shape[1]]
             if w.dim() != 4 or list(w.shape[:3]) != want:
                 return f"{v} must be [B, S, H, Dh] = {want + ['Dh']} for {ref} {list(x.shape)}, got {list(w.shape)}"
-        return None
+        return _rows_hold_text(args, x.shape[2])
 
-    return Constraint(f"{ref} [B,H,S,S]", test, (ref,) if v is None else (ref, v))
+    return Constraint(f"{ref} [B,H,Sq,S]", test, (ref,) if v is None else (ref, v))
 
 
 def _check_valid_keys(op: str, key_mask: torch.Tensor | None) -> None:
@@ -88,9 +99,10 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 @strict_cuda("joint_attention_fused", "q", "k", "v", kernel=KERNEL, decomposable=True,
-             constraints=(_bshd("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
+             constraints=(_qkv("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
 def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None):
-    """softmax(q·kᵀ/√Dh over the valid keys)·v: q, k, v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype;
+    """softmax(q·kᵀ/√Dh over the valid keys)·v: q [B,Sq,H,Dh], k, v [B,S,H,Dh] → [B,Sq,H,Dh] in
+    v's dtype (Sq = S, or the text rows and some image rows: an SP rank's);
     byte-equal to ``joint_attn_av_gemm(joint_attn_softmax(joint_attn_qk_gemm(...)))`` here.
 
     Raises:
@@ -101,10 +113,10 @@ def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None
 
 
 @strict_cuda("joint_attn_qk_gemm", "q", "k", kernel=KERNEL,
-             constraints=(_bshd("q", "k"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
+             constraints=(_qkv("q", "k"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
 def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
     """scores[b,h,i,j] = fp32(q_i · k_j) · fp32(1/√Dh) for every key (masked ones too), the fused
-    kernel's tiles: q, k [B,S,H,Dh] → [B,H,S,S] FP32.
+    kernel's tiles: q [B,Sq,H,Dh], k [B,S,H,Dh] → [B,H,Sq,S] FP32.
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
@@ -114,11 +126,11 @@ def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
 
 
 @strict_cuda("joint_attn_softmax", "scores", kernel=KERNEL,
-             constraints=(_square("scores"), key_mask_fits("scores", seq_axis=-1),
+             constraints=(_probs_shape("scores"), key_mask_fits("scores", seq_axis=-1),
                           text_len_fits("scores", seq_axis=-1)))
 def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
     """The fused kernel's probabilities: row max and sum merged over the 64-key blocks in order,
-    P = exp2(s·log2 e − m) · (1/l); scores [B,H,S,S] → probs [B,H,S,S] FP32, masked keys +0.
+    P = exp2(s·log2 e − m) · (1/l); scores [B,H,Sq,S] → probs [B,H,Sq,S] FP32, masked keys +0.
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
@@ -128,11 +140,11 @@ def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
 
 
 @strict_cuda("joint_attn_av_gemm", "probs", "v", kernel=KERNEL,
-             constraints=(_square("probs", "v"), _head_dim("v"), key_mask_fits("v"), text_len_fits("v")))
+             constraints=(_probs_shape("probs", "v"), _head_dim("v"), key_mask_fits("v"), text_len_fits("v")))
 def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
     """out_i = Σ_j P̃_ij v_j over the 64-key blocks in order, P̃ = probs cast to v's dtype per
-    tile, FP32 accumulation on tensor cores; masked keys' P and v taken as +0. probs [B,H,S,S],
-    v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype.
+    tile, FP32 accumulation on tensor cores; masked keys' P and v taken as +0. probs [B,H,Sq,S],
+    v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype.
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""

@@ -84,3 +84,16 @@ def test_launch_geometry_and_image_key_mask(kern):
     assert_same_bytes(o2, o, "query tile 32, 2 warps vs the fixed configuration")
     unf, _ = _unfused(kern, q, k, v, km, 11, config=(32, 2, 1))
     assert_same_bytes(unf, o, "unfused modes at another geometry vs fused")
+
+
+def test_sp_rank_rows_equal_the_full_rows(kern):
+    """An SP rank's queries (the text rows and image rows [64, 130)) against every key give the
+    full call's bytes for those rows, fused and unfused (AG/RS attention on one device)."""
+    q, k, v, km = _joint([9, 4], 9, 130, seed=3)
+    o = kern.attention(q, k, v, km, text_len=9)
+    rows = torch.cat([torch.arange(9), torch.arange(9 + 64, 9 + 130)])
+    mine = kern.attention(q[:, rows], k, v, km, text_len=9)
+    assert mine.shape == (2, len(rows), H, DH)
+    assert_same_bytes(mine, o[:, rows], "SP rank's rows vs the full call")
+    unf, _ = _unfused(kern, q[:, rows], k, v, km, 9)
+    assert_same_bytes(unf, mine, "SP rank's rows: unfused vs fused")

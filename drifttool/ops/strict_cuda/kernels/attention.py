@@ -162,16 +162,16 @@ def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_s
     return acc
 
 
-@triton.jit(do_not_specialize=["S", "L", "n_tq"])
+@triton.jit(do_not_specialize=["SQ", "S", "L", "n_tq"])
 def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                  sxb, sxh, sxm, sxn, sy0, sy1, sy2,
-                 smb, H, S, L, n_tq,
+                 smb, H, SQ, S, L, n_tq,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
     """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
     Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
-    SOFTMAX: b, h, m; last 1)."""
+    SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -181,7 +181,7 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
         row_end = L
     else:
         row0 = L + (pid_m - n_tq) * BLOCK_M
-        row_end = S
+        row_end = SQ
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -312,15 +312,15 @@ CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES)
 ``config=`` to show that a row's bytes do not depend on it; the operators never do."""
 
 
-def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, s: int, h: int, dh: int,
+def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
             ieee: bool, qkv_strides, x_strides, y_strides, config) -> None:
     block_m, num_warps, num_stages = CONFIG if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
     n_tq = triton.cdiv(text_len, block_m)
-    grid = (n_tq + triton.cdiv(s - text_len, block_m), b * h)
+    grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
     _attn_kernel[grid](
         q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
-        *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, s, text_len, n_tq,
+        *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq,
         HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
@@ -332,54 +332,58 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
               *, text_len: int | None = None, config=None) -> torch.Tensor:
-    """Fused strict attention (module docstring): q, k, v [B,S,H,Dh] (one dtype, FP32 or BF16),
-    key_mask [B,S] bool or None, text_len = L → [B,S,H,Dh] in v's dtype. The caller checks
-    shapes, dtypes and that every sample has a valid key."""
+    """Fused strict attention (module docstring): q [B,Sq,H,Dh], k, v [B,S,H,Dh] (one dtype, FP32
+    or BF16; Sq = S, or the text rows and some image rows: an SP rank's), key_mask [B,S] bool or
+    None, text_len = L → [B,Sq,H,Dh] in v's dtype. The caller checks shapes, dtypes and that
+    every sample has a valid key."""
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
-    b, s, h, dh = q.shape
+    b, sq, h, dh = q.shape
+    s = k.shape[1]
     L = _text_len(text_len)
-    o = torch.empty(b, s, h, dh, dtype=v.dtype, device=v.device)
+    o = torch.empty(b, sq, h, dh, dtype=v.dtype, device=v.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
-    _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, s, h, dh, q.dtype == torch.float32, strides,
+    _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
             (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config)
     return o
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, *, text_len: int | None = None, config=None) -> torch.Tensor:
-    """The fused kernel's scores s = fp32(q · k) · fp32(1/√Dh) for every key: q, k [B,S,H,Dh] →
-    [B,H,S,S] FP32 (``text_len`` sets the key blocks, which do not change a score)."""
+    """The fused kernel's scores s = fp32(q · k) · fp32(1/√Dh) for every key: q [B,Sq,H,Dh],
+    k [B,S,H,Dh] → [B,H,Sq,S] FP32 (``text_len`` sets the blocks, which do not change a score)."""
     q, k = _bshd(q), _bshd(k)
-    b, s, h, dh = q.shape
+    b, sq, h, dh = q.shape
+    s = k.shape[1]
     L = _text_len(text_len)
-    y = torch.empty(b, h, s, s, dtype=torch.float32, device=q.device)
+    y = torch.empty(b, h, sq, s, dtype=torch.float32, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), 0, 0, 0)
-    _launch(MODE_QK, q, k, k, y, y, None, L, b, s, h, dh, q.dtype == torch.float32, strides,
+    _launch(MODE_QK, q, k, k, y, y, None, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
             (0, 0, 0, 0), (y.stride(0), y.stride(1), y.stride(2)), config)
     return y
 
 
 def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None,
             config=None) -> torch.Tensor:
-    """The fused kernel's probabilities from its scores: x [B,H,S,S] FP32 → P [B,H,S,S] FP32,
+    """The fused kernel's probabilities from its scores: x [B,H,Sq,S] FP32 → P [B,H,Sq,S] FP32,
     masked keys +0 (pass 1 and pass 2 of the module docstring on the read-back scores)."""
     b, h, sq, s = x.shape
     L = _text_len(text_len)
-    y = torch.empty(b, h, s, s, dtype=torch.float32, device=x.device)
-    _launch(MODE_SOFTMAX, x, x, x, x, y, key_mask, L, b, s, h, 16, False, (0,) * 9,
+    y = torch.empty(b, h, sq, s, dtype=torch.float32, device=x.device)
+    _launch(MODE_SOFTMAX, x, x, x, x, y, key_mask, L, b, sq, s, h, 16, False, (0,) * 9,
             tuple(x.stride()), (y.stride(0), y.stride(1), y.stride(2)), config)
     return y
 
 
 def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
            text_len: int | None = None, config=None) -> torch.Tensor:
-    """The fused kernel's pass-2 product from its probabilities: p [B,H,S,S] FP32 (cast to v's
-    dtype per tile), v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype; masked keys' P and V taken as +0."""
+    """The fused kernel's pass-2 product from its probabilities: p [B,H,Sq,S] FP32 (cast to v's
+    dtype per tile), v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype; masked keys' P and V taken as +0."""
     v = _bshd(v)
     b, s, h, dh = v.shape
+    sq = p.shape[2]
     L = _text_len(text_len)
-    o = torch.empty(b, s, h, dh, dtype=v.dtype, device=v.device)
+    o = torch.empty(b, sq, h, dh, dtype=v.dtype, device=v.device)
     strides = (0, 0, 0, 0, 0, 0, v.stride(0), v.stride(1), v.stride(2))
-    _launch(MODE_AV, v, v, v, p, o, key_mask, L, b, s, h, dh, v.dtype == torch.float32, strides,
+    _launch(MODE_AV, v, v, v, p, o, key_mask, L, b, sq, s, h, dh, v.dtype == torch.float32, strides,
             tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config)
     return o
