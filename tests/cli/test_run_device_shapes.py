@@ -14,6 +14,7 @@ from drifttool.diff.compare import diff_runs
 from drifttool.runner import execute
 from drifttool.training.replay import replay_run
 from drifttool.settings import RunSpec, check_mode_device, device_operators, resolve
+from drifttool.ops.registry import impls
 from drifttool.runtime import Mode
 from drifttool.errors import UnsupportedConfigError
 from tests.conftest import assert_same_bytes

@@ -82,6 +82,8 @@ def test_production_is_registered_for_cuda_with_device_free_kernel_ids():
             assert k is None or not k.startswith(("cpu.", "cuda.")), (name, family, k)
         k = kernel_id(name, "strict", "cuda")  # the strict CUDA family (partial until complete)
         assert k is None or not k.startswith(("cpu.", "cuda.")), (name, k)
+    # the strict CUDA family keeps its own contract ids
+    assert all(i.contract.endswith(".cuda1") for name in specs() for i in impls(name, "strict", "cuda"))
 
 
 def test_lora_merge_is_declared_by_ops_not_the_model():
