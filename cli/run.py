@@ -119,6 +119,9 @@ def run(
     if settings.cfg_branches == 1 and settings.cfg_scale > 1:
         err.print(f"[bold yellow]note:[/] CFG is off although cfg_scale is {settings.cfg_scale:g}: "
                   "no negative prompt was given (diffusers' rule; add --negative-prompt-embeds)")
+    for line in summary.get("warnings", []):
+        err.print(f"[bold yellow]warning:[/] checkpoint: {line} (recorded in the manifest's "
+                  "checkpoint_warnings)", highlight=False)
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

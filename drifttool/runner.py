@@ -24,7 +24,7 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
-from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.checkpoint import index_warnings, load_checkpoint
 from drifttool.model.lora import has_lora, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
@@ -150,7 +150,9 @@ def execute(
     dist = dist or DistContext()
     device = run_device(s.device, dist)
     source = getattr(model, "source", None) if model is not None else None
+    warnings: list[str] = []
     if model is None:
+        warnings = index_warnings(s.checkpoint or fx.model_dir, s.variant)
         model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant,
                                 device=device)
     elif model.dtype != dtype:
@@ -195,6 +197,8 @@ def execute(
     }
     if source is not None:
         manifest["model_source"] = source
+    if warnings:
+        manifest["checkpoint_warnings"] = warnings
     if has_lora(model):
         manifest["lora"] = lora_record(model)
     manifest.update(manifest_extra or {})
@@ -206,4 +210,6 @@ def execute(
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
-            "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite}
+            "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
+            "warnings": warnings}
+
