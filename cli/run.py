@@ -122,6 +122,8 @@ def run(
     for line in summary.get("warnings", []):
         err.print(f"[bold yellow]warning:[/] checkpoint: {line} (recorded in the manifest's "
                   "checkpoint_warnings)", highlight=False)
+    for line in summary.get("notes", []):
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

@@ -211,5 +211,18 @@ def execute(
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
-            "warnings": warnings}
+            "warnings": warnings, "notes": empty_prompt_notes(inputs)}
 
+
+def empty_prompt_notes(inputs) -> list[str]:
+    """One line per prompt (positive or negative) whose mask masks every text token: the model
+    then sees no prompt at all (its text keys are all masked), which is rarely meant."""
+    out = []
+    for what, mask in (("prompt", inputs.txt_mask), ("negative prompt", inputs.neg_mask)):
+        if mask is None:
+            continue
+        empty = [sid for sid, row in zip(inputs.sample_ids, mask) if not bool(row.any())]
+        if empty:
+            out.append(f"the {what} mask of sample(s) {empty} masks every text token: the model "
+                       "sees no prompt there")
+    return out
