@@ -22,6 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from drifttool.artifact.reader import open_run
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.rollout import StepOutput
@@ -114,8 +115,6 @@ def replay_run(
 def finished_steps(stored: StoredRollout) -> int:
     """How many steps (0, 1, ... in order) of an incomplete rollout were finished: those whose
     ``x_next`` record (phase ``rollout``) every sample has. Reads the step records."""
-    from drifttool.artifact.reader import open_run  # the run was checked by load_rollout
-
     t = open_run(stored.path).steps_table().to_pylist()
     done: dict[int, set[int]] = {}
     for r in t:
