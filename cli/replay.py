@@ -90,6 +90,8 @@ def replay(
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
     _summary(f"drifttool replay {run_dir} → {out}", rows)
+    if s.get("note"):
+        console.print(f"note: {s['note']}", highlight=False)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 

@@ -127,6 +127,11 @@ def run(
     if (summary.get("lora") or {}).get("alpha_given") is False:
         err.print("[bold yellow]note:[/] the LoRA adapter has no alpha (no adapter_config.json, no "
                   "metadata): scale 1 (alpha = r, diffusers' convention), recorded as lora.alpha_given false")
+    for line in summary.get("warnings", []):
+        err.print(f"[bold yellow]warning:[/] checkpoint: {line} (recorded in the manifest's "
+                  "checkpoint_warnings)", highlight=False)
+    for line in summary.get("notes", []):
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

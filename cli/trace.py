@@ -23,6 +23,13 @@ def trace(
     run = open_run(run_dir)
     run.check()  # every file read and checked, as diff does: a damaged rank file is refused
     every = run.trace_rows()
+    if not (run.manifest.get("files") or {}).get("trace"):
+        # a run writes its trace when it ends: none means it never got there
+        from drifttool.errors import ArtifactError  # lazy: likewise
+
+        state = ("the run is incomplete (complete: false; stopped before it wrote its trace)"
+                 if not run.complete else "the run wrote none")
+        raise ArtifactError(f"{run_dir}: no operator trace: {state}")
     last = 1 << 30
 
     def order(r: dict) -> tuple:
@@ -44,3 +51,6 @@ def trace(
     ranks = sorted({r["rank"] for r in every})
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
+    if not run.complete:
+        console.print("note: the run is incomplete (complete: false): its trace covers the "
+                      "steps it ran", highlight=False)

@@ -6,12 +6,15 @@ content digest over every file so that anyone can re-verify them.
       transformer/              diffusers-format checkpoint (config.json + safetensors, bf16)
       prompts.safetensors       prompt embeddings [P, L, D] + lengths, negative prompt [1, Ln, D]
       expected/                 the reference artifact of a strict run with the fixture settings
-      seal.json                 xxh3_128 of every other file + one content digest over them
+      seal.json                 xxh3_128 and size of every other file + one content digest
 
 ``verify`` checks the seal (a tampered file fails before anything runs), re-runs the fixture in
 strict mode and diffs the new artifact against ``expected/`` (identical, or the first drift).
 The seal covers regular files only: a symlink (even to identical bytes), a FIFO, a device or
-a socket anywhere inside a fixture fails the seal check and is refused by ``seal``.
+a socket anywhere inside a fixture fails the seal check and is refused by ``seal``. Sizes are
+compared before any file is hashed, and an archive member whose declared size differs from its
+seal's is refused before anything is extracted (a sparse member declaring gigabytes of zeros
+costs nothing).
 Archives (``.tar``, ``.tar.gz``) are opened with ``extracted`` into a temporary directory that is
 removed afterwards, on success and on failure: only regular files and directories are accepted
 (no links, no devices), and tarfile's ``data`` filter keeps every member inside the target.
@@ -30,7 +33,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Iterator
 
 import xxhash
@@ -43,6 +46,9 @@ if TYPE_CHECKING:
 DEFAULT_FIXTURE = "tiny-t2i"
 SEAL = "seal.json"
 SEAL_ALGORITHM = "xxh3_128"
+_SEAL_MAX_BYTES = 16 << 20
+"""A seal.json read from an archive before extraction is at most this large (else it is left to
+``check_seal`` after extraction)."""
 
 
 def packaged_fixtures() -> Path:
@@ -65,6 +71,7 @@ def _extract(archive: Path, target: Path) -> Path:
             if odd:
                 raise FixtureError(f"{archive}: fixture archive holds links or special files, "
                                    f"which are refused: {', '.join(odd[:5])}")
+            _check_member_sizes(archive, tar, members)
             tar.extractall(target, members=members, filter="data")
     except tarfile.ReadError as e:  # every compression tried: name the last (plain tar) reason
         reason = str(e).rsplit("ReadError(", 1)[-1].strip("')") if "method tar" in str(e) else str(e)
@@ -75,6 +82,38 @@ def _extract(archive: Path, target: Path) -> Path:
                            f"{e}") from None
     dirs = [p for p in target.iterdir() if p.is_dir()]
     return dirs[0] if len(dirs) == 1 and not (target / "fixture.json").exists() else target
+
+
+def _check_member_sizes(archive: Path, tar: tarfile.TarFile, members: list) -> None:
+    """Refuse, before anything is extracted or hashed, a member whose declared size differs from
+    the size its archive's own ``seal.json`` records for that file (a sealed file replaced by
+    another, e.g. a sparse member declaring gigabytes of zeros). Seals without ``sizes`` (older
+    ones) and unreadable seals are left to ``check_seal``.
+
+    Raises:
+        FixtureError: naming the first members whose sizes differ.
+    """
+    seals = [m for m in members if m.isfile() and PurePosixPath(m.name).name == SEAL
+             and len(PurePosixPath(m.name).parts) <= 2 and m.size <= _SEAL_MAX_BYTES]
+    if len(seals) != 1:
+        return
+    top = PurePosixPath(seals[0].name).parent
+    try:
+        sizes = json.loads(tar.extractfile(seals[0]).read()).get("sizes")
+    except (ValueError, AttributeError, OSError, tarfile.TarError):
+        return
+    if not isinstance(sizes, dict):
+        return
+    bad = []
+    for m in members:
+        rel = PurePosixPath(m.name)
+        if m.isfile() and (top == PurePosixPath(".") or top in rel.parents):
+            want = sizes.get(rel.relative_to(top).as_posix())
+            if isinstance(want, int) and m.size != want:
+                bad.append(f"{rel.relative_to(top).as_posix()} ({m.size} bytes, sealed {want})")
+    if bad:
+        raise FixtureError(f"{archive}: seal check failed before extraction: size differs for "
+                           + ", ".join(bad[:5]))
 
 
 @contextlib.contextmanager
@@ -229,9 +268,11 @@ def seal(path: str | Path) -> str:
         raise FixtureError(f"{path}: not a fixture directory")
     if not (path / "fixture.json").is_file() or (path / "fixture.json").is_symlink():
         raise FixtureError(f"{path}: not a fixture directory (no fixture.json); nothing written")
-    files = {rel: _digest_file(path / rel) for rel in _files(path)}
+    present = _files(path)
+    files = {rel: _digest_file(path / rel) for rel in present}
     digest = content_digest(files)
-    body = {"algorithm": SEAL_ALGORITHM, "content_digest": digest, "files": files}
+    sizes = {rel: (path / rel).stat().st_size for rel in present}
+    body = {"algorithm": SEAL_ALGORITHM, "content_digest": digest, "files": files, "sizes": sizes}
     (path / SEAL).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
     return digest
 
@@ -262,7 +303,14 @@ def check_seal(path: str | Path) -> str:
                            f"{' '.join(str(e).split())[:200]}") from None
     problems = [f"missing {r}" for r in sorted(set(sealed) - set(present))]
     problems += [f"unsealed extra file {r}" for r in sorted(set(present) - set(sealed))]
-    problems += [f"modified {r}" for r in sorted(set(sealed) & set(present)) if _digest_file(path / r) != sealed[r]]
+    sizes = body.get("sizes") if isinstance(body.get("sizes"), dict) else {}
+    common = sorted(set(sealed) & set(present))
+    resized = {r for r in common if isinstance(sizes.get(r), int)
+               and (path / r).stat().st_size != sizes[r]}  # compared first: nothing hashed
+    problems += [f"modified {r} (size {(path / r).stat().st_size} bytes, sealed {sizes[r]})"
+                 for r in common if r in resized]
+    problems += [f"modified {r}" for r in common
+                 if r not in resized and _digest_file(path / r) != sealed[r]]
     if content_digest(sealed) != body.get("content_digest"):
         problems.append("seal.json content_digest does not match its file list")
     if problems:

@@ -24,8 +24,13 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
+<<<<<<< HEAD
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
+=======
+from drifttool.model.checkpoint import index_warnings, load_checkpoint
+from drifttool.model.lora import has_lora, load_lora, lora_record
+>>>>>>> h-robust
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import StepOutput, rollout, sampler_model
@@ -150,7 +155,9 @@ def execute(
     dist = dist or DistContext()
     device = run_device(s.device, dist)
     source = getattr(model, "source", None) if model is not None else None
+    warnings: list[str] = []
     if model is None:
+        warnings = index_warnings(s.checkpoint or fx.model_dir, s.variant)
         model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant,
                                 device=device)
     elif model.dtype != dtype:
@@ -196,6 +203,8 @@ def execute(
     }
     if source is not None:
         manifest["model_source"] = source
+    if warnings:
+        manifest["checkpoint_warnings"] = warnings
     if has_lora(model):
         manifest["lora"] = lora_record(model)
     manifest.update(manifest_extra or {})
@@ -208,4 +217,22 @@ def execute(
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
+<<<<<<< HEAD
             "lora": manifest.get("lora")}
+=======
+            "warnings": warnings, "notes": empty_prompt_notes(inputs)}
+
+
+def empty_prompt_notes(inputs) -> list[str]:
+    """One line per prompt (positive or negative) whose mask masks every text token: the model
+    then sees no prompt at all (its text keys are all masked), which is rarely meant."""
+    out = []
+    for what, mask in (("prompt", inputs.txt_mask), ("negative prompt", inputs.neg_mask)):
+        if mask is None:
+            continue
+        empty = [sid for sid, row in zip(inputs.sample_ids, mask) if not bool(row.any())]
+        if empty:
+            out.append(f"the {what} mask of sample(s) {empty} masks every text token: the model "
+                       "sees no prompt there")
+    return out
+>>>>>>> h-robust

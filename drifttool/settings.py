@@ -310,7 +310,10 @@ class RunSettings:
             # latents from --latents: the pipeline casts given latents to its dtype, draws none
             x0 = built[0].x0.to(self.torch_dtype).to(torch.float32)
             inputs = dataclasses.replace(inputs, x0=x0)
-            record = {**record, "x0": "from --latents (rounded to the model dtype)"}
+            # said in the noise record's own field: the reader refuses keys it does not know
+            order = [e for e in record.get("consumption_order", []) if not e.startswith("x0")]
+            record = {**record, "consumption_order": [
+                "x0: from --latents (rounded to the model dtype)", *order]}
         return inputs, record
 
     def record(self) -> dict[str, Any]:

@@ -269,10 +269,10 @@ def peer_catalog(slots: int = PEER_SLOTS, pads: tuple[int, ...] = PAD_VARIANTS,
 # -- the peer forward ---------------------------------------------------------------------------
 class PeerModel(DiffusersQwenImage):
     """The diffusers transformer behind drifttool's model call, run on ``device`` with one
-    ``PeerCall``: inputs (built on the CPU by the rollout) move to ``device``, the factor is
-    applied, the instrumented forward runs there, and the velocity ``[B, N, C]`` (model dtype)
-    comes back to the CPU for the sampler (drifttool's ``production`` operators, identical in
-    both runs)."""
+    ``PeerCall``: inputs move to ``device`` (the runner already placed them there), the factor
+    is applied, the instrumented forward runs there, and the velocity ``[B, N, C]`` (model
+    dtype) goes back to the device of the sampler's latents ``x``, where the sampler's
+    operators (drifttool's ``production`` ones, identical in both runs) take it with them."""
 
     def __init__(self, transformer: torch.nn.Module, call: PeerCall, device: torch.device) -> None:
         super().__init__(transformer)
@@ -281,6 +281,7 @@ class PeerModel(DiffusersQwenImage):
 
     def forward(self, x, txt, txt_mask, tau, img_grid, rt):
         dev, c = self.device, self.call
+        home = x.device  # the sampler's device: the velocity goes back there
         x, txt, tau = x.to(dev), txt.to(dev), tau.to(dev, c.timestep_dtype)
         mask = None if txt_mask is None else txt_mask.to(dev)
         if c.pad_garbage and mask is not None:
@@ -289,7 +290,7 @@ class PeerModel(DiffusersQwenImage):
             txt = torch.where(mask[..., None].bool(), txt, junk)
         with c.around():
             v = super().forward(x, txt, mask, tau, img_grid, rt)
-        return v.detach().to("cpu")
+        return v.detach().to(home)
 
 
 @contextlib.contextmanager

@@ -431,7 +431,7 @@ MANIFEST_SCHEMA = Obj({
     "environment": _ENVIRONMENT, "replay": _REPLAY, "layout": _LAYOUT,
     "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
     "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
-    "seconds": _NUM, "uncaptured": _UNCAPTURED,
+    "seconds": _NUM, "uncaptured": _UNCAPTURED, "checkpoint_warnings": ListOf(_STR),
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and

@@ -19,6 +19,11 @@ torch.distributed when a process group is initialised and is a no-op otherwise:
 - opening: rank 0 creates the directory while the other ranks wait for its outcome (a
   broadcast), so no rank writes into a directory being removed and every rank raises if rank 0
   could not create it;
+- one writer per directory: rank 0 takes an exclusive ``flock`` on the directory itself before
+  it checks that it is empty (or removes an earlier run under ``overwrite``) and holds it until
+  ``close`` (the OS drops it when the process dies). A second run given the same directory
+  while the first writes fails at once with an ``ArtifactError`` that says another run holds
+  it, so two runs never mix their files, with ``overwrite`` or without;
 - closing (two-phase ``complete``): every rank closes its streams and reports whether it
   finished, its files, its copy of the manifest keys that describe the whole run
   (``SHARED_KEYS``) and a digest of its replay inputs (an all-gather); rank 0 writes the manifest
@@ -39,6 +44,11 @@ from __future__ import annotations
 
 import json
 import os
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock (one writer is then the user's care)
+    fcntl = None
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -199,6 +209,7 @@ class ArtifactWriter:
         self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": []}
         self._inputs_digest: str | None = None
         self.closed = False
+        self._lock: int | None = None
         error = None
         if self.rank == 0:
             try:
@@ -208,6 +219,8 @@ class ArtifactWriter:
                 error = str(e)
             except OSError as e:
                 error = f"cannot create the artifact directory {self.path}: {e.strerror or e}"
+            if error is not None:
+                self._unlock()
         error = C.broadcast_object(error, 0, group)  # the other ranks wait for rank 0 here
         if error is not None:
             raise ArtifactError(error if self.rank == 0 else f"{error} (reported by rank 0)")
@@ -233,12 +246,35 @@ class ArtifactWriter:
         if existing is not None and not existing.is_dir():  # the path itself or a parent
             raise ArtifactError(f"{existing} exists and is not a directory"
                                 + ("" if existing == self.path else f" (creating {self.path})"))
-        if existing == self.path and any(self.path.iterdir()):
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._take_lock()  # before the emptiness check: the check and the writes are one writer's
+        if any(self.path.iterdir()):
             if not overwrite:
                 raise ArtifactError(f"{self.path} is not empty (use --overwrite to replace an "
                                     "earlier drifttool run there)")
             _remove_artifact(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _take_lock(self) -> None:
+        """Hold an exclusive ``flock`` on the directory until ``close`` (module docstring).
+
+        Raises:
+            ArtifactError: another process holds it.
+        """
+        if fcntl is None:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ArtifactError(f"{self.path}: another drifttool run holds it (it is writing "
+                                "there now); wait for it to finish or choose another -o") from None
+        self._lock = fd
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the flock
+            self._lock = None
 
     # -- manifest ------------------------------------------------------------------------------
     @property
@@ -384,6 +420,7 @@ class ArtifactWriter:
                               for t in S.RANK_TABLES}}
             self._write_manifest(complete=complete and problem is None)
         C.barrier(self.group)  # the manifest is final once close returns on any rank
+        self._unlock()
         if complete and problem is not None:
             raise ArtifactError(f"{self.path}: left incomplete: {problem}")
 

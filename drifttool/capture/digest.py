@@ -385,7 +385,10 @@ def _finish_rows(pending: list[PendingRows]) -> list[tuple[int, np.ndarray | Non
     cum = np.concatenate([[0], np.cumsum(lens_np)[:-1]]).astype(np.int64)
     rcum = np.concatenate([[0], np.cumsum(rec_np)[:-1]]).astype(np.int64)
     meta = torch.from_numpy(np.concatenate([lens_np, np.asarray(starts, np.int64) - cum, rec_np, rcum]))
-    meta = meta.to(dev, non_blocking=False)
+    if dev.type == "cuda":  # pinned, asynchronous: a pageable copy would block the host
+        meta = meta.pin_memory().to(dev, non_blocking=True)
+    else:
+        meta = meta.to(dev)
     nr, nrec = len(lens_np), len(rec_np)
     d_lens, d_delta, d_rec, d_rcum = meta[:nr], meta[nr:2 * nr], meta[2 * nr:2 * nr + nrec], meta[2 * nr + nrec:]
     total = int(lens_np.sum())

@@ -246,14 +246,35 @@ class Recorder:
         return pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
                                           schema=S.OPS_SCHEMA)
 
-    def _steps_batch(self, done: list) -> pa.RecordBatch:
-        data = [x for _, _, x in self._steps]
+    def _stage_step_bytes(self) -> list[tuple[list[int], torch.Tensor, Any]]:
+        """Start copying the step records' device bytes to the host, one copy per device:
+        ``(record indices, host buffer, event or None)``. On CUDA the copy goes into pinned
+        memory without blocking, on the stream the digests are read back on next, so that
+        read-back (``materialize``) also finishes it: the step bytes cost no host sync of
+        their own."""
         by_dev: dict[torch.device, list[int]] = {}
-        for i, x in enumerate(data):
+        for i, (_, _, x) in enumerate(self._steps):
             if not isinstance(x, bytes):
                 by_dev.setdefault(x.device, []).append(i)
-        for idx in by_dev.values():  # device bytes: one read-back per device
-            flat = torch.cat([data[i] for i in idx]).cpu().numpy()
+        staged = []
+        for dev, idx in by_dev.items():
+            flat = torch.cat([self._steps[i][2] for i in idx])
+            if dev.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dev))
+                staged.append((idx, host, event))
+            else:
+                staged.append((idx, flat.cpu(), None))
+        return staged
+
+    def _steps_batch(self, done: list, staged: list) -> pa.RecordBatch:
+        data = [x for _, _, x in self._steps]
+        for idx, host, event in staged:  # device bytes: one copy per device, staged before
+            if event is not None and not event.query():
+                event.synchronize()  # only when no read-back on that stream finished it
+            flat = host.numpy()
             at = 0
             for i in idx:
                 n = data[i].numel()
@@ -266,6 +287,7 @@ class Recorder:
     def flush(self) -> None:
         """Write the buffered records as one batch per file (nothing if the buffer is empty)."""
         pending: list[PendingDigest] = [p for _, p, _ in self._ops] + [p for _, p, _ in self._steps]
+        staged = self._stage_step_bytes()
         done = materialize(pending)  # the step's one read-back per device
         if self._ops:
             batch = self._ops_batch(done[:len(self._ops)])
@@ -275,7 +297,7 @@ class Recorder:
                 self._kept_ops.append(batch)
             self._ops.clear()
         if self._steps:
-            batch = self._steps_batch(done[len(pending) - len(self._steps):])
+            batch = self._steps_batch(done[len(pending) - len(self._steps):], staged)
             if self.writer is not None:
                 self.writer.write_steps(batch)
             else:

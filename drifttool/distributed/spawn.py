@@ -6,7 +6,10 @@ the loopback interface, started with ``torch.multiprocessing.spawn`` (no torchru
     (True, 0)
 
 Each of ``dims.world_size`` children sets torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``: a free loopback port), joins the mesh
+``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``) and joins, as torchrun's workers do
+(``TORCHELASTIC_USE_AGENT_STORE``), the rendezvous store the parent already serves on that port
+(``loopback_store``: bound to a port the OS assigns, held until the children are done; no port
+is picked first and bound later, so concurrent launches never collide), joins the mesh
 ``plan.MESH_DIMS`` of ``dims.mesh_shape()`` (``init_distributed``), runs
 ``drifttool.runner.execute(spec, out, dist=ctx, parallel=dims, faults=faults)`` and closes the
 process group. The artifact is the same as ``torchrun --nproc-per-node N -m drifttool run
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from drifttool.distributed.context import DEFAULT_TIMEOUT, close_distributed, init_distributed
@@ -64,11 +67,20 @@ class RankCrash(RuntimeError):
         self.rank, self.kind, self.trace = rank, kind, trace
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+def loopback_store(world: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """The rendezvous store of ``world`` spawned ranks: a ``TCPStore`` server bound now to a
+    loopback port the OS assigns (``store.port``), which the ranks join as clients
+    (``rank_environment``), as torchrun's workers join its agent's store. Keep it referenced
+    until the ranks are done."""
+    return dist.TCPStore(LOOPBACK, 0, world, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for rank ``rank`` of ``world`` joining the store of
+    ``loopback_store`` on ``port`` (every rank a client: ``TORCHELASTIC_USE_AGENT_STORE``)."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 def _describe(dims: ParallelDims) -> str:
@@ -83,8 +95,7 @@ def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out
                threads: int) -> None:
     """One child: torchrun's variables, the mesh, ``execute``; an exception is written to
     ``errors/rank<r>.json`` and re-raised (the non-zero exit stops the other ranks)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+    os.environ.update(rank_environment(rank, world, port))
     torch.set_num_threads(threads)
     ctx = None
     try:
@@ -122,14 +133,16 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
                                      "call drifttool.runner.execute")
     check_faults(faults)
     world = dims.world_size
+    store = loopback_store(world, timeout)  # held (and its port bound) until the ranks are done
     with tempfile.TemporaryDirectory(prefix="drifttool-spawn-") as errors:
         try:
             mp.spawn(_rank_main, nprocs=world, join=True,
-                     args=(world, free_port(), errors, spec, str(out), dims, tuple(faults),
+                     args=(world, store.port, errors, spec, str(out), dims, tuple(faults),
                            overwrite, timeout, int(threads)))
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             raise _rank_error(Path(errors), dims, e) from None
         summary = json.loads(Path(errors, "summary.json").read_text())
+    del store
     return {**summary, "rank": 0}
 
 

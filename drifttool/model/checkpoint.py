@@ -216,6 +216,39 @@ def _weight_files(folder: Path, variant: str | None = None) -> list[Path]:
     raise CheckpointError(f"{folder}: neither {single.name} nor {index.name}{hint}")
 
 
+def index_warnings(path: str | Path, variant: str | None = None) -> list[str]:
+    """What a sharded checkpoint's index claims that its shards do not hold (diffusers warns of
+    the same when it loads): one line per shard whose tensors the index lists but the shard
+    lacks, ``[]`` for a single-file checkpoint or a true index. Reads the index and the
+    safetensors headers only.
+
+    Raises:
+        CheckpointError: as ``load_checkpoint`` for files it cannot read.
+    """
+    folder = transformer_folder(path)
+    index = folder / _variant_name(WEIGHTS_INDEX_NAME, variant)
+    files = _weight_files(folder, variant)
+    if len(files) == 1 and files[0].name == _variant_name(WEIGHTS_NAME, variant):
+        return []
+    from safetensors import safe_open
+
+    held: dict[str, set[str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                held[f.name] = set(sf.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise _safetensors_error(f, e) from None
+    lacking: dict[str, list[str]] = {}
+    for name, shard in _json_object(index)["weight_map"].items():
+        if name not in held.get(shard, set()):
+            lacking.setdefault(shard, []).append(name)
+    return [f"{index.name} lists {len(names)} tensor(s) that {shard} does not hold: "
+            f"{', '.join(sorted(names)[:8])}{', …' if len(names) > 8 else ''} (the shards' own "
+            "headers decide what loads; diffusers warns of the same)"
+            for shard, names in sorted(lacking.items())]
+
+
 def _safetensors_error(f: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"{f}: unreadable safetensors file ({type(e).__name__}: {str(e)[:200]})")
 

@@ -13,7 +13,8 @@ Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=
 2. The model per CFG branch: ``cfg_layout="batched"`` runs one forward on [cond; uncond] (rows
    ``sample_ids + sample_ids``, prompts right-padded to a common length with a key mask, scope
    ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``; scope
-   ``txt_lens``/``txt_starts`` = each row's valid prompt rows, from its mask);
+   ``txt_lens``/``txt_starts`` = each row's valid prompt rows, read from the padded mask the
+   model receives);
    ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
    batch-invariant, padding-invariant (strict) model both give the same bytes.
 3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
@@ -244,15 +245,6 @@ def _txt_rows(txt: torch.Tensor, mask: torch.Tensor | None) -> dict[str, list[in
     return {"txt_lens": lens, "txt_starts": starts if any(starts) else None}
 
 
-def _cat_rows(a: dict[str, list[int] | None], b: dict[str, list[int] | None], len_a: int,
-              len_b: int) -> dict[str, list[int] | None]:
-    """``_txt_rows`` of two batches stacked (batched CFG: [cond; uncond])."""
-    starts = None
-    if a["txt_starts"] is not None or b["txt_starts"] is not None:
-        starts = (a["txt_starts"] or [0] * len_a) + (b["txt_starts"] or [0] * len_b)
-    return {"txt_lens": a["txt_lens"] + b["txt_lens"], "txt_starts": starts}
-
-
 def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
     """Right-pad [B, L, D] prompts (zeros) and masks (False) to ``length``."""
     B, L, D = txt.shape
@@ -347,7 +339,8 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
             tu, mu_ = _pad_txt(inputs.neg_txt, inputs.neg_mask, L)
             txt2, mask2 = torch.cat([tc, tu]), torch.cat([mc, mu_])  # [2B, L, D], [2B, L]
         branches = ("cond",) * B + ("uncond",) * B
-        rows = _cat_rows(rows_c, rows_u, B, B)
+        # the text rows capture keeps are read from the mask the model receives (after the pad)
+        rows = _txt_rows(txt2, mask2)
         with rt.scope(**scope, branch=branches, samples=ids + ids, **rows):
             v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt)
             # v2: [2B, N, Cp]

@@ -22,6 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from drifttool.artifact.reader import open_run
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.rollout import StepOutput
@@ -70,8 +71,9 @@ def replay_run(
     """Re-execute a rollout from its stored replay inputs (x0, SDE noise, prompts, masks) with the
     manifest's settings and model, on the options' device (default: the rollout's); writes a
     rollout artifact with ``replay_of``. In strict mode
-    ``drifttool diff SOURCE OUT`` is identical. An incomplete source is accepted (its inputs are
-    written first).
+    ``drifttool diff SOURCE OUT`` is identical. An incomplete source (a run that was stopped)
+    is replayed up to the steps it finished (``finished_steps``), never further: the replay is
+    then ``complete: false`` too, and the summary's ``note`` says so.
 
     ``dist`` and ``parallel`` place the replay on ranks as ``runner.execute`` does (default one
     process): the stored run's own layout is not re-created, and need not be. Under torchrun the
@@ -95,11 +97,31 @@ def replay_run(
                              "drifttool.training.replay.replay_run(model=...))")
     spec = replay_spec(stored, options)
     check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
+    upto = None if stored.complete else finished_steps(stored)
     load = options
     if dist is not None and dist.distributed and dist.device.type == spec.device.split(":")[0]:
         load = dataclasses.replace(options, device=str(dist.device))  # this rank's own device
     model = prepare_trainer(stored, load, model)
-    return execute(spec, out, overwrite=options.overwrite, on_step=on_step,
-                   model=model, replay_inputs=(stored.inputs, stored.noise_record),
-                   manifest_extra={"replay_of": source_record(stored)}, dist=dist,
-                   parallel=parallel)
+    summary = execute(spec, out, overwrite=options.overwrite, on_step=on_step,
+                      model=model, replay_inputs=(stored.inputs, stored.noise_record),
+                      manifest_extra={"replay_of": source_record(stored)}, dist=dist,
+                      parallel=parallel, max_steps=upto)
+    if upto is not None:
+        summary["note"] = (f"the source run is incomplete: replayed the {upto} of its "
+                           f"{stored.sampler.num_steps} steps it finished; the replay is "
+                           "incomplete too")
+    return summary
+
+
+def finished_steps(stored: StoredRollout) -> int:
+    """How many steps (0, 1, ... in order) of an incomplete rollout were finished: those whose
+    ``x_next`` record (phase ``rollout``) every sample has. Reads the step records."""
+    t = open_run(stored.path).steps_table().to_pylist()
+    done: dict[int, set[int]] = {}
+    for r in t:
+        if r["phase"] == "rollout" and r["quantity"] == "x_next" and r["step"] >= 0:
+            done.setdefault(r["step"], set()).add(r["sample"])
+    want, n = set(stored.inputs.sample_ids), 0
+    while want <= done.get(n, set()):
+        n += 1
+    return n

@@ -114,6 +114,13 @@ def step_model(stored: StoredRollout, options: RerunOptions = RerunOptions(), mo
     return prepare_trainer(stored, options, model)
 
 
+def model_device(model) -> torch.device:
+    """The device of ``model``'s parameters (the CPU for a model without any): where a step
+    re-executed with it runs, and so where its inputs must be."""
+    first = next(iter(model.parameters()), None)
+    return torch.device("cpu") if first is None else first.device
+
+
 def step_input(run: Run, stored: StoredRollout, step: int) -> torch.Tensor:
     """[B, N, Cp] x_t of ``step`` from the run's stored step records (batch rows in the order of
     ``stored.inputs.sample_ids``, the stored dtype and bytes; each record re-digested).
@@ -209,7 +216,10 @@ def replay_step(
         raise DriftToolError(f"{stored.path}: step {step} outside the run's {sampler.num_steps} steps")
     variants = check_variants(stored.path, stored.manifest, variants)
     source = open_run(stored.path)
-    x = step_input(source, stored, int(step))
+    # the replay inputs and the stored x_t are read on the CPU; the step runs where the model is
+    device = model_device(model)
+    x = step_input(source, stored, int(step)).to(device)
+    inputs = stored.inputs.to(device)
     session = ArtifactSession(mode=mode, level=level, cfg_layout=sampler.cfg_layout,
                               variants=variants)
     sigmas = session.sigma_table(sampler, stored.inputs.img_grid)
@@ -231,7 +241,7 @@ def replay_step(
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(replay_tensors(stored.inputs))
         t0 = time.perf_counter()
-        rollout_step(sampler_model(model), stored.inputs, sampler, session.rt, int(step), x)
+        rollout_step(sampler_model(model), inputs, sampler, session.rt, int(step), x)
         seconds = time.perf_counter() - t0
         session.finish(complete=False, seconds=round(seconds, 6))
     mismatches = compare_step(source, open_run(out), int(step))

@@ -150,3 +150,39 @@ def test_seal_refuses_a_run_directory_and_writes_nothing(cli, tmp_path):
     assert code == 2 and "not a fixture directory (no fixture.json)" in out and len(out.strip().splitlines()) == 1
     assert sorted(p.name for p in run.iterdir()) == before
     assert cli("diff", run, run)[0] == 0
+
+
+def test_a_member_declaring_another_size_is_refused_before_extraction_or_hashing(
+        cli, fx, tmp_path, tmpdir_, monkeypatch):
+    """A sealed file replaced by a sparse member of 10 GiB (GNU tar --sparse, a few KiB on disk):
+    refused from the headers, with nothing extracted and no byte hashed."""
+    import subprocess
+
+    import drifttool.fixture as F
+
+    if shutil.which("tar") is None or "GNU" not in subprocess.run(
+            ["tar", "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("needs GNU tar to write a sparse member")
+    src = tmp_path / "src" / "tiny-t2i"
+    shutil.copytree(fx, src)
+    with open(src / "prompts.safetensors", "r+b") as f:
+        f.truncate(10 << 30)  # sparse: no data blocks
+    arc = tmp_path / "big.tar"
+    subprocess.run(["tar", "--sparse", "-cf", str(arc), "-C", str(src.parent), "tiny-t2i"],
+                   check=True)
+    assert arc.stat().st_size < 10 << 20
+    monkeypatch.setattr(F, "_digest_file", lambda p: pytest.fail(f"hashed {p}"))
+    _one_clean_line(*cli("fixture", "verify", arc), "size differs", "prompts.safetensors",
+                    "10737418240 bytes")
+    assert list(tmpdir_.iterdir()) == []
+
+
+def test_a_file_of_another_size_is_refused_before_it_is_hashed(cli, fx, monkeypatch):
+    import drifttool.fixture as F
+
+    with open(fx / "prompts.safetensors", "r+b") as f:
+        f.truncate(10 << 30)  # sparse: 10 GiB of zeros on disk for free
+    real = F._digest_file
+    monkeypatch.setattr(F, "_digest_file", lambda p: pytest.fail(f"hashed {p}")
+                        if p.name == "prompts.safetensors" else real(p))
+    _one_clean_line(*cli("fixture", "verify", fx), "modified prompts.safetensors (size 10737418240")

@@ -92,3 +92,26 @@ def test_inputs_of_common_samples_compare_valid_prompt_rows(tmp_path):
     assert r.input_differences == []  # the same 3 tokens: no replay input differs
     assert inputs == ["inputs.txt: prompt rows moved for common samples [1] "
                       "(sample 1: rows [2, 5) of 5 vs [1, 4) of 4)"]  # the layout is context
+
+
+@pytest.mark.parametrize("neg_pad", [0, 4])
+def test_left_padded_prompts_of_other_lengths_batched_equals_sequential(tmp_path, neg_pad):
+    """Batched CFG right-pads [cond; uncond] to one width: a left-padded cond (5 rows) and a
+    left-padded uncond (4 + neg_pad rows) keep their valid rows where the model sees them, so
+    every record (text rows included, L2) equals the sequential run's; no padding row is ever
+    digested."""
+    def inputs():
+        i = _inputs(2)
+        valid = torch.full((1, 2, 32), 0.5)
+        i.neg_txt = torch.cat([torch.zeros(1, neg_pad, 32), valid], 1)
+        i.neg_mask = torch.tensor([[False] * neg_pad + [True] * 2])
+        return i
+
+    a = open_run(_run(tmp_path / "a", inputs(), cfg_layout="batched"))
+    b = open_run(_run(tmp_path / "b", inputs(), cfg_layout="sequential"))
+    r = diff_runs(a, b)
+    assert r.verdict is Verdict.IDENTICAL, r.reason
+    assert r.counts["ops"].matched == r.counts["ops"].a > 0
+    txt_in = [row for row in a.ops_table().to_pylist() if row["op"] == "txt_in_rmsnorm_linear"]
+    assert {(row["branch"], len(row["row_digests"])) for row in txt_in} == {("cond", 3),
+                                                                           ("uncond", 2)}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
+from drifttool.distributed.spawn import loopback_store, rank_environment
 from drifttool.distributed import (DistContext, close_distributed, init_distributed,
                                    rank_samples, sample_parallel_layout)
 
@@ -121,8 +121,7 @@ SCENARIOS: dict[str, Callable[[DistContext, Path, list[int]], dict[str, Any]]] =
 
 def _rank_main(rank: int, world: int, port: int, out: str, scenario: str,
                batch: list[int]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_environment(rank, world, port))
     torch.set_num_threads(1)
     ctx = init_distributed(mesh_dims=("sample",))
     try:
@@ -134,14 +133,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str,
     Path(out, f"result.rank{rank}.json").write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, out: Path, scenario: str, batch: list[int]) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` gloo ranks; every rank's result, by rank."""
-    mp.spawn(_rank_main, args=(world, free_port(), str(out), scenario, batch), nprocs=world,
+    store = loopback_store(world)  # bound now, held until the ranks are done
+    mp.spawn(_rank_main, args=(world, store.port, str(out), scenario, batch), nprocs=world,
              join=True)
     return [json.loads((out / f"result.rank{r}.json").read_text()) for r in range(world)]

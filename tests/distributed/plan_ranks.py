@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from drifttool.distributed import close_distributed, init_distributed
 from drifttool.distributed.plan import MESH_DIMS, ParallelDims
-from tests.distributed.dist_workers import free_port
+from drifttool.distributed.spawn import loopback_store, rank_environment
 
 
 class RankCrash(AssertionError):
@@ -32,8 +32,7 @@ class RankCrash(AssertionError):
 
 
 def _main(rank: int, world: int, port: int, out: str, target: str, dims: ParallelDims, arg: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_environment(rank, world, port))
     torch.set_num_threads(1)
     module, name = target.split(":")
     ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape())
@@ -54,7 +53,8 @@ def on_ranks(dims: ParallelDims, target: str, arg: Any = None) -> list[Any]:
     """
     world = dims.world_size
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_main, args=(world, free_port(), out, target, dims, arg), nprocs=world, join=True)
+        store = loopback_store(world)  # bound now, held until the ranks are done
+        mp.spawn(_main, args=(world, store.port, out, target, dims, arg), nprocs=world, join=True)
         results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
     crashed = [r for r in results if isinstance(r, RankCrash)]
     if crashed:  # every crashed rank's traceback: the first is often a peer's lost connection
