@@ -180,3 +180,14 @@ def test_lora_merge_matches_the_cpu_strict_merge():
 
 def test_registered_kernel_id_is_the_kernels():
     assert cuda_linear.KERNEL == gemm.KERNEL_ID
+
+
+def test_kernel_globals_equal_themselves():
+    """Triton's jit re-checks every global a kernel used with ``!=`` at each launch on the GPU (not
+    in the interpreter), so a NaN global fails every launch: no module global of the kernels may be
+    a float unequal to itself."""
+    import triton.language as tl
+
+    for name, val in vars(gemm).items():
+        v = val.value if isinstance(val, tl.constexpr) else val
+        assert not (isinstance(v, float) and v != v), f"kernels.gemm.{name} is NaN"

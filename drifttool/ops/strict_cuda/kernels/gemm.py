@@ -51,8 +51,12 @@ CHUNK = 64
 ACTS = {None: 0, "gelu_tanh": 1, "silu": 2}
 """Epilogue activations (the kernel's ``ACT`` constant)."""
 
-_INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+_INF_BITS = tl.constexpr(0x7FF0000000000000)
+"""FP64 +inf as bits. Kernels build inf and NaN from integer bits (``_f64_bits``): Triton's jit
+compares the globals a kernel used with ``!=`` at every launch, and a NaN global is never equal
+to itself ("Global variable ... has changed since we compiled this kernel")."""
+_NAN_BITS = tl.constexpr(0x7FF8000000000000)
+"""FP64 quiet NaN as bits (the canonical NaN)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +102,12 @@ def _c(v: tl.constexpr):
 
 
 @triton.jit
+def _f64_bits(bits: tl.constexpr):
+    """The FP64 value with the bit pattern ``bits`` (inf, NaN), made in the kernel from an integer."""
+    return tl.full((), bits, tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
 def _round_half_even(t):
     """torch.round of FP64 |t| < 2^51: adding and removing 1.5·2^52 rounds to an integer, ties to even."""
     big = _c(6755399441055744.0)
@@ -124,7 +134,7 @@ def _exp64(x):
     p = p * r + _c(1.0)
     pow2 = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
     y = p * pow2
-    y = tl.where(x > _c(700.0), _c(_INF), y)
+    y = tl.where(x > _c(700.0), _f64_bits(_INF_BITS), y)
     y = tl.where(x < _c(-700.0), _c(0.0), y)
     return tl.where(x != x, x, y)
 
@@ -368,8 +378,8 @@ def _sinusoid_kernel(T, F, Y, HALF: tl.constexpr, BLOCK: tl.constexpr):
     sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
     cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
     bad = tl.abs(x) >= _c(1048576.0)  # the CPU raises for |a| >= 2^20; here: NaN
-    sin = tl.where(bad, _c(_NAN), sin)
-    cos = tl.where(bad, _c(_NAN), cos)
+    sin = tl.where(bad, _f64_bits(_NAN_BITS), sin)
+    cos = tl.where(bad, _f64_bits(_NAN_BITS), cos)
     base = Y + row.to(tl.int64) * (2 * HALF)
     tl.store(base + kk, cos.to(tl.float32), mask=live)
     tl.store(base + HALF + kk, sin.to(tl.float32), mask=live)
