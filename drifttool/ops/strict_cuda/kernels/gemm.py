@@ -28,7 +28,9 @@ The kernels call only Triton builtins, never ``triton.language.standard``'s ``@j
 process that imported Triton before setting ``TRITON_INTERPRET=1`` they are compiled-mode functions
 that an interpreted kernel cannot call.
 
-Also here: ``silu32`` (elementwise SiLU, the CPU's ``strict_math.silu32``) and ``sinusoid``
+Also here: ``gemv`` (few rows with an FP32 operand: one program per row, 64 lane sums over K,
+a pairwise lane tree; its own exactly stated order, used by operator: ``adaln_mod_projection``,
+``timestep_embed_mlp``), ``silu32`` (elementwise SiLU, the CPU's ``strict_math.silu32``) and ``sinusoid``
 (the CPU's ``strict.embed.sinusoid``), the other arithmetic of the GEMM-bearing operators.
 """
 
@@ -253,6 +255,18 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in ts)
 
 
+def _check(x, w, b, what: str) -> None:
+    """Fail closed on operand dtypes, shapes and devices the kernels do not take."""
+    if x.dtype not in _OPERANDS or w.dtype not in _OPERANDS:
+        raise UnsupportedConfigError(f"strict CUDA {what}: operands {x.dtype} × {w.dtype}; bf16 or float32 only")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0],)):
+        raise UnsupportedConfigError(
+            f"strict CUDA {what}: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
+            f"b {None if b is None else tuple(b.shape)} do not fit x [..., K], w [N, K], b [N]")
+    if w.device != x.device or (b is not None and b.device != x.device):
+        raise UnsupportedConfigError(f"strict CUDA {what}: x, w and b must be on one device")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
            out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """``act(x·wᵀ + b)`` by the strict CUDA GEMM (order in the module docstring).
@@ -272,14 +286,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     """
     if act not in ACTS:
         raise UnsupportedConfigError(f"strict CUDA linear: unknown activation {act!r} (one of {list(ACTS)})")
-    if x.dtype not in _OPERANDS or w.dtype not in _OPERANDS:
-        raise UnsupportedConfigError(f"strict CUDA linear: operands {x.dtype} × {w.dtype}; bf16 or float32 only")
-    if w.dim() != 2 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0],)):
-        raise UnsupportedConfigError(
-            f"strict CUDA linear: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
-            f"b {None if b is None else tuple(b.shape)} do not fit x [..., K], w [N, K], b [N]")
-    if w.device != x.device or (b is not None and b.device != x.device):
-        raise UnsupportedConfigError("strict CUDA linear: x, w and b must be on one device")
+    _check(x, w, b, "linear")
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
@@ -305,6 +312,129 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, TMA=tma, EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return y.reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV: few-row GEMMs with an FP32 operand (memory-bound on the weight)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemvConfig:
+    """The GEMV's launch configuration: output columns per program, warps, pipeline depth. None of
+    them enters the order of the sums (one row per program, lanes fixed by ``GEMV_CHUNK``, the
+    lane tree written out), so the bytes do not depend on it; fixed all the same."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def id(self) -> str:
+        return f"bn{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+GEMV_CHUNK = 64
+"""The GEMV's K chunk: the number of lanes each row's K is dealt into (part of the contract)."""
+
+GEMV_CONFIG = GemvConfig()
+"""The GEMV's one configuration: 64 output columns per program, 4 warps."""
+
+GEMV_ID = f"triton.gemv.row.lanes{GEMV_CHUNK}.seq.pairtree.fp32.{GEMV_CONFIG.id}"
+"""Kernel identity of the GEMV written to the trace."""
+
+
+@triton.jit
+def _lane_tree(acc, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr):
+    """[BLOCK_N, LANES] → [BLOCK_N]: adjacent lanes added pairwise, level after level
+    (lane j ← lane 2j + lane 2j+1), written out so no compiler layout decides the order."""
+    for _ in tl.static_range(LEVELS):
+        lo, hi = tl.split(tl.reshape(acc, (BLOCK_N, acc.shape[1] // 2, 2)))
+        acc = lo + hi
+    return tl.reshape(acc, (BLOCK_N,))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LEVELS: tl.constexpr):
+    """One program per (row m, BLOCK_N columns): lane sums over K, then the lane tree (``gemv``)."""
+    pid = tl.program_id(0)
+    m = pid % M  # the rows of one column block run side by side (the weight tile stays in L2)
+    pid_n = pid // M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (rn % N).to(tl.int64)  # columns past N re-read valid columns; never stored
+    rk = tl.arange(0, LANES)
+    x_row = X + m.to(tl.int64) * sxm
+    acc = tl.full((BLOCK_N, LANES), 0.0, tl.float32)
+    for k0 in range(0, K, LANES):
+        kk = k0 + rk
+        w_ptrs = W + offs_n[:, None] * swn + kk[None, :]
+        if EVEN_K:
+            a = tl.load(x_row + kk)
+            w = tl.load(w_ptrs)
+        else:  # the tail chunk: zero products
+            a = tl.load(x_row + kk, mask=kk < K, other=0.0)
+            w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
+        acc = acc + a.to(tl.float32)[None, :] * w.to(tl.float32)  # rounded product, then rounded add
+    y = _lane_tree(acc, BLOCK_N, LEVELS)
+    if HAS_BIAS:
+        y = y + tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
+    y = _activate(y, ACT)
+    tl.store(Y + m.to(tl.int64) * sym + rn, y.to(Y.dtype.element_ty), mask=rn < N)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """``act(x·wᵀ + b)`` for few rows with FP32 products (the adaLN modulation projection, the
+    timestep MLP, the final adaLN projection): a memory-bound GEMV whose order is fixed per row.
+
+    Order of every output element y[m, n] (the contract; docs/strict-cuda/gemm.md):
+
+    1. one program per (row m, ``block_n`` columns): each row is its own program (the row block is
+       one row, whatever M), walking all of K itself (no split-K or atomics);
+    2. K is dealt into ``GEMV_CHUNK`` = 64 lanes (lane j holds k ≡ j mod 64); lane j's sum is
+       s_j = (((0 + p_j) + p_{64+j}) + p_{128+j}) + …, k ascending, each product p_k =
+       fp32(x[m, k])·fp32(w[n, k]) rounded to FP32 and then added (no FMA: contraction is off);
+       a K tail is zero-filled (zero products);
+    3. the 64 lane sums are added by a fixed pairwise tree over adjacent lanes, six levels
+       (lane j ← lane 2j + lane 2j+1), written out in the kernel (no compiler layout decides it);
+    4. the bias (upcast to FP32) is added once; the activation (``silu``: FP64 exact ops as in
+       ``linear``, rounded once to FP32); one cast to ``out_dtype``.
+
+    Every step is an IEEE FP32 operation in a stated order, so the bytes are the same on any
+    device and for any launch configuration (the interpreter test compares them with the same
+    order computed by torch on the CPU). Row invariance by construction: a row's loads, products
+    and sums never involve other rows, nothing depends on M or on the row's position. Not the
+    order of ``linear`` (MMA accumulation): an operator uses one or the other by its contract,
+    never by its shape.
+
+    Args:
+        x: [..., K] FP32 or bf16 (leading axes flattened to rows; meant for a few rows: the
+            weight is read once per row, mostly from L2 after the first).  w: [N, K] bf16 or FP32.  b: [N] or None (upcast to FP32).
+        act: None or ``"silu"``.  out_dtype: default x's.
+        config: launch configuration override (tests only).
+    Returns:
+        [..., N] in ``out_dtype`` on x's device.
+    Raises:
+        UnsupportedConfigError: as ``linear``'s, or an activation other than None / ``"silu"``.
+    """
+    if act not in (None, "silu"):
+        raise UnsupportedConfigError(f"strict CUDA gemv: unknown activation {act!r} (None or 'silu')")
+    _check(x, w, b, "gemv")
+    cfg = config or GEMV_CONFIG
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    x2 = _rows(x.reshape(lead.numel(), k))
+    w2 = _rows(w)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    grid = (m * triton.cdiv(n, cfg.block_n),)
+    _gemv_kernel[grid](x2, w2, b if b is not None else y, y, m, n, k, x2.stride(0), w2.stride(0), y.stride(0),
+                       HAS_BIAS=b is not None, ACT=ACTS[act], EVEN_K=k % GEMV_CHUNK == 0,
+                       BLOCK_N=cfg.block_n, LANES=GEMV_CHUNK,
+                       LEVELS=GEMV_CHUNK.bit_length() - 1, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, enable_fp_fusion=False)
     return y.reshape(*lead, n)
 
 
