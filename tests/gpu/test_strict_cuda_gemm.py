@@ -195,7 +195,7 @@ def test_gemv_full_width_rows_order_and_geometry():
     assert_same_bytes(y32, gemv_order(s[:2], w, b), "gemv vs its order by torch on the GPU")
     assert_same_bytes(y32[:1].cpu(), gemv_order(s[:1].cpu(), w.cpu(), b.cpu()), "gemv vs its order on the CPU")
     assert_same_bytes(full[:2], y32.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
-    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, num_stages=1), gemm.GemvConfig(block_n=128, num_warps=8)):
+    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, unroll=1), gemm.GemvConfig(block_n=128, num_warps=8, unroll=2)):
         assert_same_bytes(gemm.gemv(s, w, b, out_dtype=torch.bfloat16, config=cfg), full, cfg.id)
     tau = torch.tensor([1.0, 0.3, 0.7], device="cuda")
     w1, b1 = lin(D, 256, seed=92)

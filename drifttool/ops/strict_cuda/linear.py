@@ -27,7 +27,7 @@ from drifttool.ops.strict_cuda._register import FORWARD_ONLY, QUALIFIED_GPU, TRI
 KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
-GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4s3"
+GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4u4"
 """Kernel identity of the strict CUDA GEMV (``kernels.gemm.GEMV_ID``; a test keeps them equal): the
 order of ``adaln_mod_projection`` and ``timestep_embed_mlp`` (few rows, an FP32 operand), by
 operator, whatever the number of rows."""

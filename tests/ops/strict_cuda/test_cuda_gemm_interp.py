@@ -224,14 +224,15 @@ def test_gemv_bytes_are_its_stated_order_and_accurate():
 
 def test_gemv_rows_do_not_depend_on_batch():
     g = torch.Generator().manual_seed(12)
-    x = torch.randn(7, 130, generator=g) * 3
-    _, w, b = problem(1, 50, 130, seed=13)
+    x = torch.randn(7, 300, generator=g) * 3  # K = 300: 4 chunks unrolled, one whole, a tail
+    _, w, b = problem(1, 50, 300, seed=13)
     alone = gemm.gemv(x[1:2], w, b)
     assert_same_bytes(alone, gemm.gemv(x[:3], w, b)[1:2], "row 1 alone vs in M = 3")
     assert_same_bytes(alone, gemm.gemv(x, w, b)[1:2], "row 1 alone vs in M = 7")
     assert_same_bytes(gemm.gemv(x[6:], w, b), gemm.gemv(x, w, b)[6:], "row 6 alone vs in M = 7")
-    cfg = gemm.GemvConfig(block_n=16, num_warps=2, num_stages=1)
+    cfg = gemm.GemvConfig(block_n=16, num_warps=2, unroll=1)
     assert_same_bytes(gemm.gemv(x, w, b, config=cfg), gemm.gemv(x, w, b), "launch configuration")
+    assert_same_bytes(gemm.gemv(x, w, b), gemv_order(x, w, b), "gemv vs its order, K = 300")
 
 
 def test_few_row_operators_take_the_gemv():

@@ -327,18 +327,20 @@ class GemvConfig:
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
+    unroll: int = 4
 
     @property
     def id(self) -> str:
-        return f"bn{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return f"bn{self.block_n}w{self.num_warps}u{self.unroll}"
 
 
 GEMV_CHUNK = 64
 """The GEMV's K chunk: the number of lanes each row's K is dealt into (part of the contract)."""
 
 GEMV_CONFIG = GemvConfig()
-"""The GEMV's one configuration: 64 output columns per program, 4 warps."""
+"""The GEMV's one configuration: 64 output columns per program, 4 warps, 4 chunks' loads in
+flight (Triton does not pipeline loads that feed no dot; offline sm_90a ptxas: no spills)."""
 
 GEMV_ID = f"triton.gemv.row.lanes{GEMV_CHUNK}.seq.pairtree.fp32.{GEMV_CONFIG.id}"
 """Kernel identity of the GEMV written to the trace."""
@@ -354,10 +356,25 @@ def _lane_tree(acc, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr):
     return tl.reshape(acc, (BLOCK_N,))
 
 
+@triton.jit
+def _lane_products(acc, x_row, W, offs_n, swn, kk, K, MASKED: tl.constexpr):
+    """acc + the FP32 products of one K chunk (columns kk): rounded product, then rounded add."""
+    w_ptrs = W + offs_n[:, None] * swn + kk[None, :]
+    if MASKED:  # the tail: zero products
+        a = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
+    else:
+        a = tl.load(x_row + kk)
+        w = tl.load(w_ptrs)
+    return acc + a.to(tl.float32)[None, :] * w.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LEVELS: tl.constexpr):
-    """One program per (row m, BLOCK_N columns): lane sums over K, then the lane tree (``gemv``)."""
+                 BLOCK_N: tl.constexpr, LANES: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr):
+    """One program per (row m, BLOCK_N columns): lane sums over K, then the lane tree (``gemv``).
+    The chunks are walked UNROLL at a time (their loads in flight together), then one at a time
+    for the rest: the same chunks, in the same ascending order."""
     pid = tl.program_id(0)
     m = pid % M  # the rows of one column block run side by side (the weight tile stays in L2)
     pid_n = pid // M
@@ -366,16 +383,12 @@ def _gemv_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, ACT
     rk = tl.arange(0, LANES)
     x_row = X + m.to(tl.int64) * sxm
     acc = tl.full((BLOCK_N, LANES), 0.0, tl.float32)
-    for k0 in range(0, K, LANES):
-        kk = k0 + rk
-        w_ptrs = W + offs_n[:, None] * swn + kk[None, :]
-        if EVEN_K:
-            a = tl.load(x_row + kk)
-            w = tl.load(w_ptrs)
-        else:  # the tail chunk: zero products
-            a = tl.load(x_row + kk, mask=kk < K, other=0.0)
-            w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
-        acc = acc + a.to(tl.float32)[None, :] * w.to(tl.float32)  # rounded product, then rounded add
+    k_whole = (K // (UNROLL * LANES)) * (UNROLL * LANES)
+    for k0 in range(0, k_whole, UNROLL * LANES):
+        for u in tl.static_range(UNROLL):
+            acc = _lane_products(acc, x_row, W, offs_n, swn, k0 + u * LANES + rk, K, False)
+    for k0 in range(k_whole, K, LANES):
+        acc = _lane_products(acc, x_row, W, offs_n, swn, k0 + rk, K, True)
     y = _lane_tree(acc, BLOCK_N, LEVELS)
     if HAS_BIAS:
         y = y + tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -431,9 +444,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act
         return y.reshape(*lead, n)
     grid = (m * triton.cdiv(n, cfg.block_n),)
     _gemv_kernel[grid](x2, w2, b if b is not None else y, y, m, n, k, x2.stride(0), w2.stride(0), y.stride(0),
-                       HAS_BIAS=b is not None, ACT=ACTS[act], EVEN_K=k % GEMV_CHUNK == 0,
-                       BLOCK_N=cfg.block_n, LANES=GEMV_CHUNK,
-                       LEVELS=GEMV_CHUNK.bit_length() - 1, num_warps=cfg.num_warps,
+                       HAS_BIAS=b is not None, ACT=ACTS[act], BLOCK_N=cfg.block_n, LANES=GEMV_CHUNK,
+                       LEVELS=GEMV_CHUNK.bit_length() - 1, UNROLL=cfg.unroll, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, enable_fp_fusion=False)
     return y.reshape(*lead, n)
 
