@@ -204,6 +204,16 @@ def test_gemv_full_width_rows_order_and_geometry():
     assert_same_bytes(cuda("timestep_embed_mlp")(tau[1:2], w1, b1, w2, b2), t3[1:2], "temb: sample 1 of 3 alone")
 
 
+def test_lora_merge_fused_epilogue_equals_separate_fp32_ops():
+    """lora_merge (64×64 tiles, the merge in the epilogue) = fp32(W) + fp32(s)·(B·A) by separate
+    torch ops on B·A from the default FP32 tiles (16×64): the tile and the fusion change no byte."""
+    w = rn(D, D, seed=95)
+    a, bb = rn(64, D, seed=96, dtype=torch.float32), rn(D, 64, seed=97, dtype=torch.float32) * 0.01
+    delta = gemm.linear(bb, a.t())
+    want = w.float() + torch.tensor(0.5, dtype=torch.float32, device="cuda") * delta
+    assert_same_bytes(cuda("lora_merge")(w, a, bb, 0.5), want, "lora_merge vs separate FP32 ops")
+
+
 # ---------------------------------------------------------------------------------------------
 # elementwise arithmetic done the CPU's way: byte-equal to the CPU
 

@@ -107,18 +107,19 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     return _gemv(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
 
 
-@implements("lora_merge", "strict", device="cuda", kernel="strict_cuda_linear(B,Aᵀ).fp32.ieee+fp32_add",
+@implements("lora_merge", "strict", device="cuda",
+            kernel="triton.gemm.k64.seq.fp32.ieee.bm64bn64w4s1+merge(fp32(W)+fp32(s)·BA)",
             contract="drifttool.lora_merge.cuda1",
             constraints=(TRITON_READY, QUALIFIED_GPU, FORWARD_ONLY,
                          dtypes(spec("lora_merge").dtypes, "w", "a", "b")))
 def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = fp32(W) + fp32(scale)·(B·A), FP32 result, as the strict CPU ``lora_merge``; B·A by the
-    strict CUDA GEMM (FP32 operands, IEEE products, r walked once in ascending order).
+    strict CUDA GEMM (FP32 operands, IEEE products, r walked once in ascending order), the scale
+    and the add in its epilogue (each rounded to FP32 as the two torch operations would be).
 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in].  b: [out, r].
         scale: α / r (python float, rounded once to fp32).
     """
-    delta = _linear(b.to(torch.float32), a.to(torch.float32).t(), None)  # [out, in] fp32
-    s = torch.tensor(float(scale), dtype=torch.float32, device=w.device)
-    return w.to(torch.float32) + s * delta
+    return _linear(b.to(torch.float32), a.to(torch.float32).t(), None, out_dtype=torch.float32,
+                   merge_into=w, scale=float(scale), config=_kernels().LORA_CONFIG)  # [out, in] fp32

@@ -247,3 +247,19 @@ def test_few_row_operators_take_the_gemv():
     assert cuda_linear.GEMV == gemm.GEMV_ID
     assert cuda_linear.GEMV in impls("adaln_mod_projection", "strict", "cuda")[0].kernel
     assert cuda_linear.GEMV in impls("timestep_embed_mlp", "strict", "cuda")[0].kernel
+
+
+def test_lora_merge_epilogue_is_the_two_fp32_operations():
+    """The merge fused in the GEMM's epilogue gives the bytes of fp32(W) + fp32(s)·(B·A) done as
+    separate torch operations on the same kernel's B·A (same tile: the interpreter's dot is numpy's,
+    whose sums depend on the tile; the GPU test checks the tile does not change the GPU's)."""
+    g = torch.Generator().manual_seed(15)
+    w = torch.randn(70, 100, generator=g).to(torch.bfloat16)
+    a, bb = torch.randn(8, 100, generator=g), torch.randn(70, 8, generator=g) * 0.1
+    delta = gemm.linear(bb, a.t(), config=gemm.LORA_CONFIG)
+    want = w.float() + torch.tensor(0.3, dtype=torch.float32) * delta
+    got = gemm.linear(bb, a.t(), merge_into=w, scale=0.3, out_dtype=torch.float32, config=gemm.LORA_CONFIG)
+    assert_same_bytes(got, want, "fused merge vs separate FP32 ops")
+    assert_same_bytes(op("lora_merge")(w, a, bb, 0.3), want, "lora_merge operator")
+    with pytest.raises(UnsupportedConfigError, match="merge_into"):
+        gemm.linear(bb, a.t(), merge_into=w[:, :99])

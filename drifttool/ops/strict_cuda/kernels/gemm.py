@@ -86,8 +86,12 @@ BF16_CONFIG = GemmConfig()
 """bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads (the anchor's best)."""
 
 FP32_CONFIG = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, tma=False)
-"""Any FP32 operand (IEEE FMA dot): 16-row tiles (these GEMMs have few rows: SiLU(temb), φ(τ),
-LoRA factors), no software pipelining (with it the FMA dot spills: offline ptxas, sm_90a)."""
+"""Any FP32 operand (IEEE FMA dot): 16-row tiles, no software pipelining (with it the FMA dot
+spills: offline ptxas, sm_90a)."""
+
+LORA_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, tma=False)
+"""``lora_merge``'s B·A (FP32, K = r, M = N = the layer's width): 64×64 tiles (the same bytes as
+any tile: the FMA dot of an element does not depend on its tile; the GPU test checks it)."""
 
 KERNEL_ID = f"triton.gemm.k{CHUNK}.seq.{BF16_CONFIG.id}|fp32.ieee.{FP32_CONFIG.id}"
 """Kernel identity written to the trace."""
@@ -188,8 +192,8 @@ def _store(Y, y, rm, rn, M, N, sym, syn):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, srm,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
                    TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
@@ -229,6 +233,10 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
     if HAS_BIAS:
         bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
+    if MERGE:  # y = fp32(R) + scale·acc: the product rounded, then the sum (two FP32 operations)
+        r_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
+        acc = res.to(tl.float32) + scale * acc
     if ACT == 0:
         _store(Y, acc, rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
@@ -268,7 +276,8 @@ def _check(x, w, b, what: str) -> None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
-           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+           merge_into: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """``act(x·wᵀ + b)`` by the strict CUDA GEMM (order in the module docstring).
 
     Args:
@@ -278,6 +287,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         out_dtype: output dtype (default x's); the FP32 result is cast to it once.
         config: launch configuration override (tests prove the bytes do not depend on it);
             default ``BF16_CONFIG`` for bf16 × bf16, ``FP32_CONFIG`` otherwise.
+        merge_into: [M, N] (2-D x only; a LoRA merge's base weight W, any float dtype): the
+            epilogue returns fp32(W) + fp32(scale)·(x·wᵀ + b), the product and the sum each rounded
+            to FP32 (the strict ``lora_merge``'s two torch operations, fused; no activation).
+        scale: the merge's scale (a python float, rounded once to FP32).
     Returns:
         [..., N] in ``out_dtype``, on x's device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Raises:
@@ -288,6 +301,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         raise UnsupportedConfigError(f"strict CUDA linear: unknown activation {act!r} (one of {list(ACTS)})")
     _check(x, w, b, "linear")
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    if merge_into is not None and (act is not None or merge_into.shape != (*lead, n) or x.dim() != 2
+                                   or merge_into.device != x.device):
+        raise UnsupportedConfigError(
+            f"strict CUDA linear: merge_into {tuple(merge_into.shape)} needs a 2-D x, shape [M, N] = "
+            f"{(*lead, n)} on x's device and no activation")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     cfg = config or (FP32_CONFIG if ieee else BF16_CONFIG)
@@ -306,10 +324,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     else:
         xa, wa = x2, w2
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    r = y if merge_into is None else _rows(merge_into)
     _linear_kernel[grid](
-        xa, wa, b if b is not None else y, y, m, n, k,
-        x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, TMA=tma, EVEN_K=k % CHUNK == 0,
+        xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
+        x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
+        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
+        EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return y.reshape(*lead, n)
