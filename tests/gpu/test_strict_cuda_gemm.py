@@ -162,6 +162,59 @@ def test_odd_k_and_unaligned_rows_take_the_pointer_path():
 
 
 # ---------------------------------------------------------------------------------------------
+# the GEMV (adaln_mod_projection, timestep_embed_mlp): its stated order, reproduced by torch ops
+
+
+def gemv_order(x, w, b):
+    """The GEMV's stated order by separate torch FP32 ops (64 lane sums over K ascending, adjacent
+    lanes added pairwise, then the bias): IEEE operations on any device."""
+    pad = (-x.shape[-1]) % 64
+    p = torch.nn.functional.pad(x.float(), (0, pad))[:, None, :] * torch.nn.functional.pad(w.float(), (0, pad))[None]
+    lanes = p.unflatten(-1, (-1, 64))
+    s = torch.zeros(lanes.shape[:2] + (64,), device=x.device)
+    for c in range(lanes.shape[2]):
+        s = s + lanes[:, :, c]
+    while s.shape[-1] > 1:
+        s = s[..., 0::2] + s[..., 1::2]
+    return s[..., 0] + (0 if b is None else b.float())
+
+
+def test_gemv_full_width_rows_order_and_geometry():
+    """adaln_mod_projection at full width (N = 6d = 18432, K = d): a row's bytes are the same alone,
+    in M = 3 and in M = 7, equal the stated order computed by torch (on the GPU and on the CPU),
+    and do not depend on the launch configuration."""
+    w, b = lin(6 * D, D, seed=90)
+    temb = rn(7, D, seed=91, scale=2.0)
+    op = cuda("adaln_mod_projection")
+    full = op(temb, w, b)
+    for m in (1, 3):
+        assert_same_bytes(op(temb[:m], w, b), full[:m], f"adaln: rows 0..{m - 1} alone vs in M = 7")
+    assert_same_bytes(op(temb[5:6], w, b), full[5:6], "adaln: row 5 alone vs in M = 7")
+    s = gemm.silu32(temb)
+    y32 = gemm.gemv(s[:2], w, b, out_dtype=torch.float32)
+    assert_same_bytes(y32, gemv_order(s[:2], w, b), "gemv vs its order by torch on the GPU")
+    assert_same_bytes(y32[:1].cpu(), gemv_order(s[:1].cpu(), w.cpu(), b.cpu()), "gemv vs its order on the CPU")
+    assert_same_bytes(full[:2], y32.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
+    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, unroll=1), gemm.GemvConfig(block_n=128, num_warps=8, unroll=2)):
+        assert_same_bytes(gemm.gemv(s, w, b, out_dtype=torch.bfloat16, config=cfg), full, cfg.id)
+    tau = torch.tensor([1.0, 0.3, 0.7], device="cuda")
+    w1, b1 = lin(D, 256, seed=92)
+    w2, b2 = lin(D, D, seed=93)
+    t3 = cuda("timestep_embed_mlp")(tau, w1, b1, w2, b2)
+    assert_same_bytes(cuda("timestep_embed_mlp")(tau[1:2], w1, b1, w2, b2), t3[1:2], "temb: sample 1 of 3 alone")
+
+
+def test_lora_merge_fused_epilogue_equals_separate_fp32_ops():
+    """lora_merge (64×64 tiles, the merge in the epilogue) = fp32(W) + fp32(s)·(B·A) by separate
+    torch ops on B·A from the default FP32 tiles (16×64): the tile and the fusion change no byte."""
+    w = rn(D, D, seed=95)
+    a, bb = rn(64, D, seed=96, dtype=torch.float32), rn(D, 64, seed=97, dtype=torch.float32) * 0.01
+    delta = gemm.linear(bb, a.t())
+    want = w.float() + torch.tensor(0.5, dtype=torch.float32, device="cuda") * delta
+    assert_same_bytes(cuda("lora_merge")(w, a, bb, 0.5), want, "lora_merge vs separate FP32 ops")
+
+
+# ---------------------------------------------------------------------------------------------
 # elementwise arithmetic done the CPU's way: byte-equal to the CPU
 
 

@@ -3,8 +3,11 @@ mlp_up_gemm_gelu, mlp_down_gemm, adaln_mod_projection, timestep_embed_mlp, lora_
 
 Each is the strict CPU operator's arithmetic (``drifttool.ops.strict``: inputs upcast to FP32,
 FP32 accumulation, FP64 exact-op transcendentals, one cast to the activation dtype) with the K
-reduction of contract ``cuda1``: ``kernels.gemm.linear`` (one program per output tile walks all of
-K in 64-wide chunks, ascending, MMA-accumulated in FP32; bias once in FP32; activation; one cast).
+reduction of contract ``cuda1``, chosen by operator (never by shape): ``kernels.gemm.linear`` (one
+program per output tile walks all of K in 64-wide chunks, ascending, MMA-accumulated in FP32; bias
+once in FP32; activation; one cast) for the token-row GEMMs and ``lora_merge``; ``kernels.gemm.gemv``
+(one program per row: 64 lane sums over K, ascending, then a pairwise tree) for the few-row
+FP32-operand GEMMs ``adaln_mod_projection`` and ``timestep_embed_mlp``.
 Byte-equal to the CPU where the arithmetic is elementwise and done the CPU's way (the GELU and
 SiLU of a given FP32 value, the timestep sinusoid); the K sums differ inside a chunk (the
 tolerance profile declares by how much).
@@ -24,6 +27,11 @@ from drifttool.ops.strict_cuda._register import FORWARD_ONLY, QUALIFIED_GPU, TRI
 KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
+GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4u4"
+"""Kernel identity of the strict CUDA GEMV (``kernels.gemm.GEMV_ID``; a test keeps them equal): the
+order of ``adaln_mod_projection`` and ``timestep_embed_mlp`` (few rows, an FP32 operand), by
+operator, whatever the number of rows."""
+
 
 def _act_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """The dtype of the first non-``None`` tensor (FP32 when none): the strict output dtype."""
@@ -39,6 +47,10 @@ def _kernels():
 
 def _linear(x, w, b, **kw):
     return _kernels().linear(x, w, b, **kw)
+
+
+def _gemv(x, w, b, **kw):
+    return _kernels().gemv(x, w, b, **kw)
 
 
 @strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL)
@@ -74,38 +86,40 @@ def mlp_down_gemm(x, w, b):
     return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
 
 
-@strict_cuda("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + KERNEL)
+@strict_cuda("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + GEMV)
 def adaln_mod_projection(temb, w, b):
     """SiLU(temb)·wᵀ + b: temb [B,d] → [B,6d] in temb's dtype. The SiLU is the CPU's ``silu32``
-    (byte-equal), so the GEMM's left operand is FP32 (IEEE FP32 products)."""
-    return _linear(_kernels().silu32(temb), w, b, out_dtype=_act_dtype(temb, w, b))
+    (byte-equal); its FP32 rows go through the GEMV (FP32 products, lane sums, pairwise tree)."""
+    return _gemv(_kernels().silu32(temb), w, b, out_dtype=_act_dtype(temb, w, b))
 
 
-@strict_cuda("timestep_embed_mlp", "w1", "b1", "w2", "b2", kernel="sincos_f64+" + KERNEL,
+@strict_cuda("timestep_embed_mlp", "w1", "b1", "w2", "b2", kernel="sincos_f64+" + GEMV,
              constraints=(dtypes((torch.float32,), "tau"),))
 def timestep_embed_mlp(tau, w1, b1, w2, b2):
     """temb = linear_2(SiLU(linear_1(φ(τ)))): tau [B] fp32 → [B,d] in the weights' dtype.
 
-    φ is the CPU's sinusoid (byte-equal); linear_1's FP32 result takes the SiLU in its epilogue
-    and stays FP32; linear_2 casts once.
+    φ is the CPU's sinusoid (byte-equal); linear_1 and linear_2 are GEMVs (FP32 products, lane
+    sums, pairwise tree); linear_1's FP32 result takes the SiLU in its epilogue and stays FP32;
+    linear_2 casts once.
     """
     phi = _kernels().sinusoid(tau, w1.shape[1])  # [B,256] fp32
-    h = _linear(phi, w1, b1, act="silu", out_dtype=torch.float32)  # [B,d] fp32
-    return _linear(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
+    h = _gemv(phi, w1, b1, act="silu", out_dtype=torch.float32)  # [B,d] fp32
+    return _gemv(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
 
 
-@implements("lora_merge", "strict", device="cuda", kernel="strict_cuda_linear(B,Aᵀ).fp32.ieee+fp32_add",
+@implements("lora_merge", "strict", device="cuda",
+            kernel="triton.gemm.k64.seq.fp32.ieee.bm64bn64w4s1+merge(fp32(W)+fp32(s)·BA)",
             contract="drifttool.lora_merge.cuda1",
             constraints=(TRITON_READY, QUALIFIED_GPU, FORWARD_ONLY,
                          dtypes(spec("lora_merge").dtypes, "w", "a", "b")))
 def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = fp32(W) + fp32(scale)·(B·A), FP32 result, as the strict CPU ``lora_merge``; B·A by the
-    strict CUDA GEMM (FP32 operands, IEEE products, r walked once in ascending order).
+    strict CUDA GEMM (FP32 operands, IEEE products, r walked once in ascending order), the scale
+    and the add in its epilogue (each rounded to FP32 as the two torch operations would be).
 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in].  b: [out, r].
         scale: α / r (python float, rounded once to fp32).
     """
-    delta = _linear(b.to(torch.float32), a.to(torch.float32).t(), None)  # [out, in] fp32
-    s = torch.tensor(float(scale), dtype=torch.float32, device=w.device)
-    return w.to(torch.float32) + s * delta
+    return _linear(b.to(torch.float32), a.to(torch.float32).t(), None, out_dtype=torch.float32,
+                   merge_into=w, scale=float(scale), config=_kernels().LORA_CONFIG)  # [out, in] fp32

@@ -180,3 +180,86 @@ def test_lora_merge_matches_the_cpu_strict_merge():
 
 def test_registered_kernel_id_is_the_kernels():
     assert cuda_linear.KERNEL == gemm.KERNEL_ID
+
+
+def test_kernel_globals_equal_themselves():
+    """Triton's jit re-checks every global a kernel used with ``!=`` at each launch on the GPU (not
+    in the interpreter), so a NaN global fails every launch: no module global of the kernels may be
+    a float unequal to itself."""
+    import triton.language as tl
+
+    for name, val in vars(gemm).items():
+        v = val.value if isinstance(val, tl.constexpr) else val
+        assert not (isinstance(v, float) and v != v), f"kernels.gemm.{name} is NaN"
+
+
+# ---------------------------------------------------------------------------------------------
+# the GEMV (few rows, FP32 operand): its order is stated exactly, so its bytes are reproducible
+
+
+def gemv_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The GEMV's stated order by torch FP32 ops on the CPU: 64 lane sums over K (k ascending,
+    rounded product then rounded add), adjacent lanes added pairwise, then the bias."""
+    pad = (-x.shape[-1]) % 64
+    p = torch.nn.functional.pad(x, (0, pad))[:, None, :] * torch.nn.functional.pad(w, (0, pad))[None]
+    lanes = p.unflatten(-1, (-1, 64))  # [M, N, chunks, 64]
+    s = torch.zeros(lanes.shape[:2] + (64,))
+    for c in range(lanes.shape[2]):
+        s = s + lanes[:, :, c]
+    while s.shape[-1] > 1:
+        s = s[..., 0::2] + s[..., 1::2]
+    return s[..., 0] + (0 if b is None else b)
+
+
+def test_gemv_bytes_are_its_stated_order_and_accurate():
+    x, w, b = problem(3, 70, 200, seed=11)  # K with a tail chunk, N with a tail block
+    y = gemm.gemv(x, w, b)
+    assert_same_bytes(y, gemv_order(x, w, b), "gemv vs its order computed by torch")
+    assert_close(y, x.double() @ w.double().T + b.double(), "gemv vs FP64")
+    pre = y
+    assert_same_bytes(gemm.gemv(x, w, b, act="silu"), strict_math.silu32(pre), "gemv silu epilogue vs CPU")
+    assert_same_bytes(gemm.gemv(x, w.to(torch.bfloat16), None),
+                      gemv_order(x, w.to(torch.bfloat16).float(), None), "gemv with a bf16 weight")
+
+
+def test_gemv_rows_do_not_depend_on_batch():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 300, generator=g) * 3  # K = 300: 4 chunks unrolled, one whole, a tail
+    _, w, b = problem(1, 50, 300, seed=13)
+    alone = gemm.gemv(x[1:2], w, b)
+    assert_same_bytes(alone, gemm.gemv(x[:3], w, b)[1:2], "row 1 alone vs in M = 3")
+    assert_same_bytes(alone, gemm.gemv(x, w, b)[1:2], "row 1 alone vs in M = 7")
+    assert_same_bytes(gemm.gemv(x[6:], w, b), gemm.gemv(x, w, b)[6:], "row 6 alone vs in M = 7")
+    cfg = gemm.GemvConfig(block_n=16, num_warps=2, unroll=1)
+    assert_same_bytes(gemm.gemv(x, w, b, config=cfg), gemm.gemv(x, w, b), "launch configuration")
+    assert_same_bytes(gemm.gemv(x, w, b), gemv_order(x, w, b), "gemv vs its order, K = 300")
+
+
+def test_few_row_operators_take_the_gemv():
+    """adaln_mod_projection and timestep_embed_mlp are GEMVs by contract, at any batch size."""
+    g = torch.Generator().manual_seed(14)
+    d = 48
+    temb = torch.randn(7, d, generator=g)
+    w, b = torch.randn(6 * d, d, generator=g) / 7, torch.randn(6 * d, generator=g)
+    got = op("adaln_mod_projection")(temb, w, b)
+    assert_same_bytes(got, gemv_order(strict_math.silu32(temb), w, b), "adaln = silu32 + the GEMV order")
+    assert_same_bytes(got[4:5], op("adaln_mod_projection")(temb[4:5], w, b), "adaln row 4 of 7 alone")
+    assert cuda_linear.GEMV == gemm.GEMV_ID
+    assert cuda_linear.GEMV in impls("adaln_mod_projection", "strict", "cuda")[0].kernel
+    assert cuda_linear.GEMV in impls("timestep_embed_mlp", "strict", "cuda")[0].kernel
+
+
+def test_lora_merge_epilogue_is_the_two_fp32_operations():
+    """The merge fused in the GEMM's epilogue gives the bytes of fp32(W) + fp32(s)·(B·A) done as
+    separate torch operations on the same kernel's B·A (same tile: the interpreter's dot is numpy's,
+    whose sums depend on the tile; the GPU test checks the tile does not change the GPU's)."""
+    g = torch.Generator().manual_seed(15)
+    w = torch.randn(70, 100, generator=g).to(torch.bfloat16)
+    a, bb = torch.randn(8, 100, generator=g), torch.randn(70, 8, generator=g) * 0.1
+    delta = gemm.linear(bb, a.t(), config=gemm.LORA_CONFIG)
+    want = w.float() + torch.tensor(0.3, dtype=torch.float32) * delta
+    got = gemm.linear(bb, a.t(), merge_into=w, scale=0.3, out_dtype=torch.float32, config=gemm.LORA_CONFIG)
+    assert_same_bytes(got, want, "fused merge vs separate FP32 ops")
+    assert_same_bytes(op("lora_merge")(w, a, bb, 0.3), want, "lora_merge operator")
+    with pytest.raises(UnsupportedConfigError, match="merge_into"):
+        gemm.linear(bb, a.t(), merge_into=w[:, :99])

@@ -28,7 +28,9 @@ The kernels call only Triton builtins, never ``triton.language.standard``'s ``@j
 process that imported Triton before setting ``TRITON_INTERPRET=1`` they are compiled-mode functions
 that an interpreted kernel cannot call.
 
-Also here: ``silu32`` (elementwise SiLU, the CPU's ``strict_math.silu32``) and ``sinusoid``
+Also here: ``gemv`` (few rows with an FP32 operand: one program per row, 64 lane sums over K,
+a pairwise lane tree; its own exactly stated order, used by operator: ``adaln_mod_projection``,
+``timestep_embed_mlp``), ``silu32`` (elementwise SiLU, the CPU's ``strict_math.silu32``) and ``sinusoid``
 (the CPU's ``strict.embed.sinusoid``), the other arithmetic of the GEMM-bearing operators.
 """
 
@@ -51,8 +53,12 @@ CHUNK = 64
 ACTS = {None: 0, "gelu_tanh": 1, "silu": 2}
 """Epilogue activations (the kernel's ``ACT`` constant)."""
 
-_INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+_INF_BITS = tl.constexpr(0x7FF0000000000000)
+"""FP64 +inf as bits. Kernels build inf and NaN from integer bits (``_f64_bits``): Triton's jit
+compares the globals a kernel used with ``!=`` at every launch, and a NaN global is never equal
+to itself ("Global variable ... has changed since we compiled this kernel")."""
+_NAN_BITS = tl.constexpr(0x7FF8000000000000)
+"""FP64 quiet NaN as bits (the canonical NaN)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +86,12 @@ BF16_CONFIG = GemmConfig()
 """bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads (the anchor's best)."""
 
 FP32_CONFIG = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, tma=False)
-"""Any FP32 operand (IEEE FMA dot): 16-row tiles (these GEMMs have few rows: SiLU(temb), φ(τ),
-LoRA factors), no software pipelining (with it the FMA dot spills: offline ptxas, sm_90a)."""
+"""Any FP32 operand (IEEE FMA dot): 16-row tiles, no software pipelining (with it the FMA dot
+spills: offline ptxas, sm_90a)."""
+
+LORA_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, tma=False)
+"""``lora_merge``'s B·A (FP32, K = r, M = N = the layer's width): 64×64 tiles (the same bytes as
+any tile: the FMA dot of an element does not depend on its tile; the GPU test checks it)."""
 
 KERNEL_ID = f"triton.gemm.k{CHUNK}.seq.{BF16_CONFIG.id}|fp32.ieee.{FP32_CONFIG.id}"
 """Kernel identity written to the trace."""
@@ -95,6 +105,12 @@ KERNEL_ID = f"triton.gemm.k{CHUNK}.seq.{BF16_CONFIG.id}|fp32.ieee.{FP32_CONFIG.i
 def _c(v: tl.constexpr):
     """The Python float ``v`` as an exact FP64 constant (a bare literal would be rounded to FP32)."""
     return tl.full((), v, tl.float64)
+
+
+@triton.jit
+def _f64_bits(bits: tl.constexpr):
+    """The FP64 value with the bit pattern ``bits`` (inf, NaN), made in the kernel from an integer."""
+    return tl.full((), bits, tl.int64).to(tl.float64, bitcast=True)
 
 
 @triton.jit
@@ -124,7 +140,7 @@ def _exp64(x):
     p = p * r + _c(1.0)
     pow2 = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
     y = p * pow2
-    y = tl.where(x > _c(700.0), _c(_INF), y)
+    y = tl.where(x > _c(700.0), _f64_bits(_INF_BITS), y)
     y = tl.where(x < _c(-700.0), _c(0.0), y)
     return tl.where(x != x, x, y)
 
@@ -176,8 +192,8 @@ def _store(Y, y, rm, rn, M, N, sym, syn):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, srm,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
                    TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
@@ -217,6 +233,10 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
     if HAS_BIAS:
         bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
+    if MERGE:  # y = fp32(R) + scale·acc: the product rounded, then the sum (two FP32 operations)
+        r_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
+        acc = res.to(tl.float32) + scale * acc
     if ACT == 0:
         _store(Y, acc, rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
@@ -243,8 +263,21 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in ts)
 
 
+def _check(x, w, b, what: str) -> None:
+    """Fail closed on operand dtypes, shapes and devices the kernels do not take."""
+    if x.dtype not in _OPERANDS or w.dtype not in _OPERANDS:
+        raise UnsupportedConfigError(f"strict CUDA {what}: operands {x.dtype} × {w.dtype}; bf16 or float32 only")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0],)):
+        raise UnsupportedConfigError(
+            f"strict CUDA {what}: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
+            f"b {None if b is None else tuple(b.shape)} do not fit x [..., K], w [N, K], b [N]")
+    if w.device != x.device or (b is not None and b.device != x.device):
+        raise UnsupportedConfigError(f"strict CUDA {what}: x, w and b must be on one device")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
-           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+           merge_into: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """``act(x·wᵀ + b)`` by the strict CUDA GEMM (order in the module docstring).
 
     Args:
@@ -254,6 +287,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         out_dtype: output dtype (default x's); the FP32 result is cast to it once.
         config: launch configuration override (tests prove the bytes do not depend on it);
             default ``BF16_CONFIG`` for bf16 × bf16, ``FP32_CONFIG`` otherwise.
+        merge_into: [M, N] (2-D x only; a LoRA merge's base weight W, any float dtype): the
+            epilogue returns fp32(W) + fp32(scale)·(x·wᵀ + b), the product and the sum each rounded
+            to FP32 (the strict ``lora_merge``'s two torch operations, fused; no activation).
+        scale: the merge's scale (a python float, rounded once to FP32).
     Returns:
         [..., N] in ``out_dtype``, on x's device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Raises:
@@ -262,15 +299,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     """
     if act not in ACTS:
         raise UnsupportedConfigError(f"strict CUDA linear: unknown activation {act!r} (one of {list(ACTS)})")
-    if x.dtype not in _OPERANDS or w.dtype not in _OPERANDS:
-        raise UnsupportedConfigError(f"strict CUDA linear: operands {x.dtype} × {w.dtype}; bf16 or float32 only")
-    if w.dim() != 2 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0],)):
-        raise UnsupportedConfigError(
-            f"strict CUDA linear: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
-            f"b {None if b is None else tuple(b.shape)} do not fit x [..., K], w [N, K], b [N]")
-    if w.device != x.device or (b is not None and b.device != x.device):
-        raise UnsupportedConfigError("strict CUDA linear: x, w and b must be on one device")
+    _check(x, w, b, "linear")
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    if merge_into is not None and (act is not None or merge_into.shape != (*lead, n) or x.dim() != 2
+                                   or merge_into.device != x.device):
+        raise UnsupportedConfigError(
+            f"strict CUDA linear: merge_into {tuple(merge_into.shape)} needs a 2-D x, shape [M, N] = "
+            f"{(*lead, n)} on x's device and no activation")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     cfg = config or (FP32_CONFIG if ieee else BF16_CONFIG)
@@ -289,12 +324,149 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     else:
         xa, wa = x2, w2
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    r = y if merge_into is None else _rows(merge_into)
     _linear_kernel[grid](
-        xa, wa, b if b is not None else y, y, m, n, k,
-        x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, TMA=tma, EVEN_K=k % CHUNK == 0,
+        xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
+        x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
+        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
+        EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return y.reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV: few-row GEMMs with an FP32 operand (memory-bound on the weight)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemvConfig:
+    """The GEMV's launch configuration: output columns per program, warps, pipeline depth. None of
+    them enters the order of the sums (one row per program, lanes fixed by ``GEMV_CHUNK``, the
+    lane tree written out), so the bytes do not depend on it; fixed all the same."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    unroll: int = 4
+
+    @property
+    def id(self) -> str:
+        return f"bn{self.block_n}w{self.num_warps}u{self.unroll}"
+
+
+GEMV_CHUNK = 64
+"""The GEMV's K chunk: the number of lanes each row's K is dealt into (part of the contract)."""
+
+GEMV_CONFIG = GemvConfig()
+"""The GEMV's one configuration: 64 output columns per program, 4 warps, 4 chunks' loads in
+flight (Triton does not pipeline loads that feed no dot; offline sm_90a ptxas: no spills)."""
+
+GEMV_ID = f"triton.gemv.row.lanes{GEMV_CHUNK}.seq.pairtree.fp32.{GEMV_CONFIG.id}"
+"""Kernel identity of the GEMV written to the trace."""
+
+
+@triton.jit
+def _lane_tree(acc, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr):
+    """[BLOCK_N, LANES] → [BLOCK_N]: adjacent lanes added pairwise, level after level
+    (lane j ← lane 2j + lane 2j+1), written out so no compiler layout decides the order."""
+    for _ in tl.static_range(LEVELS):
+        lo, hi = tl.split(tl.reshape(acc, (BLOCK_N, acc.shape[1] // 2, 2)))
+        acc = lo + hi
+    return tl.reshape(acc, (BLOCK_N,))
+
+
+@triton.jit
+def _lane_products(acc, x_row, W, offs_n, swn, kk, K, MASKED: tl.constexpr):
+    """acc + the FP32 products of one K chunk (columns kk): rounded product, then rounded add."""
+    w_ptrs = W + offs_n[:, None] * swn + kk[None, :]
+    if MASKED:  # the tail: zero products
+        a = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
+    else:
+        a = tl.load(x_row + kk)
+        w = tl.load(w_ptrs)
+    return acc + a.to(tl.float32)[None, :] * w.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LANES: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr):
+    """One program per (row m, BLOCK_N columns): lane sums over K, then the lane tree (``gemv``).
+    The chunks are walked UNROLL at a time (their loads in flight together), then one at a time
+    for the rest: the same chunks, in the same ascending order."""
+    pid = tl.program_id(0)
+    m = pid % M  # the rows of one column block run side by side (the weight tile stays in L2)
+    pid_n = pid // M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (rn % N).to(tl.int64)  # columns past N re-read valid columns; never stored
+    rk = tl.arange(0, LANES)
+    x_row = X + m.to(tl.int64) * sxm
+    acc = tl.full((BLOCK_N, LANES), 0.0, tl.float32)
+    k_whole = (K // (UNROLL * LANES)) * (UNROLL * LANES)
+    for k0 in range(0, k_whole, UNROLL * LANES):
+        for u in tl.static_range(UNROLL):
+            acc = _lane_products(acc, x_row, W, offs_n, swn, k0 + u * LANES + rk, K, False)
+    for k0 in range(k_whole, K, LANES):
+        acc = _lane_products(acc, x_row, W, offs_n, swn, k0 + rk, K, True)
+    y = _lane_tree(acc, BLOCK_N, LEVELS)
+    if HAS_BIAS:
+        y = y + tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
+    y = _activate(y, ACT)
+    tl.store(Y + m.to(tl.int64) * sym + rn, y.to(Y.dtype.element_ty), mask=rn < N)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """``act(x·wᵀ + b)`` for few rows with FP32 products (the adaLN modulation projection, the
+    timestep MLP, the final adaLN projection): a memory-bound GEMV whose order is fixed per row.
+
+    Order of every output element y[m, n] (the contract; docs/strict-cuda/gemm.md):
+
+    1. one program per (row m, ``block_n`` columns): each row is its own program (the row block is
+       one row, whatever M), walking all of K itself (no split-K or atomics);
+    2. K is dealt into ``GEMV_CHUNK`` = 64 lanes (lane j holds k ≡ j mod 64); lane j's sum is
+       s_j = (((0 + p_j) + p_{64+j}) + p_{128+j}) + …, k ascending, each product p_k =
+       fp32(x[m, k])·fp32(w[n, k]) rounded to FP32 and then added (no FMA: contraction is off);
+       a K tail is zero-filled (zero products);
+    3. the 64 lane sums are added by a fixed pairwise tree over adjacent lanes, six levels
+       (lane j ← lane 2j + lane 2j+1), written out in the kernel (no compiler layout decides it);
+    4. the bias (upcast to FP32) is added once; the activation (``silu``: FP64 exact ops as in
+       ``linear``, rounded once to FP32); one cast to ``out_dtype``.
+
+    Every step is an IEEE FP32 operation in a stated order, so the bytes are the same on any
+    device and for any launch configuration (the interpreter test compares them with the same
+    order computed by torch on the CPU). Row invariance by construction: a row's loads, products
+    and sums never involve other rows, nothing depends on M or on the row's position. Not the
+    order of ``linear`` (MMA accumulation): an operator uses one or the other by its contract,
+    never by its shape.
+
+    Args:
+        x: [..., K] FP32 or bf16 (leading axes flattened to rows; meant for a few rows: the
+            weight is read once per row, mostly from L2 after the first).  w: [N, K] bf16 or FP32.  b: [N] or None (upcast to FP32).
+        act: None or ``"silu"``.  out_dtype: default x's.
+        config: launch configuration override (tests only).
+    Returns:
+        [..., N] in ``out_dtype`` on x's device.
+    Raises:
+        UnsupportedConfigError: as ``linear``'s, or an activation other than None / ``"silu"``.
+    """
+    if act not in (None, "silu"):
+        raise UnsupportedConfigError(f"strict CUDA gemv: unknown activation {act!r} (None or 'silu')")
+    _check(x, w, b, "gemv")
+    cfg = config or GEMV_CONFIG
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    x2 = _rows(x.reshape(lead.numel(), k))
+    w2 = _rows(w)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    grid = (m * triton.cdiv(n, cfg.block_n),)
+    _gemv_kernel[grid](x2, w2, b if b is not None else y, y, m, n, k, x2.stride(0), w2.stride(0), y.stride(0),
+                       HAS_BIAS=b is not None, ACT=ACTS[act], BLOCK_N=cfg.block_n, LANES=GEMV_CHUNK,
+                       LEVELS=GEMV_CHUNK.bit_length() - 1, UNROLL=cfg.unroll, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, enable_fp_fusion=False)
     return y.reshape(*lead, n)
 
 
@@ -368,8 +540,8 @@ def _sinusoid_kernel(T, F, Y, HALF: tl.constexpr, BLOCK: tl.constexpr):
     sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
     cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
     bad = tl.abs(x) >= _c(1048576.0)  # the CPU raises for |a| >= 2^20; here: NaN
-    sin = tl.where(bad, _c(_NAN), sin)
-    cos = tl.where(bad, _c(_NAN), cos)
+    sin = tl.where(bad, _f64_bits(_NAN_BITS), sin)
+    cos = tl.where(bad, _f64_bits(_NAN_BITS), cos)
     base = Y + row.to(tl.int64) * (2 * HALF)
     tl.store(base + kk, cos.to(tl.float32), mask=live)
     tl.store(base + HALF + kk, sin.to(tl.float32), mask=live)
