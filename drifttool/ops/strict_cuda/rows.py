@@ -52,16 +52,21 @@ GEMM_READY = Constraint("strict CUDA GEMM available", _gemm_missing)
 
 
 def _linear():
-    from drifttool.ops.strict_cuda.kernels.gemm import linear
+    from drifttool.ops.strict_cuda.kernels.gemm import linear  # lazy: Triton, and another slice's module
     return linear
+
+
+def _kernels():
+    """The Triton kernels module (imports Triton)."""
+    from drifttool.ops.strict_cuda.kernels import rows  # lazy: Triton is imported when a kernel runs
+    return rows
 
 
 @strict_cuda("latent_pack_unpack", "t", kernel="triton.permute")
 def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None = None):
     """Pack [B,C,H',W'] or [B,C,1,H',W'] → [B,N,4C]; unpack [B,N,4C] → [B,C,1,2h,2w] with
     ``grid=(h, w)``. A pure copy: bytes unchanged (``strict.latent``)."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     if direction == "pack":
         z = t
         if z.dim() == 5:
@@ -84,8 +89,7 @@ def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None 
 def latent_normalize(z, mean, std, inverse: bool = False):
     """Forward (z − mean)·(1/std), inverse z / (1/std) + mean, per channel (axis 1), FP32, one
     cast to z's dtype; z [B,C,...], mean/std [C]."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     if z.dim() < 2 or mean.numel() != z.shape[1] or std.numel() != z.shape[1]:
         raise UnsupportedConfigError(
             f"latent_normalize: mean/std of {mean.numel()}/{std.numel()} values for z {tuple(z.shape)}")
@@ -96,24 +100,21 @@ def latent_normalize(z, mean, std, inverse: bool = False):
              constraints=(_row_fits("x"),))
 def adaln_modulation(x, shift, scale, eps: float = 1e-6):
     """LN(x)·(1 + scale) + shift; x [B,S,d], shift/scale [B,d] → [B,S,d] in x's dtype."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     return k.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
 
 
 @strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma")
 def adaln_gate_residual(x, gate, y):
     """x + gate·y in FP32 (product rounded, then the sum), one cast; x, y [B,S,d], gate [B,d]."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     return k.gate_residual(x, gate, y, act_dtype(x, gate, y))
 
 
 @strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),))
 def qk_rmsnorm(x, gain, eps: float = 1e-6):
     """Learned-gain RMSNorm over the head dim: x [B,S,H,Dh], gain [Dh] → [B,S,H,Dh]."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     return k.rms_norm(x, gain, float(eps), act_dtype(x, gain))
 
 
@@ -121,8 +122,7 @@ def qk_rmsnorm(x, gain, eps: float = 1e-6):
 def multi_axis_rope(x, freqs):
     """Rotate adjacent pairs: y0 = x0·c − x1·s, y1 = x0·s + x1·c in FP32 (separate roundings);
     x [B,S,H,Dh], freqs [S,Dh/2] complex64."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     if not freqs.is_complex() or tuple(freqs.shape) != (x.shape[1], x.shape[-1] // 2) or x.shape[-1] % 2:
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
@@ -135,8 +135,7 @@ def multi_axis_rope(x, freqs):
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM in FP32
     (weights widened exactly, IEEE FP32 products, no TF32), one cast at the end."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     y = k.rms_norm(e, gain, float(eps), torch.float32)
     return _linear()(y, w.to(torch.float32), None if b is None else b.to(torch.float32),
                      out_dtype=act_dtype(e, gain, w, b))
@@ -148,8 +147,7 @@ def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b), scale first; LN(x)·(1 + scale) + shift;
     x [B,N,d], temb [B,d], w [2d,d], b [2d] → [B,N,d]. SiLU FP64 from exact operations (as the
     CPU's ``silu32``), the GEMM in FP32 operands, the modulation in FP32, one cast."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
-
+    k = _kernels()
     dt = act_dtype(x, temb, w, b)
     emb = _linear()(k.silu(temb), w.to(torch.float32), None if b is None else b.to(torch.float32),
                     out_dtype=torch.float32)  # [B, 2d]

@@ -25,6 +25,12 @@ from drifttool.ops.scheduler import (
 from drifttool.ops.strict_cuda._register import strict_cuda
 
 
+def _kernels():
+    """The Triton kernels module (imports Triton)."""
+    from drifttool.ops.strict_cuda.kernels import sampler  # lazy: Triton is imported when a kernel runs
+    return sampler
+
+
 @strict_cuda("cfg_combine_renorm", "v_cond", "v_uncond", kernel="triton.cfg_renorm.pairtree")
 def cfg_combine_renorm(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """comb = u + s·(c − u); v = comb·(‖c‖/‖comb‖), norms per token over the channel axis:
@@ -33,8 +39,7 @@ def cfg_combine_renorm(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: floa
     Raises:
         ValueError: shape mismatch, empty channel axis, non-finite or tensor scale.
     """
-    from drifttool.ops.strict_cuda.kernels import sampler as k
-
+    k = _kernels()
     _check_cfg_inputs(v_cond, v_uncond, scale)
     for what, t in (("v_cond", v_cond), ("v_uncond", v_uncond)):
         _check_dtype("cfg_combine_renorm", what, t, CFG_COMBINE_RENORM.dtypes)
@@ -54,8 +59,7 @@ def flow_sde_step_logp(v, x, sigma, sigma_next, *, eta: float, sigma_max, noise=
         ValueError, UnsupportedConfigError: as the CPU family (shapes, σ order, dtypes, > 2^24
             elements per sample).
     """
-    from drifttool.ops.strict_cuda.kernels import sampler as k
-
+    k = _kernels()
     v32, x32, s, sn, sm, eta = _prepare_sde(v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample,
                                             strict=True)
     per_sample = x32[0].numel()
