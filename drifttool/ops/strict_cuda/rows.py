@@ -6,9 +6,10 @@ Each does the strict CPU family's arithmetic (``drifttool.ops.strict``) in its o
 steps one IEEE FP32 operation each without FMA contraction, the norms' sums by the same pairwise
 tree over the whole row, rstd in FP64 rounded once, SiLU in FP64 from exact operations — so these
 bytes equal the CPU's. The two operators with a GEMM (``txt_in_rmsnorm_linear``,
-``final_adaln_out``) call the strict CUDA GEMM (``kernels/gemm.py`` ``linear``) in FP32 operands,
-as the CPU computes its GEMM in FP32; only that GEMM's K order (one sequential pass in 64-chunks)
-differs from the CPU's contract-v2 segments.
+``final_adaln_out``) call the strict CUDA GEMM (``kernels/gemm.py`` ``linear``) with an FP32 left
+operand (the norm's output; ``silu32`` of temb), hence IEEE FP32 products, as the CPU computes its
+GEMM in FP32; only that GEMM's K order (one sequential pass in 64-chunks) differs from the CPU's
+contract-v2 segments.
 
 Forward only (the family's constraint). Shapes are checked as the CPU family checks them and fail
 closed in one line.
@@ -16,20 +17,17 @@ closed in one line.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint
 from drifttool.ops.strict._checks import act_dtype
 from drifttool.ops.strict_cuda._register import strict_cuda
+from drifttool.ops.strict_cuda.linear import KERNEL as GEMM_KERNEL
 
 MAX_ROW = 16384
 """Longest normalised row a program holds (``kernels.rows.MAX_ROW``; d, Dj, Dh fit)."""
 
-GEMM_KERNEL = "triton.gemm.k64.seq"
-"""The trace's name of the strict CUDA GEMM inside txt_in_rmsnorm_linear and final_adaln_out."""
 
 
 def _row_fits(name: str) -> Constraint:
@@ -42,18 +40,10 @@ def _row_fits(name: str) -> Constraint:
     return Constraint(f"{name} rows of at most {MAX_ROW}", test, (name,))
 
 
-def _gemm_missing(args: Args) -> str | None:
-    if importlib.util.find_spec("drifttool.ops.strict_cuda.kernels.gemm") is None:
-        return "the strict CUDA GEMM kernel (kernels/gemm.py) is not built in this install"
-    return None
-
-
-GEMM_READY = Constraint("strict CUDA GEMM available", _gemm_missing)
-
-
-def _linear():
-    from drifttool.ops.strict_cuda.kernels.gemm import linear  # lazy: Triton, and another slice's module
-    return linear
+def _gemm():
+    """The strict CUDA GEMM module (``linear``, ``silu32``)."""
+    from drifttool.ops.strict_cuda.kernels import gemm  # lazy: Triton is imported when a kernel runs
+    return gemm
 
 
 def _kernels():
@@ -131,25 +121,23 @@ def multi_axis_rope(x, freqs):
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("e"), GEMM_READY))
+             constraints=(_row_fits("e")))
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
-    """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM in FP32
-    (weights widened exactly, IEEE FP32 products, no TF32), one cast at the end."""
+    """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM as an
+    FP32 operand (IEEE FP32 products with the weights widened exactly, no TF32), one cast at the end."""
     k = _kernels()
     y = k.rms_norm(e, gain, float(eps), torch.float32)
-    return _linear()(y, w.to(torch.float32), None if b is None else b.to(torch.float32),
-                     out_dtype=act_dtype(e, gain, w, b))
+    return _gemm().linear(y, w, b, out_dtype=act_dtype(e, gain, w, b))
 
 
 @strict_cuda("final_adaln_out", "x", "temb", "w", "b", kernel="triton.layernorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("x"), GEMM_READY))
+             constraints=(_row_fits("x")))
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b), scale first; LN(x)·(1 + scale) + shift;
     x [B,N,d], temb [B,d], w [2d,d], b [2d] → [B,N,d]. SiLU FP64 from exact operations (as the
-    CPU's ``silu32``), the GEMM in FP32 operands, the modulation in FP32, one cast."""
-    k = _kernels()
+    CPU's ``silu32``, ``kernels.gemm.silu32``), the GEMM with an FP32 left operand, the modulation in FP32, one cast."""
+    k, gemm = _kernels(), _gemm()
     dt = act_dtype(x, temb, w, b)
-    emb = _linear()(k.silu(temb), w.to(torch.float32), None if b is None else b.to(torch.float32),
-                    out_dtype=torch.float32)  # [B, 2d]
+    emb = gemm.linear(gemm.silu32(temb), w, b, out_dtype=torch.float32)  # [B, 2d]
     d = emb.shape[-1] // 2
     return k.ln_modulation(x, emb[:, d:], emb[:, :d], float(eps), dt)

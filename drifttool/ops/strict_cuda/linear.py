@@ -1,0 +1,111 @@
+"""Strict CUDA GEMM-bearing operators: latent_proj_gemm, qkv_bias_gemm, attn_out_bias_gemm,
+mlp_up_gemm_gelu, mlp_down_gemm, adaln_mod_projection, timestep_embed_mlp, lora_merge.
+
+Each is the strict CPU operator's arithmetic (``drifttool.ops.strict``: inputs upcast to FP32,
+FP32 accumulation, FP64 exact-op transcendentals, one cast to the activation dtype) with the K
+reduction of contract ``cuda1``: ``kernels.gemm.linear`` (one program per output tile walks all of
+K in 64-wide chunks, ascending, MMA-accumulated in FP32; bias once in FP32; activation; one cast).
+Byte-equal to the CPU where the arithmetic is elementwise and done the CPU's way (the GELU and
+SiLU of a given FP32 value, the timestep sinusoid); the K sums differ inside a chunk (the
+tolerance profile declares by how much).
+
+Forward only (the family's ``forward_only`` constraint). Triton is imported when a call runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import drifttool.ops.lora  # noqa: F401  (declares lora_merge)
+from drifttool.ops.constraints import dtypes
+from drifttool.ops.registry import implements, spec
+from drifttool.ops.strict_cuda._register import FORWARD_ONLY, QUALIFIED_GPU, TRITON_READY, strict_cuda
+
+KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
+"""Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
+
+
+def _act_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the first non-``None`` tensor (FP32 when none): the strict output dtype."""
+    return next((t.dtype for t in tensors if t is not None), torch.float32)
+
+
+def _kernels():
+    """The Triton kernels module (imported at the first call, so importing drifttool needs no Triton)."""
+    from drifttool.ops.strict_cuda.kernels import gemm  # lazy: Triton only when a strict CUDA call runs
+
+    return gemm
+
+
+def _linear(x, w, b, **kw):
+    return _kernels().linear(x, w, b, **kw)
+
+
+@strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL)
+def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """img_in ([B,N,64]→[B,N,d]) or proj_out ([B,N,d]→[B,N,64]), in x's dtype."""
+    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+
+
+@strict_cuda("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=KERNEL)
+def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
+    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM."""
+    dt = _act_dtype(x, wq, bq, wk, bk, wv, bv)
+    return tuple(_linear(x, w, b, out_dtype=dt).unflatten(-1, (heads, -1))  # [B,S,H,Dh]
+                 for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+
+
+@strict_cuda("attn_out_bias_gemm", "x", "w", "b", kernel=KERNEL)
+def attn_out_bias_gemm(x, w, b):
+    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
+    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+
+
+@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=KERNEL + "+gelu_tanh.f64")
+def mlp_up_gemm_gelu(x, w, b):
+    """GELU_tanh(x·wᵀ + b) [B,S,4d]: the GELU in the GEMM's epilogue, in FP64 from exact ops as
+    the CPU's ``gelu_tanh32``, rounded once to FP32, then one cast."""
+    return _linear(x, w, b, act="gelu_tanh", out_dtype=_act_dtype(x, w, b))
+
+
+@strict_cuda("mlp_down_gemm", "x", "w", "b", kernel=KERNEL)
+def mlp_down_gemm(x, w, b):
+    """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]."""
+    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+
+
+@strict_cuda("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + KERNEL)
+def adaln_mod_projection(temb, w, b):
+    """SiLU(temb)·wᵀ + b: temb [B,d] → [B,6d] in temb's dtype. The SiLU is the CPU's ``silu32``
+    (byte-equal), so the GEMM's left operand is FP32 (IEEE FP32 products)."""
+    return _linear(_kernels().silu32(temb), w, b, out_dtype=_act_dtype(temb, w, b))
+
+
+@strict_cuda("timestep_embed_mlp", "w1", "b1", "w2", "b2", kernel="sincos_f64+" + KERNEL,
+             constraints=(dtypes((torch.float32,), "tau"),))
+def timestep_embed_mlp(tau, w1, b1, w2, b2):
+    """temb = linear_2(SiLU(linear_1(φ(τ)))): tau [B] fp32 → [B,d] in the weights' dtype.
+
+    φ is the CPU's sinusoid (byte-equal); linear_1's FP32 result takes the SiLU in its epilogue
+    and stays FP32; linear_2 casts once.
+    """
+    phi = _kernels().sinusoid(tau, w1.shape[1])  # [B,256] fp32
+    h = _linear(phi, w1, b1, act="silu", out_dtype=torch.float32)  # [B,d] fp32
+    return _linear(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
+
+
+@implements("lora_merge", "strict", device="cuda", kernel="strict_cuda_linear(B,Aᵀ).fp32.ieee+fp32_add",
+            contract="drifttool.lora_merge.cuda1",
+            constraints=(TRITON_READY, QUALIFIED_GPU, FORWARD_ONLY,
+                         dtypes(spec("lora_merge").dtypes, "w", "a", "b")))
+def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W' = fp32(W) + fp32(scale)·(B·A), FP32 result, as the strict CPU ``lora_merge``; B·A by the
+    strict CUDA GEMM (FP32 operands, IEEE products, r walked once in ascending order).
+
+    Args:
+        w: [out, in] base weight (fp32 or bf16).  a: [r, in].  b: [out, r].
+        scale: α / r (python float, rounded once to fp32).
+    """
+    delta = _linear(b.to(torch.float32), a.to(torch.float32).t(), None)  # [out, in] fp32
+    s = torch.tensor(float(scale), dtype=torch.float32, device=w.device)
+    return w.to(torch.float32) + s * delta

@@ -1,0 +1,182 @@
+"""The strict CUDA GEMM and its operators under Triton's interpreter, on CPU tensors (FP32).
+
+What the interpreter can prove of the kernel's logic: masks (rows past M, columns past N, the K
+tail), the TMA and pointer paths loading the same values, raw-byte row/batch invariance within a
+run, the epilogue's activation equal in bytes to the CPU's ``gelu_tanh32`` / ``silu32`` of the
+same FP32 pre-activation, the sinusoid and SiLU kernels equal in bytes to the CPU's, accuracy vs
+the FP64 references, and fail-closed errors. The GPU's own bytes are tested in
+``tests/gpu/test_strict_cuda_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import drifttool.ops  # noqa: F401  (registers the families)
+from drifttool.errors import UnsupportedConfigError
+from drifttool.ops import lora as cpu_lora
+from drifttool.ops import strict_math
+from drifttool.ops.registry import impls
+from drifttool.ops.strict import embed
+from drifttool.ops.strict_cuda import linear as cuda_linear
+from drifttool.references import ops as ref
+from tests.conftest import assert_same_bytes
+
+gemm = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm")
+
+
+def op(name: str):
+    """The registered strict CUDA function itself (its constraints ask for CUDA tensors)."""
+    return impls(name, "strict", "cuda")[0].fn
+
+
+def problem(m: int, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / math.sqrt(k),
+            torch.randn(n, generator=g))
+
+
+def assert_close(y: torch.Tensor, r: torch.Tensor, what: str, tol: float = 4e-6) -> None:
+    err = (y.double() - r).abs() / (1 + r.abs())
+    assert err.max().item() <= tol, f"{what}: max scaled error {err.max().item():.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 96, 100), (1, 48, 48), (5, 130, 64)])
+@pytest.mark.parametrize("act", [None, "gelu_tanh", "silu"])
+def test_linear_matches_fp64_reference(m, n, k, act):
+    x, w, b = problem(m, n, k)
+    y = gemm.linear(x, w, b, act=act)
+    pre = x.double() @ w.double().T + b.double()
+    want = {None: pre, "gelu_tanh": strict_math.gelu_tanh64(pre), "silu": strict_math.silu64(pre)}[act]
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert_close(y, want, f"{m}x{n}x{k} act={act}")
+
+
+@pytest.mark.parametrize("act,cpu", [("gelu_tanh", strict_math.gelu_tanh32), ("silu", strict_math.silu32)])
+def test_epilogue_activation_is_the_cpus_in_bytes(act, cpu):
+    """Given the kernel's own FP32 pre-activation, its fused activation equals the CPU's."""
+    x, w, b = problem(37, 96, 100, seed=1)
+    x[0, :] *= 40  # large |pre|: exp's clamp and tanh → ±1
+    pre = gemm.linear(x, w, b)
+    assert_same_bytes(gemm.linear(x, w, b, act=act), cpu(pre), f"{act} epilogue vs CPU {cpu.__name__}")
+
+
+def test_rows_and_batch_positions_do_not_change_bytes():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 13, 100, generator=g)  # [B, S, K], K with a tail chunk
+    _, w, b = problem(1, 70, 100, seed=3)
+    full = gemm.linear(x, w, b, act="gelu_tanh")  # [3, 13, 70]
+    assert_same_bytes(full[2:3], gemm.linear(x[2:3], w, b, act="gelu_tanh"), "sample 2 of 3 vs alone")
+    assert_same_bytes(full[1, 5:6], gemm.linear(x[1, 5:6], w, b, act="gelu_tanh"), "one row alone")
+    assert_same_bytes(full[0, -3:], gemm.linear(x[0, -3:], w, b, act="gelu_tanh"), "last rows alone")
+    again = gemm.linear(x, w, b, act="gelu_tanh")
+    assert_same_bytes(full, again, "repetition")
+
+
+def test_k_tail_is_zero_products():
+    """K = 100: the masked tail chunk equals the same problem zero-padded to K = 128 (no mask)."""
+    x, w, b = problem(9, 40, 100, seed=4)
+    pad = torch.nn.functional.pad
+    assert_same_bytes(gemm.linear(x, w, b), gemm.linear(pad(x, (0, 28)), pad(w, (0, 28)), b),
+                      "K tail masked vs zero-padded")
+
+
+def test_tma_and_pointer_paths_load_the_same_values():
+    x, w, b = problem(37, 96, 128, seed=5)
+    ptr = gemm.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, tma=False)
+    tma = gemm.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, tma=True)
+    assert_same_bytes(gemm.linear(x, w, b, config=tma), gemm.linear(x, w, b, config=ptr), "TMA vs pointers")
+    assert_same_bytes(gemm.linear(x[:, :100], w[:, :100], b, config=tma),  # tail zero-filled by TMA
+                      gemm.linear(x[:, :100].contiguous(), w[:, :100].contiguous(), b, config=ptr),
+                      "TMA vs pointers, K tail")
+
+
+def test_output_dtype_and_empty_inputs():
+    x, w, b = problem(3, 16, 32)
+    y16, y32 = gemm.linear(x, w, b, out_dtype=torch.bfloat16), gemm.linear(x, w, b)
+    assert y16.dtype == torch.bfloat16  # (the interpreter truncates to bf16: the GPU test checks the rounding)
+    assert ((y16.float() - y32).abs() <= y32.abs() * 2**-7).all()
+    assert gemm.linear(x[:0], w, b).shape == (0, 16)
+    assert_same_bytes(gemm.linear(x[:, :0], w[:, :0], b), b.expand(3, 16).contiguous(), "K = 0: the bias")
+
+
+def test_fails_closed():
+    x, w, b = problem(3, 16, 32)
+    with pytest.raises(UnsupportedConfigError, match="float16"):
+        gemm.linear(x.half(), w.half(), None)
+    with pytest.raises(UnsupportedConfigError, match="activation"):
+        gemm.linear(x, w, b, act="relu")
+    with pytest.raises(UnsupportedConfigError, match="shapes"):
+        gemm.linear(x, w[:, :31], b)
+
+
+def test_silu_and_sinusoid_are_the_cpus_in_bytes():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3000, generator=g) * 12
+    x[:8] = torch.tensor([math.nan, math.inf, -math.inf, 800.0, -800.0, -0.0, 0.0, 1e-30])
+    assert_same_bytes(gemm.silu32(x), strict_math.silu32(x), "silu32")
+    tau = torch.cat([torch.tensor([1.0, 0.019999980926513672, 0.0, 0.5]), torch.rand(5, generator=g)])
+    assert_same_bytes(gemm.sinusoid(tau), embed.sinusoid(tau), "sinusoid")
+    far = gemm.sinusoid(torch.tensor([3000.0]))  # a_0 = 3e6 >= 2^20: the CPU raises, the kernel gives NaN
+    assert torch.isnan(far[0, 0]) and torch.isnan(far[0, 128]) and not torch.isnan(far[0, 127])
+
+
+def test_operators_match_references():
+    g = torch.Generator().manual_seed(7)
+    d, heads = 48, 3
+
+    def lin(n, k):
+        return torch.randn(n, k, generator=g) / math.sqrt(k), torch.randn(n, generator=g) * 0.1
+
+    x = torch.randn(2, 7, d, generator=g)
+    for name, w, b in (("latent_proj_gemm", *lin(64, d)), ("attn_out_bias_gemm", *lin(d, d)),
+                       ("mlp_up_gemm_gelu", *lin(4 * d, d))):
+        assert_close(op(name)(x, w, b), ref.OPS[name](x, w, b), name)
+    h = torch.randn(2, 7, 4 * d, generator=g)
+    w, b = lin(d, 4 * d)
+    assert_close(op("mlp_down_gemm")(h, w, b), ref.mlp_down_gemm(h, w, b), "mlp_down_gemm")
+    ws = [t for _ in range(3) for t in lin(d, d)]
+    for got, want in zip(op("qkv_bias_gemm")(x, *ws, heads), ref.qkv_bias_gemm(x, *ws, heads)):
+        assert got.shape == (2, 7, heads, d // heads)
+        assert_close(got, want, "qkv_bias_gemm")
+    temb = torch.randn(2, d, generator=g) * 2
+    w, b = lin(6 * d, d)
+    assert_close(op("adaln_mod_projection")(temb, w, b), ref.adaln_mod_projection(temb, w, b),
+                 "adaln_mod_projection")
+    tau = torch.tensor([1.0, 0.3, 0.02])
+    w1, b1 = lin(d, 256)
+    w2, b2 = lin(d, d)
+    assert_close(op("timestep_embed_mlp")(tau, w1, b1, w2, b2), ref.timestep_embed_mlp(tau, w1, b1, w2, b2),
+                 "timestep_embed_mlp")
+
+
+def test_gemm_operators_are_batch_invariant():
+    g = torch.Generator().manual_seed(8)
+    d = 48
+    temb = torch.randn(3, d, generator=g)
+    w, b = torch.randn(6 * d, d, generator=g) / 7, torch.randn(6 * d, generator=g)
+    full = op("adaln_mod_projection")(temb, w, b)
+    assert_same_bytes(full[1:2], op("adaln_mod_projection")(temb[1:2], w, b), "adaln sample 1 of 3")
+    tau = torch.tensor([0.9, 0.4, 0.1])
+    w1, b1 = torch.randn(d, 256, generator=g) / 16, torch.randn(d, generator=g)
+    w2, b2 = torch.randn(d, d, generator=g) / 7, torch.randn(d, generator=g)
+    full = op("timestep_embed_mlp")(tau, w1, b1, w2, b2)
+    assert_same_bytes(full[2:], op("timestep_embed_mlp")(tau[2:], w1, b1, w2, b2), "temb sample 2 of 3")
+
+
+def test_lora_merge_matches_the_cpu_strict_merge():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    a, bb = torch.randn(4, 24, generator=g), torch.randn(40, 4, generator=g)
+    got = op("lora_merge")(w, a, bb, 0.5)
+    want = cpu_lora.lora_merge_strict(w, a, bb, 0.5)
+    assert got.dtype == torch.float32 and got.shape == (40, 24)
+    assert_close(got, want.double(), "lora_merge", tol=1e-6)
+    assert_same_bytes(op("lora_merge")(w, a, torch.zeros_like(bb), 0.5), w.float(), "B = 0: W unchanged")
+
+
+def test_registered_kernel_id_is_the_kernels():
+    assert cuda_linear.KERNEL == gemm.KERNEL_ID
