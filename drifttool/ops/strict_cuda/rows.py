@@ -121,7 +121,7 @@ def multi_axis_rope(x, freqs):
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("e")))
+             constraints=(_row_fits("e"),))
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM as an
     FP32 operand (IEEE FP32 products with the weights widened exactly, no TF32), one cast at the end."""
@@ -131,7 +131,7 @@ def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
 
 
 @strict_cuda("final_adaln_out", "x", "temb", "w", "b", kernel="triton.layernorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("x")))
+             constraints=(_row_fits("x"),))
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b), scale first; LN(x)·(1 + scale) + shift;
     x [B,N,d], temb [B,d], w [2d,d], b [2d] → [B,N,d]. SiLU FP64 from exact operations (as the
