@@ -47,8 +47,9 @@ def pow2(n: int) -> int:
 
 
 def _rows_per_program(width: int) -> int:
-    """The fixed rows per program of a norm kernel: about 4096 padded elements per program."""
-    return max(1, 4096 // pow2(width))
+    """The fixed rows per program of a norm kernel: about 1024 padded elements per program (the
+    pairwise tree's reshapes make the kernel's code grow with the elements a program holds)."""
+    return max(1, 1024 // pow2(width))
 
 
 def _f64_scalar(value: float, device) -> torch.Tensor:

@@ -64,7 +64,7 @@ def cfg_combine_renorm(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: floa
     rows = c.numel() // ch
     o = torch.empty(c.shape, dtype=torch.float32, device=c.device)
     if rows:
-        per = rows_per_program or max(1, 4096 // pow2(ch))
+        per = rows_per_program or max(1, 1024 // pow2(ch))
         s = torch.tensor([scale], dtype=torch.float32).to(c.device)
         _launch(_cfg_kernel, (triton.cdiv(rows, per),), c, u, s, o, rows, C=ch,
                 LOG2=pow2(ch).bit_length() - 1, ROWS=per)
