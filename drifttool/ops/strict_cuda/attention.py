@@ -1,0 +1,139 @@
+"""Strict joint attention on CUDA (contract cuda1): ``joint_attention_fused`` and its declared
+decomposition ``joint_attn_qk_gemm`` → ``joint_attn_softmax`` → ``joint_attn_av_gemm``, all four
+one Triton kernel (``kernels/attention.py``) in four modes, so the unfused chain reproduces the
+fused operator's bytes (``decomposable=True``: dispatch may expand it at L2).
+
+Arithmetic (the kernel module's docstring has it in full): keys in fixed 64-key blocks in global
+key order — text blocks from key 0, image blocks from key ``text_len`` — FP32 scores, two passes
+(row max and sum merged block by block, then P = exp2(x − m) · (1/l) cast to v's dtype and
+accumulated block by block on tensor cores), output cast once to v's dtype. Masked keys never
+enter; a text block without a valid key is skipped, so prompt padding (with ``text_len`` the
+padded length) changes no valid row's bytes. Rows of masked queries are computed like any other
+row (as the CPU does). The bytes differ from strict CPU (contract v2) inside a block: the
+tolerance profile declares by how much.
+
+Every operator takes ``text_len`` (keyword; ``None`` = 0: every position an image position) and
+raises ``UnsupportedConfigError`` for a sample without a valid key (checked on the host: one
+device synchronisation per call with a key mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.constraints import Args, Constraint, key_mask_fits, text_len_fits
+from drifttool.ops.strict_cuda._register import strict_cuda
+
+HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims the kernel is built for (powers of two, a multiple of the tensor-core K step 16)."""
+
+KERNEL = "triton.attention.block64.two_pass.bm64w4s3"
+"""The kernel and its one configuration: 64-key blocks, 64 query rows, 4 warps, 3 stages."""
+
+
+def _head_dim(ref: str) -> Constraint:
+    def test(args: Args) -> str | None:
+        dh = args[ref].shape[-1]
+        return None if dh in HEAD_DIMS else f"head dim {dh} is not one of {list(HEAD_DIMS)}"
+
+    return Constraint(f"head dim in {list(HEAD_DIMS)}", test, (ref,))
+
+
+def _bshd(*names: str) -> Constraint:
+    """The named tensors are [B,S,H,Dh] of one shape and one dtype."""
+
+    def test(args: Args) -> str | None:
+        ts = [args[n] for n in names]
+        if any(t.dim() != 4 for t in ts):
+            return f"{', '.join(names)} must be [B, S, H, Dh], got {[list(t.shape) for t in ts]}"
+        if len({tuple(t.shape) for t in ts}) > 1 or len({t.dtype for t in ts}) > 1:
+            return (f"{', '.join(names)} must share one shape and dtype (self-attention), got "
+                    f"{[(list(t.shape), str(t.dtype).removeprefix('torch.')) for t in ts]}")
+        return None
+
+    return Constraint(f"{', '.join(names)} [B,S,H,Dh] alike", test, names)
+
+
+def _square(ref: str, v: str | None = None) -> Constraint:
+    """``args[ref]`` is [B,H,S,S] (and matches v [B,S,H,Dh] when given)."""
+
+    def test(args: Args) -> str | None:
+        x = args[ref]
+        if x.dim() != 4 or x.shape[-1] != x.shape[-2]:
+            return f"{ref} must be [B, H, S, S], got {list(x.shape)}"
+        if v is not None:
+            w = args[v]
+            want = [x.shape[0], x.shape[2], x.shape[1]]
+            if w.dim() != 4 or list(w.shape[:3]) != want:
+                return f"{v} must be [B, S, H, Dh] = {want + ['Dh']} for {ref} {list(x.shape)}, got {list(w.shape)}"
+        return None
+
+    return Constraint(f"{ref} [B,H,S,S]", test, (ref,) if v is None else (ref, v))
+
+
+def _check_valid_keys(op: str, key_mask: torch.Tensor | None) -> None:
+    if key_mask is not None and not bool(key_mask.any(dim=1).all()):
+        raise UnsupportedConfigError(f"{op}: a sample has no valid key (its key_mask is all False)")
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+@strict_cuda("joint_attention_fused", "q", "k", "v", kernel=KERNEL, decomposable=True,
+             constraints=(_bshd("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
+def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None):
+    """softmax(q·kᵀ/√Dh over the valid keys)·v: q, k, v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype;
+    byte-equal to ``joint_attn_av_gemm(joint_attn_softmax(joint_attn_qk_gemm(...)))`` here.
+
+    Raises:
+        UnsupportedConfigError: a sample without a valid key."""
+    from drifttool.ops.strict_cuda.kernels import attention as kern
+
+    _check_valid_keys("joint_attention_fused", key_mask)
+    return kern.attention(q, k, v, key_mask, text_len=text_len)
+
+
+@strict_cuda("joint_attn_qk_gemm", "q", "k", kernel=KERNEL,
+             constraints=(_bshd("q", "k"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
+def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
+    """scores[b,h,i,j] = fp32(q_i · k_j) · fp32(1/√Dh) for every key (masked ones too), the fused
+    kernel's tiles: q, k [B,S,H,Dh] → [B,H,S,S] FP32.
+
+    Raises:
+        UnsupportedConfigError: a sample without a valid key."""
+    from drifttool.ops.strict_cuda.kernels import attention as kern
+
+    _check_valid_keys("joint_attn_qk_gemm", key_mask)
+    return kern.scores(q, k, text_len=text_len)
+
+
+@strict_cuda("joint_attn_softmax", "scores", kernel=KERNEL,
+             constraints=(_square("scores"), key_mask_fits("scores", seq_axis=-1),
+                          text_len_fits("scores", seq_axis=-1)))
+def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
+    """The fused kernel's probabilities: row max and sum merged over the 64-key blocks in order,
+    P = exp2(s·log2 e − m) · (1/l); scores [B,H,S,S] → probs [B,H,S,S] FP32, masked keys +0.
+
+    Raises:
+        UnsupportedConfigError: a sample without a valid key."""
+    from drifttool.ops.strict_cuda.kernels import attention as kern
+
+    _check_valid_keys("joint_attn_softmax", key_mask)
+    return kern.softmax(_f32(scores), key_mask, text_len=text_len)
+
+
+@strict_cuda("joint_attn_av_gemm", "probs", "v", kernel=KERNEL,
+             constraints=(_square("probs", "v"), _head_dim("v"), key_mask_fits("v"), text_len_fits("v")))
+def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
+    """out_i = Σ_j P̃_ij v_j over the 64-key blocks in order, P̃ = probs cast to v's dtype per
+    tile, FP32 accumulation on tensor cores; masked keys' P and v taken as +0. probs [B,H,S,S],
+    v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype.
+
+    Raises:
+        UnsupportedConfigError: a sample without a valid key."""
+    from drifttool.ops.strict_cuda.kernels import attention as kern
+
+    _check_valid_keys("joint_attn_av_gemm", key_mask)
+    return kern.attend(_f32(probs), v, key_mask, text_len=text_len)

@@ -1,0 +1,383 @@
+"""Strict joint attention on CUDA (contract cuda1): one Triton kernel, four modes — the fused
+attention and its three unfused operators, byte-equal to one another by construction.
+
+    >>> o = attention(q, k, v, key_mask, text_len=L)            # [B,S,H,Dh], v's dtype
+    >>> p = softmax(scores(q, k, text_len=L), key_mask, text_len=L)   # [B,H,S,S] FP32 each
+    >>> assert torch.equal(attend(p, v, key_mask, text_len=L), o)      # on the GPU, bytes
+
+Layout (as contract v2's): the joint sequence is [text (padded length L = ``text_len``), image
+(N)]. Keys are walked in fixed 64-key blocks in global key order — text blocks from key 0
+(⌈L/64⌉ of them, the last one ending at L), then image blocks from key L (⌈N/64⌉, the last one
+ending at S) — so prompt padding never moves an image key between blocks. Query tiles of
+``BLOCK_M`` rows are aligned the same way (text tiles from row 0, image tiles from row L).
+
+Arithmetic of one query row i (``MODE_FUSED``; FP32 throughout, every operation rounded on its
+own: the kernels are compiled with FMA contraction off):
+
+* s_j = fp32(q_i · k_j) · fp32(1/√Dh), the dot one ``tl.dot`` of a [BLOCK_M, Dh] by [Dh, 64] tile
+  (bf16 operands on tensor cores with an FP32 accumulator, or FP32 operands in IEEE FP32); x_j =
+  s_j · fp32(log2 e), masked keys x_j = −inf;
+* pass 1, blocks in order (a block without a valid key is skipped; masked K/V rows never read):
+  m' = max(m, max_j x_j); l = l · exp2(m − m') + Σ_j exp2(x_j − m') (the block's Σ is ``tl.sum``
+  on the score tile in the tensor-core accumulator layout — see ``_canonical``); m = m';
+* pass 2, blocks in the same order: P_j = exp2(x_j − m) · fp32(1/l) (1/l correctly rounded); acc += P̃ · V_block with
+  P̃ = P cast to v's dtype (one ``tl.dot`` [BLOCK_M, 64] by [64, Dh], FP32 accumulator);
+* out_i = acc cast once to v's dtype.
+
+exp2 is the GPU's ``ex2.approx.f32``. The unfused modes run the same code on the same tiles:
+``MODE_QK`` writes s (every key, masked or not), ``MODE_SOFTMAX`` reads s back and writes P
+(masked keys +0), ``MODE_AV`` reads P back and runs pass 2's product. The only reduction whose
+order could follow the register layout is the block's Σ in pass 1; ``_canonical`` moves every
+score tile into the tensor-core accumulator layout first (a dot with zero operands: s + 0 = s),
+so that Σ runs in one layout whatever produced the tile.
+
+Why two passes (QKᵀ computed twice) and not FlashAttention's one-pass online form: the unfused
+operators must be byte-equal to the fused one, and the one-pass form's output
+(Σ_b Π alpha · (P_b cast)·V_b) / l casts probabilities relative to a running max — numbers the
+unfused softmax cannot hand to the AV product (it must output normalised probabilities). The
+cost on paper: 3 instead of 2 [S × S × Dh] matmuls (1.5× the tensor-core work) and 2 instead of
+1 exp2 per score.
+
+Fixed configuration: ``BLOCK_M`` = 64 query rows, ``BLOCK_N`` = 64 keys, 4 warps, 3 pipeline
+stages, for every shape; no split-KV, no atomics; one program per (batch·head, query tile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+"""Keys per block: part of the reduction order (contract)."""
+BLOCK_M = 64
+"""Query rows per program (does not change a row's bytes)."""
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _key_ok(MASK, smb, b, j, end, HAS_MASK: tl.constexpr):
+    """Keys j of a block that enter: j < end (the block's part) and key_mask[b, j]."""
+    ok = j < end
+    if HAS_MASK:
+        mk = tl.load(MASK + b * smb + j, mask=ok, other=0)
+        ok = ok & (mk != 0)
+    return ok
+
+
+@triton.jit
+def _canonical(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """s + 0·0 through one bf16 tensor-core dot: the same values (zero products add +0), in the
+    accumulator layout of the bf16 QKᵀ dot, so the row sums that follow reduce in one order."""
+    za = tl.zeros([BLOCK_M, 16], tl.bfloat16)
+    zb = tl.zeros([16, BLOCK_N], tl.bfloat16)
+    return tl.dot(za, zb, s)
+
+
+@triton.jit
+def _scores(q, k_base, skn, j, ok, offs_d, sm_scale, BOUNDED: tl.constexpr, IEEE: tl.constexpr):
+    """s = fp32(q · kᵀ) · scale for one key block: q [BLOCK_M, Dh], keys j → [BLOCK_M, 64].
+    Keys outside ``ok`` are not read (their K rows taken as 0) when BOUNDED."""
+    ptrs = k_base + j[:, None] * skn + offs_d[None, :]
+    if BOUNDED:
+        k = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        k = tl.load(ptrs)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s * sm_scale
+
+
+@triton.jit
+def _tile(x_rows, sxn, j, ok, row_ok):
+    """A [BLOCK_M, 64] FP32 tile of a [B,H,S,S] tensor (scores or probabilities); lanes outside
+    ``ok`` (and rows outside ``row_ok``) read as +0."""
+    return tl.load(x_rows + j[None, :] * sxn, mask=row_ok[:, None] & ok[None, :], other=0.0)
+
+
+@triton.jit
+def _state(s, ok, m_i, l_i, MASKED: tl.constexpr):
+    """Pass 1 on one block: (m, l) ← (m', l · exp2(m − m') + Σ exp2(x − m')), x = s · log2 e."""
+    x = s * _LOG2E
+    if MASKED:
+        x = tl.where(ok[None, :], x, _NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(x, 1))
+    m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
+    p = tl.math.exp2(x - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i
+
+
+@triton.jit
+def _probs(s, ok, m_use, r_i, MASKED: tl.constexpr):
+    """Pass 2 on one block: P = exp2(s · log2 e − m) · fp32(1/l); masked keys +0."""
+    x = s * _LOG2E
+    if MASKED:
+        x = tl.where(ok[None, :], x, _NEG_INF)
+    return tl.math.exp2(x - m_use[:, None]) * r_i[:, None]
+
+
+@triton.jit
+def _pass1(q, k_base, skn, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale, m_i, l_i,
+           MODE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if MODE == 2:  # MODE_SOFTMAX: the scores written by MODE_QK
+        s = _canonical(_tile(x_rows, sxn, j, ok, row_ok), BLOCK_M, BLOCK_N)
+    else:
+        s = _scores(q, k_base, skn, j, ok, offs_d, sm_scale, MASKED, IEEE)
+        if IEEE:  # the FP32 dot's result layout is not the tensor core's
+            s = _canonical(s, BLOCK_M, BLOCK_N)
+    return _state(s, ok, m_i, l_i, MASKED)
+
+
+@triton.jit
+def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale, m_use, r_i, acc,
+           MODE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    if MODE == 3:  # MODE_AV: the probabilities written by MODE_SOFTMAX (masked keys +0)
+        p = _tile(x_rows, sxn, j, ok, row_ok)
+    else:
+        s = _scores(q, k_base, skn, j, ok, offs_d, sm_scale, MASKED, IEEE)
+        p = _probs(s, ok, m_use, r_i, MASKED)
+    vp = v_base + j[:, None] * svn + offs_d[None, :]
+    if MASKED:
+        v = tl.load(vp, mask=ok[:, None], other=0.0)
+    else:
+        v = tl.load(vp)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["S", "L", "n_tq"])
+def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
+                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                 sxb, sxh, sxm, sxn, sy0, sy1, sy2,
+                 smb, H, S, L, n_tq,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
+    Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
+    SOFTMAX: b, h, m; last 1)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    if pid_m < n_tq:  # text query tiles from row 0, image query tiles from row L
+        row0 = pid_m * BLOCK_M
+        row_end = L
+    else:
+        row0 = L + (pid_m - n_tq) * BLOCK_M
+        row_end = S
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < row_end
+
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    x_rows = X + b * sxb + h * sxh + offs_m[:, None] * sxm
+    if MODE >= 2:
+        q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # unused: SOFTMAX and AV read X
+    else:
+        q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    n_tb = tl.cdiv(L, BLOCK_N)
+    n_img = S - L
+    n_ib_full = n_img // BLOCK_N
+    n_ib = tl.cdiv(n_img, BLOCK_N)
+    img_full = 1
+    if HAS_MASK:
+        img_full = tl.load(IMG_FULL + b)
+
+    if MODE == 1:  # MODE_QK: every key's score, written out
+        y_rows = Y + b * sy0 + h * sy1 + offs_m[:, None] * sy2
+        for t in tl.range(0, n_tb + n_ib, num_stages=1):
+            if t < n_tb:
+                j = t * BLOCK_N + offs_n
+                ok = j < L
+            else:
+                j = L + (t - n_tb) * BLOCK_N + offs_n
+                ok = j < S
+            s = _scores(q, k_base, sks, j, ok, offs_d, sm_scale, True, IEEE)
+            tl.store(y_rows + j[None, :], s, mask=row_ok[:, None] & ok[None, :])
+        return
+
+    # ---- pass 1 (FUSED, SOFTMAX): the row states (m, l), blocks in global key order
+    m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if MODE != 3:
+        for t in tl.range(0, n_tb, num_stages=1):  # text blocks; one without a valid key is skipped
+            j = t * BLOCK_N + offs_n
+            ok = _key_ok(MASK, smb, b, j, L, HAS_MASK)
+            if tl.max(ok.to(tl.int32), 0) > 0:
+                m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale, m_i, l_i,
+                                  MODE, True, IEEE, BLOCK_M, BLOCK_N)
+        if img_full != 0:  # whole image blocks, every key valid
+            for t in range(0, n_ib_full):
+                j = L + t * BLOCK_N + offs_n
+                m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale, m_i, l_i,
+                                  MODE, False, IEEE, BLOCK_M, BLOCK_N)
+        else:  # the key mask reaches into the image keys
+            for t in range(0, n_ib_full):
+                j = L + t * BLOCK_N + offs_n
+                ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
+                m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale, m_i, l_i,
+                                  MODE, True, IEEE, BLOCK_M, BLOCK_N)
+        for t in tl.range(n_ib_full, n_ib, num_stages=1):  # the partial last image block
+            j = L + t * BLOCK_N + offs_n
+            ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
+            m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale, m_i, l_i,
+                              MODE, True, IEEE, BLOCK_M, BLOCK_N)
+    m_use = tl.where(m_i == _NEG_INF, 0.0, m_i)
+    r_i = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(l_i > 0.0, l_i, 1.0))  # l = 0: AV only
+
+    if MODE == 2:  # MODE_SOFTMAX: P of every key written out (masked keys, skipped blocks +0)
+        y_rows = Y + b * sy0 + h * sy1 + offs_m[:, None] * sy2
+        for t in tl.range(0, n_tb + n_ib, num_stages=1):
+            if t < n_tb:
+                j = t * BLOCK_N + offs_n
+                inside = j < L
+            else:
+                j = L + (t - n_tb) * BLOCK_N + offs_n
+                inside = j < S
+            ok = inside
+            if HAS_MASK:
+                ok = inside & (tl.load(MASK + b * smb + j, mask=inside, other=0) != 0)
+            s = _tile(x_rows, sxn, j, ok, row_ok)
+            p = _probs(s, ok, m_use, r_i, True)
+            tl.store(y_rows + j[None, :], p, mask=row_ok[:, None] & inside[None, :])
+        return
+
+    # ---- pass 2 (FUSED, AV): acc = Σ P̃ · V, the same blocks in the same order
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for t in tl.range(0, n_tb, num_stages=1):
+        j = t * BLOCK_N + offs_n
+        ok = _key_ok(MASK, smb, b, j, L, HAS_MASK)
+        if tl.max(ok.to(tl.int32), 0) > 0:
+            acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
+                         m_use, r_i, acc, MODE, True, IEEE)
+    if img_full != 0:
+        for t in range(0, n_ib_full):
+            j = L + t * BLOCK_N + offs_n
+            acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale,
+                         m_use, r_i, acc, MODE, False, IEEE)
+    else:
+        for t in range(0, n_ib_full):
+            j = L + t * BLOCK_N + offs_n
+            ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
+            acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
+                         m_use, r_i, acc, MODE, True, IEEE)
+    for t in tl.range(n_ib_full, n_ib, num_stages=1):
+        j = L + t * BLOCK_N + offs_n
+        ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
+        acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
+                     m_use, r_i, acc, MODE, True, IEEE)
+    o_ptrs = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1 + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# wrappers
+
+
+def _text_len(text_len: int | None) -> int:
+    return 0 if text_len is None else int(text_len)
+
+
+def _mask_args(key_mask: torch.Tensor | None, text_len: int, like: torch.Tensor):
+    """(mask bytes [B,S] uint8, per-sample "every image key valid" int32 [B], has_mask)."""
+    if key_mask is None:
+        return like, like, False
+    km = key_mask.contiguous()
+    img_full = km[:, text_len:].all(dim=1).to(torch.int32)  # [B]; no host sync
+    return km.view(torch.uint8), img_full, True
+
+
+CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES)
+"""The one launch configuration (query rows, warps, pipeline stages). Tests pass others as
+``config=`` to show that a row's bytes do not depend on it; the operators never do."""
+
+
+def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, s: int, h: int, dh: int,
+            ieee: bool, qkv_strides, x_strides, y_strides, config) -> None:
+    block_m, num_warps, num_stages = CONFIG if config is None else config
+    mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
+    n_tq = triton.cdiv(text_len, block_m)
+    grid = (n_tq + triton.cdiv(s - text_len, block_m), b * h)
+    _attn_kernel[grid](
+        q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
+        *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, s, text_len, n_tq,
+        HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+    )
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+              *, text_len: int | None = None, config=None) -> torch.Tensor:
+    """Fused strict attention (module docstring): q, k, v [B,S,H,Dh] (one dtype, FP32 or BF16),
+    key_mask [B,S] bool or None, text_len = L → [B,S,H,Dh] in v's dtype. The caller checks
+    shapes, dtypes and that every sample has a valid key."""
+    q, k, v = _bshd(q), _bshd(k), _bshd(v)
+    b, s, h, dh = q.shape
+    L = _text_len(text_len)
+    o = torch.empty(b, s, h, dh, dtype=v.dtype, device=v.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, s, h, dh, q.dtype == torch.float32, strides,
+            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config)
+    return o
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, *, text_len: int | None = None, config=None) -> torch.Tensor:
+    """The fused kernel's scores s = fp32(q · k) · fp32(1/√Dh) for every key: q, k [B,S,H,Dh] →
+    [B,H,S,S] FP32 (``text_len`` sets the key blocks, which do not change a score)."""
+    q, k = _bshd(q), _bshd(k)
+    b, s, h, dh = q.shape
+    L = _text_len(text_len)
+    y = torch.empty(b, h, s, s, dtype=torch.float32, device=q.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), 0, 0, 0)
+    _launch(MODE_QK, q, k, k, y, y, None, L, b, s, h, dh, q.dtype == torch.float32, strides,
+            (0, 0, 0, 0), (y.stride(0), y.stride(1), y.stride(2)), config)
+    return y
+
+
+def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None, config=None) -> torch.Tensor:
+    """The fused kernel's probabilities from its scores: x [B,H,S,S] FP32 → P [B,H,S,S] FP32,
+    masked keys +0 (pass 1 and pass 2 of the module docstring on the read-back scores)."""
+    b, h, sq, s = x.shape
+    L = _text_len(text_len)
+    y = torch.empty(b, h, s, s, dtype=torch.float32, device=x.device)
+    _launch(MODE_SOFTMAX, x, x, x, x, y, key_mask, L, b, s, h, 16, False, (0,) * 9,
+            tuple(x.stride()), (y.stride(0), y.stride(1), y.stride(2)), config)
+    return y
+
+
+def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
+           text_len: int | None = None, config=None) -> torch.Tensor:
+    """The fused kernel's pass-2 product from its probabilities: p [B,H,S,S] FP32 (cast to v's
+    dtype per tile), v [B,S,H,Dh] → [B,S,H,Dh] in v's dtype; masked keys' P and V taken as +0."""
+    v = _bshd(v)
+    b, s, h, dh = v.shape
+    L = _text_len(text_len)
+    o = torch.empty(b, s, h, dh, dtype=v.dtype, device=v.device)
+    strides = (0, 0, 0, 0, 0, 0, v.stride(0), v.stride(1), v.stride(2))
+    _launch(MODE_AV, v, v, v, p, o, key_mask, L, b, s, h, dh, v.dtype == torch.float32, strides,
+            tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config)
+    return o
