@@ -80,8 +80,8 @@ def test_production_is_registered_for_cuda_with_device_free_kernel_ids():
         for family in ("strict", "production"):
             k = kernel_id(name, family)
             assert k is None or not k.startswith(("cpu.", "cuda.")), (name, family, k)
-    # no strict CUDA family yet
-    assert all(kernel_id(name, "strict", "cuda") is None for name in specs())
+    # the strict CUDA family keeps its own contract ids
+    assert all(i.contract == f"qwenimage.{name}.cuda1" for name in specs() for i in impls(name, "strict", "cuda"))
 
 
 def test_lora_merge_is_declared_by_ops_not_the_model():

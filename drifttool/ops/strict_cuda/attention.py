@@ -77,6 +77,12 @@ def _check_valid_keys(op: str, key_mask: torch.Tensor | None) -> None:
         raise UnsupportedConfigError(f"{op}: a sample has no valid key (its key_mask is all False)")
 
 
+def _kernels():
+    from drifttool.ops.strict_cuda.kernels import attention  # lazy: Triton only when a strict CUDA call runs
+
+    return attention
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
@@ -89,8 +95,7 @@ def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
-    from drifttool.ops.strict_cuda.kernels import attention as kern
-
+    kern = _kernels()
     _check_valid_keys("joint_attention_fused", key_mask)
     return kern.attention(q, k, v, key_mask, text_len=text_len)
 
@@ -103,8 +108,7 @@ def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
-    from drifttool.ops.strict_cuda.kernels import attention as kern
-
+    kern = _kernels()
     _check_valid_keys("joint_attn_qk_gemm", key_mask)
     return kern.scores(q, k, text_len=text_len)
 
@@ -118,8 +122,7 @@ def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
-    from drifttool.ops.strict_cuda.kernels import attention as kern
-
+    kern = _kernels()
     _check_valid_keys("joint_attn_softmax", key_mask)
     return kern.softmax(_f32(scores), key_mask, text_len=text_len)
 
@@ -133,7 +136,6 @@ def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
-    from drifttool.ops.strict_cuda.kernels import attention as kern
-
+    kern = _kernels()
     _check_valid_keys("joint_attn_av_gemm", key_mask)
     return kern.attend(_f32(probs), v, key_mask, text_len=text_len)

@@ -20,7 +20,8 @@ own: the kernels are compiled with FMA contraction off):
 * pass 1, blocks in order (a block without a valid key is skipped; masked K/V rows never read):
   m' = max(m, max_j x_j); l = l · exp2(m − m') + Σ_j exp2(x_j − m') (the block's Σ is ``tl.sum``
   on the score tile in the tensor-core accumulator layout — see ``_canonical``); m = m';
-* pass 2, blocks in the same order: P_j = exp2(x_j − m) · fp32(1/l) (1/l correctly rounded); acc += P̃ · V_block with
+* pass 2, blocks in the same order: P_j = exp2(x_j − m) · fp32(1/l) (1/l correctly rounded);
+  acc += P̃ · V_block with
   P̃ = P cast to v's dtype (one ``tl.dot`` [BLOCK_M, 64] by [64, Dh], FP32 accumulator);
 * out_i = acc cast once to v's dtype.
 
@@ -358,7 +359,8 @@ def scores(q: torch.Tensor, k: torch.Tensor, *, text_len: int | None = None, con
     return y
 
 
-def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None, config=None) -> torch.Tensor:
+def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: int | None = None,
+            config=None) -> torch.Tensor:
     """The fused kernel's probabilities from its scores: x [B,H,S,S] FP32 → P [B,H,S,S] FP32,
     masked keys +0 (pass 1 and pass 2 of the module docstring on the read-back scores)."""
     b, h, sq, s = x.shape
