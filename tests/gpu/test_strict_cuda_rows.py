@@ -175,18 +175,20 @@ def test_rows_invariant_to_batch_position_padding_and_repetition(dtype):
 
 
 def test_rows_invariant_to_launch_geometry():
+    """Rows per program 1..16 (kept to short rows: the pairwise tree's code, hence its compile
+    time, grows with the elements a program holds)."""
     from drifttool.ops.strict_cuda.kernels import rows as k
     from drifttool.ops.strict_cuda.kernels import sampler as ks
 
-    x = _g(50, 2, 300, D, dtype=torch.bfloat16).cuda()
-    shift, scale = _g(51, 2, D).cuda(), _g(52, 2, D).cuda()
+    x = _g(50, 2, 300, 96, dtype=torch.bfloat16).cuda()
+    shift, scale = _g(51, 2, 96).cuda(), _g(52, 2, 96).cuda()
     base = k.ln_modulation(x, shift, scale, 1e-6, torch.bfloat16)
-    for per in (2, 4):
+    for per in (1, 2, 16):
         assert_same_bytes(k.ln_modulation(x, shift, scale, 1e-6, torch.bfloat16, rows_per_program=per), base, f"LN {per}")
     q = _g(53, 2, 300, HEADS, DH).cuda()
     gain = _g(54, DH).cuda()
     base = k.rms_norm(q, gain, 1e-6, torch.float32)
-    for per in (1, 8, 64):
+    for per in (1, 2, 16):
         assert_same_bytes(k.rms_norm(q, gain, 1e-6, torch.float32, rows_per_program=per), base, f"RMS {per}")
     c, u = _g(55, 2, 300, 64).cuda(), _g(56, 2, 300, 64).cuda()
     base = ks.cfg_combine_renorm(c, u, 3.0)
