@@ -11,7 +11,6 @@ The GEMM of txt_in_rmsnorm_linear / final_adaln_out is stood in for by the CPU's
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
