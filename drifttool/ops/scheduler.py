@@ -463,6 +463,28 @@ def _euler(v32, x32, s, sn, prev_sample):
     return x_next.detach(), logp, mu, std_t
 
 
+def sde_constants(s: torch.Tensor, sn: torch.Tensor, sm: torch.Tensor, eta: float):
+    """The per-sample constants of the strict SDE step (η > 0), FP32 [B] on ``s``'s device, in
+    ``flow_sde_step_logp_strict``'s order: (Δ, std_t, a, c, s_t, 2·(s_t·s_t), ln s_t, ln√(2π)) —
+    the last a 0-dim tensor; both logs binary64 on the host, rounded once to FP32. Shared by the
+    strict CUDA step, which computes them here on the CPU."""
+    eta32 = torch.tensor(eta, dtype=torch.float32, device=s.device)
+    dt = sn - s  # [B]
+    std = sqrt32(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
+    var = std * std
+    two_s = 2 * s
+    a = 1 + (var / two_s) * dt  # [B]
+    c = 1 + (var * (1 - s)) / two_s  # [B]
+    scale = std * sqrt32(-dt)  # [B] noise scale s_t
+    log_scale = torch.tensor(
+        [math.log(q) if q > 0 else (-math.inf if q == 0 else math.nan) for q in scale.tolist()],
+        dtype=torch.float32, device=s.device,
+    )  # [B]
+    log_sqrt_2pi = torch.tensor(0.5 * math.log(2.0 * math.pi), dtype=torch.float32, device=s.device)
+    two_var = 2 * (scale * scale)  # [B]
+    return dt, std, a, c, scale, two_var, log_scale, log_sqrt_2pi
+
+
 class _SDEStep(torch.autograd.Function):
     """The strict SDE step (arithmetic in ``flow_sde_step_logp_strict``'s docstring) with a fixed
     backward, all FP32 and elementwise per sample (x_next is detached, so only mu carries the
@@ -482,29 +504,13 @@ class _SDEStep(torch.autograd.Function):
             ctx.euler = True
             return x_next, logp, mu, std_t
         nd = x32.dim()
-        eta32 = torch.tensor(eta, dtype=torch.float32, device=x32.device)
-        dt = sn - s  # [B]
-        std = sqrt32(s / (1 - torch.where(s == 1, sm, s))) * eta32  # [B]
-        var = std * std
-        two_s = 2 * s
-        a = 1 + (var / two_s) * dt  # [B]
-        c = 1 + (var * (1 - s)) / two_s  # [B]
-        scale = std * sqrt32(-dt)  # [B] noise scale s_t
+        dt, std, a, c, scale, two_var, log_scale, log_sqrt_2pi = sde_constants(s, sn, sm, eta)
         mu = x32 * _bcast(a, nd) + (v32 * _bcast(c, nd)) * _bcast(dt, nd)  # [B, N, C]
         if prev_sample is None:
             x_next = mu + _bcast(scale, nd) * noise
         else:
             x_next = prev_sample.to(torch.float32)
         x_next = x_next.detach()
-        # Per-sample constants on the host: binary64 log, rounded once to fp32.
-        log_scale = torch.tensor(
-            [math.log(q) if q > 0 else (-math.inf if q == 0 else math.nan) for q in scale.tolist()],
-            dtype=torch.float32, device=x32.device,
-        )  # [B]
-        log_sqrt_2pi = torch.tensor(
-            0.5 * math.log(2.0 * math.pi), dtype=torch.float32, device=x32.device
-        )
-        two_var = 2 * (scale * scale)  # [B]
         d = x_next - mu
         elem = (-(d * d) / _bcast(two_var, nd) - _bcast(log_scale, nd)) - log_sqrt_2pi  # [B, N, C]
         total = tree_sum(elem.reshape(elem.shape[0], -1))  # [B]

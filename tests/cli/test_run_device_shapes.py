@@ -61,10 +61,20 @@ def test_bad_device_and_size_one_line(cli, tmp_path, no_cuda, args, needles):
     assert not (tmp_path / "r").exists()
 
 
-def test_strict_on_cuda_refused_from_the_registry(cli, tmp_path, fake_cuda):
+@pytest.fixture
+def strict_cuda_incomplete(monkeypatch):
+    """The strict CUDA family without one operator (mlp_down_gemm): strict on CUDA is refused."""
+    from drifttool.ops import registry
+
+    table = dict(registry._IMPLS)
+    table.pop(("mlp_down_gemm", "strict", "cuda"), None)
+    monkeypatch.setattr(registry, "_IMPLS", table)
+
+
+def test_strict_on_cuda_refused_from_the_registry(cli, tmp_path, fake_cuda, strict_cuda_incomplete):
     code, out = cli("run", "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "--mode strict on cuda", "strict family has no CUDA backend yet",
-                    "issue #11", "--mode auto", "operator(s) lack one")
+    _one_error_line(code, out, "--mode strict on cuda", "strict family has no CUDA implementation yet",
+                    "--mode auto", "1 operator(s) lack one (mlp_down_gemm)")
     assert not (tmp_path / "r").exists()
     code, out = cli("run", "-o", tmp_path / "r", "--device", "cuda:0", "--mode", "strict")
     _one_error_line(code, out, "on cuda:0")
@@ -74,12 +84,12 @@ def test_mode_device_check_reads_the_registry():
     ops = device_operators("cuda")
     assert "qkv_bias_gemm" in ops and "flow_sde_step_logp" in ops
     assert "flow_sigma_table" not in ops  # takes no tensors: it runs on the CPU
-    from drifttool.ops.registry import impls
-
-    missing = [op for op in ops if not impls(op, "strict", "cuda")]  # none once the family is complete
+    missing = [op for op in ops if not impls(op, "strict", "cuda")]  # shrinks as strict CUDA registers
     if missing:
         with pytest.raises(UnsupportedConfigError, match=rf"{len(missing)} operator\(s\)"):
             check_mode_device(Mode.STRICT, "cuda")
+    else:  # the whole family registered: strict on CUDA passes the check
+        check_mode_device(Mode.STRICT, "cuda")
     for mode in (Mode.AUTO, Mode.OFF, Mode.AUDIT):  # production on CUDA; audit falls back
         check_mode_device(mode, "cuda")
     for mode in Mode:
@@ -117,13 +127,13 @@ def test_replay_and_experiment_device_options(cli, tmp_path, strict_run, no_cuda
     _one_error_line(code, out, "width must be a multiple of 16")
 
 
-def test_replay_of_strict_run_on_cuda_refused(cli, tmp_path, strict_run, fake_cuda):
+def test_replay_of_strict_run_on_cuda_refused(cli, tmp_path, strict_run, fake_cuda, strict_cuda_incomplete):
     code, out = cli("replay", strict_run, "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "strict family has no CUDA backend", "--mode auto")
+    _one_error_line(code, out, "strict family has no CUDA implementation", "--mode auto")
     code, out = cli("recompute", strict_run, "-o", tmp_path / "r", "--device", "cuda")
-    _one_error_line(code, out, "strict family has no CUDA backend")
+    _one_error_line(code, out, "strict family has no CUDA implementation")
     code, out = cli("probe", "-o", tmp_path / "p", "--device", "cuda")
-    _one_error_line(code, out, "strict family has no CUDA backend")
+    _one_error_line(code, out, "strict family has no CUDA implementation")
 
 
 def test_default_grid_in_pixels_is_the_default_run(cli, tmp_path, strict_run):

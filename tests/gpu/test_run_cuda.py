@@ -1,5 +1,5 @@
 """The main job on a GPU: ``drifttool run --device cuda --mode auto`` on the tiny fixture, its
-replay on the GPU (identical), a strict run refused in one line, file inputs and a non-square
+replay on the GPU (identical), file inputs and a non-square
 grid there, and a checkpoint loaded straight onto the GPU equal to CPU loading. Skipped without
 CUDA; run on the GPU machine with ``python -m pytest tests/gpu``.
 """
@@ -56,13 +56,6 @@ def test_replay_on_cuda_is_identical(cli, cuda_run, tmp_path):
 def test_recompute_on_cuda_completes(cli, cuda_run, tmp_path):
     code, out = cli("recompute", cuda_run, "-o", tmp_path / "train")
     assert code == 0, out
-
-
-def test_strict_on_cuda_fails_closed_in_one_line(cli, tmp_path):
-    code, out = cli("run", "-o", tmp_path / "s", "--device", "cuda")
-    lines = [l for l in out.splitlines() if l.strip()]
-    assert code == 2 and len(lines) == 1 and "issue #11" in lines[0] and "--mode auto" in lines[0], out
-    assert not (tmp_path / "s").exists()
 
 
 def test_files_and_non_square_grid_on_cuda(cli, tmp_path):

@@ -15,5 +15,7 @@ v2) and these differ inside a chunk; the tolerance profile declares by how much.
 """
 
 from drifttool.ops.strict_cuda import _register  # noqa: F401
+from drifttool.ops.strict_cuda import rows  # noqa: F401,E402
+from drifttool.ops.strict_cuda import sampler  # noqa: F401,E402
 from drifttool.ops.strict_cuda import linear  # noqa: F401,E402
 from drifttool.ops.strict_cuda import attention  # noqa: F401
