@@ -24,13 +24,8 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
-<<<<<<< HEAD
-from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
-=======
 from drifttool.model.checkpoint import index_warnings, load_checkpoint
-from drifttool.model.lora import has_lora, load_lora, lora_record
->>>>>>> h-robust
+from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import StepOutput, rollout, sampler_model
@@ -217,10 +212,7 @@ def execute(
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
-<<<<<<< HEAD
-            "lora": manifest.get("lora")}
-=======
-            "warnings": warnings, "notes": empty_prompt_notes(inputs)}
+            "lora": manifest.get("lora"), "warnings": warnings, "notes": empty_prompt_notes(inputs)}
 
 
 def empty_prompt_notes(inputs) -> list[str]:
@@ -235,4 +227,3 @@ def empty_prompt_notes(inputs) -> list[str]:
             out.append(f"the {what} mask of sample(s) {empty} masks every text token: the model "
                        "sees no prompt there")
     return out
->>>>>>> h-robust
