@@ -28,7 +28,7 @@ from drifttool.ops.strict_cuda._register import strict_cuda
 HEAD_DIMS = (16, 32, 64, 128)
 """Head dims the kernel is built for (powers of two, a multiple of the tensor-core K step 16)."""
 
-KERNEL = "triton.attention.block64.two_pass.bm64w4s3"
+KERNEL = "triton.attention.block64.two_pass.bm64w4s3|fp32.s1"
 """The kernel and its one configuration: 64-key blocks, 64 query rows, 4 warps, 3 stages."""
 
 

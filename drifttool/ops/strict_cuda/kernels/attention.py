@@ -308,13 +308,16 @@ def _mask_args(key_mask: torch.Tensor | None, text_len: int, like: torch.Tensor)
 
 
 CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES)
-"""The one launch configuration (query rows, warps, pipeline stages). Tests pass others as
-``config=`` to show that a row's bytes do not depend on it; the operators never do."""
+"""The one launch configuration of bf16 operands (query rows, warps, pipeline stages). Tests
+pass others as ``config=`` to show that a row's bytes do not depend on it; the operators never do."""
+CONFIG_FP32 = (BLOCK_M, NUM_WARPS, 1)
+"""FP32 operands: one pipeline stage (three FP32 K/V stages at Dh = 128 need 288 KiB of shared
+memory; an H200 has 227 KiB). Pipelining moves loads, not arithmetic: same bytes."""
 
 
 def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
             ieee: bool, qkv_strides, x_strides, y_strides, config) -> None:
-    block_m, num_warps, num_stages = CONFIG if config is None else config
+    block_m, num_warps, num_stages = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
     n_tq = triton.cdiv(text_len, block_m)
     grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
