@@ -84,6 +84,18 @@ def test_norms_equal_cpu_bytes():
     _close(got, ref.adaln_modulation(x, shift, scale), rtol=1e-5, atol=1e-5)
 
 
+def test_long_rows_in_chunks_equal_cpu_bytes():
+    """Rows longer than SHORT_ROW are summed as aligned 64-element subtrees, then the tree over
+    them: the same additions as the CPU's tree, and as the in-register kernel."""
+    d = K.SHORT_ROW + 77
+    x, shift, scale, gain = _g(40, 2, 3, d, scale=3.0, shift=1.0), _g(41, 2, d), _g(42, 2, d), _g(43, d)
+    got = K.ln_modulation(x, shift, scale, 1e-6, torch.float32)
+    assert_same_bytes(got, adaln.adaln_modulation(x, shift, scale), "long-row LayerNorm")
+    assert_same_bytes(got, K.ln_modulation(x, shift, scale, 1e-6, torch.float32, rows_per_program=1),
+                      "chunked = in-register")
+    assert_same_bytes(K.rms_norm(x, gain, 1e-6, torch.float32), embed.rms_parts(x, 1e-6)[0] * gain, "long-row RMSNorm")
+
+
 def test_gemm_bearing_ops_equal_cpu_bytes_around_the_gemm(cpu_gemm):
     e, gain, w, b = _g(15, 2, 5, 100, scale=3.0), _g(16, 100), _g(17, 24, 100, scale=0.1), _g(18, 24)
     assert_same_bytes(R.txt_in_rmsnorm_linear(e, gain, w, b), embed.txt_in_rmsnorm_linear(e, gain, w, b), "txt_in")

@@ -7,11 +7,13 @@ so its bytes equal the CPU's:
 * elementwise work is one IEEE FP32 operation per step, in the CPU's written order, launched with
   ``enable_fp_fusion=False`` (no FMA contraction: each product is rounded before its sum), FP32
   divisions by ``tl.div_rn`` (correctly rounded; Triton's ``/`` on FP32 is not);
-* a row reduction (over d, Dh or Dj) holds the whole row of one program in registers, zero-padded
-  to the next power of two P, and adds it by the canonical pairwise tree of
-  ``strict_trees.tree_sum``: adjacent pairs (element 2i + element 2i+1), level after level, until
-  one element is left (``_pair_tree``). The tree depends on the row length alone; padded lanes are
-  +0 and are made +0 again before every sum that follows an operation on them;
+* a row reduction (over d, Dh or Dj) zero-pads the row to the next power of two P and adds it by
+  the canonical pairwise tree of ``strict_trees.tree_sum``: adjacent pairs (element 2i + element
+  2i+1), level after level, until one element is left (``_pair_tree``). Short rows (P ≤
+  ``SHORT_ROW``) are held whole by one program; long rows are summed as aligned 64-element
+  subtrees, then the tree over those sums (section "long rows") — the same additions. The tree
+  depends on the row length alone; padded lanes are +0 and are made +0 again before every sum
+  that follows an operation on them;
 * mean = sum ÷ D (FP32, correctly rounded); rstd = 1 ÷ sqrt(var + eps) in FP64 (eps an FP64
   value, sqrt and division correctly rounded), rounded once to FP32;
 * inputs are widened to FP32 in the kernel and the output is cast once (round to nearest even).
@@ -256,7 +258,9 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, out_dtype: torch.d
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    if rows and d:
+    if rows and d and pow2(d) > SHORT_ROW and rows_per_program is None:
+        rms_norm_long(x, gain.contiguous(), _f64_scalar(eps, x.device), o, rows, d)
+    elif rows and d:
         per = rows_per_program or _rows_per_program(d)
         _launch(_rms_kernel, (triton.cdiv(rows, per),), x, gain.contiguous(), _f64_scalar(eps, x.device), o,
                 rows, D=d, LOG2=pow2(d).bit_length() - 1, ROWS=per)
@@ -296,9 +300,116 @@ def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
         shift, scale = shift.contiguous(), scale.contiguous()
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = bsz * s
-    if rows and d:
+    if rows and d and pow2(d) > SHORT_ROW and rows_per_program is None:
+        ln_modulation_long(x, shift, scale, _f64_scalar(eps, x.device), o, rows, s, d)
+    elif rows and d:
         per = rows_per_program or _rows_per_program(d)
         _launch(_ln_mod_kernel, (triton.cdiv(rows, per),), x, shift, scale, shift.stride(0),
                 _f64_scalar(eps, x.device), o, rows, s, D=d, LOG2=pow2(d).bit_length() - 1, ROWS=per)
     return o
 
+
+
+# ----------------------------------------------------------------------------- long rows
+# A row longer than SHORT_ROW is reduced in two steps, with the same additions as the in-register
+# tree: each aligned chunk of CHUNK elements is one subtree of the row's P-leaf tree (its sum is
+# written to a [rows, P/CHUNK] buffer; chunks past the row sum to +0, as the tree's padding), then
+# the tree over the chunk sums (P/CHUNK ≤ 256 leaves) finishes it. Each program holds TILE_CHUNKS
+# chunks; the kernels' code (and compile time) stays that of a 1024-element tile.
+
+SHORT_ROW = 1024
+"""Rows up to this length (padded) are reduced in registers by one program; longer ones in chunks."""
+CHUNK_LOG2 = 6
+TILE_CHUNKS = 16
+
+
+@triton.jit
+def _row_total(part_ptr, r, NLOG2: tl.constexpr):
+    """tree_sum of row r's 2**NLOG2 chunk sums."""
+    p = tl.load(part_ptr + r * (2**NLOG2) + tl.arange(0, 2**NLOG2))
+    return tl.reshape(_pair_tree(tl.reshape(p, (1, 2**NLOG2)), NLOG2), ())
+
+
+@triton.jit
+def _chunk_sums_kernel(x_ptr, part_ptr, mpart_ptr, D: tl.constexpr, NLOG2: tl.constexpr,
+                       SQUARE: tl.constexpr, CENTER: tl.constexpr, CLOG2: tl.constexpr,
+                       TILE: tl.constexpr):
+    """Program (row r, tile t): for its TILE chunks c, part[r, c] = tree_sum over the chunk of x,
+    x·x, or (x − mean)·(x − mean) with mean = tree_sum(mpart[r]) ÷ D (padded lanes +0)."""
+    W: tl.constexpr = 2**CLOG2
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    k = c[:, None] * W + tl.arange(0, W)[None, :]
+    m = k < D
+    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
+    if CENTER:
+        mean = tl.div_rn(_row_total(mpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
+        x = tl.where(m, x - mean, 0.0)
+    if SQUARE:
+        x = x * x
+    tl.store(part_ptr + r * (2**NLOG2) + c, _pair_tree(x, CLOG2))
+
+
+@triton.jit
+def _rms_out_kernel(x_ptr, gain_ptr, part_ptr, eps_ptr, o_ptr, D: tl.constexpr, NLOG2: tl.constexpr,
+                    CLOG2: tl.constexpr, TILE: tl.constexpr):
+    """var = tree_sum(x·x) ÷ D from the chunk sums; y = (x·rstd)·gain over the program's tile."""
+    W: tl.constexpr = 2**CLOG2
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * (TILE * W) + tl.arange(0, TILE * W)
+    m = k < D
+    var = tl.div_rn(_row_total(part_ptr, r, NLOG2), tl.full((), D, tl.float32))
+    rstd = _rstd(var, eps_ptr)
+    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
+    gain = tl.load(gain_ptr + k, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + r * D + k, ((x * rstd) * gain).to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ln_out_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, mpart_ptr, vpart_ptr, eps_ptr, o_ptr, S,
+                   D: tl.constexpr, NLOG2: tl.constexpr, CLOG2: tl.constexpr, TILE: tl.constexpr):
+    """mean and var from the chunk sums; y = ((x − mean)·rstd)·(1 + scale[b]) + shift[b]."""
+    W: tl.constexpr = 2**CLOG2
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * (TILE * W) + tl.arange(0, TILE * W)
+    m = k < D
+    mean = tl.div_rn(_row_total(mpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
+    var = tl.div_rn(_row_total(vpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
+    rstd = _rstd(var, eps_ptr)
+    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
+    mod = (r // S) * mod_stride + k
+    scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
+    y = ((x - mean) * rstd) * (1.0 + scale) + shift
+    tl.store(o_ptr + r * D + k, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _long_geometry(d: int) -> tuple[int, int, int]:
+    """(NLOG2, tiles per row, chunks per tile) of a long row of d elements."""
+    nch = pow2(d) >> CHUNK_LOG2
+    tile = min(TILE_CHUNKS, nch)
+    return nch.bit_length() - 1, nch // tile, tile
+
+
+def _chunk_sums(x, rows, d, *, square, mean_part=None):
+    nlog2, tiles, tile = _long_geometry(d)
+    part = torch.empty(rows, 1 << nlog2, dtype=torch.float32, device=x.device)
+    _launch(_chunk_sums_kernel, (rows, tiles), x, part, mean_part if mean_part is not None else part,
+            D=d, NLOG2=nlog2, SQUARE=square, CENTER=mean_part is not None, CLOG2=CHUNK_LOG2, TILE=tile)
+    return part
+
+
+def rms_norm_long(x, gain, eps_t, o, rows, d):
+    """``rms_norm`` for rows longer than SHORT_ROW (same bytes: the same tree, in chunks)."""
+    part = _chunk_sums(x, rows, d, square=True)
+    nlog2, tiles, tile = _long_geometry(d)
+    _launch(_rms_out_kernel, (rows, tiles), x, gain, part, eps_t, o, D=d, NLOG2=nlog2, CLOG2=CHUNK_LOG2, TILE=tile)
+
+
+def ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d):
+    """``ln_modulation`` for rows longer than SHORT_ROW (same bytes: the same trees, in chunks)."""
+    mpart = _chunk_sums(x, rows, d, square=False)
+    vpart = _chunk_sums(x, rows, d, square=True, mean_part=mpart)
+    nlog2, tiles, tile = _long_geometry(d)
+    _launch(_ln_out_kernel, (rows, tiles), x, shift, scale, shift.stride(0), mpart, vpart, eps_t, o, s,
+            D=d, NLOG2=nlog2, CLOG2=CHUNK_LOG2, TILE=tile)
