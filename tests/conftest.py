@@ -1,13 +1,20 @@
 import os
 
-import pytest
-import torch
-
-from tests import harness
-
 # CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
-# it). Under pytest-xdist every worker already has a core of its own: one thread each.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+# it). Under pytest-xdist every worker already has a core of its own: one thread each, for torch in
+# this process, for the CLI's default (``cli._threads`` reads OMP_NUM_THREADS) and for every process
+# a test starts (torchrun launches, spawned gloo ranks, ``drifttool`` subprocesses inherit the
+# environment). Idle OpenMP threads sleep rather than spin (read when torch is first imported).
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1)
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_THREADS)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402 - after the thread environment, which torch reads when imported
+import torch  # noqa: E402
+
+from tests import harness  # noqa: E402
+
+torch.set_num_threads(_THREADS)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
