@@ -12,13 +12,14 @@ and used 2.5–4x the CPU time. So the default is deliberate:
 
 - intra-op threads: ``--threads`` if given, else ``OMP_NUM_THREADS`` if set, else
   ``min(4, usable cores)`` (``os.sched_getaffinity``; more rarely pays at this model's widths);
-- inter-op threads: 1 (drifttool runs no inter-op parallel work);
 - ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy: idle threads sleep instead
   of spinning, so a busy neighbour costs wall time, not CPU time as well.
 
 The strict operators fix their reduction trees (docs/strict-arithmetic.md), so strict bytes do
 not depend on the thread count (``tests/cli/test_threads.py``); the count is recorded nowhere in
-an artifact.
+an artifact other than the manifest's environment record (``environment.torch_threads``,
+provenance that ``diff`` never compares). Setting the threads imports nothing: ``diff``,
+``trace`` and ``overlay`` stay free of torch (``tests/cli/test_import_cost.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import typer
@@ -55,25 +57,26 @@ def default_threads(environ: Optional[dict] = None) -> int:
 
 
 def apply_threads(threads: Optional[int]) -> int:
-    """Set torch's intra-op threads to ``threads`` (or ``default_threads()``) and its inter-op
-    threads to 1 where that is still possible; returns the intra-op count. Sets
-    ``OMP_WAIT_POLICY=PASSIVE`` first unless the environment names a policy (read by OpenMP when
-    torch is first imported: the commands import torch after this).
+    """Set torch's intra-op threads to ``threads`` (or ``default_threads()``); returns the count.
+
+    Without torch loaded (the commands import it lazily; ``diff``, ``trace`` and ``overlay``
+    never do) the count goes to ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS``, which torch reads
+    when first imported, so this imports nothing; with torch loaded, ``torch.set_num_threads``.
+    ``OMP_WAIT_POLICY=PASSIVE`` is set unless the environment names a policy (read by OpenMP
+    when torch is first imported). Inter-op threads are left alone: drifttool runs no inter-op
+    work, and torch starts that pool only when some is run.
 
     Raises:
         DriftToolError: ``threads`` < 1.
     """
     if threads is not None and threads < 1:
         raise DriftToolError(f"--threads {threads}: give a positive number of threads")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch  # lazy: keeps torch out of `drifttool --help`
-
     n = default_threads() if threads is None else int(threads)
-    torch.set_num_threads(n)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set, or inter-op work already ran in this process (tests)
-        pass
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
     return n
 
 

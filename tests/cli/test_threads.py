@@ -16,9 +16,15 @@ ARTIFACT_FILES = ("ops.rank0.arrow", "steps.rank0.arrow", "trace.rank0.arrow", "
 
 
 @pytest.fixture
-def keep_threads():
-    """Restore this worker's torch thread count after a test that runs the CLI with --threads."""
+def keep_threads(monkeypatch):
+    """Restore this worker's torch thread count and thread environment after a test that runs
+    the CLI with --threads."""
     n = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
     yield
     torch.set_num_threads(n)
 
@@ -45,12 +51,12 @@ def test_strict_bytes_do_not_depend_on_the_thread_count(cli, tmp_path, keep_thre
 @pytest.mark.parametrize("command", [("run",), ("replay",), ("recompute",), ("probe",), ("diff",),
                                      ("overlay",), ("fixture", "verify"),
                                      ("experiment", "train-rollout"), ("experiment", "grpo")])
-def test_every_computing_command_takes_threads(cli, command):
+def test_every_computing_command_takes_threads(cli, command, keep_threads):
     code, out = cli(*command, "--help")
     assert code == 0 and "--threads" in out, out
 
 
-def test_threads_below_one_is_one_line_exit_2(cli, tmp_path):
+def test_threads_below_one_is_one_line_exit_2(cli, tmp_path, keep_threads):
     code, out = cli("run", "--threads", "0", "-o", tmp_path / "r")
     assert code == 2 and "--threads" in out and "Traceback" not in out, out
     assert not (tmp_path / "r").exists()
@@ -68,3 +74,13 @@ def test_each_xdist_worker_and_its_children_use_one_thread():
     assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
     assert _threads.default_threads() == 1  # the CLI, run in this worker, keeps one thread
     assert harness.torchrun_env()["OMP_NUM_THREADS"] == "1"
+
+
+def test_without_torch_loaded_the_count_goes_to_the_environment(monkeypatch):
+    """diff, trace and overlay never import torch: the option then only sets what torch reads
+    when it is first imported."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    monkeypatch.delitem(__import__("sys").modules, "torch")
+    assert _threads.apply_threads(3) == 3
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "3"
