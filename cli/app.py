@@ -22,6 +22,7 @@ import drifttool
 from drifttool.cli import diff, experiment, fixture, overlay, probe, replay, run, trace
 from drifttool.cli._console import err, error_line
 from drifttool.cli._errors import user_errors
+from drifttool.cli._threads import threaded
 
 # click's exceptions as typer raises them (typer >= 0.2x vendors click as ``typer._click``)
 _click_errors = sys.modules[typer.BadParameter.__module__]
@@ -83,9 +84,12 @@ GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
 _RANKS = ("run", "replay", "recompute", "probe")
 """Commands that run on torchrun's ranks (``cli._layout``); every other command refuses torchrun
 in one line naming why (``cli._errors.one_process_refusal``)."""
+_COMPUTES = ("run", "replay", "recompute", "probe", "diff", "overlay")
+"""Commands that run torch's operators and take ``--threads`` (``cli._threads``)."""
 
 for _name, _fn in COMMANDS:
-    app.command(_name)(user_errors(_fn, command=_name, ranks=_name in _RANKS))
+    _cmd = threaded(_fn) if _name in _COMPUTES else _fn
+    app.command(_name)(user_errors(_cmd, command=_name, ranks=_name in _RANKS))
 for _name, _group in GROUPS:
     app.add_typer(_group, name=_name)
 

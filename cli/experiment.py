@@ -21,6 +21,7 @@ from rich.table import Table
 from drifttool.cli import _layout
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
+from drifttool.cli._threads import threaded
 from drifttool.errors import DriftToolError
 
 app = typer.Typer(help="Train-rollout experiments on the embedded default.", no_args_is_help=True)
@@ -68,6 +69,7 @@ def _samples(text: Optional[str]):
 
 
 @app.command("train-rollout")
+@threaded
 def train_rollout_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Directory for the artifacts and the result table."),
     fixture: Optional[str] = typer.Option(None, help="Fixture (default tiny-t2i)."),
@@ -133,6 +135,7 @@ def _print_train_rollout(rows: list, out: Path) -> None:
 
 
 @app.command("grpo")
+@threaded
 def grpo_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Directory for grpo.arrow / grpo.json."),
     steps: int = typer.Option(2, min=1, help="Policy-gradient steps per combination."),

@@ -10,12 +10,14 @@ import typer
 
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
+from drifttool.cli._threads import threaded
 from drifttool.fixture import seal
 
 app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
 
 
 @app.command("verify")
+@threaded
 def verify(
     fixture: Optional[str] = typer.Argument(None, help="Fixture name, directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),

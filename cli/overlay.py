@@ -7,7 +7,7 @@ from typing import List
 
 import typer
 
-from drifttool.cli._console import console
+from drifttool.cli._console import console, err
 from drifttool.errors import DriftToolError
 
 
@@ -20,7 +20,9 @@ def overlay(
     """Draw per-step drift curves (v_t, x_next, logp_t max|Δ| and the SDE KL) of RUN_B… against
     the baseline RUN_A on one figure (RFC qwenimage_ablation_overlay).
 
-    Exit 0 when the figure is written, 2 on an unreadable artifact.
+    Exit 0 when the figure is written and every run was compared (identical or drifting);
+    2 when a run is incomparable or inconclusive (the figure is still written and names it, as
+    `drifttool diff` exits 2 for it), or on an unreadable artifact.
     """
     from drifttool.probes.plots import overlay as draw  # lazy: `drifttool --help` needs no pyarrow
 
@@ -34,3 +36,9 @@ def overlay(
         console.print(f"{run}: {rep.verdict.value.upper()} — {rep.reason}", highlight=False,
                       soft_wrap=True, markup=False)
     console.print(f"wrote {path}", highlight=False)
+    unsure = [f"{run} ({rep.verdict.value})" for run, rep in zip(runs[1:], reports)
+              if rep.verdict.value in ("incomparable", "inconclusive")]
+    if unsure:
+        err.print(f"[bold yellow]not compared:[/] {', '.join(unsure)}: the figure names "
+                  "them, with no curve", highlight=False)
+        raise typer.Exit(2)

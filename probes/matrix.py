@@ -22,9 +22,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from drifttool.probes.runner import ERROR, FINDING, OBSERVED, PASS, PENDING, Matrix, ProbeResult
+from drifttool.probes.runner import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
+                                     ProbeResult)
 
-MATRIX_VERSION = 1
+MATRIX_VERSION = 2
+"""2: status ``NOT APPLICABLE`` (a probe whose change is a no-op on the baseline's bytes)."""
+
+STATUSES = (PASS, FINDING, ERROR, PENDING, OBSERVED, NOT_APPLICABLE)
+"""Every status, in the order the counts list them."""
 
 MATRIX_SCHEMA = pa.schema([
     pa.field("name", pa.utf8(), nullable=False),
@@ -33,7 +38,7 @@ MATRIX_SCHEMA = pa.schema([
     pa.field("change", pa.utf8(), nullable=False),
     pa.field("expected", pa.utf8(), nullable=False),
     pa.field("expected_op", pa.utf8()),
-    pa.field("status", pa.utf8(), nullable=False),  # PASS | FINDING | ERROR | PENDING | OBSERVED
+    pa.field("status", pa.utf8(), nullable=False),  # PASS | FINDING | ERROR | PENDING | OBSERVED | NOT APPLICABLE
     pa.field("verdict", pa.utf8()),
     pa.field("first_drift", pa.utf8()),
     pa.field("first_op", pa.utf8()),
@@ -72,7 +77,7 @@ def _plain(x: Any) -> Any:
 def to_dict(m: Matrix) -> dict[str, Any]:
     """JSON-ready: settings, timings, counts per status and every result."""
     counts = {s: sum(r.status == s for r in m.results)
-              for s in (PASS, FINDING, ERROR, PENDING, OBSERVED)}
+              for s in STATUSES}
     return _plain({
         "matrix_version": MATRIX_VERSION, "out": m.out, "baseline": m.baseline,
         "settings": m.settings, "seconds": m.seconds, "baseline_seconds": m.baseline_seconds,
@@ -107,7 +112,7 @@ def read_matrix(path: str | Path) -> pa.Table:
 
 # -- rendering -----------------------------------------------------------------------------------
 _STATUS_STYLE = {PASS: "bold green", FINDING: "bold red", ERROR: "bold red", PENDING: "yellow",
-                 OBSERVED: "cyan"}
+                 OBSERVED: "cyan", NOT_APPLICABLE: "magenta"}
 
 
 def _num(x: float | None, verdict: str | None) -> str:
@@ -167,8 +172,11 @@ def render_matrix(m: Matrix, console: Console) -> None:
         elif r.status == PENDING and m.settings.get("launch"):  # refused by the launch's layout
             console.print(f"{PENDING} {r.name}: " + "; ".join(r.reasons), highlight=False,
                           soft_wrap=True, markup=False)
+        elif r.status == NOT_APPLICABLE:  # the change moved no byte: say why, never a pass
+            console.print(f"{NOT_APPLICABLE} {r.name} ({r.factor}): " + "; ".join(r.reasons),
+                          highlight=False, soft_wrap=True, markup=False)
     counts = {s: sum(r.status == s for r in m.results)
-              for s in (PASS, FINDING, ERROR, PENDING, OBSERVED)}
+              for s in STATUSES}
     pending = [r.name for r in m.results if r.status == PENDING]
     line = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
     console.print(f"{line}; baseline {m.baseline_seconds:.1f} s, total {m.seconds:.1f} s"

@@ -12,8 +12,11 @@ projections), ``b0`` … ``b{L−1}`` (the blocks), ``out`` (final AdaLN and out
 ``sampler`` (sigma table, CFG combine, SDE step). The overlay (RFC ``qwenimage_ablation_overlay``)
 draws, for each run against the baseline, the per-step worst max |Δ| of ``v_t``, of the latent
 after the step (``x_next``), of ``logp_t``, and the SDE-transition KL, on log axes, one colour per
-run in every panel; steps where a quantity is bitwise equal are left out of its curve, and a run
-whose quantity never differs is listed as identical in that panel. (A sampled step's ``logp_t``
+run in every panel; steps where a quantity is bitwise equal are left out of its curve. Each panel
+lists, below its curves (``panel_notes``), the runs it has no curve for: ``identical`` (the
+quantity was compared at every step and never differs), ``not compared`` (the diff holds no value
+of it), ``incomparable`` / ``inconclusive`` (the diff's verdict, with its reason: such a run is
+never drawn as identical). (A sampled step's ``logp_t``
 depends only on its noise, so a drifting velocity leaves it identical; the KL shows it.) matplotlib is imported lazily with the Agg backend.
 """
 
@@ -28,7 +31,7 @@ import numpy as np
 from drifttool.artifact.reader import Run, open_run
 from drifttool.diff.align import compare_table
 from drifttool.diff.compare import diff_runs
-from drifttool.diff.report import DiffReport
+from drifttool.diff.report import DiffReport, Verdict
 from drifttool.artifact import schema as S
 
 SAMPLER_OPS = ("flow_sigma_table", "cfg_combine_renorm", "flow_sde_step_logp")
@@ -148,11 +151,36 @@ def step_curves(report: DiffReport) -> dict[str, tuple[list[int], list[float]]]:
     return curves
 
 
-def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, *,
-            labels: Sequence[str] | None = None, title: str = "") -> tuple[Path, list[DiffReport]]:
-    """Per-step drift curves of ``runs`` against ``baseline`` on one figure (four panels).
+def panel_notes(labels: Sequence[str], reports: Sequence[DiffReport]) -> dict[str, list[str]]:
+    """Per quantity, the lines a panel shows for the runs without a curve in it, e.g.
+    ``["identical: a, b", "incomparable: c (cannot align: fingerprint.arch.depth: 2 != 3)"]``.
 
-    Returns the figure path and the diff reports (in ``runs`` order).
+    A run whose diff is incomparable or inconclusive is named with its verdict and reason in every
+    panel (an inconclusive run's curve, if any, is still drawn); of the others, a run whose
+    quantity has a value at some step and never differs is ``identical``, one without any value
+    ``not compared``.
+    """
+    notes: dict[str, list[str]] = {q: [] for q, _ in QUANTITIES}
+    for q, _ in QUANTITIES:
+        same, absent, verdicts = [], [], []
+        for lab, rep in zip(labels, reports):
+            if rep.verdict in (Verdict.INCOMPARABLE, Verdict.INCONCLUSIVE):
+                verdicts.append(f"{rep.verdict.value}: {lab} ({rep.reason})")
+                continue
+            ys = step_curves(rep)[q][1]
+            if not ys:
+                absent.append(lab)
+            elif not any(y > 0 for y in ys):
+                same.append(lab)
+        notes[q] = ([f"identical: {', '.join(same)}"] if same else []) + \
+            ([f"not compared: {', '.join(absent)}"] if absent else []) + verdicts
+    return notes
+
+
+def overlay_figure(baseline: str | Path, runs: Sequence[str | Path], *,
+                   labels: Sequence[str] | None = None, title: str = ""):
+    """The overlay as a matplotlib figure (four panels) and the diff reports (in ``runs``
+    order); ``overlay`` saves it. The caller closes the figure.
 
     Raises:
         ArtifactError: an artifact cannot be read.
@@ -162,19 +190,20 @@ def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, 
     base = open_run(baseline)
     reports = [diff_runs(base, open_run(r)) for r in runs]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    identical: dict[str, list[str]] = {q: [] for q, _ in QUANTITIES}
     steps: set[int] = set()
     for k, (lab, rep) in enumerate(zip(labels, reports)):
+        if rep.verdict is Verdict.INCOMPARABLE:
+            continue  # nothing aligned: no curve
         curves = step_curves(rep)
         for ax, (q, _) in zip(axes.flat, QUANTITIES):
             xs, ys = curves[q]
             steps.update(xs)
             ys = np.array(ys, dtype=float)
             if ys.size == 0 or not np.any(ys > 0):
-                identical[q].append(lab)
                 continue
             ax.plot(xs, np.where(ys > 0, ys, np.nan), marker="o", color=f"C{k % 10}",
                     label=f"{lab} ({rep.verdict.value})")
+    notes = panel_notes(labels, reports)
     for ax, (q, name) in zip(axes.flat, QUANTITIES):
         ax.set_title(name, fontsize=10)
         ax.set_yscale("log")
@@ -182,13 +211,28 @@ def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, 
         ax.set_xlabel("step")
         if steps:
             ax.set_xticks(sorted(steps))
-        if identical[q]:
-            ax.text(0.01, 0.01, "identical: " + ", ".join(identical[q]), transform=ax.transAxes,
-                    fontsize=7, va="bottom", wrap=True)
+        if notes[q]:
+            ax.text(0.01, 0.01, "\n".join(notes[q]), transform=ax.transAxes, fontsize=7,
+                    va="bottom", wrap=True)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(title or f"drift per step against {Path(baseline).name}", fontsize=11)
     fig.tight_layout()
+    return fig, reports
+
+
+def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, *,
+            labels: Sequence[str] | None = None, title: str = "") -> tuple[Path, list[DiffReport]]:
+    """Per-step drift curves of ``runs`` against ``baseline`` on one figure (four panels),
+    written to ``path`` (``overlay_figure``).
+
+    Returns the figure path and the diff reports (in ``runs`` order).
+
+    Raises:
+        ArtifactError: an artifact cannot be read.
+    """
+    plt = _pyplot()
+    fig, reports = overlay_figure(baseline, runs, labels=labels, title=title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

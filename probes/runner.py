@@ -22,7 +22,10 @@ starts: e.g. CFG off under CFG-parallel, a production variant under TP) is ``PEN
 the refusal as its reason; any other error ends the launch (a rank cannot go on alone).
 Results are data (``ProbeResult``); a failed expectation is a ``FINDING`` with its reasons, a
 probe that raised is an ``ERROR`` (also a finding), a pending one is ``PENDING`` (never run,
-never a pass).
+never a pass). A probe whose change is a no-op on the baseline's weights and inputs, checked on
+the bytes in one process (``drifttool.probes.noop``: every call of its operator variant equals
+the operator's own output, or its checkpoint transform leaves every tensor as it was), is
+``NOT APPLICABLE`` with the reason: neither a pass nor a finding.
 """
 
 from __future__ import annotations
@@ -44,12 +47,16 @@ from drifttool.diff.report import DiffReport, Verdict
 from drifttool.distributed.collectives import barrier
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import read_config
+from drifttool.probes.noop import variants_noop, weights_unchanged, wrap_variants
 from drifttool.probes.spec import Probe, ProbeContext
 from drifttool.probes.weights import transformed_checkpoint
 from drifttool.runner import execute
 from drifttool.settings import RunSpec, resolve
 
 PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
+NOT_APPLICABLE = "NOT APPLICABLE"
+"""A probe whose one change moves no byte on the baseline's weights and inputs
+(``drifttool.probes.noop``): neither a pass nor a finding, reported with the reason."""
 OBSERVED = "OBSERVED"
 """A probe run and reported but not judged (its expectation is ``observed``: the peer matrix's
 machine-dependent production arithmetic, ``drifttool.probes.peer``); never a finding."""
@@ -187,7 +194,7 @@ class ProbeResult:
 
     @property
     def ok(self) -> bool:
-        return self.status in (PASS, PENDING, OBSERVED)
+        return self.status in (PASS, PENDING, OBSERVED, NOT_APPLICABLE)
 
 
 def _worst(report: DiffReport, quantities: tuple[str, ...]) -> float | None:
@@ -208,7 +215,8 @@ def _result(p: Probe, status: str, **kw: Any) -> ProbeResult:
 
 
 def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: float,
-                 run_dir: Path, reference: Path | None = None) -> ProbeResult:
+                 run_dir: Path, reference: Path | None = None,
+                 noop: str | None = None) -> ProbeResult:
     fd = report.first_drift
     kw: dict[str, Any] = dict(
         verdict=report.verdict.value, seconds=seconds, reasons=reasons, run_dir=str(run_dir),
@@ -223,6 +231,11 @@ def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: floa
                   first_sample=fd.sample, origin=fd.origin, first_rank=fd.owner_b,
                   first_rows=None if fd.rows is None else
                   f"{fd.rows.n_differ}/{fd.rows.n_rows}: " + ", ".join(map(str, fd.rows.first)))
+    if noop is not None:  # the change moved no byte: the verdict is evidence of nothing
+        if report.verdict is Verdict.IDENTICAL:
+            return _result(p, NOT_APPLICABLE, **{**kw, "reasons": [noop]})
+        reasons = [*reasons, f"{noop}, yet the run is {report.verdict.value} "
+                   "(not deterministic?)"]
     return _result(p, FINDING if reasons else PASS, **kw)
 
 
@@ -267,15 +280,23 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
     work = out / "work" / p.name
     run_dir = out / "runs" / p.name
     root = not _launched(dist) or dist.rank == 0
+    witnesses: list = []
     try:
+        if p.execute is None and p.weights is not None and not _launched(dist):
+            why = weights_unchanged(checkpoint, p.weights, resolve(base)[1].torch_dtype)
+            if why is not None:  # proven on the bytes: no run to make
+                return _result(p, NOT_APPLICABLE, seconds=time.perf_counter() - t0, reasons=[why])
         if p.execute is not None:
             work.mkdir(parents=True, exist_ok=True)
             ctx = ProbeContext(base=base, baseline=baseline, work=work, run_dir=run_dir,
                                checkpoint=checkpoint, dist=dist, parallel=parallel)
             reference, run_dir = p.execute(ctx)
         else:
-            execute(probe_spec(p, base, work, checkpoint, dist), run_dir, overwrite=True,
-                    dist=dist, parallel=parallel)
+            spec = probe_spec(p, base, work, checkpoint, dist)
+            if p.variants and not _launched(dist):  # one process: compare each call's bytes
+                wrapped, witnesses = wrap_variants({op: spec.variants[op] for op in p.variants})
+                spec = dataclasses.replace(spec, variants={**spec.variants, **wrapped})
+            execute(spec, run_dir, overwrite=True, dist=dist, parallel=parallel)
             reference = baseline
         if not root:
             return None
@@ -291,7 +312,7 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
     (out / "diffs").mkdir(parents=True, exist_ok=True)
     (out / "diffs" / f"{p.name}.json").write_text(report.to_json())
     return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir,
-                        reference)
+                        reference, noop=variants_noop(witnesses))
 
 
 def _error(p: Probe, e: Exception, t0: float) -> ProbeResult:
@@ -317,7 +338,8 @@ class Matrix:
 
     @property
     def exit_code(self) -> int:
-        """0 when every expectation held (pending probes do not count), else 1."""
+        """0 when no probe is a finding (pending and not-applicable probes are neither passes
+        nor findings), else 1."""
         return 1 if self.findings else 0
 
 

@@ -1,7 +1,17 @@
 import importlib.util
 import os
 
-import torch
+# CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
+# it). Under pytest-xdist every worker already has a core of its own: one thread each, for torch in
+# this process, for the CLI's default (``cli._threads`` reads OMP_NUM_THREADS) and for every process
+# a test starts (torchrun launches, spawned gloo ranks, ``drifttool`` subprocesses inherit the
+# environment). Idle OpenMP threads sleep rather than spin (read when torch is first imported).
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1)
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_THREADS)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402 - after the thread environment, which torch reads when imported
+import torch  # noqa: E402
 
 # Without CUDA, Triton runs the strict CUDA kernels in its interpreter (tests/ops/strict_cuda). It
 # reads TRITON_INTERPRET when its modules and each kernel are first imported, so it is set here,
@@ -9,13 +19,9 @@ import torch
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-
 from tests import harness  # noqa: E402
 
-# CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
-# it). Under pytest-xdist every worker already has a core of its own: one thread each.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+torch.set_num_threads(_THREADS)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

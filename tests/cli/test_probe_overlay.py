@@ -73,3 +73,51 @@ def test_overlay_draws_one_figure(cli, tmp_path, strict_run):
 def test_overlay_needs_two_runs_and_readable_artifacts(cli, tmp_path, strict_run):
     assert cli("overlay", strict_run, "-o", tmp_path / "f.png")[0] == 2
     assert cli("overlay", strict_run, tmp_path / "nope", "-o", tmp_path / "f.png")[0] == 2
+
+
+def _incomparable_copy(run, dst):
+    """A copy of ``run`` whose fingerprint names another depth: ``diff`` cannot align it."""
+    import shutil
+
+    shutil.copytree(run, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["fingerprint"]["arch"]["num_layers"] += 1
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_overlay_never_draws_an_incomparable_run_as_identical(cli, tmp_path, strict_run):
+    from drifttool.probes import plots
+
+    other = _incomparable_copy(strict_run, tmp_path / "other")
+    code, out = cli("overlay", strict_run, strict_run, other, "-o", tmp_path / "ov.png")
+    assert code == 2, out  # as `drifttool diff` exits for an incomparable pair
+    assert "other: INCOMPARABLE" in out and (tmp_path / "ov.png").is_file()
+    fig, reports = plots.overlay_figure(strict_run, [strict_run, other], labels=["same", "other"])
+    try:
+        texts = ["\n".join(t.get_text() for t in ax.texts) for ax in fig.axes[:len(plots.QUANTITIES)]]
+        curves = [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    assert [r.verdict.value for r in reports] == ["identical", "incomparable"]
+    for text in texts:  # every panel: the identical run as identical, the other as incomparable
+        assert "identical: same" in text and "other" not in text.split("incomparable:")[0], text
+        assert "incomparable: other (cannot align: fingerprint.arch.num_layers" in text, text
+    assert not any("other" in c for c in curves)
+
+
+def test_overlay_panel_notes_name_each_verdict():
+    from drifttool.diff.report import DiffReport, Verdict
+    from drifttool.probes.plots import QUANTITIES, panel_notes
+
+    reports = [DiffReport(verdict=Verdict.IDENTICAL, reason="", run_a="a", run_b="b"),
+               DiffReport(verdict=Verdict.INCONCLUSIVE, reason="run B is incomplete", run_a="a",
+                          run_b="c"),
+               DiffReport(verdict=Verdict.INCOMPARABLE, reason="cannot align: x", run_a="a",
+                          run_b="d")]
+    notes = panel_notes(["b", "c", "d"], reports)
+    for q, _ in QUANTITIES:  # no step values at all: "not compared", never "identical"
+        assert notes[q] == ["not compared: b", "inconclusive: c (run B is incomplete)",
+                            "incomparable: d (cannot align: x)"]
