@@ -1,7 +1,7 @@
 """Every Arrow schema of the trajectory artifact, and its version, in one place.
 
     run_dir/
-      manifest.json        {"schema_version": 3, "complete": true, "capture_level": "L1",
+      manifest.json        {"schema_version": 4, "complete": true, "capture_level": "L1",
                             "fingerprint": {...}, "files": {...}, ...}
       inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
       steps.rank<r>.arrow  STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)

@@ -321,10 +321,15 @@ class RankCheck:
         refs: per global rank, the rank whose ``V`` it must equal (the rank at coordinate 0 of
             every mesh dimension that replicates the output, the others unchanged), or −1 where
             the rank is not one of the record's ranks (another CFG branch).
+        copies, copy_refs: likewise for a part of the output every rank repeats but only one
+            rank's block holds (the text rows of a joint output under SP): ``int64 [world]``,
+            each rank's ``V`` of its own copy, and the ranks to compare; ``None`` if none.
     """
 
     digests: torch.Tensor
     refs: tuple[int, ...]
+    copies: torch.Tensor | None = None
+    copy_refs: tuple[int, ...] | None = None
 
 
 def part_words(payload: torch.Tensor, parts: list[LogicalPart], keep_rows: bool) -> torch.Tensor:
@@ -347,7 +352,8 @@ def rank_columns(checks: list[RankCheck | None]) -> tuple[Any, Any]:
             by_dev.setdefault(c.digests.device, []).append(i)
     host: dict[int, Any] = {}
     for idx in by_dev.values():
-        flat = torch.stack([checks[i].digests for i in idx]).cpu().numpy()
+        flat = torch.stack([torch.stack([checks[i].digests, checks[i].digests if checks[i].copies
+                                         is None else checks[i].copies]) for i in idx]).cpu().numpy()
         host.update(zip(idx, flat))
     digests, disagree = [], []
     for i, c in enumerate(checks):
@@ -355,10 +361,11 @@ def rank_columns(checks: list[RankCheck | None]) -> tuple[Any, Any]:
             digests.append(None)
             disagree.append(None)
             continue
-        v = host[i]
-        refs = np.asarray(c.refs)
-        bad = [r for r in range(len(refs)) if refs[r] >= 0 and v[r] != v[refs[r]]]
+        v, copies = host[i]
+        bad = {r for r, ref in enumerate(c.refs) if ref >= 0 and v[r] != v[ref]}
+        if c.copy_refs is not None:
+            bad |= {r for r, ref in enumerate(c.copy_refs) if ref >= 0 and copies[r] != copies[ref]}
         digests.append(v.astype(np.uint64).tolist())
-        disagree.append(bad)
+        disagree.append(sorted(bad))
     return (pa.array(digests, type=pa.list_(pa.uint64())),
             pa.array(disagree, type=pa.list_(pa.int32())))

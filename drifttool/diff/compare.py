@@ -43,7 +43,7 @@ from drifttool.diff.align import TableDiff, compare_table, drop_replicas
 from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable, input_differences
 from drifttool.diff.order import program_order
-from drifttool.diff.owners import row_owner
+from drifttool.diff.owners import heads_note, row_owner
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
@@ -123,7 +123,7 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str, layout_a: dict
         dtype=(ra["dtype"], rb["dtype"]), shape=(ra["shape"], rb["shape"]),
         digest=(f"{ra['digest']:016x}", f"{rb['digest']:016x}"),
         nonfinite=(ra["nonfinite"], rb["nonfinite"]), maxabs=(ra["maxabs"], rb["maxabs"]),
-        origin=origin_kind != "unknown", origin_kind=origin_kind, rows=rows,
+        origin=origin_kind not in ("unknown", "unchecked"), origin_kind=origin_kind, rows=rows,
         row_rank_a=row_a, row_rank_b=row_b, part_rank_a=part_a, part_rank_b=part_b,
         disagree_a=ra.get("rank_disagree") or None if op else None,
         disagree_b=rb.get("rank_disagree") or None if op else None,
@@ -388,6 +388,9 @@ def _set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDif
                                             run_a.manifest.get("layout"),
                                             run_b.manifest.get("layout"))
     fd = report.first_drift
+    if kind == "op" and fd.part_rank_b is None and not fd.disagree_b:
+        report.notes += [n for n in (heads_note(layouts[0], ra, "A"), heads_note(layouts[1], rb, "B"))
+                         if n]  # Ulysses heads against another layout: the writer is named
     fd.input_note = input_note
     fd.prev_step, fd.unmatched_before = (None if prev is None else prev.step), n_before
     report.notes += [note] if note else []

@@ -37,6 +37,24 @@ from typing import Any, Mapping
 
 from drifttool.shards import mesh_rank, sp_row_spans
 
+ULYSSES_HEAD_OPS = ("joint_attention_fused", "joint_attn_qk_gemm", "joint_attn_softmax",
+                    "joint_attn_av_gemm")
+"""Joint records that ``--sp-attention ulysses`` computes by heads (each SP rank every row of its
+heads; ``distributed.sp.capture_source`` and ``_JOINT_HEADS``)."""
+
+
+def heads_note(layout: Mapping[str, Any] | None, record: Mapping[str, Any], side: str) -> str | None:
+    """A note for a first drift at a Ulysses attention record of run ``side`` whose differing
+    rank could not be named (no run of the same layout to compare each rank's part with)."""
+    sp_lay = sp_layout(layout)
+    if sp_lay is None or sp_lay[2] != "ulysses" or record.get("stream") != "joint" \
+            or record.get("op") not in ULYSSES_HEAD_OPS:
+        return None
+    return (f"run {side}: under --sp-attention ulysses every SP rank computed its heads of "
+            f"{record['op']}; rank {record['rank']} only wrote it — diff against a run of the same "
+            "layout to name the rank whose heads differ")
+
+
 def sp_layout(layout: Mapping[str, Any] | None) -> tuple[int, int, str] | None:
     """``(tp, sp, sp_attention)`` of a manifest layout of kind ``parallel`` with ``sp > 1``, else
     ``None``."""

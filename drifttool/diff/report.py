@@ -128,7 +128,7 @@ class FirstDrift:
     of the record in the same layout (``rank_digests``), the first rank whose partial differs —
     the rank whose rows (outside attention) or heads (inside attention, Ulysses and TP) differ.
 
-    ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a
+    ``origin`` is ``origin_kind`` not ``"unknown"`` or ``"unchecked"``; ``prev_step`` is the previous step of a
     ``"between_steps"`` origin (``None`` otherwise); ``unmatched_before`` counts the records of
     one run only that precede it.
     """

@@ -296,7 +296,9 @@ class ParallelPlan:
         (TP and SP; CFG too for the sampler's calls, ``SAMPLER_BLOCK``) only every rank's digest
         word travels, so the owning rank (``owns``) learns what every rank of the record
         computed (``capture.shards.RankCheck``: a replica that differs from its coordinate-0
-        peer is a disagreement, recorded, never dropped). The owning rank gets ``[(part,
+        peer is a disagreement, recorded, never dropped); the text rows of a joint output, which
+        every SP rank repeats and SP rank 0's block holds, are checked the same way
+        (``sp.repeated_rows``). The owning rank gets ``[(part,
         pending digest)]`` and the checks per output for ``Recorder.capture_digested``; ``None``
         for ``None`` layouts, and as the whole result on a rank that records nothing of the call.
         """
@@ -322,8 +324,14 @@ class ParallelPlan:
             parts, payload = capture_shards.shard_payload(site, t.detach(), lay, placement, keep_rows)
             widths = capture_shards.payload_widths(parts, keep_rows)
             world = self.dims.world_size
-            table = torch.zeros(len(parts), world, dtype=torch.int64, device=payload.device)
-            table[:, self.mesh_rank] = capture_shards.part_words(payload, parts, keep_rows)
+            # [part, rank, (its block, its copy of the rows every SP rank repeats)]
+            table = torch.zeros(len(parts), world, 2, dtype=torch.int64, device=payload.device)
+            table[:, self.mesh_rank, 0] = capture_shards.part_words(payload, parts, keep_rows)
+            repeated = sp.repeated_rows(self, site["op"], site["stream"], placement) \
+                if "sp" in placed else None
+            if repeated is not None:
+                _, copy = capture_shards.shard_payload(site, t.detach(), lay, repeated, False)
+                table[:, self.mesh_rank, 1] = capture_shards.part_words(copy, parts, False)
             with COMM.capturing():  # exact in any order; a few words per rank and part
                 for dim in [d for d in ("sp", "tp", "cfg") if d in placed or d in replicated]:
                     ours = table.reshape(-1)
@@ -333,13 +341,15 @@ class ParallelPlan:
                     if dim in placed:
                         payload = capture_shards.reduce_payloads(rows[:, :payload.numel()], widths)
                         rows = rows[:, payload.numel():]
-                    table = rows.reshape(-1, len(parts), world).amax(0)  # V >= 0: each slot once
+                    table = rows.reshape(-1, len(parts), world, 2).amax(0)  # V >= 0: each slot once
             if not owner:
                 got.append(None)
                 continue
             pending = capture_shards.combine_payloads(parts, payload, t.dtype, keep_rows)
             refs = self._refs(replicated, block)
-            checks = [capture_shards.RankCheck(table[j], refs) for j in range(len(parts))]
+            copy_refs = self._refs([*replicated, "sp"], block) if repeated is not None else None
+            checks = [capture_shards.RankCheck(table[j, :, 0], refs, table[j, :, 1], copy_refs)
+                      for j in range(len(parts))]
             got.append((list(zip(parts, pending)), checks))
         return got if owner else None
 

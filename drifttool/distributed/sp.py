@@ -233,6 +233,20 @@ _JOINT_HEADS = {"joint_attention_fused": 2, "joint_attn_av_gemm": 2, "joint_attn
                 "joint_attn_softmax": 1}
 
 
+def repeated_rows(plan: "ParallelPlan", op: str, stream: str, placement: "Placement") -> "Placement | None":
+    """Where the rows every SP rank repeats sit in a joint output that SP places by rows: the text
+    rows (``placement`` of this rank with its row axis narrowed to them), which only SP rank 0's
+    block holds; each rank digests its own copy so the ranks' copies are checked. ``None`` for
+    other outputs (no text rows, or Ulysses' attention outputs, placed by heads)."""
+    if stream != "joint" or op not in _JOINT_ROWS or (plan.dims.sp_attention == "ulysses"
+                                                      and op in _JOINT_HEADS):
+        return None
+    text, axis = int(plan.state.get("text_len", 0)), _JOINT_ROWS[op]
+    if not text or axis not in placement:
+        return None
+    return {**placement, axis: AxisShard(placement[axis].size, ((0, text, 0),))}
+
+
 def capture_source(plan: "ParallelPlan", rt: "Runtime", op: str, index: int,
                    tensor: torch.Tensor) -> torch.Tensor:
     """The tensor capture digests for an output: under ``--sp-attention ulysses`` the attention

@@ -8,7 +8,9 @@ output: every TP rank finishes the same tree) has its first element's last bit f
 first call (step 0, block 0); rank 0, which writes the record, computes it right.
 ``ulysses_rank1``: under ``--sp-attention ulysses``, SP rank 1's attention output of its own
 heads has one element's last bit flipped at the first call (step 0, block 0), before the rows
-are traded back.
+are traded back. ``agrs_text_rank1``: under ``--sp-attention agrs``, SP rank 1's copy of the
+attention output's first text row (which SP rank 0's block holds) has one bit flipped at the
+first call.
 """
 
 from __future__ import annotations
@@ -63,7 +65,16 @@ def _plant(dims: ParallelDims, rank: int, fault: str) -> None:
             return ulysses(plan, run1, q, k, v, key_mask, text_len, kwargs)
 
         sp._ulysses = planted_ulysses
-    elif fault not in ("attn_out_rank1", "ulysses_rank1", ""):
+    elif fault == "agrs_text_rank1" and rank == 1:
+        agrs = sp.agrs_attention
+
+        def planted_agrs(*args):
+            o = agrs(*args)  # [B, L + n_r, H, Dh]: the text rows, then this rank's image rows
+            calls["n"] += 1
+            return flip_last_bit(o, (0, 0, 0, 0)) if calls["n"] == 1 else o
+
+        sp.agrs_attention = planted_agrs
+    elif fault not in ("attn_out_rank1", "ulysses_rank1", "agrs_text_rank1", ""):
         raise ValueError(f"unknown planted fault {fault!r}")
 
 

@@ -69,3 +69,18 @@ def test_ulysses_head_slice_fault_is_rank_1s(tmp_path):
     assert "owning rank 1; the rank whose part of it differs; written by rank 0" in report.reason, \
         report.reason
     assert fd.part_rank_b == 1 and fd.owner_b == 1 and fd.rank_b == 0 and fd.origin
+    # against one process (no partials to compare) the writer is named, and the note says why
+    alone = diff_runs(open_run(run_one(tmp_path / "one", None, SP_FIELDS)), open_run(bad))
+    assert alone.first_drift.op == "joint_attention_fused" and alone.first_drift.part_rank_b is None
+    assert any(n.startswith("run B: under --sp-attention ulysses every SP rank computed its heads")
+               for n in alone.notes), alone.notes
+
+
+@pytest.mark.slow
+def test_sp_rank1_copy_of_the_text_rows_is_checked(tmp_path):
+    bad = open_run(run_planted(P(sp=2), tmp_path / "bad", SP_FIELDS, "agrs_text_rank1"))
+    report = diff_runs(bad, bad)
+    fd = report.first_drift
+    assert (fd.op, fd.block, fd.step, fd.stream) == ("joint_attention_fused", 0, 0, "joint"), \
+        report.reason
+    assert fd.disagree_b == [1] and fd.owner_b == 1 and fd.origin_kind == "ranks"
