@@ -19,7 +19,8 @@ different ranks (``drifttool.distributed.sp``). ``row_owner`` names the rank tha
   digests run over query positions): text rows are replicated and attributed to SP coordinate
   0, image row ``n = r − txt_len`` as above. Under ``--sp-attention ulysses`` the attention
   trades rows for heads (each SP rank computes every row of its heads), so no single rank
-  computed a joint row: ``None``;
+  computed a joint row: ``None`` (the rank whose heads differ is named from the records' per-rank
+  digest partials, ``rank_digests``, against a run of the same layout: ``diff.compare``);
 * anything else (text stream: replicated; per-sample records without rows; a layout without
   SP): ``None``.
 

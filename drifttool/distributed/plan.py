@@ -17,8 +17,11 @@ Capture records the logical tensors without moving them: where a rule table shar
 every rank digests its own block and only the digest partials are gathered and combined, SP then
 TP (``capture.shards``: a few words per record at L1, the row digests at L2). One **owning rank**
 records: coordinate 0 of the TP and SP dimensions, and for the model's calls the CFG rank that
-ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). Rank is an
-attribute of a record, never part of its identity, so the artifact diffs against a single
+ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). An output
+every rank computes alike (replicated) is digested on every rank as well, and the owning rank's
+record carries each rank's digest and the ranks whose copy disagrees (``rank_digests``,
+``rank_disagree``), so a fault in a rank that writes nothing is still found, and named. Rank is
+an attribute of a record, never part of its identity, so the artifact diffs against a single
 device record for record.
 
 Collectives are canonical (``drifttool.distributed.canonical``): ``gather_cat`` concatenates every rank's part in rank order (no
