@@ -179,8 +179,9 @@ def distributed_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]
                "each CFG rank draws its own SDE noise (seed + rank): rank 1's x_t diverges "
                "after step 0 while rank 0 records the correct step",
                LayoutRun(cfg2, ("noise_per_rank",)),
-               # step 0's records match; rank 1's uncond forward of step 1 reads its own x_t
-               _drift("latent_proj_gemm", step=1, block=-1, stream="img", branch="uncond",
+               # the CFG ranks disagree on the SDE step that drew the noise (the sampler's calls
+               # are checked on every rank)
+               _drift("flow_sde_step_logp", step=0, block=-2, stream="img", branch="cfg",
                       sample=first, rank=1)),
         _probe("cfg_branch_swap", "CFG-parallel branch labels", "mismatch",
                "the CFG ranks run each other's branch under their own label",

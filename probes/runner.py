@@ -140,7 +140,9 @@ def judge(p: Probe, report: DiffReport) -> list[str]:
     if e.origin and not fd.origin:
         reasons.append("first drift is not an origin (records missing before it)")
     if e.rank is not None and fd.owner_b != e.rank:
-        how = ("the SP rank of its first differing row" if fd.row_rank_b is not None
+        how = ("the rank that disagrees with the record's writer" if fd.disagree_b else
+               "the rank whose part of it differs" if fd.part_rank_b is not None else
+               "the SP rank of its first differing row" if fd.row_rank_b is not None
                else "the rank that wrote it")
         reasons.append(f"first drift owned by rank {fd.owner_b} in the probe run ({how}), "
                        f"expected rank {e.rank}")

@@ -225,6 +225,26 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
                                 f"{phase!r} only)")
 
 
+def _check_rank_columns(path: Path, world: int, ops: pa.Table) -> None:
+    """Each op record's ``rank_digests`` holds one digest per rank of the layout, and its
+    ``rank_disagree`` names ranks of the layout, ascending, each once (both may be null).
+
+    Raises:
+        ArtifactError: naming the first record that breaks it.
+    """
+    if "rank_digests" not in ops.column_names or not ops.num_rows:
+        return
+    lens = pc.list_value_length(ops.column("rank_digests")).to_pylist()
+    bad = [i for i, n in enumerate(lens) if n is not None and n != world]
+    if bad:
+        raise ArtifactError(f"{path}: ops.rank*.arrow record {bad[0]} holds "
+                            f"{lens[bad[0]]} rank digests for {world} ranks")
+    for i, ranks in enumerate(ops.column("rank_disagree").to_pylist()):
+        if ranks and (ranks != sorted(set(ranks)) or ranks[0] < 0 or ranks[-1] >= world):
+            raise ArtifactError(f"{path}: ops.rank*.arrow record {i} names ranks {ranks} "
+                                f"disagreeing, not ranks of the {world}-rank layout in order")
+
+
 def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
                        ops: pa.Table) -> None:
     """Each record's owning rank ran its sample: where ``layout.samples`` gives each rank its
@@ -240,6 +260,7 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
             samples of a complete run that have no step records.
     """
     layout = manifest.get("layout", {})
+    _check_rank_columns(path, int(layout.get("world_size", 1)), ops)
     if manifest.get("complete"):
         _check_every_sample_recorded(path, manifest, steps)
         _check_every_step_has_ops(path, manifest, steps, ops)

@@ -78,6 +78,9 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
     problem = S.version_problem(version)
     if problem:
         raise ArtifactError(f"{path}: {problem}")
+    upgrade = version == 3 and schema.equals(S.OPS_SCHEMA, check_metadata=False)
+    if upgrade:  # version 3 op records: the rank columns read as null (not checked on every rank)
+        schema = S.OPS_SCHEMA_V3
     if not reader.schema.equals(schema, check_metadata=False):
         raise ArtifactError(f"{path}: columns differ from schema version {version}: "
                             f"{schema_differences(reader.schema, schema)}")
@@ -104,7 +107,13 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
             problem = f"{name}: stream not closed after {len(batches)} batches"
     if problem and complete:
         raise ArtifactError(f"{path}: corrupt file in a complete run: {problem}")
-    return pa.Table.from_batches(batches, schema=reader.schema), problem
+    table = pa.Table.from_batches(batches, schema=reader.schema)
+    if upgrade:
+        for name in S.RANK_COLUMNS:
+            field = S.OPS_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+        table = table.replace_schema_metadata(S.OPS_SCHEMA.metadata)
+    return table, problem
 
 
 class Run:

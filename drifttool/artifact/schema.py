@@ -1,7 +1,7 @@
 """Every Arrow schema of the trajectory artifact, and its version, in one place.
 
     run_dir/
-      manifest.json        {"schema_version": 3, "complete": true, "capture_level": "L1",
+      manifest.json        {"schema_version": 4, "complete": true, "capture_level": "L1",
                             "fingerprint": {...}, "files": {...}, ...}
       inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
       steps.rank<r>.arrow  STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
@@ -37,14 +37,21 @@ import pyarrow as pa
 from drifttool import components
 from drifttool.capture import levels
 
-SCHEMA_VERSION = 3
-SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+SCHEMA_VERSION = 4
+SUPPORTED_SCHEMA_VERSIONS = frozenset({3, SCHEMA_VERSION})
 """Versions this reader can open; anything else raises ``ArtifactError`` (``version_problem``).
-Version 3 (issue #9): ``rank`` left the identity keys (it is the owning rank), ``component``
+Version 4 added the op records' ``rank_digests`` and ``rank_disagree`` (every rank's digest of a
+record in a TP/SP layout, and the ranks whose copy of a replicated output disagrees); a version 3
+file reads with both null (``RANK_COLUMNS``: not checked on every rank) and aligns with version
+4 records (``ALIGNABLE_SCHEMA_VERSIONS``: the identity did not change). Version 3: ``rank`` left the identity keys (it is the owning rank), ``component``
 joined them, op records carry the program position ``op_pos`` and the trace ``component``,
 ``rank`` and ``device``. Version 2 moved the sampler operators from block −1 to
 ``SAMPLER_BLOCK``. Older versions are refused: their records order "first" by a per-rank counter
 and key on the rank."""
+
+
+ALIGNABLE_SCHEMA_VERSIONS = frozenset({3, 4})
+"""Versions whose records align with each other in a diff (same identity and digests)."""
 
 
 def version_problem(version: Any) -> str | None:
@@ -52,7 +59,7 @@ def version_problem(version: Any) -> str | None:
     saying why not (older: re-run or reseal; newer: upgrade drifttool)."""
     if version in SUPPORTED_SCHEMA_VERSIONS:
         return None
-    if type(version) is int and 0 < version < SCHEMA_VERSION:
+    if type(version) is int and 0 < version < min(SUPPORTED_SCHEMA_VERSIONS):
         return (f"schema_version {version} was written by an older drifttool (this one reads "
                 f"version {SCHEMA_VERSION}); re-run it (a fixture: reseal it)")
     if type(version) is int and version > SCHEMA_VERSION:
@@ -196,7 +203,18 @@ OPS_SCHEMA = _schema("ops", [
     pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are the valid text tokens, in order
     pa.field("img_h", pa.int32()),  # L2: rows after them are image patches divmod(n, img_w)
     pa.field("img_w", pa.int32()),
+    # TP/SP layouts (version 4; null elsewhere): each global rank's digest-v2 partial of the
+    # record (what it holds of it: its block of a sharded output, its copy of a replicated one;
+    # 0 for a rank outside the record's ranks), and the ranks whose copy of what is replicated
+    # differs from the owning rank's ([] = every rank agrees; null = not checked on every rank)
+    pa.field("rank_digests", pa.list_(pa.uint64())),
+    pa.field("rank_disagree", pa.list_(pa.int32())),
 ])
+
+RANK_COLUMNS = ("rank_digests", "rank_disagree")
+"""Op columns added in version 4 (a version 3 file reads with them null)."""
+OPS_SCHEMA_V3 = _schema("ops", [f for f in OPS_SCHEMA if f.name not in RANK_COLUMNS])
+"""The version 3 op schema (``drifttool.artifact.reader`` reads it with ``RANK_COLUMNS`` null)."""
 
 STEPS_KEY = ("component", "phase", "step", "sample", "branch", "quantity")
 """Identity of a step record (no rank: ``rank`` is the owning rank)."""

@@ -41,6 +41,7 @@ from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture import gpu_rows
 from drifttool.capture.digest import PendingDigest, digest_pending, materialize, pending_rows, raw_bytes
 from drifttool.capture.layout import canonicalize, flat_parts
+from drifttool.capture.shards import rank_columns
 from drifttool.digestcore import ROW_CHUNK
 from drifttool.errors import UnsupportedConfigError
 
@@ -144,14 +145,16 @@ class Recorder:
         self._append(site, _parts(site, tensor.detach(), layout, self.level == "L2"), index, role)
 
     def capture_digested(self, site: dict[str, Any], parts: list[tuple[Any, PendingDigest]],
-                         index: int = 0, role: str = "output") -> None:
+                         index: int = 0, role: str = "output", ranks: list | None = None) -> None:
         """Record an operator output digested elsewhere: ``(part, pending digest)`` per logical
         sample, a part with ``sample``, ``row_axis`` and ``rows`` as ``layout.Part`` (a sharded
-        output's digest combined from its ranks' partials, ``capture.shards``). Arguments and
-        errors as ``capture``."""
+        output's digest combined from its ranks' partials, ``capture.shards``). ``ranks``: per
+        part, ``capture.shards.RankCheck`` (every rank's partial and which ranks must agree;
+        the ``rank_digests`` and ``rank_disagree`` columns), or ``None``. Arguments and errors
+        as ``capture``."""
         if self.level != "L0":
             self._check_site(site)
-            self._append(site, parts, index, role)
+            self._append(site, parts, index, role, ranks)
 
     @staticmethod
     def _check_site(site: dict[str, Any]) -> None:
@@ -163,7 +166,8 @@ class Recorder:
         if component not in S.COMPONENTS:
             raise ValueError(f"unknown component {component!r} (one of {S.COMPONENTS})")
 
-    def _append(self, site: dict[str, Any], parts: list, index: int, role: str) -> None:
+    def _append(self, site: dict[str, Any], parts: list, index: int, role: str,
+                ranks: list | None = None) -> None:
         component = site.get("component", S.DEFAULT_COMPONENT)
         self._enter_step(site["phase"], int(site["step"]))
         rows = self.level == "L2"
@@ -179,7 +183,7 @@ class Recorder:
                 site["stream"], site["op"], int(site["call"]), int(index), role, part.sample),
                 d, (None if rm is None else rm.txt_len,
                 None if grid is None else grid[0], None if grid is None else grid[1],
-            )))
+            ), None if ranks is None else ranks[b]))
             self._seq += 1
 
     def capture_grad(self, *, phase: str, step: int, block: int, stream: str, op: str,
@@ -233,7 +237,7 @@ class Recorder:
         return d.dtype, d.shape, d.digest, d.nonfinite, d.l2, d.maxabs
 
     def _ops_batch(self, done: list) -> pa.RecordBatch:
-        recs = [(*head, *self._digest_cols(d), *tail) for (head, _, tail), d in zip(self._ops, done)]
+        recs = [(*head, *self._digest_cols(d), *tail) for (head, _, tail, _), d in zip(self._ops, done)]
         cols = dict(zip(_OPS_SCALARS, map(list, zip(*recs))))
         rows = [d.rows for d in done]
         lens = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
@@ -243,6 +247,7 @@ class Recorder:
         mask = pa.array([r is None for r in rows])
         cols["row_digests"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),
                                                        mask=mask)
+        cols["rank_digests"], cols["rank_disagree"] = rank_columns([r for *_, r in self._ops])
         return pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
                                           schema=S.OPS_SCHEMA)
 
@@ -286,7 +291,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Write the buffered records as one batch per file (nothing if the buffer is empty)."""
-        pending: list[PendingDigest] = [p for _, p, _ in self._ops] + [p for _, p, _ in self._steps]
+        pending: list[PendingDigest] = [p for _, p, _, _ in self._ops] + [p for _, p, _ in self._steps]
         staged = self._stage_step_bytes()
         done = materialize(pending)  # the step's one read-back per device
         if self._ops:

@@ -305,3 +305,67 @@ def combine_payloads(parts: list[LogicalPart], total: torch.Tensor, dtype: torch
                                  keep, total[at:at + n]))
         at += n
     return out
+
+
+# -- every rank's copy checked: the ``rank_digests`` and ``rank_disagree`` columns --------------
+
+
+@dataclass(frozen=True)
+class RankCheck:
+    """What the owning rank learned of one logical part from every rank of a TP/SP layout.
+
+    Attributes:
+        digests: ``int64 [world]``: each global rank's payload word 0 (``V`` of what it holds of
+            the part: its block of a sharded output, its whole copy of a replicated one; 0 for a
+            rank that holds none), on the capture device (read back at flush).
+        refs: per global rank, the rank whose ``V`` it must equal (the rank at coordinate 0 of
+            every mesh dimension that replicates the output, the others unchanged), or −1 where
+            the rank is not one of the record's ranks (another CFG branch).
+        copies, copy_refs: likewise for a part of the output every rank repeats but only one
+            rank's block holds (the text rows of a joint output under SP): ``int64 [world]``,
+            each rank's ``V`` of its own copy, and the ranks to compare; ``None`` if none.
+    """
+
+    digests: torch.Tensor
+    refs: tuple[int, ...]
+    copies: torch.Tensor | None = None
+    copy_refs: tuple[int, ...] | None = None
+
+
+def part_words(payload: torch.Tensor, parts: list[LogicalPart], keep_rows: bool) -> torch.Tensor:
+    """Word 0 (``V`` without header) of each part's payload in ``shard_payload``'s concatenation:
+    ``int64 [len(parts)]``."""
+    starts = [0, *itertools.accumulate(payload_widths(parts, keep_rows))][:-1]
+    return payload[torch.tensor(starts, dtype=torch.long, device=payload.device)]
+
+
+def rank_columns(checks: list[RankCheck | None]) -> tuple[Any, Any]:
+    """The ``rank_digests`` (``list<uint64>``) and ``rank_disagree`` (``list<int32>``: the ranks
+    whose ``V`` differs from their reference's, ascending) columns of op records, null where a
+    record has no ``RankCheck``; every device's digests are read back in one transfer."""
+    import numpy as np
+    import pyarrow as pa
+
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(checks):
+        if c is not None:
+            by_dev.setdefault(c.digests.device, []).append(i)
+    host: dict[int, Any] = {}
+    for idx in by_dev.values():
+        flat = torch.stack([torch.stack([checks[i].digests, checks[i].digests if checks[i].copies
+                                         is None else checks[i].copies]) for i in idx]).cpu().numpy()
+        host.update(zip(idx, flat))
+    digests, disagree = [], []
+    for i, c in enumerate(checks):
+        if c is None:
+            digests.append(None)
+            disagree.append(None)
+            continue
+        v, copies = host[i]
+        bad = {r for r, ref in enumerate(c.refs) if ref >= 0 and v[r] != v[ref]}
+        if c.copy_refs is not None:
+            bad |= {r for r, ref in enumerate(c.copy_refs) if ref >= 0 and copies[r] != copies[ref]}
+        digests.append(v.astype(np.uint64).tolist())
+        disagree.append(sorted(bad))
+    return (pa.array(digests, type=pa.list_(pa.uint64())),
+            pa.array(disagree, type=pa.list_(pa.int32())))

@@ -41,11 +41,10 @@ def capture_outputs(
     layouts = (layout,) if isinstance(layout, str) else tuple(layout)
     if rt.plan is not None:  # the logical tensors' digests, on the owning rank only
         got = rt.plan.for_capture(rt, site, out, layouts, keep_rows=rt.recorder.level == "L2")
-        for i, (item, lay) in enumerate(zip(got or (), layouts)):
-            if isinstance(item, list):  # a sharded output: its ranks' partials combined
-                rt.recorder.capture_digested(site, item, index=i, role=role)
-            elif item is not None:
-                rt.recorder.capture(site, item, lay, index=i, role=role)
+        for i, item in enumerate(got or ()):
+            if item is not None:  # digested from every rank's partials, with their checks
+                parts, checks = item
+                rt.recorder.capture_digested(site, parts, index=i, role=role, ranks=checks)
         return
     for i, (t, lay) in enumerate(zip(outs, layouts)):
         if lay is not None:

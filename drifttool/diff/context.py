@@ -59,7 +59,8 @@ def dict_differences(a: Any, b: Any, prefix: str) -> list[str]:
 def incomparable(ma: dict, mb: dict) -> list[str]:
     """Why manifests ``ma`` and ``mb`` cannot be aligned (empty list: they can)."""
     out = []
-    if ma["schema_version"] != mb["schema_version"]:
+    if ma["schema_version"] != mb["schema_version"] and not (
+            {ma["schema_version"], mb["schema_version"]} <= S.ALIGNABLE_SCHEMA_VERSIONS):
         out.append(f"schema_version: {ma['schema_version']} != {mb['schema_version']}")
     fa, fb = ma.get("fingerprint") or {}, mb.get("fingerprint") or {}
     out += dict_differences(fa.get("arch", {}), fb.get("arch", {}), "fingerprint.arch")

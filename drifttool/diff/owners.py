@@ -19,7 +19,8 @@ different ranks (``drifttool.distributed.sp``). ``row_owner`` names the rank tha
   digests run over query positions): text rows are replicated and attributed to SP coordinate
   0, image row ``n = r − txt_len`` as above. Under ``--sp-attention ulysses`` the attention
   trades rows for heads (each SP rank computes every row of its heads), so no single rank
-  computed a joint row: ``None``;
+  computed a joint row: ``None`` (the rank whose heads differ is named from the records' per-rank
+  digest partials, ``rank_digests``, against a run of the same layout: ``diff.compare``);
 * anything else (text stream: replicated; per-sample records without rows; a layout without
   SP): ``None``.
 
@@ -36,6 +37,24 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from drifttool.shards import mesh_rank, sp_row_spans
+
+ULYSSES_HEAD_OPS = ("joint_attention_fused", "joint_attn_qk_gemm", "joint_attn_softmax",
+                    "joint_attn_av_gemm")
+"""Joint records that ``--sp-attention ulysses`` computes by heads (each SP rank every row of its
+heads; ``distributed.sp.capture_source`` and ``_JOINT_HEADS``)."""
+
+
+def heads_note(layout: Mapping[str, Any] | None, record: Mapping[str, Any], side: str) -> str | None:
+    """A note for a first drift at a Ulysses attention record of run ``side`` whose differing
+    rank could not be named (no run of the same layout to compare each rank's part with)."""
+    sp_lay = sp_layout(layout)
+    if sp_lay is None or sp_lay[2] != "ulysses" or record.get("stream") != "joint" \
+            or record.get("op") not in ULYSSES_HEAD_OPS:
+        return None
+    return (f"run {side}: under --sp-attention ulysses every SP rank computed its heads of "
+            f"{record['op']}; rank {record['rank']} only wrote it — diff against a run of the same "
+            "layout to name the rank whose heads differ")
+
 
 def sp_layout(layout: Mapping[str, Any] | None) -> tuple[int, int, str] | None:
     """``(tp, sp, sp_attention)`` of a manifest layout of kind ``parallel`` with ``sp > 1``, else

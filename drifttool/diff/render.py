@@ -24,7 +24,9 @@
 
 When a run is laid out with SP and names the rank that computed the first differing row
 (``FirstDrift.row_rank_a/row_rank_b``), ``owning rank`` shows that rank per run and a ``written
-by`` row the record's writer (TP/SP coordinate 0). Sampler operators show block ``sampler``
+by`` row the record's writer (TP/SP coordinate 0); where a TP/SP run's ranks disagree on the
+record (``disagree_a/disagree_b``) or the rank whose part differs is known, that rank is the
+owner and a ``ranks disagree`` row names them. Sampler operators show block ``sampler``
 (``schema.SAMPLER_BLOCK``). Per-step cells show the
 worst sample and branch of the step (largest max|Δ|; "*": see the notes under the table, e.g.
 the dtypes differ); a non-'=' x_t means the drift was carried into the step; "ops ≠ 3+2?" means
@@ -64,7 +66,14 @@ def _first_drift_table(report: DiffReport) -> Table:
     t = Table(title="first drift (A | B)", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    if fd.row_rank_a is None and fd.row_rank_b is None:
+    if fd.disagree_a or fd.disagree_b or fd.part_rank_a is not None:
+        # a TP/SP run: the rank that disagrees (or whose part differs), then the writer
+        ranks = [("owning rank", f"{fd.owner_a} (run A), {fd.owner_b} (run B)"),
+                 ("written by", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
+        ranks += [(f"ranks disagree ({s})", f"{', '.join(map(str, d))} ≠ rank {w}")
+                  for s, d, w in (("A", fd.disagree_a, fd.rank_a), ("B", fd.disagree_b, fd.rank_b))
+                  if d]
+    elif fd.row_rank_a is None and fd.row_rank_b is None:
         ranks = [("owning rank", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
     else:  # an SP run: the row's shard computed it, TP/SP coordinate 0 wrote the gathered tensor
         ranks = [("owning rank", ", ".join(

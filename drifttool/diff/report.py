@@ -76,7 +76,7 @@ class RowDrift:
     first: list[RowRef]  # the first few differing rows, in row order
 
 
-ORIGIN_KINDS = ("record", "between_steps", "inputs", "unknown")
+ORIGIN_KINDS = ("record", "ranks", "between_steps", "inputs", "unknown", "unchecked")
 """Values of ``FirstDrift.origin_kind``."""
 
 LEVEL_COVERS = {"L0": "step boundaries only",
@@ -113,9 +113,22 @@ class FirstDrift:
       mask or SDE noise that ``DiffReport.input_differences`` names, ``input_note`` its first
       line): the record consumed them and is the first where they show (e.g.
       ``txt_in_rmsnorm_linear`` for a prompt).
+    - ``"ranks"``: the ranks of a TP/SP layout disagree on this record (a replicated output
+      that one rank computed with other bytes, ``disagree_a``/``disagree_b``), while every
+      earlier record agrees on every rank and matches: the drift is born here, on that rank.
+      This is a finding in one run alone (a run diffed against itself).
     - ``"unknown"``: records missing in one run precede it; the origin may be earlier.
+    - ``"unchecked"``: an earlier operator output of a TP/SP run was not checked on every rank
+      (written without ``rank_disagree``: schema version 3); a rank may have drifted there
+      unseen, so no origin is claimed.
 
-    ``origin`` is ``origin_kind != "unknown"``; ``prev_step`` is the previous step of a
+    ``disagree_a``/``disagree_b``: the ranks whose copy of the record differs from the owning
+    rank's in each run (``rank_disagree``; empty or ``None`` when they agree or were not
+    checked). ``part_rank_a``/``part_rank_b``: where both runs hold every rank's digest partial
+    of the record in the same layout (``rank_digests``), the first rank whose partial differs —
+    the rank whose rows (outside attention) or heads (inside attention, Ulysses and TP) differ.
+
+    ``origin`` is ``origin_kind`` not ``"unknown"`` or ``"unchecked"``; ``prev_step`` is the previous step of a
     ``"between_steps"`` origin (``None`` otherwise); ``unmatched_before`` counts the records of
     one run only that precede it.
     """
@@ -149,16 +162,30 @@ class FirstDrift:
     rows: RowDrift | None = None
     row_rank_a: int | None = None
     row_rank_b: int | None = None
+    disagree_a: list[int] | None = None
+    disagree_b: list[int] | None = None
+    part_rank_a: int | None = None
+    part_rank_b: int | None = None
+
+    @staticmethod
+    def _owner(rank: int, row: int | None, part: int | None, disagree: list[int] | None) -> int:
+        if disagree:
+            return disagree[0]
+        if part is not None:
+            return part
+        return rank if row is None else row
 
     @property
     def owner_a(self) -> int:
-        """Run A's rank that computed the first differing row, else the record's writer."""
-        return self.rank_a if self.row_rank_a is None else self.row_rank_a
+        """Run A's first rank that disagrees with the owning rank, else the rank whose digest
+        partial differs, else the rank that computed the first differing row, else the
+        record's writer."""
+        return self._owner(self.rank_a, self.row_rank_a, self.part_rank_a, self.disagree_a)
 
     @property
     def owner_b(self) -> int:
-        """Run B's rank that computed the first differing row, else the record's writer."""
-        return self.rank_b if self.row_rank_b is None else self.row_rank_b
+        """As ``owner_a``, for run B."""
+        return self._owner(self.rank_b, self.row_rank_b, self.part_rank_b, self.disagree_b)
 
     def origin_words(self) -> str:
         """The origin in words, e.g. ``x_t of step 2 differs; step 1's outputs match — changed
@@ -171,8 +198,11 @@ class FirstDrift:
                        "matches" if self.input_note else
                        f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
                        "the replay inputs differ"),
+            "ranks": "ranks disagree here: every earlier record agrees on every rank",
             "unknown": f"{self.unmatched_before} unmatched records precede it: origin may be "
                        "earlier",
+            "unchecked": "earlier records were not checked on every rank (schema version 3): "
+                         "origin may be earlier, on another rank",
         }[self.origin_kind]
 
     def owning_rank(self) -> str:
@@ -189,6 +219,19 @@ class FirstDrift:
         """(``owning rank ...``, what the row owner and the writer are, or ``None``)."""
         oa, ob = self.owner_a, self.owner_b
         words = f"owning rank {oa}" if oa == ob else f"owning rank {oa} in run A, {ob} in run B"
+        ranks = [(s, d, w) for s, d, w in (("A", self.disagree_a, self.rank_a),
+                                           ("B", self.disagree_b, self.rank_b)) if d]
+        if ranks:
+            return words, "; ".join(
+                f"ranks disagree in run {s}: rank{'s' if len(d) > 1 else ''} "
+                f"{', '.join(map(str, d))} ≠ rank {w}, its writer" for s, d, w in ranks)
+        parts = [(s, p, w) for s, p, w in (("A", self.part_rank_a, self.rank_a),
+                                           ("B", self.part_rank_b, self.rank_b)) if p is not None]
+        if parts:
+            written = {w for _, _, w in parts}
+            return words, ("the rank whose part of it differs; written by rank "
+                           + (str(written.pop()) if len(written) == 1 else
+                              f"{self.rank_a} in run A, {self.rank_b} in run B"))
         sides = [(s, w) for s, r, w in (("A", self.row_rank_a, self.rank_a),
                                         ("B", self.row_rank_b, self.rank_b)) if r is not None]
         if not sides:

@@ -17,8 +17,11 @@ Capture records the logical tensors without moving them: where a rule table shar
 every rank digests its own block and only the digest partials are gathered and combined, SP then
 TP (``capture.shards``: a few words per record at L1, the row digests at L2). One **owning rank**
 records: coordinate 0 of the TP and SP dimensions, and for the model's calls the CFG rank that
-ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). Rank is an
-attribute of a record, never part of its identity, so the artifact diffs against a single
+ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). An output
+every rank computes alike (replicated) is digested on every rank as well, and the owning rank's
+record carries each rank's digest and the ranks whose copy disagrees (``rank_digests``,
+``rank_disagree``), so a fault in a rank that writes nothing is still found, and named. Rank is
+an attribute of a record, never part of its identity, so the artifact diffs against a single
 device record for record.
 
 Collectives are canonical (``drifttool.distributed.canonical``): ``gather_cat`` concatenates every rank's part in rank order (no
@@ -316,37 +319,83 @@ class ParallelPlan:
         """What this rank records of a call's outputs (a collective: every rank calls it for
         every captured call, in the same order).
 
-        An output no rule table shards is the owning rank's to digest (``owns``): the tensor.
-        A sharded output is digested where it lies: every rank digests its block
-        (``capture.shards.shard_payload``), the payloads are gathered and combined over each
-        dimension that shards it (SP, then TP), and the owning rank gets ``[(part, pending
-        digest)]`` for ``Recorder.capture_digested``. Elsewhere (and for ``None`` layouts)
-        ``None``; the whole result is ``None`` on a rank that records nothing of the call.
+        Every rank digests what it holds of each output (``capture.shards.shard_payload``): its
+        block of an output a rule table shards (``places``), its whole copy of one it computes
+        like its peers (replicated). The payloads of a sharded output are gathered and combined
+        over each dimension that shards it (SP, then TP); over each dimension that replicates it
+        (TP and SP; CFG too for the sampler's calls, ``SAMPLER_BLOCK``) only every rank's digest
+        word travels, so the owning rank (``owns``) learns what every rank of the record
+        computed (``capture.shards.RankCheck``: a replica that differs from its coordinate-0
+        peer is a disagreement, recorded, never dropped); the text rows of a joint output, which
+        every SP rank repeats and SP rank 0's block holds, are checked the same way
+        (``sp.repeated_rows``). The owning rank gets ``[(part,
+        pending digest)]`` and the checks per output for ``Recorder.capture_digested``; ``None``
+        for ``None`` layouts, and as the whole result on a rank that records nothing of the call.
         """
         outs = out if isinstance(out, tuple) else (out,)
-        owner = self.owns(int(rt.scope_value("block")))
+        block = int(rt.scope_value("block"))
+        owner = self.owns(block)
         got: list[Any] = []
         for i, (t, lay) in enumerate(zip(outs, layouts)):
-            placement: dict = {}
-            dims = []
-            if lay is not None and isinstance(t, torch.Tensor):
-                for dim, place in self.places:
-                    before = placement
-                    placement = place(self, rt, site["op"], site["stream"], i, t, placement)
-                    if placement is not before:
-                        dims.append(dim)
-            if not dims:
-                got.append(t if owner and lay is not None else None)
+            if lay is None or not isinstance(t, torch.Tensor):
+                got.append(None)
                 continue
+            t = sp.capture_source(self, rt, site["op"], i, t)  # Ulysses: the heads it computed
+            placement: dict = {}
+            placed = []
+            for dim, place in self.places:
+                before = placement
+                placement = place(self, rt, site["op"], site["stream"], i, t, placement)
+                if placement is not before:
+                    placed.append(dim)
+            replicated = [d for d in ("sp", "tp") if self.size(d) > 1 and d not in placed]
+            if block == SAMPLER_BLOCK and self.size("cfg") > 1:
+                replicated.append("cfg")
             parts, payload = capture_shards.shard_payload(site, t.detach(), lay, placement, keep_rows)
             widths = capture_shards.payload_widths(parts, keep_rows)
-            with COMM.capturing():
-                for dim in dims:  # every rank's partials, in rank order; exact in any order
-                    payload = capture_shards.reduce_payloads(
-                        torch.stack(gather_list(payload, self.groups.get(dim))), widths)
+            world = self.dims.world_size
+            # [part, rank, (its block, its copy of the rows every SP rank repeats)]
+            table = torch.zeros(len(parts), world, 2, dtype=torch.int64, device=payload.device)
+            table[:, self.mesh_rank, 0] = capture_shards.part_words(payload, parts, keep_rows)
+            repeated = sp.repeated_rows(self, site["op"], site["stream"], placement) \
+                if "sp" in placed else None
+            if repeated is not None:
+                _, copy = capture_shards.shard_payload(site, t.detach(), lay, repeated, False)
+                table[:, self.mesh_rank, 1] = capture_shards.part_words(copy, parts, False)
+            with COMM.capturing():  # exact in any order; a few words per rank and part
+                for dim in [d for d in ("sp", "tp", "cfg") if d in placed or d in replicated]:
+                    ours = table.reshape(-1)
+                    if dim in placed:
+                        ours = torch.cat([payload, ours])
+                    rows = torch.stack(gather_list(ours, self.groups.get(dim)))
+                    if dim in placed:
+                        payload = capture_shards.reduce_payloads(rows[:, :payload.numel()], widths)
+                        rows = rows[:, payload.numel():]
+                    table = rows.reshape(-1, len(parts), world, 2).amax(0)  # V >= 0: each slot once
+            if not owner:
+                got.append(None)
+                continue
             pending = capture_shards.combine_payloads(parts, payload, t.dtype, keep_rows)
-            got.append(list(zip(parts, pending)) if owner else None)
+            refs = self._refs(replicated, block)
+            copy_refs = self._refs([*replicated, "sp"], block) if repeated is not None else None
+            checks = [capture_shards.RankCheck(table[j, :, 0], refs, table[j, :, 1], copy_refs)
+                      for j in range(len(parts))]
+            got.append((list(zip(parts, pending)), checks))
         return got if owner else None
+
+    def _refs(self, replicated: list[str], block: int) -> tuple[int, ...]:
+        """Per global rank, the rank whose digest it must equal: the same coordinates with every
+        ``replicated`` dimension at 0 (itself when nothing replicates); −1 for ranks of another
+        CFG coordinate in a model call (another branch)."""
+        tp_, sp_, cfg_ = self.dims.tp, self.dims.sp, self.dims.cfg
+        refs = []
+        for r in range(self.dims.world_size):
+            c = {"cfg": r // (tp_ * sp_), "sp": (r // tp_) % sp_, "tp": r % tp_}
+            if "cfg" not in replicated and c["cfg"] != self.coords["cfg"]:
+                refs.append(-1)
+                continue
+            refs.append(mesh_rank(self.dims, {k: 0 if k in replicated else v for k, v in c.items()}))
+        return tuple(refs)
 
     def check_training(self, model: Any = None) -> None:
         """Refuse what training under this plan cannot give one device's gradient bytes for:

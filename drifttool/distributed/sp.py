@@ -186,6 +186,7 @@ def _ulysses(plan: "ParallelPlan", run, q, k, v, key_mask, text_len: int, kwargs
         return torch.cat([head_slice(t[:, :text_len], me * per, (me + 1) * per, group), *got], dim=1)
 
     o = run(to_heads(q), to_heads(k), to_heads(v), key_mask, **kwargs)  # [B, L + N, H/S, Dh]
+    plan.state["ulysses_heads"] = o  # what this rank computed: every row of its heads (capture)
     starts = [sum(sizes[:j]) for j in range(sp)]
     img = o[:, text_len:]
     mine = sizes[me]
@@ -228,7 +229,37 @@ RULES: dict = {
 
 _JOINT_ROWS = {"joint_attention_fused": 1, "joint_attn_av_gemm": 1, "joint_attn_qk_gemm": 2,
                "joint_attn_softmax": 2}  # the query axis of each joint output
-_JOINT_HEADS = {"joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1, "joint_attn_softmax": 1}
+_JOINT_HEADS = {"joint_attention_fused": 2, "joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1,
+                "joint_attn_softmax": 1}
+
+
+def repeated_rows(plan: "ParallelPlan", op: str, stream: str, placement: "Placement") -> "Placement | None":
+    """Where the rows every SP rank repeats sit in a joint output that SP places by rows: the text
+    rows (``placement`` of this rank with its row axis narrowed to them), which only SP rank 0's
+    block holds; each rank digests its own copy so the ranks' copies are checked. ``None`` for
+    other outputs (no text rows, or Ulysses' attention outputs, placed by heads)."""
+    if stream != "joint" or op not in _JOINT_ROWS or (plan.dims.sp_attention == "ulysses"
+                                                      and op in _JOINT_HEADS):
+        return None
+    text, axis = int(plan.state.get("text_len", 0)), _JOINT_ROWS[op]
+    if not text or axis not in placement:
+        return None
+    return {**placement, axis: AxisShard(placement[axis].size, ((0, text, 0),))}
+
+
+def capture_source(plan: "ParallelPlan", rt: "Runtime", op: str, index: int,
+                   tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor capture digests for an output: under ``--sp-attention ulysses`` the attention
+    output as this rank computed it (every row of its heads, ``[B, L + N, H/S, Dh]``, before
+    the rows are traded back), so its digest partial is the rank's own work and a head slice
+    that differs names the rank that computed it; else ``tensor``."""
+    if op == "joint_attention_fused" and plan.dims.sp > 1 and plan.dims.sp_attention == "ulysses":
+        heads = plan.state.pop("ulysses_heads", None)
+        if heads is None or heads.dim() != tensor.dim() or heads.shape[0] != tensor.shape[0]:
+            raise UnsupportedConfigError("SP Ulysses capture: the attention output this rank "
+                                         "computed was not kept by the Ulysses rule")
+        return heads
+    return tensor
 
 
 def place_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,

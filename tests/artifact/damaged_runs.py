@@ -282,6 +282,10 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
         d / "ops.rank0.arrow", lambda t: _set_value("row_digests", 9, [
             v ^ 1 for v in t.column("row_digests")[9].as_py()])(t)),
     "step record maxabs under its digest": value_in("steps.rank0.arrow", "maxabs", 0.5, 2),
+    "op record disagreeing rank outside the layout": value_in("ops.rank0.arrow", "rank_disagree",
+                                                              [3], 5),
+    "op record rank digests not one per rank": value_in("ops.rank0.arrow", "rank_digests",
+                                                        [1, 2, 3], 5),
     "dropped ops column": drop_column("ops.rank0.arrow", "call"),
     "extra ops column": lambda d: _rewrite_stream(
         d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),

@@ -67,7 +67,10 @@ def _check(tmp_path_factory, tmp_path, dims, config, fields):
     layout = run.manifest["layout"]
     assert run.complete and run.world_size == dims.world_size and layout["kind"] == "parallel"
     assert (layout["tp"], layout["sp"], layout["cfg_parallel"]) == (dims.tp, dims.sp, dims.cfg)
-    writers = set(run.ops_table()["rank"].to_pylist())
+    ops = run.ops_table()
+    # every rank's copy of each record checked, and all agree (replicated outputs, text rows)
+    assert ops["rank_disagree"].null_count == 0 and not any(ops["rank_disagree"].to_pylist())
+    writers = set(ops["rank"].to_pylist())
     tp_sp_zero = {r for r in range(dims.world_size) if r % (dims.tp * dims.sp) == 0}
     assert writers <= tp_sp_zero, writers  # records are written by TP/SP coordinate 0 only
 

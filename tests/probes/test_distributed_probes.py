@@ -3,7 +3,7 @@ at its declared operator, step, block, stream, branch and owning rank; each layo
 identical to one process. Every layout runs on spawned gloo ranks (``run_parallel``).
 
 The default set runs three probes through the CLI (an SP mismatch whose first differing row was
-computed by rank 1, the CFG noise mismatch owned by rank 1, the TP2 control); the whole
+computed by rank 1, the CFG noise mismatch on which CFG rank 1 disagrees, the TP2 control); the whole
 distributed matrix, the 4-rank all-reduce mismatch on an 8-head model and the errors of a rank
 are ``slow``.
 """
@@ -98,9 +98,11 @@ def test_sp_probe_names_the_rank_that_computed_the_row(fast):
 
 def test_noise_probe_is_owned_by_cfg_rank_1(fast):
     rep = json.loads((fast[3] / "diffs" / "noise_per_rank.json").read_text())["first_drift"]
-    assert (rep["op"], rep["step"], rep["block"], rep["branch"]) == ("latent_proj_gemm", 1, -1,
-                                                                    "uncond")
-    assert (rep["rank_b"], rep["row_rank_b"]) == (1, None)  # CFG only: the writer computed it
+    # the CFG ranks repeat the sampler's calls; rank 1's SDE step (its own noise) disagrees with
+    # rank 0's, which writes the record, at the step that drew the noise
+    assert (rep["op"], rep["step"], rep["block"], rep["branch"]) == ("flow_sde_step_logp", 0, -2,
+                                                                    "cfg")
+    assert (rep["rank_b"], rep["disagree_b"], rep["origin_kind"]) == (0, [1], "ranks")
 
 
 def test_a_wrong_owning_rank_is_a_finding(fast):
