@@ -11,8 +11,9 @@ of 128 text slots (batch 2 = CFG-batched cond + uncond, 128 and 77 valid), 4096 
 stream's rows. Each cell is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed
 between calls). The rate column is TFLOP/s for operators whose roofline time is set by the
 tensor cores (≈ 790 TFLOP/s bf16 dense on an H200) and GB/s (input + output bytes once) for the
-others (≈ 4.8 TB/s); "% of limit" is the roofline time over the measured time. ``mlp_up_gemm_gelu`` has two more rows, ``img, GELU f32`` and ``img, GELU f64``: the GEMM
-with each epilogue (``strict_cuda.linear.GELU_EPILOGUE`` chooses the registered one), side by side
+others (≈ 4.8 TB/s); "% of limit" is the roofline time over the measured time. ``mlp_up_gemm_gelu`` has four more rows, ``img, GELU f32`` and ``img, GELU f64``: the GEMM
+with each epilogue (``strict_cuda.linear.GELU_EPILOGUE`` chooses the registered one), side by side,
+and the same with 128 registers per thread (``r128``: two CTAs per SM; same bytes)
 (``--ops mlp_up_gemm_gelu`` runs just these). Operators
 without a strict CUDA implementation are listed as such. Without CUDA the script prints why and
 exits 0. The table's title names the GPU, versions and date.
@@ -65,13 +66,15 @@ def _lin(n, k):
     return _rn(n, k, scale=1 / math.sqrt(k)), _rn(n, scale=0.1)
 
 
-def _gelu_variant(act: str) -> Callable[..., Any]:
+def _gelu_variant(act: str, maxnreg: int | None = None) -> Callable[..., Any]:
     """mlp_up_gemm_gelu with the given epilogue (``linear.GELU_EPILOGUE`` picks the registered
-    one): both timed side by side, so the FP64 (CPU bytes) vs FP32 (faster) choice is measured."""
+    one): both timed side by side, so the FP64 (CPU bytes) vs FP32 (faster) choice is measured;
+    ``maxnreg`` = 128 caps the registers so two CTAs share an SM (same bytes)."""
     def run(x, w, b):
         from drifttool.ops.strict_cuda.kernels import gemm
 
-        return gemm.linear(x, w, b, act=act)
+        cfg = gemm.GemmConfig(maxnreg=maxnreg) if maxnreg else None
+        return gemm.linear(x, w, b, act=act, config=cfg)
 
     return run
 
@@ -136,6 +139,10 @@ def cases(grid: tuple[int, int], batch: int) -> list[Case]:
              2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh_f32")),
         Case("mlp_up_gemm_gelu", "img, GELU f64", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
              2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh")),
+        Case("mlp_up_gemm_gelu", "img, GELU f32 r128", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh_f32", 128)),
+        Case("mlp_up_gemm_gelu", "img, GELU f64 r128", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh", 128)),
         Case("mlp_down_gemm", "img", lambda: ((_rn(batch, n, MLP), *_lin(D, MLP)), {}), 2.0 * m * MLP * D),
         Case("final_adaln_out", "img", lambda: ((_rn(batch, n, D, scale=2), _rn(batch, D), *_lin(2 * D, D)), {}),
              2.0 * batch * D * 2 * D),

@@ -79,11 +79,14 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     tma: bool = True
+    maxnreg: int | None = None
+    """Register cap per thread (e.g. 128: two 8-warp CTAs per SM, one's epilogue beside the
+    other's MMAs; the FP64 GELU then spills ~250 bytes, offline sm_90a). None: the compiler's."""
 
     @property
     def id(self) -> str:
         return (f"bm{self.block_m}bn{self.block_n}w{self.num_warps}s{self.num_stages}"
-                f"{'.tma' if self.tma else ''}")
+                f"{'.tma' if self.tma else ''}{f'.r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 BF16_CONFIG = GemmConfig()
@@ -381,7 +384,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
         EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return y.reshape(*lead, n)
 
 
