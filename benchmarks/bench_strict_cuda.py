@@ -11,7 +11,10 @@ of 128 text slots (batch 2 = CFG-batched cond + uncond, 128 and 77 valid), 4096 
 stream's rows. Each cell is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed
 between calls). The rate column is TFLOP/s for operators whose roofline time is set by the
 tensor cores (≈ 790 TFLOP/s bf16 dense on an H200) and GB/s (input + output bytes once) for the
-others (≈ 4.8 TB/s); "% of limit" is the roofline time over the measured time. Operators
+others (≈ 4.8 TB/s); "% of limit" is the roofline time over the measured time. ``mlp_up_gemm_gelu`` has four more rows, ``img, GELU f32`` and ``img, GELU f64``: the GEMM
+with each epilogue (``strict_cuda.linear.GELU_EPILOGUE`` chooses the registered one), side by side,
+and the same with 128 registers per thread (``r128``: two CTAs per SM; same bytes)
+(``--ops mlp_up_gemm_gelu`` runs just these). Operators
 without a strict CUDA implementation are listed as such. Without CUDA the script prints why and
 exits 0. The table's title names the GPU, versions and date.
 """
@@ -52,6 +55,7 @@ class Case:
     label: str
     make: Callable[[], tuple[tuple, dict]]
     flops: float
+    strict: Callable[..., Any] | None = None  # a variant in place of the registered strict operator
 
 
 def _rn(*shape, scale=1.0, dtype=torch.bfloat16):
@@ -60,6 +64,19 @@ def _rn(*shape, scale=1.0, dtype=torch.bfloat16):
 
 def _lin(n, k):
     return _rn(n, k, scale=1 / math.sqrt(k)), _rn(n, scale=0.1)
+
+
+def _gelu_variant(act: str, maxnreg: int | None = None) -> Callable[..., Any]:
+    """mlp_up_gemm_gelu with the given epilogue (``linear.GELU_EPILOGUE`` picks the registered
+    one): both timed side by side, so the FP64 (CPU bytes) vs FP32 (faster) choice is measured;
+    ``maxnreg`` = 128 caps the registers so two CTAs share an SM (same bytes)."""
+    def run(x, w, b):
+        from drifttool.ops.strict_cuda.kernels import gemm
+
+        cfg = gemm.GemmConfig(maxnreg=maxnreg) if maxnreg else None
+        return gemm.linear(x, w, b, act=act, config=cfg)
+
+    return run
 
 
 def cases(grid: tuple[int, int], batch: int) -> list[Case]:
@@ -118,6 +135,14 @@ def cases(grid: tuple[int, int], batch: int) -> list[Case]:
             (qkv4(s), qkv4(s), qkv4(s), key_mask), {"text_len": TXT}), 2 * att),
         Case("attn_out_bias_gemm", "img", lambda: ((_rn(batch, n, D), *_lin(D, D)), {}), 2.0 * m * D * D),
         Case("mlp_up_gemm_gelu", "img", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}), 2.0 * m * D * MLP),
+        Case("mlp_up_gemm_gelu", "img, GELU f32", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh_f32")),
+        Case("mlp_up_gemm_gelu", "img, GELU f64", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh")),
+        Case("mlp_up_gemm_gelu", "img, GELU f32 r128", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh_f32", 128)),
+        Case("mlp_up_gemm_gelu", "img, GELU f64 r128", lambda: ((_rn(batch, n, D), *_lin(MLP, D)), {}),
+             2.0 * m * D * MLP, strict=_gelu_variant("gelu_tanh", 128)),
         Case("mlp_down_gemm", "img", lambda: ((_rn(batch, n, MLP), *_lin(D, MLP)), {}), 2.0 * m * MLP * D),
         Case("final_adaln_out", "img", lambda: ((_rn(batch, n, D, scale=2), _rn(batch, D), *_lin(2 * D, D)), {}),
              2.0 * batch * D * 2 * D),
@@ -180,7 +205,7 @@ def main() -> int:
                     if (wanted and case.op not in wanted) or not impls(case.op, "strict", "cuda"):
                         continue
                     a, kw = case.make()
-                    strict = implementation(case.op, "strict", "cuda")
+                    strict = case.strict or implementation(case.op, "strict", "cuda")
                     prod = implementation(case.op, "production", "cuda")
                     try:
                         out = strict(*a, **kw)

@@ -123,7 +123,8 @@ CONFIGS = {"bm128bn128w8s3": dict(tma=False),
            "bm64bn128w4s4.tma": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),
            "bm128bn64w8s3.tma": dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
            "bm128bn256w8s3.tma": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
-           "bm64bn64w4s2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=False)}
+           "bm64bn64w4s2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=False),
+           "bm128bn128w8s3.tma.r128": dict(maxnreg=128)}  # two CTAs per SM, the epilogue spills
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -195,7 +196,8 @@ def test_gemv_full_width_rows_order_and_geometry():
     assert_same_bytes(y32, gemv_order(s[:2], w, b), "gemv vs its order by torch on the GPU")
     assert_same_bytes(y32[:1].cpu(), gemv_order(s[:1].cpu(), w.cpu(), b.cpu()), "gemv vs its order on the CPU")
     assert_same_bytes(full[:2], y32.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
-    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, unroll=1), gemm.GemvConfig(block_n=128, num_warps=8, unroll=2)):
+    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, unroll=1),
+                gemm.GemvConfig(block_n=128, num_warps=8, unroll=2)):
         assert_same_bytes(gemm.gemv(s, w, b, out_dtype=torch.bfloat16, config=cfg), full, cfg.id)
     tau = torch.tensor([1.0, 0.3, 0.7], device="cuda")
     w1, b1 = lin(D, 256, seed=92)
@@ -227,6 +229,39 @@ def test_epilogue_activation_equals_cpu_bytes(act, fn):
     assert_same_bytes(got.cpu(), fn(pre.cpu()), f"{act} epilogue vs CPU {fn.__name__}")
     bf = gemm.linear(x, w, b, act=act)
     assert_same_bytes(bf, got.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
+
+
+def gelu_tanh_f32_order(x):
+    """The FP32 GELU epilogue's stated formula (kernels.gemm._gelu_tanh_f32) by torch FP32 ops."""
+    def f(v):
+        return torch.tensor(v, dtype=torch.float32, device=x.device)
+
+    u = f(0.7978845608028654) * (x + f(0.044715) * ((x * x) * x))
+    z = f(-2.0) * u
+    zc = torch.where(z != z, f(0.0), z).clamp(-87.0, 88.0)
+    k = ((zc * f(1.4426950408889634)) + f(12582912.0)) - f(12582912.0)
+    r = (zc - k * f(0.693145751953125)) - k * f(1.428606765330187e-06)
+    p = f(1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * r + f(c)
+    e = p * ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+    e = torch.where(z > 88.0, f(math.inf), torch.where(z < -87.0, f(0.0), e))
+    return x / (f(1.0) + torch.where(z != z, z, e))
+
+
+def test_gelu_f32_epilogue_is_its_formula_and_close_to_the_f64_one():
+    """The optional FP32 GELU epilogue equals its formula done by torch (on the GPU and the CPU);
+    prints how often its bf16 bytes equal the FP64 epilogue's (the CPU's) at full width."""
+    x = rn(1000, D, seed=63, scale=3.0)
+    w, b = lin(4096, D, seed=64)
+    pre = gemm.linear(x, w, b, out_dtype=torch.float32)
+    got = gemm.linear(x, w, b, act="gelu_tanh_f32", out_dtype=torch.float32)
+    assert_same_bytes(got, gelu_tanh_f32_order(pre), "FP32 GELU epilogue vs its formula by torch (GPU)")
+    assert_same_bytes(got[:64].cpu(), gelu_tanh_f32_order(pre[:64].cpu()), "… by torch (CPU)")
+    c = compare(gemm.linear(x, w, b, act="gelu_tanh_f32"), gemm.linear(x, w, b, act="gelu_tanh"))
+    print(f"\nGELU epilogue f32 vs f64, bf16 output [1000, 4096]: max|Δ| {c['max_abs']:.3g}, "
+          f"max ulp {c['max_ulp']}, bytes equal {c['equal']:.4f}")
+    assert c["max_abs"] <= 2.0**-8 * c["scale"], c  # (ulps can be many near 0: the FP64 form rounds tiny GELUs to -0)
 
 
 def test_silu_and_sinusoid_equal_cpu_bytes():

@@ -33,6 +33,16 @@ order of ``adaln_mod_projection`` and ``timestep_embed_mlp`` (few rows, an FP32 
 operator, whatever the number of rows."""
 
 
+GELU_EPILOGUE = "f64"
+"""The GELU of ``mlp_up_gemm_gelu``'s epilogue: ``"f64"`` (FP64 from exact operations, the CPU's
+bytes given the same pre-activation) or ``"f32"`` (``kernels.gemm._gelu_tanh_f32``: an FP32 formula
+of exact FP32 operations, within one FP32 eps of |x| of the true GELU, faster; not the CPU's
+bytes). ``benchmarks/bench_strict_cuda.py`` times both; the kernel id names the one in use."""
+
+GELU_ACTS = {"f64": "gelu_tanh", "f32": "gelu_tanh_f32"}
+"""``GELU_EPILOGUE`` → the kernel's activation name."""
+
+
 def _act_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """The dtype of the first non-``None`` tensor (FP32 when none): the strict output dtype."""
     return next((t.dtype for t in tensors if t is not None), torch.float32)
@@ -73,11 +83,12 @@ def attn_out_bias_gemm(x, w, b):
     return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
 
 
-@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=KERNEL + "+gelu_tanh.f64")
+@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=KERNEL + f"+gelu_tanh.{GELU_EPILOGUE}")
 def mlp_up_gemm_gelu(x, w, b):
-    """GELU_tanh(x·wᵀ + b) [B,S,4d]: the GELU in the GEMM's epilogue, in FP64 from exact ops as
-    the CPU's ``gelu_tanh32``, rounded once to FP32, then one cast."""
-    return _linear(x, w, b, act="gelu_tanh", out_dtype=_act_dtype(x, w, b))
+    """GELU_tanh(x·wᵀ + b) [B,S,4d]: the GELU in the GEMM's epilogue (``GELU_EPILOGUE``; by
+    default in FP64 from exact ops as the CPU's ``gelu_tanh32``, rounded once to FP32), then one
+    cast."""
+    return _linear(x, w, b, act=GELU_ACTS[GELU_EPILOGUE], out_dtype=_act_dtype(x, w, b))
 
 
 @strict_cuda("mlp_down_gemm", "x", "w", "b", kernel=KERNEL)

@@ -263,3 +263,40 @@ def test_lora_merge_epilogue_is_the_two_fp32_operations():
     assert_same_bytes(op("lora_merge")(w, a, bb, 0.3), want, "lora_merge operator")
     with pytest.raises(UnsupportedConfigError, match="merge_into"):
         gemm.linear(bb, a.t(), merge_into=w[:, :99])
+
+
+def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
+    """The FP32 GELU epilogue's stated formula by torch FP32 operations (each rounded)."""
+    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    u = f(0.7978845608028654) * (x + f(0.044715) * ((x * x) * x))
+    z = f(-2.0) * u
+    zc = torch.where(z != z, f(0.0), z).clamp(-87.0, 88.0)
+    k = ((zc * f(1.4426950408889634)) + f(12582912.0)) - f(12582912.0)
+    r = (zc - k * f(0.693145751953125)) - k * f(1.428606765330187e-06)
+    p = f(1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * r + f(c)
+    e = p * ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+    e = torch.where(z > 88.0, f(math.inf), torch.where(z < -87.0, f(0.0), e))
+    e = torch.where(z != z, z, e)
+    return x / (f(1.0) + e)
+
+
+def test_gelu_f32_epilogue_is_its_stated_formula_and_accurate():
+    x, w, b = problem(37, 96, 100, seed=16)
+    x[0, :] *= 40  # large |pre|: the clamps
+    b[:6] = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, -30.0])  # specials in every row
+    pre = gemm.linear(x, w, b)
+    got = gemm.linear(x, w, b, act="gelu_tanh_f32")
+    nan = torch.isnan(got)
+    assert torch.equal(nan, torch.isnan(gelu_tanh_f32_order(pre))) and nan[:, 0].all() and nan[:, 2].all()
+    assert_same_bytes(got[~nan], gelu_tanh_f32_order(pre)[~nan], "FP32 GELU epilogue vs its formula")
+    fine = torch.isfinite(pre)
+    err = (got.double() - strict_math.gelu_tanh64(pre.double())).abs()[fine]
+    assert (err <= 8 * 2.0**-24 * pre.double().abs()[fine] + 1e-37).all(), f"max error {err.max().item():.3g}"
+
+
+def test_mlp_up_kernel_id_names_its_gelu_epilogue():
+    kernel = impls("mlp_up_gemm_gelu", "strict", "cuda")[0].kernel
+    assert kernel.endswith(f"+gelu_tanh.{cuda_linear.GELU_EPILOGUE}")
+    assert cuda_linear.GELU_ACTS[cuda_linear.GELU_EPILOGUE] in gemm.ACTS

@@ -15,7 +15,9 @@ Order of every output element y[m, n] (the contract; docs/strict-cuda/gemm.md):
    gelu_tanh32`` / ``silu32`` (Cody–Waite ``exp64``, Horner, exponent-bit scaling), rounded once
    to FP32; then one cast to the output dtype. The kernel is compiled with FMA contraction off
    (``enable_fp_fusion=False``), so every ×, + and ÷ rounds separately as the CPU's do: given the
-   same FP32 pre-activation the activation's bytes equal the CPU's.
+   same FP32 pre-activation the activation's bytes equal the CPU's. Option ``gelu_tanh_f32``: the
+   FP32 formula of ``_gelu_tanh_f32`` (exact FP32 operations in a stated order; faster, not the
+   CPU's bytes), for ``mlp_up_gemm_gelu`` when ``strict_cuda.linear.GELU_EPILOGUE`` is ``"f32"``.
 
 Row invariance holds by construction: a row's loads, products and sums never involve other rows
 (rows past M are zero-filled by TMA or re-read from valid rows and never stored), nothing depends
@@ -50,8 +52,10 @@ from drifttool.ops.strict_math import exp32
 CHUNK = 64
 """K chunk width of every strict CUDA GEMM (part of the contract, not of the configuration)."""
 
-ACTS = {None: 0, "gelu_tanh": 1, "silu": 2}
-"""Epilogue activations (the kernel's ``ACT`` constant)."""
+ACTS = {None: 0, "gelu_tanh": 1, "silu": 2, "gelu_tanh_f32": 3}
+"""Epilogue activations (the kernel's ``ACT`` constant): ``gelu_tanh`` and ``silu`` in FP64 from
+exact operations (the CPU's bytes given the same FP32 pre-activation); ``gelu_tanh_f32`` the faster
+FP32 GELU-tanh of ``_gelu_tanh_f32`` (its own fixed formula, not the CPU's bytes)."""
 
 _INF_BITS = tl.constexpr(0x7FF0000000000000)
 """FP64 +inf as bits. Kernels build inf and NaN from integer bits (``_f64_bits``): Triton's jit
@@ -75,11 +79,14 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     tma: bool = True
+    maxnreg: int | None = None
+    """Register cap per thread (e.g. 128: two 8-warp CTAs per SM, one's epilogue beside the
+    other's MMAs; the FP64 GELU then spills ~250 bytes, offline sm_90a). None: the compiler's."""
 
     @property
     def id(self) -> str:
         return (f"bm{self.block_m}bn{self.block_n}w{self.num_warps}s{self.num_stages}"
-                f"{'.tma' if self.tma else ''}")
+                f"{'.tma' if self.tma else ''}{f'.r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 BF16_CONFIG = GemmConfig()
@@ -162,12 +169,57 @@ def _gelu_tanh64(x):
 
 
 @triton.jit
+def _f(v: tl.constexpr):
+    """The Python float ``v`` rounded to an FP32 constant."""
+    return tl.full((), v, tl.float32)
+
+
+@triton.jit
+def _exp_f32(z):
+    """e^z in FP32 from exact FP32 operations (each rounded, no FMA): z clamped to [−87, 88];
+    k = rne(z·log2e) (by ±1.5·2^23); r = (z − k·ln2_hi) − k·ln2_lo (ln2_hi = 0x3F317200, so k·ln2_hi
+    is exact); p = Taylor of degree 7 by Horner (1/5040, 1/720, 1/120, 1/24, 1/6, 1/2, 1, 1);
+    2^k from exponent bits; e^z = p·2^k; +inf above 88, 0 below −87, NaN kept."""
+    zc = tl.where(z != z, _f(0.0), z)
+    zc = tl.minimum(tl.maximum(zc, _f(-87.0)), _f(88.0))
+    big = _f(12582912.0)
+    k = ((zc * _f(1.4426950408889634)) + big) - big
+    r = (zc - k * _f(0.693145751953125)) - k * _f(1.428606765330187e-06)
+    p = _f(1.0 / 5040.0)
+    p = p * r + _f(1.0 / 720.0)
+    p = p * r + _f(1.0 / 120.0)
+    p = p * r + _f(1.0 / 24.0)
+    p = p * r + _f(1.0 / 6.0)
+    p = p * r + _f(0.5)
+    p = p * r + _f(1.0)
+    p = p * r + _f(1.0)
+    pow2 = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    y = p * pow2
+    y = tl.where(z > _f(88.0), _f64_bits(_INF_BITS).to(tl.float32), y)
+    y = tl.where(z < _f(-87.0), _f(0.0), y)
+    return tl.where(z != z, z, y)
+
+
+@triton.jit
+def _gelu_tanh_f32(x):
+    """tanh-approximate GELU in FP32 from exact FP32 operations, in this order (each rounded, no
+    FMA): u = c0·(x + c1·((x·x)·x)) with c0 = fp32(√(2/π)), c1 = fp32(0.044715); then
+    x / (1 + e^(−2u)) with ``_exp_f32`` and an IEEE division (= ½x(1 + tanh u), the sigmoid form:
+    no cancellation for negative x). Not the CPU's bytes (the CPU's GELU is FP64); a few FP32 ulps
+    from the exact value."""
+    u = _f(0.7978845608028654) * (x + _f(0.044715) * ((x * x) * x))
+    return tl.div_rn(x, _f(1.0) + _exp_f32(_f(-2.0) * u))  # IEEE division (``/`` would be div.full)
+
+
+@triton.jit
 def _activate(y, ACT: tl.constexpr):
-    """FP32 → activation in FP64 → rounded once to FP32 (ACT 0: identity)."""
+    """FP32 → activation in FP64 → rounded once to FP32 (ACT 0: identity; ACT 3: the FP32 GELU)."""
     if ACT == 1:
         y = _gelu_tanh64(y.to(tl.float64)).to(tl.float32)
     elif ACT == 2:
         y = _silu64(y.to(tl.float64)).to(tl.float32)
+    elif ACT == 3:
+        y = _gelu_tanh_f32(y)
     return y
 
 
@@ -237,8 +289,8 @@ def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, 
         r_mask = (rm[:, None] < M) & (rn[None, :] < N)
         res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
         acc = res.to(tl.float32) + scale * acc
-    if ACT == 0:
-        _store(Y, acc, rm, rn, M, N, sym, syn)
+    if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
+        _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
         h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
@@ -283,7 +335,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     Args:
         x: [..., K] bf16 or FP32 (leading axes flattened to rows).
         w: [N, K] bf16 or FP32.  b: [N] or None (any float dtype; upcast to FP32).
-        act: None, ``"gelu_tanh"`` or ``"silu"`` (FP64 exact ops, rounded once to FP32).
+        act: None, ``"gelu_tanh"`` or ``"silu"`` (FP64 exact ops, rounded once to FP32), or
+            ``"gelu_tanh_f32"`` (the FP32 formula of ``_gelu_tanh_f32``: faster, not the CPU's bytes).
         out_dtype: output dtype (default x's); the FP32 result is cast to it once.
         config: launch configuration override (tests prove the bytes do not depend on it);
             default ``BF16_CONFIG`` for bf16 × bf16, ``FP32_CONFIG`` otherwise.
@@ -331,7 +384,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
         EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return y.reshape(*lead, n)
 
 
@@ -443,7 +497,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act
 
     Args:
         x: [..., K] FP32 or bf16 (leading axes flattened to rows; meant for a few rows: the
-            weight is read once per row, mostly from L2 after the first).  w: [N, K] bf16 or FP32.  b: [N] or None (upcast to FP32).
+            weight is read once per row, mostly from L2 after the first).
+        w: [N, K] bf16 or FP32.  b: [N] or None (upcast to FP32).
         act: None or ``"silu"``.  out_dtype: default x's.
         config: launch configuration override (tests only).
     Returns:
