@@ -2,7 +2,7 @@
 
     >>> y = linear(x, w, b, act="gelu_tanh")          # x [..., K], w [N, K], b [N] → [..., N]
 
-Order of every output element y[m, n] (the contract; docs/strict-cuda/gemm.md):
+Order of every output element y[m, n] (the contract; docs/strict-arithmetic.md, "The strict CUDA family"):
 
 1. one program per (BLOCK_M × BLOCK_N) output tile walks all of K itself (no split-K, stream-K or
    atomics), in chunks of ``CHUNK`` = 64 columns from k = 0 upwards; chunk c's products are
@@ -475,7 +475,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act
     """``act(x·wᵀ + b)`` for few rows with FP32 products (the adaLN modulation projection, the
     timestep MLP, the final adaLN projection): a memory-bound GEMV whose order is fixed per row.
 
-    Order of every output element y[m, n] (the contract; docs/strict-cuda/gemm.md):
+    Order of every output element y[m, n] (the contract; docs/strict-arithmetic.md, "The strict CUDA family"):
 
     1. one program per (row m, ``block_n`` columns): each row is its own program (the row block is
        one row, whatever M), walking all of K itself (no split-K or atomics);
