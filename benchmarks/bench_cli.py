@@ -10,8 +10,8 @@ Every command runs as a fresh process (what a user's shell does), the cases inte
 round so that a busy machine slows them alike; medians, minima and each median's ratio to the
 baseline's median are printed. ``drifttool`` is the console script next to this Python (the
 installed entry point). A and B are two tiny runs of the embedded default, strict and auto
-(built first with ``drifttool run`` unless ``--runs`` names existing ones). Bar (issue #8,
-item 6): ``drifttool diff`` of two tiny runs within 3× the baseline, which requires that it never
+(built first with ``drifttool run`` unless ``--runs`` names existing ones). Bar:
+``drifttool diff`` of two tiny runs within 3× the baseline, which requires that it never
 imports torch (``tests/cli/test_import_cost.py``).
 """
 

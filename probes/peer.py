@@ -1,5 +1,5 @@
 """Peer probes: the probe matrix run against the real production peer, diffusers'
-``QwenImageTransformer2DModel`` (issue #10 item 5).
+``QwenImageTransformer2DModel``.
 
     >>> tr = load_peer(None, device="cpu")                 # the tiny fixture's transformer
     >>> m = run_peer_matrix(peer_catalog(), "runs/peer", transformer=tr)

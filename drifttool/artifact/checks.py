@@ -1,4 +1,4 @@
-"""Checks of a run directory and its records: damage is refused, never ignored (issue #8).
+"""Checks of a run directory and its records: damage is refused, never ignored.
 
     >>> check_directory(Path("runs/a"), manifest)        # every entry a listed regular file
     >>> check_batch(Path("runs/a/steps.arrow"), 0, batch, ops=False)

@@ -7,7 +7,7 @@
 The manifest must be plain JSON (no NaN/Infinity constants, no duplicate keys, no float that
 overflows, at most ``MAX_MANIFEST_DEPTH`` levels) that the schema accounts for: every key known,
 every required key present, every value of its type and enumeration. Anything else is a corrupt
-manifest (``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact"; issue #8.
+manifest (``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact".
 """
 
 from __future__ import annotations

@@ -271,7 +271,7 @@ def schema_version_of(schema: pa.Schema) -> int | None:
 
 
 # -- manifest.json ---------------------------------------------------------------------------------
-# One declarative description of every key drifttool writes into a manifest (issue #8: a key the
+# One declarative description of every key drifttool writes into a manifest (a key the
 # manifest schema does not account for is never ignored). A spec is one of: a tuple of JSON types
 # (``int`` excludes ``bool``), ``Enum``, ``ListOf``, ``MapOf`` (free keys), ``Obj`` (known keys),
 # ``Nullable``, or ``ANY`` (a free JSON value, e.g. the model's ``arch`` fields, which the diff

@@ -7,7 +7,7 @@ row-resolvable and shard-combinable.
     >>> d.nonfinite, d.l2, d.maxabs
     (0, 5.0, 4.0)
 
-Definition (design.md, "Digests"; issue #9 item 2; docs/digest.md). All arithmetic is exact,
+Definition (design.md, "Digests"; docs/digest.md). All arithmetic is exact,
 modulo the Mersenne prime ``p = 2**61 - 1``.
 
 * Words. A canonical tensor of dtype D and shape (R, …) — the row axis moved first; a tensor

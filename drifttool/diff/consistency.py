@@ -7,7 +7,7 @@ so two records with equal digests hold the same tensor; then ``dtype``, ``shape`
 ``nonfinite``, ``maxabs`` (an exact max, unlike the fp64-accumulated ``l2``) and the L2 row
 digests, which are functions of those bytes, must be equal too. A pair that differs there while
 its digests agree is damage in one run (or a hash collision), never a match: the diff refuses it
-instead of counting the pair as identical (issue #8, "never identical unless every record was
+instead of counting the pair as identical ("never identical unless every record was
 compared"). ``sigma`` and the row map are not functions of the bytes (a sigma-table probe changes
 them legitimately) and are not checked here.
 """

@@ -10,7 +10,7 @@ Why. The strict GEMMs reduce a weight gradient over one sample's rows by contrac
 over the samples of *their batch* by the pairwise tree; autograd then adds the contributions of
 every forward that used the weight (micro-batches, sequential CFG branches, steps) in its own
 order. So the bytes of a LoRA gradient depended on how the trainer batched the work
-(review 2026-12; issue #12 item 4).
+(architecture review, 2026-12).
 
 The definition (docs/strict-arithmetic.md, "Canonical gradient"). For every adapted weight W'
 (``lora_merge``'s output) and every SDE step t, the **atoms** are the per-(logical sample, CFG
