@@ -212,7 +212,8 @@ def execute(
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
-            "lora": manifest.get("lora"), "warnings": warnings, "notes": empty_prompt_notes(inputs)}
+            "lora": manifest.get("lora"), "warnings": warnings, "notes": empty_prompt_notes(inputs),
+            "fault_effects": {} if plan is None else dict(plan.fault_effects)}
 
 
 def empty_prompt_notes(inputs) -> list[str]:

@@ -23,7 +23,8 @@ the ring control and its reference run at L1.
 
 ``tp_allreduce`` is declared an invariant at TP2: a plain all-reduce of two partials computes
 p0 + p1 or p1 + p0, which IEEE addition makes the same bytes as the contract's tree (one add),
-so the fault cannot change a byte at two ranks. At four ranks the all-reduce's association
+so the fault cannot change a byte at two ranks; the ranks check it at every call
+(``plan.fault_effects``) and the probe is reported NOT APPLICABLE. At four ranks the all-reduce's association
 differs from the tree's; that needs a model of at least 4 heads (the fixture has 2), and the
 4-rank mismatch is declared in the slow tests only (tests/probes/test_distributed_probes.py,
 on their 8-head model through ``LayoutRun(model=...)``), see docs/probes.md.
@@ -102,7 +103,12 @@ class LayoutRun:
             reference = ctx.baseline
         else:
             reference = reference_run(ctx, spec)
-        run_parallel(spec, ctx.run_dir, self.dims, faults=self.faults, overwrite=True)
+        summary = run_parallel(spec, ctx.run_dir, self.dims, faults=self.faults, overwrite=True)
+        effects = summary.get("fault_effects") or {}
+        if self.faults and all(effects.get(f, [0, 1])[0] > 0 and effects[f][1] == 0 for f in self.faults):
+            ctx.noop["reason"] = "no-op on these weights and inputs: " + "; ".join(
+                f"{f} gave the contract's bytes at all {effects[f][0]} calls (checked on the ranks)"
+                for f in self.faults)
         return reference, ctx.run_dir
 
 

@@ -279,6 +279,7 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
     if p.pending:
         return _result(p, PENDING, reasons=[p.pending])
     t0 = time.perf_counter()
+    executed_noop = None
     work = out / "work" / p.name
     run_dir = out / "runs" / p.name
     root = not _launched(dist) or dist.rank == 0
@@ -293,6 +294,7 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
             ctx = ProbeContext(base=base, baseline=baseline, work=work, run_dir=run_dir,
                                checkpoint=checkpoint, dist=dist, parallel=parallel)
             reference, run_dir = p.execute(ctx)
+            executed_noop = ctx.noop.get("reason")
         else:
             spec = probe_spec(p, base, work, checkpoint, dist)
             if p.variants and not _launched(dist):  # one process: compare each call's bytes
@@ -314,7 +316,7 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
     (out / "diffs").mkdir(parents=True, exist_ok=True)
     (out / "diffs" / f"{p.name}.json").write_text(report.to_json())
     return _from_report(p, report, judge(p, report), time.perf_counter() - t0, run_dir,
-                        reference, noop=variants_noop(witnesses))
+                        reference, noop=variants_noop(witnesses) or executed_noop)
 
 
 def _error(p: Probe, e: Exception, t0: float) -> ProbeResult:

@@ -52,6 +52,9 @@ class ProbeContext:
     checkpoint: Path
     dist: Any = None
     parallel: Any = None
+    noop: dict[str, str] = field(default_factory=dict)
+    """Filled by an execution that proved its change a no-op on these weights and inputs:
+    ``{"reason": ...}`` (the probe is then NOT APPLICABLE when its diff is identical)."""
 
     @property
     def launched(self) -> bool:

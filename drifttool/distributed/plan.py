@@ -195,6 +195,9 @@ class ParallelPlan:
         faults: probe faults planted in this layout (``FAULTS``; empty for a real run).
         tp_row: how TP row-parallel GEMMs split their work, resolved (``TP_ROWS``: ``partials``
             or ``gather``).
+        fault_effects: per planted fault that can check itself, ``[calls, calls whose bytes it
+            changed]`` (``tp_allreduce`` compares its plain all-reduce with the contract's tree):
+            a fault that changed no byte at any call is a no-op on these weights and inputs.
         state: what the rules learn during one forward (``n_img`` at ``img_in``, ``text_len``
             at attention), read by later rules and the capture placers.
     """
@@ -207,6 +210,7 @@ class ParallelPlan:
     places: list[tuple[str, Place]] = field(default_factory=list)
     faults: frozenset[str] = frozenset()
     tp_row: str = "partials"
+    fault_effects: dict[str, list[int]] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

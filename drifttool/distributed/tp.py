@@ -306,14 +306,20 @@ def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, sh
     """The canonical finish of the row-parallel partials: gathered in rank order, contract v2's
     tree, then the bias once (``strict_math.finish_linear``). The probe faults ``tp_allreduce``
     (a plain all-reduce of the partials, the library's order) and ``tp_bias_every_rank`` (each
-    rank adds the bias to its partial) replace it (``plan.FAULTS``)."""
+    rank adds the bias to its partial) replace it (``plan.FAULTS``); ``tp_allreduce`` also
+    computes the tree and counts the calls whose bytes it changed (``plan.fault_effects``)."""
     group = plan.groups.get("tp")
     if "tp_bias_every_rank" in plan.faults and b is not None:
         part, b = part + b, None
     if "tp_allreduce" in plan.faults:
         y = part.clone()
         torch.distributed.all_reduce(y, group=group)
-        return y if b is None else y + b
+        y = y if b is None else y + b
+        tree = finish_linear(gather_list(part, group), b, shape, device)  # what the contract gives
+        seen = plan.fault_effects.setdefault("tp_allreduce", [0, 0])
+        seen[0] += 1
+        seen[1] += int(not torch.equal(y.view(torch.int32), tree.view(torch.int32)))
+        return y
     return finish_linear(gather_list(part, group), b, shape, device)
 
 
