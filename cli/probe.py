@@ -42,7 +42,7 @@ def probe(
                                        "implementation instead: diffusers (its "
                                        "QwenImageTransformer2DModel, docs/probes.md)."),
     device: Optional[str] = typer.Option(None, help="cpu (default) | cuda | cuda:N: where every "
-                                         "run of the matrix runs (the strict matrix: CPU only)."),
+                                         "run of the matrix runs (the strict matrix: CPU only, since its controls train and the strict CUDA family is forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 "
                                          "(default: the preset's grid)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16."),

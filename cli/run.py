@@ -49,7 +49,7 @@ def run(
         None, help="Production preset: diffusers (QwenImagePipeline's loop) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
     device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
-                               help="cpu | cuda | cuda:N: where the model and inputs live (strict runs on the CPU only)."),
+                               help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     prompt_embeds: Optional[Path] = typer.Option(
@@ -67,7 +67,8 @@ def run(
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
 
     With no model arguments it runs the embedded default fixture (tiny-t2i). `--device cuda`
-    loads the model straight onto the GPU (strict has no CUDA backend yet: use --mode auto);
+    loads the model straight onto the GPU (strict there runs the strict CUDA family, contract cuda1:
+    its bytes differ from strict CPU's; compare them with `diff --tolerance`);
     `--height/--width` set the image size; `--prompt-embeds`, `--negative-prompt-embeds` and
     `--latents` take a real pipeline's inputs from safetensors files. Under torchrun
     (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's

@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 from drifttool.artifact import open_run
-from drifttool.diff.compare import aligned_tables
+from drifttool.diff.compare import aligned_tables, diff_runs
 from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, load_profile, measure
+from drifttool.errors import DriftToolError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factor", type=float, default=4.0)
     ap.add_argument("-o", "--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    try:
+        return _write(args)
+    except DriftToolError as e:  # bad input: one line, exit 2 (as drifttool's commands)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _write(args: argparse.Namespace) -> int:
     ra, rb = open_run(args.run_a), open_run(args.run_b)
+    diff = diff_runs(ra, rb)
+    if diff.verdict.value in ("incomparable", "inconclusive") or diff.input_differences:
+        raise DriftToolError(f"{args.run_a} and {args.run_b} are not one program's two arithmetics "
+                             f"({diff.verdict.value}: {diff.reason}): no profile is derived")
     derived = measure(ra, rb, *aligned_tables(ra, rb), factor=args.factor)
 
     def side(run):

@@ -47,7 +47,7 @@ from drifttool.diff.owners import heads_note, row_owner
 from drifttool.diff.report import (LEVEL_COVERS, DiffReport, FirstDrift, RowDrift, RowRef,
                                    StepDrift, Verdict)
 from drifttool.diff.steps import step_drifts
-from drifttool.diff.tolerance import Profile, judge
+from drifttool.diff.tolerance import Profile, judge, scope_notes
 from drifttool.diff.uncaptured import declared, drop_uncaptured
 from drifttool.diff.uncaptured import note as uncaptured_note
 from drifttool.digestcore import digest_bytes
@@ -532,6 +532,12 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
         _set_no_drift(report, run_a, run_b, tables)
     if tolerance is not None:
         report.tolerance = judge(tolerance, run_a, run_b, st, ot, _where)
+        only = sum(c.only_a + c.only_b for c in report.counts.values())
+        report.tolerance.block(
+            ([f"{only} records are in one run only"] if only else [])
+            + (["the replay inputs differ"] if report.input_differences else [])
+            + [f"run {s} is incomplete" for s, r in (("A", run_a), ("B", run_b)) if not r.complete])
+        report.notes += scope_notes(tolerance, run_a, run_b)
     return report
 
 

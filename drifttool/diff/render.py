@@ -159,7 +159,7 @@ def render(report: DiffReport, console: Console | None = None) -> None:
     console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False)
     if report.tolerance is not None:
         style = "bold green" if report.tolerance.ok else "bold red"
-        console.print(f"[{style}]{'WITHIN' if report.tolerance.ok else 'BEYOND'}[/]  "
+        console.print(f"[{style}]{report.tolerance.verdict.upper()}[/]  "
                       f"{report.tolerance.words()}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
                                                                    report.context),

@@ -23,7 +23,10 @@ What each record kind can be judged on:
 
 A bound not declared for a quantity is not checked; a record whose operator or quantity has no
 entry (and no ``"*"`` entry) is *beyond* ("no bound declared"), so a profile never passes what it
-does not name. Profile file (JSON, ``PROFILE_SCHEMA`` version ``PROFILE_VERSION``; readers refuse
+does not name. A pair with records in one run only, differing replay inputs or an incomplete run
+is never *within* (``ToleranceResult.blocked``): a profile judges the same program's records.
+Where the runs' settings differ from those the profile was measured on (``applies_to``), the
+diff's notes say so (``scope_notes``). Profile file (JSON, ``PROFILE_SCHEMA`` version ``PROFILE_VERSION``; readers refuse
 other versions)::
 
     {"schema": "drifttool.tolerance_profile", "version": 1, "name": "...", "description": "...",
@@ -51,6 +54,11 @@ from drifttool.errors import DriftToolError
 PROFILE_SCHEMA = "drifttool.tolerance_profile"
 PROFILE_VERSION = 1
 PROFILES_DIR = Path(__file__).with_name("profiles")
+TOP_KEYS = ("schema", "version", "name", "description", "applies_to", "derivation", "measured_on",
+            "ops", "steps")
+"""The keys a profile file may hold (any other is refused: a typo must not pass silently)."""
+SCOPE_FIELDS = ("mode", "device", "dtype", "capture", "steps", "fixture")
+"""Settings compared with a profile's ``applies_to`` (``scope_notes``)."""
 
 OP_BOUNDS = ("rel_l2", "rel_maxabs")
 """Bounds an op record (summaries) is judged on."""
@@ -68,6 +76,7 @@ class Profile:
     ops: dict[str, dict[str, float]]
     steps: dict[str, dict[str, float]]
     description: str = ""
+    applies_to: dict[str, dict] = field(default_factory=dict)
 
     def bounds(self, kind: str, name: str) -> dict[str, float] | None:
         table = self.ops if kind == "op" else self.steps
@@ -86,6 +95,8 @@ def load_profile(spec: str | Path) -> Profile:
         DriftToolError: no such profile or file; not JSON; another schema or version; a bound
             that is not a finite number >= 0, or a bound name the record kind cannot be judged on.
     """
+    if not str(spec).strip():
+        raise DriftToolError("--tolerance: give a profile name or file (empty)")
     path = Path(spec)
     if not path.suffix and not path.exists():
         path = PROFILES_DIR / f"{spec}.json"
@@ -107,7 +118,10 @@ def _validated(data: Any, where: str) -> Profile:
 
     if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
         raise bad(f"not a tolerance profile (schema must be {PROFILE_SCHEMA!r})")
-    if data.get("version") != PROFILE_VERSION:
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(map(repr, unknown))} (a profile holds {', '.join(TOP_KEYS)})")
+    if isinstance(data.get("version"), bool) or data.get("version") != PROFILE_VERSION:
         raise bad(f"version {data.get('version')!r} is not supported (this drifttool reads version "
                   f"{PROFILE_VERSION})")
     tables = {}
@@ -127,8 +141,27 @@ def _validated(data: Any, where: str) -> Profile:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise bad("a profile needs a name")
+    applies = data.get("applies_to", {})
+    if not isinstance(applies, dict) or not all(isinstance(v, dict) for v in applies.values()):
+        raise bad("'applies_to' must map 'a' and 'b' to settings objects")
     return Profile(name=name, source=where, ops=tables["ops"], steps=tables["steps"],
-                   description=str(data.get("description", "")))
+                   description=str(data.get("description", "")), applies_to=applies)
+
+
+def scope_notes(profile: Profile, run_a: Any, run_b: Any) -> list[str]:
+    """One note per run whose settings (``SCOPE_FIELDS``) differ from those the profile was
+    measured on (``applies_to``): its bounds are evidence for such pairs, not proof for others."""
+    notes = []
+    for side, run in (("a", run_a), ("b", run_b)):
+        want = profile.applies_to.get(side) or {}
+        have = run.manifest.get("settings", {})
+        value = {k: have.get(k, "cpu" if k == "device" else None) for k in SCOPE_FIELDS}  # cpu unrecorded
+        off = [f"{k} {value[k]!r} (profile: {want[k]!r})" for k in SCOPE_FIELDS
+               if k in want and value[k] != want[k]]
+        if off:
+            notes.append(f"tolerance profile {profile.name} was measured on other settings than run "
+                         f"{side.upper()}'s: " + ", ".join(off))
+    return notes
 
 
 # -- measures ------------------------------------------------------------------------------------
@@ -183,16 +216,24 @@ class ToleranceResult:
 
     profile: str
     source: str
-    verdict: str = "within"  # "within" | "beyond"
+    verdict: str = "within"  # "within" | "beyond" | "not judged" (blocked)
     within: dict[str, int] = field(default_factory=dict)
     beyond: dict[str, int] = field(default_factory=dict)
     first_beyond: Beyond | None = None
     worst: dict[str, dict[str, float]] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Every differing record is within the profile."""
-        return not any(self.beyond.values())
+        """Every differing record is within the profile, and nothing blocks the judgement
+        (``blocked``: records in one run only, differing replay inputs, an incomplete run)."""
+        return not any(self.beyond.values()) and not self.blocked
+
+    def block(self, reasons: list[str]) -> None:
+        """Record why the pair cannot be within the profile whatever its records say."""
+        self.blocked += reasons
+        if reasons and self.verdict == "within":
+            self.verdict = "not judged"
 
     def words(self) -> str:
         """One line: ``within profile P: 12 differing op records within (summaries), 4 step
@@ -202,9 +243,11 @@ class ToleranceResult:
             if kind in self.within:
                 w, b = self.within[kind], self.beyond[kind]
                 parts.append(f"{kind} {w} within, {b} beyond ({how})")
-        head = f"{'within' if self.ok else 'beyond'} tolerance profile {self.profile}: " + "; ".join(parts)
+        head = f"{self.verdict} tolerance profile {self.profile}: " + "; ".join(parts)
         if self.first_beyond is not None:
             head += f"; first beyond: {self.first_beyond.where} ({self.first_beyond.why})"
+        if self.blocked:
+            head += "; cannot be within: " + "; ".join(self.blocked)
         return head
 
 

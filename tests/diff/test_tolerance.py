@@ -102,3 +102,37 @@ def test_cli_tolerance(pair, tmp_path, cli):
     assert code == 1 and "BEYOND" in out and "first beyond" in out
     code, out = cli("diff", *pair, "--tolerance", tmp_path / "missing.json")
     assert code == 2 and out.count("error") == 1 and "Traceback" not in out
+
+
+LOOSE_OPS, LOOSE_STEPS = {"*": {"rel_l2": 1e9, "rel_maxabs": 1e9}}, {"*": {"rel_l2": 1e9, "max_abs": 1e9}}
+
+
+def test_a_pair_with_other_inputs_or_missing_records_is_never_within(make_run, tmp_path):
+    prof = load_profile(_profile(tmp_path, LOOSE_OPS, LOOSE_STEPS))
+    other_inputs = diff_runs(open_run(make_run("a")), open_run(make_run("x", x_seed=5)), tolerance=prof)
+    assert other_inputs.verdict is Verdict.DRIFT and other_inputs.exit_code == 1
+    assert not other_inputs.tolerance.ok and other_inputs.tolerance.verdict == "not judged"
+    assert "the replay inputs differ" in other_inputs.tolerance.blocked
+    cut = diff_runs(open_run(make_run("a2")), open_run(make_run("c", crash_after=1, plant=PLANT)),
+                    tolerance=prof)
+    assert cut.exit_code != 0 and not cut.tolerance.ok
+    assert any("one run only" in b or "incomplete" in b for b in cut.tolerance.blocked)
+
+
+def test_settings_outside_the_profiles_scope_are_noted(pair, tmp_path):
+    path = tmp_path / "scoped.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": 1, "name": "scoped",
+                                "applies_to": {"b": {"device": "cuda"}}, "ops": LOOSE_OPS,
+                                "steps": LOOSE_STEPS}))
+    r = diff_runs(*(open_run(p) for p in pair), tolerance=load_profile(path))
+    assert any("measured on other settings than run B's: device 'cpu'" in n for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("extra,words", [({"opz": {}}, "unknown key"), ({"version": True}, "version True")])
+def test_typos_and_odd_versions_are_refused(tmp_path, extra, words):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": 1, "name": "t", **extra}))
+    with pytest.raises(DriftToolError, match=words):
+        load_profile(path)
+    with pytest.raises(DriftToolError, match="empty"):
+        load_profile("")
