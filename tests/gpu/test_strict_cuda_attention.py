@@ -23,6 +23,7 @@ import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implementation
 from references import ops as ref
+from tests import strict_cuda_cases as cases
 from tests.conftest import assert_same_bytes, bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -38,20 +39,9 @@ def cpu(op: str):
     return implementation(op, "strict", "cpu")
 
 
-def joint(lens, text_len, n_img, heads, dh, dtype, seed=0, device="cuda", nan_pads=False):
-    """q, k, v [B, L+N, H, Dh] and the joint key mask [valid text prefix, image ones]; drawn on the
-    CPU (same values on every device); NaN in every masked K/V slot when ``nan_pads``."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = len(lens), text_len + n_img
-    q, k, v = (torch.randn(b, s, heads, dh, generator=g) * sc for sc in (1.5, 1.5, 1.0))
-    km = torch.ones(b, s, dtype=torch.bool)
-    for i, n in enumerate(lens):
-        km[i, n:text_len] = False
-    if nan_pads:
-        k = k.masked_fill(~km[:, :, None, None], float("nan"))
-        v = v.masked_fill(~km[:, :, None, None], float("nan"))
-    q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
-    return q, k, v, km.to(device)
+def joint(lens, text_len, n_img, heads, dh, dtype, seed=0, nan_pads=False):
+    """``tests.strict_cuda_cases.joint`` on the GPU."""
+    return cases.joint(lens, text_len, n_img, heads, dh, dtype, seed=seed, device="cuda", nan_pads=nan_pads)
 
 
 def unfused(q, k, v, km, text_len):

@@ -19,6 +19,7 @@ from drifttool.ops import strict_math
 from drifttool.ops.registry import implementation
 from drifttool.ops.strict import embed
 from drifttool.references import ops as ref
+from tests.strict_cuda_cases import gelu_tanh_f32_order
 from tests.conftest import assert_same_bytes, bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -229,24 +230,6 @@ def test_epilogue_activation_equals_cpu_bytes(act, fn):
     assert_same_bytes(got.cpu(), fn(pre.cpu()), f"{act} epilogue vs CPU {fn.__name__}")
     bf = gemm.linear(x, w, b, act=act)
     assert_same_bytes(bf, got.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
-
-
-def gelu_tanh_f32_order(x):
-    """The FP32 GELU epilogue's stated formula (kernels.gemm._gelu_tanh_f32) by torch FP32 ops."""
-    def f(v):
-        return torch.tensor(v, dtype=torch.float32, device=x.device)
-
-    u = f(0.7978845608028654) * (x + f(0.044715) * ((x * x) * x))
-    z = f(-2.0) * u
-    zc = torch.where(z != z, f(0.0), z).clamp(-87.0, 88.0)
-    k = ((zc * f(1.4426950408889634)) + f(12582912.0)) - f(12582912.0)
-    r = (zc - k * f(0.693145751953125)) - k * f(1.428606765330187e-06)
-    p = f(1.0 / 5040.0)
-    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
-        p = p * r + f(c)
-    e = p * ((k.to(torch.int32) + 127) << 23).view(torch.float32)
-    e = torch.where(z > 88.0, f(math.inf), torch.where(z < -87.0, f(0.0), e))
-    return x / (f(1.0) + torch.where(z != z, z, e))
 
 
 def test_gelu_f32_epilogue_is_its_formula_and_close_to_the_f64_one():

@@ -10,6 +10,7 @@ import torch
 
 from references import ops as ref
 from tests.conftest import assert_same_bytes
+from tests.strict_cuda_cases import joint
 
 H, DH = 2, 16
 
@@ -23,13 +24,7 @@ def kern():
 
 def _joint(lens, text_len, n_img, seed=0, heads=H, dh=DH):
     """q, k, v [B, L+N, H, Dh] FP32 and the joint key mask [txt valid prefix, image ones]."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = len(lens), text_len + n_img
-    q, k, v = (torch.randn(b, s, heads, dh, generator=g) * sc for sc in (1.5, 1.5, 1.0))
-    km = torch.ones(b, s, dtype=torch.bool)
-    for i, n in enumerate(lens):
-        km[i, n:text_len] = False
-    return q, k, v, km
+    return joint(lens, text_len, n_img, heads, dh, seed=seed)
 
 
 def _unfused(kern, q, k, v, km, text_len, config=None):

@@ -23,6 +23,7 @@ from drifttool.ops.registry import impls
 from drifttool.ops.strict import embed
 from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.references import ops as ref
+from tests.strict_cuda_cases import gelu_tanh_f32_order
 from tests.conftest import assert_same_bytes
 
 gemm = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm")
@@ -263,23 +264,6 @@ def test_lora_merge_epilogue_is_the_two_fp32_operations():
     assert_same_bytes(op("lora_merge")(w, a, bb, 0.3), want, "lora_merge operator")
     with pytest.raises(UnsupportedConfigError, match="merge_into"):
         gemm.linear(bb, a.t(), merge_into=w[:, :99])
-
-
-def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
-    """The FP32 GELU epilogue's stated formula by torch FP32 operations (each rounded)."""
-    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    u = f(0.7978845608028654) * (x + f(0.044715) * ((x * x) * x))
-    z = f(-2.0) * u
-    zc = torch.where(z != z, f(0.0), z).clamp(-87.0, 88.0)
-    k = ((zc * f(1.4426950408889634)) + f(12582912.0)) - f(12582912.0)
-    r = (zc - k * f(0.693145751953125)) - k * f(1.428606765330187e-06)
-    p = f(1.0 / 5040.0)
-    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
-        p = p * r + f(c)
-    e = p * ((k.to(torch.int32) + 127) << 23).view(torch.float32)
-    e = torch.where(z > 88.0, f(math.inf), torch.where(z < -87.0, f(0.0), e))
-    e = torch.where(z != z, z, e)
-    return x / (f(1.0) + e)
 
 
 def test_gelu_f32_epilogue_is_its_stated_formula_and_accurate():
