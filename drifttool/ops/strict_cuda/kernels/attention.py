@@ -39,8 +39,13 @@ unfused softmax cannot hand to the AV product (it must output normalised probabi
 cost on paper: 3 instead of 2 [S × S × Dh] matmuls (1.5× the tensor-core work) and 2 instead of
 1 exp2 per score.
 
-Fixed configuration: ``BLOCK_M`` = 64 query rows, ``BLOCK_N`` = 64 keys, 4 warps, 3 pipeline
-stages, for every shape; no split-KV, no atomics; one program per (batch·head, query tile).
+Fixed configuration, for every shape: ``BLOCK_N`` = 64 keys; bf16 operands ``BLOCK_M`` = 128
+query rows, 8 warps, 3 pipeline stages; FP32 operands 64 rows, 4 warps, 1 stage. No split-KV, no
+atomics; one program per (batch·head, query tile). The warps split the tile's rows only (the
+tensor-core layout ``warpsPerCTA [n, 1]``: each warp holds 16 whole rows of a score tile), so a
+row's block Σ runs in one order whatever the query rows or warps; a configuration whose warps
+also split the 64 keys (64 rows on 8 warps: ``[4, 2]``) sums each row in another order and gives
+other bytes — launch configurations are part of the contract.
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ import triton.language as tl
 
 BLOCK_N = 64
 """Keys per block: part of the reduction order (contract)."""
-BLOCK_M = 64
-"""Query rows per program (does not change a row's bytes)."""
-NUM_WARPS = 4
+BLOCK_M = 128
+"""Query rows per program for bf16 operands (does not change a row's bytes while every warp holds
+whole rows: module docstring)."""
+NUM_WARPS = 8
 NUM_STAGES = 3
 
 MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
@@ -310,7 +316,7 @@ def _mask_args(key_mask: torch.Tensor | None, text_len: int, like: torch.Tensor)
 CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES)
 """The one launch configuration of bf16 operands (query rows, warps, pipeline stages). Tests
 pass others as ``config=`` to show that a row's bytes do not depend on it; the operators never do."""
-CONFIG_FP32 = (BLOCK_M, NUM_WARPS, 1)
+CONFIG_FP32 = (64, 4, 1)
 """FP32 operands: one pipeline stage (three FP32 K/V stages at Dh = 128 need 288 KiB of shared
 memory; an H200 has 227 KiB). Pipelining moves loads, not arithmetic: same bytes."""
 

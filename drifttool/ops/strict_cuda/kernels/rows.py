@@ -28,6 +28,8 @@ Wrappers take and return torch tensors on any device (outputs on the input's dev
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -54,8 +56,11 @@ def _rows_per_program(width: int) -> int:
     return max(1, 1024 // pow2(width))
 
 
-def _f64_scalar(value: float, device) -> torch.Tensor:
-    """``value`` as a 1-element FP64 tensor (a Python float kernel argument would be FP32)."""
+@functools.lru_cache(maxsize=64)
+def _f64_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a 1-element FP64 tensor on ``device`` (a Python float kernel argument would be
+    FP32), made once per (value, device): a host-to-device copy from pageable memory synchronises
+    the stream, and the norms ran 4 per block. Kernels only read it."""
     return torch.tensor([value], dtype=torch.float64, device=device)
 
 
