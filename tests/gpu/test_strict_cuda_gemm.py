@@ -129,7 +129,7 @@ CONFIGS = {"bm128bn128w8s3": dict(tma=False),
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+@pytest.mark.parametrize("act", [None, "gelu_tanh", "gelu_tanh_f32"])
 def test_launch_geometry_does_not_change_bytes(name, act):
     cfg = gemm.GemmConfig(**CONFIGS[name])
     x = rn(777, D, seed=50)

@@ -282,5 +282,6 @@ def test_gelu_f32_epilogue_is_its_stated_formula_and_accurate():
 
 def test_mlp_up_kernel_id_names_its_gelu_epilogue():
     kernel = impls("mlp_up_gemm_gelu", "strict", "cuda")[0].kernel
-    assert kernel.endswith(f"+gelu_tanh.{cuda_linear.GELU_EPILOGUE}")
+    cap = cuda_linear.GELU_MAXNREG[cuda_linear.GELU_EPILOGUE]
+    assert kernel.endswith(f"+gelu_tanh.{cuda_linear.GELU_EPILOGUE}" + (f".r{cap}" if cap else ""))
     assert cuda_linear.GELU_ACTS[cuda_linear.GELU_EPILOGUE] in gemm.ACTS
