@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from drifttool import components
-from drifttool.capture import levels
+from drifttool.artifact import levels
 
 SCHEMA_VERSION = 4
 SUPPORTED_SCHEMA_VERSIONS = frozenset({3, SCHEMA_VERSION})
@@ -93,7 +93,7 @@ velocity, the SDE transition, the next latent, its log-probability); others foll
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
 LEVELS = levels.LEVELS
-"""Capture levels (``drifttool.capture.levels``)."""
+"""Capture levels (``drifttool.artifact.levels``)."""
 
 
 RANK_TABLES = ("ops", "steps", "trace")

@@ -13,7 +13,7 @@ Every rank creates its own writer on the same directory (``torchrun``: each proc
 block above). Rank ``r`` writes ``ops.rank<r>.arrow``, ``steps.rank<r>.arrow`` and
 ``trace.rank<r>.arrow``; rank 0 alone removes an earlier artifact, creates the directory and
 writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1 and
-writes the same names. Coordination goes through ``drifttool.distributed.collectives`` over
+writes the same names. Coordination goes through ``drifttool.collectives`` over
 torch.distributed when a process group is initialised and is a no-op otherwise:
 
 - opening: rank 0 creates the directory while the other ranks wait for its outcome (a
@@ -59,9 +59,9 @@ import xxhash
 from safetensors.torch import save
 from torch.distributed import ProcessGroup
 
+from drifttool import collectives as C
 from drifttool.artifact import schema as S
 from drifttool.artifact.manifest import layout_problem
-from drifttool.distributed import collectives as C
 from drifttool.errors import ArtifactError
 
 SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")

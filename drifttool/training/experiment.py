@@ -46,7 +46,7 @@ import torch
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.distributed.collectives import barrier
+from drifttool.collectives import barrier
 from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
