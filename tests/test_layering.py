@@ -152,7 +152,7 @@ FLOORS = [
     {"model/"},
     {"distributed/"},
     {"sampling/"},
-    {"settings", "fingerprint", "lifecycle"},
+    {"setting_checks", "settings", "fingerprint", "lifecycle"},
     {"runner"},
     {"launch", "verify", "adapters/"},
     {"training/"},
@@ -256,8 +256,8 @@ def test_cycle_finder_finds_a_planted_cycle():
 @pytest.mark.parametrize("above", ["drifttool.artifact.writer", "drifttool.artifact.reader",
                                    "drifttool.diff", "drifttool.training",
                                    "drifttool.runner", "drifttool.lifecycle",
-                                   "drifttool.settings", "drifttool.launch", "drifttool.cli",
-                                   "drifttool.probes"])
+                                   "drifttool.settings", "drifttool.setting_checks",
+                                   "drifttool.launch", "drifttool.cli", "drifttool.probes"])
 def test_sampling_stays_below(above):
     """``sampling`` (rollout loop, noise, inputs) imports none of the layers above it, directly
     or through another module, nor the artifact's writer or reader (its records go to the
@@ -282,12 +282,11 @@ def test_function_level_imports_are_only_the_declared_lazy_ones():
 
 
 def test_sampler_block_agrees_with_the_schema():
-    """The sampler's block constant and the torch-free schema's copy are one value."""
-    from drifttool.artifact import schema
+    """The sampler's constants and the torch-free schemas' copies are one value."""
+    from drifttool.artifact import manifest_schema, schema
     from drifttool.sampling.rollout import CFG_LAYOUTS, SAMPLER_BLOCK
-    from drifttool.settings import DTYPES, LEVELS
+    from drifttool.setting_checks import DTYPES
 
     assert SAMPLER_BLOCK == schema.SAMPLER_BLOCK
-    assert CFG_LAYOUTS == schema.CFG_LAYOUTS
-    assert LEVELS == schema.LEVELS
-    assert tuple(DTYPES) == schema.MODEL_DTYPES
+    assert CFG_LAYOUTS == manifest_schema.CFG_LAYOUTS
+    assert tuple(DTYPES) == manifest_schema.MODEL_DTYPES
