@@ -4,7 +4,7 @@ time inside the strict collectives separated (``distributed.canonical.COMM``).
     $ python benchmarks/bench_layouts.py                      # CPU, gloo, the tiny model
     $ python benchmarks/bench_layouts.py --height 160 --width 560 --steps 4 --layouts tp2,sp2-ring
 
-Every layout runs in fresh processes (``distributed.spawn.run_parallel``'s launch: one process
+Every layout runs in fresh processes (``launch.run_parallel``: one process
 per rank, gloo on loopback, one thread each); the one-process run uses one thread too, so the
 ratio compares the same per-rank CPU budget. Per layout the table gives the slowest rank's wall
 time of ``execute`` (model, sampler, capture and artifact writing), that rank's time inside the

@@ -72,7 +72,7 @@ def diff(
         else:
             render(report, console)
             if result is not None:
-                from drifttool.diff.render_localize import render_localize  # lazy: likewise
+                from drifttool.training.render_localize import render_localize  # lazy: likewise
 
                 render_localize(result, console)
     raise typer.Exit(report.exit_code)

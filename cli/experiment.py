@@ -181,7 +181,8 @@ def _command(command: str, fn, show, out: Path, layout: tuple, kwargs: dict, *,
 def _check_combos(dims, kwargs: dict, command: str, launch) -> None:
     """Refuse, alike on every rank, a layout the combinations' modes cannot run in (and a launch
     of another size); nothing for one process."""
-    from drifttool.settings import RunSpec, check_mode, resolve  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.setting_checks import check_mode  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.settings import RunSpec, resolve  # lazy: likewise
     from drifttool.training.grpo import MODES  # lazy: likewise
 
     if launch is None and not dims.parallel:

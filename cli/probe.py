@@ -146,7 +146,7 @@ def _launched(dims, probes, out: Path, base, heatmaps: bool) -> None:
     """The matrix on torchrun's ranks, in ``dims`` (sample-parallel when it is one process):
     rank 0 clears OUT while the others wait, every rank runs the matrix, rank 0 reports."""
     from drifttool.distributed import close_distributed  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.distributed.collectives import barrier  # lazy: likewise
+    from drifttool.collectives import barrier  # lazy: likewise
     from drifttool.probes.runner import run_matrix  # lazy: likewise
 
     dist = _layout.start(dims, base.device)

@@ -163,7 +163,7 @@ def _trainer_layout(stored, options) -> dict:
     """``check_layout``'s model, mode and level for a recompute of ``stored``: the trainer's
     (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved rollout's."""
     from drifttool.fixture import load_fixture  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.settings import check_level, check_mode  # lazy: likewise
+    from drifttool.setting_checks import check_level, check_mode  # lazy: likewise
 
     s = stored.settings
     model_dir = options.checkpoint or s.get("checkpoint")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from drifttool.capture.levels import INTERNALS_FROM, LEVELS
+from drifttool.artifact.levels import INTERNALS_FROM, LEVELS
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 

@@ -11,7 +11,7 @@
 place (``DriftToolError`` with a one-line message); the result is a frozen ``RunSettings`` that
 the runner, the training side and the probes read instead of an untyped dict. Every
 byte-changing choice ends up in the manifest through ``RunSettings.record`` (keys of
-``schema._SETTINGS``; ``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device``
+``manifest_schema._SETTINGS``; ``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device``
 (when not ``cpu``) and ``input_files`` only when set, so the default manifest is unchanged).
 
 Device and shape: ``device`` is ``cpu`` (default), ``cuda`` or ``cuda:N``; the model and every
@@ -22,123 +22,38 @@ and ``latents`` name safetensors files (``sampling.input_files``) replacing the 
 and the drawn initial latents; they are read and checked here, once, and their SHA-256 digests
 go to the manifest (``input_files``).
 
-``check_mode`` and ``check_level`` are the validators the training side's options use too, so
-``drifttool run``, ``replay`` and ``recompute`` refuse a bad ``--mode`` or ``--capture`` with the
-same line.
+The checks of single values (``check_mode``, ``check_level``, ``check_device``, ...) are in
+``drifttool.setting_checks``: the training side's options use them too, so ``drifttool run``,
+``replay`` and ``recompute`` refuse a bad ``--mode`` or ``--capture`` with the same line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import read_config
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import check_lora_mode
-from drifttool.ops.lora import PRODUCTION_ONLY
-from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import apply_preset, get_preset, preset_inputs, preset_settings
 from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
+from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
+                                      check_mode_device, check_pixels)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Model dtypes a run may use (``schema.MODEL_DTYPES`` repeats the names)."""
-LEVELS = ("L0", "L1", "L2")
-"""Capture levels a run may ask for (``schema.LEVELS`` repeats them; a test checks they agree)."""
-PATCH_PIXELS = 16
-"""Image pixels per patch side: 8× VAE downsampling × 2×2 latent patches (numerics §3.2), so
-``img_grid = (height / 16, width / 16)``."""
-MAX_PIXELS = 16384
-"""Largest height or width a run may ask for (1024 patches a side; the RFC's reference shapes
-stop at 1664)."""
-_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 MAX_STEPS = 1000
 """Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
 (FlowMatchEulerDiscreteScheduler of Qwen-Image, numerics §1); more would only re-visit timesteps."""
-
-
-def check_mode(mode: Any) -> Mode:
-    """``mode`` as a ``Mode``.
-
-    Raises:
-        DriftToolError: not one of strict, audit, auto, off.
-    """
-    try:
-        return Mode(mode)
-    except ValueError:
-        raise DriftToolError(f"unknown mode {mode!r} (strict, audit, auto, off)") from None
-
-
-def check_device(device: Any) -> str:
-    """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N``.
-
-    Raises:
-        DriftToolError: another string; CUDA asked for but ``torch.cuda.is_available()`` is
-            false; ``cuda:N`` beyond the visible devices.
-    """
-    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
-    if m is None:
-        raise DriftToolError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
-    if device == "cpu":
-        return device
-    if not torch.cuda.is_available():
-        raise DriftToolError(f"device {device!r} asked for, but CUDA is not available here "
-                             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use --device cpu")
-    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
-        raise DriftToolError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) "
-                             f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
-    return device
-
-
-def device_operators(device_type: str) -> list[str]:
-    """The declared operators a run dispatches on ``device_type``: those some family registers
-    an implementation for there (``ops.registry``). The others run on the CPU wherever the
-    model is (``flow_sigma_table`` takes no tensors)."""
-    return [op for op in specs() if any(impls(op, f, device_type) for f in families(op))]
-
-
-def check_mode_device(mode: Mode, device: str) -> None:
-    """Fail closed when ``mode``'s family has no implementation on ``device`` of some operator the
-    run dispatches there and the mode has no fallback. Read from the registry, so a family
-    passes once it registers every such operator.
-
-    Raises:
-        UnsupportedConfigError: one line naming the mode, family, device and missing operators.
-    """
-    dev = torch.device(device).type
-    if mode.fallback is not None:
-        return
-    family = mode.family
-    missing = [op for op in device_operators(dev) if not impls(op, family, dev) and op not in PRODUCTION_ONLY]
-    if missing:
-        ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
-        what = (f"the {family} family has no {dev.upper()} implementation yet" if family == "strict"
-                else f"the {family} family has no {dev} implementation")
-        raise UnsupportedConfigError(
-            f"--mode {mode.value} on {device}: {what}: {len(missing)} operator(s) lack one ({ops}); "
-            f"use --mode auto (production operators) on {dev}, or --device cpu for strict bytes")
-
-
-def check_level(level: Any) -> str:
-    """``level`` if it is a capture level.
-
-    Raises:
-        DriftToolError: not one of L0, L1, L2.
-    """
-    if level not in LEVELS:
-        raise DriftToolError(f"unknown capture level {level!r} (L0, L1, L2)")
-    return level
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,7 +232,7 @@ class RunSettings:
         return inputs, record
 
     def record(self) -> dict[str, Any]:
-        """The manifest's ``settings`` (``schema._SETTINGS``): every field as JSON, the optional
+        """The manifest's ``settings`` (``manifest_schema._SETTINGS``): every field as JSON, the optional
         ones (``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device`` when not
         ``cpu``, ``input_files`` when a file was given) only when set."""
         out: dict[str, Any] = {
@@ -382,20 +297,6 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
         raise DriftToolError(f"sample ids must be distinct and >= 0, got {ids}")
     return tuple(ids)
-
-
-def check_pixels(key: str, value: Any) -> int:
-    """``value`` if it is an image size a run can use: a multiple of 16 pixels from 16 to
-    ``MAX_PIXELS``.
-
-    Raises:
-        DriftToolError: naming ``key`` (``height``, ``width``).
-    """
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok or not 0 < value <= MAX_PIXELS or value % PATCH_PIXELS:
-        raise DriftToolError(f"{key} must be a multiple of {PATCH_PIXELS} pixels from {PATCH_PIXELS} "
-                             f"to {MAX_PIXELS} (8x VAE downsampling, 2x2 patches), got {value!r}")
-    return value
 
 
 def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:

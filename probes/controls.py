@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from drifttool.distributed.collectives import barrier
+from drifttool.collectives import barrier
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, save_lora
 from drifttool.probes.spec import ProbeContext

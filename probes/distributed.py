@@ -9,7 +9,7 @@ Each probe's execution is a ``LayoutRun`` (``Probe.execute``): the reference is 
 run of the probe's settings (the matrix baseline itself when the probe keeps the baseline's
 settings; otherwise run once under ``<out>/work/references/`` and shared by the probes of the
 same settings), the probe run is the layout over ``dims.world_size`` spawned gloo ranks
-(``drifttool.distributed.spawn.run_parallel``), with at most one planted fault
+(``drifttool.launch.run_parallel``), with at most one planted fault
 (``drifttool.distributed.plan.FAULTS``). The probe run is run B of the diff, so the owning rank
 a probe declares (``Expectation.rank``) is the layout run's: the rank that computed the first
 differing row under SP (``FirstDrift.row_rank_b``), else the rank that wrote the record.
@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from drifttool.artifact.reader import open_run
 from drifttool.distributed.plan import FAULTS, ParallelDims
-from drifttool.distributed.spawn import run_parallel
+from drifttool.launch import run_parallel
 from drifttool.errors import UnsupportedConfigError
 from drifttool.probes.spec import Expectation, Probe, ProbeContext
 from drifttool.runner import execute

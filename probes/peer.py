@@ -74,8 +74,9 @@ from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.probes.runner import ERROR, OBSERVED, PENDING, Matrix, ProbeResult, _from_report, judge
 from drifttool.probes.spec import Expectation
 from drifttool.runner import execute
-from drifttool.settings import RunSpec, check_pixels, resolve
-from drifttool.settings import check_device as settings_check_device
+from drifttool.setting_checks import check_device as settings_check_device
+from drifttool.setting_checks import check_pixels
+from drifttool.settings import RunSpec, resolve
 
 PEER_STEPS = 2
 PEER_SLOTS = 128
@@ -542,11 +543,11 @@ def describe(p: PeerProbe) -> str:
 
 
 def check_device(device: str | None) -> torch.device:
-    """``device`` (default ``cpu``) as a ``torch.device``: ``settings.check_device``'s rules
+    """``device`` (default ``cpu``) as a ``torch.device``: ``setting_checks.check_device``'s rules
     (cpu, cuda or cuda:N, available here).
 
     Raises:
-        DriftToolError: as ``drifttool.settings.check_device``.
+        DriftToolError: as ``drifttool.setting_checks.check_device``.
     """
     return torch.device(settings_check_device("cpu" if device is None else device))
 
@@ -557,7 +558,7 @@ def pixel_grid(height: int | None, width: int | None) -> tuple[int, int] | None:
 
     Raises:
         DriftToolError: only one given, or not a multiple of 16 from 16 to
-            ``settings.MAX_PIXELS`` (``settings.check_pixels``).
+            ``setting_checks.MAX_PIXELS`` (``setting_checks.check_pixels``).
     """
     if height is None and width is None:
         return None

@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 from drifttool.artifact.reader import Run, open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
-from drifttool.distributed.collectives import barrier
+from drifttool.collectives import barrier
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import read_config
 from drifttool.probes.noop import variants_noop, weights_unchanged, wrap_variants

@@ -1,11 +1,16 @@
-"""The package layering holds: no import cycle among drifttool's modules, the sampler below the
-training side and the artifact, and no function-level import of a drifttool module except the
-few kept lazy for the CLI's start-up cost (tests/cli/test_import_cost.py), each saying so.
+"""The package layering holds: no import cycle among drifttool's modules; the folders (packages
+and top-level modules) stand on floors (``FLOORS``, lowest first, docs/architecture.md) and
+import only from their own floor or lower ones, so the folder-level graph is acyclic; the
+sampler is below the training side and reaches neither the artifact's writer nor its reader;
+and no function-level import of a
+drifttool module exists except the few kept lazy for the CLI's start-up cost
+(tests/cli/test_import_cost.py), each saying so.
 
 The import graph is read with ``ast`` from the source (``drifttool/``, ``cli/`` as
 ``drifttool.cli``, ``probes/`` as ``drifttool.probes``, as pyproject's package-dir installs
-them); every import counts, at module level or inside a function, except those under
-``if TYPE_CHECKING:`` (never executed).
+them); every import counts, at module level or inside a function. The module graph leaves out
+those under ``if TYPE_CHECKING:`` (never executed); the folder graph counts them too (a type
+named from a higher floor is a dependency on it all the same).
 """
 
 from __future__ import annotations
@@ -68,15 +73,17 @@ def _targets(module: str, node: ast.AST) -> list[str]:
     return out
 
 
-def _imports() -> tuple[dict[str, set[str]], list[tuple[str, int, str, str]]]:
-    """(graph: module → drifttool modules it imports; function-level imports of drifttool
-    modules as (module, line, target, source line))."""
+def _imports(type_checking: bool = False) -> tuple[dict[str, set[str]],
+                                                  list[tuple[str, int, str, str]]]:
+    """(graph: module → drifttool modules it imports, those under ``if TYPE_CHECKING:`` only if
+    ``type_checking``; function-level imports of drifttool modules as (module, line, target,
+    source line))."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     local: list[tuple[str, int, str, str]] = []
     for name, path in MODULES.items():
         text = path.read_text()
         tree = ast.parse(text)
-        skip = _type_checking_lines(tree)
+        skip = set() if type_checking else _type_checking_lines(tree)
         lines = text.splitlines()
         nested = {id(n) for f in ast.walk(tree)
                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -94,6 +101,7 @@ def _imports() -> tuple[dict[str, set[str]], list[tuple[str, int, str, str]]]:
 
 
 GRAPH, LOCAL = _imports()
+TYPED_GRAPH, _ = _imports(type_checking=True)
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -133,6 +141,95 @@ def _closure(start: str) -> set[str]:
     return seen
 
 
+FLOORS = [
+    {"__init__", "errors", "components", "shards", "digestcore", "fixture", "environment",
+     "collectives"},
+    {"artifact/"},
+    {"capture/"},
+    {"diff/"},
+    {"runtime"},
+    {"ops/"},
+    {"model/"},
+    {"distributed/"},
+    {"sampling/"},
+    {"setting_checks", "settings", "fingerprint", "lifecycle"},
+    {"runner"},
+    {"launch", "verify", "adapters/"},
+    {"training/"},
+    {"probes/"},
+    {"cli/"},
+    {"__main__"},
+]
+"""The folders of drifttool on their floors, lowest first (docs/architecture.md, "Floors"): a
+package (``artifact/``) or top-level module (``runner``) imports only from its own floor or a
+lower one. ``__init__`` is ``drifttool/__init__.py`` (the version)."""
+
+FLOOR_OF = {folder: i for i, floor in enumerate(FLOORS) for folder in floor}
+
+
+def _folder(module: str) -> str:
+    """The folder ``module`` belongs to: ``artifact/`` for ``drifttool.artifact.writer``, ``cli/``
+    for ``drifttool.cli.run``, ``runner`` for ``drifttool.runner``, ``__init__`` for
+    ``drifttool``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "__init__"
+    package = len(parts) > 1 or MODULES[module].name == "__init__.py"
+    return parts[0] + "/" if package else parts[0]
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """folder → folder it imports → the module edges behind it (``a -> b``)."""
+    out: dict[str, dict[str, list[str]]] = {_folder(m): {} for m in graph}
+    for m, targets in graph.items():
+        for t in targets:
+            if _folder(t) != _folder(m):
+                out[_folder(m)].setdefault(_folder(t), []).append(f"{m} -> {t}")
+    return out
+
+
+FOLDERS = _folder_graph(TYPED_GRAPH)
+
+
+def _upward(folders: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Every folder edge that climbs to a higher floor, with the module edges behind it."""
+    return [f"{a} (floor {FLOOR_OF[a]}) imports {b} (floor {FLOOR_OF[b]}): {', '.join(sorted(why))}"
+            for a, targets in sorted(folders.items()) for b, why in sorted(targets.items())
+            if FLOOR_OF[b] > FLOOR_OF[a]]
+
+
+def test_every_folder_stands_on_one_floor():
+    """A new package or top-level module gets its floor in ``FLOORS`` (and the docs' list)."""
+    placed = [f for floor in FLOORS for f in floor]
+    assert len(placed) == len(set(placed)), "a folder on two floors"
+    assert set(FOLDERS) == set(placed), (f"without a floor: {sorted(set(FOLDERS) - set(placed))}; "
+                                         f"no such folder: {sorted(set(placed) - set(FOLDERS))}")
+
+
+def test_folders_import_only_their_floor_or_lower():
+    bad = _upward(FOLDERS)
+    assert not bad, "imports up the floors:\n" + "\n".join(bad)
+
+
+def test_the_folder_graph_is_acyclic():
+    cycle = _cycle({a: set(targets) for a, targets in FOLDERS.items()})
+    assert cycle is None, "folder import cycle: " + " -> ".join(cycle)
+
+
+def test_floor_check_finds_a_planted_upward_edge():
+    planted = {m: set(t) for m, t in TYPED_GRAPH.items()}
+    planted["drifttool.artifact.writer"].add("drifttool.runner")
+    bad = _upward(_folder_graph(planted))
+    assert len(bad) == 1 and bad[0].startswith("artifact/ (floor 1) imports runner")
+    assert "drifttool.artifact.writer -> drifttool.runner" in bad[0]
+
+
+def test_type_only_imports_count_for_the_floors():
+    """``TYPED_GRAPH`` sees an import under ``if TYPE_CHECKING:`` that ``GRAPH`` leaves out."""
+    assert "drifttool.capture.recorder" in TYPED_GRAPH["drifttool.runtime"]
+    assert "drifttool.capture.recorder" not in GRAPH["drifttool.runtime"]
+
+
 def test_the_graph_covers_the_packages():
     """The scan sees the modules the layering is about (a broken scan would pass vacuously)."""
     for m in ("drifttool.runner", "drifttool.lifecycle", "drifttool.settings",
@@ -156,12 +253,15 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert "drifttool.sampling.rollout" in cycle
 
 
-@pytest.mark.parametrize("above", ["drifttool.artifact", "drifttool.diff", "drifttool.training",
+@pytest.mark.parametrize("above", ["drifttool.artifact.writer", "drifttool.artifact.reader",
+                                   "drifttool.diff", "drifttool.training",
                                    "drifttool.runner", "drifttool.lifecycle",
-                                   "drifttool.settings", "drifttool.cli", "drifttool.probes"])
+                                   "drifttool.settings", "drifttool.setting_checks",
+                                   "drifttool.launch", "drifttool.cli", "drifttool.probes"])
 def test_sampling_stays_below(above):
     """``sampling`` (rollout loop, noise, inputs) imports none of the layers above it, directly
-    or through another module."""
+    or through another module, nor the artifact's writer or reader (its records go to the
+    runtime's recorder; the capture levels it reaches through the runtime are the artifact's)."""
     for m in (m for m in MODULES if m.startswith("drifttool.sampling")):
         reach = _closure(m)
         bad = sorted(r for r in reach if r == above or r.startswith(above + "."))
@@ -182,12 +282,11 @@ def test_function_level_imports_are_only_the_declared_lazy_ones():
 
 
 def test_sampler_block_agrees_with_the_schema():
-    """The sampler's block constant and the torch-free schema's copy are one value."""
-    from drifttool.artifact import schema
+    """The sampler's constants and the torch-free schemas' copies are one value."""
+    from drifttool.artifact import manifest_schema, schema
     from drifttool.sampling.rollout import CFG_LAYOUTS, SAMPLER_BLOCK
-    from drifttool.settings import DTYPES, LEVELS
+    from drifttool.setting_checks import DTYPES
 
     assert SAMPLER_BLOCK == schema.SAMPLER_BLOCK
-    assert CFG_LAYOUTS == schema.CFG_LAYOUTS
-    assert LEVELS == schema.LEVELS
-    assert tuple(DTYPES) == schema.MODEL_DTYPES
+    assert CFG_LAYOUTS == manifest_schema.CFG_LAYOUTS
+    assert tuple(DTYPES) == manifest_schema.MODEL_DTYPES

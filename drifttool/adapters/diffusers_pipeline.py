@@ -68,7 +68,7 @@ from drifttool.model.weights import weight_digest
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import SAMPLER_BLOCK, SamplerConfig
-from drifttool.settings import DTYPES, check_level
+from drifttool.setting_checks import DTYPES, check_level
 
 UNCAPTURED = {
     "steps": ["mu", "std_t", "logp_t"],

@@ -63,7 +63,7 @@ def canonical_parameters(transformer: torch.nn.Module) -> dict[str, torch.Tensor
 
 
 def lora_of(transformer: torch.nn.Module) -> dict[str, Any] | None:
-    """The manifest's ``lora`` record (``schema._LORA``) of the one adapter the transformer's
+    """The manifest's ``lora`` record (``manifest_schema._LORA``) of the one adapter the transformer's
     peft layers hold, or None without one.
 
     Raises:

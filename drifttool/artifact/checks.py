@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from drifttool.artifact import manifest_schema as MS
 from drifttool.artifact import schema as S
 from drifttool.artifact.manifest import brief, listed_files, world_size
 from drifttool.artifact.raw import RawTensor, read_raw
@@ -203,7 +204,7 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
                                   ops: pa.Table) -> None:
     """The records are what the manifest declares: an ``L0`` run holds no op records, an ``L1``
     run no row digests (``schema.LEVELS``), and every record of a run of ``kind`` K has phase
-    ``schema.KIND_PHASE[K]`` (a recompute's are ``train``, a rollout's ``rollout``). Checks what
+    ``manifest_schema.KIND_PHASE[K]`` (a recompute's are ``train``, a rollout's ``rollout``). Checks what
     the manifest states; a key it lacks is not checked.
 
     Raises:
@@ -216,7 +217,7 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
     if level in ("L0", "L1") and ops.num_rows and ops["row_digests"].null_count != ops.num_rows:
         raise ArtifactError(f"{path}: capture_level {level} but op records carry row digests "
                             "(L2 data; a hand-edited manifest?)")
-    phase = S.KIND_PHASE.get(manifest.get("kind"))
+    phase = MS.KIND_PHASE.get(manifest.get("kind"))
     for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
         other = sorted(set(table["phase"].unique().to_pylist()) - {phase}) if phase else []
         if other:

@@ -1,4 +1,4 @@
-"""Read ``manifest.json`` and check it against ``schema.MANIFEST_SCHEMA``.
+"""Read ``manifest.json`` and check it against ``manifest_schema.MANIFEST_SCHEMA``.
 
     >>> m = read_manifest("runs/a")
     >>> m["schema_version"], m["complete"], m["capture_level"]
@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from drifttool.artifact import manifest_schema as MS
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError
 
@@ -70,7 +71,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         ArtifactError: ``path`` is not a directory, the manifest is missing, not a regular file,
             not strict JSON (NaN/Infinity, duplicate keys, integers beyond Python's digit limit,
             nesting deeper than ``MAX_MANIFEST_DEPTH``), not an object, of a schema version (an
-            ``int``) this reader does not support, or not what ``schema.MANIFEST_SCHEMA``
+            ``int``) this reader does not support, or not what ``manifest_schema.MANIFEST_SCHEMA``
             describes (``_check_manifest_shape``; the message names the key path).
     """
     path = Path(path)
@@ -119,26 +120,26 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
     todo = [(where, value, spec)]
     while todo:
         at, v, sp = todo.pop()
-        if sp is S.ANY:
+        if sp is MS.ANY:
             continue
-        if isinstance(sp, S.Nullable):
+        if isinstance(sp, MS.Nullable):
             if v is not None:
                 todo.append((at, v, sp.spec))
-        elif isinstance(sp, S.Enum):
+        elif isinstance(sp, MS.Enum):
             if type(v) is not str or v not in sp.values:
                 return f"{at} {v!r} is not one of {', '.join(map(str, sp.values))}"
         elif type(sp) is tuple:  # JSON types (a plain tuple, not one of the NamedTuple specs)
             if type(v) not in sp and not (type(v) is int and float in sp):
                 return (f"{at} is {_JSON_TYPES[type(v)]}, not "
                         f"{' or '.join(_JSON_TYPES[t] for t in sp)}")
-        elif isinstance(sp, S.ListOf):
+        elif isinstance(sp, MS.ListOf):
             if type(v) is not list:
                 return f"{at} is {_JSON_TYPES[type(v)]}, not an array"
             todo += [(f"{at}[{i}]", x, sp.item) for i, x in enumerate(v)]
         else:  # Obj or MapOf
             if type(v) is not dict:
                 return f"{at} is {_JSON_TYPES[type(v)]}, not an object"
-            if isinstance(sp, S.MapOf):
+            if isinstance(sp, MS.MapOf):
                 todo += [(f"{at}.{k}", x, sp.value) for k, x in v.items()]
                 continue
             prefix = f"{at}." if at else ""
@@ -153,16 +154,16 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
 
 
 def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
-    """Refuse a manifest that ``schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
+    """Refuse a manifest that ``manifest_schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
     missing required key, a value of the wrong type or outside its enumeration), a ``kind``
     without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), file entries other than the
     names the writer gives (``files_problem``) or a layout that contradicts itself
     (``layout_problem``)."""
-    problem = check_manifest_value("", m, S.MANIFEST_SCHEMA)
-    if problem is None:  # kind is now one of schema.KINDS or absent
+    problem = check_manifest_value("", m, MS.MANIFEST_SCHEMA)
+    if problem is None:  # kind is now one of manifest_schema.KINDS or absent
         kind = m.get("kind")
-        lacks = S.KIND_REQUIRES.get(kind, frozenset()) - set(m)
-        extra = S.KIND_FORBIDS.get(kind, frozenset()) & set(m)
+        lacks = MS.KIND_REQUIRES.get(kind, frozenset()) - set(m)
+        extra = MS.KIND_FORBIDS.get(kind, frozenset()) & set(m)
         if lacks:
             problem = f"kind {kind!r} without {min(lacks)!r} (a {kind} names its source and policy)"
         elif extra:
@@ -196,7 +197,7 @@ def files_problem(m: dict[str, Any]) -> str | None:
 
 
 def layout_problem(layout: dict[str, Any]) -> str | None:
-    """How a ``layout`` (already of ``schema._LAYOUT``'s shape) contradicts itself: a world size
+    """How a ``layout`` (already of ``manifest_schema._LAYOUT``'s shape) contradicts itself: a world size
     outside ``[1, MAX_WORLD_SIZE]``, a ``mesh`` whose sizes do not multiply to it, or ``samples``
     whose keys are not exactly the ranks ``"0"`` … ``"world_size-1"`` or whose ids repeat."""
     world = layout.get("world_size")

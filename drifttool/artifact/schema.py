@@ -30,12 +30,12 @@ never by the per-rank execution counter ``seq``. Strings are plain ``utf8``
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import pyarrow as pa
 
 from drifttool import components
-from drifttool.capture import levels
+from drifttool.artifact import levels
 
 SCHEMA_VERSION = 4
 SUPPORTED_SCHEMA_VERSIONS = frozenset({3, SCHEMA_VERSION})
@@ -93,7 +93,7 @@ velocity, the SDE transition, the next latent, its log-probability); others foll
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
 LEVELS = levels.LEVELS
-"""Capture levels (``drifttool.capture.levels``)."""
+"""Capture levels (``drifttool.artifact.levels``)."""
 
 
 RANK_TABLES = ("ops", "steps", "trace")
@@ -268,197 +268,3 @@ def schema_version_of(schema: pa.Schema) -> int | None:
         return None if raw is None else int(raw)
     except ValueError:
         return None
-
-
-# -- manifest.json ---------------------------------------------------------------------------------
-# One declarative description of every key drifttool writes into a manifest (a key the
-# manifest schema does not account for is never ignored). A spec is one of: a tuple of JSON types
-# (``int`` excludes ``bool``), ``Enum``, ``ListOf``, ``MapOf`` (free keys), ``Obj`` (known keys),
-# ``Nullable``, or ``ANY`` (a free JSON value, e.g. the model's ``arch`` fields, which the diff
-# compares key by key). ``drifttool.artifact.reader.check_manifest_value`` applies it.
-
-
-class Enum(NamedTuple):
-    """One of ``values``."""
-    values: tuple[Any, ...]
-
-
-class ListOf(NamedTuple):
-    """A JSON array whose items are ``item``."""
-    item: Any
-
-
-class MapOf(NamedTuple):
-    """A JSON object with any keys, whose values are ``value``."""
-    value: Any
-
-
-class Obj(NamedTuple):
-    """A JSON object with keys from ``fields`` only (each value its spec); ``required`` keys must
-    be present."""
-    fields: dict[str, Any]
-    required: frozenset[str] = frozenset()
-
-
-class Nullable(NamedTuple):
-    """``null`` or ``spec``."""
-    spec: Any
-
-
-ANY = "any JSON value"
-_INT, _NUM, _STR, _BOOL = (int,), (int, float), (str,), (bool,)
-_INTS = ListOf(_INT)
-
-KINDS = ("rollout", "recompute")
-"""``kind``: a sampled trajectory (``drifttool run``/``replay``) or its training recompute."""
-MODES = ("strict", "audit", "auto", "off")
-"""``drifttool.runtime.Mode`` values (tests/artifact/test_manifest_schema.py checks they agree)."""
-MODEL_DTYPES = ("float32", "bfloat16")
-"""``drifttool.settings.DTYPES``: the model dtypes a run may use."""
-CFG_LAYOUTS = ("batched", "sequential")
-"""``drifttool.sampling.rollout.CFG_LAYOUTS``."""
-TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
-"""``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
-PRESETS = ("diffusers", "flow-grpo")
-"""``drifttool.sampling.presets.PRESET_NAMES`` (tests/sampling/test_presets.py checks they agree)."""
-LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
-"""``drifttool.model.lora.LORA_MODES`` (tests/model/test_lora_modes.py checks they agree)."""
-
-_SETTINGS = Obj({
-    "fixture": Nullable(_STR), "checkpoint": Nullable(_STR), "variant": _STR, "lora": _STR,
-    "lora_mode": Enum(LORA_MODES),
-    "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
-    "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
-    "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
-    "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
-    "device": _STR,
-    "input_files": MapOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
-}, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
-              "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
-"""``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's
-(``seed`` null: a captured diffusers pipeline call, whose generator is not drifttool's)."""
-
-_ENVIRONMENT = Obj({
-    "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
-    "machine": _STR, "cpu": Nullable(_STR), "cpu_count": Nullable(_INT), "torch_threads": _INT,
-    "cpu_capability": Nullable(_STR), "aten_cpu_capability_env": Nullable(_STR),
-    "cuda": Nullable(_STR), "gpu": Nullable(_STR),
-})
-"""``drifttool.environment.environment``."""
-
-_FINGERPRINT = Obj({
-    "version": _INT,
-    "arch": MapOf(ANY),  # MMDiTConfig.arch_fields() + img_grid; the diff compares every key
-    "weights": _STR,
-    "dtype_policy": Obj({"weights": _STR, "activations": _STR, "accumulation": _STR,
-                         "latents_between_steps": _STR, "sde_step_and_logp": _STR,
-                         "tf32": _BOOL}),
-    "scheduler": Obj({"num_steps": _INT, "timestep_policy": Enum(TIMESTEP_POLICIES),
-                      "image_seq_len": Nullable(_INT), "sigma_table": ListOf(_NUM),
-                      "sigma_table_digest": _STR}),
-    "cfg": Obj({"cfg_scale": _NUM, "cfg_layout": Enum(CFG_LAYOUTS)}),
-    "sde": Obj({"eta": _NUM, "sde_window": Nullable(_INTS), "logp_reduction": _STR}),
-    "runtime": Obj({"mode": Enum(MODES), "backend": Enum(("strict", "production"))}),
-    "inputs": Obj({"rope_tables": _STR, "noise": Nullable(_STR),
-                   "cpu_capability": Nullable(_STR)}),
-})
-"""``drifttool.fingerprint.arch_fingerprint``."""
-
-_NOISE = Obj({
-    "generator": _STR, "dispatch_dependent": _BOOL, "numpy_version": _STR, "torch_version": _STR,
-    "generator_device": _STR, "dtype": _STR, "seed": _INT, "channels": _INT, "img_grid": _INTS,
-    "latent_shape": _INTS, "num_steps": _INT, "seed_derivation": _STR, "seed_formula": _STR,
-    "bits": _STR, "transform": _STR, "consumption_order": ListOf(_STR),
-}, frozenset({"generator", "dispatch_dependent", "generator_device", "dtype", "seed",
-              "channels", "img_grid", "latent_shape", "num_steps", "seed_derivation",
-              "seed_formula", "consumption_order"}))
-"""``drifttool.sampling.noise.noise_record`` (Philox and torch generators)."""
-
-_REPLAY = Obj({
-    "noise": Nullable(_NOISE), "inputs": Enum((INPUTS,)), "prompt_lengths": _INTS,
-    "input_digests": MapOf(_STR),
-}, frozenset({"noise", "inputs", "prompt_lengths", "input_digests"}))
-"""``drifttool.runner.execute``'s replay record."""
-
-LAYOUT_KINDS = ("single", "sample_parallel", "parallel")
-"""``layout.kind``: one process, the batch's logical samples split across ranks
-(``drifttool.distributed.samples``), or a TP/SP/CFG-parallel plan (``drifttool.distributed.plan``:
-degrees in ``tp``, ``sp``, ``cfg_parallel``, ``sp_attention``)."""
-
-_LAYOUT = Obj({"world_size": _INT, "kind": Enum(LAYOUT_KINDS), "tp": _INT, "sp": _INT,
-               "cfg_parallel": _INT, "cfg_layout": Enum(CFG_LAYOUTS),
-               "sp_attention": Enum(("agrs", "ulysses", "ring")),
-               "mesh": Obj({"dims": ListOf(_STR), "shape": _INTS}, frozenset({"dims", "shape"})),
-               "samples": MapOf(_INTS)},
-              frozenset({"world_size"}))
-"""How the run was laid out over ranks. ``world_size`` (written by the writer: the ranks that
-wrote the artifact) is the only required key; ``samples`` maps each rank (``"0"``, ``"1"``, …)
-to the logical sample ids it ran (``sample_parallel``); ``mesh`` names the ``DeviceMesh``
-dimensions and sizes (``drifttool.distributed.context``)."""
-
-_MODEL_SOURCE = Obj({"implementation": _STR, "adapter": _STR, "diffusers_version": Nullable(_STR),
-                     "scheduler": _STR, "scheduler_config": MapOf(ANY)},
-                    frozenset({"implementation", "adapter"}))
-"""``drifttool.adapters.diffusers_qwenimage``'s ``source``; a captured pipeline call
-(``drifttool.adapters.diffusers_pipeline``) adds its scheduler's class and configuration."""
-
-_UNCAPTURED = Obj({"steps": ListOf(_STR), "ops": ListOf(Obj({"op": _STR, "index": _INT},
-                                                              frozenset({"op", "index"}))),
-                   "reason": _STR}, frozenset({"steps", "ops", "reason"}))
-"""Records a drifttool rollout writes that this run cannot (``drifttool.adapters.
-diffusers_pipeline.UNCAPTURED``): step quantities by name, op outputs by (op, index). The diff
-leaves them out of both runs (``drifttool.diff.uncaptured``)."""
-
-_SOURCE = Obj({
-    "path": _STR, "kind": Enum(KINDS), "mode": Enum(MODES), "weights": Nullable(_STR),
-    "complete": _BOOL, "variants": ListOf(_STR), "model_source": Nullable(_MODEL_SOURCE),
-}, frozenset({"path", "kind", "mode", "weights", "complete", "variants"}))
-"""``drifttool.training.stored.source_record``: the run a recompute or replay was made from."""
-
-_POLICY = Obj({
-    "timestep_policy": Enum(TIMESTEP_POLICIES), "cfg_layout": Enum(CFG_LAYOUTS),
-    "cfg_scale": _NUM, "eta": _NUM, "sde_window": Nullable(_INTS),
-    "stored_latent_dtype": Nullable(_STR), "logp_evaluated_on": _STR,
-    "sigma_table_digest": Nullable(_STR), "timesteps": ListOf(_NUM),
-}, frozenset({"timestep_policy", "cfg_layout", "cfg_scale", "eta"}))
-"""``drifttool.training.recompute.policy_record``."""
-
-_TRAIN = Obj({"phase": Enum(("train",)), "autograd": _BOOL, "grad": _BOOL,
-              "loss": Nullable(_STR), "gradient_checkpointing": _BOOL,
-              "micro_batch": Nullable(_INT), "trim_padding": _BOOL,
-              "gradient_reduction": Nullable(_STR)},
-             frozenset({"phase", "autograd", "grad"}))
-
-_LORA = Obj({
-    "r": _INT, "lora_alpha": _NUM, "target_modules": (str, list), "use_rslora": _BOOL,
-    "rank_pattern": MapOf(_INT), "alpha_pattern": MapOf(_NUM), "lora_dropout": _NUM,
-    "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
-    "apply": _STR, "mode": Enum(LORA_MODES), "factor_dtype": _STR,
-}, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
-"""``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
-
-_FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
-              "trace": ListOf(_STR), "ops": ListOf(_STR)},
-             frozenset({"inputs", "steps", "trace", "ops"}))
-"""``drifttool.artifact.writer.ArtifactWriter``'s file list: ``steps``, ``trace`` and ``ops`` list
-``rank_file`` names of their table (``RANK_FILE``), one per rank that wrote one."""
-
-MANIFEST_SCHEMA = Obj({
-    "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,
-    "kind": Enum(KINDS), "capture_level": Enum(LEVELS), "settings": _SETTINGS,
-    "environment": _ENVIRONMENT, "replay": _REPLAY, "layout": _LAYOUT,
-    "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
-    "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
-    "seconds": _NUM, "uncaptured": _UNCAPTURED, "checkpoint_warnings": ListOf(_STR),
-}, frozenset({"schema_version", "complete", "files", "fingerprint"}))
-"""Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
-recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and
-``drifttool.training.recompute.recompute_run``'s recompute manifest (``source``, ``policy``,
-``train``, ``seconds``; a replay adds ``replay_of``)."""
-
-KIND_REQUIRES = {"recompute": frozenset({"source", "policy", "train"})}
-"""Keys a manifest of that ``kind`` must hold (a recompute names its source and pinned policy)."""
-KIND_FORBIDS = {"rollout": frozenset({"source", "policy", "train"})}
-"""Keys a manifest of that ``kind`` never holds."""
-KIND_PHASE = {"rollout": "rollout", "recompute": "train"}
-"""The one record ``phase`` of a run of that ``kind``."""

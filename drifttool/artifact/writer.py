@@ -13,7 +13,7 @@ Every rank creates its own writer on the same directory (``torchrun``: each proc
 block above). Rank ``r`` writes ``ops.rank<r>.arrow``, ``steps.rank<r>.arrow`` and
 ``trace.rank<r>.arrow``; rank 0 alone removes an earlier artifact, creates the directory and
 writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1 and
-writes the same names. Coordination goes through ``drifttool.distributed.collectives`` over
+writes the same names. Coordination goes through ``drifttool.collectives`` over
 torch.distributed when a process group is initialised and is a no-op otherwise:
 
 - opening: rank 0 creates the directory while the other ranks wait for its outcome (a
@@ -23,7 +23,8 @@ torch.distributed when a process group is initialised and is a no-op otherwise:
   it checks that it is empty (or removes an earlier run under ``overwrite``) and holds it until
   ``close`` (the OS drops it when the process dies). A second run given the same directory
   while the first writes fails at once with an ``ArtifactError`` that says another run holds
-  it, so two runs never mix their files, with ``overwrite`` or without;
+  it, so two runs never mix their files, with ``overwrite`` or without
+  (``drifttool.artifact.directory``);
 - closing (two-phase ``complete``): every rank closes its streams and reports whether it
   finished, its files, its copy of the manifest keys that describe the whole run
   (``SHARED_KEYS``) and a digest of its replay inputs (an all-gather); rank 0 writes the manifest
@@ -44,11 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no lock (one writer is then the user's care)
-    fcntl = None
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -59,28 +55,16 @@ import xxhash
 from safetensors.torch import save
 from torch.distributed import ProcessGroup
 
+from drifttool import collectives as C
 from drifttool.artifact import schema as S
+from drifttool.artifact.directory import atomic_write, claim, release
 from drifttool.artifact.manifest import layout_problem
-from drifttool.distributed import collectives as C
 from drifttool.errors import ArtifactError
 
 SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")
 """Manifest keys that describe the whole run: every rank's writer must hold the same value (or
 none) when it closes, else the artifact is left incomplete (rank 0's manifest is the one
 written; the other ranks' copies are only compared)."""
-
-LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
-"""Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
-like the current names."""
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _json(d: dict[str, Any]) -> str:
@@ -125,36 +109,6 @@ class _Stream:
     def close(self) -> None:
         self._writer.close()  # writes the schema (if no batch came) and the end-of-stream marker
         self._file.close()
-
-
-def _writes(p: Path) -> bool:
-    """``p`` is a regular file of a name some artifact writer gives (a ``.tmp`` of one too)."""
-    name = p.name.removesuffix(".tmp")
-    return p.is_file() and (name in {S.MANIFEST, S.INPUTS, *LEGACY_NAMES}
-                            or S.RANK_FILE.fullmatch(name) is not None)
-
-
-def _remove_artifact(path: Path) -> None:
-    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
-
-    Raises:
-        ArtifactError: no drifttool manifest there, or files that no artifact writes (user
-            files are never deleted).
-    """
-    try:
-        manifest = json.loads((path / S.MANIFEST).read_text())
-        ours = isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
-        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
-                            "overwrite")
-    foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
-    if foreign:
-        raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
-                            " (not written by drifttool)")
-    for p in path.iterdir():
-        p.unlink()
 
 
 def _check_rank_column(batch: pa.RecordBatch | pa.Table, rank: int, table: str) -> None:
@@ -213,7 +167,7 @@ class ArtifactWriter:
         error = None
         if self.rank == 0:
             try:
-                self._create(overwrite)
+                self._lock = claim(self.path, overwrite)
                 self._write_manifest(complete=False)
             except ArtifactError as e:
                 error = str(e)
@@ -241,40 +195,9 @@ class ArtifactWriter:
             raise ValueError(f"layout: {problem}")
         return layout
 
-    def _create(self, overwrite: bool) -> None:
-        existing = next((p for p in (self.path, *self.path.parents) if p.exists()), None)
-        if existing is not None and not existing.is_dir():  # the path itself or a parent
-            raise ArtifactError(f"{existing} exists and is not a directory"
-                                + ("" if existing == self.path else f" (creating {self.path})"))
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._take_lock()  # before the emptiness check: the check and the writes are one writer's
-        if any(self.path.iterdir()):
-            if not overwrite:
-                raise ArtifactError(f"{self.path} is not empty (use --overwrite to replace an "
-                                    "earlier drifttool run there)")
-            _remove_artifact(self.path)
-
-    def _take_lock(self) -> None:
-        """Hold an exclusive ``flock`` on the directory until ``close`` (module docstring).
-
-        Raises:
-            ArtifactError: another process holds it.
-        """
-        if fcntl is None:
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ArtifactError(f"{self.path}: another drifttool run holds it (it is writing "
-                                "there now); wait for it to finish or choose another -o") from None
-        self._lock = fd
-
     def _unlock(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)  # closing the descriptor releases the flock
-            self._lock = None
+        release(self._lock)
+        self._lock = None
 
     # -- manifest ------------------------------------------------------------------------------
     @property
@@ -300,7 +223,7 @@ class ArtifactWriter:
         self._manifest.update(schema_version=S.SCHEMA_VERSION, complete=complete,
                               files=self._files)
         if self.rank == 0:
-            _atomic_write(self.path / S.MANIFEST, _json(self._manifest).encode())
+            atomic_write(self.path / S.MANIFEST, _json(self._manifest).encode())
 
     # -- data ----------------------------------------------------------------------------------
     def write_inputs(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -318,7 +241,7 @@ class ArtifactWriter:
         if self.rank == 0:
             # bytes, then the same temp file + rename as the manifest: mode follows the umask
             # like every other artifact file (safetensors' save_file creates its file 0600)
-            _atomic_write(self.path / S.INPUTS, data)
+            atomic_write(self.path / S.INPUTS, data)
         self._write_manifest(complete=False)
 
     def write_ops(self, batch: pa.RecordBatch | dict[str, Any], *, rank: int | None = None) -> None:

@@ -7,7 +7,7 @@
     "run B does not capture step mu, std_t, logp_t and op outputs flow_sde_step_logp#1, ...
      (the diffusers pipeline's Euler step ... computes x_next only ...): not compared in either run"
 
-A run's manifest key ``uncaptured`` (``schema._UNCAPTURED``) names step quantities and op outputs
+A run's manifest key ``uncaptured`` (``manifest_schema._UNCAPTURED``) names step quantities and op outputs
 (op, index) that drifttool's rollout writes but that the run's implementation does not compute
 (the diffusers pipeline's Euler step has no mu, std_t or logp). Without the declaration their
 records would be "only in run A", and an otherwise identical pair inconclusive. Torch-free.

@@ -107,7 +107,7 @@ class DistContext:
         return self.mesh is not None
 
     def layout(self) -> dict[str, object]:
-        """The mesh part of a manifest ``layout`` (``schema._LAYOUT``): ``world_size`` and, when
+        """The mesh part of a manifest ``layout`` (``manifest_schema._LAYOUT``): ``world_size`` and, when
         distributed, ``{"mesh": {"dims": [...], "shape": [...]}}``."""
         out: dict[str, object] = {"world_size": self.world_size}
         if self.mesh is not None:

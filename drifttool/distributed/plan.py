@@ -124,7 +124,7 @@ class ParallelDims:
         return (self.cfg, self.sp, self.tp)
 
     def layout(self) -> dict[str, Any]:
-        """The manifest ``layout`` keys of this plan (``schema._LAYOUT``)."""
+        """The manifest ``layout`` keys of this plan (``manifest_schema._LAYOUT``)."""
         out: dict[str, Any] = {"kind": "parallel", "tp": self.tp, "sp": self.sp, "cfg_parallel": self.cfg}
         if self.sp > 1:
             out["sp_attention"] = self.sp_attention

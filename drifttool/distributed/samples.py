@@ -66,7 +66,7 @@ def rank_samples(samples: Iterable[int], rank: int, world_size: int) -> list[int
 
 
 def sample_parallel_layout(samples: Iterable[int], world_size: int) -> dict[str, Any]:
-    """The manifest ``layout`` of a sample-parallel run (``schema._LAYOUT``): kind, world size and
+    """The manifest ``layout`` of a sample-parallel run (``manifest_schema._LAYOUT``): kind, world size and
     each rank's sample ids, keyed by the rank as a string (JSON object keys).
 
     Raises:

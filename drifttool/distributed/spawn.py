@@ -1,70 +1,28 @@
-"""Run the main job on every rank of a TP/SP/CFG-parallel layout from one process: gloo ranks on
-the loopback interface, started with ``torch.multiprocessing.spawn`` (no torchrun needed).
+"""The loopback rendezvous of ranks started from one process (``torch.multiprocessing.spawn``,
+no torchrun): a store the parent serves and torchrun's variables for each child.
 
-    >>> summary = run_parallel(RunSpec(capture="L2"), "runs/tp2", ParallelDims(tp=2))
-    >>> summary["complete"], summary["rank"]
-    (True, 0)
+    >>> store = loopback_store(2)                       # bound now, to a port the OS assigns
+    >>> rank_environment(1, 2, store.port)["RANK"]      # os.environ.update(...) in child 1
+    '1'
 
-Each of ``dims.world_size`` children sets torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``) and joins, as torchrun's workers do
+Each child sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``) and joins, as torchrun's workers do
 (``TORCHELASTIC_USE_AGENT_STORE``), the rendezvous store the parent already serves on that port
 (``loopback_store``: bound to a port the OS assigns, held until the children are done; no port
-is picked first and bound later, so concurrent launches never collide), joins the mesh
-``plan.MESH_DIMS`` of ``dims.mesh_shape()`` (``init_distributed``), runs
-``drifttool.runner.execute(spec, out, dist=ctx, parallel=dims, faults=faults)`` and closes the
-process group. The artifact is the same as ``torchrun --nproc-per-node N -m drifttool run
---tp/--sp/--cfg-parallel ...`` writes. The probe matrix's distributed probes
-(``drifttool.probes.distributed``) run their layouts through it.
-
-A rank that raises writes its error, then exits non-zero, so ``spawn`` stops the other ranks
-(they would otherwise wait in a collective for the dead one until ``timeout``); the caller gets
-one error for the lowest rank that reported one, with its exception's class and message:
-``RankError`` (a ``DriftToolError``: the CLI prints one line) when the rank refused the run with
-a user error, ``RankCrash`` (a bug; the rank's traceback in the message) otherwise. CPU only
-(gloo): the ranks run on ``cpu``. ``spec`` and ``faults`` are pickled to the children, so
-operator variants (``RunSpec.variants``) must be picklable.
+is picked first and bound later, so concurrent launches never collide); then
+``init_distributed`` joins the process group. ``drifttool.launch.run_parallel`` runs the main job
+on ranks started this way.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import traceback
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from drifttool.distributed.context import DEFAULT_TIMEOUT, close_distributed, init_distributed
-from drifttool.distributed.plan import MESH_DIMS, ParallelDims, check_faults
-from drifttool.errors import DriftToolError, UnsupportedConfigError
-from drifttool.runner import execute
-from drifttool.settings import RunSpec
+from drifttool.distributed.context import DEFAULT_TIMEOUT
 
 LOOPBACK = "127.0.0.1"
-
-
-class RankError(DriftToolError):
-    """A rank of a spawned layout refused the run with a user error (a ``DriftToolError``: bad
-    settings, a layout the model does not divide, an occupied output directory). ``rank``: the
-    rank; ``kind``: its exception's class name; ``trace``: its traceback (text)."""
-
-    def __init__(self, message: str, *, rank: int, kind: str, trace: str) -> None:
-        super().__init__(message)
-        self.rank, self.kind, self.trace = rank, kind, trace
-
-
-class RankCrash(RuntimeError):
-    """A rank of a spawned layout raised anything else (a bug), or died without a report; the
-    message ends with the rank's traceback."""
-
-    def __init__(self, message: str, *, rank: int, kind: str, trace: str) -> None:
-        super().__init__(f"{message}\n{trace}")
-        self.rank, self.kind, self.trace = rank, kind, trace
 
 
 def loopback_store(world: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
@@ -81,82 +39,3 @@ def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
     ``loopback_store`` on ``port`` (every rank a client: ``TORCHELASTIC_USE_AGENT_STORE``)."""
     return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                 MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-
-
-def _describe(dims: ParallelDims) -> str:
-    parts = [f"{k}={v}" for k, v in (("tp", dims.tp), ("sp", dims.sp), ("cfg", dims.cfg)) if v > 1]
-    if dims.sp > 1:
-        parts.append(f"sp_attention={dims.sp_attention}")
-    return " ".join(parts) or "1 rank"
-
-
-def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out: str,
-               dims: ParallelDims, faults: tuple[str, ...], overwrite: bool, timeout: timedelta,
-               threads: int) -> None:
-    """One child: torchrun's variables, the mesh, ``execute``; an exception is written to
-    ``errors/rank<r>.json`` and re-raised (the non-zero exit stops the other ranks)."""
-    os.environ.update(rank_environment(rank, world, port))
-    torch.set_num_threads(threads)
-    ctx = None
-    try:
-        ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape(), timeout=timeout)
-        summary = execute(spec, out, dist=ctx, parallel=dims, faults=faults, overwrite=overwrite)
-        if rank == 0:
-            Path(errors, "summary.json").write_text(json.dumps(summary, default=str))
-    except BaseException as e:
-        Path(errors, f"rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "kind": type(e).__name__, "message": str(e),
-             "user_error": isinstance(e, DriftToolError), "trace": traceback.format_exc()}))
-        raise
-    finally:
-        if ctx is not None:
-            close_distributed(ctx)
-
-
-def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: tuple[str, ...] = (),
-                 overwrite: bool = False, timeout: timedelta = DEFAULT_TIMEOUT,
-                 threads: int = 1) -> dict[str, Any]:
-    """Run ``spec`` (a ``RunSpec``) under the layout ``dims`` on ``dims.world_size`` spawned gloo
-    ranks, writing one artifact to ``out``; returns rank 0's ``execute`` summary (plus
-    ``"rank": 0``). ``faults`` plants probe faults (``plan.FAULTS``); ``threads`` is each rank's
-    intra-op thread count (strict bytes do not depend on it); ``timeout`` bounds a collective
-    waiting for a rank.
-
-    Raises:
-        UnsupportedConfigError: ``dims`` is one rank, or a fault is not in ``plan.FAULTS``.
-        RankError: a rank raised a ``DriftToolError`` (the lowest rank that reported one: its
-            exception's class and message; the traceback in ``RankError.trace``).
-        RankCrash: a rank raised anything else, or died without a report.
-    """
-    if not dims.parallel:
-        raise UnsupportedConfigError("run_parallel: the layout is one rank (tp = sp = cfg = 1); "
-                                     "call drifttool.runner.execute")
-    check_faults(faults)
-    world = dims.world_size
-    store = loopback_store(world, timeout)  # held (and its port bound) until the ranks are done
-    with tempfile.TemporaryDirectory(prefix="drifttool-spawn-") as errors:
-        try:
-            mp.spawn(_rank_main, nprocs=world, join=True,
-                     args=(world, store.port, errors, spec, str(out), dims, tuple(faults),
-                           overwrite, timeout, int(threads)))
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise _rank_error(Path(errors), dims, e) from None
-        summary = json.loads(Path(errors, "summary.json").read_text())
-    del store
-    return {**summary, "rank": 0}
-
-
-def _rank_error(errors: Path, dims: ParallelDims, e: Exception) -> RankError | RankCrash:
-    """One error for the caller: the lowest rank's report (user error or crash), else the
-    process that ``spawn`` saw die."""
-    reports = sorted((json.loads(p.read_text()) for p in errors.glob("rank*.json")),
-                     key=lambda r: r["rank"])
-    where = f"{dims.world_size}-rank layout ({_describe(dims)})"
-    if not reports:
-        rank = int(getattr(e, "error_index", -1))
-        return RankCrash(f"rank {rank} of the {where} died without a report", rank=rank,
-                         kind="died", trace=str(e))
-    r = reports[0]
-    cls = RankError if r["user_error"] else RankCrash
-    return cls(f"rank {r['rank']} of the {where} failed: {r['kind']}: {r['message']}",
-               rank=r["rank"], kind=r["kind"], trace=r["trace"])

@@ -47,7 +47,7 @@ DEVICES = ("cpu", "cuda")
 PRODUCTION_ONLY = ("lora_fuse", "lora_delta")
 """Operators with no strict implementation: dispatched only in LoRA modes that
 ``model.lora.check_lora_mode`` admits for the production family, so a strict run never meets
-them (``settings.check_mode_device`` does not require them)."""
+them (``setting_checks.check_mode_device`` does not require them)."""
 
 LORA_MERGE = declare(
     OpSpec(

@@ -40,7 +40,7 @@ registers one variant per operator it may meet, e.g. ``joint_attn_softmax`` for 
 ``joint_attention_fused`` for production).
 
 Trace and capture are separate steps after dispatch: ``_trace`` records the call site (family
-requested and run, kernel, device, fallback), ``capture.sink.capture_outputs`` hands the outputs
+requested and run, kernel, device, fallback), ``ops.sink.capture_outputs`` hands the outputs
 to the recorder.
 """
 
@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from drifttool.capture.sink import capture_outputs
+from drifttool.ops.sink import capture_outputs
 from drifttool.components import COMPONENTS, DEFAULT_COMPONENT
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, devices, on_device

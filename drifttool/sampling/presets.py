@@ -101,7 +101,7 @@ PRESETS: dict[str, Preset] = {
         cfg_layout="batched", step_rule="flow_grpo", sde=True,
         train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global", lora_mode="unfused-fp32"),
 }
-"""The presets by name (``schema.PRESETS`` repeats the names for the torch-free reader)."""
+"""The presets by name (``manifest_schema.PRESETS`` repeats the names for the torch-free reader)."""
 
 PRESET_NAMES = tuple(PRESETS)
 

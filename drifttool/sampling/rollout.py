@@ -55,7 +55,7 @@ from drifttool.sampling.inputs import RolloutInputs
 CFG_LAYOUTS = ("batched", "sequential")
 LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Dtypes the latents may be kept in between steps (``SamplerConfig.latents_dtype``)."""
-"""CFG execution layouts (``schema.CFG_LAYOUTS`` repeats them; a test checks they agree)."""
+"""CFG execution layouts (``manifest_schema.CFG_LAYOUTS`` repeats them; a test checks they agree)."""
 SAMPLER_BLOCK = -2
 """``block`` scope of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
 ``flow_sde_step_logp``): outside the model. ``schema.SAMPLER_BLOCK`` repeats it for the torch-free

@@ -46,12 +46,13 @@ import torch
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.distributed.collectives import barrier
+from drifttool.collectives import barrier
 from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
 from drifttool.runner import execute, run_device
-from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
+from drifttool.setting_checks import check_mode, check_mode_device
+from drifttool.settings import RunSpec, resolve
 from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run

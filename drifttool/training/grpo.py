@@ -48,7 +48,8 @@ from drifttool.runner import rank_layout, run_device
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.rollout import cfg_enabled, recompute, rollout, sampler_model
-from drifttool.settings import RunSpec, check_mode, check_mode_device, resolve
+from drifttool.setting_checks import check_mode, check_mode_device
+from drifttool.settings import RunSpec, resolve
 from drifttool.training.ledger import GradLedger
 from drifttool.training.trainer import micro_batched
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from drifttool.distributed.canonical import gather_cat, gather_list
-from drifttool.distributed.collectives import all_gather_object
+from drifttool.collectives import all_gather_object
 from drifttool.distributed.ring import sp_row_spans
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.lora import lora_modules

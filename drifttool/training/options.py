@@ -9,7 +9,7 @@ rollout's), the device (default: the rollout's; shapes always come from the arti
 overrides (fixture, checkpoint, LoRA adapter; every one fingerprint-checked against the rollout)
 and ``overwrite``. ``TrainOptions`` (recompute only): the backward and the
 trainer's execution layout. Both validate on construction with the lines ``drifttool run`` uses
-(``drifttool.settings.check_mode``/``check_level``).
+(``drifttool.setting_checks.check_mode``/``check_level``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drifttool.errors import DriftToolError
-from drifttool.settings import check_device, check_level, check_mode
+from drifttool.setting_checks import check_device, check_level, check_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +31,7 @@ class RerunOptions:
         fixture: fixture holding the model, if the manifest's name does not resolve.
         checkpoint: model folder replacing the manifest's (must match its fingerprint).
         lora: LoRA adapter replacing the manifest's (must match its fingerprint).
-        device: cpu | cuda | cuda:N (``settings.check_device``); None: the rollout's
+        device: cpu | cuda | cuda:N (``setting_checks.check_device``); None: the rollout's
             (``settings.device``, ``cpu`` when not recorded).
         overwrite: replace an existing artifact directory.
 

@@ -43,7 +43,7 @@ from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
 from drifttool.sampling.rollout import StepOutput, cfg_enabled, recompute, sampler_model
 from drifttool.runner import check_model_device, rank_layout
-from drifttool.settings import check_level, check_mode, check_mode_device
+from drifttool.setting_checks import check_level, check_mode, check_mode_device
 from drifttool.training.ledger import GradLedger
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.stored import (StoredRollout, load_rollout, refuse_same_dir,

@@ -26,7 +26,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.rollout import StepOutput
-from drifttool.settings import PATCH_PIXELS, RunSpec, check_mode, check_mode_device
+from drifttool.setting_checks import PATCH_PIXELS, check_mode, check_mode_device
+from drifttool.settings import RunSpec
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
 from drifttool.training.trainer import prepare_trainer, rerun_device

@@ -47,7 +47,7 @@ from drifttool.model.weights import weight_digest
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import replay_tensors
 from drifttool.sampling.rollout import rollout_step, sampler_model
-from drifttool.settings import check_level
+from drifttool.setting_checks import check_level
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, refuse_same_dir, source_record
 from drifttool.training.trainer import prepare_trainer

@@ -217,7 +217,7 @@ def load_rollout(path: str | Path, *, need_latents: bool = True,
 
 def source_record(stored: StoredRollout) -> dict[str, Any]:
     """The manifest's record of the run a replay (``replay_of``) or recompute (``source``) was
-    made from (``schema._SOURCE``)."""
+    made from (``manifest_schema._SOURCE``)."""
     return {"path": str(stored.path), "kind": stored.manifest.get("kind", "rollout"),
             "mode": stored.settings.get("mode"), "weights": stored.manifest["fingerprint"].get("weights"),
             "complete": stored.complete, "variants": list(stored.manifest.get("variants") or []),

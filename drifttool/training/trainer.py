@@ -23,14 +23,14 @@ from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import effective_weights, load_lora, lora_record
 from drifttool.model.weights import weight_digest
-from drifttool.settings import DTYPES, check_device
+from drifttool.setting_checks import DTYPES, check_device
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout
 
 
 def rerun_device(stored: StoredRollout, options: RerunOptions) -> str:
     """The device of a replay or recompute: the options', else the rollout's recorded device
-    (``cpu`` when the manifest records none), checked (``settings.check_device``).
+    (``cpu`` when the manifest records none), checked (``setting_checks.check_device``).
 
     Raises:
         DriftToolError: unknown device; CUDA unavailable (a GPU rollout replayed on a machine

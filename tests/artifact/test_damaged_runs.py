@@ -127,14 +127,15 @@ def test_runs_drifttool_writes_pass_every_manifest_check(tmp_path, level):
 
 
 def test_manifest_enumerations_are_the_runtime_ones():
-    """``schema`` keeps torch-free copies of the values the runtime accepts; they must agree."""
-    from drifttool.artifact import schema as S
+    """``manifest_schema`` keeps torch-free copies of the values the runtime accepts; they must
+    agree."""
+    from drifttool.artifact import manifest_schema as MS
     from drifttool.ops.scheduler import TIMESTEP_POLICIES
     from drifttool.runtime import Mode
     from drifttool.sampling.rollout import CFG_LAYOUTS
-    from drifttool.settings import DTYPES
+    from drifttool.setting_checks import DTYPES
 
-    assert S.MODES == tuple(m.value for m in Mode)
-    assert S.MODEL_DTYPES == tuple(DTYPES)
-    assert S.CFG_LAYOUTS == CFG_LAYOUTS
-    assert S.TIMESTEP_POLICIES == TIMESTEP_POLICIES
+    assert MS.MODES == tuple(m.value for m in Mode)
+    assert MS.MODEL_DTYPES == tuple(DTYPES)
+    assert MS.CFG_LAYOUTS == CFG_LAYOUTS
+    assert MS.TIMESTEP_POLICIES == TIMESTEP_POLICIES

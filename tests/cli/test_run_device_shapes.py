@@ -13,7 +13,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.runner import execute
 from drifttool.training.replay import replay_run
-from drifttool.settings import RunSpec, check_mode_device, device_operators, resolve
+from drifttool.setting_checks import check_mode_device, device_operators
+from drifttool.settings import RunSpec, resolve
 from drifttool.ops.registry import impls
 from drifttool.runtime import Mode
 from drifttool.errors import UnsupportedConfigError

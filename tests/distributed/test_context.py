@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from drifttool.distributed import DistContext, init_distributed, launch_env
-from drifttool.distributed import collectives as C
+from drifttool import collectives as C
 from drifttool.errors import UnsupportedConfigError
 
 ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",

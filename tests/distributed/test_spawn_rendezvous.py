@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from drifttool import launch
 from drifttool.distributed import spawn
 from drifttool.distributed.plan import ParallelDims
 from drifttool.settings import RunSpec
@@ -27,7 +28,7 @@ def test_the_rendezvous_port_is_bound_before_the_ranks_start(monkeypatch, tmp_pa
         seen.update(world=world, errno=e.value.errno, env=spawn.rank_environment(1, world, port))
         Path(errors, "summary.json").write_text(json.dumps({"complete": True}))
 
-    monkeypatch.setattr(spawn.mp, "spawn", fake_spawn)
-    assert spawn.run_parallel(RunSpec(), tmp_path / "r", ParallelDims(tp=2))["complete"]
+    monkeypatch.setattr(launch.mp, "spawn", fake_spawn)
+    assert launch.run_parallel(RunSpec(), tmp_path / "r", ParallelDims(tp=2))["complete"]
     assert seen["world"] == 2 and seen["errno"] == errno.EADDRINUSE
     assert seen["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # every rank a client

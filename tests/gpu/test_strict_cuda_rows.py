@@ -210,7 +210,7 @@ def test_sde_logp_invariant_to_batch():
 
 def test_every_row_operator_is_registered_and_flow_sigma_table_stays_on_the_cpu():
     from drifttool.ops.registry import impls
-    from drifttool.settings import device_operators
+    from drifttool.setting_checks import device_operators
 
     for op in ELEMENTWISE + NORMS + SAMPLER + WITH_GEMM:
         (impl,) = impls(op, "strict", "cuda")

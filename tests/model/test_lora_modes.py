@@ -150,9 +150,9 @@ def test_non_merged_modes_refuse_strict_and_unknown(setup):
 
 # -- settings, CLI, manifest --------------------------------------------------------------------
 def test_mode_names_agree_with_the_schema():
-    from drifttool.artifact import schema
+    from drifttool.artifact import manifest_schema
 
-    assert schema.LORA_MODES == LORA_MODES
+    assert manifest_schema.LORA_MODES == LORA_MODES
 
 
 @pytest.mark.parametrize("preset,expected", [(None, "merged"), ("diffusers", "unfused"),

@@ -10,7 +10,8 @@ import drifttool.ops  # noqa: F401  (registers every family)
 from drifttool.ops.registry import impls
 from drifttool.ops.specs import WS1_OPERATORS
 from drifttool.ops.strict_cuda import _register as R
-from drifttool.settings import PRODUCTION_ONLY, device_operators
+from drifttool.ops.lora import PRODUCTION_ONLY
+from drifttool.setting_checks import device_operators
 
 
 def test_every_cuda_operator_has_a_strict_cuda_implementation_with_its_contract():

@@ -20,7 +20,7 @@ from drifttool.artifact import open_run
 from drifttool.cli.app import app
 from drifttool.diff import diff_runs
 from drifttool.distributed.plan import ParallelDims
-from drifttool.distributed.spawn import RankError, run_parallel
+from drifttool.launch import RankError, run_parallel
 from drifttool.model.checkpoint import save_checkpoint
 from drifttool.probes.catalog import catalog, distributed_catalog
 from drifttool.probes.distributed import LayoutRun, layout_name

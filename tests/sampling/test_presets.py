@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift  # noqa: E402
-from drifttool.artifact import schema  # noqa: E402
+from drifttool.artifact import manifest_schema  # noqa: E402
 from drifttool.errors import DriftToolError, UnsupportedConfigError  # noqa: E402
 from drifttool.ops import registry  # noqa: E402
 from drifttool.references import flowgrpo_qwenimage as fg  # noqa: E402
@@ -241,7 +241,7 @@ def test_step_rules_dispatch_and_fail_closed():
 
 # -- settings, manifest, CLI, fail-closed ---------------------------------------------------------
 def test_preset_names_agree_with_the_schema():
-    assert PRESET_NAMES == schema.PRESETS == ("diffusers", "flow-grpo")
+    assert PRESET_NAMES == manifest_schema.PRESETS == ("diffusers", "flow-grpo")
 
 
 @pytest.mark.parametrize("mode", ["strict", "audit"])

@@ -1,6 +1,6 @@
 """Strict CUDA sampler operators: cfg_combine_renorm, flow_sde_step_logp (contract ``cuda1``;
 Triton kernels in ``kernels/sampler.py``). ``flow_sigma_table`` takes no tensors: it runs on the
-CPU in every run (``settings.device_operators`` leaves it out of the CUDA set).
+CPU in every run (``setting_checks.device_operators`` leaves it out of the CUDA set).
 
 Both do the strict CPU family's arithmetic (``drifttool.ops.scheduler``) in its order — the per-token
 norms and the per-sample log-probability sum by the same pairwise tree, square roots in FP64

@@ -1,5 +1,7 @@
 """The collectives the artifact writer and the runner need: a barrier and the gather/broadcast
-of small picklable objects (file lists, statuses, digests), over torch.distributed.
+of small picklable objects (file lists, statuses, digests), over torch.distributed. A leaf
+module (it imports no other drifttool module), so the artifact writer below ``distributed/``
+can use it.
 
     >>> all_gather_object({"rank": 0, "ok": True})   # world 1, no process group: no-op
     [{'rank': 0, 'ok': True}]

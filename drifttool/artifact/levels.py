@@ -1,4 +1,5 @@
-"""Capture levels (design.md, "Digests"), a leaf module both capture and the artifact schema use.
+"""Capture levels (design.md, "Digests"): part of the artifact's format (the manifest's
+``capture_level``), a leaf module the schemas, the runtime and the run settings read.
 
 ``L0`` step records only; ``L1`` plus one digest per operator output and sample (a fused
 operator's internal ``[B, H, S, S]`` tensors are not materialised for capture); ``L2`` plus row

@@ -1,7 +1,7 @@
 """Capture hand-off between dispatch and the recorder: which outputs of a call are captured, and
 under which role.
 
-    >>> from drifttool.capture.sink import capture_outputs
+    >>> from drifttool.ops.sink import capture_outputs
     >>> capture_outputs(rt, site, out, "BS.")        # called by ops.registry.call after dispatch
 
 Dispatch (``drifttool.ops.registry``) decides nothing about capture; it hands each call's site and
@@ -10,6 +10,8 @@ tensors (the attention's ``[B, H, S, S]`` scores and probabilities) are not mate
 capture; from ``L2`` on they are wanted (``Runtime.wants_internals``), and a family that
 declares its fused implementation byte-equal to the operator's decomposition runs the
 decomposition so each internal operator is captured under its own name (role ``internal``).
+It sits with dispatch, above the runtime whose mode, recorder and parallel plan it reads; the
+recorder it hands to (``drifttool.capture.recorder``) is below both.
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""The directory of one artifact writer: created, held by one writer at a time, cleared of an
+earlier run, and written with atomic file replacement (``drifttool.artifact.writer``'s rank 0).
+
+    lock = claim(Path("runs/a"), overwrite=False)    # created, locked, empty
+    atomic_write(Path("runs/a/manifest.json"), b"{...}")
+    release(lock)                                    # when the writer closes
+
+One writer per directory: ``claim`` takes an exclusive ``flock`` on the directory itself before
+it checks that it is empty (or removes an earlier run under ``overwrite``), and the lock is held
+until ``release`` (the OS drops it when the process dies). A second run given the same
+directory meanwhile fails at once with an ``ArtifactError`` that says another run holds it. An
+earlier run is removed only when everything in the directory is drifttool's own
+(``remove_artifact``): user files are never deleted. Without ``fcntl`` (not POSIX) there is no
+lock; one writer is then the user's care.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock (one writer is then the user's care)
+    fcntl = None
+from pathlib import Path
+
+from drifttool.artifact import schema as S
+from drifttool.errors import ArtifactError
+
+LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
+"""Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
+like the current names."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: written to ``<name>.tmp``, flushed, fsync'ed, renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _writes(p: Path) -> bool:
+    """``p`` is a regular file of a name some artifact writer gives (a ``.tmp`` of one too)."""
+    name = p.name.removesuffix(".tmp")
+    return p.is_file() and (name in {S.MANIFEST, S.INPUTS, *LEGACY_NAMES}
+                            or S.RANK_FILE.fullmatch(name) is not None)
+
+
+def remove_artifact(path: Path) -> None:
+    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
+
+    Raises:
+        ArtifactError: no drifttool manifest there, or files that no artifact writes (user
+            files are never deleted).
+    """
+    try:
+        manifest = json.loads((path / S.MANIFEST).read_text())
+        ours = isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
+                            "overwrite")
+    foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
+    if foreign:
+        raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
+                            " (not written by drifttool)")
+    for p in path.iterdir():
+        p.unlink()
+
+
+def claim(path: Path, overwrite: bool) -> int | None:
+    """Create ``path`` (and its parents), lock it, and make sure it is empty: an earlier artifact
+    there is removed under ``overwrite`` (``remove_artifact``). Returns the lock's descriptor, to
+    ``release`` when the writer is done (None without ``fcntl``).
+
+    Raises:
+        ArtifactError: ``path`` or a parent is a file; another process holds the lock; ``path``
+            is not empty and not ``overwrite``, or holds what ``remove_artifact`` refuses.
+        OSError: the directory cannot be created or read (the lock is released first).
+    """
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():  # the path itself or a parent
+        raise ArtifactError(f"{existing} exists and is not a directory"
+                            + ("" if existing == path else f" (creating {path})"))
+    path.mkdir(parents=True, exist_ok=True)
+    lock = _lock(path)  # before the emptiness check: the check and the writes are one writer's
+    try:
+        if any(path.iterdir()):
+            if not overwrite:
+                raise ArtifactError(f"{path} is not empty (use --overwrite to replace an "
+                                    "earlier drifttool run there)")
+            remove_artifact(path)
+    except BaseException:
+        release(lock)
+        raise
+    return lock
+
+
+def _lock(path: Path) -> int | None:
+    """An exclusive ``flock`` on the directory ``path``: its descriptor (None without ``fcntl``).
+
+    Raises:
+        ArtifactError: another process holds it.
+    """
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ArtifactError(f"{path}: another drifttool run holds it (it is writing "
+                            "there now); wait for it to finish or choose another -o") from None
+    return fd
+
+
+def release(lock: int | None) -> None:
+    """Release a ``claim``'s lock (closing the descriptor releases the flock); None: nothing."""
+    if lock is not None:
+        os.close(lock)

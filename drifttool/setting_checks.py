@@ -1,0 +1,125 @@
+"""Checks of single run settings, shared by ``drifttool run`` (``settings.resolve``), ``replay``,
+``recompute``, the experiments and the probes, so each refuses a bad value with the same line.
+
+    >>> check_mode("strict"), check_level("L1"), check_pixels("height", 64)
+    (<Mode.STRICT: 'strict'>, 'L1', 64)
+    >>> check_level("L3")
+    Traceback (most recent call last):
+    drifttool.errors.DriftToolError: unknown capture level 'L3' (L0, L1, L2)
+
+Each ``check_*`` returns its value (as the run uses it) or raises ``DriftToolError`` with one line
+naming the setting; ``DTYPES``, ``PATCH_PIXELS`` and ``MAX_PIXELS`` are the bounds they check
+against. Capture levels are the artifact's (``drifttool.artifact.levels``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from drifttool.artifact.levels import LEVELS
+from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.ops.lora import PRODUCTION_ONLY
+from drifttool.ops.registry import families, impls, specs
+from drifttool.runtime import Mode
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Model dtypes a run may use (``manifest_schema.MODEL_DTYPES`` repeats the names)."""
+PATCH_PIXELS = 16
+"""Image pixels per patch side: 8× VAE downsampling × 2×2 latent patches (numerics §3.2), so
+``img_grid = (height / 16, width / 16)``."""
+MAX_PIXELS = 16384
+"""Largest height or width a run may ask for (1024 patches a side; the RFC's reference shapes
+stop at 1664)."""
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def check_mode(mode: Any) -> Mode:
+    """``mode`` as a ``Mode``.
+
+    Raises:
+        DriftToolError: not one of strict, audit, auto, off.
+    """
+    try:
+        return Mode(mode)
+    except ValueError:
+        raise DriftToolError(f"unknown mode {mode!r} (strict, audit, auto, off)") from None
+
+
+def check_device(device: Any) -> str:
+    """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        DriftToolError: another string; CUDA asked for but ``torch.cuda.is_available()`` is
+            false; ``cuda:N`` beyond the visible devices.
+    """
+    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if m is None:
+        raise DriftToolError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
+    if device == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise DriftToolError(f"device {device!r} asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use --device cpu")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise DriftToolError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                             f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
+def device_operators(device_type: str) -> list[str]:
+    """The declared operators a run dispatches on ``device_type``: those some family registers
+    an implementation for there (``ops.registry``). The others run on the CPU wherever the
+    model is (``flow_sigma_table`` takes no tensors)."""
+    return [op for op in specs() if any(impls(op, f, device_type) for f in families(op))]
+
+
+def check_mode_device(mode: Mode, device: str) -> None:
+    """Fail closed when ``mode``'s family has no implementation on ``device`` of some operator the
+    run dispatches there and the mode has no fallback. Read from the registry, so a family
+    passes once it registers every such operator.
+
+    Raises:
+        UnsupportedConfigError: one line naming the mode, family, device and missing operators.
+    """
+    dev = torch.device(device).type
+    if mode.fallback is not None:
+        return
+    family = mode.family
+    missing = [op for op in device_operators(dev) if not impls(op, family, dev) and op not in PRODUCTION_ONLY]
+    if missing:
+        ops = ", ".join(missing[:3]) + (f", … (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        what = (f"the {family} family has no {dev.upper()} implementation yet" if family == "strict"
+                else f"the {family} family has no {dev} implementation")
+        raise UnsupportedConfigError(
+            f"--mode {mode.value} on {device}: {what}: {len(missing)} operator(s) lack one ({ops}); "
+            f"use --mode auto (production operators) on {dev}, or --device cpu for strict bytes")
+
+
+def check_level(level: Any) -> str:
+    """``level`` if it is a capture level.
+
+    Raises:
+        DriftToolError: not one of L0, L1, L2.
+    """
+    if level not in LEVELS:
+        raise DriftToolError(f"unknown capture level {level!r} (L0, L1, L2)")
+    return level
+
+
+
+
+def check_pixels(key: str, value: Any) -> int:
+    """``value`` if it is an image size a run can use: a multiple of 16 pixels from 16 to
+    ``MAX_PIXELS``.
+
+    Raises:
+        DriftToolError: naming ``key`` (``height``, ``width``).
+    """
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or not 0 < value <= MAX_PIXELS or value % PATCH_PIXELS:
+        raise DriftToolError(f"{key} must be a multiple of {PATCH_PIXELS} pixels from {PATCH_PIXELS} "
+                             f"to {MAX_PIXELS} (8x VAE downsampling, 2x2 patches), got {value!r}")
+    return value
