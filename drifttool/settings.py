@@ -47,10 +47,10 @@ from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
+from drifttool.sampling.config import CFG_LAYOUTS, SamplerConfig
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import apply_preset, get_preset, preset_inputs, preset_settings
-from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Model dtypes a run may use (``schema.MODEL_DTYPES`` repeats the names)."""

@@ -184,7 +184,7 @@ def test_function_level_imports_are_only_the_declared_lazy_ones():
 def test_sampler_block_agrees_with_the_schema():
     """The sampler's block constant and the torch-free schema's copy are one value."""
     from drifttool.artifact import schema
-    from drifttool.sampling.rollout import CFG_LAYOUTS, SAMPLER_BLOCK
+    from drifttool.sampling.config import CFG_LAYOUTS, SAMPLER_BLOCK
     from drifttool.settings import DTYPES, LEVELS
 
     assert SAMPLER_BLOCK == schema.SAMPLER_BLOCK

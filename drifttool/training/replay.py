@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from drifttool.artifact.reader import open_run
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
-from drifttool.sampling.rollout import StepOutput
+from drifttool.sampling.step import StepOutput
 from drifttool.settings import PATCH_PIXELS, RunSpec, check_mode, check_mode_device
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record

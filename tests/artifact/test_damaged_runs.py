@@ -131,7 +131,7 @@ def test_manifest_enumerations_are_the_runtime_ones():
     from drifttool.artifact import schema as S
     from drifttool.ops.scheduler import TIMESTEP_POLICIES
     from drifttool.runtime import Mode
-    from drifttool.sampling.rollout import CFG_LAYOUTS
+    from drifttool.sampling.config import CFG_LAYOUTS
     from drifttool.settings import DTYPES
 
     assert S.MODES == tuple(m.value for m in Mode)
