@@ -46,7 +46,8 @@ import torch
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
 from drifttool.runtime import Mode, Runtime
-from drifttool.sampling.rollout import SamplerConfig, sigma_table
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.rollout import sigma_table
 
 SINGLE_LAYOUT: Mapping[str, Any] = {"kind": "single"}
 """The layout description of one process (rank 0 of world 1)."""

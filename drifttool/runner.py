@@ -28,7 +28,8 @@ from drifttool.model.checkpoint import index_warnings, load_checkpoint
 from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
-from drifttool.sampling.rollout import StepOutput, rollout, sampler_model
+from drifttool.sampling.rollout import rollout
+from drifttool.sampling.step import StepOutput, sampler_model
 from drifttool.settings import RunSpec, resolve
 
 

@@ -175,12 +175,11 @@ class Runtime:
 
     @contextlib.contextmanager
     def parts(self) -> Iterator[Callable[..., contextlib.AbstractContextManager[None]]]:
-        """Run one logical call as several parts (micro-batches of a trainer; later SP or
-        CFG-parallel shards run in one process): yields ``part(**fields)``, a context manager
-        that narrows the identity fields (``scope``) to the part and restarts the call counters
-        from where the whole call started, so each part's records get the identities (``call``,
-        ``op_pos``) the unsplit call gives them. After the block the counters stand where the
-        unsplit call would leave them.
+        """Run one logical call as several parts (the micro-batches of a trainer): yields
+        ``part(**fields)``, a context manager that narrows the identity fields (``scope``) to the
+        part and restarts the call counters from where the whole call started, so each part's
+        records get the identities (``call``, ``op_pos``) the unsplit call gives them. After the
+        block the counters stand where the unsplit call would leave them.
 
             with rt.parts() as part:
                 for rows in chunks:

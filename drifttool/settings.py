@@ -44,10 +44,10 @@ from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import check_lora_mode
 from drifttool.ops.scheduler import TIMESTEP_POLICIES
 from drifttool.runtime import Mode
+from drifttool.sampling.config import CFG_LAYOUTS, SamplerConfig
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import apply_preset, get_preset, preset_inputs, preset_settings
-from drifttool.sampling.rollout import CFG_LAYOUTS, SamplerConfig
 from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels)
 

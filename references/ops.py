@@ -8,7 +8,7 @@
 
 One plain function per transformer operator of ``drifttool/ops/specs.py``, with the same call
 signature. Every floating input is upcast to float64 inside; every result is float64 (complex128
-for RoPE tables). The math is the *ideal* math of /work/shared/spec/qwen-image-numerics.md §2
+for RoPE tables). The math is the *ideal* math of the RFC's numerics specification (§2)
 (exact LayerNorm/RMSNorm, exact GELU-tanh, unrounded GEMMs), evaluated on the CPU in binary64,
 so a backend's error against it is its own rounding error. There are two deliberate exceptions,
 where the contract pins FP32 arithmetic *before* a transcendental of a large argument and the

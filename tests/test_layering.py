@@ -284,7 +284,7 @@ def test_function_level_imports_are_only_the_declared_lazy_ones():
 def test_sampler_block_agrees_with_the_schema():
     """The sampler's constants and the torch-free schemas' copies are one value."""
     from drifttool.artifact import manifest_schema, schema
-    from drifttool.sampling.rollout import CFG_LAYOUTS, SAMPLER_BLOCK
+    from drifttool.sampling.config import CFG_LAYOUTS, SAMPLER_BLOCK
     from drifttool.setting_checks import DTYPES
 
     assert SAMPLER_BLOCK == schema.SAMPLER_BLOCK

@@ -66,8 +66,9 @@ from drifttool.fingerprint import arch_fingerprint, sampler_record, tensor_diges
 from drifttool.lifecycle import ArtifactSession
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Mode
+from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
-from drifttool.sampling.rollout import SAMPLER_BLOCK, SamplerConfig
+from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.setting_checks import DTYPES, check_level
 
 UNCAPTURED = {

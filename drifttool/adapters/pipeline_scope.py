@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.sampling.rollout import _txt_rows
+from drifttool.sampling.step import txt_rows
 
 BRANCHES = ("cond", "uncond")
 """The CFG branches a pipeline step may call the transformer for, in diffusers' call order."""
@@ -126,6 +126,6 @@ class TextRows:
             return {"txt_lens": [int(txt.shape[1])] * int(txt.shape[0]), "txt_starts": None}
         hit = self._seen.get(id(mask))
         if hit is None or hit[0] is not mask:
-            rows = _txt_rows(txt, mask.detach().to("cpu", torch.bool))  # the one host read
+            rows = txt_rows(txt, mask.detach().to("cpu", torch.bool))  # the one host read
             hit = self._seen[id(mask)] = (mask, rows)  # holds the mask: its id stays unique
         return hit[1]

@@ -1,6 +1,7 @@
 """Diff two trajectory artifacts: align by identity, first drift, per-step drift, report.
 
-``align`` (identity -> index pairs) -> ``compare.diff_runs`` (verdict, first drift, per step) ->
+``align`` (identity -> index pairs) -> ``compare.diff_runs`` (verdict, per step; the first
+drift and its origin: ``first_drift``) ->
 ``values`` (value drift and SDE KL from stored bytes) -> ``report`` (typed result, JSON, exit
 codes) -> ``render`` (rich tables). Source: design.md, "Diff".
 """

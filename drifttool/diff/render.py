@@ -46,7 +46,6 @@ from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 _STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
           Verdict.INCOMPARABLE: "bold magenta", Verdict.INCONCLUSIVE: "bold yellow"}
-STEP_QUANTITIES = ("v_t", "x_t", "x_next", "logp_t")
 
 
 def _num(x: float | None) -> str:

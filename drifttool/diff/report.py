@@ -38,11 +38,10 @@ class Verdict(str, enum.Enum):
 
 EXIT_CODES = {Verdict.IDENTICAL: 0, Verdict.DRIFT: 1, Verdict.INCOMPARABLE: 2,
               Verdict.INCONCLUSIVE: 2}
-EXIT_ERROR = 2
 
 
 def exit_code(verdict: Verdict) -> int:
-    """0 identical, 1 drift, 2 incomparable or inconclusive (and 2 for errors: ``EXIT_ERROR``)."""
+    """0 identical, 1 drift, 2 incomparable or inconclusive (the CLI exits 2 on errors too)."""
     return EXIT_CODES[Verdict(verdict)]
 
 
@@ -76,9 +75,6 @@ class RowDrift:
     first: list[RowRef]  # the first few differing rows, in row order
 
 
-ORIGIN_KINDS = ("record", "ranks", "between_steps", "inputs", "unknown", "unchecked")
-"""Values of ``FirstDrift.origin_kind``."""
-
 LEVEL_COVERS = {"L0": "step boundaries only",
                 "L1": "step records and operator outputs, without row digests",
                 "L2": "step records, operator outputs and their row digests"}
@@ -102,7 +98,7 @@ class FirstDrift:
 
     ``kind`` is ``"op"`` (an operator output) or ``"step"`` (a step quantity: ``op`` holds the
     quantity name, ``block``/``stream``/``call``/``index``/``role`` are ``None``). A record is an
-    origin only if the inputs it consumed match; ``origin_kind`` (``ORIGIN_KINDS``) says which:
+    origin only if the inputs it consumed match; ``origin_kind`` says which:
 
     - ``"record"``: every earlier record of both runs is present in both and equal, and the
       step's input ``x_t`` matches: the drift is born in this record.

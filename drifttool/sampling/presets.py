@@ -55,20 +55,19 @@ from typing import Any, Sequence
 import torch
 
 from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.runtime import Mode
+from drifttool.sampling.config import LATENT_DTYPES, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs
 from drifttool.sampling.noise import draw_noise, noise_record, pack_latents
-from drifttool.runtime import Mode
-from drifttool.sampling.rollout import LATENT_DTYPES, SamplerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class Preset:
-    """One production preset (module table).
+    """One production preset (the module table says what each reproduces).
 
     Attributes:
         name: CLI and manifest name.
-        reproduces: what it reproduces, one line (docs, ``--help``).
-        cfg_layout: ``rollout.CFG_LAYOUTS`` entry.
+        cfg_layout: ``config.CFG_LAYOUTS`` entry.
         step_rule: ``ops.scheduler.STEP_RULES`` entry.
         sde: whether the SDE (η, window) applies; ``False`` forces η = 0.
         train_timestep_policy: the recompute's timestep policy, or ``None`` (= the rollout's).
@@ -78,7 +77,6 @@ class Preset:
     """
 
     name: str
-    reproduces: str
     cfg_layout: str
     step_rule: str
     sde: bool
@@ -90,14 +88,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "diffusers": Preset(
         name="diffusers",
-        reproduces="diffusers QwenImagePipeline denoising loop (bf16 latents, bf16 timestep, "
-                   "sequential CFG, FlowMatchEulerDiscreteScheduler.step)",
         cfg_layout="sequential", step_rule="diffusers_euler", sde=False,
         train_timestep_policy=None, noise="per_sample_offset", lora_mode="unfused"),
     "flow-grpo": Preset(
         name="flow-grpo",
-        reproduces="Flow-GRPO Qwen-Image rollout (batched CFG, SDE step on fp32, bf16 stored "
-                   "latents) and its compute_log_prob (timestep fp32 t/1000)",
         cfg_layout="batched", step_rule="flow_grpo", sde=True,
         train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global", lora_mode="unfused-fp32"),
 }

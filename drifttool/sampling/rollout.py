@@ -7,26 +7,9 @@
     >>> torch.equal(re.logp[:9].view(torch.int32), traj.logp[:9].view(torch.int32))   # strict
     True
 
-Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=σ_i, ...)``:
-
-1. τ = ``timestep_input(σ_i, cfg.timestep_policy)`` for every row.
-2. The model per CFG branch: ``cfg_layout="batched"`` runs one forward on [cond; uncond] (rows
-   ``sample_ids + sample_ids``, prompts right-padded to a common length with a key mask, scope
-   ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``; scope
-   ``txt_lens``/``txt_starts`` = each row's valid prompt rows, read from the padded mask the
-   model receives);
-   ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
-   batch-invariant, padding-invariant (strict) model both give the same bytes.
-3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
-   ``cfg_scale > 1`` and negative prompt embeddings are given; else v = v_cond). It, the sigma
-   table and the SDE step run under block ``SAMPLER_BLOCK``: the sampler sits outside the model.
-4. ``call(rt, "flow_sde_step_logp", v, x, σ_i, σ_{i+1}, eta=η_i, sigma_max=σ_1, noise=ε_i)``
-   with η_i = ``cfg.eta`` inside the SDE window and 0 outside (deterministic Euler, logp absent).
-5. ``rt.recorder.record_step(...)`` per logical sample (docs/architecture.md "Step records"):
-   the step record under branch ``"cfg"`` (``"cond"`` when CFG is off) holds x_t, v_t, x_next,
-   mu, std_t and — only inside the SDE window — logp_t; with CFG on, ``"cond"`` and
-   ``"uncond"`` records hold the branch velocities. Then ``rt.recorder.flush()`` if present,
-   so an interrupted run keeps every finished step.
+The sigma table comes first (``sigma_table``: one ``flow_sigma_table`` call, step −1), then
+each step runs as ``drifttool.sampling.step`` describes (forwards per CFG branch, CFG combine,
+SDE step and logp, step records).
 
 Latents stay fp32 between steps (``SamplerConfig.latents_dtype``; a production preset,
 ``drifttool.sampling.presets``, keeps them in the model dtype as the pipelines do: the step's
@@ -40,141 +23,17 @@ under ``SamplerConfig.train_timestep_policy`` when one is set.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-import drifttool.ops.scheduler  # noqa: F401  (registers the sampler operators)
-from drifttool.distributed.canonical import gather_list_replicated
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import call
-from drifttool.ops.scheduler import STEP_RULES, TIMESTEP_POLICIES, timestep_input
+from drifttool.ops.scheduler import timestep_input
 from drifttool.runtime import Runtime
+from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs
-
-CFG_LAYOUTS = ("batched", "sequential")
-LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Dtypes the latents may be kept in between steps (``SamplerConfig.latents_dtype``)."""
-"""CFG execution layouts (``manifest_schema.CFG_LAYOUTS`` repeats them; a test checks they agree)."""
-SAMPLER_BLOCK = -2
-"""``block`` scope of the sampler operators (``flow_sigma_table``, ``cfg_combine_renorm``,
-``flow_sde_step_logp``): outside the model. ``schema.SAMPLER_BLOCK`` repeats it for the torch-free
-reader and diff (tests/sampling/test_layering.py checks they agree)."""
-
-
-@dataclass(kw_only=True)
-class SamplerConfig:
-    """Sampler settings (one config per concept; every byte-changing choice is here).
-
-    Attributes:
-        num_steps: N denoising steps (the sigma table has N + 1 entries).
-        cfg_scale: true-CFG scale s; CFG runs when s > 1 **and** negative prompt embeddings are
-            given (diffusers' rule). Default 4.0 (pipeline default and Flow-GRPO's config).
-        eta: SDE noise level η inside the window (Flow-GRPO ``noise_level``; 1.2 in
-            ``pickscore_qwenimage``). 0 everywhere gives the deterministic Euler sampler.
-        sde_window: half-open step range [start, end) where η applies; ``None`` = (0, N − 1):
-            every step but the last (Flow-GRPO with window size 0, numerics §4.1).
-        timestep_policy: model timestep encoding, see ``ops.scheduler.TIMESTEP_POLICIES``;
-            training recompute must use the rollout's policy.
-        cfg_layout: ``"batched"`` (one forward on [cond; uncond], as Flow-GRPO) or
-            ``"sequential"`` (two forwards, as diffusers).
-        image_seq_len: token count used for the dynamic shift; ``None`` = h·w of the grid.
-        latents_dtype: dtype of the latents between steps (``LATENT_DTYPES``): x0 is cast to
-            it, and every step's x_next is cast to it before it is stored and fed on.
-        step_rule: the step's arithmetic, ``ops.scheduler.STEP_RULES`` (``"sde"``: drifttool's
-            default; ``"flow_grpo"``/``"diffusers_euler"``: production kernels of the presets).
-        train_timestep_policy: the timestep policy of ``recompute`` when it differs from the
-            rollout's (Flow-GRPO's trainer: ``"t_div_1000_fp32"``); ``None`` = the same.
-        preset: the ``drifttool.sampling.presets`` name these fields were set from (recorded;
-            the rollout reads the fields, not the name); ``None`` = no preset.
-    """
-
-    num_steps: int
-    cfg_scale: float = 4.0
-    eta: float = 1.2
-    sde_window: tuple[int, int] | None = None
-    timestep_policy: str = "sigma_fp32"
-    cfg_layout: str = "batched"
-    image_seq_len: int | None = None
-    latents_dtype: str = "float32"
-    step_rule: str = "sde"
-    train_timestep_policy: str | None = None
-    preset: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or self.num_steps < 2:
-            raise ValueError(f"num_steps must be an int >= 2, got {self.num_steps!r}")
-        if self.eta < 0:
-            raise ValueError(f"eta must be >= 0, got {self.eta}")
-        if self.timestep_policy not in TIMESTEP_POLICIES:
-            raise ValueError(f"timestep_policy {self.timestep_policy!r} not in {TIMESTEP_POLICIES}")
-        if self.cfg_layout not in CFG_LAYOUTS:
-            raise ValueError(f"cfg_layout {self.cfg_layout!r} not in {CFG_LAYOUTS}")
-        if self.latents_dtype not in LATENT_DTYPES:
-            raise ValueError(f"latents_dtype {self.latents_dtype!r} not in {tuple(LATENT_DTYPES)}")
-        if self.step_rule not in STEP_RULES:
-            raise ValueError(f"step_rule {self.step_rule!r} not in {STEP_RULES}")
-        if self.step_rule == "diffusers_euler" and self.eta != 0:
-            raise ValueError(f"step_rule 'diffusers_euler' is deterministic: eta must be 0, got {self.eta}")
-        if self.train_timestep_policy is not None and self.train_timestep_policy not in TIMESTEP_POLICIES:
-            raise ValueError(f"train_timestep_policy {self.train_timestep_policy!r} not in "
-                             f"{TIMESTEP_POLICIES}")
-        start, end = self.window()
-        if not 0 <= start <= end <= self.num_steps:
-            raise ValueError(f"sde_window {self.sde_window} outside [0, {self.num_steps}]")
-
-    def window(self) -> tuple[int, int]:
-        """The resolved SDE window [start, end)."""
-        if self.sde_window is None:
-            return (0, self.num_steps - 1)
-        return (int(self.sde_window[0]), int(self.sde_window[1]))
-
-    def in_window(self, step: int) -> bool:
-        """Whether step ``step`` is stochastic (η > 0 applies and logp_t is defined)."""
-        start, end = self.window()
-        return start <= step < end and self.eta > 0
-
-    def eta_at(self, step: int) -> float:
-        return float(self.eta) if self.in_window(step) else 0.0
-
-    @property
-    def latents_torch_dtype(self) -> torch.dtype:
-        """``latents_dtype`` as a torch dtype."""
-        return LATENT_DTYPES[self.latents_dtype]
-
-    def policy(self, phase: str) -> str:
-        """The timestep policy of ``phase``: ``train_timestep_policy`` (if set) for a recompute,
-        else ``timestep_policy``."""
-        if phase != "rollout" and self.train_timestep_policy is not None:
-            return self.train_timestep_policy
-        return self.timestep_policy
-
-    def noise_at_step(self, step: int) -> bool:
-        """Whether a sampling step takes its pinned noise: inside the SDE window, or at every
-        step under ``step_rule="flow_grpo"`` (Flow-GRPO draws one at every step)."""
-        if self.step_rule == "diffusers_euler":
-            return False
-        return self.step_rule == "flow_grpo" or self.in_window(step)
-
-
-@dataclass(kw_only=True)
-class StepOutput:
-    """What one sampler step produced (batched); passed to the step callback. x and x_next are
-    in ``SamplerConfig.latents_dtype`` (fp32 by default), the velocities in the model dtype or
-    fp32, mu, std_t and logp fp32."""
-
-    step: int
-    sigma: float
-    sigma_next: float
-    in_window: bool
-    x: torch.Tensor  # [B, N, Cp] x_t
-    v: torch.Tensor  # [B, N, Cp] velocity used by the step (CFG-combined when CFG is on)
-    v_cond: torch.Tensor  # [B, N, Cp]
-    v_uncond: torch.Tensor | None  # [B, N, Cp] or None
-    x_next: torch.Tensor  # [B, N, Cp] the stored next latent (in the latents dtype)
-    mu: torch.Tensor  # [B, N, Cp]
-    std_t: torch.Tensor  # [B]
-    logp: torch.Tensor  # [B], NaN outside the window
+from drifttool.sampling.step import StepCallback, StepOutput, cfg_enabled, run_step
 
 
 @dataclass(kw_only=True)
@@ -213,50 +72,6 @@ class Trajectory:
     complete: bool
 
 
-StepCallback = Callable[[StepOutput], Any]
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def cfg_enabled(inputs: RolloutInputs, cfg: SamplerConfig) -> bool:
-    """Whether the sampler runs CFG (two branches per step): scale > 1 and a negative prompt."""
-    return cfg.cfg_scale > 1 and inputs.neg_txt is not None
-
-
-def _txt_rows(txt: torch.Tensor, mask: torch.Tensor | None) -> dict[str, list[int] | None]:
-    """Scope fields ``txt_lens`` and ``txt_starts`` (None when every prompt starts at row 0) of
-    [B, L, D] prompts from their [B, L] bool mask: the valid tokens of a row are one run of
-    ``txt_lens[b]`` rows from ``txt_starts[b]`` (right- or left-padded prompts).
-
-    Raises:
-        UnsupportedConfigError: a mask whose valid tokens are not one contiguous run.
-    """
-    B, L = txt.shape[:2]
-    if mask is None:
-        return {"txt_lens": [int(L)] * B, "txt_starts": None}
-    lens = [int(n) for n in mask.sum(dim=1).tolist()]
-    starts = [int(torch.argmax(row.to(torch.uint8))) if n else 0 for row, n in zip(mask, lens)]
-    for b, (t0, n) in enumerate(zip(starts, lens)):
-        if not bool(mask[b, t0:t0 + n].all()):
-            raise UnsupportedConfigError(
-                f"prompt mask of batch row {b} has gaps: its valid tokens must be one contiguous "
-                "run (right- or left-padded prompts)")
-    return {"txt_lens": lens, "txt_starts": starts if any(starts) else None}
-
-
-def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
-    """Right-pad [B, L, D] prompts (zeros) and masks (False) to ``length``."""
-    B, L, D = txt.shape
-    if mask is None:
-        mask = torch.ones(B, L, dtype=torch.bool, device=txt.device)
-    if L == length:
-        return txt, mask
-    txt = torch.cat([txt, txt.new_zeros(B, length - L, D)], dim=1)  # [B, length, D]
-    mask = torch.cat([mask, mask.new_zeros(B, length - L)], dim=1)  # [B, length]
-    return txt, mask
-
-
 def check_family(rt: Runtime, cfg: SamplerConfig) -> None:
     """A preset's sampler (or any non-default ``step_rule``/``latents_dtype``) reproduces a
     production pipeline's arithmetic: it runs under the production family only.
@@ -271,10 +86,6 @@ def check_family(rt: Runtime, cfg: SamplerConfig) -> None:
         raise UnsupportedConfigError(
             f"{what} reproduces a production pipeline's arithmetic (bf16 latents, its scheduler "
             f"step): mode {rt.mode.value!r} runs the {rt.family!r} family; use mode auto or off")
-
-
-def _rank(rt: Runtime) -> int:
-    return int(rt.rank)
 
 
 def sigma_table(rt: Runtime, cfg: SamplerConfig, img_grid: tuple[int, int],
@@ -293,127 +104,6 @@ def sigma_table(rt: Runtime, cfg: SamplerConfig, img_grid: tuple[int, int],
     with rt.scope(phase=phase, step=-1, sigma=float("nan"), branch="none", block=SAMPLER_BLOCK,
                   samples=None, txt_lens=None, img_grid=tuple(img_grid)):
         return call(rt, "flow_sigma_table", cfg.num_steps, seq, stream="none", layout=".")
-
-
-def sampler_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """The model as the sampler calls it: latents stay FP32 between steps; they and the prompt
-    embeddings are cast to the model dtype W at the model input (the cast point of the
-    pipeline), and the velocity comes back in W (the SDE step upcasts it, numerics §4)."""
-    w = model.dtype
-
-    def forward(x, txt, txt_mask, tau, img_grid, rt):
-        return model(x.to(w), txt.to(w), txt_mask, tau, img_grid, rt)
-
-    return forward
-
-
-def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
-    """Model forward(s) and CFG combine; returns (v, v_cond, v_uncond)."""
-    B = inputs.batch
-    ids = list(inputs.sample_ids)
-    grid = tuple(inputs.img_grid)
-    rows_c = _txt_rows(inputs.txt, inputs.txt_mask)
-    if not cfg_on:
-        with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
-            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
-        return v_c, v_c, None
-    rows_u = _txt_rows(inputs.neg_txt, inputs.neg_mask)
-    plan = rt.plan
-    if plan is not None and plan.dims.cfg > 1:
-        # CFG-parallel: this rank runs its branch's forward (the identities of sequential CFG),
-        # then the branch velocities are gathered in branch order on every CFG rank
-        mine = ("cond", "uncond")[plan.coords["cfg"]]
-        runs = ("uncond", "cond")[plan.coords["cfg"]] if "cfg_branch_swap" in plan.faults else mine
-        txt, mask, rows = ((inputs.txt, inputs.txt_mask, rows_c) if runs == "cond"
-                           else (inputs.neg_txt, inputs.neg_mask, rows_u))
-        with rt.scope(**scope, branch=mine, samples=ids, **rows):
-            v_mine = model(x, txt, mask, tau, grid, rt)
-        v_c, v_u = gather_list_replicated(v_mine, plan.groups["cfg"])  # differentiable
-    elif cfg.cfg_layout == "batched":
-        L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
-        if inputs.txt_mask is None and inputs.neg_mask is None and inputs.txt.shape[1] == L \
-                and inputs.neg_txt.shape[1] == L:
-            txt2, mask2 = torch.cat([inputs.txt, inputs.neg_txt]), None  # [2B, L, D]
-        else:
-            tc, mc = _pad_txt(inputs.txt, inputs.txt_mask, L)
-            tu, mu_ = _pad_txt(inputs.neg_txt, inputs.neg_mask, L)
-            txt2, mask2 = torch.cat([tc, tu]), torch.cat([mc, mu_])  # [2B, L, D], [2B, L]
-        branches = ("cond",) * B + ("uncond",) * B
-        # the text rows capture keeps are read from the mask the model receives (after the pad)
-        rows = _txt_rows(txt2, mask2)
-        with rt.scope(**scope, branch=branches, samples=ids + ids, **rows):
-            v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt)
-            # v2: [2B, N, Cp]
-        v_c, v_u = v2[:B], v2[B:]
-    else:
-        with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
-            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
-        with rt.scope(**scope, branch="uncond", samples=ids, **rows_u):
-            v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt)
-    with rt.scope(**scope, branch="cfg", block=SAMPLER_BLOCK, samples=ids, txt_lens=None):
-        v = call(rt, "cfg_combine_renorm", v_c, v_u, float(cfg.cfg_scale),
-                 stream="img", layout="BS.")
-    return v, v_c, v_u
-
-
-def _record(rt: Runtime, phase: str, out: StepOutput, ids: list[int], cfg_on: bool) -> None:
-    rec = rt.recorder
-    if rec is None or not rt.mode.captures or (rt.plan is not None and not rt.plan.is_root):
-        return  # under a parallel plan every rank holds the step's tensors; the root records them
-    step_branch = "cfg" if cfg_on else "cond"
-    common = dict(phase=phase, step=out.step, sigma=out.sigma, sigma_next=out.sigma_next,
-                  rank=_rank(rt))
-    for b, sid in enumerate(ids):
-        q = {"x_t": out.x[b].detach(), "v_t": out.v[b].detach(), "x_next": out.x_next[b].detach(),
-             "mu": out.mu[b].detach(), "std_t": out.std_t[b].detach()}
-        if out.in_window:
-            q["logp_t"] = out.logp[b].detach()
-        rec.record_step(**common, sample=sid, branch=step_branch, quantities=q)
-        if cfg_on:
-            rec.record_step(**common, sample=sid, branch="cond",
-                            quantities={"v_t": out.v_cond[b].detach()})
-            rec.record_step(**common, sample=sid, branch="uncond",
-                            quantities={"v_t": out.v_uncond[b].detach()})
-
-
-def _rank_noise(plan: Any, noise: torch.Tensor, step: int) -> torch.Tensor:
-    """Probe fault ``noise_per_rank``: a rank other than the root draws its own noise (seeded
-    by its global rank and the step) instead of the logical samples' pinned noise."""
-    if plan.is_root:
-        return noise
-    g = torch.Generator().manual_seed(7919 * plan.mesh_rank + step)
-    return torch.randn(noise.shape, generator=g).to(dtype=noise.dtype, device=noise.device)
-
-
-def _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev_sample):
-    """One step: forward(s), CFG, SDE op, step records, flush. Returns a StepOutput."""
-    ids = list(inputs.sample_ids)
-    s_i, s_n = sigmas[i], sigmas[i + 1]
-    in_win = cfg.in_window(i)
-    scope = dict(phase=phase, step=i, sigma=float(s_i), img_grid=tuple(inputs.img_grid))
-    tau = tau_all[i].expand(inputs.batch).contiguous()  # [B] fp32
-    v, v_c, v_u = _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope)
-    noise = inputs.noise_at(i) if (cfg.noise_at_step(i) and prev_sample is None) else None
-    if noise is not None and rt.plan is not None and "noise_per_rank" in rt.plan.faults:
-        noise = _rank_noise(rt.plan, noise, i)
-    rule = {} if cfg.step_rule == "sde" else {"rule": cfg.step_rule}
-    with rt.scope(**scope, branch="cfg" if cfg_on else "cond", block=SAMPLER_BLOCK, samples=ids,
-                  txt_lens=None):
-        x_next, logp, mu, std_t = call(
-            rt, "flow_sde_step_logp", v, x, s_i, s_n, eta=cfg.eta_at(i), sigma_max=sigmas[1],
-            noise=noise, prev_sample=prev_sample, stream="img", layout=("BS.", "B", "BS.", "B"),
-            **rule,
-        )
-    # the stored latent: Flow-GRPO casts its FP32 x' back to the latents dtype (logp was taken
-    # on the FP32 x'); diffusers' step already returns it (a no-op cast by default)
-    x_next = x_next.to(cfg.latents_torch_dtype)
-    out = StepOutput(step=i, sigma=float(s_i), sigma_next=float(s_n), in_window=in_win, x=x, v=v,
-                     v_cond=v_c, v_uncond=v_u, x_next=x_next, mu=mu, std_t=std_t, logp=logp)
-    _record(rt, phase, out, ids, cfg_on)
-    flush = getattr(rt.recorder, "flush", None) if rt.recorder is not None else None
-    if flush is not None:
-        flush()
-    return out
 
 
 def _trajectory(phase, inputs, cfg, cfg_on, sigmas, tau_all, outs, latents) -> Trajectory:
@@ -471,7 +161,7 @@ def rollout(
         x = inputs.x0.to(cfg.latents_torch_dtype)  # the pipeline's latents cast (no-op in fp32)
         latents, outs = [x], []
         for i in range(n_run):
-            out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, None)
+            out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, None)
             outs.append(out)
             x = out.x_next
             latents.append(x)
@@ -509,7 +199,7 @@ def rollout_step(
     with torch.no_grad():
         sigmas = sigma_table(rt, cfg, inputs.img_grid, "rollout").to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.policy("rollout"))
-        return _run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), sigmas, tau_all,
+        return run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), sigmas, tau_all,
                          x, None)
 
 
@@ -564,7 +254,7 @@ def recompute(
     for i in idx:
         x = stored_latents[i].to(ldt)
         prev = stored_latents[i + 1].to(ldt)
-        out = _run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev)
+        out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev)
         outs.append(out)
         if callback is not None:
             callback(out)

@@ -47,7 +47,8 @@ from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.runner import rank_layout, run_device
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.rollout import cfg_enabled, recompute, rollout, sampler_model
+from drifttool.sampling.rollout import recompute, rollout
+from drifttool.sampling.step import cfg_enabled, sampler_model
 from drifttool.setting_checks import check_mode, check_mode_device
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.ledger import GradLedger

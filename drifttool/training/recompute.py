@@ -41,7 +41,8 @@ from drifttool.model.lora import capture_lora_grads, has_lora, lora_parameters, 
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
-from drifttool.sampling.rollout import StepOutput, cfg_enabled, recompute, sampler_model
+from drifttool.sampling.rollout import recompute
+from drifttool.sampling.step import StepOutput, cfg_enabled, sampler_model
 from drifttool.runner import check_model_device, rank_layout
 from drifttool.setting_checks import check_level, check_mode, check_mode_device
 from drifttool.training.ledger import GradLedger

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from drifttool.artifact.reader import open_run
 from drifttool.errors import DriftToolError
 from drifttool.runner import execute
-from drifttool.sampling.rollout import StepOutput
+from drifttool.sampling.step import StepOutput
 from drifttool.setting_checks import PATCH_PIXELS, check_mode, check_mode_device
 from drifttool.settings import RunSpec
 from drifttool.training.options import RerunOptions

@@ -46,7 +46,8 @@ from drifttool.model.lora import has_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import replay_tensors
-from drifttool.sampling.rollout import rollout_step, sampler_model
+from drifttool.sampling.rollout import rollout_step
+from drifttool.sampling.step import sampler_model
 from drifttool.setting_checks import check_level
 from drifttool.training.options import RerunOptions
 from drifttool.training.stored import StoredRollout, refuse_same_dir, source_record

@@ -27,9 +27,10 @@ from drifttool.capture.digest import digest_tensor, dtype_from_name
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fingerprint import tensor_digest
 from drifttool.runtime import Runtime
+from drifttool.sampling.config import SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs, inputs_from_tensors
 from drifttool.sampling.presets import apply_preset
-from drifttool.sampling.rollout import SamplerConfig, sigma_table
+from drifttool.sampling.rollout import sigma_table
 
 LATENT_QUANTITIES = ("x_t", "x_next")
 

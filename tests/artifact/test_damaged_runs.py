@@ -132,7 +132,7 @@ def test_manifest_enumerations_are_the_runtime_ones():
     from drifttool.artifact import manifest_schema as MS
     from drifttool.ops.scheduler import TIMESTEP_POLICIES
     from drifttool.runtime import Mode
-    from drifttool.sampling.rollout import CFG_LAYOUTS
+    from drifttool.sampling.config import CFG_LAYOUTS
     from drifttool.setting_checks import DTYPES
 
     assert MS.MODES == tuple(m.value for m in Mode)

@@ -20,8 +20,9 @@ from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runtime import Runtime
-from drifttool.sampling.inputs import replay_tensors
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.inputs import RolloutInputs, replay_tensors
+from drifttool.sampling.rollout import rollout
 
 GRID = (2, 2)
 

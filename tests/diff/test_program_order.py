@@ -19,7 +19,9 @@ from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.inputs import RolloutInputs
+from drifttool.sampling.rollout import rollout
 from drifttool.settings import RunSpec
 
 _OP_COLS = {"rank": pa.int32(), "seq": pa.int64(), "component": pa.utf8(), "phase": pa.utf8(),

@@ -15,7 +15,9 @@ from drifttool.capture.recorder import Recorder
 from drifttool.diff import Verdict, diff_runs, render
 from drifttool.ops.scheduler import flow_sde_step_logp_strict
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, rollout
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.inputs import RolloutInputs
+from drifttool.sampling.rollout import rollout
 
 SAMPLER_OPS = {"flow_sigma_table", "cfg_combine_renorm", "flow_sde_step_logp"}
 

@@ -19,7 +19,8 @@ from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.capture.recorder import Recorder  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
 from drifttool.sampling.inputs import RolloutInputs  # noqa: E402
-from drifttool.sampling.rollout import rollout, sampler_model  # noqa: E402
+from drifttool.sampling.rollout import rollout  # noqa: E402
+from drifttool.sampling.step import sampler_model  # noqa: E402
 from drifttool.settings import RunSpec, resolve  # noqa: E402
 from tests.conftest import assert_same_bytes  # noqa: E402
 from tests.diffusers_pipeline import tiny_pipeline  # noqa: E402

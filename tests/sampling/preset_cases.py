@@ -18,9 +18,11 @@ from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage
 from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.runtime import Runtime
+from drifttool.sampling.config import SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs
 from drifttool.sampling.presets import apply_preset
-from drifttool.sampling.rollout import SamplerConfig, Trajectory, rollout, sampler_model
+from drifttool.sampling.rollout import Trajectory, rollout
+from drifttool.sampling.step import sampler_model
 from tests.diffusers_pipeline import tiny_pipeline
 
 

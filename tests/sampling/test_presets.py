@@ -30,8 +30,10 @@ from drifttool.ops import registry  # noqa: E402
 from drifttool.references import flowgrpo_qwenimage as fg  # noqa: E402
 from drifttool.runner import execute  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
+from drifttool.sampling.config import SamplerConfig  # noqa: E402
 from drifttool.sampling.presets import PRESET_NAMES, apply_preset, flowgrpo_noise  # noqa: E402
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model, sigma_table  # noqa: E402
+from drifttool.sampling.rollout import recompute, rollout, sigma_table  # noqa: E402
+from drifttool.sampling.step import sampler_model  # noqa: E402
 from drifttool.settings import RunSpec, resolve  # noqa: E402
 from drifttool.training.stored import load_rollout  # noqa: E402
 from tests.conftest import assert_same_bytes, bits  # noqa: E402

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from drifttool.runtime import Mode, Runtime
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.inputs import RolloutInputs
 from drifttool.sampling.noise import draw_noise
-from drifttool.sampling.rollout import RolloutInputs, SamplerConfig, Trajectory, recompute, rollout
+from drifttool.sampling.rollout import Trajectory, recompute, rollout
 
 GRID = (4, 6)  # h, w → N = 24 tokens
 C = 16  # latent channels → Cp = 64

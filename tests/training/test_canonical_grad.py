@@ -12,7 +12,9 @@ import torch
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.rollout import recompute, rollout
+from drifttool.sampling.step import sampler_model
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.ledger import GradLedger
 from drifttool.training.trainer import micro_batched

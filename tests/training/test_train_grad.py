@@ -16,7 +16,9 @@ from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters, save_lora
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.rollout import recompute, rollout
+from drifttool.sampling.step import sampler_model
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run

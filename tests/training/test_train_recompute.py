@@ -20,7 +20,9 @@ from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
-from drifttool.sampling.rollout import SamplerConfig, recompute, rollout, sampler_model
+from drifttool.sampling.config import SamplerConfig
+from drifttool.sampling.rollout import recompute, rollout
+from drifttool.sampling.step import sampler_model
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
