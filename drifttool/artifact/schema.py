@@ -116,11 +116,6 @@ def rank_file(table: str, rank: int) -> str:
     return f"{table}.rank{rank}.arrow"
 
 
-def ops_file(rank: int) -> str:
-    """File name of rank ``rank``'s operator records."""
-    return rank_file("ops", rank)
-
-
 def steps_file(rank: int) -> str:
     """File name of rank ``rank``'s step records."""
     return rank_file("steps", rank)
@@ -139,8 +134,6 @@ DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
 
 RANK_FILE = re.compile(r"(ops|steps|trace)\.rank(0|[1-9][0-9]{0,5})\.arrow")
 """``rank_file(table, rank)`` names and nothing else (group 1: the table, group 2: the rank)."""
-OPS_NAME = re.compile(r"ops\.rank(0|[1-9][0-9]{0,5})\.arrow")
-"""``ops_file(rank)`` names and nothing else (group 1: the rank)."""
 
 
 def parse_rank_file(name: str) -> tuple[str, int] | None:
