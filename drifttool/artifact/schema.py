@@ -435,7 +435,7 @@ _LORA = Obj({
     "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
     "apply": _STR, "mode": Enum(LORA_MODES), "factor_dtype": _STR,
 }, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
-"""``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
+"""``drifttool.model.lora_io.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
 
 _FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
               "trace": ListOf(_STR), "ops": ListOf(_STR)},
