@@ -14,8 +14,8 @@ stream). The arithmetic itself happens in the operators, called by RFC name thro
 ``drifttool.ops.registry.call``; the model never branches on the backend. The runtime mode
 requests a backend family (strict/audit → ``strict``, auto/off → ``production``), the registry
 picks that family's implementation for the tensors' device, and every output is captured with
-its identity (block, stream, op, layout). ``drifttool/references/mmdit.py`` is the same forward
-in plain FP64, the judge of this one.
+its identity (block, stream, op, layout). ``references/mmdit.py`` (``drifttool.references.mmdit``)
+is the same forward in plain FP64, the judge of this one.
 
 Call sites (block −1 = inputs, 0..num_layers−1 = blocks, num_layers = final):
 
@@ -112,16 +112,6 @@ class TimeTextEmbed(nn.Module):
         self.timestep_embedder = TimestepEmbedder(d, dtype=dtype)
 
 
-def _projections(x: torch.Tensor, rt: Runtime, stream: str, *linears: Linear) -> tuple[list[torch.Tensor], dict]:
-    """A GEMM operator's arguments for ``linears`` fed ``x``: ``[weight, bias, …]`` in order, each
-    weight LoRA-merged (``lora_merge`` / ``lora_fuse``) when adapted, and the unfused adapter
-    branches as the operator's ``delta``/``deltas`` keywords (``{}`` without them)."""
-    args = []
-    for m in linears:
-        args += [adapted_weight(m, rt, stream), m.bias]
-    return args, lora_deltas(x, rt, stream, *linears)
-
-
 # ---------------------------------------------------------------------------------------------
 # modulation (numerics §2.3)
 
@@ -158,6 +148,16 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, stream
 
 # ---------------------------------------------------------------------------------------------
 # joint attention (numerics §2.2, §2.4) and MLP
+
+
+def _projections(x: torch.Tensor, rt: Runtime, stream: str, *linears: Linear) -> tuple[list[torch.Tensor], dict]:
+    """A GEMM operator's arguments for ``linears`` fed ``x``: ``[weight, bias, …]`` in order, each
+    weight LoRA-merged (``lora_merge`` / ``lora_fuse``) when adapted, and the unfused adapter
+    branches as the operator's ``delta``/``deltas`` keywords (``{}`` without them)."""
+    args = []
+    for m in linears:
+        args += [adapted_weight(m, rt, stream), m.bias]
+    return args, lora_deltas(x, rt, stream, *linears)
 
 
 class AttentionContext(NamedTuple):
@@ -349,7 +349,7 @@ class MMDiT(nn.Module):
     (non-reentrant): its activations are recomputed in the backward instead of kept. The
     recomputation goes through the same operators with a silent copy of the runtime (no capture,
     a throwaway trace), so records and trace are those of the plain forward; v, logp and the
-    gradients are byte-equal with and without it (tests/sampling/test_train_grad.py)."""
+    gradients are byte-equal with and without it (tests/training/test_train_grad.py)."""
 
     @property
     def dtype(self) -> torch.dtype:
