@@ -26,7 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from random_model import build  # noqa: E402
 
 from drifttool.model.checkpoint import save_checkpoint  # noqa: E402
-from drifttool.model.lora import attach_lora, save_lora  # noqa: E402
+from drifttool.model.lora import attach_lora  # noqa: E402
+from drifttool.model.lora_io import save_lora  # noqa: E402
 from drifttool.model.lora_formats import AdapterConfig  # noqa: E402
 
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

@@ -24,8 +24,10 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
-from drifttool.model.checkpoint import index_warnings, load_checkpoint
-from drifttool.model.lora import effective_weights, has_lora, load_lora, lora_record
+from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.checkpoint_files import index_warnings
+from drifttool.model.lora import has_lora
+from drifttool.model.lora_io import effective_weights, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import rollout

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from drifttool.collectives import barrier
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, save_lora
+from drifttool.model.lora import add_lora
+from drifttool.model.lora_io import save_lora
 from drifttool.probes.spec import ProbeContext
 from drifttool.runner import execute
 from drifttool.settings import resolve

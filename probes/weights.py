@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from drifttool.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_checkpoint
+from drifttool.model.checkpoint import load_checkpoint
+from drifttool.model.checkpoint_files import CONFIG_NAME, WEIGHTS_NAME
 
 _QKV_SWAP = {"to_q": "add_q_proj", "to_k": "add_k_proj", "to_v": "add_v_proj"}
 _QKV_SWAP.update({v: k for k, v in _QKV_SWAP.items()})

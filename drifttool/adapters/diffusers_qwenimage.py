@@ -62,7 +62,7 @@ import torch
 
 from drifttool.adapters.peft_lora import canonical_parameters
 from drifttool.errors import DriftToolError
-from drifttool.model.checkpoint import transformer_folder
+from drifttool.model.checkpoint_files import transformer_folder
 from drifttool.model.config import from_diffusers_config
 from drifttool.ops.registry import spec as op_spec
 from drifttool.runner import execute
@@ -339,7 +339,7 @@ def _diffusers_version() -> str:
 def load_transformer(folder: str | Path, dtype: torch.dtype, variant: str | None = None) -> torch.nn.Module:
     """``QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=dtype, variant=variant)``,
     in eval mode; ``folder`` may be a pipeline folder (its ``transformer/`` is loaded, as
-    ``drifttool.model.checkpoint.transformer_folder`` finds it).
+    ``drifttool.model.checkpoint_files.transformer_folder`` finds it).
 
     Raises:
         DriftToolError: diffusers missing, or the folder cannot be loaded.

@@ -15,7 +15,7 @@ of a captured LoRA pipeline equals a ``drifttool run --lora`` of the same adapte
 The mode (``drifttool.model.lora.LORA_MODES``) is read from the layers: merged (``fuse_lora``) →
 ``fused``; active and unmerged with factors in the model dtype → ``unfused`` (diffusers'
 ``load_lora_weights``); FP32 factors in a lower-precision model → ``unfused-fp32`` (a peft-wrapped
-transformer). The record's ``digest`` is ``model.lora.lora_digest``'s: the factors under
+transformer). The record's ``digest`` is ``model.lora_io.lora_digest``'s: the factors under
 drifttool's names and each module's scale (peft's ``scaling``, as ``set_adapters`` or
 ``fuse_lora(lora_scale=)`` leave it) as an FP64 scalar.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.lora import APPLY
+from drifttool.model.lora_io import APPLY
 from drifttool.model.lora_formats import parse_config
 from drifttool.model.weights import weight_digest
 

@@ -61,7 +61,7 @@ MODES = ("strict", "audit", "auto", "off")
 MODEL_DTYPES = ("float32", "bfloat16")
 """``drifttool.setting_checks.DTYPES``: the model dtypes a run may use."""
 CFG_LAYOUTS = ("batched", "sequential")
-"""``drifttool.sampling.rollout.CFG_LAYOUTS``."""
+"""``drifttool.sampling.config.CFG_LAYOUTS``."""
 TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
 """``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
 PRESETS = ("diffusers", "flow-grpo")
@@ -180,7 +180,7 @@ _LORA = Obj({
     "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
     "apply": _STR, "mode": Enum(LORA_MODES), "factor_dtype": _STR,
 }, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
-"""``drifttool.model.lora.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
+"""``drifttool.model.lora_io.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
 
 _FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
               "trace": ListOf(_STR), "ops": ListOf(_STR)},

@@ -5,13 +5,10 @@
     >>> weight_digest(model)                      # drifttool.model.weights
     'xxh3_128:5f0c…'
 
-A folder holds ``config.json`` (diffusers ``QwenImageTransformer2DModel`` config) and either
-``diffusion_pytorch_model.safetensors`` or ``diffusion_pytorch_model.safetensors.index.json`` plus
-the shards it names (with a weight variant: ``diffusion_pytorch_model.fp16.safetensors``, as
-``save_pretrained(variant=)`` writes). A pipeline folder (``model_index.json`` + ``transformer/``)
-loads from its root. Only safetensors is read — never pickle (``.bin`` / ``.pt``). The config is
-checked against the safetensors headers before any tensor is read, so a config claiming absurd
-sizes fails at once.
+The folder's files (layout, variants, sharded index, safetensors headers, tensors streamed one
+at a time) are ``drifttool.model.checkpoint_files``'s; this module maps them onto the model. The
+config is checked against the safetensors headers before any tensor is read, so a config claiming
+absurd sizes fails at once.
 
 Weight map: drifttool's ``MMDiT`` uses the checkpoint's own parameter names, so the map is the
 identity; it is still written out literally (``weight_map``) so the fingerprint pins it and a
@@ -30,19 +27,27 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable
 
 import torch
 
-from drifttool.errors import CheckpointError, UnsupportedConfigError
+from drifttool.errors import CheckpointError
+from drifttool.model.checkpoint_files import (
+    CONFIG_NAME,
+    SAFETENSORS_DTYPES,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    check_variant,
+    read_dtypes,
+    read_json_object,
+    read_shapes,
+    read_tensors,
+    transformer_folder,
+    weight_files,
+)
 from drifttool.model.config import MMDiTConfig, from_diffusers_config
 from drifttool.model.mmdit import MMDiT
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-PIPELINE_INDEX_NAME = "model_index.json"
-TRANSFORMER_SUBFOLDER = "transformer"
 
 def _top_shapes(c: MMDiTConfig) -> dict[str, tuple[int, ...]]:
     """Top-level tensors (numerics §1): inputs, then outputs. Linears are ``[out, in]`` + bias."""
@@ -116,220 +121,7 @@ def weight_map(config: MMDiTConfig) -> dict[str, str]:
 # load
 
 
-# A transformer's config.json is < 1 KiB and the full model's index ~ 150 KiB: anything past this
-# is not a checkpoint file, and is refused before it is parsed.
-_MAX_JSON_BYTES = 16 * 2**20
-
 _BLOCK_KEY = re.compile(r"transformer_blocks\.(\d+)\.")
-_VARIANT = r"[A-Za-z0-9_\-]+"
-# diffusers' variant weight files: single, shard and index (``_add_variant``).
-_VARIANT_FILE = re.compile(
-    rf"diffusion_pytorch_model(?:\.safetensors\.index)?\.({_VARIANT}?)(?:-\d+-of-\d+)?\.(?:safetensors|json)"
-)
-
-
-def _read_json(path: Path) -> Any:
-    """Parse a small JSON file. Raises ``CheckpointError`` (one line) when it is missing, too
-    large, not UTF-8, not JSON, nested too deep, or holds an integer too long to convert."""
-    try:
-        size = path.stat().st_size
-        if size > _MAX_JSON_BYTES:
-            raise CheckpointError(f"{path}: {size} bytes, larger than any checkpoint JSON ({_MAX_JSON_BYTES})")
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UTF-8, digits
-        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    obj = _read_json(path)
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _variant_name(name: str, variant: str | None) -> str:
-    """diffusers' ``_add_variant``: ``a.b.safetensors`` → ``a.b.<variant>.safetensors``."""
-    if variant is None:
-        return name
-    head, _, ext = name.rpartition(".")
-    return f"{head}.{variant}.{ext}"
-
-
-def transformer_folder(path: str | Path) -> Path:
-    """The folder holding the transformer's ``config.json``: ``path`` itself, or, for a pipeline
-    folder (``model_index.json`` naming a ``QwenImageTransformer2DModel`` transformer, as
-    ``DiffusionPipeline.save_pretrained`` writes), its ``transformer/`` subfolder.
-
-    Raises:
-        CheckpointError: not a directory; neither kind of folder; a pipeline whose
-            ``transformer`` component is missing or of another class.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory")
-    if (folder / CONFIG_NAME).is_file():
-        return folder
-    index = folder / PIPELINE_INDEX_NAME
-    if not index.is_file():
-        raise CheckpointError(f"{folder}: no {CONFIG_NAME} (a transformer folder) and no "
-                              f"{PIPELINE_INDEX_NAME} (a pipeline folder)")
-    component = _json_object(index).get(TRANSFORMER_SUBFOLDER)
-    if not (isinstance(component, list) and component[-1:] == ["QwenImageTransformer2DModel"]):
-        raise CheckpointError(f"{index}: component {TRANSFORMER_SUBFOLDER!r} is {component!r}, "
-                              "not a QwenImageTransformer2DModel")
-    sub = folder / TRANSFORMER_SUBFOLDER
-    if not (sub / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{sub}: missing {CONFIG_NAME} of the pipeline's transformer")
-    return sub
-
-
-def _weight_files(folder: Path, variant: str | None = None) -> list[Path]:
-    """The safetensors files of a folder (single file, or the shards an index names), with
-    diffusers' ``variant`` file names when given (``diffusion_pytorch_model.fp16.safetensors``,
-    ``diffusion_pytorch_model.safetensors.index.fp16.json``)."""
-    single = folder / _variant_name(WEIGHTS_NAME, variant)
-    index = folder / _variant_name(WEIGHTS_INDEX_NAME, variant)
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        wm = _json_object(index).get("weight_map")
-        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointError(f"{index}: no 'weight_map' of tensor name → shard file name")
-        shards = sorted(set(wm.values()))
-        outside = [s for s in shards if Path(s).name != s or s in (".", "..")]
-        if outside:
-            raise CheckpointError(f"{index}: shard names must be file names in {folder}, got {outside[:5]}")
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: shard file(s) missing: {missing}")
-        return [folder / s for s in shards]
-    names = sorted(p.name for p in folder.iterdir())
-    pickles = [n for n in names if Path(n).suffix in (".bin", ".pt", ".pth", ".ckpt")]
-    variants = sorted({m.group(1) for n in names if (m := _VARIANT_FILE.fullmatch(n))})
-    hint = ""
-    if variants:
-        hint = f" (found weight variant(s) {variants}: pass variant=/--variant)"
-    elif pickles:
-        hint = f" (found {pickles}; pickle checkpoints are not loaded, convert to safetensors)"
-    raise CheckpointError(f"{folder}: neither {single.name} nor {index.name}{hint}")
-
-
-def index_warnings(path: str | Path, variant: str | None = None) -> list[str]:
-    """What a sharded checkpoint's index claims that its shards do not hold (diffusers warns of
-    the same when it loads): one line per shard whose tensors the index lists but the shard
-    lacks, ``[]`` for a single-file checkpoint or a true index. Reads the index and the
-    safetensors headers only.
-
-    Raises:
-        CheckpointError: as ``load_checkpoint`` for files it cannot read.
-    """
-    folder = transformer_folder(path)
-    index = folder / _variant_name(WEIGHTS_INDEX_NAME, variant)
-    files = _weight_files(folder, variant)
-    if len(files) == 1 and files[0].name == _variant_name(WEIGHTS_NAME, variant):
-        return []
-    from safetensors import safe_open
-
-    held: dict[str, set[str]] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                held[f.name] = set(sf.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise _safetensors_error(f, e) from None
-    lacking: dict[str, list[str]] = {}
-    for name, shard in _json_object(index)["weight_map"].items():
-        if name not in held.get(shard, set()):
-            lacking.setdefault(shard, []).append(name)
-    return [f"{index.name} lists {len(names)} tensor(s) that {shard} does not hold: "
-            f"{', '.join(sorted(names)[:8])}{', …' if len(names) > 8 else ''} (the shards' own "
-            "headers decide what loads; diffusers warns of the same)"
-            for shard, names in sorted(lacking.items())]
-
-
-def _safetensors_error(f: Path, e: Exception) -> CheckpointError:
-    return CheckpointError(f"{f}: unreadable safetensors file ({type(e).__name__}: {str(e)[:200]})")
-
-
-def read_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape from the safetensors headers alone (no tensor data is read).
-
-    Raises:
-        CheckpointError: an unreadable or corrupt file; a tensor stored in more than one file.
-    """
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    dupes = []
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for k in sf.keys():
-                    if k in shapes:
-                        dupes.append(f"{k} ({f.name})")
-                    shapes[k] = tuple(sf.get_slice(k).get_shape())
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise _safetensors_error(f, e) from None
-    if dupes:
-        raise CheckpointError(f"tensor(s) stored in more than one shard: {dupes}")
-    return shapes
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-"""safetensors header dtype names → torch dtypes (the ones a checkpoint may plausibly hold)."""
-
-
-def read_dtypes(files: Iterable[Path]) -> dict[str, str]:
-    """Tensor name → safetensors dtype name (``"BF16"``, ``"F32"``, …) from the headers alone.
-
-    Raises:
-        CheckpointError: an unreadable or corrupt file.
-    """
-    from safetensors import safe_open
-
-    out: dict[str, str] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                out.update({k: str(sf.get_slice(k).get_dtype()) for k in sf.keys()})
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise _safetensors_error(f, e) from None
-    return out
-
-
-def _read_tensors(files: Iterable[Path], *, device: torch.device | str = "cpu",
-                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, each copied from the memory-mapped shard
-    straight to ``device`` in ``dtype`` (None: the stored dtype).
-
-    Each tensor is read through its own mapping of the shard, unmapped once its copy exists, so
-    the pages of the file never pile up in the process's resident memory: host memory peaks at
-    the tensors already yielded (when ``device`` is the CPU) plus one tensor's mapped pages and
-    copy — not at a whole shard or a dict of every stored tensor.
-
-    Raises:
-        CheckpointError: an unreadable or corrupt file.
-    """
-    from safetensors import safe_open
-
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                names = list(sf.keys())
-            for k in names:
-                with safe_open(str(f), framework="pt", device="cpu") as sf:
-                    mapped = sf.get_tensor(k)  # a view of the mapping: no pages read yet
-                    t = mapped.to(device=device, dtype=dtype or mapped.dtype, copy=True)
-                    del mapped
-                yield k, t
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise _safetensors_error(f, e) from None
 
 
 def _listing(what: str, items: list[str], sep: str, shown: int = 8) -> str:
@@ -401,7 +193,7 @@ def read_config(path: str | Path) -> MMDiTConfig:
         CheckpointError: as ``transformer_folder``; an unreadable ``config.json``.
         UnsupportedConfigError: as ``drifttool.model.config.from_diffusers_config``.
     """
-    return from_diffusers_config(_json_object(transformer_folder(path) / CONFIG_NAME))
+    return from_diffusers_config(read_json_object(transformer_folder(path) / CONFIG_NAME))
 
 
 def load_checkpoint(
@@ -425,7 +217,7 @@ def load_checkpoint(
         dtype: model dtype W (fp32 or bf16); ``None`` keeps the checkpoint's own dtype, which must
             then be one dtype for all tensors.
         device: where the parameters live: each tensor is copied from the memory-mapped shard
-            straight there, cast to ``dtype`` on the way (``_read_tensors``), so host memory
+            straight there, cast to ``dtype`` on the way (``read_tensors``), so host memory
             peaks near the weights' size on the CPU and near one tensor for a GPU.
         variant: diffusers weight variant (``"fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors``),
             as ``from_pretrained(..., variant=)``.
@@ -437,26 +229,25 @@ def load_checkpoint(
         UnsupportedConfigError: a config that drifttool does not implement
             (``from_diffusers_config``), or a variant that is not a plain name.
     """
-    if variant is not None and (not isinstance(variant, str) or not re.fullmatch(_VARIANT, variant)):
-        raise UnsupportedConfigError(f"weight variant {variant!r} must be a plain name such as 'fp16'")
+    check_variant(variant)
     folder = transformer_folder(path)
     config = read_config(folder)
-    files = _weight_files(folder, variant)
+    files = weight_files(folder, variant)
     check_shapes(config, read_shapes(files))
     stored = read_dtypes(files)
     bad_dtype = [f"{k}: {d}" for k, d in stored.items()
-                 if d not in _SAFETENSORS_DTYPES or not _SAFETENSORS_DTYPES[d].is_floating_point]
+                 if d not in SAFETENSORS_DTYPES or not SAFETENSORS_DTYPES[d].is_floating_point]
     if bad_dtype:
         raise CheckpointError(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype[:8]))
     if dtype is None:
-        dtypes = sorted({str(_SAFETENSORS_DTYPES[d]) for d in stored.values()})
+        dtypes = sorted({str(SAFETENSORS_DTYPES[d]) for d in stored.values()})
         if len(dtypes) != 1:
             raise CheckpointError(f"{folder}: tensors have mixed dtypes {dtypes}; pass dtype= explicitly")
-        dtype = _SAFETENSORS_DTYPES[next(iter(stored.values()))]
+        dtype = SAFETENSORS_DTYPES[next(iter(stored.values()))]
     device = torch.device(device)
     with torch.device("meta"):
         model = MMDiT(config, dtype=dtype)
-    _assign(model, _read_tensors(files, device=device, dtype=dtype), device)
+    _assign(model, read_tensors(files, device=device, dtype=dtype), device)
     return model
 
 

@@ -3,8 +3,10 @@
     >>> add_lora(model, rank=4, alpha=8)                 # Flow-GRPO's targets, base frozen
     >>> v = model(x, txt, mask, tau, grid, rt)            # every adapted weight goes through
     ...                                                   # call(rt, "lora_merge", ...)
-    >>> save_lora(model, "adapter/")                      # a peft folder + a diffusers file
-    >>> load_lora(other_model, "adapter/")                # peft or diffusers; keys checked
+    >>> remove_lora(model)                                # detached again
+
+Saving, loading, the adapter's digest and manifest record and its gradient records are
+``drifttool.model.lora_io``'s.
 
 Targets (``LORA_TARGET_MODULES``, numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
 ``attn.to_q/to_k/to_v/to_out.0``, ``attn.add_q_proj/add_k_proj/add_v_proj/to_add_out`` and both
@@ -29,10 +31,10 @@ captured: it has no sample axis, and a trainer that micro-batches runs it once p
 so its records would not align with the rollout's; the adapter bytes are pinned instead by the
 fingerprint's weight digest and the manifest's ``lora.digest``, a differing adapter shows as the
 first drift at the base operator that consumes it, and the adapter gradients are captured
-(role ``grad_weight``, ``capture_lora_grads``). Gradients reach ``lora_A``/``lora_B``
+(role ``grad_weight``, ``lora_io.capture_lora_grads``). Gradients reach ``lora_A``/``lora_B``
 through the base operator's weight gradient: ``dA = (α/r)·Bᵀ·dW'``, ``dB = (α/r)·dW'·Aᵀ``.
 
-Modes (``LORA_MODES``, ``load_lora(mode=)``, ``drifttool run --lora-mode``): how the libraries
+Modes (``LORA_MODES``, ``lora_io.load_lora(mode=)``, ``drifttool run --lora-mode``): how the libraries
 run a loaded adapter differs in bytes, so each is reproduced (production family only, except
 ``merged``; arithmetic in ``drifttool.ops.lora``):
 
@@ -60,16 +62,13 @@ The operator and its implementations are declared in
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from drifttool.errors import CheckpointError, UnsupportedConfigError
-from drifttool.model.lora_formats import AdapterConfig, read_adapter, write_adapter
-from drifttool.model.weights import weight_digest
-from drifttool.ops.lora import peft_merge
+from drifttool.model.lora_formats import AdapterConfig
 from drifttool.ops.registry import call
 
 # Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
@@ -297,34 +296,9 @@ def base_parameters(model) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n}
 
 
-def lora_state_dict(model) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of the adapter weights under peft's key names."""
-    return {n: p.detach().to("cpu").contiguous().clone() for n, p in lora_parameters(model).items()}
-
-
 def lora_scales(model) -> dict[str, float]:
     """``{module: scale}`` of every adapted module (the ``scale`` ``lora_merge`` receives)."""
     return {n: float(m.lora_scale) for n, m in lora_modules(model).items()}
-
-
-def lora_digest(model) -> str | None:
-    """``weight_digest`` of the adapter weights and of every module's scale (as an FP64 scalar
-    ``<module>.lora_scale``), so a changed alpha or rank rule changes it; None without one."""
-    if not has_lora(model):
-        return None
-    scales = {f"{n}.lora_scale": torch.tensor(s, dtype=torch.float64) for n, s in lora_scales(model).items()}
-    return weight_digest({**lora_state_dict(model), **scales})
-
-
-APPLY = {
-    "merged": "merged by op lora_merge (drifttool.lora_merge.v1): peft merge_and_unload",
-    "fused": "fused by op lora_fuse (drifttool.lora_fuse.v1): diffusers load_lora_weights + fuse_lora",
-    "unfused": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: diffusers "
-               "load_lora_weights (factors in the model dtype)",
-    "unfused-fp32": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: a "
-                    "peft-wrapped transformer (factors FP32)",
-}
-"""The manifest's ``lora.apply`` text per mode."""
 
 
 def lora_mode(model) -> str | None:
@@ -333,132 +307,8 @@ def lora_mode(model) -> str | None:
     return next(iter(mods.values())).lora_mode if mods else None
 
 
-def lora_record(model) -> dict[str, Any] | None:
-    """The manifest record of the adapter: its config (``AdapterConfig.record``), the scale
-    (one number, or None when the patterns give modules different scales), the digest, the mode
-    and the factors' dtype."""
-    if not has_lora(model):
-        return None
-    scales = set(lora_scales(model).values())
-    mode = lora_mode(model)
-    factor = next(iter(lora_parameters(model).values())).dtype
-    return {**model.lora_config.record(), "scale": scales.pop() if len(scales) == 1 else None,
-            "digest": lora_digest(model), "key_naming": "peft/diffusers", "mode": mode,
-            "factor_dtype": str(factor).removeprefix("torch."), "apply": APPLY[mode]}
-
-
-def effective_weights(model) -> dict[str, torch.Tensor]:
-    """The parameters the forward runs on, for the fingerprint's weight digest: the model's
-    ``named_parameters``, except that in mode ``fused`` each adapted weight is the fused one
-    (``ops.lora.peft_merge``, the bytes diffusers' ``fuse_lora`` leaves in the base layer), so a
-    fused pipeline's capture and a fused run pin the same weights."""
-    state = dict(model.named_parameters())
-    if lora_mode(model) == "fused":
-        with torch.no_grad():
-            for name, m in lora_modules(model).items():
-                state[f"{name}.weight"] = peft_merge(m.weight, m.lora_A.weight, m.lora_B.weight,
-                                                     float(m.lora_scale))
-    return state
-
-
-# ---------------------------------------------------------------------------------------------
-# save / load
-
-
-def save_lora(model, path: str | Path) -> Path:
-    """Write the adapter as a folder that peft (``PeftModel.from_pretrained``) and diffusers
-    (``QwenImagePipeline.load_lora_weights``, ``load_lora_adapter``) both load
-    (``lora_formats.write_adapter``): FP32 tensors, the model's ``AdapterConfig``.
-
-    Raises:
-        CheckpointError: the model has no adapter.
-    """
-    if not has_lora(model):
-        raise CheckpointError("the model carries no LoRA adapter to save")
-    return write_adapter(path, lora_state_dict(model), model.lora_config)
-
-
-def load_lora(model, path: str | Path, *, freeze_base: bool = True,
-              mode: str = "merged") -> dict[str, nn.Parameter]:
-    """Load a peft or diffusers adapter (``lora_formats.read_adapter``: folder or file) into
-    ``model``, attaching one first if it has none (``attach_lora`` with the file's config and
-    ``mode``, so ranks and scales follow peft's rules); the factors are stored FP32 (modes
-    ``merged``, ``unfused-fp32``) or rounded to the model dtype (``fused``, ``unfused``: as
-    diffusers' ``load_lora_weights`` rounds them).
-
-    Raises:
-        CheckpointError: a refused config; one error listing every missing, unexpected and
-            mis-shaped key, non-float / non-finite tensors, and, for a model that already has an
-            adapter, modules whose scale differs (nothing is loaded or left attached then).
-        UnsupportedConfigError: unknown mode, or a model whose adapter runs in another mode.
-    """
-    check_lora_mode(mode)
-    tensors, cfg = read_adapter(path)
-    fresh = not has_lora(model)
-    if fresh:
-        attach_lora(model, cfg, freeze_base=freeze_base, mode=mode)
-    elif lora_mode(model) != mode:
-        raise UnsupportedConfigError(f"the model's adapter runs in LoRA mode {lora_mode(model)!r}, not {mode!r}")
-    params = lora_parameters(model)
-    missing = [k for k in params if k not in tensors]
-    unexpected = sorted(k for k in tensors if k not in params)
-    misshaped = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(params[k].shape)}"
-                 for k in params if k in tensors and tensors[k].shape != params[k].shape]
-    bad = [k for k, t in tensors.items() if k in params and (not t.is_floating_point()
-                                                              or not bool(torch.isfinite(t).all()))]
-    rescaled = [f"{n}: file {cfg.scale(n)} vs model {s}" for n, s in lora_scales(model).items()
-                if not fresh and cfg.scale(n) != s]
-    problems = [(f"missing keys ({len(missing)}): ", missing),
-                (f"unexpected keys ({len(unexpected)}): ", unexpected),
-                (f"mis-shaped keys ({len(misshaped)}): ", misshaped),
-                (f"non-float or non-finite tensors ({len(bad)}): ", bad),
-                (f"scale (alpha/r) differs from the model's ({len(rescaled)}): ", rescaled)]
-    lines = [head + "; ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
-             for head, keys in problems if keys]
-    if lines:
-        if fresh:
-            remove_lora(model)
-        raise CheckpointError(f"LoRA adapter {path} does not match the model:\n  " + "\n  ".join(lines))
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[k].to(p.dtype))
-    return params
-
-
 def remove_lora(model) -> None:
     """Detach every adapter (the base parameters keep their ``requires_grad``)."""
     for m in lora_modules(model).values():
         del m.lora_A, m.lora_B, m.lora_scale, m.lora_mode
     model.lora_config = None
-
-
-# ---------------------------------------------------------------------------------------------
-# gradients
-
-
-def grad_identity(name: str) -> tuple[int, str, str]:
-    """(block, stream, op) of an adapter parameter's gradient record: ``op`` is the target and
-    factor (``attn.to_q.lora_A``), stream img/txt by the target's stream."""
-    rest = name.removeprefix("transformer_blocks.")
-    block, tail = rest.split(".", 1)
-    op = tail.removesuffix(".weight")
-    txt = op.startswith(("attn.add_", "attn.to_add_out", "txt_mlp."))
-    return int(block), "txt" if txt else "img", op
-
-
-def capture_lora_grads(model, recorder, *, phase: str, step: int, sigma: float = math.nan,
-                       rank: int = 0) -> int:
-    """Digest every adapter gradient (``p.grad``, as accumulated so far) into ``recorder`` with
-    role ``grad_weight`` (one record per parameter, sample −1). Returns the number captured;
-    parameters without a gradient are skipped."""
-    if recorder is None or getattr(recorder, "level", "L1") == "L0":  # L0 keeps no op records
-        return 0
-    n = 0
-    for name, p in lora_parameters(model).items():
-        if p.grad is None:
-            continue
-        block, stream, op = grad_identity(name)
-        recorder.capture_grad(phase=phase, step=step, sigma=sigma, block=block, stream=stream,
-                              op=op, tensor=p.grad, rank=rank)
-        n += 1
-    return n

@@ -49,7 +49,8 @@ from drifttool.diff.compare import diff_runs
 from drifttool.collectives import barrier
 from drifttool.errors import ArtifactError
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, lora_parameters, save_lora
+from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute, run_device
 from drifttool.setting_checks import check_mode, check_mode_device
 from drifttool.settings import RunSpec, resolve

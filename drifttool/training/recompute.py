@@ -37,7 +37,8 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
-from drifttool.model.lora import capture_lora_grads, has_lora, lora_parameters, lora_record
+from drifttool.model.lora import has_lora, lora_parameters
+from drifttool.model.lora_io import capture_lora_grads, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors

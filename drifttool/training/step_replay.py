@@ -42,7 +42,8 @@ from drifttool.environment import environment
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
-from drifttool.model.lora import has_lora, lora_record
+from drifttool.model.lora import has_lora
+from drifttool.model.lora_io import lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Mode
 from drifttool.sampling.inputs import replay_tensors

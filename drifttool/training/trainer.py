@@ -21,7 +21,7 @@ from drifttool.diff.context import dict_differences
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import effective_weights, load_lora, lora_record
+from drifttool.model.lora_io import effective_weights, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.setting_checks import DTYPES, check_device
 from drifttool.training.options import RerunOptions

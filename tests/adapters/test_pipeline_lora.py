@@ -20,7 +20,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import Verdict
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, save_lora
+from drifttool.model.lora import add_lora
+from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute
 from drifttool.sampling.inputs import inputs_from_tensors
 from drifttool.settings import RunSpec

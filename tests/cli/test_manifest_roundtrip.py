@@ -28,7 +28,8 @@ def files(tmp_path_factory):
     """Input files for batches of 2: prompt embeddings (masked), a negative prompt, latents,
     and a LoRA adapter of the tiny model."""
     from drifttool.model.config import tiny
-    from drifttool.model.lora import add_lora, save_lora
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
     from drifttool.model.mmdit import MMDiT, random_init_
 
     root = tmp_path_factory.mktemp("inputs")

@@ -21,7 +21,8 @@ def test_string_schema_version_says_it_must_be_an_integer(cli, tmp_path, strict_
 def adapter(tmp_path_factory):
     from drifttool.fixture import locate
     from drifttool.model.checkpoint import load_checkpoint
-    from drifttool.model.lora import add_lora, save_lora
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
 
     m = load_checkpoint(locate("tiny-t2i") / "transformer")
     add_lora(m, rank=2, alpha=2)

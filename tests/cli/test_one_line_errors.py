@@ -116,7 +116,8 @@ def test_bad_lora_is_one_line(cli, tmp_path, damage, needle):
 
     from drifttool.fixture import locate
     from drifttool.model.checkpoint import load_checkpoint
-    from drifttool.model.lora import add_lora, save_lora
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
 
     m = load_checkpoint(locate("tiny-t2i") / "transformer")
     add_lora(m, rank=2, alpha=2)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from drifttool.artifact import open_run
-from drifttool.model.checkpoint import WEIGHTS_INDEX_NAME, save_checkpoint
+from drifttool.model.checkpoint import save_checkpoint
+from drifttool.model.checkpoint_files import WEIGHTS_INDEX_NAME
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 

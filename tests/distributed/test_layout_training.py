@@ -13,7 +13,8 @@ import pytest
 from drifttool.artifact import open_run
 from drifttool.distributed.plan import ParallelDims
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, save_lora
+from drifttool.model.lora import add_lora
+from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.options import TrainOptions

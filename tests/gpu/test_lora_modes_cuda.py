@@ -20,7 +20,8 @@ from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.diff.compare import diff_runs  # noqa: E402
 from drifttool.diff.report import Verdict  # noqa: E402
 from drifttool.model.checkpoint import load_checkpoint  # noqa: E402
-from drifttool.model.lora import LORA_MODES, load_lora  # noqa: E402
+from drifttool.model.lora import LORA_MODES  # noqa: E402
+from drifttool.model.lora_io import load_lora  # noqa: E402
 from drifttool.runner import execute  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
 from drifttool.settings import RunSpec  # noqa: E402

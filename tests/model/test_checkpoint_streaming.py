@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drifttool.model.checkpoint import (CONFIG_NAME, WEIGHTS_INDEX_NAME, load_checkpoint,
-                                        save_checkpoint, tensor_shapes, weight_map)
+from drifttool.model.checkpoint import load_checkpoint, save_checkpoint, tensor_shapes, weight_map
+from drifttool.model.checkpoint_files import CONFIG_NAME, WEIGHTS_INDEX_NAME
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.mmdit import MMDiT, random_init_
 from tests.conftest import assert_same_bytes

@@ -1,5 +1,5 @@
-"""LoRA adapters (drifttool.model.lora): peft key naming, save/load, bad files, the merge operator,
-frozen base weights and adapter gradients. Interchange with peft and diffusers:
+"""LoRA adapters (drifttool.model.lora, lora_io): peft key naming, save/load, bad files, the
+merge operator, frozen base weights and adapter gradients. Interchange with peft and diffusers:
 test_lora_interchange.py."""
 
 from __future__ import annotations
@@ -13,15 +13,8 @@ from safetensors.torch import load_file, save_file
 from drifttool.errors import CheckpointError
 from drifttool.model.config import tiny
 from drifttool.model.weights import weight_digest
-from drifttool.model.lora import (
-    LORA_TARGET_MODULES,
-    add_lora,
-    base_parameters,
-    load_lora,
-    lora_parameters,
-    lora_record,
-    save_lora,
-)
+from drifttool.model.lora import LORA_TARGET_MODULES, add_lora, base_parameters, lora_parameters
+from drifttool.model.lora_io import load_lora, lora_record, save_lora
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes

@@ -28,17 +28,9 @@ from safetensors.torch import load_file, save_file
 from drifttool.errors import CheckpointError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import tiny
-from drifttool.model.lora import (
-    LORA_TARGET_MODULES,
-    add_lora,
-    load_lora,
-    lora_digest,
-    lora_parameters,
-    lora_record,
-    lora_scales,
-    save_lora,
-)
+from drifttool.model.lora import LORA_TARGET_MODULES, add_lora, lora_parameters, lora_scales
 from drifttool.model.lora_formats import DIFFUSERS_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS, read_adapter
+from drifttool.model.lora_io import load_lora, lora_digest, lora_record, save_lora
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes
 

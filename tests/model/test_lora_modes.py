@@ -21,8 +21,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import tiny
-from drifttool.model.lora import (LORA_MODES, add_lora, effective_weights, load_lora, lora_parameters,
-                                  lora_record, save_lora)
+from drifttool.model.lora import LORA_MODES, add_lora, lora_parameters
+from drifttool.model.lora_io import effective_weights, load_lora, lora_record, save_lora
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes, bits

@@ -7,13 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drifttool.errors import CheckpointError, UnsupportedConfigError
-from drifttool.model.checkpoint import (
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    load_checkpoint,
-    save_checkpoint,
-    weight_map,
-)
+from drifttool.model.checkpoint import load_checkpoint, save_checkpoint, weight_map
+from drifttool.model.checkpoint_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from drifttool.model.config import full, tiny
 from drifttool.model.lora import LORA_TARGET_MODULES
 from drifttool.model.mmdit import MMDiT, random_init_
@@ -157,7 +152,7 @@ def _refuse_tensor_reads(monkeypatch):
     def no_reads(files):
         raise AssertionError("tensors were read before the config was checked against the headers")
 
-    monkeypatch.setattr(ck, "_read_tensors", no_reads)
+    monkeypatch.setattr(ck, "read_tensors", no_reads)
 
 
 @pytest.mark.parametrize("edit, needle", [

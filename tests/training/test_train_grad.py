@@ -13,7 +13,8 @@ from drifttool.capture.recorder import Recorder
 from drifttool.diff.compare import diff_runs
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, lora_parameters, save_lora
+from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
 from drifttool.sampling.config import SamplerConfig
