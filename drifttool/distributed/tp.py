@@ -45,8 +45,7 @@ import torch
 from drifttool.capture.shards import AxisShard
 from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.strict._checks import act_dtype, f32, out
-from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32
+from drifttool.ops.strict import act_dtype, cast_like, f32, g32, gelu_tanh_grad32, out
 from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, linear_partial,
                                        local_spans, segment_spans, shard_spans, tiled_linear)
 
