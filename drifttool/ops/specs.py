@@ -65,7 +65,8 @@ from dataclasses import dataclass
 
 import torch
 
-from drifttool.ops.registry import Decomposition, OpSpec, declare
+from drifttool.ops.declaration import Decomposition, OpSpec
+from drifttool.ops.registry import declare
 
 _FLOATS = (torch.float32, torch.bfloat16)
 

@@ -11,6 +11,7 @@ from drifttool.errors import UnsupportedConfigError
 from drifttool.ops import registry
 from drifttool.ops.constraints import Constraint
 from drifttool.ops.registry import call, implementation, impls, kernel_id, specs
+from drifttool.ops.declaration import OpSpec
 from drifttool.ops.specs import OPERATORS, SITES, STREAMS
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
@@ -356,6 +357,6 @@ def test_operator_specs_name_their_component():
     an unknown component is refused at declaration, so Phase B's models declare beside it."""
     assert set(specs(component="mmdit")) == set(specs()) and specs(component="vae") == {}
     with pytest.raises(ValueError, match="unknown component 'unet'"):
-        registry.declare(registry.OpSpec(name="unet_conv", contract="x.unet_conv.v1",
+        registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
                                          summary="-", component="unet"))
