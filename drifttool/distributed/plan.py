@@ -5,17 +5,18 @@
     >>> plan = ParallelPlan.build(ctx, dims, model.config)
     >>> rt = Runtime(mode="strict", plan=plan, ...)        # the model code is unchanged
 
-The model calls its named operators through ``drifttool.ops.registry.call``; a plan is data: a
-table of **rules** per operator name (``tp.RULES``, ``sp.RULES``), each of which wraps the call
-(slices a weight to the rank's heads, computes a row-parallel partial and finishes the canonical
-tree over the gathered rank partials, gathers the image rows of K/V, …) — as torchtitan's
-``parallelize`` and diffusers' ``_cp_plan`` describe a layout beside the model instead of forking
-it. Dispatch (``registry._call``) passes every call through ``ParallelPlan.call``.
+The model calls its named operators through ``drifttool.ops.registry.call``; a plan is data: one
+**rule** per operator (``rules.RULES``: an ``OpRule`` per RFC operator), whose TP and SP compute
+rules wrap the call (slice a weight to the rank's heads, compute a row-parallel partial and
+finish the canonical tree over the gathered rank partials, gather the image rows of K/V, …) — as
+torchtitan's ``parallelize`` and diffusers' ``_cp_plan`` describe a layout beside the model
+instead of forking it. Dispatch (``registry._call``) passes every call through
+``ParallelPlan.call``.
 
-Capture records the logical tensors without moving them: where a rule table shards an output
-(``ParallelPlan.for_capture``, the ``places`` of each table say where this rank's block sits),
-every rank digests its own block and only the digest partials are gathered and combined, SP then
-TP (``capture.shards``: a few words per record at L1, the row digests at L2). One **owning rank**
+Capture records the logical tensors without moving them: where a rule shards an output (the
+same ``OpRule``'s ``rows`` and ``heads`` axes say where this rank's block sits:
+``ParallelPlan.for_capture``, ``placement``), every rank digests its own block and only the
+digest partials are gathered and combined, SP then TP (``capture.shards``: a few words per record at L1, the row digests at L2). One **owning rank**
 records: coordinate 0 of the TP and SP dimensions, and for the model's calls the CFG rank that
 ran the branch (coordinate 0 for the sampler's calls, which every CFG rank repeats). An output
 every rank computes alike (replicated) is digested on every rank as well, and the owning rank's
@@ -35,12 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from drifttool import shards
-from drifttool.capture import shards as capture_shards
-from drifttool.distributed import sp, tp
-from drifttool.distributed.canonical import COMM, gather_list
+from drifttool.distributed import placement, sp, tp
+from drifttool.distributed.rules import Rule, reduction_splits, rule, tp_row_for
 from drifttool.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -171,16 +169,6 @@ def mesh_rank(dims: ParallelDims, coords: dict[str, int]) -> int:
     return shards.mesh_rank(dims.tp, dims.sp, coords)
 
 
-Rule = Callable[..., Any]
-"""``rule(plan, rt, stream, run, args, kwargs) -> out``: runs one call under the plan, calling
-``run(*args, **kwargs)`` (the resolved implementation, or the next rule) on what this rank holds."""
-
-Place = Callable[..., dict]
-"""``place(plan, rt, op, stream, index, tensor, placement) -> placement``: ``placement`` with the
-axes this rule table shards in the output (``capture.shards.Placement``: where this rank's
-block sits in the logical output); unchanged when the table does not shard it."""
-
-
 @dataclass
 class ParallelPlan:
     """Where this process stands in the layout and what the layout does to each operator.
@@ -190,8 +178,6 @@ class ParallelPlan:
         coords: this rank's coordinate in each mesh dimension (``{"cfg": c, "sp": s, "tp": t}``).
         groups: the process group of each dimension of size > 1 (ranks that differ only there).
         num_layers: the model's blocks (the last block index + 1 is the final layer).
-        rules: operator name -> rules, applied outermost first.
-        places: per rule table, its mesh dimension and output placer for capture (SP before TP).
         faults: probe faults planted in this layout (``FAULTS``; empty for a real run).
         tp_row: how TP row-parallel GEMMs split their work, resolved (``TP_ROWS``: ``partials``
             or ``gather``).
@@ -206,8 +192,6 @@ class ParallelPlan:
     coords: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MESH_DIMS, 0))
     groups: dict[str, Any] = field(default_factory=dict)
     num_layers: int = 0
-    rules: dict[str, list[Rule]] = field(default_factory=dict)
-    places: list[tuple[str, Place]] = field(default_factory=list)
     faults: frozenset[str] = frozenset()
     tp_row: str = "partials"
     fault_effects: dict[str, list[int]] = field(default_factory=dict)
@@ -241,13 +225,9 @@ class ParallelPlan:
             raise UnsupportedConfigError(sp.ring_no_l2(capture_level, capture_from))
         check_faults(faults)
         on_cuda = ctx.device.type == "cuda"
-        tp_row = dims.tp_row if dims.tp_row != "auto" else ("gather" if on_cuda else "partials")
+        tp_row = tp_row_for(dims, on_cuda)  # the CUDA rule (``rules``)
         if on_cuda and family == "strict":
-            split = []
-            if dims.sp > 1 and dims.sp_attention == "ring":
-                split.append("--sp-attention ring (each rank reduces its own keys)")
-            if dims.tp > 1 and tp_row == "partials":
-                split.append("TP row-parallel partials (each rank reduces its K shard)")
+            split = reduction_splits(dims, tp_row)
             if split:
                 raise UnsupportedConfigError(
                     "strict on CUDA never splits a reduction axis across ranks, but "
@@ -268,19 +248,7 @@ class ParallelPlan:
                 plan.coords[name] = mesh.get_local_rank(name)
                 if mesh.size(mesh_dim=MESH_DIMS.index(name)) > 1:
                     plan.groups[name] = mesh.get_group(name)
-        if dims.sp > 1:
-            plan.add(sp.RULES, ("sp", sp.place_output))
-        if dims.tp > 1:
-            plan.add(tp.RULES, ("tp", tp.place_output))
         return plan
-
-    def add(self, rules: dict[str, Rule], place: tuple[str, Place] | None = None) -> None:
-        """Append a rule table (its rules wrap inside those of earlier tables) and its placer
-        (``(mesh dimension, place)``)."""
-        for name, rule in rules.items():
-            self.rules.setdefault(name, []).append(rule)
-        if place is not None:
-            self.places.append(place)
 
     # -- where this rank stands
 
@@ -306,92 +274,20 @@ class ParallelPlan:
             return False
         return block != SAMPLER_BLOCK or self.coords["cfg"] == 0
 
-    # -- dispatch and capture
+    def replicated(self, block: int, placed: Sequence[str]) -> list[str]:
+        """The mesh dimensions over which every rank computes a call's output alike: TP and SP
+        (size > 1) unless they shard it (``placed``); CFG too for the sampler's calls
+        (``SAMPLER_BLOCK``), which every CFG rank repeats."""
+        out = [d for d in ("sp", "tp") if self.size(d) > 1 and d not in placed]
+        if block == SAMPLER_BLOCK and self.size("cfg") > 1:
+            out.append("cfg")
+        return out
 
-    def call(self, rt: "Runtime", op: str, stream: str, run: Callable[..., Any], args: tuple,
-             kwargs: dict[str, Any]) -> Any:
-        """``run(*args, **kwargs)`` under the rules for ``op`` (none: unchanged)."""
-        rules = self.rules.get(op)
-        if not rules:
-            return run(*args, **kwargs)
-        for rule in reversed(rules):
-            run = _bind(rule, self, rt, stream, run)
-        return run(*args, **kwargs)
-
-    def for_capture(self, rt: "Runtime", site: dict[str, Any], out: Any,
-                    layouts: tuple[str | None, ...], keep_rows: bool) -> list[Any] | None:
-        """What this rank records of a call's outputs (a collective: every rank calls it for
-        every captured call, in the same order).
-
-        Every rank digests what it holds of each output (``capture.shards.shard_payload``): its
-        block of an output a rule table shards (``places``), its whole copy of one it computes
-        like its peers (replicated). The payloads of a sharded output are gathered and combined
-        over each dimension that shards it (SP, then TP); over each dimension that replicates it
-        (TP and SP; CFG too for the sampler's calls, ``SAMPLER_BLOCK``) only every rank's digest
-        word travels, so the owning rank (``owns``) learns what every rank of the record
-        computed (``capture.shards.RankCheck``: a replica that differs from its coordinate-0
-        peer is a disagreement, recorded, never dropped); the text rows of a joint output, which
-        every SP rank repeats and SP rank 0's block holds, are checked the same way
-        (``sp.repeated_rows``). The owning rank gets ``[(part,
-        pending digest)]`` and the checks per output for ``Recorder.capture_digested``; ``None``
-        for ``None`` layouts, and as the whole result on a rank that records nothing of the call.
-        """
-        outs = out if isinstance(out, tuple) else (out,)
-        block = int(rt.scope_value("block"))
-        owner = self.owns(block)
-        got: list[Any] = []
-        for i, (t, lay) in enumerate(zip(outs, layouts)):
-            if lay is None or not isinstance(t, torch.Tensor):
-                got.append(None)
-                continue
-            t = sp.capture_source(self, rt, site["op"], i, t)  # Ulysses: the heads it computed
-            placement: dict = {}
-            placed = []
-            for dim, place in self.places:
-                before = placement
-                placement = place(self, rt, site["op"], site["stream"], i, t, placement)
-                if placement is not before:
-                    placed.append(dim)
-            replicated = [d for d in ("sp", "tp") if self.size(d) > 1 and d not in placed]
-            if block == SAMPLER_BLOCK and self.size("cfg") > 1:
-                replicated.append("cfg")
-            parts, payload = capture_shards.shard_payload(site, t.detach(), lay, placement, keep_rows)
-            widths = capture_shards.payload_widths(parts, keep_rows)
-            world = self.dims.world_size
-            # [part, rank, (its block, its copy of the rows every SP rank repeats)]
-            table = torch.zeros(len(parts), world, 2, dtype=torch.int64, device=payload.device)
-            table[:, self.mesh_rank, 0] = capture_shards.part_words(payload, parts, keep_rows)
-            repeated = sp.repeated_rows(self, site["op"], site["stream"], placement) \
-                if "sp" in placed else None
-            if repeated is not None:
-                _, copy = capture_shards.shard_payload(site, t.detach(), lay, repeated, False)
-                table[:, self.mesh_rank, 1] = capture_shards.part_words(copy, parts, False)
-            with COMM.capturing():  # exact in any order; a few words per rank and part
-                for dim in [d for d in ("sp", "tp", "cfg") if d in placed or d in replicated]:
-                    ours = table.reshape(-1)
-                    if dim in placed:
-                        ours = torch.cat([payload, ours])
-                    rows = torch.stack(gather_list(ours, self.groups.get(dim)))
-                    if dim in placed:
-                        payload = capture_shards.reduce_payloads(rows[:, :payload.numel()], widths)
-                        rows = rows[:, payload.numel():]
-                    table = rows.reshape(-1, len(parts), world, 2).amax(0)  # V >= 0: each slot once
-            if not owner:
-                got.append(None)
-                continue
-            pending = capture_shards.combine_payloads(parts, payload, t.dtype, keep_rows)
-            refs = self._refs(replicated, block)
-            copy_refs = self._refs([*replicated, "sp"], block) if repeated is not None else None
-            checks = [capture_shards.RankCheck(table[j, :, 0], refs, table[j, :, 1], copy_refs)
-                      for j in range(len(parts))]
-            got.append((list(zip(parts, pending)), checks))
-        return got if owner else None
-
-    def _refs(self, replicated: list[str], block: int) -> tuple[int, ...]:
+    def replica_refs(self, replicated: Sequence[str]) -> tuple[int, ...]:
         """Per global rank, the rank whose digest it must equal: the same coordinates with every
         ``replicated`` dimension at 0 (itself when nothing replicates); −1 for ranks of another
         CFG coordinate in a model call (another branch)."""
-        tp_, sp_, cfg_ = self.dims.tp, self.dims.sp, self.dims.cfg
+        tp_, sp_ = self.dims.tp, self.dims.sp
         refs = []
         for r in range(self.dims.world_size):
             c = {"cfg": r // (tp_ * sp_), "sp": (r // tp_) % sp_, "tp": r % tp_}
@@ -400,6 +296,25 @@ class ParallelPlan:
                 continue
             refs.append(mesh_rank(self.dims, {k: 0 if k in replicated else v for k, v in c.items()}))
         return tuple(refs)
+
+    # -- dispatch and capture
+
+    def call(self, rt: "Runtime", op: str, stream: str, run: Callable[..., Any], args: tuple,
+             kwargs: dict[str, Any]) -> Any:
+        """``run(*args, **kwargs)`` under ``op``'s rule (``rules.RULES``): its TP compute rule
+        innermost, its SP compute rule around it; unchanged where the rule has none for a
+        dimension of size > 1."""
+        r = rule(op)
+        for dim, compute in (("tp", r.tp), ("sp", r.sp)):
+            if compute is not None and self.size(dim) > 1:
+                run = _bind(compute, self, rt, stream, run)
+        return run(*args, **kwargs)
+
+    def for_capture(self, rt: "Runtime", site: dict[str, Any], out: Any,
+                    layouts: tuple[str | None, ...], keep_rows: bool) -> list[Any] | None:
+        """What this rank records of a call's outputs (``placement.for_capture``; a collective:
+        every rank calls it for every captured call, in the same order)."""
+        return placement.for_capture(self, rt, site, out, layouts, keep_rows)
 
     def check_training(self, model: Any = None) -> None:
         """Refuse what training under this plan cannot give one device's gradient bytes for:
@@ -419,8 +334,8 @@ class ParallelPlan:
                     f"require gradients (first: {base[0]})")
 
 
-def _bind(rule: Rule, plan: ParallelPlan, rt: "Runtime", stream: str, run: Callable[..., Any]):
+def _bind(compute: Rule, plan: ParallelPlan, rt: "Runtime", stream: str, run: Callable[..., Any]):
     def bound(*args: Any, **kwargs: Any) -> Any:
-        return rule(plan, rt, stream, run, args, kwargs)
+        return compute(plan, rt, stream, run, args, kwargs)
 
     return bound

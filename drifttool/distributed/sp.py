@@ -9,7 +9,8 @@ by recursive halving), so every shard is an aligned subtree of the attention mer
 rank's rows keep their query blocks (docs/strict-arithmetic.md, "Attention (contract v2)").
 Shards may be unequal (6889 image tokens: 896/832-row segments) or empty (fewer than 8 blocks).
 
-The rules (``RULES``; the model code is unchanged, ``plan.ParallelPlan.call`` wraps each call):
+The rules (declared per operator in ``rules.RULES``; the model code is unchanged,
+``plan.ParallelPlan.call`` wraps each call):
 
 ==========================  =====================================================================
 operator (stream)           what the rank does
@@ -34,7 +35,8 @@ because each row's arithmetic is the same and every collective moves bytes witho
 (``canonical``).
 
 Capture moves no tensor: each rank digests its own rows of an image-stream or joint output
-and only the digest partials are combined (``place_output``, ``capture.shards``).
+(the axis ``OpRule.rows``) and only the digest partials are combined (``placement``,
+``capture.shards``).
 """
 
 from __future__ import annotations
@@ -43,15 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.capture.shards import AxisShard
 from drifttool.distributed.canonical import gather_cat, gather_cat_replicated
 from drifttool.distributed.ring import ring_attention, sp_row_spans
 from drifttool.distributed.sp_grad import (Shard, agrs_attention, all_to_all_grad, head_slice,
                                            ring_attention_grad)
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.registry import spec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from drifttool.capture.shards import Placement
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
 
@@ -96,7 +97,8 @@ def _sizes(plan: "ParallelPlan") -> list[int]:
     return [hi - lo for lo, hi in _spans(plan)]
 
 
-def _mine(plan: "ParallelPlan") -> tuple[int, int]:
+def rank_rows(plan: "ParallelPlan") -> tuple[int, int]:
+    """This SP rank's image rows ``[lo, hi)`` in the forward under way."""
     return _spans(plan)[plan.coords["sp"]]
 
 
@@ -116,22 +118,22 @@ def gather_rows(plan: "ParallelPlan", t: torch.Tensor, dim: int, prefix: int = 0
 # rules
 
 
-def _latent_proj(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def latent_proj(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     block = int(rt.scope_value("block"))
     if block == -1:  # img_in: this rank's rows of the packed latents [B, N, C]
         x = args[0]
         plan.state["n_img"] = int(x.shape[1])
-        lo, hi = _mine(plan)
+        lo, hi = rank_rows(plan)
         return run(x[:, lo:hi], *args[1:], **kwargs)
     y = run(*args, **kwargs)  # proj_out: this rank's rows, then every rank's in rank order
     return gather_cat_replicated(y, 1, _group(plan), _sizes(plan))  # the sampler runs replicated
 
 
-def _rope(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def rope(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     if stream != "img":
         return run(*args, **kwargs)
     x, freqs = args
-    lo, hi = _mine(plan)
+    lo, hi = rank_rows(plan)
     if "sp_rope_no_offset" in plan.faults:  # probe fault: every shard's positions from 0
         lo, hi = 0, hi - lo
     if freqs.shape[0] != plan.state["n_img"]:
@@ -140,7 +142,7 @@ def _rope(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kw
     return run(x, freqs[lo:hi], **kwargs)  # the rank's rows keep their global positions
 
 
-def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     q, k, v, key_mask = args
     text_len = int(kwargs.get("text_len") or 0)
     plan.state["text_len"] = text_len
@@ -148,7 +150,7 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
     if how == "agrs":
         if "sp_padding_unmasked" in plan.faults:
             return _padded_unmasked(plan, run, q, k, v, key_mask, text_len, kwargs)
-        lo, hi = _mine(plan)
+        lo, hi = rank_rows(plan)
         shard = Shard(lo, hi, plan.coords["sp"], plan.dims.sp, _group(plan))
         return agrs_attention(shard, lambda t: gather_rows(plan, t, 1, text_len), run, q, k, v,
                               key_mask, text_len, kwargs)
@@ -156,11 +158,12 @@ def _attention(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tupl
         return _ulysses(plan, run, q, k, v, key_mask, text_len, kwargs)
     if rt.wants_internals():
         raise UnsupportedConfigError(ring_no_l2())
-    planted = sorted(op for op in _JOINT_ROWS if op in rt.variants)
+    attention_ops = ("joint_attention_fused", *spec("joint_attention_fused").decomposition.ops)
+    planted = sorted(op for op in attention_ops if op in rt.variants)
     if planted:
         raise UnsupportedConfigError(f"--sp-attention ring runs its own blocked kernel: a variant "
                                      f"of {', '.join(planted)} cannot apply")
-    lo, hi = _mine(plan)
+    lo, hi = rank_rows(plan)
     shard = Shard(lo, hi, plan.coords["sp"], plan.dims.sp, _group(plan))
     return ring_attention_grad(
         shard, lambda t: gather_rows(plan, t, 1, text_len),
@@ -215,77 +218,3 @@ def _padded_unmasked(plan: "ParallelPlan", run, q, k, v, key_mask, text_len: int
     mask = torch.cat([mask[:, :text_len], torch.ones(q.shape[0], longest * len(sizes), dtype=torch.bool,
                                                      device=q.device)], 1)
     return run(q, kf, vf, mask, **kwargs)
-
-
-RULES: dict = {
-    "latent_proj_gemm": _latent_proj,
-    "multi_axis_rope": _rope,
-    "joint_attention_fused": _attention,
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# capture: where a row-sharded output's block sits in the logical output
-
-_JOINT_ROWS = {"joint_attention_fused": 1, "joint_attn_av_gemm": 1, "joint_attn_qk_gemm": 2,
-               "joint_attn_softmax": 2}  # the query axis of each joint output
-_JOINT_HEADS = {"joint_attention_fused": 2, "joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1,
-                "joint_attn_softmax": 1}
-
-
-def repeated_rows(plan: "ParallelPlan", op: str, stream: str, placement: "Placement") -> "Placement | None":
-    """Where the rows every SP rank repeats sit in a joint output that SP places by rows: the text
-    rows (``placement`` of this rank with its row axis narrowed to them), which only SP rank 0's
-    block holds; each rank digests its own copy so the ranks' copies are checked. ``None`` for
-    other outputs (no text rows, or Ulysses' attention outputs, placed by heads)."""
-    if stream != "joint" or op not in _JOINT_ROWS or (plan.dims.sp_attention == "ulysses"
-                                                      and op in _JOINT_HEADS):
-        return None
-    text, axis = int(plan.state.get("text_len", 0)), _JOINT_ROWS[op]
-    if not text or axis not in placement:
-        return None
-    return {**placement, axis: AxisShard(placement[axis].size, ((0, text, 0),))}
-
-
-def capture_source(plan: "ParallelPlan", rt: "Runtime", op: str, index: int,
-                   tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor capture digests for an output: under ``--sp-attention ulysses`` the attention
-    output as this rank computed it (every row of its heads, ``[B, L + N, H/S, Dh]``, before
-    the rows are traded back), so its digest partial is the rank's own work and a head slice
-    that differs names the rank that computed it; else ``tensor``."""
-    if op == "joint_attention_fused" and plan.dims.sp > 1 and plan.dims.sp_attention == "ulysses":
-        heads = plan.state.pop("ulysses_heads", None)
-        if heads is None or heads.dim() != tensor.dim() or heads.shape[0] != tensor.shape[0]:
-            raise UnsupportedConfigError("SP Ulysses capture: the attention output this rank "
-                                         "computed was not kept by the Ulysses rule")
-        return heads
-    return tensor
-
-
-def place_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
-                 tensor: torch.Tensor, placement: "Placement") -> "Placement":
-    """``placement`` with the axis SP shards in an image-stream or joint output: this rank's
-    image rows at their global offset (joint outputs: the text rows every rank repeats are
-    SP rank 0's; Ulysses' attention internals: this rank's heads). Unchanged for outputs SP
-    does not shard (text stream, the per-sample modulation, ``proj_out`` already gathered, the
-    sampler's calls)."""
-    block = int(rt.scope_value("block"))
-    if not -1 <= block <= plan.num_layers:
-        return placement
-    s = plan.coords["sp"]
-    lo, hi = _mine(plan) if stream in ("img", "joint") else (0, 0)
-    n_img = plan.state.get("n_img", 0)
-    if stream == "img":
-        if op == "adaln_mod_projection" or (op == "latent_proj_gemm" and block == plan.num_layers):
-            return placement
-        return {**placement, 1: AxisShard(n_img, ((0, hi - lo, lo),))}
-    if stream == "joint" and op in _JOINT_ROWS:
-        if plan.dims.sp_attention == "ulysses" and op in _JOINT_HEADS:  # internals: rows for heads
-            axis = _JOINT_HEADS[op]
-            per = tensor.shape[axis]
-            return {**placement, axis: AxisShard(per * plan.dims.sp, ((0, per, s * per),))}
-        text = int(plan.state.get("text_len", 0))
-        pieces = ((0, text, 0),) if s == 0 and text else ()
-        pieces += ((text, hi - lo, text + lo),)
-        return {**placement, _JOINT_ROWS[op]: AxisShard(text + n_img, pieces)}
-    return placement

@@ -5,7 +5,7 @@
 RFC WS2: "TP shards attention heads and MLP channels." TP rank ``t`` of ``T`` holds heads
 [t·H/T, (t+1)·H/T) and MLP channels [t·4d/T, (t+1)·4d/T). The weights stay whole on every rank
 (they are parameters of the single-device model); a rule slices them per call, so a LoRA-merged
-weight is sliced the same way. The rules (``RULES``):
+weight is sliced the same way. The rules (``rules.RULES``):
 
 ===================  ====================================================================  =======================
 operator             what the rank computes                                                RFC row
@@ -32,8 +32,10 @@ Bytes equal one device: a column shard computes its columns with the unsharded k
 (``check`` refuses a split whose shard would change the kernel), and a row-parallel shard owns
 a subtree of contract v2's K tree (docs/strict-arithmetic.md, "Contract v2").
 
-Capture moves no tensor: each rank digests its own heads or channels of a sharded output and
-only the digest partials are combined (``place_output``, ``capture.shards``).
+The rules are declared per operator in ``rules.RULES`` (``qkv``, ``column``, ``row_rule``), with
+the output axis of each sharded output's heads or channels (``OpRule.heads``): capture moves no
+tensor, each rank digests its own heads or channels and only the digest partials are combined
+(``placement``, ``capture.shards``).
 """
 
 from __future__ import annotations
@@ -42,16 +44,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drifttool.capture.shards import AxisShard
 from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.strict._checks import act_dtype, f32, out
-from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32
+from drifttool.ops.strict import act_dtype, cast_like, f32, g32, gelu_tanh_grad32, out
 from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, linear_partial,
                                        local_spans, segment_spans, shard_spans, tiled_linear)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from drifttool.capture.shards import Placement
     from drifttool.distributed.plan import ParallelPlan
     from drifttool.runtime import Runtime
 
@@ -125,7 +124,7 @@ def _training(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
 
-def _qkv(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def qkv(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     x, wq, bq, wk, bk, wv, bv, heads = args
     lo, hi = _cols(plan, wq.shape[0])
     sq, sk, sv = _slices(plan, rt, (wq, wk, wv), 0, lo, hi)
@@ -137,7 +136,7 @@ def _qkv(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwa
     return _ColumnInputGrad.apply(plan, (sq, sk, sv), tuple(wq.shape), None, False, x, *outs)
 
 
-def _column(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
+def column(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
     x, w, b = args  # mlp_up_gemm_gelu
     lo, hi = _cols(plan, w.shape[0])
     (ws,) = _slices(plan, rt, (w,), 0, lo, hi)
@@ -187,7 +186,7 @@ class _ColumnInputGrad(torch.autograd.Function):
         return (None, None, None, None, None, cast_like(dx.reshape(*lead, k), x), *grads)
 
 
-def _row_rule(op: str):
+def row_rule(op: str):
     """The row-parallel rule of ``op``: ``_row`` (contract v2 partials) or, with
     ``plan.tp_row == "gather"``, ``_row_by_gather``."""
     def rule(plan: "ParallelPlan", rt: "Runtime", stream: str, run, args: tuple, kwargs: dict) -> Any:
@@ -321,33 +320,3 @@ def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, sh
         seen[1] += int(not torch.equal(y.view(torch.int32), tree.view(torch.int32)))
         return y
     return finish_linear(gather_list(part, group), b, shape, device)
-
-
-RULES: dict = {
-    "qkv_bias_gemm": _qkv,
-    "mlp_up_gemm_gelu": _column,
-    "attn_out_bias_gemm": _row_rule("attn_out_bias_gemm"),
-    "mlp_down_gemm": _row_rule("mlp_down_gemm"),
-}
-
-# the axis each sharded output's heads or channels lie on
-_SHARDED = {"qkv_bias_gemm": 2, "qk_rmsnorm": 2, "multi_axis_rope": 2, "joint_attention_fused": 2,
-            "joint_attn_av_gemm": 2, "joint_attn_qk_gemm": 1, "joint_attn_softmax": 1,
-            "mlp_up_gemm_gelu": 2}
-
-
-def place_output(plan: "ParallelPlan", rt: "Runtime", op: str, stream: str, index: int,
-                 tensor: torch.Tensor, placement: "Placement") -> "Placement":
-    """``placement`` with this TP rank's heads or channels of a sharded output at their global
-    offset (inside what SP placed on the same axis: Ulysses' heads); unchanged for replicated
-    outputs."""
-    dim = _SHARDED.get(op)
-    block = int(rt.scope_value("block"))
-    if dim is None or not 0 <= block < plan.num_layers:
-        return placement
-    t, tp = plan.coords["tp"], plan.dims.tp
-    inner = placement.get(dim)
-    if inner is None:
-        n = tensor.shape[dim]
-        return {**placement, dim: AxisShard(n * tp, ((0, n, t * n),))}
-    return {**placement, dim: inner.shifted(t * inner.size, inner.size * tp)}

@@ -3,8 +3,9 @@
 Importing this package declares every operator and registers the built-in families, in this
 explicit order (nothing else registers as a side effect of an import elsewhere):
 
-1. ``specs`` — the RFC WS1 model operators; ``scheduler`` — the three sampler operators and their
-   strict/production implementations; ``lora`` — ``lora_merge`` and its implementations;
+1. ``specs`` — the RFC WS1 operators (one declaration table, ``specs.OPERATORS``); ``scheduler`` —
+   the strict/production implementations of the three sampler operators; ``lora`` —
+   ``lora_merge`` and its implementations;
 2. ``strict`` — the strict family on device ``cpu``; ``strict_cuda`` — the strict family on device
    ``cuda`` (Triton, imported only when a call runs);
 3. ``production`` — the production family on devices ``cpu`` and ``cuda``.

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from drifttool.errors import UnsupportedConfigError
+
 Args = Mapping[str, Any]
 """One call's arguments by parameter name (``inspect.BoundArguments.arguments``, defaults applied)."""
 
@@ -127,3 +129,14 @@ def text_len_fits(ref: str, *, seq_axis: int = 1) -> Constraint:
         return None
 
     return Constraint(f"text_len in [0, S] of {ref}", test, ("text_len", ref))
+
+
+def require_dtype(name: str, what: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    """Refuse a tensor argument ``what`` of operator ``name`` whose dtype the strict kernel does
+    not take (checks a kernel makes itself, inside one call, beside its declared constraints).
+
+    Raises:
+        UnsupportedConfigError: naming the operator, the argument, its dtype and ``allowed``.
+    """
+    if t.dtype not in allowed:
+        raise UnsupportedConfigError(f"{name}: {what} has dtype {t.dtype}, strict supports {tuple(allowed)}")

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from drifttool.ops.constraints import dtypes
-from drifttool.ops.registry import OpSpec, declare, implements
+from drifttool.ops.declaration import OpSpec
+from drifttool.ops.registry import declare, implements
 from drifttool.ops.strict_math import tiled_linear
 
 DEVICES = ("cpu", "cuda")

@@ -1,4 +1,16 @@
-"""Declarations of the RFC's WS1 operators: name, contract id, differentiability, dtypes.
+"""The RFC's WS1 operators, declared once: ``OPERATORS``, one row per operator.
+
+    >>> OPERATORS["qk_rmsnorm"]
+    Operator(name='qk_rmsnorm', version=2, summary='learned-gain per-head RMSNorm of q and k',
+             streams=('img', 'txt'), sites=('block',), layout='BS..', ...)
+
+Each row (``Operator``) holds what the rest of the code reads about the operator: its contract
+version, summary, the streams and sites the rollout calls it at, the capture layout of its
+outputs, differentiability, strict dtypes and decomposition. Importing this module declares an
+``OpSpec`` per row (``registry.declare``); the operator docs (``tools/operator_docs.py``), the
+reference accuracy cases, the parallel rule table (``drifttool.distributed.rules``) and the
+capture adapters read the rows. Adding an operator: a row here, its implementations (strict,
+production, its reference in ``references/ops.py``) and its page in ``docs/operators/``.
 
 Call signatures (every backend implements exactly these; all tensors on one device):
 
@@ -49,35 +61,63 @@ in global key order with a fixed merge of partial states; docs/strict-arithmetic
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from drifttool.ops.registry import Decomposition, OpSpec, declare
+from drifttool.ops.declaration import Decomposition, OpSpec
+from drifttool.ops.registry import declare
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
-WS1_OPERATORS = (
-    "latent_pack_unpack", "latent_normalize", "latent_proj_gemm", "txt_in_rmsnorm_linear",
-    "timestep_embed_mlp", "adaln_mod_projection", "adaln_modulation", "adaln_gate_residual",
-    "qkv_bias_gemm", "qk_rmsnorm", "multi_axis_rope", "joint_attn_qk_gemm", "joint_attn_softmax",
-    "joint_attn_av_gemm", "joint_attention_fused", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
-    "mlp_down_gemm", "final_adaln_out", "cfg_combine_renorm", "flow_sigma_table", "flow_sde_step_logp",
-)
-"""The RFC's 22 WS1 rows in its table order (the last three are declared in ``scheduler.py``).
-Other declared operators (e.g. ``lora_merge``) are not RFC rows."""
+STREAMS = ("img", "txt", "joint", "none")
+"""Identity streams of a call (``registry.call``'s ``stream``)."""
+
+SITES = ("inputs", "block", "final", "sampler")
+"""Where the rollout calls an operator: block −1 (the MMDiT's inputs), every block
+0..num_layers−1, block num_layers (the MMDiT's output), block −2 (the sampler, once per step)."""
+
+Layout = str | tuple[str, ...] | None
 
 
-def _d(name: str, summary: str, *, version: int = 1, differentiable: bool = True,
-       dtypes=_FLOATS, decomposition: Decomposition | None = None) -> OpSpec:
-    return declare(
-        OpSpec(
-            name=name,
-            contract=f"qwenimage.{name}.v{version}",
-            differentiable=differentiable,
-            dtypes=dtypes,
-            summary=summary,
-            decomposition=decomposition,
-        )
-    )
+@dataclass(frozen=True, kw_only=True)
+class Operator:
+    """One RFC WS1 row.
+
+    Attributes:
+        name: the RFC row name.
+        version: contract version: the contract id is ``qwenimage.<name>.v<version>``.
+        summary: one line for the docs index.
+        streams: the streams the rollout calls it in (``STREAMS``); ``()`` for the pipeline's
+            latent operators, which the MMDiT forward does not call.
+        sites: where the rollout calls it (``SITES``); ``()`` likewise.
+        layout: capture layout of its output (one per output for tuple outputs;
+            ``capture.layout`` tags), the same in every stream; ``None`` where it is not called.
+        differentiable: whether it has a backward.
+        dtypes: input dtypes the strict family accepts.
+        decomposition: the finer operators it is byte-equal to (``registry.Decomposition``;
+            their layouts are their own rows').
+    """
+
+    name: str
+    version: int
+    summary: str
+    streams: tuple[str, ...]
+    sites: tuple[str, ...]
+    layout: Layout
+    differentiable: bool = True
+    dtypes: tuple[torch.dtype, ...] = _FLOATS
+    decomposition: tuple[str, ...] = ()
+
+    @property
+    def contract(self) -> str:
+        return f"qwenimage.{self.name}.v{self.version}"
+
+    @property
+    def sampler(self) -> bool:
+        """A sampler row (``cfg_combine_renorm``, ``flow_sigma_table``, ``flow_sde_step_logp``);
+        the others are the transformer's."""
+        return "sampler" in self.sites
 
 
 def _joint_attention_unfused(step, q, k, v, key_mask=None, *, text_len=None):
@@ -88,29 +128,86 @@ def _joint_attention_unfused(step, q, k, v, key_mask=None, *, text_len=None):
     return step("joint_attn_av_gemm", probs, v, key_mask, text_len=text_len)
 
 
-LATENT_PACK_UNPACK = _d("latent_pack_unpack", "2x2 patchify / unpatchify of 16-channel latents")
-LATENT_NORMALIZE = _d("latent_normalize", "per-channel (z - mean) * std_inv and its inverse")
-LATENT_PROJ_GEMM = _d("latent_proj_gemm", "image input 64->d and output d->64 projections", version=2)
-TXT_IN_RMSNORM_LINEAR = _d("txt_in_rmsnorm_linear", "text RMSNorm(3584) + Linear 3584->d", version=2)
-TIMESTEP_EMBED_MLP = _d("timestep_embed_mlp", "256-ch cos-first sinusoid + MLP 256->d->d", version=2)
-ADALN_MOD_PROJECTION = _d("adaln_mod_projection", "per-stream SiLU + Linear d->6d", version=2)
-ADALN_MODULATION = _d("adaln_modulation", "parameter-free LayerNorm, then (1+scale), +shift", version=2)
-ADALN_GATE_RESIDUAL = _d("adaln_gate_residual", "x + gate * sublayer(h)", version=2)
-QKV_BIAS_GEMM = _d("qkv_bias_gemm", "per-stream Q/K/V projections with bias", version=2)
-QK_RMSNORM = _d("qk_rmsnorm", "learned-gain per-head RMSNorm of q and k", version=2)
-MULTI_AXIS_ROPE = _d("multi_axis_rope", "three-axis [16,56,56] interleaved-pair RoPE")
-JOINT_ATTN_QK_GEMM = _d("joint_attn_qk_gemm", "joint QK^T / sqrt(d) over [text, image]", version=2)
-JOINT_ATTN_SOFTMAX = _d("joint_attn_softmax", "key-masked softmax, fixed reduction order", version=2)
-JOINT_ATTN_AV_GEMM = _d("joint_attn_av_gemm", "attention-weighted value accumulation", version=2)
-JOINT_ATTENTION_FUSED = _d(
-    "joint_attention_fused", "fused attention, byte-equal to the unfused", version=2,
-    decomposition=Decomposition(
-        ops=("joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm"),
-        layouts={"joint_attn_qk_gemm": "B.SK", "joint_attn_softmax": "B.SK"},
-        run=_joint_attention_unfused,
-    ),
+_RUNS = {"joint_attention_fused": _joint_attention_unfused}  # how each decomposition runs
+
+_IMG_TXT = ("img", "txt")
+_BLOCK = ("block",)
+
+
+def _rows(*rows: Operator) -> dict[str, Operator]:
+    return {r.name: r for r in rows}
+
+
+OPERATORS: dict[str, Operator] = _rows(
+    Operator(name="latent_pack_unpack", version=1, summary="2x2 patchify / unpatchify of 16-channel latents",
+             streams=(), sites=(), layout=None),
+    Operator(name="latent_normalize", version=1, summary="per-channel (z - mean) * std_inv and its inverse",
+             streams=(), sites=(), layout=None),
+    Operator(name="latent_proj_gemm", version=2, summary="image input 64->d and output d->64 projections",
+             streams=("img",), sites=("inputs", "final"), layout="BS."),
+    Operator(name="txt_in_rmsnorm_linear", version=2, summary="text RMSNorm(3584) + Linear 3584->d",
+             streams=("txt",), sites=("inputs",), layout="BS."),
+    Operator(name="timestep_embed_mlp", version=2, summary="256-ch cos-first sinusoid + MLP 256->d->d",
+             streams=("none",), sites=("inputs",), layout="B."),
+    Operator(name="adaln_mod_projection", version=2, summary="per-stream SiLU + Linear d->6d",
+             streams=_IMG_TXT, sites=_BLOCK, layout="B."),
+    Operator(name="adaln_modulation", version=2, summary="parameter-free LayerNorm, then (1+scale), +shift",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS."),
+    Operator(name="adaln_gate_residual", version=2, summary="x + gate * sublayer(h)",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS."),
+    Operator(name="qkv_bias_gemm", version=2, summary="per-stream Q/K/V projections with bias",
+             streams=_IMG_TXT, sites=_BLOCK, layout=("BS..",) * 3),
+    Operator(name="qk_rmsnorm", version=2, summary="learned-gain per-head RMSNorm of q and k",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS.."),
+    Operator(name="multi_axis_rope", version=1, summary="three-axis [16,56,56] interleaved-pair RoPE",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS.."),
+    Operator(name="joint_attn_qk_gemm", version=2, summary="joint QK^T / sqrt(d) over [text, image]",
+             streams=("joint",), sites=_BLOCK, layout="B.SK"),
+    Operator(name="joint_attn_softmax", version=2, summary="key-masked softmax, fixed reduction order",
+             streams=("joint",), sites=_BLOCK, layout="B.SK"),
+    Operator(name="joint_attn_av_gemm", version=2, summary="attention-weighted value accumulation",
+             streams=("joint",), sites=_BLOCK, layout="BS.."),
+    Operator(name="joint_attention_fused", version=2, summary="fused attention, byte-equal to the unfused",
+             streams=("joint",), sites=_BLOCK, layout="BS..",
+             decomposition=("joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm")),
+    Operator(name="attn_out_bias_gemm", version=2, summary="per-stream attention output projection",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS."),
+    Operator(name="mlp_up_gemm_gelu", version=2, summary="MLP up projection d->4d + tanh GELU",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS."),
+    Operator(name="mlp_down_gemm", version=2, summary="MLP down projection 4d->d",
+             streams=_IMG_TXT, sites=_BLOCK, layout="BS."),
+    Operator(name="final_adaln_out", version=2, summary="final image-stream (scale, shift) modulation",
+             streams=("img",), sites=("final",), layout="BS."),
+    Operator(name="cfg_combine_renorm", version=1,
+             summary="u + s(c - u), rescaled per token to the norm of c over the channel axis",
+             streams=("img",), sites=("sampler",), layout="BS."),
+    Operator(name="flow_sigma_table", version=1,
+             summary="linspace(1,1/N,N), exponential dynamic shift, terminal stretch to 0.02, append 0",
+             streams=("none",), sites=("sampler",), layout=".", differentiable=False,
+             dtypes=(torch.float32,)),
+    Operator(name="flow_sde_step_logp", version=1,
+             summary="Flow-GRPO 'sde' transition and Gaussian log-prob (mean over non-batch dims), FP32",
+             streams=("img",), sites=("sampler",), layout=("BS.", "B", "BS.", "B")),
 )
-ATTN_OUT_BIAS_GEMM = _d("attn_out_bias_gemm", "per-stream attention output projection", version=2)
-MLP_UP_GEMM_GELU = _d("mlp_up_gemm_gelu", "MLP up projection d->4d + tanh GELU", version=2)
-MLP_DOWN_GEMM = _d("mlp_down_gemm", "MLP down projection 4d->d", version=2)
-FINAL_ADALN_OUT = _d("final_adaln_out", "final image-stream (scale, shift) modulation", version=2)
+"""The RFC's 22 WS1 rows in its table order. Other declared operators (``lora_merge``, ...)
+are not RFC rows."""
+
+WS1_OPERATORS = tuple(OPERATORS)
+"""The RFC rows' names, in its table order."""
+
+TRANSFORMER_OPERATORS = tuple(n for n, r in OPERATORS.items() if not r.sampler)
+"""The transformer's rows (every row but the sampler's three)."""
+
+
+def _declare(row: Operator) -> OpSpec:
+    dec = None
+    if row.decomposition:
+        dec = Decomposition(ops=row.decomposition,
+                            layouts={op: OPERATORS[op].layout for op in row.decomposition},
+                            run=_RUNS[row.name])
+    return declare(OpSpec(name=row.name, contract=row.contract, differentiable=row.differentiable,
+                          dtypes=row.dtypes, summary=row.summary, decomposition=dec))
+
+
+for _row in OPERATORS.values():
+    _declare(_row)

@@ -5,7 +5,7 @@ digest, row digests, shape, count of non-finite values and max |x| — bit for b
 The blocks are cut from a fresh random logical tensor the way the ranks hold them (SP: the
 text rows every rank repeats and the rank's image rows of ``sp_row_spans``, possibly empty;
 TP: equal head or channel slices; Ulysses' internals: an SP slice of the TP rank's heads), and
-placed by the plan's own placers (``distributed.sp.place_output``, ``tp.place_output``), so the
+placed by the plan's own placer (``distributed.placement.place``, reading ``rules.RULES``), so the
 test covers the placement the runs use, without processes. Payloads of ±0, NaN payloads and
 infinities count.
 """
@@ -13,7 +13,6 @@ infinities count.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,37 +23,27 @@ from hypothesis import strategies as st
 from drifttool.capture import shards
 from drifttool.capture.digest import digest_pending, materialize
 from drifttool.capture.layout import canonicalize
-from drifttool.distributed import sp, tp
+from drifttool.distributed.placement import place
+from drifttool.distributed.rules import RULES
 from drifttool.distributed.plan import ParallelDims, ParallelPlan
 from drifttool.shards import sp_row_spans
 
 NUM_LAYERS = 2
 
 
-def _rt(block: int):
-    return SimpleNamespace(scope_value=lambda name: block)
-
-
 def _plan(dims: ParallelDims, s: int, t: int, n_img: int, text_len: int) -> ParallelPlan:
     plan = ParallelPlan(dims=dims, num_layers=NUM_LAYERS)
     plan.coords.update(sp=s, tp=t)
     plan.state.update(n_img=n_img, text_len=text_len)
-    if dims.sp > 1:
-        plan.places.append(("sp", sp.place_output))
-    if dims.tp > 1:
-        plan.places.append(("tp", tp.place_output))
     return plan
 
 
 def _place(plan, op, stream, block, t, dims=None):
     """The placement of ``t`` (as ``ParallelPlan.for_capture``); ``dims`` collects the mesh
     dimensions that placed it."""
-    placement: dict = {}
-    for dim, place in plan.places:
-        new = place(plan, _rt(block), op, stream, 0, t, placement)
-        if new is not placement and dims is not None:
-            dims.add(dim)
-        placement = new
+    placement, placed = place(plan, block, op, stream, t)
+    if dims is not None:
+        dims.update(placed)
     return placement
 
 
@@ -103,12 +92,12 @@ def _blocks(x, dims, op, stream, block, text_len, n_img, *, row_axis=None, head_
     """Each rank's block of the logical ``x`` and its placement."""
     out = []
     heads = x.shape[head_axis] if head_axis is not None else 0
-    ulysses = dims.sp_attention == "ulysses" and op in sp._JOINT_HEADS
+    ulysses = dims.sp_attention == "ulysses" and stream == "joint" and RULES[op].heads is not None
     for s in range(dims.sp):
         lo, hi = sp_row_spans(n_img, dims.sp)[s]
         for t in range(dims.tp):
             b = x
-            if head_axis is not None and dims.tp > 1 and op in tp._SHARDED and 0 <= block < NUM_LAYERS:
+            if head_axis is not None and dims.tp > 1 and RULES[op].heads is not None and 0 <= block < NUM_LAYERS:
                 per = heads // dims.tp
                 b = b.narrow(head_axis, t * per, per)
             if ulysses and dims.sp > 1:

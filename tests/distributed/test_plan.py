@@ -130,4 +130,35 @@ def test_ring_refuses_variants_of_the_attention_internals():
     for op in ("joint_attention_fused", "joint_attn_softmax"):
         rt = SimpleNamespace(wants_internals=lambda: False, variants={op: ("planted", None)})
         with pytest.raises(UnsupportedConfigError, match=f"a variant of {op} cannot apply"):
-            sp._attention(plan, rt, "joint", None, (q, q, q, None), {"text_len": 2})
+            sp.attention(plan, rt, "joint", None, (q, q, q, None), {"text_len": 2})
+
+
+def test_one_parallel_rule_per_rfc_operator_on_its_declared_axes():
+    """``rules.RULES`` has one rule per row of ``specs.OPERATORS``, in its order, and the axes a
+    rule shards are the declared layout's: ``rows`` an ``S`` axis, ``heads`` a ``.`` axis."""
+    from drifttool.distributed.rules import RULES
+    from drifttool.ops.specs import OPERATORS
+
+    assert tuple(RULES) == tuple(OPERATORS)
+    for op, r in RULES.items():
+        layout = OPERATORS[op].layout
+        layouts = (layout,) if isinstance(layout, str) else layout or ()
+        for lay in layouts:
+            if r.rows is not None:
+                assert lay[r.rows] == "S", (op, lay, r.rows)
+            if r.heads is not None:
+                assert lay[r.heads] == ".", (op, lay, r.heads)
+
+
+def test_cuda_rule_is_declared_by_the_rules():
+    """The CUDA rule: TP row-parallel GEMMs gather on CUDA (``auto``), and the layouts that would
+    split a reduction axis across ranks are named by the rules that would split it."""
+    from drifttool.distributed.rules import reduction_splits, tp_row_for
+
+    assert tp_row_for(ParallelDims(tp=2), on_cuda=True) == "gather"
+    assert tp_row_for(ParallelDims(tp=2), on_cuda=False) == "partials"
+    assert tp_row_for(ParallelDims(tp=2, tp_row="partials"), on_cuda=True) == "partials"
+    assert reduction_splits(ParallelDims(tp=2), "gather") == []
+    assert reduction_splits(ParallelDims(tp=2, sp=2, sp_attention="ring"), "partials") == [
+        "--sp-attention ring (each rank reduces its own keys)",
+        "TP row-parallel partials (each rank reduces its K shard)"]

@@ -25,7 +25,6 @@ def test_generated_operator_docs_are_up_to_date():
 
 
 def test_every_operator_page_has_the_required_sections():
-    assert len(WS1_OPERATORS) == 22
     for name in WS1_OPERATORS:
         text = (docs.DOCS / f"{name}.md").read_text()
         missing = [s for s in SECTIONS if s not in text]

@@ -40,6 +40,7 @@ import torch
 import drifttool.ops  # noqa: F401  (registers specs and strict backends)
 from drifttool.model import rope as model_rope
 from drifttool.ops.registry import impls, specs
+from drifttool.ops.specs import TRANSFORMER_OPERATORS
 from drifttool.references import ops as ref
 from tests.harness import Target, targets, to_cpu, to_device
 
@@ -475,13 +476,7 @@ def test_output_dtype_follows_contract(case: Case, dtype_name: str, target: Targ
     assert got == out_dtypes, f"{case.id} {target} {dtype_name}: output dtypes {got}, contract {out_dtypes}"
 
 
-_TRANSFORMER_ROWS = {
-    "latent_pack_unpack", "latent_normalize", "latent_proj_gemm", "txt_in_rmsnorm_linear",
-    "timestep_embed_mlp", "adaln_mod_projection", "adaln_modulation", "adaln_gate_residual",
-    "qkv_bias_gemm", "qk_rmsnorm", "multi_axis_rope", "joint_attn_qk_gemm", "joint_attn_softmax",
-    "joint_attn_av_gemm", "joint_attention_fused", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
-    "mlp_down_gemm", "final_adaln_out",
-}
+_TRANSFORMER_ROWS = set(TRANSFORMER_OPERATORS)  # the declaration's rows but the sampler's
 
 
 def test_every_operator_has_reference_cases_and_tolerances():

@@ -11,25 +11,13 @@ from drifttool.errors import UnsupportedConfigError
 from drifttool.ops import registry
 from drifttool.ops.constraints import Constraint
 from drifttool.ops.registry import call, implementation, impls, kernel_id, specs
+from drifttool.ops.declaration import OpSpec
+from drifttool.ops.specs import OPERATORS, SITES, STREAMS
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
 from drifttool.settings import RunSpec
 from tests.conftest import bits
 
-RFC_WS1 = {
-    "latent_pack_unpack", "latent_normalize", "latent_proj_gemm", "txt_in_rmsnorm_linear",
-    "timestep_embed_mlp", "adaln_mod_projection", "adaln_modulation", "adaln_gate_residual",
-    "qkv_bias_gemm", "qk_rmsnorm", "multi_axis_rope", "joint_attn_qk_gemm", "joint_attn_softmax",
-    "joint_attn_av_gemm", "joint_attention_fused", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
-    "mlp_down_gemm", "final_adaln_out", "cfg_combine_renorm", "flow_sigma_table", "flow_sde_step_logp",
-}
-CONTRACT_V2 = {  # strict contract v2: segmented GEMM K reductions and per-sample row reductions
-    "latent_proj_gemm", "txt_in_rmsnorm_linear", "timestep_embed_mlp", "adaln_mod_projection",
-    "adaln_modulation", "adaln_gate_residual", "qkv_bias_gemm", "qk_rmsnorm", "attn_out_bias_gemm",
-    "mlp_up_gemm_gelu", "mlp_down_gemm", "final_adaln_out",
-    # attention: fixed 64-key blocks in global key order, fixed merge of partial states
-    "joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm", "joint_attention_fused",
-}
 TENSOR_FREE = {"flow_sigma_table"}  # host arithmetic, no tensor arguments: dispatched to the CPU
 
 
@@ -59,16 +47,55 @@ def _gemm_args(device, dtype=torch.float32):
     return x.to(device), w.to(device), None
 
 
-def test_all_22_ws1_operators_declared_with_both_families():
-    from drifttool.ops.specs import WS1_OPERATORS
-
-    assert len(WS1_OPERATORS) == 22 and set(WS1_OPERATORS) == RFC_WS1
-    assert RFC_WS1 <= set(specs())  # other operators (e.g. lora_merge) may be declared too
-    for name in RFC_WS1:
+def test_every_ws1_row_is_declared_as_its_row_says_with_both_families():
+    """``specs.OPERATORS`` is the one declaration: each row is an ``OpSpec`` with its contract,
+    summary, dtypes and decomposition, and has a strict and a production implementation; its
+    streams, sites and layouts are the model's and sampler's own (``test_rows_match_the_call_sites``)."""
+    assert OPERATORS and set(OPERATORS) <= set(specs())  # other operators (e.g. lora_merge) too
+    for name, row in OPERATORS.items():
         s = specs()[name]
-        assert s.contract == f"qwenimage.{name}.v{2 if name in CONTRACT_V2 else 1}"
+        assert s.contract == row.contract == f"qwenimage.{name}.v{row.version}" and row.version in (1, 2)
+        assert (s.summary, s.differentiable, s.dtypes) == (row.summary, row.differentiable, row.dtypes)
+        assert (s.decomposition.ops if s.decomposition else ()) == row.decomposition
+        assert set(row.streams) <= set(STREAMS) and set(row.sites) <= set(SITES), name
         implementation(name, "strict")
         implementation(name, "production")
+
+
+def test_rows_match_the_call_sites():
+    """Every call the MMDiT forward makes (strict at L2: the attention internals too) is of a
+    declared row, at one of its streams and sites, with its layout; every transformer row the
+    forward calls is called at each of its streams and sites."""
+    from drifttool.model.config import tiny
+    from drifttool.model.mmdit import MMDiT, random_init_
+
+    model = random_init_(MMDiT(tiny()), seed=0)
+    sink = Sink("L2")
+    sites = []
+
+    def capture(site, tensor, layout, index=0, role="output"):
+        sites.append((site["op"], site["stream"], site["block"], index, layout))
+
+    sink.capture = capture
+    rt = Runtime(mode="strict", recorder=sink)
+    g = torch.Generator().manual_seed(0)
+    x, txt = torch.randn(1, 24, 64, generator=g), torch.randn(1, 5, 32, generator=g)
+    with rt.scope(phase="rollout", step=0, branch="cond", samples=[0], txt_lens=[5], img_grid=(4, 6)):
+        model(x, txt, None, torch.tensor([0.5]), (4, 6), rt)
+    n = model.config.num_layers
+    where = {-1: "inputs", n: "final"}
+    seen = {}
+    for op, stream, block, index, layout in sites:
+        row = OPERATORS[op]
+        site = where.get(block, "block")
+        assert stream in row.streams and site in row.sites, (op, stream, site)
+        assert layout == (row.layout if isinstance(row.layout, str) else row.layout[index]), (op, layout)
+        seen.setdefault(op, set()).update({("stream", stream), ("site", site)})
+    for op, got in seen.items():
+        row = OPERATORS[op]
+        assert got == {("stream", s) for s in row.streams} | {("site", s) for s in row.sites}, op
+    model_rows = {n for n, r in OPERATORS.items() if r.sites and not r.sampler}
+    assert set(seen) == model_rows, model_rows ^ set(seen)
 
 
 def test_production_is_registered_for_cuda_with_device_free_kernel_ids():
@@ -330,6 +357,6 @@ def test_operator_specs_name_their_component():
     an unknown component is refused at declaration, so Phase B's models declare beside it."""
     assert set(specs(component="mmdit")) == set(specs()) and specs(component="vae") == {}
     with pytest.raises(ValueError, match="unknown component 'unet'"):
-        registry.declare(registry.OpSpec(name="unet_conv", contract="x.unet_conv.v1",
+        registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
                                          summary="-", component="unet"))

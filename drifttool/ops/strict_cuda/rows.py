@@ -21,7 +21,7 @@ import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint
-from drifttool.ops.strict._checks import act_dtype
+from drifttool.ops.strict import act_dtype
 from drifttool.ops.strict_cuda._register import strict_cuda
 from drifttool.ops.strict_cuda.linear import KERNEL as GEMM_KERNEL
 

@@ -18,10 +18,10 @@ import math
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.ops.scheduler import (
-    CFG_COMBINE_RENORM, MAX_LOGP_ELEMENTS, _check_cfg_inputs, _check_dtype, _prepare_sde, _rule_is,
-    sde_constants,
-)
+from drifttool.ops.constraints import require_dtype
+from drifttool.ops.scheduler.cfg import check_cfg_inputs
+from drifttool.ops.scheduler.sde import MAX_LOGP_ELEMENTS, prepare_sde, rule_is, sde_constants
+from drifttool.ops.specs import OPERATORS
 from drifttool.ops.strict_cuda._register import strict_cuda
 
 
@@ -40,14 +40,14 @@ def cfg_combine_renorm(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: floa
         ValueError: shape mismatch, empty channel axis, non-finite or tensor scale.
     """
     k = _kernels()
-    _check_cfg_inputs(v_cond, v_uncond, scale)
+    check_cfg_inputs(v_cond, v_uncond, scale)
     for what, t in (("v_cond", v_cond), ("v_uncond", v_uncond)):
-        _check_dtype("cfg_combine_renorm", what, t, CFG_COMBINE_RENORM.dtypes)
+        require_dtype("cfg_combine_renorm", what, t, OPERATORS["cfg_combine_renorm"].dtypes)
     return k.cfg_combine_renorm(v_cond, v_uncond, float(scale))
 
 
 @strict_cuda("flow_sde_step_logp", "v", "x", "prev_sample", kernel="triton.flowgrpo_sde.pairtree_mean",
-             constraints=(_rule_is("sde"),))
+             constraints=(rule_is("sde"),))
 def flow_sde_step_logp(v, x, sigma, sigma_next, *, eta: float, sigma_max, noise=None, prev_sample=None,
                        rule: str = "sde"):
     """Flow-GRPO 'sde' step x_t → x_{t+1} and its log-probability, as
@@ -60,7 +60,7 @@ def flow_sde_step_logp(v, x, sigma, sigma_next, *, eta: float, sigma_max, noise=
             elements per sample).
     """
     k = _kernels()
-    v32, x32, s, sn, sm, eta = _prepare_sde(v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample,
+    v32, x32, s, sn, sm, eta = prepare_sde(v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample,
                                             strict=True)
     per_sample = x32[0].numel()
     if per_sample > MAX_LOGP_ELEMENTS:
