@@ -43,7 +43,6 @@ from drifttool.ops.strict_trees import (  # noqa: F401  (the trees are re-export
 )
 
 ROW_TILE = 16  # GEMM rows per tile
-K_CHUNK = CHUNK  # GEMM reduction chunk (64; chunks of a segment are added sequentially)
 N_TILE = 128  # GEMM output columns per tiled matmul member ([16, c] @ [c, 128])
 KEY_TILE = 64  # attention keys per tile (QK columns, AV reduction chunk)
 

@@ -25,18 +25,12 @@ from drifttool.ops.strict_math import (
 
 
 def rms_parts(xf: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xhat, rstd) of ``rms_normalize`` (xhat = x·rstd; rstd FP32 [...])."""
+    """(xhat, rstd) of x · rsqrt(mean(x²) + eps) over the last axis, FP32 in and out (xhat = x·rstd;
+    rstd FP32 [...]): mean(x²) by the pairwise ``tree_mean``; ``+ eps``, sqrt and reciprocal in
+    FP64, rounded once to FP32."""
     var = tree_mean(xf * xf)  # [...]
     rstd = rsqrt64(var.double() + eps).to(torch.float32)
     return xf * rstd.unsqueeze(-1), rstd
-
-
-def rms_normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) over the last axis, FP32 in and out.
-
-    mean(x²): pairwise ``tree_mean``; ``+ eps``, sqrt and reciprocal in FP64, rounded once to FP32.
-    """
-    return rms_parts(xf, eps)[0]
 
 
 def rms_gain_grads(gy: torch.Tensor, x, gain, xhat, rstd, needs) -> tuple:

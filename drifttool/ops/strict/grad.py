@@ -47,10 +47,8 @@ from drifttool.ops.strict_math import (  # noqa: F401  (TreeAccumulator re-expor
     tiled_linear,
     tree_sum,
 )
-from drifttool.ops.strict_trees import CHUNK, row_segment_spans, segmented_sum
+from drifttool.ops.strict_trees import row_segment_spans, segmented_sum
 
-GRAD_ROW_BLOCK = CHUNK
-"""Rows per block of a per-sample gradient reduction (contract v2): 64, the last block shorter."""
 
 # ----------------------------------------------------------------------------- row and sample sums
 
