@@ -54,10 +54,17 @@ def tensors(values: Any) -> Iterator[torch.Tensor]:
 def devices(values: Any) -> set[str]:
     """Device types (``"cpu"``, ``"cuda"``) of the tensors among ``values``; 0-dim CPU tensors
     count only when no other device is present (they are scalars to torch)."""
-    ts = list(tensors(values))
-    found = {t.device.type for t in ts if not (t.dim() == 0 and t.device.type == "cpu")}
-    if not found and ts:
-        found = {"cpu"}
+    found: set[str] = set()
+    cpu_scalar = False
+    for v in values:  # one pass: dispatch asks this of every operator call, twice
+        if isinstance(v, torch.Tensor):
+            kind = v.device.type
+            if kind == "cpu" and v.dim() == 0:
+                cpu_scalar = True
+            else:
+                found.add(kind)
+    if cpu_scalar and not found:
+        found.add("cpu")
     return found
 
 

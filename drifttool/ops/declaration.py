@@ -9,6 +9,7 @@ The tables that hold them, registration and dispatch are ``drifttool.ops.registr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import torch
 
 from drifttool.components import DEFAULT_COMPONENT
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.binding import Binder
 from drifttool.ops.constraints import Constraint
 
 
@@ -90,16 +92,20 @@ class Impl:
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
     contract: str | None = None
 
+    @functools.cached_property
+    def binder(self) -> Binder:
+        """How a call's arguments bind to ``fn``'s parameters (made at the first check)."""
+        return Binder(self.signature or inspect.signature(self.fn))
+
     def failed(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Constraint, str] | None:
         """The first constraint this call fails, with its reason; ``None`` if all pass.
 
         Raises:
             TypeError: the arguments do not fit the implementation's signature.
         """
-        bound = (self.signature or inspect.signature(self.fn)).bind(*args, **kwargs)
-        bound.apply_defaults()
+        bound = self.binder.bind(args, kwargs)
         for c in self.constraints:
-            why = c(bound.arguments)
+            why = c(bound)
             if why is not None:
                 return c, why
         return None
