@@ -1,8 +1,12 @@
 """Runtime adapters: capture other implementations of the Qwen-Image MMDiT into drifttool artifacts.
 
+``taps``: a table of taps (module path pattern -> RFC operator, stream, layout, which tensor)
+turned into forward hooks that record through ``drifttool.ops.sink.record_external``.
+
 ``diffusers_qwenimage``: an unmodified diffusers ``QwenImageTransformer2DModel`` instrumented with
-forward hooks (RFC ``diffusers_runtime_adapter_qwenimage``, capture half). diffusers is imported
-lazily: drifttool runs without it.
+its table of taps, and its attention through a registered diffusers attention backend
+(``diffusers_attention``) (RFC ``diffusers_runtime_adapter_qwenimage``, capture half); its
+docstring says how to add another runtime. diffusers is imported lazily: drifttool runs without it.
 
 ``diffusers_pipeline``: an unmodified diffusers ``QwenImagePipeline`` call captured whole
 (``capture_pipeline``); ``pipeline_hooks`` (imports diffusers) taps its transformer and scheduler,

@@ -60,6 +60,7 @@ from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrumen
 from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, img_grid_of, timestep_policy_of
+from drifttool.adapters.taps import record
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.fingerprint import arch_fingerprint, sampler_record, tensor_digest
@@ -112,7 +113,6 @@ class _PipelineCall:
         self.pipe, self.out, self.level, self.overwrite = pipe, out, level, overwrite
         self.kwargs, self.stack = kwargs, stack
         self.session: ArtifactSession | None = None
-        self.cap = None
         self.text_rows = TextRows()
         self.step = 0  # scheduler steps completed in this call
         self.seen: list[str] = []  # branches called in the current step
@@ -155,11 +155,11 @@ class _PipelineCall:
                      samples=self.samples, txt_lens=None, txt_starts=None)
         with rt.scope(**scope, branch=branch):
             if cfg_on:
-                self.cap.record("cfg_combine_renorm", "img", [(v, "BS.")], block=SAMPLER_BLOCK,
-                                kernel=_KERNEL_CFG)
-            self.cap.record("flow_sde_step_logp", "img", [(x_next, "BS.")], block=SAMPLER_BLOCK,
-                            kernel=f"diffusers:{type(self.pipe.scheduler).__name__}.step "
-                                   "(Euler; x_next only)")
+                record(rt, "cfg_combine_renorm", "img", v, "BS.", actual="diffusers",
+                       kernel=_KERNEL_CFG, block=SAMPLER_BLOCK)
+            record(rt, "flow_sde_step_logp", "img", x_next, "BS.", actual="diffusers",
+                   kernel=f"diffusers:{type(self.pipe.scheduler).__name__}.step (Euler; x_next only)",
+                   block=SAMPLER_BLOCK)
         rec = rt.recorder
         if rec is not None:
             common = dict(phase="rollout", step=i, sigma=self.sigmas[i],
@@ -199,11 +199,12 @@ class _PipelineCall:
         manifest = self._manifest(model, sampler, host, hs.dtype)
         self.session = ArtifactSession(mode=Mode.AUTO, level=self.level, cfg_layout="sequential")
         self.stack.enter_context(self.session.open(self.out, manifest, overwrite=self.overwrite))
-        self.cap = self.stack.enter_context(instrument(tr, self.session.rt))
-        with self.session.rt.scope(phase="rollout", step=-1, sigma=math.nan, branch="none",
-                                   samples=None, txt_lens=None, img_grid=self.grid):
-            self.cap.record("flow_sigma_table", "none", [(table, ".")], block=SAMPLER_BLOCK,
-                            kernel=f"diffusers:{type(sched).__name__}.set_timesteps")
+        self.stack.enter_context(instrument(tr, self.session.rt))
+        rt = self.session.rt
+        with rt.scope(phase="rollout", step=-1, sigma=math.nan, branch="none", samples=None,
+                      txt_lens=None, img_grid=self.grid):
+            record(rt, "flow_sigma_table", "none", table, ".", actual="diffusers",
+                   kernel=f"diffusers:{type(sched).__name__}.set_timesteps", block=SAMPLER_BLOCK)
 
     def _cfg_scale(self) -> float:
         default = inspect.signature(self.pipe.__call__).parameters["true_cfg_scale"].default

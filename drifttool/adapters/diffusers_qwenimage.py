@@ -8,13 +8,15 @@
     'timestep_embed_mlp'
 
 An unmodified diffusers transformer is instrumented from outside, inside ``instrument(tr, rt)``:
-forward hooks (and pre-hooks) on its modules, plus two wrapped module-level functions of
-``transformer_qwenimage`` (``apply_rotary_emb_qwen`` and ``dispatch_attention_fn``, which are
-functions, not modules); everything is removed and restored on exit. Each hooked output is
-recorded under the RFC operator name, stream and layout tag that drifttool's own MMDiT uses
-(``drifttool.model.mmdit`` call-site table), through the same ``Runtime`` identity scope,
-operator trace and ``Recorder``, so the artifact diffs against a drifttool run record for record.
-The hooks only read tensors: the transformer's output bytes do not change (tested).
+the table ``TAPS`` (module path pattern -> RFC operator, stream, layout, which tensor) becomes
+forward hooks and pre-hooks (``drifttool.adapters.taps``), and attention runs through a capture
+backend registered in diffusers' attention dispatcher (``diffusers_attention``); everything is
+removed and restored on exit, and no module-level function is replaced. Each tensor is recorded
+under the RFC operator name, stream and layout tag that drifttool's own MMDiT uses
+(``drifttool.model.mmdit`` call-site table), through the same ``Runtime`` identity scope, operator
+trace and ``Recorder`` (``drifttool.ops.sink.record_external``), so the artifact diffs against a
+drifttool run record for record. The hooks only read tensors: the transformer's output bytes do not
+change (tested).
 
 =====================================  ======================  ======  =====================
 diffusers module / function            RFC operator            stream  capture point
@@ -27,7 +29,7 @@ diffusers module / function            RFC operator            stream  capture p
 ``blocks.i.img_mlp`` / ``txt_mlp``     adaln_modulation #1     img/txt input (pre-hook)
 ``attn.to_q/k/v``, ``add_q/k/v_proj``  qkv_bias_gemm (3 out)   img/txt outputs, as [B, S, H, Dh]
 ``attn.norm_q/k``, ``norm_added_q/k``  qk_rmsnorm              img/txt output
-``apply_rotary_emb_qwen``              multi_axis_rope         img/txt output (stream from the table)
+``apply_rotary_emb_qwen``              multi_axis_rope         img/txt the attention's query, key
 ``dispatch_attention_fn``              joint_attention_fused   joint   output [B, S, H, Dh]
 ``attn.to_out.0`` / ``to_add_out``     attn_out_bias_gemm      img/txt output
 ``img_norm2`` / ``txt_norm2``          adaln_gate_residual #0  img/txt input (pre-hook)
@@ -36,6 +38,10 @@ diffusers module / function            RFC operator            stream  capture p
                                        mlp_down_gemm
 ``norm_out``                           final_adaln_out         img     output (block L)
 =====================================  ======================  ======  =====================
+
+RoPE is a function, not a module: its four outputs (image query and key, then text query and key)
+are recorded from the query and key the processor hands to attention, which are exactly
+``cat([txt, img])`` of them (rows ``[0, L)`` text, ``[L, L + N)`` image).
 
 Trace: every call site is recorded with ``actual="diffusers"`` and the module path as the kernel;
 for attention, the kernel is read back per call: diffusers' attention backend (e.g. ``native``)
@@ -48,6 +54,27 @@ driven by ``drifttool.sampling.rollout`` (``run_diffusers`` runs in mode ``auto`
 diffusers' own pipeline loop instead (an unmodified ``QwenImagePipeline`` call), see
 ``drifttool.adapters.diffusers_pipeline``: it sets the runtime scope that drifttool's sampler
 sets here, and uses ``instrument`` for the transformer.
+
+Adding a runtime (vllm-omni, SGLang, ...) is one new module like this one:
+
+1. A table of ``Tap`` entries: for each RFC operator of ``drifttool.model.mmdit``'s call-site
+   table, the module path pattern of the runtime's model that computes it (``*`` = the block
+   index), the stream, the layout tag, and which tensor (the output, a tuple item, or an input
+   by position or name); ``heads=True`` splits ``[..., H*Dh]`` into ``[..., H, Dh]``, and a tuple
+   of patterns records separate Q/K/V projections as one call.
+2. Glue for what is not one module's tensor, recorded with ``taps.record`` (the trace entry and
+   digests of ``ops.sink.record_external``): attention through the runtime's own backend
+   selector where it has one (as ``diffusers_attention`` does), else a hook on its attention
+   layer; a fused QKV projection's output split into its three parts.
+3. ``instrument(model, rt)``: ``tap_modules(model, TABLE, rt, actual="<runtime>", depth=...,
+   head_dim=...)`` plus the glue, in one ``with``; and a wrapper with drifttool's model call
+   ``model(x, txt, txt_mask, tau, img_grid, rt) -> v`` (as ``DiffusersQwenImage``) so that
+   ``drifttool.runner.execute`` runs it. Under a parallel plan (``Runtime.plan``)
+   ``record_external`` hands each tensor to the plan, which decides which rank records what, as
+   for drifttool's own operators; the records are the canonical tensors' when the runtime shards
+   as the plan's rule tables do (``drifttool.distributed.plan``).
+
+Nothing else changes: the recorder, artifact, diff and CLI see drifttool records.
 """
 
 from __future__ import annotations
@@ -56,20 +83,22 @@ import contextlib
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from drifttool.adapters.peft_lora import canonical_parameters
+from drifttool.adapters.taps import AFTER, BEFORE, Tap, record, tap_modules
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint_files import transformer_folder
 from drifttool.model.config import from_diffusers_config
-from drifttool.ops.registry import spec as op_spec
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
 from drifttool.settings import resolve
 
 _DIFFUSERS_MODULE = "diffusers.models.transformers.transformer_qwenimage"
+_BLOCK = "transformer_blocks.*"
+_ATTN = f"{_BLOCK}.attn"
 
 
 def _diffusers_module():
@@ -80,212 +109,111 @@ def _diffusers_module():
                              "pip install 'diffusers>=0.42,<0.43', or the package's [test] extra)") from None
 
 
-# -- attention backend read-back -----------------------------------------------------------------
-def sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False) -> str:
-    """The SDPA kernel torch selects for these arguments (``[B, H, S, D]`` layout), e.g.
-    ``"FLASH_ATTENTION"`` or ``"MATH"``; ``"unknown"`` when the selector is unavailable."""
-    try:
-        from torch.nn.attention import SDPBackend
-
-        choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
-                                         scale=scale, enable_gqa=enable_gqa)
-        names = {int(getattr(SDPBackend, n)): n for n in dir(SDPBackend) if n.isupper()}
-        return names.get(int(choice), str(int(choice)))
-    except Exception:  # noqa: BLE001 - a private selector: read-back is best effort
-        return "unknown"
+def _qkv(*names: str) -> tuple[str, ...]:
+    return tuple(f"{_ATTN}.{n}" for n in names)
 
 
-def attention_kernel(kwargs: dict[str, Any]) -> str:
-    """Kernel identity of one ``dispatch_attention_fn`` call: diffusers backend, and for the
-    native backend the SDPA kernel (see ``sdpa_kernel``)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+TAPS = (
+    Tap("time_text_embed", "timestep_embed_mlp", "none", "B.", block=BEFORE),
+    Tap("txt_in", "txt_in_rmsnorm_linear", "txt", block=BEFORE),
+    Tap("img_in", "latent_proj_gemm", "img", block=BEFORE),
+    Tap("norm_out", "final_adaln_out", "img", block=AFTER),
+    Tap("proj_out", "latent_proj_gemm", "img", block=AFTER),
+    Tap(f"{_BLOCK}.img_mod", "adaln_mod_projection", "img", "B."),
+    Tap(f"{_BLOCK}.txt_mod", "adaln_mod_projection", "txt", "B."),
+    Tap(_ATTN, "adaln_modulation", "img", read="input", item="hidden_states",
+        note=" (input: img_norm1+_modulate)"),
+    Tap(_ATTN, "adaln_modulation", "txt", read="input", item="encoder_hidden_states",
+        note=" (input: txt_norm1+_modulate)"),
+    Tap(_qkv("to_q", "to_k", "to_v"), "qkv_bias_gemm", "img", "BS..", heads=True,
+        note=" (q, k, v)"),
+    Tap(_qkv("add_q_proj", "add_k_proj", "add_v_proj"), "qkv_bias_gemm", "txt", "BS..",
+        heads=True, note=" (q, k, v)"),
+    Tap(f"{_ATTN}.norm_q", "qk_rmsnorm", "img", "BS.."),
+    Tap(f"{_ATTN}.norm_k", "qk_rmsnorm", "img", "BS.."),
+    Tap(f"{_ATTN}.norm_added_q", "qk_rmsnorm", "txt", "BS.."),
+    Tap(f"{_ATTN}.norm_added_k", "qk_rmsnorm", "txt", "BS.."),
+    Tap(f"{_ATTN}.to_out.0", "attn_out_bias_gemm", "img"),
+    Tap(f"{_ATTN}.to_add_out", "attn_out_bias_gemm", "txt"),
+    Tap(f"{_BLOCK}.img_norm2", "adaln_gate_residual", "img", read="input"),
+    Tap(f"{_BLOCK}.txt_norm2", "adaln_gate_residual", "txt", read="input"),
+    Tap(f"{_BLOCK}.img_mlp", "adaln_modulation", "img", read="input"),
+    Tap(f"{_BLOCK}.img_mlp.net.0", "mlp_up_gemm_gelu", "img"),
+    Tap(f"{_BLOCK}.img_mlp.net.2", "mlp_down_gemm", "img"),
+    Tap(f"{_BLOCK}.txt_mlp", "adaln_modulation", "txt", read="input"),
+    Tap(f"{_BLOCK}.txt_mlp.net.0", "mlp_up_gemm_gelu", "txt"),
+    Tap(f"{_BLOCK}.txt_mlp.net.2", "mlp_down_gemm", "txt"),
+    Tap(_BLOCK, "adaln_gate_residual", "img", item=1, note=" (output)"),  # (txt, img) out
+    Tap(_BLOCK, "adaln_gate_residual", "txt", item=0, note=" (output)"),
+)
+"""Where diffusers' QwenImage transformer computes each RFC operator (module docstring's table);
+RoPE and attention are recorded by ``_AttentionGlue``."""
 
-    backend = kwargs.get("backend")
-    if backend is None:
-        backend = _AttentionBackendRegistry.get_active_backend()[0]
-    name = AttentionBackendName(backend).value
-    if name != AttentionBackendName.NATIVE.value:
-        return f"diffusers.attention:{name}"
-    q, k, v = (kwargs[n].permute(0, 2, 1, 3) for n in ("query", "key", "value"))
-    sdpa = sdpa_kernel(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
-                       kwargs.get("is_causal", False), kwargs.get("scale"),
-                       kwargs.get("enable_gqa", False))
-    return f"diffusers.attention:{name}/torch.sdpa:{sdpa}"
 
+# -- attention: RoPE outputs and the fused attention -----------------------------------------------
+@dataclasses.dataclass
+class _AttentionGlue:
+    """Per attention call: the block, the image rows and whether RoPE ran (the attention
+    module's pre-hook), then, in the capture backend, the RoPE outputs and the attention output."""
 
-# -- the hooks -----------------------------------------------------------------------------------
-class _Capture:
-    """Hook state of one instrumented forward (or several): the runtime and the current block."""
+    rt: Runtime
+    block: int = -1
+    img_rows: int = 0
+    rope: bool = False
 
-    def __init__(self, transformer: torch.nn.Module, rt: Runtime) -> None:
-        self.tr = transformer
-        self.rt = rt
-        self.depth = len(transformer.transformer_blocks)
-        self.block = -1
-        self.freqs: tuple[Any, Any] | None = None  # (img, txt) RoPE tables of the current attn
-        self.pending: dict[str, list[torch.Tensor]] = {"img": [], "txt": []}
-        self.handles: list[Any] = []
-        self.names = {id(m): n for n, m in transformer.named_modules()}
+    def enter(self, block: int, kwargs: dict[str, Any]) -> None:
+        self.block = block
+        self.img_rows = int(kwargs["hidden_states"].shape[1])
+        self.rope = kwargs.get("image_rotary_emb") is not None
 
-    # recording ------------------------------------------------------------------------------
-    def record(self, op: str, stream: str, outputs: list[tuple[torch.Tensor, str]], *,
-               block: int, kernel: str) -> None:
-        rt = self.rt
-        site = rt.site(op, stream, block=block)
-        rt.trace.record(site=site, contract=op_spec(op).contract, requested=rt.family,
-                        actual="diffusers", kernel=kernel, fallback=False, reason="",
-                        declared=False, device=str(outputs[0][0].device))
-        if rt.recorder is not None and rt.mode.captures:
-            for i, (t, layout) in enumerate(outputs):
-                rt.recorder.capture(site, t.detach(), layout, index=i)
+    def attention(self, backend, args: dict[str, Any], run) -> torch.Tensor:
+        from drifttool.adapters.diffusers_attention import attention_kernel  # lazy: diffusers is optional
 
-    def _hook(self, module: torch.nn.Module, op: str, stream: str, layout: str, block: int,
-              *, pre: bool = False) -> None:
-        """Record the module's output (or, ``pre``, its first input) as ``op``."""
-        kernel = f"diffusers:{self.names.get(id(module), type(module).__name__)}" + (
-            " (input)" if pre else "")
-
-        def record(t: torch.Tensor) -> None:
-            self.record(op, stream, [(t, layout)], block=block, kernel=kernel)
-
-        if pre:
-            h = module.register_forward_pre_hook(lambda m, args: record(args[0]))
-        else:
-            h = module.register_forward_hook(lambda m, args, out: record(out))
-        self.handles.append(h)
-
-    def _qkv(self, linear: torch.nn.Module, stream: str, heads_dim: int, last: bool) -> None:
-        """Collect one of the three Q/K/V projections; record the triple at the third."""
-        kernel = f"diffusers:{self.names.get(id(linear), 'Linear')} (q, k, v)"
-
-        def hook(m, args, out):
-            self.pending[stream].append(out.unflatten(-1, (-1, heads_dim)))  # [B, S, H, Dh]
-            if last:
-                outs, self.pending[stream] = self.pending[stream], []
-                self.record("qkv_bias_gemm", stream, [(t, "BS..") for t in outs],
-                            block=self.block, kernel=kernel)
-
-        self.handles.append(linear.register_forward_hook(hook))
-
-    def install(self) -> None:
-        tr = self.tr
-        L = self.depth
-        self._hook(tr.time_text_embed, "timestep_embed_mlp", "none", "B.", -1)
-        self._hook(tr.txt_in, "txt_in_rmsnorm_linear", "txt", "BS.", -1)
-        self._hook(tr.img_in, "latent_proj_gemm", "img", "BS.", -1)
-        self._hook(tr.norm_out, "final_adaln_out", "img", "BS.", L)
-        self._hook(tr.proj_out, "latent_proj_gemm", "img", "BS.", L)
-        for i, blk in enumerate(tr.transformer_blocks):
-            self._block(i, blk)
-
-    def _block(self, i: int, blk: torch.nn.Module) -> None:
-        attn = blk.attn
-        dh = attn.inner_dim // attn.heads
-
-        def enter(m, args, kwargs):
-            self.block = i
-
-        def leave(m, args, kwargs, out):
-            txt, img = out  # (encoder_hidden_states, hidden_states)
-            self.record("adaln_gate_residual", "img", [(img, "BS.")], block=i,
-                        kernel=f"diffusers:transformer_blocks.{i} (output)")
-            self.record("adaln_gate_residual", "txt", [(txt, "BS.")], block=i,
-                        kernel=f"diffusers:transformer_blocks.{i} (output)")
-            self.block = -1
-
-        def attn_inputs(m, args, kwargs):
-            self.freqs = kwargs.get("image_rotary_emb")
-            img = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            txt = kwargs.get("encoder_hidden_states")
-            self.record("adaln_modulation", "img", [(img, "BS.")], block=i,
-                        kernel=f"diffusers:transformer_blocks.{i}.attn (input: img_norm1+_modulate)")
-            self.record("adaln_modulation", "txt", [(txt, "BS.")], block=i,
-                        kernel=f"diffusers:transformer_blocks.{i}.attn (input: txt_norm1+_modulate)")
-
-        self.handles.append(blk.register_forward_pre_hook(enter, with_kwargs=True))
-        self._hook(blk.img_mod, "adaln_mod_projection", "img", "B.", i)
-        self._hook(blk.txt_mod, "adaln_mod_projection", "txt", "B.", i)
-        self.handles.append(attn.register_forward_pre_hook(attn_inputs, with_kwargs=True))
-        for name, last in (("to_q", False), ("to_k", False), ("to_v", True)):
-            self._qkv(getattr(attn, name), "img", dh, last)
-        for name, last in (("add_q_proj", False), ("add_k_proj", False), ("add_v_proj", True)):
-            self._qkv(getattr(attn, name), "txt", dh, last)
-        self._hook(attn.norm_q, "qk_rmsnorm", "img", "BS..", i)
-        self._hook(attn.norm_k, "qk_rmsnorm", "img", "BS..", i)
-        self._hook(attn.norm_added_q, "qk_rmsnorm", "txt", "BS..", i)
-        self._hook(attn.norm_added_k, "qk_rmsnorm", "txt", "BS..", i)
-        self._hook(attn.to_out[0], "attn_out_bias_gemm", "img", "BS.", i)
-        self._hook(attn.to_add_out, "attn_out_bias_gemm", "txt", "BS.", i)
-        self._hook(blk.img_norm2, "adaln_gate_residual", "img", "BS.", i, pre=True)
-        self._hook(blk.txt_norm2, "adaln_gate_residual", "txt", "BS.", i, pre=True)
-        self._hook(blk.img_mlp, "adaln_modulation", "img", "BS.", i, pre=True)
-        self._hook(blk.img_mlp.net[0], "mlp_up_gemm_gelu", "img", "BS.", i)
-        self._hook(blk.img_mlp.net[2], "mlp_down_gemm", "img", "BS.", i)
-        self._hook(blk.txt_mlp, "adaln_modulation", "txt", "BS.", i, pre=True)
-        self._hook(blk.txt_mlp.net[0], "mlp_up_gemm_gelu", "txt", "BS.", i)
-        self._hook(blk.txt_mlp.net[2], "mlp_down_gemm", "txt", "BS.", i)
-        self.handles.append(blk.register_forward_hook(leave, with_kwargs=True))
-
-    # wrapped module functions ---------------------------------------------------------------
-    def rope(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def apply_rotary_emb_qwen(x, freqs_cis, *args, **kwargs):
-            out = original(x, freqs_cis, *args, **kwargs)
-            img = self.freqs[0] if self.freqs is not None else None
-            stream = "img" if freqs_cis is img else "txt"
-            self.record("multi_axis_rope", stream, [(out, "BS..")], block=self.block,
-                        kernel="diffusers:apply_rotary_emb_qwen")
-            return out
-
-        return apply_rotary_emb_qwen
-
-    def attention(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        import inspect
-
-        sig = inspect.signature(original)
-
-        def dispatch_attention_fn(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            kernel = attention_kernel(dict(bound.arguments))
-            out = original(*args, **kwargs)  # [B, S, H, Dh]
-            self.record("joint_attention_fused", "joint", [(out, "BS..")], block=self.block,
-                        kernel=kernel)
-            return out
-
-        return dispatch_attention_fn
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        q, k = args["query"], args["key"]  # [B, L + N, H, Dh]: text rows, then image rows
+        if self.rope:
+            L = q.shape[1] - self.img_rows
+            for stream, rows in (("img", slice(L, None)), ("txt", slice(0, L))):
+                for t in (q, k):
+                    record(self.rt, "multi_axis_rope", stream, t[:, rows], "BS..",
+                           actual="diffusers", kernel="diffusers:apply_rotary_emb_qwen",
+                           block=self.block)
+        kernel = attention_kernel(backend, args)
+        out = run()  # [B, S, H, Dh]
+        record(self.rt, "joint_attention_fused", "joint", out, "BS..", actual="diffusers",
+               kernel=kernel, block=self.block)
+        return out
 
 
 @contextlib.contextmanager
-def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[_Capture]:
+def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     """Hook ``transformer`` (a diffusers ``QwenImageTransformer2DModel``) for the duration of the
     block: every forward inside records its operator outputs into ``rt`` (scope, trace,
-    recorder) as drifttool's MMDiT would. Hooks and wrapped functions are removed on exit.
+    recorder) as drifttool's MMDiT would. Hooks and the attention backend are removed on exit.
 
     Raises:
-        DriftToolError: diffusers is not installed, or ``transformer`` is not a
-            ``QwenImageTransformer2DModel``.
+        DriftToolError: diffusers is not installed, ``transformer`` is not a
+            ``QwenImageTransformer2DModel``, or another capture's attention backend is active.
     """
     mod = _diffusers_module()
     if not isinstance(transformer, mod.QwenImageTransformer2DModel):
         raise DriftToolError(f"expected a diffusers QwenImageTransformer2DModel, got "
                              f"{type(transformer).__name__}")
-    cap = _Capture(transformer, rt)
-    saved = {n: getattr(mod, n) for n in ("apply_rotary_emb_qwen", "dispatch_attention_fn")}
-    try:
-        cap.install()
-        mod.apply_rotary_emb_qwen = cap.rope(saved["apply_rotary_emb_qwen"])
-        mod.dispatch_attention_fn = cap.attention(saved["dispatch_attention_fn"])
-        yield cap
-    finally:
-        for n, fn in saved.items():
-            setattr(mod, n, fn)
-        cap.remove()
+    from drifttool.adapters.diffusers_attention import capture_backend  # lazy: diffusers is optional
+
+    blocks = transformer.transformer_blocks
+    attn = blocks[0].attn
+    glue = _AttentionGlue(rt)
+    with contextlib.ExitStack() as stack:
+        begin = stack.enter_context(capture_backend(transformer, glue.attention))
+        for i, blk in enumerate(blocks):
+            def pre(m, args, kwargs, i=i):
+                glue.enter(i, kwargs)
+                begin(m)
+
+            stack.callback(blk.attn.register_forward_pre_hook(pre, with_kwargs=True).remove)
+        stack.enter_context(tap_modules(transformer, TAPS, rt, actual="diffusers",
+                                        depth=len(blocks), head_dim=attn.inner_dim // attn.heads))
+        yield
 
 
 # -- a rollout driven by the diffusers transformer ------------------------------------------------

@@ -1,11 +1,16 @@
-"""Capture hand-off between dispatch and the recorder: which outputs of a call are captured, and
-under which role.
+"""Capture hand-off between a call and the recorder: which outputs of a call are captured, under
+which role, and on which rank.
 
-    >>> from drifttool.ops.sink import capture_outputs
+    >>> from drifttool.ops.sink import capture_outputs, record_external
     >>> capture_outputs(rt, site, out, "BS.")        # called by ops.registry.call after dispatch
+    >>> record_external(rt, "qk_rmsnorm", "img", q, "BS..", contract="qwenimage.qk_rmsnorm.v2",
+    ...                 actual="diffusers", kernel="diffusers:transformer_blocks.3.attn.norm_q",
+    ...                 block=3)                     # a runtime adapter's hook (drifttool.adapters)
 
 Dispatch (``drifttool.ops.registry``) decides nothing about capture; it hands each call's site and
-outputs here. Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal
+outputs here. A tensor another runtime computed (diffusers, vllm-omni, SGLang, seen through forward
+hooks) enters through ``record_external``, which writes the same trace entry and digest records a
+registry call writes, through the same ``capture_outputs``. Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal
 tensors (the attention's ``[B, H, S, S]`` scores and probabilities) are not materialised for
 capture; from ``L2`` on they are wanted (``Runtime.wants_internals``), and a family that
 declares its fused implementation byte-equal to the operator's decomposition runs the
@@ -16,6 +21,7 @@ recorder it hands to (``drifttool.capture.recorder``) is below both.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from drifttool.runtime import Runtime
@@ -51,3 +57,37 @@ def capture_outputs(
     for i, (t, lay) in enumerate(zip(outs, layouts)):
         if lay is not None:
             rt.recorder.capture(site, t, lay, index=i, role=role)
+
+
+def record_external(
+    rt: Runtime, op: str, stream: str, out: Any, layout: str | tuple[str | None, ...], *,
+    contract: str, actual: str, kernel: str, **fields: Any,
+) -> dict[str, Any]:
+    """Record one call of operator ``op`` that ran outside drifttool's operator registry, as
+    ``ops.registry.call`` records its own: one call of the site in the operator trace
+    (``OperatorTrace.record``: requested family ``rt.family``, backend ``actual``, no fallback)
+    and the outputs handed to ``capture_outputs`` (digest records at the runtime's capture
+    level; under a parallel plan, ``rt.plan`` decides what this rank records, a collective:
+    every rank records the same calls in the same order).
+
+    Args:
+        rt: the runtime (scope, trace, recorder, plan).
+        op: the RFC operator name. stream: ``img``, ``txt``, ``joint`` or ``none``.
+        out: the call's output tensor, or a tuple of them. layout: as ``capture_outputs``.
+        contract: the operator's arithmetic contract id (``ops.registry.spec(op).contract``).
+        actual: the runtime that computed it (e.g. ``"diffusers"``). kernel: its kernel
+            identity for the trace (e.g. the module path).
+        fields: identity fields of this call alone (``Runtime.site``), e.g. ``block=3``; under a
+            parallel plan they are in scope while the plan decides.
+
+    Returns:
+        the call's site (``Runtime.site``).
+    """
+    site = rt.site(op, stream, **fields)
+    first = out[0] if isinstance(out, tuple) else out
+    rt.trace.record(site=site, contract=contract, requested=rt.family, actual=actual,
+                    kernel=kernel, fallback=False, reason="", declared=False,
+                    device=str(first.device))
+    with rt.scope(**fields) if rt.plan is not None and fields else contextlib.nullcontext():
+        capture_outputs(rt, site, out, layout)
+    return site
