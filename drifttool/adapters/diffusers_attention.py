@@ -1,5 +1,5 @@
-"""The attention of a diffusers ``QwenImageTransformer2DModel`` captured through a registered diffusers
-attention backend.
+"""The attention of a diffusers ``QwenImageTransformer2DModel``, captured through a registered
+diffusers attention backend.
 
     with capture_backend(transformer, on_attention) as begin:
         transformer(...)
@@ -34,7 +34,8 @@ from diffusers.models.attention_dispatch import (
 
 from drifttool.errors import DriftToolError
 
-OnAttention = Callable[[AttentionBackendName, dict[str, Any], Callable[[], torch.Tensor]], torch.Tensor]
+OnAttention = Callable[[AttentionBackendName, dict[str, Any], Callable[[], torch.Tensor]],
+                       torch.Tensor]
 """``on_attention(backend, args, run)``: args = query, key, value ``[B, S, H, Dh]``, attn_mask,
 dropout_p, is_causal, scale, enable_gqa; ``run()`` dispatches to ``backend`` and returns its
 ``[B, S, H, Dh]`` output, which ``on_attention`` returns."""

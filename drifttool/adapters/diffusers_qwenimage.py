@@ -83,7 +83,7 @@ import contextlib
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -157,6 +157,7 @@ class _AttentionGlue:
     module's pre-hook), then, in the capture backend, the RoPE outputs and the attention output."""
 
     rt: Runtime
+    kernel_of: Callable[[Any, dict[str, Any]], str]  # diffusers_attention.attention_kernel
     block: int = -1
     img_rows: int = 0
     rope: bool = False
@@ -167,8 +168,6 @@ class _AttentionGlue:
         self.rope = kwargs.get("image_rotary_emb") is not None
 
     def attention(self, backend, args: dict[str, Any], run) -> torch.Tensor:
-        from drifttool.adapters.diffusers_attention import attention_kernel  # lazy: diffusers is optional
-
         q, k = args["query"], args["key"]  # [B, L + N, H, Dh]: text rows, then image rows
         if self.rope:
             L = q.shape[1] - self.img_rows
@@ -177,7 +176,7 @@ class _AttentionGlue:
                     record(self.rt, "multi_axis_rope", stream, t[:, rows], "BS..",
                            actual="diffusers", kernel="diffusers:apply_rotary_emb_qwen",
                            block=self.block)
-        kernel = attention_kernel(backend, args)
+        kernel = self.kernel_of(backend, args)
         out = run()  # [B, S, H, Dh]
         record(self.rt, "joint_attention_fused", "joint", out, "BS..", actual="diffusers",
                kernel=kernel, block=self.block)
@@ -198,11 +197,12 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     if not isinstance(transformer, mod.QwenImageTransformer2DModel):
         raise DriftToolError(f"expected a diffusers QwenImageTransformer2DModel, got "
                              f"{type(transformer).__name__}")
-    from drifttool.adapters.diffusers_attention import capture_backend  # lazy: diffusers is optional
+    from drifttool.adapters.diffusers_attention import (  # lazy: diffusers is optional
+        attention_kernel, capture_backend)
 
     blocks = transformer.transformer_blocks
     attn = blocks[0].attn
-    glue = _AttentionGlue(rt)
+    glue = _AttentionGlue(rt, attention_kernel)
     with contextlib.ExitStack() as stack:
         begin = stack.enter_context(capture_backend(transformer, glue.attention))
         for i, blk in enumerate(blocks):

@@ -10,11 +10,13 @@ which role, and on which rank.
 Dispatch (``drifttool.ops.registry``) decides nothing about capture; it hands each call's site and
 outputs here. A tensor another runtime computed (diffusers, vllm-omni, SGLang, seen through forward
 hooks) enters through ``record_external``, which writes the same trace entry and digest records a
-registry call writes, through the same ``capture_outputs``. Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal
-tensors (the attention's ``[B, H, S, S]`` scores and probabilities) are not materialised for
-capture; from ``L2`` on they are wanted (``Runtime.wants_internals``), and a family that
-declares its fused implementation byte-equal to the operator's decomposition runs the
-decomposition so each internal operator is captured under its own name (role ``internal``).
+registry call writes, through the same ``capture_outputs``.
+
+Levels (design.md, "Digests"): at ``L0`` and ``L1`` a fused operator's internal tensors (the
+attention's ``[B, H, S, S]`` scores and probabilities) are not materialised for capture; from
+``L2`` on they are wanted (``Runtime.wants_internals``), and a family that declares its fused
+implementation byte-equal to the operator's decomposition runs the decomposition so each
+internal operator is captured under its own name (role ``internal``).
 It sits with dispatch, above the runtime whose mode, recorder and parallel plan it reads; the
 recorder it hands to (``drifttool.capture.recorder``) is below both.
 """
