@@ -1,7 +1,8 @@
 """The attention of a diffusers ``QwenImageTransformer2DModel``, captured through a registered
 diffusers attention backend.
 
-    with capture_backend(transformer, on_attention) as begin:
+    attns = [blk.attn for blk in transformer.transformer_blocks]
+    with capture_backend(attns, on_attention) as begin:
         transformer(...)
     # an attention module's forward pre-hook calls begin(module): the module's next dispatch
     # then runs on_attention(backend, args, run), backend = the one its processor would run
@@ -99,18 +100,18 @@ class _Backend:
         return run() if backend is None else self.on_attention(backend, args, run)
 
 
-def _processors(model: torch.nn.Module) -> list[Any]:
-    """The attention processors of ``model`` that dispatch through diffusers' registry."""
-    procs = (getattr(m, "processor", None) for m in model.modules())
+def _processors(modules: list[torch.nn.Module]) -> list[Any]:
+    """The processors of the attention ``modules`` that dispatch through diffusers' registry."""
+    procs = (getattr(m, "processor", None) for m in modules)
     return list({id(p): p for p in procs if hasattr(p, "_attention_backend")}.values())
 
 
 @contextlib.contextmanager
-def capture_backend(model: torch.nn.Module, on_attention: OnAttention
+def capture_backend(modules: list[torch.nn.Module], on_attention: OnAttention
                     ) -> Iterator[Callable[[torch.nn.Module], None]]:
-    """Route ``model``'s attention through a capture backend for the block (module docstring);
-    yields ``begin(module)``, to call from each attention module's forward pre-hook: that
-    module's next dispatch goes to ``on_attention``.
+    """Route the attention of ``modules`` (diffusers attention modules) through a capture backend
+    for the block (module docstring); yields ``begin(module)``, to call from each one's forward
+    pre-hook: that module's next dispatch goes to ``on_attention``.
 
     Raises:
         DriftToolError: the active backend is not one of diffusers' own (another capture's).
@@ -122,7 +123,7 @@ def capture_backend(model: torch.nn.Module, on_attention: OnAttention
     except ValueError:
         raise DriftToolError(f"the active diffusers attention backend {replaced!r} is not one of "
                              "diffusers' own: is another transformer being captured?") from None
-    saved = [(p, vars(p).get("_attention_backend", _UNSET)) for p in _processors(model)]
+    saved = [(p, vars(p).get("_attention_backend", _UNSET)) for p in _processors(modules)]
     named = {id(p): AttentionBackendName(p._attention_backend) for p, _ in saved
              if p._attention_backend is not None}
     backend = _Backend(on_attention, replaced, named)

@@ -204,7 +204,7 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     attn = blocks[0].attn
     glue = _AttentionGlue(rt, attention_kernel)
     with contextlib.ExitStack() as stack:
-        begin = stack.enter_context(capture_backend(transformer, glue.attention))
+        begin = stack.enter_context(capture_backend([b.attn for b in blocks], glue.attention))
         for i, blk in enumerate(blocks):
             def pre(m, args, kwargs, i=i):
                 glue.enter(i, kwargs)

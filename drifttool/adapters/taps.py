@@ -25,10 +25,11 @@ an output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -98,7 +99,9 @@ def record(rt: Runtime, op: str, stream: str, out: Any, layout: str | tuple[str,
                     kernel=kernel, **fields)
 
 
+@functools.lru_cache(maxsize=None)
 def _regex(pattern: str) -> re.Pattern[str]:
+    """The regular expression of a path pattern: ``*`` = one segment, captured."""
     parts = ["([^.]+)" if p == "*" else re.escape(p) for p in pattern.split(".")]
     return re.compile(r"\.".join(parts))
 
@@ -120,16 +123,34 @@ def _input_reader(module: torch.nn.Module, item: int | str | None):
     if item is None or isinstance(item, int):
         pos = item or 0
         return lambda args, kwargs: args[pos]
-    pos = list(inspect.signature(module.forward).parameters).index(item)
+    pos = _position(type(module), item)
     return lambda args, kwargs: kwargs[item] if item in kwargs else args[pos]
 
 
-def _matches(model: torch.nn.Module, tap: Tap) -> list[tuple[tuple[str, ...], list[str]]]:
-    """``(wildcard values, module paths)`` per call site of ``tap``: one path per pattern."""
-    names = [n for n, _ in model.named_modules()]
-    first, rest = _regex(tap.patterns[0]), tap.patterns[1:]
-    sites = []
+@functools.lru_cache(maxsize=None)
+def _position(cls: type, name: str) -> int:
+    """The position of ``cls.forward``'s parameter ``name`` among its arguments after ``self``."""
+    return list(inspect.signature(cls.forward).parameters).index(name) - 1
+
+
+def _index(names: Iterable[str]) -> dict[tuple[int, str], list[str]]:
+    """Module paths by (number of segments, last segment), and by (number, "*")."""
+    index: dict[tuple[int, str], list[str]] = {}
     for name in names:
+        parts = name.split(".")
+        index.setdefault((len(parts), parts[-1]), []).append(name)
+        index.setdefault((len(parts), "*"), []).append(name)
+    return index
+
+
+def _matches(index: dict[tuple[int, str], list[str]], tap: Tap
+             ) -> list[tuple[tuple[str, ...], list[str]]]:
+    """``(wildcard values, module paths)`` per call site of ``tap`` among the module paths of
+    ``index`` (``_index``): one path per pattern."""
+    first, rest = _regex(tap.patterns[0]), tap.patterns[1:]
+    parts = tap.patterns[0].split(".")
+    sites = []
+    for name in index.get((len(parts), parts[-1]), ()):
         m = first.fullmatch(name)
         if m is None:
             continue
@@ -140,8 +161,7 @@ def _matches(model: torch.nn.Module, tap: Tap) -> list[tuple[tuple[str, ...], li
             paths.append(".".join(next(it) if p == "*" else p for p in pattern.split(".")))
         sites.append((groups, paths))
     if not sites:
-        raise DriftToolError(f"tap {tap.module!r} ({tap.op}) matches no module of "
-                             f"{type(model).__name__}")
+        raise DriftToolError(f"tap {tap.module!r} ({tap.op}) matches no module")
     return sites
 
 
@@ -163,11 +183,12 @@ def tap_modules(model: torch.nn.Module, taps: tuple[Tap, ...], rt: Runtime, *, a
         UnsupportedConfigError: a tap names an undeclared operator.
     """
     modules = dict(model.named_modules())
+    index = _index(modules)
     handles: list[Any] = []
     try:
         for tap in taps:
             op_spec(tap.op)
-            for groups, paths in _matches(model, tap):
+            for groups, paths in _matches(index, tap):
                 missing = [p for p in paths if p not in modules]
                 if missing:
                     raise DriftToolError(f"tap {tap.module!r}: no module {missing[0]!r}")
@@ -179,41 +200,57 @@ def tap_modules(model: torch.nn.Module, taps: tuple[Tap, ...], rt: Runtime, *, a
             h.remove()
 
 
+class _Hook:
+    """The forward hook (or pre-hook) of one call site of a tap: one object per hook."""
+
+    __slots__ = ("tap", "rt", "actual", "kernel", "block", "head_dim", "read", "pending", "last")
+
+    def __init__(self, tap: Tap, rt: Runtime, *, actual: str, kernel: str, block: int,
+                 head_dim: int | None, read: Any = None, pending: list | None = None,
+                 last: bool = True) -> None:
+        self.tap, self.rt, self.actual, self.kernel = tap, rt, actual, kernel
+        self.block, self.head_dim, self.read = block, head_dim, read
+        self.pending, self.last = pending, last  # a tuple tap's outputs so far, shared
+
+    def emit(self, tensors: list[torch.Tensor]) -> None:
+        tap = self.tap
+        if tap.heads:
+            tensors = [t.unflatten(-1, (-1, self.head_dim)) for t in tensors]  # [B, S, H, Dh]
+        out = tensors[0] if len(tensors) == 1 else tuple(tensors)
+        layout = tap.layout if len(tensors) == 1 else (tap.layout,) * len(tensors)
+        record(self.rt, tap.op, tap.stream, out, layout, actual=self.actual, kernel=self.kernel,
+               block=self.block)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+        if self.read is not None:  # pre-hook: rest = (kwargs,)
+            self.emit([self.read(args, rest[0])])
+            return
+        out = rest[0] if self.tap.item is None else rest[0][self.tap.item]
+        if self.pending is None:
+            self.emit([out])
+            return
+        self.pending.append(out)
+        if self.last:
+            got = list(self.pending)
+            self.pending.clear()
+            self.emit(got)
+
+
 def _install(tap: Tap, mods: list[torch.nn.Module], paths: list[str], rt: Runtime, *, actual: str,
              block: int, head_dim: int | None) -> list[Any]:
     """The hooks of one call site of ``tap``."""
-    kernel = f"{actual}:{paths[-1]}{tap.suffix}"
     if tap.heads and head_dim is None:
         raise DriftToolError(f"tap {tap.module!r} splits heads: tap_modules needs head_dim")
-
-    def emit(tensors: list[torch.Tensor]) -> None:
-        if tap.heads:
-            tensors = [t.unflatten(-1, (-1, head_dim)) for t in tensors]  # [B, S, H, Dh]
-        out = tensors[0] if len(tensors) == 1 else tuple(tensors)
-        layout = tap.layout if len(tensors) == 1 else (tap.layout,) * len(tensors)
-        record(rt, tap.op, tap.stream, out, layout, actual=actual, kernel=kernel, block=block)
-
+    common = dict(actual=actual, kernel=f"{actual}:{paths[-1]}{tap.suffix}", block=block,
+                  head_dim=head_dim)
     if tap.read == "input":
         if len(mods) != 1:
             raise DriftToolError(f"tap {tap.module!r}: an input tap names one module")
-        read = _input_reader(mods[0], tap.item)
-        return [mods[0].register_forward_pre_hook(
-            lambda m, args, kwargs: emit([read(args, kwargs)]), with_kwargs=True)]
-
-    def pick(out: Any) -> torch.Tensor:
-        return out if tap.item is None else out[tap.item]
-
+        hook = _Hook(tap, rt, read=_input_reader(mods[0], tap.item), **common)
+        return [mods[0].register_forward_pre_hook(hook, with_kwargs=True)]
     if len(mods) == 1:
-        return [mods[0].register_forward_hook(lambda m, args, out: emit([pick(out)]))]
+        return [mods[0].register_forward_hook(_Hook(tap, rt, **common))]
     pending: list[torch.Tensor] = []
-
-    def collect(last: bool):
-        def hook(m, args, out):
-            pending.append(pick(out))
-            if last:
-                got = list(pending)
-                pending.clear()
-                emit(got)
-        return hook
-
-    return [m.register_forward_hook(collect(i == len(mods) - 1)) for i, m in enumerate(mods)]
+    return [m.register_forward_hook(_Hook(tap, rt, pending=pending, last=i == len(mods) - 1,
+                                          **common))
+            for i, m in enumerate(mods)]
