@@ -30,6 +30,11 @@ def diff(
         help="Also judge every differing record against a tolerance profile (a shipped name, e.g. "
              "strict-cuda1-vs-cpu, or a profile JSON file): within/beyond per record, the first "
              "record beyond named. Exit 0 when every differing record is within it."),
+    clip_range: Optional[float] = typer.Option(
+        None, "--clip-range", metavar="EPS",
+        help="Also report the log-prob drift per step and CFG branch against a PPO clip range "
+             "(e.g. 1e-4): mean/max |Δlogp_t|, max |exp(Δlogp_t) − 1| as a share of EPS, and "
+             "whether it is below or above the clip noise floor. The exit code is unchanged."),
 ) -> None:
     """Align two runs by identity and report the first drift.
 
@@ -41,8 +46,14 @@ def diff(
     (step quantities on their values, operator outputs on their summaries) and the first record
     beyond it is named; the bitwise verdict is still printed.
 
-    Exit 0 identical (or, with --tolerance, a drift within the profile), 1 drift, 2 incomparable,
-    inconclusive or error.
+    Before any record, a semantic pre-check compares what makes the runs different programs
+    (schedule, shift, timestep encoding, CFG, SDE, noise provenance, LoRA, weights, attention
+    backend) and reports a SEMANTIC MISMATCH first, naming each difference.
+
+    With --clip-range EPS the log-prob drift per step and branch is judged against the clip range.
+
+    Exit 0 identical (or, with --tolerance, a drift within the profile), 1 drift or semantic
+    mismatch, 2 incomparable, inconclusive or error.
     """
     from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
     from drifttool.diff.compare import diff_runs  # lazy: likewise
@@ -55,7 +66,7 @@ def diff(
         from drifttool.diff.tolerance import load_profile  # lazy: likewise
 
         profile = load_profile(tolerance)
-    report = diff_runs(open_run(run_a), open_run(run_b), tolerance=profile)
+    report = diff_runs(open_run(run_a), open_run(run_b), tolerance=profile, clip_range=clip_range)
     result = None
     if localize or localize_dir is not None:
         from drifttool.training.localize import localize as run_localize  # lazy: torch, only here

@@ -2,7 +2,7 @@
 
     >>> names = [p.name for p in catalog()]
     >>> len(names), names[:3]
-    (28, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
+    (29, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
 
 ``catalog(settings, num_layers)`` builds the list for a baseline (the resolved run settings and
 the model depth): expectations that name a step, a block or a row are computed from them, so the
@@ -147,6 +147,17 @@ def mismatch_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
               source="numerics §4.1 (Flow-GRPO: no generator for the SDE noise)",
               variants={"flow_sde_step_logp": _v(V.NoiseGlobalRng)},
               expect=_drift("flow_sde_step_logp", step=0)),
+        Probe(name="cfg_off", factor="CFG", kind="mismatch",
+              change="CFG off (scale 1) for the same samples: the cond velocity alone drives the "
+                     "step, as a trainer that recomputes without guidance",
+              source="user reports: CFG multiplies log-prob drift about 20x; sampling and "
+                     "training CFG must match",
+              spec={"cfg_scale": 1.0},
+              # step 0 runs the same cond forward; the uncond and cfg records exist in the
+              # baseline only, so the first drift is carried into step 1 (no origin claimed).
+              # The semantic pre-check names the cause first: "CFG: on (scale 4.0) vs off".
+              expect=Expectation(verdict="drift", op="latent_proj_gemm", step=1, block=-1,
+                                 stream="img", origin=False)),
         Probe(name="attn_mask_dropped", factor="prompt mask", kind="mismatch",
               change="padded prompt tokens attended (key mask dropped)",
               source="numerics §5.1 (diffusers 0.35/0.36)",

@@ -9,16 +9,19 @@ Order of work (design.md, "Diff"):
 1. Incomparable? Schema versions, ``fingerprint["arch"]`` (the architecture's shape fields) and
    the capture levels must allow alignment; otherwise the differing fields are named and nothing
    else is compared.
-2. Context: the rest of the fingerprint, the replay inputs, the capture level and the operator
+2. Semantic pre-check: the program fields (schedule, shift, timestep encoding, CFG, SDE, noise
+   provenance, LoRA, weights, attention backend) are compared before any record
+   (``drifttool.diff.semantic``); a mismatch is its own verdict (``DiffReport.semantic``, exit 1).
+3. Context: the rest of the fingerprint, the replay inputs, the capture level and the operator
    trace are compared and listed first; they do not stop the diff (``drifttool.diff.context``).
-3. Step records (every level) and op records (when both runs are L1 or finer) are aligned by
+4. Step records (every level) and op records (when both runs are L1 or finer) are aligned by
    identity (which holds no rank) and compared by digest (``drifttool.diff.align``).
-4. First drift = the differing record first in run A's program order (``drifttool.diff.order``:
+5. First drift = the differing record first in run A's program order (``drifttool.diff.order``:
    rank-independent, ops and steps in one order), reported with its owning rank in each run,
    unless its step's input ``x_t`` already differs (then that ``x_t`` record), with where it was
    born and, at L2, its first differing rows and the rank that computed them
    (``drifttool.diff.first_drift``).
-5. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
+6. Per step: first differing op, whether ``x_t`` already differed (carried in), value drift of
    the step quantities and the SDE-transition KL (``drifttool.diff.steps``).
 Verdict: drift if any common record differs; else inconclusive if records are missing or a run
 is incomplete ("identical through step k"); else identical. The reason names the common capture
@@ -34,11 +37,13 @@ import pyarrow.compute as pc
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
 from drifttool.diff.align import TableDiff, compare_table, drop_replicas
+from drifttool.diff.clip import check_clip_range, clip_drift
 from drifttool.diff.consistency import check_matched
 from drifttool.diff.context import context, incomparable, input_differences
 from drifttool.diff.first_drift import record_where, set_drift
 from drifttool.diff.order import program_order
 from drifttool.diff.report import LEVEL_COVERS, DiffReport, Verdict
+from drifttool.diff.semantic import semantic_check
 from drifttool.diff.steps import step_drifts
 from drifttool.diff.tolerance import Profile, judge, scope_notes
 from drifttool.diff.uncaptured import declared, drop_uncaptured
@@ -229,13 +234,15 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
 
 
 def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
-              tolerance: Profile | None = None) -> DiffReport:
+              tolerance: Profile | None = None, clip_range: float | None = None) -> DiffReport:
     """Compare two opened artifacts (``drifttool.artifact.open_run``); see the module docstring.
 
     With ``align_recompute`` a rollout and its training recompute are aligned phase ``rollout``
     ↔ ``train`` (``recompute_alignment``); a note says so. With a ``tolerance`` profile
     (``drifttool.diff.tolerance``) every differing common record is also judged within or beyond
-    it (``DiffReport.tolerance``); the bitwise verdict is unchanged.
+    it (``DiffReport.tolerance``); the bitwise verdict is unchanged. With a ``clip_range`` ε
+    the log-prob drift per step and branch is judged against it (``DiffReport.clip``,
+    ``drifttool.diff.clip``); the verdict and exit code are unchanged.
 
     Returns:
         ``DiffReport`` with verdict identical / drift / incomparable / inconclusive.
@@ -243,6 +250,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     Raises:
         ArtifactError: a file is unreadable, or cut short in a run marked complete.
     """
+    if clip_range is not None:
+        clip_range = check_clip_range(clip_range)
     report = DiffReport(verdict=Verdict.INCOMPARABLE, reason="", run_a=str(run_a.path),
                         run_b=str(run_b.path))
     report.incomparable = incomparable(run_a.manifest, run_b.manifest)
@@ -254,6 +263,7 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     check_step_bytes(run_a)
     check_step_bytes(run_b)
     report.input_differences = input_differences(run_a, run_b)
+    report.semantic = semantic_check(run_a, run_b, report.input_differences)
     report.context = context(run_a, run_b, report.input_differences)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     report.covers = LEVEL_COVERS[level]
@@ -276,6 +286,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
             report.identical_through = (s.phase, s.step)
     if not set_drift(report, run_a, run_b, tables):
         _set_no_drift(report, run_a, run_b, tables)
+    if clip_range is not None:
+        report.clip = clip_drift(st, clip_range)
     if tolerance is not None:
         report.tolerance = judge(tolerance, run_a, run_b, st, ot, record_where)
         only = sum(c.only_a + c.only_b for c in report.counts.values())

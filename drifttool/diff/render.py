@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from drifttool.artifact.schema import block_name
+from drifttool.diff.clip import percent
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 _STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
@@ -150,9 +151,42 @@ def _first_ops_table(report: DiffReport) -> Table | None:
     return t
 
 
+def _semantic(report: DiffReport, console: Console) -> None:
+    """The semantic mismatch first: its verdict line and one line per program difference (nothing
+    when the runs are the same program)."""
+    sem = report.semantic
+    if sem is None or not sem.mismatch:
+        return
+    n = len(sem.differences)
+    console.print(f"[bold magenta]SEMANTIC MISMATCH[/]  {n} program difference"
+                  f"{'s' if n > 1 else ''}: the runs are different programs", highlight=False)
+    for d in sem.differences:
+        console.print(f"  - {d}", highlight=False, markup=False)
+    for line in sem.unrecorded:
+        console.print(f"  - unrecorded: {line}", highlight=False, markup=False)
+
+
+def _clip_table(report: DiffReport) -> Table:
+    clip = report.clip
+    phases = len({s.phase for s in clip.steps}) > 1
+    t = Table(title=f"log-prob drift against the clip range {clip.clip_range:g} (common samples)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("step", "branch", "samples", "mean\n|Δlogp|", "max\n|Δlogp|",
+                "max\n|exp(Δ)−1|", "of clip\nrange"):
+        t.add_column(col, justify="left" if col == "branch" else "right")
+    for s in clip.steps:
+        t.add_row(f"{s.phase} {s.step}" if phases else str(s.step), s.branch, str(s.samples),
+                  _num(s.mean_abs), _num(s.max_abs), _num(s.ratio_dev_max), percent(s.fraction),
+                  style=None if s.ratio_dev_max < clip.clip_range else "red")
+    return t
+
+
 def render(report: DiffReport, console: Console | None = None) -> None:
-    """Print ``report`` as rich tables: verdict line, context, first drift, per-step drift."""
+    """Print ``report`` as rich tables: semantic mismatch (if any), verdict line, clip range and
+    tolerance verdicts, context, first drift, per-step drift, log-prob drift against the clip
+    range."""
     console = console or Console()
+    _semantic(report, console)
     console.print(f"[{_STYLE[report.verdict]}]{report.verdict.value.upper()}[/]  {report.reason}",
                   highlight=False)
     console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False)
@@ -160,6 +194,10 @@ def render(report: DiffReport, console: Console | None = None) -> None:
         style = "bold green" if report.tolerance.ok else "bold red"
         console.print(f"[{style}]{report.tolerance.verdict.upper()}[/]  "
                       f"{report.tolerance.words()}", highlight=False)
+    if report.clip is not None:
+        style = {"below": "bold green", "above": "bold red"}.get(report.clip.verdict, "bold yellow")
+        console.print(f"[{style}]{report.clip.verdict.upper()} CLIP NOISE FLOOR[/]  "
+                      f"{report.clip.words()}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
                                                                    report.context),
                          ("notes", report.notes)):
@@ -182,3 +220,5 @@ def render(report: DiffReport, console: Console | None = None) -> None:
     ops = _first_ops_table(report)
     if ops is not None:
         console.print(ops)
+    if report.clip is not None and report.clip.steps:
+        console.print(_clip_table(report))

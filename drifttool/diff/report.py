@@ -373,6 +373,11 @@ class DiffReport:
         first_drift: see ``FirstDrift``. steps: per-step drift, in program order.
         tolerance: with a tolerance profile (``diff --tolerance``), the differing records judged
             against it (``drifttool.diff.tolerance.ToleranceResult``); ``None`` without one.
+        semantic: the semantic pre-check (``drifttool.diff.semantic.SemanticCheck``): whether
+            the runs are the same program, each program field that differs named; ``None`` when
+            the runs are incomparable (nothing else was read).
+        clip: with a clip range (``diff --clip-range``), the log-prob drift per step and branch
+            against it (``drifttool.diff.clip.ClipDrift``); ``None`` without one.
     """
 
     verdict: Verdict
@@ -390,11 +395,17 @@ class DiffReport:
     first_drift: FirstDrift | None = None
     steps: list[StepDrift] = field(default_factory=list)
     tolerance: Any = None
+    semantic: Any = None
+    clip: Any = None
 
     @property
     def exit_code(self) -> int:
         """``exit_code(self.verdict)``; with a tolerance profile, a drift whose differing records
-        are all within it exits 0."""
+        are all within it exits 0. A semantic mismatch (the runs are different programs) exits 1
+        whatever the bytes say, tolerance or not; incomparable and inconclusive stay 2."""
+        if self.semantic is not None and self.semantic.mismatch and self.verdict in (
+                Verdict.IDENTICAL, Verdict.DRIFT):
+            return 1
         if self.verdict == Verdict.DRIFT and self.tolerance is not None and self.tolerance.ok:
             return 0
         return exit_code(self.verdict)

@@ -119,4 +119,9 @@ def test_pipeline_capture_diffs_identical_against_the_diffusers_preset(level, tm
     _capture(tr, inp, tmp_path / "pipeline", level, spec_steps(tmp_path / "preset"))
     rep = diff_runs(open_run(tmp_path / "preset"), open_run(tmp_path / "pipeline"))
     assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    # the semantic pre-check works across engines: the same program; the pipeline's generator
+    # is not drifttool's, so its seed is listed as unrecorded, never guessed
+    assert rep.semantic.verdict == "match", [str(d) for d in rep.semantic.differences]
+    assert rep.semantic.unrecorded == ["seed: not recorded in run B"]
+    assert rep.exit_code == 0
     assert rep.counts["ops"].differ == 0 and rep.counts["ops"].matched > 500
