@@ -47,6 +47,8 @@ final_adaln_out          (x [B,N,d], temb [B,d], w [2d,d], b [2d], eps=1e-6)
 cfg_combine_renorm       see drifttool/ops/scheduler.py
 flow_sigma_table         see drifttool/ops/scheduler.py
 flow_sde_step_logp       see drifttool/ops/scheduler.py
+te_*                     the text encoder's rows: see drifttool/ops/text_encoder/ and
+                         docs/operators/text_encoder.md
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:

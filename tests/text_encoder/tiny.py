@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "fixtures" / "tokenizer-qwen2-tiny"
 
 PROMPTS = ["a red cube on a table", "cat", "a photo of a dog wearing sunglasses, oil painting"]
-"""Prompts the pruned tokenizer segments as the full Qwen2 BPE does (odd token counts 5, 1, 11)."""
+"""Prompts the pruned tokenizer segments as the full Qwen2 BPE does (6, 1 and 10 tokens: 11, 6
+and 15 embedding rows)."""
 
 
 def tokenizer():
