@@ -70,10 +70,10 @@ def check_device(device: Any) -> str:
 
 
 def device_operators(device_type: str) -> list[str]:
-    """The declared operators a run dispatches on ``device_type``: those some family registers
-    an implementation for there (``ops.registry``). The others run on the CPU wherever the
-    model is (``flow_sigma_table`` takes no tensors)."""
-    return [op for op in specs() if any(impls(op, f, device_type) for f in families(op))]
+    """The declared operators a run dispatches on ``device_type``: the MMDiT's (a run encodes no
+    prompt) that some family registers an implementation for there (``ops.registry``). The
+    others run on the CPU wherever the model is (``flow_sigma_table`` takes no tensors)."""
+    return [op for op in specs(component="mmdit") if any(impls(op, f, device_type) for f in families(op))]
 
 
 def check_mode_device(mode: Mode, device: str) -> None:

@@ -149,7 +149,7 @@ FLOORS = [
     {"diff/"},
     {"runtime"},
     {"ops/"},
-    {"model/"},
+    {"model/", "text_encoder/"},
     {"distributed/"},
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},

@@ -95,6 +95,17 @@ RULES: dict[str, OpRule] = {
     "cfg_combine_renorm": OpRule(),  # the sampler runs replicated on the gathered v_t
     "flow_sigma_table": OpRule(),
     "flow_sde_step_logp": OpRule(),
+    # the text encoder runs on one rank, unsharded: no rule shards it
+    "te_tokenize": OpRule(),
+    "te_embed_tokens": OpRule(),
+    "te_rmsnorm": OpRule(),
+    "te_qkv_bias_gemm": OpRule(),
+    "te_mrope": OpRule(),
+    "te_causal_attention": OpRule(),
+    "te_attn_out_residual": OpRule(),
+    "te_mlp_gate_up_silu": OpRule(),
+    "te_mlp_down_residual": OpRule(),
+    "te_prompt_extract": OpRule(),
 }
 """One rule per RFC operator, in the RFC's order (``specs.OPERATORS``; tested)."""
 

@@ -47,6 +47,8 @@ final_adaln_out          (x [B,N,d], temb [B,d], w [2d,d], b [2d], eps=1e-6)
 cfg_combine_renorm       see drifttool/ops/scheduler.py
 flow_sigma_table         see drifttool/ops/scheduler.py
 flow_sde_step_logp       see drifttool/ops/scheduler.py
+te_*                     the text encoder's rows: see drifttool/ops/text_encoder/ and
+                         docs/operators/text_encoder.md
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
@@ -65,6 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drifttool.components import DEFAULT_COMPONENT
 from drifttool.ops.declaration import Decomposition, OpSpec
 from drifttool.ops.registry import declare
 
@@ -97,6 +100,8 @@ class Operator:
         dtypes: input dtypes the strict family accepts.
         decomposition: the finer operators it is byte-equal to (``registry.Decomposition``;
             their layouts are their own rows').
+        component: the model it belongs to (``drifttool.components.COMPONENTS``): the
+            ``mmdit`` (its sampler included) or the Qwen2.5-VL ``text_encoder``.
     """
 
     name: str
@@ -108,6 +113,7 @@ class Operator:
     differentiable: bool = True
     dtypes: tuple[torch.dtype, ...] = _FLOATS
     decomposition: tuple[str, ...] = ()
+    component: str = DEFAULT_COMPONENT
 
     @property
     def contract(self) -> str:
@@ -131,6 +137,10 @@ def _joint_attention_unfused(step, q, k, v, key_mask=None, *, text_len=None):
 _RUNS = {"joint_attention_fused": _joint_attention_unfused}  # how each decomposition runs
 
 _IMG_TXT = ("img", "txt")
+_TE = dict(component="text_encoder", streams=("txt",), differentiable=False)
+"""The text encoder's rows: stream ``txt``; site ``inputs`` (block −1: tokens and their
+embedding), ``block`` (decoder layer 0..layers−1), ``final`` (block ``layers``: the final norm
+and the prompt extraction); frozen weights, no backward."""
 _BLOCK = ("block",)
 
 
@@ -188,14 +198,39 @@ OPERATORS: dict[str, Operator] = _rows(
     Operator(name="flow_sde_step_logp", version=1,
              summary="Flow-GRPO 'sde' transition and Gaussian log-prob (mean over non-batch dims), FP32",
              streams=("img",), sites=("sampler",), layout=("BS.", "B", "BS.", "B")),
+    # the Qwen2.5-VL text encoder (RFC Phase B, qwen25vl_text_contract; drifttool.text_encoder)
+    Operator(name="te_tokenize", version=1, summary="chat template, BPE ids, right padding",
+             sites=("inputs",), layout=None, dtypes=(), **_TE),
+    Operator(name="te_embed_tokens", version=1, summary="token embedding lookup",
+             sites=("inputs",), layout="BS.", **_TE),
+    Operator(name="te_rmsnorm", version=1, summary="Qwen2 RMSNorm (FP32 statistics, gain after the cast)",
+             sites=("block", "final"), layout="BS.", **_TE),
+    Operator(name="te_qkv_bias_gemm", version=1, summary="Q/K/V projections with bias (GQA heads)",
+             sites=("block",), layout=("BS..",) * 3, **_TE),
+    Operator(name="te_mrope", version=1, summary="Qwen2.5-VL multimodal RoPE (rotate-half, 3 position axes)",
+             sites=("block",), layout="BS..", **_TE),
+    Operator(name="te_causal_attention", version=1, summary="causal GQA attention with key padding",
+             sites=("block",), layout="BS..", **_TE),
+    Operator(name="te_attn_out_residual", version=1, summary="x + o_proj(attention), no bias",
+             sites=("block",), layout="BS.", **_TE),
+    Operator(name="te_mlp_gate_up_silu", version=1, summary="SiLU(gate_proj(h)) * up_proj(h)",
+             sites=("block",), layout="BS.", **_TE),
+    Operator(name="te_mlp_down_residual", version=1, summary="x + down_proj(m)",
+             sites=("block",), layout="BS.", **_TE),
+    Operator(name="te_prompt_extract", version=1,
+             summary="valid rows, drop the template prefix, right re-pad, mask",
+             sites=("final",), layout=("BS.", "BS"), **_TE),
 )
-"""The RFC's 22 WS1 rows in its table order. Other declared operators (``lora_merge``, ...)
-are not RFC rows."""
+"""The RFC's 22 WS1 rows in its table order, then the text encoder's rows in program order.
+Other declared operators (``lora_merge``, ...) are not RFC rows."""
 
-WS1_OPERATORS = tuple(OPERATORS)
-"""The RFC rows' names, in its table order."""
+WS1_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == DEFAULT_COMPONENT)
+"""The RFC's WS1 rows' names (the MMDiT and its sampler), in its table order."""
 
-TRANSFORMER_OPERATORS = tuple(n for n, r in OPERATORS.items() if not r.sampler)
+TEXT_ENCODER_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "text_encoder")
+"""The text encoder's rows' names, in program order."""
+
+TRANSFORMER_OPERATORS = tuple(n for n in WS1_OPERATORS if not OPERATORS[n].sampler)
 """The transformer's rows (every row but the sampler's three)."""
 
 
@@ -206,7 +241,8 @@ def _declare(row: Operator) -> OpSpec:
                             layouts={op: OPERATORS[op].layout for op in row.decomposition},
                             run=_RUNS[row.name])
     return declare(OpSpec(name=row.name, contract=row.contract, differentiable=row.differentiable,
-                          dtypes=row.dtypes, summary=row.summary, decomposition=dec))
+                          dtypes=row.dtypes, summary=row.summary, decomposition=dec,
+                          component=row.component))
 
 
 for _row in OPERATORS.values():

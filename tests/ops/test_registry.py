@@ -94,7 +94,7 @@ def test_rows_match_the_call_sites():
     for op, got in seen.items():
         row = OPERATORS[op]
         assert got == {("stream", s) for s in row.streams} | {("site", s) for s in row.sites}, op
-    model_rows = {n for n, r in OPERATORS.items() if r.sites and not r.sampler}
+    model_rows = {n for n, r in OPERATORS.items() if r.sites and not r.sampler and r.component == "mmdit"}
     assert set(seen) == model_rows, model_rows ^ set(seen)
 
 
@@ -353,9 +353,11 @@ def test_a_fused_variant_does_not_apply_where_the_family_expands():
 
 
 def test_operator_specs_name_their_component():
-    """Every declared operator belongs to a component (the MMDiT today, its sampler included);
-    an unknown component is refused at declaration, so Phase B's models declare beside it."""
-    assert set(specs(component="mmdit")) == set(specs()) and specs(component="vae") == {}
+    """Every declared operator belongs to a component (the MMDiT, its sampler included, and the
+    text encoder: its rows ``te_*``); an unknown component is refused at declaration."""
+    te = set(specs(component="text_encoder"))
+    assert te and all(n.startswith("te_") for n in te)
+    assert set(specs(component="mmdit")) == set(specs()) - te - set(specs(component="vae"))
     with pytest.raises(ValueError, match="unknown component 'unet'"):
         registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
