@@ -95,6 +95,12 @@ RULES: dict[str, OpRule] = {
     "cfg_combine_renorm": OpRule(),  # the sampler runs replicated on the gathered v_t
     "flow_sigma_table": OpRule(),
     "flow_sde_step_logp": OpRule(),
+    # the VAE is not parallelised: every rank runs it whole on what it holds
+    "vae_causal_conv3d": OpRule(),
+    "vae_rms_norm": OpRule(),
+    "vae_resample": OpRule(),
+    "vae_mid_attention": OpRule(),
+    "vae_latent_normalize": OpRule(),
 }
 """One rule per RFC operator, in the RFC's order (``specs.OPERATORS``; tested)."""
 

@@ -8,7 +8,9 @@ explicit order (nothing else registers as a side effect of an import elsewhere):
    ``lora_merge`` and its implementations;
 2. ``strict`` — the strict family on device ``cpu``; ``strict_cuda`` — the strict family on device
    ``cuda`` (Triton, imported only when a call runs);
-3. ``production`` — the production family on devices ``cpu`` and ``cuda``.
+3. ``production`` — the production family on devices ``cpu`` and ``cuda``;
+4. ``vae`` — the VAE's operators (Phase B), strict on ``cpu`` and production on ``cpu`` and
+   ``cuda``.
 
 Another family registers from its own module with ``registry.implements(op, family, device=...,
 constraints=...)``; neither the model nor the registry changes.
@@ -19,5 +21,6 @@ from drifttool.ops import lora, scheduler  # noqa: F401  (declare and implement 
 from drifttool.ops import strict  # noqa: F401  (strict family, cpu)
 from drifttool.ops import strict_cuda  # noqa: F401  (strict family, cuda)
 from drifttool.ops import production  # noqa: F401  (production family, cpu and cuda)
+from drifttool.ops import vae  # noqa: F401  (the VAE's operators, both families)
 from drifttool.ops.registry import call, implementation, spec  # noqa: F401
 from drifttool.ops.registry import specs as all_specs  # noqa: F401

@@ -1,4 +1,5 @@
-"""The RFC's WS1 operators, declared once: ``OPERATORS``, one row per operator.
+"""The RFC's operators, declared once: ``OPERATORS``, one row per operator (the transformer's WS1
+rows, then Phase B's VAE rows).
 
     >>> OPERATORS["qk_rmsnorm"]
     Operator(name='qk_rmsnorm', version=2, summary='learned-gain per-head RMSNorm of q and k',
@@ -47,6 +48,15 @@ final_adaln_out          (x [B,N,d], temb [B,d], w [2d,d], b [2d], eps=1e-6)
 cfg_combine_renorm       see drifttool/ops/scheduler.py
 flow_sigma_table         see drifttool/ops/scheduler.py
 flow_sde_step_logp       see drifttool/ops/scheduler.py
+vae_causal_conv3d        (x [B,Ci,T,H,W], w [Co,Ci,kt,kh,kw], b [Co], padding=0, residual=None)
+                         → [B,Co,T,H,W]: zeros 2·p before the frames, p around H and W
+vae_rms_norm             (x [B,C,...], gamma [C,1,..], silu=False) → x/‖x‖₂·√C·γ, then SiLU
+vae_resample             (x [B,C,T,H,W], w [Co,C,3,3], b [Co], mode) → per frame: "upsample"
+                         nearest ×2 + conv 3×3 pad 1, "downsample" pad (0,1,0,1) + conv stride 2
+vae_mid_attention        (x [B,C,T,H,W], gamma, w_qkv [3C,C,1,1], b_qkv, w_proj [C,C,1,1], b_proj)
+                         → x + proj(attention(qkv(rms_norm(x)))) per frame, one head over H·W
+vae_latent_normalize     (z, mean [C], std [C], inverse=False) z [B,C,...] → same shape; forward
+                         (z − mean)/std (edit pipelines), inverse z / (1/std) + mean (decode)
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
@@ -65,6 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drifttool.components import DEFAULT_COMPONENT
 from drifttool.ops.declaration import Decomposition, OpSpec
 from drifttool.ops.registry import declare
 
@@ -97,6 +108,8 @@ class Operator:
         dtypes: input dtypes the strict family accepts.
         decomposition: the finer operators it is byte-equal to (``registry.Decomposition``;
             their layouts are their own rows').
+        component: the model it belongs to (``components.COMPONENTS``): ``mmdit`` (the WS1
+            rows, the sampler's included) or ``vae``.
     """
 
     name: str
@@ -108,6 +121,7 @@ class Operator:
     differentiable: bool = True
     dtypes: tuple[torch.dtype, ...] = _FLOATS
     decomposition: tuple[str, ...] = ()
+    component: str = DEFAULT_COMPONENT
 
     @property
     def contract(self) -> str:
@@ -188,14 +202,29 @@ OPERATORS: dict[str, Operator] = _rows(
     Operator(name="flow_sde_step_logp", version=1,
              summary="Flow-GRPO 'sde' transition and Gaussian log-prob (mean over non-batch dims), FP32",
              streams=("img",), sites=("sampler",), layout=("BS.", "B", "BS.", "B")),
+    # Phase B: the VAE (``vae_contract``): called by ``drifttool.model.vae``, not by the MMDiT
+    # forward; forward only, run replicated under every parallel layout.
+    Operator(name="vae_causal_conv3d", version=1, summary="causal 3-D convolution (time zeros in front)",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_rms_norm", version=1, summary="channel L2 normalisation * sqrt(C) * gamma, optional SiLU",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_resample", version=1, summary="per-frame nearest x2 upsample / stride-2 downsample + conv 3x3",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_mid_attention", version=1, summary="mid-block single-head spatial self-attention + residual",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_latent_normalize", version=1, summary="per-channel (z - mean) / std and z / (1/std) + mean",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
 )
-"""The RFC's 22 WS1 rows in its table order. Other declared operators (``lora_merge``, ...)
-are not RFC rows."""
+"""The RFC's 22 WS1 rows in its table order, then the VAE's rows (Phase B). Other declared
+operators (``lora_merge``, ...) are not RFC rows."""
 
-WS1_OPERATORS = tuple(OPERATORS)
-"""The RFC rows' names, in its table order."""
+WS1_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == DEFAULT_COMPONENT)
+"""The RFC's WS1 rows' names (the MMDiT's and its sampler's), in its table order."""
 
-TRANSFORMER_OPERATORS = tuple(n for n, r in OPERATORS.items() if not r.sampler)
+VAE_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "vae")
+"""The VAE's rows (Phase B, ``vae_contract``)."""
+
+TRANSFORMER_OPERATORS = tuple(n for n in WS1_OPERATORS if not OPERATORS[n].sampler)
 """The transformer's rows (every row but the sampler's three)."""
 
 
@@ -206,7 +235,8 @@ def _declare(row: Operator) -> OpSpec:
                             layouts={op: OPERATORS[op].layout for op in row.decomposition},
                             run=_RUNS[row.name])
     return declare(OpSpec(name=row.name, contract=row.contract, differentiable=row.differentiable,
-                          dtypes=row.dtypes, summary=row.summary, decomposition=dec))
+                          dtypes=row.dtypes, summary=row.summary, decomposition=dec,
+                          component=row.component))
 
 
 for _row in OPERATORS.values():
