@@ -1,4 +1,4 @@
-"""The operator docs (docs/operators/) cover every RFC WS1 operator and their generated parts
+"""The operator docs (docs/operators/) cover every declared RFC operator (WS1 and the VAE's) and their generated parts
 (index, facts blocks with contracts, kernels and tolerances) are up to date with the registry and
 references/tolerances.json. Regenerate with ``python tools/operator_docs.py`` (a developer tool
 of the source tree, not installed)."""
@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from drifttool.ops.registry import specs
-from drifttool.ops.specs import WS1_OPERATORS
+from drifttool.ops.specs import OPERATORS
 
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "operator_docs.py"
 _spec = importlib.util.spec_from_file_location("operator_docs", _TOOL)
@@ -25,7 +25,7 @@ def test_generated_operator_docs_are_up_to_date():
 
 
 def test_every_operator_page_has_the_required_sections():
-    for name in WS1_OPERATORS:
+    for name in OPERATORS:
         text = (docs.DOCS / f"{name}.md").read_text()
         missing = [s for s in SECTIONS if s not in text]
         assert not missing, f"docs/operators/{name}.md lacks {missing}"
