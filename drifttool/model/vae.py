@@ -7,11 +7,13 @@
 
 Every computation is a ``call(rt, "vae_…", ...)`` (``drifttool.ops.vae``): the runtime's mode picks
 the strict or production family and its recorder captures each output (layout ``B....``) under
-``component="vae"``. ``encode`` and ``decode`` number the VAE's stages with ``block``: −1 the
-input convolutions, then one block per encoder down block entry / decoder up block, then the mid
-block, the head last (``ENCODER_BLOCKS`` / ``decoder_blocks`` give the names). The caller's scope
-tells an encode from a decode (e.g. a step or branch of its own); the VAE sets only the component
-and the block.
+``component="vae"``. ``encode`` and ``decode`` number the VAE's stages with ``block``: encode:
+−1 ``conv_in``, i the i-th entry of ``encoder.down_blocks`` (a residual block or a downsampler),
+then the mid block, then the head (``norm_out``, ``conv_out``, ``quant_conv``); decode: −1
+``post_quant_conv`` and ``conv_in``, 0 the mid block, 1 + i ``decoder.up_blocks[i]``, then the
+head. The latent statistics run at block −1. The caller's scope tells an encode from a decode
+(e.g. a step of its own: the call counters are per phase, step, branch and block, not per
+component); the VAE sets only the component and the block.
 
 Parameter names are diffusers' (``encoder.down_blocks.0.conv1.weight``, ...), so its state dict
 loads by name. Images only: one frame (T = 1). The 3-D resamplers' causal time convolutions
