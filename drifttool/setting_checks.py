@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from drifttool.artifact.levels import LEVELS
+from drifttool.components import DEFAULT_COMPONENT
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
@@ -70,10 +71,11 @@ def check_device(device: Any) -> str:
 
 
 def device_operators(device_type: str) -> list[str]:
-    """The declared operators a run dispatches on ``device_type``: the MMDiT's (a run encodes no
-    prompt) that some family registers an implementation for there (``ops.registry``). The
-    others run on the CPU wherever the model is (``flow_sigma_table`` takes no tensors)."""
-    return [op for op in specs(component="mmdit") if any(impls(op, f, device_type) for f in families(op))]
+    """The declared operators a run dispatches on ``device_type``: the MMDiT's and its
+    sampler's (component ``mmdit``: a run calls no text encoder or VAE yet) that some family
+    registers an implementation for there (``ops.registry``). The others run on the CPU
+    wherever the model is (``flow_sigma_table`` takes no tensors)."""
+    return [op for op in specs(component=DEFAULT_COMPONENT) if any(impls(op, f, device_type) for f in families(op))]
 
 
 def check_mode_device(mode: Mode, device: str) -> None:

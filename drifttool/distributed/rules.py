@@ -106,6 +106,12 @@ RULES: dict[str, OpRule] = {
     "te_mlp_gate_up_silu": OpRule(),
     "te_mlp_down_residual": OpRule(),
     "te_prompt_extract": OpRule(),
+    # the VAE is not parallelised: every rank runs it whole on what it holds
+    "vae_causal_conv3d": OpRule(),
+    "vae_rms_norm": OpRule(),
+    "vae_resample": OpRule(),
+    "vae_mid_attention": OpRule(),
+    "vae_latent_normalize": OpRule(),
 }
 """One rule per RFC operator, in the RFC's order (``specs.OPERATORS``; tested)."""
 

@@ -10,6 +10,8 @@ explicit order (nothing else registers as a side effect of an import elsewhere):
    ``cuda`` (Triton, imported only when a call runs);
 3. ``production`` — the production family on devices ``cpu`` and ``cuda``;
 4. ``text_encoder`` — the Qwen2.5-VL text encoder's operators, both families.
+5. ``vae`` — the VAE's operators (Phase B), strict on ``cpu`` and production on ``cpu`` and
+   ``cuda``.
 
 Another family registers from its own module with ``registry.implements(op, family, device=...,
 constraints=...)``; neither the model nor the registry changes.
@@ -21,5 +23,6 @@ from drifttool.ops import strict  # noqa: F401  (strict family, cpu)
 from drifttool.ops import strict_cuda  # noqa: F401  (strict family, cuda)
 from drifttool.ops import production  # noqa: F401  (production family, cpu and cuda)
 from drifttool.ops import text_encoder  # noqa: F401  (the text encoder's operators, both families)
+from drifttool.ops import vae  # noqa: F401  (the VAE's operators, both families)
 from drifttool.ops.registry import call, implementation, spec  # noqa: F401
 from drifttool.ops.registry import specs as all_specs  # noqa: F401

@@ -1,4 +1,5 @@
-"""The RFC's WS1 operators, declared once: ``OPERATORS``, one row per operator.
+"""The RFC's operators, declared once: ``OPERATORS``, one row per operator (the transformer's WS1
+rows, then Phase B's VAE rows).
 
     >>> OPERATORS["qk_rmsnorm"]
     Operator(name='qk_rmsnorm', version=2, summary='learned-gain per-head RMSNorm of q and k',
@@ -49,6 +50,15 @@ flow_sigma_table         see drifttool/ops/scheduler.py
 flow_sde_step_logp       see drifttool/ops/scheduler.py
 te_*                     the text encoder's rows: see drifttool/ops/text_encoder/ and
                          docs/operators/text_encoder.md
+vae_causal_conv3d        (x [B,Ci,T,H,W], w [Co,Ci,kt,kh,kw], b [Co], padding=0, residual=None)
+                         → [B,Co,T,H,W]: zeros 2·p before the frames, p around H and W
+vae_rms_norm             (x [B,C,...], gamma [C,1,..], silu=False) → x/‖x‖₂·√C·γ, then SiLU
+vae_resample             (x [B,C,T,H,W], w [Co,C,3,3], b [Co], mode) → per frame: "upsample"
+                         nearest ×2 + conv 3×3 pad 1, "downsample" pad (0,1,0,1) + conv stride 2
+vae_mid_attention        (x [B,C,T,H,W], gamma, w_qkv [3C,C,1,1], b_qkv, w_proj [C,C,1,1], b_proj)
+                         → x + proj(attention(qkv(rms_norm(x)))) per frame, one head over H·W
+vae_latent_normalize     (z, mean [C], std [C], inverse=False) z [B,C,...] → same shape; forward
+                         (z − mean)/std (edit pipelines), inverse z / (1/std) + mean (decode)
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
@@ -101,7 +111,8 @@ class Operator:
         decomposition: the finer operators it is byte-equal to (``registry.Decomposition``;
             their layouts are their own rows').
         component: the model it belongs to (``drifttool.components.COMPONENTS``): the
-            ``mmdit`` (its sampler included) or the Qwen2.5-VL ``text_encoder``.
+            ``mmdit`` (the WS1 rows, its sampler's included), the Qwen2.5-VL ``text_encoder``
+            or the ``vae``.
     """
 
     name: str
@@ -220,15 +231,30 @@ OPERATORS: dict[str, Operator] = _rows(
     Operator(name="te_prompt_extract", version=1,
              summary="valid rows, drop the template prefix, right re-pad, mask",
              sites=("final",), layout=("BS.", "BS"), **_TE),
+    # Phase B: the VAE (``vae_contract``): called by ``drifttool.model.vae``, not by the MMDiT
+    # forward; forward only, run replicated under every parallel layout.
+    Operator(name="vae_causal_conv3d", version=1, summary="causal 3-D convolution (time zeros in front)",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_rms_norm", version=1, summary="channel L2 normalisation * sqrt(C) * gamma, optional SiLU",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_resample", version=1, summary="per-frame nearest x2 upsample / stride-2 downsample + conv 3x3",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_mid_attention", version=1, summary="mid-block single-head spatial self-attention + residual",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    Operator(name="vae_latent_normalize", version=1, summary="per-channel (z - mean) / std and z / (1/std) + mean",
+             streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
 )
-"""The RFC's 22 WS1 rows in its table order, then the text encoder's rows in program order.
-Other declared operators (``lora_merge``, ...) are not RFC rows."""
+"""The RFC's 22 WS1 rows in its table order, then the text encoder's rows in program order,
+then the VAE's (Phase B). Other declared operators (``lora_merge``, ...) are not RFC rows."""
 
 WS1_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == DEFAULT_COMPONENT)
 """The RFC's WS1 rows' names (the MMDiT and its sampler), in its table order."""
 
 TEXT_ENCODER_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "text_encoder")
 """The text encoder's rows' names, in program order."""
+
+VAE_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "vae")
+"""The VAE's rows (Phase B, ``vae_contract``)."""
 
 TRANSFORMER_OPERATORS = tuple(n for n in WS1_OPERATORS if not OPERATORS[n].sampler)
 """The transformer's rows (every row but the sampler's three)."""

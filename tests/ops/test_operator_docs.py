@@ -1,4 +1,5 @@
-"""The operator docs (docs/operators/) cover every RFC WS1 operator and their generated parts
+"""The operator docs (docs/operators/) cover every declared RFC operator (WS1 and the VAE's one page
+each; the text encoder's ``te_*`` rows share ``text_encoder.md``) and their generated parts
 (index, facts blocks with contracts, kernels and tolerances) are up to date with the registry and
 references/tolerances.json. Regenerate with ``python tools/operator_docs.py`` (a developer tool
 of the source tree, not installed)."""
@@ -7,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from drifttool.ops.registry import specs
-from drifttool.ops.specs import WS1_OPERATORS
+from drifttool.ops.specs import TEXT_ENCODER_OPERATORS, VAE_OPERATORS, WS1_OPERATORS
 
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "operator_docs.py"
 _spec = importlib.util.spec_from_file_location("operator_docs", _TOOL)
@@ -25,8 +26,14 @@ def test_generated_operator_docs_are_up_to_date():
 
 
 def test_every_operator_page_has_the_required_sections():
-    for name in WS1_OPERATORS:
+    for name in (*WS1_OPERATORS, *VAE_OPERATORS):
         text = (docs.DOCS / f"{name}.md").read_text()
         missing = [s for s in SECTIONS if s not in text]
         assert not missing, f"docs/operators/{name}.md lacks {missing}"
         assert specs()[name].contract in text and "python -m pytest" in text, name
+
+
+def test_the_text_encoder_page_names_each_operator_and_its_validation():
+    text = (docs.DOCS / "text_encoder.md").read_text()
+    missing = [n for n in TEXT_ENCODER_OPERATORS if f"`{n}`" not in text]
+    assert not missing and "python -m pytest tests/text_encoder" in text, missing

@@ -353,11 +353,18 @@ def test_a_fused_variant_does_not_apply_where_the_family_expands():
 
 
 def test_operator_specs_name_their_component():
-    """Every declared operator belongs to a component (the MMDiT, its sampler included, and the
-    text encoder: its rows ``te_*``); an unknown component is refused at declaration."""
+    """Every declared operator belongs to a component (the MMDiT, its sampler included, the text
+    encoder: its rows ``te_*``, or the VAE); an unknown component is refused at declaration, so
+    Phase B's models declare beside it."""
+    from drifttool.components import COMPONENTS
+    from drifttool.ops.specs import VAE_OPERATORS, WS1_OPERATORS
+
+    assert all(s.component in COMPONENTS for s in specs().values())
     te = set(specs(component="text_encoder"))
     assert te and all(n.startswith("te_") for n in te)
-    assert set(specs(component="mmdit")) == set(specs()) - te - set(specs(component="vae"))
+    assert set(specs(component="vae")) == set(VAE_OPERATORS)
+    assert set(specs(component="mmdit")) == set(specs()) - te - set(VAE_OPERATORS)
+    assert set(WS1_OPERATORS) <= set(specs(component="mmdit"))
     with pytest.raises(ValueError, match="unknown component 'unet'"):
         registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
