@@ -1,7 +1,9 @@
 """The rich consoles every subcommand prints to.
 
 On a terminal rich uses the terminal's width. When output goes to a pipe or file, rich would
-assume 80 columns and cut numbers such as ``1.19e-…``; those consoles get 160 columns instead.
+assume 80 columns and cut numbers such as ``1.19e-…``; those consoles get 160 columns instead,
+and a table wider than that prints at its natural width, so that a program reading the pipe
+never sees an operator name or a path cut (``latent_proj_…``).
 """
 
 from __future__ import annotations
@@ -11,15 +13,39 @@ import os
 import sys
 from typing import Iterator
 
+from typing import TYPE_CHECKING, Any
+
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.measure import Measurement
+from rich.table import Table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.progress import Progress, TaskID
 
 PIPE_WIDTH = 160
+_UNBOUNDED = 1 << 16
+"""The width a table is measured against on a pipe: wide enough for any table's natural width."""
 
 
 class _Console(Console):
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """``Console.print``; on a pipe or file a table wider than the console prints at its
+        natural width (its columns never shrink, so no identifier is cut)."""
+        tables = [o for o in objects if isinstance(o, Table)]
+        if self.is_terminal or not tables:
+            return super().print(*objects, **kwargs)
+        wide = self.options.update(max_width=_UNBOUNDED)
+        need = max(Measurement.get(self, wide, t).maximum for t in tables)
+        if need <= self.width:
+            return super().print(*objects, **kwargs)
+        kept = self._width
+        self.width = need
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self._width = kept
+
     def on_broken_pipe(self) -> None:
         """rich's default exits with status 1 (which means "drift" here) when the reader of a pipe
         goes away (``| head``); instead, drop the rest of the output and let the command exit
@@ -73,16 +99,42 @@ def error_line(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
 
 
-def progress(on: Console | None = None) -> Progress:
+def progress(on: Console | None = None) -> "Progress":
     """The step progress bar of ``run``, ``replay`` and ``recompute``: description, bar,
     ``steps done/total``, what one step runs (samples × CFG branches), elapsed and remaining
     time. Drawn on a terminal only (rich's non-interactive Progress would print an empty line on
     stdout when it stops); ``on`` replaces the console (tests)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # lazy: run only
+                               TimeElapsedColumn, TimeRemainingColumn)
+
     target = on or console
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("steps · {task.fields[per_step]}"), TimeElapsedColumn(),
                     TextColumn("left"), TimeRemainingColumn(), console=target, transient=True,
                     disable=not target.is_interactive)
+
+
+def matrix_progress(total: int, label: str, on: Console | None = None) -> "Progress":
+    """The probe matrix's progress bar: ``label``, bar, ``probes done/total``, elapsed and
+    remaining time, the last probe judged. Drawn on a terminal only, as ``progress``; ``on``
+    replaces the console (stderr under ``--json``, tests). Advance it with ``advance(bar, r)``
+    for each ``ProbeResult`` ``r``."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # lazy: probe only
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    target = on or console
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("probes"), TimeElapsedColumn(), TextColumn("left"),
+                   TimeRemainingColumn(), TextColumn("{task.fields[last]}"), console=target,
+                   transient=True, disable=not target.is_interactive)
+    bar.add_task(label, total=total, last="")
+    return bar
+
+
+def advance(bar: "Progress", result: object) -> None:
+    """Count one judged probe on a ``matrix_progress`` bar and name it."""
+    task = bar.task_ids[0]
+    bar.update(task, advance=1, last=f"{getattr(result, 'name', '')} {getattr(result, 'status', '')}")
 
 
 def per_step(samples: int, branches: int) -> str:
@@ -91,7 +143,7 @@ def per_step(samples: int, branches: int) -> str:
             f"branch{'es' if branches != 1 else ''}")
 
 
-def step_task(bar: Progress, description: str, steps: int, samples: int, branches: int) -> TaskID:
+def step_task(bar: "Progress", description: str, steps: int, samples: int, branches: int) -> "TaskID":
     """Add the task of one trajectory (``steps`` denoising steps of ``samples`` samples with
     ``branches`` CFG branches each) to a ``progress()`` bar."""
     return bar.add_task(description, total=steps, per_step=per_step(samples, branches))

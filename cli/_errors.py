@@ -1,5 +1,6 @@
-"""Exit codes for a command: a user error is one ``error:`` line and exit 2, a bug its traceback
-and exit 2, so that exit 1 always means "drift" (``cli/app.py``)."""
+"""Exit codes for a command (``drifttool.exit_codes``): a user error is one ``error:`` line and
+exit 2, a bug one ``internal error:`` line and exit 4 (its traceback with ``DRIFTTOOL_DEBUG=1``),
+so that exit 1 always means "drift" and 3 "incomparable or inconclusive"."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import typer
+from rich.markup import escape
 
-from drifttool.cli._console import err, error_line, silence_stdout
+from drifttool.cli._console import err, error_line, one_line, silence_stdout
 from drifttool.errors import DriftToolError
+from drifttool.exit_codes import DEBUG_ENV, ExitCode
 
 
 def _os_error(e: OSError) -> str:
@@ -69,6 +72,7 @@ _ONE_PROCESS = {
     "diff": "it reads artifacts (a multi-rank artifact diffs in one process)",
     "trace": "it reads an artifact (every rank's trace)",
     "overlay": "it reads artifacts",
+    "report": "it reads artifacts",
     "fixture verify": "it re-runs the fixture in one process",
     "fixture seal": "it writes one seal",
 }
@@ -129,11 +133,11 @@ def _print_error(e: DriftToolError, rank: int, world: int) -> None:
 
 def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = False
                 ) -> Callable[..., Any]:
-    """Exit codes for a command: ``DriftToolError``, an ``OSError`` on a named path (not a
-    directory, permission denied, name too long, disk full), running out of host or device
-    memory and Ctrl-C → one line, exit 2; any
-    other exception (a bug) → its traceback plus a line saying so, exit 2 (never 1, which means
-    drift); a closed stdout (``| head``) keeps the command's own exit code.
+    """Exit codes for a command (``drifttool.exit_codes``): ``DriftToolError``, an ``OSError``
+    on a named path (not a directory, permission denied, name too long, disk full) and running
+    out of host or device memory → one line, exit 2; Ctrl-C → one line, exit 130; any other
+    exception (a bug) → one ``internal error:`` line, exit 4 (``internal_error``); a closed
+    stdout (``| head``) keeps the command's own exit code.
 
     Under torchrun (``WORLD_SIZE`` > 1) a command that does not run on several ranks
     (``ranks=False``: all but ``run``, ``replay``, ``recompute``, ``probe`` and ``experiment``)
@@ -150,31 +154,47 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
             return fn(*args, **kwargs)
         except DriftToolError as e:
             _print_error(e, rank, world)
-            raise typer.Exit(2) from None
+            raise typer.Exit(ExitCode.USAGE) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")
-            raise typer.Exit(2) from None
+            raise typer.Exit(ExitCode.INTERRUPTED) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except BrokenPipeError:
             silence_stdout()
-            raise typer.Exit(2) from None
+            raise typer.Exit(ExitCode.USAGE) from None
         except MemoryError as e:  # numpy's _ArrayMemoryError too: the run does not fit, no bug
             error_line(_out_of_memory("host", e))
-            raise typer.Exit(2) from None
+            raise typer.Exit(ExitCode.USAGE) from None
         except torch_oom() as e:
             error_line(_out_of_memory("device", e))
-            raise typer.Exit(2) from None
-        except Exception as e:  # noqa: BLE001 - a bug: show it, but keep exit 1 meaning "drift"
+            raise typer.Exit(ExitCode.USAGE) from None
+        except Exception as e:  # noqa: BLE001 - a bug: one line, exit 4
             if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
                 raise
             if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
                 # the file system (a path the user named), not a bug
                 error_line(_os_error(e))
-                raise typer.Exit(2) from None
-            traceback.print_exc()
-            err.print("[bold red]internal error[/] (a drifttool bug, please report it with the "
-                      "traceback above)")
-            raise typer.Exit(2) from None
+                raise typer.Exit(ExitCode.USAGE) from None
+            internal_error(e)
+            raise typer.Exit(ExitCode.INTERNAL) from None
 
     return wrapper
+
+
+def debugging() -> bool:
+    """Whether ``DRIFTTOOL_DEBUG`` asks for tracebacks (set, and not empty or ``0``)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def internal_error(e: BaseException) -> None:
+    """Report a bug on stderr in one line (``internal error: TYPE: MESSAGE``), its traceback
+    first when ``debugging()``."""
+    if debugging():
+        traceback.print_exception(type(e), e, e.__traceback__)
+        hint = "please report it with the traceback above"
+    else:
+        hint = f"{DEBUG_ENV}=1 prints its traceback; please report it"
+    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    err.print(f"[bold red]internal error:[/] {escape(one_line(what))} (a drifttool bug; {hint})",
+              highlight=False, soft_wrap=True)

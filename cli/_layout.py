@@ -131,22 +131,32 @@ def start(dims: "ParallelDims", device: str) -> "DistContext":
 
 
 def on_ranks(dims: "ParallelDims", device: str, label: str, steps: int, batch: int, branches: int,
-             call: Callable[..., Any]) -> tuple["DistContext", Any]:
+             call: Callable[..., Any], *, quiet: bool = False) -> tuple["DistContext", Any]:
     """Start this process's place in the layout (``start``), run ``call(dist=, parallel=,
     on_step=)`` — with a progress bar of ``steps`` × ``batch`` × ``branches`` on rank 0, none on
-    the other ranks — and close the process group whatever happens. Returns (dist, result)."""
-    from drifttool.cli._console import progress, step_task  # lazy: likewise
+    the other ranks; ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
+    and close the process group whatever happens. Returns (dist, result)."""
+    from drifttool.cli._console import err, progress, step_task  # lazy: likewise
     from drifttool.distributed import close_distributed  # lazy: likewise
 
     dist = start(dims, device)
     try:
         if dist.rank != 0:
             return dist, call(dist=dist, parallel=dims)
-        with progress() as bar:
+        with progress(err if quiet else None) as bar:
             task = step_task(bar, label, steps, batch, branches)
             return dist, call(dist=dist, parallel=dims, on_step=lambda _: bar.advance(task))
     finally:
         close_distributed(dist)
+
+
+def ranks_data(dims: "ParallelDims", dist: "DistContext") -> dict[str, Any]:
+    """The layout a command ran in, for ``--json``: ``world_size``, ``layout``
+    (``"one process"``, ``"sample-parallel"`` or ``"parallel"``), ``tp``, ``sp``,
+    ``sp_attention`` (None without SP) and ``cfg_parallel``."""
+    layout = "parallel" if dims.parallel else ("sample-parallel" if dist.world_size > 1 else "one process")
+    return {"world_size": dist.world_size, "layout": layout, "tp": dims.tp, "sp": dims.sp,
+            "sp_attention": dims.sp_attention if dims.sp > 1 else None, "cfg_parallel": dims.cfg}
 
 
 def ranks_row(dims: "ParallelDims", dist: "DistContext") -> Optional[str]:

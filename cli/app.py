@@ -2,13 +2,17 @@
 
     drifttool run -o runs/a                   # strict run of the embedded default
     drifttool run --mode auto -o runs/b
-    drifttool diff runs/a runs/b              # exit 0 identical, 1 drift, 2 error/incomparable
+    drifttool diff runs/a runs/b              # exit 0 identical, 1 drift, 3 incomparable/inconclusive
     drifttool fixture verify                  # re-run the sealed default and check its digests
     drifttool trace runs/a                    # the operator trace
+    drifttool report runs/a runs/b -o report.html
 
-User errors (``DriftToolError``, a usage error such as a bad option value, a file-system error
-on a path the user named) print one ``error:`` line and exit 2, without a traceback. An internal
-error (a bug) prints its traceback and also exits 2, so that exit 1 always means "drift".
+Exit codes (``drifttool.exit_codes``, the last line of every command's ``--help``): 0 identical
+or success, 1 drift, 2 a usage error or bad input (``DriftToolError``, a bad option value, a
+file-system error on a path the user named: one ``error:`` line, no traceback), 3 incomparable or
+inconclusive, 4 an internal error (a bug: one ``internal error:`` line; ``DRIFTTOOL_DEBUG=1``
+prints its traceback), 130 Ctrl-C. typer's ``--install-completion`` and ``--show-completion``
+install shell completion.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import typer
 from typer.core import TyperGroup
 
 import drifttool
-from drifttool.cli import diff, experiment, fixture, overlay, probe, replay, run, trace
+from drifttool.cli import diff, experiment, fixture, overlay, probe, replay, report, run, trace
 from drifttool.cli._console import err, error_line
-from drifttool.cli._errors import user_errors
+from drifttool.cli._errors import internal_error, user_errors
 from drifttool.cli._threads import threaded
+from drifttool.exit_codes import EXIT_HELP, ExitCode
 
 # click's exceptions as typer raises them (typer >= 0.2x vendors click as ``typer._click``)
 _click_errors = sys.modules[typer.BadParameter.__module__]
@@ -32,7 +37,8 @@ _NO_ARGS_IS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())  # click >= 8
 class _Group(TyperGroup):
     """The ``drifttool`` group: click/typer usage errors (bad or missing option, unknown command)
     as one ``error:`` line naming the command's ``--help``, exit 2, instead of typer's boxed
-    usage text; ``--help``, ``--version`` and a bare group's help behave as usual."""
+    usage text; an exception no command handled (a bug) as one ``internal error:`` line, exit 4;
+    ``--help``, ``--version``, shell completion and a bare group's help behave as usual."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -40,15 +46,18 @@ class _Group(TyperGroup):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP:  # the help was printed when the error was built
-            code = 2
+            code = ExitCode.USAGE
         except _click_errors.ClickException as e:
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")
-            code = 2  # never 1, which means "drift"
-        except typer.Abort:
+            code = ExitCode.USAGE  # never 1, which means "drift"
+        except (typer.Abort, KeyboardInterrupt):
             err.print("[bold red]interrupted[/]")
-            code = 2
+            code = ExitCode.INTERRUPTED
+        except Exception as e:  # noqa: BLE001 - a bug outside a command's own handling
+            internal_error(e)
+            code = ExitCode.INTERNAL
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -56,9 +65,9 @@ app = typer.Typer(
     name="drifttool",
     cls=_Group,
     help="Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT.",
+    epilog=EXIT_HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
 )
 
 
@@ -77,6 +86,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 COMMANDS = (
     ("run", run.run), ("diff", diff.diff), ("trace", trace.trace), ("probe", probe.probe),
     ("overlay", overlay.overlay), ("replay", replay.replay), ("recompute", replay.recompute),
+    ("report", report.report),
 )
 """Every ``drifttool`` command, in one list (each wrapped by ``user_errors``)."""
 GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
@@ -84,12 +94,12 @@ GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
 _RANKS = ("run", "replay", "recompute", "probe")
 """Commands that run on torchrun's ranks (``cli._layout``); every other command refuses torchrun
 in one line naming why (``cli._errors.one_process_refusal``)."""
-_COMPUTES = ("run", "replay", "recompute", "probe", "diff", "overlay")
+_COMPUTES = ("run", "replay", "recompute", "probe", "diff", "overlay", "report")
 """Commands that run torch's operators and take ``--threads`` (``cli._threads``)."""
 
 for _name, _fn in COMMANDS:
     _cmd = threaded(_fn) if _name in _COMPUTES else _fn
-    app.command(_name)(user_errors(_cmd, command=_name, ranks=_name in _RANKS))
+    app.command(_name, epilog=EXIT_HELP)(user_errors(_cmd, command=_name, ranks=_name in _RANKS))
 for _name, _group in GROUPS:
     app.add_typer(_group, name=_name)
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from drifttool.cli import _json
 from drifttool.cli._console import console, tolerate_closed_stdout
 
 
 def diff(
     run_a: Path = typer.Argument(..., help="Baseline artifact directory."),
     run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    as_json: bool = _json.option(),
+    junit: Optional[Path] = typer.Option(
+        None, "--junit", metavar="FILE",
+        help="Also write the diff as JUnit XML (one test case per compared step, the first drift "
+             "as the failure message) for CI."),
     localize: bool = typer.Option(
         False, "--localize",
         help="Re-execute the first drifting step of both runs at L2 (attention unfused) from their "
@@ -52,8 +56,10 @@ def diff(
 
     With --clip-range EPS the log-prob drift per step and branch is judged against the clip range.
 
+    With --junit FILE the diff is also written as JUnit XML, which CI systems show as tests.
+
     Exit 0 identical (or, with --tolerance, a drift within the profile), 1 drift or semantic
-    mismatch, 2 incomparable, inconclusive or error.
+    mismatch, 2 bad input, 3 incomparable or inconclusive.
     """
     from drifttool.artifact.reader import open_run  # lazy: `drifttool --help` needs no pyarrow
     from drifttool.diff.compare import diff_runs  # lazy: likewise
@@ -74,13 +80,17 @@ def diff(
 
         _, result = run_localize(run_a, run_b, out_dir=localize_dir, report=report,
                                  options=RerunOptions(fixture=fixture))
-    with tolerate_closed_stdout():
-        if as_json:
-            data = report.to_dict()
-            if result is not None:
-                data["localize"] = result.to_dict()
-            typer.echo(json.dumps(data, indent=2, allow_nan=False))
-        else:
+    if junit is not None:
+        from drifttool.reports.junit import diff_suite, write_junit  # lazy: only --junit needs it
+
+        write_junit([diff_suite(report)], junit)
+    if as_json:
+        data = report.to_dict()
+        if result is not None:
+            data["localize"] = result.to_dict()
+        _json.emit("diff", data)
+    else:
+        with tolerate_closed_stdout():
             render(report, console)
             if result is not None:
                 from drifttool.training.render_localize import render_localize  # lazy: likewise

@@ -23,8 +23,10 @@ from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
 from drifttool.cli._threads import threaded
 from drifttool.errors import DriftToolError
+from drifttool.exit_codes import EXIT_HELP
 
-app = typer.Typer(help="Train-rollout experiments on the embedded default.", no_args_is_help=True)
+app = typer.Typer(help="Train-rollout experiments on the embedded default.", epilog=EXIT_HELP,
+                  no_args_is_help=True)
 
 
 def _num(x, digits: int = 3) -> str:
@@ -68,7 +70,7 @@ def _samples(text: Optional[str]):
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@app.command("train-rollout")
+@app.command("train-rollout", epilog=EXIT_HELP)
 @threaded
 def train_rollout_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Directory for the artifacts and the result table."),
@@ -134,7 +136,7 @@ def _print_train_rollout(rows: list, out: Path) -> None:
                   f"drifttool diff {out}/rollout-<r> {out}/train-<t>-on-<r>", highlight=False)
 
 
-@app.command("grpo")
+@app.command("grpo", epilog=EXIT_HELP)
 @threaded
 def grpo_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Directory for grpo.arrow / grpo.json."),

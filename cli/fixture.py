@@ -8,37 +8,49 @@ from typing import Optional
 
 import typer
 
+from drifttool.cli import _json
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
+from drifttool.exit_codes import EXIT_HELP
 from drifttool.fixture import seal
 
-app = typer.Typer(help="Verify or seal fixtures.", no_args_is_help=True)
+app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
 
-@app.command("verify")
+@app.command("verify", epilog=EXIT_HELP)
 @threaded
 def verify(
     fixture: Optional[str] = typer.Argument(None, help="Fixture name, directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
+    as_json: bool = _json.option(),
 ) -> None:
-    """Check the seal, re-run the fixture and diff against its expected digests."""
+    """Check the seal, re-run the fixture and diff against its expected digests.
+
+    Exit 0 when the replay is identical to the expected artifact, 1 on a drift, 3 when they are
+    incomparable or the comparison is inconclusive, 2 on a broken seal or a bad fixture.
+    """
     from drifttool.diff.render import render  # lazy: `drifttool --help` needs no pyarrow
-    from drifttool.diff.report import exit_code  # lazy: likewise
     from drifttool.verify import verify_fixture  # lazy: likewise
 
     result = user_errors(verify_fixture, command="fixture verify")(fixture, workdir)
-    code = exit_code(result.report.verdict)
+    code = result.report.exit_code
     keep = workdir is not None or code != 0  # a failed replay stays for inspection
-    where = f"replay in {result.run_dir}" if keep else "replay removed"
-    console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
-    render(result.report, console)
+    if as_json:
+        _json.emit("fixture verify", {
+            "fixture": result.fixture, "content_digest": result.content_digest, "seal": "ok",
+            "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
+            "report": result.report.to_dict()})
+    else:
+        where = f"replay in {result.run_dir}" if keep else "replay removed"
+        console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
+        render(result.report, console)
     if not keep:
         shutil.rmtree(result.run_dir.parent, ignore_errors=True)
     raise typer.Exit(code)
 
 
-@app.command("seal")
+@app.command("seal", epilog=EXIT_HELP)
 def seal_cmd(path: Path = typer.Argument(..., help="Fixture directory to (re)seal.")) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory."""
     console.print(f"sealed {path}: {user_errors(seal, command='fixture seal')(path)}")

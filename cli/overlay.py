@@ -9,8 +9,7 @@ import typer
 
 from drifttool.cli._console import console, err
 from drifttool.errors import DriftToolError
-
-
+from drifttool.exit_codes import ExitCode
 
 def overlay(
     runs: List[Path] = typer.Argument(..., help="Baseline artifact, then the runs to compare."),
@@ -21,8 +20,8 @@ def overlay(
     the baseline RUN_A on one figure (RFC qwenimage_ablation_overlay).
 
     Exit 0 when the figure is written and every run was compared (identical or drifting);
-    2 when a run is incomparable or inconclusive (the figure is still written and names it, as
-    `drifttool diff` exits 2 for it), or on an unreadable artifact.
+    3 when a run is incomparable or inconclusive (the figure is still written and names it, as
+    `drifttool diff` exits 3 for it); 2 on an unreadable artifact.
     """
     from drifttool.probes.plots import overlay as draw  # lazy: `drifttool --help` needs no pyarrow
 
@@ -41,4 +40,4 @@ def overlay(
     if unsure:
         err.print(f"[bold yellow]not compared:[/] {', '.join(unsure)}: the figure names "
                   "them, with no curve", highlight=False)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.UNSURE)

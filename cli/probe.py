@@ -12,6 +12,7 @@ them sample-parallel): every run of the matrix on every rank, rank 0 judging and
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _layout
-from drifttool.cli._console import console
+from drifttool.cli import _json, _layout
+from drifttool.cli._console import advance, console, err, matrix_progress
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
 
@@ -54,12 +55,19 @@ def probe(
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
     cfg_parallel: int = _layout.cfg_parallel_option(),
+    as_json: bool = _json.option(),
+    junit: Optional[Path] = typer.Option(
+        None, "--junit", metavar="FILE",
+        help="Also write the matrix as JUnit XML (one test case per probe; a finding fails with "
+             "its reasons and first drift) for CI."),
 ) -> None:
     """Run the baseline and every probe, diff each against the baseline, judge the expectation.
 
-    Prints the matrix, writes OUT/matrix.arrow and OUT/matrix.json, and OUT/heatmaps/<probe>.png
-    for each drifting probe. Exit 0 when every expectation holds (pending probes are listed),
-    1 when any probe is a finding (a failed expectation or an error), 2 on a usage error.
+    Prints the matrix (a progress bar with probes done/total and the time left while it runs),
+    writes OUT/matrix.arrow and OUT/matrix.json, and OUT/heatmaps/<probe>.png for each drifting
+    probe; --junit FILE also writes JUnit XML. Exit 0 when every expectation holds (pending probes
+    are listed), 1 when any probe is a finding (a failed expectation or an error), 2 on a usage
+    error.
     With --peer diffusers the matrix is the peer matrix (``drifttool.probes.peer``): the same
     outputs and exit codes; OBSERVED probes are reported, never judged. With --distributed the
     matrix is the distributed group (``drifttool.probes.distributed``): the same outputs, plus
@@ -87,9 +95,10 @@ def probe(
         if distributed and device not in (None, "cpu"):
             raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
                                  "is not supported there")
+        report = _Report(heatmaps=heatmaps, as_json=as_json, junit=junit)
         if peer is not None:
             return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
-                         grid=(height, width), list_only=list_only, heatmaps=heatmaps,
+                         grid=(height, width), list_only=list_only, report=report,
                          overwrite=overwrite)
         if preset is not None and preset not in PRESETS:
             raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
@@ -106,7 +115,9 @@ def probe(
                 raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")
             probes = [p for p in probes if p.name in names]
         if list_only:
-            if launch is None or launch.rank == 0:
+            if (launch is None or launch.rank == 0) and as_json:
+                _json.emit("probe list", {"probes": [_listed(p, distributed) for p in probes]})
+            elif launch is None or launch.rank == 0:
                 for p in probes:
                     pend = f"  [pending: {p.pending}]" if p.pending else ""
                     layout = f"{p.layout:16} " if distributed else ""
@@ -126,23 +137,27 @@ def probe(
         _layout.check_launch(dims, launch, "probe")
     if launch is None:
         _clear_out(out)
-        _report(_matrix(probes, out, base), out, heatmaps)
+        report(_matrix(probes, out, base, quiet=as_json), out)
     else:
-        _launched(dims, probes, out, base, heatmaps)
+        _launched(dims, probes, out, base, report)
 
 
-def _matrix(probes, out: Path, base, **where):
-    """The probe matrix with a spinner naming each probe as it is judged."""
+def _listed(p, distributed: bool) -> dict:
+    """One catalog entry for ``--list --json``."""
+    return {"name": p.name, "kind": p.kind, "factor": p.factor, "expected": p.expect.describe(),
+            "pending": p.pending or None, "layout": p.layout if distributed else None}
+
+
+def _matrix(probes, out: Path, base, *, quiet: bool = False, **where):
+    """The probe matrix with a progress bar (probes done/total, time left, the last probe
+    judged); on stderr when ``quiet`` (``--json``)."""
     from drifttool.probes.runner import run_matrix  # lazy: keeps torch out of `drifttool --help`
 
-    with console.status("probe matrix") as status:
-        def progress(r):
-            status.update(f"probe matrix: {r.name} {r.status}")
-
-        return run_matrix(probes, out, base=base, on_result=progress, **where)
+    with matrix_progress(len(probes), "probe matrix", err if quiet else None) as bar:
+        return run_matrix(probes, out, base=base, on_result=lambda r: advance(bar, r), **where)
 
 
-def _launched(dims, probes, out: Path, base, heatmaps: bool) -> None:
+def _launched(dims, probes, out: Path, base, report: "_Report") -> None:
     """The matrix on torchrun's ranks, in ``dims`` (sample-parallel when it is one process):
     rank 0 clears OUT while the others wait, every rank runs the matrix, rank 0 reports."""
     from drifttool.distributed import close_distributed  # lazy: keeps torch out of `drifttool --help`
@@ -155,17 +170,17 @@ def _launched(dims, probes, out: Path, base, heatmaps: bool) -> None:
             _clear_out(out)
         barrier()
         where = dict(dist=dist, parallel=dims if dims.parallel else None)
-        matrix = _matrix(probes, out, base, **where) if dist.rank == 0 else \
+        matrix = _matrix(probes, out, base, quiet=report.as_json, **where) if dist.rank == 0 else \
             run_matrix(probes, out, base=base, **where)
     finally:
         close_distributed(dist)
     if dist.rank == 0:
-        _report(matrix, out, heatmaps)
+        report(matrix, out)
 
 
 def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
           checkpoint: Path | None, device: str | None, grid: tuple, list_only: bool,
-          heatmaps: bool, overwrite: bool) -> None:
+          report: "_Report", overwrite: bool) -> None:
     """``drifttool probe --peer NAME``: the peer matrix (``drifttool.probes.peer``)."""
     from drifttool.probes import peer as P  # lazy: keeps torch out of `drifttool --help`
 
@@ -174,6 +189,9 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
     if preset not in (None, "tiny") or (preset is not None and checkpoint is not None):
         raise DriftToolError("--peer runs the tiny fixture's transformer or --checkpoint DIR")
     probes = P.select(P.peer_catalog(), only)
+    if list_only and report.as_json:
+        _json.emit("probe list", {"probes": [_listed(p, False) for p in probes]})
+        return
     if list_only:
         for p in probes:
             console.print(P.describe(p), highlight=False, markup=False)
@@ -187,25 +205,45 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
     _clear_out(out)
     transformer = P.load_peer(checkpoint, device=dev)
     with tempfile.TemporaryDirectory(prefix="drifttool-peer-") as tmp, \
-            console.status("peer matrix") as status:
+            matrix_progress(len(probes), "peer matrix", err if report.as_json else None) as bar:
         fixture = None if img_grid is None else P.grid_fixture(Path(tmp) / "fixture", img_grid)
         matrix = P.run_peer_matrix(
             probes, out, transformer=transformer, device=dev,
             base=P.peer_baseline(checkpoint=checkpoint, fixture=fixture),
-            on_result=lambda r: status.update(f"peer matrix: {r.name} {r.status}"))
-    _report(matrix, out, heatmaps)
+            on_result=lambda r: advance(bar, r))
+    report(matrix, out)
 
 
-def _report(matrix, out: Path, heatmaps: bool) -> None:
-    """Print the matrix, write OUT/matrix.arrow and .json (and the heatmaps), exit with its code."""
-    from drifttool.probes.matrix import render_matrix, write_matrix  # lazy: keeps torch out of --help
+@dataclasses.dataclass(frozen=True)
+class _Report:
+    """How a finished matrix is reported: heatmaps, ``--json``, ``--junit FILE``."""
 
-    render_matrix(matrix, console)
-    jpath, apath = write_matrix(matrix, out)
-    drawn = _heatmaps(matrix, out) if heatmaps else []
-    console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
-                                               if drawn else ""), highlight=False)
-    raise typer.Exit(matrix.exit_code)
+    heatmaps: bool
+    as_json: bool
+    junit: Optional[Path]
+
+    def __call__(self, matrix, out: Path) -> None:
+        """Print the matrix (or its JSON document), write OUT/matrix.arrow and .json (and the
+        heatmaps, the JUnit XML), exit with its code."""
+        from drifttool.probes.matrix import matrix_data, render_matrix, write_matrix  # lazy: torch
+
+        if not self.as_json:
+            render_matrix(matrix, console)
+        jpath, apath = write_matrix(matrix, out)
+        drawn = _heatmaps(matrix, out) if self.heatmaps else []
+        if self.junit is not None:
+            from drifttool.reports.junit import probe_suite, write_junit  # lazy: only --junit
+
+            write_junit([probe_suite(matrix)], self.junit)
+        if self.as_json:
+            _json.emit("probe", {**matrix_data(matrix), "files": {
+                "matrix_json": str(jpath), "matrix_arrow": str(apath),
+                "heatmaps": [str(p) for p in drawn],
+                "junit": None if self.junit is None else str(self.junit)}})
+        else:
+            console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
+                                                       if drawn else ""), highlight=False)
+        raise typer.Exit(matrix.exit_code)
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

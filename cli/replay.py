@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _layout
+from drifttool.cli import _json, _layout
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -55,6 +55,7 @@ def replay(
     sp_attention: Optional[str] = _layout.sp_attention_option(),
     cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
+    as_json: bool = _json.option(),
 ) -> None:
     """Re-execute a trajectory from its artifact's replay inputs.
 
@@ -83,8 +84,12 @@ def replay(
         _layout.check_launch(dims, launch, "replay")
     dist, s = _layout.on_ranks(dims, settings.device, "replay", stored.sampler.num_steps,
                                stored.inputs.batch, _branches(stored),
-                               lambda **kw: replay_run(run_dir, out, options, **kw))
+                               lambda **kw: replay_run(run_dir, out, options, **kw), quiet=as_json)
     if dist.rank != 0:
+        return
+    if as_json:
+        _json.emit("replay", {**s, "source": str(run_dir), "ranks": _layout.ranks_data(dims, dist),
+                              "compare": ["drifttool", "diff", str(run_dir), str(out)]})
         return
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
@@ -113,6 +118,7 @@ def recompute(
     sp_attention: Optional[str] = _layout.sp_attention_option(),
     cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
+    as_json: bool = _json.option(),
 ) -> None:
     """Training recompute of a stored rollout (phase train, autograd on).
 
@@ -147,8 +153,16 @@ def recompute(
         _layout.check_launch(dims, launch, "recompute")
     dist, s = _layout.on_ranks(dims, device, "train recompute", stored.sampler.num_steps,
                                stored.inputs.batch, _branches(stored),
-                               lambda **kw: recompute_run(stored, out, options, train, **kw))
+                               lambda **kw: recompute_run(stored, out, options, train, **kw),
+                               quiet=as_json)
     if dist.rank != 0:
+        return
+    if as_json:
+        _json.emit("recompute", {**{k: v for k, v in s.items() if k != "trajectory"}, "source": str(run_dir), "ranks": _layout.ranks_data(dims, dist),
+                                 "timestep_policy": stored.sampler.timestep_policy,
+                                 "cfg_layout": stored.sampler.cfg_layout,
+                                 "stored_latents": stored.latent_dtype,
+                                 "compare": ["drifttool", "diff", str(run_dir), str(out)]})
         return
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _layout
+from drifttool.cli import _json, _layout
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -63,6 +63,7 @@ def run(
     sp_attention: Optional[str] = _layout.sp_attention_option(),
     cfg_parallel: int = _layout.cfg_parallel_option(),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact directory."),
+    as_json: bool = _json.option(),
 ) -> None:
     """Run a CFG/SDE trajectory (strict by default) and write its Arrow artifact to OUT.
 
@@ -100,25 +101,31 @@ def run(
     # one process without torchrun; under it, rank r runs on cuda:LOCAL_RANK for --device cuda
     dist, summary = _layout.on_ranks(
         dims, settings.device, f"{settings.mode.value} rollout", settings.steps, len(settings.samples),
-        settings.cfg_branches, lambda **kw: execute(spec, out, overwrite=overwrite, **kw))
+        settings.cfg_branches, lambda **kw: execute(spec, out, overwrite=overwrite, **kw),
+        quiet=as_json)
     if dist.rank != 0:
         return
-    table = Table(title=f"drifttool run → {out}", show_header=False)
-    for key in ("mode", "capture", "steps", "samples", "complete"):
-        table.add_row(key, str(summary[key]))
-    if (ranks := _layout.ranks_row(dims, dist)) is not None:
-        table.add_row("ranks", ranks)
-    record = settings.record()
-    for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
-                "lora_mode"):
-        if key in record:
-            table.add_row(key, str(record[key]))
-    table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
-    table.add_row("image", "{}x{} px".format(*settings.image_size))
-    table.add_row("device", settings.device)
-    for role, rec in (record.get("input_files") or {}).items():
-        table.add_row(role, f"{rec['path']} (sha256 {rec['sha256'][:12]}…)")
-    console.print(table)
+    if as_json:
+        _json.emit("run", {**summary, "settings": settings.record(), "ranks": _layout.ranks_data(dims, dist),
+                           "cfg": settings.cfg_branches == 2, "image_px": list(settings.image_size),
+                           "device": settings.device})
+    else:
+        table = Table(title=f"drifttool run → {out}", show_header=False)
+        for key in ("mode", "capture", "steps", "samples", "complete"):
+            table.add_row(key, str(summary[key]))
+        if (ranks := _layout.ranks_row(dims, dist)) is not None:
+            table.add_row("ranks", ranks)
+        record = settings.record()
+        for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
+                    "lora_mode"):
+            if key in record:
+                table.add_row(key, str(record[key]))
+        table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
+        table.add_row("image", "{}x{} px".format(*settings.image_size))
+        table.add_row("device", settings.device)
+        for role, rec in (record.get("input_files") or {}).items():
+            table.add_row(role, f"{rec['path']} (sha256 {rec['sha256'][:12]}…)")
+        console.print(table)
     if summary["nonfinite"]:
         err.print(f"[bold yellow]warning:[/] {summary['nonfinite']} non-finite values in the "
                   "trajectory's latents and velocities (recorded in the artifact's non-finite counts)")

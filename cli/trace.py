@@ -7,12 +7,14 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from drifttool.cli import _json
 from drifttool.cli._console import console
 
 
 def trace(
     run_dir: Path = typer.Argument(..., help="Artifact directory."),
     fallbacks_only: bool = typer.Option(False, "--fallbacks", help="Show only call sites that fell back."),
+    as_json: bool = _json.option(),
 ) -> None:
     """Show every call site of every rank: rank, device, component, block, stream, op,
     requested and actual backend, kernel, contract, fallback (sites in program order: blocks
@@ -39,6 +41,13 @@ def trace(
     rows = sorted(every, key=order)
     if fallbacks_only:
         rows = [r for r in rows if r["fallback"]]
+    n_fb = sum(1 for r in every if r["fallback"])
+    ranks = sorted({r["rank"] for r in every})
+    if as_json:  # every column as stored; the block as a number (schema.SAMPLER_BLOCK: the sampler)
+        _json.emit("trace", {"run": str(run_dir), "mode": run.manifest.get("settings", {}).get("mode"),
+                             "complete": run.complete, "call_sites": len(every), "fallbacks": n_fb,
+                             "ranks": ranks, "sites": rows})
+        return
     table = Table(title=f"operator trace — {run_dir} (mode {run.manifest.get('settings', {}).get('mode')})")
     cols = ("rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
             "kernel", "contract", "fallback", "reason", "calls")
@@ -47,8 +56,6 @@ def trace(
     for r in rows:
         table.add_row(*(S.block_name(r[c]) if c == "block" else str(r[c]) for c in cols))
     console.print(table)
-    n_fb = sum(1 for r in every if r["fallback"])
-    ranks = sorted({r["rank"] for r in every})
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
     if not run.complete:

@@ -74,16 +74,23 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def to_dict(m: Matrix) -> dict[str, Any]:
-    """JSON-ready: settings, timings, counts per status and every result."""
+def matrix_data(m: Matrix) -> dict[str, Any]:
+    """Settings, timings, counts per status and every result, as Python data (floats as they
+    are: ``drifttool probe --json`` encodes them with ``drifttool.reports.jsondata``)."""
     counts = {s: sum(r.status == s for r in m.results)
               for s in STATUSES}
-    return _plain({
+    return {
         "matrix_version": MATRIX_VERSION, "out": m.out, "baseline": m.baseline,
         "settings": m.settings, "seconds": m.seconds, "baseline_seconds": m.baseline_seconds,
         "counts": counts, "exit_code": m.exit_code,
         "results": [dataclasses.asdict(r) for r in m.results],
-    })
+    }
+
+
+def to_dict(m: Matrix) -> dict[str, Any]:
+    """JSON-ready ``matrix_data`` as ``matrix.json`` holds it (a non-finite float as the string
+    ``"nan"``, ``"inf"`` or ``"-inf"``)."""
+    return _plain(matrix_data(m))
 
 
 def to_arrow(results: list[ProbeResult]) -> pa.Table:

@@ -87,8 +87,19 @@ def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
     inputs = inputs + prompt_layouts(run_a, run_b)
-    trace = _trace_differences(run_a, run_b)
-    return _capped(out, MAX_LISTED) + _capped(inputs, MAX_LISTED) + _capped(trace, MAX_TRACE)
+    return out + inputs + _trace_differences(run_a, run_b)
+
+
+def shown_context(lines: list[str]) -> list[str]:
+    """``context``'s lines as a person reads them: at most ``MAX_LISTED`` fingerprint and
+    ``MAX_LISTED`` input lines, ``MAX_TRACE`` trace lines, each kind's last line saying how many
+    were left out (the report's data keeps every line)."""
+    kinds: dict[str, list[str]] = {"other": [], "inputs": [], "trace": []}
+    for line in lines:
+        kind = "trace" if line.startswith("trace ") else "inputs" if line.startswith("inputs.") else "other"
+        kinds[kind].append(line)
+    return (_capped(kinds["other"], MAX_LISTED) + _capped(kinds["inputs"], MAX_LISTED)
+            + _capped(kinds["trace"], MAX_TRACE))
 
 
 _SAMPLE_AXIS = {"x0": 0, "noise": 1, "txt": 0, "txt_mask": 0, "neg_txt": 0, "neg_mask": 0}

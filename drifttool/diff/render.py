@@ -43,6 +43,7 @@ from rich.table import Table
 
 from drifttool.artifact.schema import block_name
 from drifttool.diff.clip import percent
+from drifttool.diff.context import shown_context
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 _STYLE = {Verdict.IDENTICAL: "bold green", Verdict.DRIFT: "bold red",
@@ -199,7 +200,7 @@ def render(report: DiffReport, console: Console | None = None) -> None:
         console.print(f"[{style}]{report.clip.verdict.upper()} CLIP NOISE FLOOR[/]  "
                       f"{report.clip.words()}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
-                                                                   report.context),
+                                                                   shown_context(report.context)),
                          ("notes", report.notes)):
         if lines:
             console.print(f"[bold]{title}[/]", highlight=False)

@@ -1,6 +1,6 @@
 """The diff result as data: verdict, first drift, per-step drift. ``to_json`` for machines.
 
-    {"verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
+    {"schema_version": 1, "verdict": "drift", "reason": "first drift at rollout step 3 block 5 img qk_rmsnorm ...",
      "level": "L2", "covers": "step records, operator outputs and their row digests",
      "first_drift": {"kind": "op", "rank_a": 1, "rank_b": 0, "row_rank_a": null,
                      "row_rank_b": null, "step": 3, "block": 5,
@@ -8,8 +8,9 @@
                      "rows": {"n_rows": 4102, "n_differ": 1, "first": [{"kind": "img", ...}]}},
      "steps": [{"step": 0, "identical": true, ...}, ...]}
 
-Exit codes (design.md, "Diff"): identical 0, drift 1, incomparable 2, inconclusive 2 (records are
-missing, so "no drift seen" is not "identical": a script must not read it as a pass), error 2.
+Exit codes (``drifttool.exit_codes``): identical 0, drift 1, incomparable 3, inconclusive 3
+(records are missing, so "no drift seen" is not "identical": a script must not read it as a pass);
+the CLI exits 2 on bad input and 4 on an internal error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK
+from drifttool.exit_codes import ExitCode
+from drifttool.reports.jsondata import SCHEMA_VERSION, plain
 
 
 class Verdict(str, enum.Enum):
@@ -36,13 +39,13 @@ class Verdict(str, enum.Enum):
     INCONCLUSIVE = "inconclusive"
 
 
-EXIT_CODES = {Verdict.IDENTICAL: 0, Verdict.DRIFT: 1, Verdict.INCOMPARABLE: 2,
-              Verdict.INCONCLUSIVE: 2}
+EXIT_CODES = {Verdict.IDENTICAL: ExitCode.OK, Verdict.DRIFT: ExitCode.DRIFT,
+              Verdict.INCOMPARABLE: ExitCode.UNSURE, Verdict.INCONCLUSIVE: ExitCode.UNSURE}
 
 
 def exit_code(verdict: Verdict) -> int:
-    """0 identical, 1 drift, 2 incomparable or inconclusive (the CLI exits 2 on errors too)."""
-    return EXIT_CODES[Verdict(verdict)]
+    """0 identical, 1 drift, 3 incomparable or inconclusive (``drifttool.exit_codes``)."""
+    return int(EXIT_CODES[Verdict(verdict)])
 
 
 @dataclass(kw_only=True)
@@ -402,32 +405,20 @@ class DiffReport:
     def exit_code(self) -> int:
         """``exit_code(self.verdict)``; with a tolerance profile, a drift whose differing records
         are all within it exits 0. A semantic mismatch (the runs are different programs) exits 1
-        whatever the bytes say, tolerance or not; incomparable and inconclusive stay 2."""
+        whatever the bytes say, tolerance or not; incomparable and inconclusive stay 3."""
         if self.semantic is not None and self.semantic.mismatch and self.verdict in (
                 Verdict.IDENTICAL, Verdict.DRIFT):
-            return 1
+            return int(ExitCode.DRIFT)
         if self.verdict == Verdict.DRIFT and self.tolerance is not None and self.tolerance.ok:
             return 0
         return exit_code(self.verdict)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data; non-finite floats become the strings ``"nan"``, ``"inf"``,
-        ``"-inf"`` (strict JSON has no NaN)."""
-        return _plain(dataclasses.asdict(self))
+        """Plain JSON-ready data with ``schema_version`` first; a non-finite float becomes
+        ``null`` beside a ``<key>_nonfinite`` key naming it (``drifttool.reports.jsondata``)."""
+        return {"schema_version": SCHEMA_VERSION, **plain(dataclasses.asdict(self))}
 
     def to_json(self, **kwargs: Any) -> str:
         """``to_dict()`` as strict JSON (``kwargs`` go to ``json.dumps``; default indent 2)."""
         kwargs.setdefault("indent", 2)
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, enum.Enum):
-        return x.value
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x

@@ -42,8 +42,9 @@ from typing import Any
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict, _plain
+from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict
 from drifttool.errors import DriftToolError
+from drifttool.reports.jsondata import plain
 from drifttool.training.options import RerunOptions
 from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
                                             step_model)
@@ -126,7 +127,7 @@ class LocalizeResult:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diff"}
         out["first_drift"] = None if self.first_drift is None else dataclasses.asdict(self.first_drift)
         out["diff"] = None if self.diff is None else self.diff.to_dict()
-        return _plain(out)
+        return plain(out)
 
 
 def _x_t_words(s: StepDrift) -> str:

@@ -10,3 +10,23 @@ def strict_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "strict"
     execute(RunSpec(), out)
     return out
+
+
+@pytest.fixture
+def fake_matrix(tmp_path):
+    """A probe matrix of four results (PASS, FINDING with a NaN drift, PENDING, ERROR), as
+    ``probes.runner.run_matrix`` returns it, without running any probe."""
+    from drifttool.probes.runner import Matrix, ProbeResult
+
+    def result(name, status, **kw):
+        return ProbeResult(name=name, factor="f", kind="mismatch", change="c", expected="drift",
+                           expected_op="op", status=status, **kw)
+
+    return Matrix(out=str(tmp_path / "m"), baseline=str(tmp_path / "m" / "runs" / "baseline"),
+                  settings={"fixture": "tiny-t2i"}, seconds=1.5, baseline_seconds=0.5, results=[
+                      result("repeat", "PASS", verdict="identical", seconds=0.25),
+                      result("gelu_exact", "FINDING", verdict="drift", v_t=float("nan"),
+                             first_drift="rollout step 0 cond block 0 img mlp_up_gemm_gelu#0",
+                             reasons=["first drift at mlp_up_gemm_gelu, expected final_adaln_out"]),
+                      result("fp8", "PENDING", reasons=["needs a GPU"]),
+                      result("broken", "ERROR", reasons=["RuntimeError: boom"])])

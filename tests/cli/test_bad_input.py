@@ -60,7 +60,7 @@ def test_incomparable_architecture_names_the_field(cli, tmp_path, strict_run):
         save_checkpoint(random_init_(MMDiT(cfg, dtype=torch.bfloat16), seed=1), tmp_path / "deep")
     assert cli("run", "--checkpoint", tmp_path / "deep", "-o", tmp_path / "r")[0] == 0
     code, out = cli("diff", strict_run, tmp_path / "r")
-    assert code == 2 and "INCOMPARABLE" in out.upper() and "num_layers" in out, out
+    assert code == 3 and "INCOMPARABLE" in out.upper() and "num_layers" in out, out
 
 
 def test_checkpoint_with_wrong_keys_and_shapes(cli, tmp_path):
@@ -128,7 +128,7 @@ def test_interrupted_run_keeps_finished_steps_and_diff_is_inconclusive(cli, tmp_
     assert sorted(set(steps.column("step").to_pylist())) == [0, 1]
     assert open_run(tmp_path / "cut").trace_rows(), "the trace so far is kept"
     code, out = cli("diff", strict_run, tmp_path / "cut", "--json")
-    assert code == 2, out
+    assert code == 3, out
     rep = json.loads(out)
     assert rep["verdict"] == "inconclusive"
 
@@ -210,7 +210,7 @@ def test_mode_off_run_is_named_in_the_diff(cli, tmp_path, strict_run):
     code, out = cli("run", "--mode", "off", "-o", tmp_path / "off")
     assert code == 0 and "captures nothing" in out
     code, out = cli("diff", strict_run, tmp_path / "off")
-    assert code == 2 and "--mode off" in out, out
+    assert code == 3 and "--mode off" in out, out
 
 
 def test_piped_diff_keeps_its_exit_code(tmp_path, strict_run):

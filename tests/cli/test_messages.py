@@ -49,7 +49,7 @@ def test_diff_of_disjoint_sample_sets_says_so(cli, tmp_path):
         assert cli("run", "--samples", str(i), "--steps", "2", "-o", tmp_path / f"s{i}")[0] == 0
     code, out = cli("diff", tmp_path / "s0", tmp_path / "s1", "--json")
     rep = json.loads(out)
-    assert code == 2 and rep["verdict"] == "inconclusive", out
+    assert code == 3 and rep["verdict"] == "inconclusive", out
     assert "sample sets are disjoint (samples [0] vs [1])" in rep["reason"], rep["reason"]
     assert "common records" not in rep["reason"], rep["reason"]
 

@@ -91,7 +91,7 @@ def test_overlay_never_draws_an_incomparable_run_as_identical(cli, tmp_path, str
 
     other = _incomparable_copy(strict_run, tmp_path / "other")
     code, out = cli("overlay", strict_run, strict_run, other, "-o", tmp_path / "ov.png")
-    assert code == 2, out  # as `drifttool diff` exits for an incomparable pair
+    assert code == 3, out  # as `drifttool diff` exits for an incomparable pair
     assert "other: INCOMPARABLE" in out and (tmp_path / "ov.png").is_file()
     fig, reports = plots.overlay_figure(strict_run, [strict_run, other], labels=["same", "other"])
     try:

@@ -26,7 +26,18 @@ def test_out_of_memory_is_one_line(exc, where, capsys):
     assert len([line for line in err.splitlines() if line.strip()]) <= 2  # one line, maybe wrapped
 
 
-def test_a_bug_still_shows_its_traceback(capsys):
+def test_a_bug_is_one_line_and_exit_4(capsys, monkeypatch):
+    monkeypatch.delenv("DRIFTTOOL_DEBUG", raising=False)
     with pytest.raises(typer.Exit) as info:
         _command(ZeroDivisionError("a bug"))()
-    assert info.value.exit_code == 2 and "internal error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert info.value.exit_code == 4 and "internal error: ZeroDivisionError: a bug" in err, err
+    assert "Traceback" not in err and len([x for x in err.splitlines() if x.strip()]) <= 2, err
+
+
+def test_drifttool_debug_shows_a_bugs_traceback(capsys, monkeypatch):
+    monkeypatch.setenv("DRIFTTOOL_DEBUG", "1")
+    with pytest.raises(typer.Exit) as info:
+        _command(ZeroDivisionError("a bug"))()
+    err = capsys.readouterr().err
+    assert info.value.exit_code == 4 and "Traceback" in err and "internal error" in err, err

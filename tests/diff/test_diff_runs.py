@@ -136,7 +136,7 @@ def test_kl_formula(make_run):
 def test_incomparable_arch_names_field(make_run):
     other = {"arch": {**ARCH, "depth": 60}, "weights": "w0", "scheduler": {"num_steps": 3}}
     r = diff(make_run("a"), make_run("b", fingerprint=other))
-    assert r.verdict is Verdict.INCOMPARABLE and r.exit_code == 2
+    assert r.verdict is Verdict.INCOMPARABLE and r.exit_code == 3
     assert r.incomparable == ["fingerprint.arch.depth: 2 != 60"]
     assert "fingerprint.arch.depth" in r.reason and r.steps == []
 
@@ -173,7 +173,7 @@ def test_inconclusive_truncated_run(make_run):
     ops = b / "ops.rank0.arrow"
     ops.write_bytes(ops.read_bytes()[:-50])  # cut inside the last (step 1) batch
     r = diff(a, b)
-    assert r.verdict is Verdict.INCONCLUSIVE and exit_code(r.verdict) == 2
+    assert r.verdict is Verdict.INCONCLUSIVE and exit_code(r.verdict) == 3
     assert r.identical_through == ("rollout", 0)  # step 1 lost its op records
     assert "identical through rollout step 0" in r.reason and "run B is incomplete" in r.reason
     assert any("ops.rank0.arrow: truncated after 1 complete batches" in n for n in r.notes)
@@ -253,4 +253,4 @@ def test_json_is_strict_and_complete(make_run):
 
 
 def test_exit_codes():
-    assert [exit_code(v) for v in Verdict] == [0, 1, 2, 2]
+    assert [exit_code(v) for v in Verdict] == [0, 1, 3, 3]

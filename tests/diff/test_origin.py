@@ -119,5 +119,5 @@ def test_prompt_difference_absorbed_by_every_record_is_inconclusive(make_run):
     a, b = make_run("a"), make_run("b", txt_bump={"sample": 0, "row": 4, "add": 0.5})
     r = diff_runs(open_run(a), open_run(b))
     assert r.counts["steps"].differ == 0 and r.counts["ops"].differ == 0
-    assert r.verdict is Verdict.INCONCLUSIVE and r.exit_code == 2
+    assert r.verdict is Verdict.INCONCLUSIVE and r.exit_code == 3
     assert "replay inputs differ (inputs.txt: differs (dtype, shape or bytes))" in r.reason

@@ -1,0 +1,34 @@
+"""The exit codes of every ``drifttool`` command, distinct for CI:
+
+    0  identical, or the command succeeded
+    1  drift (a probe matrix: a finding)
+    2  a usage error or bad input (an option, a path, an unreadable artifact or fixture)
+    3  incomparable or inconclusive: the runs cannot be aligned, or records are missing
+    4  an internal error (a drifttool bug): one line; DRIFTTOOL_DEBUG=1 adds the traceback
+
+Ctrl-C exits 130, as a shell reports it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """A command's exit status (module docstring)."""
+
+    OK = 0
+    DRIFT = 1
+    USAGE = 2
+    UNSURE = 3
+    INTERNAL = 4
+    INTERRUPTED = 130
+
+
+DEBUG_ENV = "DRIFTTOOL_DEBUG"
+"""Set (to anything but empty or 0) to print an internal error's traceback."""
+
+EXIT_HELP = ("Exit codes: 0 identical or success, 1 drift, 2 usage error or bad input, "
+             "3 incomparable or inconclusive, 4 internal error (DRIFTTOOL_DEBUG=1 prints its "
+             "traceback).")
+"""The line every command's ``--help`` ends with."""
