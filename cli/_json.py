@@ -2,7 +2,7 @@
 
     $ drifttool trace runs/a --json | jq '.sites[0].op'
 
-The document is ``drifttool.reports.jsondata.document``: ``schema_version``, ``command``, then
+The document is ``drifttool.jsondata.document``: ``schema_version``, ``command``, then
 the command's data (``tests/cli/test_json_shapes.py`` pins each shape). Warnings and notes stay
 on stderr and are also part of the data.
 """
@@ -27,7 +27,7 @@ def option() -> Any:
 
 def emit(command: str, data: dict[str, Any]) -> None:
     """Print ``data`` as the command's JSON document (strict JSON, indent 2) on stdout."""
-    from drifttool.reports.jsondata import document  # lazy: only --json needs it
+    from drifttool.jsondata import document  # lazy: only --json needs it
 
     with tolerate_closed_stdout():
         typer.echo(json.dumps(document(command, data), indent=2, allow_nan=False))

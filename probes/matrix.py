@@ -76,7 +76,7 @@ def _plain(x: Any) -> Any:
 
 def matrix_data(m: Matrix) -> dict[str, Any]:
     """Settings, timings, counts per status and every result, as Python data (floats as they
-    are: ``drifttool probe --json`` encodes them with ``drifttool.reports.jsondata``)."""
+    are: ``drifttool probe --json`` encodes them with ``drifttool.jsondata``)."""
     counts = {s: sum(r.status == s for r in m.results)
               for s in STATUSES}
     return {

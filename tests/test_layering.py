@@ -143,7 +143,7 @@ def _closure(start: str) -> set[str]:
 
 FLOORS = [
     {"__init__", "errors", "components", "shards", "digestcore", "fixture", "environment",
-     "collectives"},
+     "collectives", "exit_codes", "jsondata"},
     {"artifact/"},
     {"capture/"},
     {"diff/"},
@@ -156,7 +156,7 @@ FLOORS = [
     {"runner"},
     {"launch", "verify", "adapters/"},
     {"training/"},
-    {"probes/"},
+    {"probes/", "reports/"},
     {"cli/"},
     {"__main__"},
 ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK
 from drifttool.exit_codes import ExitCode
-from drifttool.reports.jsondata import SCHEMA_VERSION, plain
+from drifttool.jsondata import SCHEMA_VERSION, plain
 
 
 class Verdict(str, enum.Enum):
@@ -415,7 +415,7 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data with ``schema_version`` first; a non-finite float becomes
-        ``null`` beside a ``<key>_nonfinite`` key naming it (``drifttool.reports.jsondata``)."""
+        ``null`` beside a ``<key>_nonfinite`` key naming it (``drifttool.jsondata``)."""
         return {"schema_version": SCHEMA_VERSION, **plain(dataclasses.asdict(self))}
 
     def to_json(self, **kwargs: Any) -> str:

@@ -1,2 +1,3 @@
-"""Reports of drifttool's results for machines and people: JSON data (``jsondata``), JUnit XML
-for CI (``junit``) and a self-contained HTML page (``html``)."""
+"""Reports of drifttool's results for CI and people: JUnit XML (``junit``) and a self-contained
+HTML page (``html``, with its figures: ``figures``). The JSON encoding they and ``--json`` share is
+``drifttool.jsondata``."""

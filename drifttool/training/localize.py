@@ -44,7 +44,7 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict
 from drifttool.errors import DriftToolError
-from drifttool.reports.jsondata import plain
+from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
 from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
                                             step_model)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from drifttool.reports.jsondata import SCHEMA_VERSION, plain
+from drifttool.jsondata import SCHEMA_VERSION, plain
 from tests.cli.scripting import invoke, json_out, shape
 
 HEAD = {"schema_version": "int", "command": "str"}
