@@ -183,8 +183,8 @@ def world_size(manifest: dict[str, Any]) -> int:
 def files_problem(m: dict[str, Any]) -> str | None:
     """How ``files`` departs from what the writer gives: ``ops``/``steps``/``trace`` each a list
     of distinct ``rank_file`` names of its own table (no paths), of ranks below the world size,
-    with a suffix of the manifest's schema version (``SUFFIX_VERSIONS``; no stream in a complete
-    run); ``digests`` naming listed Parquet files only, and (a complete run of version 5) every
+    with a suffix of the manifest's schema version (``schema.suffix_fits``; no stream in a
+    complete run); ``digests`` naming listed Parquet files only, and (a complete run of version 5) every
     one of them."""
     world, version, files = world_size(m), m["schema_version"], m["files"]
     for table in S.RANK_TABLES:
@@ -196,7 +196,7 @@ def files_problem(m: dict[str, Any]) -> str | None:
         beyond = sorted(n for n, p in zip(names, parsed) if p[1] >= world)
         if beyond:
             return f"files.{table} lists {beyond[0]}, but layout.world_size is {world}"
-        odd = sorted(n for n, p in zip(names, parsed) if version not in S.SUFFIX_VERSIONS[p[2]]
+        odd = sorted(n for n, p in zip(names, parsed) if not S.suffix_fits(p[2], version)
                      or (m["complete"] and p[2] == S.STREAM))
         if odd:
             return (f"files.{table} lists {odd[0]}, which a {'complete ' * m['complete']}run of "
@@ -205,7 +205,7 @@ def files_problem(m: dict[str, Any]) -> str | None:
     digests = files.get("digests", {})
     if set(digests) - parquet:
         return f"files.digests names {min(set(digests) - parquet)}, which files does not list"
-    if m["complete"] and version >= 5 and parquet - set(digests):
+    if m["complete"] and version >= S.PARQUET_SINCE and parquet - set(digests):
         return f"files.digests lacks {min(parquet - set(digests))}"
     return None
 

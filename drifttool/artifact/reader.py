@@ -51,7 +51,7 @@ _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # IPC end-of-stream marker written b
 
 def _table_schema(path: Path, got: pa.Schema, want: pa.Schema) -> tuple[pa.Schema, bool]:
     """Check the schema ``got`` of the table file ``path`` against ``want``: a supported schema
-    version that files of its suffix hold (``SUFFIX_VERSIONS``) and the same columns. Returns
+    version that files of its suffix hold (``schema.suffix_fits``) and the same columns. Returns
     the schema to read it with and whether it is a version 3 op table (``_upgrade`` it).
 
     Raises:
@@ -62,7 +62,7 @@ def _table_schema(path: Path, got: pa.Schema, want: pa.Schema) -> tuple[pa.Schem
     if problem:
         raise ArtifactError(f"{path}: {problem}")
     suffix = S.parse_rank_file(path.name)[2]
-    if version not in S.SUFFIX_VERSIONS[suffix]:
+    if not S.suffix_fits(suffix, version):
         raise ArtifactError(f"{path}: holds a schema_version {version} table, which drifttool "
                             f"never writes as a {suffix} file")
     upgrade = version == 3 and want.equals(S.OPS_SCHEMA, check_metadata=False)

@@ -13,7 +13,7 @@ writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 
 (``drifttool.artifact.writer``); the reader presents every rank's records as one run, the
 owning rank a column (``drifttool.artifact.reader``).
 
-File formats (``SUFFIX_VERSIONS``): while a run writes, op and step records go to Arrow IPC
+File formats (``suffix_fits``): while a run writes, op and step records go to Arrow IPC
 *streams* (``<table>.rank<r>.arrows``, one record batch per step, flushed), so a run cut short
 keeps its finished steps readable. When the writer closes, each stream becomes a Parquet file
 (``<table>.rank<r>.parquet``, one row group per step) and the stream is removed: a finished
@@ -46,7 +46,7 @@ from drifttool.artifact import levels
 SCHEMA_VERSION = 5
 SUPPORTED_SCHEMA_VERSIONS = frozenset({3, 4, SCHEMA_VERSION})
 """Versions this reader can open; anything else raises ``ArtifactError`` (``version_problem``).
-Version 5 writes the finished tables as Parquet (``SUFFIX_VERSIONS``; the columns are version
+Version 5 writes the finished tables as Parquet (``suffix_fits``; the columns are version
 4's, with their meaning in the field metadata). Version 4 added the op records' ``rank_digests`` and ``rank_disagree`` (every rank's digest of a
 record in a TP/SP layout, and the ranks whose copy of a replicated output disagrees); a version 3
 file reads with both null (``RANK_COLUMNS``: not checked on every rank) and aligns with version
@@ -113,15 +113,21 @@ PARQUET, STREAM, LEGACY_STREAM = ".parquet", ".arrows", ".arrow"
 """File name suffixes of the per-rank tables: a finished table (Parquet), a table being written
 (Arrow IPC stream), a table of schema version 3 or 4 (Arrow IPC stream)."""
 
-SUFFIX_VERSIONS = {PARQUET: frozenset({5}), STREAM: frozenset({5}),
-                   LEGACY_STREAM: frozenset({3, 4})}
-"""The schema versions whose tables a file of that suffix may hold. A complete run of version 5
-holds Parquet only; an incomplete one also streams (its process died while writing them)."""
+PARQUET_SINCE = 5
+"""The first schema version whose finished tables are Parquet files (and whose streams are
+``.arrows``); earlier versions wrote ``.arrow`` streams only."""
+
+
+def suffix_fits(suffix: str, version: int) -> bool:
+    """Whether a table file with ``suffix`` belongs to an artifact of schema ``version``. A
+    complete run of version 5 or later holds Parquet only; an incomplete one also streams (its
+    process died while writing them)."""
+    return (suffix == LEGACY_STREAM) == (version < PARQUET_SINCE)
 
 
 def rank_file(table: str, rank: int, suffix: str = PARQUET) -> str:
     """File name of rank ``rank``'s records of ``table`` (one of ``RANK_TABLES``): the finished
-    Parquet file, or the file of another ``SUFFIX_VERSIONS`` suffix.
+    Parquet file, or the file of another suffix (``STREAM``, ``LEGACY_STREAM``).
 
     Raises:
         ValueError: an unknown table or suffix, or a rank outside ``[0, MAX_WORLD_SIZE)``.
@@ -130,8 +136,8 @@ def rank_file(table: str, rank: int, suffix: str = PARQUET) -> str:
         raise ValueError(f"no per-rank table {table!r} (tables: {', '.join(RANK_TABLES)})")
     if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
         raise ValueError(f"rank must be an int in [0, {MAX_WORLD_SIZE}), got {rank!r}")
-    if suffix not in SUFFIX_VERSIONS:
-        raise ValueError(f"no table file suffix {suffix!r} (suffixes: {', '.join(SUFFIX_VERSIONS)})")
+    if suffix not in (PARQUET, STREAM, LEGACY_STREAM):
+        raise ValueError(f"no table file suffix {suffix!r}")
     return f"{table}.rank{rank}{suffix}"
 
 
