@@ -186,14 +186,6 @@ def _col(name: str, type_: pa.DataType, meaning: str, *, nullable: bool = True,
     return pa.field(name, type_, nullable=nullable, metadata=meta)
 
 
-def field_meaning(field: pa.Field) -> tuple[str, str | None]:
-    """``(description, unit)`` of a column of a drifttool schema (``unit`` ``None`` if it has
-    none). Raises KeyError for a field without a description."""
-    meta = field.metadata or {}
-    unit = meta.get(b"unit")
-    return meta[b"description"].decode(), None if unit is None else unit.decode()
-
-
 _SEQ = "informational: execution order of the record on its rank; never used for alignment"
 _RANK = "owning rank: the rank that computed and holds the record (not part of its identity)"
 _COMPONENT = f"the model: one of {', '.join(components.COMPONENTS)} (in program order)"

@@ -17,7 +17,10 @@ from drifttool.capture.recorder import Recorder
 from drifttool.errors import ArtifactError
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
-from tests.artifact.table_files import rewrite_batches, rewrite_table, write_batches
+from drifttool.artifact.parquet import write_parquet
+from drifttool.diff import diff_runs
+from tests.artifact.table_files import rewrite_batches, rewrite_table, to_streams, write_batches
+from tests.diff.diff_synthetic_runs import build_run
 
 TRACE = [{"rank": 0, "device": "cpu", "component": "mmdit", "op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
@@ -73,7 +76,7 @@ def test_plain_pyarrow_reads_every_file_with_its_columns_meaning(tmp_path, table
     assert t.schema.metadata[b"drifttool.schema_version"] == str(SCHEMA_VERSION).encode()
     assert t.schema.metadata[b"drifttool.table"] == table.encode()
     assert t.schema.equals(S.SCHEMAS[table], check_metadata=True)
-    assert all(S.field_meaning(f)[0] for f in t.schema) and t.num_rows > 0
+    assert all(f.metadata[b"description"] for f in t.schema) and t.num_rows > 0
     assert pq.ParquetFile(tmp_path / "a" / S.rank_file(table, 0)).num_row_groups == (
         3 if table != "trace" else 1)  # one row group per step
 
@@ -104,6 +107,27 @@ def test_crash_leaves_finished_steps_readable(tmp_path):
     assert any("ops.rank0.arrows: truncated after 2 complete batches" in p for p in problems)
     assert any("steps.rank0.arrows: stream not closed after 3 batches" in p for p in problems)
     assert run.trace_rows() == []  # never written
+
+
+def test_a_process_killed_while_finishing_leaves_a_readable_run(tmp_path):
+    """Killed after a stream became Parquet but before it was removed (and before the manifest
+    said complete): the incomplete run reads the finished Parquet file, not the stream."""
+    path = write_run(tmp_path / "a", close=False)
+    with pa.memory_map(str(path / "ops.rank0.arrows")) as src:
+        write_parquet(path / "ops.rank0.parquet", pa.ipc.open_stream(src), S.OPS_SCHEMA)
+    run = open_run(path)
+    assert not run.complete and run.ops_table().num_rows == 6
+    assert run.check() == ["steps.rank0.arrows: stream not closed after 3 batches"]
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_streams_of_versions_3_and_4_still_read_and_diff_identical(tmp_path, version):
+    a, b = build_run(tmp_path / "a"), build_run(tmp_path / "b")
+    to_streams(b, version)
+    assert sorted(p.suffix for p in b.iterdir()) == [".arrow"] * 3 + [".json", ".safetensors"]
+    run = open_run(b)
+    assert run.schema_version == version and run.check() == []
+    assert diff_runs(open_run(a), run).verdict.value == "identical"
 
 
 def test_crash_before_any_batch(tmp_path):
