@@ -184,8 +184,8 @@ def files_problem(m: dict[str, Any]) -> str | None:
     """How ``files`` departs from what the writer gives: ``ops``/``steps``/``trace`` each a list
     of distinct ``rank_file`` names of its own table (no paths), of ranks below the world size,
     with a suffix of the manifest's schema version (``schema.suffix_fits``; no stream in a
-    complete run); ``digests`` naming listed Parquet files only, and (a complete run of version 5) every
-    one of them."""
+    complete run); ``digests`` naming listed Parquet files only, and (a complete run of
+    version 5) every one of them."""
     world, version, files = world_size(m), m["schema_version"], m["files"]
     for table in S.RANK_TABLES:
         names = files[table]

@@ -17,8 +17,8 @@ file's ``file_digest``, and the reader compares it before pyarrow parses a byte:
 footer can abort the process inside pyarrow's Parquet reader (an uncaught C++ exception, not a
 Python error), so a file is parsed only once its bytes are known to be the ones written. Every
 page also carries a CRC-32 that the reader verifies, a file whose footer does not account for
-every byte (``unaccounted_bytes``) is refused, and pyarrow's errors become ``ArtifactError``. ``pyarrow.parquet`` is imported
-on first use (it costs the reader's start-up about as much as a tenth of pyarrow's own import).
+every byte (``unaccounted_bytes``) is refused, and pyarrow's errors become ``ArtifactError``.
+``pyarrow.parquet`` is imported on first use (about a tenth of pyarrow's own import time).
 """
 
 from __future__ import annotations

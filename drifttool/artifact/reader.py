@@ -14,9 +14,10 @@ column. A single-process run is rank 0 of world 1. A finished table is a Parquet
 a table whose process died while writing it, and every table of schema versions 3 and 4, is an
 Arrow IPC stream, read batch by batch from a memory map (``read_stream``). A run whose manifest
 says ``complete: false`` may end in a cut batch or lack a file: the finished batches are
-returned and the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be whole; anything
-else raises ``ArtifactError``. Opening a run checks its manifest (``drifttool.artifact.manifest``),
-its directory and replay inputs; every batch is checked as it is read, and ``Run.check`` (which
+returned and the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be
+whole; anything else raises ``ArtifactError``. Opening a run checks its manifest
+(``drifttool.artifact.manifest``), its directory and replay inputs; every batch is checked as it
+is read, and ``Run.check`` (which
 ``diff``, ``replay`` and ``recompute`` call) reads every file (``drifttool.artifact.checks``).
 
 This module does not import torch (``Run.inputs`` does, when called).

@@ -40,9 +40,9 @@ OS, not fsync'ed: a killed process keeps its finished steps, a power cut may not
 ``complete=True`` turns each stream into ``<table>.rank<r>.parquet`` (one row group per batch,
 written to a temp file, fsync'ed, renamed; ``drifttool.artifact.parquet``), removes the stream
 and records the file's digest under the manifest's ``files.digests``; the trace is written as
-Parquet at once. A writer that closes with ``complete=False`` leaves its streams as they are. A rank killed outright never reaches the closing
-all-gather; the other ranks then wait for the process group's timeout and raise, and the
-manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
+Parquet at once. A writer that closes with ``complete=False`` leaves its streams as they are.
+A rank killed outright never reaches the closing all-gather; the other ranks then wait for the
+process group's timeout and raise, and the manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
 """
 
 from __future__ import annotations
