@@ -1,12 +1,12 @@
 """Checks of a run directory and its records: damage is refused, never ignored.
 
     >>> check_directory(Path("runs/a"), manifest)        # every entry a listed regular file
-    >>> check_batch(Path("runs/a/steps.arrow"), 0, batch, ops=False)
+    >>> check_batch(Path("runs/a/steps.rank0.parquet"), 0, batch, ops=False)
 
 Every entry of the run directory must be a regular file that the manifest accounts for
 (``check_directory``); every record batch passes pyarrow's full validation (corrupt lengths or
 offsets would otherwise crash the process), has no null in a non-nullable column and a finite
-``sigma``/``sigma_next`` (``check_batch``); each ``<table>.rank<r>.arrow`` holds rank ``r``
+``sigma``/``sigma_next`` (``check_batch``); each ``<table>.rank<r>`` file holds rank ``r``
 only, of a rank below the manifest's world size, and a complete run has every rank's steps file
 (``check_directory``); each rank's records are of the samples the layout gives it
 (``check_owning_ranks``);
@@ -81,13 +81,14 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
     if beyond:
         raise ArtifactError(f"{path}: {beyond[0]} belongs to a rank beyond layout.world_size "
                             f"{world} (ranks 0 … {world - 1})")
-    lacking = [S.steps_file(r) for r in range(world) if S.steps_file(r) not in entries]
+    has_steps = {p[1] for n in entries for p in [S.parse_rank_file(n)] if p and p[0] == "steps"}
+    lacking = [S.steps_file(r) for r in range(world) if r not in has_steps]
     if lacking and manifest["complete"]:
         raise ArtifactError(f"{path}: complete run of world size {world} lacks "
                             f"{', '.join(lacking[:5])} (every rank writes its steps file)")
 
 
-def check_batch(path: Path, index: int, batch: pa.RecordBatch, *, ops: bool) -> None:
+def check_batch(path: Path, index: int, batch: pa.RecordBatch | pa.Table, *, ops: bool) -> None:
     """Refuse a record batch that pyarrow's full validation rejects (corrupt lengths, offsets or
     buffers: using it could crash the process), that holds a null in a non-nullable column, or a
     non-finite ``sigma``/``sigma_next``, an unknown ``component`` (``schema.COMPONENTS``) or a
@@ -203,8 +204,8 @@ def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
     Raises:
         ArtifactError: naming the step and the disagreeing values.
     """
-    of_steps = step_sigmas(steps, f"{path}/steps.rank*.arrow")
-    of_ops = step_sigmas(ops, f"{path}/ops.rank*.arrow")
+    of_steps = step_sigmas(steps, f"{path}/steps.rank*")
+    of_ops = step_sigmas(ops, f"{path}/ops.rank*")
     for key in sorted(set(of_steps) & set(of_ops)):
         if of_steps[key] != of_ops[key]:
             raise ArtifactError(f"{path}: {key[1]} step {key[2]} (rank {key[0]}) has sigma "
@@ -215,7 +216,7 @@ def check_sigmas(path: Path, steps: pa.Table, ops: pa.Table) -> None:
         following = of_steps.get((r["rank"], r["phase"], r["step"] + 1))
         if r["sigma_next_min"] != r["sigma_next_max"] or (
                 following is not None and following != r["sigma_next_min"]):
-            raise ArtifactError(f"{path}/steps.rank*.arrow: sigma_next of {r['phase']} step "
+            raise ArtifactError(f"{path}/steps.rank*: sigma_next of {r['phase']} step "
                                 f"{r['step']} "
                                 f"(rank {r['rank']}) is not one value equal to the next step's "
                                 f"sigma {following!r}")
@@ -234,12 +235,12 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
     level = manifest.get("capture_level")
     if level == "L0" and ops.num_rows:
         raise ArtifactError(f"{path}: capture_level L0 but {ops.num_rows} op records in "
-                            "ops.rank*.arrow (a hand-edited manifest?)")
+                            "ops.rank* (a hand-edited manifest?)")
     if level in ("L0", "L1") and ops.num_rows and ops["row_digests"].null_count != ops.num_rows:
         raise ArtifactError(f"{path}: capture_level {level} but op records carry row digests "
                             "(L2 data; a hand-edited manifest?)")
     phase = MS.KIND_PHASE.get(manifest.get("kind"))
-    for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
+    for name, table in (("steps.rank*", steps), ("ops.rank*", ops)):
         other = sorted(set(table["phase"].unique().to_pylist()) - {phase}) if phase else []
         if other:
             raise ArtifactError(f"{path}: kind {manifest['kind']!r} but {name} holds phase "
@@ -259,11 +260,11 @@ def _check_rank_columns(path: Path, world: int, ops: pa.Table) -> None:
     lens = pc.list_value_length(ops.column("rank_digests")).to_pylist()
     bad = [i for i, n in enumerate(lens) if n is not None and n != world]
     if bad:
-        raise ArtifactError(f"{path}: ops.rank*.arrow record {bad[0]} holds "
+        raise ArtifactError(f"{path}: ops.rank* record {bad[0]} holds "
                             f"{lens[bad[0]]} rank digests for {world} ranks")
     for i, ranks in enumerate(ops.column("rank_disagree").to_pylist()):
         if ranks and (ranks != sorted(set(ranks)) or ranks[0] < 0 or ranks[-1] >= world):
-            raise ArtifactError(f"{path}: ops.rank*.arrow record {i} names ranks {ranks} "
+            raise ArtifactError(f"{path}: ops.rank* record {i} names ranks {ranks} "
                                 f"disagreeing, not ranks of the {world}-rank layout in order")
 
 
@@ -289,7 +290,7 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
         _check_every_step_recorded(path, manifest, steps)
     if "samples" not in layout:
         return
-    for name, table in (("steps.rank*.arrow", steps), ("ops.rank*.arrow", ops)):
+    for name, table in (("steps.rank*", steps), ("ops.rank*", ops)):
         if not table.num_rows:
             continue
         pairs = table.select(["rank", "sample"]).group_by(["rank", "sample"]).aggregate([])
@@ -313,7 +314,7 @@ def _check_every_step_has_ops(path: Path, manifest: dict[str, Any], steps: pa.Ta
     lost = sorted(w for w in want - have if w[3] >= 0)
     if lost:
         r, phase, step, sample = lost[0]
-        raise ArtifactError(f"{path}: marked complete, but ops.rank{r}.arrow has no records of "
+        raise ArtifactError(f"{path}: marked complete, but ops.rank{r} has no records of "
                             f"{phase} step {step} sample {sample} (its step records do): the run "
                             "lost records")
 
@@ -409,5 +410,5 @@ def check_traced_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
         return
     silent = sorted(set(steps["rank"].to_pylist()) - {r["rank"] for r in trace_rows})
     if silent:
-        raise ArtifactError(f"{path}: marked complete, but trace.rank{silent[0]}.arrow holds no "
+        raise ArtifactError(f"{path}: marked complete, but trace.rank{silent[0]} holds no "
                             "call sites although that rank wrote step records")

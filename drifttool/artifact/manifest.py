@@ -181,18 +181,32 @@ def world_size(manifest: dict[str, Any]) -> int:
 
 
 def files_problem(m: dict[str, Any]) -> str | None:
-    """How ``files.ops``/``steps``/``trace`` depart from the names the writer gives: each a list
-    of distinct ``rank_file`` names of its own table (no paths), of ranks below the world size."""
-    world = world_size(m)
+    """How ``files`` departs from what the writer gives: ``ops``/``steps``/``trace`` each a list
+    of distinct ``rank_file`` names of its own table (no paths), of ranks below the world size,
+    with a suffix of the manifest's schema version (``schema.suffix_fits``; no stream in a
+    complete run); ``digests`` naming listed Parquet files only, and (a complete run of
+    version 5) every one of them."""
+    world, version, files = world_size(m), m["schema_version"], m["files"]
     for table in S.RANK_TABLES:
-        names = m["files"][table]
+        names = files[table]
         parsed = [S.parse_rank_file(n) for n in names]
         if len(set(names)) != len(names) or any(p is None or p[0] != table for p in parsed):
-            return (f"files.{table}={names!r} must list distinct {table}.rank<r>.arrow names "
+            return (f"files.{table}={names!r} must list distinct {table}.rank<r> file names "
                     "inside the run directory")
         beyond = sorted(n for n, p in zip(names, parsed) if p[1] >= world)
         if beyond:
             return f"files.{table} lists {beyond[0]}, but layout.world_size is {world}"
+        odd = sorted(n for n, p in zip(names, parsed) if not S.suffix_fits(p[2], version)
+                     or (m["complete"] and p[2] == S.STREAM))
+        if odd:
+            return (f"files.{table} lists {odd[0]}, which a {'complete ' * m['complete']}run of "
+                    f"schema_version {version} does not hold")
+    parquet = {n for t in S.RANK_TABLES for n in files[t] if n.endswith(S.PARQUET)}
+    digests = files.get("digests", {})
+    if set(digests) - parquet:
+        return f"files.digests names {min(set(digests) - parquet)}, which files does not list"
+    if m["complete"] and version >= S.PARQUET_SINCE and parquet - set(digests):
+        return f"files.digests lacks {min(parquet - set(digests))}"
     return None
 
 
@@ -222,7 +236,8 @@ def layout_problem(layout: dict[str, Any]) -> str | None:
 
 
 def listed_files(manifest: dict[str, Any]) -> list[str]:
-    """Every file name the manifest's ``files`` lists, plus ``manifest.json``."""
+    """Every file name the manifest's ``files`` lists (``digests`` names no other), plus
+    ``manifest.json``."""
     files = manifest["files"]
     return [S.MANIFEST, *([files["inputs"]] if files.get("inputs") else []),
             *(n for t in S.RANK_TABLES for n in files.get(t, []))]

@@ -183,10 +183,12 @@ _LORA = Obj({
 """``drifttool.model.lora_io.lora_record`` (``AdapterConfig.record`` + scale, digest)."""
 
 _FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
-              "trace": ListOf(_STR), "ops": ListOf(_STR)},
+              "trace": ListOf(_STR), "ops": ListOf(_STR), "digests": MapOf(_STR)},
              frozenset({"inputs", "steps", "trace", "ops"}))
 """``drifttool.artifact.writer.ArtifactWriter``'s file list: ``steps``, ``trace`` and ``ops`` list
-``rank_file`` names of their table (``RANK_FILE``), one per rank that wrote one."""
+``rank_file`` names of their table (``RANK_FILE``), one per rank that wrote one; ``digests``
+(schema version 5) maps each finished Parquet file to its ``drifttool.artifact.parquet.
+file_digest`` (``drifttool.artifact.manifest.files_problem`` checks the names)."""
 
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,

@@ -5,17 +5,19 @@
     (True, 2, 'L1', 123456)
     >>> run.steps_table()["rank"]          # every rank's records, the owning rank a column
     >>> run.problems                      # for an incomplete run: what was cut short
-    ['ops.rank0.arrow: truncated after 7 complete batches (...)']
+    ['ops.rank0.arrows: truncated after 7 complete batches (...)']
 
-Each rank ``r`` of ``layout.world_size`` wrote its own ``ops``/``steps``/``trace.rank<r>.arrow``
+Each rank ``r`` of ``layout.world_size`` wrote its own ``ops``/``steps``/``trace.rank<r>`` files
 (``drifttool.artifact.writer``); the tables concatenate them rank by rank, the owning rank a
-column (the trace, which has no rank column, gains one from its file name). A single-process run
-is rank 0 of world 1. Arrow files are read batch by batch from a memory map. A run whose manifest
-says
-``complete: false`` may end in a cut batch or lack a file: the finished batches are returned and
-the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be whole; anything
-else raises ``ArtifactError``. Opening a run checks its manifest (``drifttool.artifact.manifest``),
-its directory and replay inputs; every batch is checked as it is read, and ``Run.check`` (which
+column. A single-process run is rank 0 of world 1. A finished table is a Parquet file
+(``read_parquet``: its digest compared with the manifest's first, then every row group checked);
+a table whose process died while writing it, and every table of schema versions 3 and 4, is an
+Arrow IPC stream, read batch by batch from a memory map (``read_stream``). A run whose manifest
+says ``complete: false`` may end in a cut batch or lack a file: the finished batches are
+returned and the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be
+whole; anything else raises ``ArtifactError``. Opening a run checks its manifest
+(``drifttool.artifact.manifest``), its directory and replay inputs; every batch is checked as it
+is read, and ``Run.check`` (which
 ``diff``, ``replay`` and ``recompute`` call) reads every file (``drifttool.artifact.checks``).
 
 This module does not import torch (``Run.inputs`` does, when called).
@@ -38,6 +40,7 @@ from drifttool.artifact.checks import (check_batch, check_directory, check_input
                                        check_sigmas, check_traced_ranks, check_unique_seq,
                                        schema_differences)
 from drifttool.artifact.manifest import brief, read_manifest, world_size
+from drifttool.artifact.parquet import file_digest, parquet_schema, row_groups
 from drifttool.artifact.raw import RawTensor
 from drifttool.errors import ArtifactError
 
@@ -45,6 +48,64 @@ if TYPE_CHECKING:
     import torch
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # IPC end-of-stream marker written by close()
+
+
+def _table_schema(path: Path, got: pa.Schema, want: pa.Schema) -> tuple[pa.Schema, bool]:
+    """Check the schema ``got`` of the table file ``path`` against ``want``: a supported schema
+    version that files of its suffix hold (``schema.suffix_fits``) and the same columns. Returns
+    the schema to read it with and whether it is a version 3 op table (``_upgrade`` it).
+
+    Raises:
+        ArtifactError: naming the file and what differs.
+    """
+    version = S.schema_version_of(got)
+    problem = S.version_problem(version)
+    if problem:
+        raise ArtifactError(f"{path}: {problem}")
+    suffix = S.parse_rank_file(path.name)[2]
+    if not S.suffix_fits(suffix, version):
+        raise ArtifactError(f"{path}: holds a schema_version {version} table, which drifttool "
+                            f"never writes as a {suffix} file")
+    upgrade = version == 3 and want.equals(S.OPS_SCHEMA, check_metadata=False)
+    if upgrade:  # version 3 op records: the rank columns read as null (not checked on every rank)
+        want = S.OPS_SCHEMA_V3
+    if not got.equals(want, check_metadata=False):
+        raise ArtifactError(f"{path}: columns differ from schema version {version}: "
+                            f"{schema_differences(got, want)}")
+    return want, upgrade
+
+
+def _upgrade(table: pa.Table) -> pa.Table:
+    """A version 3 op table with version 4's rank columns, null (not checked on every rank)."""
+    for name in S.RANK_COLUMNS:
+        field = S.OPS_SCHEMA.field(name)
+        table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table.replace_schema_metadata(S.OPS_SCHEMA.metadata)
+
+
+def read_parquet(path: Path, schema: pa.Schema, *, digest: str | None) -> pa.Table:
+    """The finished table at ``path`` (a Parquet file, ``drifttool.artifact.parquet``), every row
+    group checked (``check_batch``).
+
+    Args:
+        digest: the file's digest as the manifest records it (``files.digests``), compared
+            before the file is parsed; ``None`` where the manifest records none (an incomplete
+            run whose process died after writing the file).
+
+    Raises:
+        ArtifactError: other bytes than the digest's, not a Parquet file of ``schema`` at a
+            supported schema version, or a damaged row group.
+    """
+    if digest is not None and file_digest(path) != digest:
+        raise ArtifactError(f"{path}: its bytes differ from the digest the manifest records "
+                            "(a damaged or replaced file)")
+    _table_schema(path, parquet_schema(path), schema)
+    ops = schema.metadata[b"drifttool.table"] == b"ops"
+    groups = []
+    for i, group in row_groups(path):
+        check_batch(path, i, group, ops=ops)
+        groups.append(group)
+    return pa.concat_tables(groups) if groups else schema.empty_table()
 
 
 def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Table, str | None]:
@@ -74,16 +135,7 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
         if complete:
             raise ArtifactError(f"{path}: not a readable Arrow IPC stream ({brief(e)})") from None
         return empty, f"{name}: unreadable header, no batch recovered ({brief(e)})"
-    version = S.schema_version_of(reader.schema)
-    problem = S.version_problem(version)
-    if problem:
-        raise ArtifactError(f"{path}: {problem}")
-    upgrade = version == 3 and schema.equals(S.OPS_SCHEMA, check_metadata=False)
-    if upgrade:  # version 3 op records: the rank columns read as null (not checked on every rank)
-        schema = S.OPS_SCHEMA_V3
-    if not reader.schema.equals(schema, check_metadata=False):
-        raise ArtifactError(f"{path}: columns differ from schema version {version}: "
-                            f"{schema_differences(reader.schema, schema)}")
+    schema, upgrade = _table_schema(path, reader.schema, schema)
     batches, problem = [], None
     while True:
         try:
@@ -108,12 +160,7 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
     if problem and complete:
         raise ArtifactError(f"{path}: corrupt file in a complete run: {problem}")
     table = pa.Table.from_batches(batches, schema=reader.schema)
-    if upgrade:
-        for name in S.RANK_COLUMNS:
-            field = S.OPS_SCHEMA.field(name)
-            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
-        table = table.replace_schema_metadata(S.OPS_SCHEMA.metadata)
-    return table, problem
+    return (_upgrade(table) if upgrade else table), problem
 
 
 class Run:
@@ -153,7 +200,8 @@ class Run:
 
     def _listed(self, kind: str) -> list[str]:
         """Files of ``kind`` the manifest lists, or (incomplete run) the ones on disk; per-rank
-        tables in rank order."""
+        tables in rank order, one file per rank (of an incomplete run: the finished Parquet file
+        where the process got that far, else the stream)."""
         if kind == "inputs":
             name = self.manifest["files"].get("inputs")
             if self.complete:
@@ -161,23 +209,32 @@ class Run:
             return [S.INPUTS] if (self.path / S.INPUTS).is_file() else []
         names = (self.manifest["files"][kind] if self.complete  # check_directory: all there
                  else [p.name for p in self.path.iterdir() if S.RANK_FILE.fullmatch(p.name)])
-        ranked = [(p[1], n) for n in names for p in [S.parse_rank_file(n)] if p[0] == kind]
-        return [n for _, n in sorted(ranked)]
+        best: dict[int, str] = {}
+        for name in names:
+            table, rank, suffix = S.parse_rank_file(name)
+            if table == kind and (rank not in best or suffix == S.PARQUET):
+                best[rank] = name
+        return [best[r] for r in sorted(best)]
 
     def _table(self, kind: str, name: str, schema: pa.Schema) -> pa.Table:
         key = f"{kind}:{name}"
         if key not in self._cache:
-            table, problem = read_stream(self.path / name, schema, complete=self.complete)
+            path = self.path / name
+            if name.endswith(S.PARQUET):
+                digest = self.manifest["files"].get("digests", {}).get(name)
+                table, problem = read_parquet(path, schema, digest=digest), None
+            else:
+                table, problem = read_stream(path, schema, complete=self.complete)
             rank = S.parse_rank_file(name)[1]
             if "rank" in table.column_names:
                 if table.num_rows and not pc.all(pc.equal(table["rank"], rank)).as_py():
-                    raise ArtifactError(f"{self.path / name}: holds records of another rank than "
+                    raise ArtifactError(f"{path}: holds records of another rank than "
                                         f"{rank} (a renamed or copied file)")
             else:  # the owning rank is the file's
                 table = table.append_column(pa.field("rank", pa.int32(), nullable=False),
                                             pa.array([rank] * table.num_rows, pa.int32()))
             if "seq" in table.column_names:
-                check_unique_seq(self.path / name, table)
+                check_unique_seq(path, table)
             if problem:
                 self.problems.append(problem)
             self._cache[key] = table
@@ -187,7 +244,7 @@ class Run:
         """Every rank's (or ``rank``'s) records of ``kind`` as one table, ranks in order."""
         names = self._listed(kind)
         if rank is not None:
-            names = [n for n in names if n == S.rank_file(kind, rank)]
+            names = [n for n in names if S.parse_rank_file(n)[1] == rank]
         tables = [self._table(kind, n, S.SCHEMAS[kind]) for n in names]
         if tables:
             return pa.concat_tables(tables)

@@ -1,23 +1,29 @@
-"""Every Arrow schema of the trajectory artifact, and its version, in one place.
+"""Every Arrow schema of the trajectory artifact, its version and its file names, in one place.
 
     run_dir/
-      manifest.json        {"schema_version": 4, "complete": true, "capture_level": "L1",
-                            "fingerprint": {...}, "files": {...}, ...}
-      inputs.safetensors   replay inputs (initial latents, SDE noise, prompt embeddings, masks)
-      steps.rank<r>.arrow  STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
-      ops.rank<r>.arrow    OPS_SCHEMA: one row per captured operator output per logical sample
-      trace.rank<r>.arrow  TRACE_SCHEMA: one row per operator call site of rank r
+      manifest.json          {"schema_version": 5, "complete": true, "capture_level": "L1",
+                              "fingerprint": {...}, "files": {...}, ...}
+      inputs.safetensors     replay inputs (initial latents, SDE noise, prompt embeddings, masks)
+      steps.rank<r>.parquet  STEPS_SCHEMA: one row per (component, phase, step, sample, branch, quantity)
+      ops.rank<r>.parquet    OPS_SCHEMA: one row per captured operator output per logical sample
+      trace.rank<r>.parquet  TRACE_SCHEMA: one row per operator call site of rank r
 
-Every rank ``r`` of ``layout.world_size`` writes its own ``*.rank<r>.arrow`` files; rank 0 also
+Every rank ``r`` of ``layout.world_size`` writes its own ``<table>.rank<r>`` files; rank 0 also
 writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1
 (``drifttool.artifact.writer``); the reader presents every rank's records as one run, the
 owning rank a column (``drifttool.artifact.reader``).
 
-Arrow files use the IPC *stream* format (one record batch per step, flushed), so a run cut short
-keeps its finished steps readable; ``pyarrow.ipc.open_stream`` reads them without drifttool
-(design.md, "Artifact"). Each schema carries ``drifttool.schema_version`` and
-``drifttool.table`` in its metadata; ``manifest.json`` repeats the version. Bump
-``SCHEMA_VERSION`` on any change to a schema or to the meaning of a column.
+File formats (``suffix_fits``): while a run writes, op and step records go to Arrow IPC
+*streams* (``<table>.rank<r>.arrows``, one record batch per step, flushed), so a run cut short
+keeps its finished steps readable. When the writer closes, each stream becomes a Parquet file
+(``<table>.rank<r>.parquet``, one row group per step) and the stream is removed: a finished
+artifact is read by pyarrow (``pyarrow.parquet``, ``pyarrow.dataset``), Polars (``scan_parquet``)
+and DuckDB (``read_parquet``) without drifttool (docs/artifacts.md). Schema versions 3 and 4
+kept the streams (``<table>.rank<r>.arrow``); they still read. Each schema carries
+``drifttool.schema_version`` and ``drifttool.table`` in its metadata, and every column its
+meaning (``description``, and ``unit`` where it has one) in its field metadata;
+``manifest.json`` repeats the version. Bump ``SCHEMA_VERSION`` on any change to a schema, to
+the meaning of a column or to the files' format.
 
 Identity columns follow design.md, "Identity of a captured tensor". The identity of a record
 (``OPS_KEY``, ``STEPS_KEY``) holds no rank: ``rank`` is the owning rank (which rank computed and
@@ -37,10 +43,11 @@ import pyarrow as pa
 from drifttool import components
 from drifttool.artifact import levels
 
-SCHEMA_VERSION = 4
-SUPPORTED_SCHEMA_VERSIONS = frozenset({3, SCHEMA_VERSION})
+SCHEMA_VERSION = 5
+SUPPORTED_SCHEMA_VERSIONS = frozenset({3, 4, SCHEMA_VERSION})
 """Versions this reader can open; anything else raises ``ArtifactError`` (``version_problem``).
-Version 4 added the op records' ``rank_digests`` and ``rank_disagree`` (every rank's digest of a
+Version 5 writes the finished tables as Parquet (``suffix_fits``; the columns are version
+4's, with their meaning in the field metadata). Version 4 added the op records' ``rank_digests`` and ``rank_disagree`` (every rank's digest of a
 record in a TP/SP layout, and the ranks whose copy of a replicated output disagrees); a version 3
 file reads with both null (``RANK_COLUMNS``: not checked on every rank) and aligns with version
 4 records (``ALIGNABLE_SCHEMA_VERSIONS``: the identity did not change). Version 3: ``rank`` left the identity keys (it is the owning rank), ``component``
@@ -50,7 +57,7 @@ joined them, op records carry the program position ``op_pos`` and the trace ``co
 and key on the rank."""
 
 
-ALIGNABLE_SCHEMA_VERSIONS = frozenset({3, 4})
+ALIGNABLE_SCHEMA_VERSIONS = frozenset({3, 4, 5})
 """Versions whose records align with each other in a diff (same identity and digests)."""
 
 
@@ -97,27 +104,45 @@ LEVELS = levels.LEVELS
 
 
 RANK_TABLES = ("ops", "steps", "trace")
-"""Tables every rank writes to its own ``<table>.rank<r>.arrow`` (``rank_file``)."""
+"""Tables every rank writes to its own ``<table>.rank<r>`` file (``rank_file``)."""
 
 MAX_WORLD_SIZE = 1_000_000
 """Ranks are 0 … 999999 (``RANK_FILE`` spells at most six digits)."""
 
+PARQUET, STREAM, LEGACY_STREAM = ".parquet", ".arrows", ".arrow"
+"""File name suffixes of the per-rank tables: a finished table (Parquet), a table being written
+(Arrow IPC stream), a table of schema version 3 or 4 (Arrow IPC stream)."""
 
-def rank_file(table: str, rank: int) -> str:
-    """File name of rank ``rank``'s records of ``table`` (one of ``RANK_TABLES``).
+PARQUET_SINCE = 5
+"""The first schema version whose finished tables are Parquet files (and whose streams are
+``.arrows``); earlier versions wrote ``.arrow`` streams only."""
+
+
+def suffix_fits(suffix: str, version: int) -> bool:
+    """Whether a table file with ``suffix`` belongs to an artifact of schema ``version``. A
+    complete run of version 5 or later holds Parquet only; an incomplete one also streams (its
+    process died while writing them)."""
+    return (suffix == LEGACY_STREAM) == (version < PARQUET_SINCE)
+
+
+def rank_file(table: str, rank: int, suffix: str = PARQUET) -> str:
+    """File name of rank ``rank``'s records of ``table`` (one of ``RANK_TABLES``): the finished
+    Parquet file, or the file of another suffix (``STREAM``, ``LEGACY_STREAM``).
 
     Raises:
-        ValueError: an unknown table, or a rank outside ``[0, MAX_WORLD_SIZE)``.
+        ValueError: an unknown table or suffix, or a rank outside ``[0, MAX_WORLD_SIZE)``.
     """
     if table not in RANK_TABLES:
         raise ValueError(f"no per-rank table {table!r} (tables: {', '.join(RANK_TABLES)})")
     if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
         raise ValueError(f"rank must be an int in [0, {MAX_WORLD_SIZE}), got {rank!r}")
-    return f"{table}.rank{rank}.arrow"
+    if suffix not in (PARQUET, STREAM, LEGACY_STREAM):
+        raise ValueError(f"no table file suffix {suffix!r}")
+    return f"{table}.rank{rank}{suffix}"
 
 
 def steps_file(rank: int) -> str:
-    """File name of rank ``rank``'s step records."""
+    """File name of rank ``rank``'s finished step records."""
     return rank_file("steps", rank)
 
 
@@ -132,14 +157,15 @@ DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
                "complex128": 16}
 """Bytes per element of every dtype a record may carry (the ``dtype`` column, torch's names)."""
 
-RANK_FILE = re.compile(r"(ops|steps|trace)\.rank(0|[1-9][0-9]{0,5})\.arrow")
-"""``rank_file(table, rank)`` names and nothing else (group 1: the table, group 2: the rank)."""
+RANK_FILE = re.compile(r"(ops|steps|trace)\.rank(0|[1-9][0-9]{0,5})(\.parquet|\.arrows|\.arrow)")
+"""``rank_file(table, rank, suffix)`` names and nothing else (group 1: the table, group 2: the
+rank, group 3: the suffix)."""
 
 
-def parse_rank_file(name: str) -> tuple[str, int] | None:
-    """``(table, rank)`` of a ``rank_file`` name, ``None`` for any other name."""
+def parse_rank_file(name: str) -> tuple[str, int, str] | None:
+    """``(table, rank, suffix)`` of a ``rank_file`` name, ``None`` for any other name."""
     m = RANK_FILE.fullmatch(name)
-    return None if m is None else (m.group(1), int(m.group(2)))
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
 
 
 def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:
@@ -150,13 +176,36 @@ def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:
     )
 
 
+def _col(name: str, type_: pa.DataType, meaning: str, *, nullable: bool = True,
+         unit: str | None = None) -> pa.Field:
+    """A column with its meaning in the field metadata (``description``; ``unit`` where the
+    values have one), which Arrow and Parquet readers show next to the type."""
+    meta = {b"description": meaning.encode()}
+    if unit is not None:
+        meta[b"unit"] = unit.encode()
+    return pa.field(name, type_, nullable=nullable, metadata=meta)
+
+
+_SEQ = "informational: execution order of the record on its rank; never used for alignment"
+_RANK = "owning rank: the rank that computed and holds the record (not part of its identity)"
+_COMPONENT = f"the model: one of {', '.join(components.COMPONENTS)} (in program order)"
+_PHASE = "rollout (sampling) or train (training recompute); rollout comes first"
+_STEP = "denoising step, 0-based (-1: before the first step)"
+_SIGMA = "sigma of the step (NaN before the first step)"
+_SAMPLE = "logical sample id (the batch position does not matter); -1 = unbatched"
+
 _SUMMARY = [
-    pa.field("dtype", pa.utf8(), nullable=False),  # "float32", "bfloat16", ...
-    pa.field("shape", pa.list_(pa.int64()), nullable=False),  # canonical shape
-    pa.field("digest", pa.uint64(), nullable=False),  # xxh3_64(dtype | shape | bytes)
-    pa.field("nonfinite", pa.int64(), nullable=False),  # NaN + Inf count
-    pa.field("l2", pa.float64(), nullable=False),  # fp64 L2 norm (summary, not identity)
-    pa.field("maxabs", pa.float64(), nullable=False),
+    _col("dtype", pa.utf8(), "torch dtype name of the tensor: float32, bfloat16, ...",
+         nullable=False),
+    _col("shape", pa.list_(pa.int64()), "canonical (unsharded, unbatched) shape", nullable=False),
+    _col("digest", pa.uint64(), "digest v2 of (dtype, shape, bytes): equal digests mean equal "
+         "bytes (docs/digest.md)", nullable=False),
+    _col("nonfinite", pa.int64(), "number of NaN and Inf elements", nullable=False,
+         unit="elements"),
+    _col("l2", pa.float64(), "L2 norm, computed in float64, in the tensor's own units (a "
+         "summary, not identity)", nullable=False),
+    _col("maxabs", pa.float64(), "largest absolute element, in the tensor's own units (a "
+         "summary)", nullable=False),
 ]
 
 OPS_KEY = ("component", "phase", "step", "branch", "block", "stream", "op", "call", "index",
@@ -176,32 +225,42 @@ STEP_ORDER = ("phase", "step", "component", "quantity", "sample", "branch")
 """Program order of step records (``QUANTITIES``, then sample, then branch)."""
 
 OPS_SCHEMA = _schema("ops", [
-    pa.field("seq", pa.int64(), nullable=False),  # informational: execution order on this rank
-    pa.field("rank", pa.int32(), nullable=False),  # owning rank: computed and holds the record
-    pa.field("component", pa.utf8(), nullable=False),  # COMPONENTS: mmdit today
-    pa.field("phase", pa.utf8(), nullable=False),  # rollout | train
-    pa.field("step", pa.int32(), nullable=False),
-    pa.field("sigma", pa.float64(), nullable=False),
-    pa.field("branch", pa.utf8(), nullable=False),  # cond | uncond | cfg | none
-    pa.field("block", pa.int32(), nullable=False),  # -1 before the blocks, depth after; sampler -2
-    pa.field("op_pos", pa.int32(), nullable=False),  # ordinal of the call in (phase, step, branch, block)
-    pa.field("stream", pa.utf8(), nullable=False),  # img | txt | joint | none
-    pa.field("op", pa.utf8(), nullable=False),  # RFC operator name
-    pa.field("call", pa.int32(), nullable=False),  # occurrence of (op, stream) in the scope
-    pa.field("index", pa.int32(), nullable=False),  # output index for tuple outputs
-    pa.field("role", pa.utf8(), nullable=False),  # output | grad_input | grad_weight
-    pa.field("sample", pa.int32(), nullable=False),  # logical sample id, -1 = unbatched
+    _col("seq", pa.int64(), _SEQ, nullable=False),
+    _col("rank", pa.int32(), _RANK, nullable=False),
+    _col("component", pa.utf8(), _COMPONENT, nullable=False),
+    _col("phase", pa.utf8(), _PHASE, nullable=False),
+    _col("step", pa.int32(), _STEP, nullable=False),
+    _col("sigma", pa.float64(), _SIGMA, nullable=False, unit="noise level (sigma)"),
+    _col("branch", pa.utf8(), "CFG branch, in program order cond, uncond, cfg (the combined "
+         "prediction), none (outside CFG)", nullable=False),
+    _col("block", pa.int32(), "transformer block in execution order: -1 before the blocks, "
+         "0..depth-1, depth after them; -2 the sampler (flow_sigma_table, cfg_combine_renorm, "
+         "flow_sde_step_logp), which runs after the model: order it last", nullable=False),
+    _col("op_pos", pa.int32(), "program position: ordinal of the call among all operator calls "
+         "of its (phase, step, branch, block), from 0; orders records inside a block, the same on "
+         "every rank and layout", nullable=False),
+    _col("stream", pa.utf8(), "token stream: img, txt, joint or none", nullable=False),
+    _col("op", pa.utf8(), "RFC operator name", nullable=False),
+    _col("call", pa.int32(), "occurrence of (op, stream) in its (phase, step, branch, block), "
+         "from 0", nullable=False),
+    _col("index", pa.int32(), "output index of an operator with a tuple output, else 0",
+         nullable=False),
+    _col("role", pa.utf8(), "output, internal (a fused operator's internal tensor), then the "
+         "backward's grad_input, grad_weight, in that order", nullable=False),
+    _col("sample", pa.int32(), _SAMPLE, nullable=False),
     *_SUMMARY,
-    pa.field("row_digests", pa.list_(pa.uint64())),  # L2 only: xxh3_64 per row of the S axis
-    pa.field("txt_len", pa.int32()),  # L2: rows [0, txt_len) are the valid text tokens, in order
-    pa.field("img_h", pa.int32()),  # L2: rows after them are image patches divmod(n, img_w)
-    pa.field("img_w", pa.int32()),
-    # TP/SP layouts (version 4; null elsewhere): each global rank's digest-v2 partial of the
-    # record (what it holds of it: its block of a sharded output, its copy of a replicated one;
-    # 0 for a rank outside the record's ranks), and the ranks whose copy of what is replicated
-    # differs from the owning rank's ([] = every rank agrees; null = not checked on every rank)
-    pa.field("rank_digests", pa.list_(pa.uint64())),
-    pa.field("rank_disagree", pa.list_(pa.int32())),
+    _col("row_digests", pa.list_(pa.uint64()), "L2 only: digest per row of the sequence axis "
+         "(null below L2)"),
+    _col("txt_len", pa.int32(), "L2: rows [0, txt_len) are the prompt's valid text tokens, in "
+         "order", unit="rows"),
+    _col("img_h", pa.int32(), "L2: image rows follow the text rows, patch n at (n // img_w, "
+         "n % img_w) of an img_h x img_w grid", unit="patches"),
+    _col("img_w", pa.int32(), "L2: width of the image patch grid", unit="patches"),
+    _col("rank_digests", pa.list_(pa.uint64()), "TP/SP layouts: each global rank's digest-v2 "
+         "partial of the record (0 for a rank outside the record's ranks); null elsewhere"),
+    _col("rank_disagree", pa.list_(pa.int32()), "TP/SP layouts: ranks whose copy of a "
+         "replicated output differs from the owning rank's ([] = all agree; null = not checked "
+         "on every rank)"),
 ])
 
 RANK_COLUMNS = ("rank_digests", "rank_disagree")
@@ -213,36 +272,40 @@ STEPS_KEY = ("component", "phase", "step", "sample", "branch", "quantity")
 """Identity of a step record (no rank: ``rank`` is the owning rank)."""
 
 STEPS_SCHEMA = _schema("steps", [
-    pa.field("seq", pa.int64(), nullable=False),  # informational: execution order on this rank
-    pa.field("rank", pa.int32(), nullable=False),  # owning rank
-    pa.field("component", pa.utf8(), nullable=False),
-    pa.field("phase", pa.utf8(), nullable=False),
-    pa.field("step", pa.int32(), nullable=False),
-    pa.field("sigma", pa.float64(), nullable=False),
-    pa.field("sigma_next", pa.float64(), nullable=False),
-    pa.field("sample", pa.int32(), nullable=False),
-    pa.field("branch", pa.utf8(), nullable=False),
-    pa.field("quantity", pa.utf8(), nullable=False),  # x_t, v_t, x_next, mu, std_t, logp_t, ...
+    _col("seq", pa.int64(), _SEQ, nullable=False),
+    _col("rank", pa.int32(), _RANK, nullable=False),
+    _col("component", pa.utf8(), _COMPONENT, nullable=False),
+    _col("phase", pa.utf8(), _PHASE, nullable=False),
+    _col("step", pa.int32(), _STEP, nullable=False),
+    _col("sigma", pa.float64(), _SIGMA, nullable=False, unit="noise level (sigma)"),
+    _col("sigma_next", pa.float64(), "sigma of the next step", nullable=False,
+         unit="noise level (sigma)"),
+    _col("sample", pa.int32(), _SAMPLE, nullable=False),
+    _col("branch", pa.utf8(), "cond, uncond, cfg or none", nullable=False),
+    _col("quantity", pa.utf8(), "x_t, v_t, mu, std_t, x_next, logp_t (in program order)",
+         nullable=False),
     *_SUMMARY,
-    pa.field("data", pa.large_binary(), nullable=False),  # raw bytes, row-major
+    _col("data", pa.large_binary(), "the tensor's raw bytes, row-major, of its dtype and shape",
+         nullable=False),
 ])
 
 TRACE_SCHEMA = _schema("trace", [
-    pa.field("rank", pa.int32()),  # the rank that made the calls
-    pa.field("device", pa.utf8()),  # where the operator ran: "cpu", "cuda:0", ...
-    pa.field("component", pa.utf8()),
-    pa.field("op", pa.utf8()),
-    pa.field("block", pa.int32()),
-    pa.field("stream", pa.utf8()),
-    pa.field("call", pa.int32()),
-    pa.field("contract", pa.utf8()),
-    pa.field("requested", pa.utf8()),
-    pa.field("actual", pa.utf8()),
-    pa.field("kernel", pa.utf8()),
-    pa.field("fallback", pa.bool_()),
-    pa.field("reason", pa.utf8()),
-    pa.field("declared", pa.bool_()),
-    pa.field("calls", pa.int64()),
+    _col("rank", pa.int32(), "the rank that made the calls"),
+    _col("device", pa.utf8(), "where the operator ran: cpu, cuda:0, ..."),
+    _col("component", pa.utf8(), _COMPONENT),
+    _col("op", pa.utf8(), "RFC operator name"),
+    _col("block", pa.int32(), "block of the call site (-2 the sampler)"),
+    _col("stream", pa.utf8(), "token stream: img, txt, joint or none"),
+    _col("call", pa.int32(), "occurrence of (op, stream) in the block"),
+    _col("contract", pa.utf8(), "arithmetic contract id of the implementation"),
+    _col("requested", pa.utf8(), "backend the runtime mode asked for"),
+    _col("actual", pa.utf8(), "backend that ran"),
+    _col("kernel", pa.utf8(), "kernel identity"),
+    _col("fallback", pa.bool_(), "the call fell back from the requested backend"),
+    _col("reason", pa.utf8(), "why it fell back (empty without a fallback)"),
+    _col("declared", pa.bool_(), "the fallback is a declared one (strict mode refuses "
+         "undeclared fallbacks)"),
+    _col("calls", pa.int64(), "number of calls at this call site", unit="calls"),
 ])
 """Mirrors ``drifttool.capture.trace.TraceEntry``."""
 

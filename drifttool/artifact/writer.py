@@ -10,8 +10,8 @@ distributed run (layout: ``drifttool.artifact.schema``).
     # leaving the block normally closes with complete=true; an exception leaves complete=false
 
 Every rank creates its own writer on the same directory (``torchrun``: each process runs the
-block above). Rank ``r`` writes ``ops.rank<r>.arrow``, ``steps.rank<r>.arrow`` and
-``trace.rank<r>.arrow``; rank 0 alone removes an earlier artifact, creates the directory and
+block above). Rank ``r`` writes ``ops.rank<r>``, ``steps.rank<r>`` and ``trace.rank<r>``
+(``.parquet`` once finished); rank 0 alone removes an earlier artifact, creates the directory and
 writes ``manifest.json`` and ``inputs.safetensors``. A single process is rank 0 of world 1 and
 writes the same names. Coordination goes through ``drifttool.collectives`` over
 torch.distributed when a process group is initialised and is a no-op otherwise:
@@ -34,11 +34,15 @@ torch.distributed when a process group is initialised and is a no-op otherwise:
 
 ``manifest.json`` is replaced atomically (temp file + rename): written with ``complete: false``
 when the writer opens and rewritten with ``complete: true`` only after every stream of every rank
-is closed, so a reader that sees ``complete: true`` may demand whole files. Arrow files are IPC
-streams, flushed after every batch (flushed to the OS, not fsync'ed: a killed process keeps its
-finished steps, a power cut may not). A rank killed outright never reaches the closing
-all-gather; the other ranks then wait for the process group's timeout and raise, and the
-manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
+is closed, so a reader that sees ``complete: true`` may demand whole files. Op and step records
+go to Arrow IPC streams (``<table>.rank<r>.arrows``), flushed after every batch (flushed to the
+OS, not fsync'ed: a killed process keeps its finished steps, a power cut may not). Closing with
+``complete=True`` turns each stream into ``<table>.rank<r>.parquet`` (one row group per batch,
+written to a temp file, fsync'ed, renamed; ``drifttool.artifact.parquet``), removes the stream
+and records the file's digest under the manifest's ``files.digests``; the trace is written as
+Parquet at once. A writer that closes with ``complete=False`` leaves its streams as they are.
+A rank killed outright never reaches the closing all-gather; the other ranks then wait for the
+process group's timeout and raise, and the manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from drifttool import collectives as C
 from drifttool.artifact import schema as S
 from drifttool.artifact.directory import atomic_write, claim, release
 from drifttool.artifact.manifest import layout_problem
+from drifttool.artifact.parquet import file_digest, write_parquet
 from drifttool.errors import ArtifactError
 
 SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")
@@ -94,7 +99,8 @@ def as_batch(columns: pa.RecordBatch | dict[str, Any], schema: pa.Schema) -> pa.
 
 
 class _Stream:
-    """One Arrow IPC stream file, flushed after every batch."""
+    """One Arrow IPC stream file, flushed after every batch; once closed, ``finish`` turns it into
+    the table's Parquet file."""
 
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         self.path = path
@@ -109,6 +115,15 @@ class _Stream:
     def close(self) -> None:
         self._writer.close()  # writes the schema (if no batch came) and the end-of-stream marker
         self._file.close()
+
+    def finish(self) -> Path:
+        """Write the closed stream's batches as the Parquet file beside it (one row group per
+        batch), remove the stream, and return the Parquet file's path."""
+        done = self.path.with_suffix(S.PARQUET)
+        with pa.memory_map(str(self.path)) as source:
+            write_parquet(done, pa.ipc.open_stream(source), self.schema)
+        self.path.unlink()
+        return done
 
 
 def _check_rank_column(batch: pa.RecordBatch | pa.Table, rank: int, table: str) -> None:
@@ -160,7 +175,8 @@ class ArtifactWriter:
         self._manifest["layout"] = self._layout(self._manifest.get("layout", {}), layout or {})
         _json(self._manifest)
         self._streams: dict[str, _Stream] = {}
-        self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": []}
+        self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": [],
+                                       "digests": {}}
         self._inputs_digest: str | None = None
         self.closed = False
         self._lock: int | None = None
@@ -245,7 +261,7 @@ class ArtifactWriter:
         self._write_manifest(complete=False)
 
     def write_ops(self, batch: pa.RecordBatch | dict[str, Any], *, rank: int | None = None) -> None:
-        """Append one batch of this rank's op records (``OPS_SCHEMA``) to ``ops.rank<r>.arrow``.
+        """Append one batch of this rank's op records (``OPS_SCHEMA``) to ``ops.rank<r>.arrows``.
 
         Args:
             rank: if given, must be this writer's rank (the recorder names its rank).
@@ -263,7 +279,7 @@ class ArtifactWriter:
 
     def write_steps(self, batch: pa.RecordBatch | dict[str, Any]) -> None:
         """Append one batch of this rank's step records (``STEPS_SCHEMA``) to
-        ``steps.rank<r>.arrow``.
+        ``steps.rank<r>.arrows``.
 
         Raises:
             ValueError: the columns do not match ``STEPS_SCHEMA``, or records of another rank.
@@ -276,15 +292,15 @@ class ArtifactWriter:
     def _stream(self, table: str) -> _Stream:
         """This rank's stream of ``table``, opened (and listed) on first use."""
         if table not in self._streams:
-            name = S.rank_file(table, self.rank)
+            name = S.rank_file(table, self.rank, S.STREAM)
             self._streams[table] = _Stream(self.path / name, S.SCHEMAS[table])
             self._files[table] = [name]
             self._write_manifest(complete=False)
         return self._streams[table]
 
     def write_trace(self, rows: list[dict[str, Any]]) -> None:
-        """Store this rank's operator trace (``OperatorTrace.rows()``) as ``trace.rank<r>.arrow``
-        (one batch; a second call replaces the first).
+        """Store this rank's operator trace (``OperatorTrace.rows()``) as
+        ``trace.rank<r>.parquet`` (atomically; a second call replaces the first).
 
         Each row's ``rank`` (the trace schema's owning rank) must be this writer's.
 
@@ -299,12 +315,10 @@ class ArtifactWriter:
                 raise ValueError(f"trace row has unknown keys {sorted(set(row) - names)}")
         table = pa.Table.from_pylist(rows, schema=S.TRACE_SCHEMA)
         _check_rank_column(table, self.rank, "trace")
-        name = S.trace_file(self.rank)
-        tmp = self.path / (name + ".tmp")
-        with open(tmp, "wb") as f, pa.ipc.new_stream(f, S.TRACE_SCHEMA) as w:
-            w.write_table(table)
-        os.replace(tmp, self.path / name)
-        self._files["trace"] = [name]
+        path = self.path / S.trace_file(self.rank)
+        write_parquet(path, table.to_batches(), S.TRACE_SCHEMA)
+        self._files["trace"] = [path.name]
+        self._files["digests"][path.name] = file_digest(path)
         self._write_manifest(complete=False)
 
     # -- end -----------------------------------------------------------------------------------
@@ -312,7 +326,8 @@ class ArtifactWriter:
         """Close this rank's streams, then (every rank together) write the manifest with
         ``complete`` and ``fields`` merged.
 
-        ``complete=True`` also creates an empty steps file if this rank wrote no step. The
+        ``complete=True`` also creates an empty steps file if this rank wrote no step, and turns
+        this rank's streams into Parquet files (``_Stream.finish``). The
         manifest says ``complete: true`` only if every rank closed with ``complete=True`` and
         they agree on ``SHARED_KEYS`` and the replay inputs. Every rank must call ``close``
         (the ``with`` block does, also on an exception). A second call does nothing.
@@ -329,6 +344,11 @@ class ArtifactWriter:
             self._stream("steps")
         for s in self._streams.values():
             s.close()
+        if complete:
+            for table, s in self._streams.items():
+                done = s.finish()
+                self._files[table] = [done.name]
+                self._files["digests"][done.name] = file_digest(done)
         self.closed = True
         self._manifest.update(fields)
         mine = {"complete": complete, "files": self._files, "inputs": self._inputs_digest,
@@ -340,7 +360,9 @@ class ArtifactWriter:
         if self.rank == 0:
             self._files = {"inputs": self._files["inputs"],
                            **{t: sorted(n for rep in reports for n in rep["files"][t])
-                              for t in S.RANK_TABLES}}
+                              for t in S.RANK_TABLES},
+                           "digests": dict(sorted((n, d) for rep in reports
+                                                  for n, d in rep["files"]["digests"].items()))}
             self._write_manifest(complete=complete and problem is None)
         C.barrier(self.group)  # the manifest is final once close returns on any rank
         self._unlock()

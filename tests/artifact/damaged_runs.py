@@ -2,9 +2,12 @@
 run in place the way a disk, a crash, a hand edit or a hostile sender could.
 
 A uniquely named module (not ``conftest``): other test folders have their own ``conftest.py``.
-Byte-level Arrow damage patches one record batch of an IPC stream where pyarrow's reader puts
-it: the file is read into one buffer, so every batch buffer's file offset is its address minus
-the file buffer's address.
+The good run is a finished one (Parquet tables). Edits of its records re-record the file's digest
+in the manifest (``table_files.rewrite_table``), so that they reach the reader's checks of the
+records; byte-level damage does not. Damage to Arrow IPC streams applies to the good run turned
+into the stream format of schema version 4 (``legacy``): byte-level damage there patches one
+record batch where pyarrow's reader puts it: the file is read into one buffer, so every batch
+buffer's file offset is its address minus the file buffer's address.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pyarrow.compute as pc
 
 from drifttool.digestcore import digest_bytes
 from drifttool.errors import DriftToolError
+from tests.artifact.table_files import rewrite_table, to_streams
 
 
 def _patch(path: Path, offset: int, data: bytes) -> None:
@@ -59,17 +63,6 @@ def corrupt_batch_length(path: Path) -> None:
     _patch(path, start, meta.replace(old, new))
 
 
-def _rewrite_stream(path: Path, edit: Callable[[pa.Table], pa.Table], *,
-                    schema: pa.Schema | None = None) -> None:
-    """Rewrite an Arrow stream with ``edit`` applied to its table (plain pyarrow, no checks)."""
-    with pa.OSFile(str(path)) as f:
-        reader = pa.ipc.open_stream(f)
-        table = reader.read_all()
-    table = edit(table)
-    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema or table.schema) as w:
-        w.write_table(table)
-
-
 def _to_file_format(path: Path) -> None:
     """Rewrite an IPC stream as an IPC *file* (footer format) with the same table."""
     table = pa.ipc.open_stream(path.read_bytes()).read_all()
@@ -99,15 +92,15 @@ def restep(row: int, **fields) -> Callable[[Path], None]:
         except (ValueError, DriftToolError):
             pass  # bytes that cannot hold the declared dtype and shape: a later check says so
         return pa.Table.from_pylist(rows, schema=t.schema)
-    return lambda d: _rewrite_stream(d / "steps.rank0.arrow", edit)
+    return lambda d: rewrite_table(d / "steps.rank0.parquet", edit)
 
 
 def null_in(file: str, column: str, row: int = 0) -> Callable[[Path], None]:
-    return lambda d: _rewrite_stream(d / file, _set_value(column, row, None))
+    return lambda d: rewrite_table(d / file, _set_value(column, row, None))
 
 
 def value_in(file: str, column: str, value, row: int = 0) -> Callable[[Path], None]:
-    return lambda d: _rewrite_stream(d / file, _set_value(column, row, value))
+    return lambda d: rewrite_table(d / file, _set_value(column, row, value))
 
 
 def retype(file: str, column: str, type_: pa.DataType) -> Callable[[Path], None]:
@@ -115,21 +108,21 @@ def retype(file: str, column: str, type_: pa.DataType) -> Callable[[Path], None]
         def edit(t: pa.Table) -> pa.Table:
             i = t.schema.get_field_index(column)
             return t.set_column(i, pa.field(column, type_), t.column(column).cast(type_))
-        _rewrite_stream(d / file, edit)
+        rewrite_table(d / file, edit)
     return damage
 
 
 def drop_column(file: str, column: str) -> Callable[[Path], None]:
-    return lambda d: _rewrite_stream(d / file, lambda t: t.drop_columns([column]))
+    return lambda d: rewrite_table(d / file, lambda t: t.drop_columns([column]))
 
 
 def rename_column(file: str, column: str, new: str) -> Callable[[Path], None]:
-    return lambda d: _rewrite_stream(
+    return lambda d: rewrite_table(
         d / file, lambda t: t.rename_columns([new if c == column else c for c in t.column_names]))
 
 
 def duplicate_rows(file: str) -> Callable[[Path], None]:
-    return lambda d: _rewrite_stream(d / file, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+    return lambda d: rewrite_table(d / file, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
 
 
 def plant_in_input(key: str, value: float) -> Callable[[Path], None]:
@@ -234,8 +227,17 @@ def directory_for(a: str) -> Callable[[Path], None]:
     return damage
 
 
-def append_second_stream(file: str) -> Callable[[Path], None]:
-    """Concatenate a copy of the stream after its own end-of-stream marker."""
+def legacy(damage: Callable[[Path], None]) -> Callable[[Path], None]:
+    """``damage`` applied to the run turned into schema version 4's streams (``*.arrow``)."""
+    def both(d: Path) -> None:
+        to_streams(d, 4)
+        damage(d)
+    return both
+
+
+def append_copy(file: str) -> Callable[[Path], None]:
+    """Concatenate a copy of the file after its own end (a stream after its end-of-stream
+    marker, a Parquet file after its footer)."""
     def damage(d: Path) -> None:
         data = (d / file).read_bytes()
         (d / file).write_bytes(data + data)
@@ -245,93 +247,109 @@ def append_second_stream(file: str) -> Callable[[Path], None]:
 DEEP = 100_000
 DAMAGES: dict[str, Callable[[Path], None]] = {
     # Arrow record batches
-    "ops string offsets": lambda d: corrupt_string_offsets(d / "ops.rank0.arrow"),
-    "steps string offsets": lambda d: corrupt_string_offsets(d / "steps.rank0.arrow", "quantity"),
-    "ops batch length": lambda d: corrupt_batch_length(d / "ops.rank0.arrow"),
-    "steps batch length": lambda d: corrupt_batch_length(d / "steps.rank0.arrow"),
-    "null in ops op": null_in("ops.rank0.arrow", "op"),
-    "null in ops sample": null_in("ops.rank0.arrow", "sample", 5),
-    "negative op_pos": value_in("ops.rank0.arrow", "op_pos", -1, 3),
-    "unknown component in ops": value_in("ops.rank0.arrow", "component", "unet", 2),
-    "unknown component in steps": value_in("steps.rank0.arrow", "component", "unet", 1),
-    "null component in steps": null_in("steps.rank0.arrow", "component", 1),
-    "null in steps quantity": null_in("steps.rank0.arrow", "quantity"),
-    "null in steps digest": null_in("steps.rank0.arrow", "digest", 2),
-    "NaN sigma in steps": value_in("steps.rank0.arrow", "sigma", float("nan")),
-    "inf sigma in steps": value_in("steps.rank0.arrow", "sigma", float("inf")),
-    "-inf sigma_next in steps": value_in("steps.rank0.arrow", "sigma_next", float("-inf"), 3),
-    "NaN sigma in ops": value_in("ops.rank0.arrow", "sigma", float("nan"), 5),
-    "finite sigma changed in steps": value_in("steps.rank0.arrow", "sigma", 0.5, 3),
-    "finite sigma_next changed in steps": value_in("steps.rank0.arrow", "sigma_next", 0.5, 3),
-    "finite sigma changed in ops": value_in("ops.rank0.arrow", "sigma", 0.5, 9),
-    "sigma of a whole step changed in steps": lambda d: _rewrite_stream(
-        d / "steps.rank0.arrow", lambda t: t.set_column(
+    "ops string offsets": legacy(lambda d: corrupt_string_offsets(d / "ops.rank0.arrow")),
+    "steps string offsets": legacy(lambda d: corrupt_string_offsets(d / "steps.rank0.arrow",
+                                                                    "quantity")),
+    "ops batch length": legacy(lambda d: corrupt_batch_length(d / "ops.rank0.arrow")),
+    "steps batch length": legacy(lambda d: corrupt_batch_length(d / "steps.rank0.arrow")),
+    "ops bytes flipped": lambda d: _patch(d / "ops.rank0.parquet", 4000, b"\xff\x00\xff"),
+    "ops footer bytes flipped": lambda d: _patch(
+        d / "ops.rank0.parquet", (d / "ops.rank0.parquet").stat().st_size - 200, b"\x13\x37"),
+    "legacy null in ops op": legacy(null_in("ops.rank0.arrow", "op")),
+    "legacy truncated ops": legacy(truncate("ops.rank0.arrow")),
+    "legacy steps of version 5": legacy(edit_manifest(lambda m: m.update(schema_version=5))),
+    "stream listed in a complete run": lambda d: (
+        os.rename(d / "ops.rank0.parquet", d / "ops.rank0.arrows"),
+        edit_manifest(lambda m: m["files"].update(ops=["ops.rank0.arrows"]))(d)),
+    "digest of another file": edit_manifest(lambda m: m["files"]["digests"].update(
+        {"ops.rank0.parquet": m["files"]["digests"]["steps.rank0.parquet"]})),
+    "digest dropped": edit_manifest(lambda m: m["files"]["digests"].pop("ops.rank0.parquet")),
+    "digest of an unlisted file": edit_manifest(lambda m: m["files"]["digests"].update(
+        {"ops.rank1.parquet": "0" * 32})),
+    "null in ops op": null_in("ops.rank0.parquet", "op"),
+    "null in ops sample": null_in("ops.rank0.parquet", "sample", 5),
+    "negative op_pos": value_in("ops.rank0.parquet", "op_pos", -1, 3),
+    "unknown component in ops": value_in("ops.rank0.parquet", "component", "unet", 2),
+    "unknown component in steps": value_in("steps.rank0.parquet", "component", "unet", 1),
+    "null component in steps": null_in("steps.rank0.parquet", "component", 1),
+    "null in steps quantity": null_in("steps.rank0.parquet", "quantity"),
+    "null in steps digest": null_in("steps.rank0.parquet", "digest", 2),
+    "NaN sigma in steps": value_in("steps.rank0.parquet", "sigma", float("nan")),
+    "inf sigma in steps": value_in("steps.rank0.parquet", "sigma", float("inf")),
+    "-inf sigma_next in steps": value_in("steps.rank0.parquet", "sigma_next", float("-inf"), 3),
+    "NaN sigma in ops": value_in("ops.rank0.parquet", "sigma", float("nan"), 5),
+    "finite sigma changed in steps": value_in("steps.rank0.parquet", "sigma", 0.5, 3),
+    "finite sigma_next changed in steps": value_in("steps.rank0.parquet", "sigma_next", 0.5, 3),
+    "finite sigma changed in ops": value_in("ops.rank0.parquet", "sigma", 0.5, 9),
+    "sigma of a whole step changed in steps": lambda d: rewrite_table(
+        d / "steps.rank0.parquet", lambda t: t.set_column(
             t.schema.get_field_index("sigma"), t.schema.field("sigma"),
             pc.if_else(pc.equal(t["step"], 1), 0.5, t["sigma"]))),
-    "inf sigma in ops step -1": value_in("ops.rank0.arrow", "sigma", float("inf"), 0),
-    "retyped ops sample": retype("ops.rank0.arrow", "sample", pa.int64()),
-    "retyped steps sigma": retype("steps.rank0.arrow", "sigma", pa.float32()),
+    "inf sigma in ops step -1": value_in("ops.rank0.parquet", "sigma", float("inf"), 0),
+    "retyped ops sample": retype("ops.rank0.parquet", "sample", pa.int64()),
+    "retyped steps sigma": retype("steps.rank0.parquet", "sigma", pa.float32()),
     "unknown dtype in a step record": restep(3, dtype="float99"),
     "shape of a step record not its bytes": restep(3, shape=[7, 1000]),
     "negative shape in a step record": restep(3, shape=[-1, -1536]),
-    "unknown dtype in an op record": value_in("ops.rank0.arrow", "dtype", "float99", 4),
-    "op record shape under its digest": value_in("ops.rank0.arrow", "shape", [1, 2, 3], 7),
-    "op record maxabs under its digest": value_in("ops.rank0.arrow", "maxabs", 123.0, 7),
-    "op record nonfinite under its digest": value_in("ops.rank0.arrow", "nonfinite", 3, 7),
-    "op record row digests under their digest": lambda d: _rewrite_stream(
-        d / "ops.rank0.arrow", lambda t: _set_value("row_digests", 9, [
+    "unknown dtype in an op record": value_in("ops.rank0.parquet", "dtype", "float99", 4),
+    "op record shape under its digest": value_in("ops.rank0.parquet", "shape", [1, 2, 3], 7),
+    "op record maxabs under its digest": value_in("ops.rank0.parquet", "maxabs", 123.0, 7),
+    "op record nonfinite under its digest": value_in("ops.rank0.parquet", "nonfinite", 3, 7),
+    "op record row digests under their digest": lambda d: rewrite_table(
+        d / "ops.rank0.parquet", lambda t: _set_value("row_digests", 9, [
             v ^ 1 for v in t.column("row_digests")[9].as_py()])(t)),
-    "step record maxabs under its digest": value_in("steps.rank0.arrow", "maxabs", 0.5, 2),
-    "op record disagreeing rank outside the layout": value_in("ops.rank0.arrow", "rank_disagree",
+    "step record maxabs under its digest": value_in("steps.rank0.parquet", "maxabs", 0.5, 2),
+    "op record disagreeing rank outside the layout": value_in("ops.rank0.parquet", "rank_disagree",
                                                               [3], 5),
-    "op record rank digests not one per rank": value_in("ops.rank0.arrow", "rank_digests",
+    "op record rank digests not one per rank": value_in("ops.rank0.parquet", "rank_digests",
                                                         [1, 2, 3], 5),
-    "dropped ops column": drop_column("ops.rank0.arrow", "call"),
-    "extra ops column": lambda d: _rewrite_stream(
-        d / "ops.rank0.arrow", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
-    "dictionary-encoded steps column": lambda d: _rewrite_stream(
-        d / "steps.rank0.arrow", lambda t: t.set_column(t.schema.get_field_index("phase"), "phase",
+    "dropped ops column": drop_column("ops.rank0.parquet", "call"),
+    "extra ops column": lambda d: rewrite_table(
+        d / "ops.rank0.parquet", lambda t: t.append_column("note", pa.array(["x"] * t.num_rows))),
+    "dictionary-encoded steps column": lambda d: rewrite_table(
+        d / "steps.rank0.parquet", lambda t: t.set_column(t.schema.get_field_index("phase"), "phase",
                                                   t.column("phase").dictionary_encode())),
-    "renamed steps column": rename_column("steps.rank0.arrow", "sample", "samples"),
-    "second stream after the end": append_second_stream("ops.rank0.arrow"),
-    "truncated ops": truncate("ops.rank0.arrow"),
-    "truncated steps": truncate("steps.rank0.arrow", 0.9),
-    "truncated trace": truncate("trace.rank0.arrow", 0.7),
+    "renamed steps column": rename_column("steps.rank0.parquet", "sample", "samples"),
+    "second stream after the end": legacy(append_copy("ops.rank0.arrow")),
+    "second copy after the Parquet footer": append_copy("ops.rank0.parquet"),
+    "truncated ops": truncate("ops.rank0.parquet"),
+    "truncated steps": truncate("steps.rank0.parquet", 0.9),
+    "truncated trace": truncate("trace.rank0.parquet", 0.7),
     "truncated inputs": truncate("inputs.safetensors", 0.8),
-    "empty steps": truncate("steps.rank0.arrow", 0.0),
+    "empty steps": truncate("steps.rank0.parquet", 0.0),
     # replay inputs
     "NaN in x0": plant_in_input("x0", float("nan")),
     "inf in noise": plant_in_input("noise", float("inf")),
     "changed x0": plant_in_input("x0", 0.25),
     # files
-    "extra ops.rank7": copy("ops.rank0.arrow", "ops.rank7.arrow"),
-    "extra ops.rank7 listed": lambda d: (copy("ops.rank0.arrow", "ops.rank7.arrow")(d),
+    "extra ops.rank7": copy("ops.rank0.parquet", "ops.rank7.parquet"),
+    "extra ops.rank7 listed": lambda d: (copy("ops.rank0.parquet", "ops.rank7.parquet")(d),
                                          edit_manifest(lambda m: m["files"]["ops"].append(
-                                             "ops.rank7.arrow"))(d)),
-    "renamed ops to rank1 (listed)": lambda d: (rename("ops.rank0.arrow", "ops.rank1.arrow")(d),
+                                             "ops.rank7.parquet"))(d)),
+    "renamed ops to rank1 (listed)": lambda d: (rename("ops.rank0.parquet", "ops.rank1.parquet")(d),
                                                 edit_manifest(lambda m: m["files"].update(
-                                                    ops=["ops.rank1.arrow"]))(d)),
+                                                    ops=["ops.rank1.parquet"]))(d)),
     "extra notes file": lambda d: (d / "notes.txt").write_text("hello"),
     "extra dot file": lambda d: (d / ".hidden").write_text("x"),
-    "missing steps": remove("steps.rank0.arrow"),
-    "missing trace": remove("trace.rank0.arrow"),
+    "missing steps": remove("steps.rank0.parquet"),
+    "missing trace": remove("trace.rank0.parquet"),
     "missing inputs": remove("inputs.safetensors"),
     "inputs removed with their manifest entry": lambda d: (
         remove("inputs.safetensors")(d), edit_manifest(lambda m: m["files"].update(inputs=None))(d)),
     "inputs unlisted in the manifest": edit_manifest(lambda m: m["files"].update(inputs=None)),
     "empty run directory": lambda d: [os.remove(p) for p in list(d.iterdir())],
-    "steps in Arrow file format": lambda d: _to_file_format(d / "steps.rank0.arrow"),
-    "missing ops": remove("ops.rank0.arrow"),
-    "renamed steps": rename("steps.rank0.arrow", "steps.rank0.arrow.bak"),
-    "swapped steps and trace": swap("steps.rank0.arrow", "trace.rank0.arrow"),
-    "swapped steps and ops": swap("steps.rank0.arrow", "ops.rank0.arrow"),
-    "duplicated steps rows": duplicate_rows("steps.rank0.arrow"),
-    "symlinked steps": symlink_to_copy("steps.rank0.arrow"),
+    "steps in Arrow file format": legacy(lambda d: _to_file_format(d / "steps.rank0.arrow")),
+    "missing ops": remove("ops.rank0.parquet"),
+    "renamed steps": rename("steps.rank0.parquet", "steps.rank0.parquet.bak"),
+    "swapped steps and trace": swap("steps.rank0.parquet", "trace.rank0.parquet"),
+    "swapped steps and ops": swap("steps.rank0.parquet", "ops.rank0.parquet"),
+    "duplicated steps rows": duplicate_rows("steps.rank0.parquet"),
+    "symlinked steps": symlink_to_copy("steps.rank0.parquet"),
     "symlinked manifest": symlink_to_copy("manifest.json"),
     "symlinked inputs": symlink_to_copy("inputs.safetensors"),
-    "FIFO for ops": fifo_for("ops.rank0.arrow"),
+    "FIFO for ops": fifo_for("ops.rank0.parquet"),
     "FIFO for manifest": fifo_for("manifest.json"),
-    "directory for trace": directory_for("trace.rank0.arrow"),
+    "directory for trace": directory_for("trace.rank0.parquet"),
     "subdirectory": lambda d: (d / "sub").mkdir(),
     # manifest
     "deeply nested manifest": manifest_text(lambda t: t[:-1] + ', "x": ' + "[" * DEEP + "]" * DEEP + "}"),
@@ -353,9 +371,9 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "kind as list": edit_manifest(lambda m: m.update(kind=["rollout"])),
     "capture_level as list": edit_manifest(lambda m: m.update(capture_level=["L2"])),
     "capture_level unknown": edit_manifest(lambda m: m.update(capture_level="L9")),
-    "files.steps points at trace": edit_manifest(lambda m: m["files"].update(steps=["trace.rank0.arrow"])),
+    "files.steps points at trace": edit_manifest(lambda m: m["files"].update(steps=["trace.rank0.parquet"])),
     "files.ops duplicated": edit_manifest(lambda m: m["files"].update(
-        ops=["ops.rank0.arrow", "ops.rank0.arrow"])),
+        ops=["ops.rank0.parquet", "ops.rank0.parquet"])),
     "files.ops absolute": edit_manifest(lambda m: m["files"].update(
         ops=[str(Path("/etc/passwd"))])),
     "files unknown key": edit_manifest(lambda m: m["files"].update(extra="notes.txt")),
@@ -385,12 +403,12 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "layout.samples of another rank": set_key("layout.samples", {"1": [0, 1]}),
     "layout.samples without the run's samples": set_key("layout.samples", {"0": [5]}),
     "layout.mesh of another size": set_key("layout.mesh", {"dims": ["sample"], "shape": [2]}),
-    "files.steps a bare name": set_key("files.steps", "steps.rank0.arrow"),
+    "files.steps a bare name": set_key("files.steps", "steps.rank0.parquet"),
     "files.trace of rank 1": edit_manifest(lambda m: m["files"].update(
-        trace=["trace.rank1.arrow"])),
-    "steps of rank 1 copied in": copy("steps.rank0.arrow", "steps.rank1.arrow"),
+        trace=["trace.rank1.parquet"])),
+    "steps of rank 1 copied in": copy("steps.rank0.parquet", "steps.rank1.parquet"),
     "unknown top-level key": set_key("notes", "hand edit"),
-    "files.ops not a list": set_key("files.ops", "ops.rank0.arrow"),
+    "files.ops not a list": set_key("files.ops", "ops.rank0.parquet"),
     "kind unknown": set_key("kind", "training"),
     "kind recompute on a rollout": set_key("kind", "recompute"),
     "policy record on a rollout": set_key("policy", {"timestep_policy": "sigma_fp32",

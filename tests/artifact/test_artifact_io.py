@@ -6,15 +6,21 @@ import json
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from drifttool.artifact import SCHEMA_VERSION, ArtifactWriter, open_run
 from drifttool.artifact import schema as S
+from drifttool.artifact.parquet import file_digest
 from drifttool.capture.recorder import Recorder
 from drifttool.errors import ArtifactError
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
+from drifttool.artifact.parquet import write_parquet
+from drifttool.diff import diff_runs
+from tests.artifact.table_files import rewrite_batches, rewrite_table, to_streams, write_batches
+from tests.diff.diff_synthetic_runs import build_run
 
 TRACE = [{"rank": 0, "device": "cpu", "component": "mmdit", "op": "qk_rmsnorm", "block": 0, "stream": "img", "call": 0, "contract": "q.v1",
           "requested": "strict", "actual": "strict", "kernel": "cpu", "fallback": False,
@@ -46,8 +52,12 @@ def test_round_trip(tmp_path):
     assert run.complete and run.schema_version == SCHEMA_VERSION and run.problems == []
     m = run.manifest
     assert m["fingerprint"] == {"arch": {"depth": 1}} and m["variants"] == ["x=y"]
-    assert m["files"] == {"inputs": "inputs.safetensors", "steps": ["steps.rank0.arrow"],
-                          "ops": ["ops.rank0.arrow"], "trace": ["trace.rank0.arrow"]}
+    names = {"steps": "steps.rank0.parquet", "ops": "ops.rank0.parquet",
+             "trace": "trace.rank0.parquet"}
+    assert m["files"] == {"inputs": "inputs.safetensors", **{t: [n] for t, n in names.items()},
+                          "digests": {n: file_digest(run.path / n) for n in sorted(names.values())}}
+    assert sorted(p.name for p in run.path.iterdir()) == sorted(
+        ["manifest.json", "inputs.safetensors", *names.values()])  # no stream left
     assert m["layout"] == {"world_size": 1} and run.world_size == 1
     assert run.ops_table().num_rows == 6 and run.steps_table().num_rows == 3
     assert run.trace_rows() == [{**TRACE[0], "rank": 0}]
@@ -57,15 +67,18 @@ def test_round_trip(tmp_path):
     assert run.check() == []
 
 
-@pytest.mark.parametrize("name,table", [("ops.rank0.arrow", "ops"), ("steps.rank0.arrow", "steps"),
-                                        ("trace.rank0.arrow", "trace")])
-def test_plain_pyarrow_reads_every_file(tmp_path, name, table):
+@pytest.mark.parametrize("table", S.RANK_TABLES)
+def test_plain_pyarrow_reads_every_file_with_its_columns_meaning(tmp_path, table):
+    """A finished table is a Parquet file that plain pyarrow reads back with the schema as
+    written: types, the schema version and every column's meaning (field metadata)."""
     write_run(tmp_path / "a")
-    with pa.ipc.open_stream(tmp_path / "a" / name) as r:
-        t = r.read_all()
+    t = pq.read_table(tmp_path / "a" / S.rank_file(table, 0))
     assert t.schema.metadata[b"drifttool.schema_version"] == str(SCHEMA_VERSION).encode()
     assert t.schema.metadata[b"drifttool.table"] == table.encode()
-    assert t.num_rows > 0
+    assert t.schema.equals(S.SCHEMAS[table], check_metadata=True)
+    assert all(f.metadata[b"description"] for f in t.schema) and t.num_rows > 0
+    assert pq.ParquetFile(tmp_path / "a" / S.rank_file(table, 0)).num_row_groups == (
+        3 if table != "trace" else 1)  # one row group per step
 
 
 def test_manifest_says_incomplete_until_closed(tmp_path):
@@ -83,7 +96,7 @@ def test_manifest_says_incomplete_until_closed(tmp_path):
 
 def test_crash_leaves_finished_steps_readable(tmp_path):
     path = write_run(tmp_path / "a", close=False)
-    ops = path / "ops.rank0.arrow"
+    ops = path / "ops.rank0.arrows"
     ops.write_bytes(ops.read_bytes()[:-40])  # cut inside the third batch
     run = open_run(path)
     assert not run.complete
@@ -91,31 +104,68 @@ def test_crash_leaves_finished_steps_readable(tmp_path):
     assert t.num_rows == 4 and sorted(set(t.column("step").to_pylist())) == [0, 1]
     assert run.steps_table().num_rows == 3  # whole batches, just no end-of-stream marker
     problems = run.check()
-    assert any("ops.rank0.arrow: truncated after 2 complete batches" in p for p in problems)
-    assert any("steps.rank0.arrow: stream not closed after 3 batches" in p for p in problems)
+    assert any("ops.rank0.arrows: truncated after 2 complete batches" in p for p in problems)
+    assert any("steps.rank0.arrows: stream not closed after 3 batches" in p for p in problems)
     assert run.trace_rows() == []  # never written
+
+
+def test_a_process_killed_while_finishing_leaves_a_readable_run(tmp_path):
+    """Killed after a stream became Parquet but before it was removed (and before the manifest
+    said complete): the incomplete run reads the finished Parquet file, not the stream."""
+    path = write_run(tmp_path / "a", close=False)
+    with pa.memory_map(str(path / "ops.rank0.arrows")) as src:
+        write_parquet(path / "ops.rank0.parquet", pa.ipc.open_stream(src), S.OPS_SCHEMA)
+    run = open_run(path)
+    assert not run.complete and run.ops_table().num_rows == 6
+    assert run.check() == ["steps.rank0.arrows: stream not closed after 3 batches"]
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_streams_of_versions_3_and_4_still_read_and_diff_identical(tmp_path, version):
+    a, b = build_run(tmp_path / "a"), build_run(tmp_path / "b")
+    to_streams(b, version)
+    assert sorted(p.suffix for p in b.iterdir()) == [".arrow"] * 3 + [".json", ".safetensors"]
+    run = open_run(b)
+    assert run.schema_version == version and run.check() == []
+    assert diff_runs(open_run(a), run).verdict.value == "identical"
 
 
 def test_crash_before_any_batch(tmp_path):
     w = ArtifactWriter(tmp_path / "a", manifest={"fingerprint": {}})
-    (tmp_path / "a" / "ops.rank0.arrow").write_bytes(b"")
+    (tmp_path / "a" / "ops.rank0.arrows").write_bytes(b"")
     run = open_run(w.path)
     assert run.ops_table().num_rows == 0 and run.steps_table().num_rows == 0
-    assert run.problems == ["ops.rank0.arrow: empty (no batch written)"]
+    assert run.problems == ["ops.rank0.arrows: empty (no batch written)"]
 
 
 def test_cut_file_in_complete_run_is_an_error(tmp_path):
     path = write_run(tmp_path / "a")
-    ops = path / "ops.rank0.arrow"
-    ops.write_bytes(ops.read_bytes()[:-8])  # only the end-of-stream marker missing
-    with pytest.raises(ArtifactError, match="corrupt file in a complete run.*not closed"):
+    ops = path / "ops.rank0.parquet"
+    ops.write_bytes(ops.read_bytes()[:-8])  # the footer's length and magic number missing
+    with pytest.raises(ArtifactError, match="bytes differ from the digest the manifest records"):
+        open_run(path).ops_table()
+    (path / "steps.rank0.parquet").unlink()
+    with pytest.raises(ArtifactError, match="complete run lacks steps.rank0.parquet"):
+        open_run(path).steps_table()
+
+
+def test_parquet_damage_the_digest_misses_is_refused(tmp_path):
+    """Bytes the Parquet footer does not account for, a file that is no Parquet, and a file left
+    by a process that died before the manifest recorded its digest: refused, never parsed as
+    records."""
+    path = write_run(tmp_path / "a")
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"]["digests"].pop("ops.rank0.parquet")
+    m["complete"] = False  # a complete run must record every digest (files_problem)
+    (path / "manifest.json").write_text(json.dumps(m))
+    ops = path / "ops.rank0.parquet"
+    good = ops.read_bytes()
+    ops.write_bytes(good + good)
+    with pytest.raises(ArtifactError, match="bytes that its Parquet footer does not account for"):
         open_run(path).ops_table()
     ops.write_bytes(b"garbage" * 10)
-    with pytest.raises(ArtifactError, match="not a readable Arrow IPC stream"):
+    with pytest.raises(ArtifactError, match="not a readable Parquet file"):
         open_run(path).ops_table()
-    (path / "steps.rank0.arrow").unlink()
-    with pytest.raises(ArtifactError, match="complete run lacks steps.rank0.arrow"):
-        open_run(path).steps_table()
 
 
 def test_missing_and_corrupt_directory(tmp_path):
@@ -151,8 +201,7 @@ def test_unknown_schema_version_refused(tmp_path):
     m["schema_version"] = SCHEMA_VERSION
     (path / "manifest.json").write_text(json.dumps(m))
     old = S.OPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"0"})
-    with open(path / "ops.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
-        wr.write_table(old.empty_table())
+    write_batches(path / "ops.rank0.parquet", [], old)
     with pytest.raises(ArtifactError, match="schema_version 0 is not a drifttool schema version"):
         open_run(path).ops_table()
 
@@ -172,10 +221,9 @@ def test_older_schema_version_says_re_run(tmp_path):
     m["schema_version"] = SCHEMA_VERSION
     (path / "manifest.json").write_text(json.dumps(m))
     old = S.STEPS_SCHEMA.with_metadata({b"drifttool.schema_version": b"2"})
-    with open(path / "steps.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, old) as wr:
-        wr.write_table(old.empty_table())
-    with pytest.raises(ArtifactError, match="steps.rank0.arrow: schema_version 2 was written by an "
-                                            "older drifttool"):
+    write_batches(path / "steps.rank0.parquet", [], old)
+    with pytest.raises(ArtifactError, match="steps.rank0.parquet: schema_version 2 was written by "
+                                            "an older drifttool"):
         open_run(path).steps_table()
 
 
@@ -205,51 +253,31 @@ def test_complete_run_missing_a_named_sample_is_refused(tmp_path):
     execute(RunSpec(capture="L1"), tmp_path / "r")
     assert open_run(tmp_path / "r").check() == []
     for table in ("ops", "steps"):
-        path = tmp_path / "r" / S.rank_file(table, 0)
-        with pa.OSFile(str(path)) as f:
-            reader = pa.ipc.open_stream(f)
-            batches, schema = list(reader), reader.schema
-        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
-            for b in batches:
-                w.write_batch(b.filter(pc.not_equal(b["sample"], 1)))
+        rewrite_table(tmp_path / "r" / S.rank_file(table, 0),
+                      lambda t: t.filter(pc.not_equal(t["sample"], 1)))
     with pytest.raises(ArtifactError, match=r"no step records of sample\(s\) \[1\] "
                                             r"\(settings.samples names them\)"):
         open_run(tmp_path / "r").check()
 
 
 def test_complete_run_whose_op_file_lost_its_last_step_is_refused(tmp_path):
-    """An op file cut at a batch boundary is a valid, closed stream: the check compares the steps
-    it covers with the step records' (L1 and finer) and refuses the run."""
+    """An op file without its last step is a valid file: the check compares the steps it covers
+    with the step records' (L1 and finer) and refuses the run."""
     execute(RunSpec(capture="L1"), tmp_path / "r")
-    path = tmp_path / "r" / S.rank_file("ops", 0)
-    with pa.OSFile(str(path)) as f:
-        reader = pa.ipc.open_stream(f)
-        batches, schema = list(reader), reader.schema
-    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
-        for b in batches[:-1]:
-            w.write_batch(b)
-    with pytest.raises(ArtifactError, match=r"ops.rank0.arrow has no records of rollout step 3 sample 0"):
+    rewrite_batches(tmp_path / "r" / S.rank_file("ops", 0), lambda bs: bs[:-1])
+    with pytest.raises(ArtifactError, match=r"ops.rank0 has no records of rollout step 3 sample 0"):
         open_run(tmp_path / "r").check()
-
-
-def _rewrite(path, keep):
-    with pa.OSFile(str(path)) as f:
-        reader = pa.ipc.open_stream(f)
-        batches, schema = list(reader), reader.schema
-    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
-        for b in keep(batches):
-            w.write_batch(b)
 
 
 def test_complete_run_cut_at_a_step_boundary_or_without_its_trace_is_refused(tmp_path):
-    """Every file a valid, closed stream, yet the run lost its last step (ops and steps alike),
+    """Every file a valid one, yet the run lost its last step (ops and steps alike),
     or a rank that ran the model has an empty trace: a complete run says otherwise — refused."""
     execute(RunSpec(capture="L1"), tmp_path / "r")
     for table in ("ops", "steps"):
-        _rewrite(tmp_path / "r" / S.rank_file(table, 0), lambda bs: bs[:-1])
+        rewrite_batches(tmp_path / "r" / S.rank_file(table, 0), lambda bs: bs[:-1])
     with pytest.raises(ArtifactError, match=r"no step records of step 3 \(settings.steps 4\)"):
         open_run(tmp_path / "r").check()
     execute(RunSpec(capture="L0"), tmp_path / "t")
-    _rewrite(tmp_path / "t" / S.rank_file("trace", 0), lambda bs: [b.slice(0, 0) for b in bs])
-    with pytest.raises(ArtifactError, match=r"trace.rank0.arrow holds no call sites"):
+    rewrite_batches(tmp_path / "t" / S.rank_file("trace", 0), lambda bs: [])
+    with pytest.raises(ArtifactError, match=r"trace.rank0 holds no call sites"):
         open_run(tmp_path / "t").check()

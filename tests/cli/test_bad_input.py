@@ -44,9 +44,9 @@ def test_unknown_schema_version(cli, tmp_path, strict_run):
 def test_truncated_arrow_in_complete_run(cli, tmp_path, strict_run):
     bad = tmp_path / "cut"
     shutil.copytree(strict_run, bad)
-    data = (bad / "ops.rank0.arrow").read_bytes()
-    (bad / "ops.rank0.arrow").write_bytes(data[: len(data) // 2])
-    _assert_clean_error(*cli("diff", strict_run, bad), "ops.rank0.arrow")
+    data = (bad / "ops.rank0.parquet").read_bytes()
+    (bad / "ops.rank0.parquet").write_bytes(data[: len(data) // 2])
+    _assert_clean_error(*cli("diff", strict_run, bad), "ops.rank0.parquet")
 
 
 def test_incomparable_architecture_names_the_field(cli, tmp_path, strict_run):
@@ -254,20 +254,21 @@ def test_overlay_needs_a_figure_name(cli, tmp_path, strict_run):
 def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, strict_run):
     import pyarrow as pa
 
+    from tests.artifact.table_files import rewrite_table
+
     bad = tmp_path / "bad"
     shutil.copytree(strict_run, bad)
-    with pa.OSFile(str(bad / "steps.rank0.arrow")) as f:
-        reader = pa.ipc.open_stream(f)
-        schema, table = reader.schema, reader.read_all()
-    data = table.column("data").to_pylist()
-    b = bytearray(data[3])
-    b[0] ^= 1  # one bit of one latent, digest left as it was
-    data[3] = bytes(b)
-    cols = {n: table.column(n) for n in schema.names}
-    cols["data"] = pa.array(data, type=schema.field("data").type)
-    table = pa.Table.from_arrays([cols[n] for n in schema.names], schema=schema)
-    with pa.OSFile(str(bad / "steps.rank0.arrow"), "wb") as f, pa.ipc.new_stream(f, schema) as w:
-        w.write_table(table)
+
+    def flip(table):
+        data = table.column("data").to_pylist()
+        b = bytearray(data[3])
+        b[0] ^= 1  # one bit of one latent, digest left as it was
+        data[3] = bytes(b)
+        i = table.schema.get_field_index("data")
+        return table.set_column(i, table.schema.field("data"),
+                                pa.array(data, type=table.schema.field("data").type))
+
+    rewrite_table(bad / "steps.rank0.parquet", flip)  # the file's digest re-recorded
     _assert_clean_error(*cli("diff", strict_run, bad), "do not match their digest")
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from drifttool.runner import execute
 
 from drifttool.settings import RunSpec
+from tests.artifact.table_files import rewrite_table
 
 
 def _clean_error(code, out, *needles):
@@ -51,12 +52,14 @@ def test_recompute_bad_input(cli, tmp_path, strict_run):
 
     bad = tmp_path / "tampered"
     shutil.copytree(strict_run, bad)
-    table = pa.ipc.open_stream(open(bad / "steps.rank0.arrow", "rb")).read_all()
-    rows = table.to_pylist()
-    r = next(r for r in rows if r["quantity"] == "x_t" and r["step"] == 3)
-    r["data"] = bytes(len(r["data"]))
-    with open(bad / "steps.rank0.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
-        w.write_table(pa.Table.from_pylist(rows, schema=table.schema))
+
+    def zero_x3(table):
+        rows = table.to_pylist()
+        r = next(r for r in rows if r["quantity"] == "x_t" and r["step"] == 3)
+        r["data"] = bytes(len(r["data"]))
+        return pa.Table.from_pylist(rows, schema=table.schema)
+
+    rewrite_table(bad / "steps.rank0.parquet", zero_x3)  # the file's digest re-recorded
     _clean_error(*cli("recompute", bad, "-o", tmp_path / "t2"), "tampered")
 
     from drifttool.model.checkpoint import save_checkpoint
@@ -131,9 +134,9 @@ def _truncate(name, keep):
 
 
 SOURCE_DAMAGES = {
-    "truncated steps": _truncate("steps.rank0.arrow", 0.9),
-    "truncated ops": _truncate("ops.rank0.arrow", 0.5),
-    "missing ops": lambda run: (run / "ops.rank0.arrow").unlink(),
+    "truncated steps": _truncate("steps.rank0.parquet", 0.9),
+    "truncated ops": _truncate("ops.rank0.parquet", 0.5),
+    "missing ops": lambda run: (run / "ops.rank0.parquet").unlink(),
     "settings.cfg_layout invalid": lambda run: _edit_manifest(
         run, lambda m: m["settings"].update(cfg_layout="b`tched")),
     "kind recompute on a rollout": lambda run: _edit_manifest(run, lambda m: m.update(kind="recompute")),

@@ -12,7 +12,8 @@ import torch
 from drifttool.cli import _threads
 from tests import harness
 
-ARTIFACT_FILES = ("ops.rank0.arrow", "steps.rank0.arrow", "trace.rank0.arrow", "inputs.safetensors")
+ARTIFACT_FILES = ("ops.rank0.parquet", "steps.rank0.parquet", "trace.rank0.parquet",
+                  "inputs.safetensors")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from drifttool.artifact import schema as S
+from drifttool.artifact.parquet import file_digest, write_parquet
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
 
@@ -152,11 +153,10 @@ def build_run(path: Path, *, steps: int = 3, level: str = "L2", plant: dict | No
             trace = pa.Table.from_pylist([trace_row(r)], schema=S.TRACE_SCHEMA)
             for table, kept in (("ops", recs[r].ops_table()), ("steps", recs[r].steps_table()),
                                 ("trace", trace)):
-                name = f"{table}.rank{r}.arrow"
-                with pa.OSFile(str(path / name), "wb") as f, \
-                        pa.ipc.new_stream(f, kept.schema) as out:
-                    out.write_table(kept)
+                name = S.rank_file(table, r)
+                write_parquet(path / name, kept.to_batches(), kept.schema)
                 m["files"][table].append(name)
+                m["files"]["digests"][name] = file_digest(path / name)
         m["layout"]["world_size"] = 1 + len(ranks)
         (path / S.MANIFEST).write_text(json.dumps(m))
     return path

@@ -170,13 +170,13 @@ def test_incomparable_unknown_level(make_run):
 
 def test_inconclusive_truncated_run(make_run):
     a, b = make_run("a"), make_run("b", crash_after=2)
-    ops = b / "ops.rank0.arrow"
+    ops = b / "ops.rank0.arrows"  # a crashed run keeps its streams
     ops.write_bytes(ops.read_bytes()[:-50])  # cut inside the last (step 1) batch
     r = diff(a, b)
     assert r.verdict is Verdict.INCONCLUSIVE and exit_code(r.verdict) == 3
     assert r.identical_through == ("rollout", 0)  # step 1 lost its op records
     assert "identical through rollout step 0" in r.reason and "run B is incomplete" in r.reason
-    assert any("ops.rank0.arrow: truncated after 1 complete batches" in n for n in r.notes)
+    assert any("ops.rank0.arrows: truncated after 1 complete batches" in n for n in r.notes)
     assert r.counts["ops"].only_a > 0 and r.counts["ops"].only_b == 0
 
 

@@ -24,7 +24,7 @@ def _text(report) -> str:
 def test_two_rank_run_is_identical_to_one_process(make_run):
     a = open_run(make_run("a", owners={0: 0, 1: 1}))
     b = open_run(make_run("b"))
-    assert a.manifest["files"]["ops"] == ["ops.rank0.arrow", "ops.rank1.arrow"]
+    assert a.manifest["files"]["ops"] == ["ops.rank0.parquet", "ops.rank1.parquet"]
     ops = a.ops_table()
     owned = {(r["sample"], r["rank"]) for r in ops.select(["sample", "rank"]).to_pylist()}
     assert owned == {(0, 0), (1, 1)}  # really split: sample 1 lives on rank 1 only

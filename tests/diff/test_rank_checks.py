@@ -7,34 +7,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from drifttool.artifact import open_run
 from drifttool.artifact import schema as S
 from drifttool.diff import diff_runs
 from drifttool.errors import ArtifactError
+from tests.artifact.table_files import to_streams
 
 
 def as_version_3(path: Path, layout: dict | None = None) -> Path:
-    """Rewrite the artifact at ``path`` as schema version 3 wrote it (no rank columns), with
-    ``layout`` merged into its manifest's layout."""
-    meta = {**S.OPS_SCHEMA.metadata, b"drifttool.schema_version": b"3"}
-    for f in path.glob("ops.rank*.arrow"):
-        with pa.ipc.open_stream(pa.BufferReader(f.read_bytes())) as r:
-            t = r.read_all()
-        t = t.drop_columns(list(S.RANK_COLUMNS)).replace_schema_metadata(meta)
-        with pa.ipc.new_stream(f, t.schema) as w:
-            w.write_table(t)
-    for table in ("steps", "trace"):
-        for f in path.glob(f"{table}.rank*.arrow"):
-            with pa.ipc.open_stream(pa.BufferReader(f.read_bytes())) as r:
-                t = r.read_all()
-            t = t.replace_schema_metadata({**t.schema.metadata, b"drifttool.schema_version": b"3"})
-            with pa.ipc.new_stream(f, t.schema) as w:
-                w.write_table(t)
+    """Rewrite the artifact at ``path`` as schema version 3 wrote it (streams, no rank columns),
+    with ``layout`` merged into its manifest's layout."""
+    to_streams(path, 3)
     m = json.loads((path / "manifest.json").read_text())
-    m["schema_version"] = 3
     m["layout"] = {**m.get("layout", {}), **(layout or {})}
     (path / "manifest.json").write_text(json.dumps(m))
     return path

@@ -15,6 +15,7 @@ from dist_workers import STEPS, TRACE, spawn, synthetic_run
 from drifttool.artifact import open_run
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError
+from tests.artifact.table_files import rewrite_batches
 
 
 def _records(table: pa.Table, key: tuple[str, ...]) -> list[dict]:
@@ -108,8 +109,9 @@ def test_complete_run_lacking_a_rank_is_refused(tmp_path):
     for t in S.RANK_TABLES:
         (run_dir / S.rank_file(t, 1)).unlink()
         m["files"][t].remove(S.rank_file(t, 1))
+        del m["files"]["digests"][S.rank_file(t, 1)]
     (run_dir / S.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="world size 2 lacks steps.rank1.arrow"):
+    with pytest.raises(ArtifactError, match="world size 2 lacks steps.rank1.parquet"):
         open_run(run_dir)
     m["layout"]["world_size"] = 1
     (run_dir / S.MANIFEST).write_text(json.dumps(m))
@@ -125,23 +127,20 @@ def test_complete_run_lacking_a_rank_is_refused(tmp_path):
     run = open_run(run_dir)  # now a consistent world-1 run of rank 0's samples
     assert run.world_size == 1 and run.check() == []
     (run_dir / S.steps_file(1)).write_bytes((run_dir / S.steps_file(0)).read_bytes())
-    with pytest.raises(ArtifactError, match="files not listed in the manifest: steps.rank1.arrow"):
+    with pytest.raises(ArtifactError, match="files not listed in the manifest: steps.rank1.parquet"):
         open_run(run_dir)
     m["complete"] = False  # an incomplete run may hold unlisted files, but not of rank 1 of 1
     (run_dir / S.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="steps.rank1.arrow belongs to a rank beyond "
+    with pytest.raises(ArtifactError, match="steps.rank1.parquet belongs to a rank beyond "
                                             "layout.world_size 1"):
         open_run(run_dir)
 
 
 def _drop_samples(path, samples):
-    """Rewrite a stream file without the records of ``samples`` (a valid, closed stream)."""
-    with pa.OSFile(str(path)) as f:
-        reader = pa.ipc.open_stream(f)
-        batches, schema = list(reader), reader.schema
-    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
-        for b in batches:
-            w.write_batch(b.filter(pc.invert(pc.is_in(b["sample"], pa.array(samples)))))
+    """Rewrite a table file without the records of ``samples`` (a valid file, its digest
+    re-recorded)."""
+    rewrite_batches(path, lambda parts: [
+        p.filter(pc.invert(pc.is_in(p["sample"], pa.array(samples)))) for p in parts])
 
 
 def test_complete_run_that_lost_a_ranks_samples_is_refused(tmp_path):

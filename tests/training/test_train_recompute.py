@@ -28,6 +28,7 @@ from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from drifttool.training.stored import load_rollout
 from drifttool.training.trainer import micro_batched
+from tests.artifact.table_files import rewrite_table
 from tests.conftest import assert_same_bytes
 
 
@@ -130,13 +131,12 @@ def test_diff_names_first_drift_of_a_production_trainer(tmp_path):
 
 
 def _rewrite_steps(run_dir, mutate):
-    path = run_dir / "steps.rank0.arrow"
-    table = pa.ipc.open_stream(open(path, "rb")).read_all()
-    rows = table.to_pylist()
-    mutate(rows)
-    new = pa.Table.from_pylist(rows, schema=table.schema)
-    with open(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
-        w.write_table(new)
+    def edit(table):
+        rows = table.to_pylist()
+        mutate(rows)
+        return pa.Table.from_pylist(rows, schema=table.schema)
+
+    rewrite_table(run_dir / "steps.rank0.parquet", edit)  # the file's digest re-recorded
 
 
 def _copy(src, dst):

@@ -1,0 +1,72 @@
+"""``manifest.json``'s schema as JSON Schema (draft 2020-12), generated from the declarative
+description in ``drifttool.artifact.manifest_schema``, for tools other than drifttool.
+
+    >>> schema = manifest_json_schema()
+    >>> schema["required"]
+    ['complete', 'files', 'fingerprint', 'schema_version']
+    $ python -m drifttool.artifact.manifest_json_schema > docs/manifest.schema.json
+
+The repository keeps the output in ``docs/manifest.schema.json`` (a test keeps the two equal).
+It states what ``manifest_schema.MANIFEST_SCHEMA``, ``KIND_REQUIRES`` and ``KIND_FORBIDS`` state;
+the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
+and the supported schema versions are checked by drifttool's reader only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from drifttool.artifact import manifest_schema as MS
+from drifttool.artifact.schema import SCHEMA_VERSION
+
+_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
+          dict: "object"}
+
+
+def spec_json_schema(spec: Any) -> dict[str, Any]:
+    """The JSON Schema of one ``manifest_schema`` spec (``int`` excludes booleans in both)."""
+    if spec is MS.ANY:
+        return {}
+    if isinstance(spec, MS.Nullable):
+        return {"anyOf": [{"type": "null"}, spec_json_schema(spec.spec)]}
+    if isinstance(spec, MS.Enum):
+        return {"type": "string", "enum": list(spec.values)}
+    if isinstance(spec, MS.ListOf):
+        return {"type": "array", "items": spec_json_schema(spec.item)}
+    if isinstance(spec, MS.MapOf):
+        return {"type": "object", "additionalProperties": spec_json_schema(spec.value)}
+    if isinstance(spec, MS.Obj):
+        return {"type": "object",
+                "properties": {k: spec_json_schema(v) for k, v in spec.fields.items()},
+                "required": sorted(spec.required), "additionalProperties": False}
+    types = [_TYPES[t] for t in spec if not (t is int and float in spec)]  # number ⊇ integer
+    return {"type": types[0] if len(types) == 1 else types}
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """The JSON Schema of ``manifest.json`` as this drifttool writes it (schema version
+    ``SCHEMA_VERSION``; earlier versions' manifests validate too)."""
+    out = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "drifttool artifact manifest.json",
+        "description": (f"The manifest of a drifttool trajectory artifact, schema version "
+                        f"{SCHEMA_VERSION} (docs/artifacts.md). Generated from "
+                        "drifttool/artifact/manifest_schema.py."),
+        **spec_json_schema(MS.MANIFEST_SCHEMA),
+    }
+    rules = [{"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
+              "then": {"required": sorted(keys)}} for kind, keys in MS.KIND_REQUIRES.items()]
+    rules += [{"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
+               "then": {"properties": {k: False for k in sorted(keys)}}}
+              for kind, keys in MS.KIND_FORBIDS.items()]
+    return {**out, "allOf": rules}
+
+
+def render() -> str:
+    """``manifest_json_schema()`` as the text of ``docs/manifest.schema.json``."""
+    return json.dumps(manifest_json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

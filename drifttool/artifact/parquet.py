@@ -1,0 +1,123 @@
+"""The finished tables of an artifact as Parquet files: written once, when the writer closes, and
+read whole.
+
+    write_parquet(Path("runs/a/ops.rank0.parquet"), batches, OPS_SCHEMA)   # one row group each
+    schema = parquet_schema(Path("runs/a/ops.rank0.parquet"))              # the Arrow schema
+    for i, table in row_groups(Path("runs/a/ops.rank0.parquet")): ...       # checked by the reader
+
+Why Parquet: DuckDB reads it natively (it reads no Arrow IPC file without a network extension),
+and so do Polars (lazily, ``scan_parquet``) and pyarrow (``pyarrow.parquet``, ``pyarrow.dataset``).
+The Arrow schema is stored in the file (``store_schema``), so the column types, the field
+metadata and ``drifttool.schema_version`` come back as written, and every value's bytes are kept
+(NaN payloads, −0.0, uint64 digests). A Parquet file opens only once its footer is written: the
+writer streams while a run writes and writes Parquet at close (``drifttool.artifact.writer``).
+
+Damage is refused, never read as data. The manifest of a finished run records every Parquet
+file's ``file_digest``, and the reader compares it before pyarrow parses a byte: a damaged
+footer can abort the process inside pyarrow's Parquet reader (an uncaught C++ exception, not a
+Python error), so a file is parsed only once its bytes are known to be the ones written. Every
+page also carries a CRC-32 that the reader verifies, a file whose footer does not account for
+every byte (``unaccounted_bytes``) is refused, and pyarrow's errors become ``ArtifactError``.
+``pyarrow.parquet`` is imported on first use (about a tenth of pyarrow's own import time).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import pyarrow as pa
+import xxhash
+
+from drifttool.artifact.manifest import brief
+from drifttool.errors import ArtifactError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
+
+WRITE_OPTIONS = {"compression": "zstd", "write_page_checksum": True, "store_schema": True,
+                 "use_compliant_nested_type": False}
+"""``pyarrow.parquet.ParquetWriter`` options: zstd (every reader above decodes it), a CRC-32 per
+page (``page_checksum_verification`` on read), the Arrow schema stored in the footer, and list
+items named ``item`` as in the Arrow schema (so the schema reads back equal)."""
+
+_MAGIC = b"PAR1"
+
+
+def write_parquet(path: Path, batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> None:
+    """Write ``batches`` (each non-empty one a row group) as the Parquet file ``path``,
+    atomically: ``<name>.tmp``, flushed, fsync'ed, renamed.
+
+    Raises:
+        OSError: the file cannot be written (the temp file is removed).
+    """
+    import pyarrow.parquet as pq  # lazy: see the module docstring
+
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            with pq.ParquetWriter(f, schema, **WRITE_OPTIONS) as w:
+                for batch in batches:
+                    if batch.num_rows:
+                        w.write_batch(batch)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def file_digest(path: Path) -> str:
+    """xxh3_128 (hex) of the bytes of the file ``path``, as the manifest records it."""
+    with open(path, "rb") as f:
+        return xxhash.xxh3_128_hexdigest(f.read())
+
+
+def _open(path: Path) -> "pq.ParquetFile":
+    """``path`` opened with page checksums verified. Raises ArtifactError if it does not open."""
+    import pyarrow.parquet as pq  # lazy: see the module docstring
+
+    try:
+        return pq.ParquetFile(str(path), memory_map=True, page_checksum_verification=True)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path}: not a readable Parquet file ({brief(e)})") from None
+
+
+def parquet_schema(path: Path) -> pa.Schema:
+    """The Arrow schema stored in the Parquet file ``path`` (its metadata included).
+
+    Raises:
+        ArtifactError: not a readable Parquet file, or bytes its footer does not account for.
+    """
+    pf = _open(path)
+    extra = unaccounted_bytes(pf, path.stat().st_size)
+    if extra:
+        raise ArtifactError(f"{path}: {extra} bytes that its Parquet footer does not account for "
+                            "(appended or inserted)")
+    return pf.schema_arrow
+
+
+def unaccounted_bytes(pf: "pq.ParquetFile", size: int) -> int:
+    """Bytes of a ``size``-byte file that are neither its magic numbers, nor a column chunk, nor
+    its footer (0 for a file as ``write_parquet`` writes it)."""
+    meta = pf.metadata
+    chunks = sum(meta.row_group(i).column(j).total_compressed_size
+                 for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+    return size - (2 * len(_MAGIC) + chunks + meta.serialized_size + 4)
+
+
+def row_groups(path: Path) -> Iterator[tuple[int, pa.Table]]:
+    """``(index, table)`` of every row group of the Parquet file ``path``, in order.
+
+    Raises:
+        ArtifactError: the file does not open, or a row group is damaged (a page checksum, a
+            length or an encoding pyarrow refuses).
+    """
+    pf = _open(path)
+    for i in range(pf.num_row_groups):
+        try:
+            yield i, pf.read_row_group(i)
+        except (pa.ArrowException, OSError) as e:
+            raise ArtifactError(f"{path}: row group {i} is corrupt ({brief(e)})") from None
