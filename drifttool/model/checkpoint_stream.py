@@ -25,7 +25,6 @@ CPU), the stages and one cast buffer, never a whole shard.
 
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -34,7 +33,7 @@ import torch
 
 from drifttool.errors import CheckpointError
 from drifttool.model.checkpoint_files import StoredTensor
-from drifttool.model.weights import StreamingDigest, host_bytes
+from drifttool.model.weights import PinnedStage, StreamingDigest, host_bytes
 
 CHUNK_BYTES = 64 * 2**20
 """The most bytes read (and, for a GPU, copied) at a time: the largest full-size tensor is 216 MiB
@@ -77,20 +76,6 @@ def _chunks(numel: int, itemsize: int) -> Iterator[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // itemsize)
     for e0 in range(0, numel, step):
         yield e0, min(numel, e0 + step)
-
-
-class _Stage:
-    """A pinned host buffer for a GPU copy, with what must finish before it is refilled."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-        self.copied = torch.cuda.Event()
-        self.hashed: threading.Event | None = None
-
-    def wait(self) -> None:
-        self.copied.synchronize()  # an event never recorded counts as done
-        if self.hashed is not None:
-            self.hashed.wait()
 
 
 def stream_tensors(entries: Iterable[tuple[str, StoredTensor]], *, device: torch.device | str = "cpu",
@@ -145,7 +130,7 @@ def _to_gpu(entries, files: _Files, device: torch.device, dtype, digest) -> Iter
     """Onto a GPU: read (and cast) into pinned stages, copy each to the device on a side stream."""
     side = torch.cuda.Stream(device)
     current = torch.cuda.current_stream(device)
-    stages = [_Stage() for _ in range(STAGES)]
+    stages = [PinnedStage(CHUNK_BYTES) for _ in range(STAGES)]
     scratch: torch.Tensor | None = None
     turn = 0
     try:

@@ -91,18 +91,89 @@ def weight_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     Equal digests ⇔ same names, dtypes, shapes and bytes (to the hash's collision bound); the same
     on every device. Accepts a model or a state dict. A model loaded by
     ``drifttool.model.checkpoint.load_checkpoint`` and unchanged since returns the digest its
-    loader computed while streaming (no tensor is read again); any other model or a state dict is
-    hashed here (a tensor on a GPU is copied to the host first). Returns ``"xxh3_128:<32 hex>"``.
+    loader computed while streaming (no tensor is read again); any other model (one with a LoRA
+    adapter, or changed after load) or a state dict is hashed here: a CPU tensor in place, a GPU
+    tensor copied back through a few pinned buffers, each chunk hashed on the digest's thread
+    while the next one is copied. Returns ``"xxh3_128:<32 hex>"``.
     """
     if isinstance(model, torch.nn.Module) and (pinned := _pinned_digest(model)) is not None:
         return pinned
     state = dict(model.named_parameters()) if isinstance(model, torch.nn.Module) else model
-    h = xxhash.xxh3_128()
-    for name in sorted(state):
-        t = state[name].detach()
-        h.update(entry_header(name, t.dtype, t.shape))
-        h.update(host_bytes(t.to("cpu").contiguous()))  # no extra copy on the CPU
-    return PREFIX + h.hexdigest()
+    readback = _Readback()
+    with StreamingDigest() as digest:
+        try:
+            for name in sorted(state):
+                t = state[name].detach()
+                digest.begin(name, t.dtype, t.shape)
+                if t.device.type == "cuda":
+                    readback.hash(t.contiguous(), digest)
+                else:
+                    digest.update(host_bytes(t.to("cpu").contiguous())).wait()  # no copy on the CPU
+        finally:
+            readback.close()
+        return digest.digest()
+
+
+class PinnedStage:
+    """A pinned host buffer of ``size`` bytes between the host and a GPU, with what must finish
+    before it is refilled: its copy (a CUDA event) and its hashing (a ``threading.Event``)."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.copied = torch.cuda.Event()
+        self.hashed: threading.Event | None = None
+
+    def wait(self) -> None:
+        self.copied.synchronize()  # an event never recorded counts as done
+        if self.hashed is not None:
+            self.hashed.wait()
+
+
+READBACK_STAGES = 3
+READBACK_BYTES = 64 * 2**20
+
+
+class _Readback:
+    """GPU tensors copied back in ``READBACK_BYTES`` chunks through ``READBACK_STAGES`` pinned
+    stages on a side stream: the copy of one chunk overlaps the hashing of the previous one."""
+
+    def __init__(self) -> None:
+        self.stages: list[PinnedStage] = []  # allocated at the first GPU tensor
+        self.sides: dict[torch.device, torch.cuda.Stream] = {}
+        self.turn = 0
+
+    def hash(self, t: torch.Tensor, digest: "StreamingDigest") -> None:
+        """Hand the bytes of the contiguous GPU tensor ``t`` to ``digest`` in order; every copy
+        of it has finished when this returns."""
+        if not self.stages:
+            self.stages = [PinnedStage(READBACK_BYTES) for _ in range(READBACK_STAGES)]
+        flat = t.reshape(-1).view(torch.uint8)
+        side = self.sides.get(t.device) or self.sides.setdefault(t.device, torch.cuda.Stream(t.device))
+        side.wait_stream(torch.cuda.current_stream(t.device))  # ``t`` as the current stream left it
+        pending: list[tuple[PinnedStage, int]] = []
+        for b0 in range(0, flat.numel(), READBACK_BYTES):
+            n = min(READBACK_BYTES, flat.numel() - b0)
+            stage = self.stages[self.turn % READBACK_STAGES]
+            self.turn += 1
+            stage.wait()
+            with torch.cuda.stream(side):
+                stage.buffer[:n].copy_(flat[b0:b0 + n], non_blocking=True)
+                stage.copied.record(side)
+            pending.append((stage, n))
+            if len(pending) > 1:  # hash the previous chunk while this one copies
+                self._hand_over(*pending.pop(0), digest)
+        for stage, n in pending:
+            self._hand_over(stage, n, digest)
+
+    @staticmethod
+    def _hand_over(stage: PinnedStage, n: int, digest: "StreamingDigest") -> None:
+        stage.copied.synchronize()
+        stage.hashed = digest.update(host_bytes(stage.buffer[:n]))
+
+    def close(self) -> None:
+        """Wait until every stage is copied and hashed (the buffers may then be freed)."""
+        for stage in self.stages:
+            stage.wait()
 
 
 class StreamingDigest:
