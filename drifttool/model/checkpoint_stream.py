@@ -32,7 +32,7 @@ from typing import Iterable, Iterator
 import torch
 
 from drifttool.errors import CheckpointError
-from drifttool.model.checkpoint_files import StoredTensor
+from drifttool.model.checkpoint_files import StoredTensor, locate_tensors
 from drifttool.model.weights import PinnedStage, StreamingDigest, host_bytes
 
 CHUNK_BYTES = 64 * 2**20
@@ -101,6 +101,18 @@ def stream_tensors(entries: Iterable[tuple[str, StoredTensor]], *, device: torch
         else:
             for name, t in _to_host(entries, files, dtype, digest):
                 yield name, t if device.type == "cpu" else t.to(device)
+
+
+def read_tensors(files: Iterable[Path], *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the safetensors ``files`` in name order, streamed as ``stream_tensors``
+    streams them (no digest): for loaders that map the names themselves (the VAE, the text
+    encoder).
+
+    Raises:
+        CheckpointError: an unreadable, corrupt or short file; a tensor stored in two files.
+    """
+    yield from stream_tensors(sorted(locate_tensors(files).items()), device=device, dtype=dtype)
 
 
 def _to_host(entries, files: _Files, dtype, digest) -> Iterator[tuple[str, torch.Tensor]]:
