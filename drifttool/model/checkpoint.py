@@ -2,11 +2,12 @@
 
     >>> model = load_checkpoint("Qwen-Image/transformer", dtype=torch.bfloat16)
     >>> save_checkpoint(model, "fixtures/tiny/transformer")
-    >>> weight_digest(model)                      # drifttool.model.weights
+    >>> weight_digest(model)                      # drifttool.model.weights: computed while loading
     'xxh3_128:5f0c…'
 
-The folder's files (layout, variants, sharded index, safetensors headers, tensors streamed one
-at a time) are ``drifttool.model.checkpoint_files``'s; this module maps them onto the model. The
+The folder's files (layout, variants, sharded index, safetensors headers) are
+``drifttool.model.checkpoint_files``'s, streaming their tensors onto a device (and into the weight
+digest) is ``drifttool.model.checkpoint_stream``'s; this module maps them onto the model. The
 config is checked against the safetensors headers before any tensor is read, so a config claiming
 absurd sizes fails at once.
 
@@ -38,15 +39,17 @@ from drifttool.model.checkpoint_files import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     check_variant,
+    locate_tensors,
     read_dtypes,
     read_json_object,
     read_shapes,
-    read_tensors,
     transformer_folder,
     weight_files,
 )
+from drifttool.model.checkpoint_stream import stream_tensors
 from drifttool.model.config import MMDiTConfig, from_diffusers_config
 from drifttool.model.mmdit import MMDiT
+from drifttool.model.weights import StreamingDigest
 
 
 def _top_shapes(c: MMDiTConfig) -> dict[str, tuple[int, ...]]:
@@ -165,20 +168,19 @@ def load_state_dict_into(model: MMDiT, tensors: dict[str, torch.Tensor]) -> None
     bad_dtype = [f"{k}: {t.dtype}" for k, t in tensors.items() if not t.is_floating_point()]
     if bad_dtype:
         raise CheckpointError(f"non-float tensors ({len(bad_dtype)}): " + ", ".join(bad_dtype))
-    _assign(model, ((k, t) for k, t in tensors.items()))
+    wmap = weight_map(model.config)
+    _assign(model, ((wmap[k], t) for k, t in tensors.items()))
 
 
 def _assign(model: MMDiT, tensors: Iterable[tuple[str, torch.Tensor]],
             device: torch.device | None = None) -> None:
-    """Load (checkpoint name, tensor) pairs into ``model`` (weight map applied), each cast to its
-    parameter's dtype on ``device`` (default: the parameter's own, the CPU for a meta model) as
-    it arrives — a no-op for tensors already there — so no second copy of the weights is held;
+    """Load (parameter name, tensor) pairs into ``model``, each cast to its parameter's dtype on
+    ``device`` (default: the parameter's own, the CPU for a meta model) as it arrives — a no-op
+    for tensors already there — so no second copy of the weights is held;
     ``load_state_dict(assign=True)`` then adopts them."""
-    wmap = weight_map(model.config)
     params = dict(model.named_parameters())
     state = {}
-    for ckpt_name, t in tensors:
-        name = wmap[ckpt_name]
+    for name, t in tensors:
         p = params[name]
         dev = device or (p.device if p.device.type != "meta" else torch.device("cpu"))
         state[name] = t.to(device=dev, dtype=p.dtype).contiguous()
@@ -204,21 +206,25 @@ def load_checkpoint(
     variant: str | None = None,
 ) -> MMDiT:
     """Load a diffusers-format transformer folder (or a pipeline folder, ``transformer_folder``)
-    into an ``MMDiT``.
+    into an ``MMDiT``, its weight digest computed on the way.
 
     The config is checked against the safetensors headers (shapes and dtypes) before any tensor
     is read or the model is built, so a hostile config (a billion layers, huge widths) fails at
     once. The model is built on the meta device and each parameter assigned as its tensor
-    arrives, tensor by tensor (no dict of every stored tensor, no second cast copy).
+    arrives, tensor by tensor in the weight digest's (sorted) name order (no dict of every stored
+    tensor, no second cast copy); the host bytes each one is filled from are hashed meanwhile and
+    the digest is pinned to the model (``StreamingDigest.pin``): ``weight_digest(model)`` returns
+    it without reading a weight again while the parameters stay unchanged.
 
     Args:
         path: folder with ``config.json`` and safetensors weights (single file or sharded index),
             or a pipeline folder with ``model_index.json`` and ``transformer/``.
         dtype: model dtype W (fp32 or bf16); ``None`` keeps the checkpoint's own dtype, which must
             then be one dtype for all tensors.
-        device: where the parameters live: each tensor is copied from the memory-mapped shard
-            straight there, cast to ``dtype`` on the way (``read_tensors``), so host memory
-            peaks near the weights' size on the CPU and near one tensor for a GPU.
+        device: where the parameters live: each tensor is read from its file straight there
+            (through a few pinned buffers for a GPU), cast to ``dtype`` on the host on the way
+            (``checkpoint_stream.stream_tensors``), so host memory peaks near the weights' size
+            on the CPU and at a few 64 MiB buffers for a GPU.
         variant: diffusers weight variant (``"fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors``),
             as ``from_pretrained(..., variant=)``.
 
@@ -245,9 +251,15 @@ def load_checkpoint(
             raise CheckpointError(f"{folder}: tensors have mixed dtypes {dtypes}; pass dtype= explicitly")
         dtype = SAFETENSORS_DTYPES[next(iter(stored.values()))]
     device = torch.device(device)
+    located = locate_tensors(files)
+    wmap = weight_map(config)
+    order = sorted(wmap, key=wmap.__getitem__)  # checkpoint names in parameter-name order
     with torch.device("meta"):
         model = MMDiT(config, dtype=dtype)
-    _assign(model, read_tensors(files, device=device, dtype=dtype), device)
+    with StreamingDigest() as digest:
+        _assign(model, stream_tensors([(wmap[k], located[k]) for k in order], device=device,
+                                      dtype=dtype, digest=digest), device)
+        digest.pin(model)
     return model
 
 

@@ -4,7 +4,8 @@
     >>> files = weight_files(folder)                          # single file, or the shards of the index
     >>> read_shapes(files)["img_in.weight"]                   # from the headers alone
     (3072, 64)
-    >>> for name, t in read_tensors(files, device="cuda", dtype=torch.bfloat16): ...
+    >>> locate_tensors(files)["img_in.weight"]               # where its bytes lie
+    StoredTensor(file=…, offset=…, dtype=torch.bfloat16, shape=(3072, 64))
 
 A transformer folder holds ``config.json`` (diffusers ``QwenImageTransformer2DModel`` config) and
 either ``diffusion_pytorch_model.safetensors`` or ``diffusion_pytorch_model.safetensors.index.json``
@@ -19,9 +20,12 @@ past any plausible checkpoint size are refused before they are parsed. Every fai
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
@@ -233,32 +237,68 @@ def read_dtypes(files: Iterable[Path]) -> dict[str, str]:
     return out
 
 
-def read_tensors(files: Iterable[Path], *, device: torch.device | str = "cpu",
-                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, each copied from the memory-mapped shard
-    straight to ``device`` in ``dtype`` (None: the stored dtype).
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie: ``file``, the absolute byte ``offset`` of its first byte,
+    its stored ``dtype`` and ``shape`` (row-major, ``nbytes`` long)."""
 
-    Each tensor is read through its own mapping of the shard, unmapped once its copy exists, so
-    the pages of the file never pile up in the process's resident memory: host memory peaks at
-    the tensors already yielded (when ``device`` is the CPU) plus one tensor's mapped pages and
-    copy — not at a whole shard or a dict of every stored tensor.
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def _header(f: Path) -> tuple[dict[str, Any], int, int]:
+    """(the JSON header, the data area's offset, its size) of one safetensors file."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 2 <= n <= _MAX_HEADER_BYTES:
+            raise ValueError(f"header length {n}")
+        header = json.loads(fh.read(n))
+        size = os.fstat(fh.fileno()).st_size
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + n, size - 8 - n
+
+
+def _stored_tensor(f: Path, name: str, entry: Any, start: int, size: int) -> StoredTensor:
+    if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{name}: no known dtype")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError(f"{name}: shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise ValueError(f"{name}: data_offsets {offsets!r}")
+    t = StoredTensor(f, start + offsets[0], SAFETENSORS_DTYPES[entry["dtype"]], tuple(shape))
+    if not 0 <= offsets[0] <= offsets[1] <= size or offsets[1] - offsets[0] != t.nbytes:
+        raise ValueError(f"{name}: data_offsets {offsets} do not hold {t.nbytes} bytes within {size}")
+    return t
+
+
+def locate_tensors(files: Iterable[Path]) -> dict[str, StoredTensor]:
+    """Tensor name → where its bytes lie (``StoredTensor``), from the safetensors headers alone;
+    every tensor's byte range is checked to lie within its file and to match its dtype and shape.
 
     Raises:
-        CheckpointError: an unreadable or corrupt file.
+        CheckpointError: an unreadable or corrupt file; a tensor stored in more than one file.
     """
-    from safetensors import safe_open
-
+    out: dict[str, StoredTensor] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                names = list(sf.keys())
-            for k in names:
-                with safe_open(str(f), framework="pt", device="cpu") as sf:
-                    mapped = sf.get_tensor(k)  # a view of the mapping: no pages read yet
-                    t = mapped.to(device=device, dtype=dtype or mapped.dtype, copy=True)
-                    del mapped
-                yield k, t
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
+            header, start, size = _header(f)
+            located = {k: _stored_tensor(f, k, v, start, size) for k, v in header.items()
+                       if k != "__metadata__"}
+        except (OSError, ValueError, RecursionError) as e:
             raise _safetensors_error(f, e) from None
+        dupes = sorted(located.keys() & out.keys())
+        if dupes:
+            raise CheckpointError(f"tensor(s) stored in more than one shard: {dupes[:8]}")
+        out.update(located)
+    return out

@@ -17,8 +17,9 @@ import torch
 
 from drifttool.errors import CheckpointError
 from drifttool.model.checkpoint_files import (
-    CONFIG_NAME, PIPELINE_INDEX_NAME, read_json_object, read_shapes, read_tensors, weight_files,
+    CONFIG_NAME, PIPELINE_INDEX_NAME, read_json_object, read_shapes, weight_files,
 )
+from drifttool.model.checkpoint_stream import read_tensors
 from drifttool.model.vae import QwenImageVAE, from_diffusers_config
 
 VAE_SUBFOLDER = "vae"

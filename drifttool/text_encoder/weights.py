@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from drifttool.errors import CheckpointError
-from drifttool.model.checkpoint_files import read_json_object, read_tensors
+from drifttool.model.checkpoint_files import read_json_object
+from drifttool.model.checkpoint_stream import read_tensors
 from drifttool.text_encoder.config import TextEncoderConfig
 
 SINGLE = "model.safetensors"

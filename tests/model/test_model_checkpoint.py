@@ -149,10 +149,11 @@ def test_weight_digest_sensitivity():
 def _refuse_tensor_reads(monkeypatch):
     import drifttool.model.checkpoint as ck
 
-    def no_reads(files):
+    def no_reads(*args, **kwargs):
         raise AssertionError("tensors were read before the config was checked against the headers")
 
-    monkeypatch.setattr(ck, "read_tensors", no_reads)
+    monkeypatch.setattr(ck, "stream_tensors", no_reads)
+    monkeypatch.setattr(ck, "locate_tensors", no_reads)
 
 
 @pytest.mark.parametrize("edit, needle", [

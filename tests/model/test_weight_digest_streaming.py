@@ -1,0 +1,185 @@
+"""The weight digest computed while a checkpoint streams in equals ``weight_digest`` of the
+loaded parameters (hashed again from the tensors themselves) for every way a checkpoint loads:
+the embedded fixture, bf16 as stored, fp32 and fp16 cast to bf16 on load, a sharded index, a
+weight variant, chunked reads, on the CPU and (skipped without one) a GPU; it is pinned to the model only while the parameters stay as
+loaded (an attached LoRA adapter, an in-place write or a replaced parameter falls back to hashing
+them), and the pinned path reads no weight back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import drifttool.model.checkpoint_stream as stream
+from drifttool.fixture import load_fixture
+from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
+from drifttool.model.checkpoint_files import WEIGHTS_INDEX_NAME
+from drifttool.model.config import MMDiTConfig
+from drifttool.model.lora import add_lora
+from drifttool.model.lora_io import effective_weights, load_lora, save_lora
+from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.model.weights import StreamingDigest, weight_digest
+
+SMALL = MMDiTConfig(num_layers=3, attention_head_dim=16, num_attention_heads=3,
+                    joint_attention_dim=40, axes_dims_rope=(4, 6, 6))
+
+
+def rehashed(model: torch.nn.Module) -> str:
+    """``weight_digest`` of the parameters as tensors: never the digest pinned at load."""
+    return weight_digest(dict(model.named_parameters()))
+
+
+def pinned(model: torch.nn.Module) -> bool:
+    from drifttool.model.weights import _pinned_digest
+
+    return _pinned_digest(model) is not None
+
+
+def test_embedded_fixture_digest_is_the_expected_runs():
+    fx = load_fixture("tiny-t2i")
+    manifest = json.loads((fx.expected_dir / "manifest.json").read_text())
+    model = load_checkpoint(fx.model_dir, dtype=getattr(torch, manifest["settings"]["dtype"]))
+    assert pinned(model)
+    assert weight_digest(model) == rehashed(model) == manifest["fingerprint"]["weights"]
+    fp32 = load_checkpoint(fx.model_dir, dtype=torch.float32)
+    assert weight_digest(fp32) == rehashed(fp32) != weight_digest(model)
+
+
+@pytest.mark.parametrize("stored, dtype", [
+    (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.bfloat16), (torch.float32, None), (torch.bfloat16, torch.float32),
+], ids=["bf16", "bf16-as-bf16", "fp32-to-bf16", "fp16-to-bf16", "fp32", "bf16-to-fp32"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_streaming_digest_equals_the_parameters(tmp_path, stored, dtype, sharded):
+    src = random_init_(MMDiT(SMALL), seed=5)
+    folder = save_checkpoint(src, tmp_path / "ck", max_shard_bytes=40_000 if sharded else None)
+    assert (folder / WEIGHTS_INDEX_NAME).is_file() == sharded
+    for f in folder.glob("*.safetensors"):  # stored in ``stored`` (fp16: no MMDiT dtype)
+        save_file({k: t.to(stored) for k, t in load_file(str(f)).items()}, str(f))
+    model = load_checkpoint(folder, dtype=dtype)
+    assert pinned(model) and model.dtype == (dtype or stored)
+    assert weight_digest(model) == rehashed(model)
+    want = {n: p.detach().to(stored).to(dtype or stored) for n, p in src.named_parameters()}
+    assert weight_digest(model) == weight_digest(want)
+
+
+def test_variant_and_chunked_reads(tmp_path, monkeypatch):
+    """Tensors larger than a chunk arrive in pieces (read, and cast, chunk by chunk)."""
+    src = random_init_(MMDiT(SMALL, dtype=torch.float32), seed=6)
+    folder = tmp_path / "ck"
+    save_checkpoint(src, folder, max_shard_bytes=50_000)
+    def fp16(name: str) -> str:  # diffusers' variant file name: a.b.json → a.b.fp16.json
+        head, _, ext = name.rpartition(".")
+        return f"{head}.fp16.{ext}"
+
+    for f in folder.glob("*.safetensors"):  # the same folder as an fp16 variant
+        save_file({k: t.half() for k, t in load_file(str(f)).items()}, str(folder / fp16(f.name)))
+        f.unlink()
+    index = folder / WEIGHTS_INDEX_NAME
+    wm = json.loads(index.read_text())
+    wm["weight_map"] = {k: fp16(v) for k, v in wm["weight_map"].items()}
+    (folder / fp16(index.name)).write_text(json.dumps(wm))
+    index.unlink()
+    whole = load_checkpoint(folder, dtype=torch.bfloat16, variant="fp16")
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 1000)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_checkpoint(folder, dtype=dtype, variant="fp16")
+        assert pinned(model) and weight_digest(model) == rehashed(model)
+    assert weight_digest(load_checkpoint(folder, dtype=torch.bfloat16, variant="fp16")) == weight_digest(whole)
+
+
+def test_lora_falls_back_to_hashing_the_weights(tmp_path):
+    base = save_checkpoint(random_init_(MMDiT(SMALL), seed=7), tmp_path / "base")
+    donor = load_checkpoint(base)
+    add_lora(donor, rank=2, alpha=4.0, seed=1, init_b_std=0.05)
+    adapter = save_lora(donor, tmp_path / "adapter")
+    for mode in ("merged", "fused", "unfused"):
+        model = load_checkpoint(base, dtype=torch.bfloat16)
+        plain = weight_digest(model)
+        load_lora(model, adapter, mode=mode)
+        assert not pinned(model)  # the adapter's parameters were never streamed
+        assert weight_digest(model) == rehashed(model) != plain
+        eff = effective_weights(model)  # what a LoRA run's fingerprint hashes
+        assert weight_digest(eff) == rehashed(model) if mode != "fused" else weight_digest(eff) != plain
+
+
+def test_changed_parameters_are_hashed_again(tmp_path):
+    folder = save_checkpoint(random_init_(MMDiT(SMALL), seed=8), tmp_path / "ck")
+    model = load_checkpoint(folder)
+    before = weight_digest(model)
+    with torch.no_grad():
+        model.img_in.bias.add_(1)  # an in-place write bumps the version counter
+    assert not pinned(model) and weight_digest(model) == rehashed(model) != before
+    model = load_checkpoint(folder)
+    model.img_in.bias = torch.nn.Parameter(model.img_in.bias.detach().clone())  # same bytes
+    assert not pinned(model) and weight_digest(model) == before
+    model = load_checkpoint(folder)
+    model.load_state_dict(load_checkpoint(folder).state_dict())  # copy_ into every parameter
+    assert not pinned(model) and weight_digest(model) == before
+
+
+def test_pinned_digest_reads_no_weight_back(tmp_path, monkeypatch):
+    """The digest of a freshly loaded model copies nothing to the host: no ``Tensor.to`` or
+    ``Tensor.cpu`` call (the fallback makes one per parameter, which the counter sees)."""
+    folder = save_checkpoint(random_init_(MMDiT(SMALL), seed=9), tmp_path / "ck")
+    model = load_checkpoint(folder, dtype=torch.bfloat16)
+    calls = []
+    for method in ("to", "cpu"):
+        real = getattr(torch.Tensor, method)
+
+        def counted(self, *a, _real=real, _name=method, **kw):
+            calls.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    want = weight_digest(model)
+    assert calls == []
+    assert rehashed(model) == want and len(calls) == len(list(model.parameters()))
+
+
+def test_streaming_digest_needs_sorted_names():
+    with StreamingDigest() as d:
+        d.begin("b", torch.float32, (1,))
+        with pytest.raises(ValueError, match="sorted"):
+            d.begin("a", torch.float32, (1,))
+    with StreamingDigest() as d, pytest.raises(ValueError, match="before begin"):
+        d.update(b"x")
+
+
+def test_pin_refuses_a_model_of_other_parameters(tmp_path):
+    model = random_init_(MMDiT(SMALL), seed=10)
+    with StreamingDigest() as d:
+        d.begin("img_in.bias", torch.float32, (SMALL.inner_dim,))
+        d.update(model.img_in.bias.detach().numpy())
+        d.pin(model)
+    assert not pinned(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stored, dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+def test_gpu_load_streams_the_cpu_bytes_and_digest(tmp_path, monkeypatch, stored, dtype):
+    """Onto a GPU through pinned stages (small chunks, so every stage is reused many times):
+    the same bytes and the same digest as loading onto the CPU, and the digest reads nothing
+    back from the GPU."""
+    src = random_init_(MMDiT(SMALL, dtype=stored), seed=11)
+    folder = save_checkpoint(src, tmp_path / "ck", max_shard_bytes=40_000)
+    cpu = load_checkpoint(folder, dtype=dtype)
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 4096)
+    gpu = load_checkpoint(folder, dtype=dtype, device="cuda")
+    params = dict(cpu.named_parameters())
+    for n, p in gpu.named_parameters():  # used at once, on the current stream: bit for bit
+        assert p.device.type == "cuda" and p.dtype == params[n].dtype, n
+        assert torch.equal(p.detach().reshape(-1).view(torch.uint8),
+                           params[n].detach().to("cuda").reshape(-1).view(torch.uint8)), n
+    assert pinned(gpu)
+    calls = []
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    assert weight_digest(gpu) == weight_digest(cpu) and calls == []
+    assert rehashed(gpu) == weight_digest(cpu)
