@@ -93,14 +93,15 @@ def _variant_name(name: str, variant: str | None) -> str:
     return f"{head}.{variant}.{ext}"
 
 
-def transformer_folder(path: str | Path) -> Path:
-    """The folder holding the transformer's ``config.json``: ``path`` itself, or, for a pipeline
-    folder (``model_index.json`` naming a ``QwenImageTransformer2DModel`` transformer, as
-    ``DiffusionPipeline.save_pretrained`` writes), its ``transformer/`` subfolder.
+def component_folder(path: str | Path, subfolder: str, cls: str, what: str) -> Path:
+    """The folder holding one model's ``config.json``: ``path`` itself, or, for a pipeline folder
+    (``model_index.json`` naming a ``cls`` component ``subfolder``, as
+    ``DiffusionPipeline.save_pretrained`` writes), its ``subfolder/``. ``what`` names the model in
+    messages ("transformer", "VAE").
 
     Raises:
-        CheckpointError: not a directory; neither kind of folder; a pipeline whose
-            ``transformer`` component is missing or of another class.
+        CheckpointError: not a directory; neither kind of folder; a pipeline whose ``subfolder``
+            component is missing or of another class.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -109,16 +110,25 @@ def transformer_folder(path: str | Path) -> Path:
         return folder
     index = folder / PIPELINE_INDEX_NAME
     if not index.is_file():
-        raise CheckpointError(f"{folder}: no {CONFIG_NAME} (a transformer folder) and no "
+        raise CheckpointError(f"{folder}: no {CONFIG_NAME} (a {what} folder) and no "
                               f"{PIPELINE_INDEX_NAME} (a pipeline folder)")
-    component = read_json_object(index).get(TRANSFORMER_SUBFOLDER)
-    if not (isinstance(component, list) and component[-1:] == ["QwenImageTransformer2DModel"]):
-        raise CheckpointError(f"{index}: component {TRANSFORMER_SUBFOLDER!r} is {component!r}, "
-                              "not a QwenImageTransformer2DModel")
-    sub = folder / TRANSFORMER_SUBFOLDER
+    component = read_json_object(index).get(subfolder)
+    if not (isinstance(component, list) and component[-1:] == [cls]):
+        raise CheckpointError(f"{index}: component {subfolder!r} is {component!r}, not a {cls}")
+    sub = folder / subfolder
     if not (sub / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{sub}: missing {CONFIG_NAME} of the pipeline's transformer")
+        raise CheckpointError(f"{sub}: missing {CONFIG_NAME} of the pipeline's {what}")
     return sub
+
+
+def transformer_folder(path: str | Path) -> Path:
+    """The folder holding the transformer's ``config.json``: ``path`` itself, or a pipeline
+    folder's ``transformer/`` (``component_folder``).
+
+    Raises:
+        CheckpointError: as ``component_folder``.
+    """
+    return component_folder(path, TRANSFORMER_SUBFOLDER, "QwenImageTransformer2DModel", "transformer")
 
 
 def weight_files(folder: Path, variant: str | None = None) -> list[Path]:

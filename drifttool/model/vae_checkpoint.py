@@ -17,7 +17,7 @@ import torch
 
 from drifttool.errors import CheckpointError
 from drifttool.model.checkpoint_files import (
-    CONFIG_NAME, PIPELINE_INDEX_NAME, read_json_object, read_shapes, weight_files,
+    CONFIG_NAME, component_folder, read_json_object, read_shapes, weight_files,
 )
 from drifttool.model.checkpoint_stream import read_tensors
 from drifttool.model.vae import QwenImageVAE, from_diffusers_config
@@ -33,21 +33,7 @@ def vae_folder(path: str | Path) -> Path:
         CheckpointError: not a directory; neither kind of folder; a pipeline whose ``vae``
             component is missing or of another class.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory")
-    if (folder / CONFIG_NAME).is_file():
-        return folder
-    index = folder / PIPELINE_INDEX_NAME
-    if not index.is_file():
-        raise CheckpointError(f"{folder}: no {CONFIG_NAME} (a VAE folder) and no {PIPELINE_INDEX_NAME} (a pipeline folder)")
-    component = read_json_object(index).get(VAE_SUBFOLDER)
-    if not (isinstance(component, list) and component[-1:] == [VAE_CLASS]):
-        raise CheckpointError(f"{index}: component {VAE_SUBFOLDER!r} is {component!r}, not a {VAE_CLASS}")
-    sub = folder / VAE_SUBFOLDER
-    if not (sub / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{sub}: missing {CONFIG_NAME} of the pipeline's VAE")
-    return sub
+    return component_folder(path, VAE_SUBFOLDER, VAE_CLASS, "VAE")
 
 
 def load_vae(path: str | Path, *, dtype: torch.dtype = torch.float32,
