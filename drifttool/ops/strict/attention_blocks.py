@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from drifttool.ops.strict_math import KEY_TILE, ROW_TILE, exact_matmul, exp32, tree_sum
+from drifttool.ops.strict_gemm import KEY_TILE, ROW_TILE, exact_matmul
+from drifttool.ops.strict_math import exp32, tree_sum
 
 BLOCK = KEY_TILE  # positions per key (query) block
 SEGMENT_LEVELS = 3  # image blocks form 2**3 = 8 segments
