@@ -39,8 +39,8 @@ initialised process group, plus the fused operator's own checks (mask shape, ``t
 sample without a valid key).
 
 Source of the arithmetic: docs/strict-arithmetic.md, "Attention (contract v2)"; the pieces are the
-public ones of ``drifttool.ops.strict.attention_blocks`` / ``attention_core`` (what the fused
-operator is written with). Backward: not here.
+public ones of ``drifttool.ops.strict.attention_blocks`` / ``attention_kernels`` /
+``attention_core`` (what the fused operator is written with). Backward: not here.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from drifttool.ops.strict.attention_blocks import (
     Partial,
     add_combine,
     block_partials,
-    block_weighted,
     finish_ranks,
     merge_sequential,
     rank_segments,
@@ -73,6 +72,7 @@ from drifttool.ops.strict.attention_blocks import (
     softmax_probs,
 )
 from drifttool.ops.strict.attention_core import AttnGeometry, geometry, heads_f32, scores_blocked
+from drifttool.ops.strict.attention_kernels import block_weighted
 
 __all__ = ["LocalRing", "P2PRing", "QUERY_CHUNK_ELEMS", "RingTransport", "ring_attention", "sp_row_spans"]  # sp_row_spans: from drifttool.shards
 

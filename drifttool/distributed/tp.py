@@ -14,7 +14,7 @@ qkv_bias_gemm        column-parallel: its heads' rows of W_q, W_k, W_v and their
                      (both streams), ``heads / T`` heads
 mlp_up_gemm_gelu     column-parallel: its channels' rows of W and b                         ``tp_mlp_gemm_gelu``
 attn_out_bias_gemm,  row-parallel: the contract-v2 partial over its K shard (8/T whole      ``tp_attn_out_bias_gemm``
-mlp_down_gemm        segments, ``strict_math.linear_partial``); the T partials gathered      ``tp_mlp_gemm_gelu``
+mlp_down_gemm        segments, ``strict_gemm.linear_partial``); the T partials gathered      ``tp_mlp_gemm_gelu``
                      in rank order and finished by the fixed tree on every rank, the bias
                      added once (``finish_linear``) — never a plain all-reduce.
                      With ``plan.tp_row == "gather"`` (strict on CUDA): the K shards of the
@@ -47,8 +47,8 @@ import torch
 from drifttool.distributed.canonical import gather_cat, gather_list
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict import act_dtype, cast_like, f32, g32, gelu_tanh_grad32, out
-from drifttool.ops.strict_math import (N_TILE, finish_linear, linear_is_exact, linear_partial,
-                                       local_spans, segment_spans, shard_spans, tiled_linear)
+from drifttool.ops.strict_gemm import N_TILE, finish_linear, linear_is_exact, linear_partial, tiled_linear
+from drifttool.ops.strict_math import local_spans, segment_spans, shard_spans
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.distributed.plan import ParallelPlan
@@ -303,7 +303,7 @@ class _RowParallel(torch.autograd.Function):
 def _reduce(plan: "ParallelPlan", part: torch.Tensor, b: torch.Tensor | None, shape: tuple[int, int],
             device) -> torch.Tensor:
     """The canonical finish of the row-parallel partials: gathered in rank order, contract v2's
-    tree, then the bias once (``strict_math.finish_linear``). The probe faults ``tp_allreduce``
+    tree, then the bias once (``strict_gemm.finish_linear``). The probe faults ``tp_allreduce``
     (a plain all-reduce of the partials, the library's order) and ``tp_bias_every_rank`` (each
     rank adds the bias to its partial) replace it (``plan.FAULTS``); ``tp_allreduce`` also
     computes the tree and counts the calls whose bytes it changed (``plan.fault_effects``)."""

@@ -13,7 +13,7 @@ libraries run (peft 0.21.2 ``tuners/lora/layer.py`` ``Linear.merge`` / ``get_del
 * ``lora_merge`` (contract ``drifttool.lora_merge.v1``): peft's ``merge_and_unload`` of a
   ``PeftModel`` (factors FP32, peft's ``autocast_adapter_dtype``).
 
-  - strict (device ``cpu``): ``B·A`` by ``strict_math.tiled_linear`` (exact products, pairwise
+  - strict (device ``cpu``): ``B·A`` by ``strict_gemm.tiled_linear`` (exact products, pairwise
     tree over r), then ``fp32(W) + fp32(α/r)·(B·A)``; W' stays **FP32** (the strict GEMMs accept
     an FP32 weight with bf16 activations and round once at their output boundary), so a small
     update is never lost to a bf16 rounding of the weight. With ``B = 0`` (peft's init),
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from drifttool.ops.constraints import dtypes
 from drifttool.ops.declaration import OpSpec
 from drifttool.ops.registry import declare, implements
-from drifttool.ops.strict_math import tiled_linear
+from drifttool.ops.strict_gemm import tiled_linear
 
 DEVICES = ("cpu", "cuda")
 PRODUCTION_ONLY = ("lora_fuse", "lora_delta")

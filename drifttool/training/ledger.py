@@ -53,7 +53,7 @@ from drifttool.ops.lora import lora_merge_strict
 from drifttool.ops.strict.attention_blocks import BLOCK
 from drifttool.ops.strict.grad import (attach_grad_sink, detach_grad_sinks, live_rows, outer_partial,
                                        sample_rows, sample_weight_grads, sink_key)
-from drifttool.ops.strict_math import linear_is_exact
+from drifttool.ops.strict_gemm import linear_is_exact
 from drifttool.ops.strict_trees import (local_spans, row_segment_spans, shard_spans, tree_finish,
                                         tree_sum_stack)
 

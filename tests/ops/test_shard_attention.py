@@ -28,7 +28,6 @@ from drifttool.ops.strict.attention_blocks import (
     Partial,
     add_combine,
     block_partials,
-    block_weighted,
     finish_ranks,
     image_segments,
     merge,
@@ -52,6 +51,7 @@ from drifttool.ops.strict.attention_core import (
     softmax_backward_blocked,
     softmax_blocked,
 )
+from drifttool.ops.strict.attention_kernels import block_weighted
 from drifttool.ops.strict_math import tree_sum
 from tests.conftest import assert_same_bytes
 from tests.harness import Target, targets

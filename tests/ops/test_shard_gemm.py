@@ -25,9 +25,10 @@ import torch
 import drifttool.ops  # noqa: F401
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict import grad
-from drifttool.ops.strict_math import (
-    column_shard_spans, finish_linear, gelu_tanh32, linear_is_exact, linear_partial, tiled_linear,
+from drifttool.ops.strict_gemm import (
+    column_shard_spans, finish_linear, linear_is_exact, linear_partial, tiled_linear,
 )
+from drifttool.ops.strict_math import gelu_tanh32
 from drifttool.ops.strict_trees import (
     halving_spans, local_spans, row_segment_spans, segment_spans, shard_spans, tree_finish,
 )
@@ -292,7 +293,7 @@ def test_trailing_zero_rows_across_blocks_change_nothing_including_minus_zero():
 
 _PROBE = """
 import hashlib, numpy as np, torch
-from drifttool.ops.strict_math import tiled_linear
+from drifttool.ops.strict_gemm import tiled_linear
 from drifttool.ops.strict import grad
 rng = np.random.default_rng(1)  # numpy inputs: torch.randn itself depends on the dispatch
 def rn(*s): return torch.from_numpy(rng.standard_normal(s, dtype=np.float32))

@@ -19,7 +19,8 @@ from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import (
     cast_like, g32, layer_norm_grad, linear_grads, row_sum, silu_grad32,
 )
-from drifttool.ops.strict_math import LINEAR_KERNEL, rsqrt64, silu32, tiled_linear, tree_mean
+from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
+from drifttool.ops.strict_math import rsqrt64, silu32, tree_mean
 
 LN_KERNEL = "tree_layernorm"
 

@@ -7,9 +7,9 @@ Contract v2 (docs/strict-arithmetic.md, "Attention (contract v2)"): every reduct
 position 0, image blocks from image position 0 — and merges the block partials in one fixed
 structure (text sequentially; image in 8 segments, sequential inside, depth-3 tree across;
 text ⊕ image); the reductions over queries of the backward (dK, dV) use the same structure on
-the query axis. The pieces are in ``drifttool.ops.strict.attention_blocks`` and
-``attention_core``; each operator here maps its [B,H,S,S] / [B,S,H,Dh] tensors to the blocked
-layout, calls them, and maps back.
+the query axis. The pieces are in ``drifttool.ops.strict.attention_blocks``,
+``attention_kernels`` and ``attention_core``; each operator here maps its [B,H,S,S] / [B,S,H,Dh]
+tensors to the blocked layout, calls them, and maps back.
 
 The layout needs the padded text length: every operator takes ``text_len`` (keyword; default
 ``None`` = 0, every position an image position). The model passes it; without it a padded

@@ -16,16 +16,8 @@ import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict._checks import f32
-from drifttool.ops.strict.attention_blocks import (
-    BLOCK,
-    JointLayout,
-    block_weighted,
-    row_sums,
-    rowdot,
-    softmax_probs,
-    softmax_state,
-    weighted_sum,
-)
+from drifttool.ops.strict.attention_blocks import BLOCK, JointLayout, row_sums, softmax_probs, softmax_state
+from drifttool.ops.strict.attention_kernels import block_weighted, rowdot, weighted_sum
 
 __all__ = ["AttnGeometry", "geometry", "heads_f32", "to_blocked2", "from_blocked2", "check_joint", "scores_blocked", "scores_dot", "softmax_blocked", "av_blocked",
            "over_queries", "query_block_parts", "softmax_backward_blocked", "masked_keys", "qk_scale"]

@@ -19,9 +19,8 @@ from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import (
     cast_like, g32, linear_grads, rms_norm_grad, row_sum, sample_sum, silu_grad32,
 )
-from drifttool.ops.strict_math import (
-    LINEAR_KERNEL, exp32, rsqrt64, silu32, sincos64, tiled_linear, tree_mean,
-)
+from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
+from drifttool.ops.strict_math import exp32, rsqrt64, silu32, sincos64, tree_mean
 
 
 def rms_parts(xf: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,15 +36,12 @@ from collections.abc import Callable
 
 import torch
 
+from drifttool.ops.strict_gemm import N_TILE, _EXACT_BLOCK, linear_is_exact, tiled_linear
 from drifttool.ops.strict_math import (  # noqa: F401  (TreeAccumulator re-exported)
-    N_TILE,
-    _EXACT_BLOCK,
     TreeAccumulator,
     exp64,
-    linear_is_exact,
     pointwise32,
     tanh64,
-    tiled_linear,
     tree_sum,
 )
 from drifttool.ops.strict_trees import row_segment_spans, segmented_sum
@@ -108,7 +105,7 @@ def linear_input_grad(dy: torch.Tensor, w: torch.Tensor, weight_shape=None) -> t
     chunks sequential, depth-3 tree), the kernel chosen from the weight's shape alone
     (``weight_shape``, default w.shape; a TP rank passes the unsharded one), so each row's bytes
     are independent of the other rows. A column-parallel TP rank holding W[N-shard] computes its
-    subtree with ``strict_math.linear_partial(dy_shard, w_shard.t(), spans, exact=…)``.
+    subtree with ``strict_gemm.linear_partial(dy_shard, w_shard.t(), spans, exact=…)``.
     """
     return tiled_linear(dy, w.t(), weight_shape=weight_shape or tuple(w.shape))
 

@@ -1,7 +1,7 @@
 """Strict GEMM operators: latent_proj_gemm, qkv_bias_gemm, attn_out_bias_gemm, mlp_up_gemm_gelu,
 mlp_down_gemm.
 
-Reduction order (all five): ``strict_math.tiled_linear``, strict contract v2 — K split into 8
+Reduction order (all five): ``strict_gemm.tiled_linear``, strict contract v2 — K split into 8
 segments by recursive halving, each segment cut into 64-element chunks added sequentially, the
 segments combined by the depth-3 tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); in-chunk exact products
 (pairwise tree) for small weights (N·K ≤ 65536, portable bytes), otherwise fixed-shape matmul
@@ -21,7 +21,8 @@ import torch
 
 from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads, linear_input_grad
-from drifttool.ops.strict_math import LINEAR_KERNEL, gelu_tanh32, tiled_linear
+from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
+from drifttool.ops.strict_math import gelu_tanh32
 
 
 class _Linear(torch.autograd.Function):

@@ -27,7 +27,8 @@ import torch
 
 from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.embed import rms_parts
-from drifttool.ops.strict_math import LINEAR_KERNEL, exp32, silu32, sincos64, tiled_linear, tree_sum
+from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
+from drifttool.ops.strict_math import exp32, silu32, sincos64, tree_sum
 
 _ATTN_ELEMS = 1 << 24  # products materialised at once by the attention (bytes do not depend on it)
 

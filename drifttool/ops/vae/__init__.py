@@ -21,7 +21,7 @@ vae_latent_normalize  FP32 ``(z − mean)/std``; inverse = strict        pipelin
 
 Strict is batch- and position-invariant: every reduction runs along one sample's own axis (a
 pixel's K patch, a pixel's channels, a frame's keys) in a fixed order that depends on that axis's
-length only, and the GEMMs are ``strict_math.tiled_linear`` (row-invariant). Production with the
+length only, and the GEMMs are ``strict_gemm.tiled_linear`` (row-invariant). Production with the
 same weights equals ``diffusers.AutoencoderKLQwenImage`` byte for byte on the CPU (FP32 and BF16;
 ``tests/model/test_vae.py``). Images only: one frame (T = 1), where the causal time convolutions
 of the 3-D resamplers never run (the first chunk only fills their caches), so ``vae_resample`` is

@@ -37,9 +37,8 @@ from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict import act_dtype, f32, out
 from drifttool.ops.strict.attention_fused import joint_attention_fused
 from drifttool.ops.strict.latent import latent_normalize
-from drifttool.ops.strict_math import (
-    finish_linear, linear_partial, segment_spans, silu32, sqrt32, tree_sum,
-)
+from drifttool.ops.strict_gemm import finish_linear, linear_partial
+from drifttool.ops.strict_math import segment_spans, silu32, sqrt32, tree_sum
 from drifttool.ops.vae.production import RESAMPLE_MODES, check_conv, check_frames
 
 GEMM_KERNEL = "strict_linear.v2[seg8.k64.seq|mm16x128]"  # the tiled kernel at every size
@@ -55,7 +54,7 @@ def _strict(op: str, *dtype_args: str, kernel: str):
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """Row-invariant FP32 ``x @ wᵀ + b`` by contract v2's K order with the tiled in-chunk kernel
     (fixed-shape matmul members [16, c] @ [c, 128]) whatever the weight's size — unlike
-    ``strict_math.tiled_linear``, which takes exact products for small weights: those cost
+    ``strict_gemm.tiled_linear``, which takes exact products for small weights: those cost
     10–20× more at the VAE's pixel counts. x [..., K] FP32, w [N, K] FP32 → [..., N] FP32."""
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     x2 = x.reshape(lead.numel(), k)

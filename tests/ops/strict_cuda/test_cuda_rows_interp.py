@@ -25,7 +25,8 @@ from drifttool.ops.strict_cuda import rows as R
 from drifttool.ops.strict_cuda import sampler as SM
 from drifttool.ops.strict_cuda.kernels import rows as K
 from drifttool.ops.strict_cuda.kernels import sampler as KS
-from drifttool.ops.strict_math import silu32, tiled_linear, tree_sum
+from drifttool.ops.strict_gemm import tiled_linear
+from drifttool.ops.strict_math import silu32, tree_sum
 
 
 def _g(seed: int, *shape, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
