@@ -17,8 +17,8 @@ says ``complete: false`` may end in a cut batch or lack a file: the finished bat
 returned and the cut is listed in ``Run.problems``. A run that says ``complete: true`` must be
 whole; anything else raises ``ArtifactError``. Opening a run checks its manifest
 (``drifttool.artifact.manifest``), its directory and replay inputs; every batch is checked as it
-is read, and ``Run.check`` (which
-``diff``, ``replay`` and ``recompute`` call) reads every file (``drifttool.artifact.checks``).
+is read, and ``Run.check`` (which ``diff``, ``replay`` and ``recompute`` call) reads every file
+(``drifttool.artifact.checks``, ``drifttool.artifact.coverage``).
 
 This module does not import torch (``Run.inputs`` does, when called).
 Source: design.md, "Artifact".
@@ -36,9 +36,9 @@ from safetensors import SafetensorError
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.checks import (check_batch, check_directory, check_inputs,
-                                       check_owning_ranks, check_records_match_manifest,
-                                       check_sigmas, check_traced_ranks, check_unique_seq,
-                                       schema_differences)
+                                       check_records_match_manifest, check_sigmas,
+                                       check_unique_seq, schema_differences)
+from drifttool.artifact.coverage import check_owning_ranks, check_traced_ranks
 from drifttool.artifact.manifest import brief, read_manifest, world_size
 from drifttool.artifact.parquet import file_digest, parquet_schema, row_groups
 from drifttool.artifact.raw import RawTensor

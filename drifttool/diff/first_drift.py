@@ -27,8 +27,9 @@ import pyarrow.compute as pc
 from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff
+from drifttool.diff.location import FirstDrift, RowDrift, RowRef
 from drifttool.diff.owners import heads_note, row_owner
-from drifttool.diff.report import DiffReport, FirstDrift, RowDrift, RowRef, StepDrift, Verdict
+from drifttool.diff.report import DiffReport, StepDrift, Verdict
 
 FIRST_ROWS = 8  # differing rows named in the report
 

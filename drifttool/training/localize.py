@@ -42,7 +42,8 @@ from typing import Any
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
-from drifttool.diff.report import DiffReport, FirstDrift, StepDrift, Verdict
+from drifttool.diff.location import FirstDrift
+from drifttool.diff.report import DiffReport, StepDrift, Verdict
 from drifttool.errors import DriftToolError
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions

@@ -14,7 +14,7 @@ from drifttool.artifact import open_run
 from drifttool.artifact import schema as S
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.diff import DiffReport, Verdict, diff_runs, exit_code
-from drifttool.diff.report import RowRef
+from drifttool.diff.location import RowRef
 
 from diff_synthetic_runs import ARCH
 

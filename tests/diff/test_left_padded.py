@@ -15,7 +15,7 @@ from drifttool.artifact import open_run
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
 from drifttool.diff import Verdict, diff_runs
-from drifttool.diff.report import RowRef
+from drifttool.diff.location import RowRef
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_

@@ -11,8 +11,8 @@ from rich.console import Console
 
 from drifttool.artifact import open_run
 from drifttool.diff import diff_runs, render
+from drifttool.diff.location import FirstDrift
 from drifttool.diff.owners import mesh_rank, row_owner, sp_row_spans
-from drifttool.diff.report import FirstDrift
 from drifttool.distributed import plan as plan_mod
 from drifttool.distributed import ring
 from drifttool.distributed.plan import ParallelDims
