@@ -113,6 +113,10 @@ class _Stream:
         self._file.flush()
 
     def close(self) -> None:
+        """Close the stream; a second call does nothing (``ArtifactWriter.close(complete=False)``
+        after a failed or interrupted ``close(complete=True)`` closes every stream again)."""
+        if self._file.closed:
+            return
         self._writer.close()  # writes the schema (if no batch came) and the end-of-stream marker
         self._file.close()
 
