@@ -44,7 +44,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.location import FirstDrift
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
-from drifttool.errors import DriftToolError
+from drifttool.artifact.schema import MANIFEST
+from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
 from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
@@ -212,7 +213,8 @@ def localize(
         DriftToolError (ArtifactError, CheckpointError, FixtureError): a run that cannot be
             re-executed: not a rollout, no replay inputs, the step's x_t missing (incomplete
             run), a model that cannot be found or does not match the fingerprint, variants the
-            manifest names but that were not passed; ``out_dir/a`` or ``/b`` already existing.
+            manifest names but that were not passed; ``out_dir/a`` or ``/b`` already existing;
+            ``out_dir`` itself an artifact (ArtifactError).
     """
     t0 = time.perf_counter()
     run_a, run_b = Path(run_a), Path(run_b)
@@ -230,6 +232,9 @@ def localize(
         stored[side] = load_rollout(path, need_latents=False, variants=variants)
     if out_dir is not None:
         tmp, base = None, Path(out_dir)
+        if (base / MANIFEST).is_file():
+            raise ArtifactError(f"--localize-dir {base} is a drifttool artifact; give a directory of "
+                                "its own (the re-executed steps go to DIR/a and DIR/b)")
         taken = [str(base / n) for n in ("a", "b") if (base / n).exists()]
         if taken:
             raise DriftToolError(f"{taken[0]} exists: the re-executed artifacts go to DIR/a and "

@@ -229,6 +229,18 @@ def test_localize_dir_must_not_hold_the_artifacts_already(runs, cli, tmp_path):
     assert f"{tmp_path / 'k' / 'a'} exists" in lines[0], out
 
 
+def test_localize_dir_refuses_a_run_directory(runs, cli):
+    """A --localize-dir that is an artifact (one of the compared runs, or any other) is refused
+    before anything is written into it: the run stays readable and unchanged."""
+    a0, b0 = runs("base", "L0"), runs("bf16-timestep", "L0", timestep_policy="pipeline_bf16")
+    before = sorted(p.name for p in a0.iterdir())
+    code, out = cli("diff", a0, b0, "--localize-dir", a0)
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "is a drifttool artifact" in lines[0], out
+    assert sorted(p.name for p in a0.iterdir()) == before
+    assert cli("diff", a0, a0)[0] == 0
+
+
 def test_cli_model_dtype_loads_each_runs_model(runs, cli):
     """Another difference the manifest describes (the model dtype): each run is re-executed with
     its own model, and the answer is the L2 pair's."""
