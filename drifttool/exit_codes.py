@@ -30,5 +30,5 @@ DEBUG_ENV = "DRIFTTOOL_DEBUG"
 
 EXIT_HELP = ("Exit codes: 0 identical or success, 1 drift, 2 usage error or bad input, "
              "3 incomparable or inconclusive, 4 internal error (DRIFTTOOL_DEBUG=1 prints its "
-             "traceback).")
+             "traceback), 130 interrupted (Ctrl-C).")
 """The line every command's ``--help`` ends with."""
