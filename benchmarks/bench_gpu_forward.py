@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from drifttool.adapters.diffusers_qwenimage import instrument  # noqa: E402
 from drifttool.capture import gpu_rows  # noqa: E402
 from drifttool.capture.recorder import Recorder  # noqa: E402
+from drifttool.model.graphs import GraphedForward  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -41,7 +42,10 @@ from random_model import build  # noqa: E402
 
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
-           "production+L2", "strict", "strict+L1")
+           "production+L2", "strict", "strict+L1", "production+graph", "strict+graph")
+"""``+graph``: the uncaptured forward replayed from a CUDA graph (``GraphedForward``; its first
+two calls, the warm-up and the capture, fall in the untimed warm-up round)."""
+GRAPHED: dict[str, GraphedForward] = {}
 
 
 def inputs(batch: int, grid: tuple[int, int], device: str):
@@ -59,6 +63,8 @@ def inputs(batch: int, grid: tuple[int, int], device: str):
 def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     """One forward of ``config``; returns the number of op records captured."""
     impl, _, level = config.partition("+")
+    graph = level == "graph"
+    level = "" if graph else level
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
@@ -68,6 +74,9 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
             with ctx:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                    timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
+        elif graph:
+            fast = GRAPHED.setdefault(impl, GraphedForward(ours))
+            fast(x, txt, mask, tau, grid, rt)
         else:
             ours(x, txt, mask, tau, grid, rt)
     if rec is None:
@@ -171,8 +180,10 @@ def main() -> None:
             x, txt, mask, tau, scope = inputs(batch, grid, device)
             times = {c: [] for c in configs}
             records = {}
-            for c in configs:  # warm-up (Triton and cuBLAS autotuning, allocator)
+            for c in configs:  # warm-up (Triton and cuBLAS autotuning, allocator; graph capture)
                 records[c] = forward(c, tr, ours, x, txt, mask, tau, grid, scope)
+                if c.endswith("+graph"):
+                    forward(c, tr, ours, x, txt, mask, tau, grid, scope)
             for _ in range(args.repeat):
                 for c in configs:
                     times[c].append(timed(lambda: forward(c, tr, ours, x, txt, mask, tau, grid, scope)))
@@ -180,6 +191,8 @@ def main() -> None:
             for c in configs:
                 med = statistics.median(times[c])
                 results.append((shape, batch, c, med * 1e3, med / base, records[c]))
+            for fast in GRAPHED.values():
+                fast.reset()  # free this shape's graph pool before the next shape
             torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
     title = (f"one transformer forward, {args.layers} blocks, bf16 — {datetime.date.today()} — "

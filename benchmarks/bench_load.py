@@ -22,8 +22,9 @@ excluded, reported apart):
 * ``diffusers from_pretrained``: ``QwenImageTransformer2DModel.from_pretrained(folder,
   subfolder="transformer", torch_dtype=bf16, device_map=D)`` (skipped when diffusers is absent);
 * ``host side of the GPU path`` (on the CPU only): what ``stream_tensors`` does on the host
-  when it loads onto a GPU — every tensor read through ``STAGES`` reused ``CHUNK_BYTES`` buffers
-  and hashed on the digest's thread, no device copy: the rate at which the host can feed a GPU;
+  when it loads onto a GPU — every tensor read ahead by ``READERS`` threads through ``STAGES``
+  reused ``CHUNK_BYTES`` buffers (``read_ahead``) and hashed on the digest's thread, no device
+  copy: the rate at which the host can feed a GPU;
 * ``--compare-python PY`` adds the first case run by another interpreter (e.g. one whose
   drifttool is an older checkout: before/after in one run).
 
@@ -84,24 +85,25 @@ if case == "diffusers":
     out["digest"] = 0.0
 elif case == "host-stages":
     from drifttool.model.checkpoint_files import locate_tensors, transformer_folder, weight_files
-    from drifttool.model.checkpoint_stream import CHUNK_BYTES, STAGES, _chunks, _Files
+    from drifttool.model.checkpoint_stream import CHUNK_BYTES, STAGES, _Files, read_ahead
     from drifttool.model.weights import StreamingDigest, host_bytes
     from contextlib import ExitStack
-    stages = [[torch.empty(CHUNK_BYTES, dtype=torch.uint8), None] for _ in range(STAGES)]
+    buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8) for _ in range(STAGES)]
+    hashed = [None] * STAGES
     located = locate_tensors(weight_files(transformer_folder(folder)))
-    turn = 0
+    plan = [(name, where, where.dtype) for name, where in sorted(located.items())]
+
+    def reuse(k):
+        if hashed[k] is not None:
+            hashed[k].wait()
+
     with ExitStack() as stack, StreamingDigest() as digest:
-        files = _Files(stack)
-        for name, where in sorted(located.items()):
-            digest.begin(name, where.dtype, where.shape)
-            for e0, e1 in _chunks(where.nbytes // where.dtype.itemsize, where.dtype.itemsize):
-                stage = stages[turn % STAGES]
-                turn += 1
-                if stage[1] is not None:
-                    stage[1].wait()
-                host = stage[0][:(e1 - e0) * where.dtype.itemsize].view(where.dtype)
-                files.read_into(where, e0 * where.dtype.itemsize, host)
-                stage[1] = digest.update(host_bytes(host))
+        last = -1
+        for i, e0, e1, k, host in read_ahead(plan, _Files(stack), buffers, reuse):
+            for j in range(last + 1, i + 1):  # tensors of no bytes yield no chunk
+                digest.begin(plan[j][0], plan[j][1].dtype, plan[j][1].shape)
+            last = i
+            hashed[k] = digest.update(host_bytes(host))
         out["weights"] = digest.digest()
     out["load"] = done() - t0
     out["digest"] = 0.0

@@ -26,8 +26,10 @@ from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.checkpoint_files import index_warnings
+from drifttool.model.graphs import GraphedForward
 from drifttool.model.lora import has_lora
 from drifttool.model.lora_io import effective_weights, load_lora, lora_record
+from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.rollout import rollout
@@ -208,7 +210,9 @@ def execute(
     manifest.update(manifest_extra or {})
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(tensors)
-        traj = rollout(sampler_model(model), mine, sampler, session.rt, callback=on_step,
+        # on a GPU, uncaptured forwards (L0) replay CUDA graphs: the same kernels, bytes and trace
+        fwd = GraphedForward(model) if device.type == "cuda" and isinstance(model, MMDiT) else model
+        traj = rollout(sampler_model(fwd), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)
         session.finish(complete=traj.complete)
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))

@@ -13,8 +13,9 @@ the file's pages never count in the process's resident memory), ``CHUNK_BYTES`` 
 - onto the CPU, straight into the new tensor (or, when the dtype changes, into one reused
   buffer and cast from there into the tensor);
 - onto a GPU, into one of ``STAGES`` reused pinned host buffers (cast there when the dtype
-  changes), copied to the device on a side stream while the next chunk is read; a buffer is
-  refilled only once its copy and its hashing are done.
+  changes) by ``READERS`` threads reading the next chunks ahead, each buffer copied to the
+  device on a side stream in order; a buffer is refilled only once its copy and its hashing are
+  done.
 
 The host bytes each tensor is filled from — the stored bytes, or their cast on the host, as a
 blocking ``Tensor.to(device, dtype)`` casts — are the bytes handed to the digest, and a GPU copy
@@ -25,9 +26,14 @@ CPU), the stages and one cast buffer, never a whole shard.
 
 from __future__ import annotations
 
+import math
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -40,35 +46,48 @@ CHUNK_BYTES = 64 * 2**20
 in FP32, so large tensors arrive in a few chunks and the read of one overlaps the copy of the
 previous one."""
 
-STAGES = 3
-"""Pinned host buffers for a GPU: one being read, one being copied, one being hashed."""
+STAGES = 8
+"""Pinned host buffers for a GPU: up to ``STAGES − 1`` chunks being read ahead, the rest being
+copied and hashed."""
+
+READERS = 4
+"""Threads reading chunks ahead for a GPU (``os.preadv`` releases the GIL). One thread copies
+from the page cache at 2–3 GB/s; the H200 machine's host feeds the GPU at about twice that with
+four (``benchmarks/bench_load.py``)."""
 
 
 class _Files:
-    """The checkpoint's files, each opened once (unbuffered) and read at given offsets."""
+    """The checkpoint's files, each opened once (unbuffered) and read at given offsets
+    (``os.preadv``: no shared file position, so several threads may read at once)."""
 
     def __init__(self, stack: ExitStack) -> None:
         self._stack = stack
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._open.get(path)
+            if fd is None:
+                fd = self._open[path] = self._stack.enter_context(open(path, "rb", buffering=0)).fileno()
+            return fd
 
     def read_into(self, where: StoredTensor, byte_offset: int, out: torch.Tensor) -> None:
         """Fill the contiguous CPU tensor ``out`` with the bytes of ``where`` from
-        ``byte_offset`` on (``readinto`` releases the GIL while it reads).
+        ``byte_offset`` on (the read releases the GIL).
 
         Raises:
             CheckpointError: the file ends early (it changed since its header was read).
         """
-        fh = self._open.get(where.file)
-        if fh is None:
-            fh = self._open[where.file] = self._stack.enter_context(open(where.file, "rb", buffering=0))
+        fd = self._fd(where.file)
         view = memoryview(host_bytes(out))
-        fh.seek(where.offset + byte_offset)
+        at = where.offset + byte_offset
         while len(view):
-            n = fh.readinto(view)
+            n = os.preadv(fd, [view], at)
             if not n:
                 raise CheckpointError(f"{where.file}: ends before the bytes its header lists "
                                       "(was it changed while loading?)")
-            view = view[n:]
+            view, at = view[n:], at + n
 
 
 def _chunks(numel: int, itemsize: int) -> Iterator[tuple[int, int]]:
@@ -138,43 +157,89 @@ def _to_host(entries, files: _Files, dtype, digest) -> Iterator[tuple[str, torch
         yield name, t
 
 
+def read_ahead(entries: list[tuple[str, StoredTensor, torch.dtype]], files: _Files,
+               buffers: list[torch.Tensor], reuse: Callable[[int], None], readers: int = READERS
+               ) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
+    """Every chunk of every entry ``(name, where, out_dtype)`` in order, read (and cast to
+    ``out_dtype``) ahead by ``readers`` threads into the CPU ``buffers`` (uint8, ≥ ``CHUNK_BYTES``
+    each), used in turn: yields ``(entry index, e0, e1, buffer index, host)`` with ``host`` the
+    elements ``[e0, e1)`` of that entry, ready. At most ``len(buffers) − 1`` chunks are read
+    ahead; ``reuse(k)`` is called before buffer ``k`` is refilled and must return once what the
+    caller started on its last chunk (a copy, the hashing) is done.
+
+    Raises:
+        CheckpointError: a file shorter than its header says.
+    """
+    jobs = ((i, e0, e1) for i, (_, where, od) in enumerate(entries)
+            for e0, e1 in _chunks(math.prod(where.shape), max(where.dtype.itemsize, od.itemsize)))
+    scratch: dict[int, torch.Tensor] = {}
+    pending: deque = deque()
+    turn = 0
+
+    def fill(k: int, where: StoredTensor, e0: int, host: torch.Tensor) -> None:
+        if host.dtype == where.dtype:
+            files.read_into(where, e0 * where.dtype.itemsize, host)
+            return
+        src = scratch[k][:host.numel() * where.dtype.itemsize].view(where.dtype)
+        files.read_into(where, e0 * where.dtype.itemsize, src)
+        host.copy_(src)
+
+    def submit(pool: ThreadPoolExecutor) -> None:
+        nonlocal turn
+        job = next(jobs, None)
+        if job is None:
+            return
+        k = turn % len(buffers)
+        turn += 1
+        reuse(k)
+        i, e0, e1 = job
+        _, where, od = entries[i]
+        host = buffers[k][:(e1 - e0) * od.itemsize].view(od)
+        if od != where.dtype and k not in scratch:
+            scratch[k] = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+        pending.append((i, e0, e1, k, host, pool.submit(fill, k, where, e0, host)))
+
+    with ThreadPoolExecutor(readers, thread_name_prefix="checkpoint-read") as pool:
+        try:
+            for _ in range(len(buffers) - 1):
+                submit(pool)
+            while pending:
+                i, e0, e1, k, host, done = pending.popleft()
+                done.result()
+                yield i, e0, e1, k, host
+                submit(pool)
+        finally:
+            for *_, done in pending:
+                done.cancel()
+
+
 def _to_gpu(entries, files: _Files, device: torch.device, dtype, digest) -> Iterator[tuple[str, torch.Tensor]]:
-    """Onto a GPU: read (and cast) into pinned stages, copy each to the device on a side stream."""
+    """Onto a GPU: read (and cast) ahead into pinned stages, copy each to the device on a side
+    stream in order."""
     side = torch.cuda.Stream(device)
     current = torch.cuda.current_stream(device)
     stages = [PinnedStage(CHUNK_BYTES) for _ in range(STAGES)]
-    scratch: torch.Tensor | None = None
-    turn = 0
+    plan = [(name, where, dtype or where.dtype) for name, where in entries]
+    chunks = read_ahead(plan, files, [s.buffer for s in stages], lambda k: stages[k].wait())
     try:
-        for name, where in entries:
-            out_dtype = dtype or where.dtype
-            t = torch.empty(where.shape, dtype=out_dtype, device=device)
+        for i, (name, where, od) in enumerate(plan):
+            t = torch.empty(where.shape, dtype=od, device=device)
             flat = t.reshape(-1)
             if digest is not None:
-                digest.begin(name, out_dtype, where.shape)
-            size = where.dtype.itemsize
-            for e0, e1 in _chunks(flat.numel(), max(size, out_dtype.itemsize)):
-                stage = stages[turn % STAGES]
-                turn += 1
-                stage.wait()
-                host = stage.buffer[:(e1 - e0) * out_dtype.itemsize].view(out_dtype)
-                if out_dtype == where.dtype:
-                    files.read_into(where, e0 * size, host)
-                else:
-                    if scratch is None:
-                        scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-                    src = scratch[:(e1 - e0) * size].view(where.dtype)
-                    files.read_into(where, e0 * size, src)
-                    host.copy_(src)
+                digest.begin(name, od, where.shape)
+            for _ in _chunks(flat.numel(), max(where.dtype.itemsize, od.itemsize)):
+                j, e0, e1, k, host = next(chunks)
+                assert j == i
                 if digest is not None:
-                    stage.hashed = digest.update(host_bytes(host))
+                    stages[k].hashed = digest.update(host_bytes(host))
                 with torch.cuda.stream(side):
                     flat[e0:e1].copy_(host, non_blocking=True)
-                    stage.copied.record(side)
+                    stages[k].copied.record(side)
             t.record_stream(side)  # the allocator keeps ``t`` until the side copies are done
             current.wait_stream(side)
             yield name, t
     finally:
+        chunks.close()
         side.synchronize()
         for stage in stages:
             stage.wait()

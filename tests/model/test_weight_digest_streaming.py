@@ -183,3 +183,33 @@ def test_gpu_load_streams_the_cpu_bytes_and_digest(tmp_path, monkeypatch, stored
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     assert weight_digest(gpu) == weight_digest(cpu) and calls == []
     assert rehashed(gpu) == weight_digest(cpu)
+
+
+@pytest.mark.parametrize("stored,dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                          (torch.float16, torch.float32)])
+def test_read_ahead_yields_every_chunk_in_order_with_the_cast_bytes(tmp_path, monkeypatch, stored, dtype):
+    """The GPU path's host side: chunks read ahead by several threads into reused buffers arrive
+    in order, each the bytes of ``Tensor.to(dtype)`` of its slice (tensors of odd sizes, one of
+    none, chunks smaller than most tensors)."""
+    from contextlib import ExitStack
+
+    from drifttool.model.checkpoint_files import locate_tensors
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"t{i}": torch.randn(n, generator=g).to(stored) for i, n in enumerate((1, 0, 997, 4096, 3, 2500))}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 1024)
+    plan = [(n, w, dtype) for n, w in sorted(locate_tensors([tmp_path / "w.safetensors"]).items())]
+    buffers = [torch.empty(1024, dtype=torch.uint8) for _ in range(3)]
+    reused = []
+    got = {n: [] for n, _, _ in plan}
+    with ExitStack() as stack:
+        for i, e0, e1, k, host in stream.read_ahead(plan, stream._Files(stack), buffers, reused.append, readers=2):
+            got[plan[i][0]].append((e0, e1, host.clone()))
+    for name, t in tensors.items():
+        want = t.to(dtype).reshape(-1)
+        spans = [(e0, e1) for e0, e1, _ in got[name]]
+        assert spans == list(stream._chunks(want.numel(), max(stored.itemsize, dtype.itemsize)))
+        if spans:
+            assert torch.equal(torch.cat([h for *_, h in got[name]]).view(torch.uint8), want.view(torch.uint8))
+    assert reused[:3] == [0, 1, 2] and len(reused) == sum(len(v) for v in got.values())

@@ -93,7 +93,10 @@ synchronisation per block. An in-place change to the mask bumps its version and 
 
 
 def _check_valid_keys(op: str, key_mask: torch.Tensor | None) -> None:
-    if key_mask is None:
+    """Refuse a sample without a valid key (a host synchronisation, once per mask). Skipped while
+    a CUDA graph is being captured (``drifttool.model.graphs``), where no host read can run: the
+    model's key mask holds every image key of every sample, so it always passes there."""
+    if key_mask is None or torch.cuda.is_current_stream_capturing():
         return
     ref, version = _CHECKED
     if ref is not None and ref() is key_mask and version == key_mask._version:
