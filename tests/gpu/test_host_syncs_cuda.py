@@ -1,0 +1,56 @@
+"""Host synchronisations per denoising step of a CUDA run, counted and bounded.
+
+torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``) warns at every operation
+that makes the host wait for the GPU (``.item()``, ``.cpu()``, a copy to pageable memory,
+``nonzero``, …). The count between two steps' callbacks is one step's: its model calls, the SDE
+step and the capture flush to the artifact. Each is a stall in the host's queue of launches, so
+the bound is part of the speed contract (``docs/benchmarks.md``). Skipped without CUDA.
+
+    $ python tests/gpu/test_host_syncs_cuda.py      # prints the counts per mode and level
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MOST_PER_STEP = 4
+"""The bound: the step's latents and log-probabilities read back once for the step records, and
+the capture flush's read-back of the digests."""
+
+
+def syncs_per_step(mode: str, level: str, out: Path, steps: int = 6) -> list[int]:
+    """Host synchronisations torch counted between consecutive steps of a ``steps``-step CFG run
+    (batch 2, the embedded default on ``cuda``): one number per step after the first."""
+    marks: list[int] = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            execute(RunSpec(device="cuda", mode=mode, capture=level, steps=steps, batch=2), out,
+                    on_step=lambda _: marks.append(len(seen)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [i for i, w in enumerate(seen) if "synchroniz" in str(w.message)]
+    return [sum(a <= i < b for i in syncs) for a, b in zip(marks, marks[1:])]
+
+
+@pytest.mark.parametrize("mode,level", [("strict", "L0"), ("strict", "L1"), ("auto", "L1")])
+def test_host_synchronisations_per_step_are_bounded(tmp_path, mode, level):
+    counts = syncs_per_step(mode, level, tmp_path / "run")
+    assert len(counts) == 5 and max(counts) <= MOST_PER_STEP, (mode, level, counts)
+
+
+if __name__ == "__main__":
+    for mode, level in (("strict", "L0"), ("strict", "L1"), ("strict", "L2"), ("auto", "L0"), ("auto", "L1")):
+        with tempfile.TemporaryDirectory() as d:
+            print(mode, level, "host syncs per step:", syncs_per_step(mode, level, Path(d) / "run"))
