@@ -42,9 +42,10 @@ from random_model import build  # noqa: E402
 
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
-           "production+L2", "strict", "strict+L1", "production+graph", "strict+graph")
-"""``+graph``: the uncaptured forward replayed from a CUDA graph (``GraphedForward``; its first
-two calls, the warm-up and the capture, fall in the untimed warm-up round)."""
+           "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
+           "production+L1+graph", "strict+L1+graph")
+"""``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
+first two calls, the warm-up and the capture, fall in the untimed warm-up round)."""
 GRAPHED: dict[str, GraphedForward] = {}
 
 
@@ -62,9 +63,9 @@ def inputs(batch: int, grid: tuple[int, int], device: str):
 
 def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     """One forward of ``config``; returns the number of op records captured."""
-    impl, _, level = config.partition("+")
-    graph = level == "graph"
-    level = "" if graph else level
+    impl, *extra = config.split("+")
+    graph = "graph" in extra
+    level = next((e for e in extra if e.startswith("L")), "")
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
@@ -75,7 +76,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                    timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
         elif graph:
-            fast = GRAPHED.setdefault(impl, GraphedForward(ours))
+            fast = GRAPHED.setdefault(config, GraphedForward(ours))
             fast(x, txt, mask, tau, grid, rt)
         else:
             ours(x, txt, mask, tau, grid, rt)

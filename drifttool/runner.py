@@ -210,7 +210,7 @@ def execute(
     manifest.update(manifest_extra or {})
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(tensors)
-        # on a GPU, uncaptured forwards (L0) replay CUDA graphs: the same kernels, bytes and trace
+        # on a GPU, forwards replay CUDA graphs: the same kernels, bytes, trace and records
         fwd = GraphedForward(model) if device.type == "cuda" and isinstance(model, MMDiT) else model
         traj = rollout(sampler_model(fwd), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)

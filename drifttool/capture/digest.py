@@ -266,14 +266,17 @@ def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
     return PendingDigest(name, tuple(t.shape), header, t.numel(), keep_rows, torch.cat(parts))
 
 
-def materialize(pending: list[PendingDigest | PendingRows]) -> list[TensorDigest]:
-    """Read ``pending`` back: one device-to-host transfer per device (and kind), in order."""
+def materialize(pending: list[PendingDigest | PendingRows | TensorDigest]) -> list[TensorDigest]:
+    """Read ``pending`` back: one device-to-host transfer per device (and kind), in order; a
+    ``TensorDigest`` among them is passed through."""
     host: list[np.ndarray | None] = [None] * len(pending)
     done: dict[int, TensorDigest] = {}
     by_dev: dict[torch.device, list[int]] = {}
     rows_by_dev: dict[torch.device, list[int]] = {}
     for i, p in enumerate(pending):
-        if isinstance(p, PendingRows):
+        if isinstance(p, TensorDigest):  # read back already (a CUDA graph's replay)
+            done[i] = p
+        elif isinstance(p, PendingRows):
             rows_by_dev.setdefault(p.table[0].device, []).append(i)
         else:
             by_dev.setdefault(p.vec.device, []).append(i)

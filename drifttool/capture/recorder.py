@@ -83,6 +83,18 @@ def _parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, rows: bool):
             for p in canonicalize(site, tensor, layout)]
 
 
+def record_parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, level: str) -> list:
+    """``(part, pending digest)`` per logical sample of an operator output at capture ``level``
+    (``L1``; ``L2`` keeps the row digests): the device work of ``Recorder.capture``, without
+    filing a record. A CUDA graph of a captured forward (``drifttool.model.graphs``) runs it
+    inside the graph and files the digests with ``Recorder.capture_digested`` after each replay.
+
+    Raises:
+        ValueError: layout and tensor (or site) disagree.
+    """
+    return _parts(site, tensor.detach(), layout, level == "L2")
+
+
 class Recorder:
     """Capture sink handed to ``Runtime(recorder=...)``.
 
@@ -142,12 +154,12 @@ class Recorder:
         if self.level == "L0":
             return
         self._check_site(site)
-        self._append(site, _parts(site, tensor.detach(), layout, self.level == "L2"), index, role)
+        self._append(site, record_parts(site, tensor, layout, self.level), index, role)
 
     def capture_digested(self, site: dict[str, Any], parts: list[tuple[Any, PendingDigest]],
                          index: int = 0, role: str = "output", ranks: list | None = None) -> None:
         """Record an operator output digested elsewhere: ``(part, pending digest)`` per logical
-        sample, a part with ``sample``, ``row_axis`` and ``rows`` as ``layout.Part`` (a sharded
+        sample (or its ``TensorDigest``, already read back), a part with ``sample``, ``row_axis`` and ``rows`` as ``layout.Part`` (a sharded
         output's digest combined from its ranks' partials, ``capture.shards``). ``ranks``: per
         part, ``capture.shards.RankCheck`` (every rank's partial and which ranks must agree;
         the ``rank_digests`` and ``rank_disagree`` columns), or ``None``. Arguments and errors

@@ -17,16 +17,23 @@ What a replay keeps of an eager forward:
   the returned velocity is a copy of the graph's output buffer (the next replay rewrites it);
 * **the operator trace**: the capture logs every traced call in program order; a replay records
   them again through ``rt.site``, so call counters, sites and counts are those of an eager call;
+* **capture records (L1, L2)**: the digest kernels of every captured output are part of the graph
+  (``capture.recorder.record_parts``: the same kernels on the same tensors); after a replay the
+  digests are read back at once (one host synchronisation per forward) and handed to the
+  recorder under the sites of this call (step, sigma, branch, ``op_pos``), as an eager forward
+  hands its pending digests;
 * **parameters** are read where they lie: a weight changed in place is seen by the next replay;
   a parameter that was replaced (another storage) makes the graphs stale, and they are captured
   anew (the parameters' addresses are compared at every call).
 
-It runs eagerly, never graphed, where a graph would lose something: a recorder that captures
-per-operator records (L1, L2: their identities and read-backs are host work per call), a
-parallel plan (collectives), probe variants, autograd recording (training), or a device other
-than CUDA. The first call of a signature always runs eagerly: it compiles the Triton kernels and
-fills the constant caches (RoPE tables, eps scalars, sinusoid frequencies) that the graph then
-reads; the RoPE tables of each signature are held alive by its graph.
+It runs eagerly, never graphed, where a graph would lose something: a parallel plan
+(collectives), probe variants, autograd recording (training), a recorder that is not drifttool's
+``Recorder``, or a device other than CUDA. The graphs are keyed by what the kernels and the
+records' parts depend on: the shapes and dtypes, the grid, mode, capture level, and the scope's
+samples, prompt lengths and text starts (a trajectory repeats them at every step). The first
+call of a signature always runs eagerly: it compiles the Triton kernels and fills the constant
+caches (RoPE tables, eps scalars, sinusoid frequencies) that the graph then reads; the RoPE
+tables of each signature are held alive by its graph.
 
 Memory: each signature keeps its activations' peak in one private pool shared by all graphs of
 this wrapper; ``reset()`` frees them.
@@ -40,22 +47,53 @@ from typing import Any
 
 import torch
 
+from drifttool.capture.digest import materialize
+from drifttool.capture.recorder import record_parts
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
 
 
+@dataclass
+class _Call:
+    """One traced call of the captured forward: its site's op, stream and block, the trace
+    entry's fields, and its captured outputs ``(index, role, [(part, pending digest)])``."""
+
+    op: str
+    stream: str
+    block: int
+    trace: dict[str, Any]
+    captures: list = field(default_factory=list)
+
+
 class _LoggingTrace(OperatorTrace):
-    """An operator trace that also logs every ``record`` call, in order (the capture's)."""
+    """An operator trace that also logs every call, in program order (the capture's)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.log: list[tuple[str, str, int, dict[str, Any]]] = []
+        self.log: list[_Call] = []
 
     def record(self, *, site: dict[str, Any], **kw: Any) -> None:
         super().record(site=site, **kw)
-        self.log.append((site["op"], site["stream"], site["block"], kw))
+        self.log.append(_Call(site["op"], site["stream"], site["block"], kw))
+
+
+class _CaptureLog:
+    """The recorder of a capture: starts each captured output's digest kernels (inside the
+    graph) and files their pending digests under the call that produced them."""
+
+    def __init__(self, level: str, trace: _LoggingTrace) -> None:
+        self.level = level
+        self._trace = trace
+
+    def capture(self, site: dict[str, Any], tensor: torch.Tensor, layout: str, index: int = 0,
+                role: str = "output") -> None:
+        call = self._trace.log[-1]  # the registry traces a call, then captures its outputs
+        if (call.op, call.stream, call.block) != (site["op"], site["stream"], site["block"]):
+            raise UnsupportedConfigError(f"CUDA graph capture: output of {site['op']} captured "
+                                         f"outside its traced call ({call.op})")
+        call.captures.append((index, role, record_parts(site, tensor, layout, self.level)))
 
 
 @dataclass
@@ -63,7 +101,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
     out: torch.Tensor
-    log: list[tuple[str, str, int, dict[str, Any]]]
+    log: list[_Call]
     keep: tuple = field(default=(), repr=False)  # constants the graph reads (RoPE tables)
 
 
@@ -102,9 +140,16 @@ class GraphedForward:
     @staticmethod
     def eligible(x: torch.Tensor, rt: Runtime) -> bool:
         """Whether a call can be replayed without losing anything (module docstring)."""
-        level = getattr(rt.recorder, "level", None)
+        rec = rt.recorder
         return (x.is_cuda and not torch.is_grad_enabled() and rt.plan is None and not rt.variants
-                and rt.grad_ledger is None and (rt.recorder is None or level == "L0" or not rt.mode.captures))
+                and rt.grad_ledger is None
+                and (rec is None or not rt.mode.captures or callable(getattr(rec, "capture_digested", None))))
+
+    @staticmethod
+    def _level(rt: Runtime) -> str | None:
+        """The capture level whose records the forward makes: None at L0 or without capture."""
+        level = getattr(rt.recorder, "level", None) if rt.mode.captures else None
+        return None if level in (None, "L0") else level
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
                  tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime) -> torch.Tensor:
@@ -113,10 +158,11 @@ class GraphedForward:
         if not self.eligible(x, rt):
             return self.model(x, txt, txt_mask, tau, img_grid, rt)
         grid = tuple(int(v) for v in img_grid)
+        scope = rt.current_scope()
         key = (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
                None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
-               str(x.device), rt.mode, rt.family, rt.rank, rt.current_scope()["component"],
-               frozenset(rt.unavailable))
+               str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), self._level(rt),
+               *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid")))
         params = tuple(p.data_ptr() for p in self.model.parameters())
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
             self.reset()
@@ -132,8 +178,15 @@ class GraphedForward:
                 static.copy_(new)
         g.graph.replay()
         self.replays += 1
-        for op, stream, block, kw in g.log:  # the trace an eager call would leave
-            rt.trace.record(site=rt.site(op, stream, block=block), **kw)
+        captured = []
+        for call in g.log:  # the trace (and records) an eager call would leave
+            site = rt.site(call.op, call.stream, block=call.block)
+            rt.trace.record(site=site, **call.trace)
+            captured.extend((site, *c) for c in call.captures)
+        if captured:  # the digests of this replay, read back before the next one rewrites them
+            done = iter(materialize([d for *_, parts in captured for _, d in parts]))
+            for site, index, role, parts in captured:
+                rt.recorder.capture_digested(site, [(p, next(done)) for p, _ in parts], index=index, role=role)
         return g.out.clone()
 
     def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime) -> _Graph:
@@ -142,7 +195,9 @@ class GraphedForward:
                            algorithm=BACKEND_TABLES[rt.mode.family], device=x.device)
         inputs = (x.clone(), txt.clone(), None if txt_mask is None else txt_mask.clone(), tau.clone())
         log = _LoggingTrace()
-        quiet = dataclasses.replace(rt, recorder=None, trace=log, _scope=rt.current_scope(), _calls={})
+        level = self._level(rt)
+        quiet = dataclasses.replace(rt, recorder=None if level is None else _CaptureLog(level, log), trace=log,
+                                    _scope=rt.current_scope(), _calls={})
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -156,3 +211,8 @@ class GraphedForward:
                 "run it eagerly (call the model itself)") from e
         self.captures += 1
         return _Graph(graph, inputs, out, log.log, keep)
+
+
+def _frozen(v: Any) -> Any:
+    """A scope value as a dict key (lists → tuples)."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v

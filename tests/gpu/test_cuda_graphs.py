@@ -1,7 +1,8 @@
 """A forward replayed from a CUDA graph (``drifttool.model.graphs.GraphedForward``) is byte-equal
-to the eager forward, leaves the same operator trace, sees in-place weight changes, re-captures
-when a parameter is replaced, and runs eagerly where a graph would lose records. Skipped
-without CUDA."""
+to the eager forward and leaves the same operator trace and capture records (L1, L2), sees
+in-place weight changes, re-captures when a parameter is replaced, and runs eagerly under
+autograd and probe variants; ``drifttool run`` with graphs writes the artifact it writes without.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -87,30 +88,46 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
         model.proj_out.weight = torch.nn.Parameter(saved)
 
 
-def test_l1_capture_and_autograd_run_eagerly(model):
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_captured_records_of_replays_equal_the_eager_records(model, level):
+    """Digest records (L1; L2 with row digests and the attention's internals) of replayed
+    forwards: the same rows as eager forwards', each replay under its own step and sigma."""
     fast = GraphedForward(model)
-    x, txt, mask, tau, grid = _inputs(2, 1)
-    rec = Recorder("L1")
-    rt = Runtime(mode="strict", recorder=rec)
-    with torch.no_grad(), rt.scope(step=0, phase="rollout", samples=[0], branch="cond", txt_lens=[11], img_grid=grid):
-        for _ in range(3):
-            fast(x, txt, mask, tau, grid, rt)
-    rec.flush()
-    assert fast.captures == 0 and rec.ops_table().num_rows > 0
+    tables = {}
+    for name in ("eager", "graph"):
+        rec = Recorder(level)
+        rt = Runtime(mode="strict", recorder=rec)
+        with torch.no_grad():
+            for step in range(4):
+                x, txt, mask, tau, grid = _inputs(step, 2)
+                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 4, samples=[0, 0],
+                              branch=("cond", "uncond"), txt_lens=[11, 6], img_grid=grid):
+                    (model if name == "eager" else fast)(x, txt, mask, tau, grid, rt)
+        rec.flush()
+        tables[name] = rec.ops_table().to_pylist()
+    assert (fast.captures, fast.replays) == (1, 3)
+    assert tables["graph"] and tables["graph"] == tables["eager"]
+    assert {r["step"] for r in tables["graph"]} == {0, 1, 2, 3}
+
+
+def test_autograd_and_variants_run_eagerly(model):
+    x = _inputs(2, 1)[0]
     assert not GraphedForward.eligible(x, Runtime(mode="strict"))  # autograd is recording here
+    with torch.no_grad():
+        assert GraphedForward.eligible(x, Runtime(mode="strict", recorder=Recorder("L1")))
+        assert not GraphedForward.eligible(x, Runtime(mode="strict", variants={"qk_rmsnorm": ("v", lambda *a, **k: a[0])}))
 
 
-def test_an_l0_run_replays_graphs_with_the_step_bytes_of_an_eager_l1_run(cli, tmp_path):
-    from drifttool.artifact.reader import open_run
+def test_a_graphed_run_equals_an_eager_run(cli, tmp_path, monkeypatch):
+    """``drifttool run`` on a GPU replays graphs: its artifact (step and L2 records) is identical
+    to the same run with the graphs turned into plain calls."""
+    import drifttool.runner as runner
 
-    steps = {}
-    for level in ("L0", "L1"):
-        code, out = cli("run", "-o", tmp_path / level, "--device", "cuda", "--mode", "strict",
-                        "--capture", level, "--batch", "3")
+    for name in ("graph", "eager"):
+        if name == "eager":
+            monkeypatch.setattr(runner, "GraphedForward", lambda model: model)
+        code, out = cli("run", "-o", tmp_path / name, "--device", "cuda", "--mode", "strict",
+                        "--capture", "L2", "--batch", "3")
         assert code == 0, out
-        rows = open_run(tmp_path / level).steps_table().to_pylist()
-        steps[level] = sorted((r["phase"], r["step"], r["branch"], r["sample"], r["quantity"], r["digest"])
-                              for r in rows)
-    assert steps["L0"] and steps["L0"] == steps["L1"]
-    code, out = cli("diff", tmp_path / "L0", tmp_path / "L1")
-    assert code == 0 and "IDENTICAL" in out, out  # compared at the common level, L0
+    code, out = cli("diff", tmp_path / "graph", tmp_path / "eager")
+    assert code == 0 and "IDENTICAL" in out, out
