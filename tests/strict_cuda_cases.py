@@ -10,7 +10,7 @@ import torch
 
 
 def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
-    """The FP32 GELU epilogue's stated formula (``kernels.gemm``'s FP32 GELU) by torch FP32
+    """The FP32 GELU epilogue's stated formula (``kernels.exact_math``'s FP32 GELU) by torch FP32
     operations, each rounded, on ``x``'s device."""
     def f(v):
         return torch.tensor(v, dtype=torch.float32, device=x.device)

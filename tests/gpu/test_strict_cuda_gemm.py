@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 if torch.cuda.is_available():  # without CUDA, importing the kernels here would decorate them before
     # tests/ops/strict_cuda/conftest.py sets TRITON_INTERPRET=1 for the interpreter suite
-    from drifttool.ops.strict_cuda.kernels import gemm
+    from drifttool.ops.strict_cuda.kernels import embed as kembed
+    from drifttool.ops.strict_cuda.kernels import gemm, gemv
 
 D, HEADS, MLP, TOKENS = 3072, 24, 12288, 6889
 GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu", "mlp_down_gemm",
@@ -192,14 +193,14 @@ def test_gemv_full_width_rows_order_and_geometry():
     for m in (1, 3):
         assert_same_bytes(op(temb[:m], w, b), full[:m], f"adaln: rows 0..{m - 1} alone vs in M = 7")
     assert_same_bytes(op(temb[5:6], w, b), full[5:6], "adaln: row 5 alone vs in M = 7")
-    s = gemm.silu32(temb)
-    y32 = gemm.gemv(s[:2], w, b, out_dtype=torch.float32)
+    s = kembed.silu32(temb)
+    y32 = gemv.gemv(s[:2], w, b, out_dtype=torch.float32)
     assert_same_bytes(y32, gemv_order(s[:2], w, b), "gemv vs its order by torch on the GPU")
     assert_same_bytes(y32[:1].cpu(), gemv_order(s[:1].cpu(), w.cpu(), b.cpu()), "gemv vs its order on the CPU")
     assert_same_bytes(full[:2], y32.to(torch.bfloat16), "bf16 output = one cast of the FP32 result")
-    for cfg in (gemm.GemvConfig(block_n=32, num_warps=4, unroll=1),
-                gemm.GemvConfig(block_n=128, num_warps=8, unroll=2)):
-        assert_same_bytes(gemm.gemv(s, w, b, out_dtype=torch.bfloat16, config=cfg), full, cfg.id)
+    for cfg in (gemv.GemvConfig(block_n=32, num_warps=4, unroll=1),
+                gemv.GemvConfig(block_n=128, num_warps=8, unroll=2)):
+        assert_same_bytes(gemv.gemv(s, w, b, out_dtype=torch.bfloat16, config=cfg), full, cfg.id)
     tau = torch.tensor([1.0, 0.3, 0.7], device="cuda")
     w1, b1 = lin(D, 256, seed=92)
     w2, b2 = lin(D, D, seed=93)
@@ -250,13 +251,13 @@ def test_gelu_f32_epilogue_is_its_formula_and_close_to_the_f64_one():
 def test_silu_and_sinusoid_equal_cpu_bytes():
     x = rn(300_001, scale=8.0, seed=62, dtype=torch.float32, device="cpu")
     x[:4] = torch.tensor([math.inf, 800.0, -800.0, -0.0])
-    assert_same_bytes(gemm.silu32(x.cuda()).cpu(), strict_math.silu32(x), "silu32")
+    assert_same_bytes(kembed.silu32(x.cuda()).cpu(), strict_math.silu32(x), "silu32")
     nan_in = torch.tensor([math.nan, -math.inf])  # NaN out: the GPU's NaN payload is its own
-    assert torch.isnan(gemm.silu32(nan_in.cuda()).cpu()).all() and torch.isnan(strict_math.silu32(nan_in)).all()
+    assert torch.isnan(kembed.silu32(nan_in.cuda()).cpu()).all() and torch.isnan(strict_math.silu32(nan_in)).all()
     xb = x.to(torch.bfloat16)
-    assert_same_bytes(gemm.silu32(xb.cuda()).cpu(), strict_math.silu32(xb.float()), "silu32 of bf16")
+    assert_same_bytes(kembed.silu32(xb.cuda()).cpu(), strict_math.silu32(xb.float()), "silu32 of bf16")
     tau = torch.cat([torch.tensor([1.0, 0.019999980926513672, 0.0]), torch.rand(61)])
-    assert_same_bytes(gemm.sinusoid(tau.cuda()).cpu(), embed.sinusoid(tau), "sinusoid")
+    assert_same_bytes(kembed.sinusoid(tau.cuda()).cpu(), embed.sinusoid(tau), "sinusoid")
 
 
 # ---------------------------------------------------------------------------------------------

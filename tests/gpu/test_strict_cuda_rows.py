@@ -177,7 +177,7 @@ def test_rows_invariant_to_batch_position_padding_and_repetition(dtype):
 def test_rows_invariant_to_launch_geometry():
     """Rows per program 1..16 (kept to short rows: the pairwise tree's code, hence its compile
     time, grows with the elements a program holds)."""
-    from drifttool.ops.strict_cuda.kernels import rows as k
+    from drifttool.ops.strict_cuda.kernels import norms as k
     from drifttool.ops.strict_cuda.kernels import sampler as ks
 
     x = _g(50, 2, 300, 96, dtype=torch.bfloat16).cuda()

@@ -5,7 +5,7 @@ Each is the strict CPU operator's arithmetic (``drifttool.ops.strict``: inputs u
 FP32 accumulation, FP64 exact-op transcendentals, one cast to the activation dtype) with the K
 reduction of contract ``cuda1``, chosen by operator (never by shape): ``kernels.gemm.linear`` (one
 program per output tile walks all of K in 64-wide chunks, ascending, MMA-accumulated in FP32; bias
-once in FP32; activation; one cast) for the token-row GEMMs and ``lora_merge``; ``kernels.gemm.gemv``
+once in FP32; activation; one cast) for the token-row GEMMs and ``lora_merge``; ``kernels.gemv.gemv``
 (one program per row: 64 lane sums over K, ascending, then a pairwise tree) for the few-row
 FP32-operand GEMMs ``adaln_mod_projection`` and ``timestep_embed_mlp``.
 Byte-equal to the CPU where the arithmetic is elementwise and done the CPU's way (the SiLU of a
@@ -28,15 +28,15 @@ KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
 GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4u4"
-"""Kernel identity of the strict CUDA GEMV (``kernels.gemm.GEMV_ID``; a test keeps them equal): the
+"""Kernel identity of the strict CUDA GEMV (``kernels.gemv.GEMV_ID``; a test keeps them equal): the
 order of ``adaln_mod_projection`` and ``timestep_embed_mlp`` (few rows, an FP32 operand), by
 operator, whatever the number of rows."""
 
 
 GELU_EPILOGUE = "f32"
 """The GELU of ``mlp_up_gemm_gelu``'s epilogue: ``"f32"`` (the default:
-``kernels.gemm._gelu_tanh_f32``, an FP32 formula of exact FP32 operations in a stated order, within
-a few FP32 ulps of the true GELU) or ``"f64"`` (FP64 from exact operations: the CPU's bytes given
+``kernels.exact_math._gelu_tanh_f32``, an FP32 formula of exact FP32 operations in a stated order,
+within a few FP32 ulps of the true GELU) or ``"f64"`` (FP64 from exact operations: the CPU's bytes given
 the same FP32 pre-activation). The GEMM before it differs from the CPU's inside a K chunk anyway,
 so the FP64 form bought no byte of CPU parity in the model; on the H200 it cost 1.55× production
 against 1.06× for the FP32 form. ``benchmarks/bench_strict_cuda.py`` times both; the kernel id
@@ -61,19 +61,28 @@ def _act_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return next((t.dtype for t in tensors if t is not None), torch.float32)
 
 
-def _kernels():
-    """The Triton kernels module (imported at the first call, so importing drifttool needs no Triton)."""
+def _gemm():
+    """The GEMM kernels' module (imported at the first call, so importing drifttool needs no Triton)."""
     from drifttool.ops.strict_cuda.kernels import gemm  # lazy: Triton only when a strict CUDA call runs
 
     return gemm
 
 
+def _embed():
+    """The SiLU and sinusoid kernels' module (imported at the first call, as ``_gemm``)."""
+    from drifttool.ops.strict_cuda.kernels import embed  # lazy: Triton only when a strict CUDA call runs
+
+    return embed
+
+
 def _linear(x, w, b, **kw):
-    return _kernels().linear(x, w, b, **kw)
+    return _gemm().linear(x, w, b, **kw)
 
 
 def _gemv(x, w, b, **kw):
-    return _kernels().gemv(x, w, b, **kw)
+    from drifttool.ops.strict_cuda.kernels import gemv  # lazy: Triton only when a strict CUDA call runs
+
+    return gemv.gemv(x, w, b, **kw)
 
 
 @strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL)
@@ -103,7 +112,7 @@ def mlp_up_gemm_gelu(x, w, b):
     cap = GELU_MAXNREG[GELU_EPILOGUE]
     config = None
     if cap and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
-        config = _kernels().GemmConfig(maxnreg=cap)
+        config = _gemm().GemmConfig(maxnreg=cap)
     return _linear(x, w, b, act=GELU_ACTS[GELU_EPILOGUE], out_dtype=_act_dtype(x, w, b), config=config)
 
 
@@ -117,7 +126,7 @@ def mlp_down_gemm(x, w, b):
 def adaln_mod_projection(temb, w, b):
     """SiLU(temb)·wᵀ + b: temb [B,d] → [B,6d] in temb's dtype. The SiLU is the CPU's ``silu32``
     (byte-equal); its FP32 rows go through the GEMV (FP32 products, lane sums, pairwise tree)."""
-    return _gemv(_kernels().silu32(temb), w, b, out_dtype=_act_dtype(temb, w, b))
+    return _gemv(_embed().silu32(temb), w, b, out_dtype=_act_dtype(temb, w, b))
 
 
 @strict_cuda("timestep_embed_mlp", "w1", "b1", "w2", "b2", kernel="sincos_f64+" + GEMV,
@@ -129,7 +138,7 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     sums, pairwise tree); linear_1's FP32 result takes the SiLU in its epilogue and stays FP32;
     linear_2 casts once.
     """
-    phi = _kernels().sinusoid(tau, w1.shape[1])  # [B,256] fp32
+    phi = _embed().sinusoid(tau, w1.shape[1])  # [B,256] fp32
     h = _gemv(phi, w1, b1, act="silu", out_dtype=torch.float32)  # [B,d] fp32
     return _gemv(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
 
@@ -149,4 +158,4 @@ def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) 
         scale: α / r (python float, rounded once to fp32).
     """
     return _linear(b.to(torch.float32), a.to(torch.float32).t(), None, out_dtype=torch.float32,
-                   merge_into=w, scale=float(scale), config=_kernels().LORA_CONFIG)  # [out, in] fp32
+                   merge_into=w, scale=float(scale), config=_gemm().LORA_CONFIG)  # [out, in] fp32

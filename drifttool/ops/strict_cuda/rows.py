@@ -1,6 +1,6 @@
 """Strict CUDA row operators: latent_pack_unpack, latent_normalize, adaln_modulation,
 adaln_gate_residual, qk_rmsnorm, multi_axis_rope, txt_in_rmsnorm_linear, final_adaln_out
-(contract ``cuda1``; Triton kernels in ``kernels/rows.py``).
+(contract ``cuda1``; Triton kernels in ``kernels/latent.py``, ``elementwise.py`` and ``norms.py``).
 
 Each does the strict CPU family's arithmetic (``drifttool.ops.strict``) in its order — elementwise
 steps one IEEE FP32 operation each without FMA contraction, the norms' sums by the same pairwise
@@ -41,22 +41,16 @@ def _row_fits(name: str) -> Constraint:
 
 
 def _gemm():
-    """The strict CUDA GEMM module (``linear``, ``silu32``)."""
+    """The strict CUDA GEMM module (``linear``; the interpreter tests put the CPU's GEMM in its place)."""
     from drifttool.ops.strict_cuda.kernels import gemm  # lazy: Triton is imported when a kernel runs
     return gemm
-
-
-def _kernels():
-    """The Triton kernels module (imports Triton)."""
-    from drifttool.ops.strict_cuda.kernels import rows  # lazy: Triton is imported when a kernel runs
-    return rows
 
 
 @strict_cuda("latent_pack_unpack", "t", kernel="triton.permute")
 def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None = None):
     """Pack [B,C,H',W'] or [B,C,1,H',W'] → [B,N,4C]; unpack [B,N,4C] → [B,C,1,2h,2w] with
     ``grid=(h, w)``. A pure copy: bytes unchanged (``strict.latent``)."""
-    k = _kernels()
+    from drifttool.ops.strict_cuda.kernels import latent  # lazy: Triton is imported when a kernel runs
     if direction == "pack":
         z = t
         if z.dim() == 5:
@@ -66,12 +60,12 @@ def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None 
         if z.dim() != 4 or z.shape[-1] % 2 or z.shape[-2] % 2:
             raise UnsupportedConfigError(
                 f"latent_pack_unpack: need [B,C,H',W'] with even H', W'; got {tuple(t.shape)}")
-        return k.pack(z)
+        return latent.pack(z)
     if direction == "unpack" and grid is not None:
         h, w = grid
         if t.dim() != 3 or t.shape[1] != h * w or t.shape[2] % 4:
             raise UnsupportedConfigError(f"latent_pack_unpack: {tuple(t.shape)} does not match grid {tuple(grid)}")
-        return k.unpack(t, (h, w))
+        return latent.unpack(t, (h, w))
     raise UnsupportedConfigError(f"latent_pack_unpack: bad direction/grid {direction!r}, {grid}")
 
 
@@ -79,45 +73,45 @@ def latent_pack_unpack(t, direction: str = "pack", grid: tuple[int, int] | None 
 def latent_normalize(z, mean, std, inverse: bool = False):
     """Forward (z − mean)·(1/std), inverse z / (1/std) + mean, per channel (axis 1), FP32, one
     cast to z's dtype; z [B,C,...], mean/std [C]."""
-    k = _kernels()
+    from drifttool.ops.strict_cuda.kernels import latent  # lazy: Triton is imported when a kernel runs
     if z.dim() < 2 or mean.numel() != z.shape[1] or std.numel() != z.shape[1]:
         raise UnsupportedConfigError(
             f"latent_normalize: mean/std of {mean.numel()}/{std.numel()} values for z {tuple(z.shape)}")
-    return k.normalize(z, mean, std, bool(inverse))
+    return latent.normalize(z, mean, std, bool(inverse))
 
 
 @strict_cuda("adaln_modulation", "x", "shift", "scale", kernel="triton.layernorm.pairtree",
              constraints=(_row_fits("x"),))
 def adaln_modulation(x, shift, scale, eps: float = 1e-6):
     """LN(x)·(1 + scale) + shift; x [B,S,d], shift/scale [B,d] → [B,S,d] in x's dtype."""
-    k = _kernels()
-    return k.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
+    from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
+    return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
 
 
 @strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma")
 def adaln_gate_residual(x, gate, y):
     """x + gate·y in FP32 (product rounded, then the sum), one cast; x, y [B,S,d], gate [B,d]."""
-    k = _kernels()
-    return k.gate_residual(x, gate, y, act_dtype(x, gate, y))
+    from drifttool.ops.strict_cuda.kernels import elementwise  # lazy: Triton is imported when a kernel runs
+    return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y))
 
 
 @strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),))
 def qk_rmsnorm(x, gain, eps: float = 1e-6):
     """Learned-gain RMSNorm over the head dim: x [B,S,H,Dh], gain [Dh] → [B,S,H,Dh]."""
-    k = _kernels()
-    return k.rms_norm(x, gain, float(eps), act_dtype(x, gain))
+    from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
+    return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain))
 
 
 @strict_cuda("multi_axis_rope", "x", kernel="triton.rope_interleaved.nofma")
 def multi_axis_rope(x, freqs):
     """Rotate adjacent pairs: y0 = x0·c − x1·s, y1 = x0·s + x1·c in FP32 (separate roundings);
     x [B,S,H,Dh], freqs [S,Dh/2] complex64."""
-    k = _kernels()
+    from drifttool.ops.strict_cuda.kernels import elementwise  # lazy: Triton is imported when a kernel runs
     if not freqs.is_complex() or tuple(freqs.shape) != (x.shape[1], x.shape[-1] // 2) or x.shape[-1] % 2:
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
             f"{tuple(x.shape)} (Dh even), got {freqs.dtype} {tuple(freqs.shape)}")
-    return k.rope(x, freqs)
+    return elementwise.rope(x, freqs)
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,
@@ -125,8 +119,8 @@ def multi_axis_rope(x, freqs):
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM as an
     FP32 operand (IEEE FP32 products with the weights widened exactly, no TF32), one cast at the end."""
-    k = _kernels()
-    y = k.rms_norm(e, gain, float(eps), torch.float32)
+    from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
+    y = norms.rms_norm(e, gain, float(eps), torch.float32)
     return _gemm().linear(y, w, b, out_dtype=act_dtype(e, gain, w, b))
 
 
@@ -135,9 +129,9 @@ def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b), scale first; LN(x)·(1 + scale) + shift;
     x [B,N,d], temb [B,d], w [2d,d], b [2d] → [B,N,d]. SiLU FP64 from exact operations (as the
-    CPU's ``silu32``, ``kernels.gemm.silu32``), the GEMM with an FP32 left operand, the modulation in FP32, one cast."""
-    k, gemm = _kernels(), _gemm()
+    CPU's ``silu32``, ``kernels.embed.silu32``), the GEMM with an FP32 left operand, the modulation in FP32, one cast."""
+    from drifttool.ops.strict_cuda.kernels import embed, norms  # lazy: Triton is imported when a kernel runs
     dt = act_dtype(x, temb, w, b)
-    emb = gemm.linear(gemm.silu32(temb), w, b, out_dtype=torch.float32)  # [B, 2d]
+    emb = _gemm().linear(embed.silu32(temb), w, b, out_dtype=torch.float32)  # [B, 2d]
     d = emb.shape[-1] // 2
-    return k.ln_modulation(x, emb[:, d:], emb[:, :d], float(eps), dt)
+    return norms.ln_modulation(x, emb[:, d:], emb[:, :d], float(eps), dt)

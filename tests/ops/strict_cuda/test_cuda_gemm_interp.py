@@ -27,6 +27,9 @@ from tests.strict_cuda_cases import gelu_tanh_f32_order
 from tests.conftest import assert_same_bytes
 
 gemm = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm")
+gemv = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemv")
+kembed = pytest.importorskip("drifttool.ops.strict_cuda.kernels.embed")
+exact_math = pytest.importorskip("drifttool.ops.strict_cuda.kernels.exact_math")
 
 
 def op(name: str):
@@ -118,10 +121,10 @@ def test_silu_and_sinusoid_are_the_cpus_in_bytes():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3000, generator=g) * 12
     x[:8] = torch.tensor([math.nan, math.inf, -math.inf, 800.0, -800.0, -0.0, 0.0, 1e-30])
-    assert_same_bytes(gemm.silu32(x), strict_math.silu32(x), "silu32")
+    assert_same_bytes(kembed.silu32(x), strict_math.silu32(x), "silu32")
     tau = torch.cat([torch.tensor([1.0, 0.019999980926513672, 0.0, 0.5]), torch.rand(5, generator=g)])
-    assert_same_bytes(gemm.sinusoid(tau), embed.sinusoid(tau), "sinusoid")
-    far = gemm.sinusoid(torch.tensor([3000.0]))  # a_0 = 3e6 >= 2^20: the CPU raises, the kernel gives NaN
+    assert_same_bytes(kembed.sinusoid(tau), embed.sinusoid(tau), "sinusoid")
+    far = kembed.sinusoid(torch.tensor([3000.0]))  # a_0 = 3e6 >= 2^20: the CPU raises, the kernel gives NaN
     assert torch.isnan(far[0, 0]) and torch.isnan(far[0, 128]) and not torch.isnan(far[0, 127])
 
 
@@ -189,9 +192,10 @@ def test_kernel_globals_equal_themselves():
     a float unequal to itself."""
     import triton.language as tl
 
-    for name, val in vars(gemm).items():
-        v = val.value if isinstance(val, tl.constexpr) else val
-        assert not (isinstance(v, float) and v != v), f"kernels.gemm.{name} is NaN"
+    for module in (exact_math, gemm, gemv, kembed):
+        for name, val in vars(module).items():
+            v = val.value if isinstance(val, tl.constexpr) else val
+            assert not (isinstance(v, float) and v != v), f"{module.__name__}.{name} is NaN"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +218,12 @@ def gemv_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 def test_gemv_bytes_are_its_stated_order_and_accurate():
     x, w, b = problem(3, 70, 200, seed=11)  # K with a tail chunk, N with a tail block
-    y = gemm.gemv(x, w, b)
+    y = gemv.gemv(x, w, b)
     assert_same_bytes(y, gemv_order(x, w, b), "gemv vs its order computed by torch")
     assert_close(y, x.double() @ w.double().T + b.double(), "gemv vs FP64")
     pre = y
-    assert_same_bytes(gemm.gemv(x, w, b, act="silu"), strict_math.silu32(pre), "gemv silu epilogue vs CPU")
-    assert_same_bytes(gemm.gemv(x, w.to(torch.bfloat16), None),
+    assert_same_bytes(gemv.gemv(x, w, b, act="silu"), strict_math.silu32(pre), "gemv silu epilogue vs CPU")
+    assert_same_bytes(gemv.gemv(x, w.to(torch.bfloat16), None),
                       gemv_order(x, w.to(torch.bfloat16).float(), None), "gemv with a bf16 weight")
 
 
@@ -227,13 +231,13 @@ def test_gemv_rows_do_not_depend_on_batch():
     g = torch.Generator().manual_seed(12)
     x = torch.randn(7, 300, generator=g) * 3  # K = 300: 4 chunks unrolled, one whole, a tail
     _, w, b = problem(1, 50, 300, seed=13)
-    alone = gemm.gemv(x[1:2], w, b)
-    assert_same_bytes(alone, gemm.gemv(x[:3], w, b)[1:2], "row 1 alone vs in M = 3")
-    assert_same_bytes(alone, gemm.gemv(x, w, b)[1:2], "row 1 alone vs in M = 7")
-    assert_same_bytes(gemm.gemv(x[6:], w, b), gemm.gemv(x, w, b)[6:], "row 6 alone vs in M = 7")
-    cfg = gemm.GemvConfig(block_n=16, num_warps=2, unroll=1)
-    assert_same_bytes(gemm.gemv(x, w, b, config=cfg), gemm.gemv(x, w, b), "launch configuration")
-    assert_same_bytes(gemm.gemv(x, w, b), gemv_order(x, w, b), "gemv vs its order, K = 300")
+    alone = gemv.gemv(x[1:2], w, b)
+    assert_same_bytes(alone, gemv.gemv(x[:3], w, b)[1:2], "row 1 alone vs in M = 3")
+    assert_same_bytes(alone, gemv.gemv(x, w, b)[1:2], "row 1 alone vs in M = 7")
+    assert_same_bytes(gemv.gemv(x[6:], w, b), gemv.gemv(x, w, b)[6:], "row 6 alone vs in M = 7")
+    cfg = gemv.GemvConfig(block_n=16, num_warps=2, unroll=1)
+    assert_same_bytes(gemv.gemv(x, w, b, config=cfg), gemv.gemv(x, w, b), "launch configuration")
+    assert_same_bytes(gemv.gemv(x, w, b), gemv_order(x, w, b), "gemv vs its order, K = 300")
 
 
 def test_few_row_operators_take_the_gemv():
@@ -245,7 +249,7 @@ def test_few_row_operators_take_the_gemv():
     got = op("adaln_mod_projection")(temb, w, b)
     assert_same_bytes(got, gemv_order(strict_math.silu32(temb), w, b), "adaln = silu32 + the GEMV order")
     assert_same_bytes(got[4:5], op("adaln_mod_projection")(temb[4:5], w, b), "adaln row 4 of 7 alone")
-    assert cuda_linear.GEMV == gemm.GEMV_ID
+    assert cuda_linear.GEMV == gemv.GEMV_ID
     assert cuda_linear.GEMV in impls("adaln_mod_projection", "strict", "cuda")[0].kernel
     assert cuda_linear.GEMV in impls("timestep_embed_mlp", "strict", "cuda")[0].kernel
 
@@ -284,4 +288,4 @@ def test_mlp_up_kernel_id_names_its_gelu_epilogue():
     kernel = impls("mlp_up_gemm_gelu", "strict", "cuda")[0].kernel
     cap = cuda_linear.GELU_MAXNREG[cuda_linear.GELU_EPILOGUE]
     assert kernel.endswith(f"+gelu_tanh.{cuda_linear.GELU_EPILOGUE}" + (f".r{cap}" if cap else ""))
-    assert cuda_linear.GELU_ACTS[cuda_linear.GELU_EPILOGUE] in gemm.ACTS
+    assert cuda_linear.GELU_ACTS[cuda_linear.GELU_EPILOGUE] in exact_math.ACTS

@@ -23,10 +23,10 @@ from drifttool.ops import scheduler
 from drifttool.ops.strict import adaln, attention, embed, latent
 from drifttool.ops.strict_cuda import rows as R
 from drifttool.ops.strict_cuda import sampler as SM
-from drifttool.ops.strict_cuda.kernels import rows as K
+from drifttool.ops.strict_cuda.kernels import norms as K
 from drifttool.ops.strict_cuda.kernels import sampler as KS
 from drifttool.ops.strict_gemm import tiled_linear
-from drifttool.ops.strict_math import silu32, tree_sum
+from drifttool.ops.strict_math import tree_sum
 
 
 def _g(seed: int, *shape, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
@@ -44,7 +44,7 @@ def cpu_gemm(monkeypatch):
     def linear(x, w, b, *, out_dtype):
         return tiled_linear(x.float(), w.float(), None if b is None else b.float()).to(out_dtype)
 
-    monkeypatch.setattr(R, "_gemm", lambda: SimpleNamespace(linear=linear, silu32=silu32))
+    monkeypatch.setattr(R, "_gemm", lambda: SimpleNamespace(linear=linear))
 
 
 # ----------------------------------------------------------------------------- equal to the CPU
