@@ -30,6 +30,7 @@ import torch
 import drifttool.ops.specs  # noqa: F401  (the operators registered here are declared there)
 from drifttool.ops.constraints import Args, Constraint, dtypes, tensors
 from drifttool.ops.registry import implements, spec
+from drifttool.ops.strict.grad import grad_sink
 
 CONTRACT_VERSION = "cuda1"
 """The strict CUDA family's contract version; bump when any of its bytes change."""
@@ -80,8 +81,6 @@ def _forward_only(args: Args) -> str | None:
 
 
 def _no_grad_sink(args: Args) -> str | None:
-    from drifttool.ops.strict.grad import grad_sink
-
     if torch.is_grad_enabled() and any(t.requires_grad and grad_sink(t) is not None
                                        for t in tensors(args.values())):
         return ("a weight carries the gradient ledger's per-sample sink: the strict CUDA backward "

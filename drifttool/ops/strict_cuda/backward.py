@@ -69,7 +69,7 @@ def _gemm():
 
 
 def _bwd():
-    from drifttool.ops.strict_cuda.kernels import gemm_backward  # lazy, as above
+    from drifttool.ops.strict_cuda.kernels import gemm_backward  # lazy: Triton only when a call runs
 
     return gemm_backward
 
@@ -103,6 +103,12 @@ def sample_weight_grads(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _bwd().weight_grad_parts(dy3, x3, live_counts(dy3))
 
 
+PARTIALS_BYTES = 1 << 31
+"""At most this many bytes of per-sample FP32 partials are held at once by ``weight_grad``: the
+samples are reduced in groups (a partial's bytes do not depend on its group; the tree adds them
+one by one in batch order), so a 2-D input of many one-row samples does not need B·N·K floats."""
+
+
 def _tree(parts: torch.Tensor) -> torch.Tensor:
     acc = TreeAccumulator()
     for p in parts:
@@ -113,7 +119,14 @@ def _tree(parts: torch.Tensor) -> torch.Tensor:
 def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = Σ_samples Σ_live rows dy ⊗ x for ``y = x·Wᵀ``: dy [B, ..., N], x [B, ..., K] →
     [N, K] FP32 (module docstring: per sample, then the pairwise tree in batch order)."""
-    return _tree(sample_weight_grads(dy, x))
+    dy3, x3 = sample_rows(dy), sample_rows(x)
+    live = live_counts(dy3)
+    group = max(1, PARTIALS_BYTES // max(1, 4 * dy3.shape[2] * x3.shape[2]))
+    acc = TreeAccumulator()
+    for lo in range(0, dy3.shape[0], group):
+        for p in _bwd().weight_grad_parts(dy3[lo:lo + group], x3[lo:lo + group], live[lo:lo + group]):
+            acc.add(p)
+    return acc.result()
 
 
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:

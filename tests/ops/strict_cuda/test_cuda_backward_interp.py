@@ -182,3 +182,12 @@ def test_registered_trainable_operators():
         assert "no gradient-ledger sink" in [c.name for c in found.constraints], name
     assert bw.grad_contract_id("mlp_up_gemm_gelu") == "qwenimage.mlp_up_gemm_gelu.grad.cuda1"
     assert bw.grad_contract_id("lora_merge") == "drifttool.lora_merge.grad.cuda1"
+
+
+def test_weight_grad_in_sample_groups_is_the_same_bytes(monkeypatch):
+    """``PARTIALS_BYTES`` bounds the partials held at once; the grouping moves no byte."""
+    dy, x = rn(5, 9, 24, seed=60), rn(5, 9, 40, seed=61)
+    whole = bw.weight_grad(dy, x)
+    monkeypatch.setattr(bw, "PARTIALS_BYTES", 2 * 4 * 24 * 40)  # groups of 2 samples
+    assert_same_bytes(bw.weight_grad(dy, x), whole, "groups of 2 vs one group")
+    assert_same_bytes(whole, tree_sum_stack(list(bw.sample_weight_grads(dy, x))), "tree of the partials")
