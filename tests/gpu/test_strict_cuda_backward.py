@@ -219,10 +219,11 @@ def test_measure_strict_cuda_vs_strict_cpu_gradients(op, geometry):
 
 
 def test_lora_merge_backward_vs_strict_cpu():
-    w = lin(D, D, seed=50, device="cpu")[0]
-    a = rn(16, D, seed=51, dtype=torch.float32, device="cpu")
-    b = rn(D, 16, seed=52, dtype=torch.float32, device="cpu", scale=0.01)
-    d = rn(D, D, seed=53, dtype=torch.float32, device="cpu")
+    n, k = 1000, 777  # awkward: neither a multiple of 64
+    w = lin(n, k, seed=50, device="cpu")[0]
+    a = rn(16, k, seed=51, dtype=torch.float32, device="cpu")
+    b = rn(n, 16, seed=52, dtype=torch.float32, device="cpu", scale=0.01)
+    d = rn(n, k, seed=53, dtype=torch.float32, device="cpu")
 
     def grads(fn, dev):
         aa, bb = a.to(dev).requires_grad_(True), b.to(dev).requires_grad_(True)
