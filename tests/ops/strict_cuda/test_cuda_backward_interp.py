@@ -23,10 +23,11 @@ from drifttool.ops.registry import impls
 from drifttool.ops.strict.grad import attach_grad_sink, detach_grad_sinks
 from drifttool.ops.strict_cuda import _register as R
 from drifttool.ops.strict_cuda import backward as bw
+from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.ops.strict_trees import tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
-from tests.strict_cuda_cases import gelu_tanh_f32_grad_order
+from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order
 
 gb = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm_backward")
 
@@ -191,3 +192,16 @@ def test_weight_grad_in_sample_groups_is_the_same_bytes(monkeypatch):
     monkeypatch.setattr(bw, "PARTIALS_BYTES", 2 * 4 * 24 * 40)  # groups of 2 samples
     assert_same_bytes(bw.weight_grad(dy, x), whole, "groups of 2 vs one group")
     assert_same_bytes(whole, tree_sum_stack(list(bw.sample_weight_grads(dy, x))), "tree of the partials")
+
+
+def test_recording_autograd_moves_no_forward_byte_and_pre_is_the_forwards():
+    x, w, b = rn(2, 9, 96, seed=70), rn(160, 96, seed=71, scale=0.1), rn(160, seed=72, scale=0.1)
+    for name in ("mlp_up_gemm_gelu", "mlp_down_gemm"):
+        k = 160 if name == "mlp_down_gemm" else 96
+        xx, ww = (rn(2, 9, 160, seed=73), rn(96, 160, seed=74, scale=0.1)) if k == 160 else (x, w)
+        bb = b[:ww.shape[0]]
+        plain = op(name)(xx, ww, bb)
+        traced = op(name)(xx.clone().requires_grad_(True), ww.clone().requires_grad_(True), bb)
+        assert_same_bytes(plain, traced.detach(), f"{name}: forward with autograd recording")
+    pre = cuda_linear._mlp_up_pre(x, w, b)
+    assert_same_bytes(op("mlp_up_gemm_gelu")(x, w, b), gelu_tanh_f32_order(pre), "forward = GELU(recomputed pre)")
