@@ -452,6 +452,15 @@ see references/sampler.py)."""
 
 
 # ---------------------------------------------------------------------------------------------
+# LoRA (not an RFC row)
+
+
+def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The adapted weight W + scale·(B·A) in FP64: w [out, in], a [r, in], b [out, r] → [out, in]."""
+    return _f64(w) + float(scale) * torch.matmul(_f64(b), _f64(a))
+
+
+# ---------------------------------------------------------------------------------------------
 # index and backward
 
 

@@ -9,14 +9,11 @@ import math
 import torch
 
 
-def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
-    """The FP32 GELU epilogue's stated formula (``kernels.exact_math``'s FP32 GELU) by torch FP32
-    operations, each rounded, on ``x``'s device."""
+def _exp_f32_order(z: torch.Tensor) -> torch.Tensor:
+    """``kernels.exact_math``'s FP32 exp (Cody–Waite, degree-7 Horner) by torch FP32 operations."""
     def f(v):
-        return torch.tensor(v, dtype=torch.float32, device=x.device)
+        return torch.tensor(v, dtype=torch.float32, device=z.device)
 
-    u = f(0.7978845608028654) * (x + f(0.044715) * ((x * x) * x))
-    z = f(-2.0) * u
     zc = torch.where(z != z, f(0.0), z).clamp(-87.0, 88.0)
     k = ((zc * f(1.4426950408889634)) + f(12582912.0)) - f(12582912.0)
     r = (zc - k * f(0.693145751953125)) - k * f(1.428606765330187e-06)
@@ -25,7 +22,28 @@ def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
         p = p * r + f(c)
     e = p * ((k.to(torch.int32) + 127) << 23).view(torch.float32)
     e = torch.where(z > 88.0, f(math.inf), torch.where(z < -87.0, f(0.0), e))
-    return x / (f(1.0) + torch.where(z != z, z, e))
+    return torch.where(z != z, z, e)
+
+
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def gelu_tanh_f32_order(x: torch.Tensor) -> torch.Tensor:
+    """The FP32 GELU epilogue's stated formula (``kernels.exact_math``'s FP32 GELU) by torch FP32
+    operations, each rounded, on ``x``'s device."""
+    u = _f32(0.7978845608028654, x) * (x + _f32(0.044715, x) * ((x * x) * x))
+    return x / (_f32(1.0, x) + _exp_f32_order(_f32(-2.0, x) * u))
+
+
+def gelu_tanh_f32_grad_order(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g·GELU'(x) of the FP32 GELU, the stated order of ``kernels.gemm_backward``'s GELU
+    derivative, by torch FP32 operations (FP32 result)."""
+    c0 = _f32(0.7978845608028654, x)
+    u = c0 * (x + _f32(0.044715, x) * ((x * x) * x))
+    s = _f32(1.0, x) / (_f32(1.0, x) + _exp_f32_order(_f32(-2.0, x) * u))
+    du = c0 * (_f32(1.0, x) + _f32(3 * 0.044715, x) * (x * x))
+    return g.to(torch.float32) * (s + x * ((s * (_f32(1.0, x) - s)) * (_f32(2.0, x) * du)))
 
 
 def joint(lens, text_len, n_img, heads, dh, dtype=torch.float32, seed=0, device="cpu", nan_pads=False):

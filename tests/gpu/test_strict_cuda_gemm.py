@@ -351,7 +351,7 @@ def test_registry_fails_closed_on_gradients_and_dtypes():
 
     x = rn(1, 7, 64, seed=80).requires_grad_(True)
     w, b = lin(D, 64, seed=81)
-    with pytest.raises(UnsupportedConfigError, match="forward only"):
-        cuda("latent_proj_gemm")(x, w, b)
+    with pytest.raises(UnsupportedConfigError, match="forward only"):  # the GEMMs have a backward
+        cuda("adaln_mod_projection")(x[:, 0], *lin(6 * 64, 64, seed=82))
     with pytest.raises(UnsupportedConfigError, match="float16"):
         cuda("mlp_down_gemm")(x.detach().half(), w.half(), None)

@@ -1,6 +1,7 @@
 """The strict CUDA family's registration, checked without a GPU: every WS1 operator that runs on
-CUDA is registered with contract ``cuda1`` behind the family's constraints, and the forward-only
-and Triton constraints say why they refuse."""
+CUDA is registered with contract ``cuda1`` behind the family's constraints (forward only, or for
+the operators with a backward no gradient-ledger sink), and the forward-only and Triton
+constraints say why they refuse."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import drifttool.ops  # noqa: F401  (registers every family)
 from drifttool.ops.registry import impls
 from drifttool.ops.specs import WS1_OPERATORS
 from drifttool.ops.strict_cuda import _register as R
+from drifttool.ops.strict_cuda.backward import TRAINABLE
 from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.setting_checks import device_operators
 
@@ -21,7 +23,8 @@ def test_every_cuda_operator_has_a_strict_cuda_implementation_with_its_contract(
         found = impls(op, "strict", "cuda")
         assert found, op
         names = [c.name for c in found[0].constraints]
-        assert names[:4] == ["device cuda", "Triton importable", "qualified GPU (sm_90)", "forward only"], op
+        grad = "no gradient-ledger sink" if op in TRAINABLE else "forward only"
+        assert names[:4] == ["device cuda", "Triton importable", "qualified GPU (sm_90)", grad], op
         assert found[0].contract.endswith("." + R.CONTRACT_VERSION), (op, found[0].contract)
 
 

@@ -10,7 +10,8 @@ chunks; layouts stay byte-identical because strict never splits a reduction axis
 
 Registration needs no Triton: each operator registers through ``_register.strict_cuda`` with its
 declared constraints (CUDA tensors, a qualified GPU, Triton importable, the operator's dtypes,
-forward only); the kernels (``kernels/``) are imported when a call runs. The CPU bytes (contract
+forward only — except the token-row GEMMs and ``lora_merge``, which have a backward:
+``backward``, contract ``grad.cuda1``); the kernels (``kernels/``) are imported when a call runs. The CPU bytes (contract
 v2) and these differ inside a chunk; the tolerance profile declares by how much.
 """
 

@@ -12,7 +12,10 @@ Each implementation is registered for family ``strict``, device ``cuda``, contra
 3. ``qualified_gpu``: compute capability in ``QUALIFIED_CAPABILITIES`` (the bytes are qualified on
    Hopper, sm_90: H100/H200); another GPU's MMA and special-function units may round differently;
 4. ``forward_only``: no tensor argument requires a gradient under grad mode (the backward kernels
-   are not built; training on CUDA runs in production mode or on the CPU);
+   are not built; training on CUDA runs in production mode or on the CPU) — or, for the operators
+   with a strict CUDA backward (``trainable=True``: the GEMMs and ``lora_merge``,
+   ``strict_cuda.backward``), ``no_grad_sink``: no weight carries the gradient ledger's
+   per-sample sink (its atoms are CPU contract v2);
 5. the listed tensor arguments in the operator's declared dtypes (FP32 or BF16).
 """
 
@@ -27,6 +30,7 @@ import torch
 import drifttool.ops.specs  # noqa: F401  (the operators registered here are declared there)
 from drifttool.ops.constraints import Args, Constraint, dtypes, tensors
 from drifttool.ops.registry import implements, spec
+from drifttool.ops.strict.grad import grad_sink
 
 CONTRACT_VERSION = "cuda1"
 """The strict CUDA family's contract version; bump when any of its bytes change."""
@@ -76,17 +80,27 @@ def _forward_only(args: Args) -> str | None:
     return None
 
 
+def _no_grad_sink(args: Args) -> str | None:
+    if torch.is_grad_enabled() and any(t.requires_grad and grad_sink(t) is not None
+                                       for t in tensors(args.values())):
+        return ("a weight carries the gradient ledger's per-sample sink: the strict CUDA backward "
+                "does not build ledger atoms (train strict on the CPU, or without the ledger)")
+    return None
+
+
 TRITON_READY = Constraint("Triton importable", _triton_ready)
 QUALIFIED_GPU = Constraint("qualified GPU (sm_90)", _qualified)
 FORWARD_ONLY = Constraint("forward only", _forward_only)
+NO_GRAD_SINK = Constraint("no gradient-ledger sink", _no_grad_sink)
 
 
 def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Constraint, ...] = (),
-                decomposable: bool = False) -> Callable[[Callable], Callable]:
+                decomposable: bool = False, trainable: bool = False) -> Callable[[Callable], Callable]:
     """Register a strict CUDA implementation of ``op`` (contract ``contract_id(op)``);
     ``dtype_args`` name the tensor arguments whose dtype must be one of the operator's declared
     dtypes (``None`` values allowed). ``kernel`` names the Triton kernel and its fixed
-    configuration, e.g. ``"triton.gemm.k64.bm128bn128"``.
+    configuration, e.g. ``"triton.gemm.k64.bm128bn128"``. ``trainable``: ``fn`` has a strict CUDA
+    backward (``NO_GRAD_SINK`` replaces ``FORWARD_ONLY``).
 
     Raises:
         ValueError: as ``registry.implements`` (undeclared operator, a constraint reading a
@@ -94,5 +108,6 @@ def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Const
     """
     declared = (dtypes(spec(op).dtypes, *dtype_args),) if dtype_args else ()
     return implements(op, "strict", device="cuda", kernel=kernel, contract=contract_id(op),
-                      constraints=(TRITON_READY, QUALIFIED_GPU, FORWARD_ONLY, *declared, *constraints),
+                      constraints=(TRITON_READY, QUALIFIED_GPU, NO_GRAD_SINK if trainable else FORWARD_ONLY,
+                                   *declared, *constraints),
                       decomposable=decomposable)

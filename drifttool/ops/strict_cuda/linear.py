@@ -12,7 +12,10 @@ Byte-equal to the CPU where the arithmetic is elementwise and done the CPU's way
 given FP32 value, the timestep sinusoid; the GELU only with ``GELU_EPILOGUE = "f64"``); the K sums
 differ inside a chunk (the tolerance profile declares by how much).
 
-Forward only (the family's ``forward_only`` constraint). Triton is imported when a call runs.
+Backward (``strict_cuda.backward``, contract ``qwenimage.<op>.grad.cuda1``) for the five token-row
+GEMMs and ``lora_merge``: each runs through a ``torch.autograd.Function`` whose forward is the code
+here unchanged. ``adaln_mod_projection`` and ``timestep_embed_mlp`` are forward only (the family's
+``forward_only`` constraint). Triton is imported when a call runs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import drifttool.ops.lora  # noqa: F401  (declares lora_merge)
 from drifttool.ops.constraints import dtypes
 from drifttool.ops.registry import implements, spec
-from drifttool.ops.strict_cuda._register import FORWARD_ONLY, QUALIFIED_GPU, TRITON_READY, strict_cuda
+from drifttool.ops.strict_cuda import backward as bwd
+from drifttool.ops.strict_cuda._register import NO_GRAD_SINK, QUALIFIED_GPU, TRITON_READY, strict_cuda
 
 KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
@@ -85,41 +89,68 @@ def _gemv(x, w, b, **kw):
     return gemv.gemv(x, w, b, **kw)
 
 
-@strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL)
-def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """img_in ([B,N,64]→[B,N,d]) or proj_out ([B,N,d]→[B,N,64]), in x's dtype."""
+def _plain(x, w, b):
     return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
 
 
-@strict_cuda("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=KERNEL)
-def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
-    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM."""
+def _token_gemm(x, w, b):
+    """The strict GEMM with its backward (``backward.Linear``)."""
+    return bwd.Linear.apply(x, w, b, _plain, None)
+
+
+@strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
+def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """img_in ([B,N,64]→[B,N,d]) or proj_out ([B,N,d]→[B,N,64]), in x's dtype."""
+    return _token_gemm(x, w, b)
+
+
+def _qkv(x, wq, bq, wk, bk, wv, bv, heads):
     dt = _act_dtype(x, wq, bq, wk, bk, wv, bv)
     return tuple(_linear(x, w, b, out_dtype=dt).unflatten(-1, (heads, -1))  # [B,S,H,Dh]
                  for w, b in ((wq, bq), (wk, bk), (wv, bv)))
 
 
-@strict_cuda("attn_out_bias_gemm", "x", "w", "b", kernel=KERNEL)
+@strict_cuda("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=KERNEL, trainable=True)
+def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
+    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM."""
+    return bwd.QKV.apply(x, wq, bq, wk, bk, wv, bv, lambda *t: _qkv(*t, heads))
+
+
+@strict_cuda("attn_out_bias_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
 def attn_out_bias_gemm(x, w, b):
     """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
-    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+    return _token_gemm(x, w, b)
 
 
-@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=_mlp_up_kernel())
+def _mlp_up_config(x, w):
+    cap = GELU_MAXNREG[GELU_EPILOGUE]
+    if cap and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+        return _gemm().GemmConfig(maxnreg=cap)
+    return None
+
+
+def _mlp_up(x, w, b):
+    return _linear(x, w, b, act=GELU_ACTS[GELU_EPILOGUE], out_dtype=_act_dtype(x, w, b),
+                   config=_mlp_up_config(x, w))
+
+
+def _mlp_up_pre(x, w, b):
+    """The FP32 pre-activation of ``_mlp_up`` (its GEMM and bias, no activation): the backward's."""
+    return _linear(x, w, b, out_dtype=torch.float32, config=_mlp_up_config(x, w))
+
+
+@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=_mlp_up_kernel(), trainable=True)
 def mlp_up_gemm_gelu(x, w, b):
     """GELU_tanh(x·wᵀ + b) [B,S,4d]: the GELU in the GEMM's epilogue (``GELU_EPILOGUE``; by
-    default the FP32 formula, rounded once to FP32), then one cast."""
-    cap = GELU_MAXNREG[GELU_EPILOGUE]
-    config = None
-    if cap and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
-        config = _gemm().GemmConfig(maxnreg=cap)
-    return _linear(x, w, b, act=GELU_ACTS[GELU_EPILOGUE], out_dtype=_act_dtype(x, w, b), config=config)
+    default the FP32 formula, rounded once to FP32), then one cast. Backward: the pre-activation
+    recomputed by the same GEMM, dpre = dy·GELU'(pre) of the FP32 formula (``backward``)."""
+    return bwd.Linear.apply(x, w, b, _mlp_up, _mlp_up_pre)
 
 
-@strict_cuda("mlp_down_gemm", "x", "w", "b", kernel=KERNEL)
+@strict_cuda("mlp_down_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
 def mlp_down_gemm(x, w, b):
     """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]."""
-    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+    return _token_gemm(x, w, b)
 
 
 @strict_cuda("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + GEMV)
@@ -146,7 +177,7 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
 @implements("lora_merge", "strict", device="cuda",
             kernel="triton.gemm.k64.seq.fp32.ieee.bm64bn64w4s1+merge(fp32(W)+fp32(s)·BA)",
             contract="drifttool.lora_merge.cuda1",
-            constraints=(TRITON_READY, QUALIFIED_GPU, FORWARD_ONLY,
+            constraints=(TRITON_READY, QUALIFIED_GPU, NO_GRAD_SINK,
                          dtypes(spec("lora_merge").dtypes, "w", "a", "b")))
 def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = fp32(W) + fp32(scale)·(B·A), FP32 result, as the strict CPU ``lora_merge``; B·A by the
@@ -156,6 +187,12 @@ def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in].  b: [out, r].
         scale: α / r (python float, rounded once to fp32).
+
+    Backward (``backward.LoraMerge``): dB = (s·D)·A, dA = Bᵀ·(s·D), each axis walked once.
     """
+    return bwd.LoraMerge.apply(w, a, b, float(scale), _merge)
+
+
+def _merge(w, a, b, scale):
     return _linear(b.to(torch.float32), a.to(torch.float32).t(), None, out_dtype=torch.float32,
                    merge_into=w, scale=float(scale), config=_gemm().LORA_CONFIG)  # [out, in] fp32
