@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Iterator
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -100,16 +100,16 @@ def error_line(message: str) -> None:
 
 
 def progress(on: Console | None = None) -> "Progress":
-    """The step progress bar of ``run``, ``replay`` and ``recompute``: description, bar,
-    ``steps done/total``, what one step runs (samples × CFG branches), elapsed and remaining
-    time. Drawn on a terminal only (rich's non-interactive Progress would print an empty line on
+    """The progress bars of ``run``, ``replay`` and ``recompute``: the checkpoint load
+    (``load_task``: MiB read/total) above the steps (``step_task``: steps done/total, what one
+    step runs — samples × CFG branches), each with elapsed and remaining time. Drawn on a terminal only (rich's non-interactive Progress would print an empty line on
     stdout when it stops); ``on`` replaces the console (tests)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # lazy: run only
                                TimeElapsedColumn, TimeRemainingColumn)
 
     target = on or console
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("steps · {task.fields[per_step]}"), TimeElapsedColumn(),
+                    TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
                     TextColumn("left"), TimeRemainingColumn(), console=target, transient=True,
                     disable=not target.is_interactive)
 
@@ -146,4 +146,17 @@ def per_step(samples: int, branches: int) -> str:
 def step_task(bar: "Progress", description: str, steps: int, samples: int, branches: int) -> "TaskID":
     """Add the task of one trajectory (``steps`` denoising steps of ``samples`` samples with
     ``branches`` CFG branches each) to a ``progress()`` bar."""
-    return bar.add_task(description, total=steps, per_step=per_step(samples, branches))
+    return bar.add_task(description, total=steps, unit=f"steps · {per_step(samples, branches)}")
+
+
+def load_reporter(bar: "Progress") -> Callable[[int, int], None]:
+    """A ``model.checkpoint.load_progress`` callback drawing the checkpoint load on ``bar`` as
+    its own task (``MiB`` read of the weights' total). Call it before ``step_task``: the load's
+    line stays above the steps' and shows from the load's first report (a run given a model
+    loads nothing and shows none)."""
+    task = bar.add_task("load checkpoint", total=1, unit="MiB of weights", visible=False)
+
+    def report(done: int, total: int) -> None:
+        bar.update(task, total=max(1, total >> 20), completed=done >> 20, visible=True)
+
+    return report

@@ -133,19 +133,22 @@ def start(dims: "ParallelDims", device: str) -> "DistContext":
 def on_ranks(dims: "ParallelDims", device: str, label: str, steps: int, batch: int, branches: int,
              call: Callable[..., Any], *, quiet: bool = False) -> tuple["DistContext", Any]:
     """Start this process's place in the layout (``start``), run ``call(dist=, parallel=,
-    on_step=)`` — with a progress bar of ``steps`` × ``batch`` × ``branches`` on rank 0, none on
-    the other ranks; ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
+    on_step=)`` — with progress bars of the checkpoint load and of ``steps`` × ``batch`` ×
+    ``branches`` on rank 0, none on the other ranks; ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
     and close the process group whatever happens. Returns (dist, result)."""
-    from drifttool.cli._console import err, progress, step_task  # lazy: likewise
+    from drifttool.cli._console import err, load_reporter, progress, step_task  # lazy: likewise
     from drifttool.distributed import close_distributed  # lazy: likewise
+    from drifttool.model.checkpoint import load_progress  # lazy: likewise
 
     dist = start(dims, device)
     try:
         if dist.rank != 0:
             return dist, call(dist=dist, parallel=dims)
         with progress(err if quiet else None) as bar:
+            loading = load_reporter(bar)
             task = step_task(bar, label, steps, batch, branches)
-            return dist, call(dist=dist, parallel=dims, on_step=lambda _: bar.advance(task))
+            with load_progress(loading):
+                return dist, call(dist=dist, parallel=dims, on_step=lambda _: bar.advance(task))
     finally:
         close_distributed(dist)
 

@@ -25,10 +25,12 @@ RoPE tables are not weights (diffusers keeps them as plain attributes) and are n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -198,6 +200,37 @@ def read_config(path: str | Path) -> MMDiTConfig:
     return from_diffusers_config(read_json_object(transformer_folder(path) / CONFIG_NAME))
 
 
+_LOAD_PROGRESS: ContextVar[Callable[[int, int], Any] | None] = ContextVar("checkpoint_load_progress",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def load_progress(report: Callable[[int, int], Any]) -> Iterator[None]:
+    """Inside the block, every ``load_checkpoint`` calls ``report(bytes read, bytes in all)``
+    after each tensor (stored bytes; the CLI's progress bar shows the load apart from the steps).
+    A context variable, so the loaders deep inside ``run``, ``replay`` and ``recompute`` need no
+    extra argument."""
+    token = _LOAD_PROGRESS.set(report)
+    try:
+        yield
+    finally:
+        _LOAD_PROGRESS.reset(token)
+
+
+def _reported(tensors: Iterator[tuple[str, torch.Tensor]], sizes: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` as they come, reported to ``load_progress``'s callback (if any)."""
+    report = _LOAD_PROGRESS.get()
+    if report is None:
+        yield from tensors
+        return
+    total, done = sum(sizes), 0
+    report(0, total)
+    for (name, t), size in zip(tensors, sizes):
+        done += size
+        yield name, t
+        report(done, total)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -256,9 +289,10 @@ def load_checkpoint(
     order = sorted(wmap, key=wmap.__getitem__)  # checkpoint names in parameter-name order
     with torch.device("meta"):
         model = MMDiT(config, dtype=dtype)
+    entries = [(wmap[k], located[k]) for k in order]
     with StreamingDigest() as digest:
-        _assign(model, stream_tensors([(wmap[k], located[k]) for k in order], device=device,
-                                      dtype=dtype, digest=digest), device)
+        _assign(model, _reported(stream_tensors(entries, device=device, dtype=dtype, digest=digest),
+                                 [w.nbytes for _, w in entries]), device)
         digest.pin(model)
     return model
 

@@ -44,3 +44,33 @@ def test_cfg_branches_is_what_the_rollout_runs(tmp_path, spec):
     execute(spec, tmp_path / "r", on_step=lambda o: seen.append((o.x.shape[0], o.v_uncond is not None)))
     assert seen and all(n == len(s.samples) for n, _ in seen)
     assert all((2 if cfg else 1) == s.cfg_branches for _, cfg in seen)
+
+
+def test_the_load_has_its_own_bar_above_the_steps(tmp_path):
+    from drifttool.cli._console import load_reporter
+    from drifttool.fixture import load_fixture
+    from drifttool.model.checkpoint import load_checkpoint, load_progress
+
+    buf = io.StringIO()
+    bar = progress(Console(file=buf, force_terminal=True, force_interactive=True, width=160))
+    reports = []
+    with bar:
+        draw = load_reporter(bar)
+        step_task(bar, "strict rollout", 4, 1, 2)
+        assert [t.visible for t in bar.tasks] == [False, True]  # nothing loaded yet
+
+        def report(done, total):
+            reports.append((done, total))
+            draw(done, total)
+
+        with load_progress(report):
+            load_checkpoint(load_fixture("tiny-t2i").model_dir)
+        bar.refresh()
+        text = buf.getvalue()
+    done = [d for d, _ in reports]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == reports[0][1] > 0
+    assert "load checkpoint" in text and "MiB of weights" in text
+    assert text.rindex("load checkpoint") < text.rindex("strict rollout")  # the load's line first
+    assert [t.visible for t in bar.tasks] == [True, True]
+    load_checkpoint(load_fixture("tiny-t2i").model_dir)  # outside the block: nobody is told
+    assert len(reports) == len(done)
