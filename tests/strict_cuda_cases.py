@@ -46,6 +46,18 @@ def gelu_tanh_f32_grad_order(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.to(torch.float32) * (s + x * ((s * (_f32(1.0, x) - s)) * (_f32(2.0, x) * du)))
 
 
+def rn(*shape, scale=1.0, seed=0, dtype=torch.bfloat16, device="cuda"):
+    """Standard normals × ``scale`` drawn on the CPU (the same values on every device), cast, moved."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+def lin(n, k, seed, dtype=torch.bfloat16, device="cuda"):
+    """A linear layer's weight [n, k] (std 1/√k) and bias [n] (std 0.1), as ``rn`` draws them."""
+    return rn(n, k, scale=1 / math.sqrt(k), seed=seed, dtype=dtype, device=device), \
+        rn(n, scale=0.1, seed=seed + 1, dtype=dtype, device=device)
+
+
 def joint(lens, text_len, n_img, heads, dh, dtype=torch.float32, seed=0, device="cpu", nan_pads=False):
     """q, k, v [B, L+N, H, Dh] and the joint key mask [valid text prefix, image ones]; drawn on the
     CPU (same values on every device); NaN in every masked K/V slot when ``nan_pads``."""

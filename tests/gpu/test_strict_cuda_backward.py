@@ -12,7 +12,6 @@ with ``-s``); fail-closed refusals.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.ops.strict_trees import tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
-from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order
+from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order, lin, rn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -38,16 +37,6 @@ D, HEADS, MLP = 3072, 24, 12288
 ROWS = 4099  # rows per sample: past 4096, odd, a tail chunk of 3 rows
 SHAPES = {"img_in": (D, 64), "proj_out": (64, D), "attn_out": (D, D), "mlp_up": (MLP, D), "mlp_down": (D, MLP)}
 """Weight shapes [N, K] of the model's GEMMs."""
-
-
-def rn(*shape, scale=1.0, seed=0, dtype=torch.bfloat16, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
-
-
-def lin(n, k, seed, dtype=torch.bfloat16, device="cuda"):
-    return rn(n, k, scale=1 / math.sqrt(k), seed=seed, dtype=dtype, device=device), \
-        rn(n, scale=0.1, seed=seed + 1, dtype=dtype, device=device)
 
 
 def cuda(op):

@@ -19,7 +19,7 @@ from drifttool.ops import strict_math
 from drifttool.ops.registry import implementation
 from drifttool.ops.strict import embed
 from drifttool.references import ops as ref
-from tests.strict_cuda_cases import gelu_tanh_f32_order
+from tests.strict_cuda_cases import gelu_tanh_f32_order, lin, rn
 from tests.conftest import assert_same_bytes, bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -32,16 +32,6 @@ if torch.cuda.is_available():  # without CUDA, importing the kernels here would 
 D, HEADS, MLP, TOKENS = 3072, 24, 12288, 6889
 GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu", "mlp_down_gemm",
             "adaln_mod_projection", "timestep_embed_mlp", "lora_merge")
-
-
-def rn(*shape, scale=1.0, seed=0, dtype=torch.bfloat16, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
-
-
-def lin(n, k, seed, dtype=torch.bfloat16, device="cuda"):
-    return rn(n, k, scale=1 / math.sqrt(k), seed=seed, dtype=dtype, device=device), \
-        rn(n, scale=0.1, seed=seed + 1, dtype=dtype, device=device)
 
 
 def cuda(op):
