@@ -12,7 +12,6 @@ with ``-s``); fail-closed refusals.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
