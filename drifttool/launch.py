@@ -80,8 +80,12 @@ def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out
     torch.set_num_threads(threads)
     ctx = None
     try:
-        ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape(), timeout=timeout)
-        summary = execute(spec, out, dist=ctx, parallel=dims, faults=faults, overwrite=overwrite)
+        if dims.parallel:
+            ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape(), timeout=timeout)
+        else:  # sample-parallel (``run_parallel(sample_parallel=)``)
+            ctx = init_distributed(timeout=timeout)
+        summary = execute(spec, out, dist=ctx, parallel=dims if dims.parallel else None,
+                          faults=faults, overwrite=overwrite)
         if rank == 0:
             Path(errors, "summary.json").write_text(json.dumps(summary, default=str))
     except BaseException as e:
@@ -96,12 +100,15 @@ def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out
 
 def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: tuple[str, ...] = (),
                  overwrite: bool = False, timeout: timedelta = DEFAULT_TIMEOUT,
-                 threads: int = 1) -> dict[str, Any]:
+                 threads: int = 1, sample_parallel: int = 0) -> dict[str, Any]:
     """Run ``spec`` (a ``RunSpec``) under the layout ``dims`` on ``dims.world_size`` spawned gloo
     ranks, writing one artifact to ``out``; returns rank 0's ``execute`` summary (plus
     ``"rank": 0``). ``faults`` plants probe faults (``plan.FAULTS``); ``threads`` is each rank's
     intra-op thread count (strict bytes do not depend on it); ``timeout`` bounds a collective
-    waiting for a rank.
+    waiting for a rank. ``sample_parallel`` N > 1 with a one-rank ``dims`` runs the batch
+    sample-parallel on N ranks instead (the logical samples split contiguously,
+    ``distributed.rank_samples``; no plan, no faults), as ``torchrun --nproc-per-node N -m
+    drifttool run`` without layout options.
 
     Raises:
         UnsupportedConfigError: ``dims`` is one rank, or a fault is not in ``plan.FAULTS``.
@@ -109,11 +116,14 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
             exception's class and message; the traceback in ``RankError.trace``).
         RankCrash: a rank raised anything else, or died without a report.
     """
-    if not dims.parallel:
+    if sample_parallel > 1 and (dims.parallel or faults):
+        raise UnsupportedConfigError("run_parallel: a sample-parallel run has no TP/SP/CFG layout "
+                                     "and no faults")
+    if not dims.parallel and sample_parallel <= 1:
         raise UnsupportedConfigError("run_parallel: the layout is one rank (tp = sp = cfg = 1); "
                                      "call drifttool.runner.execute")
     check_faults(faults)
-    world = dims.world_size
+    world = sample_parallel if sample_parallel > 1 else dims.world_size
     store = loopback_store(world, timeout)  # held (and its port bound) until the ranks are done
     with tempfile.TemporaryDirectory(prefix="drifttool-spawn-") as errors:
         try:
