@@ -1,6 +1,7 @@
 """A probe's result and the matrix of them: statuses, ``ProbeResult`` (one row), ``Matrix``.
 
-    >>> r = _from_report(p, report, judge(p, report), seconds, run_dir, clip_range=1e-4)
+    >>> report = diff_runs(open_run(baseline), open_run(run), clip_range=1e-4)
+    >>> r = _from_report(p, report, judge(p, report), seconds, run)
     >>> r.status, r.first_op, r.clip_verdict
     ('PASS', 'latent_proj_gemm', 'above')
 
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from drifttool.diff.clip import clip_summary
 from drifttool.diff.report import DiffReport, Verdict
 
 PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
@@ -100,18 +102,6 @@ def _result(p: Probe, status: str, **kw: Any) -> ProbeResult:
                        compare=p.compare, layout=getattr(p, "layout", "") or None, **kw)
 
 
-def clip_fields(clip: Any) -> dict[str, Any]:
-    """The ``clip_*`` fields of a result from a diff's ``ClipDrift`` (``None``: no clip range)."""
-    if clip is None:
-        return {}
-    w = clip.worst
-    return dict(clip_range=clip.clip_range, clip_verdict=clip.verdict,
-                clip_ratio_dev_max=None if w is None else w.ratio_dev_max,
-                clip_fraction=None if w is None else w.fraction,
-                clip_max_abs=None if w is None else w.max_abs,
-                clip_worst=None if w is None else f"{w.phase} step {w.step} {w.branch}")
-
-
 def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: float,
                  run_dir: Path, reference: Path | None = None,
                  noop: str | None = None) -> ProbeResult:
@@ -123,7 +113,7 @@ def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: floa
         v_t=_worst(report, ("v_t",)), x_t=_worst(report, ("x_t", "x_next")),
         logp_t=_worst(report, ("logp_t",)), kl=_worst_kl(report),
     )
-    kw.update(clip_fields(report.clip))
+    kw.update(clip_summary(report.clip))
     if fd is not None:
         kw.update(first_drift=fd.where(), first_op=fd.op, first_step=fd.step,
                   first_block=fd.block, first_stream=fd.stream, first_branch=fd.branch,
