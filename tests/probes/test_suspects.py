@@ -195,3 +195,48 @@ def test_pending_is_never_run():
     (p,) = [p for p in catalog() if p.name == "lora_unmerged"]
     r = run_probe(p, RunSpec(), None, None, None)
     assert r.status == PENDING and "merged only" in r.reasons[0]
+
+
+# -- the command line ----------------------------------------------------------------------------
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from drifttool.cli.app import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+def test_probe_mode_auto_lists_the_production_matrix():
+    import json
+
+    code, text = _cli("probe", "--mode", "auto", "--list", "--json")
+    assert code == 0, text
+    listed = {p["name"]: p for p in json.loads(text)["probes"]}
+    assert set(listed) == set(SUSPECTS)
+    assert listed["attention_fallback"]["expected"] == "drift at joint_attention_fused (joint, step 0, block 0)"
+    assert listed["dp_split_strided"]["expected"] == "observed"
+
+
+def test_probe_mode_auto_runs_and_judges_on_the_production_family(tmp_path):
+    import json
+
+    from drifttool.artifact.reader import open_run
+
+    code, text = _cli("probe", "--mode", "auto", "--only", "attention_fallback", "--json",
+                      "--no-heatmaps", "-o", tmp_path / "m")
+    assert code == 0, text
+    (r,) = json.loads(text)["results"]
+    assert r["status"] == PASS and r["first_op"] == "joint_attention_fused", r["reasons"]
+    assert open_run(tmp_path / "m" / "runs" / "baseline").manifest["settings"]["mode"] == "auto"
+    kernels = {t["actual"] for t in open_run(r["run_dir"]).trace_rows() if t["op"] == "joint_attention_fused"}
+    assert kernels == {"variant:attention_kernel_math"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--mode", "fast"], "unknown --mode 'fast'"),
+    (["--mode", "auto", "--distributed"], "--peer and --distributed take no --mode"),
+])
+def test_bad_mode_is_one_line_and_exit_2(tmp_path, args, needle):
+    code, text = _cli("probe", *args, "-o", tmp_path / "o")
+    assert code == 2 and needle in text and len(text.strip().splitlines()) == 1, text
