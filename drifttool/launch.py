@@ -131,18 +131,19 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
                      args=(world, store.port, errors, spec, str(out), dims, tuple(faults),
                            overwrite, timeout, int(threads)))
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise _rank_error(Path(errors), dims, e) from None
+            raise _rank_error(Path(errors), dims, e, world) from None
         summary = json.loads(Path(errors, "summary.json").read_text())
     del store
     return {**summary, "rank": 0}
 
 
-def _rank_error(errors: Path, dims: ParallelDims, e: Exception) -> RankError | RankCrash:
+def _rank_error(errors: Path, dims: ParallelDims, e: Exception, world: int) -> RankError | RankCrash:
     """One error for the caller: the lowest rank's report (user error or crash), else the
     process that ``spawn`` saw die."""
     reports = sorted((json.loads(p.read_text()) for p in errors.glob("rank*.json")),
                      key=lambda r: r["rank"])
-    where = f"{dims.world_size}-rank layout ({_describe(dims)})"
+    where = (f"{world}-rank layout ({_describe(dims)})" if dims.parallel
+             else f"{world}-rank sample-parallel run")
     if not reports:
         rank = int(getattr(e, "error_index", -1))
         return RankCrash(f"rank {rank} of the {where} died without a report", rank=rank,

@@ -240,3 +240,15 @@ def test_probe_mode_auto_runs_and_judges_on_the_production_family(tmp_path):
 def test_bad_mode_is_one_line_and_exit_2(tmp_path, args, needle):
     code, text = _cli("probe", *args, "-o", tmp_path / "o")
     assert code == 2 and needle in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_sample_parallel_spawn_takes_no_layout_and_no_faults(tmp_path):
+    """``dp_split_strided``'s launcher: ``run_parallel(sample_parallel=N)`` refuses a TP layout or a
+    planted fault beside it (a sample-parallel run has neither), before any rank starts."""
+    from drifttool.distributed.plan import FAULTS, ParallelDims
+    from drifttool.launch import run_parallel
+
+    for dims, faults in ((ParallelDims(tp=2), ()), (ParallelDims(), (sorted(FAULTS)[0],))):
+        with pytest.raises(UnsupportedConfigError, match="sample-parallel run has no"):
+            run_parallel(RunSpec(), tmp_path / "r", dims, faults=faults, sample_parallel=2)
+    assert not (tmp_path / "r").exists()
