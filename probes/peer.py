@@ -1,6 +1,7 @@
 """Peer probes: the probe matrix run against the real production peer, diffusers'
 ``QwenImageTransformer2DModel``.
 
+    >>> from drifttool.probes.peer_catalog import peer_catalog
     >>> tr = load_peer(None, device="cpu")                 # the tiny fixture's transformer
     >>> m = run_peer_matrix(peer_catalog(), "runs/peer", transformer=tr)
     >>> [(r.name, r.verdict, r.status) for r in m.results][:2]
