@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from drifttool.distributed.plan import ParallelDims
 from drifttool.errors import UnsupportedConfigError
