@@ -86,6 +86,12 @@ def train_rollout_cmd(
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
+    clip_range: Optional[float] = typer.Option(
+        None, "--clip-range", metavar="EPS",
+        help="Also report each combination's log-prob drift (rollout vs recompute) against a PPO "
+             "clip range (e.g. 1e-4), as `drifttool diff --clip-range` does: the worst step's "
+             "max |exp(Δlogp_t) − 1| as a share of EPS, below or above the clip noise floor "
+             "(clip_* columns in train_rollout.arrow/.json)."),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
@@ -98,7 +104,8 @@ def train_rollout_cmd(
     kwargs = dict(fixture=fixture, samples=_samples(samples), capture=capture,
                   micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
                   gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
-                  overwrite=overwrite, device=device, height=height, width=width)
+                  overwrite=overwrite, device=device, height=height, width=width,
+                  clip_range=clip_range)
     from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
 
     _command("experiment train-rollout", train_rollout, _print_train_rollout, out,
@@ -130,10 +137,33 @@ def _print_train_rollout(rows: list, out: Path) -> None:
         else:
             f.add_row(_label(r), r["verdict"], "-", "-", "-", "-")
     console.print(f)
+    if rows and rows[0].get("clip_range") is not None:
+        _print_clip(rows)
     console.print("time (s), rollout + training recompute: " + ", ".join(
         f"{_label(r)} {r['rollout_seconds']:.1f}+{r['train_seconds']:.1f}" for r in rows), highlight=False)
     console.print(f"wrote {out}/train_rollout.arrow, {out}/train_rollout.json; per combination: "
                   f"drifttool diff {out}/rollout-<r> {out}/train-<t>-on-<r>", highlight=False)
+
+
+def _print_clip(rows: list) -> None:
+    """Each combination's log-prob drift against the clip range (``diff.clip``)."""
+    from drifttool.diff.clip import percent  # lazy: keeps torch out of `drifttool --help`
+
+    eps = rows[0]["clip_range"]
+    t = Table(title=f"log-prob drift against the clip range {eps:g} (worst step)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
+    for col in ("max\n|Δlogp|", "max\n|exp(Δ)−1|", "of clip\nrange", "where", "clip noise\nfloor"):
+        t.add_column(col, justify="left" if col in ("where", "clip noise\nfloor") else "right",
+                     no_wrap=True)
+    for r in rows:
+        if r["clip_fraction"] is None:
+            t.add_row(_label(r), "-", "-", "-", "-", r["clip_verdict"])
+            continue
+        t.add_row(_label(r), _num(r["clip_max_abs"], 2), _num(r["clip_ratio_dev_max"], 2),
+                  percent(r["clip_fraction"]), r["clip_worst"], r["clip_verdict"],
+                  style="red" if r["clip_verdict"] == "above" else None)
+    console.print(t)
 
 
 @app.command("grpo", epilog=EXIT_HELP)
@@ -236,6 +266,10 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
         if not sample_parallel and launch is not None and launch.world_size > 1 and not dims.parallel:
             raise DriftToolError(f"{command} under torchrun runs a TP/SP/CFG-parallel layout (--tp, "
                                  "--sp or --cfg-parallel); its loop has no sample-parallel layout")
+        if kwargs.get("clip_range") is not None:
+            from drifttool.diff.clip import check_clip_range  # lazy: keeps torch out of `--help`
+
+            check_clip_range(kwargs["clip_range"])
         _check_combos(dims, kwargs, command, launch)
         check_out_dir(out, kwargs["overwrite"])
     call = lambda progress, **where: fn(out, progress=progress, **kwargs, **where)  # noqa: E731

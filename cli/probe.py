@@ -27,6 +27,8 @@ from drifttool.errors import DriftToolError
 
 
 PRESETS = {"tiny": "tiny-t2i"}
+MODES = {"strict": "strict", "auto": "production"}
+"""``--mode``: the baseline's runtime mode → the backend family whose expectations are judged."""
 
 
 def probe(
@@ -55,6 +57,15 @@ def probe(
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
     cfg_parallel: int = _layout.cfg_parallel_option(),
+    mode: str = typer.Option("strict", help="strict (default): the strict matrix | auto: the "
+                             "production family's matrix of the suspects users report, each "
+                             "with its production expectation on --device (docs/probes.md)."),
+    clip_range: Optional[float] = typer.Option(
+        None, "--clip-range", metavar="EPS",
+        help="Also report each probe's log-prob drift against a PPO clip range (e.g. 1e-4), as "
+             "`drifttool diff --clip-range` does: the worst step's max |exp(Δlogp_t) − 1| as a "
+             "share of EPS, below or above the clip noise floor (a column, and clip_* fields in "
+             "matrix.json, matrix.arrow and --json). Statuses and the exit code are unchanged."),
     as_json: bool = _json.option(),
     junit: Optional[Path] = typer.Option(
         None, "--junit", metavar="FILE",
@@ -68,6 +79,9 @@ def probe(
     probe; --junit FILE also writes JUnit XML. Exit 0 when every expectation holds (pending probes
     are listed), 1 when any probe is a finding (a failed expectation or an error), 2 on a usage
     error.
+    With --mode auto the baseline runs the production family and the matrix is the suspects
+    users report, each judged on its production expectation for --device (PENDING where none is
+    declared). With --clip-range EPS each probe's log-prob drift is also reported against EPS.
     With --peer diffusers the matrix is the peer matrix (``drifttool.probes.peer``): the same
     outputs and exit codes; OBSERVED probes are reported, never judged. With --distributed the
     matrix is the distributed group (``drifttool.probes.distributed``): the same outputs, plus
@@ -95,19 +109,32 @@ def probe(
         if distributed and device not in (None, "cpu"):
             raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
                                  "is not supported there")
+        if mode not in MODES:
+            raise DriftToolError(f"unknown --mode {mode!r} (one of {list(MODES)})")
+        if mode != "strict" and (distributed or peer is not None):
+            raise DriftToolError(f"--mode {mode} runs the production matrix; --peer and "
+                                 "--distributed take no --mode")
+        if clip_range is not None:
+            from drifttool.diff.clip import check_clip_range  # lazy: keeps torch out of `--help`
+
+            check_clip_range(clip_range)
         report = _Report(heatmaps=heatmaps, as_json=as_json, junit=junit)
         if peer is not None:
             return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
                          grid=(height, width), list_only=list_only, report=report,
-                         overwrite=overwrite)
+                         overwrite=overwrite, clip_range=clip_range)
         if preset is not None and preset not in PRESETS:
             raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
         if preset is not None and checkpoint is not None:
             raise DriftToolError("give --preset or --checkpoint, not both")
-        base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode="strict",
+        base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode=mode,
                        device=device or "cpu", height=height, width=width)
         settings, depth, _ = baseline_settings(base)
-        probes = (distributed_catalog if distributed else catalog)(settings, depth)
+        if distributed:
+            probes = distributed_catalog(settings, depth)
+        else:
+            probes = catalog(settings, depth, family=MODES[mode],
+                             device=resolve(base)[1].device.split(":")[0])
         if only:
             names = [n.strip() for n in only.split(",") if n.strip()]
             unknown = sorted(set(names) - {p.name for p in probes})
@@ -137,9 +164,9 @@ def probe(
         _layout.check_launch(dims, launch, "probe")
     if launch is None:
         _clear_out(out)
-        report(_matrix(probes, out, base, quiet=as_json), out)
+        report(_matrix(probes, out, base, quiet=as_json, clip_range=clip_range), out)
     else:
-        _launched(dims, probes, out, base, report)
+        _launched(dims, probes, out, base, report, clip_range)
 
 
 def _listed(p, distributed: bool) -> dict:
@@ -157,7 +184,7 @@ def _matrix(probes, out: Path, base, *, quiet: bool = False, **where):
         return run_matrix(probes, out, base=base, on_result=lambda r: advance(bar, r), **where)
 
 
-def _launched(dims, probes, out: Path, base, report: "_Report") -> None:
+def _launched(dims, probes, out: Path, base, report: "_Report", clip_range=None) -> None:
     """The matrix on torchrun's ranks, in ``dims`` (sample-parallel when it is one process):
     rank 0 clears OUT while the others wait, every rank runs the matrix, rank 0 reports."""
     from drifttool.distributed import close_distributed  # lazy: keeps torch out of `drifttool --help`
@@ -169,7 +196,7 @@ def _launched(dims, probes, out: Path, base, report: "_Report") -> None:
         if dist.rank == 0:
             _clear_out(out)
         barrier()
-        where = dict(dist=dist, parallel=dims if dims.parallel else None)
+        where = dict(dist=dist, parallel=dims if dims.parallel else None, clip_range=clip_range)
         matrix = _matrix(probes, out, base, quiet=report.as_json, **where) if dist.rank == 0 else \
             run_matrix(probes, out, base=base, **where)
     finally:
@@ -180,21 +207,22 @@ def _launched(dims, probes, out: Path, base, report: "_Report") -> None:
 
 def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
           checkpoint: Path | None, device: str | None, grid: tuple, list_only: bool,
-          report: "_Report", overwrite: bool) -> None:
+          report: "_Report", overwrite: bool, clip_range: float | None = None) -> None:
     """``drifttool probe --peer NAME``: the peer matrix (``drifttool.probes.peer``)."""
     from drifttool.probes import peer as P  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.probes import peer_catalog as PC  # lazy: likewise
 
-    if name not in P.PEERS:
-        raise DriftToolError(f"unknown peer {name!r} (one of {list(P.PEERS)})")
+    if name not in PC.PEERS:
+        raise DriftToolError(f"unknown peer {name!r} (one of {list(PC.PEERS)})")
     if preset not in (None, "tiny") or (preset is not None and checkpoint is not None):
         raise DriftToolError("--peer runs the tiny fixture's transformer or --checkpoint DIR")
-    probes = P.select(P.peer_catalog(), only)
+    probes = PC.select(PC.peer_catalog(), only)
     if list_only and report.as_json:
         _json.emit("probe list", {"probes": [_listed(p, False) for p in probes]})
         return
     if list_only:
         for p in probes:
-            console.print(P.describe(p), highlight=False, markup=False)
+            console.print(PC.describe(p), highlight=False, markup=False)
         return
     if out is None:
         raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
@@ -210,7 +238,7 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
         matrix = P.run_peer_matrix(
             probes, out, transformer=transformer, device=dev,
             base=P.peer_baseline(checkpoint=checkpoint, fixture=fixture),
-            on_result=lambda r: advance(bar, r))
+            on_result=lambda r: advance(bar, r), clip_range=clip_range)
     report(matrix, out)
 
 

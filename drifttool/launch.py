@@ -80,8 +80,12 @@ def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out
     torch.set_num_threads(threads)
     ctx = None
     try:
-        ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape(), timeout=timeout)
-        summary = execute(spec, out, dist=ctx, parallel=dims, faults=faults, overwrite=overwrite)
+        if dims.parallel:
+            ctx = init_distributed(mesh_dims=MESH_DIMS, mesh_shape=dims.mesh_shape(), timeout=timeout)
+        else:  # sample-parallel (``run_parallel(sample_parallel=)``)
+            ctx = init_distributed(timeout=timeout)
+        summary = execute(spec, out, dist=ctx, parallel=dims if dims.parallel else None,
+                          faults=faults, overwrite=overwrite)
         if rank == 0:
             Path(errors, "summary.json").write_text(json.dumps(summary, default=str))
     except BaseException as e:
@@ -96,12 +100,15 @@ def _rank_main(rank: int, world: int, port: int, errors: str, spec: RunSpec, out
 
 def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: tuple[str, ...] = (),
                  overwrite: bool = False, timeout: timedelta = DEFAULT_TIMEOUT,
-                 threads: int = 1) -> dict[str, Any]:
+                 threads: int = 1, sample_parallel: int = 0) -> dict[str, Any]:
     """Run ``spec`` (a ``RunSpec``) under the layout ``dims`` on ``dims.world_size`` spawned gloo
     ranks, writing one artifact to ``out``; returns rank 0's ``execute`` summary (plus
     ``"rank": 0``). ``faults`` plants probe faults (``plan.FAULTS``); ``threads`` is each rank's
     intra-op thread count (strict bytes do not depend on it); ``timeout`` bounds a collective
-    waiting for a rank.
+    waiting for a rank. ``sample_parallel`` N > 1 with a one-rank ``dims`` runs the batch
+    sample-parallel on N ranks instead (the logical samples split contiguously,
+    ``distributed.rank_samples``; no plan, no faults), as ``torchrun --nproc-per-node N -m
+    drifttool run`` without layout options.
 
     Raises:
         UnsupportedConfigError: ``dims`` is one rank, or a fault is not in ``plan.FAULTS``.
@@ -109,11 +116,14 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
             exception's class and message; the traceback in ``RankError.trace``).
         RankCrash: a rank raised anything else, or died without a report.
     """
-    if not dims.parallel:
+    if sample_parallel > 1 and (dims.parallel or faults):
+        raise UnsupportedConfigError("run_parallel: a sample-parallel run has no TP/SP/CFG layout "
+                                     "and no faults")
+    if not dims.parallel and sample_parallel <= 1:
         raise UnsupportedConfigError("run_parallel: the layout is one rank (tp = sp = cfg = 1); "
                                      "call drifttool.runner.execute")
     check_faults(faults)
-    world = dims.world_size
+    world = sample_parallel if sample_parallel > 1 else dims.world_size
     store = loopback_store(world, timeout)  # held (and its port bound) until the ranks are done
     with tempfile.TemporaryDirectory(prefix="drifttool-spawn-") as errors:
         try:
@@ -121,18 +131,19 @@ def run_parallel(spec: RunSpec, out: str | Path, dims: ParallelDims, *, faults: 
                      args=(world, store.port, errors, spec, str(out), dims, tuple(faults),
                            overwrite, timeout, int(threads)))
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise _rank_error(Path(errors), dims, e) from None
+            raise _rank_error(Path(errors), dims, e, world) from None
         summary = json.loads(Path(errors, "summary.json").read_text())
     del store
     return {**summary, "rank": 0}
 
 
-def _rank_error(errors: Path, dims: ParallelDims, e: Exception) -> RankError | RankCrash:
+def _rank_error(errors: Path, dims: ParallelDims, e: Exception, world: int) -> RankError | RankCrash:
     """One error for the caller: the lowest rank's report (user error or crash), else the
     process that ``spawn`` saw die."""
     reports = sorted((json.loads(p.read_text()) for p in errors.glob("rank*.json")),
                      key=lambda r: r["rank"])
-    where = f"{dims.world_size}-rank layout ({_describe(dims)})"
+    where = (f"{world}-rank layout ({_describe(dims)})" if dims.parallel
+             else f"{world}-rank sample-parallel run")
     if not reports:
         rank = int(getattr(e, "error_index", -1))
         return RankCrash(f"rank {rank} of the {where} died without a report", rank=rank,

@@ -3,6 +3,6 @@
 ``spec`` (a probe as data) → ``catalog`` (the declared list) → ``variants`` / ``weights`` /
 ``controls`` (the one change of each probe) → ``runner`` (baseline + probes, diff, judge) →
 ``matrix`` (table, Arrow, JSON) and ``plots`` (heatmaps, overlays). ``peer`` runs the matrix
-against diffusers' transformer (declarations in ``peer_catalog``, the peer in ``peer_model``).
+against diffusers' transformer (declarations in ``peer_catalog``).
 See ``docs/probes.md``.
 """

@@ -2,7 +2,7 @@
 
     >>> names = [p.name for p in catalog()]
     >>> len(names), names[:3]
-    (29, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
+    (36, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
 
 ``catalog(settings, num_layers)`` builds the list for a baseline (the resolved run settings and
 the model depth): expectations that name a step, a block or a row are computed from them, so the
@@ -16,7 +16,10 @@ RFC factors covered (mismatch): latent layout/normalisation, timestep encoding, 
 sequence order, RoPE, Q/K preprocessing, modulation, GELU, sigma schedule, CFG, step precision,
 noise, distributed metadata; plus the prompt mask. Controls (invariant): repeat, batch position,
 batch size, prompt padding, CFG layout, replay, training recompute and gradient checkpointing
-(``drifttool.probes.controls``, run on ``drifttool.training``). TP/SP and CFG-parallel layouts
+(``drifttool.probes.controls``, run on ``drifttool.training``). The suspects users report (LoRA
+merged vs unmerged and its merge dtype, RoPE table device, text mask None vs all-ones, strided DP
+split, training micro-batch, attention kernel fallback) are ``drifttool.probes.suspects``,
+declared for strict and for the production family (``catalog(family="production")``). TP/SP and CFG-parallel layouts
 are the distributed group (``distributed_catalog``, ``drifttool probe --distributed``): planted
 parallel faults and layout controls, each a layout on spawned gloo ranks against one process
 (``drifttool.probes.distributed``).
@@ -27,15 +30,18 @@ from __future__ import annotations
 from typing import Any
 
 from drifttool.probes import controls as C
+from drifttool.probes import sampler_variants as SV
 from drifttool.probes import variants as V
 from drifttool.probes.distributed import distributed_probes
 from drifttool.probes.spec import Expectation, Probe
+from drifttool.probes.suspects import production_probes, suspect_probes
 from drifttool.probes.weights import swap_stream_qkv
 
 TINY_SETTINGS: dict[str, Any] = {
     "img_grid": [4, 6], "steps": 4, "samples": [0, 1], "cfg_scale": 4.0, "eta": 1.2,
     "dtype": "bfloat16",
     "prompt_len": 13,  # longest prompt of the batch (tokens), negative prompt included
+    "rope": {"axes_dims": [4, 6, 6], "theta": 10000},  # the tiny model's RoPE
 }
 
 RFC_FACTORS = (
@@ -118,34 +124,34 @@ def mismatch_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
         Probe(name="sigma_seq_len_pixels", factor="sigma schedule", kind="mismatch",
               change="dynamic shift from H'*W' latent pixels (4N) instead of N packed tokens",
               source="numerics §3.3",
-              variants={"flow_sigma_table": _v(V.SigmaSeqLenPixels)},
+              variants={"flow_sigma_table": _v(SV.SigmaSeqLenPixels)},
               expect=_drift("flow_sigma_table", step=-1, stream="none")),
         Probe(name="cfg_renorm_off", factor="CFG", kind="mismatch",
               change="CFG without the per-token rescale to |v_cond|",
               source="numerics §3.4",
-              variants={"cfg_combine_renorm": _v(V.CfgRenormOff)},
+              variants={"cfg_combine_renorm": _v(SV.CfgRenormOff)},
               expect=_drift("cfg_combine_renorm", step=0, branch="cfg")),
         Probe(name="cfg_renorm_global", factor="CFG", kind="mismatch",
               change="CFG rescale by whole-image norms instead of per-token norms",
               source="numerics §5.12",
-              variants={"cfg_combine_renorm": _v(V.CfgRenormGlobal)},
+              variants={"cfg_combine_renorm": _v(SV.CfgRenormGlobal)},
               expect=_drift("cfg_combine_renorm", step=0, branch="cfg")),
         Probe(name="euler_bf16_product", factor="step precision", kind="mismatch",
               change="deterministic step as diffusers' scheduler: dsigma*v in bf16, latents bf16",
               source="numerics §3.4, §5.4",
-              variants={"flow_sde_step_logp": _v(V.EulerBf16Product)},
+              variants={"flow_sde_step_logp": _v(SV.EulerBf16Product)},
               # the SDE window covers steps 0..N-2; the last step is the deterministic one
               expect=_drift("flow_sde_step_logp", step=steps - 1)),
         Probe(name="latents_bf16", factor="step precision", kind="mismatch",
               change="next latent stored in bf16 between steps (logp on the fp32 sample)",
               source="numerics §5.3",
-              variants={"flow_sde_step_logp": _v(V.LatentsBf16)},
+              variants={"flow_sde_step_logp": _v(SV.LatentsBf16)},
               expect=_drift("flow_sde_step_logp", step=0)),
         Probe(name="noise_global_rng", factor="noise", kind="mismatch",
               change="SDE noise from one generator consumed in batch and step order (global RNG) "
                      "instead of pinned per-sample streams",
               source="numerics §4.1 (Flow-GRPO: no generator for the SDE noise)",
-              variants={"flow_sde_step_logp": _v(V.NoiseGlobalRng)},
+              variants={"flow_sde_step_logp": _v(SV.NoiseGlobalRng)},
               expect=_drift("flow_sde_step_logp", step=0)),
         Probe(name="cfg_off", factor="CFG", kind="mismatch",
               change="CFG off (scale 1) for the same samples: the cond velocity alone drives the "
@@ -267,11 +273,28 @@ def sensitivity_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]
     ]
 
 
-def catalog(settings: dict[str, Any] | None = None, num_layers: int = 2) -> list[Probe]:
+FAMILIES = ("strict", "production")
+"""The backend family a matrix's baseline runs (``drifttool probe --mode strict | auto``)."""
+
+
+def catalog(settings: dict[str, Any] | None = None, num_layers: int = 2, *,
+            family: str = "strict", device: str = "cpu") -> list[Probe]:
     """Every probe for a baseline with ``settings`` (default: the tiny preset's) and a model of
-    ``num_layers`` blocks: mismatch probes, invariant controls, sensitivity controls."""
+    ``num_layers`` blocks: mismatch probes, invariant controls, the suspects users report
+    (``drifttool.probes.suspects``), sensitivity controls. ``family="production"`` (a baseline
+    in mode auto) gives the suspects alone, with the production family's expectations on
+    ``device`` (a device type, ``cpu`` or ``cuda``).
+
+    Raises:
+        ValueError: an unknown family.
+    """
     s = dict(TINY_SETTINGS, **(settings or {}))
-    probes = mismatch_probes(s, num_layers) + invariant_probes(s) + sensitivity_probes(s, num_layers)
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (one of {FAMILIES})")
+    if family == "production":
+        return production_probes(s, num_layers, device)
+    probes = (mismatch_probes(s, num_layers) + invariant_probes(s) + suspect_probes(s, num_layers)
+              + sensitivity_probes(s, num_layers))
     names = [p.name for p in probes]
     if len(set(names)) != len(names):  # pragma: no cover - a declaration bug
         raise ValueError(f"duplicate probe names in {names}")

@@ -22,11 +22,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from drifttool.probes.runner import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
-                                     ProbeResult)
+from drifttool.diff.clip import percent
+from drifttool.probes.results import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
+                                      ProbeResult)
 
-MATRIX_VERSION = 2
-"""2: status ``NOT APPLICABLE`` (a probe whose change is a no-op on the baseline's bytes)."""
+MATRIX_VERSION = 3
+"""2: status ``NOT APPLICABLE`` (a probe whose change is a no-op on the baseline's bytes);
+3: the ``clip_*`` columns (``--clip-range``: log-prob drift against a PPO clip range)."""
 
 STATUSES = (PASS, FINDING, ERROR, PENDING, OBSERVED, NOT_APPLICABLE)
 """Every status, in the order the counts list them."""
@@ -61,6 +63,12 @@ MATRIX_SCHEMA = pa.schema([
     pa.field("compare", pa.utf8(), nullable=False),  # all | common_samples
     pa.field("layout", pa.utf8()),  # distributed probes: "TP2", "SP2 agrs", ...
     pa.field("reference", pa.utf8()),  # the run diffed against (the baseline, or the probe's own)
+    pa.field("clip_range", pa.float64()),  # --clip-range ε; null without one (clip_* null too)
+    pa.field("clip_verdict", pa.utf8()),  # below | above | no logp
+    pa.field("clip_ratio_dev_max", pa.float64()),  # worst step's max |exp(Δlogp_t) − 1|
+    pa.field("clip_fraction", pa.float64()),  # clip_ratio_dev_max / clip_range
+    pa.field("clip_max_abs", pa.float64()),  # worst step's max |Δlogp_t|
+    pa.field("clip_worst", pa.utf8()),  # "rollout step 2 cfg"
 ], metadata={b"drifttool.table": b"probe_matrix", b"matrix_version": str(MATRIX_VERSION).encode()})
 
 
@@ -139,6 +147,17 @@ def _short_where(r: ProbeResult) -> str:
     return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}{rank}"
 
 
+def _clip_cell(r: ProbeResult) -> str:
+    """The worst step's max |exp(Δlogp_t) − 1| as a share of the clip range (``diff.clip``),
+    red when it reaches it; ``=`` when logp_t is identical, ``-`` without logp_t records."""
+    if r.clip_fraction is None:
+        return "-"
+    if r.clip_ratio_dev_max == 0:
+        return "="
+    text = percent(r.clip_fraction)
+    return f"[red]{text}[/]" if r.clip_verdict == "above" else text
+
+
 def matrix_table(m: Matrix) -> Table:
     """The matrix as a rich table (one row per probe); a ``layout`` column after ``kind`` when
     any probe ran a parallel layout (the distributed matrix, whose first drift also names the
@@ -149,10 +168,12 @@ def matrix_table(m: Matrix) -> Table:
               box=box.SIMPLE_HEAD, title_justify="left")
     right = {"justify": "right", "no_wrap": True}
     layouts = any(r.layout for r in m.results)
+    clip = m.settings.get("clip_range")
     for col, kw in (("probe", {"no_wrap": True}), ("factor", {}), ("kind", {"no_wrap": True}),
                     *((("layout", {"no_wrap": True}),) if layouts else ()),
                     ("verdict", {"no_wrap": True}), ("first drift", {}), ("expected op", {}),
                     ("v_t", right), ("x_t", right), ("logp_t", right), ("KL", right),
+                    *(((f"of clip\n{clip:g}", right),) if clip is not None else ()),
                     ("time", right), ("result", {"no_wrap": True})):
         t.add_column(col, **kw)
     for r in m.results:
@@ -161,7 +182,8 @@ def matrix_table(m: Matrix) -> Table:
             r.name, r.factor, r.kind, *layout, r.verdict or "-", _short_where(r),
             r.expected_op or "-",
             _num(r.v_t, r.verdict), _num(r.x_t, r.verdict), _num(r.logp_t, r.verdict),
-            _num(r.kl, r.verdict), f"{r.seconds:.1f}s",
+            _num(r.kl, r.verdict), *([_clip_cell(r)] if clip is not None else []),
+            f"{r.seconds:.1f}s",
             f"[{_STATUS_STYLE[r.status]}]{r.status}[/]",
         )
     return t

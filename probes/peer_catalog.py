@@ -1,11 +1,31 @@
-"""The declared peer probes: each one factor against the peer baseline, how the peer's forward is
-called for it (``PeerCall``) and what its diff must say per device type (``PeerExpect``).
+"""The peer matrix's declarations: each peer probe's one change and its expectation per device
+type (``drifttool.probes.peer`` runs them against diffusers' ``QwenImageTransformer2DModel``).
 
-    >>> [p.name for p in select(peer_catalog(), "repeat,sdpa_math")]
-    ['repeat', 'sdpa_math']
+    >>> [p.name for p in peer_catalog()][:3]
+    ['repeat', 'batch_order_reversed', 'grad_enabled']
 
-The table of factors and of their CUDA and CPU verdicts, and where they come from, is in
-``drifttool.probes.peer``'s module docstring; this module holds the declarations it describes.
+The factors (one per probe; the study on an H200 found the CUDA verdicts):
+
+=====================  =============================================  =========  ==============
+probe                  change                                         CUDA       CPU
+=====================  =============================================  =========  ==============
+repeat                 the baseline again                             identical  identical
+batch_order_reversed   samples [1, 0]                                 identical  identical
+grad_enabled           forward under ``torch.enable_grad()``          identical  identical
+timestep_bf16          bf16 timestep tensor, same bf16 values         identical  identical
+pad_garbage            N(0, 100²) garbage in the masked prompt rows   identical  identical
+pad_100 / pad_160      100 / 160 text slots instead of 128            drift      observed
+sdpa_math              ``sdpa_kernel([MATH])``                        drift (1)  observed
+sdpa_efficient         ``sdpa_kernel([EFFICIENT_ATTENTION])``         drift (1)  pending (2)
+ulp_norm_q_gain        ``blocks.0.attn.norm_q`` gain[0] + 1 bf16 ULP  drift (3)  drift (3)
+=====================  =============================================  =========  ==============
+
+(1) first at ``joint_attention_fused``, block 0, step 0: nothing before the first attention calls
+SDPA. (2) torch has no EFFICIENT_ATTENTION kernel on the CPU. (3) first at ``qk_rmsnorm``, img,
+block 0, step 0 (``PLANT``).
+
+CPU expectations that production arithmetic makes machine-dependent are declared ``observed``:
+run and reported, never judged (``drifttool.probes.peer``'s docstring says why).
 """
 
 from __future__ import annotations
@@ -19,8 +39,10 @@ import torch
 from drifttool.errors import DriftToolError
 from drifttool.probes.spec import Expectation
 
+PEER_STEPS = 2
 PEER_SLOTS = 128
 PAD_VARIANTS = (100, 160)
+GARBAGE_SEED = 10_386
 PLANT = ("transformer_blocks.0.attn.norm_q.weight", 0)
 """The planted weight of ``ulp_norm_q_gain``: element 0 of block 0's image-stream Q RMSNorm
 gain. diffusers multiplies the normalized bf16 row by the bf16 gain in bf16, so a gain one ULP
@@ -31,6 +53,7 @@ KINDS = ("invariant", "drifting", "sensitivity")
 VERDICTS = ("identical", "drift", "observed")
 
 
+# -- declarations -------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class PeerExpect:
     """What the diff of a peer probe against the peer baseline must say on one device type.
@@ -205,6 +228,11 @@ def peer_catalog(slots: int = PEER_SLOTS, pads: tuple[int, ...] = PAD_VARIANTS,
     return out
 
 
+# -- command-line helpers -----------------------------------------------------------------------
+PEERS = ("diffusers",)
+"""Implementations ``drifttool probe --peer`` runs against."""
+
+
 def select(probes: list[PeerProbe], only: str | None) -> list[PeerProbe]:
     """The probes named in the comma-separated ``only`` (all when ``None``).
 
@@ -225,4 +253,3 @@ def describe(p: PeerProbe) -> str:
     exp = "; ".join(f"{d}: {p.expect[d].describe() if d in p.expect else 'pending (' + p.pending.get(d, 'none declared') + ')'}"
                     for d in ("cuda", "cpu"))
     return f"{p.name:22} {p.kind:11} {p.factor:34} {exp}"
-

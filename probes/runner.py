@@ -31,10 +31,8 @@ the operator's own output, or its checkpoint transform leaves every tensor as it
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,36 +40,32 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from drifttool.artifact.reader import Run, open_run
+from drifttool.diff.clip import check_clip_range
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
 from drifttool.collectives import barrier
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.checkpoint import read_config
 from drifttool.probes.noop import variants_noop, weights_unchanged, wrap_variants
+from drifttool.probes.results import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS,  # noqa: F401
+                                      PENDING, Matrix, ProbeResult, _from_report, _result)
 from drifttool.probes.spec import Probe, ProbeContext
 from drifttool.probes.weights import transformed_checkpoint
 from drifttool.runner import execute
 from drifttool.settings import RunSpec, resolve
 
-PASS, FINDING, PENDING, ERROR = "PASS", "FINDING", "PENDING", "ERROR"
-NOT_APPLICABLE = "NOT APPLICABLE"
-"""A probe whose one change moves no byte on the baseline's weights and inputs
-(``drifttool.probes.noop``): neither a pass nor a finding, reported with the reason."""
-OBSERVED = "OBSERVED"
-"""A probe run and reported but not judged (its expectation is ``observed``: the peer matrix's
-machine-dependent production arithmetic, ``drifttool.probes.peer``); never a finding."""
-
-
 # -- baseline description ----------------------------------------------------------------------
 def baseline_settings(base: RunSpec) -> tuple[dict[str, Any], int, Path]:
     """The resolved settings of the baseline (plus ``prompt_len``: the longest prompt of its
-    batch, negative prompt included), the model depth, and its checkpoint folder."""
+    batch, negative prompt included; ``rope``: the model's RoPE axis sizes and theta), the model
+    depth, and its checkpoint folder."""
     fx, s = resolve(base)
     folder = Path(s.checkpoint or fx.model_dir)
     cfg = read_config(folder)
     _, lens, _, neg_len = fx.prompts(cfg.joint_attention_dim, seed=s.seed)
     rows = [i % len(lens) for i in s.samples]
-    record = dict(s.record(), prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]))
+    record = dict(s.record(), prompt_len=max([int(lens[r]) for r in rows] + [int(neg_len)]),
+                  rope={"axes_dims": list(cfg.axes_dims_rope), "theta": cfg.rope_theta})
     return record, cfg.num_layers, folder
 
 
@@ -112,9 +106,10 @@ def open_pair(baseline: str | Path, run: str | Path, compare: str = "all") -> tu
     return open_run(baseline), open_run(run)
 
 
-def diff_probe(p: Probe, baseline: Path, run: Path) -> DiffReport:
-    """The probe run diffed against the baseline, as the probe asks (all or common samples)."""
-    return diff_runs(*open_pair(baseline, run, p.compare))
+def diff_probe(p: Probe, baseline: Path, run: Path, clip_range: float | None = None) -> DiffReport:
+    """The probe run diffed against the baseline, as the probe asks (all or common samples);
+    with ``clip_range`` its log-prob drift is judged against it (``DiffReport.clip``)."""
+    return diff_runs(*open_pair(baseline, run, p.compare), clip_range=clip_range)
 
 
 # -- judging ------------------------------------------------------------------------------------
@@ -122,6 +117,8 @@ def judge(p: Probe, report: DiffReport) -> list[str]:
     """Why the diff does not meet the probe's expectation (empty: it does)."""
     e = p.expect
     got = report.verdict.value
+    if e.verdict == "observed":
+        return []
     if e.verdict == "identical":
         return [] if report.verdict is Verdict.IDENTICAL else [
             f"expected identical, got {got}: {report.reason}"]
@@ -156,91 +153,6 @@ def judge(p: Probe, report: DiffReport) -> list[str]:
     return reasons
 
 
-# -- results ------------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class ProbeResult:
-    """One row of the matrix. Drift columns are the worst over steps, samples and branches of
-    the per-step drift the diff reports (max |Δ|; ``None`` when the quantity never differs or
-    was not compared; KL of the SDE transition). ``first_rank``: the first drift's owning rank
-    in the probe run (``FirstDrift.owner_b``); ``layout``: a distributed probe's layout."""
-
-    name: str
-    factor: str
-    kind: str
-    change: str
-    expected: str
-    expected_op: str | None
-    status: str
-    verdict: str | None = None
-    first_drift: str | None = None
-    first_op: str | None = None
-    first_step: int | None = None
-    first_block: int | None = None
-    first_stream: str | None = None
-    first_branch: str | None = None
-    first_sample: int | None = None
-    first_rows: str | None = None
-    first_rank: int | None = None
-    origin: bool | None = None
-    differing_records: int | None = None
-    v_t: float | None = None
-    x_t: float | None = None
-    logp_t: float | None = None
-    kl: float | None = None
-    seconds: float = 0.0
-    reasons: list[str] = field(default_factory=list)
-    run_dir: str | None = None
-    compare: str = "all"
-    layout: str | None = None
-    reference: str | None = None  # the run the probe run was diffed against (None: not run)
-
-    @property
-    def ok(self) -> bool:
-        return self.status in (PASS, PENDING, OBSERVED, NOT_APPLICABLE)
-
-
-def _worst(report: DiffReport, quantities: tuple[str, ...]) -> float | None:
-    vals = [q.max_abs for s in report.steps for q in s.quantities
-            if q.quantity in quantities and q.identical is False and q.max_abs is not None]
-    return max(vals) if vals else None
-
-
-def _worst_kl(report: DiffReport) -> float | None:
-    vals = [k.kl for s in report.steps for k in s.kl if k.kl is not None and not math.isnan(k.kl)]
-    return max(vals) if vals and max(vals) > 0 else None
-
-
-def _result(p: Probe, status: str, **kw: Any) -> ProbeResult:
-    return ProbeResult(name=p.name, factor=p.factor, kind=p.kind, change=p.change,
-                       expected=p.expect.describe(), expected_op=p.expect.op, status=status,
-                       compare=p.compare, layout=getattr(p, "layout", "") or None, **kw)
-
-
-def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: float,
-                 run_dir: Path, reference: Path | None = None,
-                 noop: str | None = None) -> ProbeResult:
-    fd = report.first_drift
-    kw: dict[str, Any] = dict(
-        verdict=report.verdict.value, seconds=seconds, reasons=reasons, run_dir=str(run_dir),
-        reference=None if reference is None else str(reference),
-        differing_records=sum(c.differ for c in report.counts.values()),
-        v_t=_worst(report, ("v_t",)), x_t=_worst(report, ("x_t", "x_next")),
-        logp_t=_worst(report, ("logp_t",)), kl=_worst_kl(report),
-    )
-    if fd is not None:
-        kw.update(first_drift=fd.where(), first_op=fd.op, first_step=fd.step,
-                  first_block=fd.block, first_stream=fd.stream, first_branch=fd.branch,
-                  first_sample=fd.sample, origin=fd.origin, first_rank=fd.owner_b,
-                  first_rows=None if fd.rows is None else
-                  f"{fd.rows.n_differ}/{fd.rows.n_rows}: " + ", ".join(map(str, fd.rows.first)))
-    if noop is not None:  # the change moved no byte: the verdict is evidence of nothing
-        if report.verdict is Verdict.IDENTICAL:
-            return _result(p, NOT_APPLICABLE, **{**kw, "reasons": [noop]})
-        reasons = [*reasons, f"{noop}, yet the run is {report.verdict.value} "
-                   "(not deterministic?)"]
-    return _result(p, FINDING if reasons else PASS, **kw)
-
-
 def _launched(dist: Any) -> bool:
     return dist is not None and dist.world_size > 1
 
@@ -272,10 +184,11 @@ def probe_spec(p: Probe, base: RunSpec, workdir: Path, checkpoint: Path, dist: A
 
 
 def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Path, *,
-              dist: Any = None, parallel: Any = None) -> ProbeResult | None:
+              dist: Any = None, parallel: Any = None,
+              clip_range: float | None = None) -> ProbeResult | None:
     """Run one probe under ``out/runs/<name>`` and judge its diff against ``baseline``; under a
     launch (``dist``, ``parallel``: module docstring) on every rank, judged on rank 0 (the other
-    ranks return ``None``)."""
+    ranks return ``None``); ``clip_range``: as ``run_matrix``."""
     if p.pending:
         return _result(p, PENDING, reasons=[p.pending])
     t0 = time.perf_counter()
@@ -304,7 +217,7 @@ def run_probe(p: Probe, base: RunSpec, baseline: Path, out: Path, checkpoint: Pa
             reference = baseline
         if not root:
             return None
-        report = diff_probe(p, reference, run_dir)
+        report = diff_probe(p, reference, run_dir, clip_range)
     except UnsupportedConfigError as e:
         if not _launched(dist):
             return _error(p, e, t0)
@@ -325,28 +238,6 @@ def _error(p: Probe, e: Exception, t0: float) -> ProbeResult:
                             traceback.format_exc(limit=3).strip().splitlines()[-1]])
 
 
-@dataclass(kw_only=True)
-class Matrix:
-    """The matrix: the baseline it ran against, its settings and every probe's result."""
-
-    out: str
-    baseline: str
-    settings: dict[str, Any]
-    results: list[ProbeResult]
-    seconds: float
-    baseline_seconds: float
-
-    @property
-    def findings(self) -> list[ProbeResult]:
-        return [r for r in self.results if not r.ok]
-
-    @property
-    def exit_code(self) -> int:
-        """0 when no probe is a finding (pending and not-applicable probes are neither passes
-        nor findings), else 1."""
-        return 1 if self.findings else 0
-
-
 def run_matrix(
     probes: list[Probe],
     out: str | Path,
@@ -355,6 +246,7 @@ def run_matrix(
     on_result: Callable[[ProbeResult], Any] | None = None,
     dist: Any = None,
     parallel: Any = None,
+    clip_range: float | None = None,
 ) -> Matrix | None:
     """Run the baseline and every probe; see the module docstring.
 
@@ -366,6 +258,8 @@ def run_matrix(
         dist, parallel: this process's place in a torchrun launch and the launch's layout
             (``DistContext``, ``ParallelDims`` or None for sample-parallel), as
             ``runner.execute`` takes them; default one process.
+        clip_range: a PPO clip range ε: each probe's log-prob drift is judged against it
+            (``drifttool.diff.clip``; ``ProbeResult.clip_*``); verdicts and statuses unchanged.
 
     Returns:
         The matrix; ``None`` on ranks other than 0 of a launch.
@@ -375,6 +269,8 @@ def run_matrix(
             layout the baseline does not allow).
     """
     base = base or RunSpec()
+    if clip_range is not None:
+        clip_range = check_clip_range(clip_range)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     settings, _, checkpoint = baseline_settings(base)
@@ -384,7 +280,8 @@ def run_matrix(
     t_base = time.perf_counter() - t0
     results = []
     for p in probes:
-        r = run_probe(p, base, baseline, out, checkpoint, dist=dist, parallel=parallel)
+        r = run_probe(p, base, baseline, out, checkpoint, dist=dist, parallel=parallel,
+                      clip_range=clip_range)
         if r is None:
             continue
         results.append(r)
@@ -392,6 +289,8 @@ def run_matrix(
             on_result(r)
     if _launched(dist) and dist.rank != 0:
         return None
+    if clip_range is not None:
+        settings = {**settings, "clip_range": clip_range}
     if _launched(dist):
         settings = {**settings, "launch": _launch_name(dist, parallel),
                     "layout": {**(parallel.layout() if parallel is not None and parallel.parallel

@@ -74,7 +74,8 @@ class Expectation:
     """What the diff of the probe run against the baseline must say.
 
     Attributes:
-        verdict: ``"drift"`` or ``"identical"``.
+        verdict: ``"drift"``, ``"identical"`` or ``"observed"`` (run and reported, never judged:
+            production arithmetic whose verdict depends on the machine; status ``OBSERVED``).
         op: RFC operator of the first drift (``drift`` only; required for mismatch probes).
         step, block, stream, branch, sample: further fields of the first drift, checked when set.
         rows: the differing rows of the first-drift record, exactly (e.g. ``("img (2, 1)",)``,
@@ -157,9 +158,11 @@ class Probe:
         if self.compare not in ("all", "common_samples"):
             raise ValueError(f"probe {self.name}: compare {self.compare!r}")
         want = "identical" if self.kind == "invariant" else "drift"
-        if self.expect.verdict != want:
+        if self.expect.verdict not in (want, "observed"):
             raise ValueError(f"probe {self.name}: a {self.kind} probe expects {want!r}")
-        if self.kind != "invariant" and not self.expect.op:
+        if self.expect.verdict == "observed" and self.kind == "sensitivity":
+            raise ValueError(f"probe {self.name}: a sensitivity probe is judged, never observed")
+        if self.kind != "invariant" and self.expect.verdict != "observed" and not self.expect.op:
             raise ValueError(f"probe {self.name}: a {self.kind} probe must declare its operator")
         if self.kind == "sensitivity" and self.expect.rows is None:
             raise ValueError(f"probe {self.name}: a sensitivity probe must declare its row")

@@ -13,7 +13,7 @@ from drifttool.artifact.writer import ArtifactWriter
 from drifttool.errors import DriftToolError
 from drifttool.fixture import load_fixture
 from drifttool.lifecycle import ArtifactSession, close_incomplete
-from drifttool.probes.variants import SigmaSeqLenPixels
+from drifttool.probes.sampler_variants import SigmaSeqLenPixels
 from drifttool.runner import execute
 from drifttool.runtime import Mode
 from drifttool.settings import RunSpec, resolve

@@ -63,6 +63,26 @@ class ClipDrift:
                 "the clip noise floor")
 
 
+CLIP_FIELDS = ("clip_range", "clip_verdict", "clip_ratio_dev_max", "clip_fraction",
+               "clip_max_abs", "clip_worst")
+"""The flat fields ``clip_summary`` gives: one result row of a probe matrix or an experiment."""
+
+
+def clip_summary(clip: "ClipDrift | None") -> dict:
+    """``clip`` as one row's flat fields (``CLIP_FIELDS``): the clip range, the verdict, and the
+    worst (phase, step, branch)'s max |exp(Δlogp) − 1|, its share of the clip range, its
+    max |Δlogp| and where it is (``"rollout step 2 cfg"``); every field ``None`` for ``None`` (no
+    clip range), the worst step's ``None`` when the runs share no ``logp_t`` record."""
+    if clip is None:
+        return dict.fromkeys(CLIP_FIELDS)
+    w = clip.worst
+    return {"clip_range": clip.clip_range, "clip_verdict": clip.verdict,
+            "clip_ratio_dev_max": None if w is None else w.ratio_dev_max,
+            "clip_fraction": None if w is None else w.fraction,
+            "clip_max_abs": None if w is None else w.max_abs,
+            "clip_worst": None if w is None else f"{w.phase} step {w.step} {w.branch}"}
+
+
 def percent(fraction: float) -> str:
     """``0.37`` → ``"37 %"``; small and large fractions keep three significant digits."""
     return f"{fraction * 100:.3g} %"

@@ -45,6 +45,7 @@ import pyarrow as pa
 import torch
 
 from drifttool.artifact.reader import open_run
+from drifttool.diff.clip import check_clip_range, clip_summary
 from drifttool.diff.compare import diff_runs
 from drifttool.collectives import barrier
 from drifttool.errors import ArtifactError
@@ -73,7 +74,10 @@ TRAIN_ROLLOUT_SCHEMA = pa.schema([
     ("first_drift_sample", pa.int32()), ("differing_records", pa.int64()),
     ("rollout_seconds", pa.float64()), ("train_seconds", pa.float64()),
     ("rollout_dir", pa.utf8()), ("train_dir", pa.utf8()),
-], metadata={b"drifttool.table": b"train_rollout", b"drifttool.schema_version": b"1"})
+    # with a clip range (``clip_range``): the log-prob drift against it (``diff.clip``)
+    ("clip_range", pa.float64()), ("clip_verdict", pa.utf8()), ("clip_ratio_dev_max", pa.float64()),
+    ("clip_fraction", pa.float64()), ("clip_max_abs", pa.float64()), ("clip_worst", pa.utf8()),
+], metadata={b"drifttool.table": b"train_rollout", b"drifttool.schema_version": b"2"})
 
 
 def _worst(report, quantity: str, attr: str = "max_abs") -> float:
@@ -167,6 +171,7 @@ def train_rollout(
     width: int | None = None,
     dist: Any = None,
     parallel: Any = None,
+    clip_range: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run the four rollout/train combinations (module docstring); returns one row each.
 
@@ -177,6 +182,9 @@ def train_rollout(
         micro_batch: samples per trainer forward (``micro_batched``); None = the rollout's batch.
         grad: trainer backward per SDE step (``grad_rel_l2`` is NaN without it).
         progress: optional ``callable(str)`` told what runs next.
+        clip_range: a PPO clip range ε: each combination's log-prob drift (rollout vs recompute)
+            is judged against it (``drifttool.diff.clip``; the row's ``clip_*`` fields, ``None``
+            without one).
         dist, parallel: this process's place in a torchrun launch and its layout
             (``DistContext``, ``ParallelDims`` or None for sample-parallel), as
             ``runner.execute`` takes them; default one process. Rank 0 returns the rows, the
@@ -187,6 +195,8 @@ def train_rollout(
             empty without ``overwrite``.
     """
     # every setting is checked before anything is written (each mode used, on the device)
+    if clip_range is not None:
+        clip_range = check_clip_range(clip_range)
     shape = {"device": device, "height": height, "width": width}
     fx, s = resolve(RunSpec(fixture=fixture, samples=samples, capture=capture, **shape))
     for mode in dict.fromkeys(m for pair in combos for m in pair):
@@ -228,7 +238,7 @@ def train_rollout(
             continue
         grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
                                    if p.grad is not None}
-        report = diff_runs(open_run(src), open_run(dst))
+        report = diff_runs(open_run(src), open_run(dst), clip_range=clip_range)
         fd = report.first_drift
         rows.append({
             "combo": f"{r_mode}/{t_mode}", "rollout": r_mode, "train": t_mode,
@@ -243,7 +253,7 @@ def train_rollout(
             "first_drift_sample": fd.sample if fd else None,
             "differing_records": sum(c.differ for c in report.counts.values()),
             "rollout_seconds": t_roll, "train_seconds": summary["seconds"],
-            "rollout_dir": str(src), "train_dir": str(dst),
+            "rollout_dir": str(src), "train_dir": str(dst), **clip_summary(report.clip),
         })
     if not root:
         return []
@@ -257,6 +267,7 @@ def train_rollout(
         "device": s.device, "img_grid": list(s.img_grid),
         "lora": {"rank": lora_rank, "alpha": lora_alpha, "init_b_std": 0.02, "seed": 1},
         "gradient_checkpointing": gradient_checkpointing, "grad": grad, "combos": [list(c) for c in combos],
+        "clip_range": clip_range,
         "launch": launch_record(dist, parallel),
     }, indent=2) + "\n")
     return rows

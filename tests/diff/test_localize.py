@@ -19,6 +19,7 @@ from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 from drifttool.training.localize import localize, pick_step
 from drifttool.errors import ArtifactError, DriftToolError
+from drifttool.probes import sampler_variants as SV
 from drifttool.probes import variants as V
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
@@ -41,12 +42,12 @@ def _mask_dropped():
 
 def _latents_bf16():
     """The next latent rounded to bf16 between steps: the drift starts in the SDE step."""
-    return {"flow_sde_step_logp": V.LatentsBf16().entry()}
+    return {"flow_sde_step_logp": SV.LatentsBf16().entry()}
 
 
 def _sigma_pixels():
     """The sigma table's dynamic shift from 4N: the drift starts before step 0 (step -1)."""
-    return {"flow_sigma_table": V.SigmaSeqLenPixels().entry()}
+    return {"flow_sigma_table": SV.SigmaSeqLenPixels().entry()}
 
 
 PLANTS = {"plant_ulp_step2": _plant, "attn_mask_dropped": _mask_dropped,

@@ -29,7 +29,8 @@ FULL_WIDTH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
 def matrix(tmp_path_factory):
     from diffusers import QwenImageTransformer2DModel
 
-    from drifttool.probes.peer import grid_fixture, peer_baseline, peer_catalog, run_peer_matrix
+    from drifttool.probes.peer import grid_fixture, peer_baseline, run_peer_matrix
+    from drifttool.probes.peer_catalog import peer_catalog
 
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -49,6 +49,9 @@ def test_mismatch_probe_first_drift_is_the_declared_operator(results, p):
 @pytest.mark.parametrize("p", INVARIANT, ids=lambda p: p.name)
 def test_invariant_control_is_identical(results, p):
     r = results[p.name]
+    if getattr(p.execute, "noop_on", None) is not None:  # rope_tables_on_device: one device here
+        assert r["status"] == "NOT APPLICABLE" and r["verdict"] == "identical", r["reasons"]
+        return
     assert r["status"] == "PASS" and r["verdict"] == "identical", r["reasons"]
 
 

@@ -56,7 +56,7 @@ def test_a_variant_that_changes_nothing_is_not_applicable(unit_gain_matrix):
                             "call sites"]
     assert int(r["reasons"][0].split()[-3]) > 0
     assert data["counts"][NOT_APPLICABLE] == 1 and data["counts"][PASS] == 0
-    assert data["exit_code"] == 0 and data["matrix_version"] == 2
+    assert data["exit_code"] == 0 and data["matrix_version"] == 3
     table = read_matrix(out / "matrix.arrow")
     assert table.column("status").to_pylist() == [NOT_APPLICABLE]
     assert "NOT APPLICABLE" in output and "qk_norm_no_gain (Q/K preprocessing): no-op" in output

@@ -23,6 +23,7 @@ logging.getLogger("diffusers").setLevel(logging.ERROR)
 from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.errors import DriftToolError  # noqa: E402
 from drifttool.probes import peer as P  # noqa: E402
+from drifttool.probes import peer_catalog as PC  # noqa: E402
 from drifttool.probes.runner import FINDING, OBSERVED, PASS, PENDING  # noqa: E402
 
 FAST = ("repeat", "batch_order_reversed", "grad_enabled", "timestep_bf16", "pad_garbage",
@@ -40,19 +41,19 @@ def matrix(transformer, tmp_path_factory):
     out = tmp_path_factory.mktemp("peer")
     wrong = [
         # an invariant declaration on a run that changes a weight: must be a finding
-        P.PeerProbe(name="planted_but_declared_identical", factor="control", kind="invariant",
-                    change="one ULP planted, declared identical", plant=P.PLANT,
-                    expect={"cpu": P.PeerExpect(verdict="identical")}),
+        PC.PeerProbe(name="planted_but_declared_identical", factor="control", kind="invariant",
+                    change="one ULP planted, declared identical", plant=PC.PLANT,
+                    expect={"cpu": PC.PeerExpect(verdict="identical")}),
         # batch 1 against batch 2: identical on the common sample, but not every record compared
-        P.PeerProbe(name="batch_single_declared_identical", factor="control", kind="invariant",
+        PC.PeerProbe(name="batch_single_declared_identical", factor="control", kind="invariant",
                     change="sample 1 alone", spec={"samples": [1]},
-                    expect={"cpu": P.PeerExpect(verdict="identical")}),
+                    expect={"cpu": PC.PeerExpect(verdict="identical")}),
         # the right operator, the wrong block
-        P.PeerProbe(name="planted_wrong_block", factor="control", kind="sensitivity",
-                    change="one ULP planted, declared at block 1", plant=P.PLANT,
-                    expect={"cpu": P.PeerExpect(verdict="drift", op="qk_rmsnorm", block=1)}),
+        PC.PeerProbe(name="planted_wrong_block", factor="control", kind="sensitivity",
+                    change="one ULP planted, declared at block 1", plant=PC.PLANT,
+                    expect={"cpu": PC.PeerExpect(verdict="drift", op="qk_rmsnorm", block=1)}),
     ]
-    probes = P.select(P.peer_catalog(), ",".join(FAST)) + wrong
+    probes = PC.select(PC.peer_catalog(), ",".join(FAST)) + wrong
     m = P.run_peer_matrix(probes, out, transformer=transformer, device="cpu")
     return m, {r.name: r for r in m.results}, out
 
@@ -78,7 +79,7 @@ def test_baseline_is_the_declared_peer_baseline(matrix):
     m, _, out = matrix
     s = m.settings
     assert (s["mode"], s["steps"], s["pad_prompts_to"], s["timestep_policy"], s["cfg_layout"]) == (
-        "auto", P.PEER_STEPS, P.PEER_SLOTS, "pipeline_bf16", "batched")
+        "auto", PC.PEER_STEPS, PC.PEER_SLOTS, "pipeline_bf16", "batched")
     man = open_run(out / "runs" / "baseline").manifest
     assert man["model_source"]["implementation"] == "diffusers.QwenImageTransformer2DModel"
     assert s["peer"]["device"] == "cpu" and s["peer"]["diffusers_version"]
@@ -115,7 +116,7 @@ def test_sdpa_kernel_read_back_per_call(matrix):
             if r["op"] == "joint_attention_fused"]
     # one trace site per block, read back at each of its calls: 2 steps (batched CFG: one
     # forward a step); a site whose kernel changed between calls would keep the latest
-    assert len(rows) == 2 and [r["calls"] for r in rows] == [P.PEER_STEPS] * 2
+    assert len(rows) == 2 and [r["calls"] for r in rows] == [PC.PEER_STEPS] * 2
     assert {r["device"] for r in rows} == {"cpu"}
     assert {r["kernel"] for r in rows} == {"diffusers.attention:native/torch.sdpa:MATH"}
     ctx = _diff(out, "sdpa_math")["context"]
@@ -133,11 +134,11 @@ def test_cpu_observed_and_pending_are_not_judged(matrix):
 
 
 def test_planted_weight_is_restored(transformer):
-    w = dict(transformer.named_parameters())[P.PLANT[0]]
+    w = dict(transformer.named_parameters())[PC.PLANT[0]]
     before = w.detach().clone()
-    with P.planted_ulp(transformer, P.PLANT):
+    with P.planted_ulp(transformer, PC.PLANT):
         flat = w.detach().view(-1)
-        assert flat[P.PLANT[1]] > before.view(-1)[P.PLANT[1]]
+        assert flat[PC.PLANT[1]] > before.view(-1)[PC.PLANT[1]]
         assert torch.equal(flat[1:].view(torch.int16), before.view(-1)[1:].view(torch.int16))
     assert torch.equal(w.detach().view(torch.int16), before.view(torch.int16))
     with pytest.raises(DriftToolError, match="no such weight"):
@@ -150,7 +151,7 @@ def test_batch_of_three_on_an_odd_grid(transformer, tmp_path):
     garbage stay invariant; repetition too."""
     fx = P.grid_fixture(tmp_path / "fx", (3, 5))
     base = dataclasses.replace(P.peer_baseline(fixture=fx), samples=[0, 1, 2])
-    probes = P.select(P.peer_catalog(samples=(0, 1, 2)), "batch_order_reversed,pad_garbage")
+    probes = PC.select(PC.peer_catalog(samples=(0, 1, 2)), "batch_order_reversed,pad_garbage")
     m = P.run_peer_matrix(probes, tmp_path / "m", transformer=transformer, base=base)
     assert m.settings["img_grid"] == [3, 5] and m.settings["samples"] == [0, 1, 2]
     assert [(r.name, r.status, r.verdict) for r in m.results] == [
@@ -159,20 +160,20 @@ def test_batch_of_three_on_an_odd_grid(transformer, tmp_path):
 
 def test_declarations():
     with pytest.raises(ValueError, match="invariant cannot expect drift"):
-        P.PeerProbe(name="x", factor="f", kind="invariant", change="c",
-                    expect={"cpu": P.PeerExpect(verdict="drift")})
+        PC.PeerProbe(name="x", factor="f", kind="invariant", change="c",
+                    expect={"cpu": PC.PeerExpect(verdict="drift")})
     with pytest.raises(ValueError, match="names its operator"):
-        P.PeerProbe(name="x", factor="f", kind="sensitivity", change="c",
-                    expect={"cpu": P.PeerExpect(verdict="observed")})
+        PC.PeerProbe(name="x", factor="f", kind="sensitivity", change="c",
+                    expect={"cpu": PC.PeerExpect(verdict="observed")})
     with pytest.raises(ValueError, match="only a drift expectation"):
-        P.PeerExpect(verdict="identical", op="qk_rmsnorm")
-    cat = {p.name: p for p in P.peer_catalog()}
+        PC.PeerExpect(verdict="identical", op="qk_rmsnorm")
+    cat = {p.name: p for p in PC.peer_catalog()}
     assert {p.expect["cuda"].verdict for n, p in cat.items() if p.kind == "invariant"} == {"identical"}
     assert all(cat[n].expect["cuda"].verdict == "drift"
                for n in ("pad_100", "pad_160", "sdpa_math", "sdpa_efficient"))
     assert "cpu" not in cat["sdpa_efficient"].expect
     with pytest.raises(DriftToolError, match="unknown peer probe"):
-        P.select(list(cat.values()), "repeat,nope")
+        PC.select(list(cat.values()), "repeat,nope")
     with pytest.raises(DriftToolError, match="multiple of 16"):
         P.pixel_grid(1000, 1024)
     with pytest.raises(DriftToolError, match="multiple of 16 pixels from 16 to 16384"):
@@ -184,7 +185,7 @@ def test_declarations():
 
 @pytest.mark.slow  # the whole peer matrix on the CPU (≈ 15 s on 2 cores)
 def test_full_peer_matrix_on_the_cpu(transformer, tmp_path):
-    m = P.run_peer_matrix(P.peer_catalog(), tmp_path, transformer=transformer, device="cpu")
+    m = P.run_peer_matrix(PC.peer_catalog(), tmp_path, transformer=transformer, device="cpu")
     got = {r.name: r.status for r in m.results}
     assert m.exit_code == 0, [(r.name, r.reasons) for r in m.findings]
     assert got["sdpa_efficient"] == PENDING

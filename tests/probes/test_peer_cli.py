@@ -10,13 +10,13 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from drifttool.probes import peer as P  # noqa: E402
+from drifttool.probes import peer_catalog as PC  # noqa: E402
 
 
 def test_list_needs_no_output(cli):
     code, out = cli("probe", "--peer", "diffusers", "--list")
     assert code == 0
-    for p in P.peer_catalog():
+    for p in PC.peer_catalog():
         assert p.name in out
     assert "cuda: drift" in out and "cpu: observed" in out and "pending (torch has no" in out
 
@@ -63,14 +63,14 @@ def test_runs_renders_writes_and_overwrites(cli, tmp_path):
 
 
 def test_a_failed_expectation_exits_1(cli, tmp_path, monkeypatch):
-    real = P.peer_catalog
+    real = PC.peer_catalog
 
     def wrong(*a, **k):  # declare the planted ULP probe at the wrong operator
-        return [P.PeerProbe(**{**p.__dict__, "expect": {"cpu": P.PeerExpect(
+        return [PC.PeerProbe(**{**p.__dict__, "expect": {"cpu": PC.PeerExpect(
                     verdict="drift", op="mlp_down_gemm")}}) if p.name == "ulp_norm_q_gain" else p
                 for p in real(*a, **k)]
 
-    monkeypatch.setattr(P, "peer_catalog", wrong)
+    monkeypatch.setattr(PC, "peer_catalog", wrong)
     code, text = cli("probe", "--peer", "diffusers", "--only", "ulp_norm_q_gain", "-o", tmp_path / "m")
     assert code == 1, text
     assert "FINDING ulp_norm_q_gain" in text and "first drift at qk_rmsnorm, expected mlp_down_gemm" in text

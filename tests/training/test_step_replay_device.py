@@ -36,8 +36,9 @@ def test_peer_model_returns_the_velocity_where_its_inputs_are(monkeypatch):
     pytest.importorskip("diffusers")
     from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage
     from drifttool.probes import peer as P
+    from drifttool.probes import peer_catalog as PC
 
-    model = P.PeerModel(P.load_peer(None), P.PeerCall(), torch.device("meta"))
+    model = P.PeerModel(P.load_peer(None), PC.PeerCall(), torch.device("meta"))
     monkeypatch.setattr(DiffusersQwenImage, "forward",
                         lambda self, x, txt, mask, tau, grid, rt: torch.empty(x.shape, device=x.device))
     x = torch.empty(1, 24, 64, device="meta")  # [B, N, Cp], placed by the runner on the device

@@ -1,0 +1,268 @@
+"""The suspects users report, each a one-factor probe declared for the strict matrix and for the
+production family (drifttool's production operators, byte-equal to diffusers' arithmetic).
+
+    >>> [p.name for p in suspect_probes(TINY_SETTINGS, 2)][:2]
+    ['lora_unmerged', 'lora_merge_bf16']
+    >>> production_probes(TINY_SETTINGS, 2, "cpu")[0].expect.describe()
+    'drift at qkv_bias_gemm (img, step 0, block 0)'
+
+``suspect_probes`` joins ``catalog()`` (``drifttool probe``, mode strict); ``production_probes``
+is the matrix of ``drifttool probe --mode auto``: the same probes with the production family's
+expectation on the device the matrix runs on (``cpu``, ``cuda``), each measured there, or
+``pending`` with the reason when none is declared. Where a probe needs more than its change (a
+LoRA adapter, a batch that pads nothing, ranks), its ``execute`` makes a reference run of those
+settings and the probe run differs from it in exactly the one factor:
+
+=====================  ==========================================================================
+probe                  reference run → probe run
+=====================  ==========================================================================
+lora_unmerged          baseline + a LoRA adapter merged into W (``lora_mode`` merged) → the same
+                       adapter unmerged, its branch added to the GEMM output (``unfused-fp32``:
+                       peft's LoRA layers with FP32 factors, as a Flow-GRPO trainer runs it)
+lora_merge_bf16        baseline + adapter merged in fp32 → merged in bf16 (variant on lora_merge)
+rope_tables_on_device  baseline → RoPE tables rebuilt on the activations' device (variant)
+text_mask_all_ones     sample alone, CFG sequential, so no prompt is padded and the model passes
+                       no key mask (``None``) → the same with an all-ones mask (variant)
+dp_split_strided       4 samples sample-parallel on 2 spawned gloo ranks, split contiguously
+                       ([0, 1] | [2, 3]) → split strided ([0, 2] | [1, 3])
+train_micro_batch      the rollout (the baseline) → its training recompute in micro-batches of one
+                       sample (prompts trimmed to it) instead of the rollout's batch
+attention_fallback     strict: the strict joint attention planted unavailable under mode audit, so
+                       dispatch falls back to the production SDPA kernel (the trace records the
+                       fallback and its reason); production: SDPA forced to its MATH kernel
+=====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from drifttool.distributed.plan import ParallelDims
+from drifttool.errors import UnsupportedConfigError
+from drifttool.launch import run_parallel
+from drifttool.probes import suspect_variants as SU
+from drifttool.probes.controls import lora_adapter
+from drifttool.probes.spec import Expectation, Probe, ProbeContext
+from drifttool.runner import execute
+from drifttool.settings import resolve
+from drifttool.training.options import RerunOptions, TrainOptions
+from drifttool.training.recompute import recompute_run
+
+DP_RANKS = 2
+ATTENTION_OPS = ("joint_attn_softmax", "joint_attn_av_gemm", "joint_attention_fused")
+
+
+def _v(cls, *args: Any, **kwargs: Any):
+    return cls.name, (lambda: cls(*args, **kwargs))
+
+
+def _build(variants: dict) -> dict:
+    return {op: (name, factory()) for op, (name, factory) in variants.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """``Probe.execute``: a reference run of the baseline spec with ``settings`` (and ``lora``: a
+    small adapter, ``controls.lora_adapter``), and the probe run of the same plus ``change``
+    (``RunSpec`` fields) and ``variants`` (``{op: (name, factory)}``).
+
+    The probe is NOT APPLICABLE (``ProbeContext.noop``) when its variants count their changes
+    (``applied``) and none changed a call, or when ``noop_on`` names the run's device type
+    (``noop_on = (device type, reason)``: a change that cannot exist there).
+    """
+
+    settings: dict = dataclasses.field(default_factory=dict)
+    change: dict = dataclasses.field(default_factory=dict)
+    variants: dict = dataclasses.field(default_factory=dict)
+    lora: bool = False
+    noop_on: tuple[str, str] | None = None
+
+    def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        over = dict(self.settings)
+        if self.lora:
+            over["lora"] = lora_adapter(ctx)
+        spec = dataclasses.replace(ctx.base, **over)
+        reference = ctx.work / "reference"
+        where = dict(dist=ctx.dist, parallel=ctx.parallel)
+        execute(spec, reference, overwrite=True, **where)
+        variants = _build(self.variants)
+        execute(dataclasses.replace(spec, **self.change, variants={**spec.variants, **variants}),
+                ctx.run_dir, overwrite=True, **where)
+        counted = [(name, v.applied) for name, v in variants.values() if hasattr(v, "applied")]
+        if counted and not any(n for _, n in counted):
+            ctx.noop["reason"] = (f"no-op on these inputs: {counted[0][0]} changed none of its "
+                                  "calls")
+        elif self.noop_on is not None and resolve(spec)[1].device.split(":")[0] == self.noop_on[0]:
+            ctx.noop["reason"] = self.noop_on[1]
+        return reference, ctx.run_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelSplit:
+    """``Probe.execute``: ``samples`` sample-parallel on ``ranks`` spawned gloo ranks
+    (``launch.run_parallel(sample_parallel=)``), split contiguously (the reference) and strided
+    (the probe run: rank r takes samples r, r + ranks, ...; the contiguous split of the
+    reordered ids)."""
+
+    samples: tuple[int, ...]
+    ranks: int = DP_RANKS
+
+    def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        if ctx.launched:
+            raise UnsupportedConfigError("dp_split_strided spawns its own ranks: run it without torchrun")
+        ids = list(self.samples)
+        strided = [i for r in range(self.ranks) for i in ids[r::self.ranks]]
+        one = ParallelDims()
+        reference = ctx.work / "contiguous"
+        run_parallel(dataclasses.replace(ctx.base, samples=ids, batch=None), reference, one,
+                     overwrite=True, sample_parallel=self.ranks)
+        run_parallel(dataclasses.replace(ctx.base, samples=strided, batch=None), ctx.run_dir, one,
+                     overwrite=True, sample_parallel=self.ranks)
+        return reference, ctx.run_dir
+
+
+def micro_batch_recompute(ctx: ProbeContext) -> tuple[Path, Path]:
+    """``Probe.execute``: the baseline rollout against its training recompute in micro-batches of
+    one sample (``TrainOptions(micro_batch=1)``; the full-batch recompute is ``train_recompute``)."""
+    recompute_run(ctx.baseline, ctx.run_dir, RerunOptions(overwrite=True),
+                  TrainOptions(micro_batch=1), dist=ctx.dist, parallel=ctx.parallel)
+    return ctx.baseline, ctx.run_dir
+
+
+def _drift(op: str, **where: Any) -> Expectation:
+    return Expectation(verdict="drift", op=op, **where)
+
+
+IDENTICAL = Expectation(verdict="identical")
+
+
+def _dp_samples(settings: dict[str, Any]) -> tuple[int, ...]:
+    samples = list(settings["samples"])
+    extra = max(samples) + 1
+    ids = samples + list(range(extra, extra + max(0, 2 * DP_RANKS - len(samples))))
+    return tuple(ids[:max(len(ids), 2 * DP_RANKS)])
+
+
+def _common(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The one change of every suspect, shared by the strict and production declarations."""
+    last = list(settings["samples"])[-1]
+    return {
+        "lora_unmerged": dict(
+            factor="LoRA application", change="the adapter unmerged (peft's LoRA layers, FP32 "
+            "factors: lora_mode unfused-fp32) instead of merged into W",
+            source="user reports: merged vs unmerged LoRA between rollout and trainer",
+            execute=Paired(lora=True, change={"lora_mode": "unfused-fp32"})),
+        "lora_merge_bf16": dict(
+            factor="LoRA merge dtype", change="W + scale*B*A merged in bf16 (delta and sum rounded "
+            "to bf16) instead of fp32",
+            source="user reports: LoRA merge dtype fp32 vs bf16 (diffusers fuse_lora in the "
+            "model dtype)",
+            execute=Paired(lora=True, variants={"lora_merge": _v(SU.LoraMergeBf16)})),
+        "rope_tables_on_device": dict(
+            factor="RoPE table device", change="RoPE tables rebuilt on the activations' device "
+            "instead of built on the CPU and moved (on a CPU run: the same device)",
+            source="user reports: RoPE tables built on the CPU vs on the GPU",
+            execute=Paired(variants={"multi_axis_rope": _v(
+                SU.RopeTablesOnDevice, settings["rope"]["axes_dims"], settings["rope"]["theta"])},
+                noop_on=("cpu", "no-op on the CPU: the activations are on the CPU, so the table "
+                         "is built on the CPU either way (a GPU-specific suspect)"))),
+        "text_mask_all_ones": dict(
+            factor="text mask", change=f"sample {last} alone, CFG sequential (no prompt padded): an "
+            "all-ones key mask instead of None",
+            source="user reports: text mask None vs all-ones",
+            execute=Paired(settings={"samples": [last], "batch": None, "cfg_layout": "sequential"},
+                           variants={op: _v(SU.TextMaskAllOnes, op) for op in ATTENTION_OPS})),
+        "dp_split_strided": dict(
+            factor="data-parallel split",
+            change=f"samples {list(_dp_samples(settings))} on {DP_RANKS} sample-parallel ranks "
+                   "split strided instead of contiguously",
+            source="user reports: strided vs contiguous split of a batch across DP ranks",
+            execute=DataParallelSplit(_dp_samples(settings))),
+        "train_micro_batch": dict(
+            factor="training micro-batch", change="training recompute in micro-batches of 1 "
+            "sample (prompts trimmed) instead of the rollout's batch",
+            source="user reports: micro-batch size differs from the rollout group",
+            execute=micro_batch_recompute),
+    }
+
+
+def suspect_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
+    """The suspects in the strict matrix (``catalog()``), with the strict expectations."""
+    c = _common(settings)
+    strict_refuses = ("strict runs an adapter merged only (lora_mode 'merged'): an unmerged "
+                      "adapter is refused before the run (UnsupportedConfigError)")
+    return [
+        Probe(name="lora_unmerged", kind="mismatch", expect=_drift("qkv_bias_gemm"),
+              pending=strict_refuses, **c["lora_unmerged"]),
+        Probe(name="lora_merge_bf16", kind="mismatch",
+              expect=_drift("qkv_bias_gemm", step=0, block=0, stream="img"), **c["lora_merge_bf16"]),
+        Probe(name="rope_tables_on_device", kind="invariant", expect=IDENTICAL,
+              **c["rope_tables_on_device"]),
+        Probe(name="text_mask_all_ones", kind="invariant", expect=IDENTICAL, **c["text_mask_all_ones"]),
+        Probe(name="dp_split_strided", kind="invariant", expect=IDENTICAL, **c["dp_split_strided"]),
+        Probe(name="train_micro_batch", kind="invariant", expect=IDENTICAL, **c["train_micro_batch"]),
+        Probe(name="attention_fallback", factor="attention kernel", kind="mismatch",
+              change="strict joint attention unavailable under mode audit: falls back to the "
+                     "production SDPA kernel (fallback recorded in the trace)",
+              source="user reports: attention backend forced to another kernel",
+              spec={"mode": "audit", "unavailable": (("joint_attention_fused", "strict"),)},
+              expect=_drift("joint_attention_fused", step=0, block=0, stream="joint", origin=False)),
+    ]
+
+
+_CUDA = "not measured on a CUDA device yet"
+_SDPA_CPU = ("observed: the prompts' padded length differs between the two runs, and the CPU "
+             "SDPA kernel's blocking follows the key length and its SIMD width, so the verdict "
+             "depends on the machine")
+_QKV = _drift("qkv_bias_gemm", step=0, block=0, stream="img")
+OBSERVED = Expectation(verdict="observed")
+
+PRODUCTION: dict[str, dict[str, Expectation | str]] = {
+    # merged W' = W + s*B*A in one GEMM vs W*x + s*B*(A*x): other arithmetic at the first adapted
+    # GEMM (block 0's image Q/K/V); measured on the CPU
+    "lora_unmerged": {"cpu": _QKV, "cuda": _CUDA},
+    # the bf16 merge rounds W' differently from the fp32 merge at the first adapted weight
+    "lora_merge_bf16": {"cpu": _QKV, "cuda": _CUDA},
+    # one device on a CPU run: NOT APPLICABLE there (identical). On an H200 the polar table built
+    # there differs from the CPU's (48 of 384 fp32 values on the tiny image table), the exact one
+    # does not; whether the bf16 rotation absorbs it was not measured (docs/probes.md)
+    "rope_tables_on_device": {"cpu": IDENTICAL, "cuda": _CUDA},
+    # the CPU SDPA adds the all-ones bool mask as 0.0 to every score: exact, the same bytes
+    "text_mask_all_ones": {"cpu": IDENTICAL, "cuda": _CUDA},
+    # measured identical here; the ranks' batches pad to other lengths ([0, 2]: 7 tokens,
+    # [0, 1]: 13), which the CPU SDPA's blocking may see
+    "dp_split_strided": {"cpu": OBSERVED, "cuda": "the ranks are gloo CPU ranks"},
+    # measured: drift at joint_attention_fused, step 0, block 0 (prompts trimmed to 7 tokens)
+    "train_micro_batch": {"cpu": OBSERVED, "cuda": _CUDA},
+    # MATH vs the CPU FLASH kernel: measured drift at the first attention call
+    "attention_fallback": {"cpu": _drift("joint_attention_fused", step=0, block=0,
+                                         stream="joint"), "cuda": _CUDA},
+}
+"""``{probe: {device type: Expectation, or the reason it is pending there}}``: the production
+family's expectation per device type, each measured there (``observed``: reported, not judged)."""
+
+
+def production_probes(settings: dict[str, Any], num_layers: int, device: str) -> list[Probe]:
+    """The suspects in the production matrix (``drifttool probe --mode auto``) on ``device``
+    (a device type): each probe's production expectation there (``PRODUCTION``), or pending
+    with the reason."""
+    c = _common(settings)
+    c["attention_fallback"] = dict(
+        factor="attention kernel", change="production SDPA forced to its MATH kernel "
+        "(sdpa_kernel([MATH])) instead of torch's choice; the trace records the variant",
+        source="user reports: attention backend forced to another kernel",
+        variants={"joint_attention_fused": _v(SU.AttentionKernelMath)})
+    strict = {p.name: p for p in suspect_probes(settings, num_layers)}
+    out = []
+    for name, fields in c.items():
+        e = PRODUCTION[name].get(device, f"no production expectation declared for {device}")
+        if isinstance(e, str):
+            out.append(Probe(name=name, kind=strict[name].kind, expect=strict[name].expect,
+                             pending=e, **fields))
+            continue
+        kind = strict[name].kind if e.verdict == "observed" else (
+            "invariant" if e.verdict == "identical" else "mismatch")
+        out.append(Probe(name=name, kind=kind, expect=e, **fields))
+    return out
