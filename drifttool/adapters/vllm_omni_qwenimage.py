@@ -161,9 +161,12 @@ class VllmOmniQwenImage(torch.nn.Module):
         object.__setattr__(self, "transformer", transformer)
         object.__setattr__(self, "od_config", od_config)
         self.config = from_diffusers_config(dict(transformer.config_dict))
+        import diffusers
+
         self.source = {"implementation": "vllm_omni.QwenImageTransformer2DModel",
-                       "adapter": "drifttool.adapters.vllm_omni_qwenimage",
-                       "vllm_omni_version": check_version()}
+                       "adapter": f"drifttool.adapters.vllm_omni_qwenimage (vllm-omni "
+                                  f"{check_version()})",
+                       "diffusers_version": diffusers.__version__}
 
     @property
     def dtype(self) -> torch.dtype:
