@@ -214,3 +214,49 @@ def test_refuses_unsupported_configurations(load, monkeypatch):
     with pytest.raises(DriftToolError, match=r"vllm-omni 0.31.0 is not supported .*0.30.x"):
         with instrument(model.transformer, rt):
             pass
+
+
+def _cpu_fused_qk_norm_rope(q, k, wq, wk, table, eps, interleaved=True):
+    """A CPU stand-in for vllm-omni's Triton QK-RMSNorm+RoPE kernel (the norm modules do not run):
+    only the adapter's path bookkeeping is under test, not the kernel's bytes."""
+    half = table.shape[-1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+
+    def one(x, w):
+        x = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), eps)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(q.dtype)
+
+    return one(q, wq), one(k, wk)
+
+
+def test_the_fused_path_is_read_back_and_depends_on_the_batch(load, monkeypatch):
+    """Above the token threshold vllm-omni bypasses the norm modules; the trace says so per call,
+    the bypassed norms are traced with the fused kernel (no digest) and nothing reads as silent."""
+    from drifttool.adapters import vllm_omni_glue as G
+
+    mod = G.transformer_module()
+    monkeypatch.setattr(mod, "_fused_cuda_supported", lambda *a, **k: True)
+    monkeypatch.setattr(mod, "fused_qk_norm_rope", _cpu_fused_qk_norm_rope)
+    monkeypatch.setenv("VLLM_OMNI_FUSED_QK_NORM_ROPE_MIN_TOKENS", "40")
+    model = load(torch.bfloat16)
+    paths = {}
+    for batch in (2, 3):  # image tokens 30 (eager) and 45 (fused); text 14 and 21 (eager)
+        x, txt, mask, tau = _inputs(7, batch=batch, lens=(7, 6, 5)[:batch])
+        rt = Runtime(mode="auto", recorder=Recorder("L1"))
+        _hooked(model, x, txt, mask, tau, rt)
+        rt.recorder.flush()
+        entries = rt.trace.entries()
+        rope = {(e.block, e.stream, e.call): e for e in entries if e.op == "multi_axis_rope"}
+        paths[batch] = {s: {e.kernel.rsplit("[", 1)[1][:-1] for k, e in rope.items() if k[1] == s}
+                        for s in ("img", "txt")}
+        norms = [e for e in entries if e.op == "qk_rmsnorm" and e.stream == "img"]
+        recorded = [r for r in rt.recorder.ops_table().to_pylist()
+                    if r["op"] == "qk_rmsnorm" and r["stream"] == "img"]
+        if batch == 3:
+            assert len(norms) == 4 and all(e.declared and "fused_qk_norm_rope" in e.kernel
+                                           and e.reason.endswith("B*S = 45: fused") for e in norms)
+            assert recorded == []  # no tensor to digest
+        else:
+            assert len(norms) == 4 and not any(e.declared for e in norms) and recorded
+    assert paths == {2: {"img": {"eager"}, "txt": {"eager"}}, 3: {"img": {"fused"}, "txt": {"eager"}}}
