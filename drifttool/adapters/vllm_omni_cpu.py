@@ -27,6 +27,7 @@ group of another size already exists.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import threading
 from typing import Any
@@ -165,7 +166,6 @@ def build(od: Any, config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Modul
     """
     mod = _require("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
     cfgmod = _require("vllm_omni.diffusion.config")
-    import inspect
 
     accepted = set(inspect.signature(mod.QwenImageTransformer2DModel.__init__).parameters)
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}

@@ -61,7 +61,10 @@ from typing import Any, Iterator
 
 import torch
 
+from safetensors.torch import load_file
+
 from drifttool.adapters.taps import AFTER, BEFORE, Tap, tap_modules
+from drifttool.adapters.vllm_omni_cpu import build, cpu_runtime, forward_context
 from drifttool.adapters.vllm_omni_glue import Glue, check_version, transformer_module
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.checkpoint_files import transformer_folder, weight_files
@@ -179,8 +182,6 @@ class VllmOmniQwenImage(torch.nn.Module):
         return checkpoint_parameters(self.transformer)
 
     def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime) -> torch.Tensor:
-        from drifttool.adapters.vllm_omni_cpu import forward_context
-
         h, w = (int(v) for v in img_grid)
         lens = [txt.shape[1]] * x.shape[0]  # the RoPE table's text rows: the padded length
         with forward_context(self.od_config), instrument(self.transformer, rt):
@@ -219,10 +220,6 @@ def load_transformer(folder: str | Path, dtype: torch.dtype) -> VllmOmniQwenImag
         DriftToolError: vllm-omni missing or of another version, the folder unreadable, or a
             parameter the checkpoint does not fill.
     """
-    from safetensors.torch import load_file
-
-    from drifttool.adapters.vllm_omni_cpu import build, cpu_runtime
-
     check_version()
     folder = transformer_folder(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -2,7 +2,8 @@
 
 These tests need the separate test environment (vllm 0.30 and vllm-omni 0.30 installed without
 their CUDA dependencies, diffusers 0.40.0: ``tests/adapters_vllm/build_env.sh``); they carry the
-``vllm_omni`` marker, which the default run deselects, and skip where vllm-omni is absent.
+``vllm_omni`` marker, which the default run deselects, and each test module skips where
+vllm-omni is absent.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm_omni")
-pytest.importorskip("diffusers")
 logging.getLogger("vllm_omni").setLevel(logging.ERROR)
 logging.getLogger("vllm").setLevel(logging.ERROR)
 

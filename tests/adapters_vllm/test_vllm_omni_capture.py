@@ -8,9 +8,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from drifttool.artifact.reader import open_run
+pytest.importorskip("vllm_omni")
+pytest.importorskip("diffusers")
+
+import torch  # noqa: E402
+
+from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.capture.recorder import Recorder
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import Verdict
