@@ -157,13 +157,17 @@ class VllmOmniQwenImage(torch.nn.Module):
     back into ``to_q/k/v`` and ``add_q/k/v_proj`` (``to_out`` as ``to_out.0``), so the weight
     digest of the fingerprint equals that of drifttool's MMDiT and of diffusers on the same
     checkpoint. Each forward runs in vllm-omni's forward context and is instrumented.
+
+    Args:
+        transformer: the vllm-omni model. od_config: the ``OmniDiffusionConfig`` it was built
+            under. config: its diffusers ``config.json`` (drifttool's ``ModelConfig`` source).
     """
 
-    def __init__(self, transformer: torch.nn.Module, od_config: Any) -> None:
+    def __init__(self, transformer: torch.nn.Module, od_config: Any, config: dict[str, Any]) -> None:
         super().__init__()
         object.__setattr__(self, "transformer", transformer)
         object.__setattr__(self, "od_config", od_config)
-        self.config = from_diffusers_config(dict(transformer.config_dict))
+        self.config = from_diffusers_config(dict(config))
         import diffusers
 
         self.source = {"implementation": "vllm_omni.QwenImageTransformer2DModel",
@@ -233,8 +237,7 @@ def load_transformer(folder: str | Path, dtype: torch.dtype) -> VllmOmniQwenImag
     if missing:
         raise DriftToolError(f"{folder}: the checkpoint fills no {missing[0]} "
                              f"({len(missing)} vllm-omni parameters unfilled)")
-    model.config_dict = {k: v for k, v in config.items() if not k.startswith("_")}
-    return VllmOmniQwenImage(model, od)
+    return VllmOmniQwenImage(model, od, {k: v for k, v in config.items() if not k.startswith("_")})
 
 
 def run_vllm_omni(spec, out: str | Path, *, transformer: VllmOmniQwenImage | None = None,
