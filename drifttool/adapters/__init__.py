@@ -8,6 +8,11 @@ its table of taps, and its attention through a registered diffusers attention ba
 (``diffusers_attention``) (RFC ``diffusers_runtime_adapter_qwenimage``, capture half); its
 docstring says how to add another runtime. diffusers is imported lazily: drifttool runs without it.
 
+``vllm_omni_qwenimage``: vllm-omni's ``QwenImageTransformer2DModel`` (0.30) captured the same way;
+``vllm_omni_glue`` records its fused QKV and QK-norm+RoPE and reads back its kernels,
+``vllm_omni_cpu`` runs it on the CPU. ``docs/adapters.md``: what each adapter captures, binds and
+refuses.
+
 ``diffusers_pipeline``: an unmodified diffusers ``QwenImagePipeline`` call captured whole
 (``capture_pipeline``); ``pipeline_hooks`` (imports diffusers) taps its transformer and scheduler,
 ``pipeline_scope`` names each transformer call (step, sigma, CFG branch, text rows, grid).

@@ -29,7 +29,7 @@ diffusers module / function            RFC operator            stream  capture p
 ``blocks.i.img_mlp`` / ``txt_mlp``     adaln_modulation #1     img/txt input (pre-hook)
 ``attn.to_q/k/v``, ``add_q/k/v_proj``  qkv_bias_gemm (3 out)   img/txt outputs, as [B, S, H, Dh]
 ``attn.norm_q/k``, ``norm_added_q/k``  qk_rmsnorm              img/txt output
-``apply_rotary_emb_qwen``              multi_axis_rope         img/txt the attention's query, key
+RoPE (see ``rope_kernel``)            multi_axis_rope         img/txt the attention's query, key
 ``dispatch_attention_fn``              joint_attention_fused   joint   output [B, S, H, Dh]
 ``attn.to_out.0`` / ``to_add_out``     attn_out_bias_gemm      img/txt output
 ``img_norm2`` / ``txt_norm2``          adaln_gate_residual #0  img/txt input (pre-hook)
@@ -101,12 +101,38 @@ _BLOCK = "transformer_blocks.*"
 _ATTN = f"{_BLOCK}.attn"
 
 
+SUPPORTED_DIFFUSERS = ("0.40.", "0.42.")
+"""diffusers releases whose QwenImage transformer the table and the RoPE read-back describe: 0.42
+(the project's pin) calls ``apply_rotary_emb_qwen`` by name; 0.40 (vllm-omni 0.30's pin) picks
+the RoPE function per device from ``ROPE_PER_DEVICE``, bound at import. In both the processor
+applies RoPE to the query and key it then hands to the attention dispatcher, where they are
+recorded."""
+
+
 def _diffusers_module():
     try:
-        return importlib.import_module(_DIFFUSERS_MODULE)
+        import diffusers
     except ImportError as e:
         raise DriftToolError(f"the diffusers capture adapter needs diffusers installed ({e}; "
                              "pip install 'diffusers>=0.42,<0.43', or the package's [test] extra)") from None
+    if not diffusers.__version__.startswith(SUPPORTED_DIFFUSERS):
+        raise DriftToolError(f"diffusers {diffusers.__version__} is not supported by the capture "
+                             f"adapter (supported: {', '.join(v + 'x' for v in SUPPORTED_DIFFUSERS)})")
+    return importlib.import_module(_DIFFUSERS_MODULE)
+
+
+def rope_kernel(mod, device_type: str) -> str:
+    """The RoPE function the processor of diffusers module ``mod`` runs on ``device_type``:
+    ``apply_rotary_emb_qwen`` (0.42), or the ``ROPE_PER_DEVICE`` entry it picks (0.40: the
+    device's own, else ``cuda``'s)."""
+    table = getattr(mod, "ROPE_PER_DEVICE", None)
+    if table is None:
+        return "diffusers:apply_rotary_emb_qwen"
+    key = device_type if device_type in table else "cuda"
+    fn = table[key]
+    name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
+    extra = ", ".join(f"{k}={v}" for k, v in getattr(fn, "keywords", {}).items())
+    return f"diffusers:ROPE_PER_DEVICE[{key!r}] ({name}{', ' + extra if extra else ''})"
 
 
 def _qkv(*names: str) -> tuple[str, ...]:
@@ -158,9 +184,12 @@ class _AttentionGlue:
 
     rt: Runtime
     kernel_of: Callable[[Any, dict[str, Any]], str]  # diffusers_attention.attention_kernel
+    rope_of: Callable[[str], str]  # rope_kernel of the diffusers module, by device type
     block: int = -1
     img_rows: int = 0
     rope: bool = False
+    attention_calls: int = 0
+    rope_calls: int = 0
 
     def enter(self, block: int, kwargs: dict[str, Any]) -> None:
         self.block = block
@@ -169,13 +198,15 @@ class _AttentionGlue:
 
     def attention(self, backend, args: dict[str, Any], run) -> torch.Tensor:
         q, k = args["query"], args["key"]  # [B, L + N, H, Dh]: text rows, then image rows
+        self.attention_calls += 1
         if self.rope:
+            self.rope_calls += 1
             L = q.shape[1] - self.img_rows
+            kernel = self.rope_of(q.device.type)
             for stream, rows in (("img", slice(L, None)), ("txt", slice(0, L))):
                 for t in (q, k):
                     record(self.rt, "multi_axis_rope", stream, t[:, rows], "BS..",
-                           actual="diffusers", kernel="diffusers:apply_rotary_emb_qwen",
-                           block=self.block)
+                           actual="diffusers", kernel=kernel, block=self.block)
         kernel = self.kernel_of(backend, args)
         out = run()  # [B, S, H, Dh]
         record(self.rt, "joint_attention_fused", "joint", out, "BS..", actual="diffusers",
@@ -190,8 +221,10 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     recorder) as drifttool's MMDiT would. Hooks and the attention backend are removed on exit.
 
     Raises:
-        DriftToolError: diffusers is not installed, ``transformer`` is not a
-            ``QwenImageTransformer2DModel``, or another capture's attention backend is active.
+        DriftToolError: diffusers is not installed or of an unsupported version
+            (``SUPPORTED_DIFFUSERS``), ``transformer`` is not a ``QwenImageTransformer2DModel``,
+            another capture's attention backend is active, or (on exit, after a forward) a
+            capture point never fired.
     """
     mod = _diffusers_module()
     if not isinstance(transformer, mod.QwenImageTransformer2DModel):
@@ -202,7 +235,7 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
 
     blocks = transformer.transformer_blocks
     attn = blocks[0].attn
-    glue = _AttentionGlue(rt, attention_kernel)
+    glue = _AttentionGlue(rt, attention_kernel, lambda device: rope_kernel(mod, device))
     with contextlib.ExitStack() as stack:
         begin = stack.enter_context(capture_backend([b.attn for b in blocks], glue.attention))
         for i, blk in enumerate(blocks):
@@ -212,8 +245,12 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
 
             stack.callback(blk.attn.register_forward_pre_hook(pre, with_kwargs=True).remove)
         stack.enter_context(tap_modules(transformer, TAPS, rt, actual="diffusers",
-                                        depth=len(blocks), head_dim=attn.inner_dim // attn.heads))
+                                        depth=len(blocks), head_dim=attn.inner_dim // attn.heads,
+                                        require_all=True))
         yield
+        if glue.attention_calls and not glue.rope_calls:
+            raise DriftToolError("diffusers capture: attention ran without rotary embeddings: "
+                                 "no multi_axis_rope to record (the transformer passed none)")
 
 
 # -- a rollout driven by the diffusers transformer ------------------------------------------------

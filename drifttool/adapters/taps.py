@@ -29,7 +29,7 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -87,16 +87,17 @@ class Tap:
 
 
 def record(rt: Runtime, op: str, stream: str, out: Any, layout: str | tuple[str, ...], *,
-           actual: str, kernel: str, **fields: Any) -> None:
+           actual: str, kernel: str, reason: str = "", declared: bool = False,
+           **fields: Any) -> None:
     """``ops.sink.record_external`` with ``op``'s declared arithmetic contract: how every
     adapter records a tensor its runtime computed (``fields``: identity fields of this call
-    alone, e.g. ``block``).
+    alone, e.g. ``block``; ``reason``/``declared``: a path the runtime chose, for the trace).
 
     Raises:
         UnsupportedConfigError: ``op`` is not a declared operator.
     """
     record_external(rt, op, stream, out, layout, contract=op_spec(op).contract, actual=actual,
-                    kernel=kernel, **fields)
+                    kernel=kernel, reason=reason, declared=declared, **fields)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,24 +168,32 @@ def _matches(index: dict[tuple[int, str], list[str]], tap: Tap
 
 @contextlib.contextmanager
 def tap_modules(model: torch.nn.Module, taps: tuple[Tap, ...], rt: Runtime, *, actual: str,
-                depth: int, head_dim: int | None = None) -> Iterator[None]:
+                depth: int, head_dim: int | None = None,
+                kernel_of: Callable[[str, torch.nn.Module], str] | None = None,
+                require_all: bool = False,
+                accounted: Callable[[], set[str]] | None = None) -> Iterator[None]:
     """Hook every module ``taps`` name for the block; each forward inside records into ``rt``.
 
     Args:
         model: the model whose modules the patterns name.
         taps: the table. rt: the runtime (scope, trace, recorder, parallel plan).
         actual: the backend written to the trace (e.g. ``"diffusers"``); each kernel is
-            ``"<actual>:<module path><Tap.suffix>"``.
+            ``"<actual>:<module path><Tap.suffix>"``, or ``kernel_of(path, module)`` (a
+            read-back of what the module dispatches to) plus the suffix when given.
         depth: the number of blocks (``AFTER``'s block). head_dim: for ``Tap.heads``.
+        require_all: on a normal exit after any tap fired, every hooked call site must have
+            fired at least once, except the module paths ``accounted()`` names (a path the
+            runtime declared it took instead, e.g. a fused kernel that bypasses the module).
 
     Raises:
         DriftToolError: a tap matches no module (or a tuple pattern names a missing one), or
-            has no block index.
+            has no block index; with ``require_all``, a call site that never fired.
         UnsupportedConfigError: a tap names an undeclared operator.
     """
     modules = dict(model.named_modules())
     index = _index(modules)
     handles: list[Any] = []
+    hooks: list[_Hook] = []
     try:
         for tap in taps:
             op_spec(tap.op)
@@ -192,9 +201,23 @@ def tap_modules(model: torch.nn.Module, taps: tuple[Tap, ...], rt: Runtime, *, a
                 missing = [p for p in paths if p not in modules]
                 if missing:
                     raise DriftToolError(f"tap {tap.module!r}: no module {missing[0]!r}")
-                handles += _install(tap, [modules[p] for p in paths], paths, rt, actual=actual,
-                                    block=_block(tap, groups, depth), head_dim=head_dim)
+                kernel = None if kernel_of is None else \
+                    kernel_of(paths[-1], modules[paths[-1]]) + tap.suffix
+                got = _install(tap, [modules[p] for p in paths], paths, rt, actual=actual,
+                               block=_block(tap, groups, depth), head_dim=head_dim,
+                               kernel=kernel)
+                handles += [h for h, _ in got]
+                hooks += [k for _, k in got]
         yield
+        if require_all and any(h.fired for h in hooks):
+            skip = accounted() if accounted is not None else set()
+            silent = [h for h in hooks if not h.fired and h.path not in skip]
+            if silent:
+                h = silent[0]
+                raise DriftToolError(
+                    f"{actual} capture: {h.path} ({h.tap.op}, {h.tap.stream}) never ran in a "
+                    f"forward ({len(silent)} capture points silent): the runtime's model no "
+                    "longer computes this operator where the adapter's table says")
     finally:
         for h in handles:
             h.remove()
@@ -203,14 +226,16 @@ def tap_modules(model: torch.nn.Module, taps: tuple[Tap, ...], rt: Runtime, *, a
 class _Hook:
     """The forward hook (or pre-hook) of one call site of a tap: one object per hook."""
 
-    __slots__ = ("tap", "rt", "actual", "kernel", "block", "head_dim", "read", "pending", "last")
+    __slots__ = ("tap", "rt", "actual", "kernel", "block", "head_dim", "read", "pending", "last",
+                 "path", "fired")
 
     def __init__(self, tap: Tap, rt: Runtime, *, actual: str, kernel: str, block: int,
-                 head_dim: int | None, read: Any = None, pending: list | None = None,
+                 head_dim: int | None, path: str, read: Any = None, pending: list | None = None,
                  last: bool = True) -> None:
         self.tap, self.rt, self.actual, self.kernel = tap, rt, actual, kernel
         self.block, self.head_dim, self.read = block, head_dim, read
         self.pending, self.last = pending, last  # a tuple tap's outputs so far, shared
+        self.path, self.fired = path, False
 
     def emit(self, tensors: list[torch.Tensor]) -> None:
         tap = self.tap
@@ -222,6 +247,7 @@ class _Hook:
                block=self.block)
 
     def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+        self.fired = True
         if self.read is not None:  # pre-hook: rest = (kwargs,)
             self.emit([self.read(args, rest[0])])
             return
@@ -237,20 +263,22 @@ class _Hook:
 
 
 def _install(tap: Tap, mods: list[torch.nn.Module], paths: list[str], rt: Runtime, *, actual: str,
-             block: int, head_dim: int | None) -> list[Any]:
-    """The hooks of one call site of ``tap``."""
+             block: int, head_dim: int | None, kernel: str | None = None
+             ) -> list[tuple[Any, _Hook]]:
+    """The hooks of one call site of ``tap``, each with its handle."""
     if tap.heads and head_dim is None:
         raise DriftToolError(f"tap {tap.module!r} splits heads: tap_modules needs head_dim")
-    common = dict(actual=actual, kernel=f"{actual}:{paths[-1]}{tap.suffix}", block=block,
-                  head_dim=head_dim)
+    common = dict(actual=actual, kernel=kernel or f"{actual}:{paths[-1]}{tap.suffix}",
+                  block=block, head_dim=head_dim)
     if tap.read == "input":
         if len(mods) != 1:
             raise DriftToolError(f"tap {tap.module!r}: an input tap names one module")
-        hook = _Hook(tap, rt, read=_input_reader(mods[0], tap.item), **common)
-        return [mods[0].register_forward_pre_hook(hook, with_kwargs=True)]
+        hook = _Hook(tap, rt, read=_input_reader(mods[0], tap.item), path=paths[0], **common)
+        return [(mods[0].register_forward_pre_hook(hook, with_kwargs=True), hook)]
     if len(mods) == 1:
-        return [mods[0].register_forward_hook(_Hook(tap, rt, **common))]
+        hook = _Hook(tap, rt, path=paths[0], **common)
+        return [(mods[0].register_forward_hook(hook), hook)]
     pending: list[torch.Tensor] = []
-    return [m.register_forward_hook(_Hook(tap, rt, pending=pending, last=i == len(mods) - 1,
-                                          **common))
-            for i, m in enumerate(mods)]
+    hooks = [_Hook(tap, rt, pending=pending, last=i == len(mods) - 1, path=p, **common)
+             for i, p in enumerate(paths)]
+    return [(m.register_forward_hook(h), h) for m, h in zip(mods, hooks)]

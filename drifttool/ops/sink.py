@@ -63,7 +63,8 @@ def capture_outputs(
 
 def record_external(
     rt: Runtime, op: str, stream: str, out: Any, layout: str | tuple[str | None, ...], *,
-    contract: str, actual: str, kernel: str, **fields: Any,
+    contract: str, actual: str, kernel: str, reason: str = "", declared: bool = False,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Record one call of operator ``op`` that ran outside drifttool's operator registry, as
     ``ops.registry.call`` records its own: one call of the site in the operator trace
@@ -79,6 +80,8 @@ def record_external(
         contract: the operator's arithmetic contract id (``ops.registry.spec(op).contract``).
         actual: the runtime that computed it (e.g. ``"diffusers"``). kernel: its kernel
             identity for the trace (e.g. the module path).
+        reason, declared: the trace entry's ``reason`` and ``declared`` (a path the runtime
+            chose by a rule it declares, e.g. a fused kernel above a token threshold).
         fields: identity fields of this call alone (``Runtime.site``), e.g. ``block=3``; under a
             parallel plan they are in scope while the plan decides.
 
@@ -88,7 +91,7 @@ def record_external(
     site = rt.site(op, stream, **fields)
     first = out[0] if isinstance(out, tuple) else out
     rt.trace.record(site=site, contract=contract, requested=rt.family, actual=actual,
-                    kernel=kernel, fallback=False, reason="", declared=False,
+                    kernel=kernel, fallback=False, reason=reason, declared=declared,
                     device=str(first.device))
     with rt.scope(**fields) if rt.plan is not None and fields else contextlib.nullcontext():
         capture_outputs(rt, site, out, layout)

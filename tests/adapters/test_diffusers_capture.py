@@ -163,3 +163,46 @@ def test_load_transformer_takes_pipeline_folders_and_variants(random_transformer
     loaded = load_transformer(tmp_path / "pipe", torch.float32, variant="fp16")
     got, want = loaded.state_dict(), tr.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_rope_is_recorded_under_the_installed_diffusers_dispatch(random_transformer):
+    """diffusers 0.42 calls ``apply_rotary_emb_qwen``; 0.40 (vllm-omni's pin) picks the function
+    from ``ROPE_PER_DEVICE``: either way four RoPE outputs per block, named by what ran."""
+    import diffusers
+
+    tr = random_transformer(seed=5)
+    x, txt, mask, tau = _inputs(5)
+    rt = Runtime(mode="auto", recorder=Recorder("L1"))
+    with instrument(tr, rt), rt.scope(**_scope(3, (7, 4, 2))):
+        _forward(tr, x, txt, mask, tau)
+    rope = [e for e in rt.trace.entries() if e.op == "multi_axis_rope"]
+    assert len(rope) == 4 * len(tr.transformer_blocks)
+    want = ("diffusers:ROPE_PER_DEVICE['cuda'] (apply_rotary_emb_qwen, use_real=False)"
+            if diffusers.__version__.startswith("0.40.") else "diffusers:apply_rotary_emb_qwen")
+    assert {e.kernel for e in rope} == {want}
+
+
+def test_an_unsupported_diffusers_version_is_refused_in_one_line(random_transformer, monkeypatch):
+    import diffusers
+
+    monkeypatch.setattr(diffusers, "__version__", "0.41.2")
+    with pytest.raises(DriftToolError) as e:
+        with instrument(random_transformer(), Runtime(mode="auto")):
+            pass
+    assert str(e.value) == ("diffusers 0.41.2 is not supported by the capture adapter "
+                            "(supported: 0.40.x, 0.42.x)")
+
+
+def test_a_tap_that_never_fires_is_an_error(random_transformer):
+    tr = random_transformer(seed=6)
+    x, txt, mask, tau = _inputs(6)
+    blk = tr.transformer_blocks[1]
+    original = blk.img_mlp.net[2]
+    rt = Runtime(mode="auto", recorder=Recorder("L1"))
+    with pytest.raises(DriftToolError, match=r"transformer_blocks.1.img_mlp.net.2 .* never ran"):
+        with instrument(tr, rt), rt.scope(**_scope(3, (7, 4, 2))):
+            blk.img_mlp.net[2] = torch.nn.Linear(original.in_features, original.out_features)
+            try:
+                _forward(tr, x, txt, mask, tau)
+            finally:
+                blk.img_mlp.net[2] = original
