@@ -54,7 +54,7 @@ from drifttool.runtime import Runtime
 from drifttool.sampling.input_files import ExternalInputs
 from drifttool.settings import RunSettings, RunSpec, resolve
 from drifttool.setting_checks import PATCH_PIXELS
-from drifttool.text_encoder import PromptEncoder, TextEncoder, encode_prompts
+from drifttool.text_encoder import PromptEncoder, encode_prompts
 
 PIPELINE_PARTS = ("tokenizer", "text_encoder", "vae")
 """The folders a pipeline needs beside its transformer for the chain."""
@@ -206,6 +206,7 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     Raises:
         DriftToolError: no pipeline folder or one lacking parts (``check_pipeline``); prompt
             file inputs given too; prompts not one per sample; as ``resolve``.
+        UnsupportedConfigError: a device other than the CPU.
         CheckpointError, UnsupportedConfigError: the text encoder or VAE cannot be loaded, or a
             text width other than the transformer's ``joint_attention_dim``.
     """
@@ -221,16 +222,15 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     ids = list(s.samples)
     rows = _prompt_rows(prompts, ids, "prompt")
     neg_rows = None if negative_prompts is None else _prompt_rows(negative_prompts, ids, "negative prompt")
-    device = torch.device(s.device)
+    if s.device != "cpu":
+        raise UnsupportedConfigError(f"--prompt runs on the CPU only for now (asked: --device {s.device}): "
+                                     "the text encoder's token ids are made on the CPU")
     encoder = PromptEncoder.load(root, dtype=s.torch_dtype)
     joint = read_config(root).joint_attention_dim
     if encoder.model.config.hidden_size != joint:
         raise DriftToolError(f"--checkpoint {root}: the text encoder is {encoder.model.config.hidden_size} "
                              f"wide, the transformer's joint_attention_dim is {joint}")
-    if device.type != "cpu":
-        encoder = PromptEncoder(encoder.tokenizer, TextEncoder(
-            encoder.model.config, {k: v.to(device) for k, v in encoder.model.weights.items()}))
-    vae = load_vae(root, dtype=s.torch_dtype, device=device)
+    vae = load_vae(root, dtype=s.torch_dtype)
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
                  variants=dict(spec.variants))

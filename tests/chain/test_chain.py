@@ -111,3 +111,37 @@ def test_negative_prompt_alone_is_one_line(runner, pipeline, tmp_path):
                               "-o", str(tmp_path / "out")])
     assert res.exit_code == ExitCode.USAGE
     assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
+
+
+def _inverse_by_product(z, mean, std, inverse=False):
+    """``vae_latent_normalize`` with the inverse as ``z·std + mean`` (the pipelines divide by
+    1/std): another rounding, the one change of a probe."""
+    from drifttool.ops.vae.production import vae_latent_normalize
+
+    if not inverse:
+        return vae_latent_normalize(z, mean, std)
+    view = (1, z.shape[1]) + (1,) * (z.dim() - 2)
+    return z * std.view(view).to(z.dtype) + mean.view(view).to(z.dtype)
+
+
+def test_a_vae_change_is_the_first_drift_at_the_decode_step(runner, pipeline, tmp_path):
+    """Same prompts, same trajectory; only the decode's de-normalisation differs: the diff names
+    the VAE, its operator and the step after the last (the decode's)."""
+    from drifttool.chain import run_chain
+    from drifttool.settings import RunSpec
+
+    base = dict(checkpoint=pipeline, mode="auto", capture="L1", steps=2)
+    a = run_chain(RunSpec(**base), tmp_path / "a", prompts=[PROMPT])
+    b = run_chain(RunSpec(**base, variants={"vae_latent_normalize": ("product", _inverse_by_product)}),
+                  tmp_path / "b", prompts=[PROMPT])
+    assert a["complete"] and b["complete"] and not a["cfg"]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert res.exit_code == ExitCode.DRIFT, res.output
+    first = json.loads(res.output)["first_drift"]
+    assert (first["component"], first["op"], first["step"]) == ("vae", "vae_latent_normalize", 2), first
+
+
+def test_other_device_is_one_line(runner, pipeline, tmp_path):
+    res = _run(runner, pipeline, tmp_path / "out", "--device", "cuda", "--mode", "auto")
+    assert res.exit_code == ExitCode.USAGE
+    assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
