@@ -62,6 +62,7 @@ def test_twice_is_identical_and_every_stage_is_captured(strict_pair, runner):
     manifest = json.loads((strict_pair / "a" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["chain"]["prompts"] == [PROMPT]
     assert manifest["settings"]["cfg_scale"] > 1  # CFG ran: the negative prompt was encoded too
+    assert "input_files" not in manifest["settings"]  # the embeddings came in memory, not from files
 
 
 def test_png_decodes_to_the_run_size(strict_pair):
