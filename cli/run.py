@@ -56,6 +56,11 @@ def run(
         None, help="safetensors with prompt_embeds [B, L, D] (+ prompt_embeds_mask [B, L]) from QwenImagePipeline.encode_prompt."),
     negative_prompt_embeds: Optional[Path] = typer.Option(
         None, help="Likewise for the negative prompt (without it, file prompts run without CFG)."),
+    prompt: Optional[str] = typer.Option(
+        None, help="Encode this prompt with the --checkpoint pipeline's text encoder, run the trajectory, decode "
+                   "with its VAE and write the image beside OUT (OUT.png): every stage captured."),
+    negative_prompt: Optional[str] = typer.Option(
+        None, help="The negative prompt of --prompt (CFG runs only with one, diffusers' rule)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     tp: int = _layout.tp_option(),
@@ -77,7 +82,10 @@ def run(
     `--tp/--sp/--cfg-parallel` (their product = the number of ranks) the ranks run every sample
     under that parallel layout instead, and the artifact diffs identical to one process
     (`--sp-attention ring` captures L0/L1 only). A layout the model or the run cannot take is
-    refused in one line before any rank starts.
+    refused in one line before any rank starts. `--prompt` (with a pipeline folder holding
+    tokenizer/, text_encoder/ and vae/) runs the full chain in one process: the prompt is
+    encoded, the trajectory run and its final latents decoded to OUT.png, each stage captured
+    under its own component (text_encoder, mmdit, vae).
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
@@ -90,6 +98,10 @@ def run(
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents,
     )
+    if prompt is not None or negative_prompt is not None:
+        _prompt_run(spec, out, prompt, negative_prompt, overwrite=overwrite, as_json=as_json,
+                    parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)
+        return
     with alike_on_every_rank():  # the command line and its files only: one line for the launch
         fx, settings = resolve(spec)
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
@@ -143,3 +155,30 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
+
+
+def _prompt_run(spec, out: Path, prompt: Optional[str], negative_prompt: Optional[str], *,
+                overwrite: bool, as_json: bool, parallel: bool) -> None:
+    """``run --prompt``: the full chain (``drifttool.chain``) in one process."""
+    from drifttool.chain import run_chain  # lazy: keeps torch out of `drifttool --help`
+
+    if prompt is None:
+        raise DriftToolError("--negative-prompt goes with --prompt")
+    if parallel:
+        raise DriftToolError("--prompt runs in one process (no torchrun, --tp, --sp or --cfg-parallel)")
+    summary = run_chain(spec, out, prompts=[prompt],
+                        negative_prompts=None if negative_prompt is None else [negative_prompt],
+                        overwrite=overwrite)
+    if as_json:
+        _json.emit("run", summary)
+        return
+    table = Table(title=f"drifttool run → {out}", show_header=False)
+    for key in ("mode", "capture", "steps", "samples", "complete"):
+        table.add_row(key, str(summary[key]))
+    table.add_row("CFG", "on (cond, uncond)" if summary["cfg"] else "off (one branch)")
+    table.add_row("stages", "text_encoder → mmdit → vae")
+    for path in summary["images"]:
+        table.add_row("image", path)
+    console.print(table)
+    for line in summary.get("warnings", []) + summary.get("notes", []):
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)

@@ -12,6 +12,7 @@ byte-changing choice ends up in the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -109,6 +110,7 @@ def execute(
     dist: DistContext | None = None,
     parallel: ParallelDims | None = None,
     faults: tuple[str, ...] = (),
+    stages: Any = None,
 ) -> dict[str, Any]:
     """Run one trajectory and write its artifact to ``out``.
 
@@ -141,6 +143,12 @@ def execute(
     given ``model`` must already be on the run's device. A mode whose family cannot run on the
     device (strict on CUDA) was refused by ``resolve`` before anything was loaded.
 
+    ``stages`` runs stages of the same artifact around the trajectory (the full chain,
+    ``drifttool.chain``): its ``external`` (in-memory ``ExternalInputs``) replaces the settings'
+    file inputs, ``opened(session)`` runs once the artifact is open, before the trajectory, and
+    ``finished(session, traj)`` after it, before the artifact closes (its dict is merged into
+    the manifest).
+
     A failure after the artifact was opened closes it with ``complete=false`` (finished steps
     stay readable) and re-raises.
 
@@ -151,6 +159,8 @@ def execute(
             or artifact location.
     """
     fx, s = resolve(spec)
+    if stages is not None:
+        s = dataclasses.replace(s, external=stages.external)
     dtype = s.torch_dtype
     dist = dist or DistContext()
     device = run_device(s.device, dist)
@@ -210,11 +220,14 @@ def execute(
     manifest.update(manifest_extra or {})
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(tensors)
+        if stages is not None:
+            stages.opened(session)
         # on a GPU, forwards replay CUDA graphs: the same kernels, bytes, trace and records
         fwd = GraphedForward(model) if device.type == "cuda" and isinstance(model, MMDiT) else model
         traj = rollout(sampler_model(fwd), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)
-        session.finish(complete=traj.complete)
+        session.finish(complete=traj.complete,
+                       **(stages.finished(session, traj) if stages is not None else {}))
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in (traj.latents, traj.velocities))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,

@@ -247,7 +247,8 @@ class RunSettings:
                     "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
                     "preset": self.preset,
                     "device": None if self.device == "cpu" else self.device,
-                    "input_files": dict(self.external.files) if self.external is not None else None}
+                    "input_files": dict(self.external.files) if self.external is not None and self.external.files
+                    else None}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
 

@@ -154,7 +154,7 @@ FLOORS = [
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},
     {"runner"},
-    {"launch", "verify", "adapters/"},
+    {"launch", "verify", "chain", "adapters/"},
     {"training/"},
     {"probes/", "reports/"},
     {"cli/"},

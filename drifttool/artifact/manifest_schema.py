@@ -190,6 +190,14 @@ _FILES = Obj({"inputs": Nullable(Enum((INPUTS,))), "steps": ListOf(_STR),
 (schema version 5) maps each finished Parquet file to its ``drifttool.artifact.parquet.
 file_digest`` (``drifttool.artifact.manifest.files_problem`` checks the names)."""
 
+_CHAIN = Obj({
+    "pipeline": _STR, "prompts": ListOf(_STR), "negative_prompts": Nullable(ListOf(_STR)),
+    "max_sequence_length": _INT, "text_encoder_weights": _STR, "vae_weights": _STR,
+    "images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
+}, frozenset({"pipeline", "prompts", "text_encoder_weights", "vae_weights", "images"}))
+"""``drifttool.chain``: a prompt run's pipeline folder, prompts (one per sample), the text
+encoder's and VAE's weight digests and the PNGs written beside the artifact."""
+
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,
     "kind": Enum(KINDS), "capture_level": Enum(LEVELS), "settings": _SETTINGS,
@@ -197,6 +205,7 @@ MANIFEST_SCHEMA = Obj({
     "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
     "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
     "seconds": _NUM, "uncaptured": _UNCAPTURED, "checkpoint_warnings": ListOf(_STR),
+    "chain": _CHAIN,
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and
