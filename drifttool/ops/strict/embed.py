@@ -120,4 +120,4 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     Unlike diffusers (which rounds φ and τ to the model dtype), strict keeps FP32 throughout and
     casts once at the output (RFC cast policy).
     """
-    return _TimestepMLP.apply(tau, w1, b1, w2, b2, act_dtype(w1, b1, w2, b2))
+    return _TimestepMLP.apply(tau, w1, b1, w2, b2, act_dtype(b1, w1, b2, w2))  # b1: W (w1 may be LoRA-merged FP32)
