@@ -8,11 +8,17 @@
 Saving, loading, the adapter's digest and manifest record and its gradient records are
 ``drifttool.model.lora_io``'s.
 
-Targets (``LORA_TARGET_MODULES``, numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
+Targets: every Linear of the model (``adaptable_modules``, diffusers' names). ``add_lora``'s
+default is ``LORA_TARGET_MODULES`` (numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
 ``attn.to_q/to_k/to_v/to_out.0``, ``attn.add_q_proj/add_k_proj/add_v_proj/to_add_out`` and both
 streams' MLP projections ``img_mlp.net.0.proj``, ``img_mlp.net.2``, ``txt_mlp.net.0.proj``,
-``txt_mlp.net.2``, in every block. Each adapted ``Linear`` gets two sub-modules, ``lora_A``
-(weight ``[r, in]``) and ``lora_B`` (weight ``[out, r]``), so ``model.named_parameters()`` yields
+``txt_mlp.net.2``, in every block; a loaded adapter may also adapt the modulation projections
+``img_mod.1`` / ``txt_mod.1`` (``BLOCK_MODULES``), the embedders (``INPUT_MODULES``: the timestep
+MLP's ``linear_1`` / ``linear_2``, ``txt_in``, ``img_in``) and the final Linears
+(``OUTPUT_MODULES``: ``norm_out.linear``, ``proj_out``), as peft's ``all-linear`` does. Each
+adapted ``Linear`` gets two sub-modules, ``lora_A`` (weight ``[r, in]``) and ``lora_B`` (weight
+``[out, r]``), plus, for DoRA, the parameter ``lora_magnitude_vector`` ``[out]``, so
+``model.named_parameters()`` yields
 exactly peft's names: ``transformer_blocks.0.attn.to_q.lora_A.weight`` … (what
 ``peft.get_peft_model_state_dict`` returns for a diffusers ``QwenImageTransformer2DModel`` with
 ``add_adapter``). Each module's scale is peft's: ``lora_alpha / r``, or ``lora_alpha / √r`` with
@@ -54,7 +60,17 @@ mode              reproduces                                  factors held in   
 
 Unfused, the base operator keeps W and receives the adapter branch ``lora_delta`` (``scale ·
 B(A(x))`` in the factors' dtype) as its ``delta``/``deltas`` argument, added to its GEMM output
-before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it.
+before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it. Where
+the Linear's input exists only inside the operator (SiLU(temb) of ``adaln_mod_projection`` and
+``final_adaln_out``, the RMSNorm of ``txt_in_rmsnorm_linear``, the sinusoid and SiLU of
+``timestep_embed_mlp``), the operator receives the factors instead (``lora=``,
+``lora_branches``) and adds the same branch (``ops.lora.peft_branch``) to that GEMM; these
+branches are not traced as separate ``lora_delta`` calls.
+
+DoRA (``use_dora``) runs merged or fused, as peft merges it (``ops.lora.peft_merge``: W' =
+(m / ‖W + s·B·A‖_row)·(W + s·B·A)), production family only. Unfused DoRA is refused (peft's
+branch rescales the base GEMM's output without its bias, which the fused RFC operators do not
+expose), and so is DoRA under the strict family (no declared strict row norm).
 The operator and its implementations are declared in
 ``drifttool.ops.lora`` (registered by importing ``drifttool.ops``).
 """

@@ -238,3 +238,18 @@ def test_cli_runs_and_records_a_dora_adapter(cli, adapters, tmp_path):
     assert code == 0, out
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert m["lora"]["use_dora"] is True and m["lora"]["mode"] == "fused"
+
+
+@pytest.mark.parametrize("form,mode", [(f, m) for f in FORMS for m in ("fused", "unfused") if m in _modes(f)])
+def test_the_record_of_a_loaded_pipeline_is_the_runs(base, adapters, form, mode):
+    """``lora_of`` a diffusers transformer that loaded the adapter equals ``lora_record`` of
+    drifttool's model in that mode (config, scale, digest with the DoRA magnitudes), and the
+    fingerprint's weight digests agree."""
+    from drifttool.adapters.peft_lora import canonical_parameters, lora_of
+    from drifttool.model.lora_io import effective_weights, lora_record
+    from drifttool.model.weights import weight_digest
+
+    model = ours(base, adapters[form], torch.bfloat16, mode)
+    tr = theirs(base, adapters[form], torch.bfloat16, mode)
+    assert lora_of(tr) == lora_record(model)
+    assert weight_digest(canonical_parameters(tr)) == weight_digest(effective_weights(model))
