@@ -136,12 +136,19 @@ FACTOR_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
 def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
     """The weight the base operator receives: ``module.weight`` (no adapter, or an unfused one),
     or ``lora_merge`` / ``lora_fuse`` of it by the adapter's mode (called by ``MMDiT`` inside
-    the block scope); a DoRA module passes its magnitude vector as ``magnitude``."""
+    the block scope); a DoRA module passes its magnitude vector as ``magnitude``.
+
+    Raises:
+        UnsupportedConfigError: a DoRA module under a family other than production.
+    """
     a = getattr(module, "lora_A", None)
     if a is None or module.lora_mode in UNFUSED_MODES:
         return module.weight
     op = "lora_fuse" if module.lora_mode == "fused" else "lora_merge"
     m = getattr(module, "lora_magnitude_vector", None)
+    if m is not None and rt.mode.family != "production":
+        raise UnsupportedConfigError(f"DoRA adapters under the {rt.mode.family} family (strict arithmetic has "
+                                     "no declared row norm); use --mode auto or off")
     merged = call(rt, op, module.weight, a.weight, module.lora_B.weight, float(module.lora_scale),
                   **({} if m is None else {"magnitude": m}), stream=stream, layout=None)
     if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction

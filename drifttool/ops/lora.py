@@ -34,7 +34,7 @@ dtype rounded to W's dtype. FP32 factors: delta FP32, one rounding into bf16 W. 
 delta rounded to bf16 (on CUDA the bf16 matmul's own rounding), then a bf16 add. A DoRA adapter
 (``magnitude`` m ``[out]``) merges as peft's ``DoraLinearVariant.merge_unsafe``:
 ``W' = (m / ‖W + delta‖_row)·(W + delta)``, rounded to W's dtype (``peft_merge``); the strict
-family refuses it, and the unfused modes too (``model.lora``: peft's DoRA branch rescales the
+families refuse it (``model.lora.adapted_weight``), and the unfused modes too (``model.lora``: peft's DoRA branch rescales the
 base GEMM's output without its bias, which the fused RFC operators do not expose).
 """
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import dtypes
 from drifttool.ops.declaration import OpSpec
 from drifttool.ops.registry import declare, implements
@@ -86,21 +85,14 @@ LORA_DELTA = declare(
 
 @implements("lora_merge", "strict", device="cpu", kernel="strict_linear(B,Aᵀ)+fp32_add",
             constraints=(dtypes(LORA_MERGE.dtypes, "w", "a", "b"),))
-def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-                      magnitude: torch.Tensor | None = None) -> torch.Tensor:
-    """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring).
+def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring). No DoRA
+    (``model.lora.adapted_weight`` refuses it outside the production family).
 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in] fp32.  b: [out, r] fp32.
         scale: α / r (python float, rounded once to fp32).
-        magnitude: DoRA's magnitude vector: refused (no strict row norm is declared).
-
-    Raises:
-        UnsupportedConfigError: a DoRA magnitude vector.
     """
-    if magnitude is not None:
-        raise UnsupportedConfigError("DoRA adapters under the strict family (strict arithmetic has no "
-                                     "declared row norm); use --mode auto or off")
     bt = a.to(torch.float32).t().contiguous()  # [in, r]
     delta = tiled_linear(b.to(torch.float32), bt)  # [out, in], tree over r
     s = torch.tensor(float(scale), dtype=torch.float32, device=w.device)
