@@ -253,3 +253,20 @@ def test_the_record_of_a_loaded_pipeline_is_the_runs(base, adapters, form, mode)
     tr = theirs(base, adapters[form], torch.bfloat16, mode)
     assert lora_of(tr) == lora_record(model)
     assert weight_digest(canonical_parameters(tr)) == weight_digest(effective_weights(model))
+
+
+def test_gradient_records_name_the_call_site_of_each_target():
+    """Adapter gradients are recorded at the block and stream of the operator that consumes
+    the adapted weight (``drifttool.model.mmdit``'s call-site table)."""
+    from drifttool.model.lora_io import grad_identity
+
+    assert grad_identity("time_text_embed.timestep_embedder.linear_1.lora_A.weight", 2) == (
+        -1, "none", "time_text_embed.timestep_embedder.linear_1.lora_A")
+    assert grad_identity("txt_in.lora_B.weight", 2) == (-1, "txt", "txt_in.lora_B")
+    assert grad_identity("img_in.lora_A.weight", 2) == (-1, "img", "img_in.lora_A")
+    assert grad_identity("transformer_blocks.1.txt_mod.1.lora_B.weight", 2) == (1, "txt", "txt_mod.1.lora_B")
+    assert grad_identity("transformer_blocks.0.img_mod.1.lora_A.weight", 2) == (0, "img", "img_mod.1.lora_A")
+    assert grad_identity("transformer_blocks.0.attn.add_k_proj.lora_magnitude_vector", 2) == (
+        0, "txt", "attn.add_k_proj.lora_magnitude_vector")
+    assert grad_identity("norm_out.linear.lora_A.weight", 2) == (2, "img", "norm_out.linear.lora_A")
+    assert grad_identity("proj_out.lora_B.weight", 2) == (2, "img", "proj_out.lora_B")
