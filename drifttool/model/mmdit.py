@@ -51,10 +51,13 @@ the S×S tensors are not materialised for capture (design.md, "Digests"). Produc
 every level (its trace entry notes at L2 that the internals were not captured).
 
 Within a block the image-stream call precedes the text-stream call of the same operator. With a
-LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` / ``lora_fuse`` (stream img/txt,
-traced, not captured) computes each adapted weight right before the operator that consumes it;
-in an unfused mode ``lora_delta`` computes the adapter branch from the operator's input instead,
-and the operator adds it to its GEMM output (``delta``/``deltas``).
+LoRA adapter attached (``drifttool.model.lora``; any Linear, in or out of the blocks),
+``lora_merge`` / ``lora_fuse`` (the consumer's block and stream, traced, not captured) computes
+each adapted weight right before the operator that consumes it; in an unfused mode
+``lora_delta`` computes the adapter branch from the operator's input instead, and the operator
+adds it to its GEMM output (``delta``/``deltas``), or, where that input exists only inside the
+operator (the timestep MLP, ``txt_in``, the modulation projections, ``norm_out``), the operator
+receives the factors (``lora``) and adds the same branch itself.
 """
 
 from __future__ import annotations
@@ -195,7 +198,8 @@ class MMDiT(nn.Module):
         with rt.scope(block=-1):
             # temb = linear_2(SiLU(linear_1(sinusoid(τ)))); T = RMSNorm(txt)·Wᵀ + b; I = x·Wᵀ + b
             # (each weight LoRA-merged when adapted, or its unfused branch passed: drifttool.model.lora)
-            l1, l2 = self.time_text_embed.timestep_embedder.linear_1, self.time_text_embed.timestep_embedder.linear_2
+            te = self.time_text_embed.timestep_embedder
+            l1, l2 = te.linear_1, te.linear_2
             temb = call(rt, "timestep_embed_mlp", tau, adapted_weight(l1, rt, "none"), l1.bias,
                         adapted_weight(l2, rt, "none"), l2.bias, stream="none", layout="B.",
                         **lora_branches(rt, l1, l2))  # [B, d]

@@ -114,7 +114,6 @@ NEW_TARGETS = ("img_mod.1", "txt_mod.1", "img_in", "txt_in", "time_text_embed.ti
                "time_text_embed.timestep_embedder.linear_2", "norm_out.linear", "proj_out")
 
 
-@pytest.mark.slow
 def test_modulation_embedder_and_final_targets_have_layout_free_gradients():
     """The same invariance for adapters on the modulation projections, the embedders (timestep
     MLP, ``txt_in``, ``img_in``) and the final Linears: each goes through a strict operator
