@@ -33,12 +33,15 @@ from drifttool.model.lora_formats import parse_config
 from drifttool.model.weights import weight_digest
 
 _FACTOR = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")
+_MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.[^.]+\.weight$")
 
 
 def canonical_name(name: str) -> str:
     """``a.to_q.base_layer.weight`` → ``a.to_q.weight``; ``a.to_q.lora_A.default_0.weight`` →
-    ``a.to_q.lora_A.weight``."""
-    return _FACTOR.sub(r".\1.weight", name.replace(".base_layer.", "."))
+    ``a.to_q.lora_A.weight``; DoRA's ``a.to_q.lora_magnitude_vector.default_0.weight`` →
+    ``a.to_q.lora_magnitude_vector``."""
+    name = _MAGNITUDE.sub(".lora_magnitude_vector", name.replace(".base_layer.", "."))
+    return _FACTOR.sub(r".\1.weight", name)
 
 
 def _layers(transformer: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -90,6 +93,8 @@ def lora_of(transformer: torch.nn.Module) -> dict[str, Any] | None:
                       else "unfused")
         tensors[f"{n}.lora_A.weight"] = a.detach().cpu().contiguous()
         tensors[f"{n}.lora_B.weight"] = b.detach().cpu().contiguous()
+        if adapter in getattr(m, "lora_magnitude_vector", {}):  # DoRA
+            tensors[f"{n}.lora_magnitude_vector"] = m.lora_magnitude_vector[adapter].weight.detach().cpu().contiguous()
         tensors[f"{n}.lora_scale"] = torch.tensor(float(m.scaling[adapter]), dtype=torch.float64)
     if len(modes) != 1:
         raise UnsupportedConfigError(f"LoRA layers in modes {sorted(modes)}: fuse or unfuse all of them")

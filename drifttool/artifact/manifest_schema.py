@@ -177,7 +177,7 @@ _TRAIN = Obj({"phase": Enum(("train",)), "autograd": _BOOL, "grad": _BOOL,
 _LORA = Obj({
     "r": _INT, "lora_alpha": _NUM, "target_modules": (str, list), "use_rslora": _BOOL,
     "rank_pattern": MapOf(_INT), "alpha_pattern": MapOf(_NUM), "lora_dropout": _NUM,
-    "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
+    "use_dora": _BOOL, "alpha_given": _BOOL, "scale": Nullable(_NUM), "digest": _STR, "key_naming": _STR,
     "apply": _STR, "mode": Enum(LORA_MODES), "factor_dtype": _STR,
 }, frozenset({"r", "lora_alpha", "target_modules", "digest"}))
 """``drifttool.model.lora_io.lora_record`` (``AdapterConfig.record`` + scale, digest)."""

@@ -8,11 +8,17 @@
 Saving, loading, the adapter's digest and manifest record and its gradient records are
 ``drifttool.model.lora_io``'s.
 
-Targets (``LORA_TARGET_MODULES``, numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
+Targets: every Linear of the model (``adaptable_modules``, diffusers' names). ``add_lora``'s
+default is ``LORA_TARGET_MODULES`` (numerics §4.1, Flow-GRPO's ``pickscore_qwenimage``):
 ``attn.to_q/to_k/to_v/to_out.0``, ``attn.add_q_proj/add_k_proj/add_v_proj/to_add_out`` and both
 streams' MLP projections ``img_mlp.net.0.proj``, ``img_mlp.net.2``, ``txt_mlp.net.0.proj``,
-``txt_mlp.net.2``, in every block. Each adapted ``Linear`` gets two sub-modules, ``lora_A``
-(weight ``[r, in]``) and ``lora_B`` (weight ``[out, r]``), so ``model.named_parameters()`` yields
+``txt_mlp.net.2``, in every block; a loaded adapter may also adapt the modulation projections
+``img_mod.1`` / ``txt_mod.1`` (``BLOCK_MODULES``), the embedders (``INPUT_MODULES``: the timestep
+MLP's ``linear_1`` / ``linear_2``, ``txt_in``, ``img_in``) and the final Linears
+(``OUTPUT_MODULES``: ``norm_out.linear``, ``proj_out``), as peft's ``all-linear`` does. Each
+adapted ``Linear`` gets two sub-modules, ``lora_A`` (weight ``[r, in]``) and ``lora_B`` (weight
+``[out, r]``), plus, for DoRA, the parameter ``lora_magnitude_vector`` ``[out]``, so
+``model.named_parameters()`` yields
 exactly peft's names: ``transformer_blocks.0.attn.to_q.lora_A.weight`` … (what
 ``peft.get_peft_model_state_dict`` returns for a diffusers ``QwenImageTransformer2DModel`` with
 ``add_adapter``). Each module's scale is peft's: ``lora_alpha / r``, or ``lora_alpha / √r`` with
@@ -54,7 +60,17 @@ mode              reproduces                                  factors held in   
 
 Unfused, the base operator keeps W and receives the adapter branch ``lora_delta`` (``scale ·
 B(A(x))`` in the factors' dtype) as its ``delta``/``deltas`` argument, added to its GEMM output
-before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it.
+before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it. Where
+the Linear's input exists only inside the operator (SiLU(temb) of ``adaln_mod_projection`` and
+``final_adaln_out``, the RMSNorm of ``txt_in_rmsnorm_linear``, the sinusoid and SiLU of
+``timestep_embed_mlp``), the operator receives the factors instead (``lora=``,
+``lora_branches``) and adds the same branch (``ops.lora.peft_branch``) to that GEMM; these
+branches are not traced as separate ``lora_delta`` calls.
+
+DoRA (``use_dora``) runs merged or fused, as peft merges it (``ops.lora.peft_merge``: W' =
+(m / ‖W + s·B·A‖_row)·(W + s·B·A)), production family only. Unfused DoRA is refused (peft's
+branch rescales the base GEMM's output without its bias, which the fused RFC operators do not
+expose), and so is DoRA under the strict family (no declared strict row norm).
 The operator and its implementations are declared in
 ``drifttool.ops.lora`` (registered by importing ``drifttool.ops``).
 """
@@ -68,25 +84,15 @@ import torch
 from torch import nn
 
 from drifttool.errors import CheckpointError, UnsupportedConfigError
-from drifttool.model.lora_formats import AdapterConfig
-from drifttool.ops.registry import call
-
-# Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
-# streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
-LORA_TARGET_MODULES = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
+from drifttool.model.lora_formats import (  # noqa: F401  (the module names, re-exported)
+    ALL_LINEAR,
+    BLOCK_MODULES,
+    INPUT_MODULES,
+    LORA_TARGET_MODULES,
+    OUTPUT_MODULES,
+    AdapterConfig,
 )
+from drifttool.ops.registry import call
 
 LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
 """How a loaded adapter runs (module docstring table)."""
@@ -123,19 +129,51 @@ class LoRAFactor(nn.Module):
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype, device=device))
 
 
+FACTOR_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
+"""The adapter's parameter names on an adapted module (the last one for DoRA only)."""
+
+
 def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
     """The weight the base operator receives: ``module.weight`` (no adapter, or an unfused one),
     or ``lora_merge`` / ``lora_fuse`` of it by the adapter's mode (called by ``MMDiT`` inside
-    the block scope)."""
+    the block scope); a DoRA module passes its magnitude vector as ``magnitude``.
+
+    Raises:
+        UnsupportedConfigError: a DoRA module under a family other than production.
+    """
     a = getattr(module, "lora_A", None)
     if a is None or module.lora_mode in UNFUSED_MODES:
         return module.weight
     op = "lora_fuse" if module.lora_mode == "fused" else "lora_merge"
-    merged = call(rt, op, module.weight, a.weight, module.lora_B.weight,
-                  float(module.lora_scale), stream=stream, layout=None)
+    m = getattr(module, "lora_magnitude_vector", None)
+    if m is not None and rt.mode.family != "production":
+        raise UnsupportedConfigError(f"DoRA adapters under the {rt.mode.family} family (strict arithmetic has "
+                                     "no declared row norm); use --mode auto or off")
+    merged = call(rt, op, module.weight, a.weight, module.lora_B.weight, float(module.lora_scale),
+                  **({} if m is None else {"magnitude": m}), stream=stream, layout=None)
     if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction
         rt.grad_ledger.watch(module, merged, rt.current_scope(), stream)
     return merged
+
+
+def _unfused(module: nn.Module, rt) -> bool:
+    """True when ``module`` carries an adapter in an unfused mode that can run here.
+
+    Raises:
+        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded; TP/SP run strict,
+            which refuses unfused modes first), or a DoRA module (its branch needs the base
+            GEMM's output without bias, which the fused RFC operators do not expose).
+            CFG-parallel ranks run whole branches: allowed.
+    """
+    if getattr(module, "lora_A", None) is None or module.lora_mode not in UNFUSED_MODES:
+        return False
+    if getattr(module, "lora_magnitude_vector", None) is not None:
+        raise UnsupportedConfigError(f"DoRA in LoRA mode {module.lora_mode!r}: use --lora-mode merged or fused")
+    dims = getattr(getattr(rt, "plan", None), "dims", None)
+    if dims is not None and (dims.tp > 1 or dims.sp > 1):
+        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
+                                     "branch is not sharded; use --lora-mode merged or fused")
+    return True
 
 
 def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Tensor | None:
@@ -143,17 +181,11 @@ def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Ten
     ``[B, S, in]``, or None (no adapter, or a merged/fused one).
 
     Raises:
-        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded; TP/SP run strict,
-            which refuses unfused modes first). CFG-parallel ranks run whole branches: allowed.
+        UnsupportedConfigError: as ``_unfused`` (TP/SP, DoRA).
     """
-    a = getattr(module, "lora_A", None)
-    if a is None or module.lora_mode not in UNFUSED_MODES:
+    if not _unfused(module, rt):
         return None
-    dims = getattr(getattr(rt, "plan", None), "dims", None)
-    if dims is not None and (dims.tp > 1 or dims.sp > 1):
-        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
-                                     "branch is not sharded; use --lora-mode merged or fused")
-    return call(rt, "lora_delta", x, a.weight, module.lora_B.weight, float(module.lora_scale),
+    return call(rt, "lora_delta", x, module.lora_A.weight, module.lora_B.weight, float(module.lora_scale),
                 stream=stream, layout=None)
 
 
@@ -167,25 +199,45 @@ def lora_deltas(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[s
     return {"deltas": ds} if len(ds) > 1 else {"delta": ds[0]}
 
 
-def _blocks(model) -> list[tuple[int, nn.Module]]:
-    return list(enumerate(model.transformer_blocks))
+def lora_branches(rt, *modules: nn.Module) -> dict[str, Any]:
+    """The keyword argument ``lora`` of an operator whose Linear inputs exist only inside it
+    (``adaln_mod_projection``, ``final_adaln_out``: SiLU(temb); ``txt_in_rmsnorm_linear``: the
+    RMSNorm; ``timestep_embed_mlp``: the sinusoid and SiLU(linear_1)): per module ``None`` or
+    its factors ``(lora_A [r, in], lora_B [out, r], scale)``, which the production operator runs
+    as ``lora_delta`` runs them (``ops.lora.peft_branch``) on the Linear's input; ``{}`` when no
+    module is unfused. One module gives ``lora=(A, B, s)``, several a tuple of them.
+
+    Raises:
+        UnsupportedConfigError: as ``_unfused`` (TP/SP, DoRA).
+    """
+    fs = tuple((m.lora_A.weight, m.lora_B.weight, float(m.lora_scale)) if _unfused(m, rt) else None
+               for m in modules)
+    if all(f is None for f in fs):
+        return {}
+    return {"lora": fs if len(fs) > 1 else fs[0]}
 
 
-def _module(block: nn.Module, target: str) -> nn.Module:
-    m = block
-    for part in target.split("."):
+def _module(root: nn.Module, name: str) -> nn.Module:
+    m = root
+    for part in name.split("."):
         m = m[part] if isinstance(m, nn.ModuleDict) else getattr(m, part)
     return m
 
 
+def adaptable_modules(model) -> list[str]:
+    """Every Linear's module name in forward order: ``INPUT_MODULES``, each block's
+    ``BLOCK_MODULES``, ``OUTPUT_MODULES`` (diffusers' names)."""
+    blocks = [f"transformer_blocks.{i}.{t}" for i in range(len(model.transformer_blocks)) for t in BLOCK_MODULES]
+    return [*INPUT_MODULES, *blocks, *OUTPUT_MODULES]
+
+
 def lora_modules(model) -> dict[str, nn.Module]:
-    """``{"transformer_blocks.{i}.{target}": Linear}`` of every adapted module, in block order."""
+    """``{module name: Linear}`` of every adapted module, in ``adaptable_modules`` order."""
     out = {}
-    for i, block in _blocks(model):
-        for t in LORA_TARGET_MODULES:
-            m = _module(block, t)
-            if getattr(m, "lora_A", None) is not None:
-                out[f"transformer_blocks.{i}.{t}"] = m
+    for name in adaptable_modules(model):
+        m = _module(model, name)
+        if getattr(m, "lora_A", None) is not None:
+            out[name] = m
     return out
 
 
@@ -195,12 +247,15 @@ def has_lora(model) -> bool:
 
 def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float = 0.0,
                 freeze_base: bool = True, mode: str = "merged") -> dict[str, nn.Parameter]:
-    """Attach a fresh adapter to every module ``cfg`` targets (peft's matching, per-module rank
-    and scale from ``rank_pattern`` / ``alpha_pattern`` / ``use_rslora``, ``lora_formats``).
+    """Attach a fresh adapter to every module ``cfg`` targets (peft's matching, ``all-linear``
+    included; per-module rank and scale from ``rank_pattern`` / ``alpha_pattern`` /
+    ``use_rslora``, ``lora_formats``).
 
-    Init (deterministic, CPU fp32 generator, blocks then ``LORA_TARGET_MODULES`` order):
+    Init (deterministic, CPU fp32 generator, ``adaptable_modules`` order):
     ``lora_A`` ~ U(−1/√in, 1/√in) (peft's kaiming-uniform with a = √5 gives this bound),
-    ``lora_B`` = 0 (peft's default) or N(0, init_b_std²) when ``init_b_std > 0``.
+    ``lora_B`` = 0 (peft's default) or N(0, init_b_std²) when ``init_b_std > 0``; with
+    ``cfg.use_dora`` the magnitude vector ``[out]`` is the row norm of ``W + scale·B·A`` (peft's
+    ``DoraLinearLayer.update_layer``).
 
     Args:
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter.
@@ -211,22 +266,25 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
         The adapter parameters by peft key name.
 
     Raises:
-        CheckpointError: an adapter already attached; ``cfg`` selects a Linear that is not one
-            of ``LORA_TARGET_MODULES`` (named), or no module at all.
+        CheckpointError: an adapter already attached; ``cfg`` selects a module that is not one
+            of the model's Linears (named), or no module at all.
+        UnsupportedConfigError: DoRA in an unfused mode (its branch needs the base GEMM's
+            output without bias, which the fused RFC operators do not expose).
     """
     if has_lora(model):
         raise CheckpointError("the model already carries a LoRA adapter")
     check_lora_mode(mode)
-    adaptable = {f"transformer_blocks.{i}.{t}" for i, _ in _blocks(model) for t in LORA_TARGET_MODULES}
+    if cfg.use_dora and mode in UNFUSED_MODES:
+        raise UnsupportedConfigError(f"DoRA in LoRA mode {mode!r}: use --lora-mode merged or fused")
+    adaptable = adaptable_modules(model)
     linears = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-               and m.weight.dim() == 2 and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
+               and m.weight.dim() == 2 and n.rsplit(".", 1)[-1] not in FACTOR_NAMES]
     unsupported = [n for n in linears if n not in adaptable and cfg.targets(n)]
-    chosen = [n for n in sorted(adaptable, key=_order) if cfg.targets(n)]
+    chosen = [n for n in adaptable if cfg.targets(n)]
     if unsupported or not chosen:
         raise CheckpointError(f"unsupported LoRA target_modules {cfg.target_modules!r}: "
-                              + (f"selects {', '.join(unsupported[:6])} (drifttool adapts only "
-                                 f"{', '.join(LORA_TARGET_MODULES)})" if unsupported else
-                                 "selects no module of the MMDiT"))
+                              + (f"selects {', '.join(unsupported[:6])} (not a Linear of the MMDiT)"
+                                 if unsupported else "selects no module of the MMDiT"))
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     for name in chosen:
         m = model.get_submodule(name)
@@ -243,16 +301,22 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
                 m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
         m.lora_scale = cfg.scale(name)
         m.lora_mode = mode
+        if cfg.use_dora:
+            m.lora_magnitude_vector = nn.Parameter(torch.zeros(out_f, dtype=fdt, device=dev))
+            if m.weight.device.type != "meta":
+                with torch.no_grad():
+                    w = m.weight.to(fdt) + m.lora_scale * (m.lora_B.weight @ m.lora_A.weight)
+                    m.lora_magnitude_vector.copy_(torch.linalg.norm(w, dim=1))
     model.lora_config = cfg
     if freeze_base:
         for name, p in model.named_parameters():
-            p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+            p.requires_grad_(is_adapter_parameter(name))
     return lora_parameters(model)
 
 
-def _order(name: str) -> tuple[int, int]:
-    block, target = name.removeprefix("transformer_blocks.").split(".", 1)
-    return int(block), LORA_TARGET_MODULES.index(target)
+def is_adapter_parameter(name: str) -> bool:
+    """True for ``….lora_A.weight``, ``….lora_B.weight`` and ``….lora_magnitude_vector``."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith(".lora_magnitude_vector")
 
 
 def add_lora(
@@ -267,17 +331,20 @@ def add_lora(
     freeze_base: bool = True,
 ) -> dict[str, nn.Parameter]:
     """Attach a fresh adapter (rank ``rank``, scale α/r, or α/√r with ``use_rslora``) to
-    ``targets`` (default all of ``LORA_TARGET_MODULES``) of every block; init as ``attach_lora``.
+    ``targets`` (default all of ``LORA_TARGET_MODULES``; also ``img_mod.1`` / ``txt_mod.1`` and
+    the model-level ``INPUT_MODULES`` / ``OUTPUT_MODULES``) of every block; init as
+    ``attach_lora``.
 
     Raises:
         CheckpointError: rank < 1, non-finite alpha, an unknown target, or an adapter already
             attached.
     """
     targets = tuple(LORA_TARGET_MODULES if targets is None else targets)
-    bad = sorted(set(targets) - set(LORA_TARGET_MODULES))
+    known = (*BLOCK_MODULES, *INPUT_MODULES, *OUTPUT_MODULES)
+    bad = sorted(set(targets) - set(known))
     why = ([f"rank must be >= 1, got {rank}"] * (int(rank) < 1)
            + [f"alpha must be a finite number, got {alpha}"] * (not math.isfinite(float(alpha)))
-           + [f"unknown targets {bad} (known: {', '.join(LORA_TARGET_MODULES)})"] * bool(bad)
+           + [f"unknown targets {bad} (known: {', '.join(known)})"] * bool(bad)
            + ["no target modules"] * (not targets))
     if why:
         raise CheckpointError("bad LoRA config: " + "; ".join(why))
@@ -287,13 +354,14 @@ def add_lora(
 
 
 def lora_parameters(model) -> dict[str, nn.Parameter]:
-    """Adapter parameters by peft key name (``….lora_A.weight`` / ``….lora_B.weight``)."""
-    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    """Adapter parameters by peft key name (``….lora_A.weight`` / ``….lora_B.weight`` /
+    ``….lora_magnitude_vector``)."""
+    return {n: p for n, p in model.named_parameters() if is_adapter_parameter(n)}
 
 
 def base_parameters(model) -> dict[str, nn.Parameter]:
-    """Every parameter that is not an adapter factor."""
-    return {n: p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n}
+    """Every parameter that is not an adapter parameter."""
+    return {n: p for n, p in model.named_parameters() if not is_adapter_parameter(n)}
 
 
 def lora_scales(model) -> dict[str, float]:
@@ -311,4 +379,6 @@ def remove_lora(model) -> None:
     """Detach every adapter (the base parameters keep their ``requires_grad``)."""
     for m in lora_modules(model).values():
         del m.lora_A, m.lora_B, m.lora_scale, m.lora_mode
+        if getattr(m, "lora_magnitude_vector", None) is not None:
+            del m.lora_magnitude_vector
     model.lora_config = None

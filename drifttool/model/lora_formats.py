@@ -28,14 +28,17 @@ peft's ``get_pattern_key``), else the config's ``r`` / ``lora_alpha``; scale = �
 diffusers' convention for alpha-less LoRAs: α = r per module (scale 1, ``W + B·A``); the config
 then says ``alpha_given: false`` so the manifest shows it.
 
-Refused (fail closed, one error naming the fields): anything but ``peft_type`` LORA; DoRA
-(``use_dora``), ``lora_bias``, ``bias`` other than ``"none"`` (base biases saved in the adapter),
+Also read: kohya-style files (``lora_unet_…`` names, ``.lora_down`` / ``.lora_up`` / ``.alpha``),
+converted as diffusers' Qwen-Image loader converts them (``from_kohya``: alpha folded into the
+factors); DoRA (``use_dora``: ``<module>.lora_magnitude_vector`` ``[out]``); ``all-linear``.
+
+Refused (fail closed, one error naming the fields): anything but ``peft_type`` LORA;
+``lora_bias``, ``bias`` other than ``"none"`` (base biases saved in the adapter),
 ``fan_in_fan_out``, ``modules_to_save``, ``layers_to_transform`` / ``layers_pattern``,
-``exclude_modules``, ``target_modules="all-linear"``, initialisations that rewrite the base weights
-(PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA), and any other config field set to a non-default value
-that drifttool does not know (peft variants such as aLoRA, QALoRA, Arrow). ``lora_dropout`` is
-accepted and has no effect: it acts only in peft's training forward, and drifttool's forward is
-the eval one (merged, fused or unfused).
+``exclude_modules``, initialisations that rewrite the base weights (PiSSA, OLoRA, LoftQ, CorDA,
+LoRA-GA), and any other config field set to a non-default value that drifttool does not know
+(peft variants such as aLoRA, QALoRA, Arrow). ``lora_dropout`` is accepted and has no effect: it
+acts only in peft's training forward, and drifttool's forward is the eval one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,40 @@ from typing import Any
 import torch
 
 from drifttool.errors import CheckpointError
+from drifttool.model.lora_kohya import from_kohya, is_kohya
+
+# Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
+# streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
+LORA_TARGET_MODULES = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
+BLOCK_MODULES = LORA_TARGET_MODULES + ("img_mod.1", "txt_mod.1")
+"""Every Linear of a block, as suffixes inside ``transformer_blocks.{i}``: the Flow-GRPO targets
+and the modulation projections (``adaln_mod_projection``)."""
+INPUT_MODULES = (
+    "time_text_embed.timestep_embedder.linear_1",
+    "time_text_embed.timestep_embedder.linear_2",
+    "txt_in",
+    "img_in",
+)
+"""The embedders' Linears (block −1: ``timestep_embed_mlp``, ``txt_in_rmsnorm_linear``,
+``latent_proj_gemm``), in call order."""
+OUTPUT_MODULES = ("norm_out.linear", "proj_out")
+"""The final Linears (block ``num_layers``: ``final_adaln_out``, ``latent_proj_gemm``)."""
+ALL_LINEAR = "all-linear"
+"""peft's shorthand for every ``nn.Linear`` of the model (``_maybe_include_all_linear_layers``:
+a diffusers model is no ``PreTrainedModel``, so no output layer is left out)."""
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -62,10 +99,10 @@ _KNOWN = {  # config fields with no effect on the adapted weight, or honoured be
     "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
     "peft_version", "r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern",
     "lora_dropout", "init_lora_weights", "megatron_core", "qalora_group_size", "runtime_config",
-    "ensure_weight_tying", "eva_config", "loftq_config", "corda_config", "lora_ga_config",
+    "ensure_weight_tying", "eva_config", "loftq_config", "corda_config", "lora_ga_config", "use_dora",
 }
 _REFUSED = {  # field: (why, value that is fine)
-    "use_dora": ("DoRA", False), "lora_bias": ("a bias on lora_B", False),
+    "lora_bias": ("a bias on lora_B", False),
     "bias": ("trained base biases", "none"), "fan_in_fan_out": ("transposed (Conv1D) weights", False),
     "modules_to_save": ("fully trained modules", None),
     "layers_to_transform": ("a layer subset", None), "layers_pattern": ("a layer subset", None),
@@ -90,10 +127,14 @@ class AdapterConfig:
     rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
     alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_dropout: float = 0.0
+    use_dora: bool = False
     alpha_given: bool = True
 
     def targets(self, module: str) -> bool:
-        """peft's ``check_target_module_exists`` for LoRA: regex fullmatch, or name/suffix match."""
+        """peft's ``check_target_module_exists`` for LoRA: regex fullmatch, or name/suffix match;
+        ``all-linear`` (any case) matches every module (callers ask about Linears only)."""
+        if isinstance(self.target_modules, str) and self.target_modules.lower() == ALL_LINEAR:
+            return True
         if isinstance(self.target_modules, str):
             return re.fullmatch(self.target_modules, module) is not None
         return any(module == t or module.endswith("." + t) for t in self.target_modules)
@@ -115,13 +156,15 @@ class AdapterConfig:
                 "inference_mode": True, "r": self.r, "lora_alpha": self.lora_alpha, "target_modules": targets,
                 "use_rslora": self.use_rslora, "rank_pattern": dict(self.rank_pattern),
                 "alpha_pattern": dict(self.alpha_pattern), "lora_dropout": self.lora_dropout,
-                "bias": "none", "use_dora": False, "lora_bias": False, "fan_in_fan_out": False,
+                "bias": "none", "use_dora": self.use_dora, "lora_bias": False, "fan_in_fan_out": False,
                 "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
                 "layers_pattern": None, "exclude_modules": None}
 
     def record(self) -> dict[str, Any]:
         """JSON-ready fields for the manifest."""
         d = dataclasses.asdict(self)
+        if not self.use_dora:  # recorded only when set (earlier manifests have no such key)
+            del d["use_dora"]
         if not isinstance(self.target_modules, str):
             d["target_modules"] = list(self.target_modules)
         return d
@@ -150,8 +193,6 @@ def parse_config(raw: Any, where: str) -> AdapterConfig:
     init = raw.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
         bad.append(f"init_lora_weights={init!r} (rewrites the base weights)")
-    if raw.get("target_modules") == "all-linear":
-        bad.append("target_modules='all-linear' (adapts non-target Linears)")
     bad += [f"{k}={raw[k]!r} (unknown to drifttool)" for k in sorted(raw)
             if k not in _KNOWN and k not in _REFUSED and raw[k] not in (None, False, {}, [], "")]
     if bad:
@@ -177,6 +218,7 @@ def parse_config(raw: Any, where: str) -> AdapterConfig:
             math.isfinite(a) for a in (alpha, *alphas.values())):
         raise CheckpointError(f"{where}: bad rank or alpha (r={r}, lora_alpha={alpha}, {ranks}, {alphas})")
     return AdapterConfig(r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
+                         use_dora=bool(raw.get("use_dora", False)),
                          target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
                          rank_pattern=ranks, alpha_pattern=alphas, lora_dropout=dropout)
 
@@ -193,9 +235,13 @@ def _load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """Keys without ``prefix`` (keys lacking it stay as they are, to be reported as unexpected)
-    and without peft's in-memory adapter name (``lora_A.default.weight`` → ``lora_A.weight``)."""
-    return {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k.removeprefix(prefix)): t
-            for k, t in tensors.items()}
+    and without peft's in-memory adapter name (``lora_A.default.weight`` → ``lora_A.weight``,
+    ``lora_magnitude_vector.default.weight`` → ``lora_magnitude_vector``)."""
+    def name(k: str) -> str:
+        k = re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k.removeprefix(prefix))
+        return re.sub(r"\.lora_magnitude_vector\.default\.weight$", ".lora_magnitude_vector", k)
+
+    return {name(k): t for k, t in tensors.items()}
 
 
 def _read_peft(folder: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
@@ -210,6 +256,9 @@ def _read_peft(folder: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
 
 def _read_diffusers(path: Path) -> tuple[dict[str, torch.Tensor], AdapterConfig | None]:
     tensors, meta = _load_safetensors(path)
+    if is_kohya(tensors):  # no config: scale 1 after folding alpha in (diffusers)
+        tensors, alpha_given = from_kohya(tensors, path, (*INPUT_MODULES, *OUTPUT_MODULES), BLOCK_MODULES)
+        return tensors, dataclasses.replace(_config_from_shapes(tensors, path), alpha_given=alpha_given)
     prefixed = any(k.startswith(DIFFUSERS_PREFIX) for k in tensors)
     cfg = None
     if DIFFUSERS_METADATA_KEY in meta:
@@ -239,8 +288,9 @@ def _config_from_shapes(tensors: dict[str, torch.Tensor], where: Path) -> Adapte
     values = sorted(ranks.values())
     r = max(set(values), key=lambda v: (values.count(v), -v))
     odd = {f"^{re.escape(m)}": v for m, v in ranks.items() if v != r}
+    dora = any(k.endswith(".lora_magnitude_vector") for k in tensors)  # diffusers' get_peft_kwargs
     return AdapterConfig(r=r, lora_alpha=float(r), target_modules=tuple(sorted(ranks)), rank_pattern=odd,
-                         alpha_pattern={k: float(v) for k, v in odd.items()}, alpha_given=False)
+                         alpha_pattern={k: float(v) for k, v in odd.items()}, use_dora=dora, alpha_given=False)
 
 
 def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:

@@ -88,7 +88,7 @@ def effective_weights(model) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             for name, m in lora_modules(model).items():
                 state[f"{name}.weight"] = peft_merge(m.weight, m.lora_A.weight, m.lora_B.weight,
-                                                     float(m.lora_scale))
+                                                     float(m.lora_scale), getattr(m, "lora_magnitude_vector", None))
     return state
 
 
@@ -111,7 +111,7 @@ def save_lora(model, path: str | Path) -> Path:
 
 def load_lora(model, path: str | Path, *, freeze_base: bool = True,
               mode: str = "merged") -> dict[str, nn.Parameter]:
-    """Load a peft or diffusers adapter (``lora_formats.read_adapter``: folder or file) into
+    """Load a peft, diffusers or kohya adapter (``lora_formats.read_adapter``: folder or file) into
     ``model``, attaching one first if it has none (``attach_lora`` with the file's config and
     ``mode``, so ranks and scales follow peft's rules); the factors are stored FP32 (modes
     ``merged``, ``unfused-fp32``) or rounded to the model dtype (``fused``, ``unfused``: as
@@ -160,14 +160,18 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True,
 # gradients
 
 
-def grad_identity(name: str) -> tuple[int, str, str]:
+def grad_identity(name: str, num_layers: int) -> tuple[int, str, str]:
     """(block, stream, op) of an adapter parameter's gradient record: ``op`` is the target and
-    factor (``attn.to_q.lora_A``), stream img/txt by the target's stream."""
-    rest = name.removeprefix("transformer_blocks.")
-    block, tail = rest.split(".", 1)
-    op = tail.removesuffix(".weight")
-    txt = op.startswith(("attn.add_", "attn.to_add_out", "txt_mlp."))
-    return int(block), "txt" if txt else "img", op
+    factor (``attn.to_q.lora_A``, ``img_in.lora_B``), stream img/txt by the target's stream
+    (``none`` for the timestep MLP); block −1 for the embedders, ``num_layers`` for the final
+    Linears (the call-site blocks of ``drifttool.model.mmdit``)."""
+    op = name.removesuffix(".weight")
+    if name.startswith("transformer_blocks."):
+        block, op = name.removeprefix("transformer_blocks.").removesuffix(".weight").split(".", 1)
+        txt = op.startswith(("attn.add_", "attn.to_add_out", "txt_mlp.", "txt_mod."))
+        return int(block), "txt" if txt else "img", op
+    stream = "none" if op.startswith("time_text_embed.") else "txt" if op.startswith("txt_in.") else "img"
+    return (num_layers if op.startswith(("norm_out.", "proj_out.")) else -1), stream, op
 
 
 def capture_lora_grads(model, recorder, *, phase: str, step: int, sigma: float = math.nan,
@@ -181,7 +185,7 @@ def capture_lora_grads(model, recorder, *, phase: str, step: int, sigma: float =
     for name, p in lora_parameters(model).items():
         if p.grad is None:
             continue
-        block, stream, op = grad_identity(name)
+        block, stream, op = grad_identity(name, len(model.transformer_blocks))
         recorder.capture_grad(phase=phase, step=step, sigma=sigma, block=block, stream=stream,
                               op=op, tensor=p.grad, rank=rank)
         n += 1

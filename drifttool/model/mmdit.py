@@ -51,10 +51,13 @@ the S×S tensors are not materialised for capture (design.md, "Digests"). Produc
 every level (its trace entry notes at L2 that the internals were not captured).
 
 Within a block the image-stream call precedes the text-stream call of the same operator. With a
-LoRA adapter attached (``drifttool.model.lora``), ``lora_merge`` / ``lora_fuse`` (stream img/txt,
-traced, not captured) computes each adapted weight right before the operator that consumes it;
-in an unfused mode ``lora_delta`` computes the adapter branch from the operator's input instead,
-and the operator adds it to its GEMM output (``delta``/``deltas``).
+LoRA adapter attached (``drifttool.model.lora``; any Linear, in or out of the blocks),
+``lora_merge`` / ``lora_fuse`` (the consumer's block and stream, traced, not captured) computes
+each adapted weight right before the operator that consumes it; in an unfused mode
+``lora_delta`` computes the adapter branch from the operator's input instead, and the operator
+adds it to its GEMM output (``delta``/``deltas``), or, where that input exists only inside the
+operator (the timestep MLP, ``txt_in``, the modulation projections, ``norm_out``), the operator
+receives the factors (``lora``) and adds the same branch itself.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from torch.utils.checkpoint import checkpoint
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.config import MMDiTConfig
+from drifttool.model.lora import adapted_weight, lora_branches, lora_deltas
 from drifttool.model.mmdit_block import AttentionContext, Block, Gain, Linear
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.ops.registry import call
@@ -193,13 +197,17 @@ class MMDiT(nn.Module):
 
         with rt.scope(block=-1):
             # temb = linear_2(SiLU(linear_1(sinusoid(τ)))); T = RMSNorm(txt)·Wᵀ + b; I = x·Wᵀ + b
+            # (each weight LoRA-merged when adapted, or its unfused branch passed: drifttool.model.lora)
             te = self.time_text_embed.timestep_embedder
-            temb = call(rt, "timestep_embed_mlp", tau, te.linear_1.weight, te.linear_1.bias,
-                        te.linear_2.weight, te.linear_2.bias, stream="none", layout="B.")  # [B, d]
-            t = call(rt, "txt_in_rmsnorm_linear", txt, self.txt_norm.weight, self.txt_in.weight,
-                     self.txt_in.bias, eps=cfg.eps, stream="txt", layout="BS.")  # [B, L, d]
-            i = call(rt, "latent_proj_gemm", x, self.img_in.weight, self.img_in.bias,
-                     stream="img", layout="BS.")  # [B, N, d]
+            l1, l2 = te.linear_1, te.linear_2
+            temb = call(rt, "timestep_embed_mlp", tau, adapted_weight(l1, rt, "none"), l1.bias,
+                        adapted_weight(l2, rt, "none"), l2.bias, stream="none", layout="B.",
+                        **lora_branches(rt, l1, l2))  # [B, d]
+            t = call(rt, "txt_in_rmsnorm_linear", txt, self.txt_norm.weight, adapted_weight(self.txt_in, rt, "txt"),
+                     self.txt_in.bias, eps=cfg.eps, stream="txt", layout="BS.",
+                     **lora_branches(rt, self.txt_in))  # [B, L, d]
+            i = call(rt, "latent_proj_gemm", x, adapted_weight(self.img_in, rt, "img"), self.img_in.bias,
+                     stream="img", layout="BS.", **lora_deltas(x, rt, "img", self.img_in))  # [B, N, d]
 
         checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
         for index, block in enumerate(self.transformer_blocks):
@@ -211,10 +219,11 @@ class MMDiT(nn.Module):
 
         with rt.scope(block=cfg.num_layers):
             # (scale, shift) = SiLU(temb)·Wᵀ + b, scale first; LN(I)·(1 + scale) + shift; then ·Wᵀ + b
-            y = call(rt, "final_adaln_out", i, temb, self.norm_out.linear.weight, self.norm_out.linear.bias,
-                     eps=cfg.eps, stream="img", layout="BS.")  # [B, N, d]
-            v = call(rt, "latent_proj_gemm", y, self.proj_out.weight, self.proj_out.bias,
-                     stream="img", layout="BS.")  # [B, N, out_dim]
+            norm = self.norm_out.linear
+            y = call(rt, "final_adaln_out", i, temb, adapted_weight(norm, rt, "img"), norm.bias,
+                     eps=cfg.eps, stream="img", layout="BS.", **lora_branches(rt, norm))  # [B, N, d]
+            v = call(rt, "latent_proj_gemm", y, adapted_weight(self.proj_out, rt, "img"), self.proj_out.bias,
+                     stream="img", layout="BS.", **lora_deltas(y, rt, "img", self.proj_out))  # [B, N, out_dim]
         return v
 
     def _check_inputs(

@@ -22,7 +22,7 @@ from torch import nn
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import adapted_weight, lora_deltas
+from drifttool.model.lora import adapted_weight, lora_branches, lora_deltas
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
 
@@ -66,7 +66,9 @@ class Modulation(NamedTuple):
 
 def _modulation(mod: nn.ModuleDict, temb: torch.Tensor, stream: str, rt: Runtime) -> Modulation:
     """``SiLU(temb)·Wᵀ + b`` split into six: temb ``[B, d]`` → 6 × ``[B, d]``."""
-    m = call(rt, "adaln_mod_projection", temb, mod["1"].weight, mod["1"].bias, stream=stream, layout="B.")  # [B, 6d]
+    lin = mod["1"]
+    m = call(rt, "adaln_mod_projection", temb, adapted_weight(lin, rt, stream), lin.bias,
+             stream=stream, layout="B.", **lora_branches(rt, lin))  # [B, 6d]
     return Modulation(*m.chunk(6, dim=-1))
 
 

@@ -31,7 +31,11 @@ libraries run (peft 0.21.2 ``tuners/lora/layer.py`` ``Linear.merge`` / ``get_del
 on the CPU with D bf16/fp16, ``delta = ((fp32(B) @ fp32(A)) · s).to(D)``, else
 ``delta = (B @ A) · s`` in D; then ``W += delta`` in place, i.e. ``(W + delta)`` in the promoted
 dtype rounded to W's dtype. FP32 factors: delta FP32, one rounding into bf16 W. bf16 factors:
-delta rounded to bf16 (on CUDA the bf16 matmul's own rounding), then a bf16 add.
+delta rounded to bf16 (on CUDA the bf16 matmul's own rounding), then a bf16 add. A DoRA adapter
+(``magnitude`` m ``[out]``) merges as peft's ``DoraLinearVariant.merge_unsafe``:
+``W' = (m / ‖W + delta‖_row)·(W + delta)``, rounded to W's dtype (``peft_merge``); the strict
+families refuse it (``model.lora.adapted_weight``), and the unfused modes too (``model.lora``: peft's DoRA branch rescales the
+base GEMM's output without its bias, which the fused RFC operators do not expose).
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ LORA_DELTA = declare(
 @implements("lora_merge", "strict", device="cpu", kernel="strict_linear(B,Aᵀ)+fp32_add",
             constraints=(dtypes(LORA_MERGE.dtypes, "w", "a", "b"),))
 def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring).
+    """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring). No DoRA
+    (``model.lora.adapted_weight`` refuses it outside the production family).
 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in] fp32.  b: [out, r] fp32.
@@ -94,39 +99,64 @@ def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
     return w.to(torch.float32) + s * delta
 
 
-def peft_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's ``get_delta_weight`` then ``base_layer.weight.data += delta`` (module docstring),
-    out of place. w [out, in] (W's dtype), a [r, in], b [out, r] (one dtype D) → W' [out, in] in
-    W's dtype."""
+def peft_delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """peft's ``get_delta_weight``: factors of dtype D on device d; on the CPU with D bf16/fp16,
+    ``((fp32(B) @ fp32(A)) · s).to(D)``, else ``(B @ A) · s`` in D. a [r, in], b [out, r] →
+    [out, in] in D."""
     half = b.dtype in (torch.float16, torch.bfloat16)
     cast = b.device.type == "cpu" and half  # peft: "some CPUs have slow bf16/fp16 matmuls"
     wa, wb = (a.float(), b.float()) if cast else (a, b)
     delta = (wb @ wa) * float(scale)  # [out, in]
-    if cast:
-        delta = delta.to(b.dtype)
-    return (w + delta).to(w.dtype)  # in-place ``+=``: promoted add, rounded to W's dtype
+    return delta.to(b.dtype) if cast else delta
+
+
+def peft_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+               magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """peft's unsafe ``merge`` (module docstring), out of place. w [out, in] (W's dtype), a [r, in],
+    b [out, r] (one dtype D) → W' [out, in] in W's dtype.
+
+    LoRA: ``W += delta`` in place, i.e. ``(W + delta)`` in the promoted dtype rounded to W's.
+    DoRA (``magnitude`` [out], peft ``DoraLinearVariant.merge_unsafe``): ``V = W + delta``
+    (promoted dtype), ``n = ‖V‖₂`` per output row (``torch.linalg.norm(V, dim=1)`` in V's
+    dtype; peft's ``get_weight_norm`` with scaling 1), ``W' = ((m / n)·V)`` rounded to W's dtype.
+    """
+    delta = peft_delta(a, b, scale)
+    if magnitude is None:
+        return (w + delta).to(w.dtype)  # in-place ``+=``: promoted add, rounded to W's dtype
+    v = w + delta  # [out, in]
+    norm = torch.linalg.norm(v, dim=1).to(v.dtype)  # [out]
+    return ((magnitude / norm).view(-1, 1) * v).to(w.dtype)
 
 
 @implements("lora_merge", "production", device=DEVICES, kernel="peft.merge(torch.matmul)")
-def lora_merge_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's merge (``peft_merge``) of FP32 factors: ``W += (B @ A) * scale`` computed in FP32,
-    rounded once to W's dtype. w [out, in], a [r, in], b [out, r] → W' [out, in] in W's dtype."""
-    return peft_merge(w, a, b, scale)
+def lora_merge_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                          magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """peft's merge (``peft_merge``, DoRA with ``magnitude`` [out]) of FP32 factors: the delta
+    computed in FP32, rounded once to W's dtype. w [out, in], a [r, in], b [out, r] → W'
+    [out, in] in W's dtype."""
+    return peft_merge(w, a, b, scale, magnitude)
 
 
 @implements("lora_fuse", "production", device=DEVICES, kernel="diffusers.fuse_lora(peft.merge)")
-def lora_fuse_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """diffusers' ``fuse_lora``: peft's merge (``peft_merge``) of factors held in the model
-    dtype. w [out, in], a [r, in], b [out, r] → W' [out, in] in W's dtype."""
-    return peft_merge(w, a, b, scale)
+def lora_fuse_production(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                         magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' ``fuse_lora``: peft's merge (``peft_merge``, DoRA with ``magnitude`` [out]) of
+    factors held in the model dtype. w [out, in], a [r, in], b [out, r] → W' [out, in] in W's
+    dtype."""
+    return peft_merge(w, a, b, scale, magnitude)
+
+
+def peft_branch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """peft's adapter branch: ``F.linear(F.linear(x.to(D), A), B) * scale`` in the factors'
+    dtype D. x [..., in] → [..., out] in D (the base operator adds it, ``add_delta``)."""
+    xd = x if x.dtype == a.dtype else x.to(a.dtype)  # peft _cast_input_dtype
+    return F.linear(F.linear(xd, a), b) * scale  # [..., r] → [..., out]; scaling a python float
 
 
 @implements("lora_delta", "production", device=DEVICES, kernel="peft.Linear.forward(lora_B(lora_A(x)))")
 def lora_delta_production(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """peft's adapter branch: ``F.linear(F.linear(x.to(D), A), B) * scale`` in the factors'
-    dtype D. x [..., in] → [..., out] in D (the base operator adds it, module docstring)."""
-    xd = x if x.dtype == a.dtype else x.to(a.dtype)  # peft _cast_input_dtype
-    return F.linear(F.linear(xd, a), b) * scale  # [..., r] → [..., out]; scaling a python float
+    """peft's adapter branch (``peft_branch``). x [..., in] → [..., out] in the factors' dtype."""
+    return peft_branch(x, a, b, scale)
 
 
 def add_delta(result: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
@@ -135,3 +165,10 @@ def add_delta(result: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     if delta is None:
         return result
     return (result + delta).to(result.dtype)
+
+
+def add_branch(result: torch.Tensor, x: torch.Tensor, lora: tuple | None) -> torch.Tensor:
+    """``add_delta(result, peft_branch(x, *lora))``, or ``result`` when ``lora`` is None: the
+    unfused adapter of a Linear whose input x exists only inside a production operator
+    (``model.lora.lora_branches``). x [..., in], result [..., out]."""
+    return result if lora is None else add_delta(result, peft_branch(x, *lora))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import drifttool.ops.specs  # noqa: F401  (the operators implemented here are declared there)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, key_mask_fits, text_len_fits
-from drifttool.ops.lora import add_delta
+from drifttool.ops.lora import add_branch, add_delta
 from drifttool.ops.registry import implements
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -114,9 +114,11 @@ def latent_normalize(z: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, inv
 
 
 @_production("latent_proj_gemm", kernel="torch.nn.functional.linear")
-def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``img_in`` (64→d) / ``proj_out`` (d→64): ``F.linear`` in W with fused bias. ``[B,S,K]→[B,S,N]``."""
-    return F.linear(x, w, b)
+def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                     delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``img_in`` (64→d) / ``proj_out`` (d→64): ``F.linear`` in W with fused bias (+ an unfused
+    LoRA ``delta``, ``add_delta``). ``[B,S,K]→[B,S,N]``."""
+    return add_delta(F.linear(x, w, b), delta)
 
 
 def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,10 +133,14 @@ def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 @_production("txt_in_rmsnorm_linear", kernel="torch.rmsnorm+torch.nn.functional.linear")
 def txt_in_rmsnorm_linear(
-    e: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
+    e: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6,
+    lora: tuple | None = None,
 ) -> torch.Tensor:
-    """``txt_in(txt_norm(e))``: RMSNorm over Dj (§2.5) then ``F.linear``. ``[B,L,Dj] → [B,L,d]``."""
-    return F.linear(_rms_norm(e, gain, eps), w, b)
+    """``txt_in(txt_norm(e))``: RMSNorm over Dj (§2.5) then ``F.linear`` (+ the unfused LoRA
+    branch of ``txt_in`` on the normed input, ``lora`` = (A, B, scale), ``add_branch``).
+    ``[B,L,Dj] → [B,L,d]``."""
+    h = _rms_norm(e, gain, eps)
+    return add_branch(F.linear(h, w, b), h, lora)
 
 
 def _timestep_sinusoid(tau: torch.Tensor, channels: int = 256) -> torch.Tensor:
@@ -150,18 +156,22 @@ def _timestep_sinusoid(tau: torch.Tensor, channels: int = 256) -> torch.Tensor:
 
 @_production("timestep_embed_mlp", kernel="torch.sinusoid_fp32+torch.nn.functional.linear")
 def timestep_embed_mlp(
-    tau: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+    tau: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+    lora: tuple | None = None,
 ) -> torch.Tensor:
     """``temb = linear_2(SiLU(linear_1(W(φ(W(τ))))))`` (numerics §2 step 2 and 5, §2.1).
 
     τ ``[B]`` (≈ σ) is first rounded to the model dtype W = ``w1.dtype`` (diffusers'
     ``timestep.to(hidden_states.dtype)``), the sinusoid is fp32, cast to W, then the MLP runs in
-    W. Returns ``[B, d]`` in W.
+    W. ``lora`` = (branch of ``linear_1``, branch of ``linear_2``), each None or (A, B, scale):
+    the unfused LoRA branches on each Linear's input (``add_branch``). Returns ``[B, d]`` in W.
     """
     _check(tau.dim() == 1, f"timestep_embed_mlp: tau must be [B], got {tuple(tau.shape)}")
+    lora1, lora2 = lora or (None, None)
     dtype = w1.dtype
     phi = _timestep_sinusoid(tau.to(dtype), w1.shape[1]).to(dtype)  # [B, 256]
-    return F.linear(F.silu(F.linear(phi, w1, b1)), w2, b2)  # [B, d]
+    h = F.silu(add_branch(F.linear(phi, w1, b1), phi, lora1))  # [B, d]
+    return add_branch(F.linear(h, w2, b2), h, lora2)  # [B, d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,10 +179,13 @@ def timestep_embed_mlp(
 
 
 @_production("adaln_mod_projection", kernel="torch.silu+torch.nn.functional.linear")
-def adaln_mod_projection(temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``img_mod`` / ``txt_mod``: ``F.linear(SiLU(temb))`` in W. ``[B,d] → [B,6d]``, chunks
+def adaln_mod_projection(temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                         lora: tuple | None = None) -> torch.Tensor:
+    """``img_mod`` / ``txt_mod``: ``F.linear(SiLU(temb))`` in W (+ the unfused LoRA branch on
+    SiLU(temb), ``lora`` = (A, B, scale), ``add_branch``). ``[B,d] → [B,6d]``, chunks
     (shift1, scale1, gate1, shift2, scale2, gate2) (§2.3)."""
-    return F.linear(F.silu(temb), w, b)
+    h = F.silu(temb)
+    return add_branch(F.linear(h, w, b), h, lora)
 
 
 @_production("adaln_modulation", kernel="torch.layer_norm+elementwise")
@@ -316,12 +329,15 @@ def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
 
 @_production("final_adaln_out", kernel="torch.silu+linear+layer_norm")
 def final_adaln_out(
-    x: torch.Tensor, temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, temb: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-6,
+    lora: tuple | None = None,
 ) -> torch.Tensor:
     """diffusers ``AdaLayerNormContinuous`` (§2 step 8): ``(scale, shift) = split(F.linear(SiLU(temb)))``
-    — order (scale, shift) — then ``LN(x) · (1 + scale) + shift`` in W.
+    — order (scale, shift) — then ``LN(x) · (1 + scale) + shift`` in W; ``lora`` = (A, B, scale):
+    the unfused LoRA branch of ``norm_out.linear`` on SiLU(temb) (``add_branch``).
     x ``[B,N,d]``, temb ``[B,d]`` → ``[B,N,d]``."""
-    emb = F.linear(F.silu(temb).to(x.dtype), w, b)  # [B, 2d]
+    h = F.silu(temb).to(x.dtype)
+    emb = add_branch(F.linear(h, w, b), h, lora)  # [B, 2d]
     scale, shift = torch.chunk(emb, 2, dim=1)  # [B, d] each
     normed = F.layer_norm(x, (x.shape[-1],), None, None, eps)
     return normed * (1 + scale)[:, None, :] + shift[:, None, :]

@@ -296,13 +296,12 @@ def _peft_dir(tmp_path, name, **config):
 
 
 @pytest.mark.parametrize("config, word", [
-    ({"use_dora": True}, "DoRA"),
     ({"lora_bias": True}, "lora_bias"),
     ({"bias": "all"}, "base biases"),
     ({"modules_to_save": ["proj_out"]}, "modules_to_save"),
     ({"init_lora_weights": "pissa"}, "rewrites the base weights"),
     ({"use_qalora": True}, "unknown to drifttool"),
-    ({"target_modules": "all-linear"}, "all-linear"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
     ({"peft_type": "LOHA"}, "not a LoRA"),
     ({"rank_pattern": {"attn.to_q(": 2}}, "bad regular expression"),
     ({"lora_alpha": "big"}, "bad r / lora_alpha"),
@@ -316,8 +315,8 @@ def test_unsupported_targets_and_layouts_are_refused(tmp_path):
     from drifttool.model.mmdit import MMDiT, random_init_
 
     m = random_init_(MMDiT(tiny(), dtype=torch.float32), seed=3)
-    with pytest.raises(CheckpointError, match="proj_out"):
-        load_lora(m, _peft_dir(tmp_path, "a", target_modules=["attn.to_q", "proj_out"]))
+    with pytest.raises(CheckpointError, match="selects no module"):
+        load_lora(m, _peft_dir(tmp_path, "a", target_modules=["attn.norm_q"]))  # a gain, no Linear
     assert not lora_parameters(m)
     add_lora(m, rank=2, alpha=4, init_b_std=0.1)
     folder = save_lora(m, tmp_path / "both")
@@ -327,11 +326,10 @@ def test_unsupported_targets_and_layouts_are_refused(tmp_path):
     save_file(sd, str(folder / PEFT_WEIGHTS))
     with pytest.raises(CheckpointError, match="differ in their tensors"):
         read_adapter(folder)
-    kohya = tmp_path / "kohya.safetensors"
-    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 32),
-               "transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 2),
-               "transformer_blocks.0.attn.to_q.alpha": torch.tensor(4.0)}, str(kohya))
-    with pytest.raises(CheckpointError, match=r"unexpected keys \(1\): transformer_blocks.0.attn.to_q.alpha"):
+    kohya = tmp_path / "kohya.safetensors"  # a down factor without its up factor (diffusers refuses it too)
+    save_file({"lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight": torch.zeros(2, 32),
+               "lora_unet_transformer_blocks_0_attn_to_q.alpha": torch.tensor(4.0)}, str(kohya))
+    with pytest.raises(CheckpointError, match="lora_down.weight has no transformer_blocks.0.attn.to_q.lora_up"):
         load_lora(random_init_(MMDiT(tiny(), dtype=torch.float32), seed=3), kohya)
 
 
@@ -340,10 +338,10 @@ def test_cli_refuses_an_unsupported_adapter_in_one_line(tmp_path):
 
     from drifttool.cli.app import app
 
-    folder = _peft_dir(tmp_path, "dora", use_dora=True)
+    folder = _peft_dir(tmp_path, "bias", lora_bias=True)
     res = CliRunner().invoke(app, ["run", "-o", str(tmp_path / "out"), "--lora", str(folder)])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert "unsupported LoRA config: use_dora=True (DoRA)" in " ".join(res.output.split())
+    assert "unsupported LoRA config: lora_bias=True (a bias on lora_B)" in " ".join(res.output.split())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -107,7 +107,8 @@ class _TimestepMLP(torch.autograd.Function):
         dh, dw2, db2 = linear_grads(g32(go), h, f32(w2), (first, need[3], need[4]))
         dw1 = db1 = None
         if first:
-            _, dw1, db1 = linear_grads(dh * silu_grad32(h1), phi, None, (False, need[1], need[2]))
+            # w1 (not None) so a LoRA-merged w1's gradient sink (training.ledger) is found
+            _, dw1, db1 = linear_grads(dh * silu_grad32(h1), phi, w1, (False, need[1], need[2]))
         return (None, cast_like(dw1, w1), cast_like(db1, b1), cast_like(dw2, w2),
                 cast_like(db2, b2), None)
 
@@ -120,4 +121,4 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     Unlike diffusers (which rounds φ and τ to the model dtype), strict keeps FP32 throughout and
     casts once at the output (RFC cast policy).
     """
-    return _TimestepMLP.apply(tau, w1, b1, w2, b2, act_dtype(w1, b1, w2, b2))
+    return _TimestepMLP.apply(tau, w1, b1, w2, b2, act_dtype(b1, w1, b2, w2))  # b1: W (w1 may be LoRA-merged FP32)

@@ -171,7 +171,7 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
     """
     phi = _embed().sinusoid(tau, w1.shape[1])  # [B,256] fp32
     h = _gemv(phi, w1, b1, act="silu", out_dtype=torch.float32)  # [B,d] fp32
-    return _gemv(h, w2, b2, out_dtype=_act_dtype(w1, b1, w2, b2))
+    return _gemv(h, w2, b2, out_dtype=_act_dtype(b1, w1, b2, w2))  # b1: W (w1 may be LoRA-merged FP32)
 
 
 @implements("lora_merge", "strict", device="cuda",
