@@ -373,8 +373,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             prompt_embeds=spec.prompt_embeds, negative_prompt_embeds=spec.negative_prompt_embeds,
             latents=spec.latents, config=read_config(spec.checkpoint or fx.model_dir), img_grid=grid,
             batch=len(_samples(spec, None)) if explicit else None, condition=spec.condition)
-    if spec.preset is not None:
-        check_conditions(spec.preset, external.cond_grids if external is not None else ())
+    if spec.preset is not None and spec.condition is not None:  # too many; too few: the runner,
+        check_conditions(spec.preset, external.cond_grids)       # which sees replayed inputs too
     default_ids = base.get("samples")
     if external is not None and not explicit:
         default_ids = list(range(external.batch or len(default_ids or ())))

@@ -140,8 +140,8 @@ def _segments(
         return [(t0, t0 + n), (pad, size)], RowMap(n, grid, cond)
     if stream == "img":
         if grid is not None and grid[0] * grid[1] + nc != size:
-            raise ValueError(f"img axis has {size} rows, img_grid {grid} and cond_grids "
-                             f"{list(cond)} need {grid[0] * grid[1] + nc}")
+            raise ValueError(f"img axis has {size} rows, img_grid {grid} needs {grid[0] * grid[1]}"
+                             + (f" plus {nc} condition rows (cond_grids {list(cond)})" if cond else ""))
         return [(0, size)], RowMap(0, grid, cond if grid is not None else ())
     if stream == "txt":
         n = size - t0 if txt_len is None else txt_len

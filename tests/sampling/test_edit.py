@@ -211,6 +211,15 @@ def test_strict_rollout_with_conditions_is_batch_invariant(strict_model):
                       dataclasses.replace(cfg, cfg_layout=layout), Runtime(mode="strict"))
         assert torch.equal(one.latents[:, 0].view(torch.int32), full.latents[:, 2].view(torch.int32))
         assert torch.equal(one.logp[:, 0].view(torch.int32), full.logp[:, 2].view(torch.int32))
+    # the training recompute (one sample per trainer forward) re-scores the transitions exactly
+    from drifttool.sampling.rollout import recompute
+    from drifttool.training.trainer import micro_batched
+
+    with torch.no_grad():
+        re = recompute(micro_batched(sampler_model(strict_model), 1), inputs, full.latents, cfg,
+                       Runtime(mode="strict"))
+    win = [i for i in range(steps) if full.in_window[i]]
+    assert win and torch.equal(re.logp[win].view(torch.int32), full.logp[win].view(torch.int32))
     # replay tensors carry the conditions
     back = inputs_from_tensors(replay_tensors(inputs))
     assert back.cond_grids == cond_grids and torch.equal(back.cond, inputs.cond)
