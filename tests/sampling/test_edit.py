@@ -275,3 +275,55 @@ def test_presets_check_condition_counts():
                              ("flow-grpo", ((2, 2),), "no condition")):
         with pytest.raises(DriftToolError, match=msg):
             check_conditions(name, grids)
+
+
+# -- the pipeline itself, captured -----------------------------------------------------------------
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
+def test_captured_edit_pipeline_diffs_identical_against_the_edit_preset(plus, monkeypatch, tmp_path):
+    """``capture_pipeline`` of an unmodified edit pipeline (its transformer's condition rows in
+    the capture) against ``drifttool run --preset diffusers-edit[-plus]`` fed the inputs the
+    capture stored, as files (``--prompt-embeds``, ``--latents``, ``--condition``): IDENTICAL,
+    every record of every step at L2, condition rows included."""
+    from safetensors.torch import load_file, save_file
+
+    from drifttool.adapters.diffusers_pipeline import capture_pipeline
+    from drifttool.adapters.diffusers_qwenimage import run_diffusers
+    from drifttool.artifact.reader import open_run
+    from drifttool.diff.compare import diff_runs
+    from drifttool.diff.report import Verdict
+    from drifttool.settings import RunSpec
+
+    ec.small_areas(monkeypatch)
+    g = torch.Generator().manual_seed(40 + plus)
+    sizes = [(90, 60), (50, 100)] if plus else [(70, 110)]
+    images = [ec.random_image(g, w_, h_) for w_, h_ in sizes]
+    txt, mask = _prompts(g, (6,))
+    neg, _ = _prompts(g, (4,))
+    H, W = 48, 80
+    x0 = torch.randn(1, (H // 16) * (W // 16), 64, generator=g).to(torch.bfloat16)
+    pipe = ec.edit_pipeline(plus)
+    capture_pipeline(pipe, tmp_path / "pipeline", level="L2", image=images if plus else images[0],
+                     prompt_embeds=txt, prompt_embeds_mask=mask.long(), negative_prompt_embeds=neg,
+                     negative_prompt_embeds_mask=torch.ones(neg.shape[:2], dtype=torch.long),
+                     latents=x0, height=H, width=W, num_inference_steps=3, true_cfg_scale=4.0)
+    got = load_file(str(tmp_path / "pipeline" / "inputs.safetensors"))
+    grids = [list(ec.condition_grid(w_, h_)) for w_, h_ in sizes]
+    assert got["cond_grids"].tolist() == grids and torch.equal(got["x0"], x0.float())
+    files = {"pe": {"prompt_embeds": txt}, "ne": {"prompt_embeds": neg},
+             "x0": {"latents": x0},
+             "cond": {"image_latents": got["cond"].to(torch.bfloat16), "condition_grids": got["cond_grids"]}}
+    for name, t in files.items():
+        save_file(t, str(tmp_path / f"{name}.safetensors"))
+    preset = "diffusers-edit-plus" if plus else "diffusers-edit"
+    run_diffusers(RunSpec(mode="auto", preset=preset, capture="L2", steps=3, height=H, width=W,
+                          prompt_embeds=tmp_path / "pe.safetensors",
+                          negative_prompt_embeds=tmp_path / "ne.safetensors",
+                          latents=tmp_path / "x0.safetensors", condition=tmp_path / "cond.safetensors"),
+                  tmp_path / "preset", transformer=diffusers_transformer())
+    rep = diff_runs(open_run(tmp_path / "preset"), open_run(tmp_path / "pipeline"))
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert rep.counts["ops"].differ == 0 and rep.counts["ops"].matched > 300
+    nc = sum(a * b for a, b in grids)
+    rows = [r for r in open_run(tmp_path / "pipeline").ops_table().to_pylist()
+            if r["step"] == 0 and r["stream"] == "img" and r["op"] == "latent_proj_gemm"]
+    assert rows and all(len(r["row_digests"]) == 15 + nc for r in rows)
