@@ -240,7 +240,7 @@ def test_capture_names_condition_rows():
     assert img.rows.row_id(6) == ("cond", 1, 0, 0) and img.tensor.shape[0] == 13
     # from an op record's columns (txt_len, img_h, img_w) the diff names them by condition row
     assert row_id(2 + 6 + 3, 2, 3, 2) == ("cond", 3)
-    with pytest.raises(ValueError, match="cond_grids"):
+    with pytest.raises(ValueError, match=r"img axis has 13 rows, img_grid \(2, 3\) needs 6"):
         canonicalize({**site, "cond_grids": None, "stream": "img"}, out[:, 4:], "BS.")
 
 
