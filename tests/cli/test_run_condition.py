@@ -120,6 +120,13 @@ def test_bad_condition_files_one_line(cli, tmp_path):
         _one_error_line(code, out, str(path.name), *needles)
 
 
+def test_condition_with_sp_refused_before_any_rank_starts(cli, tmp_path):
+    _condition(tmp_path / "c.safetensors", [(2, 3)])
+    code, out = cli("run", "-o", tmp_path / "sp", "--sp", "2", "--condition", tmp_path / "c.safetensors")
+    _one_error_line(code, out, "--sp 2 with --condition", "sequence parallelism")
+    assert not (tmp_path / "sp").exists()
+
+
 def test_condition_under_sequence_parallelism_refused():
     from types import SimpleNamespace
 
