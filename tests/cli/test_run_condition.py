@@ -46,6 +46,9 @@ def test_condition_run_stores_replays_and_names_condition_rows(cli, tmp_path):
     assert torch.equal(stored["cond"], t["image_latents"].float().expand(2, -1, -1))
     replay_run(tmp_path / "a", tmp_path / "replay")
     assert diff_runs(open_run(tmp_path / "a"), open_run(tmp_path / "replay")).verdict.value == "identical"
+    code, out = cli("recompute", tmp_path / "a", "-o", tmp_path / "recompute")  # the trainer's side
+    assert code == 0, out
+    assert diff_runs(open_run(tmp_path / "a"), open_run(tmp_path / "recompute")).verdict.value == "identical"
     # one value of the second condition image changed: the first drift is a condition row
     t2 = dict(t)
     lat = t["image_latents"].clone()
