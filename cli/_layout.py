@@ -72,21 +72,27 @@ def describe(dims: "ParallelDims") -> str:
 
 
 def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str, cfg_branches: int,
-                 cfg_layout: str, capture_from: str = "") -> None:
+                 cfg_layout: str, capture_from: str = "", conditions: int = 0) -> None:
     """Refuse, before any rank starts a process group or opens the artifact, a layout that the
     model or the run cannot take: the plan's own checks (``ParallelPlan.build`` against the
     config of the model in ``model_dir``, on a stand-in context of the layout's world size:
     TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank, Ring
     attention at a capture ``level`` that records attention internals when ``mode``
     (``runtime.Mode``) captures) and ``plan.check_cfg_parallel`` (CFG on, production with
-    sequential CFG only). Nothing for a one-process layout. ``capture_from`` names where a
-    default capture level came from.
+    sequential CFG only); condition images (``conditions`` of them: an edit run) with SP > 1.
+    Nothing for a one-process layout. ``capture_from`` names where a default capture level came
+    from.
 
     Raises:
         DriftToolError (UnsupportedConfigError): naming the option and the reason.
     """
     if not dims.parallel:
         return
+    if conditions and dims.sp > 1:
+        from drifttool.errors import UnsupportedConfigError  # lazy: likewise
+
+        raise UnsupportedConfigError(f"--sp {dims.sp} with --condition: condition images under "
+                                     "sequence parallelism are not supported (use --sp 1)")
     from drifttool.distributed import DistContext  # lazy: likewise
     from drifttool.distributed.plan import ParallelPlan, check_cfg_parallel  # lazy: likewise
     from drifttool.model.checkpoint import read_config  # lazy: likewise
@@ -101,7 +107,8 @@ def settings_layout(fx: Any, settings: Any) -> dict[str, Any]:
     """``check_layout``'s keywords for a resolved run (``settings.resolve``: fixture, settings)."""
     return dict(model_dir=settings.checkpoint or fx.model_dir, mode=settings.mode,
                 level=settings.capture, cfg_branches=settings.cfg_branches,
-                cfg_layout=settings.cfg_layout)
+                cfg_layout=settings.cfg_layout,
+                conditions=len(settings.external.cond_grids) if settings.external is not None else 0)
 
 
 def check_launch(dims: "ParallelDims", launch: "LaunchEnv | None", command: str) -> None:

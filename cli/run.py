@@ -46,7 +46,9 @@ def run(
                    "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
                    "default: the preset's, else merged."),
     preset: Optional[str] = typer.Option(
-        None, help="Production preset: diffusers (QwenImagePipeline's loop) | flow-grpo (Flow-GRPO's "
+        None, help="Production preset: diffusers (QwenImagePipeline's loop) | diffusers-edit "
+                   "(QwenImageEditPipeline's, one --condition image) | diffusers-edit-plus "
+                   "(QwenImageEditPlusPipeline's, one or more) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
     device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
                                help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
@@ -63,6 +65,10 @@ def run(
         None, help="The negative prompt of --prompt (CFG runs only with one, diffusers' rule)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
+    condition: Optional[Path] = typer.Option(
+        None, help="safetensors with the edit pipelines' packed condition latents image_latents "
+                   "[B or 1, Nc, in_channels] and condition_grids [K, 2] (each image's patch grid): "
+                   "joined to the noisy tokens at every forward."),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
@@ -76,7 +82,8 @@ def run(
     loads the model straight onto the GPU (strict there runs the strict CUDA family, contract cuda1:
     its bytes differ from strict CPU's; compare them with `diff --tolerance`);
     `--height/--width` set the image size; `--prompt-embeds`, `--negative-prompt-embeds` and
-    `--latents` take a real pipeline's inputs from safetensors files. Under torchrun
+    `--latents` take a real pipeline's inputs from safetensors files, `--condition` an edit
+    pipeline's packed condition-image latents. Under torchrun
     (`torchrun --nproc-per-node 2 -m drifttool run --batch 4 -o DIR`) the ranks run the batch's
     samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints. With
     `--tp/--sp/--cfg-parallel` (their product = the number of ranks) the ranks run every sample
@@ -96,7 +103,7 @@ def run(
         batch=batch, samples=_samples(samples), mode=mode, capture=capture, seed=seed,
         dtype=dtype, cfg_layout=cfg_layout, lora=lora, lora_mode=lora_mode, preset=preset, device=device, height=height,
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
-        latents=latents,
+        latents=latents, condition=condition,
     )
     if prompt is not None or negative_prompt is not None:
         _prompt_run(spec, out, prompt, negative_prompt, overwrite=overwrite, as_json=as_json,

@@ -33,6 +33,7 @@ from drifttool.model.lora_io import effective_weights, load_lora, lora_record
 from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
+from drifttool.sampling.presets import check_conditions
 from drifttool.sampling.rollout import rollout
 from drifttool.sampling.step import StepOutput, sampler_model
 from drifttool.settings import RunSpec, resolve
@@ -183,6 +184,8 @@ def execute(
         inputs, noise_rec = replay_inputs
     else:
         inputs, noise_rec = s.inputs(fx, model.config)
+    if s.preset is not None:  # the condition images its pipeline takes, before the artifact opens
+        check_conditions(s.preset, inputs.cond_grids)
     tensors = replay_tensors(inputs)
     check_finite(tensors, "replay inputs")
     mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,

@@ -159,7 +159,9 @@ class Runtime:
         (-1 before the blocks, 0..depth-1, depth after, ``schema.SAMPLER_BLOCK`` the sampler),
         ``samples`` (logical sample id of each batch row), ``txt_lens`` (valid prompt length of
         each batch row, or None), ``txt_starts`` (first valid text row of each batch row, or None
-        = 0: prompts padded on the left), ``img_grid`` ((h, w) patch grid), ``rank`` (int: the
+        = 0: prompts padded on the left), ``img_grid`` ((h, w) patch grid), ``cond_grids``
+        (the (h, w) grid of each condition image whose rows follow the image rows, or None:
+        ``drifttool.model.conditions``), ``rank`` (int: the
         owning rank of the records, not part of their identity), ``component`` (the model the
         calls belong to, ``schema.COMPONENTS``; ``"mmdit"``).
         """
@@ -254,6 +256,7 @@ DEFAULT_SCOPE: dict[str, Any] = {
     "txt_lens": None,
     "txt_starts": None,
     "img_grid": None,
+    "cond_grids": None,
     "rank": 0,
     "component": "mmdit",
 }

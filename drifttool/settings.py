@@ -47,7 +47,8 @@ from drifttool.runtime import Mode
 from drifttool.sampling.config import CFG_LAYOUTS, SamplerConfig
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.presets import apply_preset, get_preset, preset_inputs, preset_settings
+from drifttool.sampling.presets import (apply_preset, check_conditions, get_preset, preset_inputs,
+                                        preset_settings)
 from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels)
 
@@ -99,6 +100,11 @@ class RunSpec:
             there is no negative prompt, so CFG is off (diffusers' rule).
         latents: safetensors file with packed ``latents`` [B, N, in_channels] replacing the drawn
             initial latents x0 (the SDE noise is still drawn from ``seed``).
+        condition: safetensors file with the edit pipelines' packed condition latents
+            ``image_latents`` [B or 1, Nc, in_channels] and ``condition_grids`` [K, 2]
+            (``sampling.input_files``): joined to the noisy tokens at every forward
+            (``drifttool.model.conditions``); presets check the image count
+            (``sampling.presets.check_conditions``).
     """
 
     fixture: str | Path | None = None
@@ -128,6 +134,7 @@ class RunSpec:
     prompt_embeds: str | Path | None = None
     negative_prompt_embeds: str | Path | None = None
     latents: str | Path | None = None
+    condition: str | Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,11 +368,14 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         raise DriftToolError(f"{fx.path}: fixture settings lack {', '.join(missing)}")
     explicit = spec.samples is not None or spec.batch is not None
     external = None
-    if spec.prompt_embeds is not None or spec.negative_prompt_embeds is not None or spec.latents is not None:
+    files = (spec.prompt_embeds, spec.negative_prompt_embeds, spec.latents, spec.condition)
+    if any(f is not None for f in files):
         external = read_external_inputs(
             prompt_embeds=spec.prompt_embeds, negative_prompt_embeds=spec.negative_prompt_embeds,
             latents=spec.latents, config=read_config(spec.checkpoint or fx.model_dir), img_grid=grid,
-            batch=len(_samples(spec, None)) if explicit else None)
+            batch=len(_samples(spec, None)) if explicit else None, condition=spec.condition)
+    if spec.preset is not None and spec.condition is not None:  # too many; too few: the runner,
+        check_conditions(spec.preset, external.cond_grids)       # which sees replayed inputs too
     default_ids = base.get("samples")
     if external is not None and not explicit:
         default_ids = list(range(external.batch or len(default_ids or ())))

@@ -9,7 +9,13 @@
     >>> diff_runs(open_run("runs/pipe"), open_run("runs/preset")).verdict
 
 ``pipe(**pipe_kwargs)`` runs as the user would run it (prompt embeddings passed directly,
-``output_type="latent"`` unless given); drifttool only watches:
+``output_type="latent"`` unless given). ``QwenImageEditPipeline`` and
+``QwenImageEditPlusPipeline`` are captured the same way: their ``img_shapes`` name the condition
+images (scope ``cond_grids``, ``drifttool.model.conditions``), the image-stream records hold the
+condition rows too, the step records and x0 the noisy rows only, and the replay inputs store the
+condition latents the transformer received (``cond``, ``cond_grids``), so the capture diffs
+against ``drifttool run --preset diffusers-edit[-plus] --condition FILE``. drifttool only
+watches:
 
 * the transformer: a diffusers ``ModelHook`` (``pipeline_hooks.transformer_tap``) sets the
   runtime scope of each call — step (scheduler steps completed in this call), sigma (the
@@ -59,7 +65,7 @@ import torch
 from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrument
 from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
-from drifttool.adapters.pipeline_scope import TextRows, branch_of, img_grid_of, timestep_policy_of
+from drifttool.adapters.pipeline_scope import TextRows, branch_of, image_grids_of, timestep_policy_of
 from drifttool.adapters.taps import record
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError, UnsupportedConfigError
@@ -117,6 +123,7 @@ class _PipelineCall:
         self.step = 0  # scheduler steps completed in this call
         self.seen: list[str] = []  # branches called in the current step
         self.v: dict[str, torch.Tensor] = {}  # branch -> transformer output [B, N, C]
+        self.cond_grids: tuple[tuple[int, int], ...] = ()  # edit pipelines' condition images
         self.inputs: dict[str, torch.Tensor | None] = {}  # first-step inputs, for the replay file
 
     # -- the transformer ----------------------------------------------------------------------
@@ -127,15 +134,18 @@ class _PipelineCall:
             self._open(args)
         branch = branch_of(context, seen=self.seen, step=self.step)
         self.seen.append(branch)
+        n = self.grid[0] * self.grid[1]  # the noisy rows; the edit pipelines' condition rows follow
         if self.step == 0:
             prefix = "" if branch == "cond" else "neg_"
-            self.inputs.update({"x0": hs, f"{prefix}txt": txt, f"{prefix}mask": mask})
+            self.inputs.update({"x0": hs[:, :n], f"{prefix}txt": txt, f"{prefix}mask": mask})
+            if self.cond_grids:
+                self.inputs["cond"] = hs[:, n:]
         rt = self.session.rt
         with rt.scope(phase="rollout", step=self.step, sigma=self.sigmas[self.step],
                       branch=branch, samples=self.samples, img_grid=self.grid,
-                      **self.text_rows(txt, mask)):
+                      cond_grids=self.cond_grids or None, **self.text_rows(txt, mask)):
             out = run()
-        self.v[branch] = out[0] if isinstance(out, tuple) else out.sample
+        self.v[branch] = (out[0] if isinstance(out, tuple) else out.sample)[:, :n]
         return out
 
     # -- the scheduler -------------------------------------------------------------------------
@@ -180,7 +190,7 @@ class _PipelineCall:
         tr, sched = self.pipe.transformer, self.pipe.scheduler
         hs = args["hidden_states"]
         self.samples = list(range(int(hs.shape[0])))
-        self.grid = img_grid_of(args.get("img_shapes"))
+        self.grid, self.cond_grids = image_grids_of(args.get("img_shapes"))
         policy = timestep_policy_of(args["timestep"].dtype)
         if tr.dtype not in _DTYPE_NAMES:
             raise UnsupportedConfigError(f"transformer dtype {tr.dtype}: one of {sorted(DTYPES)}")
@@ -253,7 +263,9 @@ class _PipelineCall:
             txt=got["txt"].detach().float().cpu(), img_grid=self.grid,
             txt_mask=None if got.get("mask") is None else got["mask"].detach().cpu().bool(),
             neg_txt=None if neg is None else neg.detach().float().cpu(),
-            neg_mask=None if got.get("neg_mask") is None else got["neg_mask"].detach().cpu().bool())
+            neg_mask=None if got.get("neg_mask") is None else got["neg_mask"].detach().cpu().bool(),
+            cond=None if got.get("cond") is None else got["cond"].detach().float().cpu(),
+            cond_grids=self.cond_grids)
         tensors = replay_tensors(inputs)
         self.session.write_inputs(tensors)
         lens = inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None \
@@ -267,7 +279,8 @@ class _PipelineCall:
 
 def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite: bool = False,
                      **pipe_kwargs: Any) -> PipelineCapture:
-    """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` — and write
+    """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` (or edit
+    pipeline) — and write
     its drifttool artifact to ``out`` (module docstring: what is recorded, and how).
 
     Args:

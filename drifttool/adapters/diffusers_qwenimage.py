@@ -91,6 +91,7 @@ from drifttool.adapters.peft_lora import canonical_parameters
 from drifttool.adapters.taps import AFTER, BEFORE, Tap, record, tap_modules
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint_files import transformer_folder
+from drifttool.model.conditions import join_conditions
 from drifttool.model.config import from_diffusers_config
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
@@ -284,12 +285,19 @@ class DiffusersQwenImage(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any):
         return self.transformer.state_dict(*args, **kwargs)
 
-    def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime) -> torch.Tensor:
+    def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime, *, cond=None,
+                cond_grids=()) -> torch.Tensor:
+        """With ``cond`` (edit runs): the edit pipelines' call, ``hidden_states = cat([x, cond])``,
+        ``img_shapes = [[(1, h, w), (1, h_1, w_1), ...]] * B``, output sliced to the N noisy rows
+        (``drifttool.model.conditions``)."""
         h, w = (int(v) for v in img_grid)
+        x_all, grids = join_conditions(x, cond, cond_grids, x.dtype)
+        shapes = [(1, h, w), *((1, a, b) for a, b in grids)] if grids else (1, h, w)
         with instrument(self.transformer, rt):
-            return self.transformer(
-                hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=txt_mask,
-                timestep=tau, img_shapes=[(1, h, w)] * x.shape[0], return_dict=False)[0]
+            v = self.transformer(
+                hidden_states=x_all, encoder_hidden_states=txt, encoder_hidden_states_mask=txt_mask,
+                timestep=tau, img_shapes=[shapes] * x.shape[0], return_dict=False)[0]
+        return v if cond is None else v[:, :x.shape[1]]
 
 
 def _diffusers_version() -> str:

@@ -66,6 +66,28 @@ def branch_of(context: str | None, *, seen: Sequence[str], step: int) -> str:
     return branch
 
 
+def image_grids_of(img_shapes: Any) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+    """The output grid and the condition images' grids of a call's ``img_shapes``:
+    ``QwenImagePipeline``'s ``[[(1, h, w)]] * B`` gives ``((h, w), ())``; the edit pipelines'
+    ``[[(1, h, w), (1, h_1, w_1), ...]] * B`` gives ``((h, w), ((h_1, w_1), ...))``
+    (``drifttool.model.conditions``).
+
+    Raises:
+        UnsupportedConfigError: as ``img_grid_of``; rows with different image lists.
+    """
+    rows = img_shapes or []
+    if rows and all(isinstance(r, list) and len(r) > 1 for r in rows):
+        lists = {tuple(tuple(int(v) for v in s) for s in r) for r in rows}
+        if len(lists) != 1 or any(len(s) != 3 for s in next(iter(lists))):
+            raise UnsupportedConfigError(f"img_shapes {str(img_shapes)[:120]}: every batch row "
+                                         "must hold the same (1, h, w) images")
+        shapes = lists.pop()
+        if any(f != 1 for f, _, _ in shapes):
+            raise UnsupportedConfigError("img_shapes with several frames per image: one frame only")
+        return (shapes[0][1], shapes[0][2]), tuple((h, w) for _, h, w in shapes[1:])
+    return img_grid_of(img_shapes), ()
+
+
 def img_grid_of(img_shapes: Any) -> tuple[int, int]:
     """The ``(h, w)`` patch grid of a call's ``img_shapes``: one ``(frames=1, h, w)`` per batch
     row (QwenImagePipeline passes ``[[(1, h, w)]] * B``; a bare ``[(1, h, w)] * B`` is accepted).

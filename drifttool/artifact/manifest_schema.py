@@ -64,7 +64,7 @@ CFG_LAYOUTS = ("batched", "sequential")
 """``drifttool.sampling.config.CFG_LAYOUTS``."""
 TIMESTEP_POLICIES = ("sigma_fp32", "pipeline_bf16", "t_div_1000_fp32")
 """``drifttool.ops.scheduler.TIMESTEP_POLICIES``."""
-PRESETS = ("diffusers", "flow-grpo")
+PRESETS = ("diffusers", "diffusers-edit", "diffusers-edit-plus", "flow-grpo")
 """``drifttool.sampling.presets.PRESET_NAMES`` (tests/sampling/test_presets.py checks they agree)."""
 LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
 """``drifttool.model.lora.LORA_MODES`` (tests/model/test_lora_modes.py checks they agree)."""

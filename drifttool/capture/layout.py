@@ -12,10 +12,10 @@ Layout tags (docs/architecture.md, "Layout tags"), one character per tensor axis
 
 =====  =============================================================================================
 ``B``  batch row b -> logical sample ``site["samples"][b]`` (``None``: sample b); one part per row
-``S``  sequence rows of the call's stream. img: all ``h*w`` rows; txt: the valid text rows
+``S``  sequence rows of the call's stream. img: all ``h*w + Nc`` rows; txt: the valid text rows
        ``[t0, t0 + txt_lens[b])`` with ``t0 = txt_starts[b]`` (0 when ``txt_starts`` is None:
-       right padding); joint: those and ``[L_pad, L_pad + h*w)`` with ``L_pad = size - h*w``;
-       stream ``none``: all rows
+       right padding); joint: those and ``[L_pad, L_pad + h*w + Nc)`` with
+       ``L_pad = size - h*w - Nc``; stream ``none``: all rows
 ``K``  key axis over the joint sequence: the joint ``S`` selection, whatever the stream
 ``.``  any other axis, kept whole
 =====  =============================================================================================
@@ -28,6 +28,13 @@ or None) is where the valid prompt begins in the padded text axis: prompts padde
 Row digests (capture level L2) are taken along the first ``S`` axis; ``RowMap`` maps a row back
 to ("txt", position) or
 ("img", i, j) with ``(i, j) = divmod(n, w)`` (design.md, "Digests": row-resolvable).
+
+Condition images (edit pipelines, ``drifttool.model.conditions``): the site's ``cond_grids``
+(the (h_k, w_k) of each condition image, or None) adds ``Nc = Σ h_k·w_k`` rows after the
+``h*w`` image rows of the image and joint streams; they are kept (they are computed rows) and
+named ``("cond", k, i, j)``: patch (i, j) of condition image k (1-based, as its RoPE frame
+position). Where only the generated grid is known (an op record's ``img_h``/``img_w``),
+``row_id`` names them ``("cond", m)``, the m-th condition row.
 """
 
 from __future__ import annotations
@@ -49,27 +56,43 @@ class RowMap:
         txt_len: the first ``txt_len`` rows are text positions 0..txt_len-1.
         img_grid: ``(h, w)`` patch grid of the rows after the text rows, or ``None`` when they
             are plain rows without a grid (stream ``none``, or an image stream without a grid).
+        cond_grids: ``(h_k, w_k)`` of each condition image whose rows follow the grid's.
     """
 
     txt_len: int
     img_grid: tuple[int, int] | None
+    cond_grids: tuple[tuple[int, int], ...] = ()
 
     def row_id(self, r: int) -> tuple:
-        """Row ``r`` as ``("txt", pos)``, ``("img", i, j)`` or ``("row", r)``."""
-        return row_id(r, self.txt_len, None if self.img_grid is None else self.img_grid[1])
+        """Row ``r`` as ``("txt", pos)``, ``("img", i, j)``, ``("cond", k, i, j)`` or ``("row", r)``."""
+        if self.img_grid is None:
+            return row_id(r, self.txt_len, None)
+        return row_id(r, self.txt_len, self.img_grid[1], self.img_grid[0], self.cond_grids)
 
 
-def row_id(r: int, txt_len: int, img_w: int | None) -> tuple:
-    """Map canonical row ``r`` to ``("txt", pos)``, ``("img", i, j)`` or ``("row", r)``.
+def row_id(r: int, txt_len: int, img_w: int | None, img_h: int | None = None,
+           cond_grids: Sequence[Sequence[int]] = ()) -> tuple:
+    """Map canonical row ``r`` to ``("txt", pos)``, ``("img", i, j)``, ``("cond", k, i, j)``
+    (patch (i, j) of condition image k, from 1; with ``cond_grids``), ``("cond", m)`` (the m-th
+    condition row, when only ``img_h`` is known) or ``("row", r)``.
 
-    The same rule the diff applies to the ``txt_len``/``img_w`` columns of an op record.
+    The same rule the diff applies to the ``txt_len``/``img_h``/``img_w`` columns of an op record.
     """
     if r < txt_len:
         return ("txt", r)
     if img_w is None:
         return ("row", r)
-    i, j = divmod(r - txt_len, img_w)
-    return ("img", i, j)
+    n = r - txt_len
+    if img_h is None or n < img_h * img_w:
+        i, j = divmod(n, img_w)
+        return ("img", i, j)
+    m = n - img_h * img_w
+    for k, (h, w) in enumerate(cond_grids, start=1):
+        if m < h * w:
+            i, j = divmod(m, w)
+            return ("cond", k, i, j)
+        m -= h * w
+    return ("cond", n - img_h * img_w) if not cond_grids else ("row", r)
 
 
 @dataclass(frozen=True)
@@ -90,28 +113,36 @@ class Part:
     rows: RowMap | None
 
 
+def cond_grids_of(site: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The site's ``cond_grids`` as int pairs (empty when absent or None)."""
+    return tuple((int(g[0]), int(g[1])) for g in (site.get("cond_grids") or ()))
+
+
 def _segments(
     tag: str, stream: str, size: int, txt_len: int | None, grid: tuple[int, int] | None,
-    txt_start: int = 0,
+    txt_start: int = 0, cond: tuple[tuple[int, int], ...] = (),
 ) -> tuple[list[tuple[int, int]], RowMap]:
-    """Row ranges ``[(start, stop)]`` kept along one S/K axis of ``size`` rows, and their map."""
+    """Row ranges ``[(start, stop)]`` kept along one S/K axis of ``size`` rows, and their map
+    (``cond``: the condition images' grids, whose rows follow the image rows)."""
     t0 = txt_start
+    nc = sum(h * w for h, w in cond)
     if tag == "K" or stream == "joint":
         if grid is None:
             raise ValueError(f"layout tag {tag!r} on stream {stream!r} needs site['img_grid']")
-        hw = grid[0] * grid[1]
+        hw = grid[0] * grid[1] + nc
         pad = size - hw
         n = pad - t0 if txt_len is None else txt_len
         if pad < 0 or t0 < 0 or n < 0 or t0 + n > pad:
             raise ValueError(
                 f"joint axis of {size} rows cannot hold {n} text rows from row {t0} and {hw} "
-                f"image rows (img_grid={grid})"
+                f"image rows (img_grid={grid}, cond_grids={list(cond)})"
             )
-        return [(t0, t0 + n), (pad, size)], RowMap(n, grid)
+        return [(t0, t0 + n), (pad, size)], RowMap(n, grid, cond)
     if stream == "img":
-        if grid is not None and grid[0] * grid[1] != size:
-            raise ValueError(f"img axis has {size} rows, img_grid {grid} needs {grid[0] * grid[1]}")
-        return [(0, size)], RowMap(0, grid)
+        if grid is not None and grid[0] * grid[1] + nc != size:
+            raise ValueError(f"img axis has {size} rows, img_grid {grid} needs {grid[0] * grid[1]}"
+                             + (f" plus {nc} condition rows (cond_grids {list(cond)})" if cond else ""))
+        return [(0, size)], RowMap(0, grid, cond if grid is not None else ())
     if stream == "txt":
         n = size - t0 if txt_len is None else txt_len
         if t0 < 0 or n < 0 or t0 + n > size:
@@ -151,6 +182,7 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
     stream = site.get("stream", "none")
     grid = site.get("img_grid")
     grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    cond = cond_grids_of(site)
     samples: Sequence[int] | None = site.get("samples")
     txt_lens: Sequence[int] | None = site.get("txt_lens")
     txt_starts: Sequence[int] | None = site.get("txt_starts")
@@ -173,7 +205,7 @@ def canonicalize(site: dict[str, Any], tensor: torch.Tensor, layout: str) -> lis
         rowmap = None
         for axis, tag in enumerate(tags):
             if tag in "SK":
-                segs, m = _segments(tag, stream, t.shape[axis], txt_len, grid, txt_start)
+                segs, m = _segments(tag, stream, t.shape[axis], txt_len, grid, txt_start, cond)
                 t = _take(t, axis, segs)
                 if axis == row_axis:
                     rowmap = m
@@ -222,7 +254,8 @@ def flat_parts(site: dict[str, Any], tensor: "torch.Tensor", layout: str
         return None
     shape = tuple(tensor.shape)
     key = (layout, shape, site.get("stream", "none"), _tuple(site.get("samples")),
-           _tuple(site.get("txt_lens")), _tuple(site.get("txt_starts")), _tuple(site.get("img_grid")))
+           _tuple(site.get("txt_lens")), _tuple(site.get("txt_starts")), _tuple(site.get("img_grid")),
+           cond_grids_of(site))
     parts = _FLAT_CACHE.get(key, False)
     if parts is False:
         parts = _flat_parts(key)
@@ -237,7 +270,7 @@ def flat_parts(site: dict[str, Any], tensor: "torch.Tensor", layout: str
 
 
 def _flat_parts(key: tuple) -> list[FlatPart] | None:
-    layout, shape, stream, samples, txt_lens, txt_starts, grid = key
+    layout, shape, stream, samples, txt_lens, txt_starts, grid, cond = key
     tags = layout[1:] if layout[:1] == "B" else layout
     if (len(layout) != len(shape) or not set(layout) <= TAGS or "K" in layout
             or "B" in tags or "S" in tags[1:]):
@@ -257,7 +290,7 @@ def _flat_parts(key: tuple) -> list[FlatPart] | None:
         if has_s:
             txt_len = None if not has_b or txt_lens is None else int(txt_lens[b])
             t0 = 0 if not has_b or txt_starts is None else int(txt_starts[b])
-            segs, rowmap = _segments("S", stream, seq, txt_len, grid, t0)
+            segs, rowmap = _segments("S", stream, seq, txt_len, grid, t0, cond)
             ranges = tuple((b * seq + a, b * seq + z) for a, z in segs if z > a)
             n = sum(z - a for a, z in ranges)
             parts.append(FlatPart(sample, ranges, 0, rowmap, (n, *rest)))

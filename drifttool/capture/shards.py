@@ -45,7 +45,7 @@ import torch
 from drifttool import digestcore as core
 from drifttool.capture.digest import (PendingDigest, _halves, _level2, _row_sums, _stats_vec,
                                       dtype_name)
-from drifttool.capture.layout import RowMap, TAGS, _segments, _take
+from drifttool.capture.layout import RowMap, TAGS, _segments, _take, cond_grids_of
 
 _STATS = 4
 
@@ -120,7 +120,7 @@ def logical_parts(site: dict[str, Any], shape: tuple[int, ...], layout: str) -> 
         dims, rowmap = [], None
         for axis, (tag, n) in enumerate(zip(tags, sizes)):
             if tag in "SK":
-                segs, m = _segments(tag, stream, n, txt_len, grid, t0)
+                segs, m = _segments(tag, stream, n, txt_len, grid, t0, cond_grids_of(site))
                 n = sum(max(0, z - a) for a, z in segs)
                 rowmap = m if axis == row_axis else rowmap
             dims.append(n)
@@ -239,7 +239,7 @@ def shard_payload(site: dict[str, Any], tensor: torch.Tensor, layout: str, place
         t0 = 0 if bax < 0 or txt_starts is None else int(txt_starts[b])
         for i, tag in enumerate(tags):  # axes held whole: canonical selection as on one device
             if i not in placed and tag in "SK":
-                segs, _ = _segments(tag, stream, t.shape[i], txt_len, grid, t0)
+                segs, _ = _segments(tag, stream, t.shape[i], txt_len, grid, t0, cond_grids_of(site))
                 t = _take(t, i, segs)
         runs = {i: _axis_runs(tags[i], stream, placement[axes[i]], txt_len, grid, t0) for i in placed}
         n_rows = part.shape[row_pos] if row_pos is not None else 1

@@ -50,7 +50,7 @@ def _row_drift(ra: dict, rb: dict) -> tuple[RowDrift | None, str]:
         return None, f"row counts differ ({len(da)} vs {len(db)}): rows not compared"
     diff = np.nonzero(np.asarray(da, np.uint64) != np.asarray(db, np.uint64))[0]
     w = ra["img_w"]
-    first = [RowRef.of(int(r), row_id(int(r), ra["txt_len"] or 0, w)) for r in diff[:FIRST_ROWS]]
+    first = [RowRef.of(int(r), row_id(int(r), ra["txt_len"] or 0, w, ra["img_h"])) for r in diff[:FIRST_ROWS]]
     return RowDrift(n_rows=len(da), n_differ=int(diff.size), first=first), ""
 
 

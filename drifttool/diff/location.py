@@ -17,7 +17,9 @@ from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK
 
 @dataclass(kw_only=True)
 class RowRef:
-    """One canonical row: ``kind`` is ``"txt"`` (``pos``), ``"img"`` (``i``, ``j``) or ``"row"``."""
+    """One canonical row: ``kind`` is ``"txt"`` (``pos``), ``"img"`` (``i``, ``j``), ``"cond"``
+    (a condition image's row: ``pos`` = the condition row, or ``pos`` = the image k, ``i``, ``j``)
+    or ``"row"``."""
 
     row: int
     kind: str
@@ -30,10 +32,16 @@ class RowRef:
         """From ``drifttool.capture.layout.row_id``'s tuple."""
         if rid[0] == "img":
             return cls(row=row, kind="img", i=rid[1], j=rid[2])
+        if rid[0] == "cond" and len(rid) == 4:
+            return cls(row=row, kind="cond", pos=rid[1], i=rid[2], j=rid[3])
         return cls(row=row, kind=rid[0], pos=rid[1])
 
     def __str__(self) -> str:
-        return f"img ({self.i}, {self.j})" if self.kind == "img" else f"{self.kind} {self.pos}"
+        if self.kind == "img":
+            return f"img ({self.i}, {self.j})"
+        if self.kind == "cond" and self.i is not None:
+            return f"cond image {self.pos} ({self.i}, {self.j})"
+        return f"{self.kind} {self.pos}"
 
 
 @dataclass(kw_only=True)

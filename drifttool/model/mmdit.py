@@ -70,6 +70,7 @@ from torch.utils.checkpoint import checkpoint
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.errors import UnsupportedConfigError
+from drifttool.model.conditions import join_conditions
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import adapted_weight, lora_branches, lora_deltas
 from drifttool.model.mmdit_block import AttentionContext, Block, Gain, Linear
@@ -157,6 +158,9 @@ class MMDiT(nn.Module):
         tau: torch.Tensor,
         img_grid: tuple[int, int],
         rt: Runtime,
+        *,
+        cond: torch.Tensor | None = None,
+        cond_grids: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
         """Velocity prediction v for packed latents x (numerics §2).
 
@@ -171,9 +175,16 @@ class MMDiT(nn.Module):
             img_grid: (h, w) patch grid, shared by the whole batch.
             rt: runtime (mode → backend family, capture, identity scope). Attention is one
                 ``joint_attention_fused`` call; dispatch may expand it (module docstring).
+            cond: packed condition-image latents ``[B, Nc, in_channels]`` in W, or None (edit
+                pipelines, ``drifttool.model.conditions``): the image stream is
+                ``[x | cond]`` (noisy rows first), every operator runs on all N + Nc rows, and
+                v is the first N rows of the output, as ``QwenImageEditPipeline`` slices it.
+            cond_grids: the (h_k, w_k) patch grid of each condition image (Σ h_k·w_k = Nc),
+                frame positions 1, 2, ... in the RoPE table (``model.rope``).
 
         Returns:
-            v ``[B, N, out_dim]`` in W.
+            v ``[B, N, out_dim]`` in W (with ``cond``: a view of the ``[B, N + Nc, out_dim]``
+            output).
 
         Raises:
             UnsupportedConfigError: shapes or dtypes that do not match the model, or a backend
@@ -183,16 +194,18 @@ class MMDiT(nn.Module):
         h, w = (int(v) for v in img_grid)
         self._check_inputs(x, txt, txt_mask, tau, h, w)
         B, N = x.shape[:2]
+        x, cond_grids = join_conditions(x, cond, cond_grids, self.dtype)  # [B, N + Nc, C]
         L = txt.shape[1]
         if txt_mask is not None and txt_mask.dtype != torch.bool:
             txt_mask = txt_mask.to(torch.bool)
         key_mask = None
         if txt_mask is not None:
-            key_mask = torch.cat([txt_mask, torch.ones(B, N, dtype=torch.bool, device=x.device)], dim=1)  # [B, L+N]
+            key_mask = torch.cat([txt_mask, torch.ones(B, x.shape[1], dtype=torch.bool, device=x.device)],
+                                 dim=1)  # [B, L + N + Nc]
         img_freqs, txt_freqs = rope_tables(
             (h, w), L, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
-            algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
-        )  # [N, Dh/2], [L, Dh/2] complex64: portable (strict) or diffusers' polar (production)
+            algorithm=BACKEND_TABLES[rt.mode.family], device=x.device, cond_grids=cond_grids,
+        )  # [N + Nc, Dh/2], [L, Dh/2] complex64: portable (strict) or diffusers' polar (production)
         ctx = AttentionContext(key_mask, img_freqs, txt_freqs)
 
         with rt.scope(block=-1):
@@ -221,10 +234,10 @@ class MMDiT(nn.Module):
             # (scale, shift) = SiLU(temb)·Wᵀ + b, scale first; LN(I)·(1 + scale) + shift; then ·Wᵀ + b
             norm = self.norm_out.linear
             y = call(rt, "final_adaln_out", i, temb, adapted_weight(norm, rt, "img"), norm.bias,
-                     eps=cfg.eps, stream="img", layout="BS.", **lora_branches(rt, norm))  # [B, N, d]
+                     eps=cfg.eps, stream="img", layout="BS.", **lora_branches(rt, norm))  # [B, N + Nc, d]
             v = call(rt, "latent_proj_gemm", y, adapted_weight(self.proj_out, rt, "img"), self.proj_out.bias,
-                     stream="img", layout="BS.", **lora_deltas(y, rt, "img", self.proj_out))  # [B, N, out_dim]
-        return v
+                     stream="img", layout="BS.", **lora_deltas(y, rt, "img", self.proj_out))  # [B, N + Nc, out_dim]
+        return v if cond is None else v[:, :N]  # the noisy rows, as the edit pipelines slice
 
     def _check_inputs(
         self,

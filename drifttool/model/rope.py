@@ -25,6 +25,12 @@ Positions (scale_rope=True):
 - image token n = i·w + j of an h×w patch grid: (0, i − ⌈h/2⌉, j − ⌈w/2⌉);
 - text token k: (p, p, p) with p = max(⌊h/2⌋, ⌊w/2⌋) + k, over the *padded* length L.
 
+With condition images (the edit pipelines' ``img_shapes = [(1, h, w), (1, h_1, w_1), ...]``,
+``QwenEmbedRope.forward``), the image rows are the generated image's, then each condition image's
+in order: image k (0 = the generated one) has frame position k and its own centred row and
+column positions, (k, i − ⌈h_k/2⌉, j − ⌈w_k/2⌉); the text offset is the largest
+max(⌊h_k/2⌋, ⌊w_k/2⌋) over all the images.
+
 Tables are computed on the CPU (as diffusers does, at construction) and then moved to the device.
 Results are cached by (grid, L, axes, theta, algorithm, device); callers must not modify them in
 place.
@@ -67,19 +73,25 @@ def rope_inv_freqs(axis_dim: int, theta: float = 10000, *, algorithm: str = "exa
     raise ValueError(f"unknown RoPE table algorithm {algorithm!r}; expected one of {sorted(ROPE_ALGORITHMS)}")
 
 
-def image_positions(h: int, w: int) -> torch.Tensor:
-    """Integer positions (frame, row, column) of the h·w image tokens, row-major: int64 ``[h·w, 3]``."""
+def image_positions(h: int, w: int, frame: int = 0) -> torch.Tensor:
+    """Integer positions (frame, row, column) of the h·w image tokens of the image at frame
+    position ``frame`` (0: the generated image; k: the k-th condition image), row-major: int64
+    ``[h·w, 3]``."""
     rows = torch.arange(h) - (h - h // 2)  # i − ⌈h/2⌉
     cols = torch.arange(w) - (w - w // 2)  # j − ⌈w/2⌉
     pos = torch.zeros(h, w, 3, dtype=torch.int64)
+    pos[:, :, 0] = int(frame)
     pos[:, :, 1] = rows[:, None]
     pos[:, :, 2] = cols[None, :]
     return pos.reshape(h * w, 3)  # [N, 3]
 
 
-def text_positions(h: int, w: int, txt_len: int) -> torch.Tensor:
-    """Positions of the text tokens: (p, p, p), p = max(⌊h/2⌋, ⌊w/2⌋) + k; int64 ``[L, 3]``."""
-    p = max(h // 2, w // 2) + torch.arange(txt_len, dtype=torch.int64)  # [L]
+def text_positions(h: int, w: int, txt_len: int, cond_grids: tuple[tuple[int, int], ...] = ()
+                   ) -> torch.Tensor:
+    """Positions of the text tokens: (p, p, p), p = max over the images (the h×w one and each
+    of ``cond_grids``) of max(⌊h_k/2⌋, ⌊w_k/2⌋), plus k; int64 ``[L, 3]``."""
+    offset = max(max(a // 2, b // 2) for a, b in ((h, w), *cond_grids))
+    p = offset + torch.arange(txt_len, dtype=torch.int64)  # [L]
     return p[:, None].expand(txt_len, 3).clone()  # [L, 3]
 
 
@@ -108,10 +120,14 @@ def rope_table(
 
 @functools.lru_cache(maxsize=64)
 def _cached_tables(
-    h: int, w: int, txt_len: int, axes_dims: tuple[int, ...], theta: float, algorithm: str, device: str
+    h: int, w: int, txt_len: int, axes_dims: tuple[int, ...], theta: float, algorithm: str, device: str,
+    cond_grids: tuple[tuple[int, int], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    img = rope_table(image_positions(h, w), axes_dims, theta, algorithm=algorithm)  # [N, Dh/2]
-    txt = rope_table(text_positions(h, w, txt_len), axes_dims, theta, algorithm=algorithm)  # [L, Dh/2]
+    grids = ((h, w), *cond_grids)
+    pos = torch.cat([image_positions(a, b, frame=k) for k, (a, b) in enumerate(grids)])  # [N + Nc, 3]
+    img = rope_table(pos, axes_dims, theta, algorithm=algorithm)  # [N + Nc, Dh/2]
+    txt = rope_table(text_positions(h, w, txt_len, cond_grids), axes_dims, theta,
+                     algorithm=algorithm)  # [L, Dh/2]
     return img.to(device), txt.to(device)
 
 
@@ -123,11 +139,15 @@ def rope_tables(
     theta: float = 10000,
     algorithm: str = "exact",
     device: torch.device | str = "cpu",
+    cond_grids: tuple[tuple[int, int], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Image and text RoPE tables for one forward (numerics §2.2).
 
     Args:
         img_grid: (h, w) patch grid; N = h·w.
+        cond_grids: the (h_k, w_k) patch grid of each condition image, in sequence order (edit
+            pipelines); their rows follow the N generated-image rows, image k at frame position k
+            (module docstring). Nc = Σ h_k·w_k.
         txt_len: padded text length L (RoPE ignores the mask, as diffusers 0.42.1 does).
         axes_dims: per-axis sizes (frame, row, column), each even.
         theta: RoPE base.
@@ -136,13 +156,16 @@ def rope_tables(
         device: where the tables are placed (computed on the CPU first).
 
     Returns:
-        ``(img [N, Dh/2], txt [L, Dh/2])``, complex64, cached (do not modify in place).
+        ``(img [N + Nc, Dh/2], txt [L, Dh/2])``, complex64, cached (do not modify in place).
 
     Raises:
-        ValueError: unknown algorithm, odd axis size.
+        ValueError: unknown algorithm, odd axis size, a grid with a side < 1.
     """
     if algorithm not in ROPE_ALGORITHMS:
         raise ValueError(f"unknown RoPE table algorithm {algorithm!r}; expected one of {sorted(ROPE_ALGORITHMS)}")
     h, w = (int(v) for v in img_grid)
+    conds = tuple((int(a), int(b)) for a, b in cond_grids)
+    if min((h, w, *(v for g in conds for v in g))) < 1:
+        raise ValueError(f"every patch grid needs sides >= 1, got {(h, w)} and conditions {conds}")
     return _cached_tables(h, w, int(txt_len), tuple(int(a) for a in axes_dims), theta, algorithm,
-                          str(torch.device(device)))
+                          str(torch.device(device)), conds)

@@ -15,6 +15,11 @@ Formats (safetensors only: never pickle):
   production run computes).
 - ``--latents``: ``latents`` [B, N, in_channels], packed exactly as ``QwenImagePipeline.__call__
   (latents=...)`` takes them (numerics §3.2: N = (H/16)(W/16) image tokens, in_channels = 4·C).
+- ``--condition``: the edit pipelines' condition images, already VAE-encoded, normalised and
+  packed: ``image_latents`` [B or 1, Nc, in_channels] (each image's packed latents concatenated
+  along the tokens, as ``QwenImageEdit[Plus]Pipeline.prepare_latents`` returns them) and
+  ``condition_grids`` [K, 2] integers, the (h_k, w_k) patch grid of each image in order
+  (Σ h_k·w_k = Nc; the pipeline's ``img_shapes[0][1:]``). One row serves every sample.
 
 Every tensor is upcast exactly to float32 (the fixture's embeddings and drawn latents are fp32;
 the model-input cast to W then gives the same bytes as casting the file's values directly).
@@ -37,10 +42,12 @@ from drifttool.model.config import MMDiTConfig
 EMBEDS_KEY = "prompt_embeds"
 MASK_KEY = "prompt_embeds_mask"
 LATENTS_KEY = "latents"
+COND_KEY = "image_latents"
+COND_GRIDS_KEY = "condition_grids"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Value dtypes accepted in the files (each upcasts exactly to float32)."""
 MASK_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-ROLES = ("prompt_embeds", "negative_prompt_embeds", "latents")
+ROLES = ("prompt_embeds", "negative_prompt_embeds", "latents", "condition")
 """The ``input_files`` keys of the manifest's settings, one per option."""
 
 
@@ -52,6 +59,7 @@ class ExternalInputs:
         txt: [B, L, D] fp32 prompt embeddings; txt_mask: [B, L] bool, None when all valid.
         neg_txt: [B, L', D] fp32 negative prompt embeddings; neg_mask likewise.
         x0: [B, N, Cp] fp32 initial packed latents.
+        cond: [B or 1, Nc, Cp] fp32 packed condition latents; cond_grids: their (h, w) grids.
         files: role (``ROLES``) → ``{"path": resolved path, "sha256": hex digest}``.
     """
 
@@ -60,6 +68,8 @@ class ExternalInputs:
     neg_txt: torch.Tensor | None = None
     neg_mask: torch.Tensor | None = None
     x0: torch.Tensor | None = None
+    cond: torch.Tensor | None = None
+    cond_grids: tuple[tuple[int, int], ...] = ()
     files: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
@@ -68,6 +78,8 @@ class ExternalInputs:
         for t in (self.txt, self.x0):
             if t is not None:
                 return int(t.shape[0])
+        if self.cond is not None and self.cond.shape[0] > 1:
+            return int(self.cond.shape[0])
         return None
 
 
@@ -194,6 +206,34 @@ def read_latents(path: str | Path, option: str, img_grid: tuple[int, int], chann
     return _floats(t, LATENTS_KEY, where), record
 
 
+def read_condition(path: str | Path, option: str, channels: int
+                   ) -> tuple[torch.Tensor, tuple[tuple[int, int], ...], dict[str, str]]:
+    """(cond [B, Nc, Cp] fp32, grids ((h_k, w_k), ...), file record) of a condition-latents file.
+
+    Raises:
+        DriftToolError: unreadable file; missing or unexpected key; wrong rank, channels, dtype
+            or non-finite values; grids that are not [K, 2] positive integers or do not sum to Nc.
+    """
+    tensors, record = _read(path, option)
+    where = f"{option} {path}"
+    t = _tensor(tensors, COND_KEY, where, 3, f"packed [B, Nc, in_channels={channels}]")
+    g = _tensor(tensors, COND_GRIDS_KEY, where, 2, "[K, 2] (h, w) patch grids")
+    _only(tensors, (COND_KEY, COND_GRIDS_KEY), where)
+    if t.shape[2] != channels:
+        raise DriftToolError(f"{where}: {COND_KEY!r} has {t.shape[2]} packed channels, the "
+                             f"model's in_channels is {channels}")
+    if g.shape[1] != 2 or g.dtype not in MASK_DTYPES[:-1] or bool((g.to(torch.int64) < 1).any()):
+        raise DriftToolError(f"{where}: {COND_GRIDS_KEY!r} must be [K, 2] positive integers (the "
+                             f"(h, w) patch grid of each condition image), got "
+                             f"{str(g.dtype).removeprefix('torch.')} {list(g.shape)}")
+    grids = tuple((int(a), int(b)) for a, b in g.to(torch.int64).tolist())
+    nc = sum(a * b for a, b in grids)
+    if t.shape[1] != nc:
+        raise DriftToolError(f"{where}: {COND_KEY!r} holds {t.shape[1]} tokens, the condition "
+                             f"grids {[list(x) for x in grids]} give {nc}")
+    return _floats(t, COND_KEY, where), grids, record
+
+
 def read_external_inputs(
     *,
     prompt_embeds: str | Path | None,
@@ -202,6 +242,7 @@ def read_external_inputs(
     config: MMDiTConfig,
     img_grid: tuple[int, int],
     batch: int | None = None,
+    condition: str | Path | None = None,
 ) -> ExternalInputs | None:
     """Read and check the given files (module docstring); None when none is given.
 
@@ -210,10 +251,12 @@ def read_external_inputs(
             files must then hold that many rows. Otherwise they must agree with each other.
 
     Raises:
-        DriftToolError: as ``read_embeds``/``read_latents``; a negative prompt without a prompt;
-            files (or the run) disagreeing on the batch size.
+        DriftToolError: as ``read_embeds``/``read_latents``/``read_condition``; a negative prompt
+            without a prompt; files (or the run) disagreeing on the batch size (a condition file
+            of one row fits any batch).
     """
-    if prompt_embeds is None and negative_prompt_embeds is None and latents is None:
+    if prompt_embeds is None and negative_prompt_embeds is None and latents is None \
+            and condition is None:
         return None
     if negative_prompt_embeds is not None and prompt_embeds is None:
         raise DriftToolError("--negative-prompt-embeds goes with --prompt-embeds (the prompts "
@@ -233,6 +276,13 @@ def read_external_inputs(
         kw["x0"], files["latents"] = read_latents(latents, "--latents", tuple(img_grid),
                                                   config.in_channels)
         rows.append((f"--latents {latents}", kw["x0"].shape[0]))
+    if condition is not None:
+        kw["cond"], kw["cond_grids"], files["condition"] = read_condition(
+            condition, "--condition", config.in_channels)
+        if kw["cond"].shape[0] != 1:
+            rows.append((f"--condition {condition}", kw["cond"].shape[0]))
+    if not rows:
+        return ExternalInputs(**kw, files=files)
     want = batch if batch is not None else rows[0][1]
     for where, b in rows:
         if b != want:

@@ -5,6 +5,10 @@ and how they are stored (``inputs.safetensors``).
     ...                                  num_steps=4, config=model.config)
     >>> sorted(replay_tensors(inputs))          # the tensors the artifact stores
     ['img_grid', 'neg_txt', 'noise', 'sample_ids', 'txt', 'txt_mask', 'x0']
+
+An edit run adds ``cond`` (packed condition-image latents) and ``cond_grids`` (their patch grids,
+int64 [K, 2]); the model receives them at every step and both CFG branches
+(``drifttool.model.conditions``).
     >>> inputs_from_tensors(replay_tensors(inputs)).sample_ids
     [0, 1]
 
@@ -44,6 +48,9 @@ class RolloutInputs:
             [num_steps, N, Cp] (``sampling.noise``); may be None when no step is stochastic.
         neg_txt: [B, L', D] negative prompt embeddings (CFG), or None.
         neg_mask: [B, L'] bool, or None.
+        cond: [B, Nc, Cp] fp32 packed condition-image latents (edit pipelines), or None.
+        cond_grids: (h_k, w_k) patch grid of each condition image, Σ h_k·w_k = Nc; () without
+            ``cond``.
     """
 
     sample_ids: list[int]
@@ -54,6 +61,8 @@ class RolloutInputs:
     noise: torch.Tensor | Sequence[torch.Tensor] | None = None
     neg_txt: torch.Tensor | None = None
     neg_mask: torch.Tensor | None = None
+    cond: torch.Tensor | None = None
+    cond_grids: tuple[tuple[int, int], ...] = ()
 
     @property
     def batch(self) -> int:
@@ -77,6 +86,22 @@ class RolloutInputs:
                 raise ValueError(f"{name} {tuple(t.shape)} must be [B={B}, L, D]")
             if m is not None and (m.shape != t.shape[:2] or m.dtype != torch.bool):
                 raise ValueError(f"{name} mask must be bool [B, L], got {m.dtype} {tuple(m.shape)}")
+        if (self.cond is None) != (not self.cond_grids):
+            raise ValueError("cond and cond_grids go together (condition latents and their grids)")
+        if self.cond is not None:
+            nc = sum(int(a) * int(b) for a, b in self.cond_grids)
+            if tuple(self.cond.shape) != (B, nc, self.x0.shape[2]) or self.cond.dtype != torch.float32:
+                raise ValueError(f"cond must be fp32 [B={B}, Nc={nc}, {self.x0.shape[2]}] for "
+                                 f"cond_grids {list(self.cond_grids)}, got {self.cond.dtype} "
+                                 f"{tuple(self.cond.shape)}")
+
+    def model_kwargs(self, repeat: int = 1) -> dict[str, Any]:
+        """The condition keywords of the model call (``model(..., cond=, cond_grids=)``), the
+        latents repeated ``repeat`` times along the batch (batched CFG); empty without ``cond``."""
+        if self.cond is None:
+            return {}
+        cond = self.cond if repeat == 1 else torch.cat([self.cond] * repeat)
+        return {"cond": cond, "cond_grids": tuple(self.cond_grids)}
 
     def select(self, sample_ids: Sequence[int]) -> "RolloutInputs":
         """The inputs of the logical samples ``sample_ids`` (in that order): the rows a rank runs
@@ -102,7 +127,8 @@ class RolloutInputs:
             noise = [noise[r] for r in rows]
         return RolloutInputs(sample_ids=list(sample_ids), x0=pick(self.x0), txt=pick(self.txt),
                              img_grid=self.img_grid, txt_mask=pick(self.txt_mask), noise=noise,
-                             neg_txt=pick(self.neg_txt), neg_mask=pick(self.neg_mask))
+                             neg_txt=pick(self.neg_txt), neg_mask=pick(self.neg_mask),
+                             cond=pick(self.cond), cond_grids=self.cond_grids)
 
     def to(self, device: torch.device | str) -> "RolloutInputs":
         """The same inputs on ``device`` (values unchanged: a copy, or ``self``'s tensors when
@@ -118,7 +144,8 @@ class RolloutInputs:
             noise = [n.to(device) for n in noise]
         return RolloutInputs(sample_ids=list(self.sample_ids), x0=move(self.x0), txt=move(self.txt),
                              img_grid=self.img_grid, txt_mask=move(self.txt_mask), noise=noise,
-                             neg_txt=move(self.neg_txt), neg_mask=move(self.neg_mask))
+                             neg_txt=move(self.neg_txt), neg_mask=move(self.neg_mask),
+                             cond=move(self.cond), cond_grids=self.cond_grids)
 
     def noise_at(self, step: int) -> torch.Tensor:
         """[B, N, Cp] noise of step ``step``."""
@@ -148,6 +175,9 @@ def replay_tensors(inputs: RolloutInputs) -> dict[str, torch.Tensor]:
         t["neg_txt"] = inputs.neg_txt
     if inputs.neg_mask is not None:
         t["neg_mask"] = inputs.neg_mask.to(torch.uint8)
+    if inputs.cond is not None:
+        t["cond"] = inputs.cond
+        t["cond_grids"] = torch.tensor(inputs.cond_grids, dtype=torch.int64).reshape(-1, 2)
     return t
 
 
@@ -172,6 +202,9 @@ def inputs_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutInputs:
         txt=tensors["txt"], img_grid=tuple(int(i) for i in tensors["img_grid"].tolist()),
         txt_mask=None if mask is None else mask.to(torch.bool), noise=tensors.get("noise"),
         neg_txt=tensors.get("neg_txt"), neg_mask=None if neg_mask is None else neg_mask.to(torch.bool),
+        cond=tensors.get("cond"),
+        cond_grids=tuple((int(a), int(b)) for a, b in tensors["cond_grids"].tolist())
+        if "cond_grids" in tensors else (),
     )
     inputs.validate()
     return inputs
@@ -206,7 +239,9 @@ def build_inputs(
         external: prompts (``txt``/``neg_txt`` with masks, one row per sample, kept at their
             length L) and initial latents ``x0`` read from files; each replaces the fixture's
             prompts or the drawn x0 when set (the SDE noise is drawn from ``seed`` regardless).
-            File prompts without a negative file have no negative prompt (CFG off).
+            File prompts without a negative file have no negative prompt (CFG off). Its
+            condition latents (``cond``, ``cond_grids``) are the inputs' (one row, or one per
+            sample).
 
     Raises:
         UnsupportedConfigError: the config cannot drive a rollout (``MMDiTConfig.latent_channels``).
@@ -225,6 +260,11 @@ def build_inputs(
         img_grid=grid, txt_mask=None if mask is None or bool(mask.all()) else mask, noise=noise.noise,
         neg_txt=nb, neg_mask=None if neg_mask is None or bool(neg_mask.all()) else neg_mask,
     )
+    if external is not None and external.cond is not None:
+        cond = external.cond
+        if cond.shape[0] == 1 and len(ids) > 1:  # one condition for every sample, as the
+            cond = cond.expand(len(ids), -1, -1).contiguous()  # pipelines repeat the image
+        inputs.cond, inputs.cond_grids = cond, tuple(external.cond_grids)
     return inputs, noise.record
 
 

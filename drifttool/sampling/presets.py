@@ -5,6 +5,7 @@
     ('bfloat16', 'pipeline_bf16', 'sequential', 'diffusers_euler', 0.0)
     >>> apply_preset(SamplerConfig(num_steps=10), "flow-grpo", torch.bfloat16).train_timestep_policy
     't_div_1000_fp32'
+    >>> check_conditions("diffusers-edit", ((52, 78),))     # one condition image: fine
 
 A preset is a named bundle of the sampler's byte-changing choices (``Preset``): the dtype of the
 latents between steps, the model timestep encoding of the rollout (and of the trainer's
@@ -38,6 +39,14 @@ LoRA           ``load_lora_weights``: peft     a peft-wrapped transformer: layer
                (``unfused``; ``--lora-mode
                fused`` after ``fuse_lora``)
 =============  ==============================  ====================================
+
+``diffusers-edit`` and ``diffusers-edit-plus`` are ``diffusers`` for ``QwenImageEditPipeline``
+and ``QwenImageEditPlusPipeline``: the same loop (sequential CFG, renorm, Euler step, sigma table
+on the N noisy tokens, noise), with the condition latents (``--condition``) joined to the noisy
+tokens at every forward of both branches (``drifttool.model.conditions``). ``diffusers-edit``
+takes exactly one condition image, ``diffusers-edit-plus`` one or more; ``diffusers`` and
+``flow-grpo`` take none (their pipelines have no condition image): ``check_conditions``. The
+Edit-2511 variant (``zero_cond_t``: condition tokens modulated at t = 0) is not reproduced.
 
 Noise: the pipelines draw the initial latents directly in W (on the CPU the bits equal an fp32
 draw rounded to W, numerics §3.2), so the preset's ``x0`` holds W values (exact in fp32). Flow-GRPO
@@ -74,6 +83,9 @@ class Preset:
         noise: ``"per_sample_offset"`` (diffusers' generator list) or ``"flowgrpo_global"``.
         lora_mode: how the pipeline runs a LoRA adapter (``model.lora.LORA_MODES``), the
             default of ``--lora-mode`` under the preset.
+        conditions: how many condition images the pipeline takes, ``(least, most)`` (``None``:
+            no limit); ``(0, 0)`` for a pipeline without condition images.
+        pipeline: the pipeline class it reproduces (messages).
     """
 
     name: str
@@ -83,17 +95,23 @@ class Preset:
     train_timestep_policy: str | None
     noise: str
     lora_mode: str
+    conditions: tuple[int, int | None] = (0, 0)
+    pipeline: str = "QwenImagePipeline"
 
 
+_DIFFUSERS = dict(cfg_layout="sequential", step_rule="diffusers_euler", sde=False,
+                  train_timestep_policy=None, noise="per_sample_offset", lora_mode="unfused")
 PRESETS: dict[str, Preset] = {
-    "diffusers": Preset(
-        name="diffusers",
-        cfg_layout="sequential", step_rule="diffusers_euler", sde=False,
-        train_timestep_policy=None, noise="per_sample_offset", lora_mode="unfused"),
+    "diffusers": Preset(name="diffusers", **_DIFFUSERS),
+    "diffusers-edit": Preset(name="diffusers-edit", **_DIFFUSERS, conditions=(1, 1),
+                             pipeline="QwenImageEditPipeline"),
+    "diffusers-edit-plus": Preset(name="diffusers-edit-plus", **_DIFFUSERS, conditions=(1, None),
+                                  pipeline="QwenImageEditPlusPipeline"),
     "flow-grpo": Preset(
         name="flow-grpo",
         cfg_layout="batched", step_rule="flow_grpo", sde=True,
-        train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global", lora_mode="unfused-fp32"),
+        train_timestep_policy="t_div_1000_fp32", noise="flowgrpo_global", lora_mode="unfused-fp32",
+        pipeline="Flow-GRPO's QwenImage pipeline_with_logprob"),
 }
 """The presets by name (``manifest_schema.PRESETS`` repeats the names for the torch-free reader)."""
 
@@ -110,6 +128,26 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise DriftToolError(f"unknown preset {name!r} (one of {', '.join(PRESET_NAMES)})") from None
+
+
+def check_conditions(name: str, cond_grids: Sequence[Sequence[int]]) -> None:
+    """Refuse condition images the preset's pipeline does not take (``Preset.conditions``).
+
+    Raises:
+        DriftToolError: unknown preset; too few or too many condition images (one line).
+    """
+    p = get_preset(name)
+    least, most = p.conditions
+    k = len(cond_grids)
+    if k < least or (most is not None and k > most):
+        if most == 0:
+            want = "no condition image (give one with --preset diffusers-edit or diffusers-edit-plus)"
+        elif most is None:
+            want = f"at least {least} condition image(s) (--condition)"
+        else:
+            want = f"exactly {least} condition image(s) (--condition)"
+        raise DriftToolError(f"preset {name!r} reproduces {p.pipeline}, which takes {want}; "
+                             f"the run has {k}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -33,6 +33,7 @@ from drifttool.ops.scheduler import timestep_input
 from drifttool.runtime import Runtime
 from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs
+from drifttool.sampling.presets import check_conditions
 from drifttool.sampling.step import StepCallback, StepOutput, cfg_enabled, run_step
 
 
@@ -72,12 +73,14 @@ class Trajectory:
     complete: bool
 
 
-def check_family(rt: Runtime, cfg: SamplerConfig) -> None:
+def check_family(rt: Runtime, cfg: SamplerConfig, inputs: RolloutInputs) -> None:
     """A preset's sampler (or any non-default ``step_rule``/``latents_dtype``) reproduces a
-    production pipeline's arithmetic: it runs under the production family only.
+    production pipeline's arithmetic: it runs under the production family only, on the condition
+    images its pipeline takes (``presets.check_conditions``).
 
     Raises:
         UnsupportedConfigError: ``rt`` requests another family (strict, audit), one line.
+        DriftToolError: condition images the preset's pipeline does not take.
     """
     custom = cfg.preset is not None or cfg.step_rule != "sde" or cfg.latents_dtype != "float32"
     if custom and rt.family != "production":
@@ -86,6 +89,8 @@ def check_family(rt: Runtime, cfg: SamplerConfig) -> None:
         raise UnsupportedConfigError(
             f"{what} reproduces a production pipeline's arithmetic (bf16 latents, its scheduler "
             f"step): mode {rt.mode.value!r} runs the {rt.family!r} family; use mode auto or off")
+    if cfg.preset is not None:
+        check_conditions(cfg.preset, inputs.cond_grids)
 
 
 def sigma_table(rt: Runtime, cfg: SamplerConfig, img_grid: tuple[int, int],
@@ -151,7 +156,7 @@ def rollout(
             (``check_family``); from the operators (strict dtype/domain checks, missing backend).
     """
     inputs.validate()
-    check_family(rt, cfg)
+    check_family(rt, cfg, inputs)
     phase = "rollout"
     cfg_on = cfg_enabled(inputs, cfg)
     n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
@@ -234,7 +239,7 @@ def recompute(
         ``Trajectory`` with ``latents = stored_latents`` and per-step tensors for ``steps``.
     """
     inputs.validate()
-    check_family(rt, cfg)
+    check_family(rt, cfg, inputs)
     S = cfg.num_steps
     if stored_latents.dim() != 4 or stored_latents.shape[0] != S + 1 \
             or stored_latents.shape[1:] != inputs.x0.shape:

@@ -14,7 +14,9 @@ Per step i (numerics §3.4, §4, §4.1), inside ``rt.scope(phase, step=i, sigma=
    ``branch`` = a tuple with one entry per row: ``("cond",)*B + ("uncond",)*B``; scope
    ``txt_lens``/``txt_starts`` = each row's valid prompt rows, read from the padded mask the
    model receives);
-   ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). With a
+   ``"sequential"`` runs two forwards (scope branch ``"cond"`` then ``"uncond"``). Condition
+   latents (edit runs, ``RolloutInputs.cond``) go to every forward of both branches as
+   ``model(..., cond=, cond_grids=)``, with scope ``cond_grids``. With a
    batch-invariant, padding-invariant (strict) model both give the same bytes. Under a
    CFG-parallel plan each rank runs its own branch and the velocities are gathered.
 3. ``call(rt, "cfg_combine_renorm", v_c, v_u, s)`` under branch ``"cfg"`` (CFG on iff
@@ -109,11 +111,14 @@ def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
 def sampler_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """The model as the sampler calls it: latents stay FP32 between steps; they and the prompt
     embeddings are cast to the model dtype W at the model input (the cast point of the
-    pipeline), and the velocity comes back in W (the SDE step upcasts it, numerics §4)."""
+    pipeline), and the velocity comes back in W (the SDE step upcasts it, numerics §4).
+    Condition latents (``cond=``, with ``cond_grids=``) are cast to W likewise."""
     w = model.dtype
 
-    def forward(x, txt, txt_mask, tau, img_grid, rt):
-        return model(x.to(w), txt.to(w), txt_mask, tau, img_grid, rt)
+    def forward(x, txt, txt_mask, tau, img_grid, rt, **conditions):
+        if conditions.get("cond") is not None:
+            conditions = {**conditions, "cond": conditions["cond"].to(w)}
+        return model(x.to(w), txt.to(w), txt_mask, tau, img_grid, rt, **conditions)
 
     return forward
 
@@ -122,10 +127,15 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
     B = inputs.batch
     ids = list(inputs.sample_ids)
     grid = tuple(inputs.img_grid)
+    kw = inputs.model_kwargs()  # condition latents (edit runs), else empty
+    if kw and rt.plan is not None and rt.plan.dims.sp > 1:
+        raise UnsupportedConfigError("condition images under sequence parallelism (sp > 1) are not "
+                                     "supported: run an edit rollout with sp = 1")
+    sampler_scope, scope = scope, {**scope, "cond_grids": tuple(inputs.cond_grids) or None}
     rows_c = txt_rows(inputs.txt, inputs.txt_mask)
     if not cfg_on:
         with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
-            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
+            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt, **kw)
         return v_c, v_c, None
     rows_u = txt_rows(inputs.neg_txt, inputs.neg_mask)
     plan = rt.plan
@@ -137,7 +147,7 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
         txt, mask, rows = ((inputs.txt, inputs.txt_mask, rows_c) if runs == "cond"
                            else (inputs.neg_txt, inputs.neg_mask, rows_u))
         with rt.scope(**scope, branch=mine, samples=ids, **rows):
-            v_mine = model(x, txt, mask, tau, grid, rt)
+            v_mine = model(x, txt, mask, tau, grid, rt, **kw)
         v_c, v_u = gather_list_replicated(v_mine, plan.groups["cfg"])  # differentiable
     elif cfg.cfg_layout == "batched":
         L = max(inputs.txt.shape[1], inputs.neg_txt.shape[1])
@@ -152,15 +162,16 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
         # the text rows capture keeps are read from the mask the model receives (after the pad)
         rows = txt_rows(txt2, mask2)
         with rt.scope(**scope, branch=branches, samples=ids + ids, **rows):
-            v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt)
+            v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt,
+                       **inputs.model_kwargs(repeat=2))
             # v2: [2B, N, Cp]
         v_c, v_u = v2[:B], v2[B:]
     else:
         with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
-            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt)
+            v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt, **kw)
         with rt.scope(**scope, branch="uncond", samples=ids, **rows_u):
-            v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt)
-    with rt.scope(**scope, branch="cfg", block=SAMPLER_BLOCK, samples=ids, txt_lens=None):
+            v_u = model(x, inputs.neg_txt, inputs.neg_mask, tau, grid, rt, **kw)
+    with rt.scope(**sampler_scope, branch="cfg", block=SAMPLER_BLOCK, samples=ids, txt_lens=None):
         v = call(rt, "cfg_combine_renorm", v_c, v_u, float(cfg.cfg_scale),
                  stream="img", layout="BS.")
     return v, v_c, v_u

@@ -111,7 +111,7 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
     if size < 1:
         raise DriftToolError(f"micro-batch size must be >= 1, got {size}")
 
-    def run(x, txt, txt_mask, tau, img_grid, rt):
+    def run(x, txt, txt_mask, tau, img_grid, rt, **conditions):
         scope = rt.current_scope()
         samples = list(scope["samples"]) if scope.get("samples") is not None else list(range(x.shape[0]))
         lens, starts = scope.get("txt_lens"), scope.get("txt_starts")
@@ -139,7 +139,8 @@ def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
                 if branch is not None and not isinstance(branch, str):
                     sub["branch"] = tuple(branch[r] for r in idx)
                 with part(**sub):
-                    v = forward(x[sel], t, m, tau[sel], img_grid, rt)
+                    kw = {k: c[sel] if k == "cond" else c for k, c in conditions.items()}  # edit runs
+                    v = forward(x[sel], t, m, tau[sel], img_grid, rt, **kw)
                 if out is None:
                     out = v.new_empty((x.shape[0], *v.shape[1:]))
                 out = out.index_copy(0, sel, v)

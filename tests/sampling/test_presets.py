@@ -243,7 +243,8 @@ def test_step_rules_dispatch_and_fail_closed():
 
 # -- settings, manifest, CLI, fail-closed ---------------------------------------------------------
 def test_preset_names_agree_with_the_schema():
-    assert PRESET_NAMES == manifest_schema.PRESETS == ("diffusers", "flow-grpo")
+    assert PRESET_NAMES == manifest_schema.PRESETS == ("diffusers", "diffusers-edit",
+                                                       "diffusers-edit-plus", "flow-grpo")
 
 
 @pytest.mark.parametrize("mode", ["strict", "audit"])
@@ -280,17 +281,25 @@ def test_preset_settings_and_contradictions():
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 def test_cli_records_the_preset_and_replay_is_identical(cli, tmp_path, preset):
-    code, out = cli("run", "-o", tmp_path / "a", "--preset", preset, "--mode", "auto", "--capture", "L1")
+    extra = []
+    if preset.startswith("diffusers-edit"):  # the edit pipelines take a condition image
+        from safetensors.torch import save_file
+
+        save_file({"image_latents": torch.randn(1, 12, 64), "condition_grids": torch.tensor([[3, 4]])},
+                  str(tmp_path / "cond.safetensors"))
+        extra = ["--condition", tmp_path / "cond.safetensors"]
+    code, out = cli("run", "-o", tmp_path / "a", "--preset", preset, "--mode", "auto", "--capture", "L1",
+                    *extra)
     assert code == 0, out
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert m["settings"]["preset"] == preset
     assert m["fingerprint"]["dtype_policy"]["latents_between_steps"] == "bfloat16"
-    assert m["settings"]["cfg_layout"] == {"diffusers": "sequential", "flow-grpo": "batched"}[preset]
+    assert m["settings"]["cfg_layout"] == ("batched" if preset == "flow-grpo" else "sequential")
     code, out = cli("replay", tmp_path / "a", "-o", tmp_path / "b")
     assert code == 0, out
     code, out = cli("diff", tmp_path / "a", tmp_path / "b")
     assert code == 0 and "IDENTICAL" in out, out
-    code, out = cli("run", "-o", tmp_path / "c", "--preset", preset)
+    code, out = cli("run", "-o", tmp_path / "c", "--preset", preset, *extra)
     assert code != 0 and f"preset '{preset}'" in out and "mode 'strict'" in out
     assert not (tmp_path / "c").exists()
 
