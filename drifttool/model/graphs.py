@@ -13,7 +13,8 @@ recorded launches with the recorded arguments, so its output is byte-equal to th
 
 What a replay keeps of an eager forward:
 
-* **inputs** are copied into the graph's static buffers (``x``, ``txt``, ``txt_mask``, ``tau``);
+* **inputs** are copied into the graph's static buffers (``x``, ``txt``, ``txt_mask``, ``tau``,
+  the edit pipelines' ``cond``);
   the returned velocity is a copy of the graph's output buffer (the next replay rewrites it);
 * **the operator trace**: the capture logs every traced call in program order; a replay records
   them again through ``rt.site``, so call counters, sites and counts are those of an eager call;
@@ -99,7 +100,7 @@ class _CaptureLog:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+    inputs: tuple[torch.Tensor | None, ...]  # x, txt, txt_mask, tau, cond
     out: torch.Tensor
     log: list[_Call]
     keep: tuple = field(default=(), repr=False)  # constants the graph reads (RoPE tables)
@@ -152,17 +153,23 @@ class GraphedForward:
         return None if level in (None, "L0") else level
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
-                 tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime) -> torch.Tensor:
-        """The model's forward (``MMDiT.forward``: shapes, dtypes, errors), replayed when
-        ``eligible``; returns v ``[B, N, out_dim]`` in the model dtype (a fresh tensor)."""
+                 tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime, *,
+                 cond: torch.Tensor | None = None, cond_grids: tuple[tuple[int, int], ...] = ()
+                 ) -> torch.Tensor:
+        """The model's forward (``MMDiT.forward``: shapes, dtypes, errors; ``cond`` the edit
+        pipelines' condition latents), replayed when ``eligible``; returns v ``[B, N, out_dim]``
+        in the model dtype (a fresh tensor)."""
         if not self.eligible(x, rt):
-            return self.model(x, txt, txt_mask, tau, img_grid, rt)
+            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid = tuple(int(v) for v in img_grid)
+        cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
         scope = rt.current_scope()
         key = (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
                None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
+               None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
                str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), self._level(rt),
-               *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid")))
+               *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
+                                             "cond_grids")))
         params = tuple(p.data_ptr() for p in self.model.parameters())
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
             self.reset()
@@ -171,9 +178,9 @@ class GraphedForward:
         if g is None:
             if key not in self._seen:  # warm-up: compile kernels, fill constant caches
                 self._seen.add(key)
-                return self.model(x, txt, txt_mask, tau, img_grid, rt)
-            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt)
-        for static, new in zip(g.inputs, (x, txt, txt_mask, tau)):
+                return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids)
+        for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
         g.graph.replay()
@@ -189,11 +196,12 @@ class GraphedForward:
                 rt.recorder.capture_digested(site, [(p, next(done)) for p, _ in parts], index=index, role=role)
         return g.out.clone()
 
-    def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime) -> _Graph:
+    def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids) -> _Graph:
         cfg = self.model.config
         keep = rope_tables(grid, txt.shape[1], axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
-                           algorithm=BACKEND_TABLES[rt.mode.family], device=x.device)
-        inputs = (x.clone(), txt.clone(), None if txt_mask is None else txt_mask.clone(), tau.clone())
+                           algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
+                           cond_grids=cond_grids)
+        inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         log = _LoggingTrace()
         level = self._level(rt)
         quiet = dataclasses.replace(rt, recorder=None if level is None else _CaptureLog(level, log), trace=log,
@@ -204,7 +212,7 @@ class GraphedForward:
         torch.cuda.synchronize(x.device)
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.model(*inputs, grid, quiet)
+                out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "

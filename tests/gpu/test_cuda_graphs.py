@@ -131,3 +131,17 @@ def test_a_graphed_run_equals_an_eager_run(cli, tmp_path, monkeypatch):
         assert code == 0, out
     code, out = cli("diff", tmp_path / "graph", tmp_path / "eager")
     assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_edit_condition_latents_are_graph_inputs(model):
+    """The edit pipelines' condition latents: static inputs of the graph, their grids part of
+    its key; replays byte-equal to eager forwards."""
+    fast = GraphedForward(model)
+    rt = Runtime(mode="strict")
+    with torch.no_grad():
+        for seed in range(4):
+            x, txt, mask, tau, grid = _inputs(seed, 2)
+            cond = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(50 + seed)).bfloat16().cuda()
+            kw = dict(cond=cond, cond_grids=((3, 4),))
+            assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt, **kw)), _bits(model(x, txt, mask, tau, grid, rt, **kw)))
+    assert (fast.captures, fast.replays) == (1, 3)
