@@ -7,8 +7,9 @@ description in ``drifttool.artifact.manifest_schema``, for tools other than drif
     $ python -m drifttool.artifact.manifest_json_schema > docs/manifest.schema.json
 
 The repository keeps the output in ``docs/manifest.schema.json`` (a test keeps the two equal).
-It states what ``manifest_schema.MANIFEST_SCHEMA``, ``KIND_REQUIRES`` and ``KIND_FORBIDS`` state;
-the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
+It states what ``manifest_schema.MANIFEST_SCHEMA``, ``RUN_SECTIONS`` (as ``dependentRequired``: a
+manifest with one of ``RUN_MARKERS`` holds every section), ``KIND_REQUIRES`` and ``KIND_FORBIDS``
+state; the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
 and the supported schema versions are checked by drifttool's reader only.
 """
 
@@ -60,7 +61,8 @@ def manifest_json_schema() -> dict[str, Any]:
     rules += [{"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
                "then": {"properties": {k: False for k in sorted(keys)}}}
               for kind, keys in MS.KIND_FORBIDS.items()]
-    return {**out, "allOf": rules}
+    sections = {k: [s for s in MS.RUN_SECTIONS if s != k] for k in MS.RUN_MARKERS}
+    return {**out, "dependentRequired": sections, "allOf": rules}
 
 
 def render() -> str:
