@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -47,7 +47,7 @@ def replay(
     mode: Optional[str] = typer.Option(None, help="strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Model folder overriding the manifest's (fingerprint-checked)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Overrides the manifest's model (fingerprint-checked); needed for a captured diffusers pipeline (its pipeline folder)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
@@ -110,7 +110,7 @@ def recompute(
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward (default: the whole batch)."),
     trim_padding: bool = typer.Option(True, help="With --micro-batch: trim prompts to each micro-batch."),
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Trainer model folder (must match the rollout's fingerprint)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Trainer model (must match the rollout's fingerprint)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
