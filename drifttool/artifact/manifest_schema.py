@@ -208,7 +208,12 @@ recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest an
 RUN_SECTIONS = ("kind", "capture_level", "settings", "environment", "replay", "layout")
 """The sections every run's manifest holds (``drifttool run``, ``replay``, ``recompute``, a
 captured pipeline or diffusers rollout, a re-executed step), whatever its kind: the readers need
-each of them (the fingerprint is required of every manifest)."""
+each of them (the fingerprint is required of every manifest). ``FINISH_SECTIONS`` may be absent
+from an incomplete run's (``complete: false``)."""
+FINISH_SECTIONS = ("replay",)
+"""Run sections a writer may add only when the run finishes: a captured pipeline call writes its
+replay record at the end (``drifttool.adapters.diffusers_pipeline``), so a call stopped midway
+leaves none; a complete run's manifest always holds them."""
 RUN_MARKERS = ("kind", "settings", "replay")
 """Keys only a run's manifest holds: a manifest with any of them is a run's and must hold every
 ``RUN_SECTIONS`` key (``section_problem``). A manifest with none (a bare artifact written by
@@ -224,13 +229,14 @@ KIND_PHASE = {"rollout": "rollout", "recompute": "train"}
 
 
 def section_problem(manifest: dict[str, Any]) -> str | None:
-    """The first section a run's manifest lacks (``RUN_MARKERS``, ``RUN_SECTIONS``,
-    ``KIND_REQUIRES``), in words naming it, or None (a bare artifact's, or a whole one). Read
+    """The first section a run's manifest lacks (``RUN_MARKERS``, ``RUN_SECTIONS`` less
+    ``FINISH_SECTIONS`` while incomplete, ``KIND_REQUIRES``), in words naming it, or None (a bare artifact's, or a whole one). Read
     before the values are checked against their specs; ``kind`` is one of ``KINDS`` or absent."""
     if not any(k in manifest for k in RUN_MARKERS):
         return None
     kind = manifest.get("kind")
-    want = [k for k in RUN_SECTIONS if k not in manifest]
+    later = () if manifest.get("complete") is True else FINISH_SECTIONS
+    want = [k for k in RUN_SECTIONS if k not in manifest and k not in later]
     if want:
         holds = ", ".join(RUN_SECTIONS)
         return f"missing section {want[0]!r}: a run's manifest holds {holds}"

@@ -98,6 +98,22 @@ def test_a_bare_artifact_needs_no_run_section(tmp_path):
         read_manifest(tmp_path / "half")
 
 
+def test_an_incomplete_run_may_lack_its_replay_record_only(sections, tmp_path):
+    """A pipeline capture writes ``replay`` when the call finishes: a stopped one has none."""
+    from drifttool.artifact.manifest import read_manifest
+    from drifttool.errors import ArtifactError
+
+    cut = _cut(sections, tmp_path / "stopped", "replay")
+    m = json.loads((cut / "manifest.json").read_text())
+    m["complete"] = False
+    (cut / "manifest.json").write_text(json.dumps(m))
+    assert "replay" not in read_manifest(cut)
+    del m["settings"]
+    (cut / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="missing section 'settings'"):
+        read_manifest(cut)
+
+
 @pytest.mark.parametrize("section", ["settings", "kind"])
 def test_fixture_verify_refuses_an_expected_manifest_without_a_section(cli, tmp_path, section):
     """Resealed after the cut (so the seal holds): the reader refuses it before anything runs."""
