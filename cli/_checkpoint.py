@@ -24,7 +24,7 @@ FORMS = ("a diffusers transformer folder, a pipeline folder (model_index.json + 
 def _resolve(value: Optional[Path]) -> Optional[Path]:
     if value is None:
         return None
-    from drifttool.errors import CheckpointError
+    from drifttool.errors import CheckpointError  # lazy: with the resolver, only when given
     from drifttool.model.checkpoint_hub import resolve_checkpoint  # lazy: torch, only when given
 
     try:
