@@ -1,7 +1,8 @@
 """The commands people run most never import torch (seconds of import for a 0.1 s job):
 ``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``; ``--help``
-does not import pyarrow either. ``diff`` imports no other command's module and not ``numpy.ma``
-(``drifttool.diff.arrays``), and ``--checkpoint`` support costs a command nothing until given.
+does not import pyarrow either. ``diff`` imports no other command's module, not ``numpy.ma``
+(``drifttool.diff.arrays``) and not ``pyarrow.parquet``/``pyarrow.fs``
+(``drifttool.artifact.parquet``), and ``--checkpoint`` support costs it nothing until given.
 
 Each command runs in a fresh interpreter through the console script's entry point
 (``drifttool.cli.app:main``), which then reports whether ``torch`` is in ``sys.modules``.
@@ -31,6 +32,8 @@ except SystemExit as e:
 print(f"torch imported: {'torch' in sys.modules}", file=sys.stderr)
 print(f"pyarrow imported: {'pyarrow' in sys.modules}", file=sys.stderr)
 print(f"numpy.ma imported: {'numpy.ma' in sys.modules}", file=sys.stderr)
+print(f"pyarrow.fs imported: {'pyarrow.fs' in sys.modules or 'pyarrow.parquet' in sys.modules}",
+      file=sys.stderr)
 print("modules: " + " ".join(sorted(m for m in sys.modules if m.startswith("drifttool"))),
       file=sys.stderr)
 sys.exit(code)
@@ -78,6 +81,7 @@ def test_command_does_not_import_torch(args, code, strict_run, auto_run, tmp_pat
         assert not {"drifttool.model.checkpoint_hub", "huggingface_hub"} & loaded
         if "--help" not in args:
             assert "numpy.ma imported: False" in err, err[-2000:]
+            assert "pyarrow.fs imported: False" in err, err[-2000:]
 
 
 def test_every_command_is_still_listed_and_reachable(tmp_path):
