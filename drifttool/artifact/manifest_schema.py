@@ -210,6 +210,9 @@ RUN_SECTIONS = ("kind", "capture_level", "settings", "environment", "replay", "l
 captured pipeline or diffusers rollout, a re-executed step), whatever its kind: the readers need
 each of them (the fingerprint is required of every manifest). ``FINISH_SECTIONS`` may be absent
 from an incomplete run's (``complete: false``)."""
+UNCAPTURED_SECTIONS = ("capture_level",)
+"""Run sections a run in mode ``off`` (``settings.mode``: no capture, so no recorder to write
+its level) does not hold; every other run's manifest does."""
 FINISH_SECTIONS = ("replay",)
 """Run sections a writer may add only when the run finishes: a captured pipeline call writes its
 replay record at the end (``drifttool.adapters.diffusers_pipeline``), so a call stopped midway
@@ -230,12 +233,16 @@ KIND_PHASE = {"rollout": "rollout", "recompute": "train"}
 
 def section_problem(manifest: dict[str, Any]) -> str | None:
     """The first section a run's manifest lacks (``RUN_MARKERS``, ``RUN_SECTIONS`` less
-    ``FINISH_SECTIONS`` while incomplete, ``KIND_REQUIRES``), in words naming it, or None (a bare artifact's, or a whole one). Read
+    ``FINISH_SECTIONS`` while incomplete and ``UNCAPTURED_SECTIONS`` in mode off,
+    ``KIND_REQUIRES``), in words naming it, or None (a bare artifact's, or a whole one). Read
     before the values are checked against their specs; ``kind`` is one of ``KINDS`` or absent."""
     if not any(k in manifest for k in RUN_MARKERS):
         return None
     kind = manifest.get("kind")
     later = () if manifest.get("complete") is True else FINISH_SECTIONS
+    settings = manifest.get("settings")
+    if isinstance(settings, dict) and settings.get("mode") == "off":
+        later = (*later, *UNCAPTURED_SECTIONS)
     want = [k for k in RUN_SECTIONS if k not in manifest and k not in later]
     if want:
         holds = ", ".join(RUN_SECTIONS)

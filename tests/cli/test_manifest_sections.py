@@ -114,6 +114,19 @@ def test_an_incomplete_run_may_lack_its_replay_record_only(sections, tmp_path):
         read_manifest(cut)
 
 
+def test_a_run_in_mode_off_holds_no_capture_level(tmp_path):
+    """Mode off captures nothing: no recorder writes ``capture_level``, and it is not asked for."""
+    from drifttool.artifact.manifest import read_manifest
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+
+    jsonschema = pytest.importorskip("jsonschema")
+    execute(RunSpec(steps=2, mode="off"), tmp_path / "off")
+    m = read_manifest(tmp_path / "off")
+    assert "capture_level" not in m
+    jsonschema.validate(m, json.loads(SCHEMA.read_text()))
+
+
 @pytest.mark.parametrize("section", ["settings", "kind"])
 def test_fixture_verify_refuses_an_expected_manifest_without_a_section(cli, tmp_path, section):
     """Resealed after the cut (so the seal holds): the reader refuses it before anything runs."""
