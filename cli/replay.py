@@ -90,8 +90,8 @@ def replay(
     launch = launch_env()
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "replay")
-    device = rerun_device(stored, options) if pipeline else settings.device
-    dist, s = _layout.on_ranks(dims, device, "replay", stored.sampler.num_steps,
+    where = rerun_device(stored, options) if pipeline else settings.device
+    dist, s = _layout.on_ranks(dims, where, "replay", stored.sampler.num_steps,
                                stored.inputs.batch, _branches(stored),
                                lambda **kw: replay_run(run_dir, out, options, **kw), quiet=as_json)
     if dist.rank != 0:

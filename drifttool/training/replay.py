@@ -77,6 +77,10 @@ def replay_run(
     is replayed up to the steps it finished (``finished_steps``), never further: the replay is
     then ``complete: false`` too, and the summary's ``note`` says so.
 
+    A captured diffusers pipeline call (``capture_pipeline``) is re-executed through the
+    pipeline itself (``pipeline_replay.replay_pipeline``: ``options.checkpoint`` is its folder),
+    in one process.
+
     ``dist`` and ``parallel`` place the replay on ranks as ``runner.execute`` does (default one
     process): the stored run's own layout is not re-created, and need not be. Under torchrun the
     model loads onto the rank's ``dist.device`` (``cuda:LOCAL_RANK`` on a GPU).
