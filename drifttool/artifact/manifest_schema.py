@@ -217,10 +217,11 @@ FINISH_SECTIONS = ("replay",)
 """Run sections a writer may add only when the run finishes: a captured pipeline call writes its
 replay record at the end (``drifttool.adapters.diffusers_pipeline``), so a call stopped midway
 leaves none; a complete run's manifest always holds them."""
-RUN_MARKERS = ("kind", "settings", "replay")
+RUN_MARKERS = ("settings", "replay")
 """Keys only a run's manifest holds: a manifest with any of them is a run's and must hold every
 ``RUN_SECTIONS`` key (``section_problem``). A manifest with none (a bare artifact written by
-``ArtifactWriter`` alone, as tools and tests write) needs only ``MANIFEST_SCHEMA.required``."""
+``ArtifactWriter`` alone, as tools and tests write, perhaps with a ``kind``) needs only
+``MANIFEST_SCHEMA.required``."""
 KIND_REQUIRES = {"rollout": frozenset({"variants"}),
                  "recompute": frozenset({"source", "policy", "train"})}
 """Keys a manifest of that ``kind`` must hold besides ``RUN_SECTIONS`` (a rollout lists the

@@ -108,9 +108,9 @@ def test_an_incomplete_run_may_lack_its_replay_record_only(sections, tmp_path):
     m["complete"] = False
     (cut / "manifest.json").write_text(json.dumps(m))
     assert "replay" not in read_manifest(cut)
-    del m["settings"]
+    del m["environment"]
     (cut / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="missing section 'settings'"):
+    with pytest.raises(ArtifactError, match="missing section 'environment'"):
         read_manifest(cut)
 
 
