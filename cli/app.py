@@ -13,17 +13,23 @@ file-system error on a path the user named: one ``error:`` line, no traceback), 
 inconclusive, 4 an internal error (a bug: one ``internal error:`` line; ``DRIFTTOOL_DEBUG=1``
 prints its traceback), 130 Ctrl-C. typer's ``--install-completion`` and ``--show-completion``
 install shell completion.
+
+Start-up: ``main`` imports and builds only the command its command line names (``drifttool diff
+A B`` builds ``diff`` alone: no other command module is imported and typer turns one signature,
+not every one, into options); without one (``--help``, completion, an unknown name) it builds all.
+``app`` (tests, ``typer.testing``) is the full group, built on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
 import drifttool
-from drifttool.cli import diff, experiment, fixture, overlay, probe, replay, report, run, trace
 from drifttool.cli._console import err, error_line
 from drifttool.cli._errors import internal_error, user_errors
 from drifttool.cli._threads import threaded
@@ -61,51 +67,77 @@ class _Group(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-app = typer.Typer(
-    name="drifttool",
-    cls=_Group,
-    help="Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT.",
-    epilog=EXIT_HELP,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"drifttool {drifttool.__version__}")
         raise typer.Exit(0)
 
 
-@app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT."""
 
 
 COMMANDS = (
-    ("run", run.run), ("diff", diff.diff), ("trace", trace.trace), ("probe", probe.probe),
-    ("overlay", overlay.overlay), ("replay", replay.replay), ("recompute", replay.recompute),
-    ("report", report.report),
+    ("run", "run", "run"), ("diff", "diff", "diff"), ("trace", "trace", "trace"),
+    ("probe", "probe", "probe"), ("overlay", "overlay", "overlay"), ("replay", "replay", "replay"),
+    ("recompute", "replay", "recompute"), ("report", "report", "report"),
 )
-"""Every ``drifttool`` command, in one list (each wrapped by ``user_errors``)."""
-GROUPS = (("fixture", fixture.app), ("experiment", experiment.app))
-"""Every ``drifttool`` command group."""
+"""Every ``drifttool`` command, in one list: (name, module under ``drifttool.cli``, function);
+each wrapped by ``user_errors``."""
+GROUPS = (("fixture", "fixture"), ("experiment", "experiment"))
+"""Every ``drifttool`` command group: (name, module under ``drifttool.cli`` whose ``app`` it is)."""
 _RANKS = ("run", "replay", "recompute", "probe")
 """Commands that run on torchrun's ranks (``cli._layout``); every other command refuses torchrun
 in one line naming why (``cli._errors.one_process_refusal``)."""
 _COMPUTES = ("run", "replay", "recompute", "probe", "diff", "overlay", "report")
 """Commands that run torch's operators and take ``--threads`` (``cli._threads``)."""
 
-for _name, _fn in COMMANDS:
-    _cmd = threaded(_fn) if _name in _COMPUTES else _fn
-    app.command(_name, epilog=EXIT_HELP)(user_errors(_cmd, command=_name, ranks=_name in _RANKS))
-for _name, _group in GROUPS:
-    app.add_typer(_group, name=_name)
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"drifttool.cli.{name}")
+
+
+def build(only: str | None = None) -> typer.Typer:
+    """The ``drifttool`` group with every command, or with command (or group) ``only`` alone."""
+    group = typer.Typer(
+        name="drifttool",
+        cls=_Group,
+        help="Byte-level train-rollout consistency checks and drift forensics for the Qwen-Image MMDiT.",
+        epilog=EXIT_HELP,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+    )
+    group.callback()(_main)
+    for name, module, fn in COMMANDS:
+        if only in (None, name):
+            cmd = getattr(_module(module), fn)
+            cmd = threaded(cmd) if name in _COMPUTES else cmd
+            group.command(name, epilog=EXIT_HELP)(user_errors(cmd, command=name, ranks=name in _RANKS))
+    for name, module in GROUPS:
+        if only in (None, name):
+            group.add_typer(_module(module).app, name=name)
+    return group
+
+
+def invoked(args: list[str]) -> str | None:
+    """The command or group a command line names (its first argument, when that is one), else
+    None (``--help``, ``--version``, completion, no argument, an unknown name)."""
+    names = {n for n, *_ in COMMANDS} | {n for n, _ in GROUPS}
+    return args[0] if args and args[0] in names else None
+
+
+def __getattr__(name: str) -> Any:
+    """``app``: the full group, built on first use (``main`` builds only what it runs)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()["app"] = full = build()
+    return full
 
 
 def main() -> None:
-    app()
+    build(invoked(sys.argv[1:]))()
 
 
 if __name__ == "__main__":

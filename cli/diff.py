@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _json
+from drifttool.cli import _checkpoint, _json
 from drifttool.cli._console import console, tolerate_closed_stdout
 
 
@@ -29,6 +29,9 @@ def diff(
              "temporary directory, removed)."),
     fixture: Optional[str] = typer.Option(
         None, help="With --localize: fixture holding the model, if a manifest's name does not resolve."),
+    checkpoint: Optional[Path] = _checkpoint.option(
+        "With --localize: the model of both runs (fingerprint-checked), as replay --checkpoint "
+        "takes it; needed for a captured diffusers pipeline (its pipeline folder)."),
     tolerance: Optional[str] = typer.Option(
         None, "--tolerance", metavar="PROFILE",
         help="Also judge every differing record against a tolerance profile (a shipped name, e.g. "
@@ -65,8 +68,9 @@ def diff(
     from drifttool.diff.compare import diff_runs  # lazy: likewise
     from drifttool.diff.render import render  # lazy: likewise
 
-    if fixture is not None and not (localize or localize_dir):
-        raise typer.BadParameter("--fixture goes with --localize", param_hint="--fixture")
+    for name, given in (("--fixture", fixture), ("--checkpoint", checkpoint)):
+        if given is not None and not (localize or localize_dir):
+            raise typer.BadParameter(f"{name} goes with --localize", param_hint=name)
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise
@@ -79,7 +83,7 @@ def diff(
         from drifttool.training.options import RerunOptions  # lazy: likewise
 
         _, result = run_localize(run_a, run_b, out_dir=localize_dir, report=report,
-                                 options=RerunOptions(fixture=fixture))
+                                 options=RerunOptions(fixture=fixture, checkpoint=checkpoint))
     if junit is not None:
         from drifttool.reports.junit import diff_suite, write_junit  # lazy: only --junit needs it
 

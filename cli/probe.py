@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout
 from drifttool.cli._console import advance, console, err, matrix_progress
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -36,8 +36,7 @@ def probe(
                                        "matrix, heatmaps); required unless --list."),
     only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),
     preset: Optional[str] = typer.Option(None, help="Baseline preset: tiny (the embedded default)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="diffusers-format transformer folder "
-                                              "(replaces the preset's model)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Replaces the preset's model."),
     list_only: bool = typer.Option(False, "--list", help="Print the probe catalog and exit."),
     heatmaps: bool = typer.Option(True, help="Draw a step x block heatmap per drifting probe."),
     overwrite: bool = typer.Option(False, help="Replace an earlier probe matrix in OUT."),

@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -47,7 +47,7 @@ def replay(
     mode: Optional[str] = typer.Option(None, help="strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Model folder overriding the manifest's (fingerprint-checked)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Overrides the manifest's model (fingerprint-checked); needed for a captured diffusers pipeline (its pipeline folder)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
@@ -63,26 +63,35 @@ def replay(
     (fingerprint-checked). `drifttool diff RUN_DIR OUT` is identical in strict mode. Under
     torchrun the ranks replay sample-parallel, or under `--tp/--sp/--cfg-parallel` (their product
     = the number of ranks), whatever layout the stored run had; the replay still diffs identical.
+
+    A captured diffusers pipeline call (capture_pipeline) is re-executed through an unmodified
+    QwenImagePipeline around the transformer of --checkpoint (its pipeline folder or hub id,
+    weights checked), with the recorded scheduler, in one process.
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import resolve  # lazy: likewise
     from drifttool.training.options import RerunOptions  # lazy: likewise
+    from drifttool.training.pipeline_replay import is_pipeline_capture  # lazy: likewise
     from drifttool.training.replay import replay_run, replay_spec  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
+    from drifttool.training.trainer import rerun_device  # lazy: likewise
 
     with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
         options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
                                lora=lora, device=device, overwrite=overwrite)
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
         stored = load_rollout(run_dir, need_latents=False)
-        fx, settings = resolve(replay_spec(stored, options))
-        _layout.check_layout(dims, **{**_layout.settings_layout(fx, settings),
-                                      "cfg_branches": _branches(stored)},
-                             capture_from="the stored run's level" if capture is None else "")
+        pipeline = is_pipeline_capture(stored.manifest)  # replay_run's refusals, its device
+        if not pipeline:
+            fx, settings = resolve(replay_spec(stored, options))
+            _layout.check_layout(dims, **{**_layout.settings_layout(fx, settings),
+                                          "cfg_branches": _branches(stored)},
+                                 capture_from="the stored run's level" if capture is None else "")
     launch = launch_env()
     with alike_on_every_rank():
         _layout.check_launch(dims, launch, "replay")
-    dist, s = _layout.on_ranks(dims, settings.device, "replay", stored.sampler.num_steps,
+    where = rerun_device(stored, options) if pipeline else settings.device
+    dist, s = _layout.on_ranks(dims, where, "replay", stored.sampler.num_steps,
                                stored.inputs.batch, _branches(stored),
                                lambda **kw: replay_run(run_dir, out, options, **kw), quiet=as_json)
     if dist.rank != 0:
@@ -110,7 +119,7 @@ def recompute(
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward (default: the whole batch)."),
     trim_padding: bool = typer.Option(True, help="With --micro-batch: trim prompts to each micro-batch."),
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Trainer model folder (must match the rollout's fingerprint)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Trainer model (must match the rollout's fingerprint)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
     device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),

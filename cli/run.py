@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -25,8 +25,7 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
 
 def run(
     out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
-    checkpoint: Optional[Path] = typer.Option(
-        None, help="diffusers-format transformer folder, or a pipeline folder (model_index.json + transformer/)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Replaces the fixture's model."),
     variant: Optional[str] = typer.Option(
         None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),

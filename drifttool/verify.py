@@ -39,9 +39,9 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     Raises:
         FixtureError: the seal does not match (tampered, missing or extra files, a symlink or a
             special file), or an archive cannot be extracted safely — nothing runs.
-        ArtifactError: the expected artifact cannot be read, or ``workdir`` is itself an
-            artifact (a run directory holds its own files only; the re-run goes to
-            ``workdir/replay``).
+        ArtifactError: the expected artifact cannot be read (before anything runs), or
+            ``workdir`` is itself an artifact (a run directory holds its own files only; the
+            re-run goes to ``workdir/replay``).
     """
     if workdir is not None and (Path(workdir) / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
@@ -49,6 +49,7 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     with extracted(name_or_path or DEFAULT_FIXTURE) as path:
         digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)
+        expected = open_run(fx.expected_dir)  # a damaged expected artifact: refused before the run
         from drifttool.runner import execute  # lazy: torch only once the seal holds
         from drifttool.settings import RunSpec  # lazy: torch only once the seal holds
 
@@ -57,7 +58,7 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
             run_dir = work / "replay"
             execute(RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict")), run_dir,
                     overwrite=True)
-            report = diff_runs(open_run(fx.expected_dir), open_run(run_dir))
+            report = diff_runs(expected, open_run(run_dir))
         except BaseException:
             if not workdir:
                 shutil.rmtree(work, ignore_errors=True)

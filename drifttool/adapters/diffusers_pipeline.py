@@ -115,8 +115,10 @@ class _PipelineCall:
     call, when batch, grid, dtype and the scheduler's sigma table are known."""
 
     def __init__(self, pipe: Any, out: str | Path, level: str, overwrite: bool,
-                 kwargs: dict[str, Any], stack: contextlib.ExitStack) -> None:
+                 kwargs: dict[str, Any], stack: contextlib.ExitStack,
+                 extra: dict[str, Any] | None = None) -> None:
         self.pipe, self.out, self.level, self.overwrite = pipe, out, level, overwrite
+        self.extra = dict(extra or {})
         self.kwargs, self.stack = kwargs, stack
         self.session: ArtifactSession | None = None
         self.text_rows = TextRows()
@@ -249,7 +251,7 @@ class _PipelineCall:
                     "uncaptured": UNCAPTURED}
         if lora is not None:
             manifest["lora"] = lora
-        return manifest
+        return {**manifest, **self.extra}
 
     def finish(self) -> bool:
         """Write the replay inputs (the first step's transformer inputs; x0 and the prompt
@@ -278,6 +280,7 @@ class _PipelineCall:
 
 
 def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite: bool = False,
+                     manifest_extra: dict[str, Any] | None = None,
                      **pipe_kwargs: Any) -> PipelineCapture:
     """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` (or edit
     pipeline) — and write
@@ -287,6 +290,8 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         pipe: the pipeline (``transformer`` a ``QwenImageTransformer2DModel``, ``scheduler`` a
             first-order flow-matching scheduler such as ``FlowMatchEulerDiscreteScheduler``).
         out: artifact directory. level: ``L0``/``L1``/``L2``. overwrite: replace ``out``.
+        manifest_extra: keys added to the manifest (a replay's ``replay_of``:
+            ``drifttool.training.pipeline_replay``).
         pipe_kwargs: the pipeline call's arguments; ``prompt_embeds`` is required (the capture
             runs without a text encoder), ``output_type`` defaults to ``"latent"``.
 
@@ -322,7 +327,7 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
                                      f"{pipe.scheduler.order}: one step call per step only")
     kwargs = {"output_type": "latent", **pipe_kwargs}
     with contextlib.ExitStack() as stack:
-        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack)
+        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra)
         stack.enter_context(transformer_tap(pipe.transformer, call.on_forward))
         stack.enter_context(scheduler_tap(pipe.scheduler, call.on_step))
         output = pipe(**kwargs)

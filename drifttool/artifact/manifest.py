@@ -6,8 +6,9 @@
 
 The manifest must be plain JSON (no NaN/Infinity constants, no duplicate keys, no float that
 overflows, at most ``MAX_MANIFEST_DEPTH`` levels) that the schema accounts for: every key known,
-every required key present, every value of its type and enumeration. Anything else is a corrupt
-manifest (``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact".
+every required key present, every value of its type and enumeration, and a run's manifest every
+section a run's holds (``manifest_schema.section_problem``). Anything else is a corrupt manifest
+(``ArtifactError``, one line). Torch-free. Source: design.md, "Artifact".
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{mpath}: corrupt manifest (not a JSON object)")
     version = manifest.get("schema_version")
+    if "schema_version" not in manifest:
+        raise ArtifactError(f"{mpath}: corrupt manifest (missing section 'schema_version')")
     if type(version) is not int:
         raise ArtifactError(f"{mpath}: schema_version must be an integer, got {version!r}")
     problem = S.version_problem(version)
@@ -148,25 +151,25 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
                 return f"unknown key {prefix}{unknown[0]}"
             missing = sorted(sp.required - set(v))
             if missing:
-                return f"missing key {prefix}{missing[0]}"
+                return (f"missing key {prefix}{missing[0]}" if at else
+                        f"missing section {missing[0]!r}")
             todo += [(prefix + k, x, sp.fields[k]) for k, x in v.items()]
     return None
 
 
 def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
-    """Refuse a manifest that ``manifest_schema.MANIFEST_SCHEMA`` does not account for (an unknown key, a
-    missing required key, a value of the wrong type or outside its enumeration), a ``kind``
-    without its own keys (``KIND_REQUIRES``/``KIND_FORBIDS``), file entries other than the
-    names the writer gives (``files_problem``) or a layout that contradicts itself
+    """Refuse a manifest that ``manifest_schema.MANIFEST_SCHEMA`` does not account for (an unknown
+    key, a missing required key, a value of the wrong type or outside its enumeration), a run's
+    manifest without one of its sections (``section_problem``: ``RUN_SECTIONS``,
+    ``KIND_REQUIRES``), a ``kind`` with another kind's keys (``KIND_FORBIDS``), file entries
+    other than the names the writer gives (``files_problem``) or a layout that contradicts itself
     (``layout_problem``)."""
     problem = check_manifest_value("", m, MS.MANIFEST_SCHEMA)
     if problem is None:  # kind is now one of manifest_schema.KINDS or absent
         kind = m.get("kind")
-        lacks = MS.KIND_REQUIRES.get(kind, frozenset()) - set(m)
         extra = MS.KIND_FORBIDS.get(kind, frozenset()) & set(m)
-        if lacks:
-            problem = f"kind {kind!r} without {min(lacks)!r} (a {kind} names its source and policy)"
-        elif extra:
+        problem = MS.section_problem(m)
+        if problem is None and extra:
             problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
     if problem is not None:
         raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")

@@ -7,8 +7,10 @@ description in ``drifttool.artifact.manifest_schema``, for tools other than drif
     $ python -m drifttool.artifact.manifest_json_schema > docs/manifest.schema.json
 
 The repository keeps the output in ``docs/manifest.schema.json`` (a test keeps the two equal).
-It states what ``manifest_schema.MANIFEST_SCHEMA``, ``KIND_REQUIRES`` and ``KIND_FORBIDS`` state;
-the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
+It states what ``manifest_schema.MANIFEST_SCHEMA``, ``RUN_SECTIONS`` (as ``dependentRequired``: a
+manifest with one of ``RUN_MARKERS`` holds every section; ``FINISH_SECTIONS`` once complete,
+``UNCAPTURED_SECTIONS`` unless in mode off),
+``KIND_REQUIRES`` and ``KIND_FORBIDS`` state; the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
 and the supported schema versions are checked by drifttool's reader only.
 """
 
@@ -60,7 +62,16 @@ def manifest_json_schema() -> dict[str, Any]:
     rules += [{"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
                "then": {"properties": {k: False for k in sorted(keys)}}}
               for kind, keys in MS.KIND_FORBIDS.items()]
-    return {**out, "allOf": rules}
+    always = [s for s in MS.RUN_SECTIONS
+              if s not in MS.FINISH_SECTIONS and s not in MS.UNCAPTURED_SECTIONS]
+    sections = {k: [s for s in always if s != k] for k in MS.RUN_MARKERS}
+    rules.append({"if": {"properties": {"complete": {"const": True}}, "required": ["kind"]},
+                  "then": {"required": list(MS.FINISH_SECTIONS)}})
+    mode_off = {"properties": {"settings": {"properties": {"mode": {"const": "off"}},
+                                            "required": ["mode"]}}, "required": ["settings"]}
+    rules.append({"if": {"required": ["kind"], "not": mode_off},
+                  "then": {"required": list(MS.UNCAPTURED_SECTIONS)}})
+    return {**out, "dependentRequired": sections, "allOf": rules}
 
 
 def render() -> str:

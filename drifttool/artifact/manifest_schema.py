@@ -3,6 +3,8 @@ into a manifest (a key the manifest schema does not account for is never ignored
 
     >>> sorted(MANIFEST_SCHEMA.required)
     ['complete', 'files', 'fingerprint', 'schema_version']
+    >>> section_problem({"kind": "rollout", "settings": {}})   # a run's manifest, cut short
+    "missing section 'capture_level': a run's manifest holds kind, capture_level, settings, ..."
     >>> MANIFEST_SCHEMA.fields["capture_level"]
     Enum(values=('L0', 'L1', 'L2'))
 
@@ -212,9 +214,51 @@ recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest an
 ``drifttool.training.recompute.recompute_run``'s recompute manifest (``source``, ``policy``,
 ``train``, ``seconds``; a replay adds ``replay_of``)."""
 
-KIND_REQUIRES = {"recompute": frozenset({"source", "policy", "train"})}
-"""Keys a manifest of that ``kind`` must hold (a recompute names its source and pinned policy)."""
+RUN_SECTIONS = ("kind", "capture_level", "settings", "environment", "replay", "layout")
+"""The sections every run's manifest holds (``drifttool run``, ``replay``, ``recompute``, a
+captured pipeline or diffusers rollout, a re-executed step), whatever its kind: the readers need
+each of them (the fingerprint is required of every manifest). ``FINISH_SECTIONS`` may be absent
+from an incomplete run's (``complete: false``)."""
+UNCAPTURED_SECTIONS = ("capture_level",)
+"""Run sections a run in mode ``off`` (``settings.mode``: no capture, so no recorder to write
+its level) does not hold; every other run's manifest does."""
+FINISH_SECTIONS = ("replay",)
+"""Run sections a writer may add only when the run finishes: a captured pipeline call writes its
+replay record at the end (``drifttool.adapters.diffusers_pipeline``), so a call stopped midway
+leaves none; a complete run's manifest always holds them."""
+RUN_MARKERS = ("settings", "replay")
+"""Keys only a run's manifest holds: a manifest with any of them is a run's and must hold every
+``RUN_SECTIONS`` key (``section_problem``). A manifest with none (a bare artifact written by
+``ArtifactWriter`` alone, as tools and tests write, perhaps with a ``kind``) needs only
+``MANIFEST_SCHEMA.required``."""
+KIND_REQUIRES = {"rollout": frozenset({"variants"}),
+                 "recompute": frozenset({"source", "policy", "train"})}
+"""Keys a manifest of that ``kind`` must hold besides ``RUN_SECTIONS`` (a rollout lists the
+operators it replaced, none included; a recompute names its source and pinned policy)."""
 KIND_FORBIDS = {"rollout": frozenset({"source", "policy", "train"})}
 """Keys a manifest of that ``kind`` never holds."""
 KIND_PHASE = {"rollout": "rollout", "recompute": "train"}
 """The one record ``phase`` of a run of that ``kind``."""
+
+
+def section_problem(manifest: dict[str, Any]) -> str | None:
+    """The first section a run's manifest lacks (``RUN_MARKERS``, ``RUN_SECTIONS`` less
+    ``FINISH_SECTIONS`` while incomplete and ``UNCAPTURED_SECTIONS`` in mode off,
+    ``KIND_REQUIRES``), in words naming it, or None (a bare artifact's, or a whole one). Read
+    before the values are checked against their specs; ``kind`` is one of ``KINDS`` or absent."""
+    if not any(k in manifest for k in RUN_MARKERS):
+        return None
+    kind = manifest.get("kind")
+    later = () if manifest.get("complete") is True else FINISH_SECTIONS
+    settings = manifest.get("settings")
+    if isinstance(settings, dict) and settings.get("mode") == "off":
+        later = (*later, *UNCAPTURED_SECTIONS)
+    want = [k for k in RUN_SECTIONS if k not in manifest and k not in later]
+    if want:
+        holds = ", ".join(RUN_SECTIONS)
+        return f"missing section {want[0]!r}: a run's manifest holds {holds}"
+    lacks = sorted(KIND_REQUIRES.get(kind, frozenset()) - set(manifest))
+    if lacks:
+        return (f"missing section {lacks[0]!r}: a {kind} manifest holds "
+                f"{', '.join(sorted(KIND_REQUIRES[kind]))}")
+    return None

@@ -18,7 +18,14 @@ footer can abort the process inside pyarrow's Parquet reader (an uncaught C++ ex
 Python error), so a file is parsed only once its bytes are known to be the ones written. Every
 page also carries a CRC-32 that the reader verifies, a file whose footer does not account for
 every byte (``unaccounted_bytes``) is refused, and pyarrow's errors become ``ArtifactError``.
-``pyarrow.parquet`` is imported on first use (about a tenth of pyarrow's own import time).
+
+Start-up: the reader opens a file with pyarrow's own Parquet reader, ``pyarrow._parquet.
+ParquetReader`` (what ``pyarrow.parquet.ParquetFile`` wraps, given the memory-mapped file and the
+same options), because importing ``pyarrow.parquet`` imports ``pyarrow.fs`` and with it the S3,
+GCS, Azure and HDFS filesystems and ``ssl``: 0.1–0.2 s of a ``drifttool diff`` that reads local
+files only (docs/benchmarks.md, "CLI start-up"). Where that class is missing or opens otherwise
+(a pyarrow that changed it), ``pyarrow.parquet.ParquetFile`` is used. ``pyarrow.parquet`` is
+imported on first write.
 """
 
 from __future__ import annotations
@@ -75,11 +82,52 @@ def file_digest(path: Path) -> str:
         return xxhash.xxh3_128_hexdigest(f.read())
 
 
-def _open(path: Path) -> "pq.ParquetFile":
-    """``path`` opened with page checksums verified. Raises ArtifactError if it does not open."""
-    import pyarrow.parquet as pq  # lazy: see the module docstring
+class _ParquetFile:
+    """The part of ``pq.ParquetFile`` the reader uses (``metadata``, ``schema_arrow``,
+    ``num_row_groups``, ``read_row_group``), on ``pyarrow._parquet.ParquetReader`` over the
+    memory-mapped file, page checksums verified (module docstring: why)."""
 
+    def __init__(self, reader_class, path: Path) -> None:
+        self._source = pa.memory_map(str(path))
+        self.reader = reader_class()
+        self.reader.open(self._source, page_checksum_verification=True)
+
+    @property
+    def metadata(self):
+        return self.reader.metadata
+
+    @property
+    def schema_arrow(self) -> pa.Schema:
+        return self.reader.schema_arrow
+
+    @property
+    def num_row_groups(self) -> int:
+        return self.reader.num_row_groups
+
+    def read_row_group(self, i: int) -> pa.Table:
+        return self.reader.read_row_group(i)
+
+
+def _reader_class():
+    """``pyarrow._parquet.ParquetReader``, or None where this pyarrow has none."""
     try:
+        from pyarrow._parquet import ParquetReader
+    except ImportError:  # pragma: no cover - every pyarrow this package supports has it
+        return None
+    return ParquetReader
+
+
+def _open(path: Path) -> "pq.ParquetFile | _ParquetFile":
+    """``path`` opened with page checksums verified. Raises ArtifactError if it does not open."""
+    try:
+        cls = _reader_class()
+        if cls is not None:
+            try:
+                return _ParquetFile(cls, path)
+            except TypeError:  # pragma: no cover - a pyarrow whose reader opens otherwise
+                pass
+        import pyarrow.parquet as pq  # lazy: see the module docstring
+
         return pq.ParquetFile(str(path), memory_map=True, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as e:
         raise ArtifactError(f"{path}: not a readable Parquet file ({brief(e)})") from None
@@ -99,7 +147,7 @@ def parquet_schema(path: Path) -> pa.Schema:
     return pf.schema_arrow
 
 
-def unaccounted_bytes(pf: "pq.ParquetFile", size: int) -> int:
+def unaccounted_bytes(pf: "pq.ParquetFile | _ParquetFile", size: int) -> int:
     """Bytes of a ``size``-byte file that are neither its magic numbers, nor a column chunk, nor
     its footer (0 for a file as ``write_parquet`` writes it)."""
     meta = pf.metadata

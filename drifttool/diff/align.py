@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from drifttool.diff.arrays import arrow_array
 from drifttool.diff.order import program_order
 from drifttool.diff.report import Counts
 
@@ -158,7 +159,7 @@ def drop_replicas(t: pa.Table, key: Sequence[str]) -> tuple[pa.Table, int, int]:
     conflicts = int(np.count_nonzero(many_ranks & ~agree))
     if keep.all():
         return t, 0, conflicts
-    return t.filter(pa.array(keep)), int(np.count_nonzero(~keep)), conflicts
+    return t.filter(arrow_array(keep)), int(np.count_nonzero(~keep)), conflicts
 
 
 @dataclass

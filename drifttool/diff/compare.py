@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
+from drifttool.diff.arrays import arrow_array
 from drifttool.diff.align import TableDiff, compare_table, drop_replicas
 from drifttool.diff.clip import check_clip_range, clip_drift
 from drifttool.diff.consistency import check_matched
@@ -73,7 +74,7 @@ def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: boo
     dropped and phases renamed as asked. Below a common level of L2 the fused operators'
     internal records (role ``internal``, captured at L2 only) are left out: an L1 run has the
     fused operator's own record instead, and both runs hold that."""
-    t = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    t = table.append_column("_row", arrow_array(np.arange(table.num_rows, dtype=np.int64)))
     if drop_grads and "role" in t.column_names:
         t = t.filter(pc.is_in(t["role"], pa.array(["output", "internal"])))
     if level != "L2" and "role" in t.column_names:

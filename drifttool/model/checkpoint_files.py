@@ -47,6 +47,20 @@ _VARIANT_FILE = re.compile(
     rf"diffusion_pytorch_model(?:\.safetensors\.index)?\.({_VARIANT}?)(?:-\d+-of-\d+)?\.(?:safetensors|json)"
 )
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+"""Weight files drifttool never reads (pickle): ``torch.load`` runs code."""
+
+
+def conversion_hint(folder: Path, root: Path) -> str:
+    """The diffusers call that rewrites ``root`` (a transformer or pipeline folder whose
+    transformer is ``folder``) with safetensors weights, in a sibling ``<root>-safetensors``
+    (``save_pretrained`` writes safetensors by default)."""
+    pipeline = folder != root and (root / PIPELINE_INDEX_NAME).is_file()
+    cls = "DiffusionPipeline" if pipeline else "QwenImageTransformer2DModel"
+    out = root.parent / f"{root.name}-safetensors"
+    return (f"convert it once to safetensors: python -c \"from diffusers import {cls}; "
+            f"{cls}.from_pretrained('{root}').save_pretrained('{out}')\" and pass {out}")
+
 
 def check_variant(variant: str | None) -> None:
     """Refuse a weight variant that is not a plain name (``fp16``, ``ema``): it becomes part of
@@ -152,13 +166,14 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
             raise CheckpointError(f"{index}: shard file(s) missing: {missing}")
         return [folder / s for s in shards]
     names = sorted(p.name for p in folder.iterdir())
-    pickles = [n for n in names if Path(n).suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    pickles = [n for n in names if Path(n).suffix in PICKLE_SUFFIXES]
     variants = sorted({m.group(1) for n in names if (m := _VARIANT_FILE.fullmatch(n))})
     hint = ""
     if variants:
         hint = f" (found weight variant(s) {variants}: pass variant=/--variant)"
     elif pickles:
-        hint = f" (found {pickles}; pickle checkpoints are not loaded, convert to safetensors)"
+        hint = (f" (found {pickles}: pickle weights are never loaded; "
+                f"{conversion_hint(folder, folder)})")
     raise CheckpointError(f"{folder}: neither {single.name} nor {index.name}{hint}")
 
 

@@ -29,6 +29,7 @@ from drifttool.sampling.step import StepOutput
 from drifttool.setting_checks import PATCH_PIXELS, check_mode, check_mode_device
 from drifttool.settings import RunSpec
 from drifttool.training.options import RerunOptions
+from drifttool.training.pipeline_replay import is_pipeline_capture, replay_pipeline
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
 from drifttool.training.trainer import prepare_trainer, rerun_device
 
@@ -76,6 +77,10 @@ def replay_run(
     is replayed up to the steps it finished (``finished_steps``), never further: the replay is
     then ``complete: false`` too, and the summary's ``note`` says so.
 
+    A captured diffusers pipeline call (``capture_pipeline``) is re-executed through the
+    pipeline itself (``pipeline_replay.replay_pipeline``: ``options.checkpoint`` is its folder),
+    in one process.
+
     ``dist`` and ``parallel`` place the replay on ranks as ``runner.execute`` does (default one
     process): the stored run's own layout is not re-created, and need not be. Under torchrun the
     model loads onto the rank's ``dist.device`` (``cuda:LOCAL_RANK`` on a GPU).
@@ -90,6 +95,11 @@ def replay_run(
     if stored.manifest.get("variants"):
         raise DriftToolError(f"{stored.path}: the run replaced operators ({', '.join(stored.manifest['variants'])}); "
                              "a replay cannot re-create them (use the probe that made it)")
+    if is_pipeline_capture(stored.manifest) and model is None:
+        if (dist is not None and dist.distributed) or (parallel is not None and parallel.parallel):
+            raise DriftToolError(f"{stored.path}: a captured diffusers pipeline replays in one "
+                                 "process (no torchrun, --tp, --sp or --cfg-parallel)")
+        return replay_pipeline(stored, out, options)  # the pipeline folder: options.checkpoint
     if stored.manifest.get("model_source") and model is None:
         src = stored.manifest["model_source"]
         name = src.get("implementation", "another implementation") if isinstance(src, dict) else src

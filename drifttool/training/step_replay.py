@@ -38,6 +38,7 @@ import torch
 
 from drifttool.artifact.reader import Run, open_run
 from drifttool.capture.digest import digest_tensor, dtype_from_name
+from drifttool.diff.uncaptured import declared
 from drifttool.environment import environment
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
@@ -51,8 +52,9 @@ from drifttool.sampling.rollout import rollout_step
 from drifttool.sampling.step import sampler_model
 from drifttool.setting_checks import check_level
 from drifttool.training.options import RerunOptions
+from drifttool.training.pipeline_replay import is_pipeline_capture, pipeline_transformer
 from drifttool.training.stored import StoredRollout, refuse_same_dir, source_record
-from drifttool.training.trainer import prepare_trainer
+from drifttool.training.trainer import prepare_trainer, rerun_device
 
 Variants = dict[str, tuple[str, Callable[..., Any]]]
 """``{op: (variant_name, fn)}`` as ``RunSpec.variants`` takes them."""
@@ -103,12 +105,20 @@ def check_variants(path: str | Path, manifest: dict[str, Any], variants: Variant
 
 def step_model(stored: StoredRollout, options: RerunOptions = RerunOptions(), model=None):
     """The model that re-executes a step of ``stored``: ``model`` or the one its manifest names
-    (``training.trainer.prepare_trainer``), fingerprint-checked either way.
+    (``training.trainer.prepare_trainer``), fingerprint-checked either way. A captured diffusers
+    pipeline call's is its transformer from ``options.checkpoint`` (the pipeline folder,
+    ``pipeline_replay.pipeline_transformer``) driven through ``DiffusersQwenImage``.
 
     Raises:
         DriftToolError: the run used another model implementation (``model_source``) and no
-            model is given; the fixture or checkpoint cannot be loaded; fingerprint mismatch.
+            model is given (nor, for a pipeline capture, a checkpoint); the fixture or
+            checkpoint cannot be loaded; fingerprint mismatch.
     """
+    if model is None and is_pipeline_capture(stored.manifest):
+        from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage  # lazy: diffusers
+
+        model = DiffusersQwenImage(pipeline_transformer(stored, options.checkpoint,
+                                                        rerun_device(stored, options)))
     if stored.manifest.get("model_source") and model is None:
         raise DriftToolError(f"{stored.path}: the run used another model implementation "
                              f"({stored.manifest['model_source'].get('implementation')!r}); its "
@@ -173,10 +183,13 @@ def _step_digests(run: Run, step: int) -> dict[tuple[str, str, int], int]:
 
 def compare_step(source: Run, replayed: Run, step: int) -> list[str]:
     """The step records of ``step`` that differ between the source run and its re-execution
-    (by digest), or that one of them lacks; ``[]`` when the re-execution reproduced them."""
+    (by digest), or that one of them lacks; ``[]`` when the re-execution reproduced them.
+    Quantities the source declares uncaptured (``diff.uncaptured``: a pipeline capture has no
+    mu, std_t or logp_t) are not compared, as the diff leaves them out."""
     a, b = _step_digests(source, step), _step_digests(replayed, step)
+    skipped, _ = declared(source.manifest)
     out = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(k for k in set(a) | set(b) if k[0] not in skipped):
         q, branch, sample = key
         if a.get(key) != b.get(key):
             what = "missing in the re-execution" if key not in b else (

@@ -1,6 +1,8 @@
 """The commands people run most never import torch (seconds of import for a 0.1 s job):
 ``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``; ``--help``
-does not import pyarrow either.
+does not import pyarrow either. ``diff`` imports no other command's module, not ``numpy.ma``
+(``drifttool.diff.arrays``) and not ``pyarrow.parquet``/``pyarrow.fs``
+(``drifttool.artifact.parquet``), and ``--checkpoint`` support costs it nothing until given.
 
 Each command runs in a fresh interpreter through the console script's entry point
 (``drifttool.cli.app:main``), which then reports whether ``torch`` is in ``sys.modules``.
@@ -29,6 +31,11 @@ except SystemExit as e:
     code = e.code
 print(f"torch imported: {'torch' in sys.modules}", file=sys.stderr)
 print(f"pyarrow imported: {'pyarrow' in sys.modules}", file=sys.stderr)
+print(f"numpy.ma imported: {'numpy.ma' in sys.modules}", file=sys.stderr)
+print(f"pyarrow.fs imported: {'pyarrow.fs' in sys.modules or 'pyarrow.parquet' in sys.modules}",
+      file=sys.stderr)
+print("modules: " + " ".join(sorted(m for m in sys.modules if m.startswith("drifttool"))),
+      file=sys.stderr)
 sys.exit(code)
 """
 
@@ -66,6 +73,28 @@ def test_command_does_not_import_torch(args, code, strict_run, auto_run, tmp_pat
     assert "torch imported: False" in err, err[-2000:]
     if "--help" in args:  # help text needs no artifact reader either
         assert "pyarrow imported: False" in err, err[-2000:]
+    if args[0] == "diff":
+        loaded = set(err.split("modules: ", 1)[1].split("\n", 1)[0].split())
+        others = {f"drifttool.cli.{m}" for m in ("run", "trace", "probe", "overlay", "replay",
+                                                 "report", "fixture", "experiment")}
+        assert not loaded & others, sorted(loaded & others)
+        assert not {"drifttool.model.checkpoint_hub", "huggingface_hub"} & loaded
+        if "--help" not in args:
+            assert "numpy.ma imported: False" in err, err[-2000:]
+            assert "pyarrow.fs imported: False" in err, err[-2000:]
+
+
+def test_every_command_is_still_listed_and_reachable(tmp_path):
+    """Building only the invoked command leaves ``--help`` (all commands) and an unknown name's
+    error as they were."""
+    from drifttool.cli.app import COMMANDS, GROUPS
+
+    rc, out, err = drifttool("--help", cwd=tmp_path)
+    assert rc == 0
+    for name in [n for n, *_ in COMMANDS] + [n for n, _ in GROUPS]:
+        assert f" {name} " in out, (name, out)
+    rc, out, err = drifttool("difff", cwd=tmp_path)
+    assert rc == 2 and "No such command 'difff'" in err, out + err
 
 
 def test_fixture_seal_check_does_not_import_torch(tmp_path):

@@ -107,7 +107,7 @@ def test_file_level_errors(diffusers_folder, tmp_path):
         load_checkpoint(tmp_path / "nope")
     _, folder = diffusers_folder(**SMALL)
     (folder / WEIGHTS_NAME).rename(folder / "diffusion_pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="pickle checkpoints are not loaded"):
+    with pytest.raises(CheckpointError, match="pickle weights are never loaded; convert it once to safetensors"):
         load_checkpoint(folder)
     _, folder = diffusers_folder(max_shard_size="40KB", **SMALL)
     next(folder.glob("*-00001-of-*.safetensors")).unlink()

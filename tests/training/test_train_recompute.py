@@ -182,7 +182,7 @@ def test_refuses_incomplete_and_tampered(strict_rollout, tmp_path):
     manifest["kind"] = "recompute"
     foreign = _copy(strict_rollout, tmp_path / "kind")
     (foreign / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="kind 'recompute'"):  # without source and policy
+    with pytest.raises(ArtifactError, match="missing section 'policy': a recompute manifest"):
         load_rollout(foreign)
 
 
