@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from drifttool.artifact.manifest import read_manifest
 from drifttool.artifact.reader import open_run
+from tests.chain.tiny_pipeline import MODEL_INDEX  # what DiffusionPipeline.save_pretrained writes
 
 # diffusers 0.42.1 tests/models/transformers/test_models_transformer_qwenimage.py, get_init_dict()
 UNIT_TEST_CONFIG = {
@@ -114,14 +115,7 @@ def test_pipeline_folder_loads_from_its_root(cli, tmp_path, unit_test_folder):
     root = tmp_path / "pipe"
     _diffusers_model().save_pretrained(root / "transformer")
     # what DiffusionPipeline.save_pretrained writes for a Qwen-Image pipeline
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "QwenImagePipeline", "_diffusers_version": "0.42.1",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "Qwen2Tokenizer"],
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-    }))
+    (root / "model_index.json").write_text(json.dumps(MODEL_INDEX))
     _run_ok(cli, "--checkpoint", root, "-o", tmp_path / "a")
     _run_ok(cli, "--checkpoint", unit_test_folder, "-o", tmp_path / "b")
     fa, fb = (read_manifest(tmp_path / r)["fingerprint"] for r in ("a", "b"))
