@@ -134,8 +134,10 @@ def probe(
         else:
             probes = catalog(settings, depth, family=MODES[mode],
                              device=resolve(base)[1].device.split(":")[0])
-        if only:
+        if only is not None:
             names = [n.strip() for n in only.split(",") if n.strip()]
+            if not names:
+                raise DriftToolError(f"--only names no probe ({only!r}); known: {[p.name for p in probes]}")
             unknown = sorted(set(names) - {p.name for p in probes})
             if unknown:
                 raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")

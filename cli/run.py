@@ -172,6 +172,9 @@ def _prompt_run(spec, out: Path, prompt: Optional[str], negative_prompt: Optiona
         raise DriftToolError("--negative-prompt goes with --prompt")
     if parallel:
         raise DriftToolError("--prompt runs in one process (no torchrun, --tp, --sp or --cfg-parallel)")
+    if spec.condition is not None:
+        raise DriftToolError("--prompt runs the text-to-image chain; --condition (edit pipelines) takes "
+                             "--prompt-embeds, not --prompt, for now")
     summary = run_chain(spec, out, prompts=[prompt],
                         negative_prompts=None if negative_prompt is None else [negative_prompt],
                         overwrite=overwrite)

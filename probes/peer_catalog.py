@@ -237,11 +237,13 @@ def select(probes: list[PeerProbe], only: str | None) -> list[PeerProbe]:
     """The probes named in the comma-separated ``only`` (all when ``None``).
 
     Raises:
-        DriftToolError: an unknown name (the message lists the known ones).
+        DriftToolError: an unknown name, or none (the message lists the known ones).
     """
-    if not only:
+    if only is None:
         return probes
     names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        raise DriftToolError(f"--only names no peer probe ({only!r}); known: {[p.name for p in probes]}")
     unknown = sorted(set(names) - {p.name for p in probes})
     if unknown:
         raise DriftToolError(f"unknown peer probe(s) {unknown}; known: {[p.name for p in probes]}")

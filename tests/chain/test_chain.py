@@ -107,6 +107,13 @@ def test_prompt_with_prompt_embeds_is_one_line(runner, pipeline, tmp_path):
     assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
 
 
+def test_prompt_with_a_condition_is_one_line(runner, pipeline, tmp_path):
+    (tmp_path / "cond.safetensors").write_bytes(b"")  # refused before the file is read
+    res = _run(runner, pipeline, tmp_path / "out", "--condition", str(tmp_path / "cond.safetensors"))
+    assert res.exit_code == ExitCode.USAGE and "text-to-image chain" in res.output, res.output
+    assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
+
+
 def test_negative_prompt_alone_is_one_line(runner, pipeline, tmp_path):
     res = runner.invoke(app, ["run", "--negative-prompt", NEGATIVE, "--checkpoint", str(pipeline),
                               "-o", str(tmp_path / "out")])

@@ -46,6 +46,11 @@ def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
 def test_probe_bad_input_exits_2(cli, tmp_path):
     code, out = cli("probe", "--only", "no_such_probe", "-o", tmp_path / "m")
     assert code == 2 and "unknown probe" in out
+    for empty in ("", " , "):  # a CI gate that selects nothing must not pass
+        code, out = cli("probe", "--only", empty, "-o", tmp_path / "m")
+        assert code == 2 and "names no probe" in out and not (tmp_path / "m").exists(), out
+        code, out = cli("probe", "--peer", "diffusers", "--only", empty, "-o", tmp_path / "m")
+        assert code == 2 and "names no peer probe" in out, out
     code, out = cli("probe", "--preset", "huge", "-o", tmp_path / "m")
     assert code == 2 and "unknown preset" in out
     code, out = cli("probe", "--checkpoint", tmp_path / "missing", "-o", tmp_path / "m")
