@@ -28,11 +28,14 @@ def test_list_needs_no_output(cli):
     (("--peer", "diffusers", "--device", "tpu", "-o", "{tmp}"), "device"),
     (("--peer", "diffusers", "--height", "1000", "--width", "1024", "-o", "{tmp}"), "multiple of 16"),
     (("--peer", "diffusers", "--height", "1024", "-o", "{tmp}"), "--height and --width together"),
-    (("--peer", "diffusers", "--preset", "tiny", "--checkpoint", "{tmp}", "-o", "{tmp}"), "--peer runs"),
+    (("--peer", "diffusers", "--preset", "tiny", "--checkpoint", "{model}", "-o", "{tmp}"), "--peer runs"),
     (("--device", "tpu", "-o", "{tmp}"), "device"),  # the strict matrix checks it too
 ])
 def test_usage_errors_exit_2(cli, tmp_path, args, words):
-    code, out = cli("probe", *[a.format(tmp=tmp_path / "m") for a in args])
+    from drifttool.fixture import load_fixture
+
+    model = load_fixture("tiny-t2i").model_dir  # a real checkpoint folder: the conflict, not the path, is refused
+    code, out = cli("probe", *[a.format(tmp=tmp_path / "m", model=model) for a in args])
     assert code == 2 and words in out, out
     assert not (tmp_path / "m").exists()  # refused before anything is written
 
