@@ -26,9 +26,9 @@ def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
 
     real = C.catalog
 
-    def wrong(settings=None, num_layers=2):
+    def wrong(settings=None, num_layers=2, **kw):
         return [p.with_(expect=Expectation(verdict="drift", op="final_adaln_out"))
-                if p.name == "gelu_exact" else p for p in real(settings, num_layers)]
+                if p.name == "gelu_exact" else p for p in real(settings, num_layers, **kw)]
 
     monkeypatch.setattr(C, "catalog", wrong)
     code, out = cli("probe", "--only", "repeat,gelu_exact,ulp_txt_qk_rmsnorm", "-o", tmp_path / "m")
