@@ -91,6 +91,7 @@ def probe(
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.probes.catalog import catalog, distributed_catalog  # lazy: likewise
     from drifttool.probes.runner import baseline_settings  # lazy: likewise
+    from drifttool.probes.spec import select  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
@@ -134,14 +135,7 @@ def probe(
         else:
             probes = catalog(settings, depth, family=MODES[mode],
                              device=resolve(base)[1].device.split(":")[0])
-        if only is not None:
-            names = [n.strip() for n in only.split(",") if n.strip()]
-            if not names:
-                raise DriftToolError(f"--only names no probe ({only!r}); known: {[p.name for p in probes]}")
-            unknown = sorted(set(names) - {p.name for p in probes})
-            if unknown:
-                raise DriftToolError(f"unknown probe(s) {unknown}; known: {[p.name for p in probes]}")
-            probes = [p for p in probes if p.name in names]
+        probes = select(probes, only)
         if list_only:
             if (launch is None or launch.rank == 0) and as_json:
                 _json.emit("probe list", {"probes": [_listed(p, distributed) for p in probes]})

@@ -36,8 +36,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from drifttool.errors import DriftToolError
 from drifttool.probes.spec import Expectation
+from drifttool.probes.spec import select as spec_select
 
 PEER_STEPS = 2
 PEER_SLOTS = 128
@@ -234,20 +234,8 @@ PEERS = ("diffusers",)
 
 
 def select(probes: list[PeerProbe], only: str | None) -> list[PeerProbe]:
-    """The probes named in the comma-separated ``only`` (all when ``None``).
-
-    Raises:
-        DriftToolError: an unknown name, or none (the message lists the known ones).
-    """
-    if only is None:
-        return probes
-    names = [n.strip() for n in only.split(",") if n.strip()]
-    if not names:
-        raise DriftToolError(f"--only names no peer probe ({only!r}); known: {[p.name for p in probes]}")
-    unknown = sorted(set(names) - {p.name for p in probes})
-    if unknown:
-        raise DriftToolError(f"unknown peer probe(s) {unknown}; known: {[p.name for p in probes]}")
-    return [p for p in probes if p.name in names]
+    """The peer probes named in the comma-separated ``only`` (``spec.select``)."""
+    return spec_select(probes, only, "peer probe")
 
 
 def describe(p: PeerProbe) -> str:

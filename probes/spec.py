@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from drifttool.errors import DriftToolError
+
 KINDS = ("mismatch", "invariant", "sensitivity")
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,3 +176,22 @@ class Probe:
     def with_(self, **changes: Any) -> "Probe":
         """A copy with fields replaced (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+def select(probes: list, only: str | None, what: str = "probe") -> list:
+    """The ``probes`` (anything with a ``name``) named in the comma-separated ``only``, in
+    catalog order; all when ``only`` is ``None``. ``what`` names them in messages.
+
+    Raises:
+        DriftToolError: an unknown name, or none at all (the message lists the known ones).
+    """
+    if only is None:
+        return probes
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = [p.name for p in probes]
+    if not names:
+        raise DriftToolError(f"--only names no {what} ({only!r}); known: {known}")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise DriftToolError(f"unknown {what}(s) {unknown}; known: {known}")
+    return [p for p in probes if p.name in names]
