@@ -53,8 +53,8 @@ def test_forward_with_conditions_equals_diffusers_on_cuda(B, grid, cond_grids):
             assert_same_bytes(v.cpu(), ref.cpu(), f"{name} on cuda: v with conditions {cond_grids}")
 
 
-def _cuda_pipeline(plus: bool):
-    pipe = ec.edit_pipeline(plus)
+def _cuda_pipeline(plus: bool, cpu_pipeline):
+    pipe = cpu_pipeline(plus)
     pipe.transformer = diffusers_transformer("cuda")
     pipe.vae = copy.deepcopy(ec.tiny_vae()).cuda()  # the cached CPU VAE stays where it is
     return pipe
@@ -63,7 +63,7 @@ def _cuda_pipeline(plus: bool):
 @pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
 def test_edit_presets_equal_the_pipelines_on_cuda(plus, monkeypatch):
     ec.small_areas(monkeypatch)
-    monkeypatch.setattr(ec, "edit_pipeline", lambda p, _orig=ec.edit_pipeline: _cuda_pipeline(p)
+    monkeypatch.setattr(ec, "edit_pipeline", lambda p, _orig=ec.edit_pipeline: _cuda_pipeline(p, _orig)
                         if p == plus else _orig(p))
     g = torch.Generator().manual_seed(3 + plus)
     sizes = [(90, 60), (50, 100)] if plus else [(70, 110)]

@@ -214,7 +214,8 @@ def test_lora_merge_backward_vs_strict_cpu():
     d = rn(n, k, seed=53, dtype=torch.float32, device="cpu")
 
     def grads(fn, dev):
-        aa, bb = a.to(dev).requires_grad_(True), b.to(dev).requires_grad_(True)
+        # clone: on the CPU .to() would return (and mark) the shared leaf itself
+        aa, bb = (t.to(dev, copy=True).requires_grad_(True) for t in (a, b))
         fn(w.to(dev), aa, bb, 2.0).backward(d.to(dev))
         return aa.grad.cpu(), bb.grad.cpu()
 
