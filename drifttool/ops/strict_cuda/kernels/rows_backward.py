@@ -24,8 +24,9 @@ the bytes equal the CPU's given the same inputs:
   L < 64 rows, over pow2(L) leaves: nodes wholly past them are not added), the block list cut in 8
   segments by recursive halving (``shards.halving_spans``), a segment's blocks added in order
   (the first taken as is), the segments by ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), an empty one
-  absent, no live row → +0. One program per (64 columns, sample) walks all of the sample's rows.
-  The product a·b, when given, is one FP32 multiplication.
+  absent, no live row → +0. The blocks' trees are computed by one program each (64 columns), the
+  chains and the tree by one program per (64 columns, sample). The product a·b, when given, is
+  one FP32 multiplication.
 * ``gate_grad``: go·gate[b] in FP32, one cast. ``rope_grad``: the inverse rotation dx0 = g0·c +
   g1·s, dx1 = g1·c − g0·s, each product rounded before its sum, one cast.
 
@@ -46,9 +47,6 @@ from drifttool.ops.strict_cuda.kernels.rows import ELEMENTS, _launch, _pair_tree
 
 TILE = 1024
 """Elements of a row a norm program holds at once (a longer row is walked in tiles)."""
-
-ROW_BLOCK_LOG2 = 6
-"""64-row blocks of the per-sample row sums (contract v2's ``CHUNK``)."""
 
 SUM_COLS = 64
 """Columns per program of the per-sample row sums."""
@@ -213,13 +211,20 @@ def norm_grads(x: torch.Tensor, go: torch.Tensor, eps: float, *, gain: torch.Ten
 
 
 @triton.jit
-def _block(a_ptr, b_ptr, ra, rb, blk, live, cols, cm, PROD: tl.constexpr, BC: tl.constexpr):
-    """The pairwise tree over block blk's rows (its L rows zero-padded to pow2(L) leaves) → [BC]."""
-    rr = (blk * 64 + tl.arange(0, 64)).to(tl.int64)
-    m = cm[:, None] & (rr < live)[None, :]
-    v = tl.load(a_ptr + rr[None, :] * ra + cols[:, None], mask=m, other=0.0).to(tl.float32)  # [BC, 64]
+def _block_kernel(a_ptr, b_ptr, live_ptr, part_ptr, C, NB, sab, sar, sbb, sbr, PROD: tl.constexpr,
+                  BC: tl.constexpr):
+    """part[b, blk, cols] = the pairwise tree over block blk's rows of sample b (its L live rows
+    zero-padded to pow2(L) leaves: nodes wholly past them are not added); blocks past the live
+    rows are not written."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    blk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    live = tl.load(live_ptr + b)
+    rr = blk * 64 + tl.arange(0, 64)
+    m = (cols < C)[:, None] & (rr < live)[None, :]
+    v = tl.load(a_ptr + b * sab + rr[None, :] * sar + cols[:, None], mask=m, other=0.0).to(tl.float32)  # [BC, 64]
     if PROD:
-        v = v * tl.load(b_ptr + rr[None, :] * rb + cols[:, None], mask=m, other=0.0).to(tl.float32)
+        v = v * tl.load(b_ptr + b * sbb + rr[None, :] * sbr + cols[:, None], mask=m, other=0.0).to(tl.float32)
     n = tl.minimum(live - blk * 64, 64)
     p = tl.full((), 1, tl.int64)
     for _ in tl.static_range(6):
@@ -228,15 +233,15 @@ def _block(a_ptr, b_ptr, ra, rb, blk, live, cols, cm, PROD: tl.constexpr, BC: tl
         lo, hi = tl.split(tl.reshape(v, (BC, 64 >> (j + 1), 2)))
         i = tl.arange(0, 64 >> (j + 1))
         v = tl.where((((2 * i + 1) << j) < p)[None, :], lo + hi, lo)
-    return tl.reshape(v, (BC,))
+    tl.store(part_ptr + (b * NB + blk) * C + cols, tl.reshape(v, (BC,)), mask=(cols < C) & (n > 0))
 
 
 @triton.jit
-def _segment(a_ptr, b_ptr, ra, rb, lo, hi, live, cols, cm, PROD: tl.constexpr, BC: tl.constexpr):
-    """Blocks [lo, hi) added in order (the first as is) → (partial [BC], present)."""
+def _segment(part_ptr, lo, hi, cols, cm, BC: tl.constexpr, C):
+    """Blocks [lo, hi) of a sample's partials added in order (the first as is) → (sum, present)."""
     acc = tl.zeros((BC,), tl.float32)
     for blk in range(lo, hi):
-        p = _block(a_ptr, b_ptr, ra, rb, blk, live, cols, cm, PROD, BC)
+        p = tl.load(part_ptr + blk * C + cols, mask=cm, other=0.0)
         acc = tl.where(blk == lo, p, acc + p)
     return acc, hi > lo
 
@@ -253,27 +258,25 @@ def _half(lo, hi):
 
 
 @triton.jit
-def _rowsum_kernel(a_ptr, b_ptr, live_ptr, o_ptr, C, sab, sar, sbb, sbr, PROD: tl.constexpr,
-                   BC: tl.constexpr):
-    """o[b, cols] = contract-v2 sum over sample b's live rows of a (or a·b)."""
+def _segments_kernel(part_ptr, live_ptr, o_ptr, C, NB, BC: tl.constexpr):
+    """o[b, cols] = the 8 segments of sample b's block partials (halving), each a chain, then the
+    depth-3 tree."""
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = cols < C
     b = tl.program_id(1).to(tl.int64)
-    live = tl.load(live_ptr + b)
-    nb = (live + 63) // 64
-    a_ptr = a_ptr + b * sab
-    b_ptr = b_ptr + b * sbb
+    nb = (tl.load(live_ptr + b) + 63) // 64
+    base = part_ptr + b * NB * C
     m = _half(0, nb)
     q0, q1 = _half(0, m), _half(m, nb)
     e0, e1, e2, e3 = _half(0, q0), _half(q0, m), _half(m, q1), _half(q1, nb)
-    s0, p0 = _segment(a_ptr, b_ptr, sar, sbr, 0, e0, live, cols, cm, PROD, BC)
-    s1, p1 = _segment(a_ptr, b_ptr, sar, sbr, e0, q0, live, cols, cm, PROD, BC)
-    s2, p2 = _segment(a_ptr, b_ptr, sar, sbr, q0, e1, live, cols, cm, PROD, BC)
-    s3, p3 = _segment(a_ptr, b_ptr, sar, sbr, e1, m, live, cols, cm, PROD, BC)
-    s4, p4 = _segment(a_ptr, b_ptr, sar, sbr, m, e2, live, cols, cm, PROD, BC)
-    s5, p5 = _segment(a_ptr, b_ptr, sar, sbr, e2, q1, live, cols, cm, PROD, BC)
-    s6, p6 = _segment(a_ptr, b_ptr, sar, sbr, q1, e3, live, cols, cm, PROD, BC)
-    s7, p7 = _segment(a_ptr, b_ptr, sar, sbr, e3, nb, live, cols, cm, PROD, BC)
+    s0, p0 = _segment(base, 0, e0, cols, cm, BC, C)
+    s1, p1 = _segment(base, e0, q0, cols, cm, BC, C)
+    s2, p2 = _segment(base, q0, e1, cols, cm, BC, C)
+    s3, p3 = _segment(base, e1, m, cols, cm, BC, C)
+    s4, p4 = _segment(base, m, e2, cols, cm, BC, C)
+    s5, p5 = _segment(base, e2, q1, cols, cm, BC, C)
+    s6, p6 = _segment(base, q1, e3, cols, cm, BC, C)
+    s7, p7 = _segment(base, e3, nb, cols, cm, BC, C)
     s01, p01 = _join(s0, p0, s1, p1)
     s23, p23 = _join(s2, p2, s3, p3)
     s45, p45 = _join(s4, p4, s5, p5)
@@ -287,6 +290,10 @@ def _rowsum_kernel(a_ptr, b_ptr, live_ptr, o_ptr, C, sab, sar, sbb, sbr, PROD: t
 def row_sums(a3: torch.Tensor, b3: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor:
     """Per-sample contract-v2 sums over rows (module docstring) of a3, or of the product a3·b3.
 
+    Two launches: every 64-row block's tree (one program per (64 columns, block, sample), into an
+    FP32 [B, ⌈R/64⌉, C] buffer), then one program per (64 columns, sample) adds that sample's
+    block sums by the segments and their tree. The order is the contract's either way.
+
     Args:
         a3, b3: [B, R, C] bf16 or FP32 (b3 None: a3 alone).  live: [B] int64 on a3's device, the
             rows of each sample that take part (the CPU's ``live_rows`` of what is summed).
@@ -299,11 +306,19 @@ def row_sums(a3: torch.Tensor, b3: torch.Tensor | None, live: torch.Tensor) -> t
                                      f"{None if b3 is None else tuple(b3.shape)}, live {tuple(live.shape)}")
     a3 = a3 if a3.stride(2) == 1 else a3.contiguous()
     bb = a3 if b3 is None else (b3 if b3.stride(2) == 1 else b3.contiguous())
-    bsz, _, c = a3.shape
+    bsz, rows, c = a3.shape
+    live = live.to(torch.int64).contiguous()
     o = torch.empty((bsz, c), dtype=torch.float32, device=a3.device)
-    if o.numel():
-        _launch(_rowsum_kernel, (triton.cdiv(c, SUM_COLS), bsz), a3, bb, live.to(torch.int64).contiguous(), o,
-                c, a3.stride(0), a3.stride(1), bb.stride(0), bb.stride(1), PROD=b3 is not None, BC=SUM_COLS)
+    nb = -(-rows // 64)
+    if not o.numel():
+        return o
+    if nb == 0:
+        return o.zero_()
+    part = torch.empty((bsz, nb, c), dtype=torch.float32, device=a3.device)
+    cols = triton.cdiv(c, SUM_COLS)
+    _launch(_block_kernel, (cols, nb, bsz), a3, bb, live, part, c, nb, a3.stride(0), a3.stride(1),
+            bb.stride(0), bb.stride(1), PROD=b3 is not None, BC=SUM_COLS)
+    _launch(_segments_kernel, (cols, bsz), part, live, o, c, nb, BC=SUM_COLS)
     return o
 
 
