@@ -152,6 +152,9 @@ def test_row_sums_are_contract_v2_with_signed_zeros_and_many_blocks():
         got = rb.sample_row_sums(t)
         assert_same_bytes(got, cpu_grad.row_sum(t), f"{rows} rows vs grad.row_sum")
         assert torch.signbit(got[0, 0]) == (rows == 68), f"{rows} rows: the sign of the −0 column's sum"
+    t, u = _g(56, 3, 3001, 5), _g(57, 3, 3001, 5)  # 47 blocks: segments of 6 and 5, the last block 57 rows
+    t[2, 2900:] = 0
+    assert_same_bytes(rb.sample_row_sums(t, u), cpu_grad.row_sum(t * u), "3001 rows of products")
     zero = K.row_sums(_g(1, 2, 5, 7), None, torch.tensor([0, 5]))
     assert not torch.signbit(zero[0]).any() and (zero[0] == 0).all()
 

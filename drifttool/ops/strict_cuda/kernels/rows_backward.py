@@ -314,6 +314,9 @@ def row_sums(a3: torch.Tensor, b3: torch.Tensor | None, live: torch.Tensor) -> t
         return o
     if nb == 0:
         return o.zero_()
+    if nb > 65535 or bsz > 65535:
+        raise UnsupportedConfigError(f"strict CUDA row sum: {rows} rows per sample, {bsz} samples; at most "
+                                     f"{65535 * 64} rows and 65535 samples (one launch axis each)")
     part = torch.empty((bsz, nb, c), dtype=torch.float32, device=a3.device)
     cols = triton.cdiv(c, SUM_COLS)
     _launch(_block_kernel, (cols, nb, bsz), a3, bb, live, part, c, nb, a3.stride(0), a3.stride(1),
