@@ -14,8 +14,8 @@ contract-v2 segments.
 Backward (``strict_cuda.row_backward``, contract ``qwenimage.<op>.grad.cuda1``) for
 ``adaln_modulation``, ``adaln_gate_residual``, ``qk_rmsnorm``, ``multi_axis_rope`` and
 ``txt_in_rmsnorm_linear``: each runs through a ``torch.autograd.Function`` whose forward is the
-code here unchanged; the others are forward only (the family's constraint). Shapes are checked as the CPU family checks them and fail
-closed in one line.
+code here unchanged; the others are forward only (the family's constraint). Shapes are checked
+as the CPU family checks them and fail closed in one line.
 """
 
 from __future__ import annotations
