@@ -226,9 +226,9 @@ PARAMS = [
     for case in BWD_CASES
     for dt in case.dtypes
     for tp in TARGETS
-    if tp.id != "strict-cuda"  # GEMM backward: tests/gpu/test_strict_cuda_backward.py; the rest forward only
+    if tp.id != "strict-cuda"  # GEMM and row backward: tests/gpu/test_strict_cuda_*backward.py
 ]
-STRICT = targets("strict", devices=("cpu",))  # strict CUDA backward (GEMMs only): tests/gpu
+STRICT = targets("strict", devices=("cpu",))  # strict CUDA backward (GEMMs, rows): tests/gpu
 STRICT_CPU = Target("strict", "cpu")
 
 

@@ -14,7 +14,8 @@ Each implementation is registered for family ``strict``, device ``cuda``, contra
 4. ``forward_only``: no tensor argument requires a gradient under grad mode (the backward kernels
    are not built; training on CUDA runs in production mode or on the CPU) — or, for the operators
    with a strict CUDA backward (``trainable=True``: the GEMMs and ``lora_merge``,
-   ``strict_cuda.backward``), ``no_grad_sink``: no weight carries the gradient ledger's
+   ``strict_cuda.backward``; the row norms, modulation, gate residual and RoPE,
+   ``strict_cuda.row_backward``), ``no_grad_sink``: no weight carries the gradient ledger's
    per-sample sink (its atoms are CPU contract v2);
 5. the listed tensor arguments in the operator's declared dtypes (FP32 or BF16).
 """

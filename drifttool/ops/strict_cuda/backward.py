@@ -53,8 +53,10 @@ GRAD_CONTRACT_VERSION = "grad.cuda1"
 """Version of the strict CUDA backward's orders; bump when any gradient byte changes."""
 
 TRAINABLE = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
-             "mlp_down_gemm", "lora_merge")
-"""The strict CUDA operators with a backward (the rest are forward only)."""
+             "mlp_down_gemm", "lora_merge", "qk_rmsnorm", "txt_in_rmsnorm_linear", "adaln_modulation",
+             "adaln_gate_residual", "multi_axis_rope")
+"""The strict CUDA operators with a backward (the rest are forward only): the GEMMs here, the row
+operators in ``strict_cuda.row_backward``."""
 
 
 def grad_contract_id(op: str) -> str:

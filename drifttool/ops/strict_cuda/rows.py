@@ -11,8 +11,11 @@ operand (the norm's output; ``silu32`` of temb), hence IEEE FP32 products, as th
 GEMM in FP32; only that GEMM's K order (one sequential pass in 64-chunks) differs from the CPU's
 contract-v2 segments.
 
-Forward only (the family's constraint). Shapes are checked as the CPU family checks them and fail
-closed in one line.
+Backward (``strict_cuda.row_backward``, contract ``qwenimage.<op>.grad.cuda1``) for
+``adaln_modulation``, ``adaln_gate_residual``, ``qk_rmsnorm``, ``multi_axis_rope`` and
+``txt_in_rmsnorm_linear``: each runs through a ``torch.autograd.Function`` whose forward is the
+code here unchanged; the others are forward only (the family's constraint). Shapes are checked
+as the CPU family checks them and fail closed in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint
 from drifttool.ops.strict import act_dtype
+from drifttool.ops.strict_cuda import row_backward as rb
 from drifttool.ops.strict_cuda._register import strict_cuda
 from drifttool.ops.strict_cuda.linear import KERNEL as GEMM_KERNEL
 
@@ -81,28 +85,41 @@ def latent_normalize(z, mean, std, inverse: bool = False):
 
 
 @strict_cuda("adaln_modulation", "x", "shift", "scale", kernel="triton.layernorm.pairtree",
-             constraints=(_row_fits("x"),))
+             constraints=(_row_fits("x"),), trainable=True)
 def adaln_modulation(x, shift, scale, eps: float = 1e-6):
     """LN(x)·(1 + scale) + shift; x [B,S,d], shift/scale [B,d] → [B,S,d] in x's dtype."""
+    return rb.Modulation.apply(x, shift, scale, eps, _ln_modulation)
+
+
+def _ln_modulation(x, shift, scale, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
     return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
 
 
-@strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma")
+@strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma", trainable=True)
 def adaln_gate_residual(x, gate, y):
     """x + gate·y in FP32 (product rounded, then the sum), one cast; x, y [B,S,d], gate [B,d]."""
+    return rb.GateResidual.apply(x, gate, y, _gate_residual)
+
+
+def _gate_residual(x, gate, y):
     from drifttool.ops.strict_cuda.kernels import elementwise  # lazy: Triton is imported when a kernel runs
     return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y))
 
 
-@strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),))
+@strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),),
+             trainable=True)
 def qk_rmsnorm(x, gain, eps: float = 1e-6):
     """Learned-gain RMSNorm over the head dim: x [B,S,H,Dh], gain [Dh] → [B,S,H,Dh]."""
+    return rb.QKNorm.apply(x, gain, eps, _qk_rmsnorm)
+
+
+def _qk_rmsnorm(x, gain, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
     return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain))
 
 
-@strict_cuda("multi_axis_rope", "x", kernel="triton.rope_interleaved.nofma")
+@strict_cuda("multi_axis_rope", "x", kernel="triton.rope_interleaved.nofma", trainable=True)
 def multi_axis_rope(x, freqs):
     """Rotate adjacent pairs: y0 = x0·c − x1·s, y1 = x0·s + x1·c in FP32 (separate roundings);
     x [B,S,H,Dh], freqs [S,Dh/2] complex64."""
@@ -111,17 +128,24 @@ def multi_axis_rope(x, freqs):
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
             f"{tuple(x.shape)} (Dh even), got {freqs.dtype} {tuple(freqs.shape)}")
-    return elementwise.rope(x, freqs)
+    return rb.Rope.apply(x, freqs, elementwise.rope)
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("e"),))
+             constraints=(_row_fits("e"),), trainable=True)
 def txt_in_rmsnorm_linear(e, gain, w, b, eps: float = 1e-6):
     """txt_in(RMSNorm_Dj(e)): e [B,L,Dj] → [B,L,d]. The norm's FP32 output feeds the GEMM as an
     FP32 operand (IEEE FP32 products with the weights widened exactly, no TF32), one cast at the end."""
+    return rb.TxtIn.apply(e, gain, w, b, eps, _txt_in, _txt_norm)
+
+
+def _txt_norm(e, gain, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
-    y = norms.rms_norm(e, gain, float(eps), torch.float32)
-    return _gemm().linear(y, w, b, out_dtype=act_dtype(e, gain, w, b))
+    return norms.rms_norm(e, gain, float(eps), torch.float32)
+
+
+def _txt_in(e, gain, w, b, eps):
+    return _gemm().linear(_txt_norm(e, gain, eps), w, b, out_dtype=act_dtype(e, gain, w, b))
 
 
 @strict_cuda("final_adaln_out", "x", "temb", "w", "b", kernel="triton.layernorm.pairtree+" + GEMM_KERNEL,
