@@ -53,7 +53,8 @@ _FLOAT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 3, "split": 4, "v": 8}
 """The row kernel's settings: ``kernel`` (2, or 1: the first version), rows and element columns
-per program step (``bc`` a power of two up to 4096), warps, pipeline stages, column splits (each
+per program step (``bc`` a power of two up to 4096; kernel 2 takes half as many columns of a
+4-byte type, the same bytes), warps, pipeline stages, column splits (each
 split a program of its own, partial sums combined at ``materialize``; more programs in flight for
 outputs of few rows) and, for kernel 2, ``v``: columns summed within a thread into one fp64 Σx²
 accumulator (0: one per row, reduced every tile). Kernel 1 measured on an H200
@@ -182,6 +183,8 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"row kernel tile width {bc} is not a power of two in [16, 4096]")
     r, c = x.shape
     wbytes = _WORD_BYTES[x.dtype]
+    if kernel == 2 and wbytes == 4:
+        bc = max(16, bc // 2)  # the same bytes per tile (and registers) as a 2-byte type
     splits = max(1, int(tile["split"]))
     buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
     rows = buf[:2 * r * splits].view(splits, r, 2)
