@@ -1,8 +1,8 @@
 """The Triton kernels behind ``gpu_rows.row_table``: digest v2's row sums and the row summary of a
 float tensor in one read (docs/digest.md, "On a GPU: one Triton pass per captured output").
 
-Two kernels compute the same row digests (exact integer sums mod ``p = 2**61 − 1``, so any order of
-addition gives the same bits); ``gpu_rows.TILE["kernel"]`` picks one:
+Two kernels compute the same row digests (exact integer sums mod ``p = 2**61 − 1``, so any order
+of addition gives the same bits); ``gpu_rows.TILE["kernel"]`` picks one:
 
 - ``_rows_kernel`` (kernel 2, the default): one load of the bytes of a ``[BM, BC]`` tile
   (``uint8`` view, ``BC · W`` byte columns). The shifted bytes ``s = u − 128`` go to one int8

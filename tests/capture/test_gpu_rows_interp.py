@@ -85,7 +85,8 @@ def test_finite_rows_count_nothing_and_rows_with_nonfinite_values_count_them():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(6889, 24), (2, 70_001)])  # many rows; > 2**16 byte columns
 def test_kernel2_large_shapes(dtype, shape):
-    _check(_tensor(7, dtype, shape, special=True), dict(KERNEL2, bm=64, bc=1024 if shape[0] < 8 else 16))
+    tile = dict(KERNEL2, bm=64, bc=1024 if shape[0] < 8 else 16)
+    _check(_tensor(7, dtype, shape, special=True), tile)
 
 
 def test_kernel2_folds_inside_a_row():

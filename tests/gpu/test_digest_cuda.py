@@ -108,7 +108,8 @@ def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, kernel, monkeypat
 
 
 @pytest.mark.parametrize("tile", [dict(bm=128, bc=64, warps=8), dict(bm=64, bc=256, v=0),
-                                  dict(bm=16, bc=16, split=3), dict(bm=64, bc=128, stages=4, split=8)])
+                                  dict(bm=16, bc=16, split=3),
+                                  dict(bm=64, bc=128, stages=4, split=8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel2_settings_give_kernel1_tables(dtype, tile):
     # T, T' bit for bit, max/min/counts exactly, under the settings the sweep tries
