@@ -174,8 +174,9 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     beyond its dtype; ``row_table`` is the entry point.
 
     Raises:
-        ValueError: ``tile["kernel"]`` is not 1 or 2, or ``tile["bc"]`` not a power of two up to
-            4096.
+        ValueError: ``tile["kernel"]`` is not 1 or 2, ``tile["bc"]`` not a power of two up to
+            4096, or ``tile["v"]`` neither 0 nor a power of two (it is capped at the tile's
+            columns).
     """
     kernel, bm, bc = int(tile.get("kernel", 2)), int(tile["bm"]), int(tile["bc"])
     if kernel not in (1, 2):
@@ -186,6 +187,9 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     wbytes = _WORD_BYTES[x.dtype]
     if kernel == 2 and wbytes == 4:
         bc = max(16, bc // 2)  # the same bytes per tile (and registers) as a 2-byte type
+    v = min(int(tile.get("v", 8)), bc)
+    if v < 0 or v & (v - 1):
+        raise ValueError(f"row kernel Σx² width {v} is not 0 or a power of two")
     splits = max(1, int(tile["split"]))
     buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
     rows = buf[:2 * r * splits].view(splits, r, 2)
@@ -209,7 +213,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kernels._rows_kernel[grid](
             x.view(torch.uint8), keys, rows, stats, r, c, stride * wbytes, keys.shape[1], s1, s2,
             triton.cdiv(tiles, splits), WBYTES=wbytes, FLOAT=_FLOAT[x.dtype], BM=bm, BC=bc,
-            FOLD_EVERY=fold, V=int(tile.get("v", 8)), ASM=not interpreted, **opts)
+            FOLD_EVERY=fold, V=v, ASM=not interpreted, **opts)
     return rows, stats
 
 

@@ -60,6 +60,7 @@ KERNEL2 = dict(kernel=2, bm=16, bc=64, warps=4, stages=2, split=1, v=8)
     ((37, 130), dict(split=3, v=0)),                  # odd width, rows past a program's end
     ((5, 64), dict(split=4)),                         # more splits than tiles: empty splits
     ((19, 515), dict(bm=32, bc=128, v=16)),
+    ((4, 100), dict(bc=32, v=32)),                    # fp32: 16 columns a tile, v capped at 16
 ])
 def test_kernel2_equals_the_cpu(dtype, shape, tile):
     _check(_tensor(shape[0] + shape[1], dtype, shape, special=True), dict(KERNEL2, **tile))
@@ -111,5 +112,7 @@ def test_launch_refuses_unknown_settings():
         gpu_rows.launch(t, dict(KERNEL2, kernel=3))
     with pytest.raises(ValueError, match="not a power of two"):
         gpu_rows.launch(t, dict(KERNEL2, bc=96))
+    with pytest.raises(ValueError, match="Σx² width 6"):
+        gpu_rows.launch(t, dict(KERNEL2, v=6))
     with pytest.raises(ValueError, match="needs a 2-D CUDA"):
         gpu_rows.row_table(t)
