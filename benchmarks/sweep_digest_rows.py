@@ -3,16 +3,16 @@
     $ python benchmarks/sweep_digest_rows.py [--reps 5]
 
 For each candidate in ``CANDIDATES`` (kernel, rows × columns per program step, warps, pipeline
-stages, column splits, Σx² accumulator width ``v``) and each output in ``SHAPES`` (a block's
-activations, its MLP hidden state and a CFG-batched 1328² hidden state, bf16, and an fp32
-activation), prints the bytes read per second (median of ``--reps`` replays of a CUDA graph of
-launches that read about 0.25 GB, timed with CUDA events: the device's time, not the host's),
-its ratio to ``x.clone()``'s bandwidth on the same tensor (bytes read + written per second), and
-whether the candidate's ``T``, ``T'`` equal those of the registered setting (``gpu_rows.TILE``,
-every row) and the CPU's level 1 (the first and last 64 rows). A candidate that fails to compile
-or launch prints its error and the sweep goes on. The last lines name the fastest candidate whose
-digests agree everywhere, as the one-line ``TILE`` to register. Without CUDA it prints why and
-exits 0.
+stages, column splits, Σx² accumulator width ``v``, ``regs``: the product's operand through
+registers) and each output in ``SHAPES`` (a block's activations, its MLP hidden state and a
+CFG-batched 1328² hidden state, bf16, and an fp32 activation), prints the bytes read per second
+(median of ``--reps`` replays of a CUDA graph of launches that read about 0.25 GB, timed with
+CUDA events: the device's time, not the host's), its ratio to ``x.clone()``'s bandwidth on the
+same tensor (bytes read + written per second), and whether the candidate's ``T``, ``T'`` equal
+those of the registered setting (``gpu_rows.TILE``, every row) and the CPU's level 1 (the first
+and last 64 rows). A candidate that fails to compile or launch prints its error and the sweep
+goes on. The last lines name the fastest candidate whose digests agree everywhere, as the
+one-line ``TILE`` to register. Without CUDA it prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [((4096, 3072), torch.bfloat16), ((4096, 12288), torch.bfloat16),
           ((13778, 12288), torch.bfloat16), ((4096, 3072), torch.float32)]
 _K1 = dict(kernel=1, bm=16, bc=128, warps=4, stages=3, split=4)
-CANDIDATES = [_K1] + [dict(kernel=2, bm=bm, bc=bc, warps=w, stages=st, split=sp, v=v)
-                      for bm, bc, w, st, sp, v in [
-                          (64, 128, 4, 3, 4, 8), (64, 128, 4, 3, 8, 8), (64, 128, 4, 4, 4, 8),
-                          (64, 128, 4, 3, 4, 0), (64, 64, 4, 3, 4, 8), (64, 64, 4, 3, 8, 8),
-                          (128, 64, 8, 3, 4, 8), (128, 128, 8, 3, 4, 8), (64, 128, 8, 3, 4, 8)]]
+CANDIDATES = [_K1] + [dict(kernel=2, bm=bm, bc=bc, warps=w, stages=st, split=sp, v=8, regs=rg)
+                      for bm, bc, w, st, sp, rg in [
+                          (64, 128, 4, 3, 4, 1), (64, 128, 4, 3, 4, 0), (64, 128, 4, 3, 8, 1),
+                          (64, 128, 4, 4, 4, 1), (64, 64, 4, 3, 4, 1), (64, 64, 4, 3, 8, 1),
+                          (64, 64, 4, 3, 4, 0), (128, 64, 8, 3, 4, 1), (128, 128, 8, 3, 4, 1),
+                          (64, 128, 8, 3, 4, 1)]]
 """Kernel 1 as registered before kernel 2, then kernel 2's settings that compile for sm_90a
 without register spills (Triton 3.6; 64 × 256 and 128 × 128 at 4 warps spill)."""
 
@@ -75,7 +76,7 @@ def _time(fn, reps: int, inner: int) -> float:
 
 
 def _name(tile: dict) -> str:
-    v = f" v{tile['v']}" if "v" in tile else ""
+    v = f" v{tile['v']} regs{tile['regs']}" if tile["kernel"] == 2 else ""
     return (f"k{tile['kernel']} {tile['bm']}x{tile['bc']} w{tile['warps']} s{tile['stages']} "
             f"split{tile['split']}{v}")
 

@@ -27,7 +27,7 @@ CPU's), max/min/count are exact.
 
 Cost: one read of the tensor (the int8 products run on the tensor cores and the keys stay in L2).
 Kernel 1 measured on an H200 at about 600 GB/s, bound by its per-element work rather than memory;
-kernel 2's loop issues about a seventh of kernel 1's instructions per element (compiled for
+kernel 2's loop issues about a sixth of kernel 1's instructions per element (compiled for
 sm_90a; docs/benchmarks.md, "Full-size forward on one GPU", and
 ``benchmarks/sweep_digest_rows.py`` for its speed on a device).
 """
@@ -52,13 +52,15 @@ _FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**
 _WORD_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 _FLOAT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 3, "split": 4, "v": 8}
+TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 3, "split": 4, "v": 8, "regs": 1}
 """The row kernel's settings: ``kernel`` (2, or 1: the first version), rows and element columns
 per program step (``bc`` a power of two up to 4096; kernel 2 takes half as many columns of a
 4-byte type, the same bytes), warps, pipeline stages, column splits (each
 split a program of its own, partial sums combined at ``materialize``; more programs in flight for
 outputs of few rows) and, for kernel 2, ``v``: columns summed within a thread into one fp64 Σx²
-accumulator (0: one per row, reduced every tile). Kernel 1 measured on an H200
+accumulator (0: one per row, reduced every tile), and ``regs``: 1 passes the product's operand
+from registers through a swizzled shared buffer, 0 lets the compiler read it from the pipelined
+tile's unswizzled buffer (``gpu_rows_kernels._tile``). Kernel 1 measured on an H200
 (docs/benchmarks.md): 16 × 128, 4 warps, 4 splits. Kernel 2's setting is the fastest of
 ``benchmarks/sweep_digest_rows.py`` (the lead's measured table in docs/benchmarks.md)."""
 
@@ -213,7 +215,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kernels._rows_kernel[grid](
             x.view(torch.uint8), keys, rows, stats, r, c, stride * wbytes, keys.shape[1], s1, s2,
             triton.cdiv(tiles, splits), WBYTES=wbytes, FLOAT=_FLOAT[x.dtype], BM=bm, BC=bc,
-            FOLD_EVERY=fold, V=v, ASM=not interpreted, **opts)
+            FOLD_EVERY=fold, V=v, ASM=not interpreted, REGS=int(tile.get("regs", 1)), **opts)
     return rows, stats
 
 

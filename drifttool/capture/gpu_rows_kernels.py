@@ -107,17 +107,27 @@ def _min(a, b, ASM: tl.constexpr):
 @triton.jit
 def _tile(base, kbase, offs, koffs, col0, C, acc32, sq, mx, mn, BM: tl.constexpr,
           BC: tl.constexpr, WBYTES: tl.constexpr, FLOAT: tl.constexpr, MASKED: tl.constexpr,
-          V: tl.constexpr, ASM: tl.constexpr):
+          V: tl.constexpr, ASM: tl.constexpr, REGS: tl.constexpr):
     """One ``[BM, BC]`` tile at element column ``col0``: the int8 product and the summary.
     ``MASKED``: the row's last tile, columns ``>= C`` load as byte 128 (``s = 0``, no term) and
-    stay out of the summary."""
+    stay out of the summary. ``REGS`` (with ``ASM``): the product's operand goes from the
+    registers that hold the tile for the summary through a swizzled shared buffer; otherwise the
+    compiler reads the pipelined tile a second time in the product's layout, from a buffer that
+    two layouts share and so is not swizzled (the reads of 8 rows 256 bytes apart fall in the
+    same banks). The xor is written as opaque (not pure) inline assembly so that the compiler
+    keeps it, and the conversion, where it stands."""
     if MASKED:
         bmask = (col0 * WBYTES + tl.arange(0, BC * WBYTES)) < C * WBYTES
         u = tl.load(base + offs, mask=bmask[None, :], other=128)
     else:
         u = tl.load(base + offs)
     k = tl.load(kbase + koffs)  # [NCOL, BC · W]: K-major for the product
-    acc32 = tl.dot((u ^ 0x80).to(tl.int8, bitcast=True), tl.trans(k), acc32, out_dtype=tl.int32)
+    if REGS and ASM:  # an opaque xor: the product takes its operand from these registers
+        s = tl.inline_asm_elementwise("xor.b32 $0, $1, 0x80808080;", "=r,r", [u], dtype=tl.int8,
+                                      is_pure=False, pack=4)
+    else:
+        s = (u ^ 0x80).to(tl.int8, bitcast=True)
+    acc32 = tl.dot(s, tl.trans(k), acc32, out_dtype=tl.int32)
     x = _values(u, BM, BC, WBYTES, FLOAT)
     xd = x.to(tl.float64)
     if MASKED:
@@ -153,7 +163,8 @@ def _count_bad(XB, offs, C, first, end, BM: tl.constexpr, BC: tl.constexpr,
 @triton.jit
 def _rows_kernel(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, TILES_PER_SPLIT,
                  WBYTES: tl.constexpr, FLOAT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                 FOLD_EVERY: tl.constexpr, V: tl.constexpr, ASM: tl.constexpr):
+                 FOLD_EVERY: tl.constexpr, V: tl.constexpr, ASM: tl.constexpr,
+                 REGS: tl.constexpr):
     """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` (column tiles
     ``[split · TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``) of ``XB`` (the ``uint8`` view,
     row stride ``stride_rb`` bytes), keys ``KT`` (int8 ``[16, ktab]``: signed 8-bit limbs of
@@ -189,12 +200,12 @@ def _rows_kernel(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, 
     for chunk in range(first, full, FOLD_EVERY):
         for it in range(chunk, tl.minimum(chunk + FOLD_EVERY, full)):
             acc32, sq, mx, mn = _tile(XB + it * BB, KT + it * BB, offs, koffs, it * BC, C, acc32,
-                                      sq, mx, mn, BM, BC, WBYTES, FLOAT, False, V, ASM)
+                                      sq, mx, mn, BM, BC, WBYTES, FLOAT, False, V, ASM, REGS)
         acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, 8, NCOL, 8)
         acc32 = tl.zeros([BM, NCOL], tl.int32)
     if (full < end) & (first <= full):  # the row's last tile, partly past its end
         acc32, sq, mx, mn = _tile(XB + full * BB, KT + full * BB, offs, koffs, full * BC, C, acc32,
-                                  sq, mx, mn, BM, BC, WBYTES, FLOAT, True, V, ASM)
+                                  sq, mx, mn, BM, BC, WBYTES, FLOAT, True, V, ASM, REGS)
         acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, 8, NCOL, 8)
     if split == 0:
         acc_t = _modp(acc_t + shift_t)

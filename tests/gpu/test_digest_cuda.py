@@ -108,7 +108,7 @@ def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, kernel, monkeypat
 
 
 @pytest.mark.parametrize("tile", [dict(bm=128, bc=64, warps=8), dict(bm=64, bc=256, v=0),
-                                  dict(bm=16, bc=16, split=3),
+                                  dict(bm=16, bc=16, split=3), dict(regs=0),
                                   dict(bm=64, bc=128, stages=4, split=8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel2_settings_give_kernel1_tables(dtype, tile):
@@ -116,7 +116,7 @@ def test_kernel2_settings_give_kernel1_tables(dtype, tile):
     from drifttool.capture import gpu_rows
 
     t = _special(dtype, (4099, 777), seed=5).cuda()
-    base = dict(kernel=2, bm=64, bc=128, warps=4, stages=3, split=4, v=8)
+    base = dict(kernel=2, bm=64, bc=128, warps=4, stages=3, split=4, v=8, regs=1)
     r1, s1 = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(_KERNEL1, split=2)))
     r2, s2 = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(base, **tile)))
     assert torch.equal(r1, r2)
