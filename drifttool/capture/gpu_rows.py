@@ -187,8 +187,11 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"row kernel tile width {bc} is not a power of two in [16, 4096]")
     r, c = x.shape
     wbytes = _WORD_BYTES[x.dtype]
-    if kernel == 2 and wbytes == 4:
-        bc = max(16, bc // 2)  # the same bytes per tile (and registers) as a 2-byte type
+    if kernel == 2:
+        if wbytes == 4:
+            bc = max(16, bc // 2)  # the same bytes per tile (and registers) as a 2-byte type
+        # rows past R re-read row R − 1: fewer rows per program for outputs of few rows
+        bm = min(bm, max(16, 1 << max(0, r - 1).bit_length()))
     v = min(int(tile.get("v", 8)), bc)
     if v < 0 or v & (v - 1):
         raise ValueError(f"row kernel Σx² width {v} is not 0 or a power of two")
