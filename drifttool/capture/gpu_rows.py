@@ -51,6 +51,8 @@ except ImportError:  # pragma: no cover - CPU-only installs
 _FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**14 <= 2**30)
 _WORD_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 _FLOAT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# Triton's interpreter (read when the kernels are decorated, at import) runs no inline assembly
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 3, "split": 4, "v": 8, "regs": 1}
 """The row kernel's settings: ``kernel`` (2, or 1: the first version), rows and element columns
@@ -214,11 +216,10 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
             triton.cdiv(tiles, splits), WBYTES=wbytes, BM=bm, BC=bc, FOLD_EVERY=fold, LIMBS=9,
             NCOL=32, **opts)
     else:
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         kernels._rows_kernel[grid](
             x.view(torch.uint8), keys, rows, stats, r, c, stride * wbytes, keys.shape[1], s1, s2,
             triton.cdiv(tiles, splits), WBYTES=wbytes, FLOAT=_FLOAT[x.dtype], BM=bm, BC=bc,
-            FOLD_EVERY=fold, V=v, ASM=not interpreted, REGS=int(tile.get("regs", 1)), **opts)
+            FOLD_EVERY=fold, V=v, ASM=not _INTERPRETED, REGS=int(tile.get("regs", 1)), **opts)
     return rows, stats
 
 
