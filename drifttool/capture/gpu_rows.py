@@ -10,24 +10,31 @@ plus the per-row summary (fp64 Σx², max, min, count of NaN/±inf), in one pass
 
 Exactness. A word ``w`` (one element of 2 or 4 bytes) is ``Σ_j 256**j u_j`` over its bytes, so
 ``T[r] = Σ_k E[k] u[r, k]`` over byte columns ``k = c·W + j`` with ``E[k] = B[c]·2**(8j) mod p``.
-The kernel feeds the signed bytes ``s = u − 128`` and the 7-bit limbs of ``E`` (9 limbs hold 63
-bits) to an int8 × int8 → int32 tensor-core product: each term is below ``128 · 127 < 2**14`` in
-magnitude, so up to ``2**17`` terms add exactly in int32, and the kernel folds its int32
-accumulator into int64 mod p before that bound (``_FOLD_BYTES``). The ``u − 128`` shift is
-undone by the constant ``128 · Σ_k E[k]``, added once per row (by column split 0). Integer sums
-do not depend on the order of addition, so the result equals the CPU's digest bit for bit
-(tested in ``tests/gpu``). ``row_table`` returns the partial sums of ``TILE["split"]`` column
-splits; ``combine_splits`` (or ``digest.materialize``, for a whole step at once) adds them.
+The kernel feeds the signed bytes ``s = u − 128`` and the limbs of ``E`` to an int8 × int8 →
+int32 tensor-core product: kernel 2 (the default) uses 8 signed 8-bit limbs per key
+(``E = Σ_l d_l 256**l``, ``d_l`` in ``[−128, 127]``), kernel 1 9 unsigned 7-bit limbs. Each term
+is at most ``2**14`` in magnitude, so ``2**16`` byte columns add below ``2**30`` in int32, and
+the kernel folds its int32 accumulator into int64 mod p before that bound (``_FOLD_BYTES``). The
+``u − 128`` shift is undone by the constant ``128 · Σ_k E[k]``, added once per row (by column
+split 0). Integer sums do not depend on the order of addition, so the result equals the CPU's
+digest bit for bit (tested in ``tests/gpu``; in Triton's interpreter in ``tests/capture``).
+``row_table`` returns the partial sums of ``TILE["split"]`` column splits; ``combine_splits``
+(or ``digest.materialize``, for a whole step at once) adds them. The kernels are in
+``gpu_rows_kernels``.
 
 The summary is a summary: Σx² is accumulated in fp64 per row in the kernel's order (not the
 CPU's), max/min/count are exact.
 
-Cost: one read of the tensor (the int8 products run on the tensor cores and the keys stay in L2);
-measured on an H200 at about 600 GB/s, bound by the per-element work rather than memory
-(docs/benchmarks.md, "Full-size forward on one GPU").
+Cost: one read of the tensor (the int8 products run on the tensor cores and the keys stay in L2).
+Kernel 1 measured on an H200 at about 600 GB/s, bound by its per-element work rather than memory;
+kernel 2's loop issues about a sixth of kernel 1's instructions per element (compiled for
+sm_90a; docs/benchmarks.md, "Full-size forward on one GPU", and
+``benchmarks/sweep_digest_rows.py`` for its speed on a device).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -36,14 +43,28 @@ from drifttool import digestcore as core
 
 try:  # Triton ships with CUDA builds of torch; the CPU never needs it
     import triton
-    import triton.language as tl
+
+    from drifttool.capture import gpu_rows_kernels as kernels
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-_LIMBS = 9  # 7-bit limbs of a 61-bit key
-_NCOL = 32  # key columns of the product: 9 limbs of B, 9 of B', zero padding (tl.dot needs 16+)
-_FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**14 < 2**31)
+_FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**14 <= 2**30)
 _WORD_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+_FLOAT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# Triton's interpreter (read when the kernels are decorated, at import) runs no inline assembly
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 3, "split": 4, "v": 8, "regs": 1}
+"""The row kernel's settings: ``kernel`` (2, or 1: the first version), rows and element columns
+per program step (``bc`` a power of two up to 4096; kernel 2 takes half as many columns of a
+4-byte type, the same bytes), warps, pipeline stages, column splits (each
+split a program of its own, partial sums combined at ``materialize``; more programs in flight for
+outputs of few rows) and, for kernel 2, ``v``: columns summed within a thread into one fp64 Σx²
+accumulator (0: one per row, reduced every tile), and ``regs``: 1 passes the product's operand
+from registers through a swizzled shared buffer, 0 lets the compiler read it from the pipelined
+tile's unswizzled buffer (``gpu_rows_kernels._tile``). Kernel 1 measured on an H200
+(docs/benchmarks.md): 16 × 128, 4 warps, 4 splits. Kernel 2's setting is the fastest of
+``benchmarks/sweep_digest_rows.py`` (the lead's measured table in docs/benchmarks.md)."""
 
 
 def available(t: torch.Tensor) -> bool:
@@ -63,31 +84,55 @@ def _byte_keys(family: str, n: int, wbytes: int) -> np.ndarray:
     return out
 
 
+def _signed_limbs(e: np.ndarray) -> np.ndarray:
+    """``int8 [8, ...]``: ``d_l`` in ``[−128, 127]`` with ``e = Σ_l d_l 256**l`` exactly, for
+    ``0 <= e < 2**61``."""
+    out = np.empty((8,) + e.shape, np.int8)
+    rest = e.astype(np.int64)
+    for l in range(8):
+        d = ((rest + 128) & 255) - 128
+        out[l] = d
+        rest = (rest - d) >> 8
+    if rest.any():  # pragma: no cover - 8 signed limbs hold every value below 2**63
+        raise AssertionError("a key needs more than 8 signed limbs")
+    return out
+
+
 def _limb_table(n: int, wbytes: int) -> np.ndarray:
-    """``int8 [wbytes, n, 32]``: the 7-bit limbs of ``E_j[c]`` of ``B`` (columns 0–8) and ``B'``
-    (9–17); columns 18–31 are zero."""
-    t = np.zeros((wbytes, n, _NCOL), np.int8)
+    """Kernel 1's ``int8 [wbytes, n, 32]``: the 7-bit limbs of ``E_j[c]`` of ``B`` (columns 0–8)
+    and ``B'`` (9–17); columns 18–31 are zero."""
+    t = np.zeros((wbytes, n, 32), np.int8)
     for f, family in enumerate(("col", "col2")):
         e = _byte_keys(family, n, wbytes)
-        for l in range(_LIMBS):
-            t[:, :, f * _LIMBS + l] = (e >> (7 * l)) & 127
+        for l in range(9):
+            t[:, :, f * 9 + l] = (e >> (7 * l)) & 127
     return t
 
 
-_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
+def _signed_table(n: int, wbytes: int) -> np.ndarray:
+    """Kernel 2's ``int8 [16, n · wbytes]``: row ``8f + l`` is limb ``l`` of ``E[k]`` of family
+    ``f`` (``B``, ``B'``) at byte column ``k = c · wbytes + j`` (memory order, little endian)."""
+    e = np.stack([_byte_keys(f, n, wbytes).T.reshape(-1) for f in ("col", "col2")])  # [2, n·W]
+    return _signed_limbs(e).transpose(1, 0, 2).reshape(16, -1)
+
+
+_TABLES: dict[tuple[int, torch.device, int], torch.Tensor] = {}
 _SHIFT: dict[tuple[int, int], tuple[int, int]] = {}
 
 
-def _byte_table(device: torch.device, n: int, wbytes: int) -> torch.Tensor:
-    """``int8 [N · wbytes, 32]`` on ``device`` (``N >= n``, cached, grown by doubling): the limbs
-    of ``E_j[c]`` at byte column ``k = c · wbytes + j``, the bytes' order in memory (little
-    endian)."""
-    have = _TABLES.get((device, wbytes))
-    if have is None or have.shape[0] < n * wbytes:
+def _key_table(kernel: int, device: torch.device, n: int, wbytes: int) -> torch.Tensor:
+    """The kernel's key table on ``device`` for at least ``n`` element columns (cached, grown by
+    doubling; ``N`` a power of two >= 4096, so a whole number of tiles): kernel 1 ``int8
+    [N · wbytes, 32]``, kernel 2 ``int8 [16, N · wbytes]``."""
+    have = _TABLES.get((kernel, device, wbytes))
+    if have is None or have.numel() < n * wbytes * (32 if kernel == 1 else 16):
         size = max(4096, 1 << max(0, n - 1).bit_length())
-        table = _limb_table(size, wbytes).transpose(1, 0, 2).reshape(-1, _NCOL)
+        if kernel == 1:
+            table = _limb_table(size, wbytes).transpose(1, 0, 2).reshape(-1, 32)
+        else:
+            table = _signed_table(size, wbytes)
         have = torch.from_numpy(np.ascontiguousarray(table)).to(device)
-        _TABLES[(device, wbytes)] = have
+        _TABLES[(kernel, device, wbytes)] = have
     return have
 
 
@@ -100,105 +145,7 @@ def _shift_constants(n: int, wbytes: int) -> tuple[int, int]:
     return _SHIFT[key]
 
 
-# -- the kernel -------------------------------------------------------------------------------------
-if triton is not None:
-    @triton.jit
-    def _modp(x):
-        """``x mod p`` for ``0 <= x < 2**63``."""
-        P = 2305843009213693951
-        y = (x & P) + (x >> 61)
-        return tl.where(y >= P, y - P, y)
-
-    @triton.jit
-    def _family(lo, hi, sel):
-        """``Σ_l x_l mod p`` over the selected limb columns (``x = lo + 2**30 hi``)."""
-        l_sum = _modp(tl.sum(tl.where(sel, lo, 0), axis=1))  # < 9 · 2**30 before the fold
-        h_sum = _modp(tl.sum(tl.where(sel, hi, 0), axis=1))  # < 9 · 2**31 before the fold
-        h_rot = ((h_sum & ((1 << 31) - 1)) << 30) | (h_sum >> 31)  # · 2**30 mod p
-        return _modp(l_sum + h_rot)
-
-    @triton.jit
-    def _fold_into(acc_t, acc_t2, acc32, LIMBS: tl.constexpr, NCOL: tl.constexpr):
-        """Add the int32 limb sums (any sign, |x| < 2**31) into T, T' (int64 in [0, p))."""
-        P = 2305843009213693951
-        col = tl.arange(0, NCOL)
-        sh = (7 * (col % LIMBS)).to(tl.int64)
-        x = _modp(acc32.to(tl.int64) + P)  # x + p is in (p − 2**31, p + 2**31): non-negative
-        mask = (tl.full([NCOL], 1, tl.int64) << (61 - sh)) - 1
-        x = ((x & mask[None, :]) << sh[None, :]) | (x >> (61 - sh[None, :]))  # · 2**(7l) mod p
-        lo = x & ((1 << 30) - 1)
-        hi = x >> 30
-        fam = col // LIMBS
-        t = _modp(acc_t + _family(lo, hi, (fam == 0)[None, :]))
-        t2 = _modp(acc_t2 + _family(lo, hi, (fam == 1)[None, :]))
-        return t, t2
-
-    @triton.jit
-    def _rows_kernel(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t, shift_t2,
-                     TILES_PER_SPLIT, WBYTES: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                     FOLD_EVERY: tl.constexpr, LIMBS: tl.constexpr, NCOL: tl.constexpr):
-        """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` (column tiles
-        ``[split · TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``): the bytes through a
-        ``uint8`` view ``XB`` (one int8 product per tile over ``BC · WBYTES`` byte columns, keys
-        in memory order), the values through the typed view ``X`` (the summary); folds every
-        ``FOLD_EVERY`` tiles. Split ``k`` writes its partial sums at ``ROWS[k]``/``STATS[k]``;
-        the ``u − 128`` correction is added by split 0 only."""
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        rows = pid * BM + tl.arange(0, BM)
-        rmask = rows < R
-        r64 = rows.to(tl.int64)
-        kcol = tl.arange(0, NCOL)
-        acc_t = tl.zeros([BM], tl.int64)
-        acc_t2 = tl.zeros([BM], tl.int64)
-        acc32 = tl.zeros([BM, NCOL], tl.int32)
-        # elementwise accumulators of the summary, reduced over the columns once at the end
-        sq = tl.zeros([BM, BC], tl.float64)
-        mx = tl.full([BM, BC], float("-inf"), tl.float32)
-        mn = tl.full([BM, BC], float("inf"), tl.float32)
-        bad = tl.zeros([BM, BC], tl.int32)
-        nb = C * WBYTES
-        first = split * TILES_PER_SPLIT
-        for it in range(first, tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(C, BC))):
-            bcols = it * (BC * WBYTES) + tl.arange(0, BC * WBYTES)
-            bmask = bcols < nb
-            u = tl.load(XB + r64[:, None] * stride_rb + bcols[None, :],
-                        mask=rmask[:, None] & bmask[None, :], other=128)
-            s = (u ^ 0x80).to(tl.int8)  # u − 128 (the low byte of u xor 0x80, as int8)
-            k = tl.load(KEYS + bcols[:, None] * NCOL + kcol[None, :], mask=bmask[:, None], other=0)
-            acc32 = tl.dot(s, k, acc32, out_dtype=tl.int32)
-            cols = it * BC + tl.arange(0, BC)
-            m = rmask[:, None] & (cols < C)[None, :]
-            x = tl.load(X + r64[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            xd = x.to(tl.float64)
-            sq += xd * xd  # masked elements load as 0.0: no term, and finite
-            mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
-            mn = tl.minimum(mn, tl.where(m, x, float("inf")))
-            bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
-            if (it + 1) % FOLD_EVERY == 0:
-                acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL)
-                acc32 = tl.zeros([BM, NCOL], tl.int32)
-        acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL)
-        if split == 0:
-            acc_t = _modp(acc_t + shift_t)
-            acc_t2 = _modp(acc_t2 + shift_t2)
-        out = split.to(tl.int64) * R + r64
-        tl.store(ROWS + out * 2, acc_t, mask=rmask)
-        tl.store(ROWS + out * 2 + 1, acc_t2, mask=rmask)
-        tl.store(STATS + out * 4, tl.sum(sq, axis=1), mask=rmask)
-        tl.store(STATS + out * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
-        tl.store(STATS + out * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
-        tl.store(STATS + out * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
-
-
-TILE = {"bm": 16, "bc": 128, "warps": 4, "stages": 3, "split": 4}
-"""Rows and element columns per program step, warps, pipeline stages, and column splits (each
-split a program of its own, partial sums combined at ``materialize``; more programs in flight for
-outputs of few rows). Measured on an H200 (benchmarks/bench_gpu_forward.py ``--sweep``,
-docs/benchmarks.md): 4 splits read a 4096 × 3072 bf16 output at 327 GB/s against 245 for one,
-and keep the step's partial tables at 4 × 48 bytes per captured row."""
-
-
+# -- launch ---------------------------------------------------------------------------------------
 def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row digests and row summaries of a 2-D CUDA float tensor (see the module docstring).
 
@@ -213,33 +160,66 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``T``, ``T'``), the max and the min over the splits (``combine_splits``).
 
     Raises:
-        ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis.
+        ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis, or a
+            ``TILE`` naming no kernel.
     """
     if not available(x) or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"row_table needs a 2-D CUDA bf16/fp16/fp32 tensor with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.device.index == torch.cuda.current_device():
+        return launch(x, TILE)
+    with torch.cuda.device(x.device):
+        return launch(x, TILE)
+
+
+def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_table`` of ``x`` with the settings ``tile`` (keys as ``TILE``), on any device Triton
+    runs on: CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). No checks of ``x``
+    beyond its dtype; ``row_table`` is the entry point.
+
+    Raises:
+        ValueError: ``tile["kernel"]`` is not 1 or 2, ``tile["bc"]`` not a power of two up to
+            4096, or ``tile["v"]`` neither 0 nor a power of two (it is capped at the tile's
+            columns).
+    """
+    kernel, bm, bc = int(tile.get("kernel", 2)), int(tile["bm"]), int(tile["bc"])
+    if kernel not in (1, 2):
+        raise ValueError(f"row kernel {kernel} does not exist (1 or 2)")
+    if bc < 16 or bc > 4096 or bc & (bc - 1):
+        raise ValueError(f"row kernel tile width {bc} is not a power of two in [16, 4096]")
     r, c = x.shape
     wbytes = _WORD_BYTES[x.dtype]
-    splits = max(1, int(TILE["split"]))
+    if kernel == 2:
+        if wbytes == 4:
+            bc = max(16, bc // 2)  # the same bytes per tile (and registers) as a 2-byte type
+        # rows past R re-read row R − 1: fewer rows per program for outputs of few rows
+        bm = min(bm, max(16, 1 << max(0, r - 1).bit_length()))
+    v = min(int(tile.get("v", 8)), bc)
+    if v < 0 or v & (v - 1):
+        raise ValueError(f"row kernel Σx² width {v} is not 0 or a power of two")
+    splits = max(1, int(tile["split"]))
     buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
     rows = buf[:2 * r * splits].view(splits, r, 2)
     stats = buf[2 * r * splits:].view(torch.float64).view(splits, r, 4)
     if r == 0:
         return rows, stats
     s1, s2 = _shift_constants(c, wbytes)
-    bm, bc = TILE["bm"], TILE["bc"]
     stride = x.stride(0) if r > 1 else c
     tiles = triton.cdiv(c, bc)
-    args = (x, x.view(torch.uint8), _byte_table(x.device, c, wbytes), rows, stats, r, c, stride,
-            stride * wbytes, s1, s2, triton.cdiv(tiles, splits))
-    opts = dict(WBYTES=wbytes, BM=bm, BC=bc, FOLD_EVERY=max(1, _FOLD_BYTES // (bc * wbytes)),
-                LIMBS=_LIMBS, NCOL=_NCOL, num_warps=TILE["warps"], num_stages=TILE["stages"])
+    keys = _key_table(kernel, x.device, c, wbytes)
     grid = (triton.cdiv(r, bm), splits)
-    if x.device.index == torch.cuda.current_device():
-        _rows_kernel[grid](*args, **opts)
+    fold = max(1, _FOLD_BYTES // (bc * wbytes))
+    opts = dict(num_warps=int(tile["warps"]), num_stages=int(tile["stages"]))
+    if kernel == 1:
+        kernels._rows_kernel_v1[grid](
+            x, x.view(torch.uint8), keys, rows, stats, r, c, stride, stride * wbytes, s1, s2,
+            triton.cdiv(tiles, splits), WBYTES=wbytes, BM=bm, BC=bc, FOLD_EVERY=fold, LIMBS=9,
+            NCOL=32, **opts)
     else:
-        with torch.cuda.device(x.device):
-            _rows_kernel[grid](*args, **opts)
+        kernels._rows_kernel[grid](
+            x.view(torch.uint8), keys, rows, stats, r, c, stride * wbytes, keys.shape[1], s1, s2,
+            triton.cdiv(tiles, splits), WBYTES=wbytes, FLOAT=_FLOAT[x.dtype], BM=bm, BC=bc,
+            FOLD_EVERY=fold, V=v, ASM=not _INTERPRETED, REGS=int(tile.get("regs", 1)), **opts)
     return rows, stats
 
 

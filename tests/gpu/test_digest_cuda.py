@@ -76,12 +76,19 @@ def _special(dtype, shape, seed):
     return t
 
 
+_KERNEL1 = dict(kernel=1, bm=16, bc=128, warps=4, stages=3)
+
+
+@pytest.mark.parametrize("kernel", [1, 2])
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(6889, 3072), (37, 12288), (3, 70_001), (1, 262_144), (17, 5)])
-def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, monkeypatch):
+def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, kernel, monkeypatch):
     from drifttool.capture import gpu_rows
 
+    if kernel == 1:
+        for key, value in _KERNEL1.items():
+            monkeypatch.setitem(gpu_rows.TILE, key, value)
     monkeypatch.setitem(gpu_rows.TILE, "split", split)
     t = _special(dtype, shape, seed=shape[0])
     rows, stats = gpu_rows.combine_splits(*gpu_rows.row_table(t.cuda()))
@@ -91,8 +98,32 @@ def test_triton_row_kernel_equals_the_cpu(dtype, shape, split, monkeypatch):
     assert (dev.digest, dev.nonfinite) == (cpu.digest, cpu.nonfinite)
     assert dev.rows.tolist() == cpu.rows.tolist()
     assert int(stats[:, 3].sum()) == cpu.nonfinite
+    x = t.double()
+    nan = torch.isnan(x)
+    assert stats[:, 3].cpu().tolist() == (~torch.isfinite(x)).sum(1).double().tolist()
+    assert stats[:, 1].cpu().tolist() == torch.where(nan, -torch.inf, x).amax(1).tolist()
+    assert stats[:, 2].cpu().tolist() == torch.where(nan, torch.inf, x).amin(1).tolist()
     if dtype.is_floating_point and cpu.nonfinite == 0:
         assert float(stats[:, 1].max()) == cpu.maxabs or float(-stats[:, 2].min()) == cpu.maxabs
+
+
+@pytest.mark.parametrize("tile", [dict(bm=128, bc=64, warps=8), dict(bm=64, bc=256, v=0),
+                                  dict(bm=16, bc=16, split=3), dict(regs=0),
+                                  dict(bm=64, bc=128, stages=4, split=8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel2_settings_give_kernel1_tables(dtype, tile):
+    # T, T' bit for bit, max/min/counts exactly, under the settings the sweep tries
+    from drifttool.capture import gpu_rows
+
+    t = _special(dtype, (4099, 777), seed=5).cuda()
+    base = dict(kernel=2, bm=64, bc=128, warps=4, stages=3, split=4, v=8, regs=1)
+    r1, s1 = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(_KERNEL1, split=2)))
+    r2, s2 = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(base, **tile)))
+    assert torch.equal(r1, r2)
+    assert torch.equal(s1[:, 1:], s2[:, 1:])
+    fin = torch.isfinite(s1[:, 0])
+    assert torch.equal(fin, torch.isfinite(s2[:, 0]))
+    assert torch.allclose(s1[fin, 0], s2[fin, 0], rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("layout,shape,stream,lens", [

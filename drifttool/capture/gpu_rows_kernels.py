@@ -1,0 +1,279 @@
+"""The Triton kernels behind ``gpu_rows.row_table``: digest v2's row sums and the row summary of a
+float tensor in one read (docs/digest.md, "On a GPU: one Triton pass per captured output").
+
+Two kernels compute the same row digests (exact integer sums mod ``p = 2**61 − 1``, so any order
+of addition gives the same bits); ``gpu_rows.TILE["kernel"]`` picks one:
+
+- ``_rows_kernel`` (kernel 2, the default): one load of the bytes of a ``[BM, BC]`` tile
+  (``uint8`` view, ``BC · W`` byte columns). The shifted bytes ``s = u − 128`` go to one int8
+  tensor-core product with the **signed 8-bit limbs** of the byte keys (8 limbs of ``B``, 8 of
+  ``B'``: 16 key columns, stored limb-major so the product reads them K-major from shared
+  memory); the values are the same bytes reassembled in registers. The summary keeps Σx² in
+  fp64 per ``V`` columns (summed within a thread, no shuffles in the loop), max and min
+  elementwise in the tensor's own type (bf16 pairs through ``max.bf16x2``), and counts NaN/±inf
+  only for rows whose Σx² is not finite (a second read of those programs' columns; a finite fp64
+  Σx² of finite squares rules them out, as the CPU's ``summary._stats_np`` does).
+- ``_rows_kernel_v1`` (kernel 1, the first version): the bytes and the typed values through two
+  loads, unsigned 7-bit limbs (9 per key, 32 key columns), elementwise summary accumulators.
+
+Exactness of kernel 2: a limb ``d`` is in ``[−128, 127]`` and ``s`` in ``[−128, 127]``, so each
+product is at most ``2**14`` in magnitude and ``2**16`` byte columns add below ``2**30`` in
+int32; the kernel folds its int32 accumulator into int64 mod p after each ``FOLD_EVERY`` tiles
+(``FOLD_EVERY · BC · W <= 2**16``). A limb sum ``x`` of column ``l`` stands for ``x · 2**(8l)``:
+``_fold_into`` adds ``p`` (making it non-negative), reduces mod p and rotates by ``8l`` bits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _modp(x):
+    """``x mod p`` for ``0 <= x < 2**63``."""
+    P = 2305843009213693951
+    y = (x & P) + (x >> 61)
+    return tl.where(y >= P, y - P, y)
+
+
+@triton.jit
+def _family(lo, hi, sel):
+    """``Σ_l x_l mod p`` over the selected limb columns (``x = lo + 2**30 hi``)."""
+    l_sum = _modp(tl.sum(tl.where(sel, lo, 0), axis=1))  # < 9 · 2**30 before the fold
+    h_sum = _modp(tl.sum(tl.where(sel, hi, 0), axis=1))  # < 9 · 2**31 before the fold
+    h_rot = ((h_sum & ((1 << 31) - 1)) << 30) | (h_sum >> 31)  # · 2**30 mod p
+    return _modp(l_sum + h_rot)
+
+
+@triton.jit
+def _fold_into(acc_t, acc_t2, acc32, LIMBS: tl.constexpr, NCOL: tl.constexpr,
+               LIMB_BITS: tl.constexpr):
+    """Add the int32 limb sums (any sign, |x| < 2**31; column ``f · LIMBS + l`` is limb ``l`` of
+    family ``f``, weight ``2**(LIMB_BITS · l)``) into T, T' (int64 in [0, p))."""
+    P = 2305843009213693951
+    col = tl.arange(0, NCOL)
+    sh = (LIMB_BITS * (col % LIMBS)).to(tl.int64)
+    x = _modp(acc32.to(tl.int64) + P)  # x + p is in (p − 2**31, p + 2**31): non-negative
+    mask = (tl.full([NCOL], 1, tl.int64) << (61 - sh)) - 1
+    x = ((x & mask[None, :]) << sh[None, :]) | (x >> (61 - sh[None, :]))  # · 2**sh mod p
+    lo = x & ((1 << 30) - 1)
+    hi = x >> 30
+    fam = col // LIMBS
+    t = _modp(acc_t + _family(lo, hi, (fam == 0)[None, :]))
+    t2 = _modp(acc_t2 + _family(lo, hi, (fam == 1)[None, :]))
+    return t, t2
+
+
+# -- kernel 2 -------------------------------------------------------------------------------------
+@triton.jit
+def _values(u, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr, FLOAT: tl.constexpr):
+    """``uint8 [BM, BC · W]`` bytes (little endian) → ``[BM, BC]`` values: bf16 (``FLOAT`` 0),
+    fp16 (1) or fp32 (2)."""
+    if WBYTES == 2:
+        lo, hi = tl.split(tl.reshape(u, [BM, BC, 2]))
+        w = lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)
+        if FLOAT == 0:
+            x = w.to(tl.bfloat16, bitcast=True)
+        else:
+            x = w.to(tl.float16, bitcast=True)
+    else:
+        e, o = tl.split(tl.reshape(u, [BM, BC, 2, 2]))
+        lo, hi = tl.split(e.to(tl.uint16) | (o.to(tl.uint16) << 8))
+        x = (lo.to(tl.uint32) | (hi.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _max(a, b, ASM: tl.constexpr):
+    """Elementwise max that ignores NaN, in ``a``'s type (bf16 pairs: ``max.bf16x2``)."""
+    if ASM and a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.maximum(a, b).to(a.dtype)
+
+
+@triton.jit
+def _min(a, b, ASM: tl.constexpr):
+    """Elementwise min that ignores NaN, in ``a``'s type (bf16 pairs: ``min.bf16x2``)."""
+    if ASM and a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("min.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.minimum(a, b).to(a.dtype)
+
+
+@triton.jit
+def _tile(base, kbase, offs, koffs, col0, C, acc32, sq, mx, mn, BM: tl.constexpr,
+          BC: tl.constexpr, WBYTES: tl.constexpr, FLOAT: tl.constexpr, MASKED: tl.constexpr,
+          V: tl.constexpr, ASM: tl.constexpr, REGS: tl.constexpr):
+    """One ``[BM, BC]`` tile at element column ``col0``: the int8 product and the summary.
+    ``MASKED``: the row's last tile, columns ``>= C`` load as byte 128 (``s = 0``, no term) and
+    stay out of the summary. ``REGS`` (with ``ASM``): the product's operand goes from the
+    registers that hold the tile for the summary through a swizzled shared buffer; otherwise the
+    compiler reads the pipelined tile a second time in the product's layout, from a buffer that
+    two layouts share and so is not swizzled (the reads of 8 rows 256 bytes apart fall in the
+    same banks). The xor is written as opaque (not pure) inline assembly so that the compiler
+    keeps it, and the conversion, where it stands."""
+    if MASKED:
+        bmask = (col0 * WBYTES + tl.arange(0, BC * WBYTES)) < C * WBYTES
+        u = tl.load(base + offs, mask=bmask[None, :], other=128)
+    else:
+        u = tl.load(base + offs)
+    k = tl.load(kbase + koffs)  # [NCOL, BC · W]: K-major for the product
+    if REGS and ASM:  # an opaque xor: the product takes its operand from these registers
+        s = tl.inline_asm_elementwise("xor.b32 $0, $1, 0x80808080;", "=r,r", [u], dtype=tl.int8,
+                                      is_pure=False, pack=4)
+    else:
+        s = (u ^ 0x80).to(tl.int8, bitcast=True)
+    acc32 = tl.dot(s, tl.trans(k), acc32, out_dtype=tl.int32)
+    x = _values(u, BM, BC, WBYTES, FLOAT)
+    xd = x.to(tl.float64)
+    if MASKED:
+        ok = ((col0 + tl.arange(0, BC)) < C)[None, :]
+        xd = tl.where(ok, xd, 0.0)
+        xmx = tl.where(ok, x, tl.full([1, BC], float("-inf"), tl.float32).to(x.dtype))
+        xmn = tl.where(ok, x, tl.full([1, BC], float("inf"), tl.float32).to(x.dtype))
+    else:
+        xmx = x
+        xmn = x
+    if V == 0:
+        sq += tl.sum(xd * xd, axis=1)
+    else:
+        sq += tl.sum(tl.reshape(xd * xd, [BM, BC // V, V]), axis=2)
+    mx = _max(mx, xmx, ASM)
+    mn = _min(mn, xmn, ASM)
+    return acc32, sq, mx, mn
+
+
+@triton.jit
+def _count_bad(XB, offs, C, first, end, BM: tl.constexpr, BC: tl.constexpr,
+               WBYTES: tl.constexpr, FLOAT: tl.constexpr):
+    """NaN/±inf per row over tiles ``[first, end)`` (a second read, for rows that have some)."""
+    bad = tl.zeros([BM], tl.int32)
+    for it in range(first, end):
+        bcols = it * (BC * WBYTES) + tl.arange(0, BC * WBYTES)
+        u = tl.load(XB + it * (BC * WBYTES) + offs, mask=(bcols < C * WBYTES)[None, :], other=0)
+        x = _values(u, BM, BC, WBYTES, FLOAT).to(tl.float32)
+        bad += tl.sum((~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32), axis=1)
+    return bad
+
+
+@triton.jit
+def _rows_kernel(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, TILES_PER_SPLIT,
+                 WBYTES: tl.constexpr, FLOAT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                 FOLD_EVERY: tl.constexpr, V: tl.constexpr, ASM: tl.constexpr,
+                 REGS: tl.constexpr):
+    """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` (column tiles
+    ``[split · TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``) of ``XB`` (the ``uint8`` view,
+    row stride ``stride_rb`` bytes), keys ``KT`` (int8 ``[16, ktab]``: signed 8-bit limbs of
+    ``E[k]`` for ``B`` then ``B'``, at byte column ``k``). Split ``k`` writes its partial sums at
+    ``ROWS[k]``/``STATS[k]``; the ``u − 128`` correction is added by split 0 only. Rows past ``R``
+    read row ``R − 1`` and are not written."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid * BM + tl.arange(0, BM)
+    rmask = rows < R
+    BB: tl.constexpr = BC * WBYTES
+    NCOL: tl.constexpr = 16
+    offs = tl.minimum(rows, R - 1).to(tl.int64)[:, None] * stride_rb + tl.arange(0, BB)[None, :]
+    koffs = tl.arange(0, NCOL)[:, None] * ktab + tl.arange(0, BB)[None, :]
+    if FLOAT == 2:
+        XT: tl.constexpr = tl.float32
+    elif FLOAT == 1:
+        XT: tl.constexpr = tl.float16
+    else:
+        XT: tl.constexpr = tl.bfloat16
+    acc_t = tl.zeros([BM], tl.int64)
+    acc_t2 = tl.zeros([BM], tl.int64)
+    acc32 = tl.zeros([BM, NCOL], tl.int32)
+    if V == 0:
+        sq = tl.zeros([BM], tl.float64)
+    else:
+        sq = tl.zeros([BM, BC // V], tl.float64)
+    mx = tl.full([BM, BC], float("-inf"), tl.float32).to(XT)  # (no bf16 constants in Triton's
+    mn = tl.full([BM, BC], float("inf"), tl.float32).to(XT)  # interpreter)
+    first = split * TILES_PER_SPLIT
+    end = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(C, BC))
+    full = tl.minimum(end, C // BC)  # tiles without columns past the row's end
+    for chunk in range(first, full, FOLD_EVERY):
+        for it in range(chunk, tl.minimum(chunk + FOLD_EVERY, full)):
+            acc32, sq, mx, mn = _tile(XB + it * BB, KT + it * BB, offs, koffs, it * BC, C, acc32,
+                                      sq, mx, mn, BM, BC, WBYTES, FLOAT, False, V, ASM, REGS)
+        acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, 8, NCOL, 8)
+        acc32 = tl.zeros([BM, NCOL], tl.int32)
+    if (full < end) & (first <= full):  # the row's last tile, partly past its end
+        acc32, sq, mx, mn = _tile(XB + full * BB, KT + full * BB, offs, koffs, full * BC, C, acc32,
+                                  sq, mx, mn, BM, BC, WBYTES, FLOAT, True, V, ASM, REGS)
+        acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, 8, NCOL, 8)
+    if split == 0:
+        acc_t = _modp(acc_t + shift_t)
+        acc_t2 = _modp(acc_t2 + shift_t2)
+    if V != 0:
+        sq = tl.sum(sq, axis=1)
+    bad = tl.zeros([BM], tl.int32)
+    if tl.sum((~(tl.abs(sq) <= 1.7976931348623157e308) & rmask).to(tl.int32)) > 0:
+        bad = _count_bad(XB, offs, C, first, end, BM, BC, WBYTES, FLOAT)
+    out = split.to(tl.int64) * R + rows.to(tl.int64)
+    tl.store(ROWS + out * 2, acc_t, mask=rmask)
+    tl.store(ROWS + out * 2 + 1, acc_t2, mask=rmask)
+    tl.store(STATS + out * 4, sq, mask=rmask)
+    tl.store(STATS + out * 4 + 1, tl.max(mx.to(tl.float32), axis=1).to(tl.float64), mask=rmask)
+    tl.store(STATS + out * 4 + 2, tl.min(mn.to(tl.float32), axis=1).to(tl.float64), mask=rmask)
+    tl.store(STATS + out * 4 + 3, bad.to(tl.float64), mask=rmask)
+
+
+# -- kernel 1 -------------------------------------------------------------------------------------
+@triton.jit
+def _rows_kernel_v1(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t, shift_t2,
+                    TILES_PER_SPLIT, WBYTES: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                    FOLD_EVERY: tl.constexpr, LIMBS: tl.constexpr, NCOL: tl.constexpr):
+    """Kernel 1: the bytes through ``XB`` (one int8 product per tile over ``BC · WBYTES`` byte
+    columns, 7-bit limbs ``KEYS [N · W, 32]`` in memory order), the values through the typed
+    view ``X`` (the summary, elementwise accumulators); folds every ``FOLD_EVERY`` tiles."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid * BM + tl.arange(0, BM)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)
+    kcol = tl.arange(0, NCOL)
+    acc_t = tl.zeros([BM], tl.int64)
+    acc_t2 = tl.zeros([BM], tl.int64)
+    acc32 = tl.zeros([BM, NCOL], tl.int32)
+    sq = tl.zeros([BM, BC], tl.float64)
+    mx = tl.full([BM, BC], float("-inf"), tl.float32)
+    mn = tl.full([BM, BC], float("inf"), tl.float32)
+    bad = tl.zeros([BM, BC], tl.int32)
+    nb = C * WBYTES
+    first = split * TILES_PER_SPLIT
+    for it in range(first, tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(C, BC))):
+        bcols = it * (BC * WBYTES) + tl.arange(0, BC * WBYTES)
+        bmask = bcols < nb
+        u = tl.load(XB + r64[:, None] * stride_rb + bcols[None, :],
+                    mask=rmask[:, None] & bmask[None, :], other=128)
+        s = (u ^ 0x80).to(tl.int8)  # u − 128 (the low byte of u xor 0x80, as int8)
+        k = tl.load(KEYS + bcols[:, None] * NCOL + kcol[None, :], mask=bmask[:, None], other=0)
+        acc32 = tl.dot(s, k, acc32, out_dtype=tl.int32)
+        cols = it * BC + tl.arange(0, BC)
+        m = rmask[:, None] & (cols < C)[None, :]
+        x = tl.load(X + r64[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        xd = x.to(tl.float64)
+        sq += xd * xd  # masked elements load as 0.0: no term, and finite
+        mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
+        mn = tl.minimum(mn, tl.where(m, x, float("inf")))
+        bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+        if (it + 1) % FOLD_EVERY == 0:
+            acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL, 7)
+            acc32 = tl.zeros([BM, NCOL], tl.int32)
+    acc_t, acc_t2 = _fold_into(acc_t, acc_t2, acc32, LIMBS, NCOL, 7)
+    if split == 0:
+        acc_t = _modp(acc_t + shift_t)
+        acc_t2 = _modp(acc_t2 + shift_t2)
+    out = split.to(tl.int64) * R + r64
+    tl.store(ROWS + out * 2, acc_t, mask=rmask)
+    tl.store(ROWS + out * 2 + 1, acc_t2, mask=rmask)
+    tl.store(STATS + out * 4, tl.sum(sq, axis=1), mask=rmask)
+    tl.store(STATS + out * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
+    tl.store(STATS + out * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
+    tl.store(STATS + out * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)

@@ -1,0 +1,118 @@
+"""The Triton row kernels (``capture.gpu_rows``) in Triton's interpreter on CPU tensors: both
+kernels' row digests ``T``, ``T'`` equal the CPU's level 1 bit for bit, and their row summaries
+keep exact max, min and NaN/±inf counts, for every float dtype, awkward shapes, column splits and
+tile settings. With a CUDA device these skip: ``tests/gpu/test_digest_cuda.py`` runs the kernels
+there (the interpreter is only set up on a machine without one, ``tests/conftest.py``).
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from drifttool import digestcore as core
+from drifttool.capture import gpu_rows
+from drifttool.capture.digest import _halves, _row_sums
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="a CUDA device is present (tests/gpu runs the kernels there) or Triton is missing")
+
+# bit patterns planted among random values: ±0, NaN payloads, ±inf, subnormals, extremes
+_PATTERNS = {2: [0x0000, 0x8000, 0x7FC1, 0xFF80, 0x0001, 0x7C00, 0xFE01, 0x7F7F, 0xFBFF],
+             4: [0x00000000, 0x80000000, 0x7FC00001, 0xFF800000, 0x00000001, 0x7F800000,
+                 0x7F7FFFFF]}
+
+
+def _tensor(seed: int, dtype: torch.dtype, shape: tuple[int, int], special: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g) * 4).to(dtype)
+    if special:
+        size = t.element_size()
+        flat = t.view(torch.int16 if size == 2 else torch.int32).numpy().reshape(-1)
+        for i, v in enumerate(_PATTERNS[size]):
+            flat[(i * 7919 + seed) % flat.size] = np.array(v, np.uint32).astype(flat.dtype)
+    return t
+
+
+def _check(t: torch.Tensor, tile: dict) -> None:
+    rows, stats = gpu_rows.combine_splits(*gpu_rows.launch(t, tile))
+    want = _row_sums(_halves(t, 0), 0).t()  # [R, 2]: T, T' of the CPU's level 1
+    assert rows.dtype == torch.int64 and rows.tolist() == want.tolist()
+    x = t.double()
+    nan = torch.isnan(x)
+    assert stats[:, 3].tolist() == (~torch.isfinite(x)).sum(1).double().tolist()
+    assert stats[:, 1].tolist() == torch.where(nan, -torch.inf, x).amax(1).tolist()
+    assert stats[:, 2].tolist() == torch.where(nan, torch.inf, x).amin(1).tolist()
+    sq = (x * x).sum(1)
+    fin = torch.isfinite(x).all(1)
+    assert torch.allclose(stats[fin, 0], sq[fin], rtol=1e-12, atol=0)
+    assert not torch.isfinite(stats[~fin, 0]).any()
+
+
+KERNEL2 = dict(kernel=2, bm=16, bc=64, warps=4, stages=2, split=1, v=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,tile", [
+    ((1, 300), {}),                                   # one row, a partial last tile
+    ((37, 130), dict(split=3, v=0)),                  # odd width, rows past a program's end
+    ((5, 64), dict(split=4)),                         # more splits than tiles: empty splits
+    ((19, 515), dict(bm=32, bc=128, v=16)),
+    ((4, 100), dict(bc=32, v=32)),                    # fp32: 16 columns a tile, v capped at 16
+])
+def test_kernel2_equals_the_cpu(dtype, shape, tile):
+    _check(_tensor(shape[0] + shape[1], dtype, shape, special=True), dict(KERNEL2, **tile))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel1_equals_the_cpu(dtype):
+    _check(_tensor(3, dtype, (21, 300), special=True),
+           dict(kernel=1, bm=16, bc=64, warps=4, stages=2, split=2))
+
+
+def test_finite_rows_count_nothing_and_rows_with_nonfinite_values_count_them():
+    t = _tensor(5, torch.bfloat16, (20, 200), special=False)
+    t[3, 7] = float("nan")
+    t[3, 199] = float("inf")
+    t[17, 0] = float("-inf")
+    rows, stats = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(KERNEL2, split=2)))
+    assert stats[:, 3].tolist() == [2.0 if r == 3 else 1.0 if r == 17 else 0.0 for r in range(20)]
+    _check(t, dict(KERNEL2, split=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(6889, 24), (2, 70_001)])  # many rows; > 2**16 byte columns
+def test_kernel2_large_shapes(dtype, shape):
+    tile = dict(KERNEL2, bm=64, bc=1024 if shape[0] < 8 else 16)
+    _check(_tensor(7, dtype, shape, special=True), tile)
+
+
+def test_kernel2_folds_inside_a_row():
+    # 2**16 byte columns per fold: a 40,000-column fp32 row folds twice in its loop
+    _check(_tensor(11, torch.float32, (2, 40_000), special=True), dict(KERNEL2, bc=2048))
+
+
+def test_signed_limbs_rebuild_every_key():
+    for wbytes in (2, 4):
+        table = gpu_rows._signed_table(4096, wbytes).astype(object)  # [16, 4096 · W]
+        weights = np.array([256 ** l for l in range(8)], dtype=object)
+        for f, family in enumerate(("col", "col2")):
+            e = gpu_rows._byte_keys(family, 4096, wbytes).T.reshape(-1)  # memory order
+            got = (table[8 * f:8 * f + 8] * weights[:, None]).sum(0)
+            assert got.tolist() == e.astype(object).tolist()
+            assert int(e.max()) < core.P
+
+
+def test_launch_refuses_unknown_settings():
+    t = torch.zeros(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="row kernel 3 does not exist"):
+        gpu_rows.launch(t, dict(KERNEL2, kernel=3))
+    with pytest.raises(ValueError, match="not a power of two"):
+        gpu_rows.launch(t, dict(KERNEL2, bc=96))
+    with pytest.raises(ValueError, match="Σx² width 6"):
+        gpu_rows.launch(t, dict(KERNEL2, v=6))
+    with pytest.raises(ValueError, match="needs a 2-D CUDA"):
+        gpu_rows.row_table(t)
