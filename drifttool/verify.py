@@ -36,6 +36,7 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
 from drifttool.errors import ArtifactError, FixtureError
+from drifttool.exit_codes import ExitCode
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, load_fixture
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,8 +68,6 @@ class VerifyResult:
     @property
     def exit_code(self) -> int:
         """The diff's exit code; 1 (drift) when the records agree but an image does not."""
-        from drifttool.exit_codes import ExitCode
-
         code = int(self.report.exit_code)
         if code == ExitCode.OK and any(not i.equal for i in self.images):
             return int(ExitCode.DRIFT)
