@@ -45,7 +45,7 @@ def verify(
         _json.emit("fixture verify", {
             "fixture": result.fixture, "content_digest": result.content_digest, "seal": "ok",
             "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
-            "images": images, "report": result.report.to_dict()})
+            "images": images, "note": result.note, "report": result.report.to_dict()})
     else:
         where = f"replay in {result.run_dir}" if keep else "replay removed"
         console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
@@ -56,6 +56,8 @@ def verify(
             else:
                 console.print(f"[bold red]image {i.expected} differs[/]: sha256 {i.expected_sha256} "
                               f"expected, {i.replay_sha256 or 'no image'} in the replay", highlight=False)
+        if result.note:
+            console.print(f"note: {result.note}", highlight=False)
     if not keep:
         shutil.rmtree(result.run_dir.parent, ignore_errors=True)
     raise typer.Exit(code)

@@ -64,6 +64,9 @@ class VerifyResult:
     run_dir: Path
     report: DiffReport
     images: list[ImageCheck] = field(default_factory=list)
+    note: str | None = None
+    """Why a production fixture may drift here: the re-run's CPU dispatch or torch version is not
+    the build's (``environment_note``)."""
 
     @property
     def exit_code(self) -> int:
@@ -157,6 +160,23 @@ def expected_images(fx: Fixture, expected_manifest: dict[str, Any]) -> list[Path
     return paths
 
 
+ENVIRONMENT_KEYS = ("cpu_capability", "aten_cpu_capability_env", "torch")
+"""What production (non-strict) CPU bytes depend on, from the manifests' ``environment``."""
+
+
+def environment_note(expected: dict[str, Any], replay: dict[str, Any]) -> str | None:
+    """One line when a production fixture (mode auto or off) is re-run where its bytes need not
+    hold: another CPU dispatch level or torch version than the build's; else None."""
+    if expected.get("settings", {}).get("mode") not in ("auto", "off"):
+        return None
+    a, b = expected.get("environment", {}), replay.get("environment", {})
+    moved = [f"{k} {a.get(k)} → {b.get(k)}" for k in ENVIRONMENT_KEYS if a.get(k) != b.get(k)]
+    if not moved:
+        return None
+    return ("production arithmetic: its bytes hold on the build's CPU dispatch and torch only; "
+            "here " + ", ".join(moved))
+
+
 def _sha256(p: Path) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 
@@ -190,7 +210,9 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
         try:
             run_dir = work / "replay"
             got = rerun(fx, run_dir, overwrite=True)
-            report = diff_runs(expected, open_run(run_dir))
+            replay = open_run(run_dir)
+            report = diff_runs(expected, replay)
+            note = environment_note(expected.manifest, replay.manifest)
         except BaseException:
             if not workdir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -200,4 +222,4 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     images += [ImageCheck(expected=w.name, replay="", expected_sha256=ws, replay_sha256=None)
                for w, ws in zip(want[len(got):], want_sha[len(got):])]
     return VerifyResult(fixture=fx.name, content_digest=digest, run_dir=run_dir, report=report,
-                        images=images)
+                        images=images, note=note)

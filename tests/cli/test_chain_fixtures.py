@@ -44,6 +44,7 @@ def test_verify_reruns_every_stage_and_the_image(cli, name, tmp_path):
     assert doc["fixture"] == name and doc["report"]["verdict"] == "identical", out
     (image,) = doc["images"]
     assert image["equal"] and image["expected"] == "expected.png", image
+    assert doc["note"] is None  # built here: no environment difference
     assert (tmp_path / "w" / "replay.png").read_bytes() == (locate(name) / "expected.png").read_bytes()
     ops = pq.read_table(tmp_path / "w" / "replay" / "ops.rank0.parquet", columns=["component", "step"])
     assert set(ops["component"].to_pylist()) == STAGES[name]
@@ -110,3 +111,17 @@ def test_the_build_script_writes_the_committed_weights(tmp_path):
         assert (tmp_path / rel).read_bytes() == (locate("tiny-t2i-chain") / rel).read_bytes(), rel
     for rel in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         assert (tmp_path / rel).read_bytes() == (locate("tiny-edit") / rel).read_bytes(), rel
+
+
+def test_a_production_fixture_says_when_it_runs_off_its_build_environment():
+    """tiny-edit runs production kernels, whose CPU bytes depend on the dispatch level: a re-run
+    on another level or torch names the difference; a strict fixture never gets the note."""
+    from drifttool.verify import environment_note
+
+    built = {"settings": {"mode": "auto"}, "environment": {"cpu_capability": "AVX512", "torch": "2.13.0+cpu",
+                                                           "aten_cpu_capability_env": None}}
+    here = {"environment": {"cpu_capability": "DEFAULT", "torch": "2.13.0+cpu", "aten_cpu_capability_env": "default"}}
+    note = environment_note(built, here)
+    assert note and "cpu_capability AVX512 → DEFAULT" in note and "torch" not in note.split("here")[1]
+    assert environment_note(built, built) is None
+    assert environment_note({**built, "settings": {"mode": "strict"}}, here) is None
