@@ -30,7 +30,9 @@ before the trajectory's, once the artifact is open; its trace entries likewise. 
 per sample beside the artifact directory (``<out>.png`` for one sample, ``<out>-<sample>.png``
 otherwise), so ``--overwrite`` of the artifact never meets a foreign file. The manifest's
 ``chain`` names the prompts, the pipeline folder, the text encoder's and VAE's weight digests and
-the images with their SHA-256.
+the images with their SHA-256. ``drifttool replay`` of such a run re-runs every stage from that
+folder (``drifttool.training.chain_replay``); an edit run from its condition images uses the same
+stages around the trajectory (``drifttool.chain_edit``).
 """
 
 from __future__ import annotations

@@ -137,3 +137,15 @@ def test_a_production_fixture_says_when_it_runs_off_its_build_environment():
     assert note and "cpu_capability AVX512 → DEFAULT" in note and "torch" not in note.split("here")[1]
     assert environment_note(built, built) is None
     assert environment_note({**built, "settings": {"mode": "strict"}}, here) is None
+
+
+def test_a_chain_fixture_verifies_from_an_archive(cli, tmp_path):
+    """The archive is extracted to a temporary pipeline folder the whole chain runs from."""
+    import tarfile
+
+    arc = tmp_path / "chain.tar.gz"
+    with tarfile.open(arc, "w:gz") as tar:
+        tar.add(_copy("tiny-t2i-chain", tmp_path), arcname="tiny-t2i-chain")
+    code, out = cli("fixture", "verify", arc, "--json")
+    assert code == ExitCode.OK, out
+    assert json.loads(out)["images"][0]["equal"], out
