@@ -161,12 +161,13 @@ def rollout(
     cfg_on = cfg_enabled(inputs, cfg)
     n_run = cfg.num_steps if max_steps is None else max(0, min(int(max_steps), cfg.num_steps))
     with torch.no_grad():
-        sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)  # [S+1] fp32
+        table = sigma_table(rt, cfg, inputs.img_grid, phase)  # [S+1] fp32, on the CPU
+        sigmas = table.to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.policy(phase))  # [S] fp32
         x = inputs.x0.to(cfg.latents_torch_dtype)  # the pipeline's latents cast (no-op in fp32)
         latents, outs = [x], []
         for i in range(n_run):
-            out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, None)
+            out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, table, tau_all, x, None)
             outs.append(out)
             x = out.x_next
             latents.append(x)
@@ -202,9 +203,9 @@ def rollout_step(
         raise ValueError(f"x {tuple(x.shape)} must be shaped as x0 {tuple(inputs.x0.shape)}")
     cfg_on = cfg_enabled(inputs, cfg)
     with torch.no_grad():
-        sigmas = sigma_table(rt, cfg, inputs.img_grid, "rollout").to(inputs.x0.device)
-        tau_all = timestep_input(sigmas[:-1], cfg.policy("rollout"))
-        return run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), sigmas, tau_all,
+        table = sigma_table(rt, cfg, inputs.img_grid, "rollout")
+        tau_all = timestep_input(table.to(inputs.x0.device)[:-1], cfg.policy("rollout"))
+        return run_step(model, rt, inputs, cfg, cfg_on, "rollout", int(step), table, tau_all,
                          x, None)
 
 
@@ -252,14 +253,15 @@ def recompute(
         raise ValueError(f"steps {idx} outside [0, {S})")
     cfg_on = cfg_enabled(inputs, cfg)
     with torch.no_grad():
-        sigmas = sigma_table(rt, cfg, inputs.img_grid, phase).to(inputs.x0.device)
+        table = sigma_table(rt, cfg, inputs.img_grid, phase)
+        sigmas = table.to(inputs.x0.device)
         tau_all = timestep_input(sigmas[:-1], cfg.policy(phase))
     outs = []
     ldt = cfg.latents_torch_dtype
     for i in idx:
         x = stored_latents[i].to(ldt)
         prev = stored_latents[i + 1].to(ldt)
-        out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, sigmas, tau_all, x, prev)
+        out = run_step(model, rt, inputs, cfg, cfg_on, phase, i, table, tau_all, x, prev)
         outs.append(out)
         if callback is not None:
             callback(out)

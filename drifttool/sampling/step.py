@@ -87,6 +87,7 @@ def txt_rows(txt: torch.Tensor, mask: torch.Tensor | None) -> dict[str, list[int
     B, L = txt.shape[:2]
     if mask is None:
         return {"txt_lens": [int(L)] * B, "txt_starts": None}
+    mask = mask.detach().to("cpu", torch.bool)  # one host read; the rest is host work
     lens = [int(n) for n in mask.sum(dim=1).tolist()]
     starts = [int(torch.argmax(row.to(torch.uint8))) if n else 0 for row, n in zip(mask, lens)]
     for b, (t0, n) in enumerate(zip(starts, lens)):
@@ -95,6 +96,29 @@ def txt_rows(txt: torch.Tensor, mask: torch.Tensor | None) -> dict[str, list[int
                 f"prompt mask of batch row {b} has gaps: its valid tokens must be one contiguous "
                 "run (right- or left-padded prompts)")
     return {"txt_lens": lens, "txt_starts": starts if any(starts) else None}
+
+
+def _prompt_rows(inputs: RolloutInputs, negative: bool) -> dict[str, list[int] | None]:
+    """``txt_rows`` of the prompts (or negative prompts) of ``inputs``, read from the mask once
+    per rollout: the masks do not change between steps, and reading a device mask is a host
+    synchronisation. The memo is keyed by the mask's identity and version counter."""
+    txt, mask = (inputs.neg_txt, inputs.neg_mask) if negative else (inputs.txt, inputs.txt_mask)
+    key = (negative, id(txt), tuple(txt.shape), id(mask), None if mask is None else mask._version)
+    memo = inputs.__dict__.setdefault("_txt_rows_memo", {})
+    if key not in memo:
+        if len(memo) >= 4:
+            memo.clear()
+        memo[key] = txt_rows(txt, mask)
+    return memo[key]
+
+
+def _stacked_rows(rows_c: dict, rows_u: dict) -> dict[str, list[int] | None]:
+    """``txt_rows`` of [cond; uncond] prompts right-padded to one length: each row's valid run
+    is unchanged by the padding, so the fields are the two branches' fields concatenated."""
+    starts = [*(rows_c["txt_starts"] or [0] * len(rows_c["txt_lens"])),
+              *(rows_u["txt_starts"] or [0] * len(rows_u["txt_lens"]))]
+    return {"txt_lens": [*rows_c["txt_lens"], *rows_u["txt_lens"]],
+            "txt_starts": starts if any(starts) else None}
 
 
 def _pad_txt(txt: torch.Tensor, mask: torch.Tensor | None, length: int):
@@ -132,12 +156,12 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
         raise UnsupportedConfigError("condition images under sequence parallelism (sp > 1) are not "
                                      "supported: run an edit rollout with sp = 1")
     sampler_scope, scope = scope, {**scope, "cond_grids": tuple(inputs.cond_grids) or None}
-    rows_c = txt_rows(inputs.txt, inputs.txt_mask)
+    rows_c = _prompt_rows(inputs, negative=False)
     if not cfg_on:
         with rt.scope(**scope, branch="cond", samples=ids, **rows_c):
             v_c = model(x, inputs.txt, inputs.txt_mask, tau, grid, rt, **kw)
         return v_c, v_c, None
-    rows_u = txt_rows(inputs.neg_txt, inputs.neg_mask)
+    rows_u = _prompt_rows(inputs, negative=True)
     plan = rt.plan
     if plan is not None and plan.dims.cfg > 1:
         # CFG-parallel: this rank runs its branch's forward (the identities of sequential CFG),
@@ -159,8 +183,8 @@ def _velocities(model, rt, x, tau, inputs, cfg, cfg_on, scope):
             tu, mu_ = _pad_txt(inputs.neg_txt, inputs.neg_mask, L)
             txt2, mask2 = torch.cat([tc, tu]), torch.cat([mc, mu_])  # [2B, L, D], [2B, L]
         branches = ("cond",) * B + ("uncond",) * B
-        # the text rows capture keeps are read from the mask the model receives (after the pad)
-        rows = txt_rows(txt2, mask2)
+        # right padding keeps every prompt's valid run where it was: the rows of [cond; uncond]
+        rows = _stacked_rows(rows_c, rows_u)
         with rt.scope(**scope, branch=branches, samples=ids + ids, **rows):
             v2 = model(torch.cat([x, x]), txt2, mask2, torch.cat([tau, tau]), grid, rt,
                        **inputs.model_kwargs(repeat=2))
@@ -215,7 +239,9 @@ def run_step(model: Callable[..., torch.Tensor], rt: Runtime, inputs: RolloutInp
         model: as ``rollout.rollout`` takes it (``sampler_model``).
         cfg_on: ``cfg_enabled(inputs, cfg)``.
         phase: scope phase, ``"rollout"`` or the recompute's (``"train"``).
-        sigmas: [num_steps + 1] fp32 sigma table; tau_all: [num_steps] fp32 model timesteps.
+        sigmas: [num_steps + 1] fp32 sigma table, on the CPU (its scalars are read and checked on
+            the host: a device table would cost host synchronisations every step);
+            tau_all: [num_steps] fp32 model timesteps, on the model's device.
         x: [B, N, Cp] x_t in ``cfg.latents_dtype``.
         prev_sample: ``None`` to sample x_next with the pinned noise of ``inputs``; a recompute
             passes the stored x_{t+1} [B, N, Cp] (its logp is then the transition's).

@@ -54,7 +54,40 @@ def test_host_synchronisations_per_step_are_bounded(tmp_path, mode, level):
     assert len(counts) == 5 and max(counts) <= MOST_PER_STEP, (mode, level, counts)
 
 
+def sync_sites(mode: str, level: str, out: Path, steps: int = 4, top: int = 12) -> list[tuple[int, str]]:
+    """Where a run's host synchronisations come from: (count, innermost drifttool frames) for the
+    ``top`` most frequent call sites of a ``steps``-step CFG run (batch 2) on ``cuda``."""
+    import collections
+    import traceback
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "drifttool" in f.filename]
+            sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            execute(RunSpec(device="cuda", mode=mode, capture=level, steps=steps, batch=2), out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites.most_common(top)
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--where" in sys.argv:
+        for mode, level in (("strict", "L1"), ("auto", "L1")):
+            with tempfile.TemporaryDirectory() as d:
+                print(f"{mode} {level}: host synchronisations by call site (4 steps)")
+                for n, site in sync_sites(mode, level, Path(d) / "run"):
+                    print(f"  {n:5d}  {site}")
+        sys.exit(0)
     for mode, level in (("strict", "L0"), ("strict", "L1"), ("strict", "L2"), ("auto", "L0"), ("auto", "L1")):
         with tempfile.TemporaryDirectory() as d:
             print(mode, level, "host syncs per step:", syncs_per_step(mode, level, Path(d) / "run"))

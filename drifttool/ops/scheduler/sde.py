@@ -50,12 +50,11 @@ def rule_is(*allowed: str) -> Constraint:
     return Constraint(f"step rule {'|'.join(allowed)}", test, ("rule",))
 
 
-def _per_sample(
-    value: float | torch.Tensor, batch: int, device: torch.device, what: str
-) -> torch.Tensor:
-    """A schedule scalar or [B] vector as an fp32 [B] tensor on ``device``."""
+def _per_sample(value: float | torch.Tensor, batch: int, what: str) -> torch.Tensor:
+    """A schedule scalar or [B] vector as an fp32 [B] tensor on the CPU (a device tensor is read
+    back: pass host values to keep the step free of host synchronisations)."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().to(torch.float32)
+        t = value.detach().to("cpu", torch.float32)
     else:
         t = torch.tensor(float(value), dtype=torch.float32)
     if t.dim() == 0:
@@ -64,7 +63,40 @@ def _per_sample(
         raise ValueError(
             f"flow_sde_step_logp: {what} must be a scalar or [B={batch}], got {tuple(t.shape)}"
         )
-    return t.to(device).contiguous()
+    return t.contiguous()
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device``: on a GPU through pinned memory without blocking the host
+    (torch's pinned-memory cache keeps the buffer until the copy has run), so a step's schedule
+    scalars cost no host synchronisation; elsewhere ``host.to(device)``."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def schedule_host(sigma, sigma_next, sigma_max, batch: int, eta: float):
+    """The checked schedule of a step on the CPU: ``(sigma, sigma_next, sigma_max)`` fp32 [B] each.
+
+    Raises:
+        ValueError: a schedule value neither a scalar nor [B].
+        UnsupportedConfigError: σ out of order (0 <= sigma_next < sigma <= 1 per sample), or
+            sigma_max outside (0, 1) when eta > 0.
+    """
+    name = "flow_sde_step_logp"
+    s = _per_sample(sigma, batch, "sigma")
+    sn = _per_sample(sigma_next, batch, "sigma_next")
+    sm = _per_sample(sigma_max, batch, "sigma_max")
+    if not bool(((sn >= 0) & (sn < s) & (s <= 1)).all()):
+        raise UnsupportedConfigError(
+            f"{name}: needs 0 <= sigma_next < sigma <= 1 per sample, got sigma={s.tolist()}, "
+            f"sigma_next={sn.tolist()}"
+        )
+    if eta > 0 and not bool(((sm > 0) & (sm < 1)).all()):
+        raise UnsupportedConfigError(
+            f"{name}: sigma_max (= sigmas[1]) must be in (0, 1), got {sm.tolist()}"
+        )
+    return s, sn, sm
 
 
 def prepare_sde(
@@ -77,9 +109,12 @@ def prepare_sde(
     noise: torch.Tensor | None,
     prev_sample: torch.Tensor | None,
     strict: bool,
+    host_schedule: bool = False,
 ):
     """The argument checks of every ``flow_sde_step_logp`` kernel (``strict``: the strict dtypes
-    too) and its inputs in FP32: ``(v32, x32, sigma [B], sigma_next [B], sigma_max [B], eta)``.
+    too) and its inputs in FP32: ``(v32, x32, sigma [B], sigma_next [B], sigma_max [B], eta)``,
+    the schedule on x's device (``host_schedule``: left on the CPU). The schedule is checked on
+    the host: pass CPU scalars and the step makes no host synchronisation.
 
     Raises:
         ValueError: shapes, noise and prev_sample both given, eta, or eta > 0 without noise.
@@ -104,19 +139,9 @@ def prepare_sde(
                 require_dtype(name, what, t, OPERATORS["flow_sde_step_logp"].dtypes)
         if noise is not None:
             require_dtype(name, "noise", noise, (torch.float32,))
-    B = x.shape[0]
-    s = _per_sample(sigma, B, x.device, "sigma")
-    sn = _per_sample(sigma_next, B, x.device, "sigma_next")
-    sm = _per_sample(sigma_max, B, x.device, "sigma_max")
-    if not bool(((sn >= 0) & (sn < s) & (s <= 1)).all()):
-        raise UnsupportedConfigError(
-            f"{name}: needs 0 <= sigma_next < sigma <= 1 per sample, got sigma={s.tolist()}, "
-            f"sigma_next={sn.tolist()}"
-        )
-    if eta > 0 and not bool(((sm > 0) & (sm < 1)).all()):
-        raise UnsupportedConfigError(
-            f"{name}: sigma_max (= sigmas[1]) must be in (0, 1), got {sm.tolist()}"
-        )
+    s, sn, sm = schedule_host(sigma, sigma_next, sigma_max, x.shape[0], eta)
+    if not host_schedule:
+        s, sn, sm = to_device(torch.stack([s, sn, sm]), x.device).unbind(0)
     return v.to(torch.float32), x.to(torch.float32), s, sn, sm, eta
 
 

@@ -20,7 +20,7 @@ import torch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import require_dtype
 from drifttool.ops.scheduler.cfg import check_cfg_inputs
-from drifttool.ops.scheduler.sde import MAX_LOGP_ELEMENTS, prepare_sde, rule_is, sde_constants
+from drifttool.ops.scheduler.sde import MAX_LOGP_ELEMENTS, prepare_sde, rule_is, sde_constants, to_device
 from drifttool.ops.specs import OPERATORS
 from drifttool.ops.strict_cuda._register import strict_cuda
 
@@ -61,20 +61,22 @@ def flow_sde_step_logp(v, x, sigma, sigma_next, *, eta: float, sigma_max, noise=
     """
     k = _kernels()
     v32, x32, s, sn, sm, eta = prepare_sde(v, x, sigma, sigma_next, eta, sigma_max, noise, prev_sample,
-                                            strict=True)
+                                            strict=True, host_schedule=True)  # [B] each, on the CPU
     per_sample = x32[0].numel()
     if per_sample > MAX_LOGP_ELEMENTS:
         raise UnsupportedConfigError(
             f"flow_sde_step_logp: {per_sample} elements per sample exceed 2^24 (strict count)")
     dev, bsz = x32.device, x32.shape[0]
-    s, sn, sm = s.cpu(), sn.cpu(), sm.cpu()
     if eta == 0.0:
-        mu = k.euler(x32, v32, (sn - s).to(dev))
+        mu = k.euler(x32, v32, to_device(sn - s, dev))
         x_next = prev_sample.to(torch.float32) if prev_sample is not None else mu
         logp = torch.full((bsz,), math.nan, dtype=torch.float32, device=dev)
         return x_next.detach(), logp, mu, torch.zeros(bsz, dtype=torch.float32, device=dev)
     dt, std, a, c, scale, two_var, log_scale, log_sqrt_2pi = sde_constants(s, sn, sm, eta)
-    coef = torch.stack([a, c, dt, scale, two_var, log_scale, log_sqrt_2pi.expand(bsz)], dim=1).to(dev)
-    count = torch.tensor([float(per_sample)], dtype=torch.float32).to(dev)
+    coef = torch.stack([a, c, dt, scale, two_var, log_scale, log_sqrt_2pi.expand(bsz)], dim=1)  # [B, 7]
+    count = torch.tensor([float(per_sample)], dtype=torch.float32)
+    # one non-blocking transfer of the step's constants: coef [B, 7], std_t [B], count [1]
+    packed = to_device(torch.cat([coef.reshape(-1), std, count]), dev)
+    coef, std, count = packed[: 7 * bsz].view(bsz, 7), packed[7 * bsz: 8 * bsz], packed[8 * bsz:]
     x_next, logp, mu = k.sde_step(x32, v32, noise, prev_sample, coef, count)
-    return x_next, logp, mu, std.to(dev)
+    return x_next, logp, mu, std
