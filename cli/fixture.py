@@ -21,30 +21,43 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 @app.command("verify", epilog=EXIT_HELP)
 @threaded
 def verify(
-    fixture: Optional[str] = typer.Argument(None, help="Fixture name, directory or .tar(.gz) (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Argument(None, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
     as_json: bool = _json.option(),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests.
 
-    Exit 0 when the replay is identical to the expected artifact, 1 on a drift, 3 when they are
-    incomparable or the comparison is inconclusive, 2 on a broken seal or a bad fixture.
+    Exit 0 when the replay is identical to the expected artifact (and, for a chain or edit
+    fixture, every decoded image has the expected SHA-256), 1 on a drift or a differing image,
+    3 when they are incomparable or the comparison is inconclusive, 2 on a broken seal or a bad
+    fixture.
     """
     from drifttool.diff.render import render  # lazy: `drifttool --help` needs no pyarrow
     from drifttool.verify import verify_fixture  # lazy: likewise
 
     result = user_errors(verify_fixture, command="fixture verify")(fixture, workdir)
-    code = result.report.exit_code
+    code = result.exit_code
     keep = workdir is not None or code != 0  # a failed replay stays for inspection
+    images = [{"expected": i.expected, "replay": i.replay if keep else None, "equal": i.equal,
+               "expected_sha256": i.expected_sha256, "replay_sha256": i.replay_sha256}
+              for i in result.images]
     if as_json:
         _json.emit("fixture verify", {
             "fixture": result.fixture, "content_digest": result.content_digest, "seal": "ok",
             "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
-            "report": result.report.to_dict()})
+            "images": images, "note": result.note, "report": result.report.to_dict()})
     else:
         where = f"replay in {result.run_dir}" if keep else "replay removed"
         console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
         render(result.report, console)
+        for i in result.images:
+            if i.equal:
+                console.print(f"image {i.expected}: sha256 identical ({i.expected_sha256})", highlight=False)
+            else:
+                console.print(f"[bold red]image {i.expected} differs[/]: sha256 {i.expected_sha256} "
+                              f"expected, {i.replay_sha256 or 'no image'} in the replay", highlight=False)
+        if result.note:
+            console.print(f"note: {result.note}", highlight=False)
     if not keep:
         shutil.rmtree(result.run_dir.parent, ignore_errors=True)
     raise typer.Exit(code)

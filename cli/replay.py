@@ -67,6 +67,10 @@ def replay(
     A captured diffusers pipeline call (capture_pipeline) is re-executed through an unmodified
     QwenImagePipeline around the transformer of --checkpoint (its pipeline folder or hub id,
     weights checked), with the recorded scheduler, in one process.
+
+    A prompt run (run --prompt) or an edit run from condition images re-runs every stage (text
+    encoder or VAE encode, trajectory, VAE decode; the image is written beside OUT) from the
+    pipeline folder its manifest names, or --checkpoint, in one process on the CPU.
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import resolve  # lazy: likewise

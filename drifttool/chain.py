@@ -30,7 +30,9 @@ before the trajectory's, once the artifact is open; its trace entries likewise. 
 per sample beside the artifact directory (``<out>.png`` for one sample, ``<out>-<sample>.png``
 otherwise), so ``--overwrite`` of the artifact never meets a foreign file. The manifest's
 ``chain`` names the prompts, the pipeline folder, the text encoder's and VAE's weight digests and
-the images with their SHA-256.
+the images with their SHA-256. ``drifttool replay`` of such a run re-runs every stage from that
+folder (``drifttool.training.chain_replay``); an edit run from its condition images uses the same
+stages around the trajectory (``drifttool.chain_edit``).
 """
 
 from __future__ import annotations
@@ -126,35 +128,39 @@ def _prompt_rows(prompts: Sequence[str], samples: Sequence[int], what: str) -> l
 
 @dataclasses.dataclass(kw_only=True)
 class ChainStages:
-    """The stages around the trajectory (``runner.execute(stages=...)``): the encoded prompts
-    (``external``), the text encoder's deferred capture and runtime, and the VAE decode."""
+    """The stages around the trajectory (``runner.execute(stages=...)``): what ran before the
+    artifact opened (the text encoder of a prompt run, the VAE encode of an edit run's condition
+    images: ``early_runtime`` with its deferred capture ``early_capture``), its result for the
+    trajectory (``external``), and the VAE decode. ``manifest_key`` names the manifest section
+    ``record`` goes to (``chain``, or ``edit``: ``drifttool.chain_edit``)."""
 
     settings: RunSettings
     external: ExternalInputs
-    te_runtime: Runtime
-    te_capture: DeferredCapture | None
+    early_runtime: Runtime
+    early_capture: DeferredCapture | None
     vae: QwenImageVAE
     images: list[Path]
     record: dict[str, Any]
+    manifest_key: str = "chain"
 
     def opened(self, session) -> None:
-        """File the text encoder's records and trace entries first in the open artifact."""
-        if self.te_capture is not None and session.recorder is not None:
-            self.te_capture.file_into(session.recorder)
-        # the session's trace is still empty (nothing ran on it): the text encoder's entries
+        """File the early stages' records and trace entries first in the open artifact."""
+        if self.early_capture is not None and session.recorder is not None:
+            self.early_capture.file_into(session.recorder)
+        # the session's trace is still empty (nothing ran on it): the early stages' entries
         # come first, the trajectory's and the VAE's follow in the same trace
-        session.rt.trace = self.te_runtime.trace
+        session.rt.trace = self.early_runtime.trace
 
     def finished(self, session, traj) -> dict[str, Any]:
         """Decode x_N (a complete trajectory only), write the PNGs; the manifest's ``chain``."""
         if not traj.complete:
-            return {"chain": {**self.record, "images": []}}
+            return {self.manifest_key: {**self.record, "images": []}}
         pixels = decode_latents(self.vae, traj.latents[-1], float(traj.sigmas[-1]), self.settings,
                                 session.rt)
         written = []
         for path, img in zip(self.images, pixels):
             written.append({"path": str(path.resolve()), "sha256": write_png(img, path)})
-        return {"chain": {**self.record, "images": written}}
+        return {self.manifest_key: {**self.record, "images": written}}
 
 
 def decode_latents(vae: QwenImageVAE, latents: torch.Tensor, sigma: float, settings: RunSettings,
@@ -244,7 +250,7 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     external = ExternalInputs(txt=txt.cpu(), txt_mask=None if mask is None else mask.cpu(),
                               neg_txt=None if neg is None else neg.cpu(),
                               neg_mask=None if neg_mask is None else neg_mask.cpu())
-    stages = ChainStages(settings=s, external=external, te_runtime=rt, te_capture=capture, vae=vae,
+    stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture, vae=vae,
                          images=image_paths(out, s.labels), record=record)
     return spec, stages
 

@@ -8,6 +8,12 @@ content digest over every file so that anyone can re-verify them.
       expected/                 the reference artifact of a strict run with the fixture settings
       seal.json                 xxh3_128 and size of every other file + one content digest
 
+A chain fixture (``tiny-t2i-chain``: ``fixture.json`` has ``chain`` with the prompts) is also a
+pipeline folder (``model_index.json``, ``tokenizer/``, ``text_encoder/``, ``vae/``; no
+``prompts.safetensors``); an edit fixture (``tiny-edit``: ``edit`` names its condition images)
+holds ``vae/`` and the images. Both keep the image their expected run decoded (``expected.png``).
+``drifttool.verify`` tells the kinds apart and re-runs each.
+
 ``verify`` checks the seal (a tampered file fails before anything runs), re-runs the fixture in
 strict mode and diffs the new artifact against ``expected/`` (identical, or the first drift).
 The seal covers regular files only: a symlink (even to identical bytes), a FIFO, a device or

@@ -124,9 +124,11 @@ class Runtime:
     grad_ledger: Any = None
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
-    """Call counters of ``site``: ``(phase, step, branch, block, op, stream)`` -> the next
-    ``call``, and ``(phase, step, branch, block)`` -> the next ``op_pos`` (one dict, so code that
-    saves and restores the counters, e.g. ``sampling.train.micro_batched``, keeps both)."""
+    """Call counters of ``site``: ``(component, phase, step, branch, block, op, stream)`` -> the
+    next ``call``, and ``(component, phase, step, branch, block)`` -> the next ``op_pos`` (one
+    dict, so code that saves and restores the counters, e.g. ``sampling.train.micro_batched``,
+    keeps both). The component is part of both keys: the text encoder's, the transformer's and the
+    VAE's calls of one operator name in one step and block never share a counter."""
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
@@ -229,15 +231,16 @@ class Runtime:
         would: hook-based adapters use it, at no context-manager cost per call).
 
         Returns the scope fields plus ``op``, ``stream``, ``call`` (0-based occurrence of this
-        (op, stream) within the same phase, step, branch and block) and ``op_pos`` (0-based
-        ordinal of this call among every operator call of that phase, step, branch and block:
-        the rank-independent program position that orders records, ``schema.OP_ORDER``). Under
+        (op, stream) within the same component, phase, step, branch and block) and ``op_pos``
+        (0-based ordinal of this call among every operator call of that component, phase, step,
+        branch and block: the rank-independent program position that orders records,
+        ``schema.OP_ORDER``). Under
         batched CFG the scope's branch is one tuple for both branches, so ``op_pos`` counts the
         same calls as each branch's scope under sequential CFG.
         """
         s = {**self._scope, **fields} if fields else self._scope
         branch = s["branch"] if isinstance(s["branch"], str) else tuple(s["branch"])
-        scope = (s["phase"], s["step"], branch, s["block"])
+        scope = (s["component"], s["phase"], s["step"], branch, s["block"])
         key = (*scope, op, stream)
         n = self._calls.get(key, 0)
         self._calls[key] = n + 1

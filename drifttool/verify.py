@@ -1,24 +1,60 @@
 """``drifttool fixture verify``: check a sealed fixture's seal, re-run it, diff against its
-expected artifact.
+expected artifact (and, for a fixture that decodes images, compare the images' SHA-256).
 
     >>> result = verify_fixture("tiny-t2i", workdir)
     >>> result.report.verdict
     <Verdict.IDENTICAL: 'identical'>
+
+Three kinds of fixture, told apart by ``fixture.json``:
+
+- a trajectory (``tiny-t2i``): the settings' run on ``transformer/`` with ``prompts.safetensors``
+  (``runner.execute``);
+- a prompt run (``tiny-t2i-chain``; a ``chain`` key with ``prompts`` and optional
+  ``negative_prompts``): the fixture folder is a pipeline folder and the whole chain re-runs —
+  text encoder, trajectory, VAE decode (``drifttool.chain.run_chain``);
+- an edit run (``tiny-edit``; an ``edit`` key with ``condition_images``, files of the fixture):
+  the condition images through the VAE encode, the trajectory, the decode
+  (``drifttool.chain_edit.run_edit``).
+
+The settings' ``mode`` and ``preset`` are the re-run's. A chain or edit fixture keeps the
+images its expected run decoded beside ``expected/`` (``expected.png``, or ``expected-<s>.png``
+for several samples); each re-run image must have the same SHA-256, else the fixture fails
+(exit 1, the differing images named) even when every record is identical.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
-from drifttool.errors import ArtifactError
-from drifttool.fixture import DEFAULT_FIXTURE, check_seal, extracted, load_fixture
+from drifttool.errors import ArtifactError, FixtureError
+from drifttool.exit_codes import ExitCode
+from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, load_fixture
+
+if TYPE_CHECKING:  # pragma: no cover
+    from drifttool.settings import RunSpec
+
+
+@dataclass
+class ImageCheck:
+    """One decoded image: its expected file, the re-run's file and both SHA-256 digests."""
+
+    expected: str
+    replay: str
+    expected_sha256: str
+    replay_sha256: str | None
+
+    @property
+    def equal(self) -> bool:
+        return self.expected_sha256 == self.replay_sha256
 
 
 @dataclass
@@ -27,10 +63,127 @@ class VerifyResult:
     content_digest: str
     run_dir: Path
     report: DiffReport
+    images: list[ImageCheck] = field(default_factory=list)
+    note: str | None = None
+    """Why a production fixture may drift here: the re-run's CPU dispatch or torch version is not
+    the build's (``environment_note``)."""
+
+    @property
+    def exit_code(self) -> int:
+        """The diff's exit code; 1 (drift) when the records agree but an image does not."""
+        code = int(self.report.exit_code)
+        if code == ExitCode.OK and any(not i.equal for i in self.images):
+            return int(ExitCode.DRIFT)
+        return code
+
+
+def fixture_kind(fx: Fixture) -> str:
+    """``trajectory``, ``chain`` or ``edit`` (module docstring).
+
+    Raises:
+        FixtureError: a malformed ``chain`` or ``edit`` entry, or both.
+    """
+    chain, edit = fx.meta.get("chain"), fx.meta.get("edit")
+    if chain is not None and edit is not None:
+        raise FixtureError(f"{fx.path}: fixture.json has both 'chain' and 'edit'; a fixture is one run")
+    if chain is not None:
+        negs = chain.get("negative_prompts") if isinstance(chain, dict) else None
+        if not (isinstance(chain, dict) and _strings(chain.get("prompts"))
+                and (negs is None or _strings(negs))):
+            raise FixtureError(f"{fx.path}: fixture.json 'chain' needs 'prompts' (a list of texts) "
+                               "and optionally 'negative_prompts'")
+        return "chain"
+    if edit is not None:
+        images = edit.get("condition_images") if isinstance(edit, dict) else None
+        if not _strings(images) or any(Path(p).is_absolute() or ".." in Path(p).parts for p in images):
+            raise FixtureError(f"{fx.path}: fixture.json 'edit' needs 'condition_images' (files "
+                               "inside the fixture)")
+        return "edit"
+    return "trajectory"
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(s, str) for s in v)
+
+
+def fixture_spec(fx: Fixture) -> "RunSpec":
+    """The ``RunSpec`` that re-runs ``fx``: its settings (``fixture``), its ``mode`` and
+    ``preset``, and for a chain or edit fixture the fixture folder as the pipeline folder."""
+    from drifttool.settings import RunSpec  # lazy: torch only once the seal holds
+
+    kind = fixture_kind(fx)
+    return RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict"),
+                   preset=fx.settings.get("preset"),
+                   checkpoint=None if kind == "trajectory" else fx.path)
+
+
+def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
+    """Run ``fx`` (``fixture_spec``) into the artifact ``out``; returns the images it wrote."""
+    kind = fixture_kind(fx)
+    spec = fixture_spec(fx)
+    if kind == "chain":
+        from drifttool.chain import run_chain  # lazy: torch only once the seal holds
+
+        chain = fx.meta["chain"]
+        summary = run_chain(spec, out, prompts=chain["prompts"],
+                            negative_prompts=chain.get("negative_prompts"), overwrite=overwrite)
+        return [Path(p) for p in summary["images"]]
+    if kind == "edit":
+        from drifttool.chain_edit import run_edit  # lazy: torch only once the seal holds
+
+        images = [fx.path / p for p in fx.meta["edit"]["condition_images"]]
+        return [Path(p) for p in run_edit(spec, out, condition_images=images, overwrite=overwrite)["images"]]
+    from drifttool.runner import execute  # lazy: torch only once the seal holds
+
+    execute(spec, out, overwrite=overwrite)
+    return []
+
+
+def expected_images(fx: Fixture, expected_manifest: dict[str, Any]) -> list[Path]:
+    """The images a chain or edit fixture's expected run decoded (``chain.image_paths`` of
+    ``expected/`` for the samples of its manifest); none for a trajectory fixture.
+
+    Raises:
+        FixtureError: an image the expected manifest lists is missing from the fixture.
+    """
+    section = expected_manifest.get(fixture_kind(fx)) if fixture_kind(fx) != "trajectory" else None
+    if section is None:
+        return []
+    samples = expected_manifest.get("settings", {}).get("samples") or []
+    out = fx.expected_dir
+    paths = ([out.with_name(out.name + ".png")] if len(samples) == 1
+             else [out.with_name(f"{out.name}-{s}.png") for s in samples])
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing or len(section.get("images", [])) != len(paths):
+        raise FixtureError(f"{fx.path}: the expected run's images are not all in the fixture "
+                           f"(missing {', '.join(missing) or 'entries in expected/manifest.json'})")
+    return paths
+
+
+ENVIRONMENT_KEYS = ("cpu_capability", "aten_cpu_capability_env", "torch")
+"""What production (non-strict) CPU bytes depend on, from the manifests' ``environment``."""
+
+
+def environment_note(expected: dict[str, Any], replay: dict[str, Any]) -> str | None:
+    """One line when a production fixture (mode auto or off) is re-run where its bytes need not
+    hold: another CPU dispatch level or torch version than the build's; else None."""
+    if expected.get("settings", {}).get("mode") not in ("auto", "off"):
+        return None
+    a, b = expected.get("environment", {}), replay.get("environment", {})
+    moved = [f"{k} {a.get(k)} → {b.get(k)}" for k in ENVIRONMENT_KEYS if a.get(k) != b.get(k)]
+    if not moved:
+        return None
+    return ("production arithmetic: its bytes hold on the build's CPU dispatch and torch only; "
+            "here " + ", ".join(moved))
+
+
+def _sha256(p: Path) -> str | None:
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 
 
 def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path | None = None) -> VerifyResult:
-    """Seal check, strict re-run with the fixture's settings, diff against ``expected/``.
+    """Seal check, re-run with the fixture's settings (``rerun``), diff against ``expected/``,
+    and the decoded images' SHA-256 against the fixture's.
 
     An archive is extracted into a temporary directory that is removed before this returns or
     raises (``drifttool.fixture.extracted``); so is the temporary ``workdir`` when anything
@@ -38,7 +191,8 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
 
     Raises:
         FixtureError: the seal does not match (tampered, missing or extra files, a symlink or a
-            special file), or an archive cannot be extracted safely — nothing runs.
+            special file), or an archive cannot be extracted safely — nothing runs; a malformed
+            ``chain``/``edit`` entry or a missing expected image.
         ArtifactError: the expected artifact cannot be read (before anything runs), or
             ``workdir`` is itself an artifact (a run directory holds its own files only; the
             re-run goes to ``workdir/replay``).
@@ -50,17 +204,22 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
         digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)
         expected = open_run(fx.expected_dir)  # a damaged expected artifact: refused before the run
-        from drifttool.runner import execute  # lazy: torch only once the seal holds
-        from drifttool.settings import RunSpec  # lazy: torch only once the seal holds
-
+        want = expected_images(fx, expected.manifest)
+        want_sha = [_sha256(p) for p in want]  # read now: an archive's folder goes away
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
         try:
             run_dir = work / "replay"
-            execute(RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict")), run_dir,
-                    overwrite=True)
-            report = diff_runs(expected, open_run(run_dir))
+            got = rerun(fx, run_dir, overwrite=True)
+            replay = open_run(run_dir)
+            report = diff_runs(expected, replay)
+            note = environment_note(expected.manifest, replay.manifest)
         except BaseException:
             if not workdir:
                 shutil.rmtree(work, ignore_errors=True)
             raise
-    return VerifyResult(fixture=fx.name, content_digest=digest, run_dir=run_dir, report=report)
+    images = [ImageCheck(expected=w.name, replay=str(g), expected_sha256=ws, replay_sha256=_sha256(g))
+              for w, ws, g in zip(want, want_sha, got)]
+    images += [ImageCheck(expected=w.name, replay="", expected_sha256=ws, replay_sha256=None)
+               for w, ws in zip(want[len(got):], want_sha[len(got):])]
+    return VerifyResult(fixture=fx.name, content_digest=digest, run_dir=run_dir, report=report,
+                        images=images, note=note)

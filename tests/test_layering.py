@@ -154,7 +154,7 @@ FLOORS = [
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},
     {"runner"},
-    {"launch", "verify", "chain", "adapters/"},
+    {"launch", "verify", "chain", "chain_edit", "adapters/"},
     {"training/"},
     {"probes/", "reports/"},
     {"cli/"},

@@ -92,3 +92,13 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(wheel, tmp_path):
     r = subprocess.run([str(venv / "bin" / "drifttool"), "--version"], cwd=tmp_path, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == f"drifttool {drifttool.__version__}", r.stdout + r.stderr
+
+
+def test_every_packaged_fixture_is_small():
+    """Fixtures ship inside the wheel: each stays under 1 MiB (the embedded default is about
+    0.9 MiB; the chain and edit fixtures use L1 capture and a 4-channel VAE to stay below it)."""
+    for fixture_dir in (ROOT / "fixtures").iterdir():
+        if (fixture_dir / "seal.json").is_file():
+            total = sum(p.stat().st_size for p in fixture_dir.rglob("*") if p.is_file()
+                        and "__pycache__" not in p.parts)
+            assert total < 1 << 20, f"fixture {fixture_dir.name}: {total} bytes"

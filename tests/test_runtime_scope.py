@@ -42,3 +42,24 @@ def test_recomputation_is_silent_and_keeps_the_forward_scope_and_dispatch():
     s = again.site("mlp_down_gemm", "img")  # fresh counters, the forward's scope
     assert (s["step"], s["block"], s["samples"], s["call"], s["op_pos"]) == (3, 1, [5], 0, 0)
     assert not Runtime(mode="strict", recorder=Recorder("L1")).recomputation().wants_internals()
+
+
+def test_call_counters_are_kept_per_component():
+    """The text encoder's, the transformer's and the VAE's calls of one operator name in one
+    phase, step, branch and block count apart: each component's first call is call 0, op_pos 0,
+    and interleaving them changes no component's identities."""
+    ops = ["latent_pack_unpack", "rms_norm", "latent_pack_unpack"]
+    alone = {}
+    for comp in ("text_encoder", "mmdit", "vae"):
+        rt = Runtime(mode="auto")
+        with rt.scope(component=comp, step=-1, block=-1):
+            alone[comp] = _sites(rt, ops)
+    rt = Runtime(mode="auto")
+    mixed = {c: [] for c in alone}
+    for op in ops:
+        for comp in ("vae", "text_encoder", "mmdit"):
+            with rt.scope(component=comp, step=-1, block=-1):
+                mixed[comp] += _sites(rt, [op])
+    assert mixed == alone
+    assert alone["mmdit"] == [("latent_pack_unpack", 0, 0, ()), ("rms_norm", 0, 1, ()),
+                              ("latent_pack_unpack", 1, 2, ())]

@@ -200,6 +200,14 @@ _CHAIN = Obj({
 """``drifttool.chain``: a prompt run's pipeline folder, prompts (one per sample), the text
 encoder's and VAE's weight digests and the PNGs written beside the artifact."""
 
+_EDIT = Obj({
+    "pipeline": _STR, "vae_weights": _STR,
+    "condition_images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
+    "images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
+}, frozenset({"pipeline", "vae_weights", "condition_images", "images"}))
+"""``drifttool.chain_edit``: an edit run's pipeline folder, its VAE's weight digest, the
+condition images it encoded and the PNGs written beside the artifact."""
+
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,
     "kind": Enum(KINDS), "capture_level": Enum(LEVELS), "settings": _SETTINGS,
@@ -207,7 +215,7 @@ MANIFEST_SCHEMA = Obj({
     "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
     "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
     "seconds": _NUM, "uncaptured": _UNCAPTURED, "checkpoint_warnings": ListOf(_STR),
-    "chain": _CHAIN,
+    "chain": _CHAIN, "edit": _EDIT,
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and

@@ -237,12 +237,12 @@ OPS_SCHEMA = _schema("ops", [
          "0..depth-1, depth after them; -2 the sampler (flow_sigma_table, cfg_combine_renorm, "
          "flow_sde_step_logp), which runs after the model: order it last", nullable=False),
     _col("op_pos", pa.int32(), "program position: ordinal of the call among all operator calls "
-         "of its (phase, step, branch, block), from 0; orders records inside a block, the same on "
-         "every rank and layout", nullable=False),
+         "of its (component, phase, step, branch, block), from 0; orders records inside a block, "
+         "the same on every rank and layout", nullable=False),
     _col("stream", pa.utf8(), "token stream: img, txt, joint or none", nullable=False),
     _col("op", pa.utf8(), "RFC operator name", nullable=False),
-    _col("call", pa.int32(), "occurrence of (op, stream) in its (phase, step, branch, block), "
-         "from 0", nullable=False),
+    _col("call", pa.int32(), "occurrence of (op, stream) in its (component, phase, step, "
+         "branch, block), from 0", nullable=False),
     _col("index", pa.int32(), "output index of an operator with a tuple output, else 0",
          nullable=False),
     _col("role", pa.utf8(), "output, internal (a fused operator's internal tensor), then the "

@@ -9,6 +9,7 @@ Re-executing and re-scoring stored rollouts, and the loops that train on them:
   micro-batched forward (``micro_batched``);
 - ``recompute``: phase ``train`` re-scoring of a stored rollout (``recompute_run``);
 - ``replay``: re-execution of a rollout from its replay inputs (``replay_run``);
+  ``chain_replay``: of a prompt or edit run, every stage from its pipeline folder;
 - ``grpo``: a small Flow-GRPO loop; ``experiment``: rollout/trainer backend combinations.
 
 Imports go one way (docs/architecture.md, tests/test_layering.py): ``training`` imports the

@@ -28,6 +28,7 @@ from drifttool.runner import execute
 from drifttool.sampling.step import StepOutput
 from drifttool.setting_checks import PATCH_PIXELS, check_mode, check_mode_device
 from drifttool.settings import RunSpec
+from drifttool.training.chain_replay import chain_section, replay_chain
 from drifttool.training.options import RerunOptions
 from drifttool.training.pipeline_replay import is_pipeline_capture, replay_pipeline
 from drifttool.training.stored import StoredRollout, load_rollout, refuse_same_dir, source_record
@@ -79,7 +80,9 @@ def replay_run(
 
     A captured diffusers pipeline call (``capture_pipeline``) is re-executed through the
     pipeline itself (``pipeline_replay.replay_pipeline``: ``options.checkpoint`` is its folder),
-    in one process.
+    in one process. A chain run (``run --prompt``) or an edit run from condition images re-runs
+    every stage — text encoder or VAE encode, trajectory, VAE decode — from its pipeline folder
+    (``chain_replay.replay_chain``), in one process.
 
     ``dist`` and ``parallel`` place the replay on ranks as ``runner.execute`` does (default one
     process): the stored run's own layout is not re-created, and need not be. Under torchrun the
@@ -109,6 +112,10 @@ def replay_run(
     spec = replay_spec(stored, options)
     check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
     upto = None if stored.complete else finished_steps(stored)
+    if chain_section(stored.manifest) is not None and model is None:  # every stage again
+        summary = replay_chain(stored, spec, out, options, max_steps=upto, on_step=on_step,
+                               dist=dist, parallel=parallel)
+        return _incomplete_note(summary, stored, upto)
     load = options
     if dist is not None and dist.distributed and dist.device.type == spec.device.split(":")[0]:
         load = dataclasses.replace(options, device=str(dist.device))  # this rank's own device
@@ -117,6 +124,10 @@ def replay_run(
                       model=model, replay_inputs=(stored.inputs, stored.noise_record),
                       manifest_extra={"replay_of": source_record(stored)}, dist=dist,
                       parallel=parallel, max_steps=upto)
+    return _incomplete_note(summary, stored, upto)
+
+
+def _incomplete_note(summary: dict[str, Any], stored: StoredRollout, upto: int | None) -> dict[str, Any]:
     if upto is not None:
         summary["note"] = (f"the source run is incomplete: replayed the {upto} of its "
                            f"{stored.sampler.num_steps} steps it finished; the replay is "

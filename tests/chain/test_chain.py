@@ -153,3 +153,48 @@ def test_other_device_is_one_line(runner, pipeline, tmp_path):
     res = _run(runner, pipeline, tmp_path / "out", "--device", "cuda", "--mode", "auto")
     assert res.exit_code == ExitCode.USAGE
     assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
+
+
+def test_replay_reruns_every_stage_and_diffs_identical(strict_pair, runner, tmp_path):
+    """A replay of a prompt run re-runs the text encoder, the trajectory and the decode: the diff
+    against the source is identical for every component, and the replay decodes the same PNG."""
+    import pyarrow.compute as pc
+
+    from drifttool.artifact.reader import Run
+
+    res = runner.invoke(app, ["replay", str(strict_pair / "a"), "-o", str(tmp_path / "r")])
+    assert res.exit_code == ExitCode.OK, res.output
+    res = runner.invoke(app, ["diff", str(strict_pair / "a"), str(tmp_path / "r"), "--json"])
+    assert res.exit_code == ExitCode.OK, res.output
+    ops = Run(tmp_path / "r").ops_table()
+    assert set(ops["component"].to_pylist()) == {"text_encoder", "mmdit", "vae"}
+    assert ops.filter(pc.equal(ops["component"], "text_encoder")).num_rows > 0
+    assert (tmp_path / "r.png").read_bytes() == (strict_pair / "a.png").read_bytes()
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["replay_of"]["path"] == str(strict_pair / "a") and manifest["chain"]["prompts"] == [PROMPT]
+
+
+def test_replay_in_auto_mode_drifts_first_in_the_text_encoder(strict_pair, runner, tmp_path):
+    """The replay's mode reaches every stage: the text encoder is the first that drifts."""
+    res = runner.invoke(app, ["replay", str(strict_pair / "a"), "-o", str(tmp_path / "r"), "--mode", "auto"])
+    assert res.exit_code == ExitCode.OK, res.output
+    res = runner.invoke(app, ["diff", str(strict_pair / "a"), str(tmp_path / "r"), "--json"])
+    assert res.exit_code == ExitCode.DRIFT, res.output
+    assert json.loads(res.output)["first_drift"]["component"] == "text_encoder", res.output
+
+
+def test_replay_without_the_pipeline_folder_is_one_line(runner, pipeline, tmp_path):
+    import shutil
+
+    moved = tmp_path / "pipe"
+    shutil.copytree(pipeline, moved)
+    res = _run(runner, moved, tmp_path / "a", "--mode", "auto", "--capture", "L0")
+    assert res.exit_code == ExitCode.OK, res.output
+    shutil.move(moved, tmp_path / "elsewhere")
+    res = runner.invoke(app, ["replay", str(tmp_path / "a"), "-o", str(tmp_path / "r")])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == ExitCode.USAGE and len(lines) == 1 and "--checkpoint" in lines[0], res.output
+    assert not (tmp_path / "r").exists()
+    res = runner.invoke(app, ["replay", str(tmp_path / "a"), "-o", str(tmp_path / "r"),
+                              "--checkpoint", str(tmp_path / "elsewhere")])
+    assert res.exit_code == ExitCode.OK, res.output

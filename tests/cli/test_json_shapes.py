@@ -89,8 +89,9 @@ def test_fixture_verify_json_shape():
     s = shape(data)
     report = s.pop("report")
     assert s == {**HEAD, "fixture": "str", "content_digest": "str", "seal": "str",
-                 "replay_dir": "null", "exit_code": "int"}
+                 "replay_dir": "null", "exit_code": "int", "images": [], "note": "null"}
     assert set(report) == {"schema_version", *DIFF_KEYS} and data["report"]["verdict"] == "identical"
+    # tests/cli/test_chain_fixtures.py checks "images" of a fixture that decodes one
 
 
 def test_probe_list_json_shape():

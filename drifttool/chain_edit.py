@@ -1,0 +1,142 @@
+"""An edit run from its condition images: image → VAE encode → trajectory on the noisy and
+condition tokens → VAE decode → PNG, every stage captured in one artifact.
+
+    >>> summary = run_edit(RunSpec(fixture="tiny-edit", checkpoint=folder), "runs/e",
+    ...                    condition_images=["cond.png"])
+    >>> summary["images"]
+    ['runs/e.png']
+
+What ``QwenImageEditPipeline.__call__`` (diffusers 0.42.1) does with its ``image`` before the
+loop, from an 8-bit RGB image already at the size the pipeline would resize it to (the resize
+itself is not reproduced: each image's height and width must be multiples of 16):
+
+1. ``VaeImageProcessor.preprocess``: ``x / 255`` in FP32, then ``2x − 1``; cast to the VAE's
+   dtype (``prepare_latents``);
+2. ``_encode_vae_image``: the posterior's mode (``QwenImageVAE.encode``), then
+   ``(z − mean) / std`` (``vae_latent_normalize``);
+3. ``_pack_latents`` (``latent_pack_unpack``, direction ``pack``), in FP32 for the run's inputs.
+
+These run before the artifact opens (the condition latents are its replay inputs), captured
+under component ``vae`` at step −1 and filed first into the artifact (``chain.DeferredCapture``).
+Each image is encoded once, for the whole batch (the pipeline repeats the latents per sample);
+its records carry the first sample's id. The prompt embeddings are the fixture's (or the files'):
+the edit template's vision tokens need the text encoder's vision tower, which drifttool does not
+run. The trajectory and the decode are ``chain``'s; the manifest's ``edit`` names the pipeline
+folder, the condition images and the decoded images with their SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from drifttool.chain import ChainStages, DeferredCapture, image_paths
+from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.model.vae import QwenImageVAE
+from drifttool.model.vae_checkpoint import load_vae
+from drifttool.model.weights import weight_digest
+from drifttool.ops.registry import call
+from drifttool.runner import execute
+from drifttool.runtime import Runtime
+from drifttool.sampling.input_files import ExternalInputs
+from drifttool.settings import RunSpec, resolve
+from drifttool.setting_checks import PATCH_PIXELS
+
+
+def read_image(path: str | Path) -> torch.Tensor:
+    """One 8-bit RGB image [H, W, 3] uint8 (Pillow), H and W multiples of 16.
+
+    Raises:
+        DriftToolError: unreadable, not RGB, or a size that is not a whole patch grid.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            mode, pixels = img.mode, torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+            w, h = img.size
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise DriftToolError(f"condition image {path}: unreadable ({e})") from None
+    if mode != "RGB":
+        raise DriftToolError(f"condition image {path}: mode {mode}, drifttool reads 8-bit RGB only")
+    if h % PATCH_PIXELS or w % PATCH_PIXELS:
+        raise DriftToolError(f"condition image {path}: {w}x{h} pixels; width and height must be "
+                             f"multiples of {PATCH_PIXELS} (the pipeline's resize is not reproduced)")
+    return pixels.view(h, w, 3)
+
+
+def encode_condition(vae: QwenImageVAE, image: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Packed condition latents [1, Nc, 4·z_dim] fp32 and the patch grid (h, w) of one image
+    [H, W, 3] uint8 (module docstring, steps 1–3), captured under component ``vae``."""
+    dtype = next(vae.parameters()).dtype
+    x = image.permute(2, 0, 1).unsqueeze(0).to(torch.float32) / 255.0  # [1, 3, H, W]
+    x = (2.0 * x - 1.0).unsqueeze(2).to(dtype)  # [1, 3, 1, H, W]
+    z = vae.normalize(vae.encode(x, rt), rt)
+    with rt.scope(component="vae", block=-1):
+        packed = call(rt, "latent_pack_unpack", z, direction="pack", layout="B..")
+    h, w = image.shape[0] // PATCH_PIXELS, image.shape[1] // PATCH_PIXELS
+    return packed.to(torch.float32), (h, w)
+
+
+def prepare_edit(spec: RunSpec, out: str | Path, *,
+                 condition_images: Sequence[str | Path]) -> tuple[RunSpec, ChainStages]:
+    """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), encode the condition
+    images (captured, deferred) and return the spec with the stages around the trajectory.
+
+    Raises:
+        DriftToolError: no condition image; a checkpoint that is not a folder; an image as
+            ``read_image``; condition files given too; as ``resolve``.
+        UnsupportedConfigError: a device other than the CPU.
+        CheckpointError: the VAE cannot be loaded.
+    """
+    if not condition_images:
+        raise DriftToolError("an edit run needs at least one condition image")
+    if spec.condition is not None:
+        raise DriftToolError("condition images and a --condition latents file exclude each other")
+    if spec.checkpoint is None or not Path(spec.checkpoint).is_dir():
+        raise DriftToolError("an edit run from images needs a pipeline folder (--checkpoint with vae/ "
+                             "beside transformer/)")
+    root = Path(spec.checkpoint)
+    fx, s = resolve(spec)
+    if s.device != "cpu":
+        raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
+                                     f"--device {s.device})")
+    images = [read_image(p) for p in condition_images]
+    vae = load_vae(root, dtype=s.torch_dtype)
+    capture = DeferredCapture(s.capture) if s.mode.captures else None
+    rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
+                 variants=dict(spec.variants))
+    latents, grids = [], []
+    with torch.no_grad(), rt.scope(phase="rollout", step=-1, branch="none", samples=[s.labels[0]],
+                                   txt_lens=None, txt_starts=None, img_grid=None):
+        for img in images:
+            packed, grid = encode_condition(vae, img, rt)
+            latents.append(packed)
+            grids.append(grid)
+    record = {"pipeline": str(root.resolve()), "vae_weights": weight_digest(vae),
+              "condition_images": [{"path": str(Path(p).resolve()),
+                                    "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
+                                   for p in condition_images]}
+    external = ExternalInputs(cond=torch.cat(latents, dim=1), cond_grids=tuple(grids))
+    stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture,
+                         vae=vae, images=image_paths(out, s.labels), record=record,
+                         manifest_key="edit")
+    return spec, stages
+
+
+def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
+             overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
+    """Run an edit from its condition images (module docstring) into the artifact ``out``;
+    ``execute``'s summary plus ``images`` (the PNG paths written).
+
+    Raises:
+        As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
+        condition images, say).
+    """
+    spec, stages = prepare_edit(spec, out, condition_images=condition_images)
+    summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
+    return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else []}
