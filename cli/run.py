@@ -58,8 +58,9 @@ def run(
     negative_prompt_embeds: Optional[Path] = typer.Option(
         None, help="Likewise for the negative prompt (without it, file prompts run without CFG)."),
     prompt: Optional[str] = typer.Option(
-        None, help="Encode this prompt with the --checkpoint pipeline's text encoder, run the trajectory, decode "
-                   "with its VAE and write the image beside OUT (OUT.png): every stage captured."),
+        None, help="Encode this prompt with the --checkpoint pipeline's text encoder (without --checkpoint: the "
+                   "shipped tiny pipeline), run the trajectory, decode with its VAE and write the image beside "
+                   "OUT (OUT.png): every stage captured."),
     negative_prompt: Optional[str] = typer.Option(
         None, help="The negative prompt of --prompt (CFG runs only with one, diffusers' rule)."),
     latents: Optional[Path] = typer.Option(
@@ -89,7 +90,8 @@ def run(
     under that parallel layout instead, and the artifact diffs identical to one process
     (`--sp-attention ring` captures L0/L1 only). A layout the model or the run cannot take is
     refused in one line before any rank starts. `--prompt` (with a pipeline folder holding
-    tokenizer/, text_encoder/ and vae/) runs the full chain in one process: the prompt is
+    tokenizer/, text_encoder/ and vae/; without --checkpoint the shipped tiny pipeline of the
+    tiny-t2i-chain fixture) runs the full chain in one process: the prompt is
     encoded, the trajectory run and its final latents decoded to OUT.png, each stage captured
     under its own component (text_encoder, mmdit, vae).
     """

@@ -46,6 +46,7 @@ import torch
 
 from drifttool.capture.recorder import record_parts
 from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.fixture import packaged_fixtures
 from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
 from drifttool.model.vae_checkpoint import load_vae
@@ -62,6 +63,12 @@ PIPELINE_PARTS = ("tokenizer", "text_encoder", "vae")
 """The folders a pipeline needs beside its transformer for the chain."""
 MAX_SEQUENCE_LENGTH = 512
 """Prompt embedding rows kept (``QwenImagePipeline.__call__``'s default)."""
+
+
+def default_pipeline() -> Path:
+    """The pipeline folder a prompt run uses without ``--checkpoint``: the shipped
+    ``tiny-t2i-chain`` fixture's (tiny random tokenizer, text encoder, transformer and VAE)."""
+    return packaged_fixtures() / "tiny-t2i-chain"
 
 
 def check_pipeline(folder: str | Path | None) -> Path:
@@ -210,7 +217,8 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     return the spec the trajectory runs (its samples fixed) with the stages around it.
 
     Raises:
-        DriftToolError: no pipeline folder or one lacking parts (``check_pipeline``); prompt
+        DriftToolError: a pipeline folder lacking parts (``check_pipeline``; without
+            ``spec.checkpoint`` the shipped tiny pipeline, ``default_pipeline``, runs); prompt
             file inputs given too; prompts not one per sample; as ``resolve``.
         UnsupportedConfigError: a device other than the CPU.
         CheckpointError, UnsupportedConfigError: the text encoder or VAE cannot be loaded, or a
@@ -221,6 +229,8 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
                              "(the prompt is either encoded here or read from a file)")
     if not prompts or any(not isinstance(p, str) for p in prompts):
         raise DriftToolError("--prompt needs a text")
+    if spec.checkpoint is None:  # the embedded default: the shipped tiny pipeline folder
+        spec = dataclasses.replace(spec, checkpoint=str(default_pipeline()))
     root = check_pipeline(spec.checkpoint)
     if spec.samples is None and spec.batch is None:
         spec = dataclasses.replace(spec, samples=list(range(len(prompts))))

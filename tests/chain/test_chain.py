@@ -198,3 +198,20 @@ def test_replay_without_the_pipeline_folder_is_one_line(runner, pipeline, tmp_pa
     res = runner.invoke(app, ["replay", str(tmp_path / "a"), "-o", str(tmp_path / "r"),
                               "--checkpoint", str(tmp_path / "elsewhere")])
     assert res.exit_code == ExitCode.OK, res.output
+
+
+def test_without_a_checkpoint_the_shipped_tiny_pipeline_runs(runner, tmp_path):
+    """The embedded default: ``run --prompt`` alone runs the shipped tiny pipeline folder, and
+    its artifact diffs identical to the same run naming that folder with ``--checkpoint``."""
+    from drifttool.chain import default_pipeline
+
+    plain = runner.invoke(app, ["run", "--prompt", PROMPT, "-o", str(tmp_path / "plain"), "--steps", "2"])
+    assert plain.exit_code == ExitCode.OK, plain.output
+    named = runner.invoke(app, ["run", "--prompt", PROMPT, "--checkpoint", str(default_pipeline()),
+                                "-o", str(tmp_path / "named"), "--steps", "2"])
+    assert named.exit_code == ExitCode.OK, named.output
+    assert (tmp_path / "plain.png").read_bytes() == (tmp_path / "named.png").read_bytes()
+    res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "named")])
+    assert res.exit_code == ExitCode.OK, res.output
+    chain = json.loads((tmp_path / "plain" / "manifest.json").read_text())["chain"]
+    assert chain["pipeline"].endswith("tiny-t2i-chain")
