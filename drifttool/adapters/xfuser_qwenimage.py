@@ -129,7 +129,8 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
 
     Raises:
         DriftToolError: xfuser or diffusers missing or of another version, not xfuser's
-            Qwen-Image wrapper, the CPU runtime not set up (``xfuser_cpu.cpu_runtime``), or (on
+            Qwen-Image wrapper, xfuser's runtime state not set up (``xfuser_cpu.cpu_runtime``),
+            another capture active, or (on
             exit, after a forward) an attention call that bypassed the captured registry entry or
             a capture point that never fired.
         UnsupportedConfigError: parallelism, ``zero_cond_t``, the fused QK-norm+RoPE path.
@@ -142,12 +143,17 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
                              f"{type(transformer).__name__}")
     _refuse_unsupported(transformer, mod)
     import xfuser.core.distributed.attention_backend as ab
-    from xfuser.core.distributed import get_runtime_state
+    from xfuser.core.distributed import runtime_state as rs
 
-    backend = get_runtime_state().attention_backend
+    if not rs.runtime_state_is_initialized():
+        raise DriftToolError("xfuser capture: xfuser's runtime state is not set up (on the CPU: "
+                             "drifttool.adapters.xfuser_cpu.cpu_runtime())")
+    backend = rs.get_runtime_state().attention_backend
     registry = ab.ATTENTION_FUNCTION_REGISTRY
     if backend not in registry:
         raise DriftToolError(f"xfuser capture: attention backend {backend} is not registered")
+    if isinstance(registry[backend], _Registry):
+        raise DriftToolError("xfuser capture: another capture of xfuser's attention is active")
     blocks = transformer.transformer_blocks
     attn = blocks[0].attn
     glue = AttentionGlue(rt, lambda _backend, args: args["kernel"],

@@ -49,6 +49,18 @@ def _bits(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
+def test_the_import_shim_is_undone_and_xfuser_runs_on_the_cpu(load):
+    import xfuser.envs as envs
+
+    from drifttool.adapters.xfuser_cpu import world_sizes
+
+    load("xfuser", torch.float32)
+    assert torch.version.cuda is None and not torch.cuda.is_available()
+    assert envs.get_device_name() == "cpu"
+    assert set(world_sizes().values()) == {1}
+    assert torch.distributed.get_backend() == "gloo"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hooks_change_no_output_bytes(load, dtype):
     import xfuser.core.distributed.attention_backend as ab
@@ -156,6 +168,22 @@ def test_the_padded_prompt_is_attended_and_the_output_moves_far(load):
     assert torch.equal(_bits(v_x), _bits(v_unmasked))
 
 
+def test_garbage_in_the_masked_prompt_rows_moves_xfuser_only(load):
+    """The peer matrix's ``pad_garbage`` invariant (finite garbage in the masked prompt rows):
+    diffusers' output bytes do not move (masked keys get weight exactly 0); xfuser's do, in the
+    padded sample only."""
+    dt, xt = load("diffusers", torch.float32), load("xfuser", torch.float32)
+    x, txt, mask, tau = _inputs(8, batch=2, L=9, lens=(9, 5))
+    g = torch.Generator().manual_seed(10_386)
+    garbage = txt.clone()
+    garbage[~mask] = 100 * torch.randn(int((~mask).sum()), txt.shape[-1], generator=g)
+    d0, d1 = _forward(dt, x, txt, mask, tau), _forward(dt, x, garbage, mask, tau)
+    x0, x1 = _forward(xt, x, txt, mask, tau), _forward(xt, x, garbage, mask, tau)
+    assert torch.equal(_bits(d0), _bits(d1))
+    assert torch.equal(_bits(x0[0]), _bits(x1[0]))  # the unpadded prompt
+    assert (x0[1] - x1[1]).abs().max() > 1e-2 * x0[1].abs().max()
+
+
 def test_refuses_other_versions_models_and_parallel_degrees(load, monkeypatch):
     import importlib.metadata
 
@@ -167,6 +195,10 @@ def test_refuses_other_versions_models_and_parallel_degrees(load, monkeypatch):
     with pytest.raises(DriftToolError, match="expected xfuser's"):
         with instrument(load("diffusers", torch.float32), rt):
             pass
+    with instrument(tr, rt):
+        with pytest.raises(DriftToolError, match="another capture of xfuser's attention"):
+            with instrument(tr, rt):
+                pass
     with pytest.raises(UnsupportedConfigError, match="ulysses_degree=2 is not supported"):
         xfuser_cpu.cpu_runtime(ulysses_degree=2)
     with pytest.raises(UnsupportedConfigError, match="classifier_free_guidance_degree=2"):
