@@ -104,24 +104,30 @@ def test_without_a_mask_the_kernel_reads_back_no_dropped_mask(load):
     assert attn and not any("attn_mask=none" in k for k in attn)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @pytest.fixture(scope="module")
 def runs(load, tmp_path_factory):
-    """fp32 rollouts of the tiny fixture through diffusers and xfuser, with sequential CFG: one
-    sample (no prompt is padded: no text mask) and two samples of different prompt lengths
-    (the shorter prompt padded and masked)."""
+    """Rollouts of the tiny fixture through diffusers and xfuser in fp32 and bf16, with
+    sequential CFG: one sample (no prompt is padded: no text mask) and two samples of different
+    prompt lengths (the shorter prompt padded and masked)."""
     from drifttool.adapters.diffusers_qwenimage import run_diffusers
     from drifttool.adapters.xfuser_qwenimage import run_xfuser
 
     out = tmp_path_factory.mktemp("xfuser")
-    for name, samples in (("one", [0]), ("two", [0, 1])):
-        spec = RunSpec(dtype="float32", cfg_layout="sequential", samples=samples)
-        run_diffusers(spec, out / f"diffusers-{name}", transformer=load("diffusers", torch.float32))
-        run_xfuser(spec, out / f"xfuser-{name}", transformer=load("xfuser", torch.float32))
+    for dtype, torch_dtype in DTYPES.items():
+        for name, samples in (("one", [0]), ("two", [0, 1])):
+            spec = RunSpec(dtype=dtype, cfg_layout="sequential", samples=samples)
+            run_diffusers(spec, out / f"diffusers-{name}-{dtype}",
+                          transformer=load("diffusers", torch_dtype))
+            run_xfuser(spec, out / f"xfuser-{name}-{dtype}", transformer=load("xfuser", torch_dtype))
     return out
 
 
-def test_without_a_text_mask_xfuser_records_are_identical_to_diffusers(runs):
-    a, b = open_run(runs / "diffusers-one"), open_run(runs / "xfuser-one")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_without_a_text_mask_xfuser_records_are_identical_to_diffusers(runs, dtype):
+    a, b = open_run(runs / f"diffusers-one-{dtype}"), open_run(runs / f"xfuser-one-{dtype}")
     rep = diff_runs(a, b)
     assert rep.verdict is Verdict.IDENTICAL, rep.reason
     assert rep.counts["ops"].matched > 500 and rep.counts["ops"].only_a == rep.counts["ops"].only_b == 0
@@ -131,17 +137,54 @@ def test_without_a_text_mask_xfuser_records_are_identical_to_diffusers(runs):
     assert attn and all(r["actual"] == "xfuser" and "torch.sdpa:" in r["kernel"] for r in attn)
 
 
-def test_with_padded_prompts_the_first_drift_is_the_attention_of_block_0(runs):
-    rep = diff_runs(open_run(runs / "diffusers-two"), open_run(runs / "xfuser-two"))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_with_padded_prompts_the_first_drift_is_the_attention_of_block_0(runs, dtype):
+    a, b = runs / f"diffusers-two-{dtype}", runs / f"xfuser-two-{dtype}"
+    rep = diff_runs(open_run(a), open_run(b))
     assert rep.verdict is Verdict.DRIFT
     fd = rep.first_drift
-    assert (fd.kind, fd.op, fd.step, fd.block, fd.branch) == \
-        ("op", "joint_attention_fused", 0, 0, "cond"), fd
-    cli = subprocess.run([sys.executable, "-m", "drifttool", "diff", str(runs / "diffusers-two"),
-                          str(runs / "xfuser-two")], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
+    assert (fd.kind, fd.op, fd.step, fd.block, fd.branch, fd.origin) == \
+        ("op", "joint_attention_fused", 0, 0, "cond", True), fd
+    if dtype == "bfloat16":
+        return
+    cli = subprocess.run([sys.executable, "-m", "drifttool", "diff", str(a), str(b)],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert cli.returncode == 1, cli.stderr
     assert "first drift at rollout step 0 cond block 0 joint joint_attention_fused" in cli.stdout
+
+
+def test_handing_the_mask_to_usp_removes_the_drift(load, monkeypatch, tmp_path):
+    """The counterfactual: xfuser's processor patched to hand the joint mask it is given on to
+    ``USP`` (as the SDPA backend's ``attn_mask``) makes the padded rollout identical to diffusers':
+    the dropped mask is the whole difference."""
+    from drifttool.adapters.diffusers_qwenimage import run_diffusers
+    from drifttool.adapters.xfuser_cpu import transformer_module
+    from drifttool.adapters.xfuser_qwenimage import run_xfuser
+
+    mod = transformer_module()
+    usp, call = mod.USP, mod.xFuserQwenDoubleStreamAttnProcessor.__call__
+
+    def with_mask(self, attn, hidden_states, encoder_hidden_states=None,
+                  encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
+        def masked_usp(*args, **kwargs):
+            if attention_mask is not None:
+                kwargs["attention_kwargs"] = {"attn_mask": attention_mask[:, None, None, :]}
+            return usp(*args, **kwargs)
+
+        monkeypatch.setattr(mod, "USP", masked_usp)
+        try:
+            return call(self, attn, hidden_states, encoder_hidden_states,
+                        encoder_hidden_states_mask, attention_mask, image_rotary_emb)
+        finally:
+            monkeypatch.setattr(mod, "USP", usp)
+
+    monkeypatch.setattr(mod.xFuserQwenDoubleStreamAttnProcessor, "__call__", with_mask)
+    spec = RunSpec(dtype="float32", cfg_layout="sequential", samples=[0, 1])
+    run_diffusers(spec, tmp_path / "d", transformer=load("diffusers", torch.float32))
+    run_xfuser(spec, tmp_path / "x", transformer=load("xfuser", torch.float32))
+    rep = diff_runs(open_run(tmp_path / "d"), open_run(tmp_path / "x"))
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert rep.counts["ops"].matched > 1000 and rep.counts["ops"].only_a == rep.counts["ops"].only_b == 0
 
 
 def test_the_padded_prompt_is_attended_and_the_output_moves_far(load):
