@@ -13,6 +13,10 @@ docstring says how to add another runtime. diffusers is imported lazily: driftto
 ``vllm_omni_cpu`` runs it on the CPU. ``docs/adapters.md``: what each adapter captures, binds and
 refuses.
 
+``xfuser_qwenimage``: xfuser (xDiT) 0.7.0's Qwen-Image wrapper (a diffusers subclass) captured with
+the diffusers table, its attention through xfuser's attention registry; ``xfuser_cpu`` runs it on
+the CPU as one rank.
+
 ``diffusers_pipeline``: an unmodified diffusers ``QwenImagePipeline`` call captured whole
 (``capture_pipeline``); ``pipeline_hooks`` (imports diffusers) taps its transformer and scheduler,
 ``pipeline_scope`` names each transformer call (step, sigma, CFG branch, text rows, grid).

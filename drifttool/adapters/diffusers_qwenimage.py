@@ -174,18 +174,19 @@ TAPS = (
     Tap(_BLOCK, "adaln_gate_residual", "txt", item=0, note=" (output)"),
 )
 """Where diffusers' QwenImage transformer computes each RFC operator (module docstring's table);
-RoPE and attention are recorded by ``_AttentionGlue``."""
+RoPE and attention are recorded by ``AttentionGlue``."""
 
 
 # -- attention: RoPE outputs and the fused attention -----------------------------------------------
 @dataclasses.dataclass
-class _AttentionGlue:
+class AttentionGlue:
     """Per attention call: the block, the image rows and whether RoPE ran (the attention
     module's pre-hook), then, in the capture backend, the RoPE outputs and the attention output."""
 
     rt: Runtime
     kernel_of: Callable[[Any, dict[str, Any]], str]  # diffusers_attention.attention_kernel
     rope_of: Callable[[str], str]  # rope_kernel of the diffusers module, by device type
+    actual: str = "diffusers"  # the runtime the trace names
     block: int = -1
     img_rows: int = 0
     rope: bool = False
@@ -207,10 +208,10 @@ class _AttentionGlue:
             for stream, rows in (("img", slice(L, None)), ("txt", slice(0, L))):
                 for t in (q, k):
                     record(self.rt, "multi_axis_rope", stream, t[:, rows], "BS..",
-                           actual="diffusers", kernel=kernel, block=self.block)
+                           actual=self.actual, kernel=kernel, block=self.block)
         kernel = self.kernel_of(backend, args)
         out = run()  # [B, S, H, Dh]
-        record(self.rt, "joint_attention_fused", "joint", out, "BS..", actual="diffusers",
+        record(self.rt, "joint_attention_fused", "joint", out, "BS..", actual=self.actual,
                kernel=kernel, block=self.block)
         return out
 
@@ -236,7 +237,7 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
 
     blocks = transformer.transformer_blocks
     attn = blocks[0].attn
-    glue = _AttentionGlue(rt, attention_kernel, lambda device: rope_kernel(mod, device))
+    glue = AttentionGlue(rt, attention_kernel, lambda device: rope_kernel(mod, device))
     with contextlib.ExitStack() as stack:
         begin = stack.enter_context(capture_backend([b.attn for b in blocks], glue.attention))
         for i, blk in enumerate(blocks):
