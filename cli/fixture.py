@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _json
+from drifttool.cli import _json, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
@@ -22,7 +22,8 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 @threaded
 def verify(
     fixture: Optional[str] = typer.Argument(None, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
-    workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
+    workdir: Optional[Path] = typer.Option(
+        None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed)."),
     as_json: bool = _json.option(),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests.
