@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -42,15 +43,22 @@ def verify(
     images = [{"expected": i.expected, "replay": i.replay if keep else None, "equal": i.equal,
                "expected_sha256": i.expected_sha256, "replay_sha256": i.replay_sha256}
               for i in result.images]
+    if not keep:
+        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
+    # only paths that still exist are shown: the removed re-run, an archive's extracted expected/
+    gone = {"run_a": f"expected/ of {fixture} (extracted to a temporary directory, removed)",
+            "run_b": "the fixture's re-run (removed; --workdir DIR keeps it)"}
+    gone = {k: words for k, words in gone.items() if not Path(getattr(result.report, k)).exists()}
     if as_json:
+        shown = dataclasses.replace(result.report, **dict.fromkeys(gone))
         _json.emit("fixture verify", {
             "fixture": result.fixture, "content_digest": result.content_digest, "seal": "ok",
             "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
-            "images": images, "note": result.note, "report": result.report.to_dict()})
+            "images": images, "note": result.note, "report": shown.to_dict()})
     else:
         where = f"replay in {result.run_dir}" if keep else "replay removed"
         console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
-        render(result.report, console)
+        render(dataclasses.replace(result.report, **gone), console)
         for i in result.images:
             if i.equal:
                 console.print(f"image {i.expected}: sha256 identical ({i.expected_sha256})", highlight=False)
@@ -59,8 +67,6 @@ def verify(
                               f"expected, {i.replay_sha256 or 'no image'} in the replay", highlight=False)
         if result.note:
             console.print(f"note: {result.note}", highlight=False)
-    if not keep:
-        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
     raise typer.Exit(code)
 
 
