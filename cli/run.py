@@ -68,7 +68,9 @@ def run(
     condition: Optional[Path] = typer.Option(
         None, help="safetensors with the edit pipelines' packed condition latents image_latents "
                    "[B or 1, Nc, in_channels] and condition_grids [K, 2] (each image's patch grid): "
-                   "joined to the noisy tokens at every forward."),
+                   "joined to the noisy tokens at every forward. One row fits any batch; B > 1 rows "
+                   "set the run's batch when --batch/--samples are absent, and must equal it when "
+                   "given."),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
