@@ -32,7 +32,7 @@ MODES = {"strict": "strict", "auto": "production"}
 
 
 def probe(
-    out: Optional[Path] = typer.Option(None, "-o", "--out", parser=_paths.path, 
+    out: Optional[Path] = typer.Option(None, "-o", "--out", parser=_paths.path,
                                        help="Output directory (runs, diffs, "
                                        "matrix, heatmaps); required unless --list."),
     only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),

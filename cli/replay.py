@@ -115,7 +115,7 @@ def replay(
 
 def recompute(
     run_dir: Path = typer.Argument(..., help="Complete rollout artifact to re-score."),
-    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, 
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Artifact directory to create (kind: recompute)."),
     mode: Optional[str] = typer.Option(None, help="Trainer mode: strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),

@@ -18,7 +18,7 @@ from drifttool.errors import DriftToolError
 def report(
     run_a: Path = typer.Argument(..., help="Baseline artifact directory."),
     run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
-    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, 
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="HTML file to write (e.g. report.html; missing parent folders are created)."),
     tolerance: Optional[str] = typer.Option(
         None, "--tolerance", metavar="PROFILE",
