@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _checkpoint, _json
+from drifttool.cli import _checkpoint, _json, _paths
 from drifttool.cli._console import console, tolerate_closed_stdout
 
 
@@ -16,15 +16,15 @@ def diff(
     run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
     as_json: bool = _json.option(),
     junit: Optional[Path] = typer.Option(
-        None, "--junit", metavar="FILE",
+        None, "--junit", metavar="FILE", parser=_paths.path,
         help="Also write the diff as JUnit XML (one test case per compared step, the first drift "
-             "as the failure message) for CI."),
+             "as the failure message) for CI; missing parent folders are created, as -o does."),
     localize: bool = typer.Option(
         False, "--localize",
         help="Re-execute the first drifting step of both runs at L2 (attention unfused) from their "
              "replay inputs and name the operator, block, branch and rows there."),
     localize_dir: Optional[Path] = typer.Option(
-        None, "--localize-dir",
+        None, "--localize-dir", parser=_paths.path,
         help="Keep the re-executed artifacts in DIR/a and DIR/b (implies --localize; default: a "
              "temporary directory, removed)."),
     fixture: Optional[str] = typer.Option(
@@ -71,6 +71,8 @@ def diff(
     for name, given in (("--fixture", fixture), ("--checkpoint", checkpoint)):
         if given is not None and not (localize or localize_dir):
             raise typer.BadParameter(f"{name} goes with --localize", param_hint=name)
+    if junit is not None:
+        _paths.output_file(junit, "--junit")
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise

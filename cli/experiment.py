@@ -18,7 +18,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from drifttool.cli import _layout
+from drifttool.cli import _layout, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
 from drifttool.cli._threads import threaded
@@ -73,7 +73,8 @@ def _samples(text: Optional[str]):
 @app.command("train-rollout", epilog=EXIT_HELP)
 @threaded
 def train_rollout_cmd(
-    out: Path = typer.Option(..., "-o", "--out", help="Directory for the artifacts and the result table."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="Directory for the artifacts and the result table."),
     fixture: Optional[str] = typer.Option(None, help="Fixture (default tiny-t2i)."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
     capture: str = typer.Option("L1", help="Capture level of every artifact."),
@@ -169,7 +170,8 @@ def _print_clip(rows: list) -> None:
 @app.command("grpo", epilog=EXIT_HELP)
 @threaded
 def grpo_cmd(
-    out: Path = typer.Option(..., "-o", "--out", help="Directory for grpo.arrow / grpo.json."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="Directory for grpo.arrow / grpo.json."),
     steps: int = typer.Option(2, min=1, help="Policy-gradient steps per combination."),
     groups: int = typer.Option(2, min=1, help="Prompts (groups) per step."),
     group_size: int = typer.Option(2, min=2, help="Samples per prompt."),

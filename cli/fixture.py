@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from drifttool.cli import _json
+from drifttool.cli import _json, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
@@ -22,7 +23,8 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 @threaded
 def verify(
     fixture: Optional[str] = typer.Argument(None, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
-    workdir: Optional[Path] = typer.Option(None, help="Where to write the replay artifact (default: a temp dir)."),
+    workdir: Optional[Path] = typer.Option(
+        None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed)."),
     as_json: bool = _json.option(),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests.
@@ -41,15 +43,22 @@ def verify(
     images = [{"expected": i.expected, "replay": i.replay if keep else None, "equal": i.equal,
                "expected_sha256": i.expected_sha256, "replay_sha256": i.replay_sha256}
               for i in result.images]
+    if not keep:
+        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
+    # only paths that still exist are shown: the removed re-run, an archive's extracted expected/
+    gone = {"run_a": f"expected/ of {fixture} (extracted to a temporary directory, removed)",
+            "run_b": "the fixture's re-run (removed; --workdir DIR keeps it)"}
+    gone = {k: words for k, words in gone.items() if not Path(getattr(result.report, k)).exists()}
     if as_json:
+        shown = dataclasses.replace(result.report, **dict.fromkeys(gone))
         _json.emit("fixture verify", {
             "fixture": result.fixture, "content_digest": result.content_digest, "seal": "ok",
             "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
-            "images": images, "note": result.note, "report": result.report.to_dict()})
+            "images": images, "note": result.note, "report": shown.to_dict()})
     else:
         where = f"replay in {result.run_dir}" if keep else "replay removed"
         console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
-        render(result.report, console)
+        render(dataclasses.replace(result.report, **gone), console)
         for i in result.images:
             if i.equal:
                 console.print(f"image {i.expected}: sha256 identical ({i.expected_sha256})", highlight=False)
@@ -58,8 +67,6 @@ def verify(
                               f"expected, {i.replay_sha256 or 'no image'} in the replay", highlight=False)
         if result.note:
             console.print(f"note: {result.note}", highlight=False)
-    if not keep:
-        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
     raise typer.Exit(code)
 
 

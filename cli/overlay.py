@@ -7,13 +7,15 @@ from typing import List
 
 import typer
 
+from drifttool.cli import _paths
 from drifttool.cli._console import console, err
 from drifttool.errors import DriftToolError
 from drifttool.exit_codes import ExitCode
 
 def overlay(
     runs: List[Path] = typer.Argument(..., help="Baseline artifact, then the runs to compare."),
-    out: Path = typer.Option(..., "-o", "--out", help="Figure to write (PNG)."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="Figure to write (.png, .pdf or .svg; missing parent folders are created)."),
     title: str = typer.Option("", help="Figure title."),
 ) -> None:
     """Draw per-step drift curves (v_t, x_next, logp_t max|Δ| and the SDE KL) of RUN_B… against
@@ -29,7 +31,8 @@ def overlay(
         raise DriftToolError("give a baseline and at least one run to compare")
     if out.is_dir() or out.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise DriftToolError(f"-o {out}: give a figure file name ending in .png, .pdf or .svg")
-    path, reports = draw(runs[0], runs[1:], out, title=title)
+    _paths.output_file(out, "-o")
+    path, reports = draw(runs[0], runs[1:], _paths.parent_made(out), title=title)
     for run, rep in zip(runs[1:], reports):
         # the diff's own one-line reason: the level it covers, common samples, first drift
         console.print(f"{run}: {rep.verdict.value.upper()} — {rep.reason}", highlight=False,

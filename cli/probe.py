@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _checkpoint, _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout, _paths
 from drifttool.cli._console import advance, console, err, matrix_progress
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -32,7 +32,8 @@ MODES = {"strict": "strict", "auto": "production"}
 
 
 def probe(
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory (runs, diffs, "
+    out: Optional[Path] = typer.Option(None, "-o", "--out", parser=_paths.path,
+                                       help="Output directory (runs, diffs, "
                                        "matrix, heatmaps); required unless --list."),
     only: Optional[str] = typer.Option(None, help="Comma-separated probe names to run."),
     preset: Optional[str] = typer.Option(None, help="Baseline preset: tiny (the embedded default)."),
@@ -67,7 +68,7 @@ def probe(
              "matrix.json, matrix.arrow and --json). Statuses and the exit code are unchanged."),
     as_json: bool = _json.option(),
     junit: Optional[Path] = typer.Option(
-        None, "--junit", metavar="FILE",
+        None, "--junit", metavar="FILE", parser=_paths.path,
         help="Also write the matrix as JUnit XML (one test case per probe; a finding fails with "
              "its reasons and first drift) for CI."),
 ) -> None:
@@ -118,6 +119,8 @@ def probe(
             from drifttool.diff.clip import check_clip_range  # lazy: keeps torch out of `--help`
 
             check_clip_range(clip_range)
+        if junit is not None:
+            _paths.output_file(junit, "--junit")
         report = _Report(heatmaps=heatmaps, as_json=as_json, junit=junit)
         if peer is not None:
             return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,

@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _checkpoint, _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -43,7 +43,7 @@ def _summary(title: str, rows: list[tuple[str, object]]) -> None:
 
 def replay(
     run_dir: Path = typer.Argument(..., help="Rollout artifact to replay."),
-    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help="Artifact directory to create."),
     mode: Optional[str] = typer.Option(None, help="strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
     fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
@@ -115,7 +115,8 @@ def replay(
 
 def recompute(
     run_dir: Path = typer.Argument(..., help="Complete rollout artifact to re-score."),
-    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create (kind: recompute)."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="Artifact directory to create (kind: recompute)."),
     mode: Optional[str] = typer.Option(None, help="Trainer mode: strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
     grad: bool = typer.Option(False, help="Backward of -mean logp_t per SDE step; digest the LoRA gradients."),

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from drifttool.cli import _paths
 from drifttool.cli._console import console
 from drifttool.errors import DriftToolError
 
@@ -17,12 +18,14 @@ from drifttool.errors import DriftToolError
 def report(
     run_a: Path = typer.Argument(..., help="Baseline artifact directory."),
     run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
-    out: Path = typer.Option(..., "-o", "--out", help="HTML file to write (e.g. report.html)."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="HTML file to write (e.g. report.html; missing parent folders are created)."),
     tolerance: Optional[str] = typer.Option(
         None, "--tolerance", metavar="PROFILE",
         help="Also judge every differing record against a tolerance profile (as diff does)."),
     junit: Optional[Path] = typer.Option(
-        None, "--junit", metavar="FILE", help="Also write the diff as JUnit XML (as diff --junit)."),
+        None, "--junit", metavar="FILE", parser=_paths.path,
+        help="Also write the diff as JUnit XML (as diff --junit)."),
 ) -> None:
     """Diff two runs and write one self-contained HTML page.
 
@@ -40,6 +43,9 @@ def report(
 
     if out.is_dir() or out.suffix.lower() not in (".html", ".htm"):
         raise DriftToolError(f"-o {out}: give an HTML file name ending in .html")
+    _paths.output_file(out, "-o")
+    if junit is not None:
+        _paths.output_file(junit, "--junit")
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise
@@ -47,8 +53,7 @@ def report(
         profile = load_profile(tolerance)
     diff = diff_runs(open_run(run_a), open_run(run_b), tolerance=profile)
     page = render_html(diff, diff_figures(run_a, run_b, diff))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    _paths.parent_made(out).write_text(page, encoding="utf-8")
     if junit is not None:
         from drifttool.reports.junit import diff_suite, write_junit  # lazy: likewise
 

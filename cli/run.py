@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _checkpoint, _json, _layout
+from drifttool.cli import _checkpoint, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -24,7 +24,8 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
 
 
 def run(
-    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
+                           help="Artifact directory to create (missing parent folders are created)."),
     checkpoint: Optional[Path] = _checkpoint.option("Replaces the fixture's model."),
     variant: Optional[str] = typer.Option(
         None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
@@ -68,7 +69,9 @@ def run(
     condition: Optional[Path] = typer.Option(
         None, help="safetensors with the edit pipelines' packed condition latents image_latents "
                    "[B or 1, Nc, in_channels] and condition_grids [K, 2] (each image's patch grid): "
-                   "joined to the noisy tokens at every forward."),
+                   "joined to the noisy tokens at every forward. One row fits any batch; B > 1 rows "
+                   "set the run's batch when --batch/--samples are absent, and must equal it when "
+                   "given."),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),

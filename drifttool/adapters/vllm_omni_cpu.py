@@ -112,7 +112,7 @@ def __getattr__(name: str):  # the backend's class path must resolve by name
 def cpu_runtime() -> Any:
     """Install the CPU platform and the single-rank gloo group (module docstring), once per
     process; returns the ``OmniDiffusionConfig`` (Qwen-Image pipeline, every degree 1) the model
-    is built and run under.
+    is built and run under (``enforce_eager=True``: nothing is compiled).
 
     Raises:
         DriftToolError: vllm-omni missing, or torch.distributed already initialised with more
@@ -147,7 +147,9 @@ def cpu_runtime() -> Any:
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                         distributed_init_method="env://", backend="gloo")
         ps.initialize_model_parallel(backend="gloo")
-        _STATE["config"] = data.OmniDiffusionConfig(model_class_name="QwenImagePipeline")
+        # eager: the model is built and run here, never compiled (the capture refuses compiled runs)
+        _STATE["config"] = data.OmniDiffusionConfig(model_class_name="QwenImagePipeline",
+                                                    enforce_eager=True)
         return _STATE["config"]
 
 

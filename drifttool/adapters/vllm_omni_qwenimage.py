@@ -47,8 +47,10 @@ kernel and no digest.
 
 Refused (``UnsupportedConfigError`` / ``DriftToolError``): another vllm-omni version; a model
 with ``zero_cond_t`` (edit-2511 select01 modulation: no tap for it) or sequence parallelism (the
-taps would record one rank's shard as the whole tensor); a capture point that never fired in a
-forward (a renamed module or a bypassed path must not read as silence).
+taps would record one rank's shard as the whole tensor); a compiled run (``enforce_eager=False``:
+the transformer or its blocks under ``torch.compile``, whose graphs the hooks cannot run in;
+``compiled_problem``); a capture point that never fired in a forward (a renamed module or a
+bypassed path must not read as silence).
 """
 
 from __future__ import annotations
@@ -109,6 +111,38 @@ the fused QKV projections and RoPE are recorded by ``vllm_omni_glue.Glue``. The 
 the call order within a block, so records fall in drifttool's order."""
 
 
+EAGER_ONLY = ("vllm-omni capture: a compiled transformer (enforce_eager=False: torch.compile / "
+              "CUDA graphs) is not supported")
+"""The start of the refusal of a compiled run (``compiled_problem``, ``VllmOmniQwenImage``)."""
+
+
+def compiled_problem(transformer: torch.nn.Module) -> str | None:
+    """Where ``transformer`` runs under ``torch.compile``, in words, or None (eager). vllm-omni
+    0.30 compiles when ``enforce_eager`` is False (``DiffusionModelRunner``): ``Module.compile()``
+    in place (``diffusion_compile_granularity="full"``), or each repeated block's ``forward``
+    (or the ``_omni_original_forward`` its hook registry calls) replaced by a compiled function
+    (``"regional"``, the default); ``torch.compile(model)`` wraps it in an ``OptimizedModule``
+    (``_orig_mod``). Read from the modules only: nothing is imported or compiled."""
+    if hasattr(transformer, "_orig_mod"):
+        return "the transformer is wrapped by torch.compile (an OptimizedModule)"
+    for name, module in transformer.named_modules():
+        where = name or "the transformer"
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return f"{where} is compiled in place (Module.compile(), full granularity)"
+        for attr in ("forward", "_omni_original_forward"):
+            fn = vars(module).get(attr)
+            if fn is not None and hasattr(fn, "_torchdynamo_orig_callable"):
+                return f"{where}.{attr} is a torch.compile'd function (regional compilation)"
+    return None
+
+
+def _refuse_compiled(transformer: torch.nn.Module) -> None:
+    problem = compiled_problem(transformer)
+    if problem is not None:
+        raise UnsupportedConfigError(f"{EAGER_ONLY}: {problem}; build and run it with "
+                                     "enforce_eager=True")
+
+
 def _refuse_unsupported(transformer: torch.nn.Module) -> None:
     if getattr(transformer, "zero_cond_t", False):
         raise UnsupportedConfigError("vllm-omni capture: zero_cond_t (edit-2511 select01 "
@@ -129,8 +163,10 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     Raises:
         DriftToolError: vllm-omni missing or of another version, not its Qwen-Image transformer,
             or (on exit, after a forward) a capture point that never fired.
-        UnsupportedConfigError: ``zero_cond_t`` or sequence parallelism.
+        UnsupportedConfigError: a compiled transformer (``compiled_problem``), ``zero_cond_t``
+            or sequence parallelism.
     """
+    _refuse_compiled(transformer)  # first: an OptimizedModule is not the transformer's class
     check_version()
     mod = transformer_module()
     if not isinstance(transformer, mod.QwenImageTransformer2DModel):
@@ -161,9 +197,18 @@ class VllmOmniQwenImage(torch.nn.Module):
     Args:
         transformer: the vllm-omni model. od_config: the ``OmniDiffusionConfig`` it was built
             under. config: its diffusers ``config.json`` (drifttool's ``ModelConfig`` source).
+
+    Raises:
+        UnsupportedConfigError: ``od_config.enforce_eager`` is False (vllm-omni compiles the
+            transformer under it), or the transformer is compiled (``compiled_problem``).
     """
 
     def __init__(self, transformer: torch.nn.Module, od_config: Any, config: dict[str, Any]) -> None:
+        if getattr(od_config, "enforce_eager", True) is not True:
+            raise UnsupportedConfigError(f"{EAGER_ONLY}: the OmniDiffusionConfig has "
+                                         f"enforce_eager={od_config.enforce_eager!r}; build and run "
+                                         "it with enforce_eager=True")
+        _refuse_compiled(transformer)
         super().__init__()
         object.__setattr__(self, "transformer", transformer)
         object.__setattr__(self, "od_config", od_config)

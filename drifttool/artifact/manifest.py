@@ -89,10 +89,16 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not stat.S_ISREG(mode):
         raise ArtifactError(f"{mpath}: not a regular file (links and special files are refused)")
     try:
-        manifest = json.loads(mpath.read_bytes(), parse_constant=_reject_constant,
+        # JSON text is UTF-8 (a leading BOM ignored, as json.loads does); never another encoding
+        raw = mpath.read_bytes()
+        manifest = json.loads(raw.decode("utf-8-sig"), parse_constant=_reject_constant,
                               parse_float=_finite_float, object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        at = e.start + len(raw) - len(e.object)  # an offset in the file, BOM included
+        raise ArtifactError(f"{mpath}: corrupt manifest (not UTF-8 JSON text: byte "
+                            f"0x{e.object[e.start]:02x} at offset {at} is not UTF-8)") from None
     except (OSError, ValueError, RecursionError) as e:
-        # ValueError covers JSONDecodeError, bad UTF-8 and the int digit limit
+        # ValueError covers JSONDecodeError and the int digit limit
         raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: "
                             f"{brief(e)})") from None
     if _depth(manifest) > MAX_MANIFEST_DEPTH:
@@ -135,9 +141,17 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
             if type(v) not in sp and not (type(v) is int and float in sp):
                 return (f"{at} is {_JSON_TYPES[type(v)]}, not "
                         f"{' or '.join(_JSON_TYPES[t] for t in sp)}")
+        elif isinstance(sp, MS.Least):
+            wrong = check_manifest_value(at, v, sp.types)  # a leaf: no deeper call
+            if wrong is not None:
+                return wrong
+            if not (v > sp.least if sp.strict else v >= sp.least):
+                return f"{at} is {v!r}, not {'above' if sp.strict else 'at least'} {sp.least}"
         elif isinstance(sp, MS.ListOf):
             if type(v) is not list:
                 return f"{at} is {_JSON_TYPES[type(v)]}, not an array"
+            if sp.length is not None and len(v) != sp.length:
+                return f"{at} has {len(v)} item{'s' * (len(v) != 1)}, not {sp.length}"
             todo += [(f"{at}[{i}]", x, sp.item) for i, x in enumerate(v)]
         else:  # Obj or MapOf
             if type(v) is not dict:
@@ -147,13 +161,13 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
                 continue
             prefix = f"{at}." if at else ""
             unknown = sorted(set(v) - set(sp.fields))
-            if unknown:
+            if unknown and sp.other is None:
                 return f"unknown key {prefix}{unknown[0]}"
             missing = sorted(sp.required - set(v))
             if missing:
                 return (f"missing key {prefix}{missing[0]}" if at else
                         f"missing section {missing[0]!r}")
-            todo += [(prefix + k, x, sp.fields[k]) for k, x in v.items()]
+            todo += [(prefix + k, x, sp.fields.get(k, sp.other)) for k, x in v.items()]
     return None
 
 

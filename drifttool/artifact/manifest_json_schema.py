@@ -35,13 +35,18 @@ def spec_json_schema(spec: Any) -> dict[str, Any]:
     if isinstance(spec, MS.Enum):
         return {"type": "string", "enum": list(spec.values)}
     if isinstance(spec, MS.ListOf):
-        return {"type": "array", "items": spec_json_schema(spec.item)}
+        sized = {} if spec.length is None else {"minItems": spec.length, "maxItems": spec.length}
+        return {"type": "array", "items": spec_json_schema(spec.item), **sized}
+    if isinstance(spec, MS.Least):
+        bound = "exclusiveMinimum" if spec.strict else "minimum"
+        return {**spec_json_schema(spec.types), bound: spec.least}
     if isinstance(spec, MS.MapOf):
         return {"type": "object", "additionalProperties": spec_json_schema(spec.value)}
     if isinstance(spec, MS.Obj):
+        other = False if spec.other is None else spec_json_schema(spec.other)
         return {"type": "object",
                 "properties": {k: spec_json_schema(v) for k, v in spec.fields.items()},
-                "required": sorted(spec.required), "additionalProperties": False}
+                "required": sorted(spec.required), "additionalProperties": other}
     types = [_TYPES[t] for t in spec if not (t is int and float in spec)]  # number ⊇ integer
     return {"type": types[0] if len(types) == 1 else types}
 

@@ -8,9 +8,11 @@ into a manifest (a key the manifest schema does not account for is never ignored
     >>> MANIFEST_SCHEMA.fields["capture_level"]
     Enum(values=('L0', 'L1', 'L2'))
 
-A spec is one of: a tuple of JSON types (``int`` excludes ``bool``), ``Enum``, ``ListOf``,
-``MapOf`` (free keys), ``Obj`` (known keys), ``Nullable``, or ``ANY`` (a free JSON value, e.g.
-the model's ``arch`` fields, which the diff compares key by key).
+A spec is one of: a tuple of JSON types (``int`` excludes ``bool``), ``Least`` (a number with a
+lower bound), ``Enum``, ``ListOf`` (of any or of a fixed length), ``MapOf`` (free keys), ``Obj``
+(known keys, each its spec; ``other`` the spec of any further key, or none allowed),
+``Nullable``, or ``ANY`` (a free JSON value, e.g. an ``arch`` key of another model, which the
+diff compares key by key).
 ``drifttool.artifact.manifest.check_manifest_value`` applies it. The Arrow tables' schemas and
 the directory's file names are in ``drifttool.artifact.schema``. Constants whose owners import
 torch (``MODES``, ``MODEL_DTYPES``, ``CFG_LAYOUTS``, ``TIMESTEP_POLICIES``, ``PRESETS``,
@@ -31,8 +33,17 @@ class Enum(NamedTuple):
 
 
 class ListOf(NamedTuple):
-    """A JSON array whose items are ``item``."""
+    """A JSON array whose items are ``item``, of ``length`` items (None: any number)."""
     item: Any
+    length: int | None = None
+
+
+class Least(NamedTuple):
+    """A JSON number of ``types`` (a tuple of JSON types) at least ``least``, or above it when
+    ``strict``."""
+    types: tuple[type, ...]
+    least: int | float
+    strict: bool = False
 
 
 class MapOf(NamedTuple):
@@ -41,10 +52,11 @@ class MapOf(NamedTuple):
 
 
 class Obj(NamedTuple):
-    """A JSON object with keys from ``fields`` only (each value its spec); ``required`` keys must
-    be present."""
+    """A JSON object with keys from ``fields`` (each value its spec); ``required`` keys must be
+    present; any other key is refused, or, with ``other``, is of that spec."""
     fields: dict[str, Any]
     required: frozenset[str] = frozenset()
+    other: Any = None
 
 
 class Nullable(NamedTuple):
@@ -55,6 +67,9 @@ class Nullable(NamedTuple):
 ANY = "any JSON value"
 _INT, _NUM, _STR, _BOOL = (int,), (int, float), (str,), (bool,)
 _INTS = ListOf(_INT)
+_SIZE = Least(_INT, 1)
+_GRID = ListOf(_SIZE, 2)
+"""An ``img_grid``: the (h, w) patch grid, two positive integers (pixels / 16)."""
 
 KINDS = ("rollout", "recompute")
 """``kind``: a sampled trajectory (``drifttool run``/``replay``) or its training recompute."""
@@ -77,7 +92,7 @@ _SETTINGS = Obj({
     "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
     "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
-    "img_grid": _INTS, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
+    "img_grid": _GRID, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
     "device": _STR,
     "input_files": MapOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
@@ -93,9 +108,19 @@ _ENVIRONMENT = Obj({
 })
 """``drifttool.environment.environment``."""
 
+_ARCH = Obj({
+    **{k: _SIZE for k in ("patch_size", "in_channels", "out_channels", "num_layers",
+                          "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                          "rope_theta", "mlp_ratio", "inner_dim", "out_dim", "mlp_dim")},
+    "axes_dims_rope": ListOf(_SIZE, 3), "eps": Least(_NUM, 0, strict=True), "img_grid": _GRID,
+}, other=ANY)
+"""``fingerprint.arch``: ``MMDiTConfig.arch_fields()`` (sizes positive integers, three RoPE axes,
+a positive ``eps``, as ``MMDiTConfig`` accepts them) and the run's ``img_grid``. The diff
+compares every key, so a key of another model is kept (and compared) as it is."""
+
 _FINGERPRINT = Obj({
     "version": _INT,
-    "arch": MapOf(ANY),  # MMDiTConfig.arch_fields() + img_grid; the diff compares every key
+    "arch": _ARCH,
     "weights": _STR,
     "dtype_policy": Obj({"weights": _STR, "activations": _STR, "accumulation": _STR,
                          "latents_between_steps": _STR, "sde_step_and_logp": _STR,
@@ -113,7 +138,7 @@ _FINGERPRINT = Obj({
 
 _NOISE = Obj({
     "generator": _STR, "dispatch_dependent": _BOOL, "numpy_version": _STR, "torch_version": _STR,
-    "generator_device": _STR, "dtype": _STR, "seed": _INT, "channels": _INT, "img_grid": _INTS,
+    "generator_device": _STR, "dtype": _STR, "seed": _INT, "channels": _INT, "img_grid": _GRID,
     "latent_shape": _INTS, "num_steps": _INT, "seed_derivation": _STR, "seed_formula": _STR,
     "bits": _STR, "transform": _STR, "consumption_order": ListOf(_STR),
 }, frozenset({"generator", "dispatch_dependent", "generator_device", "dtype", "seed",

@@ -30,7 +30,8 @@ owner and a ``ranks disagree`` row names them. Sampler operators show block ``sa
 (``schema.SAMPLER_BLOCK``). Per-step cells show the
 worst sample and branch of the step (largest max|Δ|; "*": see the notes under the table, e.g.
 the dtypes differ); a non-'=' x_t means the drift was carried into the step; "ops ≠ 3+2?" means
-3 differing op records and 2 present in one run only.
+3 differing op records and 2 present in one run only. A legend under the table explains a step
+-1 row and an ``N+M?`` cell where the table shows one (``steps_legend``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,20 @@ def _steps_table(report: DiffReport) -> Table:
     return t
 
 
+def steps_legend(steps: list[StepDrift]) -> list[str]:
+    """The per-step table's legend lines for the cells that need one: a step -1 row (records
+    made before the first step: the sigma table, no sigma of its own) and an ``N+M?`` ops cell
+    (records in one run only). Empty when the table shows neither."""
+    out = []
+    if any(s.step < 0 for s in steps):
+        out.append("step -1: records made before the first step (the sigma table; no sigma, "
+                   "shown as nan)")
+    if any(s.missing for s in steps):
+        out.append("ops ≠ N+M?: N differing operator records, and M records (steps or "
+                   "operators) that only one run holds")
+    return out
+
+
 def _first_ops_table(report: DiffReport) -> Table | None:
     rows = [s for s in report.steps if s.first_op is not None]
     if not rows:
@@ -218,6 +233,8 @@ def render(report: DiffReport, console: Console | None = None) -> None:
                         if q.note and q.identical is False})
         for note in notes:
             console.print(f"  * {note}", highlight=False, markup=False)
+        for line in steps_legend(report.steps):
+            console.print(f"  {line}", highlight=False, markup=False)
     ops = _first_ops_table(report)
     if ops is not None:
         console.print(ops)

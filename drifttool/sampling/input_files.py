@@ -287,6 +287,7 @@ def read_external_inputs(
     for where, b in rows:
         if b != want:
             whose = ("the run has" if batch is not None else f"{rows[0][0]} holds")
-            raise DriftToolError(f"{where}: holds {b} batch row(s), {whose} {want} "
-                                 f"sample(s){' (--batch/--samples)' if batch is not None else ''}")
+            raise DriftToolError(f"{where}: holds {b} batch row{'s' * (b != 1)}, {whose} {want} "
+                                 f"sample{'s' * (want != 1)}"
+                                 f"{' (--batch/--samples)' if batch is not None else ''}")
     return ExternalInputs(**kw, files=files)

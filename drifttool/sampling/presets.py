@@ -142,10 +142,9 @@ def check_conditions(name: str, cond_grids: Sequence[Sequence[int]]) -> None:
     if k < least or (most is not None and k > most):
         if most == 0:
             want = "no condition image (give one with --preset diffusers-edit or diffusers-edit-plus)"
-        elif most is None:
-            want = f"at least {least} condition image(s) (--condition)"
         else:
-            want = f"exactly {least} condition image(s) (--condition)"
+            images = f"{least} condition image{'s' * (least != 1)} (--condition)"
+            want = f"at least {images}" if most is None else f"exactly {images}"
         raise DriftToolError(f"preset {name!r} reproduces {p.pipeline}, which takes {want}; "
                              f"the run has {k}")
 

@@ -220,6 +220,33 @@ def test_refuses_unsupported_configurations(load, monkeypatch):
             pass
 
 
+def test_a_compiled_run_is_refused_naming_enforce_eager(load, omni, model_folder):
+    """vllm-omni compiles when ``enforce_eager`` is False: its own regional compilation (the
+    default) and full compilation (``Module.compile()``) of the transformer, and an engine
+    config that asks for either, are refused in one line naming the setting."""
+    from vllm_omni.diffusion.compile import regionally_compile
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    from drifttool.adapters.vllm_omni_qwenimage import (VllmOmniQwenImage, instrument,
+                                                        load_transformer)
+
+    assert omni.enforce_eager is True  # the CPU runtime runs eager
+    rt = Runtime(mode="auto")
+    regional = load_transformer(model_folder, torch.float32).transformer
+    regionally_compile(regional, dynamic=True)
+    full = load_transformer(model_folder, torch.float32).transformer
+    full.compile(dynamic=True)
+    for tr, where in ((regional, "transformer_blocks.0.forward is a torch.compile'd function"),
+                      (full, "the transformer is compiled in place")):
+        with pytest.raises(UnsupportedConfigError, match="enforce_eager=False") as e:
+            with instrument(tr, rt):
+                pass
+        assert where in str(e.value), e.value
+    compiling = OmniDiffusionConfig(model_class_name="QwenImagePipeline", enforce_eager=False)
+    with pytest.raises(UnsupportedConfigError, match="has enforce_eager=False"):
+        VllmOmniQwenImage(load(torch.float32).transformer, compiling, {})
+
+
 def _cpu_fused_qk_norm_rope(q, k, wq, wk, table, eps, interleaved=True):
     """A CPU stand-in for vllm-omni's Triton QK-RMSNorm+RoPE kernel (the norm modules do not run):
     only the adapter's path bookkeeping is under test, not the kernel's bytes."""

@@ -75,7 +75,25 @@ SHAPE_DAMAGES = {
     "kind recompute without its source": _set("kind", "recompute"),
     "policy on a rollout": _set("policy", {"timestep_policy": "sigma_fp32",
                                            "cfg_layout": "batched", "cfg_scale": 4.0, "eta": 1.2}),
+    "arch.img_grid as string": _set("fingerprint.arch.img_grid", "x"),
+    "arch.img_grid of one item": _set("fingerprint.arch.img_grid", [0]),
+    "arch.img_grid negative": _set("fingerprint.arch.img_grid", [-1, 4]),
+    "arch.img_grid of three items": _set("fingerprint.arch.img_grid", [1, 2, 3]),
+    "arch.num_layers zero": _set("fingerprint.arch.num_layers", 0),
+    "arch.axes_dims_rope of two axes": _set("fingerprint.arch.axes_dims_rope", [8, 8]),
+    "arch.eps zero": _set("fingerprint.arch.eps", 0.0),
+    "settings.img_grid with a zero": _set("settings.img_grid", [4, 0]),
+    "replay.noise.img_grid of one item": _set("replay.noise.img_grid", [4]),
 }
+
+
+def test_an_arch_key_of_another_model_is_kept(manifests, tmp_path):
+    """``fingerprint.arch`` keys drifttool does not know are compared by the diff, not refused."""
+    m = json.loads(json.dumps(manifests["rollout"]))
+    m["fingerprint"]["arch"]["depth"] = [3, "x"]
+    assert not list(validator().iter_errors(m))
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert read_manifest(tmp_path)["fingerprint"]["arch"]["depth"] == [3, "x"]
 
 
 @pytest.mark.parametrize("name", sorted(SHAPE_DAMAGES))

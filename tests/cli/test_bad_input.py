@@ -200,6 +200,53 @@ def test_hand_damaged_manifest_is_refused(cli, tmp_path, strict_run, edit, needl
     _assert_clean_error(*cli("diff", strict_run, bad), needle)
 
 
+def _one_line(code, out, *needles):
+    _assert_clean_error(code, out, *needles)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+
+
+@pytest.mark.parametrize("key,value", [
+    ("img_grid", "x"), ("img_grid", [0]), ("img_grid", [-1, 4]), ("img_grid", [1, 2, 3]),
+    ("img_grid", [4.0, 6]), ("img_grid", [True, 6]), ("num_layers", "2"), ("num_layers", 0),
+    ("axes_dims_rope", [4, 6]), ("axes_dims_rope", [4, -6, 6]), ("eps", 0), ("eps", "1e-6"),
+    ("inner_dim", None),
+])
+def test_corrupt_arch_field_is_a_corrupt_manifest(cli, tmp_path, strict_run, key, value):
+    """A hand-damaged ``fingerprint.arch`` field is refused as a corrupt manifest (one line,
+    exit 2), on either side of the diff, not read as an incomparable architecture."""
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["fingerprint"]["arch"][key] = value
+    (bad / "manifest.json").write_text(json.dumps(m))
+    for a, b in ((strict_run, bad), (bad, strict_run)):
+        _one_line(*cli("diff", a, b), "corrupt manifest", f"fingerprint.arch.{key}")
+
+
+def test_corrupt_settings_grid_is_a_corrupt_manifest(cli, tmp_path, strict_run):
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["settings"]["img_grid"] = [4, 0]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    _one_line(*cli("diff", strict_run, bad), "corrupt manifest", "settings.img_grid[1]")
+
+
+def test_binary_manifest_says_it_is_not_utf8_json(cli, tmp_path, strict_run):
+    bad = tmp_path / "bad"
+    shutil.copytree(strict_run, bad)
+    text = (strict_run / "manifest.json").read_bytes()
+    for garbage, offset in ((bytes(range(256)) * 4, 128), (b"\x00\xd8" * 64, 1),
+                            (text[:40] + b"\xff" + text[40:], 40)):
+        (bad / "manifest.json").write_bytes(garbage)
+        code, out = cli("diff", strict_run, bad)
+        _one_line(code, out, "corrupt manifest", "not UTF-8", f"at offset {offset} ")
+        assert "UnicodeDecodeError" not in out and "utf-16" not in out, out
+    (bad / "manifest.json").write_bytes(b"\xef\xbb\xbf" + text)  # a BOM is ignored, as JSON allows
+    assert cli("diff", strict_run, bad)[0] == 0
+
+
 def test_diff_on_a_file_says_so(cli, tmp_path, strict_run):
     f = tmp_path / "afile"
     f.write_text("x")

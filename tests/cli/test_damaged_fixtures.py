@@ -186,3 +186,23 @@ def test_a_file_of_another_size_is_refused_before_it_is_hashed(cli, fx, monkeypa
     monkeypatch.setattr(F, "_digest_file", lambda p: pytest.fail(f"hashed {p}")
                         if p.name == "prompts.safetensors" else real(p))
     _one_clean_line(*cli("fixture", "verify", fx), "modified prompts.safetensors (size 10737418240")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_verify_shows_only_paths_that_still_exist(cli, fx, tmp_path, tmpdir_, as_json):
+    """The re-run and an archive's extracted ``expected/`` are removed before the user reads the
+    report: it names them as removed (``null`` in ``--json``), never by a path that is gone."""
+    import json
+    import re
+
+    arc = _tar(fx, tmp_path / "fx.tar.gz")
+    code, out = cli("fixture", "verify", arc, *(["--json"] if as_json else []))
+    assert code == 0, out
+    assert list(tmpdir_.iterdir()) == []  # the extraction and the re-run are gone
+    if as_json:
+        report = json.loads(out)["report"]
+        assert report["run_a"] is None and report["run_b"] is None, out
+        return
+    assert str(tmpdir_) not in out, out
+    assert re.search(r"^A: expected/ of .*fx\.tar\.gz \(.*removed\)$", out, re.M), out
+    assert re.search(r"^B: .*re-run \(removed; --workdir DIR keeps it\)$", out, re.M), out

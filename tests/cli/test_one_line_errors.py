@@ -38,6 +38,47 @@ def test_overlay_figure_under_a_regular_file_is_one_line(cli, afile, strict_run)
               str(afile), "not a directory")
 
 
+@pytest.mark.parametrize("cmd,option", [
+    (("run",), "-o"), (("replay", "{run}"), "-o"), (("recompute", "{run}"), "-o"),
+    (("probe", "--only", "repeat"), "-o"), (("experiment", "train-rollout"), "-o"),
+    (("experiment", "grpo"), "-o"), (("overlay", "{run}", "{run}"), "-o"),
+    (("report", "{run}", "{run}", "-o", "r.html"), "--junit"),
+    (("diff", "{run}", "{run}"), "--junit"), (("diff", "{run}", "{run}"), "--localize-dir"),
+    (("fixture", "verify"), "--workdir"),
+])
+def test_an_empty_output_path_is_named_as_such(cli, tmp_path, monkeypatch, strict_run, cmd, option):
+    """``-o ''`` is not the current directory (``Path('')``): its own line, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(run=strict_run) for a in cmd]
+    _one_line(*cli(*args, option, ""), f"'{option}", "empty path")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("cmd,option,name", [
+    (("diff", "{run}", "{run}"), "--junit", "d.xml"),
+    (("report", "{run}", "{run}", "-o", "{tmp}/r.html"), "--junit", "d.xml"),
+    (("report", "{run}", "{run}"), "-o", "r.html"),
+    (("overlay", "{run}", "{run}"), "-o", "o.png"),
+])
+def test_output_files_make_missing_parents_and_refuse_a_file_in_the_way(
+        cli, tmp_path, afile, strict_run, cmd, option, name):
+    """As ``run -o`` makes its directory and its parents, and refuses a directory under a file
+    before it runs: every output file (``--junit``, ``report -o``, ``overlay -o``) alike."""
+    args = [a.format(run=strict_run, tmp=tmp_path) for a in cmd]
+    code, out = cli(*args, option, tmp_path / "new" / "deeper" / name)
+    assert code == 0 and (tmp_path / "new" / "deeper" / name).is_file(), out
+    before = sorted(tmp_path.rglob("*"))
+    _one_line(*cli(*args, option, afile / "sub" / name), f"{option} {afile}", "not a directory")
+    _one_line(*cli(*args, option, tmp_path / "new"), f"{option} {tmp_path / 'new'}: ")
+    assert sorted(tmp_path.rglob("*")) == before  # refused before anything was written
+
+
+def test_probe_junit_under_a_regular_file_is_refused_before_the_matrix(cli, tmp_path, afile):
+    _one_line(*cli("probe", "--only", "repeat", "-o", tmp_path / "m", "--junit", afile / "j.xml"),
+              f"--junit {afile}", "not a directory")
+    assert not (tmp_path / "m").exists()
+
+
 def test_output_name_too_long_is_one_line(cli, tmp_path):
     _one_line(*cli("run", "-o", tmp_path / ("a" * 300)), "too long")
 

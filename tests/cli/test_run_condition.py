@@ -77,12 +77,36 @@ def test_edit_presets_from_the_command_line(cli, tmp_path):
     assert code == 0, out
     code, out = cli("run", "-o", tmp_path / "x1", "--preset", "diffusers-edit", "--mode", "auto",
                     "--condition", tmp_path / "two.safetensors")
-    _one_error_line(code, out, "QwenImageEditPipeline", "exactly 1", "has 2")
+    _one_error_line(code, out, "QwenImageEditPipeline", "exactly 1 condition image (", "has 2")
     code, out = cli("run", "-o", tmp_path / "x2", "--preset", "diffusers-edit-plus", "--mode", "auto")
     _one_error_line(code, out, "QwenImageEditPlusPipeline", "at least 1", "has 0")
     code, out = cli("run", "-o", tmp_path / "x3", "--preset", "diffusers", "--mode", "auto",
                     "--condition", tmp_path / "one.safetensors")
     _one_error_line(code, out, "QwenImagePipeline", "no condition image")
+
+
+def test_condition_file_rows_set_the_batch_only_without_batch_options(cli, tmp_path):
+    """A condition file of B > 1 rows sets the run's batch when neither --batch nor --samples
+    is given (as --condition's help says); one row fits any batch; a given batch must match."""
+    _condition(tmp_path / "two.safetensors", [(2, 3)], rows=2)
+    _condition(tmp_path / "one.safetensors", [(2, 3)])
+    code, out = cli("run", "-o", tmp_path / "a", "--steps", "2", "--capture", "L0",
+                    "--condition", tmp_path / "two.safetensors")
+    assert code == 0, out
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["settings"]["samples"] == [0, 1]
+    code, out = cli("run", "-o", tmp_path / "b", "--steps", "2", "--capture", "L0", "--batch", "3",
+                    "--condition", tmp_path / "one.safetensors")
+    assert code == 0, out
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["settings"]["samples"] == [0, 1, 2]
+    code, out = cli("run", "-o", tmp_path / "c", "--samples", "4", "--condition",
+                    tmp_path / "two.safetensors")
+    _one_error_line(code, out, "holds 2 batch rows, the run has 1 sample (--batch/--samples)")
+    import inspect
+
+    from drifttool.cli.run import run
+
+    helps = inspect.signature(run).parameters["condition"].default.help
+    assert "set the run's batch when --batch/--samples are absent" in helps
 
 
 def _bad(tmp_path):
@@ -110,7 +134,7 @@ def _bad(tmp_path):
     cases.append((f("extra", {"image_latents": lat, "condition_grids": grids, "latents": lat.clone()}), [],
                   ["unexpected key(s) ['latents']"]))
     cases.append((f("batch", {"image_latents": torch.randn(3, 15, CP, generator=g), "condition_grids": grids}),
-                  ["--batch", "2"], ["holds 3 batch row(s)", "the run has 2"]))
+                  ["--batch", "2"], ["holds 3 batch rows,", "the run has 2 samples (--batch/--samples)"]))
     nan = lat.clone()
     nan[0, 4, 1] = float("nan")
     cases.append((f("nan", {"image_latents": nan, "condition_grids": grids}), [], ["non-finite"]))

@@ -322,9 +322,9 @@ def _bad_files(tmp_path):
     cases.append(("non-finite", {"--prompt-embeds": f("nan", {"prompt_embeds": nan})}, [],
                   ["nan.safetensors", "1 non-finite value(s)", "(1, 2, 3)"]))
     cases.append(("batch", {"--prompt-embeds": good}, ["--batch", "3"],
-                  ["good.safetensors", "holds 2 batch row(s)", "the run has 3 sample(s)"]))
+                  ["good.safetensors", "holds 2 batch rows,", "the run has 3 samples"]))
     cases.append(("samples", {"--prompt-embeds": good}, ["--samples", "4"],
-                  ["holds 2 batch row(s)", "the run has 1 sample(s)"]))
+                  ["holds 2 batch rows,", "the run has 1 sample (--batch/--samples)"]))
     m2 = mask.clone()
     m2[0, 1] = 2
     cases.append(("mask values", {"--prompt-embeds": f("m01", {"prompt_embeds": txt, "prompt_embeds_mask": m2})},
@@ -340,7 +340,7 @@ def _bad_files(tmp_path):
                   [], ["mfloat.safetensors", "float32", "0/1 mask"]))
     neg3 = f("neg3", {"prompt_embeds": torch.zeros(3, 4, D)})
     cases.append(("neg batch", {"--prompt-embeds": good, "--negative-prompt-embeds": neg3}, [],
-                  ["neg3.safetensors", "holds 3 batch row(s)", "holds 2"]))
+                  ["neg3.safetensors", "holds 3 batch rows,", "holds 2"]))
     cases.append(("neg alone", {"--negative-prompt-embeds": neg3}, [],
                   ["--negative-prompt-embeds goes with --prompt-embeds"]))
     cases.append(("latents key", {"--latents": f("lkey", {"x0": torch.zeros(2, 24, CP)})}, [],
@@ -357,7 +357,7 @@ def _bad_files(tmp_path):
                   ["linf.safetensors", "non-finite", "(0, 5, 1)"]))
     cases.append(("latents batch", {"--prompt-embeds": good,
                                     "--latents": f("lb", {"latents": torch.zeros(1, 24, CP)})}, [],
-                  ["lb.safetensors", "holds 1 batch row(s)", "holds 2"]))
+                  ["lb.safetensors", "holds 1 batch row,", "holds 2"]))
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
     cases.append(("not safetensors", {"--prompt-embeds": junk}, [], ["junk.safetensors", "not a readable safetensors"]))

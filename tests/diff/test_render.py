@@ -57,3 +57,31 @@ def test_headline_names_the_level_the_verdict_covers(make_run):
     assert r.to_dict()["covers"] == "step boundaries only" and r.to_dict()["level"] == "L0"
     assert r.reason.startswith("no drift at L0: step boundaries only in 32 common records, but "
                                "run B is incomplete")
+
+
+def _step(step, missing=0, sigma=0.5):
+    from drifttool.diff.report import StepDrift
+
+    return StepDrift(phase="rollout", step=step, sigma=sigma, sigma_next=0.25,
+                     identical=not missing, carried_in=None, first_op=None, ops_differ=0,
+                     missing=missing)
+
+
+def test_per_step_legend_explains_step_minus_one_and_one_run_only_cells():
+    from drifttool.diff.report import DiffReport, Verdict
+
+    def rendered(steps):
+        return text(DiffReport(verdict=Verdict.INCONCLUSIVE, reason="r", run_a="a", run_b="b",
+                               steps=steps))
+
+    plain = rendered([_step(0), _step(1)])
+    assert "step -1:" not in plain and "N+M?" not in plain
+    out = rendered([_step(-1, sigma=float("nan")), _step(0), _step(1, missing=3)])
+    lines = out.splitlines()
+    row = next(ln.split() for ln in lines if ln.split()[:1] == ["1"])
+    assert row[-1] == "0+3?"
+    table_end = max(i for i, ln in enumerate(lines) if ln.split()[:1] in (["-1"], ["0"], ["1"]))
+    legend = [ln.strip() for ln in lines[table_end + 1:] if ln.strip()]
+    assert legend[0].startswith("step -1: records made before the first step (the sigma table")
+    assert legend[1].startswith("ops ≠ N+M?: N differing operator records, and M records")
+    assert "step -1:" not in rendered([_step(0, missing=1)])

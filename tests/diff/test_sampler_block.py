@@ -44,7 +44,7 @@ def _ulp_sde(*args, **kwargs):
 
 
 def _run(path, variants=None):
-    writer = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"num_layers": 0}}})
+    writer = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"num_layers": 1}}})
     rec = Recorder("L1", writer)
     rt = Runtime(recorder=rec, variants=variants or {})
     rollout(_model, _inputs(), SamplerConfig(num_steps=3), rt)

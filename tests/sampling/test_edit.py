@@ -270,8 +270,11 @@ def test_presets_check_condition_counts():
     check_conditions("diffusers-edit", ((4, 6),))
     check_conditions("diffusers-edit-plus", ((4, 6), (3, 3), (2, 2)))
     check_conditions("diffusers", ())
-    for name, grids, msg in (("diffusers-edit", (), "exactly 1"), ("diffusers-edit", ((1, 1),) * 2, "exactly 1"),
-                             ("diffusers-edit-plus", (), "at least 1"), ("diffusers", ((2, 2),), "no condition"),
+    one = r"1 condition image \(--condition\)"  # one image, not "image(s)"
+    for name, grids, msg in (("diffusers-edit", (), f"exactly {one}; the run has 0$"),
+                             ("diffusers-edit", ((1, 1),) * 2, f"exactly {one}; the run has 2$"),
+                             ("diffusers-edit-plus", (), f"at least {one}; the run has 0$"),
+                             ("diffusers", ((2, 2),), "no condition"),
                              ("flow-grpo", ((2, 2),), "no condition")):
         with pytest.raises(DriftToolError, match=msg):
             check_conditions(name, grids)

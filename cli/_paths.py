@@ -1,0 +1,54 @@
+"""Output paths named on the command line (``-o``/``--out``, ``--junit``, ``--workdir``,
+``--localize-dir``): one rule for every command.
+
+    out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help=...)
+    _paths.output_file(out, "-o")          # before any work: a folder, or under a file → one line
+
+- An empty path is refused where it is parsed (``path``): ``Path("")`` is the current folder,
+  which the user did not name.
+- Missing parent folders are created, as ``run -o`` creates its artifact directory and its
+  parents (``drifttool.artifact.directory.claim``); an output file's when it is written.
+- A path under a regular file, or an output file that is an existing folder, is refused in one
+  line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from drifttool.errors import DriftToolError
+
+
+def path(text: str) -> Path:
+    """typer's ``parser`` for an output path option: ``text`` as a ``Path``.
+
+    Raises:
+        typer.BadParameter: ``text`` is empty (one ``error:`` line naming the option, exit 2).
+    """
+    if not text:
+        raise typer.BadParameter("an empty path names no file or directory; give one")
+    return Path(text)
+
+
+def output_file(out: Path, option: str) -> Path:
+    """Check, before any work, that ``out`` can be written as a file: not an existing folder,
+    not under a regular file. Missing parent folders are left to the writer to create
+    (``parent_made``, ``drifttool.reports.junit.write_junit``). Returns ``out``.
+
+    Raises:
+        DriftToolError: naming ``option``, ``out`` and what is in the way.
+    """
+    if out.is_dir():
+        raise DriftToolError(f"{option} {out}: is a directory; give a file name")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DriftToolError(f"{option} {out}: {above} is not a directory")
+    return out
+
+
+def parent_made(out: Path) -> Path:
+    """Create ``out``'s missing parent folders (``output_file`` checked it); returns ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
