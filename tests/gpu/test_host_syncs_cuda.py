@@ -51,6 +51,7 @@ def syncs_per_step(mode: str, level: str, out: Path, steps: int = 6) -> list[int
 @pytest.mark.parametrize("mode,level", [("strict", "L0"), ("strict", "L1"), ("auto", "L1")])
 def test_host_synchronisations_per_step_are_bounded(tmp_path, mode, level):
     counts = syncs_per_step(mode, level, tmp_path / "run")
+    print(f"\nhost synchronisations per step, {mode} {level}: {counts}")
     assert len(counts) == 5 and max(counts) <= MOST_PER_STEP, (mode, level, counts)
 
 
