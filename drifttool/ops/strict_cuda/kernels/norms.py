@@ -66,8 +66,9 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, out_dtype: torch.d
     """Learned-gain RMSNorm over the last axis (``strict.embed.rms_parts`` then ·gain):
     x [..., D] → [..., D] ``out_dtype`` (FP32 for the seam before a GEMM). Rows longer than
     ``SHORT_ROW`` (padded) take the tile kernel under ``long_rows`` (default ``LONG_ROWS``);
-    ``rows_per_program`` overrides the rows per program of either kernel and ``in_register``
-    holds a long row whole in one program (tests: the same bytes, whatever the geometry)."""
+    ``rows_per_program`` overrides the rows per program of either kernel; ``in_register`` holds a
+    long row whole in one program's registers (for the interpreter tests: Triton gives every
+    thread the whole tree there, so on a GPU its code and compile time grow with the row)."""
     x = x.contiguous()
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
