@@ -161,7 +161,7 @@ LONG_ROWS = LongRows(tile_log2=10, num_warps=2, rows=1)
 
 @triton.jit
 def _leaf(x_ptr, r, live, mean, e, J: tl.constexpr, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
-    """Elements e + J of row r (e = 8i): x, x·x or (x − mean)·(x − mean), +0 past the row."""
+    """Elements e + J of row r (e = 8i: leaf J of each octet): x, x·x or (x − mean)², +0 past the row."""
     m = live & (e + J < D)
     v = tl.load(x_ptr + r * D + e + J, mask=m, other=0.0).to(tl.float32)
     if CENTER:
@@ -169,6 +169,21 @@ def _leaf(x_ptr, r, live, mean, e, J: tl.constexpr, D: tl.constexpr, SQUARE: tl.
     if SQUARE:
         v = v * v
     return v
+
+
+@triton.jit
+def _pair(x_ptr, r, live, mean, e, J: tl.constexpr, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Leaves e + J and e + J + 1 (J even) added: one pair of the tree's first level."""
+    a = _leaf(x_ptr, r, live, mean, e, J, D, SQUARE, CENTER)
+    return a + _leaf(x_ptr, r, live, mean, e, J + 1, D, SQUARE, CENTER)
+
+
+@triton.jit
+def _octet(x_ptr, r, live, mean, e, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Leaves e .. e + 7 by the tree's first three levels: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))."""
+    lo = _pair(x_ptr, r, live, mean, e, 0, D, SQUARE, CENTER) + _pair(x_ptr, r, live, mean, e, 2, D, SQUARE, CENTER)
+    hi = _pair(x_ptr, r, live, mean, e, 4, D, SQUARE, CENTER) + _pair(x_ptr, r, live, mean, e, 6, D, SQUARE, CENTER)
+    return lo + hi
 
 
 @triton.jit
@@ -183,10 +198,7 @@ def _row_sum(x_ptr, r, live, mean, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2
     sums = tl.zeros((2**NT_LOG2,), tl.float32)
     for t in range(2**NT_LOG2):
         e = t * 2**TLOG2 + i8
-        o = ((_leaf(x_ptr, r, live, mean, e, 0, D, SQUARE, CENTER) + _leaf(x_ptr, r, live, mean, e, 1, D, SQUARE, CENTER))
-             + (_leaf(x_ptr, r, live, mean, e, 2, D, SQUARE, CENTER) + _leaf(x_ptr, r, live, mean, e, 3, D, SQUARE, CENTER))) \
-            + ((_leaf(x_ptr, r, live, mean, e, 4, D, SQUARE, CENTER) + _leaf(x_ptr, r, live, mean, e, 5, D, SQUARE, CENTER))
-               + (_leaf(x_ptr, r, live, mean, e, 6, D, SQUARE, CENTER) + _leaf(x_ptr, r, live, mean, e, 7, D, SQUARE, CENTER)))
+        o = _octet(x_ptr, r, live, mean, e, D, SQUARE, CENTER)
         tile = _pair_tree(tl.reshape(o, (1, 2 ** (TLOG2 - 3))), TLOG2 - 3)
         sums = tl.where(t_idx == t, tile, sums)
     return _pair_tree(tl.reshape(sums, (1, 2**NT_LOG2)), NT_LOG2)
