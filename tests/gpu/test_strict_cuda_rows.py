@@ -195,6 +195,36 @@ def test_rows_invariant_to_launch_geometry():
     assert_same_bytes(ks.cfg_combine_renorm(c, u, 3.0, rows_per_program=1), base, "cfg geometry")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_rows_invariant_to_their_launch_configuration(dtype):
+    """The long-row kernels (d = 3072, Dj = 3584 and an odd 3000) under other tiles, warps and rows
+    per program (also rows that do not divide the row count): the registered configuration's
+    bytes, special values (NaN, ±inf, ±0 rows) included; the rows without NaN or ±inf equal the
+    CPU's (a NaN's payload is the device's own)."""
+    from drifttool.ops.strict import embed
+    from drifttool.ops.strict_cuda.kernels import norms as k
+
+    configs = (k.LongRows(9, 1, 1), k.LongRows(10, 4, 3), k.LongRows(11, 8, 2), k.LongRows(12, 4, 1),
+               k.LongRows(12, 16, 5))
+    for d in (D, DJ, 3000):
+        x = _g(70, 2, 301, d, dtype=dtype, scale=3.0, shift=0.5)
+        x[0, 0] = float("nan")
+        x[0, 1, 5] = float("inf")
+        x[0, 2] = -0.0
+        x[1, 3, ::3] = float("-inf")
+        shift, scale, gain = _g(71, 2, d, dtype=dtype), _g(72, 2, d, dtype=dtype), _g(73, d, dtype=dtype)
+        xc, sc, shc, gc = x.cuda(), scale.cuda(), shift.cuda(), gain.cuda()
+        fin = x.isfinite().all(-1)
+        base = k.ln_modulation(xc, shc, sc, 1e-6, dtype)
+        assert_same_bytes(base.cpu()[fin], cpu("adaln_modulation")(x, shift, scale)[fin], f"LN d={d} vs CPU")
+        rbase = k.rms_norm(xc, gc, 1e-6, torch.float32)
+        want = embed.rms_parts(x.float(), 1e-6)[0] * gain.float()
+        assert_same_bytes(rbase.cpu()[fin], want[fin], f"RMS d={d} vs CPU")
+        for cfg in configs:
+            assert_same_bytes(k.ln_modulation(xc, shc, sc, 1e-6, dtype, long_rows=cfg), base, f"LN d={d} {cfg}")
+            assert_same_bytes(k.rms_norm(xc, gc, 1e-6, torch.float32, long_rows=cfg), rbase, f"RMS d={d} {cfg}")
+
+
 def test_sde_logp_invariant_to_batch():
     args, kw = _sde_args(3, N_IMG, torch.float32)
     a = [_on(t, "cuda") for t in args]

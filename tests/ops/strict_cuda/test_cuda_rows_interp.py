@@ -85,16 +85,78 @@ def test_norms_equal_cpu_bytes():
     _close(got, ref.adaln_modulation(x, shift, scale), rtol=1e-5, atol=1e-5)
 
 
-def test_long_rows_in_chunks_equal_cpu_bytes():
-    """Rows longer than SHORT_ROW are summed as aligned 64-element subtrees, then the tree over
-    them: the same additions as the CPU's tree, and as the in-register kernel."""
-    d = K.SHORT_ROW + 77
-    x, shift, scale, gain = _g(40, 2, 3, d, scale=3.0, shift=1.0), _g(41, 2, d), _g(42, 2, d), _g(43, d)
-    got = K.ln_modulation(x, shift, scale, 1e-6, torch.float32)
-    assert_same_bytes(got, adaln.adaln_modulation(x, shift, scale), "long-row LayerNorm")
-    assert_same_bytes(got, K.ln_modulation(x, shift, scale, 1e-6, torch.float32, rows_per_program=1),
-                      "chunked = in-register")
-    assert_same_bytes(K.rms_norm(x, gain, 1e-6, torch.float32), embed.rms_parts(x, 1e-6)[0] * gain, "long-row RMSNorm")
+def _ln_cases(seed: int, b: int, s: int, d: int):
+    return _g(seed, b, s, d, scale=3.0, shift=1.0), _g(seed + 1, b, d), _g(seed + 2, b, d), _g(seed + 3, d)
+
+
+def _long_ln(x, shift, scale, **kw):
+    return K.ln_modulation(x, shift, scale, 1e-6, torch.float32, **kw)
+
+
+def _long_rms(x, gain, **kw):
+    return K.rms_norm(x, gain, 1e-6, torch.float32, **kw)
+
+
+@pytest.mark.parametrize("d", [3072, 3584, 3000, K.SHORT_ROW + 77])
+def test_long_rows_equal_the_whole_row_kernel_and_cpu_bytes(d):
+    """Rows longer than SHORT_ROW take the tile kernel (stride-8 octets, the tree over a tile's
+    octet sums, then over the tiles): the same additions as the CPU's tree and as the kernel that
+    holds the whole row in registers."""
+    x, shift, scale, gain = _ln_cases(40, 1, 7, d)
+    got = _long_ln(x, shift, scale)
+    assert_same_bytes(got, adaln.adaln_modulation(x, shift, scale), f"LayerNorm d={d} vs CPU")
+    assert_same_bytes(got, _long_ln(x, shift, scale, in_register=True), f"LayerNorm d={d} vs whole-row kernel")
+    want = embed.rms_parts(x, 1e-6)[0] * gain
+    assert_same_bytes(_long_rms(x, gain), want, f"RMSNorm d={d} vs CPU")
+    assert_same_bytes(_long_rms(x, gain, in_register=True), want, f"RMSNorm d={d} whole-row kernel vs CPU")
+    one = _long_ln(x[:, 3:4], shift, scale)
+    assert_same_bytes(one[0, 0], got[0, 3], "one row alone vs row 3 of 7")
+
+
+def test_long_rows_with_special_values_equal_cpu_bytes():
+    """NaN, ±inf and ±0 rows (whole and in part) beside ordinary rows, d = 3000 (a padded tail)."""
+    d = 3000
+    x, shift, scale, gain = _ln_cases(44, 2, 6, d)
+    x[0, 0] = float("nan")
+    x[0, 1, 17] = float("inf")
+    x[0, 2, 2999] = float("-inf")
+    x[0, 3] = 0.0
+    x[0, 4] = -0.0
+    x[1, 0, ::7] = -0.0
+    x[1, 1, 1000] = float("nan")
+    x[1, 2, :8] = float("inf")
+    x[1, 2, 8:16] = float("-inf")
+    scale[1, 5] = float("inf")
+    got = _long_ln(x, shift, scale)
+    assert_same_bytes(got, adaln.adaln_modulation(x, shift, scale), "LayerNorm special values vs CPU")
+    assert_same_bytes(got, _long_ln(x, shift, scale, in_register=True), "LayerNorm special values vs whole row")
+    assert_same_bytes(_long_rms(x, gain), embed.rms_parts(x, 1e-6)[0] * gain, "RMSNorm special values vs CPU")
+
+
+def test_long_rows_invariant_to_tile_warps_and_rows_per_program():
+    """The launch configuration (tile, warps, rows per program — also rows that do not divide the
+    row count) changes no byte; neither does a row's position among the rows."""
+    d = 3000
+    x, shift, scale, gain = _ln_cases(48, 2, 7, d)
+    base = _long_ln(x, shift, scale)
+    rbase = _long_rms(x, gain)
+    assert_same_bytes(_long_ln(x[1:, 6:], shift[1:], scale[1:])[0, 0], base[1, 6], "1 row vs the last of 14")
+    for cfg in (K.LongRows(9, 1, 1), K.LongRows(11, 8, 3), K.LongRows(12, 2, 8), K.LongRows(13, 4, 2)):
+        assert_same_bytes(_long_ln(x, shift, scale, long_rows=cfg), base, f"LayerNorm {cfg}")
+        assert_same_bytes(_long_rms(x, gain, long_rows=cfg), rbase, f"RMSNorm {cfg}")
+    assert_same_bytes(_long_ln(x, shift, scale, rows_per_program=5), base, "rows_per_program=5")
+    with pytest.raises(ValueError, match="at least 16"):
+        _long_ln(x, shift, scale, long_rows=K.LongRows(3, 4, 1))
+
+
+@pytest.mark.slow
+def test_long_rows_on_130_rows_equal_cpu_bytes():
+    """130 rows (two samples of 65), d = 3072: the registered configuration and 13 rows per program."""
+    x, shift, scale, gain = _ln_cases(52, 2, 65, 3072)
+    got = _long_ln(x, shift, scale)
+    assert_same_bytes(got, adaln.adaln_modulation(x, shift, scale), "LayerNorm 130 rows vs CPU")
+    assert_same_bytes(_long_ln(x, shift, scale, long_rows=K.LongRows(12, 4, 13)), got, "13 rows per program")
+    assert_same_bytes(_long_rms(x, gain), embed.rms_parts(x, 1e-6)[0] * gain, "RMSNorm 130 rows vs CPU")
 
 
 def test_gemm_bearing_ops_equal_cpu_bytes_around_the_gemm(cpu_gemm):

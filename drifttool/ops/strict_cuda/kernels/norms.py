@@ -1,13 +1,16 @@
 """Triton kernels of the strict CUDA norms (contract ``cuda1``): the learned-gain RMSNorm
 (``rms_norm``) and the AdaLN LayerNorm with modulation (``ln_modulation``), under
 ``kernels.rows``' conventions: each row's sums are the pairwise tree of ``strict_trees.tree_sum``,
-in registers for rows up to ``SHORT_ROW`` (padded) and in aligned 64-element chunks for longer
-ones ("long rows"), the same additions either way; rstd in FP64, rounded once.
+in registers for rows up to ``SHORT_ROW`` (padded); a longer row ("long rows") is one program's,
+walked in aligned tiles whose first three tree levels are sums of stride-8 loads, in one launch —
+the same additions either way; rstd in FP64, rounded once. Raises ``ValueError`` for a long-row
+configuration (``LongRows``) with tiles under 16 elements or no rows.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,18 +61,24 @@ def _rms_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, LOG2: tl
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
-             rows_per_program: int | None = None) -> torch.Tensor:
+             rows_per_program: int | None = None, long_rows: LongRows | None = None,
+             in_register: bool = False) -> torch.Tensor:
     """Learned-gain RMSNorm over the last axis (``strict.embed.rms_parts`` then ·gain):
-    x [..., D] → [..., D] ``out_dtype`` (FP32 for the seam before a GEMM)."""
+    x [..., D] → [..., D] ``out_dtype`` (FP32 for the seam before a GEMM). Rows longer than
+    ``SHORT_ROW`` (padded) take the tile kernel under ``long_rows`` (default ``LONG_ROWS``);
+    ``rows_per_program`` overrides the rows per program of either kernel; ``in_register`` holds a
+    long row whole in one program's registers (for the interpreter tests: Triton gives every
+    thread the whole tree there, so on a GPU its code and compile time grow with the row)."""
     x = x.contiguous()
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    if rows and d and pow2(d) > SHORT_ROW and rows_per_program is None:
-        rms_norm_long(x, gain.contiguous(), _f64_scalar(eps, x.device), o, rows, d)
+    eps_t = _f64_scalar(eps, x.device) if rows and d else None
+    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+        rms_norm_long(x, gain.contiguous(), eps_t, o, rows, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
-        _launch(_rms_kernel, (triton.cdiv(rows, per),), x, gain.contiguous(), _f64_scalar(eps, x.device), o,
+        _launch(_rms_kernel, (triton.cdiv(rows, per),), x, gain.contiguous(), eps_t, o,
                 rows, D=d, LOG2=pow2(d).bit_length() - 1, ROWS=per)
     return o
 
@@ -97,125 +106,165 @@ def _ln_mod_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows
 
 
 def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                  out_dtype: torch.dtype, *, rows_per_program: int | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype, *, rows_per_program: int | None = None,
+                  long_rows: LongRows | None = None, in_register: bool = False) -> torch.Tensor:
     """Parameter-free LayerNorm over d, then ·(1 + scale) + shift (``strict.adaln``): x [B,S,d];
     shift, scale [B,d] with a common row stride (views into one [B,2d] tensor allowed) →
-    [B,S,d] ``out_dtype``."""
+    [B,S,d] ``out_dtype``. ``rows_per_program``, ``long_rows``, ``in_register``: as ``rms_norm``."""
     x = x.contiguous()
     bsz, s, d = x.shape
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
         shift, scale = shift.contiguous(), scale.contiguous()
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = bsz * s
-    if rows and d and pow2(d) > SHORT_ROW and rows_per_program is None:
-        ln_modulation_long(x, shift, scale, _f64_scalar(eps, x.device), o, rows, s, d)
+    eps_t = _f64_scalar(eps, x.device) if rows and d else None
+    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+        ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
         _launch(_ln_mod_kernel, (triton.cdiv(rows, per),), x, shift, scale, shift.stride(0),
-                _f64_scalar(eps, x.device), o, rows, s, D=d, LOG2=pow2(d).bit_length() - 1, ROWS=per)
+                eps_t, o, rows, s, D=d, LOG2=pow2(d).bit_length() - 1, ROWS=per)
     return o
 
 
 # ----------------------------------------------------------------------------- long rows
-# A row longer than SHORT_ROW is reduced in two steps, with the same additions as the in-register
-# tree: each aligned chunk of CHUNK elements is one subtree of the row's P-leaf tree (its sum is
-# written to a [rows, P/CHUNK] buffer; chunks past the row sum to +0, as the tree's padding), then
-# the tree over the chunk sums (P/CHUNK ≤ 256 leaves) finishes it. Each program holds TILE_CHUNKS
-# chunks; the kernels' code (and compile time) stays that of a 1024-element tile.
+# A row longer than SHORT_ROW is walked by one program in aligned tiles of 2**tile_log2 elements,
+# in one launch per operator: the program reads its row for the sum, again for the centred sum
+# (LayerNorm), and once more for the output; the re-reads hit the cache, so the row crosses HBM
+# once each way. The sum is the row's P-leaf pairwise tree taken as aligned subtrees: within a
+# tile, the first three levels are elementwise sums of eight stride-8 loads (octet i's leaves
+# 8i .. 8i+7, paired as the tree pairs them), then ``_pair_tree`` over the tile's octet sums, then
+# the tree over the tile sums: the same additions as the in-register tree. Tiles past the row sum
+# to +0, as the tree's padding. Why stride-8 loads: Triton lays a reshape/split chain out by
+# holding the whole chain's input in every thread (each thread redoes the tile's tree), so the
+# first levels are taken before any reshape and the replicated part is an eighth of the tile.
+# A program holds one tile at a time and its rows are a loop, so the code (and compile time)
+# stays that of one tile, whatever the row length or rows per program.
 
 SHORT_ROW = 1024
-"""Rows up to this length (padded) are reduced in registers by one program; longer ones in chunks."""
-CHUNK_LOG2 = 6
-TILE_CHUNKS = 16
+"""Rows up to this length (padded) are reduced in registers by one program; longer ones by tiles."""
+
+
+class LongRows(NamedTuple):
+    """A launch configuration of the long-row kernels: the tile (2**tile_log2 elements, ≥ 16;
+    capped at the padded row), warps per program and rows per program (a loop). It changes the
+    speed, never the bytes."""
+
+    tile_log2: int
+    num_warps: int
+    rows: int
+
+
+LONG_ROWS = LongRows(tile_log2=10, num_warps=2, rows=1)
+"""The registered configuration (``benchmarks/sweep_strict_norms.py`` times the alternatives)."""
 
 
 @triton.jit
-def _row_total(part_ptr, r, NLOG2: tl.constexpr):
-    """tree_sum of row r's 2**NLOG2 chunk sums."""
-    p = tl.load(part_ptr + r * (2**NLOG2) + tl.arange(0, 2**NLOG2))
-    return tl.reshape(_pair_tree(tl.reshape(p, (1, 2**NLOG2)), NLOG2), ())
-
-
-@triton.jit
-def _chunk_sums_kernel(x_ptr, part_ptr, mpart_ptr, D: tl.constexpr, NLOG2: tl.constexpr,
-                       SQUARE: tl.constexpr, CENTER: tl.constexpr, CLOG2: tl.constexpr,
-                       TILE: tl.constexpr):
-    """Program (row r, tile t): for its TILE chunks c, part[r, c] = tree_sum over the chunk of x,
-    x·x, or (x − mean)·(x − mean) with mean = tree_sum(mpart[r]) ÷ D (padded lanes +0)."""
-    W: tl.constexpr = 2**CLOG2
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    k = c[:, None] * W + tl.arange(0, W)[None, :]
-    m = k < D
-    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
+def _leaf(x_ptr, r, live, mean, e, J: tl.constexpr, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Elements e + J of row r (e = 8i: leaf J of each octet): x, x·x or (x − mean)², +0 past the row."""
+    m = live & (e + J < D)
+    v = tl.load(x_ptr + r * D + e + J, mask=m, other=0.0).to(tl.float32)
     if CENTER:
-        mean = tl.div_rn(_row_total(mpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
-        x = tl.where(m, x - mean, 0.0)
+        v = tl.where(m, v - mean, 0.0)
     if SQUARE:
-        x = x * x
-    tl.store(part_ptr + r * (2**NLOG2) + c, _pair_tree(x, CLOG2))
+        v = v * v
+    return v
 
 
 @triton.jit
-def _rms_out_kernel(x_ptr, gain_ptr, part_ptr, eps_ptr, o_ptr, D: tl.constexpr, NLOG2: tl.constexpr,
-                    CLOG2: tl.constexpr, TILE: tl.constexpr):
-    """var = tree_sum(x·x) ÷ D from the chunk sums; y = (x·rstd)·gain over the program's tile."""
-    W: tl.constexpr = 2**CLOG2
-    r = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * (TILE * W) + tl.arange(0, TILE * W)
-    m = k < D
-    var = tl.div_rn(_row_total(part_ptr, r, NLOG2), tl.full((), D, tl.float32))
-    rstd = _rstd(var, eps_ptr)
-    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
-    gain = tl.load(gain_ptr + k, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r * D + k, ((x * rstd) * gain).to(o_ptr.dtype.element_ty), mask=m)
+def _pair(x_ptr, r, live, mean, e, J: tl.constexpr, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Leaves e + J and e + J + 1 (J even) added: one pair of the tree's first level."""
+    a = _leaf(x_ptr, r, live, mean, e, J, D, SQUARE, CENTER)
+    return a + _leaf(x_ptr, r, live, mean, e, J + 1, D, SQUARE, CENTER)
 
 
 @triton.jit
-def _ln_out_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, mpart_ptr, vpart_ptr, eps_ptr, o_ptr, S,
-                   D: tl.constexpr, NLOG2: tl.constexpr, CLOG2: tl.constexpr, TILE: tl.constexpr):
-    """mean and var from the chunk sums; y = ((x − mean)·rstd)·(1 + scale[b]) + shift[b]."""
-    W: tl.constexpr = 2**CLOG2
-    r = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * (TILE * W) + tl.arange(0, TILE * W)
-    m = k < D
-    mean = tl.div_rn(_row_total(mpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
-    var = tl.div_rn(_row_total(vpart_ptr, r, NLOG2), tl.full((), D, tl.float32))
-    rstd = _rstd(var, eps_ptr)
-    x = tl.load(x_ptr + r * D + k, mask=m, other=0.0).to(tl.float32)
-    mod = (r // S) * mod_stride + k
-    scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
-    y = ((x - mean) * rstd) * (1.0 + scale) + shift
-    tl.store(o_ptr + r * D + k, y.to(o_ptr.dtype.element_ty), mask=m)
+def _octet(x_ptr, r, live, mean, e, D: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Leaves e .. e + 7 by the tree's first three levels: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))."""
+    lo = _pair(x_ptr, r, live, mean, e, 0, D, SQUARE, CENTER) + _pair(x_ptr, r, live, mean, e, 2, D, SQUARE, CENTER)
+    hi = _pair(x_ptr, r, live, mean, e, 4, D, SQUARE, CENTER) + _pair(x_ptr, r, live, mean, e, 6, D, SQUARE, CENTER)
+    return lo + hi
 
 
-def _long_geometry(d: int) -> tuple[int, int, int]:
-    """(NLOG2, tiles per row, chunks per tile) of a long row of d elements."""
-    nch = pow2(d) >> CHUNK_LOG2
-    tile = min(TILE_CHUNKS, nch)
-    return nch.bit_length() - 1, nch // tile, tile
+@triton.jit
+def _row_sum(x_ptr, r, live, mean, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2: tl.constexpr,
+             SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """tree_sum over row r of x, x·x or (x − mean)·(x − mean) (padded lanes +0) → [1]. Per tile,
+    the first three levels are elementwise sums of eight stride-8 loads (element 8i + j is leaf j
+    of octet i), the rest of the tile's tree runs over the octet sums; then the tree over the tile
+    sums."""
+    i8 = tl.arange(0, 2 ** (TLOG2 - 3)) * 8
+    t_idx = tl.arange(0, 2**NT_LOG2)
+    sums = tl.zeros((2**NT_LOG2,), tl.float32)
+    for t in range(2**NT_LOG2):
+        e = t * 2**TLOG2 + i8
+        o = _octet(x_ptr, r, live, mean, e, D, SQUARE, CENTER)
+        tile = _pair_tree(tl.reshape(o, (1, 2 ** (TLOG2 - 3))), TLOG2 - 3)
+        sums = tl.where(t_idx == t, tile, sums)
+    return _pair_tree(tl.reshape(sums, (1, 2**NT_LOG2)), NT_LOG2)
 
 
-def _chunk_sums(x, rows, d, *, square, mean_part=None):
-    nlog2, tiles, tile = _long_geometry(d)
-    part = torch.empty(rows, 1 << nlog2, dtype=torch.float32, device=x.device)
-    _launch(_chunk_sums_kernel, (rows, tiles), x, part, mean_part if mean_part is not None else part,
-            D=d, NLOG2=nlog2, SQUARE=square, CENTER=mean_part is not None, CLOG2=CHUNK_LOG2, TILE=tile)
-    return part
+@triton.jit
+def _rms_long_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, NT_LOG2: tl.constexpr,
+                     TLOG2: tl.constexpr, ROWS: tl.constexpr):
+    """Per row: var = tree_sum(x·x) ÷ D; rstd (``_rstd``); y = (x·rstd)·gain, tile by tile."""
+    k = tl.arange(0, 2**TLOG2)
+    for i in range(ROWS):
+        r = tl.program_id(0).to(tl.int64) * ROWS + i
+        live = r < rows
+        ssq = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, True, False)
+        rstd = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        for t in range(2**NT_LOG2):
+            kt = t * 2**TLOG2 + k
+            m = live & (kt < D)
+            x = tl.load(x_ptr + r * D + kt, mask=m, other=0.0).to(tl.float32)
+            gain = tl.load(gain_ptr + kt, mask=m, other=0.0).to(tl.float32)
+            tl.store(o_ptr + r * D + kt, ((x * rstd) * gain).to(o_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm_long(x, gain, eps_t, o, rows, d):
-    """``rms_norm`` for rows longer than SHORT_ROW (same bytes: the same tree, in chunks)."""
-    part = _chunk_sums(x, rows, d, square=True)
-    nlog2, tiles, tile = _long_geometry(d)
-    _launch(_rms_out_kernel, (rows, tiles), x, gain, part, eps_t, o, D=d, NLOG2=nlog2, CLOG2=CHUNK_LOG2, TILE=tile)
+@triton.jit
+def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows, S, D: tl.constexpr,
+                    NT_LOG2: tl.constexpr, TLOG2: tl.constexpr, ROWS: tl.constexpr):
+    """Per row (sample b = row ÷ S): mean = tree_sum(x) ÷ D; var = tree_sum(xc·xc) ÷ D with
+    xc = x − mean; rstd (``_rstd``); y = (xc·rstd)·(1 + scale[b]) + shift[b], tile by tile."""
+    k = tl.arange(0, 2**TLOG2)
+    for i in range(ROWS):
+        r = tl.program_id(0).to(tl.int64) * ROWS + i
+        live = r < rows
+        total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
+        mean = tl.div_rn(total, tl.full((1,), D, tl.float32))
+        ssq = _row_sum(x_ptr, r, live, mean, D, NT_LOG2, TLOG2, True, True)
+        rstd = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        for t in range(2**NT_LOG2):
+            kt = t * 2**TLOG2 + k
+            m = live & (kt < D)
+            x = tl.load(x_ptr + r * D + kt, mask=m, other=0.0).to(tl.float32)
+            mod = (r // S) * mod_stride + kt
+            scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
+            y = ((x - mean) * rstd) * (1.0 + scale) + shift
+            tl.store(o_ptr + r * D + kt, y.to(o_ptr.dtype.element_ty), mask=m)
 
 
-def ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d):
-    """``ln_modulation`` for rows longer than SHORT_ROW (same bytes: the same trees, in chunks)."""
-    mpart = _chunk_sums(x, rows, d, square=False)
-    vpart = _chunk_sums(x, rows, d, square=True, mean_part=mpart)
-    nlog2, tiles, tile = _long_geometry(d)
-    _launch(_ln_out_kernel, (rows, tiles), x, shift, scale, shift.stride(0), mpart, vpart, eps_t, o, s,
-            D=d, NLOG2=nlog2, CLOG2=CHUNK_LOG2, TILE=tile)
+def _long_config(cfg: LongRows | None, rows_per_program: int | None) -> LongRows:
+    cfg = cfg or LONG_ROWS
+    return cfg._replace(rows=rows_per_program) if rows_per_program else cfg
+
+
+def _long_meta(d: int, cfg: LongRows) -> dict:
+    """Grid-independent constexprs of a long row of d elements under ``cfg``."""
+    if cfg.tile_log2 < 4 or cfg.rows < 1:
+        raise ValueError(f"long-row configuration {cfg}: tiles of at least 16 elements, rows ≥ 1")
+    tlog2 = min(cfg.tile_log2, pow2(d).bit_length() - 1)
+    return dict(D=d, NT_LOG2=pow2(d).bit_length() - 1 - tlog2, TLOG2=tlog2, ROWS=cfg.rows, num_warps=cfg.num_warps)
+
+
+def rms_norm_long(x, gain, eps_t, o, rows, d, cfg: LongRows = LONG_ROWS):
+    """``rms_norm`` for rows longer than SHORT_ROW (same bytes: the same tree, by tiles)."""
+    _launch(_rms_long_kernel, (triton.cdiv(rows, cfg.rows),), x, gain, eps_t, o, rows, **_long_meta(d, cfg))
+
+
+def ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d, cfg: LongRows = LONG_ROWS):
+    """``ln_modulation`` for rows longer than SHORT_ROW (same bytes: the same trees, by tiles)."""
+    _launch(_ln_long_kernel, (triton.cdiv(rows, cfg.rows),), x, shift, scale, shift.stride(0), eps_t, o, rows, s,
+            **_long_meta(d, cfg))

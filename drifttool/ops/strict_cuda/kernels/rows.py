@@ -11,9 +11,10 @@ so its bytes equal the CPU's:
 * a row reduction (over d, Dh or Dj) zero-pads the row to the next power of two P and adds it by
   the canonical pairwise tree of ``strict_trees.tree_sum``: adjacent pairs (element 2i + element
   2i+1), level after level, until one element is left (``_pair_tree``). Short rows (P ≤
-  ``SHORT_ROW``) are held whole by one program; long rows are summed as aligned 64-element
-  subtrees, then the tree over those sums (``kernels.norms``, "long rows") — the same additions.
-  The tree depends on the row length alone; padded lanes are +0 and are made +0 again before
+  ``SHORT_ROW``) are held whole by one program; a long row is one program's, summed as aligned
+  subtrees: octets of leaves added elementwise from stride-8 loads, the tree over a tile's octet
+  sums, then over the tile sums (``kernels.norms``, "long rows") — the same additions. The tree
+  depends on the row length alone; padded lanes are +0 and are made +0 again before
   every sum that follows an operation on them;
 * mean = sum ÷ D (FP32, correctly rounded); rstd = 1 ÷ sqrt(var + eps) in FP64 (eps an FP64
   value, sqrt and division correctly rounded), rounded once to FP32;
