@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import threading
 from typing import Any
 
 import torch
 
+from drifttool.adapters.single_rank import single_rank_env
 from drifttool.errors import DriftToolError
 
 _LOCK = threading.Lock()
@@ -133,17 +133,7 @@ def cpu_runtime() -> Any:
             raise DriftToolError("vllm-omni's parallel state was imported before the CPU runtime "
                                  "was set up: call cpu_runtime() before other vllm-omni imports")
         data = _require("vllm_omni.diffusion.data")
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() != 1:
-            raise DriftToolError("vllm-omni on the CPU runs one rank; torch.distributed already "
-                                 f"has {torch.distributed.get_world_size()}")
-        if not torch.distributed.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        single_rank_env("vllm-omni")
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                         distributed_init_method="env://", backend="gloo")
         ps.initialize_model_parallel(backend="gloo")

@@ -33,12 +33,12 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
-import os
 import threading
 from typing import Any, Iterator
 
 import torch
 
+from drifttool.adapters.single_rank import single_rank_env
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 
 SUPPORTED_XFUSER = "0.7.0"
@@ -167,18 +167,7 @@ def cpu_runtime(**degrees: int) -> RuntimeStateStandIn:
         if rs._RUNTIME is not None:
             raise DriftToolError("xfuser's runtime state is already set up in this process (an "
                                  "xfuser pipeline?); the CPU runtime is for a process without one")
-        dist = torch.distributed
-        if dist.is_initialized() and dist.get_world_size() != 1:
-            raise DriftToolError("xfuser on the CPU runs one rank; torch.distributed already has "
-                                 f"{dist.get_world_size()}")
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        single_rank_env("xfuser")
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                         distributed_init_method="env://", backend="gloo")
         if not ps.model_parallel_is_initialized():
