@@ -163,3 +163,99 @@ def test_refuses_a_quantized_or_already_bound_linear_and_binds_nothing(load):
         assert type(tr.img_in.quant_method) is UnquantizedLinearMethod  # nothing half-bound
     finally:
         layer.quant_method = original
+
+
+def _joint(seed, dtype, B=2, L=6, N=15, H=2, Dh=16, lens=(6, 3)):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, L + N, H, Dh, generator=g).to(dtype) for _ in range(3))
+    mask = torch.cat([torch.arange(L)[None, :] < torch.tensor(lens)[:, None],
+                      torch.ones(B, N, dtype=torch.bool)], dim=1)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bound_attention_gives_the_strict_operators_bytes(load, dtype):
+    from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
+
+    from drifttool.adapters.vllm_omni_cpu import forward_context
+    from drifttool.adapters.vllm_omni_strict_attention import bind_strict_attention
+
+    model = load(dtype)
+    tr = model.transformer
+    layer = tr.transformer_blocks[0].attn.attn
+    q, k, v, mask = _joint(13, dtype, H=layer.num_heads, Dh=layer.head_size)
+    meta = AttentionMetadata(attn_mask=mask)
+    want = _strict("joint_attention_fused")(q, k, v, mask, text_len=6)
+    with forward_context(model.od_config), torch.no_grad():
+        before = layer(q, k, v, meta)
+        with bind_strict_attention(tr, model.od_config) as binding:
+            assert binding.bound == [f"transformer_blocks.{i}.attn.attn" for i in range(2)]
+            with pytest.raises(UnsupportedConfigError, match="no text length"):
+                layer(q, k, v, meta)  # outside the Qwen-Image attention: refused
+            layer.attention.text_len = 6
+            got = layer(q, k, v, meta)
+            assert torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+            if dtype == torch.float32:  # the text length is part of the strict arithmetic
+                layer.attention.text_len = 7
+                assert not torch.equal(layer(q, k, v, meta).view(BITS[dtype]), got.view(BITS[dtype]))
+            with pytest.raises(UnsupportedConfigError, match="additive torch.float32 mask"):
+                layer(q, k, v, AttentionMetadata(attn_mask=mask.float()))
+        assert not torch.equal(before.view(BITS[dtype]), want.view(BITS[dtype]))
+        assert torch.equal(layer(q, k, v, meta).view(BITS[dtype]), before.view(BITS[dtype]))
+    assert type(layer.attention).__name__ == "CpuSDPAImpl"
+    assert not [n for n, m in tr.named_modules() if m._forward_pre_hooks]
+
+
+def test_a_bound_forward_runs_strict_attention_and_reads_it_back(load):
+    """The whole transformer with GEMMs and attention bound: each attention layer's output is
+    the strict operator on the inputs it received, with the text length of that forward."""
+    from drifttool.adapters.vllm_omni_strict import bind_strict_gemms
+    from drifttool.adapters.vllm_omni_strict_attention import bind_strict_attention
+
+    model = load(torch.float32)
+    tr = model.transformer
+    g = torch.Generator().manual_seed(14)
+    grid = (3, 5)
+    x, txt = torch.randn(2, 15, 64, generator=g), torch.randn(2, 5, 32, generator=g)
+    mask, tau = torch.arange(5)[None, :] < torch.tensor([[5], [2]]), torch.rand(2, generator=g)
+    seen = []
+    handles = [blk.attn.attn.register_forward_hook(lambda m, a, o: seen.append((a, o)))
+               for blk in tr.transformer_blocks]
+    rt = Runtime(mode="auto", recorder=Recorder("L1"))
+    scope = dict(phase="rollout", step=0, sigma=1.0, branch="cond", samples=[0, 1],
+                 txt_lens=[5, 2], img_grid=grid)
+    try:
+        with bind_strict_gemms(tr, model.od_config), bind_strict_attention(tr, model.od_config), \
+                rt.scope(**scope), torch.no_grad():
+            model(x, txt, mask, tau, grid, rt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(seen) == 2
+    for (q, k, v, meta), o in seen:
+        assert q.shape[1] == 5 + 15
+        want = _strict("joint_attention_fused")(q, k, v, meta.attn_mask, text_len=5)
+        assert torch.equal(o.view(torch.int32), want.view(torch.int32))
+    attn = [e.kernel for e in rt.trace.entries() if e.op == "joint_attention_fused"]
+    assert len(attn) == 2 and all("/StrictAttentionImpl/NoParallelAttention]" in k for k in attn), attn
+    gemm = [e.kernel for e in rt.trace.entries() if e.op == "mlp_down_gemm"]
+    assert gemm and all("StrictLinearMethod/strict:mlp_down_gemm" in k for k in gemm)
+
+
+def test_attention_refuses_another_scale_and_a_compiled_run_and_binds_nothing(load):
+    from drifttool.adapters.vllm_omni_strict_attention import bind_strict_attention
+
+    model = load(torch.float32)
+    tr = model.transformer
+    with pytest.raises(UnsupportedConfigError, match="needs enforce_eager=True"):
+        bind_strict_attention(tr, _config(model.od_config, enforce_eager=False))
+    impl = tr.transformer_blocks[1].attn.attn.attention
+    scale = impl.softmax_scale
+    impl.softmax_scale = 0.5
+    try:
+        with pytest.raises(UnsupportedConfigError,
+                           match=r"transformer_blocks\.1\.attn\.attn: softmax_scale=0.5"):
+            bind_strict_attention(tr, model.od_config)
+    finally:
+        impl.softmax_scale = scale
+    assert type(tr.transformer_blocks[0].attn.attn.attention).__name__ == "CpuSDPAImpl"
