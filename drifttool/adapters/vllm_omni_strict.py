@@ -42,7 +42,9 @@ from typing import Any, Callable
 
 import torch
 
+import drifttool.ops  # noqa: F401  (declares the operators and registers the strict family)
 from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.ops.registry import implementation
 
 STRICT_GEMMS: tuple[tuple[str, str], ...] = (
     (r"img_in|proj_out", "latent_proj_gemm"),
@@ -126,9 +128,6 @@ class StrictGemm:
 
     def _impl(self, device: str) -> Callable[..., Any]:
         if device not in self._impls:
-            import drifttool.ops  # noqa: F401  (declares and registers the strict family)
-            from drifttool.ops.registry import implementation
-
             self._impls[device] = implementation(self.op, "strict", device)
         return self._impls[device]
 

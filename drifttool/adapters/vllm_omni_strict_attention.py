@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+import drifttool.ops  # noqa: F401  (declares the operators and registers the strict family)
 from drifttool.adapters.vllm_omni_strict import refusal
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.registry import implementation
 
 
 class StrictAttentionImpl:
@@ -56,8 +58,6 @@ class StrictAttentionImpl:
             UnsupportedConfigError: no text length was set, sequence-parallel metadata, a float
                 mask, or what the strict operator refuses (dtype, device, mask shape).
         """
-        import drifttool.ops  # noqa: F401  (declares and registers the strict family)
-        from drifttool.ops.registry import implementation
 
         if self.text_len is None:
             raise UnsupportedConfigError(f"strict attention at {self.path}: called outside the "
