@@ -10,7 +10,9 @@ docstring says how to add another runtime. diffusers is imported lazily: driftto
 
 ``vllm_omni_qwenimage``: vllm-omni's ``QwenImageTransformer2DModel`` (0.30) captured the same way;
 ``vllm_omni_glue`` records its fused QKV and QK-norm+RoPE and reads back its kernels,
-``vllm_omni_cpu`` runs it on the CPU. ``docs/adapters.md``: what each adapter captures, binds and
+``vllm_omni_cpu`` runs it on the CPU; ``vllm_omni_strict`` and ``vllm_omni_strict_attention`` bind
+drifttool's strict GEMMs (through vLLM's linear method) and joint attention (in place of the
+attention implementation) into it. ``docs/adapters.md``: what each adapter captures, binds and
 refuses.
 
 ``xfuser_qwenimage``: xfuser (xDiT) 0.7.0's Qwen-Image wrapper (a diffusers subclass) captured with
