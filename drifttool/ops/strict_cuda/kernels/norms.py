@@ -155,8 +155,10 @@ class LongRows(NamedTuple):
     rows: int
 
 
-LONG_ROWS = LongRows(tile_log2=10, num_warps=2, rows=1)
-"""The registered configuration (``benchmarks/sweep_strict_norms.py`` times the alternatives)."""
+LONG_ROWS = LongRows(tile_log2=10, num_warps=1, rows=1)
+"""The registered configuration: 1024-element tiles, one warp, one row per program — the fastest
+of ``benchmarks/sweep_strict_norms.py`` on an H200 (2026-12-02: LayerNorm [1, 6889, 3072] bf16
+0.057 ms, 0.39× of ``F.layer_norm`` + modulation; every configuration gives the same bytes)."""
 
 
 @triton.jit
