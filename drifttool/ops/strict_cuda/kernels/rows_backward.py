@@ -36,13 +36,12 @@ Inputs bf16 or FP32; anything else raises ``UnsupportedConfigError``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from drifttool.errors import UnsupportedConfigError
+from drifttool.ops.strict_cuda.kernels.norms import _f64_scalar, _rstd  # the forward's, so the same rstd
 from drifttool.ops.strict_cuda.kernels.rows import ELEMENTS, _launch, _pair_tree, pow2
 
 TILE = 1024
@@ -64,20 +63,7 @@ def _check(what: str, *ts: torch.Tensor | None) -> None:
             raise UnsupportedConfigError(f"strict CUDA {what} backward: {t.dtype}; bf16 or float32 only")
 
 
-@functools.lru_cache(maxsize=64)
-def _f64_scalar(value: float, device: torch.device) -> torch.Tensor:
-    """``value`` as a 1-element FP64 tensor on ``device`` (made once: no host sync per call)."""
-    return torch.tensor([value], dtype=torch.float64, device=device)
-
-
 # ----------------------------------------------------------------------------- norms
-
-
-@triton.jit
-def _rstd(var, eps_ptr):
-    """1 / sqrt(var + eps) in FP64 (correctly rounded), rounded once to FP32 (the forward's)."""
-    v = var.to(tl.float64) + tl.load(eps_ptr)
-    return (tl.full(v.shape, 1.0, tl.float64) / tl.sqrt(v)).to(tl.float32)
 
 
 @triton.jit
