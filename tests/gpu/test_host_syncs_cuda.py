@@ -29,7 +29,10 @@ L0 and 28 at L1/L2 (the step's one read-back of the digests), production (``auto
 The forward itself adds none (its CUDA graph replays without the host); almost all are blocking
 host-to-device copies of a step's small CPU-made tensors (sigmas, timesteps, the SDE noise) and
 the strict sampler's read-back of its scalars. A change that adds one fails here; one that
-removes some lowers the bound."""
+removes some lowers the bound. Since that measurement the step's sigmas, SDE schedule and prompt
+rows are read on the host and the strict step's constants go over in one non-blocking copy; the
+test passed on the H200 under this bound afterwards, but the new counts are not measured yet
+(``python tests/gpu/test_host_syncs_cuda.py`` prints them; pytest-xdist hides a test's output)."""
 
 
 def syncs_per_step(mode: str, level: str, out: Path, steps: int = 6) -> list[int]:
