@@ -50,6 +50,24 @@ def _writes(p: Path) -> bool:
                             or S.RANK_FILE.fullmatch(name) is not None)
 
 
+def holds_run(path: Path) -> bool:
+    """Whether the directory ``path`` holds a drifttool artifact: a ``manifest.json`` with a
+    schema version and a file list (complete or not). An unreadable manifest is no run."""
+    try:
+        manifest = json.loads((path / S.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
+
+
+def run_above(path: Path) -> Path | None:
+    """The nearest existing folder above ``path`` (its parents, made absolute, ``..`` folded)
+    that holds a drifttool artifact (``holds_run``), else None: an output written there would
+    make that run unreadable (a run directory holds only its artifact's files)."""
+    absolute = Path(os.path.abspath(path))
+    return next((p for p in absolute.parents if p.is_dir() and holds_run(p)), None)
+
+
 def remove_artifact(path: Path) -> None:
     """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
 
@@ -57,12 +75,7 @@ def remove_artifact(path: Path) -> None:
         ArtifactError: no drifttool manifest there, or files that no artifact writes (user
             files are never deleted).
     """
-    try:
-        manifest = json.loads((path / S.MANIFEST).read_text())
-        ours = isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
+    if not holds_run(path):
         raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
                             "overwrite")
     foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
