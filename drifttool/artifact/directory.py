@@ -16,6 +16,7 @@ lock; one writer is then the user's care.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -68,8 +69,40 @@ def run_above(path: Path) -> Path | None:
     return next((p for p in absolute.parents if p.is_dir() and holds_run(p)), None)
 
 
+IMAGE_SECTIONS = ("chain", "edit")
+"""Manifest sections whose ``images`` list the PNGs a run wrote beside its directory."""
+
+
+def run_images(path: Path) -> dict[Path, str]:
+    """The images the run at ``path`` wrote beside its directory (its manifest's ``chain`` or
+    ``edit`` ``images``): resolved path → recorded SHA-256; empty when it holds no run or none."""
+    if not holds_run(path):
+        return {}
+    manifest = json.loads((path / S.MANIFEST).read_text())
+    found = {}
+    for key in IMAGE_SECTIONS:
+        section = manifest.get(key)
+        for rec in (section.get("images") or []) if isinstance(section, dict) else []:
+            if isinstance(rec, dict) and isinstance(rec.get("path"), str) and isinstance(rec.get("sha256"), str):
+                found[Path(rec["path"]).resolve()] = rec["sha256"]
+    return found
+
+
+def _remove_images(path: Path) -> None:
+    """Delete the images the earlier run at ``path`` wrote beside it, each only while its bytes
+    are still the recorded ones (a file the user replaced since is kept): an overwriting run
+    that writes no image (a run without --prompt, a stopped one) leaves no stale one behind."""
+    for image, sha in run_images(path).items():
+        try:
+            if image.is_file() and hashlib.sha256(image.read_bytes()).hexdigest() == sha:
+                image.unlink()
+        except OSError:
+            pass  # not ours to fail on: the new run's own check names an image in its way
+
+
 def remove_artifact(path: Path) -> None:
-    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
+    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own —
+    with the images it wrote beside it that still hold their recorded bytes (``_remove_images``).
 
     Raises:
         ArtifactError: no drifttool manifest there, or files that no artifact writes (user
@@ -82,6 +115,7 @@ def remove_artifact(path: Path) -> None:
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
                             " (not written by drifttool)")
+    _remove_images(path)
     for p in path.iterdir():
         p.unlink()
 
