@@ -46,7 +46,7 @@ import torch
 
 from drifttool.artifact.directory import run_images
 from drifttool.capture.recorder import record_parts
-from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.errors import DriftToolError, UnsupportedConfigError, writing
 from drifttool.fixture import packaged_fixtures
 from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
@@ -218,7 +218,8 @@ def write_png(image: torch.Tensor, path: Path) -> str:
     """Write one [H, W, 3] uint8 image as PNG (Pillow); returns the file's SHA-256."""
     from PIL import Image
 
-    Image.fromarray(image.numpy(), mode="RGB").save(path, format="PNG")
+    with writing(path):
+        Image.fromarray(image.numpy(), mode="RGB").save(path, format="PNG")
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

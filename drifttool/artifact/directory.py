@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - not POSIX: no lock (one writer is then
 from pathlib import Path
 
 from drifttool.artifact import schema as S
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, writing
 
 LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
 """Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
@@ -37,7 +37,7 @@ like the current names."""
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: written to ``<name>.tmp``, flushed, fsync'ed, renamed."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with writing(path), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
