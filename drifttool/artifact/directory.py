@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 try:
     import fcntl
@@ -73,18 +74,29 @@ IMAGE_SECTIONS = ("chain", "edit")
 """Manifest sections whose ``images`` list the PNGs a run wrote beside its directory."""
 
 
+_IMAGE_NAME = re.compile(r"(?:-\d+)?\.png")
+"""What follows the directory's name in the name of an image a run writes beside it
+(``<out>.png``, ``<out>-<sample>.png``: ``drifttool.chain.image_paths``)."""
+
+
 def run_images(path: Path) -> dict[Path, str]:
     """The images the run at ``path`` wrote beside its directory (its manifest's ``chain`` or
-    ``edit`` ``images``): resolved path → recorded SHA-256; empty when it holds no run or none."""
+    ``edit`` ``images``): resolved path → recorded SHA-256; empty when it holds no run or none.
+    Only paths a run at ``path`` writes count (beside it, named after it): a manifest naming
+    any other file names no image of this run."""
     if not holds_run(path):
         return {}
     manifest = json.loads((path / S.MANIFEST).read_text())
+    here = path.resolve()
     found = {}
     for key in IMAGE_SECTIONS:
         section = manifest.get(key)
         for rec in (section.get("images") or []) if isinstance(section, dict) else []:
             if isinstance(rec, dict) and isinstance(rec.get("path"), str) and isinstance(rec.get("sha256"), str):
-                found[Path(rec["path"]).resolve()] = rec["sha256"]
+                image = Path(rec["path"]).resolve()
+                tail = image.name.removeprefix(here.name) if image.name.startswith(here.name) else ""
+                if image.parent == here.parent and _IMAGE_NAME.fullmatch(tail):
+                    found[image] = rec["sha256"]
     return found
 
 

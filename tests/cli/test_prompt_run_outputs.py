@@ -98,3 +98,16 @@ def test_a_parallel_replay_of_a_prompt_run_is_refused_without_torchrun_advice(tm
     res = invoke("replay", out, "-o", tmp_path / "again", *layout)
     _one_error_line(res, "re-runs every stage in one process")
     assert "torchrun --nproc" not in res.output
+
+
+def test_an_overwrite_removes_only_images_named_after_the_run(tmp_path):
+    """A manifest naming another file (moved, edited) does not make it the run's image."""
+    out, other = tmp_path / "r", tmp_path / "other.png"
+    assert _prompt_run(out).exit_code == 0
+    other.write_bytes((tmp_path / "r.png").read_bytes())
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["chain"]["images"][0]["path"] = str(other)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    res = invoke("run", "--steps", 2, "-o", out, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert other.is_file()
