@@ -33,6 +33,12 @@ def _os_error(e: OSError) -> str:
     return f"{where}: {e.strerror or e}"
 
 
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                           errno.EISDIR, errno.ENOENT, errno.ENOTDIR, errno.EFBIG, errno.EIO})
+"""File-system errors of a write: the machine's state, not a drifttool bug, even where the error
+names no file."""
+
+
 def torch_oom() -> type[BaseException]:
     """``torch.OutOfMemoryError`` when torch is loaded (the CLI imports it lazily), else a class
     nothing raises."""
@@ -134,7 +140,8 @@ def _print_error(e: DriftToolError, rank: int, world: int) -> None:
 def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = False
                 ) -> Callable[..., Any]:
     """Exit codes for a command (``drifttool.exit_codes``): ``DriftToolError``, an ``OSError``
-    on a named path (not a directory, permission denied, name too long, disk full) and running
+    on a named path (not a directory, permission denied, name too long, disk full), a write's
+    file-system error that names no path (``_WRITE_ERRNOS``) and running
     out of host or device memory → one line, exit 2; Ctrl-C → one line, exit 130; any other
     exception (a bug) → one ``internal error:`` line, exit 4 (``internal_error``); a closed
     stdout (``| head``) keeps the command's own exit code.
@@ -175,6 +182,10 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
             if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
                 # the file system (a path the user named), not a bug
                 error_line(_os_error(e))
+                raise typer.Exit(ExitCode.USAGE) from None
+            if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+                # a write that named no file (``drifttool.errors.writing`` names those it wraps)
+                error_line(f"writing the outputs: {e.strerror or e}")
                 raise typer.Exit(ExitCode.USAGE) from None
             internal_error(e)
             raise typer.Exit(ExitCode.INTERNAL) from None

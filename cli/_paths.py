@@ -6,6 +6,9 @@
 
 - An empty path is refused where it is parsed (``path``): ``Path("")`` is the current folder,
   which the user did not name.
+- A path inside an existing run directory (``drifttool.artifact.directory.run_above``) is
+  refused where it is parsed: a run directory holds only its artifact's files, so a JUnit file,
+  a report or a nested run there would make the run unreadable.
 - Missing parent folders are created, as ``run -o`` creates its artifact directory and its
   parents (``drifttool.artifact.directory.claim``); an output file's when it is written.
 - A path under a regular file, or an output file that is an existing folder, is refused in one
@@ -25,11 +28,20 @@ def path(text: str) -> Path:
     """typer's ``parser`` for an output path option: ``text`` as a ``Path``.
 
     Raises:
-        typer.BadParameter: ``text`` is empty (one ``error:`` line naming the option, exit 2).
+        typer.BadParameter: ``text`` is empty, or inside an existing run directory (one
+            ``error:`` line naming the option, exit 2).
     """
     if not text:
         raise typer.BadParameter("an empty path names no file or directory; give one")
-    return Path(text)
+    from drifttool.artifact.directory import run_above  # lazy: `--help` needs no pyarrow
+
+    out = Path(text)
+    run = run_above(out)
+    if run is not None:
+        raise typer.BadParameter(
+            f"{text} is inside the run directory {run}, which holds only its artifact's files "
+            "(diff and replay would refuse the run); write it outside the run directory")
+    return out
 
 
 def output_file(out: Path, option: str) -> Path:

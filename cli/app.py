@@ -11,7 +11,7 @@ Exit codes (``drifttool.exit_codes``, the last line of every command's ``--help`
 or success, 1 drift, 2 a usage error or bad input (``DriftToolError``, a bad option value, a
 file-system error on a path the user named: one ``error:`` line, no traceback), 3 incomparable or
 inconclusive, 4 an internal error (a bug: one ``internal error:`` line; ``DRIFTTOOL_DEBUG=1``
-prints its traceback), 130 Ctrl-C. typer's ``--install-completion`` and ``--show-completion``
+prints its traceback), 130 Ctrl-C, 143 SIGTERM (after the command's cleanup ran). typer's ``--install-completion`` and ``--show-completion``
 install shell completion.
 
 Start-up: ``main`` imports and builds only the command its command line names (``drifttool diff
@@ -23,7 +23,9 @@ not every one, into options); without one (``--help``, completion, an unknown na
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 from typing import Any
 
 import typer
@@ -136,7 +138,16 @@ def __getattr__(name: str) -> Any:
     return full
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (``kill``, a batch scheduler, torchrun stopping its ranks) as an exit the command
+    unwinds through: its ``finally`` and context-manager cleanups run (a temporary re-run is
+    removed, an open artifact closed ``complete: false``), exit 143 (``ExitCode.TERMINATED``)."""
+    raise SystemExit(ExitCode.TERMINATED)
+
+
 def main() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     build(invoked(sys.argv[1:]))()
 
 

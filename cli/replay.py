@@ -41,6 +41,24 @@ def _summary(title: str, rows: list[tuple[str, object]]) -> None:
     console.print(table)
 
 
+def _one_process(stored, dims) -> None:
+    """Refuse a parallel layout for a run a replay re-runs in one process (a captured diffusers
+    pipeline, a prompt run or an edit run from images: ``replay_run``'s own refusals), before
+    any torchrun advice."""
+    from drifttool.training.chain_replay import chain_section  # lazy: likewise
+    from drifttool.training.pipeline_replay import is_pipeline_capture  # lazy: likewise
+
+    if not dims.parallel:
+        return
+    section = chain_section(stored.manifest)
+    if section is not None:
+        raise DriftToolError(f"{stored.path}: a replay of a {section} run re-runs every stage in one "
+                             "process (no torchrun, --tp, --sp or --cfg-parallel)")
+    if is_pipeline_capture(stored.manifest):
+        raise DriftToolError(f"{stored.path}: a captured diffusers pipeline replays in one "
+                             "process (no torchrun, --tp, --sp or --cfg-parallel)")
+
+
 def replay(
     run_dir: Path = typer.Argument(..., help="Rollout artifact to replay."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help="Artifact directory to create."),
@@ -86,6 +104,7 @@ def replay(
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
         stored = load_rollout(run_dir, need_latents=False)
         pipeline = is_pipeline_capture(stored.manifest)  # replay_run's refusals, its device
+        _one_process(stored, dims)
         if not pipeline:
             fx, settings = resolve(replay_spec(stored, options))
             _layout.check_layout(dims, **{**_layout.settings_layout(fx, settings),

@@ -12,7 +12,7 @@ import typer
 
 from drifttool.cli import _paths
 from drifttool.cli._console import console
-from drifttool.errors import DriftToolError
+from drifttool.errors import DriftToolError, writing
 
 
 def report(
@@ -53,7 +53,8 @@ def report(
         profile = load_profile(tolerance)
     diff = diff_runs(open_run(run_a), open_run(run_b), tolerance=profile)
     page = render_html(diff, diff_figures(run_a, run_b, diff))
-    _paths.parent_made(out).write_text(page, encoding="utf-8")
+    with writing(out):
+        _paths.parent_made(out).write_text(page, encoding="utf-8")
     if junit is not None:
         from drifttool.reports.junit import diff_suite, write_junit  # lazy: likewise
 

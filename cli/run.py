@@ -23,6 +23,29 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
         raise DriftToolError(f"--samples: expected comma-separated integers, got {text!r}") from None
 
 
+def _stage_fixture(fixture: Optional[str], prompt: bool) -> None:
+    """Refuse, in one line naming what it is and what runs it, a fixture ``run`` cannot take:
+    an edit fixture (condition image → VAE encode → trajectory → VAE decode) always, a chain
+    fixture (a pipeline folder without stored prompt embeddings) without ``--prompt``."""
+    if fixture is None:
+        return
+    from drifttool.fixture import load_fixture  # lazy: likewise
+    from drifttool.verify import fixture_kind  # lazy: likewise
+
+    kind = fixture_kind(load_fixture(fixture))
+    if kind == "edit":
+        raise DriftToolError(
+            f"--fixture {fixture}: an edit fixture (condition image → VAE encode → trajectory → VAE "
+            f"decode), which `drifttool run` does not take: `drifttool fixture verify {fixture}` "
+            "re-runs it; `drifttool run --condition LATENTS` runs an edit trajectory from packed "
+            "condition latents")
+    if kind == "chain" and not prompt:
+        raise DriftToolError(
+            f"--fixture {fixture}: a chain fixture (a pipeline folder: prompt → text encoder → "
+            "trajectory → VAE decode; no stored prompt embeddings), which `drifttool run` takes "
+            f"only with --prompt TEXT; `drifttool fixture verify {fixture}` re-runs it")
+
+
 def run(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Artifact directory to create (missing parent folders are created)."),
@@ -109,6 +132,8 @@ def run(
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents, condition=condition,
     )
+    with alike_on_every_rank():
+        _stage_fixture(fixture, prompt is not None)
     if prompt is not None or negative_prompt is not None:
         _prompt_run(spec, out, prompt, negative_prompt, overwrite=overwrite, as_json=as_json,
                     parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)

@@ -44,8 +44,9 @@ from typing import Any, Sequence
 
 import torch
 
+from drifttool.artifact.directory import run_images
 from drifttool.capture.recorder import record_parts
-from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.errors import DriftToolError, UnsupportedConfigError, writing
 from drifttool.fixture import packaged_fixtures
 from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
@@ -90,12 +91,30 @@ def check_pipeline(folder: str | Path | None) -> Path:
     return root
 
 
-def image_paths(out: str | Path, samples: Sequence[int]) -> list[Path]:
-    """Where the decoded images go: ``<out>.png`` for one sample, else ``<out>-<sample>.png``."""
+def image_paths(out: str | Path, samples: Sequence[int], overwrite: bool = False) -> list[Path]:
+    """Where the decoded images go: ``<out>.png`` for one sample, else ``<out>-<sample>.png``;
+    checked before any work, as the artifact directory is: a folder there is refused, and so is
+    an existing file unless ``overwrite`` and it is an image of the run at ``out`` being
+    overwritten (``artifact.directory.run_images``).
+
+    Raises:
+        DriftToolError: naming the image path in the way and what to do.
+    """
     out = Path(out)
     if len(samples) == 1:
-        return [out.with_name(out.name + ".png")]
-    return [out.with_name(f"{out.name}-{s}.png") for s in samples]
+        paths = [out.with_name(out.name + ".png")]
+    else:
+        paths = [out.with_name(f"{out.name}-{s}.png") for s in samples]
+    earlier = run_images(out) if overwrite and out.is_dir() else {}
+    for p in paths:
+        if p.is_dir():
+            raise DriftToolError(f"{p} is a directory; the run writes its image there (choose another -o)")
+        if (p.exists() or p.is_symlink()) and p.resolve() not in earlier:
+            why = ("it is not an image of the run being overwritten" if overwrite
+                   else "use --overwrite to replace an earlier prompt run's image")
+            raise DriftToolError(f"{p} exists and the run would replace it with its image: {why}, "
+                                 "or choose another -o")
+    return paths
 
 
 class DeferredCapture:
@@ -199,7 +218,8 @@ def write_png(image: torch.Tensor, path: Path) -> str:
     """Write one [H, W, 3] uint8 image as PNG (Pillow); returns the file's SHA-256."""
     from PIL import Image
 
-    Image.fromarray(image.numpy(), mode="RGB").save(path, format="PNG")
+    with writing(path):
+        Image.fromarray(image.numpy(), mode="RGB").save(path, format="PNG")
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -212,12 +232,14 @@ def _encode(encoder: PromptEncoder, prompts: list[str] | None, rt: Runtime, samp
 
 
 def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
-            negative_prompts: Sequence[str] | None = None) -> tuple[RunSpec, ChainStages]:
+            negative_prompts: Sequence[str] | None = None, overwrite: bool = False
+            ) -> tuple[RunSpec, ChainStages]:
     """Load the pipeline's text encoder and VAE, encode the prompts (captured, deferred) and
     return the spec the trajectory runs (its samples fixed) with the stages around it.
 
     Raises:
-        DriftToolError: a pipeline folder lacking parts (``check_pipeline``; without
+        DriftToolError: an image path in the way (``image_paths``); a pipeline folder lacking
+            parts (``check_pipeline``; without
             ``spec.checkpoint`` the shipped tiny pipeline, ``default_pipeline``, runs); prompt
             file inputs given too; prompts not one per sample; as ``resolve``.
         UnsupportedConfigError: a device other than the CPU.
@@ -236,6 +258,7 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
         spec = dataclasses.replace(spec, samples=list(range(len(prompts))))
     fx, s = resolve(spec)
     ids = list(s.samples)
+    images = image_paths(out, s.labels, overwrite)  # before any work
     rows = _prompt_rows(prompts, ids, "prompt")
     neg_rows = None if negative_prompts is None else _prompt_rows(negative_prompts, ids, "negative prompt")
     if s.device != "cpu":
@@ -261,7 +284,7 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
                               neg_txt=None if neg is None else neg.cpu(),
                               neg_mask=None if neg_mask is None else neg_mask.cpu())
     stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture, vae=vae,
-                         images=image_paths(out, s.labels), record=record)
+                         images=images, record=record)
     return spec, stages
 
 
@@ -275,7 +298,8 @@ def run_chain(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
         As ``prepare`` and ``runner.execute``; a transformer whose ``joint_attention_dim`` is not
         the text encoder's width (``DriftToolError``).
     """
-    spec, stages = prepare(spec, out, prompts=prompts, negative_prompts=negative_prompts)
+    spec, stages = prepare(spec, out, prompts=prompts, negative_prompts=negative_prompts,
+                           overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
     images = [str(p) for p in stages.images] if summary["complete"] else []
     return {**summary, "images": images, "cfg": stages.external.neg_txt is not None

@@ -82,8 +82,8 @@ def encode_condition(vae: QwenImageVAE, image: torch.Tensor, rt: Runtime) -> tup
     return packed.to(torch.float32), (h, w)
 
 
-def prepare_edit(spec: RunSpec, out: str | Path, *,
-                 condition_images: Sequence[str | Path]) -> tuple[RunSpec, ChainStages]:
+def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
+                 overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
     """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), encode the condition
     images (captured, deferred) and return the spec with the stages around the trajectory.
 
@@ -105,6 +105,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *,
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")
+    paths = image_paths(out, s.labels, overwrite)  # before any work
     images = [read_image(p) for p in condition_images]
     vae = load_vae(root, dtype=s.torch_dtype)
     capture = DeferredCapture(s.capture) if s.mode.captures else None
@@ -123,7 +124,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *,
                                    for p in condition_images]}
     external = ExternalInputs(cond=torch.cat(latents, dim=1), cond_grids=tuple(grids))
     stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture,
-                         vae=vae, images=image_paths(out, s.labels), record=record,
+                         vae=vae, images=paths, record=record,
                          manifest_key="edit")
     return spec, stages
 
@@ -137,6 +138,6 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
         condition images, say).
     """
-    spec, stages = prepare_edit(spec, out, condition_images=condition_images)
+    spec, stages = prepare_edit(spec, out, condition_images=condition_images, overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
     return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else []}

@@ -5,6 +5,12 @@ the CLI prints its message and exits 2 without a traceback. Anything else is a b
 traceback (the split Polygraphy draws between its user-error class and internal errors).
 """
 
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
 
 class DriftToolError(Exception):
     """A user-facing error: bad input, unreadable artifact, unsupported configuration."""
@@ -27,3 +33,17 @@ class ArtifactError(DriftToolError):
 
 class FixtureError(DriftToolError):
     """A sealed fixture that is missing, tampered with, or whose replay does not reproduce."""
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Name ``path`` in an ``OSError`` raised while writing it that names no file: a full disk
+    (``ENOSPC``), a quota, an I/O error surface from ``write``, ``flush`` or ``close`` (and from
+    pyarrow's writers) without a file name; re-raised as ``OSError(errno, reason, path)`` so the
+    CLI prints ``error: PATH: reason`` (``cli._errors``). An error that names its file passes."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e) or type(e).__name__, os.fspath(path)) from e

@@ -6,7 +6,7 @@
     3  incomparable or inconclusive: the runs cannot be aligned, or records are missing
     4  an internal error (a drifttool bug): one line; DRIFTTOOL_DEBUG=1 adds the traceback
 
-Ctrl-C exits 130, as a shell reports it.
+Ctrl-C exits 130 and SIGTERM 143 (after the command's cleanup ran), as a shell reports them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     UNSURE = 3
     INTERNAL = 4
     INTERRUPTED = 130
+    TERMINATED = 143
 
 
 DEBUG_ENV = "DRIFTTOOL_DEBUG"

@@ -148,7 +148,8 @@ def execute(
     ``drifttool.chain``): its ``external`` (in-memory ``ExternalInputs``) replaces the settings'
     file inputs, ``opened(session)`` runs once the artifact is open, before the trajectory, and
     ``finished(session, traj)`` after it, before the artifact closes (its dict is merged into
-    the manifest).
+    the manifest). Its ``record`` goes into the manifest from the start (``images`` empty until
+    ``finished``), so that a stopped run is still recorded as the chain it was.
 
     A failure after the artifact was opened closes it with ``complete=false`` (finished steps
     stay readable) and re-raises.
@@ -221,6 +222,8 @@ def execute(
     if has_lora(model):
         manifest["lora"] = lora_record(model)
     manifest.update(manifest_extra or {})
+    if stages is not None:  # known before the trajectory: a stopped run keeps its stages' record
+        manifest[stages.manifest_key] = {**stages.record, "images": []}
     with session.open(out, manifest, overwrite=overwrite):
         session.write_inputs(tensors)
         if stages is not None:

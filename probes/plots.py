@@ -33,6 +33,7 @@ from drifttool.diff.align import compare_table
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport, Verdict
 from drifttool.artifact import schema as S
+from drifttool.errors import writing
 
 SAMPLER_OPS = ("flow_sigma_table", "cfg_combine_renorm", "flow_sde_step_logp")
 
@@ -122,8 +123,11 @@ def heatmap(grid: DriftGrid, path: str | Path, *, title: str = "") -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(path):
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -235,6 +239,9 @@ def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, 
     fig, reports = overlay_figure(baseline, runs, labels=labels, title=title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(path):
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return path, reports

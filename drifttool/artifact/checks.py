@@ -71,7 +71,8 @@ def check_directory(path: Path, manifest: dict[str, Any]) -> None:
                    if manifest["complete"] or not _own_name(n))
     if extra:
         raise ArtifactError(f"{path}: files not listed in the manifest: {', '.join(extra[:5])}"
-                            " (a run directory holds only its artifact's files)")
+                            " (a run directory holds only its artifact's files: move them out of "
+                        f"{path} to read the run)")
     missing = sorted(listed - set(entries))
     if missing and manifest["complete"]:
         raise ArtifactError(f"{path}: complete run lacks {', '.join(missing)}")

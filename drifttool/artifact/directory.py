@@ -16,8 +16,10 @@ lock; one writer is then the user's care.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 
 try:
     import fcntl
@@ -26,7 +28,7 @@ except ImportError:  # pragma: no cover - not POSIX: no lock (one writer is then
 from pathlib import Path
 
 from drifttool.artifact import schema as S
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, writing
 
 LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
 """Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
@@ -36,7 +38,7 @@ like the current names."""
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: written to ``<name>.tmp``, flushed, fsync'ed, renamed."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with writing(path), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -50,25 +52,82 @@ def _writes(p: Path) -> bool:
                             or S.RANK_FILE.fullmatch(name) is not None)
 
 
+def holds_run(path: Path) -> bool:
+    """Whether the directory ``path`` holds a drifttool artifact: a ``manifest.json`` with a
+    schema version and a file list (complete or not). An unreadable manifest is no run."""
+    try:
+        manifest = json.loads((path / S.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
+
+
+def run_above(path: Path) -> Path | None:
+    """The nearest existing folder above ``path`` (its parents, made absolute, ``..`` folded)
+    that holds a drifttool artifact (``holds_run``), else None: an output written there would
+    make that run unreadable (a run directory holds only its artifact's files)."""
+    absolute = Path(os.path.abspath(path))
+    return next((p for p in absolute.parents if p.is_dir() and holds_run(p)), None)
+
+
+IMAGE_SECTIONS = ("chain", "edit")
+"""Manifest sections whose ``images`` list the PNGs a run wrote beside its directory."""
+
+
+_IMAGE_NAME = re.compile(r"(?:-\d+)?\.png")
+"""What follows the directory's name in the name of an image a run writes beside it
+(``<out>.png``, ``<out>-<sample>.png``: ``drifttool.chain.image_paths``)."""
+
+
+def run_images(path: Path) -> dict[Path, str]:
+    """The images the run at ``path`` wrote beside its directory (its manifest's ``chain`` or
+    ``edit`` ``images``): resolved path → recorded SHA-256; empty when it holds no run or none.
+    Only paths a run at ``path`` writes count (beside it, named after it): a manifest naming
+    any other file names no image of this run."""
+    if not holds_run(path):
+        return {}
+    manifest = json.loads((path / S.MANIFEST).read_text())
+    here = path.resolve()
+    found = {}
+    for key in IMAGE_SECTIONS:
+        section = manifest.get(key)
+        for rec in (section.get("images") or []) if isinstance(section, dict) else []:
+            if isinstance(rec, dict) and isinstance(rec.get("path"), str) and isinstance(rec.get("sha256"), str):
+                image = Path(rec["path"]).resolve()
+                tail = image.name.removeprefix(here.name) if image.name.startswith(here.name) else ""
+                if image.parent == here.parent and _IMAGE_NAME.fullmatch(tail):
+                    found[image] = rec["sha256"]
+    return found
+
+
+def _remove_images(path: Path) -> None:
+    """Delete the images the earlier run at ``path`` wrote beside it, each only while its bytes
+    are still the recorded ones (a file the user replaced since is kept): an overwriting run
+    that writes no image (a run without --prompt, a stopped one) leaves no stale one behind."""
+    for image, sha in run_images(path).items():
+        try:
+            if image.is_file() and hashlib.sha256(image.read_bytes()).hexdigest() == sha:
+                image.unlink()
+        except OSError:
+            pass  # not ours to fail on: the new run's own check names an image in its way
+
+
 def remove_artifact(path: Path) -> None:
-    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own.
+    """Delete an earlier artifact at ``path`` — only if everything there is drifttool's own —
+    with the images it wrote beside it that still hold their recorded bytes (``_remove_images``).
 
     Raises:
         ArtifactError: no drifttool manifest there, or files that no artifact writes (user
             files are never deleted).
     """
-    try:
-        manifest = json.loads((path / S.MANIFEST).read_text())
-        ours = isinstance(manifest, dict) and "schema_version" in manifest and "files" in manifest
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
+    if not holds_run(path):
         raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
                             "overwrite")
     foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
                             " (not written by drifttool)")
+    _remove_images(path)
     for p in path.iterdir():
         p.unlink()
 

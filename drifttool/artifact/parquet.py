@@ -38,7 +38,7 @@ import pyarrow as pa
 import xxhash
 
 from drifttool.artifact.manifest import brief
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, writing
 
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
@@ -63,7 +63,7 @@ def write_parquet(path: Path, batches: Iterable[pa.RecordBatch], schema: pa.Sche
 
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with writing(path), open(tmp, "wb") as f:
             with pq.ParquetWriter(f, schema, **WRITE_OPTIONS) as w:
                 for batch in batches:
                     if batch.num_rows:

@@ -64,7 +64,7 @@ from drifttool.artifact import schema as S
 from drifttool.artifact.directory import atomic_write, claim, release
 from drifttool.artifact.manifest import layout_problem
 from drifttool.artifact.parquet import file_digest, write_parquet
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, writing
 
 SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")
 """Manifest keys that describe the whole run: every rank's writer must hold the same value (or
@@ -109,8 +109,9 @@ class _Stream:
         self._writer = pa.ipc.new_stream(self._file, schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
-        self._writer.write_batch(batch)
-        self._file.flush()
+        with writing(self.path):
+            self._writer.write_batch(batch)
+            self._file.flush()
 
     def close(self) -> None:
         """Close the stream; a second call does nothing (``ArtifactWriter.close(complete=False)``

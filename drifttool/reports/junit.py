@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from drifttool.errors import writing
+
 
 @dataclass(kw_only=True)
 class Case:
@@ -171,5 +173,6 @@ def write_junit(suites: Iterable[Suite], path: str | Path) -> Path:
     tree = ET.ElementTree(to_xml(suites))
     ET.indent(tree)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    with writing(path):
+        tree.write(path, encoding="utf-8", xml_declaration=True)
     return path

@@ -105,9 +105,11 @@ def replay_chain(
     spec = dataclasses.replace(spec, checkpoint=folder)
     rec = stored.manifest[section]
     if section == "chain":
-        spec, stages = prepare(spec, out, prompts=rec["prompts"], negative_prompts=rec.get("negative_prompts"))
+        spec, stages = prepare(spec, out, prompts=rec["prompts"], negative_prompts=rec.get("negative_prompts"),
+                               overwrite=options.overwrite)
     else:
-        spec, stages = prepare_edit(spec, out, condition_images=_condition_images(stored))
+        spec, stages = prepare_edit(spec, out, condition_images=_condition_images(stored),
+                                    overwrite=options.overwrite)
     model = prepare_trainer(stored, options)
     inputs = fresh_inputs(stored, stages.external)
     return execute(spec, out, overwrite=options.overwrite, on_step=on_step, model=model,
