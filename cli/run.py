@@ -25,7 +25,8 @@ def _samples(text: Optional[str]) -> Optional[list[int]]:
 
 def _stage_fixture(fixture: Optional[str], prompt: bool) -> None:
     """Refuse, in one line naming what it is and what runs it, a fixture ``run`` cannot take:
-    an edit fixture (condition image → VAE encode → trajectory → VAE decode) always, a chain
+    an edit fixture (condition image → VAE encode → trajectory → VAE decode) without ``--image``
+    (``run`` checks ``--image`` first), a chain
     fixture (a pipeline folder without stored prompt embeddings) without ``--prompt``."""
     if fixture is None:
         return
@@ -36,9 +37,9 @@ def _stage_fixture(fixture: Optional[str], prompt: bool) -> None:
     if kind == "edit":
         raise DriftToolError(
             f"--fixture {fixture}: an edit fixture (condition image → VAE encode → trajectory → VAE "
-            f"decode), which `drifttool run` does not take: `drifttool fixture verify {fixture}` "
-            "re-runs it; `drifttool run --condition LATENTS` runs an edit trajectory from packed "
-            "condition latents")
+            f"decode), which `drifttool run` takes only with --image: `drifttool fixture verify "
+            f"{fixture}` re-runs it; `drifttool run --image COND.png --checkpoint PIPELINE_DIR` runs "
+            "an edit from images, `--condition LATENTS` one from packed condition latents")
     if kind == "chain" and not prompt:
         raise DriftToolError(
             f"--fixture {fixture}: a chain fixture (a pipeline folder: prompt → text encoder → "
@@ -87,6 +88,12 @@ def run(
                    "OUT (OUT.png): every stage captured."),
     negative_prompt: Optional[str] = typer.Option(
         None, help="The negative prompt of --prompt (CFG runs only with one, diffusers' rule)."),
+    image: Optional[list[Path]] = typer.Option(
+        None, "--image", help="An edit run from condition images (repeat for edit-plus): each PNG (RGB, sides "
+                              "multiples of 16 px) goes through the --checkpoint pipeline's VAE encode (captured), "
+                              "then the trajectory, and the final latents are decoded to OUT.png. Prompt "
+                              "embeddings come from --prompt-embeds or the fixture (edit prompts' vision "
+                              "tokens are not built yet)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     condition: Optional[Path] = typer.Option(
@@ -132,6 +139,11 @@ def run(
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents, condition=condition,
     )
+    if image:
+        _image_run(spec, out, image, prompt=prompt if prompt is not None else negative_prompt,
+                   overwrite=overwrite, as_json=as_json,
+                   parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)
+        return
     with alike_on_every_rank():
         _stage_fixture(fixture, prompt is not None)
     if prompt is not None or negative_prompt is not None:
@@ -193,6 +205,38 @@ def run(
                   "no records to diff")
 
 
+def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], overwrite: bool,
+               as_json: bool, parallel: bool) -> None:
+    """``run --image``: an edit run from its condition images (``drifttool.chain_edit``)."""
+    from drifttool.chain_edit import run_edit  # lazy: keeps torch out of `drifttool --help`
+
+    if prompt is not None:
+        raise DriftToolError("--image takes --prompt-embeds, not --prompt: an edit prompt's vision tokens "
+                             "need the text encoder's vision tower, which drifttool does not run yet")
+    if parallel:
+        raise DriftToolError("--image runs in one process (no torchrun, --tp, --sp or --cfg-parallel)")
+    summary = run_edit(spec, out, condition_images=images, overwrite=overwrite)
+    _chain_summary(summary, out, stages="vae (encode) → mmdit → vae (decode)", as_json=as_json)
+
+
+def _chain_summary(summary: dict, out: Path, *, stages: str, as_json: bool) -> None:
+    """The summary of a chain or edit run: a table (or ``--json``) and its notes."""
+    if as_json:
+        _json.emit("run", summary)
+        return
+    table = Table(title=f"drifttool run → {out}", show_header=False)
+    for key in ("mode", "capture", "steps", "samples", "complete"):
+        table.add_row(key, str(summary[key]))
+    if "cfg" in summary:
+        table.add_row("CFG", "on (cond, uncond)" if summary["cfg"] else "off (one branch)")
+    table.add_row("stages", stages)
+    for path in summary["images"]:
+        table.add_row("image", path)
+    console.print(table)
+    for line in summary.get("warnings", []) + summary.get("notes", []):
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+
+
 def _prompt_run(spec, out: Path, prompt: Optional[str], negative_prompt: Optional[str], *,
                 overwrite: bool, as_json: bool, parallel: bool) -> None:
     """``run --prompt``: the full chain (``drifttool.chain``) in one process."""
@@ -208,16 +252,4 @@ def _prompt_run(spec, out: Path, prompt: Optional[str], negative_prompt: Optiona
     summary = run_chain(spec, out, prompts=[prompt],
                         negative_prompts=None if negative_prompt is None else [negative_prompt],
                         overwrite=overwrite)
-    if as_json:
-        _json.emit("run", summary)
-        return
-    table = Table(title=f"drifttool run → {out}", show_header=False)
-    for key in ("mode", "capture", "steps", "samples", "complete"):
-        table.add_row(key, str(summary[key]))
-    table.add_row("CFG", "on (cond, uncond)" if summary["cfg"] else "off (one branch)")
-    table.add_row("stages", "text_encoder → mmdit → vae")
-    for path in summary["images"]:
-        table.add_row("image", path)
-    console.print(table)
-    for line in summary.get("warnings", []) + summary.get("notes", []):
-        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+    _chain_summary(summary, out, stages="text_encoder → mmdit → vae", as_json=as_json)
