@@ -108,8 +108,8 @@ def _prompt_rows(inputs: RolloutInputs, negative: bool) -> dict[str, list[int] |
     if key not in memo:
         if len(memo) >= 4:
             memo.clear()
-        memo[key] = txt_rows(txt, mask)
-    return memo[key]
+        memo[key] = (txt, mask, txt_rows(txt, mask))  # holding them: their ids stay theirs
+    return memo[key][2]
 
 
 def _stacked_rows(rows_c: dict, rows_u: dict) -> dict[str, list[int] | None]:
