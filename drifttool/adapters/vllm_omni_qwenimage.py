@@ -4,7 +4,7 @@ capture levels L1/L2).
     >>> tr = load_transformer("fixtures/tiny-t2i/transformer", torch.bfloat16)  # a diffusers folder
     >>> run_vllm_omni(RunSpec(), "runs/vllm-omni", transformer=tr)
     >>> diff_runs(open_run("runs/diffusers"), open_run("runs/vllm-omni")).first_drift.op
-    'qk_rmsnorm'
+    'txt_in_rmsnorm_linear'
 
 The same design as ``drifttool.adapters.diffusers_qwenimage``: an unmodified vllm-omni transformer
 is instrumented from outside, inside ``instrument(tr, rt)``; the table ``TAPS`` becomes forward
@@ -200,7 +200,8 @@ class VllmOmniQwenImage(torch.nn.Module):
 
     Raises:
         UnsupportedConfigError: ``od_config.enforce_eager`` is False (vllm-omni compiles the
-            transformer under it), or the transformer is compiled (``compiled_problem``).
+            transformer under it), a cache backend is set, or the transformer is compiled
+            (``compiled_problem``).
     """
 
     def __init__(self, transformer: torch.nn.Module, od_config: Any, config: dict[str, Any]) -> None:
@@ -208,6 +209,12 @@ class VllmOmniQwenImage(torch.nn.Module):
             raise UnsupportedConfigError(f"{EAGER_ONLY}: the OmniDiffusionConfig has "
                                          f"enforce_eager={od_config.enforce_eager!r}; build and run "
                                          "it with enforce_eager=True")
+        cache = getattr(od_config, "cache_backend", None)
+        if cache not in (None, "none"):
+            raise UnsupportedConfigError(f"vllm-omni capture: cache backend {cache!r} is not supported (a "
+                                         "step cache skips or reuses block outputs, so the captured "
+                                         "operators would not all run every step); build it with "
+                                         "cache_backend='none'")
         _refuse_compiled(transformer)
         super().__init__()
         object.__setattr__(self, "transformer", transformer)

@@ -43,6 +43,8 @@ from typing import Any, Callable
 import torch
 
 import drifttool.ops  # noqa: F401  (declares the operators and registers the strict family)
+from drifttool.adapters.vllm_omni_glue import check_version
+from drifttool.adapters.vllm_omni_qwenimage import compiled_problem
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.ops.registry import implementation
 
@@ -202,21 +204,47 @@ class Binding:
         self.restore()
 
 
-def bind_strict_gemms(transformer: torch.nn.Module, od_config: Any) -> Binding:
-    """Bind drifttool's strict GEMM operators to the vLLM linears of vllm-omni's Qwen-Image
-    ``transformer`` built under ``od_config`` (module docstring; use as a context manager or
-    call ``restore()``).
+def bindable(transformer: Any, od_config: Any) -> torch.nn.Module:
+    """The vllm-omni transformer to bind (``VllmOmniQwenImage``, the capture wrapper
+    ``load_transformer`` returns, is unwrapped), after the checks every strict binding makes.
 
     Raises:
-        UnsupportedConfigError: ``refusal(od_config)``; a linear already bound; a bindable linear
+        DriftToolError: vllm-omni missing or of a version the adapter does not describe.
+        UnsupportedConfigError: ``refusal(od_config)``; a transformer compiled by torch.compile
+            (whatever the config says); not vllm-omni's Qwen-Image transformer (no
+            ``transformer_blocks``).
+    """
+    check_version()
+    why = refusal(od_config)
+    if why:
+        raise UnsupportedConfigError(why)
+    inner = getattr(transformer, "transformer", None)
+    if not hasattr(transformer, "transformer_blocks") and isinstance(inner, torch.nn.Module):
+        transformer = inner  # VllmOmniQwenImage: the model it wraps
+    if not isinstance(transformer, torch.nn.Module) or not hasattr(transformer, "transformer_blocks"):
+        raise UnsupportedConfigError(f"strict binding takes vllm-omni's Qwen-Image transformer (or the "
+                                     f"VllmOmniQwenImage around it), not {type(transformer).__name__}")
+    problem = compiled_problem(transformer)
+    if problem is not None:
+        raise UnsupportedConfigError(f"strict binding refuses a compiled transformer: {problem}; "
+                                     "build and run it with enforce_eager=True")
+    return transformer
+
+
+def bind_strict_gemms(transformer: torch.nn.Module, od_config: Any) -> Binding:
+    """Bind drifttool's strict GEMM operators to the vLLM linears of vllm-omni's Qwen-Image
+    ``transformer`` (or the ``VllmOmniQwenImage`` around it) built under ``od_config`` (module
+    docstring; use as a context manager or call ``restore()``).
+
+    Raises:
+        DriftToolError, UnsupportedConfigError: as ``bindable``.
+        UnsupportedConfigError: no linear to bind; a linear already bound; a bindable linear
             whose method is not vLLM's unquantized one (a quantized checkpoint: no strict
             operator), that has no ``weight`` (vLLM's CPU platform packs and removes it) or whose
             QKV has grouped K/V heads.
         DriftToolError: vllm is not installed.
     """
-    why = refusal(od_config)
-    if why:
-        raise UnsupportedConfigError(why)
+    transformer = bindable(transformer, od_config)
     method = _method_class()
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -248,6 +276,9 @@ def bind_strict_gemms(transformer: torch.nn.Module, od_config: Any) -> Binding:
         else:
             gemm = StrictGemm(op)
         plan.append((path, layer, gemm))
+    if not plan:
+        raise UnsupportedConfigError(f"strict binding found no vLLM linear to bind in "
+                                     f"{type(transformer).__name__}")
     for path, layer, gemm in plan:  # nothing is replaced until every linear is accepted
         layer.quant_method = method(gemm, layer.quant_method)
         binding.bound[path] = gemm.op

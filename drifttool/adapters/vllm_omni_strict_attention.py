@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import drifttool.ops  # noqa: F401  (declares the operators and registers the strict family)
-from drifttool.adapters.vllm_omni_strict import refusal
+from drifttool.adapters.vllm_omni_strict import bindable
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implementation
 
@@ -109,12 +109,12 @@ def bind_strict_attention(transformer: torch.nn.Module, od_config: Any) -> Atten
     """Bind strict ``joint_attention_fused`` to every block's ``attn.attn`` (module docstring).
 
     Raises:
-        UnsupportedConfigError: ``refusal(od_config)``; a layer already bound, with another
+        DriftToolError, UnsupportedConfigError: as ``vllm_omni_strict.bindable`` (the
+            ``VllmOmniQwenImage`` wrapper is unwrapped).
+        UnsupportedConfigError: a layer already bound, with another
             scale, causal, with grouped K/V heads or a parallel strategy.
     """
-    why = refusal(od_config)
-    if why:
-        raise UnsupportedConfigError(why)
+    transformer = bindable(transformer, od_config)
     plan = []
     for i, blk in enumerate(transformer.transformer_blocks):
         path = f"transformer_blocks.{i}.attn.attn"

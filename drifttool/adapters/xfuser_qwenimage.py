@@ -121,6 +121,24 @@ def _refuse_unsupported(transformer: torch.nn.Module, mod: Any) -> None:
                                      "not supported (the Q/K RMSNorms would not run as modules)")
 
 
+XFUSER_DIFFUSERS = "0.42."
+"""The diffusers release xfuser 0.7.0 is captured with (its wrapper subclasses diffusers' model)."""
+
+
+def _xfuser_diffusers():
+    """diffusers' Qwen-Image module, when its version is ``XFUSER_DIFFUSERS``.
+
+    Raises:
+        DriftToolError: diffusers missing or of another version.
+    """
+    mod = _diffusers_module()  # installed, and a version the diffusers adapter describes
+    version = _diffusers_version()
+    if not version.startswith(XFUSER_DIFFUSERS):
+        raise DriftToolError(f"the xfuser capture adapter runs with diffusers {XFUSER_DIFFUSERS}x, "
+                             f"not {version}")
+    return mod
+
+
 @contextlib.contextmanager
 def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
     """Hook ``transformer`` (an ``xFuserQwenImageTransformerWrapper``) for the block: every
@@ -136,7 +154,7 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
         UnsupportedConfigError: parallelism, ``zero_cond_t``, the fused QK-norm+RoPE path.
     """
     check_version()
-    dmod = _diffusers_module()
+    dmod = _xfuser_diffusers()
     mod = transformer_module()
     if not isinstance(transformer, mod.xFuserQwenImageTransformerWrapper):
         raise DriftToolError(f"expected xfuser's xFuserQwenImageTransformerWrapper, got "
@@ -224,7 +242,7 @@ def load_transformer(folder: str | Path, dtype: torch.dtype,
         DriftToolError: xfuser or diffusers missing or of another version, or the folder cannot
             be loaded.
     """
-    _diffusers_module()
+    _xfuser_diffusers()
     cpu_runtime()
     cls = transformer_module().xFuserQwenImageTransformerWrapper
     folder = transformer_folder(folder)

@@ -12,7 +12,7 @@ python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q --no-compile torch==2.13.0      # the CPU build; first, as everywhere
-"$PY" -m pip install -q --no-compile --no-deps vllm==0.30.0 vllm-omni==0.30.0  # 800 MB: no .pyc pass
+"$PY" -m pip install -q --no-compile --no-deps vllm==0.30.0 vllm-omni==0.30.0  # the vllm wheel is 315 MB: no .pyc pass
 # xgrammar's metadata asks for triton; vllm imports only its grammar classes
 "$PY" -m pip install -q --no-deps "xgrammar>=0.2.1,<1" apache-tvm-ffi==0.1.11
 "$PY" -m pip install -q -r "$HERE/requirements.txt"

@@ -247,6 +247,20 @@ def test_a_compiled_run_is_refused_naming_enforce_eager(load, omni, model_folder
         VllmOmniQwenImage(load(torch.float32).transformer, compiling, {})
 
 
+def test_a_step_cache_backend_is_refused_in_one_line(load):
+    """TeaCache / cache-dit skip or reuse block outputs between steps: refused by the capture."""
+    import copy
+
+    from drifttool.adapters.vllm_omni_qwenimage import VllmOmniQwenImage
+
+    model = load(torch.float32)
+    od = copy.copy(model.od_config)
+    od.cache_backend = "tea_cache"
+    with pytest.raises(UnsupportedConfigError, match="cache backend 'tea_cache' is not supported") as e:
+        VllmOmniQwenImage(model.transformer, od, {})
+    assert "\n" not in str(e.value)
+
+
 def _cpu_fused_qk_norm_rope(q, k, wq, wk, table, eps, interleaved=True):
     """A CPU stand-in for vllm-omni's Triton QK-RMSNorm+RoPE kernel (the norm modules do not run):
     only the adapter's path bookkeeping is under test, not the kernel's bytes."""

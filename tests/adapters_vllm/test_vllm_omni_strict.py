@@ -259,3 +259,41 @@ def test_attention_refuses_another_scale_and_a_compiled_run_and_binds_nothing(lo
     finally:
         impl.softmax_scale = scale
     assert type(tr.transformer_blocks[0].attn.attn.attention).__name__ == "CpuSDPAImpl"
+
+
+def test_the_capture_wrapper_binds_as_its_transformer(load):
+    """``load_transformer`` returns the capture wrapper; binding it binds the model inside."""
+    from drifttool.adapters.vllm_omni_strict import bind_strict_gemms
+    from drifttool.adapters.vllm_omni_strict_attention import bind_strict_attention
+
+    model = load(torch.float32)
+    with bind_strict_gemms(model, model.od_config) as gemms, \
+            bind_strict_attention(model, model.od_config) as attn:
+        assert gemms.bound and attn.bound
+        assert type(model.transformer.img_in.quant_method).__name__ == "StrictLinearMethod"
+
+
+def test_refuses_a_compiled_module_another_version_and_a_non_transformer(load, monkeypatch):
+    import importlib.metadata
+
+    from drifttool.adapters.vllm_omni_strict import bind_strict_gemms
+    from drifttool.adapters.vllm_omni_strict_attention import bind_strict_attention
+    from drifttool.errors import DriftToolError
+
+    model = load(torch.float32)
+    for bind in (bind_strict_gemms, bind_strict_attention):
+        with pytest.raises(UnsupportedConfigError, match="takes vllm-omni's Qwen-Image transformer"):
+            bind(torch.nn.Linear(2, 2), model.od_config)
+    block = model.transformer.transformer_blocks[0]
+    monkeypatch.setattr(block, "_compiled_call_impl", lambda *a, **k: None, raising=False)
+    for bind in (bind_strict_gemms, bind_strict_attention):
+        with pytest.raises(UnsupportedConfigError, match="refuses a compiled transformer") as e:
+            bind(model.transformer, model.od_config)  # the config still says enforce_eager=True
+        assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.31.0" if name == "vllm-omni" else real(name))
+    with pytest.raises(DriftToolError, match="vllm-omni 0.31.0 is not supported"):
+        bind_strict_gemms(model.transformer, model.od_config)
+    assert type(model.transformer.img_in.quant_method).__name__ != "StrictLinearMethod"

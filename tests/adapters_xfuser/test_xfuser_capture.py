@@ -261,6 +261,13 @@ def test_refuses_other_versions_models_and_parallel_degrees(load, monkeypatch):
         with instrument(tr, rt):
             pass
     assert str(e.value) == "xfuser 0.7.1 is not supported by the capture adapter (supported: 0.7.0)"
+    monkeypatch.undo()
+    import diffusers
+
+    monkeypatch.setattr(diffusers, "__version__", "0.40.0")  # one the diffusers adapter takes
+    with pytest.raises(DriftToolError, match="runs with diffusers 0.42.x, not 0.40.0"):
+        with instrument(tr, rt):
+            pass
 
 
 def test_an_attention_that_bypasses_the_registry_is_an_error(load, monkeypatch):
