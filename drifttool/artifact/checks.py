@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact import manifest_schema as MS
 from drifttool.artifact import schema as S
 from drifttool.artifact.manifest import brief, listed_files, world_size
@@ -114,32 +114,32 @@ negative ``op_pos``. Op records before the first step (``step`` −1) carry
             raise ArtifactError(f"{where}: {col.null_count} null(s) in column {field.name!r}, "
                                 "which may not be null")
     names = batch.schema.names
-    dtypes = set(batch.column("dtype").unique().to_pylist()) if "dtype" in names else set()
+    dtypes = set(ac.unique(batch.column("dtype")).to_pylist()) if "dtype" in names else set()
     if dtypes - set(S.DTYPE_SIZES):
         raise ArtifactError(f"{where}: unknown dtype(s) {sorted(dtypes - set(S.DTYPE_SIZES))}")
     if "data" in names:  # step records: the bytes must be the shape's
-        sizes = pc.binary_length(batch.column("data")).to_pylist()
+        sizes = ac.call("binary_length", batch.column("data")).to_pylist()
         for i, (dt, shape) in enumerate(zip(batch.column("dtype").to_pylist(),
                                             batch.column("shape").to_pylist())):
             if min(shape, default=0) < 0 or math.prod(shape) * S.DTYPE_SIZES[dt] != sizes[i]:
                 raise ArtifactError(f"{where}: row {i} holds {sizes[i]} bytes, not the "
                                     f"{dt} {shape} its dtype and shape declare")
-    components = (set(batch.column("component").unique().to_pylist()) - {None}
+    components = (set(ac.unique(batch.column("component")).to_pylist()) - {None}
                   if "component" in names else set())
     if components - set(S.COMPONENTS):
         raise ArtifactError(f"{where}: unknown component(s) "
                             f"{sorted(components - set(S.COMPONENTS))} (one of {S.COMPONENTS})")
-    if "op_pos" in names and (pc.min(batch.column("op_pos")).as_py() or 0) < 0:
+    if "op_pos" in names and (ac.call("min", batch.column("op_pos")).as_py() or 0) < 0:
         raise ArtifactError(f"{where}: negative op_pos (a program position counts from 0)")
     for name in ("sigma", "sigma_next"):
         if name not in names:
             continue
         col = batch.column(name)
-        bad = pc.invert(pc.is_finite(col))
+        bad = ac.call("invert", ac.call("is_finite", col))
         if ops:  # op records before the first step have no sigma
-            bad = pc.and_(bad, pc.invert(pc.and_(pc.equal(batch.column("step"), -1),
-                                                 pc.is_nan(col))))
-        n = pc.sum(pc.cast(bad, pa.int64())).as_py() or 0
+            bad = ac.call("and", bad, ac.call("invert", ac.call(
+                "and", ac.call("equal", batch.column("step"), -1), ac.call("is_nan", col))))
+        n = ac.call("sum", ac.cast(bad, pa.int64())).as_py() or 0
         if n:
             raise ArtifactError(f"{where}: {n} non-finite value(s) in identity column {name!r}")
 
@@ -165,10 +165,10 @@ def per_step_min_max(table: pa.Table, column: str) -> list[dict]:
     pyarrow's ``min``/``max`` ignore it. numpy, not pyarrow's ``group_by``: that loads
     ``pyarrow.acero`` and ``pyarrow.dataset`` (about 70 ms of a ``drifttool diff``'s start-up).
     """
-    t = table.filter(pc.greater_equal(table["step"], 0))
+    t = ac.filter(table, ac.call("greater_equal", table["step"], 0))
     if t.num_rows == 0:
         return []
-    phase = pc.dictionary_encode(t["phase"].combine_chunks())
+    phase = ac.dictionary_encode(t["phase"].combine_chunks())
     key = np.stack([t["rank"].to_numpy().astype(np.int64), phase.indices.to_numpy().astype(np.int64),
                     t["step"].to_numpy().astype(np.int64)], 1)  # [N, 3]
     uniq, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
@@ -242,7 +242,7 @@ def check_records_match_manifest(path: Path, manifest: dict[str, Any], steps: pa
                             "(L2 data; a hand-edited manifest?)")
     phase = MS.KIND_PHASE.get(manifest.get("kind"))
     for name, table in (("steps.rank*", steps), ("ops.rank*", ops)):
-        other = sorted(set(table["phase"].unique().to_pylist()) - {phase}) if phase else []
+        other = sorted(set(ac.unique(table["phase"]).to_pylist()) - {phase}) if phase else []
         if other:
             raise ArtifactError(f"{path}: kind {manifest['kind']!r} but {name} holds phase "
                                 f"{other[0]!r} records (a {manifest['kind']} holds phase "

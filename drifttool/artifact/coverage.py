@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from drifttool.artifact import compute as ac
 from drifttool.errors import ArtifactError
 
 
@@ -33,7 +33,7 @@ def _check_rank_columns(path: Path, world: int, ops: pa.Table) -> None:
     """
     if "rank_digests" not in ops.column_names or not ops.num_rows:
         return
-    lens = pc.list_value_length(ops.column("rank_digests")).to_pylist()
+    lens = ac.call("list_value_length", ops.column("rank_digests")).to_pylist()
     bad = [i for i, n in enumerate(lens) if n is not None and n != world]
     if bad:
         raise ArtifactError(f"{path}: ops.rank* record {bad[0]} holds "

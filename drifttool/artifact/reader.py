@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from safetensors import SafetensorError
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 from drifttool.artifact.checks import (check_batch, check_directory, check_inputs,
                                        check_records_match_manifest, check_sigmas,
@@ -227,7 +227,7 @@ class Run:
                 table, problem = read_stream(path, schema, complete=self.complete)
             rank = S.parse_rank_file(name)[1]
             if "rank" in table.column_names:
-                if table.num_rows and not pc.all(pc.equal(table["rank"], rank)).as_py():
+                if table.num_rows and not ac.call("all", ac.call("equal", table["rank"], rank)).as_py():
                     raise ArtifactError(f"{path}: holds records of another rank than "
                                         f"{rank} (a renamed or copied file)")
             else:  # the owning rank is the file's

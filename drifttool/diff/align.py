@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from drifttool.artifact import compute as ac
 from drifttool.diff.arrays import arrow_array
 from drifttool.diff.order import program_order
 from drifttool.diff.report import Counts
@@ -46,7 +47,7 @@ def _codes(ca: pa.ChunkedArray, cb: pa.ChunkedArray) -> tuple[np.ndarray, np.nda
     """Dense int64 codes of one column over both tables, and the code count."""
     if pa.types.is_string(ca.type) or pa.types.is_large_string(ca.type):
         both = pa.chunked_array([*ca.chunks, *cb.chunks], type=ca.type).combine_chunks()
-        enc = both.dictionary_encode()
+        enc = ac.dictionary_encode(both)
         codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         n = len(enc.dictionary)
     else:
@@ -159,7 +160,7 @@ def drop_replicas(t: pa.Table, key: Sequence[str]) -> tuple[pa.Table, int, int]:
     conflicts = int(np.count_nonzero(many_ranks & ~agree))
     if keep.all():
         return t, 0, conflicts
-    return t.filter(arrow_array(keep)), int(np.count_nonzero(~keep)), conflicts
+    return ac.filter(t, arrow_array(keep)), int(np.count_nonzero(~keep)), conflicts
 
 
 @dataclass

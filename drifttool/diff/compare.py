@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
 from drifttool.diff.arrays import arrow_array
@@ -76,11 +76,11 @@ def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: boo
     fused operator's own record instead, and both runs hold that."""
     t = table.append_column("_row", arrow_array(np.arange(table.num_rows, dtype=np.int64)))
     if drop_grads and "role" in t.column_names:
-        t = t.filter(pc.is_in(t["role"], pa.array(["output", "internal"])))
+        t = ac.filter(t, ac.is_in(t["role"], ["output", "internal"]))
     if level != "L2" and "role" in t.column_names:
-        t = t.filter(pc.not_equal(t["role"], "internal"))
+        t = ac.filter(t, ac.call("not_equal", t["role"], "internal"))
     for old, new in (phase_map or {}).items():
-        col = pc.if_else(pc.equal(t["phase"], old), pa.scalar(new), t["phase"])
+        col = ac.call("if_else", ac.call("equal", t["phase"], old), pa.scalar(new), t["phase"])
         t = t.set_column(t.column_names.index("phase"), "phase", col)
     return t
 
@@ -191,8 +191,8 @@ def _samples_only_in_one_run(tables: list[TableDiff]) -> tuple[list, list, list]
     if sa == sb or not common:
         return None
     for t in tables:
-        lone_a = set(t.a.column("sample").take(t.al.only_a).to_pylist())
-        lone_b = set(t.b.column("sample").take(t.al.only_b).to_pylist())
+        lone_a = set(ac.take(t.a.column("sample"), arrow_array(t.al.only_a)).to_pylist())
+        lone_b = set(ac.take(t.b.column("sample"), arrow_array(t.al.only_b)).to_pylist())
         if (lone_a | lone_b) & common:
             return None
     return sorted(common), sorted(sa - sb), sorted(sb - sa)

@@ -14,6 +14,7 @@ them legitimately) and are not checked here.
 
 from __future__ import annotations
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact.reader import Run
 from drifttool.diff.align import TableDiff
 from drifttool.diff.arrays import arrow_array
@@ -49,8 +50,8 @@ def check_matched(run_a: Run, run_b: Run, kind: str, t: TableDiff) -> None:
     cols = [c for c in DERIVED if c in full_a.column_names]
     ra = t.a.column("_row").to_numpy()[ia]
     rb = t.b.column("_row").to_numpy()[ib]
-    sel_a = full_a.select(cols).take(arrow_array(ra))
-    sel_b = full_b.select(cols).take(arrow_array(rb))
+    sel_a = ac.take(full_a.select(cols), arrow_array(ra))
+    sel_b = ac.take(full_b.select(cols), arrow_array(rb))
     for c in cols:
         ca, cb = sel_a.column(c), sel_b.column(c)
         if ca.equals(cb):

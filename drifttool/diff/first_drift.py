@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact.reader import Run
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff
@@ -115,10 +115,10 @@ def _rank_marks(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Row indices of ``table``'s op records whose ranks disagree (``rank_disagree`` not empty)
     and of its operator outputs not checked on every rank (``rank_disagree`` null)."""
     col = table.column("rank_disagree")
-    n = pc.fill_null(pc.list_value_length(col), 0).to_numpy()
-    outputs = pc.is_in(table.column("role"), pa.array(["output", "internal"])).to_numpy(
-        zero_copy_only=False)
-    unchecked = col.is_null().to_numpy(zero_copy_only=False) & outputs
+    lens = ac.call("list_value_length", col)
+    n = ac.call("coalesce", lens, pa.scalar(0, lens.type)).to_numpy()
+    outputs = ac.is_in(table.column("role"), ["output", "internal"]).to_numpy(zero_copy_only=False)
+    unchecked = ac.is_null(col).to_numpy(zero_copy_only=False) & outputs
     return np.flatnonzero(n > 0), np.flatnonzero(unchecked)
 
 

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 
 _SAMPLER_LAST = np.int64(1) << 40  # SAMPLER_BLOCK after every model block
@@ -43,13 +44,13 @@ def _ordinals(tables: Sequence[pa.Table], name: str) -> dict[str, int]:
     values: set[str] = set()
     for t in tables:
         if name in t.column_names:
-            values.update(t.column(name).unique().to_pylist())
+            values.update(ac.unique(t.column(name)).to_pylist())
     ranked = sorted(values, key=lambda v: (known.index(v) if v in known else len(known), v))
     return {v: i for i, v in enumerate(ranked)}
 
 
 def _strings(t: pa.Table, name: str, ords: dict[str, dict[str, int]]) -> np.ndarray:
-    enc = t.column(name).combine_chunks().dictionary_encode()
+    enc = ac.dictionary_encode(t.column(name).combine_chunks())
     lookup = np.array([ords[name][v] for v in enc.dictionary.to_pylist()], dtype=np.int64)
     return lookup[enc.indices.to_numpy(zero_copy_only=False)]
 
@@ -68,7 +69,7 @@ def _keys(t: pa.Table, ords: dict[str, dict[str, int]]) -> np.ndarray:
     k[:, 1] = _ints(t, "step")
     k[:, 2] = _strings(t, "component", ords)
     if "op_pos" in t.column_names:
-        role = t.column("role").combine_chunks().dictionary_encode()
+        role = ac.dictionary_encode(t.column("role").combine_chunks())
         group = np.array([_ROLE_GROUP.get(v, len(S.ROLES)) for v in role.dictionary.to_pylist()],
                          dtype=np.int64)
         k[:, 3] = group[role.indices.to_numpy(zero_copy_only=False)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from drifttool.artifact import compute as ac
 from drifttool.diff.align import TableDiff, encode_keys
 from drifttool.diff.arrays import arrow_array
 from drifttool.diff.report import OpRef, QuantityDrift, StepDrift, TransitionKL
@@ -30,14 +31,14 @@ def by_step(table: pa.Table, rows: np.ndarray | None,
     if rows is None:
         rows = np.arange(table.num_rows)
     else:
-        sub = sub.take(arrow_array(rows))
+        sub = ac.take(sub, arrow_array(rows))
     if rows.size == 0:
         return {}
     g, _ = encode_keys(sub, sub.slice(0, 0), ("phase", "step"))
     order = np.lexsort((rows, pos[rows], g))
     _, first, counts = np.unique(g[order], return_index=True, return_counts=True)
     firsts = rows[order][first]
-    ph = table.column("phase").take(arrow_array(firsts)).to_pylist()
+    ph = ac.take(table.column("phase"), arrow_array(firsts)).to_pylist()
     st = table.column("step").to_numpy()[firsts]
     return {(p, int(s)): (int(c), int(r)) for p, s, c, r in zip(ph, st, counts, firsts)}
 

@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from drifttool.artifact import compute as ac
+from drifttool.diff.arrays import arrow_array
 from drifttool.diff.values import compare_values, values
 from drifttool.errors import DriftToolError
 
@@ -274,8 +276,8 @@ def judge(profile: Profile, run_a: Any, run_b: Any, step_table: Any, op_table: A
         full_b = run_b.steps_table() if kind == "step" else run_b.ops_table()
         rows_a = t.a.column("_row").to_numpy()[t.da]
         rows_b = t.b.column("_row").to_numpy()[t.db]
-        recs_a = full_a.take(rows_a).to_pylist()
-        recs_b = full_b.take(rows_b).to_pylist()
+        recs_a = ac.take(full_a, arrow_array(rows_a)).to_pylist()
+        recs_b = ac.take(full_b, arrow_array(rows_b)).to_pylist()
         worst = res.worst.setdefault(key, {})
         for pos, ra, rb in zip(t.pos_a[t.da], recs_a, recs_b):
             name = ra["quantity"] if kind == "step" else ra["op"]
@@ -315,8 +317,8 @@ def measure(run_a: Any, run_b: Any, step_table: Any, op_table: Any | None, *,
         if t.da.size:
             full_a = run_a.steps_table() if kind == "step" else run_a.ops_table()
             full_b = run_b.steps_table() if kind == "step" else run_b.ops_table()
-            recs_a = full_a.take(t.a.column("_row").to_numpy()[t.da]).to_pylist()
-            recs_b = full_b.take(t.b.column("_row").to_numpy()[t.db]).to_pylist()
+            recs_a = ac.take(full_a, arrow_array(t.a.column("_row").to_numpy()[t.da])).to_pylist()
+            recs_b = ac.take(full_b, arrow_array(t.b.column("_row").to_numpy()[t.db])).to_pylist()
             for ra, rb in zip(recs_a, recs_b):
                 name = ra["quantity"] if kind == "step" else ra["op"]
                 m = (step_measures(values(ra["dtype"], ra["shape"], ra["data"]),

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
+
+from drifttool.artifact import compute as ac
 
 Declared = tuple[set[str], set[tuple[str, int]]]
 
@@ -37,14 +38,14 @@ def drop_uncaptured(table: pa.Table, a: Declared, b: Declared, *, ops: bool) -> 
         pairs = a[1] | b[1]
         if not pairs or not table.num_rows:
             return table
-        keep = pc.invert(pc.is_in(pc.binary_join_element_wise(
-            table["op"], pc.cast(table["index"], pa.utf8()), "#"),
-            pa.array(sorted(f"{op}#{i}" for op, i in pairs))))
-        return table.filter(keep)
+        keep = ac.call("invert", ac.is_in(ac.call(
+            "binary_join_element_wise", table["op"], ac.cast(table["index"], pa.utf8()), "#"),
+            sorted(f"{op}#{i}" for op, i in pairs)))
+        return ac.filter(table, keep)
     names = a[0] | b[0]
     if not names or not table.num_rows:
         return table
-    return table.filter(pc.invert(pc.is_in(table["quantity"], pa.array(sorted(names)))))
+    return ac.filter(table, ac.call("invert", ac.is_in(table["quantity"], sorted(names))))
 
 
 def note(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:

@@ -1,8 +1,9 @@
 """The commands people run most never import torch (seconds of import for a 0.1 s job):
 ``--help``, ``diff``, ``trace``, ``overlay`` and the seal check of ``fixture verify``; ``--help``
 does not import pyarrow either. ``diff`` imports no other command's module, not ``numpy.ma``
-(``drifttool.diff.arrays``) and not ``pyarrow.parquet``/``pyarrow.fs``
-(``drifttool.artifact.parquet``), and ``--checkpoint`` support costs it nothing until given.
+(``drifttool.diff.arrays``), not ``pyarrow.parquet``/``pyarrow.fs``
+(``drifttool.artifact.parquet``); ``diff`` and ``trace`` do not import ``pyarrow.compute``
+(``drifttool.artifact.compute``); and ``--checkpoint`` support costs it nothing until given.
 
 Each command runs in a fresh interpreter through the console script's entry point
 (``drifttool.cli.app:main``), which then reports whether ``torch`` is in ``sys.modules``.
@@ -34,6 +35,7 @@ print(f"pyarrow imported: {'pyarrow' in sys.modules}", file=sys.stderr)
 print(f"numpy.ma imported: {'numpy.ma' in sys.modules}", file=sys.stderr)
 print(f"pyarrow.fs imported: {'pyarrow.fs' in sys.modules or 'pyarrow.parquet' in sys.modules}",
       file=sys.stderr)
+print(f"pyarrow.compute imported: {'pyarrow.compute' in sys.modules}", file=sys.stderr)
 print("modules: " + " ".join(sorted(m for m in sys.modules if m.startswith("drifttool"))),
       file=sys.stderr)
 sys.exit(code)
@@ -73,6 +75,8 @@ def test_command_does_not_import_torch(args, code, strict_run, auto_run, tmp_pat
     assert "torch imported: False" in err, err[-2000:]
     if "--help" in args:  # help text needs no artifact reader either
         assert "pyarrow imported: False" in err, err[-2000:]
+    if args[0] in ("diff", "trace") and "--help" not in args:
+        assert "pyarrow.compute imported: False" in err, err[-2000:]
     if args[0] == "diff":
         loaded = set(err.split("modules: ", 1)[1].split("\n", 1)[0].split())
         others = {f"drifttool.cli.{m}" for m in ("run", "trace", "probe", "overlay", "replay",
