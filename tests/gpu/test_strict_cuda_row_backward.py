@@ -25,8 +25,9 @@ from tests.conftest import assert_same_bytes, bits
 import drifttool.ops  # noqa: F401  (registers the families)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.registry import implementation
-from drifttool.ops.strict import embed
+from drifttool.ops.strict import adaln, embed
 from drifttool.ops.strict_cuda import row_backward as rb
+from drifttool.ops.strict_cuda import rows as R
 from drifttool.ops.strict_trees import tree_sum_stack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -170,6 +171,39 @@ def test_qk_gain_grad_is_the_tree_of_per_sample_grads_at_full_width():
     whole = rb.sample_row_sums(go, rb._k().norm_grads(x, go, 1e-6, gain=gain, dx_dtype=None, want_xhat=True)[1])
     assert_same_bytes(whole, torch.cat(parts), "per-sample dgain partials in batch 3 vs alone")
     assert_same_bytes(dgain, tree_sum_stack([p[0] for p in parts]).to(gain.dtype), "dgain = tree of the partials")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_final_adaln_grads_cpu_bytes_given_emb_fp64_and_invariance(dtype):
+    """norm_out's backward at full width: dx equals strict CPU's given the forward's emb (the
+    GEMM's K order is cuda1's, so emb itself is not the CPU's); dx, dw, db against FP64; every
+    gradient of a sample alone equals its part of batch 3, and dw, db (FP32) are the pairwise tree
+    of the samples' own."""
+    n = 997
+    x = _g(70, 3, n, D, dtype=dtype, scale=2.0, shift=0.3)
+    temb, w, b = _g(71, 3, D, dtype=dtype), _g(72, 2 * D, D, dtype=dtype, scale=0.02), _g(73, 2 * D, dtype=dtype)
+    go = _g(74, 3, n, D, dtype=dtype)
+    go[2, 600:] = 0  # sample 2's prompt padding
+    op = cuda("final_adaln_out")
+    full = _grads(op, (x, temb, w, b), go, (0, 2, 3), "cuda")
+    emb = R._final_emb(temb.cuda(), w.cuda(), b.cuda()).cpu()  # [3, 2D] FP32: the forward's
+    scale1 = 1.0 + emb[:, :D]
+    xhat, rstd = adaln.layer_norm_parts(x.float(), 1e-6)
+    dx_cpu = adaln._modulate_grads(go.float(), xhat, rstd, scale1, (True, False, False))[0].to(dtype)
+    assert measure("final_adaln_out", "dx", full[0], dx_cpu) == 1.0, "final_adaln_out dx differs from strict CPU"
+    leaves = [t.double().requires_grad_(True) for t in (x, temb, w, b)]
+    fp64 = torch.autograd.grad(ref.final_adaln_out(*leaves), [leaves[0], leaves[2], leaves[3]], go.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    for what, g, r in zip(("dx", "dw", "db"), full, fp64):
+        err = ((g.double().cpu() - r).abs() / (1 + r.abs())).max().item()
+        print(f"\nstrict-cuda-grad-vs-fp64 final_adaln_out {what} {str(dtype).removeprefix('torch.')}: {err:.3e}")
+        assert err <= tol, f"final_adaln_out {what}: scaled error {err:.3g} > {tol}"
+    ones = [_grads(op, (x[i:i + 1], temb[i:i + 1], w, b), go[i:i + 1], (0, 2, 3), "cuda") for i in range(3)]
+    for i in range(3):
+        assert_same_bytes(full[0][i:i + 1], ones[i][0], f"dx of sample {i} vs alone")
+    if dtype == torch.float32:
+        for k, what in ((1, "dw"), (2, "db")):
+            assert_same_bytes(full[k], tree_sum_stack([o[k] for o in ones]), f"{what} = tree of the samples'")
 
 
 # ----------------------------------------------------------------------------- refusals, speed

@@ -1,6 +1,6 @@
 """Strict CUDA backward of the row operators (contract ``qwenimage.<op>.grad.cuda1``):
-``qk_rmsnorm``, ``txt_in_rmsnorm_linear``, ``adaln_modulation``, ``adaln_gate_residual`` and
-``multi_axis_rope``, as ``torch.autograd.Function``s the operators of ``strict_cuda.rows`` run
+``qk_rmsnorm``, ``txt_in_rmsnorm_linear``, ``adaln_modulation``, ``adaln_gate_residual``,
+``multi_axis_rope`` and ``final_adaln_out``, as ``torch.autograd.Function``s the operators of ``strict_cuda.rows`` run
 through; their forward is the code there unchanged.
 
     >>> dx, dgain = rms_gain_grads(go, x, gain, eps, needs)   # qk_rmsnorm, txt_in's norm
@@ -22,6 +22,13 @@ input's dtype:
 * ``adaln_modulation``: g = go·(1 + scale); dx = rstd·((g − tree(g) ÷ d) − xhat·(tree(g·xhat) ÷ d));
   dshift = row sum of go, dscale = row sum of go·xhat, per sample (contract v2 over its live
   rows; they are per-sample inputs: no sum over samples). Byte-equal to the CPU's.
+* ``final_adaln_out``: emb = SiLU(temb)·wᵀ + b = [scale | shift] (FP32 [B, 2d], saved from the
+  forward); dx as ``adaln_modulation`` with that scale; demb = [dscale | dshift] per sample
+  (contract-v2 row sums, as above); then the projection's dw, db by the GEMM backward
+  (``backward.linear_grads``) of demb against SiLU(temb) (recomputed by the forward's kernel):
+  one row per sample, the per-sample partials summed by the pairwise tree. temb's own gradient
+  is not computed (the operator's constraint refuses a temb that requires one). Given the same
+  emb, the CPU's bytes; the GEMM's K order (cuda1) makes emb itself differ from the CPU's.
 * ``adaln_gate_residual``: dx = go; dy = go·gate; dgate = row sum of go·y per sample. Byte-equal.
 * ``multi_axis_rope``: the inverse rotation (dx0 = g0·c + g1·s, dx1 = g1·c − g0·s). Byte-equal.
 
@@ -147,6 +154,38 @@ class Modulation(torch.autograd.Function):
         dshift = _cast(sample_row_sums(go), shift) if need[1] else None
         dscale = _cast(sample_row_sums(go, xhat), scale) if need[2] else None
         return dx, dshift, dscale, None, None
+
+
+class FinalAdaLN(torch.autograd.Function):
+    """norm_out: emb = ``emb_fn(temb, w, b)`` [B, 2d] FP32 (scale, shift), y = ``mod_fn(x, emb, eps,
+    dt)``; ``silu_fn(temb)`` is the forward's FP32 SiLU (recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, temb, w, b, eps, dt, emb_fn, mod_fn, silu_fn):
+        emb = emb_fn(temb, w, b)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(x, temb, w, b, emb)
+        ctx.eps, ctx.silu_fn = float(eps), silu_fn
+        return mod_fn(x, emb, eps, dt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go):
+        x, temb, w, b, emb = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if need[1]:  # the operator's constraint refuses this in the forward
+            raise UnsupportedConfigError("strict CUDA final_adaln_out backward: no gradient to temb")
+        want_emb = need[2] or need[3]
+        d = emb.shape[-1] // 2
+        dx = xhat = None
+        if need[0] or want_emb:
+            dx, xhat = _k().norm_grads(x, go, ctx.eps, scale=emb[:, :d].contiguous(),
+                                       dx_dtype=x.dtype if need[0] else None, want_xhat=want_emb)
+        dw = db = None
+        if want_emb:
+            demb = torch.cat([sample_row_sums(go, xhat), sample_row_sums(go)], dim=-1)  # [B, 2d] FP32
+            _, dw, db = bwd.linear_grads(demb, ctx.silu_fn(temb), w, b, (False, need[2], need[3]))
+        return dx, None, dw, db, None, None, None, None, None
 
 
 class GateResidual(torch.autograd.Function):

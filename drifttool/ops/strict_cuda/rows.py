@@ -12,8 +12,9 @@ GEMM in FP32; only that GEMM's K order (one sequential pass in 64-chunks) differ
 contract-v2 segments.
 
 Backward (``strict_cuda.row_backward``, contract ``qwenimage.<op>.grad.cuda1``) for
-``adaln_modulation``, ``adaln_gate_residual``, ``qk_rmsnorm``, ``multi_axis_rope`` and
-``txt_in_rmsnorm_linear``: each runs through a ``torch.autograd.Function`` whose forward is the
+``adaln_modulation``, ``adaln_gate_residual``, ``qk_rmsnorm``, ``multi_axis_rope``,
+``txt_in_rmsnorm_linear`` and ``final_adaln_out`` (to x and the projection's w and b; temb must not
+require a gradient): each runs through a ``torch.autograd.Function`` whose forward is the
 code here unchanged; the others are forward only (the family's constraint). Shapes are checked
 as the CPU family checks them and fail closed in one line.
 """
@@ -148,14 +149,36 @@ def _txt_in(e, gain, w, b, eps):
     return _gemm().linear(_txt_norm(e, gain, eps), w, b, out_dtype=act_dtype(e, gain, w, b))
 
 
+def _temb_no_grad(args: Args) -> str | None:
+    t = args["temb"]
+    if torch.is_grad_enabled() and t is not None and t.requires_grad:
+        return ("temb requires a gradient: the strict CUDA backward of final_adaln_out stops at the "
+                "projection's weights (the SiLU's derivative has no CUDA kernel; adaln_mod_projection "
+                "and timestep_embed_mlp are forward only)")
+    return None
+
+
 @strict_cuda("final_adaln_out", "x", "temb", "w", "b", kernel="triton.layernorm.pairtree+" + GEMM_KERNEL,
-             constraints=(_row_fits("x"),))
+             constraints=(_row_fits("x"), Constraint("temb without a gradient", _temb_no_grad, ("temb",))),
+             trainable=True)
 def final_adaln_out(x, temb, w, b, eps: float = 1e-6):
     """norm_out: (scale, shift) = split(SiLU(temb)·wᵀ + b), scale first; LN(x)·(1 + scale) + shift;
     x [B,N,d], temb [B,d], w [2d,d], b [2d] → [B,N,d]. SiLU FP64 from exact operations (as the
     CPU's ``silu32``, ``kernels.embed.silu32``), the GEMM with an FP32 left operand, the modulation in FP32, one cast."""
-    from drifttool.ops.strict_cuda.kernels import embed, norms  # lazy: Triton is imported when a kernel runs
-    dt = act_dtype(x, temb, w, b)
-    emb = _gemm().linear(embed.silu32(temb), w, b, out_dtype=torch.float32)  # [B, 2d]
+    return rb.FinalAdaLN.apply(x, temb, w, b, eps, act_dtype(x, temb, w, b), _final_emb, _final_modulation, _silu32)
+
+
+def _silu32(temb):
+    from drifttool.ops.strict_cuda.kernels import embed  # lazy: Triton is imported when a kernel runs
+    return embed.silu32(temb)
+
+
+def _final_emb(temb, w, b):
+    """[B, 2d] FP32: SiLU(temb)·wᵀ + b, (scale, shift)."""
+    return _gemm().linear(_silu32(temb), w, b, out_dtype=torch.float32)
+
+
+def _final_modulation(x, emb, eps, dt):
+    from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
     d = emb.shape[-1] // 2
     return norms.ln_modulation(x, emb[:, d:], emb[:, :d], float(eps), dt)

@@ -138,6 +138,60 @@ def test_txt_in_grads_with_the_cuda_gemm_match_fp64():
         _close(g, r, f"txt_in {what} (CUDA GEMM) vs FP64", tol=1e-4)
 
 
+def _final_inputs(seed, b=2, n=70, d=96):
+    """x [b, n, d], temb [b, d], w [2d, d], b [2d] of final_adaln_out, and a gradient whose sample
+    1 is padded after 41 rows."""
+    go = _g(seed + 4, b, n, d)
+    if b > 1:
+        go[1, 41:] = 0
+    return (_g(seed, b, n, d, scale=3.0, shift=0.5), _g(seed + 1, b, d), _g(seed + 2, 2 * d, d, scale=0.05),
+            _g(seed + 3, 2 * d, scale=0.2)), go
+
+
+def test_final_adaln_grads_equal_strict_cpu_bytes_given_the_same_gemm(cpu_gemm):
+    inputs, go = _final_inputs(100)
+    y, got = _grads(R.final_adaln_out, inputs, go, (0, 2, 3))
+    y_cpu, want = _grads(adaln.final_adaln_out, inputs, go, (0, 2, 3))
+    assert_same_bytes(y, y_cpu, "final_adaln_out forward")
+    fp64 = _fp64_grads(ref.final_adaln_out, inputs, go, (0, 2, 3))
+    for what, g, wt, r in zip(("dx", "dw", "db"), got, want, fp64):
+        assert_same_bytes(g, wt, f"final_adaln_out {what} vs strict CPU")
+        _close(g, r, f"final_adaln_out {what} vs FP64", tol=2e-4)
+
+
+def test_final_adaln_grads_with_the_cuda_gemm_match_fp64_and_are_invariant():
+    inputs, go = _final_inputs(110, b=3, n=37)
+    _, full = _grads(R.final_adaln_out, inputs, go, (0, 2, 3))
+    fp64 = _fp64_grads(ref.final_adaln_out, inputs, go, (0, 2, 3))
+    for what, g, r in zip(("dx", "dw", "db"), full, fp64):
+        _close(g, r, f"final_adaln_out {what} (CUDA GEMM) vs FP64", tol=2e-4)
+    x, temb, w, b = inputs
+    ones = [_grads(R.final_adaln_out, (x[i:i + 1], temb[i:i + 1], w, b), go[i:i + 1], (0, 2, 3))[1]
+            for i in range(3)]
+    for i in range(3):
+        assert_same_bytes(full[0][i:i + 1], ones[i][0], f"dx of sample {i} vs alone")
+    for k, what in ((1, "dw"), (2, "db")):
+        assert_same_bytes(full[k], tree_sum_stack([o[k] for o in ones]), f"{what} = tree of batch-1 {what}s")
+    # prompt padding: sample 1's gradient is zero after row 41; 20 more such rows change nothing
+    xp = torch.cat([x[1:2], _g(115, 1, 20, x.shape[2])], 1)
+    gp = torch.cat([go[1:2], torch.zeros(1, 20, x.shape[2])], 1)
+    _, pad = _grads(R.final_adaln_out, (xp, temb[1:2], w, b), gp, (0, 2, 3))
+    assert_same_bytes(pad[0][:, :37], ones[1][0], "dx: padded vs unpadded")
+    for k, what in ((1, "dw"), (2, "db")):
+        assert_same_bytes(pad[k], ones[1][k], f"{what}: padded vs unpadded")
+
+
+def test_final_adaln_refuses_a_temb_gradient():
+    found = impls("final_adaln_out", "strict", "cuda")[0]
+    check = next(c for c in found.constraints if c.name == "temb without a gradient")
+    (x, temb, w, b), _ = _final_inputs(120, b=1, n=3, d=16)
+    assert check({"x": x, "temb": temb, "w": w, "b": b}) is None
+    why = check({"x": x, "temb": temb.requires_grad_(), "w": w, "b": b})
+    assert why is not None and "temb requires a gradient" in why
+    with torch.no_grad():
+        assert check({"x": x, "temb": temb, "w": w, "b": b}) is None
+
+
 # ----------------------------------------------------------------------------- invariance
 
 
@@ -223,10 +277,9 @@ def test_unsupported_dtypes_and_shapes_fail_closed():
 
 def test_row_operators_are_registered_trainable_with_grad_contracts():
     for name in ("qk_rmsnorm", "txt_in_rmsnorm_linear", "adaln_modulation", "adaln_gate_residual",
-                 "multi_axis_rope"):
+                 "multi_axis_rope", "final_adaln_out"):
         assert name in bw.TRAINABLE
         found = impls(name, "strict", "cuda")[0]
         assert "no gradient-ledger sink" in [c.name for c in found.constraints], name
         assert bw.grad_contract_id(name) == f"qwenimage.{name}.grad.cuda1"
-    for name in ("final_adaln_out", "latent_normalize"):
-        assert name not in bw.TRAINABLE
+    assert "latent_normalize" not in bw.TRAINABLE
