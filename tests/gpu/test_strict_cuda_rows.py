@@ -131,6 +131,39 @@ def test_sde_step_equals_strict_cpu_bytes(n):
         assert_same_bytes(replay[1].cpu(), want[1], "replay logp")
 
 
+def _sampler_grads(fn, leaves_in, weights, dev, **kw):
+    """Gradients of Σ_k ⟨w_k, out_k⟩ w.r.t. fresh copies of ``leaves_in`` on ``dev``."""
+    leaves = [t.detach().to(dev).requires_grad_(True) for t in leaves_in]
+    outs = fn(*leaves, **{k: _on(v, dev) for k, v in kw.items()})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o * w.to(dev)).sum() for o, w in zip(outs, weights) if w is not None)
+    return [g.cpu() for g in torch.autograd.grad(loss, leaves)]
+
+
+@pytest.mark.parametrize("n", [37, N_IMG])
+def test_sampler_grads_equal_strict_cpu_bytes(n):
+    """The sampler's backward: strict CPU's formulas as torch CUDA operations (one IEEE operation
+    per kernel, the pairwise tree, FP64 square roots) give strict CPU's bytes."""
+    for dtype in (torch.float32, torch.bfloat16):
+        c, u, gv = _g(80, 3, n, 64, dtype=dtype), _g(81, 3, n, 64, dtype=dtype), _g(82, 3, n, 64)
+        got = _sampler_grads(cuda("cfg_combine_renorm"), (c, u), (gv,), "cuda", scale=4.0)
+        want = _sampler_grads(cpu("cfg_combine_renorm"), (c, u), (gv,), "cpu", scale=4.0)
+        for what, a, b in zip(("dc", "du"), got, want):
+            assert measure(f"cfg_combine_renorm.{what}", (3, n, 64), a, b) == 1.0, what
+        args, kw = _sde_args(3, n, dtype)
+        weights = (None, _g(83, 3), _g(84, 3, n, 64))  # the loss reads logp and mu
+        for extra in ({}, dict(noise=None, prev_sample=_g(85, 3, n, 64))):
+            k2 = {**kw, **extra}
+            if k2.get("noise", 0) is None:
+                k2.pop("noise")
+            got = _sampler_grads(cuda("flow_sde_step_logp"), args[:2], weights, "cuda", sigma=args[2],
+                                 sigma_next=args[3], **k2)
+            want = _sampler_grads(cpu("flow_sde_step_logp"), args[:2], weights, "cpu", sigma=args[2],
+                                  sigma_next=args[3], **k2)
+            for what, a, b in zip(("dv", "dx"), got, want):
+                assert measure(f"flow_sde_step_logp.{what}", (3, n, 64), a, b) == 1.0, what
+
+
 def test_gemm_bearing_ops_measured_and_accurate():
     for full in (False, True):
         d, dj, n, l = (D, DJ, N_IMG, 77) if full else (48, 64, 37, 5)

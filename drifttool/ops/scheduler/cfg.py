@@ -33,6 +33,33 @@ def check_cfg_inputs(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float)
         raise ValueError(f"cfg_combine_renorm: scale must be a finite python float, got {scale!r}")
 
 
+def renorm_parts(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float):
+    """(c, comb, ‖c‖, ‖comb‖, ratio, s) of the strict combine + renorm (FP32; c, comb [B, N, C], the
+    norms and ratio [B, N], s 0-dim), in ``cfg_combine_renorm_strict``'s order. Plain torch FP32
+    operations, one rounding each, and the pairwise tree: the same bytes on any device (the strict
+    CUDA backward recomputes them with this function on the GPU)."""
+    c = v_cond.to(torch.float32)
+    u = v_uncond.to(torch.float32)
+    s = torch.tensor(scale, dtype=torch.float32, device=c.device)
+    comb = u + s * (c - u)  # [B, N, C]
+    c_norm = sqrt32(tree_sum(c * c))  # [B, N]
+    comb_norm = sqrt32(tree_sum(comb * comb))  # [B, N]
+    return c, comb, c_norm, comb_norm, c_norm / comb_norm, s
+
+
+def renorm_grads(gv: torch.Tensor, c, comb, c_norm, comb_norm, ratio, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dc, du) FP32 of the combine + renorm given dL/dv ``gv`` [B, N, C] and ``renorm_parts``
+    (``_CFGRenorm``'s order; plain torch FP32 operations and the pairwise tree: device-independent
+    bytes)."""
+    g = gv.contiguous().to(torch.float32)
+    t = tree_sum(g * comb)  # [B, N]
+    k_comb = ((t * ratio) / comb_norm) / comb_norm
+    k_c = (t / comb_norm) / c_norm
+    dcomb = g * ratio.unsqueeze(-1) - comb * k_comb.unsqueeze(-1)
+    dd = s * dcomb
+    return dd + c * k_c.unsqueeze(-1), dcomb - dd
+
+
 class _CFGRenorm(torch.autograd.Function):
     """Strict CFG combine + renorm with a fixed-order backward (all FP32, per token; the two
     channel sums are the pairwise tree over C):
@@ -43,13 +70,7 @@ class _CFGRenorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v_cond, v_uncond, scale):
-        c = v_cond.to(torch.float32)
-        u = v_uncond.to(torch.float32)
-        s = torch.tensor(scale, dtype=torch.float32, device=c.device)
-        comb = u + s * (c - u)  # [B, N, C]
-        c_norm = sqrt32(tree_sum(c * c))  # [B, N]
-        comb_norm = sqrt32(tree_sum(comb * comb))  # [B, N]
-        ratio = c_norm / comb_norm  # [B, N]
+        c, comb, c_norm, comb_norm, ratio, s = renorm_parts(v_cond, v_uncond, scale)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(c, comb, c_norm, comb_norm, ratio, s)
             ctx.dtypes = (v_cond.dtype, v_uncond.dtype)
@@ -58,15 +79,7 @@ class _CFGRenorm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gv):
-        c, comb, c_norm, comb_norm, ratio, s = ctx.saved_tensors
-        g = gv.contiguous().to(torch.float32)
-        t = tree_sum(g * comb)  # [B, N]
-        k_comb = ((t * ratio) / comb_norm) / comb_norm
-        k_c = (t / comb_norm) / c_norm
-        dcomb = g * ratio.unsqueeze(-1) - comb * k_comb.unsqueeze(-1)
-        dd = s * dcomb
-        dc = dd + c * k_c.unsqueeze(-1)
-        du = dcomb - dd
+        dc, du = renorm_grads(gv, *ctx.saved_tensors)
         return dc.to(ctx.dtypes[0]), du.to(ctx.dtypes[1]), None
 
 

@@ -221,18 +221,30 @@ class _SDEStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_next, g_logp, g_mu, g_std):
-        nd = g_mu.dim()
-        g_mu = g_mu.contiguous().to(torch.float32)
         if ctx.euler:
             (dt,) = ctx.saved_tensors
-            return bcast(dt, nd) * g_mu, g_mu, None, None, None, None, None, None
+            return (*euler_step_grads(g_mu, dt), None, None, None, None, None, None)
         dt, a, c, scale, d = ctx.saved_tensors
         count = torch.tensor(float(ctx.count), dtype=torch.float32, device=g_mu.device)
-        coef = g_logp.to(torch.float32) / (count * (scale * scale))  # [B]
-        dmu = g_mu + d * bcast(coef, nd)
-        dx = dmu * bcast(a, nd)
-        dv = (dmu * bcast(c, nd)) * bcast(dt, nd)
-        return dv, dx, None, None, None, None, None, None
+        return (*sde_step_grads(g_mu, g_logp, dt, a, c, scale, d, count), None, None, None, None, None, None)
+
+
+def euler_step_grads(g_mu: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dv, dx) FP32 of the Euler step mu = x + Δ·v given dL/dmu ``g_mu`` [B, ...] and Δ [B]."""
+    g = g_mu.contiguous().to(torch.float32)
+    return bcast(dt, g.dim()) * g, g
+
+
+def sde_step_grads(g_mu, g_logp, dt, a, c, scale, d, count) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dv, dx) FP32 of the SDE step (``_SDEStep``'s formula) given dL/dmu [B, ...], dL/dlogp [B],
+    the per-sample constants Δ, a, c, s_t [B], d = x_next − mu [B, ...] and the element count
+    (FP32). Plain torch FP32 operations, one rounding each: the same bytes on any device (the
+    strict CUDA backward runs this function on the GPU)."""
+    nd = g_mu.dim()
+    g_mu = g_mu.contiguous().to(torch.float32)
+    coef = g_logp.to(torch.float32) / (count * (scale * scale))  # [B]
+    dmu = g_mu + d * bcast(coef, nd)
+    return (dmu * bcast(c, nd)) * bcast(dt, nd), dmu * bcast(a, nd)
 
 
 @implements("flow_sde_step_logp", "strict", kernel="torch.fp32.flowgrpo_sde.pairwise_tree_mean",
