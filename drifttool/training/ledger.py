@@ -31,7 +31,11 @@ to ``watch`` with the call's identity scope (the samples and per-row branches of
 recomputation's detached aliases find it too), and the strict GEMM backward gives the sink
 its per-row partials instead of reducing them (returning no gradient to autograd for W', so
 autograd adds nothing for it). Production GEMMs carry no sinks: the ledger is for the strict
-family only (``recompute`` uses it in strict mode).
+family only (``recompute`` uses it in strict mode). On CUDA the strict backward hands the sink
+its own per-sample partials (``strict_cuda.backward.sample_weight_grads``, contract
+``grad.cuda1``): those are the atoms, reduced by the same tree and steps, and (dA, dB) come from
+the strict CUDA ``lora_merge`` backward (``strict_cuda.backward.lora_grads``). TP/SP layouts
+are refused there (the CUDA backward splits no reduction across ranks).
 
 Raises ``DriftToolError`` when an atom arrives twice in a step (one weight used twice for the
 same sample and branch: not a layout the ledger can order).
@@ -51,6 +55,7 @@ from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.lora import lora_modules
 from drifttool.ops.lora import lora_merge_strict
 from drifttool.ops.strict.attention_blocks import BLOCK
+from drifttool.ops.strict_cuda.backward import lora_grads as lora_grads_cuda
 from drifttool.ops.strict.grad import (attach_grad_sink, detach_grad_sinks, live_rows, outer_partial,
                                        sample_rows, sample_weight_grads, sink_key)
 from drifttool.ops.strict_gemm import linear_is_exact
@@ -110,6 +115,7 @@ class GradLedger:
         self.group = group
         self.plan = plan
         self.keep_atoms = keep_atoms
+        self._family: dict[str, str] = {}  # module name → "cpu" (contract v2) or "cuda1" atoms
         self.history: list[dict[str, dict[tuple[int, int], torch.Tensor]]] = []
 
     def watch(self, module: torch.nn.Module, merged: torch.Tensor, scope: dict[str, Any],
@@ -146,13 +152,24 @@ class GradLedger:
         shape = tuple(self.modules[spec.name].weight.shape)  # the unsharded [N, K]: kernel rule
         sp_rows = self.plan is not None and self.plan.dims.sp > 1 and spec.stream == "img"
 
-        def sink(dy: torch.Tensor, x: torch.Tensor) -> None:
+        def sink(dy: torch.Tensor, x: torch.Tensor, partials=None) -> None:
             dy3, x3 = sample_rows(dy), sample_rows(x)
             if dy3.shape[0] != len(spec.samples) or len(spec.branches) != len(spec.samples):
                 raise DriftToolError(f"gradient ledger: {dy3.shape[0]} batch rows for {spec.name}, but "
                                      f"the scope names {len(spec.samples)} samples and "
                                      f"{len(spec.branches)} branches")
-            parts = None if sp_rows else sample_weight_grads(dy, x, shape)
+            family = "cpu" if partials is None else "cuda1"
+            if family != "cpu" and (sp_rows or cut is not None):
+                raise UnsupportedConfigError(
+                    f"gradient ledger: {spec.name} under a TP/SP layout on the strict CUDA family: its "
+                    "backward does not split a reduction across ranks (train TP/SP strict on the CPU)")
+            if self._family.setdefault(spec.name, family) != family:
+                raise DriftToolError(f"gradient ledger: {spec.name} got atoms of both the CPU and the "
+                                     "CUDA strict backward")
+            if sp_rows:
+                parts = None
+            else:
+                parts = sample_weight_grads(dy, x, shape) if partials is None else partials(dy, x)
             atoms = self._atoms.setdefault(spec.name, {})
             for i, (sid, br) in enumerate(zip(spec.samples, spec.branches)):
                 key = (sid, BRANCH_ORDER.get(str(br), 2))
@@ -271,7 +288,10 @@ class GradLedger:
         for name, total in self.totals.items():
             m = self.modules[name]
             a, b = m.lora_A.weight, m.lora_B.weight
-            with torch.enable_grad():
-                merged = lora_merge_strict(m.weight.detach(), a, b, float(m.lora_scale))
-                da, db = torch.autograd.grad(merged, (a, b), total)
+            if self._family.get(name) == "cuda1":  # the strict CUDA lora_merge's backward
+                da, db = lora_grads_cuda(total, a.detach(), b.detach(), float(m.lora_scale))
+            else:
+                with torch.enable_grad():
+                    merged = lora_merge_strict(m.weight.detach(), a, b, float(m.lora_scale))
+                    da, db = torch.autograd.grad(merged, (a, b), total)
             a.grad, b.grad = da.to(a.dtype), db.to(b.dtype)

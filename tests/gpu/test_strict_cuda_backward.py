@@ -230,16 +230,20 @@ def test_lora_merge_backward_vs_strict_cpu():
 # fail closed
 
 
-def test_fails_closed_on_forward_only_operators_and_ledger_sinks():
+def test_fails_closed_on_forward_only_operators_and_ledger_sinks_get_the_partials():
     temb = rn(1, 64, seed=60).requires_grad_(True)
     w, b = lin(6 * 64, 64, seed=61)
     with pytest.raises(UnsupportedConfigError, match="forward only"):
         cuda("adaln_mod_projection")(temb, w, b)
     x = rn(1, 7, 64, seed=62).requires_grad_(True)
-    w2 = lin(D, 64, seed=63)[0].float().requires_grad_(True)
-    keys = [attach_grad_sink(w2, lambda dy, xx: None)]
+    w2 = lin(D, 64, seed=63)[0].requires_grad_(True)
+    got = []
+    keys = [attach_grad_sink(w2, lambda dy, xx, partials=None: got.append(partials(dy, xx)))]
     try:
-        with pytest.raises(UnsupportedConfigError, match="gradient ledger"):
-            cuda("latent_proj_gemm")(x, w2, None)
+        y = cuda("latent_proj_gemm")(x, w2, None)
+        g = rn(1, 7, D, seed=64)
+        y.backward(g)
     finally:
         detach_grad_sinks(keys)
+    assert w2.grad is None and x.grad is not None
+    assert_same_bytes(got[0], bw.sample_weight_grads(g, x.detach()), "the ledger sink's partials")

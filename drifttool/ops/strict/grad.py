@@ -192,9 +192,12 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, weight_shape=None) -> torch.T
     return acc.result()
 
 
-Sink = Callable[[torch.Tensor, torch.Tensor], None]
-"""``sink(dy, x)``: the output gradient ``[B, ..., N]`` and input ``[B, ..., K]`` of one GEMM
-backward of the weight (FP32; one batch row per logical sample and branch)."""
+Sink = Callable[..., None]
+"""``sink(dy, x, partials=None)``: the output gradient ``[B, ..., N]`` and input ``[B, ..., K]``
+of one GEMM backward of the weight (one batch row per logical sample and branch). ``partials``:
+the backward family's own per-sample partials ``partials(dy, x) -> [B, N, K]`` FP32 — the strict
+CUDA backward passes its ``sample_weight_grads`` (contract ``grad.cuda1``); None (the CPU family)
+means contract v2's ``sample_weight_grads`` of this module."""
 
 _SINKS: dict[tuple, Sink] = {}
 

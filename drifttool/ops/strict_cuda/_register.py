@@ -11,12 +11,10 @@ Each implementation is registered for family ``strict``, device ``cuda``, contra
 2. ``triton_ready``: Triton importable (the GPU wheels of torch ship it);
 3. ``qualified_gpu``: compute capability in ``QUALIFIED_CAPABILITIES`` (the bytes are qualified on
    Hopper, sm_90: H100/H200); another GPU's MMA and special-function units may round differently;
-4. ``forward_only``: no tensor argument requires a gradient under grad mode (the backward kernels
-   are not built; training on CUDA runs in production mode or on the CPU) — or, for the operators
-   with a strict CUDA backward (``trainable=True``: the GEMMs and ``lora_merge``,
-   ``strict_cuda.backward``; the row norms, modulation, gate residual and RoPE,
-   ``strict_cuda.row_backward``), ``no_grad_sink``: no weight carries the gradient ledger's
-   per-sample sink (its atoms are CPU contract v2);
+4. ``forward_only``: no tensor argument requires a gradient under grad mode — except for the
+   operators with a strict CUDA backward (``trainable=True``: the GEMMs and ``lora_merge``,
+   ``strict_cuda.backward``; the row operators, ``strict_cuda.row_backward``; the sampler's,
+   ``strict_cuda.sampler``), which take gradients, the gradient ledger's sinks included;
 5. the listed tensor arguments in the operator's declared dtypes (FP32 or BF16).
 """
 
@@ -31,7 +29,6 @@ import torch
 import drifttool.ops.specs  # noqa: F401  (the operators registered here are declared there)
 from drifttool.ops.constraints import Args, Constraint, dtypes, tensors
 from drifttool.ops.registry import implements, spec
-from drifttool.ops.strict.grad import grad_sink
 
 CONTRACT_VERSION = "cuda1"
 """The strict CUDA family's contract version; bump when any of its bytes change."""
@@ -81,18 +78,9 @@ def _forward_only(args: Args) -> str | None:
     return None
 
 
-def _no_grad_sink(args: Args) -> str | None:
-    if torch.is_grad_enabled() and any(t.requires_grad and grad_sink(t) is not None
-                                       for t in tensors(args.values())):
-        return ("a weight carries the gradient ledger's per-sample sink: the strict CUDA backward "
-                "does not build ledger atoms (train strict on the CPU, or without the ledger)")
-    return None
-
-
 TRITON_READY = Constraint("Triton importable", _triton_ready)
 QUALIFIED_GPU = Constraint("qualified GPU (sm_90)", _qualified)
 FORWARD_ONLY = Constraint("forward only", _forward_only)
-NO_GRAD_SINK = Constraint("no gradient-ledger sink", _no_grad_sink)
 
 
 def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Constraint, ...] = (),
@@ -101,7 +89,7 @@ def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Const
     ``dtype_args`` name the tensor arguments whose dtype must be one of the operator's declared
     dtypes (``None`` values allowed). ``kernel`` names the Triton kernel and its fixed
     configuration, e.g. ``"triton.gemm.k64.bm128bn128"``. ``trainable``: ``fn`` has a strict CUDA
-    backward (``NO_GRAD_SINK`` replaces ``FORWARD_ONLY``).
+    backward (no ``FORWARD_ONLY``).
 
     Raises:
         ValueError: as ``registry.implements`` (undeclared operator, a constraint reading a
@@ -109,6 +97,6 @@ def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Const
     """
     declared = (dtypes(spec(op).dtypes, *dtype_args),) if dtype_args else ()
     return implements(op, "strict", device="cuda", kernel=kernel, contract=contract_id(op),
-                      constraints=(TRITON_READY, QUALIFIED_GPU, NO_GRAD_SINK if trainable else FORWARD_ONLY,
+                      constraints=(TRITON_READY, QUALIFIED_GPU, *(() if trainable else (FORWARD_ONLY,)),
                                    *declared, *constraints),
                       decomposable=decomposable)

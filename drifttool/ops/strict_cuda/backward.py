@@ -34,9 +34,10 @@ Orders (docs/strict-arithmetic.md, "Strict CUDA backward"; contract ids ``GRAD_C
   walked once); dA = Bᵀ·D_s (``linear(Bᵀ, D_sᵀ)``, the out axis walked once); FP32 operands in
   IEEE FP32; dW = D cast to W's dtype. Cast once to each factor's dtype.
 
-Not supported (fail closed, one line): a weight carrying the gradient ledger's per-sample sink
-(``ops.strict.grad.attach_grad_sink``; the ledger builds CPU contract-v2 atoms), and
-double backward. Layouts: no reduction axis of the backward is split across ranks, so TP/SP
+The gradient ledger (``training.ledger``): a weight carrying its per-sample sink
+(``ops.strict.grad.attach_grad_sink``) hands ``(dy, x)`` and ``sample_weight_grads`` to the sink
+and returns no dW to autograd; the ledger's atoms are then these per-sample partials (grad.cuda1).
+Not supported (fail closed, one line): double backward. Layouts: no reduction axis of the backward is split across ranks, so TP/SP
 training is not reproducible under ``cuda1`` (dX of a column-parallel GEMM and dW of an SP row
 shard would sum across ranks).
 """
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict.grad import grad_sink, sample_rows
 from drifttool.ops.strict_math import TreeAccumulator
 
@@ -79,13 +79,6 @@ def _bwd():
 
 def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
     return None if g is None or like is None else g.to(like.dtype)
-
-
-def _no_sink(w: torch.Tensor | None) -> None:
-    if grad_sink(w) is not None:
-        raise UnsupportedConfigError(
-            "strict CUDA backward: the gradient ledger's per-sample sink is not supported on CUDA "
-            "(train strict on the CPU, or without the ledger)")
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -144,11 +137,17 @@ def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> tor
 
 
 def linear_grads(dy, x, w, b, needs):
-    """(dx, dw, db) of ``y = x·wᵀ + b``, each cast once to its input's dtype, None where not needed."""
-    if needs[1]:
-        _no_sink(w)
+    """(dx, dw, db) of ``y = x·wᵀ + b``, each cast once to its input's dtype, None where not needed.
+    A weight carrying the gradient ledger's sink (``ops.strict.grad.attach_grad_sink``) gets no
+    dw: ``(dy, x)`` go to the sink with this family's ``sample_weight_grads`` as its partials."""
     dx = input_grad(dy, w, x.dtype) if needs[0] else None
-    dw = _cast(weight_grad(dy, x), w) if needs[1] else None
+    dw = None
+    if needs[1]:
+        sink = grad_sink(w)
+        if sink is None:
+            dw = _cast(weight_grad(dy, x), w)
+        else:
+            sink(dy, x, partials=sample_weight_grads)
     db = _cast(bias_grad(dy), b) if needs[2] and b is not None else None
     return dx, dw, db
 

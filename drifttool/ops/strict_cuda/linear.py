@@ -26,7 +26,7 @@ import drifttool.ops.lora  # noqa: F401  (declares lora_merge)
 from drifttool.ops.constraints import dtypes
 from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
-from drifttool.ops.strict_cuda._register import NO_GRAD_SINK, QUALIFIED_GPU, TRITON_READY, strict_cuda
+from drifttool.ops.strict_cuda._register import QUALIFIED_GPU, TRITON_READY, strict_cuda
 
 KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
@@ -177,7 +177,7 @@ def timestep_embed_mlp(tau, w1, b1, w2, b2):
 @implements("lora_merge", "strict", device="cuda",
             kernel="triton.gemm.k64.seq.fp32.ieee.bm64bn64w4s1+merge(fp32(W)+fp32(s)·BA)",
             contract="drifttool.lora_merge.cuda1",
-            constraints=(TRITON_READY, QUALIFIED_GPU, NO_GRAD_SINK,
+            constraints=(TRITON_READY, QUALIFIED_GPU,
                          dtypes(spec("lora_merge").dtypes, "w", "a", "b")))
 def lora_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = fp32(W) + fp32(scale)·(B·A), FP32 result, as the strict CPU ``lora_merge``; B·A by the
