@@ -62,20 +62,23 @@ from typing import Any
 
 import torch
 
+from drifttool.adapters import diffusers_vae
 from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrument
 from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, image_grids_of, timestep_policy_of
+from drifttool.adapters.pipeline_stages import (
+    StageLog, text_encoder_stage, vae_decode_stage, vae_encode_stage)
 from drifttool.adapters.taps import record
+from drifttool.chain import DeferredCapture
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.fingerprint import arch_fingerprint, sampler_record, tensor_digest
 from drifttool.lifecycle import ArtifactSession
 from drifttool.model.weights import weight_digest
-from drifttool.runtime import Mode
+from drifttool.runtime import Mode, Runtime
 from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
-from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.setting_checks import DTYPES, check_level
 
 UNCAPTURED = {
@@ -120,6 +123,11 @@ class _PipelineCall:
         self.pipe, self.out, self.level, self.overwrite = pipe, out, level, overwrite
         self.extra = dict(extra or {})
         self.kwargs, self.stack = kwargs, stack
+        # the stages before the artifact opens (text encoder, condition encode): digested as they
+        # run, filed first into the artifact when it opens (chain.DeferredCapture)
+        self.early_capture = DeferredCapture(level)
+        self.early = Runtime(mode=Mode.AUTO, recorder=self.early_capture)
+        self.stages = StageLog()
         self.session: ArtifactSession | None = None
         self.text_rows = TextRows()
         self.step = 0  # scheduler steps completed in this call
@@ -211,12 +219,21 @@ class _PipelineCall:
         manifest = self._manifest(model, sampler, host, hs.dtype)
         self.session = ArtifactSession(mode=Mode.AUTO, level=self.level, cfg_layout="sequential")
         self.stack.enter_context(self.session.open(self.out, manifest, overwrite=self.overwrite))
-        self.stack.enter_context(instrument(tr, self.session.rt))
         rt = self.session.rt
+        if self.session.recorder is not None:
+            self.early_capture.file_into(self.session.recorder)
+        rt.trace = self.early.trace  # still empty: the early stages' entries come first
+        self.stack.enter_context(instrument(tr, rt))
+        if self.kwargs["output_type"] != "latent":
+            self.stack.enter_context(vae_decode_stage(self.pipe, rt, self._decode_scope, self.stages))
         with rt.scope(phase="rollout", step=-1, sigma=math.nan, branch="none", samples=None,
                       txt_lens=None, img_grid=self.grid):
             record(rt, "flow_sigma_table", "none", table, ".", actual="diffusers",
                    kernel=f"diffusers:{type(sched).__name__}.set_timesteps", block=SAMPLER_BLOCK)
+
+    def _decode_scope(self) -> dict[str, Any]:
+        """The decode's scope fields: after the steps run (all of them in a complete call)."""
+        return {"step": self.step, "sigma": self.sigmas[self.step], "samples": list(self.samples)}
 
     def _cfg_scale(self) -> float:
         default = inspect.signature(self.pipe.__call__).parameters["true_cfg_scale"].default
@@ -273,7 +290,7 @@ class _PipelineCall:
         lens = inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None \
             else [int(inputs.txt.shape[1])] * inputs.batch
         complete = self.step == len(self.sigmas) - 1
-        self.session.finish(complete=complete, replay={
+        self.session.finish(complete=complete, stages=self.stages.stages(self.step), replay={
             "noise": None, "inputs": "inputs.safetensors", "prompt_lengths": lens,
             "input_digests": {k: tensor_digest(v) for k, v in tensors.items()}})
         return complete
@@ -283,17 +300,21 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
                      manifest_extra: dict[str, Any] | None = None,
                      **pipe_kwargs: Any) -> PipelineCapture:
     """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` (or edit
-    pipeline) — and write
-    its drifttool artifact to ``out`` (module docstring: what is recorded, and how).
+    pipeline) — and write its drifttool artifact to ``out`` (module docstring: the stages, what
+    is recorded, and how).
 
     Args:
         pipe: the pipeline (``transformer`` a ``QwenImageTransformer2DModel``, ``scheduler`` a
-            first-order flow-matching scheduler such as ``FlowMatchEulerDiscreteScheduler``).
+            first-order flow-matching scheduler such as ``FlowMatchEulerDiscreteScheduler``;
+            ``text_encoder`` a transformers Qwen2.5-VL model for prompt strings, ``vae`` an
+            ``AutoencoderKLQwenImage`` for a decode or condition images).
         out: artifact directory. level: ``L0``/``L1``/``L2``. overwrite: replace ``out``.
         manifest_extra: keys added to the manifest (a replay's ``replay_of``:
             ``drifttool.training.pipeline_replay``).
-        pipe_kwargs: the pipeline call's arguments; ``prompt_embeds`` is required (the capture
-            runs without a text encoder), ``output_type`` defaults to ``"latent"``.
+        pipe_kwargs: the pipeline call's arguments: ``prompt`` (and ``negative_prompt``) strings,
+            encoded by the pipeline's text encoder and captured, or ``prompt_embeds`` (and their
+            masks) as the pipeline takes them; ``output_type`` defaults to ``"latent"`` (no
+            decode); any other (``"pil"``, ``"np"``, ``"pt"``) decodes, captured.
 
     Returns:
         ``PipelineCapture`` (the pipeline's own output included).
@@ -302,7 +323,9 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
     ``true_cfg_scale``, ``img_grid`` = (height, width) / 16, ``dtype`` (the transformer's),
     ``samples`` 0..B−1, ``cfg_layout`` sequential, ``eta`` 0, ``timestep_policy`` from the
     latent dtype (bf16: ``pipeline_bf16``), ``seed`` null (the pipeline's generator is not
-    drifttool's). A LoRA adapter the transformer carries (``load_lora_weights``, fused or not,
+    drifttool's). Its ``stages`` lists the stages captured in program order (``pipeline_stages``:
+    stage, component, first step, calls, prompts, weight digests). A LoRA adapter the
+    transformer carries (``load_lora_weights``, fused or not,
     or a peft wrapper) is recorded as ``drifttool run --lora`` records it (``lora``: config,
     scale, digest, mode, factor dtype; ``settings.lora_mode``; ``peft_lora.lora_of``), so the
     capture diffs IDENTICAL against ``drifttool run --lora ADAPTER --lora-mode <its mode>``.
@@ -311,23 +334,26 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
 
     Raises:
         DriftToolError: diffusers missing, not a QwenImage pipeline, or the transformer never ran.
-        UnsupportedConfigError: no ``prompt_embeds``; a scheduler of order > 1; a call the scope
-            cannot name (``pipeline_scope``); a transformer dtype drifttool does not run.
+        UnsupportedConfigError: neither ``prompt_embeds`` nor a prompt with a text encoder;
+            prompt strings with ``num_images_per_prompt`` > 1 or for an edit pipeline (the text
+            encoder's vision tower is not captured); a scheduler of order > 1; a VAE that
+            ``diffusers_vae.check_vae`` refuses; a call the scope cannot name
+            (``pipeline_scope``); a transformer dtype drifttool does not run.
         ArtifactError: ``out`` cannot be created.
     """
     check_level(level)
     if not all(hasattr(pipe, a) for a in ("transformer", "scheduler")) or not callable(pipe):
         raise DriftToolError(f"expected a diffusers QwenImagePipeline (a callable with .transformer "
                              f"and .scheduler), got {type(pipe).__name__}")
-    if pipe_kwargs.get("prompt_embeds") is None:
-        raise UnsupportedConfigError("capture_pipeline needs prompt_embeds (and their mask): the "
-                                     "capture runs the pipeline without its text encoder")
+    kwargs = {"output_type": "latent", **pipe_kwargs}
+    _check_stages(pipe, kwargs)
     if getattr(pipe.scheduler, "order", 1) != 1:
         raise UnsupportedConfigError(f"scheduler {type(pipe.scheduler).__name__} of order "
                                      f"{pipe.scheduler.order}: one step call per step only")
-    kwargs = {"output_type": "latent", **pipe_kwargs}
     with contextlib.ExitStack() as stack:
         call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra)
+        stack.enter_context(text_encoder_stage(pipe, call.early, call.stages))
+        stack.enter_context(vae_encode_stage(pipe, call.early, call.stages))
         stack.enter_context(transformer_tap(pipe.transformer, call.on_forward))
         stack.enter_context(scheduler_tap(pipe.scheduler, call.on_step))
         output = pipe(**kwargs)
@@ -336,3 +362,20 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         complete = call.finish()
     return PipelineCapture(output=output, out=str(out), complete=complete, steps=call.step,
                            samples=list(call.samples), capture=level)
+
+
+def _check_stages(pipe: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse, before anything runs, a call whose stages the capture cannot record (the
+    ``capture_pipeline`` errors)."""
+    if kwargs.get("prompt_embeds") is None:
+        if kwargs.get("prompt") is None or getattr(pipe, "text_encoder", None) is None:
+            raise UnsupportedConfigError("capture_pipeline needs prompt strings and a pipeline with its "
+                                         "text encoder, or prompt_embeds (and their mask)")
+        if kwargs.get("num_images_per_prompt", 1) != 1:
+            raise UnsupportedConfigError("capture_pipeline with prompt strings: num_images_per_prompt "
+                                         "must be 1 (give one prompt per sample, as drifttool run does)")
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and (kwargs["output_type"] != "latent" or hasattr(pipe, "_encode_vae_image")):
+        diffusers_vae.check_vae(vae)
+        for part in diffusers_vae.PARTS:
+            diffusers_vae.taps(vae, part)
