@@ -1,21 +1,48 @@
-"""Capture an unmodified diffusers ``QwenImagePipeline`` call into a drifttool artifact.
+"""Capture an unmodified diffusers ``QwenImagePipeline`` call into a drifttool artifact: the text
+encoder, the denoising loop and the VAE decode, each stage under its own component.
 
-    >>> run = capture_pipeline(pipe, "runs/pipe", level="L1", prompt_embeds=pe,
-    ...                        prompt_embeds_mask=m, negative_prompt_embeds=ne,
-    ...                        negative_prompt_embeds_mask=nm, height=1024, width=1024,
-    ...                        num_inference_steps=50, true_cfg_scale=4.0, generator=g)
-    >>> run.complete, run.steps, run.samples, run.output.images.shape   # latents (output_type)
-    (True, 50, [0], torch.Size([1, 4096, 64]))
-    >>> diff_runs(open_run("runs/pipe"), open_run("runs/preset")).verdict
+    >>> run = capture_pipeline(pipe, "runs/pipe", level="L1", prompt="a red cube",
+    ...                        negative_prompt="blurry", height=1024, width=1024,
+    ...                        num_inference_steps=50, true_cfg_scale=4.0, generator=g,
+    ...                        output_type="pil")
+    >>> run.complete, run.steps, run.samples, run.output.images[0].size
+    (True, 50, [0], (1024, 1024))
+    >>> diff_runs(open_run("runs/chain"), open_run("runs/pipe")).verdict   # drifttool run --prompt
+    <Verdict.IDENTICAL: 'identical'>
 
-``pipe(**pipe_kwargs)`` runs as the user would run it (prompt embeddings passed directly,
-``output_type="latent"`` unless given). ``QwenImageEditPipeline`` and
-``QwenImageEditPlusPipeline`` are captured the same way: their ``img_shapes`` name the condition
-images (scope ``cond_grids``, ``drifttool.model.conditions``), the image-stream records hold the
-condition rows too, the step records and x0 the noisy rows only, and the replay inputs store the
-condition latents the transformer received (``cond``, ``cond_grids``), so the capture diffs
-against ``drifttool run --preset diffusers-edit[-plus] --condition FILE``. drifttool only
-watches:
+``pipe(**pipe_kwargs)`` runs as the user would run it, with prompt strings (encoded by the
+pipeline's text encoder) or prompt embeddings passed directly, ``output_type="latent"`` unless
+given. The stages, in program order (the manifest's ``stages`` lists those that ran):
+
+========================  ==========================  =======================================
+stage (component)         steps                       recorded by
+========================  ==========================  =======================================
+text_encoder              −1 (prompts, then negative  ``pipeline_stages.text_encoder_stage``:
+(text_encoder)            prompts)                    transformers' Qwen2.5-VL
+                                                      (``transformers_qwen25vl``)
+vae_encode (vae)          −1 (edit pipelines: each    ``pipeline_stages.vae_encode_stage``
+                          condition image)            (``diffusers_vae``)
+transformer (mmdit) and   −1 (sigma table), 0..N−1    the transformer tap and the scheduler
+its sampler                                           tap below
+vae_decode (vae)          N (after the last step;     ``pipeline_stages.vae_decode_stage``
+                          not with ``"latent"``)      (``diffusers_vae``)
+========================  ==========================  =======================================
+
+The stages before the loop run before the artifact opens (it opens at the transformer's first
+call, when batch, grid, dtype and the sigma table are known): their records are digested as they
+run and filed first, in program order, once it opens (``chain.DeferredCapture``, as drifttool's
+own chain does), so a prompt capture diffs against ``drifttool run --prompt ... --checkpoint
+PIPELINE --mode auto --preset diffusers`` record for record, every stage included. An edit
+pipeline's prompt strings need the text encoder's vision tower, which is not captured: refused
+(pass ``prompt_embeds``).
+
+``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline`` are captured the same way: their
+``img_shapes`` name the condition images (scope ``cond_grids``, ``drifttool.model.conditions``),
+the image-stream records hold the condition rows too, the step records and x0 the noisy rows
+only, and the replay inputs store the condition latents the transformer received (``cond``,
+``cond_grids``), so the capture diffs against ``drifttool run --preset diffusers-edit[-plus]
+--condition FILE`` (or ``--image COND.png``: the condition's VAE encode is captured too). In the
+loop drifttool only watches:
 
 * the transformer: a diffusers ``ModelHook`` (``pipeline_hooks.transformer_tap``) sets the
   runtime scope of each call — step (scheduler steps completed in this call), sigma (the
@@ -62,13 +89,12 @@ from typing import Any
 
 import torch
 
-from drifttool.adapters import diffusers_vae
 from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrument
 from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, image_grids_of, timestep_policy_of
 from drifttool.adapters.pipeline_stages import (
-    StageLog, text_encoder_stage, vae_decode_stage, vae_encode_stage)
+    StageLog, check_stages, text_encoder_stage, vae_decode_stage, vae_encode_stage)
 from drifttool.adapters.taps import record
 from drifttool.chain import DeferredCapture
 from drifttool.environment import environment
@@ -346,7 +372,7 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         raise DriftToolError(f"expected a diffusers QwenImagePipeline (a callable with .transformer "
                              f"and .scheduler), got {type(pipe).__name__}")
     kwargs = {"output_type": "latent", **pipe_kwargs}
-    _check_stages(pipe, kwargs)
+    check_stages(pipe, kwargs)
     if getattr(pipe.scheduler, "order", 1) != 1:
         raise UnsupportedConfigError(f"scheduler {type(pipe.scheduler).__name__} of order "
                                      f"{pipe.scheduler.order}: one step call per step only")
@@ -363,19 +389,3 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
     return PipelineCapture(output=output, out=str(out), complete=complete, steps=call.step,
                            samples=list(call.samples), capture=level)
 
-
-def _check_stages(pipe: Any, kwargs: dict[str, Any]) -> None:
-    """Refuse, before anything runs, a call whose stages the capture cannot record (the
-    ``capture_pipeline`` errors)."""
-    if kwargs.get("prompt_embeds") is None:
-        if kwargs.get("prompt") is None or getattr(pipe, "text_encoder", None) is None:
-            raise UnsupportedConfigError("capture_pipeline needs prompt strings and a pipeline with its "
-                                         "text encoder, or prompt_embeds (and their mask)")
-        if kwargs.get("num_images_per_prompt", 1) != 1:
-            raise UnsupportedConfigError("capture_pipeline with prompt strings: num_images_per_prompt "
-                                         "must be 1 (give one prompt per sample, as drifttool run does)")
-    vae = getattr(pipe, "vae", None)
-    if vae is not None and (kwargs["output_type"] != "latent" or hasattr(pipe, "_encode_vae_image")):
-        diffusers_vae.check_vae(vae)
-        for part in diffusers_vae.PARTS:
-            diffusers_vae.taps(vae, part)

@@ -48,13 +48,19 @@ from drifttool.runtime import Runtime
 
 LAYOUT = "B...."
 PARTS = ("encoder", "decoder")
+SUPPORTED_DIFFUSERS = ("0.42.",)
+"""diffusers releases whose ``autoencoder_kl_qwenimage`` the table describes (0.42.1 tested)."""
 
 
 def _classes():
     try:
+        import diffusers
         from diffusers.models.autoencoders import autoencoder_kl_qwenimage as mod
     except ImportError as e:
         raise DriftToolError(f"the VAE capture needs diffusers installed ({e})") from None
+    if not diffusers.__version__.startswith(SUPPORTED_DIFFUSERS):
+        raise DriftToolError(f"diffusers {diffusers.__version__} is not supported by the VAE capture "
+                             f"(supported: {', '.join(v + 'x' for v in SUPPORTED_DIFFUSERS)})")
     return mod
 
 
@@ -102,7 +108,8 @@ def taps(vae: torch.nn.Module, part: str) -> tuple[Tap, ...]:
     block numbers (``drifttool.model.vae``).
 
     Raises:
-        DriftToolError: diffusers missing, ``vae`` not an ``AutoencoderKLQwenImage``.
+        DriftToolError: diffusers missing or of an unsupported version (``SUPPORTED_DIFFUSERS``),
+            ``vae`` not an ``AutoencoderKLQwenImage``.
         UnsupportedConfigError: another part; a layer drifttool's VAE does not have.
     """
     mod = _classes()

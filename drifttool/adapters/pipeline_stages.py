@@ -54,6 +54,9 @@ from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Runtime
 
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+"""The pipelines whose ``_encode_vae_image`` encodes condition images (``vae_encode_stage``)."""
+
 _UNSET = dict(sigma=math.nan, branch="none", txt_starts=None, img_grid=None, cond_grids=None)
 
 
@@ -89,6 +92,33 @@ class StageLog:
 def _vae_digest(log: StageLog, vae: torch.nn.Module) -> None:
     if log.vae_weights is None:
         log.vae_weights = weight_digest(vae)
+
+
+def check_stages(pipe: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse, before anything runs, a pipeline call (``kwargs``, ``output_type`` set) whose
+    stages the capture cannot record.
+
+    Raises:
+        UnsupportedConfigError: neither ``prompt_embeds`` nor prompt strings with a text encoder;
+            prompt strings with ``num_images_per_prompt`` > 1; a pipeline that VAE-encodes
+            images other than the edit pipelines' conditions (image-to-image, inpainting); a VAE
+            that will run but that ``diffusers_vae`` refuses.
+    """
+    if kwargs.get("prompt_embeds") is None:
+        if kwargs.get("prompt") is None or getattr(pipe, "text_encoder", None) is None:
+            raise UnsupportedConfigError("capture_pipeline needs prompt strings and a pipeline with its "
+                                         "text encoder, or prompt_embeds (and their mask)")
+        if kwargs.get("num_images_per_prompt", 1) != 1:
+            raise UnsupportedConfigError("capture_pipeline with prompt strings: num_images_per_prompt "
+                                         "must be 1 (give one prompt per sample, as drifttool run does)")
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and hasattr(pipe, "_encode_vae_image") and type(pipe).__name__ not in EDIT_PIPELINES:
+        raise UnsupportedConfigError(f"capture_pipeline: {type(pipe).__name__} encodes images with its VAE "
+                                     f"outside the edit pipelines' condition path ({', '.join(EDIT_PIPELINES)})")
+    if vae is not None and (kwargs["output_type"] != "latent" or hasattr(pipe, "_encode_vae_image")):
+        for part in diffusers_vae.PARTS:
+            diffusers_vae.taps(vae, part)
+        diffusers_vae.check_vae(vae)
 
 
 # -- the text encoder ------------------------------------------------------------------------------

@@ -53,6 +53,10 @@ from drifttool.adapters.taps import AFTER, BEFORE, Tap, record, tap_modules
 from drifttool.errors import DriftToolError
 from drifttool.runtime import Runtime
 
+SUPPORTED_TRANSFORMERS = ("5.",)
+"""transformers releases whose Qwen2.5-VL modules (``model.language_model``, ``layer_idx``) and
+attention-function interface the table describes (5.24 tested; the ``[test]`` extra pins 5.x)."""
+
 CAPTURE_IMPLEMENTATION = "drifttool_capture"
 """The name the capture function is registered under while a capture runs."""
 
@@ -81,12 +85,17 @@ def language_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
     ``Qwen2_5_VLModel``).
 
     Raises:
-        DriftToolError: transformers missing, or not a Qwen2.5-VL model.
+        DriftToolError: transformers missing or of an unsupported version
+            (``SUPPORTED_TRANSFORMERS``), or not a Qwen2.5-VL model.
     """
     try:
+        import transformers
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
     except ImportError as e:
         raise DriftToolError(f"the text-encoder capture needs transformers installed ({e})") from None
+    if not transformers.__version__.startswith(SUPPORTED_TRANSFORMERS):
+        raise DriftToolError(f"transformers {transformers.__version__} is not supported by the text-encoder "
+                             f"capture (supported: {', '.join(v + 'x' for v in SUPPORTED_TRANSFORMERS)})")
     lm = getattr(getattr(text_encoder, "model", text_encoder), "language_model", None)
     if not isinstance(lm, mod.Qwen2_5_VLTextModel):
         raise DriftToolError(f"expected a transformers Qwen2.5-VL text encoder "

@@ -217,11 +217,21 @@ def test_nothing_is_left_after_an_error_in_the_text_encoder_or_the_loop(pipe, ca
     assert {r["component"] for r in run.ops_table().to_pylist()} == {"text_encoder", "mmdit"}
 
 
-def test_prompt_strings_the_capture_cannot_take_are_refused(pipe, tmp_path):
-    from diffusers import QwenImageEditPipeline
+def test_calls_the_capture_cannot_take_are_refused(pipe, tmp_path):
+    from diffusers import QwenImageEditPipeline, QwenImageImg2ImgPipeline
 
     with pytest.raises(UnsupportedConfigError, match="num_images_per_prompt"):
         capture_pipeline(pipe, tmp_path / "x", prompt=PROMPT, num_images_per_prompt=2, **CALL)
+    pipe.vae.enable_tiling()
+    try:
+        with pytest.raises(UnsupportedConfigError, match="tiling"):
+            capture_pipeline(pipe, tmp_path / "x", prompt=PROMPT, output_type="pil", **CALL)
+    finally:
+        pipe.vae.disable_tiling()
+    img2img = QwenImageImg2ImgPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                                       tokenizer=pipe.tokenizer, transformer=pipe.transformer)
+    with pytest.raises(UnsupportedConfigError, match="outside the edit pipelines' condition path"):
+        capture_pipeline(img2img, tmp_path / "x", prompt=PROMPT, image=PIL.new("RGB", (96, 64)), **CALL)
     edit = QwenImageEditPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
                                  tokenizer=pipe.tokenizer, processor=None, transformer=pipe.transformer)
     edit.set_progress_bar_config(disable=True)
