@@ -178,6 +178,23 @@ def test_a_perturbed_stage_is_the_first_drift(pipe, captured, tmp_path, part, na
         assert rep.identical_through == ("rollout", STEPS - 1)
 
 
+def test_the_attention_runs_the_configured_implementation(pipe, captured, tmp_path):
+    """The capture function hands each call to the text model's own implementation: eager
+    attention instead of sdpa is the first drift, at block 0's attention, and the trace names it."""
+    pipe.text_encoder.set_attn_implementation("eager")
+    try:
+        capture_pipeline(pipe, tmp_path / "eager", level="L2", prompt=PROMPT, negative_prompt=NEGATIVE,
+                         generator=_generators(1), output_type="pil", **CALL)
+        assert pipe.text_encoder.model.language_model.config._attn_implementation == "eager"
+    finally:
+        pipe.text_encoder.set_attn_implementation("sdpa")
+    eager = open_run(tmp_path / "eager")
+    fd = diff_runs(captured[2], eager).first_drift
+    assert (fd.component, fd.step, fd.block, fd.op) == ("text_encoder", -1, 0, "te_causal_attention")
+    kernels = {r["kernel"] for r in eager.trace_rows() if r["op"] == "te_causal_attention"}
+    assert kernels == {"transformers:ALL_ATTENTION_FUNCTIONS['eager']"}
+
+
 def test_latent_output_with_prompts_keeps_the_bytes_and_records_no_decode(pipe, tmp_path):
     kw = dict(prompt=PROMPT, negative_prompt=NEGATIVE, output_type="latent", **CALL)
     plain = pipe(generator=_generators(1), **kw).images
