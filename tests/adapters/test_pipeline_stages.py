@@ -136,13 +136,16 @@ def test_prompt_capture_diffs_identical_against_drifttool_run(captured, cli_run)
     assert (stages[0]["weights"], stages[2]["weights"]) == (chain["text_encoder_weights"], chain["vae_weights"])
 
 
-def test_padded_prompts_diff_identical_against_the_chain(pipe, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_padded_prompts_diff_identical_against_the_chain(pipe, tmp_path, dtype):
     """Two samples whose prompts (and negative prompts) have different lengths: padded text
-    encoder batches, per-sample valid rows."""
+    encoder batches, per-sample valid rows; in the folder's bf16 and loaded in fp32."""
     prompts, negatives = ["a photo of a dog wearing sunglasses, oil painting", "cat"], ["cat", "a red cube"]
     run_chain(RunSpec(checkpoint=CHAIN_FOLDER, mode="auto", preset="diffusers", steps=2, seed=SEED,
-                      capture="L2", height=48, width=80), tmp_path / "chain", prompts=prompts,
+                      capture="L2", height=48, width=80, dtype=dtype), tmp_path / "chain", prompts=prompts,
               negative_prompts=negatives)
+    if dtype == "float32":
+        pipe = chain_pipeline(dtype=torch.float32)
     got = capture_pipeline(pipe, tmp_path / "cap", level="L2", prompt=prompts, negative_prompt=negatives,
                            generator=_generators(2), output_type="np", true_cfg_scale=4.0, height=48,
                            width=80, num_inference_steps=2)
