@@ -41,8 +41,8 @@ pipeline's prompt strings need the text encoder's vision tower, which is not cap
 the image-stream records hold the condition rows too, the step records and x0 the noisy rows
 only, and the replay inputs store the condition latents the transformer received (``cond``,
 ``cond_grids``), so the capture diffs against ``drifttool run --preset diffusers-edit[-plus]
---condition FILE`` (or ``--image COND.png``: the condition's VAE encode is captured too). In the
-loop drifttool only watches:
+--image COND.png`` (the condition's VAE encode captured too), or with ``stages=("transformer",)``
+against ``--condition FILE``. In the loop drifttool only watches:
 
 * the transformer: a diffusers ``ModelHook`` (``pipeline_hooks.transformer_tap``) sets the
   runtime scope of each call — step (scheduler steps completed in this call), sigma (the
@@ -75,7 +75,8 @@ instead of reporting missing records.
 Cost per transformer call: Python only (no device-to-host read); per pipeline call: the
 scheduler's sigma table and each prompt mask are read to the host once, the initial latents and
 prompt embeddings once at the end (``inputs.safetensors``), and each step's digests once when the
-step is flushed (``Recorder.flush``).
+step is flushed (``Recorder.flush``); per text-encoder call its attention mask and kept rows once;
+the weight digests (transformer, text encoder's language model, VAE) once per call.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -94,7 +95,7 @@ from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, image_grids_of, timestep_policy_of
 from drifttool.adapters.pipeline_stages import (
-    StageLog, check_stages, text_encoder_stage, vae_decode_stage, vae_encode_stage)
+    StageLog, select_stages, text_encoder_stage, vae_decode_stage, vae_encode_stage)
 from drifttool.adapters.taps import record
 from drifttool.chain import DeferredCapture
 from drifttool.environment import environment
@@ -145,8 +146,9 @@ class _PipelineCall:
 
     def __init__(self, pipe: Any, out: str | Path, level: str, overwrite: bool,
                  kwargs: dict[str, Any], stack: contextlib.ExitStack,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, decode: bool = True) -> None:
         self.pipe, self.out, self.level, self.overwrite = pipe, out, level, overwrite
+        self.decode = decode and kwargs["output_type"] != "latent"  # capture the VAE decode
         self.extra = dict(extra or {})
         self.kwargs, self.stack = kwargs, stack
         # the stages before the artifact opens (text encoder, condition encode): digested as they
@@ -250,7 +252,7 @@ class _PipelineCall:
             self.early_capture.file_into(self.session.recorder)
         rt.trace = self.early.trace  # still empty: the early stages' entries come first
         self.stack.enter_context(instrument(tr, rt))
-        if self.kwargs["output_type"] != "latent":
+        if self.decode:
             self.stack.enter_context(vae_decode_stage(self.pipe, rt, self._decode_scope, self.stages))
         with rt.scope(phase="rollout", step=-1, sigma=math.nan, branch="none", samples=None,
                       txt_lens=None, img_grid=self.grid):
@@ -324,7 +326,7 @@ class _PipelineCall:
 
 def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite: bool = False,
                      manifest_extra: dict[str, Any] | None = None,
-                     **pipe_kwargs: Any) -> PipelineCapture:
+                     stages: Collection[str] | None = None, **pipe_kwargs: Any) -> PipelineCapture:
     """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` (or edit
     pipeline) — and write its drifttool artifact to ``out`` (module docstring: the stages, what
     is recorded, and how).
@@ -337,6 +339,9 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         out: artifact directory. level: ``L0``/``L1``/``L2``. overwrite: replace ``out``.
         manifest_extra: keys added to the manifest (a replay's ``replay_of``:
             ``drifttool.training.pipeline_replay``).
+        stages: the stages to capture (``text_encoder``, ``vae_encode``, ``transformer``,
+            ``vae_decode``); None: every stage the call runs. ``("transformer",)`` captures the
+            loop alone, to diff against a run from embedding and condition files.
         pipe_kwargs: the pipeline call's arguments: ``prompt`` (and ``negative_prompt``) strings,
             encoded by the pipeline's text encoder and captured, or ``prompt_embeds`` (and their
             masks) as the pipeline takes them; ``output_type`` defaults to ``"latent"`` (no
@@ -349,22 +354,20 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
     ``true_cfg_scale``, ``img_grid`` = (height, width) / 16, ``dtype`` (the transformer's),
     ``samples`` 0..B−1, ``cfg_layout`` sequential, ``eta`` 0, ``timestep_policy`` from the
     latent dtype (bf16: ``pipeline_bf16``), ``seed`` null (the pipeline's generator is not
-    drifttool's). Its ``stages`` lists the stages captured in program order (``pipeline_stages``:
-    stage, component, first step, calls, prompts, weight digests). A LoRA adapter the
-    transformer carries (``load_lora_weights``, fused or not,
-    or a peft wrapper) is recorded as ``drifttool run --lora`` records it (``lora``: config,
-    scale, digest, mode, factor dtype; ``settings.lora_mode``; ``peft_lora.lora_of``), so the
-    capture diffs IDENTICAL against ``drifttool run --lora ADAPTER --lora-mode <its mode>``.
+    drifttool's). Its ``stages`` lists the stages captured in program order (``pipeline_stages``).
+    A LoRA adapter the transformer carries (``load_lora_weights``, fused or not, or a peft
+    wrapper) is recorded as ``drifttool run --lora`` records it (``lora``, ``settings.lora_mode``;
+    ``peft_lora.lora_of``): the capture diffs IDENTICAL against ``drifttool run --lora ADAPTER
+    --lora-mode <its mode>``.
     Every hook and wrapper is removed on exit, also on error; an error after the artifact
     opened leaves it ``complete: false`` with the finished steps.
 
     Raises:
         DriftToolError: diffusers missing, not a QwenImage pipeline, or the transformer never ran.
-        UnsupportedConfigError: neither ``prompt_embeds`` nor a prompt with a text encoder;
-            prompt strings with ``num_images_per_prompt`` > 1 or for an edit pipeline (the text
-            encoder's vision tower is not captured); a scheduler of order > 1; a VAE that
-            ``diffusers_vae.check_vae`` refuses; a call the scope cannot name
-            (``pipeline_scope``); a transformer dtype drifttool does not run.
+        UnsupportedConfigError: as ``pipeline_stages.select_stages``; an edit pipeline's prompt
+            strings (the text encoder's vision tower is not captured); a scheduler of order > 1;
+            a call the scope cannot name (``pipeline_scope``); a transformer dtype drifttool
+            does not run.
         ArtifactError: ``out`` cannot be created.
     """
     check_level(level)
@@ -372,14 +375,17 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         raise DriftToolError(f"expected a diffusers QwenImagePipeline (a callable with .transformer "
                              f"and .scheduler), got {type(pipe).__name__}")
     kwargs = {"output_type": "latent", **pipe_kwargs}
-    check_stages(pipe, kwargs)
+    want = select_stages(pipe, kwargs, stages)
     if getattr(pipe.scheduler, "order", 1) != 1:
         raise UnsupportedConfigError(f"scheduler {type(pipe.scheduler).__name__} of order "
                                      f"{pipe.scheduler.order}: one step call per step only")
     with contextlib.ExitStack() as stack:
-        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra)
-        stack.enter_context(text_encoder_stage(pipe, call.early, call.stages))
-        stack.enter_context(vae_encode_stage(pipe, call.early, call.stages))
+        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra,
+                             decode="vae_decode" in want)
+        if "text_encoder" in want:
+            stack.enter_context(text_encoder_stage(pipe, call.early, call.stages))
+        if "vae_encode" in want:
+            stack.enter_context(vae_encode_stage(pipe, call.early, call.stages))
         stack.enter_context(transformer_tap(pipe.transformer, call.on_forward))
         stack.enter_context(scheduler_tap(pipe.scheduler, call.on_step))
         output = pipe(**kwargs)

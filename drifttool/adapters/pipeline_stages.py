@@ -5,7 +5,7 @@ encode of an edit pipeline's condition images, the VAE decode.
     >>> log = StageLog()
     >>> with text_encoder_stage(pipe, early_rt, log), vae_encode_stage(pipe, early_rt, log):
     ...     pipe(prompt="a red cube", ...)      # the decode: vae_decode_stage(pipe, rt, fields, log)
-    >>> log.stages()                          # the manifest's ``stages``
+    >>> log.stages(steps=50)                  # the manifest's ``stages``
     [{'stage': 'text_encoder', 'component': 'text_encoder', 'step': -1, 'calls': 2, ...}, ...]
 
 Each stage is a ``with`` block of hooks (``diffusers_vae``, ``transformers_qwen25vl``) and
@@ -43,13 +43,14 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 
 from drifttool.adapters import diffusers_vae, transformers_qwen25vl
 from drifttool.adapters.pipeline_hooks import method_tap
 from drifttool.adapters.taps import record
+from drifttool.artifact.manifest_schema import STAGES
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.weights import weight_digest
 from drifttool.runtime import Runtime
@@ -94,31 +95,39 @@ def _vae_digest(log: StageLog, vae: torch.nn.Module) -> None:
         log.vae_weights = weight_digest(vae)
 
 
-def check_stages(pipe: Any, kwargs: dict[str, Any]) -> None:
-    """Refuse, before anything runs, a pipeline call (``kwargs``, ``output_type`` set) whose
-    stages the capture cannot record.
+def select_stages(pipe: Any, kwargs: dict[str, Any], stages: Collection[str] | None) -> frozenset[str]:
+    """The stages to capture of a pipeline call (``kwargs``, ``output_type`` set): ``stages``
+    (``STAGES`` names; None: all of them, each when the call runs it), after refusing, before
+    anything runs, what the capture cannot record.
 
     Raises:
-        UnsupportedConfigError: neither ``prompt_embeds`` nor prompt strings with a text encoder;
-            prompt strings with ``num_images_per_prompt`` > 1; a pipeline that VAE-encodes
+        UnsupportedConfigError: an unknown stage, or none of the transformer; neither
+            ``prompt_embeds`` nor prompt strings with a text encoder; prompt strings with
+            ``num_images_per_prompt`` > 1 (text encoder captured); a pipeline that VAE-encodes
             images other than the edit pipelines' conditions (image-to-image, inpainting); a VAE
-            that will run but that ``diffusers_vae`` refuses.
+            that will run captured but that ``diffusers_vae`` refuses.
     """
+    want = frozenset(STAGES if stages is None else stages)
+    if not want <= set(STAGES) or "transformer" not in want:
+        raise UnsupportedConfigError(f"capture_pipeline stages {sorted(want)}: from {', '.join(STAGES)}, "
+                                     "the transformer included")
     if kwargs.get("prompt_embeds") is None:
         if kwargs.get("prompt") is None or getattr(pipe, "text_encoder", None) is None:
             raise UnsupportedConfigError("capture_pipeline needs prompt strings and a pipeline with its "
                                          "text encoder, or prompt_embeds (and their mask)")
-        if kwargs.get("num_images_per_prompt", 1) != 1:
+        if kwargs.get("num_images_per_prompt", 1) != 1 and "text_encoder" in want:
             raise UnsupportedConfigError("capture_pipeline with prompt strings: num_images_per_prompt "
                                          "must be 1 (give one prompt per sample, as drifttool run does)")
     vae = getattr(pipe, "vae", None)
-    if vae is not None and hasattr(pipe, "_encode_vae_image") and type(pipe).__name__ not in EDIT_PIPELINES:
+    encode = vae is not None and hasattr(pipe, "_encode_vae_image") and "vae_encode" in want
+    if encode and type(pipe).__name__ not in EDIT_PIPELINES:
         raise UnsupportedConfigError(f"capture_pipeline: {type(pipe).__name__} encodes images with its VAE "
                                      f"outside the edit pipelines' condition path ({', '.join(EDIT_PIPELINES)})")
-    if vae is not None and (kwargs["output_type"] != "latent" or hasattr(pipe, "_encode_vae_image")):
+    if encode or (vae is not None and kwargs["output_type"] != "latent" and "vae_decode" in want):
         for part in diffusers_vae.PARTS:
             diffusers_vae.taps(vae, part)
         diffusers_vae.check_vae(vae)
+    return want
 
 
 # -- the text encoder ------------------------------------------------------------------------------

@@ -206,6 +206,14 @@ def test_latent_output_with_prompts_keeps_the_bytes_and_records_no_decode(pipe, 
     run = open_run(tmp_path / "lat")
     assert [s["stage"] for s in run.manifest["stages"]] == ["text_encoder", "transformer"]
     assert "vae" not in {r["component"] for r in run.ops_table().to_pylist()}
+    # the loop alone, on request: the text encoder and the decode run uncaptured
+    got = capture_pipeline(pipe, tmp_path / "loop", generator=_generators(1), stages=("transformer",),
+                           **{**kw, "output_type": "pil"})
+    run = open_run(tmp_path / "loop")
+    assert [s["stage"] for s in run.manifest["stages"]] == ["transformer"]
+    assert {r["component"] for r in run.ops_table().to_pylist()} == {"mmdit"}
+    assert np.array_equal(np.asarray(got.output.images[0]),
+                          np.asarray(pipe(generator=_generators(1), **{**kw, "output_type": "pil"}).images[0]))
 
 
 def test_nothing_is_left_after_an_error_in_the_text_encoder_or_the_loop(pipe, captured, tmp_path):
@@ -242,6 +250,9 @@ def test_calls_the_capture_cannot_take_are_refused(pipe, tmp_path):
 
     with pytest.raises(UnsupportedConfigError, match="num_images_per_prompt"):
         capture_pipeline(pipe, tmp_path / "x", prompt=PROMPT, num_images_per_prompt=2, **CALL)
+    for stages in (("vae_decode",), ("transformer", "decoder")):
+        with pytest.raises(UnsupportedConfigError, match="the transformer included"):
+            capture_pipeline(pipe, tmp_path / "x", prompt=PROMPT, stages=stages, **CALL)
     pipe.vae.enable_tiling()
     try:
         with pytest.raises(UnsupportedConfigError, match="tiling"):
