@@ -9,25 +9,30 @@ block number drifttool gives that stage, recorded through ``drifttool.adapters.t
 hooks, removed on exit; they only read tensors). Layout ``B....`` ([B, C, T, H, W], one record
 per sample), stream ``none``, as drifttool's VAE.
 
-=================================================  ==================  ===========================
-diffusers module (decode; encode alike)            RFC operator        block (drifttool's)
-=================================================  ==================  ===========================
-``post_quant_conv``, ``decoder.conv_in``           vae_causal_conv3d   −1
-residual block ``…resnets.j``: ``conv_shortcut``   vae_causal_conv3d   its stage's
-  (a convolution only), ``nonlinearity`` (after     vae_rms_norm
-  ``norm1`` / ``norm2``: RMS norm then SiLU, one    (silu, twice)
-  record each), ``conv1``, the block's output       vae_causal_conv3d
-  (``conv2`` plus the shortcut)                     (conv1, conv2+res)
-``decoder.mid_block.attentions.0`` output          vae_mid_attention   0 (the mid block)
-``decoder.up_blocks.i.upsamplers.0`` output        vae_resample        1 + i
-``decoder.nonlinearity`` (after ``norm_out``),     vae_rms_norm,       1 + len(up_blocks)
-``decoder.conv_out``                               vae_causal_conv3d
-encode: ``encoder.conv_in``; ``encoder.down_blocks.i``  (residual blocks   −1; i; the mid block
-(residual blocks as above, downsamplers'            as above,           len(down_blocks); the head
-output: vae_resample); ``encoder.mid_block``;      vae_resample)       and ``quant_conv``
-``encoder.nonlinearity``, ``encoder.conv_out``,                        len(down_blocks) + 1
-``quant_conv`` (the posterior's moments)
-=================================================  ==================  ===========================
+=========================================  ==================  ================================
+diffusers module                           RFC operator        block (drifttool's)
+=========================================  ==================  ================================
+decode: ``post_quant_conv``,               vae_causal_conv3d   −1
+``decoder.conv_in``
+``decoder.mid_block``                      (below)             0
+``decoder.up_blocks.i``: residual blocks,  (below),            1 + i
+then ``upsamplers.0`` output               vae_resample
+``decoder.nonlinearity`` (after            vae_rms_norm,       1 + len(up_blocks)
+``norm_out``), ``decoder.conv_out``        vae_causal_conv3d
+encode: ``encoder.conv_in``                vae_causal_conv3d   −1
+``encoder.down_blocks.i``: a residual      (below),            i
+block, or a downsampler's output           vae_resample
+``encoder.mid_block``                      (below)             len(down_blocks)
+``encoder.nonlinearity``, ``conv_out``,    vae_rms_norm,       len(down_blocks) + 1
+``quant_conv`` (the posterior's moments)   vae_causal_conv3d
+residual block: ``conv_shortcut`` (a       vae_causal_conv3d   its stage's
+convolution only), ``nonlinearity``        vae_rms_norm
+(after ``norm1``, after ``norm2``: RMS     (twice)
+norm then SiLU), ``conv1``, the block's    vae_causal_conv3d
+output (``conv2`` plus the shortcut)       (conv1, conv2+res)
+mid block: residual block,                 vae_mid_attention   its stage's
+``attentions.0`` output, residual block    (between)
+=========================================  ==================  ================================
 
 The latent (de)normalisation and the 2×2 (un)packing happen in the pipeline, not in the VAE:
 ``drifttool.adapters.pipeline_stages`` records them. A decode or encode through the tiled or
