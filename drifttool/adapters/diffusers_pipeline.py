@@ -394,4 +394,3 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
         complete = call.finish()
     return PipelineCapture(output=output, out=str(out), complete=complete, steps=call.step,
                            samples=list(call.samples), capture=level)
-
