@@ -10,13 +10,20 @@ exponential shift with mu from 0.5 at 256 tokens to 0.9 at 8192, terminal sigma 
 encoder, tokenizer and VAE are ``None``: prompt embeddings are passed directly and
 ``output_type="latent"`` skips decoding, so the pipeline never calls them
 (``vae_scale_factor`` is then diffusers' default 8, as Qwen-Image's VAE has).
+
+``chain_pipeline()`` is the whole pipeline of a folder (by default the shipped
+``fixtures/tiny-t2i-chain``: tokenizer, text encoder, transformer, VAE), loaded with
+``from_pretrained`` as a user loads it.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+
+CHAIN_FOLDER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-t2i-chain"
 
 QWEN_IMAGE_SCHEDULER = dict(
     base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, max_image_seq_len=8192,
@@ -43,5 +50,30 @@ def tiny_pipeline(transformer: torch.nn.Module):
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     pipe = QwenImagePipeline(scheduler=qwen_image_scheduler(), vae=None, text_encoder=None,
                              tokenizer=None, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def chain_pipeline(folder: Path = CHAIN_FOLDER, dtype: torch.dtype = torch.bfloat16):
+    """``QwenImagePipeline.from_pretrained(folder)`` with Qwen-Image's scheduler (the folder has
+    none). The folder's ``text_encoder/`` holds the language model only (drifttool reads no vision
+    tower): its config's default vision tower (32 blocks, never run for text prompts) is made one
+    block deep so that loading takes a second instead of a minute; the language model is the
+    folder's."""
+    import transformers
+    from diffusers import QwenImagePipeline
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    cfg = transformers.AutoConfig.from_pretrained(folder / "text_encoder", local_files_only=True)
+    cfg.vision_config = type(cfg.vision_config)(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                out_hidden_size=cfg.text_config.hidden_size,
+                                                fullatt_block_indexes=[0])
+    te = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        folder / "text_encoder", config=cfg, dtype=dtype, local_files_only=True).eval()
+    pipe = QwenImagePipeline.from_pretrained(folder, text_encoder=te, scheduler=qwen_image_scheduler(),
+                                             dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe

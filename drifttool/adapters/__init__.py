@@ -19,7 +19,11 @@ refuses.
 the diffusers table, its attention through xfuser's attention registry; ``xfuser_cpu`` runs it on
 the CPU as one rank.
 
-``diffusers_pipeline``: an unmodified diffusers ``QwenImagePipeline`` call captured whole
-(``capture_pipeline``); ``pipeline_hooks`` (imports diffusers) taps its transformer and scheduler,
-``pipeline_scope`` names each transformer call (step, sigma, CFG branch, text rows, grid).
+``diffusers_pipeline``: an unmodified diffusers ``QwenImagePipeline`` (or edit pipeline) call
+captured whole (``capture_pipeline``); ``pipeline_hooks`` (imports diffusers) taps its
+transformer, scheduler and methods, ``pipeline_scope`` names each transformer call (step, sigma,
+CFG branch, text rows, grid), ``pipeline_stages`` captures the stages around the loop: the text
+encoder (``transformers_qwen25vl``: transformers' Qwen2.5-VL language model, its attention
+through a function registered with transformers' ``AttentionInterface``) and the VAE encode and
+decode (``diffusers_vae``: diffusers' ``AutoencoderKLQwenImage``).
 """

@@ -1,21 +1,48 @@
-"""Capture an unmodified diffusers ``QwenImagePipeline`` call into a drifttool artifact.
+"""Capture an unmodified diffusers ``QwenImagePipeline`` call into a drifttool artifact: the text
+encoder, the denoising loop and the VAE decode, each stage under its own component.
 
-    >>> run = capture_pipeline(pipe, "runs/pipe", level="L1", prompt_embeds=pe,
-    ...                        prompt_embeds_mask=m, negative_prompt_embeds=ne,
-    ...                        negative_prompt_embeds_mask=nm, height=1024, width=1024,
-    ...                        num_inference_steps=50, true_cfg_scale=4.0, generator=g)
-    >>> run.complete, run.steps, run.samples, run.output.images.shape   # latents (output_type)
-    (True, 50, [0], torch.Size([1, 4096, 64]))
-    >>> diff_runs(open_run("runs/pipe"), open_run("runs/preset")).verdict
+    >>> run = capture_pipeline(pipe, "runs/pipe", level="L1", prompt="a red cube",
+    ...                        negative_prompt="blurry", height=1024, width=1024,
+    ...                        num_inference_steps=50, true_cfg_scale=4.0, generator=g,
+    ...                        output_type="pil")
+    >>> run.complete, run.steps, run.samples, run.output.images[0].size
+    (True, 50, [0], (1024, 1024))
+    >>> diff_runs(open_run("runs/chain"), open_run("runs/pipe")).verdict   # drifttool run --prompt
+    <Verdict.IDENTICAL: 'identical'>
 
-``pipe(**pipe_kwargs)`` runs as the user would run it (prompt embeddings passed directly,
-``output_type="latent"`` unless given). ``QwenImageEditPipeline`` and
-``QwenImageEditPlusPipeline`` are captured the same way: their ``img_shapes`` name the condition
-images (scope ``cond_grids``, ``drifttool.model.conditions``), the image-stream records hold the
-condition rows too, the step records and x0 the noisy rows only, and the replay inputs store the
-condition latents the transformer received (``cond``, ``cond_grids``), so the capture diffs
-against ``drifttool run --preset diffusers-edit[-plus] --condition FILE``. drifttool only
-watches:
+``pipe(**pipe_kwargs)`` runs as the user would run it, with prompt strings (encoded by the
+pipeline's text encoder) or prompt embeddings passed directly, ``output_type="latent"`` unless
+given. The stages, in program order (the manifest's ``stages`` lists those that ran):
+
+========================  ==========================  =======================================
+stage (component)         steps                       recorded by
+========================  ==========================  =======================================
+text_encoder              −1 (prompts, then negative  ``pipeline_stages.text_encoder_stage``:
+(text_encoder)            prompts)                    transformers' Qwen2.5-VL
+                                                      (``transformers_qwen25vl``)
+vae_encode (vae)          −1 (edit pipelines: each    ``pipeline_stages.vae_encode_stage``
+                          condition image)            (``diffusers_vae``)
+transformer (mmdit) and   −1 (sigma table), 0..N−1    the transformer tap and the scheduler
+its sampler                                           tap below
+vae_decode (vae)          N (after the last step;     ``pipeline_stages.vae_decode_stage``
+                          not with ``"latent"``)      (``diffusers_vae``)
+========================  ==========================  =======================================
+
+The stages before the loop run before the artifact opens (it opens at the transformer's first
+call, when batch, grid, dtype and the sigma table are known): their records are digested as they
+run and filed first, in program order, once it opens (``chain.DeferredCapture``, as drifttool's
+own chain does), so a prompt capture diffs against ``drifttool run --prompt ... --checkpoint
+PIPELINE --mode auto --preset diffusers`` record for record, every stage included. An edit
+pipeline's prompt strings need the text encoder's vision tower, which is not captured: refused
+(pass ``prompt_embeds``).
+
+``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline`` are captured the same way: their
+``img_shapes`` name the condition images (scope ``cond_grids``, ``drifttool.model.conditions``),
+the image-stream records hold the condition rows too, the step records and x0 the noisy rows
+only, and the replay inputs store the condition latents the transformer received (``cond``,
+``cond_grids``), so the capture diffs against ``drifttool run --preset diffusers-edit[-plus]
+--image COND.png`` (the condition's VAE encode captured too), or with ``stages=("transformer",)``
+against ``--condition FILE``. In the loop drifttool only watches:
 
 * the transformer: a diffusers ``ModelHook`` (``pipeline_hooks.transformer_tap``) sets the
   runtime scope of each call — step (scheduler steps completed in this call), sigma (the
@@ -48,7 +75,8 @@ instead of reporting missing records.
 Cost per transformer call: Python only (no device-to-host read); per pipeline call: the
 scheduler's sigma table and each prompt mask are read to the host once, the initial latents and
 prompt embeddings once at the end (``inputs.safetensors``), and each step's digests once when the
-step is flushed (``Recorder.flush``).
+step is flushed (``Recorder.flush``); per text-encoder call its attention mask and kept rows once;
+the weight digests (transformer, text encoder's language model, VAE) once per call.
 """
 
 from __future__ import annotations
@@ -58,7 +86,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -66,16 +94,18 @@ from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrumen
 from drifttool.adapters.peft_lora import lora_of
 from drifttool.adapters.pipeline_hooks import scheduler_tap, transformer_tap
 from drifttool.adapters.pipeline_scope import TextRows, branch_of, image_grids_of, timestep_policy_of
+from drifttool.adapters.pipeline_stages import (
+    StageLog, select_stages, text_encoder_stage, vae_decode_stage, vae_encode_stage)
 from drifttool.adapters.taps import record
+from drifttool.chain import DeferredCapture
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.fingerprint import arch_fingerprint, sampler_record, tensor_digest
 from drifttool.lifecycle import ArtifactSession
 from drifttool.model.weights import weight_digest
-from drifttool.runtime import Mode
+from drifttool.runtime import Mode, Runtime
 from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
-from drifttool.sampling.config import SAMPLER_BLOCK, SamplerConfig
 from drifttool.setting_checks import DTYPES, check_level
 
 UNCAPTURED = {
@@ -116,10 +146,16 @@ class _PipelineCall:
 
     def __init__(self, pipe: Any, out: str | Path, level: str, overwrite: bool,
                  kwargs: dict[str, Any], stack: contextlib.ExitStack,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, decode: bool = True) -> None:
         self.pipe, self.out, self.level, self.overwrite = pipe, out, level, overwrite
+        self.decode = decode and kwargs["output_type"] != "latent"  # capture the VAE decode
         self.extra = dict(extra or {})
         self.kwargs, self.stack = kwargs, stack
+        # the stages before the artifact opens (text encoder, condition encode): digested as they
+        # run, filed first into the artifact when it opens (chain.DeferredCapture)
+        self.early_capture = DeferredCapture(level)
+        self.early = Runtime(mode=Mode.AUTO, recorder=self.early_capture)
+        self.stages = StageLog()
         self.session: ArtifactSession | None = None
         self.text_rows = TextRows()
         self.step = 0  # scheduler steps completed in this call
@@ -211,12 +247,21 @@ class _PipelineCall:
         manifest = self._manifest(model, sampler, host, hs.dtype)
         self.session = ArtifactSession(mode=Mode.AUTO, level=self.level, cfg_layout="sequential")
         self.stack.enter_context(self.session.open(self.out, manifest, overwrite=self.overwrite))
-        self.stack.enter_context(instrument(tr, self.session.rt))
         rt = self.session.rt
+        if self.session.recorder is not None:
+            self.early_capture.file_into(self.session.recorder)
+        rt.trace = self.early.trace  # still empty: the early stages' entries come first
+        self.stack.enter_context(instrument(tr, rt))
+        if self.decode:
+            self.stack.enter_context(vae_decode_stage(self.pipe, rt, self._decode_scope, self.stages))
         with rt.scope(phase="rollout", step=-1, sigma=math.nan, branch="none", samples=None,
                       txt_lens=None, img_grid=self.grid):
             record(rt, "flow_sigma_table", "none", table, ".", actual="diffusers",
                    kernel=f"diffusers:{type(sched).__name__}.set_timesteps", block=SAMPLER_BLOCK)
+
+    def _decode_scope(self) -> dict[str, Any]:
+        """The decode's scope fields: after the steps run (all of them in a complete call)."""
+        return {"step": self.step, "sigma": self.sigmas[self.step], "samples": list(self.samples)}
 
     def _cfg_scale(self) -> float:
         default = inspect.signature(self.pipe.__call__).parameters["true_cfg_scale"].default
@@ -273,7 +318,7 @@ class _PipelineCall:
         lens = inputs.txt_mask.sum(-1).tolist() if inputs.txt_mask is not None \
             else [int(inputs.txt.shape[1])] * inputs.batch
         complete = self.step == len(self.sigmas) - 1
-        self.session.finish(complete=complete, replay={
+        self.session.finish(complete=complete, stages=self.stages.stages(self.step), replay={
             "noise": None, "inputs": "inputs.safetensors", "prompt_lengths": lens,
             "input_digests": {k: tensor_digest(v) for k, v in tensors.items()}})
         return complete
@@ -281,19 +326,26 @@ class _PipelineCall:
 
 def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite: bool = False,
                      manifest_extra: dict[str, Any] | None = None,
-                     **pipe_kwargs: Any) -> PipelineCapture:
+                     stages: Collection[str] | None = None, **pipe_kwargs: Any) -> PipelineCapture:
     """Run ``pipe(**pipe_kwargs)`` — an unmodified diffusers ``QwenImagePipeline`` (or edit
-    pipeline) — and write
-    its drifttool artifact to ``out`` (module docstring: what is recorded, and how).
+    pipeline) — and write its drifttool artifact to ``out`` (module docstring: the stages, what
+    is recorded, and how).
 
     Args:
         pipe: the pipeline (``transformer`` a ``QwenImageTransformer2DModel``, ``scheduler`` a
-            first-order flow-matching scheduler such as ``FlowMatchEulerDiscreteScheduler``).
+            first-order flow-matching scheduler such as ``FlowMatchEulerDiscreteScheduler``;
+            ``text_encoder`` a transformers Qwen2.5-VL model for prompt strings, ``vae`` an
+            ``AutoencoderKLQwenImage`` for a decode or condition images).
         out: artifact directory. level: ``L0``/``L1``/``L2``. overwrite: replace ``out``.
         manifest_extra: keys added to the manifest (a replay's ``replay_of``:
             ``drifttool.training.pipeline_replay``).
-        pipe_kwargs: the pipeline call's arguments; ``prompt_embeds`` is required (the capture
-            runs without a text encoder), ``output_type`` defaults to ``"latent"``.
+        stages: the stages to capture (``text_encoder``, ``vae_encode``, ``transformer``,
+            ``vae_decode``); None: every stage the call runs. ``("transformer",)`` captures the
+            loop alone, to diff against a run from embedding and condition files.
+        pipe_kwargs: the pipeline call's arguments: ``prompt`` (and ``negative_prompt``) strings,
+            encoded by the pipeline's text encoder and captured, or ``prompt_embeds`` (and their
+            masks) as the pipeline takes them; ``output_type`` defaults to ``"latent"`` (no
+            decode); any other (``"pil"``, ``"np"``, ``"pt"``) decodes, captured.
 
     Returns:
         ``PipelineCapture`` (the pipeline's own output included).
@@ -302,32 +354,38 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
     ``true_cfg_scale``, ``img_grid`` = (height, width) / 16, ``dtype`` (the transformer's),
     ``samples`` 0..B−1, ``cfg_layout`` sequential, ``eta`` 0, ``timestep_policy`` from the
     latent dtype (bf16: ``pipeline_bf16``), ``seed`` null (the pipeline's generator is not
-    drifttool's). A LoRA adapter the transformer carries (``load_lora_weights``, fused or not,
-    or a peft wrapper) is recorded as ``drifttool run --lora`` records it (``lora``: config,
-    scale, digest, mode, factor dtype; ``settings.lora_mode``; ``peft_lora.lora_of``), so the
-    capture diffs IDENTICAL against ``drifttool run --lora ADAPTER --lora-mode <its mode>``.
+    drifttool's). Its ``stages`` lists the stages captured in program order (``pipeline_stages``).
+    A LoRA adapter the transformer carries (``load_lora_weights``, fused or not, or a peft
+    wrapper) is recorded as ``drifttool run --lora`` records it (``lora``, ``settings.lora_mode``;
+    ``peft_lora.lora_of``): the capture diffs IDENTICAL against ``drifttool run --lora ADAPTER
+    --lora-mode <its mode>``.
     Every hook and wrapper is removed on exit, also on error; an error after the artifact
     opened leaves it ``complete: false`` with the finished steps.
 
     Raises:
         DriftToolError: diffusers missing, not a QwenImage pipeline, or the transformer never ran.
-        UnsupportedConfigError: no ``prompt_embeds``; a scheduler of order > 1; a call the scope
-            cannot name (``pipeline_scope``); a transformer dtype drifttool does not run.
+        UnsupportedConfigError: as ``pipeline_stages.select_stages``; an edit pipeline's prompt
+            strings (the text encoder's vision tower is not captured); a scheduler of order > 1;
+            a call the scope cannot name (``pipeline_scope``); a transformer dtype drifttool
+            does not run.
         ArtifactError: ``out`` cannot be created.
     """
     check_level(level)
     if not all(hasattr(pipe, a) for a in ("transformer", "scheduler")) or not callable(pipe):
         raise DriftToolError(f"expected a diffusers QwenImagePipeline (a callable with .transformer "
                              f"and .scheduler), got {type(pipe).__name__}")
-    if pipe_kwargs.get("prompt_embeds") is None:
-        raise UnsupportedConfigError("capture_pipeline needs prompt_embeds (and their mask): the "
-                                     "capture runs the pipeline without its text encoder")
+    kwargs = {"output_type": "latent", **pipe_kwargs}
+    want = select_stages(pipe, kwargs, stages)
     if getattr(pipe.scheduler, "order", 1) != 1:
         raise UnsupportedConfigError(f"scheduler {type(pipe.scheduler).__name__} of order "
                                      f"{pipe.scheduler.order}: one step call per step only")
-    kwargs = {"output_type": "latent", **pipe_kwargs}
     with contextlib.ExitStack() as stack:
-        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra)
+        call = _PipelineCall(pipe, out, level, overwrite, kwargs, stack, manifest_extra,
+                             decode="vae_decode" in want)
+        if "text_encoder" in want:
+            stack.enter_context(text_encoder_stage(pipe, call.early, call.stages))
+        if "vae_encode" in want:
+            stack.enter_context(vae_encode_stage(pipe, call.early, call.stages))
         stack.enter_context(transformer_tap(pipe.transformer, call.on_forward))
         stack.enter_context(scheduler_tap(pipe.scheduler, call.on_step))
         output = pipe(**kwargs)

@@ -1,6 +1,7 @@
-"""Two taps on an unmodified diffusers pipeline, each installed in a ``with`` block and removed on
-exit: a diffusers ``ModelHook`` around the transformer's forward, and a wrapper of the scheduler
-instance's ``step``.
+"""Taps on an unmodified diffusers pipeline, each installed in a ``with`` block and removed on exit:
+a diffusers ``ModelHook`` around the transformer's forward, a wrapper of the scheduler instance's
+``step``, and ``method_tap``, a wrapper of any one instance's method (the pipeline's
+``_get_qwen_prompt_embeds``, ``_unpack_latents``, ..., the VAE's ``decode``).
 
     with transformer_tap(pipe.transformer, on_forward), scheduler_tap(pipe.scheduler, on_step):
         pipe(prompt_embeds=..., output_type="latent")
@@ -8,12 +9,14 @@ instance's ``step``.
     #   pipeline's transformer.cache_context(name) block ("cond"/"uncond") or None; arguments =
     #   the forward's bound arguments; run() calls the forward and returns its output
     # on_step(call, output) per scheduler step: call = step's bound arguments, output = its return
+    with method_tap(pipe, "_unpack_latents", around):   # around(original, *args, **kwargs)
+        ...
 
 The transformer tap is a stateful ``diffusers.hooks.ModelHook`` registered in the transformer's
 ``HookRegistry`` (diffusers' own extension point for model hooks): diffusers hands every
 stateful hook's ``StateManager`` the ``CacheContext`` that ``transformer.cache_context(name)``
 sets, which is how the tap learns the CFG branch of a call without reading the pipeline's
-frame. Neither tap changes an argument or an output.
+frame. No tap changes an argument or an output.
 """
 
 from __future__ import annotations
@@ -102,3 +105,29 @@ def scheduler_tap(scheduler: Any, on_step: OnStep) -> Iterator[None]:
             scheduler.step = original
         else:
             del scheduler.step
+
+
+@contextlib.contextmanager
+def method_tap(obj: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
+    """Route every call of ``obj.<name>`` (the instance's attribute, not the class's) through
+    ``around(original, *args, **kwargs)``, which must call ``original`` with the arguments it got
+    and return its result unchanged; the attribute is restored on exit (removed again when the
+    instance had none of its own).
+
+    Raises:
+        AttributeError: ``obj`` has no ``name``.
+    """
+    original = getattr(obj, name)
+    had = name in vars(obj)
+
+    def tapped(*args: Any, **kwargs: Any) -> Any:
+        return around(original, *args, **kwargs)
+
+    setattr(obj, name, tapped)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, original)
+        else:
+            vars(obj).pop(name, None)

@@ -233,6 +233,19 @@ _EDIT = Obj({
 """``drifttool.chain_edit``: an edit run's pipeline folder, its VAE's weight digest, the
 condition images it encoded and the PNGs written beside the artifact."""
 
+STAGES = ("text_encoder", "vae_encode", "transformer", "vae_decode")
+"""The stages of a captured pipeline call (``drifttool.adapters.pipeline_stages``), in program
+order."""
+
+_STAGE = Obj({
+    "stage": Enum(STAGES), "component": _STR, "step": _INT, "calls": _INT,
+    "prompts": ListOf(ListOf(_STR)), "weights": Nullable(_STR),
+}, frozenset({"stage", "component", "step", "calls"}))
+"""One stage a captured pipeline call recorded: its component, first step (−1 before the loop,
+0 the loop, the steps run for the decode), number of calls (text-encoder calls, condition images,
+scheduler steps, decodes), the prompts of each text-encoder call, the stage's weight digest (the
+text encoder's language model, the VAE)."""
+
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,
     "kind": Enum(KINDS), "capture_level": Enum(LEVELS), "settings": _SETTINGS,
@@ -240,7 +253,7 @@ MANIFEST_SCHEMA = Obj({
     "variants": ListOf(_STR), "model_source": _MODEL_SOURCE, "lora": _LORA,
     "source": _SOURCE, "replay_of": _SOURCE, "policy": _POLICY, "train": _TRAIN,
     "seconds": _NUM, "uncaptured": _UNCAPTURED, "checkpoint_warnings": ListOf(_STR),
-    "chain": _CHAIN, "edit": _EDIT,
+    "chain": _CHAIN, "edit": _EDIT, "stages": ListOf(_STAGE),
 }, frozenset({"schema_version", "complete", "files", "fingerprint"}))
 """Every key of ``manifest.json``: the writer's (``schema_version``, ``complete``, ``files``), the
 recorder's ``capture_level``, ``drifttool.runner.execute``'s rollout manifest and

@@ -20,7 +20,9 @@ from it), and captured again with ``capture_pipeline``; the new manifest adds ``
 
 Refused, one line each: no ``--checkpoint``; weights other than the recorded ones; a mode other
 than ``auto`` (the pipeline runs diffusers' own kernels); a LoRA adapter (replay it in Python
-with the adapter loaded); an incomplete source; a run laid over several ranks.
+with the adapter loaded); a call captured with stages around the loop (text encoder, VAE: the
+manifest's ``stages``; the replay re-runs the loop only, so call ``capture_pipeline`` on the whole
+pipeline instead); an incomplete source; a run laid over several ranks.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def replay_pipeline(stored: StoredRollout, out: str | Path,
     if m.get("lora"):
         raise DriftToolError(f"{stored.path}: captured with a LoRA adapter; replay it in Python "
                              "(capture_pipeline with the adapter loaded)")
+    around = [st["stage"] for st in m.get("stages", []) if st["stage"] != "transformer"]
+    if around:
+        raise DriftToolError(f"{stored.path}: captured with its {', '.join(around)} stage(s); a replay "
+                             "re-runs the denoising loop only: call capture_pipeline on the whole "
+                             "pipeline instead")
     if not stored.complete:
         raise DriftToolError(f"{stored.path}: an incomplete pipeline capture (complete=false) "
                              "cannot be replayed: the pipeline call runs whole")

@@ -305,7 +305,8 @@ def test_captured_edit_pipeline_diffs_identical_against_the_edit_preset(plus, mo
     H, W = 48, 80
     x0 = torch.randn(1, (H // 16) * (W // 16), 64, generator=g).to(torch.bfloat16)
     pipe = ec.edit_pipeline(plus)
-    capture_pipeline(pipe, tmp_path / "pipeline", level="L2", image=images if plus else images[0],
+    capture_pipeline(pipe, tmp_path / "pipeline", level="L2", stages=("transformer",),  # the loop alone
+                     image=images if plus else images[0],
                      prompt_embeds=txt, prompt_embeds_mask=mask.long(), negative_prompt_embeds=neg,
                      negative_prompt_embeds_mask=torch.ones(neg.shape[:2], dtype=torch.long),
                      latents=x0, height=H, width=W, num_inference_steps=3, true_cfg_scale=4.0)
