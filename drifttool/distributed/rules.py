@@ -106,6 +106,8 @@ RULES: dict[str, OpRule] = {
     "te_mlp_gate_up_silu": OpRule(),
     "te_mlp_down_residual": OpRule(),
     "te_prompt_extract": OpRule(),
+    "te_vision_resize": OpRule(),
+    "te_vision_patchify": OpRule(),
     # the VAE is not parallelised: every rank runs it whole on what it holds
     "vae_causal_conv3d": OpRule(),
     "vae_rms_norm": OpRule(),
