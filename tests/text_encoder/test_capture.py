@@ -53,3 +53,38 @@ def test_a_prompts_strict_records_are_the_same_alone_and_in_a_batch(encoder):
 
     mine = of(alone, 1)
     assert mine and of(batch, 1) == mine
+
+
+def test_an_edit_prompts_operators_are_captured_and_its_records_do_not_depend_on_the_batch(tmp_path_factory):
+    """Every text-encoder operator runs for edit prompts (the vision ones too); the tower's
+    records are of the packed images (sample −1), the others per prompt, and a prompt's strict
+    per-prompt records at L2 are the same alone and in a batch of 3."""
+    from tests.text_encoder.tiny_vision import as_tensor, random_image, save_tiny_vision_pipeline
+
+    from drifttool.text_encoder import EDIT
+
+    enc = PromptEncoder.load(save_tiny_vision_pipeline(tmp_path_factory.mktemp("tiny-vl"), seed=3), vision=True)
+    images = [as_tensor(random_image(h, w, seed=h)) for h, w in ((150, 262), (60, 90), (310, 200))]
+
+    def records(prompts, imgs, samples):
+        rec = Recorder("L2")
+        rt = Runtime(mode="strict", recorder=rec)
+        encode_prompts(enc, prompts, rt, template=EDIT, images=imgs, samples=samples)
+        rec.flush()
+        return rec.ops_table().to_pylist(), rt
+
+    batch, rt = records(PROMPTS, images, [0, 1, 2])
+    assert {r["component"] for r in batch} == {"text_encoder"}
+    assert {r["op"] for r in batch} == set(TEXT_ENCODER_OPERATORS) - {"te_tokenize"}
+    assert {e.op for e in rt.trace.entries()} == set(TEXT_ENCODER_OPERATORS)
+    packed = {"te_vision_resize", "te_vision_patchify", "te_vision_rope_index", "te_vision_scatter"}
+    assert {r["op"] for r in batch if r["sample"] == -1} == set(VISION_OPERATORS) - packed
+    assert {r["sample"] for r in batch if r["op"] in packed} == {0, 1, 2}
+    alone, _ = records(PROMPTS[1:2], images[1:2], [1])
+
+    def of(rows, sample):
+        return {tuple(r[k] for k in KEY): (r["digest"], r["row_digests"], r["txt_len"]) for r in rows
+                if r["sample"] == sample}
+
+    mine = of(alone, 1)
+    assert mine and of(batch, 1) == mine
