@@ -4,9 +4,9 @@
     >>> v = VisionConfig.from_file("Qwen-Image-Edit/text_encoder/config.json")
     >>> v.depth, v.hidden_size, v.heads, v.out_hidden_size, v.fullatt_blocks
     (32, 1280, 16, 3584, (7, 15, 23, 31))
-    >>> p = ImageProcessorConfig.from_folder("Qwen-Image-Edit")     # processor/ or the defaults
+    >>> p = ImageProcessorConfig.from_folder("tiny-pipeline")       # no processor/: the defaults
     >>> p.min_pixels, p.max_pixels, p.factor
-    (3136, 12845056, 28)
+    (3136, 1003520, 28)
 
 Both layouts of ``config.json`` are read (transformers 5.x and 4.x as Qwen-Image ships it:
 ``in_chans``, no ``rope_parameters``). The processor settings are those of transformers'
