@@ -92,8 +92,14 @@ def run(
         None, "--image", help="An edit run from condition images (repeat for edit-plus): each PNG (RGB, sides "
                               "multiples of 16 px) goes through the --checkpoint pipeline's VAE encode (captured), "
                               "then the trajectory, and the final latents are decoded to OUT.png. Prompt "
-                              "embeddings come from --prompt-embeds or the fixture (edit prompts' vision "
-                              "tokens are not built yet)."),
+                              "embeddings come from --prompt (encoded with the image by the pipeline's text "
+                              "encoder and its vision tower; one image, --preset diffusers-edit), "
+                              "--prompt-embeds or the fixture."),
+    prompt_positions: str = typer.Option(
+        "rope_index", help="Positions of an edit prompt's vision tokens (--image with --prompt): rope_index "
+                           "(Qwen2.5-VL's (t, h, w) mRoPE, as transformers 4.x computes them in diffusers' "
+                           "encode_prompt) | sequential (0..L-1, what diffusers 0.42.1 gets from "
+                           "transformers 5.x, to which it passes no mm_token_type_ids)."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     condition: Optional[Path] = typer.Option(
@@ -126,7 +132,9 @@ def run(
     tokenizer/, text_encoder/ and vae/; without --checkpoint the shipped tiny pipeline of the
     tiny-t2i-chain fixture) runs the full chain in one process: the prompt is
     encoded, the trajectory run and its final latents decoded to OUT.png, each stage captured
-    under its own component (text_encoder, mmdit, vae).
+    under its own component (text_encoder, mmdit, vae). `--image COND.png` runs an edit from its
+    condition image (its VAE encode before the trajectory); with `--prompt` (and `--preset diffusers-edit`) the prompt
+    is encoded with that image through the text encoder's vision tower.
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
@@ -140,8 +148,8 @@ def run(
         latents=latents, condition=condition,
     )
     if image:
-        _image_run(spec, out, image, prompt=prompt if prompt is not None else negative_prompt,
-                   overwrite=overwrite, as_json=as_json,
+        _image_run(spec, out, image, prompt=prompt, negative_prompt=negative_prompt,
+                   positions=prompt_positions, overwrite=overwrite, as_json=as_json,
                    parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)
         return
     with alike_on_every_rank():
@@ -205,18 +213,22 @@ def run(
                   "no records to diff")
 
 
-def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], overwrite: bool,
-               as_json: bool, parallel: bool) -> None:
-    """``run --image``: an edit run from its condition images (``drifttool.chain_edit``)."""
+def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],
+               positions: str, overwrite: bool, as_json: bool, parallel: bool) -> None:
+    """``run --image``: an edit run from its condition images (``drifttool.chain_edit``), its
+    prompt encoded with the image when ``--prompt`` is given."""
     from drifttool.chain_edit import run_edit  # lazy: keeps torch out of `drifttool --help`
 
-    if prompt is not None:
-        raise DriftToolError("--image takes --prompt-embeds, not --prompt: an edit prompt's vision tokens "
-                             "need the text encoder's vision tower, which drifttool does not run yet")
+    if prompt is None and negative_prompt is not None:
+        raise DriftToolError("--negative-prompt goes with --prompt")
     if parallel:
         raise DriftToolError("--image runs in one process (no torchrun, --tp, --sp or --cfg-parallel)")
-    summary = run_edit(spec, out, condition_images=images, overwrite=overwrite)
-    _chain_summary(summary, out, stages="vae (encode) → mmdit → vae (decode)", as_json=as_json)
+    summary = run_edit(spec, out, condition_images=images, overwrite=overwrite,
+                       prompts=None if prompt is None else [prompt],
+                       negative_prompts=None if negative_prompt is None else [negative_prompt],
+                       positions=positions)
+    stages = "vae (encode) → mmdit → vae (decode)"
+    _chain_summary(summary, out, stages=stages if prompt is None else "text_encoder → " + stages, as_json=as_json)
 
 
 def _chain_summary(summary: dict, out: Path, *, stages: str, as_json: bool) -> None:

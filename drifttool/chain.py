@@ -142,7 +142,7 @@ class DeferredCapture:
         self._held.clear()
 
 
-def _prompt_rows(prompts: Sequence[str], samples: Sequence[int], what: str) -> list[str]:
+def prompt_rows(prompts: Sequence[str], samples: Sequence[int], what: str) -> list[str]:
     """One prompt per sample: a single prompt serves every sample."""
     if len(prompts) == 1:
         return list(prompts) * len(samples)
@@ -259,8 +259,8 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     fx, s = resolve(spec)
     ids = list(s.samples)
     images = image_paths(out, s.labels, overwrite)  # before any work
-    rows = _prompt_rows(prompts, ids, "prompt")
-    neg_rows = None if negative_prompts is None else _prompt_rows(negative_prompts, ids, "negative prompt")
+    rows = prompt_rows(prompts, ids, "prompt")
+    neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, ids, "negative prompt")
     if s.device != "cpu":
         raise UnsupportedConfigError(f"--prompt runs on the CPU only for now (asked: --device {s.device}): "
                                      "the text encoder's token ids are made on the CPU")

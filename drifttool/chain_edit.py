@@ -19,22 +19,33 @@ itself is not reproduced: each image's height and width must be multiples of 16)
 These run before the artifact opens (the condition latents are its replay inputs), captured
 under component ``vae`` at step −1 and filed first into the artifact (``chain.DeferredCapture``).
 Each image is encoded once, for the whole batch (the pipeline repeats the latents per sample);
-its records carry the first sample's id. The prompt embeddings are the fixture's (or the files'):
-the edit template's vision tokens need the text encoder's vision tower, which drifttool does not
-run. The trajectory and the decode are ``chain``'s; the manifest's ``edit`` names the pipeline
-folder, the condition images and the decoded images with their SHA-256.
+its records carry the first sample's id. The prompt embeddings are the fixture's (or the files'),
+or, with ``prompts``, encoded here before the VAE encode, as ``__call__`` calls ``encode_prompt``
+(``drifttool.text_encoder.encode_prompts`` with the ``EDIT`` template, the condition image as
+the prompt image of every sample; the negative prompt likewise; captured under component
+``text_encoder`` at step −1): one condition image only — the edit-plus pipeline hands its text
+encoder each image resized to about 384² apart from the VAE's, which is not reproduced. The
+trajectory and the decode are ``chain``'s; the manifest's ``edit`` names the pipeline folder,
+the condition images, the prompts with the text encoder's weight digest and position rule, and
+the decoded images with their SHA-256.
+
+What would change the shipped ``tiny-edit`` fixture into a prompt fixture: a ``text_encoder/``
+with a vision tower (``visual.*``) and a ``tokenizer/`` in its folder, its prompts in
+``fixture.json``, and its expected artifact and image sealed again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from drifttool.chain import ChainStages, DeferredCapture, image_paths
+from drifttool.chain import ChainStages, DeferredCapture, image_paths, prompt_rows
 from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
 from drifttool.model.vae_checkpoint import load_vae
 from drifttool.model.weights import weight_digest
@@ -44,6 +55,7 @@ from drifttool.runtime import Runtime
 from drifttool.sampling.input_files import ExternalInputs
 from drifttool.settings import RunSpec, resolve
 from drifttool.setting_checks import PATCH_PIXELS
+from drifttool.text_encoder import EDIT, PromptEncoder, encode_prompts
 
 
 def read_image(path: str | Path) -> torch.Tensor:
@@ -82,16 +94,63 @@ def encode_condition(vae: QwenImageVAE, image: torch.Tensor, rt: Runtime) -> tup
     return packed.to(torch.float32), (h, w)
 
 
+def _check_prompts(spec: RunSpec, prompts: Sequence[str] | None, negative_prompts: Sequence[str] | None,
+                   images: Sequence) -> None:
+    if prompts is None:
+        if negative_prompts is not None:
+            raise DriftToolError("a negative prompt goes with a prompt")
+        return
+    if spec.prompt_embeds is not None or spec.negative_prompt_embeds is not None:
+        raise DriftToolError("--prompt and --prompt-embeds/--negative-prompt-embeds exclude each other "
+                             "(the prompt is either encoded here or read from a file)")
+    if not prompts or any(not isinstance(p, str) for p in [*prompts, *(negative_prompts or [])]):
+        raise DriftToolError("--prompt needs a text")
+    if len(images) != 1 or spec.preset == "diffusers-edit-plus":
+        raise DriftToolError("--prompt with condition images takes one image and the edit pipeline "
+                             "(--preset diffusers-edit): the edit-plus pipeline's text encoder sees each "
+                             "image resized to about 384x384 apart from the VAE's, which drifttool does "
+                             "not reproduce; give --prompt-embeds instead")
+
+
+def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, image: torch.Tensor, s, rt: Runtime,
+                    positions: str) -> tuple[ExternalInputs, dict[str, Any]]:
+    """The prompt embeddings (FP32) and masks (bool) of an edit run and their manifest record."""
+    encoder = PromptEncoder.load(root, dtype=s.torch_dtype, vision=True)
+    joint = read_config(root).joint_attention_dim
+    if encoder.model.config.hidden_size != joint:
+        raise DriftToolError(f"--checkpoint {root}: the text encoder is {encoder.model.config.hidden_size} "
+                             f"wide, the transformer's joint_attention_dim is {joint}")
+
+    def encode(texts):
+        if texts is None:
+            return None, None
+        e, m = encode_prompts(encoder, texts, rt, template=EDIT, images=[image] * len(texts),
+                              samples=list(s.labels), positions=positions)
+        return e.to(torch.float32).cpu(), None if m is None else m.to(torch.bool).cpu()
+
+    txt, mask = encode(rows)
+    neg, neg_mask = encode(neg_rows)
+    record = {"prompts": rows, "negative_prompts": neg_rows, "prompt_positions": positions,
+              "text_encoder_weights": weight_digest({**encoder.model.weights,
+                                                     **{"visual." + k: v for k, v in encoder.vision.weights.items()}})}
+    return ExternalInputs(txt=txt, txt_mask=mask, neg_txt=neg, neg_mask=neg_mask), record
+
+
 def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
-                 overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
-    """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), encode the condition
-    images (captured, deferred) and return the spec with the stages around the trajectory.
+                 prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
+                 positions: str = "rope_index", overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
+    """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), encode the prompts
+    when given (with ``text_encoder/`` and ``tokenizer/``; ``positions`` as
+    ``encode_prompts``') and the condition images (captured, deferred) and return the spec with
+    the stages around the trajectory.
 
     Raises:
         DriftToolError: no condition image; a checkpoint that is not a folder; an image as
-            ``read_image``; condition files given too; as ``resolve``.
+            ``read_image``; condition files given too; prompts with prompt files, with several
+            images or the edit-plus preset, not one per sample, or a text encoder whose width
+            is not the transformer's; as ``resolve``.
         UnsupportedConfigError: a device other than the CPU.
-        CheckpointError: the VAE cannot be loaded.
+        CheckpointError: the VAE or the text encoder cannot be loaded.
     """
     if not condition_images:
         raise DriftToolError("an edit run needs at least one condition image")
@@ -100,17 +159,30 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     if spec.checkpoint is None or not Path(spec.checkpoint).is_dir():
         raise DriftToolError("an edit run from images needs a pipeline folder (--checkpoint with vae/ "
                              "beside transformer/)")
+    _check_prompts(spec, prompts, negative_prompts, condition_images)
     root = Path(spec.checkpoint)
+    missing = [p for p in ("tokenizer", "text_encoder") if prompts is not None and not (root / p).is_dir()]
+    if missing:
+        raise DriftToolError(f"--checkpoint {root}: an edit run with --prompt needs the pipeline's text "
+                             f"encoder; the folder lacks {', '.join(p + '/' for p in missing)}")
+    if prompts is not None and spec.samples is None and spec.batch is None and spec.fixture is None:
+        spec = dataclasses.replace(spec, samples=list(range(len(prompts))))
     fx, s = resolve(spec)
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")
     paths = image_paths(out, s.labels, overwrite)  # before any work
     images = [read_image(p) for p in condition_images]
-    vae = load_vae(root, dtype=s.torch_dtype)
+    rows = None if prompts is None else prompt_rows(prompts, list(s.samples), "prompt")
+    neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, list(s.samples), "negative prompt")
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
                  variants=dict(spec.variants))
+    external, prompt_record = ExternalInputs(), {}
+    with torch.no_grad():
+        if rows is not None:  # QwenImageEditPipeline.__call__: encode_prompt before the VAE encode
+            external, prompt_record = _encode_prompts(root, rows, neg_rows, images[0], s, rt, positions)
+    vae = load_vae(root, dtype=s.torch_dtype)
     latents, grids = [], []
     with torch.no_grad(), rt.scope(phase="rollout", step=-1, branch="none", samples=[s.labels[0]],
                                    txt_lens=None, txt_starts=None, img_grid=None):
@@ -121,8 +193,8 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     record = {"pipeline": str(root.resolve()), "vae_weights": weight_digest(vae),
               "condition_images": [{"path": str(Path(p).resolve()),
                                     "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
-                                   for p in condition_images]}
-    external = ExternalInputs(cond=torch.cat(latents, dim=1), cond_grids=tuple(grids))
+                                   for p in condition_images], **prompt_record}
+    external = dataclasses.replace(external, cond=torch.cat(latents, dim=1), cond_grids=tuple(grids))
     stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture,
                          vae=vae, images=paths, record=record,
                          manifest_key="edit")
@@ -130,14 +202,16 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
 
 
 def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
-             overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
-    """Run an edit from its condition images (module docstring) into the artifact ``out``;
-    ``execute``'s summary plus ``images`` (the PNG paths written).
+             prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
+             positions: str = "rope_index", overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
+    """Run an edit from its condition images (and prompts, when given; module docstring) into the
+    artifact ``out``; ``execute``'s summary plus ``images`` (the PNG paths written).
 
     Raises:
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
         condition images, say).
     """
-    spec, stages = prepare_edit(spec, out, condition_images=condition_images, overwrite=overwrite)
+    spec, stages = prepare_edit(spec, out, condition_images=condition_images, prompts=prompts,
+                                negative_prompts=negative_prompts, positions=positions, overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
     return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else []}

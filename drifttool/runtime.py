@@ -183,7 +183,8 @@ class Runtime:
         ``part(**fields)``, a context manager that narrows the identity fields (``scope``) to the
         part and restarts the call counters from where the whole call started, so each part's
         records get the identities (``call``, ``op_pos``) the unsplit call gives them. After the
-        block the counters stand where the unsplit call would leave them.
+        block the counters stand where the unsplit call would leave them (parts that make different
+        numbers of calls, the images of edit prompts: where the longest part left each counter).
 
             with rt.parts() as part:
                 for rows in chunks:
@@ -198,7 +199,7 @@ class Runtime:
             self._calls = dict(before)
             with self.scope(**fields):
                 yield
-            after.update(self._calls)
+            after.update({k: max(n, after.get(k, 0)) for k, n in self._calls.items()})
 
         try:
             yield part

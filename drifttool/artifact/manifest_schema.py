@@ -229,9 +229,13 @@ _EDIT = Obj({
     "pipeline": _STR, "vae_weights": _STR,
     "condition_images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
     "images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
+    "prompts": ListOf(_STR), "negative_prompts": Nullable(ListOf(_STR)),
+    "prompt_positions": Enum(("rope_index", "sequential")), "text_encoder_weights": _STR,
 }, frozenset({"pipeline", "vae_weights", "condition_images", "images"}))
 """``drifttool.chain_edit``: an edit run's pipeline folder, its VAE's weight digest, the
-condition images it encoded and the PNGs written beside the artifact."""
+condition images it encoded and the PNGs written beside the artifact; with prompts encoded from
+the images (``run --image --prompt``), the prompts (one per sample), the vision tokens' position
+rule and the text encoder's weight digest (language model and vision tower)."""
 
 STAGES = ("text_encoder", "vae_encode", "transformer", "vae_decode")
 """The stages of a captured pipeline call (``drifttool.adapters.pipeline_stages``), in program

@@ -48,7 +48,8 @@ final_adaln_out          (x [B,N,d], temb [B,d], w [2d,d], b [2d], eps=1e-6)
 cfg_combine_renorm       see drifttool/ops/scheduler.py
 flow_sigma_table         see drifttool/ops/scheduler.py
 flow_sde_step_logp       see drifttool/ops/scheduler.py
-te_*                     the text encoder's rows: see drifttool/ops/text_encoder/ and
+te_*                     the text encoder's rows (te_vision_*: its vision tower and the
+                         vision tokens of edit prompts): see drifttool/ops/text_encoder/ and
                          docs/operators/text_encoder.md
 vae_causal_conv3d        (x [B,Ci,T,H,W], w [Co,Ci,kt,kh,kw], b [Co], padding=0, residual=None)
                          → [B,Co,T,H,W]: zeros 2·p before the frames, p around H and W
@@ -152,6 +153,11 @@ _TE = dict(component="text_encoder", streams=("txt",), differentiable=False)
 """The text encoder's rows: stream ``txt``; site ``inputs`` (block −1: tokens and their
 embedding), ``block`` (decoder layer 0..layers−1), ``final`` (block ``layers``: the final norm
 and the prompt extraction); frozen weights, no backward."""
+_TV = dict(component="text_encoder", streams=("img",), differentiable=False)
+"""The vision tower's rows: stream ``img``, packed patches of every prompt image of the call
+(layout ``S``: no batch axis, one record with sample −1), except the per-image input rows
+(``B`` = the image's prompt); sites as ``_TE``'s over the tower's blocks (``final``: the
+merger)."""
 _BLOCK = ("block",)
 
 
@@ -231,6 +237,38 @@ OPERATORS: dict[str, Operator] = _rows(
     Operator(name="te_prompt_extract", version=1,
              summary="valid rows, drop the template prefix, right re-pad, mask",
              sites=("final",), layout=("BS.", "BS"), **_TE),
+    # the vision tower and the vision tokens of edit prompts (RFC Phase B, edit_pipeline_contract;
+    # drifttool.text_encoder.vision): one packed call over every prompt image of the encode call
+    Operator(name="te_vision_resize", version=1, summary="prompt image smart resize (Pillow resampling)",
+             sites=("inputs",), layout="B...", dtypes=(), **_TV),
+    Operator(name="te_vision_patchify", version=1, summary="rescale, normalize, 3x2x14x14 patches, grid",
+             sites=("inputs",), layout=("BS.", "B."), dtypes=(), **_TV),
+    Operator(name="te_vision_patch_embed", version=1, summary="patch embedding (Conv3d, stride = kernel)",
+             sites=("inputs",), layout="S.", **_TV),
+    Operator(name="te_vision_rope_table", version=1, summary="axial (row, col) RoPE cos/sin table",
+             sites=("inputs",), layout=("S.", "S."), **_TV),
+    Operator(name="te_vision_rmsnorm", version=1, summary="vision block RMSNorm (norm1, norm2)",
+             sites=("block",), layout="S.", **_TV),
+    Operator(name="te_vision_qkv", version=1, summary="fused Q/K/V projection with bias",
+             sites=("block",), layout=("S..",) * 3, **_TV),
+    Operator(name="te_vision_rope", version=1, summary="rotate-half RoPE of q and k in FP32",
+             sites=("block",), layout=("S..", "S.."), **_TV),
+    Operator(name="te_vision_attention", version=1,
+             summary="bidirectional attention within cu_seqlens segments (windows or images)",
+             sites=("block",), layout="S..", **_TV),
+    Operator(name="te_vision_attn_out_residual", version=1, summary="x + proj(attention) with bias",
+             sites=("block",), layout="S.", **_TV),
+    Operator(name="te_vision_mlp_gate_up_silu", version=1, summary="SiLU(gate_proj(h)) * up_proj(h), biases",
+             sites=("block",), layout="S.", **_TV),
+    Operator(name="te_vision_mlp_down_residual", version=1, summary="x + down_proj(m) with bias",
+             sites=("block",), layout="S.", **_TV),
+    Operator(name="te_vision_merger", version=1, summary="RMSNorm, 2x2 merge, Linear + GELU(erf) + Linear",
+             sites=("final",), layout="S.", **_TV),
+    Operator(name="te_vision_rope_index", version=1,
+             summary="mRoPE (t, h, w) positions of prompts with vision tokens",
+             sites=("inputs",), layout=".BS", dtypes=(), **_TE),
+    Operator(name="te_vision_scatter", version=1, summary="vision embeddings into the <|image_pad|> rows",
+             sites=("inputs",), layout="BS.", **_TE),
     # Phase B: the VAE (``vae_contract``): called by ``drifttool.model.vae``, not by the MMDiT
     # forward; forward only, run replicated under every parallel layout.
     Operator(name="vae_causal_conv3d", version=1, summary="causal 3-D convolution (time zeros in front)",
@@ -252,6 +290,10 @@ WS1_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == DEFAULT_
 
 TEXT_ENCODER_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "text_encoder")
 """The text encoder's rows' names, in program order."""
+
+VISION_OPERATORS = tuple(n for n in TEXT_ENCODER_OPERATORS if n.startswith("te_vision_"))
+"""The text encoder's rows that only prompts with images call (``te_vision_*``): the vision
+tower, its inputs, and the vision tokens' positions and embeddings in the prompt."""
 
 VAE_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "vae")
 """The VAE's rows (Phase B, ``vae_contract``)."""

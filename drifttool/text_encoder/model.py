@@ -4,7 +4,8 @@
     >>> hidden = te(ids, mask, positions, rt)   # [B, L, D]: hidden_states[-1], after the final norm
 
 One call per operator, in transformers' order (``Qwen2_5_VLTextModel.forward``): block −1
-``te_embed_tokens``; per decoder layer i (block i) ``te_rmsnorm`` → ``te_qkv_bias_gemm`` →
+``te_embed_tokens`` (then, for a prompt with images, ``te_vision_scatter`` of the vision
+embeddings into its ``<|image_pad|>`` rows, as ``Qwen2_5_VLModel.forward``); per decoder layer i (block i) ``te_rmsnorm`` → ``te_qkv_bias_gemm`` →
 ``te_mrope`` (q, then k) → ``te_causal_attention`` → ``te_attn_out_residual`` → ``te_rmsnorm``
 → ``te_mlp_gate_up_silu`` → ``te_mlp_down_residual``; block ``layers`` the final ``te_rmsnorm``.
 The runtime's family decides the arithmetic (strict or production); capture layouts are the
@@ -59,18 +60,23 @@ class TextEncoder:
         return _op(rt, "te_mlp_down_residual", x, m, w[p + "mlp.down_proj.weight"])
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-                 rt: Runtime) -> torch.Tensor:
+                 rt: Runtime, vision: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Last hidden state (after the final RMSNorm).
 
         Args:
             ids: [B, L] int64 token ids.  mask: [B, L] 0/1 key validity (right padding), or None.
-            positions: [3, B, L] int64 mRoPE positions (text only: ``text_positions``).
+            positions: [3, B, L] int64 mRoPE positions (text only: ``text_positions``; with
+                images: ``te_vision_rope_index``'s).
             rt: the runtime; its scope should name the component ``text_encoder``.
+            vision: (the ``<|image_pad|>`` id, the vision embeddings [Nv, D] in token order) of
+                prompts with images, or None.
         Returns:
             [B, L, D] in the weights' dtype.
         """
         with rt.scope(block=-1):
             x = _op(rt, "te_embed_tokens", ids, self.weights["embed_tokens.weight"])  # [B, L, D]
+            if vision is not None:
+                x = _op(rt, "te_vision_scatter", x, ids, *vision)
         for i in range(self.config.layers):
             with rt.scope(block=i):
                 x = self._layer(i, x, mask, positions, rt)

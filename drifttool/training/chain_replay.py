@@ -8,8 +8,9 @@ runs again, not the transformer stage alone.
 The manifest's ``chain`` (or ``edit``) section names the pipeline folder; ``--checkpoint`` gives
 another copy of it (the transformer is fingerprint-checked as in any replay). The stages re-run
 with the replay's mode and capture level: the text encoder encodes the stored prompts again (or
-the VAE encodes the condition images again, each checked against its recorded SHA-256), and the
-trajectory takes those fresh embeddings (or condition latents) with the stored x0 and SDE noise;
+the VAE encodes the condition images again, each checked against its recorded SHA-256, and an
+edit run's prompts, if it encoded them, with its image and position rule), and the trajectory
+takes those fresh embeddings (and condition latents) with the stored x0 and SDE noise;
 the VAE decodes x_N and the image is written beside the replay (``chain.image_paths``). So a
 replay in another mode drifts first where that mode first changes a byte, whichever stage it is,
 and a strict replay diffs identical to its source record for record, every component included.
@@ -109,6 +110,8 @@ def replay_chain(
                                overwrite=options.overwrite)
     else:
         spec, stages = prepare_edit(spec, out, condition_images=_condition_images(stored),
+                                    prompts=rec.get("prompts"), negative_prompts=rec.get("negative_prompts"),
+                                    positions=rec.get("prompt_positions", "rope_index"),
                                     overwrite=options.overwrite)
     model = prepare_trainer(stored, options)
     inputs = fresh_inputs(stored, stages.external)

@@ -26,7 +26,7 @@ from drifttool.ops.registry import implements
 _DEVICES = ("cpu", "cuda")
 
 
-def _both(op: str, kernel: str):
+def both(op: str, kernel: str):
     """Register ``fn`` for the strict family on the CPU and the production family everywhere."""
 
     def deco(fn):
@@ -37,7 +37,7 @@ def _both(op: str, kernel: str):
     return deco
 
 
-@_both("te_tokenize", kernel="template_format+bpe+pad_right")
+@both("te_tokenize", kernel="template_format+bpe+pad_right")
 def te_tokenize(prompts: Sequence[str], template: str, encode: Callable[[list[str]], list[list[int]]],
                 pad_id: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of ``template.format(p)`` for each prompt, truncated on the right to
@@ -66,7 +66,7 @@ def te_tokenize(prompts: Sequence[str], template: str, encode: Callable[[list[st
     return ids, mask
 
 
-@_both("te_embed_tokens", kernel="gather")
+@both("te_embed_tokens", kernel="gather")
 def te_embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``table[ids]``: ids [B, L] int64, table [V, D] → [B, L, D] (the table's dtype).
 
@@ -78,7 +78,7 @@ def te_embed_tokens(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(ids, table)
 
 
-@_both("te_prompt_extract", kernel="select_valid+drop+pad_right")
+@both("te_prompt_extract", kernel="select_valid+drop+pad_right")
 def te_prompt_extract(hidden: torch.Tensor, attention_mask: torch.Tensor,
                       drop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt rows of the last hidden states, as diffusers' ``_get_qwen_prompt_embeds``.

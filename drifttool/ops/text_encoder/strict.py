@@ -30,7 +30,7 @@ from drifttool.ops.strict.embed import rms_parts
 from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
 from drifttool.ops.strict_math import exp32, silu32, sincos64, tree_sum
 
-_ATTN_ELEMS = 1 << 24  # products materialised at once by the attention (bytes do not depend on it)
+ATTN_ELEMS = 1 << 24  # products materialised at once by the attention (bytes do not depend on it)
 
 
 @strict_cpu("te_rmsnorm", "x", "gain", kernel="tree_rmsnorm")
@@ -90,7 +90,7 @@ def te_mrope(x, positions, theta: float, section: tuple[int, ...]):
     return out(xf * cos[:, :, None] + rotate_half(xf) * sin[:, :, None], x.dtype)
 
 
-def _attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, valid: torch.Tensor,
+def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, valid: torch.Tensor,
             scale: torch.Tensor) -> torch.Tensor:
     """One (sample, head): qh [Lq, Dh], kh/vh [L, Dh] FP32, valid [Lq, L] bool → [Lq, Dh] FP32."""
     s = tree_sum(qh[:, None, :] * kh[None, :, :]) * scale  # [Lq, L]
@@ -115,13 +115,13 @@ def te_causal_attention(q, k, v, key_mask=None):
     keys = torch.ones(b, n, dtype=torch.bool) if key_mask is None else key_mask.bool()
     qf, kf, vf = f32(q), f32(k), f32(v)
     res = torch.empty(b, n, h, d, dtype=torch.float32)
-    rows = max(1, _ATTN_ELEMS // max(1, n * d))
+    rows = max(1, ATTN_ELEMS // max(1, n * d))
     for i in range(b):
         valid = causal & keys[i][None, :]
         for j in range(h):
             kh, vh = kf[i, :, j // groups], vf[i, :, j // groups]
             for r in range(0, n, rows):
-                res[i, r : r + rows, j] = _attend(qf[i, r : r + rows, j], kh, vh, valid[r : r + rows], scale)
+                res[i, r : r + rows, j] = attend(qf[i, r : r + rows, j], kh, vh, valid[r : r + rows], scale)
     return out(res, act_dtype(q))
 
 
