@@ -178,7 +178,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
                  variants=dict(spec.variants))
-    external, prompt_record = ExternalInputs(), {}
+    external, prompt_record = s.external or ExternalInputs(), {}  # --prompt-embeds files, if given
     with torch.no_grad():
         if rows is not None:  # QwenImageEditPipeline.__call__: encode_prompt before the VAE encode
             external, prompt_record = _encode_prompts(root, rows, neg_rows, images[0], s, rt, positions)

@@ -50,6 +50,24 @@ def test_the_encode_is_captured_before_the_trajectory_and_the_replay_is_identica
     assert json.loads((tmp_path / "r" / "manifest.json").read_text())["edit"]["condition_images"]
 
 
+def test_prompt_embeds_files_are_the_prompts_of_an_edit_run_from_images(edit_run, tmp_path):
+    """``--image`` with ``--prompt-embeds``: the run's prompts are the file's, not the fixture's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    fx, a = edit_run
+    stored = load_file(str(a / "inputs.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    txt = torch.randn(stored["txt"].shape, generator=gen)
+    save_file({"prompt_embeds": txt}, str(tmp_path / "pe.safetensors"))
+    run_edit(RunSpec(fixture=fx, checkpoint=fx, mode="auto", preset="diffusers-edit", steps=2,
+                     prompt_embeds=tmp_path / "pe.safetensors"), tmp_path / "b",
+             condition_images=[fx / "condition.png"])
+    got = load_file(str(tmp_path / "b" / "inputs.safetensors"))
+    assert torch.equal(got["txt"], txt)
+    assert torch.equal(got["cond"], stored["cond"])
+
+
 def test_a_changed_condition_image_refuses_the_replay(edit_run, tmp_path):
     from typer.testing import CliRunner
 
