@@ -54,9 +54,9 @@ GRAD_CONTRACT_VERSION = "grad.cuda1"
 
 TRAINABLE = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
              "mlp_down_gemm", "lora_merge", "qk_rmsnorm", "txt_in_rmsnorm_linear", "adaln_modulation",
-             "adaln_gate_residual", "multi_axis_rope")
+             "adaln_gate_residual", "multi_axis_rope", "joint_attention_fused")
 """The strict CUDA operators with a backward (the rest are forward only): the GEMMs here, the row
-operators in ``strict_cuda.row_backward``."""
+operators in ``strict_cuda.row_backward``, the fused attention in ``strict_cuda.attention_backward``."""
 
 
 def grad_contract_id(op: str) -> str:
