@@ -87,6 +87,7 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
+    """a·b, one ``tl.dot`` (FP32 result)."""
     if IEEE:
         r = tl.dot(a, b, input_precision="ieee")
     else:
@@ -99,6 +100,29 @@ def _rows(Tn, b, h, offs_m, offs_d, sb, ss, sh, live):
     """A [rows, Dh] tile of a [B,S,H,Dh] tensor; rows outside ``live`` read as +0."""
     ptrs = Tn + b * sb + h * sh + offs_m[:, None] * ss + offs_d[None, :]
     return tl.load(ptrs, mask=live[:, None], other=0.0)
+
+
+@triton.jit
+def _query_tile(pid_m, n_tq, L, SQ, BLOCK_M: tl.constexpr):
+    """(rows, end) of query tile ``pid_m``: text tiles from row 0 (ending at L), then image tiles
+    from row L (ending at SQ), as the forward's."""
+    if pid_m < n_tq:
+        row0 = pid_m * BLOCK_M
+        row_end = L
+    else:
+        row0 = L + (pid_m - n_tq) * BLOCK_M
+        row_end = SQ
+    return row0 + tl.arange(0, BLOCK_M), row_end
+
+
+@triton.jit
+def _row_states(ML, DELTA, pid_bh, SQ, offs_m, live):
+    """(m, 1/l, D) of the rows ``offs_m`` (+0 outside ``live``)."""
+    ml = ML + pid_bh.to(tl.int64) * 2 * SQ + offs_m
+    m_use = tl.load(ml, mask=live, other=0.0)
+    r_i = tl.load(ml + SQ, mask=live, other=0.0)
+    dlt = tl.load(DELTA + pid_bh.to(tl.int64) * SQ + offs_m, mask=live, other=0.0)
+    return m_use, r_i, dlt
 
 
 @triton.jit
@@ -133,13 +157,7 @@ def _delta_kernel(O, DO, DELTA, MASK, sob, sos, soh, sdb, sds, sdh, smb, H, SQ, 
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    if pid_m < n_tq:
-        row0 = pid_m * BLOCK_M
-        row_end = L
-    else:
-        row0 = L + (pid_m - n_tq) * BLOCK_M
-        row_end = SQ
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_m, row_end = _query_tile(pid_m, n_tq, L, SQ, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     live = _key_ok(MASK, smb, b, offs_m, row_end, HAS_MASK)
     o = _rows(O, b, h, offs_m, offs_d, sob, sos, soh, live).to(tl.float32)
@@ -158,13 +176,7 @@ def _dq_kernel(Q, K, V, DO, ML, DELTA, DQ, MASK, IMG_FULL, sm_scale,
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    if pid_m < n_tq:
-        row0 = pid_m * BLOCK_M
-        row_end = L
-    else:
-        row0 = L + (pid_m - n_tq) * BLOCK_M
-        row_end = SQ
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_m, row_end = _query_tile(pid_m, n_tq, L, SQ, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     live = _key_ok(MASK, smb, b, offs_m, row_end, HAS_MASK)
@@ -172,10 +184,7 @@ def _dq_kernel(Q, K, V, DO, ML, DELTA, DQ, MASK, IMG_FULL, sm_scale,
     if tl.max(live.to(tl.int32), 0) > 0:
         q = _rows(Q, b, h, offs_m, offs_d, sqb, sqs, sqh, live)
         do = _rows(DO, b, h, offs_m, offs_d, sdb, sds, sdh, live)
-        ml = ML + pid_bh.to(tl.int64) * 2 * SQ + offs_m
-        m_use = tl.load(ml, mask=live, other=0.0)
-        r_i = tl.load(ml + SQ, mask=live, other=0.0)
-        dlt = tl.load(DELTA + pid_bh.to(tl.int64) * SQ + offs_m, mask=live, other=0.0)
+        m_use, r_i, dlt = _row_states(ML, DELTA, pid_bh, SQ, offs_m, live)
         img_full = 1
         if HAS_MASK:
             img_full = tl.load(IMG_FULL + b)
@@ -205,10 +214,7 @@ def _dkv_tile(Q, DO, ML, DELTA, k, v, ok, live, b, h, pid_bh, offs_m, offs_d, sm
     """One query tile's contribution to a key block's dK, dV (module docstring, 3)."""
     q = _rows(Q, b, h, offs_m, offs_d, sqb, sqs, sqh, live)
     do = _rows(DO, b, h, offs_m, offs_d, sdb, sds, sdh, live)
-    ml = ML + pid_bh.to(tl.int64) * 2 * SQ + offs_m
-    m_use = tl.load(ml, mask=live, other=0.0)
-    r_i = tl.load(ml + SQ, mask=live, other=0.0)
-    dlt = tl.load(DELTA + pid_bh.to(tl.int64) * SQ + offs_m, mask=live, other=0.0)
+    m_use, r_i, dlt = _row_states(ML, DELTA, pid_bh, SQ, offs_m, live)
     p, g = _grad_tile(q, do, k, v, ok, live, m_use, r_i, dlt, sm_scale, IEEE)
     dv = _mma(tl.trans(p.to(v.dtype)), do, dv, IEEE)
     dk = _mma(tl.trans(g.to(q.dtype)), q, dk, IEEE)
