@@ -12,7 +12,9 @@ Registration needs no Triton: each operator registers through ``_register.strict
 declared constraints (CUDA tensors, a qualified GPU, Triton importable, the operator's dtypes,
 forward only — except the token-row GEMMs and ``lora_merge`` (``backward``) and the row
 operators ``qk_rmsnorm``, ``txt_in_rmsnorm_linear``, ``adaln_modulation``, ``adaln_gate_residual``
-and ``multi_axis_rope`` (``row_backward``), which have a backward, contract ``grad.cuda1``); the kernels (``kernels/``) are imported when a call runs. The CPU bytes (contract
+and ``multi_axis_rope`` (``row_backward``) and ``joint_attention_fused`` (``attention_backward``),
+which have a backward, contract ``grad.cuda1``); the kernels (``kernels/``) are imported when a
+call runs. The CPU bytes (contract
 v2) and these differ inside a chunk; the tolerance profile declares by how much.
 """
 

@@ -13,8 +13,11 @@ Each implementation is registered for family ``strict``, device ``cuda``, contra
    Hopper, sm_90: H100/H200); another GPU's MMA and special-function units may round differently;
 4. ``forward_only``: no tensor argument requires a gradient under grad mode — except for the
    operators with a strict CUDA backward (``trainable=True``: the GEMMs and ``lora_merge``,
-   ``strict_cuda.backward``; the row operators, ``strict_cuda.row_backward``; the sampler's,
-   ``strict_cuda.sampler``), which take gradients, the gradient ledger's sinks included;
+   ``strict_cuda.backward``; the row operators, ``strict_cuda.row_backward``;
+   ``joint_attention_fused``, ``strict_cuda.attention_backward``; the sampler's,
+   ``strict_cuda.sampler``), which take gradients, the gradient ledger's sinks included.
+   ``forward_only(why)`` words the refusal for one operator (the attention's decomposition says
+   that the fused operator has the backward);
 5. the listed tensor arguments in the operator's declared dtypes (FP32 or BF16).
 """
 
@@ -71,25 +74,36 @@ def _qualified(args: Args) -> str | None:
     return None
 
 
-def _forward_only(args: Args) -> str | None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors(args.values())):
-        return ("a tensor argument requires a gradient: the strict CUDA family is forward only "
-                "(use --mode auto for training on CUDA, or strict on the CPU)")
-    return None
+def wants_grad(args: Args) -> bool:
+    """Grad mode is on and a tensor argument requires a gradient."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors(args.values()))
+
+
+def forward_only(why: str = "the strict CUDA family is forward only") -> Constraint:
+    """The ``forward only`` constraint, refusing a gradient with ``why`` in its message."""
+
+    def test(args: Args) -> str | None:
+        if wants_grad(args):
+            return (f"a tensor argument requires a gradient: {why} "
+                    "(use --mode auto for training on CUDA, or strict on the CPU)")
+        return None
+
+    return Constraint("forward only", test)
 
 
 TRITON_READY = Constraint("Triton importable", _triton_ready)
 QUALIFIED_GPU = Constraint("qualified GPU (sm_90)", _qualified)
-FORWARD_ONLY = Constraint("forward only", _forward_only)
+FORWARD_ONLY = forward_only()
 
 
 def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Constraint, ...] = (),
-                decomposable: bool = False, trainable: bool = False) -> Callable[[Callable], Callable]:
+                decomposable: bool = False, trainable: bool = False,
+                refuse_grad: Constraint = FORWARD_ONLY) -> Callable[[Callable], Callable]:
     """Register a strict CUDA implementation of ``op`` (contract ``contract_id(op)``);
     ``dtype_args`` name the tensor arguments whose dtype must be one of the operator's declared
     dtypes (``None`` values allowed). ``kernel`` names the Triton kernel and its fixed
     configuration, e.g. ``"triton.gemm.k64.bm128bn128"``. ``trainable``: ``fn`` has a strict CUDA
-    backward (no ``FORWARD_ONLY``).
+    backward (then no ``refuse_grad``, by default ``FORWARD_ONLY``).
 
     Raises:
         ValueError: as ``registry.implements`` (undeclared operator, a constraint reading a
@@ -97,6 +111,6 @@ def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Const
     """
     declared = (dtypes(spec(op).dtypes, *dtype_args),) if dtype_args else ()
     return implements(op, "strict", device="cuda", kernel=kernel, contract=contract_id(op),
-                      constraints=(TRITON_READY, QUALIFIED_GPU, *(() if trainable else (FORWARD_ONLY,)),
+                      constraints=(TRITON_READY, QUALIFIED_GPU, *(() if trainable else (refuse_grad,)),
                                    *declared, *constraints),
                       decomposable=decomposable)

@@ -15,6 +15,12 @@ tolerance profile declares by how much.
 Every operator takes ``text_len`` (keyword; ``None`` = 0: every position an image position) and
 raises ``UnsupportedConfigError`` for a sample without a valid key (checked on the host: one
 device synchronisation per call with a key mask).
+
+Backward (contract ``qwenimage.joint_attention_fused.grad.cuda1``): ``joint_attention_fused``
+runs through ``attention_backward.JointAttention`` (dQ, dK, dV by ``kernels/attention_backward.py``;
+with a gradient wanted and a key mask, the query rows must be the keys' positions, Sq = S). The
+three unfused operators are forward only: a gradient through them (the decomposition runs when a
+capture at L2 wants the internals) is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import torch
 
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint, key_mask_fits, text_len_fits
-from drifttool.ops.strict_cuda._register import strict_cuda
+from drifttool.ops.strict_cuda._register import forward_only, strict_cuda, wants_grad
+from drifttool.ops.strict_cuda.attention_backward import JointAttention
 
 HEAD_DIMS = (16, 32, 64, 128)
 """Head dims the kernel is built for (powers of two, a multiple of the tensor-core K step 16)."""
@@ -86,6 +93,25 @@ def _probs_shape(ref: str, v: str | None = None) -> Constraint:
     return Constraint(f"{ref} [B,H,Sq,S]", test, (ref,) if v is None else (ref, v))
 
 
+def _grad_layout(args: Args) -> str | None:
+    """With a gradient wanted and a key mask, Sq = S: the backward reads a masked position's
+    query row as padding (``kernels.attention_backward``), which needs query row i = position i."""
+    q, k = args["q"], args["k"]
+    if args.get("key_mask") is not None and q.shape[1] != k.shape[1] and wants_grad(args):
+        return (f"the strict CUDA attention backward with a key mask needs the joint self-attention layout "
+                f"(as many query rows as keys), got {q.shape[1]} query rows and {k.shape[1]} keys")
+    return None
+
+
+GRAD_LAYOUT = Constraint("backward: query rows = keys with a key mask", _grad_layout, ("q", "k", "key_mask"))
+
+UNFUSED_FORWARD_ONLY = forward_only(
+    "the strict CUDA attention backward is joint_attention_fused's; its decomposition into "
+    "joint_attn_qk_gemm/joint_attn_softmax/joint_attn_av_gemm (run when a capture at L2 wants the "
+    "internals) is forward only — capture at L1 or below to train")
+"""The unfused operators' refusal of a gradient."""
+
+
 _CHECKED: list = [None, -1]
 """The last key mask found valid: (a weak reference to it, its version counter). The model hands
 every block the same mask; checking it once per forward instead of once per block saves a device
@@ -96,7 +122,7 @@ def _check_valid_keys(op: str, key_mask: torch.Tensor | None) -> None:
     """Refuse a sample without a valid key (a host synchronisation, once per mask). Skipped while
     a CUDA graph is being captured (``drifttool.model.graphs``), where no host read can run: the
     model's key mask holds every image key of every sample, so it always passes there."""
-    if key_mask is None or torch.cuda.is_current_stream_capturing():
+    if key_mask is None or (key_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     ref, version = _CHECKED
     if ref is not None and ref() is key_mask and version == key_mask._version:
@@ -116,21 +142,23 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-@strict_cuda("joint_attention_fused", "q", "k", "v", kernel=KERNEL, decomposable=True,
-             constraints=(_qkv("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
+@strict_cuda("joint_attention_fused", "q", "k", "v", kernel=KERNEL, decomposable=True, trainable=True,
+             constraints=(_qkv("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k"),
+                          GRAD_LAYOUT))
 def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None):
     """softmax(q·kᵀ/√Dh over the valid keys)·v: q [B,Sq,H,Dh], k, v [B,S,H,Dh] → [B,Sq,H,Dh] in
     v's dtype (Sq = S, or the text rows and some image rows: an SP rank's);
     byte-equal to ``joint_attn_av_gemm(joint_attn_softmax(joint_attn_qk_gemm(...)))`` here.
+    Differentiable (``attention_backward.JointAttention``): dQ, dK, dV in fixed orders; masked
+    positions get +0 gradients and their output gradient is not read.
 
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
-    kern = _kernels()
     _check_valid_keys("joint_attention_fused", key_mask)
-    return kern.attention(q, k, v, key_mask, text_len=text_len)
+    return JointAttention.apply(q, k, v, key_mask, text_len)
 
 
-@strict_cuda("joint_attn_qk_gemm", "q", "k", kernel=KERNEL,
+@strict_cuda("joint_attn_qk_gemm", "q", "k", kernel=KERNEL, refuse_grad=UNFUSED_FORWARD_ONLY,
              constraints=(_qkv("q", "k"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k")))
 def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
     """scores[b,h,i,j] = fp32(q_i · k_j) · fp32(1/√Dh) for every key (masked ones too), the fused
@@ -143,7 +171,7 @@ def joint_attn_qk_gemm(q, k, key_mask=None, *, text_len: int | None = None):
     return kern.scores(q, k, text_len=text_len)
 
 
-@strict_cuda("joint_attn_softmax", "scores", kernel=KERNEL,
+@strict_cuda("joint_attn_softmax", "scores", kernel=KERNEL, refuse_grad=UNFUSED_FORWARD_ONLY,
              constraints=(_probs_shape("scores"), key_mask_fits("scores", seq_axis=-1),
                           text_len_fits("scores", seq_axis=-1)))
 def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
@@ -157,7 +185,7 @@ def joint_attn_softmax(scores, key_mask=None, *, text_len: int | None = None):
     return kern.softmax(_f32(scores), key_mask, text_len=text_len)
 
 
-@strict_cuda("joint_attn_av_gemm", "probs", "v", kernel=KERNEL,
+@strict_cuda("joint_attn_av_gemm", "probs", "v", kernel=KERNEL, refuse_grad=UNFUSED_FORWARD_ONLY,
              constraints=(_probs_shape("probs", "v"), _head_dim("v"), key_mask_fits("v"), text_len_fits("v")))
 def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
     """out_i = Σ_j P̃_ij v_j over the 64-key blocks in order, P̃ = probs cast to v's dtype per

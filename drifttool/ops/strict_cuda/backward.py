@@ -54,10 +54,11 @@ GRAD_CONTRACT_VERSION = "grad.cuda1"
 
 TRAINABLE = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
              "mlp_down_gemm", "lora_merge", "qk_rmsnorm", "txt_in_rmsnorm_linear", "adaln_modulation",
-             "adaln_gate_residual", "multi_axis_rope", "final_adaln_out", "cfg_combine_renorm",
-             "flow_sde_step_logp")
+             "adaln_gate_residual", "multi_axis_rope", "final_adaln_out", "joint_attention_fused",
+             "cfg_combine_renorm", "flow_sde_step_logp")
 """The strict CUDA operators with a backward (the rest are forward only): the GEMMs here, the row
-operators in ``strict_cuda.row_backward``, the sampler's in ``strict_cuda.sampler``."""
+operators in ``strict_cuda.row_backward``, the fused attention in ``strict_cuda.attention_backward``,
+the sampler's in ``strict_cuda.sampler``."""
 
 
 def grad_contract_id(op: str) -> str:

@@ -46,6 +46,15 @@ tensor-core layout ``warpsPerCTA [n, 1]``: each warp holds 16 whole rows of a sc
 row's block Σ runs in one order whatever the query rows or warps; a configuration whose warps
 also split the 64 keys (64 rows on 8 warps: ``[4, 2]``) sums each row in another order and gives
 other bytes — launch configurations are part of the contract.
+
+The per-block pieces (scores, pass 1's state update, pass 2's probabilities) are
+``kernels.attention_block``'s, shared with the backward kernels.
+
+Row states for the backward (``attention(..., with_stats=True)``, the fused mode only): the
+program also stores each row's m (−inf taken as 0) and fp32(1/l) — the two numbers pass 2 reads —
+to a [B,H,2,Sq] FP32 tensor (``STORE_ML``, a constexpr: without it the kernel compiles to the
+forward-only code; with it the same floating-point instructions plus the two stores, so the
+output's bytes do not change). ``kernels.attention_backward`` recomputes P from them.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _scores,
+                                                              _state, _tile)
+
 BLOCK_N = 64
 """Keys per block: part of the reduction order (contract)."""
 BLOCK_M = 128
@@ -65,74 +77,6 @@ NUM_WARPS = 8
 NUM_STAGES = 3
 
 MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
-
-_LOG2E = tl.constexpr(1.4426950408889634)
-_NEG_INF = tl.constexpr(float("-inf"))
-
-
-@triton.jit
-def _key_ok(MASK, smb, b, j, end, HAS_MASK: tl.constexpr):
-    """Keys j of a block that enter: j < end (the block's part) and key_mask[b, j]."""
-    ok = j < end
-    if HAS_MASK:
-        mk = tl.load(MASK + b * smb + j, mask=ok, other=0)
-        ok = ok & (mk != 0)
-    return ok
-
-
-@triton.jit
-def _canonical(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """s + 0·0 through one bf16 tensor-core dot: the same values (zero products add +0), in the
-    accumulator layout of the bf16 QKᵀ dot, so the row sums that follow reduce in one order."""
-    za = tl.zeros([BLOCK_M, 16], tl.bfloat16)
-    zb = tl.zeros([16, BLOCK_N], tl.bfloat16)
-    return tl.dot(za, zb, s)
-
-
-@triton.jit
-def _scores(q, k_base, skn, j, ok, offs_d, sm_scale, BOUNDED: tl.constexpr, IEEE: tl.constexpr):
-    """s = fp32(q · kᵀ) · scale for one key block: q [BLOCK_M, Dh], keys j → [BLOCK_M, 64].
-    Keys outside ``ok`` are not read (their K rows taken as 0) when BOUNDED."""
-    ptrs = k_base + j[:, None] * skn + offs_d[None, :]
-    if BOUNDED:
-        k = tl.load(ptrs, mask=ok[:, None], other=0.0)
-    else:
-        k = tl.load(ptrs)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s * sm_scale
-
-
-@triton.jit
-def _tile(x_rows, sxn, j, ok, row_ok):
-    """A [BLOCK_M, 64] FP32 tile of a [B,H,S,S] tensor (scores or probabilities); lanes outside
-    ``ok`` (and rows outside ``row_ok``) read as +0."""
-    return tl.load(x_rows + j[None, :] * sxn, mask=row_ok[:, None] & ok[None, :], other=0.0)
-
-
-@triton.jit
-def _state(s, ok, m_i, l_i, MASKED: tl.constexpr):
-    """Pass 1 on one block: (m, l) ← (m', l · exp2(m − m') + Σ exp2(x − m')), x = s · log2 e."""
-    x = s * _LOG2E
-    if MASKED:
-        x = tl.where(ok[None, :], x, _NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(x, 1))
-    m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
-    p = tl.math.exp2(x - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i
-
-
-@triton.jit
-def _probs(s, ok, m_use, r_i, MASKED: tl.constexpr):
-    """Pass 2 on one block: P = exp2(s · log2 e − m) · fp32(1/l); masked keys +0."""
-    x = s * _LOG2E
-    if MASKED:
-        x = tl.where(ok[None, :], x, _NEG_INF)
-    return tl.math.exp2(x - m_use[:, None]) * r_i[:, None]
 
 
 @triton.jit
@@ -172,12 +116,15 @@ def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_s
 def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                  sxb, sxh, sxm, sxn, sy0, sy1, sy2,
-                 smb, H, SQ, S, L, n_tq,
+                 smb, H, SQ, S, L, n_tq, ML,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                 MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+                 STORE_ML: tl.constexpr = False):
     """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
     Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
-    SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image)."""
+    SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image).
+    STORE_ML (FUSED, a gradient wanted): ML [B,H,2,SQ] FP32 receives each row's (m, 1/l) as pass 2
+    uses them; without it ML is None (a constexpr) and the kernel is the forward-only one."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -250,6 +197,10 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                               MODE, True, IEEE, BLOCK_M, BLOCK_N)
     m_use = tl.where(m_i == _NEG_INF, 0.0, m_i)
     r_i = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(l_i > 0.0, l_i, 1.0))  # l = 0: AV only
+    if STORE_ML:  # the backward's row states: the same two numbers pass 2 reads
+        ml = ML + pid_bh.to(tl.int64) * 2 * SQ + offs_m
+        tl.store(ml, m_use, mask=row_ok)
+        tl.store(ml + SQ, r_i, mask=row_ok)
 
     if MODE == 2:  # MODE_SOFTMAX: P of every key written out (masked keys, skipped blocks +0)
         y_rows = Y + b * sy0 + h * sy1 + offs_m[:, None] * sy2
@@ -322,16 +273,16 @@ memory; an H200 has 227 KiB). Pipelining moves loads, not arithmetic: same bytes
 
 
 def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
-            ieee: bool, qkv_strides, x_strides, y_strides, config) -> None:
+            ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None) -> None:
     block_m, num_warps, num_stages = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
     n_tq = triton.cdiv(text_len, block_m)
     grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
     _attn_kernel[grid](
         q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
-        *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq,
+        *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq, ml,
         HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        STORE_ML=ml is not None, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
 
 
@@ -340,21 +291,27 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-              *, text_len: int | None = None, config=None) -> torch.Tensor:
+              *, text_len: int | None = None, config=None, with_stats: bool = False):
     """Fused strict attention (module docstring): q [B,Sq,H,Dh], k, v [B,S,H,Dh] (one dtype, FP32
     or BF16; Sq = S, or the text rows and some image rows: an SP rank's), key_mask [B,S] bool or
     None, text_len = L → [B,Sq,H,Dh] in v's dtype. The caller checks shapes, dtypes and that
-    every sample has a valid key."""
+    every sample has a valid key.
+
+    ``with_stats``: also return the row states the backward reads, [B,H,2,Sq] FP32 — [..., 0, i]
+    = m_i (the row max of x in pass 2, −inf taken as 0), [..., 1, i] = fp32(1/l_i); the same
+    program writes them after pass 1, so the output's bytes are those without (the arithmetic is
+    the same; without ``with_stats`` the forward-only kernel runs, unchanged)."""
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
     b, sq, h, dh = q.shape
     s = k.shape[1]
     L = _text_len(text_len)
     o = torch.empty(b, sq, h, dh, dtype=v.dtype, device=v.device)
+    ml = torch.empty(b, h, 2, sq, dtype=torch.float32, device=v.device) if with_stats else None
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
-            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config)
-    return o
+            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml)
+    return (o, ml) if with_stats else o
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, *, text_len: int | None = None, config=None) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Compile the strict CUDA attention kernels (forward and backward) for sm_90 without a GPU and
+print each one's shared memory, registers and spill stack; check that writing the backward's row
+states adds no floating-point instruction to the forward.
+
+    $ python tools/strict_cuda_sm90.py            # bf16, head dims 128, 64, 32, 16
+    $ python tools/strict_cuda_sm90.py --fp32     # FP32 operands too (slow: minutes)
+
+    fwd      bf16 Dh128 mask  smem 229376  REG:231 STACK:0
+    dkv      bf16 Dh128 mask  smem 181760  REG:255 STACK:0
+    ...
+
+A developer tool of the source tree (Triton's ``ASTSource`` → ``triton.compile`` for
+``GPUTarget("cuda", 90, 128)``, with the ptxas and cuobjdump Triton ships), not part of the
+installed package. Exits 1 when a compile fails or the forward's floating-point instructions
+differ with the row states written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from drifttool.ops.strict_cuda.kernels import attention as fwd
+from drifttool.ops.strict_cuda.kernels import attention_backward as bwd
+
+TARGET = GPUTarget("cuda", 90, 128)
+FLOAT_OPS = re.compile(r"^\s*((?:fma|mul|add|sub|max|min|ex2|div|rcp|neg|cvt)\.\S*f(?:32|16)\S*|wgmma\S*)")
+
+
+def _compile(fn, ptrs: dict, consts: dict, warps: int, stages: int):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "sm_scale" else "i32"
+            if re.fullmatch(r"s[a-z]{1,2}[0-9a-z]?", name) and name != "smb":  # a tensor's strides: multiples
+                attrs[(i,)] = [["tt.divisibility", 16]]  # of 16 at the model's shapes, as Triton specialises
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages,
+                                                             enable_fp_fusion=False))
+
+
+def _usage(kernel) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:\d+ STACK:\d+", out)
+    return found.group(0) if found else "?"
+
+
+def _float_ops(kernel) -> Counter:
+    return Counter(m.group(1) for line in kernel.asm["ptx"].splitlines() if (m := FLOAT_OPS.match(line)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fp32", action="store_true", help="also FP32 operands (IEEE FMA dots: slow to compile)")
+    args = ap.parse_args(argv)
+    ok = True
+    for dt in ("bf16", "fp32") if args.fp32 else ("bf16",):
+        p, ieee = f"*{dt}", dt == "fp32"
+        ptrs = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, Y=p, X="*fp32", ML="*fp32", DELTA="*fp32",
+                    MASK="*u8", IMG_FULL="*i32")
+        f_rows, f_w, f_s = fwd.CONFIG_FP32 if ieee else fwd.CONFIG
+        dkv = bwd.DKV_CONFIG_FP32 if ieee else bwd.DKV_CONFIG
+        dq = bwd.DQ_CONFIG_FP32 if ieee else bwd.DQ_CONFIG
+        for dh in (128, 16) if ieee else (128, 64, 32, 16):
+            for mask in (True, False):
+                c = dict(HEAD_DIM=dh, HAS_MASK=mask)
+                tag = f"{dt} Dh{dh} {'mask' if mask else 'none'}"
+                fc = dict(c, BLOCK_M=f_rows, BLOCK_N=fwd.BLOCK_N, MODE=fwd.MODE_FUSED, IEEE=ieee)
+                plain = _compile(fwd._attn_kernel, ptrs, dict(fc, STORE_ML=False, ML=None), f_w, f_s)
+                stats = _compile(fwd._attn_kernel, ptrs, dict(fc, STORE_ML=True), f_w, f_s)
+                same = _float_ops(plain) == _float_ops(stats)
+                ok &= same
+                print(f"fwd      {tag}  smem {plain.metadata.shared:6d}  {_usage(plain)}  "
+                      f"row states: {'same float ops' if same else 'FLOAT OPS DIFFER'}")
+                for name, fn, cfg, extra in (("dkv", bwd._dkv_kernel, dkv, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
+                                             ("dq", bwd._dq_kernel, dq, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
+                                             ("delta", bwd._delta_kernel, dq, dict(LOG2_DH=dh.bit_length() - 1))):
+                    k = _compile(fn, ptrs, dict(c, BLOCK_M=cfg[0], **extra), cfg[1], cfg[2] if name != "delta" else 1)
+                    print(f"{name:<8} {tag}  smem {k.metadata.shared:6d}  {_usage(k)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
