@@ -105,8 +105,7 @@ def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp
     rep = diff_runs(edit, run)
     ops = rep.counts["ops"]
     assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > 400, rep.reason
-    if dtype == "float32":
-        assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
     table = run.ops_table().to_pylist()
     te = [r for r in table if r["component"] == "text_encoder"]
     # every vision operator but the rope index (sequential positions: none on either side), per prompt
@@ -183,3 +182,35 @@ def test_edit_plus_prompt_strings_stay_refused(folder, tmp_path):
                          generator=_generators(), **CALL)
     assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
     assert _state(pipe) == before and not [n for n in WRAPPED if n in vars(plus)]
+
+
+def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_types(folder, tmp_path, monkeypatch):
+    """The text encoder handed ``mm_token_type_ids`` (a forward pre-hook of the test's adds them,
+    as transformers' own processor output holds them): it computes the multimodal RoPE index,
+    recorded as ``te_vision_rope_index``; the capture diffs IDENTICAL against the edit run with
+    ``--prompt-positions rope_index``."""
+    from tests.sampling.edit_cases import small_areas
+
+    small_areas(monkeypatch)
+    run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit", steps=STEPS,
+                     seed=SEED, capture="L2", dtype="float32"), tmp_path / "edit",
+             condition_images=[folder / "cond.png"], prompts=[PROMPT], negative_prompts=[NEGATIVE],
+             positions="rope_index")
+    pipe = _pipeline(folder, torch.float32)
+    image_id = pipe.text_encoder.config.image_token_id
+
+    def token_types(module, args, kwargs):
+        return args, {**kwargs, "mm_token_type_ids": (kwargs["input_ids"] == image_id).to(torch.int32)}
+
+    handle = pipe.text_encoder.register_forward_pre_hook(token_types, with_kwargs=True)
+    try:
+        capture_pipeline(pipe, tmp_path / "cap", level="L2", generator=_generators(),
+                         image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT,
+                         negative_prompt=NEGATIVE, **CALL)
+    finally:
+        handle.remove()
+    run = open_run(tmp_path / "cap")
+    rep = diff_runs(open_run(tmp_path / "edit"), run)
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert run.manifest["stages"][0]["prompt_positions"] == "rope_index"
+    assert sorted(r["call"] for r in run.ops_table().to_pylist() if r["op"] == "te_vision_rope_index") == [0, 1]
