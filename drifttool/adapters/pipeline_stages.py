@@ -19,7 +19,8 @@ text_encoder           ``_get_qwen_prompt_embeds`` (each call: the prompts, then
 (text_encoder)         prompts): phase rollout, step −1, branch none, samples 0..B−1, block per
                        operator, ``txt_lens`` = each prompt's token count (the text encoder's
                        ``attention_mask``, read by a forward pre-hook); its return is
-                       ``te_prompt_extract`` (block = layers, ``txt_lens`` = kept rows)
+                       ``te_prompt_extract`` (block = layers, ``txt_lens`` = kept rows); an
+                       edit pipeline's prompt images: ``pipeline_prompt_images``
 vae_encode (vae)       ``_encode_vae_image`` (each condition image): step −1, sample 0; its return
                        is ``vae_latent_normalize`` ((z − mean)/std, block −1); the condition's
                        ``_pack_latents`` that follows is ``latent_pack_unpack`` (pack, its first
@@ -32,9 +33,8 @@ vae_decode (vae)       after the loop, step = steps run, σ = the table's σ at 
 
 The text encoder and the VAE encode run before the transformer's first call, so before the
 artifact opens: they record into an early runtime whose recorder is a
-``chain.DeferredCapture``, filed first into the artifact when it opens. An edit pipeline's
-prompt strings run the text encoder's vision tower, which no capture adapter records yet:
-``text_encoder_stage`` refuses that call (pass ``prompt_embeds``).
+``chain.DeferredCapture``, filed first into the artifact when it opens. The edit-plus pipeline's
+prompt strings are refused at the call (``REFUSED_PROMPT_PIPELINES``: pass ``prompt_embeds``).
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
     nothing when the pipeline holds no text encoder.
 
     Raises:
-        UnsupportedConfigError: (at the call) an edit pipeline's prompt encode (the vision tower).
+        UnsupportedConfigError: an edit pipeline's image processor that is not captured
+            (``pipeline_prompt_images.PromptImages``); (at the call) the edit-plus pipeline's
+            prompt encode, or as ``PromptImages.call``.
         DriftToolError: as ``transformers_qwen25vl.instrument``; the text encoder called outside
             ``_get_qwen_prompt_embeds``.
     """

@@ -104,7 +104,6 @@ class _VisionGlue:
 
     rt: Runtime
     delegate: str  # the tower's configured implementation, e.g. "sdpa"
-    depth: int
     segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     calls: int = 0  # attention modules whose segments were recorded
 
@@ -202,7 +201,7 @@ def instrument_vision(text_encoder: torch.nn.Module, rt: Runtime) -> Iterator[_V
         raise UnsupportedConfigError(f"vision-tower capture: attention implementation {delegate!r} (one varlen "
                                      "call over every segment) is not captured; load the text encoder with "
                                      "sdpa or eager")
-    glue = _VisionGlue(rt, delegate, cfg.depth)
+    glue = _VisionGlue(rt, delegate)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_registered(text_encoder, tower, glue))
         for i, blk in enumerate(tower.blocks):
