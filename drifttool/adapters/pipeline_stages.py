@@ -19,7 +19,8 @@ text_encoder           ``_get_qwen_prompt_embeds`` (each call: the prompts, then
 (text_encoder)         prompts): phase rollout, step −1, branch none, samples 0..B−1, block per
                        operator, ``txt_lens`` = each prompt's token count (the text encoder's
                        ``attention_mask``, read by a forward pre-hook); its return is
-                       ``te_prompt_extract`` (block = layers, ``txt_lens`` = kept rows)
+                       ``te_prompt_extract`` (block = layers, ``txt_lens`` = kept rows); an
+                       edit pipeline's prompt images: ``pipeline_prompt_images``
 vae_encode (vae)       ``_encode_vae_image`` (each condition image): step −1, sample 0; its return
                        is ``vae_latent_normalize`` ((z − mean)/std, block −1); the condition's
                        ``_pack_latents`` that follows is ``latent_pack_unpack`` (pack, its first
@@ -32,9 +33,8 @@ vae_decode (vae)       after the loop, step = steps run, σ = the table's σ at 
 
 The text encoder and the VAE encode run before the transformer's first call, so before the
 artifact opens: they record into an early runtime whose recorder is a
-``chain.DeferredCapture``, filed first into the artifact when it opens. An edit pipeline's
-prompt strings run the text encoder's vision tower, which no capture adapter records yet:
-``text_encoder_stage`` refuses that call (pass ``prompt_embeds``).
+``chain.DeferredCapture``, filed first into the artifact when it opens. The edit-plus pipeline's
+prompt strings are refused at the call (``REFUSED_PROMPT_PIPELINES``: pass ``prompt_embeds``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from typing import Any, Callable, Collection, Iterator
 
 import torch
 
-from drifttool.adapters import diffusers_vae, transformers_qwen25vl
+from drifttool.adapters import diffusers_vae, transformers_qwen25vl, transformers_qwen25vl_vision
 from drifttool.adapters.pipeline_hooks import method_tap
+from drifttool.adapters.pipeline_prompt_images import PromptImages
 from drifttool.adapters.taps import record
 from drifttool.artifact.manifest_schema import STAGES
 from drifttool.errors import DriftToolError, UnsupportedConfigError
@@ -58,6 +59,10 @@ from drifttool.runtime import Runtime
 EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 """The pipelines whose ``_encode_vae_image`` encodes condition images (``vae_encode_stage``)."""
 
+REFUSED_PROMPT_PIPELINES = ("QwenImageEditPlusPipeline",)
+"""Edit pipelines whose prompt strings are refused: drifttool's edit run does not encode their
+prompts yet, so nothing would diff against the capture."""
+
 _UNSET = dict(sigma=math.nan, branch="none", txt_starts=None, img_grid=None, cond_grids=None)
 
 
@@ -66,6 +71,7 @@ class StageLog:
     """What each stage captured in one pipeline call (the manifest's ``stages``)."""
 
     prompts: list[list[str]] = field(default_factory=list)  # per text-encoder call
+    prompt_positions: str | None = None  # an edit pipeline's prompt encode: its position rule
     text_encoder_weights: str | None = None
     conditions: int = 0  # condition images encoded
     decodes: int = 0
@@ -79,7 +85,8 @@ class StageLog:
         if self.prompts:
             out.append({"stage": "text_encoder", "component": "text_encoder", "step": -1,
                         "calls": len(self.prompts), "prompts": self.prompts,
-                        "weights": self.text_encoder_weights})
+                        "weights": self.text_encoder_weights,
+                        **({"prompt_positions": self.prompt_positions} if self.prompt_positions else {})})
         if self.conditions:
             out.append({"stage": "vae_encode", "component": "vae", "step": -1,
                         "calls": self.conditions, "weights": self.vae_weights})
@@ -137,7 +144,9 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
     nothing when the pipeline holds no text encoder.
 
     Raises:
-        UnsupportedConfigError: (at the call) an edit pipeline's prompt encode (the vision tower).
+        UnsupportedConfigError: an edit pipeline's image processor that is not captured
+            (``pipeline_prompt_images.PromptImages``); (at the call) the edit-plus pipeline's
+            prompt encode, or as ``PromptImages.call``.
         DriftToolError: as ``transformers_qwen25vl.instrument``; the text encoder called outside
             ``_get_qwen_prompt_embeds``.
     """
@@ -147,6 +156,9 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
         return
     lm = transformers_qwen25vl.language_model(te)
     vision = "image" in inspect.signature(pipe._get_qwen_prompt_embeds).parameters
+    refused = vision and type(pipe).__name__ in REFUSED_PROMPT_PIPELINES
+    # an edit pipeline's prompt images; refuses an image processor that is not captured
+    images = PromptImages(pipe, rt) if vision and not refused else None
     calls: list[contextlib.ExitStack] = []  # the encode call in progress
 
     def pre(module, args, kwargs):
@@ -159,15 +171,19 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
         calls[-1].enter_context(rt.scope(txt_lens=[int(n) for n in lens]))
 
     def around(original, prompt=None, *args, **kwargs):
-        if vision:
+        if refused:
             raise UnsupportedConfigError(
-                f"{type(pipe).__name__} with prompt strings runs the text encoder's vision tower, which "
-                "the capture does not record: pass prompt_embeds/prompt_embeds_mask (and the negative "
-                "ones) instead")
+                f"{type(pipe).__name__} with prompt strings: drifttool run does not encode its prompts (its "
+                "text encoder sees each image resized apart from the VAE's): pass prompt_embeds/"
+                "prompt_embeds_mask (and the negative ones) instead")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        samples = list(range(len(prompts)))
         with contextlib.ExitStack() as stack:
             stack.enter_context(rt.scope(component="text_encoder", phase="rollout", step=-1, block=-1,
-                                         samples=list(range(len(prompts))), txt_lens=None, **_UNSET))
+                                         samples=samples, txt_lens=None, **_UNSET))
+            if images is not None:
+                image = kwargs["image"] if "image" in kwargs else (args[0] if args else None)
+                stack.enter_context(images.call(samples, image))
             calls.append(stack)
             try:
                 embeds, mask = original(prompt, *args, **kwargs)  # [B, L', D], [B, L'] int64
@@ -179,12 +195,18 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
                        actual="diffusers",
                        kernel=f"diffusers:{type(pipe).__name__}._get_qwen_prompt_embeds (return)")
         log.prompts.append(prompts)
+        if images is not None and images.positions is not None:
+            log.prompt_positions = images.positions
         if log.text_encoder_weights is None:
-            log.text_encoder_weights = weight_digest(transformers_qwen25vl.language_model_weights(te))
+            log.text_encoder_weights = weight_digest(  # an edit run's digest holds the vision tower
+                transformers_qwen25vl_vision.text_encoder_weights(te) if images is not None
+                else transformers_qwen25vl.language_model_weights(te))
         return embeds, mask
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_qwen25vl.instrument(te, rt))
+        if images is not None:
+            stack.enter_context(images.installed())
         stack.callback(te.register_forward_pre_hook(pre, with_kwargs=True).remove)
         stack.enter_context(method_tap(pipe, "_get_qwen_prompt_embeds", around))
         yield

@@ -244,11 +244,14 @@ order."""
 _STAGE = Obj({
     "stage": Enum(STAGES), "component": _STR, "step": _INT, "calls": _INT,
     "prompts": ListOf(ListOf(_STR)), "weights": Nullable(_STR),
+    "prompt_positions": Enum(("rope_index", "sequential")),
 }, frozenset({"stage", "component", "step", "calls"}))
 """One stage a captured pipeline call recorded: its component, first step (−1 before the loop,
 0 the loop, the steps run for the decode), number of calls (text-encoder calls, condition images,
 scheduler steps, decodes), the prompts of each text-encoder call, the stage's weight digest (the
-text encoder's language model, the VAE)."""
+text encoder's language model, with its vision tower for an edit pipeline's prompts; the VAE), and
+for an edit pipeline's prompts the language model's position rule (``rope_index``: it was handed
+the multimodal RoPE positions; ``sequential``: none, it made 0…L−1)."""
 
 MANIFEST_SCHEMA = Obj({
     "schema_version": _INT, "complete": _BOOL, "files": _FILES, "fingerprint": _FINGERPRINT,

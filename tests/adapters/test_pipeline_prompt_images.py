@@ -1,0 +1,216 @@
+"""``capture_pipeline`` of ``QwenImageEditPipeline`` called with prompt strings: the text encoder's
+vision tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``), the image processor's
+results and the scatter are captured with the prompt encode, and the whole call diffs IDENTICAL
+against drifttool's edit run from the same image and prompts (``run_edit(prompts=...)`` /
+``drifttool run --image --prompt --mode auto --preset diffusers-edit --prompt-positions
+sequential``: the rule diffusers' edit pipeline gets from transformers 5.x). Pipeline folder: the
+tiny-edit fixture's transformer and VAE with a tiny text encoder that has a vision tower; the
+condition image is already at the size the pipeline resizes it to (its area shrunk, as
+``test_pipeline_stages`` does). Nothing of the capture is left after the call or after an error;
+the output bytes do not change."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from drifttool.adapters.diffusers_pipeline import capture_pipeline  # noqa: E402
+from drifttool.adapters.transformers_qwen25vl import CAPTURE_IMPLEMENTATION  # noqa: E402
+from drifttool.adapters.transformers_qwen25vl_vision import VISION_CAPTURE_IMPLEMENTATION  # noqa: E402
+from drifttool.artifact.reader import open_run  # noqa: E402
+from drifttool.chain_edit import run_edit  # noqa: E402
+from drifttool.diff.compare import diff_runs  # noqa: E402
+from drifttool.diff.report import Verdict  # noqa: E402
+from drifttool.errors import UnsupportedConfigError  # noqa: E402
+from drifttool.fixture import locate  # noqa: E402
+from drifttool.ops.specs import VISION_OPERATORS  # noqa: E402
+from drifttool.settings import RunSpec  # noqa: E402
+from tests.text_encoder.tiny_vision import processor, save_tiny_vision_pipeline, transformers  # noqa: E402
+
+PROMPT, NEGATIVE, SEED, STEPS = "make it blue", "a cat", 5, 2
+CALL = dict(true_cfg_scale=4.0, height=64, width=96, num_inference_steps=STEPS, output_type="np")
+WRAPPED = ("_get_qwen_prompt_embeds", "_encode_vae_image", "_pack_latents", "_unpack_latents")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny-edit folder with a tiny text encoder (vision tower included) and a tokenizer, and
+    a 128 × 96 condition image: its own size under the shrunk area."""
+    fx = tmp_path_factory.mktemp("edit") / "fx"
+    shutil.copytree(locate("tiny-edit"), fx, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    save_tiny_vision_pipeline(fx, seed=5)
+    g = torch.Generator().manual_seed(9)
+    PIL.fromarray(torch.randint(0, 256, (96, 128, 3), generator=g, dtype=torch.uint8).numpy()).save(fx / "cond.png")
+    return fx
+
+
+def _pipeline(fx, dtype):
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
+
+    from tests.diffusers_pipeline import qwen_image_scheduler
+
+    tok = transformers.AutoTokenizer.from_pretrained(fx / "tokenizer", local_files_only=True)
+    pipe = QwenImageEditPipeline(
+        scheduler=qwen_image_scheduler(), tokenizer=tok, processor=processor(tok),
+        text_encoder=transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            fx / "text_encoder", dtype=dtype, local_files_only=True).eval(),
+        vae=AutoencoderKLQwenImage.from_pretrained(fx / "vae", torch_dtype=dtype).eval(),
+        transformer=QwenImageTransformer2DModel.from_pretrained(fx / "transformer", torch_dtype=dtype).eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _generators():
+    return [torch.Generator().manual_seed(SEED)]
+
+
+def _state(pipe) -> dict:
+    """What a capture could leave behind: hooks, instance wrappers, attention implementations,
+    transformers' registrations."""
+    from transformers import AttentionInterface
+
+    te = pipe.text_encoder
+    hooks = {f"{part}.{n}": (tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+             for part in ("text_encoder", "transformer", "vae") for n, m in getattr(pipe, part).named_modules()}
+    return {"hooks": hooks, "wrapped": [n for n in WRAPPED if n in vars(pipe)],
+            "processor": [n for n in ("_preprocess", "resize", "patchify") if n in vars(pipe.processor.image_processor)],
+            "attention": (te.model.language_model.config._attn_implementation, te.model.visual.config._attn_implementation),
+            "registered": [n for n in (CAPTURE_IMPLEMENTATION, VISION_CAPTURE_IMPLEMENTATION)
+                           if n in AttentionInterface._global_mapping]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp_path, monkeypatch, dtype):
+    from tests.sampling.edit_cases import small_areas
+
+    small_areas(monkeypatch)
+    w = getattr(torch, dtype)
+    run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit", steps=STEPS,
+                     seed=SEED, capture="L2", dtype=dtype), tmp_path / "edit", condition_images=[folder / "cond.png"],
+             prompts=[PROMPT], negative_prompts=[NEGATIVE], positions="sequential")
+    pipe = _pipeline(folder, w)
+    kw = dict(image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
+    plain = pipe(generator=_generators(), **kw).images
+    before = _state(pipe)
+    got = capture_pipeline(pipe, tmp_path / "cap", level="L2", generator=_generators(), **kw)
+    assert _state(pipe) == before
+    assert np.array_equal(got.output.images, plain)  # output bytes unchanged
+    edit, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
+    rep = diff_runs(edit, run)
+    ops = rep.counts["ops"]
+    assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > 400, rep.reason
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
+    table = run.ops_table().to_pylist()
+    te = [r for r in table if r["component"] == "text_encoder"]
+    # every vision operator but the rope index (sequential positions: none on either side), per prompt
+    assert {r["op"] for r in te if r["op"].startswith("te_vision_")} == set(VISION_OPERATORS) - {"te_vision_rope_index"}
+    tower = [r for r in te if r["op"].startswith("te_vision_") and r["op"] not in (
+        "te_vision_resize", "te_vision_patchify", "te_vision_scatter")]
+    assert {r["sample"] for r in tower} == {-1} and {r["stream"] for r in tower} == {"img"}
+    assert {(r["op"], r["sample"], r["call"]) for r in te if r["op"] == "te_vision_resize"} == {
+        ("te_vision_resize", 0, 0), ("te_vision_resize", 0, 1)}  # the prompt's, then the negative prompt's
+    stage = run.manifest["stages"][0]
+    assert (stage["stage"], stage["calls"], stage["prompts"], stage["prompt_positions"]) == (
+        "text_encoder", 2, [[PROMPT], [NEGATIVE]], "sequential")
+    assert stage["weights"] == edit.manifest["edit"]["text_encoder_weights"]
+
+
+def test_a_perturbed_vision_weight_is_the_first_drift_and_errors_leave_nothing(folder, tmp_path, monkeypatch):
+    """A weight of the tower's block 1 changed: the tower's records drift from that block's MLP on;
+    an error inside the tower leaves the pipeline as it was."""
+    from tests.sampling.edit_cases import small_areas
+
+    small_areas(monkeypatch)
+    pipe = _pipeline(folder, torch.float32)
+    kw = dict(image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
+    ref = capture_pipeline(pipe, tmp_path / "a", level="L2", generator=_generators(), **kw)
+    assert ref.complete
+    before = _state(pipe)
+    w = pipe.text_encoder.model.visual.blocks[1].mlp.up_proj.weight
+    keep = w.detach().clone()
+    with torch.no_grad():
+        w.view(-1)[5] += 0.25
+    try:
+        capture_pipeline(pipe, tmp_path / "b", level="L2", generator=_generators(), **kw)
+    finally:
+        with torch.no_grad():
+            w.copy_(keep)
+    fd = diff_runs(open_run(tmp_path / "a"), open_run(tmp_path / "b")).first_drift
+    # program order sorts the text encoder's records by block: the scatter of the changed vision
+    # embeddings (block −1) comes before the tower's block 1, where the change is
+    assert (fd.component, fd.step, fd.block, fd.op) == ("text_encoder", -1, -1, "te_vision_scatter"), fd
+
+    def tower(path):  # (block, op, call, index) -> digest of the prompt encode's tower records
+        return {(r["block"], r["op"], r["call"], r["index"]): r["digest"] for r in open_run(path).ops_table().to_pylist()
+                if r["component"] == "text_encoder" and r["stream"] == "img" and r["op"] != "te_vision_resize"
+                and r["op"] != "te_vision_patchify"}
+
+    a, b = tower(tmp_path / "a"), tower(tmp_path / "b")
+    assert a.keys() == b.keys()
+    differ = sorted(k for k in a if a[k] != b[k])
+    assert min(k[0] for k in differ) == 1, differ  # blocks −1 and 0 unchanged
+    assert {k[1] for k in differ if k[0] == 1} == {"te_vision_mlp_gate_up_silu", "te_vision_mlp_down_residual"}
+
+    def fail(module, args, out):
+        raise RuntimeError("stopped in the vision tower")
+
+    handle = pipe.text_encoder.model.visual.blocks[2].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="stopped in the vision tower"):
+            capture_pipeline(pipe, tmp_path / "c", generator=_generators(), **kw)
+    finally:
+        handle.remove()
+    assert _state(pipe) == before and not (tmp_path / "c").exists()
+
+
+def test_edit_plus_prompt_strings_stay_refused(folder, tmp_path):
+    from diffusers import QwenImageEditPlusPipeline
+
+    pipe = _pipeline(folder, torch.float32)
+    plus = QwenImageEditPlusPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                                     tokenizer=pipe.tokenizer, processor=pipe.processor, transformer=pipe.transformer)
+    plus.set_progress_bar_config(disable=True)
+    before = _state(pipe)
+    with pytest.raises(UnsupportedConfigError, match="does not encode its prompts") as err:
+        capture_pipeline(plus, tmp_path / "x", prompt=PROMPT, image=PIL.open(folder / "cond.png").convert("RGB"),
+                         generator=_generators(), **CALL)
+    assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
+    assert _state(pipe) == before and not [n for n in WRAPPED if n in vars(plus)]
+
+
+def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_types(folder, tmp_path, monkeypatch):
+    """The text encoder handed ``mm_token_type_ids`` (a forward pre-hook of the test's adds them,
+    as transformers' own processor output holds them): it computes the multimodal RoPE index,
+    recorded as ``te_vision_rope_index``; the capture diffs IDENTICAL against the edit run with
+    ``--prompt-positions rope_index``."""
+    from tests.sampling.edit_cases import small_areas
+
+    small_areas(monkeypatch)
+    run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit", steps=STEPS,
+                     seed=SEED, capture="L2", dtype="float32"), tmp_path / "edit",
+             condition_images=[folder / "cond.png"], prompts=[PROMPT], negative_prompts=[NEGATIVE],
+             positions="rope_index")
+    pipe = _pipeline(folder, torch.float32)
+    image_id = pipe.text_encoder.config.image_token_id
+
+    def token_types(module, args, kwargs):
+        return args, {**kwargs, "mm_token_type_ids": (kwargs["input_ids"] == image_id).to(torch.int32)}
+
+    handle = pipe.text_encoder.register_forward_pre_hook(token_types, with_kwargs=True)
+    try:
+        capture_pipeline(pipe, tmp_path / "cap", level="L2", generator=_generators(),
+                         image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT,
+                         negative_prompt=NEGATIVE, **CALL)
+    finally:
+        handle.remove()
+    run = open_run(tmp_path / "cap")
+    rep = diff_runs(open_run(tmp_path / "edit"), run)
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason
+    assert run.manifest["stages"][0]["prompt_positions"] == "rope_index"
+    assert sorted(r["call"] for r in run.ops_table().to_pylist() if r["op"] == "te_vision_rope_index") == [0, 1]
