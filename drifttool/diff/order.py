@@ -6,7 +6,10 @@
 The order is a function of a record's program position only (``schema.OP_ORDER``,
 ``schema.STEP_ORDER``), never of ``rank`` or ``seq``: the same records written by one process or
 by several ranks (samples split across ranks, batched or sequential CFG) get the same order.
-Within one (phase, step, component) the operator outputs come first (block in execution order:
+Within one (phase, step, component) the operator outputs come first — in the text encoder, the
+vision tower's (stream ``img``: the prompt image's preprocessing and the tower, which run before
+the language model) before the language model's (stream ``txt``), since both number their blocks
+from −1 — (block in execution order:
 −1, 0..depth−1, depth, then the sampler ``SAMPLER_BLOCK``; ``op_pos``; output index; CFG branch;
 logical sample), then the step records (quantity, sample, branch: ``x_t`` is recorded with the
 step's outputs, after the model ran), then the gradients (``grad_input``, ``grad_weight``: the
@@ -29,7 +32,7 @@ from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 
 _SAMPLER_LAST = np.int64(1) << 40  # SAMPLER_BLOCK after every model block
-_WIDTH = 12  # key columns per record (op and step records share the layout)
+_WIDTH = 13  # key columns per record (op and step records share the layout)
 _ROLE_GROUP = {"output": 0, "internal": 0, "grad_input": 2, "grad_weight": 3}
 """Position of a role among the records of one (phase, step, component): operator outputs and a
 fused operator's internals together (by ``op_pos``), step records 1, then the gradients."""
@@ -59,6 +62,20 @@ def _ints(t: pa.Table, name: str) -> np.ndarray:
     return t.column(name).to_numpy().astype(np.int64)
 
 
+def _is(t: pa.Table, name: str, value: str) -> np.ndarray:
+    enc = ac.dictionary_encode(t.column(name).combine_chunks())
+    hit = np.array([v == value for v in enc.dictionary.to_pylist()], dtype=bool)
+    return hit[enc.indices.to_numpy(zero_copy_only=False)] if len(hit) else np.zeros(t.num_rows, bool)
+
+
+def _sub_program(t: pa.Table) -> np.ndarray:
+    """0 for the text encoder's vision-tower records (component ``text_encoder``, stream ``img``),
+    1 for every other record (module docstring)."""
+    if "stream" not in t.column_names:
+        return np.ones(t.num_rows, np.int64)
+    return np.where(_is(t, "component", "text_encoder") & _is(t, "stream", "img"), 0, 1).astype(np.int64)
+
+
 def _keys(t: pa.Table, ords: dict[str, dict[str, int]]) -> np.ndarray:
     """``[rows, _WIDTH]`` int64 sort key of one table (op records when it has ``op_pos``)."""
     n = t.num_rows
@@ -73,15 +90,16 @@ def _keys(t: pa.Table, ords: dict[str, dict[str, int]]) -> np.ndarray:
         group = np.array([_ROLE_GROUP.get(v, len(S.ROLES)) for v in role.dictionary.to_pylist()],
                          dtype=np.int64)
         k[:, 3] = group[role.indices.to_numpy(zero_copy_only=False)]
+        k[:, 4] = _sub_program(t)
         block = _ints(t, "block")
-        k[:, 4] = np.where(block == S.SAMPLER_BLOCK, _SAMPLER_LAST, block)
-        k[:, 5] = _ints(t, "op_pos")
-        k[:, 6] = _ints(t, "index")
-        k[:, 7] = _strings(t, "branch", ords)
-        k[:, 8] = _ints(t, "sample")
-        k[:, 9] = _strings(t, "stream", ords)
-        k[:, 10] = _strings(t, "op", ords)
-        k[:, 11] = _ints(t, "call")
+        k[:, 5] = np.where(block == S.SAMPLER_BLOCK, _SAMPLER_LAST, block)
+        k[:, 6] = _ints(t, "op_pos")
+        k[:, 7] = _ints(t, "index")
+        k[:, 8] = _strings(t, "branch", ords)
+        k[:, 9] = _ints(t, "sample")
+        k[:, 10] = _strings(t, "stream", ords)
+        k[:, 11] = _strings(t, "op", ords)
+        k[:, 12] = _ints(t, "call")
     else:
         k[:, 3] = 1
         k[:, 4] = _strings(t, "quantity", ords)

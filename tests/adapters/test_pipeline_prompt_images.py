@@ -142,9 +142,9 @@ def test_a_perturbed_vision_weight_is_the_first_drift_and_errors_leave_nothing(f
         with torch.no_grad():
             w.copy_(keep)
     fd = diff_runs(open_run(tmp_path / "a"), open_run(tmp_path / "b")).first_drift
-    # program order sorts the text encoder's records by block: the scatter of the changed vision
-    # embeddings (block −1) comes before the tower's block 1, where the change is
-    assert (fd.component, fd.step, fd.block, fd.op) == ("text_encoder", -1, -1, "te_vision_scatter"), fd
+    # program order puts the tower (stream img) before the language model: the first drift is the
+    # changed block's MLP, not the scatter of its embeddings into the prompt rows (block −1)
+    assert (fd.component, fd.step, fd.block, fd.op) == ("text_encoder", -1, 1, "te_vision_mlp_gate_up_silu"), fd
 
     def tower(path):  # (block, op, call, index) -> digest of the prompt encode's tower records
         return {(r["block"], r["op"], r["call"], r["index"]): r["digest"] for r in open_run(path).ops_table().to_pylist()
