@@ -76,8 +76,10 @@ def run(
                    "Qwen-Image rollout); needs --mode auto or off."),
     device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
                                help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
-    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
-    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's; "
+                                                    "with --image the last image's resized height)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's; "
+                                                   "with --image the last image's resized width)."),
     prompt_embeds: Optional[Path] = typer.Option(
         None, help="safetensors with prompt_embeds [B, L, D] (+ prompt_embeds_mask [B, L]) from QwenImagePipeline.encode_prompt."),
     negative_prompt_embeds: Optional[Path] = typer.Option(
