@@ -76,8 +76,10 @@ def run(
                    "Qwen-Image rollout); needs --mode auto or off."),
     device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
                                help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
-    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
-    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
+    height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's; "
+                                                    "with --image the last image's resized height)."),
+    width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's; "
+                                                   "with --image the last image's resized width)."),
     prompt_embeds: Optional[Path] = typer.Option(
         None, help="safetensors with prompt_embeds [B, L, D] (+ prompt_embeds_mask [B, L]) from QwenImagePipeline.encode_prompt."),
     negative_prompt_embeds: Optional[Path] = typer.Option(
@@ -89,12 +91,17 @@ def run(
     negative_prompt: Optional[str] = typer.Option(
         None, help="The negative prompt of --prompt (CFG runs only with one, diffusers' rule)."),
     image: Optional[list[Path]] = typer.Option(
-        None, "--image", help="An edit run from condition images (repeat for edit-plus): each PNG (RGB, sides "
-                              "multiples of 16 px) goes through the --checkpoint pipeline's VAE encode (captured), "
-                              "then the trajectory, and the final latents are decoded to OUT.png. Prompt "
-                              "embeddings come from --prompt (encoded with the image by the pipeline's text "
-                              "encoder and its vision tower; one image, --preset diffusers-edit), "
-                              "--prompt-embeds or the fixture."),
+        None, "--image", help="An edit run from condition images (repeat for edit-plus): each PNG (RGB, any "
+                              "size) is resized as the edit pipelines resize it (about --image-area pixels, "
+                              "sides multiples of 32; the output size follows the last image unless "
+                              "--height/--width are given), goes through the --checkpoint pipeline's VAE encode "
+                              "(captured), then the trajectory, and the final latents are decoded to OUT.png. "
+                              "Prompt embeddings come from --prompt (encoded with the images by the pipeline's "
+                              "text encoder and its vision tower; edit-plus: each image resized to about "
+                              "384x384 for it), --prompt-embeds or the fixture."),
+    image_area: Optional[int] = typer.Option(
+        None, help="Pixel area the --image condition images are resized to for the VAE (default 1048576 = "
+                   "1024x1024, the edit pipelines'; smaller areas make quick runs of tiny models)."),
     prompt_positions: str = typer.Option(
         "rope_index", help="Positions of an edit prompt's vision tokens (--image with --prompt): rope_index "
                            "(Qwen2.5-VL's (t, h, w) mRoPE, as transformers 4.x computes them in diffusers' "
@@ -133,8 +140,8 @@ def run(
     tiny-t2i-chain fixture) runs the full chain in one process: the prompt is
     encoded, the trajectory run and its final latents decoded to OUT.png, each stage captured
     under its own component (text_encoder, mmdit, vae). `--image COND.png` runs an edit from its
-    condition image (its VAE encode before the trajectory); with `--prompt` (and `--preset diffusers-edit`) the prompt
-    is encoded with that image through the text encoder's vision tower.
+    condition image, resized as the edit pipelines resize it (its VAE encode before the trajectory); with
+    `--prompt` the prompt is encoded with the image(s) through the text encoder's vision tower.
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
@@ -147,9 +154,11 @@ def run(
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents, condition=condition,
     )
+    if image_area is not None and not image:
+        raise DriftToolError("--image-area goes with --image")
     if image:
         _image_run(spec, out, image, prompt=prompt, negative_prompt=negative_prompt,
-                   positions=prompt_positions, overwrite=overwrite, as_json=as_json,
+                   positions=prompt_positions, area=image_area, overwrite=overwrite, as_json=as_json,
                    parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)
         return
     with alike_on_every_rank():
@@ -214,7 +223,7 @@ def run(
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],
-               positions: str, overwrite: bool, as_json: bool, parallel: bool) -> None:
+               positions: str, area: Optional[int], overwrite: bool, as_json: bool, parallel: bool) -> None:
     """``run --image``: an edit run from its condition images (``drifttool.chain_edit``), its
     prompt encoded with the image when ``--prompt`` is given."""
     from drifttool.chain_edit import run_edit  # lazy: keeps torch out of `drifttool --help`
@@ -226,7 +235,7 @@ def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], ne
     summary = run_edit(spec, out, condition_images=images, overwrite=overwrite,
                        prompts=None if prompt is None else [prompt],
                        negative_prompts=None if negative_prompt is None else [negative_prompt],
-                       positions=positions)
+                       positions=positions, vae_area=area)
     stages = "vae (encode) → mmdit → vae (decode)"
     _chain_summary(summary, out, stages=stages if prompt is None else "text_encoder → " + stages, as_json=as_json)
 

@@ -7,9 +7,12 @@ condition tokens → VAE decode → PNG, every stage captured in one artifact.
     ['runs/e.png']
 
 What ``QwenImageEditPipeline.__call__`` (diffusers 0.42.1) does with its ``image`` before the
-loop, from an 8-bit RGB image already at the size the pipeline would resize it to (the resize
-itself is not reproduced: each image's height and width must be multiples of 16):
+loop, from an 8-bit RGB image of any size:
 
+0. the resize to about ``vae_area`` pixels (1024², sides multiples of 32;
+   ``drifttool.edit_images``: ``vae_image_resize``, Pillow's Lanczos), captured under component
+   ``vae`` at step −1; the output size, when no ``--height``/``--width`` is given, is the (last)
+   image's resized size, as the pipelines derive it;
 1. ``VaeImageProcessor.preprocess``: ``x / 255`` in FP32, then ``2x − 1``; cast to the VAE's
    dtype (``prepare_latents``);
 2. ``_encode_vae_image``: the posterior's mode (``QwenImageVAE.encode``), then
@@ -21,13 +24,13 @@ under component ``vae`` at step −1 and filed first into the artifact (``chain.
 Each image is encoded once, for the whole batch (the pipeline repeats the latents per sample);
 its records carry the first sample's id. The prompt embeddings are the fixture's (or the files'),
 or, with ``prompts``, encoded here before the VAE encode, as ``__call__`` calls ``encode_prompt``
-(``drifttool.text_encoder.encode_prompts`` with the ``EDIT`` template, the condition image as
-the prompt image of every sample; the negative prompt likewise; captured under component
-``text_encoder`` at step −1): one condition image only — the edit-plus pipeline hands its text
-encoder each image resized to about 384² apart from the VAE's, which is not reproduced. The
+(``drifttool.text_encoder.encode_prompts``; the negative prompt likewise; captured under
+component ``text_encoder`` at step −1): preset ``diffusers-edit`` (one image), template ``EDIT``
+with the resized condition image as every sample's prompt image; preset ``diffusers-edit-plus``,
+template ``EDIT_PLUS`` with every image resized apart to about ``prompt_area`` pixels (384²). The
 trajectory and the decode are ``chain``'s; the manifest's ``edit`` names the pipeline folder,
-the condition images, the prompts with the text encoder's weight digest and position rule, and
-the decoded images with their SHA-256.
+the areas, the condition images (original and resized sizes), the prompts with the text
+encoder's weight digest and position rule, and the decoded images with their SHA-256.
 
 What would change the shipped ``tiny-edit`` fixture into a prompt fixture: a ``text_encoder/``
 with a vision tower (``visual.*``) and a ``tokenizer/`` in its folder, its prompts in
@@ -44,7 +47,9 @@ from typing import Any, Sequence
 import torch
 
 from drifttool.chain import ChainStages, DeferredCapture, image_paths, prompt_rows
+from drifttool.edit_images import PROMPT_IMAGE_AREA, VAE_IMAGE_AREA, pipeline_size, resize_images
 from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
 from drifttool.model.vae_checkpoint import load_vae
@@ -55,14 +60,16 @@ from drifttool.runtime import Runtime
 from drifttool.sampling.input_files import ExternalInputs
 from drifttool.settings import RunSpec, resolve
 from drifttool.setting_checks import PATCH_PIXELS
-from drifttool.text_encoder import EDIT, PromptEncoder, encode_prompts
+from drifttool.text_encoder import EDIT, EDIT_PLUS, PromptEncoder, encode_prompts
+
+PLUS = "diffusers-edit-plus"
 
 
 def read_image(path: str | Path) -> torch.Tensor:
-    """One 8-bit RGB image [H, W, 3] uint8 (Pillow), H and W multiples of 16.
+    """One 8-bit RGB image [H, W, 3] uint8 (Pillow), of any size (the pipeline resizes it).
 
     Raises:
-        DriftToolError: unreadable, not RGB, or a size that is not a whole patch grid.
+        DriftToolError: unreadable, or not RGB (the pipelines' ``preprocess`` needs 3 channels).
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -75,15 +82,13 @@ def read_image(path: str | Path) -> torch.Tensor:
         raise DriftToolError(f"condition image {path}: unreadable ({e})") from None
     if mode != "RGB":
         raise DriftToolError(f"condition image {path}: mode {mode}, drifttool reads 8-bit RGB only")
-    if h % PATCH_PIXELS or w % PATCH_PIXELS:
-        raise DriftToolError(f"condition image {path}: {w}x{h} pixels; width and height must be "
-                             f"multiples of {PATCH_PIXELS} (the pipeline's resize is not reproduced)")
     return pixels.view(h, w, 3)
 
 
 def encode_condition(vae: QwenImageVAE, image: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, tuple[int, int]]:
     """Packed condition latents [1, Nc, 4·z_dim] fp32 and the patch grid (h, w) of one image
-    [H, W, 3] uint8 (module docstring, steps 1–3), captured under component ``vae``."""
+    [H, W, 3] uint8 (H, W multiples of 16, as resized; module docstring, steps 1–3), captured
+    under component ``vae``."""
     dtype = next(vae.parameters()).dtype
     x = image.permute(2, 0, 1).unsqueeze(0).to(torch.float32) / 255.0  # [1, 3, H, W]
     x = (2.0 * x - 1.0).unsqueeze(2).to(dtype)  # [1, 3, 1, H, W]
@@ -105,15 +110,30 @@ def _check_prompts(spec: RunSpec, prompts: Sequence[str] | None, negative_prompt
                              "(the prompt is either encoded here or read from a file)")
     if not prompts or any(not isinstance(p, str) for p in [*prompts, *(negative_prompts or [])]):
         raise DriftToolError("--prompt needs a text")
-    if len(images) != 1 or spec.preset == "diffusers-edit-plus":
-        raise DriftToolError("--prompt with condition images takes one image and the edit pipeline "
-                             "(--preset diffusers-edit): the edit-plus pipeline's text encoder sees each "
-                             "image resized to about 384x384 apart from the VAE's, which drifttool does "
-                             "not reproduce; give --prompt-embeds instead")
+    if len(images) != 1 and spec.preset != PLUS:
+        raise DriftToolError("--prompt with several condition images takes the edit-plus pipeline "
+                             f"(--preset {PLUS}); the edit pipeline's prompt holds one image")
 
 
-def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, image: torch.Tensor, s, rt: Runtime,
-                    positions: str) -> tuple[ExternalInputs, dict[str, Any]]:
+def _areas(spec: RunSpec, vae_area: int | None, prompt_area: int | None) -> tuple[int, int | None]:
+    """The run's resize areas: the VAE's (default: an edit fixture's ``vae_image_area``, else
+    1024²) and, under the edit-plus preset, the prompt images' (default 384²; None under the edit
+    pipeline, whose prompt image is the VAE's)."""
+    if vae_area is None:
+        edit = load_fixture(spec.fixture or DEFAULT_FIXTURE).meta.get("edit")
+        vae_area = (edit or {}).get("vae_image_area") or VAE_IMAGE_AREA
+    pipeline_size(1, 1, vae_area)  # checks the area
+    if spec.preset != PLUS:
+        if prompt_area is not None:
+            raise DriftToolError(f"a prompt-image area is the edit-plus pipeline's (--preset {PLUS})")
+        return vae_area, None
+    prompt_area = PROMPT_IMAGE_AREA if prompt_area is None else prompt_area
+    pipeline_size(1, 1, prompt_area)
+    return vae_area, prompt_area
+
+
+def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, images: list[torch.Tensor], s,
+                    rt: Runtime, positions: str) -> tuple[ExternalInputs, dict[str, Any]]:
     """The prompt embeddings (FP32) and masks (bool) of an edit run and their manifest record."""
     encoder = PromptEncoder.load(root, dtype=s.torch_dtype, vision=True)
     joint = read_config(root).joint_attention_dim
@@ -124,7 +144,8 @@ def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, ima
     def encode(texts):
         if texts is None:
             return None, None
-        e, m = encode_prompts(encoder, texts, rt, template=EDIT, images=[image] * len(texts),
+        template, per_prompt = (EDIT_PLUS, images) if s.preset == PLUS else (EDIT, images[0])
+        e, m = encode_prompts(encoder, texts, rt, template=template, images=[per_prompt] * len(texts),
                               samples=list(s.labels), positions=positions)
         return e.to(torch.float32).cpu(), None if m is None else m.to(torch.bool).cpu()
 
@@ -136,19 +157,36 @@ def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, ima
     return ExternalInputs(txt=txt, txt_mask=mask, neg_txt=neg, neg_mask=neg_mask), record
 
 
+def _size(image: torch.Tensor) -> list[int]:
+    return [int(image.shape[1]), int(image.shape[0])]  # [width, height]
+
+
+def _image_record(path, image: torch.Tensor, vae_image: torch.Tensor, prompt_image: torch.Tensor | None) -> dict:
+    """A condition image's manifest entry: path, SHA-256, its size and its resized sizes ([W, H])."""
+    rec = {"path": str(Path(path).resolve()), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+           "size": _size(image), "vae_size": _size(vae_image)}
+    if prompt_image is not None:
+        rec["prompt_size"] = _size(prompt_image)
+    return rec
+
+
 def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
                  prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
-                 positions: str = "rope_index", overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
-    """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), encode the prompts
-    when given (with ``text_encoder/`` and ``tokenizer/``; ``positions`` as
-    ``encode_prompts``') and the condition images (captured, deferred) and return the spec with
-    the stages around the trajectory.
+                 positions: str = "rope_index", vae_area: int | None = None, prompt_area: int | None = None,
+                 overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
+    """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), resize the
+    condition images as the pipeline does (``vae_area``, default 1024²; ``prompt_area``, default
+    384², under the edit-plus preset), encode the prompts when given (with ``text_encoder/`` and
+    ``tokenizer/``; ``positions`` as ``encode_prompts``') and the resized images (captured,
+    deferred) and return the spec (its missing ``height``/``width`` the last image's resized
+    size) with the stages around the trajectory.
 
     Raises:
         DriftToolError: no condition image; a checkpoint that is not a folder; an image as
-            ``read_image``; condition files given too; prompts with prompt files, with several
-            images or the edit-plus preset, not one per sample, or a text encoder whose width
-            is not the transformer's; as ``resolve``.
+            ``read_image``; condition files given too; an area as ``edit_images.pipeline_size``,
+            or a prompt area without the edit-plus preset; prompts with prompt files, with several
+            images without the edit-plus preset, not one per sample, or a text encoder whose
+            width is not the transformer's; as ``resolve``.
         UnsupportedConfigError: a device other than the CPU.
         CheckpointError: the VAE or the text encoder cannot be loaded.
     """
@@ -160,6 +198,9 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
         raise DriftToolError("an edit run from images needs a pipeline folder (--checkpoint with vae/ "
                              "beside transformer/)")
     _check_prompts(spec, prompts, negative_prompts, condition_images)
+    vae_area, prompt_area = _areas(spec, vae_area, prompt_area)
+    if prompts is None:
+        prompt_area = None  # no prompt image to make
     root = Path(spec.checkpoint)
     missing = [p for p in ("tokenizer", "text_encoder") if prompts is not None and not (root / p).is_dir()]
     if missing:
@@ -167,33 +208,47 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
                              f"encoder; the folder lacks {', '.join(p + '/' for p in missing)}")
     if prompts is not None and spec.samples is None and spec.batch is None and spec.fixture is None:
         spec = dataclasses.replace(spec, samples=list(range(len(prompts))))
+    images = [read_image(p) for p in condition_images]
+    for p, img in zip(condition_images, images):
+        for area in (vae_area, prompt_area or vae_area):
+            try:
+                pipeline_size(img.shape[1], img.shape[0], area)
+            except DriftToolError as e:
+                raise DriftToolError(f"condition image {p}: {e}") from None
+    if spec.height is None or spec.width is None:  # __call__: height or the image's, width likewise
+        w, h = pipeline_size(images[-1].shape[1], images[-1].shape[0], vae_area)
+        spec = dataclasses.replace(spec, height=spec.height or h, width=spec.width or w)
     fx, s = resolve(spec)
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")
     paths = image_paths(out, s.labels, overwrite)  # before any work
-    images = [read_image(p) for p in condition_images]
     rows = None if prompts is None else prompt_rows(prompts, list(s.samples), "prompt")
     neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, list(s.samples), "negative prompt")
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
                  variants=dict(spec.variants))
     external, prompt_record = s.external or ExternalInputs(), {}  # --prompt-embeds files, if given
-    with torch.no_grad():
-        if rows is not None:  # QwenImageEditPipeline.__call__: encode_prompt before the VAE encode
-            external, prompt_record = _encode_prompts(root, rows, neg_rows, images[0], s, rt, positions)
+    with torch.no_grad():  # __call__: the resize, encode_prompt, then the VAE encode
+        vae_images, prompt_images = resize_images(images, rt, vae_area=vae_area, prompt_area=prompt_area,
+                                                  sample=s.labels[0])
+        if rows is not None:
+            shown = vae_images if prompt_images is None else prompt_images  # the text encoder's images
+            external, prompt_record = _encode_prompts(root, rows, neg_rows, shown, s, rt, positions)
     vae = load_vae(root, dtype=s.torch_dtype)
     latents, grids = [], []
     with torch.no_grad(), rt.scope(phase="rollout", step=-1, branch="none", samples=[s.labels[0]],
                                    txt_lens=None, txt_starts=None, img_grid=None):
-        for img in images:
+        for img in vae_images:
             packed, grid = encode_condition(vae, img, rt)
             latents.append(packed)
             grids.append(grid)
-    record = {"pipeline": str(root.resolve()), "vae_weights": weight_digest(vae),
-              "condition_images": [{"path": str(Path(p).resolve()),
-                                    "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
-                                   for p in condition_images], **prompt_record}
+    record = {"pipeline": str(root.resolve()), "vae_weights": weight_digest(vae), "vae_image_area": vae_area,
+              "condition_images": [_image_record(p, i, v, None if prompt_images is None else prompt_images[k])
+                                   for k, (p, i, v) in enumerate(zip(condition_images, images, vae_images))],
+              **prompt_record}
+    if prompt_area is not None:
+        record["prompt_image_area"] = prompt_area
     external = dataclasses.replace(external, cond=torch.cat(latents, dim=1), cond_grids=tuple(grids))
     stages = ChainStages(settings=s, external=external, early_runtime=rt, early_capture=capture,
                          vae=vae, images=paths, record=record,
@@ -203,7 +258,8 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
 
 def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
              prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
-             positions: str = "rope_index", overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
+             positions: str = "rope_index", vae_area: int | None = None, prompt_area: int | None = None,
+             overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
     """Run an edit from its condition images (and prompts, when given; module docstring) into the
     artifact ``out``; ``execute``'s summary plus ``images`` (the PNG paths written).
 
@@ -212,6 +268,7 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
         condition images, say).
     """
     spec, stages = prepare_edit(spec, out, condition_images=condition_images, prompts=prompts,
-                                negative_prompts=negative_prompts, positions=positions, overwrite=overwrite)
+                                negative_prompts=negative_prompts, positions=positions, vae_area=vae_area,
+                                prompt_area=prompt_area, overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
     return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else []}

@@ -12,8 +12,9 @@ Three kinds of fixture, told apart by ``fixture.json``:
 - a prompt run (``tiny-t2i-chain``; a ``chain`` key with ``prompts`` and optional
   ``negative_prompts``): the fixture folder is a pipeline folder and the whole chain re-runs —
   text encoder, trajectory, VAE decode (``drifttool.chain.run_chain``);
-- an edit run (``tiny-edit``; an ``edit`` key with ``condition_images``, files of the fixture):
-  the condition images through the VAE encode, the trajectory, the decode
+- an edit run (``tiny-edit``; an ``edit`` key with ``condition_images``, files of the fixture,
+  and optionally ``vae_image_area``, the resize's pixel area, default the pipelines' 1024²):
+  the condition images resized and through the VAE encode, the trajectory, the decode
   (``drifttool.chain_edit.run_edit``).
 
 The settings' ``mode`` and ``preset`` are the re-run's. A chain or edit fixture keeps the
@@ -98,6 +99,9 @@ def fixture_kind(fx: Fixture) -> str:
         if not _strings(images) or any(Path(p).is_absolute() or ".." in Path(p).parts for p in images):
             raise FixtureError(f"{fx.path}: fixture.json 'edit' needs 'condition_images' (files "
                                "inside the fixture)")
+        area = edit.get("vae_image_area")
+        if area is not None and (isinstance(area, bool) or not isinstance(area, int) or area < 1):
+            raise FixtureError(f"{fx.path}: fixture.json 'edit' 'vae_image_area' must be a positive integer")
         return "edit"
     return "trajectory"
 
@@ -131,7 +135,7 @@ def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
     if kind == "edit":
         from drifttool.chain_edit import run_edit  # lazy: torch only once the seal holds
 
-        images = [fx.path / p for p in fx.meta["edit"]["condition_images"]]
+        images = [fx.path / p for p in fx.meta["edit"]["condition_images"]]  # its vae_image_area: run_edit's
         return [Path(p) for p in run_edit(spec, out, condition_images=images, overwrite=overwrite)["images"]]
     from drifttool.runner import execute  # lazy: torch only once the seal holds
 

@@ -108,6 +108,47 @@ def vae_latent_normalize(z, mean, std, inverse: bool = False) -> torch.Tensor:
     return z * s + m if inverse else (z - m) / s
 
 
+def _lanczos(x: float) -> float:
+    """The Lanczos kernel with a = 3: sinc(x)·sinc(x/3) for |x| < 3, else 0."""
+    def sinc(t: float) -> float:
+        return 1.0 if t == 0.0 else math.sin(math.pi * t) / (math.pi * t)
+    return sinc(x) * sinc(x / 3.0) if -3.0 <= x < 3.0 else 0.0
+
+
+def _lanczos_matrix(n_in: int, n_out: int) -> torch.Tensor:
+    """[n_out, n_in] weights of an area-aware 1-D Lanczos resampling: output pixel j is centred at
+    (j + ½)·s in input coordinates (s = n_in/n_out); when shrinking the kernel is stretched by s;
+    the weights of the input pixels the support reaches are normalised to sum 1."""
+    s = n_in / n_out
+    stretch = max(s, 1.0)
+    m = torch.zeros(n_out, n_in, dtype=torch.float64)
+    for j in range(n_out):
+        centre = (j + 0.5) * s
+        lo, hi = max(int(centre - 3.0 * stretch + 0.5), 0), min(int(centre + 3.0 * stretch + 0.5), n_in)
+        for i in range(lo, hi):
+            m[j, i] = _lanczos((i + 0.5 - centre) / stretch)
+        m[j] /= m[j].sum()
+    return m
+
+
+def vae_image_resize(image, height, width, resample=1) -> torch.Tensor:
+    """Lanczos resampling of an 8-bit [1, H, W, 3] image to [1, height, width, 3], two separable
+    passes (along the width, then the height), each an exact FP64 sum rounded to the nearest
+    integer and clipped to [0, 255]; a pass whose size does not change is skipped. Returns FP64
+    holding those integers. ``resample`` must be 1 (Lanczos)."""
+    assert resample == 1
+    x = image[0].to(torch.float64)  # [H, W, 3]
+
+    def to8(t):
+        return torch.clamp(torch.floor(t + 0.5), 0.0, 255.0)
+
+    if x.shape[1] != width:
+        x = to8(torch.einsum("wW,HWc->Hwc", _lanczos_matrix(x.shape[1], width), x))
+    if x.shape[0] != height:
+        x = to8(torch.einsum("hH,Hwc->hwc", _lanczos_matrix(x.shape[0], height), x))
+    return x.unsqueeze(0)
+
+
 OPS = {
     "vae_causal_conv3d": vae_causal_conv3d,
     "vae_rms_norm": vae_rms_norm,
@@ -115,4 +156,5 @@ OPS = {
     "vae_mid_attention": vae_mid_attention,
     "vae_latent_normalize": vae_latent_normalize,
 }
-"""Operator name → its FP64 reference (the rows of ``specs.VAE_OPERATORS``)."""
+"""Operator name → its FP64 reference (the rows of ``specs.VAE_MODEL_OPERATORS``; the image
+resize's reference, ``vae_image_resize``, is checked in ``tests/ops/test_vae_image_resize.py``)."""

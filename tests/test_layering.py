@@ -149,7 +149,7 @@ FLOORS = [
     {"diff/"},
     {"runtime"},
     {"ops/"},
-    {"model/", "text_encoder/"},
+    {"model/", "text_encoder/", "edit_images"},
     {"distributed/"},
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},

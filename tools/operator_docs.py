@@ -44,7 +44,7 @@ def _kernel(name: str, backend: str) -> str:
 
 
 def _dtypes(name: str) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in specs()[name].dtypes)
+    return ", ".join(str(d).removeprefix("torch.") for d in specs()[name].dtypes) or "uint8 images only"
 
 
 def _tol(entry: dict | None, backend: str, dtype: str) -> str:
@@ -56,7 +56,14 @@ def _tol(entry: dict | None, backend: str, dtype: str) -> str:
     return f"{t['atol']:g} / {t['rtol']:g}"
 
 
+EXACT = {"vae_image_resize": ("8-bit output: byte-equal to `VaeImageProcessor.resize` (Pillow); within 1 level "
+                             "of the FP64 two-pass Lanczos", "python -m pytest tests/ops/test_vae_image_resize.py -q")}
+"""Operators with integer outputs: no tolerance profile; (the forward's criterion, validation)."""
+
+
 def _validation(name: str) -> str:
+    if name in EXACT:
+        return EXACT[name][1]
     if specs()[name].component == "vae":
         return (f"python -m pytest tests/ops/test_vae_reference_accuracy.py -q -k {name} && "
                 "python -m pytest tests/ops/test_vae_ops.py tests/model/test_vae.py -q")
@@ -90,6 +97,8 @@ def facts_block(name: str, tol: dict) -> str:
               "| | strict fp32 | strict bf16 | production fp32 | production bf16 |", "|---|---|---|---|---|"]
     if fwd:
         lines.append("| forward | " + " | ".join(_tol(fwd, be, dt) for be in BACKENDS for dt in DTYPES) + " |")
+    elif name in EXACT:
+        lines.append(f"| forward | {EXACT[name][0]} | | | |")
     else:
         lines.append(f"| forward | {SAMPLER_FORWARD} | | | |")
     if s.differentiable:
@@ -102,7 +111,8 @@ def _vae_table(tol: dict) -> list[str]:
     """The index's VAE section (forward-only rows, their own profile)."""
     rows = ["", "## VAE (Phase B, `vae_contract`; component `vae`)", "",
             "`AutoencoderKLQwenImage`'s arithmetic for images, forward only, called by",
-            "`drifttool.model.vae` (not by the MMDiT forward). Tolerances: strict FP32 against the FP64",
+            "`drifttool.model.vae` (not by the MMDiT forward), and its image processor's resize of the",
+            "edit pipelines' condition images (`vae_image_resize`). Tolerances: strict FP32 against the FP64",
             f"reference (`references/tolerances_vae.json`, profile `{tol['profile']}`).", "",
             "| operator | summary | contract | dtypes | strict kernel | production kernel | forward tol (strict fp32) |",
             "|---|---|---|---|---|---|---|"]
@@ -110,7 +120,7 @@ def _vae_table(tol: dict) -> list[str]:
         s = specs()[name]
         rows.append(f"| [`{name}`]({name}.md) | {s.summary} | `{s.contract}` | {_dtypes(name)} "
                     f"| `{_kernel(name, 'strict')}` | `{_kernel(name, 'production')}` "
-                    f"| {_tol(tol['ops'].get(name), 'strict', 'float32')} |")
+                    f"| {'exact (8-bit)' if name in EXACT else _tol(tol['ops'].get(name), 'strict', 'float32')} |")
     return rows
 
 

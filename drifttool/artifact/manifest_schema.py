@@ -226,14 +226,17 @@ _CHAIN = Obj({
 encoder's and VAE's weight digests and the PNGs written beside the artifact."""
 
 _EDIT = Obj({
-    "pipeline": _STR, "vae_weights": _STR,
-    "condition_images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
+    "pipeline": _STR, "vae_weights": _STR, "vae_image_area": _SIZE, "prompt_image_area": _SIZE,
+    "condition_images": ListOf(Obj({"path": _STR, "sha256": _STR, "size": ListOf(_SIZE), "vae_size": ListOf(_SIZE),
+                                    "prompt_size": ListOf(_SIZE)}, frozenset({"path", "sha256"}))),
     "images": ListOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
     "prompts": ListOf(_STR), "negative_prompts": Nullable(ListOf(_STR)),
     "prompt_positions": Enum(("rope_index", "sequential")), "text_encoder_weights": _STR,
 }, frozenset({"pipeline", "vae_weights", "condition_images", "images"}))
 """``drifttool.chain_edit``: an edit run's pipeline folder, its VAE's weight digest, the
-condition images it encoded and the PNGs written beside the artifact; with prompts encoded from
+condition images it encoded (each with its size and its resized sizes, [width, height]: the
+VAE's, to about ``vae_image_area`` pixels, and under the edit-plus pipeline with prompts the
+prompt image's, to about ``prompt_image_area``) and the PNGs written beside the artifact; with prompts encoded from
 the images (``run --image --prompt``), the prompts (one per sample), the vision tokens' position
 rule and the text encoder's weight digest (language model and vision tower)."""
 

@@ -126,6 +126,7 @@ RULES: dict[str, OpRule] = {
     "vae_resample": OpRule(),
     "vae_mid_attention": OpRule(),
     "vae_latent_normalize": OpRule(),
+    "vae_image_resize": OpRule(),
 }
 """One rule per RFC operator, in the RFC's order (``specs.OPERATORS``; tested)."""
 

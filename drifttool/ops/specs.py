@@ -60,6 +60,8 @@ vae_mid_attention        (x [B,C,T,H,W], gamma, w_qkv [3C,C,1,1], b_qkv, w_proj 
                          → x + proj(attention(qkv(rms_norm(x)))) per frame, one head over H·W
 vae_latent_normalize     (z, mean [C], std [C], inverse=False) z [B,C,...] → same shape; forward
                          (z − mean)/std (edit pipelines), inverse z / (1/std) + mean (decode)
+vae_image_resize         (image [1,H,W,3] uint8, height, width, resample=1) → [1,height,width,3]
+                         uint8: Pillow's resize (the edit pipelines' condition images)
 =======================  ==================================================================
 
 Joint sequence order is [text, image] (numerics §2.4). ``key_mask`` is the joint key mask:
@@ -281,6 +283,9 @@ OPERATORS: dict[str, Operator] = _rows(
              streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
     Operator(name="vae_latent_normalize", version=1, summary="per-channel (z - mean) / std and z / (1/std) + mean",
              streams=(), sites=(), layout="B....", differentiable=False, component="vae"),
+    # the VAE's image processor (the edit pipelines' condition images, before the encode)
+    Operator(name="vae_image_resize", version=1, summary="condition image resize (Pillow resampling)",
+             streams=(), sites=(), layout="B...", differentiable=False, dtypes=(), component="vae"),
 )
 """The RFC's 22 WS1 rows in its table order, then the text encoder's rows in program order,
 then the VAE's (Phase B). Other declared operators (``lora_merge``, ...) are not RFC rows."""
@@ -296,7 +301,11 @@ VISION_OPERATORS = tuple(n for n in TEXT_ENCODER_OPERATORS if n.startswith("te_v
 tower, its inputs, and the vision tokens' positions and embeddings in the prompt."""
 
 VAE_OPERATORS = tuple(n for n, r in OPERATORS.items() if r.component == "vae")
-"""The VAE's rows (Phase B, ``vae_contract``)."""
+"""The VAE's rows (Phase B, ``vae_contract``): the model's, then its image processor's."""
+
+VAE_MODEL_OPERATORS = tuple(n for n in VAE_OPERATORS if n != "vae_image_resize")
+"""The rows the VAE model calls (``drifttool.model.vae``); ``vae_image_resize`` is the edit
+pipelines' image processor's (``drifttool.edit_images``), called before the encode."""
 
 TRANSFORMER_OPERATORS = tuple(n for n in WS1_OPERATORS if not OPERATORS[n].sampler)
 """The transformer's rows (every row but the sampler's three)."""

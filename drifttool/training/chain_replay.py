@@ -109,9 +109,13 @@ def replay_chain(
         spec, stages = prepare(spec, out, prompts=rec["prompts"], negative_prompts=rec.get("negative_prompts"),
                                overwrite=options.overwrite)
     else:
+        if "vae_image_area" not in rec:
+            raise DriftToolError(f"{stored.path}: an edit run recorded before drifttool resized condition "
+                                 "images as the pipelines do (no vae_image_area): run it again")
         spec, stages = prepare_edit(spec, out, condition_images=_condition_images(stored),
                                     prompts=rec.get("prompts"), negative_prompts=rec.get("negative_prompts"),
                                     positions=rec.get("prompt_positions", "rope_index"),
+                                    vae_area=rec["vae_image_area"], prompt_area=rec.get("prompt_image_area"),
                                     overwrite=options.overwrite)
     model = prepare_trainer(stored, options)
     inputs = fresh_inputs(stored, stages.external)

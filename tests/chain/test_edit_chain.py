@@ -84,10 +84,10 @@ def test_a_changed_condition_image_refuses_the_replay(edit_run, tmp_path):
     assert res.exit_code == ExitCode.USAGE and len(lines) == 1 and "condition image" in lines[0], res.output
 
 
-@pytest.mark.parametrize("size,mode,needle", [((80, 40), "RGB", "multiples of 16"),
-                                              ((80, 48), "L", "RGB only")])
-def test_a_condition_image_drifttool_cannot_take_is_one_error(tmp_path, size, mode, needle):
+def test_a_condition_image_drifttool_cannot_take_is_one_error(tmp_path):
     p = tmp_path / "c.png"
-    PIL.new(mode, size).save(p)
-    with pytest.raises(DriftToolError, match=needle):
+    PIL.new("L", (80, 48)).save(p)
+    with pytest.raises(DriftToolError, match="RGB only"):
         read_image(p)
+    PIL.new("RGB", (97, 61)).save(p)  # any RGB size: the pipeline resizes it
+    assert read_image(p).shape == (61, 97, 3)

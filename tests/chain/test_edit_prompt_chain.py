@@ -38,7 +38,7 @@ def _args(fx, out, *extra, fixture=True):
     otherwise (a strict run: the preset is production's)."""
     settings = ["--fixture", str(fx), "--preset", "diffusers-edit"] if fixture else []
     return ["run", "--image", str(fx / "condition.png"), "--checkpoint", str(fx), *settings,
-            "--steps", "2", "-o", str(out), "--prompt", PROMPT, *extra]
+            "--steps", "2", "-o", str(out), "--prompt", PROMPT, "--image-area", str(96 * 64), *extra]
 
 
 def test_the_trajectory_takes_the_edit_pipelines_prompt_embeddings(folder, tmp_path):
@@ -46,14 +46,15 @@ def test_the_trajectory_takes_the_edit_pipelines_prompt_embeddings(folder, tmp_p
                                    "--prompt-positions", "sequential"))
     assert res.exit_code == ExitCode.OK, res.output
     pipe = edit_pipeline(folder, dtype=torch.bfloat16)
-    image = PIL.open(folder / "condition.png").convert("RGB")
+    image = PIL.open(folder / "condition.png").convert("RGB").resize((96, 64), PIL.LANCZOS)  # __call__'s resize
     stored = Run(tmp_path / "a").inputs()
     with torch.no_grad():
         for key, text in (("txt", PROMPT), ("neg_txt", NEGATIVE)):
             want, mask = pipe.encode_prompt([text], image=image, device="cpu")
             assert mask is None and torch.equal(stored[key], want.float()), key
     ops = Run(tmp_path / "a").ops_table().to_pylist()
-    assert ops[0]["component"] == "text_encoder" and ops[0]["op"] == "te_vision_resize"
+    assert (ops[0]["component"], ops[0]["op"]) == ("vae", "vae_image_resize")  # the pipeline's resize first
+    assert ops[1]["component"] == "text_encoder" and ops[1]["op"] == "te_vision_resize"
     assert {r["op"] for r in ops if r["component"] == "text_encoder"} >= {"te_vision_merger", "te_vision_scatter"}
     record = json.loads((tmp_path / "a" / "manifest.json").read_text())["edit"]
     assert (record["prompts"], record["negative_prompts"], record["prompt_positions"]) == (
@@ -73,7 +74,6 @@ def test_a_strict_run_replays_identically(folder, tmp_path):
 
 @pytest.mark.parametrize("extra,expect", [
     (["--image", "SECOND"], "one image"),
-    (["--preset", "diffusers-edit-plus"], "384x384"),
     (["--prompt-embeds", "x.safetensors"], "exclude each other"),
     (["--prompt-positions", "3d", "--mode", "auto"], "positions"),
 ])

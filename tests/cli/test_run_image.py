@@ -57,7 +57,7 @@ def test_bad_images_are_one_line(tmp_path):
 
     fx = locate("tiny-edit")
     odd = tmp_path / "odd.png"
-    Image.new("RGB", (50, 40)).save(odd)  # 50 px is not a multiple of 16
+    Image.new("RGB", (2000, 3)).save(odd)  # resized to about 96x64 pixels, 0 px high: the pipeline cannot
     junk = tmp_path / "junk.png"
     junk.write_bytes(b"not an image")
     for image in (odd, junk, tmp_path / "missing.png"):

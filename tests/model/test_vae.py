@@ -17,7 +17,7 @@ import torch
 from drifttool.errors import CheckpointError, UnsupportedConfigError
 from drifttool.model.vae import QwenImageVAE, VAEConfig, random_init_
 from drifttool.model.vae_checkpoint import load_vae
-from drifttool.ops.specs import VAE_OPERATORS
+from drifttool.ops.specs import VAE_MODEL_OPERATORS
 from drifttool.runtime import Runtime
 from tests.conftest import assert_same_bytes
 
@@ -135,7 +135,7 @@ def test_every_call_is_captured_under_the_vae_component():
         z = vae.normalize(vae.encode(_images(2, torch.float32)[..., :16, :16], rt), rt)
         vae.decode(vae.denormalize(z, rt), rt)
     assert {s[0] for s in sink.sites} == {"vae"}
-    assert {s[2] for s in sink.sites} == set(VAE_OPERATORS)
+    assert {s[2] for s in sink.sites} == set(VAE_MODEL_OPERATORS)
     assert {s[4] for s in sink.sites} == {"B...."} and all(s[5][0] == 2 for s in sink.sites)
     enc_blocks = len(vae.encoder.down_blocks) + 2  # entries, mid, head
     assert {s[1] for s in sink.sites} == set(range(-1, enc_blocks))

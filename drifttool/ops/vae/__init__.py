@@ -19,6 +19,9 @@ vae_latent_normalize  FP32 ``(z − mean)/std``; inverse = strict        pipelin
                                                                        production ``latent_normalize``
 ====================  ===============================================  =================================
 
+The edit pipelines' image processor adds ``vae_image_resize`` (``image``: Pillow's resize of
+the condition image before the encode, one function for both families).
+
 Strict is batch- and position-invariant: every reduction runs along one sample's own axis (a
 pixel's K patch, a pixel's channels, a frame's keys) in a fixed order that depends on that axis's
 length only, and the GEMMs are ``strict_gemm.tiled_linear`` (row-invariant). Production with the
@@ -28,4 +31,4 @@ of the 3-D resamplers never run (the first chunk only fills their caches), so ``
 per frame.
 """
 
-from drifttool.ops.vae import production, strict  # noqa: F401  (register both families)
+from drifttool.ops.vae import image, production, strict  # noqa: F401  (register both families)
