@@ -117,6 +117,11 @@ UNCAPTURED = {
 }
 """The manifest's ``uncaptured``: records a drifttool rollout writes that this capture cannot."""
 
+RESIZE_UNCAPTURED = {"op": "vae_image_resize", "index": 0}
+"""With condition images, also uncaptured: the edit pipelines' resize of each condition image
+(``VaeImageProcessor.resize``, called again inside ``preprocess`` on its own result, so the call
+an edit run records is not told apart from the second)."""
+
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _KERNEL_CFG = "diffusers:QwenImagePipeline.__call__ (inline true CFG + norm rescale)"
 
@@ -294,7 +299,10 @@ class _PipelineCall:
                                        if not k.startswith("_")}}
         manifest = {"kind": "rollout", "fingerprint": fp, "settings": settings,
                     "environment": environment(), "model_source": source, "variants": [],
-                    "uncaptured": UNCAPTURED}
+                    "uncaptured": UNCAPTURED if not self.cond_grids else {
+                        **UNCAPTURED, "ops": [*UNCAPTURED["ops"], RESIZE_UNCAPTURED],
+                        "reason": UNCAPTURED["reason"] + "; the condition images' resize "
+                                  "(VaeImageProcessor.resize) is not recorded"}}
         if lora is not None:
             manifest["lora"] = lora
         return {**manifest, **self.extra}

@@ -87,13 +87,13 @@ def _state(pipe) -> dict:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp_path, monkeypatch, dtype):
-    from tests.sampling.edit_cases import small_areas
+    from tests.sampling.edit_cases import VAE_AREA, small_areas
 
     small_areas(monkeypatch)
     w = getattr(torch, dtype)
     run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit", steps=STEPS,
-                     seed=SEED, capture="L2", dtype=dtype), tmp_path / "edit", condition_images=[folder / "cond.png"],
-             prompts=[PROMPT], negative_prompts=[NEGATIVE], positions="sequential")
+                     seed=SEED, capture="L2", dtype=dtype, height=64, width=96), tmp_path / "edit", condition_images=[folder / "cond.png"],
+             prompts=[PROMPT], negative_prompts=[NEGATIVE], positions="sequential", vae_area=VAE_AREA)
     pipe = _pipeline(folder, w)
     kw = dict(image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
     plain = pipe(generator=_generators(), **kw).images
@@ -124,7 +124,7 @@ def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp
 def test_a_perturbed_vision_weight_is_the_first_drift_and_errors_leave_nothing(folder, tmp_path, monkeypatch):
     """A weight of the tower's block 1 changed: the tower's records drift from that block's MLP on;
     an error inside the tower leaves the pipeline as it was."""
-    from tests.sampling.edit_cases import small_areas
+    from tests.sampling.edit_cases import VAE_AREA, small_areas
 
     small_areas(monkeypatch)
     pipe = _pipeline(folder, torch.float32)
@@ -189,13 +189,13 @@ def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_type
     as transformers' own processor output holds them): it computes the multimodal RoPE index,
     recorded as ``te_vision_rope_index``; the capture diffs IDENTICAL against the edit run with
     ``--prompt-positions rope_index``."""
-    from tests.sampling.edit_cases import small_areas
+    from tests.sampling.edit_cases import VAE_AREA, small_areas
 
     small_areas(monkeypatch)
     run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit", steps=STEPS,
-                     seed=SEED, capture="L2", dtype="float32"), tmp_path / "edit",
+                     seed=SEED, capture="L2", dtype="float32", height=64, width=96), tmp_path / "edit",
              condition_images=[folder / "cond.png"], prompts=[PROMPT], negative_prompts=[NEGATIVE],
-             positions="rope_index")
+             positions="rope_index", vae_area=VAE_AREA)
     pipe = _pipeline(folder, torch.float32)
     image_id = pipe.text_encoder.config.image_token_id
 
