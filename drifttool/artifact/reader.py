@@ -216,6 +216,19 @@ class Run:
                 best[rank] = name
         return [best[r] for r in sorted(best)]
 
+    def table_file(self, kind: str, rank: int) -> Path:
+        """The file rank ``rank``'s records of ``kind`` (``ops``, ``steps``, ``trace``) are read
+        from: ``<kind>.rank<r>.parquet``, or the stream (``.arrows``, ``.arrow``) of a run that
+        stopped before it finished the table (``_listed``'s choice).
+
+        Raises:
+            ArtifactError: the run holds no such file.
+        """
+        for name in self._listed(kind):
+            if S.parse_rank_file(name)[1] == rank:
+                return self.path / name
+        raise ArtifactError(f"{self.path}: no {kind} file of rank {rank}")
+
     def _table(self, kind: str, name: str, schema: pa.Schema) -> pa.Table:
         key = f"{kind}:{name}"
         if key not in self._cache:
