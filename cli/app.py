@@ -32,6 +32,7 @@ import typer
 from typer.core import TyperGroup
 
 import drifttool
+from drifttool.cli._completion import completion_help, shell_named
 from drifttool.cli._console import err, error_line
 from drifttool.cli._errors import internal_error, user_errors
 from drifttool.cli._threads import threaded
@@ -49,9 +50,13 @@ class _Group(TyperGroup):
     ``--help``, ``--version``, shell completion and a bare group's help behave as usual."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        completion_help(self.params)
+        args = list(sys.argv[1:] if args is None else args)
         if not standalone_mode:
+            args = shell_named(args, self.params)
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
+            args = shell_named(args, self.params)  # `--show-completion zsh`: zsh's script
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP:  # the help was printed when the error was built
             code = ExitCode.USAGE

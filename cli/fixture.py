@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _json, _paths
+from drifttool.cli import _completion, _json, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
@@ -22,7 +22,7 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 @app.command("verify", epilog=EXIT_HELP)
 @threaded
 def verify(
-    fixture: Optional[str] = typer.Argument(None, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Argument(None, autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(
         None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed)."),
     as_json: bool = _json.option(),
