@@ -33,8 +33,8 @@ from typer.core import TyperGroup
 
 import drifttool
 from drifttool.cli._completion import completion_help, shell_named
-from drifttool.cli._console import err, error_line
-from drifttool.cli._errors import internal_error, user_errors
+from drifttool.cli._console import error_line
+from drifttool.cli._errors import Terminated, internal_error, stopped, user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP, ExitCode
 
@@ -65,9 +65,9 @@ class _Group(TyperGroup):
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")
             code = ExitCode.USAGE  # never 1, which means "drift"
-        except (typer.Abort, KeyboardInterrupt):
-            err.print("[bold red]interrupted[/]")
-            code = ExitCode.INTERRUPTED
+        except (typer.Abort, KeyboardInterrupt, Terminated) as e:
+            stopped(e)  # outside a command (user_errors prints it inside one)
+            code = ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
         except Exception as e:  # noqa: BLE001 - a bug outside a command's own handling
             internal_error(e)
             code = ExitCode.INTERNAL
@@ -146,8 +146,9 @@ def __getattr__(name: str) -> Any:
 def _terminated(signum: int, frame: Any) -> None:
     """SIGTERM (``kill``, a batch scheduler, torchrun stopping its ranks) as an exit the command
     unwinds through: its ``finally`` and context-manager cleanups run (a temporary re-run is
-    removed, an open artifact closed ``complete: false``), exit 143 (``ExitCode.TERMINATED``)."""
-    raise SystemExit(ExitCode.TERMINATED)
+    removed, an open artifact closed ``complete: false``), then one line saying so, exit 143
+    (``ExitCode.TERMINATED``)."""
+    raise Terminated()
 
 
 def main() -> None:
