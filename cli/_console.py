@@ -37,23 +37,33 @@ _TRAILING_SPACES = re.compile(r" +((?:\x1b\[[0-9;]*m)*)\n")
 
 class _Console(Console):
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """``Console.print``; on a pipe or file plain text is never wrapped or cut (soft wrap)
-        and each table prints as ``_print_table`` does."""
-        if self.is_terminal:
-            return super().print(*objects, **kwargs)
-        kwargs["soft_wrap"] = True
-        if not any(isinstance(o, Table) for o in objects):
+        """``Console.print``; on a pipe or file plain text is never wrapped or cut (soft wrap);
+        each table prints as ``_print_table`` does (on a terminal only one whose title is wider
+        than the table, so that the title is not wrapped to the table's width)."""
+        pipe = not self.is_terminal
+        if pipe:
+            kwargs["soft_wrap"] = True
+        tables = [o for o in objects if isinstance(o, Table)]
+        if not tables or not (pipe or any(self._title_wider(t) for t in tables)):
             return super().print(*objects, **kwargs)
         for o in objects:
             if isinstance(o, Table):
-                self._print_table(o, **kwargs)
+                self._print_table(o, pipe, **kwargs)
             else:
                 super().print(o, **kwargs)
 
-    def _print_table(self, table: Table, **kwargs: Any) -> None:
-        """A table on a pipe or file: its title (and caption) as lines of their own, never
-        wrapped or centred; the table at its natural width even where that is wider than the
-        console (its columns never shrink, so no identifier is cut)."""
+    def _title_wider(self, table: Table) -> bool:
+        """Whether ``table``'s title is wider than the table (rich would wrap it)."""
+        title = table.title
+        if not title:
+            return False
+        text = self.render_str(title) if isinstance(title, str) else title
+        return text.cell_len > Measurement.get(self, self.options, table).maximum
+
+    def _print_table(self, table: Table, pipe: bool, **kwargs: Any) -> None:
+        """A table with its title (and caption) as lines of their own, left-aligned; on a pipe or
+        file they are never wrapped, and the table prints at its natural width even where that
+        is wider than the console (its columns never shrink, so no identifier is cut)."""
         title, caption = table.title, table.caption
         table.title = table.caption = None
         kwargs["soft_wrap"] = False  # the table's own layout; its cells never wrap below
@@ -61,13 +71,14 @@ class _Console(Console):
         try:
             if title:
                 super().print(title, style=table.title_style or "table.title", highlight=False,
-                              soft_wrap=True)
-            wide = self.options.update(max_width=_UNBOUNDED)
-            self.width = max(self.width, Measurement.get(self, wide, table).maximum)
+                              soft_wrap=pipe)
+            if pipe:
+                wide = self.options.update(max_width=_UNBOUNDED)
+                self.width = max(self.width, Measurement.get(self, wide, table).maximum)
             super().print(table, **kwargs)
             if caption:
                 super().print(caption, style=table.caption_style or "table.caption",
-                              highlight=False, soft_wrap=True)
+                              highlight=False, soft_wrap=pipe)
         finally:
             self._width = kept
             table.title, table.caption = title, caption

@@ -22,6 +22,7 @@ not every one, into options); without one (``--help``, completion, an unknown na
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import signal
 import sys
@@ -32,6 +33,7 @@ import typer
 from typer.core import TyperGroup
 
 import drifttool
+from drifttool.cli._command import Command
 from drifttool.cli._completion import completion_help, shell_named
 from drifttool.cli._console import error_line
 from drifttool.cli._errors import Terminated, internal_error, stopped, user_errors
@@ -61,6 +63,7 @@ class _Group(TyperGroup):
         except _NO_ARGS_IS_HELP:  # the help was printed when the error was built
             code = ExitCode.USAGE
         except _click_errors.ClickException as e:
+            _close_suggestions(e)
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")
@@ -72,6 +75,19 @@ class _Group(TyperGroup):
             internal_error(e)
             code = ExitCode.INTERNAL
         sys.exit(code if isinstance(code, int) else 0)
+
+
+SUGGEST_AT = 0.6
+"""How alike an unknown option's name and a suggested one must be (difflib's ratio of the names
+without their dashes): click compares them with the dashes, so ``--bogus`` was offered ``--out``."""
+
+
+def _close_suggestions(e: Exception) -> None:
+    """Keep, of the options click suggests for an unknown one, those alike by ``SUGGEST_AT``."""
+    if isinstance(e, _click_errors.NoSuchOption) and e.possibilities:
+        name = e.option_name.lstrip("-")
+        e.possibilities = [p for p in e.possibilities
+                           if difflib.SequenceMatcher(None, name, p.lstrip("-")).ratio() >= SUGGEST_AT]
 
 
 def _version(value: bool) -> None:
@@ -121,7 +137,7 @@ def build(only: str | None = None) -> typer.Typer:
         if only in (None, name):
             cmd = getattr(_module(module), fn)
             cmd = threaded(cmd) if name in _COMPUTES else cmd
-            group.command(name, epilog=EXIT_HELP)(user_errors(cmd, command=name, ranks=name in _RANKS))
+            group.command(name, cls=Command, epilog=EXIT_HELP)(user_errors(cmd, command=name, ranks=name in _RANKS))
     for name, module in GROUPS:
         if only in (None, name):
             group.add_typer(_module(module).app, name=name)

@@ -19,6 +19,7 @@ from rich import box
 from rich.table import Table
 
 from drifttool.cli import _completion, _layout, _paths
+from drifttool.cli._command import Command
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
 from drifttool.cli._threads import threaded
@@ -70,7 +71,7 @@ def _samples(text: Optional[str]):
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@app.command("train-rollout", epilog=EXIT_HELP)
+@app.command("train-rollout", cls=Command, epilog=EXIT_HELP)
 @threaded
 def train_rollout_cmd(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
@@ -167,7 +168,7 @@ def _print_clip(rows: list) -> None:
     console.print(t)
 
 
-@app.command("grpo", epilog=EXIT_HELP)
+@app.command("grpo", cls=Command, epilog=EXIT_HELP)
 @threaded
 def grpo_cmd(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,

@@ -143,7 +143,8 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
         except StopIteration:
             break
         except (pa.ArrowException, OSError) as e:
-            problem = f"{name}: truncated after {len(batches)} complete batches ({brief(e)})"
+            n = len(batches)
+            problem = f"{name}: truncated after {n} complete batch{'es' if n != 1 else ''} ({brief(e)})"
             break
         check_batch(path, len(batches), batch, ops=schema.metadata[b"drifttool.table"] == b"ops")
         batches.append(batch)

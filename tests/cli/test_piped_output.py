@@ -1,17 +1,20 @@
 """Output on a pipe (``drifttool diff … | cat``, CI logs): through the installed console script
 with stdout a pipe and ``COLUMNS=80`` (as CI runners set it), no line of plain text is wrapped
 or cut (a long path, the verdict line, a kernel string), a table's title is a line of its own
-with no padding, and no line ends in spaces."""
+with no padding, and no line ends in spaces. On a terminal, a title wider than its table is not
+wrapped to the table's width."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 
 import pytest
 
 from drifttool.artifact import open_run
-from drifttool.diff import diff_runs
+from drifttool.cli._console import _Console
+from drifttool.diff import diff_runs, render
 from tests.cli.scripting import console_script
 
 ENV = {**os.environ, "COLUMNS": "80"}
@@ -79,3 +82,11 @@ def test_piped_report_names_its_long_output_path_on_one_line(strict_run, long_ru
     assert res.returncode == 1, res.stderr
     assert res.stdout.splitlines() == [f"DRIFT  {diff_runs(open_run(strict_run), open_run(out)).reason}",
                                        f"wrote {page}"]
+
+
+def test_a_title_wider_than_its_table_is_one_line_on_a_terminal(strict_run):
+    buf = io.StringIO()
+    render(diff_runs(open_run(strict_run), open_run(strict_run)),
+           _Console(file=buf, force_terminal=True, width=200, color_system=None))
+    title = "per step (worst sample and branch; '=' bitwise identical; x_t is the input)"
+    assert title in buf.getvalue().splitlines(), buf.getvalue()
