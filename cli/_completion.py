@@ -26,11 +26,11 @@ _OPTIONS = {"--show-completion": "show_completion", "--install-completion": "ins
 
 
 def shell_named(args: list[str], params: list[Any]) -> list[str]:
-    """``args`` with the shell named after ``--show-completion``/``--install-completion`` (``--show-completion
-    zsh`` or ``--show-completion=zsh``, before any command) taken off, and that option's
-    parameter among ``params`` made to pass the shell to typer's callback (which then writes
-    that shell's script instead of the detected shell's). Without a shell name the option
-    detects the shell, as typer does.
+    """``args`` with the shell named after ``--show-completion`` or ``--install-completion``
+    (``--show-completion zsh`` or ``--show-completion=zsh``, before any command) taken off, and
+    that option's parameter among ``params`` made to pass the shell to typer's callback (which
+    then writes that shell's script instead of the detected shell's). Without a shell name the
+    option detects the shell, as typer does.
 
     Raises:
         typer.BadParameter: the word after the option is no shell typer supports (``SHELLS``).

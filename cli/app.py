@@ -11,8 +11,9 @@ Exit codes (``drifttool.exit_codes``, the last line of every command's ``--help`
 or success, 1 drift, 2 a usage error or bad input (``DriftToolError``, a bad option value, a
 file-system error on a path the user named: one ``error:`` line, no traceback), 3 incomparable or
 inconclusive, 4 an internal error (a bug: one ``internal error:`` line; ``DRIFTTOOL_DEBUG=1``
-prints its traceback), 130 Ctrl-C, 143 SIGTERM (after the command's cleanup ran). typer's ``--install-completion`` and ``--show-completion``
-install shell completion.
+prints its traceback), 130 Ctrl-C, 143 SIGTERM (after the command's cleanup ran; each one line
+naming a run directory it left incomplete). typer's ``--install-completion [SHELL]`` and
+``--show-completion [SHELL]`` install or print shell completion (``cli._completion``).
 
 Start-up: ``main`` imports and builds only the command its command line names (``drifttool diff
 A B`` builds ``diff`` alone: no other command module is imported and typer turns one signature,
@@ -137,7 +138,8 @@ def build(only: str | None = None) -> typer.Typer:
         if only in (None, name):
             cmd = getattr(_module(module), fn)
             cmd = threaded(cmd) if name in _COMPUTES else cmd
-            group.command(name, cls=Command, epilog=EXIT_HELP)(user_errors(cmd, command=name, ranks=name in _RANKS))
+            group.command(name, cls=Command, epilog=EXIT_HELP)(
+                user_errors(cmd, command=name, ranks=name in _RANKS))
     for name, module in GROUPS:
         if only in (None, name):
             group.add_typer(_module(module).app, name=name)

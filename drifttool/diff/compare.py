@@ -103,7 +103,8 @@ def check_step_bytes(run: Run) -> None:
         if not ok:
             raise ArtifactError(
                 f"{run.table_file('steps', r['rank'])}: the bytes of step {r['step']} sample "
-                f"{r['sample']} {r['branch']} {r['quantity']} do not match their digest (tampered or corrupt)")
+                f"{r['sample']} {r['branch']} {r['quantity']} do not match their digest "
+                "(tampered or corrupt)")
 
 
 def _compare_tables(run_a: Run, run_b: Run, level: str,
