@@ -1,50 +1,92 @@
 """The rich consoles every subcommand prints to.
 
-On a terminal rich uses the terminal's width. When output goes to a pipe or file, rich would
-assume 80 columns and cut numbers such as ``1.19e-…``; those consoles get 160 columns instead,
-and a table wider than that prints at its natural width, so that a program reading the pipe
-never sees an operator name or a path cut (``latent_proj_…``).
+On a terminal rich uses the terminal's width. On a pipe or file (logs, CI, ``| grep``, ``| head``)
+a program reads the output line by line, so whatever ``COLUMNS`` says:
+
+- no line of plain text is wrapped or cut: a path, a verdict line, an operator name or a kernel
+  string (``strict_linear.v2[seg8.k64.seq|exact if N*K<=65536 …]``) stays on one line;
+- a table prints at its natural width (its columns never shrink, so no identifier is cut to
+  ``latent_proj_…``), its title on a line of its own above it, left-aligned;
+- no line ends in spaces (the padding rich adds to fill a table's width).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
-from typing import Iterator
-
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.progress import Progress, TaskID
 
 PIPE_WIDTH = 160
+"""The width of a console on a pipe or file: what a table is fitted into when it is narrower."""
 _UNBOUNDED = 1 << 16
 """The width a table is measured against on a pipe: wide enough for any table's natural width."""
+_TRAILING_SPACES = re.compile(r" +((?:\x1b\[[0-9;]*m)*)\n")
+"""Spaces at the end of a line (before any closing style codes)."""
 
 
 class _Console(Console):
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """``Console.print``; on a pipe or file a table wider than the console prints at its
-        natural width (its columns never shrink, so no identifier is cut)."""
+        """``Console.print``; on a pipe or file plain text is never wrapped or cut (soft wrap);
+        each table prints as ``_print_table`` does (on a terminal only one whose title is wider
+        than the table, so that the title is not wrapped to the table's width)."""
+        pipe = not self.is_terminal
+        if pipe:
+            kwargs["soft_wrap"] = True
         tables = [o for o in objects if isinstance(o, Table)]
-        if self.is_terminal or not tables:
+        if not tables or not (pipe or any(self._title_wider(t) for t in tables)):
             return super().print(*objects, **kwargs)
-        wide = self.options.update(max_width=_UNBOUNDED)
-        need = max(Measurement.get(self, wide, t).maximum for t in tables)
-        if need <= self.width:
-            return super().print(*objects, **kwargs)
+        for o in objects:
+            if isinstance(o, Table):
+                self._print_table(o, pipe, **kwargs)
+            else:
+                super().print(o, **kwargs)
+
+    def _title_wider(self, table: Table) -> bool:
+        """Whether ``table``'s title is wider than the table (rich would wrap it)."""
+        title = table.title
+        if not title:
+            return False
+        text = self.render_str(title) if isinstance(title, str) else title
+        return text.cell_len > Measurement.get(self, self.options, table).maximum
+
+    def _print_table(self, table: Table, pipe: bool, **kwargs: Any) -> None:
+        """A table with its title (and caption) as lines of their own, left-aligned; on a pipe or
+        file they are never wrapped, and the table prints at its natural width even where that
+        is wider than the console (its columns never shrink, so no identifier is cut)."""
+        title, caption = table.title, table.caption
+        table.title = table.caption = None
+        kwargs["soft_wrap"] = False  # the table's own layout; its cells never wrap below
         kept = self._width
-        self.width = need
         try:
-            super().print(*objects, **kwargs)
+            if title:
+                super().print(title, style=table.title_style or "table.title", highlight=False,
+                              soft_wrap=pipe)
+            if pipe:
+                wide = self.options.update(max_width=_UNBOUNDED)
+                self.width = max(self.width, Measurement.get(self, wide, table).maximum)
+            super().print(table, **kwargs)
+            if caption:
+                super().print(caption, style=table.caption_style or "table.caption",
+                              highlight=False, soft_wrap=pipe)
         finally:
             self._width = kept
+            table.title, table.caption = title, caption
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """rich's rendering; on a pipe or file without the spaces at the end of each line."""
+        text = super()._render_buffer(buffer)
+        return text if self.is_terminal else _TRAILING_SPACES.sub(r"\1\n", text)
 
     def on_broken_pipe(self) -> None:
         """rich's default exits with status 1 (which means "drift" here) when the reader of a pipe
@@ -57,7 +99,7 @@ class _Console(Console):
 def _make(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     tty = stream.isatty()
-    return _Console(stderr=stderr, width=None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH)
+    return _Console(stderr=stderr, width=None if tty else PIPE_WIDTH)  # a pipe ignores COLUMNS
 
 
 def silence_stdout() -> None:

@@ -17,8 +17,30 @@ import typer
 from rich.markup import escape
 
 from drifttool.cli._console import err, error_line, one_line, silence_stdout
-from drifttool.errors import DriftToolError
+from drifttool.errors import DriftToolError, left_incomplete
 from drifttool.exit_codes import DEBUG_ENV, ExitCode
+
+
+class Terminated(SystemExit):
+    """SIGTERM, raised where the process is (``cli.app``'s handler) so that the command unwinds
+    through its cleanups; exits 143 (``ExitCode.TERMINATED``)."""
+
+    def __init__(self) -> None:
+        super().__init__(ExitCode.TERMINATED)
+
+
+def stopped(e: BaseException) -> None:
+    """Print the one line of a command stopped by Ctrl-C (``KeyboardInterrupt``, ``typer.Abort``)
+    or SIGTERM (``Terminated``), naming each run directory it left, kept and ``complete: false``
+    (``drifttool.errors.left_incomplete``)."""
+    what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
+    runs = left_incomplete(e)
+    kept = ""
+    if runs:
+        names = ", ".join(runs)
+        kept = (f": the run director{'ies' if len(runs) > 1 else 'y'} {names} "
+                f"{'are' if len(runs) > 1 else 'is'} kept, marked incomplete (complete: false)")
+    err.print(f"[bold red]{what}[/]{escape(kept)}", highlight=False)
 
 
 def _os_error(e: OSError) -> str:
@@ -142,7 +164,9 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     """Exit codes for a command (``drifttool.exit_codes``): ``DriftToolError``, an ``OSError``
     on a named path (not a directory, permission denied, name too long, disk full), a write's
     file-system error that names no path (``_WRITE_ERRNOS``) and running
-    out of host or device memory → one line, exit 2; Ctrl-C → one line, exit 130; any other
+    out of host or device memory → one line, exit 2; Ctrl-C → one line, exit 130, SIGTERM
+    (``Terminated``) → one line, exit 143, each naming the run directory left incomplete
+    (``stopped``); any other
     exception (a bug) → one ``internal error:`` line, exit 4 (``internal_error``); a closed
     stdout (``| head``) keeps the command's own exit code.
 
@@ -162,9 +186,12 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
         except DriftToolError as e:
             _print_error(e, rank, world)
             raise typer.Exit(ExitCode.USAGE) from None
-        except KeyboardInterrupt:
-            err.print("[bold red]interrupted[/]")
+        except KeyboardInterrupt as e:
+            stopped(e)
             raise typer.Exit(ExitCode.INTERRUPTED) from None
+        except Terminated as e:
+            stopped(e)
+            raise typer.Exit(ExitCode.TERMINATED) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except BrokenPipeError:

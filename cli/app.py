@@ -11,8 +11,9 @@ Exit codes (``drifttool.exit_codes``, the last line of every command's ``--help`
 or success, 1 drift, 2 a usage error or bad input (``DriftToolError``, a bad option value, a
 file-system error on a path the user named: one ``error:`` line, no traceback), 3 incomparable or
 inconclusive, 4 an internal error (a bug: one ``internal error:`` line; ``DRIFTTOOL_DEBUG=1``
-prints its traceback), 130 Ctrl-C, 143 SIGTERM (after the command's cleanup ran). typer's ``--install-completion`` and ``--show-completion``
-install shell completion.
+prints its traceback), 130 Ctrl-C, 143 SIGTERM (after the command's cleanup ran; each one line
+naming a run directory it left incomplete). typer's ``--install-completion [SHELL]`` and
+``--show-completion [SHELL]`` install or print shell completion (``cli._completion``).
 
 Start-up: ``main`` imports and builds only the command its command line names (``drifttool diff
 A B`` builds ``diff`` alone: no other command module is imported and typer turns one signature,
@@ -22,6 +23,7 @@ not every one, into options); without one (``--help``, completion, an unknown na
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import signal
 import sys
@@ -32,8 +34,10 @@ import typer
 from typer.core import TyperGroup
 
 import drifttool
-from drifttool.cli._console import err, error_line
-from drifttool.cli._errors import internal_error, user_errors
+from drifttool.cli._command import Command
+from drifttool.cli._completion import completion_help, shell_named
+from drifttool.cli._console import error_line
+from drifttool.cli._errors import Terminated, internal_error, stopped, user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP, ExitCode
 
@@ -49,24 +53,42 @@ class _Group(TyperGroup):
     ``--help``, ``--version``, shell completion and a bare group's help behave as usual."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        completion_help(self.params)
+        args = list(sys.argv[1:] if args is None else args)
         if not standalone_mode:
+            args = shell_named(args, self.params)
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
+            args = shell_named(args, self.params)  # `--show-completion zsh`: zsh's script
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP:  # the help was printed when the error was built
             code = ExitCode.USAGE
         except _click_errors.ClickException as e:
+            _close_suggestions(e)
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")
             code = ExitCode.USAGE  # never 1, which means "drift"
-        except (typer.Abort, KeyboardInterrupt):
-            err.print("[bold red]interrupted[/]")
-            code = ExitCode.INTERRUPTED
+        except (typer.Abort, KeyboardInterrupt, Terminated) as e:
+            stopped(e)  # outside a command (user_errors prints it inside one)
+            code = ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
         except Exception as e:  # noqa: BLE001 - a bug outside a command's own handling
             internal_error(e)
             code = ExitCode.INTERNAL
         sys.exit(code if isinstance(code, int) else 0)
+
+
+SUGGEST_AT = 0.6
+"""How alike an unknown option's name and a suggested one must be (difflib's ratio of the names
+without their dashes): click compares them with the dashes, so ``--bogus`` was offered ``--out``."""
+
+
+def _close_suggestions(e: Exception) -> None:
+    """Keep, of the options click suggests for an unknown one, those alike by ``SUGGEST_AT``."""
+    if isinstance(e, _click_errors.NoSuchOption) and e.possibilities:
+        name = e.option_name.lstrip("-")
+        e.possibilities = [p for p in e.possibilities
+                           if difflib.SequenceMatcher(None, name, p.lstrip("-")).ratio() >= SUGGEST_AT]
 
 
 def _version(value: bool) -> None:
@@ -116,7 +138,8 @@ def build(only: str | None = None) -> typer.Typer:
         if only in (None, name):
             cmd = getattr(_module(module), fn)
             cmd = threaded(cmd) if name in _COMPUTES else cmd
-            group.command(name, epilog=EXIT_HELP)(user_errors(cmd, command=name, ranks=name in _RANKS))
+            group.command(name, cls=Command, epilog=EXIT_HELP)(
+                user_errors(cmd, command=name, ranks=name in _RANKS))
     for name, module in GROUPS:
         if only in (None, name):
             group.add_typer(_module(module).app, name=name)
@@ -141,8 +164,9 @@ def __getattr__(name: str) -> Any:
 def _terminated(signum: int, frame: Any) -> None:
     """SIGTERM (``kill``, a batch scheduler, torchrun stopping its ranks) as an exit the command
     unwinds through: its ``finally`` and context-manager cleanups run (a temporary re-run is
-    removed, an open artifact closed ``complete: false``), exit 143 (``ExitCode.TERMINATED``)."""
-    raise SystemExit(ExitCode.TERMINATED)
+    removed, an open artifact closed ``complete: false``), then one line saying so, exit 143
+    (``ExitCode.TERMINATED``)."""
+    raise Terminated()
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _checkpoint, _json, _paths
+from drifttool.cli import _checkpoint, _completion, _json, _paths
 from drifttool.cli._console import console, tolerate_closed_stdout
 
 
@@ -28,7 +28,7 @@ def diff(
         help="Keep the re-executed artifacts in DIR/a and DIR/b (implies --localize; default: a "
              "temporary directory, removed)."),
     fixture: Optional[str] = typer.Option(
-        None, help="With --localize: fixture holding the model, if a manifest's name does not resolve."),
+        None, autocompletion=_completion.fixtures, help="With --localize: fixture holding the model, if a manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option(
         "With --localize: the model of both runs (fingerprint-checked), as replay --checkpoint "
         "takes it; needed for a captured diffusers pipeline (its pipeline folder)."),

@@ -18,7 +18,8 @@ import typer
 from rich import box
 from rich.table import Table
 
-from drifttool.cli import _layout, _paths
+from drifttool.cli import _completion, _layout, _paths
+from drifttool.cli._command import Command
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
 from drifttool.cli._threads import threaded
@@ -70,20 +71,20 @@ def _samples(text: Optional[str]):
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@app.command("train-rollout", epilog=EXIT_HELP)
+@app.command("train-rollout", cls=Command, epilog=EXIT_HELP)
 @threaded
 def train_rollout_cmd(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Directory for the artifacts and the result table."),
-    fixture: Optional[str] = typer.Option(None, help="Fixture (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture (default tiny-t2i)."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
-    capture: str = typer.Option("L1", help="Capture level of every artifact."),
+    capture: str = typer.Option("L1", autocompletion=_completion.levels, help="Capture level of every artifact."),
     micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them (0: the rollout's batch)."),
     lora_rank: int = typer.Option(4, min=1), lora_alpha: float = typer.Option(8.0),
     gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
     grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N (strict combinations run on the CPU only: they train, and the strict CUDA family is forward only)."),
+    device: str = typer.Option("cpu", autocompletion=_completion.devices, help="cpu | cuda | cuda:N (strict combinations run on the CPU only: they train, and the strict CUDA family is forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),
@@ -167,7 +168,7 @@ def _print_clip(rows: list) -> None:
     console.print(t)
 
 
-@app.command("grpo", epilog=EXIT_HELP)
+@app.command("grpo", cls=Command, epilog=EXIT_HELP)
 @threaded
 def grpo_cmd(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
@@ -180,7 +181,7 @@ def grpo_cmd(
     clip_range: float = typer.Option(0.2, help="PPO clip range ε."),
     micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward (0: the rollout's batch)."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/production (default all four)."),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N (strict combinations run on the CPU only: they train, and the strict CUDA family is forward only)."),
+    device: str = typer.Option("cpu", autocompletion=_completion.devices, help="cpu | cuda | cuda:N (strict combinations run on the CPU only: they train, and the strict CUDA family is forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
     overwrite: bool = typer.Option(False, help="Replace the contents of OUT."),

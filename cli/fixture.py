@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _json, _paths
+from drifttool.cli import _completion, _json, _paths
+from drifttool.cli._command import Command
 from drifttool.cli._console import console
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
@@ -19,10 +20,10 @@ from drifttool.fixture import seal
 app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
 
-@app.command("verify", epilog=EXIT_HELP)
+@app.command("verify", cls=Command, epilog=EXIT_HELP)
 @threaded
 def verify(
-    fixture: Optional[str] = typer.Argument(None, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Argument(None, metavar="[NAME|DIR|TAR]", autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(
         None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed)."),
     as_json: bool = _json.option(),
@@ -70,7 +71,7 @@ def verify(
     raise typer.Exit(code)
 
 
-@app.command("seal", epilog=EXIT_HELP)
-def seal_cmd(path: Path = typer.Argument(..., help="Fixture directory to (re)seal.")) -> None:
+@app.command("seal", cls=Command, epilog=EXIT_HELP)
+def seal_cmd(path: Path = typer.Argument(..., metavar="DIR", help="Fixture directory to (re)seal.")) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory."""
     console.print(f"sealed {path}: {user_errors(seal, command='fixture seal')(path)}")

@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _checkpoint, _json, _layout, _paths
+from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import advance, console, err, matrix_progress
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -44,7 +44,7 @@ def probe(
     peer: Optional[str] = typer.Option(None, help="Run the peer matrix against another "
                                        "implementation instead: diffusers (its "
                                        "QwenImageTransformer2DModel, docs/probes.md)."),
-    device: Optional[str] = typer.Option(None, help="cpu (default) | cuda | cuda:N: where every "
+    device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help="cpu (default) | cuda | cuda:N: where every "
                                          "run of the matrix runs (the strict matrix: CPU only, since its controls train and the strict CUDA family is forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 "
                                          "(default: the preset's grid)."),

@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _checkpoint, _json, _layout, _paths
+from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -62,12 +62,12 @@ def _one_process(stored, dims) -> None:
 def replay(
     run_dir: Path = typer.Argument(..., help="Rollout artifact to replay."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help="Artifact directory to create."),
-    mode: Optional[str] = typer.Option(None, help="strict | audit | auto | off (default: the run's)."),
-    capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
-    fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
+    mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="strict | audit | auto | off (default: the run's)."),
+    capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
+    fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Overrides the manifest's model (fingerprint-checked); needed for a captured diffusers pipeline (its pipeline folder)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
-    device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
+    device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
@@ -136,16 +136,16 @@ def recompute(
     run_dir: Path = typer.Argument(..., help="Complete rollout artifact to re-score."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Artifact directory to create (kind: recompute)."),
-    mode: Optional[str] = typer.Option(None, help="Trainer mode: strict | audit | auto | off (default: the run's)."),
-    capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the run's)."),
+    mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="Trainer mode: strict | audit | auto | off (default: the run's)."),
+    capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
     grad: bool = typer.Option(False, help="Backward of -mean logp_t per SDE step; digest the LoRA gradients."),
     gradient_checkpointing: bool = typer.Option(False, help="Recompute block activations in the backward."),
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward (default: the whole batch)."),
     trim_padding: bool = typer.Option(True, help="With --micro-batch: trim prompts to each micro-batch."),
-    fixture: Optional[str] = typer.Option(None, help="Fixture holding the model, if the manifest's name does not resolve."),
+    fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Trainer model (must match the rollout's fingerprint)."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
-    device: Optional[str] = typer.Option(None, help=_DEVICE_HELP),
+    device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from drifttool.cli import _checkpoint, _json, _layout, _paths
+from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
@@ -53,28 +53,32 @@ def run(
     checkpoint: Optional[Path] = _checkpoint.option("Replaces the fixture's model."),
     variant: Optional[str] = typer.Option(
         None, help="Weight variant of --checkpoint (fp16 reads diffusion_pytorch_model.fp16.safetensors)."),
-    fixture: Optional[str] = typer.Option(None, help="Fixture name or path (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures,
+                                           help="Fixture name or path (default tiny-t2i)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000)."),
     cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
     eta: Optional[float] = typer.Option(None, help="SDE noise level inside the window (>= 0)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (e.g. 2 or 0,1,2)."),
-    mode: str = typer.Option("strict", envvar="DRIFTTOOL_MODE", help="strict | audit | auto | off."),
-    capture: Optional[str] = typer.Option(None, help="L0 | L1 | L2 (default: the fixture's)."),
+    mode: str = typer.Option("strict", envvar="DRIFTTOOL_MODE", autocompletion=_completion.modes,
+                             help="strict | audit | auto | off."),
+    capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels,
+                                           help="L0 | L1 | L2 (default: the fixture's)."),
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: the fixture's)."),
-    cfg_layout: Optional[str] = typer.Option(None, help="batched | sequential CFG execution."),
+    dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
+    cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
     lora_mode: Optional[str] = typer.Option(
         None, help="How the adapter runs: merged (peft merge_and_unload) | fused (diffusers fuse_lora) | "
                    "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
                    "default: the preset's, else merged."),
     preset: Optional[str] = typer.Option(
-        None, help="Production preset: diffusers (QwenImagePipeline's loop) | diffusers-edit "
+        None, autocompletion=_completion.presets,
+        help="Production preset: diffusers (QwenImagePipeline's loop) | diffusers-edit "
                    "(QwenImageEditPipeline's, one --condition image) | diffusers-edit-plus "
                    "(QwenImageEditPlusPipeline's, one or more) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
-    device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE",
+    device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE", autocompletion=_completion.devices,
                                help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's; "
                                                     "with --image the last image's resized height)."),

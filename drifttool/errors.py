@@ -47,3 +47,21 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         if e.filename is not None:
             raise
         raise OSError(e.errno, e.strerror or str(e) or type(e).__name__, os.fspath(path)) from e
+
+
+_LEFT_INCOMPLETE = "drifttool_left_incomplete"
+"""Attribute of an exception: the artifact directories it left ``complete: false``."""
+
+
+def note_left_incomplete(error: BaseException, path: str | os.PathLike) -> None:
+    """Record on ``error`` (an interruption or failure that stopped a run) that the artifact at
+    ``path`` was closed ``complete: false`` because of it (``left_incomplete`` reads it back)."""
+    paths = getattr(error, _LEFT_INCOMPLETE, [])
+    if os.fspath(path) not in paths:
+        setattr(error, _LEFT_INCOMPLETE, [*paths, os.fspath(path)])
+
+
+def left_incomplete(error: BaseException) -> list[str]:
+    """The artifact directories ``error`` left ``complete: false`` that still exist (a
+    temporary re-run removed since is not named), in the order they were closed."""
+    return [p for p in getattr(error, _LEFT_INCOMPLETE, []) if os.path.isdir(p)]

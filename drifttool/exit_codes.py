@@ -29,7 +29,16 @@ class ExitCode(enum.IntEnum):
 DEBUG_ENV = "DRIFTTOOL_DEBUG"
 """Set (to anything but empty or 0) to print an internal error's traceback."""
 
-EXIT_HELP = ("Exit codes: 0 identical or success, 1 drift, 2 usage error or bad input, "
-             "3 incomparable or inconclusive, 4 internal error (DRIFTTOOL_DEBUG=1 prints its "
-             "traceback), 130 interrupted (Ctrl-C).")
-"""The line every command's ``--help`` ends with."""
+MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "identical or success",
+    ExitCode.DRIFT: "drift",
+    ExitCode.USAGE: "usage error or bad input",
+    ExitCode.UNSURE: "incomparable or inconclusive",
+    ExitCode.INTERNAL: f"internal error ({DEBUG_ENV}=1 prints its traceback)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+    ExitCode.TERMINATED: "terminated (SIGTERM)",
+}
+"""What each exit code means, in the words of every ``--help`` (``EXIT_HELP``)."""
+
+EXIT_HELP = "Exit codes: " + ", ".join(f"{int(code)} {MEANINGS[code]}" for code in ExitCode) + "."
+"""The line every command's ``--help`` ends with, one entry per ``ExitCode``."""

@@ -45,6 +45,7 @@ import torch
 
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.recorder import Recorder
+from drifttool.errors import note_left_incomplete
 from drifttool.runtime import Mode, Runtime
 from drifttool.sampling.config import SamplerConfig
 from drifttool.sampling.rollout import sigma_table
@@ -57,7 +58,8 @@ def close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: Arti
                      error: BaseException | None = None) -> None:
     """Flush what finished, keep the trace so far, and mark the artifact incomplete — never
     masking the run's own exception ``error``: a failure here is attached to ``error`` as a note
-    (``add_note``) instead of replacing it, and the writer is closed in any case.
+    (``add_note``) instead of replacing it, and the writer is closed in any case. ``error``
+    records the artifact it left incomplete (``errors.note_left_incomplete``).
 
     Raises:
         The failure while closing, only when there is no ``error`` to attach it to.
@@ -74,6 +76,8 @@ def close_incomplete(rt: Runtime | None, recorder: Recorder | None, writer: Arti
                        + "".join(traceback.format_exception_only(secondary)).strip())
     finally:
         writer.close(complete=False)
+        if error is not None:
+            note_left_incomplete(error, writer.path)  # the CLI's Ctrl-C/SIGTERM line names it
 
 
 class ArtifactSession:

@@ -23,7 +23,9 @@ TOP = r"(?:drifttool|docs|tests|cli|probes|references|fixtures|benchmarks|tools|
 PATH_REF = re.compile(r"(?<![\w./-])(" + TOP + r"/[\w.*<>/-]*)")
 """A file reference: a path from a top-level folder of the repository (``<r>``: any part)."""
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-OUTSIDE = re.compile(r"\.\./|(?<!\w)/work/|\b(?:https?|file)://")
+OUTSIDE = re.compile(r"\.\./|(?<!\w)/work/|\b(?:https?|file)://(?!download\.pytorch\.org/whl/cpu\s)")
+"""A reference outside the repository; the one address allowed is PyTorch's CPU wheel index, as
+``pip install --index-url`` takes it (a command the README gives, not a link to read)."""
 TRACKER = re.compile(r"\b(?:issues?|PR|pull request|ticket)\s*#?\d+|\(#\d+\)|#\d+ item\b|"
                      r"\b(?:this|the|that) issue\b|\bbefore this (?:issue|change)\b|\btracker\b",
                      re.I)
@@ -80,6 +82,9 @@ def test_the_scan_catches_what_it_forbids():
     for text in ("`../shared/design.md`", "[spec](https://example.org)", "/work/shared/spec"):
         assert OUTSIDE.search(text), text
     assert not OUTSIDE.search("under `DIR/work/references/`, profile: strict")
+    assert not OUTSIDE.search("pip install torch --index-url https://download.pytorch.org/whl/cpu && …")
+    for text in ("https://download.pytorch.org/whl/cu128 ", "https://download.pytorch.org/whl/cpu/x"):
+        assert OUTSIDE.search(text), text
 
 
 def _readme_example() -> tuple[str, str]:

@@ -143,7 +143,8 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
         except StopIteration:
             break
         except (pa.ArrowException, OSError) as e:
-            problem = f"{name}: truncated after {len(batches)} complete batches ({brief(e)})"
+            n = len(batches)
+            problem = f"{name}: truncated after {n} complete batch{'es' if n != 1 else ''} ({brief(e)})"
             break
         check_batch(path, len(batches), batch, ops=schema.metadata[b"drifttool.table"] == b"ops")
         batches.append(batch)
@@ -215,6 +216,19 @@ class Run:
             if table == kind and (rank not in best or suffix == S.PARQUET):
                 best[rank] = name
         return [best[r] for r in sorted(best)]
+
+    def table_file(self, kind: str, rank: int) -> Path:
+        """The file rank ``rank``'s records of ``kind`` (``ops``, ``steps``, ``trace``) are read
+        from: ``<kind>.rank<r>.parquet``, or the stream (``.arrows``, ``.arrow``) of a run that
+        stopped before it finished the table (``_listed``'s choice).
+
+        Raises:
+            ArtifactError: the run holds no such file.
+        """
+        for name in self._listed(kind):
+            if S.parse_rank_file(name)[1] == rank:
+                return self.path / name
+        raise ArtifactError(f"{self.path}: no {kind} file of rank {rank}")
 
     def _table(self, kind: str, name: str, schema: pa.Schema) -> pa.Table:
         key = f"{kind}:{name}"

@@ -90,10 +90,11 @@ def check_step_bytes(run: Run) -> None:
     this makes sure they still describe the bytes).
 
     Raises:
-        ArtifactError: a record whose bytes do not match its digest (tampered or corrupt).
+        ArtifactError: a record whose bytes do not match its digest (tampered or corrupt),
+            naming the file that holds it (``Run.table_file``).
     """
-    t = run.steps_table().select(["step", "sample", "branch", "quantity", "dtype", "shape",
-                                  "digest", "data"])
+    t = run.steps_table().select(["rank", "step", "sample", "branch", "quantity", "dtype",
+                                  "shape", "digest", "data"])
     for r in t.to_pylist():
         try:
             ok = digest_bytes(r["data"], r["dtype"], r["shape"]) == r["digest"]
@@ -101,8 +102,9 @@ def check_step_bytes(run: Run) -> None:
             ok = False  # bytes that do not hold the declared dtype and shape
         if not ok:
             raise ArtifactError(
-                f"{run.path}/steps.arrow: the bytes of step {r['step']} sample {r['sample']} "
-                f"{r['branch']} {r['quantity']} do not match their digest (tampered or corrupt)")
+                f"{run.table_file('steps', r['rank'])}: the bytes of step {r['step']} sample "
+                f"{r['sample']} {r['branch']} {r['quantity']} do not match their digest "
+                "(tampered or corrupt)")
 
 
 def _compare_tables(run_a: Run, run_b: Run, level: str,

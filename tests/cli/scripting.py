@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -13,6 +16,15 @@ def invoke(*args: Any, env: dict | None = None):
     from drifttool.cli.app import app
 
     return CliRunner().invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def console_script() -> str:
+    """The installed ``drifttool`` console script: beside this Python (its virtual environment),
+    else on ``PATH``."""
+    beside = Path(sys.executable).with_name("drifttool")
+    found = str(beside) if beside.is_file() else shutil.which("drifttool")
+    assert found, "no drifttool console script: install the package (pip install -e .)"
+    return found
 
 
 def json_out(*args: Any) -> tuple[int, dict]:

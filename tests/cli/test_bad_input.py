@@ -316,7 +316,8 @@ def test_step_bytes_tampered_under_a_kept_digest_are_caught(cli, tmp_path, stric
                                 pa.array(data, type=table.schema.field("data").type))
 
     rewrite_table(bad / "steps.rank0.parquet", flip)  # the file's digest re-recorded
-    _assert_clean_error(*cli("diff", strict_run, bad), "do not match their digest")
+    _assert_clean_error(*cli("diff", strict_run, bad), f"{bad / 'steps.rank0.parquet'}: the bytes",
+                        "do not match their digest")
 
 
 def test_error_naming_a_path_with_markup_is_one_plain_line(cli, tmp_path, strict_run):

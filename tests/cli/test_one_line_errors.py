@@ -100,7 +100,7 @@ def test_output_in_a_read_only_directory_is_one_line(cli, tmp_path):
     (("run",), ("--out",)),
     (("run", "--bogus", "-o", "r"), ("--bogus",)),
     (("recompute", "--micro-batch", "0", "r", "-o", "x"), ("--micro-batch",)),
-    (("replay", "-o", "x"), ("run_dir",)),
+    (("replay", "-o", "x"), ("RUN_DIR",)),
     (("overlay", "a", "b"), ("--out",)),
     (("nosuch",), ("nosuch", "drifttool --help")),
     (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train",)),

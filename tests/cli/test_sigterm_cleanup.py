@@ -20,4 +20,5 @@ def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, (proc.returncode, err.decode()[-2000:])
     assert "Traceback" not in err.decode(), err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1] == "terminated (SIGTERM)"  # its re-run is gone
     assert not list(tmp_path.glob("drifttool-verify-*")), list(tmp_path.iterdir())

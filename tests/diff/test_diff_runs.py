@@ -176,7 +176,7 @@ def test_inconclusive_truncated_run(make_run):
     assert r.verdict is Verdict.INCONCLUSIVE and exit_code(r.verdict) == 3
     assert r.identical_through == ("rollout", 0)  # step 1 lost its op records
     assert "identical through rollout step 0" in r.reason and "run B is incomplete" in r.reason
-    assert any("ops.rank0.arrows: truncated after 1 complete batches" in n for n in r.notes)
+    assert any("ops.rank0.arrows: truncated after 1 complete batch (" in n for n in r.notes), r.notes
     assert r.counts["ops"].only_a > 0 and r.counts["ops"].only_b == 0
 
 

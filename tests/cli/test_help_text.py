@@ -1,0 +1,46 @@
+"""Help and usage text: arguments in capitals (``RUN_A RUN_B``) in usage lines and errors, each
+command's line in the group's list unbroken, and an unknown option offered only options alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.scripting import invoke
+
+WIDE = {"COLUMNS": "400"}
+
+
+@pytest.mark.parametrize("command, arguments", [
+    (["diff"], "RUN_A RUN_B"), (["report"], "RUN_A RUN_B"), (["trace"], "RUN_DIR"),
+    (["replay"], "RUN_DIR"), (["recompute"], "RUN_DIR"), (["overlay"], "RUN_A RUN_B..."),
+    (["fixture", "verify"], "[NAME|DIR|TAR]"), (["fixture", "seal"], "DIR"),
+], ids=lambda c: "-".join(c) if isinstance(c, list) else "")
+def test_usage_names_arguments_in_capitals(command, arguments):
+    res = invoke(*command, "--help", env=WIDE)
+    assert res.exit_code == 0
+    usage = next(ln.strip() for ln in res.output.splitlines() if "Usage:" in ln)
+    assert usage == f"Usage: drifttool {' '.join(command)} [OPTIONS] {arguments}"
+
+
+def test_a_missing_argument_is_named_in_capitals():
+    res = invoke("diff", "runs/a")
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error: Missing argument 'RUN_B'. (see 'drifttool diff --help')"
+
+
+@pytest.mark.parametrize("name, ends", [
+    ("trace", "in and after the model, then the sampler)."),
+    ("overlay", "against the baseline RUN_A on one figure (RFC qwenimage_ablation_overlay)."),
+])
+def test_each_commands_line_in_the_group_help_is_unbroken(name, ends):
+    res = invoke("--help", env=WIDE)
+    rows = [ln for ln in res.output.splitlines() if ln.lstrip("│ ").startswith(f"{name} ")]
+    assert len(rows) == 1 and ends in rows[0], rows
+
+
+def test_an_unknown_option_is_offered_only_alike_options():
+    res = invoke("run", "--bogus")
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error: No such option: --bogus (see 'drifttool run --help')"
+    res = invoke("run", "--mdoe", "auto")
+    assert "No such option: --mdoe (Possible options: --mode)" in res.stderr

@@ -1,0 +1,92 @@
+"""Output on a pipe (``drifttool diff … | cat``, CI logs): through the installed console script
+with stdout a pipe and ``COLUMNS=80`` (as CI runners set it), no line of plain text is wrapped
+or cut (a long path, the verdict line, a kernel string), a table's title is a line of its own
+with no padding, and no line ends in spaces. On a terminal, a title wider than its table is not
+wrapped to the table's width."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+
+import pytest
+
+from drifttool.artifact import open_run
+from drifttool.cli._console import _Console
+from drifttool.diff import diff_runs, render
+from tests.cli.scripting import console_script
+
+ENV = {**os.environ, "COLUMNS": "80"}
+_KERNEL = "strict_linear.v2[seg8.k64.seq|exact if N*K<=65536 else mm16x128]"
+"""A strict kernel's identity, wider than 80 columns with its line of ``diff``'s trace context."""
+
+
+def _piped(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([console_script(), *map(str, args)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=ENV, timeout=300)
+
+
+def _assert_clean_lines(out: str) -> None:
+    for line in out.splitlines():
+        assert line == line.rstrip(), f"trailing spaces: {line!r}"
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """(run directory at a path of over 170 characters, the piped output of ``drifttool run``
+    that wrote it): a production run, so that it drifts from the strict one."""
+    out = (tmp_path_factory.mktemp("pipe") / ("runs-" + "p" * 60) / ("b-" + "q" * 60)
+           / "production")
+    assert len(str(out)) > 170
+    res = _piped("run", "--mode", "auto", "-o", out)
+    assert res.returncode == 0, res.stderr
+    return out, res.stdout
+
+
+def test_run_summary_names_its_long_output_path_on_one_line(long_run):
+    out, stdout = long_run
+    assert stdout.splitlines()[0] == f"drifttool run → {out}", stdout[:400]
+    _assert_clean_lines(stdout)
+
+
+def test_piped_diff_wraps_no_line(strict_run, long_run):
+    out, _ = long_run
+    res = _piped("diff", strict_run, out)
+    assert res.returncode == 1, res.stderr
+    lines = res.stdout.splitlines()
+    report = diff_runs(open_run(strict_run), open_run(out))
+    assert lines[0] == f"DRIFT  {report.reason}"  # `| head -1` gives the whole verdict
+    assert len(lines[0]) > 160
+    assert f"A: {strict_run}" in lines and f"B: {out}" in lines
+    context = [ln for ln in lines if ln.startswith("  - trace ") and " latent_proj_gemm#0:" in ln]
+    assert len(context) == 1 and _KERNEL in context[0], res.stdout[:3000]
+    assert "per step (worst sample and branch; '=' bitwise identical; x_t is the input)" in lines
+    _assert_clean_lines(res.stdout)
+
+
+def test_piped_trace_title_is_one_unpadded_line(strict_run):
+    res = _piped("trace", strict_run)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"operator trace — {strict_run} (mode strict)"
+    for name in ("latent_proj_gemm", "txt_in_rmsnorm_linear", "timestep_embed_mlp"):
+        assert any(f" {name} " in ln for ln in lines), name
+    _assert_clean_lines(res.stdout)
+
+
+def test_piped_report_names_its_long_output_path_on_one_line(strict_run, long_run, tmp_path):
+    out, _ = long_run
+    page = out.parent / ("report-" + "r" * 40) / "report.html"
+    res = _piped("report", strict_run, out, "-o", page)
+    assert res.returncode == 1, res.stderr
+    assert res.stdout.splitlines() == [f"DRIFT  {diff_runs(open_run(strict_run), open_run(out)).reason}",
+                                       f"wrote {page}"]
+
+
+def test_a_title_wider_than_its_table_is_one_line_on_a_terminal(strict_run):
+    buf = io.StringIO()
+    render(diff_runs(open_run(strict_run), open_run(strict_run)),
+           _Console(file=buf, force_terminal=True, width=200, color_system=None))
+    title = "per step (worst sample and branch; '=' bitwise identical; x_t is the input)"
+    assert title in buf.getvalue().splitlines(), buf.getvalue()
