@@ -45,7 +45,7 @@ def probe(
                                        "implementation instead: diffusers (its "
                                        "QwenImageTransformer2DModel, docs/probes.md)."),
     device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help="cpu (default) | cuda | cuda:N: where every "
-                                         "run of the matrix runs (the strict matrix: CPU only, since its controls train and the strict CUDA family is forward only)."),
+                                         "run of the matrix runs (strict on CUDA: the Triton family, its backward for the training controls)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 "
                                          "(default: the preset's grid)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16."),

@@ -79,7 +79,7 @@ def run(
                    "(QwenImageEditPlusPipeline's, one or more) | flow-grpo (Flow-GRPO's "
                    "Qwen-Image rollout); needs --mode auto or off."),
     device: str = typer.Option("cpu", envvar="DRIFTTOOL_DEVICE", autocompletion=_completion.devices,
-                               help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90, forward only)."),
+                               help="cpu | cuda | cuda:N: where the model and inputs live (strict on CUDA: the Triton family, sm_90)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's; "
                                                     "with --image the last image's resized height)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's; "
