@@ -2,7 +2,7 @@
 
     >>> names = [p.name for p in catalog()]
     >>> len(names), names[:3]
-    (36, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
+    (37, ['latent_pack_channels_last', 'timestep_pipeline_bf16', 'stream_weights_swapped'])
 
 ``catalog(settings, num_layers)`` builds the list for a baseline (the resolved run settings and
 the model depth): expectations that name a step, a block or a row are computed from them, so the
@@ -18,7 +18,8 @@ noise, distributed metadata; plus the prompt mask. Controls (invariant): repeat,
 batch size, prompt padding, CFG layout, replay, training recompute and gradient checkpointing
 (``drifttool.probes.controls``, run on ``drifttool.training``). The suspects users report (LoRA
 merged vs unmerged and its merge dtype, RoPE table device, text mask None vs all-ones, strided DP
-split, training micro-batch, attention kernel fallback) are ``drifttool.probes.suspects``,
+split, training micro-batch, attention kernel fallback, a prompt encoded alone vs padded in a
+batch through the prompt chain) are ``drifttool.probes.suspects``,
 declared for strict and for the production family (``catalog(family="production")``). TP/SP and CFG-parallel layouts
 are the distributed group (``distributed_catalog``, ``drifttool probe --distributed``): planted
 parallel faults and layout controls, each a layout on spawned gloo ranks against one process

@@ -27,6 +27,9 @@ dp_split_strided       4 samples sample-parallel on 2 spawned gloo ranks, split 
                        ([0, 1] | [2, 3]) → split strided ([0, 2] | [1, 3])
 train_micro_batch      the rollout (the baseline) → its training recompute in micro-batches of one
                        sample (prompts trimmed to it) instead of the rollout's batch
+text_encoder_batch     the prompt chain (text encoder → trajectory → VAE) on the tiny pipeline
+                       folder, a prompt alone → the same prompt batched with a longer one (so
+                       padded); compared on the shared sample
 attention_fallback     strict: the strict joint attention planted unavailable under mode audit, so
                        dispatch falls back to the production SDPA kernel (the trace records the
                        fallback and its reason); production: SDPA forced to its MATH kernel
@@ -39,6 +42,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from drifttool.artifact.reader import open_run
+from drifttool.chain import PIPELINE_PARTS, default_pipeline, run_chain
 from drifttool.distributed.plan import ParallelDims
 from drifttool.errors import UnsupportedConfigError
 from drifttool.launch import run_parallel
@@ -131,6 +136,58 @@ def micro_batch_recompute(ctx: ProbeContext) -> tuple[Path, Path]:
     return ctx.baseline, ctx.run_dir
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """``Probe.execute``: the prompt chain (``drifttool.chain.run_chain``: text encoder →
+    trajectory → VAE decode, the baseline's mode, steps and grid) of ``prompt`` alone (sample 0,
+    the reference) and of ``prompt`` batched with ``longer`` (samples 0 and 1, so sample 0's prompt
+    is padded to the longer one's length), each with the negative prompt ``negative``. The
+    pipeline folder is the baseline's checkpoint, or the shipped tiny one
+    (``chain.default_pipeline``) without one. Compare the shared sample (``common_samples``):
+    its ``text_encoder`` records, then the trajectory and decode fed by them.
+
+    The probe is NOT APPLICABLE (``ProbeContext.noop``) when ``longer`` encodes to no more tokens
+    than ``prompt`` (nothing padded).
+
+    Raises:
+        UnsupportedConfigError: under a torchrun launch (the chain runs in one process).
+        DriftToolError: as ``run_chain`` (a folder that is not a pipeline, a device other than
+            the CPU).
+    """
+
+    prompt: str = "a red cube on a table"
+    longer: str = "a small blue sphere resting beside a tall green cone under soft morning light"
+    negative: str = "cat"
+
+    def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        if ctx.launched:
+            raise UnsupportedConfigError("text_encoder_batch runs the prompt chain in one process: "
+                                         "run it without torchrun")
+        spec = dataclasses.replace(ctx.base, checkpoint=str(ctx.base.checkpoint or default_pipeline()),
+                                   samples=None, batch=None)
+        reference = ctx.work / "alone"
+        run_chain(spec, reference, prompts=[self.prompt], negative_prompts=[self.negative],
+                  overwrite=True)
+        run_chain(spec, ctx.run_dir, prompts=[self.prompt, self.longer],
+                  negative_prompts=[self.negative], overwrite=True)
+        lens = open_run(ctx.run_dir).manifest["replay"]["prompt_lengths"]
+        if lens[1] <= lens[0]:
+            ctx.noop["reason"] = (f"no-op on this pipeline: the longer prompt encodes to {lens[1]} "
+                                  f"tokens, the prompt to {lens[0]}: nothing padded")
+        return reference, ctx.run_dir
+
+
+def _chain_pending(settings: dict[str, Any]) -> str:
+    """Why the prompt chain cannot run on the baseline's settings (empty: it can)."""
+    folder = settings.get("checkpoint")
+    if settings.get("device", "cpu") != "cpu":
+        return "the prompt chain runs on the CPU only (its token ids are made there)"
+    if folder is not None and any(not (Path(folder) / p).is_dir() for p in PIPELINE_PARTS):
+        return (f"needs a pipeline folder (tokenizer/, text_encoder/, vae/ beside transformer/); "
+                f"the checkpoint {folder} lacks them")
+    return ""
+
+
 def _drift(op: str, **where: Any) -> Expectation:
     return Expectation(verdict="drift", op=op, **where)
 
@@ -185,6 +242,12 @@ def _common(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "sample (prompts trimmed) instead of the rollout's batch",
             source="user reports: micro-batch size differs from the rollout group",
             execute=micro_batch_recompute),
+        "text_encoder_batch": dict(
+            factor="text encoder batch", change="a prompt encoded in a batch with a longer prompt "
+            "(so padded, key-masked) instead of alone, through the prompt chain (text encoder → "
+            "trajectory → VAE); its sample compared",
+            source="user reports: a prompt's embeddings depend on the other prompts in its batch",
+            execute=PromptBatch(), compare="common_samples", pending=_chain_pending(settings)),
     }
 
 
@@ -203,6 +266,7 @@ def suspect_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
         Probe(name="text_mask_all_ones", kind="invariant", expect=IDENTICAL, **c["text_mask_all_ones"]),
         Probe(name="dp_split_strided", kind="invariant", expect=IDENTICAL, **c["dp_split_strided"]),
         Probe(name="train_micro_batch", kind="invariant", expect=IDENTICAL, **c["train_micro_batch"]),
+        Probe(name="text_encoder_batch", kind="invariant", expect=IDENTICAL, **c["text_encoder_batch"]),
         Probe(name="attention_fallback", factor="attention kernel", kind="mismatch",
               change="strict joint attention unavailable under mode audit: falls back to the "
                      "production SDPA kernel (fallback recorded in the trace)",
@@ -236,6 +300,12 @@ PRODUCTION: dict[str, dict[str, Expectation | str]] = {
     "dp_split_strided": {"cpu": OBSERVED, "cuda": "the ranks are gloo CPU ranks"},
     # measured: drift at joint_attention_fused, step 0, block 0 (prompts trimmed to 7 tokens)
     "train_micro_batch": {"cpu": OBSERVED, "cuda": _CUDA},
+    # the production te_causal_attention (transformers' SDPA path): the prompt alone runs
+    # is_causal with no mask, the padded batch an explicit [B, 1, L, L] bool mask over repeated
+    # K/V and a longer key length: other arithmetic at the text encoder's first attention;
+    # measured on the CPU (tiny pipeline, 2 and 4 steps)
+    "text_encoder_batch": {"cpu": _drift("te_causal_attention", step=-1, block=0, stream="txt",
+                                         sample=0), "cuda": _CUDA},
     # MATH vs the CPU FLASH kernel: measured drift at the first attention call
     "attention_fallback": {"cpu": _drift("joint_attention_fused", step=0, block=0,
                                          stream="joint"), "cuda": _CUDA},
@@ -257,7 +327,8 @@ def production_probes(settings: dict[str, Any], num_layers: int, device: str) ->
     strict = {p.name: p for p in suspect_probes(settings, num_layers)}
     out = []
     for name, fields in c.items():
-        e = PRODUCTION[name].get(device, f"no production expectation declared for {device}")
+        e = fields.pop("pending", "") or PRODUCTION[name].get(
+            device, f"no production expectation declared for {device}")
         if isinstance(e, str):
             out.append(Probe(name=name, kind=strict[name].kind, expect=strict[name].expect,
                              pending=e, **fields))

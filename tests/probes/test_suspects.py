@@ -22,7 +22,7 @@ from drifttool.runtime import Runtime
 from drifttool.settings import RunSpec
 
 SUSPECTS = ("lora_unmerged", "lora_merge_bf16", "rope_tables_on_device", "text_mask_all_ones",
-            "dp_split_strided", "train_micro_batch", "attention_fallback")
+            "dp_split_strided", "train_micro_batch", "attention_fallback", "text_encoder_batch")
 
 
 def _rt(mode: str, *variants):
