@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from typer.core import TyperGroup
 import drifttool
 from drifttool.cli._command import Command
 from drifttool.cli._completion import completion_help, shell_named
+from drifttool.cli import _console
 from drifttool.cli._console import error_line
 from drifttool.cli._errors import Terminated, internal_error, stopped, user_errors
 from drifttool.cli._threads import threaded
@@ -169,9 +171,21 @@ def _terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+def _help_width() -> None:
+    """``--help`` on a pipe or in a CI log: typer's help console would take ``COLUMNS`` (often 80)
+    and cut option names with an ellipsis; it gets the pipe width of drifttool's own output
+    instead (``_console.PIPE_WIDTH``), unless ``TERMINAL_WIDTH`` sets one."""
+    wants_help = "--help" in sys.argv[1:] or len(sys.argv) == 1
+    if wants_help and not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
+        import typer.rich_utils
+
+        typer.rich_utils.MAX_WIDTH = _console.PIPE_WIDTH
+
+
 def main() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
+    _help_width()
     build(invoked(sys.argv[1:]))()
 
 

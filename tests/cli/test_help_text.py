@@ -44,3 +44,19 @@ def test_an_unknown_option_is_offered_only_alike_options():
     assert res.stderr.strip() == "error: No such option: --bogus (see 'drifttool run --help')"
     res = invoke("run", "--mdoe", "auto")
     assert "No such option: --mdoe (Possible options: --mode)" in res.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "replay", "probe"])
+def test_help_on_a_pipe_keeps_option_names_whole_at_80_columns(command):
+    """``--help`` piped into a CI log (``COLUMNS=80``): no option name or help text cut with an
+    ellipsis (typer's help console gets the pipe width)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    env.pop("TERMINAL_WIDTH", None)
+    out = subprocess.run([sys.executable, "-m", "drifttool.cli.app", command, "--help"], env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "…" not in out, [line for line in out.splitlines() if "…" in line][:3]
+    assert "--overwrite" in out
