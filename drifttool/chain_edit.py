@@ -49,7 +49,7 @@ import torch
 from drifttool.chain import ChainStages, DeferredCapture, image_paths, prompt_rows
 from drifttool.edit_images import PROMPT_IMAGE_AREA, VAE_IMAGE_AREA, pipeline_size, resize_images
 from drifttool.errors import DriftToolError, UnsupportedConfigError
-from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture, locate
 from drifttool.model.checkpoint import read_config
 from drifttool.model.vae import QwenImageVAE
 from drifttool.model.vae_checkpoint import load_vae
@@ -194,9 +194,13 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
         raise DriftToolError("an edit run needs at least one condition image")
     if spec.condition is not None:
         raise DriftToolError("condition images and a --condition latents file exclude each other")
+    if spec.checkpoint is None and spec.fixture is not None and (locate(spec.fixture) / "vae").is_dir():
+        spec = dataclasses.replace(spec, checkpoint=locate(spec.fixture))  # an edit fixture is a pipeline folder
+    if spec.preset is None and spec.fixture is not None:  # an edit fixture's own preset
+        spec = dataclasses.replace(spec, preset=load_fixture(spec.fixture).settings.get("preset"))
     if spec.checkpoint is None or not Path(spec.checkpoint).is_dir():
         raise DriftToolError("an edit run from images needs a pipeline folder (--checkpoint with vae/ "
-                             "beside transformer/)")
+                             "beside transformer/, or --fixture tiny-edit: the shipped one)")
     _check_prompts(spec, prompts, negative_prompts, condition_images)
     vae_area, prompt_area = _areas(spec, vae_area, prompt_area)
     if prompts is None:

@@ -108,6 +108,15 @@ def read_parquet(path: Path, schema: pa.Schema, *, digest: str | None) -> pa.Tab
     return pa.concat_tables(groups) if groups else schema.empty_table()
 
 
+def _header_bytes(schema: pa.Schema) -> int:
+    """Bytes of an IPC stream header (the schema message) for ``schema``: the writer writes it
+    whole when it opens the stream, so a crash can cut a stream inside its header only while
+    the file is shorter than that."""
+    sink = pa.BufferOutputStream()
+    pa.ipc.new_stream(sink, schema).close()
+    return sink.getvalue().size - len(_EOS)
+
+
 def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Table, str | None]:
     """All complete record batches of the IPC stream at ``path``, and a note if it was cut.
 
@@ -120,7 +129,8 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
     Raises:
         ArtifactError: the file is not an Arrow stream of ``schema`` at a supported schema
             version, a batch is damaged (``check_batch``), bytes follow the end-of-stream marker,
-            or (``complete``) it is cut short or was never closed.
+            an unreadable header in a file of at least twice a header's size (corrupt: a cut
+            stream is shorter), or (``complete``) it is cut short or was never closed.
     """
     name = path.name
     empty = schema.empty_table()
@@ -134,6 +144,9 @@ def read_stream(path: Path, schema: pa.Schema, *, complete: bool) -> tuple[pa.Ta
     except (pa.ArrowException, OSError) as e:
         if complete:
             raise ArtifactError(f"{path}: not a readable Arrow IPC stream ({brief(e)})") from None
+        if path.stat().st_size >= 2 * _header_bytes(schema):  # the header was written whole, then damaged
+            raise ArtifactError(f"{path}: its stream header is damaged ({brief(e)}), though the file "
+                                "holds more than a header: corrupt, not cut short") from None
         return empty, f"{name}: unreadable header, no batch recovered ({brief(e)})"
     schema, upgrade = _table_schema(path, reader.schema, schema)
     batches, problem = [], None

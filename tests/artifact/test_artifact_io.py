@@ -109,6 +109,24 @@ def test_crash_leaves_finished_steps_readable(tmp_path):
     assert run.trace_rows() == []  # never written
 
 
+def test_a_stream_cut_in_its_header_is_incomplete_but_a_damaged_header_is_corrupt(tmp_path):
+    """A crash can cut a stream only while its header is being written (a short file: an
+    incomplete run with nothing from that file); garbage in the header of a file that holds
+    batches is corruption, refused in one line."""
+    path = write_run(tmp_path / "a", close=False)
+    ops = path / "ops.rank0.arrows"
+    data = ops.read_bytes()
+    ops.write_bytes(data[:20])  # killed while the header was written
+    run = open_run(path)
+    assert run.ops_table().num_rows == 0
+    assert any("ops.rank0.arrows: unreadable header" in p for p in run.check())
+    bad = bytearray(data)
+    bad[10:110] = bytes(range(100))  # the header overwritten, the batches still there
+    ops.write_bytes(bytes(bad))
+    with pytest.raises(ArtifactError, match="stream header is damaged"):
+        open_run(path).ops_table()
+
+
 def test_a_process_killed_while_finishing_leaves_a_readable_run(tmp_path):
     """Killed after a stream became Parquet but before it was removed (and before the manifest
     said complete): the incomplete run reads the finished Parquet file, not the stream."""

@@ -41,6 +41,21 @@ def test_image_run_equals_the_api_and_captures_the_encode(tmp_path):
     assert "vae_latent_normalize" in encode
 
 
+def test_the_shipped_edit_fixture_is_its_own_pipeline_and_preset(tmp_path):
+    """``--image --fixture tiny-edit``: the fixture's folder is the pipeline and its preset the
+    run's (the README's edit line); the same run as with both given."""
+    fx = locate("tiny-edit")
+    short = ["run", "--image", str(fx / "condition.png"), "--fixture", "tiny-edit", "--mode", "auto",
+             "--steps", "2", "-o", str(tmp_path / "short")]
+    res = runner.invoke(app, short)
+    assert res.exit_code == ExitCode.OK, res.output
+    res = runner.invoke(app, _args(fx, tmp_path / "full"))
+    assert res.exit_code == ExitCode.OK, res.output
+    assert (tmp_path / "short.png").read_bytes() == (tmp_path / "full.png").read_bytes()
+    res = runner.invoke(app, short[:-2] + ["--mode", "strict", "-o", str(tmp_path / "strict")])
+    assert res.exit_code == ExitCode.USAGE and "use --mode auto" in res.output, res.output
+
+
 @pytest.mark.parametrize("extra,expect", [
     (["--prompt", "make it red"], "lacks tokenizer/, text_encoder/"),  # tiny-edit has no text encoder
     (["--negative-prompt", "blurry"], "--negative-prompt goes with --prompt"),
