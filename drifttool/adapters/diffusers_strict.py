@@ -48,13 +48,12 @@ from typing import Any, Iterator
 
 import torch
 
-from drifttool.adapters.peft_lora import canonical_parameters, lora_of
+from drifttool.adapters.peft_lora import adapter_config, canonical_parameters, lora_of, peft_layers
 from drifttool.adapters.pipeline_hooks import transformer_tap
 from drifttool.adapters.pipeline_scope import image_grids_of
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.config import from_diffusers_config
 from drifttool.model.lora import attach_lora, lora_modules
-from drifttool.model.lora_formats import parse_config
 from drifttool.model.mmdit import MMDiT
 from drifttool.runtime import Mode, Runtime
 
@@ -100,12 +99,9 @@ def strict_model_of(transformer: torch.nn.Module, family: str = "strict") -> MMD
 
 def _bind_adapter(model: MMDiT, transformer: torch.nn.Module, mode: str) -> None:
     """Attach drifttool's adapter in ``mode`` and make its factors peft's Parameters."""
-    peft = {n: m for n, m in transformer.named_modules() if hasattr(m, "base_layer") and len(getattr(m, "lora_A", ()))}
-    (adapter,) = {a for m in peft.values() for a in m.lora_A}
-    raw = transformer.peft_config[adapter].to_dict()
-    if isinstance(raw.get("target_modules"), (set, frozenset)):
-        raw["target_modules"] = sorted(raw["target_modules"])
-    attach_lora(model, parse_config(raw, f"peft_config[{adapter!r}]"), freeze_base=False, mode=mode)
+    peft = peft_layers(transformer)
+    (adapter,) = {a for m in peft.values() for a in m.lora_A}  # lora_of checked: one adapter
+    attach_lora(model, adapter_config(transformer, adapter), freeze_base=False, mode=mode)
     mods = lora_modules(model)
     if set(mods) != set(peft):
         raise UnsupportedConfigError(f"peft adapter {adapter!r} targets {len(peft)} modules, drifttool's "

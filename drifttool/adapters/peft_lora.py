@@ -44,7 +44,7 @@ def canonical_name(name: str) -> str:
     return _FACTOR.sub(r".\1.weight", name)
 
 
-def _layers(transformer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def peft_layers(transformer: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{module name: peft LoRA layer}`` of every layer that holds an adapter."""
     return {n: m for n, m in transformer.named_modules()
             if hasattr(m, "lora_A") and hasattr(m, "base_layer") and len(getattr(m, "lora_A"))}
@@ -65,6 +65,19 @@ def canonical_parameters(transformer: torch.nn.Module) -> dict[str, torch.Tensor
     return out
 
 
+def adapter_config(transformer: torch.nn.Module, adapter: str):
+    """drifttool's ``AdapterConfig`` of the transformer's peft adapter ``adapter``
+    (``lora_formats.parse_config`` of its ``peft_config``).
+
+    Raises:
+        CheckpointError: a config drifttool refuses (as ``parse_config``).
+    """
+    raw = transformer.peft_config[adapter].to_dict()
+    if isinstance(raw.get("target_modules"), (set, frozenset)):  # peft keeps a set in memory
+        raw["target_modules"] = sorted(raw["target_modules"])
+    return parse_config(raw, f"peft_config[{adapter!r}]")
+
+
 def lora_of(transformer: torch.nn.Module) -> dict[str, Any] | None:
     """The manifest's ``lora`` record (``manifest_schema._LORA``) of the one adapter the transformer's
     peft layers hold, or None without one.
@@ -73,7 +86,7 @@ def lora_of(transformer: torch.nn.Module) -> dict[str, Any] | None:
         UnsupportedConfigError: several adapters, an inactive or partly merged adapter, or layers
             that disagree on the mode.
     """
-    layers = _layers(transformer)
+    layers = peft_layers(transformer)
     if not layers:
         return None
     names = {a for m in layers.values() for a in m.lora_A}
@@ -99,10 +112,7 @@ def lora_of(transformer: torch.nn.Module) -> dict[str, Any] | None:
     if len(modes) != 1:
         raise UnsupportedConfigError(f"LoRA layers in modes {sorted(modes)}: fuse or unfuse all of them")
     (mode,) = modes
-    raw = transformer.peft_config[adapter].to_dict()
-    if isinstance(raw.get("target_modules"), (set, frozenset)):  # peft keeps a set in memory
-        raw["target_modules"] = sorted(raw["target_modules"])
-    cfg = parse_config(raw, f"peft_config[{adapter!r}]")
+    cfg = adapter_config(transformer, adapter)
     scales = {float(m.scaling[adapter]) for m in layers.values()}
     factor = next(iter(tensors.values())).dtype
     return {**cfg.record(), "scale": scales.pop() if len(scales) == 1 else None,
