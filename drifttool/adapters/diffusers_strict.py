@@ -18,8 +18,9 @@ forward instead, through diffusers' own extension point for model hooks (``HookR
 the pipeline, its scheduler, its text encoder, other hooks — is diffusers' own and unchanged.
 
 The parameters are the transformer's tensors, not copies (``MMDiT`` built on the meta device and
-each parameter assigned; the names are the same in both), so in-place weight updates are seen
-and the device and dtype are the transformer's. A peft LoRA adapter (``load_lora_adapter``,
+each parameter assigned; the names are the same in both), so in-place weight updates are seen,
+the device and dtype are the transformer's, and each parameter's ``requires_grad`` stays as the
+transformer has it (binding never unfreezes a frozen weight). A peft LoRA adapter (``load_lora_adapter``,
 ``load_lora_weights`` or ``peft.inject_adapter_in_model``; one adapter, active) becomes drifttool's
 adapter — in LoRA mode ``merged`` under the strict family (W' = fp32(W) + s·(B·A) by
 ``lora_merge``: the strict family's own LoRA arithmetic), in the mode its layers are in under the
@@ -87,6 +88,9 @@ def strict_model_of(transformer: torch.nn.Module, family: str = "strict") -> MMD
     params = canonical_parameters(transformer)
     base = {k: v for k, v in params.items() if ".lora_" not in k}
     lora = lora_of(transformer)
+    for name, p in model.named_parameters():  # load_state_dict(assign=True) sets each assigned
+        if name in base:                      # Parameter's requires_grad to the model's: keep the
+            p.requires_grad_(base[name].requires_grad)  # transformer's (frozen stays frozen)
     try:
         model.load_state_dict(base, strict=True, assign=True)
     except RuntimeError as e:

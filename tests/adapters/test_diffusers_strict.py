@@ -81,7 +81,10 @@ def test_peft_adapter_trains_under_strict_operators_with_drifttools_gradients(tm
         p.requires_grad_(".lora_" in name)
     peft = {n: m for n, m in tr.named_modules() if hasattr(m, "base_layer")}
     assert peft
+    flags = {n: p.requires_grad for n, p in tr.named_parameters()}
     with bind_strict(tr):
+        # binding keeps the trainer's choice: the frozen base stays frozen
+        assert {n: p.requires_grad for n, p in tr.named_parameters()} == flags
         got = _call(tr, x, txt, mask, tau, grid)
         assert_same_bytes(got, want, "bound peft transformer vs drifttool with the adapter")
         (got * g).sum().backward()

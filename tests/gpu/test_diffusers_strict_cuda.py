@@ -29,10 +29,14 @@ def _cuda(*ts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_bound_forward_is_drifttools_strict_cuda_model(dtype):
+    # inference (no_grad, as the pipelines call the transformer): the base weights require a
+    # gradient, which the strict CUDA family's forward-only operators would refuse outside it
     x, txt, mask, tau, grid = _cuda(*_inputs(dtype))
-    want = load_checkpoint(FOLDER, dtype=dtype, device="cuda")(x, txt, mask, tau, grid, Runtime(mode="strict"))
+    with torch.no_grad():
+        want = load_checkpoint(FOLDER, dtype=dtype, device="cuda")(x, txt, mask, tau, grid,
+                                                                   Runtime(mode="strict"))
     tr = load_transformer(FOLDER, dtype).cuda()
-    with bind_strict(tr) as bound:
+    with bind_strict(tr) as bound, torch.no_grad():
         got = _call(tr, x, txt, mask, tau, grid)
     assert_same_bytes(got, want, "bound transformer vs drifttool's strict CUDA MMDiT")
     assert {e.device for e in bound.rt.trace.entries()} - {"cpu"} == {"cuda:0"}
@@ -64,3 +68,14 @@ def test_peft_adapter_gradients_equal_drifttools_on_cuda(tmp_path):
                 assert got_g is None, name
             else:
                 assert_same_bytes(got_g, want_g, f"{name}.{fac} gradient")
+
+
+def test_a_base_weight_that_wants_a_gradient_is_refused_in_one_line():
+    # the strict CUDA backward covers LoRA factors and activations; an unfrozen base weight of a
+    # forward-only operator is refused, naming the operator and how to freeze it
+    from drifttool.errors import UnsupportedConfigError
+
+    x, txt, mask, tau, grid = _cuda(*_inputs(torch.float32))
+    model = load_checkpoint(FOLDER, dtype=torch.float32, device="cuda")
+    with pytest.raises(UnsupportedConfigError, match="timestep_embed_mlp.*requires_grad_"):
+        model(x, txt, mask, tau, grid, Runtime(mode="strict"))

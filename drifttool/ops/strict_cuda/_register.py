@@ -79,13 +79,15 @@ def wants_grad(args: Args) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors(args.values()))
 
 
-def forward_only(why: str = "the strict CUDA family is forward only") -> Constraint:
+def forward_only(why: str = "this operator's strict CUDA kernel is forward only; freeze the weights that "
+                             "need no gradient (requires_grad_(False)) or run it under torch.no_grad()"
+                 ) -> Constraint:
     """The ``forward only`` constraint, refusing a gradient with ``why`` in its message."""
 
     def test(args: Args) -> str | None:
         if wants_grad(args):
             return (f"a tensor argument requires a gradient: {why} "
-                    "(use --mode auto for training on CUDA, or strict on the CPU)")
+                    "(or use --mode auto on CUDA, or strict on the CPU)")
         return None
 
     return Constraint("forward only", test)
