@@ -102,15 +102,17 @@ def run(
                               "(captured), then the trajectory, and the final latents are decoded to OUT.png. "
                               "Prompt embeddings come from --prompt (encoded with the images by the pipeline's "
                               "text encoder and its vision tower; edit-plus: each image resized to about "
-                              "384x384 for it), --prompt-embeds or the fixture."),
+                              "384x384 for it), --prompt-embeds, or an edit fixture's prompts (encoded "
+                              "likewise; --fixture tiny-edit)."),
     image_area: Optional[int] = typer.Option(
         None, help="Pixel area the --image condition images are resized to for the VAE (default 1048576 = "
                    "1024x1024, the edit pipelines'; smaller areas make quick runs of tiny models)."),
-    prompt_positions: str = typer.Option(
-        "rope_index", help="Positions of an edit prompt's vision tokens (--image with --prompt): rope_index "
-                           "(Qwen2.5-VL's (t, h, w) mRoPE, as transformers 4.x computes them in diffusers' "
-                           "encode_prompt) | sequential (0..L-1, what diffusers 0.42.1 gets from "
-                           "transformers 5.x, to which it passes no mm_token_type_ids)."),
+    prompt_positions: Optional[str] = typer.Option(
+        None, help="Positions of an edit prompt's vision tokens (--image with prompts): rope_index "
+                   "(Qwen2.5-VL's (t, h, w) mRoPE, as transformers 4.x computes them in diffusers' "
+                   "encode_prompt) | sequential (0..L-1, what diffusers 0.42.1 gets from "
+                   "transformers 5.x, to which it passes no mm_token_type_ids). Default: an edit "
+                   "fixture's, else rope_index."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     condition: Optional[Path] = typer.Option(
@@ -145,7 +147,8 @@ def run(
     encoded, the trajectory run and its final latents decoded to OUT.png, each stage captured
     under its own component (text_encoder, mmdit, vae). `--image COND.png` runs an edit from its
     condition image, resized as the edit pipelines resize it (its VAE encode before the trajectory); with
-    `--prompt` the prompt is encoded with the image(s) through the text encoder's vision tower.
+    `--prompt` (or, with an edit fixture such as tiny-edit, its prompts) the prompt is encoded
+    with the image(s) through the text encoder's vision tower.
     """
     from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
@@ -227,9 +230,10 @@ def run(
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],
-               positions: str, area: Optional[int], overwrite: bool, as_json: bool, parallel: bool) -> None:
+               positions: Optional[str], area: Optional[int], overwrite: bool, as_json: bool,
+               parallel: bool) -> None:
     """``run --image``: an edit run from its condition images (``drifttool.chain_edit``), its
-    prompt encoded with the image when ``--prompt`` is given."""
+    prompt (``--prompt``, else an edit fixture's) encoded with the image."""
     from drifttool.chain_edit import run_edit  # lazy: keeps torch out of `drifttool --help`
 
     if prompt is None and negative_prompt is not None:
@@ -241,7 +245,8 @@ def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], ne
                        negative_prompts=None if negative_prompt is None else [negative_prompt],
                        positions=positions, vae_area=area)
     stages = "vae (encode) → mmdit → vae (decode)"
-    _chain_summary(summary, out, stages=stages if prompt is None else "text_encoder → " + stages, as_json=as_json)
+    _chain_summary(summary, out, stages=stages if summary["prompts"] is None else "text_encoder → " + stages,
+                   as_json=as_json)
 
 
 def _chain_summary(summary: dict, out: Path, *, stages: str, as_json: bool) -> None:

@@ -32,9 +32,10 @@ trajectory and the decode are ``chain``'s; the manifest's ``edit`` names the pip
 the areas, the condition images (original and resized sizes), the prompts with the text
 encoder's weight digest and position rule, and the decoded images with their SHA-256.
 
-What would change the shipped ``tiny-edit`` fixture into a prompt fixture: a ``text_encoder/``
-with a vision tower (``visual.*``) and a ``tokenizer/`` in its folder, its prompts in
-``fixture.json``, and its expected artifact and image sealed again.
+An edit fixture (``tiny-edit``, ``Fixture.edit``) gives the run its defaults: its folder is the
+pipeline folder, its preset and ``vae_image_area`` the run's, and, when ``run_edit`` is given
+neither prompts nor prompt-embedding files, its ``prompts`` and ``negative_prompts``, encoded with
+the images under its ``prompt_positions`` (the positions' default with any prompts).
 """
 
 from __future__ import annotations
@@ -115,13 +116,22 @@ def _check_prompts(spec: RunSpec, prompts: Sequence[str] | None, negative_prompt
                              f"(--preset {PLUS}); the edit pipeline's prompt holds one image")
 
 
+def fixture_edit(spec: RunSpec) -> dict[str, Any]:
+    """The ``edit`` section of the run's fixture (``Fixture.edit``; the default fixture without
+    ``spec.fixture``), empty for a fixture of another kind.
+
+    Raises:
+        FixtureError: no such fixture, or a malformed ``edit`` section.
+    """
+    return load_fixture(spec.fixture or DEFAULT_FIXTURE).edit or {}
+
+
 def _areas(spec: RunSpec, vae_area: int | None, prompt_area: int | None) -> tuple[int, int | None]:
     """The run's resize areas: the VAE's (default: an edit fixture's ``vae_image_area``, else
     1024²) and, under the edit-plus preset, the prompt images' (default 384²; None under the edit
     pipeline, whose prompt image is the VAE's)."""
     if vae_area is None:
-        edit = load_fixture(spec.fixture or DEFAULT_FIXTURE).meta.get("edit")
-        vae_area = (edit or {}).get("vae_image_area") or VAE_IMAGE_AREA
+        vae_area = fixture_edit(spec).get("vae_image_area") or VAE_IMAGE_AREA
     pipeline_size(1, 1, vae_area)  # checks the area
     if spec.preset != PLUS:
         if prompt_area is not None:
@@ -208,8 +218,9 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     root = Path(spec.checkpoint)
     missing = [p for p in ("tokenizer", "text_encoder") if prompts is not None and not (root / p).is_dir()]
     if missing:
-        raise DriftToolError(f"--checkpoint {root}: an edit run with --prompt needs the pipeline's text "
-                             f"encoder; the folder lacks {', '.join(p + '/' for p in missing)}")
+        raise DriftToolError(f"--checkpoint {root}: an edit run with prompts (--prompt, or an edit fixture's) "
+                             f"needs the pipeline's text encoder; the folder lacks "
+                             f"{', '.join(p + '/' for p in missing)} (or give --prompt-embeds)")
     if prompts is not None and spec.samples is None and spec.batch is None and spec.fixture is None:
         spec = dataclasses.replace(spec, samples=list(range(len(prompts))))
     images = [read_image(p) for p in condition_images]
@@ -262,17 +273,26 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
 
 def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
              prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
-             positions: str = "rope_index", vae_area: int | None = None, prompt_area: int | None = None,
+             positions: str | None = None, vae_area: int | None = None, prompt_area: int | None = None,
              overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
-    """Run an edit from its condition images (and prompts, when given; module docstring) into the
-    artifact ``out``; ``execute``'s summary plus ``images`` (the PNG paths written).
+    """Run an edit from its condition images (and prompts: given, or an edit fixture's; module
+    docstring) into the artifact ``out``; ``execute``'s summary plus ``images`` (the PNG paths
+    written) and ``prompts`` (those encoded, one per sample; None without).
+
+    ``positions`` None: the edit fixture's ``prompt_positions``, else ``"rope_index"``.
 
     Raises:
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
-        condition images, say).
+        condition images, say); ``FixtureError``: a malformed ``edit`` section of the fixture.
     """
+    own = fixture_edit(spec)
+    if prompts is None and negative_prompts is None and spec.prompt_embeds is None \
+            and spec.negative_prompt_embeds is None and "prompts" in own:
+        prompts, negative_prompts = own["prompts"], own.get("negative_prompts")
+    positions = positions or own.get("prompt_positions", "rope_index")
     spec, stages = prepare_edit(spec, out, condition_images=condition_images, prompts=prompts,
                                 negative_prompts=negative_prompts, positions=positions, vae_area=vae_area,
                                 prompt_area=prompt_area, overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
-    return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else []}
+    return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else [],
+            "prompts": stages.record.get("prompts")}

@@ -10,9 +10,11 @@ content digest over every file so that anyone can re-verify them.
 
 A chain fixture (``tiny-t2i-chain``: ``fixture.json`` has ``chain`` with the prompts) is also a
 pipeline folder (``model_index.json``, ``tokenizer/``, ``text_encoder/``, ``vae/``; no
-``prompts.safetensors``); an edit fixture (``tiny-edit``: ``edit`` names its condition images)
-holds ``vae/`` and the images. Both keep the image their expected run decoded (``expected.png``).
-``drifttool.verify`` tells the kinds apart and re-runs each.
+``prompts.safetensors``); so is an edit fixture (``tiny-edit``: ``edit`` names its condition
+images and its prompts, ``Fixture.edit``), whose text encoder holds the vision tower and whose
+``processor/`` and ``scheduler/`` make it a whole ``QwenImageEditPipeline`` folder, the images
+beside. Both keep the image their expected run decoded (``expected.png``). ``drifttool.verify``
+tells the kinds apart and re-runs each.
 
 ``verify`` checks the seal (a tampered file fails before anything runs), re-runs the fixture in
 strict mode and diffs the new artifact against ``expected/`` (identical, or the first drift).
@@ -176,16 +178,55 @@ class Fixture:
     def expected_dir(self) -> Path:
         return self.path / "expected"
 
+    @property
+    def edit(self) -> dict[str, Any] | None:
+        """The ``edit`` section of an edit fixture, checked; None for another kind.
+
+        Keys: ``condition_images`` (files of the fixture), optionally ``vae_image_area`` (the
+        resize's pixel area), ``prompts`` and ``negative_prompts`` (texts the run encodes with the
+        images when it is given no prompts) and ``prompt_positions`` (the rule of their vision
+        tokens' positions, a name ``drifttool.text_encoder.encode_prompts`` takes).
+
+        Raises:
+            FixtureError: a malformed entry, naming it.
+        """
+        edit = self.meta.get("edit")
+        if edit is None:
+            return None
+        images = edit.get("condition_images") if isinstance(edit, dict) else None
+        if not is_text_list(images) or any(Path(p).is_absolute() or ".." in Path(p).parts for p in images):
+            raise FixtureError(f"{self.path}: fixture.json 'edit' needs 'condition_images' (files "
+                               "inside the fixture)")
+        area = edit.get("vae_image_area")
+        if area is not None and (isinstance(area, bool) or not isinstance(area, int) or area < 1):
+            raise FixtureError(f"{self.path}: fixture.json 'edit' 'vae_image_area' must be a positive integer")
+        for key in ("prompts", "negative_prompts"):
+            if key in edit and not is_text_list(edit[key]):
+                raise FixtureError(f"{self.path}: fixture.json 'edit' '{key}' must be a list of texts")
+        if "negative_prompts" in edit and "prompts" not in edit:
+            raise FixtureError(f"{self.path}: fixture.json 'edit' has 'negative_prompts' without 'prompts'")
+        if not isinstance(edit.get("prompt_positions", ""), str):
+            raise FixtureError(f"{self.path}: fixture.json 'edit' 'prompt_positions' must be a name")
+        return edit
+
     def prompts(self, joint_dim: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(txt [P, L, D] fp32 zero-padded, lengths [P] int64, neg [1, Ln, D], neg length).
 
         When ``joint_dim`` differs from the stored embeddings (an external checkpoint), seeded
         N(0, 1) embeddings of the same lengths are drawn instead (recorded by the caller).
+
+        Raises:
+            FixtureError: no ``prompts.safetensors`` (a chain or edit fixture's prompts are texts,
+                encoded by its pipeline's text encoder), or an unreadable one.
         """
         import torch  # here, not at the top: the seal check runs without torch
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        if not (self.path / "prompts.safetensors").exists():
+            raise FixtureError(f"{self.path}: no prompt embeddings (prompts.safetensors); its prompts are "
+                               "texts its pipeline encodes (`drifttool run --prompt`, or --image for an "
+                               "edit fixture), or give --prompt-embeds")
         try:
             t = load_file(str(self.path / "prompts.safetensors"))
         except (SafetensorError, OSError) as e:
@@ -197,6 +238,11 @@ class Fixture:
             txt = txt * (torch.arange(txt.shape[1])[None, :, None] < lens[:, None, None])
             neg = torch.randn(1, neg.shape[1], joint_dim, generator=g)
         return txt.float(), lens.long(), neg.float(), int(t["neg_len"].item())
+
+
+def is_text_list(v: Any) -> bool:
+    """A non-empty list of strings."""
+    return isinstance(v, list) and bool(v) and all(isinstance(s, str) for s in v)
 
 
 def load_fixture(name_or_path: str | Path) -> Fixture:

@@ -13,9 +13,11 @@ Three kinds of fixture, told apart by ``fixture.json``:
   ``negative_prompts``): the fixture folder is a pipeline folder and the whole chain re-runs —
   text encoder, trajectory, VAE decode (``drifttool.chain.run_chain``);
 - an edit run (``tiny-edit``; an ``edit`` key with ``condition_images``, files of the fixture,
-  and optionally ``vae_image_area``, the resize's pixel area, default the pipelines' 1024²):
-  the condition images resized and through the VAE encode, the trajectory, the decode
-  (``drifttool.chain_edit.run_edit``).
+  optionally ``vae_image_area``, the resize's pixel area, default the pipelines' 1024², and
+  ``prompts``, ``negative_prompts``, ``prompt_positions``: ``Fixture.edit``): the fixture folder
+  is a pipeline folder; the condition images resized, the prompts encoded with them by the text
+  encoder and its vision tower, the images through the VAE encode, the trajectory, the decode
+  (``drifttool.chain_edit.run_edit``, which takes these from the fixture).
 
 The settings' ``mode`` and ``preset`` are the re-run's. A chain or edit fixture keeps the
 images its expected run decoded beside ``expected/`` (``expected.png``, or ``expected-<s>.png``
@@ -38,7 +40,7 @@ from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
 from drifttool.errors import ArtifactError, FixtureError
 from drifttool.exit_codes import ExitCode
-from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, load_fixture
+from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, is_text_list, load_fixture
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.settings import RunSpec
@@ -84,30 +86,19 @@ def fixture_kind(fx: Fixture) -> str:
     Raises:
         FixtureError: a malformed ``chain`` or ``edit`` entry, or both.
     """
-    chain, edit = fx.meta.get("chain"), fx.meta.get("edit")
-    if chain is not None and edit is not None:
+    chain = fx.meta.get("chain")
+    if chain is not None and fx.meta.get("edit") is not None:
         raise FixtureError(f"{fx.path}: fixture.json has both 'chain' and 'edit'; a fixture is one run")
     if chain is not None:
         negs = chain.get("negative_prompts") if isinstance(chain, dict) else None
-        if not (isinstance(chain, dict) and _strings(chain.get("prompts"))
-                and (negs is None or _strings(negs))):
+        if not (isinstance(chain, dict) and is_text_list(chain.get("prompts"))
+                and (negs is None or is_text_list(negs))):
             raise FixtureError(f"{fx.path}: fixture.json 'chain' needs 'prompts' (a list of texts) "
                                "and optionally 'negative_prompts'")
         return "chain"
-    if edit is not None:
-        images = edit.get("condition_images") if isinstance(edit, dict) else None
-        if not _strings(images) or any(Path(p).is_absolute() or ".." in Path(p).parts for p in images):
-            raise FixtureError(f"{fx.path}: fixture.json 'edit' needs 'condition_images' (files "
-                               "inside the fixture)")
-        area = edit.get("vae_image_area")
-        if area is not None and (isinstance(area, bool) or not isinstance(area, int) or area < 1):
-            raise FixtureError(f"{fx.path}: fixture.json 'edit' 'vae_image_area' must be a positive integer")
+    if fx.edit is not None:
         return "edit"
     return "trajectory"
-
-
-def _strings(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(s, str) for s in v)
 
 
 def fixture_spec(fx: Fixture) -> "RunSpec":
@@ -135,7 +126,7 @@ def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
     if kind == "edit":
         from drifttool.chain_edit import run_edit  # lazy: torch only once the seal holds
 
-        images = [fx.path / p for p in fx.meta["edit"]["condition_images"]]  # its vae_image_area: run_edit's
+        images = [fx.path / p for p in fx.edit["condition_images"]]  # its area and prompts: run_edit's
         return [Path(p) for p in run_edit(spec, out, condition_images=images, overwrite=overwrite)["images"]]
     from drifttool.runner import execute  # lazy: torch only once the seal holds
 

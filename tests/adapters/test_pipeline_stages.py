@@ -278,16 +278,16 @@ def test_calls_the_capture_cannot_take_are_refused(pipe, tmp_path):
 def test_edit_condition_encode_diffs_identical_against_an_edit_run(tmp_path, monkeypatch, dtype):
     """``QwenImageEditPipeline`` with prompt embeddings and a condition image: the VAE encode
     (step −1), the trajectory on noisy + condition tokens and the decode, against drifttool's edit
-    run (``drifttool run --image``: ``chain_edit.run_edit``, preset diffusers-edit) on the
-    tiny-edit folder and its prompts. The pipelines resize a condition image to a fixed area; the
-    test shrinks that area (module globals, ``edit_cases.small_areas``; the edit run likewise) and
-    gives an image already of the size it resizes to. Every common record is identical; the edit
-    run has one more, its ``vae_image_resize`` (the capture adapter does not record the pipeline's
-    resize), so the verdict is inconclusive, not identical. In bf16 the replay inputs then
-    differ in the prompts only (the edit run stores the fixture's fp32 prompts, the pipeline
+    run (``drifttool run --image --prompt-embeds``: ``chain_edit.run_edit``, preset diffusers-edit)
+    on the tiny-edit folder, the prompt embeddings from files. The pipelines resize a condition
+    image to a fixed area; the test shrinks that area (module globals, ``edit_cases.small_areas``;
+    the edit run likewise) and gives an image already of the size it resizes to. Every record is
+    identical; the edit run's ``vae_image_resize`` (the capture adapter does not record the
+    pipeline's resize) is declared uncaptured, so the diff leaves it out. In bf16 the replay inputs
+    then differ in the prompts only (the edit run stores the files' fp32 prompts, the pipeline
     capture the bf16 ones its transformer received)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
-    from safetensors.torch import load_file
+    from safetensors.torch import save_file
 
     from drifttool.chain_edit import run_edit
     from drifttool.fixture import locate
@@ -299,17 +299,20 @@ def test_edit_condition_encode_diffs_identical_against_an_edit_run(tmp_path, mon
     g = torch.Generator().manual_seed(9)
     cond = tmp_path / "cond.png"  # 128 × 96: its own size under the shrunk area
     PIL.fromarray(torch.randint(0, 256, (96, 128, 3), generator=g, dtype=torch.uint8).numpy()).save(cond)
+    embeds = {"txt": torch.randn(1, 9, 32, generator=g), "neg_txt": torch.randn(1, 5, 32, generator=g)}
+    for key, t in embeds.items():  # all rows valid: no mask
+        save_file({"prompt_embeds": t}, str(tmp_path / f"{key}.safetensors"))
     run_edit(RunSpec(fixture=fx, checkpoint=fx, mode="auto", preset="diffusers-edit", steps=2, seed=SEED,
-                     capture="L2", dtype=dtype, height=64, width=96), tmp_path / "edit", condition_images=[cond],
-             vae_area=VAE_AREA)
-    stored = load_file(fx / "prompts.safetensors")  # the fixture's prompts: all rows valid
+                     capture="L2", dtype=dtype, height=64, width=96, prompt_embeds=tmp_path / "txt.safetensors",
+                     negative_prompt_embeds=tmp_path / "neg_txt.safetensors"), tmp_path / "edit",
+             condition_images=[cond], vae_area=VAE_AREA)
     edit = QwenImageEditPipeline(
         scheduler=qwen_image_scheduler(), text_encoder=None, tokenizer=None, processor=None,
         vae=AutoencoderKLQwenImage.from_pretrained(fx / "vae", torch_dtype=w).eval(),
         transformer=QwenImageTransformer2DModel.from_pretrained(fx / "transformer", torch_dtype=w).eval())
     edit.set_progress_bar_config(disable=True)
-    kw = dict(image=PIL.open(cond).convert("RGB"), prompt_embeds=stored["txt"].to(w),
-              negative_prompt_embeds=stored["neg_txt"].to(w), true_cfg_scale=4.0, height=64, width=96,
+    kw = dict(image=PIL.open(cond).convert("RGB"), prompt_embeds=embeds["txt"].to(w),
+              negative_prompt_embeds=embeds["neg_txt"].to(w), true_cfg_scale=4.0, height=64, width=96,
               num_inference_steps=2, output_type="np")
     plain = edit(generator=_generators(1), **kw).images
     got = capture_pipeline(edit, tmp_path / "cap", level="L2", generator=_generators(1), **kw)

@@ -82,9 +82,3 @@ def test_prompt_edit_refusals_are_one_line(folder, tmp_path, extra, expect):
     res = runner.invoke(app, _args(folder, tmp_path / "r", *extra))
     assert res.exit_code == ExitCode.USAGE, res.output
     assert expect in res.output and "Traceback" not in res.output, res.output
-
-
-def test_a_pipeline_without_a_text_encoder_is_one_line(tmp_path):
-    res = runner.invoke(app, _args(locate("tiny-edit"), tmp_path / "r"))
-    assert res.exit_code == ExitCode.USAGE, res.output
-    assert "lacks tokenizer/, text_encoder/" in res.output and "Traceback" not in res.output

@@ -1,8 +1,8 @@
 """The sealed chain fixtures: ``tiny-t2i-chain`` (prompt → text encoder → trajectory → VAE decode)
-and ``tiny-edit`` (condition image → VAE encode → trajectory → VAE decode). ``fixture verify``
-re-runs every stage and compares every component's records and the decoded image's SHA-256; a
-changed byte anywhere fails it with one line naming the file; a re-sealed change that the re-run
-meets drifts (exit 1) at the stage it touched."""
+and ``tiny-edit`` (prompt and condition image → text encoder with its vision tower → VAE encode →
+trajectory → VAE decode). ``fixture verify`` re-runs every stage and compares every component's
+records and the decoded image's SHA-256; a changed byte anywhere fails it with one line naming the
+file; a re-sealed change that the re-run meets drifts (exit 1) at the stage it touched."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("PIL")
 from drifttool.exit_codes import ExitCode  # noqa: E402
 from drifttool.fixture import locate, seal  # noqa: E402
 
-STAGES = {"tiny-t2i-chain": {"text_encoder", "mmdit", "vae"}, "tiny-edit": {"mmdit", "vae"}}
+STAGES = {"tiny-t2i-chain": {"text_encoder", "mmdit", "vae"}, "tiny-edit": {"text_encoder", "mmdit", "vae"}}
 
 
 def _copy(name, tmp_path):
@@ -58,7 +58,7 @@ def test_verify_reruns_every_stage_and_the_image(cli, name, tmp_path):
     assert image["equal"] and image["expected"] == "expected.png", image
     assert doc["note"] is None  # built here: no environment difference
     assert (tmp_path / "w" / "replay.png").read_bytes() == (locate(name) / "expected.png").read_bytes()
-    ops = pq.read_table(tmp_path / "w" / "replay" / "ops.rank0.parquet", columns=["component", "step"])
+    ops = pq.read_table(tmp_path / "w" / "replay" / "ops.rank0.parquet", columns=["component", "step", "op"])
     assert set(ops["component"].to_pylist()) == STAGES[name]
     manifest = json.loads((locate(name) / "expected" / "manifest.json").read_text())
     steps = manifest["settings"]["steps"]
@@ -67,14 +67,20 @@ def test_verify_reruns_every_stage_and_the_image(cli, name, tmp_path):
     if name == "tiny-edit":
         assert -1 in vae_steps and manifest["settings"]["preset"] == "diffusers-edit"  # the encode
         assert manifest["edit"]["condition_images"][0]["sha256"]
+        edit = json.loads((locate(name) / "fixture.json").read_text())["edit"]
+        assert (manifest["edit"]["prompts"], manifest["edit"]["negative_prompts"], manifest["edit"]["prompt_positions"]) \
+            == (edit["prompts"], edit["negative_prompts"], edit["prompt_positions"]) == (["make it blue"], ["cat"], "sequential")
+        te = {op for c, op in zip(ops["component"].to_pylist(), ops["op"].to_pylist()) if c == "text_encoder"}
+        assert {"te_vision_patch_embed", "te_vision_merger", "te_vision_scatter", "te_prompt_extract"} <= te, te
 
 
 @pytest.mark.parametrize("name,victim", [
     ("tiny-t2i-chain", "text_encoder/model.safetensors"), ("tiny-t2i-chain", "tokenizer/tokenizer.json"),
     ("tiny-t2i-chain", "vae/diffusion_pytorch_model.safetensors"), ("tiny-t2i-chain", "expected.png"),
     ("tiny-t2i-chain", "expected/ops.rank0.parquet"), ("tiny-t2i-chain", "fixture.json"),
-    ("tiny-edit", "condition.png"), ("tiny-edit", "expected.png"), ("tiny-edit", "prompts.safetensors"),
-    ("tiny-edit", "transformer/diffusion_pytorch_model.safetensors"),
+    ("tiny-edit", "condition.png"), ("tiny-edit", "expected.png"), ("tiny-edit", "fixture.json"),
+    ("tiny-edit", "text_encoder/model.safetensors"), ("tiny-edit", "processor/preprocessor_config.json"),
+    ("tiny-edit", "tokenizer/tokenizer.json"), ("tiny-edit", "transformer/diffusion_pytorch_model.safetensors"),
 ])
 def test_a_changed_byte_fails_with_one_line_naming_the_file(cli, tmp_path, name, victim):
     fx = _copy(name, tmp_path)
@@ -109,6 +115,23 @@ def test_a_resealed_text_encoder_weight_drifts_in_the_text_encoder(cli, tmp_path
     assert first["component"] == "text_encoder" and first["op"].startswith("te_"), first
 
 
+def test_a_resealed_vision_weight_drifts_in_the_vision_tower(cli, tmp_path):
+    """tiny-edit's tower weight changed and the fixture re-sealed: the re-run encodes the prompt
+    anew, so the first drift is the text encoder's vision tower, in the changed block."""
+    from safetensors.torch import load_file, save_file
+
+    fx = _copy("tiny-edit", tmp_path)
+    weights = fx / "text_encoder" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["visual.blocks.1.mlp.up_proj.weight"].view(-1)[5] += 0.25  # bf16, as stored
+    save_file(tensors, str(weights))
+    seal(fx)
+    code, out = cli("fixture", "verify", fx, "--workdir", tmp_path / "w", "--json")
+    assert code == ExitCode.DRIFT, out
+    first = json.loads(out)["report"]["first_drift"]
+    assert (first["component"], first["block"], first["op"]) == ("text_encoder", 1, "te_vision_mlp_gate_up_silu"), first
+
+
 def test_the_build_script_writes_the_committed_weights(tmp_path):
     """The build draws every weight from the portable Philox stream: rebuilding the model folders
     gives the committed bytes (the expected runs are re-made by ``build_chain`` itself)."""
@@ -121,8 +144,21 @@ def test_the_build_script_writes_the_committed_weights(tmp_path):
                 "text_encoder/model.safetensors", "text_encoder/config.json", "tokenizer/tokenizer.json",
                 "vae/diffusion_pytorch_model.safetensors", "vae/config.json"):
         assert (tmp_path / rel).read_bytes() == (locate("tiny-t2i-chain") / rel).read_bytes(), rel
+    edit = tmp_path / "edit"
+    build_chain.write_text_encoder(edit, vision=True)
+    build_chain.write_scheduler(edit)
     for rel in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         assert (tmp_path / rel).read_bytes() == (locate("tiny-edit") / rel).read_bytes(), rel
+    for rel in ("text_encoder/model.safetensors", "text_encoder/config.json", "tokenizer/tokenizer.json",
+                "processor/preprocessor_config.json", "processor/tokenizer.json", "scheduler/scheduler_config.json"):
+        assert (edit / rel).read_bytes() == (locate("tiny-edit") / rel).read_bytes(), rel
+    import torch
+    from safetensors.torch import load_file
+
+    chain, tower = (load_file(str(locate(n) / "text_encoder" / "model.safetensors")) for n in ("tiny-t2i-chain", "tiny-edit"))
+    assert {k for k in tower if not k.startswith("visual.")} == set(chain)  # the same language model
+    assert all(tower[k].dtype == chain[k].dtype == torch.bfloat16
+               and tower[k].view(torch.int16).equal(chain[k].view(torch.int16)) for k in chain)  # raw bytes
 
 
 def test_a_production_fixture_says_when_it_runs_off_its_build_environment():

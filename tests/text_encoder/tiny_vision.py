@@ -34,8 +34,11 @@ def image_processor(**kwargs):
     return transformers.Qwen2VLImageProcessorPil(**kwargs)
 
 
-def processor(tok=None, **kwargs):
-    return _Processor(image_processor=image_processor(**kwargs), tokenizer=tok or tokenizer(), video_processor=None)
+def processor(tok=None, image=None, **kwargs):
+    """Qwen2-VL's processor of ``tok`` (default: the pruned tokenizer) and the image processor
+    ``image`` (default: ``image_processor(**kwargs)``), without a video processor."""
+    return _Processor(image_processor=image or image_processor(**kwargs), tokenizer=tok or tokenizer(),
+                      video_processor=None)
 
 
 def random_image(height: int, width: int, *, seed: int = 0):
