@@ -33,9 +33,12 @@ call, when batch, grid, dtype and the sigma table are known): their records are 
 run and filed first, in program order, once it opens (``chain.DeferredCapture``, as drifttool's
 own chain does), so a prompt capture diffs against ``drifttool run --prompt ... --checkpoint
 PIPELINE --mode auto --preset diffusers`` record for record, every stage included.
-``QwenImageEditPipeline``'s prompt strings: its prompt images and vision tower are captured too
+An edit pipeline's prompt strings: its prompt images and vision tower are captured too
 (``pipeline_prompt_images``), against ``drifttool run --image C.png --prompt ... --preset
-diffusers-edit --prompt-positions sequential``; edit-plus prompt strings are refused.
+diffusers-edit --prompt-positions sequential`` (``QwenImageEditPipeline``) or ``drifttool run
+--image C1.png --image C2.png --prompt ... --preset diffusers-edit-plus --prompt-positions
+sequential`` (``QwenImageEditPlusPipeline``: its ``EDIT_PLUS`` template, "Picture k:" per image,
+each image resized apart for the text encoder).
 
 ``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline`` are captured the same way: their
 ``img_shapes`` name the condition images (scope ``cond_grids``, ``drifttool.model.conditions``),
@@ -373,9 +376,9 @@ def capture_pipeline(pipe: Any, out: str | Path, *, level: str = "L1", overwrite
 
     Raises:
         DriftToolError: diffusers missing, not a QwenImage pipeline, or the transformer never ran.
-        UnsupportedConfigError: as ``pipeline_stages.select_stages``; the edit-plus pipeline's
-            prompt strings, or an edit pipeline's with an image processor drifttool does not
-            reproduce (``pipeline_prompt_images``); a scheduler of order > 1;
+        UnsupportedConfigError: as ``pipeline_stages.select_stages``; an edit pipeline's prompt
+            strings with an image processor drifttool does not reproduce
+            (``pipeline_prompt_images``); a scheduler of order > 1;
             a call the scope cannot name (``pipeline_scope``); a transformer dtype drifttool
             does not run.
         ArtifactError: ``out`` cannot be created.

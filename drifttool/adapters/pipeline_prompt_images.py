@@ -24,7 +24,9 @@ te_vision_scatter          the ``inputs_embeds`` the language model is handed (f
 =========================  ======================================================================
 
 A prompt's image records are made with the identities they have alone (``Runtime.parts``), under
-the sample of the prompt (image k of the call → prompt k; one prompt: every image is its). The
+the sample of the prompt (image k of the call → prompt k; one prompt: every image is its, as the
+edit-plus pipeline's one prompt takes each of its condition images, resized to its prompt area,
+in order, as drifttool's ``EDIT_PLUS`` encode does). The
 processor's expansion of ``<|image_pad|>`` and its tokenization are ``te_tokenize``'s, which
 drifttool traces and neither side captures. Positions: transformers 5.x computes the multimodal
 RoPE index only when the text encoder is given ``mm_token_type_ids``, which diffusers' edit
@@ -83,7 +85,7 @@ class PromptImages:
 
         Raises:
             UnsupportedConfigError: several prompts and a number of images that is not one per
-                prompt.
+                prompt (one prompt takes any number: edit-plus).
         """
         n = len(image) if isinstance(image, (list, tuple)) else int(image is not None)
         if len(samples) > 1 and n != len(samples):

@@ -20,7 +20,8 @@ text_encoder           ``_get_qwen_prompt_embeds`` (each call: the prompts, then
                        operator, ``txt_lens`` = each prompt's token count (the text encoder's
                        ``attention_mask``, read by a forward pre-hook); its return is
                        ``te_prompt_extract`` (block = layers, ``txt_lens`` = kept rows); an
-                       edit pipeline's prompt images: ``pipeline_prompt_images``
+                       edit pipeline's prompt images (the edit-plus pipeline's several, each
+                       resized apart by the pipeline): ``pipeline_prompt_images``
 vae_encode (vae)       ``_encode_vae_image`` (each condition image): step −1, sample 0; its return
                        is ``vae_latent_normalize`` ((z − mean)/std, block −1); the condition's
                        ``_pack_latents`` that follows is ``latent_pack_unpack`` (pack, its first
@@ -33,8 +34,7 @@ vae_decode (vae)       after the loop, step = steps run, σ = the table's σ at 
 
 The text encoder and the VAE encode run before the transformer's first call, so before the
 artifact opens: they record into an early runtime whose recorder is a
-``chain.DeferredCapture``, filed first into the artifact when it opens. The edit-plus pipeline's
-prompt strings are refused at the call (``REFUSED_PROMPT_PIPELINES``: pass ``prompt_embeds``).
+``chain.DeferredCapture``, filed first into the artifact when it opens.
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ from drifttool.runtime import Runtime
 
 EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 """The pipelines whose ``_encode_vae_image`` encodes condition images (``vae_encode_stage``)."""
-
-REFUSED_PROMPT_PIPELINES = ("QwenImageEditPlusPipeline",)
-"""Edit pipelines whose prompt strings are refused: drifttool's edit run does not encode their
-prompts yet, so nothing would diff against the capture."""
 
 _UNSET = dict(sigma=math.nan, branch="none", txt_starts=None, img_grid=None, cond_grids=None)
 
@@ -145,8 +141,7 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
 
     Raises:
         UnsupportedConfigError: an edit pipeline's image processor that is not captured
-            (``pipeline_prompt_images.PromptImages``); (at the call) the edit-plus pipeline's
-            prompt encode, or as ``PromptImages.call``.
+            (``pipeline_prompt_images.PromptImages``); (at the call) as ``PromptImages.call``.
         DriftToolError: as ``transformers_qwen25vl.instrument``; the text encoder called outside
             ``_get_qwen_prompt_embeds``.
     """
@@ -156,9 +151,8 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
         return
     lm = transformers_qwen25vl.language_model(te)
     vision = "image" in inspect.signature(pipe._get_qwen_prompt_embeds).parameters
-    refused = vision and type(pipe).__name__ in REFUSED_PROMPT_PIPELINES
     # an edit pipeline's prompt images; refuses an image processor that is not captured
-    images = PromptImages(pipe, rt) if vision and not refused else None
+    images = PromptImages(pipe, rt) if vision else None
     calls: list[contextlib.ExitStack] = []  # the encode call in progress
 
     def pre(module, args, kwargs):
@@ -171,11 +165,6 @@ def text_encoder_stage(pipe: Any, rt: Runtime, log: StageLog) -> Iterator[None]:
         calls[-1].enter_context(rt.scope(txt_lens=[int(n) for n in lens]))
 
     def around(original, prompt=None, *args, **kwargs):
-        if refused:
-            raise UnsupportedConfigError(
-                f"{type(pipe).__name__} with prompt strings: drifttool run does not encode its prompts (its "
-                "text encoder sees each image resized apart from the VAE's): pass prompt_embeds/"
-                "prompt_embeds_mask (and the negative ones) instead")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         samples = list(range(len(prompts)))
         with contextlib.ExitStack() as stack:

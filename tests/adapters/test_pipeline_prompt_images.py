@@ -1,9 +1,10 @@
-"""``capture_pipeline`` of ``QwenImageEditPipeline`` called with prompt strings: the text encoder's
-vision tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``), the image processor's
-results and the scatter are captured with the prompt encode, and the whole call diffs IDENTICAL
-against drifttool's edit run from the same image and prompts (``run_edit(prompts=...)`` /
-``drifttool run --image --prompt --mode auto --preset diffusers-edit --prompt-positions
-sequential``: the rule diffusers' edit pipeline gets from transformers 5.x). Pipeline folder: the
+"""``capture_pipeline`` of ``QwenImageEditPipeline`` (and ``QwenImageEditPlusPipeline``, two
+images) called with prompt strings: the text encoder's vision tower (transformers'
+``Qwen2_5_VisionTransformerPretrainedModel``), the image processor's results and the scatter are
+captured with the prompt encode, and the whole call diffs IDENTICAL against drifttool's edit run
+from the same images and prompts (``run_edit(prompts=...)`` / ``drifttool run --image --prompt
+--mode auto --preset diffusers-edit[-plus] --prompt-positions sequential``: the rule diffusers'
+edit pipelines get from transformers 5.x). Pipeline folder: the
 tiny-edit fixture's transformer and VAE with a tiny text encoder that has a vision tower; the
 condition image is already at the size the pipeline resizes it to (its area shrunk, as
 ``test_pipeline_stages`` does). Nothing of the capture is left after the call or after an error;
@@ -27,13 +28,14 @@ from drifttool.artifact.reader import open_run  # noqa: E402
 from drifttool.chain_edit import run_edit  # noqa: E402
 from drifttool.diff.compare import diff_runs  # noqa: E402
 from drifttool.diff.report import Verdict  # noqa: E402
-from drifttool.errors import UnsupportedConfigError  # noqa: E402
 from drifttool.fixture import locate  # noqa: E402
 from drifttool.ops.specs import VISION_OPERATORS  # noqa: E402
 from drifttool.settings import RunSpec  # noqa: E402
 from tests.text_encoder.tiny_vision import processor, save_tiny_vision_pipeline, transformers  # noqa: E402
 
 PROMPT, NEGATIVE, SEED, STEPS = "make it blue", "a cat", 5, 2
+PROMPT_AREA = 64 * 64
+"""``edit_cases.small_areas``' edit-plus prompt-image area (the pipeline's 384², shrunk)."""
 CALL = dict(true_cfg_scale=4.0, height=64, width=96, num_inference_steps=STEPS, output_type="np")
 WRAPPED = ("_get_qwen_prompt_embeds", "_encode_vae_image", "_pack_latents", "_unpack_latents")
 
@@ -124,7 +126,7 @@ def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp
 def test_a_perturbed_vision_weight_is_the_first_drift_and_errors_leave_nothing(folder, tmp_path, monkeypatch):
     """A weight of the tower's block 1 changed: the tower's records drift from that block's MLP on;
     an error inside the tower leaves the pipeline as it was."""
-    from tests.sampling.edit_cases import VAE_AREA, small_areas
+    from tests.sampling.edit_cases import small_areas
 
     small_areas(monkeypatch)
     pipe = _pipeline(folder, torch.float32)
@@ -169,19 +171,62 @@ def test_a_perturbed_vision_weight_is_the_first_drift_and_errors_leave_nothing(f
     assert _state(pipe) == before and not (tmp_path / "c").exists()
 
 
-def test_edit_plus_prompt_strings_stay_refused(folder, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_edit_plus_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp_path, monkeypatch, dtype, cli):
+    """``QwenImageEditPlusPipeline`` from a prompt string and two condition images of other
+    shapes (the pipeline resizes each to the VAE's area and, apart, to its prompt-image area):
+    the text encoder's stage (the "Picture k:" template, both prompt images through the processor
+    and the vision tower) and the loop are captured, and the call diffs IDENTICAL against
+    ``run_edit(..., preset diffusers-edit-plus, positions="sequential")``; ``drifttool diff``
+    says what it says of the edit pipeline's pair: every record identical, exit 1 for the
+    semantic check's attention backend alone (drifttool's SDPA vs diffusers' dispatcher)."""
+    import json
+
+    from drifttool.exit_codes import ExitCode
     from diffusers import QwenImageEditPlusPipeline
 
-    pipe = _pipeline(folder, torch.float32)
-    plus = QwenImageEditPlusPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
-                                     tokenizer=pipe.tokenizer, processor=pipe.processor, transformer=pipe.transformer)
+    from tests.sampling.edit_cases import VAE_AREA, small_areas
+
+    small_areas(monkeypatch)  # the VAE's area VAE_AREA, the prompt images' PROMPT_AREA
+    g = torch.Generator().manual_seed(11)
+    conds = [folder / "cond.png", tmp_path / "tall.png"]  # 128x96, and 60x90: resized to 96x128
+    PIL.fromarray(torch.randint(0, 256, (90, 60, 3), generator=g, dtype=torch.uint8).numpy()).save(conds[1])
+    run_edit(RunSpec(fixture=folder, checkpoint=folder, mode="auto", preset="diffusers-edit-plus", steps=STEPS,
+                     seed=SEED, capture="L2", dtype=dtype, height=64, width=96), tmp_path / "edit",
+             condition_images=conds, prompts=[PROMPT], negative_prompts=[NEGATIVE], positions="sequential",
+             vae_area=VAE_AREA, prompt_area=PROMPT_AREA)
+    edit = _pipeline(folder, getattr(torch, dtype))
+    plus = QwenImageEditPlusPipeline(scheduler=edit.scheduler, vae=edit.vae, text_encoder=edit.text_encoder,
+                                     tokenizer=edit.tokenizer, processor=edit.processor, transformer=edit.transformer)
     plus.set_progress_bar_config(disable=True)
-    before = _state(pipe)
-    with pytest.raises(UnsupportedConfigError, match="does not encode its prompts") as err:
-        capture_pipeline(plus, tmp_path / "x", prompt=PROMPT, image=PIL.open(folder / "cond.png").convert("RGB"),
-                         generator=_generators(), **CALL)
-    assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
-    assert _state(pipe) == before and not [n for n in WRAPPED if n in vars(plus)]
+    kw = dict(image=[PIL.open(c).convert("RGB") for c in conds], prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
+    plain = plus(generator=_generators(), **kw).images
+    before = _state(edit)
+    got = capture_pipeline(plus, tmp_path / "cap", level="L2", generator=_generators(), **kw)
+    assert _state(edit) == before and not [n for n in WRAPPED if n in vars(plus)]
+    assert np.array_equal(got.output.images, plain)  # output bytes unchanged
+    edit_run, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
+    rep = diff_runs(edit_run, run)
+    ops = rep.counts["ops"]
+    assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > 500, rep.reason
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
+    table = run.ops_table().to_pylist()
+    te = [r for r in table if r["component"] == "text_encoder"]
+    assert {r["op"] for r in te if r["op"].startswith("te_vision_")} == set(VISION_OPERATORS) - {"te_vision_rope_index"}
+    # both prompt images of the prompt, then both of the negative prompt: one part per prompt
+    resized = [(r["sample"], r["call"]) for r in te if r["op"] == "te_vision_resize"]
+    assert resized == [(0, 0), (0, 1), (0, 2), (0, 3)], resized
+    assert {r["op"] for r in table if r["component"] == "mmdit"} >= {"joint_attention_fused"}
+    stages = [(s["stage"], s["calls"]) for s in run.manifest["stages"]]
+    assert stages == [("text_encoder", 2), ("vae_encode", 2), ("transformer", STEPS), ("vae_decode", 1)], stages
+    stage = run.manifest["stages"][0]
+    assert (stage["prompts"], stage["prompt_positions"]) == ([[PROMPT], [NEGATIVE]], "sequential")
+    assert stage["weights"] == edit_run.manifest["edit"]["text_encoder_weights"]
+    assert run.inputs()["cond_grids"].tolist() == [[6, 8], [8, 6]]  # each image's own VAE grid
+    code, out = cli("diff", tmp_path / "edit", tmp_path / "cap", "--json")
+    doc = json.loads(out)
+    assert code == ExitCode.DRIFT and doc["verdict"] == "identical", out
+    assert [d["field"] for d in doc["semantic"]["differences"]] == ["attention backend"], out
 
 
 def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_types(folder, tmp_path, monkeypatch):
