@@ -185,3 +185,22 @@ def test_a_chain_fixture_verifies_from_an_archive(cli, tmp_path):
     code, out = cli("fixture", "verify", arc, "--json")
     assert code == ExitCode.OK, out
     assert json.loads(out)["images"][0]["equal"], out
+
+
+@pytest.mark.parametrize("change,expect", [
+    ({"prompts": "make it blue"}, "'edit' 'prompts' must be a list of texts"),
+    ({"prompts": None, "negative_prompts": ["cat"]}, "'negative_prompts' without 'prompts'"),
+    ({"prompt_positions": 3}, "'prompt_positions' must be a name"),
+    ({"prompt_positions": "3d"}, "positions '3d'"),
+    ({"condition_images": ["../condition.png"]}, "'edit' needs 'condition_images'"),
+])
+def test_a_malformed_edit_section_is_one_line(cli, tmp_path, change, expect):
+    """A sealed fixture whose ``edit`` section the re-run cannot take: exit 2, one line."""
+    fx = _copy("tiny-edit", tmp_path)
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta["edit"] = {k: v for k, v in {**meta["edit"], **change}.items() if v is not None}
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    seal(fx)
+    code, out = cli("fixture", "verify", fx, "--workdir", tmp_path / "w")
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert code == ExitCode.USAGE and len(lines) == 1 and expect in lines[0], out
