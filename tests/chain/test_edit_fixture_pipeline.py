@@ -5,12 +5,12 @@ sequential``, what the pipeline gets from transformers 5.x) and of the fixture's
 embeddings, and the whole pipeline call (its resize area shrunk to the fixture's) decodes the
 fixture's ``expected.png``.
 
-Transformers builds ``Qwen2VLProcessor``'s video processor only with torchvision, which this
-environment lacks: without it the test assembles the processor from the folder's own
-``processor/`` files (transformers' PIL image processor and the tokenizer, no video processor)
-and passes it to ``from_pretrained``, which loads every other component from the folder; with
-torchvision, ``from_pretrained(folder)`` alone loads all six (its image processor is then
-torchvision's, whose resize is not drifttool's, so no bytes are compared there)."""
+The byte tests pass ``from_pretrained`` a processor assembled from the folder's own
+``processor/`` files (transformers' PIL image processor, whose resize drifttool reproduces, and
+the tokenizer; no video processor) and load every other component from the folder: transformers
+builds ``Qwen2VLProcessor``'s video processor only with torchvision, which this environment
+lacks. Where torchvision is installed, ``from_pretrained(folder)`` alone loads all six components
+(its image processor is then torchvision's, whose resize is not drifttool's: no bytes compared)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ COMPONENTS = {"processor", "scheduler", "text_encoder", "tokenizer", "transforme
 
 
 def _folder_processor():
-    """``Qwen2VLProcessor`` of the folder's ``processor/`` files, without a video processor."""
-    image = transformers.AutoImageProcessor.from_pretrained(FX / "processor", local_files_only=True)
-    assert type(image).__name__ == "Qwen2VLImageProcessorPil"  # the resize drifttool reproduces
+    """``Qwen2VLProcessor`` of the folder's ``processor/`` files, without a video processor, with
+    transformers' PIL image processor (the resize drifttool reproduces; the default where
+    torchvision is missing)."""
+    image = transformers.AutoImageProcessor.from_pretrained(FX / "processor", backend="pil", local_files_only=True)
+    assert type(image).__name__ == "Qwen2VLImageProcessorPil"
     tok = transformers.AutoTokenizer.from_pretrained(FX / "processor", local_files_only=True)
     return processor(tok, image)
 
