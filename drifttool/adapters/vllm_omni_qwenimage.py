@@ -161,7 +161,7 @@ def _refuse_parallel(pc: Any) -> None:
         degree = getattr(pc, field, 1) or 1
         if degree > 1:
             raise UnsupportedConfigError(f"vllm-omni capture: {what} ({field}={degree}) is not "
-                                         f"supported; the capture runs one rank (every parallel "
+                                         "supported; the capture runs one rank (every parallel "
                                          "degree 1)")
 
 
