@@ -89,7 +89,8 @@ class RunSpec:
             runs), else ``merged``. Needs ``lora``; modes other than merged need mode auto/off.
         preset: a production preset (``drifttool.sampling.presets``: ``diffusers`` |
             ``flow-grpo``): fixes CFG layout, timestep policy, (η), latents dtype, step rule and
-            noise; needs mode auto or off.
+            noise; needs mode auto or off. ``None`` takes the fixture's (``tiny-edit`` names
+            ``diffusers-edit``).
         device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the model and the replay inputs
             live (inputs are drawn on the CPU, then moved).
         height, width: image size in pixels, multiples of 16; ``None`` takes the fixture's
@@ -340,10 +341,11 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     s = {key: _pick(getattr(spec, key), base.get(key))
          for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
                      "timestep_policy")}
-    if spec.preset is not None:
+    preset = spec.preset if spec.preset is not None else base.get("preset")  # a fixture's own
+    if preset is not None:
         if s["dtype"] not in DTYPES:
             raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
-        s.update(preset_settings(spec.preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
+        s.update(preset_settings(preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
                                  asked={k: getattr(spec, k) for k in ("cfg_layout", "timestep_policy", "eta")}))
     steps = _check_steps(s["steps"])
     cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
@@ -374,8 +376,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             prompt_embeds=spec.prompt_embeds, negative_prompt_embeds=spec.negative_prompt_embeds,
             latents=spec.latents, config=read_config(spec.checkpoint or fx.model_dir), img_grid=grid,
             batch=len(_samples(spec, None)) if explicit else None, condition=spec.condition)
-    if spec.preset is not None and spec.condition is not None:  # too many; too few: the runner,
-        check_conditions(spec.preset, external.cond_grids)       # which sees replayed inputs too
+    if preset is not None and spec.condition is not None:  # too many; too few: the runner,
+        check_conditions(preset, external.cond_grids)       # which sees replayed inputs too
     default_ids = base.get("samples")
     if external is not None and not explicit:
         default_ids = list(range(external.batch or len(default_ids or ())))
@@ -394,5 +396,5 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         seed=s["seed"], samples=samples, img_grid=grid,
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
         pad_prompts_to=None if spec.pad_prompts_to is None else int(spec.pad_prompts_to),
-        sample_labels=labels, preset=spec.preset, device=device, external=external,
+        sample_labels=labels, preset=preset, device=device, external=external,
     )

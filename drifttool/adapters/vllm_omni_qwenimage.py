@@ -46,8 +46,9 @@ call. On the fused path the Q/K RMSNorm is inside the kernel: ``qk_rmsnorm`` is 
 kernel and no digest.
 
 Refused (``UnsupportedConfigError`` / ``DriftToolError``): another vllm-omni version; a model
-with ``zero_cond_t`` (edit-2511 select01 modulation: no tap for it) or sequence parallelism (the
-taps would record one rank's shard as the whole tensor); a compiled run (``enforce_eager=False``:
+with ``zero_cond_t`` (edit-2511 select01 modulation: no tap for it); any parallel degree above 1
+(sequence, tensor, CFG, pipeline, data: the taps would record one rank's shard as the whole
+tensor); condition images (edit runs); a compiled run (``enforce_eager=False``:
 the transformer or its blocks under ``torch.compile``, whose graphs the hooks cannot run in;
 ``compiled_problem``); a capture point that never fired in a forward (a renamed module or a
 bypassed path must not read as silence).
@@ -143,15 +144,32 @@ def _refuse_compiled(transformer: torch.nn.Module) -> None:
                                      "enforce_eager=True")
 
 
+PARALLEL_DEGREES = (("sequence_parallel_size", "sequence parallelism"),
+                    ("tensor_parallel_size", "tensor parallelism"),
+                    ("cfg_parallel_size", "CFG parallelism"),
+                    ("pipeline_parallel_size", "pipeline parallelism"),
+                    ("data_parallel_size", "data parallelism"))
+"""The ``DiffusionParallelConfig`` degrees of the transformer's forward (sequence: Ulysses × Ring,
+or all-gather), each of which must be 1 for a capture."""
+
+
+def _refuse_parallel(pc: Any) -> None:
+    """Raise for a parallel degree above 1 in ``pc`` (a ``DiffusionParallelConfig`` or None): on
+    one of several ranks the taps would record that rank's shard (heads, rows, a CFG branch, a
+    stage, a slice of the batch) as the whole tensor."""
+    for field, what in PARALLEL_DEGREES:
+        degree = getattr(pc, field, 1) or 1
+        if degree > 1:
+            raise UnsupportedConfigError(f"vllm-omni capture: {what} ({field}={degree}) is not "
+                                         "supported; the capture runs one rank (every parallel "
+                                         "degree 1)")
+
+
 def _refuse_unsupported(transformer: torch.nn.Module) -> None:
     if getattr(transformer, "zero_cond_t", False):
         raise UnsupportedConfigError("vllm-omni capture: zero_cond_t (edit-2511 select01 "
                                      "modulation) is not supported")
-    pc = getattr(transformer, "parallel_config", None)
-    sp = getattr(pc, "sequence_parallel_size", 1) or 1
-    if sp > 1:
-        raise UnsupportedConfigError(f"vllm-omni capture: sequence parallelism (degree {sp}) is "
-                                     "not supported; run with sequence_parallel_size=1")
+    _refuse_parallel(getattr(transformer, "parallel_config", None))
 
 
 @contextlib.contextmanager
@@ -164,7 +182,7 @@ def instrument(transformer: torch.nn.Module, rt: Runtime) -> Iterator[None]:
         DriftToolError: vllm-omni missing or of another version, not its Qwen-Image transformer,
             or (on exit, after a forward) a capture point that never fired.
         UnsupportedConfigError: a compiled transformer (``compiled_problem``), ``zero_cond_t``
-            or sequence parallelism.
+            or a parallel degree above 1 (``PARALLEL_DEGREES``).
     """
     _refuse_compiled(transformer)  # first: an OptimizedModule is not the transformer's class
     check_version()
@@ -200,8 +218,9 @@ class VllmOmniQwenImage(torch.nn.Module):
 
     Raises:
         UnsupportedConfigError: ``od_config.enforce_eager`` is False (vllm-omni compiles the
-            transformer under it), a cache backend is set, or the transformer is compiled
-            (``compiled_problem``).
+            transformer under it), a cache backend is set, a parallel degree of
+            ``od_config.parallel_config`` is above 1 (``PARALLEL_DEGREES``), or the transformer
+            is compiled (``compiled_problem``).
     """
 
     def __init__(self, transformer: torch.nn.Module, od_config: Any, config: dict[str, Any]) -> None:
@@ -215,6 +234,7 @@ class VllmOmniQwenImage(torch.nn.Module):
                                          "step cache skips or reuses block outputs, so the captured "
                                          "operators would not all run every step); build it with "
                                          "cache_backend='none'")
+        _refuse_parallel(getattr(od_config, "parallel_config", None))
         _refuse_compiled(transformer)
         super().__init__()
         object.__setattr__(self, "transformer", transformer)
@@ -237,7 +257,12 @@ class VllmOmniQwenImage(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any):
         return checkpoint_parameters(self.transformer)
 
-    def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime) -> torch.Tensor:
+    def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime, *, cond=None,
+                cond_grids=()) -> torch.Tensor:
+        """Raises ``UnsupportedConfigError`` for condition images (edit runs)."""
+        if cond is not None:
+            raise UnsupportedConfigError("vllm-omni capture: condition images (edit runs) are not "
+                                         "supported")
         h, w = (int(v) for v in img_grid)
         lens = [txt.shape[1]] * x.shape[0]  # the RoPE table's text rows: the padded length
         with forward_context(self.od_config), instrument(self.transformer, rt):

@@ -305,3 +305,78 @@ def test_the_fused_path_is_read_back_and_depends_on_the_batch(load, monkeypatch)
         else:
             assert len(norms) == 4 and not any(e.declared for e in norms) and recorded
     assert paths == {2: {"img": {"eager"}, "txt": {"eager"}}, 3: {"img": {"fused"}, "txt": {"eager"}}}
+
+
+@pytest.mark.parametrize("field", ["sequence_parallel_size", "tensor_parallel_size",
+                                   "cfg_parallel_size", "pipeline_parallel_size",
+                                   "data_parallel_size"])
+def test_any_parallel_degree_above_one_is_refused_in_one_line(load, monkeypatch, field):
+    """On one of several ranks the taps would record a shard as the whole tensor: the capture
+    (the transformer's parallel config) and the wrapper (the engine config's) refuse it, naming
+    the setting, before anything is hooked."""
+    import copy
+
+    from drifttool.adapters.vllm_omni_qwenimage import VllmOmniQwenImage, instrument
+
+    model = load(torch.float32)
+    pc = copy.copy(model.transformer.parallel_config)
+    setattr(pc, field, 2)
+    od = copy.copy(model.od_config)
+    od.parallel_config = pc
+    with pytest.raises(UnsupportedConfigError, match=f"{field}=2") as e:
+        VllmOmniQwenImage(model.transformer, od, {})
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(model.transformer, "parallel_config", pc)
+    with pytest.raises(UnsupportedConfigError, match=rf"\({field}=2\) is not supported") as e:
+        with instrument(model.transformer, Runtime(mode="auto")):
+            pass
+    assert "\n" not in str(e.value)
+    assert not [n for n, m in model.transformer.named_modules()
+                if m._forward_hooks or m._forward_pre_hooks]
+
+
+def test_condition_images_are_refused_in_one_line(load, tmp_path):
+    """An edit run (packed condition latents) through the vllm-omni wrapper: refused, not a
+    TypeError from the model call."""
+    from safetensors.torch import save_file
+
+    from drifttool.adapters.vllm_omni_qwenimage import run_vllm_omni
+
+    g = torch.Generator().manual_seed(13)
+    cond = tmp_path / "cond.safetensors"
+    save_file({"image_latents": torch.randn(1, 5 * 3, 64, generator=g),
+               "condition_grids": torch.tensor([[5, 3]])}, str(cond))
+    execute(RunSpec(condition=str(cond), mode="auto"), tmp_path / "drifttool")  # a valid input
+    with pytest.raises(UnsupportedConfigError, match="condition images") as e:
+        run_vllm_omni(RunSpec(condition=str(cond)), tmp_path / "omni",
+                      transformer=load(torch.bfloat16))
+    assert "\n" not in str(e.value)
+
+
+def test_a_second_capture_and_rope_outside_the_wrapped_function_are_errors(load):
+    """A capture inside a capture is refused; a forward whose QK-norm+RoPE does not go through
+    ``_qwen_image_qk_norm_rope`` (a runtime that moved it) is an error, not a trace without RoPE."""
+    from drifttool.adapters import vllm_omni_glue as G
+    from drifttool.adapters.vllm_omni_cpu import forward_context
+    from drifttool.adapters.vllm_omni_qwenimage import instrument
+
+    model = load(torch.float32)
+    tr = model.transformer
+    mod = G.transformer_module()
+    original = mod._qwen_image_qk_norm_rope
+    rt = Runtime(mode="auto", recorder=Recorder("L1"))
+    with instrument(tr, rt):
+        with pytest.raises(DriftToolError, match="another capture is active") as e:
+            with instrument(tr, Runtime(mode="auto")):
+                pass
+        assert "\n" not in str(e.value)
+    assert mod._qwen_image_qk_norm_rope is original
+    x, txt, mask, tau = _inputs(17)
+    with pytest.raises(DriftToolError, match="_qwen_image_qk_norm_rope never ran") as e:
+        with forward_context(model.od_config), rt.scope(**_scope(3, (7, 4, 2))), torch.no_grad():
+            with instrument(tr, rt):
+                mod._qwen_image_qk_norm_rope = lambda *a, **k: original(*a, **k)  # not the wrapper
+                tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
+                   timestep=tau, img_shapes=[[(1, *GRID)]] * 3, txt_seq_lens=[7] * 3)
+    assert "\n" not in str(e.value)
+    assert mod._qwen_image_qk_norm_rope is original

@@ -290,3 +290,26 @@ def test_an_attention_that_bypasses_the_registry_is_an_error(load, monkeypatch):
         with instrument(tr, rt), rt.scope(phase="rollout", step=0, sigma=1.0, branch="cond",
                                           samples=[0, 1, 2], txt_lens=[7, 4, 2], img_grid=GRID):
             _forward(tr, x, txt, mask, tau)
+
+
+def test_a_capture_point_that_never_fires_is_an_error(load):
+    """A runtime that computes an operator in a module the table does not name (here the text MLP's
+    down projection of block 1 replaced) must not read as silence."""
+    from drifttool.adapters.xfuser_qwenimage import instrument
+
+    tr = load("xfuser", torch.float32)
+    blk = tr.transformer_blocks[1]
+    original = blk.txt_mlp.net[2]
+    x, txt, mask, tau = _inputs(19)
+    rt = Runtime(mode="auto", recorder=Recorder("L1"))
+    with pytest.raises(DriftToolError, match=r"transformer_blocks.1.txt_mlp.net.2 \(mlp_down_gemm, "
+                                             r"txt\) never ran") as e:
+        with instrument(tr, rt), rt.scope(phase="rollout", step=0, sigma=1.0, branch="cond",
+                                          samples=[0, 1, 2], txt_lens=[7, 4, 2], img_grid=GRID):
+            blk.txt_mlp.net[2] = torch.nn.Linear(original.in_features, original.out_features)
+            try:
+                _forward(tr, x, txt, mask, tau)
+            finally:
+                blk.txt_mlp.net[2] = original
+    assert "\n" not in str(e.value)
+    assert not [n for n, m in tr.named_modules() if m._forward_hooks or m._forward_pre_hooks]

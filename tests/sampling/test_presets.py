@@ -325,3 +325,16 @@ def test_preset_noise_is_drawn_for_the_samples_not_their_labels():
         z = torch.randn(1, 16, 2 * h, 2 * w, generator=torch.Generator().manual_seed(s.seed + sid))
         packed = z.view(16, h, 2, w, 2).permute(1, 3, 0, 2, 4).reshape(h * w, 64)
         assert_same_bytes(inputs.x0[row], packed.to(torch.bfloat16).float(), f"sample {sid}")
+
+
+def test_a_fixture_that_names_a_preset_runs_under_it():
+    # tiny-edit's settings name the diffusers-edit preset (mode auto): the Python API takes it as
+    # the CLI does, and strict is refused in one line (not an unset eta)
+    from drifttool.errors import UnsupportedConfigError
+    from drifttool.settings import RunSpec, resolve
+
+    _, s = resolve(RunSpec(fixture="tiny-edit", mode="auto"))
+    assert s.preset == "diffusers-edit" and s.eta == 0.0 and s.cfg_layout == "sequential"
+    with pytest.raises(UnsupportedConfigError, match="preset 'diffusers-edit'"):
+        resolve(RunSpec(fixture="tiny-edit"))
+    assert resolve(RunSpec(fixture="tiny-t2i"))[1].preset is None
