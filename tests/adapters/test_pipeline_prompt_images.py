@@ -182,9 +182,9 @@ def test_an_edit_plus_prompt_capture_diffs_identical_against_the_edit_run(folder
     semantic check's attention backend alone (drifttool's SDPA vs diffusers' dispatcher)."""
     import json
 
-    from drifttool.exit_codes import ExitCode
     from diffusers import QwenImageEditPlusPipeline
 
+    from drifttool.exit_codes import ExitCode
     from tests.sampling.edit_cases import VAE_AREA, small_areas
 
     small_areas(monkeypatch)  # the VAE's area VAE_AREA, the prompt images' PROMPT_AREA
