@@ -70,10 +70,12 @@ same T, T'; ``tests/gpu/test_digest_cuda.py`` runs both kernels).
 Kernel 2 is used only for rows of whole tiles (``C`` a multiple of the tile width): on an H200
 (2026-12-03) its last, partial tile gave wrong T, T' when the row stride is a multiple of 16
 bytes (rows of 24, 40, 64 or 240 bf16 elements), while every shape with whole tiles or an
-unaligned stride was right; Triton's interpreter gives the right sums for all of them, so the
-fault is in the compiled kernel. ``row_table`` digests rows with a partial tile by kernel 1
-(``TILE_PARTIAL``); ``tests/gpu/test_digest_cuda.py`` keeps the faulty case as an expected
-failure until it is fixed."""
+unaligned stride was right (Triton's interpreter right for all). The cause was the masked
+``uint8`` load with ``other=128``, compiled wrongly once vectorised; the kernel now loads with
+``other=0`` and selects 128, which gave kernel 1's T, T' and summaries on the H200 for every
+shape tried (20 shape/dtype pairs). ``row_table`` keeps digesting rows with a partial tile by
+kernel 1 (``TILE_PARTIAL``, the path the whole GPU suite has passed on) until the GPU suite has
+run with the fixed kernel 2 there."""
 
 TILE_PARTIAL = {"kernel": 1, "bm": 16, "bc": 128, "warps": 4, "stages": 3, "split": 4}
 """The settings for rows that end in a partial tile (``row_table``): kernel 1, as measured."""

@@ -118,7 +118,11 @@ def _tile(base, kbase, offs, koffs, col0, C, acc32, sq, mx, mn, BM: tl.constexpr
     keeps it, and the conversion, where it stands."""
     if MASKED:
         bmask = (col0 * WBYTES + tl.arange(0, BC * WBYTES)) < C * WBYTES
-        u = tl.load(base + offs, mask=bmask[None, :], other=128)
+        # loaded with other=0, then 128 selected: Triton 3.6 compiled a masked uint8 load with
+        # other=128 wrongly on an H200 where the row stride is a multiple of 16 bytes (the load
+        # vectorised), giving wrong T, T' (docs/benchmarks.md, "Row kernel 2")
+        u = tl.load(base + offs, mask=bmask[None, :], other=0)
+        u = tl.where(bmask[None, :], u, tl.full([1, BC * WBYTES], 128, tl.uint8))
     else:
         u = tl.load(base + offs)
     k = tl.load(kbase + koffs)  # [NCOL, BC · W]: K-major for the product
