@@ -98,18 +98,7 @@ def test_an_edit_prompt_capture_diffs_identical_against_the_edit_run(folder, tmp
              prompts=[PROMPT], negative_prompts=[NEGATIVE], positions="sequential", vae_area=VAE_AREA)
     pipe = _pipeline(folder, w)
     kw = dict(image=PIL.open(folder / "cond.png").convert("RGB"), prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
-    plain = pipe(generator=_generators(), **kw).images
-    before = _state(pipe)
-    got = capture_pipeline(pipe, tmp_path / "cap", level="L2", generator=_generators(), **kw)
-    assert _state(pipe) == before
-    assert np.array_equal(got.output.images, plain)  # output bytes unchanged
-    edit, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
-    rep = diff_runs(edit, run)
-    ops = rep.counts["ops"]
-    assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > 400, rep.reason
-    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
-    table = run.ops_table().to_pylist()
-    te = [r for r in table if r["component"] == "text_encoder"]
+    edit, run, te = _capture_diffs_identical(pipe, pipe, kw, tmp_path, matched=400)
     # every vision operator but the rope index (sequential positions: none on either side), per prompt
     assert {r["op"] for r in te if r["op"].startswith("te_vision_")} == set(VISION_OPERATORS) - {"te_vision_rope_index"}
     tower = [r for r in te if r["op"].startswith("te_vision_") and r["op"] not in (
@@ -200,23 +189,13 @@ def test_an_edit_plus_prompt_capture_diffs_identical_against_the_edit_run(folder
                                      tokenizer=edit.tokenizer, processor=edit.processor, transformer=edit.transformer)
     plus.set_progress_bar_config(disable=True)
     kw = dict(image=[PIL.open(c).convert("RGB") for c in conds], prompt=PROMPT, negative_prompt=NEGATIVE, **CALL)
-    plain = plus(generator=_generators(), **kw).images
-    before = _state(edit)
-    got = capture_pipeline(plus, tmp_path / "cap", level="L2", generator=_generators(), **kw)
-    assert _state(edit) == before and not [n for n in WRAPPED if n in vars(plus)]
-    assert np.array_equal(got.output.images, plain)  # output bytes unchanged
-    edit_run, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
-    rep = diff_runs(edit_run, run)
-    ops = rep.counts["ops"]
-    assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > 500, rep.reason
-    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
-    table = run.ops_table().to_pylist()
-    te = [r for r in table if r["component"] == "text_encoder"]
+    edit_run, run, te = _capture_diffs_identical(plus, edit, kw, tmp_path, matched=500)
+    assert not [n for n in WRAPPED if n in vars(plus)]
     assert {r["op"] for r in te if r["op"].startswith("te_vision_")} == set(VISION_OPERATORS) - {"te_vision_rope_index"}
     # both prompt images of the prompt, then both of the negative prompt: one part per prompt
     resized = [(r["sample"], r["call"]) for r in te if r["op"] == "te_vision_resize"]
     assert resized == [(0, 0), (0, 1), (0, 2), (0, 3)], resized
-    assert {r["op"] for r in table if r["component"] == "mmdit"} >= {"joint_attention_fused"}
+    assert {r["op"] for r in run.ops_table().to_pylist() if r["component"] == "mmdit"} >= {"joint_attention_fused"}
     stages = [(s["stage"], s["calls"]) for s in run.manifest["stages"]]
     assert stages == [("text_encoder", 2), ("vae_encode", 2), ("transformer", STEPS), ("vae_decode", 1)], stages
     stage = run.manifest["stages"][0]
@@ -254,8 +233,26 @@ def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_type
                          negative_prompt=NEGATIVE, **CALL)
     finally:
         handle.remove()
-    run = open_run(tmp_path / "cap")
-    rep = diff_runs(open_run(tmp_path / "edit"), run)
+    ours, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
+    rep = diff_runs(ours, run)
     assert rep.verdict is Verdict.IDENTICAL, rep.reason
     assert run.manifest["stages"][0]["prompt_positions"] == "rope_index"
     assert sorted(r["call"] for r in run.ops_table().to_pylist() if r["op"] == "te_vision_rope_index") == [0, 1]
+
+
+def _capture_diffs_identical(pipe, state_of, kw, tmp_path, matched):
+    """Capture ``pipe(**kw)`` at L2 into ``tmp_path/cap``: its state (``state_of``'s) and output
+    bytes unchanged, the capture IDENTICAL to drifttool's run in ``tmp_path/edit`` over more than
+    ``matched`` records. Returns (drifttool's run, the capture, the capture's text-encoder
+    records)."""
+    plain = pipe(generator=_generators(), **kw).images
+    before = _state(state_of)
+    got = capture_pipeline(pipe, tmp_path / "cap", level="L2", generator=_generators(), **kw)
+    assert _state(state_of) == before
+    assert np.array_equal(got.output.images, plain)  # output bytes unchanged
+    ours, run = open_run(tmp_path / "edit"), open_run(tmp_path / "cap")
+    rep = diff_runs(ours, run)
+    ops = rep.counts["ops"]
+    assert rep.first_drift is None and ops.only_a == ops.only_b == ops.differ == 0 and ops.matched > matched, rep.reason
+    assert rep.verdict is Verdict.IDENTICAL, rep.reason  # the replay inputs too, in bf16 as well
+    return ours, run, [r for r in run.ops_table().to_pylist() if r["component"] == "text_encoder"]
