@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,14 @@ from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.errors import DriftToolError
+
+
+class PromptPositions(str, enum.Enum):
+    """``--prompt-positions``: ``drifttool.text_encoder.encode.POSITIONS`` (a test keeps them
+    equal; spelled here to keep torch out of ``drifttool --help``)."""
+
+    rope_index = "rope_index"
+    sequential = "sequential"
 
 
 def _samples(text: Optional[str]) -> Optional[list[int]]:
@@ -107,12 +116,13 @@ def run(
     image_area: Optional[int] = typer.Option(
         None, help="Pixel area the --image condition images are resized to for the VAE (default 1048576 = "
                    "1024x1024, the edit pipelines'; smaller areas make quick runs of tiny models)."),
-    prompt_positions: Optional[str] = typer.Option(
+    prompt_positions: Optional[PromptPositions] = typer.Option(
         None, help="Positions of an edit prompt's vision tokens (--image with prompts): rope_index "
                    "(Qwen2.5-VL's (t, h, w) mRoPE, as transformers 4.x computes them in diffusers' "
                    "encode_prompt) | sequential (0..L-1, what diffusers 0.42.1 gets from "
                    "transformers 5.x, to which it passes no mm_token_type_ids). Default: an edit "
-                   "fixture's, else rope_index."),
+                   "fixture's, else rope_index. No effect without a condition image: a text-only "
+                   "prompt's tokens get positions 0..L-1 either way."),
     latents: Optional[Path] = typer.Option(
         None, help="safetensors with packed latents [B, (H/16)(W/16), in_channels], as QwenImagePipeline(latents=)."),
     condition: Optional[Path] = typer.Option(
@@ -165,7 +175,8 @@ def run(
         raise DriftToolError("--image-area goes with --image")
     if image:
         _image_run(spec, out, image, prompt=prompt, negative_prompt=negative_prompt,
-                   positions=prompt_positions, area=image_area, overwrite=overwrite, as_json=as_json,
+                   positions=None if prompt_positions is None else prompt_positions.value,
+                   area=image_area, overwrite=overwrite, as_json=as_json,
                    parallel=(tp, sp, cfg_parallel) != (1, 1, 1) or launch_env() is not None)
         return
     with alike_on_every_rank():

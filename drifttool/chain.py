@@ -48,9 +48,10 @@ from drifttool.artifact.directory import run_images
 from drifttool.capture.recorder import record_parts
 from drifttool.errors import DriftToolError, UnsupportedConfigError, writing
 from drifttool.fixture import packaged_fixtures
-from drifttool.model.checkpoint import read_config
+from drifttool.memory import check_memory
+from drifttool.model.checkpoint import checked_config
 from drifttool.model.vae import QwenImageVAE
-from drifttool.model.vae_checkpoint import load_vae
+from drifttool.model.vae_checkpoint import load_vae, vae_config
 from drifttool.model.weights import weight_digest
 from drifttool.ops.registry import call
 from drifttool.runner import execute
@@ -203,9 +204,11 @@ def decode_latents(vae: QwenImageVAE, latents: torch.Tensor, sigma: float, setti
         raise UnsupportedConfigError(f"the VAE downsamples by {vae.config.spatial_factor}, the "
                                      f"chain needs {PATCH_PIXELS // 2} ({PATCH_PIXELS}-pixel patches)")
     dtype = next(vae.parameters()).dtype
-    with rt.scope(component="vae", phase="rollout", step=settings.steps, sigma=sigma, branch="none",
-                  block=-1,
-                  samples=settings.labels, txt_lens=None, txt_starts=None, img_grid=None):
+    # no autograd graph: it would keep every operator's working tensors (the strict im2col
+    # patches) alive until the end, ~20 KB per pixel (OOM at 1024² on 22 GiB)
+    with torch.no_grad(), rt.scope(component="vae", phase="rollout", step=settings.steps, sigma=sigma,
+                                   branch="none", block=-1, samples=settings.labels, txt_lens=None,
+                                   txt_starts=None, img_grid=None):
         z = call(rt, "latent_pack_unpack", latents, direction="unpack", grid=tuple(settings.img_grid),
                  layout="B....")
         images = vae.decode(vae.denormalize(z.to(dtype), rt), rt)[:, :, 0]  # [B, 3, H, W]
@@ -241,7 +244,8 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
         DriftToolError: an image path in the way (``image_paths``); a pipeline folder lacking
             parts (``check_pipeline``; without
             ``spec.checkpoint`` the shipped tiny pipeline, ``default_pipeline``, runs); prompt
-            file inputs given too; prompts not one per sample; as ``resolve``.
+            file inputs given too; prompts not one per sample; as ``resolve``; a run that does
+            not fit in memory (``memory.check_memory``, before any work).
         UnsupportedConfigError: a device other than the CPU.
         CheckpointError, UnsupportedConfigError: the text encoder or VAE cannot be loaded, or a
             text width other than the transformer's ``joint_attention_dim``.
@@ -264,8 +268,10 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     if s.device != "cpu":
         raise UnsupportedConfigError(f"--prompt runs on the CPU only for now (asked: --device {s.device}): "
                                      "the text encoder's token ids are made on the CPU")
+    config = checked_config(root, s.variant)
+    check_memory(s, config, vae_config(root))  # before any work
     encoder = PromptEncoder.load(root, dtype=s.torch_dtype)
-    joint = read_config(root).joint_attention_dim
+    joint = config.joint_attention_dim
     if encoder.model.config.hidden_size != joint:
         raise DriftToolError(f"--checkpoint {root}: the text encoder is {encoder.model.config.hidden_size} "
                              f"wide, the transformer's joint_attention_dim is {joint}")

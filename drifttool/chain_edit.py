@@ -49,19 +49,22 @@ import torch
 
 from drifttool.chain import ChainStages, DeferredCapture, image_paths, prompt_rows
 from drifttool.edit_images import PROMPT_IMAGE_AREA, VAE_IMAGE_AREA, pipeline_size, resize_images
-from drifttool.errors import DriftToolError, UnsupportedConfigError
-from drifttool.fixture import DEFAULT_FIXTURE, load_fixture, locate
-from drifttool.model.checkpoint import read_config
+from drifttool.errors import DriftToolError, FixtureError, UnsupportedConfigError
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.memory import check_memory
+from drifttool.model.checkpoint import checked_config, read_config
 from drifttool.model.vae import QwenImageVAE
-from drifttool.model.vae_checkpoint import load_vae
+from drifttool.model.vae_checkpoint import load_vae, vae_config
 from drifttool.model.weights import weight_digest
 from drifttool.ops.registry import call
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
 from drifttool.sampling.input_files import ExternalInputs
+from drifttool.sampling.presets import check_conditions
 from drifttool.settings import RunSpec, resolve
-from drifttool.setting_checks import PATCH_PIXELS
+from drifttool.setting_checks import PATCH_PIXELS, check_mode
 from drifttool.text_encoder import EDIT, EDIT_PLUS, PromptEncoder, encode_prompts
+from drifttool.text_encoder.encode import POSITIONS
 
 PLUS = "diffusers-edit-plus"
 
@@ -196,7 +199,8 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
             ``read_image``; condition files given too; an area as ``edit_images.pipeline_size``,
             or a prompt area without the edit-plus preset; prompts with prompt files, with several
             images without the edit-plus preset, not one per sample, or a text encoder whose
-            width is not the transformer's; as ``resolve``.
+            width is not the transformer's; as ``resolve``; a run that does not fit in memory
+            (``memory.check_memory``).
         UnsupportedConfigError: a device other than the CPU.
         CheckpointError: the VAE or the text encoder cannot be loaded.
     """
@@ -204,13 +208,25 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
         raise DriftToolError("an edit run needs at least one condition image")
     if spec.condition is not None:
         raise DriftToolError("condition images and a --condition latents file exclude each other")
-    if spec.checkpoint is None and spec.fixture is not None and (locate(spec.fixture) / "vae").is_dir():
-        spec = dataclasses.replace(spec, checkpoint=locate(spec.fixture))  # an edit fixture is a pipeline folder
-    if spec.preset is None and spec.fixture is not None:  # an edit fixture's own preset
-        spec = dataclasses.replace(spec, preset=load_fixture(spec.fixture).settings.get("preset"))
+    own = None if spec.fixture is None else load_fixture(spec.fixture)
+    if own is not None and own.meta.get("chain") is not None:
+        raise DriftToolError(
+            f"--fixture {spec.fixture}: a text-to-image chain fixture (prompt → image); --image needs an "
+            "edit pipeline: an edit fixture such as tiny-edit, or a --checkpoint pipeline folder with an "
+            "edit preset (--preset diffusers-edit, or diffusers-edit-plus for several images)")
+    if spec.checkpoint is None and own is not None and (own.path / "vae").is_dir():
+        spec = dataclasses.replace(spec, checkpoint=own.path)  # an edit fixture is a pipeline folder
+    if spec.preset is None and own is not None and own.settings.get("preset") is not None:
+        spec = dataclasses.replace(spec, preset=own.settings["preset"])  # an edit fixture's own preset
+        if check_mode(spec.mode).family != "production":
+            raise UnsupportedConfigError(
+                f"--fixture {spec.fixture} runs under its preset {spec.preset!r} (a production "
+                f"pipeline's arithmetic), which needs --mode auto (or off), not {spec.mode}")
     if spec.checkpoint is None or not Path(spec.checkpoint).is_dir():
         raise DriftToolError("an edit run from images needs a pipeline folder (--checkpoint with vae/ "
                              "beside transformer/, or --fixture tiny-edit: the shipped one)")
+    if spec.preset is not None:  # before the prompts: several images under the one-image preset
+        check_conditions(spec.preset, condition_images, source="--image")
     _check_prompts(spec, prompts, negative_prompts, condition_images)
     vae_area, prompt_area = _areas(spec, vae_area, prompt_area)
     if prompts is None:
@@ -237,6 +253,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")
+    check_memory(s, checked_config(root, s.variant), vae_config(root))  # before any work
     paths = image_paths(out, s.labels, overwrite)  # before any work
     rows = None if prompts is None else prompt_rows(prompts, list(s.samples), "prompt")
     neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, list(s.samples), "negative prompt")
@@ -277,22 +294,28 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
              overwrite: bool = False, **execute_kw: Any) -> dict[str, Any]:
     """Run an edit from its condition images (and prompts: given, or an edit fixture's; module
     docstring) into the artifact ``out``; ``execute``'s summary plus ``images`` (the PNG paths
-    written) and ``prompts`` (those encoded, one per sample; None without).
+    written), ``prompts`` (those encoded, one per sample; None without) and ``cfg`` (whether
+    CFG ran).
 
     ``positions`` None: the edit fixture's ``prompt_positions``, else ``"rope_index"``.
 
     Raises:
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
-        condition images, say); ``FixtureError``: a malformed ``edit`` section of the fixture.
+        condition images, say); ``FixtureError``: a malformed ``edit`` section of the fixture
+        (its ``prompt_positions`` not one of ``text_encoder.encode.POSITIONS``, say).
     """
     own = fixture_edit(spec)
     if prompts is None and negative_prompts is None and spec.prompt_embeds is None \
             and spec.negative_prompt_embeds is None and "prompts" in own:
         prompts, negative_prompts = own["prompts"], own.get("negative_prompts")
+    if positions is None and own.get("prompt_positions", POSITIONS[0]) not in POSITIONS:
+        raise FixtureError(f"{load_fixture(spec.fixture or DEFAULT_FIXTURE).path}: fixture.json 'edit' "
+                           f"prompt_positions {own['prompt_positions']!r}: one of {', '.join(POSITIONS)}")
     positions = positions or own.get("prompt_positions", "rope_index")
     spec, stages = prepare_edit(spec, out, condition_images=condition_images, prompts=prompts,
                                 negative_prompts=negative_prompts, positions=positions, vae_area=vae_area,
                                 prompt_area=prompt_area, overwrite=overwrite)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
+    ran = dataclasses.replace(stages.settings, external=stages.external)  # the trajectory's inputs
     return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else [],
-            "prompts": stages.record.get("prompts")}
+            "prompts": stages.record.get("prompts"), "cfg": ran.cfg_branches == 2}

@@ -9,11 +9,11 @@ content digest over every file so that anyone can re-verify them.
       seal.json                 xxh3_128 and size of every other file + one content digest
 
 A chain fixture (``tiny-t2i-chain``: ``fixture.json`` has ``chain`` with the prompts) is also a
-pipeline folder (``model_index.json``, ``tokenizer/``, ``text_encoder/``, ``vae/``; no
-``prompts.safetensors``); so is an edit fixture (``tiny-edit``: ``edit`` names its condition
-images and its prompts, ``Fixture.edit``), whose text encoder holds the vision tower and whose
-``processor/`` and ``scheduler/`` make it a whole ``QwenImageEditPipeline`` folder, the images
-beside. Both keep the image their expected run decoded (``expected.png``). ``drifttool.verify``
+pipeline folder (``model_index.json``, ``scheduler/``, ``tokenizer/``, ``text_encoder/``,
+``vae/``, as ``QwenImagePipeline.from_pretrained`` loads it; no ``prompts.safetensors``); so is
+an edit fixture (``tiny-edit``: ``edit`` names its condition images and its prompts,
+``Fixture.edit``), whose text encoder holds the vision tower and whose ``processor/`` makes it a
+whole ``QwenImageEditPipeline`` folder, the images beside. Both keep the image their expected run decoded (``expected.png``). ``drifttool.verify``
 tells the kinds apart and re-runs each.
 
 ``verify`` checks the seal (a tampered file fails before anything runs), re-runs the fixture in

@@ -25,7 +25,8 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
-from drifttool.model.checkpoint import load_checkpoint
+from drifttool.memory import check_memory
+from drifttool.model.checkpoint import checked_config, load_checkpoint
 from drifttool.model.checkpoint_files import index_warnings
 from drifttool.model.graphs import GraphedForward
 from drifttool.model.lora import has_lora
@@ -158,7 +159,8 @@ def execute(
         A summary: out, complete, steps, samples, mode, capture, records.
     Raises:
         DriftToolError (or subclasses): bad settings, checkpoint, fixture, strict configuration
-            or artifact location.
+            or artifact location; one process whose run does not fit in memory
+            (``memory.check_memory``, before the model loads).
     """
     fx, s = resolve(spec)
     if stages is not None:
@@ -168,6 +170,9 @@ def execute(
     device = run_device(s.device, dist)
     source = getattr(model, "source", None) if model is not None else None
     warnings: list[str] = []
+    if stages is None and not dist.distributed:  # a chain or edit run checked it before its stages
+        config = checked_config(s.checkpoint or fx.model_dir, s.variant) if model is None else model.config
+        check_memory(s, config)  # before the model loads
     if model is None:
         warnings = index_warnings(s.checkpoint or fx.model_dir, s.variant)
         model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant,

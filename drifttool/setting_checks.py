@@ -24,6 +24,7 @@ from drifttool.components import DEFAULT_COMPONENT
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
+from drifttool.ops.scheduler.sigmas import flow_sigma_table
 from drifttool.runtime import Mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -125,3 +126,35 @@ def check_pixels(key: str, value: Any) -> int:
         raise DriftToolError(f"{key} must be a multiple of {PATCH_PIXELS} pixels from {PATCH_PIXELS} "
                              f"to {MAX_PIXELS} (8x VAE downsampling, 2x2 patches), got {value!r}")
     return value
+
+
+def _finite_table(steps: int, tokens: int) -> bool:
+    try:
+        flow_sigma_table(steps, tokens)
+    except UnsupportedConfigError:
+        return False
+    return True
+
+
+def check_sigma_table(steps: int, img_grid: tuple[int, int]) -> None:
+    """Refuse an image size whose ``steps``-step sigma table (``flow_sigma_table``, the run's
+    dynamic shift from the h·w image tokens) is not finite: past about 3.3e5 tokens at 3 steps,
+    4.0e5 at 50 (9264x9264 and 10160x10160 px squares). Finiteness is not monotone in the token
+    count near there (fp32 ties), so it is computed, not stored; the message names the largest
+    square up to which every square image runs.
+
+    Raises:
+        UnsupportedConfigError: one line naming the size, μ, why, and that largest square.
+    """
+    h, w = img_grid
+    try:
+        flow_sigma_table(steps, h * w)
+        return
+    except UnsupportedConfigError as e:
+        why = str(e)
+    side = 1  # patches a side
+    while side < MAX_PIXELS // PATCH_PIXELS and _finite_table(steps, (side + 1) ** 2):
+        side += 1
+    raise UnsupportedConfigError(
+        f"--height {h * PATCH_PIXELS} --width {w * PATCH_PIXELS}: {why}; at {steps} steps every "
+        f"square image up to {side * PATCH_PIXELS}x{side * PATCH_PIXELS} px runs")

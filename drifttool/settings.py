@@ -50,7 +50,7 @@ from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import (apply_preset, check_conditions, get_preset, preset_inputs,
                                         preset_settings)
 from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
-                                      check_mode_device, check_pixels)
+                                      check_mode_device, check_pixels, check_sigma_table)
 
 MAX_STEPS = 1000
 """Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
@@ -328,8 +328,9 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             variant without a checkpoint; sample labels not one per sample; an unknown preset,
             or an explicit setting it contradicts (``sampling.presets.preset_settings``;
             ``UnsupportedConfigError`` for a preset under mode strict or audit); an unknown or
-            unavailable device; height or width not a multiple of 16 in 16..``MAX_PIXELS``;
-            a bad input file (``sampling.input_files``).
+            unavailable device; height or width not a multiple of 16 in 16..``MAX_PIXELS``,
+            or a size whose sigma table is not finite (``check_sigma_table``, an
+            ``UnsupportedConfigError``); a bad input file (``sampling.input_files``).
         UnsupportedConfigError: a mode whose family cannot run on the device (strict on CUDA,
             ``check_mode_device``).
         FixtureError: the fixture cannot be found or read.
@@ -342,9 +343,9 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
          for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
                      "timestep_policy")}
     preset = spec.preset if spec.preset is not None else base.get("preset")  # a fixture's own
+    if s["dtype"] not in DTYPES:
+        raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
     if preset is not None:
-        if s["dtype"] not in DTYPES:
-            raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
         s.update(preset_settings(preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
                                  asked={k: getattr(spec, k) for k in ("cfg_layout", "timestep_policy", "eta")}))
     steps = _check_steps(s["steps"])
@@ -359,8 +360,6 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     device = check_device("cpu" if spec.device is None else spec.device)
     check_mode_device(mode, device)
     lora_mode = _lora_mode(spec, mode)
-    if s["dtype"] not in DTYPES:
-        raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
     capture = check_level(s["capture"])
     if spec.variant is not None and not spec.checkpoint:
         raise DriftToolError("a weight variant needs a checkpoint (--variant goes with --checkpoint)")
@@ -368,6 +367,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     missing = [k for k, v in (("seed", s["seed"]), ("img_grid", grid)) if v is None]
     if missing:
         raise DriftToolError(f"{fx.path}: fixture settings lack {', '.join(missing)}")
+    check_sigma_table(steps, grid)  # before any work: a size whose dynamic shift breaks the table
     explicit = spec.samples is not None or spec.batch is not None
     external = None
     files = (spec.prompt_embeds, spec.negative_prompt_embeds, spec.latents, spec.condition)

@@ -12,8 +12,8 @@ encoder, tokenizer and VAE are ``None``: prompt embeddings are passed directly a
 (``vae_scale_factor`` is then diffusers' default 8, as Qwen-Image's VAE has).
 
 ``chain_pipeline()`` is the whole pipeline of a folder (by default the shipped
-``fixtures/tiny-t2i-chain``: tokenizer, text encoder, transformer, VAE), loaded with
-``from_pretrained`` as a user loads it.
+``fixtures/tiny-t2i-chain``: tokenizer, text encoder, transformer, VAE and that scheduler's
+config), loaded with ``from_pretrained`` as a user loads it.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def tiny_pipeline(transformer: torch.nn.Module):
 
 
 def chain_pipeline(folder: Path = CHAIN_FOLDER, dtype: torch.dtype = torch.bfloat16):
-    """``QwenImagePipeline.from_pretrained(folder)`` with Qwen-Image's scheduler (the folder has
-    none). The folder's ``text_encoder/`` holds the language model only (drifttool reads no vision
+    """``QwenImagePipeline.from_pretrained(folder)``, its scheduler the folder's. The folder's
+    ``text_encoder/`` holds the language model only (drifttool reads no vision
     tower): its config's default vision tower (32 blocks, never run for text prompts) is made one
     block deep so that loading takes a second instead of a minute; the language model is the
     folder's."""
@@ -73,7 +73,6 @@ def chain_pipeline(folder: Path = CHAIN_FOLDER, dtype: torch.dtype = torch.bfloa
                                                 fullatt_block_indexes=[0])
     te = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder / "text_encoder", config=cfg, dtype=dtype, local_files_only=True).eval()
-    pipe = QwenImagePipeline.from_pretrained(folder, text_encoder=te, scheduler=qwen_image_scheduler(),
-                                             dtype=dtype, local_files_only=True)
+    pipe = QwenImagePipeline.from_pretrained(folder, text_encoder=te, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -153,7 +153,7 @@ FLOORS = [
     {"distributed/"},
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},
-    {"runner"},
+    {"runner", "memory"},
     {"launch", "verify", "chain", "chain_edit", "adapters/"},
     {"training/"},
     {"probes/", "reports/"},

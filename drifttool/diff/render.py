@@ -168,14 +168,15 @@ def _first_ops_table(report: DiffReport) -> Table | None:
 
 
 def _semantic(report: DiffReport, console: Console) -> None:
-    """The semantic mismatch first: its verdict line and one line per program difference (nothing
-    when the runs are the same program)."""
+    """The semantic mismatch first: its verdict line, counting what it lists, then one line per
+    program difference and per unrecorded field (nothing when the runs are the same program)."""
     sem = report.semantic
     if sem is None or not sem.mismatch:
         return
-    n = len(sem.differences)
+    n, u = len(sem.differences), len(sem.unrecorded)
+    unrecorded = f", {u} unrecorded field{'s' if u > 1 else ''}" if u else ""
     console.print(f"[bold magenta]SEMANTIC MISMATCH[/]  {n} program difference"
-                  f"{'s' if n > 1 else ''}: the runs are different programs", highlight=False)
+                  f"{'s' if n > 1 else ''}{unrecorded}: the runs are different programs", highlight=False)
     for d in sem.differences:
         console.print(f"  - {d}", highlight=False, markup=False)
     for line in sem.unrecorded:

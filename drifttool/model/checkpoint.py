@@ -231,6 +231,21 @@ def _reported(tensors: Iterator[tuple[str, torch.Tensor]], sizes: list[int]) -> 
         report(done, total)
 
 
+def checked_config(path: str | Path, variant: str | None = None) -> MMDiTConfig:
+    """The ``MMDiTConfig`` of a transformer or pipeline folder, checked against its safetensors
+    headers as ``load_checkpoint`` checks it first (no tensor read): what a run can size itself
+    by before it loads anything.
+
+    Raises:
+        As ``load_checkpoint`` before it reads a tensor (files, config, shapes, variant).
+    """
+    check_variant(variant)
+    folder = transformer_folder(path)
+    config = read_config(folder)
+    check_shapes(config, read_shapes(weight_files(folder, variant)))
+    return config
+
+
 def load_checkpoint(
     path: str | Path,
     *,

@@ -20,7 +20,7 @@ from drifttool.model.checkpoint_files import (
     CONFIG_NAME, component_folder, read_json_object, read_shapes, weight_files,
 )
 from drifttool.model.checkpoint_stream import read_tensors
-from drifttool.model.vae import QwenImageVAE, from_diffusers_config
+from drifttool.model.vae import QwenImageVAE, VAEConfig, from_diffusers_config
 
 VAE_SUBFOLDER = "vae"
 VAE_CLASS = "AutoencoderKLQwenImage"
@@ -36,6 +36,16 @@ def vae_folder(path: str | Path) -> Path:
     return component_folder(path, VAE_SUBFOLDER, VAE_CLASS, "VAE")
 
 
+def vae_config(path: str | Path) -> VAEConfig:
+    """The ``VAEConfig`` of a VAE folder or a pipeline's ``vae/``, no weight read.
+
+    Raises:
+        CheckpointError: as ``vae_folder``; an unreadable ``config.json``.
+        UnsupportedConfigError: a config drifttool does not implement (``from_diffusers_config``).
+    """
+    return from_diffusers_config(read_json_object(vae_folder(path) / CONFIG_NAME))
+
+
 def load_vae(path: str | Path, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> QwenImageVAE:
     """Load a VAE folder (or a pipeline folder's ``vae/``) into a ``QwenImageVAE`` in ``dtype``.
@@ -48,7 +58,7 @@ def load_vae(path: str | Path, *, dtype: torch.dtype = torch.float32,
         UnsupportedConfigError: a config drifttool does not implement (``from_diffusers_config``).
     """
     folder = vae_folder(path)
-    config = from_diffusers_config(read_json_object(folder / CONFIG_NAME))
+    config = vae_config(folder)
     files = weight_files(folder)
     with torch.device("meta"):
         vae = QwenImageVAE(config)

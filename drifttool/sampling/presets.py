@@ -130,8 +130,10 @@ def get_preset(name: str) -> Preset:
         raise DriftToolError(f"unknown preset {name!r} (one of {', '.join(PRESET_NAMES)})") from None
 
 
-def check_conditions(name: str, cond_grids: Sequence[Sequence[int]]) -> None:
-    """Refuse condition images the preset's pipeline does not take (``Preset.conditions``).
+def check_conditions(name: str, cond_grids: Sequence, *, source: str = "--condition") -> None:
+    """Refuse condition images the preset's pipeline does not take (``Preset.conditions``):
+    ``cond_grids`` has one entry per image (its grid, or its file: only the count matters);
+    ``source`` names where they come from (``--condition`` latents, or ``--image``).
 
     Raises:
         DriftToolError: unknown preset; too few or too many condition images (one line).
@@ -141,12 +143,13 @@ def check_conditions(name: str, cond_grids: Sequence[Sequence[int]]) -> None:
     k = len(cond_grids)
     if k < least or (most is not None and k > most):
         if most == 0:
-            want = "no condition image (give one with --preset diffusers-edit or diffusers-edit-plus)"
+            want = f"no condition image ({source} needs --preset diffusers-edit or diffusers-edit-plus)"
         else:
-            images = f"{least} condition image{'s' * (least != 1)} (--condition)"
+            images = f"{least} condition image{'s' * (least != 1)} ({source})"
             want = f"at least {images}" if most is None else f"exactly {images}"
+        more = "; several take --preset diffusers-edit-plus" if most == 1 and k > 1 else ""
         raise DriftToolError(f"preset {name!r} reproduces {p.pipeline}, which takes {want}; "
-                             f"the run has {k}")
+                             f"the run has {k}{more}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

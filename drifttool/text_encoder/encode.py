@@ -200,7 +200,7 @@ def _encode_with_images(encoder: PromptEncoder, prompts: Sequence[str], rt: Runt
         raise UnsupportedConfigError(f"the {template.name} template needs the vision tower "
                                      "(PromptEncoder.load(..., vision=True))")
     if positions not in POSITIONS:
-        raise UnsupportedConfigError(f"positions {positions!r}: one of {', '.join(POSITIONS)}")
+        raise UnsupportedConfigError(f"prompt positions {positions!r}: one of {', '.join(POSITIONS)}")
     per_prompt = _per_prompt(images, prompts, template)
     texts = [template.format(p, len(imgs)) for p, imgs in zip(prompts, per_prompt)]
     tok, tower, m = encoder.tokenizer, encoder.vision, encoder.vision.config.spatial_merge_size

@@ -206,6 +206,7 @@ def test_an_edit_plus_prompt_capture_diffs_identical_against_the_edit_run(folder
     doc = json.loads(out)
     assert code == ExitCode.DRIFT and doc["verdict"] == "identical", out
     assert [d["field"] for d in doc["semantic"]["differences"]] == ["attention backend"], out
+    assert doc["semantic"]["unrecorded"] == ["seed: not recorded in run B"], out  # as the README says
 
 
 def test_rope_index_positions_are_captured_when_the_text_encoder_gets_token_types(folder, tmp_path, monkeypatch):

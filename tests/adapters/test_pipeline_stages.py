@@ -136,6 +136,19 @@ def test_prompt_capture_diffs_identical_against_drifttool_run(captured, cli_run)
     assert (stages[0]["weights"], stages[2]["weights"]) == (chain["text_encoder_weights"], chain["vae_weights"])
 
 
+def test_drifttool_diff_of_the_pair_exits_1_for_the_attention_backend_alone(captured, cli_run, cli):
+    """What the README says of this pair: every record IDENTICAL, exit 1 for the semantic check's
+    attention backend (drifttool's production SDPA vs diffusers' dispatcher); the pipeline's seed
+    is not recorded, listed too, and counted in the mismatch line."""
+    code, out = cli("diff", cli_run, captured[2].path)
+    lines = out.splitlines()
+    assert code == ExitCode.DRIFT, out
+    assert lines[0] == ("SEMANTIC MISMATCH  1 program difference, 1 unrecorded field: the runs are "
+                        "different programs"), out
+    assert lines[1].startswith("  - attention backend: ") and lines[2] == "  - unrecorded: seed: not recorded in run B"
+    assert lines[3].startswith("IDENTICAL"), out
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_padded_prompts_diff_identical_against_the_chain(pipe, tmp_path, dtype):
     """Two samples whose prompts (and negative prompts) have different lengths: padded text

@@ -5,17 +5,20 @@ sequential``, what the pipeline gets from transformers 5.x) and of the fixture's
 embeddings, and the whole pipeline call (its resize area shrunk to the fixture's) decodes the
 fixture's ``expected.png``.
 
-The byte tests pass ``from_pretrained`` a processor assembled from the folder's own
-``processor/`` files (transformers' PIL image processor, whose resize drifttool reproduces, and
-the tokenizer; no video processor) and load every other component from the folder: transformers
-builds ``Qwen2VLProcessor``'s video processor only with torchvision, which this environment
-lacks. Where torchvision is installed, ``from_pretrained(folder)`` alone loads all six components
-(its image processor is then torchvision's, whose resize is not drifttool's: no bytes compared)."""
+The pipeline is the README's recipe, run as written: ``from_pretrained`` given a processor
+assembled from the folder's own ``processor/`` files (transformers' PIL image processor, whose
+resize drifttool reproduces, and the tokenizer; no video processor), every other component from
+the folder: transformers builds ``Qwen2VLProcessor``'s video processor only with torchvision,
+which this environment lacks. Where torchvision is installed, ``from_pretrained(folder)`` alone
+loads all six components (its image processor is then torchvision's, whose resize is not
+drifttool's: no bytes compared); where it is not, that call fails as the README says."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,28 +27,26 @@ PIL = pytest.importorskip("PIL.Image")
 
 from drifttool.fixture import load_fixture, locate  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
-from tests.text_encoder.tiny_vision import as_tensor, processor, torch, transformers  # noqa: E402
+from tests.text_encoder.tiny_vision import as_tensor, torch  # noqa: E402
 
 FX = locate("tiny-edit")
 COMPONENTS = {"processor", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
 
 
-def _folder_processor():
-    """``Qwen2VLProcessor`` of the folder's ``processor/`` files, without a video processor, with
-    transformers' PIL image processor (the resize drifttool reproduces; the default where
-    torchvision is missing)."""
-    image = transformers.AutoImageProcessor.from_pretrained(FX / "processor", backend="pil", local_files_only=True)
-    assert type(image).__name__ == "Qwen2VLImageProcessorPil"
-    tok = transformers.AutoTokenizer.from_pretrained(FX / "processor", local_files_only=True)
-    return processor(tok, image)
+def _readme_recipe() -> str:
+    """The README's Python block that loads ``tiny-edit`` with ``from_pretrained``."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    after = text.split("`tiny-edit` is also a folder diffusers loads", 1)[1]
+    return re.search(r"^```python\n(.*?)^```$", after, re.S | re.M).group(1)
 
 
 @pytest.fixture(scope="module")
 def pipe():
-    from diffusers import QwenImageEditPipeline
-
-    pipe = QwenImageEditPipeline.from_pretrained(FX, processor=_folder_processor(), dtype=torch.bfloat16,
-                                                 local_files_only=True)
+    scope: dict = {}
+    exec(compile(_readme_recipe(), "README.md", "exec"), scope)
+    pipe = scope["pipe"]
+    assert type(pipe.processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert pipe.processor.video_processor is None
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -110,10 +111,13 @@ def test_the_pipeline_call_decodes_the_fixtures_expected_image(pipe, monkeypatch
     assert np.array_equal(np.asarray(out), np.asarray(PIL.open(FX / "expected.png")))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
-                    reason="transformers builds Qwen2VLProcessor's video processor only with torchvision")
-def test_from_pretrained_alone_loads_every_component():
+def test_from_pretrained_alone_loads_every_component_with_torchvision_only():
+    """As the README says: ``from_pretrained(folder)`` alone needs torchvision."""
     from diffusers import QwenImageEditPipeline
 
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(ImportError, match="Qwen2VLVideoProcessor requires the Torchvision library"):
+            QwenImageEditPipeline.from_pretrained(FX, local_files_only=True)
+        return
     pipe = QwenImageEditPipeline.from_pretrained(FX, local_files_only=True)
     assert set(pipe.components) == COMPONENTS and all(v is not None for v in pipe.components.values())

@@ -73,7 +73,7 @@ def test_a_strict_run_replays_identically(folder, tmp_path):
 
 
 @pytest.mark.parametrize("extra,expect", [
-    (["--image", "SECOND"], "one image"),
+    (["--image", "SECOND"], "exactly 1 condition image (--image)"),
     (["--prompt-embeds", "x.safetensors"], "exclude each other"),
     (["--prompt-positions", "3d", "--mode", "auto"], "positions"),
 ])

@@ -62,7 +62,8 @@ def test_the_shipped_edit_fixture_is_its_own_pipeline_preset_and_prompts(tmp_pat
     edit = json.loads((tmp_path / "short" / "manifest.json").read_text())["edit"]
     assert (edit["prompts"], edit["negative_prompts"], edit["prompt_positions"]) == (["make it blue"], ["cat"], "sequential")
     res = runner.invoke(app, short[:-2] + ["--mode", "strict", "-o", str(tmp_path / "strict")])
-    assert res.exit_code == ExitCode.USAGE and "use --mode auto" in res.output, res.output
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert "runs under its preset 'diffusers-edit'" in res.output and "needs --mode auto" in res.output, res.output
 
 
 def test_the_readme_edit_line_on_the_fixtures_image_is_its_expected_run(tmp_path):

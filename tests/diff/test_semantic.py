@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
+from rich.console import Console
 
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
@@ -147,6 +149,20 @@ def test_noise_provenance_only_when_the_noise_differs(manifest):
     assert check.verdict == "match"
     assert check.unrecorded == ["noise: SDE noise differ and run B records no seed or generator",
                                 "seed: not recorded in run B"]
+
+
+def test_the_mismatch_line_counts_every_line_it_lists(runs, manifest, capsys):
+    """A mismatch beside unrecorded fields (a pipeline capture against a drifttool run: no seed):
+    the header counts both, as many as the lines under it."""
+    foreign = _edit(_edit(manifest, ("settings", "seed"), None), ("replay", "noise"), None)
+    check = _check(manifest, _edit(foreign, ("fingerprint", "weights"), "xxh3_128:0"),
+                   ["inputs.noise: only in run A"])
+    assert (len(check.differences), len(check.unrecorded)) == (1, 2)
+    render(dataclasses.replace(_diff(runs, "s14", "s15"), semantic=check), Console(width=200))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("SEMANTIC MISMATCH  1 program difference, 2 unrecorded fields: the runs are "
+                        "different programs")
+    assert [ln.startswith("  - ") for ln in lines[1:5]] == [True, True, True, False], lines
 
 
 def test_lora_digest_scale_and_mode(manifest):

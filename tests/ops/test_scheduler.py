@@ -138,6 +138,30 @@ def test_sigma_table_matches_diffusers_bit_for_bit(num_steps, tokens):
     np.testing.assert_allclose(sig.numpy().astype(np.float64), r64, rtol=0, atol=SIGMA_ATOL)
 
 
+@pytest.mark.parametrize("num_steps,last_square,first_bad", [(3, 578, 334138), (4, 589, 347890), (50, 634, 402898)])
+def test_the_table_past_its_finite_range_is_refused_where_diffusers_gives_nan(num_steps, last_square, first_bad):
+    """Huge images: μ grows with the token count until e^μ/(e^μ + N − 1) rounds to 1 in fp32 and
+    the terminal stretch divides by 0. diffusers' scheduler then returns NaN; drifttool refuses
+    in one line, without numpy's warning. Below, the tables still equal diffusers' bytes
+    (``last_square``² patches: the largest square image, in patches a side, that runs)."""
+    import warnings
+
+    for tokens in (last_square ** 2, first_bad - 1):
+        d_sig, _ = _diffusers_sigmas(num_steps, tokens)
+        assert same_bytes(S.flow_sigma_table(num_steps, tokens), d_sig)
+    for tokens in (first_bad, (last_square + 1) ** 2, 640 * 640, 1024 * 1024):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # diffusers' own "invalid value encountered in divide"
+            d_sig, _ = _diffusers_sigmas(num_steps, tokens)
+        assert not torch.isfinite(d_sig).all()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none from drifttool
+            with pytest.raises(UnsupportedConfigError, match=rf"mu = .* makes the {num_steps}-step sigma "
+                               "table non-finite .*diffusers' FlowMatchEulerDiscreteScheduler computes the same NaN"):
+                S.flow_sigma_table(num_steps, tokens)
+    assert all(torch.isfinite(S.flow_sigma_table(num_steps, n)).all() for n in range(first_bad - 2000, first_bad))
+
+
 def test_sigma_table_rejects_bad_input():
     with pytest.raises(UnsupportedConfigError):
         S.flow_sigma_table(1, 1024)

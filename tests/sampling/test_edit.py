@@ -272,12 +272,15 @@ def test_presets_check_condition_counts():
     check_conditions("diffusers", ())
     one = r"1 condition image \(--condition\)"  # one image, not "image(s)"
     for name, grids, msg in (("diffusers-edit", (), f"exactly {one}; the run has 0$"),
-                             ("diffusers-edit", ((1, 1),) * 2, f"exactly {one}; the run has 2$"),
+                             ("diffusers-edit", ((1, 1),) * 2,
+                              f"exactly {one}; the run has 2; several take --preset diffusers-edit-plus$"),
                              ("diffusers-edit-plus", (), f"at least {one}; the run has 0$"),
                              ("diffusers", ((2, 2),), "no condition"),
                              ("flow-grpo", ((2, 2),), "no condition")):
         with pytest.raises(DriftToolError, match=msg):
             check_conditions(name, grids)
+    with pytest.raises(DriftToolError, match=r"exactly 1 condition image \(--image\); the run has 2;"):
+        check_conditions("diffusers-edit", ((1, 1),) * 2, source="--image")
 
 
 # -- the pipeline itself, captured -----------------------------------------------------------------

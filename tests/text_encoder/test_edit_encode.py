@@ -121,6 +121,27 @@ def test_rope_index_and_token_ids_are_transformers(pipe, ours, images):
     assert ids == [row[m.bool()].tolist() for row, m in zip(inputs["input_ids"], inputs["attention_mask"])]
 
 
+def test_text_only_prompts_take_the_same_positions_under_either_rule(pipe, ours):
+    """``--prompt-positions`` (its help says so) changes nothing without a condition image: on
+    text-only prompts the rope index (drifttool's, and transformers' ``get_rope_index``) gives
+    each valid token 0..n-1 on the three axes, as ``sequential`` and the text-to-image encode
+    (``text_positions``) do; padding positions are masked either way."""
+    from drifttool.text_encoder.model import text_positions
+
+    rows = ours.tokenizer.encode([T2I.format(p) for p in PROMPTS])
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [ours.tokenizer.pad_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    assert len(set(map(len, rows))) > 1  # padded rows
+    got = implementation("te_vision_rope_index", "strict")(ids, mask, ours.image_token_id,
+                                                           torch.zeros(0, 3, dtype=torch.int64), 2)
+    want, _ = pipe.text_encoder.model.get_rope_index(ids, torch.zeros_like(ids), image_grid_thw=None,
+                                                     attention_mask=mask)
+    valid = mask.bool()
+    sequential = text_positions(*ids.shape)
+    assert got[:, valid].equal(sequential[:, valid]) and want[:, valid].equal(sequential[:, valid])
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2], [2, 1, 0], [1, 2, 2]], ids=["abc", "cba", "bcc"])
 def test_strict_prompt_bytes_do_not_depend_on_the_batch(ours, images, order):
     prompts, imgs = [PROMPTS[i] for i in order], [images[i] for i in order]

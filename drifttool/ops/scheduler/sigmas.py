@@ -63,15 +63,25 @@ def _sigma_table_np(
     s0 = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)  # [N]
     # Exponential shift with exponent 1: e^μ / (e^μ + (1/σ⁰ − 1)). e^μ is a binary64 libm value
     # rounded once to fp32 (NumPy 2 keeps fp32 for python-float operands); every op below is a
-    # single correctly rounded fp32 op.
-    e_mu = np.float32(math.exp(mu))
-    s1 = e_mu / (e_mu + (one / s0 - one))
-    if shift_terminal:
-        one_minus = one - s1
-        scale = one_minus[-1] / np.float32(1.0 - shift_terminal)
-        s1 = one - one_minus / scale
+    # single correctly rounded fp32 op. A table that comes out non-finite is refused below, so
+    # numpy's warnings about it are silenced (the arithmetic is the same).
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        e_mu = np.float32(math.exp(mu) if mu < 709.0 else math.inf)  # fp32 inf past μ ≈ 88.7 either way
+        s1 = e_mu / (e_mu + (one / s0 - one))
+        if shift_terminal:
+            one_minus = one - s1
+            scale = one_minus[-1] / np.float32(1.0 - shift_terminal)
+            s1 = one - one_minus / scale
     out = np.concatenate([s1.astype(np.float32), np.zeros(1, np.float32)])  # [N+1], trailing +0
     assert out.dtype == np.float32
+    if not np.isfinite(out).all():
+        why = ("e^mu overflows fp32" if not np.isfinite(e_mu) else
+               "e^mu / (e^mu + 1/sigma - 1) rounds to 1 in fp32 at the last step, so the stretch to the "
+               f"terminal sigma {shift_terminal:g} divides by 1 - 1 = 0; diffusers' "
+               "FlowMatchEulerDiscreteScheduler computes the same NaN")
+        raise UnsupportedConfigError(
+            f"the scheduler's dynamic shift (mu = {mu:.4f} for {int(image_seq_len)} image tokens) makes "
+            f"the {num_steps}-step sigma table non-finite ({why})")
     return out
 
 
@@ -106,7 +116,10 @@ def _flow_sigma_table(
 
     Raises:
         ValueError: non-positive ``num_steps`` or ``image_seq_len``.
-        UnsupportedConfigError: ``num_steps == 1`` with a terminal stretch (0/0).
+        UnsupportedConfigError: ``num_steps == 1`` with a terminal stretch (0/0); a table that
+            is not finite: past about 3.3e5 image tokens (3 steps; 4.0e5 at 50) e^μ/(e^μ + N − 1)
+            rounds to 1 in fp32 and the terminal stretch divides by 0, where diffusers' scheduler
+            returns NaN.
     """
     table = _sigma_table_np(
         num_steps, image_seq_len, base_shift=base_shift, max_shift=max_shift,
