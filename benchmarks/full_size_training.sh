@@ -33,13 +33,19 @@
 # another key sequence, and on the GPU autograd may pick other kernels (docs/train-rollout.md,
 # "The trainer's layout").
 #
-# Why not `drifttool experiment train-rollout` and `experiment grpo`: both run a fixture's model
-# and settings. train-rollout takes --fixture, --device, --height and --width but no
-# --checkpoint, --lora, --steps or --cfg-scale (it attaches its own fresh rank-4 adapter), and
-# grpo takes only --device, --height and --width (always the embedded tiny-t2i fixture). So the
-# cells are built here from run, recompute and diff with --mode strict and --mode auto, and the
-# first-epoch ratio (epoch 0 of Flow-GRPO's inner loop: the parameters that sampled) is what
-# `diff --clip-range` reports on each cell.
+# `drifttool experiment train-rollout` now takes --checkpoint, --lora (used as it is, no fresh
+# adapter), --steps, --cfg-scale and --batch besides --device, --height and --width, so the four
+# cells of parts 5 to 8 are also one command, in one process (all four in one call, longer than
+# a part here), with each cell's first-epoch ratio and the rollout's toy reward in its table:
+#   drifttool experiment train-rollout --checkpoint "$CKPT" --lora "$LORA" --device "$DEVICE" \
+#     --height "$SIZE" --width "$SIZE" --steps "$STEPS" --cfg-scale 4 --batch "$BATCH" \
+#     --capture "$CAPTURE" --clip-range "$CLIP" -o "$WORK/cells"
+# This script keeps its parts (each fits a call of 10 minutes, resumes from WORK_DIR, and adds
+# the replay and the whole-batch and checkpointed trainer layouts): its cells are built from run,
+# recompute and diff with --mode strict and --mode auto, and the first-epoch ratio (epoch 0 of
+# Flow-GRPO's inner loop: the parameters that sampled) is what `diff --clip-range` reports on each
+# cell. `experiment grpo` still takes only --device, --height and --width (always the embedded
+# tiny-t2i fixture).
 #
 # The rollout: sample(s) 0..BATCH-1 of the default fixture's prompts (N(0, 1) embeddings drawn at
 # the checkpoint's text width), SIZE×SIZE pixels, STEPS steps, true CFG at scale 4 (batched), the

@@ -1,6 +1,8 @@
 """``drifttool experiment train-rollout|grpo``: rollout/trainer backend combinations.
 
     drifttool experiment train-rollout -o exp/
+    drifttool experiment train-rollout --checkpoint Qwen-Image --lora my-lora --device cuda \
+        --height 1024 --width 1024 --steps 10 --cfg-scale 4 -o exp-full/
     torchrun --standalone --nproc-per-node 2 -m drifttool experiment train-rollout --tp 2 \
         --combos strict/strict -o exp-tp2/
 
@@ -18,7 +20,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from drifttool.cli import _completion, _layout, _paths
+from drifttool.cli import _checkpoint, _completion, _layout, _paths
 from drifttool.cli._command import Command
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
@@ -26,7 +28,8 @@ from drifttool.cli._threads import threaded
 from drifttool.errors import DriftToolError
 from drifttool.exit_codes import EXIT_HELP
 
-app = typer.Typer(help="Train-rollout experiments on the embedded default.", epilog=EXIT_HELP,
+app = typer.Typer(help="Train-rollout experiments: rollout/train backend combinations.",
+                  epilog=EXIT_HELP,
                   no_args_is_help=True)
 
 
@@ -77,10 +80,18 @@ def train_rollout_cmd(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Directory for the artifacts and the result table."),
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture (default tiny-t2i)."),
+    checkpoint: Optional[Path] = _checkpoint.option("Replaces the fixture's model in every rollout and trainer."),
+    lora: Optional[Path] = typer.Option(
+        None, help="LoRA adapter (peft folder or .safetensors) used as it is by every rollout and "
+                   "trainer (default: a fresh one, --lora-rank/--lora-alpha, written to OUT/lora)."),
+    steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000; default: the fixture's)."),
+    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1; default: the fixture's)."),
+    batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
     capture: str = typer.Option("L1", autocompletion=_completion.levels, help="Capture level of every artifact."),
     micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them (0: the rollout's batch)."),
-    lora_rank: int = typer.Option(4, min=1), lora_alpha: float = typer.Option(8.0),
+    lora_rank: Optional[int] = typer.Option(None, min=1, help="Rank of the fresh adapter (default 4; not with --lora)."),
+    lora_alpha: Optional[float] = typer.Option(None, help="Alpha of the fresh adapter (default 8; not with --lora)."),
     gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
     grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
@@ -100,34 +111,41 @@ def train_rollout_cmd(
     cfg_parallel: int = _layout.cfg_parallel_option(),
 ) -> None:
     """Rollout/train combinations on matched replay inputs: v, latent (μ) and logp drift, SDE KL,
-    first drift and time; writes train_rollout.arrow and train_rollout.json to OUT. Under
-    torchrun every rollout and trainer runs in the launch's layout (a production side has no
-    TP/SP layout: --combos strict/strict there)."""
-    kwargs = dict(fixture=fixture, samples=_samples(samples), capture=capture,
+    first drift, the rollout's toy reward and time; writes train_rollout.arrow and
+    train_rollout.json to OUT. Every combination runs the same settings: the fixture's, or a
+    model of one's own (--checkpoint, --lora, --steps, --cfg-scale, --batch, --height/--width,
+    as `drifttool run` takes them). Under torchrun every rollout and trainer runs in the
+    launch's layout (a production side has no TP/SP layout: --combos strict/strict there)."""
+    kwargs = dict(fixture=fixture, checkpoint=checkpoint, lora=lora, samples=_samples(samples),
+                  batch=batch, steps=steps, cfg_scale=cfg_scale, capture=capture,
                   micro_batch=micro_batch or None, lora_rank=lora_rank, lora_alpha=lora_alpha,
                   gradient_checkpointing=gradient_checkpointing, grad=grad, combos=_combos(combos),
                   overwrite=overwrite, device=device, height=height, width=width,
                   clip_range=clip_range)
     from drifttool.training.experiment import train_rollout  # lazy: keeps torch out of `drifttool --help`
 
+    spec = {k: kwargs[k] for k in ("fixture", "checkpoint", "lora", "samples", "batch", "steps",
+                                   "cfg_scale", "capture", "device", "height", "width")}
     _command("experiment train-rollout", train_rollout, _print_train_rollout, out,
-             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=True)
+             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=True, spec=spec)
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
     t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
-    for col in ("v_t\nmax|Δ|", "v_t\nrel L2", "μ\nmax|Δ|", "logp_t\nmax|Δ|", "KL\nmax", "grad\nrel L2"):
+    for col in ("v_t\nmax|Δ|", "v_t\nrel L2", "μ\nmax|Δ|", "logp_t\nmax|Δ|", "KL\nmax", "grad\nrel L2",
+                "reward"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(_label(r), _num(r["v_max_abs"], 2), _num(r["v_rel_l2"], 2), _num(r["x_max_abs"], 2),
                   _num(r["logp_max_abs"], 2), _num(r["kl_max"], 2), _num(r["grad_rel_l2"], 2),
-                  style=None if r["identical"] else "red")
+                  f"{r['reward']:.4g}", style=None if r["identical"] else "red")
     console.print(t)
     console.print("worst over steps, samples and branches; μ: the transition mean the trainer "
-                  "predicts; grad: rel L2 of the LoRA gradients vs the strict/strict trainer's",
-                  highlight=False)
+                  "predicts; grad: rel L2 of the LoRA gradients vs the strict/strict trainer's; "
+                  "reward: the toy reward of the rollout's final latents (mean of latent channel 0, "
+                  "mean over samples; the trainer re-scores those latents)", highlight=False)
     f = Table(title="first drift", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     f.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
     for col in ("verdict", "step", "block", "op", "sample"):
@@ -200,30 +218,31 @@ def grpo_cmd(
     from drifttool.training.experiment import grpo_experiment  # lazy: keeps torch out of `drifttool --help`
 
     _command("experiment grpo", grpo_experiment, _print_grpo, out,
-             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=False)
+             (tp, sp, sp_attention, cfg_parallel), kwargs, sample_parallel=False,
+             spec=dict(device=device, height=height, width=width))
 
 
 def _command(command: str, fn, show, out: Path, layout: tuple, kwargs: dict, *,
-             sample_parallel: bool) -> None:
+             sample_parallel: bool, spec: dict) -> None:
     """An experiment command: ``_experiment`` under ``user_errors`` (one line per error, ranks
-    allowed), then ``show(rows, out)`` on rank 0."""
+    allowed), then ``show(rows, out)`` on rank 0. ``spec``: the ``RunSpec`` fields its runs
+    take from the command line (for the layout checks)."""
     rows = user_errors(_experiment, command=command, ranks=True)(
-        command, fn, out, layout, kwargs, sample_parallel=sample_parallel)
+        command, fn, out, layout, kwargs, sample_parallel=sample_parallel, spec=spec)
     if rows is not None:  # None: a rank other than 0 of a launch
         show(rows, out)
 
 
-def _check_combos(dims, kwargs: dict, command: str, launch) -> None:
+def _check_combos(dims, kwargs: dict, spec: dict, command: str, launch) -> None:
     """Refuse, alike on every rank, a layout the combinations' modes cannot run in (and a launch
-    of another size); nothing for one process."""
+    of another size) with the runs' settings ``spec`` (``RunSpec`` fields); nothing for one
+    process."""
     from drifttool.setting_checks import check_mode  # lazy: keeps torch out of `drifttool --help`
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
     from drifttool.training.grpo import MODES  # lazy: likewise
 
     if launch is None and not dims.parallel:
         return
-    spec = {k: kwargs[k] for k in ("fixture", "samples", "capture", "device", "height", "width")
-            if k in kwargs}
     fx, s = resolve(RunSpec(**spec))
     for mode in dict.fromkeys(m for pair in kwargs["combos"] for m in pair):
         try:
@@ -255,7 +274,7 @@ def _on_launch(dims, device: str, call):
 
 
 def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
-                sample_parallel: bool):
+                sample_parallel: bool, spec: dict):
     """``fn(out, progress=, **kwargs)`` (``train_rollout``, ``grpo_experiment``) in one process,
     or on torchrun's ranks in the layout of the options (``_check_combos``; without layout
     options sample-parallel, where ``sample_parallel`` allows it); rank 0's rows, None on the
@@ -273,7 +292,11 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
             from drifttool.diff.clip import check_clip_range  # lazy: keeps torch out of `--help`
 
             check_clip_range(kwargs["clip_range"])
-        _check_combos(dims, kwargs, command, launch)
+        if kwargs.get("lora") is not None:
+            from drifttool.training.experiment import check_adapter  # lazy: likewise
+
+            check_adapter(kwargs["lora"], kwargs["lora_rank"], kwargs["lora_alpha"])
+        _check_combos(dims, kwargs, spec, command, launch)
         check_out_dir(out, kwargs["overwrite"])
     call = lambda progress, **where: fn(out, progress=progress, **kwargs, **where)  # noqa: E731
     if launch is None:

@@ -5,11 +5,14 @@
     [('production/production', False), ('strict/production', False),
      ('production/strict', False), ('strict/strict', True)]
 
-``train_rollout`` on the embedded default (matched replay inputs: every combination re-scores
-the trajectory of its rollout from the same pinned noise and prompts):
+``train_rollout`` on the embedded default, or on a model of one's own (``checkpoint``: a pipeline
+or transformer folder; ``lora``: its adapter; ``steps``, ``cfg_scale``, ``batch``: the sampler's,
+as ``drifttool run`` takes them). Every combination runs the same settings (one ``RunSpec``,
+only the mode differs) on matched replay inputs: each re-scores the trajectory of its rollout
+from the same pinned noise and prompts.
 
-1. one LoRA adapter (rank 4, α 8, B ~ N(0, 0.02²) so every factor has a gradient) saved to
-   ``DIR/lora`` and used by every rollout and trainer;
+1. one LoRA adapter used by every rollout and trainer: ``lora`` as it is, else a fresh one
+   (rank 4, α 8, B ~ N(0, 0.02²) so every factor has a gradient) saved to ``DIR/lora``;
 2. a strict and a production rollout (``DIR/rollout-<mode>``);
 3. per combination rollout/train (production/production, strict/production, production/strict,
    strict/strict) a training recompute of that rollout (``DIR/train-<train>-on-<rollout>``) in
@@ -19,7 +22,11 @@ the trajectory of its rollout from the same pinned noise and prompts):
    branch), max |Δ| of the transition mean μ (the latent the trainer's step predicts; the stored
    latents x_t are the same bytes in both by construction), max |Δ| of logp_t, the largest KL of
    the SDE transition, the first drift; plus the rel L2 of the LoRA gradients against the
-   strict/strict trainer's, and the time of rollout and recompute.
+   strict/strict trainer's, the time of rollout and recompute, and the rollout's reward: the
+   mean over samples of ``training.grpo.toy_reward`` of its final latents x_N. The trainer
+   re-scores the stored transitions (x_t and x_{t+1} are the rollout's bytes) and computes no
+   final latents of its own, so the reward is the rollout's only; the trainer's drift on the
+   way to x_N is μ's.
 
 Under torchrun (``train_rollout(dist=, parallel=)``) every rollout and trainer runs on the
 launch's ranks in its layout (TP/SP/CFG-parallel, or sample-parallel without ``parallel``):
@@ -34,6 +41,7 @@ row per (combination, step, inner epoch).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -48,14 +56,15 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.clip import check_clip_range, clip_summary
 from drifttool.diff.compare import diff_runs
 from drifttool.collectives import barrier
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.model.lora_formats import read_adapter
 from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute, run_device
 from drifttool.setting_checks import check_mode, check_mode_device
 from drifttool.settings import RunSpec, resolve
-from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop
+from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop, toy_reward
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from drifttool.training.stored import load_rollout
@@ -69,7 +78,10 @@ TRAIN_ROLLOUT_SCHEMA = pa.schema([
     ("combo", pa.utf8()), ("rollout", pa.utf8()), ("train", pa.utf8()), ("verdict", pa.utf8()),
     ("identical", pa.bool_()), ("v_max_abs", pa.float64()), ("v_rel_l2", pa.float64()),
     ("x_max_abs", pa.float64()), ("logp_max_abs", pa.float64()), ("kl_max", pa.float64()),
-    ("grad_rel_l2", pa.float64()), ("first_drift", pa.utf8()), ("first_drift_step", pa.int32()),
+    ("grad_rel_l2", pa.float64()),
+    # the rollout's toy reward (``training.grpo.toy_reward`` of its final latents, mean over samples)
+    ("reward", pa.float64()),
+    ("first_drift", pa.utf8()), ("first_drift_step", pa.int32()),
     ("first_drift_block", pa.int32()), ("first_drift_op", pa.utf8()),
     ("first_drift_sample", pa.int32()), ("differing_records", pa.int64()),
     ("rollout_seconds", pa.float64()), ("train_seconds", pa.float64()),
@@ -77,7 +89,11 @@ TRAIN_ROLLOUT_SCHEMA = pa.schema([
     # with a clip range (``clip_range``): the log-prob drift against it (``diff.clip``)
     ("clip_range", pa.float64()), ("clip_verdict", pa.utf8()), ("clip_ratio_dev_max", pa.float64()),
     ("clip_fraction", pa.float64()), ("clip_max_abs", pa.float64()), ("clip_worst", pa.utf8()),
-], metadata={b"drifttool.table": b"train_rollout", b"drifttool.schema_version": b"2"})
+], metadata={b"drifttool.table": b"train_rollout", b"drifttool.schema_version": b"3"})
+"""Version 3 added ``reward``; version 2 the ``clip_*`` columns."""
+
+FRESH_LORA = {"rank": 4, "alpha": 8.0, "init_b_std": 0.02, "seed": 1}
+"""The fresh adapter ``train_rollout`` attaches without ``lora`` (rank, alpha defaults)."""
 
 
 def _worst(report, quantity: str, attr: str = "max_abs") -> float:
@@ -152,15 +168,38 @@ def _out_dir(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
+def check_adapter(lora: str | Path | None, lora_rank: int | None,
+                  lora_alpha: float | None) -> tuple[int | None, float | None]:
+    """The fresh adapter's (rank, alpha): the given ones, else ``FRESH_LORA``'s; (None, None)
+    with an adapter ``lora`` of one's own (the command line only: nothing is read).
+
+    Raises:
+        DriftToolError: ``lora`` with a rank or alpha (the adapter is used as it is).
+    """
+    if lora is None:
+        return (FRESH_LORA["rank"] if lora_rank is None else lora_rank,
+                FRESH_LORA["alpha"] if lora_alpha is None else lora_alpha)
+    given = [o for o, v in (("--lora-rank", lora_rank), ("--lora-alpha", lora_alpha)) if v is not None]
+    if given:
+        raise DriftToolError(f"{' and '.join(given)} set the fresh adapter's shape; --lora {lora} is "
+                             f"used as it is: drop {' and '.join(given)}")
+    return None, None
+
+
 def train_rollout(
     out: str | Path,
     *,
     fixture: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    lora: str | Path | None = None,
     samples: list[int] | None = None,
+    batch: int | None = None,
+    steps: int | None = None,
+    cfg_scale: float | None = None,
     capture: str = "L1",
     micro_batch: int | None = 1,
-    lora_rank: int = 4,
-    lora_alpha: float = 8.0,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
     gradient_checkpointing: bool = False,
     grad: bool = True,
     combos: tuple[tuple[str, str], ...] = COMBOS,
@@ -176,6 +215,14 @@ def train_rollout(
     """Run the four rollout/train combinations (module docstring); returns one row each.
 
     Args:
+        fixture, checkpoint, samples, batch, steps, cfg_scale, capture: the rollouts' settings
+            (``RunSpec``; ``None``: the fixture's), the same for every combination. A checkpoint
+            (a diffusers transformer or pipeline folder) replaces the fixture's model; prompt
+            embeddings and noise are then drawn from the seed at its widths, as for
+            ``drifttool run --checkpoint``.
+        lora: an adapter (peft or diffusers folder, or .safetensors: ``model.lora_io.load_lora``)
+            used as it is (merged) by every rollout and trainer; without it a fresh one
+            (``lora_rank``, ``lora_alpha``; default ``FRESH_LORA``) is written to ``DIR/lora``.
         device: where every rollout and trainer runs (``RunSpec.device``); a combination with a
             strict side is refused on a device without a strict family (CUDA today).
         height, width: image size in pixels (multiples of 16; default: the fixture's grid).
@@ -191,14 +238,20 @@ def train_rollout(
             other ranks ``[]``.
 
     Raises:
-        DriftToolError: bad settings (a layout the runs do not allow included); ``out`` not
-            empty without ``overwrite``.
+        DriftToolError: bad settings (a layout the runs do not allow included; ``lora`` with
+            ``lora_rank`` or ``lora_alpha``: ``check_adapter``); an adapter that cannot be read
+            (``CheckpointError``) or does not fit the model; ``out`` not empty without
+            ``overwrite``.
     """
     # every setting is checked before anything is written (each mode used, on the device)
     if clip_range is not None:
         clip_range = check_clip_range(clip_range)
-    shape = {"device": device, "height": height, "width": width}
-    fx, s = resolve(RunSpec(fixture=fixture, samples=samples, capture=capture, **shape))
+    lora_rank, lora_alpha = check_adapter(lora, lora_rank, lora_alpha)
+    if lora is not None:
+        read_adapter(lora)  # unreadable: refused here (its fit to the model: by the first rollout)
+    spec = RunSpec(fixture=fixture, checkpoint=checkpoint, samples=samples, batch=batch, steps=steps,
+                   cfg_scale=cfg_scale, capture=capture, device=device, height=height, width=width)
+    fx, s = resolve(spec)
     for mode in dict.fromkeys(m for pair in combos for m in pair):
         check_mode_device(check_mode(MODES[mode]), s.device)
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
@@ -209,20 +262,23 @@ def train_rollout(
     out = check_out_dir(out, overwrite)
     if dist is not None:
         barrier()  # every rank has checked ``out`` before rank 0 writes into it
-    if root:
-        model = load_checkpoint(fx.model_dir, dtype=s.torch_dtype, device=s.device)
-        add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=1, init_b_std=0.02)
-        out = _out_dir(out, overwrite)
-        save_lora(model, out / "lora")
+    if root and lora is None:
+        model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=s.torch_dtype, device=s.device)
+        add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=FRESH_LORA["seed"],
+                 init_b_std=FRESH_LORA["init_b_std"])
+        save_lora(model, _out_dir(out, overwrite) / "lora")
+        del model  # the rollouts load their own (at full size: no second copy in memory)
+    elif root:
+        _out_dir(out, overwrite)
     if dist is not None:
         barrier()  # the adapter is written before any rank loads it
+    spec = dataclasses.replace(spec, lora=out / "lora" if lora is None else lora)
     rollouts: dict[str, tuple[Path, float]] = {}
     for mode in dict.fromkeys(r for r, _ in combos):
         say(f"rollout {mode}")
         path = out / f"rollout-{mode}"
         t0 = time.perf_counter()
-        execute(RunSpec(fixture=fixture, samples=samples, mode=MODES[mode], capture=capture,
-                        lora=out / "lora", **shape), path, overwrite=True, **where)
+        execute(dataclasses.replace(spec, mode=MODES[mode]), path, overwrite=True, **where)
         rollouts[mode] = (path, time.perf_counter() - t0)
     rows, grads = [], {}
     for r_mode, t_mode in combos:
@@ -231,13 +287,16 @@ def train_rollout(
         stored = load_rollout(src)
         trainer = trainer_model(stored, device=s.device if dist is None else run_device(s.device, dist))
         dst = out / f"train-{t_mode}-on-{r_mode}"
-        summary = recompute_run(stored, dst, RerunOptions(mode=MODES[t_mode], capture=capture,
+        # the seconds only: the trajectory's tensors (and, without grad, its autograd graph) go
+        t_train = recompute_run(stored, dst, RerunOptions(mode=MODES[t_mode], capture=capture,
                                                           device=s.device, overwrite=True),
-                                train, model=trainer, **where)
+                                train, model=trainer, **where)["seconds"]
+        if root:
+            grads[(r_mode, t_mode)] = {n: p.grad.detach().clone()
+                                       for n, p in lora_parameters(trainer).items() if p.grad is not None}
+        del trainer  # one model in memory at a time (at full size: tens of GiB each)
         if not root:
             continue
-        grads[(r_mode, t_mode)] = {n: p.grad.detach().clone() for n, p in lora_parameters(trainer).items()
-                                   if p.grad is not None}
         report = diff_runs(open_run(src), open_run(dst), clip_range=clip_range)
         fd = report.first_drift
         rows.append({
@@ -246,13 +305,14 @@ def train_rollout(
             "v_max_abs": _worst(report, "v_t"), "v_rel_l2": _worst(report, "v_t", "rel_l2"),
             "x_max_abs": _worst(report, "mu"), "logp_max_abs": _worst(report, "logp_t"),
             "kl_max": _kl_max(report), "grad_rel_l2": math.nan,
+            "reward": float(toy_reward(stored.latents[-1]).mean()),
             "first_drift": fd.where() if fd else "",
             "first_drift_step": fd.step if fd else None,
             "first_drift_block": fd.block if fd else None,
             "first_drift_op": fd.op if fd else None,
             "first_drift_sample": fd.sample if fd else None,
             "differing_records": sum(c.differ for c in report.counts.values()),
-            "rollout_seconds": t_roll, "train_seconds": summary["seconds"],
+            "rollout_seconds": t_roll, "train_seconds": t_train,
             "rollout_dir": str(src), "train_dir": str(dst), **clip_summary(report.clip),
         })
     if not root:
@@ -262,10 +322,14 @@ def train_rollout(
         for row in rows:
             row["grad_rel_l2"] = _rel(grads[(row["rollout"], row["train"])], ref)
     write_table(rows, TRAIN_ROLLOUT_SCHEMA, out, "train_rollout")
+    first = next(iter(rollouts.values()))[0]
+    adapter = open_run(first).manifest.get("lora") or {}
     (out / "train_rollout.settings.json").write_text(json.dumps({
-        "fixture": fx.name, "samples": samples, "capture": capture, "micro_batch": micro_batch,
+        "fixture": fx.name, "checkpoint": s.checkpoint, "samples": list(s.samples), "steps": s.steps,
+        "cfg_scale": s.cfg_scale, "capture": capture, "micro_batch": micro_batch,
         "device": s.device, "img_grid": list(s.img_grid),
-        "lora": {"rank": lora_rank, "alpha": lora_alpha, "init_b_std": 0.02, "seed": 1},
+        "lora": ({**FRESH_LORA, "rank": lora_rank, "alpha": lora_alpha} if lora is None else {})
+        | {"path": str(Path(spec.lora).resolve()), "digest": adapter.get("digest")},
         "gradient_checkpointing": gradient_checkpointing, "grad": grad, "combos": [list(c) for c in combos],
         "clip_range": clip_range,
         "launch": launch_record(dist, parallel),
