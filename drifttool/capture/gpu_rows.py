@@ -67,18 +67,11 @@ tile's unswizzled buffer (``gpu_rows_kernels._tile``). Kernel 1 measured on an H
 fastest of ``benchmarks/sweep_digest_rows.py`` on an H200 (2026-12-02: 2.0–2.9 TB/s read, the
 same T, T'; ``tests/gpu/test_digest_cuda.py`` runs both kernels).
 
-Kernel 2 is used only for rows of whole tiles (``C`` a multiple of the tile width): on an H200
-(2026-12-03) its last, partial tile gave wrong T, T' when the row stride is a multiple of 16
-bytes (rows of 24, 40, 64 or 240 bf16 elements), while every shape with whole tiles or an
-unaligned stride was right (Triton's interpreter right for all). The cause was the masked
-``uint8`` load with ``other=128``, compiled wrongly once vectorised; the kernel now loads with
-``other=0`` and selects 128, which gave kernel 1's T, T' and summaries on the H200 for every
-shape tried (20 shape/dtype pairs). ``row_table`` keeps digesting rows with a partial tile by
-kernel 1 (``TILE_PARTIAL``, the path the whole GPU suite has passed on) until the GPU suite has
-run with the fixed kernel 2 there."""
-
-TILE_PARTIAL = {"kernel": 1, "bm": 16, "bc": 128, "warps": 4, "stages": 3, "split": 4}
-"""The settings for rows that end in a partial tile (``row_table``): kernel 1, as measured."""
+The last, partial tile of a row is loaded with ``other=0`` and then set to 128 (``tl.where``):
+on an H200 (2026-12-03, Triton 3.6) a masked ``uint8`` load with ``other=128`` was compiled
+wrongly once vectorised (row strides of a multiple of 16 bytes: rows of 24, 40, 64 or 240 bf16
+elements gave wrong T, T'; Triton's interpreter was right). ``tests/gpu/test_digest_cuda.py``
+checks kernel 2 against kernel 1 and the CPU digest on those shapes."""
 
 
 def available(t: torch.Tensor) -> bool:
@@ -180,23 +173,10 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not available(x) or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"row_table needs a 2-D CUDA bf16/fp16/fp32 tensor with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    tile = settings_for(x.shape[1], _WORD_BYTES[x.dtype])
     if x.device.index == torch.cuda.current_device():
-        return launch(x, tile)
+        return launch(x, TILE)
     with torch.cuda.device(x.device):
-        return launch(x, tile)
-
-
-def settings_for(c: int, wbytes: int) -> dict:
-    """The row kernel's settings for rows of ``c`` elements of ``wbytes`` bytes: ``TILE``, or
-    ``TILE_PARTIAL`` (split as ``TILE``) where ``TILE`` names kernel 2 and the rows end in a
-    partial tile (see ``TILE``)."""
-    if int(TILE.get("kernel", 2)) != 2:
-        return TILE
-    bc = int(TILE["bc"]) if wbytes == 2 else max(16, int(TILE["bc"]) // 2)
-    if c % bc == 0:
-        return TILE
-    return dict(TILE_PARTIAL, split=TILE["split"])
+        return launch(x, TILE)
 
 
 def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,16 +116,3 @@ def test_launch_refuses_unknown_settings():
         gpu_rows.launch(t, dict(KERNEL2, v=6))
     with pytest.raises(ValueError, match="needs a 2-D CUDA"):
         gpu_rows.row_table(t)
-
-
-def test_rows_with_a_partial_last_tile_go_to_kernel_1(monkeypatch):
-    # kernel 2's partial tile is faulty on an H200 (gpu_rows.TILE): only whole-tile rows take it
-    monkeypatch.setitem(gpu_rows.TILE, "split", 3)
-    whole = [(3072, 2), (12288, 2), (128, 2), (64, 4), (3072, 4)]
-    partial = [(24, 2), (64, 2), (240, 2), (24, 4), (100, 4), (70_001, 2)]
-    assert all(gpu_rows.settings_for(c, w) is gpu_rows.TILE for c, w in whole)
-    for c, w in partial:
-        got = gpu_rows.settings_for(c, w)
-        assert got["kernel"] == 1 and got["split"] == 3, (c, w)
-    monkeypatch.setitem(gpu_rows.TILE, "kernel", 1)
-    assert gpu_rows.settings_for(24, 2) is gpu_rows.TILE
