@@ -6,7 +6,7 @@ that makes the host wait for the GPU (``.item()``, ``.cpu()``, a copy to pageabl
 step and the capture flush to the artifact. Each is a stall in the host's queue of launches, so
 the bound is part of the speed contract (``docs/benchmarks.md``). Skipped without CUDA.
 
-    $ python tests/gpu/test_host_syncs_cuda.py      # prints the counts per mode and level
+    $ python -m tests.gpu.test_host_syncs_cuda      # prints the counts per mode and level
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from drifttool.settings import RunSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-MOST_PER_STEP = 28
-"""The bound, as measured on an H200 (2026-12-02, batch 2, CFG, 6 steps): strict 27 per step at
-L0 and 28 at L1/L2 (the step's one read-back of the digests), production (``auto``) 21 and 22.
-The forward itself adds none (its CUDA graph replays without the host); almost all are blocking
-host-to-device copies of a step's small CPU-made tensors (sigmas, timesteps, the SDE noise) and
-the strict sampler's read-back of its scalars. A change that adds one fails here; one that
-removes some lowers the bound. Since that measurement the step's sigmas, SDE schedule and prompt
-rows are read on the host and the strict step's constants go over in one non-blocking copy; the
-test passed on the H200 under this bound afterwards, but the new counts are not measured yet
-(``python tests/gpu/test_host_syncs_cuda.py`` prints them; pytest-xdist hides a test's output)."""
+MOST_PER_STEP = 3
+"""The bound, as measured on an H200 (2026-12-03, batch 2, CFG, 6 steps, ``python -m
+tests.gpu.test_host_syncs_cuda``): strict 2 per step at L0 and 3 at L1/L2 (the step's one
+read-back of the digests); production (``auto``) 2 at L0 and 3 at L1 (1 and 2 at its last step).
+Before the step's sigmas, SDE schedule and prompt rows were read on the host and the strict step's
+constants went over in one non-blocking copy, the counts were 27–28 (strict) and 21–22
+(production). The forward itself adds none (its CUDA graph replays without the host). A change
+that adds one fails here."""
 
 
 def syncs_per_step(mode: str, level: str, out: Path, steps: int = 6) -> list[int]:

@@ -1,0 +1,153 @@
+"""A LoRA training step on one GPU: strict (the Triton family) against production, side by side.
+
+    $ python benchmarks/bench_training_step.py [--layers 60] [--repeat 3] [--batches 1,2]
+    shape  batch  ckpt  config      forward ms  step ms  ratio vs production  peak GiB
+
+One random full-width Qwen-Image transformer (``random_model.build``: ``--layers`` blocks of
+d = 3072, bf16 weights on the device) carries a rank-``--rank`` LoRA on the attention and MLP
+projections (``add_lora``: α = r, ``lora_B`` ~ N(0, 0.01²) so its gradients are not trivially
+zero, base weights frozen, the factors FP32 as ``recompute --grad`` trains them). A training step
+is what a Flow-GRPO trainer does per denoising step and micro-batch: the transformer forward with
+autograd recording (batch 2 = the CFG-batched cond + uncond rows, prompts of 128 and 77 valid
+tokens of 128 slots), a scalar loss ⟨v, g⟩ with a fixed random g [B, N, 64] FP32, and its backward
+into the LoRA factors. ``ckpt``: with gradient checkpointing (each block re-run in the backward).
+``strict`` runs ``Runtime(mode="strict")`` (the strict CUDA forward and backward), ``production``
+``Runtime(mode="auto")`` (torch's cuBLAS / SDPA kernels and autograd). Configurations are
+interleaved across repeats after one untimed round; the median is reported, and the forward
+alone (no autograd) beside it. The ratio is the step time against production's at the same
+shape, batch and checkpointing; a
+configuration that runs out of GPU memory says so in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drifttool.model.lora import add_lora, lora_parameters  # noqa: E402
+from drifttool.runtime import Runtime  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from random_model import build  # noqa: E402
+
+SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
+MODES = {"production": "auto", "strict": "strict"}
+
+
+def inputs(batch: int, grid: tuple[int, int], device: str):
+    """Packed latents [B, N, 64] bf16, prompt embeddings [B, 128, 3584] bf16, their mask (None at
+    batch 1), timesteps [B], the loss weights g [B, N, 64] FP32 and the runtime scope."""
+    g = torch.Generator().manual_seed(batch)
+    n = grid[0] * grid[1]
+    x = torch.randn(batch, n, 64, generator=g).bfloat16().to(device)
+    txt = torch.randn(batch, 128, 3584, generator=g).bfloat16().to(device)
+    lens = [128, 77][:batch]
+    mask = None if batch == 1 else (torch.arange(128)[None, :] < torch.tensor(lens)[:, None]).to(device)
+    tau = torch.full((batch,), 0.75).to(device)
+    weights = torch.randn(batch, n, 64, generator=g).to(device)
+    scope = dict(phase="train", step=0, sigma=0.75, branch=("cond", "uncond")[:batch] if batch > 1 else "cond",
+                 samples=[0] * batch, txt_lens=lens, img_grid=grid)
+    return x, txt, mask, tau, weights, scope
+
+
+def step(model, config: str, batch_inputs, grid, *, grad: bool) -> None:
+    """One forward (``grad``: with autograd, the loss and its backward) under ``config``'s mode."""
+    x, txt, mask, tau, weights, scope = batch_inputs
+    rt = Runtime(mode=MODES[config])
+    with rt.scope(**scope), torch.set_grad_enabled(grad):
+        v = model(x, txt, mask, tau, grid, rt)
+        if grad:
+            (v.float() * weights).sum().backward()
+    if grad:
+        for p in lora_parameters(model).values():
+            p.grad = None
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--shapes", default="1024x1024", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--checkpointing", default="off,on", help="off, on or both (off,on)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_training_step.py needs a CUDA device")
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        sys.exit(f"unknown shapes {bad}: choose from {', '.join(SHAPES)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    ckpts = [c == "on" for c in args.checkpointing.split(",")]
+    _, model = build(args.layers, "cuda")
+    add_lora(model, rank=args.rank, alpha=args.rank, init_b_std=0.01)
+    rows = []
+    for shape in shapes:
+        grid = SHAPES[shape]
+        for batch in batches:
+            bi = inputs(batch, grid, "cuda")
+            for ckpt in ckpts:
+                model.gradient_checkpointing = ckpt
+                times: dict[tuple[str, bool], list[float]] = {}
+                peaks: dict[str, float] = {}
+                failed: set[tuple[str, bool]] = set()  # out of memory
+                for r in range(args.repeat + 1):
+                    for config in MODES:
+                        for grad in (False, True):
+                            if (config, grad) in failed:
+                                continue
+                            torch.cuda.reset_peak_memory_stats()
+                            try:
+                                t = timed(lambda: step(model, config, bi, grid, grad=grad))
+                            except torch.cuda.OutOfMemoryError:
+                                failed.add((config, grad))
+                                torch.cuda.empty_cache()
+                                continue
+                            if grad:
+                                peaks[config] = torch.cuda.max_memory_allocated() / 2**30
+                            if r:
+                                times.setdefault((config, grad), []).append(t)
+                med = {k: statistics.median(v) for k, v in times.items() if k not in failed}
+                base = med.get(("production", True))
+                for config in MODES:
+                    fwd, st = med.get((config, False)), med.get((config, True))
+                    rows.append((shape, batch, "on" if ckpt else "off", config, fwd, st,
+                                 None if st is None or base is None else st / base, peaks.get(config)))
+                    print(*rows[-1], flush=True)  # as measured (a long run may be cut short)
+    table = Table(title=f"LoRA training step, {args.layers} blocks, rank {args.rank}, median of "
+                        f"{args.repeat} ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                        f"{datetime.date.today()})")
+    for col in ("shape", "batch", "ckpt", "config", "forward ms", "step ms", "ratio vs production",
+                "peak GiB"):
+        table.add_column(col, justify="right" if col not in ("shape", "config") else "left")
+    def cell(v, fmt: str) -> str:
+        return "out of memory" if v is None else format(v, fmt)
+
+    for shape, batch, ckpt, config, fwd, st, ratio, peak in rows:
+        table.add_row(shape, str(batch), ckpt, config, cell(fwd and fwd * 1e3, ",.1f"),
+                      cell(st and st * 1e3, ",.1f"), cell(ratio, ".2f"), cell(peak, ".1f"))
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
