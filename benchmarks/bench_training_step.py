@@ -25,7 +25,6 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,9 +38,9 @@ from drifttool.model.lora import add_lora, lora_parameters  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_gpu_forward import SHAPES, timed  # noqa: E402
 from random_model import build  # noqa: E402
 
-SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 MODES = {"production": "auto", "strict": "strict"}
 
 
@@ -72,14 +71,6 @@ def step(model, config: str, batch_inputs, grid, *, grad: bool) -> None:
     if grad:
         for p in lora_parameters(model).values():
             p.grad = None
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
