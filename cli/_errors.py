@@ -74,6 +74,15 @@ class _NeverRaised(Exception):
     pass
 
 
+_HOST_OOM = ("DefaultCPUAllocator", "can't allocate memory")
+"""Words of torch's CPU allocator failing (``c10::DefaultCPUAllocator``: a ``RuntimeError``)."""
+
+
+def host_oom(e: BaseException) -> bool:
+    """Whether ``e`` is torch's CPU allocator running out of host memory."""
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in _HOST_OOM)
+
+
 def _out_of_memory(where: str, e: BaseException) -> str:
     """One line for a run that does not fit in memory (``where``: host or device)."""
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -164,7 +173,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     """Exit codes for a command (``drifttool.exit_codes``): ``DriftToolError``, an ``OSError``
     on a named path (not a directory, permission denied, name too long, disk full), a write's
     file-system error that names no path (``_WRITE_ERRNOS``) and running
-    out of host or device memory → one line, exit 2; Ctrl-C → one line, exit 130, SIGTERM
+    out of host (``MemoryError``, torch's CPU allocator's ``RuntimeError``: ``host_oom``) or
+    device memory → one line, exit 2; Ctrl-C → one line, exit 130, SIGTERM
     (``Terminated``) → one line, exit 143, each naming the run directory left incomplete
     (``stopped``); any other
     exception (a bug) → one ``internal error:`` line, exit 4 (``internal_error``); a closed
@@ -206,6 +216,9 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
         except Exception as e:  # noqa: BLE001 - a bug: one line, exit 4
             if hasattr(e, "show") and hasattr(e, "exit_code"):  # click/typer usage errors
                 raise
+            if host_oom(e):  # torch's CPU allocator raises a RuntimeError, not a MemoryError
+                error_line(_out_of_memory("host", e))
+                raise typer.Exit(ExitCode.USAGE) from None
             if isinstance(e, OSError) and isinstance(e.filename, (str, bytes, os.PathLike)):
                 # the file system (a path the user named), not a bug
                 error_line(_os_error(e))

@@ -95,8 +95,8 @@ def check_pipeline(folder: str | Path | None) -> Path:
 def image_paths(out: str | Path, samples: Sequence[int], overwrite: bool = False) -> list[Path]:
     """Where the decoded images go: ``<out>.png`` for one sample, else ``<out>-<sample>.png``;
     checked before any work, as the artifact directory is: a folder there is refused, and so is
-    an existing file unless ``overwrite`` and it is an image of the run at ``out`` being
-    overwritten (``artifact.directory.run_images``).
+    an existing file that is not an image of the run at ``out`` (``artifact.directory.run_images``)
+    always, and one that is only without ``overwrite``.
 
     Raises:
         DriftToolError: naming the image path in the way and what to do.
@@ -106,15 +106,18 @@ def image_paths(out: str | Path, samples: Sequence[int], overwrite: bool = False
         paths = [out.with_name(out.name + ".png")]
     else:
         paths = [out.with_name(f"{out.name}-{s}.png") for s in samples]
-    earlier = run_images(out) if overwrite and out.is_dir() else {}
+    earlier = run_images(out) if out.is_dir() else {}
     for p in paths:
         if p.is_dir():
             raise DriftToolError(f"{p} is a directory; the run writes its image there (choose another -o)")
-        if (p.exists() or p.is_symlink()) and p.resolve() not in earlier:
-            why = ("it is not an image of the run being overwritten" if overwrite
-                   else "use --overwrite to replace an earlier prompt run's image")
-            raise DriftToolError(f"{p} exists and the run would replace it with its image: {why}, "
-                                 "or choose another -o")
+        if not (p.exists() or p.is_symlink()):
+            continue
+        if p.resolve() not in earlier:
+            raise DriftToolError(f"{p} exists and is not an image of a drifttool run at {out}: drifttool will "
+                                 "not replace it; move it or choose another -o")
+        if not overwrite:
+            raise DriftToolError(f"{p} exists (the image of the earlier run at {out}): use --overwrite to "
+                                 "replace that run and its image, or choose another -o")
     return paths
 
 

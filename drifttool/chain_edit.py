@@ -62,7 +62,7 @@ from drifttool.runtime import Runtime
 from drifttool.sampling.input_files import ExternalInputs
 from drifttool.sampling.presets import check_conditions
 from drifttool.settings import RunSpec, resolve
-from drifttool.setting_checks import PATCH_PIXELS, check_mode
+from drifttool.setting_checks import MAX_PIXELS, PATCH_PIXELS, check_mode, finite_sigma_table
 from drifttool.text_encoder import EDIT, EDIT_PLUS, PromptEncoder, encode_prompts
 from drifttool.text_encoder.encode import POSITIONS
 
@@ -73,7 +73,8 @@ def read_image(path: str | Path) -> torch.Tensor:
     """One 8-bit RGB image [H, W, 3] uint8 (Pillow), of any size (the pipeline resizes it).
 
     Raises:
-        DriftToolError: unreadable, or not RGB (the pipelines' ``preprocess`` needs 3 channels).
+        DriftToolError: unreadable, over Pillow's decompression-bomb limit (twice
+            ``PIL.Image.MAX_IMAGE_PIXELS``), or not RGB (the pipelines' ``preprocess`` needs 3 channels).
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -82,11 +83,27 @@ def read_image(path: str | Path) -> torch.Tensor:
             img.load()
             mode, pixels = img.mode, torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
             w, h = img.size
+    except Image.DecompressionBombError:
+        raise DriftToolError(f"condition image {path}: {_pixels(path)} pixels, more than the {2 * Image.MAX_IMAGE_PIXELS} "
+                             "pixels drifttool opens (Pillow's guard against decompression bombs); "
+                             "downscale it first") from None
     except (OSError, UnidentifiedImageError, ValueError) as e:
         raise DriftToolError(f"condition image {path}: unreadable ({e})") from None
     if mode != "RGB":
         raise DriftToolError(f"condition image {path}: mode {mode}, drifttool reads 8-bit RGB only")
     return pixels.view(h, w, 3)
+
+
+def _pixels(path: str | Path) -> str:
+    """``W x H`` of an image file as its header says, without decoding it (Pillow's guard off)."""
+    from PIL import Image
+
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        with Image.open(path) as img:
+            return f"{img.size[0]}x{img.size[1]}"
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 def encode_condition(vae: QwenImageVAE, image: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -170,6 +187,57 @@ def _encode_prompts(root: Path, rows: list[str], neg_rows: list[str] | None, ima
     return ExternalInputs(txt=txt, txt_mask=mask, neg_txt=neg, neg_mask=neg_mask), record
 
 
+def _size_source(spec: RunSpec, area: int, given_area: int | None) -> str | None:
+    """The options that set the run's image size, as messages name them: ``--image-area`` where
+    the given area sizes the output (no ``--height``/``--width``), None for the default."""
+    if given_area is None or (spec.height is not None and spec.width is not None):
+        return None
+    return f"--image-area {area}"
+
+
+def largest_area(width: int, height: int, steps: int) -> int:
+    """The largest area such that a ``width`` × ``height`` image resized to any area up to it
+    (``pipeline_size``) gets an output size a ``steps``-step run can take: sides up to
+    ``MAX_PIXELS`` and a finite sigma table for its 16-pixel patch grid
+    (``setting_checks.check_sigma_table``). The resized size changes only where a side's
+    rounding to 32 pixels does, so the integer areas next to each such boundary stand for all."""
+    ratio = width / height
+    near: set[int] = set()
+    k = 0
+    while True:  # w = 32(k + ½) at A = (32(k + ½))² / ratio; h likewise at (32(k + ½))² · ratio
+        ends = ((32 * (k + 0.5)) ** 2 / ratio, (32 * (k + 0.5)) ** 2 * ratio)
+        near.update(int(e) + d for e in ends for d in (-1, 0, 1, 2) if int(e) + d >= 1)
+        if min(ends) > 4 * MAX_PIXELS ** 2:
+            break
+        k += 1
+    for area in sorted(near):
+        try:
+            w, h = pipeline_size(width, height, area)
+        except DriftToolError:
+            continue  # a side of 0: no run at any smaller area either
+        if max(w, h) > MAX_PIXELS or not finite_sigma_table(steps, (h // PATCH_PIXELS) * (w // PATCH_PIXELS)):
+            return area - 1
+    return max(near)
+
+
+def resolve_sized(spec: RunSpec, source: str | None, image: torch.Tensor, area: int):
+    """``resolve(spec)``, its sigma-table refusal (``setting_checks.check_sigma_table``) naming
+    ``source`` (``--image-area``) and the largest area that runs with this image, not the
+    ``--height``/``--width`` the area became."""
+    try:
+        return resolve(spec)
+    except UnsupportedConfigError as e:
+        lead = f"--height {spec.height} --width {spec.width}: the scheduler's dynamic shift"
+        if source is None or not str(e).startswith(lead):
+            raise
+        why = str(e).split(": ", 1)[1].partition("; at ")[0]
+        steps = resolve(dataclasses.replace(spec, height=PATCH_PIXELS, width=PATCH_PIXELS))[1].steps
+        top = largest_area(int(image.shape[1]), int(image.shape[0]), steps)
+        raise UnsupportedConfigError(
+            f"{source} (a {spec.width}x{spec.height} px output): {why}; at {steps} steps, every --image-area "
+            f"up to {top} runs with this {image.shape[1]}x{image.shape[0]} px condition image") from None
+
+
 def _size(image: torch.Tensor) -> list[int]:
     return [int(image.shape[1]), int(image.shape[0])]  # [width, height]
 
@@ -228,6 +296,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     if spec.preset is not None:  # before the prompts: several images under the one-image preset
         check_conditions(spec.preset, condition_images, source="--image")
     _check_prompts(spec, prompts, negative_prompts, condition_images)
+    explicit_area = vae_area
     vae_area, prompt_area = _areas(spec, vae_area, prompt_area)
     if prompts is None:
         prompt_area = None  # no prompt image to make
@@ -246,14 +315,17 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
                 pipeline_size(img.shape[1], img.shape[0], area)
             except DriftToolError as e:
                 raise DriftToolError(f"condition image {p}: {e}") from None
+    vae_sizes = [pipeline_size(img.shape[1], img.shape[0], vae_area) for img in images]  # (w, h)
+    source = _size_source(spec, vae_area, explicit_area)
     if spec.height is None or spec.width is None:  # __call__: height or the image's, width likewise
-        w, h = pipeline_size(images[-1].shape[1], images[-1].shape[0], vae_area)
+        w, h = vae_sizes[-1]
         spec = dataclasses.replace(spec, height=spec.height or h, width=spec.width or w)
-    fx, s = resolve(spec)
+    fx, s = resolve_sized(spec, source, images[-1], vae_area)
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")
-    check_memory(s, checked_config(root, s.variant), vae_config(root))  # before any work
+    check_memory(s, checked_config(root, s.variant), vae_config(root),  # before any work
+                 condition_grids=[(h // PATCH_PIXELS, w // PATCH_PIXELS) for w, h in vae_sizes], source=source)
     paths = image_paths(out, s.labels, overwrite)  # before any work
     rows = None if prompts is None else prompt_rows(prompts, list(s.samples), "prompt")
     neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, list(s.samples), "negative prompt")

@@ -128,7 +128,8 @@ def check_pixels(key: str, value: Any) -> int:
     return value
 
 
-def _finite_table(steps: int, tokens: int) -> bool:
+def finite_sigma_table(steps: int, tokens: int) -> bool:
+    """Whether the ``steps``-step sigma table of ``tokens`` image tokens is finite."""
     try:
         flow_sigma_table(steps, tokens)
     except UnsupportedConfigError:
@@ -153,7 +154,7 @@ def check_sigma_table(steps: int, img_grid: tuple[int, int]) -> None:
     except UnsupportedConfigError as e:
         why = str(e)
     side = 1  # patches a side
-    while side < MAX_PIXELS // PATCH_PIXELS and _finite_table(steps, (side + 1) ** 2):
+    while side < MAX_PIXELS // PATCH_PIXELS and finite_sigma_table(steps, (side + 1) ** 2):
         side += 1
     raise UnsupportedConfigError(
         f"--height {h * PATCH_PIXELS} --width {w * PATCH_PIXELS}: {why}; at {steps} steps every "

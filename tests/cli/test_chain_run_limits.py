@@ -70,7 +70,9 @@ def test_a_run_whose_memory_lower_bound_does_not_fit_is_one_line(cli, tmp_path, 
     1.5 GiB, against 1 GiB; the production one (tiny-edit, bf16 latents) 4 × 4096² × (3·2 + 4·2)
     bytes, 0.9 GiB with its latents and x0, against 0.5 GiB; a run without a decode (the default
     fixture, 2 samples) the transformer's image-stream MLP, 2 × 65536 × (3·32 + 128) × 2 bytes,
-    and x0: 88 MiB, against 10 MiB. Each refused before any work."""
+    and x0: 88 MiB, against 10 MiB. Each refused before any work. At capture L0 (L1 for the
+    trajectory): no digest key table and no unfused attention, whose terms are larger
+    (tests/cli/test_phaseb_limits.py)."""
     from drifttool import memory
 
     free, need, have = {"prompt": (1 << 30, "1.5 GiB", "1.0 GiB"), "edit": (1 << 29, "0.9 GiB", "0.5 GiB"),
@@ -78,8 +80,9 @@ def test_a_run_whose_memory_lower_bound_does_not_fit_is_one_line(cli, tmp_path, 
     monkeypatch.setattr(memory, "available_bytes", lambda device: free)
     out = tmp_path / "r"
     size = ("--height", "4096", "--width", "4096")
-    args = {"prompt": ("run", "--prompt", "x", "-o", out, *size), "edit": _edit(out, *size),
-            "trajectory": ("run", "-o", out, *size)}[kind]
+    args = {"prompt": ("run", "--prompt", "x", "-o", out, *size, "--capture", "L0"),
+            "edit": _edit(out, *size, "--capture", "L0"),
+            "trajectory": ("run", "-o", out, *size, "--capture", "L1")}[kind]
     line = _one_line(*cli(*args), f"error: --height 4096 --width 4096: the run needs at least {need}, "
                      f"{have} available (host memory; a lower bound: ")
     assert ("VAE decode" in line) is (kind != "trajectory"), line
