@@ -23,6 +23,7 @@ import numpy as np
 from drifttool.artifact import schema as S
 from drifttool.artifact.raw import RawTensor
 from drifttool.artifact.reader import Run
+from drifttool.diff.stages import STAGE_WORDS, input_key, made_by_both, stage_sources
 
 MAX_LISTED = 20  # context lines per kind (fingerprint, inputs)
 MAX_TRACE = 6  # trace sites listed (a mode change makes every site differ)
@@ -87,7 +88,7 @@ def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
     inputs = inputs + prompt_layouts(run_a, run_b)
-    return out + inputs + _trace_differences(run_a, run_b)
+    return out + (stage_sources(ma, mb) or []) + inputs + _trace_differences(run_a, run_b)
 
 
 def shown_context(lines: list[str]) -> list[str]:
@@ -144,7 +145,9 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
     every common sample its x0, its SDE noise and its prompts' valid rows (padding and masks
     removed: the prompt layout is an execution layout, named by ``prompt_layouts``); other
     inputs (``img_grid``) whole. Samples held by one run only are not inputs to compare. Inputs
-    that name no samples are compared whole, masks included."""
+    that name no samples are compared whole, masks included. An input both runs made in an early
+    stage (the text encoder's embeddings of a prompt run: ``drifttool.diff.stages``) says so
+    (``inputs.txt: differs for common samples [0] — the text encoder's output in both runs``)."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
     if bool(ia) != bool(ib):
         return [f"inputs.safetensors: only in run {'A' if ia else 'B'}"]
@@ -161,7 +164,9 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
             bad = [sid for sid in common if _per_sample(ia, k, sid).digest() != _per_sample(ib, k, sid).digest()]
             if bad:
                 out.append(f"inputs.{k}: differs for common samples {bad}")
-    return out
+    made = made_by_both(run_a.manifest, run_b.manifest)
+    return [f"{line} — {STAGE_WORDS[made[input_key(line)]]} in both runs"
+            if input_key(line) in made and ": differs" in line else line for line in out]
 
 
 def prompt_layouts(run_a: Run, run_b: Run) -> list[str]:

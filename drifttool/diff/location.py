@@ -80,7 +80,10 @@ class FirstDrift:
     - ``"inputs"``: the replay inputs differ (``x_t`` of the phase's first step, or a prompt,
       mask or SDE noise that ``DiffReport.input_differences`` names, ``input_note`` its first
       line): the record consumed them and is the first where they show (e.g.
-      ``txt_in_rmsnorm_linear`` for a prompt).
+      ``txt_in_rmsnorm_linear`` for a prompt). ``input_note`` lists every differing input. A
+      record of an early stage of a chain or edit run (text encoder, VAE encode: step −1) reads
+      no replay input — that stage makes them — but the prompts and condition images: it is
+      ``"inputs"`` only when those differ (``drifttool.diff.stages``), else ``"record"``.
     - ``"ranks"``: the ranks of a TP/SP layout disagree on this record (a replicated output
       that one rank computed with other bytes, ``disagree_a``/``disagree_b``), while every
       earlier record agrees on every rank and matches: the drift is born here, on that rank.

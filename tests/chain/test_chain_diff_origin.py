@@ -1,0 +1,72 @@
+"""The diff of two prompt runs (``drifttool run --prompt``) names where a drift is born: a drift
+inside the text encoder is a record's, not the replay inputs' (the text encoder makes those), and
+what the text encoder reads (the prompts) decides whether its first drift consumed other inputs.
+On the shipped tiny pipeline (``tiny-t2i-chain``), strict against auto mode."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+from drifttool.artifact import open_run  # noqa: E402
+from drifttool.chain import run_chain  # noqa: E402
+from drifttool.diff import Verdict, diff_runs  # noqa: E402
+from drifttool.settings import RunSpec  # noqa: E402
+
+PROMPT, NEGATIVE = "a cube", "cat"
+
+
+def _pair(base, level, **kw_b):
+    out = {}
+    for name, mode in (("s", "strict"), ("a", "auto")):
+        spec = RunSpec(mode=mode, capture=level, steps=2)
+        kw = dict(prompts=[PROMPT], negative_prompts=[NEGATIVE])
+        if name == "a":
+            kw.update(kw_b)
+        assert run_chain(spec, base / f"{name}{level}", **kw)["complete"]
+        out[name] = base / f"{name}{level}"
+    return out["s"], out["a"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("chain-origin")
+
+
+def test_a_drift_inside_the_text_encoder_is_born_in_its_record(runs):
+    a, b = _pair(runs, "L2")
+    r = diff_runs(open_run(a), open_run(b))
+    fd = r.first_drift
+    assert r.verdict is Verdict.DRIFT and (fd.component, fd.step) == ("text_encoder", -1), r.reason
+    assert fd.op_pos > 0  # earlier text-encoder records (token embedding, norms) match
+    assert fd.origin_kind == "record" and fd.origin and fd.input_note is None, r.reason
+    assert "origin (every earlier record matches)" in r.reason
+    assert "replay inputs differ" not in r.reason
+    # the text encoder's outputs still differ, and the context says whose outputs they are
+    made = [ln for ln in r.input_differences if ln.startswith(("inputs.txt:", "inputs.neg_txt:"))]
+    assert len(made) == 2 and all("the text encoder's output in both runs" in ln for ln in made), \
+        r.input_differences
+
+
+def test_at_l0_the_first_transformer_record_names_every_text_encoder_output(runs):
+    """No text-encoder record at L0: the transformer's first record consumed the differing
+    embeddings, and the origin names both (prompt and negative prompt) as the text encoder's."""
+    a, b = _pair(runs, "L0")
+    r = diff_runs(open_run(a), open_run(b))
+    fd = r.first_drift
+    assert fd.component == "mmdit" and fd.origin_kind == "inputs", r.reason
+    assert "inputs.txt:" in fd.input_note and "inputs.neg_txt:" in fd.input_note, fd.input_note
+    assert fd.input_note.count("the text encoder's output in both runs") == 2, fd.input_note
+
+
+def test_other_prompts_are_what_the_text_encoders_first_record_consumed(runs, tmp_path):
+    spec = RunSpec(mode="strict", capture="L2", steps=2)
+    assert run_chain(spec, tmp_path / "x", prompts=[PROMPT])["complete"]
+    assert run_chain(spec, tmp_path / "y", prompts=["a red ball"])["complete"]
+    r = diff_runs(open_run(tmp_path / "x"), open_run(tmp_path / "y"))
+    fd = r.first_drift
+    assert fd.component == "text_encoder" and fd.origin_kind == "inputs", r.reason
+    assert fd.input_note.startswith("chain.prompts: ['a cube'] != ['a red ball']"), fd.input_note
+    assert "chain.prompts: ['a cube'] != ['a red ball']" in r.context
