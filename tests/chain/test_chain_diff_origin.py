@@ -18,21 +18,21 @@ from drifttool.settings import RunSpec  # noqa: E402
 PROMPT, NEGATIVE = "a cube", "cat"
 
 
-def _pair(base, level, **kw_b):
-    out = {}
-    for name, mode in (("s", "strict"), ("a", "auto")):
-        spec = RunSpec(mode=mode, capture=level, steps=2)
-        kw = dict(prompts=[PROMPT], negative_prompts=[NEGATIVE])
-        if name == "a":
-            kw.update(kw_b)
-        assert run_chain(spec, base / f"{name}{level}", **kw)["complete"]
-        out[name] = base / f"{name}{level}"
-    return out["s"], out["a"]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("chain-origin")
+
+
+def _pair(base, level):
+    """Strict and auto prompt runs of one prompt and negative prompt at ``level`` (made once)."""
+    out = []
+    for mode in ("strict", "auto"):
+        path = base / f"{mode}-{level}"
+        if not path.exists():
+            spec = RunSpec(mode=mode, capture=level, steps=2)
+            assert run_chain(spec, path, prompts=[PROMPT], negative_prompts=[NEGATIVE])["complete"]
+        out.append(path)
+    return out
 
 
 def test_a_drift_inside_the_text_encoder_is_born_in_its_record(runs):
@@ -70,3 +70,25 @@ def test_other_prompts_are_what_the_text_encoders_first_record_consumed(runs, tm
     assert fd.component == "text_encoder" and fd.origin_kind == "inputs", r.reason
     assert fd.input_note.startswith("chain.prompts: ['a cube'] != ['a red ball']"), fd.input_note
     assert "chain.prompts: ['a cube'] != ['a red ball']" in r.context
+
+
+def test_localize_of_an_l0_pair_says_the_drift_starts_in_the_text_encoder(runs, tmp_path):
+    """An L0 pair holds no text-encoder record; re-executing a transformer step would name an
+    operator that only consumed the differing embeddings (the L2 pair's first drift is in the
+    text encoder). The status is not ``localized`` and names the component."""
+    from drifttool.training.localize import localize
+
+    assert diff_runs(*map(open_run, _pair(runs, "L2"))).first_drift.component == "text_encoder"
+    report, loc = localize(*_pair(runs, "L0"), out_dir=tmp_path / "loc")
+    assert report.verdict is Verdict.DRIFT and report.first_drift.component == "mmdit"
+    assert loc.status == "before_transformer" and loc.first_drift is None, loc.reason
+    assert "starts in the text encoder (component text_encoder), before the transformer" in loc.reason
+    assert "inputs.txt, inputs.neg_txt differ" in loc.reason, loc.reason
+    assert loc.step is None and not (tmp_path / "loc").exists()  # nothing re-executed
+
+
+def test_localize_of_an_l2_pair_names_the_text_encoders_first_drift(runs):
+    from drifttool.training.localize import localize
+
+    report, loc = localize(*_pair(runs, "L2"))
+    assert loc.status == "before_transformer" and report.first_drift.where() in loc.reason, loc.reason
