@@ -31,7 +31,9 @@ STAGE_WORDS = {"text_encoder": "the text encoder's output", "vae": "the VAE enco
 """An early stage's made input, in words."""
 
 
-def _section(manifest: dict) -> tuple[str, dict] | None:
+def stage_section(manifest: dict) -> tuple[str, dict] | None:
+    """(``chain`` or ``edit``, that manifest section) of a run with stages around its trajectory,
+    else None."""
     for key in ("chain", "edit"):
         rec = manifest.get(key)
         if isinstance(rec, dict):
@@ -42,7 +44,7 @@ def _section(manifest: dict) -> tuple[str, dict] | None:
 def made_inputs(manifest: dict) -> dict[str, str]:
     """``{replay input key: component that made it}`` for a run whose early stages made inputs
     (module docstring); empty for a run given its inputs (fixture, files)."""
-    found = _section(manifest)
+    found = stage_section(manifest)
     if found is None:
         return {}
     key, rec = found
@@ -71,7 +73,7 @@ def stage_sources(ma: dict, mb: dict) -> list[str] | None:
     """What the early stages of two chain or edit runs read, where it differs: prompts, negative
     prompts, condition images (SHA-256), one line each (``section.field: a != b``); empty when
     all agree; None when a run records none of it (neither a chain nor an edit run)."""
-    fa, fb = _section(ma), _section(mb)
+    fa, fb = stage_section(ma), stage_section(mb)
     if fa is None or fb is None:
         return None
     (ka, ra), (_, rb) = fa, fb
