@@ -172,14 +172,20 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
 def prompt_layouts(run_a: Run, run_b: Run) -> list[str]:
     """Common samples whose prompt sits at other rows of the padded batch (left padding, or
     another padded length): context only, not an input difference (strict text RoPE counts
-    positions from row 0, so left padding moves it: diffusers 0.42.1)."""
+    positions from row 0, so left padding moves it: diffusers 0.42.1). Prompts of another length
+    (another prompt, another tokenizer) are said to be that, not moved rows."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
     common = _common_samples(ia, ib)
     out = []
     for k in ("txt", "neg_txt") if common is not None else ():
         if k in ia and k in ib:
             spans = {sid: (_valid_rows(ia, k, sid), _valid_rows(ib, k, sid)) for sid in common}
-            moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2]}
+            longer = {sid: ab for sid, ab in spans.items() if ab[0][1] - ab[0][0] != ab[1][1] - ab[1][0]}
+            moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2] and sid not in longer}
+            if longer:
+                sid, ((a0, a1, _), (b0, b1, _)) = next(iter(longer.items()))
+                out.append(f"inputs.{k}: the prompts' lengths differ for common samples "
+                           f"{sorted(longer)} (sample {sid}: {a1 - a0} vs {b1 - b0} tokens)")
             if moved:
                 sid, ((a0, a1, la), (b0, b1, lb)) = next(iter(moved.items()))
                 out.append(f"inputs.{k}: prompt rows moved for common samples {sorted(moved)} "

@@ -70,6 +70,12 @@ def test_other_prompts_are_what_the_text_encoders_first_record_consumed(runs, tm
     assert fd.component == "text_encoder" and fd.origin_kind == "inputs", r.reason
     assert fd.input_note.startswith("chain.prompts: ['a cube'] != ['a red ball']"), fd.input_note
     assert "chain.prompts: ['a cube'] != ['a red ball']" in r.context
+    # prompts of other lengths did not move: the context says their lengths differ
+    assert not [ln for ln in r.context if "rows moved" in ln], r.context
+    (lengths,) = [ln for ln in r.context if "lengths differ" in ln]
+    n_a, n_b = (int(open_run(tmp_path / n).raw_inputs()["txt"].array.shape[1]) for n in ("x", "y"))
+    assert n_a != n_b and lengths == (f"inputs.txt: the prompts' lengths differ for common samples [0] "
+                                      f"(sample 0: {n_a} vs {n_b} tokens)"), lengths
 
 
 def test_localize_of_an_l0_pair_says_the_drift_starts_in_the_text_encoder(runs, tmp_path):
@@ -92,3 +98,49 @@ def test_localize_of_an_l2_pair_names_the_text_encoders_first_drift(runs):
 
     report, loc = localize(*_pair(runs, "L2"))
     assert loc.status == "before_transformer" and report.first_drift.where() in loc.reason, loc.reason
+
+
+def _changed_copy(tmp_path, part: str, file: str, key: str):
+    """A copy of the shipped pipeline folder with one weight of ``part`` changed (+1 on its first
+    element: ``key`` is used by every run)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from drifttool.chain import default_pipeline
+
+    folder = tmp_path / f"pipe-{part}"
+    shutil.copytree(default_pipeline(), folder)
+    tensors = load_file(folder / part / file)
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] += torch.ones((), dtype=tensors[key].dtype)
+    save_file(tensors, folder / part / file)
+    return folder
+
+
+@pytest.mark.parametrize("part, file, key, field", [
+    ("vae", "diffusion_pytorch_model.safetensors", "decoder.conv_out.bias", "VAE weights"),
+    ("text_encoder", "model.safetensors", "model.norm.weight", "text encoder weights"),
+])
+def test_a_replay_with_other_stage_weights_is_another_program(runs, tmp_path, part, file, key, field):
+    """``replay --checkpoint`` of a prompt run with a pipeline whose VAE (or text encoder) weight
+    differs: the semantic pre-check names that stage's weight digest, from the manifests' chain
+    section, beside the bitwise drift."""
+    import json
+
+    from drifttool.training.options import RerunOptions
+    from drifttool.training.replay import replay_run
+
+    src = _pair(runs, "L2")[0]
+    folder = _changed_copy(tmp_path, part, file, key)
+    replay_run(src, tmp_path / "r", RerunOptions(checkpoint=str(folder)))
+    r = diff_runs(open_run(src), open_run(tmp_path / "r"))
+    assert r.verdict is Verdict.DRIFT and r.exit_code == 1, r.reason
+    fields = [d.field for d in r.semantic.differences]
+    assert fields == [field], r.semantic.differences
+    (d,) = r.semantic.differences
+    key = "vae_weights" if part == "vae" else "text_encoder_weights"
+    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (src, tmp_path / "r"))
+    assert (d.a, d.b) == (ma["chain"][key], mb["chain"][key]) and d.a != d.b
+    assert d.keys == [f"chain.{key}"]
