@@ -7,8 +7,9 @@
 Two runs that sample with another schedule, CFG scale, timestep encoding, SDE window, noise,
 LoRA adapter or weights (the transformer's, or a prompt run's text encoder or VAE) are different
 programs: their records drift, but a numeric diff would call it "drift at flow_sigma_table" or
-"the replay inputs differ" and leave the user to work out that the runs were never meant to agree. This check reads the manifests and the operator traces
-only (no record) and names each **program** difference, in this order:
+"the replay inputs differ" and leave the user to work out that the runs were never meant to agree.
+This check reads the manifests and the operator traces only (no record) and names each
+**program** difference, in this order:
 
 =====================  =========================================================================
 field                  compared from
