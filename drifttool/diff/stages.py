@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drifttool.components import DEFAULT_COMPONENT
+from drifttool.artifact.schema import DEFAULT_COMPONENT
 
 PROMPT_INPUTS = ("txt", "txt_mask", "neg_txt", "neg_mask")
 """Replay inputs the text encoder makes in a run that encoded its prompts."""

@@ -48,8 +48,7 @@ from drifttool.diff.compare import diff_runs
 from drifttool.diff.location import FirstDrift
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 from drifttool.diff.stages import input_key, is_early_stage, made_by_both
-from drifttool.components import COMPONENTS
-from drifttool.artifact.schema import MANIFEST
+from drifttool.artifact.schema import COMPONENTS, MANIFEST
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
