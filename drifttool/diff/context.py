@@ -23,6 +23,7 @@ import numpy as np
 from drifttool.artifact import schema as S
 from drifttool.artifact.raw import RawTensor
 from drifttool.artifact.reader import Run
+from drifttool.diff.stages import STAGE_WORDS, input_key, made_by_both, stage_sources
 
 MAX_LISTED = 20  # context lines per kind (fingerprint, inputs)
 MAX_TRACE = 6  # trace sites listed (a mode change makes every site differ)
@@ -87,7 +88,7 @@ def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
     inputs = inputs + prompt_layouts(run_a, run_b)
-    return out + inputs + _trace_differences(run_a, run_b)
+    return out + (stage_sources(ma, mb) or []) + inputs + _trace_differences(run_a, run_b)
 
 
 def shown_context(lines: list[str]) -> list[str]:
@@ -144,7 +145,9 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
     every common sample its x0, its SDE noise and its prompts' valid rows (padding and masks
     removed: the prompt layout is an execution layout, named by ``prompt_layouts``); other
     inputs (``img_grid``) whole. Samples held by one run only are not inputs to compare. Inputs
-    that name no samples are compared whole, masks included."""
+    that name no samples are compared whole, masks included. An input both runs made in an early
+    stage (the text encoder's embeddings of a prompt run: ``drifttool.diff.stages``) says so
+    (``inputs.txt: differs for common samples [0] — the text encoder's output in both runs``)."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
     if bool(ia) != bool(ib):
         return [f"inputs.safetensors: only in run {'A' if ia else 'B'}"]
@@ -161,20 +164,28 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
             bad = [sid for sid in common if _per_sample(ia, k, sid).digest() != _per_sample(ib, k, sid).digest()]
             if bad:
                 out.append(f"inputs.{k}: differs for common samples {bad}")
-    return out
+    made = made_by_both(run_a.manifest, run_b.manifest)
+    return [f"{line} — {STAGE_WORDS[made[input_key(line)]]} in both runs"
+            if input_key(line) in made and ": differs" in line else line for line in out]
 
 
 def prompt_layouts(run_a: Run, run_b: Run) -> list[str]:
     """Common samples whose prompt sits at other rows of the padded batch (left padding, or
     another padded length): context only, not an input difference (strict text RoPE counts
-    positions from row 0, so left padding moves it: diffusers 0.42.1)."""
+    positions from row 0, so left padding moves it: diffusers 0.42.1). Prompts of another length
+    (another prompt, another tokenizer) are said to be that, not moved rows."""
     ia, ib = run_a.raw_inputs(), run_b.raw_inputs()
     common = _common_samples(ia, ib)
     out = []
     for k in ("txt", "neg_txt") if common is not None else ():
         if k in ia and k in ib:
             spans = {sid: (_valid_rows(ia, k, sid), _valid_rows(ib, k, sid)) for sid in common}
-            moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2]}
+            longer = {sid: ab for sid, ab in spans.items() if ab[0][1] - ab[0][0] != ab[1][1] - ab[1][0]}
+            moved = {sid: ab for sid, ab in spans.items() if ab[0][:2] != ab[1][:2] and sid not in longer}
+            if longer:
+                sid, ((a0, a1, _), (b0, b1, _)) = next(iter(longer.items()))
+                out.append(f"inputs.{k}: the prompts' lengths differ for common samples "
+                           f"{sorted(longer)} (sample {sid}: {a1 - a0} vs {b1 - b0} tokens)")
             if moved:
                 sid, ((a0, a1, la), (b0, b1, lb)) = next(iter(moved.items()))
                 out.append(f"inputs.{k}: prompt rows moved for common samples {sorted(moved)} "

@@ -12,7 +12,9 @@ already differs: then it is that ``x_t`` record, a step boundary (origin ``betwe
 the previous step matched; for the phase's first step the record stays, origin ``inputs``). An
 op record on which a run's ranks disagree, earlier in program order, comes first (origin
 ``ranks``). A record is an origin only if the inputs it consumed match and no record before it
-is missing in either run (``FirstDrift.origin_kind``). With row digests on both sides (L2) its
+is missing in either run (``FirstDrift.origin_kind``); an early stage of a chain or edit run
+consumes its prompts and condition images, not the replay inputs it makes
+(``drifttool.diff.stages``). With row digests on both sides (L2) its
 differing rows are named (text position or patch (i, j)); in a run laid out with SP > 1 the rank
 that computed the first of them (``drifttool.diff.owners``), and with per-rank digest partials
 in the same layout the first rank whose part differs.
@@ -30,6 +32,7 @@ from drifttool.diff.align import TableDiff
 from drifttool.diff.location import FirstDrift, RowDrift, RowRef
 from drifttool.diff.owners import heads_note, row_owner
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
+from drifttool.diff.stages import is_early_stage, stage_sources
 
 FIRST_ROWS = 8  # differing rows named in the report
 
@@ -187,6 +190,17 @@ def _boundary_origin(steps: list[StepDrift], phase: str, step: int) -> tuple[str
     return ("between_steps", prev[-1]) if prev else ("inputs", None)
 
 
+def _consumed(report: DiffReport, run_a: Run, run_b: Run, ra: dict) -> list[str]:
+    """The differing inputs a first-drift record ``ra`` consumed: for a record of an early stage
+    (the text encoder, an edit run's VAE encode) what the stage reads — prompts, condition images
+    (``drifttool.diff.stages.stage_sources``), never the replay inputs, which those stages make;
+    for any other record, or where a run records no such sources, every differing replay input."""
+    sources = stage_sources(run_a.manifest, run_b.manifest)
+    if sources is not None and is_early_stage(ra["component"], int(ra["step"])):
+        return sources
+    return report.input_differences
+
+
 def _differing(n: int) -> str:
     return f"{n} differing record" + ("" if n == 1 else "s")
 
@@ -229,8 +243,9 @@ def set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDiff
     input_note = None
     if origin_kind is None:
         origin_kind = "unknown" if n_before else "record"
-        if origin_kind == "record" and report.input_differences:  # it consumed differing inputs
-            origin_kind, input_note = "inputs", report.input_differences[0]
+        consumed = _consumed(report, run_a, run_b, ra)
+        if origin_kind == "record" and consumed:  # it consumed differing inputs
+            origin_kind, input_note = "inputs", "; ".join(consumed)
     layouts = (run_a.manifest.get("layout"), run_b.manifest.get("layout"))
     if origin_kind in ("record", "inputs") and _unchecked_before(
             tables[1] if len(tables) > 1 else None, int(t.pos_a[i_pos]), layouts):

@@ -78,9 +78,12 @@ class FirstDrift:
       matched (its ``x_next`` included): the latent changed between the steps, outside every
       recorded operator. The first drift is then that ``x_t`` record, not an operator of the step.
     - ``"inputs"``: the replay inputs differ (``x_t`` of the phase's first step, or a prompt,
-      mask or SDE noise that ``DiffReport.input_differences`` names, ``input_note`` its first
-      line): the record consumed them and is the first where they show (e.g.
-      ``txt_in_rmsnorm_linear`` for a prompt).
+      mask or SDE noise that ``DiffReport.input_differences`` names, ``input_note`` all its
+      lines joined by ``; ``): the record consumed them and is the first where they show (e.g.
+      ``txt_in_rmsnorm_linear`` for a prompt). A
+      record of an early stage of a chain or edit run (text encoder, VAE encode: step −1) reads
+      no replay input — that stage makes them — but the prompts and condition images: it is
+      ``"inputs"`` only when those differ (``drifttool.diff.stages``), else ``"record"``.
     - ``"ranks"``: the ranks of a TP/SP layout disagree on this record (a replicated output
       that one rank computed with other bytes, ``disagree_a``/``disagree_b``), while every
       earlier record agrees on every rank and matches: the drift is born here, on that rank.

@@ -5,10 +5,11 @@
     ('mismatch', ['schedule: 14 vs 15 steps (sigma tables of 15 vs 16 points)'])
 
 Two runs that sample with another schedule, CFG scale, timestep encoding, SDE window, noise,
-LoRA adapter or weights are different programs: their records drift, but a numeric diff would
-call it "drift at flow_sigma_table" or "the replay inputs differ" and leave the user to work out
-that the runs were never meant to agree. This check reads the manifests and the operator traces
-only (no record) and names each **program** difference, in this order:
+LoRA adapter or weights (the transformer's, or a prompt run's text encoder or VAE) are different
+programs: their records drift, but a numeric diff would call it "drift at flow_sigma_table" or
+"the replay inputs differ" and leave the user to work out that the runs were never meant to agree.
+This check reads the manifests and the operator traces only (no record) and names each
+**program** difference, in this order:
 
 =====================  =========================================================================
 field                  compared from
@@ -27,6 +28,9 @@ noise                  provenance (``settings.seed``, ``replay.noise``: generato
 LoRA                   presence, ``lora.digest``, ``lora.scale``, ``lora.mode``
 weights                ``fingerprint.weights``, when the weight dtype and LoRA mode agree (both
                        change the digest of the weights a forward runs on)
+text encoder weights   ``chain.text_encoder_weights`` (or ``edit.``) of two prompt or edit runs,
+                       when the weight dtype agrees
+VAE weights            ``chain.vae_weights`` (or ``edit.``), likewise
 attention backend      the trace's attention call sites requested alike on one device type: the
                        actual backend, a fallback, or the kernel differs
 =====================  =========================================================================
@@ -36,8 +40,9 @@ backend family (strict vs auto compares them on purpose), CFG layout (batched vs
 parallel layout and ranks, device, capture level, model and latent dtypes, RoPE table algorithm,
 replay of a stored run, a training recompute against its rollout, operator variants (a probe's one
 change), prompt padding. A field one run does not record (a diffusers pipeline capture has no
-drifttool seed) is listed in ``unrecorded``, never guessed. The prompt template is not recorded
-by any engine (runs take prompt embeddings); the embeddings' bytes are compared as replay inputs.
+drifttool seed) is listed in ``unrecorded``, never guessed. Prompt runs and edit runs record
+their prompts (``chain.prompts``, ``edit.prompts``; compared by the diff as what the text encoder
+read, ``drifttool.diff.stages``); the prompt embeddings' bytes are compared as replay inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any
 
 from drifttool.artifact import schema as S
 from drifttool.artifact.reader import Run
+from drifttool.diff.stages import stage_section
 
 ATTENTION_OPS = ("joint_attention_fused", "joint_attn_qk_gemm", "joint_attn_softmax",
                  "joint_attn_av_gemm")
@@ -235,6 +241,29 @@ def _weights(ma: dict, mb: dict) -> ProgramDifference | None:
     return _plain("weights", "fingerprint.weights", wa, wb, "digest")
 
 
+STAGE_WEIGHTS = (("text encoder weights", "text_encoder_weights"), ("VAE weights", "vae_weights"))
+"""(field, manifest key) of the weight digests a chain or edit run records for its stages."""
+
+
+def _stage_weights(ma: dict, mb: dict) -> list[ProgramDifference]:
+    """The text encoder's and the VAE's weight digests of two chain or edit runs (their ``chain``
+    or ``edit`` section), compared as ``fingerprint.weights`` is: when the weight dtype agrees
+    (the stages load their weights in it) and both runs record the digest."""
+    if _get(ma, "fingerprint", "dtype_policy", "weights") != _get(mb, "fingerprint", "dtype_policy",
+                                                                  "weights"):
+        return []
+    sa, sb = stage_section(ma), stage_section(mb)
+    if sa is None or sb is None:
+        return []
+    out = []
+    for name, key in STAGE_WEIGHTS:
+        d = _plain(name, f"{sa[0]}.{key}", sa[1].get(key), sb[1].get(key), "digest")
+        if d is not None:
+            d.keys = sorted({f"{sa[0]}.{key}", f"{sb[0]}.{key}"})
+            out.append(d)
+    return out
+
+
 def _attention_sites(run: Run) -> dict[str, dict[str, str]]:
     """Attention call sites of a run's trace: ``{site: {field: values joined by '/'}}`` with the
     ranks' entries merged and devices compared by type, as ``context`` lists trace lines."""
@@ -297,7 +326,8 @@ def semantic_check(run_a: Run, run_b: Run, inputs: list[str]) -> SemanticCheck:
         *_sde(fa, fb),
     ]
     noise, unrecorded = _noise(ma, mb, inputs)
-    found += [noise, _lora(ma, mb), _weights(ma, mb), _attention(run_a, run_b)]
+    found += [noise, _lora(ma, mb), _weights(ma, mb), *_stage_weights(ma, mb),
+              _attention(run_a, run_b)]
     for name, key in (("seed", ("settings", "seed")), ("sigma table", ("fingerprint", "scheduler",
                                                                        "sigma_table"))):
         missing = [s for s, m in (("A", ma), ("B", mb)) if _get(m, *key) is None]

@@ -14,7 +14,10 @@ replay inputs. ``localize``:
    ``x_t`` is bitwise equal in both runs (every sample). When the first differing step already
    has a differing ``x_t`` (the latent changed between steps, outside every recorded operator, or
    — at step 0 — the runs start from different x_0), that is said, and a later step whose
-   ``x_t`` matches again is taken if there is one; otherwise nothing can be localized.
+   ``x_t`` matches again is taken if there is one; otherwise nothing can be localized. A pair
+   of chain or edit runs whose drift starts before the transformer (in the text encoder or the
+   VAE encode: ``early_stage_drift``) is not re-executed: status ``before_transformer`` names
+   that stage (a transformer step would only consume the drift).
 2. re-executes that one step of both runs from their replay inputs, with the model, settings and
    variants each manifest names and the stored ``x_t`` bytes as input, at capture level L2
    (fused attention unfused into its qk / softmax / av internals), into two artifacts
@@ -44,7 +47,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.location import FirstDrift
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
-from drifttool.artifact.schema import MANIFEST
+from drifttool.diff.stages import input_key, is_early_stage, made_by_both
+from drifttool.artifact.schema import COMPONENTS, MANIFEST
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
@@ -55,11 +59,16 @@ from drifttool.training.stored import StoredRollout, load_rollout
 LEVEL = "L2"
 """The capture level a step is re-executed at (fused operators unfused, row digests)."""
 
-STATUSES = ("localized", "unconfirmed", "no_drift_in_reexecution", "nothing_to_localize")
+STATUSES = ("localized", "unconfirmed", "no_drift_in_reexecution", "before_transformer",
+            "nothing_to_localize")
 """``LocalizeResult.status``: localized (the re-executed step drifts and reproduces both runs'
 stored step bytes); unconfirmed (it drifts, but does not reproduce a run's stored bytes);
-no_drift_in_reexecution (the re-executed steps do not differ); nothing_to_localize (identical
-runs, no drift, or a drift that no re-executed step can show)."""
+no_drift_in_reexecution (the re-executed steps do not differ); before_transformer (a chain or
+edit run's drift starts in a stage before the transformer — the text encoder, the VAE encode —
+which no re-executed transformer step shows: ``early_stage_drift``); nothing_to_localize
+(identical runs, no drift, or a drift that no re-executed step can show)."""
+
+_STAGE_NAMES = {"text_encoder": "the text encoder", "vae": "the VAE encode"}
 
 _MODEL_KEYS = ("fixture", "checkpoint", "variant", "dtype", "lora")
 """Settings that decide the model: two runs equal in all of them share one loaded model."""
@@ -169,6 +178,33 @@ def pick_step(report: DiffReport) -> StepChoice:
                                      "no step re-executes): nothing to localize")
 
 
+def early_stage_drift(report: DiffReport, ma: dict, mb: dict) -> str | None:
+    """Why the drift of a chain or edit run pair starts before the transformer, or None: its first
+    drift is a record of an early stage (step −1, not the transformer's: an L1/L2 pair), or the
+    replay inputs that both runs' early stages made differ (``inputs.txt`` of two prompt runs: an
+    L0 pair holds no record of the text encoder). Re-executing a transformer step from those
+    inputs would name a transformer operator that only consumed the drift."""
+    fd = report.first_drift
+    if report.verdict is not Verdict.DRIFT:
+        return None
+    if fd is not None and is_early_stage(fd.component, fd.step):
+        return (f"the drift starts in {_STAGE_NAMES.get(fd.component, fd.component)} (component "
+                f"{fd.component}), before the transformer: first drift at {fd.where()}, as the "
+                "diff names it; localize re-executes transformer steps only")
+    made = made_by_both(ma, mb)
+    differ = [(made[input_key(d)], input_key(d)) for d in report.input_differences
+              if input_key(d) in made and ": differs" in d]
+    if not differ:
+        return None
+    comp = next(c for c in COMPONENTS if c in {c for c, _ in differ})  # the earliest stage
+    keys = [f"inputs.{k}" for k, c in made.items() if (c, k) in differ and c == comp]  # txt first
+    outputs = f"its output {keys[0]} differs" if len(keys) == 1 else \
+        f"its outputs {', '.join(keys)} differ"
+    return (f"the drift starts in {_STAGE_NAMES.get(comp, comp)} (component {comp}), before the "
+            f"transformer: {outputs}; localize re-executes transformer steps only, so it names no "
+            f"operator: diff an L1 or L2 pair of the runs to name the {comp} operator")
+
+
 def _same_model(a: StoredRollout, b: StoredRollout) -> bool:
     ma, mb = a.manifest, b.manifest
     return (all(a.settings.get(k) == b.settings.get(k) for k in _MODEL_KEYS)
@@ -220,6 +256,9 @@ def localize(
     run_a, run_b = Path(run_a), Path(run_b)
     if report is None:
         report = diff_runs(open_run(run_a), open_run(run_b))
+    early = early_stage_drift(report, open_run(run_a).manifest, open_run(run_b).manifest)
+    if early is not None:
+        return report, _finish(LocalizeResult(status="before_transformer", reason=early), t0)
     choice = pick_step(report)
     if choice.step is None:
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,

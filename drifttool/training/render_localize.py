@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from drifttool.training.localize import LocalizeResult
 
 _STYLE = {"localized": "bold red", "unconfirmed": "bold yellow",
-          "no_drift_in_reexecution": "bold yellow", "nothing_to_localize": "bold green"}
+          "no_drift_in_reexecution": "bold yellow", "before_transformer": "bold yellow",
+          "nothing_to_localize": "bold green"}
 
 
 def _seconds(result: "LocalizeResult") -> str:
