@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from drifttool.distributed.plan import ParallelDims
 from drifttool.training.experiment import train_rollout
 from tests.distributed.layout_runs import assert_identical
@@ -20,6 +22,7 @@ def experiment_rank(ctx, dims, out):
     return [(r["combo"], r["identical"], r["grad_rel_l2"]) for r in rows]
 
 
+@pytest.mark.slow  # about 14 s on 2 cores
 def test_train_rollout_under_tp2_writes_the_one_process_artifacts(tmp_path):
     one = train_rollout(tmp_path / "one", combos=STRICT)
     got = on_ranks(ParallelDims(tp=2), "tests.distributed.test_experiment_launch:experiment_rank",

@@ -83,7 +83,7 @@ def test_layout_training_equals_one_process(lora_rollout, layout):
     _check(lora_rollout, layout)
 
 
-@pytest.mark.parametrize("layout", ["sp-agrs", "sp-ulysses",
+@pytest.mark.parametrize("layout", ["sp-agrs", pytest.param("sp-ulysses", marks=pytest.mark.slow),
                                     pytest.param("sp-ring", marks=pytest.mark.slow)])
 def test_sp_training_on_unequal_shards(wide_rollout, layout):
     _check(wide_rollout, layout)

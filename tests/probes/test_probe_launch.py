@@ -48,6 +48,7 @@ def one_process(tmp_path_factory):
     return _rows(run_matrix(_probes(), tmp_path_factory.mktemp("probes") / "one"))
 
 
+@pytest.mark.slow  # about 20 s on 2 cores: two probe matrices
 def test_matrix_under_tp2_judges_as_one_process(one_process, tmp_path):
     got = on_ranks(ParallelDims(tp=2), "tests.probes.test_probe_launch:matrix_rank", tmp_path / "tp2")
     rows, pending = got[0]

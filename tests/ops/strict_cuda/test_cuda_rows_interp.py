@@ -133,6 +133,7 @@ def test_long_rows_with_special_values_equal_cpu_bytes():
     assert_same_bytes(_long_rms(x, gain), embed.rms_parts(x, 1e-6)[0] * gain, "RMSNorm special values vs CPU")
 
 
+@pytest.mark.slow  # about 18 s in the interpreter
 def test_long_rows_invariant_to_tile_warps_and_rows_per_program():
     """The launch configuration (tile, warps, rows per program — also rows that do not divide the
     row count) changes no byte; neither does a row's position among the rows."""
