@@ -30,6 +30,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
 
+def one_error_line(code: int, out: str, *needles: str) -> str:
+    """A refusal as the CLI must give it: exit 2 and exactly one line of output (stdout and stderr
+    together), ``error: …``, holding every needle. Returns that line."""
+    assert code == 2, out
+    lines = out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    for n in needles:
+        assert n in lines[0], out
+    return lines[0]
+
+
 def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     ba, bb = bits(a), bits(b)

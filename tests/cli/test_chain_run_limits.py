@@ -14,17 +14,9 @@ import pytest
 pytest.importorskip("PIL")
 
 from drifttool.fixture import locate  # noqa: E402
+from tests.conftest import one_error_line  # noqa: E402
 
 EDIT = locate("tiny-edit")
-
-
-def _one_line(code, out, *needles):
-    assert code == 2, out
-    lines = out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
-    for n in needles:
-        assert n in lines[0], out
-    return lines[0]
 
 
 def _edit(out, *extra):
@@ -33,7 +25,7 @@ def _edit(out, *extra):
 
 
 @pytest.mark.parametrize("kind,steps,square", [("prompt", 4, 9424), ("edit", 3, 9248)])
-def test_an_image_past_the_sigma_tables_range_is_one_line(cli, tmp_path, kind, steps, square):
+def test_an_image_past_the_sigma_tables_range_isone_error_line(cli, tmp_path, kind, steps, square):
     """10240² px: μ = 21.13 from 409600 image tokens makes the table NaN (as in diffusers'
     scheduler); refused before any work and without numpy's warning, naming the largest square
     that runs at the run's step count (4: the default fixture's, 3: tiny-edit's)."""
@@ -43,7 +35,7 @@ def test_an_image_past_the_sigma_tables_range_is_one_line(cli, tmp_path, kind, s
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning would be an internal error (exit 4)
         code, text = cli(*args)
-    _one_line(code, text, "error: --height 10240 --width 10240: the scheduler's dynamic shift "
+    one_error_line(code, text, "error: --height 10240 --width 10240: the scheduler's dynamic shift "
               "(mu = 21.1323 for 409600 image tokens)", f"the {steps}-step sigma table non-finite",
               "diffusers' FlowMatchEulerDiscreteScheduler computes the same NaN",
               f"every square image up to {square}x{square} px runs")
@@ -64,7 +56,7 @@ def test_the_largest_square_named_passes_the_checks_and_the_next_is_refused():
 
 
 @pytest.mark.parametrize("kind", ["prompt", "edit", "trajectory"])
-def test_a_run_whose_memory_lower_bound_does_not_fit_is_one_line(cli, tmp_path, monkeypatch, kind):
+def test_a_run_whose_memory_lower_bound_does_not_fit_isone_error_line(cli, tmp_path, monkeypatch, kind):
     """4096² px (65536 image tokens), the available memory's reader patched. The strict bf16
     VAE decode holds 4 channels × 4096² × (3·2 + 4·4) bytes, with the 5 fp32 latents and x0:
     1.5 GiB, against 1 GiB; the production one (tiny-edit, bf16 latents) 4 × 4096² × (3·2 + 4·2)
@@ -83,7 +75,7 @@ def test_a_run_whose_memory_lower_bound_does_not_fit_is_one_line(cli, tmp_path, 
     args = {"prompt": ("run", "--prompt", "x", "-o", out, *size, "--capture", "L0"),
             "edit": _edit(out, *size, "--capture", "L0"),
             "trajectory": ("run", "-o", out, *size, "--capture", "L1")}[kind]
-    line = _one_line(*cli(*args), f"error: --height 4096 --width 4096: the run needs at least {need}, "
+    line = one_error_line(*cli(*args), f"error: --height 4096 --width 4096: the run needs at least {need}, "
                      f"{have} available (host memory; a lower bound: ")
     assert ("VAE decode" in line) is (kind != "trajectory"), line
     assert not out.exists() and not (tmp_path / "r.png").exists()
@@ -104,14 +96,14 @@ def test_a_run_at_its_lower_bound_is_not_refused(cli, tmp_path, monkeypatch):
     code, out = cli("run", "--prompt", "x", "--steps", "2", "-o", tmp_path / "r")
     assert code == 0, out
     monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
-    _one_line(*cli("run", "--prompt", "x", "--steps", "2", "-o", tmp_path / "r2"), "needs at least")
+    one_error_line(*cli("run", "--prompt", "x", "--steps", "2", "-o", tmp_path / "r2"), "needs at least")
 
 
 @pytest.mark.parametrize("value", ["", "bogus", "Sequential"])
 def test_prompt_positions_is_a_closed_choice(cli, tmp_path, value):
     """``--prompt-positions ''`` was taken as the default; every value but the two is refused by
     the command line, naming the option and its choices."""
-    _one_line(*cli(*_edit(tmp_path / "r", "--prompt-positions", value)), "'--prompt-positions'",
+    one_error_line(*cli(*_edit(tmp_path / "r", "--prompt-positions", value)), "'--prompt-positions'",
               f"{value!r} is not one of 'rope_index', 'sequential'")
     assert not (tmp_path / "r").exists()
 
@@ -125,7 +117,7 @@ def test_prompt_positions_choices_are_the_encoders():
 
 def test_image_with_a_text_to_image_chain_fixture_names_the_edit_pipeline(cli, tmp_path):
     """Not "no prompt embeddings … or --image for an edit fixture" although --image was given."""
-    line = _one_line(*cli("run", "--image", EDIT / "condition.png", "--fixture", "tiny-t2i-chain",
+    line = one_error_line(*cli("run", "--image", EDIT / "condition.png", "--fixture", "tiny-t2i-chain",
                           "-o", tmp_path / "r"),
                      "--fixture tiny-t2i-chain: a text-to-image chain fixture",
                      "--image needs an edit pipeline", "tiny-edit", "--preset diffusers-edit")
@@ -138,13 +130,13 @@ def test_two_images_under_the_edit_preset_name_what_was_given(cli, tmp_path, ext
     args = _edit(tmp_path / "r", "--image", EDIT / "condition.png", *extra)
     if extra:
         args = tuple(a for a in args if a not in ("--fixture", "tiny-edit"))
-    line = _one_line(*cli(*args), "preset 'diffusers-edit'", "exactly 1 condition image (--image); "
+    line = one_error_line(*cli(*args), "preset 'diffusers-edit'", "exactly 1 condition image (--image); "
                      "the run has 2", "--preset diffusers-edit-plus")
     assert "--prompt" not in line and "--condition" not in line, line
 
 
 def test_the_edit_fixture_without_a_mode_names_its_preset(cli, tmp_path):
-    _one_line(*cli("run", "--image", EDIT / "condition.png", "--fixture", "tiny-edit", "-o", tmp_path / "r"),
+    one_error_line(*cli("run", "--image", EDIT / "condition.png", "--fixture", "tiny-edit", "-o", tmp_path / "r"),
               "--fixture tiny-edit runs under its preset 'diffusers-edit'", "needs --mode auto")
 
 

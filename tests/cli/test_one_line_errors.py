@@ -7,14 +7,7 @@ import stat
 import pytest
 import torch
 
-
-def _one_line(code, out, *needles):
-    """Exactly one line of output (stdout and stderr together), ``error: …``, exit 2."""
-    assert code == 2, out
-    lines = out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
-    for n in needles:
-        assert n in lines[0], out
+from tests.conftest import one_error_line
 
 
 @pytest.fixture
@@ -28,13 +21,13 @@ def afile(tmp_path):
     ("run",), ("replay", "{run}"), ("recompute", "{run}"), ("probe", "--only", "repeat"),
     ("experiment", "train-rollout"), ("experiment", "grpo"),
 ])
-def test_output_under_a_regular_file_is_one_line(cli, afile, strict_run, cmd):
+def test_output_under_a_regular_file_isone_error_line(cli, afile, strict_run, cmd):
     args = [a.format(run=strict_run) for a in cmd]
-    _one_line(*cli(*args, "-o", afile / "sub"), str(afile), "not a directory")
+    one_error_line(*cli(*args, "-o", afile / "sub"), str(afile), "not a directory")
 
 
-def test_overlay_figure_under_a_regular_file_is_one_line(cli, afile, strict_run):
-    _one_line(*cli("overlay", strict_run, strict_run, "-o", afile / "sub" / "fig.png"),
+def test_overlay_figure_under_a_regular_file_isone_error_line(cli, afile, strict_run):
+    one_error_line(*cli("overlay", strict_run, strict_run, "-o", afile / "sub" / "fig.png"),
               str(afile), "not a directory")
 
 
@@ -50,7 +43,7 @@ def test_an_empty_output_path_is_named_as_such(cli, tmp_path, monkeypatch, stric
     """``-o ''`` is not the current directory (``Path('')``): its own line, nothing written."""
     monkeypatch.chdir(tmp_path)
     args = [a.format(run=strict_run) for a in cmd]
-    _one_line(*cli(*args, option, ""), f"'{option}", "empty path")
+    one_error_line(*cli(*args, option, ""), f"'{option}", "empty path")
     assert not any(tmp_path.iterdir())
 
 
@@ -68,28 +61,28 @@ def test_output_files_make_missing_parents_and_refuse_a_file_in_the_way(
     code, out = cli(*args, option, tmp_path / "new" / "deeper" / name)
     assert code == 0 and (tmp_path / "new" / "deeper" / name).is_file(), out
     before = sorted(tmp_path.rglob("*"))
-    _one_line(*cli(*args, option, afile / "sub" / name), f"{option} {afile}", "not a directory")
-    _one_line(*cli(*args, option, tmp_path / "new"), f"{option} {tmp_path / 'new'}: ")
+    one_error_line(*cli(*args, option, afile / "sub" / name), f"{option} {afile}", "not a directory")
+    one_error_line(*cli(*args, option, tmp_path / "new"), f"{option} {tmp_path / 'new'}: ")
     assert sorted(tmp_path.rglob("*")) == before  # refused before anything was written
 
 
 def test_probe_junit_under_a_regular_file_is_refused_before_the_matrix(cli, tmp_path, afile):
-    _one_line(*cli("probe", "--only", "repeat", "-o", tmp_path / "m", "--junit", afile / "j.xml"),
+    one_error_line(*cli("probe", "--only", "repeat", "-o", tmp_path / "m", "--junit", afile / "j.xml"),
               f"--junit {afile}", "not a directory")
     assert not (tmp_path / "m").exists()
 
 
-def test_output_name_too_long_is_one_line(cli, tmp_path):
-    _one_line(*cli("run", "-o", tmp_path / ("a" * 300)), "too long")
+def test_output_name_too_long_isone_error_line(cli, tmp_path):
+    one_error_line(*cli("run", "-o", tmp_path / ("a" * 300)), "too long")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_output_in_a_read_only_directory_is_one_line(cli, tmp_path):
+def test_output_in_a_read_only_directory_isone_error_line(cli, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        _one_line(*cli("run", "-o", ro / "r"), "ermission denied")
+        one_error_line(*cli("run", "-o", ro / "r"), "ermission denied")
     finally:
         ro.chmod(0o755)
 
@@ -105,9 +98,9 @@ def test_output_in_a_read_only_directory_is_one_line(cli, tmp_path):
     (("nosuch",), ("nosuch", "drifttool --help")),
     (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train",)),
 ])
-def test_usage_errors_are_one_line(cli, tmp_path, monkeypatch, args, needles):
+def test_usage_errors_areone_error_line(cli, tmp_path, monkeypatch, args, needles):
     monkeypatch.chdir(tmp_path)
-    _one_line(*cli(*args), *needles)
+    one_error_line(*cli(*args), *needles)
 
 
 def test_help_and_version_still_work(cli):
@@ -124,7 +117,7 @@ def test_help_and_version_still_work(cli):
 def test_run_error_has_no_empty_line_before_it(cli, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    _one_line(*cli("run", "-o", tmp_path / "full"), "not empty")
+    one_error_line(*cli("run", "-o", tmp_path / "full"), "not empty")
 
 
 def test_inputs_file_follows_the_umask_like_every_artifact_file(tmp_path):
@@ -141,9 +134,9 @@ def test_inputs_file_follows_the_umask_like_every_artifact_file(tmp_path):
     assert set(modes.values()) == {0o644}, modes
 
 
-def test_fixture_verify_of_a_plain_file_is_one_line(cli, afile):
+def test_fixture_verify_of_a_plain_file_isone_error_line(cli, afile):
     code, out = cli("fixture", "verify", afile)
-    _one_line(code, out, str(afile))
+    one_error_line(code, out, str(afile))
     assert "not a fixture directory or a readable .tar/.tar.gz archive" in out
     assert "method gz" not in out  # tarfile's list of compressions tried is not the user's business
 
@@ -152,7 +145,7 @@ def test_fixture_verify_of_a_plain_file_is_one_line(cli, afile):
     (lambda sd, k: sd.update({k: torch.zeros(2, 31)}), "mis-shaped"),
     (lambda sd, k: sd.update({k: torch.full_like(sd[k], float("nan"))}), "non-finite"),
 ])
-def test_bad_lora_is_one_line(cli, tmp_path, damage, needle):
+def test_bad_lora_isone_error_line(cli, tmp_path, damage, needle):
     from safetensors.torch import load_file, save_file
 
     from drifttool.fixture import locate
@@ -167,7 +160,7 @@ def test_bad_lora_is_one_line(cli, tmp_path, damage, needle):
     damage(sd, next(k for k in sorted(sd) if k.endswith("to_q.lora_A.weight")))
     save_file(sd, str(tmp_path / "ad" / "adapter_model.safetensors"))
     (tmp_path / "ad" / "pytorch_lora_weights.safetensors").unlink(missing_ok=True)  # the peft copy only
-    _one_line(*cli("run", "--lora", tmp_path / "ad", "-o", tmp_path / "r"), needle)
+    one_error_line(*cli("run", "--lora", tmp_path / "ad", "-o", tmp_path / "r"), needle)
 
 
 def test_multi_line_messages_are_joined_readably():
@@ -186,7 +179,7 @@ def test_multi_line_messages_are_joined_readably():
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
 ])
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
-    _one_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
+    one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
     assert not (tmp_path / "r").exists()
 
 

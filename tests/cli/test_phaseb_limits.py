@@ -17,18 +17,10 @@ from drifttool.fixture import locate  # noqa: E402
 from drifttool.model.checkpoint import read_config  # noqa: E402
 from drifttool.model.vae_checkpoint import vae_config  # noqa: E402
 from drifttool.settings import RunSpec, resolve  # noqa: E402
+from tests.conftest import one_error_line  # noqa: E402
 
 EDIT = locate("tiny-edit")
 GIB = 1 << 30
-
-
-def _one_line(code, out, *needles):
-    assert code == 2, out
-    lines = out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
-    for n in needles:
-        assert n in lines[0], out
-    return lines[0]
 
 
 def _edit(out, *extra):
@@ -60,7 +52,7 @@ def test_the_edit_runs_bound_counts_its_condition_image():
 def test_an_edit_run_past_memory_names_image_area(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * GIB)
     out = tmp_path / "e"
-    _one_line(*cli(*_edit(out, "--image-area", "60000000")),
+    one_error_line(*cli(*_edit(out, "--image-area", "60000000")),
               "error: --image-area 60000000: the run needs at least 24.0 GiB, 2.0 GiB available",
               "digest key table", "--capture L0, a smaller --image-area or fewer samples")
     assert not out.exists() and not (tmp_path / "e.png").exists()
@@ -80,7 +72,7 @@ def test_the_unfused_attention_at_l2_is_counted(cli, tmp_path, monkeypatch):
     assert not memory.unfused_attention(resolve(RunSpec(height=64, width=64, capture="L2", mode="auto"))[1])
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 * GIB)
     out = tmp_path / "r"
-    _one_line(*cli("run", "--prompt", "a red cube", "--height", "8192", "--width", "8192", "-o", out),
+    one_error_line(*cli("run", "--prompt", "a red cube", "--height", "8192", "--width", "8192", "-o", out),
               "error: --height 8192 --width 8192: the run needs at least 1024.1 GiB",
               "unfused attention", "--capture L1, a smaller image")
     assert not out.exists()
@@ -115,7 +107,7 @@ def test_a_condition_image_past_pillows_pixel_limit_is_bad_input(cli, tmp_path, 
     out = tmp_path / "r"
     args = ("run", "--image", big, "--fixture", "tiny-edit", "--mode", "auto", "--preset", "diffusers-edit",
             "-o", out)
-    _one_line(*cli(*args), f"condition image {big}: 300x300 pixels, more than the 40000 pixels",
+    one_error_line(*cli(*args), f"condition image {big}: 300x300 pixels, more than the 40000 pixels",
               "decompression bombs")
     assert Image.MAX_IMAGE_PIXELS == 20000  # restored after the size was read
 
@@ -128,7 +120,7 @@ def test_an_image_area_past_the_sigma_table_names_image_area(cli, tmp_path):
     from drifttool.edit_images import pipeline_size
     from drifttool.errors import UnsupportedConfigError
 
-    line = _one_line(*cli(*_edit(tmp_path / "r", "--image-area", "100000000")),
+    line = one_error_line(*cli(*_edit(tmp_path / "r", "--image-area", "100000000")),
                      "error: --image-area 100000000 (a 12896x7744 px output): the scheduler's dynamic shift",
                      "at 3 steps, every --image-area up to ")
     assert "--height" not in line
@@ -147,7 +139,7 @@ def test_a_foreign_file_at_the_image_path_is_not_replaced(cli, tmp_path):
     (tmp_path / "exists.png").write_text("junk\n")
     out = tmp_path / "exists"
     for extra in ((), ("--overwrite",)):
-        line = _one_line(*cli("run", "--prompt", "a cube", "-o", out, *extra),
+        line = one_error_line(*cli("run", "--prompt", "a cube", "-o", out, *extra),
                          f"{tmp_path / 'exists.png'} exists and is not an image of a drifttool run",
                          "will not replace it; move it or choose another -o")
         assert "use --overwrite" not in line
