@@ -86,8 +86,8 @@ def host_oom(e: BaseException) -> bool:
 def _out_of_memory(where: str, e: BaseException) -> str:
     """One line for a run that does not fit in memory (``where``: host or device)."""
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return (f"out of {where} memory: {first} (a smaller --height/--width, batch or capture "
-            "level fits)")
+    return (f"out of {where} memory: {first} (a smaller image: --height/--width, or --image-area "
+            "for an edit; fewer samples or a lower capture level fits)")
 
 
 def _launched_ranks() -> tuple[int, int]:

@@ -373,12 +373,18 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
 
     Raises:
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
-        condition images, say); ``FixtureError``: a malformed ``edit`` section of the fixture
+        condition images, say); ``DriftToolError``: no prompt (no ``prompts``, no prompt
+        embeddings file, and a fixture without an ``edit`` prompt); ``FixtureError``: a malformed ``edit`` section of the fixture
         (its ``prompt_positions`` not one of ``text_encoder.encode.POSITIONS``, say).
     """
     own = fixture_edit(spec)
     if prompts is None and negative_prompts is None and spec.prompt_embeds is None \
-            and spec.negative_prompt_embeds is None and "prompts" in own:
+            and spec.negative_prompt_embeds is None:
+        if "prompts" not in own:  # the fixture's stored embeddings are not this pipeline's prompt
+            raise DriftToolError(
+                "--image: no prompt for the edit: give --prompt TEXT (encoded with the image by the "
+                "pipeline's text encoder) or --prompt-embeds FILE, or an edit fixture that holds its "
+                f"prompts (--fixture tiny-edit); {spec.fixture or DEFAULT_FIXTURE!s} has none")
         prompts, negative_prompts = own["prompts"], own.get("negative_prompts")
     if positions is None and own.get("prompt_positions", POSITIONS[0]) not in POSITIONS:
         raise FixtureError(f"{load_fixture(spec.fixture or DEFAULT_FIXTURE).path}: fixture.json 'edit' "

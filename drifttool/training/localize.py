@@ -17,7 +17,8 @@ replay inputs. ``localize``:
    ``x_t`` matches again is taken if there is one; otherwise nothing can be localized. A pair
    of chain or edit runs whose drift starts before the transformer (in the text encoder or the
    VAE encode: ``early_stage_drift``) is not re-executed: status ``before_transformer`` names
-   that stage (a transformer step would only consume the drift).
+   that stage (a transformer step would only consume the drift); nor is one whose first drift is
+   in the VAE decode after the last step (``after_transformer``, ``late_stage_drift``).
 2. re-executes that one step of both runs from their replay inputs, with the model, settings and
    variants each manifest names and the stored ``x_t`` bytes as input, at capture level L2
    (fused attention unfused into its qk / softmax / av internals), into two artifacts
@@ -48,7 +49,7 @@ from drifttool.diff.compare import diff_runs
 from drifttool.diff.location import FirstDrift
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
 from drifttool.diff.stages import input_key, is_early_stage, made_by_both
-from drifttool.artifact.schema import COMPONENTS, MANIFEST
+from drifttool.artifact.schema import COMPONENTS, DEFAULT_COMPONENT, MANIFEST
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
@@ -60,15 +61,18 @@ LEVEL = "L2"
 """The capture level a step is re-executed at (fused operators unfused, row digests)."""
 
 STATUSES = ("localized", "unconfirmed", "no_drift_in_reexecution", "before_transformer",
-            "nothing_to_localize")
+            "after_transformer", "nothing_to_localize")
 """``LocalizeResult.status``: localized (the re-executed step drifts and reproduces both runs'
 stored step bytes); unconfirmed (it drifts, but does not reproduce a run's stored bytes);
 no_drift_in_reexecution (the re-executed steps do not differ); before_transformer (a chain or
 edit run's drift starts in a stage before the transformer — the text encoder, the VAE encode —
-which no re-executed transformer step shows: ``early_stage_drift``); nothing_to_localize
+which no re-executed transformer step shows: ``early_stage_drift``); after_transformer (every
+transformer and sampler record matches and the drift starts in the VAE decode:
+``late_stage_drift``); nothing_to_localize
 (identical runs, no drift, or a drift that no re-executed step can show)."""
 
 _STAGE_NAMES = {"text_encoder": "the text encoder", "vae": "the VAE encode"}
+_LATE_NAMES = {"vae": "the VAE decode"}
 
 _MODEL_KEYS = ("fixture", "checkpoint", "variant", "dtype", "lora")
 """Settings that decide the model: two runs equal in all of them share one loaded model."""
@@ -205,6 +209,20 @@ def early_stage_drift(report: DiffReport, ma: dict, mb: dict) -> str | None:
             f"operator: diff an L1 or L2 pair of the runs to name the {comp} operator")
 
 
+def late_stage_drift(report: DiffReport) -> str | None:
+    """Why the drift of a chain or edit run pair starts after the transformer, or None: its first
+    drift is a record of a stage after the trajectory (the VAE decode: a component other than the
+    transformer at a step ≥ 0), so every transformer and sampler record before it matches and no
+    re-executed transformer step can show it."""
+    fd = report.first_drift
+    if report.verdict is not Verdict.DRIFT or fd is None or fd.component == DEFAULT_COMPONENT \
+            or is_early_stage(fd.component, fd.step):
+        return None
+    return (f"the drift starts in {_LATE_NAMES.get(fd.component, fd.component)} (component "
+            f"{fd.component}), after the transformer: first drift at {fd.where()}, as the diff names "
+            "it, every earlier record matching; localize re-executes transformer steps only")
+
+
 def _same_model(a: StoredRollout, b: StoredRollout) -> bool:
     ma, mb = a.manifest, b.manifest
     return (all(a.settings.get(k) == b.settings.get(k) for k in _MODEL_KEYS)
@@ -259,6 +277,9 @@ def localize(
     early = early_stage_drift(report, open_run(run_a).manifest, open_run(run_b).manifest)
     if early is not None:
         return report, _finish(LocalizeResult(status="before_transformer", reason=early), t0)
+    late = late_stage_drift(report)
+    if late is not None:
+        return report, _finish(LocalizeResult(status="after_transformer", reason=late), t0)
     choice = pick_step(report)
     if choice.step is None:
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,

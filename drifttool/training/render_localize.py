@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _STYLE = {"localized": "bold red", "unconfirmed": "bold yellow",
           "no_drift_in_reexecution": "bold yellow", "before_transformer": "bold yellow",
+          "after_transformer": "bold yellow",
           "nothing_to_localize": "bold green"}
 
 

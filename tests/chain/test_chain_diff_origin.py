@@ -144,3 +144,22 @@ def test_a_replay_with_other_stage_weights_is_another_program(runs, tmp_path, pa
     ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (src, tmp_path / "r"))
     assert (d.a, d.b) == (ma["chain"][key], mb["chain"][key]) and d.a != d.b
     assert d.keys == [f"chain.{key}"]
+
+
+def test_localize_of_a_drift_in_the_vae_decode_says_after_the_transformer(runs, tmp_path):
+    """A replay whose pipeline has another VAE decoder weight: every transformer and sampler
+    record matches and the first drift is the decode's; localize re-executes no transformer
+    step (it could show nothing) and says the drift starts after the transformer."""
+    from drifttool.training.localize import localize
+    from drifttool.training.options import RerunOptions
+    from drifttool.training.replay import replay_run
+
+    src = _pair(runs, "L2")[0]
+    folder = _changed_copy(tmp_path, "vae", "diffusion_pytorch_model.safetensors", "decoder.conv_out.bias")
+    replay_run(src, tmp_path / "r", RerunOptions(checkpoint=str(folder)))
+    report, loc = localize(src, tmp_path / "r", out_dir=tmp_path / "loc")
+    fd = report.first_drift
+    assert fd.component == "vae" and fd.step >= 0, report.reason
+    assert loc.status == "after_transformer" and loc.step is None, loc.reason
+    assert "starts in the VAE decode (component vae), after the transformer" in loc.reason
+    assert fd.where() in loc.reason and not (tmp_path / "loc").exists()

@@ -149,3 +149,13 @@ def test_the_edit_run_summary_has_a_cfg_row(cli, tmp_path):
     code, out = cli(*_edit(tmp_path / "s", "--steps", "2", "--cfg-scale", "1"))
     assert code == 0, out
     assert re.search(r"│ CFG +│ off \(one branch\) +│", out), out
+
+
+def test_an_edit_run_without_any_prompt_is_refused(cli, tmp_path):
+    # a pipeline folder given by --checkpoint brings no prompt: the default fixture's stored
+    # embeddings are not this pipeline's prompt, so the run is refused rather than run on them
+    line = one_error_line(*cli("run", "--image", EDIT / "condition.png", "--checkpoint", EDIT, "--mode", "auto",
+                               "--preset", "diffusers-edit", "-o", tmp_path / "r"),
+                          "no prompt for the edit", "--prompt TEXT", "--prompt-embeds FILE")
+    assert "tiny-t2i" in line, line
+    assert not (tmp_path / "r").exists() and not (tmp_path / "r.png").exists()
