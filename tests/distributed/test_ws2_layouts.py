@@ -29,10 +29,10 @@ FAST = [
     ("tp2", P(tp=2), None, dict(batch=3, capture="L2")),
     ("tp2-gather", P(tp=2, tp_row="gather"), None, dict(batch=3, capture="L2")),  # the strict CUDA rule
     ("sp2-agrs", P(sp=2), None, BASE),
-    ("sp2-ulysses", P(sp=2, sp_attention="ulysses"), None, BASE),
     ("sp2-ring", P(sp=2, sp_attention="ring"), None, dict(BASE, capture="L1")),
 ]
 SLOW = [
+    ("sp2-ulysses", P(sp=2, sp_attention="ulysses"), None, BASE),  # about 10 s on 2 cores
     ("tp2xsp2", P(tp=2, sp=2, sp_attention="ulysses"), WIDE, dict(batch=1, capture="L2", **IMG)),
     ("tp4", P(tp=4), WIDE, dict(batch=3, capture="L2")),
     ("tp8", P(tp=8), WIDE, dict(batch=1, capture="L2")),
