@@ -254,13 +254,14 @@ def _image_record(path, image: torch.Tensor, vae_image: torch.Tensor, prompt_ima
 def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str | Path],
                  prompts: Sequence[str] | None = None, negative_prompts: Sequence[str] | None = None,
                  positions: str = "rope_index", vae_area: int | None = None, prompt_area: int | None = None,
-                 overwrite: bool = False) -> tuple[RunSpec, ChainStages]:
+                 overwrite: bool = False, no_prompt: str | None = None) -> tuple[RunSpec, ChainStages]:
     """Load the VAE of ``spec.checkpoint`` (a pipeline folder with ``vae/``), resize the
     condition images as the pipeline does (``vae_area``, default 1024²; ``prompt_area``, default
     384², under the edit-plus preset), encode the prompts when given (with ``text_encoder/`` and
     ``tokenizer/``; ``positions`` as ``encode_prompts``') and the resized images (captured,
     deferred) and return the spec (its missing ``height``/``width`` the last image's resized
-    size) with the stages around the trajectory.
+    size) with the stages around the trajectory. ``no_prompt``: the refusal to raise, after the
+    checks of the fixture, folder and preset, when the run has no prompt (``run_edit``).
 
     Raises:
         DriftToolError: no condition image; a checkpoint that is not a folder; an image as
@@ -295,6 +296,8 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
                              "beside transformer/, or --fixture tiny-edit: the shipped one)")
     if spec.preset is not None:  # before the prompts: several images under the one-image preset
         check_conditions(spec.preset, condition_images, source="--image")
+    if no_prompt is not None and prompts is None:
+        raise DriftToolError(no_prompt)
     _check_prompts(spec, prompts, negative_prompts, condition_images)
     explicit_area = vae_area
     vae_area, prompt_area = _areas(spec, vae_area, prompt_area)
@@ -378,21 +381,21 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
         (its ``prompt_positions`` not one of ``text_encoder.encode.POSITIONS``, say).
     """
     own = fixture_edit(spec)
+    no_prompt = None  # without one, the fixture's stored embeddings are not this pipeline's prompt
     if prompts is None and negative_prompts is None and spec.prompt_embeds is None \
             and spec.negative_prompt_embeds is None:
-        if "prompts" not in own:  # the fixture's stored embeddings are not this pipeline's prompt
-            raise DriftToolError(
-                "--image: no prompt for the edit: give --prompt TEXT (encoded with the image by the "
-                "pipeline's text encoder) or --prompt-embeds FILE, or an edit fixture that holds its "
-                f"prompts (--fixture tiny-edit); {spec.fixture or DEFAULT_FIXTURE!s} has none")
-        prompts, negative_prompts = own["prompts"], own.get("negative_prompts")
+        prompts, negative_prompts = own.get("prompts"), own.get("negative_prompts")
+        no_prompt = None if prompts is not None else (
+            "--image: no prompt for the edit: give --prompt TEXT (encoded with the image by the pipeline's "
+            "text encoder) or --prompt-embeds FILE, or an edit fixture that holds its prompts (--fixture "
+            f"tiny-edit); {spec.fixture or DEFAULT_FIXTURE!s} has none")
     if positions is None and own.get("prompt_positions", POSITIONS[0]) not in POSITIONS:
         raise FixtureError(f"{load_fixture(spec.fixture or DEFAULT_FIXTURE).path}: fixture.json 'edit' "
                            f"prompt_positions {own['prompt_positions']!r}: one of {', '.join(POSITIONS)}")
     positions = positions or own.get("prompt_positions", "rope_index")
     spec, stages = prepare_edit(spec, out, condition_images=condition_images, prompts=prompts,
                                 negative_prompts=negative_prompts, positions=positions, vae_area=vae_area,
-                                prompt_area=prompt_area, overwrite=overwrite)
+                                prompt_area=prompt_area, overwrite=overwrite, no_prompt=no_prompt)
     summary = execute(spec, out, overwrite=overwrite, stages=stages, **execute_kw)
     ran = dataclasses.replace(stages.settings, external=stages.external)  # the trajectory's inputs
     return {**summary, "images": [str(p) for p in stages.images] if summary["complete"] else [],
