@@ -388,7 +388,8 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
         no_prompt = None if prompts is not None else (
             "--image: no prompt for the edit: give --prompt TEXT (encoded with the image by the pipeline's "
             "text encoder) or --prompt-embeds FILE, or an edit fixture that holds its prompts (--fixture "
-            f"tiny-edit); {spec.fixture or DEFAULT_FIXTURE!s} has none")
+            f"tiny-edit); {'--fixture ' if spec.fixture else 'the default fixture '}"
+            f"{spec.fixture or DEFAULT_FIXTURE!s} has none")
     if positions is None and own.get("prompt_positions", POSITIONS[0]) not in POSITIONS:
         raise FixtureError(f"{load_fixture(spec.fixture or DEFAULT_FIXTURE).path}: fixture.json 'edit' "
                            f"prompt_positions {own['prompt_positions']!r}: one of {', '.join(POSITIONS)}")
