@@ -377,8 +377,9 @@ def run_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[str |
     Raises:
         As ``prepare_edit`` and ``runner.execute`` (a preset that takes another number of
         condition images, say); ``DriftToolError``: no prompt (no ``prompts``, no prompt
-        embeddings file, and a fixture without an ``edit`` prompt); ``FixtureError``: a malformed ``edit`` section of the fixture
-        (its ``prompt_positions`` not one of ``text_encoder.encode.POSITIONS``, say).
+        embeddings file, and a fixture without an ``edit`` prompt); ``FixtureError``: a
+        malformed ``edit`` section of the fixture (its ``prompt_positions`` not one of
+        ``text_encoder.encode.POSITIONS``, say).
     """
     own = fixture_edit(spec)
     no_prompt = None  # without one, the fixture's stored embeddings are not this pipeline's prompt
