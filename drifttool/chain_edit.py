@@ -49,7 +49,7 @@ import torch
 
 from drifttool.chain import ChainStages, DeferredCapture, image_paths, prompt_rows
 from drifttool.edit_images import PROMPT_IMAGE_AREA, VAE_IMAGE_AREA, pipeline_size, resize_images
-from drifttool.errors import DriftToolError, FixtureError, UnsupportedConfigError
+from drifttool.errors import DriftToolError, FixtureError, SigmaTableError, UnsupportedConfigError
 from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.memory import check_memory
 from drifttool.model.checkpoint import checked_config, read_config
@@ -220,22 +220,20 @@ def largest_area(width: int, height: int, steps: int) -> int:
     return max(near)
 
 
-def resolve_sized(spec: RunSpec, source: str | None, image: torch.Tensor, area: int):
+def resolve_sized(spec: RunSpec, source: str | None, image: torch.Tensor):
     """``resolve(spec)``, its sigma-table refusal (``setting_checks.check_sigma_table``) naming
     ``source`` (``--image-area``) and the largest area that runs with this image, not the
     ``--height``/``--width`` the area became."""
     try:
         return resolve(spec)
-    except UnsupportedConfigError as e:
-        lead = f"--height {spec.height} --width {spec.width}: the scheduler's dynamic shift"
-        if source is None or not str(e).startswith(lead):
+    except SigmaTableError as e:
+        if source is None:
             raise
-        why = str(e).split(": ", 1)[1].partition("; at ")[0]
-        steps = resolve(dataclasses.replace(spec, height=PATCH_PIXELS, width=PATCH_PIXELS))[1].steps
-        top = largest_area(int(image.shape[1]), int(image.shape[0]), steps)
-        raise UnsupportedConfigError(
-            f"{source} (a {spec.width}x{spec.height} px output): {why}; at {steps} steps, every --image-area "
-            f"up to {top} runs with this {image.shape[1]}x{image.shape[0]} px condition image") from None
+        top = largest_area(int(image.shape[1]), int(image.shape[0]), e.steps)
+        raise SigmaTableError(
+            f"{source} (a {spec.width}x{spec.height} px output): {e.why}; at {e.steps} steps, every "
+            f"--image-area up to {top} runs with this {image.shape[1]}x{image.shape[0]} px condition image",
+            why=e.why, steps=e.steps) from None
 
 
 def _size(image: torch.Tensor) -> list[int]:
@@ -323,7 +321,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     if spec.height is None or spec.width is None:  # __call__: height or the image's, width likewise
         w, h = vae_sizes[-1]
         spec = dataclasses.replace(spec, height=spec.height or h, width=spec.width or w)
-    fx, s = resolve_sized(spec, source, images[-1], vae_area)
+    fx, s = resolve_sized(spec, source, images[-1])
     if s.device != "cpu":
         raise UnsupportedConfigError(f"an edit run from images runs on the CPU only for now (asked: "
                                      f"--device {s.device})")

@@ -23,6 +23,16 @@ class UnsupportedConfigError(DriftToolError):
     """
 
 
+class SigmaTableError(UnsupportedConfigError):
+    """An image size whose sigma table is not finite (``setting_checks.check_sigma_table``):
+    ``why`` (the scheduler's reason) and ``steps`` (the run's step count) for callers that name
+    the size another way (an edit run's ``--image-area``)."""
+
+    def __init__(self, message: str, *, why: str, steps: int) -> None:
+        super().__init__(message)
+        self.why, self.steps = why, steps
+
+
 class CheckpointError(DriftToolError):
     """A checkpoint whose keys or shapes do not match the model (lists every offending key)."""
 

@@ -47,7 +47,7 @@ from typing import Sequence
 
 import torch
 
-from drifttool.artifact.levels import INTERNALS_FROM, LEVELS
+from drifttool.artifact.levels import captures_internals
 from drifttool.errors import DriftToolError
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.vae import VAEConfig
@@ -104,7 +104,7 @@ def unfused_attention(settings: RunSettings) -> bool:
     ``joint_attn_softmax`` → ``joint_attn_av_gemm`` (the strict family at capture L2:
     ``Runtime.wants_internals``, ``ops.registry``), which holds [B, H, S, S] FP32 scores."""
     return (settings.mode.family == "strict" and settings.mode.captures
-            and LEVELS.index(settings.capture) >= LEVELS.index(INTERNALS_FROM))
+            and captures_internals(settings.capture))
 
 
 def peak_lower_bound(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig | None = None,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from drifttool.artifact.levels import INTERNALS_FROM, LEVELS
+from drifttool.artifact.levels import captures_internals
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 
@@ -212,9 +212,8 @@ class Runtime:
         (design.md, "Digests": S×S tensors are not materialised for capture at L1)."""
         if self.internals is not None:
             return self.internals
-        level = getattr(self.recorder, "level", None)
-        return (self.recorder is not None and self.mode.captures and level in LEVELS
-                and LEVELS.index(level) >= LEVELS.index(INTERNALS_FROM))
+        return (self.recorder is not None and self.mode.captures
+                and captures_internals(getattr(self.recorder, "level", None)))
 
     def recomputation(self) -> "Runtime":
         """A runtime for re-running a forward that already ran under this one (the backward's

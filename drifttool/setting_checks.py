@@ -21,7 +21,7 @@ import torch
 
 from drifttool.artifact.levels import LEVELS
 from drifttool.components import DEFAULT_COMPONENT
-from drifttool.errors import DriftToolError, UnsupportedConfigError
+from drifttool.errors import DriftToolError, SigmaTableError, UnsupportedConfigError
 from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler.sigmas import flow_sigma_table
@@ -145,7 +145,7 @@ def check_sigma_table(steps: int, img_grid: tuple[int, int]) -> None:
     square up to which every square image runs.
 
     Raises:
-        UnsupportedConfigError: one line naming the size, μ, why, and that largest square.
+        SigmaTableError: one line naming the size, μ, why, and that largest square.
     """
     h, w = img_grid
     try:
@@ -156,6 +156,6 @@ def check_sigma_table(steps: int, img_grid: tuple[int, int]) -> None:
     side = 1  # patches a side
     while side < MAX_PIXELS // PATCH_PIXELS and finite_sigma_table(steps, (side + 1) ** 2):
         side += 1
-    raise UnsupportedConfigError(
+    raise SigmaTableError(
         f"--height {h * PATCH_PIXELS} --width {w * PATCH_PIXELS}: {why}; at {steps} steps every "
-        f"square image up to {side * PATCH_PIXELS}x{side * PATCH_PIXELS} px runs")
+        f"square image up to {side * PATCH_PIXELS}x{side * PATCH_PIXELS} px runs", why=why, steps=steps)

@@ -11,3 +11,9 @@ LEVELS = ("L0", "L1", "L2")
 
 INTERNALS_FROM = "L2"
 """The lowest capture level at which a fused operator's internal tensors are captured."""
+
+
+def captures_internals(level: str | None) -> bool:
+    """Whether capture at ``level`` takes the fused operators' internal tensors (``INTERNALS_FROM``
+    or finer); False for no level or an unknown one."""
+    return level in LEVELS and LEVELS.index(level) >= LEVELS.index(INTERNALS_FROM)
