@@ -100,19 +100,24 @@ UNFUSED_MODES = ("unfused", "unfused-fp32")
 FP32_FACTOR_MODES = ("merged", "unfused-fp32")
 
 
+STRICT_MODES = ("merged", "unfused-fp32")
+"""The modes a family other than production runs (its own arithmetic for each: module docstring)."""
+
+
 def check_lora_mode(mode: str, family: str | None = None) -> str:
-    """``mode`` if it is one of ``LORA_MODES`` (and runs under ``family``: every mode but
-    ``merged`` is production arithmetic).
+    """``mode`` if it is one of ``LORA_MODES`` (and runs under ``family``: a family other than
+    production runs ``STRICT_MODES`` only; the others are production arithmetic).
 
     Raises:
-        UnsupportedConfigError: unknown mode, or a non-merged mode under the strict family.
+        UnsupportedConfigError: unknown mode, or a mode outside ``STRICT_MODES`` under a family
+            other than production.
     """
     if mode not in LORA_MODES:
         raise UnsupportedConfigError(f"unknown LoRA mode {mode!r} (one of {', '.join(LORA_MODES)})")
-    if family is not None and family != "production" and mode != "merged":
+    if family is not None and family != "production" and mode not in STRICT_MODES:
         raise UnsupportedConfigError(
-            f"LoRA mode {mode!r} reproduces peft/diffusers' production arithmetic: the {family} family "
-            "merges the adapter its own way (LoRA mode 'merged'); use --mode auto or off")
+            f"LoRA mode {mode!r} reproduces peft/diffusers' production arithmetic (factors in the model "
+            f"dtype): the {family} family runs LoRA modes 'merged' and 'unfused-fp32'; use --mode auto or off")
     return mode
 
 
@@ -160,10 +165,9 @@ def _unfused(module: nn.Module, rt) -> bool:
     """True when ``module`` carries an adapter in an unfused mode that can run here.
 
     Raises:
-        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded; TP/SP run strict,
-            which refuses unfused modes first), or a DoRA module (its branch needs the base
-            GEMM's output without bias, which the fused RFC operators do not expose).
-            CFG-parallel ranks run whole branches: allowed.
+        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded), or a DoRA module
+            (its branch needs the base GEMM's output without bias, which the fused RFC operators
+            do not expose). CFG-parallel ranks run whole branches: allowed.
     """
     if getattr(module, "lora_A", None) is None or module.lora_mode not in UNFUSED_MODES:
         return False
@@ -176,14 +180,33 @@ def _unfused(module: nn.Module, rt) -> bool:
     return True
 
 
-def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Tensor | None:
-    """The unfused adapter branch ``lora_delta(x)`` ``[B, S, out]`` of ``module`` for its input x
-    ``[B, S, in]``, or None (no adapter, or a merged/fused one).
+def _production_unfused(module: nn.Module, rt) -> bool:
+    """``_unfused`` for a call site whose operator takes the branch the production way only
+    (``lora_delta``, or the factors of an inner-input operator).
 
     Raises:
-        UnsupportedConfigError: as ``_unfused`` (TP/SP, DoRA).
+        UnsupportedConfigError: as ``_unfused``; or an unfused adapter on this module under a
+            family other than production (strict runs ``unfused-fp32`` only on the block GEMMs'
+            Linears, ``LORA_TARGET_MODULES``, through ``gemm_lora``), naming the module.
     """
     if not _unfused(module, rt):
+        return False
+    if rt.family == "production":
+        return True
+    raise UnsupportedConfigError(
+        f"LoRA mode {module.lora_mode!r} under the {rt.family} family on {module.lora_name}: the strict "
+        "family adds an unfused adapter only inside the block GEMMs (attention q/k/v/out and MLP "
+        "projections); use --lora-mode merged for an adapter on this module")
+
+
+def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Tensor | None:
+    """The unfused adapter branch ``lora_delta(x)`` ``[B, S, out]`` of ``module`` for its input x
+    ``[B, S, in]``, or None (no adapter, or a merged/fused one). Production family only.
+
+    Raises:
+        UnsupportedConfigError: as ``_production_unfused`` (TP/SP, DoRA, a strict family).
+    """
+    if not _production_unfused(module, rt):
         return None
     return call(rt, "lora_delta", x, module.lora_A.weight, module.lora_B.weight, float(module.lora_scale),
                 stream=stream, layout=None)
@@ -199,6 +222,43 @@ def lora_deltas(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[s
     return {"deltas": ds} if len(ds) > 1 else {"delta": ds[0]}
 
 
+def _strict_factors(module: nn.Module, rt, stream: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """``(lora_A [r, in], lora_B [out, r], scale)`` of an unfused ``module`` for a strict block
+    GEMM, or None (no adapter, or a merged one). Under a gradient ledger (strict training) the
+    factors are per-call copies whose per-sample gradients go to the ledger (``GradLedger.
+    watch_factors``), as a merged weight's do.
+
+    Raises:
+        UnsupportedConfigError: as ``_unfused``; a mode outside ``STRICT_MODES``.
+    """
+    if not _unfused(module, rt):
+        return None
+    check_lora_mode(module.lora_mode, rt.family)
+    a, b = module.lora_A.weight, module.lora_B.weight
+    if rt.grad_ledger is not None:
+        a, b = rt.grad_ledger.watch_factors(module, a, b, rt.current_scope(), stream)
+    return a, b, float(module.lora_scale)
+
+
+def gemm_lora(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[str, Any]:
+    """The adapter keywords of a block GEMM operator whose Linears ``modules`` are all fed x
+    (one, or q, k, v for ``qkv_bias_gemm``): ``{}`` when none is unfused; production the
+    ``lora_delta`` branches (``lora_deltas``: ``delta``/``deltas``); any other family the
+    factors, ``lora=(A, B, s)`` for one module and a tuple of such entries (or None) for three
+    (``ops.strict.lora_linear`` adds the branch in FP32).
+
+    Raises:
+        UnsupportedConfigError: as ``_unfused``; under a strict family a mode outside
+            ``STRICT_MODES``.
+    """
+    if rt.family == "production":
+        return lora_deltas(x, rt, stream, *modules)
+    fs = tuple(_strict_factors(m, rt, stream) for m in modules)
+    if all(f is None for f in fs):
+        return {}
+    return {"lora": fs if len(fs) > 1 else fs[0]}
+
+
 def lora_branches(rt, *modules: nn.Module) -> dict[str, Any]:
     """The keyword argument ``lora`` of an operator whose Linear inputs exist only inside it
     (``adaln_mod_projection``, ``final_adaln_out``: SiLU(temb); ``txt_in_rmsnorm_linear``: the
@@ -208,9 +268,9 @@ def lora_branches(rt, *modules: nn.Module) -> dict[str, Any]:
     module is unfused. One module gives ``lora=(A, B, s)``, several a tuple of them.
 
     Raises:
-        UnsupportedConfigError: as ``_unfused`` (TP/SP, DoRA).
+        UnsupportedConfigError: as ``_production_unfused`` (TP/SP, DoRA, a strict family).
     """
-    fs = tuple((m.lora_A.weight, m.lora_B.weight, float(m.lora_scale)) if _unfused(m, rt) else None
+    fs = tuple((m.lora_A.weight, m.lora_B.weight, float(m.lora_scale)) if _production_unfused(m, rt) else None
                for m in modules)
     if all(f is None for f in fs):
         return {}
@@ -301,6 +361,7 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
                 m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
         m.lora_scale = cfg.scale(name)
         m.lora_mode = mode
+        m.lora_name = name
         if cfg.use_dora:
             m.lora_magnitude_vector = nn.Parameter(torch.zeros(out_f, dtype=fdt, device=dev))
             if m.weight.device.type != "meta":
@@ -329,15 +390,17 @@ def add_lora(
     seed: int = 0,
     init_b_std: float = 0.0,
     freeze_base: bool = True,
+    mode: str = "merged",
 ) -> dict[str, nn.Parameter]:
     """Attach a fresh adapter (rank ``rank``, scale α/r, or α/√r with ``use_rslora``) to
     ``targets`` (default all of ``LORA_TARGET_MODULES``; also ``img_mod.1`` / ``txt_mod.1`` and
-    the model-level ``INPUT_MODULES`` / ``OUTPUT_MODULES``) of every block; init as
-    ``attach_lora``.
+    the model-level ``INPUT_MODULES`` / ``OUTPUT_MODULES``) of every block, running in LoRA mode
+    ``mode``; init as ``attach_lora``.
 
     Raises:
         CheckpointError: rank < 1, non-finite alpha, an unknown target, or an adapter already
             attached.
+        UnsupportedConfigError: an unknown mode.
     """
     targets = tuple(LORA_TARGET_MODULES if targets is None else targets)
     known = (*BLOCK_MODULES, *INPUT_MODULES, *OUTPUT_MODULES)
@@ -350,7 +413,7 @@ def add_lora(
         raise CheckpointError("bad LoRA config: " + "; ".join(why))
     cfg = AdapterConfig(r=int(rank), lora_alpha=float(alpha), target_modules=tuple(sorted(targets)),
                         use_rslora=bool(use_rslora))
-    return attach_lora(model, cfg, seed=seed, init_b_std=init_b_std, freeze_base=freeze_base)
+    return attach_lora(model, cfg, seed=seed, init_b_std=init_b_std, freeze_base=freeze_base, mode=mode)
 
 
 def lora_parameters(model) -> dict[str, nn.Parameter]:
@@ -378,7 +441,7 @@ def lora_mode(model) -> str | None:
 def remove_lora(model) -> None:
     """Detach every adapter (the base parameters keep their ``requires_grad``)."""
     for m in lora_modules(model).values():
-        del m.lora_A, m.lora_B, m.lora_scale, m.lora_mode
+        del m.lora_A, m.lora_B, m.lora_scale, m.lora_mode, m.lora_name
         if getattr(m, "lora_magnitude_vector", None) is not None:
             del m.lora_magnitude_vector
     model.lora_config = None

@@ -22,7 +22,7 @@ from torch import nn
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import adapted_weight, lora_branches, lora_deltas
+from drifttool.model.lora import adapted_weight, gemm_lora, lora_branches
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
 
@@ -90,12 +90,13 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, stream
 
 def _projections(x: torch.Tensor, rt: Runtime, stream: str, *linears: Linear) -> tuple[list[torch.Tensor], dict]:
     """A GEMM operator's arguments for ``linears`` fed ``x``: ``[weight, bias, …]`` in order, each
-    weight LoRA-merged (``lora_merge`` / ``lora_fuse``) when adapted, and the unfused adapter
-    branches as the operator's ``delta``/``deltas`` keywords (``{}`` without them)."""
+    weight LoRA-merged (``lora_merge`` / ``lora_fuse``) when adapted, and an unfused adapter as
+    the operator's keywords (``gemm_lora``: production the ``lora_delta`` branches as
+    ``delta``/``deltas``, strict the FP32 factors as ``lora``; ``{}`` without one)."""
     args = []
     for m in linears:
         args += [adapted_weight(m, rt, stream), m.bias]
-    return args, lora_deltas(x, rt, stream, *linears)
+    return args, gemm_lora(x, rt, stream, *linears)
 
 
 class AttentionContext(NamedTuple):

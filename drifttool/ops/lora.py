@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drifttool.ops.constraints import dtypes
+from drifttool.ops.constraints import Constraint, dtypes
 from drifttool.ops.declaration import OpSpec
 from drifttool.ops.registry import declare, implements
 from drifttool.ops.strict_gemm import tiled_linear
@@ -172,3 +172,53 @@ def add_branch(result: torch.Tensor, x: torch.Tensor, lora: tuple | None) -> tor
     unfused adapter of a Linear whose input x exists only inside a production operator
     (``model.lora.lora_branches``). x [..., in], result [..., out]."""
     return result if lora is None else add_delta(result, peft_branch(x, *lora))
+
+
+# ---------------------------------------------------------------------------------------------
+# the ``lora`` keyword of the strict block GEMM operators (LoRA mode unfused-fp32)
+
+
+def _factor_problem(f: object, k: int, n: int, device: str) -> str | None:
+    """Why ``f`` is not one projection's factors ``(A [r, k] FP32, B [n, r] FP32, s)`` on
+    ``device``, or None."""
+    if not (isinstance(f, tuple) and len(f) == 3):
+        return f"lora must be (A, B, scale), got {type(f).__name__}"
+    a, b, s = f
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2):
+        return "lora factors A and B must be 2-D tensors"
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        return f"lora factors must be float32 (LoRA mode unfused-fp32), got A {a.dtype}, B {b.dtype}"
+    if a.device.type != device or b.device.type != device:
+        return f"lora factors on {a.device.type}/{b.device.type}, the operator's tensors on {device}"
+    if a.shape[1] != k or b.shape[0] != n or a.shape[0] != b.shape[1]:
+        return (f"lora factors A {list(a.shape)}, B {list(b.shape)} do not fit a GEMM [{n}, {k}] "
+                "(A [r, in], B [out, r])")
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        return f"lora scale must be a python float, got {type(s).__name__}"
+    return None
+
+
+def lora_factors(x: str, *weights: str) -> Constraint:
+    """The ``lora`` keyword of a strict GEMM operator with input ``x`` [..., K] and the weights
+    ``weights`` ([N, K] each): ``None``, or for one weight ``(A [r, K], B [N, r], s)`` (FP32
+    factors on x's device, s a python float), for several a tuple of one such entry or ``None``
+    per weight (``qkv_bias_gemm``: q, k, v), as ``model.lora.lora_branches`` builds them."""
+
+    def test(args) -> str | None:
+        lora, t = args.get("lora"), args[x]
+        if lora is None:
+            return None
+        k, dev = t.shape[-1], t.device.type
+        if len(weights) == 1:
+            return _factor_problem(lora, k, args[weights[0]].shape[0], dev)
+        if not (isinstance(lora, tuple) and len(lora) == len(weights)
+                and all(f is None or isinstance(f, tuple) for f in lora)):
+            return f"lora must be a tuple of {len(weights)} entries, (A, B, scale) or None each"
+        for f, w in zip(lora, weights):
+            why = None if f is None else _factor_problem(f, k, args[w].shape[0], dev)
+            if why is not None:
+                return f"{w}: {why}"
+        return None
+
+    return Constraint(f"lora factors (A, B, s) of {', '.join(weights)}", test, ("lora", x, *weights))
+

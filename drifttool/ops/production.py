@@ -215,16 +215,20 @@ def qkv_bias_gemm(
     bv: torch.Tensor,
     heads: int,
     deltas: tuple[torch.Tensor | None, ...] | None = None,
+    lora: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three ``F.linear`` projections, each unflattened to heads: ``[B,S,d] → 3 × [B,S,H,Dh]``.
     ``deltas``: unfused LoRA branches (``lora_delta``, ``[B,S,d]`` or None each) added as peft
-    adds them (``ops.lora.add_delta``) before the unflatten."""
+    adds them (``ops.lora.add_delta``) before the unflatten. ``lora``: the strict family's form of
+    the same adapter (per projection (A, B, scale) or None; an audit run's fallback), run as
+    peft runs it (``add_branch``)."""
     _check(wq.shape[0] % heads == 0, f"qkv_bias_gemm: {wq.shape[0]} outputs do not split into {heads} heads")
     dh = wq.shape[0] // heads
     dq, dk, dv = deltas or (None, None, None)
-    q = add_delta(F.linear(x, wq, bq), dq).unflatten(-1, (heads, dh))  # [B, S, H, Dh]
-    k = add_delta(F.linear(x, wk, bk), dk).unflatten(-1, (heads, dh))
-    v = add_delta(F.linear(x, wv, bv), dv).unflatten(-1, (heads, dh))
+    lq, lk, lv = lora or (None, None, None)
+    q = add_branch(add_delta(F.linear(x, wq, bq), dq), x, lq).unflatten(-1, (heads, dh))  # [B, S, H, Dh]
+    k = add_branch(add_delta(F.linear(x, wk, bk), dk), x, lk).unflatten(-1, (heads, dh))
+    v = add_branch(add_delta(F.linear(x, wv, bv), dv), x, lv).unflatten(-1, (heads, dh))
     return q, k, v
 
 
@@ -306,25 +310,27 @@ def joint_attention_fused(
 
 @_production("attn_out_bias_gemm", kernel="torch.nn.functional.linear")
 def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                       delta: torch.Tensor | None = None) -> torch.Tensor:
+                       delta: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
     """``to_out.0`` / ``to_add_out``: ``F.linear`` in W (+ an unfused LoRA ``delta``,
-    ``add_delta``). ``[B,S,d] → [B,S,d]``."""
-    return add_delta(F.linear(x, w, b), delta)
+    ``add_delta``, or its factors ``lora``, ``add_branch``). ``[B,S,d] → [B,S,d]``."""
+    return add_branch(add_delta(F.linear(x, w, b), delta), x, lora)
 
 
 @_production("mlp_up_gemm_gelu", kernel="torch.nn.functional.linear+gelu_tanh")
 def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                     delta: torch.Tensor | None = None) -> torch.Tensor:
-    """``net.0.proj`` (+ an unfused LoRA ``delta``, ``add_delta``, as peft's Linear returns it)
-    then tanh-approximate GELU, both in W. ``[B,S,d] → [B,S,4d]``."""
-    return F.gelu(add_delta(F.linear(x, w, b), delta), approximate="tanh")
+                     delta: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
+    """``net.0.proj`` (+ an unfused LoRA ``delta``, ``add_delta``, or its factors ``lora``,
+    ``add_branch``, as peft's Linear returns it) then tanh-approximate GELU, both in W.
+    ``[B,S,d] → [B,S,4d]``."""
+    return F.gelu(add_branch(add_delta(F.linear(x, w, b), delta), x, lora), approximate="tanh")
 
 
 @_production("mlp_down_gemm", kernel="torch.nn.functional.linear")
 def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                  delta: torch.Tensor | None = None) -> torch.Tensor:
-    """``net.2``: ``F.linear`` in W (+ an unfused LoRA ``delta``, ``add_delta``). ``[B,S,4d] → [B,S,d]``."""
-    return add_delta(F.linear(x, w, b), delta)
+                  delta: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
+    """``net.2``: ``F.linear`` in W (+ an unfused LoRA ``delta``, ``add_delta``, or its factors
+    ``lora``, ``add_branch``). ``[B,S,4d] → [B,S,d]``."""
+    return add_branch(add_delta(F.linear(x, w, b), delta), x, lora)
 
 
 @_production("final_adaln_out", kernel="torch.silu+linear+layer_norm")

@@ -37,6 +37,14 @@ its own per-sample partials (``strict_cuda.backward.sample_weight_grads``, contr
 the strict CUDA ``lora_merge`` backward (``strict_cuda.backward.lora_grads``). TP/SP layouts
 are refused there (the CUDA backward splits no reduction across ranks).
 
+LoRA mode ``unfused-fp32`` (strict): there is no merged weight; the strict block GEMMs compute dA
+and dB themselves (``ops.strict.lora_linear``), per sample by contract v2 like a weight gradient.
+``model.lora.gemm_lora`` hands each forward's factors to ``watch_factors``, which returns
+per-call copies (``clone``: their own storage, so every forward — micro-batch, CFG branch,
+checkpointed recomputation — has its own sink and scope) whose per-sample partials of dA and dB
+become the atoms of ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``; steps 1 and 2 are the
+same, and step 3 is the identity (the total is the factor's gradient).
+
 Raises ``DriftToolError`` when an atom arrives twice in a step (one weight used twice for the
 same sample and branch: not a layout the ledger can order).
 """
@@ -119,14 +127,16 @@ class GradLedger:
         self.history: list[dict[str, dict[tuple[int, int], torch.Tensor]]] = []
 
     def watch(self, module: torch.nn.Module, merged: torch.Tensor, scope: dict[str, Any],
-              stream: str = "img") -> None:
+              stream: str = "img", *, atom: str | None = None) -> None:
         """Collect the per-row gradient of ``merged`` (the adapted weight of ``module``, built in
         the identity ``scope``: ``samples`` one id per batch row, ``branch`` one name or one per
-        row; ``stream`` the operator's). Nothing is attached when autograd is off or the module
+        row; ``stream`` the operator's) as the atoms of ``atom`` (default the module's name;
+        ``watch_factors`` names a factor). Nothing is attached when autograd is off or the module
         is not adapted."""
         name = self._names.get(id(module))
         if name is None or not (torch.is_grad_enabled() and merged.requires_grad):
             return
+        name = atom or name
         samples = tuple(int(x) for x in (scope.get("samples") or []))
         branch = scope.get("branch")
         branches = (branch,) * len(samples) if isinstance(branch, str) else tuple(branch or ())
@@ -134,6 +144,34 @@ class GradLedger:
         key = attach_grad_sink(merged, self._sink(spec, None))
         self._keys.add(key)
         self._watched[key] = spec
+
+    def watch_factors(self, module: torch.nn.Module, a: torch.Tensor, b: torch.Tensor,
+                      scope: dict[str, Any], stream: str = "img") -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors ``(lora_A, lora_B)`` of an unfused ``module`` for one strict forward in the
+        identity ``scope`` (as ``watch``): per-call copies whose per-sample gradients become the
+        atoms of ``<module>.lora_A.weight`` / ``.lora_B.weight`` (module docstring); ``(a, b)``
+        themselves when autograd is off or the module is not adapted."""
+        name = self._names.get(id(module))
+        if name is None or not torch.is_grad_enabled():
+            return a, b
+        out = []
+        for which, f in (("lora_A", a), ("lora_B", b)):
+            if f.requires_grad:
+                copy = f.clone()  # [r, in] / [out, r]: its own storage, so its own sink
+                self.watch(module, copy, scope, stream, atom=f"{name}.{which}.weight")
+                f = copy
+            out.append(f)
+        return out[0], out[1]
+
+    def _param(self, name: str) -> tuple[torch.Tensor, bool]:
+        """(the tensor an atom of ``name`` is a gradient of, whether it is a factor): the adapted
+        module's weight (merged: atoms of W'), or ``<module>.lora_A.weight`` /
+        ``.lora_B.weight`` (unfused: atoms of the factor itself)."""
+        for which in ("lora_A", "lora_B"):
+            suffix = f".{which}.weight"
+            if name.endswith(suffix):
+                return getattr(self.modules[name[: -len(suffix)]], which).weight, True
+        return self.modules[name].weight, False
 
     def slice_sink(self, merged: torch.Tensor, dim: int, lo: int, hi: int):
         """The sink for the slice ``[lo, hi)`` along ``dim`` of a watched ``merged`` weight (a TP
@@ -149,7 +187,7 @@ class GradLedger:
             self._keys.add(attach_grad_sink(part, sink))
 
     def _sink(self, spec: _Watched, cut: tuple[int, int, int] | None):
-        shape = tuple(self.modules[spec.name].weight.shape)  # the unsharded [N, K]: kernel rule
+        shape = tuple(self._param(spec.name)[0].shape)  # the unsharded [N, K]: kernel rule
         sp_rows = self.plan is not None and self.plan.dims.sp > 1 and spec.stream == "img"
 
         def sink(dy: torch.Tensor, x: torch.Tensor, partials=None) -> None:
@@ -193,7 +231,7 @@ class GradLedger:
         every = all_gather_object(ends, group)
         for name in names:
             atoms = self._atoms[name]
-            w = self.modules[name].weight
+            w = self._param(name)[0]
             exact = linear_is_exact(*w.shape)
             parts, owners = [], []
             for i, key in enumerate(sorted(atoms)):
@@ -238,7 +276,7 @@ class GradLedger:
         every = all_gather_object(keys, self.group)
         merged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         for name in sorted({n for k in every for n in k}):
-            w = self.modules[name].weight
+            w = self._param(name)[0]
             mine = [self._atoms.get(name, {})[k] for k in keys.get(name, [])]
             local = torch.stack(mine) if mine else torch.zeros(0, *w.shape, dtype=torch.float32, device=w.device)
             counts = [len(k.get(name, [])) for k in every]
@@ -268,7 +306,8 @@ class GradLedger:
     def finish_step(self, step: int) -> None:
         """Reduce the step's atoms (``tree_sum_stack`` in (sample, branch) order), add them to the
         totals (steps in order) and set every adapter factor's ``.grad`` from its total (one strict
-        ``lora_merge`` backward). Factors of a weight that never got a gradient keep ``.grad``."""
+        ``lora_merge`` backward; an unfused factor's total is its gradient). Factors of a weight
+        that never got a gradient keep ``.grad``."""
         if self.plan is not None and self.plan.dims.sp > 1:
             self._finish_sp()
         if self.plan is not None and self.plan.dims.tp > 1:
@@ -286,6 +325,10 @@ class GradLedger:
         self._atoms = {}
         self.steps.append(int(step))
         for name, total in self.totals.items():
+            factor, unfused = self._param(name)
+            if unfused:
+                factor.grad = total.to(factor.dtype)
+                continue
             m = self.modules[name]
             a, b = m.lora_A.weight, m.lora_B.weight
             if self._family.get(name) == "cuda1":  # the strict CUDA lora_merge's backward

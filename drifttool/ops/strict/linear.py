@@ -13,14 +13,25 @@ Backward (``torch.autograd.Function``; orders in ``drifttool.ops.strict.grad``):
 ``tiled_linear`` of dY with the transposed weight (per row, contract v2 over N); dW and db per
 sample over its live rows by contract v2 (64-row blocks, 8 segments), then over the samples in
 batch order by the pairwise tree; each gradient cast once to its input's dtype.
+
+LoRA (mode ``unfused-fp32``): the four block GEMMs (``qkv_bias_gemm``, ``attn_out_bias_gemm``,
+``mlp_up_gemm_gelu``, ``mlp_down_gemm``) take the keyword ``lora`` — ``None``, ``(A, B, s)``, or
+for ``qkv_bias_gemm`` one entry (or ``None``) per q, k, v — and add the adapter branch in FP32
+before the epilogue (``drifttool.ops.strict.lora_linear``; constraint ``ops.lora.lora_factors``:
+FP32 factors that fit the weight). Without ``lora`` (or with only ``None`` entries) they run the
+code below unchanged. The trace's kernel id is the implementation's, with or without the adapter
+(the registry records one kernel id per implementation); a run's manifest names the mode
+(``lora.mode``), and its trace has no ``lora_merge`` calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from drifttool.ops.lora import lora_factors
 from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads, linear_input_grad
+from drifttool.ops.strict.lora_linear import AdaptedLinear, adapted_qkv
 from drifttool.ops.strict_gemm import LINEAR_KERNEL, tiled_linear
 from drifttool.ops.strict_math import gelu_tanh32
 
@@ -87,16 +98,29 @@ class _QKV(torch.autograd.Function):
         return (dx, *grads, None, None)
 
 
-@strict_cpu("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=LINEAR_KERNEL)
-def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
-    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] (numerics §2.4)."""
-    return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, act_dtype(x, wq, bq, wk, bk, wv, bv))
+@strict_cpu("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=LINEAR_KERNEL,
+            constraints=(lora_factors("x", "wq", "wk", "wv"),))
+def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int, lora: tuple | None = None):
+    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] (numerics §2.4); ``lora`` = (q, k, v)
+    entries, each (A [r,d] fp32, B [d,r] fp32, s) or None (module docstring)."""
+    dt = act_dtype(x, wq, bq, wk, bk, wv, bv)
+    if lora is None or all(f is None for f in lora):
+        return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, dt)
+    return adapted_qkv(x, wq, bq, wk, bk, wv, bv, lora, heads, dt)
 
 
-@strict_cpu("attn_out_bias_gemm", "x", "w", "b", kernel=LINEAR_KERNEL)
-def attn_out_bias_gemm(x, w, b):
-    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
-    return _gemm(x, w, b)
+def _adapted(x, w, b, lora, gelu=False):
+    """The one-projection GEMM, with its LoRA branch when ``lora`` = (A, B, s)."""
+    if lora is None:
+        return _LinearGelu.apply(x, w, b, act_dtype(x, w, b)) if gelu else _gemm(x, w, b)
+    a, bb, s = lora
+    return AdaptedLinear.apply(x, w, b, a, bb, s, act_dtype(x, w, b), gelu)
+
+
+@strict_cpu("attn_out_bias_gemm", "x", "w", "b", kernel=LINEAR_KERNEL, constraints=(lora_factors("x", "w"),))
+def attn_out_bias_gemm(x, w, b, lora: tuple | None = None):
+    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]; ``lora`` = (A [r,d] fp32, B [d,r] fp32, s) or None."""
+    return _adapted(x, w, b, lora)
 
 
 class _LinearGelu(torch.autograd.Function):
@@ -120,13 +144,15 @@ class _LinearGelu(torch.autograd.Function):
         return cast_like(dx, x), cast_like(dw, w), cast_like(db, b), None
 
 
-@strict_cpu("mlp_up_gemm_gelu", "x", "w", "b", kernel=LINEAR_KERNEL + "+gelu_tanh.f64")
-def mlp_up_gemm_gelu(x, w, b):
-    """GELU_tanh(x·wᵀ + b): GEMM in FP32, GELU in FP64 from exact ops, one cast (numerics §2.3)."""
-    return _LinearGelu.apply(x, w, b, act_dtype(x, w, b))
+@strict_cpu("mlp_up_gemm_gelu", "x", "w", "b", kernel=LINEAR_KERNEL + "+gelu_tanh.f64",
+            constraints=(lora_factors("x", "w"),))
+def mlp_up_gemm_gelu(x, w, b, lora: tuple | None = None):
+    """GELU_tanh(x·wᵀ + b): GEMM in FP32, GELU in FP64 from exact ops, one cast (numerics §2.3);
+    ``lora`` = (A [r,d] fp32, B [4d,r] fp32, s) adds its branch before the GELU, or None."""
+    return _adapted(x, w, b, lora, gelu=True)
 
 
-@strict_cpu("mlp_down_gemm", "x", "w", "b", kernel=LINEAR_KERNEL)
-def mlp_down_gemm(x, w, b):
-    """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]."""
-    return _gemm(x, w, b)
+@strict_cpu("mlp_down_gemm", "x", "w", "b", kernel=LINEAR_KERNEL, constraints=(lora_factors("x", "w"),))
+def mlp_down_gemm(x, w, b, lora: tuple | None = None):
+    """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]; ``lora`` = (A [r,4d] fp32, B [d,r] fp32, s) or None."""
+    return _adapted(x, w, b, lora)
