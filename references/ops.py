@@ -56,6 +56,16 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return y if b is None else y + _f64(b)
 
 
+def _adapted_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: tuple | None) -> torch.Tensor:
+    """x·wᵀ + b, plus with ``lora`` = (A [r, K], B [N, r], s) the unfused LoRA branch
+    s·((x·Aᵀ)·Bᵀ), all in FP64 (peft's ``Linear.forward`` without dropout)."""
+    y = _linear(x, w, b)
+    if lora is None:
+        return y
+    a, bb, s = lora
+    return y + float(s) * _linear(_linear(x, a, None), bb, None)
+
+
 def _silu(x: torch.Tensor) -> torch.Tensor:
     """x / (1 + e^{−x}) in FP64."""
     return x * torch.sigmoid(x)
@@ -239,11 +249,13 @@ def qkv_bias_gemm(
     wv: torch.Tensor,
     bv: torch.Tensor,
     heads: int,
+    lora: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-stream q, k, v: x [B,S,d] → three [B,S,H,Dh] (head h holds features h·Dh … h·Dh+Dh−1)."""
+    """Per-stream q, k, v: x [B,S,d] → three [B,S,H,Dh] (head h holds features h·Dh … h·Dh+Dh−1);
+    ``lora``: per projection (A, B, s) or None, the unfused LoRA branch (``_adapted_linear``)."""
     outs = []
-    for w, b in ((wq, bq), (wk, bk), (wv, bv)):
-        y = _linear(x, w, b)  # [B, S, H·Dh]
+    for w, b, f in zip((wq, wk, wv), (bq, bk, bv), lora or (None, None, None)):
+        y = _adapted_linear(x, w, b, f)  # [B, S, H·Dh]
         outs.append(y.reshape(*y.shape[:-1], heads, y.shape[-1] // heads))
     return tuple(outs)
 
@@ -358,23 +370,24 @@ def joint_attention_fused(
     return joint_attn_av_gemm(p, v, key_mask)
 
 
-def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
-    return _linear(x, w, b)
+def attn_out_bias_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]; ``lora`` (A, B, s): ``_adapted_linear``."""
+    return _adapted_linear(x, w, b, lora)
 
 
 # ---------------------------------------------------------------------------------------------
 # block: MLP, final layer
 
 
-def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """GELU_tanh(x·wᵀ + b): [B,S,d] → [B,S,4d] (§2.3 step 4)."""
-    return _gelu_tanh(_linear(x, w, b))
+def mlp_up_gemm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+    """GELU_tanh(x·wᵀ + b): [B,S,d] → [B,S,4d] (§2.3 step 4); ``lora`` (A, B, s): the branch is
+    added before the GELU (``_adapted_linear``)."""
+    return _gelu_tanh(_adapted_linear(x, w, b, lora))
 
 
-def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """net.2: [B,S,4d] → [B,S,d]."""
-    return _linear(x, w, b)
+def mlp_down_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+    """net.2: [B,S,4d] → [B,S,d]; ``lora`` (A, B, s): ``_adapted_linear``."""
+    return _adapted_linear(x, w, b, lora)
 
 
 def final_adaln_out(
