@@ -58,8 +58,9 @@ APPLY = {
     "fused": "fused by op lora_fuse (drifttool.lora_fuse.v1): diffusers load_lora_weights + fuse_lora",
     "unfused": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: diffusers "
                "load_lora_weights (factors in the model dtype)",
-    "unfused-fp32": "unfused, op lora_delta (drifttool.lora_delta.v1) added to the base GEMM: a "
-                    "peft-wrapped transformer (factors FP32)",
+    "unfused-fp32": "unfused, the branch s*B(A(x)) added to the base GEMM before its epilogue: a "
+                    "peft-wrapped transformer (factors FP32); production by op lora_delta "
+                    "(drifttool.lora_delta.v1), strict inside the block GEMM operators in FP32",
 }
 """The manifest's ``lora.apply`` text per mode."""
 

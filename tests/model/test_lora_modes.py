@@ -138,11 +138,14 @@ def test_the_record_of_a_loaded_pipeline_is_the_runs(setup, mode):
     assert weight_digest(canonical_parameters(tr)) == weight_digest(effective_weights(model))
 
 
-def test_non_merged_modes_refuse_strict_and_unknown(setup):
+def test_model_dtype_modes_refuse_strict_and_unknown(setup):
+    """Strict runs ``merged`` and ``unfused-fp32`` (tests/model/test_lora_strict_unfused.py)."""
     base, adapter = setup
     model = ours(base, adapter, torch.float32, "unfused")
-    with pytest.raises(UnsupportedConfigError, match="lora_delta"):
+    with pytest.raises(UnsupportedConfigError, match="the strict family runs LoRA modes 'merged' and 'unfused-fp32'"):
         forward_ours(model, torch.float32, Runtime(mode="strict"))
+    with pytest.raises(UnsupportedConfigError, match="lora_fuse"):
+        forward_ours(ours(base, adapter, torch.float32, "fused"), torch.float32, Runtime(mode="strict"))
     with pytest.raises(UnsupportedConfigError, match="unknown LoRA mode"):
         load_lora(load_checkpoint(base, dtype=torch.float32), adapter, mode="half")
     assert all(p.dtype == torch.float32 for p in lora_parameters(model).values())
@@ -216,3 +219,31 @@ def test_an_adapter_without_alpha_is_noted_and_recorded(cli, setup, tmp_path):
     assert m["lora"]["alpha_given"] is False and m["lora"]["scale"] == 1.0
     code, out = cli("run", "-o", tmp_path / "b", "--lora", adapter, "--capture", "L0")
     assert code == 0 and "has no alpha" not in out, out
+
+
+def test_cli_strict_unfused_fp32_runs_replays_and_trains(cli, setup, tmp_path):
+    """``--lora-mode unfused-fp32`` under strict (the default mode): recorded, no LoRA operator in
+    the trace, the replay is identical, and the training recompute (``--grad``) re-runs the
+    rollout's mode: identical v_t and logp_t, gradients captured."""
+    import json
+
+    _, adapter = setup
+    code, out = cli("run", "-o", tmp_path / "a", "--capture", "L1", "--lora", adapter, "--lora-mode", "unfused-fp32")
+    assert code == 0, out
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["settings"]["mode"] == "strict" and m["settings"]["lora_mode"] == "unfused-fp32"
+    assert m["lora"]["mode"] == "unfused-fp32" and m["lora"]["factor_dtype"] == "float32"
+    ops = {r["op"] for r in open_run(tmp_path / "a").trace_rows()}
+    assert not ops & {"lora_merge", "lora_delta"} and "qkv_bias_gemm" in ops
+    code, out = cli("replay", tmp_path / "a", "-o", tmp_path / "b")
+    assert code == 0, out
+    code, out = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert code == 0 and "IDENTICAL" in out, out
+    code, out = cli("recompute", tmp_path / "a", "-o", tmp_path / "t", "--grad")
+    assert code == 0, out
+    t = open_run(tmp_path / "t")
+    assert t.manifest["lora"]["mode"] == "unfused-fp32"
+    roles = t.ops_table().column("role").to_pylist()
+    assert roles.count("grad_weight") > 0
+    code, out = cli("diff", tmp_path / "a", tmp_path / "t")
+    assert code == 0 and "IDENTICAL" in out, out
