@@ -26,23 +26,13 @@ exactly peft's names: ``transformer_blocks.0.attn.to_q.lora_A.weight`` … (what
 also lists the file layouts and the refused configs). Adapter weights are FP32 whatever the
 model dtype (peft's ``autocast_adapter_dtype`` default in ``PeftModel.from_pretrained``).
 
-How the adapter enters the forward (why merged by default): the fused RFC operators
-(``qkv_bias_gemm`` returns heads, ``mlp_up_gemm_gelu`` applies GELU after the GEMM) leave no place
-to add a per-token delta ``(α/r)·B·A·x`` before their epilogue. So the adapted weight
-``W' = W + (α/r)·(B·A)`` is computed by the named operator ``lora_merge`` (contract
-``drifttool.lora_merge.v1``, dispatched by ``registry.call`` like every operator and listed in the
-operator trace as op ``lora_merge``, stream img/txt, once per target and forward) and handed to the
-unchanged base operator, whose call-site identity does not change. Its output is traced but not
-captured: it has no sample axis, and a trainer that micro-batches runs it once per micro-batch,
-so its records would not align with the rollout's; the adapter bytes are pinned instead by the
-fingerprint's weight digest and the manifest's ``lora.digest``, a differing adapter shows as the
-first drift at the base operator that consumes it, and the adapter gradients are captured
-(role ``grad_weight``, ``lora_io.capture_lora_grads``). Gradients reach ``lora_A``/``lora_B``
-through the base operator's weight gradient: ``dA = (α/r)·Bᵀ·dW'``, ``dB = (α/r)·dW'·Aᵀ``.
+How an attached adapter enters the operator calls (``lora_merge`` / ``lora_fuse`` of the weight,
+or the unfused branch; why merged by default) is ``drifttool.model.lora_calls``'s.
 
 Modes (``LORA_MODES``, ``lora_io.load_lora(mode=)``, ``drifttool run --lora-mode``): how the libraries
-run a loaded adapter differs in bytes, so each is reproduced (production family only, except
-``merged``; arithmetic in ``drifttool.ops.lora``):
+run a loaded adapter differs in bytes, so each is reproduced (production family; the strict
+family runs ``STRICT_MODES``, ``merged`` and ``unfused-fp32``, its own way; arithmetic in
+``drifttool.ops.lora``):
 
 ================  ==========================================  ================  ==================
 mode              reproduces                                  factors held in   operator (trace)
@@ -53,19 +43,17 @@ mode              reproduces                                  factors held in   
                   ``pipe.fuse_lora()``
 ``unfused``       diffusers ``pipe.load_lora_weights`` (peft  model dtype       ``lora_delta``
                   LoRA layers active, the default)
-``unfused-fp32``  a peft-wrapped transformer (``get_peft_     FP32              ``lora_delta``
-                  model`` / ``PeftModel``: the factors are
-                  autocast to FP32), e.g. Flow-GRPO
+``unfused-fp32``  a peft-wrapped transformer (``get_peft_     FP32              ``lora_delta``;
+                  model`` / ``PeftModel``: the factors are                      strict: none (the
+                  autocast to FP32), e.g. Flow-GRPO                             block GEMMs)
 ================  ==========================================  ================  ==================
 
-Unfused, the base operator keeps W and receives the adapter branch ``lora_delta`` (``scale ·
-B(A(x))`` in the factors' dtype) as its ``delta``/``deltas`` argument, added to its GEMM output
-before its epilogue (GELU, the head split) exactly as peft's ``Linear.forward`` adds it. Where
-the Linear's input exists only inside the operator (SiLU(temb) of ``adaln_mod_projection`` and
-``final_adaln_out``, the RMSNorm of ``txt_in_rmsnorm_linear``, the sinusoid and SiLU of
-``timestep_embed_mlp``), the operator receives the factors instead (``lora=``,
-``lora_branches``) and adds the same branch (``ops.lora.peft_branch``) to that GEMM; these
-branches are not traced as separate ``lora_delta`` calls.
+Unfused, the base operator keeps W and adds the adapter branch ``s·B(A(x))`` to its GEMM output
+before its epilogue (production: ``lora_delta`` in the factors' dtype, as peft; strict
+``unfused-fp32``: inside the four block GEMM operators, in FP32, so W keeps its dtype — on the
+GPU a bf16 W runs on tensor cores where merged needs the FP32 GEMM of an FP32 W'; the same math
+as merged, rounded differently; an adapter outside the block GEMMs runs strict only merged):
+``model.lora_calls``, docs/strict-arithmetic.md "Unfused LoRA (strict)".
 
 DoRA (``use_dora``) runs merged or fused, as peft merges it (``ops.lora.peft_merge``: W' =
 (m / ‖W + s·B·A‖_row)·(W + s·B·A)), production family only. Unfused DoRA is refused (peft's
@@ -78,7 +66,7 @@ The operator and its implementations are declared in
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -92,7 +80,6 @@ from drifttool.model.lora_formats import (  # noqa: F401  (the module names, re-
     OUTPUT_MODULES,
     AdapterConfig,
 )
-from drifttool.ops.registry import call
 
 LORA_MODES = ("merged", "fused", "unfused", "unfused-fp32")
 """How a loaded adapter runs (module docstring table)."""
@@ -136,145 +123,6 @@ class LoRAFactor(nn.Module):
 
 FACTOR_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
 """The adapter's parameter names on an adapted module (the last one for DoRA only)."""
-
-
-def adapted_weight(module: nn.Module, rt, stream: str) -> torch.Tensor:
-    """The weight the base operator receives: ``module.weight`` (no adapter, or an unfused one),
-    or ``lora_merge`` / ``lora_fuse`` of it by the adapter's mode (called by ``MMDiT`` inside
-    the block scope); a DoRA module passes its magnitude vector as ``magnitude``.
-
-    Raises:
-        UnsupportedConfigError: a DoRA module under a family other than production.
-    """
-    a = getattr(module, "lora_A", None)
-    if a is None or module.lora_mode in UNFUSED_MODES:
-        return module.weight
-    op = "lora_fuse" if module.lora_mode == "fused" else "lora_merge"
-    m = getattr(module, "lora_magnitude_vector", None)
-    if m is not None and rt.mode.family != "production":
-        raise UnsupportedConfigError(f"DoRA adapters under the {rt.mode.family} family (strict arithmetic has "
-                                     "no declared row norm); use --mode auto or off")
-    merged = call(rt, op, module.weight, a.weight, module.lora_B.weight, float(module.lora_scale),
-                  **({} if m is None else {"magnitude": m}), stream=stream, layout=None)
-    if rt.grad_ledger is not None:  # strict training: gradients by the canonical reduction
-        rt.grad_ledger.watch(module, merged, rt.current_scope(), stream)
-    return merged
-
-
-def _unfused(module: nn.Module, rt) -> bool:
-    """True when ``module`` carries an adapter in an unfused mode that can run here.
-
-    Raises:
-        UnsupportedConfigError: under a TP/SP plan (the branch is not sharded), or a DoRA module
-            (its branch needs the base GEMM's output without bias, which the fused RFC operators
-            do not expose). CFG-parallel ranks run whole branches: allowed.
-    """
-    if getattr(module, "lora_A", None) is None or module.lora_mode not in UNFUSED_MODES:
-        return False
-    if getattr(module, "lora_magnitude_vector", None) is not None:
-        raise UnsupportedConfigError(f"DoRA in LoRA mode {module.lora_mode!r}: use --lora-mode merged or fused")
-    dims = getattr(getattr(rt, "plan", None), "dims", None)
-    if dims is not None and (dims.tp > 1 or dims.sp > 1):
-        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
-                                     "branch is not sharded; use --lora-mode merged or fused")
-    return True
-
-
-def _production_unfused(module: nn.Module, rt) -> bool:
-    """``_unfused`` for a call site whose operator takes the branch the production way only
-    (``lora_delta``, or the factors of an inner-input operator).
-
-    Raises:
-        UnsupportedConfigError: as ``_unfused``; or an unfused adapter on this module under a
-            family other than production (strict runs ``unfused-fp32`` only on the block GEMMs'
-            Linears, ``LORA_TARGET_MODULES``, through ``gemm_lora``), naming the module.
-    """
-    if not _unfused(module, rt):
-        return False
-    if rt.family == "production":
-        return True
-    raise UnsupportedConfigError(
-        f"LoRA mode {module.lora_mode!r} under the {rt.family} family on {module.lora_name}: the strict "
-        "family adds an unfused adapter only inside the block GEMMs (attention q/k/v/out and MLP "
-        "projections); use --lora-mode merged for an adapter on this module")
-
-
-def lora_delta(module: nn.Module, x: torch.Tensor, rt, stream: str) -> torch.Tensor | None:
-    """The unfused adapter branch ``lora_delta(x)`` ``[B, S, out]`` of ``module`` for its input x
-    ``[B, S, in]``, or None (no adapter, or a merged/fused one). Production family only.
-
-    Raises:
-        UnsupportedConfigError: as ``_production_unfused`` (TP/SP, DoRA, a strict family).
-    """
-    if not _production_unfused(module, rt):
-        return None
-    return call(rt, "lora_delta", x, module.lora_A.weight, module.lora_B.weight, float(module.lora_scale),
-                stream=stream, layout=None)
-
-
-def lora_deltas(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[str, Any]:
-    """The base operator's keyword arguments for the unfused branches of ``modules`` (all fed x):
-    ``{}`` when none is unfused, ``{"delta": d}`` for one module, ``{"deltas": (dq, dk, dv)}``
-    for three (``qkv_bias_gemm``)."""
-    ds = tuple(lora_delta(m, x, rt, stream) for m in modules)
-    if all(d is None for d in ds):
-        return {}
-    return {"deltas": ds} if len(ds) > 1 else {"delta": ds[0]}
-
-
-def _strict_factors(module: nn.Module, rt, stream: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """``(lora_A [r, in], lora_B [out, r], scale)`` of an unfused ``module`` for a strict block
-    GEMM, or None (no adapter, or a merged one). Under a gradient ledger (strict training) the
-    factors are per-call copies whose per-sample gradients go to the ledger (``GradLedger.
-    watch_factors``), as a merged weight's do.
-
-    Raises:
-        UnsupportedConfigError: as ``_unfused``; a mode outside ``STRICT_MODES``.
-    """
-    if not _unfused(module, rt):
-        return None
-    check_lora_mode(module.lora_mode, rt.family)
-    a, b = module.lora_A.weight, module.lora_B.weight
-    if rt.grad_ledger is not None:
-        a, b = rt.grad_ledger.watch_factors(module, a, b, rt.current_scope(), stream)
-    return a, b, float(module.lora_scale)
-
-
-def gemm_lora(x: torch.Tensor, rt, stream: str, *modules: nn.Module) -> dict[str, Any]:
-    """The adapter keywords of a block GEMM operator whose Linears ``modules`` are all fed x
-    (one, or q, k, v for ``qkv_bias_gemm``): ``{}`` when none is unfused; production the
-    ``lora_delta`` branches (``lora_deltas``: ``delta``/``deltas``); any other family the
-    factors, ``lora=(A, B, s)`` for one module and a tuple of such entries (or None) for three
-    (``ops.strict.lora_linear`` adds the branch in FP32).
-
-    Raises:
-        UnsupportedConfigError: as ``_unfused``; under a strict family a mode outside
-            ``STRICT_MODES``.
-    """
-    if rt.family == "production":
-        return lora_deltas(x, rt, stream, *modules)
-    fs = tuple(_strict_factors(m, rt, stream) for m in modules)
-    if all(f is None for f in fs):
-        return {}
-    return {"lora": fs if len(fs) > 1 else fs[0]}
-
-
-def lora_branches(rt, *modules: nn.Module) -> dict[str, Any]:
-    """The keyword argument ``lora`` of an operator whose Linear inputs exist only inside it
-    (``adaln_mod_projection``, ``final_adaln_out``: SiLU(temb); ``txt_in_rmsnorm_linear``: the
-    RMSNorm; ``timestep_embed_mlp``: the sinusoid and SiLU(linear_1)): per module ``None`` or
-    its factors ``(lora_A [r, in], lora_B [out, r], scale)``, which the production operator runs
-    as ``lora_delta`` runs them (``ops.lora.peft_branch``) on the Linear's input; ``{}`` when no
-    module is unfused. One module gives ``lora=(A, B, s)``, several a tuple of them.
-
-    Raises:
-        UnsupportedConfigError: as ``_production_unfused`` (TP/SP, DoRA, a strict family).
-    """
-    fs = tuple((m.lora_A.weight, m.lora_B.weight, float(m.lora_scale)) if _production_unfused(m, rt) else None
-               for m in modules)
-    if all(f is None for f in fs):
-        return {}
-    return {"lora": fs if len(fs) > 1 else fs[0]}
 
 
 def _module(root: nn.Module, name: str) -> nn.Module:

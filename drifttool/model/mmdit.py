@@ -57,7 +57,9 @@ each adapted weight right before the operator that consumes it; in an unfused mo
 ``lora_delta`` computes the adapter branch from the operator's input instead, and the operator
 adds it to its GEMM output (``delta``/``deltas``), or, where that input exists only inside the
 operator (the timestep MLP, ``txt_in``, the modulation projections, ``norm_out``), the operator
-receives the factors (``lora``) and adds the same branch itself.
+receives the factors (``lora``) and adds the same branch itself. Under the strict family
+(``unfused-fp32`` only) the block GEMMs receive the factors (``lora``) and add the branch in FP32
+(``model.lora_calls.gemm_lora``); an unfused adapter outside them is refused.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ import drifttool.ops  # noqa: F401  (every operator and built-in family, registe
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.conditions import join_conditions
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import adapted_weight, lora_branches, lora_deltas
+from drifttool.model.lora_calls import adapted_weight, lora_branches, lora_deltas
 from drifttool.model.mmdit_block import AttentionContext, Block, Gain, Linear
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.ops.registry import call
@@ -210,7 +212,7 @@ class MMDiT(nn.Module):
 
         with rt.scope(block=-1):
             # temb = linear_2(SiLU(linear_1(sinusoid(τ)))); T = RMSNorm(txt)·Wᵀ + b; I = x·Wᵀ + b
-            # (each weight LoRA-merged when adapted, or its unfused branch passed: drifttool.model.lora)
+            # (each weight LoRA-merged when adapted, or its unfused branch passed: drifttool.model.lora_calls)
             te = self.time_text_embed.timestep_embedder
             l1, l2 = te.linear_1, te.linear_2
             temb = call(rt, "timestep_embed_mlp", tau, adapted_weight(l1, rt, "none"), l1.bias,

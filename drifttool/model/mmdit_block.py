@@ -22,7 +22,7 @@ from torch import nn
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import adapted_weight, gemm_lora, lora_branches
+from drifttool.model.lora_calls import adapted_weight, gemm_lora, lora_branches
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
 

@@ -5,7 +5,7 @@
     >>> d = call(rt, "lora_delta", x, lora_A, lora_B, alpha / r, stream="img", layout=None)   # unfused
 
 Declared here with their families; ``drifttool.model.lora`` attaches adapters to the MMDiT and
-calls one of them per adapted weight, by the adapter's mode (``model.lora.LORA_MODES``; why merged
+``drifttool.model.lora_calls`` calls one of them per adapted weight, by the adapter's mode (``model.lora.LORA_MODES``; why merged
 by default, and why traced but not captured, is written there). The three reproduce what the
 libraries run (peft 0.21.2 ``tuners/lora/layer.py`` ``Linear.merge`` / ``get_delta_weight`` /
 ``forward``, diffusers 0.42.1 ``loaders/peft.py`` ``fuse_lora``):
@@ -26,6 +26,12 @@ libraries run (peft 0.21.2 ``tuners/lora/layer.py`` ``Linear.merge`` / ``get_del
   ``Linear.forward`` adapter branch ``lora_B(lora_A(dropout(x))) · scaling`` with x cast to the
   factors' dtype (``_cast_input_dtype``; dropout is the identity in eval). The base operator adds
   it to its GEMM output before its epilogue as peft does: ``(result + delta).to(result.dtype)``.
+  The strict family has no ``lora_delta``: in mode ``unfused-fp32`` its block GEMM operators take
+  the FP32 factors (``lora=``, checked by ``lora_factors`` below) and add the branch in FP32
+  inside (``drifttool.ops.strict.lora_linear``: x·Aᵀ, then ·Bᵀ, each by contract v2, times
+  fp32(s), added once to the FP32 GEMM output before the epilogue, one cast), so W keeps its
+  dtype — on the GPU a bf16 W runs on tensor cores where a merged FP32 W' cannot. The production
+  block GEMMs accept the same ``lora`` (``add_branch``: an audit run's fallback).
 
 ``peft_merge`` (peft's ``get_delta_weight`` + unsafe ``merge``): factors of dtype D on device d;
 on the CPU with D bf16/fp16, ``delta = ((fp32(B) @ fp32(A)) · s).to(D)``, else
@@ -34,7 +40,7 @@ dtype rounded to W's dtype. FP32 factors: delta FP32, one rounding into bf16 W. 
 delta rounded to bf16 (on CUDA the bf16 matmul's own rounding), then a bf16 add. A DoRA adapter
 (``magnitude`` m ``[out]``) merges as peft's ``DoraLinearVariant.merge_unsafe``:
 ``W' = (m / ‖W + delta‖_row)·(W + delta)``, rounded to W's dtype (``peft_merge``); the strict
-families refuse it (``model.lora.adapted_weight``), and the unfused modes too (``model.lora``: peft's DoRA branch rescales the
+families refuse it (``model.lora_calls.adapted_weight``), and the unfused modes too (``model.lora_calls``: peft's DoRA branch rescales the
 base GEMM's output without its bias, which the fused RFC operators do not expose).
 """
 
@@ -87,7 +93,7 @@ LORA_DELTA = declare(
             constraints=(dtypes(LORA_MERGE.dtypes, "w", "a", "b"),))
 def lora_merge_strict(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = fp32(W) + fp32(scale)·tree_gemm(B, Aᵀ), FP32 result (module docstring). No DoRA
-    (``model.lora.adapted_weight`` refuses it outside the production family).
+    (``model.lora_calls.adapted_weight`` refuses it outside the production family).
 
     Args:
         w: [out, in] base weight (fp32 or bf16).  a: [r, in] fp32.  b: [out, r] fp32.
@@ -170,7 +176,7 @@ def add_delta(result: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
 def add_branch(result: torch.Tensor, x: torch.Tensor, lora: tuple | None) -> torch.Tensor:
     """``add_delta(result, peft_branch(x, *lora))``, or ``result`` when ``lora`` is None: the
     unfused adapter of a Linear whose input x exists only inside a production operator
-    (``model.lora.lora_branches``). x [..., in], result [..., out]."""
+    (``model.lora_calls.lora_branches``). x [..., in], result [..., out]."""
     return result if lora is None else add_delta(result, peft_branch(x, *lora))
 
 
@@ -202,7 +208,7 @@ def lora_factors(x: str, *weights: str) -> Constraint:
     """The ``lora`` keyword of a strict GEMM operator with input ``x`` [..., K] and the weights
     ``weights`` ([N, K] each): ``None``, or for one weight ``(A [r, K], B [N, r], s)`` (FP32
     factors on x's device, s a python float), for several a tuple of one such entry or ``None``
-    per weight (``qkv_bias_gemm``: q, k, v), as ``model.lora.lora_branches`` builds them."""
+    per weight (``qkv_bias_gemm``: q, k, v), as ``model.lora_calls.lora_branches`` builds them."""
 
     def test(args) -> str | None:
         lora, t = args.get("lora"), args[x]

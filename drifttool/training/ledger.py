@@ -25,7 +25,7 @@ bytes do not depend on its batch companions, micro-batch size, CFG layout or pad
 3. the adapter gradients (dA, dB) = the backward of one strict ``lora_merge`` (W, A, B, α/r) for
    the output gradient D_t, set as ``lora_A.weight.grad`` / ``lora_B.weight.grad``.
 
-How. ``drifttool.model.lora.adapted_weight`` hands every merged weight it builds with autograd on
+How. ``drifttool.model.lora_calls.adapted_weight`` hands every merged weight it builds with autograd on
 to ``watch`` with the call's identity scope (the samples and per-row branches of the batch rows);
 ``watch`` attaches a sink to it (``grad.attach_grad_sink``, by storage: a checkpointed
 recomputation's detached aliases find it too), and the strict GEMM backward gives the sink
@@ -39,7 +39,7 @@ are refused there (the CUDA backward splits no reduction across ranks).
 
 LoRA mode ``unfused-fp32`` (strict): there is no merged weight; the strict block GEMMs compute dA
 and dB themselves (``ops.strict.lora_linear``), per sample by contract v2 like a weight gradient.
-``model.lora.gemm_lora`` hands each forward's factors to ``watch_factors``, which returns
+``model.lora_calls.gemm_lora`` hands each forward's factors to ``watch_factors``, which returns
 per-call copies (``clone``: their own storage, so every forward — micro-batch, CFG branch,
 checkpointed recomputation — has its own sink and scope) whose per-sample partials of dA and dB
 become the atoms of ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``; steps 1 and 2 are the

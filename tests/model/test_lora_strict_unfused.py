@@ -1,4 +1,4 @@
-"""LoRA mode ``unfused-fp32`` under the strict family on the MMDiT (``model.lora.gemm_lora``): the
+"""LoRA mode ``unfused-fp32`` under the strict family on the MMDiT (``model.lora_calls.gemm_lora``): the
 block GEMMs receive the FP32 factors (``lora=``) and add the branch themselves.
 
 - B = 0 (peft's init): v is byte-equal to the model without an adapter;

@@ -42,8 +42,8 @@ def test_every_suspect_is_in_both_matrices_with_an_expectation_per_device():
         assert set(PRODUCTION[name]) == {"cpu", "cuda"}, name
         assert prod[name].source and prod[name].change and prod[name].factor == strict[name].factor
         assert not prod[name].pending, name  # every production expectation on the CPU is measured
-    # strict refuses an unmerged adapter (below); every other suspect runs in strict
-    assert [n for n in SUSPECTS if strict[n].pending] == ["lora_unmerged"]
+    # every suspect runs in strict (an unmerged adapter: LoRA mode unfused-fp32)
+    assert [n for n in SUSPECTS if strict[n].pending] == []
     assert strict["rope_tables_on_device"].expect.verdict == "identical"
     assert [p.name for p in catalog(family="production", device="cuda") if not p.pending] == []
 
@@ -114,8 +114,9 @@ def test_attention_kernel_math_runs_sdpa_math():
     assert torch.equal(got, want)
 
 
-def test_strict_refuses_an_unmerged_adapter(tmp_path):
-    """What ``lora_unmerged`` declares pending under strict: the run is refused before it starts."""
+def test_strict_refuses_an_unmerged_adapter_in_the_model_dtype(tmp_path):
+    """Strict runs ``unfused-fp32`` (``lora_unmerged``); ``unfused`` (factors in the model dtype,
+    diffusers' arithmetic) is refused before the run starts."""
     from drifttool.model.checkpoint import load_checkpoint
     from drifttool.model.lora import add_lora
     from drifttool.model.lora_io import save_lora
@@ -124,8 +125,8 @@ def test_strict_refuses_an_unmerged_adapter(tmp_path):
     model = load_checkpoint(folder)
     add_lora(model, rank=2, alpha=4.0, seed=1, init_b_std=0.05)
     adapter = save_lora(model, tmp_path / "lora")
-    with pytest.raises(UnsupportedConfigError, match="strict family merges the adapter"):
-        execute(RunSpec(lora=adapter, lora_mode="unfused-fp32", steps=2), tmp_path / "run")
+    with pytest.raises(UnsupportedConfigError, match="runs LoRA modes 'merged' and 'unfused-fp32'"):
+        execute(RunSpec(lora=adapter, lora_mode="unfused", steps=2), tmp_path / "run")
     assert not (tmp_path / "run" / "manifest.json").exists()
 
 
@@ -192,9 +193,9 @@ def test_text_mask_probe_runs_where_the_model_passes_no_mask():
 
 
 def test_pending_is_never_run():
-    (p,) = [p for p in catalog() if p.name == "lora_unmerged"]
+    (p,) = [p for p in catalog(family="production", device="cuda") if p.name == "lora_unmerged"]
     r = run_probe(p, RunSpec(), None, None, None)
-    assert r.status == PENDING and "merged only" in r.reasons[0]
+    assert r.status == PENDING and r.reasons[0] == p.pending
 
 
 # -- the command line ----------------------------------------------------------------------------
