@@ -30,6 +30,7 @@ from drifttool.model.checkpoint import checked_config, load_checkpoint
 from drifttool.model.checkpoint_files import index_warnings
 from drifttool.model.graphs import GraphedForward
 from drifttool.model.lora import has_lora
+from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import effective_weights, load_lora, lora_record
 from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
@@ -197,6 +198,7 @@ def execute(
     mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,
                                      cfg_on=s.cfg_branches == 2, cfg_layout=s.cfg_layout, faults=faults,
                                      capture_level=s.capture if s.mode.captures else None)
+    check_unfused_layout(model, None if plan is None else plan.dims)
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
     session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.lora import UNFUSED_MODES, check_lora_mode
+from drifttool.model.lora import UNFUSED_MODES, check_lora_mode, lora_mode
 from drifttool.ops.registry import call
 
 
@@ -91,11 +91,24 @@ def _unfused(module: nn.Module, rt) -> bool:
         return False
     if getattr(module, "lora_magnitude_vector", None) is not None:
         raise UnsupportedConfigError(f"DoRA in LoRA mode {module.lora_mode!r}: use --lora-mode merged or fused")
-    dims = getattr(getattr(rt, "plan", None), "dims", None)
-    if dims is not None and (dims.tp > 1 or dims.sp > 1):
-        raise UnsupportedConfigError(f"LoRA mode {module.lora_mode!r} under TP/SP: the unfused adapter "
-                                     "branch is not sharded; use --lora-mode merged or fused")
+    _check_layout(module.lora_mode, getattr(getattr(rt, "plan", None), "dims", None))
     return True
+
+
+def _check_layout(mode: str | None, dims) -> None:
+    if mode in UNFUSED_MODES and dims is not None and (dims.tp > 1 or dims.sp > 1):
+        raise UnsupportedConfigError(f"LoRA mode {mode!r} under TP/SP: the unfused adapter branch is not "
+                                     "sharded; use --lora-mode merged")
+
+
+def check_unfused_layout(model, dims) -> None:
+    """Refuse, before a run's artifact opens, an adapter in an unfused mode under a TP/SP layout
+    (``dims``: ``distributed.plan.ParallelDims`` or None), as its first call would.
+
+    Raises:
+        UnsupportedConfigError: naming the mode and ``--lora-mode merged``.
+    """
+    _check_layout(lora_mode(model), dims)
 
 
 def _production_unfused(module: nn.Module, rt) -> bool:

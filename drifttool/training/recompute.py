@@ -38,6 +38,7 @@ from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
 from drifttool.model.lora import has_lora, lora_parameters
+from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import capture_lora_grads, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
@@ -149,6 +150,7 @@ def recompute_run(
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler),
                                      cfg_layout=sampler.cfg_layout, capture_level=level)
+    check_unfused_layout(model, None if plan is None else plan.dims)
     if plan is not None and train.grad:  # only a backward needs the ledger's parameters
         plan.check_training(model)
     session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,

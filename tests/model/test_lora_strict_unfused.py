@@ -85,6 +85,21 @@ def test_strict_refuses_the_model_dtype_mode():
             m(x, txt, mask, tau, grid, Runtime(mode="strict"))
 
 
+def test_tp_sp_layouts_refuse_unfused_before_the_run():
+    """The branch is not sharded: a TP/SP layout refuses an unfused adapter before the artifact
+    opens (``runner.execute``, ``recompute_run``); a CFG-parallel one runs whole branches."""
+    from drifttool.distributed.plan import ParallelDims
+    from drifttool.model.lora_calls import check_unfused_layout
+
+    m = _adapted()
+    for dims in (ParallelDims(tp=2), ParallelDims(sp=4)):
+        with pytest.raises(UnsupportedConfigError, match="'unfused-fp32' under TP/SP.*--lora-mode merged"):
+            check_unfused_layout(m, dims)
+    check_unfused_layout(m, ParallelDims(cfg=2))
+    check_unfused_layout(m, None)
+    check_unfused_layout(_adapted(mode="merged"), ParallelDims(tp=2))
+
+
 def _grads(m, inputs, rows, checkpointing=False):
     """Adapter gradients of Σ v² over the batch rows ``rows`` (one strict forward)."""
     x, txt, mask, tau, grid = inputs
