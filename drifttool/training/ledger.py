@@ -97,7 +97,8 @@ class GradLedger:
     """Per-step atoms and the accumulated canonical gradient of every adapted weight of ``model``.
 
     Attributes:
-        totals: module name → accumulated dL/dW' [out, in] FP32 (D_t after ``finish_step``).
+        totals: module name → accumulated dL/dW' [out, in] FP32 (D_t after ``finish_step``); in mode
+            unfused-fp32 ``<module>.lora_A.weight`` / ``.lora_B.weight`` → the factor's own D_t.
         steps: the steps finished, in order.
         history: with ``keep_atoms``, each finished step's atoms (module name → {(sample,
             branch order): partial}); empty otherwise.
