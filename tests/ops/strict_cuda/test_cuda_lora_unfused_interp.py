@@ -22,7 +22,6 @@ import drifttool.ops  # noqa: F401  (registers the families)
 from drifttool.ops import strict_math
 from drifttool.ops.registry import impls
 from drifttool.ops.strict.grad import attach_grad_sink, detach_grad_sinks
-from drifttool.ops.strict_cuda import backward as bw
 from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.ops.strict_trees import tree_sum_stack
 from tests.conftest import assert_same_bytes
