@@ -134,10 +134,9 @@ def _entries(lora, n: int) -> tuple | None:
 
 
 def _adapted_call(lora) -> bool:
-    """True when ``lora`` names an adapter for at least one projection."""
-    if lora is None:
-        return False
-    return isinstance(lora[0], torch.Tensor) or any(e is not None for e in lora)
+    """False for no adapter (``None``, or ``qkv_bias_gemm``'s ``(None, None, None)``); True for
+    anything else (whose form ``_factors_fit`` then checks)."""
+    return lora is not None and not (isinstance(lora, tuple) and len(lora) == 3 and all(e is None for e in lora))
 
 
 def _adapter(present: bool) -> Constraint:
@@ -225,7 +224,7 @@ def _adapted_pre(x, w, b, u, bl, scale):
 def _one(x, w, b, lora, plain, pre_fn=None, act=None):
     """One projection with its backward: ``plain`` (``backward.Linear``) without an adapter, else
     the adapted arithmetic (``backward.AdaptedLinear``; ``act`` in the merge's epilogue)."""
-    if lora is None:
+    if not _adapted_call(lora):
         return bwd.Linear.apply(x, w, b, plain, pre_fn)
     a, bl, scale = lora
     return bwd.AdaptedLinear.apply(x, w, b, a, bl, float(scale), functools.partial(_adapted, act=act),

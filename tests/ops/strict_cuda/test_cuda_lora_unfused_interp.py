@@ -241,3 +241,5 @@ def test_factor_checks_and_the_registration_a_call_selects():
     assert _why("qkv_bias_gemm", x, *ws, 4, lora=(None, None, None))[0][-1] is None  # no adapter: plain
     assert _why("qkv_bias_gemm", x, *ws, 4, lora=(None, (*qa, S), None))[1][-2:] == [None, None]
     assert "per projection" in _why("qkv_bias_gemm", x, *ws, 4, lora=(*qa, S))[1][-1]
+    assert "must be (A, B, s)" in _why("mlp_down_gemm", x, w, b, lora=(None,))[1][2]  # not taken as none
+    assert "python float" in _why("mlp_down_gemm", x, w, b, lora=(a, bl, None))[1][2]
