@@ -23,7 +23,7 @@ v) and keep W in its dtype (bf16 W on the tensor cores):
 
 (the product and the sum each rounded to FP32, then the activation, then one cast). Such a call
 runs the operator's second registration, kernel id ``<kernel>`` + ``LORA_SUFFIX``; its backward is
-``backward.AdaptedLinear`` / ``backward.QKV``.
+``backward.AdaptedLinear`` / ``backward.AdaptedQKV``.
 
 Backward (``strict_cuda.backward``, contract ``qwenimage.<op>.grad.cuda1``) for the five token-row
 GEMMs and ``lora_merge``: each runs through a ``torch.autograd.Function`` whose forward is the code
