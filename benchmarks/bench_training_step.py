@@ -1,12 +1,18 @@
 """A LoRA training step on one GPU: strict (the Triton family) against production, side by side.
 
-    $ python benchmarks/bench_training_step.py [--layers 60] [--repeat 3] [--batches 1,2]
+    $ python benchmarks/bench_training_step.py [--layers 60] [--repeat 3] [--batches 1,2] \
+          [--lora-mode merged|unfused-fp32]
     shape  batch  ckpt  config      forward ms  step ms  ratio vs production  peak GiB
 
 One random full-width Qwen-Image transformer (``random_model.build``: ``--layers`` blocks of
 d = 3072, bf16 weights on the device) carries a rank-``--rank`` LoRA on the attention and MLP
-projections (``add_lora``: α = r, ``lora_B`` ~ N(0, 0.01²) so its gradients are not trivially
-zero, base weights frozen, the factors FP32 as ``recompute --grad`` trains them). A training step
+projections (``attach_lora`` with Flow-GRPO's targets: α = r, ``lora_B`` ~ N(0, 0.01²) so its
+gradients are not trivially zero, base weights frozen, the factors FP32 as ``recompute --grad``
+trains them). ``--lora-mode``: ``merged`` (the default: W' = W + s·B·A by ``lora_merge``, then
+the base GEMM on the FP32 W' — under strict the IEEE FP32 GEMM) or ``unfused-fp32`` (W stays
+bf16 and the adapter branch runs beside it with FP32 factors: production as a peft-wrapped
+transformer runs it, Flow-GRPO's configuration; strict by the block GEMMs' ``lora=``). A row whose
+mode the family refuses says so (``refused``). A training step
 is what a Flow-GRPO trainer does per denoising step and micro-batch: the transformer forward with
 autograd recording (batch 2 = the CFG-batched cond + uncond rows, prompts of 128 and 77 valid
 tokens of 128 slots), a scalar loss ⟨v, g⟩ with a fixed random g [B, N, 64] FP32, and its backward
@@ -34,7 +40,9 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drifttool.model.lora import add_lora, lora_parameters  # noqa: E402
+from drifttool.errors import UnsupportedConfigError  # noqa: E402
+from drifttool.model.lora import (LORA_TARGET_MODULES, AdapterConfig, attach_lora,  # noqa: E402
+                                  lora_parameters)
 from drifttool.runtime import Runtime  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -42,6 +50,8 @@ from bench_gpu_forward import SHAPES, timed  # noqa: E402
 from random_model import build  # noqa: E402
 
 MODES = {"production": "auto", "strict": "strict"}
+LORA_MODES = ("merged", "unfused-fp32")
+"""``--lora-mode`` choices: the adapter modes with FP32 factors that both families are measured in."""
 
 
 def inputs(batch: int, grid: tuple[int, int], device: str):
@@ -81,9 +91,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="1024x1024", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--checkpointing", default="off,on", help="off, on or both (off,on)")
+    ap.add_argument("--lora-mode", default="merged", choices=LORA_MODES,
+                    help="merged (lora_merge, then the base GEMM on W') or unfused-fp32 (W bf16, the FP32 "
+                         "adapter branch beside it: a peft-wrapped transformer, Flow-GRPO's configuration)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_training_step.py needs a CUDA device")
+        print("bench_training_step.py: no CUDA device here; the training step is timed on a GPU (nothing run)")
+        return
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
@@ -91,7 +105,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ckpts = [c == "on" for c in args.checkpointing.split(",")]
     _, model = build(args.layers, "cuda")
-    add_lora(model, rank=args.rank, alpha=args.rank, init_b_std=0.01)
+    cfg = AdapterConfig(r=args.rank, lora_alpha=float(args.rank), target_modules=tuple(sorted(LORA_TARGET_MODULES)))
+    attach_lora(model, cfg, init_b_std=0.01, mode=args.lora_mode)
     rows = []
     for shape in shapes:
         grid = SHAPES[shape]
@@ -101,7 +116,7 @@ def main() -> None:
                 model.gradient_checkpointing = ckpt
                 times: dict[tuple[str, bool], list[float]] = {}
                 peaks: dict[str, float] = {}
-                failed: set[tuple[str, bool]] = set()  # out of memory
+                failed: dict[tuple[str, bool], str] = {}  # out of memory, or the family refuses the mode
                 for r in range(args.repeat + 1):
                     for config in MODES:
                         for grad in (False, True):
@@ -111,8 +126,12 @@ def main() -> None:
                             try:
                                 t = timed(lambda: step(model, config, bi, grid, grad=grad))
                             except torch.cuda.OutOfMemoryError:
-                                failed.add((config, grad))
+                                failed[(config, grad)] = "out of memory"
                                 torch.cuda.empty_cache()
+                                continue
+                            except UnsupportedConfigError as e:
+                                failed[(config, grad)] = "refused"
+                                print(f"{config} refuses LoRA mode {args.lora_mode}: {e}", flush=True)
                                 continue
                             if grad:
                                 peaks[config] = torch.cuda.max_memory_allocated() / 2**30
@@ -122,19 +141,20 @@ def main() -> None:
                 base = med.get(("production", True))
                 for config in MODES:
                     fwd, st = med.get((config, False)), med.get((config, True))
+                    why = failed.get((config, True)) or failed.get((config, False)) or "out of memory"
                     rows.append((shape, batch, "on" if ckpt else "off", config, fwd, st,
-                                 None if st is None or base is None else st / base, peaks.get(config)))
+                                 None if st is None or base is None else st / base, peaks.get(config), why))
                     print(*rows[-1], flush=True)  # as measured (a long run may be cut short)
-    table = Table(title=f"LoRA training step, {args.layers} blocks, rank {args.rank}, median of "
+    table = Table(title=f"LoRA training step ({args.lora_mode}), {args.layers} blocks, rank {args.rank}, median of "
                         f"{args.repeat} ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
                         f"{datetime.date.today()})")
     for col in ("shape", "batch", "ckpt", "config", "forward ms", "step ms", "ratio vs production",
                 "peak GiB"):
         table.add_column(col, justify="right" if col not in ("shape", "config") else "left")
-    def cell(v, fmt: str) -> str:
-        return "out of memory" if v is None else format(v, fmt)
+    for shape, batch, ckpt, config, fwd, st, ratio, peak, why in rows:
+        def cell(v, fmt: str) -> str:
+            return why if v is None else format(v, fmt)
 
-    for shape, batch, ckpt, config, fwd, st, ratio, peak in rows:
         table.add_row(shape, str(batch), ckpt, config, cell(fwd and fwd * 1e3, ",.1f"),
                       cell(st and st * 1e3, ",.1f"), cell(ratio, ".2f"), cell(peak, ".1f"))
     Console(width=140).print(table)

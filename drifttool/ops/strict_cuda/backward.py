@@ -29,6 +29,16 @@ Orders (docs/strict-arithmetic.md, "Strict CUDA backward"; contract ids ``GRAD_C
   GEMMs that follow run on the tensor cores); then the GEMM backward of dpre.
 * ``qkv_bias_gemm``: dX = (dq·Wq + dk·Wk) + dv·Wv (three FP32 GEMM outputs, two FP32 additions,
   one cast), as the CPU; dW, db per projection.
+* unfused LoRA (``lora=`` of the four block GEMMs, forward act(pre + fp32(s)·(u·Bᵀ)), u = x·Aᵀ
+  FP32, saved by the forward): dpre as above (dY, or for mlp_up dY·GELU'(pre) of the adapted
+  FP32 pre-activation, recomputed by the forward's GEMMs and merge, cast to the activation dtype);
+  dX_base = dpre·W (FP32 out, not cast), dW, db as above; then ``adapter_grads``: dt = fp32(s)·
+  fp32(dpre) (one rounded product), du = dt·B (``linear(dt, Bᵀ)``, N walked once, FP32), dB =
+  ``weight_grad(dt, u)``, dX_a = du·A (r walked once, FP32), dA = ``weight_grad(du, x)`` (each per
+  sample over its live rows, then the tree: batch- and micro-batch-invariant as dW); dX =
+  (dX_base + dX_a) in FP32, ONE cast to x's dtype; ``qkv_bias_gemm``: g_p = dX_base,p + dX_a,p
+  per projection, dX = ((g_q + g_k) + g_v), one cast. The adapter adds no rounding to the
+  activation dtype in dX; with B = 0, dX_a = +0 and dX is the plain operator's bytes.
 * ``lora_merge`` (W' = fp32(W) + s·(B·A)): D = dL/dW' (FP32); D_s = fp32(s)·D (one rounded
   product, as the CPU's autograd of ``s * delta``); dB = D_s·Aᵀ (``linear(D_s, A)``, the in axis
   walked once); dA = Bᵀ·D_s (``linear(Bᵀ, D_sᵀ)``, the out axis walked once); FP32 operands in
@@ -137,20 +147,43 @@ def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> tor
     return _gemm().linear(dy, w.t(), None, out_dtype=out_dtype)
 
 
-def linear_grads(dy, x, w, b, needs):
-    """(dx, dw, db) of ``y = x·wᵀ + b``, each cast once to its input's dtype, None where not needed.
-    A weight carrying the gradient ledger's sink (``ops.strict.grad.attach_grad_sink``) gets no
-    dw: ``(dy, x)`` go to the sink with this family's ``sample_weight_grads`` as its partials."""
-    dx = input_grad(dy, w, x.dtype) if needs[0] else None
-    dw = None
-    if needs[1]:
-        sink = grad_sink(w)
-        if sink is None:
-            dw = _cast(weight_grad(dy, x), w)
-        else:
-            sink(dy, x, partials=sample_weight_grads)
+def _param_grad(dy, x, w):
+    """dw = ``weight_grad(dy, x)`` cast to w's dtype; or, for a weight carrying the gradient
+    ledger's sink (``ops.strict.grad.attach_grad_sink``), None, ``(dy, x)`` going to the sink with
+    this family's ``sample_weight_grads`` as its partials."""
+    sink = grad_sink(w)
+    if sink is None:
+        return _cast(weight_grad(dy, x), w)
+    sink(dy, x, partials=sample_weight_grads)
+    return None
+
+
+def linear_grads(dy, x, w, b, needs, dx_dtype=None):
+    """(dx, dw, db) of ``y = x·wᵀ + b``, each cast once to its input's dtype (dx to ``dx_dtype``
+    when given), None where not needed; dw by ``_param_grad`` (the ledger's sink)."""
+    dx = input_grad(dy, w, dx_dtype or x.dtype) if needs[0] else None
+    dw = _param_grad(dy, x, w) if needs[1] else None
     db = _cast(bias_grad(dy), b) if needs[2] and b is not None else None
     return dx, dw, db
+
+
+def adapter_grads(dpre, x, u, a, bl, scale, needs):
+    """(dx_a, dA, dB) of the unfused adapter branch fp32(s)·(u·Bᵀ), u = x·Aᵀ, for the gradient
+    dpre of the pre-activation it is added to (module docstring, "unfused LoRA").
+
+    Args:
+        dpre: [..., N] (bf16 or FP32).  x: [..., K] the forward input.  u: [..., r] FP32.
+        a: A [r, K] FP32.  bl: B [N, r] FP32.  scale: s.  needs: (dx, dA, dB).
+    Returns:
+        dx_a [..., K] FP32 (not cast: the caller adds it to the base dX first); dA, dB in the
+        factors' dtypes; None where not needed (or where the ledger's sink took the weight's).
+    """
+    dt = torch.tensor(float(scale), dtype=torch.float32, device=dpre.device) * dpre.to(torch.float32)
+    du = input_grad(dt, bl, torch.float32) if needs[0] or needs[1] else None  # [..., r]
+    db_ = _param_grad(dt, u, bl) if needs[2] else None  # [N, r]
+    dx_a = input_grad(du, a, torch.float32) if needs[0] else None  # [..., K]
+    da = _param_grad(du, x, a) if needs[1] else None  # [r, K]
+    return dx_a, da, db_
 
 
 def lora_grads(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, needs=(True, True)):
@@ -218,6 +251,70 @@ class QKV(torch.autograd.Function):
             _, dw, db = linear_grads(gs[i], x, ws[i], bs[i], (False, need[1 + 2 * i], need[2 + 2 * i]))
             grads += [dw, db]
         return (dx, *grads, None)
+
+
+class AdaptedLinear(torch.autograd.Function):
+    """y = act(pre + fp32(s)·(u·Bᵀ)), pre = x·Wᵀ + b, u = x·Aᵀ (``forward_fn`` returns (y, u));
+    backward as the module says ("unfused LoRA"). ``pre_fn`` (mlp_up) recomputes the adapted FP32
+    pre-activation from (x, W, b, u, B, s) for the GELU's derivative."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, a, bl, scale, forward_fn, pre_fn):
+        y, u = forward_fn(x, w, b, a, bl, scale)
+        if any(ctx.needs_input_grad[:5]):
+            ctx.save_for_backward(x, w, b, a, bl, u)
+        ctx.scale, ctx.pre_fn = float(scale), pre_fn
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w, b, a, bl, u = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g = gy.contiguous()
+        if ctx.pre_fn is not None:
+            g = _bwd().gelu_tanh_f32_grad(g, ctx.pre_fn(x, w, b, u, bl, ctx.scale), gy.dtype)
+        dx, dw, db = linear_grads(g, x, w, b, need[:3], dx_dtype=torch.float32)
+        dx_a, da, db_ = adapter_grads(g, x, u, a, bl, ctx.scale, (need[0], need[3], need[4]))
+        return (dx + dx_a).to(x.dtype) if need[0] else None, dw, db, da, db_, None, None, None
+
+
+class AdaptedQKV(torch.autograd.Function):
+    """``qkv_bias_gemm`` with unfused adapters on some projections (factors None on the others;
+    ``forward_fn`` returns ((q, k, v), (uq, uk, uv))). Backward: per projection p, g_p = dX_p +
+    dX_a,p in FP32 (dX_a only where adapted); dX = (g_q + g_k) + g_v, one cast; dW, db, dA, dB
+    per projection."""
+
+    @staticmethod
+    def forward(ctx, x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, scales, forward_fn):
+        outs, us = forward_fn(x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, scales)
+        if any(ctx.needs_input_grad[:13]):
+            ctx.save_for_backward(x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, *us)
+        ctx.scales = scales
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gq, gk, gv):
+        x, *t = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gs = [g.contiguous().flatten(-2) for g in (gq, gk, gv)]  # 3 × [B,S,d]
+        dxs, base, factors = [], [], []
+        for i in range(3):
+            w, b, a, bl, u = t[2 * i], t[2 * i + 1], t[6 + 2 * i], t[7 + 2 * i], t[12 + i]
+            dx, dw, db = linear_grads(gs[i], x, w, b, (need[0], need[1 + 2 * i], need[2 + 2 * i]),
+                                      dx_dtype=torch.float32)
+            base += [dw, db]
+            if a is None:
+                factors += [None, None]
+            else:
+                dx_a, da, db_ = adapter_grads(gs[i], x, u, a, bl, ctx.scales[i],
+                                              (need[0], need[7 + 2 * i], need[8 + 2 * i]))
+                dx = None if dx is None else dx + dx_a
+                factors += [da, db_]
+            dxs.append(dx)
+        dx = ((dxs[0] + dxs[1]) + dxs[2]).to(x.dtype) if need[0] else None
+        return (dx, *base, *factors, None, None)
 
 
 class LoraMerge(torch.autograd.Function):

@@ -12,6 +12,19 @@ Byte-equal to the CPU where the arithmetic is elementwise and done the CPU's way
 given FP32 value, the timestep sinusoid; the GELU only with ``GELU_EPILOGUE = "f64"``); the K sums
 differ inside a chunk (the tolerance profile declares by how much).
 
+Unfused LoRA (``lora=``, LoRA mode ``unfused-fp32``; contract cuda1): the four block GEMMs
+``qkv_bias_gemm``, ``attn_out_bias_gemm``, ``mlp_up_gemm_gelu`` and ``mlp_down_gemm`` take ``lora``
+= ``(A [r, K] FP32, B [N, r] FP32, s)`` (for ``qkv_bias_gemm`` a 3-tuple of those or ``None``, q, k,
+v) and keep W in its dtype (bf16 W on the tensor cores):
+
+    u   = linear(x, A, out_dtype=fp32)                                  # [..., r], IEEE FP32
+    pre = linear(x, W, b, out_dtype=fp32)                               # [..., N]
+    y   = linear(u, B, merge_into=pre, scale=s, act=act, out_dtype=dt)  # act(pre + fp32(s)·(u·Bᵀ))
+
+(the product and the sum each rounded to FP32, then the activation, then one cast). Such a call
+runs the operator's second registration, kernel id ``<kernel>`` + ``LORA_SUFFIX``; its backward is
+``backward.AdaptedLinear`` / ``backward.AdaptedQKV``.
+
 Backward (``strict_cuda.backward``, contract ``qwenimage.<op>.grad.cuda1``) for the five token-row
 GEMMs and ``lora_merge``: each runs through a ``torch.autograd.Function`` whose forward is the code
 here unchanged. ``adaln_mod_projection`` and ``timestep_embed_mlp`` are forward only (the family's
@@ -20,10 +33,12 @@ here unchanged. ``adaln_mod_projection`` and ``timestep_embed_mlp`` are forward 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import drifttool.ops.lora  # noqa: F401  (declares lora_merge)
-from drifttool.ops.constraints import dtypes
+from drifttool.ops.constraints import Constraint, dtypes
 from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
 from drifttool.ops.strict_cuda._register import QUALIFIED_GPU, TRITON_READY, strict_cuda
@@ -53,6 +68,11 @@ GELU_MAXNREG = {"f64": None, "f32": 128}
 """``GELU_EPILOGUE`` → the register cap of ``mlp_up_gemm_gelu``'s bf16 GEMM: with the FP32 GELU,
 128 registers per thread let two 8-warp CTAs share an SM, one's epilogue beside the other's MMAs
 (the cap moves no byte: ``tests/gpu/test_strict_cuda_gemm.py``). ``None``: the compiler's."""
+
+
+LORA_SUFFIX = "+lora.unfused"
+"""Kernel id suffix of a block GEMM called with an unfused adapter (``lora``): u = x·Aᵀ and the
+epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (``kernels.gemm.FP32_CONFIG``)."""
 
 
 def _mlp_up_kernel() -> str:
@@ -98,6 +118,119 @@ def _token_gemm(x, w, b):
     return bwd.Linear.apply(x, w, b, _plain, None)
 
 
+# ----------------------------------------------------------------------------- unfused LoRA
+
+
+def _entries(lora, n: int) -> tuple | None:
+    """``lora`` as ``n`` entries, each ``None`` or ``(A, B, s)``; ``None`` if it has another form."""
+    def entry(e):
+        return e is None or (isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], torch.Tensor))
+
+    if lora is None:
+        return (None,) * n
+    if n == 1:
+        return (lora,) if entry(lora) else None
+    return tuple(lora) if isinstance(lora, tuple) and len(lora) == n and all(map(entry, lora)) else None
+
+
+def _adapted_call(lora) -> bool:
+    """False for no adapter (``None``, or ``qkv_bias_gemm``'s ``(None, None, None)``); True for
+    anything else (whose form ``_factors_fit`` then checks)."""
+    return lora is not None and not (isinstance(lora, tuple) and len(lora) == 3 and all(e is None for e in lora))
+
+
+def _adapter(present: bool) -> Constraint:
+    """The call has an unfused adapter (``present``) or has none: which of an operator's two
+    registrations runs it (and so which kernel id the trace records)."""
+
+    def test(args) -> str | None:
+        if _adapted_call(args["lora"]) == present:
+            return None
+        return ("no lora given (the operator's plain registration runs it)" if present
+                else "lora given (the registration with kernel id ...+lora.unfused runs it)")
+
+    return Constraint("an unfused LoRA adapter" if present else "no LoRA adapter", test, ("lora",))
+
+
+def _factors_fit(x: str, *weights: str) -> Constraint:
+    """``lora``'s factors fit: per weight W [N, K] ``None`` or ``(A [r, K] FP32, B [N, r] FP32, s)``
+    with A, B on x's device and s a real number (the contract's format, ``model.lora.lora_branches``)."""
+
+    def test(args) -> str | None:
+        entries = _entries(args["lora"], len(weights))
+        if entries is None:
+            form = "(A, B, s)" if len(weights) == 1 else "a tuple of (A, B, s) or None per projection (q, k, v)"
+            return f"lora must be {form}"
+        for name, e in zip(weights, entries):
+            if e is None:
+                continue
+            a, bl, s = e
+            n, k = args[name].shape
+            if not isinstance(bl, torch.Tensor) or not isinstance(s, int | float):
+                return f"lora of {name}: (A, B, s) needs tensors A, B and a python float s"
+            r = a.shape[0]
+            if a.shape != (r, k) or bl.shape != (n, r) or r < 1:
+                return (f"lora of {name} {tuple(args[name].shape)}: A {tuple(a.shape)}, B {tuple(bl.shape)} do not "
+                        f"fit A [r, {k}], B [{n}, r]")
+            if a.dtype != torch.float32 or bl.dtype != torch.float32:
+                return f"lora of {name}: factors {a.dtype}, {bl.dtype}; LoRA mode unfused-fp32 needs FP32 factors"
+            if a.device != args[x].device or bl.device != args[x].device:
+                return f"lora of {name}: factors on {a.device}, {bl.device}, {x} on {args[x].device}"
+        return None
+
+    return Constraint("LoRA factors FP32 [r, K], [N, r]", test, ("lora", x, *weights))
+
+
+def _block_gemm(op: str, *dtype_args: str, kernel: str, weights: tuple[str, ...] = ("w",)):
+    """Register ``fn`` as the strict CUDA ``op`` twice: without an adapter (kernel id ``kernel``,
+    the one ``registry.kernel_id`` names) and with one (``kernel + LORA_SUFFIX``)."""
+
+    def deco(fn):
+        strict_cuda(op, *dtype_args, kernel=kernel, trainable=True, constraints=(_adapter(False),))(fn)
+        strict_cuda(op, *dtype_args, kernel=kernel + LORA_SUFFIX, trainable=True,
+                    constraints=(_adapter(True), _factors_fit("x", *weights)))(fn)
+        return fn
+
+    return deco
+
+
+def _pre(x, w, b):
+    """The base pre-activation x·Wᵀ + b, FP32 [..., N] (bf16 x and W: the tensor cores)."""
+    return _linear(x, w, b, out_dtype=torch.float32)
+
+
+def _branch_input(x, a):
+    """u = x·Aᵀ: [..., r] FP32 (IEEE FP32: A is FP32)."""
+    return _linear(x, a, None, out_dtype=torch.float32)
+
+
+def _merge_branch(pre, u, bl, scale, act, dt):
+    """act(pre + fp32(s)·(u·Bᵀ)) cast once to ``dt`` (the GEMM's epilogue merge)."""
+    return _linear(u, bl, None, merge_into=pre, scale=float(scale), act=act, out_dtype=dt)
+
+
+def _adapted(x, w, b, a, bl, scale, act=None):
+    """(y, u) of one adapted projection: y = act(pre + fp32(s)·(u·Bᵀ)) in the activation dtype."""
+    u = _branch_input(x, a)  # [..., r] fp32
+    return _merge_branch(_pre(x, w, b), u, bl, scale, act, _act_dtype(x, w, b)), u
+
+
+def _adapted_pre(x, w, b, u, bl, scale):
+    """The adapted FP32 pre-activation pre + fp32(s)·(u·Bᵀ), recomputed for mlp_up's backward
+    (the forward's GEMMs and merge without the GELU: the forward's FP32 bytes)."""
+    return _merge_branch(_pre(x, w, b), u, bl, scale, None, torch.float32)
+
+
+def _one(x, w, b, lora, plain, pre_fn=None, act=None):
+    """One projection with its backward: ``plain`` (``backward.Linear``) without an adapter, else
+    the adapted arithmetic (``backward.AdaptedLinear``; ``act`` in the merge's epilogue)."""
+    if not _adapted_call(lora):
+        return bwd.Linear.apply(x, w, b, plain, pre_fn)
+    a, bl, scale = lora
+    return bwd.AdaptedLinear.apply(x, w, b, a, bl, float(scale), functools.partial(_adapted, act=act),
+                                   _adapted_pre if act is not None else None)
+
+
 @strict_cuda("latent_proj_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
 def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """img_in ([B,N,64]→[B,N,d]) or proj_out ([B,N,d]→[B,N,64]), in x's dtype."""
@@ -110,16 +243,33 @@ def _qkv(x, wq, bq, wk, bk, wv, bv, heads):
                  for w, b in ((wq, bq), (wk, bk), (wv, bv)))
 
 
-@strict_cuda("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=KERNEL, trainable=True)
-def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int):
-    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM."""
-    return bwd.QKV.apply(x, wq, bq, wk, bk, wv, bv, lambda *t: _qkv(*t, heads))
+def _qkv_adapted(x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, scales, heads):
+    """((q, k, v), (uq, uk, uv)): a projection with factors by ``_adapted``, one without (None
+    factors, u None) by the plain GEMM."""
+    dt = _act_dtype(x, wq, bq, wk, bk, wv, bv)
+    outs, us = [], []
+    for w, b, a, bl, s in ((wq, bq, aq, bbq, scales[0]), (wk, bk, ak, bbk, scales[1]), (wv, bv, av, bbv, scales[2])):
+        y, u = (_linear(x, w, b, out_dtype=dt), None) if a is None else _adapted(x, w, b, a, bl, s)
+        outs.append(y.unflatten(-1, (heads, -1)))  # [B,S,H,Dh]
+        us.append(u)  # [B,S,r] fp32 or None
+    return tuple(outs), tuple(us)
 
 
-@strict_cuda("attn_out_bias_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
-def attn_out_bias_gemm(x, w, b):
-    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]."""
-    return _token_gemm(x, w, b)
+@_block_gemm("qkv_bias_gemm", "x", "wq", "bq", "wk", "bk", "wv", "bv", kernel=KERNEL, weights=("wq", "wk", "wv"))
+def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int, lora=None):
+    """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM. ``lora``:
+    None or (q, k, v) entries, each None or (A, B, s) (module docstring, "Unfused LoRA")."""
+    if not _adapted_call(lora):
+        return bwd.QKV.apply(x, wq, bq, wk, bk, wv, bv, lambda *t: _qkv(*t, heads))
+    fs = [(None, None, 0.0) if e is None else (e[0], e[1], float(e[2])) for e in lora]
+    return bwd.AdaptedQKV.apply(x, wq, bq, wk, bk, wv, bv, *fs[0][:2], *fs[1][:2], *fs[2][:2],
+                                tuple(f[2] for f in fs), lambda *t: _qkv_adapted(*t, heads))
+
+
+@_block_gemm("attn_out_bias_gemm", "x", "w", "b", kernel=KERNEL)
+def attn_out_bias_gemm(x, w, b, lora=None):
+    """to_out.0 / to_add_out: [B,S,d] → [B,S,d]; ``lora``: None or (A, B, s)."""
+    return _one(x, w, b, lora, _plain)
 
 
 def _mlp_up_config(x, w):
@@ -139,18 +289,19 @@ def _mlp_up_pre(x, w, b):
     return _linear(x, w, b, out_dtype=torch.float32, config=_mlp_up_config(x, w))
 
 
-@strict_cuda("mlp_up_gemm_gelu", "x", "w", "b", kernel=_mlp_up_kernel(), trainable=True)
-def mlp_up_gemm_gelu(x, w, b):
+@_block_gemm("mlp_up_gemm_gelu", "x", "w", "b", kernel=_mlp_up_kernel())
+def mlp_up_gemm_gelu(x, w, b, lora=None):
     """GELU_tanh(x·wᵀ + b) [B,S,4d]: the GELU in the GEMM's epilogue (``GELU_EPILOGUE``; by
     default the FP32 formula, rounded once to FP32), then one cast. Backward: the pre-activation
-    recomputed by the same GEMM, dpre = dy·GELU'(pre) of the FP32 formula (``backward``)."""
-    return bwd.Linear.apply(x, w, b, _mlp_up, _mlp_up_pre)
+    recomputed by the same GEMM, dpre = dy·GELU'(pre) of the FP32 formula (``backward``).
+    ``lora``: None or (A, B, s); the GELU then takes pre + fp32(s)·(u·Bᵀ) in the merge's epilogue."""
+    return _one(x, w, b, lora, _mlp_up, _mlp_up_pre, act=GELU_ACTS[GELU_EPILOGUE])
 
 
-@strict_cuda("mlp_down_gemm", "x", "w", "b", kernel=KERNEL, trainable=True)
-def mlp_down_gemm(x, w, b):
-    """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]."""
-    return _token_gemm(x, w, b)
+@_block_gemm("mlp_down_gemm", "x", "w", "b", kernel=KERNEL)
+def mlp_down_gemm(x, w, b, lora=None):
+    """img_mlp.net.2 / txt_mlp.net.2: [B,S,4d] → [B,S,d]; ``lora``: None or (A, B, s)."""
+    return _one(x, w, b, lora, _plain)
 
 
 @strict_cuda("adaln_mod_projection", "temb", "w", "b", kernel="silu_f64+" + GEMV)

@@ -10,7 +10,8 @@ Order of every output element y[m, n] (the contract; docs/strict-arithmetic.md, 
    the tail chunk of a K that is not a multiple of 64 is zero-filled (zero products);
 2. operands: bf16 × bf16 on the tensor cores (wgmma, FP32 accumulation); if either operand is FP32
    both are upcast to FP32 and multiplied in IEEE FP32 (``input_precision="ieee"``, never TF32);
-3. epilogue: the bias (upcast to FP32) is added once, in FP32; then the activation: ``gelu_tanh``
+3. epilogue: the bias (upcast to FP32) is added once, in FP32; with ``merge_into`` R the result
+   becomes fp32(R) + fp32(scale)·acc (product, then sum, each rounded); then the activation: ``gelu_tanh``
    or ``silu`` evaluated in FP64 from exact operations exactly as the CPU's ``strict_math.
    gelu_tanh32`` / ``silu32`` (Cody–Waite ``exp64``, Horner, exponent-bit scaling), rounded once
    to FP32; then one cast to the output dtype. The kernel is compiled with FMA contraction off
@@ -203,25 +204,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         out_dtype: output dtype (default x's); the FP32 result is cast to it once.
         config: launch configuration override (tests prove the bytes do not depend on it);
             default ``BF16_CONFIG`` for bf16 × bf16, ``FP32_CONFIG`` otherwise.
-        merge_into: [M, N] (2-D x only; a LoRA merge's base weight W, any float dtype): the
-            epilogue returns fp32(W) + fp32(scale)·(x·wᵀ + b), the product and the sum each rounded
-            to FP32 (the strict ``lora_merge``'s two torch operations, fused; no activation).
+        merge_into: [..., N], the output's shape (any float dtype): the epilogue computes
+            fp32(merge_into) + fp32(scale)·(x·wᵀ + b), the product and the sum each rounded to FP32,
+            then the activation, then the cast. A LoRA merge's base weight W (strict
+            ``lora_merge``: fp32(W) + fp32(s)·(B·A)) or an unfused adapter's base pre-activation
+            (strict ``qkv_bias_gemm`` … ``mlp_down_gemm`` with ``lora``: act(pre + fp32(s)·(u·Bᵀ))).
         scale: the merge's scale (a python float, rounded once to FP32).
     Returns:
         [..., N] in ``out_dtype``, on x's device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Raises:
         UnsupportedConfigError: operand dtypes other than bf16/FP32, mismatched K, an unknown
-            activation, or tensors on different devices.
+            activation, tensors on different devices, or ``merge_into`` not of the output's shape.
     """
     if act not in ACTS:
         raise UnsupportedConfigError(f"strict CUDA linear: unknown activation {act!r} (one of {list(ACTS)})")
     _check(x, w, b, "linear")
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
-    if merge_into is not None and (act is not None or merge_into.shape != (*lead, n) or x.dim() != 2
-                                   or merge_into.device != x.device):
+    if merge_into is not None and (merge_into.shape != (*lead, n) or merge_into.device != x.device):
         raise UnsupportedConfigError(
-            f"strict CUDA linear: merge_into {tuple(merge_into.shape)} needs a 2-D x, shape [M, N] = "
-            f"{(*lead, n)} on x's device and no activation")
+            f"strict CUDA linear: merge_into {tuple(merge_into.shape)} must have the output's shape "
+            f"[..., N] = {(*lead, n)} and be on x's device")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     cfg = config or (FP32_CONFIG if ieee else BF16_CONFIG)
@@ -240,7 +242,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     else:
         xa, wa = x2, w2
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    r = y if merge_into is None else _rows(merge_into)
+    r = y if merge_into is None else _rows(merge_into.reshape(m, n))  # [M, N]
     _linear_kernel[grid](
         xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
         x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
