@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-import drifttool.ops.lora  # noqa: F401  (declares lora_merge)
+from drifttool.ops.lora import lora_factors  # (importing it declares lora_merge)
 from drifttool.ops.constraints import Constraint, dtypes
 from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
@@ -121,21 +121,9 @@ def _token_gemm(x, w, b):
 # ----------------------------------------------------------------------------- unfused LoRA
 
 
-def _entries(lora, n: int) -> tuple | None:
-    """``lora`` as ``n`` entries, each ``None`` or ``(A, B, s)``; ``None`` if it has another form."""
-    def entry(e):
-        return e is None or (isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], torch.Tensor))
-
-    if lora is None:
-        return (None,) * n
-    if n == 1:
-        return (lora,) if entry(lora) else None
-    return tuple(lora) if isinstance(lora, tuple) and len(lora) == n and all(map(entry, lora)) else None
-
-
 def _adapted_call(lora) -> bool:
     """False for no adapter (``None``, or ``qkv_bias_gemm``'s ``(None, None, None)``); True for
-    anything else (whose form ``_factors_fit`` then checks)."""
+    anything else (whose form ``ops.lora.lora_factors`` then checks)."""
     return lora is not None and not (isinstance(lora, tuple) and len(lora) == 3 and all(e is None for e in lora))
 
 
@@ -152,35 +140,6 @@ def _adapter(present: bool) -> Constraint:
     return Constraint("an unfused LoRA adapter" if present else "no LoRA adapter", test, ("lora",))
 
 
-def _factors_fit(x: str, *weights: str) -> Constraint:
-    """``lora``'s factors fit: per weight W [N, K] ``None`` or ``(A [r, K] FP32, B [N, r] FP32, s)``
-    with A, B on x's device and s a real number (the contract's format, ``model.lora.lora_branches``)."""
-
-    def test(args) -> str | None:
-        entries = _entries(args["lora"], len(weights))
-        if entries is None:
-            form = "(A, B, s)" if len(weights) == 1 else "a tuple of (A, B, s) or None per projection (q, k, v)"
-            return f"lora must be {form}"
-        for name, e in zip(weights, entries):
-            if e is None:
-                continue
-            a, bl, s = e
-            n, k = args[name].shape
-            if not isinstance(bl, torch.Tensor) or not isinstance(s, int | float):
-                return f"lora of {name}: (A, B, s) needs tensors A, B and a python float s"
-            r = a.shape[0]
-            if a.shape != (r, k) or bl.shape != (n, r) or r < 1:
-                return (f"lora of {name} {tuple(args[name].shape)}: A {tuple(a.shape)}, B {tuple(bl.shape)} do not "
-                        f"fit A [r, {k}], B [{n}, r]")
-            if a.dtype != torch.float32 or bl.dtype != torch.float32:
-                return f"lora of {name}: factors {a.dtype}, {bl.dtype}; LoRA mode unfused-fp32 needs FP32 factors"
-            if a.device != args[x].device or bl.device != args[x].device:
-                return f"lora of {name}: factors on {a.device}, {bl.device}, {x} on {args[x].device}"
-        return None
-
-    return Constraint("LoRA factors FP32 [r, K], [N, r]", test, ("lora", x, *weights))
-
-
 def _block_gemm(op: str, *dtype_args: str, kernel: str, weights: tuple[str, ...] = ("w",)):
     """Register ``fn`` as the strict CUDA ``op`` twice: without an adapter (kernel id ``kernel``,
     the one ``registry.kernel_id`` names) and with one (``kernel + LORA_SUFFIX``)."""
@@ -188,7 +147,7 @@ def _block_gemm(op: str, *dtype_args: str, kernel: str, weights: tuple[str, ...]
     def deco(fn):
         strict_cuda(op, *dtype_args, kernel=kernel, trainable=True, constraints=(_adapter(False),))(fn)
         strict_cuda(op, *dtype_args, kernel=kernel + LORA_SUFFIX, trainable=True,
-                    constraints=(_adapter(True), _factors_fit("x", *weights)))(fn)
+                    constraints=(_adapter(True), lora_factors("x", *weights)))(fn)
         return fn
 
     return deco

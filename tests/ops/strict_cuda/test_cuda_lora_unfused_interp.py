@@ -233,13 +233,13 @@ def test_factor_checks_and_the_registration_a_call_selects():
     assert all(r is None for r in plain) and "no lora given" in adapted[1]
     plain, adapted = _why("mlp_down_gemm", x, w, b, lora=(a, bl, S))
     assert "lora given" in plain[1] and all(r is None for r in adapted)
-    assert "FP32 factors" in _why("mlp_down_gemm", x, w, b, lora=(a.bfloat16(), bl, S))[1][2]
+    assert "must be float32" in _why("mlp_down_gemm", x, w, b, lora=(a.bfloat16(), bl, S))[1][2]
     assert "do not fit" in _why("mlp_down_gemm", x, w, b, lora=(a[:, :90], bl, S))[1][2]
     assert "do not fit" in _why("mlp_down_gemm", x, w, b, lora=(a, bl[:, :3], S))[1][2]
     ws = [rn(96, 96, seed=114 + i) for i in range(6)]
     qa = factors(96, 96, seed=120)
     assert _why("qkv_bias_gemm", x, *ws, 4, lora=(None, None, None))[0][-1] is None  # no adapter: plain
     assert _why("qkv_bias_gemm", x, *ws, 4, lora=(None, (*qa, S), None))[1][-2:] == [None, None]
-    assert "per projection" in _why("qkv_bias_gemm", x, *ws, 4, lora=(*qa, S))[1][-1]
-    assert "must be (A, B, s)" in _why("mlp_down_gemm", x, w, b, lora=(None,))[1][2]  # not taken as none
-    assert "python float" in _why("mlp_down_gemm", x, w, b, lora=(a, bl, None))[1][2]
+    assert "tuple of 3 entries" in _why("qkv_bias_gemm", x, *ws, 4, lora=(*qa, S))[1][-1]
+    assert "must be (A, B, scale)" in _why("mlp_down_gemm", x, w, b, lora=(None,))[1][2]  # not taken as none
+    assert "must be a python float" in _why("mlp_down_gemm", x, w, b, lora=(a, bl, None))[1][2]
