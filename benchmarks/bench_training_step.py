@@ -144,7 +144,7 @@ def main() -> None:
                     why = failed.get((config, True)) or failed.get((config, False)) or "out of memory"
                     rows.append((shape, batch, "on" if ckpt else "off", config, fwd, st,
                                  None if st is None or base is None else st / base, peaks.get(config), why))
-                    print(*rows[-1], flush=True)  # as measured (a long run may be cut short)
+                    print(*rows[-1][:-1], *([why] if st is None else []), flush=True)  # as measured (a long run may be cut short)
     table = Table(title=f"LoRA training step ({args.lora_mode}), {args.layers} blocks, rank {args.rank}, median of "
                         f"{args.repeat} ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
                         f"{datetime.date.today()})")

@@ -142,9 +142,10 @@ def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     return _tree(_bwd().bias_grad_parts(dy3, live_counts(dy3)))
 
 
-def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """dX = dY·W: dy [..., N], w [N, K] → [..., K] in ``out_dtype`` (the forward GEMM over N)."""
-    return _gemm().linear(dy, w.t(), None, out_dtype=out_dtype)
+def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """dX = dY·W: dy [..., N], w [N, K] → [..., K] in ``out_dtype`` (the forward GEMM over N;
+    ``config``: its launch configuration, the default's when None)."""
+    return _gemm().linear(dy, w.t(), None, out_dtype=out_dtype, config=config)
 
 
 def _param_grad(dy, x, w):
@@ -179,7 +180,7 @@ def adapter_grads(dpre, x, u, a, bl, scale, needs):
         factors' dtypes; None where not needed (or where the ledger's sink took the weight's).
     """
     dt = torch.tensor(float(scale), dtype=torch.float32, device=dpre.device) * dpre.to(torch.float32)
-    du = input_grad(dt, bl, torch.float32) if needs[0] or needs[1] else None  # [..., r]
+    du = input_grad(dt, bl, torch.float32, _gemm().NARROW_CONFIG) if needs[0] or needs[1] else None  # [..., r]
     db_ = _param_grad(dt, u, bl) if needs[2] else None  # [N, r]
     dx_a = input_grad(du, a, torch.float32) if needs[0] else None  # [..., K]
     da = _param_grad(du, x, a) if needs[1] else None  # [r, K]

@@ -43,7 +43,7 @@ from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
 from drifttool.ops.strict_cuda._register import QUALIFIED_GPU, TRITON_READY, strict_cuda
 
-KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm16bn64w4s1"
+KERNEL = "triton.gemm.k64.seq.bm128bn128w8s3.tma|fp32.ieee.bm64bn128w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
 GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4u4"
@@ -72,7 +72,8 @@ GELU_MAXNREG = {"f64": None, "f32": 128}
 
 LORA_SUFFIX = "+lora.unfused"
 """Kernel id suffix of a block GEMM called with an unfused adapter (``lora``): u = x·Aᵀ and the
-epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (``kernels.gemm.FP32_CONFIG``)."""
+epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (u by ``kernels.gemm.NARROW_CONFIG``, the
+merge by ``FP32_CONFIG``)."""
 
 
 def _mlp_up_kernel() -> str:
@@ -159,8 +160,8 @@ def _pre(x, w, b):
 
 
 def _branch_input(x, a):
-    """u = x·Aᵀ: [..., r] FP32 (IEEE FP32: A is FP32)."""
-    return _linear(x, a, None, out_dtype=torch.float32)
+    """u = x·Aᵀ: [..., r] FP32 (IEEE FP32: A is FP32; r columns: ``NARROW_CONFIG``)."""
+    return _linear(x, a, None, out_dtype=torch.float32, config=_gemm().NARROW_CONFIG)
 
 
 def _merge_branch(pre, u, bl, scale, act, dt):

@@ -79,9 +79,17 @@ class GemmConfig:
 BF16_CONFIG = GemmConfig()
 """bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads (the anchor's best)."""
 
-FP32_CONFIG = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, tma=False)
-"""Any FP32 operand (IEEE FMA dot): 16-row tiles, no software pipelining (with it the FMA dot
-spills: offline ptxas, sm_90a)."""
+FP32_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=1, tma=False)
+"""Any FP32 operand (IEEE FMA dot): 64×128 tiles, 4 warps, no software pipelining (with it the
+FMA dot spills: offline ptxas, sm_90a). On the H200 it runs at 22.6 TFLOP/s on the full-size
+projections, against 6.7 for the 16×64 tiles before it, with the same bytes
+(``benchmarks/sweep_strict_gemm_fp32.py``, docs/benchmarks.md)."""
+
+NARROW_CONFIG = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, tma=False)
+"""An FP32 GEMM whose output is a LoRA rank wide (N = r ≤ 64: the unfused adapter's u = x·Aᵀ and
+its gradient du = dt·B): 16-row tiles keep M/16 programs busy where ``FP32_CONFIG``'s 64×128
+tile would leave most SMs idle and compute 128 columns for r. Chosen by that role, never by
+shape; the same bytes as any tile."""
 
 LORA_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, tma=False)
 """``lora_merge``'s B·A (FP32, K = r, M = N = the layer's width): 64×64 tiles (the same bytes as
