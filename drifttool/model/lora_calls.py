@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.lora import UNFUSED_MODES, check_lora_mode, lora_mode
+from drifttool.model.lora import UNFUSED_MODES, check_lora_mode, has_lora, lora_mode
 from drifttool.ops.registry import call
 
 
@@ -108,6 +108,8 @@ def check_unfused_layout(model, dims) -> None:
     Raises:
         UnsupportedConfigError: naming the mode and ``--lora-mode merged``.
     """
+    if dims is None or not has_lora(model):  # one device, or a model without an adapter (a peer)
+        return
     _check_layout(lora_mode(model), dims)
 
 
