@@ -131,6 +131,7 @@ def test_modulation_embedder_and_final_targets_have_layout_free_gradients():
     _same(_grads(pol, cfg_layout="sequential")[0], base, "sequential CFG")
 
 
+@pytest.mark.slow  # about 8 s on one core; the layout test above covers the ledger in the default run
 def test_strict_unfused_fp32_gradients_are_canonical():
     """LoRA mode unfused-fp32 (the factors go to the strict block GEMMs, no merged weight): the
     ledger's atoms are the per-(sample, branch) partials of dA and dB themselves; the same
