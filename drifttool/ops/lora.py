@@ -204,6 +204,13 @@ def _factor_problem(f: object, k: int, n: int, device: str) -> str | None:
     return None
 
 
+def adapter_given(lora) -> bool:
+    """Whether a strict block GEMM's ``lora`` keyword carries an adapter: False for ``None`` and for
+    ``qkv_bias_gemm``'s ``(None, None, None)``, True for anything else (whose form
+    ``lora_factors`` checks)."""
+    return lora is not None and not (isinstance(lora, tuple) and len(lora) == 3 and all(e is None for e in lora))
+
+
 def lora_factors(x: str, *weights: str) -> Constraint:
     """The ``lora`` keyword of a strict GEMM operator with input ``x`` [..., K] and the weights
     ``weights`` ([N, K] each): ``None``, or for one weight ``(A [r, K], B [N, r], s)`` (FP32

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from drifttool.ops.lora import lora_factors
+from drifttool.ops.lora import adapter_given, lora_factors
 from drifttool.ops.strict._checks import act_dtype, f32, out, strict_cpu
 from drifttool.ops.strict.grad import cast_like, g32, gelu_tanh_grad32, linear_grads, linear_input_grad
 from drifttool.ops.strict.lora_linear import AdaptedLinear, adapted_qkv
@@ -104,7 +104,7 @@ def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int, lora: tuple | None = No
     """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] (numerics §2.4); ``lora`` = (q, k, v)
     entries, each (A [r,d] fp32, B [d,r] fp32, s) or None (module docstring)."""
     dt = act_dtype(x, wq, bq, wk, bk, wv, bv)
-    if lora is None or all(f is None for f in lora):
+    if not adapter_given(lora):
         return _QKV.apply(x, wq, bq, wk, bk, wv, bv, heads, dt)
     return adapted_qkv(x, wq, bq, wk, bk, wv, bv, lora, heads, dt)
 

@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from drifttool.ops.lora import lora_factors  # (importing it declares lora_merge)
+from drifttool.ops.lora import adapter_given, lora_factors  # (importing it declares lora_merge)
 from drifttool.ops.constraints import Constraint, dtypes
 from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
@@ -122,18 +122,12 @@ def _token_gemm(x, w, b):
 # ----------------------------------------------------------------------------- unfused LoRA
 
 
-def _adapted_call(lora) -> bool:
-    """False for no adapter (``None``, or ``qkv_bias_gemm``'s ``(None, None, None)``); True for
-    anything else (whose form ``ops.lora.lora_factors`` then checks)."""
-    return lora is not None and not (isinstance(lora, tuple) and len(lora) == 3 and all(e is None for e in lora))
-
-
 def _adapter(present: bool) -> Constraint:
     """The call has an unfused adapter (``present``) or has none: which of an operator's two
     registrations runs it (and so which kernel id the trace records)."""
 
     def test(args) -> str | None:
-        if _adapted_call(args["lora"]) == present:
+        if adapter_given(args["lora"]) == present:
             return None
         return ("no lora given (the operator's plain registration runs it)" if present
                 else "lora given (the registration with kernel id ...+lora.unfused runs it)")
@@ -184,7 +178,7 @@ def _adapted_pre(x, w, b, u, bl, scale):
 def _one(x, w, b, lora, plain, pre_fn=None, act=None):
     """One projection with its backward: ``plain`` (``backward.Linear``) without an adapter, else
     the adapted arithmetic (``backward.AdaptedLinear``; ``act`` in the merge's epilogue)."""
-    if not _adapted_call(lora):
+    if not adapter_given(lora):
         return bwd.Linear.apply(x, w, b, plain, pre_fn)
     a, bl, scale = lora
     return bwd.AdaptedLinear.apply(x, w, b, a, bl, float(scale), functools.partial(_adapted, act=act),
@@ -219,7 +213,7 @@ def _qkv_adapted(x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, scales, h
 def qkv_bias_gemm(x, wq, bq, wk, bk, wv, bv, heads: int, lora=None):
     """Per-stream Q/K/V: x [B,S,d] → three [B,S,H,Dh] in x's dtype, each its own GEMM. ``lora``:
     None or (q, k, v) entries, each None or (A, B, s) (module docstring, "Unfused LoRA")."""
-    if not _adapted_call(lora):
+    if not adapter_given(lora):
         return bwd.QKV.apply(x, wq, bq, wk, bk, wv, bv, lambda *t: _qkv(*t, heads))
     fs = [(None, None, 0.0) if e is None else (e[0], e[1], float(e[2])) for e in lora]
     return bwd.AdaptedQKV.apply(x, wq, bq, wk, bk, wv, bv, *fs[0][:2], *fs[1][:2], *fs[2][:2],
