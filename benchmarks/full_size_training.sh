@@ -6,6 +6,7 @@
 #
 #   $ bash benchmarks/full_size_training.sh [WORK_DIR=/dev/shm/drifttool-training]
 #   environment: PART=all STEPS=10 LAYERS=60 SIZE=1024 DEVICE=cuda BATCH=1 CAPTURE=L1 CLIP=1e-4
+#                LORA_MODE=unfused-fp32
 #
 # PART picks what runs: "all", or part numbers separated by commas or spaces (PART=1, PART=2,3).
 # Each part resumes from what the earlier parts left in WORK_DIR and refuses, naming the missing
@@ -49,7 +50,11 @@
 #
 # The rollout: sample(s) 0..BATCH-1 of the default fixture's prompts (N(0, 1) embeddings drawn at
 # the checkpoint's text width), SIZE×SIZE pixels, STEPS steps, true CFG at scale 4 (batched), the
-# SDE window and η of the run's defaults (η 1.2 on steps 0..STEPS-2), bf16, the adapter merged.
+# SDE window and η of the run's defaults (η 1.2 on steps 0..STEPS-2), bf16, the adapter applied as
+# LORA_MODE: unfused-fp32 by default (W stays bf16, the adapter's FP32 branch beside it: a
+# trainer's peft layout, and strict's fast backward); LORA_MODE=merged makes strict keep W' in FP32
+# (its training step about 27× production's, docs/benchmarks.md). The recomputes read the mode from
+# the rollout's manifest.
 # CAPTURE: L1 by default (one digest per operator output, so a drift is named by operator and
 # block without re-running). L1 costs about 1.5–2.2× a full-size forward (docs/benchmarks.md,
 # "Full-size forward on one GPU"), seconds over a 10-step trajectory; CAPTURE=L0 keeps step
@@ -66,13 +71,14 @@ set -uo pipefail
 WORK=${1:-/dev/shm/drifttool-training}
 STEPS=${STEPS:-10} LAYERS=${LAYERS:-60} SIZE=${SIZE:-1024} DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-1} CAPTURE=${CAPTURE:-L1} CLIP=${CLIP:-1e-4} PART=${PART:-all}
+LORA_MODE=${LORA_MODE:-unfused-fp32}
 for p in ${PART//,/ }; do
   [[ $p =~ ^([1-8]|all)$ ]] || { echo "PART=$PART: give all, or part numbers 1 to 8 (e.g. PART=2,3)"; exit 2; }
 done
 mkdir -p "$WORK"
 CKPT=$WORK/qwen LORA=$WORK/lora
 RUN=(--checkpoint "$CKPT" --lora "$LORA" --device "$DEVICE" --height "$SIZE" --width "$SIZE"
-     --steps "$STEPS" --cfg-scale 4 --batch "$BATCH" --capture "$CAPTURE")
+     --steps "$STEPS" --cfg-scale 4 --batch "$BATCH" --capture "$CAPTURE" --lora-mode "$LORA_MODE")
 TRAIN=(--lora "$LORA" --device "$DEVICE" --grad)
 RAN=0 BAD=()
 

@@ -4,6 +4,7 @@ imports no Triton and nothing under test."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -72,3 +73,22 @@ def joint(lens, text_len, n_img, heads, dh, dtype=torch.float32, seed=0, device=
         v = v.masked_fill(~km[:, :, None, None], float("nan"))
     q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
     return q, k, v, km.to(device)
+
+
+def segment_order(gb, dy: torch.Tensor, x: torch.Tensor, live: list[int]) -> torch.Tensor:
+    """The contract's segmented weight gradient rebuilt from its parts: per sample, each
+    ``gb.SEG_ROWS``-row segment of its live rows run alone as a one-sample, one-segment launch,
+    the segments' partials then added in ascending order from +0 in FP32 (torch). ``gb``: the
+    kernels module (imported by the caller, compiled or interpreted). → [B, N, K] FP32."""
+    n, k = dy.shape[2], x.shape[2]
+    one = dataclasses.replace(gb.wgrad_config(n, k, True), seg_rows=None)
+    out = []
+    for b, rows in enumerate(live):
+        acc = torch.zeros(n, k, dtype=torch.float32, device=dy.device)
+        for s0 in range(0, rows, gb.SEG_ROWS):
+            s1 = min(rows, s0 + gb.SEG_ROWS)
+            seg = gb.weight_grad_parts(dy[b:b + 1, s0:s1], x[b:b + 1, s0:s1],
+                                       torch.tensor([s1 - s0], device=dy.device), config=one)
+            acc = acc + seg[0]
+        out.append(acc)
+    return torch.stack(out)

@@ -24,7 +24,7 @@ from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.ops.strict_trees import tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
-from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order, lin, rn
+from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order, lin, rn, segment_order
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -247,3 +247,17 @@ def test_fails_closed_on_forward_only_operators_and_ledger_sinks_get_the_partial
         detach_grad_sinks(keys)
     assert w2.grad is None and x.grad is not None
     assert_same_bytes(got[0], bw.sample_weight_grads(g, x.detach()), "the ledger sink's partials")
+
+
+@pytest.mark.parametrize("n,k,xdt", [(D, 16, torch.float32), (16, MLP, torch.bfloat16), (64, D, torch.bfloat16)])
+def test_a_lora_factors_grad_is_its_segments_added_in_order(n, k, xdt):
+    # dB = dtᵀ·u [N, r] and dA = duᵀ·x [r, K] (x the bf16 activation): too few tiles for the GPU,
+    # so the live rows run in SEG_ROWS-row segments whose partials are added in order
+    assert gb.wgrad_config(n, k, True).seg_rows == gb.SEG_ROWS
+    dy, x = rn(3, ROWS, n, seed=30, dtype=torch.float32), rn(3, ROWS, k, seed=31, dtype=xdt)
+    dy[2, ROWS - 700:] = 0  # sample 2: 700 trailing zero-gradient rows (prompt padding)
+    live = bw.live_counts(dy)
+    got = gb.weight_grad_parts(dy, x, live)
+    assert_same_bytes(got, segment_order(gb, dy, x, live.tolist()), f"[{n}, {k}]: segments in order")
+    assert_same_bytes(got[2:], gb.weight_grad_parts(dy[2:, :ROWS - 700], x[2:, :ROWS - 700], live[2:]),
+                      f"[{n}, {k}]: sample 2 alone, without its padding rows")

@@ -45,7 +45,9 @@ def test_every_suspect_is_in_both_matrices_with_an_expectation_per_device():
     # every suspect runs in strict (an unmerged adapter: LoRA mode unfused-fp32)
     assert [n for n in SUSPECTS if strict[n].pending] == []
     assert strict["rope_tables_on_device"].expect.verdict == "identical"
-    assert [p.name for p in catalog(family="production", device="cuda") if not p.pending] == []
+    # measured on an H200: the rest wait for a measurement there (or cannot run on it)
+    assert [p.name for p in catalog(family="production", device="cuda") if not p.pending] == [
+        n for n in SUSPECTS if not isinstance(PRODUCTION[n]["cuda"], str)]
 
 
 def test_unknown_family_is_refused():
@@ -193,7 +195,7 @@ def test_text_mask_probe_runs_where_the_model_passes_no_mask():
 
 
 def test_pending_is_never_run():
-    (p,) = [p for p in catalog(family="production", device="cuda") if p.name == "lora_unmerged"]
+    (p,) = [p for p in catalog(family="production", device="cuda") if p.name == "dp_split_strided"]
     r = run_probe(p, RunSpec(), None, None, None)
     assert r.status == PENDING and r.reasons[0] == p.pending
 

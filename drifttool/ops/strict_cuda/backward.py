@@ -14,7 +14,8 @@ Orders (docs/strict-arithmetic.md, "Strict CUDA backward"; contract ids ``GRAD_C
   on its own output gradient and W only.
 * dW: per sample (``sample_rows``: the leading axis of dY; a sample's rows are its middle axes),
   over the sample's live rows (``live_rows``: trailing all-±0 gradient rows, prompt padding, are
-  dropped) by ``kernels.gemm_backward.weight_grad_parts`` (64-row chunks ascending, MMA); then
+  dropped) by ``kernels.gemm_backward.weight_grad_parts`` (64-row chunks ascending, MMA; the
+  few-tile dW of a LoRA factor in 512-row segments whose partials are added in order); then
   the per-sample partials summed in batch order by the canonical pairwise tree
   (``TreeAccumulator``, = ``tree_sum_stack``). Invariance, as strict CPU's contract v2 gives: a
   sample's partial does not depend on its companions, its position, B, or trailing zero rows; so

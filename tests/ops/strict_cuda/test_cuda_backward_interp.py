@@ -26,7 +26,7 @@ from drifttool.ops.strict_cuda import linear as cuda_linear
 from drifttool.ops.strict_trees import tree_sum_stack
 from drifttool.references import ops as ref
 from tests.conftest import assert_same_bytes
-from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order
+from tests.strict_cuda_cases import gelu_tanh_f32_grad_order, gelu_tanh_f32_order, segment_order
 
 gb = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm_backward")
 
@@ -205,3 +205,19 @@ def test_recording_autograd_moves_no_forward_byte_and_pre_is_the_forwards():
         assert_same_bytes(plain, traced.detach(), f"{name}: forward with autograd recording")
     pre = cuda_linear._mlp_up_pre(x, w, b)
     assert_same_bytes(op("mlp_up_gemm_gelu")(x, w, b), gelu_tanh_f32_order(pre), "forward = GELU(recomputed pre)")
+
+
+def test_a_lora_factors_grad_is_its_segments_added_in_order():
+    # dB [N, r] and dA [r, K] shapes: too few tiles, so the live rows run in SEG_ROWS segments
+    n, r, rows = 48, 16, 2 * gb.SEG_ROWS + 77
+    assert gb.wgrad_config(n, r, True).seg_rows == gb.SEG_ROWS
+    assert gb.wgrad_config(3072, 3072, True).seg_rows is None  # a full weight: one chain
+    dy, x = rn(2, rows, n, seed=40), rn(2, rows, r, seed=41)
+    dy[1, rows - 300:] = 0  # sample 1: 300 trailing zero-gradient rows (prompt padding)
+    live = bw.live_counts(dy)
+    got = gb.weight_grad_parts(dy, x, live)
+    assert_same_bytes(got, segment_order(gb, dy, x, live.tolist()), "dB: segments in order")
+    assert_same_bytes(got[1:], gb.weight_grad_parts(dy[1:, :rows - 300], x[1:, :rows - 300], live[1:]),
+                      "sample 1 without its padding rows")
+    da = gb.weight_grad_parts(x, dy, bw.live_counts(x))  # dA-like: [r, n]
+    assert_same_bytes(da, segment_order(gb, x, dy, bw.live_counts(x).tolist()), "dA: segments in order")

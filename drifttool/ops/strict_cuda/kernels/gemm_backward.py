@@ -7,14 +7,19 @@ and the tanh-GELU derivative of ``mlp_up_gemm_gelu``'s epilogue.
 
 Order of every element (the contract; docs/strict-arithmetic.md, "Strict CUDA backward"):
 
-* ``weight_grad_parts``: one program per (BLOCK_N × BLOCK_K tile of dW, sample b) walks the
-  sample's live rows ``r < live[b]`` itself (no split over rows, no atomics), in chunks of
-  ``ROW_CHUNK`` = 64 rows from r = 0 upwards; chunk c's products dy[b, r, n]·x[b, r, k] are
-  accumulated into the FP32 accumulator by the MMA (``tl.dot(dyᵀ, x, acc)``), chunk after chunk;
-  the rows of the last chunk at or past ``live[b]`` are zero-filled (zero products). Operands:
-  bf16 × bf16 on the tensor cores, else both upcast and multiplied in IEEE FP32 (never TF32).
-  A sample's partial depends on that sample's rows alone: not on the other samples, its position
-  in the batch, B, or rows past ``live[b]``.
+* ``weight_grad_parts``: the sample's live rows ``r < live[b]`` are cut into **segments** of
+  ``SEG_ROWS`` = 512 rows from r = 0 when dW has fewer than ``SPLIT_TILES`` = 256 output tiles (a
+  LoRA factor's dA [r, K] or dB [N, r]: too few tiles to fill the GPU), else into one segment (a
+  full weight's dW). One program per (BLOCK_N × BLOCK_K tile of dW, segment, sample) walks its
+  segment's rows in chunks of ``ROW_CHUNK`` = 64 rows ascending (no atomics); chunk c's products
+  dy[b, r, n]·x[b, r, k] are accumulated into an FP32 accumulator that starts at +0 by the MMA
+  (``tl.dot(dyᵀ, x, acc)``), chunk after chunk; the rows of the last chunk at or past the
+  segment's end are zero-filled (zero products). A sample's segment partials are then added in
+  ascending segment order, each an FP32 addition, from +0 (``_segsum_kernel``; the segments at or
+  past ``live[b]`` are not added). Operands: bf16 × bf16 on the tensor cores, else both upcast and
+  multiplied in IEEE FP32 (never TF32). The tiles and the split follow dW's shape [N, K] only
+  (``wgrad_config``), never the rows or the batch: a sample's partial depends on that sample's
+  rows alone, not on the other samples, its position in the batch, B, or rows past ``live[b]``.
 * ``bias_grad_parts``: one program per (BLOCK_N columns, sample b): s = ((0 + dy[b, 0]) +
   dy[b, 1]) + … over r < live[b] ascending, each an FP32 addition (the loads of ``UNROLL`` rows
   issued together, the additions one after the other): IEEE FP32 in a stated order, so its bytes
@@ -30,6 +35,8 @@ The kernels call only Triton builtins (see ``kernels.gemm``'s module docstring f
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -40,42 +47,80 @@ from drifttool.ops.strict_cuda.kernels.exact_math import _exp_f32, _f
 ROW_CHUNK = 64
 """Rows per MMA chunk of the weight-gradient reduction (part of the contract)."""
 
-WGRAD_BF16 = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
+SEG_ROWS, SPLIT_TILES = 512, 256
+"""Rows per segment of a weight gradient with fewer than ``SPLIT_TILES`` output tiles (part of the
+contract: the segments' partials are added in order, so the segment length fixes the bytes)."""
+
+
+@dataclass(frozen=True)
+class WgradConfig:
+    """One weight-gradient launch: the dW tile, warps, pipeline depth and the segment length in
+    rows (None: one segment, the sample's live rows in one chain)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    seg_rows: int | None
+
+    @property
+    def id(self) -> str:
+        seg = f".seg{self.seg_rows}" if self.seg_rows else ""
+        return f"bn{self.block_n}bk{self.block_k}w{self.num_warps}s{self.num_stages}{seg}"
+
+
+WGRAD_BF16 = WgradConfig(128, 128, 8, 3, None)
 """bf16 × bf16 weight-gradient tiles (the forward GEMM's BF16 tile and pipeline)."""
 
-WGRAD_FP32 = dict(block_n=64, block_k=64, num_warps=4, num_stages=1)
-"""Weight-gradient tiles with an FP32 operand (IEEE FMA dot)."""
+
+def _fit(d: int) -> int:
+    """A tile side for an FP32 dW axis of d: 16, 32 or 64 (a LoRA rank fills its tile)."""
+    return 16 if d <= 16 else 32 if d <= 32 else 64
+
+
+def wgrad_config(n: int, k: int, ieee: bool) -> WgradConfig:
+    """The launch of a dW [n, k] (module docstring): bf16 operands the tensor-core tile, an FP32
+    operand tiles of ``_fit`` per axis; fewer than ``SPLIT_TILES`` tiles: segments of
+    ``SEG_ROWS`` rows. A function of dW's shape and the operand precision only."""
+    cfg = WgradConfig(_fit(n), _fit(k), 4, 1, None) if ieee else WGRAD_BF16
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k)
+    return replace(cfg, seg_rows=SEG_ROWS) if tiles < SPLIT_TILES else cfg
+
 
 BIAS_BLOCK_N, BIAS_UNROLL = 128, 8
 """The bias sums' columns per program and rows whose loads are issued together."""
 
-KERNEL_ID = (f"triton.wgrad.rows{ROW_CHUNK}.seq.persample.bn128bk128w8s3|fp32.ieee.bn64bk64w4s1"
-             f"+bgrad.rows.seq.bn{BIAS_BLOCK_N}u{BIAS_UNROLL}+gelu_tanh_f32_grad")
+KERNEL_ID = (f"triton.wgrad.rows{ROW_CHUNK}.seq.persample.{WGRAD_BF16.id}|fp32.ieee.fit64w4s1"
+             f".seg{SEG_ROWS}<{SPLIT_TILES}tiles+bgrad.rows.seq.bn{BIAS_BLOCK_N}u{BIAS_UNROLL}"
+             f"+gelu_tanh_f32_grad")
 """Kernel identity of the backward kernels."""
 
 _OPERANDS = (torch.float32, torch.bfloat16)
 
 
-@triton.jit
-def _wgrad_kernel(DY, X, LIVE, P, N, K, sdb, sdr, sdn, sxb, sxr, sxk, spb, spn,
+@triton.jit(do_not_specialize=["SEG"])
+def _wgrad_kernel(DY, X, LIVE, P, N, K, SEG, sdb, sdr, sdn, sxb, sxr, sxk, spb, sps, spn,
                   IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_R: tl.constexpr):
-    """P[b, n-tile, k-tile] = Σ_{r < LIVE[b]} dy[b, r, n]·x[b, r, k], rows in BLOCK_R chunks from 0."""
+    """P[b, s, n-tile, k-tile] = Σ dy[b, r, n]·x[b, r, k] over the rows r of segment s
+    (s·SEG ≤ r < min((s + 1)·SEG, LIVE[b])), in BLOCK_R chunks from the segment's start."""
     pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     num_pid_k = (K + BLOCK_K - 1) // BLOCK_K
     pid_n = pid // num_pid_k
     pid_k = pid % num_pid_k
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rr = tl.arange(0, BLOCK_R)
-    live = tl.load(LIVE + b)
+    start = s * SEG
+    end = tl.minimum(start + SEG, tl.load(LIVE + b))
     dy_base = DY + b * sdb
     x_base = X + b * sxb
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
-    for r0 in range(0, live, BLOCK_R):
+    for r0 in range(start, end, BLOCK_R):
         rows = r0 + rr
-        ok = rows < live
+        ok = rows < end
         dy = tl.load(dy_base + rows.to(tl.int64)[:, None] * sdr + rn[None, :] * sdn,
                      mask=ok[:, None] & (rn[None, :] < N), other=0.0)  # [BLOCK_R, BLOCK_N]
         x = tl.load(x_base + rows.to(tl.int64)[:, None] * sxr + rk[None, :] * sxk,
@@ -85,7 +130,21 @@ def _wgrad_kernel(DY, X, LIVE, P, N, K, sdb, sdr, sdn, sxb, sxr, sxk, spb, spn,
         else:
             acc = tl.dot(tl.trans(dy), x, acc)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
-    tl.store(P + b * spb + rn.to(tl.int64)[:, None] * spn + rk[None, :], acc, mask=mask)
+    tl.store(P + b * spb + s.to(tl.int64) * sps + rn.to(tl.int64)[:, None] * spn + rk[None, :], acc,
+             mask=mask)
+
+
+@triton.jit(do_not_specialize=["SEG"])
+def _segsum_kernel(PS, LIVE, OUT, NK, SEG, spb, sps, sob, BLOCK: tl.constexpr):
+    """OUT[b] = ((+0 + PS[b, 0]) + PS[b, 1]) + … over the segments s·SEG < LIVE[b], in FP32."""
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < NK
+    nseg = (tl.load(LIVE + b) + SEG - 1) // SEG
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for s in range(0, nseg):
+        acc = acc + tl.load(PS + b * spb + s * sps + offs, mask=ok, other=0.0)
+    tl.store(OUT + b * sob + offs, acc, mask=ok)
 
 
 @triton.jit(do_not_specialize=["sdr"])
@@ -133,13 +192,16 @@ def _check3(what: str, *ts: torch.Tensor) -> None:
             raise UnsupportedConfigError(f"strict CUDA {what}: needs [B, R, C] tensors on one device")
 
 
-def weight_grad_parts(dy: torch.Tensor, x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+def weight_grad_parts(dy: torch.Tensor, x: torch.Tensor, live: torch.Tensor,
+                      config: WgradConfig | None = None) -> torch.Tensor:
     """Per-sample weight-gradient partials Σ_{r < live[b]} dy[b, r] ⊗ x[b, r] (module docstring).
 
     Args:
         dy: [B, R, N] bf16 or FP32 (the output gradient, a sample's rows on axis 1).
         x: [B, R, K] bf16 or FP32 (the forward input).
         live: [B] int64 on the same device: the rows of each sample that take part (≤ R).
+        config: launch override (benchmarks); default ``wgrad_config`` of dW's shape. Its tile
+            changes no byte; its ``seg_rows`` does (the contract's is ``SEG_ROWS`` or none).
     Returns:
         [B, N, K] FP32 (a sample with no live row: +0).
     Raises:
@@ -152,16 +214,23 @@ def weight_grad_parts(dy: torch.Tensor, x: torch.Tensor, live: torch.Tensor) -> 
         raise UnsupportedConfigError(f"strict CUDA weight gradient: dy {tuple(dy.shape)}, x {tuple(x.shape)}, "
                                      f"live {tuple(live.shape)} do not match")
     ieee = not (dy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16)
-    cfg = WGRAD_FP32 if ieee else WGRAD_BF16
+    cfg = config or wgrad_config(n, k, ieee)
     p = torch.empty((bsz, n, k), dtype=torch.float32, device=dy.device)
     if p.numel() == 0:
         return p
-    grid = (triton.cdiv(n, cfg["block_n"]) * triton.cdiv(k, cfg["block_k"]), bsz)
-    _wgrad_kernel[grid](dy, x, live.to(torch.int64).contiguous(), p, n, k,
+    live = live.to(torch.int64).contiguous()
+    segs = triton.cdiv(max(rows, 1), cfg.seg_rows) if cfg.seg_rows else 1
+    ps = p if segs == 1 else torch.empty((bsz, segs, n, k), dtype=torch.float32, device=dy.device)
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), segs, bsz)
+    _wgrad_kernel[grid](dy, x, live, ps, n, k, cfg.seg_rows or max(rows, 1),
                         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-                        p.stride(0), p.stride(1), IEEE=ieee, BLOCK_N=cfg["block_n"],
-                        BLOCK_K=cfg["block_k"], BLOCK_R=ROW_CHUNK, num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"], enable_fp_fusion=False)
+                        ps.stride(0), n * k if segs > 1 else 0, k, IEEE=ieee, BLOCK_N=cfg.block_n,
+                        BLOCK_K=cfg.block_k, BLOCK_R=ROW_CHUNK, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if segs > 1:
+        _segsum_kernel[(triton.cdiv(n * k, 1024), bsz)](ps, live, p, n * k, cfg.seg_rows, ps.stride(0),
+                                                         n * k, p.stride(0), BLOCK=1024,
+                                                         enable_fp_fusion=False)
     return p
 
 
