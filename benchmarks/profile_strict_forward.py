@@ -59,6 +59,26 @@ def _kernels(prof) -> tuple[float, list[tuple[str, int, float]]]:
     return sum(r[2] for r in rows), rows
 
 
+def profile_gpu(fn, title: str, top: int) -> None:
+    """Run ``fn`` once untimed (compile, allocator), once timed, once under ``torch.profiler``;
+    print its wall time, its GPU kernel time (the rest: the GPU waiting for the host) and its
+    ``top`` kernels grouped by name (total ms, count, share)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    busy, rows = _kernels(prof)
+    print(f"\n=== {title}: wall {wall:.1f} ms, GPU kernels {busy:.1f} ms ({busy / wall:.0%} busy), "
+          f"host gaps ≈ {wall - busy:.1f} ms, {sum(r[1] for r in rows)} kernel launches")
+    for name, n, ms in rows[:top]:
+        print(f"{ms:9.2f} ms {n:6d}× {ms / busy:6.1%}  {name}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=60)
@@ -75,21 +95,8 @@ def main() -> int:
     grid = SHAPES[args.shape]
     inputs = _inputs(args.batch, grid)
     for mode in ("off", "strict"):
-        _forward(ours, mode, inputs, grid)  # warm-up: compile, allocator
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _forward(ours, mode, inputs, grid)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            _forward(ours, mode, inputs, grid)
-            torch.cuda.synchronize()
-        busy, rows = _kernels(prof)
-        print(f"\n=== mode {mode}: {args.layers} blocks, {args.shape}, batch {args.batch}: wall {wall:.1f} ms, "
-              f"GPU kernels {busy:.1f} ms ({busy / wall:.0%} busy), host gaps ≈ {wall - busy:.1f} ms, "
-              f"{sum(r[1] for r in rows)} kernel launches")
-        for name, n, ms in rows[: args.top]:
-            print(f"{ms:9.2f} ms {n:6d}× {ms / busy:6.1%}  {name}")
+        profile_gpu(lambda: _forward(ours, mode, inputs, grid), f"mode {mode}: {args.layers} blocks, "
+                    f"{args.shape}, batch {args.batch}", args.top)
         pr = cProfile.Profile()
         pr.enable()
         _forward(ours, mode, inputs, grid)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_training_step import LORA_MODES, MODES, inputs, step  # noqa: E402
-from profile_strict_forward import SHAPES, _kernels  # noqa: E402
+from profile_strict_forward import SHAPES, profile_gpu  # noqa: E402
 
 from drifttool.model.lora import LORA_TARGET_MODULES, AdapterConfig, attach_lora  # noqa: E402
 
@@ -54,21 +53,9 @@ def main() -> int:
     grid = SHAPES[args.shape]
     batch_inputs = inputs(args.batch, grid, "cuda")
     for config in MODES:
-        step(model, config, batch_inputs, grid, grad=True)  # warm-up: compile, allocator
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(model, config, batch_inputs, grid, grad=True)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(model, config, batch_inputs, grid, grad=True)
-            torch.cuda.synchronize()
-        busy, rows = _kernels(prof)
-        print(f"\n=== {config}: training step, {args.layers} blocks, {args.shape}, batch {args.batch}, "
-              f"{args.lora_mode}, checkpointing {args.checkpointing}: wall {wall:.1f} ms, GPU kernels "
-              f"{busy:.1f} ms ({busy / wall:.0%} busy), {sum(r[1] for r in rows)} kernel launches")
-        for name, n, ms in rows[: args.top]:
-            print(f"{ms:9.2f} ms {n:6d}× {ms / busy:6.1%}  {name}")
+        profile_gpu(lambda: step(model, config, batch_inputs, grid, grad=True),
+                    f"{config}: training step, {args.layers} blocks, {args.shape}, batch {args.batch}, "
+                    f"{args.lora_mode}, checkpointing {args.checkpointing}", args.top)
     return 0
 
 
