@@ -169,6 +169,18 @@ class Probe:
         if self.kind == "sensitivity" and self.expect.rows is None:
             raise ValueError(f"probe {self.name}: a sensitivity probe must declare its row")
 
+    def refusal(self, device: str) -> str:
+        """Why the probe cannot run on device type ``device`` (empty: it can): the first refusal
+        of its variants or of its own execution, each asked through its ``refuses(device)``
+        where it has one (``variants.Variant.refuses``, ``suspects.Paired``, ...)."""
+        parts = [factory() for _, factory in self.variants.values()]
+        for part in [*parts, self.execute]:
+            refuses = getattr(part, "refuses", None)
+            why = refuses(device) if callable(refuses) else ""
+            if why:
+                return why
+        return ""
+
     def build_variants(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         """Fresh ``RunSpec.variants`` for one run."""
         return {op: (name, factory()) for op, (name, factory) in self.variants.items()}
