@@ -173,13 +173,8 @@ class Probe:
         """Why the probe cannot run on device type ``device`` (empty: it can): the first refusal
         of its variants or of its own execution, each asked through its ``refuses(device)``
         where it has one (``variants.Variant.refuses``, ``suspects.Paired``, ...)."""
-        parts = [factory() for _, factory in self.variants.values()]
-        for part in [*parts, self.execute]:
-            refuses = getattr(part, "refuses", None)
-            why = refuses(device) if callable(refuses) else ""
-            if why:
-                return why
-        return ""
+        return first_refusal([*(factory() for _, factory in self.variants.values()), self.execute],
+                             device)
 
     def build_variants(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         """Fresh ``RunSpec.variants`` for one run."""
@@ -188,6 +183,17 @@ class Probe:
     def with_(self, **changes: Any) -> "Probe":
         """A copy with fields replaced (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+def first_refusal(parts: list, device: str) -> str:
+    """The first non-empty ``part.refuses(device)`` among ``parts`` (a part without ``refuses``
+    refuses nothing); empty when none refuses device type ``device``."""
+    for part in parts:
+        refuses = getattr(part, "refuses", None)
+        why = refuses(device) if callable(refuses) else ""
+        if why:
+            return why
+    return ""
 
 
 def select(probes: list, only: str | None, what: str = "probe") -> list:

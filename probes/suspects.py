@@ -51,7 +51,7 @@ from drifttool.errors import UnsupportedConfigError
 from drifttool.launch import run_parallel
 from drifttool.probes import suspect_variants as SU
 from drifttool.probes.controls import Recompute, lora_adapter, train_capture
-from drifttool.probes.spec import Expectation, Probe, ProbeContext
+from drifttool.probes.spec import Expectation, Probe, ProbeContext, first_refusal
 from drifttool.runner import execute
 from drifttool.settings import resolve
 from drifttool.training.options import RerunOptions, TrainOptions
@@ -89,11 +89,7 @@ class Paired:
 
     def refuses(self, device: str) -> str:
         """The first refusal of ``device`` among its variants (empty: none refuses)."""
-        for _, v in _build(self.variants).values():
-            why = v.refuses(device) if callable(getattr(v, "refuses", None)) else ""
-            if why:
-                return why
-        return ""
+        return first_refusal([v for _, v in _build(self.variants).values()], device)
 
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
         over = dict(self.settings)
