@@ -75,8 +75,6 @@ def replay_control(ctx: ProbeContext) -> tuple[Path, Path]:
     return ctx.baseline, ctx.run_dir
 
 
-
-
 def lora_adapter(ctx: ProbeContext) -> Path:
     """A small deterministic adapter (rank 4, non-zero B so every factor gets a gradient) for the
     baseline's checkpoint, saved under the control's work directory (by rank 0 of a launch,

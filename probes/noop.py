@@ -14,8 +14,9 @@ made on the bytes, never on the probe's declaration:
 
 - an operator variant: every call of the variant in the probe run also runs the operator the run
   would have called (the variant's ``base``, else the implementation dispatch picks for the call:
-  ``variants.dispatched``, by the call's device) on the same arguments; the change is a no-op when every output is byte-equal (dtype,
-  shape and raw bytes, so ±0 and NaN payloads count), at every call site of the run. Once one
+  ``variants.dispatched``, by the call's device) on the same arguments; the change is a no-op when
+  every output is byte-equal (dtype, shape and raw bytes, so ±0 and NaN payloads count), at every
+  call site of the run. Once one
   call differs no further call is checked.
 - a checkpoint transform: the transformed state dict holds the same names with byte-equal
   tensors (``weights_unchanged``).
