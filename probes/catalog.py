@@ -201,8 +201,10 @@ def mismatch_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
     return out
 
 
-def invariant_probes(settings: dict[str, Any]) -> list[Probe]:
-    """Controls that must not move a byte."""
+def invariant_probes(settings: dict[str, Any], device: str = "cpu") -> list[Probe]:
+    """Controls that must not move a byte; the training controls' runs capture at
+    ``controls.TRAIN_CAPTURE`` on ``device`` (a device type)."""
+    capture = C.train_capture(device)
     samples = list(settings["samples"])
     extra = max(samples) + 1
     longest = int(settings["prompt_len"])
@@ -231,12 +233,13 @@ def invariant_probes(settings: dict[str, Any]) -> list[Probe]:
               change="the trajectory re-executed from the baseline artifact's replay inputs",
               execute=C.replay_control, expect=IDENTICAL),
         Probe(name="train_recompute", factor="training recomputation", kind="invariant",
-              change="v_t and logp_t recomputed from the stored latents (phase train, autograd)",
-              execute=C.recompute_control, expect=IDENTICAL),
+              change="v_t and logp_t of a LoRA rollout recomputed from the stored latents (phase "
+                     "train, autograd, the adapter trainable)",
+              execute=C.Recompute(capture), expect=IDENTICAL),
         Probe(name="gradient_checkpointing", factor="gradient checkpointing", kind="invariant",
               change="LoRA training recompute with gradients, gradient checkpointing on vs off "
                      "(v_t, logp_t and LoRA gradient records)",
-              execute=C.checkpointing_control, expect=IDENTICAL),
+              execute=C.Checkpointing(capture), expect=IDENTICAL),
     ]
 
 
@@ -284,7 +287,10 @@ def catalog(settings: dict[str, Any] | None = None, num_layers: int = 2, *,
     ``num_layers`` blocks: mismatch probes, invariant controls, the suspects users report
     (``drifttool.probes.suspects``), sensitivity controls. ``family="production"`` (a baseline
     in mode auto) gives the suspects alone, with the production family's expectations on
-    ``device`` (a device type, ``cpu`` or ``cuda``).
+    ``device`` (a device type, ``cpu`` or ``cuda``). The strict matrix's expectations and
+    training capture level are ``device``'s too. On either, a probe whose variant or execution
+    refuses ``device`` (``Probe.refusal``: a CPU-only variant, ranks that are CPU ranks) is
+    pending there with the refusal as its reason.
 
     Raises:
         ValueError: an unknown family.
@@ -293,13 +299,18 @@ def catalog(settings: dict[str, Any] | None = None, num_layers: int = 2, *,
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (one of {FAMILIES})")
     if family == "production":
-        return production_probes(s, num_layers, device)
-    probes = (mismatch_probes(s, num_layers) + invariant_probes(s) + suspect_probes(s, num_layers)
-              + sensitivity_probes(s, num_layers))
+        probes = production_probes(s, num_layers, device)
+    else:
+        probes = (mismatch_probes(s, num_layers) + invariant_probes(s, device)
+                  + suspect_probes(s, num_layers, device) + sensitivity_probes(s, num_layers))
     names = [p.name for p in probes]
     if len(set(names)) != len(names):  # pragma: no cover - a declaration bug
         raise ValueError(f"duplicate probe names in {names}")
-    return probes
+    out = []
+    for p in probes:
+        why = "" if p.pending else p.refusal(device)
+        out.append(p.with_(pending=why) if why else p)
+    return out
 
 
 def probe(name: str, settings: dict[str, Any] | None = None, num_layers: int = 2) -> Probe:

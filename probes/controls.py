@@ -13,16 +13,24 @@ control                  reference run                                   probe r
 =======================  ==============================================  ====================================
 replay                   the baseline                                    ``replay_run(baseline)``: re-executed
                                                                          from its stored replay inputs
-train_recompute          the baseline                                    ``recompute_run(baseline)``: phase
-                                                                         ``train``, autograd on, from the
-                                                                         stored latents (the diff aligns
-                                                                         ``train`` with ``rollout``)
+train_recompute          a LoRA rollout of the baseline spec (the        ``recompute_run(lora rollout)``:
+                         adapter merged, as the trainer's rollout)       phase ``train``, autograd on, the
+                                                                         adapter's factors trainable and
+                                                                         the base frozen, from the stored
+                                                                         latents (the diff aligns ``train``
+                                                                         with ``rollout``)
 gradient_checkpointing   ``recompute_run(lora, grad=True)``              the same with
                          of a LoRA rollout of the baseline spec          ``gradient_checkpointing=True``:
                          (its first sample)                              v_t, logp_t and every LoRA
                                                                          gradient record (role
                                                                          ``grad_weight``) compared
 =======================  ==============================================  ====================================
+
+The training controls train what a Flow-GRPO trainer trains, a LoRA adapter on the block
+projections (``lora_adapter``), so the same control runs on every device: the strict CUDA family
+has a backward for the block GEMMs, the fused joint attention, the row operators and the LoRA
+factors, while its timestep and modulation projections are forward only (their weights stay
+frozen). Their runs capture at ``TRAIN_CAPTURE[device type]`` (the baseline's level elsewhere).
 """
 
 from __future__ import annotations
@@ -43,6 +51,19 @@ from drifttool.training.replay import replay_run
 
 LORA_RANK, LORA_ALPHA, LORA_SEED = 4, 8.0, 5
 
+TRAIN_CAPTURE = {"cuda": "L1"}
+"""The capture level of the training controls' runs per device type (absent: the baseline's).
+CUDA: L1. At L2 dispatch runs ``joint_attention_fused`` as its decomposition to capture the
+attention internals, and the strict CUDA decomposition is forward only (the fused operator holds
+the attention backward). The controls' verdicts are on the step records (v_t, logp_t), the L1
+operator outputs and the LoRA gradient records, all of which L1 captures; on the CPU they keep the
+baseline's level (L2: the internals and row digests too)."""
+
+
+def train_capture(device: str) -> str | None:
+    """``TRAIN_CAPTURE`` for a device type (``None``: the baseline's level)."""
+    return TRAIN_CAPTURE.get(device)
+
 
 def _where(ctx: ProbeContext) -> dict:
     """The launch every run of the control executes in (``ProbeContext.dist``, ``parallel``)."""
@@ -51,11 +72,6 @@ def _where(ctx: ProbeContext) -> dict:
 
 def replay_control(ctx: ProbeContext) -> tuple[Path, Path]:
     replay_run(ctx.baseline, ctx.run_dir, RerunOptions(overwrite=True), **_where(ctx))
-    return ctx.baseline, ctx.run_dir
-
-
-def recompute_control(ctx: ProbeContext) -> tuple[Path, Path]:
-    recompute_run(ctx.baseline, ctx.run_dir, RerunOptions(overwrite=True), **_where(ctx))
     return ctx.baseline, ctx.run_dir
 
 
@@ -74,15 +90,49 @@ def lora_adapter(ctx: ProbeContext) -> Path:
     return folder
 
 
-def checkpointing_control(ctx: ProbeContext) -> tuple[Path, Path]:
-    # one sample suffices (checkpointing is per forward) and halves the costly checkpointed backward
-    first = list(resolve(ctx.base)[1].samples[:1])
+def lora_rollout(ctx: ProbeContext, capture: str | None, **changes) -> Path:
+    """A rollout of the baseline spec with ``lora_adapter`` (merged, as the baseline's LoRA mode
+    gives it) and ``changes`` (``RunSpec`` fields), at ``capture`` (``None``: the baseline's level),
+    written under the control's work directory."""
+    if capture is not None:
+        changes["capture"] = capture
     rollout = ctx.work / "lora_rollout"
-    execute(dataclasses.replace(ctx.base, lora=lora_adapter(ctx), samples=first, batch=None),
-            rollout, overwrite=True, **_where(ctx))
-    reference = ctx.work / "recompute_grad"
-    again = RerunOptions(overwrite=True)
-    recompute_run(rollout, reference, again, TrainOptions(grad=True), **_where(ctx))
-    recompute_run(rollout, ctx.run_dir, again, TrainOptions(grad=True, gradient_checkpointing=True),
-                  **_where(ctx))
-    return reference, ctx.run_dir
+    execute(dataclasses.replace(ctx.base, lora=lora_adapter(ctx), **changes), rollout,
+            overwrite=True, **_where(ctx))
+    return rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """``Probe.execute``: a LoRA rollout of the baseline spec (``lora_rollout``, at ``capture``)
+    against its training recompute (phase ``train``, autograd on, the adapter's factors trainable),
+    in micro-batches of ``micro_batch`` samples (``None``: the rollout's batch)."""
+
+    capture: str | None = None
+    micro_batch: int | None = None
+
+    def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        rollout = lora_rollout(ctx, self.capture)
+        recompute_run(rollout, ctx.run_dir, RerunOptions(overwrite=True),
+                      TrainOptions(micro_batch=self.micro_batch), **_where(ctx))
+        return rollout, ctx.run_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """``Probe.execute``: the gradient recompute of a LoRA rollout of the baseline's first sample
+    (``lora_rollout``, at ``capture``) with gradient checkpointing off (the reference) and on."""
+
+    capture: str | None = None
+
+    def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
+        # one sample suffices (checkpointing is per forward) and halves the costly checkpointed
+        # backward
+        first = list(resolve(ctx.base)[1].samples[:1])
+        rollout = lora_rollout(ctx, self.capture, samples=first, batch=None)
+        reference = ctx.work / "recompute_grad"
+        again = RerunOptions(overwrite=True)
+        recompute_run(rollout, reference, again, TrainOptions(grad=True), **_where(ctx))
+        recompute_run(rollout, ctx.run_dir, again, TrainOptions(grad=True, gradient_checkpointing=True),
+                      **_where(ctx))
+        return reference, ctx.run_dir

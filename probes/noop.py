@@ -13,9 +13,10 @@ transform that maps the weights onto themselves. The probe matrix reports such a
 made on the bytes, never on the probe's declaration:
 
 - an operator variant: every call of the variant in the probe run also runs the operator the run
-  would have called (the variant's ``base``, else the registry's implementation for the run's
-  family) on the same arguments; the change is a no-op when every output is byte-equal (dtype,
-  shape and raw bytes, so ±0 and NaN payloads count), at every call site of the run. Once one
+  would have called (the variant's ``base``, else the implementation dispatch picks for the call:
+  ``variants.dispatched``, by the call's device) on the same arguments; the change is a no-op when
+  every output is byte-equal (dtype, shape and raw bytes, so ±0 and NaN payloads count), at every
+  call site of the run. Once one
   call differs no further call is checked.
 - a checkpoint transform: the transformed state dict holds the same names with byte-equal
   tensors (``weights_unchanged``).
@@ -31,7 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from drifttool.ops.registry import implementation
+from drifttool.errors import UnsupportedConfigError
+from drifttool.probes.variants import dispatched
 from drifttool.probes.weights import load_state
 
 
@@ -86,10 +88,7 @@ class NoOpWitness:
             return base
         if self.rt is None:
             return None
-        try:
-            return implementation(self.op, self.rt.family)
-        except Exception:  # noqa: BLE001 - no implementation to compare with: not proven a no-op
-            return None
+        return dispatched(self.rt, self.op)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.variant(*args, **kwargs)
@@ -99,8 +98,13 @@ class NoOpWitness:
         if ref is None:
             self.unchecked += 1
             return out
+        try:
+            expected = ref(*args, **kwargs)
+        except UnsupportedConfigError:  # nothing to compare with: not proven a no-op
+            self.unchecked += 1
+            return out
         self.checked += 1
-        if not same_bytes(out, ref(*args, **kwargs)):
+        if not same_bytes(out, expected):
             self.changed = True
         return out
 

@@ -94,8 +94,8 @@ class EulerBf16Product(Variant):
         step = dt * v.to(torch.bfloat16)  # 0-dim fp32 × bf16 tensor → bf16 (type promotion)
         x_next = (x.to(torch.float32) + step).to(torch.bfloat16).to(torch.float32)  # [B, N, C]
         B = x.shape[0]
-        logp = torch.full((B,), math.nan, dtype=torch.float32)
-        return x_next, logp, x_next.clone(), torch.zeros(B, dtype=torch.float32)
+        logp = torch.full((B,), math.nan, dtype=torch.float32, device=x.device)
+        return x_next, logp, x_next.clone(), torch.zeros(B, dtype=torch.float32, device=x.device)
 
 
 class LatentsBf16(Variant):

@@ -169,6 +169,13 @@ class Probe:
         if self.kind == "sensitivity" and self.expect.rows is None:
             raise ValueError(f"probe {self.name}: a sensitivity probe must declare its row")
 
+    def refusal(self, device: str) -> str:
+        """Why the probe cannot run on device type ``device`` (empty: it can): the first refusal
+        of its variants or of its own execution, each asked through its ``refuses(device)``
+        where it has one (``variants.Variant.refuses``, ``suspects.Paired``, ...)."""
+        return first_refusal([*(factory() for _, factory in self.variants.values()), self.execute],
+                             device)
+
     def build_variants(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         """Fresh ``RunSpec.variants`` for one run."""
         return {op: (name, factory()) for op, (name, factory) in self.variants.items()}
@@ -176,6 +183,17 @@ class Probe:
     def with_(self, **changes: Any) -> "Probe":
         """A copy with fields replaced (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+def first_refusal(parts: list, device: str) -> str:
+    """The first non-empty ``part.refuses(device)`` among ``parts`` (a part without ``refuses``
+    refuses nothing); empty when none refuses device type ``device``."""
+    for part in parts:
+        refuses = getattr(part, "refuses", None)
+        why = refuses(device) if callable(refuses) else ""
+        if why:
+            return why
+    return ""
 
 
 def select(probes: list, only: str | None, what: str = "probe") -> list:

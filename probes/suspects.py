@@ -25,8 +25,10 @@ text_mask_all_ones     sample alone, CFG sequential, so no prompt is padded and 
                        no key mask (``None``) → the same with an all-ones mask (variant)
 dp_split_strided       4 samples sample-parallel on 2 spawned gloo ranks, split contiguously
                        ([0, 1] | [2, 3]) → split strided ([0, 2] | [1, 3])
-train_micro_batch      the rollout (the baseline) → its training recompute in micro-batches of one
-                       sample (prompts trimmed to it) instead of the rollout's batch
+train_micro_batch      strict: a LoRA rollout of the baseline spec → its training recompute (the
+                       adapter trainable) in micro-batches of one sample (prompts trimmed to it)
+                       instead of the rollout's batch (``controls.Recompute``); production: the
+                       baseline → its recompute in micro-batches of one sample
 text_encoder_batch     the prompt chain (text encoder → trajectory → VAE) on the tiny pipeline
                        folder, a prompt alone → the same prompt batched with a longer one (so
                        padded); compared on the shared sample
@@ -48,8 +50,8 @@ from drifttool.distributed.plan import ParallelDims
 from drifttool.errors import UnsupportedConfigError
 from drifttool.launch import run_parallel
 from drifttool.probes import suspect_variants as SU
-from drifttool.probes.controls import lora_adapter
-from drifttool.probes.spec import Expectation, Probe, ProbeContext
+from drifttool.probes.controls import Recompute, lora_adapter, train_capture
+from drifttool.probes.spec import Expectation, Probe, ProbeContext, first_refusal
 from drifttool.runner import execute
 from drifttool.settings import resolve
 from drifttool.training.options import RerunOptions, TrainOptions
@@ -75,7 +77,8 @@ class Paired:
 
     The probe is NOT APPLICABLE (``ProbeContext.noop``) when its variants count their changes
     (``applied``) and none changed a call, or when ``noop_on`` names the run's device type
-    (``noop_on = (device type, reason)``: a change that cannot exist there).
+    (``noop_on = (device type, reason)``: a change that cannot exist there). It refuses a device
+    type one of its variants refuses (``refuses``, ``Probe.refusal``).
     """
 
     settings: dict = dataclasses.field(default_factory=dict)
@@ -83,6 +86,10 @@ class Paired:
     variants: dict = dataclasses.field(default_factory=dict)
     lora: bool = False
     noop_on: tuple[str, str] | None = None
+
+    def refuses(self, device: str) -> str:
+        """The first refusal of ``device`` among its variants (empty: none refuses)."""
+        return first_refusal([v for _, v in _build(self.variants).values()], device)
 
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
         over = dict(self.settings)
@@ -114,9 +121,19 @@ class DataParallelSplit:
     samples: tuple[int, ...]
     ranks: int = DP_RANKS
 
+    def refuses(self, device: str) -> str:
+        """Why a baseline on device type ``device`` cannot run here (empty: it can)."""
+        if device != "cpu":
+            return (f"dp_split_strided spawns its {self.ranks} ranks as gloo CPU ranks, which cannot "
+                    f"run a {device} baseline")
+        return ""
+
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
         if ctx.launched:
             raise UnsupportedConfigError("dp_split_strided spawns its own ranks: run it without torchrun")
+        why = self.refuses(resolve(ctx.base)[1].device.split(":")[0])
+        if why:
+            raise UnsupportedConfigError(why)
         ids = list(self.samples)
         strided = [i for r in range(self.ranks) for i in ids[r::self.ranks]]
         one = ParallelDims()
@@ -251,15 +268,41 @@ def _common(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def suspect_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
-    """The suspects in the strict matrix (``catalog()``), with the strict expectations."""
+LORA_UNMERGED_STRICT = {
+    # strict merged (fp32 W') and unfused (Wx + s·B(Ax), FP32) differ by FP32 ulps before the one
+    # bf16 cast, so the first differing byte is where one crosses a bf16 rounding boundary, which
+    # depends on the family's arithmetic on the device. Tiny baseline, measured on the CPU: the
+    # text stream's q/k/v of block 0.
+    "cpu": _drift("qkv_bias_gemm", step=0, block=0, stream="txt"),
+    # measured on an H200 (strict CUDA family): the image stream's MLP up-projection of block 0
+    # (cond branch)
+    "cuda": _drift("mlp_up_gemm_gelu", step=0, block=0, stream="img"),
+}
+"""The strict expectation of ``lora_unmerged`` per device type, each measured there."""
+
+
+def suspect_probes(settings: dict[str, Any], num_layers: int, device: str = "cpu") -> list[Probe]:
+    """The suspects in the strict matrix (``catalog()``), with the strict expectations on
+    ``device`` (a device type); the training recompute's runs capture at
+    ``controls.TRAIN_CAPTURE`` there.
+
+    Raises:
+        ValueError: a device type without a declared ``lora_unmerged`` expectation.
+    """
     c = _common(settings)
+    if device not in LORA_UNMERGED_STRICT:
+        raise ValueError(f"no strict expectations declared for device {device!r} "
+                         f"(one of {list(LORA_UNMERGED_STRICT)})")
+    # the strict matrix's training control trains a LoRA adapter, as the other training controls
+    # (controls.Recompute): the strict CUDA family's timestep and modulation projections are
+    # forward only. The production matrix keeps the baseline's recompute (PRODUCTION's measure).
+    c["train_micro_batch"] = dict(c["train_micro_batch"], change="training recompute of a LoRA "
+                                  "rollout in micro-batches of 1 sample (prompts trimmed) instead "
+                                  "of the rollout's batch",
+                                  execute=Recompute(train_capture(device), micro_batch=1))
     return [
-        # strict merged (fp32 W') and unfused (Wx + s·B(Ax), FP32) differ by FP32 ulps before the
-        # one bf16 cast, so the first differing byte is where one crosses a bf16 rounding
-        # boundary: on the tiny baseline the text stream's q/k/v of block 0 (measured)
-        Probe(name="lora_unmerged", kind="mismatch",
-              expect=_drift("qkv_bias_gemm", step=0, block=0, stream="txt"), **c["lora_unmerged"]),
+        Probe(name="lora_unmerged", kind="mismatch", expect=LORA_UNMERGED_STRICT[device],
+              **c["lora_unmerged"]),
         Probe(name="lora_merge_bf16", kind="mismatch",
               expect=_drift("qkv_bias_gemm", step=0, block=0, stream="img"), **c["lora_merge_bf16"]),
         Probe(name="rope_tables_on_device", kind="invariant", expect=IDENTICAL,

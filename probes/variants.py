@@ -6,9 +6,12 @@
     # trace: multi_axis_rope actual="variant:rope_rotate_half"
 
 A variant is handed to ``RunSpec.variants`` (``Runtime.variants``) and replaces the operator's
-implementation for one run. Each class here wraps the implementation the runtime's mode would
-have used (``self.base``, bound in ``bind_runtime``) and makes exactly one change, so the probe
-isolates one factor. Variants that depend on where they are called (step, block, CFG branch,
+implementation for one run. Each class here wraps the implementation the runtime would have
+dispatched (``self.base``: resolved per call by the registry's own rule, so from the call's
+tensors' device, ``dispatched``) and makes exactly one change, so the probe isolates one factor.
+A variant whose own arithmetic is the CPU strict family's and has no device-correct form
+(``Variant.cpu_only``) fails closed elsewhere with ``UnsupportedConfigError``; the catalog
+declares its probe pending there (``Variant.refuses``). Variants that depend on where they are called (step, block, CFG branch,
 batch rows) read ``rt.current_scope()``. The sampler's variants (sigma schedule, CFG, step
 precision, noise) are ``drifttool.probes.sampler_variants``; those of the suspects users report
 (LoRA merge dtype, RoPE table device, text mask, attention kernel) are
@@ -40,14 +43,26 @@ plant_ulp                  any                    sensitivity control: lowest ma
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from drifttool.errors import UnsupportedConfigError
 from drifttool.model.rope import rope_table, text_positions
-from drifttool.ops.registry import implementation
+from drifttool.ops.registry import call_device, resolve
 from drifttool.ops.strict_math import exp32, sincos64
 from drifttool.runtime import Runtime
+
+
+def dispatched(rt: Runtime, op: str) -> Callable[..., Any]:
+    """``op`` as dispatch runs it under ``rt``, resolved per call (``registry.resolve``: the call's
+    tensors' device, the family, the constraints, the fallback), without trace or capture. Raises
+    (when called) ``UnsupportedConfigError`` as ``registry.resolve``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return resolve(rt, op, args, kwargs).impl.fn(*args, **kwargs)
+
+    return run
 
 
 class Variant:
@@ -55,12 +70,15 @@ class Variant:
 
     Attributes:
         op: the operator replaced. name: the variant name (trace ``variant:<name>``).
-        rt: the runtime (after ``bind_runtime``). base: the implementation the runtime's mode
-            would have called for ``op``.
+        rt: the runtime (after ``bind_runtime``). base: the implementation the runtime would
+            have dispatched for each call of ``op`` (``dispatched``: per call, from its device).
+        cpu_only: why the variant's own arithmetic runs on the CPU only (empty: it runs wherever
+            its base does); see ``refuses``.
     """
 
     op = ""
     name = ""
+    cpu_only = ""
 
     def __init__(self) -> None:
         self.rt: Runtime | None = None
@@ -68,11 +86,24 @@ class Variant:
 
     def bind_runtime(self, rt: Runtime) -> None:
         self.rt = rt
-        self.base = implementation(self.op, rt.family)
+        self.base = dispatched(rt, self.op)
 
-    def impl(self, op: str) -> Any:
-        """The implementation of another operator under the same backend."""
-        return implementation(op, self.rt.family)
+    def impl(self, op: str) -> Callable[..., Any]:
+        """Another operator as dispatch would run it for each call (``dispatched``)."""
+        return dispatched(self.rt, op)
+
+    def refuses(self, device: str) -> str:
+        """Why the variant cannot run on device type ``device`` (empty: it can)."""
+        if self.cpu_only and device != "cpu":
+            return f"variant {self.name} runs on the CPU only: {self.cpu_only}"
+        return ""
+
+    def check_device(self, *args: Any) -> None:
+        """Raise ``UnsupportedConfigError`` (``refuses``' reason) when the call's tensors
+        ``args`` are on a device type the variant refuses."""
+        why = self.refuses(call_device(self.op, args, {}))
+        if why:
+            raise UnsupportedConfigError(why)
 
     def scope(self) -> dict[str, Any]:
         return self.rt.current_scope()
@@ -123,8 +154,13 @@ class TimestepScaleFirst(Variant):
 
     op = "timestep_embed_mlp"
     name = "timestep_scale_first"
+    cpu_only = ("its two GEMMs are the CPU strict timestep_embed_mlp's (mlp_down_gemm, "
+                "adaln_mod_projection); the strict CUDA timestep_embed_mlp runs GEMVs of another "
+                "reduction order that no operator exposes, so on CUDA it would change more than the "
+                "sinusoid's angle order")
 
     def __call__(self, tau, w1, b1, w2, b2):
+        self.check_device(tau, w1, b1, w2, b2)
         half = w1.shape[1] // 2
         expo = (-math.log(10000.0) * torch.arange(half, dtype=torch.float32)) / half
         freqs = exp32(expo)  # [half]
@@ -226,8 +262,12 @@ class GeluExact(Variant):
 
     op = "mlp_up_gemm_gelu"
     name = "gelu_exact"
+    cpu_only = ("its FP32 pre-activation comes from mlp_down_gemm on FP32 inputs; the strict CUDA "
+                "GEMM runs FP32 inputs on its IEEE FP32 path, not the bf16 tensor-core path of "
+                "mlp_up_gemm_gelu, so on CUDA it would change the GEMM as well as the GELU")
 
     def __call__(self, x, w, b):
+        self.check_device(x, w, b)
         pre = self.impl("mlp_down_gemm")(x.to(torch.float32), w, b).double()  # [B, S, 4d]
         y = 0.5 * pre * (1.0 + torch.special.erf(pre / math.sqrt(2.0)))
         return y.to(torch.float32).to(x.dtype)
