@@ -94,6 +94,7 @@ def test_lora_unmerged_expectation_is_the_devices():
     assert (cuda.op, cuda.stream, cuda.step, cuda.block) == ("mlp_up_gemm_gelu", "img", 0, 0)
 
 
+@pytest.mark.slow  # three LoRA rollouts and their gradient recomputes (about 11 s)
 def test_training_controls_cuda_form_holds_on_the_cpu(tmp_path):
     """The controls as the CUDA catalog declares them (LoRA trained, runs at L1), on the CPU."""
     names = ("train_recompute", "gradient_checkpointing", "train_micro_batch")
