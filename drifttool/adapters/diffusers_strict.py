@@ -26,8 +26,9 @@ transformer has it (binding never unfreezes a frozen weight). A peft LoRA adapte
 (``load_lora_adapter``, ``load_lora_weights``, ``peft.inject_adapter_in_model`` or ``PeftModel``;
 one adapter, active) becomes drifttool's adapter with the *same* factor ``Parameter`` objects and
 each layer's ``scaling`` as its scale: a backward through the bound transformer accumulates into
-peft's ``lora_A``/``lora_B`` ``.grad``, with the family's gradient arithmetic. A fused adapter (``fuse_lora``) is already in the base
-weights and binds as plain weights (``bound.lora_mode`` None).
+peft's ``lora_A``/``lora_B`` ``.grad``, with the family's gradient arithmetic. A fused adapter
+(``fuse_lora``) is already in the base weights and binds as plain weights (``bound.lora_mode``
+None).
 
 The LoRA mode it binds in (``bound.lora_mode``; ``lora_mode=`` overrides, one of
 ``model.lora.LORA_MODES``). Under the strict family, by default, the mode its layers are in
