@@ -6,6 +6,8 @@ forward is drifttool's strict MMDiT on the transformer's own parameters.
     ...     latents = pipe(prompt_embeds=pe, ..., output_type="latent").images
     >>> bound.rt.trace[0]["family"], bound.model            # what ran, and the model it ran
     ('strict', MMDiT(...))
+    >>> bound.lora_mode, bound.lora_fallback                # a peft-wrapped bf16 transformer's adapter
+    ('unfused-fp32', None)
 
 What is bound, and why there. diffusers' blocks compute the modulation, the gated residuals and
 RoPE inline, in tensor expressions that no module hook can replace, so binding operator by
@@ -20,15 +22,34 @@ the pipeline, its scheduler, its text encoder, other hooks — is diffusers' own
 The parameters are the transformer's tensors, not copies (``MMDiT`` built on the meta device and
 each parameter assigned; the names are the same in both), so in-place weight updates are seen,
 the device and dtype are the transformer's, and each parameter's ``requires_grad`` stays as the
-transformer has it (binding never unfreezes a frozen weight). A peft LoRA adapter (``load_lora_adapter``,
-``load_lora_weights`` or ``peft.inject_adapter_in_model``; one adapter, active) becomes drifttool's
-adapter — in LoRA mode ``merged`` under the strict family (W' = fp32(W) + s·(B·A) by
-``lora_merge``: the strict family's own LoRA arithmetic), in the mode its layers are in under the
-production family (``peft_lora.lora_of``) — with the *same* factor
-``Parameter`` objects and each layer's ``scaling`` as its scale: a backward through the bound
-transformer accumulates into peft's ``lora_A``/``lora_B`` ``.grad``, with the strict family's
-gradient arithmetic. A fused adapter (``fuse_lora``) is already in the base weights and binds as
-plain weights.
+transformer has it (binding never unfreezes a frozen weight). A peft LoRA adapter
+(``load_lora_adapter``, ``load_lora_weights``, ``peft.inject_adapter_in_model`` or ``PeftModel``;
+one adapter, active) becomes drifttool's adapter with the *same* factor ``Parameter`` objects and
+each layer's ``scaling`` as its scale: a backward through the bound transformer accumulates into
+peft's ``lora_A``/``lora_B`` ``.grad``, with the family's gradient arithmetic. A fused adapter
+(``fuse_lora``) is already in the base weights and binds as plain weights (``bound.lora_mode``
+None).
+
+The LoRA mode it binds in (``bound.lora_mode``; ``lora_mode=`` overrides, one of
+``model.lora.LORA_MODES``). Under the strict family, by default, the mode its layers are in
+(``peft_lora.lora_of``) when strict runs it, else ``merged``:
+
+- ``unfused-fp32`` — FP32 factors beside a lower-precision W (a peft-wrapped transformer, what
+  Flow-GRPO trains): W stays in its dtype and the four block GEMMs (``qkv_bias_gemm``,
+  ``attn_out_bias_gemm``, ``mlp_up_gemm_gelu``, ``mlp_down_gemm``) add fp32(s)·((x·Aᵀ)·Bᵀ) in FP32
+  before their epilogue (docs/strict-arithmetic.md, "Unfused LoRA (strict)"; on the GPU a bf16 W
+  stays on tensor cores). Strict adds an unfused adapter only there, so an adapter that also
+  targets another Linear (``img_in``, ``txt_in``, ``proj_out``, ``norm_out.linear``, the
+  modulation projections, the timestep MLP; ``lora_calls.strict_unfused_outside``) binds
+  ``merged``.
+- ``merged`` — every other case (factors in the model dtype, an FP32 model, an adapter outside the
+  block GEMMs): W' = fp32(W) + s·(B·A) by ``lora_merge``, kept FP32, so each adapted projection
+  runs the FP32 GEMM. A default that is not the layers' own mode is recorded, with why, in
+  ``bound.lora_fallback``.
+
+An explicit ``lora_mode`` that strict does not run (``fused``, ``unfused``), ``unfused-fp32`` with
+factors that are not FP32 or with an adapter outside the block GEMMs is refused in one line. Under
+the production family the default is the layers' own mode, as diffusers runs it.
 
 Arguments drifttool's model does not take are refused in one line: ``guidance``,
 ``controlnet_block_samples``, ``additional_t_cond``, ``attention_kwargs``. With condition images
@@ -37,8 +58,9 @@ pipelines read (``noise_pred[:, :latents.size(1)]``).
 
 Byte claims (tests/adapters/test_diffusers_strict.py): the bound transformer's output equals
 drifttool's strict MMDiT loaded from the same folder, bf16 and FP32, batch 1 and 3, masked
-prompts; with a peft adapter, output and every LoRA gradient equal drifttool's own model with the
-adapter loaded by drifttool in the same mode.
+prompts; with a peft adapter (FP32 in merged; bf16 W with FP32 factors in unfused-fp32, batch 1 and
+3), output and every LoRA gradient equal drifttool's own model with the adapter loaded by drifttool
+in the same mode.
 """
 
 from __future__ import annotations
@@ -54,7 +76,8 @@ from drifttool.adapters.pipeline_hooks import transformer_tap
 from drifttool.adapters.pipeline_scope import image_grids_of
 from drifttool.errors import DriftToolError, UnsupportedConfigError
 from drifttool.model.config import from_diffusers_config
-from drifttool.model.lora import attach_lora, lora_modules
+from drifttool.model.lora import STRICT_MODES, attach_lora, check_lora_mode, lora_modules
+from drifttool.model.lora_calls import strict_unfused_outside
 from drifttool.model.mmdit import MMDiT
 from drifttool.runtime import Mode, Runtime
 
@@ -65,22 +88,34 @@ REFUSED = ("guidance", "controlnet_block_samples", "additional_t_cond", "attenti
 @dataclass
 class Bound:
     """What ``bind_strict`` yields. Attributes: model (drifttool's ``MMDiT`` on the
-    transformer's parameters), rt (the runtime every call runs under), calls (forwards run)."""
+    transformer's parameters), rt (the runtime every call runs under), calls (forwards run),
+    lora_mode (the LoRA mode the adapter is bound in, ``LORA_MODES``; None without an unfused peft
+    adapter), lora_fallback (None, or one line: why the default mode is not the layers' own)."""
 
     model: MMDiT
     rt: Runtime
     calls: int = 0
+    lora_mode: str | None = None
+    lora_fallback: str | None = None
 
 
-def strict_model_of(transformer: torch.nn.Module, family: str = "strict") -> MMDiT:
+def strict_model_of(transformer: torch.nn.Module, family: str = "strict",
+                    lora_mode: str | None = None) -> MMDiT:
     """drifttool's ``MMDiT`` on ``transformer``'s own parameter tensors (module docstring), with a
-    peft adapter's factors as its LoRA factors: in LoRA mode ``merged`` under the strict family
-    (its own merge, ``lora_merge``), else in the mode peft's layers are in.
+    peft adapter's factors as its LoRA factors, in ``lora_mode`` or the default mode for ``family``
+    (module docstring; ``drifttool.model.lora.lora_mode(model)`` reads it back).
 
     Raises:
         DriftToolError: not a QwenImage transformer (its parameters do not match the config's model).
-        UnsupportedConfigError: several or inactive peft adapters, or layers in different modes.
+        UnsupportedConfigError: several or inactive peft adapters, or layers in different modes;
+            a ``lora_mode`` unknown or refused (module docstring).
     """
+    return _strict_model(transformer, family, lora_mode)[0]
+
+
+def _strict_model(transformer: torch.nn.Module, family: str,
+                  lora_mode: str | None) -> tuple[MMDiT, str | None, str | None]:
+    """(model, LoRA mode bound or None, fallback line or None) of ``strict_model_of``."""
     cfg = from_diffusers_config(dict(transformer.config))
     dtype = next(transformer.parameters()).dtype
     with torch.device("meta"):
@@ -96,9 +131,52 @@ def strict_model_of(transformer: torch.nn.Module, family: str = "strict") -> MMD
     except RuntimeError as e:
         raise DriftToolError(f"{type(transformer).__name__}: its parameters are not a QwenImage "
                              f"transformer's ({str(e).splitlines()[0]})") from None
-    if lora is not None and lora["mode"] != "fused":
-        _bind_adapter(model, transformer, "merged" if family == "strict" else lora["mode"])
-    return model
+    if lora_mode is not None:
+        check_lora_mode(lora_mode)
+    if lora is None or lora["mode"] == "fused":
+        return model, None, None
+    mode, fallback = _lora_mode(transformer, lora["mode"], family, lora_mode)
+    _bind_adapter(model, transformer, mode)
+    return model, mode, fallback
+
+
+def _lora_mode(transformer: torch.nn.Module, own: str, family: str,
+               requested: str | None) -> tuple[str, str | None]:
+    """(mode, fallback) for the transformer's peft adapter, whose layers run ``own`` (``lora_of``,
+    not fused): ``requested`` when given and runnable, else the default (module docstring);
+    fallback is one line saying why the default is not ``own``, or None.
+
+    Raises:
+        UnsupportedConfigError: ``requested`` a mode the family does not run (strict: ``merged``,
+            ``unfused-fp32``), or ``unfused-fp32`` with factors that are not all FP32 or (strict)
+            an adapter outside the block GEMMs; each names the mode and what to pass instead.
+    """
+    layers = peft_layers(transformer)
+    strict = family != "production"
+    dtypes = sorted({str(f[a].weight.dtype).removeprefix("torch.") for m in layers.values()
+                     for f in (m.lora_A, m.lora_B) for a in f})
+    outside = strict_unfused_outside(layers) if strict else []
+    why_not = None  # why unfused-fp32 cannot run here
+    if dtypes != ["float32"]:
+        why_not = f"its factors are {'/'.join(dtypes)}, not float32"
+    elif outside:
+        why_not = (f"it also targets {', '.join(outside[:3])}{' …' * (len(outside) > 3)} ({len(outside)} "
+                   "modules outside the block GEMMs, where the strict family adds no unfused adapter)")
+    if requested is not None:
+        if strict and requested not in STRICT_MODES:
+            raise UnsupportedConfigError(
+                f"bind_strict: LoRA mode {requested!r} is production arithmetic; the {family} family binds "
+                "lora_mode='merged' or 'unfused-fp32' (or bind under Runtime(mode='auto'))")
+        if requested == "unfused-fp32" and why_not:
+            raise UnsupportedConfigError(f"bind_strict: LoRA mode 'unfused-fp32' for peft's adapter: {why_not}; "
+                                         "pass lora_mode='merged'")
+        return requested, None
+    if not strict or (own in STRICT_MODES and not why_not):
+        return own, None
+    if own not in STRICT_MODES:
+        return "merged", (f"peft's layers run LoRA mode {own!r} (factors in the model dtype), which the "
+                          f"{family} family does not run: bound 'merged'")
+    return "merged", f"peft's layers run LoRA mode {own!r} but {why_not}: bound 'merged'"
 
 
 def _bind_adapter(model: MMDiT, transformer: torch.nn.Module, mode: str) -> None:
@@ -118,17 +196,21 @@ def _bind_adapter(model: MMDiT, transformer: torch.nn.Module, mode: str) -> None
 
 
 @contextlib.contextmanager
-def bind_strict(transformer: torch.nn.Module, rt: Runtime | None = None) -> Iterator[Bound]:
+def bind_strict(transformer: torch.nn.Module, rt: Runtime | None = None, *,
+                lora_mode: str | None = None) -> Iterator[Bound]:
     """Inside the block, every forward of ``transformer`` is drifttool's MMDiT under ``rt``
-    (default ``Runtime(mode="strict")``) on the transformer's parameters (module docstring).
-    Afterwards the transformer's forward and hooks are as before, also after an error.
+    (default ``Runtime(mode="strict")``) on the transformer's parameters, a peft adapter bound in
+    ``lora_mode`` (default: module docstring; ``bound.lora_mode``, ``bound.lora_fallback`` say
+    what was bound). Afterwards the transformer's forward and hooks are as before, also after an
+    error.
 
     Raises:
         DriftToolError, UnsupportedConfigError: as ``strict_model_of``; in a call, an argument of
             ``REFUSED`` set, or ``img_shapes`` drifttool cannot name (``image_grids_of``).
     """
     rt = rt or Runtime(mode=Mode.STRICT)
-    bound = Bound(model=strict_model_of(transformer, rt.mode.family), rt=rt)
+    model, mode, fallback = _strict_model(transformer, rt.family, lora_mode)
+    bound = Bound(model=model, rt=rt, lora_mode=mode, lora_fallback=fallback)
 
     def on_forward(context: str | None, args: dict[str, Any], run) -> Any:
         for name in REFUSED:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.lora import UNFUSED_MODES, check_lora_mode, has_lora, lora_mode
+from drifttool.model.lora import LORA_TARGET_MODULES, UNFUSED_MODES, check_lora_mode, has_lora, lora_mode
 from drifttool.ops.registry import call
 
 
@@ -111,6 +111,15 @@ def check_unfused_layout(model, dims) -> None:
     if dims is None or not has_lora(model):  # one device, or a model without an adapter (a peer)
         return
     _check_layout(lora_mode(model), dims)
+
+
+def strict_unfused_outside(names) -> list[str]:
+    """The module names among ``names`` (drifttool's, = diffusers') on which the strict family
+    cannot run an unfused adapter: every Linear but the block GEMMs' (``transformer_blocks.{i}.``
+    + ``LORA_TARGET_MODULES``), in the given order. ``_production_unfused`` refuses these at their
+    first call; this names them before any call."""
+    return [n for n in names if not (n.startswith("transformer_blocks.")
+                                     and n.split(".", 2)[-1] in LORA_TARGET_MODULES)]
 
 
 def _production_unfused(module: nn.Module, rt) -> bool:

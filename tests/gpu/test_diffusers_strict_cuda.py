@@ -1,7 +1,9 @@
 """Strict binding of an unmodified diffusers transformer on the GPU (``bind_strict``; the CPU
 version is ``tests/adapters/test_diffusers_strict.py``): the bound transformer's output equals
 drifttool's strict MMDiT on the same device (the strict CUDA family), and with a peft adapter
-every LoRA gradient equals drifttool's (the strict CUDA backward). Skipped without CUDA."""
+every LoRA gradient equals drifttool's (the strict CUDA backward), in LoRA mode ``merged`` (FP32) and
+``unfused-fp32`` (a peft-wrapped bf16 transformer, the binding's default there). Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -17,7 +19,14 @@ from drifttool.model.checkpoint import load_checkpoint  # noqa: E402
 from drifttool.model.lora import add_lora, lora_modules  # noqa: E402
 from drifttool.model.lora_io import load_lora, save_lora  # noqa: E402
 from drifttool.runtime import Runtime  # noqa: E402
-from tests.adapters.test_diffusers_strict import FOLDER, _call, _inputs  # noqa: E402
+from tests.adapters.test_diffusers_strict import (  # noqa: E402
+    FOLDER,
+    _call,
+    _inputs,
+    _peft_wrapped,
+    assert_same_lora_grads,
+    save_adapters,
+)
 from tests.conftest import assert_same_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -56,7 +65,7 @@ def test_peft_adapter_gradients_equal_drifttools_on_cuda(tmp_path):
     tr = tr.cuda()
     for name, p in tr.named_parameters():
         p.requires_grad_(".lora_" in name)
-    with bind_strict(tr):
+    with bind_strict(tr, lora_mode="merged"):
         (_call(tr, x, txt, mask, tau, grid) * g).sum().backward()
     peft = {n: m for n, m in tr.named_modules() if hasattr(m, "base_layer")}
     for name, m in lora_modules(ours).items():
@@ -68,6 +77,29 @@ def test_peft_adapter_gradients_equal_drifttools_on_cuda(tmp_path):
                 assert got_g is None, name
             else:
                 assert_same_bytes(got_g, want_g, f"{name}.{fac} gradient")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return save_adapters(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_peft_wrapped_bf16_binds_unfused_fp32_with_drifttools_cuda_bytes_and_gradients(adapters, batch):
+    x, txt, mask, tau, grid = _cuda(*(t[:batch] if isinstance(t, torch.Tensor) else t
+                                      for t in _inputs(torch.bfloat16)))
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).cuda()
+    ours = load_checkpoint(FOLDER, dtype=torch.bfloat16, device="cuda")
+    load_lora(ours, adapters["blocks"], mode="unfused-fp32")
+    want = ours(x, txt, mask, tau, grid, Runtime(mode="strict"))
+    (want.float() * g).sum().backward()
+    tr = _peft_wrapped(adapters["blocks"]).cuda()
+    with bind_strict(tr) as bound:
+        assert bound.lora_mode == "unfused-fp32"
+        got = _call(tr, x, txt, mask, tau, grid)
+        (got.float() * g).sum().backward()
+    assert_same_bytes(got, want, f"batch {batch}: bound peft transformer vs drifttool's strict CUDA unfused-fp32")
+    assert_same_lora_grads(tr, ours)
 
 
 def test_a_base_weight_that_wants_a_gradient_is_refused_in_one_line():
