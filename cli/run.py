@@ -76,7 +76,8 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
     dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
+    lora: Optional[Path] = typer.Option(None, parser=_paths.adapter,
+                                        help="LoRA adapter (peft folder or .safetensors) to load."),
     lora_mode: Optional[str] = typer.Option(
         None, help="How the adapter runs: merged (peft merge_and_unload) | fused (diffusers fuse_lora) | "
                    "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
