@@ -24,6 +24,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
+from drifttool.cli._summary import settings_rows
 from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
@@ -126,6 +127,7 @@ def replay(
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
+    rows += settings_rows(stored.settings if pipeline else settings.record())
     _summary(f"drifttool replay {run_dir} → {out}", rows)
     if s.get("note"):
         console.print(f"note: {s['note']}", highlight=False)
@@ -200,6 +202,7 @@ def recompute(
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
+    rows += settings_rows(stored.settings, skip=("cfg_layout",))  # the rollout's, re-scored as it ran
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")]
     _summary(f"drifttool recompute {run_dir} → {out}", rows)

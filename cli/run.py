@@ -12,6 +12,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
+from drifttool.cli._summary import settings_rows
 from drifttool.errors import DriftToolError
 
 
@@ -212,10 +213,8 @@ def run(
         if (ranks := _layout.ranks_row(dims, dist)) is not None:
             table.add_row("ranks", ranks)
         record = settings.record()
-        for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
-                    "lora_mode"):
-            if key in record:
-                table.add_row(key, str(record[key]))
+        for key, value in settings_rows(record):
+            table.add_row(key, value)
         table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
         table.add_row("image", "{}x{} px".format(*settings.image_size))
         table.add_row("device", settings.device)
