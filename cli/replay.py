@@ -210,8 +210,9 @@ def recompute(
 
 
 def _trainer_layout(stored, options) -> dict:
-    """``check_layout``'s model, mode and level for a recompute of ``stored``: the trainer's
-    (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved rollout's."""
+    """``check_layout``'s model, mode, level and LoRA mode for a recompute of ``stored``: the
+    trainer's (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved
+    rollout's."""
     from drifttool.fixture import load_fixture  # lazy: keeps torch out of `drifttool --help`
     from drifttool.setting_checks import check_level, check_mode  # lazy: likewise
 
@@ -223,4 +224,5 @@ def _trainer_layout(stored, options) -> dict:
             raise DriftToolError(f"{stored.path}: the manifest names no fixture or checkpoint; pass one")
         model_dir = load_fixture(name).model_dir
     return dict(model_dir=model_dir, mode=check_mode(options.mode or s.get("mode", "strict")),
-                level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"))
+                level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"),
+                lora_mode=s.get("lora_mode"))  # the trainer's adapter runs as the rollout's did
