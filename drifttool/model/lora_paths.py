@@ -43,7 +43,7 @@ def _problem(p: Path) -> str:
     if p.is_dir():
         if (p / PEFT_CONFIG).is_file():
             return f"a folder with {PEFT_CONFIG} but no {PEFT_WEIGHTS}"
-        return f"a folder without adapter files (nor diffusers' {DIFFUSERS_WEIGHTS})"
+        return f"a folder without adapter files (neither peft's pair nor diffusers' {DIFFUSERS_WEIGHTS})"
     if p.name == PEFT_CONFIG:
         return f"the config file of a peft adapter, not the adapter: pass its folder {p.parent}"
     if _holds_adapter(p.parent):
