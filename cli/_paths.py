@@ -13,6 +13,10 @@
   parents (``drifttool.artifact.directory.claim``); an output file's when it is written.
 - A path under a regular file, or an output file that is an existing folder, is refused in one
   line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
+
+One input path has its own rule too: every ``--lora`` (``run``, ``replay``, ``recompute``,
+``experiment train-rollout``) is checked where it is parsed (``adapter``), with the words the
+adapter reader refuses it with (``drifttool.model.lora_paths``), before any model loads.
 """
 
 from __future__ import annotations
@@ -64,3 +68,23 @@ def parent_made(out: Path) -> Path:
     """Create ``out``'s missing parent folders (``output_file`` checked it); returns ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def adapter(text: str) -> Path:
+    """typer's ``parser`` for a ``--lora`` option: ``text`` as a ``Path``, once it names a LoRA
+    adapter (``lora_paths.adapter_location``: a peft adapter folder or a ``.safetensors`` file;
+    reads no file).
+
+    Raises:
+        typer.BadParameter: ``text`` is empty, or names no adapter (one ``error:`` line naming
+            the path as given and what ``--lora`` takes, exit 2).
+    """
+    if not text:
+        raise typer.BadParameter("an empty path names no LoRA adapter; give one")
+    from drifttool.model.lora_paths import adapter_location  # lazy: `--help` needs none of it
+
+    try:
+        adapter_location(text)
+    except DriftToolError as e:
+        raise typer.BadParameter(str(e)) from None
+    return Path(text)

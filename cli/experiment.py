@@ -82,7 +82,7 @@ def train_rollout_cmd(
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture (default tiny-t2i)."),
     checkpoint: Optional[Path] = _checkpoint.option("Replaces the fixture's model in every rollout and trainer."),
     lora: Optional[Path] = typer.Option(
-        None, help="LoRA adapter (peft folder or .safetensors) used as it is by every rollout and "
+        None, parser=_paths.adapter, help="LoRA adapter (peft folder or .safetensors) used as it is by every rollout and "
                    "trainer (default: a fresh one, --lora-rank/--lora-alpha, written to OUT/lora)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000; default: the fixture's)."),
     cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1; default: the fixture's)."),

@@ -24,6 +24,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank
+from drifttool.cli._summary import settings_rows
 from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
@@ -66,7 +67,7 @@ def replay(
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Overrides the manifest's model (fingerprint-checked); needed for a captured diffusers pipeline (its pipeline folder)."),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
+    lora: Optional[Path] = typer.Option(None, parser=_paths.adapter, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
     device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
@@ -126,6 +127,7 @@ def replay(
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
+    rows += settings_rows(stored.settings if pipeline else settings.record())
     _summary(f"drifttool replay {run_dir} → {out}", rows)
     if s.get("note"):
         console.print(f"note: {s['note']}", highlight=False)
@@ -144,7 +146,7 @@ def recompute(
     trim_padding: bool = typer.Option(True, help="With --micro-batch: trim prompts to each micro-batch."),
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Trainer model (must match the rollout's fingerprint)."),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter (must match the rollout's)."),
+    lora: Optional[Path] = typer.Option(None, parser=_paths.adapter, help="LoRA adapter (must match the rollout's)."),
     device: Optional[str] = typer.Option(None, autocompletion=_completion.devices, help=_DEVICE_HELP),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
@@ -200,6 +202,7 @@ def recompute(
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete", "grad_records")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
+    rows += settings_rows(stored.settings, skip=("cfg_layout",))  # the rollout's, re-scored as it ran
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")]
     _summary(f"drifttool recompute {run_dir} → {out}", rows)
@@ -207,8 +210,9 @@ def recompute(
 
 
 def _trainer_layout(stored, options) -> dict:
-    """``check_layout``'s model, mode and level for a recompute of ``stored``: the trainer's
-    (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved rollout's."""
+    """``check_layout``'s model, mode, level and LoRA mode for a recompute of ``stored``: the
+    trainer's (``training.trainer.trainer_model``, ``recompute_run``), not a re-resolved
+    rollout's."""
     from drifttool.fixture import load_fixture  # lazy: keeps torch out of `drifttool --help`
     from drifttool.setting_checks import check_level, check_mode  # lazy: likewise
 
@@ -220,4 +224,5 @@ def _trainer_layout(stored, options) -> dict:
             raise DriftToolError(f"{stored.path}: the manifest names no fixture or checkpoint; pass one")
         model_dir = load_fixture(name).model_dir
     return dict(model_dir=model_dir, mode=check_mode(options.mode or s.get("mode", "strict")),
-                level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"))
+                level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"),
+                lora_mode=s.get("lora_mode"))  # the trainer's adapter runs as the rollout's did

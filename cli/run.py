@@ -12,6 +12,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
+from drifttool.cli._summary import settings_rows
 from drifttool.errors import DriftToolError
 
 
@@ -76,7 +77,8 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
     dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter (peft folder or .safetensors) to load."),
+    lora: Optional[Path] = typer.Option(None, parser=_paths.adapter,
+                                        help="LoRA adapter (peft folder or .safetensors) to load."),
     lora_mode: Optional[str] = typer.Option(
         None, help="How the adapter runs: merged (peft merge_and_unload) | fused (diffusers fuse_lora) | "
                    "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
@@ -211,10 +213,8 @@ def run(
         if (ranks := _layout.ranks_row(dims, dist)) is not None:
             table.add_row("ranks", ranks)
         record = settings.record()
-        for key in ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
-                    "lora_mode"):
-            if key in record:
-                table.add_row(key, str(record[key]))
+        for key, value in settings_rows(record):
+            table.add_row(key, value)
         table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
         table.add_row("image", "{}x{} px".format(*settings.image_size))
         table.add_row("device", settings.device)

@@ -91,14 +91,25 @@ def _unfused(module: nn.Module, rt) -> bool:
         return False
     if getattr(module, "lora_magnitude_vector", None) is not None:
         raise UnsupportedConfigError(f"DoRA in LoRA mode {module.lora_mode!r}: use --lora-mode merged or fused")
-    _check_layout(module.lora_mode, getattr(getattr(rt, "plan", None), "dims", None))
+    check_mode_layout(module.lora_mode, getattr(getattr(rt, "plan", None), "dims", None))
     return True
 
 
-def _check_layout(mode: str | None, dims) -> None:
+def check_mode_layout(mode: str | None, dims) -> None:
+    """Refuse an adapter's LoRA ``mode`` (``model.lora.LORA_MODES``, None without an adapter) under
+    the layout ``dims`` (``distributed.plan.ParallelDims`` or None: one device) from the settings
+    alone: an unfused mode under TP or SP > 1 (the branch s·B(A(x)) is not sharded over the ranks'
+    heads, channels or rows). CFG-parallel ranks run whole branches: allowed. The CLI calls it
+    before any rank starts (``cli._layout.check_layout``), the runs when their plan is built.
+
+    Raises:
+        UnsupportedConfigError: naming the mode, the degrees and ``--lora-mode merged``.
+    """
     if mode in UNFUSED_MODES and dims is not None and (dims.tp > 1 or dims.sp > 1):
-        raise UnsupportedConfigError(f"LoRA mode {mode!r} under TP/SP: the unfused adapter branch is not "
-                                     "sharded; use --lora-mode merged")
+        raise UnsupportedConfigError(
+            f"LoRA mode {mode!r} under TP/SP (--tp {dims.tp} --sp {dims.sp}): the unfused adapter "
+            "branch is not sharded over the ranks: use --tp 1 --sp 1, or run the adapter in --lora-mode "
+            "merged")
 
 
 def check_unfused_layout(model, dims) -> None:
@@ -110,7 +121,7 @@ def check_unfused_layout(model, dims) -> None:
     """
     if dims is None or not has_lora(model):  # one device, or a model without an adapter (a peer)
         return
-    _check_layout(lora_mode(model), dims)
+    check_mode_layout(lora_mode(model), dims)
 
 
 def strict_unfused_outside(names) -> list[str]:

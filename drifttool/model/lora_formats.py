@@ -54,6 +54,7 @@ import torch
 
 from drifttool.errors import CheckpointError
 from drifttool.model.lora_kohya import from_kohya, is_kohya
+from drifttool.model.lora_paths import DIFFUSERS_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_location
 
 # Flow-GRPO's LoRA target modules for Qwen-Image (numerics §4.1: attention q/k/v/out of both
 # streams and both MLPs), as module-name suffixes inside ``transformer_blocks.{i}``.
@@ -88,10 +89,7 @@ ALL_LINEAR = "all-linear"
 """peft's shorthand for every ``nn.Linear`` of the model (``_maybe_include_all_linear_layers``:
 a diffusers model is no ``PreTrainedModel``, so no output layer is left out)."""
 
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
-DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 DIFFUSERS_PREFIX = "transformer."  # QwenImagePipeline's transformer_name + "."
 
@@ -300,20 +298,17 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     ``adapter_config.json`` is read as its folder).
 
     Raises:
-        CheckpointError: nothing readable at ``path``; unreadable file or config; a refused
-            config (``parse_config``); a folder whose peft and diffusers adapters differ.
+        CheckpointError: no adapter at ``path`` (``lora_paths.adapter_location``: missing, a
+            folder without adapter files, a file that is no ``.safetensors``); unreadable file
+            or config; a refused config (``parse_config``); a folder whose peft and diffusers
+            adapters differ.
     """
-    p = Path(path)
-    if p.is_file() and p.name == PEFT_WEIGHTS and (p.parent / PEFT_CONFIG).is_file():
-        p = p.parent
+    p = adapter_location(path)
     if p.is_file():
         tensors, cfg = _read_diffusers(p)
         return tensors, cfg or _config_from_shapes(tensors, p)
     has_peft = (p / PEFT_CONFIG).is_file() and (p / PEFT_WEIGHTS).is_file()
     has_diff = (p / DIFFUSERS_WEIGHTS).is_file()
-    if not (has_peft or has_diff):
-        raise CheckpointError(f"{p}: no such LoRA weights file (want a .safetensors file or a folder with "
-                              f"{PEFT_CONFIG} + {PEFT_WEIGHTS} (peft) or {DIFFUSERS_WEIGHTS} (diffusers))")
     read = [_read_peft(p)] if has_peft else []
     if has_diff:
         tensors, cfg = _read_diffusers(p / DIFFUSERS_WEIGHTS)

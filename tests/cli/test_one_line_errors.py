@@ -163,6 +163,53 @@ def test_bad_lora_isone_error_line(cli, tmp_path, damage, needle):
     one_error_line(*cli("run", "--lora", tmp_path / "ad", "-o", tmp_path / "r"), needle)
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """A LoRA adapter folder as ``save_lora`` writes it (peft's pair + diffusers' file), with a
+    README beside them, as hub adapters have."""
+    from drifttool.fixture import locate
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=2)
+    folder = save_lora(m, tmp_path_factory.mktemp("lora") / "my-adapter")
+    (folder / "README.md").write_text("# my adapter\n")
+    return folder
+
+
+TAKES = ("--lora takes a peft adapter folder (with adapter_config.json and "
+         "adapter_model.safetensors) or a .safetensors file")
+
+
+@pytest.mark.parametrize("cmd", [
+    ("run",), ("replay", "{run}"), ("recompute", "{run}"), ("experiment", "train-rollout"),
+])
+@pytest.mark.parametrize("given,needles", [
+    ("{ad}/adapter_config.json", ("the config file of a peft adapter", "pass its folder {ad}")),
+    ("{ad}/README.md", ("not a .safetensors file", "pass the adapter folder it lies in, {ad}")),
+    ("{tmp}/nowhere", ("no such file or folder",)),
+    ("{tmp}/empty", ("a folder without adapter files",)),
+    ("{tmp}/notes.txt", ("not a .safetensors file",)),
+])
+def test_a_path_that_is_no_adapter_isone_error_line(cli, tmp_path, strict_run, adapter_dir, cmd,
+                                                    given, needles):
+    """Every ``--lora`` names the path as given and what it takes, before any model loads."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not an adapter")
+    fill = dict(ad=adapter_dir, tmp=tmp_path, run=strict_run)
+    path = given.format(**fill)
+    line = one_error_line(*cli(*(a.format(**fill) for a in cmd), "--lora", path, "-o", tmp_path / "o"),
+                          "'--lora'", f"LoRA adapter {path}: ", TAKES, *(n.format(**fill) for n in needles))
+    assert "safetensors header" not in line and "deserializing" not in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_adapter_path_isone_error_line(cli, tmp_path):
+    one_error_line(*cli("run", "--lora", "", "-o", tmp_path / "o"), "'--lora'", "empty path")
+
+
 def test_multi_line_messages_are_joined_readably():
     from drifttool.cli._console import one_line
 

@@ -34,6 +34,43 @@ def test_replay_is_identical(cli, tmp_path, strict_run):
     assert code == 0 and "IDENTICAL" in out, out
 
 
+def _table(out: str) -> dict[str, str]:
+    """The rows of a summary table (``│ key │ value │``) as a dict."""
+    cells = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in out.splitlines() if ln.startswith("│")]
+    return {c[0]: c[1] for c in cells if len(c) == 2}
+
+
+SETTINGS = ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout")
+
+
+def test_replay_and_recompute_tables_show_the_rollouts_settings_and_adapter_mode(cli, tmp_path, strict_run):
+    """``replay`` and ``recompute`` show the rollout's settings as ``run`` does, ``lora_mode``
+    included when it ran with an adapter (the mode the replay and trainer load it in), and no
+    ``lora_mode`` row without one."""
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
+    from drifttool.fixture import locate
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=4, init_b_std=0.05)
+    save_lora(m, tmp_path / "ad")
+    code, out = cli("run", "-o", tmp_path / "a", "--steps", "2", "--lora", tmp_path / "ad",
+                    "--lora-mode", "unfused-fp32")
+    assert code == 0, out
+    ran = _table(out)
+    assert ran["lora_mode"] == "unfused-fp32", out
+    for cmd in ("replay", "recompute"):
+        code, out = cli(cmd, tmp_path / "a", "-o", tmp_path / cmd)
+        assert code == 0, out
+        rows = _table(out)
+        assert {k: rows.get(k) for k in (*SETTINGS, "lora_mode")} == {k: ran[k] for k in (*SETTINGS, "lora_mode")}, out
+        assert out.count("cfg_layout") == 1, out
+        code, out = cli(cmd, strict_run, "-o", tmp_path / f"{cmd}-plain")
+        assert code == 0 and "lora_mode" not in _table(out) and _table(out)["fixture"] == "tiny-t2i", out
+    assert json.loads((tmp_path / "replay" / "manifest.json").read_text())["lora"]["mode"] == "unfused-fp32"
+
+
 def test_recompute_and_diff(cli, tmp_path, strict_run):
     code, out = cli("recompute", strict_run, "-o", tmp_path / "train")
     assert code == 0 and "sigma_fp32" in out and "float32" in out, out

@@ -152,7 +152,7 @@ def test_lora_with_the_fresh_adapters_shape_is_one_line(cli, tmp_path, model_dir
 
 
 @pytest.mark.parametrize("option,needle", [
-    ("--checkpoint", "no such folder"), ("--lora", "no such LoRA weights file")])
+    ("--checkpoint", "no such folder"), ("--lora", "no such file or folder")])
 def test_a_missing_model_or_adapter_is_one_line(cli, tmp_path, option, needle):
     out = tmp_path / "exp"
     code, text = cli("experiment", "train-rollout", option, tmp_path / "nowhere",

@@ -11,7 +11,7 @@ Slow (``torchrun --standalone``, gloo, 2 or 4 ranks): ``run`` in TP 2, SP 2 with
 run; the Ring-at-L2 refusal as one line; ``replay`` of a one-process run under a layout and of a
 parallel run in one process; ``recompute`` on 2 ranks (CFG-parallel, sample-parallel) and the
 plan's refusal of training under a layout as one line; ``probe`` and ``experiment`` refusing
-torchrun by name.
+torchrun by name; an unfused adapter under TP as one line.
 """
 
 from __future__ import annotations
@@ -186,6 +186,64 @@ def test_experiment_refuses_a_layout_in_one_line(cli, tmp_path, no_launch, monke
         assert code == 2 and out.strip() == "", out
 
 
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    """A LoRA adapter folder of the embedded default's model."""
+    from drifttool.fixture import locate
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=4, init_b_std=0.05)
+    return save_lora(m, tmp_path_factory.mktemp("lora") / "ad")
+
+
+UNFUSED = "LoRA mode 'unfused-fp32' under TP/SP"
+
+
+@pytest.mark.parametrize("args, needles, world", [
+    (["--tp", "2"], [f"{UNFUSED} (--tp 2 --sp 1)", "--lora-mode merged"], 1),  # before the rank count
+    (["--sp", "2"], [f"{UNFUSED} (--tp 1 --sp 2)", "--tp 1 --sp 1"], 2),
+    (["--tp", "2", "--sp", "2"], [f"{UNFUSED} (--tp 2 --sp 2)"], 4),
+    (["--cfg-parallel", "2"], ["needs 2 ranks"], 1),  # whole CFG branches per rank: allowed
+])
+def test_run_refuses_an_unfused_adapter_under_tp_sp_before_the_ranks(cli, tmp_path, no_launch, monkeypatch,
+                                                                    adapter, args, needles, world):
+    """strict + ``--lora-mode unfused-fp32`` + TP or SP > 1: refused from the settings, before any
+    process group or artifact, once for the launch (the run would refuse it on every rank)."""
+    argv = ("run", "-o", tmp_path / "r", "--lora", adapter, "--lora-mode", "unfused-fp32", *args)
+    if world > 1:
+        _torchrun_env(monkeypatch, 0, world)
+    _one_line(*cli(*argv), *needles)
+    if world > 1:  # the other ranks are silent: one line for the launch
+        _torchrun_env(monkeypatch, world - 1, world)
+        code, out = cli(*argv)
+        assert code == 2 and out.strip() == "", out
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_merged_adapter_under_tp_passes_the_layout_checks(cli, tmp_path, no_launch, adapter):
+    _one_line(*cli("run", "-o", tmp_path / "r", "--lora", adapter, "--tp", "2"), "needs 2 ranks")
+
+
+@pytest.fixture(scope="module")
+def stored_unfused(tmp_path_factory, adapter) -> Path:
+    """A one-process strict run with its adapter unfused (FP32 factors)."""
+    return Path(execute(RunSpec(lora=adapter, lora_mode="unfused-fp32", steps=2),
+                        tmp_path_factory.mktemp("stored") / "unfused")["out"])
+
+
+@pytest.mark.parametrize("command", ["replay", "recompute"])
+@pytest.mark.parametrize("args, needle", [(["--tp", "2"], "(--tp 2 --sp 1)"), (["--sp", "2"], "(--tp 1 --sp 2)")])
+def test_rerun_of_an_unfused_adapter_under_tp_sp_is_refused_before_the_ranks(
+        cli, tmp_path, no_launch, monkeypatch, stored_unfused, command, args, needle):
+    """A replay or recompute runs the rollout's adapter in its mode: refused alike, once."""
+    _torchrun_env(monkeypatch, 0, 2)
+    _one_line(*cli(command, stored_unfused, "-o", tmp_path / "r", *args), UNFUSED, needle)
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("args, needles", [
     (["fixture", "verify"], ["[rank 0] drifttool fixture verify runs in one process: it re-runs "
                              "the fixture in one process"]),
@@ -265,6 +323,18 @@ def test_ring_at_l2_under_torchrun_is_one_line(tmp_path):
                       "agrs|ulysses at L2"], out
     _no_drifttool_traceback(out)
     assert not (tmp_path / "ring").exists()  # refused before the artifact opened
+
+
+@pytest.mark.slow
+def test_unfused_adapter_under_tp_under_torchrun_is_one_line(tmp_path, adapter):
+    p = _torchrun(2, "run", "-o", tmp_path / "u", "--tp", "2", "--lora", adapter, "--lora-mode",
+                  "unfused-fp32", cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"{UNFUSED} (--tp 2 --sp 1)" in errors[0], out
+    _no_drifttool_traceback(out)
+    assert not (tmp_path / "u").exists()  # refused before the artifact opened
 
 
 REPLAYS = [

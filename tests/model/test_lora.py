@@ -103,8 +103,39 @@ def test_bad_lora_files_are_refused(tmp_path):
     save_file({"foo.weight": torch.zeros(2, 2)}, str(tmp_path / "alien.safetensors"))
     with pytest.raises(CheckpointError, match="no key names a LoRA"):
         load_lora(_model(), tmp_path / "alien.safetensors")
-    with pytest.raises(CheckpointError, match="no such LoRA weights file"):
+    with pytest.raises(CheckpointError, match="nowhere: no such file or folder; --lora takes"):
         load_lora(_model(), tmp_path / "nowhere")
+
+
+def test_adapter_paths_are_read_or_refused_by_name(tmp_path):
+    """``read_adapter`` (every loader: run, replay and recompute of a stored adapter, experiment)
+    reads a peft folder, its weights file as the folder, or a diffusers file, and refuses what is
+    no adapter in one line naming the path: a peft config file (its folder named), a folder
+    without adapter files, a file that is no .safetensors, before any file is parsed."""
+    from drifttool.model.lora_formats import read_adapter
+    from drifttool.model.lora_paths import adapter_location
+
+    m = _model()
+    add_lora(m, rank=2, alpha=2, init_b_std=0.1)
+    ad = save_lora(m, tmp_path / "ad")
+    assert adapter_location(ad / "adapter_model.safetensors") == ad
+    file = ad / "pytorch_lora_weights.safetensors"
+    assert adapter_location(file) == file and adapter_location(ad) == ad
+    want, _ = read_adapter(ad)
+    got, _ = read_adapter(ad / "adapter_model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text((ad / "adapter_config.json").read_text())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+    for path, why in ((ad / "adapter_config.json", f"the config file of a peft adapter, not the adapter: pass its folder {ad};"),
+                      (tmp_path / "half", "a folder with adapter_config.json but no adapter_model.safetensors;"),
+                      (tmp_path / "empty", "a folder without adapter files"),
+                      (tmp_path / "weights.bin", "not a .safetensors file;")):
+        with pytest.raises(CheckpointError) as e:
+            read_adapter(path)
+        assert str(e.value).startswith(f"LoRA adapter {path}: {why}") and "--lora takes" in str(e.value), e.value
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("mode", ["strict", "auto"])

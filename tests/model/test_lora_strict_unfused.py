@@ -100,6 +100,26 @@ def test_tp_sp_layouts_refuse_unfused_before_the_run():
     check_unfused_layout(_adapted(mode="merged"), ParallelDims(tp=2))
 
 
+def test_the_settings_alone_refuse_unfused_under_tp_sp():
+    """``check_mode_layout`` (the CLI's check before any rank starts) refuses from the LoRA mode
+    and the degrees alone, as the model's call would: every unfused mode under TP or SP > 1."""
+    from drifttool.distributed.plan import ParallelDims
+    from drifttool.model.lora import LORA_MODES, UNFUSED_MODES
+    from drifttool.model.lora_calls import check_mode_layout
+
+    for mode in LORA_MODES:
+        for dims in (ParallelDims(tp=2), ParallelDims(sp=2), ParallelDims(tp=2, sp=4)):
+            if mode in UNFUSED_MODES:
+                with pytest.raises(UnsupportedConfigError, match=f"'{mode}' under TP/SP \\(--tp {dims.tp} "
+                                                                 f"--sp {dims.sp}\\).*--lora-mode merged"):
+                    check_mode_layout(mode, dims)
+            else:
+                check_mode_layout(mode, dims)
+        check_mode_layout(mode, ParallelDims(cfg=2))
+        check_mode_layout(mode, None)
+    check_mode_layout(None, ParallelDims(tp=2))
+
+
 def _grads(m, inputs, rows, checkpointing=False):
     """Adapter gradients of Σ v² over the batch rows ``rows`` (one strict forward)."""
     x, txt, mask, tau, grid = inputs
