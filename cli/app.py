@@ -23,6 +23,7 @@ not every one, into options); without one (``--help``, completion, an unknown na
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import importlib
 import os
@@ -171,15 +172,41 @@ def _terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+class _Unpadded:
+    """A text stream that writes each line without its trailing spaces (typer's rich help pads
+    every line to the console's width), a line when its newline comes; the rest on ``close``."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.out.write(line.rstrip(" ") + "\n")
+        return len(text)
+
+    def close(self) -> None:
+        self.out.write(self.pending.rstrip(" "))
+        self.pending = ""
+        self.out.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.out, name)
+
+
 def _help_width() -> None:
     """``--help`` on a pipe or in a CI log: typer's help console would take ``COLUMNS`` (often 80)
     and cut option names with an ellipsis; it gets the pipe width of drifttool's own output
-    instead (``_console.PIPE_WIDTH``), unless ``TERMINAL_WIDTH`` sets one."""
+    instead (``_console.PIPE_WIDTH``), unless ``TERMINAL_WIDTH`` sets one; and its lines reach
+    the pipe without the padding to that width (``_Unpadded``), as the rest of the output."""
     wants_help = "--help" in sys.argv[1:] or len(sys.argv) == 1
-    if wants_help and not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
-        import typer.rich_utils
+    if wants_help and not sys.stdout.isatty():
+        if not os.environ.get("TERMINAL_WIDTH"):
+            import typer.rich_utils
 
-        typer.rich_utils.MAX_WIDTH = _console.PIPE_WIDTH
+            typer.rich_utils.MAX_WIDTH = _console.PIPE_WIDTH
+        sys.stdout = _Unpadded(sys.stdout)
+        atexit.register(sys.stdout.close)
 
 
 def main() -> None:

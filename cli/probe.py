@@ -93,6 +93,7 @@ def probe(
     from drifttool.probes.catalog import catalog, distributed_catalog  # lazy: likewise
     from drifttool.probes.runner import baseline_settings  # lazy: likewise
     from drifttool.probes.spec import select  # lazy: likewise
+    from drifttool.setting_checks import device_type  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
     if not console.is_terminal:  # logs and CI: one line per probe rather than a squeezed table
@@ -132,12 +133,17 @@ def probe(
             raise DriftToolError("give --preset or --checkpoint, not both")
         base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode=mode,
                        device=device or "cpu", height=height, width=width)
-        settings, depth, _ = baseline_settings(base)
+        if list_only:  # runs nothing: the catalog for --device's type, also on a machine without it
+            dev = device_type(base.device)
+            settings, depth, _ = baseline_settings(dataclasses.replace(base, device="cpu"))
+            settings["device"] = base.device
+        else:
+            settings, depth, _ = baseline_settings(base)
+            dev = resolve(base)[1].device.split(":")[0]
         if distributed:
             probes = distributed_catalog(settings, depth)
         else:
-            probes = catalog(settings, depth, family=MODES[mode],
-                             device=resolve(base)[1].device.split(":")[0])
+            probes = catalog(settings, depth, family=MODES[mode], device=dev)
         probes = select(probes, only)
         if list_only:
             if (launch is None or launch.rank == 0) and as_json:

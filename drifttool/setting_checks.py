@@ -50,6 +50,18 @@ def check_mode(mode: Any) -> Mode:
         raise DriftToolError(f"unknown mode {mode!r} (strict, audit, auto, off)") from None
 
 
+def device_type(device: Any) -> str:
+    """The type (``cpu`` or ``cuda``) of a device string ``cpu``, ``cuda`` or ``cuda:N``, whether
+    or not such a device is here (a listing that runs nothing names another machine's).
+
+    Raises:
+        DriftToolError: another string.
+    """
+    if not (isinstance(device, str) and _DEVICE.fullmatch(device)):
+        raise DriftToolError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
+    return device.split(":")[0]
+
+
 def check_device(device: Any) -> str:
     """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N``.
 
@@ -57,9 +69,8 @@ def check_device(device: Any) -> str:
         DriftToolError: another string; CUDA asked for but ``torch.cuda.is_available()`` is
             false; ``cuda:N`` beyond the visible devices.
     """
-    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
-    if m is None:
-        raise DriftToolError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
+    device_type(device)
+    m = _DEVICE.fullmatch(device)
     if device == "cpu":
         return device
     if not torch.cuda.is_available():

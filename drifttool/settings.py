@@ -271,6 +271,7 @@ def _lora_mode(spec: RunSpec, mode: Mode) -> str | None:
     """
     if spec.lora is None:
         if spec.lora_mode is not None:
+            check_lora_mode(spec.lora_mode)  # a mistyped mode is named first
             raise DriftToolError("a LoRA mode needs an adapter (--lora-mode goes with --lora)")
         return None
     chosen = spec.lora_mode or (get_preset(spec.preset).lora_mode if spec.preset else "merged")

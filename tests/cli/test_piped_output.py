@@ -90,3 +90,12 @@ def test_a_title_wider_than_its_table_is_one_line_on_a_terminal(strict_run):
            _Console(file=buf, force_terminal=True, width=200, color_system=None))
     title = "per step (worst sample and branch; '=' bitwise identical; x_t is the input)"
     assert title in buf.getvalue().splitlines(), buf.getvalue()
+
+
+@pytest.mark.parametrize("command", [["--help"], ["probe", "--help"], ["run", "--help"]],
+                         ids=lambda c: " ".join(c))
+def test_help_on_a_pipe_has_no_padded_lines(command):
+    res = _piped(*command)
+    assert res.returncode == 0, res.stderr
+    _assert_clean_lines(res.stdout)
+    assert "Usage: drifttool" in res.stdout and res.stdout.rstrip().endswith("(SIGTERM).")

@@ -247,3 +247,13 @@ def test_cli_strict_unfused_fp32_runs_replays_and_trains(cli, setup, tmp_path):
     assert roles.count("grad_weight") > 0
     code, out = cli("diff", tmp_path / "a", tmp_path / "t")
     assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_a_mode_without_an_adapter_names_a_mistyped_mode_first():
+    from drifttool.errors import DriftToolError, UnsupportedConfigError
+    from drifttool.settings import RunSpec, resolve
+
+    with pytest.raises(UnsupportedConfigError, match="unknown LoRA mode 'bogus'"):
+        resolve(RunSpec(lora_mode="bogus"))
+    with pytest.raises(DriftToolError, match="needs an adapter"):
+        resolve(RunSpec(lora_mode="unfused-fp32"))

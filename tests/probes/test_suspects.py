@@ -221,6 +221,21 @@ def test_probe_mode_auto_lists_the_production_matrix():
     assert listed["dp_split_strided"]["expected"] == "observed"
 
 
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_the_cuda_catalog_lists_on_any_machine_with_its_pending_reasons(mode):
+    # listing runs nothing: a CPU machine shows what --device cuda would run, and why not the rest
+    import json
+
+    code, text = _cli("probe", "--mode", mode, "--device", "cuda", "--list", "--json")
+    assert code == 0, text
+    listed = {p["name"]: p.get("pending") for p in json.loads(text)["probes"]}
+    family = "production" if mode == "auto" else "strict"
+    want = {p.name: p.pending or None for p in catalog({"device": "cuda"}, family=family, device="cuda")}
+    assert listed == want and want["dp_split_strided"] and want["text_encoder_batch"]
+    code, text = _cli("probe", "--device", "tpu", "--list")
+    assert code == 2 and "unknown device 'tpu'" in text
+
+
 def test_probe_mode_auto_runs_and_judges_on_the_production_family(tmp_path):
     import json
 
