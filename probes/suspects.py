@@ -153,6 +153,9 @@ def micro_batch_recompute(ctx: ProbeContext) -> tuple[Path, Path]:
     return ctx.baseline, ctx.run_dir
 
 
+CHAIN_CPU_ONLY = "the prompt chain runs on the CPU only (its token ids are made there)"
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
     """``Probe.execute``: the prompt chain (``drifttool.chain.run_chain``: text encoder →
@@ -176,6 +179,10 @@ class PromptBatch:
     longer: str = "a small blue sphere resting beside a tall green cone under soft morning light"
     negative: str = "cat"
 
+    def refuses(self, device: str) -> str:
+        """Why a baseline on device type ``device`` cannot run the chain (empty: it can)."""
+        return "" if device == "cpu" else CHAIN_CPU_ONLY
+
     def __call__(self, ctx: ProbeContext) -> tuple[Path, Path]:
         if ctx.launched:
             raise UnsupportedConfigError("text_encoder_batch runs the prompt chain in one process: "
@@ -198,7 +205,7 @@ def _chain_pending(settings: dict[str, Any]) -> str:
     """Why the prompt chain cannot run on the baseline's settings (empty: it can)."""
     folder = settings.get("checkpoint")
     if settings.get("device", "cpu") != "cpu":
-        return "the prompt chain runs on the CPU only (its token ids are made there)"
+        return CHAIN_CPU_ONLY
     if folder is not None and any(not (Path(folder) / p).is_dir() for p in PIPELINE_PARTS):
         return (f"needs a pipeline folder (tokenizer/, text_encoder/, vae/ beside transformer/); "
                 f"the checkpoint {folder} lacks them")
@@ -356,7 +363,7 @@ PRODUCTION: dict[str, dict[str, Expectation | str]] = {
     # K/V and a longer key length: other arithmetic at the text encoder's first attention;
     # measured on the CPU (tiny pipeline, 2 and 4 steps)
     "text_encoder_batch": {"cpu": _drift("te_causal_attention", step=-1, block=0, stream="txt",
-                                         sample=0), "cuda": "the prompt chain runs on the CPU only"},
+                                         sample=0), "cuda": CHAIN_CPU_ONLY},
     # MATH vs the CPU FLASH kernel, vs cuDNN / flash on an H200: measured drift at the first
     # attention call on both
     "attention_fallback": {"cpu": _drift("joint_attention_fused", step=0, block=0, stream="joint"),

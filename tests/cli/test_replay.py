@@ -121,6 +121,9 @@ def test_recompute_bad_input(cli, tmp_path, strict_run):
     _clean_error(*cli("recompute", strict_run, "-o", tmp_path / "t8", "--grad"), "LoRA")
 
 
+# the four cells in one process (about 12 s); tests/probes/test_clip_range.py and
+# tests/cli/test_train_rollout_model.py run the command in the default suite
+@pytest.mark.slow
 def test_experiment_train_rollout(cli, tmp_path):
     code, out = cli("experiment", "train-rollout", "-o", tmp_path / "exp", "--no-grad")
     assert code == 0, out

@@ -80,6 +80,8 @@ def _rows(out) -> dict:
     return rows
 
 
+# about 10 s; the same command with gradients runs in the default suite
+@pytest.mark.slow
 def test_own_model_and_adapter_without_gradients(cli, tmp_path, model_dir):
     pipe, adapter = model_dir
     out = tmp_path / "exp"

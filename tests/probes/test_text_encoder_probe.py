@@ -35,7 +35,8 @@ def test_declared_per_family_and_device():
     assert strict.kind == "invariant" and strict.expect.verdict == "identical" and not strict.pending
     assert strict.compare == prod.compare == "common_samples"
     assert prod.expect.describe() == "drift at te_causal_attention (txt, step -1, block 0, sample 0)"
-    assert "not measured on a CUDA device" in _probe("production", "cuda").pending
+    assert "runs on the CPU only" in _probe("production", "cuda").pending
+    assert "runs on the CPU only" in _probe("strict", "cuda").pending
 
 
 def test_a_transformer_only_checkpoint_leaves_it_pending(tmp_path):
