@@ -57,6 +57,7 @@ def test_probe_bad_input_exits_2(cli, tmp_path):
     assert code == 2
 
 
+@pytest.mark.slow  # matplotlib renders the figure (about 8 s)
 def test_overlay_draws_one_figure(cli, tmp_path, strict_run):
     v = GeluExact()
     execute(RunSpec(variants={v.op: v.entry()}), tmp_path / "gelu")

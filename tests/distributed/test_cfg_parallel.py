@@ -39,12 +39,15 @@ def test_cfg_parallel_equals_one_process(tmp_path, fields):
     assert set(run.steps_table()["rank"].to_pylist()) == {0}
 
 
+@pytest.mark.slow  # two spawned gloo ranks (about 8 s); the CLI refuses it before any rank starts:
+# tests/distributed/test_cli_layouts.py
 def test_cfg_parallel_without_cfg_is_refused(tmp_path):
     with pytest.raises(RankCrash, match="CFG is off"):
         on_ranks(ParallelDims(cfg=2), "tests.distributed.test_cfg_parallel:run_rank",
                  (tmp_path / "x", dict(cfg_scale=1.0)))
 
 
+@pytest.mark.slow  # spawned gloo ranks, then a production CFG-parallel run (about 9 s each)
 @pytest.mark.parametrize("mode", ["auto", "off"])
 def test_production_cfg_parallel_needs_sequential_cfg(tmp_path, mode):
     """Each CFG rank runs its branch alone, as sequential CFG does: production bytes differ from
