@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HOLD = """
 import sys
 from drifttool.artifact.writer import ArtifactWriter
@@ -23,6 +25,7 @@ def _run(out, *args):
                            "--capture", "L0", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # four drifttool processes beside a holder (about 10 s)
 def test_a_second_run_on_a_held_directory_exits_2_and_changes_nothing(tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE,

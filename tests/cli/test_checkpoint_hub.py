@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +114,7 @@ def test_refusals_are_one_line(cli, hub_cache, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # the conversion and two runs (about 9 s)
 def test_a_pickle_only_folder_is_refused_with_a_conversion_that_works(cli, tmp_path):
     """The folder and a hub id of it, refused before anything loads; the printed diffusers call
     writes a safetensors folder that runs identical to the original weights."""

@@ -22,7 +22,8 @@ def run_rank(ctx, dims, arg):
 
 
 @pytest.mark.parametrize("fields", [dict(batch=3, capture="L2"),
-                                    dict(samples=[2], capture="L1", cfg_layout="sequential")])
+                                    pytest.param(dict(samples=[2], capture="L1", cfg_layout="sequential"),
+                                                 marks=pytest.mark.slow)])
 def test_cfg_parallel_equals_one_process(tmp_path, fields):
     one = tmp_path / "one"
     execute(RunSpec(**fields), one)
