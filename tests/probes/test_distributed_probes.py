@@ -2,10 +2,10 @@
 at its declared operator, step, block, stream, branch and owning rank; each layout control is
 identical to one process. Every layout runs on spawned gloo ranks (``run_parallel``).
 
-The default set runs three probes through the CLI (an SP mismatch whose first differing row was
-computed by rank 1, the CFG noise mismatch on which CFG rank 1 disagrees, the TP2 control); the whole
-distributed matrix, the 4-rank all-reduce mismatch on an 8-head model and the errors of a rank
-are ``slow``.
+The default set checks the catalog's declarations. ``slow`` (CI runs them): three probes through
+the CLI (an SP mismatch whose first differing row was computed by rank 1, the CFG noise mismatch
+on which CFG rank 1 disagrees, the TP2 control), the whole distributed matrix, the 4-rank
+all-reduce mismatch on an 8-head model and the errors of a rank.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def test_the_catalog_declares_every_fault_and_layout():
     assert not no_cfg["layout_tp2"].pending
 
 
+@pytest.mark.slow  # the fixture runs the group's fast probes on spawned ranks (about 35 s)
 def test_cli_runs_the_distributed_group(fast):
     code, output, data, out = fast
     assert code == 0, output
@@ -89,6 +90,7 @@ def test_cli_runs_the_distributed_group(fast):
         assert r["layout"] == DIST[r["name"]].layout
 
 
+@pytest.mark.slow  # the fixture runs the group's fast probes on spawned ranks (about 35 s)
 def test_sp_probe_names_the_rank_that_computed_the_row(fast):
     out = fast[3]
     rep = json.loads((out / "diffs" / "sp_rope_no_offset.json").read_text())["first_drift"]
@@ -100,6 +102,7 @@ def test_sp_probe_names_the_rank_that_computed_the_row(fast):
     assert run.manifest["variants"] == ["parallel=sp_rope_no_offset"]
 
 
+@pytest.mark.slow  # the fixture runs the group's fast probes on spawned ranks (about 35 s)
 def test_noise_probe_is_owned_by_cfg_rank_1(fast):
     rep = json.loads((fast[3] / "diffs" / "noise_per_rank.json").read_text())["first_drift"]
     # the CFG ranks repeat the sampler's calls; rank 1's SDE step (its own noise) disagrees with
@@ -109,6 +112,7 @@ def test_noise_probe_is_owned_by_cfg_rank_1(fast):
     assert (rep["rank_b"], rep["disagree_b"], rep["origin_kind"]) == (0, [1], "ranks")
 
 
+@pytest.mark.slow  # the fixture runs the group's fast probes on spawned ranks (about 35 s)
 def test_a_wrong_owning_rank_is_a_finding(fast):
     out = fast[3]
     r = [x for x in fast[2]["results"] if x["name"] == "sp_rope_no_offset"][0]
