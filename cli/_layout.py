@@ -1,5 +1,5 @@
 """The parallel layout of a command under torchrun: ``--tp``, ``--sp``, ``--sp-attention`` and
-``--cfg-parallel`` of ``run``, ``replay`` and ``recompute``.
+``--cfg-parallel`` of ``run``, ``replay``, ``recompute``, ``probe`` and ``experiment``.
 
     $ torchrun --standalone --nproc-per-node 2 -m drifttool run --tp 2 -o runs/tp2
     $ torchrun --standalone --nproc-per-node 2 -m drifttool replay runs/one --sp 2 -o runs/one-sp2

@@ -1,5 +1,5 @@
 """``--threads N``: the CPU threads of the commands that compute (``run``, ``replay``,
-``recompute``, ``probe``, ``diff``, ``overlay``, ``fixture verify``, ``experiment``).
+``recompute``, ``probe``, ``diff``, ``overlay``, ``report``, ``fixture verify``, ``experiment``).
 
     $ drifttool run --threads 1 -o runs/a        # one intra-op thread
     $ OMP_NUM_THREADS=2 drifttool run -o runs/b  # the environment's count when --threads is absent
