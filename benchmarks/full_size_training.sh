@@ -107,20 +107,29 @@ have() {
   done
 }
 diff_() { have "$2" "$3" && t "$1" drifttool diff "$2" "$3"; }
-# ratio CELL ROLLOUT TRAIN: the diff's verdict and its first-epoch ratio line (exit: the diff's)
+# ratio CELL ROLLOUT TRAIN: the diff's verdict, first drift, largest SDE transition KL, the
+# rollout's toy reward (`experiment train-rollout`'s columns) and the first-epoch ratio line
+# (exit: the diff's)
 ratio() {
   drifttool diff "$2" "$3" --clip-range "$CLIP" --json | python3 -c '
 import json, sys
-cell, eps = sys.argv[1:]
+from drifttool.training.grpo import toy_reward
+from drifttool.training.stored import load_rollout
+cell, eps, rollout = sys.argv[1:]
 d = json.load(sys.stdin)
-verdict, w = d["verdict"], (d.get("clip") or {}).get("worst")
+verdict, w, fd = d["verdict"], (d.get("clip") or {}).get("worst"), d.get("first_drift") or {}
+kls = [k["kl"] for s in d["steps"] for k in s["kl"] if k["kl"] is not None]
+reward = float(toy_reward(load_rollout(rollout).latents[-1]).mean())
+first = "step %s block %s %s" % (fd.get("step"), fd.get("block"), fd.get("op")) if fd else "none"
+print(f"{cell}: {verdict}; first drift {first}; KL max {max(kls) if kls else 0.0:.3g}; "
+      f"rollout reward {reward:.6g}")
 if w is None:
-    sys.exit(print(f"{cell}: {verdict}, no log-prob to compare"))
+    sys.exit(print(f"{cell}: no log-prob to compare"))
 exact = "exactly 1" if w["max_abs"] == 0 else "not 1"
 where = "%s step %s %s" % (w["phase"], w["step"], w["branch"])
 dev, share = w["ratio_dev_max"], 100 * w["fraction"]
-print(f"{cell}: {verdict}; first-epoch ratio {exact}: max |ratio - 1| {dev:.3g} = {share:.3g} % "
-      f"of the clip range {eps} ({where})")' "$1" "$CLIP"
+print(f"{cell}: first-epoch ratio {exact}: max |ratio - 1| {dev:.3g} = {share:.3g} % "
+      f"of the clip range {eps} ({where})")' "$1" "$CLIP" "$2"
 }
 
 if part 1; then
@@ -163,7 +172,7 @@ if part 7 && have "$CKPT" "$WORK/rollout-prod"; then
   diff_ "0|1" "$WORK/rollout-prod" "$WORK/train-prod-on-prod"
 fi
 if part 8; then
-  echo "Flow-GRPO first-epoch ratio per cell (rollout/train), against the clip range $CLIP:"
+  echo "Per cell (rollout/train): verdict, first drift, SDE KL, reward; first-epoch ratio against the clip range $CLIP:"
   for cell in strict/strict strict/prod prod/strict prod/prod; do
     r=${cell%/*} tr=${cell#*/} src=$WORK/rollout
     [ "$r" = prod ] && src=$WORK/rollout-prod

@@ -2,7 +2,7 @@
 runtime scope share it).
 
 ``COMPONENTS`` in program order: the Qwen2.5-VL ``text_encoder`` (RFC Phase B), the ``mmdit``
-(the diffusion transformer, its sampler operators included: everything today) and the ``vae``
+(the diffusion transformer, its sampler operators included) and the ``vae``
 (RFC Phase B). A record's identity, an operator's spec and a trace row name their component, so
 another model joins without another schema change.
 """
