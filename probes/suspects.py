@@ -360,10 +360,12 @@ PRODUCTION: dict[str, dict[str, Expectation | str]] = {
     "train_micro_batch": {"cpu": OBSERVED, "cuda": OBSERVED},
     # the production te_causal_attention (transformers' SDPA path): the prompt alone runs
     # is_causal with no mask, the padded batch an explicit [B, 1, L, L] bool mask over repeated
-    # K/V and a longer key length: other arithmetic at the text encoder's first attention;
-    # measured on the CPU (tiny pipeline, 2 and 4 steps)
-    "text_encoder_batch": {"cpu": _drift("te_causal_attention", step=-1, block=0, stream="txt",
-                                         sample=0), "cuda": CHAIN_CPU_ONLY},
+    # K/V and a longer key length. Measured on the CPU (tiny pipeline, 2 and 4 steps): drift at
+    # that first text-encoder attention (step -1, block 0) on an AVX-512 machine; on an AVX2
+    # machine the text encoder's records stayed identical and the first drift was the MMDiT's
+    # joint_attention_fused (the padded prompt's key length). The CPU SDPA's blocking follows
+    # its SIMD width: reported, not judged
+    "text_encoder_batch": {"cpu": OBSERVED, "cuda": CHAIN_CPU_ONLY},
     # MATH vs the CPU FLASH kernel, vs cuDNN / flash on an H200: measured drift at the first
     # attention call on both
     "attention_fallback": {"cpu": _drift("joint_attention_fused", step=0, block=0, stream="joint"),

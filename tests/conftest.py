@@ -18,6 +18,9 @@ import torch  # noqa: E402
 # before any test module imports Triton (drifttool.capture.gpu_rows does).
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests import interp_dot  # noqa: E402
+
+    interp_dot.install()  # the interpreter's tl.dot, row-invariant on every CPU (its docstring)
 
 from tests import harness  # noqa: E402
 

@@ -70,12 +70,17 @@ def test_the_folder_loads_as_an_edit_pipeline(pipe):
 def test_diffusers_encode_prompt_is_drifttools_production_text_encoder(pipe):
     from safetensors.torch import load_file
 
+    from drifttool.environment import environment
     from drifttool.text_encoder import EDIT, PromptEncoder, encode_prompts
+    from drifttool.verify import environment_note
 
     edit = load_fixture(FX).edit
     assert edit["prompt_positions"] == "sequential"
     encoder = PromptEncoder.load(FX, dtype=torch.bfloat16, vision=True)
     sealed = load_file(str(FX / "expected" / "inputs.safetensors"))  # the fixture's expected run's
+    # production arithmetic: the sealed embeddings hold on the build's CPU dispatch and torch only
+    off_build = environment_note(json.loads((FX / "expected" / "manifest.json").read_text()),
+                                 {"environment": environment()})
     image = _prompt_image()
     with torch.no_grad():
         for key, text in (("txt", edit["prompts"][0]), ("neg_txt", edit["negative_prompts"][0])):
@@ -85,7 +90,8 @@ def test_diffusers_encode_prompt_is_drifttools_production_text_encoder(pipe):
             assert want_mask is None and mask is None
             assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape, key
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), key  # raw bytes
-            assert torch.equal(sealed[key].view(torch.int32), want.float().view(torch.int32)), key
+            if off_build is None:
+                assert torch.equal(sealed[key].view(torch.int32), want.float().view(torch.int32)), key
 
 
 def test_the_pipeline_call_decodes_the_fixtures_expected_image(pipe, monkeypatch):

@@ -1,7 +1,8 @@
 """``text_encoder_batch``: a prompt encoded alone vs batched with a longer prompt (so padded),
 through the prompt chain on the shipped tiny pipeline (2 steps), judged on the shared sample's
-records: identical in strict, drift at the text encoder's first attention in production (CPU),
-pending on CUDA; the strict expectation fails when the production family runs."""
+records: identical in strict; in production (CPU) observed, not judged (the text encoder's first
+attention drifts on an AVX-512 machine, not on an AVX2 one); pending on CUDA; the strict
+expectation fails when the production family runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from drifttool.probes.catalog import catalog  # noqa: E402
-from drifttool.probes.results import FINDING, PASS, PENDING  # noqa: E402
+from drifttool.probes.results import FINDING, OBSERVED, PASS, PENDING  # noqa: E402
 from drifttool.probes.runner import open_pair, run_matrix  # noqa: E402
 from drifttool.settings import RunSpec  # noqa: E402
 
@@ -34,7 +35,7 @@ def test_declared_per_family_and_device():
     strict, prod = _probe(), _probe("production")
     assert strict.kind == "invariant" and strict.expect.verdict == "identical" and not strict.pending
     assert strict.compare == prod.compare == "common_samples"
-    assert prod.expect.describe() == "drift at te_causal_attention (txt, step -1, block 0, sample 0)"
+    assert prod.expect.verdict == "observed"
     assert "runs on the CPU only" in _probe("production", "cuda").pending
     assert "runs on the CPU only" in _probe("strict", "cuda").pending
 
@@ -70,12 +71,15 @@ def test_strict_alone_vs_padded_batch_is_identical_on_the_shared_sample(tmp_path
     assert a.ops_table().num_rows == ops.num_rows > 0
 
 
-def test_production_drifts_at_the_text_encoders_first_attention(tmp_path):
+def test_production_is_reported_with_its_first_drift(tmp_path):
+    """The verdict depends on the CPU SDPA kernel (its SIMD width), so it is observed; a drift
+    is reported with where it starts, on the shared sample."""
     r = _matrix(_probe("production"), tmp_path / "m", "auto")
-    assert r.status == PASS, r.reasons
-    assert (r.verdict, r.first_op, r.first_step, r.first_block, r.first_stream, r.first_sample) == (
-        "drift", "te_causal_attention", -1, 0, "txt", 0)
-    assert r.origin is True
+    assert r.status == OBSERVED, r.reasons
+    assert r.verdict in ("drift", "identical")
+    if r.verdict == "drift":
+        assert r.first_op in ("te_causal_attention", "joint_attention_fused"), r.first_op
+        assert r.first_sample == 0 and r.origin is True
 
 
 def test_strict_expectation_fails_when_the_production_family_runs(tmp_path):
@@ -100,5 +104,5 @@ def test_cli_only_lists_and_runs_it(tmp_path):
     code, text = cli("probe", "--mode", "auto", "--only", NAME, "--json", "-o", tmp_path / "m")
     assert code == 0, text
     (r,) = json.loads(text)["results"]
-    assert r["status"] == PASS and r["first_op"] == "te_causal_attention", r["reasons"]
+    assert r["status"] == OBSERVED and r["verdict"] in ("drift", "identical"), r["reasons"]
     assert (tmp_path / "m" / "heatmaps" / f"{NAME}.png").is_file()
