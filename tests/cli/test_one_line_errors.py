@@ -224,6 +224,8 @@ def test_multi_line_messages_are_joined_readably():
     (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
     (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+    (("--samples", "2147483648"), ("sample ids must be at most 2147483647",)),
+    (("--preset", "diffusers", "--mode", "auto", "--seed", "-1"), ("seed + sample id", "[0, 2^63)")),
 ])
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
