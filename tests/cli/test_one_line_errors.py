@@ -96,11 +96,23 @@ def test_output_in_a_read_only_directory_isone_error_line(cli, tmp_path):
     (("replay", "-o", "x"), ("RUN_DIR",)),
     (("overlay", "a", "b"), ("--out",)),
     (("nosuch",), ("nosuch", "drifttool --help")),
-    (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train",)),
+    (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train", "--combos")),
+    (("experiment", "train-rollout", "--combos", "strict/strict,prod/strict,strict/strict", "-o", "x"),
+     ("--combos", "combination strict/strict is named twice")),
+    (("experiment", "grpo", "--combos", "prod/prod,production/production", "-o", "x"),
+     ("combination production/production is named twice",)),
+    (("experiment", "train-rollout", "--samples", "a,b", "-o", "x"), ("--samples", "'a,b'")),
 ])
 def test_usage_errors_areone_error_line(cli, tmp_path, monkeypatch, args, needles):
     monkeypatch.chdir(tmp_path)
     one_error_line(*cli(*args), *needles)
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1"])
+def test_a_bad_grpo_learning_rate_is_one_line_before_anything_is_written(cli, tmp_path, lr):
+    one_error_line(*cli("experiment", "grpo", "--lr", lr, "-o", tmp_path / "g"),
+                   "the learning rate must be a finite number >= 0")
+    assert not (tmp_path / "g").exists()
 
 
 def test_help_and_version_still_work(cli):
