@@ -93,6 +93,7 @@ def test_output_in_a_read_only_directory_isone_error_line(cli, tmp_path):
     (("run",), ("--out",)),
     (("run", "--bogus", "-o", "r"), ("--bogus",)),
     (("recompute", "--micro-batch", "0", "r", "-o", "x"), ("--micro-batch",)),
+    (("recompute", "--no-trim-padding", "r", "-o", "x"), ("--no-trim-padding goes with --micro-batch",)),
     (("replay", "-o", "x"), ("RUN_DIR",)),
     (("overlay", "a", "b"), ("--out",)),
     (("nosuch",), ("nosuch", "drifttool --help")),
