@@ -55,12 +55,16 @@ def _combos(text: Optional[str]):
     if text is None:
         return COMBOS
     if not text.strip():
-        raise typer.BadParameter("--combos is empty: give rollout/train pairs, e.g. strict/strict,prod/strict")
+        raise typer.BadParameter("--combos is empty: give rollout/train pairs, e.g. strict/strict,prod/strict",
+                                 param_hint="--combos")
     out = []
     for part in text.split(","):
         pair = tuple({"prod": "production"}.get(p.strip(), p.strip()) for p in part.split("/"))
         if len(pair) != 2 or any(p not in ("strict", "production") for p in pair):
-            raise typer.BadParameter(f"combination {part!r}: expected rollout/train, each strict or production (prod)")
+            raise typer.BadParameter(f"combination {part!r}: expected rollout/train, each strict or production (prod)",
+                                     param_hint="--combos")
+        if pair in out:  # it would run twice, the second run's artifacts replacing the first's
+            raise typer.BadParameter(f"combination {'/'.join(pair)} is named twice", param_hint="--combos")
         out.append(pair)
     return tuple(out)
 
@@ -71,7 +75,8 @@ def _samples(text: Optional[str]):
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}",
+                                 param_hint="--samples") from None
 
 
 @app.command("train-rollout", cls=Command, epilog=EXIT_HELP)
@@ -292,6 +297,10 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
             from drifttool.diff.clip import check_clip_range  # lazy: keeps torch out of `--help`
 
             check_clip_range(kwargs["clip_range"])
+        if "lr" in kwargs:
+            from drifttool.training.grpo import check_lr  # lazy: likewise
+
+            check_lr(kwargs["lr"])
         if kwargs.get("lora") is not None:
             from drifttool.training.experiment import check_adapter  # lazy: likewise
 

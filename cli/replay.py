@@ -169,6 +169,9 @@ def recompute(
     from drifttool.training.stored import load_rollout  # lazy: likewise
     from drifttool.training.trainer import rerun_device  # lazy: likewise
 
+    if not trim_padding and micro_batch is None:  # a no-op that looks like a setting
+        raise typer.BadParameter("--no-trim-padding goes with --micro-batch (without it every forward "
+                                 "takes the whole batch, its prompts as stored)", param_hint="--no-trim-padding")
     with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
         options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
                                lora=lora, device=device, overwrite=overwrite)

@@ -47,14 +47,17 @@ from drifttool.runtime import Mode
 from drifttool.sampling.config import CFG_LAYOUTS, SamplerConfig
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.presets import (apply_preset, check_conditions, get_preset, preset_inputs,
-                                        preset_settings)
+from drifttool.sampling.presets import (apply_preset, check_conditions, check_preset_seed,
+                                        get_preset, preset_inputs, preset_settings)
 from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels, check_sigma_table)
 
 MAX_STEPS = 1000
 """Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
 (FlowMatchEulerDiscreteScheduler of Qwen-Image, numerics §1); more would only re-visit timesteps."""
+
+MAX_SAMPLE_ID = 2**31 - 1
+"""Largest logical sample id: the artifact's ``sample`` columns are int32 (``artifact.schema``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,11 +304,17 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     if spec.samples is not None:
         ids = [int(i) for i in spec.samples]
     elif spec.batch is not None:
+        if int(spec.batch) > MAX_SAMPLE_ID + 1:  # before its ids are listed
+            raise DriftToolError(f"a batch of {spec.batch} samples is more than logical sample ids "
+                                 f"0..{MAX_SAMPLE_ID} hold (the artifact's int32 sample column)")
         ids = list(range(int(spec.batch)))
     else:
         ids = list(default or [])
     if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
         raise DriftToolError(f"sample ids must be distinct and >= 0, got {ids}")
+    if max(ids) > MAX_SAMPLE_ID:
+        raise DriftToolError(f"sample ids must be at most {MAX_SAMPLE_ID} (the artifact's int32 "
+                             f"sample column), got {max(ids)}")
     return tuple(ids)
 
 
@@ -325,7 +334,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     Raises:
         DriftToolError: steps outside 2..``MAX_STEPS``; cfg_scale or eta not a finite number
             (eta < 0); unknown mode, capture level, dtype, CFG layout or timestep policy; empty,
-            repeated or negative sample ids; a batch size and sample ids together; a weight
+            repeated or negative sample ids, or one past ``MAX_SAMPLE_ID``; a batch size and sample
+            ids together; a seed the preset's generators cannot take (``check_preset_seed``); a weight
             variant without a checkpoint; sample labels not one per sample; an unknown preset,
             or an explicit setting it contradicts (``sampling.presets.preset_settings``;
             ``UnsupportedConfigError`` for a preset under mode strict or audit); an unknown or
@@ -383,6 +393,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     if external is not None and not explicit:
         default_ids = list(range(external.batch or len(default_ids or ())))
     samples = _samples(spec, default_ids)
+    if preset is not None:
+        check_preset_seed(preset, s["seed"], samples)
     labels = None
     if spec.sample_labels is not None:
         labels = tuple(int(i) for i in spec.sample_labels)

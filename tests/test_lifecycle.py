@@ -64,11 +64,34 @@ def test_settings_are_frozen_and_typed():
     (RunSpec(samples=[1, 1]), "sample ids must be distinct and >= 0, got [1, 1]"),
     (RunSpec(variant="fp16"), "a weight variant needs a checkpoint"),
     (RunSpec(samples=[0, 1], sample_labels=[3]), "must name one id per sample"),
+    (RunSpec(samples=[2**31]), "sample ids must be at most 2147483647 (the artifact's int32"),
+    (RunSpec(mode="auto", preset="diffusers", seed=-1),
+     "seed + sample id must be in [0, 2^63), got seed -1 with sample 0"),
+    (RunSpec(mode="auto", preset="diffusers", seed=2**63 - 1),
+     "got seed 9223372036854775807 with sample 1"),
+    (RunSpec(mode="auto", preset="flow-grpo", seed=2**64), "it must be in [-2^63, 2^64), got"),
 ])
 def test_resolve_refuses_bad_settings_in_one_line(spec, message):
     with pytest.raises(DriftToolError) as e:
         resolve(spec)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_batch_past_the_last_sample_id_is_refused_before_its_ids_are_listed(monkeypatch):
+    import drifttool.settings as settings
+
+    monkeypatch.setattr(settings, "MAX_SAMPLE_ID", 7)  # a real 2^31 + 1 would list 2^31 ids
+    with pytest.raises(DriftToolError, match=r"^a batch of 9 samples is more than logical sample "
+                                             r"ids 0\.\.7 hold"):
+        resolve(RunSpec(batch=9))
+    assert resolve(RunSpec(batch=8))[1].samples == tuple(range(8))
+
+
+def test_the_edges_of_sample_ids_and_preset_seeds_resolve():
+    assert resolve(RunSpec(samples=[2**31 - 1]))[1].samples == (2**31 - 1,)
+    assert resolve(RunSpec(mode="auto", preset="diffusers", seed=2**63 - 2))[1].seed == 2**63 - 2
+    assert resolve(RunSpec(mode="auto", preset="flow-grpo", seed=-(2**63)))[1].seed == -(2**63)
+    assert resolve(RunSpec(seed=-1))[1].seed == -1  # drifttool's own noise hashes any seed
 
 
 def test_rerun_options_validate_with_the_lines_run_uses():

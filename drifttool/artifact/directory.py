@@ -29,6 +29,7 @@ from pathlib import Path
 
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError, writing
+from drifttool.fixture import SEAL
 
 LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
 """Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
@@ -118,11 +119,15 @@ def remove_artifact(path: Path) -> None:
 
     Raises:
         ArtifactError: no drifttool manifest there, or files that no artifact writes (user
-            files are never deleted).
+            files are never deleted), or ``path`` inside a sealed fixture (its expected run).
     """
     if not holds_run(path):
         raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
                             "overwrite")
+    sealed = next((p for p in path.resolve().parents if (p / SEAL).is_file()), None)
+    if sealed is not None:  # its expected run: replacing it would break the seal
+        raise ArtifactError(f"{path} is part of the sealed fixture {sealed}; refusing to overwrite "
+                            "it (rebuild a fixture with its build script, which reseals it)")
     foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"

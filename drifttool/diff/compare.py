@@ -277,6 +277,9 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
         check_matched(run_a, run_b, kind, t)
     report.counts = {"steps": st.counts(), **({"ops": ot.counts()} if ot else {})}
     report.notes = _notes(run_a, run_b, level, tables)
+    if run_a.path.resolve() == run_b.path.resolve():  # a mistyped pair would pass unnoticed
+        report.notes.insert(0, "run A and run B are the same directory: the run is compared with "
+                               "itself (only its own checks, such as its ranks' agreement, can fail)")
     if phase_map is not None:
         side = "B" if run_b.manifest.get("kind") == "recompute" else "A"
         report.notes.insert(0, f"run {side} is a training recompute: its phase 'train' records are "

@@ -87,6 +87,22 @@ class GRPOConfig:
     Flow-GRPO's trainer does), ``drifttool.training.trainer.micro_batched``; None = whole batch."""
 
 
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+
+
+def check_lr(lr: Any) -> float:
+    """The AdamW learning rate of the loop: a finite number >= 0 (0 leaves the adapter as it is).
+
+    Raises:
+        DriftToolError: anything else (one line), before any work.
+    """
+    ok = isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)
+    if not ok or lr < 0:
+        raise DriftToolError(f"the learning rate must be a finite number >= 0, got {lr!r}")
+    return float(lr)
+
+
 def toy_reward(final_latents: torch.Tensor) -> torch.Tensor:
     """[B, N, Cp] → [B] fp32: mean of latent channel 0 (packed channels 0–3) over all tokens,
     a deterministic stand-in for a reward model (it favours a bright channel 0)."""

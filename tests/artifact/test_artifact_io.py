@@ -264,6 +264,18 @@ def test_writer_refusals(tmp_path):
         w.update_manifest(bad=object())
 
 
+def test_overwrite_leaves_a_sealed_fixtures_expected_run_alone(tmp_path):
+    expected = write_run(tmp_path / "fx" / "expected")
+    before = {p.name: p.read_bytes() for p in expected.iterdir()}
+    (tmp_path / "fx" / "seal.json").write_text("{}")
+    with pytest.raises(ArtifactError, match=r"expected is part of the sealed fixture .*fx; refusing to overwrite"):
+        ArtifactWriter(expected, {"fingerprint": {}}, overwrite=True)
+    assert {p.name: p.read_bytes() for p in expected.iterdir()} == before
+    (tmp_path / "fx" / "seal.json").unlink()  # not sealed: an ordinary run, replaced
+    ArtifactWriter(expected, {"fingerprint": {}}, overwrite=True).close(complete=True)
+    assert open_run(expected).ops_table().num_rows == 0
+
+
 def test_complete_run_missing_a_named_sample_is_refused(tmp_path):
     """A complete one-process run whose files lost every record of a sample of its batch
     (``settings.samples``) is damaged: the diff must not compare the samples left as if the run

@@ -93,14 +93,27 @@ def test_output_in_a_read_only_directory_isone_error_line(cli, tmp_path):
     (("run",), ("--out",)),
     (("run", "--bogus", "-o", "r"), ("--bogus",)),
     (("recompute", "--micro-batch", "0", "r", "-o", "x"), ("--micro-batch",)),
+    (("recompute", "--no-trim-padding", "r", "-o", "x"), ("--no-trim-padding goes with --micro-batch",)),
     (("replay", "-o", "x"), ("RUN_DIR",)),
     (("overlay", "a", "b"), ("--out",)),
     (("nosuch",), ("nosuch", "drifttool --help")),
-    (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train",)),
+    (("experiment", "grpo", "--combos", "x/y", "-o", "x"), ("rollout/train", "--combos")),
+    (("experiment", "train-rollout", "--combos", "strict/strict,prod/strict,strict/strict", "-o", "x"),
+     ("--combos", "combination strict/strict is named twice")),
+    (("experiment", "grpo", "--combos", "prod/prod,production/production", "-o", "x"),
+     ("combination production/production is named twice",)),
+    (("experiment", "train-rollout", "--samples", "a,b", "-o", "x"), ("--samples", "'a,b'")),
 ])
 def test_usage_errors_areone_error_line(cli, tmp_path, monkeypatch, args, needles):
     monkeypatch.chdir(tmp_path)
     one_error_line(*cli(*args), *needles)
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1"])
+def test_a_bad_grpo_learning_rate_is_one_line_before_anything_is_written(cli, tmp_path, lr):
+    one_error_line(*cli("experiment", "grpo", "--lr", lr, "-o", tmp_path / "g"),
+                   "the learning rate must be a finite number >= 0")
+    assert not (tmp_path / "g").exists()
 
 
 def test_help_and_version_still_work(cli):
@@ -224,6 +237,8 @@ def test_multi_line_messages_are_joined_readably():
     (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
     (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+    (("--samples", "2147483648"), ("sample ids must be at most 2147483647",)),
+    (("--preset", "diffusers", "--mode", "auto", "--seed", "-1"), ("seed + sample id", "[0, 2^63)")),
 ])
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)

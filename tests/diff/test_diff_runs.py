@@ -33,6 +33,16 @@ def test_identical(make_run):
     assert all(s.identical and s.carried_in is False for s in r.steps)
 
 
+def test_a_run_against_itself_is_identical_and_says_so(make_run, tmp_path):
+    a = make_run("a")
+    (tmp_path / "link").symlink_to(a)
+    for other in (a, tmp_path / "link", tmp_path / "a" / ".." / "a"):
+        r = diff(a, other)
+        assert r.verdict is Verdict.IDENTICAL and r.exit_code == 0
+        assert r.notes[0].startswith("run A and run B are the same directory"), r.notes
+    assert not any("same directory" in n for n in diff(a, make_run("b")).notes)
+
+
 def test_planted_image_row_located_exactly(make_run):
     # sample 1, joint row 5 + 4 = image patch n=4 -> (i, j) = divmod(4, 3) = (1, 1)
     plant = {"step": 1, "block": 1, "op": "joint_attn", "sample": 1, "row": 5 + 4, "add": 1e-3}

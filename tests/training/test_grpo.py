@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from drifttool.training.grpo import GRPOConfig, group_advantages, grpo_loop, toy_reward
+from drifttool.errors import DriftToolError
+from drifttool.training.grpo import GRPOConfig, check_lr, group_advantages, grpo_loop, toy_reward
 
 
 def test_advantages_and_reward():
@@ -54,3 +56,13 @@ def test_group_inputs_widths_come_from_the_config():
     inputs = group_inputs(load_fixture("tiny-t2i"), 3, [0, 1], [0, 1], (4, 6), 4, cfg)
     assert inputs.x0.shape == (2, 24, 16) and inputs.noise.shape[-1] == 16
     assert inputs.txt.shape[-1] == inputs.neg_txt.shape[-1] == 16
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, -1e-9, True, "0.1"])
+def test_a_learning_rate_adamw_cannot_take_is_refused_in_one_line(lr):
+    with pytest.raises(DriftToolError, match=r"^the learning rate must be a finite number >= 0, got "):
+        GRPOConfig(lr=lr)
+
+
+def test_a_zero_or_positive_learning_rate_is_taken():
+    assert GRPOConfig(lr=0.0).lr == 0.0 and check_lr(3e-2) == 3e-2 and check_lr(1) == 1.0
