@@ -86,7 +86,6 @@ class GRPOConfig:
     """Samples per training forward (with their CFG pair; prompts trimmed per micro-batch, as
     Flow-GRPO's trainer does), ``drifttool.training.trainer.micro_batched``; None = whole batch."""
 
-
     def __post_init__(self) -> None:
         check_lr(self.lr)
 
