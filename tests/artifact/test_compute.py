@@ -22,7 +22,7 @@ def table():
     words = ["output", "internal", "grad", None]
     return pa.table({
         "role": pa.chunked_array([[words[i] for i in rng.integers(0, 4, n // 2)],
-                                  [words[i] for i in rng.integers(0, 4, n - n // 2)]]),
+                                  [words[i] for i in rng.integers(0, 4, n - n // 2)]], pa.string()),
         "step": pa.array(rng.integers(-1, 4, n), pa.int32()),
         "x": pa.array(rng.standard_normal(n)),
         "lst": pa.array([None if k % 5 == 0 else list(range(k % 3)) for k in range(n)],
