@@ -248,6 +248,28 @@ class Runtime:
         self._calls[scope] = pos + 1
         return {**s, "op": op, "stream": stream, "call": n, "op_pos": pos}
 
+    def advance_counters(self, keys: list[tuple], counts: list[int]) -> list[int]:
+        """Advance the call counters of ``site`` in the current scope as a known sequence of calls
+        would (a replayed forward's, ``drifttool.model.replay``), without one ``site`` per call.
+
+        Args:
+            keys: counter suffixes: ``(block, op, stream)`` counts ``call``, ``(block,)`` counts
+                ``op_pos`` (``site``'s two counters, under the scope's component, phase, step and
+                branch).
+            counts: how many calls advance each key.
+
+        Returns:
+            each key's value before the advance: the first call's ``call`` (or ``op_pos``).
+        """
+        s = self._scope
+        branch = s["branch"] if isinstance(s["branch"], str) else tuple(s["branch"])
+        scope = (s["component"], s["phase"], s["step"], branch)
+        full = [(*scope, *k) for k in keys]
+        calls = self._calls
+        bases = [calls.get(k, 0) for k in full]
+        calls.update(zip(full, [b + n for b, n in zip(bases, counts)]))
+        return bases
+
 
 DEFAULT_SCOPE: dict[str, Any] = {
     "phase": "rollout",

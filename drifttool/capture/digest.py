@@ -63,10 +63,10 @@ import numpy as np
 import torch
 
 from drifttool import digestcore as core
-from drifttool.capture.digest_rows import (PendingRows, device_rows, finish_row_tables, key_consts,
+from drifttool.capture.digest_rows import (PendingRows, RowTables, device_rows, key_consts,
                                            key_table, pending_rows)
 from drifttool.capture.dtypes import dtype_from_name, dtype_name, raw_bytes
-from drifttool.capture.summary import stats_vec, summary
+from drifttool.capture.summary import stats_vec, summaries, summary
 from drifttool.digestcore import COL_CHUNK, P, ROW_CHUNK
 
 _BLOCK = {"cpu": 1 << 16}  # halves per FP64 block: in cache on CPU, one launch on a GPU
@@ -266,40 +266,99 @@ def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
     return PendingDigest(name, tuple(t.shape), header, t.numel(), keep_rows, torch.cat(parts))
 
 
+@dataclass(frozen=True)
+class DigestColumns:
+    """Digests read back as columns, one entry per record (``materialize_columns``): the fields
+    of ``TensorDigest``, ``digest`` ``uint64 [n]``, ``nonfinite`` ``int64 [n]``, ``l2`` and
+    ``maxabs`` ``float64 [n]``, ``dtype``, ``shape`` and ``rows`` lists."""
+
+    dtype: list[str]
+    shape: list[tuple[int, ...]]
+    digest: np.ndarray
+    rows: list[np.ndarray | None]
+    nonfinite: np.ndarray
+    l2: np.ndarray
+    maxabs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.dtype)
+
+    def __getitem__(self, sl: slice) -> "DigestColumns":
+        return DigestColumns(*(getattr(self, f.name)[sl] for f in dataclasses.fields(self)))
+
+    def records(self) -> list[TensorDigest]:
+        """One ``TensorDigest`` per entry."""
+        return [TensorDigest(*v) for v in zip(self.dtype, self.shape, self.digest.tolist(), self.rows,
+                                              self.nonfinite.tolist(), self.l2.tolist(),
+                                              self.maxabs.tolist())]
+
+
+class ReadBack:
+    """``materialize_columns`` of a fixed list of pending digests, planned once: which device and
+    kind each is read back with, and the row tables' segments (``digest_rows.RowTables``); each
+    call reads what the digests hold then (a CUDA graph's replay rewrites them,
+    ``drifttool.model.replay``)."""
+
+    def __init__(self, pending: list[PendingDigest | PendingRows | TensorDigest]) -> None:
+        n = len(pending)
+        self._pending = pending
+        self._dtype, self._shape = [p.dtype for p in pending], [p.shape for p in pending]
+        self._header = np.zeros(n, np.int64)
+        self._numel = np.zeros(n, np.int64)
+        self._done: list[int] = []
+        by_dev: dict[torch.device, list[int]] = {}
+        rows_by_dev: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(pending):
+            if isinstance(p, TensorDigest):  # read back already
+                self._done.append(i)
+            else:
+                self._header[i], self._numel[i] = p.header, p.numel
+                if isinstance(p, PendingRows):
+                    rows_by_dev.setdefault(p.table[0].device, []).append(i)
+                else:
+                    by_dev.setdefault(p.vec.device, []).append(i)
+        self._tables = [(idx, RowTables([pending[i] for i in idx])) for idx in rows_by_dev.values()]
+        self._vecs = []
+        for idx in by_dev.values():
+            lens = np.asarray([pending[i].vec.shape[0] for i in idx], np.int64)
+            at = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+            kept = [(i, a, k) for i, a, k in zip(idx, at.tolist(), lens.tolist()) if pending[i].keep_rows]
+            self._vecs.append((idx, [pending[i].vec for i in idx], at, kept))
+
+    def __call__(self) -> DigestColumns:
+        p, n = self._pending, len(self._pending)
+        value = np.zeros(n, np.int64)  # V without header
+        st = np.zeros((n, 4), np.float64)
+        rows: list[np.ndarray | None] = [None] * n
+        for idx, tables in self._tables:
+            value[idx], kept, st[idx] = tables()
+            for i, r in zip(idx, kept):
+                rows[i] = r
+        for idx, vecs, at, kept in self._vecs:
+            flat = torch.cat(vecs).cpu().numpy()
+            value[idx] = flat[at]
+            st[idx] = flat[at[:, None] + np.arange(1, 5)].view(np.float64)
+            for i, a, k in kept:
+                rows[i] = flat[a + 5:a + k].astype(np.uint64)
+        digest = ((value + self._header) % P).astype(np.uint64)
+        nonfinite, l2, maxabs = summaries(self._numel, st)
+        for i in self._done:
+            d = p[i]
+            digest[i], rows[i], nonfinite[i], l2[i], maxabs[i] = d.digest, d.rows, d.nonfinite, d.l2, d.maxabs
+        return DigestColumns(list(self._dtype), list(self._shape), digest, rows, nonfinite, l2, maxabs)
+
+
+def materialize_columns(pending: list[PendingDigest | PendingRows | TensorDigest]) -> DigestColumns:
+    """Read ``pending`` back as columns, in order: one device-to-host transfer per device (and
+    kind); a ``TensorDigest`` among them (read back already: a sharded output's, combined from
+    its ranks) is passed through."""
+    return ReadBack(pending)()
+
+
 def materialize(pending: list[PendingDigest | PendingRows | TensorDigest]) -> list[TensorDigest]:
     """Read ``pending`` back: one device-to-host transfer per device (and kind), in order; a
-    ``TensorDigest`` among them is passed through."""
-    host: list[np.ndarray | None] = [None] * len(pending)
-    done: dict[int, TensorDigest] = {}
-    by_dev: dict[torch.device, list[int]] = {}
-    rows_by_dev: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(pending):
-        if isinstance(p, TensorDigest):  # read back already (a CUDA graph's replay)
-            done[i] = p
-        elif isinstance(p, PendingRows):
-            rows_by_dev.setdefault(p.table[0].device, []).append(i)
-        else:
-            by_dev.setdefault(p.vec.device, []).append(i)
-    for idx in rows_by_dev.values():
-        for i, (v, rows, st) in zip(idx, finish_row_tables([pending[i] for i in idx])):
-            p = pending[i]
-            done[i] = TensorDigest(p.dtype, p.shape, (v + p.header) % P, rows,
-                                   *summary(p.numel, st))
-    for idx in by_dev.values():
-        flat = torch.cat([pending[i].vec for i in idx]).cpu().numpy()
-        at = 0
-        for i in idx:
-            n = pending[i].vec.shape[0]
-            host[i], at = flat[at:at + n], at + n
-    out = []
-    for i, (p, h) in enumerate(zip(pending, host)):
-        if i in done:
-            out.append(done[i])
-            continue
-        out.append(TensorDigest(p.dtype, p.shape, (int(h[0]) + p.header) % P,
-                                h[5:].astype(np.uint64) if p.keep_rows else None,
-                                *summary(p.numel, h[1:5].view(np.float64))))
-    return out
+    ``TensorDigest`` among them is passed through (``materialize_columns``)."""
+    return materialize_columns(pending).records()
 
 
 def digest_tensor(t: torch.Tensor, *, row_axis: int | None = None,
@@ -333,6 +392,6 @@ def stats(t: torch.Tensor) -> tuple[int, float, float]:
     return summary(t.numel(), _stats_vec(t).cpu().numpy())
 
 
-__all__ = ["P", "Partial", "PendingDigest", "PendingRows", "pending_rows", "TensorDigest", "combine",
+__all__ = ["P", "DigestColumns", "Partial", "PendingDigest", "PendingRows", "pending_rows", "TensorDigest", "combine",
            "digest", "digest_pending", "digest_tensor", "dtype_from_name", "dtype_name",
-           "materialize", "partial", "raw_bytes", "row_digests", "stats"]
+           "materialize", "materialize_columns", "ReadBack", "partial", "raw_bytes", "row_digests", "stats"]

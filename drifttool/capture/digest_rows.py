@@ -3,7 +3,7 @@ digest v2's key tables on a device, which every device path shares.
 
     table = gpu_rows.row_table(flat)                      # [rows, C] -> per-row partial sums
     pending = [pending_rows(table, dtype, part.shape, part.ranges, keep_rows) for part in parts]
-    finish_row_tables(pending)  # per record: (V without header, kept row digests, fp64 [4] stats)
+    finish_row_tables(pending)  # V without header, kept row digests, fp64 [n, 4] stats
 
 On a CUDA device the recorder digests a whole operator output once per row of its flat view
 (``gpu_rows.row_table``, one Triton pass) and cuts each logical sample's part from that table as
@@ -118,73 +118,89 @@ def _segment_sums(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) 
 
 
 def finish_row_tables(pending: list[PendingRows]
-                      ) -> list[tuple[int, np.ndarray | None, np.ndarray]]:
-    """Level 2 and the summaries of ``pending`` (one device), vectorised over every record:
-    ``(V without header, kept rows or None, float64 [4] stats)`` per record, one read-back."""
-    dev = pending[0].table[0].device
-    # unique row tables ([S, R, ·] split partials), grouped by split count: each group is
-    # concatenated and its splits combined once (normally one group: one split count per run)
-    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    seen: set[int] = set()
-    for p in pending:
-        if id(p.table[0]) not in seen:
-            seen.add(id(p.table[0]))
-            groups.setdefault(p.table[0].shape[0], []).append(p.table)
-    tables: dict[int, int] = {}
-    rows_l, stats_l, base = [], [], 0
-    for group in groups.values():
-        for r_t, _ in group:
-            tables[id(r_t)] = base
-            base += r_t.shape[1]
+                      ) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray]:
+    """Level 2 and the summaries of ``pending`` (one device), vectorised over every record, one
+    read-back: ``V`` without header (``int64 [n]``), the kept rows per record (``uint64`` or
+    ``None``) and the stats (``float64 [n, 4]``, ``summary.stats_vec``)."""
+    return RowTables(pending)()
+
+
+class RowTables:
+    """``finish_row_tables`` of a fixed list of ``PendingRows`` (one device), planned once: the
+    grouping of their row tables and each record's row segments are worked out on the host (and
+    moved to the device) here; each call reads what the tables hold then (a CUDA graph's replay
+    rewrites them, ``drifttool.model.replay``) and returns what ``finish_row_tables`` does."""
+
+    def __init__(self, pending: list[PendingRows]) -> None:
+        dev = self._dev = pending[0].table[0].device
+        # unique row tables ([S, R, ·] split partials), grouped by split count: each group is
+        # concatenated and its splits combined once (normally one group: one split count per run)
+        groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        seen: set[int] = set()
+        for p in pending:
+            if id(p.table[0]) not in seen:
+                seen.add(id(p.table[0]))
+                groups.setdefault(p.table[0].shape[0], []).append(p.table)
+        tables: dict[int, int] = {}
+        base = 0
+        for group in groups.values():
+            for r_t, _ in group:
+                tables[id(r_t)] = base
+                base += r_t.shape[1]
+        self._groups = list(groups.values())
+        starts, lens, rec_len = [], [], []
+        for p in pending:
+            off = tables[id(p.table[0])]
+            n = 0
+            for a, z in p.ranges:
+                starts.append(off + a)
+                lens.append(z - a)
+                n += z - a
+            rec_len.append(n)
+        lens_np = np.asarray(lens, np.int64)
+        rec_np = self._rec = np.asarray(rec_len, np.int64)
+        cum = np.concatenate([[0], np.cumsum(lens_np)[:-1]]).astype(np.int64)
+        rcum = self._rcum = np.concatenate([[0], np.cumsum(rec_np)[:-1]]).astype(np.int64)
+        meta = torch.from_numpy(np.concatenate([lens_np, np.asarray(starts, np.int64) - cum, rec_np, rcum]))
+        if dev.type == "cuda":  # pinned, asynchronous: a pageable copy would block the host
+            meta = meta.pin_memory().to(dev, non_blocking=True)
+        else:
+            meta = meta.to(dev)
+        nr, nrec = len(lens_np), len(rec_np)
+        self._meta = (meta[:nr], meta[nr:2 * nr], meta[2 * nr:2 * nr + nrec], meta[2 * nr + nrec:])
+        self._total = int(lens_np.sum())
+        self._keep = [p.keep_rows for p in pending]
+
+    def __call__(self) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray]:
+        dev, total, rec_np, rcum, nrec = self._dev, self._total, self._rec, self._rcum, len(self._rec)
+        d_lens, d_delta, d_rec, d_rcum = self._meta
+        rows_l, stats_l = [], []
         cat = (lambda ts: torch.cat(ts, 1) if len(ts) > 1 else ts[0])  # noqa: E731
-        r_g, s_g = gpu_rows.combine_splits(cat([g[0] for g in group]), cat([g[1] for g in group]))
-        rows_l.append(r_g)
-        stats_l.append(s_g)
-    starts, lens, rec_len = [], [], []
-    for p in pending:
-        off = tables[id(p.table[0])]
-        n = 0
-        for a, z in p.ranges:
-            starts.append(off + a)
-            lens.append(z - a)
-            n += z - a
-        rec_len.append(n)
-    lens_np = np.asarray(lens, np.int64)
-    rec_np = np.asarray(rec_len, np.int64)
-    cum = np.concatenate([[0], np.cumsum(lens_np)[:-1]]).astype(np.int64)
-    rcum = np.concatenate([[0], np.cumsum(rec_np)[:-1]]).astype(np.int64)
-    meta = torch.from_numpy(np.concatenate([lens_np, np.asarray(starts, np.int64) - cum, rec_np, rcum]))
-    if dev.type == "cuda":  # pinned, asynchronous: a pageable copy would block the host
-        meta = meta.pin_memory().to(dev, non_blocking=True)
-    else:
-        meta = meta.to(dev)
-    nr, nrec = len(lens_np), len(rec_np)
-    d_lens, d_delta, d_rec, d_rcum = meta[:nr], meta[nr:2 * nr], meta[2 * nr:2 * nr + nrec], meta[2 * nr + nrec:]
-    total = int(lens_np.sum())
-    pos = torch.arange(total, device=dev, dtype=torch.int64)
-    idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
-    local = pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
-    rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
-    stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
-    t = rows_all[idx].t()  # [2, total]: T, T'
-    a = key_table("row", int(rec_np.max(initial=0)) or 1, dev)[:, :, local]  # [2, 3, total] limbs of A, A'
-    c = key_consts(dev)
-    tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
-    prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
-    u = _segment_sums(prod.reshape(9, -1), d_rcum, d_rec).reshape(3, 3, nrec)
-    v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
-    s = stats_all[idx]
-    lengths = d_rec
-    red = [torch.segment_reduce(s[:, k], how, lengths=lengths, unsafe=True, initial=init)
-           for k, (how, init) in enumerate((("sum", 0.0), ("max", -math.inf), ("min", math.inf),
-                                            ("sum", 0.0)))]
-    keep = any(p.keep_rows for p in pending)
-    host = torch.cat([v.view(torch.int64).reshape(-1), torch.stack(red, 1).view(torch.int64).reshape(-1)]
-                     + ([t[0]] if keep else [])).cpu().numpy()
-    out = []
-    st = host[nrec:5 * nrec].view(np.float64).reshape(nrec, 4)
-    kept = host[5 * nrec:] if keep else None
-    for i, p in enumerate(pending):
-        rows = kept[rcum[i]:rcum[i] + rec_np[i]].astype(np.uint64) if p.keep_rows else None
-        out.append((int(host[i]), rows, st[i]))
-    return out
+        for group in self._groups:
+            r_g, s_g = gpu_rows.combine_splits(cat([g[0] for g in group]), cat([g[1] for g in group]))
+            rows_l.append(r_g)
+            stats_l.append(s_g)
+        pos = torch.arange(total, device=dev, dtype=torch.int64)
+        idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
+        local = pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
+        rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
+        stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
+        t = rows_all[idx].t()  # [2, total]: T, T'
+        a = key_table("row", int(rec_np.max(initial=0)) or 1, dev)[:, :, local]  # [2, 3, total] limbs of A, A'
+        c = key_consts(dev)
+        tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
+        prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
+        u = _segment_sums(prod.reshape(9, -1), d_rcum, d_rec).reshape(3, 3, nrec)
+        v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
+        s = stats_all[idx]
+        red = [torch.segment_reduce(s[:, k], how, lengths=d_rec, unsafe=True, initial=init)
+               for k, (how, init) in enumerate((("sum", 0.0), ("max", -math.inf), ("min", math.inf),
+                                                ("sum", 0.0)))]
+        keep = any(self._keep)
+        host = torch.cat([v.view(torch.int64).reshape(-1), torch.stack(red, 1).view(torch.int64).reshape(-1)]
+                         + ([t[0]] if keep else [])).cpu().numpy()
+        st = host[nrec:5 * nrec].view(np.float64).reshape(nrec, 4)
+        kept = host[5 * nrec:] if keep else None
+        rows = [kept[rcum[i]:rcum[i] + rec_np[i]].astype(np.uint64) if k else None
+                for i, k in enumerate(self._keep)]
+        return host[:nrec], rows, st

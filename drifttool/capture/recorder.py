@@ -39,18 +39,20 @@ import torch
 from drifttool.artifact import schema as S
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture import gpu_rows
-from drifttool.capture.digest import PendingDigest, digest_pending, materialize, pending_rows, raw_bytes
+from drifttool.capture.digest import (DigestColumns, PendingDigest, digest_pending, materialize_columns,
+                                      pending_rows, raw_bytes)
 from drifttool.capture.layout import canonicalize, flat_parts
 from drifttool.capture.shards import rank_columns
 from drifttool.digestcore import ROW_CHUNK
 from drifttool.errors import UnsupportedConfigError
 
-_OPS_SCALARS = ("seq", "rank", "component", "phase", "step", "sigma", "branch", "block", "op_pos",
-                "stream", "op", "call", "index", "role", "sample", "dtype", "shape", "digest",
-                "nonfinite", "l2", "maxabs", "txt_len", "img_h", "img_w")
-_STEPS_COLS = ("seq", "rank", "component", "phase", "step", "sigma", "sigma_next", "sample",
-               "branch", "quantity", "dtype", "shape", "digest", "nonfinite", "l2", "maxabs",
-               "data")
+_OPS_FIELDS = ("seq", "rank", "component", "phase", "step", "sigma", "branch", "block", "op_pos",
+               "stream", "op", "call", "index", "role", "sample", "txt_len", "img_h", "img_w")
+"""The fields of an op record filed one by one (``_append``), besides its digest's columns."""
+_STEPS_FIELDS = ("seq", "rank", "component", "phase", "step", "sigma", "sigma_next", "sample",
+                 "branch", "quantity")
+_SHARED = ("component", "phase", "step", "sigma")
+"""The columns every record of a ``capture_records`` block shares (its ``scope``)."""
 _SITE_FIELDS = ("phase", "step", "sigma", "branch", "block", "op", "stream", "call", "op_pos")
 
 
@@ -58,7 +60,7 @@ def _float(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def _row_branch(branches: Any, row: int | None) -> str:
+def row_branch(branches: Any, row: int | None) -> str:
     """The CFG branch of batch row ``row``: scopes of batched CFG hold one entry per row; a
     record without a batch axis gets the shared branch, or ``"+"``-joined distinct ones."""
     if isinstance(branches, str):
@@ -95,6 +97,20 @@ def record_parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, level:
     return _parts(site, tensor.detach(), layout, level == "L2")
 
 
+def digest_columns(done: DigestColumns) -> dict[str, Any]:
+    """The digest columns of op records (``dtype``, ``shape``, ``digest``, ``nonfinite``, ``l2``,
+    ``maxabs``, ``row_digests``) of digests read back (``materialize_columns``)."""
+    rows = done.rows
+    lens = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
+    values = [r for r in rows if r is not None]
+    flat = np.concatenate(values) if values else np.empty(0, np.uint64)
+    return {"dtype": done.dtype, "shape": done.shape, "digest": done.digest,
+            "nonfinite": done.nonfinite, "l2": done.l2, "maxabs": done.maxabs,
+            "row_digests": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),
+                                                    mask=pa.array([r is None for r in rows], pa.bool_()))}
+
+
 class Recorder:
     """Capture sink handed to ``Runtime(recorder=...)``.
 
@@ -120,6 +136,7 @@ class Recorder:
         self._grad_pos: dict[tuple, int] = {}
         self._current: tuple[str, int] | None = None
         self._ops: list[tuple] = []
+        self._blocks: list[tuple[int, dict[str, Any]]] = []  # (len(_ops) before it, columns)
         self._steps: list[tuple] = []
         self._kept_ops: list[pa.RecordBatch] = []
         self._kept_steps: list[pa.RecordBatch] = []
@@ -168,6 +185,45 @@ class Recorder:
             self._check_site(site)
             self._append(site, parts, index, role, ranks)
 
+    def capture_records(self, scope: dict[str, Any], columns: dict[str, Any]) -> None:
+        """File many op records at once, their columns built by the caller (a replayed forward's,
+        ``drifttool.model.replay``). They keep their place among the records filed one by one
+        (``seq``, flush order).
+
+        Args:
+            scope: what every record shares: ``component`` (default ``"mmdit"``), ``phase``,
+                ``step``, ``sigma`` (``Runtime.current_scope``).
+            columns: every other column of ``schema.OPS_SCHEMA`` but ``seq``, ``rank`` and the
+                rank columns, one value per record (lists, numpy or Arrow arrays; the digest
+                columns from ``digest_columns``).
+
+        Raises:
+            ValueError: a column is missing, unknown or of another length, or the component is
+                not one of ``schema.COMPONENTS``.
+        """
+        if self.level == "L0":
+            return
+        want = set(S.OPS_SCHEMA.names) - {"seq", "rank", *S.RANK_COLUMNS, *_SHARED}
+        if set(columns) != want:
+            raise ValueError(f"op record columns differ: missing {sorted(want - set(columns))}, "
+                             f"unknown {sorted(set(columns) - want)}")
+        n = len(columns["op"])
+        if any(len(v) != n for v in columns.values()):
+            raise ValueError("op record columns of different lengths")
+        component = scope.get("component", S.DEFAULT_COMPONENT)
+        if component not in S.COMPONENTS:
+            raise ValueError(f"unknown component {component!r} (one of {S.COMPONENTS})")
+        if n == 0:
+            return
+        self._enter_step(scope["phase"], int(scope["step"]))
+        self._blocks.append((len(self._ops), {
+            **columns, "seq": np.arange(self._seq, self._seq + n, dtype=np.int64),
+            "rank": np.full(n, self.rank, np.int32), "component": pa.array([component] * n, pa.utf8()),
+            "phase": pa.array([scope["phase"]] * n, pa.utf8()), "step": np.full(n, int(scope["step"]), np.int32),
+            "sigma": np.full(n, _float(scope["sigma"])), "rank_digests": pa.nulls(n, pa.list_(pa.uint64())),
+            "rank_disagree": pa.nulls(n, pa.list_(pa.int32()))}))
+        self._seq += n
+
     @staticmethod
     def _check_site(site: dict[str, Any]) -> None:
         missing = [k for k in _SITE_FIELDS if k not in site]
@@ -186,7 +242,7 @@ class Recorder:
         branches = site["branch"]
         for b, (part, d) in enumerate(parts):
             # batched CFG: the scope holds one branch per batch row (docs/architecture.md)
-            branch = _row_branch(branches, b if part.sample >= 0 else None)
+            branch = row_branch(branches, b if part.sample >= 0 else None)
             rm = part.rows if rows and part.row_axis is not None else None
             grid = rm.img_grid if rm is not None else None
             self._ops.append(((
@@ -244,22 +300,26 @@ class Recorder:
             self._seq += 1
 
     # -- output --------------------------------------------------------------------------------
-    @staticmethod
-    def _digest_cols(d) -> tuple:
-        return d.dtype, d.shape, d.digest, d.nonfinite, d.l2, d.maxabs
+    def _ops_batch(self, done: DigestColumns) -> pa.RecordBatch:
+        """The step's op records, in ``seq`` order: those filed one by one (``done``: their
+        digests read back) and the blocks of ``capture_records`` at their places."""
+        batches, at = [], 0
+        for until, cols in [*self._blocks, (len(self._ops), None)]:
+            if until > at:
+                batches.append(self._tuple_batch(self._ops[at:until], done[at:until]))
+                at = until
+            if cols is not None:
+                batches.append(pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
+                                                          schema=S.OPS_SCHEMA))
+        if len(batches) == 1:
+            return batches[0]
+        return pa.Table.from_batches(batches, schema=S.OPS_SCHEMA).combine_chunks().to_batches()[0]
 
-    def _ops_batch(self, done: list) -> pa.RecordBatch:
-        recs = [(*head, *self._digest_cols(d), *tail) for (head, _, tail, _), d in zip(self._ops, done)]
-        cols = dict(zip(_OPS_SCALARS, map(list, zip(*recs))))
-        rows = [d.rows for d in done]
-        lens = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
-        values = [r for r in rows if r is not None]
-        flat = np.concatenate(values) if values else np.empty(0, np.uint64)
-        mask = pa.array([r is None for r in rows])
-        cols["row_digests"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),
-                                                       mask=mask)
-        cols["rank_digests"], cols["rank_disagree"] = rank_columns([r for *_, r in self._ops])
+    @staticmethod
+    def _tuple_batch(ops: list[tuple], done: DigestColumns) -> pa.RecordBatch:
+        heads = [(*head, *tail) for head, _, tail, _ in ops]
+        cols = {**dict(zip(_OPS_FIELDS, map(list, zip(*heads)))), **digest_columns(done)}
+        cols["rank_digests"], cols["rank_disagree"] = rank_columns([r for *_, r in ops])
         return pa.RecordBatch.from_pydict({k: cols[k] for k in S.OPS_SCHEMA.names},
                                           schema=S.OPS_SCHEMA)
 
@@ -286,7 +346,7 @@ class Recorder:
                 staged.append((idx, flat.cpu(), None))
         return staged
 
-    def _steps_batch(self, done: list, staged: list) -> pa.RecordBatch:
+    def _steps_batch(self, done: DigestColumns, staged: list) -> pa.RecordBatch:
         data = [x for _, _, x in self._steps]
         for idx, host, event in staged:  # device bytes: one copy per device, staged before
             if event is not None and not event.query():
@@ -296,23 +356,24 @@ class Recorder:
             for i in idx:
                 n = data[i].numel()
                 data[i], at = flat[at:at + n].tobytes(), at + n
-        recs = [(*head, *self._digest_cols(d), x)
-                for (head, _, _), d, x in zip(self._steps, done, data)]
-        return pa.RecordBatch.from_pydict(dict(zip(_STEPS_COLS, map(list, zip(*recs)))),
+        cols = {**dict(zip(_STEPS_FIELDS, map(list, zip(*(head for head, _, _ in self._steps))))),
+                **{k: v for k, v in digest_columns(done).items() if k != "row_digests"}, "data": data}
+        return pa.RecordBatch.from_pydict({k: cols[k] for k in S.STEPS_SCHEMA.names},
                                           schema=S.STEPS_SCHEMA)
 
     def flush(self) -> None:
         """Write the buffered records as one batch per file (nothing if the buffer is empty)."""
         pending: list[PendingDigest] = [p for _, p, _, _ in self._ops] + [p for _, p, _ in self._steps]
         staged = self._stage_step_bytes()
-        done = materialize(pending)  # the step's one read-back per device
-        if self._ops:
+        done = materialize_columns(pending)  # the step's one read-back per device
+        if self._ops or self._blocks:
             batch = self._ops_batch(done[:len(self._ops)])
             if self.writer is not None:
                 self.writer.write_ops(batch, rank=self.rank)
             else:
                 self._kept_ops.append(batch)
             self._ops.clear()
+            self._blocks.clear()
         if self._steps:
             batch = self._steps_batch(done[len(pending) - len(self._steps):], staged)
             if self.writer is not None:

@@ -71,9 +71,19 @@ def _stats_np(x: torch.Tensor) -> np.ndarray:
 
 def summary(numel: int, s: np.ndarray) -> tuple[int, float, float]:
     """``(nonfinite, l2, maxabs)`` of ``numel`` elements from ``stats_vec`` read back."""
-    sq, mx, mn, bad = s.tolist()
-    if numel == 0:
-        return 0, 0.0, 0.0
-    if math.isnan(sq):  # NaN propagates into l2 and maxabs
-        return int(bad), math.nan, math.nan
-    return int(bad), math.sqrt(sq), max(mx, -mn)
+    bad, l2, mx = summaries(np.asarray([numel], np.int64), np.asarray(s, np.float64).reshape(1, 4))
+    return int(bad[0]), float(l2[0]), float(mx[0])
+
+
+def summaries(numel: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``summary`` of many records at once: ``numel`` ``int64 [n]``, ``s`` ``float64 [n, 4]``
+    (``stats_vec`` of each, read back) → ``nonfinite`` ``int64 [n]``, ``l2`` and ``maxabs``
+    ``float64 [n]``. An empty tensor's are 0; a NaN in the sum of squares (a NaN element)
+    propagates into ``l2`` and ``maxabs``."""
+    sq, mx, mn, bad = np.asarray(s, np.float64).T
+    nan, empty = np.isnan(sq), np.asarray(numel) == 0
+    with np.errstate(invalid="ignore"):
+        l2 = np.where(nan, np.nan, np.sqrt(np.where(nan, 0.0, sq)))
+    maxabs = np.where(nan, np.nan, np.where(-mn > mx, -mn, mx))  # max(mx, -mn), ties to mx
+    return (np.where(empty, 0, bad).astype(np.int64), np.where(empty, 0.0, l2),
+            np.where(empty, 0.0, maxabs))

@@ -63,14 +63,32 @@ class OperatorTrace:
             rank: the calling rank; ``None`` takes ``site["rank"]`` (0 when absent).
         """
         rank = int(site.get("rank", 0) if rank is None else rank)
-        component = site.get("component", "mmdit")
-        key = (rank, component, site.get("op"), site.get("block", -1), site.get("stream", "none"),
-               site.get("call", 0))
+        key = (rank, site.get("component", "mmdit"), site.get("op"), site.get("block", -1),
+               site.get("stream", "none"), site.get("call", 0))
+        self._count(key, contract=contract, requested=requested, actual=actual, kernel=kernel,
+                    fallback=fallback, reason=reason, declared=declared, device=device)
+
+    def record_calls(self, keys: list[tuple], fields: list[dict[str, Any]]) -> None:
+        """Count many calls at once, as ``record`` would one by one (a replayed forward's,
+        ``drifttool.model.replay``): ``keys`` the sites ``(rank, component, op, block, stream,
+        call)``, ``fields`` each call's other arguments of ``record`` (``device`` included)."""
+        entries = self._entries
+        for key, kw in zip(keys, fields, strict=True):
+            e = entries.get(key)
+            if e is not None and e.actual == kw["actual"] and e.kernel == kw["kernel"] \
+                    and e.fallback == kw["fallback"] and e.device == kw.get("device", "cpu"):
+                e.calls += 1  # the common case, without ``_count``'s argument binding
+            else:
+                self._count(key, **kw)
+
+    def _count(self, key: tuple, *, contract: str, requested: str, actual: str, kernel: str,
+               fallback: bool, reason: str, declared: bool, device: str = "cpu") -> None:
         entry = self._entries.get(key)
         if entry is None:
+            rank, component, op, block, stream, call = key
             self._entries[key] = TraceEntry(
-                rank=rank, device=device, component=component, op=key[2], block=key[3],
-                stream=key[4], call=key[5], contract=contract, requested=requested,
+                rank=rank, device=device, component=component, op=op, block=block,
+                stream=stream, call=call, contract=contract, requested=requested,
                 actual=actual, kernel=kernel, fallback=fallback, reason=reason,
                 declared=declared,
             )

@@ -16,13 +16,14 @@ What a replay keeps of an eager forward:
 * **inputs** are copied into the graph's static buffers (``x``, ``txt``, ``txt_mask``, ``tau``,
   the edit pipelines' ``cond``);
   the returned velocity is a copy of the graph's output buffer (the next replay rewrites it);
-* **the operator trace**: the capture logs every traced call in program order; a replay records
-  them again through ``rt.site``, so call counters, sites and counts are those of an eager call;
+* **the operator trace**: the capture logs every traced call in program order; after a replay
+  they are counted again in bulk (``model.replay``), so call counters, sites and counts are
+  those of an eager call;
 * **capture records (L1, L2)**: the digest kernels of every captured output are part of the graph
   (``capture.recorder.record_parts``: the same kernels on the same tensors); after a replay the
-  digests are read back at once (one host synchronisation per forward) and handed to the
-  recorder under the sites of this call (step, sigma, branch, ``op_pos``), as an eager forward
-  hands its pending digests;
+  digests are read back at once (one host synchronisation per forward) and filed as one block of
+  records built from a template of the forward (``model.replay.ReplayRecords``) under the
+  replay's scope (step, sigma, branch), with the ``call`` and ``op_pos`` an eager call gets;
 * **parameters** are read where they lie: a weight changed in place is seen by the next replay;
   a parameter that was replaced (another storage) makes the graphs stale, and they are captured
   anew (the parameters' addresses are compared at every call).
@@ -42,59 +43,15 @@ this wrapper; ``reset()`` frees them.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from drifttool.capture.digest import materialize
-from drifttool.capture.recorder import record_parts
-from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
+from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
-
-
-@dataclass
-class _Call:
-    """One traced call of the captured forward: its site's op, stream and block, the trace
-    entry's fields, and its captured outputs ``(index, role, [(part, pending digest)])``."""
-
-    op: str
-    stream: str
-    block: int
-    trace: dict[str, Any]
-    captures: list = field(default_factory=list)
-
-
-class _LoggingTrace(OperatorTrace):
-    """An operator trace that also logs every call, in program order (the capture's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[_Call] = []
-
-    def record(self, *, site: dict[str, Any], **kw: Any) -> None:
-        super().record(site=site, **kw)
-        self.log.append(_Call(site["op"], site["stream"], site["block"], kw))
-
-
-class _CaptureLog:
-    """The recorder of a capture: starts each captured output's digest kernels (inside the
-    graph) and files their pending digests under the call that produced them."""
-
-    def __init__(self, level: str, trace: _LoggingTrace) -> None:
-        self.level = level
-        self._trace = trace
-
-    def capture(self, site: dict[str, Any], tensor: torch.Tensor, layout: str, index: int = 0,
-                role: str = "output") -> None:
-        call = self._trace.log[-1]  # the registry traces a call, then captures its outputs
-        if (call.op, call.stream, call.block) != (site["op"], site["stream"], site["block"]):
-            raise UnsupportedConfigError(f"CUDA graph capture: output of {site['op']} captured "
-                                         f"outside its traced call ({call.op})")
-        call.captures.append((index, role, record_parts(site, tensor, layout, self.level)))
 
 
 @dataclass
@@ -102,7 +59,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor | None, ...]  # x, txt, txt_mask, tau, cond
     out: torch.Tensor
-    log: list[_Call]
+    records: ReplayRecords
     keep: tuple = field(default=(), repr=False)  # constants the graph reads (RoPE tables)
 
 
@@ -185,15 +142,7 @@ class GraphedForward:
                 static.copy_(new)
         g.graph.replay()
         self.replays += 1
-        captured = []
-        for call in g.log:  # the trace (and records) an eager call would leave
-            site = rt.site(call.op, call.stream, block=call.block)
-            rt.trace.record(site=site, **call.trace)
-            captured.extend((site, *c) for c in call.captures)
-        if captured:  # the digests of this replay, read back before the next one rewrites them
-            done = iter(materialize([d for *_, parts in captured for _, d in parts]))
-            for site, index, role, parts in captured:
-                rt.recorder.capture_digested(site, [(p, next(done)) for p, _ in parts], index=index, role=role)
+        g.records.file(rt)  # the trace, counters and records an eager call would leave
         return g.out.clone()
 
     def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids) -> _Graph:
@@ -202,10 +151,8 @@ class GraphedForward:
                            algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
                            cond_grids=cond_grids)
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
-        log = _LoggingTrace()
         level = self._level(rt)
-        quiet = dataclasses.replace(rt, recorder=None if level is None else _CaptureLog(level, log), trace=log,
-                                    _scope=rt.current_scope(), _calls={})
+        quiet, log = logging_runtime(rt, level)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -218,7 +165,7 @@ class GraphedForward:
                 f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "
                 "run it eagerly (call the model itself)") from e
         self.captures += 1
-        return _Graph(graph, inputs, out, log.log, keep)
+        return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 
 def _frozen(v: Any) -> Any:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from drifttool.capture.digest import _halves, _row_sums, digest_tensor, materialize, pending_rows
+from drifttool.capture.digest import (ReadBack, _halves, _row_sums, digest_tensor, materialize,
+                                      materialize_columns, pending_rows)
 from drifttool.capture.layout import canonicalize, flat_parts
 
 
@@ -114,3 +115,37 @@ def test_an_empty_text_part_has_the_digest_of_an_empty_tensor():
         w = digest_tensor(c.tensor, row_axis=0)
         assert (d.shape, d.digest, d.l2, d.maxabs) == (w.shape, w.digest, w.l2, w.maxabs)
         assert np.array_equal(d.rows, w.rows)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_planned_read_back_reads_tables_rewritten_in_place(splits):
+    """``ReadBack`` plans once and reads what the row tables hold at each call, as after each
+    replay of a CUDA graph that rewrites them: each call equals a fresh ``materialize_columns``
+    of the tensors written since, and a digest read back already passes through."""
+    rng = np.random.default_rng()
+    site = {"stream": "joint", "samples": [0, 1, 2], "txt_lens": [2, 5, 0], "img_grid": (2, 3)}
+    shape, other_shape = (3, 11, 7), (5, 4)
+    tables = [cpu_table(flat_parts(site, torch.zeros(shape), "BS.")[0], splits),
+              cpu_table(torch.zeros(other_shape), splits)]
+    parts = flat_parts(site, torch.zeros(shape), "BS.")[1]
+    pend = [pending_rows(tables[0], torch.float32, f.shape, f.ranges, keep_rows=True) for f in parts]
+    pend.append(pending_rows(tables[1], torch.float32, other_shape, ((0, 5),), keep_rows=False))
+    pend.append(digest_tensor(torch.ones(2, 2), row_axis=0))
+    plan = ReadBack(pend)
+    for _ in range(3):
+        t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        u = torch.from_numpy(rng.standard_normal(other_shape).astype(np.float32))
+        for (rows, stats), new in zip(tables, (cpu_table(flat_parts(site, t, "BS.")[0], splits),
+                                               cpu_table(u, splits))):
+            rows.copy_(new[0])
+            stats.copy_(new[1])
+        fresh = [pending_rows(cpu_table(flat_parts(site, t, "BS.")[0], splits), torch.float32, f.shape,
+                              f.ranges, keep_rows=True) for f in parts]
+        fresh += [pending_rows(cpu_table(u, splits), torch.float32, other_shape, ((0, 5),), keep_rows=False),
+                  pend[-1]]
+        got, want = plan().records(), materialize_columns(fresh).records()
+        assert [(d.digest, d.nonfinite, d.l2, d.maxabs) for d in got] == \
+            [(d.digest, d.nonfinite, d.l2, d.maxabs) for d in want]
+        assert [None if d.rows is None else d.rows.tolist() for d in got] == \
+            [None if d.rows is None else d.rows.tolist() for d in want]
+        assert got[0].digest == digest_tensor(canonicalize(site, t, "BS.")[0].tensor, row_axis=0).digest

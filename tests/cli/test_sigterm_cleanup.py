@@ -8,7 +8,10 @@ import sys
 import time
 
 
-def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
+def _verify_and_terminate(tmp_path) -> tuple[int, str]:
+    """Start ``fixture verify``, send SIGTERM once its re-run folder exists; its exit status and
+    stderr. On a loaded machine the tiny re-run can finish before the signal arrives (status 0)."""
+    tmp_path.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "drifttool", "fixture", "verify", "tiny-t2i"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -17,8 +20,16 @@ def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, (proc.returncode, err.decode()[-2000:])
-    assert "Traceback" not in err.decode(), err.decode()[-2000:]
-    assert err.decode().strip().splitlines()[-1] == "terminated (SIGTERM)"  # its re-run is gone
-    assert not list(tmp_path.glob("drifttool-verify-*")), list(tmp_path.iterdir())
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode()
+
+
+def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
+    for attempt in range(3):  # a verify that finished before the signal did not test it: again
+        code, err = _verify_and_terminate(tmp_path / str(attempt))
+        if code != 0:
+            break
+    assert code == 143, (code, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "terminated (SIGTERM)"  # its re-run is gone
+    assert not list((tmp_path / str(attempt)).glob("drifttool-verify-*")), list(tmp_path.iterdir())
