@@ -201,4 +201,5 @@ def _branches(branches: Any, rows: list[int]) -> list[str]:
     (``recorder.row_branch``; ``-1``: a record without a batch axis)."""
     if isinstance(branches, str):
         return [branches] * len(rows)
-    return [row_branch(branches, None if r < 0 else r) for r in rows]
+    names = {r: row_branch(branches, None if r < 0 else r) for r in set(rows)}
+    return [names[r] for r in rows]
