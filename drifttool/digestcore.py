@@ -276,6 +276,23 @@ def level2_np(rows: np.ndarray, row_offset: int = 0) -> int:
     return int(modsum(np.array(parts, np.int64), 0)) if parts else 0
 
 
+def level2_segments_np(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``level2_np`` of many records at once: ``rows`` ``int64 [2, ΣR]`` holds ``T``, ``T'`` of
+    each record's rows, the records one after another, ``lengths`` their row counts (each in
+    ``[1, ROW_CHUNK]``, rows numbered from 0 within each record). Returns ``int64 [n]``: each
+    record's ``Σ_r A[r] T[r] + A'[r] T'[r] mod p`` (sums of at most ``ROW_CHUNK`` products of
+    21-bit limbs per record stay below ``2**59``, as in ``level2``)."""
+    lengths = np.asarray(lengths, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    local = np.arange(rows.shape[1], dtype=np.int64) - np.repeat(starts, lengths)
+    a = np_table("row", int(lengths.max(initial=1)))[:, :, local]  # [2, 3, ΣR]: limbs of A, A'
+    c = _NP_CONSTS
+    t = (rows.reshape(2, 1, -1) >> c["s3"]) & _M21  # [2, 3 (limb j), ΣR]
+    prod = (a.reshape(2, 3, 1, -1) * t.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), ΣR] < 2**43
+    u = np.add.reduceat(prod, starts, axis=2)  # [3, 3, n] < 2**59
+    return modsum(rot(fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
+
+
 def partial_np(array: np.ndarray, dtype: str, *, row_axis: int | None = None, row_offset: int = 0,
                col_offset: int = 0) -> tuple[np.ndarray, int]:
     """A shard's part: ``(int64 [2, R_shard] partial T, T' over its columns, partial V over its

@@ -235,13 +235,67 @@ class PendingDigest:
     vec: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PendingWords:
+    """A small CPU tensor's digest, its row sums left to ``materialize``: there the words of
+    every such record read back together are summed in one product per word width
+    (``_finish_words``) instead of a dozen small numpy calls per record.
+
+    ``halves`` is ``[R, C, H]`` (``digestcore.halves_np``), a copy taken at capture (a later
+    in-place write to the tensor cannot reach it); ``stats`` the summary's ``float64 [4]``
+    (``summary.stats_vec``), computed at capture.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    header: int
+    numel: int
+    keep_rows: bool
+    halves: np.ndarray
+    stats: np.ndarray
+
+
+_DEFER_ELEMENTS = 1 << 16
+"""CPU tensors of at most this many elements (and at least one) leave their row sums to
+``materialize`` (``PendingWords``): a copy of their words costs less than the per-record calls."""
+
+
+def _finish_words(pending: list[PendingWords]) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """``V`` without header (``int64 [n]``) and the kept row digests of ``pending``: the rows of
+    every record with the same half width and a column count in the same power-of-two bucket go
+    into one zero-padded ``[ΣR, C, H]`` block (a zero word adds nothing to ``T``), summed by
+    ``digestcore.row_sums_np``; level 2 per record by ``digestcore.level2_segments_np``."""
+    value = np.zeros(len(pending), np.int64)
+    rows: list[np.ndarray | None] = [None] * len(pending)
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, p in enumerate(pending):
+        r, c, h = p.halves.shape
+        buckets.setdefault((h, 1 << max(0, c - 1).bit_length()), []).append(i)
+    for (h, width), idx in buckets.items():
+        lengths = np.asarray([pending[i].halves.shape[0] for i in idx], np.int64)
+        block = np.zeros((int(lengths.sum()), width, h), np.uint16)
+        at = 0
+        for i, n in zip(idx, lengths.tolist()):
+            x = pending[i].halves
+            block[at:at + n, :x.shape[1]] = x
+            at += n
+        t = core.row_sums_np(block, 0)  # [2, ΣR]: T, T'
+        value[idx] = core.level2_segments_np(t, lengths)
+        at = 0
+        for i, n in zip(idx, lengths.tolist()):
+            if pending[i].keep_rows:
+                rows[i] = t[0, at:at + n].astype(np.uint64)
+            at += n
+    return value, rows
+
+
 def _stats_vec(t: torch.Tensor) -> torch.Tensor:
     """``summary.stats_vec`` on the path this module's CPU tensors take (``_CPU_NUMPY``)."""
     return stats_vec(t, numpy=_CPU_NUMPY)
 
 
 def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
-                   keep_rows: bool = False) -> PendingDigest | PendingRows:
+                   keep_rows: bool = False) -> PendingDigest | PendingRows | PendingWords:
     """Start digest v2 and the summary of ``t`` on its device (no host sync).
 
     Args:
@@ -258,6 +312,9 @@ def digest_pending(t: torch.Tensor, *, row_axis: int | None = None,
         return dataclasses.replace(fast, keep_rows=keep_rows and row_axis is not None)
     name = dtype_name(t.dtype)
     header = core.header_value(name, tuple(t.shape))
+    if t.device.type == "cpu" and _CPU_NUMPY and 0 < t.numel() <= _DEFER_ELEMENTS:
+        return PendingWords(name, tuple(t.shape), header, t.numel(), keep_rows,
+                            _halves(t, row_axis).numpy().copy(), _stats_vec(t).numpy())
     rows = _row_sums(_halves(t, row_axis), 0)
     v = _level2(rows, 0)
     parts = [v.reshape(1), _stats_vec(t).view(torch.int64)]
@@ -299,13 +356,14 @@ class ReadBack:
     call reads what the digests hold then (a CUDA graph's replay rewrites them,
     ``drifttool.model.replay``)."""
 
-    def __init__(self, pending: list[PendingDigest | PendingRows | TensorDigest]) -> None:
+    def __init__(self, pending: list[PendingDigest | PendingRows | PendingWords | TensorDigest]) -> None:
         n = len(pending)
         self._pending = pending
         self._dtype, self._shape = [p.dtype for p in pending], [p.shape for p in pending]
         self._header = np.zeros(n, np.int64)
         self._numel = np.zeros(n, np.int64)
         self._done: list[int] = []
+        self._words: list[int] = []
         by_dev: dict[torch.device, list[int]] = {}
         rows_by_dev: dict[torch.device, list[int]] = {}
         for i, p in enumerate(pending):
@@ -315,6 +373,8 @@ class ReadBack:
                 self._header[i], self._numel[i] = p.header, p.numel
                 if isinstance(p, PendingRows):
                     rows_by_dev.setdefault(p.table[0].device, []).append(i)
+                elif isinstance(p, PendingWords):
+                    self._words.append(i)
                 else:
                     by_dev.setdefault(p.vec.device, []).append(i)
         self._tables = [(idx, RowTables([pending[i] for i in idx])) for idx in rows_by_dev.values()]
@@ -332,6 +392,12 @@ class ReadBack:
         rows: list[np.ndarray | None] = [None] * n
         for idx, tables in self._tables:
             value[idx], kept, st[idx] = tables()
+            for i, r in zip(idx, kept):
+                rows[i] = r
+        if self._words:
+            idx = self._words
+            value[idx], kept = _finish_words([p[i] for i in idx])
+            st[idx] = np.stack([p[i].stats for i in idx])
             for i, r in zip(idx, kept):
                 rows[i] = r
         for idx, vecs, at, kept in self._vecs:
@@ -392,6 +458,6 @@ def stats(t: torch.Tensor) -> tuple[int, float, float]:
     return summary(t.numel(), _stats_vec(t).cpu().numpy())
 
 
-__all__ = ["P", "DigestColumns", "Partial", "PendingDigest", "PendingRows", "pending_rows", "TensorDigest", "combine",
+__all__ = ["P", "DigestColumns", "Partial", "PendingDigest", "PendingRows", "PendingWords", "pending_rows", "TensorDigest", "combine",
            "digest", "digest_pending", "digest_tensor", "dtype_from_name", "dtype_name",
            "materialize", "materialize_columns", "ReadBack", "partial", "raw_bytes", "row_digests", "stats"]

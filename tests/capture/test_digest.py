@@ -61,6 +61,37 @@ def test_fast_path_equals_the_definition(dtype, shape, seed, data):
         assert d.rows.dtype == np.uint64 and d.rows.tolist() == rows
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES + [torch.complex64, torch.int32]),
+                          st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
+                          st.integers(0, 2**32), st.booleans()), min_size=1, max_size=8), st.data())
+def test_small_cpu_digests_read_back_together_equal_the_definition(specs, data):
+    """Small CPU tensors leave their row sums to the read-back (``PendingWords``), where records
+    of every dtype, width and row count are summed together: each equals the definition, and a
+    write into the tensor after capture does not reach its digest."""
+    ts = [random_tensor(seed, dtype, shape) for dtype, shape, seed, _ in specs]
+    axes = [data.draw(st.sampled_from([None, *range(t.dim())])) for t in ts]
+    keeps = [k for *_, k in specs]
+    pending = [digest_pending(t, row_axis=a, keep_rows=k) for t, a, k in zip(ts, axes, keeps)]
+    want = [(ref(t, a), stats(t)) for t, a in zip(ts, axes)]
+    for t in ts:  # written in place after capture (the copy of its words is what counts)
+        if t.numel():
+            t.view(-1).view(torch.uint8).fill_(7)
+    for d, ((v, rows), (bad, l2, maxabs)), k in zip(materialize(pending), want, keeps):
+        assert d.digest == v
+        assert (d.rows is None) == (not k) and (d.rows is None or d.rows.tolist() == rows)
+        assert d.nonfinite == bad and np.array_equal([d.l2, d.maxabs], [l2, maxabs], equal_nan=True)
+
+
+def test_small_and_large_cpu_digests_in_one_read_back():
+    small, large = torch.randn(3, 5), torch.randn(D._DEFER_ELEMENTS + 1)
+    pending = [digest_pending(small, row_axis=0, keep_rows=True), digest_pending(large)]
+    assert isinstance(pending[0], D.PendingWords) and isinstance(pending[1], D.PendingDigest)
+    got = materialize(pending)
+    assert got[0].digest == ref(small, 0)[0] and got[0].rows.tolist() == ref(small, 0)[1]
+    assert got[1].digest == ref(large, None)[0] and got[1].rows is None
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(DTYPES + [torch.complex64, torch.int32]),
        st.lists(st.integers(0, 30), min_size=0, max_size=3).map(tuple), st.integers(0, 2**32),
@@ -218,7 +249,9 @@ def test_digest_tensor_record_and_batched_read_back():
     assert digest_tensor(x).rows is None and digest_tensor(x, row_axis=0, keep_rows=False).rows is None
     ts = [random_tensor(s, dt, (3, 2 + s)) for s, dt in enumerate(DTYPES)]
     pending = [digest_pending(t, row_axis=0, keep_rows=s % 2 == 0) for s, t in enumerate(ts)]
-    assert all(p.vec.device == t.device and p.vec.dtype == torch.int64 for p, t in zip(pending, ts))
+    # small CPU tensors keep a copy of their words for the batched read-back; others a device vec
+    assert all(isinstance(p, D.PendingWords) if t.device.type == "cpu" and t.numel() else
+               p.vec.device == t.device and p.vec.dtype == torch.int64 for p, t in zip(pending, ts))
     many = materialize(pending)
     one = [digest_tensor(t, row_axis=0, keep_rows=s % 2 == 0) for s, t in enumerate(ts)]
     for a, b in zip(many, one):
