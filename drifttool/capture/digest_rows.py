@@ -3,11 +3,11 @@ digest v2's key tables on a device, which every device path shares.
 
     table = gpu_rows.row_table(flat)                      # [rows, C] -> per-row partial sums
     pending = [pending_rows(table, dtype, part.shape, part.ranges, keep_rows) for part in parts]
-    finish_row_tables(pending)  # V without header, kept row digests, fp64 [n, 4] stats
+    RowTables(pending)()  # V without header, kept row digests, fp64 [n, 4] stats
 
 On a CUDA device the recorder digests a whole operator output once per row of its flat view
 (``gpu_rows.row_table``, one Triton pass) and cuts each logical sample's part from that table as
-row ranges (``layout.flat_parts``); ``finish_row_tables`` then computes level 2
+row ranges (``layout.flat_parts``); ``RowTables`` then computes level 2
 (``V = Σ_r A[r] T[r] + A'[r] T'[r]``, ``drifttool.capture.digest``) and the summaries of every
 pending record of a step, vectorised, with one read-back. ``drifttool.capture.digest.materialize`` calls it; the values are
 the canonical path's (``digest_pending``), bit for bit.
@@ -117,19 +117,13 @@ def _segment_sums(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) 
     return out
 
 
-def finish_row_tables(pending: list[PendingRows]
-                      ) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray]:
-    """Level 2 and the summaries of ``pending`` (one device), vectorised over every record, one
-    read-back: ``V`` without header (``int64 [n]``), the kept rows per record (``uint64`` or
-    ``None``) and the stats (``float64 [n, 4]``, ``summary.stats_vec``)."""
-    return RowTables(pending)()
-
-
 class RowTables:
-    """``finish_row_tables`` of a fixed list of ``PendingRows`` (one device), planned once: the
-    grouping of their row tables and each record's row segments are worked out on the host (and
-    moved to the device) here; each call reads what the tables hold then (a CUDA graph's replay
-    rewrites them, ``drifttool.model.replay``) and returns what ``finish_row_tables`` does."""
+    """Level 2 and the summaries of a fixed list of ``PendingRows`` (one device), vectorised over
+    every record. The grouping of their row tables and each record's row segments are planned
+    once, on the host (and moved to the device), here; each call reads what the tables hold then
+    (a CUDA graph's replay rewrites them, ``drifttool.model.replay``), in one read-back, and
+    returns ``V`` without header (``int64 [n]``), the kept rows per record (``uint64`` or
+    ``None``) and the stats (``float64 [n, 4]``, ``summary.stats_vec``)."""
 
     def __init__(self, pending: list[PendingRows]) -> None:
         dev = self._dev = pending[0].table[0].device
