@@ -6,30 +6,56 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+STEP_WRITTEN = "drifttool-verify-*/replay/steps.rank0.arrows"
+"""The re-run's first step is in its artifact: its imports are done (a SIGTERM that lands while
+Python compiles or initialises a module can be lost, and the command then ends with exit 0)."""
 
 
-def _verify_and_terminate(tmp_path) -> tuple[int, str]:
-    """Start ``fixture verify``, send SIGTERM once its re-run folder exists; its exit status and
-    stderr. On a loaded machine the tiny re-run can finish before the signal arrives (status 0)."""
+def _state(pid: int) -> str:
+    """The state letter in ``/proc/PID/stat`` (``T`` stopped, ``Z`` exited); ``X`` once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
+
+
+def _verify_and_terminate(tmp_path) -> tuple[bool, int, str]:
+    """Start ``fixture verify``; once its re-run has written its first step, freeze the process
+    (SIGSTOP) and, if the re-run folder is still there, send SIGTERM before letting it go on
+    (SIGCONT): the signal then lands in the re-run whatever the scheduler does. Returns (SIGTERM
+    sent, exit status, stderr). The rest of the re-run and its diff take about 0.6 s; a test
+    that falls further behind on a loaded machine sees the verify end (exit 0) before that step
+    was seen, or finds the folder gone when it freezes it: no SIGTERM is sent, nothing tested."""
     tmp_path.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "drifttool", "fixture", "verify", "tiny-t2i"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("drifttool-verify-*")):  # the re-run has started
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    sent = False
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the re-run wrote no step in 120 s"
+        if list(tmp_path.glob(STEP_WRITTEN)):
+            proc.send_signal(signal.SIGSTOP)
+            while _state(proc.pid) not in "TtZX":
+                time.sleep(0.001)
+            if list(tmp_path.glob("drifttool-verify-*")):  # frozen inside the re-run
+                proc.send_signal(signal.SIGTERM)
+                sent = True
+            proc.send_signal(signal.SIGCONT)
+            break
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    return proc.returncode, err.decode()
+    return sent, proc.returncode, err.decode()
 
 
 def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
-    for attempt in range(3):  # a verify that finished before the signal did not test it: again
-        code, err = _verify_and_terminate(tmp_path / str(attempt))
-        if code != 0:
+    for attempt in range(3):  # a verify that ended (exit 0) before it could be signalled: again
+        sent, code, err = _verify_and_terminate(tmp_path / str(attempt))
+        if sent or code != 0:
             break
-    assert code == 143, (code, err[-2000:])
+    assert sent and code == 143, (sent, code, err[-2000:])
     assert "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == "terminated (SIGTERM)"  # its re-run is gone
     assert not list((tmp_path / str(attempt)).glob("drifttool-verify-*")), list(tmp_path.iterdir())
