@@ -78,6 +78,9 @@ class _Group(TyperGroup):
         except Exception as e:  # noqa: BLE001 - a bug outside a command's own handling
             internal_error(e)
             code = ExitCode.INTERNAL
+        if _SIGTERM_SEEN and code != ExitCode.TERMINATED:  # the handler's exception was lost
+            stopped(Terminated())
+            code = ExitCode.TERMINATED
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -169,7 +172,15 @@ def _terminated(signum: int, frame: Any) -> None:
     unwinds through: its ``finally`` and context-manager cleanups run (a temporary re-run is
     removed, an open artifact closed ``complete: false``), then one line saying so, exit 143
     (``ExitCode.TERMINATED``)."""
+    global _SIGTERM_SEEN
+    _SIGTERM_SEEN = True
     raise Terminated()
+
+
+_SIGTERM_SEEN = False
+"""Set by ``_terminated``: Python can lose the exception a signal handler raises when the signal
+arrives while a module is being imported (the command then runs to its end); the group's
+``main`` still exits 143 with the one line when this is set."""
 
 
 class _Unpadded:

@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from drifttool.cli import app as cli_app
+
 STEP_WRITTEN = "drifttool-verify-*/replay/steps.rank0.arrows"
 """The re-run's first step is in its artifact: its imports are done (a SIGTERM that lands while
 Python compiles or initialises a module can be lost, and the command then ends with exit 0)."""
@@ -59,3 +63,17 @@ def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
     assert "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == "terminated (SIGTERM)"  # its re-run is gone
     assert not list((tmp_path / str(attempt)).glob("drifttool-verify-*")), list(tmp_path.iterdir())
+
+
+def test_a_sigterm_whose_exception_python_lost_still_exits_143(monkeypatch, capsys):
+    """A SIGTERM that lands while a module is being imported can lose the handler's exception
+    (the command then runs to its end); the handler's flag still makes the exit 143, one line."""
+    monkeypatch.setattr(cli_app, "_SIGTERM_SEEN", True)
+    with pytest.raises(SystemExit) as e:
+        cli_app.build(cli_app.invoked(["--version"]))(["--version"])
+    assert e.value.code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated (SIGTERM)"
+    monkeypatch.setattr(cli_app, "_SIGTERM_SEEN", False)
+    with pytest.raises(SystemExit) as e:
+        cli_app.build(cli_app.invoked(["--version"]))(["--version"])
+    assert e.value.code == 0
