@@ -9,8 +9,10 @@ eager forward filed call by call (a site and a trace entry per operator call, a 
 captured part) is then filed on the host, while the GPU waits for the next launch. This measures
 that host work alone, on the CPU: a forward of a ``--layers``-block transformer of the tiny
 width (the same operator calls and records per forward as the full model: 1,865 records at
-batch 1) is run once under ``model.replay.logging_runtime``, its digests are computed, and
-each configuration files them ``--repeat`` times, each into its own step, flushing the step's
+batch 1) is run once under ``model.replay.logging_runtime``, its digests are computed and read
+back once (a GPU's row tables are finished on the device; the CPU's small-tensor digests would
+otherwise be summed again at every filing and hide what is timed), and each configuration files
+them ``--repeat`` times, each into its own step, flushing the step's
 batch as the sampler does once per step:
 
 * **one by one**: ``Runtime.site`` and ``OperatorTrace.record`` per call, then
@@ -92,6 +94,10 @@ def main() -> None:
             with rt0.scope(**_scope(batch, 0)), torch.no_grad():
                 quiet, log = logging_runtime(rt0, level)
                 model(x, txt, None, torch.rand(batch, generator=g), GRID, quiet)
+            for call in log.calls:  # digests read back once: what is timed is the filing
+                call.captures = [(i, role, [(part, d) for (part, _), d in
+                                            zip(parts, materialize([d for _, d in parts]))])
+                                 for i, role, parts in call.captures]
             records = ReplayRecords(log.calls, level)
             runs = {name: Runtime(mode="strict", recorder=Recorder(level)) for name in ("one", "bulk")}
             times: dict[str, list[float]] = {name: [] for name in runs}
