@@ -36,6 +36,11 @@ class TraceEntry:
     calls: int = 1
 
 
+def _same_backend(e: TraceEntry, actual: str, kernel: str, fallback: bool, device: str) -> bool:
+    """Whether a call of ``e``'s site ran where and as ``e`` says (then it only counts)."""
+    return (e.actual, e.kernel, e.fallback, e.device) == (actual, kernel, fallback, device)
+
+
 class OperatorTrace:
     """Accumulates trace entries keyed by call site."""
 
@@ -75,8 +80,8 @@ class OperatorTrace:
         entries = self._entries
         for key, kw in zip(keys, fields, strict=True):
             e = entries.get(key)
-            if e is not None and e.actual == kw["actual"] and e.kernel == kw["kernel"] \
-                    and e.fallback == kw["fallback"] and e.device == kw.get("device", "cpu"):
+            if e is not None and _same_backend(e, kw["actual"], kw["kernel"], kw["fallback"],
+                                               kw.get("device", "cpu")):
                 e.calls += 1  # the common case, without ``_count``'s argument binding
             else:
                 self._count(key, **kw)
@@ -94,8 +99,7 @@ class OperatorTrace:
             )
             return
         entry.calls += 1
-        if (entry.actual, entry.kernel, entry.fallback, entry.device) != (actual, kernel, fallback,
-                                                                          device):
+        if not _same_backend(entry, actual, kernel, fallback, device):
             # A site that changes backend or device between calls is itself a finding: keep the
             # latest backend and device, and the worst fallback state.
             entry.actual, entry.kernel, entry.device = actual, kernel, device
