@@ -112,6 +112,22 @@ class Part:
     row_axis: int | None
     rows: RowMap | None
 
+    def without_tensor(self) -> "PartId":
+        """What a capture record keeps of this part once its digest has started."""
+        return PartId(self.sample, self.row_axis, self.rows)
+
+
+@dataclass(frozen=True)
+class PartId:
+    """A ``Part`` without its tensor: sample, row axis and row map, as a capture record keeps
+    them until the step's digests are read back. Holding the tensor there would keep every
+    captured output (a view shares the output's storage) alive for the whole step: a 60-block
+    full-size forward's activations."""
+
+    sample: int
+    row_axis: int | None
+    rows: RowMap | None
+
 
 def cond_grids_of(site: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     """The site's ``cond_grids`` as int pairs (empty when absent or None)."""

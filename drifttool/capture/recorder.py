@@ -74,14 +74,15 @@ def _parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, rows: bool):
     """``(part, pending digest)`` per logical sample of an operator output. On a CUDA device
     with a layout that needs no copy (``layout.flat_parts``) the whole output is digested per
     row in one Triton pass (``gpu_rows.row_table``) and every part is cut from that table;
-    otherwise each canonical part (``layout.canonicalize``) is digested on its own."""
+    otherwise each canonical part (``layout.canonicalize``) is digested on its own, and only its
+    ``PartId`` is kept (not the tensor: the output is freed when the forward drops it)."""
     flat = flat_parts(site, tensor, layout) if gpu_rows.available(tensor) else None
     if flat is not None and flat[0].shape[0] <= ROW_CHUNK:
         table = gpu_rows.row_table(flat[0])
         return [(p, pending_rows(table, tensor.dtype, p.shape, p.ranges,
                                  keep_rows=rows and p.row_axis is not None)) for p in flat[1]]
-    return [(p, digest_pending(p.tensor, row_axis=p.row_axis,
-                               keep_rows=rows and p.row_axis is not None))
+    return [(p.without_tensor(), digest_pending(p.tensor, row_axis=p.row_axis,
+                                                keep_rows=rows and p.row_axis is not None))
             for p in canonicalize(site, tensor, layout)]
 
 

@@ -13,7 +13,7 @@ import torch
 from drifttool.artifact import open_run
 from drifttool.artifact.writer import ArtifactWriter
 from drifttool.capture.digest import digest, row_digests
-from drifttool.capture.recorder import Recorder
+from drifttool.capture.recorder import Recorder, record_parts
 from drifttool.errors import UnsupportedConfigError
 
 
@@ -154,3 +154,39 @@ def test_capture_through_registry_call(monkeypatch):
     rows = rec.ops_table().to_pylist()
     assert [(r["step"], r["branch"], r["block"], r["call"], r["sample"], r["txt_len"])
             for r in rows] == [(4, "uncond", 2, 0, 7, 2), (4, "uncond", 2, 1, 7, 2)]
+
+
+def _reachable_tensors(root):
+    """Every tensor reachable from ``root`` through Python references."""
+    import gc
+
+    seen, todo, found = set(), [root], []
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        todo.extend(gc.get_referents(obj))
+    return found
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_started_digests_hold_no_tensor_of_the_output(level):
+    """``record_parts`` keeps each part's identity, not its tensor: a recorded forward's log (a
+    CUDA graph's, kept for the graph's life) and a chain's held records would otherwise keep
+    every captured output or its canonical copy alive (a view part holds the output's storage):
+    at L2 of a full-size forward, the attention internals of every block."""
+    g = torch.Generator().manual_seed(7)
+    out = torch.randn(2, 2 + 15 * 20, 257, generator=g)  # [B, 2 + 300, C]: parts over 2**16 elements
+    want = [digest(torch.cat([out[0, :1], out[0, 2:]]), row_axis=0), digest(out[1], row_axis=0)]
+    s = site(op="img_mod_linear", img_grid=(15, 20))
+    parts = record_parts(s, out, "BS.", level)
+    held = [t for t in _reachable_tensors(parts) if t.untyped_storage().nbytes() > 1 << 14]
+    assert held == []  # the pending digests: a few words and (L2) one word per row
+    assert [(p.sample, p.row_axis, p.rows.txt_len) for p, _ in parts] == [(5, 0, 1), (6, 0, 2)]
+    rec = Recorder(level)
+    rec.capture_digested(s, parts)
+    rec.flush()
+    assert rec.ops_table().column("digest").to_pylist() == want
