@@ -84,13 +84,31 @@ def test_a_table_becomes_hooks_that_record_in_program_order():
     assert not [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
 
 
+class _KeywordModel(_Model):
+    """The same model, its blocks called with ``x`` as a keyword."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        for blk in self.blocks:
+            h, _ = blk(x=h, scale=0.5)
+        return self.out(h)
+
+
 def test_an_input_tap_reads_a_keyword_or_positional_argument():
     model = _Model()
+    keyword = _KeywordModel()
+    keyword.load_state_dict(model.state_dict())
     by_name = (Tap("blocks.*", "adaln_modulation", "img", read="input", item="x"),)
     by_pos = (Tap("blocks.*", "adaln_modulation", "img", read="input"),)
-    digests = [[r["digest"] for r in _run(model, t).recorder.ops_table().to_pylist()]
-               for t in (by_name, by_pos)]
-    assert len(digests[0]) == 4  # 2 blocks x 2 samples
+
+    def digests(m, table):
+        torch.manual_seed(1)  # the same input for every run
+        return [r["digest"] for r in _run(m, table).recorder.ops_table().to_pylist()]
+
+    positional = digests(model, by_name)  # x passed by position, the tap names it
+    assert len(positional) == 4 and len(set(positional)) == 4  # 2 blocks x 2 samples, all distinct
+    assert digests(model, by_pos) == positional  # the first positional argument
+    assert digests(keyword, by_name) == positional  # x passed as a keyword, read by its name
 
 
 @pytest.mark.parametrize("tap,error,match", [
