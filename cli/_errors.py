@@ -29,6 +29,29 @@ class Terminated(SystemExit):
         super().__init__(ExitCode.TERMINATED)
 
 
+class _Signals:
+    """Set by ``cli.app``'s SIGTERM handler. Python can lose the exception a signal handler raises
+    when the signal arrives while a module is being imported; the command then runs on. The
+    group's ``main`` still exits 143 with the one line when ``sigterm`` is set, and a long command
+    stops at its next step (``check_terminated``)."""
+
+    sigterm = False
+
+
+SIGNALS = _Signals()
+
+
+def check_terminated() -> None:
+    """Raise ``Terminated`` if a SIGTERM arrived whose exception was lost: called between the
+    steps of a long command (``drifttool run``'s per-step callback), so it stops within a step.
+
+    Raises:
+        Terminated: ``SIGNALS.sigterm`` is set.
+    """
+    if SIGNALS.sigterm:
+        raise Terminated()
+
+
 def stopped(e: BaseException) -> None:
     """Print the one line of a command stopped by Ctrl-C (``KeyboardInterrupt``, ``typer.Abort``)
     or SIGTERM (``Terminated``), naming each run directory it left, kept and ``complete: false``

@@ -146,21 +146,29 @@ def on_ranks(dims: "ParallelDims", device: str, label: str, steps: int, batch: i
              call: Callable[..., Any], *, quiet: bool = False) -> tuple["DistContext", Any]:
     """Start this process's place in the layout (``start``), run ``call(dist=, parallel=,
     on_step=)`` — with progress bars of the checkpoint load and of ``steps`` × ``batch`` ×
-    ``branches`` on rank 0, none on the other ranks; ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
+    ``branches`` on rank 0, none on the other ranks, and on every rank a stop after the step in
+    which a SIGTERM's exception was lost (``cli._errors.check_terminated``); ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
     and close the process group whatever happens. Returns (dist, result)."""
     from drifttool.cli._console import err, load_reporter, progress, step_task  # lazy: likewise
     from drifttool.distributed import close_distributed  # lazy: likewise
     from drifttool.model.checkpoint import load_progress  # lazy: likewise
 
+    from drifttool.cli._errors import check_terminated  # lazy: likewise
+
     dist = start(dims, device)
     try:
         if dist.rank != 0:
-            return dist, call(dist=dist, parallel=dims)
+            return dist, call(dist=dist, parallel=dims, on_step=lambda _: check_terminated())
         with progress(err if quiet else None) as bar:
             loading = load_reporter(bar)
             task = step_task(bar, label, steps, batch, branches)
+
+            def on_step(_: Any) -> None:
+                bar.advance(task)
+                check_terminated()  # a SIGTERM whose exception was lost stops the run here
+
             with load_progress(loading):
-                return dist, call(dist=dist, parallel=dims, on_step=lambda _: bar.advance(task))
+                return dist, call(dist=dist, parallel=dims, on_step=on_step)
     finally:
         close_distributed(dist)
 

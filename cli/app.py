@@ -40,7 +40,7 @@ from drifttool.cli._command import Command
 from drifttool.cli._completion import completion_help, shell_named
 from drifttool.cli import _console
 from drifttool.cli._console import error_line
-from drifttool.cli._errors import Terminated, internal_error, stopped, user_errors
+from drifttool.cli._errors import SIGNALS, Terminated, internal_error, stopped, user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP, ExitCode
 
@@ -78,7 +78,7 @@ class _Group(TyperGroup):
         except Exception as e:  # noqa: BLE001 - a bug outside a command's own handling
             internal_error(e)
             code = ExitCode.INTERNAL
-        if _SIGTERM_SEEN and code != ExitCode.TERMINATED:  # the handler's exception was lost
+        if SIGNALS.sigterm and code != ExitCode.TERMINATED:  # the handler's exception was lost
             stopped(Terminated())
             code = ExitCode.TERMINATED
         sys.exit(code if isinstance(code, int) else 0)
@@ -171,16 +171,10 @@ def _terminated(signum: int, frame: Any) -> None:
     """SIGTERM (``kill``, a batch scheduler, torchrun stopping its ranks) as an exit the command
     unwinds through: its ``finally`` and context-manager cleanups run (a temporary re-run is
     removed, an open artifact closed ``complete: false``), then one line saying so, exit 143
-    (``ExitCode.TERMINATED``)."""
-    global _SIGTERM_SEEN
-    _SIGTERM_SEEN = True
+    (``ExitCode.TERMINATED``). Also sets ``SIGNALS.sigterm``, for when Python loses the
+    exception (``cli._errors.check_terminated``)."""
+    SIGNALS.sigterm = True
     raise Terminated()
-
-
-_SIGTERM_SEEN = False
-"""Set by ``_terminated``: Python can lose the exception a signal handler raises when the signal
-arrives while a module is being imported (the command then runs to its end); the group's
-``main`` still exits 143 with the one line when this is set."""
 
 
 class _Unpadded:

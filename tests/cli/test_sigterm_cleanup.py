@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from drifttool.cli import app as cli_app
+from drifttool.cli._errors import SIGNALS
 
 STEP_WRITTEN = "drifttool-verify-*/replay/steps.rank0.arrows"
 """The re-run's first step is in its artifact: its imports are done (a SIGTERM that lands while
@@ -68,12 +69,31 @@ def test_sigterm_during_fixture_verify_removes_its_temporary_rerun(tmp_path):
 def test_a_sigterm_whose_exception_python_lost_still_exits_143(monkeypatch, capsys):
     """A SIGTERM that lands while a module is being imported can lose the handler's exception
     (the command then runs to its end); the handler's flag still makes the exit 143, one line."""
-    monkeypatch.setattr(cli_app, "_SIGTERM_SEEN", True)
+    monkeypatch.setattr(SIGNALS, "sigterm", True)
     with pytest.raises(SystemExit) as e:
         cli_app.build(cli_app.invoked(["--version"]))(["--version"])
     assert e.value.code == 143
     assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated (SIGTERM)"
-    monkeypatch.setattr(cli_app, "_SIGTERM_SEEN", False)
+    monkeypatch.setattr(SIGNALS, "sigterm", False)
     with pytest.raises(SystemExit) as e:
         cli_app.build(cli_app.invoked(["--version"]))(["--version"])
     assert e.value.code == 0
+
+
+def test_a_run_whose_sigterm_was_lost_stops_after_its_step(monkeypatch, capsys, tmp_path):
+    """``drifttool run`` checks the flag after each step: a run whose SIGTERM exception was lost
+    stops after the step in progress (not at its end), its artifact kept with that one step and
+    marked incomplete, exit 143 and the one line naming it."""
+    from drifttool.artifact import open_run
+
+    out = tmp_path / "r"
+    monkeypatch.setattr(SIGNALS, "sigterm", True)
+    args = ["run", "-o", str(out), "--steps", "4"]
+    with pytest.raises(SystemExit) as e:
+        cli_app.build(cli_app.invoked(args))(args)
+    assert e.value.code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"terminated (SIGTERM): the run directory {out} is kept, marked incomplete (complete: false)")
+    run = open_run(out)
+    assert run.manifest["complete"] is False
+    assert sorted(set(run.steps_table().column("step").to_pylist())) == [0]
