@@ -117,6 +117,20 @@ def _segment_sums(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) 
     return out
 
 
+def level2_products(t_rows: torch.Tensor, keys: torch.Tensor, local: torch.Tensor,
+                    rcum: torch.Tensor, rec: torch.Tensor, c: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Level 2's limb products summed per record, in torch ops on any device: ``int64 [9, n]``,
+    ``u[3i + j, r] = Σ_k Σ_h A_h,i[k] · limb_j(T_h[rcum_r + k])`` (``gpu_rows.level2_products``
+    computes the same in one Triton launch). ``t_rows`` ``int64 [total, 2]``; ``keys`` ``int64
+    [2, 3, L]``; ``local`` each row's position in its record; ``rcum``, ``rec`` each record's
+    first row and row count; ``c`` ``key_consts``."""
+    t = t_rows.t()  # [2, total]
+    a = keys[:, :, local]  # [2, 3, total]
+    tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
+    prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
+    return _segment_sums(prod.reshape(9, -1), rcum, rec)
+
+
 class RowTables:
     """Level 2 and the summaries of a fixed list of ``PendingRows`` (one device), vectorised over
     every record. The grouping of their row tables and each record's row segments are planned
@@ -176,15 +190,16 @@ class RowTables:
             stats_l.append(s_g)
         pos = torch.arange(total, device=dev, dtype=torch.int64)
         idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
-        local = pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
+        local = None if dev.type == "cuda" else pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
         rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
         stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
-        t = rows_all[idx].t()  # [2, total]: T, T'
-        a = key_table("row", int(rec_np.max(initial=0)) or 1, dev)[:, :, local]  # [2, 3, total] limbs of A, A'
+        t_rows = rows_all[idx]  # [total, 2]: T, T'
+        keys = key_table("row", int(rec_np.max(initial=0)) or 1, dev)  # [2, 3, L] limbs of A, A'
         c = key_consts(dev)
-        tl_ = (t.reshape(2, 1, -1) >> c["s3"]) & ((1 << 21) - 1)  # [2, 3 (j), total]
-        prod = (a.reshape(2, 3, 1, -1) * tl_.reshape(2, 1, 3, -1)).sum(0)  # [3 (i), 3 (j), total] < 2**43
-        u = _segment_sums(prod.reshape(9, -1), d_rcum, d_rec).reshape(3, 3, nrec)
+        if dev.type == "cuda" and gpu_rows.triton is not None:  # one launch, no [9, total] products
+            u = gpu_rows.level2_products(t_rows, keys, d_rcum, d_rec).reshape(3, 3, nrec)
+        else:
+            u = level2_products(t_rows, keys, local, d_rcum, d_rec, c).reshape(3, 3, nrec)
         v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
         s = stats_all[idx]
         red = [torch.segment_reduce(s[:, k], how, lengths=d_rec, unsafe=True, initial=init)
@@ -192,7 +207,7 @@ class RowTables:
                                                 ("sum", 0.0)))]
         keep = any(self._keep)
         host = torch.cat([v.view(torch.int64).reshape(-1), torch.stack(red, 1).view(torch.int64).reshape(-1)]
-                         + ([t[0]] if keep else [])).cpu().numpy()
+                         + ([t_rows[:, 0]] if keep else [])).cpu().numpy()
         st = host[nrec:5 * nrec].view(np.float64).reshape(nrec, 4)
         kept = host[5 * nrec:] if keep else None
         rows = [kept[rcum[i]:rcum[i] + rec_np[i]].astype(np.uint64) if k else None

@@ -230,6 +230,36 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, stats
 
 
+LEVEL2_BLOCK = 256
+"""Rows per step of ``level2_products``'s loop (one program per record)."""
+
+
+def level2_products(t: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
+                    lengths: torch.Tensor) -> torch.Tensor:
+    """Level 2's limb products of every record, summed over its rows, in one Triton launch (one
+    program per record): ``u[3i + j, r] = Σ_k Σ_h A_h,i[k] · limb_j(T_h[start_r + k])``, ``k <
+    lengths_r``: what ``digest_rows.RowTables`` otherwise forms as a ``[3, 3, rows]`` product
+    and its segment sums. Exact (int64 sums below ``2**59``), so equal to that bit for bit.
+
+    Args:
+        t: ``int64 [total, 2]`` contiguous: ``T``, ``T'`` (in ``[0, p)``) of the records' rows,
+            record after record.
+        keys: ``int64 [2, 3, L]`` contiguous: the row keys' 21-bit limbs (``digest_rows.key_table``),
+            ``L`` at least the longest record.
+        start, lengths: ``int64 [n]``: each record's first row in ``t`` and its row count (at most
+            ``digestcore.ROW_CHUNK``).
+
+    Returns:
+        ``int64 [9, n]`` on ``t``'s device.
+    """
+    n = int(start.numel())
+    out = torch.empty(9, n, dtype=torch.int64, device=t.device)
+    if n:
+        kernels._level2_kernel[(n,)](t, keys, start, lengths, out, keys.shape[-1], n,
+                                     BLOCK=LEVEL2_BLOCK, num_warps=4)
+    return out
+
+
 def combine_splits(rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[S, R, 2]``, ``[S, R, 4]`` split partials → ``[R, 2]``, ``[R, 4]``: ``T``, ``T'`` summed
     mod p, Σx² and the counts summed (in split order: deterministic), max and min over splits.

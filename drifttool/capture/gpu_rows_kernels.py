@@ -281,3 +281,34 @@ def _rows_kernel_v1(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t
     tl.store(STATS + out * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
     tl.store(STATS + out * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
     tl.store(STATS + out * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
+
+
+@triton.jit
+def _level2_kernel(t_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, nkeys, nrec, BLOCK: tl.constexpr):
+    """Level 2's limb products of one record (program ``r``), summed over its rows: ``out[3i + j,
+    r] = Σ_k Σ_h A_h,i[k] · limb_j(T_h[start + k])`` for ``k < len`` (``digest_rows.RowTables``).
+    ``t_ptr``: ``int64 [total, 2]`` (T, T' of the records' rows, in record order); ``keys_ptr``:
+    ``int64 [2, 3, nkeys]`` row-key limbs. Each product is below ``2**43`` and a record has at most
+    ``2**16`` rows, so the int64 sums are exact (below ``2**59``) in any order."""
+    r = tl.program_id(0)
+    start = tl.load(start_ptr + r)
+    n = tl.load(len_ptr + r)
+    offs0 = tl.arange(0, BLOCK)
+    lim = tl.arange(0, 4)  # limb index i (of the keys) or j (of T): 3 used, padded to 4
+    shift = (21 * lim)[:, None]
+    acc = tl.zeros([4, 4, BLOCK], tl.int64)  # [i, j, k]
+    for k in range(0, n, BLOCK):
+        offs = k + offs0
+        m = offs < n
+        row = (start + offs).to(tl.int64)
+        t0 = tl.load(t_ptr + 2 * row, mask=m, other=0)
+        t1 = tl.load(t_ptr + 2 * row + 1, mask=m, other=0)
+        km = (lim[:, None] < 3) & m[None, :]
+        a0 = tl.load(keys_ptr + lim[:, None] * nkeys + offs[None, :], mask=km, other=0)  # [4, BLOCK]
+        a1 = tl.load(keys_ptr + (3 + lim[:, None]) * nkeys + offs[None, :], mask=km, other=0)
+        l0 = (t0[None, :] >> shift) & ((1 << 21) - 1)  # [4, BLOCK]: limb 3 of T < p is 0
+        l1 = (t1[None, :] >> shift) & ((1 << 21) - 1)
+        acc += a0[:, None, :] * l0[None, :, :] + a1[:, None, :] * l1[None, :, :]
+    u = tl.sum(acc, axis=2)  # [4, 4]
+    q = lim[:, None] * 3 + lim[None, :]
+    tl.store(out_ptr + q * nrec + r, u, mask=(lim[:, None] < 3) & (lim[None, :] < 3))

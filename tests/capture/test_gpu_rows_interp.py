@@ -116,3 +116,28 @@ def test_launch_refuses_unknown_settings():
         gpu_rows.launch(t, dict(KERNEL2, v=6))
     with pytest.raises(ValueError, match="needs a 2-D CUDA"):
         gpu_rows.row_table(t)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_level2_products_kernel_equals_the_torch_segment_sums(seed):
+    """``gpu_rows.level2_products`` (one program per record) equals ``digest_rows``' torch
+    products and segment sums bit for bit: records of 0, 1, a partial block, several blocks of
+    rows, T at its extremes (0, p − 1) and at random in [0, p)."""
+    from drifttool.capture.digest_rows import key_consts, key_table, level2_products
+
+    rng = np.random.default_rng(seed)
+    lens = np.array([0, 1, 3, 255, 256, 257, 700, 1, 0, 1500], np.int64)
+    rng.shuffle(lens)
+    total = int(lens.sum())
+    t = rng.integers(0, core.P, size=(total, 2), dtype=np.int64)
+    t[:40] = core.P - 1
+    t[40:60] = 0
+    t_rows = torch.from_numpy(t)
+    starts = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64))
+    rec = torch.from_numpy(lens)
+    local = torch.arange(total) - torch.repeat_interleave(starts, rec)
+    keys = key_table("row", int(lens.max()), torch.device("cpu"))
+    want = level2_products(t_rows, keys, local, starts, rec, key_consts(torch.device("cpu")))
+    got = gpu_rows.level2_products(t_rows, keys.contiguous(), starts, rec)
+    assert torch.equal(got, want)
+    assert got[:, lens == 0].eq(0).all()
