@@ -150,10 +150,9 @@ def on_ranks(dims: "ParallelDims", device: str, label: str, steps: int, batch: i
     which a SIGTERM's exception was lost (``cli._errors.check_terminated``); ``quiet`` (``--json``, whose stdout holds one document) draws it on stderr —
     and close the process group whatever happens. Returns (dist, result)."""
     from drifttool.cli._console import err, load_reporter, progress, step_task  # lazy: likewise
+    from drifttool.cli._errors import check_terminated  # lazy: likewise
     from drifttool.distributed import close_distributed  # lazy: likewise
     from drifttool.model.checkpoint import load_progress  # lazy: likewise
-
-    from drifttool.cli._errors import check_terminated  # lazy: likewise
 
     dist = start(dims, device)
     try:

@@ -119,10 +119,12 @@ class Part:
 
 @dataclass(frozen=True)
 class PartId:
-    """A ``Part`` without its tensor: sample, row axis and row map, as a capture record keeps
-    them until the step's digests are read back. Holding the tensor there would keep every
-    captured output (a view shares the output's storage) alive for the whole step: a 60-block
-    full-size forward's activations."""
+    """A ``Part`` without its tensor: sample, row axis and row map, what ``recorder.record_parts``
+    returns beside each started digest. Those pairs are kept until the digests are read back (a
+    CUDA graph's log of its recorded forward for the life of the graph, a chain's held records
+    for the stage); with the tensors, every captured output (a view shares its storage) or its
+    canonical copy would stay alive with them: at L2 of a full-size forward, more than the GPU
+    holds."""
 
     sample: int
     row_axis: int | None
