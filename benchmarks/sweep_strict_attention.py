@@ -4,7 +4,7 @@
 
 For each shape and batch (full width: 24 heads × 128, 128 text slots; batch 2 = CFG-batched with
 128 and 77 valid text tokens), times ``kernels.attention.attention`` under each configuration
-in ``CONFIGS`` (query rows, warps, pipeline stages) and with FMA contraction on (``fma``: a
+in ``CONFIGS`` (query rows, warps, pipeline stages, TMA loads) and with FMA contraction on (``fma``: a
 contract change, measured to price contract cuda1's choice), checks that every configuration's
 output is byte-equal to the registered one (``same bytes``), and times PyTorch's SDPA with the
 key mask (cuDNN) and without (flash) on the same tensors. Each cell is the median of
@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES = {"1024x1024": 4096, "1328x1328": 6889, "1664x928": 6032}
-CONFIGS = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 8, 3)]
+CONFIGS = [(64, 4, 3), (128, 8, 3), (128, 8, 2), (64, 4, 3, True), (64, 4, 2, True), (64, 4, 4, True),
+           (128, 8, 2, True), (128, 8, 3, True), (128, 8, 4, True), (128, 4, 2, True)]
+"""(query rows, warps, stages[, TMA]): a fourth entry True loads the whole image blocks' K and V
+through TMA descriptors (``kernels.attention._kv_descriptors``); without it, pointers."""
 
 
 class _FusedLauncher:

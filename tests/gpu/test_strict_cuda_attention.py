@@ -106,7 +106,7 @@ def test_bytes_invariant_to_launch_geometry_and_repetition(full_width):
     base = kern.attention(q, k, v, km, text_len=lmax)
     for _ in range(2):
         assert_same_bytes(kern.attention(q, k, v, km, text_len=lmax).cpu(), base.cpu(), "repetition")
-    for config in [(64, 4, 3), (128, 4, 3), (64, 4, 2), (128, 8, 2)]:
+    for config in [(64, 4, 3), (128, 4, 3), (64, 4, 2), (128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 3, True)]:
         o = kern.attention(q, k, v, km, text_len=lmax, config=config)
         assert_same_bytes(o.cpu(), base.cpu(), f"launch geometry {config} vs {kern.CONFIG}")
 

@@ -37,9 +37,10 @@ from drifttool.ops.strict_cuda.attention_backward import JointAttention
 HEAD_DIMS = (16, 32, 64, 128)
 """Head dims the kernel is built for (powers of two, a multiple of the tensor-core K step 16)."""
 
-KERNEL = "triton.attention.block64.two_pass.bm128w8s3|fp32.bm64w4s1"
-"""The kernel and its one configuration: 64-key blocks; bf16 operands 128 query rows, 8 warps,
-3 stages; FP32 operands 64 rows, 4 warps, 1 stage."""
+KERNEL = "triton.attention.block64.two_pass.bm128w4s2.tma|fp32.bm64w4s1"
+"""The kernel and its one configuration: 64-key blocks; bf16 operands 128 query rows, 4 warps,
+2 stages, K and V of whole image blocks loaded through TMA where their layout allows (the same
+values as pointer loads); FP32 operands 64 rows, 4 warps, 1 stage, pointer loads."""
 
 
 def _head_dim(ref: str) -> Constraint:

@@ -92,3 +92,22 @@ def test_sp_rank_rows_equal_the_full_rows(kern):
     assert_same_bytes(mine, o[:, rows], "SP rank's rows vs the full call")
     unf, _ = _unfused(kern, q[:, rows], k, v, km, 9)
     assert_same_bytes(unf, mine, "SP rank's rows: unfused vs fused")
+
+
+def test_tma_loads_of_whole_image_blocks_give_the_pointer_loads_bytes(kern):
+    """The fused mode with TMA descriptors for the whole image blocks (``CONFIG``'s fourth entry)
+    equals the pointer loads' bytes: unmasked, masked text only (TMA on the image blocks) and a
+    mask reaching into the image keys (pointers throughout); and a K whose heads are not adjacent
+    falls back to pointers."""
+    q, k, v, km = _joint([13, 6], 13, 150, seed=4)  # 2 whole image blocks and a partial one
+    km_img = km.clone()
+    km_img[1, 13 + 70] = False
+    for mask in (None, km, km_img):
+        ptr = kern.attention(q, k, v, mask, text_len=13, config=(64, 4, 1))
+        tma = kern.attention(q, k, v, mask, text_len=13, config=(64, 4, 1, True))
+        assert_same_bytes(tma, ptr, f"TMA vs pointer loads, mask {'none' if mask is None else 'given'}")
+    assert kern._kv_descriptors(k, v, k.shape[1], DH) is not None
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B,S,H,Dh] view, heads not adjacent
+    assert kern._kv_descriptors(k_t, v, k.shape[1], DH) is None
+    assert_same_bytes(kern.attention(q, k_t, v, km, text_len=13, config=(64, 4, 1, True)),
+                      kern.attention(q, k, v, km, text_len=13, config=(64, 4, 1)), "non-adjacent heads")

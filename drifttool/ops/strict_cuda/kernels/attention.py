@@ -40,9 +40,10 @@ cost on paper: 3 instead of 2 [S × S × Dh] matmuls (1.5× the tensor-core work
 1 exp2 per score.
 
 Fixed configuration, for every shape: ``BLOCK_N`` = 64 keys; bf16 operands ``BLOCK_M`` = 128
-query rows, 8 warps, 3 pipeline stages; FP32 operands 64 rows, 4 warps, 1 stage. No split-KV, no
+query rows, 4 warps, 2 pipeline stages, TMA loads of the whole image blocks' K and V (``CONFIG``);
+FP32 operands 64 rows, 4 warps, 1 stage. No split-KV, no
 atomics; one program per (batch·head, query tile). The warps split the tile's rows only (the
-tensor-core layout ``warpsPerCTA [n, 1]``: each warp holds 16 whole rows of a score tile), so a
+tensor-core layout ``warpsPerCTA [n, 1]``: each warp holds whole rows of a score tile), so a
 row's block Σ runs in one order whatever the query rows or warps; a configuration whose warps
 also split the 64 keys (64 rows on 8 warps: ``[4, 2]``) sums each row in another order and gives
 other bytes — launch configurations are part of the contract.
@@ -65,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _scores,
+from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _qk, _scores,
                                                               _state, _tile)
 
 BLOCK_N = 64
@@ -73,8 +74,8 @@ BLOCK_N = 64
 BLOCK_M = 128
 """Query rows per program for bf16 operands (does not change a row's bytes while every warp holds
 whole rows: module docstring)."""
-NUM_WARPS = 8
-NUM_STAGES = 3
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
 
@@ -112,23 +113,51 @@ def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_s
     return acc
 
 
+@triton.jit
+def _pass1_tma(q, KD, row, col, sm_scale, m_i, l_i, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """``_pass1`` (MODE_FUSED) on a whole image block, every key valid, its K tile [64, Dh] loaded
+    through the TMA descriptor ``KD`` at (row, col) of K's [B·S, H·Dh] view: the same values."""
+    s = _qk(q, KD.load([row, col]), sm_scale, IEEE)
+    if IEEE:
+        s = _canonical(s, BLOCK_M, BLOCK_N)
+    return _state(s, s, m_i, l_i, False)
+
+
+@triton.jit
+def _pass2_tma(q, KD, VD, row, col, sm_scale, m_use, r_i, acc, IEEE: tl.constexpr):
+    """``_pass2`` (MODE_FUSED) on a whole image block, its K and V tiles loaded through TMA."""
+    p = _probs(_qk(q, KD.load([row, col]), sm_scale, IEEE), acc, m_use, r_i, False)
+    v = VD.load([row, col])
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["SQ", "S", "L", "n_tq"])
 def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                  sxb, sxh, sxm, sxn, sy0, sy1, sy2,
-                 smb, H, SQ, S, L, n_tq, ML,
+                 smb, H, SQ, S, L, n_tq, ML, KD, VD,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                 STORE_ML: tl.constexpr = False):
+                 STORE_ML: tl.constexpr = False, TMA: tl.constexpr = False):
     """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
     Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
     SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image).
     STORE_ML (FUSED, a gradient wanted): ML [B,H,2,SQ] FP32 receives each row's (m, 1/l) as pass 2
-    uses them; without it ML is None (a constexpr) and the kernel is the forward-only one."""
+    uses them; without it ML is None (a constexpr) and the kernel is the forward-only one.
+    TMA (FUSED): KD, VD are TMA descriptors of K and V as [B·S, H·Dh] with [64, Dh] blocks; the
+    whole image blocks of a sample whose image keys are all valid load through them (the loads
+    only: the same values, the same arithmetic); every other block reads through pointers."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    kv_row = (pid_bh // H) * S + L  # TMA: the sample's first image key in the [B·S, H·Dh] view
+    kv_col = (pid_bh % H) * HEAD_DIM
     if pid_m < n_tq:  # text query tiles from row 0, image query tiles from row L
         row0 = pid_m * BLOCK_M
         row_end = L
@@ -181,9 +210,13 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                                   MODE, True, IEEE, BLOCK_M, BLOCK_N)
         if img_full != 0:  # whole image blocks, every key valid
             for t in range(0, n_ib_full):
-                j = L + t * BLOCK_N + offs_n
-                m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale, m_i, l_i,
-                                  MODE, False, IEEE, BLOCK_M, BLOCK_N)
+                if TMA:
+                    m_i, l_i = _pass1_tma(q, KD, kv_row + t * BLOCK_N, kv_col, sm_scale, m_i, l_i,
+                                          IEEE, BLOCK_M, BLOCK_N)
+                else:
+                    j = L + t * BLOCK_N + offs_n
+                    m_i, l_i = _pass1(q, k_base, sks, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale, m_i,
+                                      l_i, MODE, False, IEEE, BLOCK_M, BLOCK_N)
         else:  # the key mask reaches into the image keys
             for t in range(0, n_ib_full):
                 j = L + t * BLOCK_N + offs_n
@@ -229,9 +262,12 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                          m_use, r_i, acc, MODE, True, IEEE)
     if img_full != 0:
         for t in range(0, n_ib_full):
-            j = L + t * BLOCK_N + offs_n
-            acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale,
-                         m_use, r_i, acc, MODE, False, IEEE)
+            if TMA:
+                acc = _pass2_tma(q, KD, VD, kv_row + t * BLOCK_N, kv_col, sm_scale, m_use, r_i, acc, IEEE)
+            else:
+                j = L + t * BLOCK_N + offs_n
+                acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale,
+                             m_use, r_i, acc, MODE, False, IEEE)
     else:
         for t in range(0, n_ib_full):
             j = L + t * BLOCK_N + offs_n
@@ -264,25 +300,48 @@ def _mask_args(key_mask: torch.Tensor | None, text_len: int, like: torch.Tensor)
     return km.view(torch.uint8), img_full, True
 
 
-CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES)
-"""The one launch configuration of bf16 operands (query rows, warps, pipeline stages). Tests
-pass others as ``config=`` to show that a row's bytes do not depend on it; the operators never do."""
-CONFIG_FP32 = (64, 4, 1)
+CONFIG = (BLOCK_M, NUM_WARPS, NUM_STAGES, True)
+"""The one launch configuration of bf16 operands (query rows, warps, pipeline stages, TMA loads
+of whole image blocks where K and V allow them: ``_kv_descriptors``). Tests pass others as
+``config=`` (a 3-tuple: pointer loads) to show that a row's bytes do not depend on it; the
+operators never do. The fastest of ``benchmarks/sweep_strict_attention.py`` on an H200 over
+1664×928 and 1328², batch 1 and CFG-batched 2 (docs/benchmarks.md), the same bytes as each."""
+CONFIG_FP32 = (64, 4, 1, False)
 """FP32 operands: one pipeline stage (three FP32 K/V stages at Dh = 128 need 288 KiB of shared
-memory; an H200 has 227 KiB). Pipelining moves loads, not arithmetic: same bytes."""
+memory; an H200 has 227 KiB), pointer loads. Pipelining moves loads, not arithmetic: same bytes."""
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, s: int, dh: int):
+    """TMA descriptors of k, v [B,S,H,Dh] as [B·S, H·Dh] with [64, Dh] blocks, or None when their
+    layout does not allow one (heads not adjacent, samples not S rows apart, a base or row stride
+    not 16-byte aligned): the kernel then reads every block through pointers."""
+    def fits(t):
+        es = t.element_size()
+        return (t.stride(3) == 1 and t.stride(2) == dh and t.stride(0) == s * t.stride(1)
+                and (t.stride(1) * es) % 16 == 0 and t.data_ptr() % 16 == 0 and (dh * es) % 16 == 0)
+
+    if not (fits(k) and fits(v)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(t, [t.shape[0] * s, t.shape[2] * dh], [t.stride(1), 1], [BLOCK_N, dh])
+                 for t in (k, v))
 
 
 def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
             ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None) -> None:
-    block_m, num_warps, num_stages = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
+    block_m, num_warps, num_stages, *tma = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
+    descs = _kv_descriptors(k, v, s, dh) if mode == MODE_FUSED and tma and tma[0] else None
     n_tq = triton.cdiv(text_len, block_m)
     grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
     _attn_kernel[grid](
         q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
         *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq, ml,
+        *(descs or (k, v)),
         HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
-        STORE_ML=ml is not None, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        STORE_ML=ml is not None, TMA=descs is not None, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False,
     )
 
 
