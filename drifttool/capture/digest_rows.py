@@ -135,11 +135,17 @@ class RowTables:
     """Level 2 and the summaries of a fixed list of ``PendingRows`` (one device), vectorised over
     every record. The grouping of their row tables and each record's row segments are planned
     once, on the host (and moved to the device), here; each call reads what the tables hold then
-    (a CUDA graph's replay rewrites them, ``drifttool.model.replay``), in one read-back, and
-    returns ``V`` without header (``int64 [n]``), the kept rows per record (``uint64`` or
-    ``None``) and the stats (``float64 [n, 4]``, ``summary.stats_vec``)."""
+    (a CUDA graph's replay rewrites them in place, ``drifttool.model.replay``), in one read-back,
+    and returns ``V`` without header (``int64 [n]``), the kept rows per record (``uint64`` or
+    ``None``) and the stats (``float64 [n, 4]``, ``summary.stats_vec``).
 
-    def __init__(self, pending: list[PendingRows]) -> None:
+    On a CUDA device (with Triton) the records' rows, their splits combined, come from one launch
+    that reads each table at its address of now (``gpu_rows.gather_rows``): the tables must stay
+    where they are between calls. Elsewhere, or with ``fused=False`` (the tests' reference), the
+    tables are concatenated per split count, combined (``gpu_rows.combine_splits``) and indexed:
+    the same bits."""
+
+    def __init__(self, pending: list[PendingRows], *, fused: bool = True) -> None:
         dev = self._dev = pending[0].table[0].device
         # unique row tables ([S, R, ·] split partials), grouped by split count: each group is
         # concatenated and its splits combined once (normally one group: one split count per run)
@@ -178,30 +184,44 @@ class RowTables:
         self._meta = (meta[:nr], meta[nr:2 * nr], meta[2 * nr:2 * nr + nrec], meta[2 * nr + nrec:])
         self._total = int(lens_np.sum())
         self._keep = [p.keep_rows for p in pending]
+        self._plan = None
+        if fused and dev.type == "cuda" and gpu_rows.triton is not None:
+            order = [t for group in self._groups for t in group]
+            which = {id(r_t): i for i, (r_t, _) in enumerate(order)}
+            self._plan = gpu_rows.gather_plan(
+                order, [(which[id(p.table[0])], a, z - a) for p in pending for a, z in p.ranges])
 
-    def __call__(self) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray]:
-        dev, total, rec_np, rcum, nrec = self._dev, self._total, self._rec, self._rcum, len(self._rec)
-        d_lens, d_delta, d_rec, d_rcum = self._meta
-        rows_l, stats_l = [], []
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The records' rows in torch ops: ``int64 [total, 2]`` (T, T'), ``float64 [total, 4]``
+        (stats), what ``gpu_rows.gather_rows`` gives in one launch."""
+        d_lens, d_delta = self._meta[:2]
         cat = (lambda ts: torch.cat(ts, 1) if len(ts) > 1 else ts[0])  # noqa: E731
+        rows_l, stats_l = [], []
         for group in self._groups:
             r_g, s_g = gpu_rows.combine_splits(cat([g[0] for g in group]), cat([g[1] for g in group]))
             rows_l.append(r_g)
             stats_l.append(s_g)
-        pos = torch.arange(total, device=dev, dtype=torch.int64)
-        idx = pos + torch.repeat_interleave(d_delta, d_lens, output_size=total)
-        local = None if dev.type == "cuda" else pos - torch.repeat_interleave(d_rcum, d_rec, output_size=total)
+        total = self._total
+        idx = torch.arange(total, device=self._dev, dtype=torch.int64) \
+            + torch.repeat_interleave(d_delta, d_lens, output_size=total)
         rows_all = torch.cat(rows_l) if len(rows_l) > 1 else rows_l[0]
         stats_all = torch.cat(stats_l) if len(stats_l) > 1 else stats_l[0]
-        t_rows = rows_all[idx]  # [total, 2]: T, T'
+        return rows_all[idx], stats_all[idx]
+
+    def __call__(self) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray]:
+        dev, total, rec_np, rcum, nrec = self._dev, self._total, self._rec, self._rcum, len(self._rec)
+        _, _, d_rec, d_rcum = self._meta
+        # [total, 2] T, T' and [total, 4] stats of the records' rows, record after record
+        t_rows, s = gpu_rows.gather_rows(self._plan) if self._plan is not None else self._gather()
         keys = key_table("row", int(rec_np.max(initial=0)) or 1, dev)  # [2, 3, L] limbs of A, A'
         c = key_consts(dev)
         if dev.type == "cuda" and gpu_rows.triton is not None:  # one launch, no [9, total] products
             u = gpu_rows.level2_products(t_rows, keys, d_rcum, d_rec).reshape(3, 3, nrec)
         else:
+            local = torch.arange(total, device=dev, dtype=torch.int64) \
+                - torch.repeat_interleave(d_rcum, d_rec, output_size=total)  # row within its record
             u = level2_products(t_rows, keys, local, d_rcum, d_rec, c).reshape(3, 3, nrec)
         v = core.modsum(core.rot(core.fold(u), c["s2"].reshape(3, 3, 1), c["m2"].reshape(3, 3, 1)), (0, 1))
-        s = stats_all[idx]
         red = [torch.segment_reduce(s[:, k], how, lengths=d_rec, unsafe=True, initial=init)
                for k, (how, init) in enumerate((("sum", 0.0), ("max", -math.inf), ("min", math.inf),
                                                 ("sum", 0.0)))]

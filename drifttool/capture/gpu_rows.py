@@ -19,7 +19,8 @@ the kernel folds its int32 accumulator into int64 mod p before that bound (``_FO
 split 0). Integer sums do not depend on the order of addition, so the result equals the CPU's
 digest bit for bit (tested in ``tests/gpu``; in Triton's interpreter in ``tests/capture``).
 ``row_table`` returns the partial sums of ``TILE["split"]`` column splits; ``combine_splits``
-(or ``digest.materialize``, for a whole step at once) adds them. The kernels are in
+adds them, and ``gather_rows`` does the same for a whole step's records at once, in one launch
+that reads every table in place (``digest.materialize``). The kernels are in
 ``gpu_rows_kernels``.
 
 The summary is a summary: Σx² is accumulated in fp64 per row in the kernel's order (not the
@@ -35,6 +36,7 @@ sm_90a; docs/benchmarks.md, "Full-size forward on one GPU", and
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -230,6 +232,130 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, stats
 
 
+# -- combining the splits -------------------------------------------------------------------------
+def combine_splits(rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, R, 2]``, ``[S, R, 4]`` split partials → ``[R, 2]``, ``[R, 4]``, in torch ops on any
+    device (the CPU tests build tables of their own; ``gather_rows`` computes the same in one
+    launch): ``T``, ``T'`` summed mod p (exact); Σx² and the counts added split after split
+    (``((s0 + s1) + s2) + …`` in fp64: the same bits on every device); max and min taken split
+    after split as torch's ``max``/``min`` reductions do: a NaN propagates (the first in split
+    order), ties (±0) keep the earlier split's value. The row kernels' max and min never hold NaN
+    (their elementwise max/min drop NaN and start from −inf/+inf: a split of only NaN, or of no
+    columns, gives −inf/+inf); tables built otherwise (the CPU tests') may."""
+    if rows.shape[0] == 1:
+        return rows[0], stats[0]
+    t = core.modsum(rows, 0)
+    sq, mx, mn, bad = stats[0].unbind(-1)  # [R] each
+    for x in stats[1:]:
+        sq, bad = sq + x[:, 0], bad + x[:, 3]
+        mx = torch.where((mx >= x[:, 1]) | mx.isnan(), mx, x[:, 1])
+        mn = torch.where((mn <= x[:, 2]) | mn.isnan(), mn, x[:, 2])
+    return t, torch.stack([sq, mx, mn, bad], -1)
+
+
+GATHER_BLOCK = 512
+"""Output rows per program of ``gather_rows`` (a segment's rows are cut into programs of at most
+this many)."""
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """What ``gather_rows`` reads, planned once (``gather_plan``).
+
+    Attributes:
+        tables: the row tables, held so that their memory stays theirs: the plan knows them by
+            address only.
+        tab: ``int64 [n_tables, 4]``: each table's rows address, stats address, ``R``, ``S``.
+        items: ``int64 [n_items, 4]``: one program each: table, first row, first output row,
+            rows (at most ``GATHER_BLOCK``).
+        total: output rows.
+    """
+
+    tables: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    tab: torch.Tensor
+    items: torch.Tensor
+    total: int
+
+
+def gather_plan(tables: list[tuple[torch.Tensor, torch.Tensor]],
+                segments: list[tuple[int, int, int]]) -> GatherPlan:
+    """Plan ``gather_rows``: the tables' addresses and the programs' row segments, moved to the
+    tables' device once. The tables are read at their addresses of now, at every call: they must
+    be rewritten in place (a CUDA graph's replay does, ``drifttool.model.replay``), never
+    reallocated.
+
+    Args:
+        tables: ``(rows int64 [S, R, 2], stats float64 [S, R, 4])`` split partials
+            (``row_table``), contiguous, all on one device (CUDA, or the CPU under Triton's
+            interpreter); ``S >= 1`` may differ between tables.
+        segments: ``(table, first row, rows)`` in output order: rows ``[first, first + rows)``
+            of ``tables[table]``.
+
+    Returns:
+        A ``GatherPlan``.
+
+    Raises:
+        ValueError: a table of other dtypes, shapes or devices, or not contiguous; a segment
+            naming no table or rows outside its table.
+    """
+    dev = tables[0][0].device if tables else torch.device("cpu")
+    tab = np.zeros((len(tables), 4), np.int64)
+    for i, (rows, stats) in enumerate(tables):
+        s_, r = rows.shape[:2] if rows.dim() == 3 else (0, 0)
+        if (rows.dtype, stats.dtype) != (torch.int64, torch.float64) or s_ < 1 \
+                or tuple(rows.shape) != (s_, r, 2) or tuple(stats.shape) != (s_, r, 4) \
+                or not (rows.is_contiguous() and stats.is_contiguous()) \
+                or rows.device != dev or stats.device != dev:
+            raise ValueError(f"row table {i} is not a contiguous pair int64 [S, R, 2], float64 "
+                             f"[S, R, 4] on {dev}: {rows.dtype} {tuple(rows.shape)}, {stats.dtype} "
+                             f"{tuple(stats.shape)} on {rows.device}, {stats.device}")
+        tab[i] = rows.data_ptr(), stats.data_ptr(), r, s_
+    seg = np.asarray(segments, np.int64).reshape(-1, 3)
+    which, first, n = seg.T
+    r_of = np.append(tab[:, 2], -1)[np.where((which >= 0) & (which < len(tables)), which, -1)]
+    bad = (first < 0) | (n < 0) | (first + n > r_of)  # a segment of no table: R = −1
+    if bad.any():
+        raise ValueError(f"segment {int(np.argmax(bad))} {tuple(seg[np.argmax(bad)])} is outside "
+                         f"its table")
+    chunks = -(-n // GATHER_BLOCK)  # programs per segment
+    at = np.repeat(np.arange(len(seg)), chunks)  # each program's segment
+    off = np.arange(int(chunks.sum())) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    off *= GATHER_BLOCK  # each program's first row within its segment
+    dst = np.cumsum(n) - n  # each segment's first output row
+    items = np.stack([which[at], first[at] + off, dst[at] + off,
+                      np.minimum(GATHER_BLOCK, n[at] - off)], 1)  # [n_items, 4]
+    meta = torch.from_numpy(np.concatenate([tab.reshape(-1), items.reshape(-1)]))
+    if dev.type == "cuda":  # pinned, asynchronous: a pageable copy would block the host
+        meta = meta.pin_memory().to(dev, non_blocking=True)
+    else:
+        meta = meta.to(dev)
+    return GatherPlan(tuple(tables), meta[:tab.size].view(-1, 4), meta[tab.size:].view(-1, 4),
+                      int(n.sum()))
+
+
+def gather_rows(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planned segments' rows with their splits combined, in one Triton launch (one program
+    per item, no atomics): what ``combine_splits`` of each table, its rows taken segment after
+    segment, gives, bit for bit (T, T' exact mod p; Σx², counts, max and min in split order).
+    Reads the tables through their addresses (``gather_plan``), so nothing is concatenated.
+
+    Args:
+        plan: ``gather_plan``'s.
+
+    Returns:
+        ``(t_rows, stats)``: ``int64 [total, 2]`` (``T``, ``T'`` in ``[0, p)``) and ``float64
+        [total, 4]`` (Σx², max, min, count of NaN/±inf), on the tables' device.
+    """
+    dev = plan.tab.device
+    t_rows = torch.empty(plan.total, 2, dtype=torch.int64, device=dev)
+    stats = torch.empty(plan.total, 4, dtype=torch.float64, device=dev)
+    if plan.items.shape[0]:
+        kernels._gather_kernel[(plan.items.shape[0],)](plan.tab, plan.items, t_rows, stats,
+                                                       BLOCK=GATHER_BLOCK, num_warps=4)
+    return t_rows, stats
+
+
+# -- level 2 --------------------------------------------------------------------------------------
 LEVEL2_BLOCK = 256
 """Rows per step of ``level2_products``'s loop (one program per record)."""
 
@@ -258,15 +384,3 @@ def level2_products(t: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
         kernels._level2_kernel[(n,)](t, keys, start, lengths, out, keys.shape[-1], n,
                                      BLOCK=LEVEL2_BLOCK, num_warps=4)
     return out
-
-
-def combine_splits(rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, R, 2]``, ``[S, R, 4]`` split partials → ``[R, 2]``, ``[R, 4]``: ``T``, ``T'`` summed
-    mod p, Σx² and the counts summed (in split order: deterministic), max and min over splits.
-    Works on any device (the CPU tests build tables of their own)."""
-    if rows.shape[0] == 1:
-        return rows[0], stats[0]
-    t = core.modsum(rows, 0)
-    st = torch.stack([stats[..., 0].sum(0), stats[..., 1].amax(0), stats[..., 2].amin(0),
-                      stats[..., 3].sum(0)], -1)
-    return t, st

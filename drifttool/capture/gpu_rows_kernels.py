@@ -21,6 +21,10 @@ product is at most ``2**14`` in magnitude and ``2**16`` byte columns add below `
 int32; the kernel folds its int32 accumulator into int64 mod p after each ``FOLD_EVERY`` tiles
 (``FOLD_EVERY · BC · W <= 2**16``). A limb sum ``x`` of column ``l`` stands for ``x · 2**(8l)``:
 ``_fold_into`` adds ``p`` (making it non-negative), reduces mod p and rotates by ``8l`` bits.
+
+After a replay ``digest_rows.RowTables`` finishes the tables: ``_gather_kernel`` combines their
+column splits and gathers the records' rows in one launch (``gpu_rows.gather_rows``), and
+``_level2_kernel`` sums level 2 per record (``gpu_rows.level2_products``).
 """
 
 from __future__ import annotations
@@ -281,6 +285,46 @@ def _rows_kernel_v1(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t
     tl.store(STATS + out * 4 + 1, tl.max(mx, axis=1).to(tl.float64), mask=rmask)
     tl.store(STATS + out * 4 + 2, tl.min(mn, axis=1).to(tl.float64), mask=rmask)
     tl.store(STATS + out * 4 + 3, tl.sum(bad, axis=1).to(tl.float64), mask=rmask)
+
+
+@triton.jit
+def _gather_kernel(tab_ptr, item_ptr, t_out, s_out, BLOCK: tl.constexpr):
+    """Up to ``BLOCK`` rows of one row table, its column splits combined (program ``i``: item
+    ``i`` of ``gpu_rows.gather_rows``'s plan). ``item_ptr``: ``int64 [n, 4]``, (table, first
+    row, first output row, rows <= BLOCK); ``tab_ptr``: ``int64 [tables, 4]``, (address of the
+    rows ``int64 [S, R, 2]``, address of the stats ``float64 [S, R, 4]``, ``R``, ``S``), both
+    contiguous. Writes ``t_out`` ``int64 [total, 2]``: T, T' summed mod p; ``s_out`` ``float64
+    [total, 4]``: Σx² and the count added split after split (``((s0 + s1) + s2) + …``), max and
+    min as torch's NaN-propagating ``max``/``min`` taken split after split (a NaN stays; ties
+    keep the earlier split's value)."""
+    i = tl.program_id(0)
+    tab = tl.load(item_ptr + 4 * i)
+    src = tl.load(item_ptr + 4 * i + 1)
+    dst = tl.load(item_ptr + 4 * i + 2)
+    n = tl.load(item_ptr + 4 * i + 3)
+    rows_ptr = tl.load(tab_ptr + 4 * tab).to(tl.pointer_type(tl.int64))
+    stats_ptr = tl.load(tab_ptr + 4 * tab + 1).to(tl.pointer_type(tl.float64))
+    r = tl.load(tab_ptr + 4 * tab + 2)  # the split stride, in rows
+    splits = tl.load(tab_ptr + 4 * tab + 3)
+    k = tl.arange(0, BLOCK)
+    c2 = tl.arange(0, 2)[None, :]
+    c4 = tl.arange(0, 4)[None, :]
+    m2 = (k < n)[:, None] & (c2 < 2)  # [BLOCK, 2]
+    m4 = (k < n)[:, None] & (c4 < 4)  # [BLOCK, 4]
+    row = (src + k)[:, None]  # [BLOCK, 1] int64: the row in split 0
+    t = tl.load(rows_ptr + row * 2 + c2, mask=m2, other=0)  # [BLOCK, 2], each < p
+    st = tl.load(stats_ptr + row * 4 + c4, mask=m4, other=0.0)  # [BLOCK, 4]
+    for s in range(1, splits):
+        # reduced after each split (a sum below 2**62): exact for any S
+        t = _modp(t + tl.load(rows_ptr + (row + s * r) * 2 + c2, mask=m2, other=0))
+        x = tl.load(stats_ptr + (row + s * r) * 4 + c4, mask=m4, other=0.0)
+        keep_mx = (st >= x) | (st != st)
+        keep_mn = (st <= x) | (st != st)
+        st = tl.where(c4 == 1, tl.where(keep_mx, st, x),
+                      tl.where(c4 == 2, tl.where(keep_mn, st, x), st + x))
+    out = (dst + k)[:, None]
+    tl.store(t_out + out * 2 + c2, t, mask=m2)
+    tl.store(s_out + out * 4 + c4, st, mask=m4)
 
 
 @triton.jit

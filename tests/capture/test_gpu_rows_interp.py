@@ -1,7 +1,8 @@
 """The Triton row kernels (``capture.gpu_rows``) in Triton's interpreter on CPU tensors: both
 kernels' row digests ``T``, ``T'`` equal the CPU's level 1 bit for bit, and their row summaries
 keep exact max, min and NaN/±inf counts, for every float dtype, awkward shapes, column splits and
-tile settings. With a CUDA device these skip: ``tests/gpu/test_digest_cuda.py`` runs the kernels
+tile settings; the finishing kernels (``gather_rows``, ``level2_products``) give their torch forms'
+bytes. With a CUDA device these skip: ``tests/gpu/test_digest_cuda.py`` runs the kernels
 there (the interpreter is only set up on a machine without one, ``tests/conftest.py``).
 """
 
@@ -141,3 +142,86 @@ def test_level2_products_kernel_equals_the_torch_segment_sums(seed):
     got = gpu_rows.level2_products(t_rows, keys.contiguous(), starts, rec)
     assert torch.equal(got, want)
     assert got[:, lens == 0].eq(0).all()
+
+
+def _random_table(rng: np.random.Generator, splits: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows int64 [S, R, 2], stats float64 [S, R, 4])`` partials as ``row_table`` writes them:
+    T at random in ``[0, p)`` and at ``p − 1``; Σx² at random, 0, +inf or NaN; max and min at
+    random, ±0, ±inf or NaN (two payloads), with ties between splits; counts 0 to 2."""
+    rows = rng.integers(0, core.P, size=(splits, r, 2), dtype=np.int64)
+    rows[:, ::5] = core.P - 1  # sums that wrap past p
+    stats = rng.standard_normal((splits, r, 4)) * 3
+    stats[..., 0] = stats[..., 0] ** 2
+    stats[..., 3] = rng.integers(0, 3, size=(splits, r))
+    for cols, pick in (([0], [0.0, np.inf, np.nan]), ([1, 2], [0.0, -0.0, np.inf, -np.inf, np.nan, 1.5])):
+        planted = rng.random((splits, r, len(cols))) < 0.2
+        sub = stats[..., cols]
+        sub[planted] = rng.choice(pick, size=int(planted.sum()))
+        stats[..., cols] = sub
+    stats[:, 7::11, 1] = np.array([0x7FF8000000000123], np.int64).view(np.float64)[0]  # a NaN payload
+    return torch.from_numpy(rows), torch.from_numpy(stats)
+
+
+def _gather_reference(tables, segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """``combine_splits`` of each table, then the segments' rows in order (``RowTables``' torch
+    form)."""
+    combined = [gpu_rows.combine_splits(*t) for t in tables]
+    t = torch.cat([combined[i][0][a:a + n] for i, a, n in segments])
+    s = torch.cat([combined[i][1][a:a + n] for i, a, n in segments])
+    return t, s
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int64), b.view(torch.int64))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gather_rows_kernel_equals_combine_splits_and_indexing(seed):
+    """``gpu_rows.gather_rows`` (one launch, each table read at its address) gives the torch form's
+    bytes: tables of 1 to 1,300 rows and 1, 3, 4 or 8 splits, segments of whole tables, sub-ranges,
+    single rows, empty ranges and more than one program (``GATHER_BLOCK``), a total not a
+    multiple of the block; and again after the tables are rewritten in place (a replay)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(4, 1300), (1, 77), (4, 1), (3, 600), (1, 5), (8, 40)]
+    tables = [_random_table(rng, s, r) for s, r in shapes]
+    segments = [(0, 0, 1300), (1, 3, 50), (2, 0, 1), (0, 17, 513), (3, 0, 0), (3, 599, 1),
+                (4, 0, 5), (3, 1, 598), (1, 76, 1), (5, 0, 40), (0, 1299, 1), (2, 0, 1)]
+    rng.shuffle(segments)
+    plan = gpu_rows.gather_plan(tables, segments)
+    assert plan.total % gpu_rows.GATHER_BLOCK and plan.items.shape[0] > len(segments)
+    for _ in range(2):
+        got = gpu_rows.gather_rows(plan)
+        want = _gather_reference(tables, segments)
+        assert _same_bytes(got[0], want[0]) and _same_bytes(got[1], want[1])
+        assert got[0].lt(core.P).all() and got[0].ge(0).all()
+        for rows, stats in tables:  # the next replay, written where the tables are
+            new = _random_table(rng, rows.shape[0], rows.shape[1])
+            rows.copy_(new[0])
+            stats.copy_(new[1])
+
+
+def test_combine_splits_adds_in_split_order_and_keeps_the_first_nan():
+    rows = torch.tensor([[[core.P - 1, 3]], [[core.P - 1, 4]], [[2, core.P - 7]]])
+    stats = torch.tensor([[[1e16, -0.0, 0.0, 1.0]], [[1.0, 0.0, -0.0, 2.0]], [[1.0, -1.0, 1.0, 0.0]]],
+                         dtype=torch.float64)
+    t, st = gpu_rows.combine_splits(rows, stats)
+    assert t.tolist() == [[(2 * (core.P - 1) + 2) % core.P, 0]]
+    assert st[0, 0].item() == (1e16 + 1.0) + 1.0 != 1e16 + (1.0 + 1.0)  # left to right
+    assert str(st[0, 1].item()) == "-0.0" and str(st[0, 2].item()) == "0.0"  # ties: the first
+    assert st[0, 3].item() == 3.0
+    nans = torch.tensor([0x7FF8000000000001, 0x7FF8000000000002]).view(torch.float64)
+    stats[1:, 0, 1:3] = nans[:, None]  # NaN in splits 1 and 2: split 1's, bit for bit
+    got = gpu_rows.combine_splits(rows, stats)[1][0, 1:3].view(torch.int64)
+    assert got.tolist() == [0x7FF8000000000001] * 2
+
+
+def test_gather_plan_refuses_tables_and_segments_it_cannot_read():
+    rows, stats = torch.zeros(2, 5, 2, dtype=torch.int64), torch.zeros(2, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="segment 1 .* outside"):
+        gpu_rows.gather_plan([(rows, stats)], [(0, 0, 5), (0, 3, 3)])
+    with pytest.raises(ValueError, match="segment 0 .* outside"):
+        gpu_rows.gather_plan([(rows, stats)], [(1, 0, 1)])
+    with pytest.raises(ValueError, match="row table 0 is not"):
+        gpu_rows.gather_plan([(rows.transpose(0, 1), stats)], [])
+    with pytest.raises(ValueError, match="row table 0 is not"):
+        gpu_rows.gather_plan([(rows, stats[:1])], [])
