@@ -152,6 +152,33 @@ def profile(tr, ours, device: str) -> None:
         pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
+def kernels(configs: list[str], tr, ours, shape: str, batch: int, device: str) -> None:
+    """Per config: wall time against GPU kernel time, the kernels grouped by name
+    (``profile_strict_forward.profile_gpu``), then the host's Python functions by own time."""
+    import cProfile
+    import pstats
+
+    from profile_strict_forward import profile_gpu
+
+    grid = SHAPES[shape]
+    x, txt, mask, tau, scope = inputs(batch, grid, device)
+    for c in configs:
+        def fn(c=c):
+            forward(c, tr, ours, x, txt, mask, tau, grid, scope)
+        fn()
+        profile_gpu(fn, f"{c}, {shape}, batch {batch}", 18)
+        pr = cProfile.Profile()
+        pr.enable()
+        fn()
+        torch.cuda.synchronize()
+        pr.disable()
+        print(f"--- host, {c} (cProfile, own time)")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    for fast in GRAPHED.values():
+        fast.reset()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=60)
@@ -162,6 +189,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the row kernel's tile choices first")
     ap.add_argument("--tile", default="", help="row kernel settings, e.g. bm=32,bc=256,warps=8")
     ap.add_argument("--profile", action="store_true", help="profile one L1 forward per implementation")
+    ap.add_argument("--kernels", default="", help="configs whose GPU kernels and host time to profile "
+                    "at the first shape and batch, e.g. strict+graph,strict+L1+graph")
     args = ap.parse_args()
     device = "cuda"
     if args.sweep:
@@ -173,6 +202,9 @@ def main() -> None:
     tr, ours = build(args.layers, device)
     if args.profile:
         profile(tr, ours, device)
+    if args.kernels:
+        kernels(args.kernels.split(","), tr, ours, args.shapes.split(",")[0],
+                int(args.batches.split(",")[0]), device)
     configs = args.configs.split(",")
     results = []
     for shape in args.shapes.split(","):
@@ -192,6 +224,7 @@ def main() -> None:
             for c in configs:
                 med = statistics.median(times[c])
                 results.append((shape, batch, c, med * 1e3, med / base, records[c]))
+                print(f"{shape} b{batch} {c}: {med * 1e3:.1f} ms ({med / base:.3f})", flush=True)
             for fast in GRAPHED.values():
                 fast.reset()  # free this shape's graph pool before the next shape
             torch.cuda.empty_cache()
