@@ -135,29 +135,33 @@ def sweep(device: str) -> dict:
     return dict(best[1]) if best[1] else {}
 
 
-def profile(tr, ours, device: str) -> None:
-    """cProfile of one L1 forward of each implementation at 1024², batch 1 (host time)."""
+def host_profile(fn, title: str, top: int) -> None:
+    """cProfile of one call of ``fn`` (the device synchronised before the profile stops): the
+    ``top`` Python functions by own time, under ``title``."""
     import cProfile
     import pstats
 
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    print(title)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
+def profile(tr, ours, device: str) -> None:
+    """cProfile of one L1 forward of each implementation at 1024², batch 1 (host time)."""
     x, txt, mask, tau, scope = inputs(1, SHAPES["1024x1024"], device)
     for c in ("diffusers+L1", "production+L1"):
         forward(c, tr, ours, x, txt, mask, tau, SHAPES["1024x1024"], scope)
-        pr = cProfile.Profile()
-        pr.enable()
-        forward(c, tr, ours, x, txt, mask, tau, SHAPES["1024x1024"], scope)
-        torch.cuda.synchronize()
-        pr.disable()
-        print(f"--- profile {c}")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        host_profile(lambda: forward(c, tr, ours, x, txt, mask, tau, SHAPES["1024x1024"], scope),
+                     f"--- profile {c}", 22)
 
 
 def kernels(configs: list[str], tr, ours, shape: str, batch: int, device: str) -> None:
     """Per config: wall time against GPU kernel time, the kernels grouped by name
     (``profile_strict_forward.profile_gpu``), then the host's Python functions by own time."""
-    import cProfile
-    import pstats
-
     from profile_strict_forward import profile_gpu
 
     grid = SHAPES[shape]
@@ -167,13 +171,7 @@ def kernels(configs: list[str], tr, ours, shape: str, batch: int, device: str) -
             forward(c, tr, ours, x, txt, mask, tau, grid, scope)
         fn()
         profile_gpu(fn, f"{c}, {shape}, batch {batch}", 18)
-        pr = cProfile.Profile()
-        pr.enable()
-        fn()
-        torch.cuda.synchronize()
-        pr.disable()
-        print(f"--- host, {c} (cProfile, own time)")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        host_profile(fn, f"--- host, {c} (cProfile, own time)", 14)
     for fast in GRAPHED.values():
         fast.reset()
     torch.cuda.empty_cache()
