@@ -1,15 +1,18 @@
 """Where a LoRA training step spends its GPU time: strict against production, per kernel.
 
     $ python benchmarks/profile_training_step.py [--layers 60] [--shape 1024x1024] [--batch 1] \
-          [--lora-mode unfused-fp32] [--checkpointing on] [--top 30]
+          [--lora-mode unfused-fp32] [--checkpointing on] [--top 30] [--by-role] [--host]
 
 The step of ``bench_training_step.py`` (one random full-width transformer with a rank-``--rank``
 LoRA on Flow-GRPO's targets, the forward with autograd, the loss ⟨v, g⟩ and its backward into the
 factors), after one untimed step, under ``torch.profiler`` for each family (production: mode
 ``auto``; strict: the Triton family): the step's wall time, the sum of its GPU kernel times (the
 rest is the GPU waiting for the host) and the kernels grouped by name (count, total ms, share of
-the family's kernel time), so the backward's costly kernels show against production's. Without
-CUDA it prints why and exits 0.
+the family's kernel time), so the backward's costly kernels show against production's. Then, for
+the strict family: ``--by-role`` one more step with every strict GEMM call (``kernels.gemm.
+linear``) timed alone between CUDA events (its kernels' time, not its launch's) and grouped by
+its role — operand dtypes, rows M, K, N, a merged epilogue, the activation; ``--host`` one step
+under cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
 
 from bench_training_step import LORA_MODES, MODES, inputs, step  # noqa: E402
 from profile_strict_forward import SHAPES, profile_gpu  # noqa: E402
@@ -39,6 +47,8 @@ def main() -> int:
     ap.add_argument("--lora-mode", default="unfused-fp32", choices=LORA_MODES)
     ap.add_argument("--checkpointing", default="on", choices=("on", "off"))
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--by-role", action="store_true", help="the strict GEMMs' GPU time by role")
+    ap.add_argument("--host", action="store_true", help="one strict step's host time under cProfile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
@@ -56,7 +66,71 @@ def main() -> int:
         profile_gpu(lambda: step(model, config, batch_inputs, grid, grad=True),
                     f"{config}: training step, {args.layers} blocks, {args.shape}, batch {args.batch}, "
                     f"{args.lora_mode}, checkpointing {args.checkpointing}", args.top)
+    strict_step = lambda: step(model, "strict", batch_inputs, grid, grad=True)  # noqa: E731
+    if args.by_role:
+        by_role(strict_step, args.top)
+    if args.host:
+        pr = cProfile.Profile()
+        pr.enable()
+        strict_step()
+        torch.cuda.synchronize()
+        pr.disable()
+        print("--- host, strict training step (cProfile, own time)")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(args.top)
     return 0
+
+
+def _role(x: torch.Tensor, w: torch.Tensor, kw: dict) -> str:
+    """A strict GEMM call's role: operand dtypes, rows, K, N, merged epilogue, activation."""
+    dt = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+    extra = (" +merge" if kw.get("merge_into") is not None else "") + (f" {kw['act']}" if kw.get("act") else "")
+    return f"gemm {dt.get(x.dtype, x.dtype)}x{dt.get(w.dtype, w.dtype)} M{m} K{k} N{n}{extra}"
+
+
+@contextlib.contextmanager
+def _timed_gemms(calls: dict, gpu_ms: dict):
+    """Every ``kernels.gemm.linear`` call inside runs alone on the GPU between two CUDA events,
+    behind a ~1 ms spin (``torch.cuda._sleep``) so that its launch is queued before the first
+    event runs: the events time its kernels, not the host's launch. Its role's count and GPU time
+    accumulate in the dicts."""
+    from drifttool.ops.strict_cuda.kernels import gemm
+
+    plain = gemm.linear
+
+    def linear(x, w, b=None, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # cycles: ~1 ms at the H200's clock, longer than a launch
+        start.record()
+        y = plain(x, w, b, **kw)
+        end.record()
+        torch.cuda.synchronize()
+        role = _role(x, w, kw)
+        calls[role] += 1
+        gpu_ms[role] += start.elapsed_time(end)
+        return y
+
+    gemm.linear = linear
+    try:
+        yield
+    finally:
+        gemm.linear = plain
+
+
+def by_role(fn, top: int) -> None:
+    """One ``fn`` with each strict GEMM call timed alone (``_timed_gemms``): each role's calls and
+    GPU time, largest first (the step itself runs slower so; its kernels do not)."""
+    fn()
+    torch.cuda.synchronize()
+    calls: dict[str, int] = collections.Counter()
+    gpu_ms: dict[str, float] = collections.Counter()
+    with _timed_gemms(calls, gpu_ms):
+        fn()
+    total = sum(gpu_ms.values())
+    print(f"\n=== strict GEMMs by role: {sum(calls.values())} calls, {total:.1f} ms of GPU time")
+    for key, ms in sorted(gpu_ms.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{ms:9.2f} ms {calls[key]:6d}× {ms / calls[key] * 1e3:8.1f} µs/call  {key}")
 
 
 if __name__ == "__main__":

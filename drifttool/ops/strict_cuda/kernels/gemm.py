@@ -69,15 +69,28 @@ class GemmConfig:
     maxnreg: int | None = None
     """Register cap per thread (e.g. 128: two 8-warp CTAs per SM, one's epilogue beside the
     other's MMAs; the FP64 GELU then spills ~250 bytes, offline sm_90a). None: the compiler's."""
+    persistent: int = 0
+    """Persistent programs per SM (0: one program per tile). With n = this × #SMs programs,
+    program p computes tiles p, p + n, ... in turn, its tile loop and K loop flattened so that
+    the next tile's loads can overlap this tile's epilogue (TMA loads and an activation none or
+    the FP32 GELU; other calls run one program per tile). Each tile's arithmetic is the
+    one-program-per-tile kernel's: the same bytes."""
 
     @property
     def id(self) -> str:
         return (f"bm{self.block_m}bn{self.block_n}w{self.num_warps}s{self.num_stages}"
-                f"{'.tma' if self.tma else ''}{f'.r{self.maxnreg}' if self.maxnreg else ''}")
+                f"{'.g' + str(self.group_m) if self.group_m != 8 else ''}"
+                f"{'.tma' if self.tma else ''}{f'.p{self.persistent}' if self.persistent else ''}"
+                f"{f'.r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 BF16_CONFIG = GemmConfig()
-"""bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads (the anchor's best)."""
+"""bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads, one program per tile.
+Persistent 128×256 tiles (``persistent=1``) are 2–7 % faster at the image stream's projections
+but 2× slower at the text stream's 128 rows (12 tiles for the MLP down-projection), and the tile
+is fixed per operand precision, not chosen by shape (``benchmarks/sweep_strict_gemm.py``,
+docs/benchmarks.md)."""
+
 
 FP32_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=1, tma=False)
 """Any FP32 operand (IEEE FMA dot): 64×128 tiles, 4 warps, no software pipelining (with it the
@@ -116,22 +129,69 @@ def _store(Y, y, rm, rn, M, N, sym, syn):
     tl.store(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first row and column of output tile number ``tile`` (grouped raster order for L2
+    reuse; it touches no arithmetic)."""
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M  # (tl.cdiv and tl.zeros are avoided: see module doc)
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((tile % in_group) % group_size)
+    pid_n = (tile % in_group) // group_size
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS: tl.constexpr,
+              ACT: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3)."""
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    if MERGE:  # y = fp32(R) + scale·acc: the product rounded, then the sum (two FP32 operations)
+        r_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
+        acc = res.to(tl.float32) + scale * acc
+    if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
+        _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
+    else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
+        h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
+        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+        _store(Y, _activate(q1, ACT), rm, off_n + BLOCK_N // 4 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
+        _store(Y, _activate(q2, ACT), rm, off_n + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+        _store(Y, _activate(q3, ACT), rm, off_n + 3 * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_programs,
+                              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+                              MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """``_linear_kernel`` (TMA loads) as ``n_programs`` persistent programs: program p computes
+    tiles p, p + n_programs, ... in turn, each exactly as one program per tile would."""
+    n_tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
+    n_k = (K + BLOCK_K - 1) // BLOCK_K
+    for tile in tl.range(tl.program_id(0), n_tiles, n_programs, flatten=True):
+        off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for kc in range(0, n_k):
+            acc = _mma(X.load([off_m, kc * BLOCK_K]), W.load([off_n, kc * BLOCK_K]), acc, IEEE)
+        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, srm,
                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
                    TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
-    pid = tl.program_id(0)
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M  # (tl.cdiv and tl.zeros are avoided: see module doc)
-    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n  # raster grouping for L2 reuse; touches no arithmetic
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m, off_n = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -155,23 +215,7 @@ def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, 
                 a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
                 w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
             acc = _mma(a, w, acc, IEEE)
-    if HAS_BIAS:
-        bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    if MERGE:  # y = fp32(R) + scale·acc: the product rounded, then the sum (two FP32 operations)
-        r_mask = (rm[:, None] < M) & (rn[None, :] < N)
-        res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
-        acc = res.to(tl.float32) + scale * acc
-    if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
-        _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
-    else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
-        h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q1, ACT), rm, off_n + BLOCK_N // 4 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q2, ACT), rm, off_n + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q3, ACT), rm, off_n + 3 * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+    _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
 
 
 _OPERANDS = (torch.float32, torch.bfloat16)
@@ -250,14 +294,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         wa = TensorDescriptor.from_tensor(w2, [cfg.block_n, CHUNK])
     else:
         xa, wa = x2, w2
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     r = y if merge_into is None else _rows(merge_into.reshape(m, n))  # [M, N]
-    _linear_kernel[grid](
+    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    if cfg.persistent and tma and ACTS[act] in (0, 3):
+        n_programs = min(n_tiles, cfg.persistent * _sm_count(x.device))
+        _linear_persistent_kernel[(n_programs,)](
+            xa, wa, b if b is not None else y, y, r, float(scale), m, n, k, y.stride(0), y.stride(1),
+            r.stride(0), n_programs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
+        return y.reshape(*lead, n)
+    _linear_kernel[(n_tiles,)](
         xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
         x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
         HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
         EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
     return y.reshape(*lead, n)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (persistent programs: one per SM); 4 on the CPU
+    (Triton's interpreter), so that the tests walk several tiles per program."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
