@@ -98,6 +98,21 @@ def test_tma_and_pointer_paths_load_the_same_values():
                       "TMA vs pointers, K tail")
 
 
+@pytest.mark.parametrize("act", [None, "gelu_tanh_f32"])
+def test_persistent_programs_give_one_program_per_tile_bytes(act):
+    """Persistent programs (4 under the interpreter, each walking several of the 3 × 3 tiles, the
+    last row and column of tiles partial, a K tail) equal one program per tile, with the bias and
+    with a merge: each tile's arithmetic is the same whichever program runs it."""
+    x, w, b = problem(37, 150, 100, seed=6)
+    one = gemm.GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, tma=True)
+    per = gemm.GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, tma=True, persistent=1)
+    assert_same_bytes(gemm.linear(x, w, b, act=act, config=per), gemm.linear(x, w, b, act=act, config=one),
+                      "persistent vs one program per tile")
+    r = torch.randn(37, 150, generator=torch.Generator().manual_seed(7))
+    assert_same_bytes(gemm.linear(x, w, b, act=act, merge_into=r, scale=0.5, config=per),
+                      gemm.linear(x, w, b, act=act, merge_into=r, scale=0.5, config=one), "persistent, merged")
+
+
 def test_output_dtype_and_empty_inputs():
     x, w, b = problem(3, 16, 32)
     y16, y32 = gemm.linear(x, w, b, out_dtype=torch.bfloat16), gemm.linear(x, w, b)
