@@ -12,7 +12,8 @@ the family's kernel time), so the backward's costly kernels show against product
 the strict family: ``--by-role`` one more step with every strict GEMM call (``kernels.gemm.
 linear``) timed alone between CUDA events (its kernels' time, not its launch's) and grouped by
 its role — operand dtypes, rows M, K, N, a merged epilogue, the activation; ``--host`` one step
-under cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why and exits 0.
+under cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why
+and exits 0.
 """
 
 from __future__ import annotations

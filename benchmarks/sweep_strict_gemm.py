@@ -1,17 +1,18 @@
-"""Launch configurations of the strict CUDA GEMM's bf16 path at the forward's image-stream shapes.
+"""Launch configurations of the strict CUDA GEMM's bf16 path at the forward's shapes.
 
-    $ python benchmarks/sweep_strict_gemm.py [--tokens 6032,6889] [--configs 0,1,2]
+    $ python benchmarks/sweep_strict_gemm.py [--tokens 6032,6889,128] [--configs 0,1,2]
 
-The image stream's four projections of one block — packed QKV (3072 → 9216, bias), attention out
-(3072 → 3072, bias), MLP up (3072 → 12288, bias, the FP32 GELU epilogue)
-and MLP down (12288 → 3072, bias) — for each token count (6032: 1664×928, 6889: 1328², batch 1;
-12064: 1664×928 CFG-batched 2). For each configuration in ``CONFIGS`` it times every projection
-(median of ``triton.testing.do_bench``, ms), prints TFLOP/s, the ratio to torch's ``F.linear``
-(cuBLAS, bf16) and whether the output equals the registered configuration's byte for byte (the
-order over K is the contract; the tile, warps and stages are not: ``kernels.gemm.GemmConfig``),
-and a last column: the four projections' sum, the time one block's image stream spends in its
-GEMMs. To register a winner, set ``BF16_CONFIG`` in
-``drifttool/ops/strict_cuda``. Without CUDA it prints why and exits 0.
+One block's four projections of a stream — packed QKV (3072 → 9216, bias), attention out (3072 →
+3072, bias), MLP up (3072 → 12288, bias, the FP32 GELU epilogue) and MLP down (12288 → 3072,
+bias) — at each row count (image stream: 6032 at 1664×928, 6889 at 1328², batch 1; 12064 at
+1664×928 CFG-batched 2; text stream: 128 at batch 1, 256 at batch 2). For each configuration in
+``CONFIGS`` it times every projection (median of ``triton.testing.do_bench``, ms), prints
+TFLOP/s, the ratio to torch's ``F.linear`` (cuBLAS, bf16) and whether the output equals the
+registered configuration's byte for byte (the order over K is the contract; the tile, warps,
+stages and persistence are not: ``kernels.gemm.GemmConfig``); then per configuration the four
+projections' sum, the time one block spends in that stream's GEMMs. To register a winner, set
+``BF16_CONFIG`` in ``drifttool/ops/strict_cuda/kernels/gemm.py``. Without CUDA it prints why and
+exits 0.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 PROJECTIONS = [("qkv", 3072, 9216, None), ("attn_out", 3072, 3072, None), ("mlp_up", 3072, 12288, "gelu_tanh_f32"),
                ("mlp_down", 12288, 3072, None)]
-"""(name, K in, N out, activation) of one block's image-stream projections."""
+"""(name, K in, N out, activation) of one block's projections of a stream."""
 CONFIGS = [
     dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
     dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
@@ -82,8 +83,7 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
                     print(f"{m:>6} {name:>9} {cfg.id:>26} refused: {type(e).__name__} {str(e)[:80]}")
                     continue
-                key = GemmConfig(**fields).id
-                sums[key] = sums.get(key, 0.0) + t
+                sums[cfg.id] = sums.get(cfg.id, 0.0) + t
                 print(f"{m:>6} {name:>9} {cfg.id:>26} {t:7.3f} {flop / t / 1e9:8.0f} {t / t_ref:7.2f}  "
                       f"{_same(out, ref)}", flush=True)
             print(f"{m:>6} {name:>9} {'cuBLAS (F.linear)':>26} {t_ref:7.3f} {flop / t_ref / 1e9:8.0f}", flush=True)

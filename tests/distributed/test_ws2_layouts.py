@@ -32,8 +32,7 @@ FAST = [
     ("sp2-agrs", P(sp=2), None, BASE),
 ]
 SLOW = [
-    ("sp2-ring", P(sp=2, sp_attention="ring"), None, dict(BASE, capture="L1")),  # about 10 s; the ring's
-    # fused-vs-p2p bytes stay in the fast set (tests/distributed/test_ring.py)
+    ("sp2-ring", P(sp=2, sp_attention="ring"), None, dict(BASE, capture="L1")),  # about 10 s on 2 cores
     ("sp2-ulysses", P(sp=2, sp_attention="ulysses"), None, BASE),  # about 10 s on 2 cores
     ("tp2xsp2", P(tp=2, sp=2, sp_attention="ulysses"), WIDE, dict(batch=1, capture="L2", **IMG)),
     ("tp4", P(tp=4), WIDE, dict(batch=3, capture="L2")),
