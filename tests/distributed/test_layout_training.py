@@ -77,7 +77,7 @@ def _check(root, layout):
     assert set(grads["rank"].to_pylist()) == {0}  # every rank holds them; the root records them
 
 
-@pytest.mark.parametrize("layout", ["cfg", "samples", "tp",
+@pytest.mark.parametrize("layout", ["cfg", pytest.param("samples", marks=pytest.mark.slow), "tp",
                                     pytest.param("sp-agrs", marks=pytest.mark.slow)])
 def test_layout_training_equals_one_process(lora_rollout, layout):
     _check(lora_rollout, layout)
