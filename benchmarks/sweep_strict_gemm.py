@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from sweep_strict_gemm_fp32 import _same  # noqa: E402  (the byte comparison of every GEMM sweep)
 
 PROJECTIONS = [("qkv", 3072, 9216, None), ("attn_out", 3072, 3072, None), ("mlp_up", 3072, 12288, "gelu_tanh_f32"),
                ("mlp_down", 12288, 3072, None)]
@@ -45,10 +48,6 @@ CONFIGS = [
 ]
 """``kernels.gemm.GemmConfig`` fields (TMA loads on; ``persistent``: programs per SM walking
 the tiles in turn); the registered ``BF16_CONFIG`` is the reference of the byte check."""
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def main() -> int:
