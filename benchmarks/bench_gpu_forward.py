@@ -43,9 +43,11 @@ from random_model import build  # noqa: E402
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
-           "production+L1+graph", "strict+L1+graph")
+           "production+L1+graph", "strict+L1+graph", "strict+serial+graph")
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
-first two calls, the warm-up and the capture, fall in the untimed warm-up round)."""
+first two calls, the warm-up and the capture, fall in the untimed warm-up round); ``+serial``:
+the graph on one CUDA stream (``GraphedForward(lanes=False)``; without it each block's text
+stream runs on a second stream, ``drifttool.model.lanes``)."""
 GRAPHED: dict[str, GraphedForward] = {}
 
 
@@ -76,7 +78,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                    timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
         elif graph:
-            fast = GRAPHED.setdefault(config, GraphedForward(ours))
+            fast = GRAPHED.setdefault(config, GraphedForward(ours, lanes="serial" not in extra))
             fast(x, txt, mask, tau, grid, rt)
         else:
             ours(x, txt, mask, tau, grid, rt)

@@ -110,6 +110,10 @@ class Runtime:
         grad_ledger: ``drifttool.training.ledger.GradLedger`` collecting the adapted weights'
             per-sample gradient partials for the canonical LoRA gradient (strict training);
             ``None`` = autograd accumulates as usual.
+        lanes: ``drifttool.model.lanes.Lanes``: each block runs its text stream's operators on a
+            second CUDA stream, overlapped with the image stream's (the same kernels and bytes);
+            ``None`` (default): one stream. ``GraphedForward`` sets it for the forwards it
+            captures.
     """
 
     mode: Mode = Mode.STRICT
@@ -122,6 +126,7 @@ class Runtime:
     plan: Any = None
     internals: bool | None = None
     grad_ledger: Any = None
+    lanes: Any = None
     _scope: dict[str, Any] = field(default_factory=dict, repr=False)
     _calls: dict[tuple, int] = field(default_factory=dict, repr=False)
     """Call counters of ``site``: ``(component, phase, step, branch, block, op, stream)`` -> the

@@ -24,6 +24,9 @@ What a replay keeps of an eager forward:
   digests are read back at once (one host synchronisation per forward) and filed as one block of
   records built from a template of the forward (``model.replay.ReplayRecords``) under the
   replay's scope (step, sigma, branch), with the ``call`` and ``op_pos`` an eager call gets;
+* **the text lane**: the captured forward runs each block's text-stream operators on a second
+  CUDA stream (``drifttool.model.lanes``), which the graph keeps: a replay overlaps them with
+  the image stream's, with the same kernels on the same tensors (``lanes=False``: one stream);
 * **parameters** are read where they lie: a weight changed in place is seen by the next replay;
   a parameter that was replaced (another storage) makes the graphs stale, and they are captured
   anew (the parameters' addresses are compared at every call).
@@ -43,12 +46,13 @@ this wrapper; ``reset()`` frees them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from drifttool.errors import UnsupportedConfigError
+from drifttool.model.lanes import Lanes
 from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
@@ -70,14 +74,18 @@ class GraphedForward:
     Args:
         model: an ``MMDiT`` (or a model with its forward signature, ``dtype`` and ``config``)
             whose parameters lie on one CUDA device.
+        lanes: capture each block's text stream on a second CUDA stream (module docstring);
+            False: on one stream.
 
     Attributes:
         captures: how many graphs were captured (a test and a benchmark read it).
         replays: how many calls were served by a replay.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, lanes: bool = True) -> None:
         self.model = model
+        self.lanes = lanes
+        self._lanes: Lanes | None = None
         self.captures = 0
         self.replays = 0
         self._seen: set[tuple] = set()
@@ -153,6 +161,10 @@ class GraphedForward:
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         level = self._level(rt)
         quiet, log = logging_runtime(rt, level)
+        if self.lanes:
+            if self._lanes is None:
+                self._lanes = Lanes(x.device)
+            quiet = replace(quiet, lanes=self._lanes)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

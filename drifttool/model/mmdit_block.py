@@ -22,6 +22,7 @@ from torch import nn
 
 import drifttool.ops  # noqa: F401  (every operator and built-in family, registered explicitly)
 from drifttool.model.config import MMDiTConfig
+from drifttool.model.lanes import SERIAL
 from drifttool.model.lora_calls import adapted_weight, gemm_lora, lora_branches
 from drifttool.ops.registry import call
 from drifttool.runtime import Runtime
@@ -137,20 +138,26 @@ class JointAttention(nn.Module):
         """(A_img ``[B, N, d]``, A_txt ``[B, L, d]``) from the modulated streams ih ``[B, N, d]``,
         th ``[B, L, d]``: per-stream q, k, v; RMSNorm of q and k over the head dim with learned
         gains; RoPE on q and k; one attention over the joint sequence [text, image] (padded text
-        keys excluded); per-stream output projections."""
+        keys excluded); per-stream output projections. The text stream's operators run on
+        ``rt.lanes``' text lane (``drifttool.model.lanes``), which the joint attention joins."""
         eps = self.eps
+        lanes = rt.lanes or SERIAL
         qi, ki, vi = self._qkv(ih, "img", rt, self.to_q, self.to_k, self.to_v)  # 3 × [B, N, H, Dh]
-        qt, kt, vt = self._qkv(th, "txt", rt, self.add_q_proj, self.add_k_proj, self.add_v_proj)  # 3 × [B, L, H, Dh]
+        with lanes.txt():
+            qt, kt, vt = self._qkv(th, "txt", rt, self.add_q_proj, self.add_k_proj, self.add_v_proj)  # 3 × [B, L, H, Dh]
         # x / sqrt(mean(x²) + eps) · gain, over Dh
         qi = call(rt, "qk_rmsnorm", qi, self.norm_q.weight, eps=eps, stream="img", layout="BS..")
         ki = call(rt, "qk_rmsnorm", ki, self.norm_k.weight, eps=eps, stream="img", layout="BS..")
-        qt = call(rt, "qk_rmsnorm", qt, self.norm_added_q.weight, eps=eps, stream="txt", layout="BS..")
-        kt = call(rt, "qk_rmsnorm", kt, self.norm_added_k.weight, eps=eps, stream="txt", layout="BS..")
+        with lanes.txt():
+            qt = call(rt, "qk_rmsnorm", qt, self.norm_added_q.weight, eps=eps, stream="txt", layout="BS..")
+            kt = call(rt, "qk_rmsnorm", kt, self.norm_added_k.weight, eps=eps, stream="txt", layout="BS..")
         # each pair (x[2j], x[2j+1]) rotated by e^{iθ_j} of the token's position
         qi = call(rt, "multi_axis_rope", qi, ctx.img_freqs, stream="img", layout="BS..")
         ki = call(rt, "multi_axis_rope", ki, ctx.img_freqs, stream="img", layout="BS..")
-        qt = call(rt, "multi_axis_rope", qt, ctx.txt_freqs, stream="txt", layout="BS..")
-        kt = call(rt, "multi_axis_rope", kt, ctx.txt_freqs, stream="txt", layout="BS..")
+        with lanes.txt():
+            qt = call(rt, "multi_axis_rope", qt, ctx.txt_freqs, stream="txt", layout="BS..")
+            kt = call(rt, "multi_axis_rope", kt, ctx.txt_freqs, stream="txt", layout="BS..")
+        lanes.join(qt, kt, vt)
         # softmax(q·kᵀ/√Dh over the valid keys)·v over [text, image]
         L = th.shape[1]
         q = torch.cat([qt, qi], dim=1)  # [B, L+N, H, Dh]
@@ -158,8 +165,10 @@ class JointAttention(nn.Module):
         v = torch.cat([vt, vi], dim=1)  # [B, L+N, H, Dh]
         o = call(rt, "joint_attention_fused", q, k, v, ctx.key_mask, text_len=L, stream="joint", layout="BS..")
         o = o.flatten(2, 3)  # [B, L+N, d]
+        lanes.fork(o)
         ai = self._out(o[:, L:].contiguous(), "img", rt, self.to_out["0"])  # [B, N, d]
-        at = self._out(o[:, :L].contiguous(), "txt", rt, self.to_add_out)  # [B, L, d]
+        with lanes.txt():
+            at = self._out(o[:, :L].contiguous(), "txt", rt, self.to_add_out)  # [B, L, d]
         return ai, at
 
     def _qkv(self, x: torch.Tensor, stream: str, rt: Runtime, *qkv: Linear) -> tuple[torch.Tensor, ...]:
@@ -222,21 +231,31 @@ class Block(nn.Module):
 
             I ← I + gate1·A_img,    T ← T + gate1·A_txt    (A = JointAttention(mod_1(I), mod_1(T)))
             I ← I + gate2·MLP_img(mod_2(I)),    T ← T + gate2·MLP_txt(mod_2(T))
+
+        With ``rt.lanes`` the text stream's operators run on a second CUDA stream
+        (``drifttool.model.lanes``: the block forks it at its start and ends it at its end).
         """
+        lanes = rt.lanes or SERIAL
+        lanes.fork()
         img = _modulation(self.img_mod, temb, "img", rt)
-        txt = _modulation(self.txt_mod, temb, "txt", rt)
+        with lanes.txt():
+            txt = _modulation(self.txt_mod, temb, "txt", rt)
         ai, at = self._attention_half(i, t, img, txt, ctx, rt)  # [B, N, d], [B, L, d]
         i = _gated_residual(i, img.gate1, ai, "img", rt)
-        t = _gated_residual(t, txt.gate1, at, "txt", rt)
+        with lanes.txt():
+            t = _gated_residual(t, txt.gate1, at, "txt", rt)
         i = _gated_residual(i, img.gate2, self._mlp_half(self.img_mlp, i, img, "img", rt), "img", rt)
-        t = _gated_residual(t, txt.gate2, self._mlp_half(self.txt_mlp, t, txt, "txt", rt), "txt", rt)
+        with lanes.txt():
+            t = _gated_residual(t, txt.gate2, self._mlp_half(self.txt_mlp, t, txt, "txt", rt), "txt", rt)
+        lanes.end()
         return i, t
 
     def _attention_half(self, i: torch.Tensor, t: torch.Tensor, img: Modulation, txt: Modulation,
                         ctx: AttentionContext, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_img, A_txt) = JointAttention(mod_1(I), mod_1(T)): both streams at once."""
         ih = _modulate(i, img.shift1, img.scale1, self.eps, "img", rt)  # [B, N, d]
-        th = _modulate(t, txt.shift1, txt.scale1, self.eps, "txt", rt)  # [B, L, d]
+        with (rt.lanes or SERIAL).txt():
+            th = _modulate(t, txt.shift1, txt.scale1, self.eps, "txt", rt)  # [B, L, d]
         return self.attn(ih, th, ctx, rt)
 
     def _mlp_half(self, mlp: FeedForward, x: torch.Tensor, mod: Modulation, stream: str,

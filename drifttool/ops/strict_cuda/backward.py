@@ -180,7 +180,7 @@ def adapter_grads(dpre, x, u, a, bl, scale, needs):
         dx_a [..., K] FP32 (not cast: the caller adds it to the base dX first); dA, dB in the
         factors' dtypes; None where not needed (or where the ledger's sink took the weight's).
     """
-    dt = torch.tensor(float(scale), dtype=torch.float32, device=dpre.device) * dpre.to(torch.float32)
+    dt = dpre.to(torch.float32) * float(scale)  # the FP32 product; a Python scalar needs no host-to-device copy
     du = input_grad(dt, bl, torch.float32, _gemm().NARROW_CONFIG) if needs[0] or needs[1] else None  # [..., r]
     db_ = _param_grad(dt, u, bl) if needs[2] else None  # [N, r]
     dx_a = input_grad(du, a, torch.float32) if needs[0] else None  # [..., K]
@@ -196,7 +196,7 @@ def lora_grads(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, 
     Returns:
         dA [r, in] in a's dtype, dB [out, r] in b's dtype (None where ``needs`` says so).
     """
-    ds = torch.tensor(float(scale), dtype=torch.float32, device=d.device) * d.to(torch.float32)
+    ds = d.to(torch.float32) * float(scale)
     lin = _gemm().linear
     da = lin(b.to(torch.float32).t(), ds.t(), None, out_dtype=a.dtype) if needs[0] else None
     db = lin(ds, a.to(torch.float32), None, out_dtype=b.dtype) if needs[1] else None
