@@ -47,7 +47,11 @@ CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "productio
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
 first two calls, the warm-up and the capture, fall in the untimed warm-up round); ``+serial``:
 the graph on one CUDA stream (``GraphedForward(lanes=False)``; without it each block's text
-stream runs on a second stream, ``drifttool.model.lanes``)."""
+stream runs on a second stream, ``drifttool.model.lanes``); ``+alt``: the strict bf16 GEMMs
+launched with ``--gemm``'s configuration instead of the registered one (the same bytes: the
+tile is not part of the contract), to weigh a candidate in the whole forward."""
+ALT_GEMM: dict[str, int] = {}
+"""``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
 
 
@@ -71,7 +75,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
-    with torch.no_grad(), rt.scope(**scope):
+    with torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra):
         if impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
@@ -86,6 +90,20 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
         return 0
     rec.flush()
     return rec.ops_table().num_rows
+
+
+@contextlib.contextmanager
+def alt_gemm(on: bool):
+    """Within: the strict bf16 GEMMs launch with ``ALT_GEMM`` (``on``), else as registered."""
+    from drifttool.ops.strict_cuda.kernels import gemm
+
+    registered = gemm.BF16_CONFIG
+    if on:
+        gemm.BF16_CONFIG = gemm.GemmConfig(**ALT_GEMM)
+    try:
+        yield
+    finally:
+        gemm.BF16_CONFIG = registered
 
 
 def timed(fn) -> float:
@@ -187,11 +205,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--sweep", action="store_true", help="time the row kernel's tile choices first")
+    ap.add_argument("--gemm", default="block_n=256,persistent=1",
+                    help="GemmConfig fields of the +alt configs, e.g. block_m=128,block_n=256,persistent=1")
     ap.add_argument("--tile", default="", help="row kernel settings, e.g. bm=32,bc=256,warps=8")
     ap.add_argument("--profile", action="store_true", help="profile one L1 forward per implementation")
     ap.add_argument("--kernels", default="", help="configs whose GPU kernels and host time to profile "
                     "at the first shape and batch, e.g. strict+graph,strict+L1+graph")
     args = ap.parse_args()
+    ALT_GEMM.update({k: int(v) for k, _, v in (f.partition("=") for f in args.gemm.split(",") if f)})
     device = "cuda"
     if args.sweep:
         gpu_rows.TILE.update(sweep(device))  # the forward runs with the fastest setting

@@ -9,11 +9,11 @@ factors), after one untimed step, under ``torch.profiler`` for each family (prod
 ``auto``; strict: the Triton family): the step's wall time, the sum of its GPU kernel times (the
 rest is the GPU waiting for the host) and the kernels grouped by name (count, total ms, share of
 the family's kernel time), so the backward's costly kernels show against production's. Then, for
-the strict family: ``--by-role`` one more step with every strict GEMM call (``kernels.gemm.
-linear``) timed alone between CUDA events (its kernels' time, not its launch's) and grouped by
-its role — operand dtypes, rows M, K, N, a merged epilogue, the activation; ``--host`` one step
-under cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why
-and exits 0.
+the strict family: ``--by-role`` one more step under the profiler with every strict GEMM call
+(``kernels.gemm.linear``) in a range named by its role — operand dtypes, rows M, K, N, a merged
+epilogue, the activation — and its kernels' GPU time summed by role; ``--host`` one step under
+cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why and
+exits 0.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main() -> int:
         pr.disable()
         print("--- host, strict training step (cProfile, own time)")
         pstats.Stats(pr).sort_stats("tottime").print_stats(args.top)
+        print("--- host, strict training step (cProfile, with callees: drifttool's and Triton's)")
+        pstats.Stats(pr).sort_stats("cumulative").print_stats("drifttool|triton", args.top)
     return 0
 
 
@@ -90,27 +92,16 @@ def _role(x: torch.Tensor, w: torch.Tensor, kw: dict) -> str:
 
 
 @contextlib.contextmanager
-def _timed_gemms(calls: dict, gpu_ms: dict):
-    """Every ``kernels.gemm.linear`` call inside runs alone on the GPU between two CUDA events,
-    behind a ~1 ms spin (``torch.cuda._sleep``) so that its launch is queued before the first
-    event runs: the events time its kernels, not the host's launch. Its role's count and GPU time
-    accumulate in the dicts."""
+def _labelled_gemms():
+    """Every ``kernels.gemm.linear`` call inside runs in a profiler range named by its role
+    (``_role``), so the profiler adds the kernels it launches to that range's GPU time."""
     from drifttool.ops.strict_cuda.kernels import gemm
 
     plain = gemm.linear
 
     def linear(x, w, b=None, **kw):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)  # cycles: ~1 ms at the H200's clock, longer than a launch
-        start.record()
-        y = plain(x, w, b, **kw)
-        end.record()
-        torch.cuda.synchronize()
-        role = _role(x, w, kw)
-        calls[role] += 1
-        gpu_ms[role] += start.elapsed_time(end)
-        return y
+        with torch.profiler.record_function(_role(x, w, kw)):
+            return plain(x, w, b, **kw)
 
     gemm.linear = linear
     try:
@@ -120,14 +111,22 @@ def _timed_gemms(calls: dict, gpu_ms: dict):
 
 
 def by_role(fn, top: int) -> None:
-    """One ``fn`` with each strict GEMM call timed alone (``_timed_gemms``): each role's calls and
-    GPU time, largest first (the step itself runs slower so; its kernels do not)."""
+    """One ``fn`` under ``torch.profiler`` with each strict GEMM call in a range named by its role
+    (``_labelled_gemms``): each role's calls and the GPU time of the kernels they launched,
+    largest first (the profiler attributes a kernel to the range its launch ran in, so the step
+    runs as it does unprofiled: no call waits for another)."""
     fn()
     torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with _labelled_gemms(), torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
     calls: dict[str, int] = collections.Counter()
     gpu_ms: dict[str, float] = collections.Counter()
-    with _timed_gemms(calls, gpu_ms):
-        fn()
+    for e in prof.events():
+        if e.name.startswith("gemm "):
+            calls[e.name] += 1
+            gpu_ms[e.name] += e.device_time_total / 1e3
     total = sum(gpu_ms.values())
     print(f"\n=== strict GEMMs by role: {sum(calls.values())} calls, {total:.1f} ms of GPU time")
     for key, ms in sorted(gpu_ms.items(), key=lambda kv: -kv[1])[:top]:

@@ -112,6 +112,7 @@ def test_output_feature_shards_reproduce_bytes(shards):
 
 
 CONFIGS = {"bm128bn128w8s3": dict(tma=False),
+           "bm128bn128w8s3.tma": dict(),
            "bm128bn128w8s3.tma.p2": dict(persistent=2),
            "bm128bn256w8s3.tma.p1": dict(block_n=256, persistent=1),
            "bm64bn128w4s4.tma": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),

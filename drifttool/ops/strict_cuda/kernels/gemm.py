@@ -23,8 +23,8 @@ Order of every output element y[m, n] (the contract; docs/strict-arithmetic.md, 
 
 Row invariance holds by construction: a row's loads, products and sums never involve other rows
 (rows past M are zero-filled by TMA or re-read from valid rows and never stored), nothing depends
-on M, and the tile configuration is fixed per operand precision (``BF16_CONFIG``, ``FP32_CONFIG``),
-never chosen from the shape. The TMA path (tensor descriptors, used when the operands' strides
+on M, and the tile configuration is fixed by the operands' and the output's precision
+(``BF16_CONFIG``, ``BF16_WIDE_CONFIG``, ``FP32_CONFIG``), never chosen from the shape. The TMA path (tensor descriptors, used when the operands' strides
 allow it) and the pointer path load the same values and run the same MMAs in the same order.
 
 The kernels call only Triton builtins, never ``triton.language.standard``'s ``@jit`` helpers
@@ -84,12 +84,21 @@ class GemmConfig:
                 f"{f'.r{self.maxnreg}' if self.maxnreg else ''}")
 
 
-BF16_CONFIG = GemmConfig()
-"""bf16 × bf16 (tensor cores): 128×128 tiles, 8 warps, 3 stages, TMA loads, one program per tile.
-Persistent 128×256 tiles (``persistent=1``) are 2–7 % faster at the image stream's projections
-but 2× slower at the text stream's 128 rows (12 tiles for the MLP down-projection), and the tile
-is fixed per operand precision, not chosen by shape (``benchmarks/sweep_strict_gemm.py``,
-docs/benchmarks.md)."""
+BF16_CONFIG = GemmConfig(block_n=256, persistent=1)
+"""bf16 × bf16 (tensor cores): 128×256 tiles, 8 warps, 3 stages, TMA loads, one persistent program
+per SM walking the tiles in turn (the same bytes as any tile: ``tests/gpu/test_strict_cuda_gemm.py``
+compares launch geometries). 2–7 % faster than 128×128 tiles, one program per tile, at the image
+stream's projections, 9–22 % slower at the text stream's 128–256 rows; a captured forward runs
+the text stream beside the image stream (``model.lanes``), where the whole 60-block forward is
+4–6 % faster with it (``benchmarks/bench_gpu_forward.py`` ``+alt``, docs/benchmarks.md). For a
+16-bit output without a merge; otherwise ``BF16_WIDE_CONFIG``. Chosen by the operands' and the
+output's precision, never by shape."""
+
+BF16_WIDE_CONFIG = GemmConfig()
+"""bf16 × bf16 with an FP32 output or a merged epilogue (the backward's FP32 gradients, an
+adapter's FP32 pre-activation): 128×128 tiles, one program per tile. A 128×256 FP32 tile
+(128 KiB) does not fit the H200's shared memory beside ``BF16_CONFIG``'s three pipeline stages
+(147 KiB); the same bytes as any tile."""
 
 
 FP32_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=1, tma=False)
@@ -109,7 +118,7 @@ LORA_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, tma=
 """``lora_merge``'s B·A (FP32, K = r, M = N = the layer's width): 64×64 tiles (the same bytes as
 any tile: the FMA dot of an element does not depend on its tile; the GPU test checks it)."""
 
-KERNEL_ID = f"triton.gemm.k{CHUNK}.seq.{BF16_CONFIG.id}|fp32.ieee.{FP32_CONFIG.id}"
+KERNEL_ID = f"triton.gemm.k{CHUNK}.seq.{BF16_CONFIG.id}|wide.{BF16_WIDE_CONFIG.id}|fp32.ieee.{FP32_CONFIG.id}"
 """Kernel identity written to the trace."""
 
 
@@ -256,7 +265,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             ``"gelu_tanh_f32"`` (the FP32 formula of ``_gelu_tanh_f32``: faster, not the CPU's bytes).
         out_dtype: output dtype (default x's); the FP32 result is cast to it once.
         config: launch configuration override (tests prove the bytes do not depend on it);
-            default ``BF16_CONFIG`` for bf16 × bf16, ``FP32_CONFIG`` otherwise.
+            default ``BF16_CONFIG`` for bf16 × bf16 to a 16-bit output (``BF16_WIDE_CONFIG`` with
+            an FP32 output or ``merge_into``), ``FP32_CONFIG`` with an FP32 operand.
         merge_into: [..., N], the output's shape (any float dtype): the epilogue computes
             fp32(merge_into) + fp32(scale)·(x·wᵀ + b), the product and the sum each rounded to FP32,
             then the activation, then the cast. A LoRA merge's base weight W (strict
@@ -279,7 +289,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             f"[..., N] = {(*lead, n)} and be on x's device")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
-    cfg = config or (FP32_CONFIG if ieee else BF16_CONFIG)
+    wide = out_dtype.itemsize > 2 or merge_into is not None
+    cfg = config or (FP32_CONFIG if ieee else BF16_WIDE_CONFIG if wide else BF16_CONFIG)
     x2 = _rows(x.reshape(lead.numel(), k))  # [M, K]
     w2 = _rows(w)
     m = x2.shape[0]
