@@ -9,9 +9,9 @@ factors), after one untimed step, under ``torch.profiler`` for each family (prod
 ``auto``; strict: the Triton family): the step's wall time, the sum of its GPU kernel times (the
 rest is the GPU waiting for the host) and the kernels grouped by name (count, total ms, share of
 the family's kernel time), so the backward's costly kernels show against production's. Then, for
-the strict family: ``--by-role`` one more step under the profiler with every strict GEMM call
-(``kernels.gemm.linear``) in a range named by its role — operand dtypes, rows M, K, N, a merged
-epilogue, the activation — and its kernels' GPU time summed by role; ``--host`` one step under
+the strict family: ``--by-role`` one more step under the profiler, each strict GEMM kernel
+paired with the ``kernels.gemm.linear`` call that launched it and its GPU time summed by the
+call's role — operand dtypes, rows M, K, N, a merged epilogue, the activation; ``--host`` one step under
 cProfile (own time: Triton's launch, the dispatch, autograd). Without CUDA it prints why and
 exits 0.
 """
@@ -92,16 +92,17 @@ def _role(x: torch.Tensor, w: torch.Tensor, kw: dict) -> str:
 
 
 @contextlib.contextmanager
-def _labelled_gemms():
-    """Every ``kernels.gemm.linear`` call inside runs in a profiler range named by its role
-    (``_role``), so the profiler adds the kernels it launches to that range's GPU time."""
+def _logged_gemms(roles: list[str]):
+    """Every ``kernels.gemm.linear`` call inside that launches a kernel (M, N > 0) appends its role
+    (``_role``) to ``roles``, in the host's order: the order its one kernel runs in on the stream."""
     from drifttool.ops.strict_cuda.kernels import gemm
 
     plain = gemm.linear
 
     def linear(x, w, b=None, **kw):
-        with torch.profiler.record_function(_role(x, w, kw)):
-            return plain(x, w, b, **kw)
+        if x.numel() and w.shape[0]:
+            roles.append(_role(x, w, kw))
+        return plain(x, w, b, **kw)
 
     gemm.linear = linear
     try:
@@ -111,22 +112,26 @@ def _labelled_gemms():
 
 
 def by_role(fn, top: int) -> None:
-    """One ``fn`` under ``torch.profiler`` with each strict GEMM call in a range named by its role
-    (``_labelled_gemms``): each role's calls and the GPU time of the kernels they launched,
-    largest first (the profiler attributes a kernel to the range its launch ran in, so the step
-    runs as it does unprofiled: no call waits for another)."""
+    """One ``fn`` under ``torch.profiler`` with the strict GEMM calls' roles logged in call order
+    (``_logged_gemms``): the step's GEMM kernels (``_linear*``), in the order they ran, paired
+    with the calls one to one (one stream, one kernel per call), their GPU time summed by role,
+    largest first. The step runs as it does unprofiled: no call waits for another."""
     fn()
     torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with _labelled_gemms(), torch.profiler.profile(activities=acts) as prof:
+    roles: list[str] = []
+    with _logged_gemms(roles), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.name.startswith("_linear")), key=lambda e: e.time_range.start)
+    if len(kernels) != len(roles):
+        print(f"\n=== strict GEMMs by role: {len(roles)} calls but {len(kernels)} GEMM kernels; not paired")
+        return
     calls: dict[str, int] = collections.Counter()
     gpu_ms: dict[str, float] = collections.Counter()
-    for e in prof.events():
-        if e.name.startswith("gemm "):
-            calls[e.name] += 1
-            gpu_ms[e.name] += e.device_time_total / 1e3
+    for role, k in zip(roles, kernels):
+        calls[role] += 1
+        gpu_ms[role] += k.device_time_total / 1e3
     total = sum(gpu_ms.values())
     print(f"\n=== strict GEMMs by role: {sum(calls.values())} calls, {total:.1f} ms of GPU time")
     for key, ms in sorted(gpu_ms.items(), key=lambda kv: -kv[1])[:top]:
