@@ -205,14 +205,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--sweep", action="store_true", help="time the row kernel's tile choices first")
-    ap.add_argument("--gemm", default="block_n=256,persistent=1",
-                    help="GemmConfig fields of the +alt configs, e.g. block_m=128,block_n=256,persistent=1")
+    ap.add_argument("--gemm", default="",
+                    help="GemmConfig fields of the +alt configs, e.g. block_n=128,persistent=0 (the tile "
+                         "registered before 128×256 persistent)")
     ap.add_argument("--tile", default="", help="row kernel settings, e.g. bm=32,bc=256,warps=8")
     ap.add_argument("--profile", action="store_true", help="profile one L1 forward per implementation")
     ap.add_argument("--kernels", default="", help="configs whose GPU kernels and host time to profile "
                     "at the first shape and batch, e.g. strict+graph,strict+L1+graph")
     args = ap.parse_args()
     ALT_GEMM.update({k: int(v) for k, _, v in (f.partition("=") for f in args.gemm.split(",") if f)})
+    if not ALT_GEMM and any("+alt" in c for c in args.configs.split(",")):
+        sys.exit("bench_gpu_forward.py: the +alt configs need --gemm FIELDS (e.g. --gemm block_n=128,persistent=0)")
     device = "cuda"
     if args.sweep:
         gpu_rows.TILE.update(sweep(device))  # the forward runs with the fastest setting

@@ -3,18 +3,19 @@
     >>> rt = dataclasses.replace(rt, lanes=Lanes(device))   # what GraphedForward's capture does
     >>> i, t = block(i, t, temb, ctx, rt)                   # txt operators run on the text lane
 
-The image stream's operators fill the GPU; the text stream's (a prompt's 128 rows at batch 1) do
-not: a 128-row GEMM is one row of output tiles, fewer tiles than the H200 has SMs, each walking
-all of K. Within a block the two streams meet only in the joint attention, so ``Block`` runs the
-text stream's operators on a *text lane*, a second CUDA stream, and the image stream's on the
-caller's stream (the *main lane*); the GPU overlaps them. Every operator reads the same inputs
+The image stream's operators fill the GPU; the text stream's (the prompt's padded rows, e.g. 128
+at batch 1) do not: a 128-row GEMM is one row of output tiles, fewer tiles than the H200 has SMs,
+each walking all of K. Within a block the two streams meet only in the joint attention, so
+``Block`` runs the text stream's operators on a *text lane*, a second CUDA stream, and the image
+stream's on the caller's stream (the *main lane*); the GPU runs the text lane's kernels on the
+SMs the image stream's leave free. Every operator reads the same inputs
 and runs the same kernel on either lane, so no byte changes (``tests/gpu/test_lanes_cuda.py``
 compares raw bytes and the capture records with and without lanes).
 
 A block's dependencies, in the order ``Block`` calls them:
 
-1. ``fork()`` at the block's start: the text lane waits for the main lane's work so far (the
-   block's inputs ``t`` and ``temb``; the previous block has ended with ``end()``);
+1. ``fork()`` at the block's start: the text lane waits for the main lane's work so far (``temb``;
+   at the first block ``t``, which the main lane made; later blocks' ``t`` is the text lane's own);
 2. ``join(qt, kt, vt)`` before the joint attention: the main lane waits for the text lane's q, k, v;
 3. ``fork(o)`` after it: the text lane waits for the attention output ``o``;
 4. ``end()`` at the block's end: the main lane waits for the text lane, so the block's outputs,
@@ -23,7 +24,11 @@ A block's dependencies, in the order ``Block`` calls them:
 A tensor made on one lane and read on the other is *shared*: the caching allocator hands a
 freed block back to the stream it was made on, without waiting for the other lane. ``fork`` and
 ``join`` therefore keep their shared tensors alive until ``end``: after it the main lane is
-ordered after both lanes' reads, and the text lane's next work comes after the next ``fork``.
+ordered after both lanes' reads, and the text lane's next work comes after the next ``fork``
+(nothing else runs on the text lane in between). Tensors made before the block and read on the
+text lane (``t`` at the first block, ``temb``, the RoPE tables) are held by the caller until the
+block returns, after ``end``. ``JointAttention`` returns ``A_txt`` on the text lane, unjoined: only
+``Block``, which ends the lane, may call it with lanes.
 
 ``SERIAL`` is the one-stream form (every method a no-op): what a runtime without lanes uses.
 """

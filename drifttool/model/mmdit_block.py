@@ -143,8 +143,8 @@ class JointAttention(nn.Module):
         eps = self.eps
         lanes = rt.lanes or SERIAL
         qi, ki, vi = self._qkv(ih, "img", rt, self.to_q, self.to_k, self.to_v)  # 3 × [B, N, H, Dh]
-        with lanes.txt():
-            qt, kt, vt = self._qkv(th, "txt", rt, self.add_q_proj, self.add_k_proj, self.add_v_proj)  # 3 × [B, L, H, Dh]
+        with lanes.txt():  # 3 × [B, L, H, Dh]
+            qt, kt, vt = self._qkv(th, "txt", rt, self.add_q_proj, self.add_k_proj, self.add_v_proj)
         # x / sqrt(mean(x²) + eps) · gain, over Dh
         qi = call(rt, "qk_rmsnorm", qi, self.norm_q.weight, eps=eps, stream="img", layout="BS..")
         ki = call(rt, "qk_rmsnorm", ki, self.norm_k.weight, eps=eps, stream="img", layout="BS..")

@@ -77,16 +77,18 @@ class ClockLanes(Serial):
 
 
 class RaceCheck(TorchFunctionMode):
-    """Stamps the storages each torch call writes with (lane, time): a returned storage it did not
-    read (a new tensor, not a view), or what an in-place or ``out=`` call returns. Records every
-    read of a storage the other lane wrote that this lane has not waited for, and every
-    cross-lane read of a storage made in the current block that the lanes do not keep until the
-    block's end."""
+    """Stamps the storages each torch call writes with (lane, time) — a returned storage it did not
+    read (a new tensor, not a view), and the target of an in-place call (``add_``, ``x[i] = …``,
+    ``out=``) — and each storage it reads with the time of the read, per lane. Records as a race
+    every read of a storage the other lane wrote, and every in-place write to a storage the other
+    lane wrote or read, that this lane has not waited for; and, as unkept, every cross-lane read
+    of a storage made in the current block that the lanes do not keep until the block's end."""
 
     def __init__(self, lanes: ClockLanes) -> None:
         super().__init__()
         self.lanes = lanes
         self.stamps: dict[int, tuple[str, int]] = {}
+        self.reads: dict[int, dict[str, int]] = {}
         self.races: list[str] = []
         self.unkept: list[str] = []
         self.cross_reads = 0
@@ -111,14 +113,31 @@ class RaceCheck(TorchFunctionMode):
             start = lanes.block_start
             if start is not None and time > start[other] and ptr not in lanes.shared:
                 self.unkept.append(f"{name} on {lane} reads {other}@{time}")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) or (
+            name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__invert__"))
+        targets = [args[0]] if in_place and args and isinstance(args[0], torch.Tensor) else []
+        targets += [t for t in tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
+        for t in targets:  # the other lane's last write and reads of it must be waited for
+            ptr = t.untyped_storage().data_ptr()
+            stamp = self.stamps.get(ptr)
+            if stamp is not None and stamp[0] != lane and lanes.seen[lane][stamp[0]] < stamp[1]:
+                self.races.append(f"{name} on {lane} overwrites {stamp[0]}'s write @{stamp[1]}")
+            for other, time in self.reads.get(ptr, {}).items():
+                if other != lane and lanes.seen[lane][other] < time:
+                    self.races.append(f"{name} on {lane} overwrites what {other} read @{time}")
         out = func(*args, **kwargs)
         lanes.clock[lane] += 1
-        writes = (name.endswith("_") and not name.startswith("__")) or "out" in kwargs
+        now = lanes.clock[lane]
+        for ptr in read:
+            self.reads.setdefault(ptr, {})[lane] = now
+        for t in targets:
+            self.stamps[t.untyped_storage().data_ptr()] = (lane, now)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ptr = t.untyped_storage().data_ptr()
-                if writes or ptr not in read:
-                    self.stamps[ptr] = (lane, lanes.clock[lane])
+                if ptr not in read:  # a new storage (its address may be a freed one's)
+                    self.stamps[ptr] = (lane, now)
+                    self.reads.pop(ptr, None)
         return out
 
 

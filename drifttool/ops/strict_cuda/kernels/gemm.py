@@ -24,8 +24,9 @@ Order of every output element y[m, n] (the contract; docs/strict-arithmetic.md, 
 Row invariance holds by construction: a row's loads, products and sums never involve other rows
 (rows past M are zero-filled by TMA or re-read from valid rows and never stored), nothing depends
 on M, and the tile configuration is fixed by the operands' and the output's precision
-(``BF16_CONFIG``, ``BF16_WIDE_CONFIG``, ``FP32_CONFIG``), never chosen from the shape. The TMA path (tensor descriptors, used when the operands' strides
-allow it) and the pointer path load the same values and run the same MMAs in the same order.
+(``BF16_CONFIG``, ``BF16_WIDE_CONFIG``, ``FP32_CONFIG``), never chosen from the shape. The TMA
+path (tensor descriptors, used when the operands' strides allow it) and the pointer path load
+the same values and run the same MMAs in the same order.
 
 The kernels call only Triton builtins, never ``triton.language.standard``'s ``@jit`` helpers
 (``tl.cdiv``, ``tl.zeros``, ...): those are decorated when Triton is first imported, so in a test
@@ -98,7 +99,7 @@ BF16_WIDE_CONFIG = GemmConfig()
 """bf16 × bf16 with an FP32 output or a merged epilogue (the backward's FP32 gradients, an
 adapter's FP32 pre-activation): 128×128 tiles, one program per tile. A 128×256 FP32 tile
 (128 KiB) does not fit the H200's shared memory beside ``BF16_CONFIG``'s three pipeline stages
-(147 KiB); the same bytes as any tile."""
+(144 KiB); the same bytes as any tile."""
 
 
 FP32_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=1, tma=False)
