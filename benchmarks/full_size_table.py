@@ -1,0 +1,157 @@
+"""What a user's full-size jobs cost, side by side in one run: the CLI's commands, timed.
+
+    $ python benchmarks/full_size_table.py [--work /dev/shm/drifttool-table] [--layers 60] \
+          [--shapes 1024x1024,1328x1328,1664x928] [--batches 1] [--steps 10] [--device cuda] \
+          [--parts run,replay,recompute,localize]
+
+A random full-width pipeline folder with ``--layers`` blocks and a random LoRA adapter is written
+once under ``--work`` (``make_random_checkpoint.py``; reused when present; its layer count is
+the folder's, whatever ``--layers`` says later). Then, per shape
+(height × width) and batch (``drifttool run --batch``: logical samples, each with both CFG
+branches batched, so the transformer's batch is twice it), the commands of ``--parts``, each
+through ``measure_cli.py`` in a fresh process:
+
+* ``run``: strict ``--steps``-step CFG/SDE trajectories with the adapter at capture L0, L1 and
+  L2, and one in production mode (``--mode auto``) at L0 and at L2;
+* ``replay``: the L1 trajectory replayed, and diffed against it (expected identical);
+* ``recompute``: its training recompute with gradients, without and with gradient
+  checkpointing, each diffed against the trajectory (expected identical);
+* ``localize``: the strict and production L0 trajectories diffed with ``--localize`` (the first
+  drifting step re-run at L2) beside the plain diff of the two L2 trajectories, which costs the
+  L2 runs themselves.
+
+Each row: the command, its exit status, wall seconds (the command's own, imports not counted;
+loading, weight digest and capture included), the peak GPU memory torch's allocator held and
+the peak host resident memory. The table is printed and appended, one JSON object a row, to
+``WORK/table.jsonl`` with the hardware, versions and date. The transformer forward alone
+beside diffusers' is ``bench_gpu_forward.py``'s; the load beside diffusers' ``from_pretrained``
+is ``bench_load.py``'s. Runs on the CPU too (``--device cpu``; small ``--layers`` and shapes
+then, e.g. ``--layers 2 --shapes 256x256 --steps 2``), to try the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("run", "replay", "recompute", "localize")
+
+
+def measured(argv: list[str], log: Path) -> dict:
+    """``drifttool argv`` in a fresh process (``measure_cli.py``): its rc, wall s, peak GPU GiB
+    and peak host GiB (``os.wait4``); its output goes to ``log``."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "measure_cli.py"), *argv]
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    text = log.read_text(encoding="utf-8", errors="replace")
+    line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("MEASURED ")), None)
+    row = {"rc": os.waitstatus_to_exitcode(status), "wall_s": None, "peak_gpu_gib": None}
+    if line is not None:
+        row.update(json.loads(line[len("MEASURED "):]))
+    row["peak_host_gib"] = round(usage.ru_maxrss / 2**20, 2)  # ru_maxrss: KiB on Linux
+    row["command"] = "drifttool " + shlex.join(argv)
+    return row
+
+
+def cases(args, work: Path, shape: str, batch: int):
+    """(label, drifttool argv, expected exit status or None) of one shape and batch, in order."""
+    h, w = (int(v) for v in shape.split("x"))
+    tag = work / f"{shape}-b{batch}"
+    lora = ["--lora", str(work / "lora"), "--device", args.device]
+    run = ["--checkpoint", str(work / "qwen"), *lora, "--height", str(h), "--width", str(w), "--steps",
+           str(args.steps), "--batch", str(batch), "--overwrite"]
+    parts = set(args.parts.split(","))
+    if "run" in parts:
+        for mode, level in (("strict", "L0"), ("strict", "L1"), ("strict", "L2"), ("auto", "L0"), ("auto", "L2")):
+            yield (f"run {mode} {level}", ["run", *run, "--mode", mode, "--capture", level,
+                                             "-o", str(tag / f"{mode}-{level}")], 0)
+    rollout = str(tag / "strict-L1")
+    if "replay" in parts:
+        yield ("replay (L1)", ["replay", rollout, "--device", args.device, "-o", str(tag / "replay"),
+                               "--overwrite"], 0)
+        yield ("diff rollout / replay", ["diff", rollout, str(tag / "replay")], 0)
+    if "recompute" in parts:
+        for name, extra in (("recompute --grad", []), ("recompute --grad, checkpointing", ["--gradient-checkpointing"])):
+            out = str(tag / name.replace(" ", "_").replace(",", "").replace("--", ""))
+            yield (name, ["recompute", rollout, *lora, "--grad", *extra, "-o", out, "--overwrite"], 0)
+            yield (f"diff rollout / {name}", ["diff", rollout, out], 0)
+    if "localize" in parts:
+        yield ("diff --localize, L0 pair", ["diff", str(tag / "strict-L0"), str(tag / "auto-L0"), "--localize",
+                                            "--checkpoint", str(work / "qwen")], 1)
+        yield ("diff, L2 pair", ["diff", str(tag / "strict-L2"), str(tag / "auto-L2")], 1)
+
+
+def _shown(value) -> str:
+    """A measured number as printed, "–" where none was measured (no CUDA, no MEASURED line)."""
+    return "–" if value is None else f"{value}"
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    return {"date": datetime.date.today().isoformat(), "device": gpu or platform.processor() or "cpu",
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/dev/shm/drifttool-table"))
+    ap.add_argument("--layers", type=int, default=60, help="blocks of a new pipeline folder")
+    ap.add_argument("--shapes", default="1024x1024,1328x1328,1664x928")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    args = ap.parse_args()
+    bad = sorted(set(args.parts.split(",")) - set(PARTS))
+    if bad:
+        sys.exit(f"full_size_table.py: unknown parts {bad}: choose from {', '.join(PARTS)}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not ((args.work / "qwen" / "model_index.json").exists() and (args.work / "lora").exists()):
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_random_checkpoint.py"), "--layers",
+                        str(args.layers), "--out", str(args.work / "qwen"), "--lora", str(args.work / "lora"),
+                        "--device", args.device], check=True, cwd=ROOT)
+    env = environment(args.device)
+    layers = json.loads((args.work / "qwen" / "transformer" / "config.json").read_text())["num_layers"]
+    rows = []
+    for shape in args.shapes.split(","):
+        for batch in map(int, args.batches.split(",")):
+            (args.work / f"{shape}-b{batch}").mkdir(exist_ok=True)
+            for label, argv, expect in cases(args, args.work, shape, batch):
+                log = args.work / f"{shape}-b{batch}" / (label.replace(" ", "_").replace("/", "").replace(",", "")
+                                                       .replace("-", "") + ".log")
+                row = {**env, "layers": layers, "shape": shape, "batch": batch, "steps": args.steps,
+                       "case": label, "expected_rc": expect, **measured(argv, log)}
+                rows.append(row)
+                flag = "" if expect is None or row["rc"] == expect else f"  (expected exit {expect}: see {log})"
+                print(f"{shape} b{batch} {label}: rc {row['rc']}, {_shown(row['wall_s'])} s, "
+                      f"GPU {_shown(row['peak_gpu_gib'])} GiB, host {row['peak_host_gib']} GiB{flag}", flush=True)
+                with open(args.work / "table.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{layers} blocks, {args.steps} steps, CFG batched — {env['date']} — {env['device']}, "
+                        f"torch {env['torch']}")
+    for col in ("shape", "batch", "case", "rc", "wall s", "peak GPU GiB", "peak host GiB"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in rows:
+        rc = f"{r['rc']}" if r["expected_rc"] is None or r["rc"] == r["expected_rc"] else f"{r['rc']} (≠{r['expected_rc']})"
+        table.add_row(r["shape"], str(r["batch"]), r["case"], rc, _shown(r["wall_s"]), _shown(r["peak_gpu_gib"]),
+                      _shown(r["peak_host_gib"]))
+    Console(width=140).print(table)
+    return 0 if all(r["expected_rc"] is None or r["rc"] == r["expected_rc"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Run one ``drifttool`` command in this process, then print what it cost as one JSON line.
+
+    $ python benchmarks/measure_cli.py run -o runs/a --device cuda ...
+    ... (the command's own output)
+    MEASURED {"rc": 0, "wall_s": 12.31, "peak_gpu_gib": 41.22}
+
+``rc`` is the command's exit status (the CLI's codes: 0 success or identical, 1 drift, ...),
+``wall_s`` its wall time from the command line's parse to its exit (imports before it not
+counted), ``peak_gpu_gib`` the most memory torch's allocator held on the current CUDA device
+(``torch.cuda.max_memory_allocated``; null without CUDA). The host's peak resident memory is the
+parent's to read (``os.wait4``'s ``ru_maxrss``): ``full_size_table.py`` runs every command
+through this wrapper. The wrapper exits with the command's status.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str]) -> int:
+    from drifttool.cli.app import main as cli
+
+    t0 = time.perf_counter()
+    sys.argv = ["drifttool", *argv]
+    try:
+        cli()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    wall = time.perf_counter() - t0
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    print("MEASURED " + json.dumps({"rc": rc, "wall_s": round(wall, 2),
+                                    "peak_gpu_gib": None if gpu is None else round(gpu, 2)}), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
