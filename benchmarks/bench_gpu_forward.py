@@ -95,11 +95,13 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
 @contextlib.contextmanager
 def alt_gemm(on: bool):
     """Within: the strict bf16 GEMMs launch with ``ALT_GEMM`` (``on``), else as registered."""
+    if not on:
+        yield
+        return
     from drifttool.ops.strict_cuda.kernels import gemm
 
     registered = gemm.BF16_CONFIG
-    if on:
-        gemm.BF16_CONFIG = gemm.GemmConfig(**ALT_GEMM)
+    gemm.BF16_CONFIG = gemm.GemmConfig(**ALT_GEMM)
     try:
         yield
     finally:

@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -81,13 +82,19 @@ def cases(args, work: Path, shape: str, batch: int):
         yield ("diff rollout / replay", ["diff", rollout, str(tag / "replay")], 0)
     if "recompute" in parts:
         for name, extra in (("recompute --grad", []), ("recompute --grad, checkpointing", ["--gradient-checkpointing"])):
-            out = str(tag / name.replace(" ", "_").replace(",", "").replace("--", ""))
+            out = str(tag / _slug(name))
             yield (name, ["recompute", rollout, *lora, "--grad", *extra, "-o", out, "--overwrite"], 0)
             yield (f"diff rollout / {name}", ["diff", rollout, out], 0)
     if "localize" in parts:
         yield ("diff --localize, L0 pair", ["diff", str(tag / "strict-L0"), str(tag / "auto-L0"), "--localize",
                                             "--checkpoint", str(work / "qwen")], 1)
         yield ("diff, L2 pair", ["diff", str(tag / "strict-L2"), str(tag / "auto-L2")], 1)
+
+
+def _slug(label: str) -> str:
+    """A case label as a file name: letters, digits and underscores ("recompute --grad, checkpointing"
+    → "recompute_grad_checkpointing")."""
+    return "_".join(re.findall(r"[A-Za-z0-9]+", label))
 
 
 def _shown(value) -> str:
@@ -128,8 +135,7 @@ def main() -> int:
         for batch in map(int, args.batches.split(",")):
             (args.work / f"{shape}-b{batch}").mkdir(exist_ok=True)
             for label, argv, expect in cases(args, args.work, shape, batch):
-                log = args.work / f"{shape}-b{batch}" / (label.replace(" ", "_").replace("/", "").replace(",", "")
-                                                       .replace("-", "") + ".log")
+                log = args.work / f"{shape}-b{batch}" / f"{_slug(label)}.log"
                 row = {**env, "layers": layers, "shape": shape, "batch": batch, "steps": args.steps,
                        "case": label, "expected_rc": expect, **measured(argv, log)}
                 rows.append(row)
