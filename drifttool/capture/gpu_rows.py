@@ -126,6 +126,9 @@ def _signed_table(n: int, wbytes: int) -> np.ndarray:
 
 
 _TABLES: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Key tables replaced by a larger one, kept alive: a CUDA graph captured before the growth reads
+the old table at its address at every replay (``model.graphs``)."""
 _SHIFT: dict[tuple[int, int], tuple[int, int]] = {}
 
 
@@ -140,6 +143,8 @@ def _key_table(kernel: int, device: torch.device, n: int, wbytes: int) -> torch.
             table = _limb_table(size, wbytes).transpose(1, 0, 2).reshape(-1, 32)
         else:
             table = _signed_table(size, wbytes)
+        if (kernel, device, wbytes) in _TABLES:
+            _RETIRED.append(_TABLES[(kernel, device, wbytes)])
         have = torch.from_numpy(np.ascontiguousarray(table)).to(device)
         _TABLES[(kernel, device, wbytes)] = have
     return have

@@ -161,10 +161,9 @@ class GraphedForward:
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         level = self._level(rt)
         quiet, log = logging_runtime(rt, level)
-        if self.lanes:
-            if self._lanes is None:
-                self._lanes = Lanes(x.device)
-            quiet = replace(quiet, lanes=self._lanes)
+        if self.lanes and self._lanes is None:
+            self._lanes = Lanes(x.device)
+        quiet = replace(quiet, lanes=self._lanes if self.lanes else None)  # never a caller's lanes
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -145,3 +145,26 @@ def test_edit_condition_latents_are_graph_inputs(model):
             kw = dict(cond=cond, cond_grids=((3, 4),))
             assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt, **kw)), _bits(model(x, txt, mask, tau, grid, rt, **kw)))
     assert (fast.captures, fast.replays) == (1, 3)
+
+
+def test_a_graph_reads_its_row_key_table_after_the_table_grew(monkeypatch):
+    """A graph captured on the row kernel's key table keeps giving the eager digest after a wider
+    output replaced the cached table and the freed memory was written over."""
+    from drifttool.capture import gpu_rows
+
+    monkeypatch.setattr(gpu_rows, "_TABLES", {})
+    monkeypatch.setattr(gpu_rows, "_RETIRED", [])
+    x = (torch.randn(64, 300, generator=torch.Generator().manual_seed(7)) * 3).bfloat16().cuda()
+    eager = [t.clone() for t in gpu_rows.row_table(x)]  # compiles; a table for 4,096 columns
+    old = gpu_rows._TABLES[next(iter(gpu_rows._TABLES))]
+    size = old.numel()
+    del old
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gpu_rows.row_table(x)
+    gpu_rows.row_table(torch.ones(4, 9000, dtype=torch.bfloat16, device="cuda"))  # grows it
+    junk = [torch.full((size,), 0x55, dtype=torch.int8, device="cuda") for _ in range(8)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(eager, out)), "the graph read a freed key table"
+    del junk
