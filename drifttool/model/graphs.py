@@ -128,13 +128,7 @@ class GraphedForward:
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid = tuple(int(v) for v in img_grid)
         cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
-        scope = rt.current_scope()
-        key = (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
-               None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
-               None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
-               str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), self._level(rt),
-               *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
-                                             "cond_grids")))
+        key = signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt))
         params = tuple(p.data_ptr() for p in self.model.parameters())
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
             self.reset()
@@ -177,6 +171,21 @@ class GraphedForward:
                 "run it eagerly (call the model itself)") from e
         self.captures += 1
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
+
+
+def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None, tau: torch.Tensor,
+              grid: tuple[int, int], cond: torch.Tensor | None, cond_grids: tuple[tuple[int, int], ...],
+              rt: Runtime, level: str | None) -> tuple:
+    """What a recorded forward's kernels and records depend on, as a dict key: the inputs' shapes
+    and dtypes, mask presence, grid, device, mode, capture ``level`` and the scope's samples,
+    prompt lengths and text starts."""
+    scope = rt.current_scope()
+    return (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
+            None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
+            None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
+            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
+            *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
+                                          "cond_grids")))
 
 
 def _frozen(v: Any) -> Any:

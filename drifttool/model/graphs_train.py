@@ -1,0 +1,220 @@
+"""A training forward and its backward, each replayed from a CUDA graph: the same kernels, the
+same bytes, no host.
+
+    >>> fast = GraphedTraining(model)                  # MMDiT with trainable (LoRA) parameters, on CUDA
+    >>> with torch.enable_grad():
+    ...     v = fast(x, txt, txt_mask, tau, (64, 64), rt)   # 1st call of a signature: eager (warm-up)
+    ...     (v.float() * g).sum().backward()                # the parameters' .grad, as eager
+    ...     v = fast(x, txt, txt_mask, tau, (64, 64), rt)   # 2nd: captured, then replayed
+    ...     (v.float() * g).sum().backward()                # the backward graph replayed
+
+A strict training step at batch 1 launches about 10,000 kernels, and Python launches them more
+slowly than the GPU runs them: the step is bound by the host (docs/benchmarks.md, "A LoRA training
+step"). A trainer repeats the same shapes at every step, so each input signature's forward
+(autograd recording, gradient checkpointing as the model is set) is captured in one
+``torch.cuda.CUDAGraph`` and the backward of its output, into every parameter that requires a
+gradient, in a second one (the scheme of ``torch.cuda.make_graphed_callables``, whose warm-up and
+input handling this wrapper does its own way). The returned velocity is an autograd output: a
+loss built on it in eager code backpropagates through the backward graph, and the parameters'
+``.grad`` receive what the eager backward gives them, byte for byte
+(``tests/gpu/test_graphed_training_cuda.py``).
+
+What a replay keeps of an eager call:
+
+* **inputs** are copied into the graphs' static buffers; the returned velocity is a copy of the
+  forward graph's output, and the gradients handed to autograd are copies of the backward
+  graph's (autograd accumulates them into ``.grad`` as it would the eager ones);
+* **the operator trace**: logged at capture and counted again in bulk after each forward replay
+  (``model.replay``), as ``GraphedForward`` does;
+* **one forward, then its backward**: the backward graph reads the activations the last forward
+  replay left in the graph's memory. A second call of the same signature before the first
+  call's backward ran (sequential CFG branches before one backward, say) runs eagerly, so nothing
+  is overwritten that a pending backward still needs; a second backward of a retained graph after
+  a later replay raises ``UnsupportedConfigError``.
+
+It runs eagerly, never graphed, where a graph would lose something or cannot hold: no autograd
+recording, no parameter requiring a gradient, a parallel plan, probe variants, a gradient ledger
+(its per-sample sinks are handed tensors by Python during the backward), capture records (L1, L2),
+or a device other than CUDA. The first call of a signature runs eagerly (it compiles the kernels
+and fills the constant caches); the second runs one more eager forward and backward on a side
+stream (the backward kernels' compilation, whatever the caller did with the first call's output),
+then captures both graphs and replays them. The model's activation checkpointing is part of the
+signature (a checkpointed backward recomputes each block inside the backward graph).
+
+Memory: each signature keeps its own pool (the forward's saved activations live there between a
+forward replay and its backward), about the eager step's peak; ``reset()`` frees them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from drifttool.errors import UnsupportedConfigError
+from drifttool.model.graphs import signature
+from drifttool.model.replay import ReplayRecords, logging_runtime
+from drifttool.model.rope import BACKEND_TABLES, rope_tables
+from drifttool.runtime import Runtime
+
+
+@dataclass
+class _Graphs:
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor | None, ...]  # x, txt, txt_mask, tau, cond
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    grads: tuple[torch.Tensor | None, ...]  # per trainable parameter; None: unused by the forward
+    records: ReplayRecords
+    pool: Any
+    keep: tuple = field(default=(), repr=False)  # constants the graphs read (RoPE tables)
+    pending: int = 0  # forward replays whose backward is still to come (0 or 1)
+    generation: int = 0  # forward replays so far
+
+
+class _Replay(torch.autograd.Function):
+    """The forward graph's replay as an autograd node whose backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, g: _Graphs, *params: torch.Tensor) -> torch.Tensor:
+        g.forward.replay()
+        g.generation += 1
+        g.pending += 1
+        ctx.graphs, ctx.generation, ctx.live = g, g.generation, [True]
+        weakref.finalize(ctx, _done, g, ctx.live)  # an output dropped without its backward
+        return g.out.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = ctx.graphs
+        if ctx.generation != g.generation:  # retain_graph=True, then a later replay
+            raise UnsupportedConfigError(
+                "a second backward through a graphed training forward after the graph was replayed "
+                "again: its activations are gone (run the model itself to backpropagate twice)")
+        _done(g, ctx.live)
+        g.grad_out.copy_(grad)
+        g.backward.replay()
+        return None, *(None if t is None else t.clone() for t in g.grads)
+
+
+def _done(g: _Graphs, live: list[bool]) -> None:
+    """One forward replay's activations are no longer needed (its backward ran, or its autograd
+    node was freed)."""
+    if live[0]:
+        live[0] = False
+        g.pending -= 1
+
+
+class GraphedTraining:
+    """``model(x, txt, txt_mask, tau, img_grid, rt)`` under autograd, its forward and backward
+    replayed from one pair of CUDA graphs per input signature (module docstring).
+
+    Args:
+        model: an ``MMDiT`` (or a model with its forward signature and ``config``) whose
+            parameters lie on one CUDA device; the trainable ones are those with
+            ``requires_grad``.
+
+    Attributes:
+        captures: how many signatures were captured (a test and a benchmark read it).
+        replays: how many calls were served by a forward replay.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.captures = 0
+        self.replays = 0
+        self._seen: set[tuple] = set()
+        self._graphs: dict[tuple, _Graphs] = {}
+        self._params: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        """Drop every graph and its memory pool (the next call of each signature is eager)."""
+        self._seen.clear()
+        self._graphs.clear()
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters the backward graph computes gradients for, in ``parameters()`` order."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @staticmethod
+    def eligible(x: torch.Tensor, rt: Runtime) -> bool:
+        """Whether a call can be replayed without losing anything (module docstring)."""
+        return (x.is_cuda and torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
+                and rt.plan is None and not rt.variants and rt.grad_ledger is None
+                and (rt.recorder is None or not rt.mode.captures
+                     or getattr(rt.recorder, "level", None) == "L0"))
+
+    def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
+                 tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime, *,
+                 cond: torch.Tensor | None = None, cond_grids: tuple[tuple[int, int], ...] = ()
+                 ) -> torch.Tensor:
+        """The model's forward (``MMDiT.forward``: shapes, dtypes, errors), replayed when
+        ``eligible`` and not pending (module docstring); returns v ``[B, N, out_dim]`` in the
+        model dtype (a fresh tensor with an autograd history)."""
+        params = self.trainable()
+        if not params or not self.eligible(x, rt):
+            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+        grid = tuple(int(v) for v in img_grid)
+        cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
+        key = (*signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, None),
+               bool(getattr(self.model, "gradient_checkpointing", False)),
+               tuple(id(p) for p in params))
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        if ptrs != self._params:  # a parameter was replaced: every graph reads stale memory
+            self.reset()
+            self._params = ptrs
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen:  # warm-up: compile kernels, fill constant caches
+                self._seen.add(key)
+                return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, params)
+        if g.pending:  # the last replay's backward has not run: its activations must stay
+            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+        for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
+            if static is not None:
+                static.copy_(new)
+        v = _Replay.apply(g, *params)
+        self.replays += 1
+        g.records.file(rt)  # the trace and counters an eager call would leave
+        return v
+
+    def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids,
+                 params: list[torch.nn.Parameter]) -> _Graphs:
+        cfg = self.model.config
+        keep = rope_tables(grid, txt.shape[1], axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
+                           algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
+                           cond_grids=cond_grids)
+        inputs = tuple(None if t is None else t.detach().clone() for t in (x, txt, txt_mask, tau, cond))
+
+        def forward(run_rt: Runtime) -> torch.Tensor:
+            return self.model(*inputs[:4], grid, run_rt, cond=inputs[4], cond_grids=cond_grids)
+
+        device = x.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # the backward's kernels compiled, its caches filled
+            out = forward(logging_runtime(rt, None)[0])
+            torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
+            del out
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        quiet, log = logging_runtime(rt, None)
+        pool = torch.cuda.graph_pool_handle()
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(fwd, pool=pool):
+                out = forward(quiet)
+            grad_out = torch.empty_like(out)
+            with torch.cuda.graph(bwd, pool=pool):
+                grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
+        except RuntimeError as e:  # an operation that synchronises with the host
+            raise UnsupportedConfigError(
+                f"CUDA graph capture of the {rt.mode.value} training step failed "
+                f"({str(e).splitlines()[0]}); run it eagerly (call the model itself)") from e
+        self.captures += 1
+        return _Graphs(fwd, bwd, inputs, out.detach(), grad_out, grads, ReplayRecords(log.calls, None),
+                       pool, keep)
