@@ -43,13 +43,15 @@ from random_model import build  # noqa: E402
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
-           "production+L1+graph", "strict+L1+graph", "strict+serial+graph")
+           "production+L1+graph", "strict+L1+graph", "strict+serial+graph", "strict+L1+rows+graph")
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
 first two calls, the warm-up and the capture, fall in the untimed warm-up round); ``+serial``:
 the graph on one CUDA stream (``GraphedForward(lanes=False)``; without it each block's text
 stream runs on a second stream, ``drifttool.model.lanes``); ``+alt``: the strict bf16 GEMMs
 launched with ``--gemm``'s configuration instead of the registered one (the same bytes: the
-tile is not part of the contract), to weigh a candidate in the whole forward."""
+tile is not part of the contract), to weigh a candidate in the whole forward; ``+rows``: every
+captured output digested by the row kernel, the strict GEMMs writing no row tables in their
+epilogues (``capture.produced.ENABLED`` off; the same digests)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -75,7 +77,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
-    with torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra):
+    with torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra):
         if impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
@@ -106,6 +108,19 @@ def alt_gemm(on: bool):
         yield
     finally:
         gemm.BF16_CONFIG = registered
+
+
+@contextlib.contextmanager
+def row_kernel_only(on: bool):
+    """Within (``on``): no GEMM epilogue writes a row table (``capture.produced.ENABLED``)."""
+    from drifttool.capture import produced
+
+    before = produced.ENABLED
+    produced.ENABLED = before and not on
+    try:
+        yield
+    finally:
+        produced.ENABLED = before
 
 
 def timed(fn) -> float:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from drifttool import digestcore as core
+from drifttool.capture import produced
 
 try:  # Triton ships with CUDA builds of torch; the CPU never needs it
     import triton
@@ -150,6 +151,26 @@ def _key_table(kernel: int, device: torch.device, n: int, wbytes: int) -> torch.
     return have
 
 
+def byte_key_table(device: torch.device, n: int, wbytes: int) -> torch.Tensor:
+    """Kernel 2's key table (int8 ``[16, N · wbytes]``, ``N >= n`` element columns) on
+    ``device``: what a producing kernel's digest reads (``gpu_rows_kernels._tile_digest``)."""
+    return _key_table(2, device, n, wbytes)
+
+
+def shift_constants(n: int, wbytes: int) -> tuple[int, int]:
+    """The ``u − 128`` corrections of ``T`` and ``T'`` for rows of ``n`` elements of
+    ``wbytes`` bytes, added once per row (by column split 0)."""
+    return _shift_constants(n, wbytes)
+
+
+def empty_table(rows: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An unwritten row table: ``(int64 [splits, rows, 2], float64 [splits, rows, 4])`` in one
+    allocation (``row_table``'s format)."""
+    buf = torch.empty(6 * rows * splits, dtype=torch.int64, device=device)
+    return (buf[:2 * rows * splits].view(splits, rows, 2),
+            buf[2 * rows * splits:].view(torch.float64).view(splits, rows, 4))
+
+
 def _shift_constants(n: int, wbytes: int) -> tuple[int, int]:
     """``128 · Σ_{c<n, j} E_j[c] mod p`` for ``B`` and ``B'``: undoes the ``u − 128`` shift."""
     key = (n, wbytes)
@@ -180,6 +201,9 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not available(x) or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"row_table needs a 2-D CUDA bf16/fp16/fp32 tensor with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    made = produced.table(x)
+    if made is not None:
+        return made
     if x.device.index == torch.cuda.current_device():
         return launch(x, TILE)
     with torch.cuda.device(x.device):
@@ -212,9 +236,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if v < 0 or v & (v - 1):
         raise ValueError(f"row kernel Σx² width {v} is not 0 or a power of two")
     splits = max(1, int(tile["split"]))
-    buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
-    rows = buf[:2 * r * splits].view(splits, r, 2)
-    stats = buf[2 * r * splits:].view(torch.float64).view(splits, r, 4)
+    rows, stats = empty_table(r, splits, x.device)
     if r == 0:
         return rows, stats
     s1, s2 = _shift_constants(c, wbytes)

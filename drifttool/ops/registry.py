@@ -55,7 +55,8 @@ from typing import Any, Callable
 
 import torch
 
-from drifttool.ops.sink import capture_outputs
+from drifttool.capture import produced
+from drifttool.ops.sink import capture_outputs, digests_wanted
 from drifttool.components import COMPONENTS
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, devices, on_device
@@ -359,7 +360,14 @@ def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: 
     else:
         run = res.impl.fn
     plan = rt.plan if role == "output" else None  # a decomposition runs inside its fused call's rules
-    out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
+    if digests_wanted(rt, layout):  # its producing kernels may digest what they store
+        token = produced.producing(True)
+        try:
+            out = run(*args, **kwargs)
+        finally:
+            produced.done(token)
+    else:
+        out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
     site = rt.site(op.name, stream)
     _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=expanded)
     capture_outputs(rt, site, out, layout, role)

@@ -61,6 +61,14 @@ def capture_outputs(
             rt.recorder.capture(site, t, lay, index=i, role=role)
 
 
+def digests_wanted(rt: Runtime, layout: Any) -> bool:
+    """Whether ``capture_outputs`` will digest this call's outputs on this rank as they lie (a
+    capturing recorder above L0 and no parallel plan): its producing kernels may then write the
+    digests' row tables themselves (``capture.produced``)."""
+    return (layout is not None and rt.mode.captures and rt.recorder is not None and rt.plan is None
+            and getattr(rt.recorder, "level", None) != "L0")
+
+
 def record_external(
     rt: Runtime, op: str, stream: str, out: Any, layout: str | tuple[str | None, ...], *,
     contract: str, actual: str, kernel: str, reason: str = "", declared: bool = False,

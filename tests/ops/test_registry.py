@@ -369,3 +369,24 @@ def test_operator_specs_name_their_component():
         registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
                                          summary="-", component="unet"))
+
+
+@pytest.mark.parametrize("level,layout,marked", [("L1", "BS.", True), ("L2", "BS.", True),
+                                                  ("L0", "BS.", False), ("L1", None, False),
+                                                  (None, "BS.", False)])
+def test_a_captured_call_is_marked_for_its_producing_kernels(scratch_registry, level, layout, marked):
+    """While a call runs whose outputs the recorder will digest (above L0, a layout, no plan),
+    ``capture.produced.wanted()`` is true for its kernels (which may then write the row tables);
+    otherwise, and after the call, false."""
+    from drifttool.capture import produced
+
+    seen = []
+
+    def linear(x, w, b=None):
+        seen.append(produced.wanted())
+        return torch.nn.functional.linear(x, w, b)
+
+    registry.implements("mlp_down_gemm", "toy", device="cpu", kernel="toy.linear")(linear)
+    rt = Runtime(mode="audit", family="toy", recorder=None if level is None else Sink(level))
+    call(rt, "mlp_down_gemm", *_gemm_args("cpu"), stream="img", layout=layout)
+    assert seen == [marked] and not produced.wanted()

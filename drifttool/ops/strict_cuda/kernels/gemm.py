@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import produced
+from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS, _activate
 
@@ -134,9 +136,29 @@ def _mma(a, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _store(Y, y, rm, rn, M, N, sym, syn):
-    """Cast the FP32 tile y [rows rm, columns rn] once to Y's dtype; store the rows < M, columns < N."""
+    """Cast the FP32 tile y [rows rm, columns rn] once to Y's dtype; store the rows < M, columns
+    < N; return the cast tile."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, y.to(Y.dtype.element_ty), mask=mask)
+    yc = y.to(Y.dtype.element_ty)
+    tl.store(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, yc, mask=mask)
+    return yc
+
+
+@triton.jit
+def _store_digested(Y, y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr,
+                    BC: tl.constexpr, WBYTES: tl.constexpr):
+    """``_store`` of the BC columns from ``col0``, and digest v2's row terms of the values
+    stored (``capture.gpu_rows_kernels._tile_digest``)."""
+    yc = _store(Y, y, rm, col0 + tl.arange(0, BC), M, N, sym, syn)
+    return _tile_digest(yc, col0, N, KT, ktab, BLOCK_M, BC, WBYTES)
+
+
+@triton.jit
+def _add_terms(a, b):
+    """Two sub-tiles' row terms of one row (``_tile_digest``'s tuple) added: T, T' mod p, Σx²,
+    the max, the min and the count."""
+    return (_modp(a[0] + b[0]), _modp(a[1] + b[1]), a[2] + b[2], tl.maximum(a[3], b[3]),
+            tl.minimum(a[4], b[4]), a[5] + b[5])
 
 
 @triton.jit
@@ -154,9 +176,14 @@ def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
-def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS: tl.constexpr,
-              ACT: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3)."""
+def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t,
+              shift_t2, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MERGE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIGEST: tl.constexpr,
+              WBYTES: tl.constexpr):
+    """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3).
+    With ``DIGEST``: digest v2's row terms of the values stored (keys ``DK``, ``ktab`` columns),
+    written as column split ``off_n // BLOCK_N`` of the row table ``DR``/``DS`` (``linear``'s
+    ``digest``)."""
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
@@ -166,23 +193,40 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS: 
         r_mask = (rm[:, None] < M) & (rn[None, :] < N)
         res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
         acc = res.to(tl.float32) + scale * acc
-    if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
+    Q: tl.constexpr = BLOCK_N // 4
+    if DIGEST:  # a quarter tile at a time (the activation is elementwise: the same bytes)
+        h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        terms = _store_digested(Y, _activate(q0, ACT), rm, off_n, M, N, sym, syn, DK, ktab,
+                                BLOCK_M, Q, WBYTES)
+        terms = _add_terms(terms, _store_digested(Y, _activate(q1, ACT), rm, off_n + Q, M, N, sym,
+                                                  syn, DK, ktab, BLOCK_M, Q, WBYTES))
+        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        terms = _add_terms(terms, _store_digested(Y, _activate(q2, ACT), rm, off_n + 2 * Q, M, N,
+                                                  sym, syn, DK, ktab, BLOCK_M, Q, WBYTES))
+        terms = _add_terms(terms, _store_digested(Y, _activate(q3, ACT), rm, off_n + 3 * Q, M, N,
+                                                  sym, syn, DK, ktab, BLOCK_M, Q, WBYTES))
+        t, t2, sq, mx, mn, bad = terms
+        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+    elif ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
         _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
         h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q1, ACT), rm, off_n + BLOCK_N // 4 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q2, ACT), rm, off_n + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q3, ACT), rm, off_n + 3 * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, Q), M, N, sym, syn)
+        _store(Y, _activate(q1, ACT), rm, off_n + Q + tl.arange(0, Q), M, N, sym, syn)
+        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        _store(Y, _activate(q2, ACT), rm, off_n + 2 * Q + tl.arange(0, Q), M, N, sym, syn)
+        _store(Y, _activate(q3, ACT), rm, off_n + 3 * Q + tl.arange(0, Q), M, N, sym, syn)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_programs,
+                              DK, ktab, DR, DS, shift_t, shift_t2,
                               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
                               MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIGEST: tl.constexpr,
+                              WBYTES: tl.constexpr):
     """``_linear_kernel`` (TMA loads) as ``n_programs`` persistent programs: program p computes
     tiles p, p + n_programs, ... in turn, each exactly as one program per tile would."""
     n_tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
@@ -192,14 +236,17 @@ def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_pr
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for kc in range(0, n_k):
             acc = _mma(X.load([off_m, kc * BLOCK_K]), W.load([off_n, kc * BLOCK_K]), acc, IEEE)
-        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
+        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t,
+                  shift_t2, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, DIGEST, WBYTES)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, srm,
+                   DK, ktab, DR, DS, shift_t, shift_t2,
                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
                    TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   DIGEST: tl.constexpr, WBYTES: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
     off_m, off_n = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = off_m + tl.arange(0, BLOCK_M)
@@ -225,7 +272,8 @@ def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, 
                 a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
                 w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
             acc = _mma(a, w, acc, IEEE)
-    _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
+    _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t, shift_t2,
+              HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, DIGEST, WBYTES)
 
 
 _OPERANDS = (torch.float32, torch.bfloat16)
@@ -256,7 +304,8 @@ def _check(x, w, b, what: str) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
            out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
-           merge_into: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+           merge_into: torch.Tensor | None = None, scale: float = 1.0, digest: bool = False
+           ) -> torch.Tensor:
     """``act(x·wᵀ + b)`` by the strict CUDA GEMM (order in the module docstring).
 
     Args:
@@ -274,6 +323,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             ``lora_merge``: fp32(W) + fp32(s)·(B·A)) or an unfused adapter's base pre-activation
             (strict ``qkv_bias_gemm`` … ``mlp_down_gemm`` with ``lora``: act(pre + fp32(s)·(u·Bᵀ))).
         scale: the merge's scale (a python float, rounded once to FP32).
+        digest: also write digest v2's row table of the output in the epilogue, from the values
+            it stores (one column split per column tile; ``capture.produced.offer``): a capture
+            of the output then reads no byte of it again (``gpu_rows.row_table`` returns this
+            table). Where ``digestible`` says no, nothing is written and the row kernel reads
+            the output at its capture, as without it; the output's bytes never change.
     Returns:
         [..., N] in ``out_dtype``, on x's device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Raises:
@@ -298,6 +352,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
+    d = _Digest(y, cfg.block_n) if digest and digestible(cfg, out_dtype) else None
+    dargs = (y, 0, y, y, 0, 0) if d is None else d.args
     tma = cfg.tma and k > 0 and _tma_ok(x2, w2)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -313,17 +369,50 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         n_programs = min(n_tiles, cfg.persistent * _sm_count(x.device))
         _linear_persistent_kernel[(n_programs,)](
             xa, wa, b if b is not None else y, y, r, float(scale), m, n, k, y.stride(0), y.stride(1),
-            r.stride(0), n_programs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
+            r.stride(0), n_programs, *dargs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee,
+            MERGE=merge_into is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK,
+            GROUP_M=cfg.group_m, DIGEST=d is not None, WBYTES=0 if d is None else d.wbytes,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
-        return y.reshape(*lead, n)
+        return _done(y, d, lead, n)
     _linear_kernel[(n_tiles,)](
         xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
         x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
+        *dargs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
         EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
+        DIGEST=d is not None, WBYTES=0 if d is None else d.wbytes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
+    return _done(y, d, lead, n)
+
+
+def digestible(cfg: GemmConfig, out_dtype: torch.dtype) -> bool:
+    """Whether ``linear(..., digest=True)`` writes a row table under ``cfg`` for an output of
+    ``out_dtype`` (otherwise it writes none and a capture reads the output with the row kernel):
+    a bf16, fp16 or FP32 output, and quarter tiles of at least 16 bytes a row (the int8
+    product's depth)."""
+    return out_dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+        cfg.block_n // 4 * out_dtype.itemsize >= 16
+
+
+class _Digest:
+    """The row table a digesting launch writes (``linear``'s ``digest``): ``gpu_rows.row_table``'s
+    format with one column split per column tile, its key table and ``u − 128`` corrections."""
+
+    def __init__(self, y: torch.Tensor, block_n: int) -> None:
+        from drifttool.capture import gpu_rows
+
+        m, n = y.shape
+        self.wbytes = y.element_size()
+        self.splits = triton.cdiv(n, block_n)
+        self.table = gpu_rows.empty_table(m, self.splits, y.device)
+        keys = gpu_rows.byte_key_table(y.device, self.splits * block_n, self.wbytes)
+        self.args = (keys, keys.shape[1], *self.table, *gpu_rows.shift_constants(n, self.wbytes))
+
+
+def _done(y: torch.Tensor, d: _Digest | None, lead: torch.Size, n: int) -> torch.Tensor:
+    """The output as ``[..., N]``; a digesting launch's table offered for its capture."""
+    if d is not None:
+        produced.offer(y, d.table)
     return y.reshape(*lead, n)
 
 

@@ -1,0 +1,83 @@
+"""Row tables written by the kernel that produced an output, handed to its capture.
+
+    >>> with producing(True):                  # ops.registry: this call's outputs will be captured
+    ...     y = gemm.linear(x, w, digest=wanted())   # the epilogue writes y's row table, offer(y, t)
+    >>> table(y2d)                             # gpu_rows.row_table: y2d's table, no second read
+
+A captured output is digested row by row (digest v2's level 1, ``capture.gpu_rows``). Reading a
+large output a second time costs about a copy's time; the strict GEMM can instead compute the
+row terms in its epilogue from the values it stores (``kernels.gemm.linear(..., digest=True)``,
+integer sums equal to the row kernel's) and ``offer`` the table. ``gpu_rows.row_table`` asks
+``table`` first.
+
+The hand-over is keyed by the output's address, shape, strides and dtype and holds only while the
+output is alive and unwritten since: the tensor's version counter (shared by its views) must not
+have moved, so an in-place write through torch makes the table stale and the row kernel reads the
+bytes as before. An entry goes with its tensor (a weak reference), so a later tensor at the same
+address is never taken for it.
+
+``producing`` marks the calls whose outputs the registry will capture (``ops.sink.digests_wanted``)
+and ``wanted`` reads the mark, so a kernel digests only what is captured.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+
+import torch
+
+ENABLED = True
+"""False: no kernel writes tables (``wanted`` is false), so every captured output is read by the
+row kernel, as before this hand-over (``benchmarks/bench_gpu_forward.py``'s ``+rows`` configs;
+the bytes of every digest are the same either way)."""
+
+_WANTED: contextvars.ContextVar[bool] = contextvars.ContextVar("drifttool_digest_outputs", default=False)
+_TABLES: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def wanted() -> bool:
+    """Whether the running operator call's outputs will be captured (``producing``) and the
+    hand-over is on (``ENABLED``)."""
+    return ENABLED and _WANTED.get()
+
+
+def producing(on: bool) -> contextvars.Token:
+    """Mark (``on``) or unmark the calls from here on as captured; returns the token that
+    ``done`` takes to restore the mark before (the registry brackets one call with them)."""
+    return _WANTED.set(on)
+
+
+def done(token: contextvars.Token) -> None:
+    """Restore the mark ``producing`` replaced."""
+    _WANTED.reset(token)
+
+
+def _identity(x: torch.Tensor) -> tuple:
+    return x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device
+
+
+def offer(y: torch.Tensor, rows_table: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Hand over the row table (``gpu_rows.row_table``'s format) a kernel wrote for its fresh
+    2-D output ``y`` from the values it stored, launched on ``y``'s stream before any other
+    write of ``y`` (module docstring)."""
+    key = _identity(y)
+
+    def forget(ref: weakref.ref) -> None:
+        hit = _TABLES.get(key)
+        if hit is not None and hit[0] is ref:
+            del _TABLES[key]
+
+    _TABLES[key] = (weakref.ref(y, forget), y._version, rows_table)
+
+
+def table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The table ``offer``ed for ``x``'s bytes, or ``None`` (none, or a stale one)."""
+    hit = _TABLES.get(_identity(x))
+    if hit is None:
+        return None
+    ref, version, rows_table = hit
+    y = ref()
+    if y is None or y._version != version or x._version != version:
+        return None
+    return rows_table

@@ -1,0 +1,110 @@
+"""The strict GEMM's digesting epilogue on a GPU (``kernels.gemm.linear(..., digest=True)``,
+``capture.produced``): at full width (6,889 + 3 rows, d = 3072 and 12,288, every launch
+configuration the operators use: the persistent bf16 tile, the 128 × 128 tile with an FP32 output
+or a merge, the register-capped GELU, the FP32 tile) the row table it writes equals the row
+kernel's on the same output (T, T', max, min, NaN/±inf counts; Σx² within rounding) and the
+output's bytes are those of the launch without it; a captured strict forward (eager L1 and L2,
+and replayed from a CUDA graph) files the same records with the epilogue's tables as with the row
+kernel alone, and launches the row kernel fewer times. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.recorder import Recorder
+from drifttool.model.config import tiny
+from drifttool.model.graphs import GraphedForward
+from drifttool.model.mmdit import MMDiT, random_init_
+from drifttool.runtime import Runtime
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _same_table(a, b) -> None:
+    (ra, sa), (rb, sb) = gpu_rows.combine_splits(*a), gpu_rows.combine_splits(*b)
+    assert torch.equal(ra, rb), "T, T' differ from the row kernel's"
+    assert torch.equal(sa[:, 1:], sb[:, 1:]), "max, min or the non-finite count differ"
+    fin = torch.isfinite(sa[:, 0])
+    assert torch.equal(fin, torch.isfinite(sb[:, 0]))
+    assert torch.allclose(sa[fin, 0], sb[fin, 0], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("n,k,kind", [(3072, 3072, "bf16"), (12288, 3072, "gelu"), (3072, 12288, "fp32_out"),
+                                      (3072, 16, "merge"), (200, 96, "fp32_operand")])
+def test_epilogue_tables_equal_the_row_kernels_at_full_width(n, k, kind):
+    from drifttool.ops.strict_cuda.kernels import gemm
+
+    g = torch.Generator().manual_seed(n + k)
+    m = 6889 + 3
+    x = torch.randn(m, k, generator=g).bfloat16().cuda()
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16().cuda()
+    b = torch.randn(n, generator=g).bfloat16().cuda()
+    kw = dict(out_dtype=torch.bfloat16)
+    if kind == "gelu":
+        kw.update(act="gelu_tanh_f32", config=gemm.GemmConfig(maxnreg=128))
+    elif kind == "fp32_out":
+        kw.update(out_dtype=torch.float32)
+    elif kind == "merge":
+        x, w = x.float(), w.float()
+        kw.update(merge_into=torch.randn(m, n, generator=g).cuda(), scale=0.5, act="gelu_tanh_f32")
+    elif kind == "fp32_operand":
+        w = w.float()
+        b[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    plain = gemm.linear(x, w, b, **kw)
+    y = gemm.linear(x, w, b, digest=True, **kw)
+    assert torch.equal(y.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
+    made = produced.table(y)
+    assert made is not None
+    _same_table(made, gpu_rows.launch(y, gpu_rows.TILE))
+    assert gpu_rows.row_table(y) is made
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_init_(MMDiT(tiny(), dtype=torch.bfloat16), seed=8).cuda()
+
+
+def _records(model, level: str, graphed: bool, *, use_epilogue: bool, monkeypatch) -> tuple[list, int]:
+    launches = [0]
+    launch = gpu_rows.launch
+
+    def counted(x, tile):
+        launches[0] += 1
+        return launch(x, tile)
+
+    with monkeypatch.context() as m:
+        m.setattr(gpu_rows, "launch", counted)
+        if not use_epilogue:
+            m.setattr(produced, "table", lambda x: None)
+        fwd = GraphedForward(model) if graphed else model
+        rec = Recorder(level)
+        rt = Runtime(mode="strict", recorder=rec)
+        with torch.no_grad():
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(3, 35, 64, generator=g).bfloat16().cuda()
+                txt = torch.randn(3, 11, tiny().joint_attention_dim, generator=g).bfloat16().cuda()
+                mask = (torch.arange(11)[None, :] < torch.tensor([11, 6, 9])[:, None]).cuda()
+                tau = torch.rand(3, generator=g).cuda()
+                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 3, samples=[0, 1, 2],
+                              txt_lens=[11, 6, 9], img_grid=(5, 7)):
+                    fwd(x, txt, mask, tau, (5, 7), rt)
+        rec.flush()
+    rows = rec.ops_table().to_pylist()
+    return rows, launches[0]
+
+
+@pytest.mark.parametrize("level,graphed", [("L1", False), ("L2", False), ("L1", True)])
+def test_captured_records_are_the_row_kernels(model, level, graphed, monkeypatch):
+    with_tables, n_with = _records(model, level, graphed, use_epilogue=True, monkeypatch=monkeypatch)
+    without, n_without = _records(model, level, graphed, use_epilogue=False, monkeypatch=monkeypatch)
+    assert with_tables and len(with_tables) == len(without)
+    for a, b in zip(with_tables, without):
+        la, lb = a.pop("l2"), b.pop("l2")
+        assert a == b
+        assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
+    assert n_with < n_without, "no captured output took its table from the GEMM's epilogue"

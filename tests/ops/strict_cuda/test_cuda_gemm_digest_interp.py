@@ -1,0 +1,114 @@
+"""The strict GEMM's digesting epilogue (``kernels.gemm.linear(..., digest=True)``) under Triton's
+interpreter: the row table it writes from the values it stores equals the CPU's digest v2 level 1
+of the output bit for bit (T, T'), with the exact summary (max, min, NaN/±inf count), for bf16,
+fp16 and FP32 outputs, every epilogue (bias, merge, the FP64 activations' quarter tiles, the FP32
+GELU), partial tiles in both axes, the pointer, TMA and persistent paths; the output's bytes are
+those of the launch without it; ``capture.produced`` hands the table to a capture of the same
+bytes only while they are unwritten. The GPU's own run is ``tests/gpu/test_gemm_digest_cuda.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.digest import _halves, _row_sums
+
+gemm = pytest.importorskip("drifttool.ops.strict_cuda.kernels.gemm")
+
+SMALL = gemm.GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, tma=False)
+
+
+def _problem(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / math.sqrt(k),
+            torch.randn(n, generator=g))
+
+
+def _check_table(y2d: torch.Tensor) -> None:
+    """The offered table of ``y2d`` against the CPU's level 1 and exact summary of its bytes."""
+    table = produced.table(y2d)
+    assert table is not None, "the digesting launch offered no table"
+    rows, stats = gpu_rows.combine_splits(*table)
+    assert rows.tolist() == _row_sums(_halves(y2d, 0), 0).t().tolist()
+    x = y2d.double()
+    nan = torch.isnan(x)
+    assert stats[:, 3].tolist() == (~torch.isfinite(x)).sum(1).double().tolist()
+    assert stats[:, 1].tolist() == torch.where(nan, -torch.inf, x).amax(1).tolist()
+    assert stats[:, 2].tolist() == torch.where(nan, torch.inf, x).amin(1).tolist()
+    fin = torch.isfinite(x).all(1)
+    assert torch.allclose(stats[fin, 0], (x * x).sum(1)[fin], rtol=1e-12, atol=0)
+
+
+def _bits(t: torch.Tensor) -> list:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k,act,bias", [
+    (37, 96, 100, None, True),          # rows past a tile, the K tail
+    (5, 50, 64, "silu", True),          # columns past N inside a quarter tile (FP64 activation)
+    (16, 64, 48, "gelu_tanh", False),
+    (21, 40, 32, "gelu_tanh_f32", True),
+])
+def test_digesting_epilogue_equals_the_cpu_digest(out_dtype, m, n, k, act, bias):
+    x, w, b = _problem(m, n, k, m + n)
+    plain = gemm.linear(x, w, b if bias else None, act=act, out_dtype=out_dtype, config=SMALL)
+    y = gemm.linear(x, w, b if bias else None, act=act, out_dtype=out_dtype, config=SMALL, digest=True)
+    assert _bits(y) == _bits(plain), "the digest changed the output"
+    _check_table(y.view(m, n))
+
+
+def test_a_merged_epilogue_and_leading_axes():
+    x, w, _ = _problem(2 * 9, 48, 16, 3)
+    pre = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(4))
+    y = gemm.linear(x.view(2, 9, 16), w, merge_into=pre, scale=0.37, out_dtype=torch.bfloat16,
+                    config=SMALL, digest=True)
+    assert y.shape == (2, 9, 48)
+    _check_table(y.view(18, 48))
+
+
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_tma_and_persistent_paths(persistent):
+    cfg = gemm.GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, tma=True, persistent=persistent)
+    x, w, b = _problem(33, 70, 64, 9)
+    y = gemm.linear(x, w, b, out_dtype=torch.bfloat16, config=cfg, digest=True)
+    _check_table(y)
+
+
+def test_special_values_are_digested_as_stored():
+    """NaN, ±inf and ±0 in the output (a bias of them): the bytes as stored, counted as such."""
+    x, w, b = _problem(9, 32, 16, 5)
+    b[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 3e38])
+    y = gemm.linear(x * 0, w, b, out_dtype=torch.bfloat16, config=SMALL, digest=True)
+    _check_table(y)
+    assert gpu_rows.combine_splits(*produced.table(y))[1][:, 3].tolist() == [3.0] * 9
+
+
+def test_the_table_is_handed_over_only_while_the_bytes_are_unwritten():
+    x, w, b = _problem(8, 32, 16, 6)
+    y = gemm.linear(x, w, b, out_dtype=torch.bfloat16, config=SMALL, digest=True)
+    assert produced.table(y) is not None
+    assert produced.table(y.view(4, 64)) is None  # other rows: another tensor
+    y.add_(1)  # an in-place write: the table is stale
+    assert produced.table(y) is None
+    z = gemm.linear(x, w, b, out_dtype=torch.bfloat16, config=SMALL, digest=True)
+    key = produced._identity(z)
+    del z  # freed: its entry goes, so a new tensor at that address is not mistaken for it
+    assert key not in produced._TABLES
+    plain = gemm.linear(x, w, b, out_dtype=torch.bfloat16, config=SMALL)
+    assert produced.table(plain) is None
+
+
+def test_outputs_it_cannot_digest_get_no_table():
+    """A float64 output, or quarter tiles narrower than the int8 product's 16 bytes: no table (a
+    capture then reads the output with the row kernel), the same output."""
+    x, w, _ = _problem(4, 16, 16, 7)
+    y = gemm.linear(x, w, out_dtype=torch.float64, config=SMALL, digest=True)
+    assert produced.table(y) is None
+    narrow = gemm.GemmConfig(block_m=16, block_n=16, num_warps=2, num_stages=1, tma=False)
+    y = gemm.linear(x, w, out_dtype=torch.bfloat16, config=narrow, digest=True)
+    assert produced.table(y) is None
+    assert _bits(y) == _bits(gemm.linear(x, w, out_dtype=torch.bfloat16, config=narrow))
