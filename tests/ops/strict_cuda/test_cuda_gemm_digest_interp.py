@@ -2,7 +2,7 @@
 interpreter: the row table it writes from the values it stores equals the CPU's digest v2 level 1
 of the output bit for bit (T, T'), with the exact summary (max, min, NaN/±inf count), for bf16,
 fp16 and FP32 outputs, every epilogue (bias, merge, the FP64 activations' quarter tiles, the FP32
-GELU), partial tiles in both axes, the pointer, TMA and persistent paths; the output's bytes are
+GELU), partial tiles in both axes, the pointer and TMA paths (a persistent configuration too); the output's bytes are
 those of the launch without it; ``capture.produced`` hands the table to a capture of the same
 bytes only while they are unwritten. The GPU's own run is ``tests/gpu/test_gemm_digest_cuda.py``."""
 
@@ -72,6 +72,7 @@ def test_a_merged_epilogue_and_leading_axes():
 
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_tma_and_persistent_paths(persistent):
+    """TMA loads; a persistent configuration digests with one program per tile (``linear``)."""
     cfg = gemm.GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, tma=True, persistent=persistent)
     x, w, b = _problem(33, 70, 64, 9)
     y = gemm.linear(x, w, b, out_dtype=torch.bfloat16, config=cfg, digest=True)

@@ -136,21 +136,20 @@ def _mma(a, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _store(Y, y, rm, rn, M, N, sym, syn):
-    """Cast the FP32 tile y [rows rm, columns rn] once to Y's dtype; store the rows < M, columns
-    < N; return the cast tile."""
+    """Cast the FP32 tile y [rows rm, columns rn] once to Y's dtype; store the rows < M, columns < N."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    yc = y.to(Y.dtype.element_ty)
-    tl.store(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, yc, mask=mask)
-    return yc
+    tl.store(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _store_digested(Y, y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr,
-                    BC: tl.constexpr, WBYTES: tl.constexpr):
-    """``_store`` of the BC columns from ``col0``, and digest v2's row terms of the values
-    stored (``capture.gpu_rows_kernels._tile_digest``)."""
-    yc = _store(Y, y, rm, col0 + tl.arange(0, BC), M, N, sym, syn)
-    return _tile_digest(yc, col0, N, KT, ktab, BLOCK_M, BC, WBYTES)
+def _digest_stored(Y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr, BC: tl.constexpr,
+                   WBYTES: tl.constexpr):
+    """Digest v2's row terms (``capture.gpu_rows_kernels._tile_digest``) of the BC columns from
+    ``col0`` of rows ``rm`` that this program stored in Y (rows past M: not part of any table)."""
+    rn = col0 + tl.arange(0, BC)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0)
+    return _tile_digest(y, col0, N, KT, ktab, BLOCK_M, BC, WBYTES)
 
 
 @triton.jit
@@ -182,8 +181,8 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
               WBYTES: tl.constexpr):
     """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3).
     With ``DIGEST``: digest v2's row terms of the values stored (keys ``DK``, ``ktab`` columns),
-    written as column split ``off_n // BLOCK_N`` of the row table ``DR``/``DS`` (``linear``'s
-    ``digest``)."""
+    read back by the program that stored them, written as column split ``off_n // BLOCK_N`` of
+    the row table ``DR``/``DS`` (``linear``'s ``digest``)."""
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
@@ -194,21 +193,7 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
         res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
         acc = res.to(tl.float32) + scale * acc
     Q: tl.constexpr = BLOCK_N // 4
-    if DIGEST:  # a quarter tile at a time (the activation is elementwise: the same bytes)
-        h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, Q)), (0, 2, 1)))
-        terms = _store_digested(Y, _activate(q0, ACT), rm, off_n, M, N, sym, syn, DK, ktab,
-                                BLOCK_M, Q, WBYTES)
-        terms = _add_terms(terms, _store_digested(Y, _activate(q1, ACT), rm, off_n + Q, M, N, sym,
-                                                  syn, DK, ktab, BLOCK_M, Q, WBYTES))
-        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
-        terms = _add_terms(terms, _store_digested(Y, _activate(q2, ACT), rm, off_n + 2 * Q, M, N,
-                                                  sym, syn, DK, ktab, BLOCK_M, Q, WBYTES))
-        terms = _add_terms(terms, _store_digested(Y, _activate(q3, ACT), rm, off_n + 3 * Q, M, N,
-                                                  sym, syn, DK, ktab, BLOCK_M, Q, WBYTES))
-        t, t2, sq, mx, mn, bad = terms
-        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
-    elif ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
+    if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
         _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
         h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
@@ -218,15 +203,21 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
         q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
         _store(Y, _activate(q2, ACT), rm, off_n + 2 * Q + tl.arange(0, Q), M, N, sym, syn)
         _store(Y, _activate(q3, ACT), rm, off_n + 3 * Q + tl.arange(0, Q), M, N, sym, syn)
+    if DIGEST:  # the tile read back from where it was just stored (L2), a quarter at a time, once
+        tl.debug_barrier()  # every thread's stores seen by the block; the accumulator is dead by now
+        terms = _digest_stored(Y, rm, off_n, M, N, sym, syn, DK, ktab, BLOCK_M, Q, WBYTES)
+        for i in tl.static_range(1, 4):
+            terms = _add_terms(terms, _digest_stored(Y, rm, off_n + i * Q, M, N, sym, syn, DK, ktab,
+                                                     BLOCK_M, Q, WBYTES))
+        t, t2, sq, mx, mn, bad = terms
+        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_programs,
-                              DK, ktab, DR, DS, shift_t, shift_t2,
                               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
                               MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIGEST: tl.constexpr,
-                              WBYTES: tl.constexpr):
+                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``_linear_kernel`` (TMA loads) as ``n_programs`` persistent programs: program p computes
     tiles p, p + n_programs, ... in turn, each exactly as one program per tile would."""
     n_tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
@@ -236,8 +227,8 @@ def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_pr
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for kc in range(0, n_k):
             acc = _mma(X.load([off_m, kc * BLOCK_K]), W.load([off_n, kc * BLOCK_K]), acc, IEEE)
-        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t,
-                  shift_t2, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, DIGEST, WBYTES)
+        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, Y, 0, Y, Y, 0, 0,
+                  HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, False, 0)  # no digest (see linear)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -344,8 +335,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             f"[..., N] = {(*lead, n)} and be on x's device")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
-    wide = out_dtype.itemsize > 2 or merge_into is not None
-    cfg = config or (FP32_CONFIG if ieee else BF16_WIDE_CONFIG if wide else BF16_CONFIG)
+    cfg = config or registered_config(x.dtype, w.dtype, out_dtype, merge_into is not None)
     x2 = _rows(x.reshape(lead.numel(), k))  # [M, K]
     w2 = _rows(w)
     m = x2.shape[0]
@@ -365,15 +355,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     r = y if merge_into is None else _rows(merge_into.reshape(m, n))  # [M, N]
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
-    if cfg.persistent and tma and ACTS[act] in (0, 3):
+    if persists(cfg, tma, act, d is not None):
         n_programs = min(n_tiles, cfg.persistent * _sm_count(x.device))
         _linear_persistent_kernel[(n_programs,)](
             xa, wa, b if b is not None else y, y, r, float(scale), m, n, k, y.stride(0), y.stride(1),
-            r.stride(0), n_programs, *dargs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee,
+            r.stride(0), n_programs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee,
             MERGE=merge_into is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK,
-            GROUP_M=cfg.group_m, DIGEST=d is not None, WBYTES=0 if d is None else d.wbytes,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
-        return _done(y, d, lead, n)
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=False, **extra)
+        return y.reshape(*lead, n)
     _linear_kernel[(n_tiles,)](
         xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
         x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
@@ -383,6 +373,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
         DIGEST=d is not None, WBYTES=0 if d is None else d.wbytes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
     return _done(y, d, lead, n)
+
+
+def registered_config(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype,
+                      merge: bool) -> GemmConfig:
+    """The launch configuration ``linear`` uses without a ``config``: by the operands' and the
+    output's precision (module docstring), never by shape."""
+    if not (x_dtype == torch.bfloat16 and w_dtype == torch.bfloat16):
+        return FP32_CONFIG
+    return BF16_WIDE_CONFIG if out_dtype.itemsize > 2 or merge else BF16_CONFIG
+
+
+def persists(cfg: GemmConfig, tma: bool, act: str | None, digest: bool) -> bool:
+    """Whether ``linear`` runs ``cfg`` as persistent programs: when it asks for them, with TMA
+    loads, an activation none or the FP32 GELU, and no digest (a digesting epilogue's read-back
+    in the flattened loop stops the software pipelining: offline sm_90a, 32 KiB of shared memory
+    instead of 100; ``tools/strict_gemm_sm90.py``)."""
+    return bool(cfg.persistent) and tma and ACTS[act] in (0, 3) and not digest
 
 
 def digestible(cfg: GemmConfig, out_dtype: torch.dtype) -> bool:
