@@ -57,18 +57,27 @@ def _identity(x: torch.Tensor) -> tuple:
     return x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device
 
 
-def offer(y: torch.Tensor, rows_table: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Hand over the row table (``gpu_rows.row_table``'s format) a kernel wrote for its fresh
-    2-D output ``y`` from the values it stored, launched on ``y``'s stream before any other
-    write of ``y`` (module docstring)."""
-    key = _identity(y)
+def offer(out: torch.Tensor, rows_table: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Hand over the row table (``gpu_rows.row_table``'s format, ``R`` rows) a kernel wrote for
+    its fresh contiguous output ``out`` from the values it stored, launched on ``out``'s stream
+    before any other write of ``out`` (module docstring). The table stands for ``out`` viewed as
+    ``[R, numel / R]`` (the flat view a capture digests).
+
+    Raises:
+        ValueError: ``out`` is not contiguous, or its elements do not make ``R`` rows."""
+    rows = rows_table[0].shape[1]
+    if not out.is_contiguous() or rows == 0 or out.numel() % rows:
+        raise ValueError(f"a row table of {rows} rows does not fit a {tuple(out.shape)} "
+                         f"{'contiguous' if out.is_contiguous() else 'strided'} output")
+    cols = out.numel() // rows
+    key = (out.data_ptr(), (rows, cols), (cols, 1), out.dtype, out.device)
 
     def forget(ref: weakref.ref) -> None:
         hit = _TABLES.get(key)
         if hit is not None and hit[0] is ref:
             del _TABLES[key]
 
-    _TABLES[key] = (weakref.ref(y, forget), y._version, rows_table)
+    _TABLES[key] = (weakref.ref(out, forget), out._version, rows_table)
 
 
 def table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

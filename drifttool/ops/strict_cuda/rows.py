@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from drifttool.capture import produced
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint
 from drifttool.ops.strict import act_dtype
@@ -105,7 +106,7 @@ def adaln_gate_residual(x, gate, y):
 
 def _gate_residual(x, gate, y):
     from drifttool.ops.strict_cuda.kernels import elementwise  # lazy: Triton is imported when a kernel runs
-    return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y))
+    return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y), digest=produced.wanted())
 
 
 @strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),),

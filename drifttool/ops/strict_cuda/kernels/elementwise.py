@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.rows import ELEMENTS, _launch
 
 
@@ -24,13 +26,69 @@ def _gate_residual_kernel(x_ptr, g_ptr, y_ptr, o_ptr, total, S, D, BLOCK: tl.con
     tl.store(o_ptr + o, (x + g * y).to(o_ptr.dtype.element_ty), mask=m)
 
 
-def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x + gate·y: x, y [B,S,d], gate [B,d] → [B,S,d] ``out_dtype``."""
+@triton.jit
+def _gate_residual_tile_kernel(x_ptr, g_ptr, y_ptr, o_ptr, R, S, D, tiles_per_split, KT, ktab, DR, DS,
+                               shift_t, shift_t2, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+    """``_gate_residual_kernel``'s arithmetic on rows ``[pid·BM, (pid+1)·BM)`` of the
+    ``[R = B·S, D]`` rows, column tiles ``[split·tiles_per_split, …)`` of ``BC`` columns
+    (``split = program_id(1)``), and digest v2's row terms of the values stored, summed over the
+    tiles and written as column split ``split`` of the row table ``DR``/``DS``
+    (``capture.gpu_rows_kernels._tile_digest``)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    b = (rm // S).to(tl.int64)
+    split = tl.program_id(1)
+    first = split * tiles_per_split
+    t = tl.zeros([BM], tl.int64)
+    t2 = tl.zeros([BM], tl.int64)
+    sq = tl.zeros([BM], tl.float64)
+    mx = tl.full([BM], float("-inf"), tl.float32)
+    mn = tl.full([BM], float("inf"), tl.float32)
+    bad = tl.zeros([BM], tl.int32)
+    for it in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(D, BC))):
+        rn = it * BC + tl.arange(0, BC)
+        m = (rm[:, None] < R) & (rn[None, :] < D)
+        at = rm.to(tl.int64)[:, None] * D + rn[None, :]
+        x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + at, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b[:, None] * D + rn[None, :], mask=m, other=0.0).to(tl.float32)
+        o = (x + g * y).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + at, o, mask=m)
+        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(o, it * BC, D, KT, ktab, BM, BC, WBYTES)
+        t = _modp(t + dt)
+        t2 = _modp(t2 + dt2)
+        sq += dsq
+        mx = tl.maximum(mx, dmx)
+        mn = tl.minimum(mn, dmn)
+        bad += dbad
+    _store_tile_digest(DR, DS, rm, R, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+
+
+TILE = (16, 128, 2)
+"""Rows per program, columns per tile and column splits of a digesting elementwise launch: each
+program walks its split's tiles (a row table of ``TILE[2]`` splits). Offline sm_90a at 4 warps:
+255 registers, no spills (the int64 fold of each tile's limb sums); not yet timed on a device."""
+
+
+def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype, *,
+                  digest: bool = False) -> torch.Tensor:
+    """x + gate·y: x, y [B,S,d], gate [B,d] → [B,S,d] ``out_dtype``. ``digest``: also write the
+    output's row table (digest v2, rows B·S) from the values stored and offer it to the output's
+    capture (``capture.produced``; a bf16, fp16 or FP32 output): the same output bytes."""
     x, gate, y = x.contiguous(), gate.contiguous(), y.contiguous()
     bsz, s, d = x.shape
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     total = o.numel()
-    if total:
+    if total and digest and out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        bm, bc, splits = TILE
+        rows, wbytes, tiles = bsz * s, o.element_size(), triton.cdiv(d, bc)
+        splits = min(splits, tiles)
+        table = gpu_rows.empty_table(rows, splits, o.device)
+        keys = gpu_rows.byte_key_table(o.device, tiles * bc, wbytes)
+        _launch(_gate_residual_tile_kernel, (triton.cdiv(rows, bm), splits), x, gate, y, o, rows, s, d,
+                triton.cdiv(tiles, splits), keys, keys.shape[1], *table, *gpu_rows.shift_constants(d, wbytes),
+                BM=bm, BC=bc, WBYTES=wbytes)
+        produced.offer(o, table)
+    elif total:
         _launch(_gate_residual_kernel, (triton.cdiv(total, ELEMENTS),), x, gate, y, o, total, s, d,
                 BLOCK=ELEMENTS)
     return o

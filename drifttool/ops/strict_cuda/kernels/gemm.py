@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from drifttool.capture import produced
+from drifttool.capture import gpu_rows, produced
 from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS, _activate
@@ -406,8 +406,6 @@ class _Digest:
     format with one column split per column tile, its key table and ``u − 128`` corrections."""
 
     def __init__(self, y: torch.Tensor, block_n: int) -> None:
-        from drifttool.capture import gpu_rows
-
         m, n = y.shape
         self.wbytes = y.element_size()
         self.splits = triton.cdiv(n, block_n)

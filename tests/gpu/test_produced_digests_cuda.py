@@ -1,11 +1,11 @@
-"""The strict GEMM's digesting epilogue on a GPU (``kernels.gemm.linear(..., digest=True)``,
-``capture.produced``): at full width (6,889 + 3 rows, d = 3072 and 12,288, every launch
-configuration the operators use: the persistent bf16 tile, the 128 × 128 tile with an FP32 output
-or a merge, the register-capped GELU, the FP32 tile) the row table it writes equals the row
-kernel's on the same output (T, T', max, min, NaN/±inf counts; Σx² within rounding) and the
-output's bytes are those of the launch without it; a captured strict forward (eager L1 and L2,
-and replayed from a CUDA graph) files the same records with the epilogue's tables as with the row
-kernel alone, and launches the row kernel fewer times. Skipped without CUDA."""
+"""Row tables written by the kernels that produce an output (``capture.produced``) on a GPU: at
+full width (6,889 + 3 rows, d = 3072 and 12,288) the strict GEMM's digesting epilogue, under
+every launch configuration the operators use (the bf16 tile, the 128 × 128 tile with an FP32
+output, the register-capped GELU, the FP32 tile with a merge), and the gate residual's digesting
+launch write the row kernel's table of the same output (T, T', max, min, NaN/±inf counts; Σx²
+within rounding), and the outputs' bytes are those of the launches without it; a captured strict
+forward (eager L1 and L2, and replayed from a CUDA graph) files the same records with these tables
+as with the row kernel alone, and launches the row kernel fewer times. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -61,6 +61,21 @@ def test_epilogue_tables_equal_the_row_kernels_at_full_width(n, k, kind):
     assert made is not None
     _same_table(made, gpu_rows.launch(y, gpu_rows.TILE))
     assert gpu_rows.row_table(y) is made
+
+
+def test_gate_residual_tables_equal_the_row_kernels_at_full_width():
+    from drifttool.ops.strict_cuda.kernels import elementwise
+
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(2, 6889 + 3, 3072, generator=g).bfloat16().cuda() for _ in range(2))
+    gate = torch.randn(2, 3072, generator=g).bfloat16().cuda()
+    plain = elementwise.gate_residual(x, gate, y, torch.bfloat16)
+    o = elementwise.gate_residual(x, gate, y, torch.bfloat16, digest=True)
+    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
+    flat = o.view(-1, 3072)
+    made = produced.table(flat)
+    assert made is not None
+    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""The strict GEMM's digesting epilogue (``kernels.gemm.linear(..., digest=True)``) under Triton's
-interpreter: the row table it writes from the values it stores equals the CPU's digest v2 level 1
-of the output bit for bit (T, T'), with the exact summary (max, min, NaN/±inf count), for bf16,
-fp16 and FP32 outputs, every epilogue (bias, merge, the FP64 activations' quarter tiles, the FP32
-GELU), partial tiles in both axes, the pointer and TMA paths (a persistent configuration too); the output's bytes are
-those of the launch without it; ``capture.produced`` hands the table to a capture of the same
-bytes only while they are unwritten. The GPU's own run is ``tests/gpu/test_gemm_digest_cuda.py``."""
+"""Row tables written by the kernels that produce an output (``capture.produced``), under Triton's
+interpreter: the strict GEMM's digesting epilogue (``kernels.gemm.linear(..., digest=True)``) and
+the gate residual's digesting launch write, from the values they store, the CPU's digest v2
+level 1 of the output bit for bit (T, T') with the exact summary (max, min, NaN/±inf count), for
+bf16, fp16 and FP32 outputs, every GEMM epilogue (bias, merge, the FP64 activations, the FP32
+GELU), partial tiles in both axes, the pointer and TMA paths (a persistent configuration too);
+the outputs' bytes are those of the launches without it; the table is handed to a capture of the
+same bytes only while they are unwritten. The GPU's own run is
+``tests/gpu/test_produced_digests_cuda.py``."""
 
 from __future__ import annotations
 
@@ -113,3 +115,20 @@ def test_outputs_it_cannot_digest_get_no_table():
     y = gemm.linear(x, w, out_dtype=torch.bfloat16, config=narrow, digest=True)
     assert produced.table(y) is None
     assert _bits(y) == _bits(gemm.linear(x, w, out_dtype=torch.bfloat16, config=narrow))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,s,d", [(1, 45, 300), (3, 7, 128), (2, 33, 96)])
+def test_a_digesting_gate_residual_equals_the_cpu_digest(out_dtype, b, s, d):
+    """The gate residual's digesting launch (2-D tiles): the flat launch's bytes, and the CPU's
+    T, T' of its ``[B·S, d]`` rows."""
+    from drifttool.ops.strict_cuda.kernels import elementwise
+
+    g = torch.Generator().manual_seed(b * s + d)
+    x, y = torch.randn(b, s, d, generator=g), torch.randn(b, s, d, generator=g)
+    gate = torch.randn(b, d, generator=g)
+    y[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    plain = elementwise.gate_residual(x, gate, y, out_dtype)
+    o = elementwise.gate_residual(x, gate, y, out_dtype, digest=True)
+    assert _bits(o) == _bits(plain)
+    _check_table(o.view(b * s, d))
