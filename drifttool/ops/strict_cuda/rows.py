@@ -130,7 +130,7 @@ def multi_axis_rope(x, freqs):
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
             f"{tuple(x.shape)} (Dh even), got {freqs.dtype} {tuple(freqs.shape)}")
-    return rb.Rope.apply(x, freqs, elementwise.rope)
+    return rb.Rope.apply(x, freqs, lambda x_, f_: elementwise.rope(x_, f_, digest=produced.wanted()))
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,

@@ -132,3 +132,20 @@ def test_a_digesting_gate_residual_equals_the_cpu_digest(out_dtype, b, s, d):
     o = elementwise.gate_residual(x, gate, y, out_dtype, digest=True)
     assert _bits(o) == _bits(plain)
     _check_table(o.view(b * s, d))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,s,h,dh", [(1, 37, 3, 16), (3, 5, 2, 128), (2, 9, 7, 8)])
+def test_a_digesting_rope_equals_the_cpu_digest(out_dtype, b, s, h, dh):
+    """The rotation's digesting launch: the flat launch's bytes and the CPU's T, T' of its
+    ``[B·S, H·Dh]`` rows."""
+    from drifttool.ops.strict_cuda.kernels import elementwise
+
+    g = torch.Generator().manual_seed(b + s + h + dh)
+    x = torch.randn(b, s, h, dh, generator=g).to(out_dtype)
+    ang = torch.randn(s, dh // 2, generator=g)
+    freqs = torch.polar(torch.ones_like(ang), ang)
+    plain = elementwise.rope(x, freqs)
+    o = elementwise.rope(x, freqs, digest=True)
+    assert _bits(o) == _bits(plain)
+    _check_table(o.view(b * s, h * dh))

@@ -388,7 +388,7 @@ def persists(cfg: GemmConfig, tma: bool, act: str | None, digest: bool) -> bool:
     """Whether ``linear`` runs ``cfg`` as persistent programs: when it asks for them, with TMA
     loads, an activation none or the FP32 GELU, and no digest (a digesting epilogue's read-back
     in the flattened loop stops the software pipelining: offline sm_90a, 32 KiB of shared memory
-    instead of 100; ``tools/strict_gemm_sm90.py``)."""
+    instead of 100; ``tools/strict_launches_sm90.py``)."""
     return bool(cfg.persistent) and tma and ACTS[act] in (0, 3) and not digest
 
 

@@ -1,7 +1,7 @@
-"""Compile the strict CUDA GEMM's launches for sm_90 without a GPU, with and without the digesting
-epilogue, and check what a GPU would refuse or run slowly.
+"""Compile the strict CUDA GEMM's launches and the row operators' digesting launches for sm_90
+without a GPU, and check what a GPU would refuse or run slowly.
 
-    $ python tools/strict_gemm_sm90.py
+    $ python tools/strict_launches_sm90.py
     bf16 GEMM → bf16 (q, k, v, to_out, mlp_down)  plain   bm128bn256w8s3.tma.p1  smem 151576  REG:218 STACK:0
     bf16 GEMM → bf16 (q, k, v, to_out, mlp_down)  plain   bm128bn256w8s3.tma     smem 147480  REG:164 STACK:0
     bf16 GEMM → bf16 (q, k, v, to_out, mlp_down)  digest  bm128bn256w8s3.tma     smem 147480  REG:240 STACK:0
@@ -13,8 +13,9 @@ is compiled by Triton's ``ASTSource`` → ``triton.compile`` for ``GPUTarget("cu
 with the ptxas and cuobjdump Triton ships. Exits 1 when a compile fails, a launch needs more
 shared memory than an H100/H200 block may have (232,448 bytes: Triton refuses it at the first
 call on the device), or the digest changes a launch's shared memory (its software pipelining
-lost) or spills more than the launch without it. A developer tool of the source tree (run with
-``TRITON_INTERPRET`` unset); ``tests/ops/test_strict_gemm_sm90.py`` runs it.
+lost) or spills more than the launch without it, or a row operator's digesting launch (the gate
+residual's, the rotation's: ``kernels.elementwise.TILE``) spills. A developer tool of the source
+tree (run with ``TRITON_INTERPRET`` unset); ``tests/ops/test_strict_launches_sm90.py`` runs it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from drifttool.ops.strict_cuda.kernels import gemm  # noqa: E402
+from drifttool.ops.strict_cuda.kernels import elementwise, gemm  # noqa: E402
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -89,6 +90,25 @@ def compile_launch(cfg: gemm.GemmConfig, dtypes: tuple[str, str, str], act: str 
     return kernel, cfg.id if persistent else replace(cfg, persistent=0).id
 
 
+ROW_LAUNCHES = [
+    # name, kernel, argument types (the rest i32)
+    ("gate residual, digesting", "_gate_residual_tile_kernel", dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16")),
+    ("rotation, digesting", "_rope_tile_kernel", dict(x_ptr="*bf16", f_ptr="*fp32")),
+]
+
+
+def compile_row_launch(kernel: str, types: dict[str, str], out: str):
+    """A row operator's digesting tile launch (``kernels.elementwise``) for an ``out`` output."""
+    fn = getattr(elementwise, kernel)
+    bm, bc, _ = elementwise.TILE
+    consts = dict(BM=bm, BC=bc, WBYTES=4 if out == _FP32 else 2)
+    types = dict(types, o_ptr=f"*{out}", KT="*i8", DR="*i64", DS="*fp64", shift_t="i64", shift_t2="i64")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
+
+
 def usage(kernel) -> tuple[int, int]:
     """(registers, spill stack bytes) per thread, by the cuobjdump Triton ships."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -104,7 +124,7 @@ def usage(kernel) -> tuple[int, int]:
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("strict_gemm_sm90.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+        print("strict_launches_sm90.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
         return 1
     ok = True
     for name, dtypes, act, merge, config, digested in CALLS:
@@ -135,6 +155,19 @@ def main() -> int:
                 print(f"{name:48} the digest changed shared memory {plain[0]} → {smem} or spills "
                       f"{plain[1]} → {stack} bytes")
                 ok = False
+    for name, kernel, types in ROW_LAUNCHES:
+        for out in (_BF16, _FP32):
+            try:
+                k = compile_row_launch(kernel, types, out)
+            except Exception as e:  # noqa: BLE001 - a refused compile is the finding
+                print(f"{name + ' → ' + out:48} digest  FAILED {type(e).__name__}: {str(e)[:200]}")
+                ok = False
+                continue
+            reg, stack = usage(k)
+            bad = k.metadata.shared > SMEM_LIMIT or stack > 0
+            ok &= not bad
+            print(f"{name + ' → ' + out:48} digest  {'tile %dx%d' % elementwise.TILE[:2]:32} "
+                  f"smem {k.metadata.shared:6d}  REG:{reg} STACK:{stack}{'  spills or too much shared memory' if bad else ''}")
     return 0 if ok else 1
 
 
