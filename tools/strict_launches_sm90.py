@@ -14,7 +14,7 @@ with the ptxas and cuobjdump Triton ships. Exits 1 when a compile fails, a launc
 shared memory than an H100/H200 block may have (232,448 bytes: Triton refuses it at the first
 call on the device), or the digest changes a launch's shared memory (its software pipelining
 lost) or spills more than the launch without it, or a row operator's digesting launch (the gate
-residual's, the rotation's: ``kernels.elementwise.TILE``) spills. A developer tool of the source
+residual's, the rotation's, the head-wise RMSNorm's) spills. A developer tool of the source
 tree (run with ``TRITON_INTERPRET`` unset); ``tests/ops/test_strict_launches_sm90.py`` runs it.
 """
 
@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from drifttool.ops.strict_cuda.kernels import elementwise, gemm  # noqa: E402
+from drifttool.ops.strict_cuda.kernels import elementwise, gemm, norms  # noqa: E402
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -91,17 +91,20 @@ def compile_launch(cfg: gemm.GemmConfig, dtypes: tuple[str, str, str], act: str 
 
 
 ROW_LAUNCHES = [
-    # name, kernel, argument types (the rest i32)
-    ("gate residual, digesting", "_gate_residual_tile_kernel", dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16")),
-    ("rotation, digesting", "_rope_tile_kernel", dict(x_ptr="*bf16", f_ptr="*fp32")),
+    # name, kernel, argument types (the rest i32), constants
+    ("gate residual, digesting", elementwise._gate_residual_tile_kernel,
+     dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16"), dict(BM=elementwise.TILE[0], BC=elementwise.TILE[1])),
+    ("rotation, digesting", elementwise._rope_tile_kernel, dict(x_ptr="*bf16", f_ptr="*fp32"),
+     dict(BM=elementwise.TILE[0], BC=elementwise.TILE[1])),
+    ("qk RMSNorm (Dh 128), digesting", norms._rms_heads_kernel,
+     dict(x_ptr="*bf16", gain_ptr="*bf16", eps_ptr="*fp64"), dict(D=128, LOG2=7, BM=norms.HEADS_ROWS)),
 ]
 
 
-def compile_row_launch(kernel: str, types: dict[str, str], out: str):
-    """A row operator's digesting tile launch (``kernels.elementwise``) for an ``out`` output."""
-    fn = getattr(elementwise, kernel)
-    bm, bc, _ = elementwise.TILE
-    consts = dict(BM=bm, BC=bc, WBYTES=4 if out == _FP32 else 2)
+def compile_row_launch(fn, types: dict[str, str], consts: dict, out: str):
+    """A row operator's digesting launch (``kernels.elementwise``, ``kernels.norms``) for an
+    ``out`` output, at 4 warps (``kernels.rows._launch``)."""
+    consts = dict(consts, WBYTES=4 if out == _FP32 else 2)
     types = dict(types, o_ptr=f"*{out}", KT="*i8", DR="*i64", DS="*fp64", shift_t="i64", shift_t2="i64")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
@@ -155,10 +158,10 @@ def main() -> int:
                 print(f"{name:48} the digest changed shared memory {plain[0]} → {smem} or spills "
                       f"{plain[1]} → {stack} bytes")
                 ok = False
-    for name, kernel, types in ROW_LAUNCHES:
+    for name, kernel, types, consts in ROW_LAUNCHES:
         for out in (_BF16, _FP32):
             try:
-                k = compile_row_launch(kernel, types, out)
+                k = compile_row_launch(kernel, types, consts, out)
             except Exception as e:  # noqa: BLE001 - a refused compile is the finding
                 print(f"{name + ' → ' + out:48} digest  FAILED {type(e).__name__}: {str(e)[:200]}")
                 ok = False
@@ -166,7 +169,7 @@ def main() -> int:
             reg, stack = usage(k)
             bad = k.metadata.shared > SMEM_LIMIT or stack > 0
             ok &= not bad
-            print(f"{name + ' → ' + out:48} digest  {'tile %dx%d' % elementwise.TILE[:2]:32} "
+            print(f"{name + ' → ' + out:48} digest  {'rows %d' % consts['BM']:32} "
                   f"smem {k.metadata.shared:6d}  REG:{reg} STACK:{stack}{'  spills or too much shared memory' if bad else ''}")
     return 0 if ok else 1
 

@@ -250,19 +250,18 @@ def _word_bytes(w, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
 
 
 @triton.jit
-def _tile_digest(y, col0, C, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
     """Digest v2's row terms of one tile of a tensor being written: ``y`` ``[BM, BC]`` the values
     as stored (bf16, fp16 or fp32: ``WBYTES`` 2 or 4) at element columns ``col0 + [0, BC)`` of
-    rows ``C`` columns long (columns ``>= C`` are not part of the row: no term, not in the
-    summary); ``KT`` kernel 2's key table (int8 ``[16, ktab]``, ``gpu_rows._key_table``).
+    their rows, of which those where ``ok`` (``[1, BC]`` bool) holds belong to the row (the others,
+    past its end or padding: no term, not in the summary); ``KT`` kernel 2's key table (int8
+    ``[16, ktab]``, ``gpu_rows._key_table``).
 
     Returns per row: ``T``, ``T'`` of these columns (int64 in ``[0, p)``, without the ``u − 128``
     correction, which the row's first tile adds once for the whole row), Σx² (fp64), max and
     min ignoring NaN (fp32, exact) and the count of NaN/±inf (int32): kernel 2's arithmetic on
     the same bytes (one int8 product with the signed limbs), so integer sums equal to the row
     kernel's whatever the tiling."""
-    cols = col0 + tl.arange(0, BC)
-    ok = (cols < C)[None, :]
     if WBYTES == 2:
         w = tl.where(ok, y.to(tl.uint16, bitcast=True), tl.full([1, BC], 0x8080, tl.uint16))
     else:
@@ -291,7 +290,7 @@ def _store_tile_digest(ROWS, STATS, rm, M, split, shift_t, shift_t2, t, t2, sq, 
     if split == 0:
         t = _modp(t + shift_t)
         t2 = _modp(t2 + shift_t2)
-    out = split.to(tl.int64) * M + rm.to(tl.int64)
+    out = rm.to(tl.int64) + split * M  # split · M < 2**31: at most 2**16 rows of a table, a few splits
     mask = rm < M
     tl.store(ROWS + out * 2, t, mask=mask)
     tl.store(ROWS + out * 2 + 1, t2, mask=mask)

@@ -1,8 +1,8 @@
 """Row tables written by the kernels that produce an output (``capture.produced``) on a GPU: at
 full width (6,889 + 3 rows, d = 3072 and 12,288) the strict GEMM's digesting epilogue, under
 every launch configuration the operators use (the bf16 tile, the 128 × 128 tile with an FP32
-output, the register-capped GELU, the FP32 tile with a merge), and the gate residual's and the
-rotation's digesting launches write the row kernel's table of the same output (T, T', max, min, NaN/±inf counts; Σx²
+output, the register-capped GELU, the FP32 tile with a merge), and the gate residual's, the
+rotation's and the head-wise RMSNorm's digesting launches write the row kernel's table of the same output (T, T', max, min, NaN/±inf counts; Σx²
 within rounding), and the outputs' bytes are those of the launches without it; a captured strict
 forward (eager L1 and L2, and replayed from a CUDA graph) files the same records with these tables
 as with the row kernel alone, and launches the row kernel fewer times. Skipped without CUDA."""
@@ -86,6 +86,21 @@ def test_rope_tables_equal_the_row_kernels_at_full_width():
     freqs = torch.polar(torch.ones(6889 + 3, 64), torch.randn(6889 + 3, 64, generator=g)).cuda()
     plain = elementwise.rope(x, freqs)
     o = elementwise.rope(x, freqs, digest=True)
+    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
+    flat = o.view(-1, 24 * 128)
+    made = produced.table(flat)
+    assert made is not None
+    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+
+
+def test_head_rmsnorm_tables_equal_the_row_kernels_at_full_width():
+    from drifttool.ops.strict_cuda.kernels import norms
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 6889 + 3, 24, 128, generator=g) * 3).bfloat16().cuda()
+    gain = torch.randn(128, generator=g).bfloat16().cuda()
+    plain = norms.rms_norm(x, gain, 1e-6, torch.bfloat16)
+    o = norms.rms_norm(x, gain, 1e-6, torch.bfloat16, digest=True)
     assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
     flat = o.view(-1, 24 * 128)
     made = produced.table(flat)

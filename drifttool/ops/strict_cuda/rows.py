@@ -118,7 +118,7 @@ def qk_rmsnorm(x, gain, eps: float = 1e-6):
 
 def _qk_rmsnorm(x, gain, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
-    return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain))
+    return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain), digest=produced.wanted())
 
 
 @strict_cuda("multi_axis_rope", "x", kernel="triton.rope_interleaved.nofma", trainable=True)

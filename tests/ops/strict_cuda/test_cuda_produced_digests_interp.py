@@ -149,3 +149,19 @@ def test_a_digesting_rope_equals_the_cpu_digest(out_dtype, b, s, h, dh):
     o = elementwise.rope(x, freqs, digest=True)
     assert _bits(o) == _bits(plain)
     _check_table(o.view(b * s, h * dh))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,s,h,dh", [(1, 37, 3, 128), (3, 5, 4, 16), (2, 9, 3, 100)])
+def test_a_digesting_head_rmsnorm_equals_the_cpu_digest(out_dtype, b, s, h, dh):
+    """The head-wise RMSNorm's digesting launch (each head's ``Dh`` a norm row, padded heads
+    included): the plain launch's bytes and the CPU's T, T' of its ``[B·S, H·Dh]`` rows."""
+    from drifttool.ops.strict_cuda.kernels import norms
+
+    g = torch.Generator().manual_seed(b + s + h + dh)
+    x = torch.randn(b, s, h, dh, generator=g) * 3
+    gain = torch.randn(dh, generator=g)
+    plain = norms.rms_norm(x, gain, 1e-6, out_dtype)
+    o = norms.rms_norm(x, gain, 1e-6, out_dtype, digest=True)
+    assert _bits(o) == _bits(plain)
+    _check_table(o.view(b * s, h * dh))

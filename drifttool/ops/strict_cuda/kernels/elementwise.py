@@ -53,7 +53,7 @@ def _gate_residual_tile_kernel(x_ptr, g_ptr, y_ptr, o_ptr, R, S, D, tiles_per_sp
         g = tl.load(g_ptr + b[:, None] * D + rn[None, :], mask=m, other=0.0).to(tl.float32)
         o = (x + g * y).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + at, o, mask=m)
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(o, it * BC, D, KT, ktab, BM, BC, WBYTES)
+        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(o, it * BC, (rn < D)[None, :], KT, ktab, BM, BC, WBYTES)
         t = _modp(t + dt)
         t2 = _modp(t2 + dt2)
         sq += dsq
@@ -157,7 +157,8 @@ def _rope_tile_kernel(x_ptr, f_ptr, o_ptr, R, S, C, DH, tiles_per_split, KT, kta
         tl.store(o_ptr + at, y0, mask=m)
         tl.store(o_ptr + at + 1, y1, mask=m)
         y = tl.reshape(tl.join(y0, y1), [BM, BC])  # the pairs in memory order
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, it * BC, C, KT, ktab, BM, BC, WBYTES)
+        ok = (it * BC + tl.arange(0, BC) < C)[None, :]
+        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, it * BC, ok, KT, ktab, BM, BC, WBYTES)
         t = _modp(t + dt)
         t2 = _modp(t2 + dt2)
         sq += dsq

@@ -149,7 +149,7 @@ def _digest_stored(Y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr,
     rn = col0 + tl.arange(0, BC)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0)
-    return _tile_digest(y, col0, N, KT, ktab, BLOCK_M, BC, WBYTES)
+    return _tile_digest(y, col0, (rn < N)[None, :], KT, ktab, BLOCK_M, BC, WBYTES)
 
 
 @triton.jit

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.rows import _launch, _pair_tree, pow2
 
 
@@ -60,21 +62,73 @@ def _rms_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, LOG2: tl
     tl.store(o_ptr + r[:, None] * D + k[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _rms_heads_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, R, H, KT, ktab, DR, DS, shift_t, shift_t2,
+                      D: tl.constexpr, LOG2: tl.constexpr, BM: tl.constexpr, WBYTES: tl.constexpr):
+    """``_rms_kernel``'s arithmetic on the heads of rows ``[pid·BM, (pid+1)·BM)`` of ``[R, H·D]``
+    (each head's ``D`` elements a norm row), and digest v2's row terms of the values stored, summed
+    over the heads, written as the one column split of the row table ``DR``/``DS``
+    (``capture.gpu_rows_kernels._tile_digest``)."""
+    P: tl.constexpr = 2**LOG2
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.arange(0, P)
+    gain = tl.load(gain_ptr + k, mask=k < D, other=0.0).to(tl.float32)
+    t = tl.zeros([BM], tl.int64)
+    t2 = tl.zeros([BM], tl.int64)
+    sq = tl.zeros([BM], tl.float64)
+    mx = tl.full([BM], float("-inf"), tl.float32)
+    mn = tl.full([BM], float("inf"), tl.float32)
+    bad = tl.zeros([BM], tl.int32)
+    for h in range(0, H):
+        m = (rm[:, None] < R) & (k[None, :] < D)
+        at = (rm.to(tl.int64)[:, None] * H + h) * D + k[None, :]
+        x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+        ssq = _pair_tree(x * x, LOG2)
+        var = tl.div_rn(ssq, tl.full(ssq.shape, D, tl.float32))
+        rstd = _rstd(var, eps_ptr)
+        y = ((x * rstd[:, None]) * gain[None, :]).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + at, y, mask=m)
+        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, h * D, (k < D)[None, :], KT, ktab, BM, P, WBYTES)
+        t = _modp(t + dt)
+        t2 = _modp(t2 + dt2)
+        sq += dsq
+        mx = tl.maximum(mx, dmx)
+        mn = tl.minimum(mn, dmn)
+        bad += dbad
+    _store_tile_digest(DR, DS, rm, R, 0, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+
+
+HEADS_ROWS = 16
+"""Rows (tokens) per program of the digesting head-wise RMSNorm (``rms_norm_heads``)."""
+
+
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
              rows_per_program: int | None = None, long_rows: LongRows | None = None,
-             in_register: bool = False) -> torch.Tensor:
+             in_register: bool = False, digest: bool = False) -> torch.Tensor:
     """Learned-gain RMSNorm over the last axis (``strict.embed.rms_parts`` then ·gain):
     x [..., D] → [..., D] ``out_dtype`` (FP32 for the seam before a GEMM). Rows longer than
     ``SHORT_ROW`` (padded) take the tile kernel under ``long_rows`` (default ``LONG_ROWS``);
     ``rows_per_program`` overrides the rows per program of either kernel; ``in_register`` holds a
     long row whole in one program's registers (for the interpreter tests: Triton gives every
-    thread the whole tree there, so on a GPU its code and compile time grow with the row)."""
+    thread the whole tree there, so on a GPU its code and compile time grow with the row).
+    ``digest`` (x [B, S, H, D], short rows, a bf16, fp16 or FP32 output): also write the output's
+    row table (digest v2, rows B·S of H·D elements) from the values stored and offer it to its
+    capture (``capture.produced``); the same output bytes."""
     x = x.contiguous()
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     eps_t = _f64_scalar(eps, x.device) if rows and d else None
-    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+    if (digest and rows and d and x.dim() == 4 and pow2(d) <= SHORT_ROW
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32) and pow2(d) * o.element_size() >= 16):
+        tokens, heads, wbytes = x.shape[0] * x.shape[1], x.shape[2], o.element_size()
+        table = gpu_rows.empty_table(tokens, 1, x.device)
+        keys = gpu_rows.byte_key_table(x.device, heads * d + pow2(d), wbytes)
+        produced.offer(o, table)
+        _launch(_rms_heads_kernel, (triton.cdiv(tokens, HEADS_ROWS),), x, gain.contiguous(), eps_t, o, tokens,
+                heads, keys, keys.shape[1], *table, *gpu_rows.shift_constants(heads * d, wbytes), D=d,
+                LOG2=pow2(d).bit_length() - 1, BM=HEADS_ROWS, WBYTES=wbytes)
+    elif rows and d and pow2(d) > SHORT_ROW and not in_register:
         rms_norm_long(x, gain.contiguous(), eps_t, o, rows, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
