@@ -14,7 +14,7 @@ with the ptxas and cuobjdump Triton ships. Exits 1 when a compile fails, a launc
 shared memory than an H100/H200 block may have (232,448 bytes: Triton refuses it at the first
 call on the device), or the digest changes a launch's shared memory (its software pipelining
 lost) or spills more than the launch without it, or a row operator's digesting launch (the gate
-residual's, the rotation's, the head-wise RMSNorm's) spills. A developer tool of the source
+residual's, the rotation's, the head-wise RMSNorm's, the LayerNorm's) spills. A developer tool of the source
 tree (run with ``TRITON_INTERPRET`` unset); ``tests/ops/test_strict_launches_sm90.py`` runs it.
 """
 
@@ -98,18 +98,24 @@ ROW_LAUNCHES = [
      dict(BM=elementwise.TILE[0], BC=elementwise.TILE[1])),
     ("qk RMSNorm (Dh 128), digesting", norms._rms_heads_kernel,
      dict(x_ptr="*bf16", gain_ptr="*bf16", eps_ptr="*fp64"), dict(D=128, LOG2=7, BM=norms.HEADS_ROWS)),
+    ("modulated LayerNorm (d 3072), digesting", norms._ln_digest_kernel,
+     dict(x_ptr="*bf16", shift_ptr="*bf16", scale_ptr="*bf16", eps_ptr="*fp64"),
+     dict(D=3072, NT_LOG2=2, TLOG2=10, BM=norms.LN_DIGEST[0], BC=norms.LN_DIGEST[1])),
 ]
 
 
 def compile_row_launch(fn, types: dict[str, str], consts: dict, out: str):
     """A row operator's digesting launch (``kernels.elementwise``, ``kernels.norms``) for an
-    ``out`` output, at 4 warps (``kernels.rows._launch``)."""
+    ``out`` output, at 4 warps (``kernels.rows._launch``; the LayerNorm's ``LN_DIGEST``)."""
     consts = dict(consts, WBYTES=4 if out == _FP32 else 2)
+    if fn is norms._ln_digest_kernel and out == _FP32:
+        consts["BC"] //= 2  # as ln_modulation launches it
     types = dict(types, o_ptr=f"*{out}", KT="*i8", DR="*i64", DS="*fp64", shift_t="i64", shift_t2="i64")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
-                          options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
+                          options=dict(num_warps=norms.LN_DIGEST[2] if fn is norms._ln_digest_kernel else 4,
+                                       num_stages=1, enable_fp_fusion=False))
 
 
 def usage(kernel) -> tuple[int, int]:

@@ -95,7 +95,7 @@ def adaln_modulation(x, shift, scale, eps: float = 1e-6):
 
 def _ln_modulation(x, shift, scale, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
-    return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
+    return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale), digest=produced.wanted())
 
 
 @strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma", trainable=True)

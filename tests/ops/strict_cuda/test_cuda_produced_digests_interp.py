@@ -165,3 +165,20 @@ def test_a_digesting_head_rmsnorm_equals_the_cpu_digest(out_dtype, b, s, h, dh):
     o = norms.rms_norm(x, gain, 1e-6, out_dtype, digest=True)
     assert _bits(o) == _bits(plain)
     _check_table(o.view(b * s, h * dh))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,s,d", [(1, 19, 1100), (2, 5, 2048)])
+def test_a_digesting_layernorm_equals_the_cpu_digest(out_dtype, b, s, d):
+    """The modulated LayerNorm's digesting launch (long rows: the same trees, the output in 2-D
+    tiles): the long-row launch's bytes and the CPU's T, T' of its ``[B·S, d]`` rows."""
+    from drifttool.ops.strict_cuda.kernels import norms
+
+    g = torch.Generator().manual_seed(b + s + d)
+    x = torch.randn(b, s, d, generator=g) * 2 + 0.5
+    mod = torch.randn(b, 2 * d, generator=g)
+    shift, scale = mod[:, :d], mod[:, d:]
+    plain = norms.ln_modulation(x, shift, scale, 1e-6, out_dtype)
+    o = norms.ln_modulation(x, shift, scale, 1e-6, out_dtype, digest=True)
+    assert _bits(o) == _bits(plain)
+    _check_table(o.view(b * s, d))

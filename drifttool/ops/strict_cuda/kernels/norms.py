@@ -161,10 +161,13 @@ def _ln_mod_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows
 
 def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
                   out_dtype: torch.dtype, *, rows_per_program: int | None = None,
-                  long_rows: LongRows | None = None, in_register: bool = False) -> torch.Tensor:
+                  long_rows: LongRows | None = None, in_register: bool = False,
+                  digest: bool = False) -> torch.Tensor:
     """Parameter-free LayerNorm over d, then ·(1 + scale) + shift (``strict.adaln``): x [B,S,d];
     shift, scale [B,d] with a common row stride (views into one [B,2d] tensor allowed) →
-    [B,S,d] ``out_dtype``. ``rows_per_program``, ``long_rows``, ``in_register``: as ``rms_norm``."""
+    [B,S,d] ``out_dtype``. ``rows_per_program``, ``long_rows``, ``in_register``: as ``rms_norm``.
+    ``digest`` (long rows, a bf16, fp16 or FP32 output): as ``rms_norm``'s, rows B·S (the long
+    rows' trees, then the output in ``LN_DIGEST`` tiles)."""
     x = x.contiguous()
     bsz, s, d = x.shape
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
@@ -172,7 +175,19 @@ def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = bsz * s
     eps_t = _f64_scalar(eps, x.device) if rows and d else None
-    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+    if (digest and rows and d and pow2(d) > SHORT_ROW and not in_register
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        bm, bc, warps = LN_DIGEST
+        bc = bc * 2 // o.element_size()  # the same bytes a tile for an FP32 output (no spills)
+        meta = _long_meta(d, _long_config(long_rows, None))
+        table = gpu_rows.empty_table(rows, 1, x.device)
+        keys = gpu_rows.byte_key_table(x.device, triton.cdiv(d, bc) * bc, o.element_size())
+        produced.offer(o, table)
+        _launch(_ln_digest_kernel, (triton.cdiv(rows, bm),), x, shift, scale, shift.stride(0), eps_t, o, rows, s,
+                keys, keys.shape[1], *table, *gpu_rows.shift_constants(d, o.element_size()), D=d,
+                NT_LOG2=meta["NT_LOG2"], TLOG2=meta["TLOG2"], BM=bm, BC=bc, WBYTES=o.element_size(),
+                num_warps=warps)
+    elif rows and d and pow2(d) > SHORT_ROW and not in_register:
         ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
@@ -300,6 +315,59 @@ def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, row
             shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
             y = ((x - mean) * rstd) * (1.0 + scale) + shift
             tl.store(o_ptr + r * D + kt, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ln_digest_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows, S, KT, ktab, DR, DS,
+                      shift_t, shift_t2, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2: tl.constexpr,
+                      BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+    """``_ln_long_kernel``'s arithmetic for rows ``[pid·BM, (pid+1)·BM)`` — each row's mean and
+    rstd by the same trees, one row at a time — then the output in ``[BM, BC]`` tiles, and
+    digest v2's row terms of the values stored, summed over the tiles, written as the one column
+    split of the row table ``DR``/``DS`` (``capture.gpu_rows_kernels._tile_digest``)."""
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    at = tl.arange(0, BM)
+    mean = tl.zeros([BM], tl.float32)
+    rstd = tl.zeros([BM], tl.float32)
+    for i in range(BM):
+        r = tl.program_id(0).to(tl.int64) * BM + i
+        live = r < rows
+        total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
+        mean_r = tl.div_rn(total, tl.full((1,), D, tl.float32))
+        ssq = _row_sum(x_ptr, r, live, mean_r, D, NT_LOG2, TLOG2, True, True)
+        rstd_r = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        mean = tl.where(at == i, mean_r, mean)
+        rstd = tl.where(at == i, rstd_r, rstd)
+    b = rm // S
+    t = tl.zeros([BM], tl.int64)
+    t2 = tl.zeros([BM], tl.int64)
+    sq = tl.zeros([BM], tl.float64)
+    mx = tl.full([BM], float("-inf"), tl.float32)
+    mn = tl.full([BM], float("inf"), tl.float32)
+    bad = tl.zeros([BM], tl.int32)
+    for it in range(0, (D + BC - 1) // BC):
+        cols = it * BC + tl.arange(0, BC)
+        m = (rm < rows)[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        mod = b[:, None] * mod_stride + cols[None, :]
+        scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
+        y = (((x - mean[:, None]) * rstd[:, None]) * (1.0 + scale) + shift).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + rm[:, None] * D + cols[None, :], y, mask=m)
+        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, it * BC, (cols < D)[None, :], KT, ktab, BM, BC, WBYTES)
+        t = _modp(t + dt)
+        t2 = _modp(t2 + dt2)
+        sq += dsq
+        mx = tl.maximum(mx, dmx)
+        mn = tl.minimum(mn, dmn)
+        bad += dbad
+    _store_tile_digest(DR, DS, rm, rows, 0, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+
+
+LN_DIGEST = (16, 256, 4)
+"""Rows per program, output tile width (of a 16-bit output; half as many FP32 columns) and warps
+of the digesting LayerNorm (``ln_modulation``'s ``digest``). Offline sm_90a: 220 registers, no
+spills (FP32 at 256 columns spilled 64 bytes)."""
 
 
 def _long_config(cfg: LongRows | None, rows_per_program: int | None) -> LongRows:
