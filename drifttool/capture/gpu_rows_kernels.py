@@ -282,16 +282,29 @@ def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYT
 
 
 @triton.jit
+def _add_terms(a, b):
+    """Two sub-tiles' row terms of one row (``_tile_digest``'s tuple) added: T, T' mod p, Σx²,
+    the max, the min and the count."""
+    return (_modp(a[0] + b[0]), _modp(a[1] + b[1]), a[2] + b[2], tl.maximum(a[3], b[3]),
+            tl.minimum(a[4], b[4]), a[5] + b[5])
+
+
+@triton.jit
 def _store_tile_digest(ROWS, STATS, rm, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad):
     """Write one tile's row terms as column split ``split`` of a row table (``ROWS`` int64
     ``[S, M, 2]``, ``STATS`` float64 ``[S, M, 4]``: ``gpu_rows.row_table``'s format); split 0
     adds the row's ``u − 128`` correction (``shift_t``, ``shift_t2``). Rows ``>= M`` are not
     written."""
+    _store_rows_digest(ROWS, STATS, rm, rm < M, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+
+
+@triton.jit
+def _store_rows_digest(ROWS, STATS, rm, mask, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad):
+    """``_store_tile_digest`` of the rows ``rm`` where ``mask`` holds (the table has ``M`` rows)."""
     if split == 0:
         t = _modp(t + shift_t)
         t2 = _modp(t2 + shift_t2)
     out = rm.to(tl.int64) + split * M  # split · M < 2**31: at most 2**16 rows of a table, a few splits
-    mask = rm < M
     tl.store(ROWS + out * 2, t, mask=mask)
     tl.store(ROWS + out * 2 + 1, t2, mask=mask)
     tl.store(STATS + out * 4, sq, mask=mask)

@@ -2,7 +2,8 @@
 full width (6,889 + 3 rows, d = 3072 and 12,288) the strict GEMM's digesting epilogue, under
 every launch configuration the operators use (the bf16 tile, the 128 × 128 tile with an FP32
 output, the register-capped GELU, the FP32 tile with a merge), and the gate residual's, the
-rotation's, the head-wise RMSNorm's and the modulated LayerNorm's digesting launches write the row kernel's table of the same output (T, T', max, min, NaN/±inf counts; Σx²
+rotation's, the head-wise RMSNorm's and the modulated LayerNorm's digesting launches and the fused
+attention's digesting epilogue write the row kernel's table of the same output (T, T', max, min, NaN/±inf counts; Σx²
 within rounding), and the outputs' bytes are those of the launches without it; a captured strict
 forward (eager L1 and L2, and replayed from a CUDA graph) files the same records with these tables
 as with the row kernel alone, and launches the row kernel fewer times. Skipped without CUDA."""
@@ -118,6 +119,20 @@ def test_layernorm_tables_equal_the_row_kernels_at_full_width():
     o = norms.ln_modulation(x, mod[:, :3072], mod[:, 3072:], 1e-6, torch.bfloat16, digest=True)
     assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
     flat = o.view(-1, 3072)
+    made = produced.table(flat)
+    assert made is not None
+    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+
+
+def test_attention_tables_equal_the_row_kernels_at_full_width():
+    from drifttool.ops.strict_cuda.kernels import attention
+    from tests.strict_cuda_cases import joint
+
+    q, k, v, km = joint([128, 77], 128, 6889, 24, 128, dtype=torch.bfloat16, seed=6, device="cuda")
+    plain = attention.attention(q, k, v, km, text_len=128)
+    o = attention.attention(q, k, v, km, text_len=128, digest=True)
+    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
+    flat = o.view(-1, 24 * 128)
     made = produced.table(flat)
     assert made is not None
     _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))

@@ -41,6 +41,12 @@ def test_every_launch_fits_and_the_digest_costs_no_pipelining():
     assert not any("FAILED" in line or "changed" in line for line in lines)
 
 
+def test_the_attention_kernels_compile_and_the_digest_costs_no_pipelining():
+    res = _run(str(ROOT / "tools" / "strict_cuda_sm90.py"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sum("+dig" in line for line in res.stdout.splitlines()) >= 8
+
+
 def test_it_finds_a_launch_the_device_refuses():
     code = ("import sys; sys.path.insert(0, 'tools'); import strict_launches_sm90 as t; "
             "from drifttool.ops.strict_cuda.kernels import gemm; "

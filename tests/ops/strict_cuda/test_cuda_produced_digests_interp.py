@@ -182,3 +182,21 @@ def test_a_digesting_layernorm_equals_the_cpu_digest(out_dtype, b, s, d):
     o = norms.ln_modulation(x, shift, scale, 1e-6, out_dtype, digest=True)
     assert _bits(o) == _bits(plain)
     _check_table(o.view(b * s, d))
+
+
+@pytest.mark.parametrize("with_stats", [False, True])
+def test_a_digesting_attention_equals_the_cpu_digest(with_stats):
+    """The fused attention's digesting launch (each program its head's columns of its query
+    rows, text and image tiles, a padded prompt, a partial image block): the launch's bytes
+    without it, and the CPU's T, T' of the output's ``[B·Sq, H·Dh]`` rows."""
+    from drifttool.ops.strict_cuda.kernels import attention
+    from tests.strict_cuda_cases import joint
+
+    q, k, v, km = joint([13, 7, 10], 13, 70, 3, 16, seed=2)
+    plain = attention.attention(q, k, v, km, text_len=13, with_stats=with_stats)
+    o = attention.attention(q, k, v, km, text_len=13, with_stats=with_stats, digest=True)
+    if with_stats:
+        (plain, ml0), (o, ml1) = plain, o
+        assert _bits(ml0) == _bits(ml1)
+    assert _bits(o) == _bits(plain)
+    _check_table(o.view(3 * 83, 3 * 16))

@@ -66,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import _add_terms, _store_rows_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _qk, _scores,
                                                               _state, _tile)
 
@@ -140,10 +142,11 @@ def _pass2_tma(q, KD, VD, row, col, sm_scale, m_use, r_i, acc, IEEE: tl.constexp
 def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                  sxb, sxh, sxm, sxn, sy0, sy1, sy2,
-                 smb, H, SQ, S, L, n_tq, ML, KD, VD,
+                 smb, H, SQ, S, L, n_tq, ML, KD, VD, KEYS, ktab, DR, DS, shift_t, shift_t2, rows,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                 STORE_ML: tl.constexpr = False, TMA: tl.constexpr = False):
+                 STORE_ML: tl.constexpr = False, TMA: tl.constexpr = False, DIGEST: tl.constexpr = False,
+                 WBYTES: tl.constexpr = 2):
     """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
     Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
     SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image).
@@ -281,6 +284,20 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                      m_use, r_i, acc, MODE, True, IEEE)
     o_ptrs = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None])
+    if DIGEST:  # the tile read back (L2) after a block barrier: head h's columns of its rows,
+        tl.debug_barrier()  # in column pieces of at most 32 (fewer live registers)
+        PIECE: tl.constexpr = HEAD_DIM if HEAD_DIM < 32 else 32
+        offs_p = tl.arange(0, PIECE)
+        o_rows = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1
+        y = tl.load(o_rows + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+        terms = _tile_digest(y, h * HEAD_DIM, (offs_p < PIECE)[None, :], KEYS, ktab, BLOCK_M, PIECE, WBYTES)
+        for c in tl.static_range(1, HEAD_DIM // PIECE):
+            y = tl.load(o_rows + c * PIECE + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+            terms = _add_terms(terms, _tile_digest(y, h * HEAD_DIM + c * PIECE, (offs_p < PIECE)[None, :], KEYS,
+                                                   ktab, BLOCK_M, PIECE, WBYTES))
+        t1, t2, sq, mx, mn, bad = terms
+        _store_rows_digest(DR, DS, b * SQ + offs_m, row_ok, rows, h, shift_t, shift_t2, t1, t2, sq, mx,
+                           mn, bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,19 +346,25 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, s: int, dh: int):
 
 
 def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
-            ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None) -> None:
+            ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None, digest: bool = False) -> None:
     block_m, num_warps, num_stages, *tma = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
     descs = _kv_descriptors(k, v, s, dh) if mode == MODE_FUSED and tma and tma[0] else None
     n_tq = triton.cdiv(text_len, block_m)
     grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
+    dargs = (y, 0, y, y, 0, 0, 0)
+    if digest:  # the output's row table (rows B·Sq, one column split per head), offered to its capture
+        table = gpu_rows.empty_table(b * sq, h, y.device)
+        keys = gpu_rows.byte_key_table(y.device, h * dh, y.element_size())
+        produced.offer(y, table)
+        dargs = (keys, keys.shape[1], *table, *gpu_rows.shift_constants(h * dh, y.element_size()), b * sq)
     _attn_kernel[grid](
         q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
         *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq, ml,
-        *(descs or (k, v)),
+        *(descs or (k, v)), *dargs,
         HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
-        STORE_ML=ml is not None, TMA=descs is not None, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False,
+        STORE_ML=ml is not None, TMA=descs is not None, DIGEST=digest, WBYTES=y.element_size(),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
 
 
@@ -350,7 +373,7 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-              *, text_len: int | None = None, config=None, with_stats: bool = False):
+              *, text_len: int | None = None, config=None, with_stats: bool = False, digest: bool = False):
     """Fused strict attention (module docstring): q [B,Sq,H,Dh], k, v [B,S,H,Dh] (one dtype, FP32
     or BF16; Sq = S, or the text rows and some image rows: an SP rank's), key_mask [B,S] bool or
     None, text_len = L → [B,Sq,H,Dh] in v's dtype. The caller checks shapes, dtypes and that
@@ -359,7 +382,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     ``with_stats``: also return the row states the backward reads, [B,H,2,Sq] FP32 — [..., 0, i]
     = m_i (the row max of x in pass 2, −inf taken as 0), [..., 1, i] = fp32(1/l_i); the same
     program writes them after pass 1, so the output's bytes are those without (the arithmetic is
-    the same; without ``with_stats`` the forward-only kernel runs, unchanged)."""
+    the same; without ``with_stats`` the forward-only kernel runs, unchanged).
+
+    ``digest`` (a bf16, fp16 or FP32 output, heads of at least 16 bytes): each program also
+    writes digest v2's row terms of its output tile, read back after a block barrier, as head h's
+    column split of the output's row table (rows B·Sq), offered to its capture
+    (``capture.produced``); the output's bytes are the same."""
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
     b, sq, h, dh = q.shape
     s = k.shape[1]
@@ -368,8 +396,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     ml = torch.empty(b, h, 2, sq, dtype=torch.float32, device=v.device) if with_stats else None
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
+    digest = digest and o.dtype in (torch.bfloat16, torch.float16, torch.float32) and dh * o.element_size() >= 16
     _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
-            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml)
+            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml, digest)
     return (o, ml) if with_stats else o
 
 

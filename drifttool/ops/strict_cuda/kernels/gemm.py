@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from drifttool.capture import gpu_rows, produced
-from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
+from drifttool.capture.gpu_rows_kernels import _add_terms, _store_tile_digest, _tile_digest
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS, _activate
 
@@ -150,14 +150,6 @@ def _digest_stored(Y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr,
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0)
     return _tile_digest(y, col0, (rn < N)[None, :], KT, ktab, BLOCK_M, BC, WBYTES)
-
-
-@triton.jit
-def _add_terms(a, b):
-    """Two sub-tiles' row terms of one row (``_tile_digest``'s tuple) added: T, T' mod p, Σx²,
-    the max, the min and the count."""
-    return (_modp(a[0] + b[0]), _modp(a[1] + b[1]), a[2] + b[2], tl.maximum(a[3], b[3]),
-            tl.minimum(a[4], b[4]), a[5] + b[5])
 
 
 @triton.jit
