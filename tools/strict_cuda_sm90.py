@@ -20,22 +20,18 @@ differ with the row states written.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from drifttool.ops.strict_cuda.kernels import attention as fwd
 from drifttool.ops.strict_cuda.kernels import attention_backward as bwd
+from strict_launches_sm90 import SMEM_LIMIT, TARGET, usage  # the same target and resource reading
 
-TARGET = GPUTarget("cuda", 90, 128)
-SMEM_LIMIT = 232_448  # shared memory one block may use on sm_90 (H100/H200), bytes
+
 FLOAT_OPS = re.compile(r"^\s*((?:fma|mul|add|sub|max|min|ex2|div|rcp|neg|cvt)\.\S*f(?:32|16)\S*|wgmma\S*)")
 
 
@@ -56,13 +52,8 @@ def _compile(fn, ptrs: dict, consts: dict, warps: int, stages: int):
 
 
 def _usage(kernel) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:\d+ STACK:\d+", out)
-    return found.group(0) if found else "?"
+    reg, stack = usage(kernel)
+    return f"REG:{reg} STACK:{stack}"
 
 
 def _digest_costs(base, dig) -> str:
@@ -78,9 +69,8 @@ def _digest_costs(base, dig) -> str:
 
 
 def _stack(kernel) -> int:
-    """Spill stack bytes per thread (``_usage``)."""
-    found = re.search(r"STACK:(\d+)", _usage(kernel))
-    return int(found.group(1)) if found else 1 << 30
+    """Spill stack bytes per thread."""
+    return usage(kernel)[1]
 
 
 def _float_ops(kernel) -> Counter:

@@ -290,17 +290,27 @@ def _add_terms(a, b):
 
 
 @triton.jit
-def _store_tile_digest(ROWS, STATS, rm, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad):
-    """Write one tile's row terms as column split ``split`` of a row table (``ROWS`` int64
-    ``[S, M, 2]``, ``STATS`` float64 ``[S, M, 4]``: ``gpu_rows.row_table``'s format); split 0
-    adds the row's ``u − 128`` correction (``shift_t``, ``shift_t2``). Rows ``>= M`` are not
-    written."""
-    _store_rows_digest(ROWS, STATS, rm, rm < M, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+def _no_terms(BM: tl.constexpr):
+    """The row terms of no column (``_tile_digest``'s tuple for ``BM`` rows): the start of a sum
+    over tiles with ``_add_terms``."""
+    return (tl.zeros([BM], tl.int64), tl.zeros([BM], tl.int64), tl.zeros([BM], tl.float64),
+            tl.full([BM], float("-inf"), tl.float32), tl.full([BM], float("inf"), tl.float32),
+            tl.zeros([BM], tl.int32))
 
 
 @triton.jit
-def _store_rows_digest(ROWS, STATS, rm, mask, M, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad):
+def _store_tile_digest(ROWS, STATS, rm, M, split, shift_t, shift_t2, terms):
+    """Write one tile's row terms (``_tile_digest``'s tuple) as column split ``split`` of a row
+    table (``ROWS`` int64 ``[S, M, 2]``, ``STATS`` float64 ``[S, M, 4]``: ``gpu_rows.row_table``'s
+    format); split 0 adds the row's ``u − 128`` correction (``shift_t``, ``shift_t2``). Rows
+    ``>= M`` are not written."""
+    _store_rows_digest(ROWS, STATS, rm, rm < M, M, split, shift_t, shift_t2, terms)
+
+
+@triton.jit
+def _store_rows_digest(ROWS, STATS, rm, mask, M, split, shift_t, shift_t2, terms):
     """``_store_tile_digest`` of the rows ``rm`` where ``mask`` holds (the table has ``M`` rows)."""
+    t, t2, sq, mx, mn, bad = terms
     if split == 0:
         t = _modp(t + shift_t)
         t2 = _modp(t2 + shift_t2)

@@ -47,7 +47,7 @@ this wrapper; ``reset()`` frees them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,7 +67,47 @@ class _Graph:
     keep: tuple = field(default=(), repr=False)  # constants the graph reads (RoPE tables)
 
 
-class GraphedForward:
+class SignatureGraphs:
+    """Graphs of ``model`` by input signature: a signature's first call runs eagerly (the
+    warm-up), its second captures (``_graph``), later ones replay; a replaced parameter (another
+    storage) drops them all. Shared by ``GraphedForward`` and ``model.graphs_train.GraphedTraining``.
+
+    Attributes:
+        captures: how many graphs were captured (a test and a benchmark read it).
+        replays: how many calls were served by a replay.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.captures = 0
+        self.replays = 0
+        self._seen: set[tuple] = set()
+        self._graphs: dict[tuple, Any] = {}
+        self._params: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        """Drop every graph (the next call of each signature is eager)."""
+        self._seen.clear()
+        self._graphs.clear()
+
+    def _graph(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
+        """The graph of signature ``key`` (``capture()`` makes it at the second call), or None at
+        the first call (the caller runs the model eagerly: kernels compiled, caches filled)."""
+        params = tuple(p.data_ptr() for p in self.model.parameters())
+        if params != self._params:  # a parameter was replaced: every graph reads stale memory
+            self.reset()
+            self._params = params
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return None
+            g = self._graphs[key] = capture()
+            self.captures += 1
+        return g
+
+
+class GraphedForward(SignatureGraphs):
     """``model(x, txt, txt_mask, tau, img_grid, rt)`` replayed from one CUDA graph per input
     signature (module docstring).
 
@@ -77,21 +117,14 @@ class GraphedForward:
         lanes: capture each block's text stream on a second CUDA stream (module docstring);
             False: on one stream.
 
-    Attributes:
-        captures: how many graphs were captured (a test and a benchmark read it).
-        replays: how many calls were served by a replay.
+    Attributes: as ``SignatureGraphs``.
     """
 
     def __init__(self, model: torch.nn.Module, *, lanes: bool = True) -> None:
-        self.model = model
+        super().__init__(model)
         self.lanes = lanes
         self._lanes: Lanes | None = None
-        self.captures = 0
-        self.replays = 0
-        self._seen: set[tuple] = set()
-        self._graphs: dict[tuple, _Graph] = {}
         self._pool: Any = None
-        self._params: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -99,8 +132,7 @@ class GraphedForward:
 
     def reset(self) -> None:
         """Drop every graph and its memory pool (the next call of each signature is eager)."""
-        self._seen.clear()
-        self._graphs.clear()
+        super().reset()
         self._pool = None
 
     @staticmethod
@@ -129,16 +161,9 @@ class GraphedForward:
         grid = tuple(int(v) for v in img_grid)
         cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
         key = signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt))
-        params = tuple(p.data_ptr() for p in self.model.parameters())
-        if params != self._params:  # a parameter was replaced: every graph reads stale memory
-            self.reset()
-            self._params = params
-        g = self._graphs.get(key)
-        if g is None:
-            if key not in self._seen:  # warm-up: compile kernels, fill constant caches
-                self._seen.add(key)
-                return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
-            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids)
+        g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids))
+        if g is None:  # warm-up: compile kernels, fill constant caches
+            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
@@ -169,7 +194,6 @@ class GraphedForward:
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "
                 "run it eagerly (call the model itself)") from e
-        self.captures += 1
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 

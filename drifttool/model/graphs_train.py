@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.graphs import signature
+from drifttool.model.graphs import SignatureGraphs, signature
 from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
@@ -108,7 +108,7 @@ def _done(g: _Graphs, live: list[bool]) -> None:
         g.pending -= 1
 
 
-class GraphedTraining:
+class GraphedTraining(SignatureGraphs):
     """``model(x, txt, txt_mask, tau, img_grid, rt)`` under autograd, its forward and backward
     replayed from one pair of CUDA graphs per input signature (module docstring).
 
@@ -117,23 +117,9 @@ class GraphedTraining:
             parameters lie on one CUDA device; the trainable ones are those with
             ``requires_grad``.
 
-    Attributes:
-        captures: how many signatures were captured (a test and a benchmark read it).
-        replays: how many calls were served by a forward replay.
+    Attributes: as ``SignatureGraphs`` (``captures`` counts signatures, ``replays`` forward
+    replays); ``reset()`` also frees the graphs' memory pools.
     """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.captures = 0
-        self.replays = 0
-        self._seen: set[tuple] = set()
-        self._graphs: dict[tuple, _Graphs] = {}
-        self._params: tuple[int, ...] = ()
-
-    def reset(self) -> None:
-        """Drop every graph and its memory pool (the next call of each signature is eager)."""
-        self._seen.clear()
-        self._graphs.clear()
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters the backward graph computes gradients for, in ``parameters()`` order."""
@@ -162,17 +148,10 @@ class GraphedTraining:
         key = (*signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, None),
                bool(getattr(self.model, "gradient_checkpointing", False)),
                tuple(id(p) for p in params))
-        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
-        if ptrs != self._params:  # a parameter was replaced: every graph reads stale memory
-            self.reset()
-            self._params = ptrs
-        g = self._graphs.get(key)
-        if g is None:
-            if key not in self._seen:  # warm-up: compile kernels, fill constant caches
-                self._seen.add(key)
-                return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
-            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, params)
-        if g.pending:  # the last replay's backward has not run: its activations must stay
+        g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, params))
+        # warm-up (compile kernels, fill constant caches), or the last replay's backward has not
+        # run (its activations must stay)
+        if g is None or g.pending:
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
@@ -215,6 +194,5 @@ class GraphedTraining:
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} training step failed "
                 f"({str(e).splitlines()[0]}); run it eagerly (call the model itself)") from e
-        self.captures += 1
         return _Graphs(fwd, bwd, inputs, out.detach(), grad_out, grads, ReplayRecords(log.calls, None),
                        pool, keep)

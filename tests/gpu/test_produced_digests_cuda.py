@@ -34,6 +34,16 @@ def _same_table(a, b) -> None:
     assert torch.allclose(sa[fin, 0], sb[fin, 0], rtol=1e-12, atol=0)
 
 
+def _check_produced(plain: torch.Tensor, o: torch.Tensor, cols: int) -> None:
+    """``o`` (a digesting launch's output) has ``plain``'s bytes, and its offered table of rows of
+    ``cols`` elements is the row kernel's."""
+    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
+    flat = o.view(-1, cols)
+    made = produced.table(flat)
+    assert made is not None, "no table was offered"
+    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+
+
 @pytest.mark.parametrize("n,k,kind", [(3072, 3072, "bf16"), (12288, 3072, "gelu"), (3072, 12288, "fp32_out"),
                                       (3072, 16, "merge"), (200, 96, "fp32_operand")])
 def test_epilogue_tables_equal_the_row_kernels_at_full_width(n, k, kind):
@@ -72,11 +82,7 @@ def test_gate_residual_tables_equal_the_row_kernels_at_full_width():
     gate = torch.randn(2, 3072, generator=g).bfloat16().cuda()
     plain = elementwise.gate_residual(x, gate, y, torch.bfloat16)
     o = elementwise.gate_residual(x, gate, y, torch.bfloat16, digest=True)
-    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
-    flat = o.view(-1, 3072)
-    made = produced.table(flat)
-    assert made is not None
-    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+    _check_produced(plain, o, 3072)
 
 
 def test_rope_tables_equal_the_row_kernels_at_full_width():
@@ -87,11 +93,7 @@ def test_rope_tables_equal_the_row_kernels_at_full_width():
     freqs = torch.polar(torch.ones(6889 + 3, 64), torch.randn(6889 + 3, 64, generator=g)).cuda()
     plain = elementwise.rope(x, freqs)
     o = elementwise.rope(x, freqs, digest=True)
-    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
-    flat = o.view(-1, 24 * 128)
-    made = produced.table(flat)
-    assert made is not None
-    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+    _check_produced(plain, o, 24 * 128)
 
 
 def test_head_rmsnorm_tables_equal_the_row_kernels_at_full_width():
@@ -102,11 +104,7 @@ def test_head_rmsnorm_tables_equal_the_row_kernels_at_full_width():
     gain = torch.randn(128, generator=g).bfloat16().cuda()
     plain = norms.rms_norm(x, gain, 1e-6, torch.bfloat16)
     o = norms.rms_norm(x, gain, 1e-6, torch.bfloat16, digest=True)
-    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
-    flat = o.view(-1, 24 * 128)
-    made = produced.table(flat)
-    assert made is not None
-    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+    _check_produced(plain, o, 24 * 128)
 
 
 def test_layernorm_tables_equal_the_row_kernels_at_full_width():
@@ -117,11 +115,7 @@ def test_layernorm_tables_equal_the_row_kernels_at_full_width():
     mod = torch.randn(2, 6144, generator=g).bfloat16().cuda()
     plain = norms.ln_modulation(x, mod[:, :3072], mod[:, 3072:], 1e-6, torch.bfloat16)
     o = norms.ln_modulation(x, mod[:, :3072], mod[:, 3072:], 1e-6, torch.bfloat16, digest=True)
-    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
-    flat = o.view(-1, 3072)
-    made = produced.table(flat)
-    assert made is not None
-    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+    _check_produced(plain, o, 3072)
 
 
 def test_attention_tables_equal_the_row_kernels_at_full_width():
@@ -131,11 +125,7 @@ def test_attention_tables_equal_the_row_kernels_at_full_width():
     q, k, v, km = joint([128, 77], 128, 6889, 24, 128, dtype=torch.bfloat16, seed=6, device="cuda")
     plain = attention.attention(q, k, v, km, text_len=128)
     o = attention.attention(q, k, v, km, text_len=128, digest=True)
-    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8)), "the digest changed the output"
-    flat = o.view(-1, 24 * 128)
-    made = produced.table(flat)
-    assert made is not None
-    _same_table(made, gpu_rows.launch(flat, gpu_rows.TILE))
+    _check_produced(plain, o, 24 * 128)
 
 
 @pytest.fixture(scope="module")

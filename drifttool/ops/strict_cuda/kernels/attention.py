@@ -295,9 +295,7 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
             y = tl.load(o_rows + c * PIECE + offs_p[None, :], mask=row_ok[:, None], other=0.0)
             terms = _add_terms(terms, _tile_digest(y, h * HEAD_DIM + c * PIECE, (offs_p < PIECE)[None, :], KEYS,
                                                    ktab, BLOCK_M, PIECE, WBYTES))
-        t1, t2, sq, mx, mn, bad = terms
-        _store_rows_digest(DR, DS, b * SQ + offs_m, row_ok, rows, h, shift_t, shift_t2, t1, t2, sq, mx,
-                           mn, bad)
+        _store_rows_digest(DR, DS, b * SQ + offs_m, row_ok, rows, h, shift_t, shift_t2, terms)
 
 
 # --------------------------------------------------------------------------------------------

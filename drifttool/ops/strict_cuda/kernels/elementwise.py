@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from drifttool.capture import gpu_rows, produced
-from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
+from drifttool.capture.gpu_rows_kernels import _add_terms, _no_terms, _store_tile_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.rows import ELEMENTS, _launch
 
 
@@ -38,12 +38,7 @@ def _gate_residual_tile_kernel(x_ptr, g_ptr, y_ptr, o_ptr, R, S, D, tiles_per_sp
     b = (rm // S).to(tl.int64)
     split = tl.program_id(1)
     first = split * tiles_per_split
-    t = tl.zeros([BM], tl.int64)
-    t2 = tl.zeros([BM], tl.int64)
-    sq = tl.zeros([BM], tl.float64)
-    mx = tl.full([BM], float("-inf"), tl.float32)
-    mn = tl.full([BM], float("inf"), tl.float32)
-    bad = tl.zeros([BM], tl.int32)
+    terms = _no_terms(BM)
     for it in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(D, BC))):
         rn = it * BC + tl.arange(0, BC)
         m = (rm[:, None] < R) & (rn[None, :] < D)
@@ -53,14 +48,8 @@ def _gate_residual_tile_kernel(x_ptr, g_ptr, y_ptr, o_ptr, R, S, D, tiles_per_sp
         g = tl.load(g_ptr + b[:, None] * D + rn[None, :], mask=m, other=0.0).to(tl.float32)
         o = (x + g * y).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + at, o, mask=m)
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(o, it * BC, (rn < D)[None, :], KT, ktab, BM, BC, WBYTES)
-        t = _modp(t + dt)
-        t2 = _modp(t2 + dt2)
-        sq += dsq
-        mx = tl.maximum(mx, dmx)
-        mn = tl.minimum(mn, dmn)
-        bad += dbad
-    _store_tile_digest(DR, DS, rm, R, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+        terms = _add_terms(terms, _tile_digest(o, it * BC, (rn < D)[None, :], KT, ktab, BM, BC, WBYTES))
+    _store_tile_digest(DR, DS, rm, R, split, shift_t, shift_t2, terms)
 
 
 TILE = (16, 128, 2)
@@ -136,12 +125,7 @@ def _rope_tile_kernel(x_ptr, f_ptr, o_ptr, R, S, C, DH, tiles_per_split, KT, kta
     pos = (rm % S).to(tl.int64)
     split = tl.program_id(1)
     first = split * tiles_per_split
-    t = tl.zeros([BM], tl.int64)
-    t2 = tl.zeros([BM], tl.int64)
-    sq = tl.zeros([BM], tl.float64)
-    mx = tl.full([BM], float("-inf"), tl.float32)
-    mn = tl.full([BM], float("inf"), tl.float32)
-    bad = tl.zeros([BM], tl.int32)
+    terms = _no_terms(BM)
     P2 = DH // 2
     for it in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(C, BC))):
         pc = it * (BC // 2) + tl.arange(0, BC // 2)  # pair columns of the tile
@@ -158,14 +142,8 @@ def _rope_tile_kernel(x_ptr, f_ptr, o_ptr, R, S, C, DH, tiles_per_split, KT, kta
         tl.store(o_ptr + at + 1, y1, mask=m)
         y = tl.reshape(tl.join(y0, y1), [BM, BC])  # the pairs in memory order
         ok = (it * BC + tl.arange(0, BC) < C)[None, :]
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, it * BC, ok, KT, ktab, BM, BC, WBYTES)
-        t = _modp(t + dt)
-        t2 = _modp(t2 + dt2)
-        sq += dsq
-        mx = tl.maximum(mx, dmx)
-        mn = tl.minimum(mn, dmn)
-        bad += dbad
-    _store_tile_digest(DR, DS, rm, R, split, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+        terms = _add_terms(terms, _tile_digest(y, it * BC, ok, KT, ktab, BM, BC, WBYTES))
+    _store_tile_digest(DR, DS, rm, R, split, shift_t, shift_t2, terms)
 
 
 def rope(x: torch.Tensor, freqs: torch.Tensor, *, digest: bool = False) -> torch.Tensor:

@@ -201,8 +201,7 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
         for i in tl.static_range(1, 4):
             terms = _add_terms(terms, _digest_stored(Y, rm, off_n + i * Q, M, N, sym, syn, DK, ktab,
                                                      BLOCK_M, Q, WBYTES))
-        t, t2, sq, mx, mn, bad = terms
-        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, terms)
 
 
 @triton.jit(do_not_specialize=["M"])

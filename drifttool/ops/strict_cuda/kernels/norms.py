@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from drifttool.capture import gpu_rows, produced
-from drifttool.capture.gpu_rows_kernels import _modp, _store_tile_digest, _tile_digest
+from drifttool.capture.gpu_rows_kernels import _add_terms, _no_terms, _store_tile_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.rows import _launch, _pair_tree, pow2
 
 
@@ -73,12 +73,7 @@ def _rms_heads_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, R, H, KT, ktab, DR, DS, s
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.arange(0, P)
     gain = tl.load(gain_ptr + k, mask=k < D, other=0.0).to(tl.float32)
-    t = tl.zeros([BM], tl.int64)
-    t2 = tl.zeros([BM], tl.int64)
-    sq = tl.zeros([BM], tl.float64)
-    mx = tl.full([BM], float("-inf"), tl.float32)
-    mn = tl.full([BM], float("inf"), tl.float32)
-    bad = tl.zeros([BM], tl.int32)
+    terms = _no_terms(BM)
     for h in range(0, H):
         m = (rm[:, None] < R) & (k[None, :] < D)
         at = (rm.to(tl.int64)[:, None] * H + h) * D + k[None, :]
@@ -88,14 +83,8 @@ def _rms_heads_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, R, H, KT, ktab, DR, DS, s
         rstd = _rstd(var, eps_ptr)
         y = ((x * rstd[:, None]) * gain[None, :]).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + at, y, mask=m)
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, h * D, (k < D)[None, :], KT, ktab, BM, P, WBYTES)
-        t = _modp(t + dt)
-        t2 = _modp(t2 + dt2)
-        sq += dsq
-        mx = tl.maximum(mx, dmx)
-        mn = tl.minimum(mn, dmn)
-        bad += dbad
-    _store_tile_digest(DR, DS, rm, R, 0, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+        terms = _add_terms(terms, _tile_digest(y, h * D, (k < D)[None, :], KT, ktab, BM, P, WBYTES))
+    _store_tile_digest(DR, DS, rm, R, 0, shift_t, shift_t2, terms)
 
 
 HEADS_ROWS = 16
@@ -294,6 +283,16 @@ def _rms_long_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, NT_
 
 
 @triton.jit
+def _ln_row_stats(x_ptr, r, live, eps_ptr, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2: tl.constexpr):
+    """Row r's LayerNorm statistics → (mean, rstd), each [1] FP32: mean = tree_sum(x) ÷ D;
+    var = tree_sum((x − mean)²) ÷ D; rstd (``_rstd``)."""
+    total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
+    mean = tl.div_rn(total, tl.full((1,), D, tl.float32))
+    ssq = _row_sum(x_ptr, r, live, mean, D, NT_LOG2, TLOG2, True, True)
+    return mean, _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+
+
+@triton.jit
 def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows, S, D: tl.constexpr,
                     NT_LOG2: tl.constexpr, TLOG2: tl.constexpr, ROWS: tl.constexpr):
     """Per row (sample b = row ÷ S): mean = tree_sum(x) ÷ D; var = tree_sum(xc·xc) ÷ D with
@@ -302,10 +301,7 @@ def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, row
     for i in range(ROWS):
         r = tl.program_id(0).to(tl.int64) * ROWS + i
         live = r < rows
-        total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
-        mean = tl.div_rn(total, tl.full((1,), D, tl.float32))
-        ssq = _row_sum(x_ptr, r, live, mean, D, NT_LOG2, TLOG2, True, True)
-        rstd = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        mean, rstd = _ln_row_stats(x_ptr, r, live, eps_ptr, D, NT_LOG2, TLOG2)
         for t in range(2**NT_LOG2):
             kt = t * 2**TLOG2 + k
             m = live & (kt < D)
@@ -331,20 +327,11 @@ def _ln_digest_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, r
     rstd = tl.zeros([BM], tl.float32)
     for i in range(BM):
         r = tl.program_id(0).to(tl.int64) * BM + i
-        live = r < rows
-        total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
-        mean_r = tl.div_rn(total, tl.full((1,), D, tl.float32))
-        ssq = _row_sum(x_ptr, r, live, mean_r, D, NT_LOG2, TLOG2, True, True)
-        rstd_r = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        mean_r, rstd_r = _ln_row_stats(x_ptr, r, r < rows, eps_ptr, D, NT_LOG2, TLOG2)
         mean = tl.where(at == i, mean_r, mean)
         rstd = tl.where(at == i, rstd_r, rstd)
     b = rm // S
-    t = tl.zeros([BM], tl.int64)
-    t2 = tl.zeros([BM], tl.int64)
-    sq = tl.zeros([BM], tl.float64)
-    mx = tl.full([BM], float("-inf"), tl.float32)
-    mn = tl.full([BM], float("inf"), tl.float32)
-    bad = tl.zeros([BM], tl.int32)
+    terms = _no_terms(BM)
     for it in range(0, (D + BC - 1) // BC):
         cols = it * BC + tl.arange(0, BC)
         m = (rm < rows)[:, None] & (cols < D)[None, :]
@@ -354,14 +341,8 @@ def _ln_digest_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, r
         shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
         y = (((x - mean[:, None]) * rstd[:, None]) * (1.0 + scale) + shift).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + rm[:, None] * D + cols[None, :], y, mask=m)
-        dt, dt2, dsq, dmx, dmn, dbad = _tile_digest(y, it * BC, (cols < D)[None, :], KT, ktab, BM, BC, WBYTES)
-        t = _modp(t + dt)
-        t2 = _modp(t2 + dt2)
-        sq += dsq
-        mx = tl.maximum(mx, dmx)
-        mn = tl.minimum(mn, dmn)
-        bad += dbad
-    _store_tile_digest(DR, DS, rm, rows, 0, shift_t, shift_t2, t, t2, sq, mx, mn, bad)
+        terms = _add_terms(terms, _tile_digest(y, it * BC, (cols < D)[None, :], KT, ktab, BM, BC, WBYTES))
+    _store_tile_digest(DR, DS, rm, rows, 0, shift_t, shift_t2, terms)
 
 
 LN_DIGEST = (16, 256, 4)
