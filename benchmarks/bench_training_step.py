@@ -20,7 +20,9 @@ into the LoRA factors. ``ckpt``: with gradient checkpointing (each block re-run 
 ``strict`` runs ``Runtime(mode="strict")`` (the strict CUDA forward and backward), ``production``
 ``Runtime(mode="auto")`` (torch's cuBLAS / SDPA kernels and autograd); ``+graph`` replays either's
 step from CUDA graphs (``GraphedTraining``: captured after an untimed eager step, its forward
-column left empty, as graphs serve only autograd steps). Configurations are
+column left empty, as graphs serve only autograd steps; its peak GiB counts the tensors live in a
+replay, not the pool's blocks the capture freed and the replay rewrites; each shape's graphs are
+dropped before the next). Configurations are
 interleaved across repeats after one untimed round; the median is reported, and the forward
 alone (no autograd) beside it. The ratio is the step time against the first configuration's
 (production by default) at the same
@@ -76,13 +78,13 @@ def inputs(batch: int, grid: tuple[int, int], device: str):
     return x, txt, mask, tau, weights, scope
 
 
-def step(model, config: str, batch_inputs, grid, *, grad: bool) -> None:
-    """One forward (``grad``: with autograd, the loss and its backward) under ``config``'s mode;
-    ``model`` the transformer or its ``GraphedTraining``."""
+def step(model, config: str, batch_inputs, grid, *, grad: bool, fwd=None) -> None:
+    """One forward (``grad``: with autograd, the loss and its backward) under ``config``'s mode,
+    through ``fwd`` (the transformer's ``GraphedTraining``) or ``model`` itself."""
     x, txt, mask, tau, weights, scope = batch_inputs
     rt = Runtime(mode=MODES[config])
     with rt.scope(**scope), torch.set_grad_enabled(grad):
-        v = model(x, txt, mask, tau, grid, rt)
+        v = (fwd or model)(x, txt, mask, tau, grid, rt)
         if grad:
             (v.float() * weights).sum().backward()
     if grad:
@@ -132,15 +134,15 @@ def main() -> None:
                 failed: dict[tuple[str, bool], str] = {}  # out of memory, or the family refuses the mode
                 for r in range(args.repeat + 1):
                     for config in configs:
-                        fwd = graphed.get(config, model)
-                        for grad in (False, True) if fwd is model else (True,):
+                        fwd = graphed.get(config)
+                        for grad in (False, True) if fwd is None else (True,):
                             if (config, grad) in failed:
                                 continue
                             torch.cuda.reset_peak_memory_stats()
                             try:
-                                if not r and fwd is not model:  # eager warm-up, then the capture
-                                    step(fwd, config, bi, grid, grad=grad)
-                                t = timed(lambda: step(fwd, config, bi, grid, grad=grad))
+                                if not r and fwd is not None:  # eager warm-up, then the capture
+                                    step(model, config, bi, grid, grad=grad, fwd=fwd)
+                                t = timed(lambda: step(model, config, bi, grid, grad=grad, fwd=fwd))
                             except torch.cuda.OutOfMemoryError:
                                 failed[(config, grad)] = "out of memory"
                                 torch.cuda.empty_cache()
@@ -153,6 +155,9 @@ def main() -> None:
                                 peaks[config] = torch.cuda.max_memory_allocated() / 2**30
                             if r:
                                 times.setdefault((config, grad), []).append(t)
+                for fast in graphed.values():  # this signature's graphs and pools go
+                    fast.reset()
+                torch.cuda.empty_cache()
                 med = {k: statistics.median(v) for k, v in times.items() if k not in failed}
                 base = med.get((configs[0], True))
                 for config in configs:

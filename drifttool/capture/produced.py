@@ -38,8 +38,15 @@ _TABLES: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]]
 
 def wanted() -> bool:
     """Whether the running operator call's outputs will be captured (``producing``) and the
-    hand-over is on (``ENABLED``)."""
-    return ENABLED and _WANTED.get()
+    hand-over is on (``ENABLED``; never under ``torch.inference_mode``, whose tensors keep no
+    version counter)."""
+    return ENABLED and _WANTED.get() and not torch.is_inference_mode_enabled()
+
+
+def marked() -> bool:
+    """Whether a ``producing(True)`` mark is in force (an enclosing call's, which a nested call
+    that is not captured must clear for its own kernels)."""
+    return _WANTED.get()
 
 
 def producing(on: bool) -> contextvars.Token:
@@ -65,6 +72,8 @@ def offer(out: torch.Tensor, rows_table: tuple[torch.Tensor, torch.Tensor]) -> N
 
     Raises:
         ValueError: ``out`` is not contiguous, or its elements do not make ``R`` rows."""
+    if out.is_inference():  # no version counter to tell a later write: no hand-over
+        return
     rows = rows_table[0].shape[1]
     if not out.is_contiguous() or rows == 0 or out.numel() % rows:
         raise ValueError(f"a row table of {rows} rows does not fit a {tuple(out.shape)} "
@@ -82,11 +91,14 @@ def offer(out: torch.Tensor, rows_table: tuple[torch.Tensor, torch.Tensor]) -> N
 
 def table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The table ``offer``ed for ``x``'s bytes, or ``None`` (none, or a stale one)."""
+    if x.is_inference():
+        return None
     hit = _TABLES.get(_identity(x))
     if hit is None:
         return None
     ref, version, rows_table = hit
     y = ref()
-    if y is None or y._version != version or x._version != version:
+    # alive, unwritten, and still on the storage it was written to (``.data =`` or ``set_`` move it)
+    if y is None or y._version != version or x._version != version or y.data_ptr() != x.data_ptr():
         return None
     return rows_table

@@ -84,6 +84,14 @@ class SignatureGraphs:
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, Any] = {}
         self._params: tuple[int, ...] = ()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def capture_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The stream this wrapper captures on, one per device (whichever device is current;
+        one stream, so graphs sharing a memory pool reuse each other's freed blocks)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def reset(self) -> None:
         """Drop every graph (the next call of each signature is eager)."""
@@ -188,8 +196,11 @@ class GraphedForward(SignatureGraphs):
             self._pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(x.device)
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.device(x.device), torch.cuda.graph(graph, pool=self._pool,
+                                                               stream=self.capture_stream(x.device)):
                 out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "

@@ -29,13 +29,15 @@ What a replay keeps of an eager call:
 * **one forward, then its backward**: the backward graph reads the activations the last forward
   replay left in the graph's memory. A second call of the same signature before the first
   call's backward ran (sequential CFG branches before one backward, say) runs eagerly, so nothing
-  is overwritten that a pending backward still needs; a second backward of a retained graph after
-  a later replay raises ``UnsupportedConfigError``.
+  is overwritten that a pending backward still needs; a second backward through one replay
+  (``retain_graph=True``) raises ``UnsupportedConfigError`` (the backward graph frees what it reads).
 
 It runs eagerly, never graphed, where a graph would lose something or cannot hold: no autograd
-recording, no parameter requiring a gradient, a parallel plan, probe variants, a gradient ledger
-(its per-sample sinks are handed tensors by Python during the backward), capture records (L1, L2),
-or a device other than CUDA. The first call of a signature runs eagerly (it compiles the kernels
+recording, no parameter requiring a gradient, an input that wants a gradient (the backward graph
+computes the parameters' only), a hook on a trainable parameter, a parallel plan, probe variants,
+a gradient ledger (its per-sample sinks are handed tensors by Python during the backward),
+capture records (L1, L2), or a device other than CUDA. The graphs run on one stream of the
+model's device (a caller's text lane is not used). The first call of a signature runs eagerly (it compiles the kernels
 and fills the constant caches); the second runs one more eager forward and backward on a side
 stream (the backward kernels' compilation, whatever the caller did with the first call's output),
 then captures both graphs and replays them. The model's activation checkpointing is part of the
@@ -48,7 +50,7 @@ forward replay and its backward), about the eager step's peak; ``reset()`` frees
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -88,12 +90,13 @@ class _Replay(torch.autograd.Function):
         return g.out.detach().clone()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         g = ctx.graphs
-        if ctx.generation != g.generation:  # retain_graph=True, then a later replay
+        if not ctx.live[0] or ctx.generation != g.generation:  # retain_graph=True, a second backward
             raise UnsupportedConfigError(
-                "a second backward through a graphed training forward after the graph was replayed "
-                "again: its activations are gone (run the model itself to backpropagate twice)")
+                "a second backward through a graphed training forward: the backward graph frees "
+                "the activations it reads (run the model itself to backpropagate twice)")
         _done(g, ctx.live)
         g.grad_out.copy_(grad)
         g.backward.replay()
@@ -126,12 +129,18 @@ class GraphedTraining(SignatureGraphs):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @staticmethod
-    def eligible(x: torch.Tensor, rt: Runtime) -> bool:
-        """Whether a call can be replayed without losing anything (module docstring)."""
+    def eligible(x: torch.Tensor, rt: Runtime, inputs: tuple = (), params: list = ()) -> bool:
+        """Whether a call can be replayed without losing anything (module docstring): also no
+        input that wants a gradient (the backward graph computes the parameters' only) and no
+        hook on a trainable parameter (a capture would run it into the graph and autograd again
+        at each replay)."""
         return (x.is_cuda and torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
                 and rt.plan is None and not rt.variants and rt.grad_ledger is None
                 and (rt.recorder is None or not rt.mode.captures
-                     or getattr(rt.recorder, "level", None) == "L0"))
+                     or getattr(rt.recorder, "level", None) == "L0")
+                and not any(t is not None and t.requires_grad for t in inputs)
+                and not any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                            for p in params))
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
                  tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime, *,
@@ -141,7 +150,7 @@ class GraphedTraining(SignatureGraphs):
         ``eligible`` and not pending (module docstring); returns v ``[B, N, out_dim]`` in the
         model dtype (a fresh tensor with an autograd history)."""
         params = self.trainable()
-        if not params or not self.eligible(x, rt):
+        if not params or not self.eligible(x, rt, (x, txt, tau, cond), params):
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid = tuple(int(v) for v in img_grid)
         cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
@@ -173,23 +182,32 @@ class GraphedTraining(SignatureGraphs):
             return self.model(*inputs[:4], grid, run_rt, cond=inputs[4], cond_grids=cond_grids)
 
         device = x.device
+        with torch.cuda.device(device):
+            return self._capture_on(device, forward, inputs, rt, params, keep)
+
+    def _capture_on(self, device: torch.device, forward, inputs, rt: Runtime, params, keep) -> _Graphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # the backward's kernels compiled, its caches filled
-            out = forward(logging_runtime(rt, None)[0])
+            out = forward(replace(logging_runtime(rt, None)[0], lanes=None))
             torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
             del out
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         quiet, log = logging_runtime(rt, None)
+        quiet = replace(quiet, lanes=None)  # one stream (never a caller's lanes)
         pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # both on one stream of the model's device: the backward's ops run on their forward ops' stream
+        stream = self.capture_stream(device)
         try:
-            with torch.cuda.graph(fwd, pool=pool):
+            with torch.cuda.graph(fwd, pool=pool, stream=stream):
                 out = forward(quiet)
             grad_out = torch.empty_like(out)
-            with torch.cuda.graph(bwd, pool=pool):
+            with torch.cuda.graph(bwd, pool=pool, stream=stream):
                 grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError as e:  # an operation that synchronises with the host
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} training step failed "

@@ -360,14 +360,15 @@ def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: 
     else:
         run = res.impl.fn
     plan = rt.plan if role == "output" else None  # a decomposition runs inside its fused call's rules
-    if digests_wanted(rt, layout):  # its producing kernels may digest what they store
-        token = produced.producing(True)
-        try:
-            out = run(*args, **kwargs)
-        finally:
-            produced.done(token)
-    else:
+    # its producing kernels may digest what they store; a nested call that is not captured
+    # clears an enclosing call's mark for its own kernels
+    want = digests_wanted(rt, layout)
+    token = produced.producing(want) if want or produced.marked() else None
+    try:
         out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
+    finally:
+        if token is not None:
+            produced.done(token)
     site = rt.site(op.name, stream)
     _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=expanded)
     capture_outputs(rt, site, out, layout, role)

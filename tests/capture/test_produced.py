@@ -71,3 +71,23 @@ def test_the_mark_holds_inside_a_marked_call_while_enabled(monkeypatch):
     finally:
         produced.done(token)
     assert not produced.wanted()
+
+
+def test_a_tensor_moved_to_other_storage_is_not_taken_for_its_old_bytes():
+    out = torch.randn(4, 8)
+    old = out.view(4, 8)
+    produced.offer(out, _table(4))
+    out.data = torch.randn(4, 8)  # the tensor lives on; its bytes moved
+    assert produced.table(old) is None
+
+
+def test_inference_tensors_are_not_handed_over():
+    token = produced.producing(True)
+    try:
+        with torch.inference_mode():
+            assert not produced.wanted()  # no version counter to tell a later write
+            out = torch.randn(3, 4)
+            produced.offer(out, _table(3))  # no error, no entry
+            assert produced.table(out) is None
+    finally:
+        produced.done(token)

@@ -390,3 +390,28 @@ def test_a_captured_call_is_marked_for_its_producing_kernels(scratch_registry, l
     rt = Runtime(mode="audit", family="toy", recorder=None if level is None else Sink(level))
     call(rt, "mlp_down_gemm", *_gemm_args("cpu"), stream="img", layout=layout)
     assert seen == [marked] and not produced.wanted()
+
+
+def test_a_nested_call_that_is_not_captured_clears_the_mark(scratch_registry):
+    """A captured call's implementation that calls another operator without capturing it: the
+    inner call's kernels see no mark (they would digest outputs nobody reads), the outer call's
+    see it again after."""
+    from drifttool.capture import produced
+
+    seen = []
+
+    def inner(x, w, b=None):
+        seen.append(("inner", produced.wanted()))
+        return torch.nn.functional.linear(x, w, b)
+
+    def outer(x, w, b=None):
+        seen.append(("outer", produced.wanted()))
+        y = call(rt, "mlp_down_gemm", x, w, b, stream="img", layout=None)
+        seen.append(("outer", produced.wanted()))
+        return y
+
+    registry.implements("mlp_down_gemm", "toy", device="cpu", kernel="toy.inner")(inner)
+    registry.implements("attn_out_bias_gemm", "toy", device="cpu", kernel="toy.outer")(outer)
+    rt = Runtime(mode="audit", family="toy", recorder=Sink("L1"))
+    call(rt, "attn_out_bias_gemm", *_gemm_args("cpu"), stream="img", layout="BS.")
+    assert seen == [("outer", True), ("inner", False), ("outer", True)]
