@@ -127,3 +127,37 @@ def test_without_autograd_or_with_a_ledger_it_runs_eagerly(model):
             _step(fast, args, weights, {**scope, "step": step}, rt, model)
             ledger.finish_step(step)
     assert (fast.captures, fast.replays) == (0, 0)
+
+
+def test_a_second_backward_through_one_replay_is_refused(model):
+    from drifttool.errors import UnsupportedConfigError
+
+    fast = GraphedTraining(model)
+    rt = Runtime(mode="strict")
+    for seed in range(2):
+        _step(fast, *_inputs(seed, 1), rt, model)
+    args, weights, scope = _inputs(3, 1)
+    with torch.enable_grad(), rt.scope(**scope):
+        loss = (fast(*args, rt).float() * weights).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(UnsupportedConfigError, match="second backward"):
+            loss.backward()
+    for p in lora_parameters(model).values():
+        p.grad = None
+
+
+def test_inputs_that_want_gradients_and_hooked_parameters_run_eagerly(model):
+    fast = GraphedTraining(model)
+    rt = Runtime(mode="strict")
+    args, weights, scope = _inputs(0, 1)
+    x = args[0].clone().requires_grad_(True)
+    for _ in range(3):
+        _step(fast, (x, *args[1:]), weights, scope, rt, model)
+    p = next(iter(lora_parameters(model).values()))
+    handle = p.register_hook(lambda g: g)
+    try:
+        for _ in range(3):
+            _step(fast, args, weights, scope, rt, model)
+    finally:
+        handle.remove()
+    assert (fast.captures, fast.replays) == (0, 0)
