@@ -37,11 +37,12 @@ recording, no parameter requiring a gradient, an input that wants a gradient (th
 computes the parameters' only), a hook on a trainable parameter, a parallel plan, probe variants,
 a gradient ledger (its per-sample sinks are handed tensors by Python during the backward),
 capture records (L1, L2), or a device other than CUDA. The graphs run on one stream of the
-model's device (a caller's text lane is not used). The first call of a signature runs eagerly (it compiles the kernels
-and fills the constant caches); the second runs one more eager forward and backward on a side
-stream (the backward kernels' compilation, whatever the caller did with the first call's output),
-then captures both graphs and replays them. The model's activation checkpointing is part of the
-signature (a checkpointed backward recomputes each block inside the backward graph).
+model's device (a caller's text lane is not used). The first call of a signature runs eagerly
+(it compiles the kernels and fills the constant caches); the second runs one more eager forward
+and backward on a side stream (the backward kernels' compilation, whatever the caller did with
+the first call's output), then captures both graphs and replays them. The model's activation
+checkpointing is part of the signature (a checkpointed backward recomputes each block inside the
+backward graph).
 
 Memory: each signature keeps its own pool (the forward's saved activations live there between a
 forward replay and its backward), about the eager step's peak; ``reset()`` frees them.

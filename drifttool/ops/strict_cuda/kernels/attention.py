@@ -284,7 +284,7 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                      m_use, r_i, acc, MODE, True, IEEE)
     o_ptrs = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None])
-    if DIGEST:  # the tile read back (L2) after a block barrier: head h's columns of its rows,
+    if DIGEST:  # the tile read back (the L2 cache) after a block barrier: head h's columns of its rows,
         tl.debug_barrier()  # in column pieces of at most 32 (fewer live registers)
         PIECE: tl.constexpr = HEAD_DIM if HEAD_DIM < 32 else 32
         offs_p = tl.arange(0, PIECE)

@@ -195,7 +195,7 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
         q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
         _store(Y, _activate(q2, ACT), rm, off_n + 2 * Q + tl.arange(0, Q), M, N, sym, syn)
         _store(Y, _activate(q3, ACT), rm, off_n + 3 * Q + tl.arange(0, Q), M, N, sym, syn)
-    if DIGEST:  # the tile read back from where it was just stored (L2), a quarter at a time, once
+    if DIGEST:  # the tile read back from where it was just stored (the L2 cache), a quarter at a time
         tl.debug_barrier()  # every thread's stores seen by the block; the accumulator is dead by now
         terms = _digest_stored(Y, rm, off_n, M, N, sym, syn, DK, ktab, BLOCK_M, Q, WBYTES)
         for i in tl.static_range(1, 4):
