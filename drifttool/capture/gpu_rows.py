@@ -192,7 +192,9 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(rows, stats)``: ``int64 [S, R, 2]`` (``T``, ``T'`` in ``[0, p)``) and ``float64
         [S, R, 4]`` (Σx², max, min, count of NaN/±inf) of the ``S = TILE["split"]`` column
         splits, on ``x``'s device, nothing read back: a row's values are the sums (mod p for
-        ``T``, ``T'``), the max and the min over the splits (``combine_splits``).
+        ``T``, ``T'``), the max and the min over the splits (``combine_splits``). The table the
+        kernel that wrote ``x`` offered, when there is one (``capture.produced``: its own number
+        of splits), without reading ``x``.
 
     Raises:
         ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis, or a

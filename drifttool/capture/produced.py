@@ -5,10 +5,12 @@
     >>> table(y2d)                             # gpu_rows.row_table: y2d's table, no second read
 
 A captured output is digested row by row (digest v2's level 1, ``capture.gpu_rows``). Reading a
-large output a second time costs about a copy's time; the strict GEMM can instead compute the
-row terms in its epilogue from the values it stores (``kernels.gemm.linear(..., digest=True)``,
-integer sums equal to the row kernel's) and ``offer`` the table. ``gpu_rows.row_table`` asks
-``table`` first.
+large output a second time costs about a copy's time; the kernel that writes it can instead
+compute the row terms from the values it stores (integer sums equal to the row kernel's) and
+``offer`` the table: the strict GEMM's epilogue (``kernels.gemm.linear(..., digest=True)``), the
+gate residual and the rotation (``kernels.elementwise``), the head-wise RMSNorm and the modulated
+LayerNorm (``kernels.norms``) and the fused attention (``kernels.attention``).
+``gpu_rows.row_table`` asks ``table`` first.
 
 The hand-over is keyed by the output's address, shape, strides and dtype and holds only while the
 output is alive and unwritten since: the tensor's version counter (shared by its views) must not
