@@ -206,7 +206,7 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     made = produced.table(x)
     if made is not None:
         return made
-    if x.device.index == torch.cuda.current_device():
+    if x.device.type != "cuda" or x.device.index == torch.cuda.current_device():  # (CPU: the interpreter)
         return launch(x, TILE)
     with torch.cuda.device(x.device):
         return launch(x, TILE)

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from drifttool.capture import produced
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint, key_mask_fits, text_len_fits
 from drifttool.ops.strict_cuda._register import forward_only, strict_cuda, wants_grad
@@ -197,4 +198,4 @@ def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
         UnsupportedConfigError: a sample without a valid key."""
     kern = _kernels()
     _check_valid_keys("joint_attn_av_gemm", key_mask)
-    return kern.attend(_f32(probs), v, key_mask, text_len=text_len)
+    return kern.attend(_f32(probs), v, key_mask, text_len=text_len, digest=produced.wanted())

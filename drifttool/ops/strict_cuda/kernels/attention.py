@@ -366,6 +366,12 @@ def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, 
     )
 
 
+def _digestible(o: torch.Tensor, digest: bool) -> bool:
+    """Whether an output ``o`` [B,Sq,H,Dh] gets its row table written in the epilogue: asked
+    for, a bf16, fp16 or FP32 output, heads of at least 16 bytes (the int8 product's depth)."""
+    return digest and o.dtype in (torch.bfloat16, torch.float16, torch.float32) and o.shape[-1] * o.element_size() >= 16
+
+
 def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -394,9 +400,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     ml = torch.empty(b, h, 2, sq, dtype=torch.float32, device=v.device) if with_stats else None
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
-    digest = digest and o.dtype in (torch.bfloat16, torch.float16, torch.float32) and dh * o.element_size() >= 16
     _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
-            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml, digest)
+            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml, _digestible(o, digest))
     return (o, ml) if with_stats else o
 
 
@@ -427,9 +432,10 @@ def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: 
 
 
 def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
-           text_len: int | None = None, config=None) -> torch.Tensor:
+           text_len: int | None = None, config=None, digest: bool = False) -> torch.Tensor:
     """The fused kernel's pass-2 product from its probabilities: p [B,H,Sq,S] FP32 (cast to v's
-    dtype per tile), v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype; masked keys' P and V taken as +0."""
+    dtype per tile), v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype; masked keys' P and V taken as +0.
+    ``digest``: as ``attention``'s."""
     v = _bshd(v)
     b, s, h, dh = v.shape
     sq = p.shape[2]
@@ -437,5 +443,5 @@ def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = Non
     o = torch.empty(b, sq, h, dh, dtype=v.dtype, device=v.device)
     strides = (0, 0, 0, 0, 0, 0, v.stride(0), v.stride(1), v.stride(2))
     _launch(MODE_AV, v, v, v, p, o, key_mask, L, b, sq, s, h, dh, v.dtype == torch.float32, strides,
-            tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config)
+            tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config, digest=_digestible(o, digest))
     return o
