@@ -250,12 +250,14 @@ def _word_bytes(w, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
 
 
 @triton.jit
-def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr,
+                 SIGNED_COL0: tl.constexpr = False):
     """Digest v2's row terms of one tile of a tensor being written: ``y`` ``[BM, BC]`` the values
     as stored (bf16, fp16 or fp32: ``WBYTES`` 2 or 4) at element columns ``col0 + [0, BC)`` of
     their rows, of which those where ``ok`` (``[1, BC]`` bool) holds belong to the row (the others,
     past its end or padding: no term, not in the summary); ``KT`` kernel 2's key table (int8
-    ``[16, ktab]``, ``gpu_rows._key_table``).
+    ``[16, ktab]``, ``gpu_rows._key_table``). ``SIGNED_COL0``: ``col0`` may be negative (the
+    columns before 0 are outside ``ok``); their keys are not read.
 
     Returns per row: ``T``, ``T'`` of these columns (int64 in ``[0, p)``, without the ``u − 128``
     correction, which the row's first tile adds once for the whole row), Σx² (fp64), max and
@@ -268,7 +270,11 @@ def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYT
         w = tl.where(ok, y.to(tl.uint32, bitcast=True), tl.full([1, BC], 0x80808080, tl.uint32))
     s = (_word_bytes(w, BM, BC, WBYTES) ^ 0x80).to(tl.int8, bitcast=True)  # byte 128 (past C): 0
     BB: tl.constexpr = BC * WBYTES
-    k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + (col0 * WBYTES + tl.arange(0, BB))[None, :])
+    kcol = col0 * WBYTES + tl.arange(0, BB)
+    if SIGNED_COL0:
+        k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :], mask=(kcol >= 0)[None, :], other=0)
+    else:
+        k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :])
     acc32 = tl.dot(s, tl.trans(k), out_dtype=tl.int32)  # |term| <= 2**14, BB <= 2**16 columns
     zero = tl.zeros([BM], tl.int64)
     t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
