@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     for dt in ("bf16", "fp32") if args.fp32 else ("bf16",):
         p, ieee = f"*{dt}", dt == "fp32"
         ptrs = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, Y=p, X="*fp32", ML="*fp32", DELTA="*fp32",
-                    MASK="*u8", IMG_FULL="*i32", KEYS="*i8", DR="*i64", DS="*fp64")
+                    MASK="*u8", IMG_FULL="*i32", KEYS="*i8", DR="*i64", DS="*fp64", IK="*i8", SDR="*i64",
+                    SDS="*fp64", PDR="*i64", PDS="*fp64", ISHIFT="*i64", T0="*i32", NV="*i32")
         f_rows, f_w, f_s, *_ = fwd.CONFIG_FP32 if ieee else fwd.CONFIG
         dkv = bwd.DKV_CONFIG_FP32 if ieee else bwd.DKV_CONFIG
         dq = bwd.DQ_CONFIG_FP32 if ieee else bwd.DQ_CONFIG
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
                 c = dict(HEAD_DIM=dh, HAS_MASK=mask)
                 tag = f"{dt} Dh{dh} {'mask' if mask else 'none'}"
                 fc = dict(c, BLOCK_M=f_rows, BLOCK_N=fwd.BLOCK_N, MODE=fwd.MODE_FUSED, IEEE=ieee, TMA=False,
-                          DIGEST=False, WBYTES=4 if ieee else 2)
+                          DIGEST=False, WBYTES=4 if ieee else 2, INTERNALS=False)
                 plain = _compile(fwd._attn_kernel, ptrs, dict(fc, STORE_ML=False, ML=None), f_w, f_s)
                 stats = _compile(fwd._attn_kernel, ptrs, dict(fc, STORE_ML=True), f_w, f_s)
                 same = _float_ops(plain) == _float_ops(stats)
@@ -112,6 +113,15 @@ def main(argv=None) -> int:
                         ok &= not grew
                         print(f"fwd{'+tma' if tma else '    '}+dig {tag}  smem {dig.metadata.shared:6d}  {_usage(dig)}"
                               f"  (without: {base.metadata.shared}, {_usage(base)}){'  ' + grew if grew else ''}")
+                    # L2: the scores and probabilities digested in pass 2 (never stored); a new
+                    # launch (pointer loads), reported and checked against a block's shared memory
+                    i_rows, i_w, i_s, _ = fwd.CONFIG_FP32 if ieee else fwd.INTERNALS_CONFIG
+                    internals = _compile(fwd._attn_kernel, ptrs, dict(fc, BLOCK_M=i_rows, STORE_ML=False, ML=None,
+                                                                      DIGEST=True, INTERNALS=True), i_w, i_s)
+                    over = internals.metadata.shared > SMEM_LIMIT
+                    ok &= not over
+                    print(f"fwd+int  {tag}  smem {internals.metadata.shared:6d}  {_usage(internals)}"
+                          f"{'  OVER A BLOCK' + chr(39) + 'S SHARED MEMORY' if over else ''}")
                 for name, fn, cfg, extra in (("dkv", bwd._dkv_kernel, dkv, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
                                              ("dq", bwd._dq_kernel, dq, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
                                              ("delta", bwd._delta_kernel, dq, dict(LOG2_DH=dh.bit_length() - 1))):

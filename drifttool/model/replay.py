@@ -77,11 +77,19 @@ class _CaptureLog:
 
     def capture(self, site: dict[str, Any], tensor: Any, layout: str, index: int = 0,
                 role: str = "output") -> None:
+        self.capture_digested(site, record_parts(site, tensor, layout, self.level), index, role)
+
+    def capture_digested(self, site: dict[str, Any], parts: list, index: int = 0, role: str = "output",
+                         ranks: list | None = None) -> None:
+        """File ``(part, pending digest)`` pairs (``capture``'s, or made elsewhere: a kernel's
+        own row tables, ``ops.sink.capture_table``) under the call that produced them."""
+        if ranks is not None:
+            raise UnsupportedConfigError("recorded forward: rank checks of a sharded capture")
         call = self._log.calls[-1]  # the registry traces a call, then captures its outputs
         if (call.op, call.stream, call.block) != (site["op"], site["stream"], site["block"]):
             raise UnsupportedConfigError(f"recorded forward: output of {site['op']} captured "
                                          f"outside its traced call ({call.op})")
-        call.captures.append((index, role, record_parts(site, tensor, layout, self.level)))
+        call.captures.append((index, role, parts))
 
 
 def logging_runtime(rt: Runtime, level: str | None) -> tuple[Runtime, CallLog]:

@@ -173,3 +173,39 @@ def test_captured_records_are_the_row_kernels(model, level, graphed, monkeypatch
         assert a == b
         assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
     assert n_with < n_without, "no captured output took its table from the GEMM's epilogue"
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(model, graphed, monkeypatch):
+    """At L2 the strict CUDA fused attention files its scores' and probabilities' records from the
+    tables its second pass wrote (``Impl.internals``): the same records as running the
+    decomposition, eager and replayed from a CUDA graph, and the scores are never stored."""
+    from drifttool.ops import registry, sink
+    from drifttool.ops.strict_cuda.kernels import attention
+
+    monkeypatch.setattr(registry, "internals_from_tables", lambda rt: False)
+    unfused, _ = _records(model, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
+    monkeypatch.setattr(registry, "internals_from_tables", sink.internals_from_tables)
+
+    def refused(*a, **k):
+        raise AssertionError("the scores were stored")
+
+    monkeypatch.setattr(attention, "scores", refused)
+    fused, _ = _records(model, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
+    assert fused and len(fused) == len(unfused)
+    for a, b in zip(fused, unfused):
+        la, lb = a.pop("l2"), b.pop("l2")
+        assert a == b, (a["op"], a["block"])
+        assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
+
+
+def test_internals_launch_gives_the_fused_output_at_full_width():
+    """The launch that digests the internals (8 warps) stores the registered launch's output bytes."""
+    from drifttool.ops.strict_cuda.kernels import attention
+    from tests.strict_cuda_cases import joint
+
+    q, k, v, km = joint([128, 77], 128, 6889, 24, 128, dtype=torch.bfloat16, seed=7, device="cuda")
+    plain = attention.attention(q, k, v, km, text_len=128)
+    o, scores, probs = attention.attention(q, k, v, km, text_len=128, internals=([0, 0], [128, 77]))
+    assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8))
+    assert scores[0].shape == (24, 2 * (128 + 6889), 2) and probs[0].shape == scores[0].shape
