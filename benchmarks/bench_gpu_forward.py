@@ -51,7 +51,9 @@ stream runs on a second stream, ``drifttool.model.lanes``); ``+alt``: the strict
 launched with ``--gemm``'s configuration instead of the registered one (the same bytes: the
 tile is not part of the contract), to weigh a candidate in the whole forward; ``+rows``: every
 captured output digested by the row kernel, the strict GEMMs writing no row tables in their
-epilogues (``capture.produced.ENABLED`` off; the same digests)."""
+epilogues (``capture.produced.ENABLED`` off; the same digests); ``+unfused``: at L2 the attention's
+scores and probabilities computed by its decomposition, stored and read again, rather than
+digested in the fused kernel (``ops.registry.internals_from_tables`` off; the same records)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -77,7 +79,8 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
-    with torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra):
+    with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
+          unfused_internals("unfused" in extra)):
         if impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
@@ -121,6 +124,20 @@ def row_kernel_only(on: bool):
         yield
     finally:
         produced.ENABLED = before
+
+
+@contextlib.contextmanager
+def unfused_internals(on: bool):
+    """Within (``on``): the fused attention's L2 internals run as its decomposition."""
+    from drifttool.ops import registry
+
+    before = registry.internals_from_tables
+    if on:
+        registry.internals_from_tables = lambda rt: False
+    try:
+        yield
+    finally:
+        registry.internals_from_tables = before
 
 
 def timed(fn) -> float:
