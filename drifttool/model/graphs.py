@@ -86,12 +86,23 @@ class SignatureGraphs:
         self._params: tuple[int, ...] = ()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype (``sampling.step.sampler_model`` casts inputs to it)."""
+        return self.model.dtype
+
     def capture_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream this wrapper captures on, one per device (whichever device is current;
         one stream, so graphs sharing a memory pool reuse each other's freed blocks)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
+
+    @staticmethod
+    def _level(rt: Runtime) -> str | None:
+        """The capture level whose records the forward makes: None at L0 or without capture."""
+        level = getattr(rt.recorder, "level", None) if rt.mode.captures else None
+        return None if level in (None, "L0") else level
 
     def reset(self) -> None:
         """Drop every graph (the next call of each signature is eager)."""
@@ -134,10 +145,6 @@ class GraphedForward(SignatureGraphs):
         self._lanes: Lanes | None = None
         self._pool: Any = None
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
     def reset(self) -> None:
         """Drop every graph and its memory pool (the next call of each signature is eager)."""
         super().reset()
@@ -150,12 +157,6 @@ class GraphedForward(SignatureGraphs):
         return (x.is_cuda and not torch.is_grad_enabled() and rt.plan is None and not rt.variants
                 and rt.grad_ledger is None
                 and (rec is None or not rt.mode.captures or callable(getattr(rec, "capture_digested", None))))
-
-    @staticmethod
-    def _level(rt: Runtime) -> str | None:
-        """The capture level whose records the forward makes: None at L0 or without capture."""
-        level = getattr(rt.recorder, "level", None) if rt.mode.captures else None
-        return None if level in (None, "L0") else level
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
                  tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime, *,
@@ -219,10 +220,10 @@ def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
             None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
             None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
             str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
-            *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
+            *(scope_key(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
                                           "cond_grids")))
 
 
-def _frozen(v: Any) -> Any:
+def scope_key(v: Any) -> Any:
     """A scope value as a dict key (lists → tuples)."""
-    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple(scope_key(x) for x in v) if isinstance(v, (list, tuple)) else v

@@ -24,8 +24,16 @@ What a replay keeps of an eager call:
 * **inputs** are copied into the graphs' static buffers; the returned velocity is a copy of the
   forward graph's output, and the gradients handed to autograd are copies of the backward
   graph's (autograd accumulates them into ``.grad`` as it would the eager ones);
-* **the operator trace**: logged at capture and counted again in bulk after each forward replay
-  (``model.replay``), as ``GraphedForward`` does;
+* **the operator trace and capture records (L1, L2)**: logged at capture; after each forward
+  replay the trace is counted again in bulk and the records' digests, computed inside the graph,
+  are read back and filed under the replay's scope (``model.replay``), as ``GraphedForward``
+  does (the backward's recomputations of checkpointed blocks record nothing, as eagerly);
+* **the gradient ledger's atoms** (strict training, ``training.ledger``): the ledger's sinks
+  are Python that the backward calls with each adapted weight's per-sample partials. At capture
+  they run once, on a tape (``GradLedger.tape``) whose atoms are the backward graph's buffers;
+  after each backward replay those are filed, copied, into the ledger of the replayed call's
+  runtime (``GradLedger.file_taken``), as its eager backward would have filed them. The CFG
+  branch is part of the signature (an atom's key);
 * **one forward, then its backward**: the backward graph reads the activations the last forward
   replay left in the graph's memory. A second call of the same signature before the first
   call's backward ran (sequential CFG branches before one backward, say) runs eagerly, so nothing
@@ -35,8 +43,7 @@ What a replay keeps of an eager call:
 It runs eagerly, never graphed, where a graph would lose something or cannot hold: no autograd
 recording, no parameter requiring a gradient, an input that wants a gradient (the backward graph
 computes the parameters' only), a hook on a trainable parameter, a parallel plan, probe variants,
-a gradient ledger (its per-sample sinks are handed tensors by Python during the backward),
-capture records (L1, L2), or a device other than CUDA. The graphs run on one stream of the
+a recorder that is not drifttool's, or a device other than CUDA. The graphs run on one stream of the
 model's device (a caller's text lane is not used). The first call of a signature runs eagerly
 (it compiles the kernels and fills the constant caches); the second runs one more eager forward
 and backward on a side stream (the backward kernels' compilation, whatever the caller did with
@@ -57,7 +64,7 @@ from typing import Any
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.graphs import SignatureGraphs, signature
+from drifttool.model.graphs import SignatureGraphs, scope_key, signature
 from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
@@ -74,6 +81,7 @@ class _Graphs:
     records: ReplayRecords
     pool: Any
     keep: tuple = field(default=(), repr=False)  # constants the graphs read (RoPE tables)
+    taken: list = field(default_factory=list)  # the gradient ledger's atoms: (name, key, family, buffer)
     pending: int = 0  # forward replays whose backward is still to come (0 or 1)
     generation: int = 0  # forward replays so far
 
@@ -82,11 +90,11 @@ class _Replay(torch.autograd.Function):
     """The forward graph's replay as an autograd node whose backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, g: _Graphs, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, g: _Graphs, ledger: Any, *params: torch.Tensor) -> torch.Tensor:
         g.forward.replay()
         g.generation += 1
         g.pending += 1
-        ctx.graphs, ctx.generation, ctx.live = g, g.generation, [True]
+        ctx.graphs, ctx.generation, ctx.live, ctx.ledger = g, g.generation, [True], ledger
         weakref.finalize(ctx, _done, g, ctx.live)  # an output dropped without its backward
         return g.out.detach().clone()
 
@@ -101,7 +109,9 @@ class _Replay(torch.autograd.Function):
         _done(g, ctx.live)
         g.grad_out.copy_(grad)
         g.backward.replay()
-        return None, *(None if t is None else t.clone() for t in g.grads)
+        if ctx.ledger is not None:  # the atoms the eager backward's sinks would have filed
+            ctx.ledger.file_taken(g.taken)
+        return None, None, *(None if t is None else t.clone() for t in g.grads)
 
 
 def _done(g: _Graphs, live: list[bool]) -> None:
@@ -135,10 +145,11 @@ class GraphedTraining(SignatureGraphs):
         input that wants a gradient (the backward graph computes the parameters' only) and no
         hook on a trainable parameter (a capture would run it into the graph and autograd again
         at each replay)."""
+        rec, ledger = rt.recorder, rt.grad_ledger
         return (x.is_cuda and torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
-                and rt.plan is None and not rt.variants and rt.grad_ledger is None
-                and (rt.recorder is None or not rt.mode.captures
-                     or getattr(rt.recorder, "level", None) == "L0")
+                and rt.plan is None and not rt.variants
+                and (ledger is None or callable(getattr(ledger, "tape", None)))
+                and (rec is None or not rt.mode.captures or callable(getattr(rec, "capture_digested", None)))
                 and not any(t is not None and t.requires_grad for t in inputs)
                 and not any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
                             for p in params))
@@ -155,7 +166,8 @@ class GraphedTraining(SignatureGraphs):
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid = tuple(int(v) for v in img_grid)
         cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
-        key = (*signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, None),
+        key = (*signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt)),
+               scope_key(rt.current_scope().get("branch")), rt.grad_ledger is not None,
                bool(getattr(self.model, "gradient_checkpointing", False)),
                tuple(id(p) for p in params))
         g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, params))
@@ -166,7 +178,7 @@ class GraphedTraining(SignatureGraphs):
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
-        v = _Replay.apply(g, *params)
+        v = _Replay.apply(g, rt.grad_ledger, *params)
         self.replays += 1
         g.records.file(rt)  # the trace and counters an eager call would leave
         return v
@@ -187,16 +199,24 @@ class GraphedTraining(SignatureGraphs):
             return self._capture_on(device, forward, inputs, rt, params, keep)
 
     def _capture_on(self, device: torch.device, forward, inputs, rt: Runtime, params, keep) -> _Graphs:
+        ledger = rt.grad_ledger
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # the backward's kernels compiled, its caches filled
-            out = forward(replace(logging_runtime(rt, None)[0], lanes=None))
-            torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
-            del out
+        warm = None if ledger is None else ledger.tape()  # its atoms are dropped
+        try:
+            with torch.cuda.stream(side):  # the backward's kernels compiled, its caches filled
+                out = forward(replace(logging_runtime(rt, None)[0], lanes=None, grad_ledger=warm))
+                torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
+                del out
+        finally:
+            if warm is not None:
+                warm.close()
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
-        quiet, log = logging_runtime(rt, None)
-        quiet = replace(quiet, lanes=None)  # one stream (never a caller's lanes)
+        level = self._level(rt)
+        quiet, log = logging_runtime(rt, level)
+        tape = None if ledger is None else ledger.tape()
+        quiet = replace(quiet, lanes=None, grad_ledger=tape)  # one stream (never a caller's lanes)
         pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # both on one stream of the model's device: the backward's ops run on their forward ops' stream
@@ -213,5 +233,8 @@ class GraphedTraining(SignatureGraphs):
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} training step failed "
                 f"({str(e).splitlines()[0]}); run it eagerly (call the model itself)") from e
-        return _Graphs(fwd, bwd, inputs, out.detach(), grad_out, grads, ReplayRecords(log.calls, None),
-                       pool, keep)
+        finally:
+            if tape is not None:
+                tape.close()  # its sinks ran at capture; a replay runs no Python
+        return _Graphs(fwd, bwd, inputs, out.detach(), grad_out, grads, ReplayRecords(log.calls, level),
+                       pool, keep, [] if tape is None else tape.taken())

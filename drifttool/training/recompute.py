@@ -37,9 +37,11 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
+from drifttool.model.graphs_train import GraphedTraining
 from drifttool.model.lora import has_lora, lora_parameters
 from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import capture_lora_grads, lora_record
+from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
@@ -194,13 +196,17 @@ def recompute_run(
         if on_step is not None:
             on_step(o)
 
+    # on a GPU, each training step's forward and backward replay CUDA graphs: the same kernels,
+    # bytes, trace, records and ledger atoms
+    graphed = (GraphedTraining(model) if train.grad and torch.device(device).type == "cuda"
+               and isinstance(model, MMDiT) else None)
     with session.open(out, manifest, overwrite=options.overwrite):
         try:
             session.rt.grad_ledger = ledger
             model.gradient_checkpointing = bool(train.gradient_checkpointing)
             session.write_inputs(replay_tensors(stored.inputs))
             with torch.enable_grad():
-                fwd = micro_batched(sampler_model(model), train.micro_batch,
+                fwd = micro_batched(sampler_model(graphed or model), train.micro_batch,
                                     trim_padding=train.trim_padding)
                 traj = recompute(fwd, mine.to(device), stored.latents[:, rows].to(device), sampler,
                                  session.rt, phase="train", callback=step_done)
@@ -208,6 +214,8 @@ def recompute_run(
             model.gradient_checkpointing = False
             if ledger is not None:
                 ledger.close()
+            if graphed is not None:
+                graphed.reset()  # the graphs' memory pools
         seconds = time.perf_counter() - t0
         session.finish(complete=traj.complete, seconds=round(seconds, 3))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),

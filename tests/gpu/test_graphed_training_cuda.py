@@ -1,9 +1,10 @@
 """A training forward and backward replayed from CUDA graphs (``drifttool.model.graphs_train``)
 give the eager step's bytes: the velocity and every LoRA factor's gradient, strict and production,
 with and without gradient checkpointing, batch 1 and 3 (a padded prompt), on fresh inputs after
-the capture; the operator trace of a replayed step is the eager step's; a second forward before
-the first one's backward runs eagerly and both backwards stay right; a gradient ledger or no
-autograd runs eagerly. Skipped without CUDA."""
+the capture; the operator trace and the capture records (L1, L2) of replayed steps are the eager
+steps'; a gradient ledger gets the eager steps' atoms (CFG branches batched, checkpointing on and
+off); a second forward before the first one's backward runs eagerly and both backwards stay
+right; no autograd runs eagerly. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -112,21 +113,78 @@ def test_a_second_forward_before_the_backward_runs_eagerly(model):
     assert fast.replays == 3
 
 
-def test_without_autograd_or_with_a_ledger_it_runs_eagerly(model):
-    from drifttool.training.ledger import GradLedger
-
+def test_without_autograd_it_runs_eagerly(model):
     fast = GraphedTraining(model)
     args, weights, scope = _inputs(0, 1)
     rt = Runtime(mode="strict")
     for _ in range(3):
         with torch.no_grad(), rt.scope(**scope):
             fast(*args, rt)
-    with GradLedger(model) as ledger:
-        rt = Runtime(mode="strict", grad_ledger=ledger)
-        for step in range(3):
-            _step(fast, args, weights, {**scope, "step": step}, rt, model)
-            ledger.finish_step(step)
     assert (fast.captures, fast.replays) == (0, 0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_ledger_gets_the_eager_steps_atoms_from_replays(model, checkpointing):
+    """Strict training with the gradient ledger (CFG batched: sample 0's cond and uncond rows
+    beside sample 1): every step's atoms, the totals and the factors' .grad after each step are
+    the eager run's, byte for byte."""
+    from drifttool.training.ledger import GradLedger
+
+    model.gradient_checkpointing = checkpointing
+    fast = GraphedTraining(model)
+    runs = []
+    try:
+        for fwd in (model, fast):
+            vs, grads = [], []
+            with GradLedger(model, keep_atoms=True) as ledger:
+                rt = Runtime(mode="strict", grad_ledger=ledger)
+                for step in range(4):  # warm-up, capture + replay, replays on fresh inputs
+                    args, weights, scope = _inputs(step, 3)
+                    scope = {**scope, "samples": [0, 1, 0], "branch": ["cond", "cond", "uncond"]}
+                    vs.append(_step(fwd, args, weights, scope, rt, model)[0])
+                    ledger.finish_step(step)
+                    grads.append({n: p.grad.clone() for n, p in lora_parameters(model).items() if p.grad is not None})
+            for p in lora_parameters(model).values():
+                p.grad = None
+            runs.append((vs, grads, ledger.history))
+    finally:
+        model.gradient_checkpointing = False
+    assert (fast.captures, fast.replays) == (1, 3)
+    (v_e, g_e, h_e), (v_g, g_g, h_g) = runs
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(v_e, v_g)), "v differs"
+    for step, (want, got) in enumerate(zip(h_e, h_g)):
+        assert want and got.keys() == want.keys(), step
+        for name in want:
+            assert got[name].keys() == want[name].keys(), (step, name)
+            bad = [k for k in want[name] if not torch.equal(_bits(got[name][k]), _bits(want[name][k]))]
+            assert not bad, f"step {step} {name}: atoms {bad} differ"
+    for step, (want, got) in enumerate(zip(g_e, g_g)):
+        assert want and got.keys() == want.keys(), step
+        assert all(torch.equal(_bits(got[n]), _bits(want[n])) for n in want), f"step {step}: .grad differs"
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_replayed_steps_file_the_eager_steps_records(model, level):
+    """Capture records of replayed training steps (the digests computed inside the forward graph,
+    none from the backward's recomputations): the eager steps' rows, each under its own step."""
+    from drifttool.capture.recorder import Recorder
+
+    model.gradient_checkpointing = True
+    fast = GraphedTraining(model)
+    tables = []
+    try:
+        for fwd in (model, fast):
+            rec = Recorder(level)
+            rt = Runtime(mode="strict", recorder=rec)
+            for step in range(3):
+                _step(fwd, *_inputs(step, 3), rt, model)
+            rec.flush()
+            tables.append(rec.ops_table().to_pylist())
+    finally:
+        model.gradient_checkpointing = False
+    assert (fast.captures, fast.replays) == (1, 2)
+    assert tables[1] and tables[1] == tables[0]
+    assert {r["step"] for r in tables[1]} == {0, 1, 2}
 
 
 def test_a_second_backward_through_one_replay_is_refused(model):
