@@ -35,7 +35,8 @@ It runs eagerly, never graphed, where a graph would lose something: a parallel p
 (collectives), probe variants, autograd recording (training), a recorder that is not drifttool's
 ``Recorder``, or a device other than CUDA. The graphs are keyed by what the kernels and the
 records' parts depend on: the shapes and dtypes, the grid, mode, capture level, and the scope's
-samples, prompt lengths and text starts (a trajectory repeats them at every step). The first
+pattern of samples (which rows share one; the ids are each replay's own), prompt lengths and text
+starts (a trajectory repeats them at every step). The first
 call of a signature always runs eagerly: it compiles the Triton kernels and fills the constant
 caches (RoPE tables, eps scalars, sinusoid frequencies) that the graph then reads; the RoPE
 tables of each signature are held alive by its graph.
@@ -213,15 +214,27 @@ def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
               grid: tuple[int, int], cond: torch.Tensor | None, cond_grids: tuple[tuple[int, int], ...],
               rt: Runtime, level: str | None) -> tuple:
     """What a recorded forward's kernels and records depend on, as a dict key: the inputs' shapes
-    and dtypes, mask presence, grid, device, mode, capture ``level`` and the scope's samples,
-    prompt lengths and text starts."""
+    and dtypes, mask presence, grid, device, mode, capture ``level`` and the scope's pattern of
+    samples (``sample_pattern``), prompt lengths and text starts."""
     scope = rt.current_scope()
     return (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
             None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
             None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
             str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
-            *(scope_key(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
-                                          "cond_grids")))
+            sample_pattern(scope["samples"]),
+            *(scope_key(scope[k]) for k in ("component", "txt_lens", "txt_starts", "img_grid", "cond_grids")))
+
+
+def sample_pattern(samples: Any) -> tuple[int, ...] | None:
+    """Which batch rows of a forward share a logical sample: per row, the first row of its sample
+    (``[7, 9, 7]`` → ``(0, 1, 0)``; None without sample ids). The part of the scope's sample
+    ids a recorded forward depends on: a replay files its own scope's ids (records,
+    ``model.replay``; gradient-ledger atoms, ``model.graphs_train``), so a trainer's or a
+    GRPO loop's fresh samples reuse the graphs of the same shapes."""
+    if samples is None:
+        return None
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(int(s), i) for i, s in enumerate(samples))
 
 
 def scope_key(v: Any) -> Any:

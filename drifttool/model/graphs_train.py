@@ -32,8 +32,9 @@ What a replay keeps of an eager call:
   are Python that the backward calls with each adapted weight's per-sample partials. At capture
   they run once, on a tape (``GradLedger.tape``) whose atoms are the backward graph's buffers;
   after each backward replay those are filed, copied, into the ledger of the replayed call's
-  runtime (``GradLedger.file_taken``), as its eager backward would have filed them. The CFG
-  branch is part of the signature (an atom's key);
+  runtime (``GradLedger.file_taken``) under the replay's sample ids, as its eager backward would
+  have filed them. The CFG branches and the pattern of samples are part of the signature (an
+  atom's key; ``graphs.sample_pattern``), so fresh samples of the same shapes replay;
 * **one forward, then its backward**: the backward graph reads the activations the last forward
   replay left in the graph's memory. A second call of the same signature before the first
   call's backward ran (sequential CFG branches before one backward, say) runs eagerly, so nothing
@@ -82,6 +83,7 @@ class _Graphs:
     pool: Any
     keep: tuple = field(default=(), repr=False)  # constants the graphs read (RoPE tables)
     taken: list = field(default_factory=list)  # the gradient ledger's atoms: (name, key, family, buffer)
+    samples: tuple | None = None  # the capture's sample ids (the atoms' keys), one per batch row
     pending: int = 0  # forward replays whose backward is still to come (0 or 1)
     generation: int = 0  # forward replays so far
 
@@ -90,11 +92,11 @@ class _Replay(torch.autograd.Function):
     """The forward graph's replay as an autograd node whose backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, g: _Graphs, ledger: Any, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, g: _Graphs, ledger: Any, samples: dict | None, *params: torch.Tensor) -> torch.Tensor:
         g.forward.replay()
         g.generation += 1
         g.pending += 1
-        ctx.graphs, ctx.generation, ctx.live, ctx.ledger = g, g.generation, [True], ledger
+        ctx.graphs, ctx.generation, ctx.live, ctx.ledger, ctx.samples = g, g.generation, [True], ledger, samples
         weakref.finalize(ctx, _done, g, ctx.live)  # an output dropped without its backward
         return g.out.detach().clone()
 
@@ -110,8 +112,8 @@ class _Replay(torch.autograd.Function):
         g.grad_out.copy_(grad)
         g.backward.replay()
         if ctx.ledger is not None:  # the atoms the eager backward's sinks would have filed
-            ctx.ledger.file_taken(g.taken)
-        return None, None, *(None if t is None else t.clone() for t in g.grads)
+            ctx.ledger.file_taken(g.taken, ctx.samples)
+        return None, None, None, *(None if t is None else t.clone() for t in g.grads)
 
 
 def _done(g: _Graphs, live: list[bool]) -> None:
@@ -178,7 +180,9 @@ class GraphedTraining(SignatureGraphs):
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
-        v = _Replay.apply(g, rt.grad_ledger, *params)
+        ids = rt.current_scope().get("samples")  # the replay's sample ids for the capture's, row by row
+        ids = None if g.samples is None else {c: int(r) for c, r in zip(g.samples, ids)}
+        v = _Replay.apply(g, rt.grad_ledger, ids, *params)
         self.replays += 1
         g.records.file(rt)  # the trace and counters an eager call would leave
         return v
@@ -236,5 +240,7 @@ class GraphedTraining(SignatureGraphs):
         finally:
             if tape is not None:
                 tape.close()  # its sinks ran at capture; a replay runs no Python
+        samples = rt.current_scope().get("samples")
         return _Graphs(fwd, bwd, inputs, out.detach(), grad_out, grads, ReplayRecords(log.calls, level),
-                       pool, keep, [] if tape is None else tape.taken())
+                       pool, keep, [] if tape is None else tape.taken(),
+                       None if samples is None else tuple(int(s) for s in samples))

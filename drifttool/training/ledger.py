@@ -247,10 +247,13 @@ class GradLedger:
         return [(name, key, self._family[name], piece.part) for name in sorted(self._atoms)
                 for key, piece in sorted(self._atoms[name].items())]
 
-    def file_taken(self, taken: list[tuple[str, tuple[int, int], str, torch.Tensor]]) -> None:
+    def file_taken(self, taken: list[tuple[str, tuple[int, int], str, torch.Tensor]],
+                   samples: dict[int, int] | None = None) -> None:
         """File a tape's atoms (``taken``) as this step's, each a copy of its partial (the graph's
-        buffer is rewritten by the next replay), with a sink's checks (``_file``)."""
-        for name, key, family, part in taken:
+        buffer is rewritten by the next replay), with a sink's checks (``_file``); ``samples``
+        maps the tape's sample ids to this step's (a replay of the same rows for other samples)."""
+        for name, (sid, branch), family, part in taken:
+            key = (sid if samples is None else int(samples[sid]), branch)
             self._file(name, key, family, _Piece(part=part.clone()))
 
     def _finish_sp(self) -> None:

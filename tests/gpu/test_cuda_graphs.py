@@ -91,7 +91,8 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
 @pytest.mark.parametrize("level", ["L1", "L2"])
 def test_captured_records_of_replays_equal_the_eager_records(model, level):
     """Digest records (L1; L2 with row digests and the attention's internals) of replayed
-    forwards: the same rows as eager forwards', each replay under its own step and sigma."""
+    forwards: the same rows as eager forwards', each replay under its own step, sigma and sample
+    id (one graph: the rows share one sample at every step)."""
     fast = GraphedForward(model)
     tables = {}
     for name in ("eager", "graph"):
@@ -100,7 +101,7 @@ def test_captured_records_of_replays_equal_the_eager_records(model, level):
         with torch.no_grad():
             for step in range(4):
                 x, txt, mask, tau, grid = _inputs(step, 2)
-                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 4, samples=[0, 0],
+                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 4, samples=[step, step],
                               branch=("cond", "uncond"), txt_lens=[11, 6], img_grid=grid):
                     (model if name == "eager" else fast)(x, txt, mask, tau, grid, rt)
         rec.flush()

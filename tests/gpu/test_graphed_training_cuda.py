@@ -125,9 +125,10 @@ def test_without_autograd_it_runs_eagerly(model):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_ledger_gets_the_eager_steps_atoms_from_replays(model, checkpointing):
-    """Strict training with the gradient ledger (CFG batched: sample 0's cond and uncond rows
-    beside sample 1): every step's atoms, the totals and the factors' .grad after each step are
-    the eager run's, byte for byte."""
+    """Strict training with the gradient ledger (CFG batched: a sample's cond and uncond rows
+    beside another sample, fresh sample ids at every step): every step's atoms (under the step's
+    own ids), the totals and the factors' .grad after each step are the eager run's, byte for
+    byte."""
     from drifttool.training.ledger import GradLedger
 
     model.gradient_checkpointing = checkpointing
@@ -140,7 +141,8 @@ def test_a_ledger_gets_the_eager_steps_atoms_from_replays(model, checkpointing):
                 rt = Runtime(mode="strict", grad_ledger=ledger)
                 for step in range(4):  # warm-up, capture + replay, replays on fresh inputs
                     args, weights, scope = _inputs(step, 3)
-                    scope = {**scope, "samples": [0, 1, 0], "branch": ["cond", "cond", "uncond"]}
+                    scope = {**scope, "samples": [10 * step, 10 * step + 1, 10 * step],  # fresh ids: replayed
+                             "branch": ["cond", "cond", "uncond"]}
                     vs.append(_step(fwd, args, weights, scope, rt, model)[0])
                     ledger.finish_step(step)
                     grads.append({n: p.grad.clone() for n, p in lora_parameters(model).items() if p.grad is not None})
@@ -166,7 +168,8 @@ def test_a_ledger_gets_the_eager_steps_atoms_from_replays(model, checkpointing):
 @pytest.mark.parametrize("level", ["L1", "L2"])
 def test_replayed_steps_file_the_eager_steps_records(model, level):
     """Capture records of replayed training steps (the digests computed inside the forward graph,
-    none from the backward's recomputations): the eager steps' rows, each under its own step."""
+    none from the backward's recomputations): the eager steps' rows, each under its own step and
+    sample ids."""
     from drifttool.capture.recorder import Recorder
 
     model.gradient_checkpointing = True
@@ -177,7 +180,8 @@ def test_replayed_steps_file_the_eager_steps_records(model, level):
             rec = Recorder(level)
             rt = Runtime(mode="strict", recorder=rec)
             for step in range(3):
-                _step(fwd, *_inputs(step, 3), rt, model)
+                args, weights, scope = _inputs(step, 3)
+                _step(fwd, args, weights, {**scope, "samples": [3 * step, 3 * step + 1, 3 * step + 2]}, rt, model)
             rec.flush()
             tables.append(rec.ops_table().to_pylist())
     finally:

@@ -29,7 +29,7 @@ def model():
     return m
 
 
-def _backward(model, ledger, seed: int) -> None:
+def _backward(model, ledger, seed: int, samples=(0, 1, 0)) -> None:
     """One strict forward of 3 rows (CFG batched) and the backward of a random projection of v."""
     g = torch.Generator().manual_seed(seed)
     cfg, grid, w = model.config, (3, 5), model.dtype
@@ -38,7 +38,7 @@ def _backward(model, ledger, seed: int) -> None:
     mask = torch.arange(max(LENS))[None, :] < torch.tensor(LENS)[:, None]
     tau = torch.rand(3, generator=g)
     rt = Runtime(mode="strict", grad_ledger=ledger)
-    with rt.scope(phase="train", step=0, sigma=0.5, samples=[0, 1, 0], branch=["cond", "cond", "uncond"],
+    with rt.scope(phase="train", step=0, sigma=0.5, samples=list(samples), branch=["cond", "cond", "uncond"],
                   txt_lens=list(LENS), img_grid=grid), torch.enable_grad():
         v = model(x, txt, mask, tau, grid, rt)
         (v.float() * torch.randn(v.shape, generator=g)).sum().backward()
@@ -87,6 +87,28 @@ def test_a_closed_tape_takes_nothing_more_and_a_second_filing_is_refused(model):
     with pytest.raises(DriftToolError, match="two gradients"):
         ledger.file_taken(taken)
     ledger.close()
+    for p in model.parameters():
+        p.grad = None
+
+
+def test_a_tapes_atoms_filed_for_other_samples_are_theirs(model):
+    """A graph captured for samples [0, 1, 0] and replayed for [5, 3, 5]: its atoms filed under
+    the replay's ids are those of a backward of the latter."""
+    direct = GradLedger(model, keep_atoms=True)
+    _backward(model, direct, 3, samples=(5, 3, 5))
+    direct.finish_step(0)
+    tape = GradLedger(model).tape()
+    _backward(model, tape, 3)
+    tape.close()
+    ledger = GradLedger(model, keep_atoms=True)
+    ledger.file_taken(tape.taken(), {0: 5, 1: 3})
+    ledger.finish_step(0)
+    want, got = direct.history[0], ledger.history[0]
+    assert got.keys() == want.keys() and all(got[n].keys() == want[n].keys() == {(5, 0), (3, 0), (5, 1)}
+                                             for n in want)
+    for name in want:
+        for key in want[name]:
+            assert_same_bytes(got[name][key], want[name][key], f"{name} {key}")
     for p in model.parameters():
         p.grad = None
 
