@@ -47,6 +47,7 @@ this wrapper; ``reset()`` frees them.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -76,6 +77,9 @@ class SignatureGraphs:
     Attributes:
         captures: how many graphs were captured (a test and a benchmark read it).
         replays: how many calls were served by a replay.
+        eager: signatures whose capture was refused (an operation that synchronises with the
+            host, say) → the reason; they run eagerly (the same bytes) until ``reset``, and a
+            ``RuntimeWarning`` says so once each. An out-of-memory error is raised.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -86,6 +90,7 @@ class SignatureGraphs:
         self._graphs: dict[tuple, Any] = {}
         self._params: tuple[int, ...] = ()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.eager: dict[tuple, str] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,6 +114,7 @@ class SignatureGraphs:
         """Drop every graph (the next call of each signature is eager)."""
         self._seen.clear()
         self._graphs.clear()
+        self.eager.clear()
 
     def _graph(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
         """The graph of signature ``key`` (``capture()`` makes it at the second call), or None at
@@ -117,12 +123,21 @@ class SignatureGraphs:
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
             self.reset()
             self._params = params
+        if key in self.eager:
+            return None
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:
                 self._seen.add(key)
                 return None
-            g = self._graphs[key] = capture()
+            try:
+                g = capture()
+            except UnsupportedConfigError as e:  # not capturable: this signature runs eagerly
+                self.eager[key] = str(e)
+                warnings.warn(f"{e}; this input signature runs eagerly from now on (the same bytes, "
+                              "without the graph's speed)", RuntimeWarning, stacklevel=3)
+                return None
+            self._graphs[key] = g
             self.captures += 1
         return g
 
@@ -205,8 +220,7 @@ class GraphedForward(SignatureGraphs):
             raise
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
             raise UnsupportedConfigError(
-                f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "
-                "run it eagerly (call the model itself)") from e
+                f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]})") from e
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 

@@ -236,7 +236,7 @@ class GraphedTraining(SignatureGraphs):
         except RuntimeError as e:  # an operation that synchronises with the host
             raise UnsupportedConfigError(
                 f"CUDA graph capture of the {rt.mode.value} training step failed "
-                f"({str(e).splitlines()[0]}); run it eagerly (call the model itself)") from e
+                f"({str(e).splitlines()[0]})") from e
         finally:
             if tape is not None:
                 tape.close()  # its sinks ran at capture; a replay runs no Python

@@ -169,3 +169,29 @@ def test_a_graph_reads_its_row_key_table_after_the_table_grew(monkeypatch):
     torch.cuda.synchronize()
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(eager, out)), "the graph read a freed key table"
     del junk
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
+    """A forward that synchronises with the host while being captured: the capture is refused once,
+    with a warning, and every call of that signature runs eagerly with the eager bytes (the device
+    stays usable after the failed capture)."""
+    from drifttool.model.mmdit import MMDiT
+
+    real = MMDiT.forward
+
+    def syncing(self, *a, **k):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MMDiT, "forward", syncing)
+    fast = GraphedForward(model)
+    rt = Runtime(mode="strict")
+    x, txt, mask, tau, grid = _inputs(3, 2)
+    with torch.no_grad():
+        want = _bits(model(x, txt, mask, tau, grid, rt))
+        assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)  # warm-up
+        with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+            assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+        assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+    assert (fast.captures, fast.replays, len(fast.eager)) == (0, 0, 1)

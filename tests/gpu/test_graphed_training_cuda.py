@@ -223,3 +223,25 @@ def test_inputs_that_want_gradients_and_hooked_parameters_run_eagerly(model):
     finally:
         handle.remove()
     assert (fast.captures, fast.replays) == (0, 0)
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
+    """A training forward that synchronises with the host while being captured: refused once with
+    a warning; the signature's steps run eagerly with the eager bytes from then on."""
+    real = MMDiT.forward
+
+    def syncing(self, *a, **k):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MMDiT, "forward", syncing)
+    fast = GraphedTraining(model)
+    rt = Runtime(mode="strict")
+    args, weights, scope = _inputs(4, 1)
+    want = _step(model, args, weights, scope, rt, model)
+    _same(_step(fast, args, weights, scope, rt, model), want)  # warm-up
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+        _same(_step(fast, args, weights, scope, rt, model), want)
+    _same(_step(fast, args, weights, scope, rt, model), want)
+    assert (fast.captures, fast.replays, len(fast.eager)) == (0, 0, 1)

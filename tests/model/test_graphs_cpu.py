@@ -33,3 +33,36 @@ def test_cpu_tensors_are_never_graphed():
     with torch.no_grad():
         for level in ("L0", "L1", "L2"):
             assert not GraphedForward.eligible(x, Runtime(mode="strict", recorder=Recorder(level)))
+
+
+def test_a_signature_whose_capture_is_refused_runs_eagerly_after_one_warning():
+    """``SignatureGraphs._graph``: a refused capture (``UnsupportedConfigError``) is not tried
+    again for that signature (its calls run eagerly, None), warns once, and ``reset`` forgets
+    it; an out-of-memory error goes through; another signature still captures."""
+    import pytest
+
+    from drifttool.errors import UnsupportedConfigError
+    from drifttool.model.graphs import SignatureGraphs
+
+    graphs = SignatureGraphs(torch.nn.Linear(2, 2))
+    tries = []
+
+    def refuse():
+        tries.append(1)
+        raise UnsupportedConfigError("CUDA graph capture of the strict forward failed (a host sync)")
+
+    assert graphs._graph("a", refuse) is None and not tries  # the first call: eager warm-up
+    with pytest.warns(RuntimeWarning, match="a host sync.*runs eagerly from now on"):
+        assert graphs._graph("a", refuse) is None
+    assert graphs._graph("a", refuse) is None and len(tries) == 1 and "a host sync" in graphs.eager["a"]
+    assert graphs._graph("b", lambda: "graph b") is None and graphs._graph("b", lambda: "graph b") == "graph b"
+    assert graphs.captures == 1
+    graphs.reset()
+    assert not graphs.eager and graphs._graph("a", refuse) is None and len(tries) == 1
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    graphs._graph("c", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        graphs._graph("c", oom)
