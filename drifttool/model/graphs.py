@@ -121,7 +121,8 @@ class SignatureGraphs:
         the first call (the caller runs the model eagerly: kernels compiled, caches filled)."""
         params = tuple(p.data_ptr() for p in self.model.parameters())
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
-            self.reset()
+            if self._params:
+                self.reset()
             self._params = params
         if key in self.eager:
             return None

@@ -53,7 +53,9 @@ checkpointing is part of the signature (a checkpointed backward recomputes each 
 backward graph).
 
 Memory: each signature keeps its own pool (the forward's saved activations live there between a
-forward replay and its backward), about the eager step's peak; ``reset()`` frees them.
+forward replay and its backward), about the eager step's peak; ``reset()`` frees them. With a
+gradient ledger the atoms are held twice, in the pool and as the ledger's copies: small for the
+unfused adapter's factors, an FP32 ``[out, in]`` per adapted weight and row for a merged one.
 """
 
 from __future__ import annotations
@@ -203,13 +205,13 @@ class GraphedTraining(SignatureGraphs):
             return self._capture_on(device, forward, inputs, rt, params, keep)
 
     def _capture_on(self, device: torch.device, forward, inputs, rt: Runtime, params, keep) -> _Graphs:
-        ledger = rt.grad_ledger
+        ledger, level = rt.grad_ledger, self._level(rt)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         warm = None if ledger is None else ledger.tape()  # its atoms are dropped
         try:
             with torch.cuda.stream(side):  # the backward's kernels compiled, its caches filled
-                out = forward(replace(logging_runtime(rt, None)[0], lanes=None, grad_ledger=warm))
+                out = forward(replace(logging_runtime(rt, level)[0], lanes=None, grad_ledger=warm))
                 torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
                 del out
         finally:
@@ -217,7 +219,7 @@ class GraphedTraining(SignatureGraphs):
                 warm.close()
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
-        level = self._level(rt)
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: a capture's pool cannot take them
         quiet, log = logging_runtime(rt, level)
         tape = None if ledger is None else ledger.tape()
         quiet = replace(quiet, lanes=None, grad_ledger=tape)  # one stream (never a caller's lanes)

@@ -95,6 +95,17 @@ def _train_record(train: TrainOptions, mode_family: str) -> dict[str, Any]:
             "trim_padding": bool(train.trim_padding and train.micro_batch)}
 
 
+def _drop_history(o: StepOutput) -> None:
+    """Detach a finished step's tensors: the trajectory keeps their values, and the forward's
+    autograd graph (its saved activations; a graphed step's pending replay, ``model.graphs_train``)
+    goes now rather than at the end of the run, also for a step without a backward (outside the
+    SDE window, or ``grad`` off)."""
+    for f in dataclasses.fields(o):
+        t = getattr(o, f.name)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            setattr(o, f.name, t.detach())
+
+
 def recompute_run(
     source: str | Path | StoredRollout,
     out: str | Path,
@@ -195,6 +206,7 @@ def recompute_run(
                                              sigma=o.sigma, rank=dist.rank)
         if on_step is not None:
             on_step(o)
+        _drop_history(o)
 
     # on a GPU, each training step's forward and backward replay CUDA graphs: the same kernels,
     # bytes, trace, records and ledger atoms
