@@ -47,7 +47,9 @@ this wrapper; ``reset()`` frees them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -74,23 +76,31 @@ class SignatureGraphs:
     warm-up), its second captures (``_graph``), later ones replay; a replaced parameter (another
     storage) drops them all. Shared by ``GraphedForward`` and ``model.graphs_train.GraphedTraining``.
 
+    Args:
+        model: the model the graphs run.
+        max_graphs: signatures kept at once; capturing one more drops the least recently
+            replayed (its memory goes back; a trainer whose prompt lengths keep changing does not
+            hold a graph per length).
+
     Attributes:
         captures: how many graphs were captured (a test and a benchmark read it).
         replays: how many calls were served by a replay.
-        eager: signatures whose capture was refused (an operation that synchronises with the
-            host, say) → the reason; they run eagerly (the same bytes) until ``reset``, and a
-            ``RuntimeWarning`` says so once each. An out-of-memory error is raised.
+        refused: why a capture was refused (an operation that synchronises with the host, say),
+            or None. After one refusal this wrapper captures nothing more, ``reset`` included:
+            every call runs eagerly (the same bytes), and a ``RuntimeWarning`` says so once. An
+            out-of-memory error is raised.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_graphs: int = 8) -> None:
         self.model = model
+        self.max_graphs = int(max_graphs)
         self.captures = 0
         self.replays = 0
+        self.refused: str | None = None
         self._seen: set[tuple] = set()
-        self._graphs: dict[tuple, Any] = {}
+        self._graphs: OrderedDict[tuple, Any] = OrderedDict()
         self._params: tuple[int, ...] = ()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.eager: dict[tuple, str] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,33 +124,48 @@ class SignatureGraphs:
         """Drop every graph (the next call of each signature is eager)."""
         self._seen.clear()
         self._graphs.clear()
-        self.eager.clear()
 
     def _graph(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
         """The graph of signature ``key`` (``capture()`` makes it at the second call), or None at
-        the first call (the caller runs the model eagerly: kernels compiled, caches filled)."""
+        the first call (the caller runs the model eagerly: kernels compiled, caches filled) and
+        after a refused capture."""
         params = tuple(p.data_ptr() for p in self.model.parameters())
         if params != self._params:  # a parameter was replaced: every graph reads stale memory
             if self._params:
                 self.reset()
             self._params = params
-        if key in self.eager:
+        if self.refused is not None:
             return None
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:
                 self._seen.add(key)
                 return None
+            while len(self._graphs) >= max(1, self.max_graphs):
+                self._graphs.popitem(last=False)  # the least recently replayed
             try:
                 g = capture()
-            except UnsupportedConfigError as e:  # not capturable: this signature runs eagerly
-                self.eager[key] = str(e)
-                warnings.warn(f"{e}; this input signature runs eagerly from now on (the same bytes, "
-                              "without the graph's speed)", RuntimeWarning, stacklevel=3)
+            except UnsupportedConfigError as e:  # not capturable: eager from now on
+                self.refused = str(e)
+                warnings.warn(f"{e}; the model runs eagerly from now on (the same bytes, without the "
+                              "graphs' speed)", RuntimeWarning, stacklevel=3)
                 return None
             self._graphs[key] = g
             self.captures += 1
+        self._graphs.move_to_end(key)
         return g
+
+
+@contextlib.contextmanager
+def stream_kept(device: torch.device):
+    """Keep the current stream of ``device`` through a CUDA graph capture: when a capture fails,
+    ``torch.cuda.graph`` may raise while ending it and leave its capture stream current."""
+    before = torch.cuda.current_stream(device)
+    try:
+        yield
+    except BaseException:
+        torch.cuda.set_stream(before)
+        raise
 
 
 class GraphedForward(SignatureGraphs):
@@ -152,12 +177,13 @@ class GraphedForward(SignatureGraphs):
             whose parameters lie on one CUDA device.
         lanes: capture each block's text stream on a second CUDA stream (module docstring);
             False: on one stream.
+        max_graphs: as ``SignatureGraphs``.
 
     Attributes: as ``SignatureGraphs``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, lanes: bool = True) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, *, lanes: bool = True, max_graphs: int = 8) -> None:
+        super().__init__(model, max_graphs=max_graphs)
         self.lanes = lanes
         self._lanes: Lanes | None = None
         self._pool: Any = None
@@ -214,8 +240,8 @@ class GraphedForward(SignatureGraphs):
             self._pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(x.device)
         try:
-            with torch.cuda.device(x.device), torch.cuda.graph(graph, pool=self._pool,
-                                                               stream=self.capture_stream(x.device)):
+            with torch.cuda.device(x.device), stream_kept(x.device), \
+                    torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream(x.device)):
                 out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
         except torch.cuda.OutOfMemoryError:
             raise

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.graphs import SignatureGraphs, scope_key, signature
+from drifttool.model.graphs import SignatureGraphs, scope_key, signature, stream_kept
 from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
@@ -228,10 +228,10 @@ class GraphedTraining(SignatureGraphs):
         # both on one stream of the model's device: the backward's ops run on their forward ops' stream
         stream = self.capture_stream(device)
         try:
-            with torch.cuda.graph(fwd, pool=pool, stream=stream):
+            with stream_kept(device), torch.cuda.graph(fwd, pool=pool, stream=stream):
                 out = forward(quiet)
             grad_out = torch.empty_like(out)
-            with torch.cuda.graph(bwd, pool=pool, stream=stream):
+            with stream_kept(device), torch.cuda.graph(bwd, pool=pool, stream=stream):
                 grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
         except torch.cuda.OutOfMemoryError:
             raise

@@ -173,8 +173,8 @@ def test_a_graph_reads_its_row_key_table_after_the_table_grew(monkeypatch):
 
 def test_a_forward_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
     """A forward that synchronises with the host while being captured: the capture is refused once,
-    with a warning, and every call of that signature runs eagerly with the eager bytes (the device
-    stays usable after the failed capture)."""
+    with a warning, and every later call runs eagerly with the eager bytes; the failed capture
+    leaves the default stream current, and a new wrapper still captures and replays."""
     from drifttool.model.mmdit import MMDiT
 
     real = MMDiT.forward
@@ -184,14 +184,22 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
             torch.cuda.synchronize()  # not permitted while capturing
         return real(self, *a, **k)
 
-    monkeypatch.setattr(MMDiT, "forward", syncing)
     fast = GraphedForward(model)
     rt = Runtime(mode="strict")
     x, txt, mask, tau, grid = _inputs(3, 2)
     with torch.no_grad():
         want = _bits(model(x, txt, mask, tau, grid, rt))
-        assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)  # warm-up
-        with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
-            assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+        with monkeypatch.context() as m:
+            m.setattr(MMDiT, "forward", syncing)
+            assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)  # warm-up
+            with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+                assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
         assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
-    assert (fast.captures, fast.replays, len(fast.eager)) == (0, 0, 1)
+        assert (fast.captures, fast.replays) == (0, 0) and fast.refused
+        again = GraphedForward(model)
+        y = _inputs(4, 1)
+        want = _bits(model(*y, rt))
+        for _ in range(3):
+            assert torch.equal(_bits(again(*y, rt)), want)
+    assert (again.captures, again.replays) == (1, 2)

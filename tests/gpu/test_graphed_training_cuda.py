@@ -227,7 +227,8 @@ def test_inputs_that_want_gradients_and_hooked_parameters_run_eagerly(model):
 
 def test_a_step_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
     """A training forward that synchronises with the host while being captured: refused once with
-    a warning; the signature's steps run eagerly with the eager bytes from then on."""
+    a warning, the steps run eagerly with the eager bytes from then on; the default stream stays
+    current, and a new wrapper still captures and replays."""
     real = MMDiT.forward
 
     def syncing(self, *a, **k):
@@ -235,13 +236,21 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
             torch.cuda.synchronize()  # not permitted while capturing
         return real(self, *a, **k)
 
-    monkeypatch.setattr(MMDiT, "forward", syncing)
     fast = GraphedTraining(model)
     rt = Runtime(mode="strict")
     args, weights, scope = _inputs(4, 1)
     want = _step(model, args, weights, scope, rt, model)
-    _same(_step(fast, args, weights, scope, rt, model), want)  # warm-up
-    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
-        _same(_step(fast, args, weights, scope, rt, model), want)
+    with monkeypatch.context() as m:
+        m.setattr(MMDiT, "forward", syncing)
+        _same(_step(fast, args, weights, scope, rt, model), want)  # warm-up
+        with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+            _same(_step(fast, args, weights, scope, rt, model), want)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     _same(_step(fast, args, weights, scope, rt, model), want)
-    assert (fast.captures, fast.replays, len(fast.eager)) == (0, 0, 1)
+    assert (fast.captures, fast.replays) == (0, 0) and fast.refused
+    again = GraphedTraining(model)
+    args, weights, scope = _inputs(5, 3)
+    want = _step(model, args, weights, scope, rt, model)
+    for _ in range(3):
+        _same(_step(again, args, weights, scope, rt, model), want)
+    assert (again.captures, again.replays) == (1, 2)

@@ -1,6 +1,6 @@
 """The small Flow-GRPO loop on the GPU (``drifttool.training.grpo``): its rollouts replay
 ``GraphedForward`` graphs and its training steps ``GraphedTraining`` graphs, reused by the next
-group's fresh samples, and every row (rewards, ratios, KL, loss) equals the same loop run
+group's fresh samples of the same prompt, and every row (rewards, ratios, KL, loss) equals the same loop run
 eagerly; strict/strict's first inner epoch has a ratio of exactly 1. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from drifttool.model.graphs import GraphedForward
 from drifttool.model.graphs_train import GraphedTraining
+from drifttool.training import grpo
 from drifttool.training.grpo import GRPOConfig, grpo_loop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,6 +27,8 @@ def test_a_graphed_grpo_loop_equals_the_eager_loop(monkeypatch, micro_batch):
             made.append(self)
 
         monkeypatch.setattr(cls, "__init__", tracked)
+    real = grpo.group_inputs  # every group the same prompt: the same shapes, fresh sample ids
+    monkeypatch.setattr(grpo, "group_inputs", lambda fx, seed, ids, rows, *a: real(fx, seed, ids, [0] * len(rows), *a))
     cfg = GRPOConfig(rollout_mode="strict", train_mode="strict", steps=2, inner_epochs=2, groups=1,
                      device="cuda", train_micro_batch=micro_batch)
     graphed = grpo_loop(cfg)

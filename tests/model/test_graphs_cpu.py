@@ -35,10 +35,10 @@ def test_cpu_tensors_are_never_graphed():
             assert not GraphedForward.eligible(x, Runtime(mode="strict", recorder=Recorder(level)))
 
 
-def test_a_signature_whose_capture_is_refused_runs_eagerly_after_one_warning():
-    """``SignatureGraphs._graph``: a refused capture (``UnsupportedConfigError``) is not tried
-    again for that signature (its calls run eagerly, None), warns once, and ``reset`` forgets
-    it; an out-of-memory error goes through; another signature still captures."""
+def test_after_a_refused_capture_every_call_runs_eagerly_after_one_warning():
+    """``SignatureGraphs._graph``: a refused capture (``UnsupportedConfigError``) makes the wrapper
+    capture nothing more, ``reset`` included (every call eager, None), after one warning; an
+    out-of-memory error goes through."""
     import pytest
 
     from drifttool.errors import UnsupportedConfigError
@@ -54,15 +54,35 @@ def test_a_signature_whose_capture_is_refused_runs_eagerly_after_one_warning():
     assert graphs._graph("a", refuse) is None and not tries  # the first call: eager warm-up
     with pytest.warns(RuntimeWarning, match="a host sync.*runs eagerly from now on"):
         assert graphs._graph("a", refuse) is None
-    assert graphs._graph("a", refuse) is None and len(tries) == 1 and "a host sync" in graphs.eager["a"]
-    assert graphs._graph("b", lambda: "graph b") is None and graphs._graph("b", lambda: "graph b") == "graph b"
-    assert graphs.captures == 1
+    assert "a host sync" in graphs.refused and len(tries) == 1
+    for key in ("a", "b", "b", "b"):
+        assert graphs._graph(key, lambda: "graph") is None
     graphs.reset()
-    assert not graphs.eager and graphs._graph("a", refuse) is None and len(tries) == 1
+    assert graphs._graph("c", lambda: "graph") is None and graphs._graph("c", lambda: "graph") is None
+    assert graphs.captures == 0 and len(tries) == 1
 
     def oom():
         raise torch.cuda.OutOfMemoryError("out of memory")
 
-    graphs._graph("c", oom)
+    fresh = SignatureGraphs(torch.nn.Linear(2, 2))
+    fresh._graph("d", oom)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        graphs._graph("c", oom)
+        fresh._graph("d", oom)
+    assert fresh.refused is None
+
+
+def test_the_least_recently_replayed_graph_goes_past_max_graphs():
+    from drifttool.model.graphs import SignatureGraphs
+
+    graphs = SignatureGraphs(torch.nn.Linear(2, 2), max_graphs=2)
+    made = []
+
+    def capture(key):
+        made.append(key)
+        return f"graph {key}"
+
+    for key in ("a", "a", "b", "b", "a", "c", "c"):  # each first call eager, the second captures
+        graphs._graph(key, lambda k=key: capture(k))
+    assert made == ["a", "b", "c"] and list(graphs._graphs) == ["a", "c"]  # b: least recently replayed
+    assert graphs._graph("b", lambda: capture("b")) == "graph b"  # seen before: captured again at once
+    assert list(graphs._graphs) == ["c", "b"] and graphs.captures == 4
