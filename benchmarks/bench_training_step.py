@@ -1,7 +1,7 @@
 """A LoRA training step on one GPU: strict (the Triton family) against production, side by side.
 
     $ python benchmarks/bench_training_step.py [--layers 60] [--repeat 3] [--batches 1,2] \
-          [--lora-mode merged|unfused-fp32] [--configs production,strict,strict+graph]
+          [--lora-mode merged|unfused-fp32] [--configs production,strict,strict+graph,strict+ledger+graph]
     shape  batch  ckpt  config      forward ms  step ms  ratio vs production  peak GiB
 
 One random full-width Qwen-Image transformer (``random_model.build``: ``--layers`` blocks of
@@ -18,7 +18,8 @@ autograd recording (batch 2 = the CFG-batched cond + uncond rows, prompts of 128
 tokens of 128 slots), a scalar loss ⟨v, g⟩ with a fixed random g [B, N, 64] FP32, and its backward
 into the LoRA factors. ``ckpt``: with gradient checkpointing (each block re-run in the backward).
 ``strict`` runs ``Runtime(mode="strict")`` (the strict CUDA forward and backward), ``production``
-``Runtime(mode="auto")`` (torch's cuBLAS / SDPA kernels and autograd); ``+graph`` replays either's
+``Runtime(mode="auto")`` (torch's cuBLAS / SDPA kernels and autograd); ``+ledger`` adds the
+canonical gradient reduction (``MODES``); ``+graph`` replays either's
 step from CUDA graphs (``GraphedTraining``: captured after an untimed eager step, its forward
 column left empty, as graphs serve only autograd steps; its peak GiB counts the tensors live in a
 replay, not the pool's blocks the capture freed and the replay rewrites; each shape's graphs are
@@ -50,14 +51,18 @@ from drifttool.model.graphs_train import GraphedTraining  # noqa: E402
 from drifttool.model.lora import (LORA_TARGET_MODULES, AdapterConfig, attach_lora,  # noqa: E402
                                   lora_parameters)
 from drifttool.runtime import Runtime  # noqa: E402
+from drifttool.training.ledger import GradLedger  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_gpu_forward import SHAPES, timed  # noqa: E402
 from random_model import build  # noqa: E402
 
-MODES = {"production": "auto", "strict": "strict", "production+graph": "auto", "strict+graph": "strict"}
+MODES = {"production": "auto", "strict": "strict", "production+graph": "auto", "strict+graph": "strict",
+         "strict+ledger": "strict", "strict+ledger+graph": "strict"}
 """Configurations: the mode each runs; ``+graph``: the step's forward and backward replayed from
-CUDA graphs (``drifttool.model.graphs_train.GraphedTraining``), timed as a training step only."""
+CUDA graphs (``drifttool.model.graphs_train.GraphedTraining``), timed as a training step only;
+``+ledger``: the LoRA gradients by the canonical reduction (``training.ledger.GradLedger``, what
+``recompute --grad`` runs in strict mode), its ``finish_step`` inside the step's time."""
 LORA_MODES = ("merged", "unfused-fp32")
 """``--lora-mode`` choices: the adapter modes with FP32 factors that both families are measured in."""
 
@@ -82,11 +87,15 @@ def step(model, config: str, batch_inputs, grid, *, grad: bool, fwd=None) -> Non
     """One forward (``grad``: with autograd, the loss and its backward) under ``config``'s mode,
     through ``fwd`` (the transformer's ``GraphedTraining``) or ``model`` itself."""
     x, txt, mask, tau, weights, scope = batch_inputs
-    rt = Runtime(mode=MODES[config])
+    ledger = GradLedger(model) if grad and "+ledger" in config else None
+    rt = Runtime(mode=MODES[config], grad_ledger=ledger)
     with rt.scope(**scope), torch.set_grad_enabled(grad):
         v = (fwd or model)(x, txt, mask, tau, grid, rt)
         if grad:
             (v.float() * weights).sum().backward()
+    if ledger is not None:
+        ledger.finish_step(0)  # the atoms reduced, the factors' .grad set
+        ledger.close()
     if grad:
         for p in lora_parameters(model).values():
             p.grad = None
