@@ -2,7 +2,9 @@
 print each one's shared memory, registers and spill stack; check that writing the backward's row
 states adds no floating-point instruction to the forward, and that digesting the forward's output
 where it is written (``attention(..., digest=True)``) spills no more and fits a block's shared
-memory.
+memory. For the launch that digests the scores and probabilities (``internals``) it prints the
+largest key-block loop's instructions a block (SASS instructions a thread × warps) beside the plain
+launch's: an offline measure of what digesting them costs the issue slots.
 
     $ python tools/strict_cuda_sm90.py            # bf16, head dims 128, 64, 32, 16
     $ python tools/strict_cuda_sm90.py --fp32     # FP32 operands too (slow: minutes)
@@ -29,7 +31,7 @@ from triton.compiler import ASTSource
 
 from drifttool.ops.strict_cuda.kernels import attention as fwd
 from drifttool.ops.strict_cuda.kernels import attention_backward as bwd
-from strict_launches_sm90 import SMEM_LIMIT, TARGET, usage  # the same target and resource reading
+from strict_launches_sm90 import SMEM_LIMIT, TARGET, loop_instructions, usage  # the same target and resource reading
 
 
 FLOAT_OPS = re.compile(r"^\s*((?:fma|mul|add|sub|max|min|ex2|div|rcp|neg|cvt)\.\S*f(?:32|16)\S*|wgmma\S*)")
@@ -122,6 +124,10 @@ def main(argv=None) -> int:
                     ok &= not over
                     print(f"fwd+int  {tag}  smem {internals.metadata.shared:6d}  {_usage(internals)}"
                           f"{'  OVER A BLOCK' + chr(39) + 'S SHARED MEMORY' if over else ''}")
+                    if not ieee:  # the key-block loops' issue slots, with the internals and without
+                        per_block = [loop_instructions(k)[0] * w for k, w in ((plain, f_w), (internals, i_w))]
+                        print(f"         {tag}  largest key-block loop: {per_block[1]} warp instructions with the "
+                              f"internals, {per_block[0]} without ({per_block[1] / per_block[0]:.1f}x)")
                 for name, fn, cfg, extra in (("dkv", bwd._dkv_kernel, dkv, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
                                              ("dq", bwd._dq_kernel, dq, dict(BLOCK_N=bwd.BLOCK_N, IEEE=ieee)),
                                              ("delta", bwd._delta_kernel, dq, dict(LOG2_DH=dh.bit_length() - 1))):

@@ -131,6 +131,28 @@ def usage(kernel) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+def loop_instructions(kernel) -> list[int]:
+    """The SASS instructions of each loop body of ``kernel`` (a backward branch's span, by the
+    nvdisasm Triton ships), largest first: per thread and iteration, an offline measure of what a
+    loop costs the issue slots (not a timing)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+    labels, branches, n = {}, [], 0
+    for line in text.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = n
+        elif re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", line):
+            target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
+            if target:
+                branches.append((n, target.group(1)))
+            n += 1
+    return sorted((at - labels[t] + 1 for at, t in branches if t in labels and labels[t] <= at), reverse=True)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("strict_launches_sm90.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
