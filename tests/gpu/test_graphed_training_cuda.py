@@ -225,23 +225,15 @@ def test_inputs_that_want_gradients_and_hooked_parameters_run_eagerly(model):
     assert (fast.captures, fast.replays) == (0, 0)
 
 
-def test_a_step_that_cannot_be_captured_runs_eagerly(model, monkeypatch):
+def test_a_step_that_cannot_be_captured_runs_eagerly(model, uncapturable):
     """A training forward that synchronises with the host while being captured: refused once with
     a warning, the steps run eagerly with the eager bytes from then on; the default stream stays
     current, and a new wrapper still captures and replays."""
-    real = MMDiT.forward
-
-    def syncing(self, *a, **k):
-        if torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize()  # not permitted while capturing
-        return real(self, *a, **k)
-
     fast = GraphedTraining(model)
     rt = Runtime(mode="strict")
     args, weights, scope = _inputs(4, 1)
     want = _step(model, args, weights, scope, rt, model)
-    with monkeypatch.context() as m:
-        m.setattr(MMDiT, "forward", syncing)
+    with uncapturable():
         _same(_step(fast, args, weights, scope, rt, model), want)  # warm-up
         with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
             _same(_step(fast, args, weights, scope, rt, model), want)
