@@ -18,7 +18,9 @@ each SDE step runs ``(−mean_b logp_t).backward()`` right after its forward (Fl
 backward, gradients accumulated over steps; in strict mode by the canonical reduction of
 ``training.ledger``, so micro-batching, CFG layout and checkpointing change no byte) and the
 accumulated LoRA gradients are digested
-(role ``grad_weight``) after each step, so two training runs diff at the gradient level. The
+(role ``grad_weight``) after each step, so two training runs diff at the gradient level. On a
+GPU the training steps' forwards and backwards replay CUDA graphs
+(``model.graphs_train.GraphedTraining``: the same bytes, records and ledger atoms). The
 artifact goes through the life cycle every run shares (``drifttool.lifecycle.ArtifactSession``).
 """
 
