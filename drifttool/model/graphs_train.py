@@ -136,7 +136,8 @@ class GraphedTraining(SignatureGraphs):
             ``requires_grad``.
 
     Attributes: as ``SignatureGraphs`` (``captures`` counts signatures, ``replays`` forward
-    replays); ``reset()`` also frees the graphs' memory pools.
+    replays, ``refused`` why a capture was refused, after which every call runs eagerly);
+    ``reset()`` also frees the graphs' memory pools.
     """
 
     def trainable(self) -> list[torch.nn.Parameter]:
