@@ -134,6 +134,7 @@ class GraphedTraining(SignatureGraphs):
         model: an ``MMDiT`` (or a model with its forward signature and ``config``) whose
             parameters lie on one CUDA device; the trainable ones are those with
             ``requires_grad``.
+        max_graphs: signatures kept at once, each with its own memory pool (``SignatureGraphs``).
 
     Attributes: as ``SignatureGraphs`` (``captures`` counts signatures, ``replays`` forward
     replays, ``refused`` why a capture was refused, after which every call runs eagerly);
