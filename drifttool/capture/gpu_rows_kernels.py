@@ -263,7 +263,22 @@ def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYT
     correction, which the row's first tile adds once for the whole row), Σx² (fp64), max and
     min ignoring NaN (fp32, exact) and the count of NaN/±inf (int32): kernel 2's arithmetic on
     the same bytes (one int8 product with the signed limbs), so integer sums equal to the row
-    kernel's whatever the tiling."""
+    kernel's whatever the tiling. A caller with several tiles of the same rows may carry their
+    limb sums instead and fold them once (``_tile_limbs``, ``_tile_summary``)."""
+    acc32 = _tile_limbs(y, col0, ok, KT, ktab, tl.zeros([BM, 16], tl.int32), BM, BC, WBYTES, SIGNED_COL0)
+    zero = tl.zeros([BM], tl.int64)
+    t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
+    sq, mx, mn, bad = _tile_summary(y, ok)
+    return t, t2, sq, mx, mn, bad
+
+
+@triton.jit
+def _tile_limbs(y, col0, ok, KT, ktab, acc32, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr,
+                SIGNED_COL0: tl.constexpr = False):
+    """``acc32`` (int32 ``[BM, 16]``) plus the int8 product of a tile's shifted bytes and key limbs
+    (``_tile_digest``'s arguments): its limb sums before their fold into T, T' (``_fold_into``).
+    Each product is at most ``2**14`` in magnitude, so up to ``2**16`` byte columns add below
+    ``2**30`` before a fold must run."""
     if WBYTES == 2:
         w = tl.where(ok, y.to(tl.uint16, bitcast=True), tl.full([1, BC], 0x8080, tl.uint16))
     else:
@@ -275,16 +290,21 @@ def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYT
         k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :], mask=(kcol >= 0)[None, :], other=0)
     else:
         k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :])
-    acc32 = tl.dot(s, tl.trans(k), out_dtype=tl.int32)  # |term| <= 2**14, BB <= 2**16 columns
-    zero = tl.zeros([BM], tl.int64)
-    t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
+    return tl.dot(s, tl.trans(k), acc32, out_dtype=tl.int32)  # |term| <= 2**14
+
+
+@triton.jit
+def _tile_summary(y, ok):
+    """The row summary's terms of a tile (``_tile_digest``'s arguments): Σx² (fp64), max and min
+    ignoring NaN (fp32, exact) and the count of NaN/±inf (int32), over the columns where ``ok``
+    holds."""
     x = y.to(tl.float32)
     xd = tl.where(ok, x.to(tl.float64), 0.0)
     real = ok & (x == x)
     mx = tl.max(tl.where(real, x, float("-inf")), axis=1)
     mn = tl.min(tl.where(real, x, float("inf")), axis=1)
     bad = tl.sum((ok & ~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32), axis=1)
-    return t, t2, tl.sum(xd * xd, axis=1), mx, mn, bad
+    return tl.sum(xd * xd, axis=1), mx, mn, bad
 
 
 @triton.jit
@@ -302,6 +322,13 @@ def _no_terms(BM: tl.constexpr):
     return (tl.zeros([BM], tl.int64), tl.zeros([BM], tl.int64), tl.zeros([BM], tl.float64),
             tl.full([BM], float("-inf"), tl.float32), tl.full([BM], float("inf"), tl.float32),
             tl.zeros([BM], tl.int32))
+
+
+@triton.jit
+def _no_summary(BM: tl.constexpr):
+    """The summary terms of no column (``_tile_summary``'s tuple for ``BM`` rows)."""
+    return (tl.zeros([BM], tl.float64), tl.full([BM], float("-inf"), tl.float32),
+            tl.full([BM], float("inf"), tl.float32), tl.zeros([BM], tl.int32))
 
 
 @triton.jit

@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from drifttool.capture import gpu_rows, produced
-from drifttool.capture.gpu_rows_kernels import _add_terms, _store_tile_digest, _tile_digest
+from drifttool.capture.gpu_rows_kernels import (_fold_into, _no_summary, _store_tile_digest, _tile_limbs,
+                                                _tile_summary)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS, _activate
 
@@ -142,14 +143,12 @@ def _store(Y, y, rm, rn, M, N, sym, syn):
 
 
 @triton.jit
-def _digest_stored(Y, rm, col0, M, N, sym, syn, KT, ktab, BLOCK_M: tl.constexpr, BC: tl.constexpr,
-                   WBYTES: tl.constexpr):
-    """Digest v2's row terms (``capture.gpu_rows_kernels._tile_digest``) of the BC columns from
-    ``col0`` of rows ``rm`` that this program stored in Y (rows past M: not part of any table)."""
+def _stored(Y, rm, col0, M, N, sym, syn, BC: tl.constexpr):
+    """The BC columns from ``col0`` of rows ``rm`` that this program stored in Y (rows past M read
+    as 0: not part of any table), and which of them are the row's (``[1, BC]``)."""
     rn = col0 + tl.arange(0, BC)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0)
-    return _tile_digest(y, col0, (rn < N)[None, :], KT, ktab, BLOCK_M, BC, WBYTES)
+    return tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0), (rn < N)[None, :]
 
 
 @triton.jit
@@ -197,11 +196,16 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, 
         _store(Y, _activate(q3, ACT), rm, off_n + 3 * Q + tl.arange(0, Q), M, N, sym, syn)
     if DIGEST:  # the tile read back from where it was just stored (the L2 cache), a quarter at a time
         tl.debug_barrier()  # every thread's stores seen by the block; the accumulator is dead by now
-        terms = _digest_stored(Y, rm, off_n, M, N, sym, syn, DK, ktab, BLOCK_M, Q, WBYTES)
-        for i in tl.static_range(1, 4):
-            terms = _add_terms(terms, _digest_stored(Y, rm, off_n + i * Q, M, N, sym, syn, DK, ktab,
-                                                     BLOCK_M, Q, WBYTES))
-        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, terms)
+        acc32 = tl.zeros([BLOCK_M, 16], tl.int32)  # the quarters' limb sums, folded once (≤ 1 KiB of bytes)
+        sq, mx, mn, bad = _no_summary(BLOCK_M)
+        for i in tl.static_range(0, 4):
+            y, ok = _stored(Y, rm, off_n + i * Q, M, N, sym, syn, Q)
+            acc32 = _tile_limbs(y, off_n + i * Q, ok, DK, ktab, acc32, BLOCK_M, Q, WBYTES)
+            sq1, mx1, mn1, bad1 = _tile_summary(y, ok)
+            sq, mx, mn, bad = sq + sq1, tl.maximum(mx, mx1), tl.minimum(mn, mn1), bad + bad1
+        zero = tl.zeros([BLOCK_M], tl.int64)
+        t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
+        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, (t, t2, sq, mx, mn, bad))
 
 
 @triton.jit(do_not_specialize=["M"])
