@@ -108,7 +108,11 @@ def test_a_second_forward_before_the_backward_runs_eagerly(model):
         p.grad = None
     assert torch.equal(_bits(va), _bits(want[0][0])) and torch.equal(_bits(vb), _bits(want[1][0]))
     for n, g in got.items():  # autograd's accumulation: the first gradient, then += the second
-        assert torch.equal(_bits(g), _bits(want[0][1][n] + want[1][1][n])), n
+        first, second = want[0][1][n], want[1][1][n]
+        if first is None or second is None:  # a factor the forward does not reach: no gradient
+            assert g is None and first is None and second is None, n
+            continue
+        assert torch.equal(_bits(g), _bits(first + second)), n
     _same(_step(fast, a, wa, sa, rt, model), want[0])  # pending cleared: replayed again
     assert fast.replays == 3
 
