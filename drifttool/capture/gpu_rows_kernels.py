@@ -319,9 +319,8 @@ def _add_terms(a, b):
 def _no_terms(BM: tl.constexpr):
     """The row terms of no column (``_tile_digest``'s tuple for ``BM`` rows): the start of a sum
     over tiles with ``_add_terms``."""
-    return (tl.zeros([BM], tl.int64), tl.zeros([BM], tl.int64), tl.zeros([BM], tl.float64),
-            tl.full([BM], float("-inf"), tl.float32), tl.full([BM], float("inf"), tl.float32),
-            tl.zeros([BM], tl.int32))
+    sq, mx, mn, bad = _no_summary(BM)
+    return tl.zeros([BM], tl.int64), tl.zeros([BM], tl.int64), sq, mx, mn, bad
 
 
 @triton.jit
