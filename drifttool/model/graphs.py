@@ -156,6 +156,19 @@ class SignatureGraphs:
         return g
 
 
+def capture_refused(what: str, e: BaseException) -> UnsupportedConfigError:
+    """The error for a refused capture of ``what``: it names the first error raised inside the
+    capture (a failed capture often ends with CUDA's "operation failed due to a previous error
+    during capture", which hides the operation that broke it), then the last."""
+    first = e
+    while isinstance(first.__context__, RuntimeError):
+        first = first.__context__
+    why = str(first).splitlines()[0] if str(first) else type(first).__name__
+    if first is not e:
+        why += f"; then: {str(e).splitlines()[0]}"
+    return UnsupportedConfigError(f"CUDA graph capture of the {what} failed ({why})")
+
+
 @contextlib.contextmanager
 def stream_kept(device: torch.device):
     """Keep the current stream of ``device`` through a CUDA graph capture: when a capture fails,
@@ -246,8 +259,7 @@ class GraphedForward(SignatureGraphs):
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
-            raise UnsupportedConfigError(
-                f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]})") from e
+            raise capture_refused(f"{rt.mode.value} forward", e) from e
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from drifttool.errors import UnsupportedConfigError
-from drifttool.model.graphs import SignatureGraphs, scope_key, signature, stream_kept
+from drifttool.model.graphs import SignatureGraphs, capture_refused, scope_key, signature, stream_kept
 from drifttool.model.replay import ReplayRecords, logging_runtime
 from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
@@ -238,9 +238,7 @@ class GraphedTraining(SignatureGraphs):
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # an operation that synchronises with the host
-            raise UnsupportedConfigError(
-                f"CUDA graph capture of the {rt.mode.value} training step failed "
-                f"({str(e).splitlines()[0]})") from e
+            raise capture_refused(f"{rt.mode.value} training step", e) from e
         finally:
             if tape is not None:
                 tape.close()  # its sinks ran at capture; a replay runs no Python

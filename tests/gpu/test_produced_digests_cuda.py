@@ -11,6 +11,7 @@ as with the row kernel alone, and launches the row kernel fewer times. Skipped w
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -175,8 +176,15 @@ def test_captured_records_are_the_row_kernels(model, level, graphed, monkeypatch
     assert n_with < n_without, "no captured output took its table from the GEMM's epilogue"
 
 
+@pytest.fixture(scope="module")
+def wide_heads():
+    """The tiny model with heads of 32 values (the internals launch declines Dh 16)."""
+    cfg = replace(tiny(), attention_head_dim=32, axes_dims_rope=(8, 12, 12))
+    return random_init_(MMDiT(cfg, dtype=torch.bfloat16), seed=8).cuda()
+
+
 @pytest.mark.parametrize("graphed", [False, True])
-def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(model, graphed, monkeypatch):
+def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(wide_heads, graphed, monkeypatch):
     """At L2 the strict CUDA fused attention files its scores' and probabilities' records from the
     tables its second pass wrote (``Impl.internals``): the same records as running the
     decomposition, eager and replayed from a CUDA graph, and the scores are never stored."""
@@ -184,14 +192,14 @@ def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(model
     from drifttool.ops.strict_cuda.kernels import attention
 
     monkeypatch.setattr(registry, "internals_from_tables", lambda rt: False)
-    unfused, _ = _records(model, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
+    unfused, _ = _records(wide_heads, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
     monkeypatch.setattr(registry, "internals_from_tables", sink.internals_from_tables)
 
     def refused(*a, **k):
         raise AssertionError("the scores were stored")
 
     monkeypatch.setattr(attention, "scores", refused)
-    fused, _ = _records(model, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
+    fused, _ = _records(wide_heads, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
     assert fused and len(fused) == len(unfused)
     for a, b in zip(fused, unfused):
         la, lb = a.pop("l2"), b.pop("l2")
@@ -199,13 +207,39 @@ def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(model
         assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
 
 
-def test_internals_launch_gives_the_fused_output_at_full_width():
-    """The launch that digests the internals (8 warps) stores the registered launch's output bytes."""
+def _record_rows(x: torch.Tensor, b: int, keep: torch.Tensor) -> torch.Tensor:
+    """Sample ``b``'s record of scores or probabilities ``x`` [B,H,Sq,S]: its kept query rows, each
+    the heads' kept keys side by side (``B.SK``: per head the valid prompt keys, then the image's)."""
+    xb = x[b].index_select(1, keep).index_select(2, keep)  # [H, R, Kv]
+    return xb.permute(1, 0, 2).reshape(len(keep), -1)
+
+
+def test_internals_launch_at_full_width_gives_the_fused_output_and_the_decompositions_tables():
+    """The launch that digests the internals (8 warps) stores the registered launch's output bytes,
+    and its scores' and probabilities' tables hold, on every row of their records, the row
+    kernel's digest of those records as ``scores`` and ``softmax`` store them (a prompt padded on
+    the right, one on both sides)."""
     from drifttool.ops.strict_cuda.kernels import attention
     from tests.strict_cuda_cases import joint
 
-    q, k, v, km = joint([128, 77], 128, 6889, 24, 128, dtype=torch.bfloat16, seed=7, device="cuda")
-    plain = attention.attention(q, k, v, km, text_len=128)
-    o, scores, probs = attention.attention(q, k, v, km, text_len=128, internals=([0, 0], [128, 77]))
+    L, n_img, t0, n = 128, 6889, [0, 30], [128, 77]
+    q, k, v, km = joint([128, 128], L, n_img, 24, 128, dtype=torch.bfloat16, seed=7, device="cuda")
+    slot = torch.arange(L, device="cuda")
+    km[1, :L] = (slot >= t0[1]) & (slot < t0[1] + n[1])
+    plain = attention.attention(q, k, v, km, text_len=L)
+    o, s_table, p_table = attention.attention(q, k, v, km, text_len=L, internals=(t0, n))
     assert torch.equal(o.view(torch.uint8), plain.view(torch.uint8))
-    assert scores[0].shape == (24, 2 * (128 + 6889), 2) and probs[0].shape == scores[0].shape
+    sq = L + n_img
+    assert s_table[0].shape == (24, 2 * sq, 2) and p_table[0].shape == s_table[0].shape
+    x = attention.scores(q, k, text_len=L)
+    p = attention.softmax(x, km, text_len=L)
+    for name, table, full in (("scores", s_table, x), ("probabilities", p_table, p)):
+        rows, stats = gpu_rows.combine_splits(*table)
+        for b in range(2):
+            keep = torch.cat([torch.arange(t0[b], t0[b] + n[b]), torch.arange(L, sq)]).cuda()
+            want_rows, want_stats = gpu_rows.combine_splits(*gpu_rows.launch(_record_rows(full, b, keep),
+                                                                             gpu_rows.TILE))
+            got_rows, got_stats = rows[b * sq + keep], stats[b * sq + keep]
+            assert torch.equal(got_rows, want_rows), f"{name}, sample {b}: T, T' differ"
+            assert torch.equal(got_stats[:, 1:], want_stats[:, 1:]), f"{name}, sample {b}: max, min, counts"
+            assert torch.allclose(got_stats[:, 0], want_stats[:, 0], rtol=1e-12, atol=0), name

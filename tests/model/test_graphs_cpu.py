@@ -86,3 +86,18 @@ def test_the_least_recently_replayed_graph_goes_past_max_graphs():
     assert made == ["a", "b", "c"] and list(graphs._graphs) == ["a", "c"]  # b: least recently replayed
     assert graphs._graph("b", lambda: capture("b")) == "graph b"  # seen before: captured again at once
     assert list(graphs._graphs) == ["c", "b"] and graphs.captures == 4
+
+
+def test_a_refused_capture_names_the_first_error_raised_inside_it():
+    from drifttool.model.graphs import capture_refused
+
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\ndetails")
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        err = capture_refused("strict training step", e)
+    assert str(err) == ("CUDA graph capture of the strict training step failed (operation not permitted when "
+                        "stream is capturing; then: operation failed due to a previous error during capture)")
+    assert "(boom)" in str(capture_refused("strict forward", RuntimeError("boom")))

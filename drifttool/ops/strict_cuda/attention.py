@@ -152,10 +152,15 @@ def _fused_internals(scope, q, k, v, key_mask=None, *, text_len: int | None = No
     (``kernels.attention.attention``'s ``internals``); a zero-stride stand-in of their shape beside
     each.
 
+    None (the decomposition runs: the same records) for heads the internals launch does not take
+    (``kernels.attention.INTERNALS_MIN_HEAD_DIM``).
+
     Raises:
         UnsupportedConfigError: a sample without a valid key."""
     _check_valid_keys("joint_attention_fused", key_mask)
-    b, sq, h, _ = q.shape
+    b, sq, h, dh = q.shape
+    if dh < _kernels().INTERNALS_MIN_HEAD_DIM:
+        return None
     s, L = k.shape[1], int(text_len or 0)
     starts, lens = scope.get("txt_starts"), scope.get("txt_lens")
     t0 = [0] * b if starts is None else [int(x) for x in starts]

@@ -93,7 +93,8 @@ def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(as_on
     from drifttool.ops import sink
     from drifttool.ops.strict_cuda.kernels import attention
 
-    model = random_init_(MMDiT(tiny(), dtype=torch.float32), seed=2)
+    wide = dataclasses.replace(tiny(), attention_head_dim=32, axes_dims_rope=(8, 12, 12))  # Dh 16: declined
+    model = random_init_(MMDiT(wide, dtype=torch.float32), seed=2)
     monkeypatch.setattr(registry, "internals_from_tables", lambda rt: False)  # the decomposition runs
     unfused, _, unfused_trace = _records(model, "L2", True, as_on_cuda, monkeypatch, starts)
 

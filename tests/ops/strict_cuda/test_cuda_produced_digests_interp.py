@@ -200,3 +200,16 @@ def test_a_digesting_attention_equals_the_cpu_digest(with_stats):
         assert _bits(ml0) == _bits(ml1)
     assert _bits(o) == _bits(plain)
     _check_table(o.view(3 * 83, 3 * 16))
+
+
+def test_the_internals_launch_refuses_heads_it_does_not_take():
+    """Heads narrower than ``INTERNALS_MIN_HEAD_DIM`` (16 values) are refused in one line, and the
+    registered operator's ``internals`` declines them (its decomposition runs)."""
+    from drifttool.ops.strict_cuda import attention as registered
+    from drifttool.ops.strict_cuda.kernels import attention
+    from tests.strict_cuda_cases import joint
+
+    q, k, v, km = joint([5, 3], 5, 12, 2, 16, seed=3)
+    with pytest.raises(ValueError, match="at least 32"):
+        attention.attention(q, k, v, km, text_len=5, internals=([0, 0], [5, 3]))
+    assert registered._fused_internals({}, q, k, v, km, text_len=5) is None

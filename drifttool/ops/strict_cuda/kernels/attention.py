@@ -85,6 +85,12 @@ INTERNALS_CONFIG = (BLOCK_M, 8, NUM_STAGES, False)
 """The bf16 launch that also digests the scores and probabilities (``attention``'s ``internals``):
 8 warps, so each holds 16 whole rows (the same bytes) and the digests' registers fit better
 (offline sm_90a, Dh 128: 448 bytes of spills, against 2.5 KiB at 4 warps)."""
+INTERNALS_MIN_HEAD_DIM = 32
+"""The narrowest heads the internals launch takes. At Dh 16 it made an out-of-range local-memory
+access on an H200 (Triton 3.6, compute-sanitizer's memcheck; every launch configuration tried,
+with and without the output's digest); Dh 32, 64 and 128 give the registered launch's output
+bytes. ``attention`` refuses narrower heads; the registered operator's ``internals`` declines
+them and the decomposition runs (the same records)."""
 
 
 @triton.jit
@@ -479,7 +485,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     Returns ``(o, scores_table, probs_table)`` (no ``with_stats``).
 
     Raises:
-        ValueError: ``internals`` with ``with_stats``, or for heads under 16 bytes."""
+        ValueError: ``internals`` with ``with_stats`` or for heads narrower than
+            ``INTERNALS_MIN_HEAD_DIM``."""
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
     b, sq, h, dh = q.shape
     s = k.shape[1]
@@ -491,6 +498,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     if internals is not None:
         if with_stats:
             raise ValueError("attention: internals are digested in forward-only launches (no with_stats)")
+        if dh < INTERNALS_MIN_HEAD_DIM:
+            raise ValueError(f"attention: internals need heads of at least {INTERNALS_MIN_HEAD_DIM} values, "
+                             f"got {dh}")
         tables, iargs = _internal_tables(internals, b, sq, s, h, L, o.device)
         if config is None and q.dtype != torch.float32:
             config = INTERNALS_CONFIG
