@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -97,47 +98,32 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     return rec.ops_table().num_rows
 
 
-@contextlib.contextmanager
+def _patched(on: bool, module, name: str, value):
+    """Within (``on``): ``module.name`` is ``value``."""
+    return mock.patch.object(module, name, value) if on else contextlib.nullcontext()
+
+
 def alt_gemm(on: bool):
-    """Within: the strict bf16 GEMMs launch with ``ALT_GEMM`` (``on``), else as registered."""
-    if not on:
-        yield
-        return
+    """Within (``on``): the strict bf16 GEMMs launch with ``ALT_GEMM``, else as registered."""
+    if not on:  # no Triton import
+        return contextlib.nullcontext()
     from drifttool.ops.strict_cuda.kernels import gemm
 
-    registered = gemm.BF16_CONFIG
-    gemm.BF16_CONFIG = gemm.GemmConfig(**ALT_GEMM)
-    try:
-        yield
-    finally:
-        gemm.BF16_CONFIG = registered
+    return _patched(on, gemm, "BF16_CONFIG", gemm.GemmConfig(**ALT_GEMM))
 
 
-@contextlib.contextmanager
 def row_kernel_only(on: bool):
-    """Within (``on``): no GEMM epilogue writes a row table (``capture.produced.ENABLED``)."""
+    """Within (``on``): no producing kernel writes a row table (``capture.produced.ENABLED``)."""
     from drifttool.capture import produced
 
-    before = produced.ENABLED
-    produced.ENABLED = before and not on
-    try:
-        yield
-    finally:
-        produced.ENABLED = before
+    return _patched(on, produced, "ENABLED", False)
 
 
-@contextlib.contextmanager
 def unfused_internals(on: bool):
     """Within (``on``): the fused attention's L2 internals run as its decomposition."""
     from drifttool.ops import registry
 
-    before = registry.internals_from_tables
-    if on:
-        registry.internals_from_tables = lambda rt: False
-    try:
-        yield
-    finally:
-        registry.internals_from_tables = before
+    return _patched(on, registry, "internals_from_tables", lambda rt: False)
 
 
 def timed(fn) -> float:
