@@ -27,9 +27,11 @@ mean over samples and steps of mean((μ_train − μ_rollout)²)/(2 s²) with s 
 scale, and the loss. On the first inner epoch the parameters are those that sampled, so with
 strict/strict the ratio is exactly 1 and the clip fraction 0; any other combination shows the
 train–rollout mismatch as ratio ≠ 1 before any update. On a GPU (one process) the rollouts'
-forwards replay CUDA graphs (``model.graphs.GraphedForward``) and the training steps theirs
-(``model.graphs_train.GraphedTraining``): the same bytes, and each new group of samples of the
-same shapes replays the graphs of the first.
+forwards replay CUDA graphs (``model.graphs.GraphedForward``): the same bytes, and each new group
+of samples of the same shapes replays the graphs of the first. The training steps go through
+``model.graphs_train.GraphedTraining`` too; on an H200 (torch 2.11) its capture is still refused
+inside this loop ("operation would make the legacy stream depend on a capturing blocking
+stream"), so they run eagerly, with one warning (the same bytes, without the graphs' speed).
 """
 
 from __future__ import annotations
