@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -43,13 +44,17 @@ from random_model import build  # noqa: E402
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
-           "production+L1+graph", "strict+L1+graph", "strict+serial+graph")
+           "production+L1+graph", "strict+L1+graph", "strict+serial+graph", "strict+L1+rows+graph")
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
 first two calls, the warm-up and the capture, fall in the untimed warm-up round); ``+serial``:
 the graph on one CUDA stream (``GraphedForward(lanes=False)``; without it each block's text
 stream runs on a second stream, ``drifttool.model.lanes``); ``+alt``: the strict bf16 GEMMs
 launched with ``--gemm``'s configuration instead of the registered one (the same bytes: the
-tile is not part of the contract), to weigh a candidate in the whole forward."""
+tile is not part of the contract), to weigh a candidate in the whole forward; ``+rows``: every
+captured output digested by the row kernel, the strict GEMMs writing no row tables in their
+epilogues (``capture.produced.ENABLED`` off; the same digests); ``+unfused``: at L2 the attention's
+scores and probabilities computed by its decomposition, stored and read again, rather than
+digested in the fused kernel (``ops.registry.internals_from_tables`` off; the same records)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -75,7 +80,8 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec)
-    with torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra):
+    with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
+          unfused_internals("unfused" in extra)):
         if impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
@@ -92,20 +98,32 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     return rec.ops_table().num_rows
 
 
-@contextlib.contextmanager
+def _patched(on: bool, module, name: str, value):
+    """Within (``on``): ``module.name`` is ``value``."""
+    return mock.patch.object(module, name, value) if on else contextlib.nullcontext()
+
+
 def alt_gemm(on: bool):
-    """Within: the strict bf16 GEMMs launch with ``ALT_GEMM`` (``on``), else as registered."""
-    if not on:
-        yield
-        return
+    """Within (``on``): the strict bf16 GEMMs launch with ``ALT_GEMM``, else as registered."""
+    if not on:  # no Triton import
+        return contextlib.nullcontext()
     from drifttool.ops.strict_cuda.kernels import gemm
 
-    registered = gemm.BF16_CONFIG
-    gemm.BF16_CONFIG = gemm.GemmConfig(**ALT_GEMM)
-    try:
-        yield
-    finally:
-        gemm.BF16_CONFIG = registered
+    return _patched(on, gemm, "BF16_CONFIG", gemm.GemmConfig(**ALT_GEMM))
+
+
+def row_kernel_only(on: bool):
+    """Within (``on``): no producing kernel writes a row table (``capture.produced.ENABLED``)."""
+    from drifttool.capture import produced
+
+    return _patched(on, produced, "ENABLED", False)
+
+
+def unfused_internals(on: bool):
+    """Within (``on``): the fused attention's L2 internals run as its decomposition."""
+    from drifttool.ops import registry
+
+    return _patched(on, registry, "internals_from_tables", lambda rt: False)
 
 
 def timed(fn) -> float:

@@ -1,6 +1,6 @@
 """Launch configurations of the strict CUDA GEMM's FP32 (IEEE) path, against its bf16 path.
 
-    $ python benchmarks/sweep_strict_gemm_fp32.py [--quick]
+    $ python benchmarks/sweep_strict_gemm_fp32.py [--quick] [--merge]
 
 A strict model with a LoRA adapter merges it into an FP32 weight (``ops/lora.py``), so every
 adapted projection runs ``kernels.gemm.linear`` with bf16 activations × an FP32 weight: the IEEE
@@ -12,8 +12,10 @@ Each configuration's output is compared byte for byte with the registered ``FP32
 the FMA dot of an element does not depend on its tile (``GemmConfig``), so a configuration that
 gives other bytes is reported as such, not used. A configuration that fails (compile error,
 spills past the register file) prints its error; the rest still run. To register the winner, set
-``FP32_CONFIG`` in ``drifttool/ops/strict_cuda/kernels/gemm.py``. Without CUDA it prints why and
-exits 0.
+``FP32_CONFIG`` in ``drifttool/ops/strict_cuda/kernels/gemm.py``. ``--merge`` adds the unfused
+adapter's up-projection merged into its FP32 pre-activation (K = 16, the GELU in the epilogue),
+beside the same launch without the activation and a copy of its bytes. Without CUDA it prints why
+and exits 0.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first shape and four configurations")
+    ap.add_argument("--merge", action="store_true",
+                    help="also the unfused adapter's merged up-projection (K = 16, FP32 pre-activation, GELU)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_strict_gemm_fp32.py needs a CUDA device; nothing measured")
@@ -79,6 +83,46 @@ def main() -> None:
             print(f"{name:>20}  {tag:>18}  {t:8.3f}  {flop / t / 1e9:8.1f}  {t / t_bf16:11.2f}  "
                   f"{t / t_cublas:8.2f}  {same}")
     print("* the registered FP32_CONFIG; 'x bf16 GEMM': time against the strict bf16 x bf16 GEMM")
+    if args.merge:
+        merge_roles(configs, do_bench)
+
+
+MERGES = [(4096, 3072, "gelu_tanh_f32"), (4096, 12288, "gelu_tanh_f32"), (4096, 3072, None)]
+"""(M, N, activation) of the unfused adapter's up-projection merged into the FP32 pre-activation:
+act(pre + fp32(s)·(u·Bᵀ)), u [M, 16] and B [N, 16] FP32, the bf16 output (``--merge``)."""
+
+
+def merge_roles(configs, do_bench) -> None:
+    """Time the merged up-projection (K = r = 16) under each configuration, beside what bounds it:
+    the same launch without the activation, and a copy of its bytes (the FP32 pre-activation
+    read, the bf16 output written: ``pre.bfloat16()``)."""
+    from drifttool.ops.strict_cuda.kernels.gemm import FP32_CONFIG, GemmConfig, linear
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    print(f"\n{'merge M x 16 -> N':>24}  {'config':>18}  {'ms':>8}  {'no act ms':>9}  {'x copy':>7}  bytes")
+    for m, n, act in MERGES:
+        u = torch.randn(m, 16, device="cuda", generator=g)
+        b = torch.randn(n, 16, device="cuda", generator=g) * 0.01
+        pre = torch.randn(m, n, device="cuda", generator=g)
+        t_copy = do_bench(lambda: pre.bfloat16())
+
+        def run(cfg, a=act):
+            return linear(u, b, None, merge_into=pre, scale=0.5, act=a, out_dtype=torch.bfloat16, config=cfg)
+
+        ref = run(FP32_CONFIG)
+        name = f"{m}x16->{n} {act or 'none'}"
+        for bm, bn, warps, stages in configs:
+            cfg = GemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, tma=False)
+            tag = ("* " if cfg == FP32_CONFIG else "") + cfg.id
+            try:
+                y = run(cfg)
+                t = do_bench(lambda: run(cfg))
+                t0 = do_bench(lambda: run(cfg, None))
+            except Exception as e:  # noqa: BLE001 — one configuration's failure is a result
+                print(f"{name:>24}  {tag:>18}  failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                continue
+            same = "same" if _same(y, ref) else "OTHER BYTES"
+            print(f"{name:>24}  {tag:>18}  {t:8.3f}  {t0:9.3f}  {t / t_copy:7.2f}  {same}")
 
 
 if __name__ == "__main__":

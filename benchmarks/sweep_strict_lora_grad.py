@@ -30,8 +30,16 @@ sys.path.insert(0, str(ROOT))
 
 ROWS, R = 4096, 16
 WIDTHS = (3072, 12288)
-GEMM_CONFIGS = [(16, 64, 4), (16, 16, 2), (16, 16, 4), (32, 16, 2), (32, 16, 4), (64, 16, 4)]
-"""(block_m, block_n, num_warps) of ``GemmConfig`` (one stage, no TMA) for the rank-wide GEMMs."""
+GEMM_CONFIGS = [(16, 64, 4, 1), (16, 16, 2, 1), (32, 16, 2, 1), (32, 16, 4, 1), (64, 16, 4, 1),
+                (32, 16, 2, 3), (32, 16, 2, 4), (16, 16, 2, 3), (32, 16, 4, 3), (64, 16, 4, 3)]
+"""(block_m, block_n, num_warps, num_stages) of ``GemmConfig`` (no TMA) for the rank-wide GEMMs.
+With one stage each K chunk's loads wait for the previous chunk's FMAs, so a tile's time is
+the chain's latency (the text stream's 128 rows take as long as the image's 4,096); three or
+four stages load ahead (offline sm_90a: 16–24 KiB of shared memory, no spills). The FMA order of
+an element is the same in every one of them."""
+TEXT_ROWS = 128
+"""The text stream's rows at batch 1 (a padded prompt): the rank-wide GEMMs are timed at these
+rows too."""
 WGRAD_CONFIGS = [(64, 64, 4, None), (16, 64, 2, 512), (64, 16, 2, 512), (16, 64, 4, 256),
                  (64, 16, 4, 256), (16, 64, 4, 1024), (64, 16, 4, 1024), (16, 128, 4, 512),
                  (128, 16, 4, 512)]
@@ -60,19 +68,20 @@ def main() -> int:
     print("\nrank-wide GEMMs (ms; 'same' = the registered NARROW_CONFIG's bytes)")
     for k in WIDTHS:
         cases = {f"u = x·Aᵀ, K {k}": (rn(ROWS, k, dtype=torch.bfloat16), rn(R, k)),
+                 f"u = x·Aᵀ, K {k}, {TEXT_ROWS} rows": (rn(TEXT_ROWS, k, dtype=torch.bfloat16), rn(R, k)),
                  f"du = dt·B, N {k}": (rn(ROWS, k), rn(k, R).t())}
         for what, (x, w) in cases.items():
             ref = gemm.linear(x, w, out_dtype=torch.float32, config=gemm.NARROW_CONFIG)
             base = do_bench(lambda: gemm.linear(x, w, out_dtype=torch.float32, config=gemm.NARROW_CONFIG))
-            for bm, bn, nw in GEMM_CONFIGS:
-                cfg = gemm.GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=1, tma=False)
+            for bm, bn, nw, ns in GEMM_CONFIGS:
+                cfg = gemm.GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, tma=False)
                 try:
                     y = gemm.linear(x, w, out_dtype=torch.float32, config=cfg)
                     ms = do_bench(lambda: gemm.linear(x, w, out_dtype=torch.float32, config=cfg))
                 except Exception as e:  # a configuration that does not compile: say so, go on
-                    print(f"  {what:20} {cfg.id:22} failed: {type(e).__name__}: {str(e)[:80]}")
+                    print(f"  {what:28} {cfg.id:22} failed: {type(e).__name__}: {str(e)[:80]}")
                     continue
-                print(f"  {what:20} {cfg.id:22} {ms:8.3f} ms  {base / ms:5.2f}× NARROW  "
+                print(f"  {what:28} {cfg.id:22} {ms:8.3f} ms  {base / ms:5.2f}× NARROW  "
                       f"{'same' if _same(y, ref) else 'OTHER BYTES'}")
     print("\nfactor gradients (ms; 'same' = the registered config's bytes at the same segment length)")
     for k in WIDTHS:

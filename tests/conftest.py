@@ -1,3 +1,4 @@
+import contextlib
 import importlib.util
 import os
 
@@ -50,6 +51,28 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     if not torch.equal(ba, bb):
         idx = (ba != bb).nonzero()[0].tolist()
         pytest.fail(f"{what}: bytes differ first at {idx} ({(ba != bb).sum().item()} elements)")
+
+
+@pytest.fixture
+def uncapturable():
+    """A context manager under which ``MMDiT.forward`` synchronises with the host while a CUDA
+    graph is being captured (not permitted there): a forward no graph can hold."""
+    from drifttool.model.mmdit import MMDiT
+
+    real = MMDiT.forward
+
+    def syncing(self, *a, **k):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return real(self, *a, **k)
+
+    @contextlib.contextmanager
+    def patched():
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(MMDiT, "forward", syncing)
+            yield
+
+    return patched
 
 
 @pytest.fixture

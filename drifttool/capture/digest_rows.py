@@ -27,6 +27,9 @@ from drifttool.capture.dtypes import dtype_name
 from drifttool.digestcore import ROW_CHUNK
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Key tables replaced by a larger one, kept alive: a CUDA graph captured before the growth reads
+the old table at its address at every replay (``model.graphs``)."""
 _CONSTS: dict[torch.device, dict[str, torch.Tensor]] = {}
 
 
@@ -34,6 +37,8 @@ def key_table(kind: str, n: int, device: torch.device) -> torch.Tensor:
     """``core.np_table(kind, n)`` on ``device``: cached, grown by doubling, moved once."""
     have = _TABLES.get((kind, device))
     if have is None or have.shape[-1] < n:
+        if have is not None:
+            _RETIRED.append(have)
         have = torch.from_numpy(core.np_table(kind, n)).to(device)
         _TABLES[(kind, device)] = have
     return have

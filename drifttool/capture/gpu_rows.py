@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from drifttool import digestcore as core
+from drifttool.capture import produced
 
 try:  # Triton ships with CUDA builds of torch; the CPU never needs it
     import triton
@@ -126,6 +127,9 @@ def _signed_table(n: int, wbytes: int) -> np.ndarray:
 
 
 _TABLES: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Key tables replaced by a larger one, kept alive: a CUDA graph captured before the growth reads
+the old table at its address at every replay (``model.graphs``)."""
 _SHIFT: dict[tuple[int, int], tuple[int, int]] = {}
 
 
@@ -140,9 +144,31 @@ def _key_table(kernel: int, device: torch.device, n: int, wbytes: int) -> torch.
             table = _limb_table(size, wbytes).transpose(1, 0, 2).reshape(-1, 32)
         else:
             table = _signed_table(size, wbytes)
+        if (kernel, device, wbytes) in _TABLES:
+            _RETIRED.append(_TABLES[(kernel, device, wbytes)])
         have = torch.from_numpy(np.ascontiguousarray(table)).to(device)
         _TABLES[(kernel, device, wbytes)] = have
     return have
+
+
+def byte_key_table(device: torch.device, n: int, wbytes: int) -> torch.Tensor:
+    """Kernel 2's key table (int8 ``[16, N · wbytes]``, ``N >= n`` element columns) on
+    ``device``: what a producing kernel's digest reads (``gpu_rows_kernels._tile_digest``)."""
+    return _key_table(2, device, n, wbytes)
+
+
+def shift_constants(n: int, wbytes: int) -> tuple[int, int]:
+    """The ``u − 128`` corrections of ``T`` and ``T'`` for rows of ``n`` elements of
+    ``wbytes`` bytes, added once per row (by column split 0)."""
+    return _shift_constants(n, wbytes)
+
+
+def empty_table(rows: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An unwritten row table: ``(int64 [splits, rows, 2], float64 [splits, rows, 4])`` in one
+    allocation (``row_table``'s format)."""
+    buf = torch.empty(6 * rows * splits, dtype=torch.int64, device=device)
+    return (buf[:2 * rows * splits].view(splits, rows, 2),
+            buf[2 * rows * splits:].view(torch.float64).view(splits, rows, 4))
 
 
 def _shift_constants(n: int, wbytes: int) -> tuple[int, int]:
@@ -166,7 +192,9 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(rows, stats)``: ``int64 [S, R, 2]`` (``T``, ``T'`` in ``[0, p)``) and ``float64
         [S, R, 4]`` (Σx², max, min, count of NaN/±inf) of the ``S = TILE["split"]`` column
         splits, on ``x``'s device, nothing read back: a row's values are the sums (mod p for
-        ``T``, ``T'``), the max and the min over the splits (``combine_splits``).
+        ``T``, ``T'``), the max and the min over the splits (``combine_splits``). The table the
+        kernel that wrote ``x`` offered, when there is one (``capture.produced``: its own number
+        of splits), without reading ``x``.
 
     Raises:
         ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis, or a
@@ -175,7 +203,10 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not available(x) or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"row_table needs a 2-D CUDA bf16/fp16/fp32 tensor with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if x.device.index == torch.cuda.current_device():
+    made = produced.table(x)
+    if made is not None:
+        return made
+    if x.device.type != "cuda" or x.device.index == torch.cuda.current_device():  # (CPU: the interpreter)
         return launch(x, TILE)
     with torch.cuda.device(x.device):
         return launch(x, TILE)
@@ -207,9 +238,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if v < 0 or v & (v - 1):
         raise ValueError(f"row kernel Σx² width {v} is not 0 or a power of two")
     splits = max(1, int(tile["split"]))
-    buf = torch.empty(6 * r * splits, dtype=torch.int64, device=x.device)  # one allocation
-    rows = buf[:2 * r * splits].view(splits, r, 2)
-    stats = buf[2 * r * splits:].view(torch.float64).view(splits, r, 4)
+    rows, stats = empty_table(r, splits, x.device)
     if r == 0:
         return rows, stats
     s1, s2 = _shift_constants(c, wbytes)

@@ -232,6 +232,129 @@ def _rows_kernel(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, 
     tl.store(STATS + out * 4 + 3, bad.to(tl.float64), mask=rmask)
 
 
+# -- a producing kernel's tile ----------------------------------------------------------------------
+@triton.jit
+def _word_bytes(w, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+    """``[BM, BC]`` words (uint16 or uint32) → ``uint8 [BM, BC · W]``, their bytes in memory
+    order (little endian): the ``uint8`` view a row kernel reads."""
+    b0 = (w & 0xFF).to(tl.uint8)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8)
+    if WBYTES == 2:
+        u = tl.reshape(tl.join(b0, b1), [BM, BC * 2])
+    else:
+        b2 = ((w >> 16) & 0xFF).to(tl.uint8)
+        b3 = ((w >> 24) & 0xFF).to(tl.uint8)
+        # join appends its axis last: [.., j, i] holds pair i's element j, so pairs (b0, b2), (b1, b3)
+        u = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BM, BC * 4])
+    return u
+
+
+@triton.jit
+def _tile_digest(y, col0, ok, KT, ktab, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr,
+                 SIGNED_COL0: tl.constexpr = False):
+    """Digest v2's row terms of one tile of a tensor being written: ``y`` ``[BM, BC]`` the values
+    as stored (bf16, fp16 or fp32: ``WBYTES`` 2 or 4) at element columns ``col0 + [0, BC)`` of
+    their rows, of which those where ``ok`` (``[1, BC]`` bool) holds belong to the row (the others,
+    past its end or padding: no term, not in the summary); ``KT`` kernel 2's key table (int8
+    ``[16, ktab]``, ``gpu_rows._key_table``). ``SIGNED_COL0``: ``col0`` may be negative (the
+    columns before 0 are outside ``ok``); their keys are not read.
+
+    Returns per row: ``T``, ``T'`` of these columns (int64 in ``[0, p)``, without the ``u − 128``
+    correction, which the row's first tile adds once for the whole row), Σx² (fp64), max and
+    min ignoring NaN (fp32, exact) and the count of NaN/±inf (int32): kernel 2's arithmetic on
+    the same bytes (one int8 product with the signed limbs), so integer sums equal to the row
+    kernel's whatever the tiling. A caller with several tiles of the same rows may carry their
+    limb sums instead and fold them once (``_tile_limbs``, ``_tile_summary``)."""
+    acc32 = _tile_limbs(y, col0, ok, KT, ktab, tl.zeros([BM, 16], tl.int32), BM, BC, WBYTES, SIGNED_COL0)
+    zero = tl.zeros([BM], tl.int64)
+    t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
+    sq, mx, mn, bad = _tile_summary(y, ok)
+    return t, t2, sq, mx, mn, bad
+
+
+@triton.jit
+def _tile_limbs(y, col0, ok, KT, ktab, acc32, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr,
+                SIGNED_COL0: tl.constexpr = False):
+    """``acc32`` (int32 ``[BM, 16]``) plus the int8 product of a tile's shifted bytes and key limbs
+    (``_tile_digest``'s arguments): its limb sums before their fold into T, T' (``_fold_into``).
+    Each product is at most ``2**14`` in magnitude, so up to ``2**16`` byte columns add below
+    ``2**30`` before a fold must run."""
+    if WBYTES == 2:
+        w = tl.where(ok, y.to(tl.uint16, bitcast=True), tl.full([1, BC], 0x8080, tl.uint16))
+    else:
+        w = tl.where(ok, y.to(tl.uint32, bitcast=True), tl.full([1, BC], 0x80808080, tl.uint32))
+    s = (_word_bytes(w, BM, BC, WBYTES) ^ 0x80).to(tl.int8, bitcast=True)  # byte 128 (past C): 0
+    BB: tl.constexpr = BC * WBYTES
+    kcol = col0 * WBYTES + tl.arange(0, BB)
+    if SIGNED_COL0:
+        k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :], mask=(kcol >= 0)[None, :], other=0)
+    else:
+        k = tl.load(KT + tl.arange(0, 16)[:, None] * ktab + kcol[None, :])
+    return tl.dot(s, tl.trans(k), acc32, out_dtype=tl.int32)  # |term| <= 2**14
+
+
+@triton.jit
+def _tile_summary(y, ok):
+    """The row summary's terms of a tile (``_tile_digest``'s arguments): Σx² (fp64), max and min
+    ignoring NaN (fp32, exact) and the count of NaN/±inf (int32), over the columns where ``ok``
+    holds."""
+    x = y.to(tl.float32)
+    xd = tl.where(ok, x.to(tl.float64), 0.0)
+    real = ok & (x == x)
+    mx = tl.max(tl.where(real, x, float("-inf")), axis=1)
+    mn = tl.min(tl.where(real, x, float("inf")), axis=1)
+    bad = tl.sum((ok & ~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32), axis=1)
+    return tl.sum(xd * xd, axis=1), mx, mn, bad
+
+
+@triton.jit
+def _add_terms(a, b):
+    """Two sub-tiles' row terms of one row (``_tile_digest``'s tuple) added: T, T' mod p, Σx²,
+    the max, the min and the count."""
+    return (_modp(a[0] + b[0]), _modp(a[1] + b[1]), a[2] + b[2], tl.maximum(a[3], b[3]),
+            tl.minimum(a[4], b[4]), a[5] + b[5])
+
+
+@triton.jit
+def _no_terms(BM: tl.constexpr):
+    """The row terms of no column (``_tile_digest``'s tuple for ``BM`` rows): the start of a sum
+    over tiles with ``_add_terms``."""
+    sq, mx, mn, bad = _no_summary(BM)
+    return tl.zeros([BM], tl.int64), tl.zeros([BM], tl.int64), sq, mx, mn, bad
+
+
+@triton.jit
+def _no_summary(BM: tl.constexpr):
+    """The summary terms of no column (``_tile_summary``'s tuple for ``BM`` rows)."""
+    return (tl.zeros([BM], tl.float64), tl.full([BM], float("-inf"), tl.float32),
+            tl.full([BM], float("inf"), tl.float32), tl.zeros([BM], tl.int32))
+
+
+@triton.jit
+def _store_tile_digest(ROWS, STATS, rm, M, split, shift_t, shift_t2, terms):
+    """Write one tile's row terms (``_tile_digest``'s tuple) as column split ``split`` of a row
+    table (``ROWS`` int64 ``[S, M, 2]``, ``STATS`` float64 ``[S, M, 4]``: ``gpu_rows.row_table``'s
+    format); split 0 adds the row's ``u − 128`` correction (``shift_t``, ``shift_t2``). Rows
+    ``>= M`` are not written."""
+    _store_rows_digest(ROWS, STATS, rm, rm < M, M, split, shift_t, shift_t2, terms)
+
+
+@triton.jit
+def _store_rows_digest(ROWS, STATS, rm, mask, M, split, shift_t, shift_t2, terms):
+    """``_store_tile_digest`` of the rows ``rm`` where ``mask`` holds (the table has ``M`` rows)."""
+    t, t2, sq, mx, mn, bad = terms
+    if split == 0:
+        t = _modp(t + shift_t)
+        t2 = _modp(t2 + shift_t2)
+    out = rm.to(tl.int64) + split * M  # split · M < 2**31: at most 2**16 rows of a table, a few splits
+    tl.store(ROWS + out * 2, t, mask=mask)
+    tl.store(ROWS + out * 2 + 1, t2, mask=mask)
+    tl.store(STATS + out * 4, sq, mask=mask)
+    tl.store(STATS + out * 4 + 1, mx.to(tl.float64), mask=mask)
+    tl.store(STATS + out * 4 + 2, mn.to(tl.float64), mask=mask)
+    tl.store(STATS + out * 4 + 3, bad.to(tl.float64), mask=mask)
+
+
 # -- kernel 1 -------------------------------------------------------------------------------------
 @triton.jit
 def _rows_kernel_v1(X, XB, KEYS, ROWS, STATS, R, C, stride_r, stride_rb, shift_t, shift_t2,

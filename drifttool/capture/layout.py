@@ -250,6 +250,35 @@ class FlatPart:
     shape: tuple[int, ...]
 
 
+def table_parts(site: dict[str, Any], shape: tuple[int, ...], layout: str) -> list[FlatPart]:
+    """The canonical parts of a ``[B, ., S, K]`` output (layout ``B.SK``: the attention's scores
+    and probabilities) as row ranges of its row table, whose rows are ``b·S + query row`` and
+    whose columns are the canonical ones (per ``.`` index, the ``K`` selection): what
+    ``canonicalize`` would give, without the tensor (``shape`` alone; the kernel that computed the
+    values wrote the table). Each part's shape is ``(H, S rows kept, K keys kept)``, its row axis 1.
+
+    Raises:
+        ValueError: another layout, or as ``canonicalize``."""
+    if layout != "B.SK" or len(shape) != 4:
+        raise ValueError(f"table_parts: layout 'B.SK' of a 4-D output, got {layout!r} {tuple(shape)}")
+    nb, heads, sq, sk = (int(v) for v in shape)
+    stream, samples = site.get("stream", "none"), site.get("samples")
+    txt_lens, txt_starts, grid = site.get("txt_lens"), site.get("txt_starts"), site.get("img_grid")
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    cond = cond_grids_of(site)
+    parts = []
+    for b in range(nb):
+        sample = int(samples[b]) if samples is not None else b
+        txt_len = None if txt_lens is None else int(txt_lens[b])
+        t0 = 0 if txt_starts is None else int(txt_starts[b])
+        segs, rowmap = _segments("S", stream, sq, txt_len, grid, t0, cond)
+        keys, _ = _segments("K", stream, sk, txt_len, grid, t0, cond)
+        ranges = tuple((b * sq + a, b * sq + z) for a, z in segs if z > a)
+        parts.append(FlatPart(sample, ranges, 1, rowmap,
+                              (heads, sum(z - a for a, z in ranges), sum(z - a for a, z in keys))))
+    return parts
+
+
 def _tuple(v: Any) -> tuple | None:
     return None if v is None else tuple(v)
 

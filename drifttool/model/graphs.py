@@ -35,7 +35,8 @@ It runs eagerly, never graphed, where a graph would lose something: a parallel p
 (collectives), probe variants, autograd recording (training), a recorder that is not drifttool's
 ``Recorder``, or a device other than CUDA. The graphs are keyed by what the kernels and the
 records' parts depend on: the shapes and dtypes, the grid, mode, capture level, and the scope's
-samples, prompt lengths and text starts (a trajectory repeats them at every step). The first
+pattern of samples (which rows share one; the ids are each replay's own), prompt lengths and text
+starts (a trajectory repeats them at every step). The first
 call of a signature always runs eagerly: it compiles the Triton kernels and fills the constant
 caches (RoPE tables, eps scalars, sinusoid frequencies) that the graph then reads; the RoPE
 tables of each signature are held alive by its graph.
@@ -46,8 +47,11 @@ this wrapper; ``reset()`` frees them.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,7 +71,117 @@ class _Graph:
     keep: tuple = field(default=(), repr=False)  # constants the graph reads (RoPE tables)
 
 
-class GraphedForward:
+class SignatureGraphs:
+    """Graphs of ``model`` by input signature: a signature's first call runs eagerly (the
+    warm-up), its second captures (``_graph``), later ones replay; a replaced parameter (another
+    storage) drops them all. Shared by ``GraphedForward`` and ``model.graphs_train.GraphedTraining``.
+
+    Args:
+        model: the model the graphs run.
+        max_graphs: signatures kept at once; capturing one more drops the least recently
+            replayed (its memory goes back; a trainer whose prompt lengths keep changing does not
+            hold a graph per length).
+
+    Attributes:
+        captures: how many graphs were captured (a test and a benchmark read it).
+        replays: how many calls were served by a replay.
+        refused: why a capture was refused (an operation that synchronises with the host, say),
+            or None. After one refusal this wrapper captures nothing more, ``reset`` included:
+            every call runs eagerly (the same bytes), and a ``RuntimeWarning`` says so once. An
+            out-of-memory error is raised.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_graphs: int = 8) -> None:
+        self.model = model
+        self.max_graphs = int(max_graphs)
+        self.captures = 0
+        self.replays = 0
+        self.refused: str | None = None
+        self._seen: set[tuple] = set()
+        self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self._params: tuple[int, ...] = ()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype (``sampling.step.sampler_model`` casts inputs to it)."""
+        return self.model.dtype
+
+    def capture_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The stream this wrapper captures on, one per device (whichever device is current;
+        one stream, so graphs sharing a memory pool reuse each other's freed blocks)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    @staticmethod
+    def _level(rt: Runtime) -> str | None:
+        """The capture level whose records the forward makes: None at L0 or without capture."""
+        level = getattr(rt.recorder, "level", None) if rt.mode.captures else None
+        return None if level in (None, "L0") else level
+
+    def reset(self) -> None:
+        """Drop every graph (the next call of each signature is eager)."""
+        self._seen.clear()
+        self._graphs.clear()
+
+    def _graph(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
+        """The graph of signature ``key`` (``capture()`` makes it at the second call), or None at
+        the first call (the caller runs the model eagerly: kernels compiled, caches filled) and
+        after a refused capture."""
+        params = tuple(p.data_ptr() for p in self.model.parameters())
+        if params != self._params:  # a parameter was replaced: every graph reads stale memory
+            if self._params:
+                self.reset()
+            self._params = params
+        if self.refused is not None:
+            return None
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return None
+            while len(self._graphs) >= max(1, self.max_graphs):
+                self._graphs.popitem(last=False)  # the least recently replayed
+            try:
+                g = capture()
+            except UnsupportedConfigError as e:  # not capturable: eager from now on
+                self.refused = str(e)
+                warnings.warn(f"{e}; the model runs eagerly from now on (the same bytes, without the "
+                              "graphs' speed)", RuntimeWarning, stacklevel=3)
+                return None
+            self._graphs[key] = g
+            self.captures += 1
+        self._graphs.move_to_end(key)
+        return g
+
+
+def capture_refused(what: str, e: BaseException) -> UnsupportedConfigError:
+    """The error for a refused capture of ``what``: it names the first error raised inside the
+    capture (a failed capture often ends with CUDA's "operation failed due to a previous error
+    during capture", which hides the operation that broke it), then the last."""
+    first = e
+    while isinstance(first.__context__, RuntimeError):
+        first = first.__context__
+    why = str(first).splitlines()[0] if str(first) else type(first).__name__
+    if first is not e:
+        why += f"; then: {str(e).splitlines()[0]}"
+    return UnsupportedConfigError(f"CUDA graph capture of the {what} failed ({why})")
+
+
+@contextlib.contextmanager
+def stream_kept(device: torch.device):
+    """Keep the current stream of ``device`` through a CUDA graph capture: when a capture fails,
+    ``torch.cuda.graph`` may raise while ending it and leave its capture stream current."""
+    before = torch.cuda.current_stream(device)
+    try:
+        yield
+    except BaseException:
+        torch.cuda.set_stream(before)
+        raise
+
+
+class GraphedForward(SignatureGraphs):
     """``model(x, txt, txt_mask, tau, img_grid, rt)`` replayed from one CUDA graph per input
     signature (module docstring).
 
@@ -76,31 +190,20 @@ class GraphedForward:
             whose parameters lie on one CUDA device.
         lanes: capture each block's text stream on a second CUDA stream (module docstring);
             False: on one stream.
+        max_graphs: as ``SignatureGraphs``.
 
-    Attributes:
-        captures: how many graphs were captured (a test and a benchmark read it).
-        replays: how many calls were served by a replay.
+    Attributes: as ``SignatureGraphs``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, lanes: bool = True) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, *, lanes: bool = True, max_graphs: int = 8) -> None:
+        super().__init__(model, max_graphs=max_graphs)
         self.lanes = lanes
         self._lanes: Lanes | None = None
-        self.captures = 0
-        self.replays = 0
-        self._seen: set[tuple] = set()
-        self._graphs: dict[tuple, _Graph] = {}
         self._pool: Any = None
-        self._params: tuple[int, ...] = ()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
 
     def reset(self) -> None:
         """Drop every graph and its memory pool (the next call of each signature is eager)."""
-        self._seen.clear()
-        self._graphs.clear()
+        super().reset()
         self._pool = None
 
     @staticmethod
@@ -110,12 +213,6 @@ class GraphedForward:
         return (x.is_cuda and not torch.is_grad_enabled() and rt.plan is None and not rt.variants
                 and rt.grad_ledger is None
                 and (rec is None or not rt.mode.captures or callable(getattr(rec, "capture_digested", None))))
-
-    @staticmethod
-    def _level(rt: Runtime) -> str | None:
-        """The capture level whose records the forward makes: None at L0 or without capture."""
-        level = getattr(rt.recorder, "level", None) if rt.mode.captures else None
-        return None if level in (None, "L0") else level
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
                  tau: torch.Tensor, img_grid: tuple[int, int], rt: Runtime, *,
@@ -128,23 +225,10 @@ class GraphedForward:
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid = tuple(int(v) for v in img_grid)
         cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
-        scope = rt.current_scope()
-        key = (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
-               None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
-               None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
-               str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), self._level(rt),
-               *(_frozen(scope[k]) for k in ("component", "samples", "txt_lens", "txt_starts", "img_grid",
-                                             "cond_grids")))
-        params = tuple(p.data_ptr() for p in self.model.parameters())
-        if params != self._params:  # a parameter was replaced: every graph reads stale memory
-            self.reset()
-            self._params = params
-        g = self._graphs.get(key)
-        if g is None:
-            if key not in self._seen:  # warm-up: compile kernels, fill constant caches
-                self._seen.add(key)
-                return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
-            g = self._graphs[key] = self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids)
+        key = signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt))
+        g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids))
+        if g is None:  # warm-up: compile kernels, fill constant caches
+            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
@@ -161,25 +245,51 @@ class GraphedForward:
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         level = self._level(rt)
         quiet, log = logging_runtime(rt, level)
-        if self.lanes:
-            if self._lanes is None:
-                self._lanes = Lanes(x.device)
-            quiet = replace(quiet, lanes=self._lanes)
+        if self.lanes and self._lanes is None:
+            self._lanes = Lanes(x.device)
+        quiet = replace(quiet, lanes=self._lanes if self.lanes else None)  # never a caller's lanes
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(x.device)
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.device(x.device), stream_kept(x.device), \
+                    torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream(x.device)):
                 out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
-            raise UnsupportedConfigError(
-                f"CUDA graph capture of the {rt.mode.value} forward failed ({str(e).splitlines()[0]}); "
-                "run it eagerly (call the model itself)") from e
-        self.captures += 1
+            raise capture_refused(f"{rt.mode.value} forward", e) from e
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 
-def _frozen(v: Any) -> Any:
+def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None, tau: torch.Tensor,
+              grid: tuple[int, int], cond: torch.Tensor | None, cond_grids: tuple[tuple[int, int], ...],
+              rt: Runtime, level: str | None) -> tuple:
+    """What a recorded forward's kernels and records depend on, as a dict key: the inputs' shapes
+    and dtypes, mask presence, grid, device, mode, capture ``level`` and the scope's pattern of
+    samples (``sample_pattern``), prompt lengths and text starts."""
+    scope = rt.current_scope()
+    return (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
+            None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
+            None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
+            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
+            sample_pattern(scope["samples"]),
+            *(scope_key(scope[k]) for k in ("component", "txt_lens", "txt_starts", "img_grid", "cond_grids")))
+
+
+def sample_pattern(samples: Any) -> tuple[int, ...] | None:
+    """Which batch rows of a forward share a logical sample: per row, the first row of its sample
+    (``[7, 9, 7]`` → ``(0, 1, 0)``; None without sample ids). The part of the scope's sample
+    ids a recorded forward depends on: a replay files its own scope's ids (records,
+    ``model.replay``; gradient-ledger atoms, ``model.graphs_train``), so a trainer's or a
+    GRPO loop's fresh samples reuse the graphs of the same shapes."""
+    if samples is None:
+        return None
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(int(s), i) for i, s in enumerate(samples))
+
+
+def scope_key(v: Any) -> Any:
     """A scope value as a dict key (lists → tuples)."""
-    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple(scope_key(x) for x in v) if isinstance(v, (list, tuple)) else v

@@ -286,7 +286,9 @@ def _checkpointed(block: Block, i, t, temb, ctx: AttentionContext, rt: Runtime):
         r = rt if len(calls) == 1 else again.recomputation()  # fresh counters per re-run
         return block(i_, t_, temb_, ctx, r)
 
-    return checkpoint(run, i, t, temb, use_reentrant=False)
+    # no RNG state kept: a block draws no random numbers, and reading the CUDA generator's state is
+    # refused inside a CUDA graph capture (``model.graphs_train`` captures checkpointed steps)
+    return checkpoint(run, i, t, temb, use_reentrant=False, preserve_rng_state=False)
 
 
 @torch.no_grad()

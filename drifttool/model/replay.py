@@ -16,9 +16,9 @@ any Python. What the eager forward filed call by call must still be filed after 
   fields the capture traced;
 * **the capture records**: the pending digests of every captured part are read back at once
   (``materialize``, one host synchronisation), and the records' columns are assembled from a
-  template made once per graph (op, stream, block, output index, role, sample, dtype, shape,
-  the L2 row map) and the replay's scope (step, sigma, CFG branch per batch row), then handed to
-  ``Recorder.capture_records`` as one block.
+  template made once per graph (op, stream, block, output index, role, batch row, dtype, shape,
+  the L2 row map) and the replay's scope (step, sigma, the sample id and CFG branch per batch
+  row), then handed to ``Recorder.capture_records`` as one block.
 
 The result is what the eager forward leaves, record for record and counter for counter
 (``tests/model/test_replay_filing.py`` compares tables, traces and counters on the CPU;
@@ -77,11 +77,19 @@ class _CaptureLog:
 
     def capture(self, site: dict[str, Any], tensor: Any, layout: str, index: int = 0,
                 role: str = "output") -> None:
+        self.capture_digested(site, record_parts(site, tensor, layout, self.level), index, role)
+
+    def capture_digested(self, site: dict[str, Any], parts: list, index: int = 0, role: str = "output",
+                         ranks: list | None = None) -> None:
+        """File ``(part, pending digest)`` pairs (``capture``'s, or made elsewhere: a kernel's
+        own row tables, ``ops.sink.capture_table``) under the call that produced them."""
+        if ranks is not None:
+            raise UnsupportedConfigError("recorded forward: rank checks of a sharded capture")
         call = self._log.calls[-1]  # the registry traces a call, then captures its outputs
         if (call.op, call.stream, call.block) != (site["op"], site["stream"], site["block"]):
             raise UnsupportedConfigError(f"recorded forward: output of {site['op']} captured "
                                          f"outside its traced call ({call.op})")
-        call.captures.append((index, role, record_parts(site, tensor, layout, self.level)))
+        call.captures.append((index, role, parts))
 
 
 def logging_runtime(rt: Runtime, level: str | None) -> tuple[Runtime, CallLog]:
@@ -119,7 +127,7 @@ class ReplayRecords:
                 key[j, i], rel[j, i] = at, counts[at]
                 counts[at] += 1
         self._keys, self._counts, self._key, self._rel = list(index), counts, key, rel
-        self._fields, self._ranks, self._branch_row = [], [], []
+        self._fields, self._ranks, self._row = [], [], []
         for c in calls:
             kw = dict(c.trace)
             self._ranks.append(kw.pop("rank", None))
@@ -136,7 +144,7 @@ class ReplayRecords:
                                                 pending.dtype, pending.shape,
                                                 None if rows is None else rows.txt_len, *grid)):
                         cols[k].append(v)
-                    self._branch_row.append(b if part.sample >= 0 else -1)
+                    self._row.append(b if part.sample >= 0 else -1)  # its batch row
                     self._pending.append(pending)
         self._read = ReadBack(self._pending)
         self._rec_call = np.asarray(rec_call, np.int64)
@@ -151,7 +159,8 @@ class ReplayRecords:
 
     def file(self, rt: Runtime) -> None:
         """File one replay's trace calls, counters and records into ``rt``, in its current scope
-        (step, sigma, CFG branch, …, as the forward's scope would be).
+        (step, sigma, CFG branch, the batch rows' sample ids, …, as the forward's scope would be:
+        the recorded forward's scope had the same pattern of samples, ``graphs.sample_pattern``).
 
         Raises:
             ValueError: as ``Recorder.capture_records`` (a scope the records cannot carry).
@@ -172,9 +181,12 @@ class ReplayRecords:
             self._file_each(rt, scope, call_l, pos.tolist(), done)
             return
         at = self._rec_call
+        samples = scope.get("samples")
         rt.recorder.capture_records(scope, {
             **digest_columns(done), **self._columns,  # dtype and shape: the template's
-            "branch": pa.array(_branches(scope["branch"], self._branch_row), pa.utf8()),
+            **({} if samples is None else {"sample": pa.array(
+                [int(samples[r]) if r >= 0 else -1 for r in self._row], S.OPS_SCHEMA.field("sample").type)}),
+            "branch": pa.array(_branches(scope["branch"], self._row), pa.utf8()),
             "op_pos": pos[at].astype(np.int32), "call": call[at].astype(np.int32)})
 
     def _file_each(self, rt: Runtime, scope: dict[str, Any], call: list[int], pos: list[int],
@@ -186,9 +198,11 @@ class ReplayRecords:
                 continue
             site = {**scope, "block": c.block, "op": c.op, "stream": c.stream, "call": call[i],
                     "op_pos": pos[i]}
+            samples = scope.get("samples")
             for index, role, parts in c.captures:
-                rt.recorder.capture_digested(site, [(p, next(it)) for p, _ in parts], index=index,
-                                             role=role)
+                rt.recorder.capture_digested(site, [(p if samples is None or p.sample < 0 else
+                                                     dataclasses.replace(p, sample=int(samples[b])), next(it))
+                                                    for b, (p, _) in enumerate(parts)], index=index, role=role)
 
 
 _TEMPLATE = ("block", "stream", "op", "index", "role", "sample", "dtype", "shape", "txt_len", "img_h",

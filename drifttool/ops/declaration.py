@@ -80,6 +80,11 @@ class Impl:
         contract: the arithmetic contract id this implementation keeps, when it differs from the
             operator's (``OpSpec.contract``): e.g. the strict CUDA family's
             ``"qwenimage.<name>.cuda1"``. ``None``: the operator's. Written to the trace.
+        internals: for a decomposable implementation, ``internals(scope, *args, **kwargs)`` runs
+            ``fn``'s arithmetic and returns ``(output, {finer operator: row table})``: the row
+            tables (``capture.gpu_rows.row_table``'s format) of the decomposition's outputs that
+            are not the fused output, which dispatch then files as their records without running
+            the decomposition (``ops.registry``); or ``None`` to run the decomposition after all.
     """
 
     op: str
@@ -91,6 +96,7 @@ class Impl:
     decomposable: bool = False
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
     contract: str | None = None
+    internals: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def binder(self) -> Binder:

@@ -55,7 +55,8 @@ from typing import Any, Callable
 
 import torch
 
-from drifttool.ops.sink import capture_outputs
+from drifttool.capture import produced
+from drifttool.ops.sink import capture_outputs, capture_table, digests_wanted, internals_from_tables
 from drifttool.components import COMPONENTS
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Constraint, devices, on_device
@@ -113,6 +114,7 @@ def implements(
     constraints: tuple[Constraint, ...] = (),
     decomposable: bool = False,
     contract: str | None = None,
+    internals: Callable[..., Any] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the ``family`` implementation of operator ``name`` on ``device``.
 
@@ -126,6 +128,8 @@ def implements(
         constraints: further declared constraints (dtypes, geometry), checked on every call.
         decomposable: ``fn`` is byte-equal to the operator's declared decomposition.
         contract: the contract id ``fn`` keeps when it is not the operator's (``Impl.contract``).
+        internals: the internal outputs' row tables from one run of ``fn``'s arithmetic
+            (``Impl.internals``); only with ``decomposable``.
 
     Raises:
         ValueError: undeclared operator, unknown device, a constraint reading a parameter ``fn``
@@ -149,7 +153,7 @@ def implements(
                                  f"not parameters of {fn.__name__}")
         for d in devs:
             impl = Impl(name, family, d, fn, kernel, (on_device(d), *constraints), decomposable, sig,
-                        contract)
+                        contract, internals if decomposable else None)
             _IMPLS.setdefault((name, family, d), []).append(impl)
         return fn
 
@@ -346,6 +350,42 @@ def _decomposed(rt: Runtime, op: OpSpec, stream: str, layout: Any, args: tuple,
     return dec.run(step, *args, **kwargs)
 
 
+def _from_tables(rt: Runtime, op: OpSpec, res: Resolution, stream: str, layout: Any, args: tuple,
+                 kwargs: dict[str, Any]) -> Any:
+    """``_decomposed``'s trace and records without running the decomposition: the fused
+    implementation computes the output and the row tables of the internal outputs
+    (``Impl.internals``), never storing those; each finer operator is dispatched (for its trace
+    entry) on stand-ins of its inputs and its records are filed from its table
+    (``sink.capture_table``), the last one's (the fused output's) from the output itself."""
+    got = res.impl.internals(rt.current_scope(), *args, **kwargs)
+    if got is None:  # the implementation declines here: the decomposition runs
+        return _decomposed(rt, op, stream, layout, args, kwargs)
+    out, tables = got
+    dec = op.decomposition
+
+    def step(name: str, *a: Any, **kw: Any) -> Any:
+        fine = spec(name)
+        res_i = _dispatch(rt, fine, a, kw)
+        site = rt.site(name, stream)
+        _trace(rt, site, fine, res_i, _placed(res_i, a, kw))
+        lay = dec.layouts.get(name, layout)
+        if name in tables:
+            table, like = tables[name]
+            if lay is not None and rt.recorder is not None:
+                capture_table(rt, site, like, table, lay, "internal")
+            return like
+        capture_outputs(rt, site, out, lay, "internal")
+        return out
+
+    return dec.run(step, *args, **kwargs)
+
+
+def _wants_grad(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Autograd records this call (a tensor argument requires a gradient)."""
+    return torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                           for v in (*args, *kwargs.values()))
+
+
 def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: str,
           layout: Any, role: str) -> Any:
     res = _dispatch(rt, op, args, kwargs)
@@ -354,12 +394,24 @@ def _call(rt: Runtime, op: OpSpec, args: tuple, kwargs: dict[str, Any], stream: 
         # the internals first (their records precede the fused one in program order, so a
         # drift born in the scores is named there), then the fused operator's own record: the
         # records of an L1 run are a subset of the L2 run's
+        tables = res.impl.internals is not None and internals_from_tables(rt) and not _wants_grad(args, kwargs)
+
         def run(*a: Any, **kw: Any) -> Any:
+            if tables:  # the fused kernel's own tables of the internals: the same records
+                return _from_tables(rt, op, res, stream, layout, a, kw)
             return _decomposed(rt, op, stream, layout, a, kw)
     else:
         run = res.impl.fn
     plan = rt.plan if role == "output" else None  # a decomposition runs inside its fused call's rules
-    out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
+    # its producing kernels may digest what they store; a nested call that is not captured
+    # clears an enclosing call's mark for its own kernels
+    want = digests_wanted(rt, layout)
+    token = produced.producing(want) if want or produced.marked() else None
+    try:
+        out = run(*args, **kwargs) if plan is None else plan.call(rt, op.name, stream, run, args, kwargs)
+    finally:
+        if token is not None:
+            produced.done(token)
     site = rt.site(op.name, stream)
     _trace(rt, site, op, res, _placed(res, args, kwargs), expanded=expanded)
     capture_outputs(rt, site, out, layout, role)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from drifttool.capture.digest_rows import pending_rows
+from drifttool.capture.layout import table_parts
 from drifttool.runtime import Runtime
 
 
@@ -59,6 +61,34 @@ def capture_outputs(
     for i, (t, lay) in enumerate(zip(outs, layouts)):
         if lay is not None:
             rt.recorder.capture(site, t, lay, index=i, role=role)
+
+
+def internals_from_tables(rt: Runtime) -> bool:
+    """Whether a fused operator's internal outputs may be filed from row tables its kernel wrote
+    (``Impl.internals``): capture at L2 into a recorder that files digests made elsewhere, no
+    parallel plan, no probe variants (a variant of a finer operator needs it to run)."""
+    rec = rt.recorder
+    return (rt.mode.captures and rec is not None and getattr(rec, "level", None) == "L2" and rt.plan is None
+            and not rt.variants and callable(getattr(rec, "capture_digested", None)))
+
+
+def capture_table(rt: Runtime, site: dict[str, Any], like: Any, table: Any, layout: str,
+                  role: str = "output") -> None:
+    """File the records of an output that was never stored, from the row table the kernel that
+    computed it wrote (``layout.table_parts``: its canonical parts as row ranges; ``like``: a
+    tensor of its shape and dtype, e.g. a zero-stride stand-in)."""
+    keep = rt.recorder.level == "L2"
+    parts = [(p, pending_rows(table, like.dtype, p.shape, p.ranges, keep_rows=keep and p.row_axis is not None))
+             for p in table_parts(site, tuple(like.shape), layout)]
+    rt.recorder.capture_digested(site, parts, index=0, role=role)
+
+
+def digests_wanted(rt: Runtime, layout: Any) -> bool:
+    """Whether ``capture_outputs`` will digest this call's outputs on this rank as they lie (a
+    capturing recorder above L0 and no parallel plan): its producing kernels may then write the
+    digests' row tables themselves (``capture.produced``)."""
+    return (layout is not None and rt.mode.captures and rt.recorder is not None and rt.plan is None
+            and getattr(rt.recorder, "level", None) != "L0")
 
 
 def record_external(

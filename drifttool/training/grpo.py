@@ -26,7 +26,12 @@ exactly 1, clip fraction (share of |ratio − 1| > ε), Flow-GRPO's ``approx_kl`
 mean over samples and steps of mean((μ_train − μ_rollout)²)/(2 s²) with s the rollout's noise
 scale, and the loss. On the first inner epoch the parameters are those that sampled, so with
 strict/strict the ratio is exactly 1 and the clip fraction 0; any other combination shows the
-train–rollout mismatch as ratio ≠ 1 before any update.
+train–rollout mismatch as ratio ≠ 1 before any update. On a GPU (one process) the rollouts'
+forwards replay CUDA graphs (``model.graphs.GraphedForward``): the same bytes, and each new group
+of samples of the same shapes replays the graphs of the first. The training steps go through
+``model.graphs_train.GraphedTraining`` too; on an H200 (torch 2.11) its capture is still refused
+inside this loop ("operation would make the legacy stream depend on a capturing blocking
+stream"), so they run eagerly, with one warning (the same bytes, without the graphs' speed).
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.config import MMDiTConfig
+from drifttool.model.graphs import GraphedForward
+from drifttool.model.graphs_train import GraphedTraining
 from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.model.mmdit import MMDiT
 from drifttool.runner import rank_layout, run_device
 from drifttool.runtime import Runtime
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
@@ -180,8 +188,11 @@ def grpo_loop(cfg: GRPOConfig, *, model=None, dist: Any = None, parallel: Any = 
     n_batch = cfg.groups * cfg.group_size
     n_prompts = int(fx.prompts(model.config.joint_attention_dim, seed=seed)[0].shape[0])
     window = [j for j in range(sampler.num_steps) if sampler.in_window(j)]
-    fwd = sampler_model(model)
-    fwd_train = micro_batched(fwd, cfg.train_micro_batch)
+    # on a GPU, rollout forwards and training steps replay CUDA graphs (the same bytes; a new
+    # group of samples of the same shapes reuses them)
+    on_gpu = torch.device(device).type == "cuda" and isinstance(model, MMDiT)
+    fwd = sampler_model(GraphedForward(model) if on_gpu else model)
+    fwd_train = micro_batched(sampler_model(GraphedTraining(model) if on_gpu else model), cfg.train_micro_batch)
     rows = []
     for k in range(cfg.steps):
         ids = [k * n_batch + j for j in range(n_batch)]

@@ -51,6 +51,7 @@ same sample and branch: not a layout the ledger can order).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,23 +203,58 @@ class GradLedger:
                 raise UnsupportedConfigError(
                     f"gradient ledger: {spec.name} under a TP/SP layout on the strict CUDA family: its "
                     "backward does not split a reduction across ranks (train TP/SP strict on the CPU)")
-            if self._family.setdefault(spec.name, family) != family:
-                raise DriftToolError(f"gradient ledger: {spec.name} got atoms of both the CPU and the "
-                                     "CUDA strict backward")
             if sp_rows:
                 parts = None
             else:
                 parts = sample_weight_grads(dy, x, shape) if partials is None else partials(dy, x)
-            atoms = self._atoms.setdefault(spec.name, {})
             for i, (sid, br) in enumerate(zip(spec.samples, spec.branches)):
-                key = (sid, BRANCH_ORDER.get(str(br), 2))
-                if key in atoms:
-                    raise DriftToolError(f"gradient ledger: {spec.name} got two gradients for sample "
-                                         f"{sid} branch {br} in one step")
-                atoms[key] = _Piece(part=None if parts is None else parts[i],
-                                    rows=(dy3[i], x3[i]) if sp_rows else None, cut=cut)
+                self._file(spec.name, (sid, BRANCH_ORDER.get(str(br), 2)), family,
+                           _Piece(part=None if parts is None else parts[i],
+                                  rows=(dy3[i], x3[i]) if sp_rows else None, cut=cut), br)
 
         return sink
+
+    def _file(self, name: str, key: tuple[int, int], family: str, piece: _Piece, branch: Any = None) -> None:
+        """One atom of ``name`` for (sample, branch order) ``key``, from the CPU (contract v2) or
+        the CUDA (``cuda1``) strict backward. Raises ``DriftToolError`` on a second atom of the key
+        in one step, or atoms of both families for one weight."""
+        if self._family.setdefault(name, family) != family:
+            raise DriftToolError(f"gradient ledger: {name} got atoms of both the CPU and the "
+                                 "CUDA strict backward")
+        atoms = self._atoms.setdefault(name, {})
+        if key in atoms:
+            raise DriftToolError(f"gradient ledger: {name} got two gradients for sample {key[0]} branch "
+                                 f"{branch if branch is not None else key[1]} in one step")
+        atoms[key] = piece
+
+    def tape(self) -> "GradLedger":
+        """A ledger over the same adapted modules that keeps the atoms its sinks receive and files
+        them nowhere: a CUDA graph capture's (``model.graphs_train``). The graph runs its sinks'
+        Python once, at capture; the atoms' partials are then the backward graph's buffers, which
+        every replay rewrites, and ``file_taken`` files them into the step's ledger after each.
+        Raises ``UnsupportedConfigError`` under a TP/SP plan (an atom finished across ranks)."""
+        if self.plan is not None:
+            raise UnsupportedConfigError("gradient ledger: a graphed backward under a TP/SP plan")
+        tape = copy.copy(self)  # the modules and their names, shared
+        tape._atoms, tape.totals, tape.steps, tape.history = {}, {}, [], []
+        tape._keys, tape._watched, tape._family = set(), {}, {}
+        tape.group, tape.keep_atoms = None, False
+        return tape
+
+    def taken(self) -> list[tuple[str, tuple[int, int], str, torch.Tensor]]:
+        """The atoms received so far, as (name, (sample, branch order), family, partial) (a
+        tape's after its capture: the partials are the graph's buffers)."""
+        return [(name, key, self._family[name], piece.part) for name in sorted(self._atoms)
+                for key, piece in sorted(self._atoms[name].items())]
+
+    def file_taken(self, taken: list[tuple[str, tuple[int, int], str, torch.Tensor]],
+                   samples: dict[int, int] | None = None) -> None:
+        """File a tape's atoms (``taken``) as this step's, each a copy of its partial (the graph's
+        buffer is rewritten by the next replay), with a sink's checks (``_file``); ``samples``
+        maps the tape's sample ids to this step's (a replay of the same rows for other samples)."""
+        for name, (sid, branch), family, part in taken:
+            key = (sid if samples is None else int(samples[sid]), branch)
+            self._file(name, key, family, _Piece(part=part.clone()))
 
     def _finish_sp(self) -> None:
         """Image-stream atoms from the SP ranks' row partials (class docstring)."""

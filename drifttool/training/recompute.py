@@ -18,7 +18,9 @@ each SDE step runs ``(−mean_b logp_t).backward()`` right after its forward (Fl
 backward, gradients accumulated over steps; in strict mode by the canonical reduction of
 ``training.ledger``, so micro-batching, CFG layout and checkpointing change no byte) and the
 accumulated LoRA gradients are digested
-(role ``grad_weight``) after each step, so two training runs diff at the gradient level. The
+(role ``grad_weight``) after each step, so two training runs diff at the gradient level. On a
+GPU the training steps' forwards and backwards replay CUDA graphs
+(``model.graphs_train.GraphedTraining``: the same bytes, records and ledger atoms). The
 artifact goes through the life cycle every run shares (``drifttool.lifecycle.ArtifactSession``).
 """
 
@@ -37,9 +39,11 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
+from drifttool.model.graphs_train import GraphedTraining
 from drifttool.model.lora import has_lora, lora_parameters
 from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import capture_lora_grads, lora_record
+from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
 from drifttool.sampling.inputs import replay_tensors
@@ -91,6 +95,17 @@ def _train_record(train: TrainOptions, mode_family: str) -> dict[str, Any]:
             "gradient_checkpointing": bool(train.gradient_checkpointing),
             "micro_batch": train.micro_batch,
             "trim_padding": bool(train.trim_padding and train.micro_batch)}
+
+
+def _drop_history(o: StepOutput) -> None:
+    """Detach a finished step's tensors: the trajectory keeps their values, and the forward's
+    autograd graph (its saved activations; a graphed step's pending replay, ``model.graphs_train``)
+    goes now rather than at the end of the run, also for a step without a backward (outside the
+    SDE window, or ``grad`` off)."""
+    for f in dataclasses.fields(o):
+        t = getattr(o, f.name)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            setattr(o, f.name, t.detach())
 
 
 def recompute_run(
@@ -193,14 +208,19 @@ def recompute_run(
                                              sigma=o.sigma, rank=dist.rank)
         if on_step is not None:
             on_step(o)
+        _drop_history(o)
 
+    # on a GPU, each training step's forward and backward replay CUDA graphs: the same kernels,
+    # bytes, trace, records and ledger atoms
+    graphed = (GraphedTraining(model) if train.grad and torch.device(device).type == "cuda"
+               and isinstance(model, MMDiT) else None)
     with session.open(out, manifest, overwrite=options.overwrite):
         try:
             session.rt.grad_ledger = ledger
             model.gradient_checkpointing = bool(train.gradient_checkpointing)
             session.write_inputs(replay_tensors(stored.inputs))
             with torch.enable_grad():
-                fwd = micro_batched(sampler_model(model), train.micro_batch,
+                fwd = micro_batched(sampler_model(graphed or model), train.micro_batch,
                                     trim_padding=train.trim_padding)
                 traj = recompute(fwd, mine.to(device), stored.latents[:, rows].to(device), sampler,
                                  session.rt, phase="train", callback=step_done)
@@ -208,6 +228,8 @@ def recompute_run(
             model.gradient_checkpointing = False
             if ledger is not None:
                 ledger.close()
+            if graphed is not None:
+                graphed.reset()  # the graphs' memory pools
         seconds = time.perf_counter() - t0
         session.finish(complete=traj.complete, seconds=round(seconds, 3))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),

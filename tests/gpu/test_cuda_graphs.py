@@ -91,7 +91,8 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
 @pytest.mark.parametrize("level", ["L1", "L2"])
 def test_captured_records_of_replays_equal_the_eager_records(model, level):
     """Digest records (L1; L2 with row digests and the attention's internals) of replayed
-    forwards: the same rows as eager forwards', each replay under its own step and sigma."""
+    forwards: the same rows as eager forwards', each replay under its own step, sigma and sample
+    id (one graph: the rows share one sample at every step)."""
     fast = GraphedForward(model)
     tables = {}
     for name in ("eager", "graph"):
@@ -100,7 +101,7 @@ def test_captured_records_of_replays_equal_the_eager_records(model, level):
         with torch.no_grad():
             for step in range(4):
                 x, txt, mask, tau, grid = _inputs(step, 2)
-                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 4, samples=[0, 0],
+                with rt.scope(phase="rollout", step=step, sigma=1.0 - step / 4, samples=[step, step],
                               branch=("cond", "uncond"), txt_lens=[11, 6], img_grid=grid):
                     (model if name == "eager" else fast)(x, txt, mask, tau, grid, rt)
         rec.flush()
@@ -145,3 +146,50 @@ def test_edit_condition_latents_are_graph_inputs(model):
             kw = dict(cond=cond, cond_grids=((3, 4),))
             assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt, **kw)), _bits(model(x, txt, mask, tau, grid, rt, **kw)))
     assert (fast.captures, fast.replays) == (1, 3)
+
+
+def test_a_graph_reads_its_row_key_table_after_the_table_grew(monkeypatch):
+    """A graph captured on the row kernel's key table keeps giving the eager digest after a wider
+    output replaced the cached table and the freed memory was written over."""
+    from drifttool.capture import gpu_rows
+
+    monkeypatch.setattr(gpu_rows, "_TABLES", {})
+    monkeypatch.setattr(gpu_rows, "_RETIRED", [])
+    x = (torch.randn(64, 300, generator=torch.Generator().manual_seed(7)) * 3).bfloat16().cuda()
+    eager = [t.clone() for t in gpu_rows.row_table(x)]  # compiles; a table for 4,096 columns
+    old = gpu_rows._TABLES[next(iter(gpu_rows._TABLES))]
+    size = old.numel()
+    del old
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gpu_rows.row_table(x)
+    gpu_rows.row_table(torch.ones(4, 9000, dtype=torch.bfloat16, device="cuda"))  # grows it
+    junk = [torch.full((size,), 0x55, dtype=torch.int8, device="cuda") for _ in range(8)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(eager, out)), "the graph read a freed key table"
+    del junk
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly(model, uncapturable):
+    """A forward that synchronises with the host while being captured: the capture is refused once,
+    with a warning, and every later call runs eagerly with the eager bytes; the failed capture
+    leaves the default stream current, and a new wrapper still captures and replays."""
+    fast = GraphedForward(model)
+    rt = Runtime(mode="strict")
+    x, txt, mask, tau, grid = _inputs(3, 2)
+    with torch.no_grad():
+        want = _bits(model(x, txt, mask, tau, grid, rt))
+        with uncapturable():
+            assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)  # warm-up
+            with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+                assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert torch.equal(_bits(fast(x, txt, mask, tau, grid, rt)), want)
+        assert (fast.captures, fast.replays) == (0, 0) and fast.refused
+        again = GraphedForward(model)
+        y = _inputs(4, 1)
+        want = _bits(model(*y, rt))
+        for _ in range(3):
+            assert torch.equal(_bits(again(*y, rt)), want)
+    assert (again.captures, again.replays) == (1, 2)

@@ -118,3 +118,25 @@ def test_full_width_replays_with_lanes_equal_one_stream(full_width, batch):
         rec.flush()
         tables[name] = rec.ops_table().to_pylist()
     assert tables["lanes"] == tables["eager"] == tables["one stream"]
+
+
+def test_one_stream_graphs_ignore_a_callers_lanes(model, monkeypatch):
+    """``GraphedForward(lanes=False)`` captures on one stream even when the caller's runtime
+    carries lanes."""
+    streams = []
+    inner = mmdit_block.call
+
+    def call(rt, op, *args, stream, **kw):
+        streams.append(torch.cuda.current_stream())
+        return inner(rt, op, *args, stream=stream, **kw)
+
+    monkeypatch.setattr(mmdit_block, "call", call)
+    fast = GraphedForward(model, lanes=False)
+    args, scope = _inputs(tiny(), 1, 1, (5, 7), 11, (11,))
+    rt = Runtime(mode="strict", lanes=Lanes(torch.device("cuda")))
+    with torch.no_grad(), rt.scope(**scope):
+        fast(*args, rt)
+        del streams[:]
+        fast(*args, rt)
+    assert fast.captures == 1 and streams
+    assert len(set(streams)) == 1, "a one-stream capture ran operators on a second stream"

@@ -4,7 +4,8 @@ the whole strict CUDA backward (GEMMs, row operators, joint attention, norm_out,
 CFG renorm and SDE step) and the gradient ledger's canonical reduction. Every recompute diffs
 IDENTICAL against the rollout (v_t, x_t, logp_t of phase train equal the rollout's), and the
 recomputes with micro-batches of 1 and 2 and with gradient checkpointing diff IDENTICAL against
-the whole-batch one, LoRA gradients included. Skipped without CUDA; run on the GPU machine with
+the whole-batch one, LoRA gradients included; a recompute whose steps replay CUDA graphs is
+identical to the same recompute run eagerly. Skipped without CUDA; run on the GPU machine with
 ``python -m pytest tests/gpu/test_strict_cuda_training.py -n 0``.
 """
 
@@ -62,3 +63,29 @@ def test_recompute_matches_the_rollout_and_its_gradients_do_not_depend_on_the_la
         if name != "whole":
             code, text = _cli("diff", outs["whole"], outs[name])
             assert code == 0, f"whole batch vs {name}: {text}"
+
+
+@pytest.mark.parametrize("extra", [[], ["--gradient-checkpointing"]])
+def test_a_graphed_recompute_equals_an_eager_one(rollout, adapter, tmp_path, monkeypatch, extra):
+    """On a GPU the training steps replay CUDA graphs (``model.graphs_train``: forward, backward,
+    the records and the ledger's atoms): the recompute, its LoRA gradient records included, is
+    identical to the same recompute with every step run eagerly."""
+    from drifttool.model.graphs_train import GraphedTraining
+
+    replays = []
+    reset = GraphedTraining.reset
+
+    def counted(self):  # recompute_run resets its graphs at the end: count their replays there
+        replays.append(self.replays)
+        reset(self)
+
+    monkeypatch.setattr(GraphedTraining, "reset", counted)
+    for name in ("graph", "eager"):
+        with monkeypatch.context() as m:
+            if name == "eager":
+                m.setattr(GraphedTraining, "eligible", staticmethod(lambda *a, **k: False))
+            code, text = _cli("recompute", rollout, "-o", tmp_path / name, "--lora", adapter, "--grad", *extra)
+        assert code == 0, f"recompute {name}: {text}"
+    assert replays[0] > 0 and replays[1] == 0, replays
+    code, text = _cli("diff", tmp_path / "graph", tmp_path / "eager")
+    assert code == 0 and "IDENTICAL" in text, text

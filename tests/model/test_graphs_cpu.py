@@ -33,3 +33,71 @@ def test_cpu_tensors_are_never_graphed():
     with torch.no_grad():
         for level in ("L0", "L1", "L2"):
             assert not GraphedForward.eligible(x, Runtime(mode="strict", recorder=Recorder(level)))
+
+
+def test_after_a_refused_capture_every_call_runs_eagerly_after_one_warning():
+    """``SignatureGraphs._graph``: a refused capture (``UnsupportedConfigError``) makes the wrapper
+    capture nothing more, ``reset`` included (every call eager, None), after one warning; an
+    out-of-memory error goes through."""
+    import pytest
+
+    from drifttool.errors import UnsupportedConfigError
+    from drifttool.model.graphs import SignatureGraphs
+
+    graphs = SignatureGraphs(torch.nn.Linear(2, 2))
+    tries = []
+
+    def refuse():
+        tries.append(1)
+        raise UnsupportedConfigError("CUDA graph capture of the strict forward failed (a host sync)")
+
+    assert graphs._graph("a", refuse) is None and not tries  # the first call: eager warm-up
+    with pytest.warns(RuntimeWarning, match="a host sync.*runs eagerly from now on"):
+        assert graphs._graph("a", refuse) is None
+    assert "a host sync" in graphs.refused and len(tries) == 1
+    for key in ("a", "b", "b", "b"):
+        assert graphs._graph(key, lambda: "graph") is None
+    graphs.reset()
+    assert graphs._graph("c", lambda: "graph") is None and graphs._graph("c", lambda: "graph") is None
+    assert graphs.captures == 0 and len(tries) == 1
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    fresh = SignatureGraphs(torch.nn.Linear(2, 2))
+    fresh._graph("d", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fresh._graph("d", oom)
+    assert fresh.refused is None
+
+
+def test_the_least_recently_replayed_graph_goes_past_max_graphs():
+    from drifttool.model.graphs import SignatureGraphs
+
+    graphs = SignatureGraphs(torch.nn.Linear(2, 2), max_graphs=2)
+    made = []
+
+    def capture(key):
+        made.append(key)
+        return f"graph {key}"
+
+    for key in ("a", "a", "b", "b", "a", "c", "c"):  # each first call eager, the second captures
+        graphs._graph(key, lambda k=key: capture(k))
+    assert made == ["a", "b", "c"] and list(graphs._graphs) == ["a", "c"]  # b: least recently replayed
+    assert graphs._graph("b", lambda: capture("b")) == "graph b"  # seen before: captured again at once
+    assert list(graphs._graphs) == ["c", "b"] and graphs.captures == 4
+
+
+def test_a_refused_capture_names_the_first_error_raised_inside_it():
+    from drifttool.model.graphs import capture_refused
+
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\ndetails")
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        err = capture_refused("strict training step", e)
+    assert str(err) == ("CUDA graph capture of the strict training step failed (operation not permitted when "
+                        "stream is capturing; then: operation failed due to a previous error during capture)")
+    assert "(boom)" in str(capture_refused("strict forward", RuntimeError("boom")))

@@ -113,6 +113,48 @@ def test_a_recorder_without_bulk_filing_gets_each_output(model):
     assert replayed.trace.rows() == eager.trace.rows()
 
 
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_replay_files_its_own_scopes_sample_ids(model, bulk):
+    """A forward recorded for samples [4, 0, 4] and filed in the scope of samples [9, 2, 9] (the
+    same rows sharing a sample: a graph's signature) gives the eager records of the latter."""
+    rng = np.random.default_rng()
+    (x, txt, mask, tau, grid), lens = _inputs(rng, 3)
+    scope = dict(phase="rollout", step=1, sigma=0.5, txt_lens=lens, img_grid=grid,
+                 branch=("cond", "cond", "uncond"))
+    make = (lambda: Recorder("L2")) if bulk else (lambda: _OneByOne("L2"))
+    eager, replayed = Runtime(mode="strict", recorder=Recorder("L2")), Runtime(mode="strict", recorder=make())
+    with torch.no_grad():
+        with replayed.scope(samples=[4, 0, 4], **scope):
+            quiet, log = logging_runtime(replayed, "L2")
+            model(x, txt, mask, tau, grid, quiet)
+        with replayed.scope(samples=[9, 2, 9], **scope):
+            ReplayRecords(log.calls, "L2").file(replayed)
+        with eager.scope(samples=[9, 2, 9], **scope):
+            model(x, txt, mask, tau, grid, eager)
+    eager.recorder.flush()
+    got = replayed.recorder if bulk else replayed.recorder.inner
+    got.flush()
+    table = got.ops_table()
+    assert set(table.column("sample").to_pylist()) - {-1} == {9, 2}
+    assert table.equals(eager.recorder.ops_table()), _first_difference(table, eager.recorder.ops_table())
+
+
+def test_the_signature_keeps_which_rows_share_a_sample_not_the_ids():
+    from drifttool.model.graphs import sample_pattern, signature
+
+    assert sample_pattern([7, 9, 7]) == sample_pattern([1, 0, 1]) == (0, 1, 0)
+    assert sample_pattern([7, 9, 8]) == (0, 1, 2) and sample_pattern(None) is None
+    x, txt, tau = torch.zeros(3, 6, 64), torch.zeros(3, 5, 8), torch.zeros(3)
+
+    def key(samples):
+        rt = Runtime(mode="strict")
+        with rt.scope(samples=samples, txt_lens=[5, 4, 5], img_grid=(2, 3)):
+            return signature(x, txt, None, tau, (2, 3), None, (), rt, "L1")
+
+    assert key([7, 9, 7]) == key([1, 0, 1])
+    assert key([7, 9, 7]) != key([7, 9, 8]) != key(None)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(-1, 1), st.sampled_from(["img", "txt"]),
                           st.integers(0, 1), st.sampled_from(["strict", "auto"]), st.booleans(),

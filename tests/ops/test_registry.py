@@ -369,3 +369,49 @@ def test_operator_specs_name_their_component():
         registry.declare(OpSpec(name="unet_conv", contract="x.unet_conv.v1",
                                          differentiable=False, dtypes=(torch.float32,),
                                          summary="-", component="unet"))
+
+
+@pytest.mark.parametrize("level,layout,marked", [("L1", "BS.", True), ("L2", "BS.", True),
+                                                  ("L0", "BS.", False), ("L1", None, False),
+                                                  (None, "BS.", False)])
+def test_a_captured_call_is_marked_for_its_producing_kernels(scratch_registry, level, layout, marked):
+    """While a call runs whose outputs the recorder will digest (above L0, a layout, no plan),
+    ``capture.produced.wanted()`` is true for its kernels (which may then write the row tables);
+    otherwise, and after the call, false."""
+    from drifttool.capture import produced
+
+    seen = []
+
+    def linear(x, w, b=None):
+        seen.append(produced.wanted())
+        return torch.nn.functional.linear(x, w, b)
+
+    registry.implements("mlp_down_gemm", "toy", device="cpu", kernel="toy.linear")(linear)
+    rt = Runtime(mode="audit", family="toy", recorder=None if level is None else Sink(level))
+    call(rt, "mlp_down_gemm", *_gemm_args("cpu"), stream="img", layout=layout)
+    assert seen == [marked] and not produced.wanted()
+
+
+def test_a_nested_call_that_is_not_captured_clears_the_mark(scratch_registry):
+    """A captured call's implementation that calls another operator without capturing it: the
+    inner call's kernels see no mark (they would digest outputs nobody reads), the outer call's
+    see it again after."""
+    from drifttool.capture import produced
+
+    seen = []
+
+    def inner(x, w, b=None):
+        seen.append(("inner", produced.wanted()))
+        return torch.nn.functional.linear(x, w, b)
+
+    def outer(x, w, b=None):
+        seen.append(("outer", produced.wanted()))
+        y = call(rt, "mlp_down_gemm", x, w, b, stream="img", layout=None)
+        seen.append(("outer", produced.wanted()))
+        return y
+
+    registry.implements("mlp_down_gemm", "toy", device="cpu", kernel="toy.inner")(inner)
+    registry.implements("attn_out_bias_gemm", "toy", device="cpu", kernel="toy.outer")(outer)
+    rt = Runtime(mode="audit", family="toy", recorder=Sink("L1"))
+    call(rt, "attn_out_bias_gemm", *_gemm_args("cpu"), stream="img", layout="BS.")
+    assert seen == [("outer", True), ("inner", False), ("outer", True)]

@@ -116,3 +116,21 @@ def test_grad_needs_an_adapter(tmp_path):
     execute(RunSpec(capture="L0", samples=[0]), tmp_path / "plain")
     with pytest.raises(DriftToolError, match="LoRA"):
         recompute_run(tmp_path / "plain", tmp_path / "t", train=TrainOptions(grad=True))
+
+
+def test_a_finished_steps_autograd_graph_is_released(lora_rollout):
+    """Every step's outputs reach ``on_step`` with their autograd history (after the backward of a
+    step in the SDE window) and are detached after it, in and outside the window: no step keeps
+    its forward's activations until the end of the run."""
+    root = lora_rollout
+    seen = []
+
+    def on_step(o):
+        seen.append((o.in_window, o.v.grad_fn is not None, o))
+
+    out = recompute_run(root / "rollout", root / "t-release", RerunOptions(overwrite=True),
+                        train=TrainOptions(grad=True), on_step=on_step)
+    assert seen and all(had for _, had, _ in seen), "a step reached on_step without its history"
+    assert {w for w, _, _ in seen} == {True, False}
+    assert all(o.v.grad_fn is None and o.logp.grad_fn is None for *_, o in seen)
+    assert out["trajectory"].velocities.grad_fn is None

@@ -100,12 +100,14 @@ FORWARD_ONLY = forward_only()
 
 def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Constraint, ...] = (),
                 decomposable: bool = False, trainable: bool = False,
-                refuse_grad: Constraint = FORWARD_ONLY) -> Callable[[Callable], Callable]:
+                refuse_grad: Constraint = FORWARD_ONLY, internals: Callable | None = None
+                ) -> Callable[[Callable], Callable]:
     """Register a strict CUDA implementation of ``op`` (contract ``contract_id(op)``);
     ``dtype_args`` name the tensor arguments whose dtype must be one of the operator's declared
     dtypes (``None`` values allowed). ``kernel`` names the Triton kernel and its fixed
     configuration, e.g. ``"triton.gemm.k64.bm128bn128"``. ``trainable``: ``fn`` has a strict CUDA
-    backward (then no ``refuse_grad``, by default ``FORWARD_ONLY``).
+    backward (then no ``refuse_grad``, by default ``FORWARD_ONLY``). ``internals``: as
+    ``registry.implements``'s.
 
     Raises:
         ValueError: as ``registry.implements`` (undeclared operator, a constraint reading a
@@ -115,4 +117,4 @@ def strict_cuda(op: str, *dtype_args: str, kernel: str, constraints: tuple[Const
     return implements(op, "strict", device="cuda", kernel=kernel, contract=contract_id(op),
                       constraints=(TRITON_READY, QUALIFIED_GPU, *(() if trainable else (refuse_grad,)),
                                    *declared, *constraints),
-                      decomposable=decomposable)
+                      decomposable=decomposable, internals=internals)

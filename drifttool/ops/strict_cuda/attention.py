@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from drifttool.capture import produced
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint, key_mask_fits, text_len_fits
 from drifttool.ops.strict_cuda._register import forward_only, strict_cuda, wants_grad
@@ -143,7 +144,35 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _fused_internals(scope, q, k, v, key_mask=None, *, text_len: int | None = None):
+    """``joint_attention_fused``'s output with the row tables of its internals (``Impl.internals``):
+    the scores and the probabilities that ``joint_attn_qk_gemm`` and ``joint_attn_softmax`` would
+    store, digested by the fused kernel in its second pass at the columns of their ``B.SK`` records
+    (the scope's valid prompt keys, then the image keys), never stored
+    (``kernels.attention.attention``'s ``internals``); a zero-stride stand-in of their shape beside
+    each.
+
+    None (the decomposition runs: the same records) for heads the internals launch does not take
+    (``kernels.attention.INTERNALS_MIN_HEAD_DIM``).
+
+    Raises:
+        UnsupportedConfigError: a sample without a valid key."""
+    _check_valid_keys("joint_attention_fused", key_mask)
+    b, sq, h, dh = q.shape
+    if dh < _kernels().INTERNALS_MIN_HEAD_DIM:
+        return None
+    s, L = k.shape[1], int(text_len or 0)
+    starts, lens = scope.get("txt_starts"), scope.get("txt_lens")
+    t0 = [0] * b if starts is None else [int(x) for x in starts]
+    n = [L - a for a in t0] if lens is None else [int(x) for x in lens]
+    o, scores, probs = _kernels().attention(q, k, v, key_mask, text_len=text_len, digest=produced.wanted(),
+                                            internals=(t0, n))
+    like = torch.zeros((), dtype=torch.float32, device=q.device).expand(b, h, sq, s)
+    return o, {"joint_attn_qk_gemm": (scores, like), "joint_attn_softmax": (probs, like)}
+
+
 @strict_cuda("joint_attention_fused", "q", "k", "v", kernel=KERNEL, decomposable=True, trainable=True,
+             internals=_fused_internals,
              constraints=(_qkv("q", "k", "v"), _head_dim("q"), key_mask_fits("k"), text_len_fits("k"),
                           GRAD_LAYOUT))
 def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None):
@@ -197,4 +226,4 @@ def joint_attn_av_gemm(probs, v, key_mask=None, *, text_len: int | None = None):
         UnsupportedConfigError: a sample without a valid key."""
     kern = _kernels()
     _check_valid_keys("joint_attn_av_gemm", key_mask)
-    return kern.attend(_f32(probs), v, key_mask, text_len=text_len)
+    return kern.attend(_f32(probs), v, key_mask, text_len=text_len, digest=produced.wanted())

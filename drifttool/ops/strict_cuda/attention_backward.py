@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from drifttool.capture import produced
+
 
 def _kernels():
     from drifttool.ops.strict_cuda.kernels import attention  # lazy: Triton only when a call runs
@@ -40,9 +42,10 @@ class JointAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, text_len):
+        digest = produced.wanted()  # the output digested where it is written, for its capture
         if not any(ctx.needs_input_grad[:3]):
-            return _kernels().attention(q, k, v, key_mask, text_len=text_len)
-        o, ml = _kernels().attention(q, k, v, key_mask, text_len=text_len, with_stats=True)
+            return _kernels().attention(q, k, v, key_mask, text_len=text_len, digest=digest)
+        o, ml = _kernels().attention(q, k, v, key_mask, text_len=text_len, with_stats=True, digest=digest)
         ctx.save_for_backward(q, k, v, o, ml, key_mask)
         ctx.text_len = text_len
         return o

@@ -37,6 +37,7 @@ import functools
 
 import torch
 
+from drifttool.capture import produced
 from drifttool.ops.lora import adapter_given, lora_factors  # (importing it declares lora_merge)
 from drifttool.ops.constraints import Constraint, dtypes
 from drifttool.ops.registry import implements, spec
@@ -100,8 +101,10 @@ def _embed():
     return embed
 
 
-def _linear(x, w, b, **kw):
-    return _gemm().linear(x, w, b, **kw)
+def _linear(x, w, b, *, output: bool = False, **kw):
+    """The strict GEMM; ``output``: this launch writes the operator's output, which the epilogue
+    then digests when the call is captured (``capture.produced``)."""
+    return _gemm().linear(x, w, b, digest=output and produced.wanted(), **kw)
 
 
 def _gemv(x, w, b, **kw):
@@ -111,7 +114,7 @@ def _gemv(x, w, b, **kw):
 
 
 def _plain(x, w, b):
-    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b))
+    return _linear(x, w, b, out_dtype=_act_dtype(x, w, b), output=True)
 
 
 def _token_gemm(x, w, b):
@@ -158,15 +161,15 @@ def _branch_input(x, a):
     return _linear(x, a, None, out_dtype=torch.float32, config=_gemm().NARROW_CONFIG)
 
 
-def _merge_branch(pre, u, bl, scale, act, dt):
+def _merge_branch(pre, u, bl, scale, act, dt, output=False):
     """act(pre + fp32(s)·(u·Bᵀ)) cast once to ``dt`` (the GEMM's epilogue merge)."""
-    return _linear(u, bl, None, merge_into=pre, scale=float(scale), act=act, out_dtype=dt)
+    return _linear(u, bl, None, merge_into=pre, scale=float(scale), act=act, out_dtype=dt, output=output)
 
 
 def _adapted(x, w, b, a, bl, scale, act=None):
     """(y, u) of one adapted projection: y = act(pre + fp32(s)·(u·Bᵀ)) in the activation dtype."""
     u = _branch_input(x, a)  # [..., r] fp32
-    return _merge_branch(_pre(x, w, b), u, bl, scale, act, _act_dtype(x, w, b)), u
+    return _merge_branch(_pre(x, w, b), u, bl, scale, act, _act_dtype(x, w, b), output=True), u
 
 
 def _adapted_pre(x, w, b, u, bl, scale):
@@ -193,7 +196,7 @@ def latent_proj_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -
 
 def _qkv(x, wq, bq, wk, bk, wv, bv, heads):
     dt = _act_dtype(x, wq, bq, wk, bk, wv, bv)
-    return tuple(_linear(x, w, b, out_dtype=dt).unflatten(-1, (heads, -1))  # [B,S,H,Dh]
+    return tuple(_linear(x, w, b, out_dtype=dt, output=True).unflatten(-1, (heads, -1))  # [B,S,H,Dh]
                  for w, b in ((wq, bq), (wk, bk), (wv, bv)))
 
 
@@ -203,7 +206,7 @@ def _qkv_adapted(x, wq, bq, wk, bk, wv, bv, aq, bbq, ak, bbk, av, bbv, scales, h
     dt = _act_dtype(x, wq, bq, wk, bk, wv, bv)
     outs, us = [], []
     for w, b, a, bl, s in ((wq, bq, aq, bbq, scales[0]), (wk, bk, ak, bbk, scales[1]), (wv, bv, av, bbv, scales[2])):
-        y, u = (_linear(x, w, b, out_dtype=dt), None) if a is None else _adapted(x, w, b, a, bl, s)
+        y, u = (_linear(x, w, b, out_dtype=dt, output=True), None) if a is None else _adapted(x, w, b, a, bl, s)
         outs.append(y.unflatten(-1, (heads, -1)))  # [B,S,H,Dh]
         us.append(u)  # [B,S,r] fp32 or None
     return tuple(outs), tuple(us)
@@ -235,7 +238,7 @@ def _mlp_up_config(x, w):
 
 def _mlp_up(x, w, b):
     return _linear(x, w, b, act=GELU_ACTS[GELU_EPILOGUE], out_dtype=_act_dtype(x, w, b),
-                   config=_mlp_up_config(x, w))
+                   config=_mlp_up_config(x, w), output=True)
 
 
 def _mlp_up_pre(x, w, b):

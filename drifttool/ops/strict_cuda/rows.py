@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from drifttool.capture import produced
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.constraints import Args, Constraint
 from drifttool.ops.strict import act_dtype
@@ -94,7 +95,7 @@ def adaln_modulation(x, shift, scale, eps: float = 1e-6):
 
 def _ln_modulation(x, shift, scale, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
-    return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale))
+    return norms.ln_modulation(x, shift, scale, float(eps), act_dtype(x, shift, scale), digest=produced.wanted())
 
 
 @strict_cuda("adaln_gate_residual", "x", "gate", "y", kernel="triton.elementwise.nofma", trainable=True)
@@ -105,7 +106,7 @@ def adaln_gate_residual(x, gate, y):
 
 def _gate_residual(x, gate, y):
     from drifttool.ops.strict_cuda.kernels import elementwise  # lazy: Triton is imported when a kernel runs
-    return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y))
+    return elementwise.gate_residual(x, gate, y, act_dtype(x, gate, y), digest=produced.wanted())
 
 
 @strict_cuda("qk_rmsnorm", "x", "gain", kernel="triton.rmsnorm.pairtree", constraints=(_row_fits("x"),),
@@ -117,7 +118,7 @@ def qk_rmsnorm(x, gain, eps: float = 1e-6):
 
 def _qk_rmsnorm(x, gain, eps):
     from drifttool.ops.strict_cuda.kernels import norms  # lazy: Triton is imported when a kernel runs
-    return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain))
+    return norms.rms_norm(x, gain, float(eps), act_dtype(x, gain), digest=produced.wanted())
 
 
 @strict_cuda("multi_axis_rope", "x", kernel="triton.rope_interleaved.nofma", trainable=True)
@@ -129,7 +130,7 @@ def multi_axis_rope(x, freqs):
         raise UnsupportedConfigError(
             f"multi_axis_rope: need a complex table [S, Dh/2] = {[x.shape[1], x.shape[-1] // 2]} for x "
             f"{tuple(x.shape)} (Dh even), got {freqs.dtype} {tuple(freqs.shape)}")
-    return rb.Rope.apply(x, freqs, elementwise.rope)
+    return rb.Rope.apply(x, freqs, lambda x_, f_: elementwise.rope(x_, f_, digest=produced.wanted()))
 
 
 @strict_cuda("txt_in_rmsnorm_linear", "e", "gain", "w", "b", kernel="triton.rmsnorm.pairtree+" + GEMM_KERNEL,

@@ -60,12 +60,15 @@ output's bytes do not change). ``kernels.attention_backward`` recomputes P from 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import _add_terms, _no_terms, _store_rows_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _qk, _scores,
                                                               _state, _tile)
 
@@ -78,6 +81,16 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
+INTERNALS_CONFIG = (BLOCK_M, 8, NUM_STAGES, False)
+"""The bf16 launch that also digests the scores and probabilities (``attention``'s ``internals``):
+8 warps, so each holds 16 whole rows (the same bytes) and the digests' registers fit better
+(offline sm_90a, Dh 128: 448 bytes of spills, against 2.5 KiB at 4 warps)."""
+INTERNALS_MIN_HEAD_DIM = 32
+"""The narrowest heads the internals launch takes. At Dh 16 it made an out-of-range local-memory
+access on an H200 (Triton 3.6, compute-sanitizer's memcheck; every launch configuration tried,
+with and without the output's digest); Dh 32, 64 and 128 give the registered launch's output
+bytes. ``attention`` refuses narrower heads; the registered operator's ``internals`` declines
+them and the decomposition runs (the same records)."""
 
 
 @triton.jit
@@ -101,6 +114,12 @@ def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_s
     else:
         s = _scores(q, k_base, skn, j, ok, offs_d, sm_scale, MASKED, IEEE)
         p = _probs(s, ok, m_use, r_i, MASKED)
+    return _pv(p, v_base, svn, j, ok, offs_d, acc, MASKED, IEEE)
+
+
+@triton.jit
+def _pv(p, v_base, svn, j, ok, offs_d, acc, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """acc + P̃·V for one key block (P cast to V's dtype)."""
     vp = v_base + j[:, None] * svn + offs_d[None, :]
     if MASKED:
         v = tl.load(vp, mask=ok[:, None], other=0.0)
@@ -111,6 +130,21 @@ def _pass2(q, k_base, skn, v_base, svn, x_rows, sxn, j, ok, row_ok, offs_d, sm_s
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc
+
+
+@triton.jit
+def _pass2_digested(s, ok, sel, m_use, r_i, v_base, svn, j, offs_d, acc, col0, IK, iktab, ts, tp,
+                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_pass2`` (MODE_FUSED) from this block's scores ``s`` (every key inside the sequence
+    read, as MODE_QK reads them; ``ok``: the valid keys), also adding digest v2's row terms of the
+    scores and of the probabilities P, as MODE_QK and MODE_SOFTMAX store them, at the record's
+    columns ``col0 + [0, BLOCK_N)`` where ``sel`` holds (the keys the record keeps), to ``ts``
+    and ``tp``."""
+    p = _probs(s, ok, m_use, r_i, True)
+    sel = sel[None, :]
+    ts = _add_terms(ts, _tile_digest(s, col0, sel, IK, iktab, BLOCK_M, BLOCK_N, 4, True))
+    tp = _add_terms(tp, _tile_digest(p, col0, sel, IK, iktab, BLOCK_M, BLOCK_N, 4, True))
+    return _pv(p, v_base, svn, j, ok, offs_d, acc, True, IEEE), ts, tp
 
 
 @triton.jit
@@ -136,14 +170,56 @@ def _pass2_tma(q, KD, VD, row, col, sm_scale, m_use, r_i, acc, IEEE: tl.constexp
     return acc
 
 
+@triton.jit
+def _internals(q, k_base, sks, v_base, svs, offs_m, offs_n, offs_d, row_ok, b, h, sm_scale, m_use, r_i,
+               acc, MASK, smb, SQ, S, L, n_rows, IK, iktab, SDR, SDS, PDR, PDS, ISHIFT, T0, NV,
+               HAS_MASK: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Pass 2 of MODE_FUSED with the internals digested (``attention``'s ``internals``): the same
+    blocks in the same order as pass 2 (every image key valid: whole image blocks unmasked), each
+    block's scores and probabilities digested at their canonical columns — head h's keys
+    ``[h·Kv, (h+1)·Kv)`` of the sample's ``Kv = n + S − L`` valid keys, text key j at
+    ``j − t0``, image key j at ``n + j − L`` — as head h's column split of the scores' and P's
+    row tables (rows ``b·SQ + query row``). Returns the accumulator (the output before its cast)."""
+    t0 = tl.load(T0 + b)
+    n = tl.load(NV + b)
+    base = h * (n + S - L)
+    ts = _no_terms(BLOCK_M)
+    tp = _no_terms(BLOCK_M)
+    n_tb = tl.cdiv(L, BLOCK_N)
+    for t in tl.range(0, n_tb, num_stages=1):
+        j = t * BLOCK_N + offs_n
+        ok = _key_ok(MASK, smb, b, j, L, HAS_MASK)
+        sel = (j >= t0) & (j < t0 + n)  # the prompt's keys the record keeps
+        if tl.max((ok | sel).to(tl.int32), 0) > 0:
+            s = _scores(q, k_base, sks, j, j < L, offs_d, sm_scale, True, IEEE)
+            acc, ts, tp = _pass2_digested(s, ok, sel, m_use, r_i, v_base, svs, j, offs_d, acc,
+                                          base + t * BLOCK_N - t0, IK, iktab, ts, tp, IEEE, BLOCK_M, BLOCK_N)
+    for t in tl.range(0, tl.cdiv(S - L, BLOCK_N), num_stages=1):
+        j = L + t * BLOCK_N + offs_n
+        inside = j < S
+        s = _scores(q, k_base, sks, j, inside, offs_d, sm_scale, True, IEEE)
+        acc, ts, tp = _pass2_digested(s, _key_ok(MASK, smb, b, j, S, HAS_MASK), inside, m_use, r_i, v_base, svs,
+                                      j, offs_d, acc, base + n + t * BLOCK_N, IK, iktab, ts, tp, IEEE, BLOCK_M,
+                                      BLOCK_N)
+    rows = b * SQ + offs_m
+    s1 = tl.load(ISHIFT + b * 2)
+    s2 = tl.load(ISHIFT + b * 2 + 1)
+    _store_rows_digest(SDR, SDS, rows, row_ok, n_rows, h, s1, s2, ts)
+    _store_rows_digest(PDR, PDS, rows, row_ok, n_rows, h, s1, s2, tp)
+    return acc
+
+
 @triton.jit(do_not_specialize=["SQ", "S", "L", "n_tq"])
 def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                  sxb, sxh, sxm, sxn, sy0, sy1, sy2,
-                 smb, H, SQ, S, L, n_tq, ML, KD, VD,
+                 smb, H, SQ, S, L, n_tq, ML, KD, VD, KEYS, ktab, DR, DS, shift_t, shift_t2, rows,
+                 IK, iktab, SDR, SDS, PDR, PDS, ISHIFT, T0, NV,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                 STORE_ML: tl.constexpr = False, TMA: tl.constexpr = False):
+                 STORE_ML: tl.constexpr = False, TMA: tl.constexpr = False, DIGEST: tl.constexpr = False,
+                 WBYTES: tl.constexpr = 2, INTERNALS: tl.constexpr = False):
     """One program per (query tile, batch·head). X: scores (SOFTMAX) or probabilities (AV) in;
     Y: output — [B,S,H,Dh] (FUSED, AV: strides sy0..2 = b, s, h; last 1) or [B,H,S,S] FP32 (QK,
     SOFTMAX: b, h, m; last 1). SQ query rows ([text L, image]), S keys (L text, S − L image).
@@ -254,33 +330,50 @@ def _attn_kernel(Q, K, V, X, Y, MASK, IMG_FULL, sm_scale,
 
     # ---- pass 2 (FUSED, AV): acc = Σ P̃ · V, the same blocks in the same order
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for t in tl.range(0, n_tb, num_stages=1):
-        j = t * BLOCK_N + offs_n
-        ok = _key_ok(MASK, smb, b, j, L, HAS_MASK)
-        if tl.max(ok.to(tl.int32), 0) > 0:
-            acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
-                         m_use, r_i, acc, MODE, True, IEEE)
-    if img_full != 0:
-        for t in range(0, n_ib_full):
-            if TMA:
-                acc = _pass2_tma(q, KD, VD, kv_row + t * BLOCK_N, kv_col, sm_scale, m_use, r_i, acc, IEEE)
-            else:
-                j = L + t * BLOCK_N + offs_n
-                acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale,
-                             m_use, r_i, acc, MODE, False, IEEE)
+    if INTERNALS:  # FUSED, every image key valid: the scores' and P's digests, never stored
+        acc = _internals(q, k_base, sks, v_base, svs, offs_m, offs_n, offs_d, row_ok, b, h, sm_scale, m_use,
+                         r_i, acc, MASK, smb, SQ, S, L, rows, IK, iktab, SDR, SDS, PDR, PDS, ISHIFT, T0, NV,
+                         HAS_MASK, IEEE, BLOCK_M, BLOCK_N, HEAD_DIM)
     else:
-        for t in range(0, n_ib_full):
+        for t in tl.range(0, n_tb, num_stages=1):
+            j = t * BLOCK_N + offs_n
+            ok = _key_ok(MASK, smb, b, j, L, HAS_MASK)
+            if tl.max(ok.to(tl.int32), 0) > 0:
+                acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
+                             m_use, r_i, acc, MODE, True, IEEE)
+        if img_full != 0:
+            for t in range(0, n_ib_full):
+                if TMA:
+                    acc = _pass2_tma(q, KD, VD, kv_row + t * BLOCK_N, kv_col, sm_scale, m_use, r_i, acc, IEEE)
+                else:
+                    j = L + t * BLOCK_N + offs_n
+                    acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, j < S, row_ok, offs_d, sm_scale,
+                                 m_use, r_i, acc, MODE, False, IEEE)
+        else:
+            for t in range(0, n_ib_full):
+                j = L + t * BLOCK_N + offs_n
+                ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
+                acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
+                             m_use, r_i, acc, MODE, True, IEEE)
+        for t in tl.range(n_ib_full, n_ib, num_stages=1):
             j = L + t * BLOCK_N + offs_n
             ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
             acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
                          m_use, r_i, acc, MODE, True, IEEE)
-    for t in tl.range(n_ib_full, n_ib, num_stages=1):
-        j = L + t * BLOCK_N + offs_n
-        ok = _key_ok(MASK, smb, b, j, S, HAS_MASK)
-        acc = _pass2(q, k_base, sks, v_base, svs, x_rows, sxn, j, ok, row_ok, offs_d, sm_scale,
-                     m_use, r_i, acc, MODE, True, IEEE)
     o_ptrs = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None])
+    if DIGEST:  # the tile read back (the L2 cache) after a block barrier: head h's columns of its rows,
+        tl.debug_barrier()  # in column pieces of at most 32 (fewer live registers)
+        PIECE: tl.constexpr = HEAD_DIM if HEAD_DIM < 32 else 32
+        offs_p = tl.arange(0, PIECE)
+        o_rows = Y + b * sy0 + h * sy2 + offs_m[:, None] * sy1
+        y = tl.load(o_rows + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+        terms = _tile_digest(y, h * HEAD_DIM, (offs_p < PIECE)[None, :], KEYS, ktab, BLOCK_M, PIECE, WBYTES)
+        for c in tl.static_range(1, HEAD_DIM // PIECE):
+            y = tl.load(o_rows + c * PIECE + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+            terms = _add_terms(terms, _tile_digest(y, h * HEAD_DIM + c * PIECE, (offs_p < PIECE)[None, :], KEYS,
+                                                   ktab, BLOCK_M, PIECE, WBYTES))
+        _store_rows_digest(DR, DS, b * SQ + offs_m, row_ok, rows, h, shift_t, shift_t2, terms)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,20 +422,37 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, s: int, dh: int):
 
 
 def _launch(mode: int, q, k, v, x, y, key_mask, text_len: int, b: int, sq: int, s: int, h: int, dh: int,
-            ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None) -> None:
+            ieee: bool, qkv_strides, x_strides, y_strides, config, ml=None, digest: bool = False,
+            internals: tuple | None = None) -> None:
     block_m, num_warps, num_stages, *tma = (CONFIG_FP32 if ieee else CONFIG) if config is None else config
     mask, img_full, has_mask = _mask_args(key_mask, text_len, y)
     descs = _kv_descriptors(k, v, s, dh) if mode == MODE_FUSED and tma and tma[0] else None
     n_tq = triton.cdiv(text_len, block_m)
     grid = (n_tq + triton.cdiv(sq - text_len, block_m), b * h)
+    dargs = (y, 0, y, y, 0, 0, 0)
+    if digest:  # the output's row table (rows B·Sq, one column split per head), offered to its capture
+        table = gpu_rows.empty_table(b * sq, h, y.device)
+        keys = gpu_rows.byte_key_table(y.device, h * dh, y.element_size())
+        produced.offer(y, table)
+        dargs = (keys, keys.shape[1], *table, *gpu_rows.shift_constants(h * dh, y.element_size()), b * sq)
+    iargs = (y, 0, y, y, y, y, y, y, y) if internals is None else internals
+    if internals is not None:
+        dargs = (*dargs[:6], b * sq)
     _attn_kernel[grid](
         q, k, v, x, y, mask, img_full, 1.0 / math.sqrt(dh),
         *qkv_strides, *x_strides, *y_strides, mask.stride(0) if has_mask else 0, h, sq, s, text_len, n_tq, ml,
-        *(descs or (k, v)),
+        *(descs or (k, v)), *dargs, *iargs,
         HEAD_DIM=dh, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MODE=mode, HAS_MASK=has_mask, IEEE=ieee,
-        STORE_ML=ml is not None, TMA=descs is not None, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False,
+        STORE_ML=ml is not None, TMA=descs is not None, DIGEST=digest, WBYTES=y.element_size(),
+        INTERNALS=internals is not None,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
+
+
+def _digestible(o: torch.Tensor, digest: bool) -> bool:
+    """Whether an output ``o`` [B,Sq,H,Dh] gets its row table written in the epilogue: asked
+    for, a bf16, fp16 or FP32 output, heads of at least 16 bytes (the int8 product's depth)."""
+    return digest and o.dtype in (torch.bfloat16, torch.float16, torch.float32) and o.shape[-1] * o.element_size() >= 16
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
@@ -350,7 +460,8 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-              *, text_len: int | None = None, config=None, with_stats: bool = False):
+              *, text_len: int | None = None, config=None, with_stats: bool = False, digest: bool = False,
+              internals: tuple[list[int], list[int]] | None = None):
     """Fused strict attention (module docstring): q [B,Sq,H,Dh], k, v [B,S,H,Dh] (one dtype, FP32
     or BF16; Sq = S, or the text rows and some image rows: an SP rank's), key_mask [B,S] bool or
     None, text_len = L → [B,Sq,H,Dh] in v's dtype. The caller checks shapes, dtypes and that
@@ -359,7 +470,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     ``with_stats``: also return the row states the backward reads, [B,H,2,Sq] FP32 — [..., 0, i]
     = m_i (the row max of x in pass 2, −inf taken as 0), [..., 1, i] = fp32(1/l_i); the same
     program writes them after pass 1, so the output's bytes are those without (the arithmetic is
-    the same; without ``with_stats`` the forward-only kernel runs, unchanged)."""
+    the same; without ``with_stats`` the forward-only kernel runs, unchanged).
+
+    ``digest`` (a bf16, fp16 or FP32 output, heads of at least 16 bytes): each program also
+    writes digest v2's row terms of its output tile, read back after a block barrier, as head h's
+    column split of the output's row table (rows B·Sq), offered to its capture
+    (``capture.produced``); the output's bytes are the same.
+
+    ``internals`` ``(t0, n)`` (per sample: the first valid prompt key and the valid prompt keys;
+    every image key valid): also the row tables of the scores and the probabilities that
+    ``scores`` and ``softmax`` would write, digested in pass 2 and never stored — rows ``B·Sq``
+    (sample b's query rows from ``b·Sq``), columns those of their canonical record (``B.SK``:
+    per head, the sample's valid prompt keys then the image keys), one column split per head.
+    Returns ``(o, scores_table, probs_table)`` (no ``with_stats``).
+
+    Raises:
+        ValueError: ``internals`` with ``with_stats`` or for heads narrower than
+            ``INTERNALS_MIN_HEAD_DIM``."""
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
     b, sq, h, dh = q.shape
     s = k.shape[1]
@@ -368,9 +495,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     ml = torch.empty(b, h, 2, sq, dtype=torch.float32, device=v.device) if with_stats else None
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
+    if internals is not None:
+        if with_stats:
+            raise ValueError("attention: internals are digested in forward-only launches (no with_stats)")
+        if dh < INTERNALS_MIN_HEAD_DIM:
+            raise ValueError(f"attention: internals need heads of at least {INTERNALS_MIN_HEAD_DIM} values, "
+                             f"got {dh}")
+        tables, iargs = _internal_tables(internals, b, sq, s, h, L, o.device)
+        if config is None and q.dtype != torch.float32:
+            config = INTERNALS_CONFIG
+        _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
+                (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, None, _digestible(o, digest), iargs)
+        return (o, *tables)
     _launch(MODE_FUSED, q, k, v, o, o, key_mask, L, b, sq, s, h, dh, q.dtype == torch.float32, strides,
-            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml)
+            (0, 0, 0, 0), (o.stride(0), o.stride(1), o.stride(2)), config, ml, _digestible(o, digest))
     return (o, ml) if with_stats else o
+
+
+def _internal_tables(internals, b: int, sq: int, s: int, h: int, text_len: int, device: torch.device):
+    """The scores' and probabilities' row tables and the kernel's arguments for them
+    (``attention``'s ``internals``)."""
+    t0, n = ([int(x) for x in v] for v in internals)
+    if len(t0) != b or len(n) != b or any(a < 0 or c < 0 or a + c > text_len for a, c in zip(t0, n)):
+        raise ValueError(f"attention: internals need a valid prompt range per sample within {text_len} "
+                         f"text rows, got starts {t0} and lengths {n}")
+    kv = [c + s - text_len for c in n]
+    keys = gpu_rows.byte_key_table(device, h * max(kv) + BLOCK_N, 4)
+    shifts = _device_ints(tuple(v for c in kv for v in gpu_rows.shift_constants(h * c, 4)), torch.int64, device)
+    tables = (gpu_rows.empty_table(b * sq, h, device), gpu_rows.empty_table(b * sq, h, device))
+    return tables, (keys, keys.shape[1], *tables[0], *tables[1], shifts, _device_ints(tuple(t0), torch.int32, device),
+                    _device_ints(tuple(n), torch.int32, device))
+
+
+@functools.lru_cache(maxsize=256)
+def _device_ints(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device``, made once per (values, device): a copy from pageable host memory
+    synchronises the stream and cannot run inside a CUDA graph's capture (kernels only read it)."""
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, *, text_len: int | None = None, config=None) -> torch.Tensor:
@@ -400,9 +561,10 @@ def softmax(x: torch.Tensor, key_mask: torch.Tensor | None = None, *, text_len: 
 
 
 def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, *,
-           text_len: int | None = None, config=None) -> torch.Tensor:
+           text_len: int | None = None, config=None, digest: bool = False) -> torch.Tensor:
     """The fused kernel's pass-2 product from its probabilities: p [B,H,Sq,S] FP32 (cast to v's
-    dtype per tile), v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype; masked keys' P and V taken as +0."""
+    dtype per tile), v [B,S,H,Dh] → [B,Sq,H,Dh] in v's dtype; masked keys' P and V taken as +0.
+    ``digest``: as ``attention``'s."""
     v = _bshd(v)
     b, s, h, dh = v.shape
     sq = p.shape[2]
@@ -410,5 +572,5 @@ def attend(p: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = Non
     o = torch.empty(b, sq, h, dh, dtype=v.dtype, device=v.device)
     strides = (0, 0, 0, 0, 0, 0, v.stride(0), v.stride(1), v.stride(2))
     _launch(MODE_AV, v, v, v, p, o, key_mask, L, b, sq, s, h, dh, v.dtype == torch.float32, strides,
-            tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config)
+            tuple(p.stride()), (o.stride(0), o.stride(1), o.stride(2)), config, digest=_digestible(o, digest))
     return o

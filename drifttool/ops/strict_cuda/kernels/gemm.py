@@ -46,6 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import (_fold_into, _no_summary, _store_tile_digest, _tile_limbs,
+                                                _tile_summary)
 from drifttool.errors import UnsupportedConfigError
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS, _activate
 
@@ -140,6 +143,15 @@ def _store(Y, y, rm, rn, M, N, sym, syn):
 
 
 @triton.jit
+def _stored(Y, rm, col0, M, N, sym, syn, BC: tl.constexpr):
+    """The BC columns from ``col0`` of rows ``rm`` that this program stored in Y (rows past M read
+    as 0: not part of any table), and which of them are the row's (``[1, BC]``)."""
+    rn = col0 + tl.arange(0, BC)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    return tl.load(Y + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn, mask=mask, other=0.0), (rn < N)[None, :]
+
+
+@triton.jit
 def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """The first row and column of output tile number ``tile`` (grouped raster order for L2
     reuse; it touches no arithmetic)."""
@@ -154,9 +166,14 @@ def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
-def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS: tl.constexpr,
-              ACT: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3)."""
+def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t,
+              shift_t2, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MERGE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIGEST: tl.constexpr,
+              WBYTES: tl.constexpr):
+    """Bias, merge, activation and the one cast of a finished tile (module docstring, step 3).
+    With ``DIGEST``: digest v2's row terms of the values stored (keys ``DK``, ``ktab`` columns),
+    read back by the program that stored them, written as column split ``off_n // BLOCK_N`` of
+    the row table ``DR``/``DS`` (``linear``'s ``digest``)."""
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
@@ -166,16 +183,29 @@ def _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS: 
         r_mask = (rm[:, None] < M) & (rn[None, :] < N)
         res = tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=r_mask, other=0.0)
         acc = res.to(tl.float32) + scale * acc
+    Q: tl.constexpr = BLOCK_N // 4
     if ACT == 0 or ACT == 3:  # none, or the FP32 GELU on the whole tile
         _store(Y, _activate(acc, ACT), rm, rn, M, N, sym, syn)
     else:  # the FP64 activation a quarter tile at a time (fewer live registers; same bytes)
         h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q1, ACT), rm, off_n + BLOCK_N // 4 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-        _store(Y, _activate(q2, ACT), rm, off_n + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
-        _store(Y, _activate(q3, ACT), rm, off_n + 3 * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4), M, N, sym, syn)
+        q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        _store(Y, _activate(q0, ACT), rm, off_n + tl.arange(0, Q), M, N, sym, syn)
+        _store(Y, _activate(q1, ACT), rm, off_n + Q + tl.arange(0, Q), M, N, sym, syn)
+        q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, Q)), (0, 2, 1)))
+        _store(Y, _activate(q2, ACT), rm, off_n + 2 * Q + tl.arange(0, Q), M, N, sym, syn)
+        _store(Y, _activate(q3, ACT), rm, off_n + 3 * Q + tl.arange(0, Q), M, N, sym, syn)
+    if DIGEST:  # the tile read back from where it was just stored (the L2 cache), a quarter at a time
+        tl.debug_barrier()  # every thread's stores seen by the block; the accumulator is dead by now
+        acc32 = tl.zeros([BLOCK_M, 16], tl.int32)  # the quarters' limb sums, folded once (≤ 1 KiB of bytes)
+        sq, mx, mn, bad = _no_summary(BLOCK_M)
+        for i in tl.static_range(0, 4):
+            y, ok = _stored(Y, rm, off_n + i * Q, M, N, sym, syn, Q)
+            acc32 = _tile_limbs(y, off_n + i * Q, ok, DK, ktab, acc32, BLOCK_M, Q, WBYTES)
+            sq1, mx1, mn1, bad1 = _tile_summary(y, ok)
+            sq, mx, mn, bad = sq + sq1, tl.maximum(mx, mx1), tl.minimum(mn, mn1), bad + bad1
+        zero = tl.zeros([BLOCK_M], tl.int64)
+        t, t2 = _fold_into(zero, zero, acc32, 8, 16, 8)
+        _store_tile_digest(DR, DS, rm, M, off_n // BLOCK_N, shift_t, shift_t2, (t, t2, sq, mx, mn, bad))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -192,14 +222,17 @@ def _linear_persistent_kernel(X, W, B, Y, R, scale, M, N, K, sym, syn, srm, n_pr
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for kc in range(0, n_k):
             acc = _mma(X.load([off_m, kc * BLOCK_K]), W.load([off_n, kc * BLOCK_K]), acc, IEEE)
-        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
+        _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, Y, 0, Y, Y, 0, 0,
+                  HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, False, 0)  # no digest (see linear)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, srm,
+                   DK, ktab, DR, DS, shift_t, shift_t2,
                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
                    TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   DIGEST: tl.constexpr, WBYTES: tl.constexpr):
     """One program per output tile; K walked once in BLOCK_K chunks from 0 (module docstring)."""
     off_m, off_n = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = off_m + tl.arange(0, BLOCK_M)
@@ -225,7 +258,8 @@ def _linear_kernel(X, W, B, Y, R, scale, M, N, K, sxm, sxk, swn, swk, sym, syn, 
                 a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
                 w = tl.load(w_ptrs, mask=kk[None, :] < K, other=0.0)
             acc = _mma(a, w, acc, IEEE)
-    _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N)
+    _epilogue(acc, B, Y, R, scale, off_m, off_n, M, N, sym, syn, srm, DK, ktab, DR, DS, shift_t, shift_t2,
+              HAS_BIAS, ACT, MERGE, BLOCK_M, BLOCK_N, DIGEST, WBYTES)
 
 
 _OPERANDS = (torch.float32, torch.bfloat16)
@@ -256,7 +290,8 @@ def _check(x, w, b, what: str) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, act: str | None = None,
            out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
-           merge_into: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+           merge_into: torch.Tensor | None = None, scale: float = 1.0, digest: bool = False
+           ) -> torch.Tensor:
     """``act(x·wᵀ + b)`` by the strict CUDA GEMM (order in the module docstring).
 
     Args:
@@ -274,6 +309,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             ``lora_merge``: fp32(W) + fp32(s)·(B·A)) or an unfused adapter's base pre-activation
             (strict ``qkv_bias_gemm`` … ``mlp_down_gemm`` with ``lora``: act(pre + fp32(s)·(u·Bᵀ))).
         scale: the merge's scale (a python float, rounded once to FP32).
+        digest: also write digest v2's row table of the output in the epilogue, from the values
+            it stores (one column split per column tile; ``capture.produced.offer``): a capture
+            of the output then reads no byte of it again (``gpu_rows.row_table`` returns this
+            table). Where ``digestible`` says no, nothing is written and the row kernel reads
+            the output at its capture, as without it; the output's bytes never change.
     Returns:
         [..., N] in ``out_dtype``, on x's device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Raises:
@@ -290,14 +330,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
             f"[..., N] = {(*lead, n)} and be on x's device")
     out_dtype = out_dtype or x.dtype
     ieee = not (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
-    wide = out_dtype.itemsize > 2 or merge_into is not None
-    cfg = config or (FP32_CONFIG if ieee else BF16_WIDE_CONFIG if wide else BF16_CONFIG)
+    cfg = config or registered_config(x.dtype, w.dtype, out_dtype, merge_into is not None)
     x2 = _rows(x.reshape(lead.numel(), k))  # [M, K]
     w2 = _rows(w)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
+    d = _Digest(y, cfg.block_n) if digest and digestible(cfg, out_dtype) else None
+    dargs = (y, 0, y, y, 0, 0) if d is None else d.args
     tma = cfg.tma and k > 0 and _tma_ok(x2, w2)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -309,21 +350,69 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, a
     n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     r = y if merge_into is None else _rows(merge_into.reshape(m, n))  # [M, N]
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
-    if cfg.persistent and tma and ACTS[act] in (0, 3):
+    if persists(cfg, tma, act, d is not None):
         n_programs = min(n_tiles, cfg.persistent * _sm_count(x.device))
         _linear_persistent_kernel[(n_programs,)](
             xa, wa, b if b is not None else y, y, r, float(scale), m, n, k, y.stride(0), y.stride(1),
-            r.stride(0), n_programs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
+            r.stride(0), n_programs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee,
+            MERGE=merge_into is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK,
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=False, **extra)
         return y.reshape(*lead, n)
     _linear_kernel[(n_tiles,)](
         xa, wa, b if b is not None else y, y, r, float(scale), m, n, k,
         x2.stride(0), x2.stride(1), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1), r.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
+        *dargs, HAS_BIAS=b is not None, ACT=ACTS[act], IEEE=ieee, MERGE=merge_into is not None, TMA=tma,
         EVEN_K=k % CHUNK == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=CHUNK, GROUP_M=cfg.group_m,
+        DIGEST=d is not None, WBYTES=0 if d is None else d.wbytes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **extra)
+    return _done(y, d, lead, n)
+
+
+def registered_config(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype,
+                      merge: bool) -> GemmConfig:
+    """The launch configuration ``linear`` uses without a ``config``: by the operands' and the
+    output's precision (module docstring), never by shape."""
+    if not (x_dtype == torch.bfloat16 and w_dtype == torch.bfloat16):
+        return FP32_CONFIG
+    return BF16_WIDE_CONFIG if out_dtype.itemsize > 2 or merge else BF16_CONFIG
+
+
+def persists(cfg: GemmConfig, tma: bool, act: str | None, digest: bool) -> bool:
+    """Whether ``linear`` runs ``cfg`` as persistent programs: when it asks for them, with TMA
+    loads, an activation none or the FP32 GELU, and no digest (a digesting epilogue's read-back
+    in the flattened loop stops the software pipelining: offline sm_90a, 32 KiB of shared memory
+    instead of 100; ``tools/strict_launches_sm90.py``)."""
+    return bool(cfg.persistent) and tma and ACTS[act] in (0, 3) and not digest
+
+
+def digestible(cfg: GemmConfig, out_dtype: torch.dtype) -> bool:
+    """Whether ``linear(..., digest=True)`` writes a row table under ``cfg`` for an output of
+    ``out_dtype`` (otherwise it writes none and a capture reads the output with the row kernel):
+    a bf16, fp16 or FP32 output, and quarter tiles of at least 16 bytes a row (the int8
+    product's depth)."""
+    return out_dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+        cfg.block_n // 4 * out_dtype.itemsize >= 16
+
+
+class _Digest:
+    """The row table a digesting launch writes (``linear``'s ``digest``): ``gpu_rows.row_table``'s
+    format with one column split per column tile, its key table and ``u − 128`` corrections."""
+
+    def __init__(self, y: torch.Tensor, block_n: int) -> None:
+        m, n = y.shape
+        self.wbytes = y.element_size()
+        self.splits = triton.cdiv(n, block_n)
+        self.table = gpu_rows.empty_table(m, self.splits, y.device)
+        keys = gpu_rows.byte_key_table(y.device, self.splits * block_n, self.wbytes)
+        self.args = (keys, keys.shape[1], *self.table, *gpu_rows.shift_constants(n, self.wbytes))
+
+
+def _done(y: torch.Tensor, d: _Digest | None, lead: torch.Size, n: int) -> torch.Tensor:
+    """The output as ``[..., N]``; a digesting launch's table offered for its capture."""
+    if d is not None:
+        produced.offer(y, d.table)
     return y.reshape(*lead, n)
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from drifttool.capture import gpu_rows, produced
+from drifttool.capture.gpu_rows_kernels import _add_terms, _no_terms, _store_tile_digest, _tile_digest
 from drifttool.ops.strict_cuda.kernels.rows import _launch, _pair_tree, pow2
 
 
@@ -60,21 +62,62 @@ def _rms_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, LOG2: tl
     tl.store(o_ptr + r[:, None] * D + k[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _rms_heads_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, R, H, KT, ktab, DR, DS, shift_t, shift_t2,
+                      D: tl.constexpr, LOG2: tl.constexpr, BM: tl.constexpr, WBYTES: tl.constexpr):
+    """``_rms_kernel``'s arithmetic on the heads of rows ``[pid·BM, (pid+1)·BM)`` of ``[R, H·D]``
+    (each head's ``D`` elements a norm row), and digest v2's row terms of the values stored, summed
+    over the heads, written as the one column split of the row table ``DR``/``DS``
+    (``capture.gpu_rows_kernels._tile_digest``)."""
+    P: tl.constexpr = 2**LOG2
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.arange(0, P)
+    gain = tl.load(gain_ptr + k, mask=k < D, other=0.0).to(tl.float32)
+    terms = _no_terms(BM)
+    for h in range(0, H):
+        m = (rm[:, None] < R) & (k[None, :] < D)
+        at = (rm.to(tl.int64)[:, None] * H + h) * D + k[None, :]
+        x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+        ssq = _pair_tree(x * x, LOG2)
+        var = tl.div_rn(ssq, tl.full(ssq.shape, D, tl.float32))
+        rstd = _rstd(var, eps_ptr)
+        y = ((x * rstd[:, None]) * gain[None, :]).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + at, y, mask=m)
+        terms = _add_terms(terms, _tile_digest(y, h * D, (k < D)[None, :], KT, ktab, BM, P, WBYTES))
+    _store_tile_digest(DR, DS, rm, R, 0, shift_t, shift_t2, terms)
+
+
+HEADS_ROWS = 16
+"""Rows (tokens) per program of the digesting head-wise RMSNorm (``rms_norm_heads``)."""
+
+
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
              rows_per_program: int | None = None, long_rows: LongRows | None = None,
-             in_register: bool = False) -> torch.Tensor:
+             in_register: bool = False, digest: bool = False) -> torch.Tensor:
     """Learned-gain RMSNorm over the last axis (``strict.embed.rms_parts`` then ·gain):
     x [..., D] → [..., D] ``out_dtype`` (FP32 for the seam before a GEMM). Rows longer than
     ``SHORT_ROW`` (padded) take the tile kernel under ``long_rows`` (default ``LONG_ROWS``);
     ``rows_per_program`` overrides the rows per program of either kernel; ``in_register`` holds a
     long row whole in one program's registers (for the interpreter tests: Triton gives every
-    thread the whole tree there, so on a GPU its code and compile time grow with the row)."""
+    thread the whole tree there, so on a GPU its code and compile time grow with the row).
+    ``digest`` (x [B, S, H, D], short rows, a bf16, fp16 or FP32 output): also write the output's
+    row table (digest v2, rows B·S of H·D elements) from the values stored and offer it to its
+    capture (``capture.produced``); the same output bytes."""
     x = x.contiguous()
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     eps_t = _f64_scalar(eps, x.device) if rows and d else None
-    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+    if (digest and rows and d and x.dim() == 4 and pow2(d) <= SHORT_ROW
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32) and pow2(d) * o.element_size() >= 16):
+        tokens, heads, wbytes = x.shape[0] * x.shape[1], x.shape[2], o.element_size()
+        table = gpu_rows.empty_table(tokens, 1, x.device)
+        keys = gpu_rows.byte_key_table(x.device, heads * d + pow2(d), wbytes)
+        produced.offer(o, table)
+        _launch(_rms_heads_kernel, (triton.cdiv(tokens, HEADS_ROWS),), x, gain.contiguous(), eps_t, o, tokens,
+                heads, keys, keys.shape[1], *table, *gpu_rows.shift_constants(heads * d, wbytes), D=d,
+                LOG2=pow2(d).bit_length() - 1, BM=HEADS_ROWS, WBYTES=wbytes)
+    elif rows and d and pow2(d) > SHORT_ROW and not in_register:
         rms_norm_long(x, gain.contiguous(), eps_t, o, rows, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
@@ -107,10 +150,13 @@ def _ln_mod_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows
 
 def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
                   out_dtype: torch.dtype, *, rows_per_program: int | None = None,
-                  long_rows: LongRows | None = None, in_register: bool = False) -> torch.Tensor:
+                  long_rows: LongRows | None = None, in_register: bool = False,
+                  digest: bool = False) -> torch.Tensor:
     """Parameter-free LayerNorm over d, then ·(1 + scale) + shift (``strict.adaln``): x [B,S,d];
     shift, scale [B,d] with a common row stride (views into one [B,2d] tensor allowed) →
-    [B,S,d] ``out_dtype``. ``rows_per_program``, ``long_rows``, ``in_register``: as ``rms_norm``."""
+    [B,S,d] ``out_dtype``. ``rows_per_program``, ``long_rows``, ``in_register``: as ``rms_norm``.
+    ``digest`` (long rows, a bf16, fp16 or FP32 output): as ``rms_norm``'s, rows B·S (the long
+    rows' trees, then the output in ``LN_DIGEST`` tiles)."""
     x = x.contiguous()
     bsz, s, d = x.shape
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
@@ -118,7 +164,19 @@ def ln_modulation(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     o = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = bsz * s
     eps_t = _f64_scalar(eps, x.device) if rows and d else None
-    if rows and d and pow2(d) > SHORT_ROW and not in_register:
+    if (digest and rows and d and pow2(d) > SHORT_ROW and not in_register
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        bm, bc, warps = LN_DIGEST
+        bc = bc * 2 // o.element_size()  # the same bytes a tile for an FP32 output (no spills)
+        meta = _long_meta(d, _long_config(long_rows, None))
+        table = gpu_rows.empty_table(rows, 1, x.device)
+        keys = gpu_rows.byte_key_table(x.device, triton.cdiv(d, bc) * bc, o.element_size())
+        produced.offer(o, table)
+        _launch(_ln_digest_kernel, (triton.cdiv(rows, bm),), x, shift, scale, shift.stride(0), eps_t, o, rows, s,
+                keys, keys.shape[1], *table, *gpu_rows.shift_constants(d, o.element_size()), D=d,
+                NT_LOG2=meta["NT_LOG2"], TLOG2=meta["TLOG2"], BM=bm, BC=bc, WBYTES=o.element_size(),
+                num_warps=warps)
+    elif rows and d and pow2(d) > SHORT_ROW and not in_register:
         ln_modulation_long(x, shift, scale, eps_t, o, rows, s, d, _long_config(long_rows, rows_per_program))
     elif rows and d:
         per = rows_per_program or _rows_per_program(d)
@@ -225,6 +283,16 @@ def _rms_long_kernel(x_ptr, gain_ptr, eps_ptr, o_ptr, rows, D: tl.constexpr, NT_
 
 
 @triton.jit
+def _ln_row_stats(x_ptr, r, live, eps_ptr, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2: tl.constexpr):
+    """Row r's LayerNorm statistics → (mean, rstd), each [1] FP32: mean = tree_sum(x) ÷ D;
+    var = tree_sum((x − mean)²) ÷ D; rstd (``_rstd``)."""
+    total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
+    mean = tl.div_rn(total, tl.full((1,), D, tl.float32))
+    ssq = _row_sum(x_ptr, r, live, mean, D, NT_LOG2, TLOG2, True, True)
+    return mean, _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+
+
+@triton.jit
 def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows, S, D: tl.constexpr,
                     NT_LOG2: tl.constexpr, TLOG2: tl.constexpr, ROWS: tl.constexpr):
     """Per row (sample b = row ÷ S): mean = tree_sum(x) ÷ D; var = tree_sum(xc·xc) ÷ D with
@@ -233,10 +301,7 @@ def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, row
     for i in range(ROWS):
         r = tl.program_id(0).to(tl.int64) * ROWS + i
         live = r < rows
-        total = _row_sum(x_ptr, r, live, 0.0, D, NT_LOG2, TLOG2, False, False)
-        mean = tl.div_rn(total, tl.full((1,), D, tl.float32))
-        ssq = _row_sum(x_ptr, r, live, mean, D, NT_LOG2, TLOG2, True, True)
-        rstd = _rstd(tl.div_rn(ssq, tl.full((1,), D, tl.float32)), eps_ptr)
+        mean, rstd = _ln_row_stats(x_ptr, r, live, eps_ptr, D, NT_LOG2, TLOG2)
         for t in range(2**NT_LOG2):
             kt = t * 2**TLOG2 + k
             m = live & (kt < D)
@@ -246,6 +311,44 @@ def _ln_long_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, row
             shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
             y = ((x - mean) * rstd) * (1.0 + scale) + shift
             tl.store(o_ptr + r * D + kt, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ln_digest_kernel(x_ptr, shift_ptr, scale_ptr, mod_stride, eps_ptr, o_ptr, rows, S, KT, ktab, DR, DS,
+                      shift_t, shift_t2, D: tl.constexpr, NT_LOG2: tl.constexpr, TLOG2: tl.constexpr,
+                      BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr):
+    """``_ln_long_kernel``'s arithmetic for rows ``[pid·BM, (pid+1)·BM)`` — each row's mean and
+    rstd by the same trees, one row at a time — then the output in ``[BM, BC]`` tiles, and
+    digest v2's row terms of the values stored, summed over the tiles, written as the one column
+    split of the row table ``DR``/``DS`` (``capture.gpu_rows_kernels._tile_digest``)."""
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    at = tl.arange(0, BM)
+    mean = tl.zeros([BM], tl.float32)
+    rstd = tl.zeros([BM], tl.float32)
+    for i in range(BM):
+        r = tl.program_id(0).to(tl.int64) * BM + i
+        mean_r, rstd_r = _ln_row_stats(x_ptr, r, r < rows, eps_ptr, D, NT_LOG2, TLOG2)
+        mean = tl.where(at == i, mean_r, mean)
+        rstd = tl.where(at == i, rstd_r, rstd)
+    b = rm // S
+    terms = _no_terms(BM)
+    for it in range(0, (D + BC - 1) // BC):
+        cols = it * BC + tl.arange(0, BC)
+        m = (rm < rows)[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        mod = b[:, None] * mod_stride + cols[None, :]
+        scale = tl.load(scale_ptr + mod, mask=m, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + mod, mask=m, other=0.0).to(tl.float32)
+        y = (((x - mean[:, None]) * rstd[:, None]) * (1.0 + scale) + shift).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + rm[:, None] * D + cols[None, :], y, mask=m)
+        terms = _add_terms(terms, _tile_digest(y, it * BC, (cols < D)[None, :], KT, ktab, BM, BC, WBYTES))
+    _store_tile_digest(DR, DS, rm, rows, 0, shift_t, shift_t2, terms)
+
+
+LN_DIGEST = (16, 256, 4)
+"""Rows per program, output tile width (of a 16-bit output; half as many FP32 columns) and warps
+of the digesting LayerNorm (``ln_modulation``'s ``digest``). Offline sm_90a: 220 registers, no
+spills (FP32 at 256 columns spilled 64 bytes)."""
 
 
 def _long_config(cfg: LongRows | None, rows_per_program: int | None) -> LongRows:
