@@ -86,11 +86,12 @@ INTERNALS_CONFIG = (BLOCK_M, 8, NUM_STAGES, False)
 8 warps, so each holds 16 whole rows (the same bytes) and the digests' registers fit better
 (offline sm_90a, Dh 128: 448 bytes of spills, against 2.5 KiB at 4 warps)."""
 INTERNALS_MIN_HEAD_DIM = 32
-"""The narrowest heads the internals launch takes. At Dh 16 it made an out-of-range local-memory
-access on an H200 (Triton 3.6, compute-sanitizer's memcheck; every launch configuration tried,
-with and without the output's digest); Dh 32, 64 and 128 give the registered launch's output
-bytes. ``attention`` refuses narrower heads; the registered operator's ``internals`` declines
-them and the decomposition runs (the same records)."""
+"""The narrowest heads the internals launch takes. At Dh 16 it made an out-of-range shared or
+local memory access on an H200 (Triton 3.6, compute-sanitizer's memcheck; every launch
+configuration tried, with and without the output's digest). Verified on the H200: Dh 32 (the
+tiny model's records equal the decomposition's) and Dh 128 (full width: the output's bytes and
+both tables). ``attention`` refuses narrower heads; the registered operator's ``internals``
+declines them and the decomposition runs (the same records)."""
 
 
 @triton.jit
