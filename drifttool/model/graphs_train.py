@@ -50,7 +50,10 @@ model's device (a caller's text lane is not used). The first call of a signature
 and backward on a side stream (the backward kernels' compilation, whatever the caller did with
 the first call's output), then captures both graphs and replays them. The model's activation
 checkpointing is part of the signature (a checkpointed backward recomputes each block inside the
-backward graph).
+backward graph). Drop (or detach) the previous step's outputs and loss before the next call:
+while an earlier step's autograd graph lives, it holds the parameters' gradient accumulators with
+the stream they last ran on, and torch refuses a capture that would wait on it ("operation would
+make the legacy stream depend on a capturing blocking stream"; the wrapper then runs eagerly).
 
 Memory: each signature keeps its own pool (the forward's saved activations live there between a
 forward replay and its backward), about the eager step's peak; ``reset()`` frees them. With a

@@ -29,9 +29,11 @@ strict/strict the ratio is exactly 1 and the clip fraction 0; any other combinat
 train–rollout mismatch as ratio ≠ 1 before any update. On a GPU (one process) the rollouts'
 forwards replay CUDA graphs (``model.graphs.GraphedForward``): the same bytes, and each new group
 of samples of the same shapes replays the graphs of the first. The training steps go through
-``model.graphs_train.GraphedTraining`` too; on an H200 (torch 2.11) its capture is still refused
-inside this loop ("operation would make the legacy stream depend on a capturing blocking
-stream"), so they run eagerly, with one warning (the same bytes, without the graphs' speed).
+``model.graphs_train.GraphedTraining`` too. On an H200 (torch 2.11) its capture was refused inside
+this loop ("operation would make the legacy stream depend on a capturing blocking stream") while
+the previous step's autograd graph was still alive; the loop now drops it before the next step
+(not yet confirmed on the GPU). A refused capture runs the steps eagerly, with one warning (the
+same bytes, without the graphs' speed).
 """
 
 from __future__ import annotations
@@ -232,6 +234,10 @@ def grpo_loop(cfg: GRPOConfig, *, model=None, dist: Any = None, parallel: Any = 
                     scale = traj.std_t[j] * math.sqrt(float(traj.sigmas[j] - traj.sigmas[j + 1]))
                     d = (re.mu[0].detach() - traj.mu[j]).to(torch.float64)
                     kls.append((d * d).mean(dim=(1, 2)) / (2 * scale.to(torch.float64) ** 2))
+                    # the step's autograd graph goes before the next step's forward: while it lives,
+                    # it holds the factors' gradient accumulators with the stream they ran on, which
+                    # a CUDA graph capture of the next step cannot wait on
+                    del re, logp, ratio, unclipped, clipped, loss
             model.gradient_checkpointing = False
             opt.step()
             r = torch.stack(ratios)  # [steps, B]
