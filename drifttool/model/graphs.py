@@ -125,6 +125,21 @@ class SignatureGraphs:
         self._seen.clear()
         self._graphs.clear()
 
+    @staticmethod
+    def _grids(img_grid: tuple[int, int], cond_grids: tuple[tuple[int, int], ...]
+               ) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+        """``img_grid`` and ``cond_grids`` as tuples of Python ints (part of a signature)."""
+        return tuple(int(v) for v in img_grid), tuple(tuple(int(v) for v in g) for g in cond_grids)
+
+    def _kept_tables(self, grid: tuple[int, int], txt_len: int, cond_grids: tuple[tuple[int, int], ...],
+                     rt: Runtime, device: torch.device) -> tuple:
+        """The RoPE tables a graph of this signature reads (``model.rope.rope_tables``, from its
+        cache after the warm-up), for the graph to hold alive: the cache may drop them, and a
+        graph reads the addresses it captured."""
+        cfg = self.model.config
+        return rope_tables(grid, txt_len, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
+                           algorithm=BACKEND_TABLES[rt.mode.family], device=device, cond_grids=cond_grids)
+
     def _graph(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
         """The graph of signature ``key`` (``capture()`` makes it at the second call), or None at
         the first call (the caller runs the model eagerly: kernels compiled, caches filled) and
@@ -223,8 +238,7 @@ class GraphedForward(SignatureGraphs):
         in the model dtype (a fresh tensor)."""
         if not self.eligible(x, rt):
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
-        grid = tuple(int(v) for v in img_grid)
-        cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
+        grid, cond_grids = self._grids(img_grid, cond_grids)
         key = signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt))
         g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids))
         if g is None:  # warm-up: compile kernels, fill constant caches
@@ -238,10 +252,7 @@ class GraphedForward(SignatureGraphs):
         return g.out.clone()
 
     def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids) -> _Graph:
-        cfg = self.model.config
-        keep = rope_tables(grid, txt.shape[1], axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
-                           algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
-                           cond_grids=cond_grids)
+        keep = self._kept_tables(grid, txt.shape[1], cond_grids, rt, x.device)
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         level = self._level(rt)
         quiet, log = logging_runtime(rt, level)

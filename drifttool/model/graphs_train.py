@@ -52,8 +52,9 @@ the first call's output), then captures both graphs and replays them. The model'
 checkpointing is part of the signature (a checkpointed backward recomputes each block inside the
 backward graph). Drop (or detach) the previous step's outputs and loss before the next call:
 while an earlier step's autograd graph lives, it holds the parameters' gradient accumulators with
-the stream they last ran on, and torch refuses a capture that would wait on it ("operation would
-make the legacy stream depend on a capturing blocking stream"; the wrapper then runs eagerly).
+the stream they last ran on, and a capture that would wait on it is refused ("operation would
+make the legacy stream depend on a capturing blocking stream"; the wrapper then runs eagerly),
+unless torch can redirect such a stream to the capturing one (``stale_streams_redirected``).
 
 Memory: each signature keeps its own pool (the forward's saved activations live there between a
 forward replay and its backward), about the eager step's peak; ``reset()`` frees them. With a
@@ -63,6 +64,8 @@ unfused adapter's factors, an FP32 ``[out, in]`` per adapted weight and row for 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -72,7 +75,6 @@ import torch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.graphs import SignatureGraphs, capture_refused, scope_key, signature, stream_kept
 from drifttool.model.replay import ReplayRecords, logging_runtime
-from drifttool.model.rope import BACKEND_TABLES, rope_tables
 from drifttool.runtime import Runtime
 
 
@@ -119,6 +121,31 @@ class _Replay(torch.autograd.Function):
         if ctx.ledger is not None:  # the atoms the eager backward's sinks would have filed
             ctx.ledger.file_taken(g.taken, ctx.samples)
         return None, None, None, *(None if t is None else t.clone() for t in g.grads)
+
+
+@contextlib.contextmanager
+def stale_streams_redirected():
+    """Around a capture of a training step: the autograd graphs nobody holds are collected first
+    (reference cycles included), and, where torch offers it
+    (``torch.autograd.graph.set_override_stale_capture_stream``: torch 2.13 has it), a node
+    that still holds a stream other than the capturing one (a parameter's gradient accumulator
+    kept alive by an earlier step's graph: the default stream) is redirected to the capturing
+    stream instead of making the default stream wait on the capture, which CUDA refuses ("would
+    make the legacy stream depend on a capturing blocking stream"). The redirect orders that
+    node's work on the capturing stream, where its producer ran: the same kernels on the same
+    tensors. torch's own setting is restored after."""
+    gc.collect()
+    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    if setter is None or getter is None:
+        yield
+        return
+    before = bool(getter())
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 def _done(g: _Graphs, live: list[bool]) -> None:
@@ -173,8 +200,7 @@ class GraphedTraining(SignatureGraphs):
         params = self.trainable()
         if not params or not self.eligible(x, rt, (x, txt, tau, cond), params):
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
-        grid = tuple(int(v) for v in img_grid)
-        cond_grids = tuple(tuple(int(v) for v in g) for g in cond_grids)
+        grid, cond_grids = self._grids(img_grid, cond_grids)
         key = (*signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt)),
                scope_key(rt.current_scope().get("branch")), rt.grad_ledger is not None,
                bool(getattr(self.model, "gradient_checkpointing", False)),
@@ -196,10 +222,7 @@ class GraphedTraining(SignatureGraphs):
 
     def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids,
                  params: list[torch.nn.Parameter]) -> _Graphs:
-        cfg = self.model.config
-        keep = rope_tables(grid, txt.shape[1], axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
-                           algorithm=BACKEND_TABLES[rt.mode.family], device=x.device,
-                           cond_grids=cond_grids)
+        keep = self._kept_tables(grid, txt.shape[1], cond_grids, rt, x.device)
         inputs = tuple(None if t is None else t.detach().clone() for t in (x, txt, txt_mask, tau, cond))
 
         def forward(run_rt: Runtime) -> torch.Tensor:
@@ -233,11 +256,12 @@ class GraphedTraining(SignatureGraphs):
         # both on one stream of the model's device: the backward's ops run on their forward ops' stream
         stream = self.capture_stream(device)
         try:
-            with stream_kept(device), torch.cuda.graph(fwd, pool=pool, stream=stream):
-                out = forward(quiet)
-            grad_out = torch.empty_like(out)
-            with stream_kept(device), torch.cuda.graph(bwd, pool=pool, stream=stream):
-                grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
+            with stale_streams_redirected():
+                with stream_kept(device), torch.cuda.graph(fwd, pool=pool, stream=stream):
+                    out = forward(quiet)
+                grad_out = torch.empty_like(out)
+                with stream_kept(device), torch.cuda.graph(bwd, pool=pool, stream=stream):
+                    grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # an operation that synchronises with the host

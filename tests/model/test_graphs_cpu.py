@@ -101,3 +101,30 @@ def test_a_refused_capture_names_the_first_error_raised_inside_it():
     assert str(err) == ("CUDA graph capture of the strict training step failed (operation not permitted when "
                         "stream is capturing; then: operation failed due to a previous error during capture)")
     assert "(boom)" in str(capture_refused("strict forward", RuntimeError("boom")))
+
+
+def test_a_training_capture_redirects_stale_autograd_streams_and_restores_torchs_setting(monkeypatch):
+    """``graphs_train.stale_streams_redirected``: torch's stale-stream override is on inside and
+    back to what it was after (also after an error); without that setting (older torch) the
+    capture goes ahead as before."""
+    import pytest
+
+    from drifttool.model.graphs_train import stale_streams_redirected
+
+    get = torch._C._override_stale_capture_stream
+    for before in (False, True):
+        torch.autograd.graph.set_override_stale_capture_stream(before)
+        try:
+            with stale_streams_redirected():
+                assert get() is True
+            assert get() is before
+            with pytest.raises(ZeroDivisionError), stale_streams_redirected():
+                1 / 0
+            assert get() is before
+        finally:
+            torch.autograd.graph.set_override_stale_capture_stream(False)
+    monkeypatch.delattr(torch.autograd.graph, "set_override_stale_capture_stream")
+    ran = []
+    with stale_streams_redirected():
+        ran.append(get())
+    assert ran == [False]
