@@ -3,7 +3,7 @@
     DRIFT  first drift at rollout step 1 cond block 1 joint joint_attn#0 sample 1 (owning rank 0); origin
     (every earlier record matches); 21 differing records; compared at L2: step records, operator
     outputs and their row digests
-    records: ops 72 matched, 10 differ, 0 only A, 0 only B; steps 48 matched, 11 differ, ...
+    records: steps 48 paired (37 equal, 11 differ), 0 only A, 0 only B; ops 72 paired ...
     first drift (A | B)
     │ owning rank│ 0 (run A), 0 (run B)                │
     │ step       │ 1                                   │
@@ -224,7 +224,8 @@ def render(report: DiffReport, console: Console | None = None) -> None:
                 console.print(f"  - {line}", highlight=False, markup=False)
     if report.counts:
         console.print("records: " + "; ".join(
-            f"{k} {c.matched} matched, {c.differ} differ, {c.only_a} only A, {c.only_b} only B"
+            f"{k} {c.matched} paired ({c.matched - c.differ} equal, {c.differ} differ), "
+            f"{c.only_a} only A, {c.only_b} only B"
             for k, c in report.counts.items()), highlight=False)
     if report.first_drift is not None:
         console.print(_first_drift_table(report))

@@ -143,7 +143,9 @@ def _key(x: float | None) -> float:
 
 @dataclass(kw_only=True)
 class Counts:
-    """Records compared in one table (``ops`` or ``steps``)."""
+    """Records compared in one table (``ops`` or ``steps``): ``a`` and ``b`` records in each
+    run; ``matched`` pairs of records with the same identity in both (equal or not), of which
+    ``differ`` have different digests; ``only_a`` and ``only_b`` records without a partner."""
 
     a: int
     b: int

@@ -128,8 +128,9 @@ def render_html(report: Any, figures: dict[str, bytes] | None = None) -> str:
                  + _list("Notes", report.notes))
     if report.counts:
         parts.append("<h2>Records</h2>" + _table(
-            ("table", "run A", "run B", "matched", "differ", "only A", "only B"),
-            [("", (_e(k), *(("num", _e(v)) for v in (c.a, c.b, c.matched, c.differ, c.only_a, c.only_b))))
+            ("table", "run A", "run B", "paired", "equal", "differ", "only A", "only B"),
+            [("", (_e(k), *(("num", _e(v)) for v in (c.a, c.b, c.matched, c.matched - c.differ, c.differ,
+                                                      c.only_a, c.only_b))))
              for k, c in report.counts.items()]))
     parts.append("<h2>Per step</h2>" + _steps(report))
     shown = [(k, cap) for k, cap in _FIGURES if figures and k in figures]

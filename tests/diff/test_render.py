@@ -22,6 +22,12 @@ def test_render_drift(make_run):
                                "joint_attn#0 sample 1 (owning rank 0); origin (every earlier record "
                                "matches)")
     assert "│ rows        │ 1 of 11 differ: img (1, 1)" in out
+    rep = diff_runs(open_run(make_run("c")), open_run(make_run("d", plant=plant)))
+    ops, steps = rep.counts["ops"], rep.counts["steps"]
+    assert 0 < ops.differ < ops.matched and 0 < steps.differ < steps.matched  # paired: equal or not
+    assert (f"records: steps {steps.matched} paired ({steps.matched - steps.differ} equal, "
+            f"{steps.differ} differ), 0 only A, 0 only B; ops {ops.matched} paired "
+            f"({ops.matched - ops.differ} equal, {ops.differ} differ), 0 only A, 0 only B") in out
     assert "│ origin      │ yes (every earlier record matches)" in out
     step_rows = [ln.split() for ln in lines if ln.strip().split()[:1] in (["0"], ["1"], ["2"])]
     assert step_rows[0][:9] == ["0", "1", "=", "=", "=", "=", "=", "0", "0"]
