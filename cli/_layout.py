@@ -73,13 +73,13 @@ def describe(dims: "ParallelDims") -> str:
 
 def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str, cfg_branches: int,
                  cfg_layout: str, capture_from: str = "", conditions: int = 0,
-                 lora_mode: Optional[str] = None) -> None:
+                 lora_mode: Optional[str] = None, internals: bool = True) -> None:
     """Refuse, before any rank starts a process group or opens the artifact, a layout that the
     model or the run cannot take: the plan's own checks (``ParallelPlan.build`` against the
     config of the model in ``model_dir``, on a stand-in context of the layout's world size:
     TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank, Ring
     attention at a capture ``level`` that records attention internals when ``mode``
-    (``runtime.Mode``) captures) and ``plan.check_cfg_parallel`` (CFG on, production with
+    (``runtime.Mode``) captures and ``internals`` is on) and ``plan.check_cfg_parallel`` (CFG on, production with
     sequential CFG only); condition images (``conditions`` of them: an edit run) with SP > 1;
     an adapter in an unfused ``lora_mode`` (None: no adapter) with TP or SP > 1
     (``model.lora_calls.check_mode_layout``, which the run would raise on every rank after they
@@ -103,7 +103,7 @@ def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str,
 
     ParallelPlan.build(DistContext(rank=0, world_size=dims.world_size), dims, read_config(model_dir),
                        family=mode.family, capture_level=level if mode.captures else None,
-                       capture_from=capture_from)
+                       capture_from=capture_from, internals=internals)
     check_cfg_parallel(dims, family=mode.family, cfg_on=cfg_branches == 2, cfg_layout=cfg_layout)
     check_mode_layout(lora_mode, dims)
 
@@ -111,7 +111,7 @@ def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str,
 def settings_layout(fx: Any, settings: Any) -> dict[str, Any]:
     """``check_layout``'s keywords for a resolved run (``settings.resolve``: fixture, settings)."""
     return dict(model_dir=settings.checkpoint or fx.model_dir, mode=settings.mode,
-                level=settings.capture, cfg_branches=settings.cfg_branches,
+                level=settings.capture, internals=settings.internals, cfg_branches=settings.cfg_branches,
                 cfg_layout=settings.cfg_layout, lora_mode=settings.lora_mode,
                 conditions=len(settings.external.cond_grids) if settings.external is not None else 0)
 

@@ -45,8 +45,9 @@ def diff(
 ) -> None:
     """Align two runs by identity and report the first drift.
 
-    With --localize (for runs captured at L0 or L1) the first step whose input x_t matches and
-    whose records differ is re-executed for both runs at L2, and the first drifting operator there
+    With --localize (for runs captured at L0, L1, or L2 with --no-internals) the first step whose
+    input x_t matches and whose records differ is re-executed for both runs at L2, attention
+    internals included, and the first drifting operator there
     is reported, with the time it took beside an estimate of an L2 pair of whole runs. Prompt or
     edit runs whose drift starts before the transformer (in the text encoder or the VAE encode)
     are not re-executed: the status says which stage it starts in.

@@ -65,6 +65,7 @@ def replay(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help="Artifact directory to create."),
     mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
+    internals: Optional[bool] = typer.Option(None, "--internals/--no-internals", show_default=False, help="At L2, capture the fused attention's internals or not (default: as the run did)."),
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Overrides the manifest's model (fingerprint-checked); needed for a captured diffusers pipeline (its pipeline folder)."),
     lora: Optional[Path] = typer.Option(None, parser=_paths.adapter, help="LoRA adapter overriding the manifest's (fingerprint-checked)."),
@@ -100,8 +101,8 @@ def replay(
     from drifttool.training.trainer import rerun_device  # lazy: likewise
 
     with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
-        options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                               lora=lora, device=device, overwrite=overwrite)
+        options = RerunOptions(mode=mode, capture=capture, internals=internals, fixture=fixture,
+                               checkpoint=checkpoint, lora=lora, device=device, overwrite=overwrite)
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
         stored = load_rollout(run_dir, need_latents=False)
         pipeline = is_pipeline_capture(stored.manifest)  # replay_run's refusals, its device
@@ -140,6 +141,7 @@ def recompute(
                            help="Artifact directory to create (kind: recompute)."),
     mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="Trainer mode: strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
+    internals: Optional[bool] = typer.Option(None, "--internals/--no-internals", show_default=False, help="At L2, capture the fused attention's internals or not (default: as the run did)."),
     grad: bool = typer.Option(False, help="Backward of -mean logp_t per SDE step; digest the LoRA gradients."),
     gradient_checkpointing: bool = typer.Option(False, help="Recompute block activations in the backward."),
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward (default: the whole batch)."),
@@ -173,8 +175,8 @@ def recompute(
         raise typer.BadParameter("--no-trim-padding goes with --micro-batch (without it every forward "
                                  "takes the whole batch, its prompts as stored)", param_hint="--no-trim-padding")
     with alike_on_every_rank():  # the command line and the stored run only: one line for the launch
-        options = RerunOptions(mode=mode, capture=capture, fixture=fixture, checkpoint=checkpoint,
-                               lora=lora, device=device, overwrite=overwrite)
+        options = RerunOptions(mode=mode, capture=capture, internals=internals, fixture=fixture,
+                               checkpoint=checkpoint, lora=lora, device=device, overwrite=overwrite)
         train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,
                              micro_batch=micro_batch, trim_padding=trim_padding)
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
@@ -228,4 +230,5 @@ def _trainer_layout(stored, options) -> dict:
         model_dir = load_fixture(name).model_dir
     return dict(model_dir=model_dir, mode=check_mode(options.mode or s.get("mode", "strict")),
                 level=check_level(options.capture or stored.manifest.get("capture_level") or "L1"),
+                internals=options.rerun_internals(s),
                 lora_mode=s.get("lora_mode"))  # the trainer's adapter runs as the rollout's did

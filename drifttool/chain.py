@@ -281,7 +281,7 @@ def prepare(spec: RunSpec, out: str | Path, *, prompts: Sequence[str],
     vae = load_vae(root, dtype=s.torch_dtype)
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
-                 variants=dict(spec.variants))
+                 variants=dict(spec.variants), internals=None if s.internals else False)
     with torch.no_grad():
         txt, mask = _encode(encoder, rows, rt, s.labels)
         neg, neg_mask = _encode(encoder, neg_rows, rt, s.labels)

@@ -332,7 +332,7 @@ def prepare_edit(spec: RunSpec, out: str | Path, *, condition_images: Sequence[s
     neg_rows = None if negative_prompts is None else prompt_rows(negative_prompts, list(s.samples), "negative prompt")
     capture = DeferredCapture(s.capture) if s.mode.captures else None
     rt = Runtime(mode=s.mode, recorder=capture, unavailable=set(spec.unavailable),
-                 variants=dict(spec.variants))
+                 variants=dict(spec.variants), internals=None if s.internals else False)
     external, prompt_record = s.external or ExternalInputs(), {}  # --prompt-embeds files, if given
     with torch.no_grad():  # __call__: the resize, encode_prompt, then the VAE encode
         vae_images, prompt_images = resize_images(images, rt, vae_area=vae_area, prompt_area=prompt_area,

@@ -86,6 +86,8 @@ class ArtifactSession:
     Args:
         mode: runtime mode (decides capture and the strict trace check).
         level: capture level (``L0``/``L1``/``L2``), used when the mode captures.
+        internals: at L2, also capture the fused attention's internals (``artifact.levels``);
+            False pins ``Runtime.internals`` off.
         cfg_layout: the CFG execution layout recorded in the manifest's ``layout``.
         unavailable: (op, backend) pairs planted as unavailable (tests, probes).
         variants: ``{op: (variant_name, fn)}`` operator replacements (probes).
@@ -104,7 +106,7 @@ class ArtifactSession:
         ValueError: ``rank`` outside ``[0, world_size)``, or a layout stating another world size.
     """
 
-    def __init__(self, *, mode: Mode | str, level: str, cfg_layout: str,
+    def __init__(self, *, mode: Mode | str, level: str, cfg_layout: str, internals: bool = True,
                  unavailable: set[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
                  variants: Mapping[str, tuple[str, Callable[..., Any]]] | None = None,
                  rank: int = 0, world_size: int = 1,
@@ -115,6 +117,7 @@ class ArtifactSession:
             raise ValueError(f"layout states world_size {layout['world_size']}, the run has {world_size}")
         self.mode = Mode(mode)
         self.level = level
+        self.internals = bool(internals)
         self.cfg_layout = cfg_layout
         self.unavailable = set(unavailable)
         self.variants = dict(variants or {})
@@ -166,7 +169,7 @@ class ArtifactSession:
         try:
             self.rt = Runtime(mode=self.mode, recorder=self.recorder, rank=self.rank,
                               unavailable=set(self.unavailable), variants=dict(self.variants),
-                              plan=self.plan)
+                              plan=self.plan, internals=None if self.internals else False)
         except BaseException as e:
             close_incomplete(None, self.recorder, self.writer, e)
             raise

@@ -104,7 +104,7 @@ def unfused_attention(settings: RunSettings) -> bool:
     ``joint_attn_softmax`` → ``joint_attn_av_gemm`` (the strict family at capture L2:
     ``Runtime.wants_internals``, ``ops.registry``), which holds [B, H, S, S] FP32 scores."""
     return (settings.mode.family == "strict" and settings.mode.captures
-            and captures_internals(settings.capture))
+            and captures_internals(settings.capture) and settings.internals)
 
 
 def peak_lower_bound(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig | None = None,
@@ -129,7 +129,7 @@ def peak_lower_bound(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig 
         scores = 2 * b * config.num_attention_heads * seq * seq * 4  # scores and probs [B, H, S, S]
         moments.append((x0 + scores, f"the unfused attention's scores and probabilities at capture "
                         f"{settings.capture}, {_amount(scores)}: [B, heads, S, S] FP32 for {seq} image "
-                        "tokens; --capture L1 runs it fused"))
+                        "tokens; --no-internals or --capture L1 runs it fused"))
     work = 4 if settings.mode.family == "strict" else a
     rows = _captures_rows(settings)
     if vae is not None:
@@ -172,7 +172,7 @@ def check_memory(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig | No
     if need > free:
         where = "host" if torch.device(settings.device).type == "cpu" else f"{settings.device} device"
         height, width = settings.image_size
-        smaller = "--capture L1, a smaller image" if "unfused attention" in what else \
+        smaller = "--no-internals, --capture L1, a smaller image" if "unfused attention" in what else \
             "--capture L0, a smaller image" if "key table" in what else "a smaller image"
         if source is not None and "--image-area" in source:
             smaller = smaller.replace("a smaller image", "a smaller --image-area")

@@ -74,8 +74,8 @@ def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
 
 def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: RolloutInputs, config: Any,
                 family: str, *, cfg_on: bool, cfg_layout: str = "batched",
-                faults: tuple[str, ...] = (), capture_level: str | None = None
-                ) -> tuple[RolloutInputs, dict[str, Any], ParallelPlan | None]:
+                faults: tuple[str, ...] = (), capture_level: str | None = None,
+                internals: bool = True) -> tuple[RolloutInputs, dict[str, Any], ParallelPlan | None]:
     """Where this rank stands in a run's layout, decided before the artifact opens (a refusal
     here reaches every rank): ``(the inputs it runs, the manifest layout, the parallel plan)``.
     A TP/SP/CFG-parallel ``parallel`` runs every sample on every rank under a plan; several
@@ -89,7 +89,7 @@ def rank_layout(dist: DistContext, parallel: ParallelDims | None, inputs: Rollou
     """
     if parallel is not None and parallel.parallel:
         plan = ParallelPlan.build(dist, parallel, config, family=family, faults=faults,
-                                  capture_level=capture_level)
+                                  capture_level=capture_level, internals=internals)
         check_cfg_parallel(parallel, family=family, cfg_on=cfg_on, cfg_layout=cfg_layout)
         return inputs, {**parallel.layout(), **dist.layout()}, plan
     if faults:
@@ -197,10 +197,11 @@ def execute(
     check_finite(tensors, "replay inputs")
     mine, layout, plan = rank_layout(dist, parallel, inputs, model.config, s.mode.family,
                                      cfg_on=s.cfg_branches == 2, cfg_layout=s.cfg_layout, faults=faults,
-                                     capture_level=s.capture if s.mode.captures else None)
+                                     capture_level=s.capture if s.mode.captures else None,
+                                     internals=s.internals)
     check_unfused_layout(model, None if plan is None else plan.dims)
     mine = mine.to(device)  # drawn, checked and digested on the CPU; run on the device
-    session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout,
+    session = ArtifactSession(mode=s.mode, level=s.capture, cfg_layout=s.cfg_layout, internals=s.internals,
                               unavailable=set(spec.unavailable), variants=dict(spec.variants),
                               rank=dist.rank, world_size=dist.world_size, layout=layout, plan=plan)
     sigmas = session.sigma_table(sampler, inputs.img_grid)

@@ -106,7 +106,8 @@ class Runtime:
         internals: ``None`` (default): fused operators expose their internal tensors when the
             capture level asks for them (``wants_internals``). ``True``/``False``
             pins that decision — a silent re-run of a forward (the backward's recomputation
-            under activation checkpointing) must dispatch exactly as the forward did.
+            under activation checkpointing) must dispatch exactly as the forward did; a run at
+            L2 without the internals (the run setting ``internals``) pins it off.
         grad_ledger: ``drifttool.training.ledger.GradLedger`` collecting the adapted weights'
             per-sample gradient partials for the canonical LoRA gradient (strict training);
             ``None`` = autograd accumulates as usual.

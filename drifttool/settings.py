@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from drifttool.artifact.levels import captures_internals
 from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import read_config
@@ -75,6 +76,8 @@ class RunSpec:
         samples: logical sample ids to run as one batch; ``batch`` B means ids 0..B-1.
         mode: runtime mode (strict | audit | auto | off).
         capture: L0 | L1 | L2.
+        internals: at L2, also capture the fused attention's internals (its scores and
+            probabilities, ``artifact.levels``); ``None`` or True: yes, False: no.
         dtype: model dtype (float32 | bfloat16).
         cfg_layout: batched | sequential.  timestep_policy: see ``ops.scheduler``.
         unavailable: (op, backend) pairs planted as unavailable (tests, probes).
@@ -122,6 +125,7 @@ class RunSpec:
     samples: list[int] | None = None
     mode: str = "strict"
     capture: str | None = None
+    internals: bool | None = None
     dtype: str | None = None
     cfg_layout: str | None = None
     timestep_policy: str | None = None
@@ -152,6 +156,7 @@ class RunSettings:
         lora: resolved path of the LoRA adapter, or None.
         lora_mode: how it runs (``model.lora.LORA_MODES``), None without an adapter.
         mode: runtime mode. capture: capture level. dtype: model dtype name (``DTYPES``).
+        internals: whether a capture at L2 takes the fused attention's internals.
         steps, cfg_scale, eta, seed, cfg_layout, timestep_policy: sampler settings (values as
             the fixture or the caller gave them: ``cfg_scale`` 4.0 stays a float in the manifest).
         samples: logical sample ids of the batch. img_grid: (h, w) patch grid.
@@ -171,6 +176,7 @@ class RunSettings:
     lora_mode: str | None = None
     mode: Mode
     capture: str
+    internals: bool = True
     dtype: str
     steps: int
     cfg_scale: float
@@ -245,7 +251,8 @@ class RunSettings:
     def record(self) -> dict[str, Any]:
         """The manifest's ``settings`` (``manifest_schema._SETTINGS``): every field as JSON, the optional
         ones (``variant``, ``lora``, ``pad_prompts_to``, ``sample_labels``, ``device`` when not
-        ``cpu``, ``input_files`` when a file was given) only when set."""
+        ``cpu``, ``input_files`` when a file was given, ``internals`` when an L2 capture leaves
+        them out) only when set."""
         out: dict[str, Any] = {
             "fixture": self.fixture, "checkpoint": self.checkpoint, "mode": self.mode.value,
             "capture": self.capture, "dtype": self.dtype, "steps": self.steps,
@@ -258,6 +265,7 @@ class RunSettings:
                     "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
                     "preset": self.preset,
                     "device": None if self.device == "cpu" else self.device,
+                    "internals": None if self.internals or not captures_internals(self.capture) else False,
                     "input_files": dict(self.external.files) if self.external is not None and self.external.files
                     else None}
         out.update({k: v for k, v in optional.items() if v is not None})
@@ -405,7 +413,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         fixture=fx.name,
         checkpoint=str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None,
         variant=spec.variant, lora=None if spec.lora is None else str(Path(spec.lora).resolve()),
-        lora_mode=lora_mode, mode=mode, capture=capture, dtype=s["dtype"], steps=steps, cfg_scale=cfg_scale, eta=eta,
+        lora_mode=lora_mode, mode=mode, capture=capture, internals=spec.internals is not False, dtype=s["dtype"], steps=steps, cfg_scale=cfg_scale, eta=eta,
         seed=s["seed"], samples=samples, img_grid=grid,
         cfg_layout=s["cfg_layout"], timestep_policy=s["timestep_policy"],
         pad_prompts_to=None if spec.pad_prompts_to is None else int(spec.pad_prompts_to),

@@ -4,6 +4,11 @@
 ``L0`` step records only; ``L1`` plus one digest per operator output and sample (a fused
 operator's internal ``[B, H, S, S]`` tensors are not materialised for capture); ``L2`` plus row
 digests and the fused operators' internals. (L3, full tensors, is not implemented.)
+
+A run at L2 may leave the internals out (the run setting ``internals``, ``--no-internals``): the
+joint attention's scores and probabilities are then not recorded, the rest of L2 is. At full
+size they are the dearest part of an L2 capture (docs/benchmarks.md); ``drifttool diff
+--localize`` captures them for the one drifting step it re-executes.
 """
 
 LEVELS = ("L0", "L1", "L2")

@@ -93,12 +93,13 @@ _SETTINGS = Obj({
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
     "steps": _INT, "cfg_scale": _NUM, "eta": _NUM, "seed": Nullable(_INT), "samples": _INTS,
     "img_grid": _GRID, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
-    "device": _STR,
+    "device": _STR, "internals": _BOOL,
     "input_files": MapOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),
 }, frozenset({"fixture", "checkpoint", "mode", "capture", "dtype", "cfg_layout",
               "timestep_policy", "steps", "cfg_scale", "eta", "seed", "samples", "img_grid"}))
 """``drifttool.settings.RunSettings.record``: the fixture's settings merged with the run's
-(``seed`` null: a captured diffusers pipeline call, whose generator is not drifttool's)."""
+(``seed`` null: a captured diffusers pipeline call, whose generator is not drifttool's;
+``internals`` false: an L2 run without the fused attention's internals)."""
 
 _ENVIRONMENT = Obj({
     "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,

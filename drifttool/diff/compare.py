@@ -69,15 +69,16 @@ def recompute_alignment(ma: dict, mb: dict) -> dict[str, str] | None:
 
 
 def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: bool,
-              level: str = "L2") -> pa.Table:
+              internals: bool = True) -> pa.Table:
     """``table`` with a ``_row`` column (index into the run's full table), gradient records
-    dropped and phases renamed as asked. Below a common level of L2 the fused operators'
-    internal records (role ``internal``, captured at L2 only) are left out: an L1 run has the
-    fused operator's own record instead, and both runs hold that."""
+    dropped and phases renamed as asked. Without ``internals`` (a common level below L2, or a
+    run at L2 that left them out: ``internals_compared``) the fused operators' internal records
+    (role ``internal``) are left out: the other run has the fused operator's own record
+    instead, and both runs hold that."""
     t = table.append_column("_row", arrow_array(np.arange(table.num_rows, dtype=np.int64)))
     if drop_grads and "role" in t.column_names:
         t = ac.filter(t, ac.is_in(t["role"], ["output", "internal"]))
-    if level != "L2" and "role" in t.column_names:
+    if not internals and "role" in t.column_names:
         t = ac.filter(t, ac.call("not_equal", t["role"], "internal"))
     for old, new in (phase_map or {}).items():
         col = ac.call("if_else", ac.call("equal", t["phase"], old), pa.scalar(new), t["phase"])
@@ -112,6 +113,7 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
     """Align and compare the step tables, and the op tables when both runs hold them. Program
     positions are computed over all four tables at once, so they compare across them."""
     da, db = declared(run_a.manifest), declared(run_b.manifest)  # records a run cannot capture
+    internals = internals_compared(run_a, run_b, level)
     sa, *ra = drop_replicas(drop_uncaptured(_prepared(
         run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False), da, db, ops=False),
         S.STEPS_KEY)
@@ -122,14 +124,26 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
         return _with_replicas(compare_table(sa, sb, S.STEPS_KEY), ra, rb), None
     grads = phase_map is not None
     oa, *qa = drop_replicas(drop_uncaptured(_prepared(
-        run_a.ops_table().select(_OPS_COLS), phase_map, grads, level), da, db, ops=True),
+        run_a.ops_table().select(_OPS_COLS), phase_map, grads, internals), da, db, ops=True),
         S.OPS_KEY)
     ob, *qb = drop_replicas(drop_uncaptured(_prepared(
-        run_b.ops_table().select(_OPS_COLS), phase_map, grads, level), da, db, ops=True),
+        run_b.ops_table().select(_OPS_COLS), phase_map, grads, internals), da, db, ops=True),
         S.OPS_KEY)
     psa, psb, poa, pob = program_order([sa, sb, oa, ob])
     return (_with_replicas(compare_table(sa, sb, S.STEPS_KEY, (psa, psb)), ra, rb),
             _with_replicas(compare_table(oa, ob, S.OPS_KEY, (poa, pob)), qa, qb))
+
+
+def holds_internals(run: Run) -> bool:
+    """Whether ``run``'s capture at L2 holds the fused attention's internals (its manifest's
+    ``settings.internals``; absent: true)."""
+    return (run.manifest.get("settings") or {}).get("internals", True) is not False
+
+
+def internals_compared(run_a: Run, run_b: Run, level: str) -> bool:
+    """Whether the fused operators' internal records are compared: at a common level of L2,
+    when both runs hold them."""
+    return level == "L2" and holds_internals(run_a) and holds_internals(run_b)
 
 
 def _with_replicas(t: TableDiff, ra: list[int], rb: list[int]) -> TableDiff:
@@ -159,6 +173,10 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
         notes.append("op records not compared: a run holds only step records (L0)")
     if level != "L2":
         notes.append(f"row digests not compared (common capture level {level})")
+    elif not internals_compared(run_a, run_b, level):
+        left = [s for s, r in (("A", run_a), ("B", run_b)) if not holds_internals(r)]
+        notes.append(f"the fused attention's internals not compared: run {' and run '.join(left)} "
+                     "captured L2 without them (--no-internals)")
     notes += uncaptured_note(run_a.manifest, run_b.manifest)
     la, lb = _layout_text(run_a), _layout_text(run_b)
     if la != lb:  # information: rank is not identity, so layouts align
@@ -270,6 +288,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     report.context = context(run_a, run_b, report.input_differences)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     report.covers = LEVEL_COVERS[level]
+    if level == "L2" and not internals_compared(run_a, run_b, level):
+        report.covers += ", without the fused attention's internals"
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
     st, ot = _compare_tables(run_a, run_b, level, phase_map)
     tables = [st] if ot is None else [st, ot]

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from drifttool import shards
+from drifttool.artifact.levels import captures_internals
 from drifttool.distributed import placement, sp, tp
 from drifttool.distributed.rules import Rule, reduction_splits, rule, tp_row_for
 from drifttool.errors import UnsupportedConfigError
@@ -200,16 +201,18 @@ class ParallelPlan:
     @classmethod
     def build(cls, ctx: "DistContext", dims: ParallelDims, config: Any, *,
               family: str = "strict", faults: Sequence[str] = (),
-              capture_level: str | None = None, capture_from: str = "") -> "ParallelPlan":
+              capture_level: str | None = None, capture_from: str = "",
+              internals: bool = True) -> "ParallelPlan":
         """The plan of ``dims`` for the process ``ctx`` (launched with ``mesh_dims=MESH_DIMS`` and
         ``mesh_shape=dims.mesh_shape()``) and the model ``config`` (``MMDiTConfig``).
-        ``capture_from`` names where ``capture_level`` came from (a default), for the refusal.
+        ``capture_from`` names where ``capture_level`` came from (a default), for the refusal;
+        ``internals``: whether a capture at L2 takes the attention internals (the run setting).
 
         Raises:
             UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
                 family other than strict (production TP/SP is not byte-defined here), a model
                 the degrees do not divide (``tp.check``, ``sp.check``), Ring attention at
-                ``capture_level`` L2, an unknown fault (``check_faults``), or on CUDA a layout
+                ``capture_level`` L2 with ``internals``, an unknown fault (``check_faults``), or on CUDA a layout
                 that would split a reduction axis across ranks (Ring attention, TP row-parallel
                 ``partials``: the strict CUDA family reduces each axis in one sequential order).
         """
@@ -221,7 +224,7 @@ class ParallelPlan:
             raise UnsupportedConfigError(
                 f"TP/SP layouts run the strict family only (the mode asks for the {family!r} "
                 "family, whose sharded arithmetic contract v2 does not define: use --mode strict)")
-        if dims.sp > 1 and dims.sp_attention == "ring" and capture_level == "L2":
+        if dims.sp > 1 and dims.sp_attention == "ring" and internals and captures_internals(capture_level):
             raise UnsupportedConfigError(sp.ring_no_l2(capture_level, capture_from))
         check_faults(faults)
         on_cuda = ctx.device.type == "cuda"

@@ -62,8 +62,8 @@ def ring_no_l2(level: str = "L2", source: str = "") -> str:
     names where the level came from (a default)."""
     return (f"--sp-attention ring cannot capture {level}" + (f" ({source})" if source else "")
             + ": a ring rank never holds a whole row of attention scores, so the attention internals "
-              f"{level} records do not exist; use --capture L1 (or L0), or --sp-attention "
-              f"agrs|ulysses at {level}")
+              f"{level} records do not exist; use --capture L1 (or L0), --no-internals, or "
+              f"--sp-attention agrs|ulysses at {level}")
 
 
 def check(config: Any, dims: Any) -> None:

@@ -278,13 +278,14 @@ def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
               grid: tuple[int, int], cond: torch.Tensor | None, cond_grids: tuple[tuple[int, int], ...],
               rt: Runtime, level: str | None) -> tuple:
     """What a recorded forward's kernels and records depend on, as a dict key: the inputs' shapes
-    and dtypes, mask presence, grid, device, mode, capture ``level`` and the scope's pattern of
-    samples (``sample_pattern``), prompt lengths and text starts."""
+    and dtypes, mask presence, grid, device, mode, capture ``level``, whether the fused operators
+    expose their internals (``Runtime.wants_internals``) and the scope's pattern of samples
+    (``sample_pattern``), prompt lengths and text starts."""
     scope = rt.current_scope()
     return (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
             None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
             None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
-            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
+            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level, rt.wants_internals(),
             sample_pattern(scope["samples"]),
             *(scope_key(scope[k]) for k in ("component", "txt_lens", "txt_starts", "img_grid", "cond_grids")))
 

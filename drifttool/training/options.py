@@ -28,6 +28,8 @@ class RerunOptions:
     Attributes:
         mode: runtime mode (strict | audit | auto | off).
         capture: capture level (L0 | L1 | L2).
+        internals: at L2, capture the fused attention's internals (``artifact.levels``); None:
+            as the rollout did (its manifest's ``settings.internals``, true when absent).
         fixture: fixture holding the model, if the manifest's name does not resolve.
         checkpoint: model folder replacing the manifest's (must match its fingerprint).
         lora: LoRA adapter replacing the manifest's (must match its fingerprint).
@@ -41,11 +43,17 @@ class RerunOptions:
 
     mode: str | None = None
     capture: str | None = None
+    internals: bool | None = None
     fixture: str | Path | None = None
     checkpoint: str | Path | None = None
     lora: str | Path | None = None
     device: str | None = None
     overwrite: bool = False
+
+    def rerun_internals(self, settings: dict) -> bool:
+        """Whether the re-run captures the internals at L2: ``internals``, else the stored
+        rollout's ``settings`` (absent: true)."""
+        return bool(settings.get("internals", True) if self.internals is None else self.internals)
 
     def __post_init__(self) -> None:
         if self.mode is not None:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from drifttool.artifact.levels import captures_internals
 from drifttool.distributed import DistContext
 from drifttool.distributed.plan import ParallelDims
 from drifttool.environment import environment
@@ -75,13 +76,18 @@ def policy_record(stored: StoredRollout, tau: torch.Tensor | None = None) -> dic
     return out
 
 
-def _settings(stored: StoredRollout, mode: str, level: str, device: str) -> dict[str, Any]:
-    """The recompute's ``settings``: the rollout's, with the trainer's mode, capture level and
-    device (``device`` only when not ``cpu``, as ``RunSettings.record``)."""
+def _settings(stored: StoredRollout, mode: str, level: str, device: str,
+              internals: bool = True) -> dict[str, Any]:
+    """The recompute's ``settings``: the rollout's, with the trainer's mode, capture level,
+    device and internals (``device`` only when not ``cpu``, ``internals`` only when an L2
+    capture leaves them out, as ``RunSettings.record``)."""
     out = {**stored.settings, "mode": mode, "capture": level}
     out.pop("device", None)
+    out.pop("internals", None)
     if device != "cpu":
         out["device"] = device
+    if not internals and captures_internals(level):
+        out["internals"] = False
     return out
 
 
@@ -159,17 +165,19 @@ def recompute_run(
     model = prepare_trainer(stored, options, model)
     check_model_device(model, torch.device(device))
     level = check_level(options.capture or stored.manifest.get("capture_level") or "L1")
+    internals = options.rerun_internals(stored.settings)
     if train.grad and not lora_parameters(model):
         raise DriftToolError(NO_ADAPTER)
     sampler = stored.sampler
     mine, layout, plan = rank_layout(dist, parallel, stored.inputs, model.config, m.family,
                                      cfg_on=cfg_enabled(stored.inputs, sampler),
-                                     cfg_layout=sampler.cfg_layout, capture_level=level)
+                                     cfg_layout=sampler.cfg_layout, capture_level=level,
+                                     internals=internals)
     check_unfused_layout(model, None if plan is None else plan.dims)
     if plan is not None and train.grad:  # only a backward needs the ledger's parameters
         plan.check_training(model)
-    session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, rank=dist.rank,
-                              world_size=dist.world_size, layout=layout, plan=plan)
+    session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, internals=internals,
+                              rank=dist.rank, world_size=dist.world_size, layout=layout, plan=plan)
     sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
     tau = timestep_input(sig[:-1], sampler.timestep_policy)
     fingerprint = arch_fingerprint(
@@ -180,7 +188,7 @@ def recompute_run(
     manifest = {
         "kind": "recompute",
         "fingerprint": fingerprint,
-        "settings": _settings(stored, m.value, level, device),
+        "settings": _settings(stored, m.value, level, device, internals),
         "environment": environment(device),
         "source": source_record(stored),
         "policy": policy_record(stored, tau),

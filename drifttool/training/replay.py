@@ -58,7 +58,8 @@ def replay_spec(stored: StoredRollout, options: RerunOptions) -> RunSpec:
                    checkpoint=options.checkpoint or s.get("checkpoint"),
                    device=rerun_device(stored, options),
                    mode=options.mode or s.get("mode", "strict"),
-                   capture=options.capture or stored.manifest.get("capture_level"))
+                   capture=options.capture or stored.manifest.get("capture_level"),
+                   internals=options.rerun_internals(s))
 
 
 def replay_run(

@@ -244,7 +244,9 @@ def replay_step(
         sampler=sampler_record(sampler, sigmas), noise_record=stored.noise_record)
     manifest: dict[str, Any] = {
         "kind": "rollout", "fingerprint": fingerprint,
-        "settings": {**stored.settings, "capture": level}, "environment": environment(),
+        # the internals are captured here whatever the stored run left out (``--no-internals``)
+        "settings": {**{k: v for k, v in stored.settings.items() if k != "internals"}, "capture": level},
+        "environment": environment(),
         "replay": dict(stored.manifest.get("replay") or {}),
         "variants": sorted(stored.manifest.get("variants") or []),
         "replay_of": source_record(stored),

@@ -1,0 +1,102 @@
+"""An L2 capture without the fused attention's internals (``--no-internals``): what it leaves out
+and keeps, and how diff, replay, recompute, ``diff --localize``, the memory estimate and the Ring
+layout treat it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drifttool.artifact import open_run
+from drifttool.artifact import schema as S
+
+WITHOUT = "without the fused attention's internals"
+
+
+def _manifest(run) -> dict:
+    return json.loads((run / "manifest.json").read_text())
+
+
+def _records(run) -> dict[tuple, tuple]:
+    """Op records by identity: (digest, row digests)."""
+    t = open_run(run).ops_table()
+    keys = list(zip(*(t.column(k).to_pylist() for k in S.OPS_KEY)))
+    return dict(zip(keys, zip(t.column("digest").to_pylist(), t.column("row_digests").to_pylist())))
+
+
+def test_l2_without_internals_keeps_every_other_record_byte_for_byte(cli, tmp_path, strict_run):
+    code, out = cli("run", "-o", tmp_path / "n", "--no-internals")  # the fixture's level: L2
+    assert code == 0, out
+    m = _manifest(tmp_path / "n")
+    assert m["capture_level"] == "L2" and m["settings"]["internals"] is False
+    assert _manifest(strict_run)["capture_level"] == "L2" and "internals" not in _manifest(strict_run)["settings"]
+    full, kept = _records(strict_run), _records(tmp_path / "n")
+    role = S.OPS_KEY.index("role")
+    internal = {k for k in full if k[role] == "internal"}
+    assert {k[S.OPS_KEY.index("op")] for k in internal} == {
+        "joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm"}
+    assert set(kept) == set(full) - internal  # everything else, row digests included
+    assert all(kept[k] == full[k] for k in kept) and sum(bool(v[1]) for v in kept.values()) > len(kept) // 2
+    code, out = cli("diff", strict_run, tmp_path / "n")
+    flat = " ".join(out.split())
+    assert code == 0 and flat.startswith(f"IDENTICAL identical at L2: step records, operator outputs "
+                                         f"and their row digests, {WITHOUT}"), out
+    assert "internals not compared: run B captured L2 without them (--no-internals)" in flat
+
+
+def test_replay_and_recompute_keep_the_runs_choice_unless_told(cli, tmp_path):
+    run = tmp_path / "n"
+    assert cli("run", "-o", run, "--steps", "2", "--no-internals")[0] == 0
+    code, out = cli("replay", run, "-o", tmp_path / "r")
+    assert code == 0, out
+    assert _manifest(tmp_path / "r")["settings"]["internals"] is False
+    assert set(_records(tmp_path / "r")) == set(_records(run))
+    code, out = cli("diff", run, tmp_path / "r")
+    assert code == 0 and WITHOUT in " ".join(out.split()), out
+    code, out = cli("replay", run, "-o", tmp_path / "ri", "--internals")
+    assert code == 0, out
+    assert "internals" not in _manifest(tmp_path / "ri")["settings"]
+    assert len(_records(tmp_path / "ri")) > len(_records(run))
+    code, out = cli("recompute", run, "-o", tmp_path / "t")
+    assert code == 0, out
+    assert _manifest(tmp_path / "t")["settings"]["internals"] is False
+    roles = open_run(tmp_path / "t").ops_table().column("role").to_pylist()
+    assert "internal" not in roles and "output" in roles
+
+
+def test_localize_captures_the_internals_the_runs_left_out(cli, tmp_path):
+    for name, mode in (("a", "strict"), ("b", "auto")):
+        assert cli("run", "-o", tmp_path / name, "--steps", "2", "--mode", mode, "--no-internals")[0] == 0
+    code, out = cli("diff", tmp_path / "a", tmp_path / "b", "--localize-dir", tmp_path / "loc")
+    assert code == 1 and "localized" in out, out
+    for side in ("a", "b"):
+        assert "internals" not in _manifest(tmp_path / "loc" / side)["settings"]
+    # the strict run's attention is unfused there (production's SDPA has no internals to capture)
+    assert "internal" in open_run(tmp_path / "loc" / "a").ops_table().column("role").to_pylist()
+
+
+def test_the_setting_is_recorded_only_where_it_leaves_something_out():
+    from drifttool.memory import unfused_attention
+    from drifttool.settings import RunSpec, resolve
+
+    for spec, want in ((RunSpec(), None), (RunSpec(internals=True), None),
+                       (RunSpec(internals=False), False), (RunSpec(internals=False, capture="L1"), None)):
+        _, s = resolve(spec)
+        assert s.record().get("internals") is want, spec
+        assert unfused_attention(s) is (s.capture == "L2" and spec.internals is not False)
+
+
+def test_ring_attention_at_l2_needs_the_internals_left_out():
+    from drifttool.distributed import DistContext
+    from drifttool.distributed.plan import ParallelDims, ParallelPlan
+    from drifttool.errors import UnsupportedConfigError
+    from drifttool.fixture import load_fixture
+    from drifttool.model.checkpoint import read_config
+
+    config = read_config(load_fixture("tiny-t2i").model_dir)
+    dims = ParallelDims(sp=2, sp_attention="ring")
+    ctx = DistContext(rank=0, world_size=2)
+    with pytest.raises(UnsupportedConfigError, match="--no-internals"):
+        ParallelPlan.build(ctx, dims, config, capture_level="L2")
+    assert ParallelPlan.build(ctx, dims, config, capture_level="L2", internals=False).dims == dims
