@@ -54,7 +54,8 @@ tile is not part of the contract), to weigh a candidate in the whole forward; ``
 captured output digested by the row kernel, the strict GEMMs writing no row tables in their
 epilogues (``capture.produced.ENABLED`` off; the same digests); ``+unfused``: at L2 the attention's
 scores and probabilities computed by its decomposition, stored and read again, rather than
-digested in the fused kernel (``ops.registry.internals_from_tables`` off; the same records)."""
+digested in the fused kernel (``ops.registry.internals_from_tables`` off; the same records);
+``+nointernals``: L2 without the attention's internals (``drifttool run --no-internals``)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -79,7 +80,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     level = next((e for e in extra if e.startswith("L")), "")
     rec = Recorder(level) if level else None
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
-    rt = Runtime(mode=mode, recorder=rec)
+    rt = Runtime(mode=mode, recorder=rec, internals=False if "nointernals" in extra else None)
     with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
           unfused_internals("unfused" in extra)):
         if impl == "diffusers":
