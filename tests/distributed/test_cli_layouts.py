@@ -293,6 +293,9 @@ RUNS = [
      "2 (tp 1 × sp 2 ulysses × cfg 1)"),
     ("sp2-ring", 2, ["--sp", "2", "--sp-attention", "ring", "--capture", "L1", *IMG], "img350-L1",
      "2 (tp 1 × sp 2 ring × cfg 1)"),
+    # L2 without the attention internals, which a ring rank cannot hold: every other L2 record
+    ("sp2-ring-L2", 2, ["--sp", "2", "--sp-attention", "ring", "--no-internals", *IMG], "img350",
+     "2 (tp 1 × sp 2 ring × cfg 1)"),
     ("tp2xsp2", 4, ["--tp", "2", "--sp", "2"], "default", "4 (tp 2 × sp 2 agrs × cfg 1)"),
 ]
 
@@ -319,8 +322,8 @@ def test_ring_at_l2_under_torchrun_is_one_line(tmp_path):
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert errors == ["error: --sp-attention ring cannot capture L2 (the fixture's default): a ring "
                       "rank never holds a whole row of attention scores, so the attention internals "
-                      "L2 records do not exist; use --capture L1 (or L0), or --sp-attention "
-                      "agrs|ulysses at L2"], out
+                      "L2 records do not exist; use --capture L1 (or L0), --no-internals, or "
+                      "--sp-attention agrs|ulysses at L2"], out
     _no_drifttool_traceback(out)
     assert not (tmp_path / "ring").exists()  # refused before the artifact opened
 
