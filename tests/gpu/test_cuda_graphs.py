@@ -88,16 +88,16 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
         model.proj_out.weight = torch.nn.Parameter(saved)
 
 
-@pytest.mark.parametrize("level", ["L1", "L2"])
-def test_captured_records_of_replays_equal_the_eager_records(model, level):
-    """Digest records (L1; L2 with row digests and the attention's internals) of replayed
-    forwards: the same rows as eager forwards', each replay under its own step, sigma and sample
-    id (one graph: the rows share one sample at every step)."""
+@pytest.mark.parametrize("level, internals", [("L1", None), ("L2", None), ("L2", False)])
+def test_captured_records_of_replays_equal_the_eager_records(model, level, internals):
+    """Digest records (L1; L2 with row digests and the attention's internals, or without them:
+    ``--no-internals``) of replayed forwards: the same rows as eager forwards', each replay under
+    its own step, sigma and sample id (one graph: the rows share one sample at every step)."""
     fast = GraphedForward(model)
     tables = {}
     for name in ("eager", "graph"):
         rec = Recorder(level)
-        rt = Runtime(mode="strict", recorder=rec)
+        rt = Runtime(mode="strict", recorder=rec, internals=internals)
         with torch.no_grad():
             for step in range(4):
                 x, txt, mask, tau, grid = _inputs(step, 2)
@@ -109,6 +109,9 @@ def test_captured_records_of_replays_equal_the_eager_records(model, level):
     assert (fast.captures, fast.replays) == (1, 3)
     assert tables["graph"] and tables["graph"] == tables["eager"]
     assert {r["step"] for r in tables["graph"]} == {0, 1, 2, 3}
+    roles = {r["role"] for r in tables["graph"]}
+    assert ("internal" in roles) is (level == "L2" and internals is None)
+    assert any(r["op"] == "joint_attention_fused" for r in tables["graph"])
 
 
 def test_autograd_and_variants_run_eagerly(model):
@@ -132,6 +135,18 @@ def test_a_graphed_run_equals_an_eager_run(cli, tmp_path, monkeypatch):
         assert code == 0, out
     code, out = cli("diff", tmp_path / "graph", tmp_path / "eager")
     assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_a_run_without_the_internals_keeps_every_other_l2_record(cli, tmp_path):
+    """``drifttool run --no-internals`` on a GPU (graphed, the attention fused): identical to the
+    L2 run with the internals, compared without them."""
+    for name, extra in (("with", ()), ("without", ("--no-internals",))):
+        code, out = cli("run", "-o", tmp_path / name, "--device", "cuda", "--mode", "strict",
+                        "--capture", "L2", "--batch", "3", *extra)
+        assert code == 0, out
+    code, out = cli("diff", tmp_path / "with", tmp_path / "without")
+    flat = " ".join(out.split())
+    assert code == 0 and "IDENTICAL" in flat and "without the fused attention's internals" in flat, out
 
 
 def test_edit_condition_latents_are_graph_inputs(model):
