@@ -1,7 +1,9 @@
-"""The finished tables of an artifact as Parquet files: written once, when the writer closes, and
-read whole.
+"""The finished tables of an artifact as Parquet files: written as the run goes, made whole when
+the writer closes, and read whole.
 
     write_parquet(Path("runs/a/ops.rank0.parquet"), batches, OPS_SCHEMA)   # one row group each
+    out = ParquetFile(Path("runs/a/ops.rank0.parquet"), OPS_SCHEMA)       # or a batch at a time:
+    out.write(batch); ...; out.finish()                                    # the same bytes
     schema = parquet_schema(Path("runs/a/ops.rank0.parquet"))              # the Arrow schema
     for i, table in row_groups(Path("runs/a/ops.rank0.parquet")): ...       # checked by the reader
 
@@ -10,7 +12,8 @@ and so do Polars (lazily, ``scan_parquet``) and pyarrow (``pyarrow.parquet``, ``
 The Arrow schema is stored in the file (``store_schema``), so the column types, the field
 metadata and ``drifttool.schema_version`` come back as written, and every value's bytes are kept
 (NaN payloads, −0.0, uint64 digests). A Parquet file opens only once its footer is written: the
-writer streams while a run writes and writes Parquet at close (``drifttool.artifact.writer``).
+writer streams while a run writes, writes each batch to the Parquet file's temp file beside the
+stream, and completes it at close (``drifttool.artifact.writer``).
 
 Damage is refused, never read as data. The manifest of a finished run records every Parquet
 file's ``file_digest``, and the reader compares it before pyarrow parses a byte: a damaged
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import pyarrow as pa
 import xxhash
@@ -43,37 +46,99 @@ from drifttool.errors import ArtifactError, writing
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-WRITE_OPTIONS = {"compression": "zstd", "write_page_checksum": True, "store_schema": True,
-                 "use_compliant_nested_type": False}
-"""``pyarrow.parquet.ParquetWriter`` options: zstd (every reader above decodes it), a CRC-32 per
+WRITE_OPTIONS = {"write_page_checksum": True, "store_schema": True, "use_compliant_nested_type": False}
+"""``pyarrow.parquet.ParquetWriter`` options besides the codecs (``compression``): a CRC-32 per
 page (``page_checksum_verification`` on read), the Arrow schema stored in the footer, and list
 items named ``item`` as in the Arrow schema (so the schema reads back equal)."""
+
+UNCOMPRESSED = frozenset({"digest", "row_digests", "rank_digests"})
+"""Columns of uniformly random 64-bit digests: zstd cannot shrink them, and at L2 (a row digest
+per token row) compressing them took about twice as long as writing them."""
+
+
+def compression(schema: pa.Schema) -> dict[str, str]:
+    """Each column's codec: zstd (every reader above decodes it), none for ``UNCOMPRESSED``."""
+    return {name: "NONE" if name in UNCOMPRESSED else "ZSTD" for name in schema.names}
 
 _MAGIC = b"PAR1"
 
 
 def write_parquet(path: Path, batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> None:
     """Write ``batches`` (each non-empty one a row group) as the Parquet file ``path``,
-    atomically: ``<name>.tmp``, flushed, fsync'ed, renamed.
+    atomically (``ParquetFile``).
 
     Raises:
         OSError: the file cannot be written (the temp file is removed).
     """
-    import pyarrow.parquet as pq  # lazy: see the module docstring
-
-    tmp = path.with_name(path.name + ".tmp")
+    out = ParquetFile(path, schema)
     try:
-        with writing(path), open(tmp, "wb") as f:
-            with pq.ParquetWriter(f, schema, **WRITE_OPTIONS) as w:
-                for batch in batches:
-                    if batch.num_rows:
-                        w.write_batch(batch)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for batch in batches:
+            out.write(batch)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        out.abandon()
         raise
+    out.finish()
+
+
+class ParquetFile:
+    """The Parquet file ``path`` written a batch at a time (each non-empty batch a row group) to
+    ``<name>.tmp``, which ``finish`` completes (footer, flushed, fsync'ed) and renames to
+    ``path``: the bytes ``write_parquet`` writes of the same batches. Until then ``path`` does not
+    exist; ``abandon`` removes the temp file.
+
+    Raises (``write``, ``finish``):
+        OSError: the file cannot be written, naming ``path`` (``errors.writing``); ``finish``
+            removes the temp file then.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self.path = path
+        self.schema = schema
+        self._tmp = path.with_name(path.name + ".tmp")
+        self._file: Any = None
+        self._writer: Any = None
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            import pyarrow.parquet as pq  # lazy: see the module docstring
+
+            with writing(self.path):
+                self._file = open(self._tmp, "wb")
+                self._writer = pq.ParquetWriter(self._file, self.schema, compression=compression(self.schema),
+                                                **WRITE_OPTIONS)
+        return self._writer
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Append ``batch`` as a row group (nothing for an empty batch)."""
+        if batch.num_rows:
+            writer = self._open()
+            with writing(self.path):
+                writer.write_batch(batch)
+
+    def finish(self) -> Path:
+        """Complete the file and rename it to ``path``; returns ``path``."""
+        try:
+            writer = self._open()
+            with writing(self.path):
+                writer.close()
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abandon()
+            raise
+        return self.path
+
+    def abandon(self) -> None:
+        """Close and remove the temp file (nothing if it was never opened or is finished)."""
+        for close in (getattr(self._writer, "close", None), getattr(self._file, "close", None)):
+            try:
+                if close is not None:
+                    close()
+            except Exception:  # noqa: BLE001 - the file goes anyway
+                pass
+        self._tmp.unlink(missing_ok=True)
 
 
 def file_digest(path: Path) -> str:

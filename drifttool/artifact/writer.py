@@ -36,11 +36,16 @@ torch.distributed when a process group is initialised and is a no-op otherwise:
 when the writer opens and rewritten with ``complete: true`` only after every stream of every rank
 is closed, so a reader that sees ``complete: true`` may demand whole files. Op and step records
 go to Arrow IPC streams (``<table>.rank<r>.arrows``), flushed after every batch (flushed to the
-OS, not fsync'ed: a killed process keeps its finished steps, a power cut may not). Closing with
-``complete=True`` turns each stream into ``<table>.rank<r>.parquet`` (one row group per batch,
-written to a temp file, fsync'ed, renamed; ``drifttool.artifact.parquet``), removes the stream
-and records the file's digest under the manifest's ``files.digests``; the trace is written as
-Parquet at once. A writer that closes with ``complete=False`` leaves its streams as they are.
+OS, not fsync'ed: a killed process keeps its finished steps, a power cut may not) before
+``write_ops``/``write_steps`` return. Each batch also goes to the table's Parquet file, as a row
+group of its temp file (``<table>.rank<r>.parquet.tmp``, ``artifact.parquet.ParquetFile``),
+written on a thread of the writer's own (``artifact.background``) while the run goes on with its
+next step; a batch that could not be written there is raised by the next write or by ``close``.
+Closing waits for those writes. With ``complete=True`` it completes each Parquet file (footer,
+fsync'ed, renamed to ``<table>.rank<r>.parquet``), removes the stream and records the file's
+digest under the manifest's ``files.digests``, so a long run's records are not read and written
+once more at its end; the trace is written as Parquet at once. A writer that closes with
+``complete=False`` leaves its streams as they are and removes the Parquet temp files.
 A rank killed outright never reaches the closing all-gather; the other ranks then wait for the
 process group's timeout and raise, and the manifest stays ``complete: false``. Source: design.md, "Artifact"; review §3(b) item 4.
 """
@@ -63,7 +68,8 @@ from drifttool import collectives as C
 from drifttool.artifact import schema as S
 from drifttool.artifact.directory import atomic_write, claim, release
 from drifttool.artifact.manifest import layout_problem
-from drifttool.artifact.parquet import file_digest, write_parquet
+from drifttool.artifact.background import OrderedJobs
+from drifttool.artifact.parquet import ParquetFile, file_digest, write_parquet
 from drifttool.errors import ArtifactError, writing
 
 SHARED_KEYS = ("kind", "capture_level", "fingerprint", "settings", "layout", "replay")
@@ -99,19 +105,24 @@ def as_batch(columns: pa.RecordBatch | dict[str, Any], schema: pa.Schema) -> pa.
 
 
 class _Stream:
-    """One Arrow IPC stream file, flushed after every batch; once closed, ``finish`` turns it into
-    the table's Parquet file."""
+    """One Arrow IPC stream file, flushed after every batch, and the table's Parquet file written
+    beside it as the batches come (``ParquetFile``, on the writer's thread ``jobs``); once closed,
+    ``finish`` completes the Parquet file and removes the stream, ``abandon`` removes the Parquet
+    file's temp file."""
 
-    def __init__(self, path: Path, schema: pa.Schema) -> None:
+    def __init__(self, path: Path, schema: pa.Schema, jobs: OrderedJobs) -> None:
         self.path = path
         self.schema = schema
         self._file: BinaryIO = open(path, "wb")
         self._writer = pa.ipc.new_stream(self._file, schema)
+        self._parquet = ParquetFile(path.with_suffix(S.PARQUET), schema)
+        self._jobs = jobs
 
     def write(self, batch: pa.RecordBatch) -> None:
         with writing(self.path):
             self._writer.write_batch(batch)
             self._file.flush()
+        self._jobs.submit(self._parquet.write, batch)
 
     def close(self) -> None:
         """Close the stream; a second call does nothing (``ArtifactWriter.close(complete=False)``
@@ -122,13 +133,15 @@ class _Stream:
         self._file.close()
 
     def finish(self) -> Path:
-        """Write the closed stream's batches as the Parquet file beside it (one row group per
-        batch), remove the stream, and return the Parquet file's path."""
-        done = self.path.with_suffix(S.PARQUET)
-        with pa.memory_map(str(self.path)) as source:
-            write_parquet(done, pa.ipc.open_stream(source), self.schema)
+        """Complete the Parquet file of the closed stream's batches (one row group per batch),
+        remove the stream, and return the Parquet file's path."""
+        done = self._parquet.finish()
         self.path.unlink()
         return done
+
+    def abandon(self) -> None:
+        """Remove the Parquet file being written (the stream stays: an incomplete run's)."""
+        self._parquet.abandon()
 
 
 def _check_rank_column(batch: pa.RecordBatch | pa.Table, rank: int, table: str) -> None:
@@ -180,6 +193,7 @@ class ArtifactWriter:
         self._manifest["layout"] = self._layout(self._manifest.get("layout", {}), layout or {})
         _json(self._manifest)
         self._streams: dict[str, _Stream] = {}
+        self._writes = OrderedJobs(name=f"drifttool-parquet-rank{self.rank}")  # the Parquet files' batches
         self._files: dict[str, Any] = {"inputs": None, "steps": [], "ops": [], "trace": [],
                                        "digests": {}}
         self._inputs_digest: str | None = None
@@ -266,7 +280,8 @@ class ArtifactWriter:
         self._write_manifest(complete=False)
 
     def write_ops(self, batch: pa.RecordBatch | dict[str, Any], *, rank: int | None = None) -> None:
-        """Append one batch of this rank's op records (``OPS_SCHEMA``) to ``ops.rank<r>.arrows``.
+        """Append one batch of this rank's op records (``OPS_SCHEMA``) to ``ops.rank<r>.arrows``
+        (and, on the writer's thread, to its Parquet file: module docstring).
 
         Args:
             rank: if given, must be this writer's rank (the recorder names its rank).
@@ -274,6 +289,8 @@ class ArtifactWriter:
         Raises:
             ValueError: the columns do not match ``OPS_SCHEMA``, or records (or ``rank``) of
                 another rank.
+            OSError: the batch could not be written, or an earlier batch not to the Parquet
+                file (naming the file).
         """
         self._check_open()
         if rank is not None and rank != self.rank:
@@ -284,10 +301,12 @@ class ArtifactWriter:
 
     def write_steps(self, batch: pa.RecordBatch | dict[str, Any]) -> None:
         """Append one batch of this rank's step records (``STEPS_SCHEMA``) to
-        ``steps.rank<r>.arrows``.
+        ``steps.rank<r>.arrows`` (as ``write_ops``).
 
         Raises:
             ValueError: the columns do not match ``STEPS_SCHEMA``, or records of another rank.
+            OSError: the batch could not be written, or an earlier batch not to the Parquet
+                file (naming the file).
         """
         self._check_open()
         batch = as_batch(batch, S.STEPS_SCHEMA)
@@ -298,7 +317,7 @@ class ArtifactWriter:
         """This rank's stream of ``table``, opened (and listed) on first use."""
         if table not in self._streams:
             name = S.rank_file(table, self.rank, S.STREAM)
-            self._streams[table] = _Stream(self.path / name, S.SCHEMAS[table])
+            self._streams[table] = _Stream(self.path / name, S.SCHEMAS[table], self._writes)
             self._files[table] = [name]
             self._write_manifest(complete=False)
         return self._streams[table]
@@ -345,15 +364,20 @@ class ArtifactWriter:
         if self.closed:
             return
         _json(fields)
+        failed = self._writes.stop()  # every batch in its Parquet file (or the first failure)
+        if failed is not None and complete:
+            raise failed  # the caller closes again with complete=False
         if complete:
             self._stream("steps")
         for s in self._streams.values():
             s.close()
-        if complete:
-            for table, s in self._streams.items():
+        for table, s in self._streams.items():
+            if complete:
                 done = s.finish()
                 self._files[table] = [done.name]
                 self._files["digests"][done.name] = file_digest(done)
+            else:
+                s.abandon()
         self.closed = True
         self._manifest.update(fields)
         mine = {"complete": complete, "files": self._files, "inputs": self._inputs_digest,

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from drifttool.artifact import schema as S
-from drifttool.artifact.parquet import WRITE_OPTIONS, file_digest
+from drifttool.artifact.parquet import WRITE_OPTIONS, compression, file_digest
 
 
 def read_table(path: Path) -> pa.Table:
@@ -52,7 +52,7 @@ def write_batches(path: Path, parts: list[pa.Table], schema: pa.Schema | None = 
                  if col.null_count}
         schema = pa.schema([f.with_nullable(True) if f.name in nulls else f for f in schema],
                            metadata=schema.metadata)
-        with pq.ParquetWriter(path, schema, **WRITE_OPTIONS) as w:
+        with pq.ParquetWriter(path, schema, compression=compression(schema), **WRITE_OPTIONS) as w:
             for part in parts:
                 w.write_table(part.cast(schema))
         manifest = path.parent / S.MANIFEST

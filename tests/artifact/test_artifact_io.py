@@ -28,8 +28,17 @@ TRACE = [{"rank": 0, "device": "cpu", "component": "mmdit", "op": "qk_rmsnorm", 
 
 
 def write_run(path, *, steps=3, close=True):
-    """A small L2 run through Recorder + ArtifactWriter; ``close=False`` simulates a crash."""
+    """A small L2 run through Recorder + ArtifactWriter; ``close=False`` simulates a crash (the
+    writer is never closed); an error raised inside closes it incomplete, as a run does."""
     w = ArtifactWriter(path, manifest={"fingerprint": {"arch": {"depth": 1}}, "variants": ["x=y"]})
+    try:
+        return _record(w, path, steps, close)
+    except BaseException:
+        w.close(complete=False)
+        raise
+
+
+def _record(w, path, steps, close):
     w.write_inputs({"x_T": torch.arange(6.0).reshape(2, 3), "mask": torch.tensor([True, False])})
     rec = Recorder("L2", w)
     for i in range(steps):
