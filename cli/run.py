@@ -211,6 +211,8 @@ def run(
         table = Table(title=f"drifttool run → {out}", show_header=False)
         for key in ("mode", "capture", "steps", "samples", "complete"):
             table.add_row(key, str(summary[key]))
+        if settings.record().get("internals") is False:
+            table.add_row("internals", "not captured (--no-internals)")
         if (ranks := _layout.ranks_row(dims, dist)) is not None:
             table.add_row("ranks", ranks)
         record = settings.record()
@@ -239,6 +241,9 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
+    elif not settings.internals and settings.record().get("internals") is None:
+        err.print(f"[bold yellow]note:[/] --no-internals changes nothing at capture {settings.capture}: "
+                  "only L2 captures the attention's internals", highlight=False)
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],

@@ -140,6 +140,12 @@ def holds_internals(run: Run) -> bool:
     return (run.manifest.get("settings") or {}).get("internals", True) is not False
 
 
+def _internal_records(run: Run) -> int:
+    """How many op records of role ``internal`` ``run`` holds."""
+    t = run.ops_table()
+    return int(ac.call("sum", ac.call("equal", t["role"], "internal")).as_py() or 0) if "role" in t.column_names else 0
+
+
 def internals_compared(run_a: Run, run_b: Run, level: str) -> bool:
     """Whether the fused operators' internal records are compared: at a common level of L2,
     when both runs hold them."""
@@ -175,8 +181,10 @@ def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[
         notes.append(f"row digests not compared (common capture level {level})")
     elif not internals_compared(run_a, run_b, level):
         left = [s for s, r in (("A", run_a), ("B", run_b)) if not holds_internals(r)]
+        held = [f"run {s}'s {n} internal records left out of the counts"
+                for s, r in (("A", run_a), ("B", run_b)) if (n := _internal_records(r))]
         notes.append(f"the fused attention's internals not compared: run {' and run '.join(left)} "
-                     "captured L2 without them (--no-internals)")
+                     "captured L2 without them (--no-internals)" + (f"; {', '.join(held)}" if held else ""))
     notes += uncaptured_note(run_a.manifest, run_b.manifest)
     la, lb = _layout_text(run_a), _layout_text(run_b)
     if la != lb:  # information: rank is not identity, so layouts align

@@ -27,7 +27,7 @@ def _records(run) -> dict[tuple, tuple]:
 
 def test_l2_without_internals_keeps_every_other_record_byte_for_byte(cli, tmp_path, strict_run):
     code, out = cli("run", "-o", tmp_path / "n", "--no-internals")  # the fixture's level: L2
-    assert code == 0, out
+    assert code == 0 and "not captured (--no-internals)" in out, out
     m = _manifest(tmp_path / "n")
     assert m["capture_level"] == "L2" and m["settings"]["internals"] is False
     assert _manifest(strict_run)["capture_level"] == "L2" and "internals" not in _manifest(strict_run)["settings"]
@@ -42,7 +42,14 @@ def test_l2_without_internals_keeps_every_other_record_byte_for_byte(cli, tmp_pa
     flat = " ".join(out.split())
     assert code == 0 and flat.startswith(f"IDENTICAL identical at L2: step records, operator outputs "
                                          f"and their row digests, {WITHOUT}"), out
-    assert "internals not compared: run B captured L2 without them (--no-internals)" in flat
+    assert (f"internals not compared: run B captured L2 without them (--no-internals); run A's "
+            f"{len(internal)} internal records left out of the counts") in flat
+
+
+def test_below_l2_the_option_changes_nothing_and_says_so(cli, tmp_path):
+    code, out = cli("run", "-o", tmp_path / "l1", "--capture", "L1", "--steps", "2", "--no-internals")
+    assert code == 0 and "--no-internals changes nothing at capture L1" in " ".join(out.split()), out
+    assert "internals" not in _manifest(tmp_path / "l1")["settings"]
 
 
 def test_replay_and_recompute_keep_the_runs_choice_unless_told(cli, tmp_path):
