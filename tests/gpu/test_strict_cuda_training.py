@@ -89,3 +89,25 @@ def test_a_graphed_recompute_equals_an_eager_one(rollout, adapter, tmp_path, mon
     assert replays[0] > 0 and replays[1] == 0, replays
     code, text = _cli("diff", tmp_path / "graph", tmp_path / "eager")
     assert code == 0 and "IDENTICAL" in text, text
+
+
+def test_a_recompute_at_l2_without_the_internals_trains_through_the_fused_attention(rollout, adapter, tmp_path):
+    """``recompute --grad --capture L2 --no-internals``: L2's row digests while the strict CUDA
+    fused attention runs forward and backward (its internals are never unfused); identical to the
+    rollout (compared at its L1) and its LoRA gradients to the L1 recompute's."""
+    from drifttool.artifact import open_run
+
+    outs = {"L1": tmp_path / "l1", "L2": tmp_path / "l2"}
+    for level, out in outs.items():
+        extra = ["--no-internals"] if level == "L2" else []
+        code, text = _cli("recompute", rollout, "-o", out, "--lora", adapter, "--grad", "--capture", level, *extra)
+        assert code == 0, f"recompute {level}: {text}"
+    run = open_run(outs["L2"])
+    assert run.manifest["settings"]["internals"] is False
+    ops = run.ops_table()
+    assert "internal" not in ops.column("role").to_pylist() and ops.column("row_digests").null_count < ops.num_rows
+    attention = [r for r in run.trace_rows() if r["op"] == "joint_attention_fused"]
+    assert attention and {r["actual"] for r in attention} == {"strict"}, attention
+    for a, b in ((rollout, outs["L2"]), (outs["L1"], outs["L2"])):
+        code, text = _cli("diff", a, b)
+        assert code == 0, f"{a.name} vs {b.name}: {text}"
