@@ -1,6 +1,6 @@
 """Writing a full-size run's records: what the run's own thread waits for per step and at close.
 
-    $ python benchmarks/bench_writer.py [--steps 10] [--records 3730] [--rows 4100]
+    $ python benchmarks/bench_writer.py [--steps 10] [--records 3730] [--rows 4100] [--dir /dev/shm]
 
 Op records of the size a 60-block 1024² forward captures at L2 with CFG batched (about 1,865
 outputs × 2 branches, a row digest per token row: ``--records`` × ``--rows``), one batch per step,
@@ -14,8 +14,10 @@ through ``ArtifactWriter`` into a temporary directory. Side by side in one proce
   before instead of completing the file: ``write_parquet`` of the stream's batches with the
   former codec), timed on the same stream.
 
-The digest values are random, as digest v2's are. Results: docs/benchmarks.md, "Writing the
-records".
+The digest values are random, as digest v2's are. ``--dir`` is where the run is written (default:
+a temporary directory): a directory in memory (``/dev/shm``) measures the software alone; on a
+disk, once the kernel's dirty-page limit is reached every write waits for the disk. Results:
+docs/benchmarks.md, "Writing the records".
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--records", type=int, default=3730)
     ap.add_argument("--rows", type=int, default=4100)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=str(ROOT / "out") if (ROOT / "out").is_dir() else None) as d:
+    with tempfile.TemporaryDirectory(dir=a.dir) as d:
         r = run(a.steps, a.records, a.rows, Path(d))
     mb = a.records * a.rows * 8 / 1e6
     t = Table(title=f"{a.steps} steps of {a.records} L2 op records × {a.rows} row digests ({mb:.0f} MB of row digests a step)")

@@ -55,7 +55,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -113,7 +113,8 @@ class _Stream:
     def __init__(self, path: Path, schema: pa.Schema, jobs: OrderedJobs) -> None:
         self.path = path
         self.schema = schema
-        self._file: BinaryIO = open(path, "wb")
+        with writing(path):  # Arrow's own file: written without holding the GIL
+            self._file = pa.OSFile(str(path), "wb")
         self._writer = pa.ipc.new_stream(self._file, schema)
         self._parquet = ParquetFile(path.with_suffix(S.PARQUET), schema)
         self._jobs = jobs
