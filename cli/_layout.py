@@ -79,8 +79,8 @@ def check_layout(dims: "ParallelDims", *, model_dir: Any, mode: Any, level: str,
     config of the model in ``model_dir``, on a stand-in context of the layout's world size:
     TP/SP strict only, heads and widths the degrees divide, Ulysses heads per TP rank, Ring
     attention at a capture ``level`` that records attention internals when ``mode``
-    (``runtime.Mode``) captures and ``internals`` is on) and ``plan.check_cfg_parallel`` (CFG on, production with
-    sequential CFG only); condition images (``conditions`` of them: an edit run) with SP > 1;
+    (``runtime.Mode``) captures and ``internals`` is on) and ``plan.check_cfg_parallel`` (CFG
+    on, production with sequential CFG only); condition images (``conditions`` of them: an edit run) with SP > 1;
     an adapter in an unfused ``lora_mode`` (None: no adapter) with TP or SP > 1
     (``model.lora_calls.check_mode_layout``, which the run would raise on every rank after they
     start). Nothing for a one-process layout. ``capture_from`` names where a default capture

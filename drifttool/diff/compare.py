@@ -143,7 +143,9 @@ def holds_internals(run: Run) -> bool:
 def _internal_records(run: Run) -> int:
     """How many op records of role ``internal`` ``run`` holds."""
     t = run.ops_table()
-    return int(ac.call("sum", ac.call("equal", t["role"], "internal")).as_py() or 0) if "role" in t.column_names else 0
+    if "role" not in t.column_names:
+        return 0
+    return int(ac.call("sum", ac.call("equal", t["role"], "internal")).as_py() or 0)
 
 
 def internals_compared(run_a: Run, run_b: Run, level: str) -> bool:

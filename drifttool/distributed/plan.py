@@ -212,8 +212,8 @@ class ParallelPlan:
             UnsupportedConfigError: the mesh does not match ``dims``, a TP/SP layout for a
                 family other than strict (production TP/SP is not byte-defined here), a model
                 the degrees do not divide (``tp.check``, ``sp.check``), Ring attention at
-                ``capture_level`` L2 with ``internals``, an unknown fault (``check_faults``), or on CUDA a layout
-                that would split a reduction axis across ranks (Ring attention, TP row-parallel
+                ``capture_level`` L2 with ``internals``, an unknown fault (``check_faults``), or
+                on CUDA a layout that would split a reduction axis across ranks (Ring attention, TP row-parallel
                 ``partials``: the strict CUDA family reduces each axis in one sequential order).
         """
         if dims.world_size != ctx.world_size:

@@ -294,8 +294,8 @@ def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None,
     return (tuple(x.shape), x.dtype, tuple(txt.shape), txt.dtype,
             None if txt_mask is None else txt_mask.dtype, tuple(tau.shape), tau.dtype, grid,
             None if cond is None else (tuple(cond.shape), cond.dtype), cond_grids,
-            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level, rt.wants_internals(),
-            sample_pattern(scope["samples"]),
+            str(x.device), rt.mode, rt.family, rt.rank, frozenset(rt.unavailable), level,
+            rt.wants_internals(), sample_pattern(scope["samples"]),
             *(scope_key(scope[k]) for k in ("component", "txt_lens", "txt_starts", "img_grid", "cond_grids")))
 
 
