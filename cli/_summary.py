@@ -6,7 +6,7 @@ list, so that each command shows a rollout's settings alike:
 
 The rows come from a settings record (``settings.RunSettings.record``, or a stored rollout's
 manifest ``settings``, the same dict); a key the record lacks (``preset`` without a preset,
-``lora_mode`` without an adapter) gives no row.
+``lora_mode`` without an adapter, ``internals`` unless an L2 capture left them out) gives no row.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 SETTINGS_KEYS = ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cfg_layout", "preset",
-                 "lora_mode")
+                 "lora_mode", "internals")
 """The settings a summary table shows, in its order."""
 
 

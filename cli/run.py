@@ -211,8 +211,6 @@ def run(
         table = Table(title=f"drifttool run → {out}", show_header=False)
         for key in ("mode", "capture", "steps", "samples", "complete"):
             table.add_row(key, str(summary[key]))
-        if settings.record().get("internals") is False:
-            table.add_row("internals", "not captured (--no-internals)")
         if (ranks := _layout.ranks_row(dims, dist)) is not None:
             table.add_row("ranks", ranks)
         record = settings.record()
