@@ -163,7 +163,8 @@ def run(
     `--prompt` (or, with an edit fixture such as tiny-edit, its prompts) the prompt is encoded
     with the image(s) through the text encoder's vision tower.
     """
-    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.artifact.levels import captures_internals  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.distributed import launch_env  # lazy: likewise
     from drifttool.runner import execute  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
@@ -239,7 +240,7 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
-    elif not settings.internals and settings.record().get("internals") is None:
+    elif not settings.internals and not captures_internals(settings.capture):
         err.print(f"[bold yellow]note:[/] --no-internals changes nothing at capture {settings.capture}: "
                   "only L2 captures the attention's internals", highlight=False)
 
