@@ -274,15 +274,6 @@ class GraphedForward(SignatureGraphs):
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 
-def graphable(model: Any) -> bool:
-    """Whether ``model``'s forward may be replayed from CUDA graphs: it says so with a class
-    attribute ``graphable = True`` (drifttool's ``MMDiT``; the diffusers adapter's
-    ``adapters.diffusers_qwenimage.DiffusersQwenImage``), meaning its forward synchronises with
-    no host and does nothing in Python that a replay, which runs none, would have to repeat
-    beyond the trace and records ``GraphedForward`` files."""
-    return bool(getattr(model, "graphable", False))
-
-
 def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None, tau: torch.Tensor,
               grid: tuple[int, int], cond: torch.Tensor | None, cond_grids: tuple[tuple[int, int], ...],
               rt: Runtime, level: str | None) -> tuple:

@@ -128,17 +128,3 @@ def test_a_training_capture_redirects_stale_autograd_streams_and_restores_torchs
     with stale_streams_redirected():
         ran.append(get())
     assert ran == [False]
-
-
-def test_models_that_declare_it_are_graphable():
-    """``graphs.graphable``: drifttool's MMDiT and the diffusers adapter's model say so (``drifttool
-    run`` replays them from graphs on a GPU); any other model runs eagerly."""
-    import pytest
-
-    from drifttool.model.graphs import graphable
-
-    assert graphable(MMDiT(tiny())) and not graphable(torch.nn.Linear(2, 2))
-    pytest.importorskip("diffusers")
-    from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, load_transformer
-
-    assert graphable(DiffusersQwenImage(load_transformer("fixtures/tiny-t2i/transformer", torch.float32)))
