@@ -32,7 +32,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drifttool.adapters.diffusers_qwenimage import instrument  # noqa: E402
+from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, instrument  # noqa: E402
 from drifttool.capture import gpu_rows  # noqa: E402
 from drifttool.capture.recorder import Recorder  # noqa: E402
 from drifttool.model.graphs import GraphedForward  # noqa: E402
@@ -44,9 +44,11 @@ from random_model import build  # noqa: E402
 SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
-           "production+L1+graph", "strict+L1+graph", "strict+serial+graph", "strict+L1+rows+graph")
+           "production+L1+graph", "strict+L1+graph", "strict+serial+graph", "strict+L1+rows+graph",
+           "diffusers+graph", "diffusers+L1+graph")
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
-first two calls, the warm-up and the capture, fall in the untimed warm-up round); ``+serial``:
+first two calls, the warm-up and the capture, fall in the untimed warm-up round; diffusers' through
+the capture adapter's model call, ``DiffusersQwenImage``, hooks and all); ``+serial``:
 the graph on one CUDA stream (``GraphedForward(lanes=False)``; without it each block's text
 stream runs on a second stream, ``drifttool.model.lanes``); ``+alt``: the strict bf16 GEMMs
 launched with ``--gemm``'s configuration instead of the registered one (the same bytes: the
@@ -83,7 +85,10 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     rt = Runtime(mode=mode, recorder=rec, internals=False if "nointernals" in extra else None)
     with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
           unfused_internals("unfused" in extra)):
-        if impl == "diffusers":
+        if impl == "diffusers" and graph:  # the adapter's call: its hooks run at capture, a replay runs none
+            fast = GRAPHED.setdefault(config, GraphedForward(DiffusersQwenImage(tr)))
+            fast(x, txt, mask, tau, grid, rt)
+        elif impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
             with ctx:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,

@@ -74,7 +74,7 @@ def run(
                              help="strict | audit | auto | off."),
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels,
                                            help="L0 | L1 | L2 (default: the fixture's)."),
-    internals: bool = typer.Option(True, help="At L2, also capture the fused attention's internals (its scores and probabilities); --no-internals leaves them out (faster at full size; diff --localize captures them for the drifting step)."),
+    internals: bool = typer.Option(True, help="At L2, also capture the fused attention's internals (its scores and probabilities); --no-internals leaves them out and keeps the attention fused (diff --localize captures them for the drifting step); production modes have none."),
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
     dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
@@ -240,9 +240,11 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
-    elif not settings.internals and not captures_internals(settings.capture):
-        err.print(f"[bold yellow]note:[/] --no-internals changes nothing at capture {settings.capture}: "
-                  "only L2 captures the attention's internals", highlight=False)
+    elif not settings.internals and not settings.internals_apply:
+        why = (f"at capture {settings.capture}: only L2 captures the attention's internals"
+               if not captures_internals(settings.capture) else
+               f"in mode {settings.mode.value}: production attention exposes no internals")
+        err.print(f"[bold yellow]note:[/] --no-internals changes nothing {why}", highlight=False)
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],

@@ -28,11 +28,10 @@ from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.memory import check_memory
 from drifttool.model.checkpoint import checked_config, load_checkpoint
 from drifttool.model.checkpoint_files import index_warnings
-from drifttool.model.graphs import GraphedForward
+from drifttool.model.graphs import GraphedForward, graphable
 from drifttool.model.lora import has_lora
 from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import effective_weights, load_lora, lora_record
-from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.presets import check_conditions
@@ -237,7 +236,7 @@ def execute(
         if stages is not None:
             stages.opened(session)
         # on a GPU, forwards replay CUDA graphs: the same kernels, bytes, trace and records
-        fwd = GraphedForward(model) if device.type == "cuda" and isinstance(model, MMDiT) else model
+        fwd = GraphedForward(model) if device.type == "cuda" and graphable(model) else model
         traj = rollout(sampler_model(fwd), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)
         session.finish(complete=traj.complete,

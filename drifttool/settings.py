@@ -198,6 +198,12 @@ class RunSettings:
         return DTYPES[self.dtype]
 
     @property
+    def internals_apply(self) -> bool:
+        """Whether ``internals`` changes the capture: at L2 in a strict-family mode (production
+        attention is one fused SDPA call that exposes no internals)."""
+        return captures_internals(self.capture) and self.mode.family == "strict"
+
+    @property
     def labels(self) -> list[int]:
         """The logical id written for each batch row (``sample_labels``, else ``samples``)."""
         return list(self.sample_labels if self.sample_labels is not None else self.samples)
@@ -265,7 +271,7 @@ class RunSettings:
                     "sample_labels": None if self.sample_labels is None else list(self.sample_labels),
                     "preset": self.preset,
                     "device": None if self.device == "cpu" else self.device,
-                    "internals": None if self.internals or not captures_internals(self.capture) else False,
+                    "internals": None if self.internals or not self.internals_apply else False,
                     "input_files": dict(self.external.files) if self.external is not None and self.external.files
                     else None}
         out.update({k: v for k, v in optional.items() if v is not None})

@@ -323,7 +323,7 @@ def suspect_probes(settings: dict[str, Any], num_layers: int, device: str = "cpu
                      "production SDPA kernel (fallback recorded in the trace)",
               source="user reports: attention backend forced to another kernel",
               spec={"mode": "audit", "unavailable": (("joint_attention_fused", "strict"),)},
-              expect=_drift("joint_attention_fused", step=0, block=0, stream="joint", origin=False)),
+              expect=_drift("joint_attention_fused", step=0, block=0, stream="joint", origin=True)),
     ]
 
 

@@ -266,6 +266,12 @@ class DiffusersQwenImage(torch.nn.Module):
     Each forward is instrumented (``instrument``) with the runtime it is given.
     """
 
+    graphable = True
+    """Its forward may be replayed from CUDA graphs (``model.graphs.graphable``): diffusers'
+    Qwen-Image forward makes no host synchronisation, and the hooks' Python (identity, trace,
+    the digest kernels' launches) runs once at capture; after each replay the records are filed
+    as an eager call files them."""
+
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "transformer", transformer)  # not a submodule: keep the names
@@ -285,6 +291,20 @@ class DiffusersQwenImage(torch.nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return self.transformer.state_dict(*args, **kwargs)
+
+    def graph_constants(self, grid: tuple[int, int], txt_len: int,
+                        cond_grids: tuple[tuple[int, int], ...], device: torch.device) -> tuple:
+        """The RoPE frequencies diffusers' forward reads from its cache for these shapes
+        (``QwenEmbedRope``'s per-image-shape tables, an LRU cache of 128 entries), for a CUDA
+        graph of the forward to hold alive (``model.graphs.SignatureGraphs._kept_tables``): a
+        graph reads the addresses it captured, and the cache may drop them. The text table is
+        a slice of a table the module keeps. Call after a forward of these shapes on ``device``
+        (the entries are then the forward's own). Empty for a transformer without that cache."""
+        video = getattr(getattr(self.transformer, "pos_embed", None), "_compute_video_freqs", None)
+        if video is None:
+            return ()
+        shapes = [(1, *grid), *((1, *g) for g in cond_grids)]
+        return tuple(video(f, h, w, idx, device) for idx, (f, h, w) in enumerate(shapes))
 
     def forward(self, x, txt, txt_mask, tau, img_grid, rt: Runtime, *, cond=None,
                 cond_grids=()) -> torch.Tensor:

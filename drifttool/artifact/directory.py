@@ -157,7 +157,9 @@ def claim(path: Path, overwrite: bool) -> int | None:
         if any(path.iterdir()):
             if not overwrite:
                 raise ArtifactError(f"{path} is not empty (use --overwrite to replace an "
-                                    "earlier drifttool run there)")
+                                    "earlier drifttool run there)" if holds_run(path) else
+                                    f"{path} is not empty and holds no drifttool run (choose an "
+                                    "empty or new directory)")
             remove_artifact(path)
     except BaseException:
         release(lock)

@@ -72,7 +72,7 @@ def _prepared(table: pa.Table, phase_map: dict[str, str] | None, drop_grads: boo
               internals: bool = True) -> pa.Table:
     """``table`` with a ``_row`` column (index into the run's full table), gradient records
     dropped and phases renamed as asked. Without ``internals`` (a common level below L2, or a
-    run at L2 that left them out: ``internals_compared``) the fused operators' internal records
+    run at L2 that left them out: ``internals_of``) the fused operators' internal records
     (role ``internal``) are left out: the other run has the fused operator's own record
     instead, and both runs hold that."""
     t = table.append_column("_row", arrow_array(np.arange(table.num_rows, dtype=np.int64)))
@@ -108,12 +108,12 @@ def check_step_bytes(run: Run) -> None:
                 "(tampered or corrupt)")
 
 
-def _compare_tables(run_a: Run, run_b: Run, level: str,
-                    phase_map: dict[str, str] | None = None) -> tuple[TableDiff, TableDiff | None]:
-    """Align and compare the step tables, and the op tables when both runs hold them. Program
-    positions are computed over all four tables at once, so they compare across them."""
+def _compare_tables(run_a: Run, run_b: Run, level: str, phase_map: dict[str, str] | None = None,
+                    internals: bool = False) -> tuple[TableDiff, TableDiff | None]:
+    """Align and compare the step tables, and the op tables when both runs hold them (their
+    internal records when ``internals``: ``internals_of``). Program positions are computed
+    over all four tables at once, so they compare across them."""
     da, db = declared(run_a.manifest), declared(run_b.manifest)  # records a run cannot capture
-    internals = internals_compared(run_a, run_b, level)
     sa, *ra = drop_replicas(drop_uncaptured(_prepared(
         run_a.steps_table().select([*_STEP_COLS, "data"]), phase_map, False), da, db, ops=False),
         S.STEPS_KEY)
@@ -134,10 +134,10 @@ def _compare_tables(run_a: Run, run_b: Run, level: str,
             _with_replicas(compare_table(oa, ob, S.OPS_KEY, (poa, pob)), qa, qb))
 
 
-def holds_internals(run: Run) -> bool:
-    """Whether ``run``'s capture at L2 holds the fused attention's internals (its manifest's
-    ``settings.internals``; absent: true)."""
-    return (run.manifest.get("settings") or {}).get("internals", True) is not False
+def left_out_internals(run: Run) -> bool:
+    """Whether ``run`` captured L2 without the fused attention's internals (``--no-internals``:
+    its manifest's ``settings.internals`` is false)."""
+    return (run.manifest.get("settings") or {}).get("internals", True) is False
 
 
 def _internal_records(run: Run) -> int:
@@ -148,10 +148,24 @@ def _internal_records(run: Run) -> int:
     return int(ac.call("sum", ac.call("equal", t["role"], "internal")).as_py() or 0)
 
 
-def internals_compared(run_a: Run, run_b: Run, level: str) -> bool:
-    """Whether the fused operators' internal records are compared: at a common level of L2,
-    when both runs hold them."""
-    return level == "L2" and holds_internals(run_a) and holds_internals(run_b)
+def internals_of(run_a: Run, run_b: Run, level: str) -> tuple[bool, str | None]:
+    """How a comparison at ``level`` treats the fused attention's internal records, decided once
+    per pair: ``(compared, note)``. They are compared at L2 when both runs hold them (not left
+    out, ``left_out_internals``, and present: an attention that exposes none, such as production
+    SDPA, leaves none). Otherwise, when one run holds some or left them out, ``note`` says why
+    and how many were left aside (two production runs leave nothing aside: None)."""
+    if level != "L2":
+        return False, None
+    runs = (("A", run_a), ("B", run_b))
+    count = {s: _internal_records(r) for s, r in runs}
+    left = {s: left_out_internals(r) for s, r in runs}
+    held = {s: not left[s] and count[s] > 0 for s in count}
+    if all(held.values()) or not any(left[s] or count[s] for s in count):
+        return all(held.values()), None
+    why = [f"run {s} captured L2 without them (--no-internals)" if left[s] else
+           f"run {s}'s attention exposes none (production attention)" for s in count if not held[s]]
+    kept = [f"run {s}'s {n} internal records left out of the counts" for s, n in count.items() if n]
+    return False, f"the fused attention's internals not compared: {'; '.join(why + kept)}"
 
 
 def _with_replicas(t: TableDiff, ra: list[int], rb: list[int]) -> TableDiff:
@@ -175,18 +189,15 @@ def _layout_text(run: Run) -> str:
     return text
 
 
-def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff]) -> list[str]:
+def _notes(run_a: Run, run_b: Run, level: str, tables: list[TableDiff],
+           internals_note: str | None) -> list[str]:
     notes = []
     if level == "L0":
         notes.append("op records not compared: a run holds only step records (L0)")
     if level != "L2":
         notes.append(f"row digests not compared (common capture level {level})")
-    elif not internals_compared(run_a, run_b, level):
-        left = [s for s, r in (("A", run_a), ("B", run_b)) if not holds_internals(r)]
-        held = [f"run {s}'s {n} internal records left out of the counts"
-                for s, r in (("A", run_a), ("B", run_b)) if (n := _internal_records(r))]
-        notes.append(f"the fused attention's internals not compared: run {' and run '.join(left)} "
-                     "captured L2 without them (--no-internals)" + (f"; {', '.join(held)}" if held else ""))
+    elif internals_note:
+        notes.append(internals_note)
     notes += uncaptured_note(run_a.manifest, run_b.manifest)
     la, lb = _layout_text(run_a), _layout_text(run_b)
     if la != lb:  # information: rank is not identity, so layouts align
@@ -298,15 +309,16 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     report.context = context(run_a, run_b, report.input_differences)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     report.covers = LEVEL_COVERS[level]
-    if level == "L2" and not internals_compared(run_a, run_b, level):
+    internals, internals_note = internals_of(run_a, run_b, level)
+    if internals_note:
         report.covers += ", without the fused attention's internals"
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None
-    st, ot = _compare_tables(run_a, run_b, level, phase_map)
+    st, ot = _compare_tables(run_a, run_b, level, phase_map, internals)
     tables = [st] if ot is None else [st, ot]
     for kind, t in zip(("step", "op"), tables):
         check_matched(run_a, run_b, kind, t)
     report.counts = {"steps": st.counts(), **({"ops": ot.counts()} if ot else {})}
-    report.notes = _notes(run_a, run_b, level, tables)
+    report.notes = _notes(run_a, run_b, level, tables, internals_note)
     if run_a.path.resolve() == run_b.path.resolve():  # a mistyped pair would pass unnoticed
         report.notes.insert(0, "run A and run B are the same directory: the run is compared with "
                                "itself (only its own checks, such as its ranks' agreement, can fail)")
@@ -340,4 +352,5 @@ def aligned_tables(run_a: Run, run_b: Run) -> tuple[TableDiff, TableDiff | None]
     level, recompute phases mapped), for tools that judge the differing pairs
     (``drifttool.diff.tolerance.measure``)."""
     level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
-    return _compare_tables(run_a, run_b, level, recompute_alignment(run_a.manifest, run_b.manifest))
+    return _compare_tables(run_a, run_b, level, recompute_alignment(run_a.manifest, run_b.manifest),
+                           internals_of(run_a, run_b, level)[0])

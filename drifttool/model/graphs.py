@@ -135,7 +135,11 @@ class SignatureGraphs:
                      rt: Runtime, device: torch.device) -> tuple:
         """The RoPE tables a graph of this signature reads (``model.rope.rope_tables``, from its
         cache after the warm-up), for the graph to hold alive: the cache may drop them, and a
-        graph reads the addresses it captured."""
+        graph reads the addresses it captured. A model with tables of its own names them
+        (``graph_constants(grid, txt_len, cond_grids, device)``: the diffusers adapter's)."""
+        own = getattr(self.model, "graph_constants", None)
+        if own is not None:
+            return tuple(own(grid, txt_len, cond_grids, device))
         cfg = self.model.config
         return rope_tables(grid, txt_len, axes_dims=cfg.axes_dims_rope, theta=cfg.rope_theta,
                            algorithm=BACKEND_TABLES[rt.mode.family], device=device, cond_grids=cond_grids)
@@ -169,6 +173,31 @@ class SignatureGraphs:
             self.captures += 1
         self._graphs.move_to_end(key)
         return g
+
+
+@contextlib.contextmanager
+def device_scalars():
+    """Within a CUDA graph capture: ``torch.as_tensor`` and ``torch.tensor`` of one Python
+    number (int, float, bool) on a CUDA device are filled there (``torch.full((), value)``, the
+    dtype each infers) instead of copied from pageable host memory, a copy that a capture
+    refuses. Diffusers' Qwen-Image forward makes one (a prompt length, in
+    ``compute_text_seq_len_from_mask``); the value, a Python constant of the signature's shapes,
+    is the same at every replay. Anything else is left to torch itself."""
+    as_tensor, tensor = torch.as_tensor, torch.tensor
+
+    def filled(make):
+        def call(data, *args, dtype=None, device=None, **kwargs):
+            if (not args and not kwargs and device is not None and type(data) in (int, float, bool)
+                    and torch.device(device).type == "cuda"):
+                return torch.full((), data, dtype=dtype, device=device)
+            return make(data, *args, dtype=dtype, device=device, **kwargs)
+        return call
+
+    torch.as_tensor, torch.tensor = filled(as_tensor), filled(tensor)
+    try:
+        yield
+    finally:
+        torch.as_tensor, torch.tensor = as_tensor, tensor
 
 
 def capture_refused(what: str, e: BaseException) -> UnsupportedConfigError:
@@ -264,7 +293,7 @@ class GraphedForward(SignatureGraphs):
             self._pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(x.device)
         try:
-            with torch.cuda.device(x.device), stream_kept(x.device), \
+            with torch.cuda.device(x.device), stream_kept(x.device), device_scalars(), \
                     torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream(x.device)):
                 out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
         except torch.cuda.OutOfMemoryError:
@@ -272,6 +301,21 @@ class GraphedForward(SignatureGraphs):
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
             raise capture_refused(f"{rt.mode.value} forward", e) from e
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
+
+
+def graphable(model: Any) -> bool:
+    """Whether ``model``'s forward may be replayed from CUDA graphs: it says so with a class
+    attribute ``graphable = True`` (drifttool's ``MMDiT``; the diffusers adapter's
+    ``adapters.diffusers_qwenimage.DiffusersQwenImage``), meaning its forward synchronises with
+    no host and does nothing in Python that a replay, which runs none, would have to repeat
+    beyond the trace and records ``GraphedForward`` files. A subclass that overrides ``forward``
+    without declaring it again is not graphable (its forward may do what a replay skips)."""
+    for cls in type(model).__mro__:
+        if "graphable" in vars(cls):
+            return bool(vars(cls)["graphable"])
+        if "forward" in vars(cls) or "__call__" in vars(cls):
+            return False
+    return False
 
 
 def signature(x: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor | None, tau: torch.Tensor,

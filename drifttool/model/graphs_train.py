@@ -50,11 +50,14 @@ model's device (a caller's text lane is not used). The first call of a signature
 and backward on a side stream (the backward kernels' compilation, whatever the caller did with
 the first call's output), then captures both graphs and replays them. The model's activation
 checkpointing is part of the signature (a checkpointed backward recomputes each block inside the
-backward graph). Drop (or detach) the previous step's outputs and loss before the next call:
-while an earlier step's autograd graph lives, it holds the parameters' gradient accumulators with
-the stream they last ran on, and a capture that would wait on it is refused ("operation would
-make the legacy stream depend on a capturing blocking stream"; the wrapper then runs eagerly),
-unless torch can redirect such a stream to the capturing one (``stale_streams_redirected``).
+backward graph). While the autograd graph of a velocity it returned lives (micro-batches run
+before one backward, a loss kept), it holds the parameters' gradient accumulators with the stream
+they last ran on, and a capture would wait on that stream, which CUDA refuses ("operation would
+make the legacy stream depend on a capturing blocking stream"): a signature's capture therefore
+waits for a call at which none lives, and the calls until then run eagerly (a warning says so
+after ``WAITS_BEFORE_WARNING`` such calls), unless torch can redirect such a stream to the
+capturing one (``stale_streams_redirected``: then it captures at once). Graphs the caller keeps
+alive otherwise can still make a capture be refused (the wrapper then runs eagerly).
 
 Memory: each signature keeps its own pool (the forward's saved activations live there between a
 forward replay and its backward), about the eager step's peak; ``reset()`` frees them. With a
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -123,6 +127,17 @@ class _Replay(torch.autograd.Function):
         return None, None, None, *(None if t is None else t.clone() for t in g.grads)
 
 
+WAITS_BEFORE_WARNING = 16
+"""Calls a signature's capture may wait (``GraphedTraining``) before a warning says why."""
+
+
+def _redirect_api() -> tuple[Any, Any] | None:
+    """torch's setter and getter of the stale-stream redirect, where it has them."""
+    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    return None if setter is None or getter is None else (setter, getter)
+
+
 @contextlib.contextmanager
 def stale_streams_redirected():
     """Around a capture of a training step: the autograd graphs nobody holds are collected first
@@ -135,11 +150,11 @@ def stale_streams_redirected():
     node's work on the capturing stream, where its producer ran: the same kernels on the same
     tensors. torch's own setting is restored after."""
     gc.collect()
-    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
-    getter = getattr(torch._C, "_override_stale_capture_stream", None)
-    if setter is None or getter is None:
+    api = _redirect_api()
+    if api is None:
         yield
         return
+    setter, getter = api
     before = bool(getter())
     setter(True)
     try:
@@ -156,6 +171,10 @@ def _done(g: _Graphs, live: list[bool]) -> None:
         g.pending -= 1
 
 
+class _Alive:
+    """A mark on the autograd node of a returned velocity (``GraphedTraining._tracked``)."""
+
+
 class GraphedTraining(SignatureGraphs):
     """``model(x, txt, txt_mask, tau, img_grid, rt)`` under autograd, its forward and backward
     replayed from one pair of CUDA graphs per input signature (module docstring).
@@ -170,6 +189,44 @@ class GraphedTraining(SignatureGraphs):
     replays, ``refused`` why a capture was refused, after which every call runs eagerly);
     ``reset()`` also frees the graphs' memory pools.
     """
+
+    def __init__(self, model: torch.nn.Module, *, max_graphs: int = 8) -> None:
+        super().__init__(model, max_graphs=max_graphs)
+        self._outputs: list[weakref.ref] = []  # one per returned velocity whose graph may live
+        self._waits = 0  # calls whose capture waited (``_waits_for_capture``)
+
+    def _held(self) -> bool:
+        """Whether the autograd graph of a velocity this wrapper returned still lives (a loss
+        not yet backpropagated, say): it holds the parameters' gradient accumulators with the
+        stream they ran on, so a capture now would be refused (module docstring)."""
+        self._outputs = [r for r in self._outputs if r() is not None]
+        return bool(self._outputs)
+
+    def _waits_for_capture(self, key: tuple) -> bool:
+        """Whether the capture of signature ``key``, due at this call, waits: an earlier
+        output's graph lives (``_held``) and torch cannot redirect its stream
+        (``stale_streams_redirected``). After ``WAITS_BEFORE_WARNING`` waits a warning says so
+        once (a loop that keeps the last step's loss while it runs the next never captures)."""
+        if key not in self._seen or key in self._graphs or _redirect_api() is not None or not self._held():
+            return False
+        self._waits += 1
+        if self._waits == WAITS_BEFORE_WARNING:
+            warnings.warn(
+                f"the graphed training step ran {WAITS_BEFORE_WARNING} calls eagerly (the same "
+                "bytes) instead of capturing them: at each, the autograd graph of a velocity it "
+                "returned earlier was still alive (micro-batches before one backward, or the last "
+                "step's loss kept), which this torch cannot capture beside; drop or detach earlier "
+                "outputs and losses before the next call to replay graphs",
+                RuntimeWarning, stacklevel=3)
+        return True
+
+    def _tracked(self, v: torch.Tensor) -> torch.Tensor:
+        """``v``, its autograd node marked so that ``_held`` sees while it lives."""
+        if v.grad_fn is not None:
+            mark = _Alive()
+            v.grad_fn.metadata["drifttool.graphs_train"] = mark  # lives and dies with the node
+            self._outputs.append(weakref.ref(mark))
+        return v
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters the backward graph computes gradients for, in ``parameters()`` order."""
@@ -205,11 +262,13 @@ class GraphedTraining(SignatureGraphs):
                scope_key(rt.current_scope().get("branch")), rt.grad_ledger is not None,
                bool(getattr(self.model, "gradient_checkpointing", False)),
                tuple(id(p) for p in params))
+        if self._waits_for_capture(key):  # micro-batches before one backward, say: eager until then
+            return self._tracked(self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids))
         g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, params))
         # warm-up (compile kernels, fill constant caches), or the last replay's backward has not
         # run (its activations must stay)
         if g is None or g.pending:
-            return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+            return self._tracked(self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids))
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
             if static is not None:
                 static.copy_(new)
@@ -218,7 +277,7 @@ class GraphedTraining(SignatureGraphs):
         v = _Replay.apply(g, rt.grad_ledger, ids, *params)
         self.replays += 1
         g.records.file(rt)  # the trace and counters an eager call would leave
-        return v
+        return self._tracked(v)
 
     def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids,
                  params: list[torch.nn.Parameter]) -> _Graphs:

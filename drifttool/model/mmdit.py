@@ -126,6 +126,9 @@ class MMDiT(nn.Module):
         dtype: parameter dtype = model dtype W (fp32 or bf16).
     """
 
+    graphable = True
+    """Its forward may be replayed from CUDA graphs (``model.graphs.graphable``)."""
+
     def __init__(self, config: MMDiTConfig, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if dtype not in _MODEL_DTYPES:

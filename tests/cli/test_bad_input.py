@@ -163,6 +163,9 @@ def test_overwrite_never_deletes_foreign_files(cli, tmp_path, strict_run):
     (app_dir / "manifest.json").write_text('{"name": "app"}')
     (app_dir / "src" / "main.js").write_text("keep me")
     _assert_clean_error(*cli("run", "--overwrite", "-o", app_dir), "no drifttool run")
+    code, out = cli("run", "-o", app_dir)  # without --overwrite: no hint that it would help
+    _assert_clean_error(code, out, "holds no drifttool run (choose an empty or new directory)")
+    assert "--overwrite" not in out
     assert (app_dir / "src" / "main.js").read_text() == "keep me"
     run = tmp_path / "run"
     shutil.copytree(strict_run, run)

@@ -57,6 +57,18 @@ def test_below_l2_the_option_changes_nothing_and_says_so(cli, tmp_path):
     assert "internals" not in _manifest(tmp_path / "l1")["settings"]
 
 
+def test_in_a_production_mode_the_option_changes_nothing_and_says_so(cli, tmp_path):
+    """Production attention (one fused SDPA call) exposes no internals: ``--no-internals`` in
+    mode auto leaves the manifest as it is, and the run says so."""
+    code, out = cli("run", "-o", tmp_path / "auto", "--mode", "auto", "--steps", "2", "--no-internals")
+    assert code == 0 and ("--no-internals changes nothing in mode auto: production attention exposes "
+                          "no internals") in " ".join(out.split()), out
+    assert "internals" not in _manifest(tmp_path / "auto")["settings"]
+    assert cli("run", "-o", tmp_path / "auto2", "--mode", "auto", "--steps", "2")[0] == 0
+    code, out = cli("diff", tmp_path / "auto", tmp_path / "auto2")
+    assert code == 0 and WITHOUT not in " ".join(out.split()), out
+
+
 def test_replay_and_recompute_keep_the_runs_choice_unless_told(cli, tmp_path):
     run = tmp_path / "n"
     assert cli("run", "-o", run, "--steps", "2", "--no-internals")[0] == 0
@@ -112,3 +124,23 @@ def test_ring_attention_at_l2_needs_the_internals_left_out():
     with pytest.raises(UnsupportedConfigError, match="--no-internals"):
         ParallelPlan.build(ctx, dims, config, capture_level="L2")
     assert ParallelPlan.build(ctx, dims, config, capture_level="L2", internals=False).dims == dims
+
+
+def test_production_attention_exposes_none_so_strict_internals_are_left_aside(cli, tmp_path, strict_run):
+    """Strict against production at L2: production's SDPA is one fused call with no internal
+    records, so strict's are left out of the comparison (not "only A"), and a note counts them;
+    two production runs have nothing to leave aside."""
+    for name in ("auto", "auto2"):
+        assert cli("run", "-o", tmp_path / name, "--mode", "auto")[0] == 0
+    internal = sum(k[S.OPS_KEY.index("role")] == "internal" for k in _records(strict_run))
+    assert internal > 0 and "internals" not in _manifest(tmp_path / "auto")["settings"]
+    code, out = cli("diff", strict_run, tmp_path / "auto", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["verdict"] == "drift" and report["covers"].endswith(WITHOUT), out
+    assert report["counts"]["ops"]["only_a"] == 0 and report["counts"]["ops"]["only_b"] == 0, report["counts"]
+    assert (f"run B's attention exposes none (production attention); run A's {internal} internal "
+            "records left out of the counts") in " ".join(report["notes"])
+    code, out = cli("diff", tmp_path / "auto", tmp_path / "auto2", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["verdict"] == "identical" and WITHOUT not in report["covers"], out
+    assert not any("internals" in n for n in report["notes"]), report["notes"]

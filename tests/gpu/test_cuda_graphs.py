@@ -208,3 +208,21 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(model, uncapturable):
         for _ in range(3):
             assert torch.equal(_bits(again(*y, rt)), want)
     assert (again.captures, again.replays) == (1, 2)
+
+
+def test_a_python_number_made_on_the_device_inside_a_capture_is_filled_there():
+    """``graphs.device_scalars``: ``torch.as_tensor(n, device=cuda)`` (diffusers' forward makes
+    one), which a capture refuses as a pageable host copy, is filled on the device; every
+    replay reads the same value."""
+    from drifttool.model.graphs import device_scalars
+
+    x = torch.zeros((), dtype=torch.int64, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with device_scalars(), torch.cuda.graph(graph, stream=stream):
+        y = x + torch.as_tensor(7, device=x.device) + torch.tensor(2, device="cuda")
+    for start in (10, -4):
+        x.fill_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (y.dtype, int(y)) == (torch.int64, start + 9)

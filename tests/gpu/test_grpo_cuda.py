@@ -1,8 +1,8 @@
 """The small Flow-GRPO loop on the GPU (``drifttool.training.grpo``): its rollouts replay
 ``GraphedForward`` graphs, reused by the next group's fresh samples of the same prompt, and every
 row (rewards, ratios, KL, loss) equals the same loop run eagerly; strict/strict's first inner epoch
-has a ratio of exactly 1. Its training steps' ``GraphedTraining`` capture is refused inside the
-loop (a known gap: the test is marked xfail then). Skipped without CUDA."""
+has a ratio of exactly 1, and the training steps replay ``GraphedTraining`` graphs (with one sample
+per micro-batch too). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -47,5 +47,5 @@ def test_a_graphed_grpo_loop_equals_the_eager_loop(monkeypatch, micro_batch):
     for g, e in zip(graphed, eager):
         assert {k: v for k, v in g.items() if k not in TIMES} == {k: v for k, v in e.items() if k not in TIMES}
     assert all(r["ratio_exactly_one"] for r in graphed if r["epoch"] == 0)
-    if training.replays == 0:  # the rows above are right either way: a refused capture runs eagerly
-        pytest.xfail(f"known gap: the loop's training step was not replayed ({training.refused})")
+    # micro-batches before one backward: the capture waits for a step whose earlier graphs are gone
+    assert training.refused is None and training.replays > 0, (training.refused, training.captures)
