@@ -113,14 +113,15 @@ def check_mode_device(mode: Mode, device: str) -> None:
 
 
 def check_level(level: Any) -> str:
-    """``level`` if it is a capture level.
+    """``level`` as its canonical capture level (``"l2"`` gives ``"L2"``).
 
     Raises:
-        DriftToolError: not one of L0, L1, L2.
+        DriftToolError: not one of L0, L1, L2 (in either case).
     """
-    if level not in LEVELS:
+    canonical = level.upper() if isinstance(level, str) else level
+    if canonical not in LEVELS:
         raise DriftToolError(f"unknown capture level {level!r} (L0, L1, L2)")
-    return level
+    return canonical
 
 
 

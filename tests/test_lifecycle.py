@@ -104,6 +104,13 @@ def test_rerun_options_validate_with_the_lines_run_uses():
     assert RerunOptions(mode="audit", capture="L2").mode == "audit"
 
 
+def test_a_capture_level_is_read_in_either_case_and_kept_canonical():
+    assert resolve(RunSpec(capture="l2"))[1].capture == "L2"
+    assert RerunOptions(capture="l0").capture == "L0"
+    with pytest.raises(DriftToolError, match=r"^unknown capture level 'l3' \(L0, L1, L2\)$"):
+        resolve(RunSpec(capture="l3"))
+
+
 # -- life cycle -------------------------------------------------------------------------------
 class _BrokenTrace:
     def rows(self):

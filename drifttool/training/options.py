@@ -61,7 +61,7 @@ class RerunOptions:
         if self.device is not None:
             check_device(self.device)
         if self.capture is not None:
-            check_level(self.capture)
+            object.__setattr__(self, "capture", check_level(self.capture))  # "l2" is "L2"
 
 
 @dataclass(frozen=True, kw_only=True)
