@@ -3,7 +3,8 @@
 Strict CPU bytes are reproducible within a pinned hardware/runtime profile (RFC: "CUDA and ROCm
 qualify separately within pinned hardware/runtime profiles"); this record names the profile,
 including the CPU dispatch level torch's kernels use (``cpu_capability``, settable with the
-``ATEN_CPU_CAPABILITY`` environment variable). The strict inputs (RoPE tables, pinned noise) do
+``ATEN_CPU_CAPABILITY`` environment variable) and the matrix extensions oneDNN's bf16 kernels
+use (``cpu_matrix``: AMX, AVX512-BF16, ...). The strict inputs (RoPE tables, pinned noise) do
 not depend on it; what they depend on is in the fingerprint's ``inputs``.
 """
 
@@ -29,6 +30,25 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+MATRIX_FLAGS = ("amx_bf16", "amx_fp16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_fp16",
+                "avx512_vnni", "avx_vnni")
+"""The CPU's bf16/fp16 matrix and dot-product extensions (``/proc/cpuinfo`` flags). oneDNN picks
+its bf16 GEMM and convolution kernels by them, beside ATen's dispatch level: two CPUs of one
+``cpu_capability`` (AVX512) give production bf16 matmuls different bytes when one has AMX."""
+
+
+def _cpu_matrix() -> list[str] | None:
+    """The ``MATRIX_FLAGS`` this CPU has, sorted; None where ``/proc/cpuinfo`` is not readable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(set(line.split(":", 1)[1].split()) & set(MATRIX_FLAGS))
+    except OSError:
+        pass
+    return None
 
 
 def _gpu(device: str | torch.device | None) -> str | None:
@@ -57,6 +77,7 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the SIMD dispatch level in use
         "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),  # its override, if any
+        "cpu_matrix": _cpu_matrix(),  # the extensions oneDNN's bf16 kernels dispatch on
         "cuda": torch.version.cuda,
         "gpu": _gpu(device),
     }

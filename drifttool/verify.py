@@ -161,15 +161,18 @@ ENVIRONMENT_KEYS = ("cpu_capability", "aten_cpu_capability_env", "torch")
 
 def environment_note(expected: dict[str, Any], replay: dict[str, Any]) -> str | None:
     """One line when a production fixture (mode auto or off) is re-run where its bytes need not
-    hold: another CPU dispatch level or torch version than the build's; else None."""
+    hold: another CPU dispatch level, CPU matrix extensions (``cpu_matrix``) or torch version
+    than the build's; else None. A build that recorded no ``cpu_matrix`` (before drifttool
+    recorded it) is compared by its CPU model instead."""
     if expected.get("settings", {}).get("mode") not in ("auto", "off"):
         return None
     a, b = expected.get("environment", {}), replay.get("environment", {})
-    moved = [f"{k} {a.get(k)} → {b.get(k)}" for k in ENVIRONMENT_KEYS if a.get(k) != b.get(k)]
+    keys = (*ENVIRONMENT_KEYS, "cpu_matrix" if "cpu_matrix" in a else "cpu")
+    moved = [f"{k} {a.get(k)} → {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
     if not moved:
         return None
-    return ("production arithmetic: its bytes hold on the build's CPU dispatch and torch only; "
-            "here " + ", ".join(moved))
+    return ("production arithmetic: its bytes hold on the build's CPU (dispatch level and matrix "
+            "extensions) and torch only; here " + ", ".join(moved))
 
 
 def _sha256(p: Path) -> str | None:

@@ -105,7 +105,7 @@ _ENVIRONMENT = Obj({
     "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
     "machine": _STR, "cpu": Nullable(_STR), "cpu_count": Nullable(_INT), "torch_threads": _INT,
     "cpu_capability": Nullable(_STR), "aten_cpu_capability_env": Nullable(_STR),
-    "cuda": Nullable(_STR), "gpu": Nullable(_STR),
+    "cpu_matrix": Nullable(ListOf(_STR)), "cuda": Nullable(_STR), "gpu": Nullable(_STR),
 })
 """``drifttool.environment.environment``."""
 

@@ -78,7 +78,7 @@ def test_diffusers_encode_prompt_is_drifttools_production_text_encoder(pipe):
     assert edit["prompt_positions"] == "sequential"
     encoder = PromptEncoder.load(FX, dtype=torch.bfloat16, vision=True)
     sealed = load_file(str(FX / "expected" / "inputs.safetensors"))  # the fixture's expected run's
-    # production arithmetic: the sealed embeddings hold on the build's CPU dispatch and torch only
+    # production arithmetic: the sealed embeddings hold on the build's CPU (dispatch level, matrix extensions) and torch only
     off_build = environment_note(json.loads((FX / "expected" / "manifest.json").read_text()),
                                  {"environment": environment()})
     image = _prompt_image()

@@ -181,6 +181,22 @@ def test_a_production_fixture_says_when_it_runs_off_its_build_environment():
     assert environment_note({**built, "settings": {"mode": "strict"}}, here) is None
 
 
+def test_a_production_fixture_names_other_cpu_matrix_extensions():
+    """One dispatch level (AVX512), one with AMX: oneDNN's bf16 kernels differ, so the note names
+    the extensions; a build without the record is compared by its CPU model."""
+    from drifttool.verify import environment_note
+
+    env = {"cpu_capability": "AVX512", "torch": "2.13.0+cpu", "aten_cpu_capability_env": None}
+    built = {"settings": {"mode": "auto"}, "environment": {**env, "cpu": "AMD EPYC", "cpu_matrix": ["avx512_bf16"]}}
+    amx = {"environment": {**env, "cpu": "AMD EPYC", "cpu_matrix": ["amx_bf16", "amx_tile", "avx512_bf16"]}}
+    note = environment_note(built, amx)
+    assert note and "cpu_matrix ['avx512_bf16'] → ['amx_bf16', 'amx_tile', 'avx512_bf16']" in note, note
+    assert environment_note(built, {"environment": {**env, "cpu": "Intel Xeon", "cpu_matrix": ["avx512_bf16"]}}) is None
+    older = {"settings": {"mode": "auto"}, "environment": {**env, "cpu": "AMD EPYC"}}
+    assert "cpu AMD EPYC → Intel Xeon" in environment_note(older, {"environment": {**env, "cpu": "Intel Xeon"}})
+    assert environment_note(older, {"environment": {**env, "cpu": "AMD EPYC", "cpu_matrix": []}}) is None
+
+
 def test_a_chain_fixture_verifies_from_an_archive(cli, tmp_path):
     """The archive is extracted to a temporary pipeline folder the whole chain runs from."""
     import tarfile
