@@ -305,8 +305,7 @@ class GraphedForward(SignatureGraphs):
 
 def graphable(model: Any) -> bool:
     """Whether ``model``'s forward may be replayed from CUDA graphs: it says so with a class
-    attribute ``graphable = True`` (drifttool's ``MMDiT``; the diffusers adapter's
-    ``adapters.diffusers_qwenimage.DiffusersQwenImage``), meaning its forward synchronises with
+    attribute ``graphable = True`` (drifttool's ``MMDiT``), meaning its forward synchronises with
     no host and does nothing in Python that a replay, which runs none, would have to repeat
     beyond the trace and records ``GraphedForward`` files. A subclass that overrides ``forward``
     without declaring it again is not graphable (its forward may do what a replay skips)."""
