@@ -164,7 +164,8 @@ def internals_of(run_a: Run, run_b: Run, level: str) -> tuple[bool, str | None]:
         return all(held.values()), None
     why = [f"run {s} captured L2 without them (--no-internals)" if left[s] else
            f"run {s}'s attention exposes none (production attention)" for s in count if not held[s]]
-    kept = [f"run {s}'s {n} internal records left out of the counts" for s, n in count.items() if n]
+    kept = [f"run {s}'s {n} internal records left out of the counts and the trace context"
+            for s, n in count.items() if n]
     return False, f"the fused attention's internals not compared: {'; '.join(why + kept)}"
 
 
@@ -306,10 +307,11 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     check_step_bytes(run_b)
     report.input_differences = input_differences(run_a, run_b)
     report.semantic = semantic_check(run_a, run_b, report.input_differences)
-    report.context = context(run_a, run_b, report.input_differences)
     report.level = level = min(run_a.capture_level, run_b.capture_level, key=S.LEVELS.index)
     report.covers = LEVEL_COVERS[level]
     internals, internals_note = internals_of(run_a, run_b, level)
+    report.context = context(run_a, run_b, report.input_differences,
+                             internals_aside=internals_note is not None)
     if internals_note:
         report.covers += ", without the fused attention's internals"
     phase_map = recompute_alignment(run_a.manifest, run_b.manifest) if align_recompute else None

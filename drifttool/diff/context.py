@@ -74,9 +74,11 @@ def incomparable(ma: dict, mb: dict) -> list[str]:
     return out
 
 
-def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
+def context(run_a: Run, run_b: Run, inputs: list[str], *, internals_aside: bool = False) -> list[str]:
     """Differences outside the records: fingerprint (not ``arch``), capture level, the replay
-    ``inputs`` that differ (``input_differences``), trace.
+    ``inputs`` that differ (``input_differences``), trace. With ``internals_aside`` (the diff
+    leaves the fused attention's internal records aside: ``compare.internals_of``), the trace
+    sites of those internal operators that only one run holds are left out too.
 
     Raises:
         ArtifactError: unreadable inputs or trace.
@@ -88,7 +90,18 @@ def context(run_a: Run, run_b: Run, inputs: list[str]) -> list[str]:
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
     inputs = inputs + prompt_layouts(run_a, run_b)
-    return out + (stage_sources(ma, mb) or []) + inputs + _trace_differences(run_a, run_b)
+    aside = _internal_ops(run_a) | _internal_ops(run_b) if internals_aside else set()
+    return out + (stage_sources(ma, mb) or []) + inputs + _trace_differences(run_a, run_b, aside)
+
+
+def _internal_ops(run: Run) -> set[str]:
+    """The operators of ``run``'s internal records (role ``internal``: the fused attention's
+    decomposition at L2)."""
+    t = run.ops_table()
+    if "role" not in t.column_names:
+        return set()
+    roles, ops = t["role"].to_pylist(), t["op"].to_pylist()
+    return {op for op, role in zip(ops, roles) if role == "internal"}
 
 
 def shown_context(lines: list[str]) -> list[str]:
@@ -204,11 +217,12 @@ def _block(block: int) -> str:
     return name if block == S.SAMPLER_BLOCK else f"b{name}"
 
 
-def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
+def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) -> list[str]:
     """One line per operator call site whose trace entry differs (backend, kernel, contract,
     device type). A site's entries of all ranks are merged (ranks are no part of a site's
     identity, as of a record's): each field lists its distinct values; a device is compared by
-    type (``cuda:1`` on rank 1 is ``cuda`` as ``cuda:0`` on rank 0)."""
+    type (``cuda:1`` on rank 1 is ``cuda`` as ``cuda:0`` on rank 0). A site of an operator in
+    ``aside`` that only one run holds is not listed."""
     keep = ("requested", "actual", "kernel", "contract", "fallback", "device")
 
     def sites(run: Run) -> dict[str, dict]:
@@ -227,7 +241,8 @@ def _trace_differences(run_a: Run, run_b: Run) -> list[str]:
     out = []
     for site in sorted(set(ta) | set(tb), key=lambda k: (k not in ta, k)):
         if site not in ta or site not in tb:
-            out.append(f"trace {site}: only in run {'A' if site in ta else 'B'}")
+            if site.rsplit(" ", 1)[-1].split("#")[0] not in aside:
+                out.append(f"trace {site}: only in run {'A' if site in ta else 'B'}")
         elif ta[site] != tb[site]:
             diffs = [f"{k} {ta[site][k]}->{tb[site][k]}" for k in keep
                      if ta[site][k] != tb[site][k]]

@@ -139,7 +139,10 @@ def test_production_attention_exposes_none_so_strict_internals_are_left_aside(cl
     assert code == 1 and report["verdict"] == "drift" and report["covers"].endswith(WITHOUT), out
     assert report["counts"]["ops"]["only_a"] == 0 and report["counts"]["ops"]["only_b"] == 0, report["counts"]
     assert (f"run B's attention exposes none (production attention); run A's {internal} internal "
-            "records left out of the counts") in " ".join(report["notes"])
+            "records left out of the counts and the trace context") in " ".join(report["notes"])
+    internal_ops = ("joint_attn_qk_gemm", "joint_attn_softmax", "joint_attn_av_gemm")
+    assert not [c for c in report["context"] if any(op in c for op in internal_ops)], report["context"]
+    assert any(c.startswith("trace ") and "joint_attention_fused" in c for c in report["context"])
     code, out = cli("diff", tmp_path / "auto", tmp_path / "auto2", "--json")
     report = json.loads(out)
     assert code == 0 and report["verdict"] == "identical" and WITHOUT not in report["covers"], out
