@@ -47,10 +47,10 @@ def diff(
 
     With --localize (for runs captured at L0, L1, or L2 with --no-internals) the first step whose
     input x_t matches and whose records differ is re-executed for both runs at L2, attention
-    internals included, and the first drifting operator there
-    is reported, with the time it took beside an estimate of an L2 pair of whole runs. Prompt or
-    edit runs whose drift starts before the transformer (in the text encoder or the VAE encode)
-    are not re-executed: the status says which stage it starts in.
+    internals included, and the first drifting operator there is reported, with the time it took
+    beside an estimate of an L2 pair of whole runs. Prompt or edit runs whose drift starts before
+    the transformer (in the text encoder or the VAE encode) are not re-executed: the status says
+    which stage it starts in.
 
     With --tolerance PROFILE the differing records are judged against the profile's bounds
     (step quantities on their values, operator outputs on their summaries) and the first record

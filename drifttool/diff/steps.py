@@ -78,7 +78,7 @@ def _step_pairs(st: TableDiff) -> dict[tuple[str, int], list[_StepPair]]:
             q.max_abs, q.rel_l2 = vals["max_abs"], vals["rel_l2"]
             q.nonfinite_mismatch, q.note = vals["nonfinite_mismatch"], vals["note"]
             if ra["dtype"] != rb["dtype"]:
-                q.note = f"dtype {ra['dtype']} vs {rb['dtype']}; {q.note}".rstrip("; ")
+                q.note = f"dtype {ra['dtype']} (A) vs {rb['dtype']} (B); {q.note}".rstrip("; ")
         out.setdefault((ra["phase"], ra["step"]), []).append(pair)
     for side, idx, meta in (("A", st.al.only_a, meta_a), ("B", st.al.only_b, meta_b)):
         for i in idx.tolist():

@@ -176,7 +176,7 @@ def test_a_production_fixture_says_when_it_runs_off_its_build_environment():
                                                            "aten_cpu_capability_env": None}}
     here = {"environment": {"cpu_capability": "DEFAULT", "torch": "2.13.0+cpu", "aten_cpu_capability_env": "default"}}
     note = environment_note(built, here)
-    assert note and "cpu_capability AVX512 → DEFAULT" in note and "torch" not in note.split("here")[1]
+    assert note and "cpu_capability AVX512 → DEFAULT" in note and "torch" not in note.split(", and here ")[1]
     assert environment_note(built, built) is None
     assert environment_note({**built, "settings": {"mode": "strict"}}, here) is None
 
@@ -226,3 +226,16 @@ def test_a_malformed_edit_section_is_one_line(cli, tmp_path, change, expect):
     code, out = cli("fixture", "verify", fx, "--workdir", tmp_path / "w")
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert code == ExitCode.USAGE and len(lines) == 1 and expect in lines[0], out
+
+
+def test_verify_prints_its_environment_note_on_stderr(monkeypatch, tmp_path):
+    """The note is a diagnostic, not a result: stderr, as every note (stdout keeps the report)."""
+    from typer.testing import CliRunner
+
+    import drifttool.verify as verify
+    from drifttool.cli.app import app
+
+    monkeypatch.setattr(verify, "environment_note", lambda expected, replay: "a planted environment note")
+    res = CliRunner().invoke(app, ["fixture", "verify", "--workdir", str(tmp_path / "w")])
+    assert res.exit_code == 0, res.output
+    assert "note: a planted environment note" in res.stderr and "planted" not in res.stdout, res.output
