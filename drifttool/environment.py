@@ -21,17 +21,6 @@ import torch
 import drifttool
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 MATRIX_FLAGS = ("amx_bf16", "amx_fp16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_fp16",
                 "avx512_vnni", "avx_vnni")
 """The CPU's bf16/fp16 matrix and dot-product extensions (``/proc/cpuinfo`` flags). oneDNN picks
@@ -39,16 +28,23 @@ its bf16 GEMM and convolution kernels by them, beside ATen's dispatch level: two
 ``cpu_capability`` (AVX512) give production bf16 matmuls different bytes when one has AMX."""
 
 
-def _cpu_matrix() -> list[str] | None:
-    """The ``MATRIX_FLAGS`` this CPU has, sorted; None where ``/proc/cpuinfo`` is not readable."""
+def _cpu() -> tuple[str, list[str] | None]:
+    """The CPU's model name and the ``MATRIX_FLAGS`` it has (sorted), from the first processor
+    of ``/proc/cpuinfo``; where that is not readable, ``platform.processor()`` and None."""
+    model, flags = None, None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return sorted(set(line.split(":", 1)[1].split()) & set(MATRIX_FLAGS))
+                key, _, value = line.partition(":")
+                if model is None and key.strip() == "model name":
+                    model = value.strip()
+                elif flags is None and key.strip() == "flags":
+                    flags = sorted(set(value.split()) & set(MATRIX_FLAGS))
+                if model is not None and flags is not None:
+                    break
     except OSError:
         pass
-    return None
+    return model or platform.processor() or "unknown", flags
 
 
 def _gpu(device: str | torch.device | None) -> str | None:
@@ -65,6 +61,7 @@ def _gpu(device: str | torch.device | None) -> str | None:
 def environment(device: str | torch.device | None = None) -> dict[str, Any]:
     """JSON-serialisable description of the interpreter, libraries and hardware; ``gpu`` names
     the run's GPU when ``device`` is a CUDA device (else the first visible one, or None)."""
+    cpu, matrix = _cpu()
     env: dict[str, Any] = {
         "drifttool": drifttool.__version__,
         "python": sys.version.split()[0],
@@ -72,12 +69,12 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
         "numpy": np.__version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the SIMD dispatch level in use
         "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),  # its override, if any
-        "cpu_matrix": _cpu_matrix(),  # the extensions oneDNN's bf16 kernels dispatch on
+        "cpu_matrix": matrix,  # the extensions oneDNN's bf16 kernels dispatch on
         "cuda": torch.version.cuda,
         "gpu": _gpu(device),
     }

@@ -40,7 +40,7 @@ from drifttool.diff.arrays import arrow_array
 from drifttool.diff.align import TableDiff, compare_table, drop_replicas
 from drifttool.diff.clip import check_clip_range, clip_drift
 from drifttool.diff.consistency import check_matched
-from drifttool.diff.context import context, incomparable, input_differences
+from drifttool.diff.context import context, incomparable, input_differences, internal_ops
 from drifttool.diff.first_drift import record_where, set_drift
 from drifttool.diff.order import program_order
 from drifttool.diff.report import LEVEL_COVERS, DiffReport, Verdict
@@ -140,14 +140,6 @@ def left_out_internals(run: Run) -> bool:
     return (run.manifest.get("settings") or {}).get("internals", True) is False
 
 
-def _internal_records(run: Run) -> int:
-    """How many op records of role ``internal`` ``run`` holds."""
-    t = run.ops_table()
-    if "role" not in t.column_names:
-        return 0
-    return int(ac.call("sum", ac.call("equal", t["role"], "internal")).as_py() or 0)
-
-
 def internals_of(run_a: Run, run_b: Run, level: str) -> tuple[bool, str | None]:
     """How a comparison at ``level`` treats the fused attention's internal records, decided once
     per pair: ``(compared, note)``. They are compared at L2 when both runs hold them (not left
@@ -157,7 +149,7 @@ def internals_of(run_a: Run, run_b: Run, level: str) -> tuple[bool, str | None]:
     if level != "L2":
         return False, None
     runs = (("A", run_a), ("B", run_b))
-    count = {s: _internal_records(r) for s, r in runs}
+    count = {s: sum(internal_ops(r).values()) for s, r in runs}
     left = {s: left_out_internals(r) for s, r in runs}
     held = {s: not left[s] and count[s] > 0 for s in count}
     if all(held.values()) or not any(left[s] or count[s] for s in count):

@@ -15,11 +15,13 @@ first in the report, and the runs are still diffed.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 from drifttool.artifact.raw import RawTensor
 from drifttool.artifact.reader import Run
@@ -90,18 +92,18 @@ def context(run_a: Run, run_b: Run, inputs: list[str], *, internals_aside: bool 
     if ma["capture_level"] != mb["capture_level"]:
         out.append(f"capture_level: {ma['capture_level']} != {mb['capture_level']}")
     inputs = inputs + prompt_layouts(run_a, run_b)
-    aside = _internal_ops(run_a) | _internal_ops(run_b) if internals_aside else set()
+    aside = {*internal_ops(run_a), *internal_ops(run_b)} if internals_aside else set()
     return out + (stage_sources(ma, mb) or []) + inputs + _trace_differences(run_a, run_b, aside)
 
 
-def _internal_ops(run: Run) -> set[str]:
-    """The operators of ``run``'s internal records (role ``internal``: the fused attention's
-    decomposition at L2)."""
+def internal_ops(run: Run) -> dict[str, int]:
+    """How many op records of role ``internal`` (the fused attention's decomposition at L2)
+    ``run`` holds, per operator."""
     t = run.ops_table()
     if "role" not in t.column_names:
-        return set()
-    roles, ops = t["role"].to_pylist(), t["op"].to_pylist()
-    return {op for op, role in zip(ops, roles) if role == "internal"}
+        return {}
+    ops = ac.filter(t["op"], ac.call("equal", t["role"], "internal")).to_pylist()
+    return dict(Counter(ops))
 
 
 def shown_context(lines: list[str]) -> list[str]:
