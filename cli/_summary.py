@@ -1,5 +1,6 @@
 """The settings rows of the summary tables of ``run``, ``replay`` and ``recompute``, from one key
-list, so that each command shows a rollout's settings alike:
+list, so that each command shows a rollout's settings alike, and the row and warning that say
+whether a GPU run's forwards replayed CUDA graphs:
 
     fixture    tiny-t2i        cfg_layout  batched
     dtype      bfloat16        lora_mode   merged      (only with an adapter)
@@ -23,3 +24,25 @@ def settings_rows(record: Mapping[str, Any], *, skip: tuple[str, ...] = ()) -> l
     (those the table shows from another source)."""
     return [(k, str(record[k])) for k in SETTINGS_KEYS
             if record.get(k) is not None and k not in skip]
+
+
+def graph_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The ``CUDA graphs`` row of a command's summary (``model.graphs.graph_use``): how many graphs
+    were captured and how many calls replayed them, or that the capture was refused; no row when
+    no graphs were tried (the CPU, a model that is not graphable)."""
+    use = summary.get("cuda_graphs")
+    if not use:
+        return []
+    if use["refused"]:
+        return [("CUDA graphs", f"refused: ran eagerly ({use['replays']} replayed before)")]
+    return [("CUDA graphs", f"{use['captures']} captured, {use['replays']} calls replayed")]
+
+
+def graph_warning(summary: Mapping[str, Any]) -> str | None:
+    """One line for a refused CUDA graph capture: why, and that the run went on eagerly (the same
+    bytes, the host's launch overhead back). None otherwise."""
+    use = summary.get("cuda_graphs") or {}
+    if not use.get("refused"):
+        return None
+    return (f"CUDA graph capture refused ({use['refused']}); the run went on eagerly: the same bytes, "
+            "without the graphs' speed")

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 import typer
@@ -215,6 +216,8 @@ def _help_width() -> None:
 
 
 def main() -> None:
+    # a refused CUDA graph capture: the command's summary says it in one line (graph_warning)
+    warnings.filterwarnings("ignore", message=r".*the model runs eagerly from now on", category=RuntimeWarning)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
     _help_width()

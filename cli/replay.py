@@ -22,9 +22,9 @@ import typer
 from rich.table import Table
 
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
-from drifttool.cli._console import console
+from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, settings_rows
 from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
@@ -35,11 +35,14 @@ def _branches(stored) -> int:
     return 2 if stored.sampler.cfg_scale > 1 and stored.inputs.neg_txt is not None else 1
 
 
-def _summary(title: str, rows: list[tuple[str, object]]) -> None:
+def _summary(title: str, rows: list[tuple[str, object]], summary: dict) -> None:
+    """The command's summary table, and the warning of a refused CUDA graph capture."""
     table = Table(title=title, show_header=False)
     for k, v in rows:
         table.add_row(k, str(v))
     console.print(table)
+    if (line := graph_warning(summary)) is not None:
+        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
 
 
 def _one_process(stored, dims) -> None:
@@ -128,8 +131,8 @@ def replay(
     rows = [(k, s[k]) for k in ("mode", "capture", "steps", "samples", "complete")]
     if (ranks := _layout.ranks_row(dims, dist)) is not None:
         rows.append(("ranks", ranks))
-    rows += settings_rows(stored.settings if pipeline else settings.record())
-    _summary(f"drifttool replay {run_dir} → {out}", rows)
+    rows += settings_rows(stored.settings if pipeline else settings.record()) + graph_rows(s)
+    _summary(f"drifttool replay {run_dir} → {out}", rows, s)
     if s.get("note"):
         console.print(f"note: {s['note']}", highlight=False)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
@@ -209,8 +212,8 @@ def recompute(
         rows.append(("ranks", ranks))
     rows += settings_rows(stored.settings, skip=("cfg_layout",))  # the rollout's, re-scored as it ran
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
-             ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")]
-    _summary(f"drifttool recompute {run_dir} → {out}", rows)
+             ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")] + graph_rows(s)
+    _summary(f"drifttool recompute {run_dir} → {out}", rows, s)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, settings_rows
 from drifttool.errors import DriftToolError
 
 
@@ -220,6 +220,8 @@ def run(
         table.add_row("CFG", "on (cond, uncond)" if settings.cfg_branches == 2 else "off (one branch)")
         table.add_row("image", "{}x{} px".format(*settings.image_size))
         table.add_row("device", settings.device)
+        for key, value in graph_rows(summary):
+            table.add_row(key, value)
         for role, rec in (record.get("input_files") or {}).items():
             table.add_row(role, f"{rec['path']} (sha256 {rec['sha256'][:12]}…)")
         console.print(table)
@@ -237,6 +239,8 @@ def run(
                   "checkpoint_warnings)", highlight=False)
     for line in summary.get("notes", []):
         err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+    if (line := graph_warning(summary)) is not None:
+        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")

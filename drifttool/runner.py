@@ -28,7 +28,7 @@ from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.memory import check_memory
 from drifttool.model.checkpoint import checked_config, load_checkpoint
 from drifttool.model.checkpoint_files import index_warnings
-from drifttool.model.graphs import GraphedForward, graphable
+from drifttool.model.graphs import GraphedForward, graph_use, graphable
 from drifttool.model.lora import has_lora
 from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import effective_weights, load_lora, lora_record
@@ -235,8 +235,7 @@ def execute(
         session.write_inputs(tensors)
         if stages is not None:
             stages.opened(session)
-        # on a GPU, forwards replay CUDA graphs: the same kernels, bytes, trace and records
-        fwd = GraphedForward(model) if device.type == "cuda" and graphable(model) else model
+        fwd = rollout_forward(model, device)
         traj = rollout(sampler_model(fwd), mine, sampler, session.rt, callback=on_step,
                        max_steps=max_steps)
         session.finish(complete=traj.complete,
@@ -246,7 +245,14 @@ def execute(
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
             "lora": manifest.get("lora"), "warnings": warnings, "notes": empty_prompt_notes(inputs),
-            "fault_effects": {} if plan is None else dict(plan.fault_effects)}
+            "fault_effects": {} if plan is None else dict(plan.fault_effects), "cuda_graphs": graph_use(fwd)}
+
+
+def rollout_forward(model: torch.nn.Module, device: torch.device):
+    """The model call a rollout makes: on a GPU a graphable model (``model.graphs.graphable``)
+    replays CUDA graphs (``GraphedForward``: the same kernels, bytes, trace and records; what it
+    did goes into the summary, ``graph_use``); elsewhere the model itself."""
+    return GraphedForward(model) if device.type == "cuda" and graphable(model) else model
 
 
 def empty_prompt_notes(inputs) -> list[str]:

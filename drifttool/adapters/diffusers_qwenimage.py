@@ -266,6 +266,12 @@ class DiffusersQwenImage(torch.nn.Module):
     Each forward is instrumented (``instrument``) with the runtime it is given.
     """
 
+    graphable = True
+    """Its forward may be replayed from CUDA graphs (``model.graphs.graphable``): diffusers'
+    Qwen-Image forward makes no host synchronisation, and the hooks' Python (identity, trace,
+    the digest kernels' launches) runs once at capture; after each replay the records are filed
+    as an eager call files them."""
+
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "transformer", transformer)  # not a submodule: keep the names

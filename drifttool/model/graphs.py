@@ -175,6 +175,16 @@ class SignatureGraphs:
         return g
 
 
+def graph_use(fwd: Any) -> dict[str, Any] | None:
+    """What a ``SignatureGraphs`` wrapper (``GraphedForward``, ``GraphedTraining``) did over a
+    run, for its summary: ``{"captures": int, "replays": int, "refused": str | None}`` (a refused
+    capture: the run went on eagerly, the same bytes, slower). None for anything else (a plain
+    model: no graphs were tried, on the CPU say)."""
+    if not isinstance(fwd, SignatureGraphs):
+        return None
+    return {"captures": fwd.captures, "replays": fwd.replays, "refused": fwd.refused}
+
+
 @contextlib.contextmanager
 def device_scalars():
     """Within a CUDA graph capture: ``torch.as_tensor`` and ``torch.tensor`` of one Python
@@ -305,7 +315,8 @@ class GraphedForward(SignatureGraphs):
 
 def graphable(model: Any) -> bool:
     """Whether ``model``'s forward may be replayed from CUDA graphs: it says so with a class
-    attribute ``graphable = True`` (drifttool's ``MMDiT``), meaning its forward synchronises with
+    attribute ``graphable = True`` (drifttool's ``MMDiT``; the diffusers adapter's
+    ``adapters.diffusers_qwenimage.DiffusersQwenImage``), meaning its forward synchronises with
     no host and does nothing in Python that a replay, which runs none, would have to repeat
     beyond the trace and records ``GraphedForward`` files. A subclass that overrides ``forward``
     without declaring it again is not graphable (its forward may do what a replay skips)."""

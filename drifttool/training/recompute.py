@@ -40,6 +40,7 @@ from drifttool.environment import environment
 from drifttool.errors import DriftToolError
 from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
+from drifttool.model.graphs import graph_use
 from drifttool.model.graphs_train import GraphedTraining
 from drifttool.model.lora import has_lora, lora_parameters
 from drifttool.model.lora_calls import check_unfused_layout
@@ -242,4 +243,4 @@ def recompute_run(
         session.finish(complete=traj.complete, seconds=round(seconds, 3))
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": mine.sample_ids, "mode": m.value, "capture": level,
-            "grad_records": n_grad, "seconds": seconds, "trajectory": traj}
+            "grad_records": n_grad, "seconds": seconds, "trajectory": traj, "cuda_graphs": graph_use(graphed)}

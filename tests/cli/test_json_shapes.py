@@ -15,7 +15,7 @@ HEAD = {"schema_version": "int", "command": "str"}
 
 RUN_KEYS = {**HEAD, "out": "str", "complete": "bool", "steps": "int", "samples": ["int"],
             "mode": "str", "capture": "str", "nonfinite": "int", "lora": "null", "warnings": [],
-            "notes": [], "fault_effects": {}}
+            "notes": [], "fault_effects": {}, "cuda_graphs": "null"}
 RANKS = {"world_size": "int", "layout": "str", "tp": "int", "sp": "int", "sp_attention": "null",
          "cfg_parallel": "int"}
 
@@ -41,7 +41,7 @@ def test_replay_and_recompute_json_shapes(tmp_path, strict_run):
     assert code == 0
     assert shape(data) == {**HEAD, "out": "str", "complete": "bool", "steps": "int",
                            "samples": ["int"], "mode": "str", "capture": "str",
-                           "grad_records": "int", "seconds": "float", "source": "str",
+                           "grad_records": "int", "seconds": "float", "cuda_graphs": "null", "source": "str",
                            "ranks": RANKS, "timestep_policy": "str", "cfg_layout": "str",
                            "stored_latents": "str", "compare": ["str"]}
 

@@ -122,17 +122,42 @@ def test_autograd_and_variants_run_eagerly(model):
         assert not GraphedForward.eligible(x, Runtime(mode="strict", variants={"qk_rmsnorm": ("v", lambda *a, **k: a[0])}))
 
 
-def test_a_graphed_run_equals_an_eager_run(cli, tmp_path, monkeypatch):
-    """``drifttool run`` on a GPU replays graphs: its artifact (step and L2 records) is identical
-    to the same run with the graphs turned into plain calls."""
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory):
+    """A random rank-4 adapter of the tiny fixture model (non-zero B), saved as peft writes it."""
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
+
+    m = load_checkpoint("fixtures/tiny-t2i/transformer", dtype=torch.float32)
+    add_lora(m, rank=4, alpha=6.0, seed=2, init_b_std=0.05)
+    return save_lora(m, tmp_path_factory.mktemp("lora") / "adapter")
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "lora"])
+def test_a_graphed_run_equals_an_eager_run(cli, tmp_path, monkeypatch, with_lora, lora_adapter):
+    """``drifttool run`` on a GPU replays graphs (every capture taken, none refused: a failed
+    capture would fall back to eager with the same bytes): its artifact (step and L2 records) is
+    identical to the same run with the graphs turned into plain calls. With a LoRA adapter the
+    weight digest reads the GPU weights back through pinned buffers before the first capture."""
     import drifttool.runner as runner
 
+    made = []
+    real = runner.GraphedForward
+
+    def counted(model):
+        made.append(real(model))
+        return made[-1]
+
+    extra = ("--lora", str(lora_adapter)) if with_lora else ()
     for name in ("graph", "eager"):
-        if name == "eager":
-            monkeypatch.setattr(runner, "GraphedForward", lambda model: model)
+        monkeypatch.setattr(runner, "GraphedForward", counted if name == "graph" else (lambda model: model))
         code, out = cli("run", "-o", tmp_path / name, "--device", "cuda", "--mode", "strict",
-                        "--capture", "L2", "--batch", "3")
+                        "--capture", "L2", "--batch", "3", *extra)
         assert code == 0, out
+        if name == "graph":  # the summary's row (cli._summary.graph_rows)
+            assert f"{made[0].replays} calls replayed" in out and "refused" not in out, out
+    assert made and made[0].refused is None and made[0].replays > 0, made and made[0].refused
     code, out = cli("diff", tmp_path / "graph", tmp_path / "eager")
     assert code == 0 and "IDENTICAL" in out, out
 

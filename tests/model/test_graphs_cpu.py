@@ -131,8 +131,8 @@ def test_a_training_capture_redirects_stale_autograd_streams_and_restores_torchs
 
 
 def test_models_that_declare_it_are_graphable():
-    """``graphs.graphable``: drifttool's MMDiT says so (``drifttool run`` replays it from graphs
-    on a GPU); any other model runs eagerly, the diffusers adapter's model included."""
+    """``graphs.graphable``: drifttool's MMDiT and the diffusers adapter's model say so (``drifttool
+    run`` replays them from graphs on a GPU); any other model runs eagerly."""
     import pytest
 
     from drifttool.model.graphs import graphable
@@ -142,7 +142,7 @@ def test_models_that_declare_it_are_graphable():
     from drifttool.adapters.diffusers_qwenimage import DiffusersQwenImage, load_transformer
 
     tr = load_transformer("fixtures/tiny-t2i/transformer", torch.float32)
-    assert not graphable(DiffusersQwenImage(tr))
+    assert graphable(DiffusersQwenImage(tr))
 
 
 def test_a_subclass_with_its_own_forward_is_not_graphable_unless_it_says_so():
