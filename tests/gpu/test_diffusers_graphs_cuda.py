@@ -55,17 +55,13 @@ def test_a_diffusers_run_on_cuda_replays_graphs(tmp_path, monkeypatch, cli):
     from drifttool.adapters.diffusers_qwenimage import run_diffusers
     from drifttool.settings import RunSpec
 
-    made = []
-    real = runner.GraphedForward
-
-    def counted(model):
-        made.append(real(model))
-        return made[-1]
-
-    for name in ("graph", "eager"):
-        monkeypatch.setattr(runner, "GraphedForward", counted if name == "graph" else (lambda model: model))
-        tr = load_transformer("fixtures/tiny-t2i/transformer", torch.bfloat16).to("cuda")
-        run_diffusers(RunSpec(device="cuda", batch=3, capture="L2"), tmp_path / name, transformer=tr)
-    assert made and made[0].replays > 0 and made[0].refused is None
+    tr = load_transformer("fixtures/tiny-t2i/transformer", torch.bfloat16).to("cuda")
+    use = run_diffusers(RunSpec(device="cuda", batch=3, capture="L2"), tmp_path / "graph",
+                        transformer=tr)["cuda_graphs"]
+    assert use and use["captures"] > 0 and use["replays"] > 0 and use["refused"] is None, use
+    monkeypatch.setattr(runner, "rollout_forward", lambda model, device: model)  # the eager run
+    tr = load_transformer("fixtures/tiny-t2i/transformer", torch.bfloat16).to("cuda")
+    assert run_diffusers(RunSpec(device="cuda", batch=3, capture="L2"), tmp_path / "eager",
+                         transformer=tr)["cuda_graphs"] is None
     code, out = cli("diff", tmp_path / "graph", tmp_path / "eager")
     assert code == 0 and "IDENTICAL" in out, out
