@@ -74,7 +74,7 @@ GELU_MAXNREG = {"f64": None, "f32": 128}
 LORA_SUFFIX = "+lora.unfused"
 """Kernel id suffix of a block GEMM called with an unfused adapter (``lora``): u = x·Aᵀ and the
 epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (u by ``kernels.gemm.NARROW_CONFIG``, the
-merge by ``FP32_CONFIG``)."""
+merge by ``FP32_CONFIG``, ``MERGE_ACT_CONFIG`` with the activation)."""
 
 
 def _mlp_up_kernel() -> str:
@@ -162,8 +162,10 @@ def _branch_input(x, a):
 
 
 def _merge_branch(pre, u, bl, scale, act, dt, output=False):
-    """act(pre + fp32(s)·(u·Bᵀ)) cast once to ``dt`` (the GEMM's epilogue merge)."""
-    return _linear(u, bl, None, merge_into=pre, scale=float(scale), act=act, out_dtype=dt, output=output)
+    """act(pre + fp32(s)·(u·Bᵀ)) cast once to ``dt`` (the GEMM's epilogue merge; with ``act``
+    on ``MERGE_ACT_CONFIG``)."""
+    return _linear(u, bl, None, merge_into=pre, scale=float(scale), act=act, out_dtype=dt, output=output,
+                   config=_gemm().MERGE_ACT_CONFIG if act is not None else None)
 
 
 def _adapted(x, w, b, a, bl, scale, act=None):
