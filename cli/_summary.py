@@ -35,6 +35,8 @@ def graph_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         return []
     if use["refused"]:
         return [("CUDA graphs", f"refused: ran eagerly ({use['replays']} replayed before)")]
+    if not use["captures"] and not use["replays"]:  # a layout's collectives, or one call per signature
+        return [("CUDA graphs", "none captured: every call ran eagerly")]
     return [("CUDA graphs", f"{use['captures']} captured, {use['replays']} calls replayed")]
 
 

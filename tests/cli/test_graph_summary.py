@@ -78,3 +78,11 @@ def test_a_replay_says_it_too_and_json_holds_the_counts(cli, tmp_path, graphs):
 def test_no_graphs_no_row():
     assert graph_rows({"cuda_graphs": None}) == [] and graph_warning({"cuda_graphs": None}) is None
     assert graph_use(object()) is None
+
+
+def test_a_wrapper_that_captured_nothing_says_every_call_ran_eagerly():
+    """Under a TP/SP layout the wrapper runs every call eagerly (collectives), and a signature met
+    once is never captured: the row says so rather than "0 captured, 0 calls replayed"."""
+    use = {"captures": 0, "replays": 0, "refused": None}
+    assert graph_rows({"cuda_graphs": use}) == [("CUDA graphs", "none captured: every call ran eagerly")]
+    assert graph_warning({"cuda_graphs": use}) is None

@@ -1,5 +1,5 @@
 """The diffusers capture adapter replayed from CUDA graphs (``DiffusersQwenImage`` under
-``GraphedForward``, as ``drifttool run`` uses it on a GPU): the same velocities, trace and
+``GraphedForward``, as a rollout through the adapter uses it on a GPU): the same velocities, trace and
 records as its eager calls. Skipped without a GPU."""
 
 from __future__ import annotations
