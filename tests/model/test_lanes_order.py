@@ -82,12 +82,16 @@ class RaceCheck(TorchFunctionMode):
     ``out=``) — and each storage it reads with the time of the read, per lane. Records as a race
     every read of a storage the other lane wrote, and every in-place write to a storage the other
     lane wrote or read, that this lane has not waited for; and, as unkept, every cross-lane read
-    of a storage made in the current block that the lanes do not keep until the block's end."""
+    of a storage made in the current block that the lanes do not keep until the block's end.
+    Storages are known by address, so every stamped one is held until the check ends: a freed
+    address taken again by a tensor made where no torch call sees it (``torch.from_numpy``) would
+    otherwise carry the old storage's stamp."""
 
     def __init__(self, lanes: ClockLanes) -> None:
         super().__init__()
         self.lanes = lanes
         self.stamps: dict[int, tuple[str, int]] = {}
+        self.held: list[torch.Tensor] = []  # every stamped storage, alive: no address is reused
         self.reads: dict[int, dict[str, int]] = {}
         self.races: list[str] = []
         self.unkept: list[str] = []
@@ -135,9 +139,10 @@ class RaceCheck(TorchFunctionMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ptr = t.untyped_storage().data_ptr()
-                if ptr not in read:  # a new storage (its address may be a freed one's)
+                if ptr not in read:  # a new storage
                     self.stamps[ptr] = (lane, now)
                     self.reads.pop(ptr, None)
+                    self.held.append(t)
         return out
 
 
