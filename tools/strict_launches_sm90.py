@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from drifttool.ops.strict_cuda.kernels import elementwise, gemm, norms  # noqa: E402
+from drifttool.ops.strict_cuda.kernels import elementwise, gemm, narrow, norms  # noqa: E402
 from drifttool.ops.strict_cuda.kernels.exact_math import ACTS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -52,7 +52,6 @@ CALLS = [
     ("adapter up-projection merged, GELU → bf16", (_FP32, _FP32, _BF16), "gelu_tanh_f32", True,
      gemm.MERGE_ACT_CONFIG, True),
     ("adapter up-projection merged → FP32 (backward)", (_FP32, _FP32, _FP32), None, True, None, False),
-    ("u = x·Aᵀ (narrow)", (_BF16, _FP32, _FP32), None, False, gemm.NARROW_CONFIG, False),
     ("lora_merge B·A merged into W", (_FP32, _FP32, _FP32), None, True, gemm.LORA_CONFIG, False),
 ]
 """The launches of ``drifttool.ops.strict_cuda.linear``: ``gemm.linear`` picks each one's
@@ -105,6 +104,18 @@ ROW_LAUNCHES = [
 ]
 
 
+def compile_narrow(x: str):
+    """The rank-wide GEMM's segment launch (``kernels.narrow``: u = x·Aᵀ with x ``x``, du = dt·B with
+    dt FP32) for sm_90, at its registered tile."""
+    fn, cfg = narrow._parts_kernel, narrow.CONFIG
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm.CHUNK)
+    types = dict(X=f"*{x}", W="*fp32", P="*fp32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False))
+
+
 def compile_row_launch(fn, types: dict[str, str], consts: dict, out: str):
     """A row operator's digesting launch (``kernels.elementwise``, ``kernels.norms``) for an
     ``out`` output, at 4 warps (``kernels.rows._launch``; the LayerNorm's ``LN_DIGEST``)."""
@@ -154,6 +165,21 @@ def loop_instructions(kernel) -> list[int]:
     return sorted((at - labels[t] + 1 for at, t in branches if t in labels and labels[t] <= at), reverse=True)
 
 
+def _fits(name: str, what: str, launch: str, compile_fn) -> bool:
+    """Compile one launch, print its resources; False if it fails to compile, needs more shared
+    memory than a block has or spills."""
+    try:
+        k = compile_fn()
+    except Exception as e:  # noqa: BLE001 - a refused compile is the finding
+        print(f"{name:48} {what:6}  FAILED {type(e).__name__}: {str(e)[:200]}")
+        return False
+    reg, stack = usage(k)
+    bad = k.metadata.shared > SMEM_LIMIT or stack > 0
+    print(f"{name:48} {what:6}  {launch:32} smem {k.metadata.shared:6d}  REG:{reg} STACK:{stack}"
+          f"{'  spills or too much shared memory' if bad else ''}")
+    return not bad
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("strict_launches_sm90.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
@@ -187,19 +213,14 @@ def main() -> int:
                 print(f"{name:48} the digest changed shared memory {plain[0]} → {smem} or spills "
                       f"{plain[1]} → {stack} bytes")
                 ok = False
+    for x in (_BF16, _FP32):
+        ok &= _fits(f"rank-wide segment (u = x·Aᵀ, du = dt·B), x {x}", "plain", narrow.CONFIG.id,
+                    lambda x=x: compile_narrow(x))
     for name, kernel, types, consts in ROW_LAUNCHES:
         for out in (_BF16, _FP32):
-            try:
-                k = compile_row_launch(kernel, types, consts, out)
-            except Exception as e:  # noqa: BLE001 - a refused compile is the finding
-                print(f"{name + ' → ' + out:48} digest  FAILED {type(e).__name__}: {str(e)[:200]}")
-                ok = False
-                continue
-            reg, stack = usage(k)
-            bad = k.metadata.shared > SMEM_LIMIT or stack > 0
-            ok &= not bad
-            print(f"{name + ' → ' + out:48} digest  {'rows %d' % consts['BM']:32} "
-                  f"smem {k.metadata.shared:6d}  REG:{reg} STACK:{stack}{'  spills or too much shared memory' if bad else ''}")
+            ok &= _fits(f"{name} → {out}", "digest", f"rows {consts['BM']}",
+                        lambda kernel=kernel, types=types, consts=consts, out=out:
+                        compile_row_launch(kernel, types, consts, out))
     return 0 if ok else 1
 
 

@@ -83,6 +83,12 @@ def _gemm():
     return gemm
 
 
+def _narrow():
+    from drifttool.ops.strict_cuda.kernels import narrow  # lazy: Triton only when a call runs
+
+    return narrow
+
+
 def _bwd():
     from drifttool.ops.strict_cuda.kernels import gemm_backward  # lazy: Triton only when a call runs
 
@@ -181,7 +187,7 @@ def adapter_grads(dpre, x, u, a, bl, scale, needs):
         factors' dtypes; None where not needed (or where the ledger's sink took the weight's).
     """
     dt = dpre.to(torch.float32) * float(scale)  # the FP32 product; a Python scalar needs no host-to-device copy
-    du = input_grad(dt, bl, torch.float32, _gemm().NARROW_CONFIG) if needs[0] or needs[1] else None  # [..., r]
+    du = _narrow().linear(dt, bl.t()) if needs[0] or needs[1] else None  # [..., r], K (= N) in segments
     db_ = _param_grad(dt, u, bl) if needs[2] else None  # [N, r]
     dx_a = input_grad(du, a, torch.float32) if needs[0] else None  # [..., K]
     da = _param_grad(du, x, a) if needs[1] else None  # [r, K]

@@ -17,7 +17,7 @@ Unfused LoRA (``lora=``, LoRA mode ``unfused-fp32``; contract cuda1): the four b
 = ``(A [r, K] FP32, B [N, r] FP32, s)`` (for ``qkv_bias_gemm`` a 3-tuple of those or ``None``, q, k,
 v) and keep W in its dtype (bf16 W on the tensor cores):
 
-    u   = linear(x, A, out_dtype=fp32)                                  # [..., r], IEEE FP32
+    u   = narrow.linear(x, A)                                           # [..., r], IEEE FP32, K in segments
     pre = linear(x, W, b, out_dtype=fp32)                               # [..., N]
     y   = linear(u, B, merge_into=pre, scale=s, act=act, out_dtype=dt)  # act(pre + fp32(s)·(u·Bᵀ))
 
@@ -71,9 +71,10 @@ GELU_MAXNREG = {"f64": None, "f32": 128}
 (the cap moves no byte: ``tests/gpu/test_strict_cuda_gemm.py``). ``None``: the compiler's."""
 
 
-LORA_SUFFIX = "+lora.unfused"
-"""Kernel id suffix of a block GEMM called with an unfused adapter (``lora``): u = x·Aᵀ and the
-epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (u by ``kernels.gemm.NARROW_CONFIG``, the
+LORA_SUFFIX = "+lora.unfused.kseg256"
+"""Kernel id suffix of a block GEMM called with an unfused adapter (``lora``; ``kseg``: the
+rank-wide GEMMs' segment length, ``kernels.narrow.SEG_K``): u = x·Aᵀ and the
+epilogue merge pre + fp32(s)·(u·Bᵀ), both IEEE FP32 (u by ``kernels.narrow``: K in segments, the
 merge by ``FP32_CONFIG``, ``MERGE_ACT_CONFIG`` with the activation)."""
 
 
@@ -92,6 +93,13 @@ def _gemm():
     from drifttool.ops.strict_cuda.kernels import gemm  # lazy: Triton only when a strict CUDA call runs
 
     return gemm
+
+
+def _narrow():
+    """The rank-wide GEMM's module (imported at the first call, as ``_gemm``)."""
+    from drifttool.ops.strict_cuda.kernels import narrow  # lazy: Triton only when a strict CUDA call runs
+
+    return narrow
 
 
 def _embed():
@@ -133,7 +141,7 @@ def _adapter(present: bool) -> Constraint:
         if adapter_given(args["lora"]) == present:
             return None
         return ("no lora given (the operator's plain registration runs it)" if present
-                else "lora given (the registration with kernel id ...+lora.unfused runs it)")
+                else "lora given (the registration with kernel id ...+lora.unfused.kseg256 runs it)")
 
     return Constraint("an unfused LoRA adapter" if present else "no LoRA adapter", test, ("lora",))
 
@@ -157,8 +165,8 @@ def _pre(x, w, b):
 
 
 def _branch_input(x, a):
-    """u = x·Aᵀ: [..., r] FP32 (IEEE FP32: A is FP32; r columns: ``NARROW_CONFIG``)."""
-    return _linear(x, a, None, out_dtype=torch.float32, config=_gemm().NARROW_CONFIG)
+    """u = x·Aᵀ: [..., r] FP32 (IEEE FP32: A is FP32; r columns: K in segments, ``kernels.narrow``)."""
+    return _narrow().linear(x, a)
 
 
 def _merge_branch(pre, u, bl, scale, act, dt, output=False):

@@ -111,14 +111,6 @@ FMA dot spills: offline ptxas, sm_90a). On the H200 it runs at 22.6 TFLOP/s on t
 projections, against 6.7 for the 16×64 tiles before it, with the same bytes
 (``benchmarks/sweep_strict_gemm_fp32.py``, docs/benchmarks.md)."""
 
-NARROW_CONFIG = GemmConfig(block_m=32, block_n=16, num_warps=2, num_stages=3, tma=False)
-"""An FP32 GEMM whose output is a LoRA rank wide (N = r: the unfused adapter's u = x·Aᵀ and its
-gradient du = dt·B): 32 × 16 tiles on 2 warps keep M/32 programs busy and compute no column past a
-rank of 16, where ``FP32_CONFIG``'s 64×128 tile would leave most SMs idle; three stages load the
-next K chunks while a chunk's FMAs run. Chosen by that role, never by shape; the same bytes as any
-tile. On an H100 at 4096 rows three stages run u 1.1× and du 1.5× faster than one, which ran
-2.2–2.4× faster than the 16 × 64 tile before it on the H200 (``benchmarks/sweep_strict_lora_grad.py``, docs/benchmarks.md)."""
-
 MERGE_ACT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=8, num_stages=1, tma=False)
 """The unfused adapter's up-projection merged into the FP32 pre-activation with the activation in
 the epilogue (act(pre + fp32(s)·(u·Bᵀ)), K = r): ``FP32_CONFIG``'s tile on 8 warps, whose
