@@ -149,10 +149,9 @@ def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     return _tree(_bwd().bias_grad_parts(dy3, live_counts(dy3)))
 
 
-def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, config=None) -> torch.Tensor:
-    """dX = dY·W: dy [..., N], w [N, K] → [..., K] in ``out_dtype`` (the forward GEMM over N;
-    ``config``: its launch configuration, the default's when None)."""
-    return _gemm().linear(dy, w.t(), None, out_dtype=out_dtype, config=config)
+def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX = dY·W: dy [..., N], w [N, K] → [..., K] in ``out_dtype`` (the forward GEMM over N)."""
+    return _gemm().linear(dy, w.t(), None, out_dtype=out_dtype)
 
 
 def _param_grad(dy, x, w):
