@@ -11,8 +11,12 @@ the folder's, whatever ``--layers`` says later). Then, per shape
 branches batched, so the transformer's batch is twice it), the commands of ``--parts``, each
 through ``measure_cli.py`` in a fresh process:
 
-* ``run``: strict ``--steps``-step CFG/SDE trajectories with the adapter at capture L0, L1 and
-  L2, and one in production mode (``--mode auto``) at L0 and at L2;
+* ``run``: strict ``--steps``-step CFG/SDE trajectories with the adapter (``--lora-mode``, by
+  default ``unfused-fp32``: W stays bf16 and the FP32 factors run beside it, a trainer's peft
+  layout; a ``merged`` adapter's strict gradients hold an FP32 [out, in] per adapted weight and
+  (sample, CFG branch) until the step's end, and their running sum: for this adapter (eight
+  3072 × 3072 projections a block) 16.9 GiB a row, 51 GiB at batch 1 with CFG, which an 80 GiB GPU
+  cannot hold beside the weights) at capture L0, L1 and L2, and one in production mode (``--mode auto``) at L0 and at L2;
 * ``replay``: the L1 trajectory replayed, and diffed against it (expected identical);
 * ``recompute``: its training recompute with gradients, without and with gradient
   checkpointing, each diffed against the trajectory (expected identical);
@@ -68,8 +72,8 @@ def cases(args, work: Path, shape: str, batch: int):
     h, w = (int(v) for v in shape.split("x"))
     tag = work / f"{shape}-b{batch}"
     lora = ["--lora", str(work / "lora"), "--device", args.device]
-    run = ["--checkpoint", str(work / "qwen"), *lora, "--height", str(h), "--width", str(w), "--steps",
-           str(args.steps), "--batch", str(batch), "--overwrite"]
+    run = ["--checkpoint", str(work / "qwen"), *lora, "--lora-mode", args.lora_mode, "--height", str(h),
+           "--width", str(w), "--steps", str(args.steps), "--batch", str(batch), "--overwrite"]
     parts = set(args.parts.split(","))
     if "run" in parts:
         for mode, level in (("strict", "L0"), ("strict", "L1"), ("strict", "L2"), ("auto", "L0"), ("auto", "L2")):
@@ -118,6 +122,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lora-mode", default="unfused-fp32",
+                    help="the rollouts' adapter mode (drifttool run --lora-mode; the recomputes take the "
+                         "rollout's): unfused-fp32, a trainer's peft layout, by default")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = ap.parse_args()
     bad = sorted(set(args.parts.split(",")) - set(PARTS))
@@ -137,7 +144,7 @@ def main() -> int:
             for label, argv, expect in cases(args, args.work, shape, batch):
                 log = args.work / f"{shape}-b{batch}" / f"{_slug(label)}.log"
                 row = {**env, "layers": layers, "shape": shape, "batch": batch, "steps": args.steps,
-                       "case": label, "expected_rc": expect, **measured(argv, log)}
+                       "lora_mode": args.lora_mode, "case": label, "expected_rc": expect, **measured(argv, log)}
                 rows.append(row)
                 flag = "" if expect is None or row["rc"] == expect else f"  (expected exit {expect}: see {log})"
                 print(f"{shape} b{batch} {label}: rc {row['rc']}, {_shown(row['wall_s'])} s, "
@@ -147,7 +154,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{layers} blocks, {args.steps} steps, CFG batched — {env['date']} — {env['device']}, "
+    table = Table(title=f"{layers} blocks, {args.steps} steps, CFG batched, LoRA {args.lora_mode} — {env['date']} — "
+                        f"{env['device']}, "
                         f"torch {env['torch']}")
     for col in ("shape", "batch", "case", "rc", "wall s", "peak GPU GiB", "peak host GiB"):
         table.add_column(col, justify="left" if col == "case" else "right")
