@@ -136,3 +136,32 @@ def test_typos_and_odd_versions_are_refused(tmp_path, extra, words):
         load_profile(path)
     with pytest.raises(DriftToolError, match="empty"):
         load_profile("")
+
+
+@pytest.mark.slow
+def test_the_training_profile_script_judges_gradients(tmp_path):
+    """``tools/train_profile.sh`` on the CPU, the strict trainer against the production one (its
+    dry run): the derived profile bounds the LoRA gradients' records by name, the pair is within
+    it, and the same profile with the gradients' bounds tightened to 0 is beyond at a gradient."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "B_DEVICE": "cpu", "B_MODE": "auto", "PYTHON": sys.executable,
+           "PROFILE_OUT": str(tmp_path / "train.json")}
+    done = subprocess.run(["bash", str(root / "tools" / "train_profile.sh"), str(tmp_path / "w")], env=env,
+                          capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "WITHIN" in done.stdout
+    data = json.loads((tmp_path / "train.json").read_text())
+    grads = {n: b for n, b in data["ops"].items() if n.endswith((".lora_A", ".lora_B"))}
+    assert grads and any(b["rel_l2"] > 0 for b in grads.values()), sorted(data["ops"])
+    ra, rb = open_run(tmp_path / "w" / "train-a"), open_run(tmp_path / "w" / "train-b")
+    assert diff_runs(ra, rb, tolerance=load_profile(tmp_path / "train.json")).tolerance.ok
+    data["ops"].update({n: {"rel_l2": 0.0, "rel_maxabs": 0.0} for n in grads})
+    tight = _profile(tmp_path, data["ops"], data["steps"], "tight")
+    result = diff_runs(ra, rb, tolerance=load_profile(tight)).tolerance
+    print(result.first_beyond.where)
+    assert not result.ok and any(n in result.first_beyond.where for n in grads), result.first_beyond.where
