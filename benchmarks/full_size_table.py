@@ -24,13 +24,16 @@ through ``measure_cli.py`` in a fresh process:
   drifting step re-run at L2) beside the plain diff of the two L2 trajectories, which costs the
   L2 runs themselves.
 
-Each row: the command, its exit status, wall seconds (the command's own, imports not counted;
+Each shape and batch writes under ``WORK/<shape>-b<batch>-<lora mode>-s<steps>/``, so calls with
+another mode or step count never reuse each other's rollouts. Each row: the command, its exit
+status, its verdict (the first IDENTICAL, DRIFT, WITHIN, ... or error line it printed), wall seconds (the command's own, imports not counted;
 loading, weight digest and capture included), the peak GPU memory torch's allocator held and
 the peak host resident memory. The table is printed and appended, one JSON object a row, to
 ``WORK/table.jsonl`` with the hardware, versions and date. The transformer forward alone
 beside diffusers' is ``bench_gpu_forward.py``'s; the load beside diffusers' ``from_pretrained``
 is ``bench_load.py``'s. Runs on the CPU too (``--device cpu``; small ``--layers`` and shapes
-then, e.g. ``--layers 2 --shapes 256x256 --steps 2``), to try the commands.
+then, e.g. ``--layers 2 --shapes 256x256 --steps 2``), to try the commands. Needs diffusers 0.42
+(the ``[test]`` extra) to write the random folder.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from drifttool.model.lora import LORA_MODES  # noqa: E402
+
 PARTS = ("run", "replay", "recompute", "localize")
 
 
@@ -63,14 +69,21 @@ def measured(argv: list[str], log: Path) -> dict:
     if line is not None:
         row.update(json.loads(line[len("MEASURED "):]))
     row["peak_host_gib"] = round(usage.ru_maxrss / 2**20, 2)  # ru_maxrss: KiB on Linux
+    row["result"] = _verdict(text)
     row["command"] = "drifttool " + shlex.join(argv)
     return row
 
 
+def case_dir(work: Path, shape: str, batch: int, args) -> Path:
+    """Where one shape and batch's artifacts and logs go: the LoRA mode and step count in the name,
+    so a later call with others never reuses (or labels as its own) an earlier call's rollouts."""
+    return work / f"{shape}-b{batch}-{args.lora_mode}-s{args.steps}"
+
+
 def cases(args, work: Path, shape: str, batch: int):
     """(label, drifttool argv, expected exit status or None) of one shape and batch, in order."""
-    h, w = (int(v) for v in shape.split("x"))
-    tag = work / f"{shape}-b{batch}"
+    h, w = _shape(shape)
+    tag = case_dir(work, shape, batch, args)
     lora = ["--lora", str(work / "lora"), "--device", args.device]
     run = ["--checkpoint", str(work / "qwen"), *lora, "--lora-mode", args.lora_mode, "--height", str(h),
            "--width", str(w), "--steps", str(args.steps), "--batch", str(batch), "--overwrite"]
@@ -95,6 +108,24 @@ def cases(args, work: Path, shape: str, batch: int):
         yield ("diff, L2 pair", ["diff", str(tag / "strict-L2"), str(tag / "auto-L2")], 1)
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``HEIGHTxWIDTH`` in pixels as (height, width); ``SystemExit`` with one line otherwise."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        sys.exit(f"full_size_table.py: --shapes {text!r}: give HEIGHTxWIDTH in pixels, e.g. 1024x1024")
+    return int(parts[0]), int(parts[1])
+
+
+def _verdict(text: str) -> str | None:
+    """The first verdict word a command printed at the start of a line (IDENTICAL, DRIFT,
+    WITHIN, ...; ``error`` for an error line), None if none."""
+    for line in text.splitlines():
+        word = line.strip().split(" ", 1)[0].rstrip(":")
+        if word in ("IDENTICAL", "DRIFT", "WITHIN", "BEYOND", "INCOMPARABLE", "INCONCLUSIVE", "error"):
+            return word
+    return None
+
+
 def _slug(label: str) -> str:
     """A case label as a file name: letters, digits and underscores ("recompute --grad, checkpointing"
     → "recompute_grad_checkpointing")."""
@@ -116,20 +147,30 @@ def environment(device: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=Path("/dev/shm/drifttool-table"))
-    ap.add_argument("--layers", type=int, default=60, help="blocks of a new pipeline folder")
-    ap.add_argument("--shapes", default="1024x1024,1328x1328,1664x928")
-    ap.add_argument("--batches", default="1")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--lora-mode", default="unfused-fp32",
+    ap.add_argument("--work", type=Path, default=Path("/dev/shm/drifttool-table"),
+                    help="the pipeline folder, adapter, artifacts, logs and table.jsonl (default: %(default)s; "
+                         "an existing folder keeps its block count)")
+    ap.add_argument("--layers", type=int, default=60, help="blocks of a new pipeline folder (default: %(default)s)")
+    ap.add_argument("--shapes", default="1024x1024,1328x1328,1664x928",
+                    help="comma-separated HEIGHTxWIDTH in pixels (default: %(default)s)")
+    ap.add_argument("--batches", default="1", help="comma-separated logical samples per run (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=10, help="denoising steps (default: %(default)s)")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
+    ap.add_argument("--lora-mode", default="unfused-fp32", choices=LORA_MODES,
                     help="the rollouts' adapter mode (drifttool run --lora-mode; the recomputes take the "
-                         "rollout's): unfused-fp32, a trainer's peft layout, by default")
+                         "rollout's; default: %(default)s, a trainer's peft layout)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = ap.parse_args()
     bad = sorted(set(args.parts.split(",")) - set(PARTS))
     if bad:
         sys.exit(f"full_size_table.py: unknown parts {bad}: choose from {', '.join(PARTS)}")
+    for shape in args.shapes.split(","):
+        _shape(shape)
+    try:
+        import diffusers  # noqa: F401  (make_random_checkpoint.py writes the folder with it)
+    except ImportError:
+        sys.exit("full_size_table.py: needs diffusers 0.42 to write the random pipeline folder "
+                 "(pip install -e '.[test]')")
     args.work.mkdir(parents=True, exist_ok=True)
     if not ((args.work / "qwen" / "model_index.json").exists() and (args.work / "lora").exists()):
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_random_checkpoint.py"), "--layers",
@@ -140,14 +181,14 @@ def main() -> int:
     rows = []
     for shape in args.shapes.split(","):
         for batch in map(int, args.batches.split(",")):
-            (args.work / f"{shape}-b{batch}").mkdir(exist_ok=True)
+            case_dir(args.work, shape, batch, args).mkdir(exist_ok=True)
             for label, argv, expect in cases(args, args.work, shape, batch):
-                log = args.work / f"{shape}-b{batch}" / f"{_slug(label)}.log"
+                log = case_dir(args.work, shape, batch, args) / f"{_slug(label)}.log"
                 row = {**env, "layers": layers, "shape": shape, "batch": batch, "steps": args.steps,
                        "lora_mode": args.lora_mode, "case": label, "expected_rc": expect, **measured(argv, log)}
                 rows.append(row)
                 flag = "" if expect is None or row["rc"] == expect else f"  (expected exit {expect}: see {log})"
-                print(f"{shape} b{batch} {label}: rc {row['rc']}, {_shown(row['wall_s'])} s, "
+                print(f"{shape} b{batch} {label}: rc {row['rc']}, {_shown(row['result'])}, {_shown(row['wall_s'])} s, "
                       f"GPU {_shown(row['peak_gpu_gib'])} GiB, host {row['peak_host_gib']} GiB{flag}", flush=True)
                 with open(args.work / "table.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
@@ -157,11 +198,12 @@ def main() -> int:
     table = Table(title=f"{layers} blocks, {args.steps} steps, CFG batched, LoRA {args.lora_mode} — {env['date']} — "
                         f"{env['device']}, "
                         f"torch {env['torch']}")
-    for col in ("shape", "batch", "case", "rc", "wall s", "peak GPU GiB", "peak host GiB"):
+    for col in ("shape", "batch", "case", "rc", "result", "wall s", "peak GPU GiB", "peak host GiB"):
         table.add_column(col, justify="left" if col == "case" else "right")
     for r in rows:
         rc = f"{r['rc']}" if r["expected_rc"] is None or r["rc"] == r["expected_rc"] else f"{r['rc']} (≠{r['expected_rc']})"
-        table.add_row(r["shape"], str(r["batch"]), r["case"], rc, _shown(r["wall_s"]), _shown(r["peak_gpu_gib"]),
+        table.add_row(r["shape"], str(r["batch"]), r["case"], rc, _shown(r["result"]), _shown(r["wall_s"]),
+                      _shown(r["peak_gpu_gib"]),
                       _shown(r["peak_host_gib"]))
     Console(width=140).print(table)
     return 0 if all(r["expected_rc"] is None or r["rc"] == r["expected_rc"] for r in rows) else 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import sys
 from pathlib import Path
@@ -27,13 +28,18 @@ from drifttool.errors import DriftToolError
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_a", type=Path)
-    ap.add_argument("run_b", type=Path)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--description", default="")
-    ap.add_argument("--factor", type=float, default=4.0)
-    ap.add_argument("-o", "--out", type=Path, required=True)
+    ap.add_argument("run_a", type=Path, help="the baseline run (e.g. strict on the CPU)")
+    ap.add_argument("run_b", type=Path, help="the same program computed the other way (e.g. strict on CUDA)")
+    ap.add_argument("--name", required=True, help="the profile's name (diff --tolerance NAME once shipped)")
+    ap.add_argument("--description", default="", help="one line on what was measured")
+    ap.add_argument("--factor", type=float, default=4.0,
+                    help="each bound = FACTOR x the largest measure seen (default: %(default)s; > 0)")
+    ap.add_argument("-o", "--out", type=Path, required=True, help="the profile JSON to write (its folder is made)")
     args = ap.parse_args(argv)
+    if not (args.factor > 0 and math.isfinite(args.factor)):
+        print(f"error: --factor {args.factor:g}: give a finite number > 0 (the bounds' multiple of the "
+              "measured maxima)", file=sys.stderr)
+        return 2
     try:
         return _write(args)
     except DriftToolError as e:  # bad input: one line, exit 2 (as drifttool's commands)
@@ -65,9 +71,17 @@ def _write(args: argparse.Namespace) -> int:
                         "maxima": derived["measured"]},
         "ops": derived["ops"], "steps": derived["steps"],
     }
-    args.out.write_text(json.dumps(profile, indent=1) + "\n")
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(profile, indent=1) + "\n")
+    except OSError as e:
+        raise DriftToolError(f"{args.out}: cannot write the profile ({e.strerror or e})") from None
     load_profile(args.out)  # what we wrote must load
-    print(f"wrote {args.out}: {len(profile['ops'])} operators, {len(profile['steps'])} step quantities")
+    grads = sum(n.endswith((".lora_A", ".lora_B", ".lora_magnitude_vector")) for n in profile["ops"])
+    print(f"wrote {args.out}: {len(profile['ops']) - grads} operators, {grads} LoRA gradients, "
+          f"{len(profile['steps'])} step quantities")
+    if diff.verdict.value == "identical":
+        print("note: the two runs are bitwise identical: every bound is 0 (byte-equal)")
     return 0
 
 

@@ -5,6 +5,11 @@
 #   bash tools/train_profile.sh [WORK_DIR]                # on a machine with a CUDA GPU
 #   B_DEVICE=cpu B_MODE=auto bash tools/train_profile.sh /tmp/tp   # a CPU dry run (strict vs production)
 #
+# PYTHON: the interpreter with drifttool installed (default python3: run it inside your venv).
+# B_DEVICE, B_MODE: run B's trainer (default cuda, strict). FACTOR: the bounds' multiple (4).
+# PROFILE_OUT: the profile's path (default WORK_DIR/<name>.json); its name is
+# strict-cuda1-vs-cpu-train for the default pair, else train-<B_MODE>-<B_DEVICE>-vs-strict-cpu.
+#
 # 1. a random adapter for the embedded tiny-t2i transformer (rank 4, every adapter target, B drawn
 #    non-zero so the gradients of A are too), written as peft writes one;
 # 2. a strict CPU rollout with it (seed 0, L2, the default 4 steps, `--lora-mode unfused-fp32`);
@@ -13,8 +18,8 @@
 #    is the trainer's arithmetic;
 # 4. `tools/tolerance_profile.py A B` derives the profile (each bound FACTOR x the measured
 #    maximum, 0 where the pair is byte-equal; gradient records are judged by their parameter's
-#    name, `attn.to_q.lora_A`, as operators are) into PROFILE_OUT (default
-#    WORK_DIR/strict-cuda1-vs-cpu-train.json; ship it by copying it to drifttool/diff/profiles/);
+#    name, `attn.to_q.lora_A`, as operators are) into PROFILE_OUT (ship the GPU pair's by copying
+#    it to drifttool/diff/profiles/);
 # 5. `drifttool diff A B --tolerance PROFILE_OUT` judges the pair within it (exit 0: every
 #    differing record within the profile).
 # Exits non-zero at the first command that fails.
@@ -24,7 +29,9 @@ W="${1:-/tmp/drifttool-train-profile}"
 B_DEVICE="${B_DEVICE:-cuda}"
 B_MODE="${B_MODE:-strict}"
 FACTOR="${FACTOR:-4}"
-PROFILE_OUT="${PROFILE_OUT:-$W/strict-cuda1-vs-cpu-train.json}"
+if [ "$B_DEVICE" = cuda ] && [ "$B_MODE" = strict ]; then NAME=strict-cuda1-vs-cpu-train
+else NAME="train-$B_MODE-${B_DEVICE//:/}-vs-strict-cpu"; fi
+PROFILE_OUT="${PROFILE_OUT:-$W/$NAME.json}"
 mkdir -p "$W"
 PY="${PYTHON:-python3}"
 dt() { "$PY" -m drifttool "$@"; }

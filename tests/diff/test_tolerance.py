@@ -154,7 +154,7 @@ def test_the_training_profile_script_judges_gradients(tmp_path):
     done = subprocess.run(["bash", str(root / "tools" / "train_profile.sh"), str(tmp_path / "w")], env=env,
                           capture_output=True, text=True, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "WITHIN" in done.stdout
+    assert "WITHIN" in done.stdout and "24 LoRA gradients" in done.stdout
     data = json.loads((tmp_path / "train.json").read_text())
     grads = {n: b for n, b in data["ops"].items() if n.endswith((".lora_A", ".lora_B"))}
     assert grads and any(b["rel_l2"] > 0 for b in grads.values()), sorted(data["ops"])
