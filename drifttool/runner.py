@@ -31,7 +31,7 @@ from drifttool.model.checkpoint_files import index_warnings
 from drifttool.model.graphs import GraphedForward, graph_use, graphable
 from drifttool.model.lora import has_lora
 from drifttool.model.lora_calls import check_unfused_layout
-from drifttool.model.lora_io import effective_weights, load_lora, lora_record
+from drifttool.model.lora_io import fingerprinted, load_lora, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.sampling.inputs import RolloutInputs, replay_tensors
 from drifttool.sampling.presets import check_conditions
@@ -176,7 +176,7 @@ def execute(
     if model is None:
         warnings = index_warnings(s.checkpoint or fx.model_dir, s.variant)
         model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=dtype, variant=s.variant,
-                                device=device)
+                                device=device, lora=s.lora, lora_mode=s.lora_mode or "merged")
     elif model.dtype != dtype:
         raise DriftToolError(f"the given model is {model.dtype}, the run asks for {s.dtype}")
     else:
@@ -206,7 +206,7 @@ def execute(
     sigmas = session.sigma_table(sampler, inputs.img_grid)
     fingerprint = arch_fingerprint(
         arch=model.config.arch_fields(), img_grid=inputs.img_grid,
-        weights=weight_digest(effective_weights(model) if has_lora(model) else model),
+        weights=weight_digest(fingerprinted(model)),
         dtype=dtype, mode=s.mode.value, sampler=sampler_record(sampler, sigmas),
         noise_record=noise_rec,
     )

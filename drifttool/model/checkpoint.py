@@ -26,6 +26,7 @@ RoPE tables are not weights (diffusers keeps them as plain attributes) and are n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from contextvars import ContextVar
@@ -50,6 +51,7 @@ from drifttool.model.checkpoint_files import (
 )
 from drifttool.model.checkpoint_stream import stream_tensors
 from drifttool.model.config import MMDiTConfig, from_diffusers_config
+from drifttool.model.lora_io import adapter_values
 from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import StreamingDigest
 
@@ -252,6 +254,8 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     variant: str | None = None,
+    lora: str | Path | None = None,
+    lora_mode: str = "merged",
 ) -> MMDiT:
     """Load a diffusers-format transformer folder (or a pipeline folder, ``transformer_folder``)
     into an ``MMDiT``, its weight digest computed on the way.
@@ -275,6 +279,11 @@ def load_checkpoint(
             on the CPU and at a few 64 MiB buffers for a GPU.
         variant: diffusers weight variant (``"fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors``),
             as ``from_pretrained(..., variant=)``.
+        lora: a LoRA adapter to load with the weights (``lora_io.load_lora``'s formats), in LoRA
+            mode ``lora_mode``: attached to the meta model, checked, and its factors hashed in
+            their sorted places and assigned beside the streamed weights, so the pinned digest is
+            the adapted model's (a ``load_lora`` after the load leaves the model unpinned, and
+            ``weight_digest`` would read every weight again: a GPU's copied back to the host).
 
     Raises:
         CheckpointError: missing/unreadable files; a config that is not a JSON object; missing,
@@ -304,10 +313,12 @@ def load_checkpoint(
     order = sorted(wmap, key=wmap.__getitem__)  # checkpoint names in parameter-name order
     with torch.device("meta"):
         model = MMDiT(config, dtype=dtype)
+    adapter = {} if lora is None else adapter_values(model, lora, mode=lora_mode, init=False)
     entries = [(wmap[k], located[k]) for k in order]
-    with StreamingDigest() as digest:
-        _assign(model, _reported(stream_tensors(entries, device=device, dtype=dtype, digest=digest),
-                                 [w.nbytes for _, w in entries]), device)
+    with StreamingDigest(extra=adapter) as digest:
+        streamed = _reported(stream_tensors(entries, device=device, dtype=dtype, digest=digest),
+                             [w.nbytes for _, w in entries])
+        _assign(model, itertools.chain(streamed, adapter.items()), device)
         digest.pin(model)
     return model
 

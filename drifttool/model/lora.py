@@ -154,7 +154,7 @@ def has_lora(model) -> bool:
 
 
 def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float = 0.0,
-                freeze_base: bool = True, mode: str = "merged") -> dict[str, nn.Parameter]:
+                freeze_base: bool = True, mode: str = "merged", init: bool = True) -> dict[str, nn.Parameter]:
     """Attach a fresh adapter to every module ``cfg`` targets (peft's matching, ``all-linear``
     included; per-module rank and scale from ``rank_pattern`` / ``alpha_pattern`` /
     ``use_rslora``, ``lora_formats``).
@@ -169,6 +169,9 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter.
         mode: one of ``LORA_MODES``; the factors are FP32 for ``merged`` / ``unfused-fp32``,
             else the adapted weight's dtype (as diffusers' loader leaves them).
+        init: draw the init above (a meta model's factors are then made on the CPU); ``False``
+            leaves the factors zero, for values loaded next, on the adapted weight's device (a
+            meta model's on ``meta``: ``load_checkpoint(lora=)`` streams them in).
 
     Returns:
         The adapter parameters by peft key name.
@@ -198,21 +201,22 @@ def attach_lora(model, cfg: AdapterConfig, *, seed: int = 0, init_b_std: float =
         m = model.get_submodule(name)
         rank, _ = cfg.rank_alpha(name)
         out_f, in_f = m.weight.shape
-        dev = m.weight.device if m.weight.device.type != "meta" else "cpu"
+        dev = m.weight.device if m.weight.device.type != "meta" or not init else "cpu"
         fdt = torch.float32 if mode in FP32_FACTOR_MODES else m.weight.dtype
         m.lora_A = LoRAFactor(rank, in_f, dtype=fdt, device=dev)
         m.lora_B = LoRAFactor(out_f, rank, dtype=fdt, device=dev)
         bound = 1.0 / math.sqrt(in_f)
         with torch.no_grad():
-            m.lora_A.weight.copy_((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound)
-            if init_b_std > 0:
+            if init:
+                m.lora_A.weight.copy_((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound)
+            if init and init_b_std > 0:
                 m.lora_B.weight.copy_(torch.randn(out_f, rank, generator=g) * init_b_std)
         m.lora_scale = cfg.scale(name)
         m.lora_mode = mode
         m.lora_name = name
         if cfg.use_dora:
             m.lora_magnitude_vector = nn.Parameter(torch.zeros(out_f, dtype=fdt, device=dev))
-            if m.weight.device.type != "meta":
+            if init and m.weight.device.type != "meta":
                 with torch.no_grad():
                     w = m.weight.to(fdt) + m.lora_scale * (m.lora_B.weight @ m.lora_A.weight)
                     m.lora_magnitude_vector.copy_(torch.linalg.norm(w, dim=1))

@@ -119,16 +119,35 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True,
     diffusers' ``load_lora_weights`` rounds them).
 
     Raises:
+        CheckpointError, UnsupportedConfigError: as ``adapter_values``.
+    """
+    values = adapter_values(model, path, freeze_base=freeze_base, mode=mode)
+    params = lora_parameters(model)
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(values[k])
+    return params
+
+
+def adapter_values(model, path: str | Path, *, freeze_base: bool = True, mode: str = "merged",
+                   init: bool = True) -> dict[str, torch.Tensor]:
+    """The adapter at ``path`` checked against ``model`` (attached first if it has none, as
+    ``load_lora``; ``init``: ``attach_lora``'s, ``False`` for a meta model whose factors are
+    streamed in by ``load_checkpoint(lora=)``): ``{parameter name: CPU tensor}``, each contiguous
+    in its parameter's dtype (the bytes ``load_lora`` copies in). Nothing is loaded into the
+    parameters.
+
+    Raises:
         CheckpointError: a refused config; one error listing every missing, unexpected and
             mis-shaped key, non-float / non-finite tensors, and, for a model that already has an
-            adapter, modules whose scale differs (nothing is loaded or left attached then).
+            adapter, modules whose scale differs (nothing is left attached then).
         UnsupportedConfigError: unknown mode, or a model whose adapter runs in another mode.
     """
     check_lora_mode(mode)
     tensors, cfg = read_adapter(path)
     fresh = not has_lora(model)
     if fresh:
-        attach_lora(model, cfg, freeze_base=freeze_base, mode=mode)
+        attach_lora(model, cfg, freeze_base=freeze_base, mode=mode, init=init)
     elif lora_mode(model) != mode:
         raise UnsupportedConfigError(f"the model's adapter runs in LoRA mode {lora_mode(model)!r}, not {mode!r}")
     params = lora_parameters(model)
@@ -151,10 +170,15 @@ def load_lora(model, path: str | Path, *, freeze_base: bool = True,
         if fresh:
             remove_lora(model)
         raise CheckpointError(f"LoRA adapter {path} does not match the model:\n  " + "\n  ".join(lines))
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[k].to(p.dtype))
-    return params
+    return {k: tensors[k].to(device="cpu", dtype=p.dtype).contiguous() for k, p in params.items()}
+
+
+def fingerprinted(model):
+    """What the fingerprint's weight digest hashes (``weight_digest``): the model itself — its
+    loader's pinned digest stands while no parameter changed, an adapter streamed in with it
+    (``load_checkpoint(lora=)``) included — or, for a ``fused`` adapter, its effective weights
+    (``effective_weights``: the fused bytes diffusers' ``fuse_lora`` leaves)."""
+    return effective_weights(model) if lora_mode(model) == "fused" else model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,15 +191,26 @@ class StreamingDigest:
     digest only for a model whose parameters are exactly the names, dtypes and shapes hashed;
     otherwise ``weight_digest(model)`` hashes the parameters as before.
 
+    ``extra``: tensors already on the host that the model will hold beside the streamed ones (an
+    adapter's factors, ``load_checkpoint(lora=)``), by parameter name: each is hashed in its
+    sorted place, before the first streamed name after it (the rest when the digest ends), so the
+    digest is the one of every parameter together. They must stay unchanged until it ends.
+
     Raises:
-        ValueError: a name out of sorted order; ``update`` before ``begin``.
+        ValueError: a name out of sorted order, or streamed and given in ``extra``; ``update``
+            before ``begin``; an ``extra`` tensor that is not a contiguous CPU tensor.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, extra: "dict[str, torch.Tensor] | None" = None) -> None:
         self._hash = xxhash.xxh3_128()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._error: BaseException | None = None
+        extra = dict(extra or {})
+        odd = [n for n, t in extra.items() if t.device.type != "cpu" or not t.is_contiguous()]
+        if odd:
+            raise ValueError(f"extra tensors must be contiguous CPU tensors: {', '.join(sorted(odd)[:4])}")
+        self._extra = sorted(extra.items(), reverse=True)  # popped from the end: ascending names
         self._thread = threading.Thread(target=self._work, name="weight-digest", daemon=True)
         self._thread.start()
 
@@ -216,12 +227,26 @@ class StreamingDigest:
                     done.set()
 
     def begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """Start the tensor ``name`` of ``dtype`` and ``shape`` (its header line)."""
+        """Start the tensor ``name`` of ``dtype`` and ``shape`` (its header line), after the
+        ``extra`` tensors whose names sort before it."""
+        if self._extra and self._extra[-1][0] == name:
+            raise ValueError(f"weight {name!r} is both streamed and given as an extra tensor")
+        self._hash_extra(before=name)
+        self._begin(name, dtype, shape)
+
+    def _begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         if self._entries and name <= self._entries[-1][0]:
             raise ValueError(f"weight {name!r} comes after {self._entries[-1][0]!r}: the digest "
                              "needs sorted names")
         self._entries.append((name, dtype, tuple(shape)))
         self._queue.put((entry_header(name, dtype, shape), None))
+
+    def _hash_extra(self, before: str | None) -> None:
+        """Hand over the ``extra`` tensors whose names sort before ``before`` (None: all left)."""
+        while self._extra and (before is None or self._extra[-1][0] < before):
+            name, t = self._extra.pop()
+            self._begin(name, t.dtype, tuple(t.shape))
+            self._queue.put((host_bytes(t), None))  # ``t`` is the caller's, unchanged until the end
 
     def update(self, data) -> threading.Event:
         """Hash the next raw bytes of the current tensor (a buffer: ``host_bytes(t)``). The
@@ -239,7 +264,10 @@ class StreamingDigest:
             self._thread.join()
 
     def digest(self) -> str:
-        """``"xxh3_128:<32 hex>"`` of everything handed over; closes the digest."""
+        """``"xxh3_128:<32 hex>"`` of everything handed over and every ``extra`` tensor; closes
+        the digest."""
+        if self._thread.is_alive():
+            self._hash_extra(before=None)
         self.close()
         if self._error is not None:
             raise self._error

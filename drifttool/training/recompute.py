@@ -44,7 +44,7 @@ from drifttool.model.graphs import graph_use
 from drifttool.model.graphs_train import GraphedTraining
 from drifttool.model.lora import has_lora, lora_parameters
 from drifttool.model.lora_calls import check_unfused_layout
-from drifttool.model.lora_io import capture_lora_grads, lora_record
+from drifttool.model.lora_io import capture_lora_grads, fingerprinted, lora_record
 from drifttool.model.mmdit import MMDiT
 from drifttool.model.weights import weight_digest
 from drifttool.ops.scheduler import timestep_input
@@ -182,7 +182,7 @@ def recompute_run(
     sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
     tau = timestep_input(sig[:-1], sampler.timestep_policy)
     fingerprint = arch_fingerprint(
-        arch=model.config.arch_fields(), img_grid=stored.inputs.img_grid, weights=weight_digest(model),
+        arch=model.config.arch_fields(), img_grid=stored.inputs.img_grid, weights=weight_digest(fingerprinted(model)),
         dtype=model.dtype, mode=m.value, sampler=sampler_record(sampler, sig),
         noise_record=stored.noise_record,
     )

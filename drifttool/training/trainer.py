@@ -21,7 +21,7 @@ from drifttool.diff.context import dict_differences
 from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora_io import effective_weights, load_lora, lora_record
+from drifttool.model.lora_io import fingerprinted, lora_record
 from drifttool.model.weights import weight_digest
 from drifttool.setting_checks import DTYPES, check_device
 from drifttool.training.options import RerunOptions
@@ -60,12 +60,9 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
     dtype = DTYPES.get(s.get("dtype", "float32"))
     if dtype is None:
         raise ArtifactError(f"{stored.path}: unsupported model dtype {s.get('dtype')!r}")
-    model = load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"),
-                            device=device)
-    adapter = lora or s.get("lora")
-    if adapter is not None:
-        load_lora(model, adapter, mode=s.get("lora_mode") or "merged")  # as the rollout ran it
-    return model
+    adapter = lora or s.get("lora")  # loaded with the weights, in the mode the rollout ran it
+    return load_checkpoint(ckpt, dtype=dtype, variant=None if checkpoint else s.get("variant"),
+                           device=device, lora=adapter, lora_mode=s.get("lora_mode") or "merged")
 
 
 def check_fingerprint(stored: StoredRollout, model) -> None:
@@ -81,7 +78,7 @@ def check_fingerprint(stored: StoredRollout, model) -> None:
     dt = dtype_name(model.dtype)
     if (fp.get("dtype_policy") or {}).get("weights") != dt:
         diffs.append(f"dtype: rollout {(fp.get('dtype_policy') or {}).get('weights')!r}, trainer {dt!r}")
-    wd = weight_digest(effective_weights(model) if lora_record(model) else model)
+    wd = weight_digest(fingerprinted(model))
     if fp.get("weights") != wd:
         diffs.append(f"weights: rollout {fp.get('weights')}, trainer {wd}")
     ra = (stored.manifest.get("lora") or {}).get("digest")

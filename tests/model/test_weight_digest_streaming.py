@@ -1,7 +1,7 @@
 """The weight digest computed while a checkpoint streams in equals ``weight_digest`` of the
 loaded parameters (hashed again from the tensors themselves) for every way a checkpoint loads:
 the embedded fixture, bf16 as stored, fp32 and fp16 cast to bf16 on load, a sharded index, a
-weight variant, chunked reads, on the CPU and (skipped without one) a GPU; it is pinned to the model only while the parameters stay as
+weight variant, chunked reads, on the CPU (a GPU's: ``tests/gpu/test_weight_digest_cuda.py``); it is pinned to the model only while the parameters stay as
 loaded (an attached LoRA adapter, an in-place write or a replaced parameter falls back to hashing
 them), and the pinned path reads no weight back.
 """
@@ -19,8 +19,9 @@ from drifttool.fixture import load_fixture
 from drifttool.model.checkpoint import load_checkpoint, save_checkpoint
 from drifttool.model.checkpoint_files import WEIGHTS_INDEX_NAME
 from drifttool.model.config import MMDiTConfig
-from drifttool.model.lora import add_lora
-from drifttool.model.lora_io import effective_weights, load_lora, save_lora
+from drifttool.errors import CheckpointError
+from drifttool.model.lora import add_lora, lora_parameters
+from drifttool.model.lora_io import effective_weights, fingerprinted, load_lora, save_lora
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.model.weights import StreamingDigest, weight_digest
 
@@ -107,6 +108,72 @@ def test_lora_falls_back_to_hashing_the_weights(tmp_path):
         assert weight_digest(eff) == rehashed(model) if mode != "fused" else weight_digest(eff) != plain
 
 
+def _adapter(tmp_path, seed=7, **kw):
+    base = save_checkpoint(random_init_(MMDiT(SMALL), seed=seed), tmp_path / "base")
+    donor = load_checkpoint(base)
+    add_lora(donor, rank=2, alpha=4.0, seed=1, init_b_std=0.05, **kw)
+    return base, save_lora(donor, tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("mode", ["merged", "fused", "unfused", "unfused-fp32"])
+def test_an_adapter_loaded_with_the_weights_is_in_the_pinned_digest(tmp_path, mode):
+    """``load_checkpoint(lora=)`` hashes the adapter's factors in their sorted places while the
+    weights stream: the pinned digest is the adapted model's parameters' (equal to hashing them
+    again), the parameters and their ``requires_grad`` are those ``load_lora`` after a plain load
+    gives, and the fingerprint's digest (``fingerprinted``) is the old path's, for every mode."""
+    base, adapter = _adapter(tmp_path)
+    model = load_checkpoint(base, dtype=torch.bfloat16, lora=adapter, lora_mode=mode)
+    old = load_checkpoint(base, dtype=torch.bfloat16)
+    load_lora(old, adapter, mode=mode)
+    assert pinned(model) and weight_digest(model) == rehashed(model) == rehashed(old)
+    got, want = dict(model.named_parameters()), dict(old.named_parameters())
+    assert list(got) == list(want)
+    for n, p in want.items():
+        assert got[n].dtype == p.dtype and got[n].requires_grad == p.requires_grad, n
+        assert torch.equal(got[n].detach().reshape(-1).view(torch.uint8), p.detach().reshape(-1).view(torch.uint8)), n
+    assert weight_digest(fingerprinted(model)) == weight_digest(effective_weights(old) if mode == "fused" else old)
+    assert weight_digest(fingerprinted(model)) != weight_digest(load_checkpoint(base, dtype=torch.bfloat16))
+    with torch.no_grad():
+        next(iter(lora_parameters(model).values())).mul_(2)  # a trained factor: hashed again
+    assert not pinned(model) and weight_digest(model) == rehashed(model) != rehashed(old)
+
+
+def test_an_adapter_that_does_not_fit_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    """A mismatched adapter fails ``load_checkpoint(lora=)`` with ``load_lora``'s error, before
+    the checkpoint's tensors are streamed."""
+    base, _ = _adapter(tmp_path)
+    other = random_init_(MMDiT(MMDiTConfig(num_layers=2, attention_head_dim=16, num_attention_heads=3,
+                                           joint_attention_dim=40, axes_dims_rope=(4, 6, 6))), seed=3)
+    add_lora(other, rank=2, alpha=4.0, init_b_std=0.05)  # two blocks' keys for a three-block model
+    wrong = save_lora(other, tmp_path / "wrong")
+    import drifttool.model.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "stream_tensors", lambda *a, **kw: pytest.fail("streamed"))
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        load_checkpoint(base, lora=wrong)
+
+
+def test_extra_tensors_are_hashed_in_their_sorted_places():
+    """A digest fed ``b`` and ``d`` with ``a``, ``c`` and ``e`` given as extras equals the digest
+    of all five fed in order; a name both streamed and extra, and a GPU or strided extra, are
+    refused."""
+    t = {n: torch.arange(i + 3, dtype=torch.float32) for i, n in enumerate("abcde")}
+    with StreamingDigest() as d:
+        for n in "abcde":
+            d.begin(n, t[n].dtype, tuple(t[n].shape))
+            d.update(t[n].numpy())
+        want = d.digest()
+    with StreamingDigest(extra={n: t[n] for n in "ace"}) as d:
+        for n in "bd":
+            d.begin(n, t[n].dtype, tuple(t[n].shape))
+            d.update(t[n].numpy())
+        assert d.digest() == want
+    with StreamingDigest(extra={"b": t["b"]}) as d, pytest.raises(ValueError, match="both streamed"):
+        d.begin("b", torch.float32, (4,))
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        StreamingDigest(extra={"a": torch.zeros(4, 4).t()})
+
+
 def test_changed_parameters_are_hashed_again(tmp_path):
     folder = save_checkpoint(random_init_(MMDiT(SMALL), seed=8), tmp_path / "ck")
     model = load_checkpoint(folder)
@@ -157,32 +224,6 @@ def test_pin_refuses_a_model_of_other_parameters(tmp_path):
         d.update(model.img_in.bias.detach().numpy())
         d.pin(model)
     assert not pinned(model)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("stored, dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])
-def test_gpu_load_streams_the_cpu_bytes_and_digest(tmp_path, monkeypatch, stored, dtype):
-    """Onto a GPU through pinned stages (small chunks, so every stage is reused many times):
-    the same bytes and the same digest as loading onto the CPU, and the digest reads nothing
-    back from the GPU."""
-    src = random_init_(MMDiT(SMALL, dtype=stored), seed=11)
-    folder = save_checkpoint(src, tmp_path / "ck", max_shard_bytes=40_000)
-    cpu = load_checkpoint(folder, dtype=dtype)
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 4096)
-    gpu = load_checkpoint(folder, dtype=dtype, device="cuda")
-    params = dict(cpu.named_parameters())
-    for n, p in gpu.named_parameters():  # used at once, on the current stream: bit for bit
-        assert p.device.type == "cuda" and p.dtype == params[n].dtype, n
-        assert torch.equal(p.detach().reshape(-1).view(torch.uint8),
-                           params[n].detach().to("cuda").reshape(-1).view(torch.uint8)), n
-    assert pinned(gpu)
-    calls = []
-    real = torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    assert weight_digest(gpu) == weight_digest(cpu) and calls == []
-    assert rehashed(gpu) == weight_digest(cpu)
 
 
 @pytest.mark.parametrize("stored,dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
