@@ -25,6 +25,10 @@ excluded, reported apart):
   when it loads onto a GPU — every tensor read ahead by ``READERS`` threads through ``STAGES``
   reused ``CHUNK_BYTES`` buffers (``read_ahead``) and hashed on the digest's thread, no device
   copy: the rate at which the host can feed a GPU;
+* ``--lora DIR`` adds two cases with an adapter (``unfused-fp32``), the fingerprint's digest
+  (``lora_io.fingerprinted``) included: ``load_checkpoint(lora=DIR)``, whose streamed digest
+  covers the factors, and a plain load followed by ``load_lora`` (what a run did before), which
+  hashes every weight again;
 * ``--compare-python PY`` adds the first case run by another interpreter (e.g. one whose
   drifttool is an older checkout: before/after in one run).
 
@@ -49,19 +53,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LABELS = {"drifttool": "drifttool load_checkpoint", "drifttool-rehash": "drifttool, digest re-hashed",
-          "diffusers": "diffusers from_pretrained"}
+          "diffusers": "diffusers from_pretrained", "lora": "drifttool + adapter, loaded with it",
+          "lora-after": "drifttool + adapter, load_lora after"}
 
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch
-case, folder, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
+case, folder, device, lora = sys.argv[1], sys.argv[2], torch.device(sys.argv[3]), sys.argv[4]
 if case == "diffusers":
     from diffusers import QwenImageTransformer2DModel
     from diffusers.utils import logging
     logging.set_verbosity_error()
 else:
     from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora_io import fingerprinted, load_lora
     from drifttool.model.weights import weight_digest
 imports = time.perf_counter() - t0
 
@@ -109,6 +115,16 @@ elif case == "host-stages":
     out["digest"] = 0.0
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"))
                                     for w in located.values()])
+elif case in ("lora", "lora-after"):
+    if case == "lora":
+        model = load_checkpoint(folder, dtype=torch.bfloat16, device=device, lora=lora, lora_mode="unfused-fp32")
+    else:
+        model = load_checkpoint(folder, dtype=torch.bfloat16, device=device)
+        load_lora(model, lora, mode="unfused-fp32")
+    out["load"] = done() - t0
+    t1 = time.perf_counter()
+    out["weights"] = weight_digest(fingerprinted(model))
+    out["digest"] = done() - t1
 else:
     model = load_checkpoint(folder, dtype=torch.bfloat16, device=device)
     out["load"] = done() - t0
@@ -123,8 +139,8 @@ print(json.dumps(out))
 """
 
 
-def run_case(python: str, case: str, folder: Path, device: str) -> dict:
-    r = subprocess.run([python, "-c", _CHILD, case, str(folder), device], cwd="/",  # its own drifttool
+def run_case(python: str, case: str, folder: Path, device: str, lora: Path | None = None) -> dict:
+    r = subprocess.run([python, "-c", _CHILD, case, str(folder), device, str(lora or "")], cwd="/",  # its own drifttool
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{case} failed:\n{r.stderr[-3000:]}")
@@ -163,6 +179,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--compare-python", default=None, help="also run drifttool's case under this interpreter")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--lora", type=Path, default=None,
+                    help="also load this adapter (unfused-fp32): with the weights, and after them")
     args = ap.parse_args()
     import torch
 
@@ -172,6 +190,8 @@ def main() -> None:
     cases = {LABELS[c]: (sys.executable, c) for c in ("drifttool", "drifttool-rehash")}
     if device == "cpu":
         cases["host side of the GPU path"] = (sys.executable, "host-stages")
+    if args.lora is not None:
+        cases.update({LABELS[c]: (sys.executable, c) for c in ("lora", "lora-after")})
     if args.compare_python:
         cases[f"drifttool under {args.compare_python}"] = (args.compare_python, "drifttool")
     try:
@@ -186,10 +206,13 @@ def main() -> None:
     results: dict[str, list[dict]] = {c: [] for c in cases}
     for _ in range(args.repeat):
         for label, (python, case) in cases.items():
-            results[label].append(run_case(python, case, folder, device))
-    digests = {r["weights"] for rows in results.values() for r in rows if "weights" in r}
-    assert len(digests) == 1, f"the digests differ: {digests}"
-    render(results, device, digests.pop())
+            results[label].append(run_case(python, case, folder, device, args.lora))
+    adapted = {LABELS["lora"], LABELS["lora-after"]}
+    for group in (set(results) - adapted, adapted & set(results)):
+        digests = {r["weights"] for c in group for r in results[c] if "weights" in r}
+        assert len(digests) <= 1, f"the digests differ: {digests}"
+    plain = {r["weights"] for c in set(results) - adapted for r in results[c] if "weights" in r}
+    render(results, device, plain.pop())
     if args.json is not None:
         args.json.write_text(json.dumps({"folder": str(folder), "device": device, "results": results}, indent=2))
 
