@@ -178,7 +178,7 @@ def fingerprinted(model):
     loader's pinned digest stands while no parameter changed, an adapter streamed in with it
     (``load_checkpoint(lora=)``) included — or, for a ``fused`` adapter, its effective weights
     (``effective_weights``: the fused bytes diffusers' ``fuse_lora`` leaves)."""
-    return effective_weights(model) if lora_mode(model) == "fused" else model
+    return effective_weights(model) if has_lora(model) and lora_mode(model) == "fused" else model
 
 
 # ---------------------------------------------------------------------------------------------
