@@ -37,6 +37,10 @@ the model dtype:
 
 Each bullet after the first is a moment of its own; the bound is the largest.
 
+A strict training recompute with a merged adapter is checked once its model is loaded
+(``check_canonical_gradient``): the canonical gradient's FP32 partials per adapted weight and
+(sample, CFG branch) (``canonical_gradient_bytes``) must fit beside it.
+
 Available memory: ``MemAvailable`` of ``/proc/meminfo`` for the CPU (no check where it cannot
 be read), ``torch.cuda.mem_get_info`` (free bytes) for a CUDA device.
 """
@@ -180,3 +184,35 @@ def check_memory(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig | No
             f"{source or f'--height {height} --width {width}'}: the run needs at least {_amount(need)}, "
             f"{_amount(free)} available ({where} memory; a lower bound: {what}); {smaller} or fewer "
             "samples fits in less")
+
+
+def canonical_gradient_bytes(weights: Sequence[tuple[int, int]], rows: int) -> int:
+    """Bytes the strict canonical gradient (``training.ledger``) of a **merged** adapter holds at
+    a step's end: per adapted weight W' [out, in] one FP32 atom per (sample, CFG branch) row of
+    the step (every row's partial is kept until ``finish_step`` orders them) and the running sum
+    D_t, FP32 [out, in] too: ``(rows + 1) · Σ out · in · 4``. ``weights``: the adapted weights'
+    (out, in); ``rows``: the step's (sample, branch) atoms on this rank. A lower bound: a graphed
+    step holds its atoms twice (``model.graphs_train``), and the step's activations come on top."""
+    return (int(rows) + 1) * sum(int(o) * int(i) for o, i in weights) * 4
+
+
+def check_canonical_gradient(weights: Sequence[tuple[int, int]], rows: int, device: str) -> None:
+    """Refuse a strict training recompute with a merged adapter whose canonical gradient
+    (``canonical_gradient_bytes``) exceeds ``available_bytes`` of ``device`` once the model is
+    loaded (no check where that is unknown), before any step runs.
+
+    Raises:
+        DriftToolError: one line naming the bound, what it is made of, the memory available and
+            the layout whose gradients fit (``--lora-mode unfused-fp32``: the factors' own).
+    """
+    free = available_bytes(device)
+    need = canonical_gradient_bytes(weights, rows)
+    if free is None or need <= free:
+        return
+    where = "host" if torch.device(device).type == "cpu" else f"{device} device"
+    raise DriftToolError(
+        f"recompute --grad: a merged adapter's strict gradients need at least {_amount(need)}, "
+        f"{_amount(free)} available ({where} memory beside the loaded model): the canonical gradient "
+        f"keeps an FP32 [out, in] partial per adapted weight ({len(weights)}) for each of the step's "
+        f"{rows} (sample, CFG branch) rows, and their running sum; roll out with --lora-mode "
+        "unfused-fp32 (its gradients are the rank-sized factors') or with fewer samples")

@@ -26,6 +26,7 @@ artifact goes through the life cycle every run shares (``drifttool.lifecycle.Art
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -42,7 +43,8 @@ from drifttool.fingerprint import arch_fingerprint, sampler_record
 from drifttool.lifecycle import ArtifactSession
 from drifttool.model.graphs import graph_use
 from drifttool.model.graphs_train import GraphedTraining
-from drifttool.model.lora import has_lora, lora_parameters
+from drifttool.memory import check_canonical_gradient
+from drifttool.model.lora import has_lora, lora_mode, lora_modules, lora_parameters
 from drifttool.model.lora_calls import check_unfused_layout
 from drifttool.model.lora_io import capture_lora_grads, fingerprinted, lora_record
 from drifttool.model.mmdit import MMDiT
@@ -115,6 +117,28 @@ def _drop_history(o: StepOutput) -> None:
             setattr(o, f.name, t.detach())
 
 
+@contextlib.contextmanager
+def _memory_hint(train: TrainOptions, family: str, mode: str | None):
+    """Turn the device running out of memory in the recompute's steps into one ``DriftToolError``
+    line naming what a trainer can change: gradient checkpointing first (without it every
+    block's activations are kept for the backward), then a merged adapter's strict gradients
+    (``memory.canonical_gradient_bytes``), then fewer samples."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        hints = []
+        if train.grad and not train.gradient_checkpointing:
+            hints.append("--gradient-checkpointing keeps one block's activations for the backward "
+                         "instead of every block's")
+        if train.grad and family == "strict" and mode == "merged":
+            hints.append("a merged adapter's strict gradients keep an FP32 [out, in] partial per "
+                         "adapted weight and row: roll out with --lora-mode unfused-fp32")
+        hints.append("fewer samples fit in less")
+        raise DriftToolError(f"out of device memory in the training recompute: {first} ("
+                             + "; ".join(hints) + ")") from None
+
+
 def recompute_run(
     source: str | Path | StoredRollout,
     out: str | Path,
@@ -177,6 +201,10 @@ def recompute_run(
     check_unfused_layout(model, None if plan is None else plan.dims)
     if plan is not None and train.grad:  # only a backward needs the ledger's parameters
         plan.check_training(model)
+    if train.grad and m.family == "strict" and lora_mode(model) == "merged":
+        branches = 2 if cfg_enabled(stored.inputs, sampler) and (parallel is None or parallel.cfg == 1) else 1
+        check_canonical_gradient([tuple(mod.weight.shape) for mod in lora_modules(model).values()],
+                                 len(mine.sample_ids) * branches, device)  # before any step
     session = ArtifactSession(mode=m, level=level, cfg_layout=sampler.cfg_layout, internals=internals,
                               rank=dist.rank, world_size=dist.world_size, layout=layout, plan=plan)
     sig = session.sigma_table(sampler, stored.inputs.img_grid, phase="train")
@@ -228,7 +256,7 @@ def recompute_run(
             session.rt.grad_ledger = ledger
             model.gradient_checkpointing = bool(train.gradient_checkpointing)
             session.write_inputs(replay_tensors(stored.inputs))
-            with torch.enable_grad():
+            with torch.enable_grad(), _memory_hint(train, m.family, lora_mode(model)):
                 fwd = micro_batched(sampler_model(graphed or model), train.micro_batch,
                                     trim_padding=train.trim_padding)
                 traj = recompute(fwd, mine.to(device), stored.latents[:, rows].to(device), sampler,

@@ -4,6 +4,8 @@ LoRA rollout."""
 
 from __future__ import annotations
 
+import json
+
 import pyarrow.compute as pc
 import pytest
 import torch
@@ -13,7 +15,8 @@ from drifttool.capture.recorder import Recorder
 from drifttool.diff.compare import diff_runs
 from drifttool.errors import DriftToolError
 from drifttool.model.checkpoint import load_checkpoint
-from drifttool.model.lora import add_lora, lora_parameters
+from drifttool import memory
+from drifttool.model.lora import add_lora, lora_modules, lora_parameters
 from drifttool.model.lora_io import save_lora
 from drifttool.runner import execute
 from drifttool.runtime import Runtime
@@ -134,3 +137,50 @@ def test_a_finished_steps_autograd_graph_is_released(lora_rollout):
     assert {w for w, _, _ in seen} == {True, False}
     assert all(o.v.grad_fn is None and o.logp.grad_fn is None for *_, o in seen)
     assert out["trajectory"].velocities.grad_fn is None
+
+
+def _adapted_shapes():
+    model, _, _ = _policy()
+    return [tuple(m.weight.shape) for m in lora_modules(model).values()]
+
+
+def test_merged_gradients_that_cannot_fit_are_refused_before_any_step(lora_rollout, monkeypatch):
+    """A strict recompute with gradients of a merged adapter needs its canonical gradient's FP32
+    partials, (rows + 1) · Σ out · in · 4 bytes (one sample, both CFG branches: 2 rows), beside
+    the model: one byte less available and it is refused in one line naming the unfused mode,
+    before its artifact exists; exactly that much and it runs. A production trainer, which keeps
+    no canonical partials, is not checked."""
+    root = lora_rollout
+    shapes = _adapted_shapes()
+    need = memory.canonical_gradient_bytes(shapes, 2)
+    assert need == 3 * sum(o * i for o, i in shapes) * 4
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
+    with pytest.raises(DriftToolError, match=r"--lora-mode unfused-fp32") as e:
+        recompute_run(root / "rollout", root / "t-refused", train=TrainOptions(grad=True))
+    assert "2 (sample, CFG branch) rows" in str(e.value) and "\n" not in str(e.value)
+    assert not (root / "t-refused").exists()
+    recompute_run(root / "rollout", root / "t-prod-small", RerunOptions(mode="auto"), TrainOptions(grad=True))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need)
+    recompute_run(root / "rollout", root / "t-fits", train=TrainOptions(grad=True))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_running_out_of_device_memory_names_what_a_trainer_can_change(lora_rollout, monkeypatch, cli,
+                                                                      checkpointing):
+    """The device running out of memory in the recompute's steps is one ``error:`` line, exit 2:
+    gradient checkpointing named when it is off, the unfused adapter for a merged one's strict
+    gradients; the artifact is left incomplete."""
+    import drifttool.training.recompute as rc
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB.\nmore")
+
+    monkeypatch.setattr(rc, "recompute", oom)
+    out_dir = lora_rollout / f"t-oom-{checkpointing}"
+    code, out = cli("recompute", lora_rollout / "rollout", "--grad", "-o", out_dir,
+                    *(["--gradient-checkpointing"] if checkpointing else []))
+    assert code == 2 and out.count("error:") == 1 and "Traceback" not in out, out
+    assert "out of device memory in the training recompute: CUDA out of memory. Tried to allocate 48.00 MiB." in out
+    assert ("--gradient-checkpointing keeps" in out) is not checkpointing, out
+    assert "--lora-mode unfused-fp32" in out and "more" not in out.split("error:")[1].split("(")[0]
+    assert json.loads((out_dir / "manifest.json").read_text())["complete"] is False
