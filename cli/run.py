@@ -83,7 +83,8 @@ def run(
     lora_mode: Optional[str] = typer.Option(
         None, help="How the adapter runs: merged (peft merge_and_unload) | fused (diffusers fuse_lora) | "
                    "unfused (diffusers load_lora_weights) | unfused-fp32 (peft-wrapped, FP32 factors); "
-                   "default: the preset's, else merged."),
+                   "default: the preset's, else merged. The recompute runs the rollout's mode: for a "
+                   "strict recompute --grad at full size on an 80 GiB GPU roll out with unfused-fp32."),
     preset: Optional[str] = typer.Option(
         None, autocompletion=_completion.presets,
         help="Production preset: diffusers (QwenImagePipeline's loop) | diffusers-edit "
