@@ -338,4 +338,4 @@ def _round_up(x: float) -> float:
     if x == 0 or not math.isfinite(x):
         return x
     e = math.floor(math.log10(x)) - 1
-    return math.ceil(x / 10 ** e) * 10 ** e
+    return round(math.ceil(x / 10 ** e) * 10 ** e, -e)  # round(): no float noise (0.41, not 0.41000000000000003)

@@ -35,6 +35,8 @@ def test_measured_bounds_hold_their_own_pair(pair, tmp_path):
     assert derived["ops"]["joint_attn"]["rel_l2"] > 0  # the planted record moved its summary
     assert derived["steps"]["v_t"]["max_abs"] > 0
     assert set(derived["ops"]["txt_mlp"].values()) == {0.0}  # never differs: bound 0 (byte-equal)
+    bounds = [v for table in ("ops", "steps") for b in derived[table].values() for v in b.values() if v]
+    assert bounds and all(float(f"{v:.2g}") == v for v in bounds), bounds  # 2 significant digits, no float noise
     path = _profile(tmp_path, derived["ops"], derived["steps"])
     r = diff_runs(ra, rb, tolerance=load_profile(path))
     assert r.verdict is Verdict.DRIFT and r.tolerance.ok and r.exit_code == 0
