@@ -51,7 +51,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from drifttool.diff.report import Verdict  # noqa: E402
 from drifttool.model.lora import LORA_MODES  # noqa: E402
+
+VERDICT_WORDS = {*(v.value.upper() for v in Verdict), "WITHIN", "BEYOND", "error"}
+"""The words a command's verdict line starts with: diff's verdicts, a tolerance profile's, an error."""
 
 PARTS = ("run", "replay", "recompute", "localize")
 
@@ -121,7 +125,7 @@ def _verdict(text: str) -> str | None:
     WITHIN, ...; ``error`` for an error line), None if none."""
     for line in text.splitlines():
         word = line.strip().split(" ", 1)[0].rstrip(":")
-        if word in ("IDENTICAL", "DRIFT", "WITHIN", "BEYOND", "INCOMPARABLE", "INCONCLUSIVE", "error"):
+        if word in VERDICT_WORDS:
             return word
     return None
 

@@ -258,16 +258,16 @@ class StreamingDigest:
         return done
 
     def close(self) -> None:
-        """Stop the hashing thread (idempotent); waits for what was queued."""
+        """Hand over the ``extra`` tensors left, then stop the hashing thread (idempotent); waits
+        for what was queued."""
         if self._thread.is_alive():
+            self._hash_extra(before=None)
             self._queue.put(None)
             self._thread.join()
 
     def digest(self) -> str:
         """``"xxh3_128:<32 hex>"`` of everything handed over and every ``extra`` tensor; closes
         the digest."""
-        if self._thread.is_alive():
-            self._hash_extra(before=None)
         self.close()
         if self._error is not None:
             raise self._error
