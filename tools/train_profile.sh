@@ -15,7 +15,8 @@
 # 2. a strict CPU rollout with it (seed 0, L2, the default 4 steps, `--lora-mode unfused-fp32`);
 # 3. its training recompute with gradients on the CPU in strict mode (run A, the baseline) and on
 #    B_DEVICE in B_MODE (run B; default cuda, strict): the same stored latents, so every difference
-#    is the trainer's arithmetic;
+#    is the trainer's arithmetic; both at L2 without the attention's internals (the strict CUDA
+#    attention's decomposition into them is forward only);
 # 4. `tools/tolerance_profile.py A B` derives the profile (each bound FACTOR x the measured
 #    maximum, 0 where the pair is byte-equal; gradient records are judged by their parameter's
 #    name, `attn.to_q.lora_A`, as operators are) into PROFILE_OUT (ship the GPU pair's by copying
@@ -49,8 +50,8 @@ save_lora(m, sys.argv[1])
 print(f"wrote {sys.argv[1]}")
 PY
 dt run --seed 0 --capture L2 --lora "$W/adapter" --lora-mode unfused-fp32 -o "$W/rollout" --overwrite
-dt recompute "$W/rollout" --grad --device cpu -o "$W/train-a" --overwrite
-dt recompute "$W/rollout" --grad --device "$B_DEVICE" --mode "$B_MODE" -o "$W/train-b" --overwrite
+dt recompute "$W/rollout" --grad --no-internals --device cpu -o "$W/train-a" --overwrite
+dt recompute "$W/rollout" --grad --no-internals --device "$B_DEVICE" --mode "$B_MODE" -o "$W/train-b" --overwrite
 "$PY" tools/tolerance_profile.py "$W/train-a" "$W/train-b" --factor "$FACTOR" \
   --name "$(basename "$PROFILE_OUT" .json)" \
   --description "trainer on $B_DEVICE ($B_MODE) against the strict CPU trainer, both recomputing one strict CPU rollout of the embedded tiny-t2i fixture (seed 0, L2, unfused-fp32 rank-4 adapter) with gradients; bounds ${FACTOR}x the measured maxima" \

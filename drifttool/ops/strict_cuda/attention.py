@@ -110,7 +110,8 @@ GRAD_LAYOUT = Constraint("backward: query rows = keys with a key mask", _grad_la
 UNFUSED_FORWARD_ONLY = forward_only(
     "the strict CUDA attention backward is joint_attention_fused's; its decomposition into "
     "joint_attn_qk_gemm/joint_attn_softmax/joint_attn_av_gemm (run when a capture at L2 wants the "
-    "internals) is forward only — capture at L1 or below to train")
+    "internals) is forward only — to train, capture at L1 or below, or at L2 without the internals "
+    "(recompute --no-internals)")
 """The unfused operators' refusal of a gradient."""
 
 
