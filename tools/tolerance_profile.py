@@ -1,13 +1,15 @@
-"""Derive a tolerance profile (``drifttool diff --tolerance``) from a pair of runs.
+"""Derive a tolerance profile (``drifttool diff --tolerance``) from one or more pairs of runs.
 
-    python tools/tolerance_profile.py RUN_A RUN_B --name strict-cuda1-vs-cpu \\
+    python tools/tolerance_profile.py RUN_A RUN_B [RUN_A2 RUN_B2 ...] --name strict-cuda1-vs-cpu \\
         --description "strict CUDA (cuda1) against strict CPU (v2), tiny fixture" \\
         -o drifttool/diff/profiles/strict-cuda1-vs-cpu.json
 
-Run A is the baseline (e.g. strict on the CPU), run B the other arithmetic (strict on CUDA).
-Every bound is ``--factor`` × the largest measure seen over the pair's differing records of that
-operator or step quantity (``drifttool.diff.tolerance.measure``); what never differed gets 0. The
-raw maxima, both runs' settings and the host are kept in the profile under ``measured_on``.
+In each pair run A is the baseline (e.g. strict on the CPU), run B the other arithmetic (strict
+on CUDA); several pairs (other seeds) measure more of what the two arithmetics do. Every bound is
+``--factor`` × the largest measure seen over all pairs' differing records of that operator or
+step quantity (``drifttool.diff.tolerance.measure``); what never differed in any pair gets 0.
+The raw maxima, the runs, their settings and the host are kept in the profile under
+``measured_on``. Pairs must share their settings (one program, other inputs).
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ from drifttool.errors import DriftToolError
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_a", type=Path, help="the baseline run (e.g. strict on the CPU)")
-    ap.add_argument("run_b", type=Path, help="the same program computed the other way (e.g. strict on CUDA)")
+    ap.add_argument("runs", type=Path, nargs="+", metavar="RUN_A RUN_B",
+                    help="pairs of runs: the baseline (e.g. strict on the CPU), then the same program "
+                         "computed the other way (e.g. strict on CUDA)")
     ap.add_argument("--name", required=True, help="the profile's name (diff --tolerance NAME once shipped)")
     ap.add_argument("--description", default="", help="one line on what was measured")
     ap.add_argument("--factor", type=float, default=4.0,
                     help="each bound = FACTOR x the largest measure seen (default: %(default)s; > 0)")
     ap.add_argument("-o", "--out", type=Path, required=True, help="the profile JSON to write (its folder is made)")
+    ap.add_argument("--host", default=None,
+                    help="the hardware and versions measured on, for measured_on (default: this host's name)")
     args = ap.parse_args(argv)
+    if len(args.runs) % 2:
+        print(f"error: {len(args.runs)} runs given: give pairs (RUN_A RUN_B [RUN_A2 RUN_B2 ...])", file=sys.stderr)
+        return 2
     if not (args.factor > 0 and math.isfinite(args.factor)):
         print(f"error: --factor {args.factor:g}: give a finite number > 0 (the bounds' multiple of the "
               "measured maxima)", file=sys.stderr)
@@ -47,27 +55,52 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _write(args: argparse.Namespace) -> int:
-    ra, rb = open_run(args.run_a), open_run(args.run_b)
-    diff = diff_runs(ra, rb)
-    if diff.verdict.value in ("incomparable", "inconclusive") or diff.input_differences:
-        raise DriftToolError(f"{args.run_a} and {args.run_b} are not one program's two arithmetics "
-                             f"({diff.verdict.value}: {diff.reason}): no profile is derived")
-    derived = measure(ra, rb, *aligned_tables(ra, rb), factor=args.factor)
+def _settings(run) -> dict:
+    s = run.manifest.get("settings", {})
+    return {k: s.get(k) for k in ("mode", "device", "dtype", "capture", "steps", "fixture") if k in s}
 
-    def side(run):
-        s = run.manifest.get("settings", {})
-        return {k: s.get(k) for k in ("mode", "device", "dtype", "capture", "steps", "fixture") if k in s}
+
+def _merged(into: dict, derived: dict) -> None:
+    """Fold one pair's ``measure`` into ``into``: the larger value per operator / quantity and
+    bound (a bound is the rounded-up multiple of its maximum, so the larger bound is the bound of
+    the larger maximum)."""
+    for mine, theirs in ((into["ops"], derived["ops"]), (into["steps"], derived["steps"]),
+                         (into["measured"]["ops"], derived["measured"]["ops"]),
+                         (into["measured"]["steps"], derived["measured"]["steps"])):
+        for name, bounds in theirs.items():
+            have = mine.setdefault(name, dict(bounds))
+            for b, v in bounds.items():
+                have[b] = max(have[b], v)
+
+
+def _write(args: argparse.Namespace) -> int:
+    pairs = list(zip(args.runs[0::2], args.runs[1::2]))
+    derived = {"ops": {}, "steps": {}, "measured": {"ops": {}, "steps": {}}}
+    identical, first = True, None
+    for path_a, path_b in pairs:
+        ra, rb = open_run(path_a), open_run(path_b)
+        diff = diff_runs(ra, rb)
+        if diff.verdict.value in ("incomparable", "inconclusive") or diff.input_differences:
+            raise DriftToolError(f"{path_a} and {path_b} are not one program's two arithmetics "
+                                 f"({diff.verdict.value}: {diff.reason}): no profile is derived")
+        sides = {"a": _settings(ra), "b": _settings(rb)}
+        if first is None:
+            first = sides
+        elif sides != first:
+            raise DriftToolError(f"{path_a} and {path_b} have other settings than the first pair "
+                                 f"({sides} against {first}): a profile measures one program")
+        identical = identical and diff.verdict.value == "identical"
+        _merged(derived, measure(ra, rb, *aligned_tables(ra, rb), factor=args.factor))
 
     profile = {
         "schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": args.name,
         "description": args.description,
-        "applies_to": {"a": side(ra), "b": side(rb)},
-        "derivation": f"each bound = {args.factor:g} x the largest measure over the pair's differing "
-                      "records of that operator / step quantity, rounded up to 2 significant digits; "
-                      "0 = byte-equal in the measured pair",
-        "measured_on": {"date": datetime.date.today().isoformat(), "host": platform.node(),
-                        "python": platform.python_version(), "runs": [str(args.run_a), str(args.run_b)],
+        "applies_to": first,
+        "derivation": f"each bound = {args.factor:g} x the largest measure over the differing records "
+                      f"of that operator / step quantity in {len(pairs)} pair(s) of runs, rounded up to "
+                      "2 significant digits; 0 = byte-equal in every measured pair",
+        "measured_on": {"date": datetime.date.today().isoformat(), "host": args.host or platform.node(),
+                        "python": platform.python_version(), "runs": [str(r) for r in args.runs],
                         "maxima": derived["measured"]},
         "ops": derived["ops"], "steps": derived["steps"],
     }
@@ -80,8 +113,8 @@ def _write(args: argparse.Namespace) -> int:
     grads = sum(n.endswith((".lora_A", ".lora_B", ".lora_magnitude_vector")) for n in profile["ops"])
     print(f"wrote {args.out}: {len(profile['ops']) - grads} operators, {grads} LoRA gradients, "
           f"{len(profile['steps'])} step quantities")
-    if diff.verdict.value == "identical":
-        print("note: the two runs are bitwise identical: every bound is 0 (byte-equal)")
+    if identical:
+        print("note: every pair is bitwise identical: every bound is 0 (byte-equal)")
     return 0
 
 

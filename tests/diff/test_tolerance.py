@@ -140,6 +140,41 @@ def test_typos_and_odd_versions_are_refused(tmp_path, extra, words):
         load_profile("")
 
 
+def _tool(*argv):
+    """``tools/tolerance_profile.py``'s main, run in this process; its exit code."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "tolerance_profile.py"
+    return runpy.run_path(str(path), run_name="tool")["main"]([str(a) for a in argv])
+
+
+def test_a_profile_from_several_pairs_bounds_each(make_run, tmp_path, capsys):
+    """``tools/tolerance_profile.py A B A2 B2``: each bound is the larger of the pairs' (a larger
+    drift in the second pair, at another operator), so both pairs are within it, while the
+    first pair's own profile leaves the second beyond; an odd number of runs is refused in one
+    line."""
+    small = make_run("a"), make_run("b", plant=PLANT)
+    large = make_run("a2", noise_seed=2), make_run("b2", noise_seed=2,
+                                                   plant={**PLANT, "op": "img_mlp", "row": 3, "add": 0.5})
+    assert _tool(*small, "--name", "one", "-o", tmp_path / "one.json") == 0
+    assert _tool(*small, *large, "--name", "two", "-o", tmp_path / "two.json") == 0
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    for kind in ("ops", "steps"):
+        for name, bounds in two[kind].items():
+            for b, v in bounds.items():
+                assert v >= one[kind].get(name, {}).get(b, 0.0), (kind, name, b)
+    assert two["ops"]["img_mlp"]["rel_l2"] > one["ops"]["img_mlp"]["rel_l2"]
+    assert two["measured_on"]["runs"] == [str(p) for p in (*small, *large)]
+    runs = [tuple(open_run(p) for p in pr) for pr in (small, large)]
+    assert all(diff_runs(*pr, tolerance=load_profile(tmp_path / "two.json")).tolerance.ok for pr in runs)
+    assert not diff_runs(*runs[1], tolerance=load_profile(tmp_path / "one.json")).tolerance.ok
+    capsys.readouterr()
+    assert _tool(*small, large[0], "--name", "odd", "-o", tmp_path / "odd.json") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pairs" in err and not (tmp_path / "odd.json").exists()
+
+
 @pytest.mark.slow
 def test_the_training_profile_script_judges_gradients(tmp_path):
     """``tools/train_profile.sh`` on the CPU, the strict trainer against the production one (its
@@ -152,15 +187,16 @@ def test_the_training_profile_script_judges_gradients(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "B_DEVICE": "cpu", "B_MODE": "auto", "PYTHON": sys.executable,
-           "PROFILE_OUT": str(tmp_path / "train.json")}
+           "PROFILE_OUT": str(tmp_path / "train.json"), "SEEDS": "0 1", "CHECK_SEEDS": "2"}
     done = subprocess.run(["bash", str(root / "tools" / "train_profile.sh"), str(tmp_path / "w")], env=env,
                           capture_output=True, text=True, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "WITHIN" in done.stdout and "24 LoRA gradients" in done.stdout
+    assert done.stdout.count("WITHIN") == 3 and "24 LoRA gradients" in done.stdout  # seeds 0 and 1, held-out 2
+    assert "seeds 0, 1;" in json.loads((tmp_path / "train.json").read_text())["description"]
     data = json.loads((tmp_path / "train.json").read_text())
     grads = {n: b for n, b in data["ops"].items() if n.endswith((".lora_A", ".lora_B"))}
     assert grads and any(b["rel_l2"] > 0 for b in grads.values()), sorted(data["ops"])
-    ra, rb = open_run(tmp_path / "w" / "train-a"), open_run(tmp_path / "w" / "train-b")
+    ra, rb = open_run(tmp_path / "w" / "s2" / "train-a"), open_run(tmp_path / "w" / "s2" / "train-b")
     assert diff_runs(ra, rb, tolerance=load_profile(tmp_path / "train.json")).tolerance.ok
     data["ops"].update({n: {"rel_l2": 0.0, "rel_maxabs": 0.0} for n in grads})
     tight = _profile(tmp_path, data["ops"], data["steps"], "tight")
