@@ -24,7 +24,7 @@ from pathlib import Path
 
 from drifttool.artifact import open_run
 from drifttool.diff.compare import aligned_tables, diff_runs
-from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, load_profile, measure
+from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, SCOPE_FIELDS, load_profile, measure
 from drifttool.errors import DriftToolError
 
 
@@ -56,8 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settings(run) -> dict:
+    """What makes a run the program it is, for ``applies_to`` and the pairs' check: the settings
+    ``diff --tolerance`` notes (``tolerance.SCOPE_FIELDS``; an unrecorded device is the CPU), the
+    run's kind (a rollout, a recompute), whether it took gradients, and its adapter's mode."""
     s = run.manifest.get("settings", {})
-    return {k: s.get(k) for k in ("mode", "device", "dtype", "capture", "steps", "fixture") if k in s}
+    out = {k: s.get(k, "cpu" if k == "device" else None) for k in SCOPE_FIELDS}
+    out.update(kind=run.manifest.get("kind"), grad=bool((run.manifest.get("train") or {}).get("grad")),
+               lora_mode=s.get("lora_mode") if s.get("lora") else None, internals=s.get("internals"))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _merged(into: dict, derived: dict) -> None:
@@ -87,8 +93,11 @@ def _write(args: argparse.Namespace) -> int:
         if first is None:
             first = sides
         elif sides != first:
-            raise DriftToolError(f"{path_a} and {path_b} have other settings than the first pair "
-                                 f"({sides} against {first}): a profile measures one program")
+            off = [f"run {side.upper()} {k} {sides[side].get(k)!r} (first pair: {first[side].get(k)!r})"
+                   for side in ("a", "b") for k in dict.fromkeys([*first[side], *sides[side]])
+                   if sides[side].get(k) != first[side].get(k)]
+            raise DriftToolError(f"{path_a} and {path_b} are another program than the first pair "
+                                 f"({', '.join(off)}): a profile measures one program")
         identical = identical and diff.verdict.value == "identical"
         _merged(derived, measure(ra, rb, *aligned_tables(ra, rb), factor=args.factor))
 

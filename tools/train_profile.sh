@@ -23,10 +23,12 @@
 # 4. `tools/tolerance_profile.py A0 B0 A1 B1 ...` derives the profile from the SEEDS' pairs (each
 #    bound FACTOR x the largest measure over them, 0 where every pair is byte-equal; gradient
 #    records are judged by their parameter's name, `attn.to_q.lora_A`, as operators are) into
-#    PROFILE_OUT (ship the GPU pairs' by copying it to drifttool/diff/profiles/);
-# 5. `drifttool diff A B --tolerance PROFILE_OUT` judges every pair within it: the SEEDS' and the
-#    held-out CHECK_SEEDS' (exit 0 only if every one is within the profile).
-# Exits non-zero at the first command that fails.
+#    PROFILE_OUT (to ship a GPU profile, copy it to drifttool/diff/profiles/);
+# 5. `drifttool diff A B --tolerance PROFILE_OUT` judges every pair: the SEEDS' and the held-out
+#    CHECK_SEEDS'; one line each (the whole report in WORK_DIR/s<seed>/judged.txt); exit 0 only
+#    if every pair is within the profile.
+# Each command's output goes to WORK_DIR/s<seed>/<step>.log; the script stops at the first command
+# that fails, with the end of its log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W="${1:-/tmp/drifttool-train-profile}"
@@ -42,13 +44,25 @@ PROFILE_OUT="${PROFILE_OUT:-$W/$NAME.json}"
 mkdir -p "$W"
 PY="${PYTHON:-python3}"
 dt() { "$PY" -m drifttool "$@"; }
+"$PY" - "$B_DEVICE" <<'PY' || exit 2
+import sys
+try:
+    import torch
+    import drifttool  # noqa: F401
+except ImportError as e:
+    sys.exit(f"error: {sys.executable} cannot import {e.name}: run inside the environment drifttool is "
+             "installed in, or set PYTHON to its interpreter")
+if sys.argv[1].startswith("cuda") and not torch.cuda.is_available():
+    sys.exit("error: no CUDA device here: run B is the CUDA trainer (B_DEVICE=cuda); on a CPU, "
+             "B_DEVICE=cpu B_MODE=auto makes the dry run")
+PY
 HOST="${HOST:-$("$PY" -c "
 import platform, torch
 try:
     import triton; tv = f', Triton {triton.__version__}'
 except ImportError:
     tv = ''
-dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or 'CPU'
+dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f'CPU ({platform.machine()})'
 print(f'{dev}, torch {torch.__version__}{tv}; the strict CPU trainer on the same host')")}"
 
 "$PY" - "$W/adapter" <<'PY'
@@ -63,11 +77,19 @@ add_lora(m, rank=4, alpha=8, init_b_std=0.05, seed=0)
 save_lora(m, sys.argv[1])
 print(f"wrote {sys.argv[1]}")
 PY
+quiet() {  # LOG CMD...: run CMD into LOG; on failure show the log's end and stop
+  local log="$1"; shift
+  "$@" > "$log" 2>&1 || { echo "error: $* failed; the end of $log:" >&2; tail -n 15 "$log" >&2; exit 1; }
+}
 pair() {  # seed → $W/s<seed>/{rollout,train-a,train-b}
   local d="$W/s$1"
-  dt run --seed "$1" --capture L2 --lora "$W/adapter" --lora-mode unfused-fp32 -o "$d/rollout" --overwrite
-  dt recompute "$d/rollout" --grad --no-internals --device cpu -o "$d/train-a" --overwrite
-  dt recompute "$d/rollout" --grad --no-internals --device "$B_DEVICE" --mode "$B_MODE" -o "$d/train-b" --overwrite
+  mkdir -p "$d"
+  echo "seed $1: strict CPU rollout, strict CPU trainer (A), $B_MODE $B_DEVICE trainer (B)"
+  quiet "$d/rollout.log" dt run --seed "$1" --capture L2 --lora "$W/adapter" --lora-mode unfused-fp32 \
+    -o "$d/rollout" --overwrite
+  quiet "$d/train-a.log" dt recompute "$d/rollout" --grad --no-internals --device cpu -o "$d/train-a" --overwrite
+  quiet "$d/train-b.log" dt recompute "$d/rollout" --grad --no-internals --device "$B_DEVICE" --mode "$B_MODE" \
+    -o "$d/train-b" --overwrite
 }
 RUNS=()
 for s in $SEEDS; do pair "$s"; RUNS+=("$W/s$s/train-a" "$W/s$s/train-b"); done
@@ -76,8 +98,14 @@ for s in $SEEDS; do pair "$s"; RUNS+=("$W/s$s/train-a" "$W/s$s/train-b"); done
   --description "trainer on $B_DEVICE ($B_MODE) against the strict CPU trainer, both recomputing strict CPU rollouts of the embedded tiny-t2i fixture (seeds ${SEEDS// /, }; L2 without the attention's internals, unfused-fp32 rank-4 adapter) with gradients; bounds ${FACTOR}x the measured maxima" \
   -o "$PROFILE_OUT"
 for s in $CHECK_SEEDS; do pair "$s"; done
+bad=0
 for s in $SEEDS $CHECK_SEEDS; do
-  echo "== seed $s"
-  dt diff "$W/s$s/train-a" "$W/s$s/train-b" --tolerance "$PROFILE_OUT"
+  rc=0; dt diff "$W/s$s/train-a" "$W/s$s/train-b" --tolerance "$PROFILE_OUT" > "$W/s$s/judged.txt" 2>&1 || rc=$?
+  case " $CHECK_SEEDS " in *" $s "*) what="held out";; *) what=derived;; esac
+  echo "seed $s ($what): $(grep -m1 -E '^(WITHIN|BEYOND|NOT JUDGED|IDENTICAL)' "$W/s$s/judged.txt" || tail -n 1 "$W/s$s/judged.txt")"
+  [ "$rc" = 0 ] || bad=1
 done
+if [ "$bad" = 1 ]; then
+  echo "error: a pair is not within $PROFILE_OUT (its report: $W/s<seed>/judged.txt)" >&2; exit 1
+fi
 echo "profile: $PROFILE_OUT (derived from seeds $SEEDS; every pair within it${CHECK_SEEDS:+, held-out seeds $CHECK_SEEDS included})"

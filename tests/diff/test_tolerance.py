@@ -176,7 +176,7 @@ def test_a_profile_from_several_pairs_bounds_each(make_run, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_training_profile_script_judges_gradients(tmp_path):
+def test_the_training_profile_script_judges_gradients(tmp_path, capsys):
     """``tools/train_profile.sh`` on the CPU, the strict trainer against the production one (its
     dry run): the derived profile bounds the LoRA gradients' records by name, the pair is within
     it, and the same profile with the gradients' bounds tightened to 0 is beyond at a gradient."""
@@ -201,5 +201,13 @@ def test_the_training_profile_script_judges_gradients(tmp_path):
     data["ops"].update({n: {"rel_l2": 0.0, "rel_maxabs": 0.0} for n in grads})
     tight = _profile(tmp_path, data["ops"], data["steps"], "tight")
     result = diff_runs(ra, rb, tolerance=load_profile(tight)).tolerance
-    print(result.first_beyond.where)
     assert not result.ok and any(n in result.first_beyond.where for n in grads), result.first_beyond.where
+    assert data["applies_to"]["a"] == {"mode": "strict", "device": "cpu", "dtype": "bfloat16", "capture": "L2",
+                                       "steps": 4, "fixture": "tiny-t2i", "kind": "recompute", "grad": True,
+                                       "lora_mode": "unfused-fp32", "internals": False}
+    w = tmp_path / "w"  # a rollout pair beside training pairs: another program, refused in one line
+    code = _tool(w / "s0" / "train-a", w / "s0" / "train-b", w / "s1" / "rollout", w / "s1" / "rollout",
+                 "--name", "mixed", "-o", tmp_path / "mixed.json")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "kind 'rollout'" in err and "grad False" in err, err
+    assert not (tmp_path / "mixed.json").exists()
