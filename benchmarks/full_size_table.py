@@ -19,7 +19,8 @@ through ``measure_cli.py`` in a fresh process:
   cannot hold beside the weights) at capture L0, L1 and L2, and one in production mode (``--mode auto``) at L0 and at L2;
 * ``replay``: the L1 trajectory replayed, and diffed against it (expected identical);
 * ``recompute``: its training recompute with gradients, without and with gradient
-  checkpointing, each diffed against the trajectory (expected identical);
+  checkpointing (``--checkpointing off|on|both``, default both: on an 80 GiB GPU only ``on``
+  fits a full-size recompute), each diffed against the trajectory (expected identical);
 * ``localize``: the strict and production L0 trajectories diffed with ``--localize`` (the first
   drifting step re-run at L2) beside the plain diff of the two L2 trajectories, which costs the
   L2 runs themselves.
@@ -58,6 +59,9 @@ VERDICT_WORDS = {*(v.value.upper() for v in Verdict), "WITHIN", "BEYOND", "error
 """The words a command's verdict line starts with: diff's verdicts, a tolerance profile's, an error."""
 
 PARTS = ("run", "replay", "recompute", "localize")
+RECOMPUTES = {"off": ("recompute --grad", []), "on": ("recompute --grad, checkpointing", ["--gradient-checkpointing"])}
+CHECKPOINTING = {"off": ("off",), "on": ("on",), "both": ("off", "on")}
+"""``--checkpointing``: which of ``RECOMPUTES`` run (without gradient checkpointing, with it)."""
 
 
 def measured(argv: list[str], log: Path) -> dict:
@@ -102,7 +106,7 @@ def cases(args, work: Path, shape: str, batch: int):
                                "--overwrite"], 0)
         yield ("diff rollout / replay", ["diff", rollout, str(tag / "replay")], 0)
     if "recompute" in parts:
-        for name, extra in (("recompute --grad", []), ("recompute --grad, checkpointing", ["--gradient-checkpointing"])):
+        for name, extra in (RECOMPUTES[c] for c in CHECKPOINTING[args.checkpointing]):
             out = str(tag / _slug(name))
             yield (name, ["recompute", rollout, *lora, "--grad", *extra, "-o", out, "--overwrite"], 0)
             yield (f"diff rollout / {name}", ["diff", rollout, out], 0)
@@ -164,6 +168,9 @@ def main() -> int:
                     help="the rollouts' adapter mode (drifttool run --lora-mode; the recomputes take the "
                          "rollout's; default: %(default)s, a trainer's peft layout)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--checkpointing", default="both", choices=CHECKPOINTING,
+                    help="the recomputes: without gradient checkpointing, with it, or both (default: "
+                         "%(default)s; on an 80 GiB GPU a full-size recompute fits only with it)")
     args = ap.parse_args()
     bad = sorted(set(args.parts.split(",")) - set(PARTS))
     if bad:
