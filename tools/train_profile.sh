@@ -85,7 +85,7 @@ pair() {  # seed → $W/s<seed>/{rollout,train-a,train-b}
   local d="$W/s$1"
   mkdir -p "$d"
   echo "seed $1: strict CPU rollout, strict CPU trainer (A), $B_MODE $B_DEVICE trainer (B)"
-  quiet "$d/rollout.log" dt run --seed "$1" --capture L2 --lora "$W/adapter" --lora-mode unfused-fp32 \
+  quiet "$d/rollout.log" dt run --seed "$1" --device cpu --capture L2 --lora "$W/adapter" --lora-mode unfused-fp32 \
     -o "$d/rollout" --overwrite
   quiet "$d/train-a.log" dt recompute "$d/rollout" --grad --no-internals --device cpu -o "$d/train-a" --overwrite
   quiet "$d/train-b.log" dt recompute "$d/rollout" --grad --no-internals --device "$B_DEVICE" --mode "$B_MODE" \

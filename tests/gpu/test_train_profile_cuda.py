@@ -24,8 +24,8 @@ def test_a_held_out_seed_trains_within_the_shipped_profile(cli, tmp_path):
     model = load_checkpoint(FIXTURE_MODEL)
     add_lora(model, rank=4, alpha=8, init_b_std=0.05, seed=0)  # tools/train_profile.sh's adapter
     adapter = save_lora(model, tmp_path / "adapter")
-    code, out = cli("run", "--seed", "7", "--capture", "L2", "--lora", adapter, "--lora-mode", "unfused-fp32",
-                    "-o", tmp_path / "rollout")
+    code, out = cli("run", "--seed", "7", "--device", "cpu", "--capture", "L2", "--lora", adapter,
+                    "--lora-mode", "unfused-fp32", "-o", tmp_path / "rollout")
     assert code == 0, out
     for name, device in (("a", "cpu"), ("b", "cuda")):
         code, out = cli("recompute", tmp_path / "rollout", "--grad", "--no-internals", "--device", device,
