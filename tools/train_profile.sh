@@ -44,7 +44,9 @@ PROFILE_OUT="${PROFILE_OUT:-$W/$NAME.json}"
 mkdir -p "$W"
 PY="${PYTHON:-python3}"
 dt() { "$PY" -m drifttool "$@"; }
-"$PY" - "$B_DEVICE" <<'PY' || exit 2
+# the preflight (drifttool importable; a CUDA device for a CUDA run B), printing this host's line
+FOUND_HOST="$("$PY" - "$B_DEVICE" <<'PY'
+import platform
 import sys
 try:
     import torch
@@ -55,15 +57,16 @@ except ImportError as e:
 if sys.argv[1].startswith("cuda") and not torch.cuda.is_available():
     sys.exit("error: no CUDA device here: run B is the CUDA trainer (B_DEVICE=cuda); on a CPU, "
              "B_DEVICE=cpu B_MODE=auto makes the dry run")
-PY
-HOST="${HOST:-$("$PY" -c "
-import platform, torch
 try:
-    import triton; tv = f', Triton {triton.__version__}'
+    import triton
+    tv = f", Triton {triton.__version__}"
 except ImportError:
-    tv = ''
-dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f'CPU ({platform.machine()})'
-print(f'{dev}, torch {torch.__version__}{tv}; the strict CPU trainer on the same host')")}"
+    tv = ""
+dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+print(f"{dev}, torch {torch.__version__}{tv}; the strict CPU trainer on the same host")
+PY
+)" || exit 2
+HOST="${HOST:-$FOUND_HOST}"
 
 "$PY" - "$W/adapter" <<'PY'
 import sys
