@@ -24,7 +24,7 @@ from pathlib import Path
 
 from drifttool.artifact import open_run
 from drifttool.diff.compare import aligned_tables, diff_runs
-from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, SCOPE_FIELDS, load_profile, measure
+from drifttool.diff.tolerance import PROFILE_SCHEMA, PROFILE_VERSION, load_profile, measure, run_scope
 from drifttool.errors import DriftToolError
 
 
@@ -55,17 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _settings(run) -> dict:
-    """What makes a run the program it is, for ``applies_to`` and the pairs' check: the settings
-    ``diff --tolerance`` notes (``tolerance.SCOPE_FIELDS``; an unrecorded device is the CPU), the
-    run's kind (a rollout, a recompute), whether it took gradients, and its adapter's mode."""
-    s = run.manifest.get("settings", {})
-    out = {k: s.get(k, "cpu" if k == "device" else None) for k in SCOPE_FIELDS}
-    out.update(kind=run.manifest.get("kind"), grad=bool((run.manifest.get("train") or {}).get("grad")),
-               lora_mode=s.get("lora_mode") if s.get("lora") else None, internals=s.get("internals"))
-    return {k: v for k, v in out.items() if v is not None}
-
-
 def _merged(into: dict, derived: dict) -> None:
     """Fold one pair's ``measure`` into ``into``: the larger value per operator / quantity and
     bound (a bound is the rounded-up multiple of its maximum, so the larger bound is the bound of
@@ -89,7 +78,7 @@ def _write(args: argparse.Namespace) -> int:
         if diff.verdict.value in ("incomparable", "inconclusive") or diff.input_differences:
             raise DriftToolError(f"{path_a} and {path_b} are not one program's two arithmetics "
                                  f"({diff.verdict.value}: {diff.reason}): no profile is derived")
-        sides = {"a": _settings(ra), "b": _settings(rb)}
+        sides = {"a": run_scope(ra), "b": run_scope(rb)}
         if first is None:
             first = sides
         elif sides != first:

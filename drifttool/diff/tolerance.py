@@ -59,8 +59,10 @@ PROFILES_DIR = Path(__file__).with_name("profiles")
 TOP_KEYS = ("schema", "version", "name", "description", "applies_to", "derivation", "measured_on",
             "ops", "steps")
 """The keys a profile file may hold (any other is refused: a typo must not pass silently)."""
-SCOPE_FIELDS = ("mode", "device", "dtype", "capture", "steps", "fixture")
-"""Settings compared with a profile's ``applies_to`` (``scope_notes``)."""
+SCOPE_FIELDS = ("mode", "device", "dtype", "capture", "steps", "fixture", "kind", "grad", "lora_mode",
+                "internals")
+"""What makes a run the program it is (``run_scope``), compared with a profile's ``applies_to``
+(``scope_notes``)."""
 
 OP_BOUNDS = ("rel_l2", "rel_maxabs")
 """Bounds an op record (summaries) is judged on."""
@@ -150,16 +152,29 @@ def _validated(data: Any, where: str) -> Profile:
                    description=str(data.get("description", "")), applies_to=applies)
 
 
+def run_scope(run: Any) -> dict[str, Any]:
+    """``SCOPE_FIELDS`` of a run (a ``Run``): its settings (mode, device — the CPU where none is
+    recorded —, dtype, capture level, steps, fixture), its kind (``rollout``, ``recompute``, ...),
+    whether it took gradients, its adapter's LoRA mode and, at L2, whether it captured the
+    attention's internals; fields the run does not record are left out."""
+    s = run.manifest.get("settings", {})
+    out = {k: s.get(k, "cpu" if k == "device" else None) for k in ("mode", "device", "dtype", "capture",
+                                                                    "steps", "fixture", "internals")}
+    out.update(kind=run.manifest.get("kind"), grad=bool((run.manifest.get("train") or {}).get("grad")),
+               lora_mode=s.get("lora_mode") if s.get("lora") else None)
+    return {k: out[k] for k in SCOPE_FIELDS if out[k] is not None}
+
+
 def scope_notes(profile: Profile, run_a: Any, run_b: Any) -> list[str]:
-    """One note per run whose settings (``SCOPE_FIELDS``) differ from those the profile was
-    measured on (``applies_to``): its bounds are evidence for such pairs, not proof for others."""
+    """One note per run whose scope (``run_scope``) differs from the one the profile was
+    measured on (``applies_to``; a field it does not name is not compared): its bounds are
+    evidence for such pairs, not proof for others."""
     notes = []
     for side, run in (("a", run_a), ("b", run_b)):
         want = profile.applies_to.get(side) or {}
-        have = run.manifest.get("settings", {})
-        value = {k: have.get(k, "cpu" if k == "device" else None) for k in SCOPE_FIELDS}  # cpu unrecorded
-        off = [f"{k} {value[k]!r} (profile: {want[k]!r})" for k in SCOPE_FIELDS
-               if k in want and value[k] != want[k]]
+        value = run_scope(run)
+        off = [f"{k} {value.get(k)!r} (profile: {want[k]!r})" for k in SCOPE_FIELDS
+               if k in want and value.get(k) != want[k]]
         if off:
             notes.append(f"tolerance profile {profile.name} was measured on other settings than run "
                          f"{side.upper()}'s: " + ", ".join(off))

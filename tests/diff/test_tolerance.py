@@ -130,6 +130,22 @@ def test_settings_outside_the_profiles_scope_are_noted(pair, tmp_path):
     assert any("measured on other settings than run B's: device 'cpu'" in n for n in r.notes), r.notes
 
 
+def test_a_training_profile_notes_a_pair_that_did_not_train(pair, tmp_path):
+    """A profile measured on training recomputes (kind, gradients, adapter mode in its
+    ``applies_to``) judging a pair of runs that are none of these says so for each run."""
+    scope = {"mode": "strict", "kind": "recompute", "grad": True, "lora_mode": "unfused-fp32"}
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": 1, "name": "train",
+                                "applies_to": {"a": scope, "b": scope}, "ops": LOOSE_OPS,
+                                "steps": LOOSE_STEPS}))
+    r = diff_runs(*(open_run(p) for p in pair), tolerance=load_profile(path))
+    notes = [n for n in r.notes if "measured on other settings" in n]
+    assert len(notes) == 2, r.notes
+    for n in notes:
+        assert "kind None (profile: 'recompute')" in n and "grad False (profile: True)" in n, n
+        assert "lora_mode None (profile: 'unfused-fp32')" in n, n
+
+
 @pytest.mark.parametrize("extra,words", [({"opz": {}}, "unknown key"), ({"version": True}, "version True")])
 def test_typos_and_odd_versions_are_refused(tmp_path, extra, words):
     path = tmp_path / "t.json"
