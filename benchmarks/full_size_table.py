@@ -106,10 +106,13 @@ def cases(args, work: Path, shape: str, batch: int):
                                "--overwrite"], 0)
         yield ("diff rollout / replay", ["diff", rollout, str(tag / "replay")], 0)
     if "recompute" in parts:
+        outs = []
         for name, extra in (RECOMPUTES[c] for c in CHECKPOINTING[args.checkpointing]):
-            out = str(tag / _slug(name))
-            yield (name, ["recompute", rollout, *lora, "--grad", *extra, "-o", out, "--overwrite"], 0)
-            yield (f"diff rollout / {name}", ["diff", rollout, out], 0)
+            outs.append(str(tag / _slug(name)))
+            yield (name, ["recompute", rollout, *lora, "--grad", *extra, "-o", outs[-1], "--overwrite"], 0)
+            yield (f"diff rollout / {name}", ["diff", rollout, outs[-1]], 0)
+        if len(outs) == 2:  # checkpointing off against on: v_t, logp_t and the LoRA gradients
+            yield ("diff recompute / checkpointing", ["diff", *outs], 0)
     if "localize" in parts:
         yield ("diff --localize, L0 pair", ["diff", str(tag / "strict-L0"), str(tag / "auto-L0"), "--localize",
                                             "--checkpoint", str(work / "qwen")], 1)

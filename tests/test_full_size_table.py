@@ -25,8 +25,11 @@ def test_the_recomputes_checkpointing_asks_for(tmp_path, checkpointing, want):
     recomputes = [argv for label, argv in cases if argv[0] == "recompute"]
     assert [("--gradient-checkpointing" in argv) for argv in recomputes] == want
     assert all("--grad" in argv for argv in recomputes)
-    diffs = [argv for label, argv in cases if argv[0] == "diff"]  # each diffed against the rollout
-    assert [d[2] for d in diffs] == [r[r.index("-o") + 1] for r in recomputes]
+    outs = [r[r.index("-o") + 1] for r in recomputes]
+    diffs = [argv for label, argv in cases if argv[0] == "diff"]  # each against the rollout
+    assert [d[2] for d in diffs[:len(outs)]] == outs
+    # with both, the two recomputes against each other: their LoRA gradients too
+    assert diffs[len(outs):] == ([["diff", *outs]] if len(outs) == 2 else [])
 
 
 def test_every_part_in_order_under_its_case_folder(tmp_path):
