@@ -15,12 +15,18 @@ the norms, rotations, modulations and residuals, elementwise kernels). Three gra
   kernel) launched right after the output, on the forward's stream, as a captured forward does;
 * ``+ digests, side stream``: each row table launched on a second stream that first waits for the
   forward's stream at that point (an event: a graph edge), the two streams joined once at the
-  end; every output is held until then.
+  end; every output is held until then;
+* ``forward, one buffer``: the blocks writing their six outputs into the rows of one [9 × tokens,
+  3072] buffer a block (``out=``; the MLP's hidden state as 4 × tokens rows of 3072), the same
+  GEMMs;
+* ``+ one digest a block``: that buffer's row table, one launch at the block's end: the same bytes
+  read as six launches read, in one (does a launch per output cost, beyond its bytes?).
 
 Prints ms per block (median of ``--reps`` replays, CUDA events), each graph's ratio to the
 forward, the bytes the digests read per block and the share of the same-stream overhead the
 side stream hides, and whether the two digest graphs' row tables are equal (``combine_splits``:
-they read the same outputs). What it does not show: the attention (a long compute-bound kernel,
+they read the same outputs), and whether the one-launch tables' rows of q, k, v, the projection and
+the down projection equal theirs. What it does not show: the attention (a long compute-bound kernel,
 more room to overlap) and the elementwise outputs (memory-bound themselves, less). Without CUDA
 it prints why and exits 0.
 """
@@ -39,8 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HIDDEN, MLP = 3072, 12288
-MODES = ("forward", "same", "side")
-LABELS = {"forward": "forward", "same": "+ digests, same stream", "side": "+ digests, side stream"}
+MODES = ("forward", "same", "side", "buffer", "block")
+LABELS = {"forward": "forward", "same": "+ digests, same stream", "side": "+ digests, side stream",
+          "buffer": "forward, one buffer", "block": "+ one digest a block"}
+BASE = {"same": "forward", "side": "forward", "block": "buffer"}
+"""Each digest graph's forward: the ratio's denominator."""
 
 
 def weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -60,6 +69,21 @@ def block(h: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[list[torch.Tenso
     return [q, k, v, o, up, down], down
 
 
+def block_into(h: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block``'s GEMMs writing into one ``[9 * tokens, HIDDEN]`` buffer: rows of q, k, v, the
+    projection, the down projection, then the MLP's hidden state (``[tokens, MLP]`` as
+    ``4 * tokens`` rows); the buffer and the block's output."""
+    t = h.shape[0]
+    buf = torch.empty(9 * t, HIDDEN, dtype=h.dtype, device=h.device)
+    q, k, v, o, down = (buf[i * t:(i + 1) * t] for i in range(5))
+    up = buf[5 * t:].view(t, MLP)
+    for name, src, dst in (("q", h, q), ("k", h, k), ("v", h, v), ("o", v, o)):
+        torch.mm(src, w[name].t(), out=dst)
+    torch.ops.aten.gelu.out(F.linear(o, w["up"]), approximate="tanh", out=up)
+    torch.mm(up, w["down"].t(), out=down)
+    return buf, down
+
+
 def chain(mode: str, x: torch.Tensor, w: dict, blocks: int, side: torch.cuda.Stream, tables: list,
           held: list) -> None:
     """``blocks`` blocks from ``x``; the outputs' row tables appended to ``tables`` (``mode``
@@ -69,6 +93,11 @@ def chain(mode: str, x: torch.Tensor, w: dict, blocks: int, side: torch.cuda.Str
     main = torch.cuda.current_stream()
     h = x
     for _ in range(blocks):
+        if mode in ("buffer", "block"):
+            buf, h = block_into(h, w)
+            if mode == "block":
+                tables.append(gpu_rows.row_table(buf))
+            continue
         outs, h = block(h, w)
         for t in outs:
             if mode == "same":
@@ -136,21 +165,28 @@ def main() -> int:
         tables[mode] = [gpu_rows.combine_splits(*t)[0] for t in tabs]
     same = len(tables["same"]) == len(tables["side"]) and all(
         torch.equal(a, b) for a, b in zip(tables["same"], tables["side"]))
+    t = args.tokens  # the same-stream tables of q, k, v, o and down against the buffer's rows
+    parts = [torch.cat([tables["same"][6 * b + i] for i in (0, 1, 2, 3, 5)]) for b in range(args.blocks)]
+    one = all(torch.equal(p, b[:5 * t]) for p, b in zip(parts, tables["block"]))
     read_gb = 9 * args.tokens * HIDDEN * 2 / 1e9
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens, "
           f"{args.blocks} blocks a graph, median of {args.reps} replays")
-    print("| graph | ms per block | × forward |")
+    print("| graph | ms per block | × its forward |")
     print("|---|---:|---:|")
     for mode in MODES:
-        print(f"| {LABELS[mode]} | {ms[mode]:.3f} | {ms[mode] / ms['forward']:.3f} |")
+        print(f"| {LABELS[mode]} | {ms[mode]:.3f} | {ms[mode] / ms[BASE.get(mode, mode)]:.3f} |")
     extra_same, extra_side = ms["same"] - ms["forward"], ms["side"] - ms["forward"]
     print(f"\ndigests read {read_gb:.3f} GB a block: {read_gb / extra_same:.2f} TB/s of added time on "
           f"the same stream" if extra_same > 0 else "\nthe same-stream digests added no time")
     if extra_same > 0:
         print(f"the side stream hides {100 * (1 - extra_side / extra_same):.0f} % of the same-stream "
               f"digests' added time")
-    print(f"row tables equal on both streams: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    extra_block = ms["block"] - ms["buffer"]
+    print(f"one launch a block: {read_gb / extra_block:.2f} TB/s of added time" if extra_block > 0
+          else "one launch a block added no time")
+    print(f"row tables equal on both streams: {'yes' if same else 'NO'}; "
+          f"one launch's rows equal the six launches': {'yes' if one else 'NO'}")
+    return 0 if same and one else 1
 
 
 if __name__ == "__main__":
