@@ -2,7 +2,7 @@
 
     $ python benchmarks/full_size_table.py [--work /dev/shm/drifttool-table] [--layers 60] \
           [--shapes 1024x1024,1328x1328,1664x928] [--batches 1] [--steps 10] [--device cuda] \
-          [--parts run,replay,recompute,localize]
+          [--parts run,replay,recompute,localize,diffusers]
 
 A random full-width pipeline folder with ``--layers`` blocks and a random LoRA adapter is written
 once under ``--work`` (``make_random_checkpoint.py``; reused when present; its layer count is
@@ -23,7 +23,11 @@ through ``measure_cli.py`` in a fresh process:
   fits a full-size recompute), each diffed against the trajectory (expected identical);
 * ``localize``: the strict and production L0 trajectories diffed with ``--localize`` (the first
   drifting step re-run at L2) beside the plain diff of the two L2 trajectories, which costs the
-  L2 runs themselves.
+  L2 runs themselves;
+* ``diffusers``: the same jobs as diffusers and peft run them (``diffusers_jobs.py``, timed the
+  same way): an unmodified ``QwenImagePipeline`` trajectory with the adapter loaded, and a peft
+  LoRA training recompute with and without gradient checkpointing (``--checkpointing``), for
+  the time and peak memory beside drifttool's.
 
 Each shape and batch writes under ``WORK/<shape>-b<batch>-<lora mode>-s<steps>/``, so calls with
 another mode or step count never reuse each other's rollouts. Each row: the command, its exit
@@ -58,16 +62,20 @@ from drifttool.model.lora import LORA_MODES  # noqa: E402
 VERDICT_WORDS = {*(v.value.upper() for v in Verdict), "WITHIN", "BEYOND", "error"}
 """The words a command's verdict line starts with: diff's verdicts, a tolerance profile's, an error."""
 
-PARTS = ("run", "replay", "recompute", "localize")
+PARTS = ("run", "replay", "recompute", "localize", "diffusers")
+DIFFUSERS = "diffusers_jobs.py"
+"""An argv starting with this runs ``benchmarks/diffusers_jobs.py`` (diffusers' own job), not the CLI."""
 RECOMPUTES = {"off": ("recompute --grad", []), "on": ("recompute --grad, checkpointing", ["--gradient-checkpointing"])}
 CHECKPOINTING = {"off": ("off",), "on": ("on",), "both": ("off", "on")}
 """``--checkpointing``: which of ``RECOMPUTES`` run (without gradient checkpointing, with it)."""
 
 
 def measured(argv: list[str], log: Path) -> dict:
-    """``drifttool argv`` in a fresh process (``measure_cli.py``): its rc, wall s, peak GPU GiB
-    and peak host GiB (``os.wait4``); its output goes to ``log``."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "measure_cli.py"), *argv]
+    """``drifttool argv`` in a fresh process (``measure_cli.py``), or ``diffusers_jobs.py`` when
+    ``argv`` starts with ``DIFFUSERS``: its rc, wall s, peak GPU GiB and peak host GiB
+    (``os.wait4``); its output goes to ``log``."""
+    script, args = (DIFFUSERS, argv[1:]) if argv[0] == DIFFUSERS else ("measure_cli.py", argv)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -78,7 +86,8 @@ def measured(argv: list[str], log: Path) -> dict:
         row.update(json.loads(line[len("MEASURED "):]))
     row["peak_host_gib"] = round(usage.ru_maxrss / 2**20, 2)  # ru_maxrss: KiB on Linux
     row["result"] = _verdict(text)
-    row["command"] = "drifttool " + shlex.join(argv)
+    row["command"] = (f"python benchmarks/{DIFFUSERS} " + shlex.join(args) if script == DIFFUSERS
+                      else "drifttool " + shlex.join(argv))
     return row
 
 
@@ -117,6 +126,12 @@ def cases(args, work: Path, shape: str, batch: int):
         yield ("diff --localize, L0 pair", ["diff", str(tag / "strict-L0"), str(tag / "auto-L0"), "--localize",
                                             "--checkpoint", str(work / "qwen")], 1)
         yield ("diff, L2 pair", ["diff", str(tag / "strict-L2"), str(tag / "auto-L2")], 1)
+    if "diffusers" in parts:
+        job = ["--checkpoint", str(work / "qwen"), "--lora", str(work / "lora"), "--height", str(h), "--width",
+               str(w), "--steps", str(args.steps), "--batch", str(batch), "--device", args.device]
+        yield ("diffusers trajectory, adapter loaded", [DIFFUSERS, "trajectory", *job], 0)
+        for name, extra in (RECOMPUTES[c] for c in CHECKPOINTING[args.checkpointing]):
+            yield (f"diffusers + peft {name}", [DIFFUSERS, "recompute", *job, *extra], 0)
 
 
 def _shape(text: str) -> tuple[int, int]:

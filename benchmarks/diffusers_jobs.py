@@ -1,0 +1,184 @@
+"""diffusers' and peft's own run of a user's full-size job, timed as ``measure_cli.py`` times
+drifttool's: the rows ``full_size_table.py`` puts beside drifttool's (part ``diffusers``).
+
+    $ python benchmarks/diffusers_jobs.py trajectory --checkpoint DIR [--lora ADAPTER] \
+          [--height 1024] [--width 1024] [--steps 10] [--batch 1] [--device cuda]
+    $ python benchmarks/diffusers_jobs.py recompute --checkpoint DIR --lora ADAPTER ... \
+          [--gradient-checkpointing]
+    ... (a summary)
+    MEASURED {"rc": 0, "wall_s": 61.2, "peak_gpu_gib": 44.1}
+
+Both take the inputs ``drifttool run`` builds for the same settings (``RunSettings.inputs``: the
+default fixture's prompt lengths, embeddings drawn at the checkpoint's width, the pinned initial
+latents of samples 0..B-1, the fixture's seed), so the transformer sees the same shapes as drifttool's:
+
+* ``trajectory``: an unmodified ``QwenImagePipeline`` around the folder's transformer
+  (``QwenImageTransformer2DModel.from_pretrained``, bf16, then moved to ``--device``; no text
+  encoder or VAE: the embeddings are passed, ``output_type="latent"``), the adapter loaded as
+  diffusers loads one (``load_lora_weights``: unfused, factors in bf16), called with CFG
+  ``--cfg-scale`` (diffusers runs the two branches one after the other) for ``--steps`` steps of
+  Qwen-Image's scheduler. diffusers' sampler is the ODE; drifttool's rollout adds the SDE window
+  (a few elementwise kernels a step).
+* ``recompute``: a LoRA training recompute as a peft trainer (Flow-GRPO's) runs it: the adapter
+  attached with ``PeftModel.from_pretrained(..., is_trainable=True)`` (FP32 factors, peft's
+  default, the base frozen), then per step one forward of both CFG branches batched with grad,
+  the CFG combination with Qwen-Image's norm rescale, a scalar loss (the combined velocity
+  against a fixed random tensor, standing in for the log-probability's gradient) and its
+  backward; the factors' gradients add over the steps. The step's latents are the initial
+  ones at every step (the cost does not depend on their values); ``--gradient-checkpointing``:
+  diffusers' ``enable_gradient_checkpointing``.
+
+``wall_s``: from after the imports (torch, diffusers, peft, drifttool's input builder) to the
+end, the load included; ``peak_gpu_gib``: ``torch.cuda.max_memory_allocated`` (null without
+CUDA). The exit status is 0, or 2 with one ``error:`` line (a folder diffusers cannot read, an
+out-of-memory), the MEASURED line printed either way. Runs on the CPU too (a small folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+JOBS = ("trajectory", "recompute")
+SEED = 386
+"""The loss's random target's seed."""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="diffusers_jobs.py", description=__doc__.splitlines()[0])
+    ap.add_argument("job", choices=JOBS)
+    ap.add_argument("--checkpoint", type=Path, required=True, help="a pipeline or transformer folder")
+    ap.add_argument("--lora", type=Path, default=None, help="a peft adapter folder (recompute: required)")
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=1, help="logical samples (each with both CFG branches)")
+    ap.add_argument("--cfg-scale", type=float, default=4.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute only")
+    args = ap.parse_args(argv)
+    if args.height % 16 or args.width % 16 or min(args.height, args.width, args.steps, args.batch) < 1:
+        ap.error("--height and --width must be positive multiples of 16, --steps and --batch at least 1")
+    if args.job == "recompute" and args.lora is None:
+        ap.error("recompute trains an adapter: give --lora")
+    if args.cfg_scale <= 1:
+        ap.error("--cfg-scale must be above 1 (the jobs run both CFG branches)")
+    return args
+
+
+def inputs(args: argparse.Namespace, folder: Path):
+    """``drifttool run``'s inputs for these settings (``RolloutInputs``, CPU fp32): the spec
+    ``run`` resolves, the fixture's seed."""
+    from drifttool.model.checkpoint import read_config
+    from drifttool.settings import RunSpec, resolve
+
+    fx, settings = resolve(RunSpec(checkpoint=args.checkpoint, steps=args.steps, cfg_scale=args.cfg_scale,
+                                   batch=args.batch, height=args.height, width=args.width, mode="auto"))
+    built, _ = settings.inputs(fx, read_config(folder))
+    return built
+
+
+def transformer(args: argparse.Namespace):
+    from diffusers import QwenImageTransformer2DModel
+
+    folder = args.checkpoint / "transformer" if (args.checkpoint / "model_index.json").exists() else args.checkpoint
+    return QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(args.device), folder
+
+
+def trajectory(args: argparse.Namespace) -> dict:
+    from tests.diffusers_pipeline import tiny_pipeline  # an unmodified QwenImagePipeline, any transformer
+
+    model, folder = transformer(args)
+    x = inputs(args, folder)
+    pipe = tiny_pipeline(model)
+    if args.lora is not None:
+        pipe.load_lora_weights(args.lora)
+    dev, bf16 = args.device, torch.bfloat16
+    neg = x.neg_txt.expand(args.batch, -1, -1)
+    neg_mask = None if x.neg_mask is None else x.neg_mask.expand(args.batch, -1).to(dev)
+    out = pipe(latents=x.x0.to(dev, bf16), prompt_embeds=x.txt.to(dev, bf16),
+               prompt_embeds_mask=None if x.txt_mask is None else x.txt_mask.to(dev),
+               negative_prompt_embeds=neg.to(dev, bf16), negative_prompt_embeds_mask=neg_mask,
+               true_cfg_scale=args.cfg_scale, height=args.height, width=args.width,
+               num_inference_steps=args.steps, max_sequence_length=max(x.txt.shape[1], neg.shape[1]),
+               output_type="latent").images
+    return {"latents": tuple(out.shape), "finite": bool(torch.isfinite(out).all()),
+            "LoRA layers": sum(hasattr(m, "lora_A") for m in model.modules())}
+
+
+def _padded(t: torch.Tensor, mask: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L, D]`` embeddings right-padded to ``width`` tokens, with their key mask."""
+    b, n = t.shape[0], t.shape[1]
+    m = torch.ones(b, n, dtype=torch.bool) if mask is None else mask.bool()
+    return (torch.cat([t, t.new_zeros(b, width - n, t.shape[2])], 1),
+            torch.cat([m, m.new_zeros(b, width - n)], 1))
+
+
+def recompute(args: argparse.Namespace) -> dict:
+    from peft import PeftModel
+
+    base, folder = transformer(args)
+    x = inputs(args, folder)
+    if args.gradient_checkpointing:
+        base.enable_gradient_checkpointing()
+    model = PeftModel.from_pretrained(base, str(args.lora), is_trainable=True)
+    model.train()
+    dev, bf16, b = args.device, torch.bfloat16, args.batch
+    width = max(x.txt.shape[1], x.neg_txt.shape[1])
+    neg, neg_mask = _padded(x.neg_txt.expand(b, -1, -1), None if x.neg_mask is None
+                            else x.neg_mask.expand(b, -1), width)
+    txt, txt_mask = _padded(x.txt, x.txt_mask, width)
+    emb = torch.cat([neg, txt]).to(dev, bf16)  # [uncond; cond], as a batched-CFG trainer
+    mask = torch.cat([neg_mask, txt_mask]).to(dev)
+    lat = torch.cat([x.x0, x.x0]).to(dev, bf16)
+    target = torch.randn(x.x0.shape, generator=torch.Generator().manual_seed(SEED)).to(dev)
+    grid = [(1, args.height // 16, args.width // 16)] * (2 * b)
+    for sigma in torch.linspace(1.0, 0.02, args.steps).tolist():
+        tau = torch.full((2 * b,), sigma, device=dev, dtype=bf16)
+        v = model(hidden_states=lat, encoder_hidden_states=emb, encoder_hidden_states_mask=mask,
+                  timestep=tau, img_shapes=grid, return_dict=False)[0].float()
+        uncond, cond = v[:b], v[b:]
+        comb = uncond + args.cfg_scale * (cond - uncond)  # Qwen-Image's true CFG, norm-rescaled
+        comb = comb * (cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+        (comb * target).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    return {"gradient checkpointing": base.is_gradient_checkpointing, "trainable tensors": len(grads), "with gradients": sum(g is not None for g in grads),
+            "gradients finite": all(g is None or bool(torch.isfinite(g).all()) for g in grads)}
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    import diffusers  # noqa: F401  (imported before the clock starts, as measure_cli's CLI import)
+    import peft  # noqa: F401
+
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+    t0 = time.perf_counter()
+    rc = 0
+    try:
+        summary = (trajectory if args.job == "trajectory" else recompute)(args)
+        print(f"diffusers {args.job}: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    except torch.OutOfMemoryError:
+        print(f"error: out of device memory ({args.job} at {args.height}x{args.width}, batch {args.batch})")
+        rc = 2
+    except (OSError, ValueError, RuntimeError) as e:  # a folder diffusers or peft cannot read
+        print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        rc = 2
+    wall = time.perf_counter() - t0
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    print("MEASURED " + json.dumps({"rc": rc, "wall_s": round(wall, 2),
+                                    "peak_gpu_gib": None if gpu is None else round(gpu, 2)}), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
