@@ -9,7 +9,7 @@ once under ``--work`` (``make_random_checkpoint.py``; reused when present; its l
 the folder's, whatever ``--layers`` says later). Then, per shape
 (height × width) and batch (``drifttool run --batch``: logical samples, each with both CFG
 branches batched, so the transformer's batch is twice it), the commands of ``--parts``, each
-through ``measure_cli.py`` in a fresh process:
+through ``measure_cli.py`` (the ``diffusers`` part: ``diffusers_jobs.py``) in a fresh process:
 
 * ``run``: strict ``--steps``-step CFG/SDE trajectories with the adapter (``--lora-mode``, by
   default ``unfused-fp32``: W stays bf16 and the FP32 factors run beside it, a trainer's peft
