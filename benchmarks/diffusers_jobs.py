@@ -37,7 +37,6 @@ out-of-memory), the MEASURED line printed either way. Runs on the CPU too (a sma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from measure_cli import measured_line  # noqa: E402
 
 JOBS = ("trajectory", "recompute")
 SEED = 386
@@ -150,7 +150,8 @@ def recompute(args: argparse.Namespace) -> dict:
         comb = comb * (cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
         (comb * target).sum().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
-    return {"gradient checkpointing": base.is_gradient_checkpointing, "trainable tensors": len(grads), "with gradients": sum(g is not None for g in grads),
+    return {"gradient checkpointing": base.is_gradient_checkpointing, "trainable tensors": len(grads),
+            "with gradients": sum(g is not None for g in grads),
             "gradients finite": all(g is None or bool(torch.isfinite(g).all()) for g in grads)}
 
 
@@ -173,10 +174,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # a folder diffusers or peft cannot read
         print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         rc = 2
-    wall = time.perf_counter() - t0
-    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    print("MEASURED " + json.dumps({"rc": rc, "wall_s": round(wall, 2),
-                                    "peak_gpu_gib": None if gpu is None else round(gpu, 2)}), flush=True)
+    print(measured_line(rc, t0), flush=True)
     return rc
 
 

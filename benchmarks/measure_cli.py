@@ -31,11 +31,17 @@ def main(argv: list[str]) -> int:
         rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    print(measured_line(rc, t0), flush=True)
+    return rc
+
+
+def measured_line(rc: int, t0: float) -> str:
+    """The ``MEASURED`` line of a job that began at ``t0`` (``time.perf_counter``) and ends now with
+    exit status ``rc`` (``diffusers_jobs.py`` prints the same)."""
     wall = time.perf_counter() - t0
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    print("MEASURED " + json.dumps({"rc": rc, "wall_s": round(wall, 2),
-                                    "peak_gpu_gib": None if gpu is None else round(gpu, 2)}), flush=True)
-    return rc
+    return "MEASURED " + json.dumps({"rc": rc, "wall_s": round(wall, 2),
+                                     "peak_gpu_gib": None if gpu is None else round(gpu, 2)})
 
 
 if __name__ == "__main__":
