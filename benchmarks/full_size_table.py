@@ -20,7 +20,8 @@ through ``measure_cli.py`` (the ``diffusers`` part: ``diffusers_jobs.py``) in a 
 * ``replay``: the L1 trajectory replayed, and diffed against it (expected identical);
 * ``recompute``: its training recompute with gradients, without and with gradient
   checkpointing (``--checkpointing off|on|both``, default both: on an 80 GiB GPU only ``on``
-  fits a full-size recompute), each diffed against the trajectory (expected identical);
+  fits a full-size recompute), each diffed against the trajectory (expected identical), and
+  with both, the two diffed against each other (their LoRA gradients too: expected identical);
 * ``localize``: the strict and production L0 trajectories diffed with ``--localize`` (the first
   drifting step re-run at L2) beside the plain diff of the two L2 trajectories, which costs the
   L2 runs themselves;
