@@ -7,7 +7,7 @@ A block here is the GEMM part of a Qwen-Image block as diffusers runs it (``F.li
 hidden 3072, MLP 12288, bf16, random weights scaled by 1/sqrt(in)): q, k and v, a projection
 standing in for the attention's, the MLP's up projection with GELU and its down projection. Its
 six outputs are 9 of the 18 [tokens, 3072] bf16 outputs a block's L1 records read (the rest are
-the norms, rotations, modulations and residuals, elementwise kernels). Three graphs, each
+the norms, rotations, modulations and residuals, elementwise kernels). Five graphs, each
 ``--blocks`` blocks long:
 
 * ``forward``: the blocks alone;
@@ -143,7 +143,7 @@ def timed(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--tokens", type=int, default=4096, help="rows of every output (default: %(default)s, 1024²)")
     ap.add_argument("--blocks", type=int, default=8, help="blocks per graph (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5, help="replays timed per graph (default: %(default)s)")

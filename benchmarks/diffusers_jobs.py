@@ -24,19 +24,24 @@ latents of samples 0..B-1, the fixture's seed), so the transformer sees the same
   default, the base frozen), then per step one forward of both CFG branches batched with grad,
   the CFG combination with Qwen-Image's norm rescale, a scalar loss (the combined velocity
   against a fixed random tensor, standing in for the log-probability's gradient) and its
-  backward; the factors' gradients add over the steps. The step's latents are the initial
+  backward; the factors' gradients add over the steps (the summary counts the factors with a
+  gradient: a layer whose output nothing uses, as the last block's text stream's, gets none). The
+  step's latents are the initial
   ones at every step (the cost does not depend on their values); ``--gradient-checkpointing``:
   diffusers' ``enable_gradient_checkpointing``.
 
 ``wall_s``: from after the imports (torch, diffusers, peft, drifttool's input builder) to the
 end, the load included; ``peak_gpu_gib``: ``torch.cuda.max_memory_allocated`` (null without
-CUDA). The exit status is 0, or 2 with one ``error:`` line (a folder diffusers cannot read, an
-out-of-memory), the MEASURED line printed either way. Runs on the CPU too (a small folder).
+CUDA). The exit status is 0, or 2 with one line: argparse's for bad arguments (before anything
+runs), or ``error:`` for a folder or adapter diffusers or peft cannot read or an out-of-memory,
+the MEASURED line printed then. Runs on the CPU too (``--device cpu``, a small folder). Needs
+diffusers (both jobs) and peft (``recompute``): the ``[test]`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -53,7 +58,10 @@ SEED = 386
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="diffusers_jobs.py", description=__doc__.splitlines()[0])
+    """The job's arguments; ``SystemExit`` 2 with one line (argparse's) for a bad one: a size not a
+    multiple of 16, a job without what it needs, a folder or adapter that is not there, a device
+    this machine lacks, a library the job needs missing."""
+    ap = argparse.ArgumentParser(prog="diffusers_jobs.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("job", choices=JOBS)
     ap.add_argument("--checkpoint", type=Path, required=True, help="a pipeline or transformer folder")
     ap.add_argument("--lora", type=Path, default=None, help="a peft adapter folder (recompute: required)")
@@ -62,7 +70,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=1, help="logical samples (each with both CFG branches)")
     ap.add_argument("--cfg-scale", type=float, default=4.0)
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute only")
     args = ap.parse_args(argv)
     if args.height % 16 or args.width % 16 or min(args.height, args.width, args.steps, args.batch) < 1:
@@ -71,6 +79,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ap.error("recompute trains an adapter: give --lora")
     if args.cfg_scale <= 1:
         ap.error("--cfg-scale must be above 1 (the jobs run both CFG branches)")
+    if not args.checkpoint.is_dir():
+        ap.error(f"--checkpoint {args.checkpoint}: not a folder (a pipeline or transformer folder)")
+    if args.lora is not None and not args.lora.exists():
+        ap.error(f"--lora {args.lora}: no such adapter")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this machine has no CUDA device (--device cpu runs on the CPU)")
+    for lib in ("diffusers", *(("peft",) if args.job == "recompute" else ())):
+        if importlib.util.find_spec(lib) is None:
+            ap.error(f"the {args.job} job needs {lib} (pip install -e '.[test]')")
     return args
 
 
@@ -158,9 +175,10 @@ def recompute(args: argparse.Namespace) -> dict:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     import diffusers  # noqa: F401  (imported before the clock starts, as measure_cli's CLI import)
-    import peft  # noqa: F401
-
     from diffusers.utils import logging as dlogging
+
+    if args.job == "recompute":
+        import peft  # noqa: F401
 
     dlogging.set_verbosity_error()
     t0 = time.perf_counter()
@@ -171,7 +189,7 @@ def main(argv: list[str]) -> int:
     except torch.OutOfMemoryError:
         print(f"error: out of device memory ({args.job} at {args.height}x{args.width}, batch {args.batch})")
         rc = 2
-    except (OSError, ValueError, RuntimeError) as e:  # a folder diffusers or peft cannot read
+    except Exception as e:  # noqa: BLE001 - a folder or adapter diffusers or peft cannot read: one line
         print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         rc = 2
     print(measured_line(rc, t0), flush=True)

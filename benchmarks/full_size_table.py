@@ -30,8 +30,9 @@ through ``measure_cli.py`` (the ``diffusers`` part: ``diffusers_jobs.py``) in a 
   LoRA training recompute with and without gradient checkpointing (``--checkpointing``), for
   the time and peak memory beside drifttool's.
 
-Each shape and batch writes under ``WORK/<shape>-b<batch>-<lora mode>-s<steps>/``, so calls with
-another mode or step count never reuse each other's rollouts. Each row: the command, its exit
+Each shape and batch writes under ``WORK/<shape>-b<batch>-<lora mode>-s<steps>/`` (with
+``-<device>`` after it for a device other than ``cuda``), so calls with another mode, step count
+or device never reuse each other's rollouts. Each row: the command, its exit
 status, its verdict (the first IDENTICAL, DRIFT, WITHIN, ... or error line it printed), wall seconds (the command's own, imports not counted;
 loading, weight digest and capture included), the peak GPU memory torch's allocator held and
 the peak host resident memory. The table is printed and appended, one JSON object a row, to
@@ -95,7 +96,8 @@ def measured(argv: list[str], log: Path) -> dict:
 def case_dir(work: Path, shape: str, batch: int, args) -> Path:
     """Where one shape and batch's artifacts and logs go: the LoRA mode and step count in the name,
     so a later call with others never reuses (or labels as its own) an earlier call's rollouts."""
-    return work / f"{shape}-b{batch}-{args.lora_mode}-s{args.steps}"
+    device = "" if args.device == "cuda" else "-" + re.sub(r"[^A-Za-z0-9]", "", args.device)
+    return work / f"{shape}-b{batch}-{args.lora_mode}-s{args.steps}{device}"
 
 
 def cases(args, work: Path, shape: str, batch: int):
@@ -138,9 +140,16 @@ def cases(args, work: Path, shape: str, batch: int):
 def _shape(text: str) -> tuple[int, int]:
     """``HEIGHTxWIDTH`` in pixels as (height, width); ``SystemExit`` with one line otherwise."""
     parts = text.split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        sys.exit(f"full_size_table.py: --shapes {text!r}: give HEIGHTxWIDTH in pixels, e.g. 1024x1024")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 and int(p) % 16 == 0 for p in parts):
+        sys.exit(f"full_size_table.py: --shapes {text!r}: give HEIGHTxWIDTH in pixels, multiples of 16, "
+                 f"e.g. 1024x1024")
     return int(parts[0]), int(parts[1])
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _verdict(text: str) -> str | None:
@@ -196,6 +205,13 @@ def main() -> int:
         sys.exit(f"full_size_table.py: unknown parts {bad}: choose from {', '.join(PARTS)}")
     for shape in args.shapes.split(","):
         _shape(shape)
+    if not all(b.isdigit() and int(b) > 0 for b in args.batches.split(",")):
+        sys.exit(f"full_size_table.py: --batches {args.batches!r}: give positive integers, e.g. 1,2")
+    if not 2 <= args.steps <= 1000:
+        sys.exit(f"full_size_table.py: --steps {args.steps}: a trajectory takes 2 to 1000 steps")
+    if args.device.startswith("cuda") and not _cuda():
+        sys.exit(f"full_size_table.py: --device {args.device}: this machine has no CUDA device "
+                 f"(--device cpu with small --layers and shapes tries the commands)")
     try:
         import diffusers  # noqa: F401  (make_random_checkpoint.py writes the folder with it)
     except ImportError:

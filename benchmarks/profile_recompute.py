@@ -146,6 +146,9 @@ def main(argv: list[str]) -> int:
             sys.argv = argv0
     if seconds:  # the recompute ran (a refusal printed its one line)
         print(table(phases, seconds[0]))
+        if args.out is None:
+            print("(the recompute's artifact was temporary and is removed: -o OUT keeps it for the "
+                  "`compare:` line above)")
     return rc
 
 

@@ -43,6 +43,10 @@ def _args(work: Path, job: str, *extra: str) -> list[str]:
             "--width", "80", "--steps", "2", "--device", "cpu", *extra]
 
 
+def _with_lora(argv: list[str], lora: Path) -> list[str]:
+    return [str(lora) if a == argv[argv.index("--lora") + 1] else a for a in argv]
+
+
 def test_the_table_runs_both_jobs_with_each_checkpointing(tmp_path, work):
     plan = argparse.Namespace(device="cpu", lora_mode="unfused-fp32", steps=2, parts="diffusers",
                               checkpointing="both")
@@ -74,11 +78,21 @@ def test_the_jobs_take_drifttool_runs_inputs(work):
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, work, capsys):
-    assert JOBS["main"](_args(work, "trajectory")[:2] + [str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    bad = [["trajectory", "--checkpoint", str(tmp_path / "missing"), "--device", "cpu"],
+           ["trajectory", "--checkpoint", str(work / "qwen" / "model_index.json"), "--device", "cpu"],
+           _with_lora(_args(work, "trajectory"), tmp_path / "no-adapter"),
+           ["recompute", "--checkpoint", str(work / "qwen"), "--device", "cpu"],  # an adapter to train
+           _args(work, "trajectory", "--height", "50")]
+    for argv in bad:
+        with pytest.raises(SystemExit) as e:
+            JOBS["main"](argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err[-1].startswith("diffusers_jobs.py: error: "), (argv, err)
+    # an adapter whose weights are cut short: the job's one error line, then what it measured
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in (work / "lora").iterdir():
+        (cut / f.name).write_bytes(f.read_bytes()[:100] if f.suffix == ".safetensors" else f.read_bytes())
+    assert JOBS["main"](_with_lora(_args(work, "recompute"), cut)) == 2
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("error: ") and out[1].startswith("MEASURED ") and len(out) == 2
-    with pytest.raises(SystemExit) as e:  # an adapter to train is required
-        JOBS["parse"](["recompute", "--checkpoint", str(work / "qwen")])
-    assert e.value.code == 2
-    with pytest.raises(SystemExit):
-        JOBS["parse"](_args(work, "trajectory", "--height", "50"))
+    assert len(out) == 2 and out[0].startswith("error: ") and out[1].startswith("MEASURED "), out

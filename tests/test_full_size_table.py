@@ -41,3 +41,18 @@ def test_every_part_in_order_under_its_case_folder(tmp_path):
     run = dict(cases)["run strict L1"]
     assert run[run.index("-o") + 1] == str(where / "strict-L1") and run[run.index("--batch") + 1] == "2"
     assert (run[run.index("--height") + 1], run[run.index("--width") + 1]) == ("1664", "928")
+
+
+def test_a_device_other_than_cuda_gets_folders_of_its_own(tmp_path):
+    for device, tail in (("cpu", "-cpu"), ("cuda:1", "-cuda1"), ("cuda", "")):
+        run = dict(_labels(tmp_path, device=device))["run strict L1"]
+        assert run[run.index("-o") + 1] == str(tmp_path / f"1664x928-b2-unfused-fp32-s10{tail}" / "strict-L1")
+
+
+@pytest.mark.parametrize("argv, says", [(["--batches", "1,x"], "--batches '1,x'"), (["--shapes", "1024x50"], "multiples of 16"),
+                                        (["--steps", "1"], "2 to 1000 steps"), (["--parts", "run,nope"], "unknown parts")])
+def test_bad_arguments_are_one_line_before_anything_runs(tmp_path, monkeypatch, argv, says):
+    monkeypatch.setattr("sys.argv", ["full_size_table.py", "--work", str(tmp_path / "w"), "--device", "cpu", *argv])
+    with pytest.raises(SystemExit) as e:
+        TABLE["main"]()
+    assert says in str(e.value) and not (tmp_path / "w").exists()
