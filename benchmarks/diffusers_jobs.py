@@ -10,10 +10,11 @@ drifttool's: the rows ``full_size_table.py`` puts beside drifttool's (part ``dif
 
 Both take the inputs ``drifttool run`` builds for the same settings (``RunSettings.inputs``: the
 default fixture's prompt lengths, embeddings drawn at the checkpoint's width, the pinned initial
-latents of samples 0..B-1, the fixture's seed), so the transformer sees the same shapes as drifttool's:
+latents of samples 0..B-1, the fixture's seed), so the transformer sees the shapes drifttool's
+does:
 
 * ``trajectory``: an unmodified ``QwenImagePipeline`` around the folder's transformer
-  (``QwenImageTransformer2DModel.from_pretrained``, bf16, then moved to ``--device``; no text
+  (``QwenImageTransformer2DModel.from_pretrained``, bf16, ``device_map`` ``--device``; no text
   encoder or VAE: the embeddings are passed, ``output_type="latent"``), the adapter loaded as
   diffusers loads one (``load_lora_weights``: unfused, factors in bf16), called with CFG
   ``--cfg-scale`` (diffusers runs the two branches one after the other) for ``--steps`` steps of
@@ -26,12 +27,11 @@ latents of samples 0..B-1, the fixture's seed), so the transformer sees the same
   against a fixed random tensor, standing in for the log-probability's gradient) and its
   backward; the factors' gradients add over the steps (the summary counts the factors with a
   gradient: a layer whose output nothing uses, as the last block's text stream's, gets none). The
-  step's latents are the initial
-  ones at every step (the cost does not depend on their values); ``--gradient-checkpointing``:
-  diffusers' ``enable_gradient_checkpointing``.
+  step's latents are the initial ones at every step (the cost does not depend on their values);
+  ``--gradient-checkpointing``: diffusers' ``enable_gradient_checkpointing``.
 
-``wall_s``: from after the imports (torch, diffusers, peft, drifttool's input builder) to the
-end, the load included; ``peak_gpu_gib``: ``torch.cuda.max_memory_allocated`` (null without
+``wall_s``: from after the imports (torch, diffusers and, for ``recompute``, peft) to the end,
+the load and the inputs included; ``peak_gpu_gib``: ``torch.cuda.max_memory_allocated`` (null without
 CUDA). The exit status is 0, or 2 with one line: argparse's for bad arguments (before anything
 runs), or ``error:`` for a folder or adapter diffusers or peft cannot read or an out-of-memory,
 the MEASURED line printed then. Runs on the CPU too (``--device cpu``, a small folder). Needs
@@ -107,7 +107,8 @@ def transformer(args: argparse.Namespace):
     from diffusers import QwenImageTransformer2DModel
 
     folder = args.checkpoint / "transformer" if (args.checkpoint / "model_index.json").exists() else args.checkpoint
-    return QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(args.device), folder
+    return QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16,
+                                                       device_map=args.device), folder
 
 
 def trajectory(args: argparse.Namespace) -> dict:
