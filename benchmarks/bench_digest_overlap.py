@@ -22,8 +22,8 @@ the norms, rotations, modulations and residuals, elementwise kernels). Five grap
 * ``+ one digest a block``: that buffer's row table, one launch at the block's end: the same bytes
   read as six launches read, in one (does a launch per output cost, beyond its bytes?).
 
-Prints ms per block (median of ``--reps`` replays, CUDA events), each graph's ratio to the
-forward, the bytes the digests read per block and the share of the same-stream overhead the
+Prints ms per block (median of ``--reps`` replays, CUDA events), each graph's ratio to its
+forward (the one-buffer forward for the one-digest graph), the bytes the digests read per block and the share of the same-stream overhead the
 side stream hides, and whether the two digest graphs' row tables are equal (``combine_splits``:
 they read the same outputs), and whether the one-launch tables' rows of q, k, v, the projection and
 the down projection equal theirs. What it does not show: the attention (a long compute-bound kernel,
