@@ -1,4 +1,4 @@
-"""diffusers' and peft's own run of a user's full-size job, timed as ``measure_cli.py`` times
+r"""diffusers' and peft's own run of a user's full-size job, timed as ``measure_cli.py`` times
 drifttool's: the rows ``full_size_table.py`` puts beside drifttool's (part ``diffusers``).
 
     $ python benchmarks/diffusers_jobs.py trajectory --checkpoint DIR [--lora ADAPTER] \
@@ -73,8 +73,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute only")
     args = ap.parse_args(argv)
-    if args.height % 16 or args.width % 16 or min(args.height, args.width, args.steps, args.batch) < 1:
-        ap.error("--height and --width must be positive multiples of 16, --steps and --batch at least 1")
+    if args.height % 16 or args.width % 16 or min(args.height, args.width, args.batch) < 1:
+        ap.error("--height and --width must be positive multiples of 16, --batch at least 1")
+    if not 2 <= args.steps <= 1000:
+        ap.error("--steps: a trajectory takes 2 to 1000 steps (as drifttool run)")
     if args.job == "recompute" and args.lora is None:
         ap.error("recompute trains an adapter: give --lora")
     if args.cfg_scale <= 1:
@@ -119,6 +121,9 @@ def trajectory(args: argparse.Namespace) -> dict:
     pipe = tiny_pipeline(model)
     if args.lora is not None:
         pipe.load_lora_weights(args.lora)
+        if not any(hasattr(m, "lora_A") for m in model.modules()):  # diffusers found no weights it reads
+            raise ValueError(f"{args.lora}: diffusers' load_lora_weights loaded no LoRA layer from it "
+                             f"(it reads pytorch_lora_weights.safetensors, as drifttool's save_lora writes)")
     dev, bf16 = args.device, torch.bfloat16
     neg = x.neg_txt.expand(args.batch, -1, -1)
     neg_mask = None if x.neg_mask is None else x.neg_mask.expand(args.batch, -1).to(dev)

@@ -1,4 +1,4 @@
-"""What a user's full-size jobs cost, side by side in one run: the CLI's commands, timed.
+r"""What a user's full-size jobs cost, side by side in one run: the CLI's commands, timed.
 
     $ python benchmarks/full_size_table.py [--work /dev/shm/drifttool-table] [--layers 60] \
           [--shapes 1024x1024,1328x1328,1664x928] [--batches 1] [--steps 10] [--device cuda] \
@@ -40,7 +40,9 @@ the peak host resident memory. The table is printed and appended, one JSON objec
 beside diffusers' is ``bench_gpu_forward.py``'s; the load beside diffusers' ``from_pretrained``
 is ``bench_load.py``'s. Runs on the CPU too (``--device cpu``; small ``--layers`` and shapes
 then, e.g. ``--layers 2 --shapes 256x256 --steps 2``), to try the commands. Needs diffusers 0.42
-(the ``[test]`` extra) to write the random folder.
+(the ``[test]`` extra) to write the random folder. Exit status: 0 when every command exited as
+expected (each row's ``expected_rc``), 1 when one did not, 2 for a bad argument (one line on
+stderr, before anything runs).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -141,9 +144,15 @@ def _shape(text: str) -> tuple[int, int]:
     """``HEIGHTxWIDTH`` in pixels as (height, width); ``SystemExit`` with one line otherwise."""
     parts = text.split("x")
     if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 and int(p) % 16 == 0 for p in parts):
-        sys.exit(f"full_size_table.py: --shapes {text!r}: give HEIGHTxWIDTH in pixels, multiples of 16, "
+        _refuse(f"--shapes {text!r}: give HEIGHTxWIDTH in pixels, multiples of 16, "
                  f"e.g. 1024x1024")
     return int(parts[0]), int(parts[1])
+
+
+def _refuse(message: str) -> NoReturn:
+    """One line on stderr, exit status 2 (a bad argument or a missing library: nothing ran)."""
+    print(f"full_size_table.py: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _cuda() -> bool:
@@ -202,20 +211,20 @@ def main() -> int:
     args = ap.parse_args()
     bad = sorted(set(args.parts.split(",")) - set(PARTS))
     if bad:
-        sys.exit(f"full_size_table.py: unknown parts {bad}: choose from {', '.join(PARTS)}")
+        _refuse(f"unknown parts {bad}: choose from {', '.join(PARTS)}")
     for shape in args.shapes.split(","):
         _shape(shape)
     if not all(b.isdigit() and int(b) > 0 for b in args.batches.split(",")):
-        sys.exit(f"full_size_table.py: --batches {args.batches!r}: give positive integers, e.g. 1,2")
+        _refuse(f"--batches {args.batches!r}: give positive integers, e.g. 1,2")
     if not 2 <= args.steps <= 1000:
-        sys.exit(f"full_size_table.py: --steps {args.steps}: a trajectory takes 2 to 1000 steps")
+        _refuse(f"--steps {args.steps}: a trajectory takes 2 to 1000 steps")
     if args.device.startswith("cuda") and not _cuda():
-        sys.exit(f"full_size_table.py: --device {args.device}: this machine has no CUDA device "
+        _refuse(f"--device {args.device}: this machine has no CUDA device "
                  f"(--device cpu with small --layers and shapes tries the commands)")
     try:
         import diffusers  # noqa: F401  (make_random_checkpoint.py writes the folder with it)
     except ImportError:
-        sys.exit("full_size_table.py: needs diffusers 0.42 to write the random pipeline folder "
+        _refuse("needs diffusers 0.42 to write the random pipeline folder "
                  "(pip install -e '.[test]')")
     args.work.mkdir(parents=True, exist_ok=True)
     if not ((args.work / "qwen" / "model_index.json").exists() and (args.work / "lora").exists()):

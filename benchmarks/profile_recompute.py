@@ -1,4 +1,4 @@
-"""Where a ``drifttool recompute --grad`` spends its time, by phase of its steps.
+r"""Where a ``drifttool recompute --grad`` spends its time, by phase of its steps.
 
     $ python benchmarks/profile_recompute.py ROLLOUT [--lora ADAPTER] [--gradient-checkpointing] \
           [--device cuda] [--checkpoint FOLDER] [-o OUT]
@@ -112,7 +112,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", default=None, help="the model folder (the rollout's when not given)")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--device", default=None)
-    ap.add_argument("-o", "--out", type=Path, default=None, help="the recompute's artifact (default: a temporary one)")
+    ap.add_argument("-o", "--out", type=Path, default=None,
+                    help="the recompute's artifact, a new folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     phases = Phases()
     instrument(phases)
@@ -130,7 +131,7 @@ def main(argv: list[str]) -> int:
     rec.recompute_run = recorded
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "recompute"
-        cmd = ["recompute", str(args.rollout), "--grad", "-o", str(out), "--overwrite"]
+        cmd = ["recompute", str(args.rollout), "--grad", "-o", str(out), *(["--overwrite"] if args.out is None else [])]
         for flag, value in (("--lora", args.lora), ("--checkpoint", args.checkpoint), ("--device", args.device)):
             if value is not None:
                 cmd += [flag, str(value)]

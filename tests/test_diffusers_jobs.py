@@ -82,12 +82,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, work, capsys):
            ["trajectory", "--checkpoint", str(work / "qwen" / "model_index.json"), "--device", "cpu"],
            _with_lora(_args(work, "trajectory"), tmp_path / "no-adapter"),
            ["recompute", "--checkpoint", str(work / "qwen"), "--device", "cpu"],  # an adapter to train
-           _args(work, "trajectory", "--height", "50")]
+           _args(work, "trajectory", "--height", "50"), _args(work, "trajectory", "--steps", "1")]
     for argv in bad:
         with pytest.raises(SystemExit) as e:
             JOBS["main"](argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and err[-1].startswith("diffusers_jobs.py: error: "), (argv, err)
+    # an adapter diffusers loads nothing from (peft's files only): refused, not timed without it
+    peft_only = tmp_path / "peft-only"
+    peft_only.mkdir()
+    for f in (work / "lora").iterdir():
+        if f.name != "pytorch_lora_weights.safetensors":
+            (peft_only / f.name).write_bytes(f.read_bytes())
+    assert JOBS["main"](_with_lora(_args(work, "trajectory"), peft_only)) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "loaded no LoRA layer" in out[0], out
     # an adapter whose weights are cut short: the job's one error line, then what it measured
     cut = tmp_path / "cut"
     cut.mkdir()

@@ -51,8 +51,10 @@ def test_a_device_other_than_cuda_gets_folders_of_its_own(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [(["--batches", "1,x"], "--batches '1,x'"), (["--shapes", "1024x50"], "multiples of 16"),
                                         (["--steps", "1"], "2 to 1000 steps"), (["--parts", "run,nope"], "unknown parts")])
-def test_bad_arguments_are_one_line_before_anything_runs(tmp_path, monkeypatch, argv, says):
+def test_bad_arguments_are_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, argv, says):
     monkeypatch.setattr("sys.argv", ["full_size_table.py", "--work", str(tmp_path / "w"), "--device", "cpu", *argv])
     with pytest.raises(SystemExit) as e:
         TABLE["main"]()
-    assert says in str(e.value) and not (tmp_path / "w").exists()
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "w").exists()

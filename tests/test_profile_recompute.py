@@ -57,6 +57,10 @@ def test_every_phase_of_every_step_is_counted(tmp_path, capsys, monkeypatch, res
     phases = sum(float(rows[p][0]) for p in PROFILE["PHASES"])
     assert abs(phases + float(rows["the rest"][0]) - float(rows["recompute (its `seconds`)"][0])) < 0.01
     assert (tmp_path / "rec" / "manifest.json").exists()
+    # -o names a new folder: an earlier run there is not replaced
+    before = (tmp_path / "rec" / "manifest.json").read_bytes()
+    assert PROFILE["main"]([str(tmp_path / "roll"), "-o", str(tmp_path / "rec")]) == 2
+    assert "not empty" in capsys.readouterr().err and (tmp_path / "rec" / "manifest.json").read_bytes() == before
 
 
 def test_a_refusal_is_its_line_and_status(tmp_path, capsys, restored):
