@@ -137,16 +137,10 @@ def trajectory(args: argparse.Namespace) -> dict:
             "LoRA layers": sum(hasattr(m, "lora_A") for m in model.modules())}
 
 
-def _padded(t: torch.Tensor, mask: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, L, D]`` embeddings right-padded to ``width`` tokens, with their key mask."""
-    b, n = t.shape[0], t.shape[1]
-    m = torch.ones(b, n, dtype=torch.bool) if mask is None else mask.bool()
-    return (torch.cat([t, t.new_zeros(b, width - n, t.shape[2])], 1),
-            torch.cat([m, m.new_zeros(b, width - n)], 1))
-
-
 def recompute(args: argparse.Namespace) -> dict:
     from peft import PeftModel
+
+    from drifttool.sampling.inputs import _pad_to  # the right-padding with a key mask run's prompts get
 
     base, folder = transformer(args)
     x = inputs(args, folder)
@@ -156,9 +150,9 @@ def recompute(args: argparse.Namespace) -> dict:
     model.train()
     dev, bf16, b = args.device, torch.bfloat16, args.batch
     width = max(x.txt.shape[1], x.neg_txt.shape[1])
-    neg, neg_mask = _padded(x.neg_txt.expand(b, -1, -1), None if x.neg_mask is None
+    neg, neg_mask = _pad_to(x.neg_txt.expand(b, -1, -1), None if x.neg_mask is None
                             else x.neg_mask.expand(b, -1), width)
-    txt, txt_mask = _padded(x.txt, x.txt_mask, width)
+    txt, txt_mask = _pad_to(x.txt, x.txt_mask, width)
     emb = torch.cat([neg, txt]).to(dev, bf16)  # [uncond; cond], as a batched-CFG trainer
     mask = torch.cat([neg_mask, txt_mask]).to(dev)
     lat = torch.cat([x.x0, x.x0]).to(dev, bf16)

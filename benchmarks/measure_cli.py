@@ -22,17 +22,26 @@ import torch
 
 
 def main(argv: list[str]) -> int:
-    from drifttool.cli.app import main as cli
+    from drifttool.cli.app import main  # noqa: F401  (imported before the clock starts)
 
     t0 = time.perf_counter()
-    sys.argv = ["drifttool", *argv]
-    try:
-        cli()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    rc = cli_exit(argv)
     print(measured_line(rc, t0), flush=True)
     return rc
+
+
+def cli_exit(argv: list[str]) -> int:
+    """``drifttool argv`` in this process; its exit status (``sys.argv`` restored after)."""
+    from drifttool.cli.app import main as cli
+
+    argv0, sys.argv = sys.argv, ["drifttool", *argv]
+    try:
+        cli()
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv0
 
 
 def measured_line(rc: int, t0: float) -> str:

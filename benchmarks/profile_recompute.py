@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from measure_cli import cli_exit  # noqa: E402
 
 PHASES = ("forward", "backward", "ledger", "grad records")
 
@@ -117,7 +118,6 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     phases = Phases()
     instrument(phases)
-    from drifttool.cli.app import main as cli
     import drifttool.training.recompute as rec
 
     seconds: list[float] = []
@@ -137,14 +137,7 @@ def main(argv: list[str]) -> int:
                 cmd += [flag, str(value)]
         if args.gradient_checkpointing:
             cmd.append("--gradient-checkpointing")
-        argv0, sys.argv = sys.argv, ["drifttool", *cmd]
-        try:
-            cli()
-            rc = 0
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        finally:
-            sys.argv = argv0
+        rc = cli_exit(cmd)
     if seconds:  # the recompute ran (a refusal printed its one line)
         print(table(phases, seconds[0]))
         if args.out is None:
