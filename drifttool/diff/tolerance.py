@@ -155,14 +155,30 @@ def _validated(data: Any, where: str) -> Profile:
 def run_scope(run: Any) -> dict[str, Any]:
     """``SCOPE_FIELDS`` of a run (a ``Run``): its settings (mode, device — the CPU where none is
     recorded —, dtype, capture level, steps, fixture), its kind (``rollout``, ``recompute``, ...),
-    whether it took gradients, its adapter's LoRA mode and, at L2, whether it captured the
-    attention's internals; fields the run does not record are left out."""
+    whether it took gradients, its adapter's LoRA mode and, at L2 in a strict-family mode, whether
+    it captured the attention's internals (recorded only when it did not); fields the run does not
+    record are left out."""
     s = run.manifest.get("settings", {})
     out = {k: s.get(k, "cpu" if k == "device" else None) for k in ("mode", "device", "dtype", "capture",
                                                                     "steps", "fixture", "internals")}
+    if out["internals"] is None and _internals_apply(s):  # recorded only when left out
+        out["internals"] = True
     out.update(kind=run.manifest.get("kind"), grad=bool((run.manifest.get("train") or {}).get("grad")),
                lora_mode=s.get("lora_mode") if s.get("lora") else None)
     return {k: out[k] for k in SCOPE_FIELDS if out[k] is not None}
+
+
+def _internals_apply(settings: dict[str, Any]) -> bool:
+    """Whether a run of these recorded settings chose whether to capture the attention's internals
+    (``RunSettings.internals_apply``: L2 in a strict-family mode)."""
+    from drifttool.artifact.levels import captures_internals
+    from drifttool.runtime import Mode
+
+    try:
+        strict = Mode(settings.get("mode")).family == "strict"
+    except ValueError:
+        return False
+    return strict and captures_internals(settings.get("capture"))
 
 
 def scope_notes(profile: Profile, run_a: Any, run_b: Any) -> list[str]:

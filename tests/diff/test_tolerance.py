@@ -4,14 +4,15 @@ record beyond named; profiles derived from a pair of runs; bad profiles refused 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
 from drifttool.artifact import open_run
 from drifttool.diff import Verdict, diff_runs
 from drifttool.diff.compare import aligned_tables
-from drifttool.diff.tolerance import (PROFILE_SCHEMA, PROFILE_VERSION, available, load_profile,
-                                      measure)
+from drifttool.diff.tolerance import (PROFILE_SCHEMA, PROFILE_VERSION, available, load_profile, measure,
+                                      run_scope)
 from drifttool.errors import DriftToolError
 
 PLANT = {"step": 1, "block": 1, "op": "joint_attn", "sample": 1, "row": 9, "add": 1e-3}
@@ -144,6 +145,16 @@ def test_a_training_profile_notes_a_pair_that_did_not_train(pair, tmp_path):
     for n in notes:
         assert "kind None (profile: 'recompute')" in n and "grad False (profile: True)" in n, n
         assert "lora_mode None (profile: 'unfused-fp32')" in n, n
+
+
+@pytest.mark.parametrize("settings, internals", [
+    ({"mode": "strict", "capture": "L2"}, True),  # recorded only when left out
+    ({"mode": "audit", "capture": "L2", "internals": False}, False),
+    ({"mode": "auto", "capture": "L2"}, None),  # production attention has none
+    ({"mode": "strict", "capture": "L1"}, None)])
+def test_the_scope_says_whether_an_L2_run_took_the_attentions_internals(settings, internals):
+    scope = run_scope(types.SimpleNamespace(manifest={"kind": "rollout", "settings": settings}))
+    assert scope.get("internals") == internals and ("internals" in scope) == (internals is not None), scope
 
 
 @pytest.mark.parametrize("extra,words", [({"opz": {}}, "unknown key"), ({"version": True}, "version True")])
