@@ -202,10 +202,13 @@ class DiffReport:
     @property
     def exit_code(self) -> int:
         """``exit_code(self.verdict)``; with a tolerance profile, a drift whose differing records
-        are all within it exits 0. A semantic mismatch (the runs are different programs) exits 1
-        whatever the bytes say, tolerance or not; incomparable and inconclusive stay 3."""
-        if self.semantic is not None and self.semantic.mismatch and self.verdict in (
-                Verdict.IDENTICAL, Verdict.DRIFT):
+        are all within it exits 0, and a pair the profile cannot judge (records in one run only,
+        differing replay inputs) exits 1 even when its common records are identical. A semantic
+        mismatch (the runs are different programs) exits 1 whatever the bytes say, tolerance or
+        not; incomparable and inconclusive (an incomplete run) stay 3."""
+        if self.verdict in (Verdict.IDENTICAL, Verdict.DRIFT) and (
+                (self.semantic is not None and self.semantic.mismatch)
+                or (self.tolerance is not None and not self.tolerance.ok)):
             return int(ExitCode.DRIFT)
         if self.verdict == Verdict.DRIFT and self.tolerance is not None and self.tolerance.ok:
             return 0

@@ -269,14 +269,15 @@ class ToleranceResult:
             self.verdict = "not judged"
 
     def words(self) -> str:
-        """One line: ``within profile P: 12 differing op records within (summaries), 4 step
-        records within (values)`` or ``beyond profile P: ... first beyond: ...``."""
+        """One line, the verdict itself left to the caller: ``tolerance profile P: ops 12 within,
+        0 beyond (summaries); steps 4 within, 0 beyond (values)``, then ``; first beyond: ...``
+        and ``; cannot be within: ...`` where they apply."""
         parts = []
         for kind, how in (("ops", "summaries"), ("steps", "values")):
             if kind in self.within:
                 w, b = self.within[kind], self.beyond[kind]
                 parts.append(f"{kind} {w} within, {b} beyond ({how})")
-        head = f"{self.verdict} tolerance profile {self.profile}: " + "; ".join(parts)
+        head = f"tolerance profile {self.profile}: " + "; ".join(parts)
         if self.first_beyond is not None:
             head += f"; first beyond: {self.first_beyond.where} ({self.first_beyond.why})"
         if self.blocked:

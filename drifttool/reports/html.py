@@ -116,7 +116,7 @@ def render_html(report: Any, figures: dict[str, bytes] | None = None) -> str:
                           ("", ("<b>level</b>", _e(f"{report.level}: {report.covers}")))]),
     ]
     if report.tolerance is not None:
-        parts.append(f"<p><b>tolerance:</b> {_e(report.tolerance.words())}</p>")
+        parts.append(f"<p><b>{_e(report.tolerance.verdict)}</b> {_e(report.tolerance.words())}</p>")
     semantic = getattr(report, "semantic", None)
     if semantic is not None and semantic.mismatch:
         parts.append(f'<p><span class="verdict drift">SEMANTIC MISMATCH</span> {_e(semantic.words())}</p>')

@@ -86,7 +86,7 @@ def diff_suite(report: Any) -> Suite:
             first = f" first differing op {s.first_op}" if s.first_op is not None else ""
             case.message = f"{s.phase} step {s.step}: {s.ops_differ} differing op records;{first}"
         if differs and within:
-            case.detail = f"within tolerance: {report.tolerance.words()}"
+            case.detail = f"within {report.tolerance.words()}"
         elif differs:
             case.outcome, case.kind = "failure", "drift"
             case.detail = _step_detail(s)

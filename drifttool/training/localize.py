@@ -51,6 +51,7 @@ from drifttool.diff.report import DiffReport, StepDrift, Verdict
 from drifttool.diff.stages import input_key, is_early_stage, made_by_both
 from drifttool.artifact.schema import COMPONENTS, DEFAULT_COMPONENT, MANIFEST
 from drifttool.errors import ArtifactError, DriftToolError
+from drifttool.fixture import locate
 from drifttool.jsondata import plain
 from drifttool.training.options import RerunOptions
 from drifttool.training.step_replay import (StepReplay, Variants, check_variants, replay_step,
@@ -272,6 +273,13 @@ def localize(
     """
     t0 = time.perf_counter()
     run_a, run_b = Path(run_a), Path(run_b)
+    for path in (run_a, run_b):  # before the diff: a verdict on a pair localize cannot re-run misleads
+        kind = open_run(path).manifest.get("kind", "rollout")
+        if kind != "rollout":
+            raise ArtifactError(f"{path}: kind {kind!r} is not a rollout artifact (--localize "
+                                "re-executes a rollout's step)")
+    if options.fixture is not None:
+        locate(options.fixture)  # a bad name is refused even when no step needs re-executing
     if report is None:
         report = diff_runs(open_run(run_a), open_run(run_b))
     early = early_stage_drift(report, open_run(run_a).manifest, open_run(run_b).manifest)

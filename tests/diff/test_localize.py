@@ -286,3 +286,15 @@ def test_a_recompute_is_refused_in_one_line(runs, cli, tmp_path):
     code, out = cli("diff", a0, tmp_path / "train", "--localize")
     lines = out.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "is not a rollout artifact" in lines[0], out
+    # two recomputes that drift (train records only): refused, not "no rollout step differs"
+    recompute_run(a0, tmp_path / "train-a")
+    code, out = cli("diff", tmp_path / "train-a", tmp_path / "train", "--localize")
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "is not a rollout artifact" in lines[0], out
+
+
+def test_a_fixture_that_does_not_exist_is_refused_with_nothing_to_localize(runs, cli):
+    a = runs("base", "L0")
+    code, out = cli("diff", a, a, "--localize", "--fixture", "no-such-fixture")
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "no fixture 'no-such-fixture'" in lines[0], out

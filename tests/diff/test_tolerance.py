@@ -122,6 +122,20 @@ def test_a_pair_with_other_inputs_or_missing_records_is_never_within(make_run, t
     assert any("one run only" in b or "incomplete" in b for b in cut.tolerance.blocked)
 
 
+def test_a_pair_with_a_sample_in_one_run_only_fails_whatever_its_common_records_say(cli, tmp_path):
+    """Common records bitwise identical, a sample only in run B: IDENTICAL bitwise (exit 0), and
+    with a profile NOT JUDGED, exit 1 (the verdict word said once)."""
+    for name, batch in (("one", "1"), ("two", "2")):
+        assert cli("run", "-o", tmp_path / name, "--steps", "2", "--capture", "L0", "--batch", batch)[0] == 0
+    code, out = cli("diff", tmp_path / "one", tmp_path / "two")
+    assert code == 0 and "IDENTICAL" in out, out
+    code, out = cli("diff", tmp_path / "one", tmp_path / "two", "--tolerance", "strict-cuda1-vs-cpu")
+    assert code == 1 and "NOT JUDGED  tolerance profile strict-cuda1-vs-cpu:" in out, out
+    assert "records are in one run only" in out and "not judged tolerance" not in out, out
+    code, out = cli("diff", tmp_path / "one", tmp_path / "two", "--tolerance", "strict-cuda1-vs-cpu", "--json")
+    assert code == 1 and json.loads(out)["tolerance"]["verdict"] == "not judged"
+
+
 def test_settings_outside_the_profiles_scope_are_noted(pair, tmp_path):
     path = tmp_path / "scoped.json"
     path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": 1, "name": "scoped",
