@@ -30,6 +30,8 @@ level and what it covers ("identical at L0: step boundaries only; ...").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
@@ -46,7 +48,7 @@ from drifttool.diff.order import program_order
 from drifttool.diff.report import LEVEL_COVERS, DiffReport, Verdict
 from drifttool.diff.semantic import semantic_check
 from drifttool.diff.steps import step_drifts
-from drifttool.diff.tolerance import Profile, judge, scope_notes
+from drifttool.diff.tolerance import Profile, judge, load_profile, scope_notes
 from drifttool.diff.uncaptured import declared, drop_uncaptured
 from drifttool.diff.uncaptured import note as uncaptured_note
 from drifttool.digestcore import digest_bytes
@@ -269,13 +271,14 @@ def _set_no_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[Table
 
 
 def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
-              tolerance: Profile | None = None, clip_range: float | None = None) -> DiffReport:
+              tolerance: Profile | str | Path | None = None, clip_range: float | None = None) -> DiffReport:
     """Compare two opened artifacts (``drifttool.artifact.open_run``); see the module docstring.
 
     With ``align_recompute`` a rollout and its training recompute are aligned phase ``rollout``
     ↔ ``train`` (``recompute_alignment``); a note says so. With a ``tolerance`` profile
-    (``drifttool.diff.tolerance``) every differing common record is also judged within or beyond
-    it (``DiffReport.tolerance``); the bitwise verdict is unchanged. With a ``clip_range`` ε
+    (``drifttool.diff.tolerance``: a ``Profile``, or a shipped profile's name or a profile file
+    for ``load_profile``) every differing common record is also judged within or beyond it
+    (``DiffReport.tolerance``); the bitwise verdict is unchanged. With a ``clip_range`` ε
     the log-prob drift per step and branch is judged against it (``DiffReport.clip``,
     ``drifttool.diff.clip``); the verdict and exit code are unchanged.
 
@@ -284,9 +287,16 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
 
     Raises:
         ArtifactError: a file is unreadable, or cut short in a run marked complete.
+        DriftToolError: a tolerance profile that cannot be loaded (``load_profile``), or
+            ``tolerance`` of another type.
     """
     if clip_range is not None:
         clip_range = check_clip_range(clip_range)
+    if isinstance(tolerance, (str, Path)):
+        tolerance = load_profile(tolerance)
+    elif tolerance is not None and not isinstance(tolerance, Profile):
+        raise DriftToolError(f"tolerance: a Profile, a profile name or a profile file, got "
+                             f"{type(tolerance).__name__}")
     report = DiffReport(verdict=Verdict.INCOMPARABLE, reason="", run_a=str(run_a.path),
                         run_b=str(run_b.path))
     report.incomparable = incomparable(run_a.manifest, run_b.manifest)

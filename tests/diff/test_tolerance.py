@@ -136,6 +136,18 @@ def test_a_pair_with_a_sample_in_one_run_only_fails_whatever_its_common_records_
     assert code == 1 and json.loads(out)["tolerance"]["verdict"] == "not judged"
 
 
+def test_the_api_takes_a_profile_by_name_or_file(pair, tmp_path):
+    ra, rb = (open_run(p) for p in pair)
+    path = _profile(tmp_path, LOOSE_OPS, LOOSE_STEPS, "loose")
+    assert diff_runs(ra, rb, tolerance=str(path)).tolerance.ok
+    assert diff_runs(ra, rb, tolerance=path).tolerance.profile == "loose"
+    assert diff_runs(ra, rb, tolerance="strict-cuda1-vs-cpu").tolerance.profile == "strict-cuda1-vs-cpu"
+    with pytest.raises(DriftToolError, match="unknown tolerance profile 'nope'"):
+        diff_runs(ra, rb, tolerance="nope")
+    with pytest.raises(DriftToolError, match="got dict"):
+        diff_runs(ra, rb, tolerance={"ops": {}})
+
+
 def test_settings_outside_the_profiles_scope_are_noted(pair, tmp_path):
     path = tmp_path / "scoped.json"
     path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "version": 1, "name": "scoped",
