@@ -134,7 +134,7 @@ def replay(
     rows += settings_rows(stored.settings if pipeline else settings.record()) + graph_rows(s)
     _summary(f"drifttool replay {run_dir} → {out}", rows, s)
     if s.get("note"):
-        console.print(f"note: {s['note']}", highlight=False)
+        err.print(f"[bold yellow]note:[/] {s['note']}", highlight=False)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from drifttool.cli import _json
-from drifttool.cli._console import console
+from drifttool.cli._console import console, err
 
 
 def trace(
@@ -59,5 +59,5 @@ def trace(
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
     if not run.complete:
-        console.print("note: the run is incomplete (complete: false): its trace covers the "
-                      "steps it ran", highlight=False)
+        err.print("[bold yellow]note:[/] the run is incomplete (complete: false): its trace covers "
+                  "the steps it ran", highlight=False)

@@ -1,6 +1,7 @@
 """A run killed mid-way (a real process ended with ``os._exit`` after its first step): ``trace``
 says the trace is missing and the run incomplete (exit 2); ``replay`` re-executes only the steps
-the run finished and marks the replay incomplete too, saying so."""
+the run finished and marks the replay incomplete too, saying so (notes on stderr: stdout keeps the
+summary and the trace table)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def test_replay_of_a_killed_run_replays_its_finished_steps_only(cli, killed, tmp
 
     steps = {r["step"] for r in open_run(tmp_path / "r").steps_table().to_pylist()}
     assert steps == {0}
+
+
+def test_the_notes_on_a_cut_run_go_to_stderr(killed, tmp_path):
+    from typer.testing import CliRunner
+
+    from drifttool.cli.app import app
+
+    res = CliRunner().invoke(app, ["replay", str(killed), "-o", str(tmp_path / "r")])
+    assert res.exit_code == 0 and "the source run is incomplete" in " ".join(res.stderr.split()), res.output
+    assert "note:" not in res.stdout, res.stdout
+    res = CliRunner().invoke(app, ["trace", str(tmp_path / "r")])  # a replay of one step: its trace exists
+    assert res.exit_code == 0, res.output
+    assert "note: the run is incomplete" in res.stderr and "note:" not in res.stdout, res.output
