@@ -181,6 +181,10 @@ def _internals_apply(settings: dict[str, Any]) -> bool:
     return strict and captures_internals(settings.get("capture"))
 
 
+_ABSENT = {"lora_mode": "none (no adapter)", "internals": "none (its mode and level take no internals)"}
+"""How ``scope_notes`` names a ``SCOPE_FIELDS`` field a run leaves out (default: not recorded)."""
+
+
 def scope_notes(profile: Profile, run_a: Any, run_b: Any) -> list[str]:
     """One note per run whose scope (``run_scope``) differs from the one the profile was
     measured on (``applies_to``; a field it does not name is not compared): its bounds are
@@ -189,8 +193,8 @@ def scope_notes(profile: Profile, run_a: Any, run_b: Any) -> list[str]:
     for side, run in (("a", run_a), ("b", run_b)):
         want = profile.applies_to.get(side) or {}
         value = run_scope(run)
-        off = [f"{k} {value.get(k)!r} (profile: {want[k]!r})" for k in SCOPE_FIELDS
-               if k in want and value.get(k) != want[k]]
+        off = [f"{k} {_ABSENT.get(k, 'not recorded') if value.get(k) is None else repr(value[k])} "
+               f"(profile: {want[k]!r})" for k in SCOPE_FIELDS if k in want and value.get(k) != want[k]]
         if off:
             notes.append(f"tolerance profile {profile.name} was measured on other settings than run "
                          f"{side.upper()}'s: " + ", ".join(off))

@@ -169,8 +169,8 @@ def test_a_training_profile_notes_a_pair_that_did_not_train(pair, tmp_path):
     notes = [n for n in r.notes if "measured on other settings" in n]
     assert len(notes) == 2, r.notes
     for n in notes:
-        assert "kind None (profile: 'recompute')" in n and "grad False (profile: True)" in n, n
-        assert "lora_mode None (profile: 'unfused-fp32')" in n, n
+        assert "kind not recorded (profile: 'recompute')" in n and "grad False (profile: True)" in n, n
+        assert "lora_mode none (no adapter) (profile: 'unfused-fp32')" in n and "None" not in n, n
 
 
 @pytest.mark.parametrize("settings, internals", [
