@@ -66,8 +66,8 @@ def trainer_model(stored: StoredRollout, *, fixture: str | Path | None = None,
 
 
 def check_fingerprint(stored: StoredRollout, model) -> None:
-    """Refuse a trainer model that is not the rollout's: architecture (with the image grid),
-    model dtype, weight digest (base and adapter weights), adapter digest.
+    """Refuse a model for a replay or recompute that is not the rollout's: architecture (with the
+    image grid), model dtype, weight digest (base and adapter weights), adapter digest.
 
     Raises:
         DriftToolError: naming every differing field.
@@ -77,17 +77,17 @@ def check_fingerprint(stored: StoredRollout, model) -> None:
     diffs = dict_differences(fp.get("arch", {}), arch, "arch")
     dt = dtype_name(model.dtype)
     if (fp.get("dtype_policy") or {}).get("weights") != dt:
-        diffs.append(f"dtype: rollout {(fp.get('dtype_policy') or {}).get('weights')!r}, trainer {dt!r}")
+        diffs.append(f"dtype: rollout {(fp.get('dtype_policy') or {}).get('weights')!r}, loaded {dt!r}")
     wd = weight_digest(fingerprinted(model))
     if fp.get("weights") != wd:
-        diffs.append(f"weights: rollout {fp.get('weights')}, trainer {wd}")
+        diffs.append(f"weights: rollout {fp.get('weights')}, loaded {wd}")
     ra = (stored.manifest.get("lora") or {}).get("digest")
     ta = (lora_record(model) or {}).get("digest")
     if ra != ta:
-        diffs.append(f"lora adapter: rollout {ra}, trainer {ta}")
+        diffs.append(f"lora adapter: rollout {ra}, loaded {ta}")
     if diffs:
-        raise DriftToolError(f"{stored.path}: the rollout's fingerprint differs from the trainer's "
-                             "model: " + "; ".join(diffs))
+        raise DriftToolError(f"{stored.path}: the rollout's fingerprint differs from the model loaded "
+                             "to re-run it: " + "; ".join(diffs))
 
 
 def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,

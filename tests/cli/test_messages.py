@@ -44,6 +44,24 @@ def test_lora_on_a_run_without_one_says_what_it_means(cli, tmp_path, strict_run,
     assert "trainer's model" not in out, out
 
 
+def test_another_adapter_is_named_as_what_was_loaded(cli, tmp_path, adapter):
+    """A replay has no trainer: the refusal names the rollout's adapter and the loaded one."""
+    from drifttool.fixture import locate
+    from drifttool.model.checkpoint import load_checkpoint
+    from drifttool.model.lora import add_lora
+    from drifttool.model.lora_io import save_lora
+
+    m = load_checkpoint(locate("tiny-t2i") / "transformer")
+    add_lora(m, rank=2, alpha=2, init_b_std=0.05, seed=7)
+    save_lora(m, tmp_path / "other")
+    assert cli("run", "--steps", "2", "--capture", "L0", "--lora", adapter, "-o", tmp_path / "r")[0] == 0
+    for cmd in ("replay", "recompute"):
+        code, out = cli(cmd, tmp_path / "r", "-o", tmp_path / cmd, "--lora", tmp_path / "other")
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "differs from the model loaded to re-run it" in out, out
+        assert "lora adapter: rollout xxh3" in out and ", loaded xxh3" in out and "trainer" not in out, out
+
+
 def test_diff_of_disjoint_sample_sets_says_so(cli, tmp_path):
     for i in (0, 1):
         assert cli("run", "--samples", str(i), "--steps", "2", "-o", tmp_path / f"s{i}")[0] == 0
