@@ -48,3 +48,21 @@ def graph_warning(summary: Mapping[str, Any]) -> str | None:
         return None
     return (f"CUDA graph capture refused ({use['refused']}); the run went on eagerly: the same bytes, "
             "without the graphs' speed")
+
+
+def internals_note(given: bool | None, mode: str, capture: str) -> str | None:
+    """The note for ``--internals``/``--no-internals`` (``given``; None: not given) where it changes
+    nothing: below L2, or in a mode outside the strict family (production attention is one fused
+    call that exposes no internals); None where it applies."""
+    from drifttool.artifact.levels import captures_internals  # lazy: keeps torch out of `drifttool --help`
+    from drifttool.runtime import Mode  # lazy: likewise
+
+    if given is None:
+        return None
+    if not captures_internals(capture):
+        why = f"at capture {capture}: only L2 captures the attention's internals"
+    elif Mode(mode).family != "strict":
+        why = f"in mode {mode}: production attention exposes no internals"
+    else:
+        return None
+    return f"--{'' if given else 'no-'}internals changes nothing {why}"

@@ -24,7 +24,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import graph_rows, graph_warning, settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows
 from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
@@ -133,8 +133,9 @@ def replay(
         rows.append(("ranks", ranks))
     rows += settings_rows(stored.settings if pipeline else settings.record()) + graph_rows(s)
     _summary(f"drifttool replay {run_dir} → {out}", rows, s)
-    if s.get("note"):
-        err.print(f"[bold yellow]note:[/] {s['note']}", highlight=False)
+    for line in (s.get("note"), internals_note(internals, s["mode"], s["capture"])):
+        if line:
+            err.print(f"[bold yellow]note:[/] {line}", highlight=False)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 
@@ -214,6 +215,8 @@ def recompute(
     rows += [("timestep_policy", stored.sampler.timestep_policy), ("cfg_layout", stored.sampler.cfg_layout),
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")] + graph_rows(s)
     _summary(f"drifttool recompute {run_dir} → {out}", rows, s)
+    if (line := internals_note(internals, s["mode"], s["capture"])) is not None:
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import graph_rows, graph_warning, settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows
 from drifttool.errors import DriftToolError
 
 
@@ -164,8 +164,7 @@ def run(
     `--prompt` (or, with an edit fixture such as tiny-edit, its prompts) the prompt is encoded
     with the image(s) through the text encoder's vision tower.
     """
-    from drifttool.artifact.levels import captures_internals  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.distributed import launch_env  # lazy: likewise
+    from drifttool.distributed import launch_env  # lazy: keeps torch out of `drifttool --help`
     from drifttool.runner import execute  # lazy: likewise
     from drifttool.settings import RunSpec, resolve  # lazy: likewise
 
@@ -245,11 +244,9 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
-    elif not settings.internals and not settings.internals_apply:
-        why = (f"at capture {settings.capture}: only L2 captures the attention's internals"
-               if not captures_internals(settings.capture) else
-               f"in mode {settings.mode.value}: production attention exposes no internals")
-        err.print(f"[bold yellow]note:[/] --no-internals changes nothing {why}", highlight=False)
+    elif (line := internals_note(None if settings.internals else False, settings.mode.value,
+                                 settings.capture)) is not None:
+        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],

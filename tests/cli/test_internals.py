@@ -57,6 +57,19 @@ def test_below_l2_the_option_changes_nothing_and_says_so(cli, tmp_path):
     assert "internals" not in _manifest(tmp_path / "l1")["settings"]
 
 
+@pytest.mark.parametrize("cmd", ["replay", "recompute"])
+def test_a_rerun_below_l2_or_in_production_says_the_option_changes_nothing(cli, tmp_path, strict_run, cmd):
+    """As ``run`` does: given below L2 or in a production mode, either flag is noted; at L2 in
+    strict mode (where it applies) and when not given, nothing is said."""
+    for i, (extra, words) in enumerate((
+            (["--capture", "L1", "--internals"], "--internals changes nothing at capture L1"),
+            (["--mode", "auto", "--no-internals"], "--no-internals changes nothing in mode auto"),
+            (["--no-internals"], None), ([], None))):
+        code, out = cli(cmd, strict_run, "-o", tmp_path / f"{cmd}{i}", *extra)
+        flat = " ".join(out.split())
+        assert code == 0 and (words in flat if words else "changes nothing" not in flat), (extra, out)
+
+
 def test_in_a_production_mode_the_option_changes_nothing_and_says_so(cli, tmp_path):
     """Production attention (one fused SDPA call) exposes no internals: ``--no-internals`` in
     mode auto leaves the manifest as it is, and the run says so."""
