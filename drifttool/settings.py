@@ -324,7 +324,9 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
         ids = list(range(int(spec.batch)))
     else:
         ids = list(default or [])
-    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+    if not ids:
+        raise DriftToolError("no sample ids: give at least one (--samples 0,1 or --batch N)")
+    if min(ids) < 0 or len(set(ids)) != len(ids):
         raise DriftToolError(f"sample ids must be distinct and >= 0, got {ids}")
     if max(ids) > MAX_SAMPLE_ID:
         raise DriftToolError(f"sample ids must be at most {MAX_SAMPLE_ID} (the artifact's int32 "

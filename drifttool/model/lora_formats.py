@@ -282,7 +282,8 @@ def _config_from_shapes(tensors: dict[str, torch.Tensor], where: Path) -> Adapte
                 ranks.setdefault(k.split(factor)[0], int(t.shape[dim]))
     if not ranks:
         raise CheckpointError(f"{where}: no key names a LoRA factor (expected names such as "
-                              f"transformer_blocks.0.attn.to_q.lora_A.weight); got {sorted(tensors)[:4]}")
+                              f"transformer_blocks.0.attn.to_q.lora_A.weight); its {len(tensors)} keys: "
+                              f"{', '.join(sorted(tensors)[:4])}{', …' if len(tensors) > 4 else ''}")
     values = sorted(ranks.values())
     r = max(set(values), key=lambda v: (values.count(v), -v))
     odd = {f"^{re.escape(m)}": v for m, v in ranks.items() if v != r}

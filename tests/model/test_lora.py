@@ -101,8 +101,11 @@ def test_bad_lora_files_are_refused(tmp_path):
             load_lora(fresh, folder)
         assert not lora_parameters(fresh)  # nothing half-attached
     save_file({"foo.weight": torch.zeros(2, 2)}, str(tmp_path / "alien.safetensors"))
-    with pytest.raises(CheckpointError, match="no key names a LoRA"):
+    with pytest.raises(CheckpointError, match="no key names a LoRA.*its 1 keys: foo.weight$"):
         load_lora(_model(), tmp_path / "alien.safetensors")
+    save_file({f"k{i}": torch.zeros(2) for i in range(7)}, str(tmp_path / "seven.safetensors"))
+    with pytest.raises(CheckpointError, match="its 7 keys: k0, k1, k2, k3, …$"):  # cut short, and says so
+        load_lora(_model(), tmp_path / "seven.safetensors")
     with pytest.raises(CheckpointError, match="nowhere: no such file or folder; --lora takes"):
         load_lora(_model(), tmp_path / "nowhere")
 
