@@ -55,7 +55,8 @@ def trace(
         table.add_column(col)
     for r in rows:
         table.add_row(*(S.block_name(r[c]) if c == "block" else str(r[c]) for c in cols))
-    console.print(table)
+    if rows or not fallbacks_only:  # --fallbacks with none: the count line says it, no empty table
+        console.print(table)
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
     if not run.complete:
