@@ -16,8 +16,9 @@ import typer
 
 from drifttool.cli._console import tolerate_closed_stdout
 
-JSON_HELP = ("Print one JSON document on stdout (schema_version, command, data; non-finite "
-             "numbers as null beside a <key>_nonfinite key) instead of tables.")
+JSON_HELP = ("Print one JSON document on stdout (schema_version and command, then the command's "
+             "own keys beside them; non-finite numbers as null beside a <key>_nonfinite key) "
+             "instead of tables.")
 
 
 def option() -> Any:

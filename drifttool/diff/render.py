@@ -107,6 +107,10 @@ def _first_drift_table(report: DiffReport) -> Table:
     return t
 
 
+_STEP_COLUMNS = ("x_t", "v_t", "x_next", "logp_t")
+"""The step quantities the per-step table shows (the worst sample and branch of each)."""
+
+
 def _cell(s: StepDrift, quantity: str, attr: str) -> str:
     q = s.worst(quantity)
     if q is None:
@@ -231,8 +235,9 @@ def render(report: DiffReport, console: Console | None = None) -> None:
         console.print(_first_drift_table(report))
     if report.steps:
         console.print(_steps_table(report))
-        notes = sorted({f"{q.quantity}: {q.note}" for s in report.steps for q in s.quantities
-                        if q.note and q.identical is False})
+        shown = (s.worst(n) for s in report.steps for n in _STEP_COLUMNS)  # the cells "*" marks
+        notes = sorted({f"{q.quantity}: {q.note}" for q in shown
+                        if q is not None and q.note and q.identical is False})
         for note in notes:
             console.print(f"  * {note}", highlight=False, markup=False)
         for line in steps_legend(report.steps):

@@ -91,3 +91,18 @@ def test_per_step_legend_explains_step_minus_one_and_one_run_only_cells():
     assert legend[0].startswith("step -1: records made before the first step (the sigma table")
     assert legend[1].startswith("ops ≠ N+M?: N differing operator records, and M records")
     assert "step -1:" not in rendered([_step(0, missing=1)])
+
+
+def test_a_footnote_belongs_to_a_marked_cell(make_run):
+    """Notes under the per-step table ("* quantity: note") are those of the cells shown (the worst
+    sample and branch), each marked "*"; a note on a record the table does not show is left out."""
+    plant = {"step": 1, "block": 1, "op": "joint_attn", "sample": 1, "row": 9, "add": 1e-3}
+    rep = diff_runs(open_run(make_run("a")), open_run(make_run("b", plant=plant)))
+    shown = rep.steps[2].worst("v_t")
+    hidden = next(q for s in rep.steps for q in s.quantities
+                  if q.identical is False and q is not s.worst(q.quantity))
+    shown.note, hidden.note = "a planted note", "a hidden note"
+    out = text(rep)
+    assert "  * v_t: a planted note" in out and "a hidden note" not in out, out
+    row = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["2"])
+    assert row[3].endswith("*"), row
