@@ -60,6 +60,7 @@ def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
     """
     layout = manifest.get("layout", {})
     _check_rank_columns(path, int(layout.get("world_size", 1)), ops)
+    _check_no_step_beyond(path, manifest, steps)
     if manifest.get("complete"):
         _check_every_sample_recorded(path, manifest, steps)
         _check_every_step_has_ops(path, manifest, steps, ops)
@@ -108,6 +109,18 @@ def _check_every_step_recorded(path: Path, manifest: dict[str, Any], steps: pa.T
         s, k = lost[0]
         raise ArtifactError(f"{path}: marked complete, but no step records of step {k} "
                             f"(settings.steps {n}) for sample {s}: the run lost records")
+
+
+def _check_no_step_beyond(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:
+    """A rollout, complete or not, holds no step records past its ``settings.steps``: a manifest
+    that says fewer steps than its records is refused rather than diffed on part of them."""
+    n = (manifest.get("settings") or {}).get("steps")
+    if manifest.get("kind", "rollout") != "rollout" or not isinstance(n, int) or not steps.num_rows:
+        return
+    last = max(steps["step"].to_pylist())
+    if last >= n:
+        raise ArtifactError(f"{path}: step records of step {last}, past settings.steps {n} (steps "
+                            f"0..{n - 1}): the manifest and its records disagree")
 
 
 def _check_every_sample_recorded(path: Path, manifest: dict[str, Any], steps: pa.Table) -> None:

@@ -320,3 +320,16 @@ def test_complete_run_cut_at_a_step_boundary_or_without_its_trace_is_refused(tmp
     rewrite_batches(tmp_path / "t" / S.rank_file("trace", 0), lambda bs: [])
     with pytest.raises(ArtifactError, match=r"trace.rank0 holds no call sites"):
         open_run(tmp_path / "t").check()
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_manifest_that_says_fewer_steps_than_its_records_is_refused(tmp_path, complete):
+    """settings.steps edited down (4 → 2) leaves records of steps 2 and 3 the manifest does not
+    cover: refused, complete or not, instead of diffed IDENTICAL on part of them."""
+    execute(RunSpec(capture="L0"), tmp_path / "r")
+    path = tmp_path / "r" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["settings"]["steps"], m["complete"] = 2, complete
+    path.write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"step records of step 3, past settings.steps 2 \(steps 0..1\)"):
+        open_run(tmp_path / "r").check()
