@@ -180,13 +180,17 @@ def _print_error(e: DriftToolError, rank: int, world: int) -> None:
     """One line per rank under torchrun (prefixed with the rank), or, for an error every rank
     raises alike, one line from local rank 0 (prefixed with the rank only when the launch spans
     several hosts: one line per host); the other ranks wait ``QUIET_RANK_WAIT_S`` before they
-    exit, so that torchrun does not stop local rank 0 before it printed."""
+    exit, so that torchrun does not stop local rank 0 before it printed, and exit with the error's
+    status, silently, when torchrun stops them (SIGTERM) in that wait."""
     if world > 1 and getattr(e, ALIKE, False):
         local, hosts = _local_ranks()
         if local == 0:
             error_line(f"[rank {rank}] {e}" if hosts else str(e))
         else:
-            time.sleep(QUIET_RANK_WAIT_S)
+            try:
+                time.sleep(QUIET_RANK_WAIT_S)
+            except Terminated:  # torchrun stopping this rank once local rank 0 exited: expected
+                SIGNALS.sigterm = False  # no "terminated" line beside rank 0's error
         return
     error_line(f"[rank {rank}] {e}" if world > 1 else str(e))
 

@@ -71,6 +71,21 @@ def stored(tmp_path_factory) -> Path:
 
 # -- fast: refusals in one line ---------------------------------------------------------------
 
+def test_a_quiet_rank_stopped_by_torchrun_while_it_waits_prints_nothing(cli, tmp_path, no_launch, monkeypatch):
+    """Rank 1 leaves an error every rank raises alike to rank 0 and waits; torchrun stops it
+    (SIGTERM) when rank 0 exits: it exits 2 without a "terminated (SIGTERM)" line of its own."""
+    from drifttool.cli import _errors
+
+    def stopped_by_torchrun(_s):
+        _errors.SIGNALS.sigterm = True  # as cli.app's SIGTERM handler does
+        raise _errors.Terminated()
+
+    monkeypatch.setattr(_errors.time, "sleep", stopped_by_torchrun)
+    _torchrun_env(monkeypatch, 1, 2)
+    code, out = cli("run", "-o", tmp_path / "r", "--tp", "4")
+    assert code == 2 and out.strip() == "" and not _errors.SIGNALS.sigterm, out
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--sp", "3"], ["--sp 3 (one of 1, 2, 4, 8"]),
     (["--tp", "2"], ["needs 2 ranks", "torchrun --nproc-per-node 2 -m drifttool run"]),
