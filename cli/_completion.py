@@ -9,11 +9,13 @@ typer (0.28) makes both options flags that detect the running shell (shellingham
 shell named after them to be read as a command; ``shell_named`` takes that name off the command
 line and hands it to typer's own callbacks, which take a shell name in place of detection. The
 completers import nothing heavy (completion runs ``drifttool`` on every TAB): their values come
-from the torch-free manifest schema and the packaged fixtures' folder.
+from the torch-free manifest schema, the packaged fixtures' folder and the shipped tolerance
+profiles' folder.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -120,3 +122,17 @@ def fixtures(incomplete: str) -> list[str]:
 
     names = sorted(d.name for d in packaged_fixtures().iterdir() if (d / "fixture.json").is_file())
     return _starting(tuple(names))(incomplete)
+
+
+def tolerance_profile_names() -> tuple[str, ...]:
+    """The shipped tolerance profiles' names (``drifttool.diff.tolerance.available``), read from
+    their folder without importing the diff package."""
+    import drifttool
+
+    folder = Path(drifttool.__file__).parent / "diff" / "profiles"
+    return tuple(sorted(p.stem for p in folder.glob("*.json")))
+
+
+def tolerance_profiles(incomplete: str) -> list[str]:
+    """``--tolerance`` values: the shipped profiles (a profile file is completed by the shell)."""
+    return _starting(tolerance_profile_names())(incomplete)

@@ -33,10 +33,11 @@ def diff(
         "With --localize: the model of both runs (fingerprint-checked), as replay --checkpoint "
         "takes it; needed for a captured diffusers pipeline (its pipeline folder)."),
     tolerance: Optional[str] = typer.Option(
-        None, "--tolerance", metavar="PROFILE",
-        help="Also judge every differing record against a tolerance profile (a shipped name, e.g. "
-             "strict-cuda1-vs-cpu, or a profile JSON file): within/beyond per record, the first "
-             "record beyond named. Exit 0 when every differing record is within it."),
+        None, "--tolerance", metavar="PROFILE", autocompletion=_completion.tolerance_profiles,
+        help="Also judge every differing record against a tolerance profile (a shipped one: "
+             f"{', '.join(_completion.tolerance_profile_names())}; or a profile JSON file): "
+             "within/beyond per record, the first record beyond named. Exit 0 when every "
+             "differing record is within it."),
     clip_range: Optional[float] = typer.Option(
         None, "--clip-range", metavar="EPS",
         help="Also report the log-prob drift per step and CFG branch against a PPO clip range "

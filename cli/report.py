@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from drifttool.cli import _paths
+from drifttool.cli import _completion, _paths
 from drifttool.cli._console import console
 from drifttool.errors import DriftToolError, writing
 
@@ -21,8 +21,9 @@ def report(
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="HTML file to write (e.g. report.html; missing parent folders are created)."),
     tolerance: Optional[str] = typer.Option(
-        None, "--tolerance", metavar="PROFILE",
-        help="Also judge every differing record against a tolerance profile (as diff does)."),
+        None, "--tolerance", metavar="PROFILE", autocompletion=_completion.tolerance_profiles,
+        help="Also judge every differing record against a tolerance profile, as diff does (a "
+             f"shipped one: {', '.join(_completion.tolerance_profile_names())}; or a profile JSON file)."),
     junit: Optional[Path] = typer.Option(
         None, "--junit", metavar="FILE", parser=_paths.path,
         help="Also write the diff as JUnit XML (as diff --junit)."),

@@ -73,3 +73,20 @@ def test_fixture_names_complete():
     assert "tiny-t2i" in names and len(names) >= 3
     assert _complete("drifttool fixture verify ") == names
     assert _complete("drifttool run --fixture tiny-t2i-") == [n for n in names if n.startswith("tiny-t2i-")]
+
+
+def test_tolerance_profiles_complete_and_are_named_in_the_help():
+    """The shipped profiles (``tolerance.available``, read here without the diff package) complete
+    after --tolerance and are named in diff's and report's help."""
+    from drifttool.cli._completion import tolerance_profile_names
+    from drifttool.diff.tolerance import available
+
+    names = available()
+    assert len(names) >= 2 and list(tolerance_profile_names()) == names
+    assert _complete("drifttool diff A B --tolerance ") == names
+    assert _complete("drifttool report A B -o r.html --tolerance strict-cuda1-vs-cpu-") == [
+        n for n in names if n.startswith("strict-cuda1-vs-cpu-")]
+    for cmd in ("diff", "report"):
+        r = _drifttool(cmd, "--help", env={"COLUMNS": "400"})
+        flat = " ".join(r.stdout.replace("│", " ").split())  # the help box's wrapped lines joined
+        assert r.returncode == 0 and f"a shipped one: {', '.join(names)};" in flat, r.stdout
