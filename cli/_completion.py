@@ -21,6 +21,8 @@ from typing import Any, Callable
 import typer
 from typer._completion_shared import Shells
 
+import drifttool
+
 SHELLS = tuple(s.value for s in Shells)
 """The shells typer writes completion scripts for."""
 _OPTIONS = {"--show-completion": "show_completion", "--install-completion": "install_completion"}
@@ -127,8 +129,6 @@ def fixtures(incomplete: str) -> list[str]:
 def tolerance_profile_names() -> tuple[str, ...]:
     """The shipped tolerance profiles' names (``drifttool.diff.tolerance.available``), read from
     their folder without importing the diff package."""
-    import drifttool
-
     folder = Path(drifttool.__file__).parent / "diff" / "profiles"
     return tuple(sorted(p.stem for p in folder.glob("*.json")))
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from drifttool.artifact.levels import captures_internals
+from drifttool.artifact.manifest_schema import STRICT_MODES
 from drifttool.capture.trace import OperatorTrace
 from drifttool.errors import UnsupportedConfigError
 
@@ -48,7 +49,7 @@ class Mode(str, enum.Enum):
     @property
     def family(self) -> str:
         """The backend family this mode requests: ``strict`` or ``production``."""
-        return "strict" if self in (Mode.STRICT, Mode.AUDIT) else "production"
+        return "strict" if self.value in STRICT_MODES else "production"
 
     @property
     def fallback(self) -> str | None:

@@ -74,7 +74,10 @@ _GRID = ListOf(_SIZE, 2)
 KINDS = ("rollout", "recompute")
 """``kind``: a sampled trajectory (``drifttool run``/``replay``) or its training recompute."""
 MODES = ("strict", "audit", "auto", "off")
-"""``drifttool.runtime.Mode`` values (tests/artifact/test_manifest_schema.py checks they agree)."""
+"""``drifttool.runtime.Mode`` values (tests/artifact/test_damaged_runs.py checks they agree)."""
+STRICT_MODES = ("strict", "audit")
+"""The modes of the strict backend family (``drifttool.runtime.Mode.family``); the others request
+the production family."""
 MODEL_DTYPES = ("float32", "bfloat16")
 """``drifttool.setting_checks.DTYPES``: the model dtypes a run may use."""
 CFG_LAYOUTS = ("batched", "sequential")

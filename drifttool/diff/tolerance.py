@@ -49,6 +49,8 @@ from typing import Any
 import numpy as np
 
 from drifttool.artifact import compute as ac
+from drifttool.artifact.levels import captures_internals
+from drifttool.artifact.manifest_schema import STRICT_MODES
 from drifttool.diff.arrays import arrow_array
 from drifttool.diff.values import compare_values, values
 from drifttool.errors import DriftToolError
@@ -171,14 +173,7 @@ def run_scope(run: Any) -> dict[str, Any]:
 def _internals_apply(settings: dict[str, Any]) -> bool:
     """Whether a run of these recorded settings chose whether to capture the attention's internals
     (``RunSettings.internals_apply``: L2 in a strict-family mode)."""
-    from drifttool.artifact.levels import captures_internals
-    from drifttool.runtime import Mode
-
-    try:
-        strict = Mode(settings.get("mode")).family == "strict"
-    except ValueError:
-        return False
-    return strict and captures_internals(settings.get("capture"))
+    return settings.get("mode") in STRICT_MODES and captures_internals(settings.get("capture"))
 
 
 _ABSENT = {"lora_mode": "none (no adapter)", "internals": "none (its mode and level take no internals)"}
