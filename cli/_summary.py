@@ -54,14 +54,14 @@ def internals_note(given: bool | None, mode: str, capture: str) -> str | None:
     """The note for ``--internals``/``--no-internals`` (``given``; None: not given) where it changes
     nothing: below L2, or in a mode outside the strict family (production attention is one fused
     call that exposes no internals); None where it applies."""
-    from drifttool.artifact.levels import captures_internals  # lazy: keeps torch out of `drifttool --help`
-    from drifttool.runtime import Mode  # lazy: likewise
+    from drifttool.artifact.levels import captures_internals  # lazy: keeps pyarrow out of `drifttool --help`
+    from drifttool.artifact.manifest_schema import STRICT_MODES  # lazy: likewise
 
     if given is None:
         return None
     if not captures_internals(capture):
         why = f"at capture {capture}: only L2 captures the attention's internals"
-    elif Mode(mode).family != "strict":
+    elif mode not in STRICT_MODES:
         why = f"in mode {mode}: production attention exposes no internals"
     else:
         return None
