@@ -14,8 +14,10 @@ A diff has a test case for the semantic pre-check (``same program``: fails on a 
 mismatch) and one test case per compared (phase, step): it fails when the step's records differ
 (the first drift's step carries the first drift as its message), is skipped when the step has
 records only one run holds and none that differ, and passes otherwise; with a tolerance profile a
-differing step within it passes. An incomparable pair is one test case in error; an inconclusive
-diff adds a test case in error saying why. A probe matrix has one test case per probe: FINDING
+differing step within it passes, and a pair it cannot judge (records in one run only, differing
+replay inputs, an incomplete run) adds a failing test case ``tolerance profile P`` saying why (the
+diff exits non-zero). An incomparable pair is one test case in error; an inconclusive diff adds a
+test case in error saying why. A probe matrix has one test case per probe: FINDING
 fails (its reasons as the message), ERROR is an error, PENDING and NOT APPLICABLE are skipped,
 PASS and OBSERVED pass.
 """
@@ -94,6 +96,10 @@ def diff_suite(report: Any) -> Suite:
             case.outcome, case.kind = "skipped", "missing"
             case.message = f"{s.missing} records of this step are in one run only"
         suite.cases.append(case)
+    tol = report.tolerance
+    if tol is not None and tol.blocked:  # the pair is not one the profile can judge: the exit is 1
+        suite.cases.append(Case(classname="drifttool.diff", name=f"tolerance profile {tol.profile}",
+                                outcome="failure", kind="not_judged", message=tol.words()))
     if verdict == "inconclusive":
         suite.cases.append(Case(classname="drifttool.diff", name="every record compared",
                                 outcome="error", kind="inconclusive", message=report.reason,

@@ -81,6 +81,24 @@ def test_identical_and_incomparable_diffs_in_junit(strict_run, tmp_path):
     assert suite.errors == 1 and isinstance(next(iter(suite)).result[0], junitparser.Error)
 
 
+def test_a_pair_the_tolerance_profile_cannot_judge_fails_in_junit(tmp_path):
+    """Common records identical, a sample in run B only: the diff exits 1 with a profile (NOT
+    JUDGED), so the JUnit file has a failing case saying why, not only passed and skipped steps."""
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+
+    for name, batch in (("one", 1), ("two", 2)):
+        execute(RunSpec(steps=2, capture="L0", batch=batch), tmp_path / name)
+    res = invoke("diff", tmp_path / "one", tmp_path / "two", "--tolerance", "strict-cuda1-vs-cpu",
+                 "--junit", tmp_path / "t.xml")
+    assert res.exit_code == 1, res.output
+    _check_shape(tmp_path / "t.xml")
+    suite = next(iter(junitparser.JUnitXml.fromfile(str(tmp_path / "t.xml"))))
+    failed = [c for c in suite if c.result and isinstance(c.result[0], junitparser.Failure)]
+    assert [c.name for c in failed] == ["tolerance profile strict-cuda1-vs-cpu"], [c.name for c in suite]
+    assert "records are in one run only" in failed[0].result[0].message
+
+
 def test_probe_junit_one_case_per_probe(tmp_path, monkeypatch, fake_matrix):
     monkeypatch.setattr("drifttool.probes.runner.run_matrix", lambda *a, **k: fake_matrix)
     monkeypatch.setattr("drifttool.cli.probe._heatmaps", lambda m, out: [])
