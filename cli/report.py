@@ -62,5 +62,8 @@ def report(
         write_junit([diff_suite(diff)], junit)
     console.print(f"{diff.verdict.value.upper()}  {diff.reason}", highlight=False, markup=False,
                   soft_wrap=True)
+    if diff.tolerance is not None:  # the line that decides the exit beside a drift or an identical pair
+        console.print(f"{diff.tolerance.verdict.upper()}  {diff.tolerance.words()}", highlight=False,
+                      markup=False, soft_wrap=True)
     console.print(f"wrote {out}", highlight=False)
     raise typer.Exit(diff.exit_code)

@@ -97,6 +97,10 @@ def test_a_pair_the_tolerance_profile_cannot_judge_fails_in_junit(tmp_path):
     failed = [c for c in suite if c.result and isinstance(c.result[0], junitparser.Failure)]
     assert [c.name for c in failed] == ["tolerance profile strict-cuda1-vs-cpu"], [c.name for c in suite]
     assert "records are in one run only" in failed[0].result[0].message
+    # report says on the console why it exits 1 (the page says it too)
+    res = invoke("report", tmp_path / "one", tmp_path / "two", "--tolerance", "strict-cuda1-vs-cpu",
+                 "-o", tmp_path / "r.html")
+    assert res.exit_code == 1 and "NOT JUDGED  tolerance profile strict-cuda1-vs-cpu:" in res.output, res.output
 
 
 def test_probe_junit_one_case_per_probe(tmp_path, monkeypatch, fake_matrix):
