@@ -41,7 +41,9 @@ def _flatten(d: Any, prefix: str) -> dict[str, Any]:
 
 
 def _short(v: Any) -> str:
-    s = "<missing>" if v is _MISSING else repr(v)
+    """A manifest value in a context line: ``<missing>`` for an absent key, ``null`` for a
+    recorded null (the manifest's JSON word, not Python's ``None``), else its ``repr``."""
+    s = "<missing>" if v is _MISSING else "null" if v is None else repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
 

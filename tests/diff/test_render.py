@@ -106,3 +106,12 @@ def test_a_footnote_belongs_to_a_marked_cell(make_run):
     assert "  * v_t: a planted note" in out and "a hidden note" not in out, out
     row = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["2"])
     assert row[3].endswith("*"), row
+
+
+def test_context_lines_say_null_and_missing_in_the_manifests_words():
+    """A recorded null reads ``null`` (JSON's word; not Python's ``None``), an absent key
+    ``<missing>``."""
+    from drifttool.diff.context import dict_differences
+
+    lines = dict_differences({"inputs": {"cpu": None, "gone": 1}}, {"inputs": {"cpu": "AVX512"}}, "fp")
+    assert lines == ["fp.inputs.cpu: null != 'AVX512'", "fp.inputs.gone: 1 != <missing>"], lines
