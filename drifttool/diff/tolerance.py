@@ -102,7 +102,8 @@ def load_profile(spec: str | Path) -> Profile:
             that is not a finite number >= 0, or a bound name the record kind cannot be judged on.
     """
     if not str(spec).strip():
-        raise DriftToolError("--tolerance: give a profile name or file (empty)")
+        raise DriftToolError("tolerance profile: give a shipped profile's name or a profile file "
+                             "(got an empty name)")
     path = Path(spec)
     if not path.suffix and not path.exists():
         path = PROFILES_DIR / f"{spec}.json"

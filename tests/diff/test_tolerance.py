@@ -146,6 +146,8 @@ def test_the_api_takes_a_profile_by_name_or_file(pair, tmp_path):
         diff_runs(ra, rb, tolerance="nope")
     with pytest.raises(DriftToolError, match="got dict"):
         diff_runs(ra, rb, tolerance={"ops": {}})
+    with pytest.raises(DriftToolError, match="^tolerance profile: .*empty name"):  # no CLI flag named
+        diff_runs(ra, rb, tolerance=" ")
 
 
 def test_settings_outside_the_profiles_scope_are_noted(pair, tmp_path):
