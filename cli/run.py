@@ -74,7 +74,7 @@ def run(
                              help="strict | audit | auto | off."),
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels,
                                            help="L0 | L1 | L2 (default: the fixture's)."),
-    internals: bool = typer.Option(True, help="At L2, also capture the fused attention's internals (its scores and probabilities); --no-internals leaves them out and keeps the attention fused (diff --localize captures them for the drifting step); production modes have none."),
+    internals: Optional[bool] = typer.Option(None, "--internals/--no-internals", show_default=False, help="At L2, also capture the fused attention's internals (its scores and probabilities; the default); --no-internals leaves them out and keeps the attention fused (diff --localize captures them for the drifting step); production modes have none."),
     seed: Optional[int] = typer.Option(None, help="Noise seed."),
     dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
@@ -170,7 +170,7 @@ def run(
 
     spec = RunSpec(
         fixture=fixture, checkpoint=checkpoint, variant=variant, steps=steps, cfg_scale=cfg_scale, eta=eta,
-        batch=batch, samples=_samples(samples), mode=mode, capture=capture, internals=internals, seed=seed,
+        batch=batch, samples=_samples(samples), mode=mode, capture=capture, internals=internals is not False, seed=seed,
         dtype=dtype, cfg_layout=cfg_layout, lora=lora, lora_mode=lora_mode, preset=preset, device=device, height=height,
         width=width, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
         latents=latents, condition=condition,
@@ -244,8 +244,7 @@ def run(
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
-    elif (line := internals_note(None if settings.internals else False, settings.mode.value,
-                                 settings.capture)) is not None:
+    elif (line := internals_note(internals, settings.mode.value, settings.capture)) is not None:
         err.print(f"[bold yellow]note:[/] {line}", highlight=False)
 
 

@@ -55,6 +55,10 @@ def test_below_l2_the_option_changes_nothing_and_says_so(cli, tmp_path):
     code, out = cli("run", "-o", tmp_path / "l1", "--capture", "L1", "--steps", "2", "--no-internals")
     assert code == 0 and "--no-internals changes nothing at capture L1" in " ".join(out.split()), out
     assert "internals" not in _manifest(tmp_path / "l1")["settings"]
+    code, out = cli("run", "-o", tmp_path / "l1b", "--capture", "L1", "--steps", "2", "--internals")
+    assert code == 0 and "--internals changes nothing at capture L1" in " ".join(out.split()), out
+    code, out = cli("run", "-o", tmp_path / "l1c", "--capture", "L1", "--steps", "2")  # not given: no note
+    assert code == 0 and "changes nothing" not in " ".join(out.split()), out
 
 
 @pytest.mark.parametrize("cmd", ["replay", "recompute"])
