@@ -27,8 +27,13 @@ class PromptPositions(str, enum.Enum):
 def _samples(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
+    if not text.strip():
+        return []  # refused by the settings: no sample ids
+    parts = [s.strip() for s in text.split(",")]
+    if "" in parts:
+        raise DriftToolError(f"--samples: an empty entry in {text!r} (comma-separated integers, e.g. 0,1)")
     try:
-        return [int(s) for s in text.split(",") if s.strip()]
+        return [int(s) for s in parts]
     except ValueError:
         raise DriftToolError(f"--samples: expected comma-separated integers, got {text!r}") from None
 

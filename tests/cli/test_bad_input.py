@@ -101,6 +101,9 @@ def test_bad_settings(cli, tmp_path):
     _assert_clean_error(*cli("run", "--fixture", "no-such-fixture", "-o", tmp_path / "r3"), "no-such-fixture")
     code, out = cli("run", "--samples", "1,x", "-o", tmp_path / "r4")
     assert code == 2 and "Traceback" not in out
+    for bad in ("0,,1", "0,1,"):  # an empty entry is a typo, not a shorter list
+        _assert_clean_error(*cli("run", "--samples", bad, "-o", tmp_path / "r5"), "an empty entry")
+    _assert_clean_error(*cli("run", "--samples", " ", "-o", tmp_path / "r6"), "no sample ids")
 
 
 def test_output_dir_not_empty(cli, tmp_path, strict_run):
