@@ -117,7 +117,7 @@ def _check_no_step_beyond(path: Path, manifest: dict[str, Any], steps: pa.Table)
     n = (manifest.get("settings") or {}).get("steps")
     if manifest.get("kind", "rollout") != "rollout" or not isinstance(n, int) or not steps.num_rows:
         return
-    last = max(steps["step"].to_pylist())
+    last = ac.call("max", steps["step"]).as_py()  # in Arrow: no Python list of every step record
     if last >= n:
         raise ArtifactError(f"{path}: step records of step {last}, past settings.steps {n} (steps "
                             f"0..{n - 1}): the manifest and its records disagree")
