@@ -36,4 +36,7 @@ def _resolve(value: Optional[Path]) -> Optional[Path]:
 def option(help: str) -> Any:
     """The ``--checkpoint`` option of a command: ``help`` says what it replaces, ``FORMS`` what
     it takes."""
-    return typer.Option(None, "--checkpoint", help=f"{help} Model: {FORMS}.", callback=_resolve)
+    from drifttool.cli._paths import input_path  # an empty --checkpoint names no model
+
+    return typer.Option(None, "--checkpoint", help=f"{help} Model: {FORMS}.", parser=input_path,
+                        callback=_resolve)

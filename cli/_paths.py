@@ -14,7 +14,8 @@
 - A path under a regular file, or an output file that is an existing folder, is refused in one
   line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
 
-One input path has its own rule too: every ``--lora`` (``run``, ``replay``, ``recompute``,
+Input paths (a run directory, a fixture directory, ``--checkpoint``) refuse an empty path too
+(``input_path``). One input path has its own rule: every ``--lora`` (``run``, ``replay``, ``recompute``,
 ``experiment train-rollout``) is checked where it is parsed (``adapter``), with the words the
 adapter reader refuses it with (``drifttool.model.lora_paths``), before any model loads.
 """
@@ -46,6 +47,19 @@ def path(text: str) -> Path:
             f"{text} is inside the run directory {run}, which holds only its artifact's files "
             "(diff and replay would refuse the run); write it outside the run directory")
     return out
+
+
+def input_path(text: str) -> Path:
+    """typer's ``parser`` for an input path (a run directory, a fixture directory): ``text`` as a
+    ``Path``.
+
+    Raises:
+        typer.BadParameter: ``text`` is empty (``Path("")`` is the current folder, which the user
+            did not name).
+    """
+    if not text.strip():
+        raise typer.BadParameter("an empty path names no file or directory; give one")
+    return Path(text)
 
 
 def output_file(out: Path, option: str) -> Path:

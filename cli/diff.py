@@ -12,8 +12,8 @@ from drifttool.cli._console import console, tolerate_closed_stdout
 
 
 def diff(
-    run_a: Path = typer.Argument(..., help="Baseline artifact directory."),
-    run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
+    run_a: Path = typer.Argument(..., parser=_paths.input_path, help="Baseline artifact directory."),
+    run_b: Path = typer.Argument(..., parser=_paths.input_path, help="Artifact directory to compare."),
     as_json: bool = _json.option(),
     junit: Optional[Path] = typer.Option(
         None, "--junit", metavar="FILE", parser=_paths.path,

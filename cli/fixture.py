@@ -25,7 +25,7 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 def verify(
     fixture: Optional[str] = typer.Argument(None, metavar="[NAME|DIR|TAR]", autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(
-        None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed)."),
+        None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed when the replay is identical, kept for inspection when it is not)."),
     as_json: bool = _json.option(),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests.
@@ -57,7 +57,8 @@ def verify(
             "replay_dir": str(result.run_dir) if keep else None, "exit_code": code,
             "images": images, "note": result.note, "report": shown.to_dict()})
     else:
-        where = f"replay in {result.run_dir}" if keep else "replay removed"
+        where = ("replay removed" if not keep else f"replay in {result.run_dir}" if workdir is not None
+                 else f"replay kept for inspection in {result.run_dir} (remove it when done)")
         console.print(f"fixture [bold]{result.fixture}[/] seal ok ({result.content_digest}); {where}")
         render(dataclasses.replace(result.report, **gone), console)
         for i in result.images:
@@ -72,6 +73,6 @@ def verify(
 
 
 @app.command("seal", cls=Command, epilog=EXIT_HELP)
-def seal_cmd(path: Path = typer.Argument(..., metavar="DIR", help="Fixture directory to (re)seal.")) -> None:
+def seal_cmd(path: Path = typer.Argument(..., parser=_paths.input_path, metavar="DIR", help="Fixture directory to (re)seal.")) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory."""
     console.print(f"sealed {path}: {user_errors(seal, command='fixture seal')(path)}")

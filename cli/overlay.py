@@ -13,7 +13,7 @@ from drifttool.errors import DriftToolError
 from drifttool.exit_codes import ExitCode
 
 def overlay(
-    runs: List[Path] = typer.Argument(..., metavar="RUN_A RUN_B...", help="Baseline artifact, then the runs to compare."),
+    runs: List[Path] = typer.Argument(..., parser=_paths.input_path, metavar="RUN_A RUN_B...", help="Baseline artifact, then the runs to compare."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Figure to write (.png, .pdf or .svg; missing parent folders are created)."),
     title: str = typer.Option("", help="Figure title."),

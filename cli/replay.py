@@ -64,7 +64,7 @@ def _one_process(stored, dims) -> None:
 
 
 def replay(
-    run_dir: Path = typer.Argument(..., help="Rollout artifact to replay."),
+    run_dir: Path = typer.Argument(..., parser=_paths.input_path, help="Rollout artifact to replay."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path, help="Artifact directory to create."),
     mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="strict | audit | auto | off (default: the run's)."),
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels, help="L0 | L1 | L2 (default: the run's)."),
@@ -140,7 +140,7 @@ def replay(
 
 
 def recompute(
-    run_dir: Path = typer.Argument(..., help="Complete rollout artifact to re-score."),
+    run_dir: Path = typer.Argument(..., parser=_paths.input_path, help="Complete rollout artifact to re-score."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="Artifact directory to create (kind: recompute)."),
     mode: Optional[str] = typer.Option(None, autocompletion=_completion.modes, help="Trainer mode: strict | audit | auto | off (default: the run's)."),

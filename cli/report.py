@@ -16,8 +16,8 @@ from drifttool.errors import DriftToolError, writing
 
 
 def report(
-    run_a: Path = typer.Argument(..., help="Baseline artifact directory."),
-    run_b: Path = typer.Argument(..., help="Artifact directory to compare."),
+    run_a: Path = typer.Argument(..., parser=_paths.input_path, help="Baseline artifact directory."),
+    run_b: Path = typer.Argument(..., parser=_paths.input_path, help="Artifact directory to compare."),
     out: Path = typer.Option(..., "-o", "--out", parser=_paths.path,
                            help="HTML file to write (e.g. report.html; missing parent folders are created)."),
     tolerance: Optional[str] = typer.Option(

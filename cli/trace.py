@@ -7,12 +7,12 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from drifttool.cli import _json
+from drifttool.cli import _json, _paths
 from drifttool.cli._console import console, err
 
 
 def trace(
-    run_dir: Path = typer.Argument(..., help="Artifact directory."),
+    run_dir: Path = typer.Argument(..., parser=_paths.input_path, help="Artifact directory."),
     fallbacks_only: bool = typer.Option(False, "--fallbacks", help="Show only call sites that fell back."),
     as_json: bool = _json.option(),
 ) -> None:

@@ -124,6 +124,18 @@ def _check_member_sizes(archive: Path, tar: tarfile.TarFile, members: list) -> N
                            + ", ".join(bad[:5]))
 
 
+def _named(name_or_path: str | Path) -> str | Path:
+    """``name_or_path``, unless it is empty (``Path("")`` is the current folder, which nobody named).
+
+    Raises:
+        FixtureError: an empty name.
+    """
+    if not str(name_or_path).strip():
+        raise FixtureError("an empty fixture name names no fixture; give one (e.g. tiny-t2i) or a "
+                           "fixture directory")
+    return name_or_path
+
+
 @contextlib.contextmanager
 def extracted(name_or_path: str | Path) -> Iterator[Path]:
     """The fixture directory of a packaged name, a directory or a ``.tar``/``.tar.gz`` archive.
@@ -134,7 +146,7 @@ def extracted(name_or_path: str | Path) -> Iterator[Path]:
     Raises:
         FixtureError: as ``locate``, or an archive that cannot be extracted safely (``_extract``).
     """
-    p = Path(name_or_path)
+    p = Path(_named(name_or_path))
     if not p.is_file():
         yield locate(p)
         return
@@ -148,7 +160,7 @@ def locate(name_or_path: str | Path) -> Path:
     Raises:
         FixtureError: nothing of that name or path, or a file (an archive needs ``extracted``).
     """
-    p = Path(name_or_path)
+    p = Path(_named(name_or_path))
     if p.is_dir():
         return p
     if p.exists():

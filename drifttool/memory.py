@@ -180,8 +180,10 @@ def check_memory(settings: RunSettings, config: MMDiTConfig, vae: VAEConfig | No
             "--capture L0, a smaller image" if "key table" in what else "a smaller image"
         if source is not None and "--image-area" in source:
             smaller = smaller.replace("a smaller image", "a smaller --image-area")
+        size = source or f"--height {height} --width {width}"
+        n = len(settings.samples)
         raise DriftToolError(
-            f"{source or f'--height {height} --width {width}'}: the run needs at least {_amount(need)}, "
+            f"{f'{n:,} samples at ' if n > 1 else ''}{size}: the run needs at least {_amount(need)}, "
             f"{_amount(free)} available ({where} memory; a lower bound: {what}); {smaller} or fewer "
             "samples fits in less")
 

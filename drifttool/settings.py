@@ -59,6 +59,10 @@ MAX_STEPS = 1000
 
 MAX_SAMPLE_ID = 2**31 - 1
 """Largest logical sample id: the artifact's ``sample`` columns are int32 (``artifact.schema``)."""
+MAX_BATCH = 2**20
+"""Most samples one run takes (``--batch``): its per-sample lists, prompts and noise are built on
+the host before the memory check (``memory.check_memory``) can weigh the run, and a batch of
+2**31 filled 24 GB of them; a million samples is more than any batch a model runs at once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +325,9 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
         if int(spec.batch) > MAX_SAMPLE_ID + 1:  # before its ids are listed
             raise DriftToolError(f"a batch of {spec.batch} samples is more than logical sample ids "
                                  f"0..{MAX_SAMPLE_ID} hold (the artifact's int32 sample column)")
+        if int(spec.batch) > MAX_BATCH:  # before per-sample lists fill the host's memory
+            raise DriftToolError(f"--batch {spec.batch}: more samples than one run takes (at most "
+                                 f"{MAX_BATCH:,}); split them over runs (--samples)")
         ids = list(range(int(spec.batch)))
     else:
         ids = list(default or [])
@@ -362,7 +369,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             ``check_mode_device``).
         FixtureError: the fixture cannot be found or read.
     """
-    fx = load_fixture(spec.fixture or DEFAULT_FIXTURE)
+    fx = load_fixture(DEFAULT_FIXTURE if spec.fixture is None else spec.fixture)
     base = fx.settings
     if spec.samples is not None and spec.batch is not None:
         raise DriftToolError("give either a batch size or sample ids, not both")

@@ -199,7 +199,7 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     if workdir is not None and (Path(workdir) / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
                             "own (the re-run is written to WORKDIR/replay)")
-    with extracted(name_or_path or DEFAULT_FIXTURE) as path:
+    with extracted(DEFAULT_FIXTURE if name_or_path is None else name_or_path) as path:
         digest = check_seal(path)  # before anything in the fixture is read
         fx = load_fixture(path)
         expected = open_run(fx.expected_dir)  # a damaged expected artifact: refused before the run

@@ -91,8 +91,9 @@ def replay_run(
 
     Raises:
         ArtifactError: no or tampered replay inputs, unreadable manifest.
-        DriftToolError: fingerprint mismatch, bad settings, a run that replaced operators, or
-            another model implementation not passed as ``model``.
+        DriftToolError: fingerprint mismatch, bad settings, a run that replaced operators,
+            another model implementation not passed as ``model``, or an incomplete run that
+            finished no step.
     """
     refuse_same_dir(source, out)
     stored = load_rollout(source, need_latents=False)
@@ -113,6 +114,9 @@ def replay_run(
     spec = replay_spec(stored, options)
     check_mode_device(check_mode(spec.mode), spec.device)  # before the model loads
     upto = None if stored.complete else finished_steps(stored)
+    if upto == 0:
+        raise DriftToolError(f"{stored.path}: the run stopped before it finished a step (0 of its "
+                             f"{stored.sampler.num_steps}): nothing to replay")
     if chain_section(stored.manifest) is not None and model is None:  # every stage again
         summary = replay_chain(stored, spec, out, options, max_steps=upto, on_step=on_step,
                                dist=dist, parallel=parallel)

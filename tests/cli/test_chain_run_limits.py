@@ -75,8 +75,9 @@ def test_a_run_whose_memory_lower_bound_does_not_fit_isone_error_line(cli, tmp_p
     args = {"prompt": ("run", "--prompt", "x", "-o", out, *size, "--capture", "L0"),
             "edit": _edit(out, *size, "--capture", "L0"),
             "trajectory": ("run", "-o", out, *size, "--capture", "L1")}[kind]
-    line = one_error_line(*cli(*args), f"error: --height 4096 --width 4096: the run needs at least {need}, "
-                     f"{have} available (host memory; a lower bound: ")
+    samples = "2 samples at " if kind == "trajectory" else ""  # the default fixture's two
+    line = one_error_line(*cli(*args), f"error: {samples}--height 4096 --width 4096: the run needs at least "
+                          f"{need}, {have} available (host memory; a lower bound: ")
     assert ("VAE decode" in line) is (kind != "trajectory"), line
     assert not out.exists() and not (tmp_path / "r.png").exists()
 

@@ -57,3 +57,22 @@ def test_the_notes_on_a_cut_run_go_to_stderr(killed, tmp_path):
     res = CliRunner().invoke(app, ["trace", str(tmp_path / "r")])  # a replay of one step: its trace exists
     assert res.exit_code == 0, res.output
     assert "note: the run is incomplete" in res.stderr and "note:" not in res.stdout, res.output
+
+
+KILL_IN_STEP_0 = """
+import os, sys
+from drifttool.model import mmdit
+from drifttool.runner import execute
+from drifttool.settings import RunSpec
+mmdit.MMDiT.forward = lambda *a, **k: os._exit(9)
+execute(RunSpec(capture="L0"), sys.argv[1])
+"""
+
+
+def test_replay_of_a_run_killed_before_its_first_step_is_refused(cli, tmp_path):
+    out = tmp_path / "run"
+    assert subprocess.run([sys.executable, "-c", KILL_IN_STEP_0, str(out)], timeout=300).returncode == 9
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    code, text = cli("replay", out, "-o", tmp_path / "r")
+    assert code == 2 and "nothing to replay" in text and "0 of its 4" in " ".join(text.split()), text
+    assert not (tmp_path / "r").exists()

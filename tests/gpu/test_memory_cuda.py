@@ -23,7 +23,7 @@ def test_a_cuda_run_beyond_the_free_memory_is_one_line(cli, tmp_path, monkeypatc
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10 << 20 if device.startswith("cuda") else None)
     args = ("run", "--device", "cuda", "--mode", "auto", "--height", "4096", "--width", "4096")
     code, out = cli(*args, "-o", tmp_path / "r")
-    assert code == 2 and out.startswith("error: --height 4096 --width 4096: the run needs at least 88 MiB, "
+    assert code == 2 and out.startswith("error: 2 samples at --height 4096 --width 4096: the run needs at least 88 MiB, "
                                         "10 MiB available (cuda device memory"), out
     assert not (tmp_path / "r").exists()
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)
