@@ -52,15 +52,16 @@ class ClipDrift:
     steps: list[ClipStep] = field(default_factory=list)
     worst: ClipStep | None = None
 
-    def words(self) -> str:
+    def words(self, verdict: bool = True) -> str:
         """One line for the report, e.g. ``max |exp(Δlogp) − 1| 3.7e-05 = 37 % of the clip
-        range 0.0001 (rollout step 2 cfg): below the clip noise floor``."""
+        range 0.0001 (rollout step 2 cfg): below the clip noise floor``; ``verdict=False`` leaves
+        out the tail after the colon (a line headed by the verdict's words says it already)."""
         if self.worst is None:
             return f"no logp_t records in both runs: nothing to judge against the clip range {self.clip_range:g}"
         w = self.worst
+        tail = f": {self.verdict} the clip noise floor" if verdict else ""
         return (f"max |exp(Δlogp) − 1| {w.ratio_dev_max:.3g} = {percent(w.fraction)} of the clip "
-                f"range {self.clip_range:g} ({w.phase} step {w.step} {w.branch}): {self.verdict} "
-                "the clip noise floor")
+                f"range {self.clip_range:g} ({w.phase} step {w.step} {w.branch}){tail}")
 
 
 CLIP_FIELDS = ("clip_range", "clip_verdict", "clip_ratio_dev_max", "clip_fraction",

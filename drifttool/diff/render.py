@@ -218,7 +218,7 @@ def render(report: DiffReport, console: Console | None = None) -> None:
     if report.clip is not None:
         style = {"below": "bold green", "above": "bold red"}.get(report.clip.verdict, "bold yellow")
         console.print(f"[{style}]{report.clip.verdict.upper()} CLIP NOISE FLOOR[/]  "
-                      f"{report.clip.words()}", highlight=False)
+                      f"{report.clip.words(verdict=False)}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
                                                                    shown_context(report.context)),
                          ("notes", report.notes)):

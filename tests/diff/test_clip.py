@@ -55,6 +55,7 @@ def test_cli_and_json(cli, pair):
     flat = " ".join(out.split())
     assert code == 1 and "BELOW CLIP NOISE FLOOR max |exp(Δlogp) − 1|" in flat, out
     assert "of the clip range 0.0001" in flat and "log-prob drift against the clip range" in flat
+    assert "below the clip noise floor" not in flat  # the verdict's words once, heading the line
     code, out = cli("diff", *pair, "--clip-range", "1e-4", "--json")
     data = json.loads(out)
     assert code == 1 and data["clip"]["verdict"] == "below" and data["clip"]["clip_range"] == 1e-4
