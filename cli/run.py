@@ -159,7 +159,7 @@ def run(
     samples sample-parallel (gloo on the CPU) and write one artifact; rank 0 prints. With
     `--tp/--sp/--cfg-parallel` (their product = the number of ranks) the ranks run every sample
     under that parallel layout instead, and the artifact diffs identical to one process
-    (`--sp-attention ring` captures L0/L1 only). A layout the model or the run cannot take is
+    (`--sp-attention ring` captures L0, L1, or L2 with `--no-internals`). A layout the model or the run cannot take is
     refused in one line before any rank starts. `--prompt` (with a pipeline folder holding
     tokenizer/, text_encoder/ and vae/; without --checkpoint the shipped tiny pipeline of the
     tiny-t2i-chain fixture) runs the full chain in one process: the prompt is
