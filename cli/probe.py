@@ -273,7 +273,7 @@ class _Report:
                 "heatmaps": [str(p) for p in drawn],
                 "junit": None if self.junit is None else str(self.junit)}})
         else:
-            console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmaps in {out / 'heatmaps'}"
+            console.print(f"wrote {apath}, {jpath}" + (f", {len(drawn)} heatmap{'' if len(drawn) == 1 else 's'} in {out / 'heatmaps'}"
                                                        if drawn else ""), highlight=False)
         raise typer.Exit(matrix.exit_code)
 

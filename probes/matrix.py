@@ -164,7 +164,8 @@ def matrix_table(m: Matrix) -> Table:
     owning rank)."""
     launch = m.settings.get("launch")
     where = f", every run {launch}" if launch else ""
-    t = Table(title=f"probe matrix ({len(m.results)} probes{where}, {m.seconds:.1f} s)",
+    n = len(m.results)
+    t = Table(title=f"probe matrix ({n} probe{'' if n == 1 else 's'}{where}, {m.seconds:.1f} s)",
               box=box.SIMPLE_HEAD, title_justify="left")
     right = {"justify": "right", "no_wrap": True}
     layouts = any(r.layout for r in m.results)
