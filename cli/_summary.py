@@ -19,10 +19,21 @@ SETTINGS_KEYS = ("fixture", "dtype", "cfg_scale", "eta", "seed", "img_grid", "cf
 """The settings a summary table shows, in its order."""
 
 
+def shown(value: Any) -> str:
+    """A summary table's cell: ``yes``/``no`` for a flag, a list's items joined by ``, ``
+    (``samples 0, 1``, ``img_grid 4, 6``), anything else as ``str`` gives it (not Python's
+    ``True`` or ``[0, 1]``)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(shown(v) for v in value)
+    return str(value)
+
+
 def settings_rows(record: Mapping[str, Any], *, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(key, value) rows of ``record`` for the keys of ``SETTINGS_KEYS`` it holds, but ``skip``
     (those the table shows from another source)."""
-    return [(k, str(record[k])) for k in SETTINGS_KEYS
+    return [(k, shown(record[k])) for k in SETTINGS_KEYS
             if record.get(k) is not None and k not in skip]
 
 

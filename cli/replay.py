@@ -24,7 +24,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows, shown
 from drifttool.errors import DriftToolError
 
 _DEVICE_HELP = "cpu | cuda | cuda:N (default: the run's). Shapes come from the artifact."
@@ -39,7 +39,7 @@ def _summary(title: str, rows: list[tuple[str, object]], summary: dict) -> None:
     """The command's summary table, and the warning of a refused CUDA graph capture."""
     table = Table(title=title, show_header=False)
     for k, v in rows:
-        table.add_row(k, str(v))
+        table.add_row(k, shown(v))
     console.print(table)
     if (line := graph_warning(summary)) is not None:
         err.print(f"[bold yellow]warning:[/] {line}", highlight=False)

@@ -12,7 +12,7 @@ from rich.table import Table
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import console, err
 from drifttool.cli._errors import alike_on_every_rank
-from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows
+from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows, shown
 from drifttool.errors import DriftToolError
 
 
@@ -216,7 +216,7 @@ def run(
     else:
         table = Table(title=f"drifttool run → {out}", show_header=False)
         for key in ("mode", "capture", "steps", "samples", "complete"):
-            table.add_row(key, str(summary[key]))
+            table.add_row(key, shown(summary[key]))
         if (ranks := _layout.ranks_row(dims, dist)) is not None:
             table.add_row("ranks", ranks)
         record = settings.record()

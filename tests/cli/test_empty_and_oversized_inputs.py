@@ -38,3 +38,17 @@ def test_the_memory_refusal_names_the_samples(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1)
     with pytest.raises(Exception, match=r"^3 samples at --height \d+ --width \d+: the run needs"):
         memory.check_memory(s, read_config(default_pipeline()))
+
+
+def test_summary_tables_show_words_not_python_reprs(cli, tmp_path):
+    """``run`` and ``replay``'s summaries: ``complete yes``, ``samples 0, 1``, ``img_grid 4, 6``
+    (they showed ``True``, ``[0, 1]`` and ``[4, 6]``)."""
+    code, out = cli("run", "--capture", "L0", "--steps", "2", "-o", tmp_path / "a")
+    assert code == 0, out
+    code, rep = cli("replay", tmp_path / "a", "-o", tmp_path / "b")
+    assert code == 0, rep
+    for text in (out, rep):
+        cells = [" ".join(line.replace("│", " ").split()) for line in text.splitlines()]
+        assert "complete yes" in cells and "img_grid 4, 6" in cells, text
+        assert "True" not in text and "[" not in text.replace("[bold", ""), text
+    assert "samples 0, 1" in [" ".join(line.replace("│", " ").split()) for line in out.splitlines()], out

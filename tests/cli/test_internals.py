@@ -32,7 +32,7 @@ def _records(run) -> dict[tuple, tuple]:
 
 def test_l2_without_internals_keeps_every_other_record_byte_for_byte(cli, tmp_path, strict_run):
     code, out = cli("run", "-o", tmp_path / "n", "--no-internals")  # the fixture's level: L2
-    assert code == 0 and ["internals", "False"] in _rows(out), out
+    assert code == 0 and ["internals", "no"] in _rows(out), out
     m = _manifest(tmp_path / "n")
     assert m["capture_level"] == "L2" and m["settings"]["internals"] is False
     assert _manifest(strict_run)["capture_level"] == "L2" and "internals" not in _manifest(strict_run)["settings"]
@@ -90,7 +90,7 @@ def test_replay_and_recompute_keep_the_runs_choice_unless_told(cli, tmp_path):
     run = tmp_path / "n"
     assert cli("run", "-o", run, "--steps", "2", "--no-internals")[0] == 0
     code, out = cli("replay", run, "-o", tmp_path / "r")
-    assert code == 0 and ["internals", "False"] in _rows(out), out
+    assert code == 0 and ["internals", "no"] in _rows(out), out
     assert _manifest(tmp_path / "r")["settings"]["internals"] is False
     assert set(_records(tmp_path / "r")) == set(_records(run))
     code, out = cli("diff", run, tmp_path / "r")
