@@ -9,6 +9,7 @@ from rich.table import Table
 
 from drifttool.cli import _json, _paths
 from drifttool.cli._console import console, err
+from drifttool.cli._summary import shown
 
 
 def trace(
@@ -54,7 +55,8 @@ def trace(
     for col in cols:
         table.add_column(col)
     for r in rows:
-        table.add_row(*(S.block_name(r[c]) if c == "block" else str(r[c]) for c in cols))
+        table.add_row(*(S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c])
+                        for c in cols))
     if rows or not fallbacks_only:  # --fallbacks with none: the count line says it, no empty table
         console.print(table)
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""

@@ -75,11 +75,16 @@ def check_device(device: Any) -> str:
         return device
     if not torch.cuda.is_available():
         raise DriftToolError(f"device {device!r} asked for, but CUDA is not available here "
-                             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use --device cpu")
+                             f"(torch {torch.__version__}, {_cuda_build()}); use --device cpu")
     if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
         raise DriftToolError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) "
                              f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device
+
+
+def _cuda_build() -> str:
+    """What CUDA this torch was built for, in words: ``CUDA 13.0`` or ``a CPU-only build``."""
+    return f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
 
 
 def device_operators(device_type: str) -> list[str]:

@@ -98,6 +98,7 @@ def test_trace_shows_every_call_site_without_fallback(cli, strict_run):
     assert {"qkv_bias_gemm", "joint_attn_softmax", "flow_sde_step_logp", "cfg_combine_renorm"} <= ops
     assert all(r["actual"] == "strict" and not r["fallback"] for r in rows)
     assert "qkv_bias_gemm" in out and "operator trace" in out  # the table
+    assert not {"True", "False", "None"} & set(out.replace("│", " ").split())  # cells in words
     code, out = cli("trace", strict_run, "--fallbacks")  # none: the count alone, no empty table
     assert code == 0 and out.strip().endswith("call sites, 0 with fallback") and "operator trace" not in out, out
 

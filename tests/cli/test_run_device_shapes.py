@@ -59,6 +59,7 @@ def fake_cuda(monkeypatch):
 def test_bad_device_and_size_one_line(cli, tmp_path, no_cuda, args, needles):
     code, out = cli("run", "-o", tmp_path / "r", *args)
     _one_error_line(code, out, *needles)
+    assert "None" not in out  # a CPU-only torch's CUDA version is said in words
     assert not (tmp_path / "r").exists()
 
 
