@@ -132,6 +132,8 @@ def test_report_is_one_self_contained_page(html_report):
     assert doc.find(".//title").text == "drifttool report: drift"
     body = ET.tostring(doc, encoding="unicode")
     assert "DRIFT" in body and "timestep_embed_mlp" in body and "Per step" in body
+    cells = {td.text for td in doc.iter("td")}
+    assert not {"True", "False", "None"} & cells and {"yes", "no"} <= cells  # in words
     imgs = doc.findall(".//img")
     assert len(imgs) == 2 and all(i.get("src").startswith("data:image/png;base64,") for i in imgs)
     for el in doc.iter():  # nothing is fetched: no script, stylesheet link or remote URL
