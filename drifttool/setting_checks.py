@@ -39,13 +39,13 @@ _DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 
 
 def check_mode(mode: Any) -> Mode:
-    """``mode`` as a ``Mode``.
+    """``mode`` as a ``Mode`` (a name in any case, as capture levels: ``STRICT`` is ``strict``).
 
     Raises:
         DriftToolError: not one of strict, audit, auto, off.
     """
     try:
-        return Mode(mode)
+        return Mode(mode.lower() if isinstance(mode, str) else mode)
     except ValueError:
         raise DriftToolError(f"unknown mode {mode!r} (strict, audit, auto, off)") from None
 

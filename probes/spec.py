@@ -201,15 +201,20 @@ def select(probes: list, only: str | None, what: str = "probe") -> list:
     catalog order; all when ``only`` is ``None``. ``what`` names them in messages.
 
     Raises:
-        DriftToolError: an unknown name, or none at all (the message lists the known ones).
+        DriftToolError: an unknown name, an empty entry (``"a,"``), or none at all (the message
+            lists the known ones).
     """
     if only is None:
         return probes
-    names = [n.strip() for n in only.split(",") if n.strip()]
-    known = [p.name for p in probes]
-    if not names:
+    names = [n.strip() for n in only.split(",")]
+    known = ", ".join(p.name for p in probes)
+    if not any(names):
         raise DriftToolError(f"--only names no {what} ({only!r}); known: {known}")
-    unknown = sorted(set(names) - set(known))
+    if not all(names):
+        raise DriftToolError(f"--only: an empty entry in {only!r} (comma-separated {what} names; "
+                             f"known: {known})")
+    unknown = sorted(set(names) - {p.name for p in probes})
     if unknown:
-        raise DriftToolError(f"unknown {what}(s) {unknown}; known: {known}")
+        raise DriftToolError(f"unknown {what}{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(unknown)}; known: {known}")
     return [p for p in probes if p.name in names]

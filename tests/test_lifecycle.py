@@ -112,6 +112,13 @@ def test_a_capture_level_is_read_in_either_case_and_kept_canonical():
         resolve(RunSpec(capture="l3"))
 
 
+def test_a_mode_is_read_in_either_case_and_kept_canonical():
+    """As a capture level: ``--mode STRICT`` runs strict mode (it was refused beside ``--capture
+    l1``'s acceptance)."""
+    assert resolve(RunSpec(mode="STRICT"))[1].mode == "strict"
+    assert RerunOptions(mode="Audit").mode == "audit"
+
+
 # -- life cycle -------------------------------------------------------------------------------
 class _BrokenTrace:
     def rows(self):

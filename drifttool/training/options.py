@@ -57,7 +57,7 @@ class RerunOptions:
 
     def __post_init__(self) -> None:
         if self.mode is not None:
-            check_mode(self.mode)
+            object.__setattr__(self, "mode", check_mode(self.mode).value)  # "STRICT" is "strict"
         if self.device is not None:
             check_device(self.device)
         if self.capture is not None:

@@ -45,7 +45,9 @@ def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
 
 def test_probe_bad_input_exits_2(cli, tmp_path):
     code, out = cli("probe", "--only", "no_such_probe", "-o", tmp_path / "m")
-    assert code == 2 and "unknown probe" in out
+    assert code == 2 and "unknown probe no_such_probe; known: " in out and "[" not in out, out
+    code, out = cli("probe", "--only", "repeat,", "-o", tmp_path / "m")  # as run --samples 0,
+    assert code == 2 and "an empty entry in 'repeat,'" in out and not (tmp_path / "m").exists(), out
     for empty in ("", " , "):  # a CI gate that selects nothing must not pass
         code, out = cli("probe", "--only", empty, "-o", tmp_path / "m")
         assert code == 2 and "names no probe" in out and not (tmp_path / "m").exists(), out
