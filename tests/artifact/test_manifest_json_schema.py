@@ -84,6 +84,9 @@ SHAPE_DAMAGES = {
     "arch.eps zero": _set("fingerprint.arch.eps", 0.0),
     "settings.img_grid with a zero": _set("settings.img_grid", [4, 0]),
     "replay.noise.img_grid of one item": _set("replay.noise.img_grid", [4]),
+    "settings.steps negative": _set("settings.steps", -3),  # not "records past step -4"
+    "settings.eta negative": _set("settings.eta", -0.5),
+    "replay.noise.num_steps zero": _set("replay.noise.num_steps", 0),
 }
 
 
