@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.segment import Segment
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.progress import Progress, TaskID
@@ -38,12 +39,18 @@ _TRAILING_SPACES = re.compile(r" +((?:\x1b\[[0-9;]*m)*)\n")
 class _Console(Console):
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """``Console.print``; on a pipe or file plain text is never wrapped or cut (soft wrap);
-        each table prints as ``_print_table`` does (on a terminal only one whose title is wider
+        a table's cells, title and caption are plain text (no rich markup: a kernel string's
+        ``[…]`` or a path's brackets show as written); each table prints as ``_print_table`` does (on a terminal only one whose title is wider
         than the table, so that the title is not wrapped to the table's width)."""
         pipe = not self.is_terminal
         if pipe:
             kwargs["soft_wrap"] = True
         tables = [o for o in objects if isinstance(o, Table)]
+        for t in tables:  # cells and titles as written: a kernel's "[seg8.k64 …]", a path's "[x]"
+            kwargs["markup"] = False
+            for name in ("title", "caption"):
+                if isinstance(getattr(t, name), str):
+                    setattr(t, name, Text(getattr(t, name)))
         if not tables or not (pipe or any(self._title_wider(t) for t in tables)):
             return super().print(*objects, **kwargs)
         for o in objects:
@@ -58,7 +65,7 @@ class _Console(Console):
         if not title:
             return False
         text = self.render_str(title) if isinstance(title, str) else title
-        return text.cell_len > Measurement.get(self, self.options, table).maximum
+        return text.cell_len > Measurement.get(self, self.options.update(markup=False), table).maximum
 
     def _print_table(self, table: Table, pipe: bool, **kwargs: Any) -> None:
         """A table with its title (and caption) as lines of their own, left-aligned; on a pipe or
@@ -73,7 +80,7 @@ class _Console(Console):
                 super().print(title, style=table.title_style or "table.title", highlight=False,
                               soft_wrap=pipe)
             if pipe:
-                wide = self.options.update(max_width=_UNBOUNDED)
+                wide = self.options.update(max_width=_UNBOUNDED, markup=False)
                 self.width = max(self.width, Measurement.get(self, wide, table).maximum)
             super().print(table, **kwargs)
             if caption:
@@ -139,6 +146,12 @@ def error_line(message: str) -> None:
     """Print ``error: MESSAGE`` to stderr as one plain line (``one_line``; rich markup in paths
     is shown as typed)."""
     err.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
+
+
+def notice(kind: str, line: str) -> None:
+    """Print ``KIND: LINE`` to stderr (``note``, ``warning``), the line as written (no rich
+    markup: a path's brackets show)."""
+    err.print(f"[bold yellow]{kind}:[/] {escape(line)}", highlight=False)
 
 
 def progress(on: Console | None = None) -> "Progress":

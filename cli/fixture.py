@@ -11,7 +11,7 @@ import typer
 
 from drifttool.cli import _completion, _json, _paths
 from drifttool.cli._command import Command
-from drifttool.cli._console import console, err
+from drifttool.cli._console import console, notice
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP
@@ -68,7 +68,7 @@ def verify(
                 console.print(f"[bold red]image {i.expected} differs[/]: sha256 {i.expected_sha256} "
                               f"expected, {i.replay_sha256 or 'no image'} in the replay", highlight=False)
         if result.note:
-            err.print(f"[bold yellow]note:[/] {result.note}", highlight=False)
+            notice("note", result.note)
     raise typer.Exit(code)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import List
 
 import typer
+from rich.markup import escape
 
 from drifttool.cli import _paths
 from drifttool.cli._console import console, err
@@ -41,6 +42,6 @@ def overlay(
     unsure = [f"{run} ({rep.verdict.value})" for run, rep in zip(runs[1:], reports)
               if rep.verdict.value in ("incomparable", "inconclusive")]
     if unsure:
-        err.print(f"[bold yellow]not compared:[/] {', '.join(unsure)}: the figure names "
+        err.print(f"[bold yellow]not compared:[/] {escape(', '.join(unsure))}: the figure names "
                   "them, with no curve", highlight=False)
         raise typer.Exit(ExitCode.UNSURE)

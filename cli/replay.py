@@ -22,7 +22,7 @@ import typer
 from rich.table import Table
 
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
-from drifttool.cli._console import console, err
+from drifttool.cli._console import console, notice
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows, shown
 from drifttool.errors import DriftToolError
@@ -42,7 +42,7 @@ def _summary(title: str, rows: list[tuple[str, object]], summary: dict) -> None:
         table.add_row(k, shown(v))
     console.print(table)
     if (line := graph_warning(summary)) is not None:
-        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
+        notice("warning", line)
 
 
 def _one_process(stored, dims) -> None:
@@ -135,7 +135,7 @@ def replay(
     _summary(f"drifttool replay {run_dir} → {out}", rows, s)
     for line in (s.get("note"), internals_note(internals, s["mode"], s["capture"])):
         if line:
-            err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+            notice("note", line)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 
@@ -216,7 +216,7 @@ def recompute(
              ("stored latents", stored.latent_dtype), ("seconds", f"{s['seconds']:.2f}")] + graph_rows(s)
     _summary(f"drifttool recompute {run_dir} → {out}", rows, s)
     if (line := internals_note(internals, s["mode"], s["capture"])) is not None:
-        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+        notice("note", line)
     console.print(f"compare: drifttool diff {run_dir} {out}", highlight=False)
 
 

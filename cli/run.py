@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
-from drifttool.cli._console import console, err
+from drifttool.cli._console import console, err, notice
 from drifttool.cli._errors import alike_on_every_rank
 from drifttool.cli._summary import graph_rows, graph_warning, internals_note, settings_rows, shown
 from drifttool.errors import DriftToolError
@@ -240,17 +241,17 @@ def run(
         err.print("[bold yellow]note:[/] the LoRA adapter has no alpha (no adapter_config.json, no "
                   "metadata): scale 1 (alpha = r, diffusers' convention), recorded as lora.alpha_given false")
     for line in summary.get("warnings", []):
-        err.print(f"[bold yellow]warning:[/] checkpoint: {line} (recorded in the manifest's "
+        err.print(f"[bold yellow]warning:[/] checkpoint: {escape(line)} (recorded in the manifest's "
                   "checkpoint_warnings)", highlight=False)
     for line in summary.get("notes", []):
-        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+        notice("note", line)
     if (line := graph_warning(summary)) is not None:
-        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
+        notice("warning", line)
     if settings.mode.value == "off":
         err.print("[bold yellow]note:[/] --mode off captures nothing: this run has replay inputs but "
                   "no records to diff")
     elif (line := internals_note(internals, settings.mode.value, settings.capture)) is not None:
-        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+        notice("note", line)
 
 
 def _image_run(spec, out: Path, images: list[Path], *, prompt: Optional[str], negative_prompt: Optional[str],
@@ -288,7 +289,7 @@ def _chain_summary(summary: dict, out: Path, *, stages: str, as_json: bool) -> N
         table.add_row("image", path)
     console.print(table)
     for line in summary.get("warnings", []) + summary.get("notes", []):
-        err.print(f"[bold yellow]note:[/] {line}", highlight=False)
+        notice("note", line)
 
 
 def _prompt_run(spec, out: Path, prompt: Optional[str], negative_prompt: Optional[str], *,

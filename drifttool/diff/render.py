@@ -40,6 +40,7 @@ import math
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from drifttool.artifact.schema import block_name
@@ -208,17 +209,17 @@ def render(report: DiffReport, console: Console | None = None) -> None:
     range."""
     console = console or Console()
     _semantic(report, console)
-    console.print(f"[{_STYLE[report.verdict]}]{report.verdict.value.upper()}[/]  {report.reason}",
+    console.print(f"[{_STYLE[report.verdict]}]{report.verdict.value.upper()}[/]  {escape(report.reason)}",
                   highlight=False)
-    console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False)
+    console.print(f"A: {report.run_a}\nB: {report.run_b}", highlight=False, markup=False)
     if report.tolerance is not None:
         style = "bold green" if report.tolerance.ok else "bold red"
         console.print(f"[{style}]{report.tolerance.verdict.upper()}[/]  "
-                      f"{report.tolerance.words()}", highlight=False)
+                      f"{escape(report.tolerance.words())}", highlight=False)
     if report.clip is not None:
         style = {"below": "bold green", "above": "bold red"}.get(report.clip.verdict, "bold yellow")
         console.print(f"[{style}]{report.clip.verdict.upper()} CLIP NOISE FLOOR[/]  "
-                      f"{report.clip.words(verdict=False)}", highlight=False)
+                      f"{escape(report.clip.words(verdict=False))}", highlight=False)
     for title, lines in (("cannot align", report.incomparable), ("differences in context",
                                                                    shown_context(report.context)),
                          ("notes", report.notes)):

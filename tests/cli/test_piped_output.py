@@ -99,3 +99,17 @@ def test_help_on_a_pipe_has_no_padded_lines(command):
     assert res.returncode == 0, res.stderr
     _assert_clean_lines(res.stdout)
     assert "Usage: drifttool" in res.stdout and res.stdout.rstrip().endswith("(SIGTERM).")
+
+
+def test_brackets_in_kernel_strings_and_paths_show_as_written(strict_run, tmp_path):
+    """rich reads ``[…]`` as markup: a trace cell's kernel string, a run folder named with
+    brackets, must print as written (they lost their bracketed part)."""
+    import shutil
+
+    marked = tmp_path / "[red]runs" / "[bold]a"
+    shutil.copytree(strict_run, marked)
+    res = _piped("trace", marked)
+    assert res.returncode == 0, res.stderr
+    assert str(marked) in res.stdout.splitlines()[0] and f" {_KERNEL} " in res.stdout, res.stdout[:600]
+    res = _piped("diff", marked, strict_run)
+    assert res.returncode == 0 and f"A: {marked}" in res.stdout, res.stdout + res.stderr
