@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import typer
 
+from drifttool.cli._paths import input_path  # an empty --checkpoint names no model
+
 FORMS = ("a diffusers transformer folder, a pipeline folder (model_index.json + transformer/), "
          "or a Hugging Face hub id in the local cache (e.g. Qwen/Qwen-Image)")
 """What ``--checkpoint`` takes, in every command's help."""
@@ -36,7 +38,5 @@ def _resolve(value: Optional[Path]) -> Optional[Path]:
 def option(help: str) -> Any:
     """The ``--checkpoint`` option of a command: ``help`` says what it replaces, ``FORMS`` what
     it takes."""
-    from drifttool.cli._paths import input_path  # an empty --checkpoint names no model
-
     return typer.Option(None, "--checkpoint", help=f"{help} Model: {FORMS}.", parser=input_path,
                         callback=_resolve)

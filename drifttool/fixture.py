@@ -268,11 +268,16 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
         raise FixtureError(f"{path}: not a fixture (no fixture.json)")
     try:
         meta = json.loads((path / "fixture.json").read_text())
-        settings = dict(meta["settings"])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise FixtureError(f"{path}: missing or malformed fixture.json: {type(e).__name__}: "
-                           f"{' '.join(str(e).split())[:200]}") from None
-    return Fixture(path=path, name=str(meta.get("name", path.name)), settings=settings, meta=meta)
+    except OSError as e:
+        raise FixtureError(f"{path / 'fixture.json'}: unreadable ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+        raise FixtureError(f"{path / 'fixture.json'}: not JSON ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("settings"), dict):
+        raise FixtureError(f"{path / 'fixture.json'}: not a fixture's description (a JSON object "
+                           f"with a 'settings' object)")
+    if not isinstance(meta.get("name", ""), str):
+        raise FixtureError(f"{path / 'fixture.json'}: its 'name' is not a string")
+    return Fixture(path=path, name=meta.get("name", path.name), settings=dict(meta["settings"]), meta=meta)
 
 
 # ----------------------------------------------------------------------------- seal

@@ -38,7 +38,9 @@ from typing import Any, Callable
 import torch
 
 from drifttool.artifact.levels import captures_internals
-from drifttool.errors import DriftToolError
+from drifttool.artifact.manifest import check_manifest_value
+from drifttool.artifact.manifest_schema import FIXTURE_SETTINGS
+from drifttool.errors import DriftToolError, FixtureError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
 from drifttool.model.checkpoint import read_config
 from drifttool.model.config import MMDiTConfig
@@ -351,6 +353,21 @@ def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
     return (int(grid[0]) if h is None else h, int(grid[1]) if w is None else w)
 
 
+def _check_fixture_settings(fx: Fixture) -> None:
+    """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range, an unknown
+    key or no sample, in one line naming the file and the key (not later, as a flag's error or
+    a failure mid-run).
+
+    Raises:
+        FixtureError: the first problem found.
+    """
+    problem = check_manifest_value("settings", fx.settings, FIXTURE_SETTINGS)
+    if problem is None and fx.settings.get("samples") == []:
+        problem = "settings.samples is empty"
+    if problem is not None:
+        raise FixtureError(f"{fx.path / 'fixture.json'}: {problem}")
+
+
 def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     """Merge the spec over the fixture's settings; validate. Returns (fixture, settings).
 
@@ -367,9 +384,10 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
             ``UnsupportedConfigError``); a bad input file (``sampling.input_files``).
         UnsupportedConfigError: a mode whose family cannot run on the device (strict on CUDA,
             ``check_mode_device``).
-        FixtureError: the fixture cannot be found or read.
+        FixtureError: the fixture cannot be found or read, or its settings are malformed.
     """
     fx = load_fixture(DEFAULT_FIXTURE if spec.fixture is None else spec.fixture)
+    _check_fixture_settings(fx)
     base = fx.settings
     if spec.samples is not None and spec.batch is not None:
         raise DriftToolError("give either a batch size or sample ids, not both")

@@ -104,6 +104,12 @@ _SETTINGS = Obj({
 (``seed`` null: a captured diffusers pipeline call, whose generator is not drifttool's;
 ``internals`` false: an L2 run without the fused attention's internals)."""
 
+FIXTURE_SETTINGS = Obj({k: _SETTINGS.fields[k] for k in (
+    "img_grid", "steps", "cfg_scale", "eta", "seed", "samples", "mode", "capture", "dtype",
+    "cfg_layout", "timestep_policy", "preset")})
+"""The ``settings`` of a fixture's ``fixture.json``: the run settings a fixture may set, each of
+the type and range its run's manifest records (``drifttool.settings.resolve`` checks it)."""
+
 _ENVIRONMENT = Obj({
     "drifttool": _STR, "python": _STR, "torch": _STR, "numpy": _STR, "platform": _STR,
     "machine": _STR, "cpu": Nullable(_STR), "cpu_count": Nullable(_INT), "torch_threads": _INT,
