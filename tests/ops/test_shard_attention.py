@@ -158,7 +158,7 @@ def test_fused_equals_unfused_forward_and_backward(dh, lens, lpad, n_img, dtype,
     for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
         assert_same_bytes(a, b, f"fused vs unfused {name}")
     assert got[0].dtype == dtype
-    monkeypatch.setattr(attention_fused, "QUERY_CHUNK_ELEMS", 1)  # one 64-row query block per chunk
+    monkeypatch.setattr(attention_fused, "QUERY_CHUNK_ELEMS", 1)  # a 64-row query block of one sample a chunk
     chunked = _grads(lambda *t: strict("joint_attention_fused", target)(*t, km, text_len=lpad), q, k, v, go)
     for a, b, name in zip(chunked, want, ("out", "dq", "dk", "dv")):
         assert_same_bytes(a, b, f"fused (64-row chunks) vs unfused {name}")

@@ -43,7 +43,7 @@ from drifttool.ops.strict.attention_core import (
 )
 from drifttool.ops.strict.grad import cast_like, g32
 
-QUERY_CHUNK_ELEMS = 1 << 22  # bound on one chunk's [B, H, rows, Pk] tensors (bytes do not depend on it)
+QUERY_CHUNK_ELEMS = 1 << 22  # bound on one chunk's [B, H, rows, Pk] tensors, in query blocks and samples (bytes do not depend on it)
 
 
 def _chunks(geo: AttnGeometry, bh: int, elems: int):
@@ -125,4 +125,12 @@ def joint_attention_fused(q, k, v, key_mask=None, *, text_len: int | None = None
         UnsupportedConfigError: bad dtype/device, mask shape, ``text_len``, or a sample without
             a valid key.
     """
-    return _Fused.apply(q, k, v, key_mask, text_len, QUERY_CHUNK_ELEMS)
+    b, h, keys = q.shape[0], q.shape[2], k.shape[1] + 2 * BLOCK  # keys: at most their padded length
+    per = max(1, QUERY_CHUNK_ELEMS // max(1, h * keys * BLOCK))  # samples a query block of which fits
+    if b <= per:
+        return _Fused.apply(q, k, v, key_mask, text_len, QUERY_CHUNK_ELEMS)
+    # a large batch in sample chunks too (each sample's rows are its own: no byte changes), so that
+    # one chunk's [B, H, rows, Pk] tensors stay within the bound at any batch
+    return torch.cat([_Fused.apply(q[i:i + per], k[i:i + per], v[i:i + per],
+                                   None if key_mask is None else key_mask[i:i + per], text_len,
+                                   QUERY_CHUNK_ELEMS) for i in range(0, b, per)])
