@@ -17,6 +17,7 @@ import typer
 from rich.markup import escape
 
 from drifttool.cli._console import err, error_line, one_line, silence_stdout
+from drifttool.cli._memory_guard import host_memory_guard
 from drifttool.errors import DriftToolError, left_incomplete
 from drifttool.exit_codes import DEBUG_ENV, ExitCode
 
@@ -200,7 +201,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
     """Exit codes for a command (``drifttool.exit_codes``): ``DriftToolError``, an ``OSError``
     on a named path (not a directory, permission denied, name too long, disk full), a write's
     file-system error that names no path (``_WRITE_ERRNOS``) and running
-    out of host (``MemoryError``, torch's CPU allocator's ``RuntimeError``: ``host_oom``) or
+    out of host (``MemoryError``, torch's CPU allocator's ``RuntimeError``: ``host_oom``; the host's
+    available memory falling below the watchdog's floor, ``cli._memory_guard``) or
     device memory → one line, exit 2; Ctrl-C → one line, exit 130, SIGTERM
     (``Terminated``) → one line, exit 143, each naming the run directory left incomplete
     (``stopped``); any other
@@ -219,7 +221,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
         try:
             if world > 1 and not ranks:
                 raise DriftToolError(one_process_refusal(command))
-            return fn(*args, **kwargs)
+            with host_memory_guard():
+                return fn(*args, **kwargs)
         except DriftToolError as e:
             _print_error(e, rank, world)
             raise typer.Exit(ExitCode.USAGE) from None

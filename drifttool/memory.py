@@ -53,13 +53,12 @@ import torch
 
 from drifttool.artifact.levels import captures_internals
 from drifttool.errors import DriftToolError
+from drifttool.host_memory import MEMINFO, host_meminfo
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.vae import VAEConfig
 from drifttool.settings import RunSettings
 
 GIB = 1 << 30
-MEMINFO = "/proc/meminfo"
-"""Where the host's available memory is read (Linux)."""
 
 
 def _amount(n: int) -> str:
@@ -68,17 +67,11 @@ def _amount(n: int) -> str:
 
 def available_bytes(device: str) -> int | None:
     """Bytes a run on ``device`` can still allocate: ``MemAvailable`` of ``MEMINFO`` for ``cpu``
-    (None where that file is missing or has no such line), the free bytes of a CUDA device."""
+    (``host_memory.host_meminfo``: None where that file is missing or lacks the line), the free bytes of a CUDA device."""
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    host = host_meminfo(MEMINFO)
+    return None if host is None else host.available
 
 
 def _vae_block(c: int, height: int, width: int, a: int, work: int) -> int:

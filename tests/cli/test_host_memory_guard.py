@@ -1,0 +1,41 @@
+"""The host-memory watchdog of every command (``cli._memory_guard``): when the host's available
+memory falls below its floor mid-run, the run stops in one ``error: out of host memory`` line,
+exit 2, its directory kept readable and ``complete: false`` with the steps it finished, where the
+kernel's out-of-memory killer would have ended the process without a word (``run --batch 100000``
+on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+
+from drifttool.artifact import open_run
+from drifttool.cli import _memory_guard
+from drifttool.host_memory import HostMemory, host_meminfo
+from tests.conftest import one_error_line
+
+
+def test_the_floor_is_the_larger_of_its_bytes_and_fraction():
+    assert _memory_guard.floor(1 << 30) == _memory_guard.FLOOR_BYTES
+    assert _memory_guard.floor(1 << 40) == int((1 << 40) * _memory_guard.FLOOR_FRACTION)
+
+
+def test_a_run_whose_host_memory_runs_low_stops_in_one_line_and_keeps_its_steps(cli, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    total = 64 << 30
+
+    def meminfo(path=None):  # plenty until the run has written its first step, then nearly none
+        written = (out / "steps.rank0.arrows").exists()
+        return HostMemory((100 << 20) if written else (32 << 30), total)
+
+    monkeypatch.setattr(_memory_guard, "host_meminfo", meminfo)
+    code, text = cli("run", "--steps", "400", "--capture", "L0", "-o", out)
+    one_error_line(code, text, "out of host memory", "available memory fell to 100 MiB of 65536 MiB")
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    assert open_run(out).steps_table().num_rows > 0  # the finished steps are readable
+
+
+def test_without_meminfo_nothing_is_watched(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(_memory_guard, "host_meminfo", lambda path=None: None)
+    code, text = cli("run", "--steps", "2", "--capture", "L0", "-o", tmp_path / "r")
+    assert code == 0, text
+    assert host_meminfo(str(tmp_path / "missing")) is None
