@@ -153,6 +153,8 @@ def claim(path: Path, overwrite: bool) -> int | None:
                             + ("" if existing == path else f" (creating {path})"))
     path.mkdir(parents=True, exist_ok=True)
     lock = _lock(path)  # before the emptiness check: the check and the writes are one writer's
+    if lock is not None:
+        _HELD[lock] = path.resolve()
     try:
         if any(path.iterdir()):
             if not overwrite:
@@ -188,4 +190,34 @@ def _lock(path: Path) -> int | None:
 def release(lock: int | None) -> None:
     """Release a ``claim``'s lock (closing the descriptor releases the flock); None: nothing."""
     if lock is not None:
+        _HELD.pop(lock, None)
         os.close(lock)
+
+
+_HELD: dict[int, Path] = {}
+"""The directories this process writes (``claim``'s locks, by descriptor), which it may read."""
+
+
+def being_written(path: str | os.PathLike) -> bool:
+    """Whether another process holds ``path``'s writer lock (``claim``): a run writing there now,
+    whose streams end mid-record and whose manifest says ``complete: false`` until it finishes.
+    False without ``fcntl``, for a path that is no readable directory, and for a directory this
+    process writes itself."""
+    if fcntl is None:
+        return False
+    try:
+        p = Path(path).resolve()
+        if p in _HELD.values() or not p.is_dir():
+            return False
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a writer holds LOCK_EX
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and with it the shared lock
+    return False

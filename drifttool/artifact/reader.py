@@ -39,6 +39,7 @@ from drifttool.artifact.checks import (check_batch, check_directory, check_input
                                        check_records_match_manifest, check_sigmas,
                                        check_unique_seq, schema_differences)
 from drifttool.artifact.coverage import check_owning_ranks, check_traced_ranks
+from drifttool.artifact.directory import being_written
 from drifttool.artifact.manifest import brief, read_manifest, world_size
 from drifttool.artifact.parquet import file_digest, parquet_schema, row_groups
 from drifttool.artifact.raw import RawTensor
@@ -194,6 +195,9 @@ class Run:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        if being_written(self.path):
+            raise ArtifactError(f"{self.path}: a drifttool run is writing it now (its steps are "
+                                "not all there yet); read it once that run has finished or stopped")
         self.manifest = read_manifest(self.path)
         check_directory(self.path, self.manifest)
         self._raw_inputs = check_inputs(self.path, self.manifest)
@@ -346,7 +350,8 @@ def open_run(path: str | os.PathLike) -> Run:
     the replay inputs (Arrow files are read and checked on first use).
 
     Raises:
-        ArtifactError: missing directory, missing or corrupt manifest, unsupported schema version,
-            an entry the manifest does not account for, damaged replay inputs.
+        ArtifactError: missing directory, a run writing it now (``directory.being_written``),
+            missing or corrupt manifest, unsupported schema version, an entry the manifest does
+            not account for, damaged replay inputs.
     """
     return Run(path)
