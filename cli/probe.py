@@ -112,7 +112,7 @@ def probe(
             raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
                                  "is not supported there")
         if mode not in MODES:
-            raise DriftToolError(f"unknown --mode {mode!r} (one of {list(MODES)})")
+            raise DriftToolError(f"unknown --mode {mode!r} (one of {', '.join(MODES)})")
         if mode != "strict" and (distributed or peer is not None):
             raise DriftToolError(f"--mode {mode} runs the production matrix; --peer and "
                                  "--distributed take no --mode")
@@ -128,7 +128,7 @@ def probe(
                          grid=(height, width), list_only=list_only, report=report,
                          overwrite=overwrite, clip_range=clip_range)
         if preset is not None and preset not in PRESETS:
-            raise DriftToolError(f"unknown preset {preset!r} (one of {sorted(PRESETS)})")
+            raise DriftToolError(f"unknown preset {preset!r} (one of {', '.join(sorted(PRESETS))})")
         if preset is not None and checkpoint is not None:
             raise DriftToolError("give --preset or --checkpoint, not both")
         base = RunSpec(fixture=PRESETS[preset or "tiny"], checkpoint=checkpoint, mode=mode,

@@ -281,7 +281,7 @@ def _chain_summary(summary: dict, out: Path, *, stages: str, as_json: bool) -> N
         return
     table = Table(title=f"drifttool run → {out}", show_header=False)
     for key in ("mode", "capture", "steps", "samples", "complete"):
-        table.add_row(key, str(summary[key]))
+        table.add_row(key, shown(summary[key]))
     if "cfg" in summary:
         table.add_row("CFG", "on (cond, uncond)" if summary["cfg"] else "off (one branch)")
     table.add_row("stages", stages)

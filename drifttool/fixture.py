@@ -170,7 +170,7 @@ def locate(name_or_path: str | Path) -> Path:
     if q.is_dir() and str(name_or_path) not in (".", ".."):
         return q
     names = sorted(d.name for d in packaged_fixtures().iterdir() if (d / "fixture.json").exists())
-    raise FixtureError(f"no fixture {str(name_or_path)!r} (a directory, an archive, or one of {names})")
+    raise FixtureError(f"no fixture {str(name_or_path)!r} (a directory, an archive, or one of {', '.join(names)})")
 
 
 @dataclass

@@ -29,6 +29,8 @@ The checks of single values (``check_mode``, ``check_level``, ``check_device``, 
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -336,7 +338,11 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     if not ids:
         raise DriftToolError("no sample ids: give at least one (--samples 0,1 or --batch N)")
     if min(ids) < 0 or len(set(ids)) != len(ids):
-        raise DriftToolError(f"sample ids must be distinct and >= 0, got {ids}")
+        neg = sorted({i for i in ids if i < 0})
+        twice = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
+        words = [f"{', '.join(map(str, xs[:5]))}{' …' if len(xs) > 5 else ''} {what}"
+                 for xs, what in ((neg, "negative"), (twice, "given more than once")) if xs]
+        raise DriftToolError(f"sample ids must be distinct and >= 0 ({'; '.join(words)})")
     if max(ids) > MAX_SAMPLE_ID:
         raise DriftToolError(f"sample ids must be at most {MAX_SAMPLE_ID} (the artifact's int32 "
                              f"sample column), got {max(ids)}")
@@ -396,7 +402,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
                      "timestep_policy")}
     preset = spec.preset if spec.preset is not None else base.get("preset")  # a fixture's own
     if s["dtype"] not in DTYPES:
-        raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {sorted(DTYPES)})")
+        raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {', '.join(sorted(DTYPES))})")
     if preset is not None:
         s.update(preset_settings(preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
                                  asked={k: getattr(spec, k) for k in ("cfg_layout", "timestep_policy", "eta")}))

@@ -61,7 +61,7 @@ def test_settings_are_frozen_and_typed():
     (RunSpec(capture="L3"), "unknown capture level 'L3' (L0, L1, L2)"),
     (RunSpec(dtype="float16"), "unsupported dtype 'float16'"),
     (RunSpec(cfg_layout="zigzag"), "unknown cfg_layout 'zigzag'"),
-    (RunSpec(samples=[1, 1]), "sample ids must be distinct and >= 0, got [1, 1]"),
+    (RunSpec(samples=[1, 1]), "sample ids must be distinct and >= 0 (1 given more than once)"),
     (RunSpec(samples=[]), "no sample ids: give at least one"),
     (RunSpec(variant="fp16"), "a weight variant needs a checkpoint"),
     (RunSpec(samples=[0, 1], sample_labels=[3]), "must name one id per sample"),

@@ -174,7 +174,7 @@ def grpo_loop(cfg: GRPOConfig, *, model=None, dist: Any = None, parallel: Any = 
     """
     for m in (cfg.rollout_mode, cfg.train_mode):
         if m not in MODES:
-            raise DriftToolError(f"unknown combination mode {m!r} (one of {sorted(MODES)})")
+            raise DriftToolError(f"unknown combination mode {m!r} (one of {', '.join(sorted(MODES))})")
     # the fixture's settings with the device and shape, checked as run checks them
     fx, s = resolve(RunSpec(fixture=cfg.fixture, device=cfg.device, height=cfg.height, width=cfg.width))
     for m in (cfg.rollout_mode, cfg.train_mode):

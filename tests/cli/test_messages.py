@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 
+from tests.conftest import one_error_line
+
 
 def test_string_schema_version_says_it_must_be_an_integer(cli, tmp_path, strict_run):
     bad = tmp_path / "bad"
@@ -94,3 +96,23 @@ def test_empty_combos_is_a_usage_error(cli, tmp_path):
 def test_fixture_verify_of_a_run_directory_says_it_is_not_a_fixture(cli, strict_run):
     code, text = cli("fixture", "verify", strict_run)
     assert code == 2 and "not a fixture (no fixture.json)" in text and "Errno" not in text, text
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--fixture", "nope"], "one of tiny-edit, tiny-t2i, tiny-t2i-chain"),
+    (["run", "--dtype", "fp16"], "one of bfloat16, float32"),
+    (["run", "--samples", "-3,2,2,-1"], "(-3, -1 negative; 2 given more than once)"),
+    (["probe", "--mode", "off"], "one of strict, auto"),
+    (["probe", "--preset", "huge"], "(one of tiny)"),
+])
+def test_choices_and_bad_values_in_words_not_python_lists(cli, tmp_path, args, needle):
+    code, text = cli(*args, "-o", tmp_path / "out")
+    line = one_error_line(code, text, needle)
+    assert "[" not in line, line
+
+
+def test_a_chain_runs_summary_in_words(cli, tmp_path):
+    code, text = cli("run", "--prompt", "a red cube", "--steps", "2", "-o", tmp_path / "chain")
+    assert code == 0, text
+    cells = set(text.replace("│", " ").split())
+    assert {"yes"} <= cells and not {"True", "False", "[0]"} & cells, text
