@@ -201,11 +201,12 @@ class _Unpadded:
 
 
 def _help_width() -> None:
-    """``--help`` on a pipe or in a CI log: typer's help console would take ``COLUMNS`` (often 80)
+    """``--help`` (or a bare command group's help) on a pipe or in a CI log: typer's help console would take ``COLUMNS`` (often 80)
     and cut option names with an ellipsis; it gets the pipe width of drifttool's own output
     instead (``_console.PIPE_WIDTH``), unless ``TERMINAL_WIDTH`` sets one; and its lines reach
     the pipe without the padding to that width (``_Unpadded``), as the rest of the output."""
-    wants_help = "--help" in sys.argv[1:] or len(sys.argv) == 1
+    args = sys.argv[1:]
+    wants_help = "--help" in args or not args or (len(args) == 1 and args[0] in dict(GROUPS))  # a bare group
     if wants_help and not sys.stdout.isatty():
         if not os.environ.get("TERMINAL_WIDTH"):
             import typer.rich_utils

@@ -130,6 +130,7 @@ def _steps_table(report: DiffReport) -> Table:
     for col in ("step", "sigma", "x_t\nmax|Δ|", "v_t\nmax|Δ|", "v_t\nrel L2", "x_next\nmax|Δ|",
                 "logp_t\nmax|Δ|", "KL", "ops\n≠"):
         t.add_column(col, justify="right")
+    ops = "ops" in (report.counts or {})  # an L0 run holds no op records: nothing counted
     for s in report.steps:
         kls = [k.kl for k in s.kl if k.kl is not None]
         t.add_row(
@@ -137,7 +138,7 @@ def _steps_table(report: DiffReport) -> Table:
             _cell(s, "x_t", "max_abs"), _cell(s, "v_t", "max_abs"), _cell(s, "v_t", "rel_l2"),
             _cell(s, "x_next", "max_abs"), _cell(s, "logp_t", "max_abs"),
             _num(max(kls)) if kls else "-",
-            str(s.ops_differ) + (f"+{s.missing}?" if s.missing else ""),
+            (str(s.ops_differ) if ops else "-") + (f"+{s.missing}?" if s.missing else ""),
             style=None if s.identical else "red",
         )
     return t

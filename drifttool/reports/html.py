@@ -79,12 +79,13 @@ def _steps(report: Any) -> str:
     header = ("phase", "step", "sigma", "identical", "x_t carried in", "first differing op",
               "ops differ", "missing", "v_t max|Δ|", "x_next max|Δ|", "logp_t max|Δ|", "KL")
     rows = []
+    ops = "ops" in (report.counts or {})  # an L0 run holds no op records: nothing counted
     for s in report.steps:
         worst = {q: s.worst(q) for q in ("v_t", "x_next", "logp_t")}
         kl = max((k.kl for k in s.kl if k.kl is not None), default=None)
         cells = (_e(s.phase), ("num", _e(s.step)), ("num", _num(s.sigma)),
                  "yes" if s.identical else "<b>no</b>", {None: "", True: "yes", False: "no"}[s.carried_in],
-                 ("id", _e(s.first_op)), ("num", _e(s.ops_differ)), ("num", _e(s.missing)),
+                 ("id", _e(s.first_op)), ("num", _e(s.ops_differ) if ops else "–"), ("num", _e(s.missing)),
                  *(("num", _num(w.max_abs if w is not None else None)) for w in worst.values()),
                  ("num", _num(kl)))
         rows.append(("" if s.identical else "differs", cells))

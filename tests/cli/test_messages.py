@@ -116,3 +116,14 @@ def test_a_chain_runs_summary_in_words(cli, tmp_path):
     assert code == 0, text
     cells = set(text.replace("│", " ").split())
     assert {"yes"} <= cells and not {"True", "False", "[0]"} & cells, text
+
+
+def test_an_l0_diffs_ops_column_says_not_counted(cli, tmp_path):
+    """L0 runs hold no operator records: the per-step table's ops column is "-", not a 0 that
+    reads as "no operator differs" beside drifting steps."""
+    for name, mode in (("a", "strict"), ("b", "auto")):
+        assert cli("run", "--capture", "L0", "--steps", "2", "--mode", mode, "-o", tmp_path / name)[0] == 0
+    code, text = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert code == 1, text
+    rows = [ln.split() for ln in text.split("per step")[1].splitlines() if ln.strip()[:1].isdigit()]
+    assert rows and all(r[-1] == "-" for r in rows), text
