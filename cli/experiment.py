@@ -166,8 +166,11 @@ def _print_train_rollout(rows: list, out: Path) -> None:
         _print_clip(rows)
     console.print("time (s), rollout + training recompute: " + ", ".join(
         f"{_label(r)} {r['rollout_seconds']:.1f}+{r['train_seconds']:.1f}" for r in rows), highlight=False)
+    first = f" (e.g. {_label(rows[0])}: drifttool diff {out}/rollout-{rows[0]['rollout']} " \
+        f"{out}/train-{rows[0]['train']}-on-{rows[0]['rollout']})" if rows else ""
     console.print(f"wrote {out}/train_rollout.arrow, {out}/train_rollout.json; per combination: "
-                  f"drifttool diff {out}/rollout-<r> {out}/train-<t>-on-<r>", highlight=False)
+                  f"drifttool diff {out}/rollout-<r> {out}/train-<t>-on-<r>, <r> and <t> strict or "
+                  f"production{first}", highlight=False, markup=False)
 
 
 def _print_clip(rows: list) -> None:

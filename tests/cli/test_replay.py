@@ -4,6 +4,7 @@ input (incomplete or tampered artifact, foreign model, LoRA file with wrong keys
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pyarrow as pa
@@ -144,6 +145,8 @@ def test_experiment_train_rollout(cli, tmp_path):
     flat = " ".join(out.split())
     assert "strict/strict" in flat and "identical" in flat and "train_rollout.arrow" in "".join(out.split())
     assert "timestep_embed_mlp" in flat and "joint_attention_fused" in flat
+    hint = re.search(r"e\.g\. prod/prod: drifttool diff (\S+) (\S+)\)", out)  # folders, not labels
+    assert hint and cli("diff", hint[1], hint[2])[0] == 1, out
     code, out = cli("diff", tmp_path / "exp" / "rollout-strict", tmp_path / "exp" / "train-strict-on-strict")
     assert code == 0, out
 
