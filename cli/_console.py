@@ -40,8 +40,9 @@ class _Console(Console):
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """``Console.print``; on a pipe or file plain text is never wrapped or cut (soft wrap);
         a table's cells, title and caption are plain text (no rich markup: a kernel string's
-        ``[…]`` or a path's brackets show as written); each table prints as ``_print_table`` does (on a terminal only one whose title is wider
-        than the table, so that the title is not wrapped to the table's width)."""
+        ``[…]`` or a path's brackets show as written); each table prints as ``_print_table``
+        does (on a terminal only one whose title is wider than the table, so that the title is
+        not wrapped to the table's width)."""
         pipe = not self.is_terminal
         if pipe:
             kwargs["soft_wrap"] = True

@@ -137,6 +137,10 @@ def remove_artifact(path: Path) -> None:
         p.unlink()
 
 
+_HELD: dict[int, Path] = {}
+"""The directories this process writes (``claim``'s locks, by descriptor), which it may read."""
+
+
 def claim(path: Path, overwrite: bool) -> int | None:
     """Create ``path`` (and its parents), lock it, and make sure it is empty: an earlier artifact
     there is removed under ``overwrite`` (``remove_artifact``). Returns the lock's descriptor, to
@@ -192,10 +196,6 @@ def release(lock: int | None) -> None:
     if lock is not None:
         _HELD.pop(lock, None)
         os.close(lock)
-
-
-_HELD: dict[int, Path] = {}
-"""The directories this process writes (``claim``'s locks, by descriptor), which it may read."""
 
 
 def being_written(path: str | os.PathLike) -> bool:
