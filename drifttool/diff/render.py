@@ -130,7 +130,7 @@ def _steps_table(report: DiffReport) -> Table:
     for col in ("step", "sigma", "x_t\nmax|Δ|", "v_t\nmax|Δ|", "v_t\nrel L2", "x_next\nmax|Δ|",
                 "logp_t\nmax|Δ|", "KL", "ops\n≠"):
         t.add_column(col, justify="right")
-    ops = "ops" in (report.counts or {})  # an L0 run holds no op records: nothing counted
+    ops = not report.counts or "ops" in report.counts  # an L0 pair holds no op records to count
     for s in report.steps:
         kls = [k.kl for k in s.kl if k.kl is not None]
         t.add_row(

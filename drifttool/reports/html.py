@@ -79,7 +79,7 @@ def _steps(report: Any) -> str:
     header = ("phase", "step", "sigma", "identical", "x_t carried in", "first differing op",
               "ops differ", "missing", "v_t max|Δ|", "x_next max|Δ|", "logp_t max|Δ|", "KL")
     rows = []
-    ops = "ops" in (report.counts or {})  # an L0 run holds no op records: nothing counted
+    ops = not report.counts or "ops" in report.counts  # an L0 pair holds no op records to count
     for s in report.steps:
         worst = {q: s.worst(q) for q in ("v_t", "x_next", "logp_t")}
         kl = max((k.kl for k in s.kl if k.kl is not None), default=None)
