@@ -21,6 +21,7 @@ import pyarrow as pa
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from drifttool.diff.clip import percent
 from drifttool.probes.results import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
@@ -147,7 +148,7 @@ def _short_where(r: ProbeResult) -> str:
     return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}{rank}"
 
 
-def _clip_cell(r: ProbeResult) -> str:
+def _clip_cell(r: ProbeResult) -> "str | Text":
     """The worst step's max |exp(Δlogp_t) − 1| as a share of the clip range (``diff.clip``),
     red when it reaches it; ``=`` when logp_t is identical, ``-`` without logp_t records."""
     if r.clip_fraction is None:
@@ -155,7 +156,7 @@ def _clip_cell(r: ProbeResult) -> str:
     if r.clip_ratio_dev_max == 0:
         return "="
     text = percent(r.clip_fraction)
-    return f"[red]{text}[/]" if r.clip_verdict == "above" else text
+    return Text(text, style="red") if r.clip_verdict == "above" else text
 
 
 def matrix_table(m: Matrix) -> Table:
@@ -185,7 +186,7 @@ def matrix_table(m: Matrix) -> Table:
             _num(r.v_t, r.verdict), _num(r.x_t, r.verdict), _num(r.logp_t, r.verdict),
             _num(r.kl, r.verdict), *([_clip_cell(r)] if clip is not None else []),
             f"{r.seconds:.1f}s",
-            f"[{_STATUS_STYLE[r.status]}]{r.status}[/]",
+            Text(r.status, style=_STATUS_STYLE[r.status]),  # styled text: cells are not markup
         )
     return t
 

@@ -34,6 +34,8 @@ def test_probe_list_selection_and_a_finding(cli, tmp_path, monkeypatch):
     code, out = cli("probe", "--only", "repeat,gelu_exact,ulp_txt_qk_rmsnorm", "-o", tmp_path / "m")
     assert code == 1, out
     assert "FINDING gelu_exact" in out and "expected final_adaln_out" in out
+    rows = {ln.split()[0]: ln.split()[-1] for ln in out.splitlines() if ln.split()[:1] in (["repeat"], ["gelu_exact"])}
+    assert rows == {"repeat": "PASS", "gelu_exact": "FINDING"}, out  # styled, not markup text ("[/]")
     assert "first drift at mlp_up_gemm_gelu, expected final_adaln_out" in out
     data = json.loads((tmp_path / "m" / "matrix.json").read_text())
     assert [(r["name"], r["status"]) for r in data["results"]] == [

@@ -93,3 +93,15 @@ def test_experiment_train_rollout_reports_each_combination_against_the_clip_rang
     table = pa.ipc.open_stream(open(out / "train_rollout.arrow", "rb")).read_all()
     assert table.column("clip_range").to_pylist() == [1e-4, 1e-4]
     assert json.loads((out / "train_rollout.settings.json").read_text())["clip_range"] == 1e-4
+
+
+def test_a_clip_cell_above_the_range_is_red_text_not_markup():
+    """The table's cells print as written (no rich markup, so a kernel id's brackets show): the
+    share of the clip range is styled red itself."""
+    from types import SimpleNamespace
+
+    from drifttool.diff.clip import percent
+    from drifttool.probes.matrix import _clip_cell
+
+    cell = _clip_cell(SimpleNamespace(clip_fraction=2.0, clip_ratio_dev_max=1e-3, clip_verdict="above"))
+    assert cell.plain == percent(2.0) and str(cell.style) == "red"
