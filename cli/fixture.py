@@ -15,7 +15,7 @@ from drifttool.cli._console import console, notice
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP
-from drifttool.fixture import seal
+from drifttool.fixture import load_fixture, seal
 
 app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
@@ -74,5 +74,18 @@ def verify(
 
 @app.command("seal", cls=Command, epilog=EXIT_HELP)
 def seal_cmd(path: Path = typer.Argument(..., parser=_paths.input_path, metavar="DIR", help="Fixture directory to (re)seal.")) -> None:
-    """Write seal.json (xxh3_128 of every file) for a fixture directory."""
-    console.print(f"sealed {path}: {user_errors(seal, command='fixture seal')(path)}")
+    """Write seal.json (xxh3_128 of every file) for a fixture directory.
+
+    Its fixture.json is checked first, as `fixture verify` and `run --fixture` read it: a
+    description they would refuse is not sealed (exit 2, nothing written).
+    """
+    console.print(f"sealed {path}: {user_errors(_checked_seal, command='fixture seal')(path)}")
+
+
+def _checked_seal(path: Path) -> str:
+    from drifttool.settings import check_fixture_settings  # lazy: it brings torch, which `drifttool --help` does not need
+
+    fx = load_fixture(path)
+    check_fixture_settings(fx)
+    fx.edit  # an edit fixture's section, checked
+    return seal(path)

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 DEFAULT_FIXTURE = "tiny-t2i"
 SEAL = "seal.json"
 SEAL_ALGORITHM = "xxh3_128"
+FIXTURE_KEYS = ("name", "description", "settings", "chain", "edit")
+"""The keys of a ``fixture.json`` (``settings`` required; ``chain`` for a chain fixture, ``edit``
+for an edit fixture)."""
 _SEAL_MAX_BYTES = 16 << 20
 """A seal.json read from an archive before extraction is at most this large (else it is left to
 ``check_seal`` after extraction)."""
@@ -261,7 +264,9 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     """Read ``fixture.json`` (does not check the seal; see ``check_seal``).
 
     Raises:
-        FixtureError: missing or malformed fixture.json.
+        FixtureError: missing or malformed fixture.json: not a JSON object, no ``settings``
+            object, a key other than ``FIXTURE_KEYS``, a ``name`` or ``description`` not a string
+            (the settings' own values: ``drifttool.settings.check_fixture_settings``).
     """
     path = locate(name_or_path)
     if not (path / "fixture.json").is_file():
@@ -275,8 +280,13 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     if not isinstance(meta, dict) or not isinstance(meta.get("settings"), dict):
         raise FixtureError(f"{path / 'fixture.json'}: not a fixture's description (a JSON object "
                            f"with a 'settings' object)")
-    if not isinstance(meta.get("name", ""), str):
-        raise FixtureError(f"{path / 'fixture.json'}: its 'name' is not a string")
+    unknown = sorted(set(meta) - set(FIXTURE_KEYS))
+    if unknown:
+        raise FixtureError(f"{path / 'fixture.json'}: unknown key {', '.join(map(repr, unknown))} "
+                           f"(one of {', '.join(FIXTURE_KEYS)})")
+    for key in ("name", "description"):
+        if not isinstance(meta.get(key, ""), str):
+            raise FixtureError(f"{path / 'fixture.json'}: its '{key}' is not a string")
     return Fixture(path=path, name=meta.get("name", path.name), settings=dict(meta["settings"]), meta=meta)
 
 

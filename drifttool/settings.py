@@ -30,7 +30,6 @@ The checks of single values (``check_mode``, ``check_level``, ``check_device``, 
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -318,7 +317,8 @@ def _check_number(key: str, value: Any, floor: float | None) -> Any:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (floor is not None and value < floor):
         bound = "" if floor is None else f" >= {floor:g}"
-        raise DriftToolError(f"{key} must be a finite number{bound}, got {value!r}")
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)  # -1, not -1.0
+        raise DriftToolError(f"{key} must be a finite number{bound}, got {shown}")
     return value
 
 
@@ -337,6 +337,16 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
         ids = list(default or [])
     if not ids:
         raise DriftToolError("no sample ids: give at least one (--samples 0,1 or --batch N)")
+    _check_sample_ids(ids)
+    return tuple(ids)
+
+
+def _check_sample_ids(ids: list[int]) -> None:
+    """Distinct, non-negative, at most ``MAX_SAMPLE_ID``.
+
+    Raises:
+        DriftToolError: the ids at fault, named.
+    """
     if min(ids) < 0 or len(set(ids)) != len(ids):
         neg = sorted({i for i in ids if i < 0})
         twice = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
@@ -346,7 +356,6 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     if max(ids) > MAX_SAMPLE_ID:
         raise DriftToolError(f"sample ids must be at most {MAX_SAMPLE_ID} (the artifact's int32 "
                              f"sample column), got {max(ids)}")
-    return tuple(ids)
 
 
 def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
@@ -359,17 +368,30 @@ def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
     return (int(grid[0]) if h is None else h, int(grid[1]) if w is None else w)
 
 
-def _check_fixture_settings(fx: Fixture) -> None:
-    """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range, an unknown
-    key or no sample, in one line naming the file and the key (not later, as a flag's error or
+def check_fixture_settings(fx: Fixture) -> None:
+    """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range (a step
+    count, CFG scale or eta a run refuses, repeated sample ids), an unknown key or no sample, in
+    one line naming the file and the key (not later, as a flag's error or
     a failure mid-run).
 
     Raises:
         FixtureError: the first problem found.
     """
-    problem = check_manifest_value("settings", fx.settings, FIXTURE_SETTINGS)
-    if problem is None and fx.settings.get("samples") == []:
+    st = fx.settings
+    problem = check_manifest_value("settings", st, FIXTURE_SETTINGS)
+    if problem is None and st.get("samples") == []:
         problem = "settings.samples is empty"
+    if problem is None:  # the values a run takes, checked as its flags are
+        try:
+            if "steps" in st:
+                _check_steps(st["steps"])
+            for key, floor in (("cfg_scale", None), ("eta", 0.0)):
+                if key in st:
+                    _check_number(key, st[key], floor)
+            if st.get("samples"):
+                _check_sample_ids(st["samples"])
+        except DriftToolError as e:
+            problem = f"settings: {e}"
     if problem is not None:
         raise FixtureError(f"{fx.path / 'fixture.json'}: {problem}")
 
@@ -393,19 +415,23 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         FixtureError: the fixture cannot be found or read, or its settings are malformed.
     """
     fx = load_fixture(DEFAULT_FIXTURE if spec.fixture is None else spec.fixture)
-    _check_fixture_settings(fx)
+    check_fixture_settings(fx)
     base = fx.settings
     if spec.samples is not None and spec.batch is not None:
         raise DriftToolError("give either a batch size or sample ids, not both")
     s = {key: _pick(getattr(spec, key), base.get(key))
          for key in ("steps", "cfg_scale", "eta", "seed", "capture", "dtype", "cfg_layout",
                      "timestep_policy")}
+    for key in ("dtype", "cfg_layout", "timestep_policy"):  # names in any case, as --mode's
+        if isinstance(s[key], str):
+            s[key] = s[key].lower()
     preset = spec.preset if spec.preset is not None else base.get("preset")  # a fixture's own
     if s["dtype"] not in DTYPES:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {', '.join(sorted(DTYPES))})")
     if preset is not None:
         s.update(preset_settings(preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
-                                 asked={k: getattr(spec, k) for k in ("cfg_layout", "timestep_policy", "eta")}))
+                                 asked={k: None if getattr(spec, k) is None else s[k]
+                                        for k in ("cfg_layout", "timestep_policy", "eta")}))
     steps = _check_steps(s["steps"])
     cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
     eta = _check_number("eta", s["eta"], 0.0)

@@ -55,7 +55,7 @@ def test_settings_are_frozen_and_typed():
 @pytest.mark.parametrize("spec, message", [
     (RunSpec(batch=2, samples=[0]), "give either a batch size or sample ids, not both"),
     (RunSpec(steps=1), "steps must be an integer from 2 to 1000"),
-    (RunSpec(eta=-1.0), "eta must be a finite number >= 0, got -1.0"),
+    (RunSpec(eta=-1.0), "eta must be a finite number >= 0, got -1"),
     (RunSpec(cfg_scale=float("nan")), "cfg_scale must be a finite number, got nan"),
     (RunSpec(mode="fast"), "unknown mode 'fast' (strict, audit, auto, off)"),
     (RunSpec(capture="L3"), "unknown capture level 'L3' (L0, L1, L2)"),
@@ -117,6 +117,13 @@ def test_a_mode_is_read_in_either_case_and_kept_canonical():
     l1``'s acceptance)."""
     assert resolve(RunSpec(mode="STRICT"))[1].mode == "strict"
     assert RerunOptions(mode="Audit").mode == "audit"
+
+
+def test_a_dtype_cfg_layout_and_timestep_policy_are_read_in_either_case():
+    settings = resolve(RunSpec(dtype="FLOAT32", cfg_layout="Sequential", timestep_policy="SIGMA_FP32"))[1]
+    assert (settings.dtype, settings.cfg_layout, settings.timestep_policy) == ("float32", "sequential", "sigma_fp32")
+    with pytest.raises(DriftToolError, match=r"^unsupported dtype 'float16' "):
+        resolve(RunSpec(dtype="Float16"))
 
 
 # -- life cycle -------------------------------------------------------------------------------

@@ -180,7 +180,8 @@ def input_differences(run_a: Run, run_b: Run) -> list[str]:
         else:
             bad = [sid for sid in common if _per_sample(ia, k, sid).digest() != _per_sample(ib, k, sid).digest()]
             if bad:
-                out.append(f"inputs.{k}: differs for common samples {bad}")
+                shown = ", ".join(map(str, bad[:8])) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                out.append(f"inputs.{k}: differs for common sample{'s' if len(bad) > 1 else ''} {shown}")
     made = made_by_both(run_a.manifest, run_b.manifest)
     return [f"{line} — {STAGE_WORDS[made[input_key(line)]]} in both runs"
             if input_key(line) in made and ": differs" in line else line for line in out]

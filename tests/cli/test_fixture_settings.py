@@ -36,6 +36,12 @@ DAMAGES = {
     "no settings": (lambda meta: {k: v for k, v in meta.items() if k != "settings"}, "'settings' object"),
     "a list": (lambda meta: [meta], "not a fixture's description"),
     "a number as its name": (lambda meta: {**meta, "name": 3}, "'name' is not a string"),
+    "a number as its description": (lambda meta: {**meta, "description": 3}, "'description' is not a string"),
+    "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
+    "cfg_scale NaN": (_settings("cfg_scale", float("nan")), "settings: cfg_scale must be a finite number"),
+    "one step": (_settings("steps", 1), "settings: steps must be an integer from 2"),
+    "a sample twice": (_settings("samples", [0, 1, 0]), "settings: sample ids must be distinct"),
+    "a negative sample": (_settings("samples", [-2]), "(-2 negative)"),
 }
 
 
@@ -46,9 +52,32 @@ def test_a_malformed_fixture_json_is_refused_in_one_line(cli, tmp_path, name):
     shutil.copytree(locate("tiny-t2i"), fx)
     meta = json.loads((fx / "fixture.json").read_text())
     (fx / "fixture.json").write_text(json.dumps(damage(meta)))
-    code, out = cli("run", "--fixture", fx, "-o", tmp_path / "r", "--steps", "2")
+    code, out = cli("run", "--fixture", fx, "-o", tmp_path / "r")
     one_error_line(code, out, str(fx / "fixture.json"), needle)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGES))
+def test_a_malformed_fixture_json_is_not_sealed(cli, tmp_path, name):
+    """`fixture seal` checks the description as `run` and `fixture verify` read it: a seal over
+    one they refuse would only fail later, at the user who trusted it."""
+    damage, needle = DAMAGES[name]
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    (fx / "seal.json").unlink()
+    meta = json.loads((fx / "fixture.json").read_text())
+    (fx / "fixture.json").write_text(json.dumps(damage(meta)))
+    code, out = cli("fixture", "seal", fx)
+    one_error_line(code, out, str(fx / "fixture.json"), needle)
+    assert not (fx / "seal.json").exists()
+
+
+def test_a_well_formed_fixture_is_sealed(cli, tmp_path):
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    (fx / "seal.json").unlink()
+    code, out = cli("fixture", "seal", fx)
+    assert code == 0 and (fx / "seal.json").is_file(), out
 
 
 def test_a_fixture_json_that_is_not_json_is_refused_in_one_line(cli, tmp_path):

@@ -245,6 +245,12 @@ def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_number_is_echoed_as_given(cli, tmp_path):
+    """``--eta -1`` is not echoed as ``-1.0`` (typer parses a float)."""
+    line = one_error_line(*cli("run", "--eta", "-1", "-o", tmp_path / "r"), "eta must be a finite number")
+    assert line.endswith("got -1"), line
+
+
 def test_step_limit_holds_for_every_run_path():
     """``resolve`` (run, replay, experiment and probe all go through it) takes 1000 steps and
     refuses 1001."""
