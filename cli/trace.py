@@ -49,18 +49,48 @@ def trace(
                              "complete": run.complete, "call_sites": len(every), "fallbacks": n_fb,
                              "ranks": ranks, "sites": rows})
         return
-    table = Table(title=f"operator trace — {run_dir} (mode {run.manifest.get('settings', {}).get('mode')})")
-    cols = ("rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
-            "kernel", "contract", "fallback", "reason", "calls")
-    for col in cols:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*(S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c])
-                        for c in cols))
+    mode = run.manifest.get("settings", {}).get("mode")
+    cols = ["rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
+            "kernel", "contract", "fallback", "reason", "calls"]
+    cells = [{c: S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c]) for c in cols}
+             for r in rows]
+    fitted = console.is_terminal and len(cells) > 1
+    if fitted:  # a terminal's width: what every row shares goes above the table, long cells fold
+        cells, cols, shared = _fit_to_terminal(cells, cols)
+    table = Table(title=f"operator trace — {run_dir} (mode {mode})")
+    for col in cols:  # identifiers whole; a kernel or a reason folds onto lines of its own
+        fold = col in ("kernel", "reason")
+        table.add_column(col, overflow="fold", no_wrap=not fold,
+                         min_width=None if fold else max([len(col), *(len(c[col]) for c in cells)]))
+    for c in cells:
+        table.add_row(*(c[col] for col in cols))
     if rows or not fallbacks_only:  # --fallbacks with none: the count line says it, no empty table
         console.print(table)
+    if fitted and shared and rows:
+        console.print("every call site: " + ", ".join(f"{col} {v or '(none)'}" for col, v in shared.items()),
+                      highlight=False, markup=False)
+    if fitted and "reason" not in shared:  # a terminal's width: reasons under the table, once each
+        for op, reason in dict.fromkeys((c["op"], c["reason"]) for c in cells if c["reason"]):
+            console.print(f"reason, {op}: {reason}", highlight=False, markup=False)
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
     if not run.complete:
         err.print("[bold yellow]note:[/] the run is incomplete (complete: false): its trace covers "
                   "the steps it ran", highlight=False)
+
+
+def _fit_to_terminal(cells: list[dict[str, str]], cols: list[str]) -> tuple[list[dict[str, str]], list[str], dict[str, str]]:
+    """The trace's table for a terminal's width: a column whose cell is the same in every row
+    leaves the table for a line below it (``rank 0, device cpu, …``), the reasons are listed
+    under it once per operator, and a contract that is the row's operator's own
+    (``qwenimage.<op>.v2``) shows as its version (``v2``).
+
+    Returns the rows' cells, the columns kept and the shared cells (column → value)."""
+    shared = {c: cells[0][c] for c in cols if c not in ("op", "kernel") and len({r[c] for r in cells}) == 1}
+    kept = [c for c in cols if c not in shared and c != "reason"]
+    if "contract" in kept:
+        for r in cells:
+            own = f"qwenimage.{r['op']}."
+            if r["contract"].startswith(own):
+                r["contract"] = r["contract"][len(own):]
+    return cells, kept, shared

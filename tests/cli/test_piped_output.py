@@ -114,3 +114,35 @@ def test_brackets_in_kernel_strings_and_paths_show_as_written(strict_run, tmp_pa
     assert str(marked) in res.stdout.splitlines()[0] and f" {_KERNEL} " in res.stdout, res.stdout[:600]
     res = _piped("diff", marked, strict_run)
     assert res.returncode == 0 and f"A: {marked}" in res.stdout, res.stdout + res.stderr
+
+
+def test_trace_on_a_narrow_terminal_cuts_no_identifier(strict_run, monkeypatch):
+    """On a 100-column terminal the trace fits: what every call site shares (rank, device, …) is
+    one line under the table, reasons are listed under it, operator names print whole and a
+    kernel string folds onto lines of its own (it was cut to ``str…`` in 14 columns of 4)."""
+    from drifttool.cli import trace as trace_command
+
+    buf = io.StringIO()
+    monkeypatch.setattr(trace_command, "console",
+                        _Console(file=buf, force_terminal=True, width=100, color_system=None))
+    trace_command.trace(strict_run, fallbacks_only=False, as_json=False)
+    lines = buf.getvalue().splitlines()
+    assert max(map(len, lines)) <= 100, buf.getvalue()
+    assert "every call site: rank 0, device cpu, component mmdit, requested strict, actual strict, " \
+           "fallback no" in lines
+    sites = open_run(strict_run).trace_rows()
+    reasons = {r["reason"] for r in sites if r["reason"]}
+    assert reasons and all(any(reason.split()[0] in ln for ln in lines if ln.startswith("reason, ")) for reason in reasons)
+    header = next(ln for ln in lines if ln.startswith("┃"))
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    rows, kernel = [], names.index("kernel")
+    for ln in lines:
+        if ln.startswith("│"):
+            cells = [c.strip() for c in ln.strip("│").split("│")]
+            if cells[0] or not rows:
+                rows.append(cells)
+            else:  # a folded cell's next line
+                rows[-1][kernel] += cells[kernel]
+    assert len(rows) == len(sites)
+    assert {r[names.index("op")] for r in rows} == {s["op"] for s in sites}
+    assert sorted(r[kernel].replace(" ", "") for r in rows) == sorted(s["kernel"].replace(" ", "") for s in sites)
