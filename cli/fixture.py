@@ -15,7 +15,7 @@ from drifttool.cli._console import console, notice
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP
-from drifttool.fixture import load_fixture, seal
+from drifttool.fixture import check_sealable, load_fixture, seal
 
 app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
@@ -85,6 +85,7 @@ def seal_cmd(path: Path = typer.Argument(..., parser=_paths.input_path, metavar=
 def _checked_seal(path: Path) -> str:
     from drifttool.settings import check_fixture_settings  # lazy: it brings torch, which `drifttool --help` does not need
 
+    check_sealable(path)
     fx = load_fixture(path)
     check_fixture_settings(fx)
     fx.edit  # an edit fixture's section, checked

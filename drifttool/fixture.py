@@ -334,6 +334,19 @@ def content_digest(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def check_sealable(path: Path) -> None:
+    """Raise unless ``path`` is a directory with a regular ``fixture.json``.
+
+    Raises:
+        FixtureError: not a directory, or no fixture.json (a run directory, say, which a seal
+            would break).
+    """
+    if not path.is_dir():
+        raise FixtureError(f"{path}: not a fixture directory")
+    if not (path / "fixture.json").is_file() or (path / "fixture.json").is_symlink():
+        raise FixtureError(f"{path}: not a fixture directory (no fixture.json); nothing written")
+
+
 def seal(path: str | Path) -> str:
     """Write ``seal.json`` for the fixture at ``path``; return its content digest.
 
@@ -343,10 +356,7 @@ def seal(path: str | Path) -> str:
             (``_files``).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FixtureError(f"{path}: not a fixture directory")
-    if not (path / "fixture.json").is_file() or (path / "fixture.json").is_symlink():
-        raise FixtureError(f"{path}: not a fixture directory (no fixture.json); nothing written")
+    check_sealable(path)
     present = _files(path)
     files = {rel: _digest_file(path / rel) for rel in present}
     digest = content_digest(files)

@@ -165,7 +165,8 @@ class FirstDrift:
             "record": "origin (every earlier record matches)",
             "between_steps": f"x_t of step {self.step} differs; step {self.prev_step}'s outputs "
                              "match — changed between steps",
-            "inputs": (f"the replay inputs differ ({self.input_note}); x_t of step {self.step} "
+            "inputs": (f"the replay inputs differ ({self.input_note})" if self.input_note and self.step < 0 else
+                       f"the replay inputs differ ({self.input_note}); x_t of step {self.step} "
                        "matches" if self.input_note else
                        f"x_t of step {self.step}, the first step of phase {self.phase}, differs — "
                        "the replay inputs differ"),
@@ -220,13 +221,18 @@ class FirstDrift:
 
     def where(self) -> str:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1
-        (owning rank 0)``; a component other than the MMDiT is named first."""
+        (owning rank 0)``; a component other than the MMDiT is named first. A record made before
+        the first step (step −1: the sigma table) is ``before step 0``; a branch or stream
+        ``none`` and the sample of a record of no one sample (−1) are left out."""
         comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
+        step = "before step 0" if self.step < 0 else f"step {self.step}"
+        branch = "" if self.branch == "none" else f" {self.branch}"
+        sample = "" if self.sample < 0 else f" sample {self.sample}"
         if self.kind == "step":
-            return (f"{comp}{self.phase} step {self.step} {self.branch} {self.op} sample "
-                    f"{self.sample} ({self._rank_note()})")
+            return f"{comp}{self.phase} {step}{branch} {self.op}{sample} ({self._rank_note()})"
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
         block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
-        return (f"{comp}{self.phase} step {self.step} {self.branch} {block} {self.stream} "
-                f"{self.op}#{self.call}{out}{role} sample {self.sample} ({self._rank_note()})")
+        stream = "" if self.stream in (None, "none") else f" {self.stream}"
+        return (f"{comp}{self.phase} {step}{branch} {block}{stream} "
+                f"{self.op}#{self.call}{out}{role}{sample} ({self._rank_note()})")
