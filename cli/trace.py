@@ -55,7 +55,7 @@ def trace(
     cells = [{c: S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c]) for c in cols}
              for r in rows]
     fitted = console.is_terminal and len(cells) > 1
-    if fitted:  # a terminal's width: what every row shares goes above the table, long cells fold
+    if fitted:  # a terminal's width: what every row shares goes under the table, long cells fold
         cells, cols, shared = _fit_to_terminal(cells, cols)
     table = Table(title=f"operator trace — {run_dir} (mode {mode})")
     for col in cols:  # identifiers whole; a kernel or a reason folds onto lines of its own
