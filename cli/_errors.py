@@ -221,7 +221,8 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
         try:
             if world > 1 and not ranks:
                 raise DriftToolError(one_process_refusal(command))
-            with host_memory_guard():
+            prefix = f"[rank {rank}] " if world > 1 else ""
+            with host_memory_guard(lambda why: f"error: {prefix}{_out_of_memory('host', MemoryError(why))}"):
                 return fn(*args, **kwargs)
         except DriftToolError as e:
             _print_error(e, rank, world)

@@ -12,6 +12,13 @@ A run's memory check (``drifttool.memory.check_memory``) refuses before any work
 by a lower bound of its peak; what that bound does not count (an operator's working tensors, a
 very large batch of a small model) is what this catches. Linux only (``/proc/meminfo``; nothing
 is watched elsewhere), the main thread only (where Python runs signal handlers).
+
+Python runs the handler only when the main thread is back in the interpreter: one long native
+call (a large tensor operation allocating as it goes) defers it while the memory keeps falling.
+So when the available memory falls below half the floor, or ``GRACE_SECONDS`` pass, before the
+handler ran, the watchdog ends the process itself: the same one line on stderr, exit 2, as a
+``kill`` would leave the run directory (readable, ``complete: false``, its finished steps), but
+not by the kernel's out-of-memory killer, which may pick another process of the machine.
 """
 
 from __future__ import annotations
@@ -20,13 +27,18 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 from drifttool.host_memory import host_meminfo
 
 FLOOR_BYTES = 512 << 20
 FLOOR_FRACTION = 0.04
 POLL_SECONDS = 0.02
+GRACE_SECONDS = 2.0
+"""How long the main thread may take to run the handler before the watchdog ends the process."""
+EXIT_CODE = 2
+"""The exit code of a command the watchdog ends itself (``drifttool.exit_codes``: bad input)."""
 SIGNAL = signal.SIGUSR2 if hasattr(signal, "SIGUSR2") else None
 """The signal the watchdog sends its own process to raise ``MemoryError`` in the main thread."""
 
@@ -37,9 +49,10 @@ def floor(total: int) -> int:
 
 
 @contextlib.contextmanager
-def host_memory_guard() -> Iterator[None]:
+def host_memory_guard(line: Callable[[str], str] = lambda why: why) -> Iterator[None]:
     """Watch the host's available memory while the body runs (module docstring); a no-op off the
-    main thread, without ``/proc/meminfo`` or without ``SIGUSR2``.
+    main thread, without ``/proc/meminfo`` or without ``SIGUSR2``. ``line``: the error line the
+    watchdog writes on stderr when it ends the process itself, from the reason in words.
 
     Raises:
         MemoryError: in the body, when the host's available memory fell below ``floor``.
@@ -49,13 +62,17 @@ def host_memory_guard() -> Iterator[None]:
         yield
         return
     low: list[int] = []
+    handled = threading.Event()
     stop = threading.Event()
 
+    def why() -> str:
+        return (f"the host's available memory fell to {low[-1] >> 20} MiB of {start.total >> 20} "
+                "MiB; the command stopped before the system's out-of-memory killer would have")
+
     def raised(signum: int, frame: Any) -> None:
-        if low:
-            raise MemoryError(f"the host's available memory fell to {low[0] >> 20} MiB of "
-                              f"{start.total >> 20} MiB; the command stopped before the system's "
-                              "out-of-memory killer would have")
+        if low and not handled.is_set():
+            handled.set()
+            raise MemoryError(why())
 
     def watch() -> None:
         while not stop.wait(POLL_SECONDS):
@@ -63,7 +80,17 @@ def host_memory_guard() -> Iterator[None]:
             if now is not None and now.available < floor(now.total):
                 low.append(now.available)
                 os.kill(os.getpid(), SIGNAL)
-                return
+                break
+        else:
+            return
+        deadline = time.monotonic() + GRACE_SECONDS
+        while not stop.wait(POLL_SECONDS) and not handled.is_set():
+            now = host_meminfo()
+            if now is not None:
+                low.append(now.available)
+            if time.monotonic() > deadline or (now is not None and now.available < floor(now.total) // 2):
+                os.write(2, (line(why()) + "\n").encode())
+                os._exit(EXIT_CODE)  # the main thread is in one native call: end here, not by the kernel
 
     previous = signal.signal(SIGNAL, raised)
     thread = threading.Thread(target=watch, name="drifttool-host-memory", daemon=True)

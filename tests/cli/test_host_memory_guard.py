@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from drifttool.artifact import open_run
 from drifttool.cli import _memory_guard
 from drifttool.host_memory import HostMemory, host_meminfo
@@ -39,3 +41,50 @@ def test_without_meminfo_nothing_is_watched(cli, tmp_path, monkeypatch):
     code, text = cli("run", "--steps", "2", "--capture", "L0", "-o", tmp_path / "r")
     assert code == 0, text
     assert host_meminfo(str(tmp_path / "missing")) is None
+
+
+
+_STUCK = """
+import signal
+import time
+from drifttool.cli import _errors, _memory_guard
+from drifttool.host_memory import HostMemory
+
+t0 = time.monotonic()
+falling = lambda path=None: HostMemory(({mib} << 20) if time.monotonic() - t0 > 0.3 else (32 << 30), 64 << 30)
+_memory_guard.host_meminfo = falling
+_memory_guard.GRACE_SECONDS = {grace}
+
+
+def stuck():  # as one native call: the signal reaches another thread, the handler waits for this one
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{_memory_guard.SIGNAL}})
+    print("started", flush=True)
+    time.sleep(60)
+
+
+_errors.user_errors(stuck, command="run")()
+"""
+
+
+@pytest.mark.parametrize("mib, grace", [(40, 60.0), (2000, 0.5)], ids=["below half the floor", "the grace"])
+def test_a_main_thread_stuck_in_one_native_call_is_ended_by_the_watchdog(tmp_path, mib, grace):
+    """Python runs the signal's handler in the main thread, between bytecodes: a main thread
+    inside one long native call (a large tensor operation) never raised, and the kernel's
+    out-of-memory killer ended ``run --batch 100000`` without a word. The watchdog ends the
+    process itself, in one line, exit 2: at once when the memory falls below half the floor,
+    else after its grace (here the floor of a 64 GiB host is 2.56 GiB)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK.format(mib=mib, grace=grace))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode == _memory_guard.EXIT_CODE, (res.returncode, res.stderr)
+    assert res.stdout == "started\n"
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: out of host memory: the host's available memory fell to {mib} MiB of 65536 MiB"), res.stderr
+    assert took < 40, took  # not the 60 s sleep's end, after which the handler would have raised
