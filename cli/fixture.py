@@ -15,7 +15,6 @@ from drifttool.cli._console import console, notice
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP
-from drifttool.fixture import check_sealable, load_fixture, seal
 
 app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
@@ -73,20 +72,17 @@ def verify(
 
 
 @app.command("seal", cls=Command, epilog=EXIT_HELP)
-def seal_cmd(path: Path = typer.Argument(..., parser=_paths.input_path, metavar="DIR", help="Fixture directory to (re)seal.")) -> None:
+def seal_cmd(
+    path: Path = typer.Argument(..., parser=_paths.input_path, metavar="DIR", help="Fixture directory to (re)seal."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Re-run the fixture from its fixture.json first and put the result in place of expected/ (and its decoded images), as after editing its settings."),
+) -> None:
     """Write seal.json (xxh3_128 of every file) for a fixture directory.
 
-    Its fixture.json is checked first, as `fixture verify` and `run --fixture` read it: a
-    description they would refuse is not sealed (exit 2, nothing written).
+    Only a fixture that `fixture verify` can pass is sealed: fixture.json well formed and
+    complete, the model (transformer/) and expected/ present, and expected/ made with the
+    settings fixture.json holds (after editing them: --rebuild). Otherwise exit 2, nothing
+    written.
     """
-    console.print(f"sealed {path}: {user_errors(_checked_seal, command='fixture seal')(path)}")
+    from drifttool.sealing import seal_fixture  # lazy: it brings torch, which `drifttool --help` does not need
 
-
-def _checked_seal(path: Path) -> str:
-    from drifttool.settings import check_fixture_settings  # lazy: it brings torch, which `drifttool --help` does not need
-
-    check_sealable(path)
-    fx = load_fixture(path)
-    check_fixture_settings(fx)
-    fx.edit  # an edit fixture's section, checked
-    return seal(path)
+    console.print(f"sealed {path}: {user_errors(seal_fixture, command='fixture seal')(path, rebuild=rebuild)}")

@@ -368,6 +368,19 @@ def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
     return (int(grid[0]) if h is None else h, int(grid[1]) if w is None else w)
 
 
+def _lacking(fx: Fixture, values: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse a setting neither the fixture nor a flag (nor a preset) gave.
+
+    Raises:
+        DriftToolError: naming the fixture's file, the keys and the flags that give them.
+    """
+    missing = [k for k in keys if values[k] is None]
+    if missing:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
+        raise DriftToolError(f"{fx.path / 'fixture.json'}: its settings lack {', '.join(missing)}; "
+                             f"give {flags}")
+
+
 def check_fixture_settings(fx: Fixture) -> None:
     """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range (a step
     count, CFG scale or eta a run refuses, repeated sample ids), an unknown key or no sample, in
@@ -426,12 +439,14 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         if isinstance(s[key], str):
             s[key] = s[key].lower()
     preset = spec.preset if spec.preset is not None else base.get("preset")  # a fixture's own
+    _lacking(fx, s, ("dtype",) if preset is not None else tuple(s))  # a preset gives some
     if s["dtype"] not in DTYPES:
         raise DriftToolError(f"unsupported dtype {s['dtype']!r} (one of {', '.join(sorted(DTYPES))})")
     if preset is not None:
         s.update(preset_settings(preset, mode=check_mode(spec.mode), model_dtype=DTYPES[s["dtype"]],
                                  asked={k: None if getattr(spec, k) is None else s[k]
                                         for k in ("cfg_layout", "timestep_policy", "eta")}))
+    _lacking(fx, s, ("steps", "cfg_scale", "eta", "seed", "capture", "cfg_layout", "timestep_policy"))
     steps = _check_steps(s["steps"])
     cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
     eta = _check_number("eta", s["eta"], 0.0)
@@ -448,9 +463,9 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     if spec.variant is not None and not spec.checkpoint:
         raise DriftToolError("a weight variant needs a checkpoint (--variant goes with --checkpoint)")
     grid = _img_grid(spec, base)
-    missing = [k for k, v in (("seed", s["seed"]), ("img_grid", grid)) if v is None]
-    if missing:
-        raise DriftToolError(f"{fx.path}: fixture settings lack {', '.join(missing)}")
+    if grid is None:
+        raise DriftToolError(f"{fx.path / 'fixture.json'}: its settings lack img_grid; give "
+                             "--height and --width")
     check_sigma_table(steps, grid)  # before any work: a size whose dynamic shift breaks the table
     explicit = spec.samples is not None or spec.batch is not None
     external = None

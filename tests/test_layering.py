@@ -154,7 +154,7 @@ FLOORS = [
     {"sampling/"},
     {"setting_checks", "settings", "fingerprint", "lifecycle"},
     {"runner", "memory"},
-    {"launch", "verify", "chain", "chain_edit", "adapters/"},
+    {"launch", "verify", "sealing", "chain", "chain_edit", "adapters/"},
     {"training/"},
     {"probes/", "reports/"},
     {"cli/"},

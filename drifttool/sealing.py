@@ -1,0 +1,149 @@
+"""``drifttool fixture seal``: seal a fixture only when ``fixture verify`` can pass it.
+
+    >>> seal_fixture("my-fixture")                 # checks, then writes seal.json
+    'c5a1…'
+    >>> seal_fixture("my-fixture", rebuild=True)   # re-runs expected/ from fixture.json first
+
+A seal says "these files re-verify". So before ``seal.json`` is written the fixture must be one
+that ``fixture verify`` and ``run --fixture`` read without a refusal:
+
+- ``fixture.json`` well formed (``fixture.load_fixture``, ``settings.check_fixture_settings``)
+  and complete: every setting a re-run needs (``REQUIRED``; without a ``preset``, also
+  ``PRESET_GIVES``), since a fixture re-runs from its own settings alone;
+- the model it runs (``transformer/``) and its expected artifact (``expected/manifest.json``, and
+  for a chain or edit fixture the decoded images, ``verify.expected_images``) present;
+- the expected artifact made with the settings ``fixture.json`` holds now: a fixture whose seed
+  was edited after its expected run was made would seal and then fail every verify.
+
+``rebuild`` re-runs the fixture (``verify.rerun``, as its build script made it) into a temporary
+directory and puts the artifact and its images in place of ``expected/`` before sealing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from drifttool.errors import FixtureError
+from drifttool.fixture import Fixture, check_sealable, load_fixture, seal
+from drifttool.settings import check_fixture_settings
+from drifttool.verify import expected_images, fixture_kind, rerun
+
+REQUIRED = ("img_grid", "steps", "cfg_scale", "seed", "samples", "capture", "dtype")
+"""Settings a sealed fixture must hold (``mode`` defaults to strict)."""
+PRESET_GIVES = ("eta", "cfg_layout", "timestep_policy")
+"""Settings a fixture without a ``preset`` must hold too (a preset sets them)."""
+DEFAULT_MODE = "strict"
+"""The mode of a fixture whose settings name none (``verify.fixture_spec``)."""
+
+
+def check_complete(fx: Fixture) -> None:
+    """Raise unless ``fx``'s settings hold every key a re-run needs.
+
+    Raises:
+        FixtureError: naming the file and the keys missing.
+    """
+    keys = REQUIRED + (() if "preset" in fx.settings else PRESET_GIVES)
+    missing = [k for k in keys if k not in fx.settings]
+    if missing:
+        raise FixtureError(f"{fx.path / 'fixture.json'}: settings lack {', '.join(missing)} (a sealed "
+                           "fixture re-runs from its own settings alone)")
+
+
+def _check_model(fx: Fixture) -> None:
+    if not fx.model_dir.is_dir():
+        raise FixtureError(f"{fx.path}: no transformer/ (the model the fixture runs)")
+
+
+def _expected_manifest(fx: Fixture) -> dict[str, Any]:
+    path = fx.expected_dir / "manifest.json"
+    if not path.is_file():
+        raise FixtureError(f"{fx.path}: no expected artifact (expected/manifest.json); "
+                           "`drifttool fixture seal --rebuild` makes it")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise FixtureError(f"{path}: unreadable ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        raise FixtureError(f"{path}: not a drifttool artifact's manifest (no 'settings' object)")
+    return manifest
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "x".join(map(str, value)) if len(value) == 2 and all(isinstance(v, int) for v in value) \
+            else ", ".join(map(str, value))
+    return str(value)
+
+
+def check_expected(fx: Fixture) -> None:
+    """Raise unless ``fx``'s model and expected artifact are present and the artifact was made with
+    the settings ``fixture.json`` holds.
+
+    Raises:
+        FixtureError: no ``transformer/``, no or an unreadable ``expected/manifest.json``, a
+            decoded image missing, or settings that differ (each named: the expected run's value
+            and fixture.json's).
+    """
+    _check_model(fx)
+    manifest = _expected_manifest(fx)
+    made = manifest["settings"]
+    wanted = {"mode": DEFAULT_MODE, **fx.settings}
+    differ = [k for k in sorted(wanted) if made.get(k) != wanted[k]]
+    if differ:
+        was = ", ".join(f"{k} {_shown(made.get(k))}" for k in differ)
+        now = ", ".join(f"{k} {_shown(wanted[k])}" for k in differ)
+        raise FixtureError(f"{fx.expected_dir}: made with {was}, where fixture.json says {now}; "
+                           "`drifttool fixture seal --rebuild` re-runs it")
+    expected_images(fx, manifest)
+
+
+def rebuild_expected(fx: Fixture) -> None:
+    """Re-run ``fx`` into a temporary directory and put the artifact (and a chain or edit
+    fixture's decoded images) in place of ``expected/`` (and ``expected*.png``).
+
+    Raises:
+        DriftToolError: the re-run's own refusals (its settings, its model), before anything in
+            the fixture is replaced.
+    """
+    fixture_kind(fx)  # a malformed chain or edit entry: refused before the run
+    work = Path(tempfile.mkdtemp(prefix="drifttool-rebuild-"))
+    try:
+        images = rerun(fx, work / "expected")
+        old = [fx.expected_dir, *fx.path.glob("expected.png"), *fx.path.glob("expected-*.png")]
+        for p in old:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        shutil.move(str(work / "expected"), str(fx.expected_dir))
+        for image in images:
+            shutil.move(str(image), str(fx.path / image.name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
+    """Check the fixture at ``path`` (module docstring), re-make its expected artifact first with
+    ``rebuild``, and write ``seal.json``; returns the content digest.
+
+    Raises:
+        FixtureError: not a fixture directory, a malformed or incomplete ``fixture.json``, a
+            missing model, expected artifact or image, an expected artifact of other settings;
+            nothing is written.
+        DriftToolError: with ``rebuild``, the re-run's refusals.
+    """
+    path = Path(path)
+    check_sealable(path)
+    fx = load_fixture(path)
+    check_fixture_settings(fx)
+    check_complete(fx)
+    fixture_kind(fx)  # a malformed chain or edit entry
+    if rebuild:
+        _check_model(fx)
+        rebuild_expected(fx)
+    check_expected(fx)
+    return seal(path)

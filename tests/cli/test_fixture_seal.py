@@ -1,0 +1,83 @@
+"""``drifttool fixture seal`` seals only a fixture that ``fixture verify`` can pass: a
+fixture.json missing a setting, a fixture without its model or expected artifact, or one whose
+expected artifact was made with other settings (a seed edited after it was built) sealed with
+exit 0 and then failed every verify. ``--rebuild`` re-runs the expected artifact from
+fixture.json, after which the fixture seals and verifies identical."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from drifttool.fixture import locate
+from tests.conftest import one_error_line
+
+
+def _copy(tmp_path, name="tiny-t2i", **settings):
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate(name), fx)
+    (fx / "seal.json").unlink()
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta["settings"].update(settings)
+    for key in [k for k, v in settings.items() if v is None]:
+        del meta["settings"][key]
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    return fx
+
+
+@pytest.mark.parametrize("key", ["steps", "seed", "dtype", "img_grid", "eta"])
+def test_a_fixture_missing_a_setting_is_not_sealed(cli, tmp_path, key):
+    fx = _copy(tmp_path, **{key: None})
+    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: settings lack {key}")
+    assert not (fx / "seal.json").exists()
+
+
+def test_a_fixture_without_its_model_is_not_sealed(cli, tmp_path):
+    fx = _copy(tmp_path)
+    shutil.rmtree(fx / "transformer")
+    for extra in ((), ("--rebuild",)):
+        one_error_line(*cli("fixture", "seal", fx, *extra), f"{fx}: no transformer/")
+    assert not (fx / "seal.json").exists()
+
+
+def test_an_edited_seed_is_refused_then_rebuilt_and_verified(cli, tmp_path):
+    fx = _copy(tmp_path, seed=7)
+    before = (fx / "expected" / "manifest.json").read_bytes()
+    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'expected'}: made with seed 386, where fixture.json "
+                   "says seed 7", "--rebuild")
+    assert not (fx / "seal.json").exists() and (fx / "expected" / "manifest.json").read_bytes() == before
+    code, out = cli("fixture", "seal", fx, "--rebuild")
+    assert code == 0 and out.startswith(f"sealed {fx}: "), out
+    assert json.loads((fx / "expected" / "manifest.json").read_text())["settings"]["seed"] == 7
+    code, out = cli("fixture", "verify", fx)
+    assert code == 0 and "IDENTICAL" in out, out
+
+
+def test_a_fixture_without_its_expected_artifact_is_rebuilt(cli, tmp_path):
+    fx = _copy(tmp_path)
+    shutil.rmtree(fx / "expected")
+    one_error_line(*cli("fixture", "seal", fx), f"{fx}: no expected artifact", "--rebuild")
+    code, out = cli("fixture", "seal", fx, "--rebuild")
+    assert code == 0, out
+    assert cli("fixture", "verify", fx)[0] == 0
+
+
+def test_a_rebuild_that_is_refused_replaces_nothing(cli, tmp_path):
+    fx = _copy(tmp_path, steps=1)  # a step count a run refuses: checked before the re-run
+    before = sorted(p.relative_to(fx) for p in fx.rglob("*"))
+    one_error_line(*cli("fixture", "seal", fx, "--rebuild"), "steps must be an integer from 2")
+    assert sorted(p.relative_to(fx) for p in fx.rglob("*")) == before
+
+
+@pytest.mark.parametrize("name", ["tiny-t2i-chain", "tiny-edit"])
+def test_a_chain_or_edit_fixture_is_rebuilt_with_its_image(cli, tmp_path, name):
+    fx = _copy(tmp_path, name, seed=11)
+    image = (fx / "expected.png").read_bytes()
+    assert cli("fixture", "seal", fx)[0] == 2
+    code, out = cli("fixture", "seal", fx, "--rebuild")
+    assert code == 0, out
+    assert (fx / "expected.png").read_bytes() != image  # another seed, another image
+    code, out = cli("fixture", "verify", fx)
+    assert code == 0 and "image expected.png: sha256 identical" in out, out
