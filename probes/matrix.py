@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from drifttool.artifact.schema import SAMPLER_BLOCK
 from drifttool.diff.clip import percent
 from drifttool.probes.results import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
                                       ProbeResult)
@@ -142,10 +143,12 @@ def _num(x: float | None, verdict: str | None) -> str:
 def _short_where(r: ProbeResult) -> str:
     if r.first_op is None:
         return ""
-    blk = "" if r.first_block is None else f" b{r.first_block}"
+    blk = "" if r.first_block is None else " sampler" if r.first_block == SAMPLER_BLOCK else f" b{r.first_block}"
     stream = "" if r.first_stream in (None, "none") else f" {r.first_stream}"
+    branch = "" if r.first_branch in (None, "none") else f" {r.first_branch}"
     rank = "" if r.layout is None or r.first_rank is None else f" rank {r.first_rank}"
-    return f"s{r.first_step}{blk} {r.first_branch}{stream} {r.first_op}{rank}"
+    step = "before s0" if r.first_step is not None and r.first_step < 0 else f"s{r.first_step}"
+    return f"{step}{blk}{branch}{stream} {r.first_op}{rank}"
 
 
 def _clip_cell(r: ProbeResult) -> "str | Text":

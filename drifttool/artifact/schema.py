@@ -317,6 +317,22 @@ def block_name(block: int) -> str:
     return "sampler" if block == SAMPLER_BLOCK else str(block)
 
 
+BEFORE_STEPS = "before 0"
+"""A step cell of the records made before the first step (step −1: the sigma table)."""
+
+
+def step_name(step: int) -> str:
+    """``step`` as a table cell: ``BEFORE_STEPS`` for the records made before the first step
+    (−1), else the number."""
+    return BEFORE_STEPS if step < 0 else str(step)
+
+
+def label(value: Any) -> str:
+    """A branch, stream or sample cell: ``-`` for a record of no branch or stream (``none``) or of
+    no one sample (−1), else the value."""
+    return "-" if value in ("none", None) or (isinstance(value, int) and value < 0) else str(value)
+
+
 def schema_version_of(schema: pa.Schema) -> int | None:
     """The ``drifttool.schema_version`` in an Arrow schema's metadata, or ``None``."""
     raw = (schema.metadata or {}).get(b"drifttool.schema_version")

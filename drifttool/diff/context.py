@@ -235,7 +235,8 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
         for r in run.trace_rows():
             comp = r.get("component") or S.DEFAULT_COMPONENT
             name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
-            site = out.setdefault(f"{name}{_block(r['block'])} {r['stream']} {r['op']}#{r['call']}",
+            stream = "" if r["stream"] in (None, "none") else f"{r['stream']} "
+            site = out.setdefault(f"{name}{_block(r['block'])} {stream}{r['op']}#{r['call']}",
                                   {k: set() for k in keep})
             for k in keep:
                 v = r[k]

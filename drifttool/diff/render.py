@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from drifttool.artifact.schema import block_name
+from drifttool.artifact.schema import BEFORE_STEPS, block_name, label, step_name
 from drifttool.diff.clip import percent
 from drifttool.diff.context import shown_context
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
@@ -85,15 +85,16 @@ def _first_drift_table(report: DiffReport) -> Table:
                                      ("B", fd.owner_b, fd.row_rank_b)))),
                  ("written by", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
     rows = [("kind", fd.kind), *ranks,
-            ("component", fd.component), ("phase", fd.phase), ("step", fd.step),
-            ("sigma", _num(fd.sigma)), ("branch", fd.branch)]
+            ("component", fd.component), ("phase", fd.phase),
+            ("step", "before step 0 (the sigma table)" if fd.step < 0 else fd.step),
+            ("sigma", "-" if fd.step < 0 else _num(fd.sigma)), ("branch", label(fd.branch))]
     if fd.kind == "op":
         rows += [("block", block_name(fd.block)), ("op position", fd.op_pos),
-                 ("stream", fd.stream), ("op", fd.op), ("call", fd.call),
+                 ("stream", label(fd.stream)), ("op", fd.op), ("call", fd.call),
                  ("output", f"{fd.index} ({fd.role})")]
     else:
         rows += [("quantity", fd.op)]
-    rows += [("sample", fd.sample), ("dtype", _pair(*fd.dtype)),
+    rows += [("sample", label(fd.sample)), ("dtype", _pair(*fd.dtype)),
              ("shape", _pair(*map(tuple, fd.shape))), ("digest", _pair(*fd.digest)),
              ("non-finite", _pair(*fd.nonfinite)),
              ("max |x|", _pair(*(_num(x) for x in fd.maxabs))),
@@ -134,7 +135,8 @@ def _steps_table(report: DiffReport) -> Table:
     for s in report.steps:
         kls = [k.kl for k in s.kl if k.kl is not None]
         t.add_row(
-            f"{s.phase} {s.step}" if phases else str(s.step), _num(s.sigma),
+            f"{s.phase} {step_name(s.step)}" if phases else step_name(s.step),
+            "-" if s.step < 0 else _num(s.sigma),
             _cell(s, "x_t", "max_abs"), _cell(s, "v_t", "max_abs"), _cell(s, "v_t", "rel_l2"),
             _cell(s, "x_next", "max_abs"), _cell(s, "logp_t", "max_abs"),
             _num(max(kls)) if kls else "-",
@@ -150,8 +152,8 @@ def steps_legend(steps: list[StepDrift]) -> list[str]:
     (records in one run only). Empty when the table shows neither."""
     out = []
     if any(s.step < 0 for s in steps):
-        out.append("step -1: records made before the first step (the sigma table; no sigma, "
-                   "shown as nan)")
+        out.append(f"step {BEFORE_STEPS}: records made before the first step (the sigma table; "
+                   "no sigma of its own)")
     if any(s.missing for s in steps):
         out.append("ops ≠ N+M?: N differing operator records, and M records (steps or "
                    "operators) that only one run holds")
@@ -168,8 +170,8 @@ def _first_ops_table(report: DiffReport) -> Table | None:
         t.add_column(col, justify="left" if col in ("phase", "branch", "stream", "op") else "right")
     for s in rows:
         o = s.first_op
-        t.add_row(s.phase, str(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
-                  o.branch, block_name(o.block), o.stream, f"{o.op}#{o.call}", str(o.sample))
+        t.add_row(s.phase, step_name(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
+                  label(o.branch), block_name(o.block), label(o.stream), f"{o.op}#{o.call}", label(o.sample))
     return t
 
 

@@ -3,8 +3,8 @@
     localize: step 1 re-executed at L2
     │ status          │ localized                                                          │
     │ step            │ 1 (step 1 is the first differing step; its x_t matches in both runs) │
-    │ first drift     │ rollout step 1 cond block -1 none timestep_embed_mlp#0 sample 0 ...  │
-    │ block / branch  │ -1 / cond (stream none)                                             │
+    │ first drift     │ rollout step 1 cond block -1 timestep_embed_mlp#0 sample 0 ...       │
+    │ block / branch  │ -1 / cond (stream -)                                                │
     │ rows            │ 1 of 24 differ: img (0, 1)                                          │
     │ reproduced      │ A yes, B yes (the stored step records of both runs)                 │
     │ time            │ 2.76 s (model load 1.02 s, shared; steps A 0.18 s, B 0.17 s)        │
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from drifttool.artifact.schema import block_name
+from drifttool.artifact.schema import block_name, label
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.training.localize import LocalizeResult
@@ -54,10 +54,10 @@ def localize_rows(result: "LocalizeResult") -> list[tuple[str, str]]:
         if fd.kind == "op":
             out = "" if fd.index == 0 else f" out{fd.index}"
             rows += [("operator", f"{fd.op}#{fd.call}{out} ({fd.role})"),
-                     ("block / branch", f"{block_name(fd.block)} / {fd.branch} (stream {fd.stream})")]
+                     ("block / branch", f"{block_name(fd.block)} / {label(fd.branch)} (stream {label(fd.stream)})")]
         else:
-            rows.append(("quantity", f"{fd.op} ({fd.branch})"))
-        rows.append(("sample", str(fd.sample)))
+            rows.append(("quantity", f"{fd.op} ({label(fd.branch)})"))
+        rows.append(("sample", label(fd.sample)))
         if fd.rows is not None:
             more = "" if fd.rows.n_differ <= len(fd.rows.first) else ", ..."
             rows.append(("rows", f"{fd.rows.n_differ} of {fd.rows.n_rows} differ: "

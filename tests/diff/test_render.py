@@ -74,6 +74,8 @@ def _step(step, missing=0, sigma=0.5):
 
 
 def test_per_step_legend_explains_step_minus_one_and_one_run_only_cells():
+    """The records made before the first step (step -1) show as ``before 0``, their sigma as
+    ``-`` (it was ``-1`` and ``nan``), and the legend says what they are."""
     from drifttool.diff.report import DiffReport, Verdict
 
     def rendered(steps):
@@ -81,16 +83,18 @@ def test_per_step_legend_explains_step_minus_one_and_one_run_only_cells():
                                steps=steps))
 
     plain = rendered([_step(0), _step(1)])
-    assert "step -1:" not in plain and "N+M?" not in plain
+    assert "step before 0:" not in plain and "N+M?" not in plain
     out = rendered([_step(-1, sigma=float("nan")), _step(0), _step(1, missing=3)])
     lines = out.splitlines()
     row = next(ln.split() for ln in lines if ln.split()[:1] == ["1"])
     assert row[-1] == "0+3?"
-    table_end = max(i for i, ln in enumerate(lines) if ln.split()[:1] in (["-1"], ["0"], ["1"]))
+    before = next(ln.split() for ln in lines if ln.split()[:2] == ["before", "0"])
+    assert before[2] == "-" and "nan" not in out
+    table_end = max(i for i, ln in enumerate(lines) if ln.split()[:1] in (["before"], ["0"], ["1"]))
     legend = [ln.strip() for ln in lines[table_end + 1:] if ln.strip()]
-    assert legend[0].startswith("step -1: records made before the first step (the sigma table")
+    assert legend[0].startswith("step before 0: records made before the first step (the sigma table")
     assert legend[1].startswith("ops ≠ N+M?: N differing operator records, and M records")
-    assert "step -1:" not in rendered([_step(0, missing=1)])
+    assert "step before 0:" not in rendered([_step(0, missing=1)])
 
 
 def test_a_footnote_belongs_to_a_marked_cell(make_run):
