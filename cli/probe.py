@@ -108,9 +108,10 @@ def probe(
                                  f"({why}): launch it without torchrun and --tp/--sp/--cfg-parallel")
         if distributed and peer is not None:
             raise DriftToolError("give --peer or --distributed, not both")
-        if distributed and device not in (None, "cpu"):
+        if distributed and device not in (None, "cpu", "CPU"):
             raise DriftToolError(f"--distributed runs its layouts on gloo CPU ranks; --device {device} "
                                  "is not supported there")
+        mode = mode.lower() if isinstance(mode, str) else mode  # any case, as run's --mode
         if mode not in MODES:
             raise DriftToolError(f"unknown --mode {mode!r} (one of {', '.join(MODES)})")
         if mode != "strict" and (distributed or peer is not None):

@@ -63,12 +63,14 @@ def device_type(device: Any) -> str:
 
 
 def check_device(device: Any) -> str:
-    """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N``.
+    """``device`` if it names a device a run can use: ``cpu``, ``cuda`` or ``cuda:N`` (in any
+    case, returned in lower case: ``CPU`` is ``cpu``, as a mode or capture level is read).
 
     Raises:
         DriftToolError: another string; CUDA asked for but ``torch.cuda.is_available()`` is
             false; ``cuda:N`` beyond the visible devices.
     """
+    device = device.lower() if isinstance(device, str) else device
     device_type(device)
     m = _DEVICE.fullmatch(device)
     if device == "cpu":

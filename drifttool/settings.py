@@ -391,6 +391,10 @@ def check_fixture_settings(fx: Fixture) -> None:
         FixtureError: the first problem found.
     """
     st = fx.settings
+    steps = st.get("steps")
+    if type(steps) is int and steps < 2:  # the run's own bound (the manifest's is 1): as --steps says it
+        raise FixtureError(f"{fx.path / 'fixture.json'}: settings: steps must be an integer from 2 to "
+                           f"{MAX_STEPS}, got {steps}")
     problem = check_manifest_value("settings", st, FIXTURE_SETTINGS)
     if problem is None and st.get("samples") == []:
         problem = "settings.samples is empty"

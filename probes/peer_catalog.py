@@ -85,7 +85,7 @@ class PeerExpect:
         if self.verdict != "drift" or self.op is None:
             return self.verdict
         where = [f"{k} {getattr(self, k)}" for k in ("block", "step") if getattr(self, k) is not None]
-        if self.stream:
+        if self.stream and self.stream != "none":
             where.insert(0, self.stream)
         return f"drift at {self.op}" + (f" ({', '.join(where)})" if where else "")
 

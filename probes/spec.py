@@ -103,9 +103,9 @@ class Expectation:
         """One line, e.g. ``drift at multi_axis_rope (img, block 0, step 0)``."""
         if self.verdict != "drift":
             return self.verdict
-        where = [f"{k} {getattr(self, k)}" for k in ("step", "block", "branch", "sample")
-                 if getattr(self, k) is not None]
-        if self.stream:
+        where = ["before step 0" if k == "step" and getattr(self, k) < 0 else f"{k} {getattr(self, k)}"
+                 for k in ("step", "block", "branch", "sample") if getattr(self, k) is not None]
+        if self.stream and self.stream != "none":
             where.insert(0, self.stream)
         if self.rows is not None:
             where.append("rows " + ", ".join(self.rows))

@@ -126,6 +126,11 @@ def test_a_dtype_cfg_layout_and_timestep_policy_are_read_in_either_case():
         resolve(RunSpec(dtype="Float16"))
 
 
+def test_a_device_is_read_in_either_case():
+    assert resolve(RunSpec(device="CPU"))[1].device == "cpu"
+    assert RerunOptions(device="Cpu").device == "cpu"
+
+
 # -- life cycle -------------------------------------------------------------------------------
 class _BrokenTrace:
     def rows(self):

@@ -145,6 +145,8 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
             wrong = check_manifest_value(at, v, sp.types)  # a leaf: no deeper call
             if wrong is not None:
                 return wrong
+            if v != v:  # NaN: no comparison holds
+                return f"{at} is nan, not a finite number"
             if not (v > sp.least if sp.strict else v >= sp.least):
                 return f"{at} is {v!r}, not {'above' if sp.strict else 'at least'} {sp.least}"
         elif isinstance(sp, MS.ListOf):

@@ -59,7 +59,7 @@ class RerunOptions:
         if self.mode is not None:
             object.__setattr__(self, "mode", check_mode(self.mode).value)  # "STRICT" is "strict"
         if self.device is not None:
-            check_device(self.device)
+            object.__setattr__(self, "device", check_device(self.device))  # "CPU" is "cpu"
         if self.capture is not None:
             object.__setattr__(self, "capture", check_level(self.capture))  # "l2" is "L2"
 

@@ -40,6 +40,8 @@ DAMAGES = {
     "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
     "cfg_scale NaN": (_settings("cfg_scale", float("nan")), "settings: cfg_scale must be a finite number"),
     "one step": (_settings("steps", 1), "settings: steps must be an integer from 2"),
+    "negative steps": (_settings("steps", -3), "settings: steps must be an integer from 2 to 1000, got -3"),
+    "eta NaN": (_settings("eta", float("nan")), "settings.eta is nan, not a finite number"),
     "a sample twice": (_settings("samples", [0, 1, 0]), "settings: sample ids must be distinct"),
     "a negative sample": (_settings("samples", [-2]), "(-2 negative)"),
 }

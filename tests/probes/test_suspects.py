@@ -254,6 +254,7 @@ def test_probe_mode_auto_runs_and_judges_on_the_production_family(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--mode", "fast"], "unknown --mode 'fast'"),
     (["--mode", "auto", "--distributed"], "--peer and --distributed take no --mode"),
+    (["--mode", "AUTO", "--distributed"], "--peer and --distributed take no --mode"),  # read in any case
 ])
 def test_bad_mode_is_one_line_and_exit_2(tmp_path, args, needle):
     code, text = _cli("probe", *args, "-o", tmp_path / "o")
