@@ -3,7 +3,7 @@
     >>> incomparable(run_a.manifest, run_b.manifest)
     ['fingerprint.arch.num_layers: 2 != 60']
     >>> context(run_a, run_b)
-    ["fingerprint.runtime.mode: 'strict' != 'auto'",
+    ['fingerprint.runtime.mode: "strict" != "auto"',
      'inputs.noise: differs (dtype, shape or bytes)',
      'trace b0 img qk_rmsnorm#0: requested strict->production, actual strict->production', ...]
 
@@ -15,6 +15,7 @@ first in the report, and the runs are still diffed.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -41,9 +42,9 @@ def _flatten(d: Any, prefix: str) -> dict[str, Any]:
 
 
 def _short(v: Any) -> str:
-    """A manifest value in a context line: ``<missing>`` for an absent key, ``null`` for a
-    recorded null (the manifest's JSON word, not Python's ``None``), else its ``repr``."""
-    s = "<missing>" if v is _MISSING else "null" if v is None else repr(v)
+    """A manifest value in a context line as the manifest writes it (JSON: ``null``, ``"text"``,
+    ``[1, 2]``), ``<missing>`` for an absent key; cut to 60 characters."""
+    s = "<missing>" if v is _MISSING else json.dumps(v, ensure_ascii=False, default=str)
     return s if len(s) <= 60 else s[:57] + "..."
 
 

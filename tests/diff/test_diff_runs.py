@@ -155,7 +155,7 @@ def test_other_fingerprint_fields_listed_but_diffed(make_run):
     other = {"arch": dict(ARCH), "weights": "w1", "scheduler": {"num_steps": 3}}
     r = diff(make_run("a"), make_run("b", fingerprint=other))
     assert r.verdict is Verdict.IDENTICAL
-    assert r.context == ["fingerprint.weights: 'w0' != 'w1'"]
+    assert r.context == ['fingerprint.weights: "w0" != "w1"']
 
 
 def test_incomparable_schema_version(make_run, monkeypatch):

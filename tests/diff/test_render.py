@@ -118,4 +118,4 @@ def test_context_lines_say_null_and_missing_in_the_manifests_words():
     from drifttool.diff.context import dict_differences
 
     lines = dict_differences({"inputs": {"cpu": None, "gone": 1}}, {"inputs": {"cpu": "AVX512"}}, "fp")
-    assert lines == ["fp.inputs.cpu: null != 'AVX512'", "fp.inputs.gone: 1 != <missing>"], lines
+    assert lines == ['fp.inputs.cpu: null != "AVX512"', "fp.inputs.gone: 1 != <missing>"], lines
