@@ -288,6 +288,11 @@ def localize(
     late = late_stage_drift(report)
     if late is not None:
         return report, _finish(LocalizeResult(status="after_transformer", reason=late), t0)
+    first = report.first_drift
+    if first is not None and first.step < 0:  # the sigma table: no step made it
+        why = (f"the first drift, {first.op}#{first.call}, is made before the first step (the sigma "
+               "table): the runs' schedules differ, and no step re-executes it")
+        return report, _finish(LocalizeResult(status="nothing_to_localize", reason=why, why_step=why), t0)
     choice = pick_step(report)
     if choice.step is None:
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,

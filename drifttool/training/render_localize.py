@@ -43,7 +43,7 @@ def _seconds(result: "LocalizeResult") -> str:
 
 def localize_rows(result: "LocalizeResult") -> list[tuple[str, str]]:
     """The (field, value) rows of the localize table, in order."""
-    rows = [("status", result.status), ("reason", result.reason)]
+    rows = [("status", result.status.replace("_", " ")), ("reason", result.reason)]
     if result.boundary and result.step is not None:  # else the reason says it
         rows.append(("earlier drift", result.boundary))
     if result.step is not None:

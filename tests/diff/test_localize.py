@@ -116,6 +116,19 @@ def test_planted_variant_localizes_as_an_l2_pair(runs, plant, tmp_path):
     assert loc.step_seconds["A"] > 0 and loc.num_steps == {"A": 4, "B": 4}
 
 
+def test_a_first_drift_before_the_first_step_has_nothing_to_localize(runs, cli, tmp_path):
+    """Runs of other step counts at L1 part at the sigma table, made before step 0: re-executing
+    step 0 at L2 (which it did, "localized" at the table it started from) tells nothing more."""
+    a = runs("base", "L1")
+    b = runs("five-steps", "L1", steps=5)
+    report, loc = localize(a, b, out_dir=tmp_path / "loc")
+    assert report.first_drift.step == -1 and report.first_drift.op == "flow_sigma_table"
+    assert loc.status == "nothing_to_localize" and loc.step is None, loc.reason
+    assert "before the first step (the sigma table)" in loc.reason and not (tmp_path / "loc").exists()
+    code, out = cli("diff", a, b, "--localize")
+    assert code == 1 and "nothing to localize" in out and "nothing_to_localize" not in out, out
+
+
 def test_identical_runs_have_nothing_to_localize(runs, cli):
     a = runs("base", "L0")
     b = runs("base-again", "L0")
