@@ -22,7 +22,7 @@ app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_
 @app.command("verify", cls=Command, epilog=EXIT_HELP)
 @threaded
 def verify(
-    fixture: Optional[str] = typer.Argument(None, metavar="[NAME|DIR|TAR]", autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit), directory or .tar(.gz) (default tiny-t2i)."),
+    fixture: Optional[str] = typer.Argument(None, metavar="[NAME|DIR|TAR]", autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit: packaged in the folder `python -c \"from drifttool.fixture import packaged_fixtures; print(packaged_fixtures())\"` prints; copy one to make your own), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(
         None, parser=_paths.path, help="Where to write the replay artifact (default: a temp dir, removed when the replay is identical, kept for inspection when it is not)."),
     as_json: bool = _json.option(),

@@ -287,6 +287,8 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     for key in ("name", "description"):
         if not isinstance(meta.get(key, ""), str):
             raise FixtureError(f"{path / 'fixture.json'}: its '{key}' is not a string")
+    if "name" in meta and not meta["name"].strip():
+        raise FixtureError(f"{path / 'fixture.json'}: its 'name' is empty")
     return Fixture(path=path, name=meta.get("name", path.name), settings=dict(meta["settings"]), meta=meta)
 
 

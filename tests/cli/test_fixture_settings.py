@@ -36,6 +36,7 @@ DAMAGES = {
     "no settings": (lambda meta: {k: v for k, v in meta.items() if k != "settings"}, "'settings' object"),
     "a list": (lambda meta: [meta], "not a fixture's description"),
     "a number as its name": (lambda meta: {**meta, "name": 3}, "'name' is not a string"),
+    "an empty name": (lambda meta: {**meta, "name": " "}, "'name' is empty"),
     "a number as its description": (lambda meta: {**meta, "description": 3}, "'description' is not a string"),
     "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
     "cfg_scale NaN": (_settings("cfg_scale", float("nan")), "settings: cfg_scale must be a finite number"),
