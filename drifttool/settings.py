@@ -53,7 +53,7 @@ from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import (apply_preset, check_conditions, check_preset_seed,
                                         get_preset, preset_inputs, preset_settings)
-from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
+from drifttool.setting_checks import (DTYPES, MAX_PIXELS, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels, check_sigma_table)
 
 MAX_STEPS = 1000
@@ -407,6 +407,10 @@ def check_fixture_settings(fx: Fixture) -> None:
                     _check_number(key, st[key], floor)
             if st.get("samples"):
                 _check_sample_ids(st["samples"])
+            if "img_grid" in st and max(st["img_grid"]) * PATCH_PIXELS > MAX_PIXELS:
+                h, w = st["img_grid"]
+                raise DriftToolError(f"img_grid {h}x{w} patches is {h * PATCH_PIXELS}x{w * PATCH_PIXELS} "
+                                     f"px, past the {MAX_PIXELS} px a side a run takes")
         except DriftToolError as e:
             problem = f"settings: {e}"
     if problem is not None:

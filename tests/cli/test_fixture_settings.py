@@ -36,6 +36,7 @@ DAMAGES = {
     "no settings": (lambda meta: {k: v for k, v in meta.items() if k != "settings"}, "'settings' object"),
     "a list": (lambda meta: [meta], "not a fixture's description"),
     "a number as its name": (lambda meta: {**meta, "name": 3}, "'name' is not a string"),
+    "a huge image": (_settings("img_grid", [100000, 100000]), "settings: img_grid 100000x100000 patches is 1600000x1600000 px, past the 16384 px"),
     "an empty name": (lambda meta: {**meta, "name": " "}, "'name' is empty"),
     "a number as its description": (lambda meta: {**meta, "description": 3}, "'description' is not a string"),
     "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
