@@ -208,6 +208,11 @@ class Fixture:
         edit = self.meta.get("edit")
         if edit is None:
             return None
+        keys = ("condition_images", "vae_image_area", "prompts", "negative_prompts", "prompt_positions")
+        unknown = sorted(set(edit) - set(keys)) if isinstance(edit, dict) else []
+        if unknown:
+            raise FixtureError(f"{self.path / 'fixture.json'}: unknown key edit.{unknown[0]} (one of "
+                               f"{', '.join(keys)})")
         images = edit.get("condition_images") if isinstance(edit, dict) else None
         if not is_text_list(images) or any(Path(p).is_absolute() or ".." in Path(p).parts for p in images):
             raise FixtureError(f"{self.path}: fixture.json 'edit' needs 'condition_images' (files "
@@ -271,12 +276,21 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     path = locate(name_or_path)
     if not (path / "fixture.json").is_file():
         raise FixtureError(f"{path}: not a fixture (no fixture.json)")
+    twice: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        twice.extend(sorted({k for k in keys if keys.count(k) > 1}))
+        return dict(items)
+
     try:
-        meta = json.loads((path / "fixture.json").read_text())
+        meta = json.loads((path / "fixture.json").read_text(), object_pairs_hook=pairs)
     except OSError as e:
         raise FixtureError(f"{path / 'fixture.json'}: unreadable ({e.strerror or e})") from None
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
         raise FixtureError(f"{path / 'fixture.json'}: not JSON ({' '.join(str(e).split())[:200]})") from None
+    if twice:  # JSON keeps the last of them, silently
+        raise FixtureError(f"{path / 'fixture.json'}: key {', '.join(map(repr, twice))} given more than once")
     if not isinstance(meta, dict) or not isinstance(meta.get("settings"), dict):
         raise FixtureError(f"{path / 'fixture.json'}: not a fixture's description (a JSON object "
                            f"with a 'settings' object)")
@@ -343,6 +357,8 @@ def check_sealable(path: Path) -> None:
         FixtureError: not a directory, or no fixture.json (a run directory, say, which a seal
             would break).
     """
+    if not path.exists():
+        raise FixtureError(f"{path}: no such directory")
     if not path.is_dir():
         raise FixtureError(f"{path}: not a fixture directory")
     if not (path / "fixture.json").is_file() or (path / "fixture.json").is_symlink():
@@ -405,5 +421,6 @@ def check_seal(path: str | Path) -> str:
     if content_digest(sealed) != body.get("content_digest"):
         problems.append("seal.json content_digest does not match its file list")
     if problems:
-        raise FixtureError(f"{path}: seal check failed: " + "; ".join(problems))
+        raise FixtureError(f"{path}: seal check failed: " + "; ".join(problems)
+                           + " (edited on purpose: `drifttool fixture seal DIR --rebuild` re-seals it)")
     return body["content_digest"]

@@ -22,6 +22,7 @@ directory and puts the artifact and its images in place of ``expected/`` before 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -72,11 +73,10 @@ def _expected_manifest(fx: Fixture) -> dict[str, Any]:
     return manifest
 
 
-def _shown(value: Any) -> str:
+def _shown(key: str, value: Any) -> str:
     if isinstance(value, list):
-        return "x".join(map(str, value)) if len(value) == 2 and all(isinstance(v, int) for v in value) \
-            else ", ".join(map(str, value))
-    return str(value)
+        return ("x" if key == "img_grid" else ", ").join(map(str, value))
+    return "null" if value is None else str(value)
 
 
 def check_expected(fx: Fixture) -> None:
@@ -94,8 +94,8 @@ def check_expected(fx: Fixture) -> None:
     wanted = {"mode": DEFAULT_MODE, **fx.settings}
     differ = [k for k in sorted(wanted) if made.get(k) != wanted[k]]
     if differ:
-        was = ", ".join(f"{k} {_shown(made.get(k))}" for k in differ)
-        now = ", ".join(f"{k} {_shown(wanted[k])}" for k in differ)
+        was = ", ".join(f"{k} {_shown(k, made.get(k))}" for k in differ)
+        now = ", ".join(f"{k} {_shown(k, wanted[k])}" for k in differ)
         raise FixtureError(f"{fx.expected_dir}: made with {was}, where fixture.json says {now}; "
                            "`drifttool fixture seal --rebuild` re-runs it")
     expected_images(fx, manifest)
@@ -144,6 +144,8 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
     fixture_kind(fx)  # a malformed chain or edit entry
     if rebuild:
         _check_model(fx)
+        if not os.access(fx.path, os.W_OK) or (fx.expected_dir.exists() and not os.access(fx.expected_dir, os.W_OK)):
+            raise FixtureError(f"{fx.path}: not writable; nothing re-run or written")
         rebuild_expected(fx)
     check_expected(fx)
     return seal(path)

@@ -90,6 +90,10 @@ def fixture_kind(fx: Fixture) -> str:
     if chain is not None and fx.meta.get("edit") is not None:
         raise FixtureError(f"{fx.path}: fixture.json has both 'chain' and 'edit'; a fixture is one run")
     if chain is not None:
+        unknown = sorted(set(chain) - {"prompts", "negative_prompts"}) if isinstance(chain, dict) else []
+        if unknown:
+            raise FixtureError(f"{fx.path / 'fixture.json'}: unknown key chain.{unknown[0]} (one of "
+                               "prompts, negative_prompts)")
         negs = chain.get("negative_prompts") if isinstance(chain, dict) else None
         if not (isinstance(chain, dict) and is_text_list(chain.get("prompts"))
                 and (negs is None or is_text_list(negs))):

@@ -136,7 +136,8 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
                 todo.append((at, v, sp.spec))
         elif isinstance(sp, MS.Enum):
             if type(v) is not str or v not in sp.values:
-                return f"{at} {v!r} is not one of {', '.join(map(str, sp.values))}"
+                shown = "null" if v is None else repr(v)  # the manifest's JSON word
+                return f"{at} {shown} is not one of {', '.join(map(str, sp.values))}"
         elif type(sp) is tuple:  # JSON types (a plain tuple, not one of the NamedTuple specs)
             if type(v) not in sp and not (type(v) is int and float in sp):
                 return (f"{at} is {_JSON_TYPES[type(v)]}, not "

@@ -132,8 +132,8 @@ def test_fifo_for_fixture_json_is_refused_before_it_is_opened(cli, fx):
 
 def test_seal_of_a_missing_directory_or_a_file_is_one_clean_line(cli, tmp_path):
     (tmp_path / "afile").write_text("x")
-    for target in (tmp_path / "nope", tmp_path / "afile"):
-        _one_clean_line(*cli("fixture", "seal", target), "not a fixture directory")
+    for target, needle in ((tmp_path / "nope", "no such directory"), (tmp_path / "afile", "not a fixture directory")):
+        _one_clean_line(*cli("fixture", "seal", target), needle)
     assert not (tmp_path / "nope").exists()
 
 

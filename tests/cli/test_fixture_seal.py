@@ -81,3 +81,19 @@ def test_a_chain_or_edit_fixture_is_rebuilt_with_its_image(cli, tmp_path, name):
     assert (fx / "expected.png").read_bytes() != image  # another seed, another image
     code, out = cli("fixture", "verify", fx)
     assert code == 0 and "image expected.png: sha256 identical" in out, out
+
+
+def test_the_settings_that_differ_are_named_in_their_own_words(cli, tmp_path):
+    fx = _copy(tmp_path, samples=[0, 1, 2], img_grid=[4, 8])
+    one_error_line(*cli("fixture", "seal", fx), "made with img_grid 4x6, samples 0, 1, where fixture.json "
+                   "says img_grid 4x8, samples 0, 1, 2")
+
+
+@pytest.mark.parametrize("name, section", [("tiny-t2i-chain", "chain"), ("tiny-edit", "edit")])
+def test_an_unknown_key_in_a_chain_or_edit_section_is_refused(cli, tmp_path, name, section):
+    fx = _copy(tmp_path, name)
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta[section]["foo"] = 1
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: unknown key {section}.foo (one of ")
+    assert not (fx / "seal.json").exists()

@@ -29,7 +29,7 @@ DAMAGES = {
     "seed as text": (_settings("seed", "x"), "settings.seed is a string"),
     "eta null": (_settings("eta", None), "settings.eta is null"),
     "eta negative": (_settings("eta", -1), "settings.eta is -1"),
-    "capture null": (_settings("capture", None), "settings.capture None is not one of"),
+    "capture null": (_settings("capture", None), "settings.capture null is not one of"),
     "steps as bool": (_settings("steps", True), "settings.steps is a boolean"),
     "no samples": (_settings("samples", []), "settings.samples is empty"),
     "an unknown key": (_settings("stepz", 3), "unknown key settings.stepz"),
@@ -37,6 +37,7 @@ DAMAGES = {
     "a list": (lambda meta: [meta], "not a fixture's description"),
     "a number as its name": (lambda meta: {**meta, "name": 3}, "'name' is not a string"),
     "a huge image": (_settings("img_grid", [100000, 100000]), "settings: img_grid 100000x100000 patches is 1600000x1600000 px, past the 16384 px"),
+    "a key twice": (None, "key 'steps' given more than once"),
     "an empty name": (lambda meta: {**meta, "name": " "}, "'name' is empty"),
     "a number as its description": (lambda meta: {**meta, "description": 3}, "'description' is not a string"),
     "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
@@ -49,13 +50,22 @@ DAMAGES = {
 }
 
 
+def _damage(fx, damage) -> None:
+    text = (fx / "fixture.json").read_text()
+    if damage is None:  # a key given twice: JSON's parsers keep the last one, silently
+        text = text.replace('"settings": {', '"settings": {"steps": 3, ', 1)
+        assert text.count('"steps"') == 2
+    else:
+        text = json.dumps(damage(json.loads(text)))
+    (fx / "fixture.json").write_text(text)
+
+
 @pytest.mark.parametrize("name", sorted(DAMAGES))
 def test_a_malformed_fixture_json_is_refused_in_one_line(cli, tmp_path, name):
     damage, needle = DAMAGES[name]
     fx = tmp_path / "my-fixture"
     shutil.copytree(locate("tiny-t2i"), fx)
-    meta = json.loads((fx / "fixture.json").read_text())
-    (fx / "fixture.json").write_text(json.dumps(damage(meta)))
+    _damage(fx, damage)
     code, out = cli("run", "--fixture", fx, "-o", tmp_path / "r")
     one_error_line(code, out, str(fx / "fixture.json"), needle)
     assert not (tmp_path / "r").exists()
@@ -69,8 +79,7 @@ def test_a_malformed_fixture_json_is_not_sealed(cli, tmp_path, name):
     fx = tmp_path / "my-fixture"
     shutil.copytree(locate("tiny-t2i"), fx)
     (fx / "seal.json").unlink()
-    meta = json.loads((fx / "fixture.json").read_text())
-    (fx / "fixture.json").write_text(json.dumps(damage(meta)))
+    _damage(fx, damage)
     code, out = cli("fixture", "seal", fx)
     one_error_line(code, out, str(fx / "fixture.json"), needle)
     assert not (fx / "seal.json").exists()
