@@ -31,14 +31,12 @@ from typing import Any
 from drifttool.errors import FixtureError
 from drifttool.fixture import Fixture, check_sealable, load_fixture, seal
 from drifttool.settings import check_fixture_settings
-from drifttool.verify import expected_images, fixture_kind, rerun
+from drifttool.verify import DEFAULT_MODE, expected_images, fixture_kind, rerun
 
 REQUIRED = ("img_grid", "steps", "cfg_scale", "seed", "samples", "capture", "dtype")
 """Settings a sealed fixture must hold (``mode`` defaults to strict)."""
 PRESET_GIVES = ("eta", "cfg_layout", "timestep_policy")
 """Settings a fixture without a ``preset`` must hold too (a preset sets them)."""
-DEFAULT_MODE = "strict"
-"""The mode of a fixture whose settings name none (``verify.fixture_spec``)."""
 
 
 def check_complete(fx: Fixture) -> None:

@@ -80,6 +80,10 @@ class VerifyResult:
         return code
 
 
+DEFAULT_MODE = "strict"
+"""The mode of a fixture whose settings name none."""
+
+
 def fixture_kind(fx: Fixture) -> str:
     """``trajectory``, ``chain`` or ``edit`` (module docstring).
 
@@ -111,7 +115,7 @@ def fixture_spec(fx: Fixture) -> "RunSpec":
     from drifttool.settings import RunSpec  # lazy: torch only once the seal holds
 
     kind = fixture_kind(fx)
-    return RunSpec(fixture=fx.path, mode=fx.settings.get("mode", "strict"),
+    return RunSpec(fixture=fx.path, mode=fx.settings.get("mode", DEFAULT_MODE),
                    preset=fx.settings.get("preset"),
                    checkpoint=None if kind == "trajectory" else fx.path)
 
