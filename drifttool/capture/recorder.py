@@ -367,21 +367,24 @@ class Recorder:
         pending: list[PendingDigest] = [p for _, p, _, _ in self._ops] + [p for _, p, _ in self._steps]
         staged = self._stage_step_bytes()
         done = materialize_columns(pending)  # the step's one read-back per device
+        # each buffer is emptied before its batch is written: an exception raised between the
+        # write and the emptying (the host-memory watchdog's, Ctrl-C) left the records buffered,
+        # and close() wrote them a second time
         if self._ops or self._blocks:
             batch = self._ops_batch(done[:len(self._ops)])
+            self._ops.clear()
+            self._blocks.clear()
             if self.writer is not None:
                 self.writer.write_ops(batch, rank=self.rank)
             else:
                 self._kept_ops.append(batch)
-            self._ops.clear()
-            self._blocks.clear()
         if self._steps:
             batch = self._steps_batch(done[len(pending) - len(self._steps):], staged)
+            self._steps.clear()
             if self.writer is not None:
                 self.writer.write_steps(batch)
             else:
                 self._kept_steps.append(batch)
-            self._steps.clear()
 
     def close(self, complete: bool) -> None:
         """Flush, then close the writer with ``complete`` (a second call does nothing)."""

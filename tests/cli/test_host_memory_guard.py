@@ -88,3 +88,27 @@ def test_a_main_thread_stuck_in_one_native_call_is_ended_by_the_watchdog(tmp_pat
     assert len(lines) == 1 and lines[0].startswith(
         f"error: out of host memory: the host's available memory fell to {mib} MiB of 65536 MiB"), res.stderr
     assert took < 40, took  # not the 60 s sleep's end, after which the handler would have raised
+
+
+def test_a_stop_right_after_a_batch_is_written_writes_it_once(cli, tmp_path, monkeypatch):
+    """An exception raised between a batch's write and the recorder's emptying of its buffer (the
+    watchdog's ``MemoryError``, Ctrl-C: both land between any two bytecodes) left the records
+    buffered, and the close of the stopped run wrote them again: the run's steps were unreadable
+    (``duplicated record(s)``). Here Ctrl-C lands right after the second step batch is written."""
+    from drifttool.artifact.writer import ArtifactWriter
+
+    write, calls = ArtifactWriter.write_steps, []
+
+    def then_interrupted(self, batch):
+        write(self, batch)
+        calls.append(batch.num_rows)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ArtifactWriter, "write_steps", then_interrupted)
+    out = tmp_path / "r"
+    code, text = cli("run", "--steps", "4", "--capture", "L0", "-o", out)
+    assert code == 130, text
+    run = open_run(out)
+    assert not run.complete
+    assert run.steps_table().num_rows == sum(calls[:2]) and len(calls) == 2, (calls, text)
