@@ -25,13 +25,13 @@ def test_a_run_whose_host_memory_runs_low_stops_in_one_line_and_keeps_its_steps(
     out = tmp_path / "r"
     total = 64 << 30
 
-    def meminfo(path=None):  # plenty until the run has written its first step, then nearly none
-        written = (out / "steps.rank0.arrows").exists()
-        return HostMemory((100 << 20) if written else (32 << 30), total)
+    def meminfo(path=None):  # plenty until the run has written its first step, then too little
+        written = (out / "steps.rank0.arrows").exists()  # (above half the floor: the in-process
+        return HostMemory((2000 << 20) if written else (32 << 30), total)  # run is not ended)
 
     monkeypatch.setattr(_memory_guard, "host_meminfo", meminfo)
     code, text = cli("run", "--steps", "400", "--capture", "L0", "-o", out)
-    one_error_line(code, text, "out of host memory", "available memory fell to 100 MiB of 65536 MiB")
+    one_error_line(code, text, "out of host memory", "available memory fell to 2000 MiB of 65536 MiB")
     assert json.loads((out / "manifest.json").read_text())["complete"] is False
     assert open_run(out).steps_table().num_rows > 0  # the finished steps are readable
 
