@@ -21,14 +21,14 @@ directory and puts the artifact and its images in place of ``expected/`` before 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from drifttool.errors import FixtureError
+from drifttool.artifact.manifest import read_manifest
+from drifttool.errors import ArtifactError, FixtureError
 from drifttool.fixture import Fixture, check_sealable, load_fixture, seal
 from drifttool.settings import check_fixture_settings
 from drifttool.verify import DEFAULT_MODE, expected_images, fixture_kind, rerun
@@ -63,12 +63,9 @@ def _expected_manifest(fx: Fixture) -> dict[str, Any]:
         raise FixtureError(f"{fx.path}: no expected artifact (expected/manifest.json); "
                            "`drifttool fixture seal --rebuild` makes it")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise FixtureError(f"{path}: unreadable ({' '.join(str(e).split())[:200]})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
-        raise FixtureError(f"{path}: not a drifttool artifact's manifest (no 'settings' object)")
-    return manifest
+        return read_manifest(fx.expected_dir)
+    except ArtifactError as e:
+        raise FixtureError(str(e)) from None
 
 
 def _shown(key: str, value: Any) -> str:
