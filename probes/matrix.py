@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from drifttool.artifact.schema import SAMPLER_BLOCK
+from drifttool.artifact.schema import names_one, short_block
 from drifttool.diff.clip import percent
 from drifttool.probes.results import (ERROR, FINDING, NOT_APPLICABLE, OBSERVED, PASS, PENDING, Matrix,
                                       ProbeResult)
@@ -143,9 +143,9 @@ def _num(x: float | None, verdict: str | None) -> str:
 def _short_where(r: ProbeResult) -> str:
     if r.first_op is None:
         return ""
-    blk = "" if r.first_block is None else " sampler" if r.first_block == SAMPLER_BLOCK else f" b{r.first_block}"
-    stream = "" if r.first_stream in (None, "none") else f" {r.first_stream}"
-    branch = "" if r.first_branch in (None, "none") else f" {r.first_branch}"
+    blk = "" if r.first_block is None else f" {short_block(r.first_block)}"
+    stream = f" {r.first_stream}" if names_one(r.first_stream) else ""
+    branch = f" {r.first_branch}" if names_one(r.first_branch) else ""
     rank = "" if r.layout is None or r.first_rank is None else f" rank {r.first_rank}"
     step = "before s0" if r.first_step is not None and r.first_step < 0 else f"s{r.first_step}"
     return f"{step}{blk}{branch}{stream} {r.first_op}{rank}"

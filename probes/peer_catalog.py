@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from drifttool.artifact.schema import names_one
 from drifttool.probes.spec import Expectation
 from drifttool.probes.spec import select as spec_select
 
@@ -85,7 +86,7 @@ class PeerExpect:
         if self.verdict != "drift" or self.op is None:
             return self.verdict
         where = [f"{k} {getattr(self, k)}" for k in ("block", "step") if getattr(self, k) is not None]
-        if self.stream and self.stream != "none":
+        if names_one(self.stream):
             where.insert(0, self.stream)
         return f"drift at {self.op}" + (f" ({', '.join(where)})" if where else "")
 

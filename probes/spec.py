@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from drifttool.artifact.schema import names_one
 from drifttool.errors import DriftToolError
 
 KINDS = ("mismatch", "invariant", "sensitivity")
@@ -105,7 +106,7 @@ class Expectation:
             return self.verdict
         where = ["before step 0" if k == "step" and getattr(self, k) < 0 else f"{k} {getattr(self, k)}"
                  for k in ("step", "block", "branch", "sample") if getattr(self, k) is not None]
-        if self.stream and self.stream != "none":
+        if names_one(self.stream):
             where.insert(0, self.stream)
         if self.rows is not None:
             where.append("rows " + ", ".join(self.rows))

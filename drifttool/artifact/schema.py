@@ -317,6 +317,17 @@ def block_name(block: int) -> str:
     return "sampler" if block == SAMPLER_BLOCK else str(block)
 
 
+def short_block(block: int) -> str:
+    """``block`` in a short cell or site: ``b<n>``, or ``sampler`` (``SAMPLER_BLOCK``)."""
+    return "sampler" if block == SAMPLER_BLOCK else f"b{block}"
+
+
+def names_one(value: Any) -> bool:
+    """Whether a record's branch or stream field names one: not ``none`` (a record of no CFG
+    branch or no stream), not empty, not absent."""
+    return value not in (None, "", "none")
+
+
 BEFORE_STEPS = "before 0"
 """A step cell of the records made before the first step (step −1: the sigma table)."""
 
@@ -330,7 +341,7 @@ def step_name(step: int) -> str:
 def label(value: Any) -> str:
     """A branch, stream or sample cell: ``-`` for a record of no branch or stream (``none``) or of
     no one sample (−1), else the value."""
-    return "-" if value in ("none", None) or (isinstance(value, int) and value < 0) else str(value)
+    return "-" if not names_one(value) or (isinstance(value, int) and value < 0) else str(value)
 
 
 def schema_version_of(schema: pa.Schema) -> int | None:

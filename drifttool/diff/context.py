@@ -217,12 +217,6 @@ def _capped(lines: list[str], n: int) -> list[str]:
     return lines if len(lines) <= n else lines[: n - 1] + [f"... and {len(lines) - n + 1} more"]
 
 
-def _block(block: int) -> str:
-    """A trace site's block: ``b<n>``, or ``sampler`` (``schema.SAMPLER_BLOCK``)."""
-    name = S.block_name(block)
-    return name if block == S.SAMPLER_BLOCK else f"b{name}"
-
-
 def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) -> list[str]:
     """One line per operator call site whose trace entry differs (backend, kernel, contract,
     device type). A site's entries of all ranks are merged (ranks are no part of a site's
@@ -236,8 +230,8 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
         for r in run.trace_rows():
             comp = r.get("component") or S.DEFAULT_COMPONENT
             name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
-            stream = "" if r["stream"] in (None, "none") else f"{r['stream']} "
-            site = out.setdefault(f"{name}{_block(r['block'])} {stream}{r['op']}#{r['call']}",
+            stream = f"{r['stream']} " if S.names_one(r["stream"]) else ""
+            site = out.setdefault(f"{name}{S.short_block(r['block'])} {stream}{r['op']}#{r['call']}",
                                   {k: set() for k in keep})
             for k in keep:
                 v = r[k]

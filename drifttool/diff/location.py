@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK
+from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK, names_one
 
 
 @dataclass(kw_only=True)
@@ -226,13 +226,13 @@ class FirstDrift:
         ``none`` and the sample of a record of no one sample (−1) are left out."""
         comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
         step = "before step 0" if self.step < 0 else f"step {self.step}"
-        branch = "" if self.branch == "none" else f" {self.branch}"
+        branch = f" {self.branch}" if names_one(self.branch) else ""
         sample = "" if self.sample < 0 else f" sample {self.sample}"
         if self.kind == "step":
             return f"{comp}{self.phase} {step}{branch} {self.op}{sample} ({self._rank_note()})"
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
         block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
-        stream = "" if self.stream in (None, "none") else f" {self.stream}"
+        stream = f" {self.stream}" if names_one(self.stream) else ""
         return (f"{comp}{self.phase} {step}{branch} {block}{stream} "
                 f"{self.op}#{self.call}{out}{role}{sample} ({self._rank_note()})")
