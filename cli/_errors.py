@@ -20,6 +20,7 @@ from drifttool.cli._console import err, error_line, one_line, silence_stdout
 from drifttool.cli._memory_guard import host_memory_guard
 from drifttool.errors import DriftToolError, left_incomplete
 from drifttool.exit_codes import DEBUG_ENV, ExitCode
+from drifttool.launch_env import launched_ranks
 
 
 class Terminated(SystemExit):
@@ -112,15 +113,6 @@ def _out_of_memory(where: str, e: BaseException) -> str:
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     return (f"out of {where} memory: {first} (a smaller image: --height/--width, or --image-area "
             "for an edit; fewer samples or a lower capture level fits)")
-
-
-def _launched_ranks() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) set by torchrun, (0, 1) otherwise or when unreadable (the command's
-    own launch checks name a bad value)."""
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 0, 1
 
 
 ALIKE = "alike_on_every_rank"
@@ -217,7 +209,7 @@ def user_errors(fn: Callable[..., Any], *, command: str = "", ranks: bool = Fals
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        rank, world = _launched_ranks()
+        rank, world = launched_ranks()
         try:
             if world > 1 and not ranks:
                 raise DriftToolError(one_process_refusal(command))

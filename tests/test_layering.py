@@ -143,7 +143,7 @@ def _closure(start: str) -> set[str]:
 
 FLOORS = [
     {"__init__", "errors", "components", "shards", "digestcore", "fixture", "environment",
-     "collectives", "exit_codes", "jsondata", "host_memory"},
+     "collectives", "exit_codes", "jsondata", "host_memory", "launch_env"},
     {"artifact/"},
     {"capture/"},
     {"diff/"},

@@ -30,6 +30,7 @@ from pathlib import Path
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError, writing
 from drifttool.fixture import SEAL
+from drifttool.launch_env import launched_ranks
 
 LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
 """Files of schema version 2 artifacts (one steps and trace file per run), removed on overwrite
@@ -198,21 +199,13 @@ def release(lock: int | None) -> None:
         os.close(lock)
 
 
-def _launched() -> bool:
-    """Whether this process is one rank of several (torchrun's ``WORLD_SIZE``): rank 0 holds the
-    lock of the directories the launch writes, which its other ranks read."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
-        return False
-
-
 def being_written(path: str | os.PathLike) -> bool:
     """Whether another process holds ``path``'s writer lock (``claim``): a run writing there now,
     whose streams end mid-record and whose manifest says ``complete: false`` until it finishes.
     False without ``fcntl``, for a path that is no readable directory, for a directory this
-    process writes itself, and under a multi-rank launch (``_launched``)."""
-    if fcntl is None or _launched():
+    process writes itself, and under a multi-rank launch (``launched_ranks``: rank 0 holds the lock
+    of the directories the launch writes, which its other ranks read)."""
+    if fcntl is None or launched_ranks()[1] > 1:
         return False
     try:
         p = Path(path).resolve()
