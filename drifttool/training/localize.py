@@ -18,7 +18,9 @@ replay inputs. ``localize``:
    of chain or edit runs whose drift starts before the transformer (in the text encoder or the
    VAE encode: ``early_stage_drift``) is not re-executed: status ``before_transformer`` names
    that stage (a transformer step would only consume the drift); nor is one whose first drift is
-   in the VAE decode after the last step (``after_transformer``, ``late_stage_drift``).
+   in the VAE decode after the last step (``after_transformer``, ``late_stage_drift``), nor a
+   pair captured at L2 whose records already name the first drift (``already_localized``,
+   ``stored_level_names``).
 2. re-executes that one step of both runs from their replay inputs, with the model, settings and
    variants each manifest names and the stored ``x_t`` bytes as input, at capture level L2
    (fused attention unfused into its qk / softmax / av internals), into two artifacts
@@ -61,10 +63,12 @@ from drifttool.training.stored import StoredRollout, load_rollout
 LEVEL = "L2"
 """The capture level a step is re-executed at (fused operators unfused, row digests)."""
 
-STATUSES = ("localized", "unconfirmed", "no_drift_in_reexecution", "before_transformer",
-            "after_transformer", "nothing_to_localize")
+STATUSES = ("localized", "already_localized", "unconfirmed", "no_drift_in_reexecution",
+            "before_transformer", "after_transformer", "nothing_to_localize")
 """``LocalizeResult.status``: localized (the re-executed step drifts and reproduces both runs'
-stored step bytes); unconfirmed (it drifts, but does not reproduce a run's stored bytes);
+stored step bytes); already_localized (both runs were captured at L2 with the attention's
+internals, so their own records name the first drift's operator and rows, as a re-executed step
+would: nothing is re-executed); unconfirmed (it drifts, but does not reproduce a run's stored bytes);
 no_drift_in_reexecution (the re-executed steps do not differ); before_transformer (a chain or
 edit run's drift starts in a stage before the transformer — the text encoder, the VAE encode —
 which no re-executed transformer step shows: ``early_stage_drift``); after_transformer (every
@@ -224,6 +228,20 @@ def late_stage_drift(report: DiffReport) -> str | None:
             "it, every earlier record matching; localize re-executes transformer steps only")
 
 
+def stored_level_names(first: FirstDrift | None, ma: dict, mb: dict) -> str | None:
+    """Why re-executing tells nothing more, or None: both runs were captured at ``LEVEL`` with
+    the fused attention's internals (not ``--no-internals``) and their first drift is an operator
+    record of a step, so their own records name it with its rows, as a re-executed step's
+    would."""
+    if first is None or first.kind != "op" or first.step < 0:
+        return None
+    if any(m.get("capture_level") != LEVEL or m.get("settings", {}).get("internals") is False
+           for m in (ma, mb)):
+        return None
+    return (f"both runs were captured at {LEVEL}: their own records name the first drift, "
+            f"{first.where()}; no step re-executed")
+
+
 def _same_model(a: StoredRollout, b: StoredRollout) -> bool:
     ma, mb = a.manifest, b.manifest
     return (all(a.settings.get(k) == b.settings.get(k) for k in _MODEL_KEYS)
@@ -293,6 +311,10 @@ def localize(
         why = (f"the first drift, {first.op}#{first.call}, is made before the first step (the sigma "
                "table): the runs' schedules differ, and no step re-executes it")
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=why, why_step=why), t0)
+    stored_l2 = stored_level_names(first, open_run(run_a).manifest, open_run(run_b).manifest)
+    if stored_l2 is not None:
+        return report, _finish(LocalizeResult(status="already_localized", reason=stored_l2,
+                                              first_drift=first), t0)
     choice = pick_step(report)
     if choice.step is None:
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,

@@ -26,7 +26,7 @@ from drifttool.artifact.schema import block_name, label
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.training.localize import LocalizeResult
 
-_STYLE = {"localized": "bold red", "unconfirmed": "bold yellow",
+_STYLE = {"localized": "bold red", "already_localized": "bold red", "unconfirmed": "bold yellow",
           "no_drift_in_reexecution": "bold yellow", "before_transformer": "bold yellow",
           "after_transformer": "bold yellow",
           "nothing_to_localize": "bold green"}

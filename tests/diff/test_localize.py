@@ -129,6 +129,24 @@ def test_a_first_drift_before_the_first_step_has_nothing_to_localize(runs, cli, 
     assert code == 1 and "nothing to localize" in out and "nothing_to_localize" not in out, out
 
 
+def test_an_l2_pair_is_already_localized_by_its_own_records(runs, cli, tmp_path):
+    """Both runs at L2 with the attention's internals: their records name the first drift, with
+    its rows, as a re-executed step would; nothing is re-executed. Without the internals the
+    re-executed step still adds them."""
+    a, b = runs("base", "L2"), runs("plant_ulp_step2", "L2", variants=_plant())
+    report, loc = localize(a, b, variants_b=_plant(), out_dir=tmp_path / "loc")
+    assert loc.status == "already_localized" and loc.step is None, loc.reason
+    assert not (tmp_path / "loc").exists() and not loc.step_seconds
+    _same_first_drift(loc.first_drift, report.first_drift)
+    assert loc.first_drift.op == "latent_proj_gemm" and loc.first_drift.rows is not None
+    assert "their own records name the first drift" in loc.reason and "step 2" in loc.reason
+    code, out = cli("diff", a, b, "--localize")
+    assert code == 1 and "already localized" in out and "nothing re-executed" in out, out
+    bare = runs("plant_ulp_step2-nointernals", "L2", variants=_plant(), internals=False)
+    _, loc = localize(runs("base-nointernals", "L2", internals=False), bare, variants_b=_plant())
+    assert loc.status == "localized" and loc.step == 2, loc.reason
+
+
 def test_identical_runs_have_nothing_to_localize(runs, cli):
     a = runs("base", "L0")
     b = runs("base-again", "L0")
