@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
@@ -53,25 +54,33 @@ def trace(
     cols = ["rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
             "kernel", "contract", "fallback", "reason", "calls"]
     cells = [{c: S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c]) for c in cols}
-             for r in rows]
+             | {"site": f"{S.short_block(r['block'])} {r['stream']} {r['op']}#{r['call']}"} for r in rows]
     fitted = console.is_terminal and len(cells) > 1
+    widths: dict[str, int] = {}
+    kernels: list[str] = []
     if fitted:  # a terminal's width: what every row shares goes under the table, long cells fold
         cells, cols, shared = _fit_to_terminal(cells, cols)
+        widths, kernels = _column_widths(cells, cols, console.width)
+        if kernels:
+            cols = [c for c in cols if c != "kernel"]
     table = Table(title=f"operator trace — {run_dir} (mode {mode})")
     for col in cols:  # identifiers whole; a kernel or a reason folds onto lines of its own
-        fold = col in ("kernel", "reason")
-        table.add_column(col, overflow="fold", no_wrap=not fold,
+        fold = col in ("kernel", "reason")  # (on a terminal any cell after a space or punctuation)
+        table.add_column(col, overflow="fold", no_wrap=not fold, width=widths.get(col),
                          min_width=None if fold else max([len(col), *(len(c[col]) for c in cells)]))
     for c in cells:
-        table.add_row(*(c[col] for col in cols))
+        table.add_row(*(_fold(c[col], widths[col]) if col in widths else c[col] for col in cols))
     if rows or not fallbacks_only:  # --fallbacks with none: the count line says it, no empty table
         console.print(table)
+    under: list[str] = []  # a terminal's width: lines under the table, folded as its cells are
     if fitted and shared and rows:
-        console.print("every call site: " + ", ".join(f"{col} {v or '(none)'}" for col, v in shared.items()),
-                      highlight=False, markup=False)
-    if fitted and "reason" not in shared:  # a terminal's width: reasons under the table, once each
-        for op, reason in dict.fromkeys((c["op"], c["reason"]) for c in cells if c["reason"]):
-            console.print(f"reason, {op}: {reason}", highlight=False, markup=False)
+        under.append("every call site: " + ", ".join(f"{col} {v or '(none)'}" for col, v in shared.items()))
+    under += kernels
+    if fitted and "reason" not in shared:  # reasons under the table, once each
+        reasons = dict.fromkeys((c["op"], c["reason"]) for c in cells if c["reason"])
+        under += [f"reason, {op}: {reason}" for op, reason in reasons]
+    for line in under:
+        console.print(_fold(line, console.width), highlight=False, markup=False)
     per = f" on {len(ranks)} ranks" if len(ranks) > 1 else ""
     console.print(f"{len(every)} call sites{per}, {n_fb} with fallback")
     if not run.complete:
@@ -94,3 +103,69 @@ def _fit_to_terminal(cells: list[dict[str, str]], cols: list[str]) -> tuple[list
             if r["contract"].startswith(own):
                 r["contract"] = r["contract"][len(own):]
     return cells, kept, shared
+
+
+_BREAK = " /,_.+|:;=*[(-"
+"""Characters a terminal's cell or line may break after (never inside a word)."""
+_PIECES = re.compile(f"(?<=[{re.escape(_BREAK)}])(?![{re.escape(_BREAK)}])")
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut after each run of ``_BREAK`` characters: ``strict_linear.v2`` → ``strict_``,
+    ``linear.``, ``v2``."""
+    return [p for p in _PIECES.split(text) if p]
+
+
+def _least(text: str) -> int:
+    """The narrowest width ``text`` folds into without cutting a word: its longest piece."""
+    return max((len(p.rstrip()) for p in _pieces(text)), default=0)
+
+
+def _fold(text: str, width: int) -> str:
+    """``text`` on lines of at most ``width`` characters (joined by newlines), broken after a
+    space or punctuation (``_BREAK``), spaces at a break dropped; a piece wider than ``width``
+    is cut (only where nothing else fits)."""
+    lines, line = [], ""
+    for piece in _pieces(text):
+        if line and len(line + piece.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+        while len(line.rstrip()) > width:
+            lines.append(line[:width])
+            line = line[width:]
+    return "\n".join([*lines, line.rstrip()])
+
+
+def _column_widths(cells: list[dict[str, str]], cols: list[str], width: int) -> tuple[dict[str, int], list[str]]:
+    """Column widths that fit the table into ``width`` terminal columns, folding a cell only
+    after a space or punctuation (``_fold``): the kernel column first, as narrow as its longest
+    piece; where the other columns whole leave it less than that, the kernels leave the table
+    for lines under it (``kernel, <op>: …``, or per call site for an operator of several
+    kernels) and the other columns fold, widest first. A header stays whole.
+
+    Returns the widths (column → characters, without padding) and the kernel lines (empty
+    while the kernels stay in the table)."""
+    natural = {c: max(len(c), *(len(r[c]) for r in cells)) for c in cols}
+    least = {c: max(len(c), *(_least(r[c]) for r in cells)) for c in cols}
+
+    def room(kept: list[str]) -> int:  # what the columns leave of the width (padding: a space each side)
+        return width - 3 * len(kept) - 1 - sum(natural[c] for c in kept)
+
+    others = [c for c in cols if c != "kernel"]
+    if "kernel" in cols and room(cols) + natural["kernel"] >= least["kernel"]:
+        return {**natural, "kernel": min(natural["kernel"], room(cols) + natural["kernel"])}, []
+    widths, excess = dict(natural), -room(others)
+    for c in sorted(others, key=lambda c: -natural[c]):
+        cut = max(0, min(excess, natural[c] - least[c]))
+        widths[c] -= cut
+        excess -= cut
+    if "kernel" not in cols:
+        return widths, []
+    per_op: dict[str, set[str]] = {}
+    for r in cells:
+        per_op.setdefault(r["op"], set()).add(r["kernel"])
+    lines = [f"kernel, {r['op']}: {r['kernel']}" if len(per_op[r["op"]]) == 1 else
+             f"kernel, {'' if 'rank' not in cols else 'rank ' + r['rank'] + ' '}{r['site']}: {r['kernel']}"
+             for r in cells]
+    return widths, list(dict.fromkeys(lines))

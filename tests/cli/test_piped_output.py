@@ -146,3 +146,27 @@ def test_trace_on_a_narrow_terminal_cuts_no_identifier(strict_run, monkeypatch):
     assert len(rows) == len(sites)
     assert {r[names.index("op")] for r in rows} == {s["op"] for s in sites}
     assert sorted(r[kernel].replace(" ", "") for r in rows) == sorted(s["kernel"].replace(" ", "") for s in sites)
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_trace_on_a_narrow_terminal_folds_no_word(strict_run, monkeypatch, width):
+    """On a 60- or 80-column terminal every line fits and a cell (an operator name, a kernel
+    string) or a line under the table folds only after a space or punctuation: the output holds
+    the same words as on a wide terminal (a kernel folded as ``tree_rm`` / ``snorm``, a column
+    cut to ``contrac`` or dropped, gave words of its own or lost some)."""
+    import re
+
+    from drifttool.cli import trace as trace_command
+
+    def shown(columns: int) -> list[str]:
+        buf = io.StringIO()
+        monkeypatch.setattr(trace_command, "console",
+                            _Console(file=buf, force_terminal=True, width=columns, color_system=None))
+        trace_command.trace(strict_run, fallbacks_only=False, as_json=False)
+        out = buf.getvalue().splitlines()
+        return out[next(i for i, ln in enumerate(out) if ln.startswith("┏")):]  # from the table on
+
+    lines = shown(width)
+    assert max(map(len, lines)) <= width, "\n".join(lines)
+    words = lambda ls: sorted(set(re.findall(r"[A-Za-z0-9]+", "\n".join(ls))))  # noqa: E731
+    assert words(lines) == words(shown(400)), "\n".join(lines)
