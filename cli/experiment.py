@@ -136,6 +136,8 @@ def train_rollout_cmd(
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
+    from drifttool.artifact.schema import block_name, label, step_name  # lazy: keeps pyarrow out of `--help`
+
     t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("rollout/\ntrain", no_wrap=True, min_width=13)
@@ -157,8 +159,10 @@ def _print_train_rollout(rows: list, out: Path) -> None:
         f.add_column(col, justify="left" if col in ("verdict", "op") else "right", no_wrap=True)
     for r in rows:
         if r["first_drift"]:
-            f.add_row(_label(r), r["verdict"], str(r["first_drift_step"]), str(r["first_drift_block"]),
-                      r["first_drift_op"], str(r["first_drift_sample"]))
+            block = r["first_drift_block"]  # none for a step record
+            f.add_row(_label(r), r["verdict"], step_name(r["first_drift_step"]),
+                      "-" if block is None else block_name(block),
+                      r["first_drift_op"], label(r["first_drift_sample"]))
         else:
             f.add_row(_label(r), r["verdict"], "-", "-", "-", "-")
     console.print(f)

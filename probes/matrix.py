@@ -1,7 +1,7 @@
 """The probe matrix as data: a rich table for people, Arrow and JSON for machines.
 
     probe                      factor             kind      verdict  first drift                      expected op        v_t      x_t    logp_t   KL     time  result
-    latent_pack_channels_last  latent layout/...  mismatch  drift    s0 b-1 img latent_proj_gemm#0   latent_proj_gemm   0.41     0.93   0.012    3e-3   0.6s  PASS
+    latent_pack_channels_last  latent layout/...  mismatch  drift    s0 before b0 img latent_proj_gemm#0 latent_proj_gemm   0.41     0.93   0.012    3e-3   0.6s  PASS
     repeat                     repeated exec.     invariant identical                                 -                  =        =      =        =      0.5s  PASS
 
 ``write_matrix`` writes ``matrix.json`` (settings, timings, every ``ProbeResult``) and

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from drifttool.artifact.schema import names_one
+from drifttool.artifact.schema import block_words, names_one
 from drifttool.probes.spec import Expectation
 from drifttool.probes.spec import select as spec_select
 
@@ -85,7 +85,8 @@ class PeerExpect:
         """One line, e.g. ``drift at qk_rmsnorm (img, block 0, step 0)`` or ``observed``."""
         if self.verdict != "drift" or self.op is None:
             return self.verdict
-        where = [f"{k} {getattr(self, k)}" for k in ("block", "step") if getattr(self, k) is not None]
+        where = [block_words(self.block)] if self.block is not None else []
+        where += [f"step {self.step}"] if self.step is not None else []
         if names_one(self.stream):
             where.insert(0, self.stream)
         return f"drift at {self.op}" + (f" ({', '.join(where)})" if where else "")

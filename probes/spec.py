@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from drifttool.artifact.schema import names_one
+from drifttool.artifact.schema import block_words, names_one
 from drifttool.errors import DriftToolError
 
 KINDS = ("mismatch", "invariant", "sensitivity")
@@ -104,7 +104,8 @@ class Expectation:
         """One line, e.g. ``drift at multi_axis_rope (img, block 0, step 0)``."""
         if self.verdict != "drift":
             return self.verdict
-        where = ["before step 0" if k == "step" and getattr(self, k) < 0 else f"{k} {getattr(self, k)}"
+        where = ["before step 0" if k == "step" and getattr(self, k) < 0 else
+                 block_words(self.block) if k == "block" else f"{k} {getattr(self, k)}"
                  for k in ("step", "block", "branch", "sample") if getattr(self, k) is not None]
         if names_one(self.stream):
             where.insert(0, self.stream)

@@ -312,14 +312,28 @@ TRACE_SCHEMA = _schema("trace", [
 SCHEMAS = {"ops": OPS_SCHEMA, "steps": STEPS_SCHEMA, "trace": TRACE_SCHEMA}
 
 
+BEFORE_BLOCKS = -1
+"""``block`` of the records made before a component's first block (the MMDiT's timestep
+embedding and input projections, the text encoder's token embedding, the VAE outside its
+blocks). Reports say it in words (``block_name``, ``short_block``, ``block_words``)."""
+
+
 def block_name(block: int) -> str:
-    """``block`` as people read it: ``"sampler"`` for ``SAMPLER_BLOCK``, else the number."""
-    return "sampler" if block == SAMPLER_BLOCK else str(block)
+    """``block`` as a table cell: ``"sampler"`` for ``SAMPLER_BLOCK``, ``"before 0"`` for
+    ``BEFORE_BLOCKS`` (as ``step_name`` says step −1), else the number."""
+    return "sampler" if block == SAMPLER_BLOCK else "before 0" if block == BEFORE_BLOCKS else str(block)
 
 
 def short_block(block: int) -> str:
-    """``block`` in a short cell or site: ``b<n>``, or ``sampler`` (``SAMPLER_BLOCK``)."""
-    return "sampler" if block == SAMPLER_BLOCK else f"b{block}"
+    """``block`` in a short cell or site: ``b<n>``, ``before b0`` (``BEFORE_BLOCKS``) or
+    ``sampler`` (``SAMPLER_BLOCK``)."""
+    return "sampler" if block == SAMPLER_BLOCK else "before b0" if block == BEFORE_BLOCKS else f"b{block}"
+
+
+def block_words(block: int) -> str:
+    """``block`` in a one-line location: ``block <n>``, ``before block 0`` (``BEFORE_BLOCKS``)
+    or ``sampler`` (``SAMPLER_BLOCK``)."""
+    return "sampler" if block == SAMPLER_BLOCK else "before block 0" if block == BEFORE_BLOCKS else f"block {block}"
 
 
 def names_one(value: Any) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from drifttool.artifact import compute as ac
 from drifttool.artifact.reader import Run
+from drifttool.artifact.schema import block_words
 from drifttool.diff.align import TableDiff
 from drifttool.diff.arrays import arrow_array
 from drifttool.errors import ArtifactError
@@ -60,7 +61,7 @@ def check_matched(run_a: Run, run_b: Run, kind: str, t: TableDiff) -> None:
             if not _same(x, y):
                 rec = full_a.slice(int(ra[k]), 1).to_pylist()[0]
                 where = (f"step {rec['step']} {rec['branch']} "
-                         + (f"block {rec['block']} {rec['stream']} {rec['op']}#{rec['call']}"
+                         + (f"{block_words(rec['block'])} {rec['stream']} {rec['op']}#{rec['call']}"
                             if kind == "op" else rec["quantity"])
                          + f" sample {rec['sample']}")
                 raise ArtifactError(

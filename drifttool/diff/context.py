@@ -222,8 +222,10 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
     device type). A site's entries of all ranks are merged (ranks are no part of a site's
     identity, as of a record's): each field lists its distinct values; a device is compared by
     type (``cuda:1`` on rank 1 is ``cuda`` as ``cuda:0`` on rank 0). A site of an operator in
-    ``aside`` that only one run holds is not listed."""
+    ``aside`` that only one run holds is not listed. Sites are listed in program order (blocks
+    before, in and after the model, then the sampler), run A's first."""
     keep = ("requested", "actual", "kernel", "contract", "fallback", "device")
+    order: dict[str, tuple] = {}
 
     def sites(run: Run) -> dict[str, dict]:
         out: dict[str, dict[str, set]] = {}
@@ -231,8 +233,10 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
             comp = r.get("component") or S.DEFAULT_COMPONENT
             name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
             stream = f"{r['stream']} " if S.names_one(r["stream"]) else ""
-            site = out.setdefault(f"{name}{S.short_block(r['block'])} {stream}{r['op']}#{r['call']}",
-                                  {k: set() for k in keep})
+            key = f"{name}{S.short_block(r['block'])} {stream}{r['op']}#{r['call']}"
+            site = out.setdefault(key, {k: set() for k in keep})
+            block = 1 << 30 if r["block"] == S.SAMPLER_BLOCK else r["block"]  # the sampler last
+            order.setdefault(key, (name, block, r["stream"], r["op"], r["call"]))
             for k in keep:
                 v = r[k]
                 site[k].add(str(v).split(":", 1)[0] if k == "device" and v is not None else v)
@@ -240,7 +244,7 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
 
     ta, tb = sites(run_a), sites(run_b)
     out = []
-    for site in sorted(set(ta) | set(tb), key=lambda k: (k not in ta, k)):
+    for site in sorted(set(ta) | set(tb), key=lambda k: (k not in ta, order[k], k)):
         if site not in ta or site not in tb:
             if site.rsplit(" ", 1)[-1].split("#")[0] not in aside:
                 out.append(f"trace {site}: only in run {'A' if site in ta else 'B'}")

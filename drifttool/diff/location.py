@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drifttool.artifact.schema import DEFAULT_COMPONENT, SAMPLER_BLOCK, names_one
+from drifttool.artifact.schema import DEFAULT_COMPONENT, block_words, names_one
 
 
 @dataclass(kw_only=True)
@@ -222,7 +222,8 @@ class FirstDrift:
     def where(self) -> str:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1
         (owning rank 0)``; a component other than the MMDiT is named first. A record made before
-        the first step (step −1: the sigma table) is ``before step 0``; a branch or stream
+        the first step (step −1: the sigma table) is ``before step 0``, one made before the first
+        block (block −1: the input projections) ``before block 0``; a branch or stream
         ``none`` and the sample of a record of no one sample (−1) are left out."""
         comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
         step = "before step 0" if self.step < 0 else f"step {self.step}"
@@ -232,7 +233,7 @@ class FirstDrift:
             return f"{comp}{self.phase} {step}{branch} {self.op}{sample} ({self._rank_note()})"
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
-        block = "sampler" if self.block == SAMPLER_BLOCK else f"block {self.block}"
+        block = block_words(self.block)
         stream = f" {self.stream}" if names_one(self.stream) else ""
         return (f"{comp}{self.phase} {step}{branch} {block}{stream} "
                 f"{self.op}#{self.call}{out}{role}{sample} ({self._rank_note()})")

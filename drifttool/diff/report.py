@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from drifttool.artifact.schema import SAMPLER_BLOCK
+from drifttool.artifact.schema import short_block
 from drifttool.diff.location import FirstDrift
 from drifttool.exit_codes import ExitCode
 from drifttool.jsondata import SCHEMA_VERSION, plain
@@ -71,8 +71,7 @@ class OpRef:
     sample: int
 
     def __str__(self) -> str:
-        block = "sampler" if self.block == SAMPLER_BLOCK else f"b{self.block}"
-        return f"{self.branch} {block} {self.stream} {self.op}#{self.call} s{self.sample}"
+        return f"{self.branch} {short_block(self.block)} {self.stream} {self.op}#{self.call} s{self.sample}"
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,7 @@
 and the figures, embedded as ``data:`` URIs (no script, stylesheet, font or image is fetched).
 
     <h1>drifttool report</h1>
-    <p class="verdict drift">DRIFT</p> <p>first drift at rollout step 0 cond block -1 ...</p>
+    <p class="verdict drift">DRIFT</p> <p>first drift at rollout step 0 cond before block 0 ...</p>
     <h2>First drift</h2> <table>...where, origin, op, block, step, sample, rows...</table>
     <h2>Per step</h2>   <table>phase | step | sigma | identical | first op | v_t | ... </table>
     <h2>Figures</h2>    <img alt="drift by step x block" src="data:image/png;base64,...">
@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import html
 from typing import Any, Iterable
+
+from drifttool.artifact.schema import block_name, label, step_name
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
@@ -63,8 +65,9 @@ def _first_drift(report: Any) -> str:
     if fd is None:
         return "<p>No record differs.</p>"
     rows = [("where", fd.where()), ("origin", fd.origin_words()), ("kind", fd.kind),
-            ("phase / step", f"{fd.phase} / {fd.step}"), ("branch", fd.branch),
-            ("block", fd.block), ("stream", fd.stream), ("operator", fd.op), ("sample", fd.sample),
+            ("phase / step", f"{fd.phase} / {step_name(fd.step)}"), ("branch", label(fd.branch)),
+            ("block", "-" if fd.block is None else block_name(fd.block)), ("stream", label(fd.stream)),
+            ("operator", fd.op), ("sample", label(fd.sample)),
             ("dtype A / B", " / ".join(fd.dtype)), ("max |x| A / B", " / ".join(map(_num, fd.maxabs))),
             ("owning rank", fd.owning_rank())]
     if fd.rows is not None:

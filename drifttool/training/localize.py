@@ -2,7 +2,7 @@
 
     >>> report, loc = localize("runs/a", "runs/b")          # two L0 runs
     >>> loc.status, loc.step, loc.first_drift.where()
-    ('localized', 1, 'rollout step 1 cond block -1 none timestep_embed_mlp#0 sample 0 (owning rank 0)')
+    ('localized', 1, 'rollout step 1 cond before block 0 timestep_embed_mlp#0 sample 0 (owning rank 0)')
     >>> loc.seconds, loc.estimate_l2_pair_seconds          # this, and an L2 pair of runs (estimate)
     (1.9, 7.4)
 

@@ -3,8 +3,8 @@
     localize: step 1 re-executed at L2
     │ status          │ localized                                                          │
     │ step            │ 1 (step 1 is the first differing step; its x_t matches in both runs) │
-    │ first drift     │ rollout step 1 cond block -1 timestep_embed_mlp#0 sample 0 ...       │
-    │ block / branch  │ -1 / cond (stream -)                                                │
+    │ first drift     │ rollout step 1 cond before block 0 timestep_embed_mlp#0 sample 0 ... │
+    │ block / branch  │ before 0 / cond (stream -)                                          │
     │ rows            │ 1 of 24 differ: img (0, 1)                                          │
     │ reproduced      │ A yes, B yes (the stored step records of both runs)                 │
     │ time            │ 2.76 s (model load 1.02 s, shared; steps A 0.18 s, B 0.17 s)        │

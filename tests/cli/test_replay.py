@@ -81,7 +81,7 @@ def test_recompute_and_diff(cli, tmp_path, strict_run):
     assert code == 0, out
     code, out = cli("diff", strict_run, tmp_path / "prod")
     assert code == 1 and "DRIFT" in out, out
-    assert "first drift at rollout step 0 cond block -1 timestep_embed_mlp#0 sample 0" in " ".join(out.split())
+    assert "first drift at rollout step 0 cond before block 0 timestep_embed_mlp#0 sample 0" in " ".join(out.split())
 
 
 def test_recompute_bad_input(cli, tmp_path, strict_run):

@@ -58,7 +58,7 @@ def test_diff_junit_one_case_per_step_first_drift_as_failure(strict_run, auto_ru
     assert steps[0].is_passed and not steps[1].is_passed
     failure = steps[1].result[0]
     assert isinstance(failure, junitparser.Failure)
-    assert failure.message.startswith("drift at rollout step 0 cond block -1 timestep_embed_mlp#0")
+    assert failure.message.startswith("drift at rollout step 0 cond before block 0 timestep_embed_mlp#0")
     assert sum(not c.is_passed for c in steps) == 4 and suite.tests == 6
 
 

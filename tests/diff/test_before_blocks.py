@@ -1,0 +1,54 @@
+"""Records made before a component's first block (``schema.BEFORE_BLOCKS``, −1: the MMDiT's
+timestep embedding and input projections) are said in words wherever a first drift shows them:
+``before block 0`` in a one-line location, ``before 0`` in a block cell (as step −1 is), ``before b0``
+in a short site; never ``block -1``."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from drifttool.artifact import open_run
+from drifttool.artifact import schema as S
+from drifttool.diff import diff_runs, render
+from drifttool.probes.peer_catalog import PeerExpect
+from drifttool.probes.spec import Expectation
+from drifttool.reports.html import render_html
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The embedded default strict against production: its first drift is the timestep
+    embedding, before block 0."""
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+
+    out = tmp_path_factory.mktemp("before")
+    execute(RunSpec(), out / "strict")
+    execute(RunSpec(mode="auto"), out / "auto")
+    return diff_runs(open_run(out / "strict"), open_run(out / "auto"))
+
+
+def test_a_first_drift_before_the_blocks_is_said_in_words(report):
+    fd = report.first_drift
+    assert fd.block == S.BEFORE_BLOCKS
+    assert fd.where() == "rollout step 0 cond before block 0 timestep_embed_mlp#0 sample 0 (owning rank 0)"
+    first_op = next(s.first_op for s in report.steps if s.first_op is not None)
+    assert str(first_op) == "cond before b0 none timestep_embed_mlp#0 s0"
+    console = Console(record=True, width=200, color_system=None)
+    render(report, console)
+    out = console.export_text()
+    assert "│ block       │ before 0 " in out
+    assert ["rollout", "0", "=", "cond", "before", "0", "-", "timestep_embed_mlp#0", "0"] in [
+        ln.split() for ln in out.splitlines()]
+    assert '<td><b>block</b></td><td class="id">before 0</td>' in render_html(report)
+    for shown in (out, render_html(report)):
+        assert "block -1" not in shown and "b-1" not in shown
+
+
+def test_probe_expectations_say_before_block_0():
+    assert (Expectation(verdict="drift", op="latent_proj_gemm", step=0, block=S.BEFORE_BLOCKS,
+                        stream="img").describe() == "drift at latent_proj_gemm (img, step 0, before block 0)")
+    assert (PeerExpect(verdict="drift", op="txt_in_rmsnorm_linear", stream="txt", block=-1, step=0)
+            .describe() == "drift at txt_in_rmsnorm_linear (txt, before block 0, step 0)")
+    assert S.short_block(S.BEFORE_BLOCKS) == "before b0" and S.short_block(S.SAMPLER_BLOCK) == "sampler"
