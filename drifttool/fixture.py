@@ -57,6 +57,10 @@ SEAL_ALGORITHM = "xxh3_128"
 FIXTURE_KEYS = ("name", "description", "settings", "chain", "edit")
 """The keys of a ``fixture.json`` (``settings`` required; ``chain`` for a chain fixture, ``edit``
 for an edit fixture)."""
+ANY_CASE = {"mode": str.lower, "capture": str.upper, "dtype": str.lower, "cfg_layout": str.lower,
+            "timestep_policy": str.lower}
+"""The settings a ``fixture.json`` may name in any case, as their flags take them (``--capture
+l2`` is ``L2``, ``--dtype BFloat16`` is ``bfloat16``), each with its canonical spelling."""
 _SEAL_MAX_BYTES = 16 << 20
 """A seal.json read from an archive before extraction is at most this large (else it is left to
 ``check_seal`` after extraction)."""
@@ -266,7 +270,9 @@ def is_text_list(v: Any) -> bool:
 
 
 def load_fixture(name_or_path: str | Path) -> Fixture:
-    """Read ``fixture.json`` (does not check the seal; see ``check_seal``).
+    """Read ``fixture.json`` (does not check the seal; see ``check_seal``). The settings' names
+    of a mode, capture level, dtype, CFG layout or timestep policy are read in any case and kept
+    in their canonical spelling (``ANY_CASE``), as the expected artifact's manifest records them.
 
     Raises:
         FixtureError: missing or malformed fixture.json: not a JSON object, no ``settings``
@@ -303,7 +309,9 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
             raise FixtureError(f"{path / 'fixture.json'}: its '{key}' is not a string")
     if "name" in meta and not meta["name"].strip():
         raise FixtureError(f"{path / 'fixture.json'}: its 'name' is empty")
-    return Fixture(path=path, name=meta.get("name", path.name), settings=dict(meta["settings"]), meta=meta)
+    settings = {k: ANY_CASE[k](v) if k in ANY_CASE and isinstance(v, str) else v  # canonical, once
+                for k, v in meta["settings"].items()}
+    return Fixture(path=path, name=meta.get("name", path.name), settings=settings, meta=meta)
 
 
 # ----------------------------------------------------------------------------- seal

@@ -97,3 +97,15 @@ def test_an_unknown_key_in_a_chain_or_edit_section_is_refused(cli, tmp_path, nam
     (fx / "fixture.json").write_text(json.dumps(meta))
     one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: unknown key {section}.foo (one of ")
     assert not (fx / "seal.json").exists()
+
+
+def test_names_in_fixture_json_are_read_in_any_case(cli, tmp_path):
+    """A mode, capture level, dtype, CFG layout or timestep policy in fixture.json is read in
+    any case, as its flag is (``settings.dtype "BFloat16" is not one of …`` refused it), and the
+    expected artifact made with the canonical names still matches."""
+    fx = _copy(tmp_path, mode="STRICT", capture="l2", dtype="BFloat16", cfg_layout="Batched",
+               timestep_policy="SIGMA_FP32")
+    code, out = cli("fixture", "seal", fx)
+    assert code == 0 and out.startswith(f"sealed {fx}: "), out
+    code, out = cli("fixture", "verify", fx)
+    assert code == 0 and "IDENTICAL" in out, out
