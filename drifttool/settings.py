@@ -62,6 +62,9 @@ MAX_STEPS = 1000
 
 MAX_SAMPLE_ID = 2**31 - 1
 """Largest logical sample id: the artifact's ``sample`` columns are int32 (``artifact.schema``)."""
+SEEDS = range(-(2**63), 2**64)
+"""The seeds a run takes: a signed or an unsigned 64-bit integer (what a torch generator's
+``manual_seed`` takes: the fixture's stand-in prompts and a preset's generators are seeded with it)."""
 MAX_BATCH = 2**20
 """Most samples one run takes (``--batch``): its per-sample lists, prompts and noise are built on
 the host before the memory check (``memory.check_memory``) can weigh the run, and a batch of
@@ -313,6 +316,19 @@ def _check_steps(steps: Any) -> int:
     return steps
 
 
+def _check_seed(seed: Any) -> Any:
+    """``seed`` if it is in ``SEEDS`` (or not an integer: the manifest check names its type).
+
+    Raises:
+        DriftToolError: an integer outside [-2^63, 2^64), one line naming the range.
+    """
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed not in SEEDS:
+        shown = seed if seed.bit_length() < 128 else f"{'-' if seed < 0 else ''}a {len(str(abs(seed)))}-digit number"
+        raise DriftToolError(f"seed must be an integer in [-2^63, 2^64) (a signed or unsigned 64-bit "
+                             f"integer), got {shown}")
+    return seed
+
+
 def _check_number(key: str, value: Any, floor: float | None) -> Any:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (floor is not None and value < floor):
@@ -383,7 +399,7 @@ def _lacking(fx: Fixture, values: dict[str, Any], keys: tuple[str, ...]) -> None
 
 def check_fixture_settings(fx: Fixture) -> None:
     """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range (a step
-    count, CFG scale or eta a run refuses, repeated sample ids), an unknown key or no sample, in
+    count, CFG scale, eta or seed a run refuses, repeated sample ids), an unknown key or no sample, in
     one line naming the file and the key (not later, as a flag's error or
     a failure mid-run).
 
@@ -402,6 +418,7 @@ def check_fixture_settings(fx: Fixture) -> None:
         try:
             if "steps" in st:
                 _check_steps(st["steps"])
+            _check_seed(st.get("seed"))
             for key, floor in (("cfg_scale", None), ("eta", 0.0)):
                 if key in st:
                     _check_number(key, st[key], floor)
@@ -424,7 +441,8 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
         DriftToolError: steps outside 2..``MAX_STEPS``; cfg_scale or eta not a finite number
             (eta < 0); unknown mode, capture level, dtype, CFG layout or timestep policy; empty,
             repeated or negative sample ids, or one past ``MAX_SAMPLE_ID``; a batch size and sample
-            ids together; a seed the preset's generators cannot take (``check_preset_seed``); a weight
+            ids together; a seed outside ``SEEDS`` or one the preset's generators cannot take
+            (``check_preset_seed``); a weight
             variant without a checkpoint; sample labels not one per sample; an unknown preset,
             or an explicit setting it contradicts (``sampling.presets.preset_settings``;
             ``UnsupportedConfigError`` for a preset under mode strict or audit); an unknown or
@@ -458,6 +476,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
     steps = _check_steps(s["steps"])
     cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
     eta = _check_number("eta", s["eta"], 0.0)
+    _check_seed(s["seed"])
     if s["cfg_layout"] not in CFG_LAYOUTS:
         raise DriftToolError(f"unknown cfg_layout {s['cfg_layout']!r} (one of {', '.join(CFG_LAYOUTS)})")
     if s["timestep_policy"] not in TIMESTEP_POLICIES:

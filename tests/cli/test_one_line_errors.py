@@ -239,6 +239,9 @@ def test_multi_line_messages_are_joined_readably():
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
     (("--samples", "2147483648"), ("sample ids must be at most 2147483647",)),
     (("--preset", "diffusers", "--mode", "auto", "--seed", "-1"), ("seed + sample id", "[0, 2^63)")),
+    (("--seed", str(2**64)), ("seed must be an integer in [-2^63, 2^64)", str(2**64))),
+    (("--seed", str(-(2**63) - 1)), ("seed must be an integer in [-2^63, 2^64)",)),
+    (("--seed", "9" * 400), ("seed must be an integer in [-2^63, 2^64)", "got a 400-digit number")),
 ])
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
@@ -249,6 +252,14 @@ def test_a_number_is_echoed_as_given(cli, tmp_path):
     """``--eta -1`` is not echoed as ``-1.0`` (typer parses a float)."""
     line = one_error_line(*cli("run", "--eta", "-1", "-o", tmp_path / "r"), "eta must be a finite number")
     assert line.endswith("got -1"), line
+
+
+def test_every_64_bit_seed_runs():
+    """The ends of the seed range, signed and unsigned 64-bit, resolve as they did."""
+    from drifttool.settings import RunSpec, resolve
+
+    for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+        assert resolve(RunSpec(seed=seed))[1].seed == seed
 
 
 def test_step_limit_holds_for_every_run_path():
