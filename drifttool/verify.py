@@ -38,7 +38,7 @@ from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
-from drifttool.errors import ArtifactError, FixtureError
+from drifttool.errors import ArtifactError, DriftToolError, FixtureError
 from drifttool.exit_codes import ExitCode
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, is_text_list, load_fixture
 
@@ -121,7 +121,23 @@ def fixture_spec(fx: Fixture) -> "RunSpec":
 
 
 def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
-    """Run ``fx`` (``fixture_spec``) into the artifact ``out``; returns the images it wrote."""
+    """Run ``fx`` (``fixture_spec``) into the artifact ``out``; returns the images it wrote.
+
+    Raises:
+        DriftToolError: the run's own refusals (a missing condition image, a preset's mode the
+            fixture's settings contradict, …), each message led by the fixture's ``fixture.json``
+            where it does not name it already (the user never typed the flag it may mention).
+    """
+    source = str(fx.path / "fixture.json")
+    try:
+        return _rerun(fx, out, overwrite=overwrite)
+    except DriftToolError as e:
+        if source not in str(e):
+            e.args = (f"{source}: {e}",)
+        raise
+
+
+def _rerun(fx: Fixture, out: Path, *, overwrite: bool) -> list[Path]:
     kind = fixture_kind(fx)
     spec = fixture_spec(fx)
     if kind == "chain":

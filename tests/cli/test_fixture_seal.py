@@ -109,3 +109,17 @@ def test_names_in_fixture_json_are_read_in_any_case(cli, tmp_path):
     assert code == 0 and out.startswith(f"sealed {fx}: "), out
     code, out = cli("fixture", "verify", fx)
     assert code == 0 and "IDENTICAL" in out, out
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("no condition image", "condition image"),
+    ("mode strict", "preset 'diffusers-edit' reproduces a production pipeline's arithmetic"),
+])
+def test_a_rebuild_refused_by_its_run_names_the_fixture_json(cli, tmp_path, damage, needle):
+    """An edit fixture's re-run refuses what fixture.json asks (a condition image it lacks, a
+    mode its preset cannot take): the line names that file, not only a flag the user never typed."""
+    fx = _copy(tmp_path, "tiny-edit", **({"mode": "strict"} if damage == "mode strict" else {}))
+    if damage == "no condition image":
+        (fx / "condition.png").unlink()
+    one_error_line(*cli("fixture", "seal", fx, "--rebuild"), f"{fx / 'fixture.json'}: {needle}")
+    assert not (fx / "seal.json").exists()
