@@ -86,7 +86,7 @@ def _steps(report: Any) -> str:
     for s in report.steps:
         worst = {q: s.worst(q) for q in ("v_t", "x_next", "logp_t")}
         kl = max((k.kl for k in s.kl if k.kl is not None), default=None)
-        cells = (_e(s.phase), ("num", _e(s.step)), ("num", _num(s.sigma)),
+        cells = (_e(s.phase), ("num", _e(step_name(s.step))), ("num", "–" if s.step < 0 else _num(s.sigma)),
                  "yes" if s.identical else "<b>no</b>", {None: "", True: "yes", False: "no"}[s.carried_in],
                  ("id", _e(s.first_op)), ("num", _e(s.ops_differ) if ops else "–"), ("num", _e(s.missing)),
                  *(("num", _num(w.max_abs if w is not None else None)) for w in worst.values()),

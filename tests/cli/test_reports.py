@@ -134,6 +134,8 @@ def test_report_is_one_self_contained_page(html_report):
     assert "DRIFT" in body and "timestep_embed_mlp" in body and "Per step" in body
     cells = {td.text for td in doc.iter("td")}
     assert not {"True", "False", "None"} & cells and {"yes", "no"} <= cells  # in words
+    # the records made before the first step (the sigma table): a step in words, no sigma
+    assert "before 0" in cells and not {"-1", "nan"} & cells
     imgs = doc.findall(".//img")
     assert len(imgs) == 2 and all(i.get("src").startswith("data:image/png;base64,") for i in imgs)
     for el in doc.iter():  # nothing is fetched: no script, stylesheet link or remote URL
