@@ -70,7 +70,7 @@ def test_settings_are_frozen_and_typed():
      "seed + sample id must be in [0, 2^63), got seed -1 with sample 0"),
     (RunSpec(mode="auto", preset="diffusers", seed=2**63 - 1),
      "got seed 9223372036854775807 with sample 1"),
-    (RunSpec(mode="auto", preset="flow-grpo", seed=2**64), "it must be in [-2^63, 2^64), got"),
+    (RunSpec(mode="auto", preset="flow-grpo", seed=2**64), "seed must be an integer in [-2^63, 2^64)"),
 ])
 def test_resolve_refuses_bad_settings_in_one_line(spec, message):
     with pytest.raises(DriftToolError) as e:
