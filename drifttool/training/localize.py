@@ -231,10 +231,11 @@ def late_stage_drift(report: DiffReport) -> str | None:
 def stored_level_names(first: FirstDrift | None, ma: dict, mb: dict) -> str | None:
     """Why re-executing tells nothing more, or None: both runs were captured at ``LEVEL`` with
     the fused attention's internals (not ``--no-internals``) and their first drift is an operator
-    record of a step, so their own records name it with its rows, as a re-executed step's
-    would."""
-    if first is None or first.kind != "op" or first.step < 0:
-        return None
+    record of a step born there (``origin_kind`` ``record`` or ``ranks``: the inputs it consumed
+    match), so
+    their own records name it with its rows, as a re-executed step's would."""
+    if first is None or first.kind != "op" or first.step < 0 or first.origin_kind not in ("record", "ranks"):
+        return None  # (inputs that differ, a latent changed between steps: pick_step says so)
     if any(m.get("capture_level") != LEVEL or m.get("settings", {}).get("internals") is False
            for m in (ma, mb)):
         return None

@@ -142,6 +142,9 @@ def test_an_l2_pair_is_already_localized_by_its_own_records(runs, cli, tmp_path)
     assert "their own records name the first drift" in loc.reason and "step 2" in loc.reason
     code, out = cli("diff", a, b, "--localize")
     assert code == 1 and "already localized" in out and "nothing re-executed" in out, out
+    # runs from another x_0: their first operator record consumed the difference, born nowhere
+    _, loc = localize(a, runs("seed-1", "L2", seed=1))
+    assert loc.status == "nothing_to_localize" and "different x_0" in loc.reason, loc.reason
     bare = runs("plant_ulp_step2-nointernals", "L2", variants=_plant(), internals=False)
     _, loc = localize(runs("base-nointernals", "L2", internals=False), bare, variants_b=_plant())
     assert loc.status == "localized" and loc.step == 2, loc.reason
