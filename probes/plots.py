@@ -102,15 +102,30 @@ def _pyplot():
 
 def heatmap(grid: DriftGrid, path: str | Path, *, title: str = "") -> Path:
     """Draw ``grid`` (fraction of differing records) as a step × column heatmap PNG."""
+    fig = heatmap_figure(grid, title=title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with writing(path):
+            fig.savefig(path, dpi=110)
+    finally:
+        _pyplot().close(fig)
+    return path
+
+
+def heatmap_figure(grid: DriftGrid, *, title: str = ""):
+    """``heatmap``'s matplotlib figure (the caller closes it): steps in rows (the records made
+    before the first step as ``before 0``), ``DriftGrid.columns`` in columns."""
     plt = _pyplot()
     frac = grid.fraction
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 0.7 * len(grid.columns)),
                                     1.8 + 0.45 * len(grid.steps)))
     im = ax.imshow(np.ma.masked_invalid(frac), cmap="magma_r", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(grid.columns)), grid.columns)
-    ax.set_yticks(range(len(grid.steps)), [str(s) for s in grid.steps])
-    ax.set_xlabel("block: in = inputs (-1), b<i>, out = final; sampler = sigma/CFG/SDE", fontsize=8)
-    ax.set_ylabel("step (-1 = sigma table)", fontsize=8)
+    ax.set_yticks(range(len(grid.steps)), [S.step_name(s) for s in grid.steps])
+    ax.set_xlabel("block: in = before block 0, b<i>, out = after the last; sampler = sigma/CFG/SDE",
+                  fontsize=8)
+    ax.set_ylabel("step (before 0: records made before the first step)", fontsize=8)
     for (r, c), n in np.ndenumerate(grid.differ):
         if grid.total[r, c]:
             ax.text(c, r, f"{n}/{grid.total[r, c]}", ha="center", va="center", fontsize=7,
@@ -121,14 +136,7 @@ def heatmap(grid: DriftGrid, path: str | Path, *, title: str = "") -> Path:
     fig.colorbar(im, ax=ax, label="fraction of op records that differ")
     ax.set_title(title or "drift by step x block", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with writing(path):
-            fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return fig
 
 
 # -- overlay -------------------------------------------------------------------------------------

@@ -177,3 +177,20 @@ def test_report_renders_in_a_headless_browser(html_report, tmp_path):
 def test_report_refuses_a_non_html_name(strict_run, tmp_path):
     res = invoke("report", strict_run, strict_run, "-o", tmp_path / "r.png")
     assert res.exit_code == 2 and "ending in .html" in res.output
+
+
+def test_the_heatmap_says_the_records_before_the_first_step_in_words(strict_run, auto_run):
+    """Its rows: ``before 0`` for the records made before the first step (step −1 as stored),
+    the steps' numbers after; no axis says ``-1``."""
+    from drifttool.artifact.reader import open_run
+    from drifttool.probes.plots import _pyplot, drift_grid, heatmap_figure
+
+    fig = heatmap_figure(drift_grid(open_run(strict_run), open_run(auto_run)))
+    try:
+        ax = fig.axes[0]
+        rows = [t.get_text() for t in ax.get_yticklabels()]
+        words = " ".join([*rows, ax.get_xlabel(), ax.get_ylabel()])
+    finally:
+        _pyplot().close(fig)
+    assert rows[0] == "before 0" and rows[1:] == [str(s) for s in range(len(rows) - 1)], rows
+    assert "-1" not in words, words
