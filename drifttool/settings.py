@@ -414,6 +414,8 @@ def check_fixture_settings(fx: Fixture) -> None:
     problem = check_manifest_value("settings", st, FIXTURE_SETTINGS)
     if problem is None and st.get("samples") == []:
         problem = "settings.samples is empty"
+    if problem is None and "seed" in st and st["seed"] is None:  # (a manifest's may be: a capture's)
+        problem = "settings.seed is null, not an integer (a fixture's run draws its noise from it)"
     if problem is None:  # the values a run takes, checked as its flags are
         try:
             if "steps" in st:

@@ -27,6 +27,7 @@ DAMAGES = {
     "img_grid with text": (_settings("img_grid", [4, "6"]), "settings.img_grid[1] is a string"),
     "img_grid of three": (_settings("img_grid", [4, 6, 1]), "settings.img_grid has 3 items"),
     "seed as text": (_settings("seed", "x"), "settings.seed is a string"),
+    "seed null": (_settings("seed", None), "settings.seed is null, not an integer"),
     "seed past 64 bits": (_settings("seed", 2**64), "settings: seed must be an integer in [-2^63, 2^64)"),
     "seed below 64 bits": (_settings("seed", -(2**63) - 1), "settings: seed must be an integer in [-2^63, 2^64)"),
     "eta null": (_settings("eta", None), "settings.eta is null"),
