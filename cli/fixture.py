@@ -79,9 +79,10 @@ def seal_cmd(
     """Write seal.json (xxh3_128 of every file) for a fixture directory.
 
     Only a fixture that `fixture verify` can pass is sealed: fixture.json well formed and
-    complete, the model (transformer/) and expected/ present, and expected/ made with the
-    settings fixture.json holds (after editing them: --rebuild). Otherwise exit 2, nothing
-    written.
+    complete, the model (transformer/) and expected/ present, expected/ made with the
+    settings fixture.json holds (after editing them: --rebuild), and the sealed fixture's
+    re-run identical to expected/ (as `fixture verify` checks it). Otherwise exit 2, no seal
+    left (an earlier one restored).
     """
     from drifttool.sealing import seal_fixture  # lazy: it brings torch, which `drifttool --help` does not need
 

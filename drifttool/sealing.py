@@ -13,10 +13,15 @@ that ``fixture verify`` and ``run --fixture`` read without a refusal:
 - the model it runs (``transformer/``) and its expected artifact (``expected/manifest.json``, and
   for a chain or edit fixture the decoded images, ``verify.expected_images``) present;
 - the expected artifact made with the settings ``fixture.json`` holds now: a fixture whose seed
-  was edited after its expected run was made would seal and then fail every verify.
+  was edited after its expected run was made would seal and then fail every verify;
+- and then what only a run shows (a condition image or prompt file missing or unreadable,
+  weights truncated, a config that does not fit them): the fixture is sealed, verified
+  (``verify.verify_fixture``: re-run and diffed against ``expected/``, images included), and
+  the seal is taken back (the one before it, if any, restored) unless it verifies identical.
 
 ``rebuild`` re-runs the fixture (``verify.rerun``, as its build script made it) into a temporary
-directory and puts the artifact and its images in place of ``expected/`` before sealing.
+directory and puts the artifact and its images in place of ``expected/`` before sealing (that
+re-run is the verification).
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from typing import Any
 
 from drifttool.artifact.manifest import read_manifest
 from drifttool.errors import ArtifactError, FixtureError
-from drifttool.fixture import Fixture, check_sealable, load_fixture, seal
+from drifttool.fixture import SEAL, Fixture, check_sealable, load_fixture, seal
 from drifttool.settings import check_fixture_settings
-from drifttool.verify import DEFAULT_MODE, expected_images, fixture_kind, rerun
+from drifttool.verify import DEFAULT_MODE, expected_images, fixture_kind, rerun, verify_fixture
 
 REQUIRED = ("img_grid", "steps", "cfg_scale", "seed", "samples", "capture", "dtype")
 """Settings a sealed fixture must hold (``mode`` defaults to strict)."""
@@ -127,9 +132,10 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
 
     Raises:
         FixtureError: not a fixture directory, a malformed or incomplete ``fixture.json``, a
-            missing model, expected artifact or image, an expected artifact of other settings;
-            nothing is written.
-        DriftToolError: with ``rebuild``, the re-run's refusals.
+            missing model, expected artifact or image, an expected artifact of other settings, a
+            re-run that does not reproduce ``expected/``; no seal is left (an earlier one is
+            restored).
+        DriftToolError: the re-run's refusals (``verify.rerun``).
     """
     path = Path(path)
     check_sealable(path)
@@ -143,4 +149,31 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
             raise FixtureError(f"{fx.path}: not writable; nothing re-run or written")
         rebuild_expected(fx)
     check_expected(fx)
-    return seal(path)
+    if rebuild:  # its re-run just made expected/
+        return seal(path)
+    return _seal_verified(path)
+
+
+def _seal_verified(path: Path) -> str:
+    """``seal(path)``, kept only if the fixture then verifies identical (module docstring)."""
+    before = (path / SEAL).read_bytes() if (path / SEAL).is_file() else None
+    digest = seal(path)
+    kept = False
+    try:
+        result = verify_fixture(path)
+        shutil.rmtree(result.run_dir.parent, ignore_errors=True)
+        if result.exit_code != 0:
+            fd = result.report.first_drift
+            why = (f"first drift at {fd.where()}" if fd is not None else
+                   "the decoded images differ" if result.report.exit_code == 0 else
+                   f"verdict {result.report.verdict.value}")
+            raise FixtureError(f"{path}: its re-run does not reproduce expected/ ({why}); not "
+                               "sealed (`drifttool fixture seal --rebuild` re-makes expected/)")
+        kept = True
+        return digest
+    finally:
+        if not kept:
+            if before is None:
+                (path / SEAL).unlink(missing_ok=True)
+            else:
+                (path / SEAL).write_bytes(before)

@@ -123,3 +123,24 @@ def test_a_rebuild_refused_by_its_run_names_the_fixture_json(cli, tmp_path, dama
         (fx / "condition.png").unlink()
     one_error_line(*cli("fixture", "seal", fx, "--rebuild"), f"{fx / 'fixture.json'}: {needle}")
     assert not (fx / "seal.json").exists()
+
+
+def test_a_fixture_whose_run_is_refused_or_drifts_is_not_sealed(cli, tmp_path):
+    """What only a run shows: an edit fixture's condition image missing (the run is refused), a
+    weight's bytes changed (the run drifts from expected/). Neither is sealed; a seal that was
+    there before is restored."""
+    edit = tmp_path / "edit"
+    shutil.copytree(locate("tiny-edit"), edit)
+    before = (edit / "seal.json").read_bytes()
+    (edit / "condition.png").unlink()
+    one_error_line(*cli("fixture", "seal", edit), f"{edit / 'fixture.json'}", "condition")
+    assert (edit / "seal.json").read_bytes() == before
+    fx = _copy(tmp_path)
+    weights = next((fx / "transformer").glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-2] ^= 0x40  # one bf16 weight's exponent: the same file, another value
+    weights.write_bytes(bytes(raw))
+    one_error_line(*cli("fixture", "seal", fx), "does not reproduce expected/", "first drift at")
+    assert not (fx / "seal.json").exists()
+    code, out = cli("fixture", "seal", fx, "--rebuild")  # re-made from the weights it now holds
+    assert code == 0 and (fx / "seal.json").exists(), out
