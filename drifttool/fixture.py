@@ -77,7 +77,8 @@ def _extract(archive: Path, target: Path) -> Path:
 
     Raises:
         FixtureError: unreadable or truncated archive; a member that is not a regular file or
-            directory (symlink, hard link, device, FIFO) or would land outside ``target``.
+            directory (symlink, hard link, device, FIFO) or would land outside ``target``; no
+            ``fixture.json`` in what it holds.
     """
     try:
         with tarfile.open(archive) as tar:
@@ -96,7 +97,11 @@ def _extract(archive: Path, target: Path) -> Path:
         raise FixtureError(f"{archive}: not a readable fixture archive (truncated or corrupt?): "
                            f"{e}") from None
     dirs = [p for p in target.iterdir() if p.is_dir()]
-    return dirs[0] if len(dirs) == 1 and not (target / "fixture.json").exists() else target
+    found = dirs[0] if len(dirs) == 1 and not (target / "fixture.json").exists() else target
+    if not (found / "fixture.json").is_file():  # named by the archive, not the temporary folder
+        raise FixtureError(f"{archive}: not a fixture archive (no fixture.json at its top or in its "
+                           "one top-level folder)")
+    return found
 
 
 def _check_member_sizes(archive: Path, tar: tarfile.TarFile, members: list) -> None:

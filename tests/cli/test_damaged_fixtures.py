@@ -99,6 +99,17 @@ def test_archive_with_a_link_member_is_refused_and_leaves_no_temp_dir(cli, tmp_p
     assert list(tmpdir_.iterdir()) == []
 
 
+def test_an_archive_without_a_fixture_is_named_not_its_temp_dir(cli, tmp_path, tmpdir_):
+    arc = tmp_path / "bad.tar.gz"
+    (tmp_path / "afile").write_text("not a fixture")
+    with tarfile.open(arc, "w:gz") as tar:
+        tar.add(tmp_path / "afile", arcname="afile")
+    code, out = cli("fixture", "verify", arc)
+    _one_clean_line(code, out, f"{arc}: not a fixture archive")
+    assert "drifttool-fixture-" not in out
+    assert list(tmpdir_.iterdir()) == []
+
+
 def test_tampered_archive_fails_and_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_):
     (fx / "fixture.json").write_text((fx / "fixture.json").read_text().replace("386", "387"))
     _one_clean_line(*cli("fixture", "verify", _tar(fx, tmp_path / "fx.tgz")), "modified fixture.json")
