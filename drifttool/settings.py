@@ -411,6 +411,10 @@ def check_fixture_settings(fx: Fixture) -> None:
     if type(steps) is int and steps < 2:  # the run's own bound (the manifest's is 1): as --steps says it
         raise FixtureError(f"{fx.path / 'fixture.json'}: settings: steps must be an integer from 2 to "
                            f"{MAX_STEPS}, got {steps}")
+    try:  # in a run's words, before the manifest's check of the same range
+        _check_seed(st.get("seed"))
+    except DriftToolError as e:
+        raise FixtureError(f"{fx.path / 'fixture.json'}: settings: {e}") from None
     problem = check_manifest_value("settings", st, FIXTURE_SETTINGS)
     if problem is None and st.get("samples") == []:
         problem = "settings.samples is empty"
@@ -420,7 +424,6 @@ def check_fixture_settings(fx: Fixture) -> None:
         try:
             if "steps" in st:
                 _check_steps(st["steps"])
-            _check_seed(st.get("seed"))
             for key, floor in (("cfg_scale", None), ("eta", 0.0)):
                 if key in st:
                     _check_number(key, st[key], floor)

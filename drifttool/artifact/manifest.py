@@ -150,6 +150,8 @@ def check_manifest_value(where: str, value: Any, spec: Any) -> str | None:
                 return f"{at} is nan, not a finite number"
             if not (v > sp.least if sp.strict else v >= sp.least):
                 return f"{at} is {v!r}, not {'above' if sp.strict else 'at least'} {sp.least}"
+            if sp.below is not None and not v < sp.below:
+                return f"{at} is {v!r}, not below {sp.below}"
         elif isinstance(sp, MS.ListOf):
             if type(v) is not list:
                 return f"{at} is {_JSON_TYPES[type(v)]}, not an array"

@@ -39,7 +39,8 @@ def spec_json_schema(spec: Any) -> dict[str, Any]:
         return {"type": "array", "items": spec_json_schema(spec.item), **sized}
     if isinstance(spec, MS.Least):
         bound = "exclusiveMinimum" if spec.strict else "minimum"
-        return {**spec_json_schema(spec.types), bound: spec.least}
+        above = {} if spec.below is None else {"exclusiveMaximum": spec.below}
+        return {**spec_json_schema(spec.types), bound: spec.least, **above}
     if isinstance(spec, MS.MapOf):
         return {"type": "object", "additionalProperties": spec_json_schema(spec.value)}
     if isinstance(spec, MS.Obj):

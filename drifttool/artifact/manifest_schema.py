@@ -40,10 +40,11 @@ class ListOf(NamedTuple):
 
 class Least(NamedTuple):
     """A JSON number of ``types`` (a tuple of JSON types) at least ``least``, or above it when
-    ``strict``."""
+    ``strict``; below ``below`` when given."""
     types: tuple[type, ...]
     least: int | float
     strict: bool = False
+    below: int | float | None = None
 
 
 class MapOf(NamedTuple):
@@ -94,7 +95,8 @@ _SETTINGS = Obj({
     "lora_mode": Enum(LORA_MODES),
     "mode": Enum(MODES), "capture": Enum(LEVELS), "dtype": Enum(MODEL_DTYPES),
     "cfg_layout": Enum(CFG_LAYOUTS), "timestep_policy": Enum(TIMESTEP_POLICIES),
-    "steps": _SIZE, "cfg_scale": _NUM, "eta": Least(_NUM, 0), "seed": Nullable(_INT), "samples": _INTS,
+    "steps": _SIZE, "cfg_scale": _NUM, "eta": Least(_NUM, 0),
+    "seed": Nullable(Least(_INT, -(1 << 63), below=1 << 64)), "samples": _INTS,
     "img_grid": _GRID, "pad_prompts_to": _INT, "sample_labels": _INTS, "preset": Enum(PRESETS),
     "device": _STR, "internals": _BOOL,
     "input_files": MapOf(Obj({"path": _STR, "sha256": _STR}, frozenset({"path", "sha256"}))),

@@ -86,6 +86,8 @@ SHAPE_DAMAGES = {
     "replay.noise.img_grid of one item": _set("replay.noise.img_grid", [4]),
     "settings.steps negative": _set("settings.steps", -3),  # not "records past step -4"
     "settings.eta negative": _set("settings.eta", -0.5),
+    "settings.seed past 64 bits": _set("settings.seed", 2**70),  # no torch generator takes it
+    "settings.seed below 64 bits": _set("settings.seed", -(2**63) - 1),
     "replay.noise.num_steps zero": _set("replay.noise.num_steps", 0),
 }
 
