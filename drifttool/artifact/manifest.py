@@ -98,9 +98,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise ArtifactError(f"{mpath}: corrupt manifest (not UTF-8 JSON text: byte "
                             f"0x{e.object[e.start]:02x} at offset {at} is not UTF-8)") from None
     except (OSError, ValueError, RecursionError) as e:
-        # ValueError covers JSONDecodeError and the int digit limit
-        raise ArtifactError(f"{mpath}: corrupt manifest ({type(e).__name__}: "
-                            f"{brief(e)})") from None
+        # ValueError covers JSONDecodeError and the int digit limit; said in words, no class name
+        what = "unreadable" if isinstance(e, OSError) else "not JSON"
+        raise ArtifactError(f"{mpath}: corrupt manifest ({what}: {brief(e)})") from None
     if _depth(manifest) > MAX_MANIFEST_DEPTH:
         raise ArtifactError(f"{mpath}: corrupt manifest (nested deeper than "
                             f"{MAX_MANIFEST_DEPTH} levels)")

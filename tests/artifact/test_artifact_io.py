@@ -203,8 +203,13 @@ def test_missing_and_corrupt_directory(tmp_path):
         open_run(tmp_path / "empty")
     path = write_run(tmp_path / "a")
     (path / "manifest.json").write_text('{"schema_version": 1, "compl')
-    with pytest.raises(ArtifactError, match="corrupt manifest"):
+    with pytest.raises(ArtifactError, match="corrupt manifest") as e:
         open_run(path)
+    assert "not JSON" in str(e.value) and "Error" not in str(e.value)  # words, no class name
+    (path / "manifest.json").write_text('{"schema_version": NaN}')
+    with pytest.raises(ArtifactError, match="corrupt manifest") as e:
+        open_run(path)
+    assert "NaN" in str(e.value) and "ValueError" not in str(e.value)
     (path / "manifest.json").write_text('[1, 2]')
     with pytest.raises(ArtifactError, match="not a JSON object"):
         open_run(path)
