@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from drifttool.artifact.schema import BEFORE_STEPS, block_name, label, step_name
+from drifttool.artifact.schema import BEFORE_STEPS, DEFAULT_COMPONENT, block_name, label, step_name
 from drifttool.diff.clip import percent
 from drifttool.diff.context import shown_context
 from drifttool.diff.report import DiffReport, StepDrift, Verdict
@@ -86,7 +86,8 @@ def _first_drift_table(report: DiffReport) -> Table:
                  ("written by", f"{fd.rank_a} (run A), {fd.rank_b} (run B)")]
     rows = [("kind", fd.kind), *ranks,
             ("component", fd.component), ("phase", fd.phase),
-            ("step", "before step 0 (the sigma table)" if fd.step < 0 else fd.step),
+            ("step", ("before step 0 (the sigma table)" if fd.component == DEFAULT_COMPONENT else
+                      "before step 0 (an early stage)") if fd.step < 0 else fd.step),
             ("sigma", "-" if fd.step < 0 else _num(fd.sigma)), ("branch", label(fd.branch))]
     if fd.kind == "op":
         rows += [("block", block_name(fd.block)), ("op position", fd.op_pos),
@@ -152,8 +153,8 @@ def steps_legend(steps: list[StepDrift]) -> list[str]:
     (records in one run only). Empty when the table shows neither."""
     out = []
     if any(s.step < 0 for s in steps):
-        out.append(f"step {BEFORE_STEPS}: records made before the first step (the sigma table; "
-                   "no sigma of its own)")
+        out.append(f"step {BEFORE_STEPS}: records made before the first step (the sigma table, and "
+                   "a prompt or edit run's text encoder and VAE encode; no sigma of their own)")
     if any(s.missing for s in steps):
         out.append("ops ≠ N+M?: N differing operator records, and M records (steps or "
                    "operators) that only one run holds")

@@ -100,6 +100,13 @@ def test_localize_of_an_l2_pair_names_the_text_encoders_first_drift(runs):
     assert loc.status == "before_transformer" and report.first_drift.where() in loc.reason, loc.reason
 
 
+def test_the_first_drift_table_calls_a_text_encoder_step_an_early_stage(runs, cli):
+    """Its records are made before step 0 too, but they are no sigma table."""
+    code, out = cli("diff", *_pair(runs, "L2"))
+    assert code == 1 and "before step 0 (an early stage)" in out and "(the sigma table)" not in out, out
+    assert "the sigma table, and a prompt or edit run's text encoder" in out, out
+
+
 def _changed_copy(tmp_path, part: str, file: str, key: str):
     """A copy of the shipped pipeline folder with one weight of ``part`` changed (+1 on its first
     element: ``key`` is used by every run)."""
