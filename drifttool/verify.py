@@ -217,9 +217,12 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
             special file), or an archive cannot be extracted safely — nothing runs; a malformed
             ``chain``/``edit`` entry or a missing expected image.
         ArtifactError: the expected artifact cannot be read (before anything runs), or
-            ``workdir`` is itself an artifact (a run directory holds its own files only; the
+            ``workdir`` is a file or itself an artifact (a run directory holds its own files only; the
             re-run goes to ``workdir/replay``).
     """
+    if workdir is not None and Path(workdir).exists() and not Path(workdir).is_dir():
+        raise ArtifactError(f"--workdir {workdir}: exists and is not a directory (the re-run is "
+                            "written to WORKDIR/replay)")
     if workdir is not None and (Path(workdir) / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
                             "own (the re-run is written to WORKDIR/replay)")

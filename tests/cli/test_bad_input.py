@@ -356,3 +356,11 @@ def test_fixture_verify_refuses_an_artifact_as_workdir(tmp_path):
     r = CliRunner().invoke(app, ["fixture", "verify", "--workdir", str(tmp_path / "a")])
     assert r.exit_code == 2 and "is a drifttool artifact" in r.output
     assert not (tmp_path / "a" / "replay").exists()
+
+
+def test_fixture_verify_names_a_file_given_as_workdir(cli, tmp_path):
+    """The flag is named, not the fixture's fixture.json (which is not at fault)."""
+    (tmp_path / "afile").write_text("x")
+    code, out = cli("fixture", "verify", "--workdir", tmp_path / "afile")
+    assert code == 2 and f"--workdir {tmp_path / 'afile'}: exists and is not a directory" in out, out
+    assert "fixture.json" not in out, out
