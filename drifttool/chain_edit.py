@@ -87,6 +87,8 @@ def read_image(path: str | Path) -> torch.Tensor:
         raise DriftToolError(f"condition image {path}: {_pixels(path)} pixels, more than the {2 * Image.MAX_IMAGE_PIXELS} "
                              "pixels drifttool opens (Pillow's guard against decompression bombs); "
                              "downscale it first") from None
+    except FileNotFoundError:
+        raise DriftToolError(f"condition image {path}: missing (no such file)") from None
     except (OSError, UnidentifiedImageError, ValueError) as e:
         raise DriftToolError(f"condition image {path}: unreadable ({e})") from None
     if mode != "RGB":

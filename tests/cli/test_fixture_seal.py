@@ -133,7 +133,7 @@ def test_a_fixture_whose_run_is_refused_or_drifts_is_not_sealed(cli, tmp_path):
     shutil.copytree(locate("tiny-edit"), edit)
     before = (edit / "seal.json").read_bytes()
     (edit / "condition.png").unlink()
-    one_error_line(*cli("fixture", "seal", edit), f"{edit / 'fixture.json'}", "condition")
+    one_error_line(*cli("fixture", "seal", edit), f"{edit / 'fixture.json'}", "condition.png: missing")
     assert (edit / "seal.json").read_bytes() == before
     fx = _copy(tmp_path)
     weights = next((fx / "transformer").glob("*.safetensors"))
