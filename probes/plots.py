@@ -102,7 +102,11 @@ def _pyplot():
 
 def heatmap(grid: DriftGrid, path: str | Path, *, title: str = "") -> Path:
     """Draw ``grid`` (fraction of differing records) as a step × column heatmap PNG."""
-    fig = heatmap_figure(grid, title=title)
+    return _saved(heatmap_figure(grid, title=title), path)
+
+
+def _saved(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder made), then close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -243,13 +247,5 @@ def overlay(baseline: str | Path, runs: Sequence[str | Path], path: str | Path, 
     Raises:
         ArtifactError: an artifact cannot be read.
     """
-    plt = _pyplot()
     fig, reports = overlay_figure(baseline, runs, labels=labels, title=title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with writing(path):
-            fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
-    return path, reports
+    return _saved(fig, path), reports
