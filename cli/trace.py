@@ -58,19 +58,26 @@ def trace(
     fitted = console.is_terminal and len(cells) > 1
     widths: dict[str, int] = {}
     kernels: list[str] = []
+    listed = False  # a terminal too narrow for the table's columns whole-worded: one entry per site
     if fitted:  # a terminal's width: what every row shares goes under the table, long cells fold
         cells, cols, shared = _fit_to_terminal(cells, cols)
         widths, kernels = _column_widths(cells, cols, console.width)
         if kernels:
             cols = [c for c in cols if c != "kernel"]
-    table = Table(title=f"operator trace — {run_dir} (mode {mode})")
+        listed = _table_width(widths, cols) > console.width
+    title = f"operator trace — {run_dir} (mode {mode})"
+    if listed and rows:
+        console.print(_fold(title, console.width), highlight=False, markup=False)
+        for c in cells:
+            _print_site(c, cols, console.width)
+    table = Table(title=title)
     for col in cols:  # identifiers whole; a kernel or a reason folds onto lines of its own
         fold = col in ("kernel", "reason")  # (on a terminal any cell after a space or punctuation)
         table.add_column(col, overflow="fold", no_wrap=not fold, width=widths.get(col),
                          min_width=None if fold else max([len(col), *(len(c[col]) for c in cells)]))
     for c in cells:
         table.add_row(*(_fold(c[col], widths[col]) if col in widths else c[col] for col in cols))
-    if rows or not fallbacks_only:  # --fallbacks with none: the count line says it, no empty table
+    if (rows or not fallbacks_only) and not listed:  # --fallbacks with none: the count line says it
         console.print(table)
     under: list[str] = []  # a terminal's width: lines under the table, folded as its cells are
     if fitted and shared and rows:
@@ -135,6 +142,28 @@ def _fold(text: str, width: int) -> str:
             lines.append(line[:width])
             line = line[width:]
     return "\n".join([*lines, line.rstrip()])
+
+
+def _table_width(widths: dict[str, int], cols: list[str]) -> int:
+    """The terminal columns a table of ``cols`` at ``widths`` takes: its cells, a space of
+    padding each side of each, and the borders between and around them."""
+    return sum(widths[c] for c in cols) + 3 * len(cols) + 1
+
+
+def _print_site(cells: dict[str, str], cols: list[str], width: int) -> None:
+    """One call site where the table cannot fit the terminal: its site (``b0 img
+    adaln_modulation#1``) on a line of its own, then its other columns (``contract v2, calls
+    4``) indented by two, each line folded as ``_fold`` folds (never inside a word)."""
+    rest = ", ".join(f"{col} {cells[col]}" for col in cols
+                     if col not in ("block", "stream", "op", "call") and cells[col])
+    site = [""]  # broken at its spaces first: an operator name folds only wider than the line
+    for word in cells["site"].split(" "):
+        site[-1:] = [f"{site[-1]} {word}"] if site[-1] and len(site[-1]) + 1 + len(word) <= width \
+            else [site[-1], word] if site[-1] else [word]
+    console.print("\n".join(_fold(line, width) for line in site), highlight=False, markup=False)
+    if rest:
+        console.print("\n".join("  " + line for line in _fold(rest, width - 2).splitlines()),
+                      highlight=False, markup=False)
 
 
 def _column_widths(cells: list[dict[str, str]], cols: list[str], width: int) -> tuple[dict[str, int], list[str]]:

@@ -170,3 +170,31 @@ def test_trace_on_a_narrow_terminal_folds_no_word(strict_run, monkeypatch, width
     assert max(map(len, lines)) <= width, "\n".join(lines)
     words = lambda ls: sorted(set(re.findall(r"[A-Za-z0-9]+", "\n".join(ls))))  # noqa: E731
     assert words(lines) == words(shown(400)), "\n".join(lines)
+
+
+@pytest.mark.parametrize("width", [30, 40, 57])
+def test_trace_on_a_terminal_too_narrow_for_its_table_lists_its_sites(strict_run, monkeypatch, width):
+    """Below the narrowest table whose columns fit whole-worded (about 58 columns here) each call
+    site is listed (its site on a line, its other columns under it) instead of a table whose
+    headers and cells rich cut (``bloc``, ``str``, ``latent_`` / ``proj_ge``): every line fits,
+    every operator name prints whole, and no word is one the wide trace lacks."""
+    import re
+
+    from drifttool.cli import trace as trace_command
+
+    def shown(columns: int) -> list[str]:
+        buf = io.StringIO()
+        monkeypatch.setattr(trace_command, "console",
+                            _Console(file=buf, force_terminal=True, width=columns, color_system=None))
+        trace_command.trace(strict_run, fallbacks_only=False, as_json=False)
+        return buf.getvalue().splitlines()
+
+    lines = shown(width)
+    assert max(map(len, lines)) <= width, "\n".join(lines)
+    words = lambda ls: set(re.findall(r"[A-Za-z0-9]+", "\n".join(ls)))  # noqa: E731
+    assert words(lines) <= words(shown(400)) | {"b0", "b1", "b2"}, "\n".join(lines)
+    sites = open_run(strict_run).trace_rows()
+    for s in sites:
+        assert any(re.search(rf"(^| ){s['op']}#{s['call']}$", ln) for ln in lines), s["op"]
+    assert sum(ln.startswith("  contract ") for ln in lines) == len(sites), "\n".join(lines)
+    assert lines[-1] == f"{len(sites)} call sites, 0 with fallback"
