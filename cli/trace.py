@@ -53,8 +53,9 @@ def trace(
     mode = run.manifest.get("settings", {}).get("mode")
     cols = ["rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
             "kernel", "contract", "fallback", "reason", "calls"]
-    cells = [{c: S.block_name(r[c]) if c == "block" else "" if r[c] is None else shown(r[c]) for c in cols}
-             | {"site": f"{S.short_block(r['block'])} {r['stream']} {r['op']}#{r['call']}"} for r in rows]
+    cells = [{c: S.block_name(r[c]) if c == "block" else S.label(r[c]) if c == "stream"
+              else "" if r[c] is None else shown(r[c]) for c in cols}
+             | {"site": S.short_site(r["block"], r["stream"], r["op"], r["call"])} for r in rows]
     fitted = console.is_terminal and len(cells) > 1
     widths: dict[str, int] = {}
     kernels: list[str] = []

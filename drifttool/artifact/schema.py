@@ -342,6 +342,13 @@ def names_one(value: Any) -> bool:
     return value not in (None, "", "none")
 
 
+def short_site(block: int, stream: Any, op: str, call: int) -> str:
+    """A call site in a short cell or line: ``b0 img qk_rmsnorm#1``, ``before b0
+    timestep_embed_mlp#0`` (``short_block``; a stream ``none`` left out, as a table's cell
+    shows it ``-``: ``label``)."""
+    return " ".join([short_block(block), *([str(stream)] if names_one(stream) else []), f"{op}#{call}"])
+
+
 BEFORE_STEPS = "before 0"
 """A step cell of the records made before the first step (step −1: the sigma table)."""
 

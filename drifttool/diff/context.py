@@ -232,8 +232,7 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
         for r in run.trace_rows():
             comp = r.get("component") or S.DEFAULT_COMPONENT
             name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
-            stream = f"{r['stream']} " if S.names_one(r["stream"]) else ""
-            key = f"{name}{S.short_block(r['block'])} {stream}{r['op']}#{r['call']}"
+            key = f"{name}{S.short_site(r['block'], r['stream'], r['op'], r['call'])}"
             site = out.setdefault(key, {k: set() for k in keep})
             block = 1 << 30 if r["block"] == S.SAMPLER_BLOCK else r["block"]  # the sampler last
             order.setdefault(key, (name, block, r["stream"], r["op"], r["call"]))

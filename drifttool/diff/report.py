@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from drifttool.artifact.schema import short_block
+from drifttool.artifact.schema import names_one, short_site
 from drifttool.diff.location import FirstDrift
 from drifttool.exit_codes import ExitCode
 from drifttool.jsondata import SCHEMA_VERSION, plain
@@ -71,7 +71,11 @@ class OpRef:
     sample: int
 
     def __str__(self) -> str:
-        return f"{self.branch} {short_block(self.block)} {self.stream} {self.op}#{self.call} s{self.sample}"
+        """``cond b0 img qk_rmsnorm#1 s0``: a branch or stream ``none`` and the sample of no one
+        sample (−1) left out, as ``FirstDrift.where`` leaves them out."""
+        branch = [self.branch] if names_one(self.branch) else []
+        sample = [] if self.sample < 0 else [f"s{self.sample}"]
+        return " ".join([*branch, short_site(self.block, self.stream, self.op, self.call), *sample])
 
 
 @dataclass(kw_only=True)

@@ -273,7 +273,7 @@ def _attention_sites(run: Run) -> dict[str, dict[str, str]]:
         if r["op"] not in ATTENTION_OPS:
             continue
         comp = r.get("component") or S.DEFAULT_COMPONENT
-        site = f"{'' if comp == S.DEFAULT_COMPONENT else comp + ' '}{S.short_block(r['block'])} {r['stream']} {r['op']}#{r['call']}"
+        site = f"{'' if comp == S.DEFAULT_COMPONENT else comp + ' '}{S.short_site(r['block'], r['stream'], r['op'], r['call'])}"
         entry = out.setdefault(site, {k: set() for k in keep})
         for k in keep:
             v = r.get(k)

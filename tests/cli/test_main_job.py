@@ -99,6 +99,11 @@ def test_trace_shows_every_call_site_without_fallback(cli, strict_run):
     assert all(r["actual"] == "strict" and not r["fallback"] for r in rows)
     assert "qkv_bias_gemm" in out and "operator trace" in out  # the table
     assert not {"True", "False", "None"} & set(out.replace("│", " ").split())  # cells in words
+    # a record of no stream (the timestep embedding, the sigma table): '-', as diff's tables show it
+    assert "none" not in out.replace("│", " ").split(), out
+    for op in ("timestep_embed_mlp", "flow_sigma_table"):
+        cells = next(ln for ln in out.splitlines() if f" {op} " in ln).replace("│", " ").split()
+        assert cells[cells.index(op) - 1] == "-", cells
     code, out = cli("trace", strict_run, "--fallbacks")  # none: the count alone, no empty table
     assert code == 0 and out.strip().endswith("call sites, 0 with fallback") and "operator trace" not in out, out
 

@@ -198,3 +198,17 @@ def test_trace_on_a_terminal_too_narrow_for_its_table_lists_its_sites(strict_run
         assert any(re.search(rf"(^| ){s['op']}#{s['call']}$", ln) for ln in lines), s["op"]
     assert sum(ln.startswith("  contract ") for ln in lines) == len(sites), "\n".join(lines)
     assert lines[-1] == f"{len(sites)} call sites, 0 with fallback"
+
+
+def test_trace_sites_leave_out_a_stream_of_none(strict_run, monkeypatch):
+    """A call site of no stream (the timestep embedding, the sigma table) is ``before b0
+    timestep_embed_mlp#0``, as diff's trace context names it, not ``before b0 none …``."""
+    from drifttool.cli import trace as trace_command
+
+    buf = io.StringIO()
+    monkeypatch.setattr(trace_command, "console",
+                        _Console(file=buf, force_terminal=True, width=40, color_system=None))
+    trace_command.trace(strict_run, fallbacks_only=False, as_json=False)
+    lines = buf.getvalue().splitlines()
+    assert "before b0 timestep_embed_mlp#0" in lines and "sampler flow_sigma_table#0" in lines, lines
+    assert not any(" none " in f" {ln} " for ln in lines), "\n".join(lines)

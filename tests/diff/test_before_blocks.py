@@ -34,7 +34,7 @@ def test_a_first_drift_before_the_blocks_is_said_in_words(report):
     assert fd.block == S.BEFORE_BLOCKS
     assert fd.where() == "rollout step 0 cond before block 0 timestep_embed_mlp#0 sample 0 (owning rank 0)"
     first_op = next(s.first_op for s in report.steps if s.first_op is not None)
-    assert str(first_op) == "cond before b0 none timestep_embed_mlp#0 s0"
+    assert str(first_op) == "cond before b0 timestep_embed_mlp#0 s0"  # a stream none left out
     console = Console(record=True, width=200, color_system=None)
     render(report, console)
     out = console.export_text()
@@ -42,6 +42,7 @@ def test_a_first_drift_before_the_blocks_is_said_in_words(report):
     assert ["rollout", "0", "=", "cond", "before", "0", "-", "timestep_embed_mlp#0", "0"] in [
         ln.split() for ln in out.splitlines()]
     assert '<td><b>block</b></td><td class="id">before 0</td>' in render_html(report)
+    assert '<td class="id">cond before b0 timestep_embed_mlp#0 s0</td>' in render_html(report)
     for shown in (out, render_html(report)):
         assert "block -1" not in shown and "b-1" not in shown
 
