@@ -136,7 +136,8 @@ def train_rollout_cmd(
 
 
 def _print_train_rollout(rows: list, out: Path) -> None:
-    from drifttool.artifact.schema import block_name, label, step_name  # lazy: keeps pyarrow out of `--help`
+    from drifttool.artifact.manifest import read_manifest  # lazy: likewise
+    from drifttool.artifact.schema import block_name, label, model_blocks, step_name  # lazy: keeps pyarrow out of `--help`
 
     t = Table(title="train-rollout: rollout vs training recompute ('=' bitwise identical)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -160,8 +161,9 @@ def _print_train_rollout(rows: list, out: Path) -> None:
     for r in rows:
         if r["first_drift"]:
             block = r["first_drift_block"]  # none for a step record
+            blocks = None if block is None else model_blocks(read_manifest(r["rollout_dir"]), None)
             f.add_row(_label(r), r["verdict"], step_name(r["first_drift_step"]),
-                      "-" if block is None else block_name(block),
+                      "-" if block is None else block_name(block, blocks),
                       r["first_drift_op"], label(r["first_drift_sample"]))
         else:
             f.add_row(_label(r), r["verdict"], "-", "-", "-", "-")

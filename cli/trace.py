@@ -53,9 +53,11 @@ def trace(
     mode = run.manifest.get("settings", {}).get("mode")
     cols = ["rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",
             "kernel", "contract", "fallback", "reason", "calls"]
-    cells = [{c: S.block_name(r[c]) if c == "block" else S.label(r[c]) if c == "stream"
+    blocks = {c: S.model_blocks(run.manifest, c) for c in {r["component"] for r in rows}}  # after the last
+    cells = [{c: S.block_name(r[c], blocks[r["component"]]) if c == "block" else S.label(r[c]) if c == "stream"
               else "" if r[c] is None else shown(r[c]) for c in cols}
-             | {"site": S.short_site(r["block"], r["stream"], r["op"], r["call"])} for r in rows]
+             | {"site": S.short_site(r["block"], r["stream"], r["op"], r["call"], blocks[r["component"]])}
+             for r in rows]
     fitted = console.is_terminal and len(cells) > 1
     widths: dict[str, int] = {}
     kernels: list[str] = []

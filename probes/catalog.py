@@ -116,7 +116,7 @@ def mismatch_probes(settings: dict[str, Any], num_layers: int) -> list[Probe]:
               change="final AdaLN read as (shift, scale); norm_out stores (scale, shift)",
               source="numerics §2 step 8, §5.5",
               variants={"final_adaln_out": _v(V.FinalShiftScaleSwapped)},
-              expect=_drift("final_adaln_out", step=0, block=num_layers, stream="img")),
+              expect=_drift("final_adaln_out", step=0, block=num_layers, stream="img", blocks=num_layers)),
         Probe(name="gelu_exact", factor="GELU", kind="mismatch",
               change="erf GELU instead of the tanh approximation",
               source="numerics §2.3",

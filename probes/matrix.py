@@ -143,7 +143,7 @@ def _num(x: float | None, verdict: str | None) -> str:
 def _short_where(r: ProbeResult) -> str:
     if r.first_op is None:
         return ""
-    blk = "" if r.first_block is None else f" {short_block(r.first_block)}"
+    blk = "" if r.first_block is None else f" {short_block(r.first_block, r.first_blocks)}"
     stream = f" {r.first_stream}" if names_one(r.first_stream) else ""
     branch = f" {r.first_branch}" if names_one(r.first_branch) else ""
     rank = "" if r.layout is None or r.first_rank is None else f" rank {r.first_rank}"

@@ -37,7 +37,9 @@ class ProbeResult:
     """One row of the matrix. Drift columns are the worst over steps, samples and branches of
     the per-step drift the diff reports (max |Δ|; ``None`` when the quantity never differs or
     was not compared; KL of the SDE transition). ``first_rank``: the first drift's owning rank
-    in the probe run (``FirstDrift.owner_b``); ``layout``: a distributed probe's layout.
+    in the probe run (``FirstDrift.owner_b``); ``first_blocks``: its component's number of blocks
+    (``FirstDrift.blocks``: a block after the last is shown so; not in ``matrix.arrow``);
+    ``layout``: a distributed probe's layout.
     ``clip_*``: with a clip range (``clip_range``), the log-prob drift of the diff against it
     (``drifttool.diff.clip.ClipDrift``): ``clip_verdict`` (``below`` | ``above`` | ``no logp``),
     the worst (phase, step, branch)'s max |exp(Δlogp_t) − 1| (``clip_ratio_dev_max``), its share
@@ -56,6 +58,7 @@ class ProbeResult:
     first_op: str | None = None
     first_step: int | None = None
     first_block: int | None = None
+    first_blocks: int | None = None
     first_stream: str | None = None
     first_branch: str | None = None
     first_sample: int | None = None
@@ -116,7 +119,7 @@ def _from_report(p: Probe, report: DiffReport, reasons: list[str], seconds: floa
     kw.update(clip_summary(report.clip))
     if fd is not None:
         kw.update(first_drift=fd.where(), first_op=fd.op, first_step=fd.step,
-                  first_block=fd.block, first_stream=fd.stream, first_branch=fd.branch,
+                  first_block=fd.block, first_blocks=fd.blocks, first_stream=fd.stream, first_branch=fd.branch,
                   first_sample=fd.sample, origin=fd.origin, first_rank=fd.owner_b,
                   first_rows=None if fd.rows is None else
                   f"{fd.rows.n_differ}/{fd.rows.n_rows}: " + ", ".join(map(str, fd.rows.first)))

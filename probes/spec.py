@@ -87,6 +87,9 @@ class Expectation:
         rank: the owning rank of the first drift in the probe run (run B of the diff): the rank
             that computed its first differing row under SP (``FirstDrift.row_rank_b``), else the
             rank that wrote the record (distributed probes). Checked when set.
+        blocks: the baseline model's number of blocks, where ``block`` may be the one after the
+            last (``describe`` then says ``after block <n-1>``, as a first drift's location
+            does); never checked.
     """
 
     verdict: str
@@ -99,13 +102,14 @@ class Expectation:
     rows: tuple[str, ...] | None = None
     origin: bool = True
     rank: int | None = None
+    blocks: int | None = None
 
     def describe(self) -> str:
         """One line, e.g. ``drift at multi_axis_rope (img, block 0, step 0)``."""
         if self.verdict != "drift":
             return self.verdict
         where = ["before step 0" if k == "step" and getattr(self, k) < 0 else
-                 block_words(self.block) if k == "block" else f"{k} {getattr(self, k)}"
+                 block_words(self.block, self.blocks) if k == "block" else f"{k} {getattr(self, k)}"
                  for k in ("step", "block", "branch", "sample") if getattr(self, k) is not None]
         if names_one(self.stream):
             where.insert(0, self.stream)

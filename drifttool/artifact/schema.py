@@ -315,25 +315,50 @@ SCHEMAS = {"ops": OPS_SCHEMA, "steps": STEPS_SCHEMA, "trace": TRACE_SCHEMA}
 BEFORE_BLOCKS = -1
 """``block`` of the records made before a component's first block (the MMDiT's timestep
 embedding and input projections, the text encoder's token embedding, the VAE outside its
-blocks). Reports say it in words (``block_name``, ``short_block``, ``block_words``)."""
+blocks). Reports say it in words (``block_name``, ``short_block``, ``block_words``), as they
+say the MMDiT's records after its last block (``block`` = its number of blocks:
+``model_blocks``)."""
 
 
-def block_name(block: int) -> str:
+def model_blocks(manifest: dict[str, Any] | None, component: str | None) -> int | None:
+    """The number of blocks of ``component`` in the run of ``manifest``, where the manifest
+    records it: the MMDiT's ``fingerprint.arch.num_layers`` (its records after the last block,
+    the final norm and output projection, carry ``block`` = that number); ``None`` for another
+    component (the text encoder's depth is not recorded; the VAE numbers its stages) or a
+    manifest without it."""
+    if (component or DEFAULT_COMPONENT) != DEFAULT_COMPONENT:
+        return None
+    layers = (((manifest or {}).get("fingerprint") or {}).get("arch") or {}).get("num_layers")
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
+
+
+def _after(block: int, blocks: int | None) -> bool:
+    """Whether ``block`` is a record after the last of ``blocks`` blocks (``model_blocks``)."""
+    return blocks is not None and block == blocks
+
+
+def block_name(block: int, blocks: int | None = None) -> str:
     """``block`` as a table cell: ``"sampler"`` for ``SAMPLER_BLOCK``, ``"before 0"`` for
-    ``BEFORE_BLOCKS`` (as ``step_name`` says step −1), else the number."""
-    return "sampler" if block == SAMPLER_BLOCK else "before 0" if block == BEFORE_BLOCKS else str(block)
+    ``BEFORE_BLOCKS`` (as ``step_name`` says step −1), ``"after <n-1>"`` for a record after the
+    last of ``blocks`` blocks (``model_blocks``; the final norm, the output projection), else
+    the number."""
+    return ("sampler" if block == SAMPLER_BLOCK else "before 0" if block == BEFORE_BLOCKS
+            else f"after {block - 1}" if _after(block, blocks) else str(block))
 
 
-def short_block(block: int) -> str:
-    """``block`` in a short cell or site: ``b<n>``, ``before b0`` (``BEFORE_BLOCKS``) or
-    ``sampler`` (``SAMPLER_BLOCK``)."""
-    return "sampler" if block == SAMPLER_BLOCK else "before b0" if block == BEFORE_BLOCKS else f"b{block}"
+def short_block(block: int, blocks: int | None = None) -> str:
+    """``block`` in a short cell or site: ``b<n>``, ``before b0`` (``BEFORE_BLOCKS``), ``after
+    b<n-1>`` (after the last of ``blocks`` blocks) or ``sampler`` (``SAMPLER_BLOCK``)."""
+    return ("sampler" if block == SAMPLER_BLOCK else "before b0" if block == BEFORE_BLOCKS
+            else f"after b{block - 1}" if _after(block, blocks) else f"b{block}")
 
 
-def block_words(block: int) -> str:
-    """``block`` in a one-line location: ``block <n>``, ``before block 0`` (``BEFORE_BLOCKS``)
-    or ``sampler`` (``SAMPLER_BLOCK``)."""
-    return "sampler" if block == SAMPLER_BLOCK else "before block 0" if block == BEFORE_BLOCKS else f"block {block}"
+def block_words(block: int, blocks: int | None = None) -> str:
+    """``block`` in a one-line location: ``block <n>``, ``before block 0`` (``BEFORE_BLOCKS``),
+    ``after block <n-1>`` (after the last of ``blocks`` blocks) or ``sampler``
+    (``SAMPLER_BLOCK``)."""
+    return ("sampler" if block == SAMPLER_BLOCK else "before block 0" if block == BEFORE_BLOCKS
+            else f"after block {block - 1}" if _after(block, blocks) else f"block {block}")
 
 
 def names_one(value: Any) -> bool:
@@ -342,11 +367,12 @@ def names_one(value: Any) -> bool:
     return value not in (None, "", "none")
 
 
-def short_site(block: int, stream: Any, op: str, call: int) -> str:
+def short_site(block: int, stream: Any, op: str, call: int, blocks: int | None = None) -> str:
     """A call site in a short cell or line: ``b0 img qk_rmsnorm#1``, ``before b0
-    timestep_embed_mlp#0`` (``short_block``; a stream ``none`` left out, as a table's cell
-    shows it ``-``: ``label``)."""
-    return " ".join([short_block(block), *([str(stream)] if names_one(stream) else []), f"{op}#{call}"])
+    timestep_embed_mlp#0``, ``after b1 img final_adaln_out#0`` (``short_block``; a stream
+    ``none`` left out, as a table's cell shows it ``-``: ``label``)."""
+    return " ".join([short_block(block, blocks), *([str(stream)] if names_one(stream) else []),
+                     f"{op}#{call}"])
 
 
 BEFORE_STEPS = "before 0"

@@ -331,6 +331,9 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
         report.notes.insert(0, f"run {side} is a training recompute: its phase 'train' records are "
                                "aligned with phase 'rollout'; its gradient records are not compared")
     report.steps = step_drifts(st, ot)
+    for s in report.steps:  # a record after the last block is said so (schema.model_blocks)
+        if s.first_op is not None:
+            s.first_op.blocks = S.model_blocks(run_a.manifest, s.first_op.component)
     for s in report.steps:
         if not s.identical:
             break
@@ -341,7 +344,8 @@ def diff_runs(run_a: Run, run_b: Run, *, align_recompute: bool = True,
     if clip_range is not None:
         report.clip = clip_drift(st, clip_range)
     if tolerance is not None:
-        report.tolerance = judge(tolerance, run_a, run_b, st, ot, record_where)
+        report.tolerance = judge(tolerance, run_a, run_b, st, ot,
+                                 lambda kind, ra, rb: record_where(kind, ra, rb, run_a.manifest))
         only = sum(c.only_a + c.only_b for c in report.counts.values())
         report.tolerance.block(
             ([f"{only} records are in one run only"] if only else [])

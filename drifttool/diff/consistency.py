@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from drifttool.artifact import compute as ac
 from drifttool.artifact.reader import Run
-from drifttool.artifact.schema import block_words
+from drifttool.artifact.schema import block_words, model_blocks
 from drifttool.diff.align import TableDiff
 from drifttool.diff.arrays import arrow_array
 from drifttool.errors import ArtifactError
@@ -61,7 +61,8 @@ def check_matched(run_a: Run, run_b: Run, kind: str, t: TableDiff) -> None:
             if not _same(x, y):
                 rec = full_a.slice(int(ra[k]), 1).to_pylist()[0]
                 where = (f"step {rec['step']} {rec['branch']} "
-                         + (f"{block_words(rec['block'])} {rec['stream']} {rec['op']}#{rec['call']}"
+                         + (f"{block_words(rec['block'], model_blocks(run_a.manifest, rec['component']))} "
+                            f"{rec['stream']} {rec['op']}#{rec['call']}"
                             if kind == "op" else rec["quantity"])
                          + f" sample {rec['sample']}")
                 raise ArtifactError(

@@ -229,10 +229,11 @@ def _trace_differences(run_a: Run, run_b: Run, aside: set[str] = frozenset()) ->
 
     def sites(run: Run) -> dict[str, dict]:
         out: dict[str, dict[str, set]] = {}
+        blocks = lambda comp: S.model_blocks(run.manifest, comp)  # noqa: E731 - after the last block
         for r in run.trace_rows():
             comp = r.get("component") or S.DEFAULT_COMPONENT
             name = "" if comp == S.DEFAULT_COMPONENT else f"{comp} "
-            key = f"{name}{S.short_site(r['block'], r['stream'], r['op'], r['call'])}"
+            key = f"{name}{S.short_site(r['block'], r['stream'], r['op'], r['call'], blocks(comp))}"
             site = out.setdefault(key, {k: set() for k in keep})
             block = 1 << 30 if r["block"] == S.SAMPLER_BLOCK else r["block"]  # the sampler last
             order.setdefault(key, (name, block, r["stream"], r["op"], r["call"]))

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from drifttool.artifact import compute as ac
 from drifttool.artifact.reader import Run
+from drifttool.artifact.schema import model_blocks
 from drifttool.capture.layout import row_id
 from drifttool.diff.align import TableDiff
 from drifttool.diff.location import FirstDrift, RowDrift, RowRef
@@ -86,7 +87,7 @@ def _same_layout(a: dict | None, b: dict | None) -> bool:
 
 
 def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str, layout_a: dict | None = None,
-                 layout_b: dict | None = None) -> tuple[FirstDrift, str]:
+                 layout_b: dict | None = None, *, blocks: int | None = None) -> tuple[FirstDrift, str]:
     op = kind == "op"
     rows, note = _row_drift(ra, rb) if op else (None, "")
     row_a, row_b = _row_ranks(rows, ra, rb, layout_a, layout_b)
@@ -104,6 +105,7 @@ def _first_drift(kind: str, ra: dict, rb: dict, origin_kind: str, layout_a: dict
         row_rank_a=row_a, row_rank_b=row_b, part_rank_a=part_a, part_rank_b=part_b,
         disagree_a=ra.get("rank_disagree") or None if op else None,
         disagree_b=rb.get("rank_disagree") or None if op else None,
+        blocks=blocks if op else None,
     )
     return fd, note
 
@@ -252,7 +254,8 @@ def set_drift(report: DiffReport, run_a: Run, run_b: Run, tables: list[TableDiff
         origin_kind = "unchecked"
     report.first_drift, note = _first_drift(kind, ra, rb, origin_kind,
                                             run_a.manifest.get("layout"),
-                                            run_b.manifest.get("layout"))
+                                            run_b.manifest.get("layout"),
+                                            blocks=model_blocks(run_a.manifest, ra["component"]))
     fd = report.first_drift
     if kind == "op" and fd.part_rank_b is None and not fd.disagree_b:
         report.notes += [n for n in (heads_note(layouts[0], ra, "A"), heads_note(layouts[1], rb, "B"))
@@ -281,7 +284,8 @@ def _set_ranks_disagree(report: DiffReport, run_a: Run, run_b: Run, tables: list
     layouts = (run_a.manifest.get("layout"), run_b.manifest.get("layout"))
     origin_kind = "unknown" if n_before else (
         "unchecked" if _unchecked_before(ot, pos, layouts) else "ranks")
-    report.first_drift, note = _first_drift("op", ra or rb, rb or ra, origin_kind, *layouts)
+    report.first_drift, note = _first_drift("op", ra or rb, rb or ra, origin_kind, *layouts,
+                                            blocks=model_blocks(run_a.manifest, (ra or rb)["component"]))
     fd = report.first_drift
     fd.unmatched_before = n_before
     report.notes += [note] if note else []
@@ -293,6 +297,7 @@ def _set_ranks_disagree(report: DiffReport, run_a: Run, run_b: Run, tables: list
     return True
 
 
-def record_where(kind: str, ra: dict, rb: dict) -> str:
-    """A record's place in words (``FirstDrift.where``), for the tolerance verdict."""
-    return _first_drift(kind, ra, rb, "unknown")[0].where()
+def record_where(kind: str, ra: dict, rb: dict, manifest: dict | None = None) -> str:
+    """A record's place in words (``FirstDrift.where``), for the tolerance verdict; ``manifest``
+    (run A's) names the blocks of its component (``schema.model_blocks``)."""
+    return _first_drift(kind, ra, rb, "unknown", blocks=model_blocks(manifest, ra.get("component")))[0].where()

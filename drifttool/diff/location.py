@@ -137,6 +137,10 @@ class FirstDrift:
     disagree_b: list[int] | None = None
     part_rank_a: int | None = None
     part_rank_b: int | None = None
+    blocks: int | None = None
+    """The number of blocks of the record's component where run A's manifest records it
+    (``schema.model_blocks``: the MMDiT's), so that a record after the last block is said so
+    (``after block 1``); ``None`` otherwise."""
 
     @staticmethod
     def _owner(rank: int, row: int | None, part: int | None, disagree: list[int] | None) -> int:
@@ -223,7 +227,8 @@ class FirstDrift:
         """One-line location, e.g. ``rollout step 3 cond block 5 img qk_rmsnorm#0 sample 1
         (owning rank 0)``; a component other than the MMDiT is named first. A record made before
         the first step (step −1: the sigma table) is ``before step 0``, one made before the first
-        block (block −1: the input projections) ``before block 0``; a branch or stream
+        block (block −1: the input projections) ``before block 0``, one after the last block (the
+        final norm, the output projection) ``after block <n-1>``; a branch or stream
         ``none`` and the sample of a record of no one sample (−1) are left out."""
         comp = "" if self.component == DEFAULT_COMPONENT else f"{self.component} "
         step = "before step 0" if self.step < 0 else f"step {self.step}"
@@ -233,7 +238,7 @@ class FirstDrift:
             return f"{comp}{self.phase} {step}{branch} {self.op}{sample} ({self._rank_note()})"
         out = "" if self.index == 0 else f" out{self.index}"
         role = "" if self.role == "output" else f" {self.role}"
-        block = block_words(self.block)
+        block = block_words(self.block, self.blocks)
         stream = f" {self.stream}" if names_one(self.stream) else ""
         return (f"{comp}{self.phase} {step}{branch} {block}{stream} "
                 f"{self.op}#{self.call}{out}{role}{sample} ({self._rank_note()})")

@@ -90,7 +90,7 @@ def _first_drift_table(report: DiffReport) -> Table:
                       "before step 0 (an early stage)") if fd.step < 0 else fd.step),
             ("sigma", "-" if fd.step < 0 else _num(fd.sigma)), ("branch", label(fd.branch))]
     if fd.kind == "op":
-        rows += [("block", block_name(fd.block)), ("op position", fd.op_pos),
+        rows += [("block", block_name(fd.block, fd.blocks)), ("op position", fd.op_pos),
                  ("stream", label(fd.stream)), ("op", fd.op), ("call", fd.call),
                  ("output", f"{fd.index} ({fd.role})")]
     else:
@@ -172,7 +172,7 @@ def _first_ops_table(report: DiffReport) -> Table | None:
     for s in rows:
         o = s.first_op
         t.add_row(s.phase, step_name(s.step), {None: "", True: "≠", False: "="}[s.carried_in],
-                  label(o.branch), block_name(o.block), label(o.stream), f"{o.op}#{o.call}", label(o.sample))
+                  label(o.branch), block_name(o.block, o.blocks), label(o.stream), f"{o.op}#{o.call}", label(o.sample))
     return t
 
 

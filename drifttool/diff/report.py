@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from drifttool.artifact.schema import names_one, short_site
+from drifttool.artifact.schema import DEFAULT_COMPONENT, names_one, short_site
 from drifttool.diff.location import FirstDrift
 from drifttool.exit_codes import ExitCode
 from drifttool.jsondata import SCHEMA_VERSION, plain
@@ -69,13 +69,18 @@ class OpRef:
     op: str
     call: int
     sample: int
+    component: str = DEFAULT_COMPONENT
+    blocks: int | None = None
+    """The number of blocks of ``component`` where run A's manifest records it
+    (``schema.model_blocks``): a record after the last block is said so (``after b1``)."""
 
     def __str__(self) -> str:
         """``cond b0 img qk_rmsnorm#1 s0``: a branch or stream ``none`` and the sample of no one
         sample (−1) left out, as ``FirstDrift.where`` leaves them out."""
         branch = [self.branch] if names_one(self.branch) else []
         sample = [] if self.sample < 0 else [f"s{self.sample}"]
-        return " ".join([*branch, short_site(self.block, self.stream, self.op, self.call), *sample])
+        return " ".join([*branch, short_site(self.block, self.stream, self.op, self.call, self.blocks),
+                         *sample])
 
 
 @dataclass(kw_only=True)

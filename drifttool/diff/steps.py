@@ -146,7 +146,7 @@ def step_drifts(st: TableDiff, ot: TableDiff | None) -> list[StepDrift]:
             r = ot.a.slice(first_row, 1).to_pylist()[0]
             ref = OpRef(rank=r["rank"], op_pos=r["op_pos"], branch=r["branch"],
                         block=r["block"], stream=r["stream"], op=r["op"], call=r["call"],
-                        sample=r["sample"])
+                        sample=r["sample"], component=r["component"])
         qs = [p.q for p in ps]
         identical = not n_ops and not missing.get(k) and all(q.identical for q in qs)
         out.append(StepDrift(

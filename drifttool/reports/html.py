@@ -66,7 +66,7 @@ def _first_drift(report: Any) -> str:
         return "<p>No record differs.</p>"
     rows = [("where", fd.where()), ("origin", fd.origin_words()), ("kind", fd.kind),
             ("phase / step", f"{fd.phase} / {step_name(fd.step)}"), ("branch", label(fd.branch)),
-            ("block", "-" if fd.block is None else block_name(fd.block)), ("stream", label(fd.stream)),
+            ("block", "-" if fd.block is None else block_name(fd.block, fd.blocks)), ("stream", label(fd.stream)),
             ("operator", fd.op), ("sample", label(fd.sample)),
             ("dtype A / B", " / ".join(fd.dtype)), ("max |x| A / B", " / ".join(map(_num, fd.maxabs))),
             ("owning rank", fd.owning_rank())]

@@ -54,7 +54,7 @@ def localize_rows(result: "LocalizeResult") -> list[tuple[str, str]]:
         if fd.kind == "op":
             out = "" if fd.index == 0 else f" out{fd.index}"
             rows += [("operator", f"{fd.op}#{fd.call}{out} ({fd.role})"),
-                     ("block / branch", f"{block_name(fd.block)} / {label(fd.branch)} (stream {label(fd.stream)})")]
+                     ("block / branch", f"{block_name(fd.block, fd.blocks)} / {label(fd.branch)} (stream {label(fd.stream)})")]
         else:
             rows.append(("quantity", f"{fd.op} ({label(fd.branch)})"))
         rows.append(("sample", label(fd.sample)))

@@ -104,6 +104,9 @@ def test_trace_shows_every_call_site_without_fallback(cli, strict_run):
     for op in ("timestep_embed_mlp", "flow_sigma_table"):
         cells = next(ln for ln in out.splitlines() if f" {op} " in ln).replace("│", " ").split()
         assert cells[cells.index(op) - 1] == "-", cells
+    # the final norm after the last of the 2 blocks: 'after 1', as the input projections are 'before 0'
+    cells = next(ln for ln in out.splitlines() if " final_adaln_out " in ln).replace("│", " ").split()
+    assert cells[cells.index("final_adaln_out") - 3:cells.index("final_adaln_out") - 1] == ["after", "1"], cells
     code, out = cli("trace", strict_run, "--fallbacks")  # none: the count alone, no empty table
     assert code == 0 and out.strip().endswith("call sites, 0 with fallback") and "operator trace" not in out, out
 

@@ -211,4 +211,5 @@ def test_trace_sites_leave_out_a_stream_of_none(strict_run, monkeypatch):
     trace_command.trace(strict_run, fallbacks_only=False, as_json=False)
     lines = buf.getvalue().splitlines()
     assert "before b0 timestep_embed_mlp#0" in lines and "sampler flow_sigma_table#0" in lines, lines
+    assert "after b1 img final_adaln_out#0" in lines, lines  # the final norm, after the last block
     assert not any(" none " in f" {ln} " for ln in lines), "\n".join(lines)
