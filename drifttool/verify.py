@@ -120,14 +120,58 @@ def fixture_spec(fx: Fixture) -> "RunSpec":
                    checkpoint=None if kind == "trajectory" else fx.path)
 
 
+_PROMPT_PARTS = ("tokenizer", "text_encoder")
+"""The pipeline folders that encode a chain or edit fixture's prompts."""
+
+
+def check_rerun(fx: Fixture) -> None:
+    """Refuse, in the fixture's own words, what its re-run (``rerun``: ``fixture verify``,
+    ``fixture seal``) would refuse in the words of ``drifttool run``, naming a flag those
+    commands do not have (``--mode``, ``--prompt-embeds``, ``--checkpoint``).
+
+    Raises:
+        FixtureError: a ``preset`` under a mode of the strict family (``settings.mode``, strict
+            where it names none: a preset reproduces a production pipeline); a fixture without a
+            ``chain`` or ``edit`` entry and without ``prompts.safetensors`` (the prompt
+            embeddings it runs from); a chain fixture, or an edit fixture with prompts, whose
+            folder lacks ``tokenizer/`` or ``text_encoder/``; a chain or edit fixture without
+            ``vae/``.
+    """
+    from drifttool.runtime import Mode  # lazy: torch only once the seal holds
+
+    source = fx.path / "fixture.json"
+    preset, mode = fx.settings.get("preset"), fx.settings.get("mode", DEFAULT_MODE)
+    if preset is not None and isinstance(mode, str) and mode in {m.value for m in Mode} \
+            and Mode(mode).family != "production":
+        named = f"mode {mode!r}" if "mode" in fx.settings else f"no mode ({DEFAULT_MODE})"
+        raise FixtureError(f"{source}: settings: preset {preset!r} reproduces a production "
+                           f"pipeline's arithmetic (bf16 latents, its scheduler step), and the "
+                           f"settings name {named}, of the strict family: set settings.mode to "
+                           "auto or off")
+    kind = fixture_kind(fx)
+    if kind == "trajectory":
+        if not (fx.path / "prompts.safetensors").is_file():
+            raise FixtureError(f"{fx.path}: no prompt embeddings (prompts.safetensors), which a "
+                               "fixture without a 'chain' or 'edit' entry in fixture.json runs from")
+        return
+    prompts = kind == "chain" or fx.edit.get("prompts") is not None
+    missing = [p for p in (*(_PROMPT_PARTS if prompts else ()), "vae") if not (fx.path / p).is_dir()]
+    if missing:
+        raise FixtureError(f"{fx.path}: no {', '.join(p + '/' for p in missing)} ({'an' if kind == 'edit' else 'a'} {kind} fixture "
+                           "re-runs its own pipeline: tokenizer/ and text_encoder/ encode its prompts, "
+                           "vae/ its images)")
+
+
 def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
     """Run ``fx`` (``fixture_spec``) into the artifact ``out``; returns the images it wrote.
 
     Raises:
-        DriftToolError: the run's own refusals (a missing condition image, a preset's mode the
-            fixture's settings contradict, …), each message led by the fixture's ``fixture.json``
-            where it does not name it already (the user never typed the flag it may mention).
+        FixtureError: what ``check_rerun`` refuses, before anything runs.
+        DriftToolError: the run's own refusals (a missing condition image, …), each message led
+            by the fixture's ``fixture.json`` where it does not name it already (the user never
+            typed the flag it may mention).
     """
+    check_rerun(fx)
     source = str(fx.path / "fixture.json")
     try:
         return _rerun(fx, out, overwrite=overwrite)

@@ -56,7 +56,8 @@ from drifttool.artifact.reader import open_run
 from drifttool.diff.clip import check_clip_range, clip_summary
 from drifttool.diff.compare import diff_runs
 from drifttool.collectives import barrier
-from drifttool.errors import ArtifactError, DriftToolError
+from drifttool.errors import ArtifactError, DriftToolError, FixtureError
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.model.lora_formats import read_adapter
@@ -186,6 +187,38 @@ def check_adapter(lora: str | Path | None, lora_rank: int | None,
     return None, None
 
 
+FROM_FIXTURE = ("seed", "eta", "dtype", "cfg_layout", "timestep_policy")
+"""Settings every combination takes from the fixture alone (the experiment has no option for
+them; a preset would give some)."""
+
+
+def check_experiment_fixture(fixture: str | Path | None) -> None:
+    """Refuse, in the experiment's words, a fixture it cannot run: its settings would be refused
+    in the words of ``drifttool run`` (``--mode``, ``--prompt-embeds``: flags the experiment
+    does not have).
+
+    Raises:
+        FixtureError: a chain or edit fixture (its prompts are texts its pipeline encodes; the
+            experiment runs from prompt embeddings), one with a ``preset`` (a production
+            pipeline's arithmetic, which the experiment's strict sides cannot run), or one whose
+            settings lack one the experiment has no option for (``FROM_FIXTURE``).
+    """
+    fx = load_fixture(DEFAULT_FIXTURE if fixture is None else fixture)
+    kind = next((k for k in ("chain", "edit") if fx.meta.get(k) is not None), None)
+    if kind is not None:
+        raise FixtureError(f"--fixture {fixture}: a{'n' * (kind == 'edit')} {kind} fixture, whose "
+                           "prompts are texts its pipeline encodes; the experiment runs a fixture of "
+                           "prompt embeddings (as tiny-t2i)")
+    if fx.settings.get("preset") is not None:
+        raise FixtureError(f"--fixture {fixture}: its preset {fx.settings['preset']!r} reproduces a "
+                           "production pipeline's arithmetic, which the experiment's strict sides "
+                           "cannot run; it runs a fixture without a preset (as tiny-t2i)")
+    missing = [k for k in FROM_FIXTURE if fx.settings.get(k) is None]
+    if missing:
+        raise FixtureError(f"{fx.path / 'fixture.json'}: its settings lack {', '.join(missing)}, "
+                           "which the experiment takes from its fixture")
+
+
 def train_rollout(
     out: str | Path,
     *,
@@ -238,6 +271,7 @@ def train_rollout(
             other ranks ``[]``.
 
     Raises:
+        FixtureError: a fixture the experiment cannot run (``check_experiment_fixture``).
         DriftToolError: bad settings (a layout the runs do not allow included; ``lora`` with
             ``lora_rank`` or ``lora_alpha``: ``check_adapter``); an adapter that cannot be read
             (``CheckpointError``) or does not fit the model; ``out`` not empty without
@@ -249,6 +283,7 @@ def train_rollout(
     lora_rank, lora_alpha = check_adapter(lora, lora_rank, lora_alpha)
     if lora is not None:
         read_adapter(lora)  # unreadable: refused here (its fit to the model: by the first rollout)
+    check_experiment_fixture(fixture)
     spec = RunSpec(fixture=fixture, checkpoint=checkpoint, samples=samples, batch=batch, steps=steps,
                    cfg_scale=cfg_scale, capture=capture, device=device, height=height, width=width)
     fx, s = resolve(spec)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from drifttool.artifact.reader import open_run
-from drifttool.errors import DriftToolError
+from drifttool.artifact.schema import MANIFEST
+from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.runner import execute
 from drifttool.sampling.step import StepOutput
 from drifttool.setting_checks import PATCH_PIXELS, check_mode, check_mode_device
@@ -49,8 +50,14 @@ def replay_spec(stored: StoredRollout, options: RerunOptions) -> RunSpec:
     """The ``RunSpec`` of a replay of ``stored``: its settings, the options over them (the
     stored weight variant belongs to the stored checkpoint: an overriding checkpoint drops it;
     the device is the options', else the rollout's). The image grid and the prompts are those
-    of the stored inputs (``replay_inputs``), never drawn anew."""
+    of the stored inputs (``replay_inputs``), never drawn anew.
+
+    Raises:
+        ArtifactError: the stored settings name no sample (``settings.samples`` empty)."""
     s = stored.settings
+    if s.get("samples") == []:  # (resolve would ask for a --samples flag replay does not have)
+        raise ArtifactError(f"{stored.path / MANIFEST}: corrupt manifest (settings.samples is empty: "
+                            "the run names no sample to replay)")
     keys = [k for k in _SPEC_KEYS if not (k == "variant" and options.checkpoint)]
     kw = {k: s[k] for k in keys if s.get(k) is not None}
     h, w = (int(g) * PATCH_PIXELS for g in stored.inputs.img_grid)

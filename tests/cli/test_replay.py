@@ -212,3 +212,50 @@ def test_damaged_source_is_refused_before_anything_is_written(cli, tmp_path, str
     assert "Traceback" not in out and str(src) in " ".join(out.split()), out
     assert not (tmp_path / "out").exists(), "wrote an output for a damaged source"
     assert _snapshot(src) == before
+
+
+def test_replay_of_a_run_naming_no_sample_names_no_flag_it_lacks(cli, tmp_path, strict_run):
+    """A manifest whose settings.samples is empty: replay asked for '--samples 0,1 or --batch N',
+    flags it does not have; the manifest is named, corrupt."""
+    src = tmp_path / "src"
+    shutil.copytree(strict_run, src)
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["settings"]["samples"] = []
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    code, out = cli("replay", src, "-o", tmp_path / "out")
+    _clean_error(code, out, f"{src / 'manifest.json'}: corrupt manifest (settings.samples is empty")
+    assert "--" not in out and not (tmp_path / "out").exists(), out
+
+
+def _fixture_copy(tmp_path, name, **settings):
+    from drifttool.fixture import locate
+
+    fx = tmp_path / f"{name}-copy"
+    shutil.copytree(locate(name), fx)
+    meta = json.loads((fx / "fixture.json").read_text())
+    meta["settings"].update(settings)
+    for key in [k for k, v in settings.items() if v is None]:
+        del meta["settings"][key]
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    return fx
+
+
+@pytest.mark.parametrize("fixture,needle", [
+    ("tiny-t2i-chain", "a chain fixture, whose prompts are texts its pipeline encodes; the experiment runs "
+                       "a fixture of prompt embeddings"),
+    ("tiny-edit", "an edit fixture, whose prompts are texts its pipeline encodes"),
+    ("preset", "its preset 'flow-grpo' reproduces a production pipeline's arithmetic, which the "
+               "experiment's strict sides cannot run"),
+    ("no eta", "its settings lack eta, which the experiment takes from its fixture"),
+])
+def test_experiment_refuses_a_fixture_it_cannot_run_naming_no_flag_it_lacks(cli, tmp_path, fixture, needle):
+    """``experiment train-rollout --fixture``: a chain or edit fixture, one with a preset, one
+    lacking a setting the experiment has no option for were refused in ``drifttool run``'s words
+    ('give --prompt-embeds', 'use --mode auto or off', 'give --eta')."""
+    copies = {"preset": {"preset": "flow-grpo"}, "no eta": {"eta": None}}
+    name = _fixture_copy(tmp_path, "tiny-t2i", **copies[fixture]) if fixture in copies else fixture
+    code, out = cli("experiment", "train-rollout", "--fixture", name, "-o", tmp_path / "exp")
+    _clean_error(code, out, needle)
+    assert len(out.strip().splitlines()) == 1, out
+    assert not re.search(r"--(?!fixture)[a-z]", out), out
+    assert not (tmp_path / "exp").exists()
