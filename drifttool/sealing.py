@@ -12,6 +12,9 @@ that ``fixture verify`` and ``run --fixture`` read without a refusal:
   ``PRESET_GIVES``), since a fixture re-runs from its own settings alone;
 - the model it runs (``transformer/``) and its expected artifact (``expected/manifest.json``, and
   for a chain or edit fixture the decoded images, ``verify.expected_images``) present;
+- settings its re-run takes (``verify.check_rerun``: a preset's mode and seed, the prompt
+  embeddings or pipeline folders it runs from), checked before the expected artifact is, so that
+  ``rebuild`` is offered only where a re-run can make it;
 - the expected artifact made with the settings ``fixture.json`` holds now: a fixture whose seed
   was edited after its expected run was made would seal and then fail every verify;
 - and then what only a run shows (a condition image or prompt file missing or unreadable,
@@ -36,7 +39,7 @@ from drifttool.artifact.manifest import read_manifest
 from drifttool.errors import ArtifactError, FixtureError
 from drifttool.fixture import SEAL, Fixture, check_sealable, load_fixture, seal
 from drifttool.settings import check_fixture_settings
-from drifttool.verify import DEFAULT_MODE, expected_images, fixture_kind, rerun, verify_fixture
+from drifttool.verify import DEFAULT_MODE, check_rerun, expected_images, fixture_kind, rerun, verify_fixture
 
 REQUIRED = ("img_grid", "steps", "cfg_scale", "seed", "samples", "capture", "dtype")
 """Settings a sealed fixture must hold (``mode`` defaults to strict)."""
@@ -133,8 +136,9 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
     Raises:
         FixtureError: not a fixture directory, a malformed or incomplete ``fixture.json``, a
             missing model, expected artifact or image, an expected artifact of other settings, a
-            re-run that does not reproduce ``expected/``; no seal is left (an earlier one is
-            restored).
+            re-run that does not reproduce ``expected/``, settings its re-run refuses
+            (``verify.check_rerun``, before ``expected/`` is compared); no seal is left (an
+            earlier one is restored).
         DriftToolError: the re-run's refusals (``verify.rerun``).
     """
     path = Path(path)
@@ -143,6 +147,7 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
     check_fixture_settings(fx)
     check_complete(fx)
     fixture_kind(fx)  # a malformed chain or edit entry
+    check_rerun(fx)  # what its re-run refuses: before expected/ is compared (and --rebuild offered)
     if rebuild:
         _check_model(fx)
         if not os.access(fx.path, os.W_OK) or (fx.expected_dir.exists() and not os.access(fx.expected_dir, os.W_OK)):

@@ -131,13 +131,16 @@ def check_rerun(fx: Fixture) -> None:
 
     Raises:
         FixtureError: a ``preset`` under a mode of the strict family (``settings.mode``, strict
-            where it names none: a preset reproduces a production pipeline); a fixture without a
+            where it names none: a preset reproduces a production pipeline), or with a seed its
+            generators cannot take (``check_preset_seed``: seed + sample id outside [0, 2^63)
+            for diffusers' generator list); a fixture without a
             ``chain`` or ``edit`` entry and without ``prompts.safetensors`` (the prompt
             embeddings it runs from); a chain fixture, or an edit fixture with prompts, whose
             folder lacks ``tokenizer/`` or ``text_encoder/``; a chain or edit fixture without
             ``vae/``.
     """
     from drifttool.runtime import Mode  # lazy: torch only once the seal holds
+    from drifttool.sampling.presets import check_preset_seed  # lazy: likewise
 
     source = fx.path / "fixture.json"
     preset, mode = fx.settings.get("preset"), fx.settings.get("mode", DEFAULT_MODE)
@@ -148,6 +151,11 @@ def check_rerun(fx: Fixture) -> None:
                            f"pipeline's arithmetic (bf16 latents, its scheduler step), and the "
                            f"settings name {named}, of the strict family: set settings.mode to "
                            "auto or off")
+    if preset is not None and isinstance(fx.settings.get("seed"), int) and fx.settings.get("samples"):
+        try:
+            check_preset_seed(preset, fx.settings["seed"], fx.settings["samples"])
+        except DriftToolError as e:
+            raise FixtureError(f"{source}: settings: {e}") from None
     kind = fixture_kind(fx)
     if kind == "trajectory":
         if not (fx.path / "prompts.safetensors").is_file():

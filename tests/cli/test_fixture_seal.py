@@ -146,11 +146,24 @@ def test_a_refused_rerun_names_no_flag_of_drifttool_run(cli, tmp_path, name, dam
         (fx / damage).unlink()
     elif damage != "mode strict":
         shutil.rmtree(fx / damage)
-    if damage == "mode strict" and not rebuild:
-        return  # (expected/ was made in mode auto: seal says that first, with --rebuild)
     line = one_error_line(*cli("fixture", "seal", fx, *(["--rebuild"] if rebuild else [])),
                           f"{fx}{needle}")
     assert "--" not in line.replace("--rebuild", ""), line
+    assert not (fx / "seal.json").exists()
+
+
+@pytest.mark.parametrize("seed", [-5, 2**63])
+@pytest.mark.parametrize("rebuild", [False, True], ids=["seal", "rebuild"])
+def test_a_seed_its_preset_refuses_is_not_offered_a_rebuild(cli, tmp_path, seed, rebuild):
+    """An edit fixture whose seed its preset's generators cannot take (diffusers' generator list:
+    seed + sample id in [0, 2^63)): seal said its expected/ was made with another seed and
+    offered `--rebuild`, which then refused the seed. Both say what to change in fixture.json."""
+    fx = _copy(tmp_path, "tiny-edit", seed=seed)
+    line = one_error_line(*cli("fixture", "seal", fx, *(["--rebuild"] if rebuild else [])),
+                          f"{fx / 'fixture.json'}: settings: preset 'diffusers-edit' seeds sample i's "
+                          f"generator with seed + i (diffusers' generator list): seed + sample id must be "
+                          f"in [0, 2^63), got seed {seed} with sample 0")
+    assert "--rebuild" not in line, line
     assert not (fx / "seal.json").exists()
 
 
