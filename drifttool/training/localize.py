@@ -76,6 +76,9 @@ transformer and sampler record matches and the drift starts in the VAE decode:
 ``late_stage_drift``); nothing_to_localize
 (identical runs, no drift, or a drift that no re-executed step can show)."""
 
+REEXECUTED = ("localized", "unconfirmed", "no_drift_in_reexecution")
+"""The statuses of a result whose step was re-executed (``LocalizeResult.reexecuted``)."""
+
 _STAGE_NAMES = {"text_encoder": "the text encoder", "vae": "the VAE encode"}
 _LATE_NAMES = {"vae": "the VAE decode"}
 
@@ -105,7 +108,8 @@ class LocalizeResult:
 
     Attributes:
         status: one of ``STATUSES``; ``reason`` says it in one line.
-        step: the step re-executed (None when nothing was).
+        step: the step re-executed; for ``already_localized`` (nothing re-executed) the step of
+            the stored first drift, which both runs' own records localize; None otherwise.
         why_step, boundary: ``StepChoice.why`` / ``StepChoice.boundary``.
         level: the re-execution's capture level (L2).
         first_drift: the first drift of the re-executed pair (None without one).
@@ -141,6 +145,11 @@ class LocalizeResult:
     estimate_l2_pair_seconds: float | None = None
     estimate_basis: str = ("estimate, not measured: per run, model load + re-executed step time at "
                            f"{LEVEL} x number of steps")
+
+    @property
+    def reexecuted(self) -> bool:
+        """Whether a step of both runs was re-executed (``REEXECUTED``)."""
+        return self.status in REEXECUTED
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (the nested diff as ``DiffReport.to_dict``)."""
@@ -314,8 +323,10 @@ def localize(
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=why, why_step=why), t0)
     stored_l2 = stored_level_names(first, open_run(run_a).manifest, open_run(run_b).manifest)
     if stored_l2 is not None:
-        return report, _finish(LocalizeResult(status="already_localized", reason=stored_l2,
-                                              first_drift=first), t0)
+        return report, _finish(LocalizeResult(
+            status="already_localized", reason=stored_l2, first_drift=first, step=first.step,
+            why_step=f"the step of the first drift, which both runs' own {LEVEL} records name; "
+                     "nothing re-executed"), t0)
     choice = pick_step(report)
     if choice.step is None:
         return report, _finish(LocalizeResult(status="nothing_to_localize", reason=choice.why,

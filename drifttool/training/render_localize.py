@@ -67,7 +67,7 @@ def localize_rows(result: "LocalizeResult") -> list[tuple[str, str]]:
         bad = [f"{s}: {'; '.join(m[:3])}" for s, m in result.mismatches.items() if m]
         rows.append(("reproduced", f"{words} (the stored step records)" +
                      (f"; differing: {' | '.join(bad)}" if bad else "")))
-    if result.step is not None:
+    if result.reexecuted:
         rows.append(("artifacts", ", ".join(result.artifacts) if result.artifacts else
                      "temporary, removed (keep them with --localize-dir DIR)"))
     rows.append(("time", _seconds(result)))
@@ -81,7 +81,7 @@ def render_localize(result: "LocalizeResult", console: Console | None = None) ->
     """Print ``result`` as one table, titled with the step and level re-executed."""
     console = console or Console()
     title = (f"localize: step {result.step} re-executed at {result.level}"
-             if result.step is not None else "localize")
+             if result.reexecuted else "localize")
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")

@@ -135,13 +135,19 @@ def test_an_l2_pair_is_already_localized_by_its_own_records(runs, cli, tmp_path)
     re-executed step still adds them."""
     a, b = runs("base", "L2"), runs("plant_ulp_step2", "L2", variants=_plant())
     report, loc = localize(a, b, variants_b=_plant(), out_dir=tmp_path / "loc")
-    assert loc.status == "already_localized" and loc.step is None, loc.reason
-    assert not (tmp_path / "loc").exists() and not loc.step_seconds
+    assert loc.status == "already_localized" and loc.step == 2 == loc.first_drift.step, loc.reason
+    assert not (tmp_path / "loc").exists() and not loc.step_seconds and not loc.reexecuted
     _same_first_drift(loc.first_drift, report.first_drift)
     assert loc.first_drift.op == "latent_proj_gemm" and loc.first_drift.rows is not None
     assert "their own records name the first drift" in loc.reason and "step 2" in loc.reason
     code, out = cli("diff", a, b, "--localize")
     assert code == 1 and "already localized" in out and "nothing re-executed" in out, out
+    assert "re-executed at L2" not in out and "│ artifacts" not in out, out  # nothing re-executed
+    # the step of the first drift, as the diff's own JSON names it (it was null)
+    code, out = cli("diff", a, b, "--localize", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["localize"]["step"] == data["first_drift"]["step"] == 2, out
+    assert "nothing re-executed" in data["localize"]["why_step"], out
     # runs from another x_0: their first operator record consumed the difference, born nowhere
     _, loc = localize(a, runs("seed-1", "L2", seed=1))
     assert loc.status == "nothing_to_localize" and "different x_0" in loc.reason, loc.reason
