@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from drifttool.cli import _checkpoint, _completion, _json, _paths
-from drifttool.cli._console import console, tolerate_closed_stdout
+from drifttool.cli._console import console, notice, tolerate_closed_stdout
 
 
 def diff(
@@ -26,7 +26,7 @@ def diff(
     localize_dir: Optional[Path] = typer.Option(
         None, "--localize-dir", parser=_paths.path,
         help="Keep the re-executed artifacts in DIR/a and DIR/b (implies --localize; default: a "
-             "temporary directory, removed)."),
+             "temporary directory, removed). Unused, with a note, where no step is re-executed."),
     fixture: Optional[str] = typer.Option(
         None, autocompletion=_completion.fixtures, help="With --localize: fixture holding the model, if a manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option(
@@ -90,6 +90,11 @@ def diff(
 
         _, result = run_localize(run_a, run_b, out_dir=localize_dir, report=report,
                                  options=RerunOptions(fixture=fixture, checkpoint=checkpoint))
+        unused = [f"{name} {value}" for name, value in (("--localize-dir", localize_dir),
+                  ("--fixture", fixture), ("--checkpoint", checkpoint)) if value is not None]
+        if unused and not result.reexecuted:  # they serve a re-execution, which did not happen
+            notice("note", f"{', '.join(unused)}: unused, as no step was re-executed "
+                           f"({result.status.replace('_', ' ')})")
     if junit is not None:
         from drifttool.reports.junit import diff_suite, write_junit  # lazy: only --junit needs it
 

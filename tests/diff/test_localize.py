@@ -148,6 +148,11 @@ def test_an_l2_pair_is_already_localized_by_its_own_records(runs, cli, tmp_path)
     data = json.loads(out)
     assert code == 1 and data["localize"]["step"] == data["first_drift"]["step"] == 2, out
     assert "nothing re-executed" in data["localize"]["why_step"], out
+    # --localize-dir serves a re-execution: unused here, said in one note on stderr
+    code, out = cli("diff", a, b, "--localize-dir", tmp_path / "keep")
+    assert code == 1 and not (tmp_path / "keep").exists(), out
+    assert (f"note: --localize-dir {tmp_path / 'keep'}: unused, as no step was re-executed (already "
+            "localized)") in out.splitlines(), out
     # runs from another x_0: their first operator record consumed the difference, born nowhere
     _, loc = localize(a, runs("seed-1", "L2", seed=1))
     assert loc.status == "nothing_to_localize" and "different x_0" in loc.reason, loc.reason
