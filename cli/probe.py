@@ -124,6 +124,8 @@ def probe(
         if junit is not None:
             _paths.output_file(junit, "--junit")
         report = _Report(heatmaps=heatmaps, as_json=as_json, junit=junit)
+        if preset is not None and preset.lower() in PRESETS:  # in any case, as --mode
+            preset = preset.lower()
         if peer is not None:
             return _peer(peer, out=out, only=only, preset=preset, checkpoint=checkpoint, device=device,
                          grid=(height, width), list_only=list_only, report=report,

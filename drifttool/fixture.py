@@ -58,9 +58,10 @@ FIXTURE_KEYS = ("name", "description", "settings", "chain", "edit")
 """The keys of a ``fixture.json`` (``settings`` required; ``chain`` for a chain fixture, ``edit``
 for an edit fixture)."""
 ANY_CASE = {"mode": str.lower, "capture": str.upper, "dtype": str.lower, "cfg_layout": str.lower,
-            "timestep_policy": str.lower}
+            "timestep_policy": str.lower, "preset": str.lower}
 """The settings a ``fixture.json`` may name in any case, as their flags take them (``--capture
-l2`` is ``L2``, ``--dtype BFloat16`` is ``bfloat16``), each with its canonical spelling."""
+l2`` is ``L2``, ``--dtype BFloat16`` is ``bfloat16``, ``--preset Diffusers-Edit`` is
+``diffusers-edit``), each with its canonical spelling."""
 _SEAL_MAX_BYTES = 16 << 20
 """A seal.json read from an archive before extraction is at most this large (else it is left to
 ``check_seal`` after extraction)."""
@@ -276,7 +277,7 @@ def is_text_list(v: Any) -> bool:
 
 def load_fixture(name_or_path: str | Path) -> Fixture:
     """Read ``fixture.json`` (does not check the seal; see ``check_seal``). The settings' names
-    of a mode, capture level, dtype, CFG layout or timestep policy are read in any case and kept
+    of a mode, capture level, dtype, CFG layout, timestep policy or preset are read in any case and kept
     in their canonical spelling (``ANY_CASE``), as the expected artifact's manifest records them.
 
     Raises:

@@ -51,7 +51,7 @@ from drifttool.runtime import Mode
 from drifttool.sampling.config import CFG_LAYOUTS, SamplerConfig
 from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
-from drifttool.sampling.presets import (apply_preset, check_conditions, check_preset_seed,
+from drifttool.sampling.presets import (PRESET_NAMES, apply_preset, check_conditions, check_preset_seed,
                                         get_preset, preset_inputs, preset_settings)
 from drifttool.setting_checks import (DTYPES, MAX_PIXELS, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels, check_sigma_table)
@@ -104,8 +104,8 @@ class RunSpec:
             unfused-fp32); ``None`` takes the preset's (``Preset.lora_mode``: what its pipeline
             runs), else ``merged``. Needs ``lora``; modes other than merged need mode auto/off.
         preset: a production preset (``drifttool.sampling.presets``: ``diffusers`` |
-            ``flow-grpo``): fixes CFG layout, timestep policy, (η), latents dtype, step rule and
-            noise; needs mode auto or off. ``None`` takes the fixture's (``tiny-edit`` names
+            ``flow-grpo``; in any case): fixes CFG layout, timestep policy, (η), latents dtype,
+            step rule and noise; needs mode auto or off. ``None`` takes the fixture's (``tiny-edit`` names
             ``diffusers-edit``).
         device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the model and the replay inputs
             live (inputs are drawn on the CPU, then moved).
@@ -153,6 +153,12 @@ class RunSpec:
     negative_prompt_embeds: str | Path | None = None
     latents: str | Path | None = None
     condition: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        """A preset named in any case (``Diffusers-Edit``) kept by its canonical name, as a mode
+        is (``check_mode``); an unknown name stays as given, for its refusal to show."""
+        if isinstance(self.preset, str) and self.preset.lower() in PRESET_NAMES:
+            object.__setattr__(self, "preset", self.preset.lower())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,3 +127,29 @@ def test_an_l0_diffs_ops_column_says_not_counted(cli, tmp_path):
     assert code == 1, text
     rows = [ln.split() for ln in text.split("per step")[1].splitlines() if ln.strip()[:1].isdigit()]
     assert rows and all(r[-1] == "-" for r in rows), text
+
+
+def test_a_preset_is_read_in_any_case(cli, tmp_path):
+    """``--preset`` (run, probe) and a fixture.json's preset are read in any case, as ``--mode``
+    and the fixture's other names are (``unknown preset 'Diffusers'`` refused it), and recorded
+    by their canonical names; an unknown one is still refused naming the presets."""
+    import json as _json
+
+    from drifttool.fixture import locate
+    from drifttool.settings import RunSpec
+
+    code, text = cli("run", "--preset", "Diffusers", "--mode", "AUTO", "--steps", "2", "-o", tmp_path / "run")
+    assert code == 0, text
+    assert _json.loads((tmp_path / "run" / "manifest.json").read_text())["settings"]["preset"] == "diffusers"
+    assert RunSpec(preset="FLOW-GRPO").preset == "flow-grpo"
+    code, text = cli("probe", "--preset", "TINY", "--list")
+    assert code == 0 and "repeat" in text, text
+    one_error_line(*cli("run", "--preset", "Huge", "--mode", "auto", "-o", tmp_path / "huge"),
+                   "unknown preset 'Huge' (one of diffusers, diffusers-edit, diffusers-edit-plus, flow-grpo)")
+    fx = tmp_path / "edit"
+    shutil.copytree(locate("tiny-edit"), fx)
+    meta = _json.loads((fx / "fixture.json").read_text())
+    meta["settings"]["preset"] = "Diffusers-Edit"
+    (fx / "fixture.json").write_text(_json.dumps(meta))
+    code, text = cli("fixture", "seal", fx)
+    assert code == 0 and text.startswith(f"sealed {fx}: "), text
