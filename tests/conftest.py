@@ -34,6 +34,25 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
 
+def fixture_copy(dest, name: str = "tiny-t2i", *, sealed: bool = True, **settings):
+    """A copy at ``dest`` of the shipped fixture ``name`` whose fixture.json has ``settings``
+    changed (a value ``None``: the key removed); ``sealed=False`` drops its seal.json."""
+    import json
+    import shutil
+
+    from drifttool.fixture import locate
+
+    shutil.copytree(locate(name), dest)
+    if not sealed:
+        (dest / "seal.json").unlink()
+    meta = json.loads((dest / "fixture.json").read_text())
+    meta["settings"].update(settings)
+    for key in [k for k, v in settings.items() if v is None]:
+        del meta["settings"][key]
+    (dest / "fixture.json").write_text(json.dumps(meta))
+    return dest
+
+
 def one_error_line(code: int, out: str, *needles: str) -> str:
     """A refusal as the CLI must give it: exit 2 and exactly one line of output (stdout and stderr
     together), ``error: …``, holding every needle. Returns that line."""

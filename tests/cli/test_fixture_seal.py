@@ -12,19 +12,11 @@ import shutil
 import pytest
 
 from drifttool.fixture import locate
-from tests.conftest import one_error_line
+from tests.conftest import fixture_copy, one_error_line
 
 
 def _copy(tmp_path, name="tiny-t2i", **settings):
-    fx = tmp_path / "my-fixture"
-    shutil.copytree(locate(name), fx)
-    (fx / "seal.json").unlink()
-    meta = json.loads((fx / "fixture.json").read_text())
-    meta["settings"].update(settings)
-    for key in [k for k, v in settings.items() if v is None]:
-        del meta["settings"][key]
-    (fx / "fixture.json").write_text(json.dumps(meta))
-    return fx
+    return fixture_copy(tmp_path / "my-fixture", name, sealed=False, **settings)
 
 
 @pytest.mark.parametrize("key", ["steps", "seed", "dtype", "img_grid", "eta"])

@@ -16,6 +16,7 @@ from drifttool.runner import execute
 
 from drifttool.settings import RunSpec
 from tests.artifact.table_files import rewrite_table
+from tests.conftest import fixture_copy
 
 
 def _clean_error(code, out, *needles):
@@ -228,16 +229,7 @@ def test_replay_of_a_run_naming_no_sample_names_no_flag_it_lacks(cli, tmp_path, 
 
 
 def _fixture_copy(tmp_path, name, **settings):
-    from drifttool.fixture import locate
-
-    fx = tmp_path / f"{name}-copy"
-    shutil.copytree(locate(name), fx)
-    meta = json.loads((fx / "fixture.json").read_text())
-    meta["settings"].update(settings)
-    for key in [k for k, v in settings.items() if v is None]:
-        del meta["settings"][key]
-    (fx / "fixture.json").write_text(json.dumps(meta))
-    return fx
+    return fixture_copy(tmp_path / f"{name}-copy", name, **settings)
 
 
 @pytest.mark.parametrize("fixture,needle", [
