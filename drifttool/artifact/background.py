@@ -27,6 +27,11 @@ from typing import Any, Callable
 DEPTH = 2
 """Jobs that may wait at once: a step's batches while the next step's are made."""
 
+POLL_S = 0.2
+"""How often the write thread looks at the queue without being woken: a signal handler's
+exception (SIGTERM's, ``lifecycle``) raised inside ``queue.Queue.put`` on the run's thread can
+lose its wake-up, and a run's close must not wait for it for ever."""
+
 
 class OrderedJobs:
     """Jobs run in submission order on one daemon thread, started by the first ``submit``.
@@ -70,7 +75,10 @@ class OrderedJobs:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
             if job is None:
                 return
             fn, args = job

@@ -38,6 +38,31 @@ def test_jobs_run_in_order_and_the_first_failure_stops_the_rest():
         failing.submit(ran.append, 3)
 
 
+def test_a_lost_wake_up_of_the_write_thread_does_not_strand_stop():
+    """A signal handler's exception (SIGTERM: ``lifecycle``'s ``Terminated``) raised inside the
+    queue's ``put`` on the run's thread can leave the write thread waiting for a notification
+    that never comes; ``stop`` (the close of an interrupted run) still returns, every job run."""
+    done, jobs = [], OrderedJobs()
+    jobs.submit(done.append, 0)
+    cond = jobs._queue.not_empty
+    for _ in range(200):  # the write thread waits for the next job
+        if cond._waiters:
+            break
+        time.sleep(0.01)
+
+    def lost(n=1):  # the waiter taken off the list and never woken
+        if cond._waiters:
+            cond._waiters.popleft()
+
+    cond.notify = lost
+    jobs.submit(done.append, 1)
+    del cond.notify
+    stopper = threading.Thread(target=jobs.stop, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive() and done == [0, 1]
+
+
 def test_the_finished_parquet_file_is_the_conversion_of_the_stream(tmp_path, monkeypatch):
     """A run's Parquet file, written batch by batch beside the stream, has the bytes that writing
     the stream's batches in one go at close gives."""
