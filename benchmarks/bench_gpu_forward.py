@@ -45,7 +45,7 @@ SHAPES = {"1024x1024": (64, 64), "1328x1328": (83, 83), "1664x928": (58, 104)}
 CONFIGS = ("diffusers", "diffusers+L1", "diffusers+L2", "production", "production+L1",
            "production+L2", "strict", "strict+L1", "production+graph", "strict+graph",
            "production+L1+graph", "strict+L1+graph", "strict+serial+graph", "strict+L1+rows+graph",
-           "diffusers+graph", "diffusers+L1+graph")
+           "diffusers+graph", "diffusers+L1+graph", "diffusers+L1+each+graph", "strict+L1+each+graph")
 """``+graph``: the forward (and its capture) replayed from a CUDA graph (``GraphedForward``; its
 first two calls, the warm-up and the capture, fall in the untimed warm-up round; diffusers' through
 the capture adapter's model call, ``DiffusersQwenImage``, hooks and all); ``+serial``:
@@ -57,7 +57,10 @@ captured output digested by the row kernel, the strict GEMMs writing no row tabl
 epilogues (``capture.produced.ENABLED`` off; the same digests); ``+unfused``: at L2 the attention's
 scores and probabilities computed by its decomposition, stored and read again, rather than
 digested in the fused kernel (``ops.registry.internals_from_tables`` off; the same records);
-``+nointernals``: L2 without the attention's internals (``drifttool run --no-internals``)."""
+``+nointernals``: L2 without the attention's internals (``drifttool run --no-internals``);
+``+each``: with ``+graph``, a row-kernel launch per captured output recorded in the graph
+(``GraphedForward(batch_digests=False)``) instead of a launch per batch of about a block's
+outputs (``capture.gpu_row_batch``; the same digests)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -86,7 +89,8 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
           unfused_internals("unfused" in extra)):
         if impl == "diffusers" and graph:  # the adapter's call: its hooks run at capture, a replay runs none
-            fast = GRAPHED.setdefault(config, GraphedForward(DiffusersQwenImage(tr)))
+            fast = GRAPHED.setdefault(config, GraphedForward(DiffusersQwenImage(tr),
+                                                             batch_digests="each" not in extra))
             fast(x, txt, mask, tau, grid, rt)
         elif impl == "diffusers":
             ctx = instrument(tr, rt) if rec else contextlib.nullcontext()
@@ -94,7 +98,8 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
                 tr(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                    timestep=tau, img_shapes=[(1, *grid)] * x.shape[0], return_dict=False)
         elif graph:
-            fast = GRAPHED.setdefault(config, GraphedForward(ours, lanes="serial" not in extra))
+            fast = GRAPHED.setdefault(config, GraphedForward(ours, lanes="serial" not in extra,
+                                                             batch_digests="each" not in extra))
             fast(x, txt, mask, tau, grid, rt)
         else:
             ours(x, txt, mask, tau, grid, rt)

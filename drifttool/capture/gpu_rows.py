@@ -14,7 +14,7 @@ The kernel feeds the signed bytes ``s = u − 128`` and the limbs of ``E`` to an
 int32 tensor-core product: kernel 2 (the default for rows of whole tiles) uses 8 signed 8-bit limbs per key
 (``E = Σ_l d_l 256**l``, ``d_l`` in ``[−128, 127]``), kernel 1 9 unsigned 7-bit limbs. Each term
 is at most ``2**14`` in magnitude, so ``2**16`` byte columns add below ``2**30`` in int32, and
-the kernel folds its int32 accumulator into int64 mod p before that bound (``_FOLD_BYTES``). The
+the kernel folds its int32 accumulator into int64 mod p before that bound (``FOLD_BYTES``). The
 ``u − 128`` shift is undone by the constant ``128 · Σ_k E[k]``, added once per row (by column
 split 0). Integer sums do not depend on the order of addition, so the result equals the CPU's
 digest bit for bit (tested in ``tests/gpu``; in Triton's interpreter in ``tests/capture``).
@@ -36,7 +36,9 @@ sm_90a; docs/benchmarks.md, "Full-size forward on one GPU", and
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,11 +53,12 @@ try:  # Triton ships with CUDA builds of torch; the CPU never needs it
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-_FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**14 <= 2**30)
+FOLD_BYTES = 1 << 16  # byte columns added in int32 before a fold (2**16 · 2**14 <= 2**30)
 _WORD_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 _FLOAT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_DEFERRAL = threading.local()
 # Triton's interpreter (read when the kernels are decorated, at import) runs no inline assembly
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 TILE = {"kernel": 2, "bm": 64, "bc": 128, "warps": 4, "stages": 4, "split": 4, "v": 8, "regs": 1}
 """The row kernel's settings: ``kernel`` (2, or 1: the first version), rows and element columns
@@ -75,6 +78,19 @@ on an H200 (2026-12-03, Triton 3.6) a masked ``uint8`` load with ``other=128`` w
 wrongly once vectorised (row strides of a multiple of 16 bytes: rows of 24, 40, 64 or 240 bf16
 elements gave wrong T, T'; Triton's interpreter was right). ``tests/gpu/test_digest_cuda.py``
 checks kernel 2 against kernel 1 and the CPU digest on those shapes."""
+
+
+def float_code(dtype: torch.dtype) -> int:
+    """The row kernels' ``FLOAT`` of ``dtype``: 0 bf16, 1 fp16, 2 fp32."""
+    return _FLOAT[dtype]
+
+
+def defer_to(batch: Any) -> Any:
+    """Make ``batch`` (a ``gpu_row_batch.RowBatch``, or None) take this thread's ``row_table``
+    launches of the tensors it ``takes``; returns the one it replaces."""
+    before = getattr(_DEFERRAL, "batch", None)
+    _DEFERRAL.batch = batch
+    return before
 
 
 def available(t: torch.Tensor) -> bool:
@@ -194,7 +210,8 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         splits, on ``x``'s device, nothing read back: a row's values are the sums (mod p for
         ``T``, ``T'``), the max and the min over the splits (``combine_splits``). The table the
         kernel that wrote ``x`` offered, when there is one (``capture.produced``: its own number
-        of splits), without reading ``x``.
+        of splits), without reading ``x``. Inside a ``gpu_row_batch.RowBatch`` the table is
+        written by the batch's later launch (``defer_to``).
 
     Raises:
         ValueError: not a 2-D CUDA bf16/fp16/fp32 tensor with a contiguous last axis, or a
@@ -206,6 +223,11 @@ def row_table(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     made = produced.table(x)
     if made is not None:
         return made
+    batch = getattr(_DEFERRAL, "batch", None)
+    if batch is not None and batch.takes(x):
+        if batch.defers:
+            return batch.add(x)
+        batch.count(x)  # a warm-up: measured, launched now
     if x.device.type != "cuda" or x.device.index == torch.cuda.current_device():  # (CPU: the interpreter)
         return launch(x, TILE)
     with torch.cuda.device(x.device):
@@ -246,7 +268,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = triton.cdiv(c, bc)
     keys = _key_table(kernel, x.device, c, wbytes)
     grid = (triton.cdiv(r, bm), splits)
-    fold = max(1, _FOLD_BYTES // (bc * wbytes))
+    fold = max(1, FOLD_BYTES // (bc * wbytes))
     opts = dict(num_warps=int(tile["warps"]), num_stages=int(tile["stages"]))
     if kernel == 1:
         kernels._rows_kernel_v1[grid](
@@ -257,7 +279,7 @@ def launch(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kernels._rows_kernel[grid](
             x.view(torch.uint8), keys, rows, stats, r, c, stride * wbytes, keys.shape[1], s1, s2,
             triton.cdiv(tiles, splits), WBYTES=wbytes, FLOAT=_FLOAT[x.dtype], BM=bm, BC=bc,
-            FOLD_EVERY=fold, V=v, ASM=not _INTERPRETED, REGS=int(tile.get("regs", 1)), **opts)
+            FOLD_EVERY=fold, V=v, ASM=not INTERPRETED, REGS=int(tile.get("regs", 1)), **opts)
     return rows, stats
 
 

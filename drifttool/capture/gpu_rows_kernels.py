@@ -173,14 +173,55 @@ def _rows_kernel(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, 
                  WBYTES: tl.constexpr, FLOAT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
                  FOLD_EVERY: tl.constexpr, V: tl.constexpr, ASM: tl.constexpr,
                  REGS: tl.constexpr):
-    """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` (column tiles
-    ``[split · TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``) of ``XB`` (the ``uint8`` view,
-    row stride ``stride_rb`` bytes), keys ``KT`` (int8 ``[16, ktab]``: signed 8-bit limbs of
-    ``E[k]`` for ``B`` then ``B'``, at byte column ``k``). Split ``k`` writes its partial sums at
+    """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``program_id(1)`` of one tensor
+    (``_rows_tile``)."""
+    _rows_tile(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, TILES_PER_SPLIT,
+               tl.program_id(0), tl.program_id(1), WBYTES, FLOAT, BM, BC, FOLD_EVERY, V, ASM, REGS)
+
+
+@triton.jit
+def _rows_many_kernel(ENT, ITEMS, KT, ktab, WBYTES: tl.constexpr, FLOAT: tl.constexpr,
+                      BM: tl.constexpr, BC: tl.constexpr, FOLD_EVERY: tl.constexpr,
+                      V: tl.constexpr, ASM: tl.constexpr, REGS: tl.constexpr,
+                      ALIGNED: tl.constexpr):
+    """``_rows_kernel`` of many tensors in one launch (``gpu_rows.RowBatch``): program
+    ``(i, split)`` is row tile ``ITEMS[i, 1]`` of column split ``split`` of tensor ``ITEMS[i, 0]``,
+    whose entry in ``ENT`` (``int64 [n, 8]``) holds the address of its ``uint8`` view, of its
+    row table's rows and stats (``gpu_rows.empty_table``), ``R``, ``C``, the row stride in
+    bytes and the two ``u − 128`` corrections. Every tensor has ``WBYTES``-byte words of type
+    ``FLOAT``; ``ALIGNED``: every address and row stride a multiple of 16 bytes (as a tensor
+    argument's would be specialised). The same per-row arithmetic as ``_rows_kernel`` with the
+    same constants, so the same table bit for bit."""
+    i = tl.program_id(0)
+    split = tl.program_id(1)
+    e = tl.load(ITEMS + 2 * i)
+    pid = tl.load(ITEMS + 2 * i + 1)
+    XB = tl.load(ENT + 8 * e).to(tl.pointer_type(tl.uint8))
+    ROWS = tl.load(ENT + 8 * e + 1).to(tl.pointer_type(tl.int64))
+    STATS = tl.load(ENT + 8 * e + 2).to(tl.pointer_type(tl.float64))
+    R = tl.load(ENT + 8 * e + 3)
+    C = tl.load(ENT + 8 * e + 4)
+    stride_rb = tl.load(ENT + 8 * e + 5)
+    if ALIGNED:
+        XB = tl.multiple_of(XB, 16)
+        stride_rb = tl.multiple_of(stride_rb, 16)
+    tiles_per_split = tl.cdiv(tl.cdiv(C, BC), tl.num_programs(1))
+    _rows_tile(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, tl.load(ENT + 8 * e + 6),
+               tl.load(ENT + 8 * e + 7), tiles_per_split, pid, split, WBYTES, FLOAT, BM, BC,
+               FOLD_EVERY, V, ASM, REGS)
+
+
+@triton.jit
+def _rows_tile(XB, KT, ROWS, STATS, R, C, stride_rb, ktab, shift_t, shift_t2, TILES_PER_SPLIT,
+               pid, split, WBYTES: tl.constexpr, FLOAT: tl.constexpr, BM: tl.constexpr,
+               BC: tl.constexpr, FOLD_EVERY: tl.constexpr, V: tl.constexpr, ASM: tl.constexpr,
+               REGS: tl.constexpr):
+    """Rows ``[pid·BM, (pid+1)·BM)`` of column split ``split`` (column tiles ``[split ·
+    TILES_PER_SPLIT, (split + 1) · TILES_PER_SPLIT)``) of ``XB`` (the ``uint8`` view, row stride
+    ``stride_rb`` bytes), keys ``KT`` (int8 ``[16, ktab]``: signed 8-bit limbs of ``E[k]`` for
+    ``B`` then ``B'``, at byte column ``k``). Split ``k`` writes its partial sums at
     ``ROWS[k]``/``STATS[k]``; the ``u − 128`` correction is added by split 0 only. Rows past ``R``
     read row ``R − 1`` and are not written."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
     rows = pid * BM + tl.arange(0, BM)
     rmask = rows < R
     BB: tl.constexpr = BC * WBYTES

@@ -20,7 +20,8 @@ What a replay keeps of an eager forward:
   they are counted again in bulk (``model.replay``), so call counters, sites and counts are
   those of an eager call;
 * **capture records (L1, L2)**: the digest kernels of every captured output are part of the graph
-  (``capture.recorder.record_parts``: the same kernels on the same tensors); after a replay the
+  (``capture.recorder.record_parts``: the same row arithmetic on the same tensors, recorded about
+  a block's outputs a launch, ``capture.gpu_row_batch``); after a replay the
   digests are read back at once (one host synchronisation per forward) and filed as one block of
   records built from a template of the forward (``model.replay.ReplayRecords``) under the
   replay's scope (step, sigma, branch), with the ``call`` and ``op_pos`` an eager call gets;
@@ -55,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 
+from drifttool.capture.gpu_row_batch import RowBatch
 from drifttool.errors import UnsupportedConfigError
 from drifttool.model.lanes import Lanes
 from drifttool.model.replay import ReplayRecords, logging_runtime
@@ -245,20 +247,27 @@ class GraphedForward(SignatureGraphs):
         lanes: capture each block's text stream on a second CUDA stream (module docstring);
             False: on one stream.
         max_graphs: as ``SignatureGraphs``.
+        batch_digests: record the row-kernel launches of the captured outputs a batch at a time
+            (``capture.gpu_row_batch``: about a block's outputs a launch, the same tables);
+            False: a launch per output.
 
     Attributes: as ``SignatureGraphs``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, lanes: bool = True, max_graphs: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module, *, lanes: bool = True, max_graphs: int = 8,
+                 batch_digests: bool = True) -> None:
         super().__init__(model, max_graphs=max_graphs)
         self.lanes = lanes
+        self.batch_digests = batch_digests
         self._lanes: Lanes | None = None
         self._pool: Any = None
+        self._words: dict[tuple, int] = {}  # per signature: its batched launches' table words
 
     def reset(self) -> None:
         """Drop every graph and its memory pool (the next call of each signature is eager)."""
         super().reset()
         self._pool = None
+        self._words.clear()
 
     @staticmethod
     def eligible(x: torch.Tensor, rt: Runtime) -> bool:
@@ -279,7 +288,13 @@ class GraphedForward(SignatureGraphs):
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         grid, cond_grids = self._grids(img_grid, cond_grids)
         key = signature(x, txt, txt_mask, tau, grid, cond, cond_grids, rt, self._level(rt))
-        g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids))
+        warm_up = self.refused is None and key not in self._seen
+        g = self._graph(key, lambda: self._capture(x, txt, txt_mask, tau, grid, rt, cond, cond_grids, key))
+        if g is None and warm_up and self._batched(rt):  # the batch's kernels compiled, its tables measured
+            with RowBatch(defer=False) as batch:
+                out = self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
+            self._words[key] = batch.words
+            return out
         if g is None:  # warm-up: compile kernels, fill constant caches
             return self.model(x, txt, txt_mask, tau, img_grid, rt, cond=cond, cond_grids=cond_grids)
         for static, new in zip(g.inputs, (x, txt, txt_mask, tau, cond)):
@@ -290,7 +305,11 @@ class GraphedForward(SignatureGraphs):
         g.records.file(rt)  # the trace, counters and records an eager call would leave
         return g.out.clone()
 
-    def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids) -> _Graph:
+    def _batched(self, rt: Runtime) -> bool:
+        """Whether the captured outputs' row kernels are launched a batch at a time."""
+        return self.batch_digests and self._level(rt) is not None
+
+    def _capture(self, x, txt, txt_mask, tau, grid, rt: Runtime, cond, cond_grids, key: tuple) -> _Graph:
         keep = self._kept_tables(grid, txt.shape[1], cond_grids, rt, x.device)
         inputs = tuple(None if t is None else t.clone() for t in (x, txt, txt_mask, tau, cond))
         level = self._level(rt)
@@ -301,15 +320,21 @@ class GraphedForward(SignatureGraphs):
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        words = self._words.get(key) if self._batched(rt) else None
+        batch = contextlib.nullcontext() if words is None else \
+            RowBatch(torch.empty(max(2, words), dtype=torch.int64, device=x.device))
         torch.cuda.synchronize(x.device)
         try:
             with torch.cuda.device(x.device), stream_kept(x.device), device_scalars(), \
-                    torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream(x.device)):
+                    torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream(x.device)), batch:
                 out = self.model(*inputs[:4], grid, quiet, cond=inputs[4], cond_grids=cond_grids)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # an operation that synchronises with the host mid-forward
             raise capture_refused(f"{rt.mode.value} forward", e) from e
+        if isinstance(batch, RowBatch):  # the launches' address tables, read at every replay
+            batch.fill()
+            keep = (*keep, *batch.keep)
         return _Graph(graph, inputs, out, ReplayRecords(log.calls, level), keep)
 
 

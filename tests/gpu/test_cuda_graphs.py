@@ -90,12 +90,15 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
         model.proj_out.weight = torch.nn.Parameter(saved)
 
 
-@pytest.mark.parametrize("level, internals", [("L1", None), ("L2", None), ("L2", False)])
-def test_captured_records_of_replays_equal_the_eager_records(model, level, internals):
+@pytest.mark.parametrize("level, internals, batch", [("L1", None, True), ("L2", None, True),
+                                                     ("L2", False, True), ("L1", None, False)])
+def test_captured_records_of_replays_equal_the_eager_records(model, level, internals, batch):
     """Digest records (L1; L2 with row digests and the attention's internals, or without them:
     ``--no-internals``) of replayed forwards: the same rows as eager forwards', each replay under
-    its own step, sigma and sample id (one graph: the rows share one sample at every step)."""
-    fast = GraphedForward(model)
+    its own step, sigma and sample id (one graph: the rows share one sample at every step); the
+    captured outputs' row kernels recorded a batch at a time (``capture.gpu_row_batch``) or a
+    launch each."""
+    fast = GraphedForward(model, batch_digests=batch)
     tables = {}
     for name in ("eager", "graph"):
         rec = Recorder(level)
@@ -114,6 +117,34 @@ def test_captured_records_of_replays_equal_the_eager_records(model, level, inter
     roles = {r["role"] for r in tables["graph"]}
     assert ("internal" in roles) is (level == "L2" and internals is None)
     assert any(r["op"] == "joint_attention_fused" for r in tables["graph"])
+
+
+def test_the_warm_up_compiles_the_batched_row_kernel_before_the_capture(model, monkeypatch):
+    """The first call of a signature (eager) runs under a ``RowBatch`` as the capture will, so
+    the batched row kernel is compiled (and its module loaded) then, never inside the capture,
+    where loading a module is not allowed."""
+    from drifttool.capture import gpu_rows_kernels
+
+    kernel = gpu_rows_kernels._rows_many_kernel
+    kernel.device_caches.clear()  # compiled afresh in this test
+    seen = []
+    compile_ = kernel._do_compile
+
+    def counted(*args, **kwargs):
+        seen.append(torch.cuda.is_current_stream_capturing())
+        return compile_(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "_do_compile", counted)
+    fast = GraphedForward(model)
+    rt = Runtime(mode="strict", recorder=Recorder("L1"))
+    with torch.no_grad():
+        for step in range(3):
+            x, txt, mask, tau, grid = _inputs(step, 2)
+            with rt.scope(phase="rollout", step=step, sigma=0.5, samples=[0, 1], branch="cond",
+                          txt_lens=[11, 6], img_grid=grid):
+                fast(x, txt, mask, tau, grid, rt)
+    assert (fast.captures, fast.replays) == (1, 2)
+    assert seen and not any(seen), seen
 
 
 def test_autograd_and_variants_run_eagerly(model):

@@ -161,3 +161,127 @@ def test_kernel2_partial_tile_with_an_aligned_stride(dtype, shape):
     r2, s2 = gpu_rows.combine_splits(*gpu_rows.launch(t, dict(gpu_rows.TILE, kernel=2)))
     assert torch.equal(r1, r2)
     assert torch.equal(s1[:, 1:], s2[:, 1:])
+
+
+def _batch_outputs(seed):
+    """Outputs of the shapes a block captures and awkward ones: the aligned partial tiles above,
+    a strided and misaligned column slice, fp16 and fp32, one without rows."""
+    xs = [_special(torch.bfloat16, s, seed + i).cuda() for i, s in
+          enumerate([(4096, 3072), (128, 3072), (4096, 12288), (31, 40), (16, 136), (3, 240)])]
+    xs.append(_special(torch.bfloat16, (257, 3100), seed).cuda()[:, 3:3075])
+    xs += [_special(torch.float16, (6889, 24), seed).cuda(), _special(torch.float32, (37, 700), seed).cuda(),
+           torch.empty(0, 64, dtype=torch.bfloat16, device="cuda")]
+    return xs
+
+
+def _table_bits(table):
+    return [table[0].clone(), table[1].clone().view(torch.int64)]
+
+
+@pytest.mark.parametrize("entries", [64, 3])
+def test_one_launch_a_batch_writes_the_tables_of_a_launch_each(entries, monkeypatch):
+    """``RowBatch``'s launches, the text lane's outputs on a second stream included, write every
+    table a launch per output writes: T, T' and the summaries' raw bits."""
+    from drifttool.capture import gpu_row_batch, gpu_rows
+
+    monkeypatch.setitem(gpu_row_batch.BATCH, "entries", entries)
+    xs = _batch_outputs(11)
+    side = torch.cuda.Stream()
+    with gpu_row_batch.RowBatch() as batch:
+        tables = []
+        for i, x in enumerate(xs):
+            if i % 3 == 1:  # as the text lane's outputs
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    tables.append(gpu_rows.row_table(x))
+            else:
+                tables.append(gpu_rows.row_table(x))
+        assert entries == 3 or batch.launches == 0  # deferred until the end
+    torch.cuda.synchronize()
+    for x, got in zip(xs, tables):
+        want = gpu_rows.launch(x, gpu_rows.TILE)
+        assert all(torch.equal(a, b) for a, b in zip(_table_bits(got), _table_bits(want))), (x.dtype, x.shape)
+    assert batch.tensors == len(xs) - 1 and batch.launches < batch.tensors
+
+
+def _captured_tables(src, last=None):
+    """A CUDA graph of ``o = x * 1`` for each of ``src`` and the row tables of the ``o``, through
+    a ``RowBatch`` whose arena an eager run measured; ``last()`` runs in the capture just before
+    the batch's launches."""
+    from drifttool.capture import gpu_row_batch, gpu_rows
+
+    with gpu_row_batch.RowBatch(defer=False) as warm:  # compiled, key tables grown, the arena measured
+        [gpu_rows.row_table(x * 1) for x in src]
+    graph = torch.cuda.CUDAGraph()
+    batch = gpu_row_batch.RowBatch(torch.empty(warm.words, dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph), batch:
+        outs = [x * 1 for x in src]  # the graph's own outputs
+        tables = [gpu_rows.row_table(o) for o in outs]
+        if last is not None:
+            last()
+    batch.fill()
+    assert batch.launches >= 1 and batch.keep
+    return graph, outs, tables, batch
+
+
+def _replays_give_each_outputs_tables(graph, src, outs, tables):
+    from drifttool.capture import gpu_rows
+
+    for seed in (5, 6):
+        for x, new in zip(src, _batch_outputs(seed)[:5]):
+            x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, got in zip(outs, tables):  # (x * 1 may quiet a NaN: the table of o's own bytes)
+            want = gpu_rows.launch(o, gpu_rows.TILE)
+            assert all(torch.equal(a, b) for a, b in zip(_table_bits(got), _table_bits(want)))
+
+
+def test_a_graph_of_batched_launches_digests_each_replays_values():
+    """Recorded in a CUDA graph, the batched launches read their address tables (in the arena,
+    written after the capture, kept with the graph) and the outputs at every replay: new values
+    give their own tables, after memory freed since the capture was written over."""
+    src = [x.clone() for x in _batch_outputs(3)[:5]]
+    graph, outs, tables, _ = _captured_tables(src)
+    junk = [torch.full((1 << 20,), 0x55, dtype=torch.int64, device="cuda") for _ in range(8)]
+    _replays_give_each_outputs_tables(graph, src, outs, tables)
+    del junk
+
+
+def test_a_graph_writing_its_freed_memory_again_leaves_its_address_tables_alone():
+    """Tensors freed early in a capture hand their memory to what the capture allocates later;
+    each replay writes them again before the launches run. The address tables live outside the
+    graph's pool (the arena), so a replay never overwrites them (an address table the capture
+    allocated was overwritten so and its launch read addresses of nothing)."""
+    src = [x.clone() for x in _batch_outputs(4)[:5]]
+
+    def scratch():  # small blocks of the graph's pool, written, freed before the launches
+        for n in (64, 96, 128, 256, 512, 1024, 4096):
+            torch.full((n,), -1, dtype=torch.int64, device="cuda").add_(0)
+
+    graph, outs, tables, batch = _captured_tables(src, scratch)
+    assert len(batch.keep) == 1  # the arena: no table in the graph's pool
+    _replays_give_each_outputs_tables(graph, src, outs, tables)
+
+
+def test_a_text_lane_launch_reads_an_output_the_main_lane_made_and_freed(monkeypatch):
+    """An output made on the main stream and digested on a second stream (the text lane's
+    batch, launched after the lanes stopped keeping it): once dropped, its memory is not handed
+    to the main stream's next tensor before the launch has read it."""
+    from drifttool.capture import gpu_row_batch, gpu_rows
+
+    monkeypatch.setitem(gpu_row_batch.BATCH, "entries", 1)  # launched at once, on the side stream
+    x = _special(torch.bfloat16, (4096, 3072), 21).cuda()
+    want = _table_bits(gpu_rows.launch(x, gpu_rows.TILE))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with gpu_row_batch.RowBatch():
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)  # the side stream busy: its launch runs late
+            got = gpu_rows.row_table(x)
+        del x
+        y = torch.full((4096, 3072), 7.0, dtype=torch.bfloat16, device="cuda")  # the main stream's next tensor
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(_table_bits(got), want))
+    del y
