@@ -173,8 +173,9 @@ class RowBatch:
     def fill(self) -> None:
         """Write the address tables of the launches recorded in a capture into the arena (call
         once the capture has ended, before the first replay)."""
-        for plan, host in self._fills:
-            plan.copy_(host)
+        if self._fills:  # the tables lie end to end at the arena's start: one asynchronous copy
+            host = torch.cat([h for _, h in self._fills])
+            self._arena[:host.numel()].copy_(_pinned(host), non_blocking=True)
         self._fills.clear()
 
     def _cut(self, n: int) -> torch.Tensor:
@@ -225,7 +226,7 @@ class RowBatch:
             plan = self._cut(host.numel())
             self._fills.append((plan, host))
         else:
-            plan = host.to(dev)
+            plan = _pinned(host).to(dev, non_blocking=True) if dev.type == "cuda" else host
             self.keep.append(plan)
         keys = gpu_rows.byte_key_table(dev, max(int(e.x.shape[1]) for e in group), wbytes)
         gpu_rows.kernels._rows_many_kernel[(len(it), splits)](
@@ -235,6 +236,12 @@ class RowBatch:
             num_warps=int(tile["warps"]), num_stages=int(tile["stages"]))
         self.launches += 1
         self.tensors += len(group)
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """``host`` in pinned memory where CUDA is: a copy from pageable memory would block the host
+    (one synchronisation per launch's table)."""
+    return host.pin_memory() if torch.cuda.is_available() else host
 
 
 def _group(x: torch.Tensor) -> tuple[int, int, int, bool]:
