@@ -8,6 +8,11 @@ a program reads the output line by line, so whatever ``COLUMNS`` says:
 - a table prints at its natural width (its columns never shrink, so no identifier is cut to
   ``latent_proj_…``), its title on a line of its own above it, left-aligned;
 - no line ends in spaces (the padding rich adds to fill a table's width).
+
+On a terminal too narrow for a table's values whole (each column as wide as its longest cell, or
+its longest word where cells wrap at spaces) the table prints as a listing instead: a row's
+first cell on a line, each other cell under it as ``  header: value``. rich would otherwise
+shrink the columns and cut the values (``1.19e-…``, ``timestep_embed_m…``).
 """
 
 from __future__ import annotations
@@ -52,13 +57,38 @@ class _Console(Console):
             for name in ("title", "caption"):
                 if isinstance(getattr(t, name), str):
                     setattr(t, name, Text(getattr(t, name)))
-        if not tables or not (pipe or any(self._title_wider(t) for t in tables)):
+        listed = [] if pipe else [t for t in tables if not _fits(self, t)]
+        if not tables or not (pipe or listed or any(self._title_wider(t) for t in tables)):
             return super().print(*objects, **kwargs)
         for o in objects:
-            if isinstance(o, Table):
+            if isinstance(o, Table) and any(o is t for t in listed):
+                self._print_listing(o)
+            elif isinstance(o, Table):
                 self._print_table(o, pipe, **kwargs)
             else:
                 super().print(o, **kwargs)
+
+    def _print_listing(self, table: Table) -> None:
+        """``table`` on a terminal too narrow for it (``_fits``): its title, then each row as its
+        first column's header and cell on a line (``step 0``) and every other non-empty cell
+        under it, ``  header: value`` (a table without headers: ``key: value`` a row); the
+        terminal wraps a long line at its spaces, so no value is cut."""
+        if table.title:
+            super().print(table.title, style=table.title_style or "table.title", highlight=False)
+        columns = table.columns
+        for i in range(table.row_count):
+            cells = [_plain(c._cells[i]) if i < len(c._cells) else "" for c in columns]
+            if not table.show_header:
+                super().print(Text(": ".join(x for x in cells if x)), highlight=False)
+                continue
+            super().print(Text(f"{_plain(columns[0].header).replace(chr(10), ' ')} {cells[0] or '-'}"),
+                          highlight=False)
+            for col, cell in zip(columns[1:], cells[1:]):
+                if cell:
+                    super().print(Text(f"  {_plain(col.header).replace(chr(10), ' ')}: {cell}"),
+                                  highlight=False)
+        if table.caption:
+            super().print(table.caption, style=table.caption_style or "table.caption", highlight=False)
 
     def _title_wider(self, table: Table) -> bool:
         """Whether ``table``'s title is wider than the table (rich would wrap it)."""
@@ -102,6 +132,30 @@ class _Console(Console):
         with its own code."""
         silence_stdout()
         self.quiet = True
+
+
+def _plain(cell: Any) -> str:
+    """A table cell's text (a ``str`` or a ``Text``; another renderable as ``str`` gives it)."""
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def _fits(console: Console, table: Table) -> bool:
+    """Whether ``table`` fits ``console``'s width without a cell cut: each column at least as
+    wide as its longest cell (a ``no_wrap`` column) or its longest word (a column whose cells
+    wrap at spaces), header included. A table with a column that folds its cells by design
+    (``overflow="fold"``: the trace's kernels) lays itself out and is taken as it is. Sets the
+    columns' ``min_width`` to those widths, so that rich, laying the table out, cuts nothing."""
+    if any(c.overflow == "fold" for c in table.columns):
+        return True
+    for c in table.columns:
+        texts = [_plain(c.header), *(_plain(x) for x in c._cells)]
+        if c.no_wrap:
+            need = max(Text(line).cell_len for t in texts for line in (t.splitlines() or [""]))
+        else:
+            need = max((Text(w).cell_len for t in texts for w in t.split()), default=0)
+        c.min_width = max(c.min_width or 0, need)
+    options = console.options.update(max_width=_UNBOUNDED, markup=False)
+    return Measurement.get(console, options, table).minimum <= console.width
 
 
 def _make(stderr: bool = False) -> Console:

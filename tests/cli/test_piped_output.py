@@ -92,6 +92,30 @@ def test_a_title_wider_than_its_table_is_one_line_on_a_terminal(strict_run):
     assert title in buf.getvalue().splitlines(), buf.getvalue()
 
 
+@pytest.mark.parametrize("width", [80, 60, 44])
+def test_diff_on_a_narrow_terminal_cuts_no_value(strict_run, long_run, width):
+    """On a terminal too narrow for a table every value prints whole (a table whose columns
+    would shrink cut ``1.19e-07`` to ``1.19e-…`` and ``timestep_embed_mlp#0`` to
+    ``timestep_embed_m…``): such a table is a listing, a row's first cell on a line and each
+    other cell under it, ``  header: value``. Every line fits the terminal and every number and
+    name of the wide report is there."""
+    import re
+
+    report = diff_runs(open_run(strict_run), open_run(long_run[0]))
+
+    def shown(columns: int) -> str:
+        buf = io.StringIO()
+        render(report, _Console(file=buf, force_terminal=True, width=columns, color_system=None))
+        return buf.getvalue()
+
+    narrow, wide = shown(width), shown(400)
+    assert "…" not in narrow and max(map(len, narrow.splitlines())) <= width, narrow
+    values = lambda out: set(re.findall(r"[0-9][0-9.e+-]*[0-9]|[a-z_]+#[0-9]+", out))  # noqa: E731
+    assert values(wide) <= values(narrow), sorted(values(wide) - values(narrow))
+    assert re.search(r"^  logp_t max\|Δ\|: [0-9.e-]+$", narrow, re.M), narrow  # the listing's form
+    assert "per step (worst sample" in wide and "  logp_t max|Δ|:" not in wide  # a table there
+
+
 @pytest.mark.parametrize("command", [["--help"], ["probe", "--help"], ["run", "--help"], ["fixture"],
                                      ["experiment"]], ids=lambda c: " ".join(c))
 def test_help_on_a_pipe_has_no_padded_lines(command):
