@@ -45,10 +45,13 @@ def trace(
         rows = [r for r in rows if r["fallback"]]
     n_fb = sum(1 for r in every if r["fallback"])
     ranks = sorted({r["rank"] for r in every})
-    if as_json:  # every column as stored; the block as a number (schema.SAMPLER_BLOCK: the sampler)
+    if as_json:  # every column as stored; the block as a number (schema.SAMPLER_BLOCK: the sampler;
+        # blocks[component]: the model's block count, the block of its records after the last block)
+        counts = {c: S.model_blocks(run.manifest, c) for c in sorted({r["component"] for r in every})}
         _json.emit("trace", {"run": str(run_dir), "mode": run.manifest.get("settings", {}).get("mode"),
                              "complete": run.complete, "call_sites": len(every), "fallbacks": n_fb,
-                             "ranks": ranks, "sites": rows})
+                             "ranks": ranks, "blocks": {c: n for c, n in counts.items() if n is not None},
+                             "sites": rows})
         return
     mode = run.manifest.get("settings", {}).get("mode")
     cols = ["rank", "device", "component", "block", "stream", "op", "call", "requested", "actual",

@@ -51,12 +51,15 @@ def test_trace_json_shape_lists_every_site(strict_run):
     assert code == 0
     assert shape(data) == {**HEAD, "run": "str", "mode": "str", "complete": "bool",
                            "call_sites": "int", "fallbacks": "int", "ranks": ["int"],
-                           "sites": [{"rank": "int", "device": "str", "component": "str",
+                           "blocks": {"mmdit": "int"}, "sites": [{"rank": "int", "device": "str", "component": "str",
                                       "op": "str", "block": "int", "stream": "str", "call": "int",
                                       "contract": "str", "requested": "str", "actual": "str",
                                       "kernel": "str", "fallback": "bool", "reason": "str",
                                       "declared": "bool", "calls": "int"}]}
     assert len(data["sites"]) == data["call_sites"] > 20
+    after = {s["op"] for s in data["sites"] if s["block"] == data["blocks"]["mmdit"]}  # after the last block
+    assert "final_adaln_out" in after and max(s["block"] for s in data["sites"]) \
+        == data["blocks"]["mmdit"]
 
 
 DIFF_KEYS = {"verdict", "reason", "run_a", "run_b", "level", "covers", "incomparable", "context",
