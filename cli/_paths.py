@@ -78,6 +78,21 @@ def output_file(out: Path, option: str) -> Path:
     return out
 
 
+def output_dir(out: Path, option: str) -> Path:
+    """Check, before any work, that ``out`` can be a folder to write into: not an existing file,
+    not under one. Returns ``out``.
+
+    Raises:
+        DriftToolError: naming ``option``, ``out`` and what is in the way.
+    """
+    if out.exists() and not out.is_dir():
+        raise DriftToolError(f"{option} {out}: exists and is not a directory; give a folder")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DriftToolError(f"{option} {out}: {above} is not a directory")
+    return out
+
+
 def parent_made(out: Path) -> Path:
     """Create ``out``'s missing parent folders (``output_file`` checked it); returns ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)

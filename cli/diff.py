@@ -77,6 +77,8 @@ def diff(
             raise typer.BadParameter(f"{name} goes with --localize", param_hint=name)
     if junit is not None:
         _paths.output_file(junit, "--junit")
+    if localize_dir is not None:
+        _paths.output_dir(localize_dir, "--localize-dir")
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise

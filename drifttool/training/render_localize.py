@@ -4,7 +4,7 @@
     │ status          │ localized                                                          │
     │ step            │ 1 (step 1 is the first differing step; its x_t matches in both runs) │
     │ first drift     │ rollout step 1 cond before block 0 timestep_embed_mlp#0 sample 0 ... │
-    │ block / branch  │ before 0 / cond (stream -)                                          │
+    │ block / branch  │ before 0 / cond                                                     │
     │ rows            │ 1 of 24 differ: img (0, 1)                                          │
     │ reproduced      │ A yes, B yes (the stored step records of both runs)                 │
     │ time            │ 2.76 s (model load 1.02 s, shared; steps A 0.18 s, B 0.17 s)        │
@@ -54,7 +54,8 @@ def localize_rows(result: "LocalizeResult") -> list[tuple[str, str]]:
         if fd.kind == "op":
             out = "" if fd.index == 0 else f" out{fd.index}"
             rows += [("operator", f"{fd.op}#{fd.call}{out} ({fd.role})"),
-                     ("block / branch", f"{block_name(fd.block, fd.blocks)} / {label(fd.branch)} (stream {label(fd.stream)})")]
+                     ("block / branch", f"{block_name(fd.block, fd.blocks)} / {label(fd.branch)}"
+                                        + ("" if label(fd.stream) == "-" else f" (stream {label(fd.stream)})"))]
         else:
             rows.append(("quantity", f"{fd.op} ({label(fd.branch)})"))
         rows.append(("sample", label(fd.sample)))

@@ -66,6 +66,15 @@ def test_output_files_make_missing_parents_and_refuse_a_file_in_the_way(
     assert sorted(tmp_path.rglob("*")) == before  # refused before anything was written
 
 
+def test_localize_dir_that_is_a_file_is_refused_naming_the_option(cli, strict_run, afile):
+    """Refused before the diff, naming ``--localize-dir`` (it was an error naming the file only,
+    after the runs' re-execution had started)."""
+    one_error_line(*cli("diff", strict_run, strict_run, "--localize-dir", afile),
+                   f"--localize-dir {afile}", "not a directory")
+    one_error_line(*cli("diff", strict_run, strict_run, "--localize-dir", afile / "sub"),
+                   f"--localize-dir {afile / 'sub'}", "not a directory")
+
+
 def test_probe_junit_under_a_regular_file_is_refused_before_the_matrix(cli, tmp_path, afile):
     one_error_line(*cli("probe", "--only", "repeat", "-o", tmp_path / "m", "--junit", afile / "j.xml"),
               f"--junit {afile}", "not a directory")

@@ -5,6 +5,8 @@ in a short site; never ``block -1``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from rich.console import Console
 
@@ -94,6 +96,9 @@ def test_a_first_drift_after_the_blocks_is_said_in_words(after_report):
     assert '<td class="id">uncond after b1 img latent_proj_gemm#0 s1</td>' in html
     rows = dict(localize_rows(LocalizeResult(status="already_localized", reason="", first_drift=fd)))
     assert rows["block / branch"] == "after 1 / uncond (stream img)"
+    of_no_stream = dataclasses.replace(fd, stream="none")  # the timestep embedding's, say
+    rows = dict(localize_rows(LocalizeResult(status="already_localized", reason="", first_drift=of_no_stream)))
+    assert rows["block / branch"] == "after 1 / uncond"  # not "(stream -)"
     for shown in (out, html, fd.where()):
         assert "block 2" not in shown and " b2 " not in shown
 
