@@ -173,11 +173,12 @@ def _print_site(cells: dict[str, str], cols: list[str], width: int) -> None:
 
 
 def _column_widths(cells: list[dict[str, str]], cols: list[str], width: int) -> tuple[dict[str, int], list[str]]:
-    """Column widths that fit the table into ``width`` terminal columns, folding a cell only
-    after a space or punctuation (``_fold``): the kernel column first, as narrow as its longest
-    piece; where the other columns whole leave it less than that, the kernels leave the table
-    for lines under it (``kernel, <op>: …``, or per call site for an operator of several
-    kernels) and the other columns fold, widest first. A header stays whole.
+    """Column widths that fit the table into ``width`` terminal columns where they can: the
+    kernel column folds, only after a space or punctuation (``_fold``), as narrow as its longest
+    piece; where the other columns leave it less than that, the kernels leave the table for
+    lines under it (``kernel, <op>: …``, or per call site for an operator of several kernels).
+    Every other column keeps its cells whole (an operator name folded over two lines reads as
+    two names): a table still wider than ``width`` prints as a listing (the caller).
 
     Returns the widths (column → characters, without padding) and the kernel lines (empty
     while the kernels stay in the table)."""
@@ -187,14 +188,9 @@ def _column_widths(cells: list[dict[str, str]], cols: list[str], width: int) -> 
     def room(kept: list[str]) -> int:  # what the columns leave of the width (padding: a space each side)
         return width - 3 * len(kept) - 1 - sum(natural[c] for c in kept)
 
-    others = [c for c in cols if c != "kernel"]
     if "kernel" in cols and room(cols) + natural["kernel"] >= least["kernel"]:
         return {**natural, "kernel": min(natural["kernel"], room(cols) + natural["kernel"])}, []
-    widths, excess = dict(natural), -room(others)
-    for c in sorted(others, key=lambda c: -natural[c]):
-        cut = max(0, min(excess, natural[c] - least[c]))
-        widths[c] -= cut
-        excess -= cut
+    widths = dict(natural)  # identifiers (operators, blocks, contracts) whole: too wide, a listing
     if "kernel" not in cols:
         return widths, []
     per_op: dict[str, set[str]] = {}

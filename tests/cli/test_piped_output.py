@@ -172,10 +172,10 @@ def test_trace_on_a_narrow_terminal_cuts_no_identifier(strict_run, monkeypatch):
     assert sorted(r[kernel].replace(" ", "") for r in rows) == sorted(s["kernel"].replace(" ", "") for s in sites)
 
 
-@pytest.mark.parametrize("width", [60, 80])
+@pytest.mark.parametrize("width", [72, 80])
 def test_trace_on_a_narrow_terminal_folds_no_word(strict_run, monkeypatch, width):
-    """On a 60- or 80-column terminal every line fits and a cell (an operator name, a kernel
-    string) or a line under the table folds only after a space or punctuation: the output holds
+    """On a 72- or 80-column terminal every line fits, every operator name prints whole on one
+    line, and a line under the table folds only after a space or punctuation: the output holds
     the same words as on a wide terminal (a kernel folded as ``tree_rm`` / ``snorm``, a column
     cut to ``contrac`` or dropped, gave words of its own or lost some)."""
     import re
@@ -194,13 +194,15 @@ def test_trace_on_a_narrow_terminal_folds_no_word(strict_run, monkeypatch, width
     assert max(map(len, lines)) <= width, "\n".join(lines)
     words = lambda ls: sorted(set(re.findall(r"[A-Za-z0-9]+", "\n".join(ls))))  # noqa: E731
     assert words(lines) == words(shown(400)), "\n".join(lines)
+    ops = {c.strip() for ln in lines if ln.startswith("│") for c in ln.strip("│").split("│")}
+    assert {s["op"] for s in open_run(strict_run).trace_rows()} <= ops, "\n".join(lines)
 
 
-@pytest.mark.parametrize("width", [30, 40, 57])
+@pytest.mark.parametrize("width", [30, 40, 57, 65])
 def test_trace_on_a_terminal_too_narrow_for_its_table_lists_its_sites(strict_run, monkeypatch, width):
-    """Below the narrowest table whose columns fit whole-worded (about 58 columns here) each call
-    site is listed (its site on a line, its other columns under it) instead of a table whose
-    headers and cells rich cut (``bloc``, ``str``, ``latent_`` / ``proj_ge``): every line fits,
+    """Below the narrowest table whose cells fit whole (about 71 columns here) each call site is
+    listed (its site on a line, its other columns under it) instead of a table whose headers and
+    cells rich cut (``bloc``, ``str``) or fold (``latent_proj_`` / ``gemm``): every line fits,
     every operator name prints whole, and no word is one the wide trace lacks."""
     import re
 
