@@ -1,10 +1,13 @@
 """What a run's records cover, checked against its manifest: the ranks and samples they belong
 to, and in a complete run every rank, sample and step.
 
+    >>> check_named_samples(Path("runs/a"), manifest, steps, ops)  # samples the manifest names
     >>> check_owning_ranks(Path("runs/a"), manifest, steps, ops)   # each rank ran its samples
     >>> check_traced_ranks(Path("runs/a"), manifest, steps, trace_rows)
 
-Each rank's records are of the samples the layout gives it and their ``rank_digests`` and
+The records are of the samples ``settings.samples`` names (``check_named_samples``: a manifest
+that names other samples than its records hold is corrupt); each rank's records are of the
+samples the layout gives it and their ``rank_digests`` and
 ``rank_disagree`` name ranks of the layout (``check_owning_ranks``); a complete run holds step
 records of every sample and step it names, operator records of every step at L1 and finer, and
 a trace from every rank that wrote step records (``check_traced_ranks``), so a run that lost
@@ -21,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from drifttool.artifact import compute as ac
+from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError
 
 
@@ -42,6 +46,50 @@ def _check_rank_columns(path: Path, world: int, ops: pa.Table) -> None:
         if ranks and (ranks != sorted(set(ranks)) or ranks[0] < 0 or ranks[-1] >= world):
             raise ArtifactError(f"{path}: ops.rank* record {i} names ranks {ranks} "
                                 f"disagreeing, not ranks of the {world}-rank layout in order")
+
+
+def _ids(ids: list[int]) -> str:
+    """Sample ids for a message: the list, or its first five and how many there are."""
+    return str(ids) if len(ids) <= 5 else f"[{', '.join(map(str, ids[:5]))}, … ({len(ids)} ids)]"
+
+
+def _named(manifest: dict[str, Any]) -> tuple[str, list[int]] | None:
+    """The key and the ids of the samples the records name: ``settings.sample_labels`` (the ids
+    written for each batch row instead of its samples'), else ``settings.samples``; None where
+    the manifest names none (a manifest without settings)."""
+    settings = manifest.get("settings") or {}
+    for key in ("sample_labels", "samples"):
+        if isinstance(settings.get(key), list):
+            return f"settings.{key}", settings[key]
+    return None
+
+
+def check_named_samples(path: Path, manifest: dict[str, Any], steps: pa.Table,
+                        ops: pa.Table) -> None:
+    """The records hold no sample the manifest does not name: every sample id ``>= 0`` (−1:
+    unbatched) of the step and op records is one of ``settings.samples`` (of
+    ``settings.sample_labels`` where the run relabelled its rows). A complete run with step
+    records also holds step records of every sample it names (``check_owning_ranks``), so the
+    two sets are equal; an incomplete one may lack some (a rank stopped before writing them),
+    and a run with no records (mode off, or stopped before its first step) passes. The named
+    ids are distinct, non-negative and at least one (``manifest.samples_problem``, at open).
+
+    Raises:
+        ArtifactError: a corrupt manifest, naming it, its ids and the records' other ids.
+    """
+    named = _named(manifest)
+    if named is None:
+        return
+    key, ids = named
+    for name, table in (("steps.rank*", steps), ("ops.rank*", ops)):
+        if not table.num_rows:
+            continue
+        held = set(ac.unique(table["sample"]).to_pylist())  # one column, in Arrow
+        other = sorted(i for i in held - set(ids) if i >= 0)
+        if other:
+            raise ArtifactError(f"{path / S.MANIFEST}: corrupt manifest ({key} {_ids(ids)} "
+                                f"disagrees with the records: {name} holds sample(s) "
+                                f"{_ids(other)}, which it does not name)")
 
 
 def check_owning_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,
@@ -134,12 +182,12 @@ def _check_every_sample_recorded(path: Path, manifest: dict[str, Any], steps: pa
                                 f"{[s for _, s in lost]} on rank(s) {sorted({r for r, _ in lost})} "
                                 "(layout.samples names them): the run lost records")
         return
-    named = (manifest.get("settings") or {}).get("samples")
-    if isinstance(named, list) and steps.num_rows:
-        lost = sorted(set(named) - set(steps["sample"].to_pylist()))
+    named = _named(manifest)
+    if named is not None and steps.num_rows:
+        lost = sorted(set(named[1]) - set(ac.unique(steps["sample"]).to_pylist()))
         if lost:
-            raise ArtifactError(f"{path}: marked complete, but no step records of sample(s) {lost} "
-                                "(settings.samples names them): the run lost records")
+            raise ArtifactError(f"{path}: marked complete, but no step records of sample(s) "
+                                f"{_ids(lost)} ({named[0]} names them): the run lost records")
 
 
 def check_traced_ranks(path: Path, manifest: dict[str, Any], steps: pa.Table,

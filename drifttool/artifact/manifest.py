@@ -13,6 +13,7 @@ section a run's holds (``manifest_schema.section_problem``). Anything else is a 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -182,7 +183,7 @@ def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
     manifest without one of its sections (``section_problem``: ``RUN_SECTIONS``,
     ``KIND_REQUIRES``), a ``kind`` with another kind's keys (``KIND_FORBIDS``), file entries
     other than the names the writer gives (``files_problem``) or a layout that contradicts itself
-    (``layout_problem``)."""
+    (``layout_problem``) or sample ids that cannot be a run's (``samples_problem``)."""
     problem = check_manifest_value("", m, MS.MANIFEST_SCHEMA)
     if problem is None:  # kind is now one of manifest_schema.KINDS or absent
         kind = m.get("kind")
@@ -192,7 +193,8 @@ def _check_manifest_shape(mpath: Path, m: dict[str, Any]) -> None:
             problem = f"kind {kind!r} with {min(extra)!r} (a {kind} has no {min(extra)!r})"
     if problem is not None:
         raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
-    problem = layout_problem(m.get("layout", {"world_size": 1})) or files_problem(m)
+    problem = (layout_problem(m.get("layout", {"world_size": 1})) or files_problem(m)
+               or samples_problem(m.get("settings")))
     if problem is not None:
         raise ArtifactError(f"{mpath}: corrupt manifest ({problem})")
 
@@ -254,6 +256,30 @@ def layout_problem(layout: dict[str, Any]) -> str | None:
         ids = [i for r in samples.values() for i in r]
         if len(set(ids)) != len(ids):
             return "layout.samples gives a sample id to two ranks (or twice to one)"
+    return None
+
+
+def samples_problem(settings: Any) -> str | None:
+    """How ``settings.samples`` (already a list of integers, when present) departs from the sample
+    ids a run holds: at least one, each at least 0, none twice (as ``drifttool run --samples``
+    takes them); ``settings.sample_labels``, when present, one id per sample.
+    Whether the records hold those samples is checked once they are read
+    (``coverage.check_named_samples``)."""
+    samples = settings.get("samples") if isinstance(settings, dict) else None
+    if samples is None:
+        return None
+    if not samples:
+        return "settings.samples is empty: the run names no sample"
+    negative = sorted({i for i in samples if i < 0})
+    if negative:
+        return f"settings.samples holds negative sample id(s) {negative[:5]}: ids are at least 0"
+    twice = sorted(i for i, n in collections.Counter(samples).items() if n > 1)
+    if twice:
+        return f"settings.samples has duplicate sample ids: {twice[:5]} named more than once"
+    labels = settings.get("sample_labels")
+    if labels is not None and len(labels) != len(samples):
+        return (f"settings.sample_labels names {len(labels)} id(s) for the "
+                f"{len(samples)} sample(s) of settings.samples, not one per sample")
     return None
 
 

@@ -10,7 +10,7 @@ The repository keeps the output in ``docs/manifest.schema.json`` (a test keeps t
 It states what ``manifest_schema.MANIFEST_SCHEMA``, ``RUN_SECTIONS`` (as ``dependentRequired``: a
 manifest with one of ``RUN_MARKERS`` holds every section; ``FINISH_SECTIONS`` once complete,
 ``UNCAPTURED_SECTIONS`` unless in mode off),
-``KIND_REQUIRES`` and ``KIND_FORBIDS`` state; the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``)
+``KIND_REQUIRES`` and ``KIND_FORBIDS`` state; the cross-field rules of ``drifttool.artifact.manifest`` (``layout_problem``, ``files_problem``, ``samples_problem``)
 and the supported schema versions are checked by drifttool's reader only.
 """
 

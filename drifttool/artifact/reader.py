@@ -38,7 +38,7 @@ from drifttool.artifact import schema as S
 from drifttool.artifact.checks import (check_batch, check_directory, check_inputs,
                                        check_records_match_manifest, check_sigmas,
                                        check_unique_seq, schema_differences)
-from drifttool.artifact.coverage import check_owning_ranks, check_traced_ranks
+from drifttool.artifact.coverage import check_named_samples, check_owning_ranks, check_traced_ranks
 from drifttool.artifact.directory import being_written
 from drifttool.artifact.manifest import brief, read_manifest, world_size
 from drifttool.artifact.parquet import file_digest, parquet_schema, row_groups
@@ -333,10 +333,13 @@ class Run:
     def check(self) -> list[str]:
         """Read every Arrow file once, check that its steps carry one sigma each
         (``check_sigmas``) and that the records are what the manifest says
-        (``check_records_match_manifest``); return ``problems`` (raises as the readers do)."""
+        (``check_records_match_manifest``), of the samples it names (``check_named_samples``)
+        and ranks its layout gives them (``check_owning_ranks``, ``check_traced_ranks``); return
+        ``problems`` (raises as the readers do)."""
         steps, ops = self.steps_table(), self.ops_table()
         check_sigmas(self.path, steps, ops)
         check_records_match_manifest(self.path, self.manifest, steps, ops)
+        check_named_samples(self.path, self.manifest, steps, ops)
         check_owning_ranks(self.path, self.manifest, steps, ops)
         check_traced_ranks(self.path, self.manifest, steps, self.trace_rows())
         return list(self.problems)

@@ -419,6 +419,12 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     # manifest and files disagree
     "capture_level lowered to L0": set_key("capture_level", "L0"),
     "capture_level lowered to L1": set_key("capture_level", "L1"),
+    # settings.samples (the good run's records hold samples 0 and 1)
+    "settings.samples empty": set_key("settings.samples", []),
+    "settings.samples duplicated": set_key("settings.samples", [0, 0]),
+    "settings.samples negative": set_key("settings.samples", [-1, 0, 1]),
+    "settings.samples without a recorded sample": set_key("settings.samples", [0]),
+    "settings.samples another sample": set_key("settings.samples", [0, 2]),
     "manifest is an array": manifest_text(lambda t: "[" + t + "]"),
     "empty manifest": manifest_text(lambda t: ""),
 }
