@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import stat
 import tarfile
 import tempfile
@@ -42,7 +43,7 @@ import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
@@ -283,7 +284,7 @@ def load_fixture(name_or_path: str | Path) -> Fixture:
     Raises:
         FixtureError: missing or malformed fixture.json: not a JSON object, no ``settings``
             object, a key other than ``FIXTURE_KEYS``, a ``name`` or ``description`` not a string
-            (the settings' own values: ``drifttool.settings.check_fixture_settings``).
+            (the settings' own values: ``drifttool.fixture_settings.check_fixture_settings``).
     """
     path = locate(name_or_path)
     if not (path / "fixture.json").is_file():
@@ -398,8 +399,19 @@ def seal(path: str | Path) -> str:
     return digest
 
 
-def check_seal(path: str | Path) -> str:
+def reseal_command(path: str | Path) -> str:
+    """The ``drifttool fixture seal PATH --rebuild`` that re-runs and re-seals the fixture at
+    ``path`` (quoted for a shell where it needs to be)."""
+    return f"drifttool fixture seal {shlex.quote(str(path))} --rebuild"
+
+
+def check_seal(path: str | Path, *, advice: Callable[[], str] | None = None) -> str:
     """Verify every file against ``seal.json``; return the content digest.
+
+    ``advice`` says what to do about a fixture whose files were edited (changed, missing or
+    added): it is called only then, and its words end that failure's line. By default they name
+    the ``reseal_command`` that re-seals it (``drifttool.verify.reseal_advice`` also says when
+    that command would refuse the fixture as it is).
 
     Raises:
         FixtureError: no seal, or files changed, missing or added (all listed), or a symlink or
@@ -435,6 +447,6 @@ def check_seal(path: str | Path) -> str:
     if content_digest(sealed) != body.get("content_digest"):
         problems.append("seal.json content_digest does not match its file list")
     if problems:
-        raise FixtureError(f"{path}: seal check failed: " + "; ".join(problems)
-                           + " (edited on purpose: `drifttool fixture seal DIR --rebuild` re-seals it)")
+        words = advice() if advice is not None else f"if edited on purpose, `{reseal_command(path)}` re-seals it"
+        raise FixtureError(f"{path}: seal check failed: " + "; ".join(problems) + "; " + words)
     return body["content_digest"]

@@ -7,8 +7,9 @@
 A seal says "these files re-verify". So before ``seal.json`` is written the fixture must be one
 that ``fixture verify`` and ``run --fixture`` read without a refusal:
 
-- ``fixture.json`` well formed (``fixture.load_fixture``, ``settings.check_fixture_settings``)
-  and complete: every setting a re-run needs (``REQUIRED``; without a ``preset``, also
+- ``fixture.json`` well formed (``fixture.load_fixture``,
+  ``fixture_settings.check_fixture_settings``) and complete: every setting a re-run needs
+  (``fixture_settings.check_complete``: ``REQUIRED``; without a ``preset``, also
   ``PRESET_GIVES``), since a fixture re-runs from its own settings alone;
 - the model it runs (``transformer/``) and its expected artifact (``expected/manifest.json``, and
   for a chain or edit fixture the decoded images, ``verify.expected_images``) present;
@@ -22,6 +23,10 @@ that ``fixture verify`` and ``run --fixture`` read without a refusal:
   (``verify.verify_fixture``: re-run and diffed against ``expected/``, images included), and
   the seal is taken back (the one before it, if any, restored) unless it verifies identical.
 
+The checks that come before ``expected/`` is compared or anything re-runs are
+``verify.check_reseal``'s, which ``fixture verify`` also asks, without torch, what ``fixture seal
+--rebuild`` would say about a fixture whose seal no longer holds.
+
 ``rebuild`` re-runs the fixture (``verify.rerun``, as its build script made it) into a temporary
 directory and puts the artifact and its images in place of ``expected/`` before sealing (that
 re-run is the verification).
@@ -29,7 +34,6 @@ re-run is the verification).
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,32 +41,9 @@ from typing import Any
 
 from drifttool.artifact.manifest import read_manifest
 from drifttool.errors import ArtifactError, FixtureError
-from drifttool.fixture import SEAL, Fixture, check_sealable, load_fixture, seal
-from drifttool.settings import check_fixture_settings
-from drifttool.verify import DEFAULT_MODE, check_rerun, expected_images, fixture_kind, rerun, verify_fixture
-
-REQUIRED = ("img_grid", "steps", "cfg_scale", "seed", "samples", "capture", "dtype")
-"""Settings a sealed fixture must hold (``mode`` defaults to strict)."""
-PRESET_GIVES = ("eta", "cfg_layout", "timestep_policy")
-"""Settings a fixture without a ``preset`` must hold too (a preset sets them)."""
-
-
-def check_complete(fx: Fixture) -> None:
-    """Raise unless ``fx``'s settings hold every key a re-run needs.
-
-    Raises:
-        FixtureError: naming the file and the keys missing.
-    """
-    keys = REQUIRED + (() if "preset" in fx.settings else PRESET_GIVES)
-    missing = [k for k in keys if k not in fx.settings]
-    if missing:
-        raise FixtureError(f"{fx.path / 'fixture.json'}: settings lack {', '.join(missing)} (a sealed "
-                           "fixture re-runs from its own settings alone)")
-
-
-def _check_model(fx: Fixture) -> None:
-    if not fx.model_dir.is_dir():
-        raise FixtureError(f"{fx.path}: no transformer/ (the model the fixture runs)")
+from drifttool.fixture import SEAL, Fixture, seal
+from drifttool.verify import (DEFAULT_MODE, check_model, check_reseal, expected_images, fixture_kind, rerun,
+                              verify_fixture)
 
 
 def _expected_manifest(fx: Fixture) -> dict[str, Any]:
@@ -91,7 +72,7 @@ def check_expected(fx: Fixture) -> None:
             decoded image missing, or settings that differ (each named: the expected run's value
             and fixture.json's).
     """
-    _check_model(fx)
+    check_model(fx)
     manifest = _expected_manifest(fx)
     made = manifest["settings"]
     wanted = {"mode": DEFAULT_MODE, **fx.settings}
@@ -137,21 +118,13 @@ def seal_fixture(path: str | Path, *, rebuild: bool = False) -> str:
         FixtureError: not a fixture directory, a malformed or incomplete ``fixture.json``, a
             missing model, expected artifact or image, an expected artifact of other settings, a
             re-run that does not reproduce ``expected/``, settings its re-run refuses
-            (``verify.check_rerun``, before ``expected/`` is compared); no seal is left (an
+            (``verify.check_reseal``, before ``expected/`` is compared); no seal is left (an
             earlier one is restored).
         DriftToolError: the re-run's refusals (``verify.rerun``).
     """
     path = Path(path)
-    check_sealable(path)
-    fx = load_fixture(path)
-    check_fixture_settings(fx)
-    check_complete(fx)
-    fixture_kind(fx)  # a malformed chain or edit entry
-    check_rerun(fx)  # what its re-run refuses: before expected/ is compared (and --rebuild offered)
+    fx = check_reseal(path, rebuild=rebuild)  # before expected/ is compared (and --rebuild offered)
     if rebuild:
-        _check_model(fx)
-        if not os.access(fx.path, os.W_OK) or (fx.expected_dir.exists() and not os.access(fx.expected_dir, os.W_OK)):
-            raise FixtureError(f"{fx.path}: not writable; nothing re-run or written")
         rebuild_expected(fx)
     check_expected(fx)
     if rebuild:  # its re-run just made expected/

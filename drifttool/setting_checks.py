@@ -9,7 +9,8 @@
 
 Each ``check_*`` returns its value (as the run uses it) or raises ``DriftToolError`` with one line
 naming the setting; ``DTYPES``, ``PATCH_PIXELS`` and ``MAX_PIXELS`` are the bounds they check
-against. Capture levels are the artifact's (``drifttool.artifact.levels``).
+against (the last two from ``drifttool.fixture_settings``, which checks a ``fixture.json``'s
+settings without torch). Capture levels are the artifact's (``drifttool.artifact.levels``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from drifttool.artifact.levels import LEVELS
 from drifttool.components import DEFAULT_COMPONENT
 from drifttool.errors import DriftToolError, SigmaTableError, UnsupportedConfigError
+from drifttool.fixture_settings import MAX_PIXELS, PATCH_PIXELS  # torch-free, with a fixture's checks
 from drifttool.ops.lora import PRODUCTION_ONLY
 from drifttool.ops.registry import families, impls, specs
 from drifttool.ops.scheduler.sigmas import flow_sigma_table
@@ -29,12 +31,6 @@ from drifttool.runtime import Mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Model dtypes a run may use (``manifest_schema.MODEL_DTYPES`` repeats the names)."""
-PATCH_PIXELS = 16
-"""Image pixels per patch side: 8× VAE downsampling × 2×2 latent patches (numerics §3.2), so
-``img_grid = (height / 16, width / 16)``."""
-MAX_PIXELS = 16384
-"""Largest height or width a run may ask for (1024 patches a side; the RFC's reference shapes
-stop at 1664)."""
 _DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 
 

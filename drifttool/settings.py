@@ -25,13 +25,14 @@ go to the manifest (``input_files``).
 The checks of single values (``check_mode``, ``check_level``, ``check_device``, ...) are in
 ``drifttool.setting_checks``: the training side's options use them too, so ``drifttool run``,
 ``replay`` and ``recompute`` refuse a bad ``--mode`` or ``--capture`` with the same line.
+The bounds and checks a ``fixture.json``'s settings share with the flags (``check_steps``,
+``check_seed``, ``check_fixture_settings``, ...) are in ``drifttool.fixture_settings``, which
+needs no torch.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,10 +40,11 @@ from typing import Any, Callable
 import torch
 
 from drifttool.artifact.levels import captures_internals
-from drifttool.artifact.manifest import check_manifest_value
-from drifttool.artifact.manifest_schema import FIXTURE_SETTINGS
-from drifttool.errors import DriftToolError, FixtureError
+from drifttool.errors import DriftToolError
 from drifttool.fixture import DEFAULT_FIXTURE, Fixture, load_fixture
+from drifttool.fixture_settings import (  # noqa: F401  (MAX_STEPS, SEEDS, check_fixture_settings: re-exported)
+    MAX_SAMPLE_ID, MAX_STEPS, SEEDS, check_fixture_settings, check_number, check_sample_ids, check_seed,
+    check_steps)
 from drifttool.model.checkpoint import read_config
 from drifttool.model.config import MMDiTConfig
 from drifttool.model.lora import check_lora_mode
@@ -53,18 +55,9 @@ from drifttool.sampling.input_files import ExternalInputs, read_external_inputs
 from drifttool.sampling.inputs import RolloutInputs, build_inputs
 from drifttool.sampling.presets import (PRESET_NAMES, apply_preset, check_conditions, check_preset_seed,
                                         get_preset, preset_inputs, preset_settings)
-from drifttool.setting_checks import (DTYPES, MAX_PIXELS, PATCH_PIXELS, check_device, check_level, check_mode,
+from drifttool.setting_checks import (DTYPES, PATCH_PIXELS, check_device, check_level, check_mode,
                                       check_mode_device, check_pixels, check_sigma_table)
 
-MAX_STEPS = 1000
-"""Most denoising steps a run may ask for: the flow-matching scheduler's ``num_train_timesteps``
-(FlowMatchEulerDiscreteScheduler of Qwen-Image, numerics §1); more would only re-visit timesteps."""
-
-MAX_SAMPLE_ID = 2**31 - 1
-"""Largest logical sample id: the artifact's ``sample`` columns are int32 (``artifact.schema``)."""
-SEEDS = range(-(2**63), 2**64)
-"""The seeds a run takes: a signed or an unsigned 64-bit integer (what a torch generator's
-``manual_seed`` takes: the fixture's stand-in prompts and a preset's generators are seeded with it)."""
 MAX_BATCH = 2**20
 """Most samples one run takes (``--batch``): its per-sample lists, prompts and noise are built on
 the host before the memory check (``memory.check_memory``) can weigh the run, and a batch of
@@ -315,35 +308,6 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _check_steps(steps: Any) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= MAX_STEPS:
-        raise DriftToolError(f"steps must be an integer from 2 to {MAX_STEPS} (the flow-matching "
-                             f"scheduler's num_train_timesteps), got {steps!r}")
-    return steps
-
-
-def _check_seed(seed: Any) -> Any:
-    """``seed`` if it is in ``SEEDS`` (or not an integer: the manifest check names its type).
-
-    Raises:
-        DriftToolError: an integer outside [-2^63, 2^64), one line naming the range.
-    """
-    if isinstance(seed, int) and not isinstance(seed, bool) and seed not in SEEDS:
-        shown = seed if seed.bit_length() < 128 else f"{'-' if seed < 0 else ''}a {len(str(abs(seed)))}-digit number"
-        raise DriftToolError(f"seed must be an integer in [-2^63, 2^64) (a signed or unsigned 64-bit "
-                             f"integer), got {shown}")
-    return seed
-
-
-def _check_number(key: str, value: Any, floor: float | None) -> Any:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (floor is not None and value < floor):
-        bound = "" if floor is None else f" >= {floor:g}"
-        shown = f"{value:g}" if isinstance(value, float) else repr(value)  # -1, not -1.0
-        raise DriftToolError(f"{key} must be a finite number{bound}, got {shown}")
-    return value
-
-
 def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
     if spec.samples is not None:
         ids = [int(i) for i in spec.samples]
@@ -359,25 +323,8 @@ def _samples(spec: RunSpec, default: Any) -> tuple[int, ...]:
         ids = list(default or [])
     if not ids:
         raise DriftToolError("no sample ids: give at least one (--samples 0,1 or --batch N)")
-    _check_sample_ids(ids)
+    check_sample_ids(ids)
     return tuple(ids)
-
-
-def _check_sample_ids(ids: list[int]) -> None:
-    """Distinct, non-negative, at most ``MAX_SAMPLE_ID``.
-
-    Raises:
-        DriftToolError: the ids at fault, named.
-    """
-    if min(ids) < 0 or len(set(ids)) != len(ids):
-        neg = sorted({i for i in ids if i < 0})
-        twice = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
-        words = [f"{', '.join(map(str, xs[:5]))}{' …' if len(xs) > 5 else ''} {what}"
-                 for xs, what in ((neg, "negative"), (twice, "given more than once")) if xs]
-        raise DriftToolError(f"sample ids must be distinct and >= 0 ({'; '.join(words)})")
-    if max(ids) > MAX_SAMPLE_ID:
-        raise DriftToolError(f"sample ids must be at most {MAX_SAMPLE_ID} (the artifact's int32 "
-                             f"sample column), got {max(ids)}")
 
 
 def _img_grid(spec: RunSpec, base: dict[str, Any]) -> tuple[int, int] | None:
@@ -401,48 +348,6 @@ def _lacking(fx: Fixture, values: dict[str, Any], keys: tuple[str, ...]) -> None
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
         raise DriftToolError(f"{fx.path / 'fixture.json'}: its settings lack {', '.join(missing)}; "
                              f"give {flags}")
-
-
-def check_fixture_settings(fx: Fixture) -> None:
-    """Refuse a fixture whose ``fixture.json`` settings are of the wrong type or range (a step
-    count, CFG scale, eta or seed a run refuses, repeated sample ids), an unknown key or no sample, in
-    one line naming the file and the key (not later, as a flag's error or
-    a failure mid-run).
-
-    Raises:
-        FixtureError: the first problem found.
-    """
-    st = fx.settings
-    steps = st.get("steps")
-    if type(steps) is int and steps < 2:  # the run's own bound (the manifest's is 1): as --steps says it
-        raise FixtureError(f"{fx.path / 'fixture.json'}: settings: steps must be an integer from 2 to "
-                           f"{MAX_STEPS}, got {steps}")
-    try:  # in a run's words, before the manifest's check of the same range
-        _check_seed(st.get("seed"))
-    except DriftToolError as e:
-        raise FixtureError(f"{fx.path / 'fixture.json'}: settings: {e}") from None
-    problem = check_manifest_value("settings", st, FIXTURE_SETTINGS)
-    if problem is None and st.get("samples") == []:
-        problem = "settings.samples is empty"
-    if problem is None and "seed" in st and st["seed"] is None:  # (a manifest's may be: a capture's)
-        problem = "settings.seed is null, not an integer (a fixture's run draws its noise from it)"
-    if problem is None:  # the values a run takes, checked as its flags are
-        try:
-            if "steps" in st:
-                _check_steps(st["steps"])
-            for key, floor in (("cfg_scale", None), ("eta", 0.0)):
-                if key in st:
-                    _check_number(key, st[key], floor)
-            if st.get("samples"):
-                _check_sample_ids(st["samples"])
-            if "img_grid" in st and max(st["img_grid"]) * PATCH_PIXELS > MAX_PIXELS:
-                h, w = st["img_grid"]
-                raise DriftToolError(f"img_grid {h}x{w} patches is {h * PATCH_PIXELS}x{w * PATCH_PIXELS} "
-                                     f"px, past the {MAX_PIXELS} px a side a run takes")
-        except DriftToolError as e:
-            problem = f"settings: {e}"
-    if problem is not None:
-        raise FixtureError(f"{fx.path / 'fixture.json'}: {problem}")
 
 
 def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
@@ -484,10 +389,10 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
                                  asked={k: None if getattr(spec, k) is None else s[k]
                                         for k in ("cfg_layout", "timestep_policy", "eta")}))
     _lacking(fx, s, ("steps", "cfg_scale", "eta", "seed", "capture", "cfg_layout", "timestep_policy"))
-    steps = _check_steps(s["steps"])
-    cfg_scale = _check_number("cfg_scale", s["cfg_scale"], None)
-    eta = _check_number("eta", s["eta"], 0.0)
-    _check_seed(s["seed"])
+    steps = check_steps(s["steps"])
+    cfg_scale = check_number("cfg_scale", s["cfg_scale"], None)
+    eta = check_number("eta", s["eta"], 0.0)
+    check_seed(s["seed"])
     if s["cfg_layout"] not in CFG_LAYOUTS:
         raise DriftToolError(f"unknown cfg_layout {s['cfg_layout']!r} (one of {', '.join(CFG_LAYOUTS)})")
     if s["timestep_policy"] not in TIMESTEP_POLICIES:

@@ -28,19 +28,24 @@ for several samples); each re-run image must have the same SHA-256, else the fix
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from drifttool.artifact.manifest_schema import STRICT_MODES
 from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
 from drifttool.diff.compare import diff_runs
 from drifttool.diff.report import DiffReport
 from drifttool.errors import ArtifactError, DriftToolError, FixtureError
 from drifttool.exit_codes import ExitCode
-from drifttool.fixture import DEFAULT_FIXTURE, Fixture, check_seal, extracted, is_text_list, load_fixture
+from drifttool.fixture import (DEFAULT_FIXTURE, Fixture, check_seal, check_sealable, extracted, is_text_list,
+                               load_fixture, reseal_command)
+from drifttool.fixture_settings import check_complete, check_fixture_settings
+from drifttool.sampling.preset_table import check_preset_seed
 
 if TYPE_CHECKING:  # pragma: no cover
     from drifttool.settings import RunSpec
@@ -127,25 +132,25 @@ _PROMPT_PARTS = ("tokenizer", "text_encoder")
 def check_rerun(fx: Fixture) -> None:
     """Refuse, in the fixture's own words, what its re-run (``rerun``: ``fixture verify``,
     ``fixture seal``) would refuse in the words of ``drifttool run``, naming a flag those
-    commands do not have (``--mode``, ``--prompt-embeds``, ``--checkpoint``).
+    commands do not have (``--steps``, ``--mode``, ``--prompt-embeds``, ``--checkpoint``).
+    Nothing here imports torch (``check_reseal``).
 
     Raises:
-        FixtureError: a ``preset`` under a mode of the strict family (``settings.mode``, strict
-            where it names none: a preset reproduces a production pipeline), or with a seed its
-            generators cannot take (``check_preset_seed``: seed + sample id outside [0, 2^63)
-            for diffusers' generator list); a fixture without a
+        FixtureError: a setting a re-run needs missing from ``fixture.json``
+            (``fixture_settings.check_complete``); a ``preset`` under a mode of the strict
+            family (``settings.mode``, strict where it names none: a preset reproduces a
+            production pipeline), or with a seed its generators cannot take
+            (``check_preset_seed``: seed + sample id outside [0, 2^63) for diffusers' generator
+            list); a fixture without a
             ``chain`` or ``edit`` entry and without ``prompts.safetensors`` (the prompt
             embeddings it runs from); a chain fixture, or an edit fixture with prompts, whose
             folder lacks ``tokenizer/`` or ``text_encoder/``; a chain or edit fixture without
             ``vae/``.
     """
-    from drifttool.runtime import Mode  # lazy: torch only once the seal holds
-    from drifttool.sampling.presets import check_preset_seed  # lazy: likewise
-
+    check_complete(fx)
     source = fx.path / "fixture.json"
     preset, mode = fx.settings.get("preset"), fx.settings.get("mode", DEFAULT_MODE)
-    if preset is not None and isinstance(mode, str) and mode in {m.value for m in Mode} \
-            and Mode(mode).family != "production":
+    if preset is not None and mode in STRICT_MODES:  # the modes of the strict family (Mode.family)
         named = f"mode {mode!r}" if "mode" in fx.settings else f"no mode ({DEFAULT_MODE})"
         raise FixtureError(f"{source}: settings: preset {preset!r} reproduces a production "
                            f"pipeline's arithmetic (bf16 latents, its scheduler step), and the "
@@ -168,6 +173,65 @@ def check_rerun(fx: Fixture) -> None:
         raise FixtureError(f"{fx.path}: no {', '.join(p + '/' for p in missing)} ({'an' if kind == 'edit' else 'a'} {kind} fixture "
                            "re-runs its own pipeline: tokenizer/ and text_encoder/ encode its prompts, "
                            "vae/ its images)")
+
+
+def check_model(fx: Fixture) -> None:
+    """Raise unless ``fx`` holds the model it runs.
+
+    Raises:
+        FixtureError: no ``transformer/``.
+    """
+    if not fx.model_dir.is_dir():
+        raise FixtureError(f"{fx.path}: no transformer/ (the model the fixture runs)")
+
+
+def check_reseal(path: str | Path, *, rebuild: bool = False) -> Fixture:
+    """What ``fixture seal`` (``drifttool.sealing.seal_fixture``) refuses about the fixture at
+    ``path`` before it compares ``expected/`` or re-runs anything, and with ``rebuild`` what
+    ``fixture seal --rebuild`` refuses before its re-run; returns the fixture. Nothing here
+    imports torch, so ``fixture verify`` says with it what ``fixture seal --rebuild`` would say
+    about a fixture whose seal no longer holds (``reseal_advice``) as fast as it checks the seal.
+
+    Raises:
+        FixtureError: not a fixture directory (``fixture.check_sealable``); a malformed or
+            incomplete ``fixture.json`` (``fixture.load_fixture``,
+            ``fixture_settings.check_fixture_settings``, ``fixture_settings.check_complete``, a
+            malformed ``chain`` or ``edit`` entry: ``fixture_kind``); settings its re-run refuses
+            (``check_rerun``); with ``rebuild``, no ``transformer/`` or a fixture folder (or its
+            ``expected/``) that is not writable.
+    """
+    path = Path(path)
+    check_sealable(path)
+    fx = load_fixture(path)
+    check_fixture_settings(fx)
+    check_complete(fx)
+    fixture_kind(fx)  # a malformed chain or edit entry
+    check_rerun(fx)  # what its re-run refuses: before expected/ is compared (and --rebuild offered)
+    if rebuild:
+        check_model(fx)
+        if not os.access(fx.path, os.W_OK) or (fx.expected_dir.exists() and not os.access(fx.expected_dir, os.W_OK)):
+            raise FixtureError(f"{fx.path}: not writable; nothing re-run or written")
+    return fx
+
+
+def reseal_advice(path: Path, *, archive: Path | None = None) -> str:
+    """What to do about the fixture at ``path`` whose files were edited after it was sealed
+    (``fixture.check_seal``'s ``advice``): the ``fixture seal PATH --rebuild`` that re-seals it,
+    or, where that command would refuse the fixture as it is (``check_reseal``), its refusal
+    instead. ``archive``: the archive ``path`` was extracted from, named in place of ``path`` (a
+    temporary folder, removed afterwards; an archive is re-sealed as a folder).
+    """
+    try:
+        check_reseal(path, rebuild=True)
+    except DriftToolError as e:
+        if archive is None:
+            return f"`{reseal_command(path)}` would refuse it as it is: {e}"
+        return (f"`drifttool fixture seal --rebuild` would refuse its folder as it is: "
+                f"{str(e).replace(str(path), str(archive))}")
+    if archive is None:
+        return f"if edited on purpose, `{reseal_command(path)}` re-seals it"
+    return ("if edited on purpose, extract it, re-seal the fixture folder with `drifttool fixture seal "
+            "--rebuild` and archive that again")
 
 
 def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
@@ -266,8 +330,11 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
 
     Raises:
         FixtureError: the seal does not match (tampered, missing or extra files, a symlink or a
-            special file), or an archive cannot be extracted safely — nothing runs; a malformed
-            ``chain``/``edit`` entry or a missing expected image.
+            special file; edited files: the line ends with ``reseal_advice``, the ``fixture seal
+            PATH --rebuild`` that re-seals the fixture or what it would refuse), or an archive
+            cannot be extracted safely — nothing runs; a malformed ``chain``/``edit`` entry, a
+            missing expected image, or settings its re-run refuses (``check_rerun``: a setting
+            ``fixture.json`` lacks, …), before it runs.
         ArtifactError: the expected artifact cannot be read (before anything runs), or
             ``workdir`` is a file or itself an artifact (a run directory holds its own files only; the
             re-run goes to ``workdir/replay``).
@@ -278,8 +345,15 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     if workdir is not None and (Path(workdir) / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
                             "own (the re-run is written to WORKDIR/replay)")
-    with extracted(DEFAULT_FIXTURE if name_or_path is None else name_or_path) as path:
-        digest = check_seal(path)  # before anything in the fixture is read
+    source = DEFAULT_FIXTURE if name_or_path is None else name_or_path
+    archive = Path(source) if Path(source).is_file() else None
+    with extracted(source) as path:
+        try:  # before anything in the fixture is read
+            digest = check_seal(path, advice=lambda: reseal_advice(path, archive=archive))
+        except FixtureError as e:
+            if archive is not None:  # named by the archive, not its temporary folder
+                e.args = (str(e).replace(str(path), str(archive)),)
+            raise
         fx = load_fixture(path)
         expected = open_run(fx.expected_dir)  # a damaged expected artifact: refused before the run
         want = expected_images(fx, expected.manifest)

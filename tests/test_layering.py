@@ -152,7 +152,7 @@ FLOORS = [
     {"model/", "text_encoder/", "edit_images"},
     {"distributed/"},
     {"sampling/"},
-    {"setting_checks", "settings", "fingerprint", "lifecycle"},
+    {"fixture_settings", "setting_checks", "settings", "fingerprint", "lifecycle"},
     {"runner", "memory"},
     {"launch", "verify", "sealing", "chain", "chain_edit", "adapters/"},
     {"training/"},

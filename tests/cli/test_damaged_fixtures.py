@@ -116,6 +116,24 @@ def test_tampered_archive_fails_and_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir
     assert list(tmpdir_.iterdir()) == []
 
 
+@pytest.mark.parametrize("edit, advice", [
+    (("386", "387"), "; if edited on purpose, extract it, re-seal the fixture folder with `drifttool "
+     "fixture seal --rebuild` and archive that again"),
+    (('"steps"', '"stepz"'), "; `drifttool fixture seal --rebuild` would refuse its folder as it is: "
+     "{arc}/fixture.json: unknown key settings.stepz"),
+], ids=["re-sealable", "refused"])
+def test_a_tampered_archive_is_named_with_advice_for_an_archive(cli, fx, tmp_path, tmpdir_, edit, advice):
+    """A tampered archive's seal failure names the archive, not the temporary folder it was
+    extracted to (removed by then), and says how to re-seal it, or what `fixture seal --rebuild`
+    would refuse about its folder: no command on a path that is gone."""
+    (fx / "fixture.json").write_text((fx / "fixture.json").read_text().replace(*edit))  # same size
+    arc = _tar(fx, tmp_path / "fx.tgz")
+    code, out = cli("fixture", "verify", arc)
+    _one_clean_line(code, out, f"error: {arc}: seal check failed: modified fixture.json" + advice.format(arc=arc))
+    assert "drifttool-fixture-" not in out and str(tmpdir_) not in out, out
+    assert list(tmpdir_.iterdir()) == []
+
+
 def test_verified_archive_leaves_no_temp_dir(cli, fx, tmp_path, tmpdir_):
     code, out = cli("fixture", "verify", _tar(fx, tmp_path / "fx.tar.gz"))
     assert code == 0 and "seal ok" in out and "IDENTICAL" in out, out

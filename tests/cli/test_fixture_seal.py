@@ -7,11 +7,12 @@ fixture.json, after which the fixture seals and verifies identical."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 
 import pytest
 
-from drifttool.fixture import locate
+from drifttool.fixture import locate, seal
 from tests.conftest import fixture_copy, one_error_line
 
 
@@ -22,7 +23,7 @@ def _copy(tmp_path, name="tiny-t2i", **settings):
 @pytest.mark.parametrize("key", ["steps", "seed", "dtype", "img_grid", "eta"])
 def test_a_fixture_missing_a_setting_is_not_sealed(cli, tmp_path, key):
     fx = _copy(tmp_path, **{key: None})
-    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: settings lack {key}")
+    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: lacks settings.{key}")
     assert not (fx / "seal.json").exists()
 
 
@@ -178,3 +179,66 @@ def test_a_fixture_whose_run_is_refused_or_drifts_is_not_sealed(cli, tmp_path):
     assert not (fx / "seal.json").exists()
     code, out = cli("fixture", "seal", fx, "--rebuild")  # re-made from the weights it now holds
     assert code == 0 and (fx / "seal.json").exists(), out
+
+
+def test_verify_of_an_edited_fixture_names_the_seal_command_that_re_seals_it(cli, tmp_path):
+    """A fixture whose fixture.json was edited after it was sealed: ``fixture verify`` offered
+    `drifttool fixture seal DIR --rebuild`, a placeholder to fill in. It names the fixture's own
+    path (quoted for a shell: this one holds a space), and that command re-seals it."""
+    fx = fixture_copy(tmp_path / "my fixture", seed=7)  # sealed before the edit
+    line = one_error_line(*cli("fixture", "verify", fx), f"{fx}: seal check failed: modified fixture.json")
+    assert "DIR" not in line, line
+    command = line.split("`")[1]
+    assert command == f"drifttool fixture seal '{fx}' --rebuild", line
+    assert line.endswith(f"; if edited on purpose, `{command}` re-seals it"), line
+    code, out = cli(*shlex.split(command)[1:])
+    assert code == 0 and out.startswith(f"sealed {fx}: "), out
+    code, out = cli("fixture", "verify", fx)
+    assert code == 0 and "IDENTICAL" in out, out
+
+
+def _no_vae(fx):
+    shutil.rmtree(fx / "vae")
+
+
+@pytest.mark.parametrize("name, settings, damage", [
+    ("tiny-t2i", {"steps": None}, None),            # an incomplete fixture.json
+    ("tiny-t2i", {"preset": "diffusers"}, None),    # a preset under mode strict
+    ("tiny-edit", {"seed": -5}, None),              # a seed its preset's generators cannot take
+    ("tiny-t2i", {"stepz": 3}, None),               # a key fixture.json does not take
+    ("tiny-t2i-chain", {}, _no_vae),                # a chain fixture without its VAE
+], ids=["no steps", "preset under strict", "preset seed", "unknown key", "no vae"])
+def test_verify_of_an_edit_seal_rebuild_refuses_says_what_seal_would_say(cli, tmp_path, name, settings,
+                                                                          damage):
+    """An edit that `fixture seal --rebuild` refuses: ``fixture verify``'s broken seal offered that
+    command all the same. It says instead what the command would say, word for word, and
+    offers nothing the command would refuse."""
+    fx = fixture_copy(tmp_path / "my-fixture", name, **settings)
+    if damage is not None:
+        damage(fx)
+    refusal = one_error_line(*cli("fixture", "seal", fx, "--rebuild")).removeprefix("error: ")
+    line = one_error_line(*cli("fixture", "verify", fx), f"{fx}: seal check failed: ")
+    assert line.endswith(f"; `drifttool fixture seal {fx} --rebuild` would refuse it as it is: {refusal}"), line
+    assert "re-seals it" not in line and "DIR" not in line, line
+
+
+@pytest.mark.parametrize("name, settings, key", [
+    ("tiny-t2i", {"steps": None}, "steps"),
+    ("tiny-t2i", {"img_grid": None}, "img_grid"),
+    ("tiny-t2i", {"samples": None}, "samples"),
+    ("tiny-t2i", {"cfg_layout": None}, "cfg_layout"),
+    ("tiny-t2i", {"mode": "auto", "preset": "flow-grpo", "eta": None}, "eta"),  # its SDE takes eta
+    ("tiny-t2i-chain", {"seed": None}, "seed"),
+], ids=["steps", "img_grid", "samples", "cfg_layout", "flow-grpo eta", "chain seed"])
+def test_verify_of_a_sealed_fixture_that_lacks_a_setting_names_its_fixture_json(cli, tmp_path, name,
+                                                                               settings, key):
+    """A sealed fixture whose fixture.json lacks a setting its re-run needs (sealed by hand, or
+    by an older drifttool): ``fixture verify`` said "give --steps", an option it does not have.
+    It names the fixture's file and the setting: one line, exit 2, nothing run."""
+    fx = fixture_copy(tmp_path / "my-fixture", name, **settings)
+    seal(fx)  # the seal alone: `fixture seal` refuses such a fixture
+    line = one_error_line(*cli("fixture", "verify", fx), f"{fx / 'fixture.json'}: lacks settings.{key} "
+                          "(an incomplete or corrupt fixture")
+    assert "give" not in line and "--" not in line, line
+    one_error_line(*cli("fixture", "seal", fx), f"{fx / 'fixture.json'}: lacks settings.{key}")
+

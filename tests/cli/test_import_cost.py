@@ -112,3 +112,21 @@ def test_fixture_seal_check_does_not_import_torch(tmp_path):
     assert rc == 2 and "seal check failed: modified fixture.json" in err, out + err
     assert "Traceback" not in err
     assert "torch imported: False" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("name, key, value", [("tiny-t2i", "steps", None), ("tiny-edit", "seed", -5)])
+def test_what_seal_rebuild_would_refuse_is_said_without_torch(tmp_path, name, key, value):
+    """A tampered fixture that `fixture seal --rebuild` would refuse (an incomplete fixture.json,
+    a seed its preset refuses): the seal's line says so, still before torch is loaded."""
+    fx = tmp_path / "fx"
+    shutil.copytree(locate(name), fx)
+    meta = json.loads((fx / "fixture.json").read_text())
+    if value is None:
+        del meta["settings"][key]
+    else:
+        meta["settings"][key] = value
+    (fx / "fixture.json").write_text(json.dumps(meta))
+    rc, out, err = drifttool("fixture", "verify", fx, cwd=tmp_path)
+    assert rc == 2 and f"`drifttool fixture seal {fx} --rebuild` would refuse it as it is: " in err, out + err
+    assert "Traceback" not in err
+    assert "torch imported: False" in err, err[-2000:]
