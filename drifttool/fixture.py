@@ -258,10 +258,12 @@ class Fixture:
             raise FixtureError(f"{self.path}: no prompt embeddings (prompts.safetensors); its prompts are "
                                "texts its pipeline encodes (`drifttool run --prompt`, or --image for an "
                                "edit fixture), or give --prompt-embeds")
+        source = self.path / "prompts.safetensors"
         try:
-            t = load_file(str(self.path / "prompts.safetensors"))
+            t = load_file(str(source))
         except (SafetensorError, OSError) as e:
-            raise FixtureError(f"{self.path}: unreadable prompts.safetensors: {e}") from None
+            raise FixtureError(f"{source}: unreadable ({e})") from None
+        _check_prompt_tensors(source, t)
         txt, lens, neg = t["txt"], t["txt_len"], t["neg_txt"]
         if txt.shape[-1] != joint_dim:
             g = torch.Generator().manual_seed(int(seed))
@@ -269,6 +271,34 @@ class Fixture:
             txt = txt * (torch.arange(txt.shape[1])[None, :, None] < lens[:, None, None])
             neg = torch.randn(1, neg.shape[1], joint_dim, generator=g)
         return txt.float(), lens.long(), neg.float(), int(t["neg_len"].item())
+
+
+PROMPT_TENSORS = {"txt": 3, "txt_len": 1, "neg_txt": 3, "neg_len": 0}
+"""A fixture's ``prompts.safetensors``: tensor name → dimensions (prompt embeddings ``[P, L, D]``
+float, their valid lengths ``[P]``, the negative prompt's ``[1, Ln, D]`` and its length)."""
+
+
+def _check_prompt_tensors(source: Path, t: dict[str, Any]) -> None:
+    """Raise unless ``t`` (read from ``source``) holds ``PROMPT_TENSORS``, each of its number of
+    dimensions, the embeddings float and the lengths integers, one length per prompt, the
+    negative prompt one.
+
+    Raises:
+        FixtureError: naming ``source`` and what is missing or malformed."""
+    missing = sorted(set(PROMPT_TENSORS) - set(t))
+    if missing:
+        raise FixtureError(f"{source}: lacks {', '.join(missing)} (a fixture's prompt embeddings hold "
+                           f"{', '.join(PROMPT_TENSORS)})")
+    for name, dims in PROMPT_TENSORS.items():
+        x = t[name]
+        floating = name in ("txt", "neg_txt")
+        if x.dim() != dims or x.dtype.is_floating_point != floating:
+            raise FixtureError(f"{source}: {name} is {x.dtype} {tuple(x.shape)}, not a {dims}-D "
+                               f"{'float' if floating else 'integer'} tensor")
+    if t["txt_len"].shape[0] != t["txt"].shape[0] or t["neg_txt"].shape[0] != 1:
+        raise FixtureError(f"{source}: txt_len has {t['txt_len'].shape[0]} length(s) for "
+                           f"{t['txt'].shape[0]} prompt(s) and neg_txt {t['neg_txt'].shape[0]} "
+                           "negative prompt(s) (one)")
 
 
 def is_text_list(v: Any) -> bool:

@@ -85,6 +85,46 @@ def test_nan_in_inputs_is_reported(cli, tmp_path):
     _assert_clean_error(*cli("run", "--fixture", fx, "-o", tmp_path / "r"), "non-finite", "txt")
 
 
+def _no_neg_len(t):
+    del t["neg_len"]
+
+
+def _lengths_2d(t):
+    t["txt_len"] = t["txt_len"][:, None].contiguous()
+
+
+def _one_length_short(t):
+    t["txt_len"] = t["txt_len"][:-1].contiguous()
+
+
+def _integer_embeddings(t):
+    t["txt"] = t["txt"].long()
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (None, "unreadable"), (_no_neg_len, "lacks neg_len"), (_lengths_2d, "txt_len is torch.int64 (4, 1)"),
+    (_one_length_short, "txt_len has 3 length(s) for 4 prompt(s)"), (_integer_embeddings, "txt is torch.int64"),
+], ids=["garbage", "a tensor missing", "lengths 2-D", "a length short", "integer embeddings"])
+def test_damaged_prompt_embeddings_are_named_by_their_file(cli, tmp_path, damage, needle):
+    """A fixture's prompts.safetensors that is not one (garbage bytes, a tensor missing or of
+    another shape or type): one line naming that file, from ``run --fixture`` and ``fixture
+    seal`` alike (seal blamed fixture.json and named the fixture twice; a missing tensor was an
+    internal error)."""
+    fx = tmp_path / "fx"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    f = fx / "prompts.safetensors"
+    if damage is None:
+        f.write_bytes(b"not a safetensors file")
+    else:
+        t = load_file(str(f))
+        damage(t)
+        save_file(t, str(f))
+    for args in (("run", "--fixture", fx, "-o", tmp_path / "r"), ("fixture", "seal", fx)):
+        code, out = cli(*args)
+        _assert_clean_error(code, out, f"{f}: ", needle)
+        assert "fixture.json" not in out and out.count(str(fx)) == 1, out
+
+
 def test_nan_in_weights_is_reported(cli, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(locate("tiny-t2i") / "transformer", ck)
