@@ -279,26 +279,39 @@ float, their valid lengths ``[P]``, the negative prompt's ``[1, Ln, D]`` and its
 
 
 def _check_prompt_tensors(source: Path, t: dict[str, Any]) -> None:
-    """Raise unless ``t`` (read from ``source``) holds ``PROMPT_TENSORS``, each of its number of
-    dimensions, the embeddings float and the lengths integers, one length per prompt, the
-    negative prompt one.
+    """Raise unless ``t`` (read from ``source``) is a fixture's prompt embeddings: exactly
+    ``PROMPT_TENSORS``, each of its number of dimensions, the embeddings float and finite, the
+    lengths integers; at least one prompt, one length per prompt, one negative prompt, each length
+    from 0 to its embeddings' slots.
 
     Raises:
         FixtureError: naming ``source`` and what is missing or malformed."""
-    missing = sorted(set(PROMPT_TENSORS) - set(t))
-    if missing:
-        raise FixtureError(f"{source}: lacks {', '.join(missing)} (a fixture's prompt embeddings hold "
-                           f"{', '.join(PROMPT_TENSORS)})")
+    import torch  # here: the seal check runs without torch
+
+    missing, extra = sorted(set(PROMPT_TENSORS) - set(t)), sorted(set(t) - set(PROMPT_TENSORS))
+    if missing or extra:
+        what = "; ".join(x for x in (f"lacks {', '.join(missing)}" if missing else "",
+                                     f"holds {', '.join(extra)}, which no fixture has" if extra else "") if x)
+        raise FixtureError(f"{source}: {what} (a fixture's prompt embeddings are {', '.join(PROMPT_TENSORS)})")
     for name, dims in PROMPT_TENSORS.items():
         x = t[name]
         floating = name in ("txt", "neg_txt")
-        if x.dim() != dims or x.dtype.is_floating_point != floating:
+        if x.dim() != dims or x.dtype.is_floating_point != floating or x.dtype == torch.bool:
             raise FixtureError(f"{source}: {name} is {x.dtype} {tuple(x.shape)}, not a {dims}-D "
                                f"{'float' if floating else 'integer'} tensor")
-    if t["txt_len"].shape[0] != t["txt"].shape[0] or t["neg_txt"].shape[0] != 1:
-        raise FixtureError(f"{source}: txt_len has {t['txt_len'].shape[0]} length(s) for "
-                           f"{t['txt'].shape[0]} prompt(s) and neg_txt {t['neg_txt'].shape[0]} "
-                           "negative prompt(s) (one)")
+        if floating and not bool(torch.isfinite(x).all()):
+            raise FixtureError(f"{source}: {name} holds {int((~torch.isfinite(x)).sum())} non-finite value(s)")
+    txt, lens, neg, neg_len = t["txt"], t["txt_len"], t["neg_txt"], int(t["neg_len"])
+    if neg.shape[2] != txt.shape[2]:
+        raise FixtureError(f"{source}: neg_txt is {neg.shape[2]} wide and txt {txt.shape[2]}: one width")
+    if txt.shape[0] == 0 or lens.shape[0] != txt.shape[0] or neg.shape[0] != 1:
+        raise FixtureError(f"{source}: txt holds {txt.shape[0]} prompt(s), txt_len {lens.shape[0]} length(s) "
+                           f"and neg_txt {neg.shape[0]} negative prompt(s): at least one prompt, a length "
+                           "each, one negative prompt")
+    bad = [int(n) for n in lens if not 0 <= int(n) <= txt.shape[1]]
+    if bad or not 0 <= neg_len <= neg.shape[1]:
+        raise FixtureError(f"{source}: lengths out of range (txt_len {lens.tolist()} of {txt.shape[1]} slots, "
+                           f"neg_len {neg_len} of {neg.shape[1]}): each from 0 to its slots")
 
 
 def is_text_list(v: Any) -> bool:

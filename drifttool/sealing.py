@@ -41,7 +41,7 @@ from typing import Any
 
 from drifttool.artifact.manifest import read_manifest
 from drifttool.errors import ArtifactError, FixtureError
-from drifttool.fixture import SEAL, Fixture, seal
+from drifttool.fixture import SEAL, Fixture, reseal_command, seal
 from drifttool.verify import (DEFAULT_MODE, check_model, check_reseal, expected_images, fixture_kind, rerun,
                               verify_fixture)
 
@@ -81,7 +81,7 @@ def check_expected(fx: Fixture) -> None:
         was = ", ".join(f"{k} {_shown(k, made.get(k))}" for k in differ)
         now = ", ".join(f"{k} {_shown(k, wanted[k])}" for k in differ)
         raise FixtureError(f"{fx.expected_dir}: made with {was}, where fixture.json says {now}; "
-                           "`drifttool fixture seal --rebuild` re-runs it")
+                           f"`{reseal_command(fx.path)}` re-runs it")
     expected_images(fx, manifest)
 
 
@@ -146,7 +146,7 @@ def _seal_verified(path: Path) -> str:
                    "the decoded images differ" if result.report.exit_code == 0 else
                    f"verdict {result.report.verdict.value}")
             raise FixtureError(f"{path}: its re-run does not reproduce expected/ ({why}); not "
-                               "sealed (`drifttool fixture seal --rebuild` re-makes expected/)")
+                               f"sealed (`{reseal_command(path)}` re-makes expected/)")
         kept = True
         return digest
     finally:

@@ -240,15 +240,16 @@ def rerun(fx: Fixture, out: Path, *, overwrite: bool = False) -> list[Path]:
     Raises:
         FixtureError: what ``check_rerun`` refuses, before anything runs.
         DriftToolError: the run's own refusals (a missing condition image, …), each message led
-            by the fixture's ``fixture.json`` where it names none of the fixture's files already
-            (the user never typed the flag it may mention).
+            by the fixture's ``fixture.json`` where it does not name it already (the user never
+            typed the flag it may mention); a ``FixtureError`` about one of the fixture's files
+            (its ``prompts.safetensors``) names that file.
     """
     check_rerun(fx)
     source = str(fx.path / "fixture.json")
     try:
         return _rerun(fx, out, overwrite=overwrite)
     except DriftToolError as e:
-        if str(fx.path) not in str(e):  # (a message naming one of the fixture's files says which)
+        if source not in str(e) and not isinstance(e, FixtureError):  # (which names its own file)
             e.args = (f"{source}: {e}",)
         raise
 

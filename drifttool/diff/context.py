@@ -15,7 +15,6 @@ first in the report, and the runs are still diffed.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -26,7 +25,8 @@ from drifttool.artifact import compute as ac
 from drifttool.artifact import schema as S
 from drifttool.artifact.raw import RawTensor
 from drifttool.artifact.reader import Run
-from drifttool.diff.stages import STAGE_WORDS, input_key, made_by_both, stage_sources
+from drifttool.diff.stages import MISSING as _MISSING
+from drifttool.diff.stages import STAGE_WORDS, input_key, made_by_both, shown_value, stage_sources
 
 MAX_LISTED = 20  # context lines per kind (fingerprint, inputs)
 MAX_TRACE = 6  # trace sites listed (a mode change makes every site differ)
@@ -41,14 +41,6 @@ def _flatten(d: Any, prefix: str) -> dict[str, Any]:
     return out
 
 
-def _short(v: Any) -> str:
-    """A manifest value in a context line as the manifest writes it (JSON: ``null``, ``"text"``,
-    ``[1, 2]``), ``<missing>`` for an absent key; cut to 60 characters."""
-    s = "<missing>" if v is _MISSING else json.dumps(v, ensure_ascii=False, default=str)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-_MISSING = object()
 
 
 def dict_differences(a: Any, b: Any, prefix: str) -> list[str]:
@@ -58,7 +50,7 @@ def dict_differences(a: Any, b: Any, prefix: str) -> list[str]:
     for k in sorted(set(fa) | set(fb)):
         va, vb = fa.get(k, _MISSING), fb.get(k, _MISSING)
         if va is _MISSING or vb is _MISSING or va != vb:
-            out.append(f"{k}: {_short(va)} != {_short(vb)}")
+            out.append(f"{k}: {shown_value(va)} != {shown_value(vb)}")
     return out
 
 

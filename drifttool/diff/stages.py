@@ -17,6 +17,7 @@ the condition images (their SHA-256) — ``stage_sources`` compares them.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from drifttool.artifact.schema import DEFAULT_COMPONENT
@@ -83,13 +84,23 @@ def stage_sources(ma: dict, mb: dict) -> list[str] | None:
                        ("condition_images", _images)):
         va, vb = get(ra), get(rb)
         if va != vb:
-            out.append(f"{ka}.{field}: {_short(va)} != {_short(vb)}")
+            out.append(f"{ka}.{field}: {shown_value(va)} != {shown_value(vb)}")
     return out
 
 
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+MISSING = object()
+"""A key one side's manifest lacks (``shown_value`` shows it as ``<missing>``)."""
+MAX_VALUE = 1000
+"""Characters of a value a context line shows whole; a longer one (a long list) shows its first
+``MAX_VALUE`` and says how many characters it has."""
+
+
+def shown_value(v: Any) -> str:
+    """A manifest value in a context line as the manifest writes it (JSON: ``null``, ``"text"``,
+    ``[1, 2]``), ``<missing>`` for ``MISSING``; whole up to ``MAX_VALUE`` characters (a
+    description such as ``fingerprint.inputs.rope_tables`` is read to its end)."""
+    s = "<missing>" if v is MISSING else json.dumps(v, ensure_ascii=False, default=str)
+    return s if len(s) <= MAX_VALUE else f"{s[:MAX_VALUE]}… ({len(s)} characters)"
 
 
 def is_early_stage(component: str, step: int) -> bool:

@@ -68,8 +68,8 @@ def test_other_prompts_are_what_the_text_encoders_first_record_consumed(runs, tm
     r = diff_runs(open_run(tmp_path / "x"), open_run(tmp_path / "y"))
     fd = r.first_drift
     assert fd.component == "text_encoder" and fd.origin_kind == "inputs", r.reason
-    assert fd.input_note.startswith("chain.prompts: ['a cube'] != ['a red ball']"), fd.input_note
-    assert "chain.prompts: ['a cube'] != ['a red ball']" in r.context
+    assert fd.input_note.startswith('chain.prompts: ["a cube"] != ["a red ball"]'), fd.input_note
+    assert 'chain.prompts: ["a cube"] != ["a red ball"]' in r.context
     # prompts of other lengths did not move: the context says their lengths differ
     assert not [ln for ln in r.context if "rows moved" in ln], r.context
     (lengths,) = [ln for ln in r.context if "lengths differ" in ln]

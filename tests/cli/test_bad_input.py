@@ -101,14 +101,39 @@ def _integer_embeddings(t):
     t["txt"] = t["txt"].long()
 
 
+def _length_past_slots(t):
+    t["txt_len"][1] = t["txt"].shape[1] + 1
+
+
+def _negative_length(t):
+    t["txt_len"][0] = -1
+
+
+def _no_prompts(t):
+    t["txt"], t["txt_len"] = t["txt"][:0].contiguous(), t["txt_len"][:0].contiguous()
+
+
+def _nan_embedding(t):
+    t["txt"][0, 2, 5] = float("nan")
+
+
+def _extra_tensor(t):
+    t["foo"] = torch.zeros(1)
+
+
 @pytest.mark.parametrize("damage,needle", [
     (None, "unreadable"), (_no_neg_len, "lacks neg_len"), (_lengths_2d, "txt_len is torch.int64 (4, 1)"),
-    (_one_length_short, "txt_len has 3 length(s) for 4 prompt(s)"), (_integer_embeddings, "txt is torch.int64"),
-], ids=["garbage", "a tensor missing", "lengths 2-D", "a length short", "integer embeddings"])
+    (_one_length_short, "txt_len 3 length(s)"), (_integer_embeddings, "txt is torch.int64"),
+    (_length_past_slots, "lengths out of range"), (_negative_length, "lengths out of range"),
+    (_no_prompts, "txt holds 0 prompt(s)"), (_nan_embedding, "txt holds 1 non-finite value(s)"),
+    (_extra_tensor, "holds foo, which no fixture has"),
+], ids=["garbage", "a tensor missing", "lengths 2-D", "a length short", "integer embeddings", "a length past its slots",
+        "a negative length", "no prompts", "a NaN embedding", "an extra tensor"])
 def test_damaged_prompt_embeddings_are_named_by_their_file(cli, tmp_path, damage, needle):
-    """A fixture's prompts.safetensors that is not one (garbage bytes, a tensor missing or of
-    another shape or type): one line naming that file, from ``run --fixture`` and ``fixture
-    seal`` alike (seal blamed fixture.json and named the fixture twice; a missing tensor was an
+    """A fixture's prompts.safetensors that is not one (garbage bytes, a tensor missing, extra or
+    of another shape or type, lengths past their slots or negative, no prompt, a NaN): one line
+    naming that file, from ``run --fixture`` and ``fixture seal`` alike (seal blamed fixture.json
+    and named the fixture twice; a missing tensor, a length past its slots or no prompt was an
     internal error)."""
     fx = tmp_path / "fx"
     shutil.copytree(locate("tiny-t2i"), fx)

@@ -4,10 +4,12 @@ a ``<key>_nonfinite`` key), lists whole. Each command's keys and value types are
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from drifttool.artifact import open_run
 from drifttool.jsondata import SCHEMA_VERSION, plain
 from tests.cli.scripting import invoke, json_out, shape
 
@@ -84,6 +86,10 @@ def test_diff_json_shape(strict_run, tmp_path):
                                      for k in ("ops", "steps")}
     # every context line is whole: no "... and N more" in the data
     assert not any("more" in line and line.startswith("...") for line in data["context"])
+    # and every value in it (the RoPE tables' descriptions, over 60 characters, were cut to "...")
+    tables = [open_run(r).manifest["fingerprint"]["inputs"]["rope_tables"] for r in (strict_run, tmp_path / "auto")]
+    assert max(map(len, tables)) > 60
+    assert f"fingerprint.inputs.rope_tables: {json.dumps(tables[0])} != {json.dumps(tables[1])}" in data["context"]
 
 
 def test_fixture_verify_json_shape():
