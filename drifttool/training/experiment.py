@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import math
 import time
 from dataclasses import asdict
@@ -145,9 +146,18 @@ def launch_record(dist: Any, parallel: Any) -> dict[str, Any]:
     return {"kind": "sample_parallel" if world > 1 else "single", "world_size": world}
 
 
+EXPERIMENT_MARKS = ("train_rollout.settings.json", "grpo.settings.json")
+"""The files that say a folder holds an experiment's output (what ``--overwrite`` replaces)."""
+_EXPERIMENT_ENTRIES = ("rollout-*", "train-*-on-*", "lora", "train_rollout.*", "grpo.*")
+"""What an experiment writes into its folder (``train_rollout``, ``grpo``): an earlier one's are
+removed before ``--overwrite`` writes the new ones, so no result of other combinations is left
+beside them; other files are kept."""
+
+
 def check_out_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse an ``out`` that is (or lies under) a file, or is not empty without ``overwrite``
-    (read only: every rank checks alike).
+    """Refuse an ``out`` that is (or lies under) a file, or is not empty without ``overwrite``,
+    or with it holds no earlier experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's
+    folder) (read only: every rank checks alike).
 
     Raises:
         ArtifactError: naming the path.
@@ -158,14 +168,31 @@ def check_out_dir(out: str | Path, overwrite: bool) -> Path:
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ArtifactError(f"-o {out}: {above} is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
+        if not any((out / m).is_file() for m in EXPERIMENT_MARKS):
+            what = "a drifttool run (manifest.json)" if (out / "manifest.json").exists() else "no earlier experiment"
+            raise ArtifactError(f"{out} is not empty and holds {what}: --overwrite replaces an earlier "
+                                f"experiment's output only ({' or '.join(EXPERIMENT_MARKS)}); give another -o")
     return out
 
 
-def _out_dir(out: str | Path, overwrite: bool) -> Path:
+def _out_dir(out: str | Path, overwrite: bool, keep: str | Path | None = None) -> Path:
+    """``out`` checked (``check_out_dir``) and made; with ``overwrite``, an earlier experiment's
+    entries in it removed (``_EXPERIMENT_ENTRIES``), but for the one holding ``keep`` (the
+    adapter the new experiment trains, where it is the earlier one's ``lora``)."""
     out = check_out_dir(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    kept = None if keep is None else Path(keep).resolve()
+    if overwrite:
+        for entry in sorted({e for pattern in _EXPERIMENT_ENTRIES for e in out.glob(pattern)}):
+            if kept is not None and (kept == entry.resolve() or entry.resolve() in kept.parents):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     return out
 
 
@@ -304,7 +331,7 @@ def train_rollout(
         save_lora(model, _out_dir(out, overwrite) / "lora")
         del model  # the rollouts load their own (at full size: no second copy in memory)
     elif root:
-        _out_dir(out, overwrite)
+        _out_dir(out, overwrite, keep=lora)
     if dist is not None:
         barrier()  # the adapter is written before any rank loads it
     spec = dataclasses.replace(spec, lora=out / "lora" if lora is None else lora)
