@@ -7,7 +7,9 @@ on the tiny model)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from drifttool.artifact import open_run
@@ -21,13 +23,24 @@ def test_the_floor_is_the_larger_of_its_bytes_and_fraction():
     assert _memory_guard.floor(1 << 40) == int((1 << 40) * _memory_guard.FLOOR_FRACTION)
 
 
+def _rows(stream: Path) -> int:
+    """Rows of the record batches written whole so far to the Arrow stream ``stream`` (0 while
+    it is missing or holds its schema only)."""
+    try:
+        with pa.ipc.open_stream(stream) as reader:
+            return sum(batch.num_rows for batch in reader)
+    except (OSError, pa.ArrowInvalid):  # missing, or a batch being written: what was whole
+        return 0
+
+
 def test_a_run_whose_host_memory_runs_low_stops_in_one_line_and_keeps_its_steps(cli, tmp_path, monkeypatch):
     out = tmp_path / "r"
     total = 64 << 30
 
     def meminfo(path=None):  # plenty until the run has written its first step, then too little
-        written = (out / "steps.rank0.arrows").exists()  # (above half the floor: the in-process
-        return HostMemory((2000 << 20) if written else (32 << 30), total)  # run is not ended)
+        # (above half the floor: the in-process run is not ended). The stream file exists from the
+        # run's start, schema only: its first record batch is the first step written
+        return HostMemory((2000 << 20) if _rows(out / "steps.rank0.arrows") else (32 << 30), total)
 
     monkeypatch.setattr(_memory_guard, "host_meminfo", meminfo)
     code, text = cli("run", "--steps", "400", "--capture", "L0", "-o", out)
