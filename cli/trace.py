@@ -183,12 +183,12 @@ def _column_widths(cells: list[dict[str, str]], cols: list[str], width: int) -> 
     Returns the widths (column → characters, without padding) and the kernel lines (empty
     while the kernels stay in the table)."""
     natural = {c: max(len(c), *(len(r[c]) for r in cells)) for c in cols}
-    least = {c: max(len(c), *(_least(r[c]) for r in cells)) for c in cols}
+    least_kernel = max(len("kernel"), *(_least(r["kernel"]) for r in cells)) if "kernel" in cols else 0
 
     def room(kept: list[str]) -> int:  # what the columns leave of the width (padding: a space each side)
         return width - 3 * len(kept) - 1 - sum(natural[c] for c in kept)
 
-    if "kernel" in cols and room(cols) + natural["kernel"] >= least["kernel"]:
+    if "kernel" in cols and room(cols) + natural["kernel"] >= least_kernel:
         return {**natural, "kernel": min(natural["kernel"], room(cols) + natural["kernel"])}, []
     widths = dict(natural)  # identifiers (operators, blocks, contracts) whole: too wide, a listing
     if "kernel" not in cols:

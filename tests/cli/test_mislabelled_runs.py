@@ -12,6 +12,8 @@ import shutil
 
 import pytest
 
+from tests.conftest import one_error_line
+
 # the strict run of the embedded default holds samples 0 and 1
 BAD_SAMPLES = {
     "duplicate": ([0, 0], "corrupt manifest (settings.samples has duplicate sample ids: [0] "
@@ -34,15 +36,6 @@ def _with_samples(src, dst, samples):
     return dst
 
 
-def _one_error_line(code, out, *needles):
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    assert code == 2, out
-    assert "Traceback" not in out and "internal error" not in out, out
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
-    for n in needles:
-        assert n in lines[0], out
-
-
 @pytest.mark.parametrize("case", sorted(BAD_SAMPLES))
 @pytest.mark.parametrize("command", ["diff", "diff reversed", "report", "replay"])
 def test_a_manifest_whose_samples_are_wrong_is_refused_as_corrupt(cli, tmp_path, strict_run,
@@ -53,7 +46,7 @@ def test_a_manifest_whose_samples_are_wrong_is_refused_as_corrupt(cli, tmp_path,
             "report": ("report", strict_run, bad, "-o", tmp_path / "r.html"),
             "replay": ("replay", bad, "-o", tmp_path / "out")}[command]
     code, out = cli(*args)
-    _one_error_line(code, out, f"{bad / 'manifest.json'}: {needle}")
+    one_error_line(code, out, f"{bad / 'manifest.json'}: {needle}")
     assert not (tmp_path / "r.html").exists() and not (tmp_path / "out").exists()
 
 
@@ -61,7 +54,7 @@ def test_diff_json_refuses_a_mislabelled_run_in_one_line(cli, tmp_path, strict_r
     """``--json`` too: no document for a run whose manifest leaves out a recorded sample."""
     bad = _with_samples(strict_run, tmp_path / "bad", [1])
     code, out = cli("diff", strict_run, bad, "--json")
-    _one_error_line(code, out, f"{bad / 'manifest.json'}: corrupt manifest", "holds sample(s) [0]")
+    one_error_line(code, out, f"{bad / 'manifest.json'}: corrupt manifest", "holds sample(s) [0]")
 
 
 def test_a_run_naming_its_samples_in_another_order_diffs_identical(cli, tmp_path, strict_run):
