@@ -1,5 +1,6 @@
 import contextlib
 import importlib.util
+import math
 import os
 
 # CI runs on 2 cores; keep the thread count fixed so timing noise stays low (bytes must not depend on
@@ -70,6 +71,22 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     if not torch.equal(ba, bb):
         idx = (ba != bb).nonzero()[0].tolist()
         pytest.fail(f"{what}: bytes differ first at {idx} ({(ba != bb).sum().item()} elements)")
+
+
+def assert_same_records(a: list[dict], b: list[dict], what: str = "") -> None:
+    """Two runs' op records (``ops_table().to_pylist()``) equal in every column but ``l2``, which
+    must agree to 1e-12 relative: a summary summed in fp64 in the order of the kernel that read
+    the output (a producer's tiles or the row kernel's), not an identity (docs/digest.md)."""
+    assert a and len(a) == len(b), f"{what}: {len(a)} records against {len(b)}"
+    for ra, rb in zip(a, b):
+        la, lb = ra["l2"], rb["l2"]
+        other = {k: v for k, v in ra.items() if k != "l2"}, {k: v for k, v in rb.items() if k != "l2"}
+        if other[0] != other[1]:
+            cols = sorted(k for k in other[0] if other[0][k] != other[1].get(k))
+            pytest.fail(f"{what}: records differ first at step {ra.get('step')} block {ra.get('block')} "
+                        f"{ra.get('stream')} {ra.get('op')} sample {ra.get('sample')} in {cols}")
+        assert la == lb or math.isclose(la, lb, rel_tol=1e-12) or (la != la and lb != lb), \
+            (what, ra["op"], ra["step"], la, lb)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from drifttool.model.graphs import GraphedForward
 from drifttool.model.lanes import Lanes
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runtime import Runtime
+from tests.conftest import assert_same_records
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -117,7 +118,9 @@ def test_full_width_replays_with_lanes_equal_one_stream(full_width, batch):
     for name, rec in recs.items():
         rec.flush()
         tables[name] = rec.ops_table().to_pylist()
-    assert tables["lanes"] == tables["eager"] == tables["one stream"]
+    assert tables["lanes"] == tables["one stream"]  # the same kernels: l2 too
+    # eager, the producers digest what a graph's batched row kernel reads: l2 in another order
+    assert_same_records(tables["lanes"], tables["eager"], "lanes against eager")
 
 
 def test_one_stream_graphs_ignore_a_callers_lanes(model, monkeypatch):

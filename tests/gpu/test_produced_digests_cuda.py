@@ -22,6 +22,7 @@ from drifttool.model.config import tiny
 from drifttool.model.graphs import GraphedForward
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.runtime import Runtime
+from tests.conftest import assert_same_records
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -168,11 +169,7 @@ def _records(model, level: str, graphed: bool, *, use_epilogue: bool, monkeypatc
 def test_captured_records_are_the_row_kernels(model, level, graphed, monkeypatch):
     with_tables, n_with = _records(model, level, graphed, use_epilogue=True, monkeypatch=monkeypatch)
     without, n_without = _records(model, level, graphed, use_epilogue=False, monkeypatch=monkeypatch)
-    assert with_tables and len(with_tables) == len(without)
-    for a, b in zip(with_tables, without):
-        la, lb = a.pop("l2"), b.pop("l2")
-        assert a == b
-        assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
+    assert_same_records(with_tables, without, "producers' tables against the row kernel's")
     assert n_with < n_without, "no captured output took its table from the GEMM's epilogue"
 
 
@@ -200,11 +197,7 @@ def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(wide_
 
     monkeypatch.setattr(attention, "scores", refused)
     fused, _ = _records(wide_heads, "L2", graphed, use_epilogue=True, monkeypatch=monkeypatch)
-    assert fused and len(fused) == len(unfused)
-    for a, b in zip(fused, unfused):
-        la, lb = a.pop("l2"), b.pop("l2")
-        assert a == b, (a["op"], a["block"])
-        assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
+    assert_same_records(fused, unfused, "internals from the fused kernel's tables")
 
 
 def _record_rows(x: torch.Tensor, b: int, keep: torch.Tensor) -> torch.Tensor:

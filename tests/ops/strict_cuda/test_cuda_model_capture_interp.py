@@ -9,7 +9,6 @@ The GPU's own run is ``tests/gpu/test_produced_digests_cuda.py``."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from drifttool.model.config import tiny
 from drifttool.model.mmdit import MMDiT, random_init_
 from drifttool.ops import registry
 from drifttool.runtime import Runtime
+from tests.conftest import assert_same_records
 
 pytestmark = pytest.mark.slow
 
@@ -68,20 +68,12 @@ def _records(model, level: str, enabled: bool, launches, monkeypatch, starts=Non
     return rec.ops_table().to_pylist(), launches[0], trace
 
 
-def _same_records(got: list, want: list) -> None:
-    assert got and len(got) == len(want)
-    for a, b in zip(got, want):
-        la, lb = a.pop("l2"), b.pop("l2")  # Σx²: a summary, summed in another order
-        assert a == b, (a["op"], a["stream"], a["block"])
-        assert la == lb or math.isclose(la, lb, rel_tol=1e-12)
-
-
 @pytest.mark.parametrize("level", ["L1", "L2"])
 def test_records_with_handed_over_tables_are_the_row_kernels(as_on_cuda, monkeypatch, level):
     model = random_init_(MMDiT(tiny(), dtype=torch.float32), seed=1)
     handed, n_handed, _ = _records(model, level, True, as_on_cuda, monkeypatch)
     read, n_read, _ = _records(model, level, False, as_on_cuda, monkeypatch)
-    _same_records(handed, read)
+    assert_same_records(handed, read, "producers' tables against the row kernel's")
     assert n_handed < n_read / 2, (n_handed, n_read)
 
 
@@ -105,4 +97,4 @@ def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(as_on
     monkeypatch.setattr(attention, "scores", refused)
     fused, _, fused_trace = _records(model, "L2", True, as_on_cuda, monkeypatch, starts)
     assert fused_trace == unfused_trace
-    _same_records(fused, unfused)
+    assert_same_records(fused, unfused, "internals from the fused kernel's tables")
