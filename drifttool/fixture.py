@@ -45,9 +45,11 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
 import xxhash
 
 from drifttool.errors import FixtureError
+from drifttool.fixture_prompts import read_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -248,70 +250,24 @@ class Fixture:
 
         Raises:
             FixtureError: no ``prompts.safetensors`` (a chain or edit fixture's prompts are texts,
-                encoded by its pipeline's text encoder), or an unreadable one.
+                encoded by its pipeline's text encoder), or one that is not a fixture's prompt
+                embeddings (``fixture_prompts.read_prompts``).
         """
         import torch  # here, not at the top: the seal check runs without torch
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         if not (self.path / "prompts.safetensors").exists():
             raise FixtureError(f"{self.path}: no prompt embeddings (prompts.safetensors); its prompts are "
                                "texts its pipeline encodes (`drifttool run --prompt`, or --image for an "
                                "edit fixture), or give --prompt-embeds")
-        source = self.path / "prompts.safetensors"
-        try:
-            t = load_file(str(source))
-        except (SafetensorError, OSError) as e:
-            raise FixtureError(f"{source}: unreadable ({e})") from None
-        _check_prompt_tensors(source, t)
-        txt, lens, neg = t["txt"], t["txt_len"], t["neg_txt"]
+        t = read_prompts(self.path / "prompts.safetensors")
+        txt, neg = (torch.from_numpy(t[k].astype(np.float32)) for k in ("txt", "neg_txt"))
+        lens = torch.from_numpy(t["txt_len"].astype(np.int64))
         if txt.shape[-1] != joint_dim:
             g = torch.Generator().manual_seed(int(seed))
             txt = torch.randn(txt.shape[0], txt.shape[1], joint_dim, generator=g)
             txt = txt * (torch.arange(txt.shape[1])[None, :, None] < lens[:, None, None])
             neg = torch.randn(1, neg.shape[1], joint_dim, generator=g)
-        return txt.float(), lens.long(), neg.float(), int(t["neg_len"].item())
-
-
-PROMPT_TENSORS = {"txt": 3, "txt_len": 1, "neg_txt": 3, "neg_len": 0}
-"""A fixture's ``prompts.safetensors``: tensor name → dimensions (prompt embeddings ``[P, L, D]``
-float, their valid lengths ``[P]``, the negative prompt's ``[1, Ln, D]`` and its length)."""
-
-
-def _check_prompt_tensors(source: Path, t: dict[str, Any]) -> None:
-    """Raise unless ``t`` (read from ``source``) is a fixture's prompt embeddings: exactly
-    ``PROMPT_TENSORS``, each of its number of dimensions, the embeddings float and finite, the
-    lengths integers; at least one prompt, one length per prompt, one negative prompt, each length
-    from 0 to its embeddings' slots.
-
-    Raises:
-        FixtureError: naming ``source`` and what is missing or malformed."""
-    import torch  # here: the seal check runs without torch
-
-    missing, extra = sorted(set(PROMPT_TENSORS) - set(t)), sorted(set(t) - set(PROMPT_TENSORS))
-    if missing or extra:
-        what = "; ".join(x for x in (f"lacks {', '.join(missing)}" if missing else "",
-                                     f"holds {', '.join(extra)}, which no fixture has" if extra else "") if x)
-        raise FixtureError(f"{source}: {what} (a fixture's prompt embeddings are {', '.join(PROMPT_TENSORS)})")
-    for name, dims in PROMPT_TENSORS.items():
-        x = t[name]
-        floating = name in ("txt", "neg_txt")
-        if x.dim() != dims or x.dtype.is_floating_point != floating or x.dtype == torch.bool:
-            raise FixtureError(f"{source}: {name} is {x.dtype} {tuple(x.shape)}, not a {dims}-D "
-                               f"{'float' if floating else 'integer'} tensor")
-        if floating and not bool(torch.isfinite(x).all()):
-            raise FixtureError(f"{source}: {name} holds {int((~torch.isfinite(x)).sum())} non-finite value(s)")
-    txt, lens, neg, neg_len = t["txt"], t["txt_len"], t["neg_txt"], int(t["neg_len"])
-    if neg.shape[2] != txt.shape[2]:
-        raise FixtureError(f"{source}: neg_txt is {neg.shape[2]} wide and txt {txt.shape[2]}: one width")
-    if txt.shape[0] == 0 or lens.shape[0] != txt.shape[0] or neg.shape[0] != 1:
-        raise FixtureError(f"{source}: txt holds {txt.shape[0]} prompt(s), txt_len {lens.shape[0]} length(s) "
-                           f"and neg_txt {neg.shape[0]} negative prompt(s): at least one prompt, a length "
-                           "each, one negative prompt")
-    bad = [int(n) for n in lens if not 0 <= int(n) <= txt.shape[1]]
-    if bad or not 0 <= neg_len <= neg.shape[1]:
-        raise FixtureError(f"{source}: lengths out of range (txt_len {lens.tolist()} of {txt.shape[1]} slots, "
-                           f"neg_len {neg_len} of {neg.shape[1]}): each from 0 to its slots")
+        return txt, lens, neg, int(t["neg_len"])
 
 
 def is_text_list(v: Any) -> bool:

@@ -23,6 +23,7 @@ from drifttool.distributed import DistContext, rank_samples, sample_parallel_lay
 from drifttool.distributed.plan import ParallelDims, ParallelPlan, check_cfg_parallel
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
+from drifttool.fixture_prompts import read_prompts
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.memory import check_memory
@@ -244,7 +245,9 @@ def execute(
     return {"out": str(out), "complete": traj.complete, "steps": len(traj.steps),
             "samples": inputs.sample_ids, "mode": s.mode.value,
             "capture": s.capture if s.mode.captures else "none (mode off)", "nonfinite": nonfinite,
-            "lora": manifest.get("lora"), "warnings": warnings, "notes": empty_prompt_notes(inputs),
+            "lora": manifest.get("lora"), "warnings": warnings,
+            "notes": (stand_in_prompt_notes(fx, s, model.config) if replay_inputs is None else [])
+            + empty_prompt_notes(inputs),
             "fault_effects": {} if plan is None else dict(plan.fault_effects), "cuda_graphs": graph_use(fwd)}
 
 
@@ -253,6 +256,22 @@ def rollout_forward(model: torch.nn.Module, device: torch.device):
     replays CUDA graphs (``GraphedForward``: the same kernels, bytes, trace and records; what it
     did goes into the summary, ``graph_use``); elsewhere the model itself."""
     return GraphedForward(model) if device.type == "cuda" and graphable(model) else model
+
+
+def stand_in_prompt_notes(fx, s, config) -> list[str]:
+    """One line when the run took its prompts from the fixture and the fixture's embeddings are
+    of another width than the model's text input (``config.joint_attention_dim``: an external
+    checkpoint): ``Fixture.prompts`` then drew seeded N(0, 1) embeddings at the fixture's
+    lengths instead, which the replay inputs hold but no setting names."""
+    source = fx.path / "prompts.safetensors"
+    if (s.external is not None and s.external.txt is not None) or not source.is_file():
+        return []
+    width = int(read_prompts(source)["txt"].shape[-1])
+    if width == config.joint_attention_dim:
+        return []
+    return [f"the fixture's prompt embeddings are {width} wide and the model's text input "
+            f"{config.joint_attention_dim}: the prompts are seeded N(0, 1) embeddings at the fixture's "
+            f"lengths (seed {s.seed}); --prompt-embeds gives real ones"]
 
 
 def empty_prompt_notes(inputs) -> list[str]:

@@ -44,6 +44,7 @@ from drifttool.errors import ArtifactError, DriftToolError, FixtureError
 from drifttool.exit_codes import ExitCode
 from drifttool.fixture import (DEFAULT_FIXTURE, Fixture, check_seal, check_sealable, extracted, is_text_list,
                                load_fixture, reseal_command)
+from drifttool.fixture_prompts import read_prompts
 from drifttool.fixture_settings import check_complete, check_fixture_settings
 from drifttool.sampling.preset_table import check_preset_seed
 
@@ -197,16 +198,19 @@ def check_reseal(path: str | Path, *, rebuild: bool = False) -> Fixture:
             incomplete ``fixture.json`` (``fixture.load_fixture``,
             ``fixture_settings.check_fixture_settings``, ``fixture_settings.check_complete``, a
             malformed ``chain`` or ``edit`` entry: ``fixture_kind``); settings its re-run refuses
-            (``check_rerun``); with ``rebuild``, no ``transformer/`` or a fixture folder (or its
-            ``expected/``) that is not writable.
+            (``check_rerun``); a trajectory fixture's ``prompts.safetensors`` that is not
+            prompt embeddings (``fixture_prompts.read_prompts``); with ``rebuild``, no
+            ``transformer/`` or a fixture folder (or its ``expected/``) that is not writable.
     """
     path = Path(path)
     check_sealable(path)
     fx = load_fixture(path)
     check_fixture_settings(fx)
     check_complete(fx)
-    fixture_kind(fx)  # a malformed chain or edit entry
+    kind = fixture_kind(fx)  # a malformed chain or edit entry
     check_rerun(fx)  # what its re-run refuses: before expected/ is compared (and --rebuild offered)
+    if kind == "trajectory":
+        read_prompts(fx.path / "prompts.safetensors")  # what its re-run reads first
     if rebuild:
         check_model(fx)
         if not os.access(fx.path, os.W_OK) or (fx.expected_dir.exists() and not os.access(fx.expected_dir, os.W_OK)):

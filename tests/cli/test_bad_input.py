@@ -121,20 +121,26 @@ def _extra_tensor(t):
     t["foo"] = torch.zeros(1)
 
 
+def _bf16_inf(t):
+    t["neg_txt"] = t["neg_txt"].bfloat16()
+    t["neg_txt"][0, 1, 3] = float("-inf")
+
+
 @pytest.mark.parametrize("damage,needle", [
-    (None, "unreadable"), (_no_neg_len, "lacks neg_len"), (_lengths_2d, "txt_len is torch.int64 (4, 1)"),
-    (_one_length_short, "txt_len 3 length(s)"), (_integer_embeddings, "txt is torch.int64"),
+    (None, "unreadable"), (_no_neg_len, "lacks neg_len"), (_lengths_2d, "txt_len is I64 (4, 1)"),
+    (_one_length_short, "txt_len 3 length(s)"), (_integer_embeddings, "txt is I64"),
     (_length_past_slots, "lengths out of range"), (_negative_length, "lengths out of range"),
     (_no_prompts, "txt holds 0 prompt(s)"), (_nan_embedding, "txt holds 1 non-finite value(s)"),
-    (_extra_tensor, "holds foo, which no fixture has"),
+    (_extra_tensor, "holds foo, which no fixture has"), (_bf16_inf, "neg_txt holds 1 non-finite value(s)"),
 ], ids=["garbage", "a tensor missing", "lengths 2-D", "a length short", "integer embeddings", "a length past its slots",
-        "a negative length", "no prompts", "a NaN embedding", "an extra tensor"])
+        "a negative length", "no prompts", "a NaN embedding", "an extra tensor", "a bf16 -inf"])
 def test_damaged_prompt_embeddings_are_named_by_their_file(cli, tmp_path, damage, needle):
     """A fixture's prompts.safetensors that is not one (garbage bytes, a tensor missing, extra or
     of another shape or type, lengths past their slots or negative, no prompt, a NaN): one line
     naming that file, from ``run --fixture`` and ``fixture seal`` alike (seal blamed fixture.json
     and named the fixture twice; a missing tensor, a length past its slots or no prompt was an
-    internal error)."""
+    internal error). ``fixture verify`` finds the file edited and says what ``fixture seal
+    --rebuild`` would refuse, never offering it."""
     fx = tmp_path / "fx"
     shutil.copytree(locate("tiny-t2i"), fx)
     f = fx / "prompts.safetensors"
@@ -148,6 +154,8 @@ def test_damaged_prompt_embeddings_are_named_by_their_file(cli, tmp_path, damage
         code, out = cli(*args)
         _assert_clean_error(code, out, f"{f}: ", needle)
         assert "fixture.json" not in out and out.count(str(fx)) == 1, out
+    code, out = cli("fixture", "verify", fx)
+    _assert_clean_error(code, out, "modified prompts.safetensors", "would refuse it as it is", f"{f}: ", needle)
 
 
 def test_nan_in_weights_is_reported(cli, tmp_path):

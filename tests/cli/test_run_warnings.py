@@ -1,11 +1,12 @@
 """What a run notices about its inputs is said in its summary: a sharded checkpoint whose index
 lists a tensor its shard does not hold (a warning, also recorded in the manifest, as diffusers
-warns when it loads one), and a prompt mask that masks every text token (a note, as CFG-off
-is noted)."""
+warns when it loads one), a prompt mask that masks every text token and fixture prompts
+replaced by random ones of the model's width (notes, as CFG-off is noted)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 from safetensors.torch import save_file
@@ -51,3 +52,18 @@ def test_an_all_zero_prompt_mask_is_noted(cli, tmp_path):
     assert code == 0, out
     text = " ".join(out.split())
     assert "note: the prompt mask of sample(s) [1] masks every text token" in text, out
+
+
+def test_fixture_prompts_of_another_width_are_noted(cli, tmp_path):
+    """A checkpoint whose text input is wider than the fixture's embeddings runs on seeded random
+    embeddings at the fixture's lengths (``Fixture.prompts``): a note says so; a checkpoint of the
+    fixture's width gives none."""
+    for width, noted in ((48, True), (32, False)):
+        ck = tmp_path / f"ck{width}"
+        save_checkpoint(random_init_(MMDiT(replace(tiny(), joint_attention_dim=width)), seed=0), ck)
+        code, out = cli("run", "-o", tmp_path / f"run{width}", "--checkpoint", ck, "--steps", "2",
+                        "--capture", "L0")
+        assert code == 0, out
+        text = " ".join(out.split())
+        assert ("note: the fixture's prompt embeddings are 32 wide and the model's text input 48: the "
+                "prompts are seeded N(0, 1) embeddings" in text) is noted, out
