@@ -142,7 +142,7 @@ def _closure(start: str) -> set[str]:
 
 
 FLOORS = [
-    {"__init__", "errors", "components", "shards", "digestcore", "fixture", "environment",
+    {"__init__", "errors", "components", "shards", "digestcore", "fixture", "fixture_prompts", "environment",
      "collectives", "exit_codes", "jsondata", "host_memory", "launch_env"},
     {"artifact/"},
     {"capture/"},
