@@ -44,8 +44,12 @@ What it keeps safe:
   every kind of launch it will make (a capture must compile nothing); a capture that needs more
   raises ``UnsupportedConfigError``. ``keep`` holds the tables for as long as the graph replays.
 
-Only row kernel 2 (``gpu_rows.TILE["kernel"]``) is batched; with kernel 1 every output is
-digested at once, as without a batch.
+Within a batch the kernels that could digest their own outputs where they write them (the strict
+GEMMs', norms', rotation's, gated residual's and attention's digesting launches,
+``capture.produced``) leave them to it (``produced.batched``): one launch over a block's outputs
+costs less than digesting in each producer (docs/benchmarks.md). Only row kernel 2
+(``gpu_rows.TILE["kernel"]``) is batched; with kernel 1 every output is digested at once, as
+without a batch, and the producers digest theirs.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from drifttool.capture import gpu_rows
+from drifttool.capture import gpu_rows, produced
 from drifttool.errors import UnsupportedConfigError
 
 BATCH = {"bytes": 1 << 28, "entries": 64}
@@ -97,6 +101,7 @@ class RowBatch:
         self._arena, self._used = arena, 0
         self._fills: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._home: torch.cuda.Stream | None = None
+        self._producers: Any = None
         self.launches = 0
         self.tensors = 0
         self._pending: dict[tuple[int, int], tuple[Any, list[_Entry]]] = {}
@@ -108,10 +113,12 @@ class RowBatch:
         if before is not None:
             gpu_rows.defer_to(before)
             raise RuntimeError("a RowBatch is already active on this thread")
+        self._producers = produced.batched(int(gpu_rows.TILE.get("kernel", 2)) == 2)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         gpu_rows.defer_to(None)
+        produced.done(self._producers)
         if kind is not None:  # a failed forward (a refused capture): launch nothing more
             self._pending.clear()
             self._bytes.clear()

@@ -35,14 +35,25 @@ row kernel, as before this hand-over (``benchmarks/bench_gpu_forward.py``'s ``+r
 the bytes of every digest are the same either way)."""
 
 _WANTED: contextvars.ContextVar[bool] = contextvars.ContextVar("drifttool_digest_outputs", default=False)
+_BATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("drifttool_rows_batched", default=False)
 _TABLES: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def wanted() -> bool:
     """Whether the running operator call's outputs will be captured (``producing``) and the
     hand-over is on (``ENABLED``; never under ``torch.inference_mode``, whose tensors keep no
-    version counter)."""
-    return ENABLED and _WANTED.get() and not torch.is_inference_mode_enabled()
+    version counter) and no batch of row-kernel launches takes the outputs instead (``batched``)."""
+    return ENABLED and _WANTED.get() and not _BATCHED.get() and not torch.is_inference_mode_enabled()
+
+
+def batched(on: bool) -> contextvars.Token:
+    """Leave (``on``) every captured output to the row kernel from here on: within a
+    ``capture.gpu_row_batch.RowBatch`` (a CUDA graph's capture and its warm-up) a launch reads
+    about a block's outputs at once, which costs less than the producers' digesting launches
+    (on an H100, a 60-block strict forward at 1024², batch 1, L1: the batched row kernel 16 ms
+    of kernel time against 110 ms that digesting added to the GEMMs, norms, rotations, gated
+    residuals and attention; docs/benchmarks.md). Returns the token ``done`` takes."""
+    return _BATCHED.set(on)
 
 
 def marked() -> bool:
@@ -58,8 +69,8 @@ def producing(on: bool) -> contextvars.Token:
 
 
 def done(token: contextvars.Token) -> None:
-    """Restore the mark ``producing`` replaced."""
-    _WANTED.reset(token)
+    """Restore the mark ``producing`` (or the setting ``batched``) replaced."""
+    token.var.reset(token)
 
 
 def _identity(x: torch.Tensor) -> tuple:

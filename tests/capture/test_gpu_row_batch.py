@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from drifttool.capture import gpu_row_batch, gpu_rows
+from drifttool.capture import gpu_row_batch, gpu_rows, produced
 from drifttool.capture.gpu_row_batch import RowBatch
 from drifttool.errors import UnsupportedConfigError
 
@@ -148,6 +148,25 @@ def test_batches_do_not_nest_and_inference_tensors_are_digested_at_once(small_ti
         with torch.inference_mode():
             t = torch.ones(4, 8, dtype=torch.bfloat16)
         assert not batch.takes(t) and batch.takes(torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("kernel,defer", [(2, True), (2, False), (1, True)])
+def test_producers_leave_a_batchs_outputs_to_it_and_digest_again_after(small_tile, monkeypatch, kernel, defer):
+    monkeypatch.setitem(gpu_rows.TILE, "kernel", kernel)
+    token = produced.producing(True)  # as the registry marks a captured call
+    try:
+        assert produced.wanted()
+        with pytest.raises(KeyError):
+            with RowBatch(defer=defer):
+                assert produced.wanted() is (kernel != 2)  # kernel 1 batches nothing
+                raise KeyError("a failed forward")
+        assert produced.wanted()
+        with RowBatch(defer=defer):
+            assert produced.wanted() is (kernel != 2)
+        assert produced.wanted()
+    finally:
+        produced.done(token)
+    assert not produced.wanted()
 
 
 @pytest.mark.slow

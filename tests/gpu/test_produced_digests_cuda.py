@@ -147,7 +147,9 @@ def _records(model, level: str, graphed: bool, *, use_epilogue: bool, monkeypatc
         m.setattr(gpu_rows, "launch", counted)
         if not use_epilogue:
             m.setattr(produced, "table", lambda x: None)
-        fwd = GraphedForward(model) if graphed else model
+        # a graph's batched row kernel takes every output the producers would digest
+        # (produced.batched): their tables in a graph are those of one without the batch
+        fwd = GraphedForward(model, batch_digests=False) if graphed else model
         rec = Recorder(level)
         rt = Runtime(mode="strict", recorder=rec)
         with torch.no_grad():
