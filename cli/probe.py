@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
+from rich.table import Table
 
 from drifttool.cli import _checkpoint, _completion, _json, _layout, _paths
 from drifttool.cli._console import advance, console, err, matrix_progress
@@ -152,11 +154,10 @@ def probe(
             if (launch is None or launch.rank == 0) and as_json:
                 _json.emit("probe list", {"probes": [_listed(p, distributed) for p in probes]})
             elif launch is None or launch.rank == 0:
-                for p in probes:
-                    pend = f"  [pending: {p.pending}]" if p.pending else ""
-                    layout = f"{p.layout:16} " if distributed else ""
-                    console.print(f"{p.name:28} {p.kind:11} {layout}{p.factor:28} {p.expect.describe()}"
-                                  f"{pend}", highlight=False, markup=False)
+                heads = ("probe", "kind", *(("layout",) if distributed else ()), "factor", "expected", "pending")
+                console.print(_catalog_table(heads, [
+                    (p.name, p.kind, *((p.layout,) if distributed else ()), p.factor, p.expect.describe(),
+                     p.pending or "") for p in probes]))
             return
         if out is None:
             raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "
@@ -174,6 +175,19 @@ def probe(
         report(_matrix(probes, out, base, quiet=as_json, clip_range=clip_range), out)
     else:
         _launched(dims, probes, out, base, report, clip_range)
+
+
+def _catalog_table(heads: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    """``probe --list``: a probe a row; its name, kind and layout never wrapped, its factor and
+    expectation at their spaces (a terminal too narrow for them whole: a listing, ``_console``);
+    a column empty in every row is left out."""
+    keep = [i for i in range(len(heads)) if any(r[i] for r in rows)] or list(range(len(heads)))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i in keep:
+        table.add_column(heads[i], no_wrap=heads[i] in ("probe", "kind", "layout"))
+    for r in rows:
+        table.add_row(*(r[i] for i in keep))
+    return table
 
 
 def _listed(p, distributed: bool) -> dict:
@@ -228,8 +242,10 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
         _json.emit("probe list", {"probes": [_listed(p, False) for p in probes]})
         return
     if list_only:
-        for p in probes:
-            console.print(PC.describe(p), highlight=False, markup=False)
+        console.print(_catalog_table(("probe", "kind", "factor", "cuda", "cpu"), [
+            (p.name, p.kind, p.factor, *(p.expect[d].describe() if d in p.expect
+                                         else f"pending ({p.pending.get(d, 'none declared')})"
+                                         for d in ("cuda", "cpu"))) for p in probes]))
         return
     if out is None:
         raise DriftToolError("give -o/--out: the directory for the runs, diffs and matrix "

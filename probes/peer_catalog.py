@@ -238,10 +238,3 @@ PEERS = ("diffusers",)
 def select(probes: list[PeerProbe], only: str | None) -> list[PeerProbe]:
     """The peer probes named in the comma-separated ``only`` (``spec.select``)."""
     return spec_select(probes, only, "peer probe")
-
-
-def describe(p: PeerProbe) -> str:
-    """One listing line: name, kind, factor and the expectation per device type."""
-    exp = "; ".join(f"{d}: {p.expect[d].describe() if d in p.expect else 'pending (' + p.pending.get(d, 'none declared') + ')'}"
-                    for d in ("cuda", "cpu"))
-    return f"{p.name:22} {p.kind:11} {p.factor:34} {exp}"

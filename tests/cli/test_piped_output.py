@@ -239,3 +239,25 @@ def test_trace_sites_leave_out_a_stream_of_none(strict_run, monkeypatch):
     assert "before b0 timestep_embed_mlp#0" in lines and "sampler flow_sigma_table#0" in lines, lines
     assert "after b1 img final_adaln_out#0" in lines, lines  # the final norm, after the last block
     assert not any(" none " in f" {ln} " for ln in lines), "\n".join(lines)
+
+
+@pytest.mark.parametrize("args", [(), ("--peer", "diffusers"), ("--distributed",)], ids=["matrix", "peer", "distributed"])
+def test_probe_list_on_a_narrow_terminal_cuts_no_name(cli, monkeypatch, args):
+    """``probe --list`` is a table: on a terminal too narrow for its expectations whole (60
+    columns) each probe is listed (``probe NAME`` on a line, its kind, factor and expectations
+    under it), every name whole; on a wide one, a probe a row."""
+    from drifttool.cli import probe as probe_command
+
+    def shown(columns: int) -> list[str]:
+        buf = io.StringIO()
+        monkeypatch.setattr(probe_command, "console",
+                            _Console(file=buf, force_terminal=True, width=columns, color_system=None))
+        code, out = cli("probe", *args, "--list")
+        assert code == 0, out
+        return buf.getvalue().splitlines()
+
+    wide, narrow = shown(400), shown(60)
+    names = [ln.split()[0] for ln in wide[2:]]
+    assert names and wide[0].split()[0] == "probe" and len(wide) == len(names) + 2, "\n".join(wide)
+    assert [ln.split(" ", 1)[1] for ln in narrow if ln.startswith("probe ")] == names, "\n".join(narrow)
+    assert sum(ln.startswith("  kind: ") for ln in narrow) == len(names), "\n".join(narrow)

@@ -18,7 +18,9 @@ def test_list_needs_no_output(cli):
     assert code == 0
     for p in PC.peer_catalog():
         assert p.name in out
-    assert "cuda: drift" in out and "cpu: observed" in out and "pending (torch has no" in out
+    head = out.splitlines()[0].split()
+    assert head == ["probe", "kind", "factor", "cuda", "cpu"], out  # an expectation per device type
+    assert "drift at" in out and "observed" in out and "pending (torch has no" in out
 
 
 @pytest.mark.parametrize("args,words", [
