@@ -212,33 +212,61 @@ def notice(kind: str, line: str) -> None:
 def progress(on: Console | None = None) -> "Progress":
     """The progress bars of ``run``, ``replay`` and ``recompute``: the checkpoint load
     (``load_task``: MiB read/total) above the steps (``step_task``: steps done/total, what one
-    step runs — samples × CFG branches), each with elapsed and remaining time. Drawn on a terminal only (rich's non-interactive Progress would print an empty line on
-    stdout when it stops); ``on`` replaces the console (tests)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # lazy: run only
-                               TimeElapsedColumn, TimeRemainingColumn)
+    step runs — samples × CFG branches), each with elapsed and remaining time. On a terminal too
+    narrow for that line, the bar shrinks, then what a step runs, the elapsed time and the bar go
+    (``_fitted``): the counts and the time left stay whole. Drawn on a terminal only (rich's
+    non-interactive Progress would print an empty line on stdout when it stops); ``on`` replaces
+    the console (tests)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     target = on or console
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
-                    TextColumn("left"), TimeRemainingColumn(), console=target, transient=True,
-                    disable=not target.is_interactive)
+    name, count, left = TextColumn("[bold]{task.description}"), MofNCompleteColumn(), TimeRemainingColumn()
+    layouts = [(name, BarColumn(bar_width=width), count, TextColumn(f"{{task.fields[{unit}]}}"),
+                TimeElapsedColumn(), TextColumn("left"), left)
+               for unit, width in (("unit", 40), ("unit", 10), ("short", 10))]
+    layouts += [(name, count, TextColumn("{task.fields[short]}"), TextColumn("left"), left), (name, count, left)]
+    return _fitted(layouts)(*layouts[0], console=target, transient=True, disable=not target.is_interactive)
 
 
 def matrix_progress(total: int, label: str, on: Console | None = None) -> "Progress":
     """The probe matrix's progress bar: ``label``, bar, ``probes done/total``, elapsed and
-    remaining time, the last probe judged. Drawn on a terminal only, as ``progress``; ``on``
-    replaces the console (stderr under ``--json``, tests). Advance it with ``advance(bar, r)``
-    for each ``ProbeResult`` ``r``."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # lazy: probe only
-                               TimeElapsedColumn, TimeRemainingColumn)
+    remaining time, the last probe judged (on a narrow terminal fewer of them, as
+    ``progress``). Drawn on a terminal only, as ``progress``; ``on`` replaces the console
+    (stderr under ``--json``, tests). Advance it with ``advance(bar, r)`` for each
+    ``ProbeResult`` ``r``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     target = on or console
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("probes"), TimeElapsedColumn(), TextColumn("left"),
-                   TimeRemainingColumn(), TextColumn("{task.fields[last]}"), console=target,
-                   transient=True, disable=not target.is_interactive)
+    name, count, left = TextColumn("[bold]{task.description}"), MofNCompleteColumn(), TimeRemainingColumn()
+    last = TextColumn("{task.fields[last]}")
+    layouts = [(name, BarColumn(bar_width=width), count, TextColumn("probes"), TimeElapsedColumn(),
+                TextColumn("left"), left, last) for width in (40, 10)]
+    layouts += [(name, BarColumn(bar_width=10), count, TextColumn("probes"), TextColumn("left"), left, last),
+                (name, count, TextColumn("probes"), TextColumn("left"), left), (name, count, left)]
+    bar = _fitted(layouts)(*layouts[0], console=target, transient=True, disable=not target.is_interactive)
     bar.add_task(label, total=total, last="")
     return bar
+
+
+def _fitted(layouts: list[tuple]) -> type:
+    """A rich ``Progress`` class whose lines take the first of ``layouts`` (its columns, widest
+    first) that fits the console's width at each refresh, so that rich cuts no count or time
+    (it would end the line in ``…``); the last layout is taken when none fits."""
+    from rich.progress import Progress
+
+    class Fitted(Progress):
+        def make_tasks_table(self, tasks):
+            if not hasattr(self, "live"):  # rich's __init__ renders once, before its console is set
+                return super().make_tasks_table(tasks)
+            for columns in layouts:
+                self.columns = columns
+                table = super().make_tasks_table(tasks)
+                wide = self.console.options.update(max_width=_UNBOUNDED)
+                if Measurement.get(self.console, wide, table).maximum <= self.console.width:
+                    return table
+            return table
+
+    return Fitted
 
 
 def advance(bar: "Progress", result: object) -> None:
@@ -256,7 +284,7 @@ def per_step(samples: int, branches: int) -> str:
 def step_task(bar: "Progress", description: str, steps: int, samples: int, branches: int) -> "TaskID":
     """Add the task of one trajectory (``steps`` denoising steps of ``samples`` samples with
     ``branches`` CFG branches each) to a ``progress()`` bar."""
-    return bar.add_task(description, total=steps, unit=f"steps · {per_step(samples, branches)}")
+    return bar.add_task(description, total=steps, unit=f"steps · {per_step(samples, branches)}", short="steps")
 
 
 def load_reporter(bar: "Progress") -> Callable[[int, int], None]:
@@ -264,7 +292,7 @@ def load_reporter(bar: "Progress") -> Callable[[int, int], None]:
     its own task (``MiB`` read of the weights' total). Call it before ``step_task``: the load's
     line stays above the steps' and shows from the load's first report (a run given a model
     loads nothing and shows none)."""
-    task = bar.add_task("load checkpoint", total=1, unit="MiB of weights", visible=False)
+    task = bar.add_task("load checkpoint", total=1, unit="MiB of weights", short="MiB", visible=False)
 
     def report(done: int, total: int) -> None:
         bar.update(task, total=max(1, total >> 20), completed=done >> 20, visible=True)

@@ -27,6 +27,30 @@ def test_bar_shows_steps_samples_branches_and_time():
     assert per_step(1, 1) == "1 sample × 1 CFG branch"
 
 
+@pytest.mark.parametrize("width", [36, 50, 64, 80, 100, 120])
+def test_a_narrow_terminal_keeps_the_counts_and_time_left_whole(width):
+    """On a terminal too narrow for the whole line the bar shrinks and what a step runs, the
+    elapsed time and the bar go, never a count or the time left: rich had cut them to ``1200…``
+    and ``-:--:…`` at 80 columns. Every line fits; the widest layout that fits is taken."""
+    from drifttool.cli._console import load_reporter, matrix_progress
+
+    buf = io.StringIO()
+    on = Console(file=buf, force_terminal=True, force_interactive=True, width=width)
+    bar = progress(on)
+    report = load_reporter(bar)
+    report(12000 << 20, 38000 << 20)
+    bar.advance(step_task(bar, "strict rollout", 10, 3, 2), 3)
+    matrix = matrix_progress(24, "probe matrix", on)
+    matrix.update(matrix.task_ids[0], advance=5, last="rope_rotate_half pass")
+    lines = ["".join(seg.text for seg in line).rstrip()
+             for b in (bar, matrix) for line in on.render_lines(b.get_renderable(), on.options)]
+    assert len(lines) == 3 and all(len(ln) <= width and "…" not in ln for ln in lines), lines
+    load, steps, probes = lines
+    assert "12000/38000" in load and "3/10" in steps and "5/24" in probes, lines
+    assert all(ln.endswith(("-:--:--", "pass")) for ln in lines), lines
+    assert ("3 samples × 2 CFG branches" in steps) is (width >= 100), lines
+
+
 def test_bar_is_silent_off_a_terminal():
     buf = io.StringIO()
     bar = progress(Console(file=buf, force_terminal=False, force_interactive=False))
