@@ -294,7 +294,7 @@ def load_reporter(bar: "Progress") -> Callable[[int, int], None]:
     loads nothing and shows none)."""
     task = bar.add_task("load checkpoint", total=1, unit="MiB of weights", short="MiB", visible=False)
 
-    def report(done: int, total: int) -> None:
-        bar.update(task, total=max(1, total >> 20), completed=done >> 20, visible=True)
+    def report(done: int, total: int) -> None:  # MiB rounded up: a finished load shows N/N, never 0/1
+        bar.update(task, total=max(1, -(-total >> 20)), completed=-(-done >> 20), visible=True)
 
     return report

@@ -96,5 +96,7 @@ def test_the_load_has_its_own_bar_above_the_steps(tmp_path):
     assert "load checkpoint" in text and "MiB of weights" in text
     assert text.rindex("load checkpoint") < text.rindex("strict rollout")  # the load's line first
     assert [t.visible for t in bar.tasks] == [True, True]
+    load = bar.tasks[0]  # the tiny checkpoint, under 1 MiB: done, as 1/1 MiB (it read 0/1 before)
+    assert load.finished and (load.completed, load.total) == (1, 1), (load.completed, load.total)
     load_checkpoint(load_fixture("tiny-t2i").model_dir)  # outside the block: nobody is told
     assert len(reports) == len(done)
