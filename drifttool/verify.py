@@ -180,10 +180,15 @@ def check_model(fx: Fixture) -> None:
     """Raise unless ``fx`` holds the model it runs.
 
     Raises:
-        FixtureError: no ``transformer/``.
+        FixtureError: no ``transformer/``, or one without its ``config.json`` or any
+            ``.safetensors`` weights (checked without torch: what loading it would refuse first).
     """
     if not fx.model_dir.is_dir():
         raise FixtureError(f"{fx.path}: no transformer/ (the model the fixture runs)")
+    if not (fx.model_dir / "config.json").is_file():
+        raise FixtureError(f"{fx.model_dir}: no config.json (the configuration of the model the fixture runs)")
+    if not any(p.is_file() for p in fx.model_dir.glob("*.safetensors")):
+        raise FixtureError(f"{fx.model_dir}: no .safetensors weights (the model the fixture runs)")
 
 
 def check_reseal(path: str | Path, *, rebuild: bool = False) -> Fixture:

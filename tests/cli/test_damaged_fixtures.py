@@ -235,3 +235,15 @@ def test_verify_shows_only_paths_that_still_exist(cli, fx, tmp_path, tmpdir_, as
     assert str(tmpdir_) not in out, out
     assert re.search(r"^A: expected/ of .*fx\.tar\.gz \(.*removed\)$", out, re.M), out
     assert re.search(r"^B: .*re-run \(removed; --workdir DIR keeps it\)$", out, re.M), out
+
+
+@pytest.mark.parametrize("victim, refusal", [
+    ("transformer/config.json", "transformer: no config.json"),
+    ("transformer/diffusion_pytorch_model.safetensors", "transformer: no .safetensors weights"),
+])
+def test_a_fixture_without_its_model_files_is_not_offered_a_rebuild(cli, fx, victim, refusal):
+    """``fixture verify`` on a fixture whose model files were deleted says what ``fixture seal
+    --rebuild`` refuses, not that it re-seals it; and ``--rebuild`` refuses it so."""
+    os.remove(fx / victim)
+    _one_clean_line(*cli("fixture", "verify", fx), f"missing {victim}", "would refuse it as it is", refusal)
+    _one_clean_line(*cli("fixture", "seal", fx, "--rebuild"), refusal)
