@@ -125,6 +125,9 @@ def probe(
             check_clip_range(clip_range)
         if junit is not None:
             _paths.output_file(junit, "--junit")
+            if out is not None and junit.resolve() == out.resolve():
+                raise DriftToolError(f"--junit {junit}: is the -o/--out folder the matrix writes; "
+                                     "give a file name")
         report = _Report(heatmaps=heatmaps, as_json=as_json, junit=junit)
         if preset is not None and preset.lower() in PRESETS:  # in any case, as --mode
             preset = preset.lower()

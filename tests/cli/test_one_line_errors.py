@@ -296,3 +296,12 @@ def test_run_error_in_a_real_process_leaves_stdout_empty(tmp_path):
                              text=True, timeout=120, cwd=tmp_path)
         assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
         assert len(res.stderr.splitlines()) == 1 and res.stderr.startswith("error: "), res.stderr
+
+
+def test_probe_junit_naming_the_output_folder_is_refused_before_the_matrix(cli, tmp_path, monkeypatch):
+    """``probe -o DIR --junit DIR`` is refused at once: the matrix would make DIR a folder and
+    the JUnit file could not be written after it ran (one line, nothing written)."""
+    monkeypatch.chdir(tmp_path)
+    one_error_line(*cli("probe", "-o", "m", "--only", "repeat", "--junit", "m"),
+                   "--junit m: is the -o/--out folder")
+    assert not any(tmp_path.iterdir())
