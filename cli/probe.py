@@ -237,7 +237,7 @@ def _peer(name: str, *, out: Path | None, only: str | None, preset: str | None,
     from drifttool.probes import peer_catalog as PC  # lazy: likewise
 
     if name not in PC.PEERS:
-        raise DriftToolError(f"unknown peer {name!r} (one of {list(PC.PEERS)})")
+        raise DriftToolError(f"unknown peer {name!r} (one of {', '.join(PC.PEERS)})")
     if preset not in (None, "tiny") or (preset is not None and checkpoint is not None):
         raise DriftToolError("--peer runs the tiny fixture's transformer or --checkpoint DIR")
     probes = PC.select(PC.peer_catalog(), only)

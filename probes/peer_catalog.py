@@ -82,11 +82,12 @@ class PeerExpect:
             raise ValueError("only a drift expectation names where the first drift is")
 
     def describe(self) -> str:
-        """One line, e.g. ``drift at qk_rmsnorm (img, block 0, step 0)`` or ``observed``."""
+        """One line, e.g. ``drift at qk_rmsnorm (img, step 0, block 0)`` or ``observed``: the
+        strict matrix's order (``spec.Expectation.describe``)."""
         if self.verdict != "drift" or self.op is None:
             return self.verdict
-        where = [block_words(self.block)] if self.block is not None else []
-        where += [f"step {self.step}"] if self.step is not None else []
+        where = [f"step {self.step}"] if self.step is not None else []
+        where += [block_words(self.block)] if self.block is not None else []
         if names_one(self.stream):
             where.insert(0, self.stream)
         return f"drift at {self.op}" + (f" ({', '.join(where)})" if where else "")

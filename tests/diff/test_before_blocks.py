@@ -53,7 +53,7 @@ def test_probe_expectations_say_before_block_0():
     assert (Expectation(verdict="drift", op="latent_proj_gemm", step=0, block=S.BEFORE_BLOCKS,
                         stream="img").describe() == "drift at latent_proj_gemm (img, step 0, before block 0)")
     assert (PeerExpect(verdict="drift", op="txt_in_rmsnorm_linear", stream="txt", block=-1, step=0)
-            .describe() == "drift at txt_in_rmsnorm_linear (txt, before block 0, step 0)")
+            .describe() == "drift at txt_in_rmsnorm_linear (txt, step 0, before block 0)")  # the same order
     assert S.short_block(S.BEFORE_BLOCKS) == "before b0" and S.short_block(S.SAMPLER_BLOCK) == "sampler"
 
 

@@ -24,7 +24,7 @@ def test_list_needs_no_output(cli):
 
 
 @pytest.mark.parametrize("args,words", [
-    (("--peer", "nope", "-o", "{tmp}"), "unknown peer"),
+    (("--peer", "nope", "-o", "{tmp}"), "unknown peer 'nope' (one of diffusers)"),
     (("--peer", "diffusers", "--only", "repeat,nope", "-o", "{tmp}"), "unknown peer probe"),
     (("--peer", "diffusers", "--only", "repeat"), "give -o/--out"),
     (("--peer", "diffusers", "--device", "tpu", "-o", "{tmp}"), "device"),
