@@ -37,7 +37,7 @@ import typer
 from typer.core import TyperGroup
 
 import drifttool
-from drifttool.cli._command import Command
+from drifttool.cli._command import Command, FittedHelp
 from drifttool.cli._completion import completion_help, shell_named
 from drifttool.cli import _console
 from drifttool.cli._console import error_line
@@ -50,7 +50,7 @@ _click_errors = sys.modules[typer.BadParameter.__module__]
 _NO_ARGS_IS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
-class _Group(TyperGroup):
+class _Group(FittedHelp, TyperGroup):
     """The ``drifttool`` group: click/typer usage errors (bad or missing option, unknown command)
     as one ``error:`` line naming the command's ``--help``, exit 2, instead of typer's boxed
     usage text; an exception no command handled (a bug) as one ``internal error:`` line, exit 4;

@@ -4,6 +4,7 @@ command's line in the group's list unbroken, and an unknown option offered only 
 from __future__ import annotations
 
 import pytest
+import typer
 
 from tests.cli.scripting import invoke
 
@@ -60,3 +61,26 @@ def test_help_on_a_pipe_keeps_option_names_whole_at_80_columns(command):
                          capture_output=True, text=True, timeout=120).stdout
     assert "…" not in out, [line for line in out.splitlines() if "…" in line][:3]
     assert "--overwrite" in out
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80])
+@pytest.mark.parametrize("command", [[], ["run"], ["recompute"], ["replay"], ["probe"], ["diff"], ["report"],
+                                     ["fixture", "verify"]], ids=lambda c: "-".join(c) or "group")
+def test_help_on_a_narrow_terminal_cuts_no_name(command, columns):
+    """A help page typer's tables would cut (``--negative-pro…`` for two options at 80 columns)
+    prints as click's plain help: no ``…``, every option and command named whole; a wide terminal
+    keeps typer's page (its boxes)."""
+    from drifttool.cli.app import app
+
+    res = invoke(*command, "--help", env={"COLUMNS": str(columns)})
+    wide = invoke(*command, "--help", env={"COLUMNS": "400"}).output
+    assert res.exit_code == 0 and res.output.count("…") == wide.count("…"), res.output  # RUN_B… is overlay's
+    group = typer.main.get_command(app)
+    cmd = group
+    for name in command:
+        cmd = cmd.commands[name] if hasattr(cmd, "commands") else cmd
+    names = [o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+    names += list(getattr(cmd, "commands", {}))
+    words = set(res.output.replace(",", " ").replace("/", " ").split())
+    assert names and all(n in words for n in names), [n for n in names if n not in words]
+    assert "╭" in wide
