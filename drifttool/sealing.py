@@ -50,11 +50,11 @@ def _expected_manifest(fx: Fixture) -> dict[str, Any]:
     path = fx.expected_dir / "manifest.json"
     if not path.is_file():
         raise FixtureError(f"{fx.path}: no expected artifact (expected/manifest.json); "
-                           "`drifttool fixture seal --rebuild` makes it")
+                           f"`{reseal_command(fx.path)}` makes it")
     try:
         return read_manifest(fx.expected_dir)
     except ArtifactError as e:
-        raise FixtureError(str(e)) from None
+        raise FixtureError(f"{e}; `{reseal_command(fx.path)}` makes it again") from None
 
 
 def _shown(key: str, value: Any) -> str:
@@ -138,7 +138,10 @@ def _seal_verified(path: Path) -> str:
     digest = seal(path)
     kept = False
     try:
-        result = verify_fixture(path)
+        try:
+            result = verify_fixture(path)
+        except ArtifactError as e:  # expected/ damaged: what its reader refuses, and the remedy
+            raise FixtureError(f"{e}; not sealed (`{reseal_command(path)}` re-makes expected/)") from None
         shutil.rmtree(result.run_dir.parent, ignore_errors=True)
         if result.exit_code != 0:
             fd = result.report.first_drift

@@ -247,3 +247,14 @@ def test_a_fixture_without_its_model_files_is_not_offered_a_rebuild(cli, fx, vic
     os.remove(fx / victim)
     _one_clean_line(*cli("fixture", "verify", fx), f"missing {victim}", "would refuse it as it is", refusal)
     _one_clean_line(*cli("fixture", "seal", fx, "--rebuild"), refusal)
+
+
+@pytest.mark.parametrize("victim, refusal", [
+    ("expected/manifest.json", "no expected artifact (expected/manifest.json)"),
+    ("expected/ops.rank0.arrow", "complete run lacks ops.rank0.arrow; not sealed"),
+])
+def test_seal_of_a_damaged_expected_artifact_names_the_rebuild_that_remakes_it(cli, fx, victim, refusal):
+    """``fixture seal`` refuses a fixture whose expected artifact lost a file in one line that
+    names the command re-making it, with the fixture's path (it lacked the path, or any hint)."""
+    os.remove(fx / victim)
+    _one_clean_line(*cli("fixture", "seal", fx), refusal, f"`drifttool fixture seal {fx} --rebuild`")
