@@ -346,8 +346,8 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
             missing expected image, or settings its re-run refuses (``check_rerun``: a setting
             ``fixture.json`` lacks, …), before it runs.
         ArtifactError: the expected artifact cannot be read (before anything runs), or
-            ``workdir`` is a file or itself an artifact (a run directory holds its own files only; the
-            re-run goes to ``workdir/replay``).
+            ``workdir`` is a file, itself an artifact (a run directory holds its own files only; the
+            re-run goes to ``workdir/replay``) or a folder that cannot be made.
     """
     if workdir is not None and Path(workdir).exists() and not Path(workdir).is_dir():
         raise ArtifactError(f"--workdir {workdir}: exists and is not a directory (the re-run is "
@@ -355,6 +355,11 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
     if workdir is not None and (Path(workdir) / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
                             "own (the re-run is written to WORKDIR/replay)")
+    if workdir is not None:
+        try:  # before the seal is checked: the re-run's folder names --workdir, not the fixture
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ArtifactError(f"--workdir {workdir}: cannot create it ({e.strerror or e})") from None
     source = DEFAULT_FIXTURE if name_or_path is None else name_or_path
     archive = Path(source) if Path(source).is_file() else None
     with extracted(source) as path:

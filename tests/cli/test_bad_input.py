@@ -437,3 +437,12 @@ def test_fixture_verify_names_a_file_given_as_workdir(cli, tmp_path):
     code, out = cli("fixture", "verify", "--workdir", tmp_path / "afile")
     assert code == 2 and f"--workdir {tmp_path / 'afile'}: exists and is not a directory" in out, out
     assert "fixture.json" not in out, out
+
+
+def test_fixture_verify_names_a_workdir_it_cannot_create(cli, tmp_path):
+    """A ``--workdir`` that cannot be made is named as such, before the seal is checked (it was
+    blamed on the fixture's fixture.json, after the re-run had started)."""
+    (tmp_path / "afile").write_text("x")
+    code, out = cli("fixture", "verify", "--workdir", tmp_path / "afile" / "sub")
+    _assert_clean_error(code, out, f"--workdir {tmp_path / 'afile' / 'sub'}: cannot create it")
+    assert "fixture.json" not in out and len(out.strip().splitlines()) == 1, out
