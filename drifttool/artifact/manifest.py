@@ -85,6 +85,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     try:
         mode = mpath.lstat().st_mode
     except FileNotFoundError:
+        if (path / "fixture.json").is_file() and (path / "expected" / S.MANIFEST).is_file():
+            raise ArtifactError(f"{path}: a fixture, not an artifact; its expected run is "
+                                f"{path / 'expected'}") from None
         raise ArtifactError(f"{path}: missing {S.MANIFEST} (not an artifact, or the run never "
                             "started)") from None
     if not stat.S_ISREG(mode):

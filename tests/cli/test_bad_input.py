@@ -446,3 +446,9 @@ def test_fixture_verify_names_a_workdir_it_cannot_create(cli, tmp_path):
     code, out = cli("fixture", "verify", "--workdir", tmp_path / "afile" / "sub")
     _assert_clean_error(code, out, f"--workdir {tmp_path / 'afile' / 'sub'}: cannot create it")
     assert "fixture.json" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_a_fixture_given_as_an_artifact_names_its_expected_run(cli, strict_run):
+    fx = locate("tiny-t2i")
+    code, out = cli("diff", strict_run, fx)
+    _assert_clean_error(code, out, f"{fx}: a fixture, not an artifact; its expected run is {fx / 'expected'}")
