@@ -1,7 +1,7 @@
 """The exit codes of every ``drifttool`` command, distinct for CI:
 
     0  identical, or the command succeeded
-    1  drift (a probe matrix: a finding)
+    1  drift or a semantic mismatch (a probe matrix: a finding)
     2  a usage error or bad input (an option, a path, an unreadable artifact or fixture)
     3  incomparable or inconclusive: the runs cannot be aligned, or records are missing
     4  an internal error (a drifttool bug): one line; DRIFTTOOL_DEBUG=1 adds the traceback
@@ -31,7 +31,7 @@ DEBUG_ENV = "DRIFTTOOL_DEBUG"
 
 MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "identical or success",
-    ExitCode.DRIFT: "drift",
+    ExitCode.DRIFT: "drift or semantic mismatch (probe: a finding)",
     ExitCode.USAGE: "usage error or bad input",
     ExitCode.UNSURE: "incomparable or inconclusive",
     ExitCode.INTERNAL: f"internal error ({DEBUG_ENV}=1 prints its traceback)",
