@@ -64,11 +64,13 @@ import torch
 from drifttool.capture import gpu_rows, produced
 from drifttool.errors import UnsupportedConfigError
 
-LANE = True
-"""Deferred launches run on a stream of their own (``RowBatch.lane``), beside the forward's next
-block: the GEMMs keep the tensor cores busy and leave memory bandwidth that the row kernel uses.
-A batch's outputs are kept until the launch of the next batch from their stream, whose stream
-then waits for the first launch before their memory can be reused."""
+LANE = False
+"""True: deferred launches run on a stream of their own (``RowBatch.lane``), beside the forward's
+next block, where the GEMMs keep the tensor cores busy and may leave memory bandwidth to the row
+kernel. A batch's outputs are then kept until the launch of the next batch from their stream,
+whose stream then waits for the first launch before their memory can be reused, and each is
+checked again for a change in place. Off by default until measured
+(``benchmarks/bench_gpu_forward.py``'s ``+lane``)."""
 
 BATCH = {"bytes": 1 << 28, "entries": 64}
 """When a stream's kept outputs are launched: at ``bytes`` bytes (an image-stream block at 1024²,
