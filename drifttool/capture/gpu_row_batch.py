@@ -143,10 +143,10 @@ class RowBatch:
             self._flush(key)
             if stream is not None and stream != torch.cuda.current_stream(stream.device):
                 torch.cuda.current_stream(stream.device).wait_stream(stream)  # the end joins it
-        if self.lane is not None:
+        if self.lane is not None:  # the end joins the lane: its outputs may go at once
             torch.cuda.current_stream(self.lane.device).wait_stream(self.lane)
             for key in list(self._inflight):
-                self._release(key)
+                self._release(key, wait=False)
         for kind_ in sorted(self._kinds):  # a warm-up: each kind of launch once, on a few zeros
             wbytes, floating, bm, aligned = kind_
             dtype = (torch.bfloat16, torch.float16, torch.float32)[floating]
@@ -241,9 +241,11 @@ class RowBatch:
         self._release(key)  # the batch before, launched a batch ago on the lane
         self._inflight[key] = (stream, done, entries)
 
-    def _release(self, key: tuple[int, int]) -> None:
-        """Let the outputs of ``key``'s batch in flight on the lane go: their stream waits for its
-        launch (a later allocation there may take their memory) and none was changed in place."""
+    def _release(self, key: tuple[int, int], *, wait: bool = True) -> None:
+        """Let the outputs of ``key``'s batch in flight on the lane go: none was changed in place,
+        and (``wait``) their stream waits for its launch, since a later allocation there may take
+        their memory. At the end the current stream has joined the lane instead: a wait on a text
+        lane after the end would leave a graph's capture unjoined."""
         if key not in self._inflight:
             return
         stream, done, entries = self._inflight.pop(key)
@@ -253,7 +255,8 @@ class RowBatch:
             raise UnsupportedConfigError(
                 f"a captured output ({x.dtype} {tuple(x.shape)}) was changed in place before its "
                 "digest's batched launch had run")
-        stream.wait_event(done)
+        if wait:
+            stream.wait_event(done)
 
     def _launch(self, group: list[_Entry], wbytes: int, floating: int, bm: int, aligned: bool) -> None:
         tile = gpu_rows.TILE
