@@ -21,7 +21,7 @@ import contextlib
 import io
 from typing import Any
 
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 
 class FittedHelp:
@@ -69,3 +69,7 @@ class Command(FittedHelp, TyperCommand):
         """typer's pieces with a required argument's braces taken off (``{RUN_A}`` → ``RUN_A``)."""
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p
                 for p in super().collect_usage_pieces(ctx)]
+
+
+class Group(FittedHelp, TyperGroup):
+    """A command group (``fixture``, ``experiment``) whose help page fits the terminal (``FittedHelp``)."""

@@ -21,14 +21,14 @@ from rich import box
 from rich.table import Table
 
 from drifttool.cli import _checkpoint, _completion, _layout, _paths
-from drifttool.cli._command import Command
+from drifttool.cli._command import Command, Group
 from drifttool.cli._console import console
 from drifttool.cli._errors import alike_on_every_rank, user_errors
 from drifttool.cli._threads import threaded
 from drifttool.errors import DriftToolError
 from drifttool.exit_codes import EXIT_HELP
 
-app = typer.Typer(help="Train-rollout experiments: rollout/train backend combinations.",
+app = typer.Typer(cls=Group, help="Train-rollout experiments: rollout/train backend combinations.",
                   epilog=EXIT_HELP,
                   no_args_is_help=True)
 

@@ -10,13 +10,13 @@ from typing import Optional
 import typer
 
 from drifttool.cli import _completion, _json, _paths
-from drifttool.cli._command import Command
+from drifttool.cli._command import Command, Group
 from drifttool.cli._console import console, notice
 from drifttool.cli._errors import user_errors
 from drifttool.cli._threads import threaded
 from drifttool.exit_codes import EXIT_HELP
 
-app = typer.Typer(help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
+app = typer.Typer(cls=Group, help="Verify or seal fixtures.", epilog=EXIT_HELP, no_args_is_help=True)
 
 
 @app.command("verify", cls=Command, epilog=EXIT_HELP)

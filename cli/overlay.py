@@ -19,7 +19,7 @@ def overlay(
                            help="Figure to write (.png, .pdf or .svg; missing parent folders are created)."),
     title: str = typer.Option("", help="Figure title."),
 ) -> None:
-    """Draw per-step drift curves (v_t, x_next, logp_t max|Δ| and the SDE KL) of RUN_B… against
+    """Draw per-step drift curves (v_t, x_next, logp_t max|Δ| and the SDE KL) of each RUN_B against
     the baseline RUN_A on one figure (RFC qwenimage_ablation_overlay).
 
     Exit 0 when the figure is written and every run was compared (identical or drifting);

@@ -65,7 +65,8 @@ def test_help_on_a_pipe_keeps_option_names_whole_at_80_columns(command):
 
 @pytest.mark.parametrize("columns", [40, 60, 80])
 @pytest.mark.parametrize("command", [[], ["run"], ["recompute"], ["replay"], ["probe"], ["diff"], ["report"],
-                                     ["fixture", "verify"]], ids=lambda c: "-".join(c) or "group")
+                                     ["fixture"], ["fixture", "verify"], ["experiment"], ["experiment", "grpo"]],
+                         ids=lambda c: "-".join(c) or "group")
 def test_help_on_a_narrow_terminal_cuts_no_name(command, columns):
     """A help page typer's tables would cut (``--negative-pro…`` for two options at 80 columns)
     prints as click's plain help: no ``…``, every option and command named whole; a wide terminal
@@ -74,7 +75,7 @@ def test_help_on_a_narrow_terminal_cuts_no_name(command, columns):
 
     res = invoke(*command, "--help", env={"COLUMNS": str(columns)})
     wide = invoke(*command, "--help", env={"COLUMNS": "400"}).output
-    assert res.exit_code == 0 and res.output.count("…") == wide.count("…"), res.output  # RUN_B… is overlay's
+    assert res.exit_code == 0 and "…" not in res.output, res.output
     group = typer.main.get_command(app)
     cmd = group
     for name in command:
