@@ -45,8 +45,9 @@ def read_prompts(source: Path) -> dict[str, np.ndarray]:
 
     try:
         with safe_open(str(source), framework="numpy") as f:
-            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            dtypes = {name: sl.get_dtype() for name, sl in slices.items()}
+            shapes = {name: tuple(sl.get_shape()) for name, sl in slices.items()}
             _check_names(source, dtypes)
             _check_types(source, dtypes, shapes)
             arrays = {name: _bf16(source, name) if dtypes[name] == "BF16" else f.get_tensor(name)
@@ -55,6 +56,15 @@ def read_prompts(source: Path) -> dict[str, np.ndarray]:
         raise FixtureError(f"{source}: unreadable ({e})") from None
     _check_values(source, arrays)
     return arrays
+
+
+def embedding_width(source: Path) -> int:
+    """The width D of the prompt embeddings ``txt`` ``[P, L, D]`` in ``source`` (a file
+    ``read_prompts`` accepted), from its header alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="numpy") as f:
+        return int(f.get_slice("txt").get_shape()[-1])
 
 
 def _check_names(source: Path, dtypes: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ from drifttool.distributed import DistContext, rank_samples, sample_parallel_lay
 from drifttool.distributed.plan import ParallelDims, ParallelPlan, check_cfg_parallel
 from drifttool.environment import environment
 from drifttool.errors import DriftToolError
-from drifttool.fixture_prompts import read_prompts
+from drifttool.fixture_prompts import embedding_width
 from drifttool.fingerprint import arch_fingerprint, check_finite, sampler_record, tensor_digest
 from drifttool.lifecycle import SINGLE_LAYOUT, ArtifactSession
 from drifttool.memory import check_memory
@@ -266,7 +266,7 @@ def stand_in_prompt_notes(fx, s, config) -> list[str]:
     source = fx.path / "prompts.safetensors"
     if (s.external is not None and s.external.txt is not None) or not source.is_file():
         return []
-    width = int(read_prompts(source)["txt"].shape[-1])
+    width = embedding_width(source)  # the file was read and checked for the inputs
     if width == config.joint_attention_dim:
         return []
     return [f"the fixture's prompt embeddings are {width} wide and the model's text input "
