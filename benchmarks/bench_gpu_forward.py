@@ -60,7 +60,8 @@ digested in the fused kernel (``ops.registry.internals_from_tables`` off; the sa
 ``+nointernals``: L2 without the attention's internals (``drifttool run --no-internals``);
 ``+each``: with ``+graph``, a row-kernel launch per captured output recorded in the graph
 (``GraphedForward(batch_digests=False)``) instead of a launch per batch of about a block's
-outputs (``capture.gpu_row_batch``; the same digests)."""
+outputs (``capture.gpu_row_batch``; the same digests); ``+lane``: with ``+graph``, those batched
+launches on a stream of their own, overlapping the next block (``gpu_row_batch.LANE``)."""
 ALT_GEMM: dict[str, int] = {}
 """``--gemm``: the ``kernels.gemm.GemmConfig`` fields of the ``+alt`` configs."""
 GRAPHED: dict[str, GraphedForward] = {}
@@ -87,7 +88,7 @@ def forward(config: str, tr, ours, x, txt, mask, tau, grid, scope) -> int:
     mode = "strict" if impl == "strict" else ("auto" if rec else "off")
     rt = Runtime(mode=mode, recorder=rec, internals=False if "nointernals" in extra else None)
     with (torch.no_grad(), rt.scope(**scope), alt_gemm("alt" in extra), row_kernel_only("rows" in extra),
-          unfused_internals("unfused" in extra)):
+          unfused_internals("unfused" in extra), digest_lane("lane" in extra)):
         if impl == "diffusers" and graph:  # the adapter's call: its hooks run at capture, a replay runs none
             fast = GRAPHED.setdefault(config, GraphedForward(DiffusersQwenImage(tr),
                                                              batch_digests="each" not in extra))
@@ -128,6 +129,14 @@ def row_kernel_only(on: bool):
     from drifttool.capture import produced
 
     return _patched(on, produced, "ENABLED", False)
+
+
+def digest_lane(on: bool):
+    """Within (``on``): a graph's batched row-kernel launches run on a stream of their own
+    (``capture.gpu_row_batch.LANE``)."""
+    from drifttool.capture import gpu_row_batch
+
+    return _patched(on, gpu_row_batch, "LANE", True)
 
 
 def unfused_internals(on: bool):

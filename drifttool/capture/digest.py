@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from drifttool import digestcore as core
-from drifttool.capture.digest_rows import (PendingRows, RowTables, device_rows, key_consts,
+from drifttool.capture.digest_rows import (PendingRows, RowTables, device_rows, host_numpy, key_consts,
                                            key_table, pending_rows)
 from drifttool.capture.dtypes import dtype_from_name, dtype_name, raw_bytes
 from drifttool.capture.summary import stats_vec, summaries, summary
@@ -401,7 +401,7 @@ class ReadBack:
             for i, r in zip(idx, kept):
                 rows[i] = r
         for idx, vecs, at, kept in self._vecs:
-            flat = torch.cat(vecs).cpu().numpy()
+            flat = host_numpy(torch.cat(vecs))
             value[idx] = flat[at]
             st[idx] = flat[at[:, None] + np.arange(1, 5)].view(np.float64)
             for i, a, k in kept:

@@ -64,6 +64,14 @@ import torch
 from drifttool.capture import gpu_rows, produced
 from drifttool.errors import UnsupportedConfigError
 
+LANE = False
+"""True: deferred launches run on a stream of their own (``RowBatch.lane``), beside the forward's
+next block, where the GEMMs keep the tensor cores busy and may leave memory bandwidth to the row
+kernel. A batch's outputs are then kept until the launch of the next batch from their stream,
+whose stream then waits for the first launch before their memory can be reused, and each is
+checked again for a change in place. Off by default until measured
+(``benchmarks/bench_gpu_forward.py``'s ``+lane``)."""
+
 BATCH = {"bytes": 1 << 28, "entries": 64}
 """When a stream's kept outputs are launched: at ``bytes`` bytes (an image-stream block at 1024²,
 batch 1, is about 450 MB) or ``entries`` outputs, whichever comes first; the rest at the end."""
@@ -105,6 +113,8 @@ class RowBatch:
         self.launches = 0
         self.tensors = 0
         self._pending: dict[tuple[int, int], tuple[Any, list[_Entry]]] = {}
+        self.lane: torch.cuda.Stream | None = None  # where deferred launches run (LANE)
+        self._inflight: dict[tuple[int, int], tuple[Any, Any, list[_Entry]]] = {}
         self._bytes: dict[tuple[int, int], int] = {}
 
     def __enter__(self) -> "RowBatch":
@@ -114,6 +124,8 @@ class RowBatch:
             gpu_rows.defer_to(before)
             raise RuntimeError("a RowBatch is already active on this thread")
         self._producers = produced.batched(int(gpu_rows.TILE.get("kernel", 2)) == 2)
+        if LANE and self.defers and self._home is not None:
+            self.lane = torch.cuda.Stream(self._home.device)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
@@ -122,12 +134,19 @@ class RowBatch:
         if kind is not None:  # a failed forward (a refused capture): launch nothing more
             self._pending.clear()
             self._bytes.clear()
+            if self.lane is not None:
+                torch.cuda.current_stream(self.lane.device).wait_stream(self.lane)
+            self._inflight.clear()
             return
         for key in list(self._pending):
             stream = self._pending[key][0]
             self._flush(key)
             if stream is not None and stream != torch.cuda.current_stream(stream.device):
                 torch.cuda.current_stream(stream.device).wait_stream(stream)  # the end joins it
+        if self.lane is not None:  # the end joins the lane: its outputs may go at once
+            torch.cuda.current_stream(self.lane.device).wait_stream(self.lane)
+            for key in list(self._inflight):
+                self._release(key, wait=False)
         for kind_ in sorted(self._kinds):  # a warm-up: each kind of launch once, on a few zeros
             wbytes, floating, bm, aligned = kind_
             dtype = (torch.bfloat16, torch.float16, torch.float32)[floating]
@@ -208,9 +227,36 @@ class RowBatch:
         for e in entries:
             if e.x.shape[0]:
                 groups.setdefault(_group(e.x), []).append(e)
-        with (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
+        if self.lane is None or stream is None:
+            with (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
+                for (wbytes, floating, bm, aligned), group in groups.items():
+                    self._launch(group, wbytes, floating, bm, aligned)
+            return
+        self.lane.wait_stream(stream)  # the lane sees this batch's outputs
+        with torch.cuda.stream(self.lane):
             for (wbytes, floating, bm, aligned), group in groups.items():
                 self._launch(group, wbytes, floating, bm, aligned)
+            done = torch.cuda.Event()
+            done.record(self.lane)
+        self._release(key)  # the batch before, launched a batch ago on the lane
+        self._inflight[key] = (stream, done, entries)
+
+    def _release(self, key: tuple[int, int], *, wait: bool = True) -> None:
+        """Let the outputs of ``key``'s batch in flight on the lane go: none was changed in place,
+        and (``wait``) their stream waits for its launch, since a later allocation there may take
+        their memory. At the end the current stream has joined the lane instead: a wait on a text
+        lane after the end would leave a graph's capture unjoined."""
+        if key not in self._inflight:
+            return
+        stream, done, entries = self._inflight.pop(key)
+        changed = [e for e in entries if e.x._version != e.version]
+        if changed:
+            x = changed[0].x
+            raise UnsupportedConfigError(
+                f"a captured output ({x.dtype} {tuple(x.shape)}) was changed in place before its "
+                "digest's batched launch had run")
+        if wait:
+            stream.wait_event(done)
 
     def _launch(self, group: list[_Entry], wbytes: int, floating: int, bm: int, aligned: bool) -> None:
         tile = gpu_rows.TILE

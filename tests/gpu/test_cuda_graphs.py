@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from drifttool.capture import gpu_row_batch
 from drifttool.capture.recorder import Recorder
 from drifttool.model.config import tiny
 from drifttool.model.graphs import GraphedForward
@@ -91,14 +92,16 @@ def test_weights_changed_in_place_are_seen_and_replaced_ones_recaptured(model):
         model.proj_out.weight = torch.nn.Parameter(saved)
 
 
-@pytest.mark.parametrize("level, internals, batch", [("L1", None, True), ("L2", None, True),
-                                                     ("L2", False, True), ("L1", None, False)])
-def test_captured_records_of_replays_equal_the_eager_records(model, level, internals, batch):
+@pytest.mark.parametrize("level, internals, batch, lane", [
+    ("L1", None, True, False), ("L2", None, True, False), ("L2", False, True, False), ("L1", None, False, False),
+    ("L1", None, True, True), ("L2", None, True, True)])
+def test_captured_records_of_replays_equal_the_eager_records(model, level, internals, batch, lane, monkeypatch):
     """Digest records (L1; L2 with row digests and the attention's internals, or without them:
     ``--no-internals``) of replayed forwards: the same rows as eager forwards', each replay under
     its own step, sigma and sample id (one graph: the rows share one sample at every step); the
-    captured outputs' row kernels recorded a batch at a time (``capture.gpu_row_batch``) or a
-    launch each."""
+    captured outputs' row kernels recorded a batch at a time (``capture.gpu_row_batch``), on the
+    forward's stream or on one of their own (``LANE``), or a launch each."""
+    monkeypatch.setattr(gpu_row_batch, "LANE", lane)
     fast = GraphedForward(model, batch_digests=batch)
     tables = {}
     for name in ("eager", "graph"):

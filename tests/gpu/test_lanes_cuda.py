@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import drifttool.model.mmdit_block as mmdit_block
+from drifttool.capture import gpu_row_batch
 from drifttool.capture.recorder import Recorder
 from drifttool.model.config import full, tiny
 from drifttool.model.graphs import GraphedForward
@@ -96,11 +97,13 @@ def full_width():
     return random_init_(MMDiT(cfg, dtype=torch.bfloat16), seed=1).cuda(), cfg
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_full_width_replays_with_lanes_equal_one_stream(full_width, batch):
+@pytest.mark.parametrize("batch, digest_lane", [(1, False), (2, False), (2, True)])
+def test_full_width_replays_with_lanes_equal_one_stream(full_width, batch, digest_lane, monkeypatch):
     """Two full-width blocks at 6889 image tokens and a 128-slot prompt (77 valid in the second
     sample): replays with lanes, replays on one stream and eager forwards agree byte for byte
-    on fresh inputs, and so do their L1 records."""
+    on fresh inputs, and so do their L1 records; also with the batched digests on a stream of
+    their own (``gpu_row_batch.LANE``)."""
+    monkeypatch.setattr(gpu_row_batch, "LANE", digest_lane)
     model, cfg = full_width
     fast = {"lanes": GraphedForward(model), "one stream": GraphedForward(model, lanes=False)}
     recs = {name: Recorder("L1") for name in (*fast, "eager")}
