@@ -83,6 +83,21 @@ class _Entry:
     table: tuple[torch.Tensor, torch.Tensor]
 
 
+
+def _refuse_changed(entries: list[_Entry], before: str) -> None:
+    """Refuse a batch whose outputs were changed in place since they were added (their digest
+    would be of other bytes).
+
+    Raises:
+        UnsupportedConfigError: naming the first such output's dtype and shape, and ``before``.
+    """
+    changed = [e for e in entries if e.x._version != e.version]
+    if changed:
+        x = changed[0].x
+        raise UnsupportedConfigError(
+            f"a captured output ({x.dtype} {tuple(x.shape)}) was changed in place before its {before}")
+
+
 class RowBatch:
     """Deferred row-table launches (module docstring); a context manager, not reentrant.
 
@@ -217,12 +232,7 @@ class RowBatch:
     def _flush(self, key: tuple[int, int]) -> None:
         stream, entries = self._pending.pop(key)
         self._bytes.pop(key, None)
-        changed = [e for e in entries if e.x._version != e.version]
-        if changed:
-            x = changed[0].x
-            raise UnsupportedConfigError(
-                f"a captured output ({x.dtype} {tuple(x.shape)}) was changed in place before its "
-                "digest's batched launch")
+        _refuse_changed(entries, "digest's batched launch")
         groups: dict[tuple, list[_Entry]] = {}
         for e in entries:
             if e.x.shape[0]:
@@ -249,12 +259,7 @@ class RowBatch:
         if key not in self._inflight:
             return
         stream, done, entries = self._inflight.pop(key)
-        changed = [e for e in entries if e.x._version != e.version]
-        if changed:
-            x = changed[0].x
-            raise UnsupportedConfigError(
-                f"a captured output ({x.dtype} {tuple(x.shape)}) was changed in place before its "
-                "digest's batched launch had run")
+        _refuse_changed(entries, "digest's batched launch had run")
         if wait:
             stream.wait_event(done)
 
