@@ -69,8 +69,9 @@ LANE = False
 next block, where the GEMMs keep the tensor cores busy and may leave memory bandwidth to the row
 kernel. A batch's outputs are then kept until the launch of the next batch from their stream,
 whose stream then waits for the first launch before their memory can be reused, and each is
-checked again for a change in place. Off by default until measured
-(``benchmarks/bench_gpu_forward.py``'s ``+lane``)."""
+checked again for a change in place. Off by default: on an H100 it gained 1–4 % at 1024² and
+nothing at 1664×928, and cost the diffusers adapter 1–2 % (docs/benchmarks.md, "The pinned
+read-back and the digest lane"; ``benchmarks/bench_gpu_forward.py``'s ``+lane``)."""
 
 BATCH = {"bytes": 1 << 28, "entries": 64}
 """When a stream's kept outputs are launched: at ``bytes`` bytes (an image-stream block at 1024²,
@@ -81,7 +82,6 @@ class _Entry:
     x: torch.Tensor  # kept until its launch
     version: int
     table: tuple[torch.Tensor, torch.Tensor]
-
 
 
 def _refuse_changed(entries: list[_Entry], before: str) -> None:
