@@ -155,9 +155,9 @@ beside them; other files are kept."""
 
 
 def check_out_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse an ``out`` that is (or lies under) a file, or is not empty without ``overwrite``,
-    or with it holds no earlier experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's
-    folder) (read only: every rank checks alike).
+    """Refuse an ``out`` that is (or lies under) a file, that is not empty and holds no earlier
+    experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's folder), or that holds one
+    without ``overwrite`` (read only: every rank checks alike).
 
     Raises:
         ArtifactError: naming the path.
@@ -169,12 +169,12 @@ def check_out_dir(out: str | Path, overwrite: bool) -> Path:
     if above is not None and not above.is_dir():
         raise ArtifactError(f"-o {out}: {above} is not a directory")
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ArtifactError(f"{out} is not empty (pass --overwrite to replace it)")
         if not any((out / m).is_file() for m in EXPERIMENT_MARKS):
             what = "a drifttool run (manifest.json)" if (out / "manifest.json").exists() else "no earlier experiment"
             raise ArtifactError(f"{out} is not empty and holds {what}: --overwrite replaces an earlier "
                                 f"experiment's output only ({' or '.join(EXPERIMENT_MARKS)}); give another -o")
+        if not overwrite:
+            raise ArtifactError(f"{out} holds an earlier experiment (pass --overwrite to replace it)")
     return out
 
 

@@ -2,7 +2,9 @@
 that holds a drifttool run (its ``manifest.json``) or no earlier experiment is refused in one
 line before anything is written (it mixed the experiment's files into a run, which no reader
 then opened), and an earlier experiment's entries are removed, so no result of other
-combinations is left beside the new ones; a user's own file in the folder is kept."""
+combinations is left beside the new ones; a user's own file in the folder is kept. Without
+``--overwrite`` such a folder is refused in the same words (not with advice to pass it), and an
+earlier experiment's folder with that advice."""
 
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ def test_overwrite_refuses_a_run_or_a_folder_of_no_experiment(cli, tmp_path, str
     (mine / "notes.txt").write_text("mine")
     for folder, what in ((run, "a drifttool run (manifest.json)"), (mine, "no earlier experiment")):
         before = _listing(folder)
-        code, out = cli("experiment", command, "-o", folder, "--overwrite")
-        assert code == 2 and out.count("\n") <= 1 and what in out and "Traceback" not in out, out
+        for overwrite in (["--overwrite"], []):  # without it: no advice to pass it
+            code, out = cli("experiment", command, "-o", folder, *overwrite)
+            assert code == 2 and out.count("\n") <= 1 and what in out and "Traceback" not in out, out
+            assert "give another -o" in out and "pass --overwrite" not in out, out
         assert _listing(folder) == before
 
 
@@ -34,6 +38,8 @@ def test_overwrite_replaces_an_earlier_experiment_and_keeps_other_files(cli, tmp
     code, text = cli("experiment", "train-rollout", "-o", out, "--combos", "strict/strict")
     assert code == 0, text
     (out / "notes.txt").write_text("mine")
+    code, text = cli("experiment", "train-rollout", "-o", out, "--combos", "production/strict")
+    assert code == 2 and "holds an earlier experiment (pass --overwrite to replace it)" in text, text
     code, text = cli("experiment", "train-rollout", "-o", out, "--combos", "production/strict", "--overwrite")
     assert code == 0, text
     entries = {p.name for p in out.iterdir()}
