@@ -13,6 +13,12 @@
   parents (``drifttool.artifact.directory.claim``); an output file's when it is written.
 - A path under a regular file, or an output file that is an existing folder, is refused in one
   line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
+- An output file (``report -o``, ``overlay -o``, every ``--junit``) replaces only an earlier
+  file of its kind (``KINDS``: a drifttool report, a figure of the format its name gives, a
+  JUnit XML report); any other existing file is refused, as a run directory is refused a user's
+  folder. So is a path inside a sealed fixture (a file there would break its seal, as ``run -o``
+  refuses its ``expected/``) and a place the user cannot write (a read-only folder or file),
+  all before any work: a command writing two files never leaves one written and one refused.
 
 Input paths (a run directory, a fixture directory, ``--checkpoint``) refuse an empty path too
 (``input_path``). One input path has its own rule: every ``--lora`` (``run``, ``replay``, ``recompute``,
@@ -22,6 +28,7 @@ adapter reader refuses it with (``drifttool.model.lora_paths``), before any mode
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -62,34 +69,84 @@ def input_path(text: str) -> Path:
     return Path(text)
 
 
-def output_file(out: Path, option: str) -> Path:
+def _starts_with(*marks: bytes, within: int = 0):
+    """A test of a file's first bytes: one of ``marks`` at the start (``within`` 0) or in the
+    first ``within`` bytes."""
+    def test(head: bytes) -> bool:
+        return any(head.startswith(m) if not within else m in head[:within] for m in marks)
+    return test
+
+
+KINDS = {
+    "report": ("an earlier drifttool report", _starts_with(b"<title>drifttool report", within=512)),
+    "junit": ("an earlier JUnit XML report", _starts_with(b"<testsuites", b"<testsuite ", b"<testsuite>",
+                                                          within=4096)),
+    ".png": ("a PNG image", _starts_with(b"\x89PNG\r\n\x1a\n")),
+    ".pdf": ("a PDF document", _starts_with(b"%PDF-")),
+    ".svg": ("an SVG image", _starts_with(b"<svg", within=4096)),
+}
+"""What an existing output file must be for ``output_file`` to replace it: kind → (its words,
+a test of the file's first 4 KiB). ``figure``: the kind of the name's suffix."""
+
+
+def _placed(out: Path, option: str) -> None:
+    """Refuse an output path under a regular file, inside a sealed fixture or where the user
+    cannot write (its nearest existing folder, or the file itself)."""
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DriftToolError(f"{option} {out}: {above} is not a directory")
+    from drifttool.fixture import SEAL  # lazy: the commands' start-up needs none of it
+
+    sealed = next((p for p in out.resolve().parents if (p / SEAL).is_file()), None)
+    if sealed is not None:
+        raise DriftToolError(f"{option} {out}: inside the sealed fixture {sealed}, whose seal a new file "
+                             "would break; give a path outside it")
+    if not _writable(out if out.exists() else above):
+        raise DriftToolError(f"{option} {out}: cannot be written here (permission denied or a read-only "
+                             "file system); give another path")
+
+
+def _writable(p: Path | None) -> bool:
+    return p is None or os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))
+
+
+def output_file(out: Path, option: str, kind: str | None = None) -> Path:
     """Check, before any work, that ``out`` can be written as a file: not an existing folder,
-    not under a regular file. Missing parent folders are left to the writer to create
-    (``parent_made``, ``drifttool.reports.junit.write_junit``). Returns ``out``.
+    not under a regular file, not inside a sealed fixture, in a place the user can write; and,
+    given ``kind`` (a key of ``KINDS``, or ``"figure"``: the kind of ``out``'s suffix), an
+    existing regular file ``out`` only if it is an earlier file of that kind. Missing parent
+    folders are left to the writer to create (``parent_made``,
+    ``drifttool.reports.junit.write_junit``). Returns ``out``.
 
     Raises:
         DriftToolError: naming ``option``, ``out`` and what is in the way.
     """
     if out.is_dir():
         raise DriftToolError(f"{option} {out}: is a directory; give a file name")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise DriftToolError(f"{option} {out}: {above} is not a directory")
+    _placed(out, option)
+    if kind is not None and out.is_file():  # a regular file: a device (/dev/stdout) is written as ever
+        words, test = KINDS[out.suffix.lower() if kind == "figure" else kind]
+        try:
+            with open(out, "rb") as f:
+                head = f.read(4096)
+        except OSError as e:
+            raise DriftToolError(f"{option} {out}: exists and cannot be read ({e.strerror})") from None
+        if not test(head.lstrip()):
+            raise DriftToolError(f"{option} {out}: exists and is not {words}, which alone this replaces; "
+                                 "give another file name, or remove it first")
     return out
 
 
 def output_dir(out: Path, option: str) -> Path:
     """Check, before any work, that ``out`` can be a folder to write into: not an existing file,
-    not under one. Returns ``out``.
+    not under one, not inside a sealed fixture, in a place the user can write. Returns ``out``.
 
     Raises:
         DriftToolError: naming ``option``, ``out`` and what is in the way.
     """
     if out.exists() and not out.is_dir():
         raise DriftToolError(f"{option} {out}: exists and is not a directory; give a folder")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise DriftToolError(f"{option} {out}: {above} is not a directory")
+    _placed(out, option)
     return out
 
 

@@ -76,7 +76,7 @@ def diff(
         if given is not None and not (localize or localize_dir):
             raise typer.BadParameter(f"{name} goes with --localize", param_hint=name)
     if junit is not None:
-        _paths.output_file(junit, "--junit")
+        _paths.output_file(junit, "--junit", "junit")
     if localize_dir is not None:
         _paths.output_dir(localize_dir, "--localize-dir")
     profile = None

@@ -103,7 +103,7 @@ def train_rollout_cmd(
     device: str = typer.Option("cpu", autocompletion=_completion.devices, help="cpu | cuda | cuda:N (strict on CUDA: the Triton family, sm_90, and its backward for the trainer)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
-    overwrite: bool = typer.Option(False, help="Replace an earlier experiment in OUT (its files; others are kept). A run or another folder is refused."),
+    overwrite: bool = typer.Option(False, help="Replace an earlier train-rollout experiment in OUT (its files; a grpo experiment's and other files are kept). A run or another folder is refused."),
     clip_range: Optional[float] = typer.Option(
         None, "--clip-range", metavar="EPS",
         help="Also report each combination's log-prob drift (rollout vs recompute) against a PPO "
@@ -216,7 +216,7 @@ def grpo_cmd(
     device: str = typer.Option("cpu", autocompletion=_completion.devices, help="cpu | cuda | cuda:N (strict on CUDA: the Triton family, sm_90, and its backward for the trainer)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
     width: Optional[int] = typer.Option(None, help="Image width in pixels, a multiple of 16 (default: the fixture's)."),
-    overwrite: bool = typer.Option(False, help="Replace an earlier experiment in OUT (its files; others are kept). A run or another folder is refused."),
+    overwrite: bool = typer.Option(False, help="Replace an earlier grpo experiment in OUT (its files; a train-rollout experiment's and other files are kept). A run or another folder is refused."),
     tp: int = _layout.tp_option(),
     sp: int = _layout.sp_option(),
     sp_attention: Optional[str] = _layout.sp_attention_option(),
@@ -315,7 +315,7 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
 
             check_adapter(kwargs["lora"], kwargs["lora_rank"], kwargs["lora_alpha"])
         _check_combos(dims, kwargs, spec, command, launch)
-        check_out_dir(out, kwargs["overwrite"])
+        check_out_dir(out, kwargs["overwrite"], "grpo" if command == "experiment grpo" else "train_rollout")
     call = lambda progress, **where: fn(out, progress=progress, **kwargs, **where)  # noqa: E731
     if launch is None:
         with console.status("starting") as status:

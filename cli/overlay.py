@@ -30,9 +30,9 @@ def overlay(
 
     if len(runs) < 2:
         raise DriftToolError("give a baseline and at least one run to compare")
-    if out.is_dir() or out.suffix.lower() not in (".png", ".pdf", ".svg"):
+    if not out.is_dir() and out.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise DriftToolError(f"-o {out}: give a figure file name ending in .png, .pdf or .svg")
-    _paths.output_file(out, "-o")
+    _paths.output_file(out, "-o", "figure")
     path, reports = draw(runs[0], runs[1:], _paths.parent_made(out), title=title)
     for run, rep in zip(runs[1:], reports):
         # the diff's own one-line reason: the level it covers, common samples, first drift

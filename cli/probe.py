@@ -124,7 +124,7 @@ def probe(
 
             check_clip_range(clip_range)
         if junit is not None:
-            _paths.output_file(junit, "--junit")
+            _paths.output_file(junit, "--junit", "junit")
             if out is not None and junit.resolve() == out.resolve():
                 raise DriftToolError(f"--junit {junit}: is the -o/--out folder the matrix writes; "
                                      "give a file name")
@@ -302,12 +302,9 @@ class _Report:
 
 def _check_out(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUT unless it holds an earlier probe matrix and --overwrite is given
-    (read only: every rank of a launch checks alike)."""
-    if out.exists() and not out.is_dir():
-        raise DriftToolError(f"{out} exists and is not a directory")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise DriftToolError(f"-o {out}: {above} is not a directory")
+    (read only: every rank of a launch checks alike); and an OUT that no folder can be
+    (``_paths.output_dir``: a file, under one, inside a sealed fixture, not writable)."""
+    _paths.output_dir(out, "-o")
     if not out.exists() or not any(out.iterdir()):
         return
     if not (out / "matrix.json").exists():

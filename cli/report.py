@@ -42,11 +42,11 @@ def report(
     from drifttool.reports.figures import diff_figures  # lazy: matplotlib, only here
     from drifttool.reports.html import render_html  # lazy: likewise
 
-    if out.is_dir() or out.suffix.lower() not in (".html", ".htm"):
+    if not out.is_dir() and out.suffix.lower() not in (".html", ".htm"):
         raise DriftToolError(f"-o {out}: give an HTML file name ending in .html")
-    _paths.output_file(out, "-o")
+    _paths.output_file(out, "-o", "report")
     if junit is not None:
-        _paths.output_file(junit, "--junit")
+        _paths.output_file(junit, "--junit", "junit")
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise

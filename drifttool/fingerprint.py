@@ -48,17 +48,25 @@ def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
     were an ordinary value.
 
     Raises:
-        DriftToolError: naming every tensor with NaN/Inf, its count and first index.
+        DriftToolError: naming the first ``NAMED`` tensors with NaN/Inf (each with its count and
+            first index) and how many more there are: one line of bounded length.
     """
-    bad = []
+    bad, named = 0, []
     for name, t in tensors.items():
         if t.is_floating_point():
             nf = ~torch.isfinite(t)
             if bool(nf.any()):
-                first = tuple(nf.nonzero()[0].tolist())
-                bad.append(f"{name}: {int(nf.sum())} non-finite value(s), first at index {first}")
+                bad += 1
+                if len(named) < NAMED:
+                    first = tuple(nf.nonzero()[0].tolist())
+                    named.append(f"{name}: {int(nf.sum())} non-finite value(s), first at index {first}")
     if bad:
-        raise DriftToolError(f"non-finite {what}: " + "; ".join(bad))
+        more = f"; and {bad - NAMED} more" if bad > NAMED else ""
+        raise DriftToolError(f"non-finite {what} in {bad} of {len(tensors)} tensor(s): " + "; ".join(named) + more)
+
+
+NAMED = 3
+"""``check_finite`` names this many tensors; the rest it counts."""
 
 
 def sampler_record(sampler: Any, sigmas: torch.Tensor) -> dict[str, Any]:

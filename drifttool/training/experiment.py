@@ -146,18 +146,19 @@ def launch_record(dist: Any, parallel: Any) -> dict[str, Any]:
     return {"kind": "sample_parallel" if world > 1 else "single", "world_size": world}
 
 
-EXPERIMENT_MARKS = ("train_rollout.settings.json", "grpo.settings.json")
-"""The files that say a folder holds an experiment's output (what ``--overwrite`` replaces)."""
-_EXPERIMENT_ENTRIES = ("rollout-*", "train-*-on-*", "lora", "train_rollout.*", "grpo.*")
-"""What an experiment writes into its folder (``train_rollout``, ``grpo``): an earlier one's are
-removed before ``--overwrite`` writes the new ones, so no result of other combinations is left
-beside them; other files are kept."""
+EXPERIMENTS = {"train_rollout": ("rollout-*", "train-*-on-*", "lora", "train_rollout.*"), "grpo": ("grpo.*",)}
+"""What each experiment writes into its folder (``train_rollout``, ``grpo_experiment``): with
+``--overwrite`` an earlier one's are removed before the new ones are written, so no result of
+other combinations is left beside them; another experiment's and other files are kept."""
+EXPERIMENT_MARKS = {kind: f"{kind}.settings.json" for kind in EXPERIMENTS}
+"""The file that says a folder holds an experiment's output, per experiment."""
 
 
-def check_out_dir(out: str | Path, overwrite: bool) -> Path:
+def check_out_dir(out: str | Path, overwrite: bool, kind: str) -> Path:
     """Refuse an ``out`` that is (or lies under) a file, that is not empty and holds no earlier
-    experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's folder), or that holds one
-    without ``overwrite`` (read only: every rank checks alike).
+    experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's folder), or that holds an earlier
+    experiment of this ``kind`` (a key of ``EXPERIMENTS``) without ``overwrite``; another
+    experiment's output may stay beside this one's (read only: every rank checks alike).
 
     Raises:
         ArtifactError: naming the path.
@@ -169,24 +170,26 @@ def check_out_dir(out: str | Path, overwrite: bool) -> Path:
     if above is not None and not above.is_dir():
         raise ArtifactError(f"-o {out}: {above} is not a directory")
     if out.exists() and any(out.iterdir()):
-        if not any((out / m).is_file() for m in EXPERIMENT_MARKS):
+        if not any((out / m).is_file() for m in EXPERIMENT_MARKS.values()):
             what = "a drifttool run (manifest.json)" if (out / "manifest.json").exists() else "no earlier experiment"
             raise ArtifactError(f"{out} is not empty and holds {what}: --overwrite replaces an earlier "
-                                f"experiment's output only ({' or '.join(EXPERIMENT_MARKS)}); give another -o")
-        if not overwrite:
-            raise ArtifactError(f"{out} holds an earlier experiment (pass --overwrite to replace it)")
+                                f"experiment's output only ({' or '.join(EXPERIMENT_MARKS.values())}); "
+                                "give another -o")
+        if (out / EXPERIMENT_MARKS[kind]).is_file() and not overwrite:
+            raise ArtifactError(f"{out} holds an earlier {kind.replace('_', '-')} experiment (pass --overwrite "
+                                "to replace it)")
     return out
 
 
-def _out_dir(out: str | Path, overwrite: bool, keep: str | Path | None = None) -> Path:
-    """``out`` checked (``check_out_dir``) and made; with ``overwrite``, an earlier experiment's
-    entries in it removed (``_EXPERIMENT_ENTRIES``), but for the one holding ``keep`` (the
+def _out_dir(out: str | Path, overwrite: bool, kind: str, keep: str | Path | None = None) -> Path:
+    """``out`` checked (``check_out_dir``) and made; with ``overwrite``, an earlier ``kind``
+    experiment's entries in it removed (``EXPERIMENTS``), but for the one holding ``keep`` (the
     adapter the new experiment trains, where it is the earlier one's ``lora``)."""
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, kind)
     out.mkdir(parents=True, exist_ok=True)
     kept = None if keep is None else Path(keep).resolve()
     if overwrite:
-        for entry in sorted({e for pattern in _EXPERIMENT_ENTRIES for e in out.glob(pattern)}):
+        for entry in sorted({e for pattern in EXPERIMENTS[kind] for e in out.glob(pattern)}):
             if kept is not None and (kept == entry.resolve() or entry.resolve() in kept.parents):
                 continue
             if entry.is_dir() and not entry.is_symlink():
@@ -321,17 +324,17 @@ def train_rollout(
     say = progress or (lambda _: None)
     root = dist is None or dist.rank == 0
     where = dict(dist=dist, parallel=parallel)
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, "train_rollout")
     if dist is not None:
         barrier()  # every rank has checked ``out`` before rank 0 writes into it
     if root and lora is None:
         model = load_checkpoint(s.checkpoint or fx.model_dir, dtype=s.torch_dtype, device=s.device)
         add_lora(model, rank=lora_rank, alpha=lora_alpha, seed=FRESH_LORA["seed"],
                  init_b_std=FRESH_LORA["init_b_std"])
-        save_lora(model, _out_dir(out, overwrite) / "lora")
+        save_lora(model, _out_dir(out, overwrite, "train_rollout") / "lora")
         del model  # the rollouts load their own (at full size: no second copy in memory)
     elif root:
-        _out_dir(out, overwrite, keep=lora)
+        _out_dir(out, overwrite, "train_rollout", keep=lora)
     if dist is not None:
         barrier()  # the adapter is written before any rank loads it
     spec = dataclasses.replace(spec, lora=out / "lora" if lora is None else lora)
@@ -413,7 +416,7 @@ def grpo_experiment(
     rows written to ``grpo.arrow`` / ``grpo.json`` (plus ``grpo.settings.json``). Under a
     launch (``dist``, ``parallel``: ``grpo_loop``) every rank runs every loop and rank 0 writes
     the tables; every rank returns the (equal) rows."""
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, "grpo")
     if dist is not None:
         barrier()  # every rank has checked ``out`` before rank 0 writes into it
     root = dist is None or dist.rank == 0
@@ -425,7 +428,7 @@ def grpo_experiment(
                           dist=dist, parallel=parallel)
     if not root:
         return rows
-    out = _out_dir(out, overwrite)
+    out = _out_dir(out, overwrite, "grpo")
     write_table(rows, None, out, "grpo")
     (out / "grpo.settings.json").write_text(json.dumps(
         {**asdict(GRPOConfig(**config)), "combos": [list(c) for c in combos],

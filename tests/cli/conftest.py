@@ -13,6 +13,18 @@ def strict_run(tmp_path_factory):
 
 
 @pytest.fixture
+def runs(strict_run, tmp_path):
+    """Two copies of the shared strict run, ``a`` and ``b`` (the shared one stays untouched
+    whatever a test writes)."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(strict_run, a)
+    shutil.copytree(strict_run, b)
+    return a, b
+
+
+@pytest.fixture
 def fake_matrix(tmp_path):
     """A probe matrix of four results (PASS, FINDING with a NaN drift, PENDING, ERROR), as
     ``probes.runner.run_matrix`` returns it, without running any probe."""

@@ -2,22 +2,11 @@
 only its artifact's files, so a JUnit file, a report, a figure or a nested run there would make
 the run unreadable. Every output option refuses it in one line, exit 2, before any work."""
 
-import shutil
-
 import pytest
 
 from drifttool.artifact.reader import open_run
 from drifttool.errors import ArtifactError
 from tests.cli.scripting import invoke
-
-
-@pytest.fixture
-def runs(strict_run, tmp_path):
-    """Two copies of the shared strict run (the shared one stays untouched whatever happens)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    shutil.copytree(strict_run, a)
-    shutil.copytree(strict_run, b)
-    return a, b
 
 
 @pytest.mark.parametrize("args", [

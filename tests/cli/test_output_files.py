@@ -1,0 +1,83 @@
+"""An output file named on the command line (``report -o``, ``overlay -o``, every ``--junit``)
+replaces only an earlier file of its kind: a user's file there is refused in one line, exit 2,
+before any work, and stays as it was; so is a path inside a sealed fixture (its seal would
+break; output folders too: ``--localize-dir``, ``probe -o``) and a place that cannot be written,
+so that a command writing two files never leaves one written and the other refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.cli.scripting import invoke
+
+OUTPUTS = {  # what writes one file: (its arguments, given the runs and the file)
+    "diff-junit": lambda a, b, f: ("diff", a, b, "--junit", f),
+    "report": lambda a, b, f: ("report", a, b, "-o", f),
+    "report-junit": lambda a, b, f: ("report", a, b, "-o", f.with_name("r.html"), "--junit", f),
+    "overlay": lambda a, b, f: ("overlay", a, b, "-o", f),
+}
+NAMES = {"diff-junit": "j.xml", "report": "r.html", "report-junit": "j.xml", "overlay": "fig.png"}
+
+
+def _one_error(res, words: str) -> None:
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.output
+    assert words in lines[0] and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("what", list(OUTPUTS))
+def test_a_users_file_is_refused_and_an_earlier_output_replaced(runs, tmp_path, what):
+    a, b = runs
+    out = tmp_path / "out" / NAMES[what]
+    out.parent.mkdir()
+    out.write_text("my notes\n")
+    res = invoke(*OUTPUTS[what](a, b, out))
+    _one_error(res, "exists and is not")
+    assert out.read_text() == "my notes\n"
+    assert not out.with_name("r.html").exists() or what == "report"  # nothing else written either
+    out.unlink()
+    assert invoke(*OUTPUTS[what](a, b, out)).exit_code == 0 and out.stat().st_size > 0
+    first = out.read_bytes()
+    res = invoke(*OUTPUTS[what](a, b, out))  # an earlier output of its kind: replaced
+    assert res.exit_code == 0 and out.read_bytes()[:4] == first[:4], res.output
+
+
+FOLDERS = {  # what writes into a folder: (its arguments, given the runs and the folder)
+    "localize-dir": lambda a, b, d: ("diff", a, b, "--localize", "--localize-dir", d),
+    "probe": lambda a, b, d: ("probe", "--only", "repeat", "-o", d),
+}
+
+
+@pytest.mark.parametrize("what", [*OUTPUTS, *FOLDERS])
+def test_an_output_inside_a_sealed_fixture_is_refused(runs, tmp_path, what):
+    a, b = runs
+    fixture = tmp_path / "my-fixture"
+    (fixture / "sub").mkdir(parents=True)
+    (fixture / "seal.json").write_text("{}\n")
+    out = fixture / "sub" / NAMES.get(what, "out")
+    args = FOLDERS[what](a, b, out) if what in FOLDERS else OUTPUTS[what](a, b, out)
+    _one_error(invoke(*args), "inside the sealed fixture")
+    assert sorted(p.name for p in fixture.rglob("*")) == ["seal.json", "sub"]
+
+
+def test_a_directory_named_like_a_report_is_named_a_directory(runs, tmp_path):
+    a, b = runs
+    (tmp_path / "r.html").mkdir()
+    _one_error(invoke("report", a, b, "-o", tmp_path / "r.html"), "is a directory")
+
+
+def test_an_unwritable_second_output_is_refused_before_the_first_is_written(runs, tmp_path, monkeypatch):
+    """A folder that cannot be written (read only for this user, or on a read-only file system:
+    ``os.access`` says which; as root only the latter, so it is simulated here)."""
+    a, b = runs
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (
+        False if (mode & os.W_OK and os.path.abspath(p).startswith(str(ro))) else real(p, mode, **kw)))
+    res = invoke("report", a, b, "-o", tmp_path / "r.html", "--junit", ro / "j.xml")
+    _one_error(res, "cannot be written here")
+    assert not (tmp_path / "r.html").exists() and not (ro / "j.xml").exists()
+    _one_error(invoke("diff", a, b, "--junit", ro / "deeper" / "j.xml"), "cannot be written here")
