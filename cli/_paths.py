@@ -15,10 +15,12 @@
   line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
 - An output file (``report -o``, ``overlay -o``, every ``--junit``) replaces only an earlier
   file of its kind (``KINDS``: a drifttool report, a figure of the format its name gives, a
-  JUnit XML report); any other existing file is refused, as a run directory is refused a user's
-  folder. So is a path inside a sealed fixture (a file there would break its seal, as ``run -o``
-  refuses its ``expected/``) and a place the user cannot write (a read-only folder or file),
+  JUnit XML report) or an empty file; any other existing file is refused, as a run directory is
+  refused a user's folder. So is a path inside a sealed fixture (a file there would break its
+  seal, as ``run -o`` refuses its ``expected/``; an output folder too, the fixture's own
+  included), a place the user cannot write (a read-only folder or file) and a dangling link,
   all before any work: a command writing two files never leaves one written and one refused.
+  A device or descriptor (``/dev/stdout``, ``/dev/null``) is written as ever.
 
 Input paths (a run directory, a fixture directory, ``--checkpoint``) refuse an empty path too
 (``input_path``). One input path has its own rule: every ``--lora`` (``run``, ``replay``, ``recompute``,
@@ -69,24 +71,35 @@ def input_path(text: str) -> Path:
     return Path(text)
 
 
-def _starts_with(*marks: bytes, within: int = 0):
-    """A test of a file's first bytes: one of ``marks`` at the start (``within`` 0) or in the
-    first ``within`` bytes."""
+def _root_is(*names: bytes):
+    """A test of a file's first bytes: an XML document whose root element is one of ``names``
+    (after a byte-order mark, white space, an XML declaration, a comment and a document type)."""
     def test(head: bytes) -> bool:
-        return any(head.startswith(m) if not within else m in head[:within] for m in marks)
+        head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+        for start, end in ((b"<?xml", b"?>"), (b"<!--", b"-->"), (b"<!DOCTYPE", b">"), (b"<!--", b"-->")):
+            if head.startswith(start):  # the prolog: declaration, comments, document type
+                head = head[head.find(end) + len(end):].lstrip() if end in head else b""
+        return any(head.startswith(b"<" + n) and head[len(n) + 1:len(n) + 2] in (b" ", b">", b"\n", b"\t", b"\r")
+                   for n in names)
     return test
 
 
+def _report(head: bytes) -> bool:
+    """Whether a file's first bytes are those of a drifttool report (``reports.html``)."""
+    head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+    return head[:15].lower() == b"<!doctype html>" and b"<title>drifttool report" in head[:512]
+
+
 KINDS = {
-    "report": ("an earlier drifttool report", _starts_with(b"<title>drifttool report", within=512)),
-    "junit": ("an earlier JUnit XML report", _starts_with(b"<testsuites", b"<testsuite ", b"<testsuite>",
-                                                          within=4096)),
-    ".png": ("a PNG image", _starts_with(b"\x89PNG\r\n\x1a\n")),
-    ".pdf": ("a PDF document", _starts_with(b"%PDF-")),
-    ".svg": ("an SVG image", _starts_with(b"<svg", within=4096)),
+    "report": ("an earlier drifttool report", _report),
+    "junit": ("an earlier JUnit XML report", _root_is(b"testsuites", b"testsuite")),
+    ".png": ("a PNG image", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n")),
+    ".pdf": ("a PDF document", lambda head: head.startswith(b"%PDF-")),
+    ".svg": ("an SVG image", _root_is(b"svg")),
 }
 """What an existing output file must be for ``output_file`` to replace it: kind → (its words,
-a test of the file's first 4 KiB). ``figure``: the kind of the name's suffix."""
+a test of the file's first 4 KiB). ``figure``: the kind of the name's suffix. An empty file is
+replaced whatever its kind (a CI script's ``mktemp``)."""
 
 
 def _placed(out: Path, option: str) -> None:
@@ -97,7 +110,7 @@ def _placed(out: Path, option: str) -> None:
         raise DriftToolError(f"{option} {out}: {above} is not a directory")
     from drifttool.fixture import SEAL  # lazy: the commands' start-up needs none of it
 
-    sealed = next((p for p in out.resolve().parents if (p / SEAL).is_file()), None)
+    sealed = next((p for p in (out.resolve(), *out.resolve().parents) if (p / SEAL).is_file()), None)
     if sealed is not None:
         raise DriftToolError(f"{option} {out}: inside the sealed fixture {sealed}, whose seal a new file "
                              "would break; give a path outside it")
@@ -123,18 +136,28 @@ def output_file(out: Path, option: str, kind: str | None = None) -> Path:
     """
     if out.is_dir():
         raise DriftToolError(f"{option} {out}: is a directory; give a file name")
+    if out.is_symlink() and not out.exists():
+        raise DriftToolError(f"{option} {out}: a symbolic link to {os.readlink(out)}, which does not exist")
+    if _device(out):  # /dev/stdout, /dev/null: written as ever, wherever the shell points them
+        return out
     _placed(out, option)
-    if kind is not None and out.is_file():  # a regular file: a device (/dev/stdout) is written as ever
+    if kind is not None and out.is_file() and out.stat().st_size:
         words, test = KINDS[out.suffix.lower() if kind == "figure" else kind]
         try:
             with open(out, "rb") as f:
                 head = f.read(4096)
         except OSError as e:
             raise DriftToolError(f"{option} {out}: exists and cannot be read ({e.strerror})") from None
-        if not test(head.lstrip()):
+        if not test(head):
             raise DriftToolError(f"{option} {out}: exists and is not {words}, which alone this replaces; "
                                  "give another file name, or remove it first")
     return out
+
+
+def _device(out: Path) -> bool:
+    """Whether ``out`` names a device or a descriptor (``/dev/...``, ``/proc/self/fd/...``) rather
+    than a file of the user's."""
+    return out.absolute().parts[1:2] in (("dev",), ("proc",))
 
 
 def output_dir(out: Path, option: str) -> Path:

@@ -47,6 +47,8 @@ def report(
     _paths.output_file(out, "-o", "report")
     if junit is not None:
         _paths.output_file(junit, "--junit", "junit")
+        if junit.resolve() == out.resolve():
+            raise DriftToolError(f"--junit {junit}: is the -o report file; give another file name")
     profile = None
     if tolerance is not None:
         from drifttool.diff.tolerance import load_profile  # lazy: likewise

@@ -32,12 +32,13 @@ def test_a_users_file_is_refused_and_an_earlier_output_replaced(runs, tmp_path, 
     a, b = runs
     out = tmp_path / "out" / NAMES[what]
     out.parent.mkdir()
-    out.write_text("my notes\n")
+    notes = "my notes on <testsuites> and <title>drifttool report</title>\n"  # names, not the format
+    out.write_text(notes)
     res = invoke(*OUTPUTS[what](a, b, out))
     _one_error(res, "exists and is not")
-    assert out.read_text() == "my notes\n"
+    assert out.read_text() == notes
     assert not out.with_name("r.html").exists() or what == "report"  # nothing else written either
-    out.unlink()
+    out.write_bytes(b"")  # an empty file (a CI script's mktemp): replaced
     assert invoke(*OUTPUTS[what](a, b, out)).exit_code == 0 and out.stat().st_size > 0
     first = out.read_bytes()
     res = invoke(*OUTPUTS[what](a, b, out))  # an earlier output of its kind: replaced
@@ -59,6 +60,8 @@ def test_an_output_inside_a_sealed_fixture_is_refused(runs, tmp_path, what):
     out = fixture / "sub" / NAMES.get(what, "out")
     args = FOLDERS[what](a, b, out) if what in FOLDERS else OUTPUTS[what](a, b, out)
     _one_error(invoke(*args), "inside the sealed fixture")
+    if what in FOLDERS:  # the fixture's folder itself
+        _one_error(invoke(*FOLDERS[what](a, b, fixture)), "inside the sealed fixture")
     assert sorted(p.name for p in fixture.rglob("*")) == ["seal.json", "sub"]
 
 
@@ -81,3 +84,31 @@ def test_an_unwritable_second_output_is_refused_before_the_first_is_written(runs
     _one_error(res, "cannot be written here")
     assert not (tmp_path / "r.html").exists() and not (ro / "j.xml").exists()
     _one_error(invoke("diff", a, b, "--junit", ro / "deeper" / "j.xml"), "cannot be written here")
+
+
+def test_a_descriptor_is_written_whatever_it_points_to(runs, tmp_path):
+    """``--junit /dev/stdout`` with stdout redirected to a file of the user's: the shell points
+    the descriptor there, and the user named the descriptor, not the file."""
+    a, b = runs
+    log = tmp_path / "ci.log"
+    log.write_text("earlier lines of the job's log\n")
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    try:
+        res = invoke("diff", a, b, "--junit", f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    assert res.exit_code == 0, res.output
+    assert "<testsuites" in log.read_text()
+
+
+def test_the_report_and_its_junit_in_one_file_are_refused(runs, tmp_path):
+    a, b = runs
+    _one_error(invoke("report", a, b, "-o", tmp_path / "r.html", "--junit", tmp_path / "r.html"),
+               "is the -o report file")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_a_dangling_link_is_refused_before_any_work(runs, tmp_path):
+    a, b = runs
+    (tmp_path / "r.html").symlink_to(tmp_path / "nowhere" / "r.html")
+    _one_error(invoke("report", a, b, "-o", tmp_path / "r.html"), "which does not exist")
