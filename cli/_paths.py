@@ -71,14 +71,22 @@ def input_path(text: str) -> Path:
     return Path(text)
 
 
+def _body(head: bytes) -> bytes:
+    """A file's first bytes without a byte-order mark and leading white space."""
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip()
+
+
+_PROLOG = ((b"<?xml", b"?>"), (b"<!--", b"-->"), (b"<!DOCTYPE", b">"))
+"""What may come before an XML document's root element: (start, end) of each item."""
+
+
 def _root_is(*names: bytes):
     """A test of a file's first bytes: an XML document whose root element is one of ``names``
-    (after a byte-order mark, white space, an XML declaration, a comment and a document type)."""
+    (after a byte-order mark, white space and the prolog: declaration, comments, document type)."""
     def test(head: bytes) -> bool:
-        head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
-        for start, end in ((b"<?xml", b"?>"), (b"<!--", b"-->"), (b"<!DOCTYPE", b">"), (b"<!--", b"-->")):
-            if head.startswith(start):  # the prolog: declaration, comments, document type
-                head = head[head.find(end) + len(end):].lstrip() if end in head else b""
+        head = _body(head)
+        while item := next(((start, end) for start, end in _PROLOG if head.startswith(start)), None):
+            head = _body(head.partition(item[1])[2])
         return any(head.startswith(b"<" + n) and head[len(n) + 1:len(n) + 2] in (b" ", b">", b"\n", b"\t", b"\r")
                    for n in names)
     return test
@@ -86,7 +94,7 @@ def _root_is(*names: bytes):
 
 def _report(head: bytes) -> bool:
     """Whether a file's first bytes are those of a drifttool report (``reports.html``)."""
-    head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+    head = _body(head)
     return head[:15].lower() == b"<!doctype html>" and b"<title>drifttool report" in head[:512]
 
 

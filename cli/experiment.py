@@ -315,7 +315,7 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
 
             check_adapter(kwargs["lora"], kwargs["lora_rank"], kwargs["lora_alpha"])
         _check_combos(dims, kwargs, spec, command, launch)
-        check_out_dir(out, kwargs["overwrite"], "grpo" if command == "experiment grpo" else "train_rollout")
+        check_out_dir(out, kwargs["overwrite"], command.split()[-1].replace("-", "_"))  # its kind
     call = lambda progress, **where: fn(out, progress=progress, **kwargs, **where)  # noqa: E731
     if launch is None:
         with console.status("starting") as status:
