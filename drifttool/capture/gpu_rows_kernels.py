@@ -349,6 +349,28 @@ def _tile_summary(y, ok):
 
 
 @triton.jit
+def _tile_terms(y, col0, ok, KT, ktab, acc32, terms, BM: tl.constexpr, BC: tl.constexpr, WBYTES: tl.constexpr,
+                SIGNED_COL0: tl.constexpr = False):
+    """``_tile_digest`` of a tile added to a running sum over tiles of the same rows, without its
+    fold: the limb sums go to ``acc32`` (``_tile_limbs``), the summary to ``terms``'s
+    (``_tile_digest``'s tuple; its T, T' untouched). Returns both; ``_fold_terms`` folds the
+    limbs into ``terms`` once at most ``2**16`` byte columns have been added (the same T, T': integer
+    sums mod p; the summary added tile after tile as ``_add_terms`` adds it)."""
+    acc32 = _tile_limbs(y, col0, ok, KT, ktab, acc32, BM, BC, WBYTES, SIGNED_COL0)
+    sq, mx, mn, bad = _tile_summary(y, ok)
+    return acc32, (terms[0], terms[1], terms[2] + sq, tl.maximum(terms[3], mx), tl.minimum(terms[4], mn),
+                   terms[5] + bad)
+
+
+@triton.jit
+def _fold_terms(terms, acc32):
+    """``terms`` (``_tile_digest``'s tuple) with the limb sums ``acc32`` (int32 ``[BM, 16]``)
+    folded into its T, T'."""
+    t, t2 = _fold_into(terms[0], terms[1], acc32, 8, 16, 8)
+    return t, t2, terms[2], terms[3], terms[4], terms[5]
+
+
+@triton.jit
 def _add_terms(a, b):
     """Two sub-tiles' row terms of one row (``_tile_digest``'s tuple) added: T, T' mod p, Σx²,
     the max, the min and the count."""

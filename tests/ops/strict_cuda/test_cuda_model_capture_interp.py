@@ -77,13 +77,19 @@ def test_records_with_handed_over_tables_are_the_row_kernels(as_on_cuda, monkeyp
     assert n_handed < n_read / 2, (n_handed, n_read)
 
 
-@pytest.mark.parametrize("starts", [None, [0, 5, 2]])
-def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(as_on_cuda, monkeypatch, starts):
+@pytest.mark.parametrize("starts, fold", [(None, None), ([0, 5, 2], None), ([0, 5, 2], 1)])
+def test_l2_internals_from_the_fused_kernels_tables_are_the_decompositions(as_on_cuda, monkeypatch, starts, fold):
     """At L2 the fused attention files its scores' and probabilities' records from the tables its
     second pass wrote, never storing them (``scores`` is not called): the same records and trace
-    entries as running the decomposition, prompts padded on the right and on the left."""
+    entries as running the decomposition, prompts padded on the right and on the left, and with
+    the limb sums folded after every image key block (``fold`` 1) as a longer sequence folds them."""
+    import triton.language as tl
+
     from drifttool.ops import sink
     from drifttool.ops.strict_cuda.kernels import attention
+
+    if fold is not None:
+        monkeypatch.setattr(attention, "FOLD_BLOCKS", tl.constexpr(fold))
 
     wide = dataclasses.replace(tiny(), attention_head_dim=32, axes_dims_rope=(8, 12, 12))  # Dh 16: declined
     model = random_init_(MMDiT(wide, dtype=torch.float32), seed=2)

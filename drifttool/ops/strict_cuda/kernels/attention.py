@@ -68,7 +68,8 @@ import triton
 import triton.language as tl
 
 from drifttool.capture import gpu_rows, produced
-from drifttool.capture.gpu_rows_kernels import _add_terms, _no_terms, _store_rows_digest, _tile_digest
+from drifttool.capture.gpu_rows_kernels import (_add_terms, _fold_terms, _no_terms, _store_rows_digest, _tile_digest,
+                                              _tile_terms)
 from drifttool.ops.strict_cuda.kernels.attention_block import (_NEG_INF, _canonical, _key_ok, _probs, _qk, _scores,
                                                               _state, _tile)
 
@@ -81,6 +82,11 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 MODE_FUSED, MODE_QK, MODE_SOFTMAX, MODE_AV = 0, 1, 2, 3
+FOLD_BLOCKS = tl.constexpr(256)
+"""Image key blocks whose internals' limb sums are carried in int32 between folds: 256 blocks of
+64 FP32 keys are 2**16 byte columns, each term at most 2**14 in magnitude (``_tile_limbs``), so
+the sums stay below 2**30; the text blocks (the prompt's slots, far fewer) are folded before
+them."""
 INTERNALS_CONFIG = (BLOCK_M, 8, NUM_STAGES, False)
 """The bf16 launch that also digests the scores and probabilities (``attention``'s ``internals``):
 8 warps, so each holds 16 whole rows (the same bytes) and the digests' registers fit better
@@ -134,18 +140,19 @@ def _pv(p, v_base, svn, j, ok, offs_d, acc, MASKED: tl.constexpr, IEEE: tl.const
 
 
 @triton.jit
-def _pass2_digested(s, ok, sel, m_use, r_i, v_base, svn, j, offs_d, acc, col0, IK, iktab, ts, tp,
+def _pass2_digested(s, ok, sel, m_use, r_i, v_base, svn, j, offs_d, acc, col0, IK, iktab, ls, lp, ts, tp,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``_pass2`` (MODE_FUSED) from this block's scores ``s`` (every key inside the sequence
     read, as MODE_QK reads them; ``ok``: the valid keys), also adding digest v2's row terms of the
     scores and of the probabilities P, as MODE_QK and MODE_SOFTMAX store them, at the record's
-    columns ``col0 + [0, BLOCK_N)`` where ``sel`` holds (the keys the record keeps), to ``ts``
-    and ``tp``."""
+    columns ``col0 + [0, BLOCK_N)`` where ``sel`` holds (the keys the record keeps): their limb
+    sums to ``ls`` and ``lp``, their summaries to ``ts`` and ``tp`` (``_tile_terms``; the caller
+    folds)."""
     p = _probs(s, ok, m_use, r_i, True)
     sel = sel[None, :]
-    ts = _add_terms(ts, _tile_digest(s, col0, sel, IK, iktab, BLOCK_M, BLOCK_N, 4, True))
-    tp = _add_terms(tp, _tile_digest(p, col0, sel, IK, iktab, BLOCK_M, BLOCK_N, 4, True))
-    return _pv(p, v_base, svn, j, ok, offs_d, acc, True, IEEE), ts, tp
+    ls, ts = _tile_terms(s, col0, sel, IK, iktab, ls, ts, BLOCK_M, BLOCK_N, 4, True)
+    lp, tp = _tile_terms(p, col0, sel, IK, iktab, lp, tp, BLOCK_M, BLOCK_N, 4, True)
+    return _pv(p, v_base, svn, j, ok, offs_d, acc, True, IEEE), ls, lp, ts, tp
 
 
 @triton.jit
@@ -187,6 +194,8 @@ def _internals(q, k_base, sks, v_base, svs, offs_m, offs_n, offs_d, row_ok, b, h
     base = h * (n + S - L)
     ts = _no_terms(BLOCK_M)
     tp = _no_terms(BLOCK_M)
+    ls = tl.zeros([BLOCK_M, 16], tl.int32)  # limb sums, folded after the text blocks and after
+    lp = tl.zeros([BLOCK_M, 16], tl.int32)  # every FOLD_BLOCKS image blocks
     n_tb = tl.cdiv(L, BLOCK_N)
     for t in tl.range(0, n_tb, num_stages=1):
         j = t * BLOCK_N + offs_n
@@ -194,15 +203,24 @@ def _internals(q, k_base, sks, v_base, svs, offs_m, offs_n, offs_d, row_ok, b, h
         sel = (j >= t0) & (j < t0 + n)  # the prompt's keys the record keeps
         if tl.max((ok | sel).to(tl.int32), 0) > 0:
             s = _scores(q, k_base, sks, j, j < L, offs_d, sm_scale, True, IEEE)
-            acc, ts, tp = _pass2_digested(s, ok, sel, m_use, r_i, v_base, svs, j, offs_d, acc,
-                                          base + t * BLOCK_N - t0, IK, iktab, ts, tp, IEEE, BLOCK_M, BLOCK_N)
-    for t in tl.range(0, tl.cdiv(S - L, BLOCK_N), num_stages=1):
-        j = L + t * BLOCK_N + offs_n
-        inside = j < S
-        s = _scores(q, k_base, sks, j, inside, offs_d, sm_scale, True, IEEE)
-        acc, ts, tp = _pass2_digested(s, _key_ok(MASK, smb, b, j, S, HAS_MASK), inside, m_use, r_i, v_base, svs,
-                                      j, offs_d, acc, base + n + t * BLOCK_N, IK, iktab, ts, tp, IEEE, BLOCK_M,
-                                      BLOCK_N)
+            acc, ls, lp, ts, tp = _pass2_digested(s, ok, sel, m_use, r_i, v_base, svs, j, offs_d, acc,
+                                                  base + t * BLOCK_N - t0, IK, iktab, ls, lp, ts, tp, IEEE,
+                                                  BLOCK_M, BLOCK_N)
+    n_ib = tl.cdiv(S - L, BLOCK_N)
+    for c in tl.range(0, n_ib, FOLD_BLOCKS, num_stages=1):
+        ts = _fold_terms(ts, ls)
+        tp = _fold_terms(tp, lp)
+        ls = tl.zeros([BLOCK_M, 16], tl.int32)
+        lp = tl.zeros([BLOCK_M, 16], tl.int32)
+        for t in tl.range(c, tl.minimum(c + FOLD_BLOCKS, n_ib), num_stages=1):
+            j = L + t * BLOCK_N + offs_n
+            inside = j < S
+            s = _scores(q, k_base, sks, j, inside, offs_d, sm_scale, True, IEEE)
+            acc, ls, lp, ts, tp = _pass2_digested(s, _key_ok(MASK, smb, b, j, S, HAS_MASK), inside, m_use, r_i,
+                                                  v_base, svs, j, offs_d, acc, base + n + t * BLOCK_N, IK, iktab,
+                                                  ls, lp, ts, tp, IEEE, BLOCK_M, BLOCK_N)
+    ts = _fold_terms(ts, ls)
+    tp = _fold_terms(tp, lp)
     rows = b * SQ + offs_m
     s1 = tl.load(ISHIFT + b * 2)
     s2 = tl.load(ISHIFT + b * 2 + 1)
