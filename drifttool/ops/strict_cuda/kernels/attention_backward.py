@@ -320,7 +320,9 @@ def attention_grads(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             (``kernels.attention.attention(..., with_stats=True)``).
         key_mask: [B,S] bool or None; text_len: L (None = 0).
         needs: which of (dQ, dK, dV) to compute (dK and dV come from one kernel).
-        configs: tests only — ((dkv rows, warps, stages), (dq rows, warps, stages)).
+        configs: tests and sweeps only — ((dkv rows, warps, stages[, keys]), (dq rows, warps,
+            stages)); ``keys``: the keys one dK/dV program holds (a multiple of the 64-key block;
+            default one block).
     Returns:
         dQ in q's dtype, dK in k's, dV in v's ([B,·,H,Dh], contiguous); None where not needed.
     Raises:
@@ -359,12 +361,12 @@ def attention_grads(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                            h, sq, s, L, n_tq, BLOCK_M=rows, BLOCK_N=BLOCK_N, IEEE=ieee,
                            num_warps=warps, num_stages=stages, **meta)
     if needs[1] or needs[2]:
-        rows, warps, stages = dkv_cfg
+        rows, warps, stages, keys = (*dkv_cfg, BLOCK_N)[:4]
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        n_tb = triton.cdiv(L, BLOCK_N)
-        _dkv_kernel[(n_tb + triton.cdiv(s - L, BLOCK_N), b * h)](
+        n_tb = triton.cdiv(L, keys)
+        _dkv_kernel[(n_tb + triton.cdiv(s - L, keys), b * h)](
             q, k, v, do, ml, delta, dk, dv, mask, img_full, scale, *qs, *ks, *vs, *ds_, smb,
-            h, sq, s, L, n_tb, BLOCK_M=rows, BLOCK_N=BLOCK_N, IEEE=ieee,
+            h, sq, s, L, n_tb, BLOCK_M=rows, BLOCK_N=keys, IEEE=ieee,
             num_warps=warps, num_stages=stages, **meta)
     return dq, (dk if needs[1] else None), (dv if needs[2] else None)
