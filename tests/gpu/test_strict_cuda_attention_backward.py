@@ -174,6 +174,21 @@ def test_dq_rows_do_not_depend_on_the_query_tile_and_forward_bytes(padded_batch)
         assert_same_bytes(dq2.cpu(), dq.cpu(), f"{label}: dQ with query tiles {cfg} vs the fixed configuration")
 
 
+def test_dkv_bytes_do_not_depend_on_the_keys_a_program_holds(padded_batch):
+    """dK, dV of a key depend on its own column of the products only: a program holding two
+    64-key blocks (``attention_grads``' ``keys``, tried by ``benchmarks/
+    sweep_strict_attention_backward.py``) gives the fixed configuration's bytes."""
+    label, (q, k, v, km, lmax, do), (_, _, dk, dv) = padded_batch
+    o2, ml = kern.attention(q, k, v, km, text_len=lmax, with_stats=True)
+    fp32 = q.dtype == torch.float32
+    dq_cfg = kb.DQ_CONFIG_FP32 if fp32 else kb.DQ_CONFIG
+    for cfg in ([(*kb.DKV_CONFIG_FP32, 128)] if fp32 else [(*kb.DKV_CONFIG, 128), (64, 8, 2, 128)]):
+        _, dk2, dv2 = kb.attention_grads(do, q, k, v, o2, ml, km, text_len=lmax, needs=(False, True, True),
+                                         configs=(cfg, dq_cfg))
+        assert_same_bytes(dk2.cpu(), dk.cpu(), f"{label}: dK with {cfg} vs the fixed configuration")
+        assert_same_bytes(dv2.cpu(), dv.cpu(), f"{label}: dV with {cfg} vs the fixed configuration")
+
+
 # --------------------------------------------------------------------------------- fail closed
 
 

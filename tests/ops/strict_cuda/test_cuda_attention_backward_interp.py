@@ -7,10 +7,10 @@ lengths not multiples of 64, a key mask reaching into the image keys); raw-byte 
 sample's gradients to its batch companions (alone vs at position 2 of 3 with other prompts) and to
 prompt padding (``text_len`` padded past a 64-row boundary, NaN in every padded Q/K/V slot and in
 the padded rows' output gradient); masked positions' gradients exactly +0; repetition; the dQ rows
-independent of the query tile; D's stated order (torch reproduces its bytes); P recomputed bit
-for bit (dV against the unfused softmax's P); the forward's bytes unchanged when a gradient is
-wanted; the fail-closed refusals. Tiny shapes: the interpreter is slow. The GPU's own bytes:
-``tests/gpu/test_strict_cuda_attention_backward.py``.
+independent of the query tile, and dK, dV of the keys a dK/dV program holds; D's stated order
+(torch reproduces its bytes); P recomputed bit for bit (dV against the unfused softmax's P); the
+forward's bytes unchanged when a gradient is wanted; the fail-closed refusals. Tiny shapes: the
+interpreter is slow. The GPU's own bytes: ``tests/gpu/test_strict_cuda_attention_backward.py``.
 """
 
 from __future__ import annotations
@@ -119,6 +119,10 @@ def test_repetition_dq_tile_and_forward_bytes(padded_batch):
                                        configs=(AB.DKV_CONFIG_FP32, (16, 2, 1)))
     assert dk2 is None and dv2 is None
     assert_same_bytes(dq2, dq, "dQ with 16-row query tiles vs the fixed configuration")
+    _, dk3, dv3 = AB.attention_grads(do, q, k, v, o2, ml, km, text_len=lmax, needs=(False, True, True),
+                                     configs=((*AB.DKV_CONFIG_FP32, 128), AB.DQ_CONFIG_FP32))
+    assert_same_bytes(dk3, dk, "dK with 128 keys a program vs the fixed configuration")
+    assert_same_bytes(dv3, dv, "dV with 128 keys a program vs the fixed configuration")
 
 
 def test_row_deltas_are_the_stated_tree():
