@@ -130,10 +130,27 @@ def test_help_and_version_still_work(cli):
     assert code == 0 and "Usage" in out and "run" in out, out
     code, out = cli("run", "--help")
     assert code == 0 and "--steps" in out, out
-    code, out = cli()  # a bare group prints its help; exit 2 as before
+    code, out = cli()  # a bare group prints its help; exit 2 (and one error line: below)
     assert code == 2 and "Commands" in out, out
     code, out = cli("--version")
     assert code == 0 and out.startswith("drifttool "), out
+
+
+@pytest.mark.parametrize("group,commands", [
+    ((), "run, diff, trace, probe, overlay, replay, recompute, report, fixture, experiment"),
+    (("fixture",), "verify, seal"),
+    (("experiment",), "train-rollout, grpo"),
+], ids=["drifttool", "fixture", "experiment"])
+def test_a_bare_group_prints_its_help_then_one_error_line(group, commands):
+    """No command given: the group's help on stdout as before, and on stderr one ``error:`` line
+    naming its commands and its ``--help``, exit 2 (the help alone read like success)."""
+    from tests.cli.scripting import invoke
+
+    res = invoke(*group)
+    assert res.exit_code == 2 and "Usage: drifttool" in res.stdout and "error:" not in res.stdout, res.output
+    path = " ".join(("drifttool", *group))
+    assert res.stderr.splitlines() == [
+        f"error: Missing command: give one of {commands}. (see '{path} --help')"], res.stderr
 
 
 def test_run_error_has_no_empty_line_before_it(cli, tmp_path):
