@@ -45,7 +45,7 @@ from drifttool.diff.report import DiffReport
 from drifttool.errors import ArtifactError, DriftToolError, FixtureError
 from drifttool.exit_codes import ExitCode
 from drifttool.fixture import (DEFAULT_FIXTURE, Fixture, check_seal, check_sealable, extracted, is_text_list,
-                               load_fixture, reseal_command)
+                               load_fixture, reseal_command, sealed_above)
 from drifttool.fixture_prompts import read_prompts
 from drifttool.fixture_settings import check_complete, check_fixture_settings
 from drifttool.sampling.preset_table import check_preset_seed
@@ -342,9 +342,10 @@ and its content digest): an earlier re-run there is replaced only where this fil
 
 def check_workdir(workdir: Path) -> None:
     """Refuse, before any work, a ``--workdir`` the re-run cannot be written to: a file, a
-    drifttool artifact itself (a run directory holds its own files only), or a folder whose
-    ``replay`` holds what no earlier ``fixture verify`` wrote (no ``VERIFY_MARK`` beside it: a
-    run or files of the user's, which the re-run would replace).
+    drifttool artifact itself (a run directory holds its own files only), a folder inside a
+    sealed fixture (the re-run's files would break its seal), or a folder whose ``replay`` holds
+    what no earlier ``fixture verify`` wrote (no ``VERIFY_MARK`` beside it: a run or files of
+    the user's, which the re-run would replace).
 
     Raises:
         ArtifactError: naming ``--workdir``, what is in the way and what to do.
@@ -355,6 +356,10 @@ def check_workdir(workdir: Path) -> None:
     if (workdir / MANIFEST).is_file():
         raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
                             f"own (the re-run is written to WORKDIR/{REPLAY})")
+    sealed = sealed_above(workdir)
+    if sealed is not None:
+        raise ArtifactError(f"--workdir {workdir}: inside the sealed fixture {sealed}, whose seal the "
+                            "re-run's files would break; give a path outside it")
     replay = workdir / REPLAY
     if replay.is_dir() and any(replay.iterdir()) and not (workdir / VERIFY_MARK).is_file():
         what = "a drifttool run" if holds_run(replay) else "files"

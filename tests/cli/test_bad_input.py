@@ -459,6 +459,20 @@ def test_fixture_verify_replaces_only_its_own_replay_in_workdir(cli, tmp_path, m
         assert code == 0 and f"replay in {own / 'replay'}" in out, out
 
 
+def test_fixture_verify_refuses_a_workdir_inside_a_sealed_fixture(cli, tmp_path):
+    """The re-run's files there would break the seal (the next verify of that fixture failed on
+    them): refused in one line, nothing written, the fixture's own folder too."""
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    before = sorted(p.relative_to(fx) for p in fx.rglob("*"))
+    for work in (fx / "work", fx):
+        code, out = cli("fixture", "verify", fx, "--workdir", work)
+        _assert_clean_error(code, out, f"--workdir {work}: inside the sealed fixture {fx.resolve()}")
+        assert len(out.strip().splitlines()) == 1, out
+    assert sorted(p.relative_to(fx) for p in fx.rglob("*")) == before
+    assert cli("fixture", "verify", fx)[0] == 0  # its seal holds
+
+
 def test_fixture_verify_names_a_file_given_as_workdir(cli, tmp_path):
     """The flag is named, not the fixture's fixture.json (which is not at fault)."""
     (tmp_path / "afile").write_text("x")
