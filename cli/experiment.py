@@ -90,7 +90,7 @@ def train_rollout_cmd(
         None, parser=_paths.adapter, help="LoRA adapter (peft folder or .safetensors) used as it is by every rollout and "
                    "trainer (default: a fresh one, --lora-rank/--lora-alpha, written to OUT/lora)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000; default: the fixture's)."),
-    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1; default: the fixture's)."),
+    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale, a finite number >= 0 (CFG on when > 1; default: the fixture's)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
     capture: str = typer.Option("L1", autocompletion=_completion.levels, help="Capture level of every artifact."),

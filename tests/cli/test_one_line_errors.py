@@ -263,6 +263,8 @@ def test_multi_line_messages_are_joined_readably():
     (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
     (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+    (("--cfg-scale", "-2"), ("cfg_scale must be a finite number >= 0", "got -2")),
+    (("--cfg-scale", "-inf"), ("cfg_scale must be a finite number >= 0", "got -inf")),
     (("--samples", "2147483648"), ("sample ids must be at most 2147483647",)),
     (("--preset", "diffusers", "--mode", "auto", "--seed", "-1"), ("seed + sample id", "[0, 2^63)")),
     (("--seed", str(2**64)), ("seed must be an integer in [-2^63, 2^64)", str(2**64))),
@@ -272,6 +274,13 @@ def test_multi_line_messages_are_joined_readably():
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_negative_cfg_scale_is_refused_by_the_experiment_too(cli, tmp_path):
+    """A scale in [0, 1] runs without CFG (diffusers' rule); below 0 it means nothing."""
+    one_error_line(*cli("experiment", "train-rollout", "--cfg-scale", "-1", "-o", tmp_path / "x"),
+                   "cfg_scale must be a finite number >= 0, got -1")
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_number_is_echoed_as_given(cli, tmp_path):
