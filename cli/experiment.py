@@ -96,7 +96,7 @@ def train_rollout_cmd(
     capture: str = typer.Option("L1", autocompletion=_completion.levels, help="Capture level of every artifact."),
     micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them (0: the rollout's batch)."),
     lora_rank: Optional[int] = typer.Option(None, min=1, help="Rank of the fresh adapter (default 4; not with --lora)."),
-    lora_alpha: Optional[float] = typer.Option(None, help="Alpha of the fresh adapter (default 8; not with --lora)."),
+    lora_alpha: Optional[float] = typer.Option(None, help="Alpha of the fresh adapter, a finite number > 0 (default 8; not with --lora)."),
     gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
     grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
@@ -310,7 +310,7 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
             from drifttool.training.grpo import check_lr  # lazy: likewise
 
             check_lr(kwargs["lr"])
-        if kwargs.get("lora") is not None:
+        if "lora" in kwargs:  # train-rollout: its adapter, or the fresh one's shape
             from drifttool.training.experiment import check_adapter  # lazy: likewise
 
             check_adapter(kwargs["lora"], kwargs["lora_rank"], kwargs["lora_alpha"])

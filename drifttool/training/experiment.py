@@ -205,9 +205,13 @@ def check_adapter(lora: str | Path | None, lora_rank: int | None,
     with an adapter ``lora`` of one's own (the command line only: nothing is read).
 
     Raises:
-        DriftToolError: ``lora`` with a rank or alpha (the adapter is used as it is).
+        DriftToolError: ``lora`` with a rank or alpha (the adapter is used as it is); an alpha
+            that is not a finite number > 0 (its update is scaled by alpha / rank: 0 cancels it).
     """
     if lora is None:
+        if lora_alpha is not None and not (math.isfinite(lora_alpha) and lora_alpha > 0):
+            raise DriftToolError(f"--lora-alpha must be a finite number > 0 (the fresh adapter's update "
+                                 f"is scaled by alpha / rank), got {lora_alpha:g}")  # -3, not -3.0
         return (FRESH_LORA["rank"] if lora_rank is None else lora_rank,
                 FRESH_LORA["alpha"] if lora_alpha is None else lora_alpha)
     given = [o for o, v in (("--lora-rank", lora_rank), ("--lora-alpha", lora_alpha)) if v is not None]

@@ -283,6 +283,14 @@ def test_a_negative_cfg_scale_is_refused_by_the_experiment_too(cli, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("alpha", ["-3", "0", "nan", "inf"])
+def test_a_meaningless_lora_alpha_is_refused_before_anything_is_written(cli, tmp_path, alpha):
+    """The fresh adapter's update is scaled by alpha / rank: 0 cancels it, below 0 flips it."""
+    one_error_line(*cli("experiment", "train-rollout", "--lora-alpha", alpha, "-o", tmp_path / "x"),
+                   "--lora-alpha must be a finite number > 0", f"got {alpha}")
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_number_is_echoed_as_given(cli, tmp_path):
     """``--eta -1`` is not echoed as ``-1.0`` (typer parses a float)."""
     line = one_error_line(*cli("run", "--eta", "-1", "-o", tmp_path / "r"), "eta must be a finite number")
