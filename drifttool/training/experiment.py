@@ -70,7 +70,7 @@ from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop, toy_reward
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from drifttool.training.stored import load_rollout
-from drifttool.training.trainer import trainer_model
+from drifttool.training.trainer import check_micro_batch, trainer_model
 
 COMBOS = (("production", "production"), ("strict", "production"), ("production", "strict"),
           ("strict", "strict"))
@@ -321,6 +321,7 @@ def train_rollout(
     spec = RunSpec(fixture=fixture, checkpoint=checkpoint, samples=samples, batch=batch, steps=steps,
                    cfg_scale=cfg_scale, capture=capture, device=device, height=height, width=width)
     fx, s = resolve(spec)
+    check_micro_batch(micro_batch, len(s.samples))
     for mode in dict.fromkeys(m for pair in combos for m in pair):
         check_mode_device(check_mode(MODES[mode]), s.device)
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,

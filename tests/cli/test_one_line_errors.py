@@ -291,6 +291,19 @@ def test_a_meaningless_lora_alpha_is_refused_before_anything_is_written(cli, tmp
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("args,batch", [
+    (("recompute", "{run}", "--micro-batch", "3"), 2),  # the stored rollout's samples
+    (("experiment", "train-rollout", "--micro-batch", "3"), 2),  # the fixture's
+    (("experiment", "grpo", "--micro-batch", "5"), 4),  # 2 groups of 2
+], ids=["recompute", "train-rollout", "grpo"])
+def test_a_micro_batch_larger_than_the_batch_is_refused_before_any_work(cli, strict_run, tmp_path, args, batch):
+    """It ran the whole batch in one forward, as no --micro-batch does, recording the size asked."""
+    args = [a.format(run=strict_run) for a in args]
+    one_error_line(*cli(*args, "-o", tmp_path / "x"),
+                   f"--micro-batch {args[-1]} is more than the {batch} sample(s)", f"give 1 to {batch}")
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_number_is_echoed_as_given(cli, tmp_path):
     """``--eta -1`` is not echoed as ``-1.0`` (typer parses a float)."""
     line = one_error_line(*cli("run", "--eta", "-1", "-o", tmp_path / "r"), "eta must be a finite number")
