@@ -116,9 +116,9 @@ def _placed(out: Path, option: str) -> None:
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise DriftToolError(f"{option} {out}: {above} is not a directory")
-    from drifttool.fixture import SEAL  # lazy: the commands' start-up needs none of it
+    from drifttool.fixture import sealed_above  # lazy: the commands' start-up needs none of it
 
-    sealed = next((p for p in (out.resolve(), *out.resolve().parents) if (p / SEAL).is_file()), None)
+    sealed = sealed_above(out)
     if sealed is not None:
         raise DriftToolError(f"{option} {out}: inside the sealed fixture {sealed}, whose seal a new file "
                              "would break; give a path outside it")

@@ -54,7 +54,8 @@ class _Group(FittedHelp, TyperGroup):
     """The ``drifttool`` group: click/typer usage errors (bad or missing option, unknown command)
     as one ``error:`` line naming the command's ``--help``, exit 2, instead of typer's boxed
     usage text; an exception no command handled (a bug) as one ``internal error:`` line, exit 4;
-    ``--help``, ``--version``, shell completion and a bare group's help behave as usual."""
+    ``--help``, ``--version`` and shell completion behave as usual; a bare group prints its
+    help (stdout), then one ``error:`` line naming its commands (``_missing_command``), exit 2."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         completion_help(self.params)
@@ -65,7 +66,8 @@ class _Group(FittedHelp, TyperGroup):
         try:
             args = shell_named(args, self.params)  # `--show-completion zsh`: zsh's script
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except _NO_ARGS_IS_HELP:  # the help was printed when the error was built
+        except _NO_ARGS_IS_HELP as e:  # the help was printed (stdout) when the error was built
+            _missing_command(e.ctx)
             code = ExitCode.USAGE
         except _click_errors.ClickException as e:
             _close_suggestions(e)
@@ -83,6 +85,13 @@ class _Group(FittedHelp, TyperGroup):
             stopped(Terminated())
             code = ExitCode.TERMINATED
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _missing_command(ctx: Any) -> None:
+    """The ``error:`` line under a bare group's help (``drifttool``, ``drifttool fixture``):
+    naming the group's commands and its ``--help``, as every other usage error names it."""
+    names = ", ".join(ctx.command.list_commands(ctx))
+    error_line(f"Missing command: give one of {names}. (see '{ctx.command_path} --help')")
 
 
 SUGGEST_AT = 0.6

@@ -90,13 +90,13 @@ def train_rollout_cmd(
         None, parser=_paths.adapter, help="LoRA adapter (peft folder or .safetensors) used as it is by every rollout and "
                    "trainer (default: a fresh one, --lora-rank/--lora-alpha, written to OUT/lora)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000; default: the fixture's)."),
-    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1; default: the fixture's)."),
+    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale, a finite number >= 0 (CFG on when > 1; default: the fixture's)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (default: the fixture's)."),
     capture: str = typer.Option("L1", autocompletion=_completion.levels, help="Capture level of every artifact."),
-    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them (0: the rollout's batch)."),
+    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, prompts trimmed to them, at most the rollout's batch (0: the whole batch)."),
     lora_rank: Optional[int] = typer.Option(None, min=1, help="Rank of the fresh adapter (default 4; not with --lora)."),
-    lora_alpha: Optional[float] = typer.Option(None, help="Alpha of the fresh adapter (default 8; not with --lora)."),
+    lora_alpha: Optional[float] = typer.Option(None, help="Alpha of the fresh adapter, a finite number > 0 (default 8; not with --lora)."),
     gradient_checkpointing: bool = typer.Option(False, help="Trainer recomputes block activations in the backward."),
     grad: bool = typer.Option(True, help="Trainer backward per SDE step, LoRA gradients compared."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/strict (rollout/train; default all four)."),
@@ -211,7 +211,7 @@ def grpo_cmd(
     inner_epochs: int = typer.Option(2, min=1, help="Training passes over each rollout."),
     lr: float = typer.Option(3e-2, help="AdamW learning rate (LoRA parameters only)."),
     clip_range: float = typer.Option(0.2, help="PPO clip range ε."),
-    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward (0: the rollout's batch)."),
+    micro_batch: int = typer.Option(1, min=0, help="Samples per trainer forward, at most a rollout's groups x group size (0: the whole batch)."),
     combos: Optional[str] = typer.Option(None, help="e.g. strict/strict,production/production (default all four)."),
     device: str = typer.Option("cpu", autocompletion=_completion.devices, help="cpu | cuda | cuda:N (strict on CUDA: the Triton family, sm_90, and its backward for the trainer)."),
     height: Optional[int] = typer.Option(None, help="Image height in pixels, a multiple of 16 (default: the fixture's)."),
@@ -310,7 +310,7 @@ def _experiment(command: str, fn, out: Path, layout: tuple, kwargs: dict, *,
             from drifttool.training.grpo import check_lr  # lazy: likewise
 
             check_lr(kwargs["lr"])
-        if kwargs.get("lora") is not None:
+        if "lora" in kwargs:  # train-rollout: its adapter, or the fresh one's shape
             from drifttool.training.experiment import check_adapter  # lazy: likewise
 
             check_adapter(kwargs["lora"], kwargs["lora_rank"], kwargs["lora_alpha"])

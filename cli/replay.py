@@ -148,7 +148,7 @@ def recompute(
     internals: Optional[bool] = typer.Option(None, "--internals/--no-internals", show_default=False, help="At L2, capture the fused attention's internals or not (default: as the run did)."),
     grad: bool = typer.Option(False, help="Backward of -mean logp_t per SDE step; digest the LoRA gradients."),
     gradient_checkpointing: bool = typer.Option(False, help="Recompute block activations in the backward instead of keeping every block's (a full-size --grad needs it on an 80 GiB GPU)."),
-    micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward (default: the whole batch)."),
+    micro_batch: Optional[int] = typer.Option(None, min=1, help="Samples per trainer forward, 1 to the rollout's batch (default: the whole batch)."),
     trim_padding: bool = typer.Option(True, help="With --micro-batch: trim prompts to each micro-batch."),
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures, help="Fixture holding the model, if the manifest's name does not resolve."),
     checkpoint: Optional[Path] = _checkpoint.option("Trainer model (must match the rollout's fingerprint)."),
@@ -173,7 +173,7 @@ def recompute(
     from drifttool.training.options import RerunOptions, TrainOptions  # lazy: likewise
     from drifttool.training.recompute import NO_ADAPTER, recompute_run  # lazy: likewise
     from drifttool.training.stored import load_rollout  # lazy: likewise
-    from drifttool.training.trainer import rerun_device  # lazy: likewise
+    from drifttool.training.trainer import check_micro_batch, rerun_device  # lazy: likewise
 
     if not trim_padding and micro_batch is None:  # a no-op that looks like a setting
         raise typer.BadParameter("--no-trim-padding goes with --micro-batch (without it every forward "
@@ -185,6 +185,7 @@ def recompute(
                              micro_batch=micro_batch, trim_padding=trim_padding)
         dims = _layout.layout_dims(tp, sp, sp_attention, cfg_parallel)
         stored = load_rollout(run_dir)
+        check_micro_batch(micro_batch, stored.inputs.batch)
         device = rerun_device(stored, options)
         if dims.parallel:
             _layout.check_layout(dims, **_trainer_layout(stored, options), cfg_branches=_branches(stored),

@@ -32,7 +32,9 @@ def report(
 
     The page holds the verdict, the first drift, the differences in context, the per-step table,
     the drift heatmap (step x block) and the per-step drift overlay, the figures embedded in it:
-    nothing else is fetched, so it opens offline and can be kept as a CI job's artifact.
+    nothing else is fetched, so it opens offline and can be kept as a CI job's artifact. The
+    heatmap counts differing operator records: runs captured at L0 (step boundaries only) have
+    none, and the page says so in its place.
 
     Exits as `drifttool diff` does: 0 identical (or a drift within --tolerance), 1 drift,
     2 bad input, 3 incomparable or inconclusive.

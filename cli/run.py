@@ -72,7 +72,7 @@ def run(
     fixture: Optional[str] = typer.Option(None, autocompletion=_completion.fixtures,
                                            help="Fixture name or path (default tiny-t2i)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps N (2 to 1000)."),
-    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale (CFG on when > 1)."),
+    cfg_scale: Optional[float] = typer.Option(None, help="True-CFG scale, a finite number >= 0 (CFG on when > 1)."),
     eta: Optional[float] = typer.Option(None, help="SDE noise level inside the window (>= 0)."),
     batch: Optional[int] = typer.Option(None, min=1, help="Run logical samples 0..B-1 as one batch."),
     samples: Optional[str] = typer.Option(None, help="Comma-separated logical sample ids (e.g. 2 or 0,1,2)."),

@@ -70,6 +70,14 @@ _SEAL_MAX_BYTES = 16 << 20
 ``check_seal`` after extraction)."""
 
 
+def sealed_above(path: str | Path) -> Path | None:
+    """The sealed fixture that holds ``path``: the nearest folder at or above it (``path``
+    resolved, links followed, ``..`` folded) with a ``seal.json``, else None. A file written or
+    removed anywhere inside one would break its seal (``check_seal``)."""
+    resolved = Path(path).resolve()
+    return next((p for p in (resolved, *resolved.parents) if (p / SEAL).is_file()), None)
+
+
 def packaged_fixtures() -> Path:
     """The directory of fixtures shipped with drifttool (``fixtures/`` in the repo)."""
     return Path(str(resources.files("drifttool.fixtures")))

@@ -132,7 +132,7 @@ def check_fixture_settings(fx: Fixture) -> None:
         try:
             if "steps" in st:
                 check_steps(st["steps"])
-            for key, floor in (("cfg_scale", None), ("eta", 0.0)):
+            for key, floor in (("cfg_scale", 0.0), ("eta", 0.0)):
                 if key in st:
                     check_number(key, st[key], floor)
             if st.get("samples"):

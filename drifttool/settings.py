@@ -355,7 +355,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
 
     Raises:
         DriftToolError: steps outside 2..``MAX_STEPS``; cfg_scale or eta not a finite number
-            (eta < 0); unknown mode, capture level, dtype, CFG layout or timestep policy; empty,
+            >= 0 (a scale in [0, 1] runs without CFG, as diffusers does); unknown mode, capture level, dtype, CFG layout or timestep policy; empty,
             repeated or negative sample ids, or one past ``MAX_SAMPLE_ID``; a batch size and sample
             ids together; a seed outside ``SEEDS`` or one the preset's generators cannot take
             (``check_preset_seed``); a weight
@@ -390,7 +390,7 @@ def resolve(spec: RunSpec) -> tuple[Fixture, RunSettings]:
                                         for k in ("cfg_layout", "timestep_policy", "eta")}))
     _lacking(fx, s, ("steps", "cfg_scale", "eta", "seed", "capture", "cfg_layout", "timestep_policy"))
     steps = check_steps(s["steps"])
-    cfg_scale = check_number("cfg_scale", s["cfg_scale"], None)
+    cfg_scale = check_number("cfg_scale", s["cfg_scale"], 0.0)  # <= 1: CFG off (diffusers' rule)
     eta = check_number("eta", s["eta"], 0.0)
     check_seed(s["seed"])
     if s["cfg_layout"] not in CFG_LAYOUTS:

@@ -28,6 +28,7 @@ for several samples); each re-run image must have the same SHA-256, else the fix
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from drifttool.artifact.directory import holds_run
 from drifttool.artifact.manifest_schema import STRICT_MODES
 from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
@@ -43,7 +45,7 @@ from drifttool.diff.report import DiffReport
 from drifttool.errors import ArtifactError, DriftToolError, FixtureError
 from drifttool.exit_codes import ExitCode
 from drifttool.fixture import (DEFAULT_FIXTURE, Fixture, check_seal, check_sealable, extracted, is_text_list,
-                               load_fixture, reseal_command)
+                               load_fixture, reseal_command, sealed_above)
 from drifttool.fixture_prompts import read_prompts
 from drifttool.fixture_settings import check_complete, check_fixture_settings
 from drifttool.sampling.preset_table import check_preset_seed
@@ -330,6 +332,42 @@ def _sha256(p: Path) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 
 
+REPLAY = "replay"
+"""The folder of ``--workdir`` the re-run is written to."""
+VERIFY_MARK = "fixture-verify.json"
+"""The file ``fixture verify`` writes beside its re-run in ``--workdir`` (the fixture it re-ran
+and its content digest): an earlier re-run there is replaced only where this file says
+``fixture verify`` wrote it (``check_workdir``)."""
+
+
+def check_workdir(workdir: Path) -> None:
+    """Refuse, before any work, a ``--workdir`` the re-run cannot be written to: a file, a
+    drifttool artifact itself (a run directory holds its own files only), a folder inside a
+    sealed fixture (the re-run's files would break its seal), or a folder whose ``replay`` holds
+    what no earlier ``fixture verify`` wrote (no ``VERIFY_MARK`` beside it: a run or files of
+    the user's, which the re-run would replace).
+
+    Raises:
+        ArtifactError: naming ``--workdir``, what is in the way and what to do.
+    """
+    if workdir.exists() and not workdir.is_dir():
+        raise ArtifactError(f"--workdir {workdir}: exists and is not a directory (the re-run is "
+                            f"written to WORKDIR/{REPLAY})")
+    if (workdir / MANIFEST).is_file():
+        raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
+                            f"own (the re-run is written to WORKDIR/{REPLAY})")
+    sealed = sealed_above(workdir)
+    if sealed is not None:
+        raise ArtifactError(f"--workdir {workdir}: inside the sealed fixture {sealed}, whose seal the "
+                            "re-run's files would break; give a path outside it")
+    replay = workdir / REPLAY
+    if replay.is_dir() and any(replay.iterdir()) and not (workdir / VERIFY_MARK).is_file():
+        what = "a drifttool run" if holds_run(replay) else "files"
+        raise ArtifactError(f"--workdir {workdir}: {replay}, where the re-run goes, holds {what} "
+                            "that `drifttool fixture verify` did not write; give another "
+                            f"--workdir, or move {replay} away first")
+
+
 def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path | None = None) -> VerifyResult:
     """Seal check, re-run with the fixture's settings (``rerun``), diff against ``expected/``,
     and the decoded images' SHA-256 against the fixture's.
@@ -346,16 +384,11 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
             missing expected image, or settings its re-run refuses (``check_rerun``: a setting
             ``fixture.json`` lacks, …), before it runs.
         ArtifactError: the expected artifact cannot be read (before anything runs), or
-            ``workdir`` is a file, itself an artifact (a run directory holds its own files only; the
-            re-run goes to ``workdir/replay``) or a folder that cannot be made.
+            ``workdir`` is refused by ``check_workdir`` (the re-run goes to ``workdir/replay``, and
+            replaces an earlier one only where ``fixture verify`` wrote it) or cannot be made.
     """
-    if workdir is not None and Path(workdir).exists() and not Path(workdir).is_dir():
-        raise ArtifactError(f"--workdir {workdir}: exists and is not a directory (the re-run is "
-                            "written to WORKDIR/replay)")
-    if workdir is not None and (Path(workdir) / MANIFEST).is_file():
-        raise ArtifactError(f"--workdir {workdir} is a drifttool artifact; give a directory of its "
-                            "own (the re-run is written to WORKDIR/replay)")
     if workdir is not None:
+        check_workdir(Path(workdir))
         try:  # before the seal is checked: the re-run's folder names --workdir, not the fixture
             Path(workdir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -375,7 +408,10 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
         want_sha = [_sha256(p) for p in want]  # read now: an archive's folder goes away
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
         try:
-            run_dir = work / "replay"
+            run_dir = work / REPLAY
+            if workdir:  # what lets the next verify replace this re-run (check_workdir)
+                mark = {"fixture": fx.name, "content_digest": digest}
+                (work / VERIFY_MARK).write_text(json.dumps(mark, indent=2) + "\n")
             got = rerun(fx, run_dir, overwrite=True)
             replay = open_run(run_dir)
             report = diff_runs(expected, replay)

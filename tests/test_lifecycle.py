@@ -56,7 +56,8 @@ def test_settings_are_frozen_and_typed():
     (RunSpec(batch=2, samples=[0]), "give either a batch size or sample ids, not both"),
     (RunSpec(steps=1), "steps must be an integer from 2 to 1000"),
     (RunSpec(eta=-1.0), "eta must be a finite number >= 0, got -1"),
-    (RunSpec(cfg_scale=float("nan")), "cfg_scale must be a finite number, got nan"),
+    (RunSpec(cfg_scale=float("nan")), "cfg_scale must be a finite number >= 0, got nan"),
+    (RunSpec(cfg_scale=-0.5), "cfg_scale must be a finite number >= 0, got -0.5"),
     (RunSpec(mode="fast"), "unknown mode 'fast' (strict, audit, auto, off)"),
     (RunSpec(capture="L3"), "unknown capture level 'L3' (L0, L1, L2)"),
     (RunSpec(dtype="float16"), "unsupported dtype 'float16'"),
@@ -93,6 +94,7 @@ def test_the_edges_of_sample_ids_and_preset_seeds_resolve():
     assert resolve(RunSpec(mode="auto", preset="diffusers", seed=2**63 - 2))[1].seed == 2**63 - 2
     assert resolve(RunSpec(mode="auto", preset="flow-grpo", seed=-(2**63)))[1].seed == -(2**63)
     assert resolve(RunSpec(seed=-1))[1].seed == -1  # drifttool's own noise hashes any seed
+    assert resolve(RunSpec(cfg_scale=0.0))[1].cfg_branches == 1  # CFG off, as diffusers' <= 1
 
 
 def test_rerun_options_validate_with_the_lines_run_uses():

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from drifttool.artifact import schema as S
 from drifttool.errors import ArtifactError, writing
-from drifttool.fixture import SEAL
+from drifttool.fixture import sealed_above
 from drifttool.launch_env import launched_ranks
 
 LEGACY_NAMES = frozenset({"steps.arrow", "trace.arrow"})
@@ -125,7 +125,7 @@ def remove_artifact(path: Path) -> None:
     if not holds_run(path):
         raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
                             "overwrite")
-    sealed = next((p for p in path.resolve().parents if (p / SEAL).is_file()), None)
+    sealed = sealed_above(path)
     if sealed is not None:  # its expected run: replacing it would break the seal
         raise ArtifactError(f"{path} is part of the sealed fixture {sealed}; refusing to overwrite "
                             "it (rebuild a fixture with its build script, which reseals it)")

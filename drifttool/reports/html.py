@@ -37,6 +37,13 @@ _FIGURES = (("heatmap", "Drift by step × block (fraction of differing operator 
             ("overlay", "Per-step drift of B against A (max |Δ| of v_t, x_next, logp_t; SDE KL)"))
 
 
+NO_HEATMAP = ("No drift heatmap: it counts the differing operator records of each step and block, "
+              "and a run here was captured at L0, which records step boundaries only; capture both "
+              "runs at L1 or L2 to get one (drifttool run --capture L1, or drifttool replay RUN "
+              "--capture L1 -o OUT for a stored run).")
+"""Said where the heatmap would be, for a drifting pair without operator records to count."""
+
+
 def _e(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
@@ -138,11 +145,14 @@ def render_html(report: Any, figures: dict[str, bytes] | None = None) -> str:
              for k, c in report.counts.items()]))
     parts.append("<h2>Per step</h2>" + _steps(report))
     shown = [(k, cap) for k, cap in _FIGURES if figures and k in figures]
-    if shown:
+    unmapped = verdict == "drift" and "ops" not in report.counts  # an L0 run: no op records
+    if shown or unmapped:
         parts.append("<h2>Figures</h2>")
-        for key, caption in shown:
-            data = base64.b64encode(figures[key]).decode("ascii")
-            parts.append(f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
-                         f"<figcaption>{_e(caption)}</figcaption></figure>")
+    if unmapped:
+        parts.append(f"<p>{_e(NO_HEATMAP)}</p>")
+    for key, caption in shown:
+        data = base64.b64encode(figures[key]).decode("ascii")
+        parts.append(f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
+                     f"<figcaption>{_e(caption)}</figcaption></figure>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

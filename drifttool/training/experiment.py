@@ -70,7 +70,7 @@ from drifttool.training.grpo import MODES, GRPOConfig, grpo_loop, toy_reward
 from drifttool.training.options import RerunOptions, TrainOptions
 from drifttool.training.recompute import recompute_run
 from drifttool.training.stored import load_rollout
-from drifttool.training.trainer import trainer_model
+from drifttool.training.trainer import check_micro_batch, trainer_model
 
 COMBOS = (("production", "production"), ("strict", "production"), ("production", "strict"),
           ("strict", "strict"))
@@ -205,9 +205,13 @@ def check_adapter(lora: str | Path | None, lora_rank: int | None,
     with an adapter ``lora`` of one's own (the command line only: nothing is read).
 
     Raises:
-        DriftToolError: ``lora`` with a rank or alpha (the adapter is used as it is).
+        DriftToolError: ``lora`` with a rank or alpha (the adapter is used as it is); an alpha
+            that is not a finite number > 0 (its update is scaled by alpha / rank: 0 cancels it).
     """
     if lora is None:
+        if lora_alpha is not None and not (math.isfinite(lora_alpha) and lora_alpha > 0):
+            raise DriftToolError(f"--lora-alpha must be a finite number > 0 (the fresh adapter's update "
+                                 f"is scaled by alpha / rank), got {lora_alpha:g}")  # -3, not -3.0
         return (FRESH_LORA["rank"] if lora_rank is None else lora_rank,
                 FRESH_LORA["alpha"] if lora_alpha is None else lora_alpha)
     given = [o for o, v in (("--lora-rank", lora_rank), ("--lora-alpha", lora_alpha)) if v is not None]
@@ -317,6 +321,7 @@ def train_rollout(
     spec = RunSpec(fixture=fixture, checkpoint=checkpoint, samples=samples, batch=batch, steps=steps,
                    cfg_scale=cfg_scale, capture=capture, device=device, height=height, width=width)
     fx, s = resolve(spec)
+    check_micro_batch(micro_batch, len(s.samples))
     for mode in dict.fromkeys(m for pair in combos for m in pair):
         check_mode_device(check_mode(MODES[mode]), s.device)
     train = TrainOptions(grad=grad, gradient_checkpointing=gradient_checkpointing,

@@ -62,7 +62,7 @@ from drifttool.sampling.step import cfg_enabled, sampler_model
 from drifttool.setting_checks import check_mode, check_mode_device
 from drifttool.settings import RunSpec, resolve
 from drifttool.training.ledger import GradLedger
-from drifttool.training.trainer import micro_batched
+from drifttool.training.trainer import check_micro_batch, micro_batched
 
 MODES = {"strict": "strict", "production": "auto"}
 """Combination labels → runtime modes (production = the production operators, traced)."""
@@ -98,6 +98,7 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_lr(self.lr)
+        check_micro_batch(self.train_micro_batch, self.groups * self.group_size)  # one rollout's
 
 
 def check_lr(lr: Any) -> float:

@@ -90,6 +90,19 @@ def check_fingerprint(stored: StoredRollout, model) -> None:
                              "to re-run it: " + "; ".join(diffs))
 
 
+def check_micro_batch(size: int | None, batch: int) -> None:
+    """Refuse a micro-batch ``size`` (samples per trainer forward, ``micro_batched``; None: the
+    whole batch) larger than the ``batch`` of samples it splits: it would run the whole batch in
+    one forward, as no micro-batch does, while the settings record the size asked for.
+
+    Raises:
+        DriftToolError: one line naming ``--micro-batch`` and the sizes it may take.
+    """
+    if size is not None and size > batch:
+        raise DriftToolError(f"--micro-batch {size} is more than the {batch} sample(s) of the batch it "
+                             f"splits into trainer forwards; give 1 to {batch}")
+
+
 def micro_batched(forward: Callable[..., torch.Tensor], size: int | None, *,
                   trim_padding: bool = True) -> Callable[..., torch.Tensor]:
     """A trainer's execution layout around ``forward(x, txt, txt_mask, tau, img_grid, rt)``: the

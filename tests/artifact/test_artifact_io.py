@@ -14,7 +14,7 @@ from drifttool.artifact import SCHEMA_VERSION, ArtifactWriter, open_run
 from drifttool.artifact import schema as S
 from drifttool.artifact.parquet import file_digest
 from drifttool.capture.recorder import Recorder
-from drifttool.errors import ArtifactError
+from drifttool.errors import ArtifactError, DriftToolError
 from drifttool.runner import execute
 from drifttool.settings import RunSpec
 from drifttool.artifact.parquet import write_parquet
@@ -288,6 +288,35 @@ def test_overwrite_leaves_a_sealed_fixtures_expected_run_alone(tmp_path):
     (tmp_path / "fx" / "seal.json").unlink()  # not sealed: an ordinary run, replaced
     ArtifactWriter(expected, {"fingerprint": {}}, overwrite=True).close(complete=True)
     assert open_run(expected).ops_table().num_rows == 0
+
+
+def test_one_lookup_finds_the_sealed_fixture_above_a_path(tmp_path, monkeypatch):
+    """``sealed_above``: the fixture folder itself, a path not made yet inside it and one reached
+    through a link into it are inside; ``..`` out of it is not. A run's overwrite
+    (``remove_artifact``) and the CLI's output paths (``cli._paths``) both ask it."""
+    from drifttool.artifact import directory
+    from drifttool.cli import _paths
+    from drifttool import fixture
+
+    fx = tmp_path / "fx"
+    (fx / "expected").mkdir(parents=True)
+    (fx / "seal.json").write_text("{}")
+    (tmp_path / "link").symlink_to(fx / "expected")
+    assert fixture.sealed_above(fx) == fx.resolve()
+    assert fixture.sealed_above(fx / "expected" / "new" / "r.html") == fx.resolve()
+    assert fixture.sealed_above(tmp_path / "link" / "r.html") == fx.resolve()
+    assert fixture.sealed_above(fx / "expected" / ".." / ".." / "out") is None
+    assert fixture.sealed_above(tmp_path) is None
+
+    asked = []
+    monkeypatch.setattr(directory, "sealed_above", lambda p: asked.append(p) or tmp_path / "fake")
+    monkeypatch.setattr(fixture, "sealed_above", lambda p: asked.append(p) or tmp_path / "fake")
+    run = write_run(tmp_path / "run")
+    with pytest.raises(ArtifactError, match="part of the sealed fixture .*fake"):
+        directory.remove_artifact(run)
+    with pytest.raises(DriftToolError, match="inside the sealed fixture .*fake"):
+        _paths.output_dir(tmp_path / "out", "-o")
+    assert asked == [run, tmp_path / "out"]
 
 
 def test_complete_run_missing_a_named_sample_is_refused(tmp_path):

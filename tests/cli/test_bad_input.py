@@ -431,6 +431,48 @@ def test_fixture_verify_refuses_an_artifact_as_workdir(tmp_path):
     assert not (tmp_path / "a" / "replay").exists()
 
 
+@pytest.mark.parametrize("held", ["run", "files"])
+def test_fixture_verify_replaces_only_its_own_replay_in_workdir(cli, tmp_path, monkeypatch, held):
+    """``--workdir DIR`` re-runs into ``DIR/replay``: a run or files there that ``fixture verify``
+    did not write are refused in one line naming the path and what to do, before any work, and
+    stay as they were (they were replaced); its own earlier re-run is replaced."""
+    import drifttool.verify
+
+    work = tmp_path / "w"
+    if held == "run":
+        execute(RunSpec(capture="L0"), work / "replay")
+    else:
+        (work / "replay").mkdir(parents=True)
+        (work / "replay" / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in (work / "replay").iterdir()}
+    with monkeypatch.context() as m:  # any work (the seal's check first) is an internal error
+        m.setattr(drifttool.verify, "extracted", lambda *a: pytest.fail("worked before refusing"))
+        code, out = cli("fixture", "verify", "--workdir", work)
+    _assert_clean_error(code, out, f"--workdir {work}: {work / 'replay'}, where the re-run goes, holds",
+                        "did not write; give another --workdir, or move")
+    assert len(out.strip().splitlines()) == 1, out
+    assert {p.name: p.read_bytes() for p in (work / "replay").iterdir()} == before
+    assert sorted(p.name for p in work.iterdir()) == ["replay"]
+    own = tmp_path / "own"
+    for _ in range(2):  # the second replaces the first's re-run
+        code, out = cli("fixture", "verify", "--workdir", own)
+        assert code == 0 and f"replay in {own / 'replay'}" in out, out
+
+
+def test_fixture_verify_refuses_a_workdir_inside_a_sealed_fixture(cli, tmp_path):
+    """The re-run's files there would break the seal (the next verify of that fixture failed on
+    them): refused in one line, nothing written, the fixture's own folder too."""
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    before = sorted(p.relative_to(fx) for p in fx.rglob("*"))
+    for work in (fx / "work", fx):
+        code, out = cli("fixture", "verify", fx, "--workdir", work)
+        _assert_clean_error(code, out, f"--workdir {work}: inside the sealed fixture {fx.resolve()}")
+        assert len(out.strip().splitlines()) == 1, out
+    assert sorted(p.relative_to(fx) for p in fx.rglob("*")) == before
+    assert cli("fixture", "verify", fx)[0] == 0  # its seal holds
+
+
 def test_fixture_verify_names_a_file_given_as_workdir(cli, tmp_path):
     """The flag is named, not the fixture's fixture.json (which is not at fault)."""
     (tmp_path / "afile").write_text("x")

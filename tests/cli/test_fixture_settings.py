@@ -45,6 +45,7 @@ DAMAGES = {
     "a number as its description": (lambda meta: {**meta, "description": 3}, "'description' is not a string"),
     "an unknown top-level key": (lambda meta: {**meta, "setings": {}}, "unknown key 'setings'"),
     "cfg_scale NaN": (_settings("cfg_scale", float("nan")), "settings: cfg_scale must be a finite number"),
+    "cfg_scale negative": (_settings("cfg_scale", -2), "settings: cfg_scale must be a finite number >= 0, got -2"),
     "one step": (_settings("steps", 1), "settings: steps must be an integer from 2"),
     "negative steps": (_settings("steps", -3), "settings: steps must be an integer from 2 to 1000, got -3"),
     "eta NaN": (_settings("eta", float("nan")), "settings.eta is nan, not a finite number"),

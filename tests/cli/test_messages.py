@@ -76,7 +76,7 @@ def test_diff_of_disjoint_sample_sets_says_so(cli, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--samples", "0,0"], "sample ids must be distinct"),
-    (["--lora-alpha", "nan"], "alpha must be a finite number, got nan"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0"),
     (["--lora-rank", "0"], "--lora-rank"),
 ])
 def test_experiment_checks_every_setting_before_writing(cli, tmp_path, args, needle):

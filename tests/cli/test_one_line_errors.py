@@ -130,10 +130,27 @@ def test_help_and_version_still_work(cli):
     assert code == 0 and "Usage" in out and "run" in out, out
     code, out = cli("run", "--help")
     assert code == 0 and "--steps" in out, out
-    code, out = cli()  # a bare group prints its help; exit 2 as before
+    code, out = cli()  # a bare group prints its help; exit 2 (and one error line: below)
     assert code == 2 and "Commands" in out, out
     code, out = cli("--version")
     assert code == 0 and out.startswith("drifttool "), out
+
+
+@pytest.mark.parametrize("group,commands", [
+    ((), "run, diff, trace, probe, overlay, replay, recompute, report, fixture, experiment"),
+    (("fixture",), "verify, seal"),
+    (("experiment",), "train-rollout, grpo"),
+], ids=["drifttool", "fixture", "experiment"])
+def test_a_bare_group_prints_its_help_then_one_error_line(group, commands):
+    """No command given: the group's help on stdout as before, and on stderr one ``error:`` line
+    naming its commands and its ``--help``, exit 2 (the help alone read like success)."""
+    from tests.cli.scripting import invoke
+
+    res = invoke(*group)
+    assert res.exit_code == 2 and "Usage: drifttool" in res.stdout and "error:" not in res.stdout, res.output
+    path = " ".join(("drifttool", *group))
+    assert res.stderr.splitlines() == [
+        f"error: Missing command: give one of {commands}. (see '{path} --help')"], res.stderr
 
 
 def test_run_error_has_no_empty_line_before_it(cli, tmp_path):
@@ -246,6 +263,8 @@ def test_multi_line_messages_are_joined_readably():
     (("--eta", "-0.5"), ("eta must be a finite number >= 0",)),
     (("--cfg-scale", "nan"), ("cfg_scale must be a finite number",)),
     (("--cfg-scale", "inf"), ("cfg_scale must be a finite number",)),
+    (("--cfg-scale", "-2"), ("cfg_scale must be a finite number >= 0", "got -2")),
+    (("--cfg-scale", "-inf"), ("cfg_scale must be a finite number >= 0", "got -inf")),
     (("--samples", "2147483648"), ("sample ids must be at most 2147483647",)),
     (("--preset", "diffusers", "--mode", "auto", "--seed", "-1"), ("seed + sample id", "[0, 2^63)")),
     (("--seed", str(2**64)), ("seed must be an integer in [-2^63, 2^64)", str(2**64))),
@@ -255,6 +274,34 @@ def test_multi_line_messages_are_joined_readably():
 def test_bad_sampler_values_say_what_is_allowed(cli, tmp_path, args, needles):
     one_error_line(*cli("run", *args, "-o", tmp_path / "r"), *needles)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_negative_cfg_scale_is_refused_by_the_experiment_too(cli, tmp_path):
+    """A scale in [0, 1] runs without CFG (diffusers' rule); below 0 it means nothing."""
+    one_error_line(*cli("experiment", "train-rollout", "--cfg-scale", "-1", "-o", tmp_path / "x"),
+                   "cfg_scale must be a finite number >= 0, got -1")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("alpha", ["-3", "0", "nan", "inf"])
+def test_a_meaningless_lora_alpha_is_refused_before_anything_is_written(cli, tmp_path, alpha):
+    """The fresh adapter's update is scaled by alpha / rank: 0 cancels it, below 0 flips it."""
+    one_error_line(*cli("experiment", "train-rollout", "--lora-alpha", alpha, "-o", tmp_path / "x"),
+                   "--lora-alpha must be a finite number > 0", f"got {alpha}")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args,batch", [
+    (("recompute", "{run}", "--micro-batch", "3"), 2),  # the stored rollout's samples
+    (("experiment", "train-rollout", "--micro-batch", "3"), 2),  # the fixture's
+    (("experiment", "grpo", "--micro-batch", "5"), 4),  # 2 groups of 2
+], ids=["recompute", "train-rollout", "grpo"])
+def test_a_micro_batch_larger_than_the_batch_is_refused_before_any_work(cli, strict_run, tmp_path, args, batch):
+    """It ran the whole batch in one forward, as no --micro-batch does, recording the size asked."""
+    args = [a.format(run=strict_run) for a in args]
+    one_error_line(*cli(*args, "-o", tmp_path / "x"),
+                   f"--micro-batch {args[-1]} is more than the {batch} sample(s)", f"give 1 to {batch}")
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_number_is_echoed_as_given(cli, tmp_path):

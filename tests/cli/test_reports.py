@@ -174,6 +174,23 @@ def test_report_renders_in_a_headless_browser(html_report, tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
 
 
+def test_a_report_of_l0_runs_says_why_it_has_no_heatmap(html_report, tmp_path):
+    """An L0 pair has no operator records to count per step and block: where the heatmap would
+    be, one sentence says so and how to get one (it was left out without a word)."""
+    from drifttool.runner import execute
+    from drifttool.settings import RunSpec
+
+    execute(RunSpec(capture="L0"), tmp_path / "a")
+    execute(RunSpec(capture="L0", eta=1.1), tmp_path / "b")
+    res = invoke("report", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "r.html")
+    assert res.exit_code == 1, res.output
+    figures = tmp_path.joinpath("r.html").read_text().split("<h2>Figures</h2>\n", 1)[1]
+    note = figures.split("\n", 1)[0]
+    assert note.startswith("<p>No drift heatmap: ") and "captured at L0" in note, figures[:600]
+    assert "--capture L1" in note and note.endswith("</p>") and "<figure>" in figures, note
+    assert "No drift heatmap" not in html_report.read_text()  # an L2 pair has its heatmap
+
+
 def test_report_refuses_a_non_html_name(strict_run, tmp_path):
     res = invoke("report", strict_run, strict_run, "-o", tmp_path / "r.png")
     assert res.exit_code == 2 and "ending in .html" in res.output
