@@ -235,10 +235,8 @@ class RowTables:
                                     + ([t_rows[:, 0]] if keep else [])))
         st = host[nrec:5 * nrec].view(np.float64).reshape(nrec, 4)
         kept = host[5 * nrec:] if keep else None
-        # T in [0, p): the same bits as uint64, copied once out of the read-back's (pinned) block,
-        # which goes back to its cache; each record's rows are a view of that copy
-        kept = kept.view(np.uint64).copy() if keep else None
-        rows = [kept[rcum[i]:rcum[i] + rec_np[i]] if k else None for i, k in enumerate(self._keep)]
+        rows = [kept[rcum[i]:rcum[i] + rec_np[i]].astype(np.uint64) if k else None
+                for i, k in enumerate(self._keep)]
         return host[:nrec], rows, st
 
 

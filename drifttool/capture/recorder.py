@@ -98,31 +98,14 @@ def record_parts(site: dict[str, Any], tensor: torch.Tensor, layout: str, level:
     return _parts(site, tensor.detach(), layout, level == "L2")
 
 
-def _joined(values: list[np.ndarray]) -> np.ndarray:
-    """``np.concatenate(values)`` as ``uint64``, without a copy where the arrays lie back to back
-    in one flat buffer, in order (the row digests of one read-back, ``digest_rows.RowTables``: a
-    full-size L2 step's are tens of MB)."""
-    values = [v for v in values if v.shape[0]]  # an empty slice's address is not its place
-    if not values:
-        return np.empty(0, np.uint64)
-    base = values[0].base
-    if (isinstance(base, np.ndarray) and base.ndim == 1 and base.flags.c_contiguous and base.itemsize == 8
-            and all(v.base is base and v.dtype == np.uint64 and v.ndim == 1 and v.flags.c_contiguous
-                    for v in values)):
-        at = [v.__array_interface__["data"][0] for v in values]
-        if all(a + v.nbytes == b for a, v, b in zip(at, values, at[1:])):
-            start = (at[0] - base.__array_interface__["data"][0]) // 8
-            return base[start:start + sum(v.shape[0] for v in values)].view(np.uint64)
-    return np.concatenate(values).astype(np.uint64, copy=False)
-
-
 def digest_columns(done: DigestColumns) -> dict[str, Any]:
     """The digest columns of op records (``dtype``, ``shape``, ``digest``, ``nonfinite``, ``l2``,
     ``maxabs``, ``row_digests``) of digests read back (``materialize_columns``)."""
     rows = done.rows
     lens = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
-    flat = _joined([r for r in rows if r is not None])
+    values = [r for r in rows if r is not None]
+    flat = np.concatenate(values) if values else np.empty(0, np.uint64)
     return {"dtype": done.dtype, "shape": done.shape, "digest": done.digest,
             "nonfinite": done.nonfinite, "l2": done.l2, "maxabs": done.maxabs,
             "row_digests": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat),

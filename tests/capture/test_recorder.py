@@ -12,8 +12,8 @@ import torch
 
 from drifttool.artifact import open_run
 from drifttool.artifact.writer import ArtifactWriter
-from drifttool.capture.digest import DigestColumns, digest, row_digests
-from drifttool.capture.recorder import Recorder, digest_columns, record_parts
+from drifttool.capture.digest import digest, row_digests
+from drifttool.capture.recorder import Recorder, record_parts
 from drifttool.errors import UnsupportedConfigError
 
 
@@ -190,28 +190,3 @@ def test_started_digests_hold_no_tensor_of_the_output(level):
     rec.capture_digested(s, parts)
     rec.flush()
     assert rec.ops_table().column("digest").to_pylist() == want
-
-
-def test_row_digests_of_one_read_back_are_filed_without_a_copy():
-    """``digest_columns`` joins a read-back's row digests (views lying back to back in one buffer,
-    as ``digest_rows.RowTables`` returns them) without copying them, and any other rows by a
-    copy: the same values either way, empty rows and gaps included."""
-    rng = np.random.default_rng()
-    host = rng.integers(0, 2**61 - 1, 5 + 3001, dtype=np.int64)  # a read-back: header words, then T
-    flat = host[5:].view(np.uint64)
-    cuts = np.sort(rng.choice(np.arange(1, 3001), 6, replace=False))
-    views = np.split(flat, cuts)
-    views.insert(2, flat[cuts[1]:cuts[1]])  # an empty record at another address
-    rows = views[:3] + [None] + views[3:]  # a record without rows
-    done = DigestColumns(["bfloat16"] * len(rows), [(1,)] * len(rows), np.zeros(len(rows), np.uint64), rows,
-                         np.zeros(len(rows), np.int64), np.zeros(len(rows)), np.zeros(len(rows)))
-    col = digest_columns(done)["row_digests"]
-    got = col.values.to_numpy()
-    assert got.tobytes() == flat.tobytes() and np.shares_memory(got, host)
-    assert col.null_count == 1 and [len(x) if x is not None else None for x in col.to_pylist()] == \
-        [len(r) if r is not None else None for r in rows]
-    gappy = [flat[:10], flat[11:20]]  # not back to back: copied
-    got = digest_columns(DigestColumns(["bfloat16"] * 2, [(1,)] * 2, np.zeros(2, np.uint64), gappy,
-                                       np.zeros(2, np.int64), np.zeros(2), np.zeros(2)))["row_digests"]
-    assert got.values.to_numpy().tobytes() == np.concatenate(gappy).tobytes()
-    assert not np.shares_memory(got.values.to_numpy(), host)
