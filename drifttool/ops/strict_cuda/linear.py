@@ -44,7 +44,7 @@ from drifttool.ops.registry import implements, spec
 from drifttool.ops.strict_cuda import backward as bwd
 from drifttool.ops.strict_cuda._register import QUALIFIED_GPU, TRITON_READY, strict_cuda
 
-KERNEL = "triton.gemm.k64.seq.bm128bn256w8s3.tma.p1|wide.bm128bn128w8s3.tma|fp32.ieee.bm64bn128w4s1"
+KERNEL = "triton.gemm.k64.seq.bm128bn256w8s3.tma.p1|wide.bm128bn256w8s4.tma|fp32.ieee.bm64bn128w4s1"
 """Kernel identity of the strict CUDA GEMM (``kernels.gemm.KERNEL_ID``; a test keeps them equal)."""
 
 GEMV = "triton.gemv.row.lanes64.seq.pairtree.fp32.bn64w4u4"
