@@ -45,6 +45,19 @@ class _FusedLauncher:
         return run
 
 
+def joint_inputs(shape: str, b: int, count: int, device: str = "cuda") -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``count`` random bf16 tensors [b, S, 24, 128] of the shape's joint sequence (S = 128 text
+    slots + ``SHAPES[shape]`` image tokens; a generator seeded with ``b``) and the key mask [b, S]
+    bool: the text slots valid up to 128 (batch 1) or 128 and 77 (batch 2, CFG-batched)."""
+    s = 128 + SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(b)
+    tensors = tuple(torch.randn(b, s, 24, 128, device=device, generator=g).bfloat16() for _ in range(count))
+    lens = torch.tensor([128, 77][:b], device=device)
+    key_mask = torch.ones(b, s, dtype=torch.bool, device=device)
+    key_mask[:, :128] = torch.arange(128, device=device)[None, :] < lens[:, None]
+    return tensors, key_mask
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1024x1024,1664x928")
@@ -60,14 +73,9 @@ def main() -> int:
 
     print(f"{'shape':>10} {'B':>2} {'config':>14} {'ms':>8} {'/cuDNN':>7} {'/flash':>7} {'TFLOP/s':>8}  same bytes")
     for shape in args.shapes.split(","):
-        n_img = SHAPES[shape]
         for b in map(int, args.batches.split(",")):
-            g = torch.Generator(device="cuda").manual_seed(b)
-            s = 128 + n_img
-            q, k, v = (torch.randn(b, s, 24, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
-            lens = torch.tensor([128, 77][:b], device="cuda")
-            key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
-            key_mask[:, :128] = torch.arange(128, device="cuda")[None, :] < lens[:, None]
+            (q, k, v), key_mask = joint_inputs(shape, b, 3)
+            s = q.shape[1]
             masked = b > 1
             km = key_mask if masked else None
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
