@@ -24,7 +24,7 @@ app = typer.Typer(cls=Group, help="Verify or seal fixtures.", epilog=EXIT_HELP, 
 def verify(
     fixture: Optional[str] = typer.Argument(None, metavar="[NAME|DIR|TAR]", autocompletion=_completion.fixtures, help="Fixture name (tiny-t2i, tiny-t2i-chain, tiny-edit: packaged in the folder `python -c \"from drifttool.fixture import packaged_fixtures; print(packaged_fixtures())\"` prints; copy one to make your own), directory or .tar(.gz) (default tiny-t2i)."),
     workdir: Optional[Path] = typer.Option(
-        None, parser=_paths.path, help="Where to write the replay artifact, as WORKDIR/replay (default: a temp dir, removed when the replay is identical, kept for inspection when it is not). An earlier replay there is replaced only if fixture verify wrote it (WORKDIR/fixture-verify.json says so); anything else in WORKDIR/replay is refused."),
+        None, parser=_paths.path, help="Where to write the replay artifact, as WORKDIR/replay (default: a temp dir, removed when the replay is identical, kept for inspection when it is not). An earlier replay there is replaced only if fixture verify wrote it and it is unchanged (WORKDIR/fixture-verify.json records its files); anything else in WORKDIR/replay, or as WORKDIR/replay*.png, is refused."),
     as_json: bool = _json.option(),
 ) -> None:
     """Check the seal, re-run the fixture and diff against its expected digests.

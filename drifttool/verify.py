@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drifttool.artifact.directory import holds_run
+from drifttool.artifact.directory import foreign_files, holds_run
 from drifttool.artifact.manifest_schema import STRICT_MODES
 from drifttool.artifact.schema import MANIFEST
 from drifttool.artifact.reader import open_run
@@ -333,19 +333,59 @@ def _sha256(p: Path) -> str | None:
 
 
 REPLAY = "replay"
-"""The folder of ``--workdir`` the re-run is written to."""
+"""The folder of ``--workdir`` the re-run is written to (a chain or edit fixture's decoded images
+beside it: ``replay.png``, ``replay-<sample>.png``)."""
 VERIFY_MARK = "fixture-verify.json"
-"""The file ``fixture verify`` writes beside its re-run in ``--workdir`` (the fixture it re-ran
-and its content digest): an earlier re-run there is replaced only where this file says
-``fixture verify`` wrote it (``check_workdir``)."""
+"""The file ``fixture verify`` writes beside its re-run in ``--workdir`` once the re-run is done:
+the fixture it re-ran, its content digest, and the SHA-256 of the re-run's ``manifest.json`` and
+of each decoded image. An earlier re-run there is replaced only while those still match
+(``check_workdir``): a run or image the user put there since is refused."""
+
+
+def _replay_images(workdir: Path) -> list[Path]:
+    """What in ``workdir`` a re-run's decoded images would be (``replay.png``, ``replay-N.png``),
+    whatever they are now (a file, a folder, a link)."""
+    return sorted(p for p in workdir.glob(f"{REPLAY}*.png") if p.name == f"{REPLAY}.png"
+                  or p.name[len(REPLAY):-4].startswith("-") and p.name[len(REPLAY) + 1:-4].isdigit())
+
+
+def _mark_of(workdir: Path) -> dict | None:
+    """``workdir``'s ``VERIFY_MARK`` as written by ``_write_mark``; None when there is none.
+
+    Raises:
+        ArtifactError: a ``VERIFY_MARK`` that ``fixture verify`` did not write (not its JSON).
+    """
+    mark = workdir / VERIFY_MARK
+    if not mark.exists() and not mark.is_symlink():
+        return None
+    try:
+        if mark.is_symlink() or not mark.is_file():
+            raise ValueError
+        body = json.loads(mark.read_text())
+        if not (isinstance(body, dict) and isinstance(body.get("manifest_sha256"), str)
+                and isinstance(body.get("images"), dict)):
+            raise ValueError
+        return body
+    except (ValueError, OSError, UnicodeDecodeError):
+        raise ArtifactError(f"--workdir {workdir}: {mark} is not what `drifttool fixture verify` writes there; "
+                            "give another --workdir, or move it away first") from None
+
+
+def _write_mark(workdir: Path, fixture: str, digest: str, images: list[Path]) -> None:
+    """Record the re-run just written in ``workdir`` (``VERIFY_MARK``)."""
+    body = {"fixture": fixture, "content_digest": digest,
+            "manifest_sha256": _sha256(workdir / REPLAY / MANIFEST),
+            "images": {p.name: _sha256(p) for p in images if p.parent == workdir}}
+    (workdir / VERIFY_MARK).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 
 def check_workdir(workdir: Path) -> None:
     """Refuse, before any work, a ``--workdir`` the re-run cannot be written to: a file, a
     drifttool artifact itself (a run directory holds its own files only), a folder inside a
-    sealed fixture (the re-run's files would break its seal), or a folder whose ``replay`` holds
-    what no earlier ``fixture verify`` wrote (no ``VERIFY_MARK`` beside it: a run or files of
-    the user's, which the re-run would replace).
+    sealed fixture (the re-run's files would break its seal), or one where the re-run would
+    replace what no earlier ``fixture verify`` wrote: ``replay`` as a link or a file, a
+    ``replay`` folder or a ``replay*.png`` image other than those ``VERIFY_MARK`` records (a
+    run or files of the user's), or a ``VERIFY_MARK`` of the user's.
 
     Raises:
         ArtifactError: naming ``--workdir``, what is in the way and what to do.
@@ -360,12 +400,26 @@ def check_workdir(workdir: Path) -> None:
     if sealed is not None:
         raise ArtifactError(f"--workdir {workdir}: inside the sealed fixture {sealed}, whose seal the "
                             "re-run's files would break; give a path outside it")
+    if not workdir.is_dir():
+        return
+    mark = _mark_of(workdir)
     replay = workdir / REPLAY
-    if replay.is_dir() and any(replay.iterdir()) and not (workdir / VERIFY_MARK).is_file():
-        what = "a drifttool run" if holds_run(replay) else "files"
-        raise ArtifactError(f"--workdir {workdir}: {replay}, where the re-run goes, holds {what} "
-                            "that `drifttool fixture verify` did not write; give another "
-                            f"--workdir, or move {replay} away first")
+    theirs = "that `drifttool fixture verify` did not write; give another --workdir, or move it away first"
+    if replay.is_symlink() or (replay.exists() and not replay.is_dir()):
+        raise ArtifactError(f"--workdir {workdir}: {replay}, where the re-run goes, is a "
+                            f"{'link' if replay.is_symlink() else 'file'} {theirs}")
+    if replay.is_dir() and any(replay.iterdir()):
+        if mark is None or _sha256(replay / MANIFEST) != mark["manifest_sha256"]:
+            what = "a drifttool run" if holds_run(replay) else "files"
+            raise ArtifactError(f"--workdir {workdir}: {replay}, where the re-run goes, holds {what} {theirs}")
+        if foreign_files(replay):
+            raise ArtifactError(f"--workdir {workdir}: {replay}, where the re-run goes, also holds "
+                                f"{', '.join(foreign_files(replay)[:5])} {theirs}")
+    for image in _replay_images(workdir):
+        if image.is_symlink() or mark is None or mark["images"].get(image.name) != _sha256(image):
+            what = "link" if image.is_symlink() else "folder" if image.is_dir() else "file"
+            raise ArtifactError(f"--workdir {workdir}: {image}, where a re-run's decoded image goes, "
+                                f"is a {what} {theirs}")
 
 
 def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path | None = None) -> VerifyResult:
@@ -409,10 +463,9 @@ def verify_fixture(name_or_path: str | Path | None = None, workdir: str | Path |
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="drifttool-verify-"))
         try:
             run_dir = work / REPLAY
-            if workdir:  # what lets the next verify replace this re-run (check_workdir)
-                mark = {"fixture": fx.name, "content_digest": digest}
-                (work / VERIFY_MARK).write_text(json.dumps(mark, indent=2) + "\n")
             got = rerun(fx, run_dir, overwrite=True)
+            if workdir:  # what lets the next verify replace this re-run (check_workdir)
+                _write_mark(work, fx.name, digest, got)
             replay = open_run(run_dir)
             report = diff_runs(expected, replay)
             note = environment_note(expected.manifest, replay.manifest)

@@ -54,6 +54,12 @@ def _writes(p: Path) -> bool:
                             or S.RANK_FILE.fullmatch(name) is not None)
 
 
+def foreign_files(path: Path) -> list[str]:
+    """The names in the directory ``path`` that no artifact writer gives (a user's files, folders
+    or links), sorted."""
+    return sorted(p.name for p in path.iterdir() if not _writes(p))
+
+
 def holds_run(path: Path) -> bool:
     """Whether the directory ``path`` holds a drifttool artifact: a ``manifest.json`` with a
     schema version and a file list (complete or not). An unreadable manifest is no run."""
@@ -120,16 +126,13 @@ def remove_artifact(path: Path) -> None:
 
     Raises:
         ArtifactError: no drifttool manifest there, or files that no artifact writes (user
-            files are never deleted), or ``path`` inside a sealed fixture (its expected run).
+            files are never deleted). A run inside a sealed fixture (its expected run) is refused
+            before this, by ``claim``.
     """
     if not holds_run(path):
         raise ArtifactError(f"{path} is not empty and holds no drifttool run; refusing to "
                             "overwrite")
-    sealed = sealed_above(path)
-    if sealed is not None:  # its expected run: replacing it would break the seal
-        raise ArtifactError(f"{path} is part of the sealed fixture {sealed}; refusing to overwrite "
-                            "it (rebuild a fixture with its build script, which reseals it)")
-    foreign = sorted(p.name for p in path.iterdir() if not _writes(p))
+    foreign = foreign_files(path)
     if foreign:
         raise ArtifactError(f"{path}: refusing to overwrite: it also holds {', '.join(foreign[:5])}"
                             " (not written by drifttool)")
@@ -148,14 +151,21 @@ def claim(path: Path, overwrite: bool) -> int | None:
     ``release`` when the writer is done (None without ``fcntl``).
 
     Raises:
-        ArtifactError: ``path`` or a parent is a file; another process holds the lock; ``path``
-            is not empty and not ``overwrite``, or holds what ``remove_artifact`` refuses.
+        ArtifactError: ``path`` or a parent is a file; ``path`` is inside a sealed fixture
+            (``sealed_above``: a file written there breaks its seal); another process holds the
+            lock; ``path`` is not empty and not ``overwrite``, or holds what ``remove_artifact``
+            refuses.
         OSError: the directory cannot be created or read (the lock is released first).
     """
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():  # the path itself or a parent
         raise ArtifactError(f"{existing} exists and is not a directory"
                             + ("" if existing == path else f" (creating {path})"))
+    sealed = sealed_above(path)
+    if sealed is not None:  # a run there breaks the seal; a fixture's own run is rebuilt elsewhere
+        raise ArtifactError(f"{path}: inside the sealed fixture {sealed}, whose seal a run there "
+                            f"would break; give a path outside it (`drifttool fixture seal {sealed} "
+                            "--rebuild` re-makes its expected run)")
     path.mkdir(parents=True, exist_ok=True)
     lock = _lock(path)  # before the emptiness check: the check and the writes are one writer's
     if lock is not None:

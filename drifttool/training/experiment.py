@@ -58,7 +58,7 @@ from drifttool.diff.clip import check_clip_range, clip_summary
 from drifttool.diff.compare import diff_runs
 from drifttool.collectives import barrier
 from drifttool.errors import ArtifactError, DriftToolError, FixtureError
-from drifttool.fixture import DEFAULT_FIXTURE, load_fixture
+from drifttool.fixture import DEFAULT_FIXTURE, load_fixture, sealed_above
 from drifttool.model.checkpoint import load_checkpoint
 from drifttool.model.lora import add_lora, lora_parameters
 from drifttool.model.lora_formats import read_adapter
@@ -158,7 +158,8 @@ def check_out_dir(out: str | Path, overwrite: bool, kind: str) -> Path:
     """Refuse an ``out`` that is (or lies under) a file, that is not empty and holds no earlier
     experiment (``EXPERIMENT_MARKS``: a drifttool run, a user's folder), or that holds an earlier
     experiment of this ``kind`` (a key of ``EXPERIMENTS``) without ``overwrite``; another
-    experiment's output may stay beside this one's (read only: every rank checks alike).
+    experiment's output may stay beside this one's (read only: every rank checks alike); an
+    ``out`` inside a sealed fixture (``sealed_above``).
 
     Raises:
         ArtifactError: naming the path.
@@ -169,6 +170,10 @@ def check_out_dir(out: str | Path, overwrite: bool, kind: str) -> Path:
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ArtifactError(f"-o {out}: {above} is not a directory")
+    sealed = sealed_above(out)
+    if sealed is not None:
+        raise ArtifactError(f"-o {out}: inside the sealed fixture {sealed}, whose seal the experiment's "
+                            "files would break; give a path outside it")
     if out.exists() and any(out.iterdir()):
         if not any((out / m).is_file() for m in EXPERIMENT_MARKS.values()):
             what = "a drifttool run (manifest.json)" if (out / "manifest.json").exists() else "no earlier experiment"

@@ -282,9 +282,13 @@ def test_overwrite_leaves_a_sealed_fixtures_expected_run_alone(tmp_path):
     expected = write_run(tmp_path / "fx" / "expected")
     before = {p.name: p.read_bytes() for p in expected.iterdir()}
     (tmp_path / "fx" / "seal.json").write_text("{}")
-    with pytest.raises(ArtifactError, match=r"expected is part of the sealed fixture .*fx; refusing to overwrite"):
+    with pytest.raises(ArtifactError, match=r"expected: inside the sealed fixture .*fx, whose seal a run there"):
         ArtifactWriter(expected, {"fingerprint": {}}, overwrite=True)
     assert {p.name: p.read_bytes() for p in expected.iterdir()} == before
+    for new in (tmp_path / "fx" / "runs" / "a", tmp_path / "fx"):  # a new run inside it, or the fixture itself
+        with pytest.raises(ArtifactError, match=r"inside the sealed fixture .*fx.*--rebuild"):
+            ArtifactWriter(new, {"fingerprint": {}})
+    assert sorted(p.name for p in (tmp_path / "fx").iterdir()) == ["expected", "seal.json"]
     (tmp_path / "fx" / "seal.json").unlink()  # not sealed: an ordinary run, replaced
     ArtifactWriter(expected, {"fingerprint": {}}, overwrite=True).close(complete=True)
     assert open_run(expected).ops_table().num_rows == 0
@@ -293,7 +297,7 @@ def test_overwrite_leaves_a_sealed_fixtures_expected_run_alone(tmp_path):
 def test_one_lookup_finds_the_sealed_fixture_above_a_path(tmp_path, monkeypatch):
     """``sealed_above``: the fixture folder itself, a path not made yet inside it and one reached
     through a link into it are inside; ``..`` out of it is not. A run's overwrite
-    (``remove_artifact``) and the CLI's output paths (``cli._paths``) both ask it."""
+    (``claim``) and the CLI's output paths (``cli._paths``) both ask it."""
     from drifttool.artifact import directory
     from drifttool.cli import _paths
     from drifttool import fixture
@@ -309,11 +313,11 @@ def test_one_lookup_finds_the_sealed_fixture_above_a_path(tmp_path, monkeypatch)
     assert fixture.sealed_above(tmp_path) is None
 
     asked = []
+    run = write_run(tmp_path / "run")
     monkeypatch.setattr(directory, "sealed_above", lambda p: asked.append(p) or tmp_path / "fake")
     monkeypatch.setattr(fixture, "sealed_above", lambda p: asked.append(p) or tmp_path / "fake")
-    run = write_run(tmp_path / "run")
-    with pytest.raises(ArtifactError, match="part of the sealed fixture .*fake"):
-        directory.remove_artifact(run)
+    with pytest.raises(ArtifactError, match="inside the sealed fixture .*fake"):
+        directory.claim(run, overwrite=True)
     with pytest.raises(DriftToolError, match="inside the sealed fixture .*fake"):
         _paths.output_dir(tmp_path / "out", "-o")
     assert asked == [run, tmp_path / "out"]

@@ -459,6 +459,62 @@ def test_fixture_verify_replaces_only_its_own_replay_in_workdir(cli, tmp_path, m
         assert code == 0 and f"replay in {own / 'replay'}" in out, out
 
 
+def _user_replay_run(work):
+    shutil.rmtree(work / "replay")
+    execute(RunSpec(capture="L0"), work / "replay")  # a run of the user's, where verify's was
+
+
+def _user_file_in_replay(work):
+    (work / "replay" / "notes.txt").write_text("mine")
+
+
+def _link_as_replay(work):
+    execute(RunSpec(capture="L0"), work.parent / "elsewhere")
+    shutil.rmtree(work / "replay")
+    (work / "replay").symlink_to(work.parent / "elsewhere")
+
+
+def _file_as_replay(work):
+    shutil.rmtree(work / "replay")
+    (work / "replay").write_text("mine")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (_user_replay_run, "holds a drifttool run that"),
+    (_user_file_in_replay, "also holds notes.txt that"),
+    (_link_as_replay, "is a link that"),
+    (_file_as_replay, "is a file that"),
+    (lambda w: (w / "replay.png").write_bytes(b"\x89PNG mine"), "replay.png, where a re-run's decoded image goes, is a file"),
+    (lambda w: (w / "fixture-verify.json").write_text("my notes"), "fixture-verify.json is not what"),
+], ids=["run", "file-inside", "link", "file", "image", "mark"])
+def test_fixture_verify_replaces_its_own_replay_only_while_it_is_unchanged(cli, tmp_path, damage, needle):
+    """``--workdir`` records what its re-run wrote (``fixture-verify.json``): a run, file, link or
+    image the user put there since is refused in one line, before any work, and stays as it was,
+    the record too (a refused verify marks nothing)."""
+    work = tmp_path / "w"
+    assert cli("fixture", "verify", "--workdir", work)[0] == 0
+    damage(work)
+    before = {p: (p.is_symlink(), p.read_bytes() if p.is_file() else None) for p in sorted(work.rglob("*"))}
+    code, out = cli("fixture", "verify", "--workdir", work)
+    _assert_clean_error(code, out, f"--workdir {work}: ", needle)
+    assert len(out.strip().splitlines()) == 1, out
+    assert {p: (p.is_symlink(), p.read_bytes() if p.is_file() else None) for p in sorted(work.rglob("*"))} == before
+
+
+@pytest.mark.parametrize("args", [("run", "-o", "{fx}/runs/a"), ("run", "-o", "{fx}"),
+                                  ("experiment", "train-rollout", "-o", "{fx}/x")], ids=["run", "run-fixture", "experiment"])
+def test_nothing_is_written_inside_a_sealed_fixture(cli, tmp_path, args):
+    """A run or an experiment's folder inside a sealed fixture would break its seal (the next
+    ``fixture verify`` of it failed): refused in one line, nothing written."""
+    fx = tmp_path / "my-fixture"
+    shutil.copytree(locate("tiny-t2i"), fx)
+    before = sorted(p.relative_to(fx) for p in fx.rglob("*"))
+    code, out = cli(*[a.format(fx=fx) for a in args])
+    _assert_clean_error(code, out, f"inside the sealed fixture {fx.resolve()}")
+    assert len(out.strip().splitlines()) == 1, out
+    assert sorted(p.relative_to(fx) for p in fx.rglob("*")) == before
+
+
 def test_fixture_verify_refuses_a_workdir_inside_a_sealed_fixture(cli, tmp_path):
     """The re-run's files there would break the seal (the next verify of that fixture failed on
     them): refused in one line, nothing written, the fixture's own folder too."""
