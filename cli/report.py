@@ -69,5 +69,5 @@ def report(
     if diff.tolerance is not None:  # the line that decides the exit beside a drift or an identical pair
         console.print(f"{diff.tolerance.verdict.upper()}  {diff.tolerance.words()}", highlight=False,
                       markup=False, soft_wrap=True)
-    console.print(f"wrote {out}", highlight=False)
+    console.print(f"wrote {out}" + ("" if junit is None else f" and {junit}"), highlight=False)
     raise typer.Exit(diff.exit_code)

@@ -81,7 +81,7 @@ def run(
     capture: Optional[str] = typer.Option(None, autocompletion=_completion.levels,
                                            help="L0 | L1 | L2 (default: the fixture's)."),
     internals: Optional[bool] = typer.Option(None, "--internals/--no-internals", show_default=False, help="At L2, also capture the fused attention's internals (its scores and probabilities; the default); --no-internals leaves them out and keeps the attention fused (diff --localize captures them for the drifting step); production modes have none."),
-    seed: Optional[int] = typer.Option(None, help="Noise seed."),
+    seed: Optional[int] = typer.Option(None, help="Noise seed, an integer in [-2^63, 2^64): negative ones too, as a torch generator takes them (default: the fixture's)."),
     dtype: Optional[str] = typer.Option(None, autocompletion=_completion.dtypes, help="float32 | bfloat16 (default: the fixture's)."),
     cfg_layout: Optional[str] = typer.Option(None, autocompletion=_completion.cfg_layouts, help="batched | sequential CFG execution."),
     lora: Optional[Path] = typer.Option(None, parser=_paths.adapter,

@@ -191,6 +191,14 @@ def test_a_report_of_l0_runs_says_why_it_has_no_heatmap(html_report, tmp_path):
     assert "No drift heatmap" not in html_report.read_text()  # an L2 pair has its heatmap
 
 
+def test_report_names_every_file_it_wrote(strict_run, tmp_path):
+    """With ``--junit`` the JUnit file is named beside the page (it went unmentioned)."""
+    page, junit = tmp_path / "r.html", tmp_path / "j.xml"
+    res = invoke("report", strict_run, strict_run, "-o", page, "--junit", junit)
+    assert res.exit_code == 0 and f"wrote {page} and {junit}" in " ".join(res.output.split()), res.output
+    assert page.is_file() and junit.is_file()
+
+
 def test_report_refuses_a_non_html_name(strict_run, tmp_path):
     res = invoke("report", strict_run, strict_run, "-o", tmp_path / "r.png")
     assert res.exit_code == 2 and "ending in .html" in res.output
