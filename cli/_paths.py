@@ -14,12 +14,16 @@
 - A path under a regular file, or an output file that is an existing folder, is refused in one
   line before any work (``output_file``), as ``run -o`` refuses a directory under a file.
 - An output file (``report -o``, ``overlay -o``, every ``--junit``) replaces only an earlier
-  file of its kind (``KINDS``: a drifttool report, a figure of the format its name gives, a
-  JUnit XML report) or an empty file; any other existing file is refused, as a run directory is
-  refused a user's folder. So is a path inside a sealed fixture (a file there would break its
-  seal, as ``run -o`` refuses its ``expected/``; an output folder too, the fixture's own
-  included), a place the user cannot write (a read-only folder or file) and a dangling link,
-  all before any work: a command writing two files never leaves one written and one refused.
+  file of its kind that drifttool wrote (``KINDS``: a drifttool report; a drifttool figure of
+  the format its name gives, which carries drifttool's mark in its metadata,
+  ``drifttool.probes.plots.FIGURE_CREATOR``; a JUnit XML report whose root is drifttool's
+  ``<testsuites name="drifttool">``) or an empty file; any other existing file is refused, a
+  user's photo or paper of the same format or another tool's JUnit XML (pytest's) included, as
+  a run directory is refused a user's folder. So is a path inside a sealed fixture (a file
+  there would break its seal, as ``run -o`` refuses its ``expected/``; an output folder too,
+  the fixture's own included), a place the user cannot write (a read-only folder or file) and a
+  dangling link, all before any work: a command writing two files never leaves one written and
+  one refused.
   A device or descriptor (``/dev/stdout``, ``/dev/null``) is written as ever.
 
 Input paths (a run directory, a fixture directory, ``--checkpoint``) refuse an empty path too
@@ -31,6 +35,7 @@ adapter reader refuses it with (``drifttool.model.lora_paths``), before any mode
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import typer
@@ -79,17 +84,29 @@ def _body(head: bytes) -> bytes:
 _PROLOG = ((b"<?xml", b"?>"), (b"<!--", b"-->"), (b"<!DOCTYPE", b">"))
 """What may come before an XML document's root element: (start, end) of each item."""
 
+_START_TAG = re.compile(rb"""<([^\s/>!?"'=<]+)((?:\s+[^\s/>"'=<]+\s*=\s*(?:"[^"]*"|'[^']*'))*)\s*/?>""")
+_ATTRIBUTE = re.compile(rb"""([^\s/>"'=<]+)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
-def _root_is(*names: bytes):
-    """A test of a file's first bytes: an XML document whose root element is one of ``names``
-    (after a byte-order mark, white space and the prolog: declaration, comments, document type)."""
-    def test(head: bytes) -> bool:
-        head = _body(head)
-        while item := next(((start, end) for start, end in _PROLOG if head.startswith(start)), None):
-            head = _body(head.partition(item[1])[2])
-        return any(head.startswith(b"<" + n) and head[len(n) + 1:len(n) + 2] in (b" ", b">", b"\n", b"\t", b"\r")
-                   for n in names)
-    return test
+
+def _root(head: bytes) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
+    """An XML document's root start tag, from a file's first bytes: (the element's name, its
+    attributes as written, the bytes after the tag); after a byte-order mark, white space and the
+    prolog (declaration, comments, document type). None when no start tag comes there."""
+    head = _body(head)
+    while item := next(((start, end) for start, end in _PROLOG if head.startswith(start)), None):
+        head = _body(head.partition(item[1])[2])
+    tag = _START_TAG.match(head)
+    if tag is None:
+        return None
+    attributes = {m[1]: m[2] if m[2] is not None else m[3] for m in _ATTRIBUTE.finditer(tag[2])}
+    return tag[1], attributes, head[tag.end():]
+
+
+def _junit(head: bytes) -> bool:
+    """Whether a file's first bytes are those of drifttool's JUnit XML (``drifttool.reports.junit``:
+    the root ``<testsuites name="drifttool" ...>``); pytest's and other tools' are not."""
+    root = _root(head)
+    return root is not None and root[0] == b"testsuites" and root[1].get(b"name") == b"drifttool"
 
 
 def _report(head: bytes) -> bool:
@@ -98,16 +115,67 @@ def _report(head: bytes) -> bool:
     return head[:15].lower() == b"<!doctype html>" and b"<title>drifttool report" in head[:512]
 
 
+def _creator() -> bytes:
+    from drifttool.probes.plots import FIGURE_CREATOR  # lazy: only `overlay -o` asks, and has it loaded
+
+    return FIGURE_CREATOR.encode()
+
+
+def _png(data: bytes) -> bool:
+    """A PNG whose ``tEXt`` chunk ``Software`` (before the image data) is ``FIGURE_CREATOR``: the
+    chunks walked by their lengths, so bytes inside the image data never count."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return False
+    mark, at = b"Software\x00" + _creator(), 8
+    while at + 8 <= len(data):
+        size, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        if kind in (b"IDAT", b"IEND"):
+            return False
+        if kind == b"tEXt" and data[at + 8:at + 8 + size] == mark:
+            return True
+        at += 12 + size
+    return False
+
+
+def _pdf(data: bytes) -> bool:
+    """A PDF whose Info dictionary (written at the end, as matplotlib does) has
+    ``/Creator (FIGURE_CREATOR)``."""
+    return data.startswith(b"%PDF-") and b"/Creator (" + _creator() + b")" in data[-65536:]
+
+
+_SVG_CREATOR = rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>%s</dc:title>"
+
+
+def _svg(data: bytes) -> bool:
+    """An SVG whose root's first child is matplotlib's ``<metadata>``, naming ``FIGURE_CREATOR`` as
+    its ``dc:creator``."""
+    root = _root(data)
+    after = _body(root[2]) if root is not None and root[0] == b"svg" else b""
+    if not after.startswith(b"<metadata>"):
+        return False
+    metadata = after.partition(b"</metadata>")[0]
+    return re.search(_SVG_CREATOR % re.escape(_creator()), metadata) is not None
+
+
+HEAD = 4096
+"""How much of an existing report or JUnit file ``output_file`` reads: its first 4 KiB."""
+
+FIGURE_CAP = 64 << 20
+"""How much of an existing figure ``output_file`` reads: all of it (a PDF's mark is at its end),
+up to 64 MiB; a larger file is no figure of drifttool's."""
+
 KINDS = {
-    "report": ("an earlier drifttool report", _report),
-    "junit": ("an earlier JUnit XML report", _root_is(b"testsuites", b"testsuite")),
-    ".png": ("a PNG image", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n")),
-    ".pdf": ("a PDF document", lambda head: head.startswith(b"%PDF-")),
-    ".svg": ("an SVG image", _root_is(b"svg")),
+    "report": ("an earlier drifttool report", _report, HEAD),
+    "junit": ("an earlier drifttool JUnit report", _junit, HEAD),
+    ".png": ("an earlier drifttool figure (.png)", _png, FIGURE_CAP),
+    ".pdf": ("an earlier drifttool figure (.pdf)", _pdf, FIGURE_CAP),
+    ".svg": ("an earlier drifttool figure (.svg)", _svg, FIGURE_CAP),
 }
 """What an existing output file must be for ``output_file`` to replace it: kind → (its words,
-a test of the file's first 4 KiB). ``figure``: the kind of the name's suffix. An empty file is
-replaced whatever its kind (a CI script's ``mktemp``)."""
+a test of the file's bytes, how many bytes the test reads). ``figure``: the kind of the name's
+suffix; a figure carries drifttool's mark (``drifttool.probes.plots.FIGURE_CREATOR``), so a
+user's image of the same format is refused; a file larger than the bytes read is not a figure.
+An empty file is replaced whatever its kind (a CI script's ``mktemp``)."""
 
 
 def _placed(out: Path, option: str) -> None:
@@ -150,13 +218,13 @@ def output_file(out: Path, option: str, kind: str | None = None) -> Path:
         return out
     _placed(out, option)
     if kind is not None and out.is_file() and out.stat().st_size:
-        words, test = KINDS[out.suffix.lower() if kind == "figure" else kind]
+        words, test, reads = KINDS[out.suffix.lower() if kind == "figure" else kind]
         try:
             with open(out, "rb") as f:
-                head = f.read(4096)
+                head = f.read(reads + 1)  # a figure's one byte more: larger than any of ours
         except OSError as e:
             raise DriftToolError(f"{option} {out}: exists and cannot be read ({e.strerror})") from None
-        if not test(head):
+        if (kind == "figure" and len(head) > reads) or not test(head):
             raise DriftToolError(f"{option} {out}: exists and is not {words}, which alone this replaces; "
                                  "give another file name, or remove it first")
     return out

@@ -37,6 +37,15 @@ from drifttool.errors import writing
 
 SAMPLER_OPS = ("flow_sigma_table", "cfg_combine_renorm", "flow_sde_step_logp")
 
+FIGURE_CREATOR = "drifttool figure"
+"""The mark every figure drifttool writes carries (``_saved``), in the metadata of its format
+(``FIGURE_KEYS``): ``drifttool overlay -o`` replaces only a file carrying it
+(``drifttool.cli._paths``), never a user's image of the same format."""
+
+FIGURE_KEYS = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
+"""The metadata key ``FIGURE_CREATOR`` is written under, by format: a PNG ``tEXt`` chunk before the
+image data, the PDF's Info dictionary (at its end), the SVG's ``<metadata>`` (``dc:creator``)."""
+
 
 @dataclass(kw_only=True)
 class DriftGrid:
@@ -106,12 +115,14 @@ def heatmap(grid: DriftGrid, path: str | Path, *, title: str = "") -> Path:
 
 
 def _saved(fig, path: str | Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` (its folder made), then close it."""
+    """Write ``fig`` at ``path`` in the format its suffix names (its folder made), marked as
+    drifttool's (``FIGURE_CREATOR``) where the format is PNG, PDF or SVG, then close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    key = FIGURE_KEYS.get(path.suffix.lower())
     try:
         with writing(path):
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, metadata={key: FIGURE_CREATOR} if key else None)
     finally:
         _pyplot().close(fig)
     return path

@@ -1,12 +1,15 @@
 """An output file named on the command line (``report -o``, ``overlay -o``, every ``--junit``)
-replaces only an earlier file of its kind: a user's file there is refused in one line, exit 2,
-before any work, and stays as it was; so is a path inside a sealed fixture (its seal would
+replaces only an earlier file of its kind that drifttool wrote: a user's file there is refused in
+one line, exit 2, before any work, and stays as it was (a photo, a paper or a run's decoded image
+where a figure goes, pytest's JUnit XML where drifttool's goes); so is a path inside a sealed fixture (its seal would
 break; output folders too: ``--localize-dir``, ``probe -o``) and a place that cannot be written,
 so that a command writing two files never leaves one written and the other refused."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import zlib
 
 import pytest
 
@@ -43,6 +46,111 @@ def test_a_users_file_is_refused_and_an_earlier_output_replaced(runs, tmp_path, 
     first = out.read_bytes()
     res = invoke(*OUTPUTS[what](a, b, out))  # an earlier output of its kind: replaced
     assert res.exit_code == 0 and out.read_bytes()[:4] == first[:4], res.output
+
+
+def _matplotlib(path) -> None:
+    """A figure as matplotlib saves it by default (no drifttool mark), in the suffix's format."""
+    from drifttool.probes.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [1, 0])
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _pillow(path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(path, format="PNG")
+
+
+def _decoded(path) -> None:
+    """The image a prompt run decoded (the chain fixture's expected run, written by
+    ``drifttool.chain.write_png``)."""
+    from drifttool.fixture import locate
+
+    shutil.copyfile(locate("tiny-t2i-chain") / "expected.png", path)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+
+MARK = b"drifttool figure"
+NOT_OURS = {  # a figure's name → how a file drifttool did not write comes there
+    "matplotlib.png": _matplotlib, "matplotlib.pdf": _matplotlib, "matplotlib.svg": _matplotlib,
+    "pillow.png": _pillow, "decoded.png": _decoded,
+    # the mark's bytes inside the image data, not in a text chunk before it
+    "raw.png": lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", bytes(13))
+                                       + _chunk(b"IDAT", b"tEXtSoftware\x00" + MARK) + _chunk(b"IEND", b"")),
+    # the mark in the first page's stream, not in the Info dictionary at the end
+    "raw.pdf": lambda p: p.write_bytes(b"%PDF-1.4\n1 0 obj << /Creator (" + MARK + b") >> stream\n"
+                                       + b"0" * 70_000 + b"\nendstream endobj\n<< /Creator (LaTeX) >>\n%%EOF\n"),
+    # the mark in a text element, not in the metadata
+    "raw.svg": lambda p: p.write_bytes(b'<svg xmlns="http://www.w3.org/2000/svg"><text>' + MARK
+                                       + b"</text></svg>\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_OURS))
+def test_overlay_refuses_a_figure_drifttool_did_not_write(strict_run, tmp_path, name):
+    """A PNG, PDF or SVG that lacks drifttool's mark (``probes.plots.FIGURE_CREATOR``, where its
+    format keeps it) is a user's: refused in one line, left as it was."""
+    out = tmp_path / name
+    NOT_OURS[name](out)
+    before = out.read_bytes()
+    res = invoke("overlay", strict_run, strict_run, "-o", out)
+    _one_error(res, f"-o {out}: exists and is not an earlier drifttool figure ({out.suffix})")
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("suffix", [".png", ".pdf", ".svg"])
+def test_overlay_replaces_its_own_earlier_figure(strict_run, tmp_path, suffix):
+    from drifttool.probes.plots import FIGURE_CREATOR
+
+    out = tmp_path / f"fig{suffix}"
+    res = invoke("overlay", strict_run, strict_run, "-o", out, "--title", "first")
+    assert res.exit_code == 0, res.output
+    first = out.read_bytes()
+    assert FIGURE_CREATOR.encode() in first
+    res = invoke("overlay", strict_run, strict_run, "-o", out, "--title", "second")
+    assert res.exit_code == 0 and out.read_bytes() != first, res.output
+
+
+OTHER_JUNIT = {  # another tool's JUnit XML: pytest's, an older pytest's bare suite, a CI merge
+    "pytest": '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
+              'failures="0" skipped="0" tests="1" time="0.5" hostname="ci"><testcase classname="t" '
+              'name="test_x" time="0.001"/></testsuite></testsuites>',
+    "bare-suite": '<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="pytest" tests="1">\n'
+                  '  <testcase classname="t" name="test_x"/>\n</testsuite>\n',
+    "named-otherwise": "<testsuites name='merged' title='drifttool'>\n  <testsuite "
+                       "name=\"drifttool diff a b\" tests=\"0\"/>\n</testsuites>\n",
+}
+
+
+@pytest.mark.parametrize("command", ["diff", "report"])
+@pytest.mark.parametrize("kind", list(OTHER_JUNIT))
+def test_junit_refuses_another_tools_junit_xml(strict_run, tmp_path, command, kind):
+    out = tmp_path / "junit.xml"
+    out.write_text(OTHER_JUNIT[kind])
+    args = ("-o", tmp_path / "r.html") if command == "report" else ()
+    res = invoke(command, strict_run, strict_run, *args, "--junit", out)
+    _one_error(res, f"--junit {out}: exists and is not an earlier drifttool JUnit report")
+    assert out.read_text() == OTHER_JUNIT[kind] and not (tmp_path / "r.html").exists()
+
+
+def test_junit_replaces_drifttools_own_junit_whichever_command_wrote_it(strict_run, tmp_path):
+    """Its root ``<testsuites name="drifttool">``, attributes in any order and either quotes."""
+    out = tmp_path / "junit.xml"
+    res = invoke("report", strict_run, strict_run, "-o", tmp_path / "r.html", "--junit", out)
+    assert res.exit_code == 0 and '<testsuites name="drifttool"' in out.read_text(), res.output
+    assert invoke("diff", strict_run, strict_run, "--junit", out).exit_code == 0
+    assert "drifttool diff" in out.read_text() and "r.html" not in out.read_text()
+    out.write_text("<?xml version='1.0' encoding='utf-8'?>\n<!-- CI -->\n"
+                   "<testsuites tests='0' name = 'drifttool'/>\n")
+    assert invoke("diff", strict_run, strict_run, "--junit", out).exit_code == 0
+    assert "drifttool diff" in out.read_text()
 
 
 FOLDERS = {  # what writes into a folder: (its arguments, given the runs and the folder)
