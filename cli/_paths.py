@@ -105,8 +105,10 @@ def _root(head: bytes) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
 def _junit(head: bytes) -> bool:
     """Whether a file's first bytes are those of drifttool's JUnit XML (``drifttool.reports.junit``:
     the root ``<testsuites name="drifttool" ...>``); pytest's and other tools' are not."""
+    from drifttool.reports.junit import ROOT_NAME  # lazy: only --junit asks
+
     root = _root(head)
-    return root is not None and root[0] == b"testsuites" and root[1].get(b"name") == b"drifttool"
+    return root is not None and root[0] == b"testsuites" and root[1].get(b"name") == ROOT_NAME.encode()
 
 
 def _report(head: bytes) -> bool:

@@ -137,10 +137,15 @@ def probe_suite(matrix: Any, name: str = "drifttool probe") -> Suite:
     return suite
 
 
+ROOT_NAME = "drifttool"
+"""The root ``<testsuites name=...>`` of every JUnit file drifttool writes: what lets a later
+``--junit`` replace it (and no other tool's)."""
+
+
 def to_xml(suites: Iterable[Suite]) -> ET.Element:
     """``<testsuites>`` holding every suite (module docstring)."""
     suites = list(suites)
-    root = ET.Element("testsuites", name="drifttool")
+    root = ET.Element("testsuites", name=ROOT_NAME)
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     seconds = 0.0
     for suite in suites:
